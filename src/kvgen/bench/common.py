@@ -1,0 +1,143 @@
+"""Pieces every benchmark shares: environment facts, threads, seeded workloads,
+wall-clock timing, memory figures and progress lines on stderr.
+
+Timings never go in tests; these helpers only make them reproducible and
+comparable (same machine, same run, same thread count, same prompt ids).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def available_cpus() -> int:
+    """CPU cores this process may run on (affinity mask when the OS has one, else ``os.cpu_count``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def set_threads(num_threads: int | None = None) -> int:
+    """Set torch's intra-op threads to ``num_threads`` (default: every available core); return it.
+
+    Raises ``ValueError`` for ``num_threads < 1``.
+    """
+    n = available_cpus() if num_threads is None else num_threads
+    if n < 1:
+        raise ValueError(f"num_threads must be >= 1, got {n}")
+    torch.set_num_threads(n)
+    return n
+
+
+def environment_info() -> dict[str, Any]:
+    """Versions and machine facts that a timing depends on (JSON-ready)."""
+    try:
+        import transformers
+
+        transformers_version: str | None = transformers.__version__
+    except ImportError:
+        transformers_version = None
+    return {
+        "torch_version": torch.__version__,
+        "transformers_version": transformers_version,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": _cpu_model_name(),
+        "cpu_count": os.cpu_count(),
+        "available_cpus": available_cpus(),
+        "torch_num_threads": torch.get_num_threads(),
+        "torch_num_interop_threads": torch.get_num_interop_threads(),
+    }
+
+
+def _cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def seeded_prompt_ids(num_tokens: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
+    """Prompt ids ``[1, num_tokens]`` int64, uniform over ``[0, vocab_size)`` from a ``torch.Generator(seed)``.
+
+    Deterministic across processes and machines for the same torch version, so a
+    subprocess (the transformers side) rebuilds the same prompt from the seed.
+    Raises ``ValueError`` for ``num_tokens < 1`` or ``vocab_size < 1``.
+    """
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (1, num_tokens), generator=gen, dtype=torch.long)  # [1, T]
+
+
+def timed(fn: Callable[[], T]) -> tuple[T, float]:
+    """Call ``fn()``; return its result and the wall-clock seconds it took."""
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def median(values: list[float]) -> float:
+    """Median of a non-empty list (robust to one slow repeat on a busy machine)."""
+    return float(statistics.median(values))
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far, in bytes (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def current_rss_bytes() -> int | None:
+    """Resident set size of this process now, in bytes (Linux ``/proc/self/statm``; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            resident_pages = int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def per_second(count: int | float, seconds: float) -> float | None:
+    """``count / seconds`` (tokens/s), or None when ``seconds`` is not positive."""
+    return float(count) / seconds if seconds > 0 else None
+
+
+def ratio(ours: float | None, theirs: float | None) -> float | None:
+    """``ours / theirs``, or None when either side is missing or ``theirs`` is zero."""
+    if ours is None or theirs is None or theirs == 0:
+        return None
+    return ours / theirs
+
+
+class Progress:
+    """Progress lines on stderr (never stdout, which carries the JSON report)."""
+
+    def __init__(self, enabled: bool = True, prefix: str = "[bench]") -> None:
+        self.enabled = enabled
+        self.prefix = prefix
+        self._start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        if self.enabled:
+            elapsed = time.perf_counter() - self._start
+            print(f"{self.prefix} {elapsed:7.1f}s  {message}", file=sys.stderr, flush=True)

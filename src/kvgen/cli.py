@@ -1,0 +1,357 @@
+"""The ``kvgen`` command line: generate | chat | tokenize | perplexity | info | bench.
+
+Every user error (bad flag, missing or corrupt model, invalid setting, prompt
+too long) is one line on stderr and exit code 2, never a traceback.
+``kvgen generate`` flags are generated from :class:`GenerationConfig` fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvgen.errors import KvgenError
+
+# Fields with a hand-written flag (or none) in `kvgen generate`.
+_CUSTOM_GENERATE_FIELDS = {"use_cache", "cache_implementation", "return_dict_in_generate", "stop_strings"}
+_CLI_DEFAULTS = {"max_new_tokens": 64}
+DEFAULT_PROMPT = "The three most useful things to know about the KV cache are"
+
+
+class CliError(Exception):
+    """A user error found by the CLI itself (exit code 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
+        raise CliError(f"{self.prog}: {message}")
+
+
+def _json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {text!r} ({e.msg})") from None
+
+
+def _early_stopping(text: str) -> bool | str:
+    low = text.lower()
+    if low in ("true", "1", "yes"):
+        return True
+    if low in ("false", "0", "no"):
+        return False
+    if low == "never":
+        return "never"
+    raise argparse.ArgumentTypeError(f"must be true, false or never, got {text!r}")
+
+
+def _flag_kwargs(name: str, annotation: str) -> dict[str, Any]:
+    """argparse keyword arguments for a GenerationConfig field, from its type annotation."""
+    if name == "early_stopping":
+        return {"type": _early_stopping}
+    if annotation == "bool":
+        return {"action": "store_true", "default": None}
+    if annotation.startswith("int | list[int]") or annotation.startswith("list[int]"):
+        return {"type": int, "nargs": "+"}
+    if annotation.startswith("int"):
+        return {"type": int}
+    if annotation.startswith("float"):
+        return {"type": float}
+    return {"type": _json_value, "metavar": "JSON"}
+
+
+def add_generation_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per GenerationConfig field (``--max-new-tokens``, ``--num-beams``, ...), help from the field."""
+    from kvgen.generation.config import GenerationConfig
+
+    group = parser.add_argument_group("generation (GenerationConfig fields)")
+    for f in dataclasses.fields(GenerationConfig):
+        if f.name in _CUSTOM_GENERATE_FIELDS:
+            continue
+        kwargs = {"dest": f.name, "default": None, "help": f.metadata.get("help", "")}
+        kwargs.update(_flag_kwargs(f.name, str(f.type)))
+        group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+    group.add_argument("--stop", dest="stop_strings", action="append", default=None, help="stop string (repeatable)")
+    cache = group.add_mutually_exclusive_group()
+    cache.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (slow path)")
+    cache.add_argument("--cache", choices=["dynamic", "static"], default=None, help="KV cache implementation (default: static)")
+
+
+def generation_config_from_args(args: argparse.Namespace) -> Any:
+    """A validated GenerationConfig from parsed flags; ``--temperature 0`` means greedy."""
+    from kvgen.generation.config import GenerationConfig
+
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(GenerationConfig):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            values[f.name] = value
+    for key, default in _CLI_DEFAULTS.items():
+        values.setdefault(key, default)
+    temperature = values.get("temperature")
+    if temperature is not None and values.get("do_sample") is None:
+        values["do_sample"] = temperature > 0
+        if temperature == 0:
+            values.pop("temperature")
+    if isinstance(values.get("sequence_bias"), list):
+        values["sequence_bias"] = {tuple(ids): float(b) for ids, b in values["sequence_bias"]}
+    values["use_cache"] = not args.no_cache
+    values["cache_implementation"] = args.cache or "static"
+    return GenerationConfig(**values)
+
+
+def _add_model_flags(p: argparse.ArgumentParser, dtype: bool = True) -> None:
+    p.add_argument("--model", default="default", help="a .gguf file, a Hugging Face directory or 'default' (SmolLM2-135M-Instruct)")
+    if dtype:
+        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight and activation dtype")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``kvgen`` argument parser."""
+    parser = _Parser(prog="kvgen", description="kvgen: LLM inference with our own KV cache, decoding and engine.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
+    g.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="the prompt text")
+    _add_model_flags(g)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--trace", action="store_true", help="print per-step shapes and latency; plot latency with/without cache")
+    g.add_argument("--trace-plot", default="kvgen-trace.png", help="where --trace saves its PNG")
+    add_generation_flags(g)
+
+    c = sub.add_parser("chat", help="interactive multi-turn chat (/exit or end of input leaves)")
+    _add_model_flags(c)
+    c.add_argument("--max-new-tokens", type=int, default=256, help="maximum tokens per reply")
+    c.add_argument("--system", default=None, help="optional system message")
+
+    t = sub.add_parser("tokenize", help="print the token ids of TEXT as a JSON list")
+    t.add_argument("text")
+    _add_model_flags(t, dtype=False)
+
+    pp = sub.add_parser("perplexity", help="perplexity of the model on a text file")
+    pp.add_argument("file")
+    _add_model_flags(pp)
+    pp.add_argument("--context-length", type=int, default=512, help="tokens per non-overlapping window")
+
+    i = sub.add_parser("info", help="architecture, sizes, quantization and tokenizer facts")
+    _add_model_flags(i, dtype=False)
+    i.add_argument("--json", action="store_true")
+
+    b = sub.add_parser("bench", help="benchmarks (JSON out)")
+    bsub = b.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
+    bd = bsub.add_parser("decode", help="prefill and batch-1 decode speed vs transformers")
+    _add_model_flags(bd)
+    bd.add_argument("--json", action="store_true")
+    bd.add_argument("--prompt-tokens", type=int, default=512)
+    bd.add_argument("--new-tokens", type=int, default=128)
+    bd.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
+    return parser
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any, float]:
+    from kvgen.loader import load_model
+
+    start = time.perf_counter()
+    model, tokenizer = load_model(args.model, dtype=getattr(args, "dtype", "float32"))
+    return model, tokenizer, time.perf_counter() - start
+
+
+def _prompt_ids(args: argparse.Namespace, tokenizer: Any) -> list[int]:
+    if args.chat:
+        return tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
+    return tokenizer.encode(args.prompt)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvgen.generation import generate
+    from kvgen.generation.streamers import TextStreamer
+
+    cfg = generation_config_from_args(args)
+    model, tokenizer, load_s = _load(args)
+    prompt_ids = _prompt_ids(args, tokenizer)
+    if not prompt_ids:
+        raise CliError("the prompt is empty after tokenization")
+    input_ids = torch.tensor([prompt_ids])
+    single = cfg.num_return_sequences == 1
+    streamer = None if (args.json or args.trace or not single) else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    if args.trace:
+        out = _traced_generate(model, input_ids, cfg, tokenizer, args.trace_plot)
+    else:
+        out = generate(model, input_ids, None, cfg, tokenizer=tokenizer, streamer=streamer)
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in out.new_token_ids]
+    if args.json:
+        print(json.dumps(_json_report(prompt_ids, out, texts, load_s), ensure_ascii=False))
+    elif streamer is None:
+        for k, text in enumerate(texts):
+            print(text if single else f"--- sequence {k} ---\n{text}")
+    return 0
+
+
+def _json_report(prompt_ids: list[int], out: Any, texts: list[str], load_s: float) -> dict[str, Any]:
+    steps = out.timings.num_decode_steps
+    decode_s = out.timings.decode_s
+    report: dict[str, Any] = {
+        "prompt_token_ids": prompt_ids,
+        "token_ids": out.new_token_ids[0],
+        "text": texts[0],
+        "finish_reason": out.finish_reasons[0],
+        "timings": {
+            "load_s": round(load_s, 4),
+            "prefill_s": round(out.timings.prefill_s, 4),
+            "decode_s": round(decode_s, 4),
+            "decode_tokens_per_s": round(steps / decode_s, 2) if decode_s > 0 else None,
+        },
+    }
+    if len(texts) > 1:
+        scores = out.sequences_scores.tolist() if out.sequences_scores is not None else [None] * len(texts)
+        report["sequences"] = [
+            {"token_ids": ids, "text": text, "finish_reason": reason, "score": score}
+            for ids, text, reason, score in zip(out.new_token_ids, texts, out.finish_reasons, scores)
+        ]
+    return report
+
+
+def _traced_generate(model: Any, input_ids: Any, cfg: Any, tokenizer: Any, plot_path: str) -> Any:
+    from kvgen.generation import generate
+    from kvgen.trace import Tracer, format_step, plot_latencies
+
+    with Tracer(model) as cached:
+        out = generate(model, input_ids, None, cfg, tokenizer=tokenizer)
+    for i, step in enumerate(cached.steps):
+        print(format_step(i, step), file=sys.stderr)
+    print("[trace] now the same generation without a KV cache (every step recomputes the sequence):", file=sys.stderr)
+    with Tracer(model) as uncached:
+        generate(model, input_ids, None, cfg.replace(use_cache=False), tokenizer=tokenizer)
+    for i, step in enumerate(uncached.steps):
+        print(format_step(i, step), file=sys.stderr)
+    plot_latencies([s.latency_s for s in cached.steps], [s.latency_s for s in uncached.steps], plot_path)
+    print(f"[trace] latency plot saved to {plot_path}", file=sys.stderr)
+    return out
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvgen.generation import GenerationConfig, generate
+    from kvgen.generation.streamers import TextStreamer
+
+    model, tokenizer, _ = _load(args)
+    if tokenizer.chat_template is None:
+        raise CliError(f"model {args.model} has no chat template")
+    messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, cache_implementation="static")
+    print("kvgen chat: type a message; /exit or Ctrl-D leaves.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() == "/exit":
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        out = generate(model, torch.tensor([ids]), None, cfg, streamer=streamer)
+        messages.append({"role": "assistant", "content": tokenizer.decode(out.new_token_ids[0], skip_special_tokens=True)})
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from kvgen.loader import resolve_model_path
+    from kvgen.tokenizer import Tokenizer
+
+    path = resolve_model_path(args.model)
+    if path.is_dir():
+        tokenizer = Tokenizer.from_pretrained(path)
+    else:
+        from kvgen.weights.gguf_file import gguf_metadata, open_gguf
+
+        tokenizer = Tokenizer.from_gguf(gguf_metadata(open_gguf(path)))
+    print(json.dumps(tokenizer.encode(args.text)))
+    return 0
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from kvgen.perplexity import perplexity
+
+    try:
+        with open(args.file, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"cannot read {args.file}: {e.strerror if isinstance(e, OSError) else e}") from None
+    model, tokenizer, _ = _load(args)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    progress = lambda chunks: tqdm(chunks, desc="perplexity", unit="window", file=sys.stderr)  # noqa: E731
+    result = perplexity(model, ids, args.context_length, progress=progress)
+    print(json.dumps(dataclasses.asdict(result)))
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from kvgen.info import describe_model, format_info
+
+    info = describe_model(args.model)
+    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvgen.bench.decode import format_decode_report, run_decode_bench
+
+    result = run_decode_bench(
+        model=args.model,
+        dtype=args.dtype,
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        include_transformers=not args.no_transformers,
+    )
+    print(json.dumps(result, indent=2) if args.json else format_decode_report(result))
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "generate": cmd_generate,
+    "chat": cmd_chat,
+    "tokenize": cmd_tokenize,
+    "perplexity": cmd_perplexity,
+    "info": cmd_info,
+    "bench": cmd_bench,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvgen`` script; returns the exit code."""
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.command](args)
+    except (CliError, KvgenError, ValueError, NotImplementedError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(msg if msg.startswith("kvgen") else f"kvgen: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvgen: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:  # an internal error: one line unless KVGEN_DEBUG is set
+        if os.environ.get("KVGEN_DEBUG"):
+            raise
+        print(f"kvgen: internal error: {type(e).__name__}: {e} (set KVGEN_DEBUG=1 for a traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""Offline generation: ``generate()``, ``GenerationConfig``, ``GenerateOutput``."""
+
+from kvgen.generation.config import GenerationConfig, Strategy
+from kvgen.generation.generate import generate
+from kvgen.generation.output import GenerateOutput, GenerateTimings
+
+__all__ = ["GenerateOutput", "GenerateTimings", "GenerationConfig", "Strategy", "generate"]

@@ -1,0 +1,189 @@
+"""``GenerationConfig``: Hugging Face field names and defaults, validated once.
+
+The decoding strategy is derived once into :class:`Strategy` (as transformers
+4.55 ``GenerationConfig.get_generation_mode``); contradictory settings raise
+``ValueError`` naming both parameters. Each field's ``help`` metadata is reused
+by the CLI to generate ``kvgen generate`` flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Strategy(enum.Enum):
+    """Decoding strategies, one module each under ``kvgen.generation``."""
+
+    GREEDY = "greedy"
+    SAMPLE = "sample"
+    BEAM_SEARCH = "beam_search"
+    BEAM_SAMPLE = "beam_sample"
+    GROUP_BEAM_SEARCH = "group_beam_search"
+    CONTRASTIVE_SEARCH = "contrastive_search"
+    SAMPLE_AND_RANK = "sample_and_rank"
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class GenerationConfig:
+    """How ``generate()`` decodes (transformers ``GenerationConfig`` names and defaults).
+
+    Lengths are in tokens, ``max_time`` in seconds. Raises ``ValueError`` for an
+    out-of-range value (naming the field and the value) or contradictory fields
+    (naming both).
+    """
+
+    max_new_tokens: int = _f(20, "maximum number of new tokens to generate")
+    min_new_tokens: int = _f(0, "EOS is suppressed until this many new tokens exist")
+    do_sample: bool = _f(False, "sample from the distribution instead of taking the argmax")
+    num_beams: int = _f(1, "beams for beam search (1 = no beam search)")
+    num_beam_groups: int = _f(1, "groups for diverse (group) beam search; must divide num_beams")
+    diversity_penalty: float = _f(0.0, "group beam search: penalty for tokens chosen by earlier groups")
+    penalty_alpha: float | None = _f(None, "contrastive search: degeneration penalty (with top_k > 1)")
+    length_penalty: float = _f(1.0, "beam score = sum logprob / length**length_penalty")
+    early_stopping: bool | str = _f(False, "beam search stop rule: true, false or 'never'")
+    num_return_sequences: int = _f(1, "sequences returned per prompt")
+    best_of: int | None = _f(None, "sample-and-rank: draw this many samples, return the most likely")
+    temperature: float = _f(1.0, "softmax temperature when sampling")
+    top_k: int = _f(50, "keep the k most likely tokens when sampling (0 = off)")
+    top_p: float = _f(1.0, "nucleus sampling: keep the smallest set with probability >= top_p")
+    min_p: float | None = _f(None, "drop tokens below min_p * the top probability")
+    typical_p: float = _f(1.0, "locally typical sampling mass (1.0 = off)")
+    epsilon_cutoff: float = _f(0.0, "drop tokens with probability below this (0 = off)")
+    eta_cutoff: float = _f(0.0, "eta sampling cutoff (0 = off)")
+    repetition_penalty: float = _f(1.0, "CTRL repetition penalty over prompt and output (1.0 = off)")
+    presence_penalty: float = _f(0.0, "OpenAI presence penalty over generated tokens")
+    frequency_penalty: float = _f(0.0, "OpenAI frequency penalty over generated tokens")
+    no_repeat_ngram_size: int = _f(0, "forbid repeating any n-gram of this size (0 = off)")
+    sequence_bias: dict[tuple[int, ...], float] | None = _f(None, "bias added to the logit of token sequences")
+    bad_words_ids: list[list[int]] | None = _f(None, "token sequences that may not be generated")
+    suppress_tokens: list[int] | None = _f(None, "token ids that are never generated")
+    eos_token_id: int | list[int] | None = _f(None, "end-of-sequence token id(s); default: the model's")
+    pad_token_id: int | None = _f(None, "id emitted by finished rows; default: the model's, else EOS")
+    stop_strings: list[str] | None = _f(None, "stop when the generated text contains one of these", cli_name="stop")
+    max_time: float | None = _f(None, "stop after this many seconds")
+    output_scores: bool = _f(False, "return processed scores of every step")
+    output_logits: bool = _f(False, "return raw logits of every step")
+    return_dict_in_generate: bool = _f(True, "accepted for compatibility; the output type never changes")
+    use_cache: bool = _f(True, "reuse keys/values of earlier tokens (False recomputes everything each step)")
+    cache_implementation: str = _f("dynamic", "KV cache: 'dynamic' (concatenate) or 'static' (preallocated)")
+    seed: int | None = _f(None, "seed of the torch.Generator used when sampling")
+
+    def __post_init__(self) -> None:
+        self._check_ranges()
+        self._check_combinations()
+
+    def _check_ranges(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise bad("max_new_tokens", "an integer >= 1")
+        if self.min_new_tokens < 0:
+            raise bad("min_new_tokens", ">= 0")
+        for name in ("num_beams", "num_beam_groups", "num_return_sequences"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise bad(name, "an integer >= 1")
+        if self.do_sample and not self.temperature > 0:
+            raise bad("temperature", "> 0 when sampling (use do_sample=False for greedy)")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "an integer >= 0")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "in (0, 1]")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise bad("min_p", "in [0, 1]")
+        if not 0 < self.typical_p <= 1:
+            raise bad("typical_p", "in (0, 1]")
+        for name in ("epsilon_cutoff", "eta_cutoff"):
+            if not 0 <= getattr(self, name) < 1:
+                raise bad(name, "in [0, 1)")
+        if not self.repetition_penalty > 0:
+            raise bad("repetition_penalty", "> 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise bad(name, "in [-2, 2]")
+        if self.no_repeat_ngram_size < 0:
+            raise bad("no_repeat_ngram_size", ">= 0")
+        if self.diversity_penalty < 0:
+            raise bad("diversity_penalty", ">= 0")
+        if self.penalty_alpha is not None and not 0 <= self.penalty_alpha <= 1:
+            raise bad("penalty_alpha", "in [0, 1]")
+        if self.early_stopping not in (True, False, "never"):
+            raise bad("early_stopping", "True, False or 'never'")
+        if self.cache_implementation not in ("dynamic", "static"):
+            raise bad("cache_implementation", "'dynamic' or 'static'")
+        if self.max_time is not None and not self.max_time > 0:
+            raise bad("max_time", "> 0 seconds")
+        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < 1):
+            raise bad("best_of", "an integer >= 1")
+        if self.stop_strings is not None and any(not s for s in self.stop_strings):
+            raise bad("stop_strings", "non-empty strings")
+
+    def _check_combinations(self) -> None:
+        def clash(a: str, b: str, why: str) -> ValueError:
+            return ValueError(f"{a}={getattr(self, a)!r} conflicts with {b}={getattr(self, b)!r}: {why}")
+
+        if self.num_beams % self.num_beam_groups != 0:
+            raise clash("num_beam_groups", "num_beams", "num_beam_groups must divide num_beams")
+        if self.num_beam_groups > 1 and self.do_sample:
+            raise clash("num_beam_groups", "do_sample", "group beam search does not sample")
+        if self.penalty_alpha is not None and self.penalty_alpha > 0:
+            if self.do_sample:
+                raise clash("penalty_alpha", "do_sample", "contrastive search is deterministic")
+            if self.num_beams > 1:
+                raise clash("penalty_alpha", "num_beams", "contrastive search does not use beams")
+        if self.num_beams > 1 and self.num_return_sequences > self.num_beams:
+            raise clash("num_return_sequences", "num_beams", "cannot return more sequences than beams")
+        if self.best_of is not None and self.best_of > 1:
+            if not self.do_sample:
+                raise clash("best_of", "do_sample", "sample-and-rank needs do_sample=True")
+            if self.num_beams > 1:
+                raise clash("best_of", "num_beams", "sample-and-rank does not use beams")
+            if self.num_return_sequences > self.best_of:
+                raise clash("num_return_sequences", "best_of", "cannot return more sequences than samples")
+        if self.num_return_sequences > 1 and self.strategy in (Strategy.GREEDY, Strategy.CONTRASTIVE_SEARCH):
+            raise clash("num_return_sequences", "do_sample", "deterministic decoding returns one sequence per prompt")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise clash("min_new_tokens", "max_new_tokens", "min_new_tokens must not exceed max_new_tokens")
+
+    @property
+    def strategy(self) -> Strategy:
+        """The decoding strategy these settings select (transformers 4.55 rules)."""
+        if self.num_beams > 1:
+            if self.num_beam_groups > 1:
+                return Strategy.GROUP_BEAM_SEARCH
+            return Strategy.BEAM_SAMPLE if self.do_sample else Strategy.BEAM_SEARCH
+        if self.penalty_alpha is not None and self.penalty_alpha > 0 and self.top_k > 1 and not self.do_sample:
+            return Strategy.CONTRASTIVE_SEARCH
+        if self.do_sample:
+            return Strategy.SAMPLE_AND_RANK if (self.best_of or 1) > 1 else Strategy.SAMPLE
+        return Strategy.GREEDY
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """EOS ids as a list (empty when none is set)."""
+        if self.eos_token_id is None:
+            return []
+        return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
+
+    def replace(self, **changes: Any) -> GenerationConfig:
+        """A validated copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+    def with_model_defaults(self, eos_token_ids: list[int], pad_token_id: int | None) -> GenerationConfig:
+        """Fill ``eos_token_id`` / ``pad_token_id`` from the model when unset (pad falls back to EOS, as HF)."""
+        eos = self.eos_token_id if self.eos_token_id is not None else (list(eos_token_ids) or None)
+        pad = self.pad_token_id
+        if pad is None:
+            pad = pad_token_id
+        if pad is None and eos is not None:
+            pad = eos if isinstance(eos, int) else eos[0]
+        return self.replace(eos_token_id=eos, pad_token_id=pad)

@@ -1,0 +1,124 @@
+"""``generate()``: the Hugging Face-style offline entry point.
+
+Validates the batch, fills model defaults into the config, builds the logits
+processors and stopping checks, then dispatches on ``config.strategy`` through
+an explicit table (one module per strategy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvgen.errors import ContextLengthError
+from kvgen.generation.config import GenerationConfig, Strategy
+from kvgen.generation.decoding import LoopContext, RowStop
+from kvgen.generation.greedy import greedy_search
+from kvgen.generation.output import GenerateOutput
+from kvgen.generation.runner import StepRunner
+from kvgen.generation.sample import multinomial_sample
+from kvgen.sampling.logits_process import build_logits_processors
+
+STRATEGIES: dict[Strategy, Callable[[StepRunner, LoopContext], GenerateOutput]] = {
+    Strategy.GREEDY: greedy_search,
+    Strategy.SAMPLE: multinomial_sample,
+}
+
+
+def generate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    generation_config: GenerationConfig | None = None,
+    *,
+    generator: torch.Generator | None = None,
+    tokenizer: Any = None,
+    streamer: Any = None,
+    **overrides: Any,
+) -> GenerateOutput:
+    """Generate continuations of a left-padded batch of prompts.
+
+    input_ids: [B, T] int64; attention_mask: [B, T] (1 = token, 0 = left pad) or
+    None for no padding. ``overrides`` are GenerationConfig fields. Sampling
+    uses ``generator`` or, if None, a ``torch.Generator`` seeded with
+    ``config.seed`` (fresh default generator when both are None). ``tokenizer``
+    is needed for ``stop_strings``; ``streamer`` gets ``put(ids)`` / ``end()``.
+    Returns a :class:`GenerateOutput`. Raises ``ValueError`` for bad shapes or
+    settings and ``ContextLengthError`` when prompt + ``max_new_tokens`` exceeds
+    the model's context window.
+    Reference: transformers 4.55 ``GenerationMixin.generate``.
+    """
+    cfg = generation_config or GenerationConfig()
+    if overrides:
+        cfg = cfg.replace(**overrides)
+    model_cfg = model.config
+    cfg = cfg.with_model_defaults(model_cfg.eos_token_ids, model_cfg.pad_token_id)
+    input_ids, attention_mask = _check_batch(input_ids, attention_mask, model_cfg)
+    longest = int(attention_mask.sum(-1).max())
+    if longest + cfg.max_new_tokens > model_cfg.max_position_embeddings:
+        raise ContextLengthError(
+            f"prompt of {longest} tokens plus max_new_tokens={cfg.max_new_tokens} exceeds the context window of "
+            f"{model_cfg.max_position_embeddings} tokens"
+        )
+    strategy = cfg.strategy
+    if strategy not in STRATEGIES:
+        raise NotImplementedError(f"decoding strategy {strategy.value} is not implemented yet")
+    copies = cfg.num_return_sequences if strategy is Strategy.SAMPLE else 1
+    if copies > 1:
+        input_ids = input_ids.repeat_interleave(copies, dim=0)  # [B*n, T]
+        attention_mask = attention_mask.repeat_interleave(copies, dim=0)  # [B*n, T]
+    if generator is None and cfg.do_sample:
+        generator = torch.Generator()
+        generator.manual_seed(cfg.seed) if cfg.seed is not None else generator.seed()
+    cache_kind = cfg.cache_implementation if cfg.use_cache else None
+    runner = StepRunner(model, input_ids, attention_mask, cache_kind, cfg.max_new_tokens)
+    ctx = LoopContext(
+        config=cfg,
+        processors=build_logits_processors(cfg, prompt_length=input_ids.shape[1]),
+        row_stops=_row_stops(cfg, input_ids.shape[1], tokenizer),
+        generator=generator,
+        streamer=streamer,
+    )
+    if streamer is not None:
+        streamer.put(input_ids)
+    return STRATEGIES[strategy](runner, ctx)
+
+
+def _check_batch(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, model_cfg: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a 2-D tensor [B, T], got {getattr(input_ids, 'shape', type(input_ids))}")
+    if input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
+        raise ValueError(f"input_ids must hold at least one token per row, got shape {tuple(input_ids.shape)}")
+    input_ids = input_ids.long()
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= model_cfg.vocab_size:
+        raise ValueError(f"input_ids must be in [0, {model_cfg.vocab_size}), got values in [{int(input_ids.min())}, {int(input_ids.max())}]")
+    if attention_mask is None:
+        return input_ids, torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
+    attention_mask = attention_mask.long()
+    if bool((attention_mask.sum(-1) == 0).any()):
+        raise ValueError("attention_mask has a row with no tokens")
+    if bool((attention_mask[:, :-1] > attention_mask[:, 1:]).any()):
+        raise ValueError("attention_mask must be left-padded (zeros only before the first token of each row)")
+    return input_ids, attention_mask
+
+
+def _row_stops(cfg: GenerationConfig, prompt_length: int, tokenizer: Any) -> list[RowStop]:
+    from kvgen.sampling.stopping import MaxTimeCriteria, StopStringCriteria
+
+    stops: list[RowStop] = []
+    if cfg.stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings needs a tokenizer: pass generate(..., tokenizer=tok)")
+        crit = StopStringCriteria(cfg.stop_strings, tokenizer.decode, prompt_length)
+        stops.append((lambda seqs, scores: crit(seqs, scores), "stop_string"))
+    if cfg.max_time is not None:
+        crit_t = MaxTimeCriteria(cfg.max_time)
+        stops.append((lambda seqs, scores: crit_t(seqs, scores), "time"))
+    return stops

@@ -1,0 +1,45 @@
+"""``GenerateOutput``: the one return type of ``generate()``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class GenerateTimings:
+    """Wall-clock seconds spent in the first forward (prefill) and in later steps (decode)."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    num_decode_steps: int = 0
+
+
+@dataclass
+class GenerateOutput:
+    """Result of ``generate()``, whatever the strategy.
+
+    sequences: [N, T + T_new] int64, N = B * num_return_sequences; the first
+    ``prompt_length`` columns are the (left-padded) prompts, then new tokens;
+    a row that finished early is filled with ``pad_token_id``.
+    finish_reasons: per row, "stop" (EOS), "length", "stop_string" or "time".
+    scores / logits: per step, [N, V] float32 processed scores / raw logits
+    (only when ``output_scores`` / ``output_logits``).
+    sequences_scores: [N] float32 final scores (beam search, sample-and-rank).
+    """
+
+    sequences: torch.Tensor
+    prompt_length: int
+    finish_reasons: list[str]
+    num_new_tokens: list[int]
+    scores: tuple[torch.Tensor, ...] | None = None
+    logits: tuple[torch.Tensor, ...] | None = None
+    sequences_scores: torch.Tensor | None = None
+    timings: GenerateTimings = field(default_factory=GenerateTimings)
+
+    @property
+    def new_token_ids(self) -> list[list[int]]:
+        """Per row, the generated ids (ending with EOS when stopped on EOS; no trailing padding)."""
+        rows = self.sequences[:, self.prompt_length :].tolist()
+        return [row[:n] for row, n in zip(rows, self.num_new_tokens)]

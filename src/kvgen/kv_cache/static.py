@@ -1,0 +1,67 @@
+"""A preallocated KV cache written in place (the Flax seeds' way, as gpt-fast)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvgen.errors import ContextLengthError
+
+
+class StaticCache:
+    """Per-layer K and V ``[B, Hkv, S_max, D]`` allocated once, written in place.
+
+    ``seq_length`` slots (tokens) are filled, the same for every row; attention
+    reads the view ``[:, :, :seq_length]``, so no step copies old entries.
+    Raises ``ContextLengthError`` when a write would pass ``max_cache_len``.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_cache_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (batch_size, num_kv_heads, max_cache_len, head_dim)
+        self.num_layers = num_layers
+        self.max_cache_len = max_cache_len
+        self.key_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.value_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.seq_length = 0
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v ``[B, Hkv, T, D]`` at slots ``[seq_length, seq_length+T)``; return views ``[B, Hkv, S+T, D]``."""
+        start, end = self.seq_length, self.seq_length + k.shape[2]
+        if end > self.max_cache_len:
+            raise ContextLengthError(f"StaticCache holds {self.max_cache_len} tokens; writing up to slot {end} overflows it")
+        kc, vc = self.key_cache[layer_idx], self.value_cache[layer_idx]
+        kc[:, :, start:end] = k
+        vc[:, :, start:end] = v
+        return kc[:, :, :end], vc[:, :, :end]  # [B, Hkv, S+T, D]
+
+    def advance(self, num_new: int) -> None:
+        """Record that ``num_new`` tokens were written by every layer."""
+        self.seq_length += num_new
+
+    def reorder(self, row_idx: torch.Tensor) -> None:
+        """Gather rows ``row_idx [B]`` in place (beam search: follow each beam's parent)."""
+        end = self.seq_length
+        for kc, vc in zip(self.key_cache, self.value_cache):
+            kc[:, :, :end] = kc[:, :, :end].index_select(0, row_idx)
+            vc[:, :, :end] = vc[:, :, :end].index_select(0, row_idx)
+
+    def crop(self, length: int) -> None:
+        """Forget every slot from ``length`` on (tokens); the memory stays allocated."""
+        self.seq_length = min(self.seq_length, length)
+
+    def layer_shape(self, layer_idx: int = 0) -> tuple[int, ...]:
+        """Shape of the filled part of one layer's K cache ``[B, Hkv, S, D]``."""
+        b, h, _, d = self.key_cache[layer_idx].shape
+        return (b, h, self.seq_length, d)
+
+    def nbytes(self) -> int:
+        """Bytes allocated for K and V over all layers."""
+        return sum(t.numel() * t.element_size() for t in self.key_cache + self.value_cache)

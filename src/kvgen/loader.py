@@ -1,0 +1,74 @@
+"""``load_model``: a GGUF file or a Hugging Face directory -> (model, tokenizer)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvgen.errors import ModelFormatError, ModelNotFoundError
+from kvgen.models import build_model
+from kvgen.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(path_or_name: str | os.PathLike[str] = "default") -> Path:
+    """The file or directory behind ``path_or_name``; ``"default"`` is SmolLM2-135M-Instruct's GGUF.
+
+    Raises ``ModelNotFoundError`` when nothing is there.
+    """
+    if str(path_or_name) == "default":
+        from kvgen.default_model import find_default_gguf
+
+        return find_default_gguf()
+    path = Path(path_or_name).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"model not found: {path} (pass a .gguf file, a Hugging Face directory or 'default')")
+    return path
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``torch.dtype`` from a dtype or its name; raises ``ValueError`` for others."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_model(path_or_name: str | os.PathLike[str] = "default", dtype: torch.dtype | str = torch.float32) -> tuple[nn.Module, Tokenizer]:
+    """Load a model and its tokenizer.
+
+    ``path_or_name``: ``"default"``, a ``.gguf`` file or a Hugging Face
+    checkpoint directory (``config.json`` + safetensors). The format is sniffed
+    from the path (directory, else the file's magic bytes). Returns the model in
+    eval mode with ``dtype`` weights and a :class:`Tokenizer`.
+    Raises ``ModelNotFoundError``, ``ModelFormatError``,
+    ``UnsupportedArchitectureError`` or ``UnsupportedQuantizationError``.
+    """
+    dtype = parse_dtype(dtype)
+    path = resolve_model_path(path_or_name)
+    if path.is_dir():
+        from kvgen.weights.hf_loader import load_hf_directory
+
+        config, state_dict = load_hf_directory(path, dtype=dtype)
+        tokenizer = Tokenizer.from_pretrained(path)
+    else:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ModelFormatError(
+                f"{path} is neither a GGUF file nor a Hugging Face directory (first bytes {magic!r})"
+            )
+        from kvgen.weights.gguf_loader import load_gguf
+
+        config, state_dict, meta = load_gguf(path, dtype=dtype)
+        tokenizer = Tokenizer.from_gguf(meta)
+    model = build_model(config, state_dict, dtype)
+    del state_dict
+    return model, tokenizer

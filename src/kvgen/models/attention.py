@@ -1,0 +1,69 @@
+"""Attention metadata, masks and the scaled-dot-product attention call.
+
+The offline path (``generate()``) runs rectangular, left-padded batches: every
+row has the same number of cache slots, and padding is described by a key
+mask. Masks are built once per forward and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """What attention needs besides q, k, v for one forward.
+
+    attention_mask: [B, S] (0/1 or bool) over every cache slot *after* this
+    forward (cached + new tokens); ``None`` means no padding anywhere.
+    """
+
+    attention_mask: torch.Tensor | None = None
+
+
+def build_attention_mask(
+    attention_mask: torch.Tensor | None, past_len: int, num_new: int
+) -> torch.Tensor | None:
+    """Boolean mask ``[B, 1, T, S]`` (True = may attend), or None for "attend to all".
+
+    Query t sits at slot ``past_len + t``; it sees keys at slots <= its own that
+    are not padding. A query always sees its own slot, so padded queries get a
+    finite (unused) output instead of NaN. Returns None when no mask is needed
+    (no padding and a single new token, or no padding and no cache prefix, which
+    the caller runs with ``is_causal``).
+    attention_mask: [B, S] with S = past_len + num_new, or None.
+    """
+    total = past_len + num_new
+    if attention_mask is None or bool(attention_mask.all()):
+        if num_new == 1 or past_len == 0:
+            return None
+        q_slot = torch.arange(past_len, total).view(num_new, 1)  # [T, 1]
+        k_slot = torch.arange(total).view(1, total)  # [1, S]
+        return (k_slot <= q_slot).view(1, 1, num_new, total)  # [1, 1, T, S]
+    assert attention_mask.shape[-1] == total, (attention_mask.shape, total)
+    device = attention_mask.device
+    q_slot = torch.arange(past_len, total, device=device).view(num_new, 1)  # [T, 1]
+    k_slot = torch.arange(total, device=device).view(1, total)  # [1, S]
+    causal = k_slot <= q_slot  # [T, S]
+    valid = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, S]
+    return (causal & valid) | (k_slot == q_slot)  # [B, 1, T, S]
+
+
+def scaled_dot_product_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None
+) -> torch.Tensor:
+    """Softmax attention with grouped-query heads.
+
+    q: [B, H, T, D]; k, v: [B, Hkv, S, D] with H a multiple of Hkv; mask:
+    [B|1, 1, T, S] bool or None. Returns [B, H, T, D] in q's dtype.
+    Source: Vaswani et al. 2017 eq. 1; GQA as in Ainslie et al. 2023.
+    ``mask is None`` with T == S means causal (fresh prefill); with T == 1 it
+    means attend to every key.
+    """
+    num_new, num_keys = q.shape[2], k.shape[2]
+    is_causal = mask is None and num_new > 1 and num_new == num_keys
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)

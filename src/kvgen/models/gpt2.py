@@ -1,0 +1,123 @@
+"""GPT-2 decoder from first principles (Radford et al. 2019).
+
+Learned position embeddings, pre-LayerNorm blocks, fused ``c_attn`` QKV
+projection, GELU (tanh approximation) MLP and an LM head tied to ``wte``.
+Weights are kept as ``[out, in]`` (the loader transposes HF's Conv1D); outputs
+must agree with ``transformers.GPT2LMHeadModel`` on the same weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvgen.config import ModelConfig
+from kvgen.errors import UnsupportedArchitectureError
+from kvgen.models.attention import AttentionMetadata, build_attention_mask, scaled_dot_product_attention
+
+_ACTIVATIONS = {
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+
+
+class GPT2Attention(nn.Module):
+    """Causal self-attention with a fused QKV projection (H heads of size D)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config.hidden_size
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.scale = None if config.extra.get("scale_attn_weights", True) else 1.0
+        self.c_attn = nn.Linear(c, 3 * c)
+        self.c_proj = nn.Linear(c, c)
+
+    def forward(self, x: torch.Tensor, layer_idx: int, kv_cache, mask) -> torch.Tensor:
+        """x: [B, T, C] -> [B, T, C]."""
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)  # 3 x [B, T, C]
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = k.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        v = v.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer_idx, k, v)  # [B, H, S, D]
+        out = scaled_dot_product_attention(q, k, v, mask, scale=self.scale)  # [B, H, T, D]
+        return self.c_proj(out.transpose(1, 2).reshape(b, t, c))  # [B, T, C]
+
+
+class GPT2MLP(nn.Module):
+    """c_proj(act(c_fc(x))) with act = GELU-tanh by default."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.hidden_act not in _ACTIVATIONS:
+            raise UnsupportedArchitectureError(f"GPT-2 activation_function {config.hidden_act!r} is not supported")
+        self.act = _ACTIVATIONS[config.hidden_act]
+        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, C] -> [B, T, C]."""
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    """x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        eps = config.layer_norm_epsilon
+        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.attn = GPT2Attention(config)
+        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.mlp = GPT2MLP(config)
+
+    def forward(self, x, layer_idx, kv_cache, mask) -> torch.Tensor:
+        """x: [B, T, C] -> [B, T, C]."""
+        x = x + self.attn(self.ln_1(x), layer_idx, kv_cache, mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Model(nn.Module):
+    """Token and position embeddings, L blocks, final LayerNorm (HF names)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.num_hidden_layers))
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+
+class GPT2LMHeadModel(nn.Module):
+    """GPT-2 with its LM head tied to the token embeddings."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = GPT2Model(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache=None,
+        attn_metadata: AttentionMetadata | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: [B, T] int64 -> hidden [B, T, C] after ``ln_f`` (see LlamaForCausalLM.forward)."""
+        tr = self.transformer
+        x = tr.wte(input_ids) + tr.wpe(positions)  # [B, T, C]
+        past = kv_cache.seq_length if kv_cache is not None else 0
+        mask = build_attention_mask(attn_metadata.attention_mask if attn_metadata else None, past, input_ids.shape[1])
+        for i, block in enumerate(tr.h):
+            x = block(x, i, kv_cache, mask)
+        if kv_cache is not None:
+            kv_cache.advance(input_ids.shape[1])
+        return tr.ln_f(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., C] -> logits [..., V] float32 (tied head)."""
+        return F.linear(hidden, self.transformer.wte.weight).float()

@@ -1,0 +1,127 @@
+"""Llama-family decoder from first principles (Touvron et al. 2023).
+
+RMSNorm, rotary position embeddings with ``rope_theta``, grouped-query
+attention and a SwiGLU MLP. Parameter names are Hugging Face's
+(``model.layers.N.self_attn.q_proj.weight``) so checkpoints load by identity;
+outputs must agree with ``transformers.LlamaForCausalLM`` on the same weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvgen.config import ModelConfig
+from kvgen.models.attention import AttentionMetadata, build_attention_mask, scaled_dot_product_attention
+from kvgen.models.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+
+
+class LlamaAttention(nn.Module):
+    """Multi-head attention with H query and Hkv key/value heads of size D."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(c, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(c, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(c, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, c, bias=bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_idx: int, kv_cache, mask) -> torch.Tensor:
+        """x: [B, T, C] -> [B, T, C]; cos, sin: [B, 1, T, D]; mask: [B|1, 1, T, S] bool or None."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer_idx, k, v)  # [B, Hkv, S, D]
+        out = scaled_dot_product_attention(q, k, v, mask)  # [B, H, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))  # [B, T, C]
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(c, i, bias=bias)
+        self.up_proj = nn.Linear(c, i, bias=bias)
+        self.down_proj = nn.Linear(i, c, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, C] -> [B, T, C]."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, layer_idx, kv_cache, mask) -> torch.Tensor:
+        """x: [B, T, C] -> [B, T, C]."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_idx, kv_cache, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, L decoder layers and the final norm (HF ``LlamaModel`` names)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder with an LM head (tied to ``embed_tokens`` or separate)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling), persistent=False
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache=None,
+        attn_metadata: AttentionMetadata | None = None,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm.
+
+        input_ids, positions: [B, T] int64. kv_cache: a cache with
+        ``seq_length``/``update``/``advance`` (new tokens go to slots
+        ``seq_length..``) or None (attend only within ``input_ids``).
+        Returns [B, T, C] in the model dtype.
+        """
+        x = self.model.embed_tokens(input_ids)  # [B, T, C]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # [B, 1, T, D]
+        past = kv_cache.seq_length if kv_cache is not None else 0
+        mask = build_attention_mask(attn_metadata.attention_mask if attn_metadata else None, past, input_ids.shape[1])
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, i, kv_cache, mask)
+        if kv_cache is not None:
+            kv_cache.advance(input_ids.shape[1])
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head: hidden [..., C] -> logits [..., V] float32. Pass only the rows that need logits."""
+        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,59 @@
+"""Perplexity of a model on a token stream, over non-overlapping windows."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PerplexityResult:
+    """exp(mean NLL) over every scored token; NLL in nats."""
+
+    perplexity: float
+    mean_nll: float
+    num_tokens_scored: int
+    num_windows: int
+
+
+def windows(token_ids: list[int], context_length: int) -> list[list[int]]:
+    """Consecutive non-overlapping windows of ``context_length`` tokens (the last may be shorter; 1-token tails dropped)."""
+    if context_length < 2:
+        raise ValueError(f"context_length must be >= 2, got {context_length}")
+    chunks = [token_ids[i : i + context_length] for i in range(0, len(token_ids), context_length)]
+    return [c for c in chunks if len(c) >= 2]
+
+
+@torch.inference_mode()
+def window_nll(model: nn.Module, window: list[int]) -> float:
+    """Summed NLL (nats) of tokens 2..n of ``window`` given the earlier ones, in one no-cache forward."""
+    ids = torch.tensor([window])  # [1, T]
+    positions = torch.arange(len(window))[None]  # [1, T]
+    hidden = model(ids, positions, None, None)  # [1, T, C]
+    logits = model.compute_logits(hidden[0, :-1])  # [T-1, V]
+    return float(F.cross_entropy(logits, ids[0, 1:], reduction="sum"))
+
+
+def perplexity(model: nn.Module, token_ids: list[int], context_length: int = 512, progress: Iterable | None = None) -> PerplexityResult:
+    """Score ``token_ids`` window by window (see :func:`windows`).
+
+    Raises ``ValueError`` when fewer than 2 tokens are given or ``context_length``
+    exceeds the model's context window. ``progress`` wraps the window list (e.g. tqdm).
+    """
+    max_ctx = model.config.max_position_embeddings
+    if context_length > max_ctx:
+        raise ValueError(f"context_length must be <= the model's context window ({max_ctx}), got {context_length}")
+    chunks = windows(token_ids, context_length)
+    if not chunks:
+        raise ValueError(f"need at least 2 tokens to compute perplexity, got {len(token_ids)}")
+    total_nll, total_tokens = 0.0, 0
+    for chunk in progress(chunks) if progress else chunks:
+        total_nll += window_nll(model, chunk)
+        total_tokens += len(chunk) - 1
+    mean = total_nll / total_tokens
+    return PerplexityResult(math.exp(mean), mean, total_tokens, len(chunks))

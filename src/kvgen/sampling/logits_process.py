@@ -1,0 +1,345 @@
+"""Hugging Face-style logits processors over ``kvgen.sampling.ops``, applied in one declared order.
+
+Each processor is a small pure callable ``(token_ids [B, T] long, logits [B, V] float)
+-> logits [B, V]`` holding one setting for the whole batch; it validates that setting
+when built and never edits its inputs. ``build_logits_processors`` turns any object
+with Hugging Face ``GenerationConfig`` attribute names into a ``LogitsProcessorList``
+ordered by ``PROCESSOR_ORDER``.
+
+Source: ``transformers`` 4.55 ``generation/logits_process.py`` (semantics) and
+``GenerationMixin._get_logits_processor`` (order, ``min_tokens_to_keep`` for beams).
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvgen.sampling import ops
+
+
+class LogitsProcessor:
+    """Base class: ``(token_ids [B, T] long, logits [B, V] float) -> logits [B, V]``."""
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+class LogitsProcessorList(list[LogitsProcessor]):
+    """Processors applied left to right; calling it returns the last one's logits [B, V]."""
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        for processor in self:
+            logits = processor(token_ids, logits)
+        return logits
+
+
+def _eos_list(eos_token_id: int | Sequence[int] | torch.Tensor | None) -> list[int]:
+    """EOS id(s) as a list (``None`` gives ``[]``)."""
+    if eos_token_id is None:
+        return []
+    if isinstance(eos_token_id, torch.Tensor):
+        return [int(t) for t in eos_token_id.reshape(-1).tolist()]
+    if isinstance(eos_token_id, int):
+        return [eos_token_id]
+    return [int(t) for t in eos_token_id]
+
+
+# ------------------------------------------------------------------ warpers
+
+
+class TemperatureLogitsWarper(LogitsProcessor):
+    """logits / temperature. Raises ValueError unless temperature > 0."""
+
+    def __init__(self, temperature: float):
+        ops.validate_param("temperature", temperature)
+        self.temperature = temperature
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return ops.apply_temperature(logits, self.temperature)
+
+
+class _Filter(LogitsProcessor):
+    """A truncation warper: one parameter, ``filter_value`` and ``min_tokens_to_keep``."""
+
+    param_name: str
+    op: Callable[..., torch.Tensor]
+
+    def __init__(self, value: float, filter_value: float = ops.FILTER_VALUE, min_tokens_to_keep: int = 1):
+        ops.validate_param(self.param_name, value)
+        ops.validate_param("min_tokens_to_keep", min_tokens_to_keep)
+        self.value = value
+        self.filter_value = filter_value
+        self.min_tokens_to_keep = min_tokens_to_keep
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return type(self).op(logits, self.value, self.min_tokens_to_keep, self.filter_value)
+
+
+class TopKLogitsWarper(_Filter):
+    """Keep the top_k highest logits (ties kept). Raises ValueError for top_k < 0."""
+
+    param_name, op = "top_k", ops.apply_top_k
+
+
+class TopPLogitsWarper(_Filter):
+    """Nucleus filtering. Raises ValueError unless top_p is in (0, 1]."""
+
+    param_name, op = "top_p", ops.apply_top_p
+
+
+class MinPLogitsWarper(_Filter):
+    """Drop tokens below min_p * top probability. Raises ValueError unless min_p is in [0, 1]."""
+
+    param_name, op = "min_p", ops.apply_min_p
+
+
+class TypicalLogitsWarper(_Filter):
+    """Locally typical filtering with mass typical_p. Raises ValueError unless it is in (0, 1]."""
+
+    param_name, op = "typical_p", ops.apply_typical_p
+
+
+class EpsilonLogitsWarper(_Filter):
+    """Drop tokens with probability < epsilon. Raises ValueError unless epsilon is in [0, 1)."""
+
+    param_name, op = "epsilon_cutoff", ops.apply_epsilon_cutoff
+
+
+class EtaLogitsWarper(_Filter):
+    """Entropy-dependent cutoff. Raises ValueError unless epsilon (eta) is in [0, 1)."""
+
+    param_name, op = "eta_cutoff", ops.apply_eta_cutoff
+
+
+# --------------------------------------------------------------- processors
+
+
+class RepetitionPenaltyLogitsProcessor(LogitsProcessor):
+    """HF repetition penalty over the whole history (prompt included). Raises ValueError for penalty <= 0."""
+
+    def __init__(self, penalty: float):
+        ops.validate_param("repetition_penalty", penalty)
+        self.penalty = penalty
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return ops.apply_repetition_penalty(logits, token_ids, self.penalty)
+
+
+class PresenceFrequencyPenaltyLogitsProcessor(LogitsProcessor):
+    """OpenAI presence/frequency penalties over the tokens after ``prompt_length``.
+
+    Raises ValueError for penalties outside [-2, 2] or a negative prompt_length.
+    """
+
+    def __init__(self, presence_penalty: float, frequency_penalty: float, prompt_length: int):
+        ops.validate_param("presence_penalty", presence_penalty)
+        ops.validate_param("frequency_penalty", frequency_penalty)
+        if isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or prompt_length < 0:
+            raise ValueError(f"prompt_length must be an int >= 0, got {prompt_length!r}")
+        self.presence_penalty = presence_penalty
+        self.frequency_penalty = frequency_penalty
+        self.prompt_length = prompt_length
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        output_ids = token_ids[:, self.prompt_length :]  # [B, T - prompt_length]
+        return ops.apply_presence_frequency_penalty(logits, output_ids, self.presence_penalty, self.frequency_penalty)
+
+
+class NoRepeatNGramLogitsProcessor(LogitsProcessor):
+    """Forbid repeating any n-gram of the history. Raises ValueError for ngram_size < 0."""
+
+    def __init__(self, ngram_size: int):
+        ops.validate_param("no_repeat_ngram_size", ngram_size)
+        self.ngram_size = ngram_size
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return ops.apply_no_repeat_ngram(logits, token_ids, self.ngram_size)
+
+
+class MinNewTokensLengthLogitsProcessor(LogitsProcessor):
+    """Forbid EOS ids until ``min_new_tokens`` tokens follow the prompt.
+
+    Raises ValueError for negative lengths.
+    """
+
+    def __init__(self, prompt_length_to_skip: int, min_new_tokens: int, eos_token_id: int | Sequence[int]):
+        ops.validate_param("num_generated", prompt_length_to_skip)
+        ops.validate_param("min_tokens", min_new_tokens)
+        self.prompt_length_to_skip = prompt_length_to_skip
+        self.min_new_tokens = min_new_tokens
+        self.eos_token_ids = _eos_list(eos_token_id)
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        num_generated = token_ids.shape[1] - self.prompt_length_to_skip
+        return ops.apply_min_tokens(logits, num_generated, self.min_new_tokens, self.eos_token_ids)
+
+
+class SequenceBiasLogitsProcessor(LogitsProcessor):
+    """Additive bias on the id that would complete each listed sequence. Raises ValueError if malformed."""
+
+    def __init__(self, sequence_bias: ops.SequenceBias):
+        self.sequence_bias = ops.normalize_sequence_bias(sequence_bias)
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return ops.apply_sequence_bias(logits, token_ids, self.sequence_bias)
+
+
+class NoBadWordsLogitsProcessor(LogitsProcessor):
+    """Forbid the listed id sequences; single-id entries equal to an EOS id are dropped, as in HF.
+
+    Raises ValueError for an empty or malformed list.
+    """
+
+    def __init__(self, bad_words_ids: Sequence[Sequence[int]], eos_token_id: int | Sequence[int] | None = None):
+        if not isinstance(bad_words_ids, Sequence) or not bad_words_ids:
+            raise ValueError(f"bad_words_ids must be a non-empty list of id lists, got {bad_words_ids!r}")
+        ops.normalize_sequence_bias({tuple(ids): 0.0 for ids in bad_words_ids})  # validates the ids
+        eos = _eos_list(eos_token_id)
+        self.bad_words_ids = [list(ids) for ids in bad_words_ids if not (len(ids) == 1 and ids[0] in eos)]
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if not self.bad_words_ids:
+            return logits.clone()
+        return ops.apply_bad_words(logits, token_ids, self.bad_words_ids)
+
+
+class SuppressTokensLogitsProcessor(LogitsProcessor):
+    """Set the listed ids to -inf at every step."""
+
+    def __init__(self, suppress_tokens: Sequence[int]):
+        self.suppress_tokens = [int(t) for t in suppress_tokens]
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return ops.apply_suppress_tokens(logits, self.suppress_tokens)
+
+
+# ------------------------------------------------------------------ builder
+
+# Processors first, then warpers (only when sampling): the order of transformers 4.55
+# ``_get_logits_processor``. Presence/frequency (absent in HF) sit with the penalties,
+# before temperature, as in vLLM.
+PROCESSOR_ORDER: tuple[type[LogitsProcessor], ...] = (
+    SequenceBiasLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    NoBadWordsLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    PresenceFrequencyPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+)
+WARPERS: frozenset[type[LogitsProcessor]] = frozenset(PROCESSOR_ORDER[PROCESSOR_ORDER.index(TemperatureLogitsWarper) :])
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """What the factories read: the config plus values derived once."""
+
+    cfg: object
+    prompt_length: int
+    min_tokens_to_keep: int
+    eos_token_ids: list[int]
+
+    def get(self, name: str, default: object) -> object:
+        """``cfg.name``, with a missing attribute or ``None`` meaning ``default`` (disabled)."""
+        value = getattr(self.cfg, name, None)
+        return default if value is None else value
+
+
+def _when_set(
+    cls: Callable[..., LogitsProcessor], name: str, disabled: object = None, **extra: object
+) -> Callable[[_Settings], LogitsProcessor | None]:
+    """A factory building ``cls(cfg.name, **extra)`` unless the value is the disabled one."""
+
+    def build(s: _Settings) -> LogitsProcessor | None:
+        value = s.get(name, disabled)
+        return None if value == disabled else cls(value, **extra)
+
+    return build
+
+
+def _filter(cls: type[_Filter], name: str, disabled: float) -> Callable[[_Settings], LogitsProcessor | None]:
+    """A factory for a truncation warper, passing the derived ``min_tokens_to_keep``."""
+    return lambda s: _when_set(cls, name, disabled, min_tokens_to_keep=s.min_tokens_to_keep)(s)
+
+
+def _bad_words(s: _Settings) -> LogitsProcessor | None:
+    bad_words_ids = s.get("bad_words_ids", None)
+    return None if bad_words_ids is None else NoBadWordsLogitsProcessor(bad_words_ids, s.eos_token_ids)
+
+
+def _min_new_tokens(s: _Settings) -> LogitsProcessor | None:
+    min_new_tokens = s.get("min_new_tokens", 0)
+    if min_new_tokens == 0 or not s.eos_token_ids:  # HF skips it without an EOS id
+        return None
+    return MinNewTokensLengthLogitsProcessor(s.prompt_length, min_new_tokens, s.eos_token_ids)
+
+
+def _presence_frequency(s: _Settings) -> LogitsProcessor | None:
+    presence, frequency = s.get("presence_penalty", 0.0), s.get("frequency_penalty", 0.0)
+    if presence == 0.0 and frequency == 0.0:
+        return None
+    return PresenceFrequencyPenaltyLogitsProcessor(presence, frequency, s.prompt_length)
+
+
+_FACTORIES: dict[type[LogitsProcessor], Callable[[_Settings], LogitsProcessor | None]] = {
+    SequenceBiasLogitsProcessor: _when_set(SequenceBiasLogitsProcessor, "sequence_bias"),
+    RepetitionPenaltyLogitsProcessor: _when_set(RepetitionPenaltyLogitsProcessor, "repetition_penalty", 1.0),
+    NoRepeatNGramLogitsProcessor: _when_set(NoRepeatNGramLogitsProcessor, "no_repeat_ngram_size", 0),
+    NoBadWordsLogitsProcessor: _bad_words,
+    MinNewTokensLengthLogitsProcessor: _min_new_tokens,
+    SuppressTokensLogitsProcessor: _when_set(SuppressTokensLogitsProcessor, "suppress_tokens"),
+    PresenceFrequencyPenaltyLogitsProcessor: _presence_frequency,
+    TemperatureLogitsWarper: _when_set(TemperatureLogitsWarper, "temperature", 1.0),
+    TopKLogitsWarper: _filter(TopKLogitsWarper, "top_k", 0),
+    TopPLogitsWarper: _filter(TopPLogitsWarper, "top_p", 1.0),
+    MinPLogitsWarper: _filter(MinPLogitsWarper, "min_p", 0.0),
+    TypicalLogitsWarper: _filter(TypicalLogitsWarper, "typical_p", 1.0),
+    EpsilonLogitsWarper: _filter(EpsilonLogitsWarper, "epsilon_cutoff", 0.0),
+    EtaLogitsWarper: _filter(EtaLogitsWarper, "eta_cutoff", 0.0),
+}
+
+
+def default_min_tokens_to_keep(cfg: object) -> int:
+    """1, or for beam sampling (num_beams > 1) the number of EOS ids + 1 (2 without EOS), as in HF."""
+    if (getattr(cfg, "num_beams", None) or 1) <= 1:
+        return 1
+    eos_token_ids = _eos_list(getattr(cfg, "eos_token_id", None))
+    return len(eos_token_ids) + 1 if eos_token_ids else 2
+
+
+def build_logits_processors(
+    cfg: object, prompt_length: int, min_tokens_to_keep: int | None = None
+) -> LogitsProcessorList:
+    """The processors ``cfg`` enables, in ``PROCESSOR_ORDER``; warpers only when ``cfg.do_sample``.
+
+    cfg: any object with HF ``GenerationConfig`` attribute names (missing or ``None``
+    means disabled). prompt_length: tokens before the first generated one (columns
+    of token_ids). min_tokens_to_keep: for the warpers; ``None`` derives it from
+    num_beams as HF does. Raises ValueError for invalid settings.
+    """
+    if isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or prompt_length < 0:
+        raise ValueError(f"prompt_length must be an int >= 0, got {prompt_length!r}")
+    keep = default_min_tokens_to_keep(cfg) if min_tokens_to_keep is None else min_tokens_to_keep
+    ops.validate_param("min_tokens_to_keep", keep)
+    settings = _Settings(cfg, prompt_length, keep, _eos_list(getattr(cfg, "eos_token_id", None)))
+    is_sampling = bool(getattr(cfg, "do_sample", False))
+    processors = LogitsProcessorList()
+    for cls in PROCESSOR_ORDER:
+        if cls in WARPERS and not is_sampling:
+            continue
+        processor = _FACTORIES[cls](settings)
+        if processor is not None:
+            processors.append(processor)
+    return processors

@@ -1,0 +1,537 @@
+"""Per-row logits transforms, token choice and log-probabilities.
+
+Every op is pure: it returns a new tensor and never edits its inputs. Each
+parameter is either a Python scalar (one setting for the whole batch, as in an
+HF-style ``generate()``) or a ``[B]`` tensor (one setting per row, as in a
+continuous-batching engine). A row whose parameter is the "disabled" value
+(temperature 1.0, top_k 0, top_p 1.0, min_p 0.0, ...) comes back unchanged.
+
+Token histories ``token_ids: [B, T] long`` may be ragged: rows are left-padded
+with negative ids (``-1``), which never count as tokens.
+
+Source: the semantics, tie-breaking and float operation order of Hugging Face
+``transformers`` 4.55 ``generation/logits_process.py``, which tests compare to.
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+RowParam = float | int | torch.Tensor
+SequenceBias = Mapping[tuple[int, ...], float] | Sequence[Sequence[Sequence[int] | float]]
+Generators = torch.Generator | Sequence[torch.Generator | None] | None
+
+FILTER_VALUE = -float("inf")
+
+
+# ---------------------------------------------------------------- validation
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    """Valid range of one sampling parameter: a predicate over float64 values and its wording."""
+
+    is_valid: Callable[[torch.Tensor], torch.Tensor]
+    expected: str
+    is_integral: bool = False
+
+
+PARAM_RULES: dict[str, ParamRule] = {
+    "temperature": ParamRule(lambda t: t > 0, "> 0 (use greedy decoding for 0)"),
+    "top_k": ParamRule(lambda t: t >= 0, ">= 0 (0 disables)", is_integral=True),
+    "top_p": ParamRule(lambda t: (t > 0) & (t <= 1), "in (0, 1]"),
+    "min_p": ParamRule(lambda t: (t >= 0) & (t <= 1), "in [0, 1]"),
+    "typical_p": ParamRule(lambda t: (t > 0) & (t <= 1), "in (0, 1]"),
+    "epsilon_cutoff": ParamRule(lambda t: (t >= 0) & (t < 1), "in [0, 1)"),
+    "eta_cutoff": ParamRule(lambda t: (t >= 0) & (t < 1), "in [0, 1)"),
+    "repetition_penalty": ParamRule(lambda t: t > 0, "> 0"),
+    "presence_penalty": ParamRule(lambda t: (t >= -2) & (t <= 2), "in [-2, 2]"),
+    "frequency_penalty": ParamRule(lambda t: (t >= -2) & (t <= 2), "in [-2, 2]"),
+    "no_repeat_ngram_size": ParamRule(lambda t: t >= 0, ">= 0 (0 disables)", is_integral=True),
+    "num_generated": ParamRule(lambda t: t >= 0, ">= 0", is_integral=True),
+    "min_tokens": ParamRule(lambda t: t >= 0, ">= 0", is_integral=True),
+    "min_tokens_to_keep": ParamRule(lambda t: t >= 1, ">= 1", is_integral=True),
+}
+
+
+def validate_param(name: str, value: RowParam) -> None:
+    """Check a scalar or ``[B]`` parameter against ``PARAM_RULES[name]``.
+
+    Raises ValueError naming the parameter, the first bad value and, for a tensor,
+    its row: ``top_p must be in (0, 1], got 1.5``.
+    """
+    rule = PARAM_RULES[name]
+    is_tensor = isinstance(value, torch.Tensor)
+    if is_tensor:
+        if value.dim() != 1:
+            raise ValueError(f"{name} must be a scalar or a [B] tensor, got shape {list(value.shape)}")
+        if rule.is_integral and (value.dtype.is_floating_point or value.dtype.is_complex):
+            raise ValueError(f"{name} must hold integers, got dtype {value.dtype}")
+        values = value.detach().to("cpu", torch.float64)  # [B]
+    else:
+        kinds = (int,) if rule.is_integral else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise ValueError(f"{name} must be {'an int' if rule.is_integral else 'a number'}, got {value!r}")
+        values = torch.tensor([float(value)], dtype=torch.float64)  # [1]
+    bad = ~rule.is_valid(values)  # NaN fails every comparison, so it is reported too
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        got = values[row].item() if is_tensor else value
+        if is_tensor and rule.is_integral:
+            got = int(got)
+        where = f" (row {row})" if is_tensor else ""
+        raise ValueError(f"{name} must be {rule.expected}, got {got}{where}")
+
+
+def _check_min_tokens_to_keep(min_tokens_to_keep: int) -> None:
+    if isinstance(min_tokens_to_keep, torch.Tensor):
+        raise ValueError("min_tokens_to_keep must be an int, got a tensor")
+    validate_param("min_tokens_to_keep", min_tokens_to_keep)
+
+
+def _check_logits(logits: torch.Tensor) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [B, V], got shape {list(logits.shape)}")
+
+
+def _check_token_ids(token_ids: torch.Tensor, logits: torch.Tensor, name: str = "token_ids") -> None:
+    if token_ids.dim() != 2 or token_ids.shape[0] != logits.shape[0]:
+        raise ValueError(f"{name} must be [B={logits.shape[0]}, T], got shape {list(token_ids.shape)}")
+    if token_ids.numel() and int(token_ids.max()) >= logits.shape[1]:
+        raise ValueError(f"{name} must be < vocab size {logits.shape[1]}, got {int(token_ids.max())}")
+
+
+def _per_row(value: RowParam, num_rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A scalar or ``[B]`` parameter as a ``[B, 1]`` column of ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        if value.shape[0] != num_rows:
+            raise ValueError(f"per-row parameter must have {num_rows} rows, got {value.shape[0]}")
+        return value.to(device=device, dtype=dtype).unsqueeze(1)  # [B, 1]
+    return torch.full((num_rows, 1), value, dtype=dtype, device=device)  # [B, 1]
+
+
+def _keep_first(sorted_remove: torch.Tensor, num: int) -> torch.Tensor:
+    """Clear the first ``num`` columns of a sorted removal mask (in place, internal)."""
+    sorted_remove[:, :num] = False
+    return sorted_remove
+
+
+# ------------------------------------------------------------------ warpers
+
+
+def apply_temperature(logits: torch.Tensor, temperature: RowParam) -> torch.Tensor:
+    """Divide each row's logits by its temperature.
+
+    logits: [B, V] float; temperature: scalar or [B], > 0 (1.0 disables).
+    Returns [B, V], logits' dtype. Raises ValueError for temperature <= 0.
+    Source: HF ``TemperatureLogitsWarper``.
+    """
+    _check_logits(logits)
+    validate_param("temperature", temperature)
+    t = _per_row(temperature, logits.shape[0], logits.dtype, logits.device)  # [B, 1]
+    return logits / t
+
+
+def apply_top_k(
+    logits: torch.Tensor, top_k: RowParam, min_tokens_to_keep: int = 1, filter_value: float = FILTER_VALUE
+) -> torch.Tensor:
+    """Keep tokens whose logit is at least the row's k-th largest (ties at the k-th all stay).
+
+    logits: [B, V] float; top_k: int or [B] long, >= 0 (0 disables); k is raised to
+    ``min_tokens_to_keep`` and capped at V. Returns [B, V] with removed entries set to
+    ``filter_value``. Raises ValueError for top_k < 0. Source: HF ``TopKLogitsWarper``.
+    """
+    _check_logits(logits)
+    validate_param("top_k", top_k)
+    _check_min_tokens_to_keep(min_tokens_to_keep)
+    num_rows, vocab_size = logits.shape
+    k = _per_row(top_k, num_rows, torch.long, logits.device)  # [B, 1]
+    is_enabled = k > 0  # [B, 1]
+    k = torch.where(is_enabled, k.clamp(min=min_tokens_to_keep), vocab_size).clamp(max=vocab_size)  # [B, 1]
+    top_values = torch.topk(logits, int(k.max())).values  # [B, k_max], descending
+    kth = top_values.gather(1, k - 1)  # [B, 1]
+    return logits.masked_fill((logits < kth) & is_enabled, filter_value)
+
+
+def apply_top_p(
+    logits: torch.Tensor, top_p: RowParam, min_tokens_to_keep: int = 1, filter_value: float = FILTER_VALUE
+) -> torch.Tensor:
+    """Nucleus filtering: keep the smallest set of top tokens whose probability mass reaches top_p.
+
+    Sorted ascending, tokens whose cumulative probability is <= 1 - top_p are removed
+    (so ties at the boundary depend on ``torch.sort``, exactly as in HF).
+    logits: [B, V] float; top_p: scalar or [B] in (0, 1] (1.0 disables).
+    Returns [B, V]. Raises ValueError outside (0, 1]. Source: HF ``TopPLogitsWarper``.
+    """
+    _check_logits(logits)
+    validate_param("top_p", top_p)
+    _check_min_tokens_to_keep(min_tokens_to_keep)
+    p = _per_row(top_p, logits.shape[0], torch.float64, logits.device)  # [B, 1]
+    # 1 - p in float64, then rounded to the logits dtype, as HF's Python-float threshold is.
+    threshold = (1 - p).to(logits.dtype)  # [B, 1]
+    sorted_logits, sorted_ids = torch.sort(logits, descending=False)  # [B, V]
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
+    sorted_remove = cumulative <= threshold  # [B, V]
+    sorted_remove[:, -min_tokens_to_keep:] = False
+    remove = sorted_remove.scatter(1, sorted_ids, sorted_remove)  # [B, V], vocab order
+    return logits.masked_fill(remove & (p < 1), filter_value)
+
+
+def apply_min_p(
+    logits: torch.Tensor, min_p: RowParam, min_tokens_to_keep: int = 1, filter_value: float = FILTER_VALUE
+) -> torch.Tensor:
+    """Remove tokens whose probability is below min_p times the row's top probability.
+
+    logits: [B, V] float; min_p: scalar or [B] in [0, 1] (0.0 disables).
+    Returns [B, V]. Raises ValueError outside [0, 1]. Source: HF ``MinPLogitsWarper``
+    (Nguyen et al. 2024, "Min P Sampling").
+    """
+    _check_logits(logits)
+    validate_param("min_p", min_p)
+    _check_min_tokens_to_keep(min_tokens_to_keep)
+    scale = _per_row(min_p, logits.shape[0], logits.dtype, logits.device)  # [B, 1]
+    probs = torch.softmax(logits, dim=-1)  # [B, V]
+    top_probs = probs.max(dim=-1, keepdim=True).values  # [B, 1]
+    remove = probs < scale * top_probs  # [B, V]
+    sorted_ids = torch.argsort(logits, descending=True, dim=-1)  # [B, V]
+    sorted_remove = _keep_first(remove.gather(-1, sorted_ids), min_tokens_to_keep)  # [B, V]
+    remove = sorted_remove.scatter(1, sorted_ids, sorted_remove)  # [B, V]
+    return logits.masked_fill(remove & (scale > 0), filter_value)
+
+
+def apply_typical_p(
+    logits: torch.Tensor, typical_p: RowParam, min_tokens_to_keep: int = 1, filter_value: float = FILTER_VALUE
+) -> torch.Tensor:
+    """Locally typical sampling: keep tokens whose surprisal is closest to the entropy, up to mass typical_p.
+
+    logits: [B, V] float; typical_p: scalar or [B] in (0, 1] (1.0 disables).
+    Returns [B, V]. Raises ValueError outside (0, 1]. Source: HF ``TypicalLogitsWarper``
+    (Meister et al. 2022, "Locally Typical Sampling").
+    """
+    _check_logits(logits)
+    validate_param("typical_p", typical_p)
+    _check_min_tokens_to_keep(min_tokens_to_keep)
+    mass = _per_row(typical_p, logits.shape[0], logits.dtype, logits.device)  # [B, 1]
+    log_probs = torch.nn.functional.log_softmax(logits, dim=-1)  # [B, V]
+    entropy = -(log_probs * torch.exp(log_probs)).nansum(-1, keepdim=True)  # [B, 1]
+    shifted = torch.abs((-log_probs) - entropy)  # [B, V]
+    sorted_shifted, sorted_ids = torch.sort(shifted, descending=False)  # [B, V]
+    cumulative = logits.gather(-1, sorted_ids).softmax(dim=-1).cumsum(dim=-1)  # [B, V]
+    last = (cumulative < mass).sum(dim=1, keepdim=True).clamp(max=logits.shape[-1] - 1)  # [B, 1]
+    sorted_remove = _keep_first(sorted_shifted > sorted_shifted.gather(1, last), min_tokens_to_keep)
+    remove = sorted_remove.scatter(1, sorted_ids, sorted_remove)  # [B, V]
+    return logits.masked_fill(remove & (mass < 1), filter_value)
+
+
+def _outside_top(logits: torch.Tensor, min_tokens_to_keep: int) -> torch.Tensor:
+    """[B, V] bool: below the row's ``min_tokens_to_keep``-th largest logit."""
+    k = min(min_tokens_to_keep, logits.shape[-1])
+    return logits < torch.topk(logits, k).values[..., -1:]  # [B, V]
+
+
+def apply_epsilon_cutoff(
+    logits: torch.Tensor, epsilon: RowParam, min_tokens_to_keep: int = 1, filter_value: float = FILTER_VALUE
+) -> torch.Tensor:
+    """Remove tokens with probability below epsilon (truncation sampling).
+
+    logits: [B, V] float; epsilon: scalar or [B] in [0, 1) (0.0 disables).
+    Returns [B, V]. Raises ValueError outside [0, 1). Source: HF ``EpsilonLogitsWarper``
+    (Hewitt et al. 2022, "Truncation Sampling as Language Model Desmoothing").
+    """
+    _check_logits(logits)
+    validate_param("epsilon_cutoff", epsilon)
+    _check_min_tokens_to_keep(min_tokens_to_keep)
+    eps = _per_row(epsilon, logits.shape[0], logits.dtype, logits.device)  # [B, 1]
+    remove = (logits.softmax(dim=-1) < eps) & _outside_top(logits, min_tokens_to_keep)  # [B, V]
+    return logits.masked_fill(remove & (eps > 0), filter_value)
+
+
+def _categorical_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """[B] entropy in nats, computed as ``torch.distributions.Categorical`` does."""
+    normalized = logits - logits.logsumexp(dim=-1, keepdim=True)  # [B, V]
+    probs = torch.softmax(normalized, dim=-1)  # [B, V]
+    clamped = torch.clamp(normalized, min=torch.finfo(normalized.dtype).min)  # -inf * 0 would be NaN
+    return -(clamped * probs).sum(-1)  # [B]
+
+
+def apply_eta_cutoff(
+    logits: torch.Tensor, eta: RowParam, min_tokens_to_keep: int = 1, filter_value: float = FILTER_VALUE
+) -> torch.Tensor:
+    """Remove tokens with probability below min(eta, sqrt(eta) * exp(-entropy)).
+
+    logits: [B, V] float; eta: scalar or [B] in [0, 1) (0.0 disables).
+    Returns [B, V]. Raises ValueError outside [0, 1). Source: HF ``EtaLogitsWarper``
+    (Hewitt et al. 2022).
+    """
+    _check_logits(logits)
+    validate_param("eta_cutoff", eta)
+    _check_min_tokens_to_keep(min_tokens_to_keep)
+    eps = _per_row(eta, logits.shape[0], torch.float32, logits.device)  # [B, 1]
+    entropy = _categorical_entropy(logits).unsqueeze(1)  # [B, 1]
+    threshold = torch.minimum(eps, torch.sqrt(eps) * torch.exp(-entropy)).to(logits.dtype)  # [B, 1]
+    remove = (logits.softmax(dim=-1) < threshold) & _outside_top(logits, min_tokens_to_keep)  # [B, V]
+    return logits.masked_fill(remove & (eps > 0), filter_value)
+
+
+# ---------------------------------------------------------------- penalties
+
+
+def token_counts(token_ids: torch.Tensor, vocab_size: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Count each vocabulary id per row.
+
+    token_ids: [B, T] long; mask: [B, T] bool (True = real token) or None, in which
+    case negative ids are padding. Returns [B, V] long counts.
+    """
+    is_real = token_ids >= 0 if mask is None else mask.to(torch.bool) & (token_ids >= 0)  # [B, T]
+    ids = torch.where(is_real, token_ids, vocab_size)  # [B, T]; padding goes to a spill column
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.long, device=token_ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids))  # [B, V + 1]
+    return counts[:, :vocab_size]  # [B, V]
+
+
+def apply_repetition_penalty(logits: torch.Tensor, token_ids: torch.Tensor, penalty: RowParam) -> torch.Tensor:
+    """Penalize every id present in a row's history: positive logits / penalty, others * penalty.
+
+    logits: [B, V] float; token_ids: [B, T] long (negative = padding); penalty: scalar
+    or [B], > 0 (1.0 disables). Returns [B, V]. Raises ValueError for penalty <= 0 or
+    ids >= V. Source: HF ``RepetitionPenaltyLogitsProcessor`` (Keskar et al. 2019, CTRL).
+    """
+    _check_logits(logits)
+    _check_token_ids(token_ids, logits)
+    validate_param("repetition_penalty", penalty)
+    factor = _per_row(penalty, logits.shape[0], logits.dtype, logits.device)  # [B, 1]
+    is_seen = token_counts(token_ids, logits.shape[1]) > 0  # [B, V]
+    penalized = torch.where(logits < 0, logits * factor, logits / factor)  # [B, V]
+    return torch.where(is_seen, penalized, logits)
+
+
+def apply_presence_frequency_penalty(
+    logits: torch.Tensor,
+    output_token_ids: torch.Tensor,
+    presence_penalty: RowParam,
+    frequency_penalty: RowParam,
+    output_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """OpenAI penalties: ``logits - frequency * count - presence * (count > 0)``.
+
+    Counts run over generated tokens only. logits: [B, V] float; output_token_ids:
+    [B, T] long; output_mask: [B, T] bool (True = real) or None (negative ids are
+    padding); penalties: scalar or [B] in [-2, 2] (0.0 disables). Returns [B, V].
+    Raises ValueError outside [-2, 2]. Source: OpenAI API reference, "Parameter details".
+    """
+    _check_logits(logits)
+    _check_token_ids(output_token_ids, logits, "output_token_ids")
+    validate_param("presence_penalty", presence_penalty)
+    validate_param("frequency_penalty", frequency_penalty)
+    num_rows, vocab_size = logits.shape
+    presence = _per_row(presence_penalty, num_rows, logits.dtype, logits.device)  # [B, 1]
+    frequency = _per_row(frequency_penalty, num_rows, logits.dtype, logits.device)  # [B, 1]
+    counts = token_counts(output_token_ids, vocab_size, output_mask).to(logits.dtype)  # [B, V]
+    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+
+
+def banned_ngram_tokens(history: Sequence[int], ngram_size: int) -> set[int]:
+    """Ids that would repeat an n-gram already in ``history`` (n = ngram_size >= 1).
+
+    Source: fairseq / HF ``_calc_banned_ngram_tokens``.
+    """
+    if ngram_size <= 0 or len(history) + 1 < ngram_size:
+        return set()
+    prefix = tuple(history[len(history) - ngram_size + 1 :])
+    return {
+        history[i + ngram_size - 1]
+        for i in range(len(history) - ngram_size + 1)
+        if tuple(history[i : i + ngram_size - 1]) == prefix
+    }
+
+
+def apply_no_repeat_ngram(logits: torch.Tensor, token_ids: torch.Tensor, ngram_size: RowParam) -> torch.Tensor:
+    """Forbid any token that would complete an n-gram already present in the row's history.
+
+    logits: [B, V] float; token_ids: [B, T] long (negative = padding, dropped);
+    ngram_size: int or [B] long, >= 0 (0 disables). Returns [B, V] with banned ids at
+    -inf. Raises ValueError for ngram_size < 0. Source: HF ``NoRepeatNGramLogitsProcessor``.
+    """
+    _check_logits(logits)
+    _check_token_ids(token_ids, logits)
+    validate_param("no_repeat_ngram_size", ngram_size)
+    sizes = _per_row(ngram_size, logits.shape[0], torch.long, torch.device("cpu")).squeeze(1).tolist()
+    out = logits.clone()
+    for row, (history, size) in enumerate(zip(token_ids.tolist(), sizes)):
+        banned = banned_ngram_tokens([t for t in history if t >= 0], size)
+        if banned:
+            out[row, sorted(banned)] = FILTER_VALUE
+    return out
+
+
+def _vocab_mask(token_ids: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[V] bool, True at the listed ids (ids outside the vocabulary are ignored, as in HF)."""
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)
+    return torch.isin(torch.arange(vocab_size, device=device), ids)  # [V]
+
+
+def apply_min_tokens(
+    logits: torch.Tensor, num_generated: RowParam, min_tokens: RowParam, eos_token_ids: Sequence[int]
+) -> torch.Tensor:
+    """Forbid every EOS id in rows that have generated fewer than ``min_tokens`` tokens.
+
+    logits: [B, V] float; num_generated, min_tokens: int or [B] long, >= 0.
+    Returns [B, V]. Raises ValueError for negative counts.
+    Source: HF ``MinNewTokensLengthLogitsProcessor``.
+    """
+    _check_logits(logits)
+    validate_param("num_generated", num_generated)
+    validate_param("min_tokens", min_tokens)
+    num_rows, vocab_size = logits.shape
+    is_short = _per_row(num_generated, num_rows, torch.long, logits.device) < _per_row(
+        min_tokens, num_rows, torch.long, logits.device
+    )  # [B, 1]
+    is_eos = _vocab_mask(eos_token_ids, vocab_size, logits.device)  # [V]
+    return logits.masked_fill(is_short & is_eos, FILTER_VALUE)
+
+
+def normalize_sequence_bias(sequence_bias: SequenceBias) -> dict[tuple[int, ...], float]:
+    """``{(ids...): bias}`` from a dict or from HF's list of ``[ids, bias]`` pairs.
+
+    Raises ValueError for an empty container, empty or negative id sequences, or
+    non-numeric biases.
+    """
+    if isinstance(sequence_bias, Mapping):
+        pairs = list(sequence_bias.items())
+    elif isinstance(sequence_bias, Sequence) and all(
+        isinstance(p, Sequence) and len(p) == 2 for p in sequence_bias
+    ):
+        pairs = [(p[0], p[1]) for p in sequence_bias]
+    else:
+        raise ValueError(f"sequence_bias must be a dict or a list of [ids, bias] pairs, got {sequence_bias!r}")
+    if not pairs:
+        raise ValueError(f"sequence_bias must not be empty, got {sequence_bias!r}")
+    result: dict[tuple[int, ...], float] = {}
+    for ids, bias in pairs:
+        ids = tuple(ids)
+        if not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise ValueError(f"sequence_bias keys must be non-empty sequences of ids >= 0, got {ids!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise ValueError(f"sequence_bias values must be numbers, got {bias!r}")
+        result[ids] = float(bias)
+    return result
+
+
+def apply_sequence_bias(logits: torch.Tensor, token_ids: torch.Tensor, sequence_bias: SequenceBias) -> torch.Tensor:
+    """Add a bias to the last id of each listed sequence when the history ends with the rest of it.
+
+    Single-id sequences are always biased. logits: [B, V] float; token_ids: [B, T]
+    long (negative = padding, never matches). Returns [B, V]. Raises ValueError for
+    malformed biases or ids >= V. Source: HF ``SequenceBiasLogitsProcessor``.
+    """
+    _check_logits(logits)
+    _check_token_ids(token_ids, logits)
+    biases = normalize_sequence_bias(sequence_bias)
+    vocab_size = logits.shape[1]
+    too_big = [t for ids in biases for t in ids if t >= vocab_size]
+    if too_big:
+        raise ValueError(f"sequence_bias ids must be < vocab size {vocab_size}, got {too_big}")
+    single = torch.zeros(vocab_size, dtype=torch.float, device=logits.device)  # [V]
+    single_items = [(ids[0], b) for ids, b in biases.items() if len(ids) == 1]
+    if single_items:
+        single[[i for i, _ in single_items]] = torch.tensor([b for _, b in single_items], device=logits.device)
+    bias = torch.zeros_like(logits) + single  # [B, V]
+    for ids, value in biases.items():
+        if len(ids) == 1 or len(ids) > token_ids.shape[1]:
+            continue
+        prefix = torch.tensor(ids[:-1], dtype=token_ids.dtype, device=token_ids.device)  # [n - 1]
+        is_match = torch.eq(token_ids[:, -len(prefix) :], prefix).all(dim=1)  # [B]
+        bias[:, ids[-1]] += torch.where(is_match, value, 0.0)
+    return logits + bias
+
+
+def apply_bad_words(
+    logits: torch.Tensor, token_ids: torch.Tensor, bad_words_ids: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """Forbid the last id of each bad sequence when the history ends with the rest of it.
+
+    logits: [B, V] float; token_ids: [B, T] long; bad_words_ids: non-empty list of
+    non-empty id lists. Returns [B, V]. Raises ValueError for malformed lists.
+    Source: HF ``NoBadWordsLogitsProcessor`` (a -inf sequence bias).
+    """
+    if not isinstance(bad_words_ids, Sequence) or not bad_words_ids:
+        raise ValueError(f"bad_words_ids must be a non-empty list of id lists, got {bad_words_ids!r}")
+    return apply_sequence_bias(logits, token_ids, {tuple(ids): FILTER_VALUE for ids in bad_words_ids})
+
+
+def apply_suppress_tokens(logits: torch.Tensor, suppress_token_ids: Sequence[int]) -> torch.Tensor:
+    """Set the listed ids to -inf in every row (ids >= V are ignored).
+
+    logits: [B, V] float. Returns [B, V]. Source: HF ``SuppressTokensLogitsProcessor``.
+    """
+    _check_logits(logits)
+    return logits.masked_fill(_vocab_mask(suppress_token_ids, logits.shape[1], logits.device), FILTER_VALUE)
+
+
+# ------------------------------------------------------------- token choice
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax per row; ties go to the lowest id. logits: [B, V]. Returns [B] long."""
+    _check_logits(logits)
+    return torch.argmax(logits, dim=-1)
+
+
+def sample_from_probs(probs: torch.Tensor, generator: Generators = None) -> torch.Tensor:
+    """Draw one id per row with ``torch.multinomial``.
+
+    probs: [B, V] float, rows non-negative with a positive sum. generator: one
+    ``torch.Generator`` for the batch, or a list of B (``None`` entries use torch's
+    default generator); with a list, each row draws from its own generator, so a
+    seeded row gets the same id whatever else is in the batch. Returns [B] long.
+    Raises ValueError for a list of the wrong length.
+    """
+    _check_logits(probs)
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)  # [B]
+    if len(generator) != probs.shape[0]:
+        raise ValueError(f"generator list must have one entry per row ({probs.shape[0]}), got {len(generator)}")
+    rows = [torch.multinomial(probs[i : i + 1], 1, generator=g) for i, g in enumerate(generator)]  # [1, 1] each
+    return torch.cat(rows).squeeze(1)  # [B]
+
+
+def sample(logits: torch.Tensor, generator: Generators = None) -> torch.Tensor:
+    """Softmax (in float32) then ``sample_from_probs``; -inf logits are never drawn.
+
+    logits: [B, V] float. Returns [B] long. Source: HF ``_sample`` (softmax, multinomial).
+    """
+    _check_logits(logits)
+    return sample_from_probs(torch.softmax(logits.float(), dim=-1), generator)
+
+
+# ----------------------------------------------------------------- logprobs
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """Log-softmax in float32. logits: [B, V]. Returns [B, V] float32."""
+    _check_logits(logits)
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Each row's log-probability of its chosen id. logprobs: [B, V]; token_ids: [B] long. Returns [B]."""
+    return logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [B]
+
+
+def token_ranks(logprobs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """1-based rank of each chosen id (1 + number of strictly larger entries). Returns [B] long."""
+    chosen = gather_logprobs(logprobs, token_ids).unsqueeze(1)  # [B, 1]
+    return (logprobs > chosen).sum(dim=-1) + 1  # [B]
+
+
+def top_logprobs(logprobs: torch.Tensor, num: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``num`` largest log-probabilities per row and their ids, descending.
+
+    logprobs: [B, V]. Returns ([B, num] float, [B, num] long). Raises ValueError
+    unless 0 <= num <= V.
+    """
+    if isinstance(num, bool) or not isinstance(num, int) or not 0 <= num <= logprobs.shape[-1]:
+        raise ValueError(f"num must be an int in [0, {logprobs.shape[-1]}], got {num!r}")
+    values, ids = torch.topk(logprobs, num, dim=-1)  # [B, num]
+    return values, ids

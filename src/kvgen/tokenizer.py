@@ -1,0 +1,561 @@
+"""Text <-> token ids: one ``Tokenizer`` over the Hugging Face ``tokenizers`` library.
+
+Builds byte-level BPE tokenizers from GGUF metadata (llama.cpp's "gpt2"
+tokenizer model) or from a Hugging Face directory, renders chat templates with
+jinja2 exactly as ``transformers`` does, and detokenizes a stream of ids
+incrementally as vLLM does.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+from kvgen.errors import KvgenError, ModelFormatError, ModelNotFoundError
+
+
+class ChatTemplateError(KvgenError):
+    """Messages that a chat template rejects (bad roles, missing fields, ``raise_exception``)."""
+
+
+class GGUFTokenType(enum.IntEnum):
+    """``tokenizer.ggml.token_type`` values (llama.cpp ``llama_token_type``)."""
+
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6
+
+
+class PreTokenizerKind(enum.Enum):
+    """How text is split into words before byte-level BPE merges."""
+
+    BYTE_LEVEL = "byte_level"  # GPT-2 regex
+    DIGITS_BYTE_LEVEL = "digits_byte_level"  # every digit alone, then GPT-2 regex
+    LLAMA3 = "llama3"
+    QWEN2 = "qwen2"
+
+
+# ``tokenizer.ggml.pre`` -> kind; names and groups as in llama.cpp's llama-vocab.cpp.
+GGUF_PRE_TOKENIZERS: dict[str, PreTokenizerKind] = {
+    "default": PreTokenizerKind.BYTE_LEVEL,
+    "gpt2": PreTokenizerKind.BYTE_LEVEL,
+    "gpt-2": PreTokenizerKind.BYTE_LEVEL,
+    "smollm": PreTokenizerKind.DIGITS_BYTE_LEVEL,
+    "starcoder": PreTokenizerKind.DIGITS_BYTE_LEVEL,
+    "refact": PreTokenizerKind.DIGITS_BYTE_LEVEL,
+    "llama-bpe": PreTokenizerKind.LLAMA3,
+    "llama3": PreTokenizerKind.LLAMA3,
+    "llama-v3": PreTokenizerKind.LLAMA3,
+    "qwen2": PreTokenizerKind.QWEN2,
+}
+
+# Split patterns from the models' own tokenizer.json files (Meta Llama 3, Qwen2).
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# Tokens of prompt context decoded before the first new token (vLLM's
+# INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET): enough for spacing rules that
+# depend on the previous token.
+DETOKENIZE_CONTEXT_TOKENS = 5
+
+
+def _split_then_byte_level(pattern: str) -> pre_tokenizers.PreTokenizer:
+    split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
+    return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+_PRE_TOKENIZER_BUILDERS = {
+    PreTokenizerKind.BYTE_LEVEL: lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    PreTokenizerKind.DIGITS_BYTE_LEVEL: lambda: pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    ),
+    PreTokenizerKind.LLAMA3: lambda: _split_then_byte_level(LLAMA3_PATTERN),
+    PreTokenizerKind.QWEN2: lambda: _split_then_byte_level(QWEN2_PATTERN),
+}
+
+
+def build_pre_tokenizer(kind: PreTokenizerKind) -> pre_tokenizers.PreTokenizer:
+    """The ``tokenizers`` pre-tokenizer for ``kind`` (byte-level, no prefix space)."""
+    return _PRE_TOKENIZER_BUILDERS[kind]()
+
+
+@dataclass(frozen=True)
+class SpecialTokenIds:
+    """Ids of the tokens with a role; ``eos_token_ids[0]`` is the primary EOS."""
+
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    unk_token_id: int | None = None
+
+
+def _check_token_ids(token_ids: Iterable[int], vocab_size: int) -> None:
+    for i in token_ids:
+        if not 0 <= i < vocab_size:
+            raise ValueError(f"token id must be in [0, {vocab_size}), got {i}")
+
+
+def _add_bos_eos(backend: BackendTokenizer, bos: int | None, eos: int | None, add_bos: bool, add_eos: bool) -> None:
+    """Install a post-processor that adds BOS/EOS when ``add_special_tokens`` is true."""
+    single: list[str] = []
+    special: list[tuple[str, int]] = []
+    for token_id, wanted, where in ((bos, add_bos, 0), (eos, add_eos, 1)):
+        if not wanted:
+            continue
+        if token_id is None:
+            raise ModelFormatError(f"tokenizer asks to add {('BOS', 'EOS')[where]} but has no such token id")
+        special.append((backend.id_to_token(token_id), token_id))
+    if add_bos and bos is not None:
+        single.append(backend.id_to_token(bos))
+    single.append("$A")
+    if add_eos and eos is not None:
+        single.append(backend.id_to_token(eos))
+    if special:
+        backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=special)
+
+
+def _byte_level_backend(vocab: dict[str, int], merges: list[tuple[str, str]], pre: PreTokenizerKind) -> BackendTokenizer:
+    backend = BackendTokenizer(models.BPE(vocab, merges, fuse_unk=False))
+    backend.pre_tokenizer = build_pre_tokenizer(pre)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def _gguf_require(meta: dict[str, Any], key: str) -> Any:
+    if key not in meta:
+        raise ModelFormatError(f"GGUF metadata has no {key}")
+    return meta[key]
+
+
+def _gguf_merges(merges: list[str]) -> list[tuple[str, str]]:
+    pairs = []
+    for i, merge in enumerate(merges):
+        parts = merge.split(" ")
+        if len(parts) != 2:
+            raise ModelFormatError(f"tokenizer.ggml.merges[{i}] must be two tokens separated by a space, got {merge!r}")
+        pairs.append((parts[0], parts[1]))
+    return pairs
+
+
+def _gguf_added_tokens(tokens: list[str], token_types: list[int]) -> tuple[list[AddedToken], list[AddedToken]]:
+    """CONTROL tokens -> special; USER_DEFINED -> added but kept when decoding (as llama.cpp)."""
+    special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, token_types) if k == GGUFTokenType.CONTROL]
+    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, token_types) if k == GGUFTokenType.USER_DEFINED]
+    return special, user
+
+
+def _gguf_token_id(meta: dict[str, Any], key: str, vocab_size: int) -> int | None:
+    token_id = meta.get(f"tokenizer.ggml.{key}")
+    if token_id is not None and not 0 <= token_id < vocab_size:
+        raise ModelFormatError(f"tokenizer.ggml.{key} must be in [0, {vocab_size}), got {token_id}")
+    return token_id
+
+
+def _gguf_special_ids(meta: dict[str, Any], vocab_size: int) -> SpecialTokenIds:
+    ids = {k: _gguf_token_id(meta, k, vocab_size) for k in ("bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id", "padding_token_id", "unknown_token_id")}
+    eos = tuple(dict.fromkeys(i for i in (ids["eos_token_id"], ids["eot_token_id"], ids["eom_token_id"]) if i is not None))
+    return SpecialTokenIds(ids["bos_token_id"], eos, ids["padding_token_id"], ids["unknown_token_id"])
+
+
+def _gguf_backend(meta: dict[str, Any]) -> BackendTokenizer:
+    model = _gguf_require(meta, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ModelFormatError(f"unsupported GGUF tokenizer model tokenizer.ggml.model={model!r}; kvgen reads 'gpt2' (byte-level BPE)")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in GGUF_PRE_TOKENIZERS:
+        raise ModelFormatError(f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre!r}; supported: {sorted(GGUF_PRE_TOKENIZERS)}")
+    tokens: list[str] = _gguf_require(meta, "tokenizer.ggml.tokens")
+    token_types: list[int] = meta.get("tokenizer.ggml.token_type", [GGUFTokenType.NORMAL] * len(tokens))
+    if len(token_types) != len(tokens):
+        raise ModelFormatError(f"tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ModelFormatError(f"tokenizer.ggml.tokens has {len(tokens) - len(vocab)} duplicate tokens")
+    backend = _byte_level_backend(vocab, _gguf_merges(_gguf_require(meta, "tokenizer.ggml.merges")), GGUF_PRE_TOKENIZERS[pre])
+    special, user = _gguf_added_tokens(tokens, token_types)
+    backend.add_special_tokens(special)
+    backend.add_tokens(user)
+    return backend
+
+
+# ---------------------------------------------------------------- Hugging Face directory
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"cannot read {path}: {e}") from None
+
+
+def _token_content(value: Any) -> str | None:
+    """A special-token entry of tokenizer_config.json: a string or an AddedToken dict."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _hf_config(directory: Path) -> dict[str, Any]:
+    """tokenizer_config.json, overridden by special_tokens_map.json as in transformers."""
+    config: dict[str, Any] = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (directory / name).is_file():
+            config.update(_read_json(directory / name))
+    return config
+
+
+def _hf_added_tokens(config: dict[str, Any]) -> list[AddedToken]:
+    added = []
+    for _, entry in sorted(config.get("added_tokens_decoder", {}).items(), key=lambda kv: int(kv[0])):
+        fields = {k: entry[k] for k in ("special", "normalized", "lstrip", "rstrip", "single_word") if k in entry}
+        added.append(AddedToken(entry["content"], **fields))
+    names = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+    strings = [_token_content(config.get(n)) for n in names] + [_token_content(t) for t in config.get("additional_special_tokens", [])]
+    return added + [AddedToken(s, special=True, normalized=False) for s in strings if s]
+
+
+def _gpt2_files_backend(directory: Path, config: dict[str, Any]) -> BackendTokenizer:
+    """GPT-2 style ``vocab.json`` + ``merges.txt``, as transformers' GPT2Converter builds it."""
+    try:
+        bpe = models.BPE.from_file(str(directory / "vocab.json"), str(directory / "merges.txt"))
+    except Exception as e:  # tokenizers raises plain Exception for unreadable files
+        raise ModelFormatError(f"cannot read vocab.json/merges.txt in {directory}: {e}") from None
+    backend = BackendTokenizer(bpe)
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=bool(config.get("add_prefix_space", False)))
+    backend.decoder = decoders.ByteLevel()
+    if (directory / "added_tokens.json").is_file():
+        backend.add_tokens(list(_read_json(directory / "added_tokens.json")))
+    for token in _hf_added_tokens(config):
+        (backend.add_special_tokens if token.special else backend.add_tokens)([token])
+    bos, eos = (backend.token_to_id(_token_content(config.get(k)) or "") for k in ("bos_token", "eos_token"))
+    _add_bos_eos(backend, bos, eos, bool(config.get("add_bos_token", False)), bool(config.get("add_eos_token", False)))
+    return backend
+
+
+def _hf_backend(directory: Path, config: dict[str, Any]) -> BackendTokenizer:
+    if (directory / "tokenizer.json").is_file():
+        try:
+            return BackendTokenizer.from_file(str(directory / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises plain Exception on bad JSON
+            raise ModelFormatError(f"cannot read {directory / 'tokenizer.json'}: {e}") from None
+    if (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
+        return _gpt2_files_backend(directory, config)
+    raise ModelFormatError(f"{directory} has no tokenizer.json and no vocab.json + merges.txt")
+
+
+def _hf_special_ids(directory: Path, config: dict[str, Any], backend: BackendTokenizer) -> SpecialTokenIds:
+    def lookup(key: str) -> int | None:
+        content = _token_content(config.get(key))
+        return backend.token_to_id(content) if content else None
+
+    eos = [lookup("eos_token")]
+    if (directory / "generation_config.json").is_file():
+        extra = _read_json(directory / "generation_config.json").get("eos_token_id")
+        eos += extra if isinstance(extra, list) else [extra]
+    eos_ids = tuple(dict.fromkeys(i for i in eos if i is not None))
+    return SpecialTokenIds(lookup("bos_token"), eos_ids, lookup("pad_token"), lookup("unk_token"))
+
+
+def _hf_chat_template(directory: Path, config: dict[str, Any]) -> str | None:
+    """``chat_template.jinja`` if present, else tokenizer_config's (the "default" one of a list)."""
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template
+
+
+# ---------------------------------------------------------------- chat templates
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (transformers' assistant-span marker): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters; transformers overrides it with this.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in transformers' environment (``_compile_jinja_template``).
+
+    Raises ``ModelFormatError`` on a syntax error.
+    """
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ModelFormatError(f"chat template does not compile (line {e.lineno}): {e.message}") from None
+
+
+def _check_messages(messages: list[dict[str, Any]]) -> None:
+    if not isinstance(messages, list):
+        raise ChatTemplateError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ChatTemplateError(f"messages[{i}] must be a dict with a string 'role', got {message!r}")
+
+
+# ---------------------------------------------------------------- Tokenizer
+
+
+class Tokenizer:
+    """Encode, decode and chat-format text for one model.
+
+    Wraps a ``tokenizers.Tokenizer``; build it with ``from_gguf`` or ``from_pretrained``.
+    Token ids agree with transformers' fast tokenizer on the same files.
+    """
+
+    def __init__(self, backend: BackendTokenizer, special: SpecialTokenIds, chat_template: str | None, name: str) -> None:
+        self._backend = backend
+        self._special = special
+        self._chat_template = chat_template
+        self._compiled_template: jinja2.Template | None = None
+        self.name = name
+        self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        bos = special.bos_token_id
+        self._add_bos_token = bos is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos]
+
+    @classmethod
+    def from_gguf(cls, meta: dict[str, Any]) -> Tokenizer:
+        """Build from GGUF metadata (``gguf_metadata(open_gguf(path))``).
+
+        Supports ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE); BOS is added only if
+        ``tokenizer.ggml.add_bos_token`` says so. Raises ``ModelFormatError`` for another
+        tokenizer model or pre-tokenizer, or malformed tokenizer fields.
+        """
+        backend = _gguf_backend(meta)
+        special = _gguf_special_ids(meta, backend.get_vocab_size(with_added_tokens=True))
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+        _add_bos_eos(backend, special.bos_token_id, special.eos_token_ids[0] if special.eos_token_ids else None, add_bos, add_eos)
+        return cls(backend, special, meta.get("tokenizer.chat_template"), meta.get("general.name", "GGUF model"))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike[str]) -> Tokenizer:
+        """Build from a Hugging Face directory: ``tokenizer.json`` or ``vocab.json`` + ``merges.txt``,
+        plus ``tokenizer_config.json``, ``special_tokens_map.json``, ``chat_template.jinja`` and
+        ``generation_config.json`` (extra EOS ids) when present.
+
+        Raises ``ModelNotFoundError`` if ``directory`` does not exist, ``ModelFormatError`` if it
+        holds no readable tokenizer.
+        """
+        path = Path(directory)
+        if not path.exists():
+            raise ModelNotFoundError(f"tokenizer directory not found: {path}")
+        if not path.is_dir():
+            raise ModelFormatError(f"tokenizer path is not a directory: {path}")
+        config = _hf_config(path)
+        backend = _hf_backend(path, config)
+        return cls(backend, _hf_special_ids(path, config, backend), _hf_chat_template(path, config), str(path))
+
+    # -- encoding and decoding
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special-token strings inside it become their ids.
+
+        ``add_special_tokens`` adds BOS/EOS where the model's files ask for them.
+        """
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``token_ids`` (invalid UTF-8 becomes "\\ufffd"); no space clean-up.
+
+        Raises ``ValueError`` for an id outside ``[0, vocab_size)``.
+        """
+        _check_token_ids(token_ids, self._vocab_size)
+        return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary string of ``token_id`` (byte-level form, e.g. "Ġthe"). Raises ``ValueError`` if out of range."""
+        _check_token_ids([token_id], self._vocab_size)
+        return self._backend.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a vocabulary string, or ``None`` if it is not in the vocabulary."""
+        return self._backend.token_to_id(token)
+
+    # -- chat
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tokenize: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str | list[int]:
+        """Render ``messages`` with the model's chat template, as transformers' ``apply_chat_template``.
+
+        Returns the prompt string, or its ids (no BOS added: the template carries the special
+        tokens) when ``tokenize``. Raises ``ModelFormatError`` if the model has no template and
+        ``ChatTemplateError`` if the template rejects the messages.
+        """
+        if self._chat_template is None:
+            raise ModelFormatError(f"{self.name} has no chat template")
+        _check_messages(messages)
+        if self._compiled_template is None:
+            self._compiled_template = compile_chat_template(self._chat_template)
+        named = {k: self._token_string(i) for k, i in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id), ("unk_token", self._special.unk_token_id), ("pad_token", self._special.pad_token_id))}
+        variables = {k: v for k, v in named.items() if v is not None}
+        try:
+            text = self._compiled_template.render(messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **variables)
+        except (jinja2.TemplateError, TypeError) as e:
+            raise ChatTemplateError(f"chat template of {self.name} failed on these messages: {e}") from None
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _token_string(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self._backend.id_to_token(token_id)
+
+    # -- properties
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included (the model's embedding may be larger)."""
+        return self._vocab_size
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._special.bos_token_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The primary end-of-sequence id."""
+        return self._special.eos_token_ids[0] if self._special.eos_token_ids else None
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends generation (EOS, end-of-turn, generation_config extras)."""
+        return list(self._special.eos_token_ids)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """The padding id, falling back to EOS."""
+        return self._special.pad_token_id if self._special.pad_token_id is not None else self.eos_token_id
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """Ids of every added token marked special (those ``skip_special_tokens`` drops), sorted."""
+        return sorted(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    @property
+    def add_bos_token(self) -> bool:
+        """Whether ``encode(..., add_special_tokens=True)`` prepends BOS."""
+        return self._add_bos_token
+
+
+class IncrementalDetokenizer:
+    """Turn a stream of generated ids into text, one finalized piece at a time.
+
+    Decodes a short window (tokens already emitted plus the new ones) and emits the
+    difference, holding text back while it ends in "\\ufffd" (an unfinished UTF-8
+    character): O(1) per token. ``"".join(add outputs) + flush()`` equals
+    ``tokenizer.decode(token_ids, skip_special_tokens)``.
+    Source: vLLM ``detokenize_incrementally`` (prefix_offset / read_offset).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | None = None, skip_special_tokens: bool = True) -> None:
+        context = list(prompt_token_ids or [])[-DETOKENIZE_CONTEXT_TOKENS:]
+        _check_token_ids(context, tokenizer.vocab_size)
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids = context  # prompt context, then generated ids
+        self._num_context = len(context)
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._prefix_text = self._decode(0, len(context))
+        self._pieces: list[str] = []
+
+    def _decode(self, start: int, end: int) -> str:
+        return self._tokenizer._backend.decode(self._ids[start:end], skip_special_tokens=self._skip_special_tokens)
+
+    def _emit(self, text: str) -> str:
+        """Record ``text`` as final and slide the window past it."""
+        self._pieces.append(text)
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        return text
+
+    def add(self, token_id: int | list[int]) -> str:
+        """Append generated id(s); return the text they finalize ("" while a character is incomplete).
+
+        Raises ``ValueError`` for an id outside the vocabulary.
+        """
+        new_ids = [token_id] if isinstance(token_id, int) else list(token_id)
+        _check_token_ids(new_ids, self._tokenizer.vocab_size)
+        out = []
+        for i in new_ids:
+            self._ids.append(i)
+            text = self._decode(self._prefix_offset, len(self._ids))
+            if len(text) > len(self._prefix_text) and not text.endswith("\ufffd"):
+                out.append(self._emit(text[len(self._prefix_text) :]))
+        return "".join(out)
+
+    def flush(self) -> str:
+        """Emit whatever is held back (an unfinished character decodes to "\\ufffd")."""
+        text = self._decode(self._prefix_offset, len(self._ids))[len(self._prefix_text) :]
+        return self._emit(text) if text else ""
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._pieces)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The generated ids added so far (without the prompt)."""
+        return self._ids[self._num_context :]

@@ -1,0 +1,1 @@
+"""Loading parameters from GGUF files and Hugging Face checkpoint directories."""

@@ -1,0 +1,205 @@
+"""Loading a Llama-family GGUF file into our parameter names, shapes and dtype.
+
+Tensors are dequantized with the ``gguf`` package (``gguf.quants.dequantize``,
+llama.cpp's numpy reference) a bounded chunk of rows at a time, straight into
+the final tensor, so peak memory stays near the size of the loaded weights.
+llama.cpp's Q/K row permutation is undone while copying (reference:
+``transformers.modeling_gguf_pytorch_utils.LlamaTensorProcessor``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.gguf_reader import ReaderTensor
+from gguf.quants import dequantize
+
+from kvgen.config import ModelConfig
+from kvgen.errors import ModelFormatError, UnsupportedQuantizationError
+from kvgen.weights.gguf_file import gguf_metadata, open_gguf
+from kvgen.weights.name_maps import check_state_dict, expected_param_shapes, gguf_to_kvgen_name
+
+Q = GGMLQuantizationType
+SUPPORTED_QUANT_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+)
+# Per-frequency RoPE factors (Llama 3.x scaling); harmless, and ignored, only when all ones.
+_ROPE_FREQS = "rope_freqs.weight"
+# float32 bytes dequantized per step: bounds the transient memory of one tensor.
+_CHUNK_BYTES = 8 << 20
+
+
+def load_gguf(
+    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """Read a Llama-family GGUF file: config, state dict in our names, raw metadata.
+
+    The state dict uses HF Llama names with matrices ``[out, in]`` in ``dtype``
+    (``lm_head.weight`` only when the file has ``output.weight``; otherwise
+    ``config.tie_word_embeddings`` is True). ``config.attention_bias`` /
+    ``mlp_bias`` follow the presence of ``attn_q.bias`` / ``ffn_up.bias``.
+    Supported tensor types: :data:`SUPPORTED_QUANT_TYPES`.
+    Raises ``ModelNotFoundError``, ``ModelFormatError`` (not GGUF, truncated,
+    unknown or missing tensors, wrong shapes), ``UnsupportedArchitectureError``
+    and ``UnsupportedQuantizationError`` (naming the tensor and its type).
+    """
+    path = os.fspath(path)
+    reader = open_gguf(path)
+    if reader.byte_order != "I":
+        raise ModelFormatError(f"{path} is a big-endian GGUF file; kvgen reads little-endian files only")
+    meta = gguf_metadata(reader)
+    by_name = {t.name: t for t in reader.tensors}
+    config = ModelConfig.from_gguf_metadata(meta)
+    config = replace(
+        config,
+        tie_word_embeddings="output.weight" not in by_name,
+        attention_bias="blk.0.attn_q.bias" in by_name,
+        mlp_bias="blk.0.ffn_up.bias" in by_name,
+    )
+    names = _map_names(reader, path)
+    shapes = expected_param_shapes(config)
+    found = {ours: _torch_shape(by_name[g]) for g, ours in names.items()}
+    check_state_dict(shapes, found, path, ignored=[_ROPE_FREQS] if _ROPE_FREQS in by_name else [])
+    for name in names:
+        _check_quant_type(by_name[name])
+    state: dict[str, torch.Tensor] = {}
+    for gguf_name, ours in names.items():
+        rows = _qk_row_order(ours, shapes[ours][0], config)
+        state[ours] = dequantize_tensor(by_name[gguf_name], dtype, rows)
+        _release_pages(reader, by_name[gguf_name])
+    return config, state, meta
+
+
+def _map_names(reader: GGUFReader, path: str) -> dict[str, str]:
+    """GGUF tensor name -> our name; ModelFormatError listing unknown tensors."""
+    names: dict[str, str] = {}
+    unknown = []
+    for t in reader.tensors:
+        ours = gguf_to_kvgen_name(t.name)
+        if ours is not None:
+            names[t.name] = ours
+        elif t.name == _ROPE_FREQS and _is_all_ones(t):
+            continue
+        else:
+            unknown.append(f"{t.name} ({t.tensor_type.name}, {list(_torch_shape(t))})")
+    if unknown:
+        hint = ""
+        if any(u.startswith(_ROPE_FREQS) for u in unknown):
+            hint = f"; {_ROPE_FREQS} holds RoPE frequency factors other than 1 (Llama 3 rope scaling), not supported"
+        raise ModelFormatError(f"{path} has tensors kvgen does not know: {', '.join(unknown)}{hint}")
+    return names
+
+
+def _is_all_ones(t: ReaderTensor) -> bool:
+    return t.tensor_type in SUPPORTED_QUANT_TYPES and bool(np.all(dequantize(t.data, t.tensor_type) == 1.0))
+
+
+def _torch_shape(t: ReaderTensor) -> tuple[int, ...]:
+    """GGUF stores dims fastest-first (ggml ``ne``); torch order is the reverse."""
+    return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+
+def _check_quant_type(t: ReaderTensor) -> None:
+    if t.tensor_type not in SUPPORTED_QUANT_TYPES:
+        supported = ", ".join(sorted(q.name for q in SUPPORTED_QUANT_TYPES))
+        raise UnsupportedQuantizationError(
+            f"tensor {t.name!r} is stored as {t.tensor_type.name}, which kvgen cannot dequantize "
+            f"(supported: {supported})"
+        )
+
+
+def _qk_row_order(name: str, num_rows: int, config: ModelConfig) -> torch.Tensor | None:
+    """Destination rows for q/k projections (weight or bias); None for every other tensor."""
+    if ".self_attn.q_proj." in name:
+        return llama_cpp_qk_rows(num_rows, config.num_attention_heads)
+    if ".self_attn.k_proj." in name:
+        return llama_cpp_qk_rows(num_rows, config.num_key_value_heads)
+    return None
+
+
+def llama_cpp_qk_rows(num_rows: int, num_heads: int) -> torch.Tensor:
+    """Where each row of a llama.cpp-permuted q/k projection belongs in HF order.
+
+    llama.cpp's converter (``LlamaModel.permute``) reorders each head's rows from
+    HF's rotate-half layout (two halves) to interleaved pairs. Row ``j`` of the
+    GGUF tensor is row ``idx[j]`` of the HF tensor. Returns int64 ``[num_rows]``.
+    Use ``num_attention_heads`` for q and ``num_key_value_heads`` for k.
+    """
+    if num_rows % (2 * num_heads) != 0:
+        raise ModelFormatError(f"q/k projection with {num_rows} rows cannot be split into {num_heads} heads of pairs")
+    half = num_rows // num_heads // 2
+    # HF row (h, s, i) of [H, 2, D/2] sits at GGUF row (h, i, s) of [H, D/2, 2]
+    return torch.arange(num_rows).view(num_heads, 2, half).transpose(1, 2).reshape(-1)  # [num_rows]
+
+
+def reverse_permute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: w [H*D, ...] (GGUF order) -> [H*D, ...] (HF order)."""
+    out = torch.empty_like(w)
+    out.index_copy_(0, llama_cpp_qk_rows(w.shape[0], num_heads), w)
+    return out
+
+
+def dequantize_tensor(t: ReaderTensor, dtype: torch.dtype, row_order: torch.Tensor | None = None) -> torch.Tensor:
+    """One GGUF tensor as a torch tensor in torch order (``[out, in]``) and ``dtype``.
+
+    Dequantizes at most ``_CHUNK_BYTES`` of float32 at a time into the result, so
+    the only full-size allocation is the result itself. ``row_order`` (int64
+    [rows]) sends source row ``j`` to result row ``row_order[j]``.
+    Raises ``UnsupportedQuantizationError`` for a type outside ``SUPPORTED_QUANT_TYPES``.
+    """
+    _check_quant_type(t)
+    shape = _torch_shape(t)
+    out = torch.empty(shape, dtype=dtype)
+    if len(shape) == 1:  # norms and biases: small, one piece
+        src = _dequantize_rows(t.data.reshape(1, -1), t.tensor_type).reshape(shape)
+        _copy_rows(out.view(-1, 1), src.view(-1, 1), 0, row_order)
+        return out
+    raw = t.data.reshape(-1, t.data.shape[-1])  # [rows, bytes or elements per row]
+    out2d = out.view(-1, shape[-1])  # [rows, in]
+    step = max(1, _CHUNK_BYTES // (4 * shape[-1]))
+    for start in range(0, raw.shape[0], step):
+        src = _dequantize_rows(raw[start : start + step], t.tensor_type)  # [r, in] float32
+        _copy_rows(out2d, src, start, row_order)
+    return out
+
+
+def _dequantize_rows(raw: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
+    # gguf's dequantize loops in Python over groups of 16 rows; blocks are independent, so
+    # handing it the chunk as one long row gives the same values with one vectorized call.
+    num_rows = raw.shape[0]
+    values = dequantize(raw.reshape(1, -1), qtype).reshape(num_rows, -1)  # float32; a read-only view for F32
+    if not values.flags.writeable:
+        values = values.copy()  # torch.from_numpy needs a writable array; one chunk only
+    return torch.from_numpy(values)
+
+
+def _copy_rows(out: torch.Tensor, src: torch.Tensor, start: int, row_order: torch.Tensor | None) -> None:
+    """out[row_order[start + j]] = src[j] (or out[start + j] without a row order); casts to out's dtype."""
+    if row_order is None:
+        out[start : start + src.shape[0]].copy_(src)
+    else:
+        out.index_copy_(0, row_order[start : start + src.shape[0]], src.to(out.dtype))
+
+
+def _release_pages(reader: GGUFReader, t: ReaderTensor) -> None:
+    """Drop this tensor's file pages from our resident set (they stay in the page cache).
+
+    Without this, every byte of the file we have read counts in RSS until the
+    reader is closed, on top of the converted weights. A no-op where
+    ``madvise`` is unavailable or the reader is not memory-mapped.
+    """
+    mm = getattr(getattr(reader, "mmap", None), "_mmap", None)
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    start = t.data_offset // page * page
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
+    except (OSError, ValueError):
+        pass

@@ -1,0 +1,189 @@
+"""Parameter names and shapes per architecture, and checkpoint-name maps.
+
+Our models keep Hugging Face checkpoint names (``model.layers.0.self_attn.q_proj.weight``,
+``transformer.h.0.attn.c_attn.weight``), with every matrix stored like
+``nn.Linear``: ``[out_features, in_features]``. This module says which names and
+shapes a config expects (:func:`expected_param_shapes`) and how names in a
+GGUF file (:func:`gguf_to_kvgen_name`) or an HF checkpoint
+(:func:`hf_to_kvgen_name`) map onto them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+
+from kvgen.config import ModelConfig
+from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
+
+Shapes = dict[str, tuple[int, ...]]
+
+
+def _llama_shapes(cfg: ModelConfig) -> Shapes:
+    c, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q_out = cfg.num_attention_heads * cfg.head_dim  # H*D
+    kv_out = cfg.num_key_value_heads * cfg.head_dim  # Hkv*D
+    shapes: Shapes = {"model.embed_tokens.weight": (v, c), "model.norm.weight": (c,)}
+    linears = {
+        "self_attn.q_proj": ((q_out, c), cfg.attention_bias),
+        "self_attn.k_proj": ((kv_out, c), cfg.attention_bias),
+        "self_attn.v_proj": ((kv_out, c), cfg.attention_bias),
+        "self_attn.o_proj": ((c, q_out), cfg.attention_bias),
+        "mlp.gate_proj": ((i, c), cfg.mlp_bias),
+        "mlp.up_proj": ((i, c), cfg.mlp_bias),
+        "mlp.down_proj": ((c, i), cfg.mlp_bias),
+    }
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        shapes[p + "input_layernorm.weight"] = (c,)
+        shapes[p + "post_attention_layernorm.weight"] = (c,)
+        for name, (shape, has_bias) in linears.items():
+            shapes[f"{p}{name}.weight"] = shape
+            if has_bias:
+                shapes[f"{p}{name}.bias"] = (shape[0],)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, c)
+    return shapes
+
+
+def _gpt2_shapes(cfg: ModelConfig) -> Shapes:
+    c, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    shapes: Shapes = {
+        "transformer.wte.weight": (v, c),
+        "transformer.wpe.weight": (cfg.max_position_embeddings, c),
+        "transformer.ln_f.weight": (c,),
+        "transformer.ln_f.bias": (c,),
+    }
+    per_layer: Shapes = {
+        "ln_1.weight": (c,),
+        "ln_1.bias": (c,),
+        "attn.c_attn.weight": (3 * c, c),
+        "attn.c_attn.bias": (3 * c,),
+        "attn.c_proj.weight": (c, c),
+        "attn.c_proj.bias": (c,),
+        "ln_2.weight": (c,),
+        "ln_2.bias": (c,),
+        "mlp.c_fc.weight": (i, c),
+        "mlp.c_fc.bias": (i,),
+        "mlp.c_proj.weight": (c, i),
+        "mlp.c_proj.bias": (c,),
+    }
+    for layer in range(cfg.num_hidden_layers):
+        for name, shape in per_layer.items():
+            shapes[f"transformer.h.{layer}.{name}"] = shape
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, c)
+    return shapes
+
+
+_SHAPES: dict[str, Callable[[ModelConfig], Shapes]] = {"llama": _llama_shapes, "gpt2": _gpt2_shapes}
+
+
+def expected_param_shapes(config: ModelConfig) -> Shapes:
+    """Every parameter our model for ``config`` has, name -> torch shape ``[out, in]``.
+
+    Raises ``UnsupportedArchitectureError`` for a ``model_type`` with no entry.
+    """
+    fn = _SHAPES.get(config.model_type)
+    if fn is None:
+        raise UnsupportedArchitectureError(f"no parameter layout for model_type {config.model_type!r}")
+    return fn(config)
+
+
+def check_state_dict(
+    shapes: Shapes, actual: dict[str, tuple[int, ...]], source: str, ignored: Iterable[str] = ()
+) -> None:
+    """Strict key and shape check of a (mapped) checkpoint against ``shapes``.
+
+    ``actual`` maps our names to the shapes found in ``source`` (a path, for
+    messages). Raises ``ModelFormatError`` listing every missing key, unexpected
+    key and shape mismatch.
+    """
+    missing = sorted(set(shapes) - set(actual))
+    unexpected = sorted(set(actual) - set(shapes))
+    wrong = sorted(
+        f"{k}: expected {list(shapes[k])}, got {list(actual[k])}"
+        for k in set(shapes) & set(actual)
+        if tuple(actual[k]) != tuple(shapes[k])
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
+    if wrong:
+        problems.append(f"shape mismatches ({len(wrong)}): {'; '.join(wrong)}")
+    if problems:
+        note = f" (ignored: {', '.join(sorted(ignored))})" if ignored else ""
+        raise ModelFormatError(f"{source} does not match the model: {' | '.join(problems)}{note}")
+
+
+# --- GGUF (llama.cpp names) -------------------------------------------------
+
+_GGUF_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def gguf_to_kvgen_name(name: str) -> str | None:
+    """Our Llama parameter name for a llama.cpp tensor name, or None if unknown.
+
+    ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``.
+    Norms map only their ``.weight`` (a norm ``.bias`` is unknown).
+    """
+    if name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[name]
+    m = _GGUF_BLOCK_RE.fullmatch(name)
+    if m is None or m.group(2) not in _GGUF_BLOCK:
+        return None
+    ours = _GGUF_BLOCK[m.group(2)]
+    if ours.endswith("layernorm") and m.group(3) != "weight":
+        return None
+    return f"model.layers.{int(m.group(1))}.{ours}.{m.group(3)}"
+
+
+# --- Hugging Face checkpoints -------------------------------------------------
+
+# Non-persistent buffers that some older checkpoints saved: causal masks and RoPE tables.
+_GPT2_BUFFER_RE = re.compile(r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)")
+_LLAMA_BUFFER_RE = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+# GPT-2 stores these as transformers' Conv1D: weight [in, out].
+_GPT2_CONV1D_RE = re.compile(r"transformer\.h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight")
+
+
+def hf_to_kvgen_name(key: str, config: ModelConfig) -> str | None:
+    """Our parameter name for an HF checkpoint key, or None when the key is ignored.
+
+    Ignored: saved buffers (GPT-2 ``attn.bias``/``attn.masked_bias``, Llama
+    ``rotary_emb.inv_freq``) and ``lm_head.weight`` when embeddings are tied.
+    GPT-2 keys without the ``transformer.`` prefix (original OpenAI-style and
+    ``GPT2Model`` checkpoints) get it added.
+    """
+    if key == "lm_head.weight":
+        return None if config.tie_word_embeddings else key
+    if config.model_type == "gpt2":
+        if _GPT2_BUFFER_RE.fullmatch(key):
+            return None
+        return key if key.startswith("transformer.") else "transformer." + key
+    if config.model_type == "llama":
+        return None if _LLAMA_BUFFER_RE.fullmatch(key) else key
+    raise UnsupportedArchitectureError(f"no checkpoint name map for model_type {config.model_type!r}")
+
+
+def hf_needs_transpose(name: str, config: ModelConfig) -> bool:
+    """Whether the HF tensor for our parameter ``name`` is stored ``[in, out]`` (GPT-2 Conv1D)."""
+    return config.model_type == "gpt2" and _GPT2_CONV1D_RE.fullmatch(name) is not None
