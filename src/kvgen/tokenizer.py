@@ -1,9 +1,8 @@
 """Text <-> token ids: one ``Tokenizer`` over the Hugging Face ``tokenizers`` library.
 
-Builds byte-level BPE tokenizers from GGUF metadata (llama.cpp's "gpt2"
-tokenizer model) or from a Hugging Face directory, renders chat templates with
-jinja2 exactly as ``transformers`` does, and detokenizes a stream of ids
-incrementally as vLLM does.
+Builds byte-level BPE tokenizers from GGUF metadata (llama.cpp's "gpt2" tokenizer
+model) or from a Hugging Face directory, renders chat templates with jinja2 as
+``transformers`` does, and detokenizes a stream of ids incrementally as vLLM does.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from kvgen.errors import KvgenError, ModelFormatError, ModelNotFoundError
@@ -42,30 +41,30 @@ class GGUFTokenType(enum.IntEnum):
     BYTE = 6
 
 
-class PreTokenizerKind(enum.Enum):
-    """How text is split into words before byte-level BPE merges."""
+class ByteLevelVariant(enum.Enum):
+    """How a byte-level BPE normalizes and splits text before merging."""
 
-    BYTE_LEVEL = "byte_level"  # GPT-2 regex
-    DIGITS_BYTE_LEVEL = "digits_byte_level"  # every digit alone, then GPT-2 regex
-    LLAMA3 = "llama3"
-    QWEN2 = "qwen2"
+    GPT2 = "gpt2"  # GPT-2 regex
+    DIGITS = "digits"  # every digit alone, then the GPT-2 regex (SmolLM, StarCoder)
+    LLAMA3 = "llama3"  # Llama 3 regex; a word that is in the vocabulary skips merging
+    QWEN2 = "qwen2"  # NFC, then the Qwen2 regex
 
 
-# ``tokenizer.ggml.pre`` -> kind; names and groups as in llama.cpp's llama-vocab.cpp.
-GGUF_PRE_TOKENIZERS: dict[str, PreTokenizerKind] = {
-    "default": PreTokenizerKind.BYTE_LEVEL,
-    "gpt2": PreTokenizerKind.BYTE_LEVEL,
-    "gpt-2": PreTokenizerKind.BYTE_LEVEL,
-    "smollm": PreTokenizerKind.DIGITS_BYTE_LEVEL,
-    "starcoder": PreTokenizerKind.DIGITS_BYTE_LEVEL,
-    "refact": PreTokenizerKind.DIGITS_BYTE_LEVEL,
-    "llama-bpe": PreTokenizerKind.LLAMA3,
-    "llama3": PreTokenizerKind.LLAMA3,
-    "llama-v3": PreTokenizerKind.LLAMA3,
-    "qwen2": PreTokenizerKind.QWEN2,
+# ``tokenizer.ggml.pre`` -> variant; names and groups as in llama.cpp's llama-vocab.cpp.
+GGUF_PRE_TOKENIZERS: dict[str, ByteLevelVariant] = {
+    "default": ByteLevelVariant.GPT2,
+    "gpt2": ByteLevelVariant.GPT2,
+    "gpt-2": ByteLevelVariant.GPT2,
+    "smollm": ByteLevelVariant.DIGITS,
+    "starcoder": ByteLevelVariant.DIGITS,
+    "refact": ByteLevelVariant.DIGITS,
+    "llama-bpe": ByteLevelVariant.LLAMA3,
+    "llama3": ByteLevelVariant.LLAMA3,
+    "llama-v3": ByteLevelVariant.LLAMA3,
+    "qwen2": ByteLevelVariant.QWEN2,
 }
 
-# Split patterns from the models' own tokenizer.json files (Meta Llama 3, Qwen2).
+# Split patterns of the models' own tokenizer.json files (Meta Llama 3, Qwen2).
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -75,10 +74,13 @@ QWEN2_PATTERN = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# Tokens of prompt context decoded before the first new token (vLLM's
-# INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET): enough for spacing rules that
-# depend on the previous token.
+# Prompt tokens decoded before the first new one (vLLM's
+# INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET), for spacing that depends on context.
 DETOKENIZE_CONTEXT_TOKENS = 5
+
+
+def _gpt2_byte_level() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
 
 def _split_then_byte_level(pattern: str) -> pre_tokenizers.PreTokenizer:
@@ -86,22 +88,31 @@ def _split_then_byte_level(pattern: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
-_PRE_TOKENIZER_BUILDERS = {
-    PreTokenizerKind.BYTE_LEVEL: lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    PreTokenizerKind.DIGITS_BYTE_LEVEL: lambda: pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
+_PRE_TOKENIZERS = {
+    ByteLevelVariant.GPT2: _gpt2_byte_level,
+    ByteLevelVariant.DIGITS: lambda: pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), _gpt2_byte_level()]
     ),
-    PreTokenizerKind.LLAMA3: lambda: _split_then_byte_level(LLAMA3_PATTERN),
-    PreTokenizerKind.QWEN2: lambda: _split_then_byte_level(QWEN2_PATTERN),
+    ByteLevelVariant.LLAMA3: lambda: _split_then_byte_level(LLAMA3_PATTERN),
+    ByteLevelVariant.QWEN2: lambda: _split_then_byte_level(QWEN2_PATTERN),
 }
 
 
-def build_pre_tokenizer(kind: PreTokenizerKind) -> pre_tokenizers.PreTokenizer:
-    """The ``tokenizers`` pre-tokenizer for ``kind`` (byte-level, no prefix space)."""
-    return _PRE_TOKENIZER_BUILDERS[kind]()
+def build_byte_level_bpe(
+    vocab: dict[str, int], merges: list[tuple[str, str]], variant: ByteLevelVariant
+) -> BackendTokenizer:
+    """A byte-level BPE ``tokenizers.Tokenizer`` (no prefix space, no post-processor).
+
+    Source: the tokenizer.json files of GPT-2, SmolLM2, Llama 3 and Qwen2, as transformers'
+    GPT2Converter, TikTokenConverter (``ignore_merges``) and Qwen2Converter (NFC) build them.
+    """
+    model = models.BPE(vocab, merges, fuse_unk=False, ignore_merges=variant is ByteLevelVariant.LLAMA3)
+    backend = BackendTokenizer(model)
+    if variant is ByteLevelVariant.QWEN2:
+        backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = _PRE_TOKENIZERS[variant]()
+    backend.decoder = decoders.ByteLevel()
+    return backend
 
 
 @dataclass(frozen=True)
@@ -121,29 +132,19 @@ def _check_token_ids(token_ids: Iterable[int], vocab_size: int) -> None:
 
 
 def _add_bos_eos(backend: BackendTokenizer, bos: int | None, eos: int | None, add_bos: bool, add_eos: bool) -> None:
-    """Install a post-processor that adds BOS/EOS when ``add_special_tokens`` is true."""
-    single: list[str] = []
-    special: list[tuple[str, int]] = []
-    for token_id, wanted, where in ((bos, add_bos, 0), (eos, add_eos, 1)):
-        if not wanted:
-            continue
-        if token_id is None:
-            raise ModelFormatError(f"tokenizer asks to add {('BOS', 'EOS')[where]} but has no such token id")
-        special.append((backend.id_to_token(token_id), token_id))
-    if add_bos and bos is not None:
-        single.append(backend.id_to_token(bos))
-    single.append("$A")
-    if add_eos and eos is not None:
-        single.append(backend.id_to_token(eos))
-    if special:
-        backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=special)
-
-
-def _byte_level_backend(vocab: dict[str, int], merges: list[tuple[str, str]], pre: PreTokenizerKind) -> BackendTokenizer:
-    backend = BackendTokenizer(models.BPE(vocab, merges, fuse_unk=False))
-    backend.pre_tokenizer = build_pre_tokenizer(pre)
-    backend.decoder = decoders.ByteLevel()
-    return backend
+    """Install a post-processor adding BOS and/or EOS when ``encode(add_special_tokens=True)``."""
+    if add_bos and bos is None:
+        raise ModelFormatError("tokenizer asks to add a BOS token but has no bos token id")
+    if add_eos and eos is None:
+        raise ModelFormatError("tokenizer asks to add an EOS token but has no eos token id")
+    bos_ids = [bos] if add_bos else []
+    eos_ids = [eos] if add_eos else []
+    if not bos_ids and not eos_ids:
+        return
+    name = backend.id_to_token
+    single = [name(i) for i in bos_ids] + ["$A"] + [name(i) for i in eos_ids]
+    special = [(name(i), i) for i in dict.fromkeys(bos_ids + eos_ids)]
+    backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=special)
 
 
 # ---------------------------------------------------------------- GGUF
@@ -156,54 +157,55 @@ def _gguf_require(meta: dict[str, Any], key: str) -> Any:
 
 
 def _gguf_merges(merges: list[str]) -> list[tuple[str, str]]:
-    pairs = []
-    for i, merge in enumerate(merges):
-        parts = merge.split(" ")
-        if len(parts) != 2:
-            raise ModelFormatError(f"tokenizer.ggml.merges[{i}] must be two tokens separated by a space, got {merge!r}")
-        pairs.append((parts[0], parts[1]))
-    return pairs
+    pairs = [tuple(m.split(" ")) for m in merges]
+    for i, pair in enumerate(pairs):
+        if len(pair) != 2:
+            raise ModelFormatError(f"tokenizer.ggml.merges[{i}] must be two tokens and a space, got {merges[i]!r}")
+    return pairs  # type: ignore[return-value]
 
 
-def _gguf_added_tokens(tokens: list[str], token_types: list[int]) -> tuple[list[AddedToken], list[AddedToken]]:
-    """CONTROL tokens -> special; USER_DEFINED -> added but kept when decoding (as llama.cpp)."""
-    special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, token_types) if k == GGUFTokenType.CONTROL]
-    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, token_types) if k == GGUFTokenType.USER_DEFINED]
-    return special, user
-
-
-def _gguf_token_id(meta: dict[str, Any], key: str, vocab_size: int) -> int | None:
-    token_id = meta.get(f"tokenizer.ggml.{key}")
-    if token_id is not None and not 0 <= token_id < vocab_size:
-        raise ModelFormatError(f"tokenizer.ggml.{key} must be in [0, {vocab_size}), got {token_id}")
-    return token_id
-
-
-def _gguf_special_ids(meta: dict[str, Any], vocab_size: int) -> SpecialTokenIds:
-    ids = {k: _gguf_token_id(meta, k, vocab_size) for k in ("bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id", "padding_token_id", "unknown_token_id")}
-    eos = tuple(dict.fromkeys(i for i in (ids["eos_token_id"], ids["eot_token_id"], ids["eom_token_id"]) if i is not None))
-    return SpecialTokenIds(ids["bos_token_id"], eos, ids["padding_token_id"], ids["unknown_token_id"])
-
-
-def _gguf_backend(meta: dict[str, Any]) -> BackendTokenizer:
-    model = _gguf_require(meta, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ModelFormatError(f"unsupported GGUF tokenizer model tokenizer.ggml.model={model!r}; kvgen reads 'gpt2' (byte-level BPE)")
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in GGUF_PRE_TOKENIZERS:
-        raise ModelFormatError(f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre!r}; supported: {sorted(GGUF_PRE_TOKENIZERS)}")
+def _gguf_vocab(meta: dict[str, Any]) -> tuple[list[str], list[int]]:
     tokens: list[str] = _gguf_require(meta, "tokenizer.ggml.tokens")
     token_types: list[int] = meta.get("tokenizer.ggml.token_type", [GGUFTokenType.NORMAL] * len(tokens))
     if len(token_types) != len(tokens):
         raise ModelFormatError(f"tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens")
-    vocab = {token: i for i, token in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise ModelFormatError(f"tokenizer.ggml.tokens has {len(tokens) - len(vocab)} duplicate tokens")
-    backend = _byte_level_backend(vocab, _gguf_merges(_gguf_require(meta, "tokenizer.ggml.merges")), GGUF_PRE_TOKENIZERS[pre])
-    special, user = _gguf_added_tokens(tokens, token_types)
-    backend.add_special_tokens(special)
+    if len(set(tokens)) != len(tokens):
+        raise ModelFormatError(f"tokenizer.ggml.tokens has {len(tokens) - len(set(tokens))} duplicate tokens")
+    return tokens, token_types
+
+
+def _gguf_backend(meta: dict[str, Any]) -> BackendTokenizer:
+    """CONTROL tokens become special added tokens; USER_DEFINED ones added tokens kept by decode (as llama.cpp)."""
+    model = _gguf_require(meta, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ModelFormatError(
+            f"unsupported GGUF tokenizer model tokenizer.ggml.model={model!r}; kvgen reads 'gpt2' (byte-level BPE)"
+        )
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in GGUF_PRE_TOKENIZERS:
+        raise ModelFormatError(
+            f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre!r}; supported: {sorted(GGUF_PRE_TOKENIZERS)}"
+        )
+    tokens, token_types = _gguf_vocab(meta)
+    merges = _gguf_merges(_gguf_require(meta, "tokenizer.ggml.merges"))
+    backend = build_byte_level_bpe({t: i for i, t in enumerate(tokens)}, merges, GGUF_PRE_TOKENIZERS[pre])
+    typed = list(zip(tokens, token_types))
+    control = [AddedToken(t, special=True, normalized=False) for t, k in typed if k == GGUFTokenType.CONTROL]
+    user = [AddedToken(t, special=False, normalized=False) for t, k in typed if k == GGUFTokenType.USER_DEFINED]
+    backend.add_special_tokens(control)
     backend.add_tokens(user)
     return backend
+
+
+def _gguf_special_ids(meta: dict[str, Any], vocab_size: int) -> SpecialTokenIds:
+    keys = ("bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id", "padding_token_id", "unknown_token_id")
+    ids = {k: meta.get(f"tokenizer.ggml.{k}") for k in keys}
+    for key, token_id in ids.items():
+        if token_id is not None and not 0 <= token_id < vocab_size:
+            raise ModelFormatError(f"tokenizer.ggml.{key} must be in [0, {vocab_size}), got {token_id}")
+    eos = (ids["eos_token_id"], ids["eot_token_id"], ids["eom_token_id"])
+    eos_ids = tuple(dict.fromkeys(i for i in eos if i is not None))
+    return SpecialTokenIds(ids["bos_token_id"], eos_ids, ids["padding_token_id"], ids["unknown_token_id"])
 
 
 # ---------------------------------------------------------------- Hugging Face directory
@@ -231,30 +233,32 @@ def _hf_config(directory: Path) -> dict[str, Any]:
 
 
 def _hf_added_tokens(config: dict[str, Any]) -> list[AddedToken]:
+    """``added_tokens_decoder`` entries, then the named special tokens."""
     added = []
     for _, entry in sorted(config.get("added_tokens_decoder", {}).items(), key=lambda kv: int(kv[0])):
         fields = {k: entry[k] for k in ("special", "normalized", "lstrip", "rstrip", "single_word") if k in entry}
         added.append(AddedToken(entry["content"], **fields))
     names = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
-    strings = [_token_content(config.get(n)) for n in names] + [_token_content(t) for t in config.get("additional_special_tokens", [])]
+    strings = [_token_content(config.get(n)) for n in names]
+    strings += [_token_content(t) for t in config.get("additional_special_tokens", [])]
     return added + [AddedToken(s, special=True, normalized=False) for s in strings if s]
 
 
 def _gpt2_files_backend(directory: Path, config: dict[str, Any]) -> BackendTokenizer:
     """GPT-2 style ``vocab.json`` + ``merges.txt``, as transformers' GPT2Converter builds it."""
     try:
-        bpe = models.BPE.from_file(str(directory / "vocab.json"), str(directory / "merges.txt"))
+        vocab, merges = models.BPE.read_file(str(directory / "vocab.json"), str(directory / "merges.txt"))
     except Exception as e:  # tokenizers raises plain Exception for unreadable files
         raise ModelFormatError(f"cannot read vocab.json/merges.txt in {directory}: {e}") from None
-    backend = BackendTokenizer(bpe)
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=bool(config.get("add_prefix_space", False)))
-    backend.decoder = decoders.ByteLevel()
+    backend = build_byte_level_bpe(vocab, merges, ByteLevelVariant.GPT2)
+    if config.get("add_prefix_space"):
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     if (directory / "added_tokens.json").is_file():
         backend.add_tokens(list(_read_json(directory / "added_tokens.json")))
     for token in _hf_added_tokens(config):
         (backend.add_special_tokens if token.special else backend.add_tokens)([token])
     bos, eos = (backend.token_to_id(_token_content(config.get(k)) or "") for k in ("bos_token", "eos_token"))
-    _add_bos_eos(backend, bos, eos, bool(config.get("add_bos_token", False)), bool(config.get("add_eos_token", False)))
+    _add_bos_eos(backend, bos, eos, bool(config.get("add_bos_token")), bool(config.get("add_eos_token")))
     return backend
 
 
@@ -288,8 +292,7 @@ def _hf_chat_template(directory: Path, config: dict[str, Any]) -> str | None:
         return (directory / "chat_template.jinja").read_text(encoding="utf-8")
     template = config.get("chat_template")
     if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
+        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
     return template
 
 
@@ -314,7 +317,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # Jinja's own tojson escapes HTML characters; transformers overrides it with this.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -324,11 +329,12 @@ def _strftime_now(fmt: str) -> str:
 
 
 def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a chat template in transformers' environment (``_compile_jinja_template``).
+    """Compile a chat template in transformers' environment. Raises ``ModelFormatError`` on a syntax error.
 
-    Raises ``ModelFormatError`` on a syntax error.
+    Source: transformers ``utils/chat_template_utils.py::_compile_jinja_template``.
     """
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    extensions = [_GenerationTag, jinja2.ext.loopcontrols]
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=extensions)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -350,13 +356,14 @@ def _check_messages(messages: list[dict[str, Any]]) -> None:
 
 
 class Tokenizer:
-    """Encode, decode and chat-format text for one model.
+    """Encode, decode and chat-format text for one model; build with ``from_gguf`` or ``from_pretrained``.
 
-    Wraps a ``tokenizers.Tokenizer``; build it with ``from_gguf`` or ``from_pretrained``.
     Token ids agree with transformers' fast tokenizer on the same files.
     """
 
-    def __init__(self, backend: BackendTokenizer, special: SpecialTokenIds, chat_template: str | None, name: str) -> None:
+    def __init__(
+        self, backend: BackendTokenizer, special: SpecialTokenIds, chat_template: str | None, name: str
+    ) -> None:
         self._backend = backend
         self._special = special
         self._chat_template = chat_template
@@ -370,21 +377,21 @@ class Tokenizer:
     def from_gguf(cls, meta: dict[str, Any]) -> Tokenizer:
         """Build from GGUF metadata (``gguf_metadata(open_gguf(path))``).
 
-        Supports ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE); BOS is added only if
-        ``tokenizer.ggml.add_bos_token`` says so. Raises ``ModelFormatError`` for another
-        tokenizer model or pre-tokenizer, or malformed tokenizer fields.
+        Reads ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE); adds BOS/EOS only where
+        ``tokenizer.ggml.add_bos_token``/``add_eos_token`` say so. Raises ``ModelFormatError``
+        for another tokenizer model or pre-tokenizer, or malformed tokenizer fields.
         """
         backend = _gguf_backend(meta)
         special = _gguf_special_ids(meta, backend.get_vocab_size(with_added_tokens=True))
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
-        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-        _add_bos_eos(backend, special.bos_token_id, special.eos_token_ids[0] if special.eos_token_ids else None, add_bos, add_eos)
+        eos = special.eos_token_ids[0] if special.eos_token_ids else None
+        add_bos, add_eos = (bool(meta.get(f"tokenizer.ggml.add_{k}_token", False)) for k in ("bos", "eos"))
+        _add_bos_eos(backend, special.bos_token_id, eos, add_bos, add_eos)
         return cls(backend, special, meta.get("tokenizer.chat_template"), meta.get("general.name", "GGUF model"))
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike[str]) -> Tokenizer:
         """Build from a Hugging Face directory: ``tokenizer.json`` or ``vocab.json`` + ``merges.txt``,
-        plus ``tokenizer_config.json``, ``special_tokens_map.json``, ``chat_template.jinja`` and
+        with ``tokenizer_config.json``, ``special_tokens_map.json``, ``chat_template.jinja`` and
         ``generation_config.json`` (extra EOS ids) when present.
 
         Raises ``ModelNotFoundError`` if ``directory`` does not exist, ``ModelFormatError`` if it
@@ -399,33 +406,29 @@ class Tokenizer:
         backend = _hf_backend(path, config)
         return cls(backend, _hf_special_ids(path, config, backend), _hf_chat_template(path, config), str(path))
 
-    # -- encoding and decoding
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; special-token strings inside it become their ids.
+        """Token ids of ``text``; special-token strings in it ("<|im_end|>") become their ids.
 
-        ``add_special_tokens`` adds BOS/EOS where the model's files ask for them.
+        ``add_special_tokens`` adds BOS/EOS only where the model's files ask for them.
         """
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        """Text of ``token_ids`` (invalid UTF-8 becomes "\\ufffd"); no space clean-up.
-
-        Raises ``ValueError`` for an id outside ``[0, vocab_size)``.
+    def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``token_ids`` (a list, or a 1-D tensor/array); invalid UTF-8 becomes "\\ufffd",
+        spaces are not cleaned up. Raises ``ValueError`` for an id outside ``[0, vocab_size)``.
         """
-        _check_token_ids(token_ids, self._vocab_size)
-        return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        ids = [int(i) for i in token_ids]
+        _check_token_ids(ids, self._vocab_size)
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str:
-        """The vocabulary string of ``token_id`` (byte-level form, e.g. "Ġthe"). Raises ``ValueError`` if out of range."""
+        """Vocabulary string of ``token_id`` (byte-level form, "Ġthe"). Raises ``ValueError`` if out of range."""
         _check_token_ids([token_id], self._vocab_size)
         return self._backend.id_to_token(token_id)
 
     def token_to_id(self, token: str) -> int | None:
-        """The id of a vocabulary string, or ``None`` if it is not in the vocabulary."""
+        """Id of a vocabulary string, or ``None`` if it is not in the vocabulary."""
         return self._backend.token_to_id(token)
-
-    # -- chat
 
     def apply_chat_template(
         self,
@@ -436,8 +439,8 @@ class Tokenizer:
     ) -> str | list[int]:
         """Render ``messages`` with the model's chat template, as transformers' ``apply_chat_template``.
 
-        Returns the prompt string, or its ids (no BOS added: the template carries the special
-        tokens) when ``tokenize``. Raises ``ModelFormatError`` if the model has no template and
+        Returns the prompt, or its ids when ``tokenize`` (no BOS added: the template carries
+        the special tokens). Raises ``ModelFormatError`` if the model has no template and
         ``ChatTemplateError`` if the template rejects the messages.
         """
         if self._chat_template is None:
@@ -445,18 +448,17 @@ class Tokenizer:
         _check_messages(messages)
         if self._compiled_template is None:
             self._compiled_template = compile_chat_template(self._chat_template)
-        named = {k: self._token_string(i) for k, i in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id), ("unk_token", self._special.unk_token_id), ("pad_token", self._special.pad_token_id))}
-        variables = {k: v for k, v in named.items() if v is not None}
+        special = self._special
+        named = {"bos_token": special.bos_token_id, "eos_token": self.eos_token_id}
+        named |= {"unk_token": special.unk_token_id, "pad_token": special.pad_token_id}
+        strings = {k: self._backend.id_to_token(i) for k, i in named.items() if i is not None}
         try:
-            text = self._compiled_template.render(messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **variables)
+            text = self._compiled_template.render(
+                messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **strings
+            )
         except (jinja2.TemplateError, TypeError) as e:
             raise ChatTemplateError(f"chat template of {self.name} failed on these messages: {e}") from None
         return self.encode(text, add_special_tokens=False) if tokenize else text
-
-    def _token_string(self, token_id: int | None) -> str | None:
-        return None if token_id is None else self._backend.id_to_token(token_id)
-
-    # -- properties
 
     @property
     def vocab_size(self) -> int:
@@ -480,7 +482,8 @@ class Tokenizer:
     @property
     def pad_token_id(self) -> int | None:
         """The padding id, falling back to EOS."""
-        return self._special.pad_token_id if self._special.pad_token_id is not None else self.eos_token_id
+        pad = self._special.pad_token_id
+        return pad if pad is not None else self.eos_token_id
 
     @property
     def all_special_ids(self) -> list[int]:
@@ -500,17 +503,20 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turn a stream of generated ids into text, one finalized piece at a time.
 
-    Decodes a short window (tokens already emitted plus the new ones) and emits the
+    Decodes a short window (the last emitted tokens plus the new ones) and emits the
     difference, holding text back while it ends in "\\ufffd" (an unfinished UTF-8
     character): O(1) per token. ``"".join(add outputs) + flush()`` equals
     ``tokenizer.decode(token_ids, skip_special_tokens)``.
     Source: vLLM ``detokenize_incrementally`` (prefix_offset / read_offset).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | None = None, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: list[int] | None = None, skip_special_tokens: bool = True
+    ) -> None:
         context = list(prompt_token_ids or [])[-DETOKENIZE_CONTEXT_TOKENS:]
         _check_token_ids(context, tokenizer.vocab_size)
-        self._tokenizer = tokenizer
+        self._backend = tokenizer._backend
+        self._vocab_size = tokenizer.vocab_size
         self._skip_special_tokens = skip_special_tokens
         self._ids = context  # prompt context, then generated ids
         self._num_context = len(context)
@@ -520,7 +526,7 @@ class IncrementalDetokenizer:
         self._pieces: list[str] = []
 
     def _decode(self, start: int, end: int) -> str:
-        return self._tokenizer._backend.decode(self._ids[start:end], skip_special_tokens=self._skip_special_tokens)
+        return self._backend.decode(self._ids[start:end], skip_special_tokens=self._skip_special_tokens)
 
     def _emit(self, text: str) -> str:
         """Record ``text`` as final and slide the window past it."""
@@ -531,12 +537,12 @@ class IncrementalDetokenizer:
         return text
 
     def add(self, token_id: int | list[int]) -> str:
-        """Append generated id(s); return the text they finalize ("" while a character is incomplete).
+        """Append generated id(s); return the text they finalize ("" while a character is unfinished).
 
         Raises ``ValueError`` for an id outside the vocabulary.
         """
-        new_ids = [token_id] if isinstance(token_id, int) else list(token_id)
-        _check_token_ids(new_ids, self._tokenizer.vocab_size)
+        new_ids = [int(i) for i in token_id] if isinstance(token_id, (list, tuple)) else [int(token_id)]
+        _check_token_ids(new_ids, self._vocab_size)
         out = []
         for i in new_ids:
             self._ids.append(i)

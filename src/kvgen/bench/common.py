@@ -60,7 +60,16 @@ def environment_info() -> dict[str, Any]:
         "available_cpus": available_cpus(),
         "torch_num_threads": torch.get_num_threads(),
         "torch_num_interop_threads": torch.get_num_interop_threads(),
+        "load_average_1m": load_average(),
     }
+
+
+def load_average() -> float | None:
+    """1-minute system load average (runnable processes); above the core count, timings are contended."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def _cpu_model_name() -> str:

@@ -7,7 +7,9 @@ continuous-batching engine). A row whose parameter is the "disabled" value
 (temperature 1.0, top_k 0, top_p 1.0, min_p 0.0, ...) comes back unchanged.
 
 Token histories ``token_ids: [B, T] long`` may be ragged: rows are left-padded
-with negative ids (``-1``), which never count as tokens.
+with negative ids (``-1``), which never count as tokens. Pass float per-row
+parameters as float64 so that thresholds such as ``1 - top_p`` round exactly as
+transformers rounds a Python float.
 
 Source: the semantics, tie-breaking and float operation order of Hugging Face
 ``transformers`` 4.55 ``generation/logits_process.py``, which tests compare to.
@@ -55,8 +57,8 @@ PARAM_RULES: dict[str, ParamRule] = {
 }
 
 
-def validate_param(name: str, value: RowParam) -> None:
-    """Check a scalar or ``[B]`` parameter against ``PARAM_RULES[name]``.
+def validate_param(name: str, value: RowParam, num_rows: int | None = None) -> None:
+    """Check a scalar or ``[B]`` parameter against ``PARAM_RULES[name]`` (and B against ``num_rows``).
 
     Raises ValueError naming the parameter, the first bad value and, for a tensor,
     its row: ``top_p must be in (0, 1], got 1.5``.
@@ -64,8 +66,9 @@ def validate_param(name: str, value: RowParam) -> None:
     rule = PARAM_RULES[name]
     is_tensor = isinstance(value, torch.Tensor)
     if is_tensor:
-        if value.dim() != 1:
-            raise ValueError(f"{name} must be a scalar or a [B] tensor, got shape {list(value.shape)}")
+        if value.dim() != 1 or (num_rows is not None and value.shape[0] != num_rows):
+            rows = "B" if num_rows is None else f"B={num_rows}"
+            raise ValueError(f"{name} must be a scalar or a [{rows}] tensor, got shape {list(value.shape)}")
         if rule.is_integral and (value.dtype.is_floating_point or value.dtype.is_complex):
             raise ValueError(f"{name} must hold integers, got dtype {value.dtype}")
         values = value.detach().to("cpu", torch.float64)  # [B]
@@ -103,10 +106,8 @@ def _check_token_ids(token_ids: torch.Tensor, logits: torch.Tensor, name: str = 
 
 
 def _per_row(value: RowParam, num_rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A scalar or ``[B]`` parameter as a ``[B, 1]`` column of ``dtype``."""
+    """A scalar or ``[B]`` parameter (already validated) as a ``[B, 1]`` column of ``dtype``."""
     if isinstance(value, torch.Tensor):
-        if value.shape[0] != num_rows:
-            raise ValueError(f"per-row parameter must have {num_rows} rows, got {value.shape[0]}")
         return value.to(device=device, dtype=dtype).unsqueeze(1)  # [B, 1]
     return torch.full((num_rows, 1), value, dtype=dtype, device=device)  # [B, 1]
 
@@ -128,7 +129,7 @@ def apply_temperature(logits: torch.Tensor, temperature: RowParam) -> torch.Tens
     Source: HF ``TemperatureLogitsWarper``.
     """
     _check_logits(logits)
-    validate_param("temperature", temperature)
+    validate_param("temperature", temperature, logits.shape[0])
     t = _per_row(temperature, logits.shape[0], logits.dtype, logits.device)  # [B, 1]
     return logits / t
 
@@ -143,7 +144,7 @@ def apply_top_k(
     ``filter_value``. Raises ValueError for top_k < 0. Source: HF ``TopKLogitsWarper``.
     """
     _check_logits(logits)
-    validate_param("top_k", top_k)
+    validate_param("top_k", top_k, logits.shape[0])
     _check_min_tokens_to_keep(min_tokens_to_keep)
     num_rows, vocab_size = logits.shape
     k = _per_row(top_k, num_rows, torch.long, logits.device)  # [B, 1]
@@ -165,7 +166,7 @@ def apply_top_p(
     Returns [B, V]. Raises ValueError outside (0, 1]. Source: HF ``TopPLogitsWarper``.
     """
     _check_logits(logits)
-    validate_param("top_p", top_p)
+    validate_param("top_p", top_p, logits.shape[0])
     _check_min_tokens_to_keep(min_tokens_to_keep)
     p = _per_row(top_p, logits.shape[0], torch.float64, logits.device)  # [B, 1]
     # 1 - p in float64, then rounded to the logits dtype, as HF's Python-float threshold is.
@@ -188,7 +189,7 @@ def apply_min_p(
     (Nguyen et al. 2024, "Min P Sampling").
     """
     _check_logits(logits)
-    validate_param("min_p", min_p)
+    validate_param("min_p", min_p, logits.shape[0])
     _check_min_tokens_to_keep(min_tokens_to_keep)
     scale = _per_row(min_p, logits.shape[0], logits.dtype, logits.device)  # [B, 1]
     probs = torch.softmax(logits, dim=-1)  # [B, V]
@@ -210,7 +211,7 @@ def apply_typical_p(
     (Meister et al. 2022, "Locally Typical Sampling").
     """
     _check_logits(logits)
-    validate_param("typical_p", typical_p)
+    validate_param("typical_p", typical_p, logits.shape[0])
     _check_min_tokens_to_keep(min_tokens_to_keep)
     mass = _per_row(typical_p, logits.shape[0], logits.dtype, logits.device)  # [B, 1]
     log_probs = torch.nn.functional.log_softmax(logits, dim=-1)  # [B, V]
@@ -240,7 +241,7 @@ def apply_epsilon_cutoff(
     (Hewitt et al. 2022, "Truncation Sampling as Language Model Desmoothing").
     """
     _check_logits(logits)
-    validate_param("epsilon_cutoff", epsilon)
+    validate_param("epsilon_cutoff", epsilon, logits.shape[0])
     _check_min_tokens_to_keep(min_tokens_to_keep)
     eps = _per_row(epsilon, logits.shape[0], logits.dtype, logits.device)  # [B, 1]
     remove = (logits.softmax(dim=-1) < eps) & _outside_top(logits, min_tokens_to_keep)  # [B, V]
@@ -265,7 +266,7 @@ def apply_eta_cutoff(
     (Hewitt et al. 2022).
     """
     _check_logits(logits)
-    validate_param("eta_cutoff", eta)
+    validate_param("eta_cutoff", eta, logits.shape[0])
     _check_min_tokens_to_keep(min_tokens_to_keep)
     eps = _per_row(eta, logits.shape[0], torch.float32, logits.device)  # [B, 1]
     entropy = _categorical_entropy(logits).unsqueeze(1)  # [B, 1]
@@ -299,7 +300,7 @@ def apply_repetition_penalty(logits: torch.Tensor, token_ids: torch.Tensor, pena
     """
     _check_logits(logits)
     _check_token_ids(token_ids, logits)
-    validate_param("repetition_penalty", penalty)
+    validate_param("repetition_penalty", penalty, logits.shape[0])
     factor = _per_row(penalty, logits.shape[0], logits.dtype, logits.device)  # [B, 1]
     is_seen = token_counts(token_ids, logits.shape[1]) > 0  # [B, V]
     penalized = torch.where(logits < 0, logits * factor, logits / factor)  # [B, V]
@@ -322,8 +323,8 @@ def apply_presence_frequency_penalty(
     """
     _check_logits(logits)
     _check_token_ids(output_token_ids, logits, "output_token_ids")
-    validate_param("presence_penalty", presence_penalty)
-    validate_param("frequency_penalty", frequency_penalty)
+    validate_param("presence_penalty", presence_penalty, logits.shape[0])
+    validate_param("frequency_penalty", frequency_penalty, logits.shape[0])
     num_rows, vocab_size = logits.shape
     presence = _per_row(presence_penalty, num_rows, logits.dtype, logits.device)  # [B, 1]
     frequency = _per_row(frequency_penalty, num_rows, logits.dtype, logits.device)  # [B, 1]
@@ -355,7 +356,7 @@ def apply_no_repeat_ngram(logits: torch.Tensor, token_ids: torch.Tensor, ngram_s
     """
     _check_logits(logits)
     _check_token_ids(token_ids, logits)
-    validate_param("no_repeat_ngram_size", ngram_size)
+    validate_param("no_repeat_ngram_size", ngram_size, logits.shape[0])
     sizes = _per_row(ngram_size, logits.shape[0], torch.long, torch.device("cpu")).squeeze(1).tolist()
     out = logits.clone()
     for row, (history, size) in enumerate(zip(token_ids.tolist(), sizes)):
@@ -381,8 +382,8 @@ def apply_min_tokens(
     Source: HF ``MinNewTokensLengthLogitsProcessor``.
     """
     _check_logits(logits)
-    validate_param("num_generated", num_generated)
-    validate_param("min_tokens", min_tokens)
+    validate_param("num_generated", num_generated, logits.shape[0])
+    validate_param("min_tokens", min_tokens, logits.shape[0])
     num_rows, vocab_size = logits.shape
     is_short = _per_row(num_generated, num_rows, torch.long, logits.device) < _per_row(
         min_tokens, num_rows, torch.long, logits.device
@@ -409,7 +410,7 @@ def normalize_sequence_bias(sequence_bias: SequenceBias) -> dict[tuple[int, ...]
         raise ValueError(f"sequence_bias must not be empty, got {sequence_bias!r}")
     result: dict[tuple[int, ...], float] = {}
     for ids, bias in pairs:
-        ids = tuple(ids)
+        ids = tuple(ids) if isinstance(ids, Sequence) and not isinstance(ids, str) else ()
         if not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError(f"sequence_bias keys must be non-empty sequences of ids >= 0, got {ids!r}")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):

@@ -162,7 +162,9 @@ def pick_finish_reasons(flags: dict[str, torch.Tensor]) -> list[str | None]:
 class StoppingCriteriaList(list[StoppingCriteria]):
     """Criteria OR-ed together; an empty list never stops."""
 
-    def check(self, token_ids: torch.Tensor, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, list[str | None]]:
+    def check(
+        self, token_ids: torch.Tensor, logits: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[str | None]]:
         """Evaluate each criterion once. Returns (is_done [B] bool, finish reason per row or None)."""
         is_done = torch.zeros(token_ids.shape[0], dtype=torch.bool, device=token_ids.device)  # [B]
         flags: dict[str, torch.Tensor] = {}

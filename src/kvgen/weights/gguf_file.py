@@ -50,7 +50,9 @@ class FastGGUFReader(GGUFReader):
         count = int(count)
         return self._buf[offset : offset + dt.itemsize * count].view(dt)[:count]
 
-    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[np.ndarray], list[int], list[GGUFValueType]]:
+    def _get_field_parts(
+        self, orig_offs: int, raw_type: int
+    ) -> tuple[int, list[np.ndarray], list[int], list[GGUFValueType]]:
         if raw_type != GGUFValueType.ARRAY:
             return super()._get_field_parts(orig_offs, raw_type)
         raw_itype = self._get(orig_offs, np.uint32)
@@ -114,7 +116,8 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
     try:
         return FastGGUFReader(path, "r")
     except Exception as e:  # the gguf package raises ValueError, struct/numpy errors, IndexError...
-        raise ModelFormatError(f"{path} is truncated or corrupt: {type(e).__name__}: {e}") from None
+        size = os.path.getsize(path)
+        raise ModelFormatError(f"{path} is truncated or corrupt ({size} bytes): {type(e).__name__}: {e}") from None
 
 
 def _field_value(field: Any) -> Any:

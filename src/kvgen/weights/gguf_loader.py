@@ -70,8 +70,7 @@ def load_gguf(
         _check_quant_type(by_name[name])
     state: dict[str, torch.Tensor] = {}
     for gguf_name, ours in names.items():
-        rows = _qk_row_order(ours, shapes[ours][0], config)
-        state[ours] = dequantize_tensor(by_name[gguf_name], dtype, rows)
+        state[ours] = dequantize_tensor(by_name[gguf_name], dtype, _qk_heads(ours, config))
         _release_pages(reader, by_name[gguf_name])
     return config, state, meta
 
@@ -114,58 +113,61 @@ def _check_quant_type(t: ReaderTensor) -> None:
         )
 
 
-def _qk_row_order(name: str, num_rows: int, config: ModelConfig) -> torch.Tensor | None:
-    """Destination rows for q/k projections (weight or bias); None for every other tensor."""
+def _qk_heads(name: str, config: ModelConfig) -> int | None:
+    """Heads to un-permute for q/k projections (weight or bias); None for every other tensor."""
     if ".self_attn.q_proj." in name:
-        return llama_cpp_qk_rows(num_rows, config.num_attention_heads)
+        return config.num_attention_heads
     if ".self_attn.k_proj." in name:
-        return llama_cpp_qk_rows(num_rows, config.num_key_value_heads)
+        return config.num_key_value_heads
     return None
 
 
-def llama_cpp_qk_rows(num_rows: int, num_heads: int) -> torch.Tensor:
-    """Where each row of a llama.cpp-permuted q/k projection belongs in HF order.
-
-    llama.cpp's converter (``LlamaModel.permute``) reorders each head's rows from
-    HF's rotate-half layout (two halves) to interleaved pairs. Row ``j`` of the
-    GGUF tensor is row ``idx[j]`` of the HF tensor. Returns int64 ``[num_rows]``.
-    Use ``num_attention_heads`` for q and ``num_key_value_heads`` for k.
-    """
-    if num_rows % (2 * num_heads) != 0:
-        raise ModelFormatError(f"q/k projection with {num_rows} rows cannot be split into {num_heads} heads of pairs")
-    half = num_rows // num_heads // 2
-    # HF row (h, s, i) of [H, 2, D/2] sits at GGUF row (h, i, s) of [H, D/2, 2]
-    return torch.arange(num_rows).view(num_heads, 2, half).transpose(1, 2).reshape(-1)  # [num_rows]
-
-
 def reverse_permute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation: w [H*D, ...] (GGUF order) -> [H*D, ...] (HF order)."""
+    """Undo llama.cpp's q/k row permutation: w [H*D, ...] (GGUF order) -> [H*D, ...] (HF order).
+
+    llama.cpp's converter (``LlamaModel.permute``) reorders each head's D rows
+    from HF's rotate-half layout (two halves) to interleaved pairs. Use
+    ``num_attention_heads`` for q and ``num_key_value_heads`` for k. Reference:
+    transformers ``LlamaTensorProcessor._reverse_permute_weights``.
+    """
     out = torch.empty_like(w)
-    out.index_copy_(0, llama_cpp_qk_rows(w.shape[0], num_heads), w)
+    _unpermute_into(out, w, num_heads)
     return out
 
 
-def dequantize_tensor(t: ReaderTensor, dtype: torch.dtype, row_order: torch.Tensor | None = None) -> torch.Tensor:
+def _unpermute_into(dst: torch.Tensor, src: torch.Tensor, num_heads: int) -> None:
+    """dst[H*D, ...] (HF order) = src[H*D, ...] (llama.cpp order), cast to dst's dtype."""
+    rows, rest = src.shape[0], tuple(src.shape[1:])
+    if rows % (2 * num_heads) != 0:
+        raise ModelFormatError(f"q/k projection with {rows} rows cannot be split into {num_heads} heads of pairs")
+    half = rows // num_heads // 2
+    # GGUF row (h, i, s) of [H, D/2, 2] is HF row (h, s, i) of [H, 2, D/2]
+    dst.view(num_heads, 2, half, *rest).transpose(1, 2).copy_(src.view(num_heads, half, 2, *rest))
+
+
+def dequantize_tensor(t: ReaderTensor, dtype: torch.dtype, qk_heads: int | None = None) -> torch.Tensor:
     """One GGUF tensor as a torch tensor in torch order (``[out, in]``) and ``dtype``.
 
-    Dequantizes at most ``_CHUNK_BYTES`` of float32 at a time into the result, so
-    the only full-size allocation is the result itself. ``row_order`` (int64
-    [rows]) sends source row ``j`` to result row ``row_order[j]``.
+    Dequantizes about ``_CHUNK_BYTES`` of float32 at a time into the result, so
+    the only full-size allocation is the result itself. ``qk_heads``: undo
+    llama.cpp's q/k permutation over that many heads (:func:`reverse_permute_qk`).
     Raises ``UnsupportedQuantizationError`` for a type outside ``SUPPORTED_QUANT_TYPES``.
     """
     _check_quant_type(t)
     shape = _torch_shape(t)
     out = torch.empty(shape, dtype=dtype)
     if len(shape) == 1:  # norms and biases: small, one piece
-        src = _dequantize_rows(t.data.reshape(1, -1), t.tensor_type).reshape(shape)
-        _copy_rows(out.view(-1, 1), src.view(-1, 1), 0, row_order)
+        src = _dequantize_rows(t.data.reshape(1, -1), t.tensor_type).reshape(shape)  # [n]
+        _copy_rows(out, src, qk_heads)
         return out
     raw = t.data.reshape(-1, t.data.shape[-1])  # [rows, bytes or elements per row]
     out2d = out.view(-1, shape[-1])  # [rows, in]
-    step = max(1, _CHUNK_BYTES // (4 * shape[-1]))
+    rows_per_head = raw.shape[0] // qk_heads if qk_heads else 1
+    step = max(1, _CHUNK_BYTES // (4 * shape[-1] * rows_per_head)) * rows_per_head  # whole heads per chunk
     for start in range(0, raw.shape[0], step):
         src = _dequantize_rows(raw[start : start + step], t.tensor_type)  # [r, in] float32
-        _copy_rows(out2d, src, start, row_order)
+        dst = out2d[start : start + src.shape[0]]  # [r, in]
+        _copy_rows(dst, src, src.shape[0] // rows_per_head if qk_heads else None)
     return out
 
 
@@ -179,12 +181,11 @@ def _dequantize_rows(raw: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tens
     return torch.from_numpy(values)
 
 
-def _copy_rows(out: torch.Tensor, src: torch.Tensor, start: int, row_order: torch.Tensor | None) -> None:
-    """out[row_order[start + j]] = src[j] (or out[start + j] without a row order); casts to out's dtype."""
-    if row_order is None:
-        out[start : start + src.shape[0]].copy_(src)
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor, qk_heads: int | None) -> None:
+    if qk_heads is None:
+        dst.copy_(src)
     else:
-        out.index_copy_(0, row_order[start : start + src.shape[0]], src.to(out.dtype))
+        _unpermute_into(dst, src, qk_heads)
 
 
 def _release_pages(reader: GGUFReader, t: ReaderTensor) -> None:

@@ -1,0 +1,156 @@
+"""Loading a Hugging Face checkpoint directory (``config.json`` + safetensors).
+
+Reads ``model.safetensors`` or, failing that, the shards listed in
+``model.safetensors.index.json``, maps names per architecture
+(:mod:`kvgen.weights.name_maps`: GPT-2's ``Conv1D`` weights are transposed to
+``[out, in]``), and checks keys and shapes strictly before reading any tensor.
+
+PyTorch pickles (``pytorch_model.bin``) are refused rather than loaded: a
+pickle can run code, and one format keeps the loader small. Convert with
+``model.save_pretrained(dir, safe_serialization=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from kvgen.config import ModelConfig
+from kvgen.errors import ModelFormatError, ModelNotFoundError
+from kvgen.weights.name_maps import check_state_dict, expected_param_shapes, hf_needs_transpose, hf_to_kvgen_name
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One checkpoint tensor we will load: where it is and what it becomes."""
+
+    file: Path
+    key: str  # name in the checkpoint
+    name: str  # our name
+    transpose: bool
+
+
+def load_hf_directory(
+    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and state dict (our names, ``[out, in]`` matrices, ``dtype``) of an HF directory.
+
+    Keys ignored before the strict check: saved buffers (GPT-2 ``attn.bias`` /
+    ``attn.masked_bias``, Llama ``rotary_emb.inv_freq``) and ``lm_head.weight``
+    when ``tie_word_embeddings``. Raises ``ModelNotFoundError`` (no such
+    directory), ``ModelFormatError`` (no or bad ``config.json``, no safetensors
+    weights, a corrupt file, missing/unexpected keys or wrong shapes: every
+    one listed) and ``UnsupportedArchitectureError``.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise ModelNotFoundError(f"model directory not found: {root}")
+    if not root.is_dir():
+        raise ModelFormatError(f"{root} is not a directory (expected an HF checkpoint directory with config.json)")
+    config = ModelConfig.from_hf_dict(_read_json(root / "config.json", "config.json"))
+    entries, ignored = _plan(root, config)
+    check_state_dict(expected_param_shapes(config), {e.name: s for e, s in entries.items()}, str(root), ignored)
+    return config, _read_tensors(list(entries), dtype)
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise ModelFormatError(f"{path.parent} has no {what} (looked for {path})")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelFormatError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _weight_files(root: Path) -> dict[Path, list[str] | None]:
+    """Safetensors file -> the keys to read from it (None: all of them)."""
+    if (root / SINGLE_FILE).is_file():
+        return {root / SINGLE_FILE: None}
+    if (root / INDEX_FILE).is_file():
+        weight_map = _read_json(root / INDEX_FILE, INDEX_FILE).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelFormatError(f"{root / INDEX_FILE} has no 'weight_map'")
+        files: dict[Path, list[str] | None] = {}
+        for key, shard in weight_map.items():
+            keys = files.setdefault(root / shard, [])
+            assert keys is not None
+            keys.append(key)
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            raise ModelFormatError(f"{root / INDEX_FILE} lists shards that do not exist: {', '.join(absent)}")
+        return files
+    pickles = [name for name in _PICKLE_FILES if (root / name).exists()]
+    if pickles:
+        raise ModelFormatError(
+            f"{root} has only PyTorch pickle weights ({', '.join(pickles)}); kvgen loads safetensors only. "
+            "Convert with model.save_pretrained(dir, safe_serialization=True)"
+        )
+    raise ModelFormatError(f"{root} has no weights: expected {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def _plan(root: Path, config: ModelConfig) -> tuple[dict[_Entry, tuple[int, ...]], list[str]]:
+    """Every tensor to load with its final shape, and the checkpoint keys ignored. Reads headers only."""
+    entries: dict[_Entry, tuple[int, ...]] = {}
+    ignored: list[str] = []
+    seen: dict[str, Path] = {}
+    for file, keys in _weight_files(root).items():
+        with _open(file) as f:
+            available = set(f.keys())
+            if keys is None:
+                keys = sorted(available)
+            absent = [k for k in keys if k not in available]
+            if absent:
+                raise ModelFormatError(f"{file} lacks tensors that {INDEX_FILE} places there: {', '.join(absent)}")
+            for key in keys:
+                name = hf_to_kvgen_name(key, config)
+                if name is None:
+                    ignored.append(key)
+                    continue
+                if name in seen:
+                    raise ModelFormatError(f"{name} appears twice: in {seen[name]} and in {file} (as {key})")
+                seen[name] = file
+                transpose = hf_needs_transpose(name, config)
+                shape = tuple(f.get_slice(key).get_shape())
+                entries[_Entry(file, key, name, transpose)] = shape[::-1] if transpose else shape
+    return entries, ignored
+
+
+def _open(file: Path) -> Any:
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as e:  # safetensors raises SafetensorError (header), OSError...
+        raise ModelFormatError(f"{file} is not a readable safetensors file: {type(e).__name__}: {e}") from None
+
+
+def _read_tensors(entries: list[_Entry], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Read one tensor at a time, transposed where needed and cast to ``dtype`` (contiguous)."""
+    state: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[_Entry]] = {}
+    for e in entries:
+        by_file.setdefault(e.file, []).append(e)
+    for file, group in by_file.items():
+        with _open(file) as f:
+            for e in group:
+                try:
+                    t = f.get_tensor(e.key)
+                except Exception as err:
+                    msg = f"{file}: cannot read tensor {e.key!r}: {type(err).__name__}: {err}"
+                    raise ModelFormatError(msg) from None
+                if e.transpose:  # Conv1D [in, out] -> [out, in], one copy
+                    state[e.name] = torch.empty(t.shape[::-1], dtype=dtype).copy_(t.t())
+                else:
+                    state[e.name] = t.to(dtype).contiguous()
+    return state

@@ -1,0 +1,72 @@
+"""The decode bench runs the requested workload: exact prompt and new-token counts, every cache kind.
+
+Timings are never asserted (they belong in ``kvgen bench``); only token counts are.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from kvgen.bench.common import seeded_prompt_ids
+from kvgen.bench.decode import CACHE_KINDS, DecodeBenchConfig, compare, measure_ours
+from kvgen.config import ModelConfig
+from kvgen.generation import GenerationConfig, generate
+from kvgen.models import build_model
+from kvgen.models.llama import LlamaForCausalLM
+
+
+def _tiny_llama() -> torch.nn.Module:
+    config = ModelConfig(
+        model_type="llama",
+        vocab_size=97,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        pad_token_id=0,
+    )
+    gen = torch.Generator().manual_seed(0)
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(config)
+    state_dict = {
+        name: torch.randn(p.shape, generator=gen) * 0.2 if p.dim() > 1 else torch.ones(p.shape)
+        for name, p in skeleton.named_parameters()
+    }
+    return build_model(config, state_dict)
+
+
+def test_measure_ours_generates_exactly_the_requested_tokens() -> None:
+    model = _tiny_llama()
+    config = DecodeBenchConfig(prompt_tokens=24, new_tokens=9, no_cache_new_tokens=5, include_transformers=False, num_prefill_repeats=1, progress=False)
+    prompt_ids = seeded_prompt_ids(config.prompt_tokens, model.config.vocab_size, config.seed)  # [1, 24]
+    # Make the model's EOS the very first greedy token: the bench must still run to full length.
+    first = generate(model, prompt_ids, None, GenerationConfig(max_new_tokens=1)).new_token_ids[0][0]
+    model.config.eos_token_id = first
+
+    report = measure_ours(model, prompt_ids, config)
+
+    assert set(report) == set(CACHE_KINDS)
+    for cache, rep in report.items():
+        assert "error" not in rep, (cache, rep)
+        expected_new = config.no_cache_new_tokens if cache == "no_cache" else config.new_tokens
+        assert rep["num_prompt_tokens"] == 24
+        assert rep["num_requested_new_tokens"] == expected_new
+        assert rep["num_new_tokens"] == expected_new
+        assert len(rep["new_token_ids"]) == expected_new
+    # Same greedy tokens with and without a cache: the three configurations decoded the same model.
+    n = config.no_cache_new_tokens
+    assert report["dynamic"]["new_token_ids"] == report["static"]["new_token_ids"]
+    assert report["no_cache"]["new_token_ids"] == report["dynamic"]["new_token_ids"][:n]
+    json.dumps(compare({"configs": report}, {"skipped": "test"}))  # the report stays JSON-ready
+
+
+def test_seeded_prompt_is_reproducible() -> None:
+    a = seeded_prompt_ids(512, 49152, seed=0)
+    b = seeded_prompt_ids(512, 49152, seed=0)
+    assert a.shape == (1, 512) and a.dtype == torch.long
+    assert torch.equal(a, b)
+    assert not torch.equal(a, seeded_prompt_ids(512, 49152, seed=1))

@@ -1,0 +1,43 @@
+"""Shared fixtures: the default model loaded by kvgen and by transformers, tiny random checkpoints.
+
+transformers is the reference everywhere; its GGUF load of the default model
+takes ~30 s, so it is done once per session.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvgen.default_model import find_default_gguf
+
+
+@pytest.fixture(scope="session")
+def default_gguf_path():
+    return find_default_gguf()
+
+
+@pytest.fixture(scope="session")
+def ours_default():
+    """(model, tokenizer) of the default GGUF loaded by kvgen in float32."""
+    from kvgen.loader import load_model
+
+    return load_model("default", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_default(default_gguf_path):
+    """transformers' LlamaForCausalLM on the same GGUF, float32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(default_gguf_path.parent), gguf_file=default_gguf_path.name, torch_dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_default_tokenizer(default_gguf_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_gguf_path.parent), gguf_file=default_gguf_path.name)

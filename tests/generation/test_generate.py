@@ -1,0 +1,120 @@
+"""generate(): cache equivalences, padded batches, seeded sampling, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import left_pad
+
+from kvgen.errors import ContextLengthError
+from kvgen.generation import GenerationConfig, generate
+
+PROMPTS = [
+    "The capital of France is",
+    "List three colours:",
+    "In 1969, the first humans landed on the Moon. The mission was called",
+]
+
+
+@pytest.fixture(scope="module")
+def model_tok(ours_default):
+    return ours_default
+
+
+def test_no_cache_dynamic_and_static_cache_give_identical_tokens(model_tok):
+    model, tok = model_tok
+    ids = torch.tensor([tok.encode(PROMPTS[2])])
+    outs = {
+        name: generate(model, ids, None, GenerationConfig(max_new_tokens=24, **kw)).new_token_ids[0]
+        for name, kw in {
+            "none": dict(use_cache=False),
+            "dynamic": dict(cache_implementation="dynamic"),
+            "static": dict(cache_implementation="static"),
+        }.items()
+    }
+    assert len(outs["static"]) > 1
+    assert outs["none"] == outs["dynamic"] == outs["static"]
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_left_padded_batch_equals_each_prompt_alone(model_tok, cache):
+    model, tok = model_tok
+    rows = [tok.encode(p) for p in PROMPTS]
+    ids, mask = left_pad(rows, tok.pad_token_id)
+    cfg = GenerationConfig(max_new_tokens=16, cache_implementation=cache)
+    batched = generate(model, ids, mask, cfg)
+    for i, row in enumerate(rows):
+        alone = generate(model, torch.tensor([row]), None, cfg)
+        assert batched.new_token_ids[i] == alone.new_token_ids[0]
+        assert batched.finish_reasons[i] == alone.finish_reasons[0]
+
+
+def test_seeded_sampling_is_reproduced_exactly_and_seed_matters(model_tok):
+    model, tok = model_tok
+    ids = torch.tensor([tok.encode(PROMPTS[1])] * 2)
+    cfg = GenerationConfig(max_new_tokens=20, do_sample=True, temperature=1.3, top_k=0, seed=7)
+    a = generate(model, ids, None, cfg)
+    b = generate(model, ids, None, cfg)
+    c = generate(model, ids, None, cfg.replace(seed=8))
+    assert a.sequences.tolist() == b.sequences.tolist()
+    assert a.sequences.tolist() != c.sequences.tolist()
+    g = torch.Generator().manual_seed(7)
+    d = generate(model, ids, None, cfg.replace(seed=None), generator=g)
+    assert d.sequences.tolist() == a.sequences.tolist()
+
+
+def test_eos_stops_row_and_pads_rest(model_tok):
+    model, tok = model_tok
+    chat = tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True, tokenize=True)
+    rows = [chat, tok.encode(PROMPTS[0])]
+    ids, mask = left_pad(rows, tok.pad_token_id)
+    out = generate(model, ids, mask, GenerationConfig(max_new_tokens=60, cache_implementation="static"))
+    assert out.finish_reasons[0] == "stop"
+    first = out.new_token_ids[0]
+    assert first[-1] in tok.eos_token_ids and not any(t in tok.eos_token_ids for t in first[:-1])
+    tail = out.sequences[0, out.prompt_length + len(first):].tolist()
+    assert tail == [tok.pad_token_id] * len(tail)
+
+
+def test_num_return_sequences_with_sampling(model_tok):
+    model, tok = model_tok
+    ids = torch.tensor([tok.encode(PROMPTS[0])])
+    out = generate(model, ids, None, GenerationConfig(max_new_tokens=8, do_sample=True, num_return_sequences=3, seed=0))
+    assert out.sequences.shape[0] == 3 and len(out.finish_reasons) == 3
+
+
+def test_prompt_that_leaves_no_room_raises(model_tok):
+    model, _ = model_tok
+    n = model.config.max_position_embeddings
+    ids = torch.ones((1, n), dtype=torch.long)
+    with pytest.raises(ContextLengthError, match=f"exceeds the context window of {n} tokens"):
+        generate(model, ids, None, GenerationConfig(max_new_tokens=1))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
+        (dict(do_sample=True, temperature=0.0), "temperature must be > 0"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+        (dict(top_k=-1), "top_k must be an integer >= 0, got -1"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be > 0, got 0.0"),
+        (dict(cache_implementation="paged"), "cache_implementation must be 'dynamic' or 'static', got 'paged'"),
+        (dict(num_return_sequences=2), "num_return_sequences=2 conflicts with do_sample=False"),
+        (dict(num_beams=4, num_beam_groups=3), "num_beam_groups=3 conflicts with num_beams=4"),
+        (dict(penalty_alpha=0.6, do_sample=True), "penalty_alpha=0.6 conflicts with do_sample=True"),
+    ],
+)
+def test_invalid_generation_config_raises_naming_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GenerationConfig(**kwargs)
+
+
+def test_bad_batches_raise(model_tok):
+    model, _ = model_tok
+    with pytest.raises(ValueError, match="2-D tensor"):
+        generate(model, torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="left-padded"):
+        generate(model, torch.tensor([[1, 2, 3]]), torch.tensor([[1, 0, 1]]))
+    with pytest.raises(ValueError, match=r"input_ids must be in \[0, 49152\)"):
+        generate(model, torch.tensor([[1, 2, 10**6]]))

@@ -1,0 +1,77 @@
+"""Our Llama decoder vs transformers' LlamaForCausalLM on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from helpers import left_pad
+
+from kvgen.config import ModelConfig
+from kvgen.generation import GenerationConfig, generate
+from kvgen.models import AttentionMetadata, build_model
+from kvgen.generation.runner import positions_from_mask
+
+
+def _tiny_pair(tie: bool, kv_heads: int = 2):
+    torch.manual_seed(0)
+    hc = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=kv_heads, max_position_embeddings=128, rope_theta=500.0, tie_word_embeddings=tie,
+    )
+    ref = transformers.LlamaForCausalLM(hc).eval()
+    sd = {k: v.clone() for k, v in ref.state_dict().items() if not (tie and k == "lm_head.weight")}
+    return ref, build_model(ModelConfig.from_hf_dict(hc.to_dict()), sd)
+
+
+def _logits(model, ids, mask):
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, positions_from_mask(mask), None, AttentionMetadata(mask)))
+
+
+@pytest.mark.parametrize("tie,kv_heads", [(False, 2), (True, 4), (False, 1)])
+def test_tiny_llama_logits_match_transformers_on_padded_batch(tie, kv_heads):
+    ref, ours = _tiny_pair(tie, kv_heads)
+    ids, mask = left_pad([[5, 6, 7, 8, 9, 10, 11], [3, 4, 5], [1, 2, 3, 4, 5]], pad_id=0)
+    with torch.inference_mode():
+        expected = ref(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+    got = _logits(ours, ids, mask)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5)
+
+
+def test_default_model_logits_match_transformers(ours_default, hf_default):
+    model, tok = ours_default
+    rows = [tok.encode(t) for t in ["The capital of France is", "def fibonacci(n):\n    ", "Hi"]]
+    ids, mask = left_pad(rows, pad_id=tok.pad_token_id)
+    with torch.inference_mode():
+        expected = hf_default(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+    got = _logits(model, ids, mask)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], rtol=1e-4, atol=1e-4)
+
+
+def _chat(tok, text):
+    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_default_model_greedy_32_tokens_identical_to_transformers(ours_default, hf_default, cache):
+    model, tok = ours_default
+    prompts = [
+        tok.encode("The capital of France is"),
+        tok.encode("Once upon a time, in a small village,"),
+        tok.encode("import numpy as np\n\ndef softmax(x):"),
+        _chat(tok, "What is the boiling point of water?"),
+    ]
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = generate(model, ids, None, GenerationConfig(max_new_tokens=32, cache_implementation=cache))
+        with torch.inference_mode():
+            ref = hf_default.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                eos_token_id=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
+            )
+        ref_new = ref[0, ids.shape[1]:].tolist()
+        assert out.new_token_ids[0] == ref_new[: len(out.new_token_ids[0])]
+        assert len(out.new_token_ids[0]) == len(ref_new) or ref_new[len(out.new_token_ids[0]):] == [tok.pad_token_id] * (len(ref_new) - len(out.new_token_ids[0]))

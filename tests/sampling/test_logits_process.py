@@ -1,0 +1,238 @@
+"""kvgen.sampling.logits_process against transformers' processors and its _get_logits_processor order."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers.generation.logits_process as hf
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from kvgen.sampling import logits_process as lp
+
+INF = float("inf")
+
+
+def random_logits(seed: int, B: int, V: int, scale: float = 1.0, num_inf: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, V, generator=g) * scale
+    if num_inf:
+        idx = torch.rand(B, V, generator=g).argsort(dim=1)[:, :num_inf]  # [B, num_inf]
+        x = x.scatter(1, idx, -INF)
+    return x
+
+
+def random_ids(seed: int, B: int, T: int, high: int) -> torch.Tensor:
+    return torch.randint(0, high, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert torch.equal(torch.isneginf(actual), torch.isneginf(expected))
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+# ------------------------------------------------------- class vs transformers
+
+PAIRS = [
+    (lambda: lp.TemperatureLogitsWarper(0.6), lambda: hf.TemperatureLogitsWarper(0.6)),
+    (lambda: lp.TopKLogitsWarper(7, min_tokens_to_keep=2), lambda: hf.TopKLogitsWarper(7, min_tokens_to_keep=2)),
+    (lambda: lp.TopPLogitsWarper(0.8), lambda: hf.TopPLogitsWarper(0.8)),
+    (lambda: lp.MinPLogitsWarper(0.1, min_tokens_to_keep=3), lambda: hf.MinPLogitsWarper(0.1, min_tokens_to_keep=3)),
+    (lambda: lp.TypicalLogitsWarper(0.7), lambda: hf.TypicalLogitsWarper(0.7)),
+    (lambda: lp.EpsilonLogitsWarper(0.02), lambda: hf.EpsilonLogitsWarper(0.02)),
+    (lambda: lp.EtaLogitsWarper(0.02), lambda: hf.EtaLogitsWarper(0.02)),
+    (lambda: lp.RepetitionPenaltyLogitsProcessor(1.4), lambda: hf.RepetitionPenaltyLogitsProcessor(1.4)),
+    (lambda: lp.NoRepeatNGramLogitsProcessor(2), lambda: hf.NoRepeatNGramLogitsProcessor(2)),
+    (
+        lambda: lp.MinNewTokensLengthLogitsProcessor(3, 5, [1, 4]),
+        lambda: hf.MinNewTokensLengthLogitsProcessor(3, 5, [1, 4]),
+    ),
+    (
+        lambda: lp.SequenceBiasLogitsProcessor([[[2], 1.5], [[3, 4], -3.0]]),
+        lambda: hf.SequenceBiasLogitsProcessor([[[2], 1.5], [[3, 4], -3.0]]),
+    ),
+    (
+        lambda: lp.NoBadWordsLogitsProcessor([[1], [4], [3, 5], [2, 2, 6]], eos_token_id=[4, 9]),
+        lambda: hf.NoBadWordsLogitsProcessor([[1], [4], [3, 5], [2, 2, 6]], eos_token_id=[4, 9]),
+    ),
+    (lambda: lp.SuppressTokensLogitsProcessor([0, 7]), lambda: hf.SuppressTokensLogitsProcessor([0, 7])),
+]
+
+
+@pytest.mark.parametrize("ours,theirs", PAIRS, ids=lambda f: type(f()).__name__)
+@pytest.mark.parametrize("seed", range(5))
+def test_processor_matches_transformers(ours, theirs, seed):
+    logits = random_logits(seed, 6, 10, scale=1.0 + 3 * seed, num_inf=seed % 3)
+    ids = random_ids(seed, 6, 4 + seed, 7)  # few ids: repeats and n-gram hits
+    ids[0, -1] = 3  # completes [3, 5] / [3, 4]
+    logits_before, ids_before = logits.clone(), ids.clone()
+    actual = ours()(ids, logits)
+    assert torch.equal(logits, logits_before) and torch.equal(ids, ids_before)  # pure
+    assert_same(actual, theirs()(ids, logits.clone()))
+
+
+def test_presence_frequency_counts_only_generated_tokens():
+    prompt_length = 4
+    ids = torch.tensor([[1, 1, 1, 2, 3, 3, 5], [4, 4, 4, 4, 4, 0, 0]])
+    logits = random_logits(0, 2, 6)
+    actual = lp.PresenceFrequencyPenaltyLogitsProcessor(0.5, 0.25, prompt_length)(ids, logits)
+    for row in range(2):
+        generated = ids[row, prompt_length:].tolist()
+        for j in range(6):
+            count = generated.count(j)
+            expected = logits[row, j].item() - 0.25 * count - 0.5 * float(count > 0)
+            assert actual[row, j].item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_logits_processor_list_applies_in_order():
+    logits = random_logits(1, 3, 20)
+    ids = random_ids(1, 3, 5, 20)
+    temperature, top_k = lp.TemperatureLogitsWarper(0.5), lp.TopKLogitsWarper(3)
+    chained = lp.LogitsProcessorList([temperature, top_k])(ids, logits)
+    assert_same(chained, top_k(ids, temperature(ids, logits)))
+    assert_same(lp.LogitsProcessorList()(ids, logits), logits)
+
+
+# ------------------------------------------------------------------- order
+
+PINNED_ORDER = (
+    "SequenceBiasLogitsProcessor",
+    "RepetitionPenaltyLogitsProcessor",
+    "NoRepeatNGramLogitsProcessor",
+    "NoBadWordsLogitsProcessor",
+    "MinNewTokensLengthLogitsProcessor",
+    "SuppressTokensLogitsProcessor",
+    "PresenceFrequencyPenaltyLogitsProcessor",
+    "TemperatureLogitsWarper",
+    "TopKLogitsWarper",
+    "TopPLogitsWarper",
+    "MinPLogitsWarper",
+    "TypicalLogitsWarper",
+    "EpsilonLogitsWarper",
+    "EtaLogitsWarper",
+)
+
+EVERYTHING = dict(
+    do_sample=True,
+    temperature=0.7,
+    top_k=12,
+    top_p=0.9,
+    min_p=0.05,
+    typical_p=0.95,
+    epsilon_cutoff=3e-4,
+    eta_cutoff=1e-3,
+    repetition_penalty=1.3,
+    no_repeat_ngram_size=2,
+    min_new_tokens=3,
+    eos_token_id=[2, 3],
+    pad_token_id=0,
+    sequence_bias=[[[5], 1.0], [[6, 7], -2.0]],
+    bad_words_ids=[[8], [9, 10], [2]],
+    suppress_tokens=[11],
+)
+
+
+def test_processor_order_is_pinned():
+    assert tuple(cls.__name__ for cls in lp.PROCESSOR_ORDER) == PINNED_ORDER
+
+
+def test_builder_returns_every_processor_in_declared_order():
+    cfg = SimpleNamespace(**EVERYTHING, presence_penalty=0.5, frequency_penalty=0.1)
+    processors = lp.build_logits_processors(cfg, prompt_length=4)
+    assert tuple(type(p) for p in processors) == lp.PROCESSOR_ORDER
+
+
+def hf_processors(config: GenerationConfig, prompt_length: int) -> hf.LogitsProcessorList:
+    """transformers' own list, from the model-free part of generate() on a tiny random Llama."""
+    model_config = LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    model = LlamaForCausalLM(model_config)
+    model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device="cpu")
+    return model._get_logits_processor(config, input_ids_seq_length=prompt_length, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"do_sample": False}, {"num_beams": 4}, {"num_beams": 3, "eos_token_id": None, "min_new_tokens": None}],
+    ids=["sample", "greedy", "beam-sample", "beam-sample-no-eos"],
+)
+def test_builder_matches_transformers_get_logits_processor(overrides):
+    settings = {**EVERYTHING, **overrides}
+    prompt_length = 5
+    theirs = hf_processors(GenerationConfig(**settings), prompt_length)
+    ours = lp.build_logits_processors(GenerationConfig(**settings), prompt_length)
+    assert [type(p).__name__ for p in ours] == [type(p).__name__ for p in theirs]
+    for seed in range(4):  # same composed result, so same order and same min_tokens_to_keep
+        logits = random_logits(seed, 8, 32, scale=6.0, num_inf=2)
+        ids = random_ids(seed, 8, prompt_length + seed, 12)
+        ids[0, -1] = 6  # completes the biased [6, 7]
+        ids[1, -1] = 9  # completes the bad [9, 10]
+        assert_same(ours(ids, logits), theirs(ids, logits.clone()))
+
+
+def test_beam_sampling_keeps_eos_count_plus_one_tokens():
+    cfg = SimpleNamespace(do_sample=True, num_beams=4, top_k=1, top_p=0.01, eos_token_id=[2, 3])
+    processors = lp.build_logits_processors(cfg, prompt_length=0)
+    assert [p.min_tokens_to_keep for p in processors] == [3, 3]
+    logits = random_logits(0, 2, 16, scale=50.0)
+    assert (torch.isfinite(processors(torch.zeros(2, 0, dtype=torch.long), logits)).sum(-1) == 3).all()
+    explicit = lp.build_logits_processors(cfg, prompt_length=0, min_tokens_to_keep=1)
+    assert [p.min_tokens_to_keep for p in explicit] == [1, 1]
+
+
+def test_builder_treats_missing_and_none_as_disabled():
+    assert lp.build_logits_processors(SimpleNamespace(), prompt_length=3) == []
+    nones = SimpleNamespace(**{k: None for k in EVERYTHING})
+    assert lp.build_logits_processors(nones, prompt_length=3) == []
+    no_sampling = SimpleNamespace(do_sample=False, temperature=0.0, top_p=7.0)  # warpers ignored, as in HF
+    assert lp.build_logits_processors(no_sampling, prompt_length=3) == []
+    no_eos = SimpleNamespace(min_new_tokens=5)  # HF skips min_new_tokens without an EOS id
+    assert lp.build_logits_processors(no_eos, prompt_length=3) == []
+
+
+def test_sequence_bias_accepts_dict_and_list():
+    logits = random_logits(3, 2, 10)
+    ids = torch.tensor([[1, 6], [6, 1]])
+    as_dict = lp.SequenceBiasLogitsProcessor({(6, 7): 2.0, (3,): -1.0})(ids, logits)
+    as_list = lp.SequenceBiasLogitsProcessor([[[6, 7], 2.0], [[3], -1.0]])(ids, logits)
+    assert_same(as_dict, as_list)
+    assert as_dict[0, 7] == logits[0, 7] + 2.0 and as_dict[1, 7] == logits[1, 7]  # row 0 ends with 6
+    assert torch.equal(as_dict[:, 3], logits[:, 3] - 1.0)
+
+
+# -------------------------------------------------------------- validation
+
+Cfg = SimpleNamespace
+
+INVALID = [
+    (lambda: lp.TopPLogitsWarper(1.5), r"top_p must be in \(0, 1\], got 1\.5"),
+    (lambda: lp.TopKLogitsWarper(-1), r"top_k must be >= 0 .*got -1"),
+    (lambda: lp.TemperatureLogitsWarper(0.0), r"temperature must be > 0 .*got 0\.0"),
+    (lambda: lp.TemperatureLogitsWarper(-0.5), r"temperature must be > 0 .*got -0\.5"),
+    (lambda: lp.RepetitionPenaltyLogitsProcessor(0.0), r"repetition_penalty must be > 0, got 0\.0"),
+    (lambda: lp.RepetitionPenaltyLogitsProcessor(-1.2), r"repetition_penalty must be > 0, got -1\.2"),
+    (lambda: lp.MinPLogitsWarper(1.01), r"min_p must be in \[0, 1\], got 1\.01"),
+    (lambda: lp.TypicalLogitsWarper(0.0), r"typical_p must be in \(0, 1\], got 0\.0"),
+    (lambda: lp.TypicalLogitsWarper(1.5), r"typical_p must be in \(0, 1\], got 1\.5"),
+    (lambda: lp.EpsilonLogitsWarper(1.0), r"epsilon_cutoff must be in \[0, 1\), got 1\.0"),
+    (lambda: lp.EtaLogitsWarper(-0.5), r"eta_cutoff must be in \[0, 1\), got -0\.5"),
+    (lambda: lp.NoRepeatNGramLogitsProcessor(-1), r"no_repeat_ngram_size must be >= 0 .*got -1"),
+    (lambda: lp.TopKLogitsWarper(5, min_tokens_to_keep=0), r"min_tokens_to_keep must be >= 1, got 0"),
+    (
+        lambda: lp.PresenceFrequencyPenaltyLogitsProcessor(0.0, 3.0, 0),
+        r"frequency_penalty must be in \[-2, 2\], got 3\.0",
+    ),
+    (lambda: lp.NoBadWordsLogitsProcessor([]), r"bad_words_ids must be a non-empty list"),
+    (lambda: lp.SequenceBiasLogitsProcessor({(1, -2): 1.0}), r"sequence_bias keys must be non-empty sequences"),
+    (lambda: lp.build_logits_processors(Cfg(do_sample=True, top_p=1.5), 0), r"top_p must be in \(0, 1\], got 1\.5"),
+    (lambda: lp.build_logits_processors(Cfg(do_sample=True, temperature=0.0), 0), r"temperature must be > 0"),
+    (lambda: lp.build_logits_processors(SimpleNamespace(repetition_penalty=0.0), 0), r"repetition_penalty must be > 0"),
+    (lambda: lp.build_logits_processors(SimpleNamespace(), -1), r"prompt_length must be an int >= 0, got -1"),
+]
+
+
+@pytest.mark.parametrize("build,message", INVALID)
+def test_invalid_settings_raise_value_error(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()

@@ -1,0 +1,392 @@
+"""GGUF loading: the default model against transformers' own GGUF loader, every
+quantization type against the ``gguf`` package (and the original floats), q/k
+un-permutation against transformers, and bad files.
+
+Synthetic files are written with ``gguf.GGUFWriter``; the q/k tensors in them
+are permuted with a copy of llama.cpp's converter permutation, so a loader
+that forgets to undo it fails against the original floats.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize, quantize
+
+from kvgen.errors import (
+    ModelFormatError,
+    ModelNotFoundError,
+    UnsupportedArchitectureError,
+    UnsupportedQuantizationError,
+)
+from kvgen.weights import gguf_loader
+from kvgen.weights.gguf_file import gguf_metadata, open_gguf
+from kvgen.weights.gguf_loader import SUPPORTED_QUANT_TYPES, dequantize_tensor, load_gguf, reverse_permute_qk
+
+Q = GGMLQuantizationType
+QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+K_QUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+# byte offsets of the f16 scale fields (d, dmin) in each K-quant block of 256 values (ggml-common.h)
+_K_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def _assert_equal(ours: torch.Tensor, ref: torch.Tensor, name: str) -> None:
+    """Bit-exact equality (torch.equal is ~30x faster than assert_close on the 28M-element embedding)."""
+    assert (ours.dtype, ours.shape) == (ref.dtype, ref.shape), name
+    if not torch.equal(ours, ref):
+        torch.testing.assert_close(ours, ref, rtol=0, atol=0, msg=name)  # fails, with a useful message
+
+
+# --- the default model ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ours_f32(default_gguf_path: Path):
+    return load_gguf(default_gguf_path, torch.float32)
+
+
+def test_default_matches_transformers(ours_f32, hf_default) -> None:
+    config, state, meta = ours_f32
+    theirs = hf_default.state_dict()
+    assert config.tie_word_embeddings and "lm_head.weight" not in state
+    assert set(theirs) == set(state) | {"lm_head.weight"}  # theirs lists the tied head too
+    for name, tensor in state.items():
+        assert tensor.dtype == torch.float32 and tensor.is_contiguous(), name
+        _assert_equal(tensor, theirs[name], name)
+    ref = hf_default.config
+    for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "intermediate_size", "rope_theta", "max_position_embeddings"):
+        assert getattr(config, field) == getattr(ref, field), field
+    assert config.rms_norm_eps == pytest.approx(ref.rms_norm_eps)
+    assert meta["general.architecture"] == "llama" and len(meta["tokenizer.ggml.tokens"]) == config.vocab_size
+
+
+def test_default_bfloat16_is_rounded_float32(ours_f32, default_gguf_path: Path) -> None:
+    _, state, _ = ours_f32
+    _, state_bf16, _ = load_gguf(default_gguf_path, torch.bfloat16)
+    assert state_bf16.keys() == state.keys()
+    for name, tensor in state_bf16.items():
+        assert tensor.dtype == torch.bfloat16
+        _assert_equal(tensor, state[name].to(torch.bfloat16), name)
+
+
+def test_fast_reader_matches_gguf_reader(default_gguf_path: Path) -> None:
+    plain, fast = GGUFReader(default_gguf_path), open_gguf(default_gguf_path)
+    assert list(fast.fields) == list(plain.fields)
+    for key, a in plain.fields.items():
+        b = fast.fields[key]
+        assert (b.offset, b.name, b.data, b.types) == (a.offset, a.name, a.data, a.types), key
+        assert [(p.dtype, p.shape, p.tobytes()) for p in b.parts] == [(p.dtype, p.shape, p.tobytes()) for p in a.parts]
+        assert b.contents() == a.contents(), key
+    assert fast.data_offset == plain.data_offset
+    for a, b in zip(plain.tensors, fast.tensors, strict=True):
+        assert (b.name, b.tensor_type, b.shape.tolist()) == (a.name, a.tensor_type, a.shape.tolist())
+        assert b.data_offset == a.data_offset
+        assert b.data.shape == a.data.shape and np.array_equal(b.data, a.data), a.name
+    meta = gguf_metadata(fast)
+    assert meta == {k: f.contents() for k, f in plain.fields.items() if not k.startswith("GGUF.")}
+
+
+_PEAK_SCRIPT = """
+import json, resource, sys, torch
+from kvgen.weights.gguf_loader import load_gguf
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+_, state, _ = load_gguf(sys.argv[1], getattr(torch, sys.argv[2]))
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+weights = sum(t.numel() * t.element_size() for t in state.values())
+print(json.dumps({"peak_increase": (after - before) * 1024, "weights": weights}))
+"""
+
+
+def test_peak_memory_stays_near_weight_size(default_gguf_path: Path) -> None:
+    """bfloat16 is the sharp case: a float32 copy of every tensor would double the increase."""
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT, str(default_gguf_path), "bfloat16"],
+        capture_output=True, text=True, check=True, timeout=120,
+    )
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["peak_increase"] < r["weights"] + (128 << 20), r
+
+
+# --- synthetic files -------------------------------------------------------------
+
+C, I, V, H, HKV, L = 256, 512, 64, 4, 2, 2  # K-quants need rows that are multiples of 256
+D = C // H
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py ``LlamaModel.permute`` (HF order -> GGUF order)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tiny_shapes(*, output: bool = True, bias: bool = False) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> torch shape of a tiny Llama (GQA: H=4, Hkv=2)."""
+    shapes = {"token_embd.weight": (V, C), "output_norm.weight": (C,)}
+    if output:
+        shapes["output.weight"] = (V, C)
+    for i in range(L):
+        b = f"blk.{i}."
+        shapes |= {b + "attn_norm.weight": (C,), b + "ffn_norm.weight": (C,), b + "attn_q.weight": (H * D, C),
+                   b + "attn_k.weight": (HKV * D, C), b + "attn_v.weight": (HKV * D, C),
+                   b + "attn_output.weight": (C, H * D), b + "ffn_gate.weight": (I, C), b + "ffn_up.weight": (I, C),
+                   b + "ffn_down.weight": (C, I)}
+        if bias:
+            shapes |= {b + "attn_q.bias": (H * D,), b + "attn_k.bias": (HKV * D,), b + "attn_v.bias": (HKV * D,),
+                       b + "attn_output.bias": (C,)}
+    return shapes
+
+
+def _random_kquant_bytes(rows: int, cols: int, qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
+    """Valid raw K-quant blocks: random bits, with f16 scales in a sane range. uint8 [rows, bytes per row]."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    for off in _K_SCALE_OFFSETS[qtype]:
+        raw[:, off : off + 2] = rng.uniform(1e-3, 2e-2, size=(raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, cols // block * size)
+
+
+def _add(writer: GGUFWriter, name: str, x: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Generator) -> None:
+    """Store float32 x (torch order) as qtype; K-quants get random blocks instead (gguf cannot quantize them)."""
+    if qtype in K_QUANTS:
+        writer.add_tensor(name, _random_kquant_bytes(*x.shape, qtype, rng), raw_dtype=qtype)
+    elif qtype in (Q.F32, Q.F16):
+        writer.add_tensor(name, quantize(x, qtype))
+    else:
+        writer.add_tensor(name, quantize(x, qtype), raw_dtype=qtype)
+
+
+def _write_llama(path: Path, types: dict[str, GGMLQuantizationType] | None = None, *, arch: str = "llama",
+                 output: bool = True, bias: bool = False, drop: tuple[str, ...] = (),
+                 extra: dict[str, np.ndarray | tuple[np.ndarray, GGMLQuantizationType]] | None = None,
+                 ) -> dict[str, np.ndarray]:
+    """Write a tiny Llama GGUF; returns the float32 tensors before quantization, in HF (unpermuted) order.
+
+    ``types``: storage type per GGUF name (default F32). ``extra``: tensors added as given
+    (an array, or raw bytes with their type).
+    """
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(L)
+    w.add_context_length(128)
+    w.add_embedding_length(C)
+    w.add_feed_forward_length(I)
+    w.add_head_count(H)
+    w.add_head_count_kv(HKV)
+    w.add_rope_dimension_count(D)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(V)
+    originals = {}
+    for name, shape in _tiny_shapes(output=output, bias=bias).items():
+        if name in drop:
+            continue
+        x = (rng.standard_normal(shape) * 0.05 + (1.0 if name.endswith("norm.weight") else 0.0)).astype(np.float32)
+        originals[name] = x
+        heads = H if ".attn_q." in name else HKV if ".attn_k." in name else None
+        _add(w, name, _llama_cpp_permute(x, heads) if heads else x, (types or {}).get(name, Q.F32), rng)
+    for name, x in (extra or {}).items():
+        if isinstance(x, tuple):
+            w.add_tensor(name, x[0], raw_dtype=x[1])
+        else:
+            w.add_tensor(name, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return originals
+
+
+def _step(qtype: GGMLQuantizationType, x: np.ndarray) -> np.ndarray:
+    """One quantization step per element (x float32 [rows, cols]): a bound on round-to-nearest error."""
+    if qtype == Q.F32:
+        return np.zeros_like(x)
+    if qtype in (Q.F16, Q.BF16):
+        return np.abs(x) * (2.0**-10 if qtype == Q.F16 else 2.0**-7)
+    blocks = x.reshape(x.shape[0], -1, 32)  # [rows, n_blocks, 32]
+    amax, amin = np.abs(blocks).max(-1, keepdims=True), blocks.min(-1, keepdims=True)
+    span = {Q.Q4_0: 2 * amax / 16, Q.Q5_0: 2 * amax / 32, Q.Q8_0: 2 * amax / 255,
+            Q.Q4_1: (blocks.max(-1, keepdims=True) - amin) / 15, Q.Q5_1: (blocks.max(-1, keepdims=True) - amin) / 31}
+    return np.broadcast_to(span[qtype], blocks.shape).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda q: q.name)
+def test_each_type_against_gguf_and_originals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype) -> None:
+    monkeypatch.setattr(gguf_loader, "_CHUNK_BYTES", 4 * 512 * 5)  # 5 rows per chunk: several chunks, a short last one
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((23, 512)) * 0.1).astype(np.float32)
+    writer = GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    _add(writer, "t.weight", x, qtype, rng)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    t = open_gguf(tmp_path / "t.gguf").tensors[0]
+    assert t.tensor_type == qtype
+    ours = dequantize_tensor(t, torch.float32)
+    assert ours.shape == (23, 512) and ours.dtype == torch.float32
+    reference = torch.from_numpy(dequantize(t.data, qtype).copy())  # what transformers' GGUF loader uses too
+    torch.testing.assert_close(ours, reference, rtol=0, atol=0)
+    if qtype in K_QUANTS:
+        assert torch.isfinite(ours).all() and ours.unique().numel() > 100
+    else:
+        err = np.abs(ours.numpy() - x)
+        assert (err <= _step(qtype, x) + 1e-6).all(), float(err.max())
+    torch.testing.assert_close(dequantize_tensor(t, torch.bfloat16), reference.to(torch.bfloat16), rtol=0, atol=0)
+
+
+def _mixed_types() -> dict[str, GGMLQuantizationType]:
+    """Every supported type on some matrix, q and k included; norms stay F32."""
+    assert set(K_QUANTS + QUANTIZABLE) == SUPPORTED_QUANT_TYPES
+    types = K_QUANTS + QUANTIZABLE
+    mats = [n for n, s in _tiny_shapes().items() if len(s) == 2]
+    assert len(mats) >= len(types)
+    return {name: types[i % len(types)] for i, name in enumerate(mats)}
+
+
+def test_tiny_llama_every_type_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(gguf_loader, "_CHUNK_BYTES", 4 * C * D)  # q/k chunks of one head: exercises head alignment
+    types = _mixed_types()
+    # q/k of layer 0 are K-quants (checked against transformers), of layer 1 not (checked against the originals too)
+    assert {types["blk.0.attn_q.weight"], types["blk.0.attn_k.weight"]} <= set(K_QUANTS)
+    assert not {types["blk.1.attn_q.weight"], types["blk.1.attn_k.weight"]} & set(K_QUANTS)
+    originals = _write_llama(tmp_path / "tiny.gguf", types)
+    config, state, _ = load_gguf(tmp_path / "tiny.gguf")
+    assert (config.num_attention_heads, config.num_key_value_heads, config.tie_word_embeddings) == (H, HKV, False)
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", torch_dtype=torch.float32)
+    theirs = theirs.state_dict()
+    assert set(theirs) == set(state)
+    for name in state:
+        _assert_equal(state[name], theirs[name], name)
+    # independent of transformers: the quantizable tensors are close to the original (unpermuted) floats
+    names = {gguf_loader.gguf_to_kvgen_name(g): g for g in originals}
+    for ours, g in names.items():
+        if types.get(g, Q.F32) not in K_QUANTS:
+            x = originals[g].reshape(originals[g].shape[0], -1)
+            err = np.abs(state[ours].numpy().reshape(x.shape) - x)
+            assert (err <= _step(types.get(g, Q.F32), x) + 1e-6).all(), (g, types.get(g), float(err.max()))
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (9, 3)])
+def test_reverse_permute_matches_transformers(num_heads: int, num_kv_heads: int) -> None:
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    reverse = LlamaTensorProcessor()._reverse_permute_weights
+    g = torch.Generator().manual_seed(0)
+    for rows, heads in ((num_heads * 16, num_heads), (num_kv_heads * 16, num_kv_heads)):
+        for shape in ((rows, 24), (rows,)):  # weight and bias
+            w = torch.randn(shape, generator=g)
+            ours = reverse_permute_qk(w, heads)
+            # transformers picks num_kv_heads when it differs from n_head (its k path)
+            theirs = reverse(w.numpy(), num_heads, heads)
+            torch.testing.assert_close(ours, torch.from_numpy(theirs), rtol=0, atol=0)
+            permuted = torch.from_numpy(_llama_cpp_permute(w.numpy(), heads))
+            torch.testing.assert_close(reverse_permute_qk(permuted, heads), w, rtol=0, atol=0)
+            assert not torch.equal(ours, w)  # the permutation is not the identity
+
+
+def test_tied_when_file_has_no_output_weight(tmp_path: Path) -> None:
+    originals = _write_llama(tmp_path / "t.gguf", output=False)
+    config, state, _ = load_gguf(tmp_path / "t.gguf", torch.bfloat16)
+    assert config.tie_word_embeddings and "lm_head.weight" not in state
+    assert state["model.embed_tokens.weight"].dtype == torch.bfloat16
+    torch.testing.assert_close(state["model.layers.1.self_attn.k_proj.weight"],
+                               torch.from_numpy(originals["blk.1.attn_k.weight"]).to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_attention_biases_are_unpermuted(tmp_path: Path) -> None:
+    originals = _write_llama(tmp_path / "t.gguf", bias=True)
+    config, state, _ = load_gguf(tmp_path / "t.gguf")
+    assert config.attention_bias and not config.mlp_bias
+    for g, ours in (("attn_q.bias", "self_attn.q_proj.bias"), ("attn_k.bias", "self_attn.k_proj.bias"),
+                    ("attn_output.bias", "self_attn.o_proj.bias")):
+        want = torch.from_numpy(originals[f"blk.1.{g}"])
+        torch.testing.assert_close(state[f"model.layers.1.{ours}"], want, rtol=0, atol=0)
+
+
+def test_rope_freqs_of_ones_is_ignored(tmp_path: Path) -> None:
+    _write_llama(tmp_path / "t.gguf", extra={"rope_freqs.weight": np.ones(D // 2, dtype=np.float32)})
+    _, state, _ = load_gguf(tmp_path / "t.gguf")
+    assert not any("rope" in k for k in state)
+
+
+# --- bad input ---------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError) as info:
+        load_gguf(tmp_path / "absent.gguf")
+    assert str(tmp_path / "absent.gguf") in str(info.value)
+
+
+def test_not_a_gguf_file(tmp_path: Path) -> None:
+    (tmp_path / "x.gguf").write_bytes(b"PK\x03\x04" + bytes(1000))
+    with pytest.raises(ModelFormatError, match="is not a GGUF file"):
+        load_gguf(tmp_path / "x.gguf")
+
+
+_CUTS = ["header", "mid_metadata", "tensor_info", "tensor_data_start", "mid_data", "last_byte"]
+
+
+@pytest.mark.parametrize("where", _CUTS)
+def test_truncated_default_file(tmp_path: Path, default_gguf_path: Path, where: str) -> None:
+    data_offset = open_gguf(default_gguf_path).data_offset  # end of metadata and tensor infos
+    size = default_gguf_path.stat().st_size
+    cut = {"header": 24, "mid_metadata": data_offset // 2, "tensor_info": data_offset - 100,
+           "tensor_data_start": data_offset + 1000, "mid_data": size // 2, "last_byte": size - 1}[where]
+    with open(default_gguf_path, "rb") as src:
+        (tmp_path / "cut.gguf").write_bytes(src.read(cut))
+    with pytest.raises(ModelFormatError, match="truncated or corrupt") as info:
+        load_gguf(tmp_path / "cut.gguf")
+    assert str(tmp_path / "cut.gguf") in str(info.value)
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    _write_llama(tmp_path / "falcon.gguf", arch="falcon")
+    with pytest.raises(UnsupportedArchitectureError, match="'falcon'"):
+        load_gguf(tmp_path / "falcon.gguf")
+
+
+@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.TQ2_0, Q.Q8_1], ids=lambda q: q.name)
+def test_unsupported_quantization_type(tmp_path: Path, qtype) -> None:
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = np.zeros((I, C // block * size), np.uint8)  # [rows, bytes per row]
+    _write_llama(tmp_path / "t.gguf", drop=("blk.1.ffn_up.weight",), extra={"blk.1.ffn_up.weight": (raw, qtype)})
+    with pytest.raises(UnsupportedQuantizationError) as info:
+        load_gguf(tmp_path / "t.gguf")
+    assert "'blk.1.ffn_up.weight'" in str(info.value) and f"stored as {qtype.name}" in str(info.value)
+
+
+def test_unknown_tensor_is_listed(tmp_path: Path) -> None:
+    _write_llama(tmp_path / "t.gguf", extra={"blk.0.attn_qkv.weight": np.zeros((4, 8), np.float32)})
+    with pytest.raises(ModelFormatError, match=r"does not know: blk\.0\.attn_qkv\.weight \(F32, \[4, 8\]\)"):
+        load_gguf(tmp_path / "t.gguf")
+
+
+def test_rope_freqs_other_than_ones_is_refused(tmp_path: Path) -> None:
+    _write_llama(tmp_path / "t.gguf", extra={"rope_freqs.weight": np.full(D // 2, 2.0, dtype=np.float32)})
+    with pytest.raises(ModelFormatError, match="rope_freqs.weight.*not supported"):
+        load_gguf(tmp_path / "t.gguf")
+
+
+def test_missing_tensor_is_listed(tmp_path: Path) -> None:
+    _write_llama(tmp_path / "t.gguf", drop=("blk.1.ffn_up.weight", "output_norm.weight"))
+    missing = r"missing keys \(2\): model.layers.1.mlp.up_proj.weight, model.norm.weight"
+    with pytest.raises(ModelFormatError, match=missing):
+        load_gguf(tmp_path / "t.gguf")
+
+
+def test_wrong_shape_is_listed(tmp_path: Path) -> None:
+    _write_llama(tmp_path / "t.gguf", drop=("blk.0.ffn_norm.weight",),
+                 extra={"blk.0.ffn_norm.weight": np.ones(C + 1, np.float32)})
+    with pytest.raises(ModelFormatError, match=rf"post_attention_layernorm.weight: expected \[{C}\], got \[{C + 1}\]"):
+        load_gguf(tmp_path / "t.gguf")

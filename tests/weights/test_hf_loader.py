@@ -1,0 +1,272 @@
+"""HF checkpoint directories: tiny random GPT-2 and Llama saved by transformers, loaded by kvgen.
+
+The reference is the transformers model's own ``state_dict()``, mapped to our
+layout independently of kvgen's name maps: GPT-2's ``Conv1D`` modules (found by
+type, not by name) are transposed, tied ``lm_head.weight`` is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers.pytorch_utils import Conv1D
+
+from kvgen.errors import ModelFormatError, ModelNotFoundError, UnsupportedArchitectureError
+from kvgen.weights.hf_loader import load_hf_directory
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Every parameter random (norm weights too), so a mix-up of any two tensors shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02 + (1.0 if p.dim() == 1 else 0.0))
+    return model.eval()
+
+
+def _tiny_gpt2() -> GPT2LMHeadModel:
+    cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32)
+    return _randomize(GPT2LMHeadModel(cfg), seed=0)
+
+
+def _tiny_llama(tied: bool, bias: bool = False) -> LlamaForCausalLM:
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        tie_word_embeddings=tied,
+        attention_bias=bias,
+        mlp_bias=bias,
+    )
+    return _randomize(LlamaForCausalLM(cfg), seed=1)
+
+
+def _expected(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The transformers model's parameters in our layout: [out, in] matrices, no tied lm_head."""
+    conv1d = {name + ".weight" for name, m in model.named_modules() if isinstance(m, Conv1D)}
+    out = {}
+    for name, p in model.named_parameters():  # named_parameters skips the tied duplicate
+        out[name] = p.detach().t().contiguous() if name in conv1d else p.detach().clone()
+    assert bool(conv1d) == isinstance(model, GPT2LMHeadModel)  # the GPT-2 reference exercises the transpose
+    return out
+
+
+def _assert_same(ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    assert sorted(ours) == sorted(expected)
+    for name, want in expected.items():
+        assert ours[name].dtype == dtype, name
+        assert ours[name].is_contiguous(), name
+        if not torch.equal(ours[name], want.to(dtype)):
+            torch.testing.assert_close(ours[name], want.to(dtype), rtol=0, atol=0, msg=name)
+
+
+def _save(model: torch.nn.Module, path: Path, sharded: bool) -> Path:
+    kwargs = {"max_shard_size": "50KB"} if sharded else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    if sharded:
+        assert (path / "model.safetensors.index.json").is_file() and not (path / "model.safetensors").exists()
+        assert len(list(path.glob("model-*.safetensors"))) > 2
+    return path
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_gpt2_matches_transformers(tmp_path: Path, sharded: bool) -> None:
+    model = _tiny_gpt2()
+    config, state = load_hf_directory(_save(model, tmp_path / "gpt2", sharded))
+    assert (config.model_type, config.hidden_size, config.num_hidden_layers) == ("gpt2", 64, 2)
+    assert config.tie_word_embeddings
+    _assert_same(state, _expected(model), torch.float32)
+    assert state["transformer.h.0.attn.c_attn.weight"].shape == (3 * 64, 64)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_llama_matches_transformers(tmp_path: Path, tied: bool, sharded: bool) -> None:
+    model = _tiny_llama(tied)
+    config, state = load_hf_directory(_save(model, tmp_path / "llama", sharded))
+    assert config.tie_word_embeddings is tied
+    assert ("lm_head.weight" in state) is (not tied)
+    _assert_same(state, _expected(model), torch.float32)
+
+
+def test_llama_with_biases(tmp_path: Path) -> None:
+    model = _tiny_llama(tied=True, bias=True)
+    config, state = load_hf_directory(_save(model, tmp_path / "llama", sharded=False))
+    assert config.attention_bias and config.mlp_bias
+    assert "model.layers.1.self_attn.k_proj.bias" in state and "model.layers.0.mlp.down_proj.bias" in state
+    _assert_same(state, _expected(model), torch.float32)
+
+
+def test_bfloat16(tmp_path: Path) -> None:
+    model = _tiny_gpt2()
+    _, state = load_hf_directory(_save(model, tmp_path / "gpt2", sharded=True), dtype=torch.bfloat16)
+    _assert_same(state, _expected(model), torch.bfloat16)
+
+
+def test_lm_head_saved_with_tied_embeddings_is_dropped(tmp_path: Path) -> None:
+    model = _tiny_llama(tied=True)
+    path = _save(model, tmp_path / "llama", sharded=False)
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, path / "model.safetensors")
+    _, state = load_hf_directory(path)
+    assert "lm_head.weight" not in state
+    _assert_same(state, _expected(model), torch.float32)
+
+
+def test_openai_style_gpt2_keys_and_buffers(tmp_path: Path) -> None:
+    """Keys without ``transformer.`` (as in the original gpt2 checkpoint), with saved mask buffers."""
+    model = _tiny_gpt2()
+    path = _save(model, tmp_path / "gpt2", sharded=False)
+    tensors = {k.removeprefix("transformer."): v for k, v in load_file(path / "model.safetensors").items()}
+    for i in range(2):
+        tensors[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 32, 32))
+        tensors[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    tensors["lm_head.weight"] = tensors["wte.weight"].clone()
+    assert "h.0.attn.c_attn.weight" in tensors
+    save_file(tensors, path / "model.safetensors")
+    _, state = load_hf_directory(path)
+    _assert_same(state, _expected(model), torch.float32)
+
+
+def test_pickle_only_directory_is_refused(tmp_path: Path) -> None:
+    model = _tiny_gpt2()
+    model.save_pretrained(tmp_path, safe_serialization=False)
+    assert (tmp_path / "pytorch_model.bin").is_file()
+    with pytest.raises(ModelFormatError, match="safetensors only") as info:
+        load_hf_directory(tmp_path)
+    assert "pytorch_model.bin" in str(info.value) and str(tmp_path) in str(info.value)
+
+
+# --- bad input ---------------------------------------------------------------
+
+
+@pytest.fixture()
+def gpt2_dir(tmp_path: Path) -> Path:
+    return _save(_tiny_gpt2(), tmp_path / "gpt2", sharded=False)
+
+
+def test_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="not found") as info:
+        load_hf_directory(tmp_path / "nope")
+    assert str(tmp_path / "nope") in str(info.value)
+
+
+def test_file_instead_of_directory(gpt2_dir: Path) -> None:
+    with pytest.raises(ModelFormatError, match="not a directory"):
+        load_hf_directory(gpt2_dir / "config.json")
+
+
+def test_missing_config(gpt2_dir: Path) -> None:
+    (gpt2_dir / "config.json").unlink()
+    with pytest.raises(ModelFormatError, match="no config.json") as info:
+        load_hf_directory(gpt2_dir)
+    assert str(gpt2_dir / "config.json") in str(info.value)
+
+
+def test_invalid_config_json(gpt2_dir: Path) -> None:
+    (gpt2_dir / "config.json").write_text("{not json")
+    with pytest.raises(ModelFormatError, match="not valid JSON"):
+        load_hf_directory(gpt2_dir)
+
+
+def test_unsupported_model_type(gpt2_dir: Path) -> None:
+    cfg = json.loads((gpt2_dir / "config.json").read_text())
+    cfg["model_type"] = "falcon"
+    (gpt2_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedArchitectureError, match="falcon"):
+        load_hf_directory(gpt2_dir)
+
+
+def test_missing_weights(gpt2_dir: Path) -> None:
+    (gpt2_dir / "model.safetensors").unlink()
+    with pytest.raises(ModelFormatError, match="has no weights") as info:
+        load_hf_directory(gpt2_dir)
+    assert str(gpt2_dir) in str(info.value) and "model.safetensors" in str(info.value)
+
+
+@pytest.mark.parametrize("how", ["garbage", "truncated_header", "truncated_data"])
+def test_corrupt_safetensors(gpt2_dir: Path, how: str) -> None:
+    path = gpt2_dir / "model.safetensors"
+    data = path.read_bytes()
+    if how == "garbage":
+        path.write_bytes(b"this is not a safetensors file at all" * 10)
+    elif how == "truncated_header":
+        path.write_bytes(data[:100])
+    else:
+        path.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ModelFormatError) as info:
+        load_hf_directory(gpt2_dir)
+    assert str(path) in str(info.value)
+
+
+def test_missing_and_unexpected_keys_are_listed(gpt2_dir: Path) -> None:
+    path = gpt2_dir / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["transformer.h.1.mlp.c_fc.bias"]
+    del tensors["transformer.ln_f.weight"]
+    tensors["transformer.h.0.attn.extra.weight"] = torch.zeros(3)
+    save_file(tensors, path)
+    with pytest.raises(ModelFormatError) as info:
+        load_hf_directory(gpt2_dir)
+    msg = str(info.value)
+    assert "missing keys (2): transformer.h.1.mlp.c_fc.bias, transformer.ln_f.weight" in msg
+    assert "unexpected keys (1): transformer.h.0.attn.extra.weight" in msg
+    assert str(gpt2_dir) in msg
+
+
+def test_untied_llama_without_lm_head(tmp_path: Path) -> None:
+    path = _save(_tiny_llama(tied=False), tmp_path / "llama", sharded=False)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ModelFormatError, match=r"missing keys \(1\): lm_head.weight"):
+        load_hf_directory(path)
+
+
+def test_shape_mismatch(gpt2_dir: Path) -> None:
+    path = gpt2_dir / "model.safetensors"
+    tensors = load_file(path)
+    tensors["transformer.wpe.weight"] = torch.zeros(16, 64)
+    save_file(tensors, path)
+    with pytest.raises(ModelFormatError, match=r"transformer.wpe.weight: expected \[32, 64\], got \[16, 64\]"):
+        load_hf_directory(gpt2_dir)
+
+
+def test_index_with_missing_shard(tmp_path: Path) -> None:
+    path = _save(_tiny_gpt2(), tmp_path / "gpt2", sharded=True)
+    shard = sorted(path.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(ModelFormatError, match="shards that do not exist") as info:
+        load_hf_directory(path)
+    assert str(shard) in str(info.value)
+
+
+def test_index_naming_a_key_the_shard_lacks(tmp_path: Path) -> None:
+    path = _save(_tiny_gpt2(), tmp_path / "gpt2", sharded=True)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["transformer.wte.weight"]
+    index["weight_map"]["transformer.h.9.ln_1.weight"] = shard
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelFormatError, match="transformer.h.9.ln_1.weight") as info:
+        load_hf_directory(path)
+    assert shard in str(info.value)
+
+
+def test_only_listed_shards_are_read(tmp_path: Path) -> None:
+    """A stray safetensors file next to the index (e.g. an older export) is not loaded."""
+    model = _tiny_gpt2()
+    path = _save(model, tmp_path / "gpt2", sharded=True)
+    shutil.copy(next(path.glob("model-*.safetensors")), path / "stray.safetensors")
+    save_file({"transformer.h.0.bogus": torch.zeros(1)}, path / "model-99999-of-99999.safetensors")
+    _, state = load_hf_directory(path)
+    _assert_same(state, _expected(model), torch.float32)
