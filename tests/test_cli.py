@@ -1,0 +1,147 @@
+"""The kvgen CLI: JSON output vs transformers, errors as one line + exit 2, subcommands."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvgen.cli import main
+
+MAX_NEW = 24
+
+
+def _run(capsys, argv: list[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _hf_greedy(hf_model, prompt_ids: list[int], tok, n: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                eos_token_id=tok.eos_token_ids, pad_token_id=tok.pad_token_id)
+    new = out[0, len(prompt_ids):].tolist()
+    while len(new) > 1 and new[-1] == tok.pad_token_id and new[-2] in tok.eos_token_ids + [tok.pad_token_id]:
+        new.pop()
+    return new
+
+
+@pytest.mark.parametrize("extra", [[], ["--chat"]])
+def test_generate_json_greedy_matches_transformers(capsys, ours_default, hf_default, extra):
+    _, tok = ours_default
+    code, out, err = _run(capsys, ["generate", "Name a famous painting.", "--temperature", "0", "--json",
+                                   "--dtype", "float32", "--max-new-tokens", str(MAX_NEW), *extra])
+    assert code == 0, err
+    report = json.loads(out)
+    assert set(report) >= {"prompt_token_ids", "token_ids", "text", "finish_reason", "timings"}
+    assert set(report["timings"]) == {"load_s", "prefill_s", "decode_s", "decode_tokens_per_s"}
+    if extra:
+        assert report["prompt_token_ids"] == tok.apply_chat_template(
+            [{"role": "user", "content": "Name a famous painting."}], add_generation_prompt=True, tokenize=True)
+    expected = _hf_greedy(hf_default, report["prompt_token_ids"], tok, MAX_NEW)
+    assert report["token_ids"] == expected
+    assert report["finish_reason"] == ("stop" if expected[-1] in tok.eos_token_ids else "length")
+    assert report["text"] == tok.decode(report["token_ids"], skip_special_tokens=True)
+
+
+def test_generate_streams_text_to_stdout(capsys, ours_default):
+    _, tok = ours_default
+    code, out, _ = _run(capsys, ["generate", "The sky is", "--max-new-tokens", "12"])
+    assert code == 0
+    code2, out2, _ = _run(capsys, ["generate", "The sky is", "--max-new-tokens", "12", "--json"])
+    assert out.rstrip("\n") == json.loads(out2)["text"]
+
+
+def test_no_cache_and_static_cache_flags_agree(capsys):
+    runs = []
+    for flags in (["--no-cache"], ["--cache", "dynamic"], ["--cache", "static"]):
+        code, out, err = _run(capsys, ["generate", "Water boils at", "--max-new-tokens", "10", "--json", *flags])
+        assert code == 0, err
+        runs.append(json.loads(out)["token_ids"])
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_trace_shows_prefill_once_then_cache_growing_and_saves_plot(capsys, tmp_path):
+    plot = tmp_path / "trace.png"
+    code, _, err = _run(capsys, ["generate", "Hello there", "--max-new-tokens", "5", "--trace", "--trace-plot", str(plot)])
+    assert code == 0
+    lines = [l for l in err.splitlines() if l.startswith("[trace] step")]
+    cached, uncached = lines[:5], lines[5:]
+    assert "prefill" in cached[0] and "input [1, 2]" in cached[0] and "K [1, 3, 2, 64]" in cached[0]
+    for i, line in enumerate(cached[1:], start=1):
+        assert "input [1, 1]" in line and f"K [1, 3, {2 + i}, 64]" in line
+    assert len(uncached) == 5 and "no cache" in uncached[-1] and "input [1, 6]" in uncached[-1]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tokenize_prints_ids(capsys, ours_default):
+    _, tok = ours_default
+    code, out, _ = _run(capsys, ["tokenize", "Hello <|im_end|> wörld 🙂"])
+    assert code == 0 and json.loads(out) == tok.encode("Hello <|im_end|> wörld 🙂")
+
+
+def test_perplexity_matches_transformers_nll(capsys, tmp_path, ours_default, hf_default):
+    _, tok = ours_default
+    text = ("The quick brown fox jumps over the lazy dog. " * 3 + "Paris is the capital of France. ") * 6
+    path = tmp_path / "text.txt"
+    path.write_text(text)
+    code, out, err = _run(capsys, ["perplexity", str(path), "--context-length", "64"])
+    assert code == 0, err
+    report = json.loads(out)
+    ids = tok.encode(text, add_special_tokens=False)
+    windows = [ids[i:i + 64] for i in range(0, len(ids), 64)]
+    windows = [w for w in windows if len(w) >= 2]
+    nll, count = 0.0, 0
+    with torch.inference_mode():
+        for w in windows:
+            logits = hf_default(torch.tensor([w])).logits[0, :-1]
+            nll += float(F.cross_entropy(logits, torch.tensor(w[1:]), reduction="sum"))
+            count += len(w) - 1
+    assert report["num_windows"] == len(windows) and report["num_tokens_scored"] == count
+    assert report["mean_nll"] == pytest.approx(nll / count, rel=1e-4)
+    assert report["perplexity"] == pytest.approx(math.exp(nll / count), rel=1e-4)
+
+
+def test_info_reports_architecture_and_quantization(capsys, hf_default):
+    code, out, _ = _run(capsys, ["info", "--json"])
+    assert code == 0
+    info = json.loads(out)
+    cfg = hf_default.config
+    assert info["architecture"] == "llama"
+    assert info["num_hidden_layers"] == cfg.num_hidden_layers and info["hidden_size"] == cfg.hidden_size
+    assert info["num_key_value_heads"] == cfg.num_key_value_heads
+    assert info["num_parameters"] == sum(p.numel() for p in hf_default.parameters())
+    assert set(info["storage_types"]) == {"Q4_1", "Q8_0", "F32"}
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["generate", "hi", "--model", "/nonexistent/model.gguf"], "model not found: /nonexistent/model.gguf"),
+        (["generate", "hi", "--top-p", "1.5", "--temperature", "1"], "top_p must be in (0, 1], got 1.5"),
+        (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1, got 0"),
+        (["generate", "hi", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+        (["generate", "hi", "--max-new-tokens", "9000"], "exceeds the context window of 8192 tokens"),
+        (["perplexity", "/nonexistent.txt"], "cannot read /nonexistent.txt"),
+    ],
+)
+def test_user_errors_are_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = _run(capsys, argv)
+    assert code == 2
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_truncated_gguf_exits_2_from_the_real_script(tmp_path, default_gguf_path):
+    bad = tmp_path / "truncated.gguf"
+    bad.write_bytes(default_gguf_path.read_bytes()[:1_000_000])
+    proc = subprocess.run([sys.executable, "-m", "kvgen.cli", "generate", "hi", "--model", str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "truncated or corrupt" in proc.stderr and "Traceback" not in proc.stderr
