@@ -12,22 +12,17 @@ import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from kvgen.errors import KvgenError, ModelFormatError, ModelNotFoundError
-
-
-class ChatTemplateError(KvgenError):
-    """Messages that a chat template rejects (bad roles, missing fields, ``raise_exception``)."""
+from kvgen.chat_template import ChatTemplateError, check_messages, compile_chat_template
+from kvgen.errors import ModelFormatError, ModelNotFoundError
 
 
 class GGUFTokenType(enum.IntEnum):
@@ -296,62 +291,6 @@ def _hf_chat_template(directory: Path, config: dict[str, Any]) -> str | None:
     return template
 
 
-# ---------------------------------------------------------------- chat templates
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (transformers' assistant-span marker): renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Any) -> str:
-        return caller()
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
-) -> str:
-    # Jinja's own tojson escapes HTML characters; transformers overrides it with this.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a chat template in transformers' environment. Raises ``ModelFormatError`` on a syntax error.
-
-    Source: transformers ``utils/chat_template_utils.py::_compile_jinja_template``.
-    """
-    extensions = [_GenerationTag, jinja2.ext.loopcontrols]
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=extensions)
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise ModelFormatError(f"chat template does not compile (line {e.lineno}): {e.message}") from None
-
-
-def _check_messages(messages: list[dict[str, Any]]) -> None:
-    if not isinstance(messages, list):
-        raise ChatTemplateError(f"messages must be a list of dicts, got {type(messages).__name__}")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ChatTemplateError(f"messages[{i}] must be a dict with a string 'role', got {message!r}")
-
-
 # ---------------------------------------------------------------- Tokenizer
 
 
@@ -445,7 +384,7 @@ class Tokenizer:
         """
         if self._chat_template is None:
             raise ModelFormatError(f"{self.name} has no chat template")
-        _check_messages(messages)
+        check_messages(messages)
         if self._compiled_template is None:
             self._compiled_template = compile_chat_template(self._chat_template)
         special = self._special

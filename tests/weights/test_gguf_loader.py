@@ -113,7 +113,7 @@ def test_peak_memory_stays_near_weight_size(default_gguf_path: Path) -> None:
         capture_output=True, text=True, check=True, timeout=120,
     )
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    assert r["peak_increase"] < r["weights"] + (128 << 20), r
+    assert r["peak_increase"] < r["weights"] + (96 << 20), r  # measured: weights + ~40 MiB
 
 
 # --- synthetic files -------------------------------------------------------------

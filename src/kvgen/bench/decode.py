@@ -319,6 +319,9 @@ def run_decode_bench(
     log = Progress(config.progress)
     num_threads = set_threads(config.num_threads)
     result: dict[str, Any] = {"schema": SCHEMA, "env": environment_info(), "workload": _workload(config)}
+    load = result["env"]["load_average_1m"]
+    if load is not None and load > 0.5:
+        log(f"warning: 1-minute load average is {load:.2f}; other processes share these {num_threads} cores, timings will be contended")
     result["kvgen"] = _bench_kvgen(config, log)
     if not config.include_transformers:
         result["transformers"] = {"skipped": "include_transformers=False"}

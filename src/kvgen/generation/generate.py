@@ -14,18 +14,31 @@ import torch
 from torch import nn
 
 from kvgen.errors import ContextLengthError
+from kvgen.generation.beam_sample import beam_sample
+from kvgen.generation.beam_search import beam_search
 from kvgen.generation.config import GenerationConfig, Strategy
+from kvgen.generation.contrastive_search import contrastive_search
 from kvgen.generation.decoding import LoopContext, RowStop
 from kvgen.generation.greedy import greedy_search
+from kvgen.generation.group_beam_search import group_beam_search
 from kvgen.generation.output import GenerateOutput
 from kvgen.generation.runner import StepRunner
 from kvgen.generation.sample import multinomial_sample
+from kvgen.generation.sample_and_rank import sample_and_rank
 from kvgen.sampling.logits_process import build_logits_processors
 
 STRATEGIES: dict[Strategy, Callable[[StepRunner, LoopContext], GenerateOutput]] = {
     Strategy.GREEDY: greedy_search,
     Strategy.SAMPLE: multinomial_sample,
+    Strategy.BEAM_SEARCH: beam_search,
+    Strategy.BEAM_SAMPLE: beam_sample,
+    Strategy.GROUP_BEAM_SEARCH: group_beam_search,
+    Strategy.CONTRASTIVE_SEARCH: contrastive_search,
+    Strategy.SAMPLE_AND_RANK: sample_and_rank,
 }
+
+# Strategies that keep several hypotheses per prompt and pick among them at the end: nothing to stream.
+_NOT_STREAMABLE = (Strategy.BEAM_SEARCH, Strategy.BEAM_SAMPLE, Strategy.GROUP_BEAM_SEARCH, Strategy.SAMPLE_AND_RANK)
 
 
 def generate(
@@ -66,7 +79,9 @@ def generate(
     strategy = cfg.strategy
     if strategy not in STRATEGIES:
         raise NotImplementedError(f"decoding strategy {strategy.value} is not implemented yet")
-    copies = cfg.num_return_sequences if strategy is Strategy.SAMPLE else 1
+    if streamer is not None and strategy in _NOT_STREAMABLE:
+        raise ValueError(f"streamer cannot be used with {strategy.value} (it picks among hypotheses at the end)")
+    copies = _num_copies(cfg)
     if copies > 1:
         input_ids = input_ids.repeat_interleave(copies, dim=0)  # [B*n, T]
         attention_mask = attention_mask.repeat_interleave(copies, dim=0)  # [B*n, T]
@@ -74,7 +89,7 @@ def generate(
         generator = torch.Generator()
         generator.manual_seed(cfg.seed) if cfg.seed is not None else generator.seed()
     cache_kind = cfg.cache_implementation if cfg.use_cache else None
-    runner = StepRunner(model, input_ids, attention_mask, cache_kind, cfg.max_new_tokens)
+    runner = StepRunner(model, input_ids, attention_mask, cache_kind, cfg.max_new_tokens, prefill_copies=copies)
     ctx = LoopContext(
         config=cfg,
         processors=build_logits_processors(cfg, prompt_length=input_ids.shape[1]),
@@ -85,6 +100,16 @@ def generate(
     if streamer is not None:
         streamer.put(input_ids)
     return STRATEGIES[strategy](runner, ctx)
+
+
+def _num_copies(cfg: GenerationConfig) -> int:
+    """Rows per prompt the strategy runs: beams, returned samples, or samples to rank."""
+    strategy = cfg.strategy
+    if strategy in (Strategy.BEAM_SEARCH, Strategy.BEAM_SAMPLE, Strategy.GROUP_BEAM_SEARCH):
+        return cfg.num_beams
+    if strategy is Strategy.SAMPLE_AND_RANK:
+        return cfg.best_of or 1
+    return cfg.num_return_sequences if strategy is Strategy.SAMPLE else 1
 
 
 def _check_batch(

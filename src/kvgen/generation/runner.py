@@ -35,7 +35,10 @@ class StepRunner:
     """Feeds a batch to the model step by step and returns last-position logits.
 
     input_ids, attention_mask: [B, T] int64 (left-padded). ``cache_kind`` None
-    disables the KV cache. ``timings`` accumulates prefill/decode seconds.
+    disables the KV cache. ``prefill_copies`` > 1 says the rows come in groups
+    of that many identical copies (beams, samples of one prompt): with a cache,
+    the prompt is run once per group and its cache rows are then copied.
+    ``prefill_s`` / ``decode_s`` accumulate seconds.
     """
 
     def __init__(
@@ -45,13 +48,17 @@ class StepRunner:
         attention_mask: torch.Tensor,
         cache_kind: str | None,
         max_new_tokens: int,
+        prefill_copies: int = 1,
     ) -> None:
+        assert input_ids.shape[0] % prefill_copies == 0, (input_ids.shape, prefill_copies)
         self.model = model
         self.sequences = input_ids
         self.attention_mask = attention_mask
         self.has_padding = not bool(attention_mask.all())
+        self.prefill_copies = prefill_copies if cache_kind else 1
         max_len = input_ids.shape[1] + max_new_tokens
-        self.cache = make_cache(model, cache_kind, input_ids.shape[0], max_len) if cache_kind else None
+        cache_rows = input_ids.shape[0] // self.prefill_copies
+        self.cache = make_cache(model, cache_kind, cache_rows, max_len) if cache_kind else None
         self.num_cached = 0  # columns of `sequences` already in the cache
         self.prefill_s = 0.0
         self.decode_s = 0.0
@@ -62,10 +69,16 @@ class StepRunner:
         """Run the model on the not-yet-cached columns; return hidden ``[B, T_fed, C]``."""
         start = time.perf_counter()
         first = self.num_cached if self.cache is not None else 0
-        ids = self.sequences[:, first:]  # [B, T_fed]
-        positions = positions_from_mask(self.attention_mask)[:, first:]  # [B, T_fed]
-        meta = AttentionMetadata(self.attention_mask if self.has_padding else None)
-        hidden = self.model(ids, positions, self.cache, meta)  # [B, T_fed, C]
+        copies = self.prefill_copies if self.num_cached == 0 else 1
+        mask = self.attention_mask[::copies]  # [B/copies, S]
+        ids = self.sequences[::copies, first:]  # [B/copies, T_fed]
+        positions = positions_from_mask(mask)[:, first:]  # [B/copies, T_fed]
+        meta = AttentionMetadata(mask if self.has_padding else None)
+        hidden = self.model(ids, positions, self.cache, meta)  # [B/copies, T_fed, C]
+        if copies > 1:
+            rows = torch.arange(ids.shape[0]).repeat_interleave(copies)  # [B]
+            self.cache.reorder(rows)
+            hidden = hidden.index_select(0, rows)  # [B, T_fed, C]
         self.num_cached = self.sequences.shape[1]
         elapsed = time.perf_counter() - start
         if self.num_steps == 0:
@@ -95,9 +108,14 @@ class StepRunner:
             [self.attention_mask, self.attention_mask.new_ones(self.attention_mask.shape[0], 1)], dim=1
         )  # [B, S+1]
 
+    @torch.inference_mode()
     def reorder(self, row_idx: torch.Tensor) -> None:
-        """Keep rows ``row_idx [B']`` (beam search), in tokens, mask and cache."""
+        """Keep rows ``row_idx [B']`` (beam search; B' != B expands or selects), in tokens, mask and cache."""
         self.sequences = self.sequences.index_select(0, row_idx)
         self.attention_mask = self.attention_mask.index_select(0, row_idx)
         if self.cache is not None:
             self.cache.reorder(row_idx)
+
+    def replace_last(self, tokens: torch.Tensor) -> None:
+        """Overwrite the last column with ``tokens [B]`` int64 (the cache keeps the keys of the old ones)."""
+        self.sequences = torch.cat([self.sequences[:, :-1], tokens[:, None]], dim=1)  # [B, S]

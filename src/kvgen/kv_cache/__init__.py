@@ -1,8 +1,10 @@
-"""KV caches: ``DynamicCache`` (grows by concatenation) and ``StaticCache``
-(preallocated, written in place). The paged cache of the engine lives beside them.
+"""KV caches: ``DynamicCache`` (grows by concatenation), ``StaticCache``
+(preallocated, written in place) and the engine's ``PagedKVCache`` (a pool of
+fixed-size blocks addressed by per-sequence block tables).
 """
 
 from kvgen.kv_cache.dynamic import DynamicCache
+from kvgen.kv_cache.paged import PagedAttentionMetadata, PagedKVCache, num_blocks_for_memory
 from kvgen.kv_cache.static import StaticCache
 
-__all__ = ["DynamicCache", "StaticCache"]
+__all__ = ["DynamicCache", "PagedAttentionMetadata", "PagedKVCache", "StaticCache", "num_blocks_for_memory"]

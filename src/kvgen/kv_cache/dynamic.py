@@ -36,7 +36,7 @@ class DynamicCache:
         self.seq_length += num_new
 
     def reorder(self, row_idx: torch.Tensor) -> None:
-        """Gather rows ``row_idx [B']`` (beam search: follow each beam's parent)."""
+        """Gather rows ``row_idx [B']`` (beam search: follow each beam's parent); B' may differ from B."""
         for i in range(self.num_layers):
             k, v = self.key_cache[i], self.value_cache[i]
             if k is not None and v is not None:

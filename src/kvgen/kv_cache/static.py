@@ -47,8 +47,17 @@ class StaticCache:
         self.seq_length += num_new
 
     def reorder(self, row_idx: torch.Tensor) -> None:
-        """Gather rows ``row_idx [B]`` in place (beam search: follow each beam's parent)."""
+        """Gather rows ``row_idx [B']`` (beam search: follow each beam's parent).
+
+        With B' == B the rows are rewritten in place; a different B' (expanding a
+        prompt into beams or candidates, or selecting among them) reallocates
+        ``[B', Hkv, S_max, D]`` per layer.
+        """
         end = self.seq_length
+        if row_idx.numel() != self.key_cache[0].shape[0]:
+            self.key_cache = [_gather_rows(kc, row_idx, end) for kc in self.key_cache]
+            self.value_cache = [_gather_rows(vc, row_idx, end) for vc in self.value_cache]
+            return
         for kc, vc in zip(self.key_cache, self.value_cache):
             kc[:, :, :end] = kc[:, :, :end].index_select(0, row_idx)
             vc[:, :, :end] = vc[:, :, :end].index_select(0, row_idx)
@@ -65,3 +74,10 @@ class StaticCache:
     def nbytes(self) -> int:
         """Bytes allocated for K and V over all layers."""
         return sum(t.numel() * t.element_size() for t in self.key_cache + self.value_cache)
+
+
+def _gather_rows(cache: torch.Tensor, row_idx: torch.Tensor, end: int) -> torch.Tensor:
+    """A new ``[B', Hkv, S_max, D]`` tensor holding rows ``row_idx`` of ``cache``'s first ``end`` slots."""
+    out = cache.new_zeros((row_idx.numel(), *cache.shape[1:]))
+    out[:, :, :end] = cache[:, :, :end].index_select(0, row_idx)  # [B', Hkv, end, D]
+    return out

@@ -2,7 +2,9 @@
 
 The offline path (``generate()``) runs rectangular, left-padded batches: every
 row has the same number of cache slots, and padding is described by a key
-mask. Masks are built once per forward and shared by every layer.
+mask. Masks are built once per forward and shared by every layer. The engine
+passes a ``PagedKVCache`` with ``PagedAttentionMetadata`` instead: one packed
+row ``[1, N]`` of every scheduled token, attending through block tables.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvgen.kv_cache.paged import PagedAttentionMetadata
 
 
 @dataclass
@@ -22,6 +26,45 @@ class AttentionMetadata:
     """
 
     attention_mask: torch.Tensor | None = None
+
+
+def prepare_attention(
+    attn_metadata: AttentionMetadata | PagedAttentionMetadata | None, kv_cache, num_new: int
+) -> torch.Tensor | PagedAttentionMetadata | None:
+    """What every layer's attention gets: the paged metadata as is, else the offline mask.
+
+    The offline mask is ``build_attention_mask`` of the cache's ``seq_length`` (0 without a cache).
+    """
+    if isinstance(attn_metadata, PagedAttentionMetadata):
+        return attn_metadata
+    past = kv_cache.seq_length if kv_cache is not None else 0
+    return build_attention_mask(attn_metadata.attention_mask if attn_metadata else None, past, num_new)
+
+
+def advance_cache(kv_cache, mask: torch.Tensor | PagedAttentionMetadata | None, num_new: int) -> None:
+    """After a forward, record ``num_new`` tokens in an offline cache (paged lengths live in the metadata)."""
+    if kv_cache is not None and not isinstance(mask, PagedAttentionMetadata):
+        kv_cache.advance(num_new)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_idx: int,
+    kv_cache,
+    mask: torch.Tensor | PagedAttentionMetadata | None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Store k, v in the cache (if any) and attend: q [B, H, T, D]; k, v [B, Hkv, T, D] -> [B, H, T, D].
+
+    With paged metadata, B = 1 and T = N packed tokens (``PagedKVCache.attend``).
+    """
+    if isinstance(mask, PagedAttentionMetadata):
+        return kv_cache.attend(layer_idx, q, k, v, mask, scale)
+    if kv_cache is not None:
+        k, v = kv_cache.update(layer_idx, k, v)  # [B, Hkv, S, D]
+    return scaled_dot_product_attention(q, k, v, mask, scale)
 
 
 def build_attention_mask(

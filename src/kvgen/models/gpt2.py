@@ -14,7 +14,8 @@ from torch import nn
 
 from kvgen.config import ModelConfig
 from kvgen.errors import UnsupportedArchitectureError
-from kvgen.models.attention import AttentionMetadata, build_attention_mask, scaled_dot_product_attention
+from kvgen.kv_cache.paged import PagedAttentionMetadata
+from kvgen.models.attention import AttentionMetadata, advance_cache, attend, prepare_attention
 
 _ACTIVATIONS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -42,9 +43,7 @@ class GPT2Attention(nn.Module):
         q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = k.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         v = v.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-        if kv_cache is not None:
-            k, v = kv_cache.update(layer_idx, k, v)  # [B, H, S, D]
-        out = scaled_dot_product_attention(q, k, v, mask, scale=self.scale)  # [B, H, T, D]
+        out = attend(q, k, v, layer_idx, kv_cache, mask, self.scale)  # [B, H, T, D]
         return self.c_proj(out.transpose(1, 2).reshape(b, t, c))  # [B, T, C]
 
 
@@ -105,17 +104,15 @@ class GPT2LMHeadModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache=None,
-        attn_metadata: AttentionMetadata | None = None,
+        attn_metadata: AttentionMetadata | PagedAttentionMetadata | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [B, T] int64 -> hidden [B, T, C] after ``ln_f`` (see LlamaForCausalLM.forward)."""
         tr = self.transformer
         x = tr.wte(input_ids) + tr.wpe(positions)  # [B, T, C]
-        past = kv_cache.seq_length if kv_cache is not None else 0
-        mask = build_attention_mask(attn_metadata.attention_mask if attn_metadata else None, past, input_ids.shape[1])
+        mask = prepare_attention(attn_metadata, kv_cache, input_ids.shape[1])
         for i, block in enumerate(tr.h):
             x = block(x, i, kv_cache, mask)
-        if kv_cache is not None:
-            kv_cache.advance(input_ids.shape[1])
+        advance_cache(kv_cache, mask, input_ids.shape[1])
         return tr.ln_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvgen.config import ModelConfig
-from kvgen.models.attention import AttentionMetadata, build_attention_mask, scaled_dot_product_attention
+from kvgen.kv_cache.paged import PagedAttentionMetadata
+from kvgen.models.attention import AttentionMetadata, advance_cache, attend, prepare_attention
 from kvgen.models.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -31,15 +32,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, c, bias=bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_idx: int, kv_cache, mask) -> torch.Tensor:
-        """x: [B, T, C] -> [B, T, C]; cos, sin: [B, 1, T, D]; mask: [B|1, 1, T, S] bool or None."""
+        """x: [B, T, C] -> [B, T, C]; cos, sin: [B, 1, T, D]; mask: [B|1, 1, T, S] bool, None or paged metadata."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv_cache is not None:
-            k, v = kv_cache.update(layer_idx, k, v)  # [B, Hkv, S, D]
-        out = scaled_dot_product_attention(q, k, v, mask)  # [B, H, T, D]
+        out = attend(q, k, v, layer_idx, kv_cache, mask)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))  # [B, T, C]
 
 
@@ -102,23 +101,22 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache=None,
-        attn_metadata: AttentionMetadata | None = None,
+        attn_metadata: AttentionMetadata | PagedAttentionMetadata | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm.
 
         input_ids, positions: [B, T] int64. kv_cache: a cache with
         ``seq_length``/``update``/``advance`` (new tokens go to slots
-        ``seq_length..``) or None (attend only within ``input_ids``).
+        ``seq_length..``), None (attend only within ``input_ids``), or a
+        ``PagedKVCache`` with ``PagedAttentionMetadata`` (B = 1, T = N packed tokens).
         Returns [B, T, C] in the model dtype.
         """
         x = self.model.embed_tokens(input_ids)  # [B, T, C]
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # [B, 1, T, D]
-        past = kv_cache.seq_length if kv_cache is not None else 0
-        mask = build_attention_mask(attn_metadata.attention_mask if attn_metadata else None, past, input_ids.shape[1])
+        mask = prepare_attention(attn_metadata, kv_cache, input_ids.shape[1])
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, i, kv_cache, mask)
-        if kv_cache is not None:
-            kv_cache.advance(input_ids.shape[1])
+        advance_cache(kv_cache, mask, input_ids.shape[1])
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,7 @@ def load_gguf(
     if reader.byte_order != "I":
         raise ModelFormatError(f"{path} is a big-endian GGUF file; kvgen reads little-endian files only")
     meta = gguf_metadata(reader)
+    reader.fields.clear()  # ~250k numpy views of the vocabulary (~40 MB); `meta` holds the values now
     by_name = {t.name: t for t in reader.tensors}
     config = ModelConfig.from_gguf_metadata(meta)
     config = replace(
@@ -195,8 +196,10 @@ def _release_pages(reader: GGUFReader, t: ReaderTensor) -> None:
     reader is closed, on top of the converted weights. A no-op where
     ``madvise`` is unavailable or the reader is not memory-mapped.
     """
-    mm = getattr(getattr(reader, "mmap", None), "_mmap", None)
-    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+    memmap = getattr(reader, "mmap", None)  # set by FastGGUFReader
+    mm = getattr(memmap, "_mmap", None)
+    # read-only mappings only: on a copy-on-write one, MADV_DONTNEED would discard writes
+    if mm is None or getattr(memmap, "mode", None) != "r" or not hasattr(mmap, "MADV_DONTNEED"):
         return
     page = mmap.PAGESIZE
     start = t.data_offset // page * page

@@ -1,0 +1,73 @@
+"""Chat templates: compiled and rendered the way transformers does (jinja2 sandbox).
+
+Source: transformers ``utils/chat_template_utils.py`` (environment, filters, globals).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from kvgen.errors import KvgenError, ModelFormatError
+
+
+class ChatTemplateError(KvgenError):
+    """Messages that a chat template rejects (bad roles, missing fields, ``raise_exception``)."""
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (transformers' assistant-span marker): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    # Jinja's own tojson escapes HTML characters; transformers overrides it with this.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in transformers' environment. Raises ``ModelFormatError`` on a syntax error.
+
+    Source: transformers ``utils/chat_template_utils.py::_compile_jinja_template``.
+    """
+    extensions = [_GenerationTag, jinja2.ext.loopcontrols]
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=extensions)
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ModelFormatError(f"chat template does not compile (line {e.lineno}): {e.message}") from None
+
+
+def check_messages(messages: list[dict[str, Any]]) -> None:
+    if not isinstance(messages, list):
+        raise ChatTemplateError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ChatTemplateError(f"messages[{i}] must be a dict with a string 'role', got {message!r}")

@@ -1,0 +1,57 @@
+"""What the engine returns per request per step (vLLM ``RequestOutput`` names).
+
+Times are ``time.time()`` seconds. Source: vLLM ``vllm/outputs.py`` and
+``vllm/sequence.py::RequestMetrics``; finish reasons as OpenAI's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvgen.engine.types import TokenLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt.
+
+    ``text`` is cut before a matched stop string (after it with ``include_stop_str_in_output``);
+    ``token_ids`` keep every generated id, EOS / stop token included. With
+    ``RequestOutputKind.DELTA`` text, ids and logprobs are only what is new in this output.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None  # sum of the sampled tokens' logprobs; None unless logprobs asked
+    logprobs: list[TokenLogprobs] | None  # one per token_ids entry; None unless logprobs asked
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after a step; ``outputs`` holds one entry per completion."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    error: str | None = None  # why the engine aborted the request, if it did

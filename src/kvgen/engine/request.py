@@ -1,0 +1,101 @@
+"""``Request``: one sequence's scheduling state, owned by the ``Scheduler``.
+
+Source: vLLM v1 ``vllm/v1/request.py`` (names: ``num_computed_tokens``, ``status``,
+``RequestStatus``); ``block_ids`` is the request's block table, kept here as in nano-vllm.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvgen.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again; its blocks were freed and will be recomputed
+    FINISHED_STOPPED = "finished_stopped"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens or the model's context length
+    FINISHED_ABORTED = "finished_aborted"  # aborted by the caller, or it can never fit the KV cache
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI ``finish_reason``: "stop", "length", "abort", or None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(kw_only=True, eq=False)
+class Request:
+    """A prompt and what has been generated for it; times are ``time.time()`` seconds.
+
+    ``num_computed_tokens`` counts the tokens of ``all_token_ids`` whose KV is in the cache
+    (vLLM v1); ``block_ids`` are the physical KV blocks covering positions ``[0, len * block_size)``.
+    ``eos_token_ids`` come from the tokenizer (the engine fills them).
+    Raises ``ValueError`` for an empty prompt or a negative token id.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.time)
+    priority: int = 0  # lower runs first under the priority policy
+    eos_token_ids: tuple[int, ...] = ()
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list, init=False)
+    all_token_ids: list[int] = field(default_factory=list, init=False)  # prompt + output, kept in step
+    num_computed_tokens: int = field(default=0, init=False)
+    block_ids: list[int] = field(default_factory=list, init=False)
+    block_hashes: list[int] = field(default_factory=list, init=False)  # of full blocks, by BlockManager
+    num_cached_prefix_tokens: int = field(default=0, init=False)  # prefix-cache hit at first admission
+    num_preemptions: int = field(default=0, init=False)
+    first_scheduled_time: float | None = field(default=None, init=False)
+    first_token_time: float | None = field(default=None, init=False)
+    finish_time: float | None = field(default=None, init=False)
+    stop_reason: int | str | None = field(default=None, init=False)  # the stop token id or stop string
+    error: str | None = field(default=None, init=False)  # why the engine aborted it
+
+    def __post_init__(self) -> None:
+        ids = self.prompt_token_ids
+        if not isinstance(ids, list) or not ids:
+            raise ValueError(f"prompt_token_ids must be a non-empty list, got {ids!r}")
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+            raise ValueError(f"prompt_token_ids must hold ints >= 0, got {ids!r}")
+        self.eos_token_ids = tuple(self.eos_token_ids)
+        self.all_token_ids = list(ids)
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        new = [token_ids] if isinstance(token_ids, int) else token_ids
+        self.output_token_ids.extend(new)
+        self.all_token_ids.extend(new)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

@@ -1,0 +1,318 @@
+"""``Scheduler``: which requests run each step and how many tokens each gets (pure Python).
+
+Each step spends a token budget: running requests first (a decode takes 1 token, an
+unfinished or recomputing prefill a chunk), then waiting ones are admitted while slots,
+budget and KV blocks last, starting after their prefix-cache hit. When the pool runs
+out, the newest running request (under the priority policy: the least important) is
+preempted: its blocks are freed and it is recomputed later from its tokens.
+
+Source: vLLM v1 ``vllm/v1/core/sched/scheduler.py`` (semantics: chunked prefill,
+no admission in a step that preempted, ``num_computed_tokens``); nano-vllm (size).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from kvgen.engine.block_manager import BlockManager, cdiv
+from kvgen.engine.request import Request, RequestStatus
+from kvgen.engine.types import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+class SchedulingPolicy(enum.Enum):
+    FCFS = "fcfs"  # arrival order
+    PRIORITY = "priority"  # lower Request.priority first, then arrival time
+
+
+class Scheduler:
+    """Continuous batching over a ``BlockManager``; budgets are in tokens.
+
+    ``long_prefill_token_threshold`` caps one request's prefill chunk per step (None = no cap);
+    with ``max_model_len`` set, a request stops ("length") when prompt + output reach it.
+    Call ``update_from_output`` after every ``schedule()``, even when nothing ran.
+    Raises ``ValueError`` for limits < 1.
+    """
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        block_manager: BlockManager,
+        long_prefill_token_threshold: int | None = None,
+        policy: SchedulingPolicy | str = SchedulingPolicy.FCFS,
+        max_model_len: int | None = None,
+    ):
+        limits = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
+        limits |= {"long_prefill_token_threshold": long_prefill_token_threshold, "max_model_len": max_model_len}
+        for name, value in limits.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_manager = block_manager
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.policy = SchedulingPolicy(policy)
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self._seen_by_runner: set[str] = set()
+        self._pending_aborts: deque[str] = deque()  # thread-safe appends; applied by schedule()
+        self._finished_ids: list[str] = []  # for the next SchedulerOutput
+        self._finished_outputs: list[EngineCoreOutput] = []  # finished inside schedule()
+
+    # ------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Raises ``ValueError`` for a request id already in flight."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id must be unique among unfinished requests, got {request.request_id!r}")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort at the next ``schedule()`` (safe while a step runs); unknown ids are ignored."""
+        self._pending_aborts.append(request_id)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish now (e.g. a stop string matched) and free their blocks; reports no output.
+
+        Call between steps. Unknown or already finished ids are ignored.
+        """
+        assert status.is_finished, f"not a finished status: {status}"
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._remove_from_queues(request)
+                self._finish(request, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._finished_outputs)
+
+    def get_num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts, allocating their KV blocks."""
+        self._apply_aborts()
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        budget = self._schedule_running(scheduled, preempted, self.max_num_batched_tokens)
+        if not preempted:  # a step that had to preempt has no room for newcomers
+            self._schedule_waiting(scheduled, budget)
+        finished_ids, self._finished_ids = self._finished_ids, []
+        num_batched_tokens = sum(len(s.token_ids) for s in scheduled)
+        return SchedulerOutput(scheduled, num_batched_tokens, [r.request_id for r in preempted], finished_ids)
+
+    def _schedule_running(self, scheduled: list[ScheduledRequest], preempted: list[Request], budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            if not self._fits_pool(request):
+                self.running.pop(i)
+                self._abort_unfittable(request)
+                continue
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, i, num_new, preempted):
+                continue  # the request itself was preempted; running[i] is now the next one
+            scheduled.append(self._scheduled_request(request, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, index: int, num_new: int, preempted: list[Request]) -> bool:
+        """Allocate, preempting running requests not yet scheduled this step until it fits."""
+        while not self.block_manager.allocate_slots(request, num_new):
+            candidates = self.running[index:]
+            if self.policy is SchedulingPolicy.PRIORITY:
+                victim = max(reversed(candidates), key=lambda r: (r.priority, r.arrival_time))
+            else:
+                victim = candidates[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self._enqueue(request, front=True)
+
+    def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+        in_flight = {h for s in scheduled for h in self._new_full_block_hashes(self.requests[s.request_id], s)}
+        postponed: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.popleft()
+            if not self._fits_pool(request):
+                self._abort_unfittable(request)
+                continue
+            computed_block_ids, num_cached = self.block_manager.get_computed_blocks(request)
+            if self._waits_for_in_flight(request, num_cached, in_flight):
+                postponed.append(request)  # share those blocks next step instead of recomputing them
+                continue
+            num_new = self._num_new_tokens(request, num_cached, budget)
+            if not self.block_manager.allocate_slots(request, num_new, computed_block_ids):
+                self.waiting.appendleft(request)
+                break
+            self._admit(request, num_cached)
+            scheduled.append(self._scheduled_request(request, num_new))
+            in_flight.update(self._new_full_block_hashes(request, scheduled[-1]))
+            budget -= num_new
+        self.waiting.extendleft(reversed(postponed))
+
+    def _admit(self, request: Request, num_cached: int) -> None:
+        request.num_computed_tokens = num_cached
+        if request.num_preemptions == 0:
+            request.num_cached_prefix_tokens = num_cached
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.time()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        num_new = min(request.num_tokens - num_computed, budget)
+        if self.long_prefill_token_threshold is not None:
+            num_new = min(num_new, self.long_prefill_token_threshold)
+        assert num_new > 0, f"{request.request_id} has nothing to compute"
+        return num_new
+
+    def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        is_new = request.request_id not in self._seen_by_runner
+        self._seen_by_runner.add(request.request_id)
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            start_position=start,
+            block_table=list(request.block_ids),
+            needs_sample=start + num_new == request.num_tokens,
+            sampling_params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            is_new=is_new,
+        )
+
+    # ------------------------------------------------------------ prefix sharing within a step
+
+    def _new_full_block_hashes(self, request: Request, scheduled: ScheduledRequest) -> list[int]:
+        """Hashes of the blocks this step's chunk completes (registered only after it runs)."""
+        if not self.block_manager.enable_prefix_caching:
+            return []
+        size = self.block_manager.block_size
+        end = (scheduled.start_position + len(scheduled.token_ids)) // size
+        return self.block_manager.block_hashes(request, end)[scheduled.start_position // size :]
+
+    def _waits_for_in_flight(self, request: Request, num_cached: int, in_flight: set[int]) -> bool:
+        """Whether the request's next cacheable block is being computed by another request now."""
+        index = num_cached // self.block_manager.block_size
+        if not in_flight or index >= (request.num_tokens - 1) // self.block_manager.block_size:
+            return False
+        return self.block_manager.block_hashes(request, index + 1)[index] in in_flight
+
+    # ------------------------------------------------------------ after the model ran
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Advance computed counts, append sampled tokens, finish requests that stop.
+
+        Returns one output per request that got a token or finished (aborts included).
+        Raises ``ValueError`` if the runner left out a token it had to sample.
+        """
+        outputs, self._finished_outputs = self._finished_outputs, []
+        for scheduled in scheduler_output.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # finished since schedule()
+            request.num_computed_tokens += len(scheduled.token_ids)
+            self.block_manager.cache_full_blocks(request)
+            if scheduled.needs_sample:
+                outputs.append(self._append_token(request, runner_output))
+        return outputs
+
+    def _append_token(self, request: Request, runner_output: ModelRunnerOutput) -> EngineCoreOutput:
+        token_id = runner_output.sampled_token_ids.get(request.request_id)
+        if token_id is None:
+            raise ValueError(f"ModelRunnerOutput has no sampled token for request {request.request_id!r}")
+        request.append_output_token_ids(token_id)
+        if request.first_token_time is None:
+            request.first_token_time = time.time()
+        logprobs = (runner_output.logprobs or {}).get(request.request_id)
+        output = EngineCoreOutput(request.request_id, [token_id], None if logprobs is None else [logprobs])
+        status = self._check_stop(request)
+        if status is not None:
+            self.running.remove(request)
+            self._finish(request, status)
+            output.finish_reason, output.stop_reason = status.finish_reason, request.stop_reason
+        return output
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        """Stops that need no text; a stop token wins over length (as ``sampling.stopping``)."""
+        params, token_id = request.sampling_params, request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.max_model_len is not None and request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ------------------------------------------------------------ bookkeeping
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        if self.policy is SchedulingPolicy.PRIORITY:
+            key = (request.priority, request.arrival_time)
+            index = next((i for i, r in enumerate(self.waiting) if (r.priority, r.arrival_time) > key), None)
+            self.waiting.insert(len(self.waiting) if index is None else index, request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def _remove_from_queues(self, request: Request) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+
+    def _fits_pool(self, request: Request) -> bool:
+        return cdiv(request.num_tokens, self.block_manager.block_size) <= self.block_manager.num_blocks
+
+    def _abort_unfittable(self, request: Request) -> None:
+        bm = self.block_manager
+        error = (
+            f"request {request.request_id!r} needs {cdiv(request.num_tokens, bm.block_size)} KV blocks of "
+            f"{bm.block_size} tokens for {request.num_tokens} tokens, but the pool has {bm.num_blocks}"
+        )
+        self._finish(request, RequestStatus.FINISHED_ABORTED, error)
+        self._finished_outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="abort", error=error))
+
+    def _apply_aborts(self) -> None:
+        while self._pending_aborts:
+            request = self.requests.get(self._pending_aborts.popleft())
+            if request is not None:
+                self._remove_from_queues(request)
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                self._finished_outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="abort"))
+
+    def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
+        request.status, request.finish_time, request.error = status, time.time(), error
+        self.block_manager.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._seen_by_runner:
+            self._seen_by_runner.discard(request.request_id)
+            self._finished_ids.append(request.request_id)

@@ -1,0 +1,77 @@
+"""Typed hand-offs between the scheduler, the model runner and the output processor.
+
+One engine step: ``Scheduler.schedule() -> SchedulerOutput``;
+``ModelRunner.execute(SchedulerOutput) -> ModelRunnerOutput``;
+``Scheduler.update_from_output(SchedulerOutput, ModelRunnerOutput) -> list[EngineCoreOutput]``;
+``OutputProcessor.process_outputs(list[EngineCoreOutput])`` -> ``RequestOutput``s.
+No tensors cross these boundaries. Source: vLLM v1 ``sched/output.py``, ``v1/outputs.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvgen.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities at one generated position (natural log, after the request's processors).
+
+    ``logprob``: the sampled token's; ``top_logprobs``: the ``SamplingParams.logprobs`` most
+    likely ids -> logprob (may include the sampled id).
+    """
+
+    logprob: float
+    top_logprobs: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: feed ``token_ids`` at positions ``start_position + i``."""
+
+    request_id: str
+    token_ids: list[int]  # all_token_ids[num_computed_tokens : num_computed_tokens + num_scheduled]
+    start_position: int  # position of token_ids[0] (= num_computed_tokens before this step)
+    block_table: list[int]  # physical block ids covering positions [0, start_position + len(token_ids))
+    needs_sample: bool  # this chunk reaches the last known token: sample the next one
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far (penalties, min_tokens); a snapshot
+    # The runner has never seen this request: create its state (seeded generator). False after a
+    # preemption, so the generator continues instead of being reseeded.
+    is_new: bool
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int  # sum of len(token_ids), <= max_num_batched_tokens
+    preempted_request_ids: list[str]  # blocks freed; they come back with start_position 0, is_new False
+    finished_request_ids: list[str]  # finished or aborted since the last step: drop their runner state
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]  # request_id -> next token (only for needs_sample)
+    logprobs: dict[str, TokenLogprobs] | None = None  # request_id -> logprobs (requests that asked)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step did to one request; ``finish_reason`` is set on its last output only."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id (or, after detokenizing, stop string)
+    error: str | None = None  # why the engine aborted the request, if it did
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None

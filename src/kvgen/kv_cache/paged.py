@@ -1,0 +1,267 @@
+"""The engine's paged KV cache: a fixed pool of blocks per layer, addressed by block tables.
+
+A block holds ``block_size`` consecutive positions of one sequence. Slot
+``block_id * block_size + offset`` stores position ``i`` of a sequence whose
+block table has ``block_id`` at index ``i // block_size`` (``offset = i % block_size``).
+The ``BlockManager`` (engine/) decides which blocks a sequence holds; this module
+only owns the tensors and runs attention over them.
+
+One engine step packs every scheduled token into one row ``[1, N]``. Sequences
+whose chunk is a single token ("decodes") come first and attend together: their
+blocks are gathered into a padded ``[B, S_pad, Hkv, D]`` tensor and one masked
+``scaled_dot_product_attention`` call covers them (measured fastest on CPU, see
+``kvgen.bench.paged_attention``). Longer chunks (prefills) attend one sequence at
+a time. Source: Kwon et al. 2023, "Efficient Memory Management for Large Language
+Model Serving with PagedAttention" (vLLM); the decode-first packing as vLLM v1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvgen.config import ModelConfig
+
+
+def num_blocks_for_memory(config: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype) -> int:
+    """How many blocks of ``block_size`` tokens fit in ``memory_bytes`` of K and V over all layers.
+
+    Raises ValueError for a non-positive size or a budget below one block.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    per_block = block_nbytes(config, block_size, dtype)
+    if memory_bytes < per_block:
+        raise ValueError(f"kv_cache_memory must hold at least one block ({per_block} bytes), got {memory_bytes}")
+    return memory_bytes // per_block
+
+
+def block_nbytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block: K and V for ``block_size`` tokens in every layer."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
+
+
+@dataclass
+class PrefillChunk:
+    """One multi-token chunk of a step: tokens ``[token_start, token_end)`` of the packed row.
+
+    ``num_context``: positions already in the cache before this chunk; ``block_ids``: [nb]
+    long covering the chunk's whole context; ``mask``: [1, 1, T, S_pad] bool, or None when
+    ``num_context == 0`` (plain causal attention over the chunk itself).
+    """
+
+    token_start: int
+    token_end: int
+    num_context: int
+    block_ids: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """Where one packed step's tokens go and what each sequence attends to.
+
+    slot_mapping: [N] long, the cache slot of every packed token. query_start_loc: [R+1]
+    long; seq_lens: [R] long, context length after this step; block_tables: [R, nb_max]
+    long (padded with block 0). The first ``num_decodes`` sequences have one token each and
+    are tokens ``[0, num_decodes)``; ``decode_block_ids`` [num_decodes * nb_dec] and
+    ``decode_mask`` [num_decodes, 1, 1, nb_dec * block_size] bool serve their batched
+    attention; ``prefills`` the rest, one chunk each.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    num_decodes: int
+    decode_block_ids: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+    prefills: list[PrefillChunk]
+
+    @classmethod
+    def build(
+        cls, query_lens: list[int], start_positions: list[int], block_tables: list[list[int]], block_size: int
+    ) -> PagedAttentionMetadata:
+        """Metadata for sequences packed in order; every one-token sequence must come first.
+
+        query_lens[i] tokens at positions ``start_positions[i] + t`` of a sequence with
+        block table ``block_tables[i]``. Raises ValueError for a decode after a prefill
+        or a block table too short for its positions.
+        """
+        num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+        if any(n == 1 for n in query_lens[num_decodes:]):
+            raise ValueError("one-token sequences must be packed before every longer chunk")
+        seq_lens = [s + n for s, n in zip(start_positions, query_lens)]
+        for i, (length, table) in enumerate(zip(seq_lens, block_tables)):
+            if len(table) * block_size < length:
+                raise ValueError(f"block_table of sequence {i} covers {len(table) * block_size} positions, needs {length}")
+        slots = [
+            table[p // block_size] * block_size + p % block_size
+            for start, n, table in zip(start_positions, query_lens, block_tables)
+            for p in range(start, start + n)
+        ]
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
+        tables = tables.view(len(block_tables), max_blocks)  # [R, nb_max]
+        lens = torch.tensor(seq_lens, dtype=torch.long)  # [R]
+        qsl = torch.tensor([0] + query_lens, dtype=torch.long).cumsum(0)  # [R+1]
+        decode_ids, decode_mask = _decode_inputs(block_tables[:num_decodes], seq_lens[:num_decodes], block_size)
+        prefills = [
+            _prefill_chunk(int(qsl[i]), query_lens[i], start_positions[i], block_tables[i], block_size)
+            for i in range(num_decodes, len(query_lens))
+        ]
+        slot_mapping = torch.tensor(slots, dtype=torch.long)  # [N]
+        return cls(slot_mapping, qsl, lens, tables, num_decodes, decode_ids, decode_mask, prefills)
+
+
+def _decode_inputs(
+    block_tables: list[list[int]], seq_lens: list[int], block_size: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Flat padded block ids [B * nb] and key mask [B, 1, 1, nb * block_size] of the decodes."""
+    if not block_tables:
+        return None, None
+    num_blocks = max(-(-n // block_size) for n in seq_lens)
+    ids = torch.tensor([t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in block_tables])  # [B, nb]
+    key_slot = torch.arange(num_blocks * block_size)  # [S_pad]
+    mask = key_slot[None, :] < torch.tensor(seq_lens)[:, None]  # [B, S_pad]
+    return ids.flatten(), mask[:, None, None, :]  # [B * nb], [B, 1, 1, S_pad]
+
+
+def _prefill_chunk(token_start: int, num_tokens: int, start: int, table: list[int], block_size: int) -> PrefillChunk:
+    end = start + num_tokens
+    num_blocks = -(-end // block_size)
+    block_ids = torch.tensor(table[:num_blocks], dtype=torch.long)  # [nb]
+    mask = None
+    if start > 0:
+        q_pos = torch.arange(start, end)[:, None]  # [T, 1]
+        k_pos = torch.arange(num_blocks * block_size)[None, :]  # [1, S_pad]
+        mask = (k_pos <= q_pos)[None, None]  # [1, 1, T, S_pad]
+    return PrefillChunk(token_start, token_start + num_tokens, start, block_ids, mask)
+
+
+class PagedKVCache:
+    """Per-layer K and V pools ``[num_blocks, block_size, Hkv, D]``, written in place by slot.
+
+    The pool is allocated once (zeros, so padding slots read as finite values). Raises
+    ValueError for non-positive sizes.
+    """
+
+    is_paged = True
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.key_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.value_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @classmethod
+    def from_config(
+        cls,
+        config: ModelConfig,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> PagedKVCache:
+        """A pool for ``config`` sized by ``num_blocks`` or by ``kv_cache_memory_bytes`` (exactly one).
+
+        Raises ValueError when both or neither are given.
+        """
+        if (num_blocks is None) == (kv_cache_memory_bytes is None):
+            raise ValueError("pass exactly one of num_blocks and kv_cache_memory_bytes")
+        if num_blocks is None:
+            num_blocks = num_blocks_for_memory(config, kv_cache_memory_bytes, block_size, dtype)
+        return cls(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim, dtype)
+
+    def nbytes(self) -> int:
+        """Bytes allocated for K and V over all layers."""
+        return sum(t.numel() * t.element_size() for t in self.key_cache + self.value_cache)
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: PagedAttentionMetadata,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Write this step's k, v to their slots, then attend every sequence over its blocks.
+
+        q: [1, H, N, D]; k, v: [1, Hkv, N, D] (one packed row). Returns [1, H, N, D], q's dtype.
+        """
+        k_new, v_new = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [N, Hkv, D]
+        k_pool, v_pool = self.key_cache[layer_idx], self.value_cache[layer_idx]
+        k_slots = k_pool.view(-1, self.num_kv_heads, self.head_dim)  # [num_blocks * block_size, Hkv, D]
+        v_slots = v_pool.view(-1, self.num_kv_heads, self.head_dim)  # [num_blocks * block_size, Hkv, D]
+        k_slots.index_copy_(0, meta.slot_mapping, k_new)
+        v_slots.index_copy_(0, meta.slot_mapping, v_new)
+        num_heads, num_tokens = q.shape[1], q.shape[2]
+        out = q.new_empty(num_tokens, num_heads, self.head_dim)  # [N, H, D]
+        if meta.num_decodes:
+            out[: meta.num_decodes] = self._decode_attention(q[0, :, : meta.num_decodes], k_pool, v_pool, meta, scale)
+        for chunk in meta.prefills:
+            out[chunk.token_start : chunk.token_end] = self._prefill_attention(q, k_new, v_new, k_pool, v_pool, chunk, scale)
+        return out.transpose(0, 1).unsqueeze(0)  # [1, H, N, D]
+
+    def _gather(self, pool: torch.Tensor, block_ids: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """Blocks ``block_ids`` [B * nb] of ``pool`` as ``[B, nb * block_size, Hkv, D]`` (a copy)."""
+        rows = pool.view(self.num_blocks, -1).index_select(0, block_ids)  # [B * nb, block_size * Hkv * D]
+        return rows.view(num_rows, -1, self.num_kv_heads, self.head_dim)  # [B, S_pad, Hkv, D]
+
+    def _decode_attention(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float | None
+    ) -> torch.Tensor:
+        """q: [H, B, D] one query per sequence -> [B, H, D].
+
+        Grouped-query heads are folded into the query axis (``[B, Hkv, H/Hkv, D]``), so no
+        key or value is repeated.
+        """
+        num_heads, batch, d = q.shape
+        group = num_heads // self.num_kv_heads
+        qg = q.transpose(0, 1).reshape(batch, self.num_kv_heads, group, d)  # [B, Hkv, G, D]
+        k = self._gather(k_pool, meta.decode_block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
+        v = self._gather(v_pool, meta.decode_block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=scale)  # [B, Hkv, G, D]
+        return out.reshape(batch, num_heads, d)  # [B, H, D]
+
+    def _prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        chunk: PrefillChunk,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """One chunk's attention: q [1, H, N, D]; k_new, v_new [N, Hkv, D] -> [T, H, D]."""
+        qc = q[:, :, chunk.token_start : chunk.token_end]  # [1, H, T, D]
+        if chunk.num_context == 0:  # nothing cached: causal attention within the chunk
+            k = k_new[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
+            v = v_new[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
+        else:
+            k = self._gather(k_pool, chunk.block_ids, 1).transpose(1, 2)  # [1, Hkv, S_pad, D]
+            v = self._gather(v_pool, chunk.block_ids, 1).transpose(1, 2)  # [1, Hkv, S_pad, D]
+        gqa = qc.shape[1] != k.shape[1]
+        is_causal = chunk.mask is None and qc.shape[2] > 1
+        out = F.scaled_dot_product_attention(
+            qc, k, v, attn_mask=chunk.mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
+        )  # [1, H, T, D]
+        return out[0].transpose(0, 1)  # [T, H, D]

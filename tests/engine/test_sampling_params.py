@@ -1,0 +1,84 @@
+"""kvgen.engine.sampling_params: defaults, normalization and validation messages."""
+
+import dataclasses
+
+import pytest
+
+from kvgen.engine.sampling_params import SAMPLING_EPS, RequestOutputKind, SamplingParams
+
+
+def test_defaults_follow_vllm() -> None:
+    p = SamplingParams()
+    assert (p.n, p.best_of, p.temperature, p.top_p, p.top_k, p.min_p) == (1, None, 1.0, 1.0, 0, 0.0)
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
+    assert (p.max_tokens, p.min_tokens, p.logprobs, p.seed) == (16, 0, None, None)
+    assert (p.stop, p.stop_token_ids) == ([], [])
+    assert p.skip_special_tokens and not p.ignore_eos and not p.include_stop_str_in_output
+    assert p.output_kind is RequestOutputKind.CUMULATIVE
+    assert not p.is_greedy
+
+
+def test_normalization() -> None:
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
+    assert SamplingParams(top_k=-1).top_k == 0  # vLLM's "off" spelling
+    assert SamplingParams(top_k=7).top_k == 7
+
+
+@pytest.mark.parametrize(
+    ("temperature", "is_greedy"), [(0, True), (0.0, True), (SAMPLING_EPS / 2, True), (SAMPLING_EPS, False), (0.7, False)]
+)
+def test_is_greedy(temperature: float, is_greedy: bool) -> None:
+    assert SamplingParams(temperature=temperature).is_greedy is is_greedy
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"n": 0}, "n must be >= 1, got 0"),
+        ({"n": 1.0}, "n must be an int, got 1.0"),
+        ({"n": 3, "best_of": 2}, r"best_of must be >= n \(3\), got 2"),
+        ({"temperature": -0.5}, r"temperature must be a finite number >= 0 \(0 = greedy\), got -0.5"),
+        ({"temperature": float("inf")}, "temperature must be a finite number >= 0"),
+        ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
+        ({"top_k": -2}, r"top_k must be >= 0, or -1 \(off\), got -2"),
+        ({"top_k": 2.0}, "top_k must be an int, got 2.0"),
+        ({"min_p": 1.1}, r"min_p must be in \[0, 1\], got 1.1"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0, got 0.0"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty must be finite, got inf"),
+        ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\], got 2.5"),
+        ({"frequency_penalty": -3}, r"frequency_penalty must be in \[-2, 2\], got -3"),
+        ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+        ({"min_tokens": -1}, "min_tokens must be >= 0, got -1"),
+        ({"min_tokens": 20, "max_tokens": 10}, r"min_tokens must be <= max_tokens \(10\), got 20"),
+        ({"logprobs": -1}, "logprobs must be >= 0, got -1"),
+        ({"seed": 2**64}, r"seed must be < 2\*\*64, got"),
+        ({"seed": "1"}, "seed must be an int, got '1'"),
+        ({"stop": ""}, "stop must be a non-empty string or a list of them, got ''"),
+        ({"stop": ["ok", ""]}, "stop must be a non-empty string"),
+        ({"stop": 3}, "stop must be a non-empty string"),
+        ({"stop_token_ids": [1, -2]}, r"stop_token_ids must be a list of ints >= 0, got \[1, -2\]"),
+        ({"ignore_eos": 1}, "ignore_eos must be a bool, got 1"),
+        ({"output_kind": "delta"}, "output_kind must be a RequestOutputKind, got 'delta'"),
+    ],
+)
+def test_validation_names_field_and_value(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_accepted_edge_values() -> None:
+    p = SamplingParams(n=2, best_of=2, temperature=0, top_p=1, min_p=1, max_tokens=None, min_tokens=5, logprobs=0)
+    assert p.is_greedy and p.max_tokens is None and p.logprobs == 0
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+
+
+def test_replace_revalidates() -> None:
+    # The front door derives child params with dataclasses.replace; bad values still raise.
+    child = dataclasses.replace(SamplingParams(n=4, seed=7, stop="x"), n=1, seed=8)
+    assert (child.n, child.seed, child.stop) == (1, 8, ["x"])
+    with pytest.raises(ValueError, match="top_p"):
+        dataclasses.replace(child, top_p=2.0)

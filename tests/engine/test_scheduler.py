@@ -1,0 +1,454 @@
+"""kvgen.engine.scheduler: no model — build requests, schedule, hand-make runner outputs, update."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvgen.engine.block_manager import BlockManager, cdiv
+from kvgen.engine.request import Request, RequestStatus
+from kvgen.engine.sampling_params import SamplingParams
+from kvgen.engine.scheduler import Scheduler, SchedulingPolicy
+from kvgen.engine.types import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+
+EOS = 0
+
+
+def make_request(request_id: str, prompt: list[int] | int, arrival_time: float = 0.0, priority: int = 0, **params):
+    prompt_ids = list(range(1, prompt + 1)) if isinstance(prompt, int) else prompt
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt_ids,
+        sampling_params=SamplingParams(**params),
+        arrival_time=arrival_time,
+        priority=priority,
+        eos_token_ids=(EOS,),
+    )
+
+
+def position_token(request_id: str, position: int) -> int:
+    """The fake model's next token: a function of (request, position) only, never EOS."""
+    return 100 + position
+
+
+class FakeRunner:
+    """Stands in for the ModelRunner: keeps a fake KV pool of token ids and checks what it is fed.
+
+    Every position the step attends to must hold the request's own token at that position,
+    so a wrong block table, a bad prefix-cache hit or an early eviction fails here.
+    """
+
+    def __init__(self, block_manager: BlockManager, next_token=position_token):
+        self.block_size = block_manager.block_size
+        self.kv: list[list[int | None]] = [[None] * self.block_size for _ in range(block_manager.num_blocks)]
+        self.next_token = next_token
+        self.known: set[str] = set()  # runner-side state (e.g. seeded generators) by request id
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in out.finished_request_ids:
+            self.known.discard(request_id)
+        sampled: dict[str, int] = {}
+        for s in out.scheduled:
+            assert s.is_new == (s.request_id not in self.known)
+            self.known.add(s.request_id)
+            tokens = s.prompt_token_ids + s.output_token_ids
+            end = s.start_position + len(s.token_ids)
+            assert s.token_ids == tokens[s.start_position : end]
+            assert len(s.block_table) == cdiv(end, self.block_size)
+            for p in range(s.start_position, end):  # write this step's KV
+                self.kv[s.block_table[p // self.block_size]][p % self.block_size] = tokens[p]
+            for p in range(end):  # attend to every position so far
+                assert self.kv[s.block_table[p // self.block_size]][p % self.block_size] == tokens[p], (s, p)
+            assert s.needs_sample == (end == len(tokens))
+            if s.needs_sample:
+                sampled[s.request_id] = self.next_token(s.request_id, end)
+        return ModelRunnerOutput(sampled)
+
+
+def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+    out = scheduler.schedule()
+    assert out.num_batched_tokens == sum(len(s.token_ids) for s in out.scheduled)
+    assert out.num_batched_tokens <= scheduler.max_num_batched_tokens
+    assert len(out.scheduled) <= scheduler.max_num_seqs and len(scheduler.running) <= scheduler.max_num_seqs
+    return out, scheduler.update_from_output(out, runner.execute(out))
+
+
+def setup(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, max_num_batched_tokens: int = 64, **kw):
+    bm = BlockManager(num_blocks, block_size)
+    return Scheduler(max_num_seqs, max_num_batched_tokens, bm, **kw), FakeRunner(bm)
+
+
+def drain(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 1000) -> dict[str, EngineCoreOutput]:
+    finals: dict[str, EngineCoreOutput] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return finals
+        for o in step(scheduler, runner)[1]:
+            if o.is_finished:
+                assert o.request_id not in finals
+                finals[o.request_id] = o
+    raise AssertionError("requests never finished")
+
+
+def scheduled_counts(out: SchedulerOutput) -> dict[str, int]:
+    return {s.request_id: len(s.token_ids) for s in out.scheduled}
+
+
+# ---------------------------------------------------------------- budgets and chunked prefill
+
+
+def test_rejects_bad_limits() -> None:
+    bm = BlockManager(4, 4)
+    with pytest.raises(ValueError, match="max_num_seqs must be an int >= 1, got 0"):
+        Scheduler(0, 8, bm)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be an int >= 1, got -1"):
+        Scheduler(1, 8, bm, long_prefill_token_threshold=-1)
+    with pytest.raises(ValueError, match="'lifo'"):
+        Scheduler(1, 8, bm, policy="lifo")
+
+
+def test_chunked_prefill_progression() -> None:
+    scheduler, runner = setup(max_num_batched_tokens=8)
+    r = make_request("a", 20, max_tokens=3)
+    scheduler.add_request(r)
+    computed = []
+    for expected_chunk in (8, 8, 4):
+        out, outputs = step(scheduler, runner)
+        (s,) = out.scheduled
+        assert len(s.token_ids) == expected_chunk and s.needs_sample == (expected_chunk == 4)
+        computed.append(r.num_computed_tokens)
+    assert computed == [8, 16, 20]
+    assert outputs == [EngineCoreOutput("a", [120])] and r.output_token_ids == [120]
+    out, outputs = step(scheduler, runner)  # decode: one token at position 20
+    assert out.scheduled[0].token_ids == [120] and out.scheduled[0].start_position == 20
+    assert r.num_computed_tokens == 21 and r.output_token_ids == [120, 121]
+
+
+def test_decode_and_prefill_share_a_step() -> None:
+    scheduler, runner = setup(max_num_batched_tokens=6)
+    scheduler.add_request(make_request("a", 3, max_tokens=10))
+    step(scheduler, runner)  # a's whole prompt
+    scheduler.add_request(make_request("b", 12, max_tokens=10))
+    out, _ = step(scheduler, runner)
+    assert scheduled_counts(out) == {"a": 1, "b": 5}  # decode first, then the rest of the budget
+    assert [s.needs_sample for s in out.scheduled] == [True, False]
+    out, _ = step(scheduler, runner)
+    assert scheduled_counts(out) == {"a": 1, "b": 5}
+    out, _ = step(scheduler, runner)
+    assert scheduled_counts(out) == {"a": 1, "b": 2} and out.scheduled[1].needs_sample
+
+
+def test_long_prefill_token_threshold_caps_chunks() -> None:
+    scheduler, runner = setup(max_num_batched_tokens=64, long_prefill_token_threshold=4)
+    scheduler.add_request(make_request("a", 10))
+    scheduler.add_request(make_request("b", [5] * 10))
+    out, _ = step(scheduler, runner)
+    assert scheduled_counts(out) == {"a": 4, "b": 4}
+
+
+def test_max_num_seqs_limits_running_requests() -> None:
+    scheduler, runner = setup(max_num_seqs=2)
+    for rid in ("a", "b", "c"):
+        scheduler.add_request(make_request(rid, 3, max_tokens=2 if rid == "a" else 5))
+    out, _ = step(scheduler, runner)
+    assert list(scheduled_counts(out)) == ["a", "b"]
+    out, outputs = step(scheduler, runner)  # a finishes (2 tokens)
+    assert list(scheduled_counts(out)) == ["a", "b"] and outputs[0].finish_reason == "length"
+    out, _ = step(scheduler, runner)
+    assert scheduled_counts(out) == {"b": 1, "c": 3}
+
+
+# ---------------------------------------------------------------- preemption
+
+
+def test_preemption_frees_blocks_and_resumes_with_the_same_tokens() -> None:
+    # 4 blocks of 2: a and b (prompt 3) take 2 each; the next decode block preempts b (newest).
+    scheduler, runner = setup(num_blocks=4, block_size=2)
+    a, b = make_request("a", 3, max_tokens=4), make_request("b", [7, 8, 9], max_tokens=4)
+    scheduler.add_request(a), scheduler.add_request(b)
+    step(scheduler, runner)  # both prefill (positions 0-2), sample position 3
+    out, _ = step(scheduler, runner)  # decode position 3 fits both second blocks
+    assert scheduled_counts(out) == {"a": 1, "b": 1}
+    out, _ = step(scheduler, runner)  # position 4 needs a 3rd block each: b is preempted
+    assert out.preempted_request_ids == ["b"] and scheduled_counts(out) == {"a": 1}
+    assert b.status is RequestStatus.PREEMPTED and b.block_ids == [] and b.num_computed_tokens == 0
+    assert scheduler.waiting[0] is b and b.output_token_ids == [103, 104]
+    finals = {}
+    while "b" not in finals:
+        out, outputs = step(scheduler, runner)
+        finals.update({o.request_id: o for o in outputs if o.is_finished})
+        if "b" in scheduled_counts(out) and out.scheduled[0].start_position == 0:
+            resumed = out.scheduled[0]
+            assert resumed.token_ids == [7, 8, 9, 103, 104] and not resumed.is_new
+    assert a.output_token_ids == b.output_token_ids == [103, 104, 105, 106]  # as if run alone
+    assert b.num_preemptions == 1
+    assert scheduler.block_manager.num_free_blocks == 4
+
+
+def test_no_admission_in_a_step_that_preempted() -> None:
+    scheduler, runner = setup(num_blocks=4, block_size=2)
+    scheduler.add_request(make_request("a", 3, max_tokens=6))
+    scheduler.add_request(make_request("b", [7, 8, 9], max_tokens=6))
+    step(scheduler, runner), step(scheduler, runner)
+    scheduler.add_request(make_request("c", 1, max_tokens=1))
+    out, _ = step(scheduler, runner)
+    assert out.preempted_request_ids == ["b"] and "c" not in scheduled_counts(out)
+
+
+def test_priority_policy_orders_admission_and_preempts_the_least_important() -> None:
+    scheduler, runner = setup(max_num_seqs=1, policy="priority")
+    for rid, priority, arrival in (("low", 2, 0.0), ("high", 0, 1.0), ("mid", 1, 2.0), ("high2", 0, 3.0)):
+        scheduler.add_request(make_request(rid, 2, arrival_time=arrival, priority=priority, max_tokens=1))
+    order = [step(scheduler, runner)[0].scheduled[0].request_id for _ in range(4)]
+    assert order == ["high", "high2", "mid", "low"]
+
+    scheduler, runner = setup(num_blocks=4, block_size=2, policy=SchedulingPolicy.PRIORITY)
+    scheduler.add_request(make_request("a", 3, arrival_time=0.0, priority=5, max_tokens=4))
+    scheduler.add_request(make_request("b", [7, 8, 9], arrival_time=1.0, priority=0, max_tokens=4))
+    step(scheduler, runner), step(scheduler, runner)
+    out, _ = step(scheduler, runner)
+    assert out.preempted_request_ids == ["a"] and scheduled_counts(out) == {"b": 1}
+
+
+def test_request_larger_than_the_pool_is_aborted_with_an_error() -> None:
+    scheduler, runner = setup(num_blocks=2, block_size=2)
+    scheduler.add_request(make_request("huge", 5))
+    scheduler.add_request(make_request("ok", 2, max_tokens=1))
+    out, outputs = step(scheduler, runner)
+    assert scheduled_counts(out) == {"ok": 2}
+    huge = next(o for o in outputs if o.request_id == "huge")
+    assert huge.finish_reason == "abort" and "needs 3 KV blocks of 2 tokens" in huge.error
+    # A request that grows past the pool is aborted too, instead of preempting itself forever.
+    scheduler.add_request(make_request("grows", 3, max_tokens=5))
+    finals = drain(scheduler, runner)
+    assert finals["grows"].finish_reason == "abort" and "the pool has 2" in finals["grows"].error
+    assert scheduler.block_manager.num_free_blocks == 2
+
+
+# ---------------------------------------------------------------- prefix caching
+
+
+def test_prefix_cache_hit_starts_after_the_cached_blocks_and_shares_them() -> None:
+    scheduler, runner = setup(block_size=4)
+    a = make_request("a", list(range(1, 11)), max_tokens=5)
+    scheduler.add_request(a)
+    step(scheduler, runner)
+    b = make_request("b", list(range(1, 9)) + [77, 78, 79], max_tokens=2)
+    scheduler.add_request(b)
+    out, _ = step(scheduler, runner)
+    s = out.scheduled[1]
+    assert s.start_position == 8 and s.token_ids == [77, 78, 79]
+    assert b.num_cached_prefix_tokens == 8 and b.block_ids[:2] == a.block_ids[:2]
+    assert [scheduler.block_manager.ref_counts[i] for i in a.block_ids[:2]] == [2, 2]
+
+
+def test_same_prefix_in_the_same_step_waits_to_share_it() -> None:
+    # n > 1 fan-out: children of one prompt arrive together; only one computes the shared blocks.
+    scheduler, runner = setup(block_size=4)
+    children = [make_request(f"r-{i}", list(range(1, 10)), max_tokens=3) for i in range(3)]
+    for child in children:
+        scheduler.add_request(child)
+    out, _ = step(scheduler, runner)
+    assert scheduled_counts(out) == {"r-0": 9}
+    out, _ = step(scheduler, runner)
+    assert scheduled_counts(out) == {"r-0": 1, "r-1": 1, "r-2": 1}
+    assert all(s.start_position == 8 for s in out.scheduled[1:])
+    assert children[1].block_ids[:2] == children[2].block_ids[:2] == children[0].block_ids[:2]
+    assert all(c.output_token_ids[0] == 109 for c in children)
+
+
+def test_preempted_request_resumes_from_its_own_cached_blocks() -> None:
+    scheduler, runner = setup(num_blocks=6, block_size=2)
+    a, b = make_request("a", 5, max_tokens=4), make_request("b", [9, 9, 9, 9, 9], max_tokens=4)
+    scheduler.add_request(a), scheduler.add_request(b)
+    preempted = False
+    while not preempted:
+        out, _ = step(scheduler, runner)
+        preempted = out.preempted_request_ids == ["b"]
+    while b.status is not RequestStatus.RUNNING:
+        out, _ = step(scheduler, runner)
+    assert out.scheduled[-1].request_id == "b" and out.scheduled[-1].start_position > 0  # not from scratch
+
+
+# ---------------------------------------------------------------- stopping, aborting, finishing
+
+
+@pytest.mark.parametrize(
+    ("params", "tokens", "expected"),
+    [
+        ({}, [5, EOS, 6], ([5, EOS], "stop", None)),
+        ({"ignore_eos": True, "max_tokens": 3}, [5, EOS, 6], ([5, EOS, 6], "length", None)),
+        ({"stop_token_ids": [6]}, [5, 6, 7], ([5, 6], "stop", 6)),
+        ({"max_tokens": 2}, [5, 5, 5], ([5, 5], "length", None)),
+        ({"max_tokens": 2}, [5, EOS], ([5, EOS], "stop", None)),  # a stop token wins over length
+        ({"min_tokens": 3, "stop_token_ids": [6]}, [EOS, 6, 6, 5], ([EOS, 6, 6], "stop", 6)),
+        ({"max_tokens": None}, [5] * 20, ([5] * 5, "length", None)),  # max_model_len = 8
+    ],
+)
+def test_stop_conditions(params: dict, tokens: list[int], expected: tuple) -> None:
+    bm = BlockManager(16, 4)
+    scheduler = Scheduler(4, 64, bm, max_model_len=8)
+    runner = FakeRunner(bm, next_token=lambda rid, pos: tokens[pos - 3])
+    r = make_request("a", 3, **params)
+    scheduler.add_request(r)
+    final = drain(scheduler, runner)["a"]
+    assert (r.output_token_ids, final.finish_reason, final.stop_reason) == expected
+    assert final.new_token_ids == [expected[0][-1]] and r.finish_time is not None
+    assert bm.num_free_blocks == 16
+
+
+def test_logprobs_and_first_token_time_are_recorded() -> None:
+    scheduler, _ = setup()
+    r = make_request("a", 3, logprobs=1)
+    scheduler.add_request(r)
+    out = scheduler.schedule()
+    lp = TokenLogprobs(-0.5, {7: -0.5, 8: -1.0})
+    (o,) = scheduler.update_from_output(out, ModelRunnerOutput({"a": 7}, {"a": lp}))
+    assert o.new_logprobs == [lp] and r.first_token_time >= r.arrival_time
+
+
+def test_missing_sampled_token_raises() -> None:
+    scheduler, _ = setup()
+    scheduler.add_request(make_request("a", 3))
+    out = scheduler.schedule()
+    with pytest.raises(ValueError, match="no sampled token for request 'a'"):
+        scheduler.update_from_output(out, ModelRunnerOutput({}))
+
+
+def test_duplicate_request_id_raises() -> None:
+    scheduler, _ = setup()
+    scheduler.add_request(make_request("a", 3))
+    with pytest.raises(ValueError, match="unique among unfinished requests, got 'a'"):
+        scheduler.add_request(make_request("a", 3))
+
+
+def test_abort_frees_blocks_at_the_next_schedule() -> None:
+    scheduler, runner = setup(num_blocks=8, max_num_seqs=1)
+    scheduler.add_request(make_request("run", 6, max_tokens=50))
+    scheduler.add_request(make_request("wait", 6))
+    step(scheduler, runner)
+    bm = scheduler.block_manager
+    assert bm.num_free_blocks == 6
+    scheduler.abort_request("run"), scheduler.abort_request("wait"), scheduler.abort_request("unknown")
+    assert bm.num_free_blocks == 6  # nothing freed while a step may still be running
+    out, outputs = step(scheduler, runner)
+    assert out.scheduled == [] and out.finished_request_ids == ["run"]  # "wait" never reached the runner
+    assert sorted((o.request_id, o.finish_reason) for o in outputs) == [("run", "abort"), ("wait", "abort")]
+    assert bm.num_free_blocks == 8 and not scheduler.has_unfinished_requests()
+
+
+def test_finish_requests_frees_now_and_tells_the_runner_next_step() -> None:
+    scheduler, runner = setup()
+    r = make_request("a", 6, max_tokens=50)
+    scheduler.add_request(r)
+    step(scheduler, runner)
+    scheduler.finish_requests(["a", "gone"], RequestStatus.FINISHED_STOPPED)
+    assert r.status is RequestStatus.FINISHED_STOPPED and r.block_ids == []
+    assert scheduler.block_manager.num_free_blocks == 64 and scheduler.get_num_unfinished() == 0
+    out, outputs = step(scheduler, runner)
+    assert out.finished_request_ids == ["a"] and outputs == []
+
+
+# ---------------------------------------------------------------- property test
+
+
+def hashed_token(request_id: str, position: int) -> int:
+    """Deterministic fake model: EOS (0) now and then, else 1..49."""
+    return zlib.crc32(f"{request_id}/{position}".encode()) % 50
+
+
+def alone(prompt_len: int, request_id: str, max_tokens: int, ignore_eos: bool) -> tuple[list[int], str]:
+    """Tokens and finish reason of a request running alone."""
+    out: list[int] = []
+    while True:
+        out.append(hashed_token(request_id, prompt_len + len(out)))
+        if out[-1] == EOS and not ignore_eos:
+            return out, "stop"
+        if len(out) == max_tokens:
+            return out, "length"
+
+
+@dataclass
+class Spec:
+    arrival_step: int
+    prefix: int  # which shared prefix the prompt starts with
+    suffix: list[int]
+    max_tokens: int
+    ignore_eos: bool
+    priority: int
+    abort_step: int | None
+    prompt: list[int] = field(default_factory=list)
+
+
+PREFIXES = [[], [1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9, 9, 9, 9]]
+
+spec_strategy = st.builds(
+    Spec,
+    arrival_step=st.integers(0, 12),
+    prefix=st.integers(0, len(PREFIXES) - 1),
+    suffix=st.lists(st.integers(1, 49), min_size=1, max_size=6),
+    max_tokens=st.integers(1, 8),
+    ignore_eos=st.booleans(),
+    priority=st.integers(0, 2),
+    abort_step=st.none() | st.integers(0, 30),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    specs=st.lists(spec_strategy, min_size=1, max_size=8),
+    num_blocks=st.integers(3, 16),
+    block_size=st.sampled_from([1, 2, 4]),
+    max_num_seqs=st.integers(1, 4),
+    max_num_batched_tokens=st.integers(1, 12),
+    threshold=st.none() | st.integers(1, 5),
+    policy=st.sampled_from(list(SchedulingPolicy)),
+    enable_prefix_caching=st.booleans(),
+)
+def test_random_workloads_drain_cleanly_with_outputs_as_if_alone(
+    specs, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, threshold, policy, enable_prefix_caching
+) -> None:
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
+    scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, bm, threshold, policy)
+    runner = FakeRunner(bm, next_token=hashed_token)
+    requests: dict[str, Request] = {}
+    finals: dict[str, EngineCoreOutput] = {}
+    for i, spec in enumerate(specs):
+        spec.prompt = PREFIXES[spec.prefix] + spec.suffix
+    for t in range(3000):
+        for i, spec in enumerate(specs):
+            rid = f"r{i}"
+            if spec.arrival_step == t:
+                params = {"max_tokens": spec.max_tokens, "ignore_eos": spec.ignore_eos}
+                requests[rid] = make_request(rid, spec.prompt, arrival_time=t + i / 100, priority=spec.priority, **params)
+                scheduler.add_request(requests[rid])
+            if spec.abort_step == t and rid in requests:
+                scheduler.abort_request(rid)
+        if t > max(s.arrival_step for s in specs) and not scheduler.has_unfinished_requests():
+            break
+        out, outputs = step(scheduler, runner)
+        live = [r for r in requests.values() if not r.is_finished]
+        assert sum(bm.ref_counts) == sum(len(r.block_ids) for r in live)
+        assert bm.num_free_blocks == bm.ref_counts.count(0)
+        for o in outputs:
+            if o.is_finished:
+                assert o.request_id not in finals, "finished twice"
+                finals[o.request_id] = o
+    else:
+        raise AssertionError("did not drain")
+    assert bm.num_free_blocks == num_blocks and sum(bm.ref_counts) == 0
+    assert sorted(finals) == sorted(requests) and all(r.is_finished for r in requests.values())
+    for i, spec in enumerate(specs):
+        r, final = requests[f"r{i}"], finals[f"r{i}"]
+        expected, reason = alone(len(spec.prompt), r.request_id, spec.max_tokens, spec.ignore_eos)
+        too_big = cdiv(len(spec.prompt) + len(expected) - 1, block_size) > num_blocks
+        if final.finish_reason == "abort":
+            assert r.output_token_ids == expected[: r.num_output_tokens]
+            assert final.error is None or too_big
+            assert spec.abort_step is not None or too_big
+        else:
+            assert (r.output_token_ids, final.finish_reason) == (expected, reason)
