@@ -27,7 +27,8 @@ def test_normalization() -> None:
 
 
 @pytest.mark.parametrize(
-    ("temperature", "is_greedy"), [(0, True), (0.0, True), (SAMPLING_EPS / 2, True), (SAMPLING_EPS, False), (0.7, False)]
+    ("temperature", "is_greedy"),
+    [(0, True), (0.0, True), (SAMPLING_EPS / 2, True), (SAMPLING_EPS, False), (0.7, False)],
 )
 def test_is_greedy(temperature: float, is_greedy: bool) -> None:
     assert SamplingParams(temperature=temperature).is_greedy is is_greedy

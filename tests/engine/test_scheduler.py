@@ -424,13 +424,15 @@ def test_random_workloads_drain_cleanly_with_outputs_as_if_alone(
             rid = f"r{i}"
             if spec.arrival_step == t:
                 params = {"max_tokens": spec.max_tokens, "ignore_eos": spec.ignore_eos}
-                requests[rid] = make_request(rid, spec.prompt, arrival_time=t + i / 100, priority=spec.priority, **params)
+                requests[rid] = make_request(
+                    rid, spec.prompt, arrival_time=t + i / 100, priority=spec.priority, **params
+                )
                 scheduler.add_request(requests[rid])
             if spec.abort_step == t and rid in requests:
                 scheduler.abort_request(rid)
         if t > max(s.arrival_step for s in specs) and not scheduler.has_unfinished_requests():
             break
-        out, outputs = step(scheduler, runner)
+        _, outputs = step(scheduler, runner)
         live = [r for r in requests.values() if not r.is_finished]
         assert sum(bm.ref_counts) == sum(len(r.block_ids) for r in live)
         assert bm.num_free_blocks == bm.ref_counts.count(0)

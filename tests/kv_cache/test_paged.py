@@ -87,8 +87,9 @@ def test_tiny_model_paged_steps_match_dynamic_cache(model_type):
 
 def test_default_model_paged_steps_match_dynamic_cache(ours_default):
     model, tok = ours_default
-    seqs = [tok.encode("The capital of France is Paris, and"), tok.encode("def add(a, b):\n    return"), tok.encode("Hi")]
-    plan = [[len(seqs[0]) - 3, 3, 0], [1, len(seqs[1]) - 3, len(seqs[2])], [1, 1, 0], [1, 0, 0]]
+    texts = ["The capital of France is Paris, and", "def add(a, b):\n    return", "Hi"]
+    seqs = [tok.encode(t) + [28, 29, 30] for t in texts]  # room for the decode steps after each prompt
+    plan = [[len(seqs[0]) - 3, 3, 0], [1, len(seqs[1]) - 5, len(seqs[2]) - 3], [1, 1, 1], [1, 0, 0]]
     seqs = [s[: sum(p[i] for p in plan)] for i, s in enumerate(seqs)]
     got = _paged_logits(model, seqs, plan, num_blocks=32)
     for seq, logits in zip(seqs, got):

@@ -57,10 +57,10 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list, init=False)
-    all_token_ids: list[int] = field(default_factory=list, init=False)  # prompt + output, kept in step
+    all_token_ids: list[int] = field(default_factory=list, init=False, repr=False)  # prompt + output
     num_computed_tokens: int = field(default=0, init=False)
     block_ids: list[int] = field(default_factory=list, init=False)
-    block_hashes: list[int] = field(default_factory=list, init=False)  # of full blocks, by BlockManager
+    block_hashes: list[int] = field(default_factory=list, init=False, repr=False)  # full blocks, by BlockManager
     num_cached_prefix_tokens: int = field(default=0, init=False)  # prefix-cache hit at first admission
     num_preemptions: int = field(default=0, init=False)
     first_scheduled_time: float | None = field(default=None, init=False)

@@ -48,7 +48,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int  # sum of len(token_ids), <= max_num_batched_tokens
     preempted_request_ids: list[str]  # blocks freed; they come back with start_position 0, is_new False
-    finished_request_ids: list[str]  # finished or aborted since the last step: drop their runner state
+    # Finished or aborted since the last step, among requests the runner has seen: drop their
+    # state (generators included) before handling `scheduled`, where an id may come back as new.
+    finished_request_ids: list[str]
 
     @property
     def is_empty(self) -> bool:

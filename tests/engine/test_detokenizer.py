@@ -1,0 +1,221 @@
+"""kvgen.engine.outputs and kvgen.engine.detokenizer: text, stop strings with hold-back, outputs."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+from kvgen.engine.block_manager import BlockManager
+from kvgen.engine.detokenizer import OutputProcessor, RequestDetokenizer
+from kvgen.engine.request import Request, RequestStatus
+from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams
+from kvgen.engine.scheduler import Scheduler
+from kvgen.engine.types import EngineCoreOutput, ModelRunnerOutput, TokenLogprobs
+from kvgen.sampling.stopping import find_stop_string
+from kvgen.tokenizer import Tokenizer
+
+EOS = 0
+# Multi-character pieces so stop strings span token boundaries; " é" and "€!" are multi-byte.
+MERGED = ["hel", "lo", " wor", "ld", "##", "STOP", "ST", "OP", " é", "€!"]
+PIECES = MERGED + ["#", "S", "T", "O", "P", "x"]
+BYTE = bytes_to_unicode()
+FIRST_MERGED = 257  # after <|eos|> and the 256 single bytes
+
+
+def piece_id(piece: str) -> int:
+    if piece in MERGED:
+        return FIRST_MERGED + MERGED.index(piece)
+    (byte,) = piece.encode()
+    return 1 + byte
+
+
+def ids_of(*pieces: str) -> list[int]:
+    return [piece_id(p) for p in pieces]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    pieces = ["".join(BYTE[b] for b in p.encode()) for p in MERGED]
+    tokens = ["<|eos|>"] + [BYTE[b] for b in range(256)] + pieces
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3] + [1] * (len(tokens) - 1),
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.eos_token_id": EOS,
+    }
+    return Tokenizer.from_gguf(meta)
+
+
+def make_request(request_id: str = "a", **params) -> Request:
+    params.setdefault("max_tokens", 100)
+    return Request(
+        request_id=request_id,
+        prompt="hi",
+        prompt_token_ids=ids_of("x", "x"),
+        sampling_params=SamplingParams(**params),
+        eos_token_ids=(EOS,),
+    )
+
+
+def stream(tokenizer, token_ids: list[int], finish_last: str | None = "length", **params):
+    """Feed one token per step as the scheduler would; return the processor's outputs."""
+    processor = OutputProcessor(tokenizer)
+    processor.add_request(make_request(output_kind=RequestOutputKind.DELTA, **params))
+    outputs = []
+    for i, token_id in enumerate(token_ids):
+        is_last = i == len(token_ids) - 1
+        core = EngineCoreOutput("a", [token_id], finish_reason=finish_last if is_last else None)
+        processed = processor.process_outputs([core])
+        outputs.extend(processed.request_outputs)
+        if processed.stopped_request_ids:
+            assert processed.stopped_request_ids == ["a"]
+            break
+    assert outputs[-1].finished and not processor.has_unfinished_requests()
+    return outputs
+
+
+# ---------------------------------------------------------------- stop strings
+
+
+def test_stop_string_across_tokens_is_cut_and_never_streamed(tokenizer) -> None:
+    outputs = stream(tokenizer, ids_of("hel", "lo", " wor", "ld", "x"), stop="lo w")
+    deltas = [o.outputs[0].text for o in outputs]
+    assert deltas == ["he", "l", ""]  # "l", then "lo" may start "lo w": held back; then dropped
+    final = outputs[-1].outputs[0]
+    assert (final.finish_reason, final.stop_reason) == ("stop", "lo w")
+    assert final.token_ids == ids_of(" wor")  # DELTA: ids of this step; generation stopped here
+
+
+def test_include_stop_str_in_output(tokenizer) -> None:
+    outputs = stream(tokenizer, ids_of("hel", "lo", " wor", "ld"), stop=["lo w"], include_stop_str_in_output=True)
+    assert "".join(o.outputs[0].text for o in outputs) == "hello w"
+
+
+def test_held_back_text_is_released_when_no_stop_completes(tokenizer) -> None:
+    outputs = stream(tokenizer, ids_of("hel", "lo"), stop="lox")
+    assert [o.outputs[0].text for o in outputs] == ["he", "llo"]  # the last "lo" goes out at the end
+    assert outputs[-1].outputs[0].finish_reason == "length"
+    outputs = stream(tokenizer, ids_of("hel", "lo", "ld", "x"), stop="lox")
+    assert [o.outputs[0].text for o in outputs] == ["he", "l", "lold", "x"]
+
+
+def test_earliest_and_shortest_stop_string_wins(tokenizer) -> None:
+    outputs = stream(tokenizer, ids_of("##", "STOP", "x"), stop=["STOP", "#S", "##STOPx"])
+    assert outputs[-1].outputs[0].text == "#" and outputs[-1].outputs[0].stop_reason == "#S"
+
+
+def test_stop_token_text_is_dropped_unless_included(tokenizer) -> None:
+    ids = ids_of("hel", "lo") + [EOS]
+    outputs = stream(tokenizer, ids, finish_last="stop", skip_special_tokens=False)
+    assert "".join(o.outputs[0].text for o in outputs) == "hello"
+    ids = ids_of("hel", "lo", "STOP")
+    for include, text in ((False, "hello"), (True, "helloSTOP")):
+        outputs = stream(tokenizer, ids, finish_last="stop", include_stop_str_in_output=include)
+        assert "".join(o.outputs[0].text for o in outputs) == text
+
+
+def test_multibyte_characters_are_held_until_complete(tokenizer) -> None:
+    e_acute = list(" é".encode())  # 3 single-byte tokens: b" ", 0xC3, 0xA9
+    ids = [1 + b for b in e_acute] + ids_of("€!")
+    outputs = stream(tokenizer, ids)
+    assert [o.outputs[0].text for o in outputs] == [" ", "", "é", "€!"]
+
+
+def test_detokenizer_without_tokenizer_keeps_ids_only() -> None:
+    detokenizer = RequestDetokenizer(None, [1, 2], SamplingParams())
+    assert detokenizer.update([5, 6], finished=True) is None and detokenizer.text == ""
+    with pytest.raises(ValueError, match=r"stop strings need a tokenizer, got stop=\['x'\]"):
+        RequestDetokenizer(None, [1], SamplingParams(stop="x"))
+
+
+STOPS = ["lo w", "##S", "OPST", "TOP", "é€", "d#", "Sx"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(PIECES), min_size=1, max_size=12),
+    stops=st.lists(st.sampled_from(STOPS), max_size=3),
+    include=st.booleans(),
+)
+def test_streamed_text_never_leaks_a_stop_string(tokenizer, pieces, stops, include) -> None:
+    ids = ids_of(*pieces)
+    outputs = stream(tokenizer, ids, stop=stops, include_stop_str_in_output=include)
+    deltas = [o.outputs[0].text for o in outputs]
+    full = tokenizer.decode(ids)
+    match = find_stop_string(full, stops) if stops else None
+    expected = full if match is None else full[: match[0] + (len(match[1]) if include else 0)]
+    assert "".join(deltas) == expected
+    streamed = "".join(deltas[:-1])  # what went out before the final output
+    assert expected.startswith(streamed)
+    if not include:
+        assert all(s not in "".join(deltas) for s in stops)
+    final = outputs[-1].outputs[0]
+    assert final.stop_reason == (None if match is None else match[1])
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def test_cumulative_and_final_only_outputs(tokenizer) -> None:
+    processor = OutputProcessor(tokenizer)
+    processor.add_request(make_request("cum", stop="low"))
+    processor.add_request(make_request("fin", output_kind=RequestOutputKind.FINAL_ONLY))
+    texts = []
+    for i, piece in enumerate(["hel", "lo", "ld"]):
+        finish = "length" if i == 2 else None
+        core = [EngineCoreOutput(rid, [piece_id(piece)], finish_reason=finish) for rid in ("cum", "fin")]
+        outs = processor.process_outputs(core).request_outputs
+        texts.append([(o.request_id, o.outputs[0].text, len(o.outputs[0].token_ids)) for o in outs])
+    assert texts == [[("cum", "he", 1)], [("cum", "hel", 2)], [("cum", "hellold", 3), ("fin", "hellold", 3)]]
+
+
+def test_request_output_fields_logprobs_and_metrics(tokenizer) -> None:
+    processor = OutputProcessor(tokenizer)
+    request = make_request(logprobs=1)
+    processor.add_request(request)
+    lps = [TokenLogprobs(-0.5, {piece_id("hel"): -0.5}), TokenLogprobs(-0.25, {piece_id("lo"): -0.25})]
+    processor.process_outputs([EngineCoreOutput("a", ids_of("hel"), [lps[0]])])
+    (out,) = processor.process_outputs(
+        [EngineCoreOutput("a", ids_of("lo"), [lps[1]], finish_reason="stop", stop_reason=piece_id("lo"))]
+    ).request_outputs
+    assert (out.request_id, out.prompt, out.prompt_token_ids, out.finished) == ("a", "hi", ids_of("x", "x"), True)
+    c = out.outputs[0]
+    assert (c.index, c.text, c.token_ids) == (0, "hel", ids_of("hel", "lo"))  # the stop token's text is left out
+    assert (c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason) == (-0.75, lps, "stop", piece_id("lo"))
+    assert out.metrics.arrival_time == request.arrival_time and out.metrics.finish_time >= request.arrival_time
+    assert out.metrics.last_token_time is not None and out.error is None
+
+
+def test_abort_output_carries_the_error_and_no_logprobs_when_not_asked(tokenizer) -> None:
+    processor = OutputProcessor(tokenizer)
+    processor.add_request(make_request())
+    (out,) = processor.process_outputs(
+        [EngineCoreOutput("a", [], finish_reason="abort", error="too big")]
+    ).request_outputs
+    c = out.outputs[0]
+    assert (c.finish_reason, c.logprobs, c.cumulative_logprob, out.error) == ("abort", None, None, "too big")
+    with pytest.raises(ValueError, match="unique among unfinished requests"):
+        processor.add_request(make_request())
+        processor.add_request(make_request())
+
+
+def test_engine_loop_finishes_stop_string_requests_in_the_scheduler(tokenizer) -> None:
+    bm = BlockManager(32, 4)
+    scheduler, processor = Scheduler(4, 64, bm), OutputProcessor(tokenizer)
+    plan = {"a": ids_of("hel", "lo", " wor", "ld", "x", "x"), "b": ids_of("x", "ld", "x", "x", "lo", "x")}
+    for rid in plan:
+        request = make_request(rid, stop="lo w", max_tokens=6)
+        scheduler.add_request(request), processor.add_request(request)
+    finals = {}
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        sampled = {s.request_id: plan[s.request_id][len(s.output_token_ids)] for s in out.scheduled if s.needs_sample}
+        processed = processor.process_outputs(scheduler.update_from_output(out, ModelRunnerOutput(sampled)))
+        scheduler.finish_requests(processed.stopped_request_ids, RequestStatus.FINISHED_STOPPED)
+        finals |= {o.request_id: o.outputs[0] for o in processed.request_outputs if o.finished}
+    assert (finals["a"].text, finals["a"].finish_reason, finals["a"].token_ids) == ("hel", "stop", plan["a"][:3])
+    assert (finals["b"].text, finals["b"].finish_reason) == ("xldxxlox", "length")
+    assert bm.num_free_blocks == 32 and not processor.has_unfinished_requests()
