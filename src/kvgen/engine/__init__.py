@@ -2,13 +2,21 @@
 
 The pure-Python half (this package's ``sampling_params``, ``request``, ``block_manager``,
 ``scheduler``, ``types``, ``outputs``, ``detokenizer``) touches no tensors and no model.
+The tensor half: ``model_runner`` (requests -> packed tensors), ``sampler``, and the
+fronts ``LLMEngine``, ``LLM`` and ``AsyncLLMEngine``.
 """
 
+from kvgen.engine.async_engine import AsyncLLMEngine
 from kvgen.engine.block_manager import DEFAULT_BLOCK_SIZE, BlockManager, hash_block
 from kvgen.engine.detokenizer import OutputProcessor, ProcessedOutputs, RequestDetokenizer
+from kvgen.engine.engine_args import EngineArgs
+from kvgen.engine.llm import LLM
+from kvgen.engine.llm_engine import LLMEngine
+from kvgen.engine.model_runner import ModelRunner
 from kvgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams
+from kvgen.engine.sampler import Sampler
 from kvgen.engine.scheduler import Scheduler, SchedulingPolicy
 from kvgen.engine.types import (
     EngineCoreOutput,
@@ -19,6 +27,12 @@ from kvgen.engine.types import (
 )
 
 __all__ = [
+    "LLM",
+    "AsyncLLMEngine",
+    "EngineArgs",
+    "LLMEngine",
+    "ModelRunner",
+    "Sampler",
     "DEFAULT_BLOCK_SIZE",
     "BlockManager",
     "CompletionOutput",

@@ -1,0 +1,110 @@
+"""``AsyncLLMEngine``: asyncio streaming on top of ``LLMEngine``.
+
+One background task runs the step loop; each blocking ``step()`` runs in a worker
+thread (``asyncio.to_thread``) so the event loop keeps serving while the model
+computes. Requests are added only between steps (an ``asyncio.Lock`` held around
+each step), so the scheduler is never touched by two threads at once. A consumer
+that stops iterating (``break``, cancellation, a disconnect) aborts its request;
+the scheduler frees its blocks at the next step.
+Source: vLLM ``AsyncLLMEngine`` / v1 ``AsyncLLM`` (``generate`` as an async generator).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvgen.engine.engine_args import EngineArgs
+from kvgen.engine.llm_engine import LLMEngine
+from kvgen.engine.outputs import RequestOutput
+from kvgen.engine.sampling_params import SamplingParams
+
+
+class AsyncLLMEngine:
+    """Streams ``RequestOutput``s per request. ``step_in_thread=False`` runs steps on the event loop."""
+
+    def __init__(self, engine: LLMEngine, step_in_thread: bool = True) -> None:
+        self.engine = engine
+        self.step_in_thread = step_in_thread
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._lock: asyncio.Lock | None = None
+        self._has_work: asyncio.Event | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, step_in_thread: bool = True) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_engine_args(engine_args), step_in_thread)
+
+    def _start(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._lock, self._has_work = asyncio.Lock(), asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+
+    async def generate(
+        self,
+        prompt: str | list[int] | dict[str, Any],
+        sampling_params: SamplingParams | None,
+        request_id: str,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as they come (per ``output_kind``), the last one ``finished``.
+
+        ``prompt``: text, token ids, or ``{"prompt_token_ids": [...]}``. Raises ``ValueError``
+        from ``LLMEngine.add_request`` before the first output for an invalid request.
+        """
+        self._start()
+        text, ids = (None, prompt["prompt_token_ids"]) if isinstance(prompt, dict) else (prompt, None)
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        async with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id must be unique among unfinished requests, got {request_id!r}")
+            self.engine.add_request(request_id, text, sampling_params, prompt_token_ids=ids)
+            self._streams[request_id] = queue
+        self._has_work.set()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.engine.abort_request(request_id)
+                self._has_work.set()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends without a final output."""
+        self.engine.abort_request(request_id)
+        if self._has_work is not None:
+            self._has_work.set()
+
+    async def _run_loop(self) -> None:
+        while True:
+            if not self.engine.has_unfinished_requests():
+                self._has_work.clear()
+                await self._has_work.wait()
+            async with self._lock:
+                try:
+                    outputs = await asyncio.to_thread(self.engine.step) if self.step_in_thread else self.engine.step()
+                except Exception as e:  # noqa: BLE001 - every waiting stream gets the error
+                    for queue in self._streams.values():
+                        queue.put_nowait(e)
+                    raise
+            for output in outputs:
+                queue = self._streams.get(output.request_id)
+                if queue is not None:
+                    queue.put_nowait(output)
+            await asyncio.sleep(0)  # let consumers and add_request run between steps
+
+    async def shutdown(self) -> None:
+        """Stop the step loop (unfinished requests stay in the engine)."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+            self._loop_task = None

@@ -1,0 +1,59 @@
+"""``EngineArgs``: how an ``LLMEngine`` is built (vLLM names), validated once.
+
+Sizes are in tokens, ``kv_cache_memory`` in bytes. Each field's ``help`` metadata
+is there for the CLI to generate flags from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, when neither num_blocks nor kv_cache_memory is given
+
+
+def _f(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class EngineArgs:
+    """Engine settings. Raises ``ValueError`` naming the field and the value, or both
+    fields of a contradictory pair (``num_blocks`` with ``kv_cache_memory``).
+    """
+
+    model: str = _f("default", "model: 'default', a .gguf file or a Hugging Face directory")
+    dtype: str = _f("float32", "weight and KV-cache dtype: float32, bfloat16 or float16")
+    block_size: int = _f(16, "tokens per KV-cache block")
+    num_blocks: int | None = _f(None, "KV-cache blocks in the pool (vLLM num_gpu_blocks); exclusive with kv_cache_memory")
+    kv_cache_memory: int | None = _f(None, "KV-cache pool size in bytes (default 1 GiB when num_blocks is unset)")
+    max_num_seqs: int = _f(64, "most requests running in one step")
+    max_num_batched_tokens: int = _f(512, "most tokens (prefill chunks + decodes) in one step")
+    max_model_len: int | None = _f(None, "longest prompt + output in tokens (default: the model's context)")
+    enable_prefix_caching: bool = _f(True, "reuse KV blocks of identical prompt prefixes")
+    seed: int = _f(0, "seed of the RNG that seeds requests without their own seed")
+    max_logprobs: int = _f(20, "largest SamplingParams.logprobs accepted")
+
+    def __post_init__(self) -> None:
+        from kvgen.loader import DTYPES
+
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            _check_int(name, getattr(self, name), 1)
+        for name in ("num_blocks", "kv_cache_memory", "max_model_len"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1)
+        _check_int("max_logprobs", self.max_logprobs, 0)
+        _check_int("seed", self.seed, -(2**63))
+        if self.num_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError(
+                f"num_blocks={self.num_blocks} conflicts with kv_cache_memory={self.kv_cache_memory}: give one pool size"
+            )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")

@@ -1,0 +1,117 @@
+"""``LLM``: offline batch generation on the engine (vLLM's ``LLM.generate``)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from kvgen.engine.engine_args import EngineArgs
+from kvgen.engine.llm_engine import LLMEngine
+from kvgen.engine.outputs import RequestOutput
+from kvgen.engine.sampling_params import SamplingParams
+from kvgen.tokenizer import Tokenizer
+
+PromptInput = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...}
+
+
+class LLM:
+    """An engine plus a loop that runs it until every prompt of a call has finished.
+
+    ``model``: ``"default"``, a .gguf file, a Hugging Face directory, or an already
+    built model (then pass ``tokenizer``; None means token-id prompts only).
+    ``engine_args`` are further ``EngineArgs`` fields (``num_blocks``, ``max_num_seqs``, ...).
+    Raises ``ValueError`` for bad engine settings.
+    """
+
+    def __init__(self, model: str | nn.Module = "default", tokenizer: Tokenizer | None = None, **engine_args: Any) -> None:
+        if isinstance(model, nn.Module):
+            self.llm_engine = LLMEngine(model, tokenizer, EngineArgs(**engine_args))
+        else:
+            self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=str(model), **engine_args))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one finished ``RequestOutput`` per prompt, in input order.
+
+        ``prompts``: a string, a list of token ids, a list of either, or dicts with
+        ``prompt`` or ``prompt_token_ids``. ``sampling_params``: one for all prompts or one
+        per prompt (default ``SamplingParams()``). Raises ``ValueError`` (naming the field) for
+        an invalid prompt or settings; then no prompt of the call is left in the engine.
+        """
+        items = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(items))
+        request_ids: list[str] = []
+        try:
+            for item, p in zip(items, params):
+                request_id = str(next(self._counter))
+                text, ids = _split_prompt(item)
+                self.llm_engine.add_request(request_id, text, p, prompt_token_ids=ids)
+                request_ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(request_ids)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while len(finished) < len(request_ids) and self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[r] for r in request_ids]
+
+
+def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [list(prompts)]  # one prompt of token ids
+    if not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError(f"prompts must be a string, a list of token ids or a non-empty list of prompts, got {prompts!r}")
+    return list(prompts)
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(num_prompts)]
+    if isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    params = list(params)
+    if len(params) != num_prompts:
+        raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({num_prompts}), got {len(params)}")
+    return params
+
+
+def _split_prompt(item: PromptInput) -> tuple[str | None, list[int] | None]:
+    if isinstance(item, str):
+        return item, None
+    if isinstance(item, dict):
+        if "prompt_token_ids" in item:
+            return None, item["prompt_token_ids"]
+        if "prompt" in item:
+            return item["prompt"], None
+        raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(item)}")
+    return None, item

@@ -1,0 +1,200 @@
+"""``LLMEngine``: continuous batching of requests over one model and one paged KV pool.
+
+One ``step()``: ``Scheduler.schedule()`` -> ``ModelRunner.execute()`` ->
+``Scheduler.update_from_output()`` -> ``OutputProcessor.process_outputs()`` (text,
+stop strings) -> requests stopped by a stop string are finished in the scheduler
+-> children of ``n > 1`` requests merge into their parent's output.
+Requests are validated in ``add_request``; a bad one raises there and never
+reaches the scheduler, so it cannot disturb the others.
+Source: vLLM v1 ``LLMEngine`` / ``EngineCore.step`` (names and step order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from torch import nn
+
+from kvgen.engine.block_manager import BlockManager
+from kvgen.engine.detokenizer import OutputProcessor
+from kvgen.engine.engine_args import DEFAULT_KV_CACHE_MEMORY, EngineArgs
+from kvgen.engine.model_runner import ModelRunner
+from kvgen.engine.outputs import RequestOutput
+from kvgen.engine.parallel_sampling import ParentRequest, child_sampling_params
+from kvgen.engine.request import Request, RequestStatus
+from kvgen.engine.sampling_params import SamplingParams
+from kvgen.engine.scheduler import Scheduler
+from kvgen.kv_cache.paged import PagedKVCache, num_blocks_for_memory
+from kvgen.tokenizer import Tokenizer
+
+
+class LLMEngine:
+    """Owns the scheduler, the KV pool, the model runner and the output processor.
+
+    ``tokenizer`` None means token-id prompts only and empty ``text`` (stop strings then raise).
+    Raises ``ValueError`` when ``max_model_len`` exceeds the model's context window.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer | None, engine_args: EngineArgs | None = None) -> None:
+        args = engine_args or EngineArgs()
+        config = model.config
+        self.engine_args, self.model, self.tokenizer = args, model, tokenizer
+        self.max_model_len = args.max_model_len or config.max_position_embeddings
+        if self.max_model_len > config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len must be <= the model's context ({config.max_position_embeddings}), got {self.max_model_len}"
+            )
+        dtype = next(model.parameters()).dtype
+        num_blocks = args.num_blocks
+        if num_blocks is None:
+            memory = args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+            num_blocks = num_blocks_for_memory(config, memory, args.block_size, dtype)
+        self.cache = PagedKVCache.from_config(config, args.block_size, num_blocks=num_blocks, dtype=dtype)
+        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            args.max_num_seqs, args.max_num_batched_tokens, self.block_manager, max_model_len=self.max_model_len
+        )
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids if tokenizer is not None else config.eos_token_ids)
+        self.runner = ModelRunner(model, self.cache, self.eos_token_ids, seed=args.seed)
+        self.output_processor = OutputProcessor(tokenizer)
+        self._parents: dict[str, ParentRequest] = {}
+        self._child_to_parent: dict[str, tuple[ParentRequest, int]] = {}
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        """Load ``engine_args.model`` (see ``kvgen.load_model``) and build an engine on it."""
+        from kvgen.loader import load_model
+
+        model, tokenizer = load_model(engine_args.model, engine_args.dtype)
+        return cls(model, tokenizer, engine_args)
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request: ``prompt`` text (or a list of token ids), or ``prompt_token_ids``.
+
+        Raises ``ValueError`` naming the field for a duplicate ``request_id``, a missing or
+        empty prompt, ids outside the vocabulary, ``logprobs`` above ``max_logprobs``, or a
+        prompt that leaves no room for ``max_tokens`` within ``max_model_len``.
+        """
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._parents or request_id in self.scheduler.requests:
+            raise ValueError(f"request_id must be unique among unfinished requests, got {request_id!r}")
+        text, token_ids = self._prompt_tokens(prompt, prompt_token_ids)
+        params = self._check_request(params, len(token_ids))
+        arrival = time.time() if arrival_time is None else arrival_time
+        if params.n == 1:
+            self._add(Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params, prompt=text,
+                              arrival_time=arrival, priority=priority, eos_token_ids=self.eos_token_ids))
+            return
+        parent = ParentRequest(request_id, params)
+        self._parents[request_id] = parent
+        for index, child_id in enumerate(parent.child_ids):
+            self._child_to_parent[child_id] = (parent, index)
+            self._add(Request(request_id=child_id, prompt_token_ids=list(token_ids), prompt=text, arrival_time=arrival,
+                              sampling_params=child_sampling_params(params, index), priority=priority,
+                              eos_token_ids=self.eos_token_ids))
+
+    def _add(self, request: Request) -> None:
+        self.output_processor.add_request(request)
+        self.scheduler.add_request(request)
+
+    def _prompt_tokens(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("pass exactly one of prompt and prompt_token_ids")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass prompt_token_ids instead")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, prompt_token_ids if prompt is None else prompt
+        vocab = self.model.config.vocab_size
+        if not isinstance(ids, list) or not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+            raise ValueError(f"prompt_token_ids must be a non-empty list of ints, got {ids!r}")
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be in [0, {vocab}), got {bad[0]}")
+        return text, list(ids)
+
+    def _check_request(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """Checks that need the engine; fills ``max_tokens`` None with the room left in the context."""
+        if params.best_of is not None and params.best_of > params.n:
+            raise ValueError(f"best_of > n is not supported by the engine, got best_of={params.best_of}, n={params.n}")
+        if params.logprobs is not None and params.logprobs > self.engine_args.max_logprobs:
+            raise ValueError(f"logprobs must be <= max_logprobs ({self.engine_args.max_logprobs}), got {params.logprobs}")
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise ValueError(f"prompt of {num_prompt_tokens} tokens leaves no room to generate within max_model_len ({self.max_model_len})")
+        if params.max_tokens is None:
+            return dataclasses.replace(params, max_tokens=room)
+        if params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens must be <= {room} (max_model_len {self.max_model_len} - prompt of {num_prompt_tokens} tokens), "
+                f"got {params.max_tokens}"
+            )
+        return params
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Abort requests (an ``n > 1`` id aborts every child); their blocks are freed at the next step.
+
+        Unknown or finished ids are ignored. Safe to call while a step runs in another thread.
+        """
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            parent = self._parents.get(rid)
+            for child_id in parent.child_ids if parent is not None else [rid]:
+                self.scheduler.abort_request(child_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished()
+
+    # ------------------------------------------------------------ one step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return the outputs due (per ``SamplingParams.output_kind``)."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        processed = self.output_processor.process_outputs(core_outputs)
+        if processed.stopped_request_ids:
+            self.scheduler.finish_requests(processed.stopped_request_ids, RequestStatus.FINISHED_STOPPED)
+        return self._merge_children(processed.request_outputs)
+
+    def _merge_children(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Replace the outputs of ``n > 1`` children by one output per parent (after the others)."""
+        if not self._parents:
+            return outputs
+        result: list[RequestOutput] = []
+        groups: dict[str, list[tuple[int, RequestOutput]]] = {}
+        for output in outputs:
+            entry = self._child_to_parent.get(output.request_id)
+            if entry is None:
+                result.append(output)
+            else:
+                groups.setdefault(entry[0].request_id, []).append((entry[1], output))
+        for parent_id, child_outputs in groups.items():
+            parent = self._parents[parent_id]
+            parent_output = parent.merge(child_outputs)
+            if parent.is_finished:
+                del self._parents[parent_id]
+                for child_id in parent.child_ids:
+                    self._child_to_parent.pop(child_id, None)
+            if parent_output is not None:
+                result.append(parent_output)
+        return result
