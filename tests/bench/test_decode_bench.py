@@ -57,6 +57,7 @@ def test_measure_ours_generates_exactly_the_requested_tokens() -> None:
         assert rep["num_requested_new_tokens"] == expected_new
         assert rep["num_new_tokens"] == expected_new
         assert len(rep["new_token_ids"]) == expected_new
+        assert rep["num_decode_steps_timed"] == expected_new - 1  # every decode step was streamed and timed
     # Same greedy tokens with and without a cache: the three configurations decoded the same model.
     n = config.no_cache_new_tokens
     assert report["dynamic"]["new_token_ids"] == report["static"]["new_token_ids"]

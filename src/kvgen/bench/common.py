@@ -105,6 +105,36 @@ def timed(fn: Callable[[], T]) -> tuple[T, float]:
     return result, time.perf_counter() - start
 
 
+class TokenTimer:
+    """A streamer (``put``/``end``, the protocol of kvgen and transformers ``generate``) that timestamps tokens.
+
+    ``generate`` calls ``put`` once with the prompt, then once per step with the
+    new tokens; the gaps between the token puts are per-step latencies (seconds),
+    robust to a slow outlier step on a shared machine when summarised by the median.
+    """
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def step_seconds(self) -> list[float]:
+        """Seconds between consecutive new tokens (the first token comes from prefill and is excluded)."""
+        return [b - a for a, b in zip(self.times[1:], self.times[2:])]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100, nearest rank) of ``values``, or None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
 def median(values: list[float]) -> float:
     """Median of a non-empty list (robust to one slow repeat on a busy machine)."""
     return float(statistics.median(values))

@@ -35,11 +35,13 @@ from torch import nn
 
 from kvgen.bench.common import (
     Progress,
+    TokenTimer,
     current_rss_bytes,
     environment_info,
     load_average,
     median,
     peak_rss_bytes,
+    percentile,
     per_second,
     ratio,
     seeded_prompt_ids,
@@ -94,17 +96,20 @@ class RunStats:
     model_decode_s: float | None = None
 
 
-# (prompt_ids [1, T], max_new_tokens) -> RunStats
-GenerateFn = Callable[[torch.Tensor, int], RunStats]
+# (prompt_ids [1, T], max_new_tokens, streamer or None) -> RunStats
+GenerateFn = Callable[[torch.Tensor, int, TokenTimer | None], RunStats]
 
 
 def time_generation(generate_fn: GenerateFn, prompt_ids: torch.Tensor, new_tokens: int, num_prefill_repeats: int = 3) -> dict[str, Any]:
     """Warm up, then time prefill (median of 1-token runs) and a full ``new_tokens`` run (seconds, tokens/s)."""
-    generate_fn(prompt_ids, 2)  # warm-up: allocator, oneDNN primitives, first-call paths
-    prefill_s = median([timed(lambda: generate_fn(prompt_ids, 1))[1] for _ in range(num_prefill_repeats)])
-    stats, total_s = timed(lambda: generate_fn(prompt_ids, new_tokens))
+    generate_fn(prompt_ids, 2, None)  # warm-up: allocator, oneDNN primitives, first-call paths
+    prefill_s = median([timed(lambda: generate_fn(prompt_ids, 1, None))[1] for _ in range(num_prefill_repeats)])
+    timer = TokenTimer()
+    stats, total_s = timed(lambda: generate_fn(prompt_ids, new_tokens, timer))
     num_new = len(stats.new_token_ids)
     decode_s = total_s - prefill_s
+    step_s = timer.step_seconds()  # [num_new - 1]
+    step_median = percentile(step_s, 50)
     report: dict[str, Any] = {
         "num_prompt_tokens": stats.num_prompt_tokens,
         "num_requested_new_tokens": new_tokens,
@@ -114,6 +119,10 @@ def time_generation(generate_fn: GenerateFn, prompt_ids: torch.Tensor, new_token
         "total_s": total_s,
         "decode_s": decode_s,
         "decode_tokens_per_s": per_second(num_new - 1, decode_s),
+        "num_decode_steps_timed": len(step_s),
+        "decode_step_s_median": step_median,
+        "decode_step_s_p90": percentile(step_s, 90),
+        "decode_tokens_per_s_at_median_step": per_second(1, step_median) if step_median else None,
         "new_token_ids": stats.new_token_ids,
     }
     if stats.model_decode_s is not None:  # the engine's own split: model forward + LM head only
@@ -128,10 +137,10 @@ def _kvgen_generate_fn(model: nn.Module, cache: str) -> GenerateFn:
 
     cache_args: dict[str, Any] = {"use_cache": False} if cache == "no_cache" else {"cache_implementation": cache}
 
-    def run(prompt_ids: torch.Tensor, max_new_tokens: int) -> RunStats:
+    def run(prompt_ids: torch.Tensor, max_new_tokens: int, streamer: TokenTimer | None) -> RunStats:
         # eos_token_id=[] disables EOS (an empty id list), so every run yields exactly max_new_tokens.
         config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0, **cache_args)
-        out = generate(model, prompt_ids, None, config)
+        out = generate(model, prompt_ids, None, config, streamer=streamer)
         return RunStats(out.prompt_length, out.new_token_ids[0], out.timings.prefill_s, out.timings.decode_s)
 
     return run
@@ -145,7 +154,7 @@ def _transformers_generate_fn(hf_model: nn.Module, cache: str) -> GenerateFn:
     pad = hf_model.generation_config.pad_token_id
     pad = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos)
 
-    def run(prompt_ids: torch.Tensor, max_new_tokens: int) -> RunStats:
+    def run(prompt_ids: torch.Tensor, max_new_tokens: int, streamer: TokenTimer | None) -> RunStats:
         with torch.inference_mode():
             out = hf_model.generate(
                 prompt_ids,
@@ -154,6 +163,7 @@ def _transformers_generate_fn(hf_model: nn.Module, cache: str) -> GenerateFn:
                 max_new_tokens=max_new_tokens,
                 min_new_tokens=max_new_tokens,  # suppresses EOS: fixed length
                 pad_token_id=pad,
+                streamer=streamer,
                 **cache_args,
             )  # [1, T + max_new_tokens]
         return RunStats(prompt_ids.shape[1], out[0, prompt_ids.shape[1] :].tolist())
@@ -250,6 +260,7 @@ def _bench_transformers_subprocess(config: DecodeBenchConfig, vocab_size: int, n
     args += ["--num-threads", str(num_threads), "--vocab-size", str(vocab_size)]
     args += ["--num-prefill-repeats", str(config.num_prefill_repeats)] + ([] if config.progress else ["--quiet"])
     code = "import sys; from kvgen.bench.decode import main; sys.exit(main())"
+    log("transformers: starting a fresh subprocess (its own peak RSS)")
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.run([sys.executable, "-c", code, *args], stdout=out, stderr=None if config.progress else subprocess.PIPE, text=True)
         out.seek(0)
@@ -257,7 +268,10 @@ def _bench_transformers_subprocess(config: DecodeBenchConfig, vocab_size: int, n
     if proc.returncode != 0:
         tail = (proc.stderr or "")[-2000:] if not config.progress else "see stderr"
         return {"error": f"transformers subprocess exited with status {proc.returncode}: {tail}"}
-    return json.loads(text)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        return {"error": f"transformers subprocess printed no JSON report ({e}): {text[-500:]!r}"}
 
 
 def compare(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
@@ -274,6 +288,9 @@ def compare(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
     }
     for cache in CACHE_KINDS:
         ratios[f"decode_tokens_per_s_{cache}"] = ratio(fig(ours, cache, "decode_tokens_per_s"), fig(theirs, cache, "decode_tokens_per_s"))
+    for cache in CACHE_KINDS:
+        key = "decode_tokens_per_s_at_median_step"
+        ratios[f"{key}_{cache}"] = ratio(fig(ours, cache, key), fig(theirs, cache, key))
     ratios["decode_tokens_per_s_static_vs_their_best"] = ratio(fig(ours, "static", "decode_tokens_per_s"), their_best_value)
     ratios["load_s"] = ratio(ours.get("load_s"), theirs.get("load_s"))
     ratios["peak_rss_bytes"] = ratio(ours.get("peak_rss_bytes"), theirs.get("peak_rss_bytes"))
@@ -348,7 +365,8 @@ def _workload(config: DecodeBenchConfig) -> dict[str, Any]:
         "prompt": f"{config.prompt_tokens} token ids uniform over [0, vocab_size) from torch.Generator().manual_seed({config.seed})",
         "no_cache_note": f"no-cache runs generate {config.no_cache_new_tokens} tokens instead of {config.new_tokens} (O(n^2) per sequence)",
         "timing": "wall clock; prefill_s = median of 1-token runs; decode_s = total_s - prefill_s; "
-        "decode_tokens_per_s = (num_new_tokens - 1) / decode_s; one untimed 2-token warm-up per configuration",
+        "decode_tokens_per_s = (num_new_tokens - 1) / decode_s; decode_step_s_* = gaps between streamed tokens "
+        "(decode_tokens_per_s_at_median_step = 1 / median gap, robust to outliers); one untimed 2-token warm-up per configuration",
         "peak_rss_note": "ru_maxrss of the process: kvgen in the calling process, transformers in its own subprocess",
     }
     return workload
@@ -387,6 +405,9 @@ def format_decode_report(result: dict[str, Any]) -> str:
     row("prefill (tokens/s)", fig(ours, "dynamic", "prefill_tokens_per_s"), fig(theirs, "dynamic", "prefill_tokens_per_s"), ratios.get("prefill_tokens_per_s"), ".1f")
     for cache in CACHE_KINDS:
         row(f"decode {cache} (tokens/s)", fig(ours, cache, "decode_tokens_per_s"), fig(theirs, cache, "decode_tokens_per_s"), ratios.get(f"decode_tokens_per_s_{cache}"), ".2f")
+    for cache in ("dynamic", "static"):
+        key = "decode_tokens_per_s_at_median_step"
+        row(f"  at median step, {cache}", fig(ours, cache, key), fig(theirs, cache, key), ratios.get(f"{key}_{cache}"), ".2f")
     row("decode static vs hf best", fig(ours, "static", "decode_tokens_per_s"), None, ratios.get("decode_tokens_per_s_static_vs_their_best"), ".2f")
     for side_name, side in (("kvgen", ours), ("transformers", theirs)):
         for cache, rep in side.get("configs", {}).items():

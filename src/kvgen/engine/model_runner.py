@@ -11,6 +11,7 @@ Source: vLLM v1 ``GPUModelRunner.execute_model`` (shape of the step), nano-vllm.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,6 +52,18 @@ def pack_step(scheduled: Sequence[ScheduledRequest], block_size: int) -> PackedS
     return PackedStep(input_ids, torch.tensor([positions], dtype=torch.long), meta, sample_rows, sample_requests)
 
 
+@dataclass
+class RunnerTimings:
+    """Cumulative wall-clock seconds of each part of ``execute`` (for benchmarks and profiles)."""
+
+    prepare_s: float = 0.0  # packing token ids, positions, slot mapping, block tables
+    forward_s: float = 0.0  # the model over the packed row
+    logits_s: float = 0.0  # LM head on the sampled rows
+    sample_s: float = 0.0  # the batched sampler
+    num_steps: int = 0
+    num_tokens: int = 0  # packed tokens over all steps
+
+
 class ModelRunner:
     """Runs scheduled steps of ``model`` over ``cache``.
 
@@ -76,6 +89,7 @@ class ModelRunner:
         else:
             self._seed_rng.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.timings = RunnerTimings()
 
     @property
     def num_tracked_requests(self) -> int:
@@ -100,18 +114,26 @@ class ModelRunner:
             self._generators.pop(request_id, None)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput({})
+        t0 = time.perf_counter()
         for scheduled in scheduler_output.scheduled:
             self._generator(scheduled)
         step = pack_step(scheduler_output.scheduled, self.cache.block_size)
+        t1 = time.perf_counter()
         hidden = self.model(step.input_ids, step.positions, self.cache, step.attn_metadata)  # [1, N, C]
+        t2 = time.perf_counter()
+        timings = self.timings
+        timings.prepare_s, timings.forward_s = timings.prepare_s + t1 - t0, timings.forward_s + t2 - t1
+        timings.num_steps, timings.num_tokens = timings.num_steps + 1, timings.num_tokens + step.input_ids.shape[1]
         if not step.sample_requests:
             return ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden[0].index_select(0, step.sample_rows))  # [R, V] float32
+        t3 = time.perf_counter()
         rows = [
             SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self._generators[s.request_id], self.eos_token_ids)
             for s in step.sample_requests
         ]
         sampled = self.sampler(logits, rows)
+        timings.logits_s, timings.sample_s = timings.logits_s + t3 - t2, timings.sample_s + time.perf_counter() - t3
         request_ids = [s.request_id for s in step.sample_requests]
         logprobs = {rid: lp for rid, lp in zip(request_ids, sampled.logprobs) if lp is not None}
         return ModelRunnerOutput(dict(zip(request_ids, sampled.token_ids)), logprobs or None)

@@ -166,7 +166,9 @@ def _next_running(cand: Candidates, nb: int) -> tuple[torch.Tensor, torch.Tensor
     return masked.gather(1, best), rows, cand.tokens.gather(1, best).view(-1)
 
 
-def _update_finished(fin: Finished, cand: Candidates, improvable: torch.Tensor, step: int, st: BeamSettings) -> Finished:
+def _update_finished(
+    fin: Finished, cand: Candidates, improvable: torch.Tensor, step: int, st: BeamSettings
+) -> Finished:
     """Merge the stopped candidates among the first ``nb`` into the n-best lists (HF ``_update_finished_beams``)."""
     nb = fin.scores.shape[1]
     just_done = cand.codes > 0  # [B, K]

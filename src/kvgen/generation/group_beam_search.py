@@ -21,7 +21,10 @@ import torch.nn.functional as F
 from kvgen.generation.decoding import LoopContext
 from kvgen.generation.output import GenerateOutput, GenerateTimings
 from kvgen.generation.runner import StepRunner
-from kvgen.sampling.logits_process import LogitsProcessorList, SequenceBiasLogitsProcessor
+from kvgen.sampling.logits_process import (
+    LogitsProcessorList,
+    SequenceBiasLogitsProcessor,
+)
 
 
 @dataclass
@@ -121,21 +124,28 @@ def _step_groups(
         ids = runner.sequences[rows]  # [B*g_size, S]
         scores = before(ids, log_probs[rows])  # [B*g_size, V]
         scores = _diversity(scores, tokens.view(b, nb)[:, : g * g_size], cfg.diversity_penalty)
-        scores = after(ids, scores)
-        processed[rows] = scores
-        acc = (scores + state.beam_scores[rows, None]).view(b, -1)  # [B, g_size*V]
+        processed[rows] = after(ids, scores)
+        acc = (processed[rows] + state.beam_scores[rows, None]).view(b, -1)  # [B, g_size*V]
         top_scores, top_idx = torch.topk(acc, max(2, 1 + len(cfg.eos_token_ids)) * g_size, dim=1)  # [B, K]
-        top_parents, top_tokens = top_idx // vocab, top_idx % vocab  # [B, K]
+        top = (top_scores, top_idx // vocab, top_idx % vocab)  # scores, parent in group, token: [B, K] each
         for i in range(b):
-            group_rows = rows[i * g_size : (i + 1) * g_size]  # [g_size]
-            if state.done[i][g]:  # a finished group idles on padding, as in HF
-                tok, par, sc = torch.full((g_size,), cfg.pad_token_id or 0), torch.arange(g_size), torch.zeros(g_size)
-            else:
-                top = (top_scores[i], top_parents[i], top_tokens[i])
-                tok, par, sc = _choose_beams(state.hyps[i][g], top, ids[i * g_size : (i + 1) * g_size], cfg.eos_token_ids, step)
-                state.done[i][g] = state.hyps[i][g].is_done(float(top_scores[i].max()), step + 1)
-            tokens[group_rows], parents[group_rows], state.beam_scores[group_rows] = tok, group_rows[par], sc
+            mine = slice(i * g_size, (i + 1) * g_size)  # prompt i's rows within the group
+            tok, par, sc = _advance_group(state, ctx, (i, g), tuple(t[i] for t in top), ids[mine], step)
+            tokens[rows[mine]], parents[rows[mine]], state.beam_scores[rows[mine]] = tok, rows[mine][par], sc
     return tokens, parents, processed
+
+
+def _advance_group(
+    state: GroupState, ctx: LoopContext, where: tuple[int, int], top: tuple[torch.Tensor, ...], ids: torch.Tensor, step: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompt i, group g (``where``): next (tokens, parents in group, scores) [g_size]; marks the group done."""
+    (i, g), g_size = where, ids.shape[0]
+    if state.done[i][g]:  # a finished group idles on padding, as in HF
+        pad = ctx.config.pad_token_id or 0
+        return torch.full((g_size,), pad), torch.arange(g_size), torch.zeros(g_size)
+    chosen = _choose_beams(state.hyps[i][g], top, ids, ctx.config.eos_token_ids, step)
+    state.done[i][g] = state.hyps[i][g].is_done(float(top[0].max()), step + 1)
+    return chosen
 
 
 def _split_processors(processors: LogitsProcessorList) -> tuple[LogitsProcessorList, LogitsProcessorList]:
@@ -155,7 +165,7 @@ def _diversity(scores: torch.Tensor, earlier: torch.Tensor, penalty: float) -> t
 
 
 def _choose_beams(
-    hyps: Hypotheses, top: tuple[torch.Tensor, torch.Tensor, torch.Tensor], ids: torch.Tensor, eos_ids: list[int], step: int
+    hyps: Hypotheses, top: tuple[torch.Tensor, ...], ids: torch.Tensor, eos_ids: list[int], step: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One group of one prompt (HF ``BeamSearchScorer.process``): EOS candidates ranked within the first
     g_size become hypotheses, the best non-EOS ones the next beams.

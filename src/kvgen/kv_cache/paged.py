@@ -8,9 +8,10 @@ only owns the tensors and runs attention over them.
 
 One engine step packs every scheduled token into one row ``[1, N]``. Sequences
 whose chunk is a single token ("decodes") come first and attend together: their
-blocks are gathered into a padded ``[B, S_pad, Hkv, D]`` tensor and one masked
-``scaled_dot_product_attention`` call covers them (measured fastest on CPU, see
-``kvgen.bench.paged_attention``). Longer chunks (prefills) attend one sequence at
+blocks are gathered (into a reused workspace) as a padded ``[B, S_pad, Hkv, D]``
+tensor and one masked ``scaled_dot_product_attention`` call covers them —
+measured fastest on CPU against a per-sequence loop and SDPA's ``enable_gqa``
+(``kvgen.bench.paged_attention``). Longer chunks (prefills) attend one sequence at
 a time. Source: Kwon et al. 2023, "Efficient Memory Management for Large Language
 Model Serving with PagedAttention" (vLLM); the decode-first packing as vLLM v1.
 """
@@ -169,6 +170,9 @@ class PagedKVCache:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.key_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.value_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Gather targets reused by every layer and step: a fresh multi-MB tensor per gather costs
+        # page faults that made decode attention ~2x slower (kvgen.bench.paged_attention).
+        self._workspace = {"k": torch.empty(0, dtype=dtype, device=device), "v": torch.empty(0, dtype=dtype, device=device)}
 
     @classmethod
     def from_config(
@@ -220,9 +224,17 @@ class PagedKVCache:
             out[chunk.token_start : chunk.token_end] = self._prefill_attention(q, k_new, v_new, k_pool, v_pool, chunk, scale)
         return out.transpose(0, 1).unsqueeze(0)  # [1, H, N, D]
 
-    def _gather(self, pool: torch.Tensor, block_ids: torch.Tensor, num_rows: int) -> torch.Tensor:
-        """Blocks ``block_ids`` [B * nb] of ``pool`` as ``[B, nb * block_size, Hkv, D]`` (a copy)."""
-        rows = pool.view(self.num_blocks, -1).index_select(0, block_ids)  # [B * nb, block_size * Hkv * D]
+    def _gather(self, which: str, pool: torch.Tensor, block_ids: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """Blocks ``block_ids`` [B * nb] of ``pool`` as ``[B, nb * block_size, Hkv, D]``.
+
+        The result lives in the ``which`` ("k" or "v") workspace: valid until the next gather into it.
+        """
+        block_numel = pool[0].numel()
+        numel = block_ids.numel() * block_numel
+        if self._workspace[which].numel() < numel:
+            self._workspace[which] = pool.new_empty(numel)
+        rows = self._workspace[which][:numel].view(block_ids.numel(), block_numel)  # [B * nb, block_size * Hkv * D]
+        torch.index_select(pool.view(self.num_blocks, block_numel), 0, block_ids, out=rows)
         return rows.view(num_rows, -1, self.num_kv_heads, self.head_dim)  # [B, S_pad, Hkv, D]
 
     def _decode_attention(
@@ -236,8 +248,8 @@ class PagedKVCache:
         num_heads, batch, d = q.shape
         group = num_heads // self.num_kv_heads
         qg = q.transpose(0, 1).reshape(batch, self.num_kv_heads, group, d)  # [B, Hkv, G, D]
-        k = self._gather(k_pool, meta.decode_block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
-        v = self._gather(v_pool, meta.decode_block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
+        k = self._gather("k", k_pool, meta.decode_block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
+        v = self._gather("v", v_pool, meta.decode_block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=scale)  # [B, Hkv, G, D]
         return out.reshape(batch, num_heads, d)  # [B, H, D]
 
@@ -257,8 +269,8 @@ class PagedKVCache:
             k = k_new[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
             v = v_new[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
         else:
-            k = self._gather(k_pool, chunk.block_ids, 1).transpose(1, 2)  # [1, Hkv, S_pad, D]
-            v = self._gather(v_pool, chunk.block_ids, 1).transpose(1, 2)  # [1, Hkv, S_pad, D]
+            k = self._gather("k", k_pool, chunk.block_ids, 1).transpose(1, 2)  # [1, Hkv, S_pad, D]
+            v = self._gather("v", v_pool, chunk.block_ids, 1).transpose(1, 2)  # [1, Hkv, S_pad, D]
         gqa = qc.shape[1] != k.shape[1]
         is_causal = chunk.mask is None and qc.shape[2] > 1
         out = F.scaled_dot_product_attention(

@@ -1,0 +1,233 @@
+"""LLMEngine / LLM / AsyncLLMEngine on the default model: equivalence with generate(), sampling
+settings, errors that leave other requests alone, aborts, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from kvgen.engine import LLM, AsyncLLMEngine, EngineArgs, LLMEngine, SamplingParams
+from kvgen.generation import GenerationConfig, generate
+
+MAX_TOKENS = 6
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+PREAMBLE = "You are a helpful assistant. Answer in one short sentence, and never use more words than needed. "
+TEXTS = [
+    "The capital of France is", "List three colours:", "def fibonacci(n):\n    ", "Hi",
+    "In 1969, the first humans landed on the Moon. The mission was called", "2 + 2 =",
+    "Translate to French: good morning", "import numpy as np\n\ndef softmax(x):", "Once upon a time, in a small village,",
+    "The quick brown fox", "Water boils at", "My favourite book is", "SELECT * FROM users WHERE",
+    "Q: What is the largest planet?\nA:", "Roses are red,", "The three laws of robotics are",
+]
+
+
+@pytest.fixture(scope="module")
+def model_tok(ours_default):
+    return ours_default
+
+
+@pytest.fixture(scope="module")
+def prompts(model_tok):
+    """32 prompts of 1 to ~60 tokens; a third share a 20-token preamble (prefix-cache hits)."""
+    _, tok = model_tok
+    chat = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True) for t in TEXTS[:6]]
+    texts = [tok.encode(t) for t in TEXTS] + [tok.encode(PREAMBLE + t) for t in TEXTS[:10]] + chat
+    return texts[:32]
+
+
+@pytest.fixture(scope="module")
+def reference(model_tok, prompts):
+    """generate() on each prompt alone: greedy, MAX_TOKENS new tokens (EOS included when hit)."""
+    model, _ = model_tok
+    config = GenerationConfig(max_new_tokens=MAX_TOKENS)
+    return [generate(model, torch.tensor([p]), None, config).new_token_ids[0] for p in prompts]
+
+
+def _llm(model_tok, **engine_args) -> LLM:
+    model, tok = model_tok
+    return LLM(model, tok, **{"num_blocks": 256, **engine_args})
+
+
+@pytest.mark.parametrize(
+    "engine_args,subset",
+    [
+        (dict(), slice(None)),  # a pool that holds everything
+        (dict(num_blocks=24), slice(None)),  # forces preemption (recompute)
+        (dict(max_num_batched_tokens=20), slice(16, 32, 2)),  # chunked prefill of the longer prompts
+    ],
+    ids=["large_pool", "tiny_pool_preempts", "chunked_prefill"],
+)
+def test_greedy_batch_is_token_identical_to_generate_alone(model_tok, prompts, reference, engine_args, subset):
+    llm = _llm(model_tok, **engine_args)
+    prompts, reference = prompts[subset], reference[subset]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    if engine_args.get("num_blocks") == 24:
+        assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    elif engine_args.get("max_num_batched_tokens"):
+        assert max(len(p) for p in prompts) > 20  # some prompt really was split
+    else:
+        assert sum(o.num_cached_tokens for o in outputs) > 0  # the shared preamble was reused
+    engine = llm.llm_engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_busy_preempting_batch(model_tok, prompts):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12)
+    alone = _llm(model_tok).generate(TEXTS[0], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=12)
+    busy_params = [SamplingParams(temperature=1.2, max_tokens=10), GREEDY, seeded] * 3 + [other_seed]
+    busy_prompts = [TEXTS[1 + i] if p.seed is None else TEXTS[0] for i, p in enumerate(busy_params)]
+    busy = _llm(model_tok, num_blocks=10).generate(busy_prompts, busy_params, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in busy) > 0
+    assert [o.outputs[0].token_ids for o, p in zip(busy, busy_params) if p is seeded] == [alone] * 3
+    assert busy[-1].outputs[0].token_ids != alone
+
+
+def test_stop_strings_stop_token_ids_min_tokens_and_ignore_eos(model_tok):
+    llm = _llm(model_tok)
+    tok = llm.get_tokenizer()
+    chat = {"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True, tokenize=True)}
+    base, free = (o.outputs[0] for o in llm.generate([TEXTS[0], chat], SamplingParams(temperature=0.0, max_tokens=30), use_tqdm=False))
+    assert free.finish_reason == "stop" and free.token_ids[-1] in tok.eos_token_ids  # the chat answer ends with EOS
+    word, stop_id, n = base.text.split()[1], base.token_ids[2], len(free.token_ids)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[word]),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[stop_id]),
+        SamplingParams(temperature=0.0, max_tokens=n + 4, min_tokens=n + 2),
+        SamplingParams(temperature=0.0, max_tokens=n + 3, ignore_eos=True),
+    ]
+    by_stop, by_id, longer, ignoring = (o.outputs[0] for o in llm.generate([TEXTS[0], TEXTS[0], chat, chat], params, use_tqdm=False))
+    assert by_stop.text == base.text[: base.text.index(word)] and by_stop.finish_reason == "stop" and by_stop.stop_reason == word
+    assert by_id.token_ids == base.token_ids[:3] and by_id.finish_reason == "stop" and by_id.stop_reason == stop_id
+    assert len(longer.token_ids) >= n + 2 and not any(t in tok.eos_token_ids for t in longer.token_ids[: n + 1])
+    assert ignoring.token_ids[:n] == free.token_ids and len(ignoring.token_ids) == n + 3 and ignoring.finish_reason == "length"
+
+
+def test_n_completions_share_the_prompt_and_match_their_seeds(model_tok):
+    model, tok = model_tok
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6)
+    prompt = PREAMBLE + TEXTS[1]
+    engine = LLMEngine(model, tok, EngineArgs(num_blocks=128))
+    engine.add_request("p", prompt, params)
+    engine.step()
+    engine.step()  # the children after the first wait one step for its prompt blocks, then share them
+    cached = [engine.scheduler.requests[f"{i}_p"].num_cached_prefix_tokens for i in (1, 2) if f"{i}_p" in engine.scheduler.requests]
+    assert cached and all(c >= 16 for c in cached)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == "p"
+            final = out
+    assert final.finished and [c.index for c in final.outputs] == [0, 1, 2]
+    singles = [SamplingParams(temperature=1.0, seed=5 + i, max_tokens=6) for i in range(3)]
+    separate = _llm(model_tok).generate([prompt] * 3, singles, use_tqdm=False)
+    assert [c.token_ids for c in final.outputs] == [o.outputs[0].token_ids for o in separate]
+    assert len({tuple(c.token_ids) for c in final.outputs}) > 1
+
+
+def test_logprobs_are_log_softmax_of_raw_logits_with_top_alternatives(model_tok):
+    model, tok = model_tok
+    ids = tok.encode(TEXTS[4])
+    params = SamplingParams(temperature=0.7, top_k=5, seed=3, max_tokens=4, logprobs=3, repetition_penalty=1.3)
+    out = _llm(model_tok).generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        with torch.inference_mode():
+            seq = torch.tensor([ids + out.token_ids[:i]])
+            raw = model.compute_logits(model(seq, torch.arange(seq.shape[1])[None], None, None))[0, -1]
+        expected = torch.log_softmax(raw, -1)
+        assert lp.logprob == pytest.approx(expected[token].item(), abs=1e-4)
+        top = expected.topk(3)
+        assert list(lp.top_logprobs) == top.indices.tolist()
+        assert list(lp.top_logprobs.values()) == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert out.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in out.logprobs))
+
+
+def test_bad_requests_raise_naming_the_field_and_others_finish_normally(model_tok, reference, prompts):
+    model, tok = model_tok
+    engine = LLMEngine(model, tok, EngineArgs(num_blocks=64, max_model_len=64))
+    engine.add_request("ok", prompt_token_ids=prompts[0], sampling_params=GREEDY)
+    engine.step()
+    with pytest.raises(ValueError, match=r"max_tokens must be <= \d+ \(max_model_len 64"):
+        engine.add_request("long", prompt_token_ids=[5] * 60, sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="leaves no room to generate within max_model_len"):
+        engine.add_request("longer", prompt_token_ids=[5] * 64, sampling_params=GREEDY)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
+        engine.add_request("bad", "hello", SamplingParams(top_p=1.5))
+    with pytest.raises(ValueError, match=r"prompt_token_ids must be in \[0, 49152\), got 49152"):
+        engine.add_request("oov", prompt_token_ids=[1, 49152], sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="request_id must be unique"):
+        engine.add_request("ok", "again", GREEDY)
+    with pytest.raises(ValueError, match=r"logprobs must be <= max_logprobs \(20\), got 21"):
+        engine.add_request("lp", "hello", SamplingParams(logprobs=21))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [o.request_id for o in outputs if o.finished] == ["ok"]
+    assert outputs[-1].outputs[0].token_ids == reference[0]
+    llm = _llm(model_tok, max_model_len=64)
+    with pytest.raises(ValueError, match="max_tokens must be <="):
+        llm.generate([TEXTS[0], {"prompt_token_ids": [5] * 60}], GREEDY, use_tqdm=False)
+    assert llm.generate(TEXTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == reference[0]
+    with pytest.raises(ValueError, match="num_blocks=4 conflicts with kv_cache_memory=100"):
+        EngineArgs(num_blocks=4, kv_cache_memory=100)
+    with pytest.raises(ValueError, match="max_num_seqs must be an int >= 1, got 0"):
+        EngineArgs(max_num_seqs=0)
+
+
+def test_abort_frees_blocks_and_runner_state(model_tok, prompts):
+    model, tok = model_tok
+    engine = LLMEngine(model, tok, EngineArgs(num_blocks=64))
+    engine.add_request("a", prompt_token_ids=prompts[4], sampling_params=SamplingParams(temperature=0.0, max_tokens=50))
+    engine.add_request("b", prompt_token_ids=prompts[0], sampling_params=GREEDY)
+    engine.step()
+    engine.step()
+    held_by_a = len(engine.scheduler.requests["a"].block_ids)
+    free_before = engine.block_manager.num_free_blocks
+    engine.abort_request("a")
+    outputs = engine.step()
+    aborted = [o for o in outputs if o.request_id == "a"]
+    assert aborted and aborted[0].finished and aborted[0].outputs[0].finish_reason == "abort"
+    assert engine.block_manager.num_free_blocks >= free_before + held_by_a - 1  # b may have grown by a block
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()  # an empty step tells the runner about the last finished request
+    assert engine.block_manager.num_free_blocks == 64 and engine.runner.num_tracked_requests == 0
+
+
+def test_async_engine_streams_growing_text_equal_to_llm_generate_and_cancel_aborts(model_tok):
+    model, tok = model_tok
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    expected = _llm(model_tok).generate(TEXTS[8], params, use_tqdm=False)[0].outputs[0]
+
+    async def main():
+        engine = AsyncLLMEngine(LLMEngine(model, tok, EngineArgs(num_blocks=64)))
+        texts, last = [], None
+        async for out in engine.generate(TEXTS[8], params, "s"):
+            texts.append(out.outputs[0].text)
+            last = out
+
+        async def consume_two():
+            seen = 0
+            async for _ in engine.generate(TEXTS[0], SamplingParams(temperature=0.0, max_tokens=200), "c"):
+                seen += 1
+                if seen == 2:
+                    break
+
+        await consume_two()
+        for _ in range(100):  # the abort lands at the next step
+            if not engine.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.05)
+        await engine.shutdown()
+        return texts, last, engine.engine
+
+    texts, last, engine = asyncio.run(main())
+    assert len(texts) > 2 and all(b.startswith(a) for a, b in zip(texts, texts[1:])) and len(texts[-1]) > len(texts[0])
+    assert last.finished and last.outputs[0].text == expected.text and last.outputs[0].token_ids == expected.token_ids
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -1,0 +1,78 @@
+"""Batched Sampler: per-row settings, per-row generators, the declared transform order."""
+
+from __future__ import annotations
+
+import torch
+
+from kvgen.engine.sampler import Sampler, SamplingRow
+from kvgen.engine.sampling_params import SamplingParams
+from kvgen.sampling import ops
+
+V = 50
+
+
+def _logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 3  # [B, V]
+
+
+def _row(params: SamplingParams, seed: int | None = None, prompt=(1, 2, 3), output=(), eos=(0,)) -> SamplingRow:
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    return SamplingRow(params, list(prompt), list(output), gen, eos)
+
+
+def test_greedy_rows_take_the_argmax_and_logprobs_are_of_raw_logits():
+    logits = _logits(3)
+    params = SamplingParams(temperature=0.0, logprobs=2, repetition_penalty=1.5)
+    out = Sampler()(logits, [_row(params, prompt=[5]), _row(SamplingParams(temperature=0.0)), _row(params)])
+    penalized = ops.apply_repetition_penalty(logits, torch.tensor([[5], [-1], [1]]), torch.tensor([1.5, 1.0, 1.5]))
+    assert out.token_ids == penalized.argmax(-1).tolist()
+    raw = torch.log_softmax(logits, -1)
+    assert out.logprobs[1] is None
+    lp = out.logprobs[0]
+    assert lp.logprob == raw[0, out.token_ids[0]].item()
+    top = raw[0].topk(2)
+    assert lp.top_logprobs == dict(zip(top.indices.tolist(), top.values.tolist()))
+
+
+def test_seeded_row_draws_the_same_token_alone_and_in_a_batch():
+    logits = _logits(4, seed=1)
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=20, seed=7)
+    alone = Sampler()(logits[2:3], [_row(params, seed=7)]).token_ids[0]
+    mixed = [_row(SamplingParams(temperature=1.3), seed=123), _row(SamplingParams(temperature=0.0)),
+             _row(params, seed=7), _row(SamplingParams(temperature=0.5, min_p=0.2), seed=5)]
+    batched = Sampler()(logits, mixed).token_ids
+    assert batched[2] == alone
+    gen = torch.Generator().manual_seed(7)
+    draws = {Sampler()(logits[2:3], [SamplingRow(params, [1], [], gen)]).token_ids[0] for _ in range(20)}
+    assert len(draws) > 1  # the generator advances: the row really samples
+
+
+def test_min_tokens_suppresses_eos_and_stop_ids_until_reached_and_ignore_eos_keeps_eos_allowed():
+    logits = torch.zeros(4, V)
+    logits[:, 0] = 10.0  # EOS (id 0) most likely
+    logits[:, 7] = 9.0  # a stop token id
+    logits[:, 3] = 8.0
+    short = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[7])
+    rows = [
+        _row(short, output=[4]),  # 1 < 2: EOS and 7 suppressed -> 3
+        _row(short, output=[4, 4]),  # reached: EOS allowed
+        _row(SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True), output=[]),  # EOS is not a stop
+        _row(SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=[0]), output=[], eos=()),
+    ]
+    assert Sampler()(logits, rows).token_ids == [3, 0, 0, 7]
+
+
+def test_presence_and_frequency_penalties_count_only_output_tokens():
+    logits = torch.zeros(1, V)
+    logits[0, 4], logits[0, 5] = 1.0, 0.9
+    # presence/frequency look at generated tokens only (vLLM / OpenAI): a prompt token keeps its logit
+    prompt_only = _row(SamplingParams(temperature=0.0, presence_penalty=2.0), prompt=[4])
+    assert Sampler()(logits, [prompt_only]).token_ids == [4]
+    generated = _row(SamplingParams(temperature=0.0, frequency_penalty=0.1), output=[4, 4])
+    assert Sampler()(logits, [generated]).token_ids == [5]
+
+
+def test_top_k_one_samples_the_argmax():
+    logits = _logits(2, seed=3)
+    rows = [_row(SamplingParams(temperature=2.0, top_k=1), seed=s) for s in (0, 1)]
+    assert Sampler()(logits, rows).token_ids == logits.argmax(-1).tolist()
