@@ -58,7 +58,9 @@ def _rows_per_step(settings: dict[str, Any]) -> int:
     return settings.get("num_beams", settings.get("best_of", 1))
 
 
-def measure_kvgen(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, settings: dict[str, Any], new_tokens: int, seed: int) -> dict[str, Any]:
+def measure_kvgen(
+    model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, settings: dict[str, Any], new_tokens: int, seed: int
+) -> dict[str, Any]:
     """Time kvgen ``generate`` on a padded batch ids/mask [B, T]; returns seconds, tokens/s and the new ids."""
     from kvgen.generation import GenerationConfig, generate
 
@@ -68,7 +70,9 @@ def measure_kvgen(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, setti
 
     run(2)  # warm-up
     out, seconds = timed(lambda: run(new_tokens))
-    return _report(out.new_token_ids, seconds, {"model_prefill_s": out.timings.prefill_s, "model_decode_s": out.timings.decode_s})
+    return _report(
+        out.new_token_ids, seconds, {"model_prefill_s": out.timings.prefill_s, "model_decode_s": out.timings.decode_s}
+    )
 
 
 def measure_transformers(
@@ -82,7 +86,9 @@ def measure_transformers(
     def run(n: int) -> torch.Tensor:
         torch.manual_seed(seed)
         with torch.inference_mode():
-            return hf_model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, pad_token_id=pad, **settings)
+            return hf_model.generate(
+                ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, pad_token_id=pad, **settings
+            )
 
     run(2)  # warm-up
     out, seconds = timed(lambda: run(new_tokens))
@@ -91,7 +97,13 @@ def measure_transformers(
 
 def _report(new_token_ids: list[list[int]], seconds: float, extra: dict[str, Any]) -> dict[str, Any]:
     num_new = sum(len(row) for row in new_token_ids)
-    return {"seconds": seconds, "num_new_tokens": num_new, "tokens_per_s": per_second(num_new, seconds), **extra, "new_token_ids": new_token_ids}
+    return {
+        "seconds": seconds,
+        "num_new_tokens": num_new,
+        "tokens_per_s": per_second(num_new, seconds),
+        **extra,
+        "new_token_ids": new_token_ids,
+    }
 
 
 def _load(model: str, dtype: str, include_transformers: bool, log: Progress) -> tuple[nn.Module, Any, nn.Module | None]:
@@ -120,7 +132,14 @@ def _batch(tokenizer: Any, prompts: tuple[str, ...] | list[str]) -> tuple[torch.
     return ids, mask
 
 
-def _measure_strategy(name: str, models: tuple[nn.Module, nn.Module | None], batch: tuple[torch.Tensor, torch.Tensor], new_tokens: int, seed: int, log: Progress) -> dict[str, Any]:
+def _measure_strategy(
+    name: str,
+    models: tuple[nn.Module, nn.Module | None],
+    batch: tuple[torch.Tensor, torch.Tensor],
+    new_tokens: int,
+    seed: int,
+    log: Progress,
+) -> dict[str, Any]:
     settings = STRATEGY_SETTINGS[name]
     ours_model, hf_model = models
     entry: dict[str, Any] = {"settings": settings, "rows_per_step": _rows_per_step(settings) * batch[0].shape[0]}
@@ -139,9 +158,13 @@ def _measure_strategy(name: str, models: tuple[nn.Module, nn.Module | None], bat
     theirs = entry["transformers"]
     entry["ratio_kvgen_over_transformers"] = ratio(entry["kvgen"]["tokens_per_s"], theirs.get("tokens_per_s"))
     their_ids = theirs.pop("new_token_ids", None)
-    entry["tokens_identical_to_transformers"] = None if their_ids is None else entry["kvgen"]["new_token_ids"] == their_ids
+    entry["tokens_identical_to_transformers"] = (
+        None if their_ids is None else entry["kvgen"]["new_token_ids"] == their_ids
+    )
     entry["kvgen"].pop("new_token_ids")
-    log(f"{name}: kvgen {_num(entry['kvgen']['tokens_per_s'])} tokens/s, transformers {_num(theirs.get('tokens_per_s'))} tokens/s")
+    log(
+        f"{name}: kvgen {_num(entry['kvgen']['tokens_per_s'])} tokens/s, transformers {_num(theirs.get('tokens_per_s'))} tokens/s"
+    )
     return entry
 
 
@@ -172,8 +195,13 @@ def run_strategies_bench(
     threads = set_threads(num_threads)
     result: dict[str, Any] = {"schema": SCHEMA, "env": environment_info()}
     result["workload"] = {
-        "model": model, "dtype": dtype, "prompts": list(prompts), "batch_size": len(prompts), "new_tokens": new_tokens,
-        "seed": seed, "num_threads": threads,
+        "model": model,
+        "dtype": dtype,
+        "prompts": list(prompts),
+        "batch_size": len(prompts),
+        "new_tokens": new_tokens,
+        "seed": seed,
+        "num_threads": threads,
         "timing": (
             "per strategy and engine: one untimed 2-token warm-up, one timed run; wall clock around generate(); "
             "tokens_per_s = batch_size x new_tokens / seconds (min_new_tokens = max_new_tokens on both sides)"
@@ -181,7 +209,9 @@ def run_strategies_bench(
     }
     ours, tokenizer, theirs = _load(model, dtype, include_transformers, log)
     batch = _batch(tokenizer, prompts)
-    result["strategies"] = {name: _measure_strategy(name, (ours, theirs), batch, new_tokens, seed, log) for name in STRATEGY_SETTINGS}
+    result["strategies"] = {
+        name: _measure_strategy(name, (ours, theirs), batch, new_tokens, seed, log) for name in STRATEGY_SETTINGS
+    }
     result["env"]["load_average_1m_at_end"] = load_average()
     return result
 
@@ -195,8 +225,10 @@ def format_strategies_report(result: dict[str, Any]) -> str:
     work, env = result["workload"], result["env"]
     lines = [
         f"strategies bench: {work['model']} ({work['dtype']}), {work['batch_size']} prompts x {work['new_tokens']} new tokens",
-        f"torch {env['torch_version']}, transformers {env['transformers_version']}, {work['num_threads']} threads, "
-        f"load average {_num(env.get('load_average_1m'), '.2f')} -> {_num(env.get('load_average_1m_at_end'), '.2f')}",
+        (
+            f"torch {env['torch_version']}, transformers {env['transformers_version']}, {work['num_threads']} threads, "
+            f"load average {_num(env.get('load_average_1m'), '.2f')} -> {_num(env.get('load_average_1m_at_end'), '.2f')}"
+        ),
         "",
         f"{'strategy':20}{'rows/step':>10}{'kvgen tok/s':>13}{'hf tok/s':>10}{'kvgen/hf':>10}{'same tokens':>13}",
     ]

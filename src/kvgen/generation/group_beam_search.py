@@ -136,7 +136,12 @@ def _step_groups(
 
 
 def _advance_group(
-    state: GroupState, ctx: LoopContext, where: tuple[int, int], top: tuple[torch.Tensor, ...], ids: torch.Tensor, step: int
+    state: GroupState,
+    ctx: LoopContext,
+    where: tuple[int, int],
+    top: tuple[torch.Tensor, ...],
+    ids: torch.Tensor,
+    step: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prompt i, group g (``where``): next (tokens, parents in group, scores) [g_size]; marks the group done."""
     (i, g), g_size = where, ids.shape[0]

@@ -24,9 +24,13 @@ class GenerateOutput:
     ``prompt_length`` columns are the (left-padded) prompts, then new tokens;
     a row that finished early is filled with ``pad_token_id``.
     finish_reasons: per row, "stop" (EOS), "length", "stop_string" or "time".
-    scores / logits: per step, [N, V] float32 processed scores / raw logits
-    (only when ``output_scores`` / ``output_logits``).
-    sequences_scores: [N] float32 final scores (beam search, sample-and-rank).
+    scores / logits: per step, [R, V] float32 processed scores / raw logits
+    (only when ``output_scores`` / ``output_logits``); R = N, except for beam
+    strategies, where the rows are the B * num_beams live beams of that step
+    (as transformers; beam strategies score log-softmax, then processors).
+    sequences_scores: [N] float32, best first per prompt: beam strategies give
+    sum of processed log-probs / generated_len ** length_penalty (as
+    transformers), sample-and-rank the same over raw-logit log-probs; None otherwise.
     """
 
     sequences: torch.Tensor
