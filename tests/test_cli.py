@@ -145,3 +145,28 @@ def test_truncated_gguf_exits_2_from_the_real_script(tmp_path, default_gguf_path
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "truncated or corrupt" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_chat_two_turns_then_exit(ours_default):
+    model, tok = ours_default
+    proc = subprocess.run([sys.executable, "-m", "kvgen.cli", "chat", "--max-new-tokens", "12"],
+                          input="What is 2+2?\nAnd 3+3?\n/exit\n", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    # Reference: the same two turns through generate() with the chat template.
+    from kvgen.generation import GenerationConfig, generate
+
+    messages, replies = [], []
+    for question in ["What is 2+2?", "And 3+3?"]:
+        messages.append({"role": "user", "content": question})
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = generate(model, torch.tensor([ids]), None, GenerationConfig(max_new_tokens=12))
+        reply = tok.decode(out.new_token_ids[0], skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": reply})
+        replies.append(reply)
+    for reply in replies:
+        assert reply.strip() and reply.strip() in proc.stdout
+
+
+def test_chat_ends_cleanly_on_end_of_input():
+    proc = subprocess.run([sys.executable, "-m", "kvgen.cli", "chat"], input="", capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr

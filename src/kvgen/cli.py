@@ -152,6 +152,21 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--prompt-tokens", type=int, default=512)
     bd.add_argument("--new-tokens", type=int, default=128)
     bd.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
+    bd.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    bs = bsub.add_parser("strategies", help="tokens/s of every decoding strategy vs transformers")
+    _add_model_flags(bs)
+    bs.add_argument("--json", action="store_true")
+    bs.add_argument("--new-tokens", type=int, default=40)
+    bs.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
+    bs.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    bt = bsub.add_parser("throughput", help="continuous-batching engine throughput vs static batching")
+    _add_model_flags(bt)
+    bt.add_argument("--json", action="store_true")
+    bt.add_argument("--num-prompts", type=int, default=64)
+    bt.add_argument("--seed", type=int, default=0)
+    bt.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
+    bt.add_argument("--no-llama-cpp", action="store_true", help="skip the llama-cpp-python comparison")
+    bt.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     return parser
 
 
@@ -309,16 +324,29 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kvgen.bench.decode import format_decode_report, run_decode_bench
+    for name in ("prompt_tokens", "new_tokens", "num_prompts", "num_threads"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise CliError(f"kvgen bench: --{name.replace('_', '-')} must be >= 1, got {value}")
+    common = dict(model=args.model, dtype=args.dtype, include_transformers=not args.no_transformers, num_threads=args.num_threads)
+    if args.bench_command == "decode":
+        from kvgen.bench.decode import format_decode_report, run_decode_bench
 
-    result = run_decode_bench(
-        model=args.model,
-        dtype=args.dtype,
-        prompt_tokens=args.prompt_tokens,
-        new_tokens=args.new_tokens,
-        include_transformers=not args.no_transformers,
-    )
-    print(json.dumps(result, indent=2) if args.json else format_decode_report(result))
+        result = run_decode_bench(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, **common)
+        report = format_decode_report
+    elif args.bench_command == "strategies":
+        from kvgen.bench.strategies import format_strategies_report, run_strategies_bench
+
+        result = run_strategies_bench(new_tokens=args.new_tokens, **common)
+        report = format_strategies_report
+    else:
+        from kvgen.bench.throughput import format_throughput_report, run_throughput_bench
+
+        result = run_throughput_bench(
+            num_prompts=args.num_prompts, seed=args.seed, include_llama_cpp=not args.no_llama_cpp, **common
+        )
+        report = format_throughput_report
+    print(json.dumps(result, indent=2) if args.json else report(result))
     return 0
 
 
