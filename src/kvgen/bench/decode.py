@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -48,13 +48,13 @@ from kvgen.bench.common import (
     set_threads,
     timed,
 )
+from kvgen.fields import config_field
 
 CACHE_KINDS = ("no_cache", "dynamic", "static")
 SCHEMA = "kvgen.bench.decode/1"
 
 
-def _f(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+_f = config_field
 
 
 @dataclass

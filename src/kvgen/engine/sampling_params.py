@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from kvgen.fields import config_field
 from kvgen.sampling.ops import validate_param
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them would overflow.
@@ -27,8 +28,7 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = "final_only"  # one output, when the request finishes
 
 
-def _f(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+_f = config_field
 
 
 @dataclass

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from kvgen.fields import config_field
 
 
 class Strategy(enum.Enum):
@@ -26,10 +28,7 @@ class Strategy(enum.Enum):
     SAMPLE_AND_RANK = "sample_and_rank"
 
 
-def _f(default: Any, help: str, **kw: Any) -> Any:
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
+_f = config_field
 
 
 @dataclass
