@@ -6,8 +6,17 @@ takes ~30 s, so it is done once per session.
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# One torch thread for the whole suite (and, through the environment, its CLI
+# subprocesses): on a 2-core machine shared with anything else, two OpenMP
+# threads made model tests 5-10x slower (measured); timings never go in tests.
+os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("KVGEN_TEST_THREADS", "1"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from kvgen.default_model import find_default_gguf
 

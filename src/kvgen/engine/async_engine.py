@@ -76,7 +76,7 @@ class AsyncLLMEngine:
                 self._has_work.set()
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request; its stream ends without a final output."""
+        """Abort a request; its stream ends with a finished output whose ``finish_reason`` is "abort"."""
         self.engine.abort_request(request_id)
         if self._has_work is not None:
             self._has_work.set()
