@@ -170,3 +170,31 @@ def test_chat_two_turns_then_exit(ours_default):
 def test_chat_ends_cleanly_on_end_of_input():
     proc = subprocess.run([sys.executable, "-m", "kvgen.cli", "chat"], input="", capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flags,hf_kwargs",
+    [
+        (["--num-beams", "4"], dict(num_beams=4)),
+        (["--num-beams", "4", "--num-return-sequences", "2"], dict(num_beams=4, num_return_sequences=2)),
+        (["--penalty-alpha", "0.6", "--top-k", "4"], dict(penalty_alpha=0.6, top_k=4)),
+    ],
+)
+def test_generate_strategies_from_cli_match_transformers(capsys, ours_default, hf_default, flags, hf_kwargs):
+    _, tok = ours_default
+    code, out, err = _run(capsys, ["generate", "The best way to learn a language is", "--json", "--dtype", "float32",
+                                   "--max-new-tokens", "16", *flags])
+    assert code == 0, err
+    report = json.loads(out)
+    ids = torch.tensor([report["prompt_token_ids"]])
+    with torch.inference_mode():
+        ref = hf_default.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                                  eos_token_id=tok.eos_token_ids, pad_token_id=tok.pad_token_id, **hf_kwargs)
+    expected = [row[ids.shape[1]:].tolist() for row in ref]
+    got = [s["token_ids"] for s in report["sequences"]] if "sequences" in report else [report["token_ids"]]
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert g == e[: len(g)] and all(t == tok.pad_token_id for t in e[len(g):])
+    if "sequences" in report:
+        scores = [s["score"] for s in report["sequences"]]
+        assert scores == sorted(scores, reverse=True)
