@@ -4,6 +4,7 @@ settings, errors that leave other requests alone, aborts, streaming."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 import torch
@@ -53,9 +54,9 @@ def _llm(model_tok, **engine_args) -> LLM:
 @pytest.mark.parametrize(
     "engine_args,subset",
     [
-        (dict(), slice(None)),  # a pool that holds everything
-        (dict(num_blocks=24), slice(None)),  # forces preemption (recompute)
-        (dict(max_num_batched_tokens=20), slice(16, 32, 2)),  # chunked prefill of the longer prompts
+        ({}, slice(None)),  # a pool that holds everything
+        ({"num_blocks": 24}, slice(None)),  # forces preemption (recompute)
+        ({"max_num_batched_tokens": 20}, slice(16, 32, 2)),  # chunked prefill of the longer prompts
     ],
     ids=["large_pool", "tiny_pool_preempts", "chunked_prefill"],
 )
@@ -227,7 +228,7 @@ def test_async_engine_streams_growing_text_equal_to_llm_generate_and_cancel_abor
         return texts, last, engine.engine
 
     texts, last, engine = asyncio.run(main())
-    assert len(texts) > 2 and all(b.startswith(a) for a, b in zip(texts, texts[1:])) and len(texts[-1]) > len(texts[0])
+    assert len(texts) > 2 and all(b.startswith(a) for a, b in itertools.pairwise(texts)) and len(texts[-1]) > len(texts[0])
     assert last.finished and last.outputs[0].text == expected.text and last.outputs[0].token_ids == expected.token_ids
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from kvgen.config import ModelConfig
-from kvgen.kv_cache import DynamicCache, PagedAttentionMetadata, PagedKVCache, num_blocks_for_memory
+from kvgen.kv_cache import (
+    DynamicCache,
+    PagedAttentionMetadata,
+    PagedKVCache,
+    num_blocks_for_memory,
+)
 from kvgen.models.gpt2 import GPT2LMHeadModel
 from kvgen.models.llama import LlamaForCausalLM
 

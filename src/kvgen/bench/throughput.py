@@ -18,8 +18,10 @@ every request generates exactly its output length. Systems, timed in the same ru
 
 Per system: useful generated tokens/s, requests/s, time to first token (TTFT: from
 t=0, so queueing counts) and inter-token latency (ITL: gaps between a request's
-consecutive tokens) p50/p99 in seconds, peak RSS of the process. kvgen runs in this
-process; the others each in their own subprocess so their peak RSS is their own.
+consecutive tokens) p50/p99 in seconds, peak RSS of the process (VmHWM). kvgen runs
+in this process; the others each in their own subprocess so their peak RSS is their own.
+On a shared machine pass ``num_threads=1``: with other processes on the cores, two
+OpenMP threads made matmuls ~10x slower here (barrier waits on a descheduled thread).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import itertools
 import json
 import subprocess
 import sys
@@ -37,9 +40,33 @@ from typing import Any
 
 import torch
 
-from kvgen.bench.common import Progress, environment_info, load_average, peak_rss_bytes, per_second, ratio, set_threads
+from kvgen.bench.common import (
+    Progress,
+    environment_info,
+    load_average,
+    peak_rss_bytes,
+    per_second,
+    ratio,
+    set_threads,
+)
 
 SCHEMA = "kvgen.bench.throughput/1"
+
+
+def process_peak_rss_bytes() -> int:
+    """This process's own peak RSS in bytes: ``VmHWM`` of /proc/self/status where it exists.
+
+    ``ru_maxrss`` survives fork + exec on Linux, so a subprocess would report its parent's
+    peak when that is higher; VmHWM belongs to the process image. Falls back to ``ru_maxrss``.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return peak_rss_bytes()
 
 
 @dataclass
@@ -72,7 +99,7 @@ def summarize(token_times: list[list[float]], output_lens: list[int], start: flo
     """Figures of one system from each request's token timestamps (seconds, ``time.perf_counter``)."""
     useful = sum(output_lens)
     ttft = [times[0] - start for times in token_times if times]
-    itl = [b - a for times in token_times for a, b in zip(times, times[1:])]
+    itl = [b - a for times in token_times for a, b in itertools.pairwise(times)]
     elapsed = end - start
     return {
         "elapsed_s": elapsed,
@@ -217,10 +244,8 @@ def measure_llama_cpp(model_path: str, workload: Workload, num_threads: int) -> 
     start = time.perf_counter()
     for i in range(n):
         llm.reset()
-        count = 0
-        for _ in llm.generate(workload.prompt_token_ids[i], top_k=1, temp=0.0, reset=True):
+        for count, _ in enumerate(llm.generate(workload.prompt_token_ids[i], top_k=1, temp=0.0, reset=True), start=1):
             token_times[i].append(time.perf_counter())
-            count += 1
             if count >= workload.output_lens[i]:
                 break
     return summarize(token_times, workload.output_lens, start, time.perf_counter())
@@ -233,7 +258,7 @@ def _subprocess(side: str, config: dict[str, Any], log: Progress) -> dict[str, A
     code = "import sys; from kvgen.bench.throughput import main; sys.exit(main())"
     log(f"{side}: starting subprocess")
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.run([sys.executable, "-c", code, *args], stdout=out, stderr=None, text=True)
+        proc = subprocess.run([sys.executable, "-c", code, *args], stdout=out, stderr=None, text=True, check=False)
         out.seek(0)
         text = out.read()
     if proc.returncode != 0:
@@ -249,7 +274,7 @@ def _side_main(side: str, a: argparse.Namespace) -> dict[str, Any]:
             result = measure_transformers_static(a.model, a.dtype, workload, a.static_batch_size)
         else:
             result = measure_llama_cpp(a.model, workload, a.num_threads)
-    result["peak_rss_bytes"] = peak_rss_bytes()
+    result["peak_rss_bytes"] = process_peak_rss_bytes()
     return result
 
 
@@ -294,7 +319,7 @@ def run_throughput_bench(
     log(f"kvgen engine: {result['kvgen_engine']['generated_tokens_per_s']:.1f} tokens/s; now static batches of {static_batch_size}")
     result["kvgen_static"] = measure_kvgen(llm_model, workload, static_args, static_batch_size)
     log(f"kvgen static: {result['kvgen_static']['generated_tokens_per_s']:.1f} tokens/s")
-    result["kvgen_peak_rss_bytes"] = peak_rss_bytes()
+    result["kvgen_peak_rss_bytes"] = process_peak_rss_bytes()
     del llm_model
     side_config = {"num_prompts": num_prompts, "seed": seed, "model": model, "dtype": dtype, "num_threads": threads,
                    "static_batch_size": static_batch_size, "vocab_size": vocab_size}

@@ -89,7 +89,7 @@ class AsyncLLMEngine:
             async with self._lock:
                 try:
                     outputs = await asyncio.to_thread(self.engine.step) if self.step_in_thread else self.engine.step()
-                except Exception as e:  # noqa: BLE001 - every waiting stream gets the error
+                except Exception as e:
                     for queue in self._streams.values():
                         queue.put_nowait(e)
                     raise
@@ -105,6 +105,6 @@ class AsyncLLMEngine:
             self._loop_task.cancel()
             try:
                 await self._loop_task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+            except (asyncio.CancelledError, Exception):
                 pass
             self._loop_task = None

@@ -15,7 +15,12 @@ from torch import nn
 from kvgen.config import ModelConfig
 from kvgen.errors import UnsupportedArchitectureError
 from kvgen.kv_cache.paged import PagedAttentionMetadata
-from kvgen.models.attention import AttentionMetadata, advance_cache, attend, prepare_attention
+from kvgen.models.attention import (
+    AttentionMetadata,
+    advance_cache,
+    attend,
+    prepare_attention,
+)
 
 _ACTIVATIONS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),

@@ -14,7 +14,12 @@ from torch import nn
 
 from kvgen.config import ModelConfig
 from kvgen.kv_cache.paged import PagedAttentionMetadata
-from kvgen.models.attention import AttentionMetadata, advance_cache, attend, prepare_attention
+from kvgen.models.attention import (
+    AttentionMetadata,
+    advance_cache,
+    attend,
+    prepare_attention,
+)
 from kvgen.models.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
