@@ -13,8 +13,8 @@ import os
 # threads made model tests 5-10x slower (measured); timings never go in tests.
 os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("KVGEN_TEST_THREADS", "1"))
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 

@@ -17,7 +17,12 @@ import regex
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, GPT2TokenizerFast, LlamaTokenizerFast
-from transformers.convert_slow_tokenizer import GPT2Converter, Qwen2Converter, TikTokenConverter, bytes_to_unicode
+from transformers.convert_slow_tokenizer import (
+    GPT2Converter,
+    Qwen2Converter,
+    TikTokenConverter,
+    bytes_to_unicode,
+)
 from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
 from kvgen import default_model

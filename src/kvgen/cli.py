@@ -309,7 +309,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         raise CliError(f"cannot read {args.file}: {e.strerror if isinstance(e, OSError) else e}") from None
     model, tokenizer, _ = _load(args)
     ids = tokenizer.encode(text, add_special_tokens=False)
-    progress = lambda chunks: tqdm(chunks, desc="perplexity", unit="window", file=sys.stderr)  # noqa: E731
+    progress = lambda chunks: tqdm(chunks, desc="perplexity", unit="window", file=sys.stderr)
     result = perplexity(model, ids, args.context_length, progress=progress)
     print(json.dumps(dataclasses.asdict(result)))
     return 0
@@ -335,12 +335,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = run_decode_bench(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, **common)
         report = format_decode_report
     elif args.bench_command == "strategies":
-        from kvgen.bench.strategies import format_strategies_report, run_strategies_bench
+        from kvgen.bench.strategies import (
+            format_strategies_report,
+            run_strategies_bench,
+        )
 
         result = run_strategies_bench(new_tokens=args.new_tokens, **common)
         report = format_strategies_report
     else:
-        from kvgen.bench.throughput import format_throughput_report, run_throughput_bench
+        from kvgen.bench.throughput import (
+            format_throughput_report,
+            run_throughput_bench,
+        )
 
         result = run_throughput_bench(
             num_prompts=args.num_prompts, seed=args.seed, include_llama_cpp=not args.no_llama_cpp, **common

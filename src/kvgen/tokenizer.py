@@ -18,7 +18,15 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 from tokenizers import Tokenizer as BackendTokenizer
 
 from kvgen.chat_template import ChatTemplateError, check_messages, compile_chat_template

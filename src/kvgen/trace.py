@@ -36,7 +36,7 @@ class Tracer:
         self._post = self.model.register_forward_hook(self._after)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._pre.remove()
         self._post.remove()
 

@@ -13,7 +13,12 @@ from kvgen.engine.block_manager import BlockManager, cdiv
 from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.scheduler import Scheduler, SchedulingPolicy
-from kvgen.engine.types import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from kvgen.engine.types import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 
 EOS = 0
 

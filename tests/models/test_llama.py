@@ -9,8 +9,8 @@ from helpers import left_pad
 
 from kvgen.config import ModelConfig
 from kvgen.generation import GenerationConfig, generate
-from kvgen.models import AttentionMetadata, build_model
 from kvgen.generation.runner import positions_from_mask
+from kvgen.models import AttentionMetadata, build_model
 
 
 def _tiny_pair(tie: bool, kv_heads: int = 2):

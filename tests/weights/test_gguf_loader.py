@@ -29,7 +29,12 @@ from kvgen.errors import (
 )
 from kvgen.weights import gguf_loader
 from kvgen.weights.gguf_file import gguf_metadata, open_gguf
-from kvgen.weights.gguf_loader import SUPPORTED_QUANT_TYPES, dequantize_tensor, load_gguf, reverse_permute_qk
+from kvgen.weights.gguf_loader import (
+    SUPPORTED_QUANT_TYPES,
+    dequantize_tensor,
+    load_gguf,
+    reverse_permute_qk,
+)
 
 Q = GGMLQuantizationType
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]

@@ -17,7 +17,11 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.pytorch_utils import Conv1D
 
-from kvgen.errors import ModelFormatError, ModelNotFoundError, UnsupportedArchitectureError
+from kvgen.errors import (
+    ModelFormatError,
+    ModelNotFoundError,
+    UnsupportedArchitectureError,
+)
 from kvgen.weights.hf_loader import load_hf_directory
 
 

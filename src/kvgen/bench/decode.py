@@ -41,8 +41,8 @@ from kvgen.bench.common import (
     load_average,
     median,
     peak_rss_bytes,
-    percentile,
     per_second,
+    percentile,
     ratio,
     seeded_prompt_ids,
     set_threads,
@@ -185,7 +185,7 @@ def measure_engine(
         log(f"{name}: {cache}: warm-up, prefill x{config.num_prefill_repeats}, {n} new tokens")
         try:
             results[cache] = time_generation(make_fn(cache), prompt_ids, n, config.num_prefill_repeats)
-        except Exception as e:  # noqa: BLE001 - a failing configuration is a result, not a crash
+        except Exception as e:
             results[cache] = {"error": f"{type(e).__name__}: {e}"}
             log(f"{name}: {cache}: failed: {results[cache]['error']}")
             continue

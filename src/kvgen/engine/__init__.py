@@ -8,15 +8,19 @@ fronts ``LLMEngine``, ``LLM`` and ``AsyncLLMEngine``.
 
 from kvgen.engine.async_engine import AsyncLLMEngine
 from kvgen.engine.block_manager import DEFAULT_BLOCK_SIZE, BlockManager, hash_block
-from kvgen.engine.detokenizer import OutputProcessor, ProcessedOutputs, RequestDetokenizer
+from kvgen.engine.detokenizer import (
+    OutputProcessor,
+    ProcessedOutputs,
+    RequestDetokenizer,
+)
 from kvgen.engine.engine_args import EngineArgs
 from kvgen.engine.llm import LLM
 from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.model_runner import ModelRunner
 from kvgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvgen.engine.request import Request, RequestStatus
-from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvgen.engine.sampler import Sampler
+from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvgen.engine.scheduler import Scheduler, SchedulingPolicy
 from kvgen.engine.types import (
     EngineCoreOutput,

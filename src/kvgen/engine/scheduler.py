@@ -19,7 +19,12 @@ from collections.abc import Iterable
 
 from kvgen.engine.block_manager import BlockManager, cdiv
 from kvgen.engine.request import Request, RequestStatus
-from kvgen.engine.types import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from kvgen.engine.types import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 
 class SchedulingPolicy(enum.Enum):

@@ -21,7 +21,13 @@ from kvgen.sampling.logits_process import (
     TypicalLogitsWarper,
     build_logits_processors,
 )
-from kvgen.sampling.ops import compute_logprobs, greedy, sample, sample_from_probs, validate_param
+from kvgen.sampling.ops import (
+    compute_logprobs,
+    greedy,
+    sample,
+    sample_from_probs,
+    validate_param,
+)
 from kvgen.sampling.stopping import (
     EosTokenCriteria,
     MaxNewTokensCriteria,

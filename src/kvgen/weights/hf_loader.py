@@ -23,7 +23,12 @@ from safetensors import safe_open
 
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelFormatError, ModelNotFoundError
-from kvgen.weights.name_maps import check_state_dict, expected_param_shapes, hf_needs_transpose, hf_to_kvgen_name
+from kvgen.weights.name_maps import (
+    check_state_dict,
+    expected_param_shapes,
+    hf_needs_transpose,
+    hf_to_kvgen_name,
+)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
