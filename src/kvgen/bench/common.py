@@ -141,7 +141,19 @@ def median(values: list[float]) -> float:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far, in bytes (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    """This process's own peak resident set size in bytes.
+
+    ``VmHWM`` of /proc/self/status where it exists: ``ru_maxrss`` survives fork + exec on
+    Linux, so a subprocess would report its parent's peak when that is higher. Falls back
+    to ``ru_maxrss`` (KiB on Linux, bytes on macOS).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 

@@ -53,22 +53,6 @@ from kvgen.bench.common import (
 SCHEMA = "kvgen.bench.throughput/1"
 
 
-def process_peak_rss_bytes() -> int:
-    """This process's own peak RSS in bytes: ``VmHWM`` of /proc/self/status where it exists.
-
-    ``ru_maxrss`` survives fork + exec on Linux, so a subprocess would report its parent's
-    peak when that is higher; VmHWM belongs to the process image. Falls back to ``ru_maxrss``.
-    """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return peak_rss_bytes()
-
-
 @dataclass
 class Workload:
     """prompt_token_ids[i] and output_lens[i] (tokens) of request i."""
@@ -274,7 +258,7 @@ def _side_main(side: str, a: argparse.Namespace) -> dict[str, Any]:
             result = measure_transformers_static(a.model, a.dtype, workload, a.static_batch_size)
         else:
             result = measure_llama_cpp(a.model, workload, a.num_threads)
-    result["peak_rss_bytes"] = process_peak_rss_bytes()
+    result["peak_rss_bytes"] = peak_rss_bytes()
     return result
 
 
@@ -319,7 +303,7 @@ def run_throughput_bench(
     log(f"kvgen engine: {result['kvgen_engine']['generated_tokens_per_s']:.1f} tokens/s; now static batches of {static_batch_size}")
     result["kvgen_static"] = measure_kvgen(llm_model, workload, static_args, static_batch_size)
     log(f"kvgen static: {result['kvgen_static']['generated_tokens_per_s']:.1f} tokens/s")
-    result["kvgen_peak_rss_bytes"] = process_peak_rss_bytes()
+    result["kvgen_peak_rss_bytes"] = peak_rss_bytes()
     del llm_model
     side_config = {"num_prompts": num_prompts, "seed": seed, "model": model, "dtype": dtype, "num_threads": threads,
                    "static_batch_size": static_batch_size, "vocab_size": vocab_size}

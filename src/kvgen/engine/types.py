@@ -16,7 +16,7 @@ from kvgen.engine.sampling_params import SamplingParams
 
 @dataclass
 class TokenLogprobs:
-    """Log-probabilities at one generated position (natural log, after the request's processors).
+    """Log-probabilities at one generated position (natural log of the softmax of the raw logits, before any processor, as vLLM's default).
 
     ``logprob``: the sampled token's; ``top_logprobs``: the ``SamplingParams.logprobs`` most
     likely ids -> logprob (may include the sampled id).
