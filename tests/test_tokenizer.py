@@ -502,7 +502,7 @@ def test_find_default_gguf_finds_the_file(gguf_path: Path) -> None:
 
 def test_find_default_gguf_missing_gives_install_hint(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(sys, "path", [str(tmp_path)])
-    monkeypatch.setattr(default_model.site, "getsitepackages", lambda: [])
+    monkeypatch.setattr(default_model.site, "getsitepackages", list)
     monkeypatch.setattr(default_model.site, "getusersitepackages", lambda: str(tmp_path))
     with pytest.raises(ModelNotFoundError, match=INSTALL_HINT):
         find_default_gguf()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import left_pad
+from helpers import assert_batched_equals_alone, left_pad
 
 from kvgen.generation import GenerationConfig, generate
 
@@ -62,14 +62,8 @@ def test_beam_search_matches_transformers(ours_default, hf_default, name):
 def test_batched_beam_search_gives_each_prompt_its_beams_alone(ours_default, cache):
     model, tok = ours_default
     prompts = _prompts(tok)
-    ids, mask = left_pad(prompts, tok.pad_token_id)
     cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, num_beams=3, num_return_sequences=2, cache_implementation=cache)
-    batched = generate(model, ids, mask, cfg)
-    for i, prompt in enumerate(prompts):
-        alone = generate(model, torch.tensor([prompt]), None, cfg)
-        assert batched.new_token_ids[2 * i : 2 * i + 2] == alone.new_token_ids
-        assert batched.finish_reasons[2 * i : 2 * i + 2] == alone.finish_reasons
-        torch.testing.assert_close(batched.sequences_scores[2 * i : 2 * i + 2], alone.sequences_scores)
+    assert_batched_equals_alone(model, prompts, tok.pad_token_id, cfg, rows_per_prompt=2)
 
 
 def test_beam_sample_matches_transformers_for_the_same_seed(ours_default, hf_default):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import left_pad
+from helpers import assert_batched_equals_alone
 
 from kvgen.generation import GenerationConfig, generate
 from kvgen.generation.group_beam_search import Hypotheses
@@ -57,14 +57,8 @@ def test_diversity_penalty_changes_the_later_groups(ours_default):
 def test_batched_group_beam_search_gives_each_prompt_its_beams_alone(ours_default):
     model, tok = ours_default
     prompts = _prompts(tok)
-    ids, mask = left_pad(prompts, tok.pad_token_id)
     cfg = GenerationConfig(max_new_tokens=12, cache_implementation="static", **SETTINGS["2 groups of 2"])
-    batched = generate(model, ids, mask, cfg)
-    for i, prompt in enumerate(prompts):
-        alone = generate(model, torch.tensor([prompt]), None, cfg)
-        assert batched.new_token_ids[2 * i : 2 * i + 2] == alone.new_token_ids
-        assert batched.finish_reasons[2 * i : 2 * i + 2] == alone.finish_reasons
-        torch.testing.assert_close(batched.sequences_scores[2 * i : 2 * i + 2], alone.sequences_scores)
+    assert_batched_equals_alone(model, prompts, tok.pad_token_id, cfg, rows_per_prompt=2)
 
 
 def test_hypotheses_keep_the_n_best_and_apply_the_length_penalty():

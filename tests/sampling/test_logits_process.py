@@ -5,29 +5,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers.generation.logits_process as hf
+from helpers import assert_same, random_ids, random_logits
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from kvgen.sampling import logits_process as lp
 
 INF = float("inf")
-
-
-def random_logits(seed: int, B: int, V: int, scale: float = 1.0, num_inf: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(B, V, generator=g) * scale
-    if num_inf:
-        idx = torch.rand(B, V, generator=g).argsort(dim=1)[:, :num_inf]  # [B, num_inf]
-        x = x.scatter(1, idx, -INF)
-    return x
-
-
-def random_ids(seed: int, B: int, T: int, high: int) -> torch.Tensor:
-    return torch.randint(0, high, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    assert torch.equal(torch.isneginf(actual), torch.isneginf(expected))
-    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
 
 
 # ------------------------------------------------------- class vs transformers

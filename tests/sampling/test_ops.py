@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from helpers import assert_same, random_ids, random_logits
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
@@ -33,27 +34,6 @@ LOGIT_CASES = [
     (2, 64, 0.01, 0, False),  # nearly uniform
     (5, 40, 1.0, 4, True),  # many ties
 ]
-
-
-def random_logits(seed: int, B: int, V: int, scale: float = 1.0, num_inf: int = 0, ties: bool = False) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if ties:
-        x = torch.randint(-3, 4, (B, V), generator=g).float()
-    else:
-        x = torch.randn(B, V, generator=g) * scale
-    if num_inf:
-        idx = torch.rand(B, V, generator=g).argsort(dim=1)[:, :num_inf]  # [B, num_inf]
-        x = x.scatter(1, idx, -INF)
-    return x
-
-
-def random_ids(seed: int, B: int, T: int, high: int) -> torch.Tensor:
-    return torch.randint(0, high, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    assert torch.equal(torch.isneginf(actual), torch.isneginf(expected))
-    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
 
 
 def all_cases():
