@@ -146,28 +146,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (JSON out)")
     bsub = b.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
-    bd = bsub.add_parser("decode", help="prefill and batch-1 decode speed vs transformers")
-    _add_model_flags(bd)
-    bd.add_argument("--json", action="store_true")
+    bd = bsub.add_parser("decode", help="prefill, batch-1 decode and time to first token vs transformers and llama.cpp")
+    _add_bench_flags(bd)
     bd.add_argument("--prompt-tokens", type=int, default=512)
     bd.add_argument("--new-tokens", type=int, default=128)
-    bd.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
-    bd.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    bd.add_argument("--ttft-prompt-tokens", type=int, default=20, help="prompt tokens of the time-to-first-token runs")
     bs = bsub.add_parser("strategies", help="tokens/s of every decoding strategy vs transformers")
-    _add_model_flags(bs)
-    bs.add_argument("--json", action="store_true")
+    _add_bench_flags(bs, llama_cpp=False)
     bs.add_argument("--new-tokens", type=int, default=40)
-    bs.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
-    bs.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
-    bt = bsub.add_parser("throughput", help="continuous-batching engine throughput vs static batching")
-    _add_model_flags(bt)
-    bt.add_argument("--json", action="store_true")
+    bt = bsub.add_parser("throughput", help="continuous-batching engine throughput vs static batching, transformers, llama.cpp")
+    _add_bench_flags(bt)
     bt.add_argument("--num-prompts", type=int, default=64)
     bt.add_argument("--seed", type=int, default=0)
-    bt.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
-    bt.add_argument("--no-llama-cpp", action="store_true", help="skip the llama-cpp-python comparison")
-    bt.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    bp = bsub.add_parser("perplexity", help="perplexity of kvgen (default dtype and float32) and llama.cpp on the same tokens")
+    _add_bench_flags(bp, transformers=False)
+    bp.add_argument("--file", default=None, help="UTF-8 text (default: /usr/share/common-licenses/GPL-3)")
+    bp.add_argument("--context-length", type=int, default=512, help="tokens per non-overlapping window")
     return parser
+
+
+def _add_bench_flags(p: argparse.ArgumentParser, transformers: bool = True, llama_cpp: bool = True) -> None:
+    _add_model_flags(p, dtype=False)
+    p.add_argument("--dtype", default=None, help="kvgen's dtype, as load_model takes it (default: load_model's default)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--threads", "--num-threads", dest="num_threads", type=int, default=None, help="threads of every engine (default: physical cores)")
+    if transformers:
+        p.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
+    if llama_cpp:
+        p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama-cpp-python comparison")
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any, float]:
@@ -324,15 +330,24 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    for name in ("prompt_tokens", "new_tokens", "num_prompts", "num_threads"):
+    for name in ("prompt_tokens", "new_tokens", "num_prompts", "num_threads", "ttft_prompt_tokens"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise CliError(f"kvgen bench: --{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.bench_command == "perplexity":
+        from kvgen.bench.perplexity import format_perplexity_report, run_perplexity_bench
+
+        result = run_perplexity_bench(args.file, args.model, args.dtype, args.context_length, not args.no_llama_cpp, args.num_threads)
+        print(json.dumps(result, indent=2) if args.json else format_perplexity_report(result))
+        return 0
     common = dict(model=args.model, dtype=args.dtype, include_transformers=not args.no_transformers, num_threads=args.num_threads)
     if args.bench_command == "decode":
         from kvgen.bench.decode import format_decode_report, run_decode_bench
 
-        result = run_decode_bench(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, **common)
+        result = run_decode_bench(
+            prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, ttft_prompt_tokens=args.ttft_prompt_tokens,
+            include_llama_cpp=not args.no_llama_cpp, **common,
+        )
         report = format_decode_report
     elif args.bench_command == "strategies":
         from kvgen.bench.strategies import (

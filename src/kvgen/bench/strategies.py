@@ -22,8 +22,10 @@ from torch import nn
 
 from kvgen.bench.common import (
     Progress,
+    default_dtype,
     environment_info,
     load_average,
+    peer_torch_dtype,
     per_second,
     ratio,
     set_threads,
@@ -107,17 +109,17 @@ def _report(new_token_ids: list[list[int]], seconds: float, extra: dict[str, Any
 
 
 def _load(model: str, dtype: str, include_transformers: bool, log: Progress) -> tuple[nn.Module, Any, nn.Module | None]:
-    from kvgen.loader import load_model, parse_dtype, resolve_model_path
+    from kvgen.loader import load_model, resolve_model_path
 
     log(f"kvgen: loading {model} ({dtype})")
-    ours, tokenizer = load_model(model, dtype)
+    ours, tokenizer = load_model(model, dtype=dtype)
     if not include_transformers:
         return ours, tokenizer, None
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(model)
     log(f"transformers: loading {path.name}")
-    kwargs: dict[str, Any] = {"torch_dtype": parse_dtype(dtype)} | ({} if path.is_dir() else {"gguf_file": path.name})
+    kwargs: dict[str, Any] = {"torch_dtype": peer_torch_dtype(dtype)} | ({} if path.is_dir() else {"gguf_file": path.name})
     theirs = AutoModelForCausalLM.from_pretrained(path if path.is_dir() else path.parent, **kwargs).eval()
     return ours, tokenizer, theirs
 
@@ -173,7 +175,7 @@ def run_strategies_bench(
     new_tokens: int = 40,
     prompts: tuple[str, ...] | list[str] = PROMPTS,
     include_transformers: bool = True,
-    dtype: str = "float32",
+    dtype: str | None = None,
     num_threads: int | None = None,
     seed: int = 0,
     progress: bool = True,
@@ -193,6 +195,7 @@ def run_strategies_bench(
         raise ValueError("prompts must hold at least one prompt, got none")
     log = Progress(progress)
     threads = set_threads(num_threads)
+    dtype = dtype or default_dtype()
     result: dict[str, Any] = {"schema": SCHEMA, "env": environment_info()}
     result["workload"] = {
         "model": model,

@@ -13,27 +13,25 @@ every request generates exactly its output length. Systems, timed in the same ru
   min_new_tokens =`` the longest requested output of the batch; only each request's
   requested tokens count as useful (the rest of a row is wasted work, as it is in a
   static server);
-* ``llama_cpp``: ``llama-cpp-python`` on the GGUF, one request at a time (subprocess),
-  when it is importable.
+* ``llama_cpp``: ``llama-cpp-python`` on the GGUF, one request at a time (its own
+  torch-free subprocess, ``bench/llama_cpp_peer.py``), when it is importable.
 
 Per system: useful generated tokens/s, requests/s, time to first token (TTFT: from
 t=0, so queueing counts) and inter-token latency (ITL: gaps between a request's
 consecutive tokens) p50/p99 in seconds, peak RSS of the process (VmHWM). kvgen runs
 in this process; the others each in their own subprocess so their peak RSS is their own.
-On a shared machine pass ``num_threads=1``: with other processes on the cores, two
-OpenMP threads made matmuls ~10x slower here (barrier waits on a descheduled thread).
+Every engine runs ``num_threads`` threads (default: physical cores). On a shared machine
+pass ``num_threads=1``: with other processes on the cores, two OpenMP threads made
+matmuls ~10x slower here (barrier waits on a descheduled thread).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import itertools
 import json
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -42,13 +40,17 @@ import torch
 
 from kvgen.bench.common import (
     Progress,
+    default_dtype,
     environment_info,
     load_average,
     peak_rss_bytes,
+    peer_torch_dtype,
     per_second,
     ratio,
+    run_side,
     set_threads,
 )
+from kvgen.bench.llama_cpp_peer import run_llama_cpp
 
 SCHEMA = "kvgen.bench.throughput/1"
 
@@ -178,10 +180,10 @@ def measure_transformers_static(model_path: str, dtype: str, workload: Workload,
     """transformers ``generate`` on left-padded static batches (see module docstring)."""
     from transformers import AutoModelForCausalLM
 
-    from kvgen.loader import parse_dtype, resolve_model_path
+    from kvgen.loader import resolve_model_path
 
     path = resolve_model_path(model_path)
-    kwargs: dict[str, Any] = {"torch_dtype": parse_dtype(dtype)}
+    kwargs: dict[str, Any] = {"torch_dtype": peer_torch_dtype(dtype)}
     if not path.is_dir():
         kwargs["gguf_file"] = path.name
     model = AutoModelForCausalLM.from_pretrained(path if path.is_dir() else path.parent, **kwargs).eval()
@@ -215,49 +217,36 @@ def measure_transformers_static(model_path: str, dtype: str, workload: Workload,
     return result
 
 
-def measure_llama_cpp(model_path: str, workload: Workload, num_threads: int) -> dict[str, Any]:
-    """llama-cpp-python, one request at a time, greedy (top_k=1); its raw ``generate`` never stops at EOS,
-    so each request is cut at its output length."""
-    from llama_cpp import Llama
-
+def measure_llama_cpp(model_path: str, workload: Workload, num_threads: int, log: Progress) -> dict[str, Any]:
+    """llama-cpp-python on the GGUF, one request at a time (greedy, cut at each output length), in its
+    own torch-free process; its token timestamps are summarized here like every other system's."""
     from kvgen.loader import resolve_model_path
 
-    llm = Llama(model_path=str(resolve_model_path(model_path)), n_ctx=1024, n_threads=num_threads, verbose=False)
-    n = len(workload.output_lens)
-    token_times: list[list[float]] = [[] for _ in range(n)]
-    start = time.perf_counter()
-    for i in range(n):
-        llm.reset()
-        for count, _ in enumerate(llm.generate(workload.prompt_token_ids[i], top_k=1, temp=0.0, reset=True), start=1):
-            token_times[i].append(time.perf_counter())
-            if count >= workload.output_lens[i]:
-                break
-    return summarize(token_times, workload.output_lens, start, time.perf_counter())
+    path = resolve_model_path(model_path)
+    if path.is_dir():
+        return {"skipped": "llama.cpp reads GGUF files; the model is a Hugging Face directory"}
+    request = {"model_path": str(path), "num_threads": num_threads,
+               "prompt_token_ids": workload.prompt_token_ids, "output_lens": workload.output_lens}
+    side = run_llama_cpp("throughput", request, log)
+    if "token_times_s" not in side:
+        return side
+    result = summarize(side.pop("token_times_s"), workload.output_lens, 0.0, side.pop("elapsed_s"))
+    return result | side
 
 
 def _subprocess(side: str, config: dict[str, Any], log: Progress) -> dict[str, Any]:
     args = ["--side", side, "--json", "--num-prompts", str(config["num_prompts"]), "--seed", str(config["seed"]),
             "--model", config["model"], "--dtype", config["dtype"], "--static-batch-size", str(config["static_batch_size"]),
-            "--num-threads", str(config["num_threads"]), "--vocab-size", str(config["vocab_size"])]
+            "--threads", str(config["num_threads"]), "--vocab-size", str(config["vocab_size"])]
     code = "import sys; from kvgen.bench.throughput import main; sys.exit(main())"
-    log(f"{side}: starting subprocess")
-    with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.run([sys.executable, "-c", code, *args], stdout=out, stderr=None, text=True, check=False)
-        out.seek(0)
-        text = out.read()
-    if proc.returncode != 0:
-        return {"error": f"{side} subprocess exited with status {proc.returncode} (see stderr)"}
-    return json.loads(text)
+    return run_side(side, ["-c", code, *args], log)
 
 
 def _side_main(side: str, a: argparse.Namespace) -> dict[str, Any]:
     set_threads(a.num_threads)
     workload = make_workload(a.num_prompts, a.vocab_size, a.seed)
     with contextlib.redirect_stdout(sys.stderr):
-        if side == "transformers":
-            result = measure_transformers_static(a.model, a.dtype, workload, a.static_batch_size)
-        else:
-            result = measure_llama_cpp(a.model, workload, a.num_threads)
+        result = measure_transformers_static(a.model, a.dtype, workload, a.static_batch_size)
     result["peak_rss_bytes"] = peak_rss_bytes()
     return result
 
@@ -271,7 +260,7 @@ def run_throughput_bench(
     include_transformers: bool = True,
     include_llama_cpp: bool = True,
     model: str = "default",
-    dtype: str = "float32",
+    dtype: str | None = None,
     static_batch_size: int = 32,
     num_threads: int | None = None,
     progress: bool = True,
@@ -280,23 +269,25 @@ def run_throughput_bench(
     """Benchmark the engine against static batching, transformers and llama-cpp-python (see module docstring).
 
     ``engine_overrides`` are ``EngineArgs`` fields (``max_num_seqs``, ``max_num_batched_tokens``,
-    ``num_blocks``...). Returns a JSON-ready dict: ``env``, ``workload``, one entry per system
-    (or ``{"skipped"|"error": ...}``) and ``ratios``. Progress goes to stderr.
+    ``num_blocks``...). ``dtype`` is kvgen's (default: ``load_model``'s default). Returns a
+    JSON-ready dict: ``env``, ``workload``, one entry per system (or ``{"skipped"|"error": ...}``)
+    and ``ratios``. Progress goes to stderr.
     """
     from kvgen.engine import EngineArgs
     from kvgen.loader import load_model
 
     log = Progress(progress, "[bench:throughput]")
     threads = set_threads(num_threads)
+    dtype = dtype or default_dtype()
     defaults = {"max_num_seqs": 64, "max_num_batched_tokens": 512, "kv_cache_memory": 2 << 30}
     engine_args = EngineArgs(model=model, dtype=dtype, **{**defaults, **engine_overrides})
     static_args = EngineArgs(**{**asdict(engine_args), "max_num_seqs": static_batch_size})
     log(f"loading {model} ({dtype})")
-    llm_model, _ = load_model(model, dtype)
+    llm_model, _ = load_model(model, dtype=dtype)
     workload = make_workload(num_prompts, llm_model.config.vocab_size, seed)
     vocab_size = llm_model.config.vocab_size
     result: dict[str, Any] = {"schema": SCHEMA, "env": environment_info(), "workload": _describe(workload, seed, static_batch_size, engine_args)}
-    result["workload"]["vocab_size"] = vocab_size
+    result["workload"] |= {"vocab_size": vocab_size, "dtype": dtype, "num_threads": threads}
     _warm_up(llm_model, engine_args)
     log(f"kvgen engine: {num_prompts} requests, continuous batching")
     result["kvgen_engine"] = measure_kvgen(llm_model, workload, engine_args, None)
@@ -313,12 +304,10 @@ def run_throughput_bench(
         result["transformers_static"] = {"skipped": "transformers is not installed"}
     else:
         result["transformers_static"] = _subprocess("transformers", side_config, log)
-    if not include_llama_cpp:
-        result["llama_cpp"] = {"skipped": "include_llama_cpp=False"}
-    elif importlib.util.find_spec("llama_cpp") is None:
-        result["llama_cpp"] = {"skipped": "llama_cpp (llama-cpp-python) is not importable"}
+    if include_llama_cpp:
+        result["llama_cpp"] = measure_llama_cpp(model, workload, threads, log)
     else:
-        result["llama_cpp"] = _subprocess("llama_cpp", side_config, log)
+        result["llama_cpp"] = {"skipped": "include_llama_cpp=False"}
     result["ratios"] = _ratios(result)
     result["env"]["load_average_1m_at_end"] = load_average()
     log("done")
@@ -342,9 +331,24 @@ def _ratios(result: dict[str, Any]) -> dict[str, Any]:
     def tps(name: str) -> float | None:
         return result.get(name, {}).get("generated_tokens_per_s")
 
+    def peer_ratios(peer: str) -> dict[str, float | None]:
+        def fig(name: str, key: str) -> float | None:
+            return result.get(name, {}).get(key)
+
+        return {
+            "generated_tokens_per_s": ratio(tps("kvgen_engine"), tps(peer)),
+            "requests_per_s": ratio(fig("kvgen_engine", "requests_per_s"), fig(peer, "requests_per_s")),
+            "ttft_p50_speedup": ratio(fig(peer, "ttft_p50_s"), fig("kvgen_engine", "ttft_p50_s")),
+            "itl_p50_speedup": ratio(fig(peer, "itl_p50_s"), fig("kvgen_engine", "itl_p50_s")),
+            "peak_rss_kvgen_over_peer": ratio(result.get("kvgen_peak_rss_bytes"), fig(peer, "peak_rss_bytes")),
+        }
+
     ours = tps("kvgen_engine")
     return {
-        "note": "generated tokens/s of kvgen_engine over each other system (> 1: kvgen_engine faster)",
+        "note": "kvgen_engine over each other system: > 1 is kvgen_engine better for *_per_s and *_speedup "
+        "(peer seconds / kvgen seconds); peak_rss_kvgen_over_peer < 1 is kvgen smaller. over_*: generated tokens/s only",
+        "vs_transformers": peer_ratios("transformers_static"),
+        "vs_llama_cpp": peer_ratios("llama_cpp"),
         "over_kvgen_static": ratio(ours, tps("kvgen_static")),
         "over_transformers_static": ratio(ours, tps("transformers_static")),
         "over_llama_cpp": ratio(ours, tps("llama_cpp")),
@@ -371,7 +375,7 @@ def format_throughput_report(result: dict[str, Any]) -> str:
         text = "".join(f"{format(c, f) if c is not None else '-':>{wd}}" for c, f, wd in zip(cells, fmt, (10, 8, 10, 10, 9, 9)))
         lines.append(f"{name:<22}{text}{(rss or 0) / 2**20:>9.0f}")
     ratios = result.get("ratios", {})
-    parts = [f"{k.removeprefix('over_')}: {v:.2f}x" for k, v in ratios.items() if k != "note" and v is not None]
+    parts = [f"{k.removeprefix('over_')}: {v:.2f}x" for k, v in ratios.items() if k.startswith("over_") and v is not None]
     lines.append("kvgen_engine tokens/s over " + ", ".join(parts) if parts else "no ratios")
     prof = result.get("kvgen_engine", {}).get("profile")
     if prof:
@@ -385,11 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="default")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default=None)
     parser.add_argument("--static-batch-size", type=int, default=32)
-    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--threads", "--num-threads", dest="num_threads", type=int, default=None)
     parser.add_argument("--vocab-size", type=int, default=None)
-    parser.add_argument("--side", choices=["transformers", "llama_cpp"], default=None)
+    parser.add_argument("--side", choices=["transformers"], default=None)
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--json", action="store_true")
