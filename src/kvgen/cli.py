@@ -1,4 +1,4 @@
-"""The ``kvgen`` command line: generate | chat | tokenize | perplexity | info | bench.
+"""The ``kvgen`` command line: generate | chat | tokenize | perplexity | info | serve | bench.
 
 Every user error (bad flag, missing or corrupt model, invalid setting, prompt
 too long) is one line on stderr and exit code 2, never a traceback.
@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(i, dtype=False)
     i.add_argument("--json", action="store_true")
 
+    _add_serve_parser(sub)
+
     b = sub.add_parser("bench", help="benchmarks (JSON out)")
     bsub = b.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
     bd = bsub.add_parser("decode", help="prefill, batch-1 decode and time to first token vs transformers and llama.cpp")
@@ -174,6 +176,40 @@ def _add_bench_flags(p: argparse.ArgumentParser, transformers: bool = True, llam
         p.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     if llama_cpp:
         p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama-cpp-python comparison")
+
+
+def _add_serve_parser(sub: Any) -> None:
+    """``kvgen serve``: the OpenAI-compatible HTTP server and chat page (kvgen.server)."""
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a chat page at /")
+    _add_model_flags(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port, printed at start)")
+    s.add_argument("--served-model-name", default=None, help="the name requests use in 'model' (default: --model)")
+    s.add_argument("--api-key", default=os.environ.get("KVGEN_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $KVGEN_API_KEY, else none)")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running in one engine step")
+    s.add_argument("--max-queue", type=int, default=256, help="sequences allowed to wait beyond --max-num-seqs (then 429)")
+    s.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens (default: the model's)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=512, help="most tokens in one engine step")
+    s.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: 1 GiB worth)")
+    s.add_argument("--seed", type=int, default=0, help="seed for requests without their own")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get after SIGTERM")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvgen.engine.engine_args import EngineArgs
+    from kvgen.server.launch import ServerArgs, run_server
+
+    engine_args = EngineArgs(
+        model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks, seed=args.seed,
+    )
+    server_args = ServerArgs(
+        host=args.host, port=args.port, served_model_name=args.served_model_name, api_key=args.api_key,
+        max_queue=args.max_queue, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
+    )
+    return run_server(engine_args, server_args)
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any, float]:
@@ -377,6 +413,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "tokenize": cmd_tokenize,
     "perplexity": cmd_perplexity,
     "info": cmd_info,
+    "serve": cmd_serve,
     "bench": cmd_bench,
 }
 

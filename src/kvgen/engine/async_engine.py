@@ -41,16 +41,16 @@ class AsyncLLMEngine:
             self._lock, self._has_work = asyncio.Lock(), asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
 
-    async def generate(
+    async def add_request(
         self,
+        request_id: str,
         prompt: str | list[int] | dict[str, Any],
         sampling_params: SamplingParams | None,
-        request_id: str,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as they come (per ``output_kind``), the last one ``finished``.
+    ) -> RequestStream:
+        """Queue a request now and return its output stream (iterate it, then ``aclose`` it).
 
         ``prompt``: text, token ids, or ``{"prompt_token_ids": [...]}``. Raises ``ValueError``
-        from ``LLMEngine.add_request`` before the first output for an invalid request.
+        here, before any output, for an invalid request (see ``LLMEngine.add_request``).
         """
         self._start()
         text, ids = (None, prompt["prompt_token_ids"]) if isinstance(prompt, dict) else (prompt, None)
@@ -61,18 +61,31 @@ class AsyncLLMEngine:
             self.engine.add_request(request_id, text, sampling_params, prompt_token_ids=ids)
             self._streams[request_id] = queue
         self._has_work.set()
-        finished = False
+        return RequestStream(self, request_id, queue)
+
+    async def generate(
+        self,
+        prompt: str | list[int] | dict[str, Any],
+        sampling_params: SamplingParams | None,
+        request_id: str,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as they come (per ``output_kind``), the last one ``finished``.
+
+        Raises ``ValueError`` from ``LLMEngine.add_request`` before the first output for an
+        invalid request. Leaving the loop early aborts the request.
+        """
+        stream = await self.add_request(request_id, prompt, sampling_params)
         try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+            async for output in stream:
+                yield output
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.engine.abort_request(request_id)
+            await stream.aclose()
+
+    def _close_stream(self, request_id: str, is_finished: bool) -> None:
+        self._streams.pop(request_id, None)
+        if not is_finished:
+            self.engine.abort_request(request_id)
+            if self._has_work is not None:
                 self._has_work.set()
 
     async def abort(self, request_id: str) -> None:
@@ -99,6 +112,12 @@ class AsyncLLMEngine:
                     queue.put_nowait(output)
             await asyncio.sleep(0)  # let consumers and add_request run between steps
 
+    @property
+    def is_failed(self) -> bool:
+        """Whether the step loop died on an exception (it restarts with the next request)."""
+        task = self._loop_task
+        return task is not None and task.done() and not task.cancelled() and task.exception() is not None
+
     async def shutdown(self) -> None:
         """Stop the step loop (unfinished requests stay in the engine)."""
         if self._loop_task is not None:
@@ -108,3 +127,34 @@ class AsyncLLMEngine:
             except (asyncio.CancelledError, Exception):
                 pass
             self._loop_task = None
+
+
+class RequestStream:
+    """One request's outputs, in order; ``aclose()`` before the last one aborts the request.
+
+    Closing is idempotent and also works on a stream never iterated, so a caller that
+    wraps the stream in ``try``/``finally: await stream.aclose()`` never leaks a request.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]):
+        self.engine, self.request_id, self._queue = engine, request_id, queue
+        self.is_finished = False
+        self._is_closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.is_finished or self._is_closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            await self.aclose()
+            raise item
+        self.is_finished = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        if not self._is_closed:
+            self._is_closed = True
+            self.engine._close_stream(self.request_id, self.is_finished)

@@ -41,6 +41,17 @@ class EngineTimings:
     num_steps: int = 0
 
 
+@dataclass
+class SchedulerStats:
+    """A snapshot of the engine's queues and KV pool (vLLM ``SchedulerStats`` names)."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int  # preempted requests included
+    kv_cache_usage: float  # fraction of KV blocks held by requests, in [0, 1]
+    num_free_blocks: int  # blocks no request holds (evictable prefix-cache blocks included)
+    num_blocks: int
+
+
 class LLMEngine:
     """Owns the scheduler, the KV pool, the model runner and the output processor.
 
@@ -176,6 +187,18 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished()
+
+    def get_stats(self) -> SchedulerStats:
+        """Queue lengths and KV pool use now; safe to call while a step runs in another thread."""
+        bm = self.block_manager
+        num_free = bm.num_free_blocks
+        return SchedulerStats(
+            num_running_reqs=len(self.scheduler.running),
+            num_waiting_reqs=len(self.scheduler.waiting),
+            kv_cache_usage=1.0 - num_free / bm.num_blocks,
+            num_free_blocks=num_free,
+            num_blocks=bm.num_blocks,
+        )
 
     # ------------------------------------------------------------ one step
 

@@ -2,7 +2,7 @@
 
 Order (vLLM v1 ``Sampler.forward``): logprobs of the RAW logits (vLLM's default
 ``raw_logprobs``) -> min_tokens (EOS and ``stop_token_ids`` suppressed) ->
-repetition penalty (prompt and output) -> presence / frequency penalties (output)
+logit_bias (OpenAI: added to the logits) -> repetition penalty (prompt and output) -> presence / frequency penalties (output)
 -> argmax for greedy rows (temperature 0) -> temperature -> min_p -> top_k ->
 top_p -> one multinomial draw per sampled row from that row's ``torch.Generator``,
 so a seeded request gets the same tokens whatever else is in the batch. Every
@@ -64,6 +64,7 @@ class Sampler:
         wants_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = ops.compute_logprobs(logits) if any(wants_logprobs) else None  # [B, V]
         logits = self._apply_min_tokens(logits, rows)
+        logits = self._apply_logit_bias(logits, rows)
         logits = self._apply_penalties(logits, rows)
         token_ids = self._choose(logits, rows)  # [B]
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
@@ -87,6 +88,18 @@ class Sampler:
             min_tokens[members] = _column([rows[i].sampling_params.min_tokens for i in members], torch.long)
             logits = ops.apply_min_tokens(logits, num_generated, min_tokens, stop_ids)
         return logits
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Add each row's ``logit_bias`` (token id -> bias) to its logits [B, V]; ids >= V are ignored."""
+        entries = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.sampling_params.logit_bias or {}).items()]
+        entries = [e for e in entries if e[1] < logits.shape[1]]
+        if not entries:
+            return logits
+        row_ids, token_ids, biases = zip(*entries)
+        index = (torch.tensor(row_ids), torch.tensor(token_ids))  # [E], [E]
+        values = torch.tensor(biases, dtype=logits.dtype)  # [E]
+        return logits.index_put(index, values, accumulate=True)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

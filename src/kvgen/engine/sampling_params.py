@@ -57,6 +57,7 @@ class SamplingParams:
     max_tokens: int | None = _f(16, "maximum new tokens; None = up to the model's context length")
     min_tokens: int = _f(0, "EOS and stop_token_ids are suppressed until this many new tokens exist")
     logprobs: int | None = _f(None, "return the sampled token's logprob and this many top alternatives")
+    logit_bias: dict[int, float] | None = _f(None, "token id -> bias in [-100, 100] added to its logit (OpenAI logit_bias)")
     skip_special_tokens: bool = _f(True, "leave special tokens out of the text")
     output_kind: RequestOutputKind = _f(RequestOutputKind.CUMULATIVE, "cumulative, delta or final-only outputs")
 
@@ -67,6 +68,7 @@ class SamplingParams:
             self.top_k = 0
         self.stop = _stop_list(self.stop)
         self.stop_token_ids = _token_id_list(self.stop_token_ids)
+        self.logit_bias = _logit_bias(self.logit_bias)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -130,3 +132,17 @@ def _token_id_list(ids: Any) -> list[int]:
     if not isinstance(ids, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
         raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
     return list(ids)
+
+
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    """``{token id >= 0: finite bias in [-100, 100]}`` (OpenAI's range), or None when empty."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+    for token_id, value in bias.items():
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token_id!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token_id}")
+    return {token_id: float(value) for token_id, value in bias.items()} or None

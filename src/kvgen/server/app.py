@@ -1,0 +1,176 @@
+"""``build_app``: the FastAPI application of ``kvgen serve`` over one ``AsyncLLMEngine``.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /metrics`` (Prometheus
+text) and the chat page at ``GET /`` (static files shipped in ``kvgen/server/static``).
+With an API key, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need
+``Authorization: Bearer <key>``; the page, ``/health`` and ``/metrics`` stay open (as vLLM).
+"""
+
+from __future__ import annotations
+
+import hmac
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvgen.engine.async_engine import AsyncLLMEngine
+from kvgen.errors import KvgenError
+from kvgen.server.chat import chat_prompt_ids, create_chat_completion
+from kvgen.server.completions import create_completion
+from kvgen.server.errors import OpenAIError, bad_request, install_error_handlers
+from kvgen.server.metrics import ServerMetrics
+from kvgen.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    message_dicts,
+)
+from kvgen.server.serving import ServerState
+
+STATIC_DIR = Path(__file__).parent / "static"
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
+_STREAMED = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.kvgen
+
+
+async def check_api_key(request: Request) -> None:
+    """Raises a 401 ``OpenAIError`` unless the request carries the server's API key (if it has one)."""
+    key = _state(request).api_key
+    if key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise OpenAIError(401, "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'.", None, "invalid_api_key")
+
+
+def _api_router() -> APIRouter:
+    router = APIRouter(dependencies=[Depends(check_api_key)], responses=_ERRORS)
+
+    @router.get("/v1/models", response_model=ModelList)
+    async def list_models(request: Request) -> ModelList:
+        state = _state(request)
+        return ModelList(data=[ModelCard(id=state.model_name, max_model_len=state.max_model_len)])
+
+    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_STREAMED)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(_state(request), body, request)
+
+    @router.post("/v1/completions", response_model=CompletionResponse, responses=_STREAMED)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(_state(request), body, request)
+
+    @router.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+        return _tokenize(_state(request), body)
+
+    @router.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+        state = _state(request)
+        state.check_model(body.model)
+        try:
+            return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
+        except ValueError as e:
+            raise bad_request(str(e), "tokens") from None
+
+    return router
+
+
+def _tokenize(state: ServerState, body: TokenizeRequest) -> TokenizeResponse:
+    state.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("pass exactly one of prompt and messages", "prompt")
+    if body.prompt is not None:
+        ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+        try:
+            request = ChatCompletionRequest(model=state.model_name, messages=body.messages or [])
+        except ValueError as e:
+            raise bad_request(str(e).splitlines()[0], "messages") from None
+        ids = chat_prompt_ids(state, request) if body.add_generation_prompt else _chat_ids_no_prompt(state, request)
+    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.max_model_len)
+
+
+def _chat_ids_no_prompt(state: ServerState, request: ChatCompletionRequest) -> list[int]:
+    try:
+        return state.tokenizer.apply_chat_template(message_dicts(request.messages), add_generation_prompt=False, tokenize=True)
+    except (KvgenError, ValueError) as e:
+        raise bad_request(str(e).splitlines()[0], "messages") from None
+
+
+def _open_router() -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
+    async def health(request: Request) -> Response:
+        if _state(request).engine.is_failed:
+            raise OpenAIError(503, "the engine loop failed; see the server log", None, "engine_dead")
+        return JSONResponse(HealthResponse().model_dump())
+
+    @router.get("/metrics", include_in_schema=False)
+    async def metrics(request: Request) -> Response:
+        return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @router.get("/", include_in_schema=False)
+    async def chat_page() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
+
+    return router
+
+
+def _drop_422(app: FastAPI) -> None:
+    """Validation errors answer 400 (OpenAI), so the schema must not promise FastAPI's 422."""
+    schema = app.openapi()
+    for path in schema.get("paths", {}).values():
+        for operation in path.values():
+            operation.get("responses", {}).pop("422", None)
+
+
+def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, max_queue: int = 256) -> FastAPI:
+    """The app over a built engine; ``model_name`` is what requests' ``model`` must say.
+
+    ``max_queue``: sequences allowed to wait beyond the engine's ``max_num_seqs`` (then 429).
+    Raises ``ValueError`` for ``max_queue`` < 0 or an engine without a tokenizer.
+    """
+    if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
+        raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
+    if engine.engine.tokenizer is None:
+        raise ValueError("the server needs an engine with a tokenizer")
+    llm = engine.engine
+    state = ServerState(
+        engine=engine, tokenizer=llm.tokenizer, model_name=model_name, max_model_len=llm.max_model_len,
+        max_num_seqs=llm.engine_args.max_num_seqs, max_queue=max_queue, metrics=ServerMetrics(llm, model_name),
+        api_key=api_key,
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="kvgen", summary="OpenAI-compatible API on the kvgen engine", version="0.1.0", lifespan=lifespan)
+    app.state.kvgen = state
+    install_error_handlers(app)
+    app.include_router(_api_router())
+    app.include_router(_open_router())
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    _drop_422(app)
+    return app

@@ -1,0 +1,131 @@
+"""``POST /v1/chat/completions``: messages through the model's chat template, then the engine.
+
+Streaming sends, per choice, a first chunk with ``delta.role``, content chunks, and one
+chunk with ``finish_reason``; then a usage chunk when ``stream_options.include_usage``;
+then ``data: [DONE]``. Stop strings never reach the client (the engine holds back text
+that could still become one). Source: OpenAI API reference, Chat Completions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+
+from kvgen.errors import KvgenError
+from kvgen.server.errors import bad_request
+from kvgen.server.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChoiceLogprobs,
+    DeltaMessage,
+    message_dicts,
+)
+from kvgen.server.results import ChoiceResult, chat_logprobs, chunk_dict, collect, sse, sse_error, usage
+from kvgen.server.serving import (
+    ClientDisconnected,
+    Generation,
+    ServerState,
+    check_stream_options,
+    new_request_id,
+    resolve_max_tokens,
+    sampling_params,
+    until_disconnect,
+)
+
+logger = logging.getLogger("kvgen.server")
+
+
+def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+    """Token ids of the messages rendered by the chat template (with the generation prompt)."""
+    try:
+        ids = state.tokenizer.apply_chat_template(message_dicts(req.messages), add_generation_prompt=True, tokenize=True)
+    except (KvgenError, ValueError) as e:
+        raise bad_request(str(e).splitlines()[0], "messages") from None
+    if not ids:
+        raise bad_request("the messages render to an empty prompt", "messages")
+    return ids
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Response:
+    """Validate, enqueue, then stream (SSE) or answer once. Raises ``OpenAIError`` (400/404/429/503)."""
+    state.check_model(req.model)
+    check_stream_options(req)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    prompt_ids = chat_prompt_ids(state, req)
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = resolve_max_tokens(state, len(prompt_ids), requested, ("messages", field))
+    params = sampling_params(req, state.tokenizer, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    gen = Generation(state, new_request_id("chatcmpl"))
+    await gen.start([prompt_ids], params, "messages")
+    if req.stream:
+        body = _stream(state, req, gen, len(prompt_ids))
+        return StreamingResponse(body, media_type="text/event-stream", background=BackgroundTask(gen.close))
+    try:
+        choices = await until_disconnect(raw, collect(gen, req.n))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        await gen.close()
+    response = ChatCompletionResponse(
+        id=gen.request_id, model=state.model_name, usage=usage(len(prompt_ids), choices),
+        choices=[_choice(state, req, c) for c in choices],
+    )
+    return JSONResponse(response.model_dump())
+
+
+def _logprobs(state: ServerState, req: ChatCompletionRequest, token_ids: list[int], logprobs: list) -> ChoiceLogprobs | None:
+    if not req.logprobs:
+        return None
+    return ChoiceLogprobs(content=chat_logprobs(state.tokenizer, token_ids, logprobs, req.top_logprobs or 0))
+
+
+def _choice(state: ServerState, req: ChatCompletionRequest, c: ChoiceResult) -> ChatCompletionChoice:
+    return ChatCompletionChoice(
+        index=c.index, message=ChatCompletionMessage(content=c.text),
+        logprobs=_logprobs(state, req, c.token_ids, c.logprobs), finish_reason=c.finish_reason,
+    )
+
+
+async def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation, num_prompt_tokens: int) -> AsyncIterator[str]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
+        return sse(chunk_dict(ChatCompletionChunk(id=gen.request_id, model=state.model_name, choices=choices), include_usage))
+
+    num_tokens = 0
+    try:
+        for i in range(req.n):
+            yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        async for _, output in gen.outputs():
+            for c in output.outputs:
+                num_tokens += len(c.token_ids)
+                if c.finish_reason == "abort":
+                    yield sse_error(f"the request was aborted by the server{': ' + output.error if output.error else ''}")
+                    yield sse("[DONE]")
+                    return
+                if c.text or (req.logprobs and c.token_ids):
+                    lp = _logprobs(state, req, c.token_ids, c.logprobs or [])
+                    yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=c.text), logprobs=lp)])
+                if c.finish_reason is not None:
+                    yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason)])
+        if include_usage:
+            final = ChatCompletionChunk(id=gen.request_id, model=state.model_name, choices=[],
+                                        usage=usage(num_prompt_tokens, num_tokens))
+            yield sse(chunk_dict(final, True))
+        yield sse("[DONE]")
+    except Exception as e:  # the engine failed mid-stream: the 200 is sent, so an error event
+        logger.exception("request %s failed", gen.request_id)
+        yield sse_error(f"internal server error ({type(e).__name__})", "internal_error")
+        yield sse("[DONE]")
+    finally:
+        await gen.close()

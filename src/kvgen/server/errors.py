@@ -1,0 +1,101 @@
+"""OpenAI error bodies: ``{"error": {"message", "type", "param", "code"}}`` for every failure.
+
+Bad input is a 400 naming the parameter (FastAPI's 422 validation errors and malformed
+JSON included), an unknown model 404, a missing or wrong API key 401, a full queue 429.
+An unexpected exception is a 500 whose body names only the exception type: a traceback
+never leaves the server (it goes to the log).
+Source: OpenAI API reference "Error codes"; vLLM ``ErrorResponse``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvgen.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger("kvgen.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "server_error",
+}
+
+
+class OpenAIError(Exception):
+    """An error answered as an OpenAI error body with HTTP ``status_code``."""
+
+    def __init__(self, status_code: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status_code, self.message, self.param, self.code = status_code, message, param, code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status_code, self.message, self.param, self.code)
+
+
+def error_response(status_code: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    info = ErrorInfo(message=message, type=_TYPES.get(status_code, "server_error"), param=param, code=code)
+    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status_code)
+
+
+def bad_request(message: str, param: str | None) -> OpenAIError:
+    return OpenAIError(400, message, param, "invalid_value")
+
+
+def _loc_param(loc: tuple[Any, ...]) -> str | None:
+    """``("body", "messages", 0, "role")`` -> ``"messages[0].role"``."""
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif "[" in str(p) or "-" in str(p):  # a union branch tag ("list[int]"), not a field
+            continue
+        else:
+            out += ("." if out else "") + str(p)
+    return out or None
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        return OpenAIError(400, f"malformed JSON body: {first.get('msg')}", None, "invalid_json")
+    param = _loc_param(tuple(first.get("loc", ())))
+    if first.get("type") == "extra_forbidden":
+        return OpenAIError(400, f"unrecognized request argument supplied: {param}", param, "unknown_parameter")
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return OpenAIError(400, message, param, "invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error the app can raise becomes an OpenAI error body."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), None, None)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal server error ({type(exc).__name__})", None, "internal_error")

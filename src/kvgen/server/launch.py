@@ -1,0 +1,91 @@
+"""``run_server``: load the model, build the app, serve it with uvicorn until SIGTERM / SIGINT.
+
+The socket is bound before the model loads, so a busy port fails at once.
+On SIGTERM uvicorn stops accepting, lets in-flight responses finish for up to
+``shutdown_timeout`` seconds, then cancels them (which aborts their engine requests); the
+process then exits 0 instead of re-raising the signal.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+
+from kvgen.engine.engine_args import EngineArgs
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass
+class ServerArgs:
+    """HTTP-side settings of ``kvgen serve``. Raises ``ValueError`` naming the field."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # None: the --model argument
+    api_key: str | None = None
+    max_queue: int = 256  # sequences waiting beyond max_num_seqs before 429
+    log_level: str = "info"
+    shutdown_timeout: float = 10.0  # seconds in-flight requests get after SIGTERM
+
+    def __post_init__(self) -> None:
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket (port 0 = any free port). Raises ``OSError`` if the address is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
+    """Serve until a signal arrives; returns the exit code (0).
+
+    Raises ``ValueError`` when the address cannot be bound (a busy port), before the model loads.
+    """
+    import uvicorn
+
+    from kvgen.engine.async_engine import AsyncLLMEngine
+    from kvgen.server.app import build_app
+
+    logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sock = bind_socket(server_args.host, server_args.port)
+    except OSError as e:
+        raise ValueError(f"kvgen serve: cannot listen on {server_args.host}:{server_args.port}: {e.strerror or e}") from None
+    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    name = server_args.served_model_name or engine_args.model
+    app = build_app(engine, name, server_args.api_key, server_args.max_queue)
+    config = uvicorn.Config(
+        app, log_level=server_args.log_level, access_log=False, timeout_graceful_shutdown=server_args.shutdown_timeout,
+        log_config=None,
+    )
+    server = uvicorn.Server(config)
+    host, port = sock.getsockname()[:2]
+    print(f"kvgen serve: model {name!r} on http://{host}:{port} (chat page at /, OpenAI API at /v1)", file=sys.stderr, flush=True)
+    # uvicorn re-raises the signal it caught once it has shut down; a no-op handler makes that exit 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run(sockets=[sock])
+    print("kvgen serve: stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,258 @@
+"""Pydantic request and response models of the OpenAI-compatible API.
+
+Field names, defaults and ranges follow OpenAI's API reference (Chat Completions,
+Completions, Models); extra sampling fields follow vLLM (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``). Unknown request fields
+are refused (400 naming the field), as OpenAI does. Counts are in tokens.
+Source: OpenAI openapi.yaml; vLLM ``vllm/entrypoints/openai/protocol.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 16  # completions per prompt; bounds one request's share of the engine
+MAX_STOP = 16  # stop strings per request
+MAX_TOP_LOGPROBS = 20  # as OpenAI
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------- errors
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------- shared request fields
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+Stop = str | Annotated[list[str], Field(max_length=MAX_STOP)] | None
+
+
+class SamplingFields(StrictModel):
+    """Sampling fields shared by chat and text completions (OpenAI, then vLLM extras)."""
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; default 1")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: Stop = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    top_k: int | None = Field(None, ge=-1, description="vLLM extra: 0 or -1 = off")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+
+
+# ---------------------------------------------------------------- chat completions
+
+
+class TextContentPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI for max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class ChatCompletionMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReason | None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: Usage | None = None
+
+
+# ---------------------------------------------------------------- text completions
+
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptInput
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = Field(False, description="not supported: must be false")
+    logprobs: int | None = Field(None, ge=0, le=5, description="not supported: must be null")
+    suffix: str | None = Field(None, description="not supported: must be null")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="only best_of == n is supported")
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# ---------------------------------------------------------------- models, tokenize, health
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "kvgen"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(StrictModel):
+    """Either ``prompt`` (text) or ``messages`` (through the chat template), as vLLM's /tokenize."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: text parts joined, ``developer`` as ``system``."""
+    out = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
+        entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.name is not None:
+            entry["name"] = m.name
+        out.append(entry)
+    return out

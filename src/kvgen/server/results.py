@@ -1,0 +1,117 @@
+"""Turning engine outputs into OpenAI pieces: accumulated choices, logprobs, usage, SSE lines.
+
+Choice ``index`` is ``prompt_index * n + completion index`` (OpenAI's order for several
+prompts). Logprobs are the engine's raw-logit log-probabilities (vLLM's default).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from kvgen.engine.outputs import CompletionOutput
+from kvgen.engine.types import TokenLogprobs
+from kvgen.server.errors import OpenAIError
+from kvgen.server.protocol import ChatTokenLogprob, ErrorInfo, ErrorResponse, TopLogprob, Usage
+from kvgen.server.serving import Generation
+from kvgen.tokenizer import Tokenizer
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+@dataclass
+class ChoiceResult:
+    """One choice's text and tokens so far; ``finish_reason`` "stop" | "length" | "abort" once done."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, completion: CompletionOutput) -> None:
+        self.text += completion.text
+        self.token_ids += completion.token_ids
+        self.logprobs += completion.logprobs or []
+        self.finish_reason = completion.finish_reason
+
+
+async def collect(gen: Generation, n: int) -> list[ChoiceResult]:
+    """Read a generation to its end; raises a 503 ``OpenAIError`` if the engine aborted a choice."""
+    choices: dict[int, ChoiceResult] = {}
+    error: str | None = None
+    async for prompt_index, output in gen.outputs():
+        error = error or output.error
+        for completion in output.outputs:
+            index = prompt_index * n + completion.index
+            choices.setdefault(index, ChoiceResult(index)).add(completion)
+    results = [choices[i] for i in sorted(choices)]
+    if len(results) < len(gen.streams) * n or any(c.finish_reason not in ("stop", "length") for c in results):
+        raise OpenAIError(503, f"the request was aborted by the server{': ' + error if error else ''}", None, "aborted")
+    return results
+
+
+def usage(num_prompt_tokens: int, choices: list[ChoiceResult] | int) -> Usage:
+    completion = choices if isinstance(choices, int) else sum(len(c.token_ids) for c in choices)
+    return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=completion, total_tokens=num_prompt_tokens + completion)
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level alphabet: printable stand-in character -> byte (Radford et al. 2019, encoder.py)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    extra = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def token_text_and_bytes(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:
+    """A token's text (decoded alone; a partial UTF-8 sequence shows as U+FFFD) and its raw bytes."""
+    text = tokenizer.decode([token_id])
+    piece, decoder = tokenizer.id_to_token(token_id), _byte_decoder()
+    raw = bytes(decoder[ch] for ch in piece) if piece and all(ch in decoder for ch in piece) else text.encode()
+    return text, list(raw)
+
+
+def _top(tokenizer: Tokenizer, token_id: int, logprob: float) -> TopLogprob:
+    text, raw = token_text_and_bytes(tokenizer, token_id)
+    return TopLogprob(token=text, logprob=max(logprob, MIN_LOGPROB), bytes=raw)
+
+
+def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs], num_top: int) -> list[ChatTokenLogprob]:
+    """OpenAI ``choices[].logprobs.content``: one entry per token, its ``num_top`` alternatives, best first."""
+    out = []
+    for token_id, lp in zip(token_ids, logprobs):
+        top = sorted(lp.top_logprobs.items(), key=lambda kv: -kv[1])[:num_top]
+        chosen = _top(tokenizer, token_id, lp.logprob)
+        out.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=[_top(tokenizer, t, v) for t, v in top]))
+    return out
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event line: ``data: {json}`` (or a literal such as ``[DONE]``)."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+def sse_error(message: str, code: str = "aborted") -> str:
+    """An error inside a stream that already sent its 200 headers (as vLLM): an error event."""
+    return sse(ErrorResponse(error=ErrorInfo(message=message, type="server_error", param=None, code=code)).model_dump())
+
+
+def chunk_dict(chunk: Any, include_usage: bool) -> dict[str, Any]:
+    """A stream chunk as JSON: ``usage`` present (null until the last chunk) only when asked."""
+    data = chunk.model_dump()
+    if not include_usage:
+        data.pop("usage", None)
+    for choice in data.get("choices", []):
+        if isinstance(choice.get("delta"), dict):
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    return data

@@ -1,0 +1,216 @@
+"""What the chat and completion endpoints share: request checks, ``SamplingParams``, admission
+(the bounded queue), and ``Generation``: the engine requests of one HTTP request.
+
+Handlers only enqueue into ``AsyncLLMEngine`` and read its streams; the engine's step loop
+runs on its own. A ``Generation`` always ends in ``close()``, which aborts whatever is
+unfinished (so a client that leaves frees its KV blocks at the next engine step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from starlette.requests import Request
+
+from kvgen.engine.async_engine import AsyncLLMEngine, RequestStream
+from kvgen.engine.outputs import RequestOutput
+from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams
+from kvgen.server.errors import OpenAIError, bad_request
+from kvgen.server.metrics import RequestTracker, ServerMetrics
+from kvgen.server.protocol import SamplingFields
+from kvgen.tokenizer import Tokenizer
+
+T = TypeVar("T")
+
+_SAMPLING_FIELDS = set(SamplingFields.model_fields) | {"max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"}
+
+
+@dataclass
+class ServerState:
+    """Everything a handler needs; built once by ``build_app``."""
+
+    engine: AsyncLLMEngine
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int  # tokens, prompt + output
+    max_num_seqs: int  # sequences the engine runs at once
+    max_queue: int  # sequences allowed to wait beyond max_num_seqs before 429
+    metrics: ServerMetrics
+    api_key: str | None = None
+
+    def check_model(self, name: str | None) -> None:
+        """Raises a 404 ``OpenAIError`` unless ``name`` is the served model (None = any)."""
+        if name is not None and name != self.model_name:
+            raise OpenAIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sampling_params(req: SamplingFields, tokenizer: Tokenizer, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """OpenAI fields -> ``SamplingParams`` (DELTA outputs). Raises a 400 naming the field."""
+    bias = None
+    if req.logit_bias:
+        try:
+            bias = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {list(req.logit_bias)}", "logit_bias") from None
+        bad = [t for t in bias if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise bad_request(f"logit_bias token ids must be in [0, {tokenizer.vocab_size}), got {bad[0]}", "logit_bias")
+    try:
+        return SamplingParams(
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0, repetition_penalty=req.repetition_penalty or 1.0,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            seed=req.seed, stop=req.stop, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=bias, output_kind=RequestOutputKind.DELTA,
+        )
+    except ValueError as e:
+        raise value_error(e, None) from None
+
+
+def value_error(e: ValueError, default_param: str | None) -> OpenAIError:
+    """A 400 from an engine ``ValueError``, whose message starts with the field it names."""
+    first = str(e).split(" ", 1)[0]
+    return bad_request(str(e), first if first in _SAMPLING_FIELDS else default_param)
+
+
+def check_stream_options(req: SamplingFields) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def resolve_max_tokens(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, params: tuple[str, str]) -> int:
+    """``max_tokens`` checked against the context and the KV pool; None -> all the room left.
+
+    ``params``: (the prompt's field name, the max-tokens field name) for error messages.
+    """
+    engine = state.engine.engine
+    pool_tokens = engine.block_manager.num_blocks * engine.block_manager.block_size
+    limit = min(state.max_model_len, pool_tokens)
+    room = limit - num_prompt_tokens
+    if room < 1:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, your prompt has "
+            f"{num_prompt_tokens} tokens, which leaves no room for a completion.", params[0])
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
+            f"completion). Please reduce the prompt or {params[1]}.", params[1])
+    return max_tokens
+
+
+class Generation:
+    """The engine requests (one per prompt) of one HTTP request, read as one stream.
+
+    ``start`` admits and queues them (400 for an invalid request, 429 when the queue is
+    full); ``outputs`` yields ``(prompt index, RequestOutput)`` in arrival order;
+    ``close`` aborts anything unfinished and records metrics. Always ``close``.
+    """
+
+    def __init__(self, state: ServerState, request_id: str) -> None:
+        self.state, self.request_id = state, request_id
+        self.streams: list[RequestStream] = []
+        self.trackers: list[RequestTracker] = []
+        self._num_admitted = 0
+        self._is_closed = False
+
+    async def start(self, prompts: list[list[int]], params: SamplingParams, prompt_param: str) -> None:
+        state = self.state
+        num_seqs = len(prompts) * params.n
+        capacity = state.max_num_seqs + state.max_queue
+        if num_seqs > capacity:
+            raise bad_request(f"this request needs {num_seqs} sequences (prompts x n); the server takes {capacity}", "n")
+        if state.metrics.num_in_server + num_seqs > capacity:
+            raise OpenAIError(429, f"the server's queue is full ({state.max_queue} waiting); retry later",
+                              None, "rate_limit_exceeded")
+        state.metrics.num_in_server += num_seqs
+        self._num_admitted = num_seqs
+        for i, ids in enumerate(prompts):
+            engine_id = self.request_id if len(prompts) == 1 else f"{self.request_id}-{i}"
+            try:
+                stream = await state.engine.add_request(engine_id, {"prompt_token_ids": ids}, params)
+            except ValueError as e:
+                await self.close()
+                raise value_error(e, prompt_param) from None
+            self.streams.append(stream)
+            self.trackers.append(RequestTracker(state.metrics, engine_id))
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if len(self.streams) == 1:
+            async for output in self.streams[0]:
+                self.trackers[0].on_output(output)
+                yield 0, output
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(i, queue)) for i in range(len(self.streams))]
+        try:
+            num_done = 0
+            while num_done < len(tasks):
+                index, item = await queue.get()
+                if item is None:
+                    num_done += 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _pump(self, index: int, queue: asyncio.Queue) -> None:
+        try:
+            async for output in self.streams[index]:
+                self.trackers[index].on_output(output)
+                queue.put_nowait((index, output))
+        except Exception as e:  # handed to the reader, which raises it
+            queue.put_nowait((index, e))
+        queue.put_nowait((index, None))
+
+    async def close(self) -> None:
+        """Abort what is unfinished, free the admission slots, log each request. Idempotent."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        self.state.metrics.num_in_server -= self._num_admitted
+        for stream, tracker in zip(self.streams, self.trackers):
+            is_aborted = not stream.is_finished
+            await stream.aclose()
+            tracker.finish(is_aborted)
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it and raise ``ClientDisconnected``."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
