@@ -13,6 +13,9 @@ from kvgen.models import build_model
 from kvgen.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# "auto": quantized GGUF matrices stay in their blocks and run through kvgen's kernels;
+# float weights load as float32. The default of load_model and the CLI.
+AUTO = "auto"
 
 
 def resolve_model_path(path_or_name: str | os.PathLike[str] = "default") -> Path:
@@ -30,24 +33,30 @@ def resolve_model_path(path_or_name: str | os.PathLike[str] = "default") -> Path
     return path
 
 
-def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """``torch.dtype`` from a dtype or its name; raises ``ValueError`` for others."""
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``torch.dtype`` from a dtype or its name, None for ``"auto"``/None; raises ``ValueError`` for others."""
+    if dtype is None or dtype == AUTO:
+        return None
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
 
 
-def load_model(path_or_name: str | os.PathLike[str] = "default", dtype: torch.dtype | str = torch.float32) -> tuple[nn.Module, Tokenizer]:
+def load_model(
+    path_or_name: str | os.PathLike[str] = "default", dtype: torch.dtype | str | None = AUTO
+) -> tuple[nn.Module, Tokenizer]:
     """Load a model and its tokenizer.
 
     ``path_or_name``: ``"default"``, a ``.gguf`` file or a Hugging Face
     checkpoint directory (``config.json`` + safetensors). The format is sniffed
     from the path (directory, else the file's magic bytes). Returns the model in
-    eval mode with ``dtype`` weights and a :class:`Tokenizer`.
+    eval mode and a :class:`Tokenizer`. ``dtype="auto"`` (default) runs a quantized
+    GGUF from its blocks through kvgen's kernels (float32 activations) and loads float
+    checkpoints as float32; ``"float32"`` is the exact dequantized reference path.
     Raises ``ModelNotFoundError``, ``ModelFormatError``,
     ``UnsupportedArchitectureError`` or ``UnsupportedQuantizationError``.
     """
@@ -56,6 +65,7 @@ def load_model(path_or_name: str | os.PathLike[str] = "default", dtype: torch.dt
     if path.is_dir():
         from kvgen.weights.hf_loader import load_hf_directory
 
+        dtype = dtype or torch.float32
         config, state_dict = load_hf_directory(path, dtype=dtype)
         tokenizer = Tokenizer.from_pretrained(path)
     else:
@@ -69,6 +79,6 @@ def load_model(path_or_name: str | os.PathLike[str] = "default", dtype: torch.dt
 
         config, state_dict, meta = load_gguf(path, dtype=dtype)
         tokenizer = Tokenizer.from_gguf(meta)
-    model = build_model(config, state_dict, dtype)
+    model = build_model(config, state_dict, dtype or torch.float32)
     del state_dict
     return model, tokenizer

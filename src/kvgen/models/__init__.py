@@ -7,6 +7,8 @@ logits [..., V] float32``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -15,6 +17,8 @@ from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
 from kvgen.models.attention import AttentionMetadata
 from kvgen.models.gpt2 import GPT2LMHeadModel
 from kvgen.models.llama import LlamaForCausalLM
+from kvgen.models.quant_linear import QuantEmbedding, QuantLinear
+from kvgen.weights.quantized import GGUFBlocks, stack_blocks
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -22,19 +26,25 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> nn.Module:
+def build_model(
+    config: ModelConfig, state_dict: dict[str, torch.Tensor | GGUFBlocks], dtype: torch.dtype = torch.float32
+) -> nn.Module:
     """Instantiate the decoder for ``config.model_type`` and load ``state_dict`` strictly.
 
-    Tensors are adopted without a copy when already in ``dtype`` (the module is
-    built on the meta device, so peak memory stays at one set of weights).
-    Raises ``UnsupportedArchitectureError`` for an unknown model_type and
-    ``ModelFormatError`` listing missing/unexpected/mis-shaped parameters.
+    ``state_dict`` uses checkpoint (HF) names; matrices a module stacks (its
+    ``packed_modules``, e.g. q/k/v into ``qkv_proj``) are concatenated here. Dense
+    tensors are adopted without a copy when already in ``dtype`` (the module is built
+    on the meta device, so peak memory stays at one set of weights); ``GGUFBlocks``
+    become ``QuantLinear`` / ``QuantEmbedding`` modules in place of ``nn.Linear`` /
+    the embedding. Raises ``UnsupportedArchitectureError`` for an unknown model_type
+    and ``ModelFormatError`` listing missing/unexpected/mis-shaped parameters.
     """
     cls = MODEL_REGISTRY.get(config.model_type)
     if cls is None:
         raise UnsupportedArchitectureError(f"no decoder registered for model_type {config.model_type!r}")
     with torch.device("meta"):
         model = cls(config)
+    state_dict = _stack_packed(model, state_dict)
     expected = dict(model.named_parameters())
     missing = sorted(set(expected) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(expected))
@@ -45,14 +55,52 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
             raise ModelFormatError(
                 f"parameter {name} has shape {tuple(state_dict[name].shape)}, expected {tuple(param.shape)}"
             )
-    model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=True, assign=True)
+    dense = {k: v for k, v in state_dict.items() if not isinstance(v, GGUFBlocks)}
+    for name, blocks in state_dict.items():
+        if isinstance(blocks, GGUFBlocks):
+            _install_quantized(model, name.removesuffix(".weight"), blocks, dense)
+    model.load_state_dict({k: v.to(dtype) for k, v in dense.items()}, strict=False, assign=True)
     for name, buf in list(model.named_buffers()):
         if buf.is_meta:  # non-persistent buffers (rope inv_freq) are recomputed on CPU
             module_name, _, attr = name.rpartition(".")
             module = model.get_submodule(module_name) if module_name else model
             module.register_buffer(attr, _recompute_buffer(config, attr), persistent=False)
+    assert not any(p.is_meta for p in model.parameters()), "a parameter was left unloaded"
     model.requires_grad_(False)
     return model.eval()
+
+
+def _stack_packed(model: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``state_dict`` with each module's ``packed_modules`` parts concatenated by rows."""
+    state = dict(state_dict)
+    for module_name, module in model.named_modules():
+        for fused, parts in getattr(module, "packed_modules", {}).items():
+            for suffix in ("weight", "bias"):
+                keys = [f"{module_name}.{part}.{suffix}" for part in parts]
+                present = [k for k in keys if k in state]
+                if not present:
+                    continue
+                if len(present) != len(keys):
+                    raise ModelFormatError(f"checkpoint has {present} but not all of {keys}")
+                values = [state.pop(k) for k in keys]
+                stacked = stack_blocks(values) if isinstance(values[0], GGUFBlocks) else torch.cat(values)
+                state[f"{module_name}.{fused}.{suffix}"] = stacked
+    return state
+
+
+def _install_quantized(model: nn.Module, module_name: str, blocks: GGUFBlocks, dense: dict[str, torch.Tensor]) -> None:
+    """Replace the linear or embedding ``module_name`` by its quantized counterpart."""
+    parent_name, _, attr = module_name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, attr)
+    bias = dense.pop(f"{module_name}.bias", None)
+    linear = QuantLinear.from_gguf(blocks.qtype.name, blocks.raw, blocks.shape[1], None if bias is None else bias.float())
+    if isinstance(old, nn.Embedding):
+        setattr(parent, attr, QuantEmbedding(linear))
+    elif isinstance(old, nn.Linear):
+        setattr(parent, attr, linear)
+    else:
+        raise ModelFormatError(f"{module_name} is a {type(old).__name__}; only linear and embedding weights may be quantized")
 
 
 def _recompute_buffer(config: ModelConfig, name: str) -> torch.Tensor:

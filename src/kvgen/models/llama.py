@@ -20,46 +20,59 @@ from kvgen.models.attention import (
     attend,
     prepare_attention,
 )
+from kvgen.models.quant_linear import VocabEmbedding
 from kvgen.models.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
 class LlamaAttention(nn.Module):
-    """Multi-head attention with H query and Hkv key/value heads of size D."""
+    """Multi-head attention with H query and Hkv key/value heads of size D.
+
+    q_proj, k_proj and v_proj of the checkpoint are stacked into one ``qkv_proj``
+    (rows q, then k, then v; vLLM's layout), so one matmul (and, quantized, one
+    activation quantization) serves all three.
+    """
+
+    packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         c, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         bias = config.attention_bias
-        self.q_proj = nn.Linear(c, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(c, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(c, self.num_kv_heads * d, bias=bias)
+        self.qkv_proj = nn.Linear(c, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, c, bias=bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_idx: int, kv_cache, mask) -> torch.Tensor:
         """x: [B, T, C] -> [B, T, C]; cos, sin: [B, 1, T, D]; mask: [B|1, 1, T, S] bool, None or paged metadata."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # [B, T, H*D | Hkv*D]
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attend(q, k, v, layer_idx, kv_cache, mask)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))  # [B, T, C]
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x)).
+
+    gate_proj and up_proj are stacked into one ``gate_up_proj`` (rows gate, then up).
+    """
+
+    packed_modules = {"gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         c, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(c, i, bias=bias)
-        self.up_proj = nn.Linear(c, i, bias=bias)
+        self.gate_up_proj = nn.Linear(c, 2 * i, bias=bias)
         self.down_proj = nn.Linear(i, c, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, C] -> [B, T, C]."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, T, I] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -83,7 +96,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -126,5 +139,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: hidden [..., C] -> logits [..., V] float32. Pass only the rows that need logits."""
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.as_lm_head(hidden).float()
+        return self.lm_head(hidden).float()

@@ -23,6 +23,7 @@ from gguf.quants import dequantize
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelFormatError, UnsupportedQuantizationError
 from kvgen.weights.gguf_file import gguf_metadata, open_gguf
+from kvgen.weights.quantized import KERNEL_TYPES, GGUFBlocks, dense_to_q8_0
 from kvgen.weights.name_maps import (
     check_state_dict,
     expected_param_shapes,
@@ -33,6 +34,7 @@ Q = GGMLQuantizationType
 SUPPORTED_QUANT_TYPES: frozenset[GGMLQuantizationType] = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 )
+_FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 # Per-frequency RoPE factors (Llama 3.x scaling); harmless, and ignored, only when all ones.
 _ROPE_FREQS = "rope_freqs.weight"
 # float32 bytes dequantized per step: bounds the transient memory of one tensor.
@@ -40,12 +42,14 @@ _CHUNK_BYTES = 8 << 20
 
 
 def load_gguf(
-    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
-) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    path: str | os.PathLike[str], dtype: torch.dtype | None = torch.float32
+) -> tuple[ModelConfig, dict[str, torch.Tensor | GGUFBlocks], dict[str, Any]]:
     """Read a Llama-family GGUF file: config, state dict in our names, raw metadata.
 
-    The state dict uses HF Llama names with matrices ``[out, in]`` in ``dtype``
-    (``lm_head.weight`` only when the file has ``output.weight``; otherwise
+    The state dict uses HF Llama names with matrices ``[out, in]`` in ``dtype``.
+    ``dtype=None`` ("auto") keeps every quantized matrix compact as :class:`GGUFBlocks`
+    (Q4_0 / Q4_1 / Q8_0 as stored; other quantized types re-encoded as Q8_0) and
+    loads float tensors as float32 (``lm_head.weight`` only when the file has ``output.weight``; otherwise
     ``config.tie_word_embeddings`` is True). ``config.attention_bias`` /
     ``mlp_bias`` follow the presence of ``attn_q.bias`` / ``ffn_up.bias``.
     Supported tensor types: :data:`SUPPORTED_QUANT_TYPES`.
@@ -73,11 +77,26 @@ def load_gguf(
     check_state_dict(shapes, found, path, ignored=[_ROPE_FREQS] if _ROPE_FREQS in by_name else [])
     for name in names:
         _check_quant_type(by_name[name])
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor | GGUFBlocks] = {}
     for gguf_name, ours in names.items():
-        state[ours] = dequantize_tensor(by_name[gguf_name], dtype, _qk_heads(ours, config))
-        _release_pages(reader, by_name[gguf_name])
+        t = by_name[gguf_name]
+        if dtype is None and len(t.shape) == 2 and t.tensor_type not in _FLOAT_TYPES:
+            state[ours] = _compact_tensor(t, _qk_heads(ours, config))
+        else:
+            state[ours] = dequantize_tensor(t, dtype or torch.float32, _qk_heads(ours, config))
+        _release_pages(reader, t)
     return config, state, meta
+
+
+def _compact_tensor(t: ReaderTensor, qk_heads: int | None) -> GGUFBlocks:
+    """A quantized matrix as GGUFBlocks: its own bytes for kernel types, else re-encoded as Q8_0."""
+    if t.tensor_type not in KERNEL_TYPES:
+        return dense_to_q8_0(dequantize_tensor(t, torch.float32, qk_heads))
+    shape = _torch_shape(t)
+    raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1))  # [out, bytes], a copy
+    if qk_heads:
+        raw = reverse_permute_qk(raw, qk_heads)  # whole rows move: exact on the encoded bytes
+    return GGUFBlocks(t.tensor_type, raw, shape)
 
 
 def _map_names(reader: GGUFReader, path: str) -> dict[str, str]:

@@ -1,0 +1,44 @@
+// Shared block layouts of kvgen's CPU kernels (compiled with -mavx2 -mfma -mf16c).
+//
+// Activations: one BlockQ8A per 32 values of a row (llama.cpp's block_q8_1, with fp32
+// scale and sum): d = max|x| / 127, qs = round_half_even(x * 127 / max|x|), s = d * sum(qs).
+//
+// Weights are repacked at load into 8-row groups ("row-interleaved"), one record per
+// (group, 32-column block), groups of a matrix contiguous ([G, nb, record]):
+//   Q4 record (160 bytes), from GGUF block_q4_0 / block_q4_1:
+//     fp16 d[8], fp16 m[8] (row r of the group: w = q * d[r] + m[r]; Q4_0 has m = -8 d),
+//     uint8 qs[4][8][4]: qs[t][r][i] = byte 4t+i of row r's GGUF block (low nibble =
+//     column 4t+i, high nibble = column 16+4t+i).
+//   Q8 record (272 bytes), from GGUF block_q8_0:
+//     fp16 d[8], int8 qs[8][8][4]: qs[j][r][i] = row r, column 4j+i (w = q * d[r]).
+// So one 32-byte load holds 4 columns of 8 rows, and maddubs against a broadcast of 4
+// activation bytes yields the 8 rows' partial dot products in 8 lanes: no horizontal sums.
+#pragma once
+
+#include <cstdint>
+
+namespace kvgen {
+
+constexpr int64_t kBlock = 32;        // values per quantization block
+constexpr int64_t kRows = 8;          // rows per interleaved group
+constexpr int64_t kQ4Record = 160;    // bytes per (group, block), Q4
+constexpr int64_t kQ8Record = 272;    // bytes per (group, block), Q8
+
+enum WeightType : int64_t { kQ4 = 0, kQ8 = 1 };
+
+struct BlockQ8A {
+  float d;         // scale
+  float s;         // d * sum(qs)
+  int8_t qs[32];   // quantized values
+};
+static_assert(sizeof(BlockQ8A) == 40, "BlockQ8A must be 40 bytes");
+
+// Quantize one row of K floats (K % 32 == 0) into K / 32 blocks.
+void quantize_row_q8a(const float* x, BlockQ8A* y, int64_t K);
+
+// y[m, 8 rows] for MT activation rows against one 8-row group of nb blocks.
+// out[m] points at 8 floats (the group's columns of output row m).
+void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
+void q8_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
+
+}  // namespace kvgen

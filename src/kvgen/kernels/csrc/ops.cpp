@@ -1,0 +1,145 @@
+// torch custom ops of kvgen's CPU kernels (namespace torch.ops.kvgen) and their checks.
+// Each op has a plain-torch twin in kvgen/kernels/reference.py that is its spec.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <vector>
+
+#include "common.h"
+
+namespace kvgen {
+namespace {
+
+int64_t record_bytes(int64_t weight_type) {
+  TORCH_CHECK(weight_type == kQ4 || weight_type == kQ8, "kvgen: unknown weight_type ", weight_type);
+  return weight_type == kQ4 ? kQ4Record : kQ8Record;
+}
+
+void check_weight(const at::Tensor& weight, int64_t weight_type) {
+  TORCH_CHECK(weight.dtype() == at::kByte && weight.dim() == 3 && weight.is_contiguous(),
+              "kvgen: weight must be a contiguous uint8 [groups, blocks, record] tensor");
+  TORCH_CHECK(weight.size(2) == record_bytes(weight_type), "kvgen: weight record has ", weight.size(2),
+              " bytes, expected ", record_bytes(weight_type));
+}
+
+// Rows of x [M, K] quantized into a [M, K / 32] array of BlockQ8A (stored in a uint8 tensor).
+at::Tensor quantize_rows(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
+  at::Tensor q = at::empty({M, nb * static_cast<int64_t>(sizeof(BlockQ8A))}, x.options().dtype(at::kByte));
+  const float* xp = x.data_ptr<float>();
+  auto* qp = reinterpret_cast<BlockQ8A*>(q.data_ptr<uint8_t>());
+  const int64_t grain = M * K < (1 << 16) ? M : std::max<int64_t>(1, (1 << 14) / K);
+  at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) quantize_row_q8a(xp + m * K, qp + m * nb, K);
+  });
+  return q;
+}
+
+at::Tensor quantize_q8a(const at::Tensor& x) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2, "kvgen.quantize_q8a: x must be float32 [M, K]");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "kvgen.quantize_q8a: K must be a multiple of 32, got ", x.size(1));
+  return quantize_rows(x.contiguous());
+}
+
+at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weight_type, int64_t out_features,
+                 const c10::optional<at::Tensor>& bias) {
+  check_weight(weight, weight_type);
+  TORCH_CHECK(x_in.dtype() == at::kFloat && x_in.dim() == 2, "kvgen.qgemm: x must be float32 [M, K]");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), G = weight.size(0), nb = weight.size(1);
+  TORCH_CHECK(K == nb * kBlock, "kvgen.qgemm: x has K=", K, " but the weight has ", nb * kBlock, " columns");
+  TORCH_CHECK(out_features <= G * kRows && out_features > (G - 1) * kRows, "kvgen.qgemm: out_features ", out_features,
+              " does not fit ", G, " row groups");
+  const int64_t n_pad = G * kRows;
+  at::Tensor out = at::empty({M, n_pad}, x.options());
+  if (M == 0) return out.narrow(1, 0, out_features);
+  const at::Tensor q = quantize_rows(x);
+  const auto* act = reinterpret_cast<const BlockQ8A*>(q.data_ptr<uint8_t>());
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t rec = record_bytes(weight_type);
+  auto group_fn = weight_type == kQ4 ? q4_group : q8_group;
+  // Split output rows (groups) across threads; every output element is computed by one
+  // thread in one fixed order, so results do not depend on the thread count.
+  const int64_t grain = std::max<int64_t>(1, 2048 / (nb * std::max<int64_t>(1, std::min<int64_t>(M, 4))));
+  at::parallel_for(0, G, grain, [&](int64_t begin, int64_t end) {
+    const BlockQ8A* a[4];
+    float* o[4];
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* wg = wp + g * nb * rec;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int mt = static_cast<int>(std::min<int64_t>(4, M - m0));
+        for (int i = 0; i < mt; ++i) {
+          a[i] = act + (m0 + i) * nb;
+          o[i] = op + (m0 + i) * n_pad + g * kRows;
+        }
+        group_fn(wg, a, mt, nb, o);
+      }
+    }
+  });
+  at::Tensor result = n_pad == out_features ? out : out.narrow(1, 0, out_features).contiguous();
+  if (bias.has_value() && bias->defined()) result.add_(*bias);
+  return result;
+}
+
+// Rows `ids` of a repacked weight, dequantized: [n, in_features] float32 (embedding lookup).
+at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const at::Tensor& ids_in, int64_t in_features) {
+  check_weight(weight, weight_type);
+  const int64_t nb = weight.size(1), rec = record_bytes(weight_type);
+  TORCH_CHECK(in_features == nb * kBlock, "kvgen.dequantize_rows: in_features ", in_features, " != ", nb * kBlock);
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t n = ids.numel(), num_rows = weight.size(0) * kRows;
+  at::Tensor out = at::empty({n, in_features}, weight.options().dtype(at::kFloat));
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t k = 0; k < n; ++k) {
+    TORCH_CHECK(ip[k] >= 0 && ip[k] < num_rows, "kvgen.dequantize_rows: id ", ip[k], " out of range [0, ", num_rows, ")");
+  }
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t g = ip[k] / kRows, r = ip[k] % kRows;
+      float* dst = op + k * in_features;
+      for (int64_t b = 0; b < nb; ++b, dst += kBlock) {
+        const uint8_t* blk = wp + (g * nb + b) * rec;
+        uint16_t h;
+        std::memcpy(&h, blk + 2 * r, 2);
+        const float d = _cvtsh_ss(h);
+        if (weight_type == kQ4) {
+          std::memcpy(&h, blk + 16 + 2 * r, 2);
+          const float mn = _cvtsh_ss(h);
+          for (int t = 0; t < 4; ++t) {
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t byte = blk[32 + 32 * t + 4 * r + i];
+              dst[4 * t + i] = static_cast<float>(byte & 15) * d + mn;
+              dst[16 + 4 * t + i] = static_cast<float>(byte >> 4) * d + mn;
+            }
+          }
+        } else {
+          const auto* qs = reinterpret_cast<const int8_t*>(blk + 16);
+          for (int j = 0; j < 8; ++j) {
+            for (int i = 0; i < 4; ++i) dst[4 * j + i] = static_cast<float>(qs[32 * j + 4 * r + i]) * d;
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace kvgen
+
+TORCH_LIBRARY(kvgen, m) {
+  m.def("quantize_q8a(Tensor x) -> Tensor");
+  m.def("qgemm(Tensor x, Tensor weight, int weight_type, int out_features, Tensor? bias) -> Tensor");
+  m.def("dequantize_rows(Tensor weight, int weight_type, Tensor ids, int in_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
+  m.impl("quantize_q8a", &kvgen::quantize_q8a);
+  m.impl("qgemm", &kvgen::qgemm);
+  m.impl("dequantize_rows", &kvgen::dequantize_rows);
+}

@@ -1,0 +1,66 @@
+// Q4 (GGUF Q4_0 / Q4_1 repacked into 8-row groups, see common.h) times Q8A activations.
+// Per 32-column block and group: 4 loads of 32 bytes give 8 vectors of 4 columns x 8 rows
+// (low and high nibbles); maddubs against 4 broadcast activation bytes, int16 sums over
+// the 8 vectors (8 * 2 * 15 * 127 = 30,480 < 32,767, exact), one madd to int32 per row,
+// then acc += dot * d_w * d_a + m_w * s_a (llama.cpp ggml_vec_dot_q4_1_q8_1 algebra).
+// The arithmetic of a row does not depend on how many rows share the call.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "common.h"
+
+namespace kvgen {
+namespace {
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int MT>
+void q4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += kQ4Record) {
+    _mm_prefetch(reinterpret_cast<const char*>(w) + 8 * kQ4Record, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + 8 * kQ4Record + 64, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + 8 * kQ4Record + 128, _MM_HINT_T0);
+    __m256i sum[MT];
+    for (int m = 0; m < MT; ++m) sum[m] = _mm256_setzero_si256();
+    for (int t = 0; t < 4; ++t) {
+      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 + 32 * t));
+      const __m256i lo = _mm256_and_si256(p, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* q = a[m][b].qs;
+        sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(lo, bcast4(q + 4 * t)));
+        sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(hi, bcast4(q + 16 + 4 * t)));
+      }
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+    for (int m = 0; m < MT; ++m) {
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[m], ones));
+      acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
+      acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a[m][b].s), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
+}
+
+}  // namespace
+
+void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
+  switch (mt) {
+    case 1: q4_tile<1>(w, a, nb, out); break;
+    case 2: q4_tile<2>(w, a, nb, out); break;
+    case 3: q4_tile<3>(w, a, nb, out); break;
+    default: q4_tile<4>(w, a, nb, out); break;
+  }
+}
+
+}  // namespace kvgen

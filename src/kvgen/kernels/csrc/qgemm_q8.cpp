@@ -1,0 +1,59 @@
+// Q8 (GGUF Q8_0 repacked into 8-row groups, see common.h) times Q8A activations.
+// Per 32-column block and group: 8 loads of 32 bytes (4 columns x 8 rows each);
+// maddubs(|w|, sign(a, w)) (llama.cpp's mul_sum_i8_pairs trick: maddubs needs one
+// unsigned operand), madd to int32 per load (two int16 products could overflow), then
+// acc += dot * d_w * d_a. The arithmetic of a row does not depend on the batch.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "common.h"
+
+namespace kvgen {
+namespace {
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int MT>
+void q8_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += kQ8Record) {
+    for (int c = 0; c < kQ8Record; c += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(w) + 4 * kQ8Record + c, _MM_HINT_T0);
+    }
+    __m256i sum[MT];
+    for (int m = 0; m < MT; ++m) sum[m] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 + 32 * j));
+      const __m256i aq = _mm256_sign_epi8(q, q);
+      for (int m = 0; m < MT; ++m) {
+        const __m256i s = _mm256_sign_epi8(bcast4(a[m][b].qs + 4 * j), q);
+        sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aq, s), ones));
+      }
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    for (int m = 0; m < MT; ++m) {
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
+}
+
+}  // namespace
+
+void q8_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
+  switch (mt) {
+    case 1: q8_tile<1>(w, a, nb, out); break;
+    case 2: q8_tile<2>(w, a, nb, out); break;
+    case 3: q8_tile<3>(w, a, nb, out); break;
+    default: q8_tile<4>(w, a, nb, out); break;
+  }
+}
+
+}  // namespace kvgen

@@ -1,0 +1,143 @@
+"""Plain-torch twins of the C++ kernels: the spec they are tested against, and the
+portable path used where the extension cannot be built or the CPU lacks AVX2/FMA/F16C.
+
+Layouts (see ``csrc/common.h``): weights are repacked at load from GGUF blocks into
+8-row groups, one record per (group, 32-column block):
+
+* Q4 record, 160 bytes (from ``block_q4_0`` / ``block_q4_1``): fp16 ``d[8]``, fp16
+  ``m[8]``, then ``qs[t][r][i]`` = byte ``4t+i`` of row ``r``'s GGUF block (low nibble:
+  column ``4t+i``, high nibble: column ``16+4t+i``); value = q * d + m (Q4_0: m = -8 d).
+* Q8 record, 272 bytes (from ``block_q8_0``): fp16 ``d[8]``, then int8 ``qs[j][r][i]`` =
+  row ``r``, column ``4j+i``; value = q * d.
+
+Activations are quantized per 32 values (llama.cpp's ``block_q8_1`` with fp32 fields):
+40-byte blocks ``{float d; float s; int8 qs[32]}``, d = max|x| / 127,
+qs = round_half_even(x * (127 / max|x|)), s = d * sum(qs).
+Source: llama.cpp ``ggml/src/ggml-cpu/arch/x86/quants.c`` (``quantize_row_q8_1``,
+``ggml_vec_dot_q4_1_q8_1``, ``ggml_vec_dot_q8_0_q8_0``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32  # values per quantization block
+ROWS = 8  # rows per interleaved group
+Q4, Q8 = 0, 1  # weight_type codes of the ops
+RECORD_BYTES = {Q4: 160, Q8: 272}
+# GGUF block sizes in bytes: (scale bytes, has min, quant bytes)
+_Q4_0_BYTES, _Q4_1_BYTES, _Q8_0_BYTES = 18, 20, 34
+
+
+def _pad_rows(raw: torch.Tensor) -> torch.Tensor:
+    """raw [N, ...] -> [ceil(N / 8) * 8, ...], zero rows appended (a zero scale reads as 0)."""
+    pad = -raw.shape[0] % ROWS
+    return raw if pad == 0 else torch.cat([raw, raw.new_zeros(pad, *raw.shape[1:])])
+
+
+def repack_q4(raw: torch.Tensor, has_min: bool) -> torch.Tensor:
+    """GGUF Q4_1 (``has_min``) or Q4_0 rows -> Q4 records ``[G, nb, 160]`` uint8.
+
+    raw: [N, nb * 20] (Q4_1) or [N, nb * 18] (Q4_0) uint8, one matrix row per row.
+    Raises ValueError on a byte count that is not whole blocks.
+    """
+    size = _Q4_1_BYTES if has_min else _Q4_0_BYTES
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % size:
+        raise ValueError(f"Q4 rows must be uint8 [N, nb * {size}], got {raw.dtype} {list(raw.shape)}")
+    blocks = _pad_rows(raw).view(-1, ROWS, raw.shape[1] // size, size)  # [G, 8, nb, size]
+    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]  # [G, 8, nb]
+    if has_min:
+        m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]  # [G, 8, nb]
+    else:
+        m = d * -8.0  # exact in fp16: a power-of-two multiple
+    qs = blocks[..., size - 16 :]  # [G, 8, nb, 16]
+    g, _, nb, _ = qs.shape
+    qs = qs.reshape(g, ROWS, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(g, nb, 128)  # [G, nb, t*r*i]
+    d = d.transpose(1, 2).contiguous().view(torch.uint8)  # [G, nb, 16]
+    m = m.transpose(1, 2).contiguous().view(torch.uint8)  # [G, nb, 16]
+    return torch.cat([d, m, qs], dim=-1).contiguous()  # [G, nb, 160]
+
+
+def repack_q8(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF Q8_0 rows ``[N, nb * 34]`` uint8 -> Q8 records ``[G, nb, 272]`` uint8."""
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % _Q8_0_BYTES:
+        raise ValueError(f"Q8_0 rows must be uint8 [N, nb * 34], got {raw.dtype} {list(raw.shape)}")
+    blocks = _pad_rows(raw).view(-1, ROWS, raw.shape[1] // _Q8_0_BYTES, _Q8_0_BYTES)  # [G, 8, nb, 34]
+    g, _, nb, _ = blocks.shape
+    d = blocks[..., 0:2].transpose(1, 2).reshape(g, nb, 16)  # [G, nb, 8 x fp16]
+    qs = blocks[..., 2:].reshape(g, ROWS, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(g, nb, 256)  # [G, nb, j*r*i]
+    return torch.cat([d, qs], dim=-1).contiguous()  # [G, nb, 272]
+
+
+def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
+    """Float rows [N, K] (K % 32 == 0) -> GGUF Q8_0 bytes [N, K / 32 * 34] uint8.
+
+    As llama.cpp ``quantize_row_q8_0_ref``: d = max|x| / 127 stored as fp16, q = round(x / d)
+    (half away from zero). Used for tensor types that have no kernel (K-quants, Q5_*).
+    """
+    n, k = w.shape
+    x = w.float().reshape(n, k // BLOCK, BLOCK)  # [N, nb, 32]
+    d = x.abs().amax(-1, keepdim=True) / 127.0  # [N, nb, 1]
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = x * inv
+    q = (torch.sign(q) * torch.floor(q.abs() + 0.5)).clamp(-127, 127).to(torch.int8)  # roundf
+    d16 = d.to(torch.float16).view(torch.uint8)  # [N, nb, 2]
+    return torch.cat([d16, q.view(torch.uint8)], dim=-1).reshape(n, -1)  # [N, nb * 34]
+
+
+def quantize_q8a(x: torch.Tensor) -> torch.Tensor:
+    """Activations [M, K] float32 -> [M, K / 32 * 40] uint8 blocks ``{float d, s; int8 qs[32]}``."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // BLOCK, BLOCK)  # [M, nb, 32]
+    amax = xb.abs().amax(-1, keepdim=True)  # [M, nb, 1]
+    c127 = torch.full_like(amax, 127.0)  # tensor / tensor: IEEE division, as the C++ (a scalar divisor
+    d = amax / c127  # would become a multiplication by its reciprocal, which rounds differently)
+    inv = torch.where(amax != 0, c127 / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv)  # half to even, as _mm256_round_ps
+    s = d * q.sum(-1, keepdim=True)
+    head = torch.cat([d, s], dim=-1).contiguous().view(torch.uint8)  # [M, nb, 8]
+    return torch.cat([head, q.to(torch.int8).view(torch.uint8)], dim=-1).reshape(m, -1)  # [M, nb * 40]
+
+
+def dequantize_q8a(q: torch.Tensor) -> torch.Tensor:
+    """[M, nb * 40] uint8 activation blocks -> [M, nb * 32] float32 (qs * d)."""
+    m = q.shape[0]
+    blocks = q.view(m, -1, 40)  # [M, nb, 40]
+    d = blocks[..., 0:4].contiguous().view(torch.float32)  # [M, nb, 1]
+    qs = blocks[..., 8:].contiguous().view(torch.int8).float()  # [M, nb, 32]
+    return (qs * d).reshape(m, -1)
+
+
+def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
+    """Repacked records [G, nb, R] -> float32 weight [G * 8, nb * 32] (padding rows included)."""
+    g, nb, _ = weight.shape
+    d = weight[..., 0:16].contiguous().view(torch.float16).float()  # [G, nb, 8]
+    if weight_type == Q4:
+        m = weight[..., 16:32].contiguous().view(torch.float16).float()  # [G, nb, 8]
+        qs = weight[..., 32:].reshape(g, nb, 4, ROWS, 4)  # [G, nb, t, r, i]
+        lo, hi = (qs & 15).float(), (qs >> 4).float()
+        q = torch.cat([lo, hi], dim=2)  # [G, nb, 8 quads, r, i]: quads 0-3 low, 4-7 high
+        w = q * d.view(g, nb, 1, ROWS, 1) + m.view(g, nb, 1, ROWS, 1)
+    elif weight_type == Q8:
+        q = weight[..., 16:].contiguous().view(torch.int8).reshape(g, nb, 8, ROWS, 4).float()  # [G, nb, j, r, i]
+        w = q * d.view(g, nb, 1, ROWS, 1)
+    else:
+        raise ValueError(f"weight_type must be {Q4} (Q4) or {Q8} (Q8), got {weight_type}")
+    return w.permute(0, 3, 1, 2, 4).reshape(g * ROWS, nb * BLOCK)  # [N_pad, K]
+
+
+def qgemm(x: torch.Tensor, weight: torch.Tensor, weight_type: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float32 @ weight.T -> [M, N] float32, with x quantized per 32 values first."""
+    xq = dequantize_q8a(quantize_q8a(x))  # [M, K]
+    out = xq @ dequantize_packed(weight, weight_type)[:out_features].T  # [M, N]
+    return out + bias if bias is not None else out
+
+
+def dequantize_rows(weight: torch.Tensor, weight_type: int, ids: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Rows ``ids`` [n] of a repacked weight as float32 [n, in_features] (embedding lookup)."""
+    g, nb, _ = weight.shape
+    if in_features != nb * BLOCK:
+        raise ValueError(f"in_features {in_features} != {nb * BLOCK}")
+    groups = weight.index_select(0, ids.reshape(-1) // ROWS)  # [n, nb, R]
+    rows = dequantize_packed(groups, weight_type).view(-1, ROWS, in_features)  # [n, 8, K]
+    return rows[torch.arange(rows.shape[0]), ids.reshape(-1) % ROWS]  # [n, K]

@@ -1,0 +1,74 @@
+"""Linear and embedding layers over GGUF blocks, run by kvgen's CPU kernels.
+
+``QuantLinear`` stands where ``nn.Linear`` would, chosen at load by the weight format;
+``QuantEmbedding`` stands for ``VocabEmbedding`` and also serves as the tied LM head.
+Weights stay in the kernels' packed 8-row records (``kvgen.kernels``): 4.5-5 bits per
+Q4 weight, 8.5 per Q8 weight, never dequantized to float32 as a whole. The kernel
+implementation is picked once when the module is built (C++ or the torch reference).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvgen.kernels import get_ops, pack_gguf_rows
+
+
+class VocabEmbedding(nn.Embedding):
+    """``nn.Embedding`` that can also act as the tied LM head: ``as_lm_head(h [..., C]) -> [..., V]``."""
+
+    def as_lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with W in packed GGUF blocks.
+
+    x: [..., in_features] float32 -> [..., out_features] float32. Activations are
+    quantized per 32 values to int8 inside the kernel (llama.cpp's Q8_1 scheme), so a
+    row's result does not depend on the other rows of the call.
+    """
+
+    def __init__(self, weight_type: int, qweight: torch.Tensor, in_features: int, out_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.weight_type, self.in_features, self.out_features = weight_type, in_features, out_features
+        self.register_buffer("qweight", qweight)  # [G, nb, R] uint8
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._qgemm = get_ops().qgemm
+
+    @classmethod
+    def from_gguf(cls, qtype: str, raw: torch.Tensor, in_features: int, bias: torch.Tensor | None = None) -> QuantLinear:
+        """From GGUF rows ``raw [out, bytes]`` of type ``qtype`` (Q4_0, Q4_1, Q8_0)."""
+        weight_type, packed = pack_gguf_rows(qtype, raw)
+        return cls(weight_type, packed, in_features, raw.shape[0], bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._qgemm(x.reshape(-1, self.in_features), self.qweight, self.weight_type, self.out_features, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)  # [..., N]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight_type={self.weight_type}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings in packed GGUF blocks: ids [...] int64 -> [..., C] float32.
+
+    ``as_lm_head`` runs the same packed matrix as the tied LM head (logits [..., V] float32).
+    """
+
+    def __init__(self, linear: QuantLinear) -> None:
+        super().__init__()
+        self.linear = linear
+        self.num_embeddings, self.embedding_dim = linear.out_features, linear.in_features
+        self._dequantize_rows = get_ops().dequantize_rows
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        lin = self.linear
+        rows = self._dequantize_rows(lin.qweight, lin.weight_type, input_ids.reshape(-1), lin.in_features)  # [n, C]
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+    def as_lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden)
