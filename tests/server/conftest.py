@@ -1,0 +1,135 @@
+"""Live ``kvgen serve`` processes on 127.0.0.1 for the server tests.
+
+Most tests talk to a tiny random Llama (2 layers, hidden 64) that carries the default
+model's tokenizer and chat template, saved as a Hugging Face directory, so a server
+starts in a few seconds and a step takes milliseconds. Every server is a real
+subprocess on a free port (``--port 0``; the port is read from its first stderr line),
+stopped with SIGTERM at the end of its fixture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 90.0
+_LISTENING = re.compile(r"kvgen serve: model .* on (http://[\d.]+:\d+)")
+
+
+@dataclass
+class LiveServer:
+    """A running ``kvgen serve``: its base URL, process and log file."""
+
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+    model_name: str
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` samples without labels: ``{"kvgen:num_requests_running": 0.0, ...}``."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name_labels, value = line.rsplit(" ", 1)
+                name = name_labels.split("{", 1)[0]
+                labels = name_labels[len(name):]
+                out[name + (labels if "finished_reason" in labels or "le=" in labels else "")] = float(value)
+        return out
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then wait; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+
+def start_server(model: str | Path, log_path: Path, *args: str, model_name: str = "tiny") -> LiveServer:
+    """Start ``kvgen serve`` on 127.0.0.1 (free port) and wait until /health answers."""
+    cmd = [sys.executable, "-m", "kvgen.cli", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", "0",
+           "--served-model-name", model_name, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    url = None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvgen serve exited with {proc.returncode}:\n{log_path.read_text(errors='replace')}")
+        match = url or _LISTENING.search(log_path.read_text(errors="replace"))
+        url = url or (match.group(1) if match else None)
+        if url:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return LiveServer(url, proc, log_path, model_name)
+            except httpx.TransportError:
+                pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"kvgen serve did not start in {START_TIMEOUT_S} s:\n{log_path.read_text(errors='replace')}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Llama (hidden 64, 2048 positions) with the default model's tokenizer, as an HF directory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvgen.default_model import find_default_gguf
+    from kvgen.tokenizer import Tokenizer
+    from kvgen.weights.gguf_file import gguf_metadata, open_gguf
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tok = Tokenizer.from_gguf(gguf_metadata(open_gguf(find_default_gguf())))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    tok._backend.save(str(path / "tokenizer.json"))
+    config = {"bos_token": tok.id_to_token(tok.bos_token_id), "eos_token": tok.id_to_token(tok.eos_token_id),
+              "chat_template": tok.chat_template, "add_bos_token": False}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir: Path):
+    from kvgen.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """The shared tiny-model server (64 running sequences, a 2048-token context)."""
+    live = start_server(tiny_model_dir, tmp_path_factory.mktemp("logs") / "server.log", "--num-blocks", "2048")
+    yield live
+    assert live.stop() == 0, live.log()[-3000:]
+
+
+@pytest.fixture
+def client(server: LiveServer):
+    from openai import OpenAI
+
+    with OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=60) as c:
+        yield c

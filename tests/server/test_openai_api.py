@@ -1,0 +1,167 @@
+"""The official ``openai`` client against a live ``kvgen serve`` (tiny random model): shapes,
+streaming, n, stop strings, seeds, logprobs, logit_bias, usage counts, /v1/models."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+GREEDY = {"temperature": 0, "max_tokens": 12}
+
+
+def _chat_ids(tokenizer, messages) -> list[int]:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+
+
+def _stream_chat(client, **kwargs):
+    """(concatenated content per choice, every chunk) of a streamed chat completion."""
+    chunks = list(client.chat.completions.create(model="tiny", stream=True, **kwargs))
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    return texts, chunks
+
+
+def test_chat_completion_has_openai_shape_and_usage_from_our_tokenizer(client, tiny_tokenizer):
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, **GREEDY)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion" and r.model == "tiny" and r.created > 0
+    assert len(r.choices) == 1 and r.choices[0].index == 0 and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(_chat_ids(tiny_tokenizer, MESSAGES))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    if r.choices[0].finish_reason == "length":
+        assert r.usage.completion_tokens == GREEDY["max_tokens"]
+    assert r.choices[0].message.content  # 12 random tokens are never all special
+
+
+def test_streamed_chat_equals_non_streamed_and_follows_the_chunk_protocol(client):
+    full = client.chat.completions.create(model="tiny", messages=MESSAGES, **GREEDY)
+    texts, chunks = _stream_chat(client, messages=MESSAGES, stream_options={"include_usage": True}, **GREEDY)
+    assert texts == {0: full.choices[0].message.content}
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason is not None]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
+
+
+def test_stream_ends_with_done_and_has_no_usage_unless_asked(server):
+    body = {"model": "tiny", "messages": MESSAGES, "stream": True, **GREEDY}
+    with httpx.stream("POST", server.v1 + "/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]" and '"usage"' not in "".join(lines)
+
+
+def test_n_2_gives_two_different_seeded_reproducible_choices(client):
+    kwargs = {"messages": MESSAGES, "n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 8}
+    a = client.chat.completions.create(model="tiny", **kwargs)
+    b = client.chat.completions.create(model="tiny", **kwargs)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert a.choices[0].message.content != a.choices[1].message.content
+    streamed, _ = _stream_chat(client, **kwargs)
+    assert streamed == {c.index: c.message.content for c in a.choices}
+    assert [c.finish_reason for c in a.choices] == ["length", "length"] and a.usage.completion_tokens == 16
+
+
+def test_seed_reproducibility_and_different_seeds_differ(client):
+    def run(seed: int) -> str:
+        r = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=1.0, seed=seed, max_tokens=10)
+        return r.choices[0].message.content
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_stop_string_cuts_text_and_never_leaks_into_the_stream(client):
+    sampled = {"messages": MESSAGES, "temperature": 1.0, "seed": 11, "max_tokens": 24}
+    text = client.chat.completions.create(model="tiny", **sampled).choices[0].message.content
+    start = next(i for i in range(len(text) // 3, len(text) - 3) if not any(ch.isspace() for ch in text[i : i + 3]))
+    stop = text[start : start + 3]  # a stop string that spans token boundaries, about a third in
+    expected = text[: text.index(stop)]
+    r = client.chat.completions.create(model="tiny", stop=[stop, "\x00zz"], **sampled)
+    assert r.choices[0].message.content == expected and r.choices[0].finish_reason == "stop"
+    texts, chunks = _stream_chat(client, stop=stop, **sampled)
+    assert texts == {0: expected}
+    assert not any(stop in (c.choices[0].delta.content or "") for c in chunks if c.choices)
+
+
+def test_logprobs_are_sorted_and_the_greedy_token_is_the_top_one(client):
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, logprobs=True, top_logprobs=3, **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert isinstance(entry.bytes, list) and all(0 <= b < 256 for b in entry.bytes)
+    _, chunks = _stream_chat(client, messages=MESSAGES, logprobs=True, top_logprobs=3, **GREEDY)
+    streamed = [e.token for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == [e.token for e in content]
+
+
+def test_logit_bias_forces_a_token(client, tiny_tokenizer):
+    token_id = tiny_tokenizer.encode(" blue")[0]
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=4,
+                                       logit_bias={str(token_id): 100})
+    assert r.choices[0].message.content == tiny_tokenizer.decode([token_id] * 4)
+
+
+def test_max_completion_tokens_and_vllm_extras(client):
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0.8, top_p=0.9, seed=3,
+                                       max_completion_tokens=5, presence_penalty=0.5, frequency_penalty=0.5,
+                                       user="u1", extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1,
+                                                              "min_tokens": 5, "ignore_eos": True})
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+
+
+def test_completions_text_list_and_token_prompts(client, tiny_tokenizer):
+    prompt = "The capital of France is"
+    one = client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=6)
+    assert one.object == "text_completion" and one.id.startswith("cmpl-")
+    assert one.usage.prompt_tokens == len(tiny_tokenizer.encode(prompt))
+    by_ids = client.completions.create(model="tiny", prompt=tiny_tokenizer.encode(prompt), temperature=0, max_tokens=6)
+    assert by_ids.choices[0].text == one.choices[0].text
+    many = client.completions.create(model="tiny", prompt=[prompt, "Hello"], n=2, temperature=0, max_tokens=6)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert many.choices[0].text == many.choices[1].text == one.choices[0].text  # greedy: n copies
+    assert many.usage.prompt_tokens == len(tiny_tokenizer.encode(prompt)) + len(tiny_tokenizer.encode("Hello"))
+    stream = client.completions.create(model="tiny", prompt=[prompt, "Hello"], temperature=0, max_tokens=6, stream=True)
+    texts: dict[int, str] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {0: one.choices[0].text, 1: many.choices[2].text}
+
+
+def test_models_tokenize_detokenize_health_and_page(server, client, tiny_tokenizer):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"] and models.data[0].object == "model"
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "hello world"}).json()
+    assert r["tokens"] == tiny_tokenizer.encode("hello world") and r["count"] == len(r["tokens"])
+    chat = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["tokens"] == _chat_ids(tiny_tokenizer, MESSAGES)
+    assert httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "hello world"}
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    page = httpx.get(server.url + "/")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"] and "/static/chat.js" in page.text
+    assert "/v1/chat/completions" in httpx.get(server.url + "/static/chat.js").text
+
+
+def test_metrics_count_tokens_and_log_one_line_per_request(server, client):
+    before = server.metrics()
+    r = client.completions.create(model="tiny", prompt="Hello there", temperature=0, max_tokens=7, extra_body={"ignore_eos": True})
+    after = server.metrics()
+    assert after["kvgen:generation_tokens_total"] - before.get("kvgen:generation_tokens_total", 0) == 7
+    assert after["kvgen:prompt_tokens_total"] - before.get("kvgen:prompt_tokens_total", 0) == r.usage.prompt_tokens
+    for name in ("kvgen:time_to_first_token_seconds_count", "kvgen:e2e_request_latency_seconds_count"):
+        assert after[name] - before.get(name, 0) == 1
+    assert after["kvgen:inter_token_latency_seconds_count"] - before.get("kvgen:inter_token_latency_seconds_count", 0) == 6
+    assert 0 <= after["kvgen:prefix_cache_hit_rate"] <= 1 and "process_resident_memory_bytes" in after
+    assert f"request {r.id}: prompt_tokens={r.usage.prompt_tokens} completion_tokens=7" in server.log()
