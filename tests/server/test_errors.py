@@ -1,0 +1,101 @@
+"""Bad input gets its status and an OpenAI error body naming the parameter; the official client
+raises the same exception classes it raises against OpenAI. Never a 500, never a traceback."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+BAD_CHAT = [
+    ({"temperature": 2.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 4096}, "max_tokens"),  # prompt + max_tokens beyond the 2048-token context
+    ({"max_completion_tokens": 5000}, "max_completion_tokens"),
+    ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logit_bias": {"not-an-id": 1}}, "logit_bias"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"seed": 2**64}, "seed"),
+    ({"stop": [""]}, "stop"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ({"extra_body": {"min_tokens": 10}, "max_tokens": 2}, "min_tokens"),
+    ({"extra_body": {"top_k": -2}}, "top_k"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+]
+
+
+def _assert_error_body(response: httpx.Response, status: int, param: str | None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["param"] == param and body["error"]["message"]
+    assert "Traceback" not in response.text and 'File "' not in response.text
+    return body["error"]
+
+
+@pytest.mark.parametrize("extra,param", BAD_CHAT, ids=[p + str(i) for i, (_, p) in enumerate(BAD_CHAT)])
+def test_bad_chat_parameters_are_400_naming_the_parameter(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, **{"max_tokens": 4, **extra})
+    assert e.value.status_code == 400, e.value.body
+    assert e.value.param == param or e.value.param.startswith(param + "."), e.value.body  # "logit_bias.5" names the key
+    assert e.value.type == "invalid_request_error"
+
+
+def test_unknown_model_is_404_not_found(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=4)
+    assert e.value.param == "model" and "gpt-4o" in e.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=4)
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [({"echo": True}, "echo"), ({"logprobs": 2}, "logprobs"), ({"suffix": "end"}, "suffix"), ({"best_of": 3}, "best_of"),
+     ({"prompt": ""}, "prompt"), ({"prompt": [1, -5]}, "prompt"), ({"prompt": [[1, 2], [10**7]]}, "prompt"),
+     ({"prompt": "x " * 3000}, "prompt")],
+)
+def test_unsupported_or_bad_completion_fields_are_400(client, extra, param):
+    kwargs = {"prompt": "Hello", "max_tokens": 4, **extra}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", **kwargs)
+    assert e.value.param == param or (param == "prompt" and e.value.param.startswith("prompt")), e.value.body
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        (b'{"model": "tiny", "messages": [', None),  # malformed JSON
+        (b"[]", None),
+        (b'{"model": "tiny"}', "messages"),
+        (b'{"model": "tiny", "messages": []}', "messages"),
+        (b'{"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}', "messages[0].role"),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": []}', "tools"),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}', "max_tokens"),
+    ],
+)
+def test_malformed_requests_are_400_with_an_openai_body(server, body, param):
+    r = httpx.post(server.v1 + "/chat/completions", content=body, headers={"content-type": "application/json"})
+    _assert_error_body(r, 400, param)
+
+
+def test_other_routes_answer_errors_as_openai_bodies(server):
+    _assert_error_body(httpx.get(server.url + "/v1/nothing"), 404, None)
+    _assert_error_body(httpx.get(server.v1 + "/chat/completions"), 405, None)
+    _assert_error_body(httpx.post(server.url + "/detokenize", json={"tokens": [10**7]}), 400, "tokens")
+    _assert_error_body(httpx.post(server.url + "/tokenize", json={"prompt": "a", "messages": MESSAGES}), 400, "prompt")
+    _assert_error_body(httpx.post(server.url + "/tokenize", json={"model": "x", "prompt": "a"}), 404, "model")
+
+
+def test_server_still_answers_after_bad_requests(client):
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
