@@ -127,6 +127,12 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     assert live.stop() == 0, live.log()[-3000:]
 
 
+@pytest.fixture(scope="session")
+def launch_server():
+    """``start_server`` for tests that need a server of their own."""
+    return start_server
+
+
 @pytest.fixture
 def client(server: LiveServer):
     from openai import OpenAI

@@ -73,7 +73,11 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         sock = bind_socket(server_args.host, server_args.port)
     except OSError as e:
         raise ValueError(f"kvgen serve: cannot listen on {server_args.host}:{server_args.port}: {e.strerror or e}") from None
-    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    try:
+        engine = AsyncLLMEngine.from_engine_args(engine_args)
+    except BaseException:
+        sock.close()
+        raise
     name = server_args.served_model_name or engine_args.model
     app = build_app(engine, name, server_args.api_key, server_args.max_queue)
     config = uvicorn.Config(

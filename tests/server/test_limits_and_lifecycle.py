@@ -1,0 +1,123 @@
+"""API key (401), the bounded queue (429), SIGTERM (finish or abort in flight, exit 0), and
+``kvgen serve`` user errors (one line on stderr, exit code 2)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+from kvgen.cli import main
+
+KEY = "sk-test-key"
+MESSAGES = [{"role": "user", "content": "hi"}]
+LONG = {"messages": MESSAGES, "max_tokens": 1900, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_model_dir, tmp_path_factory, launch_server):
+    """One running sequence, one waiting, an API key, 5 s of grace after SIGTERM."""
+    live = launch_server(tiny_model_dir, tmp_path_factory.mktemp("logs") / "guarded.log", "--api-key", KEY,
+                        "--max-num-seqs", "1", "--max-queue", "1", "--shutdown-timeout", "5")
+    yield live
+    live.stop()
+
+
+def _client(server, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.v1, api_key=key, max_retries=0, timeout=60)
+
+
+def _wait_metric(server, name: str, value: float, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while server.metrics()[name] != value:
+        assert time.monotonic() < deadline, f"{name} never reached {value}: {server.metrics()[name]}"
+        time.sleep(0.05)
+
+
+def test_api_key_is_required_on_v1_but_not_on_health_metrics_or_page(guarded):
+    with pytest.raises(openai.AuthenticationError) as e:
+        _client(guarded, "wrong").chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    no_key = httpx.post(guarded.v1 + "/chat/completions", json={"model": "tiny", "messages": MESSAGES})
+    assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.post(guarded.url + "/tokenize", json={"prompt": "a"}).status_code == 401
+    assert httpx.get(guarded.v1 + "/models", headers={"Authorization": "Basic " + KEY}).status_code == 401
+    r = _client(guarded).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert r.usage.completion_tokens >= 1
+    for path in ("/health", "/metrics", "/"):
+        assert httpx.get(guarded.url + path).status_code == 200
+
+
+def test_full_queue_is_429_and_leaving_clients_free_everything(guarded):
+    client = _client(guarded)
+    before = guarded.metrics().get('kvgen:request_success_total{finished_reason="abort",model_name="tiny"}', 0)
+    running = client.chat.completions.create(model="tiny", stream=True, **LONG)
+    waiting = client.chat.completions.create(model="tiny", stream=True, **LONG)
+    next(iter(running))
+    _wait_metric(guarded, "kvgen:num_requests_in_server", 2)
+    assert guarded.metrics()["kvgen:num_requests_waiting"] == 1
+    with pytest.raises(openai.RateLimitError) as e:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert e.value.status_code == 429 and e.value.type == "rate_limit_error"
+    running.close()
+    waiting.close()
+    _wait_metric(guarded, "kvgen:num_requests_in_server", 0)
+    _wait_metric(guarded, "kvgen:num_requests_running", 0)
+    m = guarded.metrics()
+    assert m["kvgen:num_requests_waiting"] == 0 and m["kvgen:kv_cache_usage_perc"] == 0
+    assert m['kvgen:request_success_total{finished_reason="abort",model_name="tiny"}'] == before + 2
+    assert client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2).choices  # serves again
+
+
+def test_sigterm_finishes_short_requests_cuts_long_ones_and_exits_0(guarded):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    short = {"model": "tiny", "messages": MESSAGES, "max_tokens": 40, "stream": True, "ignore_eos": True}
+    long = {"model": "tiny", "stream": True, **{k: v for k, v in LONG.items() if k != "extra_body"}, "ignore_eos": True}
+    with httpx.Client(timeout=60, headers=headers) as http:
+        with http.stream("POST", guarded.v1 + "/chat/completions", json=short) as r_short, \
+                http.stream("POST", guarded.v1 + "/chat/completions", json=long) as r_long:
+            lines_short = r_short.iter_lines()
+            next(lines_short)
+            guarded.proc.send_signal(15)
+            t0 = time.monotonic()
+            text_short = "\n".join(lines_short)
+            try:
+                text_long = "\n".join(r_long.iter_lines())
+            except httpx.HTTPError:  # cut mid-stream
+                text_long = ""
+    assert '"finish_reason":"length"' in text_short and text_short.strip().endswith("data: [DONE]")
+    assert "[DONE]" not in text_long  # 1900 tokens cannot finish in the 5 s of grace
+    assert guarded.proc.wait(timeout=30) == 0
+    assert time.monotonic() - t0 < 25
+    with pytest.raises(httpx.TransportError):
+        httpx.get(guarded.url + "/health", timeout=2)
+    assert "kvgen serve: stopped" in guarded.log()
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--port", "70000"], "port must be in [0, 65535]"),
+        (["--max-queue", "-1"], "max_queue must be >= 0"),
+        (["--max-num-seqs", "0"], "max_num_seqs"),
+        (["--model", "/nonexistent/model.gguf"], "model not found"),
+        (["--log-level", "loud"], "invalid choice"),
+    ],
+)
+def test_serve_user_errors_are_one_line_and_exit_2(capsys, args, message):
+    assert main(["serve", "--port", "0", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_serve_on_a_busy_port_is_one_line_and_exit_2(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and err.count("\n") == 1
