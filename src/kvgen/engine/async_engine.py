@@ -103,8 +103,11 @@ class AsyncLLMEngine:
                 try:
                     outputs = await asyncio.to_thread(self.engine.step) if self.step_in_thread else self.engine.step()
                 except Exception as e:
+                    # Fail every stream and abort its request, so the next step (the loop
+                    # restarts with the next request) does not run into the same failure.
                     for queue in self._streams.values():
                         queue.put_nowait(e)
+                    self.engine.abort_request(list(self._streams))
                     raise
             for output in outputs:
                 queue = self._streams.get(output.request_id)

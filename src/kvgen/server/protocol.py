@@ -64,7 +64,8 @@ class SamplingFields(StrictModel):
     user: str | None = None
     top_k: int | None = Field(None, ge=-1, description="vLLM extra: 0 or -1 = off")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    # bounded away from 0: logits / 1e-300 overflow to inf, and the draw fails
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
 
