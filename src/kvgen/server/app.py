@@ -44,7 +44,9 @@ from kvgen.server.serving import ServerState
 
 STATIC_DIR = Path(__file__).parent / "static"
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
-_STREAMED = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+# With "stream": true, each server-sent event is `data: <chunk JSON>`, the last `data: [DONE]`.
+_SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}}, "required": ["data"]}
+_STREAMED = {200: {"content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
 
 
 def _state(request: Request) -> ServerState:

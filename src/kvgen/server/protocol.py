@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_N = 16  # completions per prompt; bounds one request's share of the engine
 MAX_STOP = 16  # stop strings per request
 MAX_TOP_LOGPROBS = 20  # as OpenAI
+MAX_INT32 = 2**31 - 1  # counts that become int64 tensor entries stay far from overflow
 
 
 class StrictModel(BaseModel):
@@ -62,11 +63,11 @@ class SamplingFields(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    top_k: int | None = Field(None, ge=-1, description="vLLM extra: 0 or -1 = off")
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32, description="vLLM extra: 0 or -1 = off")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     # bounded away from 0: logits / 1e-300 overflow to inf, and the draw fails
     repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
     ignore_eos: bool = False
 
 
