@@ -391,7 +391,7 @@ def format_decode_report(result: dict[str, Any]) -> str:
 
     def row(label: str, key: str, ratio_key: str, fmt: str, cache: str | None = None, scale: float = 1.0) -> None:
         values = []
-        for side, cfg in zip(sides, (cache, cache, "kv_cache")):
+        for side, cfg in zip(sides, (cache, cache, None if cache == "no_cache" else "kv_cache")):
             v = side.get("configs", {}).get(cfg, {}).get(key) if cache else side.get(key)
             values.append(_num(v / scale if v is not None else None, fmt))
         r = [_num(x.get(ratio_key), ".2f") for x in vs]

@@ -280,7 +280,8 @@ def run_throughput_bench(
     threads = set_threads(num_threads)
     dtype = dtype or default_dtype()
     defaults = {"max_num_seqs": 64, "max_num_batched_tokens": 512, "kv_cache_memory": 2 << 30}
-    engine_args = EngineArgs(model=model, dtype=dtype, **{**defaults, **engine_overrides})
+    # The bench loads the model itself (LLMEngine takes it built), so EngineArgs carries no dtype.
+    engine_args = EngineArgs(model=model, **{**defaults, **engine_overrides})
     static_args = EngineArgs(**{**asdict(engine_args), "max_num_seqs": static_batch_size})
     log(f"loading {model} ({dtype})")
     llm_model, _ = load_model(model, dtype=dtype)
@@ -323,7 +324,7 @@ def _describe(workload: Workload, seed: int, static_batch_size: int, engine_args
         "decoding": "greedy, ignore_eos (transformers: min_new_tokens = max_new_tokens)",
         "arrivals": "all requests at t=0; TTFT includes queueing",
         "static_batch_size": static_batch_size,
-        "engine_args": asdict(engine_args),
+        "engine_args": {k: v for k, v in asdict(engine_args).items() if k != "dtype"},
     }
 
 
