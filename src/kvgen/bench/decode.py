@@ -58,7 +58,6 @@ from kvgen.fields import config_field
 
 CACHE_KINDS = ("no_cache", "dynamic", "static")
 SCHEMA = "kvgen.bench.decode/2"
-__all__ = ["CACHE_KINDS", "DecodeBenchConfig", "RunStats", "compare", "measure_ours", "run_decode_bench", "time_generation"]
 
 
 _f = config_field
