@@ -1,0 +1,66 @@
+"""The chat page in headless Chromium (Debian's ``chromium``, driven by Playwright through
+``executable_path``; Playwright's own browser download is never used): type a message, see a
+streamed reply and the tokens/s line appear, keep the conversation for a second turn. A
+screenshot is saved under ``test-artifacts/`` (or ``$KVGEN_TEST_ARTIFACTS``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARTIFACTS = Path(os.environ.get("KVGEN_TEST_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts"))
+TIMEOUT_MS = 60_000
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.skip(f"Debian's chromium is not installed at {CHROMIUM} (.ci/run installs it with apt-get)")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        page = browser.new_page()
+        requests_outside: list[str] = []
+        page.on("request", lambda r: None if r.url.startswith(server.url) else requests_outside.append(r.url))
+        page.goto(server.url + "/", timeout=TIMEOUT_MS)
+        yield page, requests_outside
+        browser.close()
+
+
+def _send(page, text: str, turn: int) -> str:
+    page.fill("#input", text)
+    page.press("#input", "Enter")
+    reply = page.locator(".message.assistant").nth(turn)
+    reply.wait_for(timeout=TIMEOUT_MS)
+    page.wait_for_function(
+        f"document.querySelectorAll('.message.assistant')[{turn}].dataset.state === 'done'", timeout=TIMEOUT_MS
+    )
+    return reply.inner_text()
+
+
+def test_chat_page_streams_a_reply_and_keeps_the_conversation(page, server):
+    page, requests_outside = page
+    page.wait_for_function("document.getElementById('model').textContent.includes('tiny')", timeout=TIMEOUT_MS)
+    page.fill("#max-tokens", "12")
+    page.fill("#temperature", "0")
+    first = _send(page, "Hello, who are you?", 0)
+    assert first and "[error]" not in first  # greedy on random weights: may be only whitespace
+    stats = page.inner_text("#stats")
+    assert stats.startswith("12 tokens") and "tokens/s" in stats  # completion tokens from the usage chunk
+    page.fill("#temperature", "1")
+    second = _send(page, "And again?", 1)
+    assert second.strip() and "[error]" not in second
+    users = page.locator(".message.user").all_inner_texts()
+    assert users == ["Hello, who are you?", "And again?"]
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "chat_page.png"), full_page=True)
+    assert (ARTIFACTS / "chat_page.png").stat().st_size > 1000
+    assert requests_outside == []  # nothing fetched from outside the server
+    # the second turn sent the whole conversation: the server logged a longer prompt
+    assert server.log().count("completion_tokens=") >= 2
