@@ -369,7 +369,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for name in ("prompt_tokens", "new_tokens", "num_prompts", "num_threads", "ttft_prompt_tokens"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
-            raise CliError(f"kvgen bench: --{name.replace('_', '-')} must be >= 1, got {value}")
+            flag = "threads" if name == "num_threads" else name.replace("_", "-")
+            raise CliError(f"kvgen bench: --{flag} must be >= 1, got {value}")
     if args.bench_command == "perplexity":
         from kvgen.bench.perplexity import format_perplexity_report, run_perplexity_bench
 
