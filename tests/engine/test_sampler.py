@@ -76,3 +76,14 @@ def test_top_k_one_samples_the_argmax():
     logits = _logits(2, seed=3)
     rows = [_row(SamplingParams(temperature=2.0, top_k=1), seed=s) for s in (0, 1)]
     assert Sampler()(logits, rows).token_ids == logits.argmax(-1).tolist()
+
+
+def test_logit_bias_is_added_per_row_before_penalties_and_ignores_ids_past_the_vocabulary():
+    logits = _logits(3, seed=2)
+    biased = SamplingParams(temperature=0.0, logit_bias={11: 100.0, V + 5: 100.0})
+    banned = SamplingParams(temperature=0.0, logit_bias={int(logits[1].argmax()): -100.0})
+    out = Sampler()(logits, [_row(biased), _row(banned), _row(SamplingParams(temperature=0.0))])
+    assert out.token_ids[0] == 11
+    assert out.token_ids[1] == int(logits[1].topk(2).indices[1])  # the runner-up once the top is banned
+    assert out.token_ids[2] == int(logits[2].argmax())  # a row without bias is untouched
+    assert torch.equal(logits, _logits(3, seed=2))  # inputs are not edited

@@ -64,6 +64,9 @@ def test_is_greedy(temperature: float, is_greedy: bool) -> None:
         ({"stop_token_ids": [1, -2]}, r"stop_token_ids must be a list of ints >= 0, got \[1, -2\]"),
         ({"ignore_eos": 1}, "ignore_eos must be a bool, got 1"),
         ({"output_kind": "delta"}, "output_kind must be a RequestOutputKind, got 'delta'"),
+        ({"logit_bias": {5: 101}}, r"logit_bias values must be numbers in \[-100, 100\], got 101 for token 5"),
+        ({"logit_bias": {-1: 1}}, r"logit_bias keys must be token ids \(ints >= 0\), got -1"),
+        ({"logit_bias": [1]}, "logit_bias must be a dict of token id -> bias"),
     ],
 )
 def test_validation_names_field_and_value(kwargs: dict, message: str) -> None:
