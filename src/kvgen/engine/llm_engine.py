@@ -27,6 +27,7 @@ from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.scheduler import Scheduler
 from kvgen.kv_cache.paged import PagedKVCache, num_blocks_for_memory
+from kvgen.models import kv_cache_dtype
 from kvgen.tokenizer import Tokenizer
 
 
@@ -68,7 +69,7 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len must be <= the model's context ({config.max_position_embeddings}), got {self.max_model_len}"
             )
-        dtype = next(model.parameters()).dtype
+        dtype = kv_cache_dtype(model)
         num_blocks = args.num_blocks
         if num_blocks is None:
             memory = args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from kvgen.kv_cache import DynamicCache, StaticCache
+from kvgen.models import kv_cache_dtype
 from kvgen.models.attention import AttentionMetadata
 
 
@@ -26,7 +27,7 @@ def make_cache(model: nn.Module, kind: str, batch_size: int, max_len: int) -> Dy
     """A fresh KV cache of ``kind`` ("dynamic" | "static") sized for ``max_len`` tokens per row."""
     cfg = model.config
     if kind == "static":
-        dtype = next(model.parameters()).dtype
+        dtype = kv_cache_dtype(model)
         return StaticCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim, max_len, dtype)
     return DynamicCache(cfg.num_hidden_layers)
 

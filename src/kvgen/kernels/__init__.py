@@ -13,6 +13,12 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 * ``qgemm(x [M, K] f32, weight [G, nb, R] u8, weight_type, out_features, bias?) -> [M, N] f32``
 * ``quantize_q8a(x [M, K] f32) -> [M, K / 32 * 40] u8``
 * ``dequantize_rows(weight, weight_type, ids [n] i64, in_features) -> [n, K] f32``
+* ``attention(q [B, H, T, D], k, v [B, Hkv, S, D], key_mask [B, S] bool?, past_len, scale) -> [B, T, H, D]``
+* ``paged_attention(q [N, H, D], k_pool, v_pool [blocks, block_size, Hkv, D], block_tables [R, nb],
+  query_start_loc [R+1], seq_lens [R], scale) -> [N, H, D]`` (K and V read at fp16 precision)
+* ``rms_norm(x [M, C], weight [C], eps) -> [M, C]``
+* ``rope_qkv_(qkv [N, (H + 2 Hkv) D], cos [N, D], sin [N, D], H, Hkv)``: in place on q and k
+* ``silu_mul(gate_up [M, 2I]) -> [M, I]``
 """
 
 from __future__ import annotations
@@ -31,7 +37,11 @@ from kvgen.kernels import reference
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("ops.cpp", "quantize_q8a.cpp", "qgemm_q4.cpp", "qgemm_q8.cpp")
+SOURCES = (
+    "ops.cpp", "quantize_q8a.cpp", "qgemm_q4.cpp", "qgemm_q8.cpp",
+    "attention.cpp", "rms_norm.cpp", "rope.cpp", "silu_mul.cpp", "repack.cpp",
+)
+HEADERS = ("common.h", "vec_math.h", "aten_lite.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 Q4, Q8 = reference.Q4, reference.Q8
 
@@ -44,9 +54,18 @@ class KernelOps:
     qgemm: Callable[..., torch.Tensor]
     quantize_q8a: Callable[[torch.Tensor], torch.Tensor]
     dequantize_rows: Callable[..., torch.Tensor]
+    attention: Callable[..., torch.Tensor]
+    paged_attention: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., torch.Tensor]
+    rope_qkv_: Callable[..., None]
+    silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    repack_gguf: Callable[[list[torch.Tensor], int], torch.Tensor]
 
 
-_REFERENCE = KernelOps("reference", reference.qgemm, reference.quantize_q8a, reference.dequantize_rows)
+_NAMES = (
+    "qgemm", "quantize_q8a", "dequantize_rows", "attention", "paged_attention", "rms_norm", "rope_qkv_", "silu_mul", "repack_gguf",
+)
+_REFERENCE = KernelOps("reference", *(getattr(reference, n) for n in _NAMES))
 _ops: KernelOps | None = None
 
 
@@ -54,7 +73,7 @@ def cache_dir() -> Path:
     """Where the compiled library lives: ``$KVGEN_CACHE_DIR`` or ``~/.cache/kvgen``, then ``kernels/<hash>``."""
     root = Path(os.environ.get("KVGEN_CACHE_DIR") or Path.home() / ".cache" / "kvgen")
     digest = hashlib.sha256()
-    for name in ("common.h", *SOURCES):
+    for name in (*HEADERS, *SOURCES):
         digest.update((CSRC / name).read_bytes())
     digest.update(" ".join(CFLAGS).encode() + torch.__version__.encode())
     return root / "kernels" / digest.hexdigest()[:16]
@@ -102,25 +121,28 @@ def get_ops() -> KernelOps:
         except Exception as exc:  # a missing compiler, a failed build: fall back, never crash
             reason = f"the C++ kernels could not be built ({type(exc).__name__}: {str(exc).strip()[:300]})"
     if reason is None:
-        ops = torch.ops.kvgen
-        _ops = KernelOps("avx2", ops.qgemm.default, ops.quantize_q8a.default, ops.dequantize_rows.default)
+        _ops = KernelOps("avx2", *(getattr(torch.ops.kvgen, n).default for n in _NAMES))
     else:
         logger.warning("kvgen: using the portable torch kernels (slow): %s", reason)
         _ops = _REFERENCE
     return _ops
 
 
-def pack_gguf_rows(qtype: str, raw: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """GGUF-encoded rows -> (weight_type, records [G, nb, R] uint8) in the kernels' 8-row layout.
+def pack_gguf_rows(qtype: str, parts: list[torch.Tensor]) -> tuple[int, torch.Tensor]:
+    """GGUF-encoded row blocks of one matrix -> (weight_type, records [G, nb, R] uint8) in the
+    kernels' 8-row layout.
 
-    qtype: ``"Q4_0"``, ``"Q4_1"`` or ``"Q8_0"``; raw: [N, bytes per row] uint8.
-    Raises ValueError for another type or a malformed byte count.
+    qtype: ``"Q4_0"``, ``"Q4_1"`` or ``"Q8_0"``; parts: [rows_i, bytes per row] uint8 each,
+    stacked in order (q, k, v). Raises ValueError for another type or a malformed byte count.
     """
-    if qtype in ("Q4_0", "Q4_1"):
-        return Q4, reference.repack_q4(raw, has_min=qtype == "Q4_1")
-    if qtype == "Q8_0":
-        return Q8, reference.repack_q8(raw)
-    raise ValueError(f"kernels run Q4_0, Q4_1 and Q8_0 blocks, got {qtype}")
+    if qtype not in reference.GGUF_TYPES:
+        raise ValueError(f"kernels run Q4_0, Q4_1 and Q8_0 blocks, got {qtype}")
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype]
+    for p in parts:
+        if p.dtype != torch.uint8 or p.dim() != 2 or p.shape[1] % size or p.shape[1] != parts[0].shape[1]:
+            raise ValueError(f"{qtype} rows must be uint8 [N, nb * {size}], got {p.dtype} {list(p.shape)}")
+    records = get_ops().repack_gguf([p.contiguous() for p in parts], reference.GGUF_TYPES.index(qtype))
+    return (Q8 if qtype == "Q8_0" else Q4), records
 
 
 def reference_ops() -> KernelOps:

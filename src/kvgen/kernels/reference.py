@@ -50,12 +50,25 @@ def repack_q4(raw: torch.Tensor, has_min: bool) -> torch.Tensor:
         m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]  # [G, 8, nb]
     else:
         m = d * -8.0  # exact in fp16: a power-of-two multiple
+        m.view(-1, m.shape[-1])[raw.shape[0] :] = 0  # padding rows stay all-zero bytes
     qs = blocks[..., size - 16 :]  # [G, 8, nb, 16]
     g, _, nb, _ = qs.shape
     qs = qs.reshape(g, ROWS, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(g, nb, 128)  # [G, nb, t*r*i]
     d = d.transpose(1, 2).contiguous().view(torch.uint8)  # [G, nb, 16]
     m = m.transpose(1, 2).contiguous().view(torch.uint8)  # [G, nb, 16]
     return torch.cat([d, m, qs], dim=-1).contiguous()  # [G, nb, 160]
+
+
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # gguf_type codes 0, 1, 2 of ``repack_gguf``
+
+
+def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
+    """Row blocks ``parts`` ([rows_i, bytes] uint8, one GGUF type) of one matrix -> its records
+    [G, nb, R] uint8: Q4 records for Q4_0 (0) / Q4_1 (1), Q8 records for Q8_0 (2)."""
+    raw = torch.cat(parts) if len(parts) > 1 else parts[0]  # [N, bytes]
+    if gguf_type == 2:
+        return repack_q8(raw)
+    return repack_q4(raw, has_min=gguf_type == 1)
 
 
 def repack_q8(raw: torch.Tensor) -> torch.Tensor:
@@ -141,3 +154,72 @@ def dequantize_rows(weight: torch.Tensor, weight_type: int, ids: torch.Tensor, i
     groups = weight.index_select(0, ids.reshape(-1) // ROWS)  # [n, nb, R]
     rows = dequantize_packed(groups, weight_type).view(-1, ROWS, in_features)  # [n, 8, K]
     return rows[torch.arange(rows.shape[0]), ids.reshape(-1) % ROWS]  # [n, K]
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, past_len: int, scale: float
+) -> torch.Tensor:
+    """Causal attention over a cache: q [B, H, T, D] float32; k, v [B, Hkv, S, D] (read at fp16
+    precision); key_mask [B, S] bool or None. Query t sits at slot ``past_len + t`` and sees the
+    slots up to it that key_mask allows (a query that sees none sees its own slot).
+    Returns [B, T, H, D] float32. Source: Vaswani et al. 2017 eq. 1; GQA as HF ``repeat_kv``.
+    """
+    b, h, t, d = q.shape
+    h_kv, s = k.shape[1], k.shape[2]
+    k, v = k.half().float(), v.half().float()
+    slot = torch.arange(s)
+    visible = slot[None, :] <= (past_len + torch.arange(t))[:, None]  # [T, S]
+    visible = visible[None] & (key_mask.bool()[:, None, :] if key_mask is not None else True)  # [B, T, S]
+    own = slot[None, :] == (past_len + torch.arange(t)).clamp(max=s - 1)[:, None]  # [T, S]
+    visible = torch.where(visible.any(-1, keepdim=True), visible, own[None])  # [B, T, S]
+    qg = q.reshape(b, h_kv, h // h_kv * t, d)  # [B, Hkv, G*T, D] (head-major, then t)
+    scores = (qg @ k.transpose(-1, -2)).view(b, h_kv, h // h_kv, t, s) * scale  # [B, Hkv, G, T, S]
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    out = torch.softmax(scores, dim=-1).view(b, h_kv, -1, s) @ v  # [B, Hkv, G*T, D]
+    return out.view(b, h, t, d).transpose(1, 2).contiguous()  # [B, T, H, D]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Packed queries q [N, H, D] of R sequences (``query_start_loc`` [R+1]) over pools
+    [num_blocks, block_size, Hkv, D] through ``block_tables`` [R, nb]; sequence r's queries are
+    its last positions before ``seq_lens[r]``. Returns [N, H, D] float32 (as :func:`attention`).
+    """
+    out = torch.empty_like(q)
+    bs = k_pool.shape[1]
+    for r in range(seq_lens.shape[0]):
+        start, end, length = int(query_start_loc[r]), int(query_start_loc[r + 1]), int(seq_lens[r])
+        pos = torch.arange(length)
+        slots = block_tables[r][pos // bs] * bs + pos % bs  # [L]
+        k = k_pool.view(-1, *k_pool.shape[2:])[slots].transpose(0, 1)[None]  # [1, Hkv, L, D]
+        v = v_pool.view(-1, *v_pool.shape[2:])[slots].transpose(0, 1)[None]  # [1, Hkv, L, D]
+        qr = q[start:end].transpose(0, 1)[None]  # [1, H, T, D]
+        out[start:end] = attention(qr, k, v, None, length - (end - start), scale)[0]
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [M, C] float32 -> weight * x / sqrt(mean(x^2) + eps), as HF ``LlamaRMSNorm``."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+    """Rotate, in place, the q and k heads of stacked rows qkv [N, (H + 2 Hkv) * D] by cos, sin [N, D]."""
+    n, d = qkv.shape[0], cos.shape[-1]
+    heads = qkv[:, : (num_heads + num_kv_heads) * d].view(n, num_heads + num_kv_heads, d)  # [N, H + Hkv, D]
+    c, s = cos.reshape(n, 1, d), sin.reshape(n, 1, d)
+    rotated = torch.cat((-heads[..., d // 2 :], heads[..., : d // 2]), dim=-1)  # [N, H + Hkv, D]
+    heads.copy_(heads * c + rotated * s)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU gate: gate_up [M, 2I] (gate first) -> silu(gate) * up [M, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -14,6 +14,7 @@ from torch import nn
 
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
+from kvgen.kernels import get_ops
 from kvgen.models.attention import AttentionMetadata
 from kvgen.models.gpt2 import GPT2LMHeadModel
 from kvgen.models.llama import LlamaForCausalLM
@@ -66,6 +67,8 @@ def build_model(
             module = model.get_submodule(module_name) if module_name else model
             module.register_buffer(attr, _recompute_buffer(config, attr), persistent=False)
     assert not any(p.is_meta for p in model.parameters()), "a parameter was left unloaded"
+    if any(isinstance(m, QuantLinear) for m in model.modules()) and hasattr(model, "use_kernels"):
+        model.use_kernels(get_ops())
     model.requires_grad_(False)
     return model.eval()
 
@@ -94,13 +97,19 @@ def _install_quantized(model: nn.Module, module_name: str, blocks: GGUFBlocks, d
     parent = model.get_submodule(parent_name) if parent_name else model
     old = getattr(parent, attr)
     bias = dense.pop(f"{module_name}.bias", None)
-    linear = QuantLinear.from_gguf(blocks.qtype.name, blocks.raw, blocks.shape[1], None if bias is None else bias.float())
+    linear = QuantLinear.from_gguf(blocks.qtype.name, blocks.parts, blocks.shape[1], None if bias is None else bias.float())
     if isinstance(old, nn.Embedding):
         setattr(parent, attr, QuantEmbedding(linear))
     elif isinstance(old, nn.Linear):
         setattr(parent, attr, linear)
     else:
         raise ModelFormatError(f"{module_name} is a {type(old).__name__}; only linear and embedding weights may be quantized")
+
+
+def kv_cache_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype KV caches for ``model`` store: its ``kv_cache_dtype`` if set (float16 on the
+    quantized fast path), else its parameters' dtype."""
+    return getattr(model, "kv_cache_dtype", None) or next(model.parameters()).dtype
 
 
 def _recompute_buffer(config: ModelConfig, name: str) -> torch.Tensor:
@@ -111,4 +120,4 @@ def _recompute_buffer(config: ModelConfig, name: str) -> torch.Tensor:
     raise AssertionError(f"unknown buffer {name}")
 
 
-__all__ = ["MODEL_REGISTRY", "AttentionMetadata", "GPT2LMHeadModel", "LlamaForCausalLM", "build_model"]
+__all__ = ["MODEL_REGISTRY", "AttentionMetadata", "GPT2LMHeadModel", "LlamaForCausalLM", "build_model", "kv_cache_dtype"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvgen.kernels import KernelOps
 from kvgen.kv_cache.paged import PagedAttentionMetadata
 
 
@@ -55,15 +56,24 @@ def attend(
     kv_cache,
     mask: torch.Tensor | PagedAttentionMetadata | None,
     scale: float | None = None,
+    kernels: KernelOps | None = None,
 ) -> torch.Tensor:
     """Store k, v in the cache (if any) and attend: q [B, H, T, D]; k, v [B, Hkv, T, D] -> [B, H, T, D].
 
     With paged metadata, B = 1 and T = N packed tokens (``PagedKVCache.attend``).
+    ``kernels``: attend with ``kernels.attention`` (K and V at fp16 precision, the same
+    arithmetic for a query whatever the batch, chunking or cache kind).
     """
     if isinstance(mask, PagedAttentionMetadata):
-        return kv_cache.attend(layer_idx, q, k, v, mask, scale)
+        return kv_cache.attend(layer_idx, q, k, v, mask, scale, kernels)
+    past = kv_cache.seq_length if kv_cache is not None else 0
     if kv_cache is not None:
         k, v = kv_cache.update(layer_idx, k, v)  # [B, Hkv, S, D]
+    if kernels is not None:
+        # left padding: the last query sees exactly the valid keys
+        key_mask = None if mask is None or mask.shape[0] == 1 else mask[:, 0, -1]  # [B, S]
+        out = kernels.attention(q, k, v, key_mask, past, scale or q.shape[-1] ** -0.5)  # [B, T, H, D]
+        return out.transpose(1, 2)  # [B, H, T, D]
     return scaled_dot_product_attention(q, k, v, mask, scale)
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from kvgen.config import ModelConfig
 from kvgen.errors import UnsupportedArchitectureError
 from kvgen.kv_cache.paged import PagedAttentionMetadata
+from kvgen.models.quant_linear import VocabEmbedding
 from kvgen.models.attention import (
     AttentionMetadata,
     advance_cache,
@@ -90,8 +91,8 @@ class GPT2Model(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.wte = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.wpe = VocabEmbedding(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.num_hidden_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 

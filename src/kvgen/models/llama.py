@@ -20,6 +20,7 @@ from kvgen.models.attention import (
     attend,
     prepare_attention,
 )
+from kvgen.kernels import KernelOps
 from kvgen.models.quant_linear import VocabEmbedding
 from kvgen.models.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -42,16 +43,21 @@ class LlamaAttention(nn.Module):
         bias = config.attention_bias
         self.qkv_proj = nn.Linear(c, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, c, bias=bias)
+        self.kernels: KernelOps | None = None  # fused CPU ops, set by build_model for quantized weights
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_idx: int, kv_cache, mask) -> torch.Tensor:
         """x: [B, T, C] -> [B, T, C]; cos, sin: [B, 1, T, D]; mask: [B|1, 1, T, S] bool, None or paged metadata."""
         b, t, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # [B, T, H*D | Hkv*D]
+        qkv = self.qkv_proj(x)  # [B, T, (H + 2 Hkv) * D]
+        if self.kernels is not None:  # RoPE in place on the q and k heads: one op instead of ten
+            self.kernels.rope_qkv_(qkv.view(b * t, -1), cos.view(b * t, -1), sin.view(b * t, -1), self.num_heads, self.num_kv_heads)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # [B, T, H*D | Hkv*D]
         q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v, layer_idx, kv_cache, mask)  # [B, H, T, D]
+        if self.kernels is None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attend(q, k, v, layer_idx, kv_cache, mask, kernels=self.kernels)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))  # [B, T, C]
 
 
@@ -68,10 +74,14 @@ class LlamaMLP(nn.Module):
         c, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_up_proj = nn.Linear(c, 2 * i, bias=bias)
         self.down_proj = nn.Linear(i, c, bias=bias)
+        self.kernels: KernelOps | None = None  # fused CPU ops, set by build_model for quantized weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, C] -> [B, T, C]."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, T, I] each
+        gate_up = self.gate_up_proj(x)  # [B, T, 2I]
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(gate_up.view(-1, gate_up.shape[-1])).view(*x.shape[:-1], -1))
+        gate, up = gate_up.chunk(2, dim=-1)  # [B, T, I] each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -113,6 +123,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer(
             "inv_freq", rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling), persistent=False
         )
+        self.kv_cache_dtype: torch.dtype | None = None  # None: the parameters' dtype
 
     def forward(
         self,
@@ -136,6 +147,14 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, i, kv_cache, mask)
         advance_cache(kv_cache, mask, input_ids.shape[1])
         return self.model.norm(x)
+
+    def use_kernels(self, kernels: KernelOps) -> None:
+        """Run norms, RoPE, SwiGLU and decode attention through ``kernels``' fused ops (the quantized
+        fast path; the float32 reference path keeps the plain torch ops that match transformers)."""
+        for module in self.modules():
+            if isinstance(module, (LlamaAttention, LlamaMLP, RMSNorm)):
+                module.kernels = kernels
+        self.kv_cache_dtype = torch.float16  # the kernels read K and V at fp16 precision: store them so
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: hidden [..., C] -> logits [..., V] float32. Pass only the rows that need logits."""

@@ -19,6 +19,10 @@ from kvgen.kernels import get_ops, pack_gguf_rows
 class VocabEmbedding(nn.Embedding):
     """``nn.Embedding`` that can also act as the tied LM head: ``as_lm_head(h [..., C]) -> [..., V]``."""
 
+    def reset_parameters(self) -> None:
+        """No random init: weights always come from a checkpoint (and ``normal_`` on the meta device
+        imports torch._dynamo, 1.4 s of load time)."""
+
     def as_lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.weight)
 
@@ -40,10 +44,11 @@ class QuantLinear(nn.Module):
         self._qgemm = get_ops().qgemm
 
     @classmethod
-    def from_gguf(cls, qtype: str, raw: torch.Tensor, in_features: int, bias: torch.Tensor | None = None) -> QuantLinear:
-        """From GGUF rows ``raw [out, bytes]`` of type ``qtype`` (Q4_0, Q4_1, Q8_0)."""
-        weight_type, packed = pack_gguf_rows(qtype, raw)
-        return cls(weight_type, packed, in_features, raw.shape[0], bias)
+    def from_gguf(cls, qtype: str, parts: list[torch.Tensor], in_features: int, bias: torch.Tensor | None = None) -> QuantLinear:
+        """From GGUF row blocks ``parts`` ([rows_i, bytes] each, stacked in order) of type ``qtype``
+        (Q4_0, Q4_1, Q8_0)."""
+        weight_type, packed = pack_gguf_rows(qtype, parts)
+        return cls(weight_type, packed, in_features, sum(p.shape[0] for p in parts), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._qgemm(x.reshape(-1, self.in_features), self.qweight, self.weight_type, self.out_features, self.bias)

@@ -96,7 +96,7 @@ def _compact_tensor(t: ReaderTensor, qk_heads: int | None) -> GGUFBlocks:
     raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1))  # [out, bytes], a copy
     if qk_heads:
         raw = reverse_permute_qk(raw, qk_heads)  # whole rows move: exact on the encoded bytes
-    return GGUFBlocks(t.tensor_type, raw, shape)
+    return GGUFBlocks(t.tensor_type, [raw], shape)
 
 
 def _map_names(reader: GGUFReader, path: str) -> dict[str, str]:

@@ -22,34 +22,36 @@ KERNEL_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_
 class GGUFBlocks:
     """One matrix in a GGUF block encoding.
 
-    qtype: Q4_0, Q4_1 or Q8_0; raw: [out_features, bytes per row] uint8 (rows in
-    torch order, q/k rows already un-permuted); shape: (out_features, in_features).
+    qtype: Q4_0, Q4_1 or Q8_0; parts: row blocks [rows_i, bytes per row] uint8 whose
+    rows, in order, are the matrix's (one block unless stacked; rows in torch order, q/k
+    rows already un-permuted); shape: (out_features, in_features).
     """
 
     qtype: GGMLQuantizationType
-    raw: torch.Tensor
+    parts: list[torch.Tensor]
     shape: tuple[int, int]
 
     def __post_init__(self) -> None:
         if self.qtype not in KERNEL_TYPES:
             raise ValueError(f"GGUFBlocks holds Q4_0, Q4_1 or Q8_0, got {self.qtype.name}")
-        if self.raw.dtype != torch.uint8 or self.raw.dim() != 2 or self.raw.shape[0] != self.shape[0]:
-            raise ValueError(f"raw must be uint8 [{self.shape[0]}, bytes], got {self.raw.dtype} {list(self.raw.shape)}")
+        if any(p.dtype != torch.uint8 or p.dim() != 2 for p in self.parts) or sum(p.shape[0] for p in self.parts) != self.shape[0]:
+            raise ValueError(f"parts must be uint8 [rows, bytes] adding up to {self.shape[0]} rows")
 
 
 def stack_blocks(parts: list[GGUFBlocks]) -> GGUFBlocks:
     """Concatenate matrices along their rows (vLLM's stacked q/k/v, gate/up).
 
-    Parts of one type are joined byte for byte; mixed types are all converted to Q8_0
-    (from their exact dequantized values) so one kernel serves the stacked matrix.
+    Parts of one type are joined byte for byte (no copy here: the kernels' repacking reads
+    the row blocks in order); mixed types are all converted to Q8_0 (from their exact
+    dequantized values) so one kernel serves the stacked matrix.
     """
     in_features = parts[0].shape[1]
     if any(p.shape[1] != in_features for p in parts):
         raise ValueError(f"cannot stack matrices with in_features {[p.shape[1] for p in parts]}")
     if len({p.qtype for p in parts}) > 1:
         parts = [to_q8_0(p) for p in parts]
-    raw = torch.cat([p.raw for p in parts])  # [sum(out), bytes]
-    return GGUFBlocks(parts[0].qtype, raw, (raw.shape[0], in_features))
+    rows = [r for p in parts for r in p.parts]
+    return GGUFBlocks(parts[0].qtype, rows, (sum(p.shape[0] for p in parts), in_features))
 
 
 def to_q8_0(blocks: GGUFBlocks) -> GGUFBlocks:
@@ -58,7 +60,8 @@ def to_q8_0(blocks: GGUFBlocks) -> GGUFBlocks:
         return blocks
     from gguf.quants import dequantize
 
-    dense = torch.from_numpy(dequantize(blocks.raw.numpy(), blocks.qtype))  # [out, in] float32
+    raw = torch.cat(blocks.parts) if len(blocks.parts) > 1 else blocks.parts[0]
+    dense = torch.from_numpy(dequantize(raw.numpy(), blocks.qtype))  # [out, in] float32
     return dense_to_q8_0(dense)
 
 
@@ -66,4 +69,4 @@ def dense_to_q8_0(w: torch.Tensor) -> GGUFBlocks:
     """A float matrix [out, in] (in % 32 == 0) encoded as Q8_0 (llama.cpp's reference rounding)."""
     from kvgen.kernels.reference import quantize_q8_0
 
-    return GGUFBlocks(Q.Q8_0, quantize_q8_0(w), (w.shape[0], w.shape[1]))
+    return GGUFBlocks(Q.Q8_0, [quantize_q8_0(w)], (w.shape[0], w.shape[1]))

@@ -1,15 +1,27 @@
 // torch custom ops of kvgen's CPU kernels (namespace torch.ops.kvgen) and their checks.
 // Each op has a plain-torch twin in kvgen/kernels/reference.py that is its spec.
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
-#include <torch/torch.h>
 
+#include <algorithm>
+#include <cstring>
 #include <vector>
 
+#include "aten_lite.h"
 #include "common.h"
 
 namespace kvgen {
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& key_mask,
+                     int64_t past_len, double scale);
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                           double scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+void rope_qkv_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type);
+
 namespace {
 
 int64_t record_bytes(int64_t weight_type) {
@@ -136,10 +148,23 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("quantize_q8a(Tensor x) -> Tensor");
   m.def("qgemm(Tensor x, Tensor weight, int weight_type, int out_features, Tensor? bias) -> Tensor");
   m.def("dequantize_rows(Tensor weight, int weight_type, Tensor ids, int in_features) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? key_mask, int past_len, float scale) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor query_start_loc, "
+        "Tensor seq_lens, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rope_qkv_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("repack_gguf(Tensor[] parts, int gguf_type) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("quantize_q8a", &kvgen::quantize_q8a);
   m.impl("qgemm", &kvgen::qgemm);
   m.impl("dequantize_rows", &kvgen::dequantize_rows);
+  m.impl("attention", &kvgen::attention);
+  m.impl("paged_attention", &kvgen::paged_attention);
+  m.impl("rms_norm", &kvgen::rms_norm);
+  m.impl("rope_qkv_", &kvgen::rope_qkv_);
+  m.impl("silu_mul", &kvgen::silu_mul);
+  m.impl("repack_gguf", &kvgen::repack_gguf);
 }
