@@ -164,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_flags(bp, transformers=False)
     bp.add_argument("--file", default=None, help="UTF-8 text (default: /usr/share/common-licenses/GPL-3)")
     bp.add_argument("--context-length", type=int, default=512, help="tokens per non-overlapping window")
+    bv = bsub.add_parser("serve", help="kvgen serve vs llama-cpp-python's OpenAI server at several concurrencies")
+    _add_bench_flags(bv, transformers=False)
+    bv.add_argument("--num-prompts", type=int, default=32)
+    bv.add_argument("--seed", type=int, default=0)
+    bv.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="requests kept in flight (one run each)")
     return parser
 
 
@@ -371,6 +376,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             flag = "threads" if name == "num_threads" else name.replace("_", "-")
             raise CliError(f"kvgen bench: --{flag} must be >= 1, got {value}")
+    if args.bench_command == "serve":
+        from kvgen.bench.serve import format_serve_report, run_serve_bench
+
+        result = run_serve_bench(args.model, args.dtype, args.num_prompts, args.seed, args.concurrency,
+                                 not args.no_llama_cpp, args.num_threads)
+        print(json.dumps(result, indent=2) if args.json else format_serve_report(result))
+        return 0
     if args.bench_command == "perplexity":
         from kvgen.bench.perplexity import format_perplexity_report, run_perplexity_bench
 
