@@ -156,7 +156,8 @@ def test_models_tokenize_detokenize_health_and_page(server, client, tiny_tokeniz
 
 def test_metrics_count_tokens_and_log_one_line_per_request(server, client):
     before = server.metrics()
-    r = client.completions.create(model="tiny", prompt="Hello there", temperature=0, max_tokens=7, extra_body={"ignore_eos": True})
+    r = client.completions.create(model="tiny", prompt="Hello there", temperature=0, max_tokens=7,
+                                  extra_body={"ignore_eos": True})
     after = server.metrics()
     assert after["kvgen:generation_tokens_total"] - before.get("kvgen:generation_tokens_total", 0) == 7
     assert after["kvgen:prompt_tokens_total"] - before.get("kvgen:prompt_tokens_total", 0) == r.usage.prompt_tokens

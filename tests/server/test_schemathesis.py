@@ -5,8 +5,6 @@ finishes quickly whatever its ``max_tokens`` and ``n``."""
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings

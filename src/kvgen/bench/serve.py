@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import os
 import socket
 import subprocess
@@ -98,7 +99,7 @@ async def run_load(base_url: str, prompts: list[str], output_lens: list[int], co
         results = await asyncio.gather(*(bounded(i) for i in range(len(prompts))))
         end = time.perf_counter()
     ttft = [times[0] - sent for sent, times in results if times]
-    itl = [b - a for _, times in results for a, b in zip(times, times[1:])]
+    itl = [b - a for _, times in results for a, b in itertools.pairwise(times)]
     return {
         "concurrency": concurrency, "elapsed_s": end - start, "num_requests": len(prompts),
         "num_output_tokens": sum(output_lens), "requests_per_s": per_second(len(prompts), end - start),
@@ -186,9 +187,11 @@ def format_serve_report(result: dict[str, Any]) -> str:
             lines.append(f"  {system}: {runs.get('error') or runs.get('skipped')}")
             continue
         for c, r in runs.items():
-            lines.append(f"  {system:17s} c={c:>3s}  {r['output_tokens_per_s'] or 0:8.1f} tok/s  {r['requests_per_s'] or 0:6.2f} req/s"
+            lines.append(f"  {system:17s} c={c:>3s}  {r['output_tokens_per_s'] or 0:8.1f} tok/s"
+                         f"  {r['requests_per_s'] or 0:6.2f} req/s"
                          f"  TTFT p50/p99 {r['ttft_p50_s'] or 0:.3f}/{r['ttft_p99_s'] or 0:.3f} s"
                          f"  ITL p50/p99 {r['itl_p50_s'] or 0:.4f}/{r['itl_p99_s'] or 0:.4f} s")
     for c, r in result["ratios"]["vs_llama_cpp_server"].items():
-        lines.append(f"  vs llama.cpp server at c={c}: throughput x{r['output_tokens_per_s']}, TTFT p99 x{r['ttft_p99_s']}")
+        speed, ttft = r["output_tokens_per_s"], r["ttft_p99_s"]
+        lines.append(f"  vs llama.cpp server at c={c}: throughput x{speed}, TTFT p99 x{ttft}")
     return "\n".join(lines)

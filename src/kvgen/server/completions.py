@@ -111,7 +111,8 @@ async def _stream(state: ServerState, req: CompletionRequest, gen: Generation, n
                 if c.finish_reason is not None:
                     yield chunk(index, "", c.finish_reason)
         if include_usage:
-            final = CompletionChunk(id=gen.request_id, model=state.model_name, choices=[], usage=usage(num_prompt_tokens, num_tokens))
+            final = CompletionChunk(id=gen.request_id, model=state.model_name, choices=[],
+                                    usage=usage(num_prompt_tokens, num_tokens))
             yield sse(chunk_dict(final, True))
         yield sse("[DONE]")
     except Exception as e:  # the engine failed mid-stream: the 200 is sent, so an error event

@@ -69,7 +69,7 @@ def _byte_decoder() -> dict[str, int]:
             bs.append(b)
             cs.append(256 + extra)
             extra += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
 def token_text_and_bytes(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:
@@ -85,10 +85,12 @@ def _top(tokenizer: Tokenizer, token_id: int, logprob: float) -> TopLogprob:
     return TopLogprob(token=text, logprob=max(logprob, MIN_LOGPROB), bytes=raw)
 
 
-def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs], num_top: int) -> list[ChatTokenLogprob]:
+def chat_logprobs(
+    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs], num_top: int
+) -> list[ChatTokenLogprob]:
     """OpenAI ``choices[].logprobs.content``: one entry per token, its ``num_top`` alternatives, best first."""
     out = []
-    for token_id, lp in zip(token_ids, logprobs):
+    for token_id, lp in zip(token_ids, logprobs, strict=False):  # a stop string may end the text early
         top = sorted(lp.top_logprobs.items(), key=lambda kv: -kv[1])[:num_top]
         chosen = _top(tokenizer, token_id, lp.logprob)
         out.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=[_top(tokenizer, t, v) for t, v in top]))

@@ -184,7 +184,7 @@ class Generation:
             return
         self._is_closed = True
         self.state.metrics.num_in_server -= self._num_admitted
-        for stream, tracker in zip(self.streams, self.trackers):
+        for stream, tracker in zip(self.streams, self.trackers, strict=True):
             is_aborted = not stream.is_finished
             await stream.aclose()
             tracker.finish(is_aborted)
