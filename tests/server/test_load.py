@@ -69,3 +69,17 @@ def test_64_streams_with_a_third_disconnecting_leave_nothing_behind(server, clie
     assert growth < RSS_BOUND, f"resident memory grew {growth / 2**20:.1f} MiB"
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "still there?"}], max_tokens=3)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_non_streaming_client_that_times_out_aborts_its_request(server):
+    import httpx
+
+    before = _settled(server, timeout=30)[ABORT]
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1900, "ignore_eos": True}
+    try:
+        httpx.post(server.v1 + "/completions", json=body, timeout=1.0)  # 1900 tokens take far longer
+        raise AssertionError("the request finished within 1 s; it cannot test a disconnect")
+    except httpx.ReadTimeout:
+        pass
+    after = _settled(server, timeout=30)  # long before the 1900 tokens could have been generated
+    assert after[ABORT] == before + 1
