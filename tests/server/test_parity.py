@@ -1,5 +1,6 @@
 """On the real default model, greedy server output equals ``kvgen generate --temperature 0``
-for the same messages (``--chat``) and the same raw prompt: text and token counts."""
+for the same messages (``--chat``) and the same raw prompt: text and token counts (both
+``--dtype float32``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from kvgen.cli import main
 
 MAX_TOKENS = 24
+DTYPE = "float32"  # the same weights and KV-cache dtype on both sides: token parity, not near-ties
 CHAT = "Write a haiku about the sea."
 PROMPT = "The three primary colours are"
 
@@ -19,14 +21,14 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory, launch_server):
-    live = launch_server("default", tmp_path_factory.mktemp("logs") / "default.log", model_name="smollm2")
+    live = launch_server("default", tmp_path_factory.mktemp("logs") / "default.log", "--dtype", DTYPE, model_name="smollm2")
     yield live
     assert live.stop() == 0
 
 
 def _cli_generate(capsys, prompt: str, chat: bool) -> dict:
     """``kvgen generate PROMPT --temperature 0 --json`` (in this process: no second interpreter start)."""
-    argv = ["generate", prompt, "--temperature", "0", "--max-new-tokens", str(MAX_TOKENS), "--json"]
+    argv = ["generate", prompt, "--temperature", "0", "--max-new-tokens", str(MAX_TOKENS), "--json", "--dtype", DTYPE]
     capsys.readouterr()
     assert main(argv + (["--chat"] if chat else [])) == 0
     return json.loads(capsys.readouterr().out)
