@@ -1,11 +1,16 @@
-"""On the real default model, greedy server output equals ``kvgen generate --temperature 0``
-for the same messages (``--chat``) and the same raw prompt: text and token counts (both
-``--dtype float32``)."""
+"""On the real default model: greedy server output equals ``kvgen generate --temperature 0``
+for the same messages (``--chat``) and the same raw prompt, text and token counts (both
+``--dtype float32``); then SIGTERM lets a short stream finish, cuts a long one after the
+grace period, and the process exits 0. (The real model is slow enough that 2000 tokens
+cannot finish in the 5 s of grace on any CPU.)"""
 
 from __future__ import annotations
 
 import json
+import signal
+import time
 
+import httpx
 import openai
 import pytest
 
@@ -21,7 +26,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory, launch_server):
-    live = launch_server("default", tmp_path_factory.mktemp("logs") / "default.log", "--dtype", DTYPE, model_name="smollm2")
+    live = launch_server("default", tmp_path_factory.mktemp("logs") / "default.log", "--dtype", DTYPE,
+                         "--shutdown-timeout", "5", model_name="smollm2")
     yield live
     assert live.stop() == 0
 
@@ -49,3 +55,28 @@ def test_greedy_chat_and_completion_equal_kvgen_generate(default_server, capsys)
     expected = _cli_generate(capsys, PROMPT, chat=False)
     r = client.completions.create(model="smollm2", prompt=PROMPT, temperature=0, max_tokens=MAX_TOKENS)
     assert r.choices[0].text == expected["text"] and r.usage.completion_tokens == len(expected["token_ids"])
+
+
+def test_sigterm_finishes_short_streams_cuts_long_ones_and_exits_0(default_server):
+    messages = [{"role": "user", "content": "Tell me a long story."}]
+    short = {"model": "smollm2", "messages": messages, "max_tokens": 8, "stream": True, "ignore_eos": True}
+    long = {**short, "max_tokens": 2000}
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", default_server.v1 + "/chat/completions", json=short) as r_short, \
+                http.stream("POST", default_server.v1 + "/chat/completions", json=long) as r_long:
+            lines_short = r_short.iter_lines()
+            next(lines_short)
+            default_server.proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            text_short = "\n".join(lines_short)
+            try:
+                text_long = "\n".join(r_long.iter_lines())
+            except httpx.HTTPError:  # cut mid-stream
+                text_long = ""
+    assert '"finish_reason":"length"' in text_short and text_short.strip().endswith("data: [DONE]")
+    assert "[DONE]" not in text_long
+    assert default_server.proc.wait(timeout=60) == 0
+    assert time.monotonic() - t0 < 40
+    with pytest.raises(httpx.TransportError):
+        httpx.get(default_server.url + "/health", timeout=2)
+    assert "kvgen serve: stopped" in default_server.log()
