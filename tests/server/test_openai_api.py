@@ -166,3 +166,15 @@ def test_metrics_count_tokens_and_log_one_line_per_request(server, client):
     assert after["kvgen:inter_token_latency_seconds_count"] - before.get("kvgen:inter_token_latency_seconds_count", 0) == 6
     assert 0 <= after["kvgen:prefix_cache_hit_rate"] <= 1 and "process_resident_memory_bytes" in after
     assert f"request {r.id}: prompt_tokens={r.usage.prompt_tokens} completion_tokens=7" in server.log()
+
+
+def test_prefix_cache_hits_show_in_metrics(server, client):
+    prompt = "A shared preamble that is long enough to fill two KV blocks of sixteen tokens each, and then some more. " * 2
+    client.completions.create(model="tiny", prompt=prompt + "First.", temperature=0, max_tokens=2)
+    before = server.metrics()
+    r = client.completions.create(model="tiny", prompt=prompt + "Second.", temperature=0, max_tokens=2)
+    after = server.metrics()
+    hits = after["kvgen:prefix_cache_hits_total"] - before["kvgen:prefix_cache_hits_total"]
+    queries = after["kvgen:prefix_cache_queries_total"] - before["kvgen:prefix_cache_queries_total"]
+    assert queries == r.usage.prompt_tokens and hits >= 32 and hits % 16 == 0  # whole blocks of the shared prefix
+    assert after["kvgen:prefix_cache_hit_rate"] > 0
