@@ -35,6 +35,14 @@ def ours_default():
 
 
 @pytest.fixture(scope="session")
+def ours_default_auto():
+    """(model, tokenizer) of the default GGUF on the default path: Q4_1/Q8_0 blocks through kvgen's kernels."""
+    from kvgen.loader import load_model
+
+    return load_model("default", dtype="auto")
+
+
+@pytest.fixture(scope="session")
 def hf_default(default_gguf_path):
     """transformers' LlamaForCausalLM on the same GGUF, float32, eval mode."""
     from transformers import AutoModelForCausalLM

@@ -92,7 +92,7 @@ def test_perplexity_matches_transformers_nll(capsys, tmp_path, ours_default, hf_
     text = ("The quick brown fox jumps over the lazy dog. " * 3 + "Paris is the capital of France. ") * 6
     path = tmp_path / "text.txt"
     path.write_text(text)
-    code, out, err = _run(capsys, ["perplexity", str(path), "--context-length", "64"])
+    code, out, err = _run(capsys, ["perplexity", str(path), "--context-length", "64", "--dtype", "float32"])
     assert code == 0, err
     report = json.loads(out)
     ids = tok.encode(text, add_special_tokens=False)

@@ -106,10 +106,16 @@ def generation_config_from_args(args: argparse.Namespace) -> Any:
     return GenerationConfig(**values)
 
 
-def _add_model_flags(p: argparse.ArgumentParser, dtype: bool = True) -> None:
+def _add_model_flags(p: argparse.ArgumentParser, dtype: bool = True, threads: bool = True) -> None:
     p.add_argument("--model", default="default", help="a .gguf file, a Hugging Face directory or 'default' (SmolLM2-135M-Instruct)")
+    if threads:
+        p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the physical cores)")
     if dtype:
-        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight and activation dtype")
+        p.add_argument(
+            "--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+            help="auto: a quantized GGUF runs from its blocks through kvgen's CPU kernels; "
+            "float32: the exact dequantized reference path",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_bench_flags(p: argparse.ArgumentParser, transformers: bool = True, llama_cpp: bool = True) -> None:
-    _add_model_flags(p, dtype=False)
+    _add_model_flags(p, dtype=False, threads=False)
     p.add_argument("--dtype", default=None, help="kvgen's dtype, as load_model takes it (default: load_model's default)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--threads", "--num-threads", dest="num_threads", type=int, default=None, help="threads of every engine (default: physical cores)")
@@ -221,7 +227,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, float]:
     from kvgen.loader import load_model
 
     start = time.perf_counter()
-    model, tokenizer = load_model(args.model, dtype=getattr(args, "dtype", "float32"))
+    model, tokenizer = load_model(args.model, dtype=getattr(args, "dtype", "auto"))
     return model, tokenizer, time.perf_counter() - start
 
 
@@ -431,10 +437,23 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _set_threads(threads: int | None) -> None:
+    """--threads N, else $OMP_NUM_THREADS when set (torch already follows it), else the physical cores."""
+    if threads is not None and threads < 1:
+        raise CliError(f"--threads must be >= 1, got {threads}")
+    if threads is None and os.environ.get("OMP_NUM_THREADS"):
+        return
+    from kvgen.bench.common import set_threads
+
+    set_threads(threads)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvgen`` script; returns the exit code."""
     try:
         args = build_parser().parse_args(argv)
+        if "threads" in vars(args):
+            _set_threads(args.threads)
         return COMMANDS[args.command](args)
     except (CliError, KvgenError, ValueError, NotImplementedError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -8,6 +8,14 @@ from typing import Any
 from kvgen.loader import load_model, resolve_model_path
 
 
+def num_parameters(model) -> int:
+    """Weights of the model, counting a quantized matrix by its logical shape (out x in) and tied ones once."""
+    from kvgen.models.quant_linear import QuantLinear
+
+    dense = sum(p.numel() for p in model.parameters())
+    return dense + sum(m.in_features * m.out_features for m in {id(m): m for m in model.modules() if isinstance(m, QuantLinear)}.values())
+
+
 def _storage_types(path: Any) -> dict[str, int]:
     """Tensor count per storage type (GGUF quantization types, or safetensors dtypes)."""
     if path.is_dir():
@@ -34,7 +42,7 @@ def describe_model(path_or_name: str = "default") -> dict[str, Any]:
         "path": str(path),
         "format": "huggingface" if path.is_dir() else "gguf",
         "architecture": cfg.model_type,
-        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "num_parameters": num_parameters(model),
         "num_hidden_layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,

@@ -76,6 +76,24 @@ def test_greedy_batch_is_token_identical_to_generate_alone(model_tok, prompts, r
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+@pytest.mark.parametrize(
+    "engine_args", [{}, {"num_blocks": 12}, {"max_num_batched_tokens": 16}], ids=["large_pool", "tiny_pool_preempts", "chunked_prefill"]
+)
+def test_quantized_default_path_engine_is_token_identical_to_generate_alone(ours_default_auto, prompts, engine_args):
+    """Batch invariance on the kernels: a request's greedy tokens do not depend on its neighbours,
+    on chunked prefill or on preemption (per-row arithmetic never depends on the batch)."""
+    model, tok = ours_default_auto
+    prompts = prompts[::2]
+    config = GenerationConfig(max_new_tokens=12)
+    alone = [generate(model, torch.tensor([p]), None, config).new_token_ids[0] for p in prompts]
+    llm = LLM(model, tok, **{"num_blocks": 256, **engine_args})
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == alone
+    if engine_args.get("num_blocks"):
+        assert sum(o.metrics.num_preemptions for o in outputs) > 0
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_a_busy_preempting_batch(model_tok, prompts):
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12)
     alone = _llm(model_tok).generate(TEXTS[0], seeded, use_tqdm=False)[0].outputs[0].token_ids

@@ -169,6 +169,7 @@ def measure_transformers(hf_model: nn.Module, prompt_ids: torch.Tensor, config: 
 
 
 def _bench_kvgen(config: DecodeBenchConfig, log: Progress) -> dict[str, Any]:
+    from kvgen.bench.kernels import qgemm_crossover, step_breakdown
     from kvgen.loader import load_model, resolve_model_path
 
     rss_before = current_rss_bytes()
@@ -179,8 +180,12 @@ def _bench_kvgen(config: DecodeBenchConfig, log: Progress) -> dict[str, Any]:
     configs = measure_ours(model, seeded_prompt_ids(config.prompt_tokens, vocab_size, config.seed), config, log)
     ttft_prompt_ids = seeded_prompt_ids(config.ttft_prompt_tokens, vocab_size, config.seed)  # [1, ttft_prompt_tokens]
     ttft_s = time_to_first_token(_kvgen_generate_fn(model, "static"), ttft_prompt_ids, config.num_prefill_repeats)
+    log("kvgen: decode step breakdown and kernel crossover")
+    breakdown = step_breakdown(model, seeded_prompt_ids(config.prompt_tokens, vocab_size, config.seed))
     return {
         "model_path": str(resolve_model_path(config.model)),
+        "step_breakdown": breakdown,
+        "qgemm_crossover": qgemm_crossover(),
         "vocab_size": vocab_size,
         "load_s": load_s,
         "rss_before_load_bytes": rss_before,

@@ -23,7 +23,7 @@ class EngineArgs:
     """
 
     model: str = _f("default", "model: 'default', a .gguf file or a Hugging Face directory")
-    dtype: str = _f("float32", "weight and KV-cache dtype: float32, bfloat16 or float16")
+    dtype: str = _f("auto", "weights: auto (a quantized GGUF runs from its blocks, fp16 KV cache), float32, bfloat16 or float16")
     block_size: int = _f(16, "tokens per KV-cache block")
     num_blocks: int | None = _f(None, "KV-cache blocks in the pool (vLLM num_gpu_blocks); exclusive with kv_cache_memory")
     kv_cache_memory: int | None = _f(None, "KV-cache pool size in bytes (default 1 GiB when num_blocks is unset)")
@@ -35,10 +35,10 @@ class EngineArgs:
     max_logprobs: int = _f(20, "largest SamplingParams.logprobs accepted")
 
     def __post_init__(self) -> None:
-        from kvgen.loader import DTYPES
+        from kvgen.loader import AUTO, DTYPES
 
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != AUTO and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {AUTO}, {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _check_int(name, getattr(self, name), 1)
         for name in ("num_blocks", "kv_cache_memory", "max_model_len"):

@@ -69,13 +69,19 @@ _REFERENCE = KernelOps("reference", *(getattr(reference, n) for n in _NAMES))
 _ops: KernelOps | None = None
 
 
+def _cflags() -> list[str]:
+    """CFLAGS plus ``$KVGEN_KERNELS_CFLAGS`` (e.g. ``-fsanitize=address,undefined`` for a checked build)."""
+    return [*CFLAGS, *os.environ.get("KVGEN_KERNELS_CFLAGS", "").split()]
+
+
 def cache_dir() -> Path:
-    """Where the compiled library lives: ``$KVGEN_CACHE_DIR`` or ``~/.cache/kvgen``, then ``kernels/<hash>``."""
+    """Where the compiled library lives: ``$KVGEN_CACHE_DIR`` or ``~/.cache/kvgen``, then ``kernels/<hash>``
+    of the sources, the flags and the torch version."""
     root = Path(os.environ.get("KVGEN_CACHE_DIR") or Path.home() / ".cache" / "kvgen")
     digest = hashlib.sha256()
     for name in (*HEADERS, *SOURCES):
         digest.update((CSRC / name).read_bytes())
-    digest.update(" ".join(CFLAGS).encode() + torch.__version__.encode())
+    digest.update(" ".join(_cflags()).encode() + torch.__version__.encode())
     return root / "kernels" / digest.hexdigest()[:16]
 
 
@@ -95,8 +101,8 @@ def _load_extension() -> None:
         cpp_extension.load(
             name="kvgen_kernels",
             sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=["-fopenmp"],
+            extra_cflags=_cflags(),
+            extra_ldflags=["-fopenmp", *_cflags()[len(CFLAGS):]],
             build_directory=str(build),
             is_python_module=False,
             verbose=False,

@@ -37,7 +37,7 @@ def build_model(
     tensors are adopted without a copy when already in ``dtype`` (the module is built
     on the meta device, so peak memory stays at one set of weights); ``GGUFBlocks``
     become ``QuantLinear`` / ``QuantEmbedding`` modules in place of ``nn.Linear`` /
-    the embedding. Raises ``UnsupportedArchitectureError`` for an unknown model_type
+    the embedding, and are consumed (their byte blocks released as they are packed). Raises ``UnsupportedArchitectureError`` for an unknown model_type
     and ``ModelFormatError`` listing missing/unexpected/mis-shaped parameters.
     """
     cls = MODEL_REGISTRY.get(config.model_type)
@@ -60,6 +60,7 @@ def build_model(
     for name, blocks in state_dict.items():
         if isinstance(blocks, GGUFBlocks):
             _install_quantized(model, name.removesuffix(".weight"), blocks, dense)
+            blocks.parts = []  # consumed: the file's bytes go as their packed copy arrives (peak memory)
     model.load_state_dict({k: v.to(dtype) for k, v in dense.items()}, strict=False, assign=True)
     for name, buf in list(model.named_buffers()):
         if buf.is_meta:  # non-persistent buffers (rope inv_freq) are recomputed on CPU
@@ -86,8 +87,12 @@ def _stack_packed(model: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any
                 if len(present) != len(keys):
                     raise ModelFormatError(f"checkpoint has {present} but not all of {keys}")
                 values = [state.pop(k) for k in keys]
-                stacked = stack_blocks(values) if isinstance(values[0], GGUFBlocks) else torch.cat(values)
-                state[f"{module_name}.{fused}.{suffix}"] = stacked
+                if isinstance(values[0], GGUFBlocks):
+                    state[f"{module_name}.{fused}.{suffix}"] = stack_blocks(values)
+                    for v in values:
+                        v.parts = []  # the stacked blocks hold the bytes now
+                else:
+                    state[f"{module_name}.{fused}.{suffix}"] = torch.cat(values)
     return state
 
 

@@ -149,10 +149,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def use_kernels(self, kernels: KernelOps) -> None:
-        """Run norms, RoPE, SwiGLU and decode attention through ``kernels``' fused ops (the quantized
-        fast path; the float32 reference path keeps the plain torch ops that match transformers)."""
+        """Run norms, RoPE, SwiGLU, attention and quantized matmuls through ``kernels`` (the C++ ops
+        or their torch twins). This is the quantized fast path; the float32 reference path keeps
+        the plain torch ops that match transformers."""
         for module in self.modules():
-            if isinstance(module, (LlamaAttention, LlamaMLP, RMSNorm)):
+            if hasattr(module, "kernels"):
                 module.kernels = kernels
         self.kv_cache_dtype = torch.float16  # the kernels read K and V at fp16 precision: store them so
 

@@ -41,7 +41,7 @@ class QuantLinear(nn.Module):
         self.weight_type, self.in_features, self.out_features = weight_type, in_features, out_features
         self.register_buffer("qweight", qweight)  # [G, nb, R] uint8
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self._qgemm = get_ops().qgemm
+        self.kernels = get_ops()
 
     @classmethod
     def from_gguf(cls, qtype: str, parts: list[torch.Tensor], in_features: int, bias: torch.Tensor | None = None) -> QuantLinear:
@@ -51,7 +51,8 @@ class QuantLinear(nn.Module):
         return cls(weight_type, packed, in_features, sum(p.shape[0] for p in parts), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._qgemm(x.reshape(-1, self.in_features), self.qweight, self.weight_type, self.out_features, self.bias)
+        x2 = x.reshape(-1, self.in_features)  # [M, K]
+        out = self.kernels.qgemm(x2, self.qweight, self.weight_type, self.out_features, self.bias)  # [M, N]
         return out.view(*x.shape[:-1], self.out_features)  # [..., N]
 
     def extra_repr(self) -> str:
@@ -68,11 +69,11 @@ class QuantEmbedding(nn.Module):
         super().__init__()
         self.linear = linear
         self.num_embeddings, self.embedding_dim = linear.out_features, linear.in_features
-        self._dequantize_rows = get_ops().dequantize_rows
+        self.kernels = get_ops()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         lin = self.linear
-        rows = self._dequantize_rows(lin.qweight, lin.weight_type, input_ids.reshape(-1), lin.in_features)  # [n, C]
+        rows = self.kernels.dequantize_rows(lin.qweight, lin.weight_type, input_ids.reshape(-1), lin.in_features)  # [n, C]
         return rows.view(*input_ids.shape, self.embedding_dim)
 
     def as_lm_head(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,180 @@
+"""kvgen's C++ kernels against their plain-torch twins and against gguf.quants dequantization.
+
+The reference for a quantized GEMM is dequantize-then-matmul: weights dequantized by
+``gguf.quants`` (llama.cpp's numpy reference), activations by the twin of the Q8 activation
+quantizer. The fast path (C++) and the portable path (kvgen.kernels.reference) must agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+import kvgen.kernels as K
+from kvgen.kernels import reference as R
+
+OPS = K.get_ops()
+REF = K.reference_ops()
+needs_avx2 = pytest.mark.skipif(OPS.backend != "avx2", reason=f"C++ kernels unavailable (backend {OPS.backend})")
+GGUF_CODE = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2}
+
+
+def _gguf_matrix(qtype: Q, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(GGUF bytes [n, row_bytes] uint8, their gguf.quants dequantization [n, k] float32)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
+    raw = quantize(w, qtype)
+    return torch.from_numpy(raw), torch.from_numpy(dequantize(raw, qtype))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_repack_round_trips_to_gguf_dequantization(qtype):
+    raw, dense = _gguf_matrix(qtype, 21, 96, seed=1)  # 21 rows: a partial last group
+    parts = [raw[:5].contiguous(), raw[5:13].contiguous(), raw[13:].contiguous()]  # stacked like q, k, v
+    for ops in (OPS, REF):
+        packed = ops.repack_gguf(parts, GGUF_CODE[qtype])
+        weight_type = K.Q8 if qtype == Q.Q8_0 else K.Q4
+        torch.testing.assert_close(R.dequantize_packed(packed, weight_type)[:21], dense, rtol=0, atol=0)
+    assert torch.equal(OPS.repack_gguf(parts, GGUF_CODE[qtype]), REF.repack_gguf(parts, GGUF_CODE[qtype]))
+
+
+def test_activation_quantizer_matches_plain_torch():
+    x = torch.randn(7, 576, generator=torch.Generator().manual_seed(2)) * 3
+    x[0, :32] = 0  # an all-zero block: scale 0, no division by zero
+    x[1, 5] = 127 / 2 * x[1, :32].abs().max() / 127  # a value near a rounding tie
+    got, want = OPS.quantize_q8a(x), R.quantize_q8a(x)
+    assert torch.equal(got, want)
+    blocks = want.view(7, -1, 40)
+    qs = blocks[..., 8:].contiguous().view(torch.int8)
+    assert int(qs.abs().max()) == 127  # every block's largest value maps to +-127
+    torch.testing.assert_close(R.dequantize_q8a(want), x, rtol=0, atol=float(x.abs().max()) / 127)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (3, 21, 96), (17, 200, 320), (64, 72, 1536)])
+def test_qgemm_matches_dequantize_then_matmul(qtype, m, n, k):
+    raw, dense = _gguf_matrix(qtype, n, k, seed=m + n + k)
+    weight_type, packed = K.pack_gguf_rows(qtype.name, [raw])
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(n)
+    want = R.dequantize_q8a(R.quantize_q8a(x)) @ dense.T + bias  # [M, N]
+    scale = float(want.abs().max())
+    for ops in (OPS, REF):
+        got = ops.qgemm(x, packed, weight_type, n, bias)
+        assert got.shape == (m, n)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)
+    # and close to the unquantized product: per-block int8 activations keep ~1 % accuracy
+    exact = x @ dense.T + bias
+    assert float((OPS.qgemm(x, packed, weight_type, n, bias) - exact).abs().max()) < 0.05 * scale
+
+
+@needs_avx2
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+def test_qgemm_rows_do_not_depend_on_the_batch(qtype):
+    """Batch invariance: each row's bits are the same alone, in any tile of 1-4 rows, or among 33."""
+    raw, _ = _gguf_matrix(qtype, 64, 256, seed=3)
+    weight_type, packed = K.pack_gguf_rows(qtype.name, [raw])
+    x = torch.randn(33, 256, generator=torch.Generator().manual_seed(4))
+    together = OPS.qgemm(x, packed, weight_type, 64, None)
+    alone = torch.cat([OPS.qgemm(x[i : i + 1], packed, weight_type, 64, None) for i in range(33)])
+    assert torch.equal(together, alone)
+    assert torch.equal(OPS.qgemm(x[5:7], packed, weight_type, 64, None), together[5:7])
+
+
+def test_dequantize_rows_is_an_embedding_lookup():
+    raw, dense = _gguf_matrix(Q.Q8_0, 50, 64, seed=5)
+    weight_type, packed = K.pack_gguf_rows("Q8_0", [raw])
+    ids = torch.tensor([0, 49, 7, 7, 31])
+    for ops in (OPS, REF):
+        assert torch.equal(ops.dequantize_rows(packed, weight_type, ids, 64), dense[ids])
+
+
+def _attention_inputs(b, h, h_kv, t, s, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, h, d, generator=g).transpose(1, 2)  # [B, H, T, D], strided like the model's
+    k = torch.randn(b, h_kv, s + 3, d, generator=g).to(dtype)[:, :, :s]  # a view into a longer cache
+    v = torch.randn(b, h_kv, s + 3, d, generator=g).to(dtype)[:, :, :s]
+    return q, k, v
+
+
+@pytest.mark.parametrize("b,h,h_kv,t,s,d,dtype", [
+    (1, 9, 3, 1, 77, 64, torch.float16), (3, 4, 2, 5, 12, 16, torch.float32), (2, 6, 2, 7, 7, 80, torch.float16),
+])
+def test_attention_matches_reference_with_padding(b, h, h_kv, t, s, d, dtype):
+    q, k, v = _attention_inputs(b, h, h_kv, t, s, d, dtype, seed=s)
+    key_mask = torch.ones(b, s, dtype=torch.bool)
+    key_mask[-1, :2] = False  # left padding in the last row
+    for mask in (None, key_mask):
+        want = REF.attention(q, k, v, mask, s - t, d**-0.5)
+        torch.testing.assert_close(OPS.attention(q, k, v, mask, s - t, d**-0.5), want, rtol=1e-5, atol=1e-5)
+    # against plain softmax attention in float64 on fp16-rounded K/V (the kernels' contract)
+    qd, kd, vd = q.double(), k.half().double(), v.half().double()
+    scores = (qd @ kd.repeat_interleave(h // h_kv, 1).transpose(-1, -2)) * d**-0.5  # [B, H, T, S]
+    causal = torch.arange(s)[None, :] <= (s - t + torch.arange(t))[:, None]
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    want64 = (probs @ vd.repeat_interleave(h // h_kv, 1)).transpose(1, 2)  # [B, T, H, D]
+    torch.testing.assert_close(OPS.attention(q, k, v, None, s - t, d**-0.5).double(), want64, rtol=1e-5, atol=1e-5)
+
+
+@needs_avx2
+def test_attention_query_does_not_depend_on_chunking_or_padding():
+    q, k, v = _attention_inputs(1, 9, 3, 6, 20, 64, torch.float16, seed=7)
+    whole = OPS.attention(q, k, v, None, 14, 0.125)  # [1, 6, 9, 64]
+    for t in range(6):  # the same query as a one-token decode over its prefix
+        one = OPS.attention(q[:, :, t : t + 1], k[:, :, : 15 + t], v[:, :, : 15 + t], None, 14 + t, 0.125)
+        assert torch.equal(one[:, 0], whole[:, t])
+    pad = 5  # the same row left-padded by 5 slots
+    kp = torch.cat([torch.zeros(1, 3, pad, 64, dtype=k.dtype), k], dim=2)
+    vp = torch.cat([torch.zeros(1, 3, pad, 64, dtype=v.dtype), v], dim=2)
+    mask = torch.cat([torch.zeros(1, pad, dtype=torch.bool), torch.ones(1, 20, dtype=torch.bool)], dim=1)
+    assert torch.equal(OPS.attention(q, kp, vp, mask, 14 + pad, 0.125), whole)
+
+
+def test_paged_attention_matches_reference_and_contiguous_attention():
+    g = torch.Generator().manual_seed(8)
+    bs, h, h_kv, d = 4, 9, 3, 64
+    k_pool = torch.randn(20, bs, h_kv, d, generator=g).half()
+    v_pool = torch.randn(20, bs, h_kv, d, generator=g).half()
+    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11]])
+    seq_lens, qsl = torch.tensor([6, 15]), torch.tensor([0, 1, 5])  # a decode, then a 4-token chunk
+    q = torch.randn(5, h, d, generator=g)
+    got = OPS.paged_attention(q, k_pool, v_pool, tables, qsl, seq_lens, 0.125)
+    torch.testing.assert_close(got, REF.paged_attention(q, k_pool, v_pool, tables, qsl, seq_lens, 0.125), rtol=1e-5, atol=1e-5)
+    # sequence 1 alone gives the same bits, and so does contiguous attention over its gathered blocks
+    alone = OPS.paged_attention(q[1:], k_pool, v_pool, tables[1:], torch.tensor([0, 4]), seq_lens[1:], 0.125)
+    if OPS.backend == "avx2":
+        assert torch.equal(alone, got[1:])
+    slots = tables[1][torch.arange(15) // bs] * bs + torch.arange(15) % bs
+    k = k_pool.view(-1, h_kv, d)[slots].transpose(0, 1)[None]  # [1, Hkv, 15, D]
+    v = v_pool.view(-1, h_kv, d)[slots].transpose(0, 1)[None]
+    contiguous = OPS.attention(q[1:].transpose(0, 1)[None], k, v, None, 11, 0.125)[0]  # [4, H, D]
+    torch.testing.assert_close(alone, contiguous, rtol=0, atol=0)
+
+
+def test_fused_small_ops_match_reference():
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(5, 576, generator=g), torch.randn(576, generator=g)
+    torch.testing.assert_close(OPS.rms_norm(x, w, 1e-5), torch.nn.functional.rms_norm(x, (576,), w, 1e-5))
+    qkv = torch.randn(7, (9 + 2 * 3) * 64, generator=g)
+    cos, sin = torch.randn(7, 64, generator=g), torch.randn(7, 64, generator=g)
+    got, want = qkv.clone(), qkv.clone()
+    OPS.rope_qkv_(got, cos, sin, 9, 3)
+    REF.rope_qkv_(want, cos, sin, 9, 3)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[:, 12 * 64 :], qkv[:, 12 * 64 :])  # v untouched
+    gate_up = torch.randn(6, 2 * 1536, generator=g) * 5
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(OPS.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_inputs_raise_clear_errors():
+    raw, _ = _gguf_matrix(Q.Q4_1, 16, 64, seed=10)
+    weight_type, packed = K.pack_gguf_rows("Q4_1", [raw])
+    if OPS.backend == "avx2":
+        with pytest.raises(RuntimeError, match="K=96"):
+            OPS.qgemm(torch.randn(2, 96), packed, weight_type, 16, None)
+    with pytest.raises(ValueError, match="Q6_K"):
+        K.pack_gguf_rows("Q6_K", [raw])
+    with pytest.raises(ValueError, match="nb \\* 20"):
+        K.pack_gguf_rows("Q4_1", [raw[:, :30].contiguous()])

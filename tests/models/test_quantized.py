@@ -1,0 +1,73 @@
+"""The default path: the default GGUF's Q4_1 / Q8_0 blocks run through kvgen's kernels.
+
+References: the float32 path on the same (dequantized) weights for accuracy, and the same
+model itself for the equivalences (batch, padding, cache kinds), which must hold exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import left_pad
+
+from kvgen.generation import GenerationConfig, generate
+from kvgen.generation.runner import positions_from_mask
+from kvgen.kernels import reference_ops
+from kvgen.models import AttentionMetadata
+from kvgen.models.quant_linear import QuantEmbedding, QuantLinear
+
+pytestmark = pytest.mark.slow
+TEXTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village, there lived"]
+
+
+def _logits(model, ids, mask):
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, positions_from_mask(mask), None, AttentionMetadata(mask)))
+
+
+def test_weights_stay_in_their_blocks(ours_default_auto, default_gguf_path):
+    model, _ = ours_default_auto
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(linears) == 4 * model.config.num_hidden_layers + 1  # qkv, o, gate_up, down per layer; the tied head
+    assert isinstance(model.model.embed_tokens, QuantEmbedding)
+    assert all(m.qweight.dtype == torch.uint8 for m in linears)
+    nbytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    assert nbytes < 1.05 * default_gguf_path.stat().st_size  # nothing dequantized to float32
+
+
+def test_logits_are_close_to_float32_on_the_same_weights(ours_default_auto, ours_default):
+    (quant, tok), (dense, _) = ours_default_auto, ours_default
+    ids, mask = left_pad([tok.encode(t) for t in TEXTS], pad_id=0)
+    got, want = _logits(quant, ids, mask), _logits(dense, ids, mask)
+    real = mask.bool()
+    err = (got[real] - want[real]).abs().max() / want[real].abs().max()
+    assert err < 0.06  # int8 activations per 32 values: a few % of the logit range
+    top1 = (got[real].argmax(-1) == want[real].argmax(-1)).float().mean()
+    assert top1 >= 0.9
+
+
+def test_fast_kernels_and_torch_twins_agree(ours_default_auto):
+    model, tok = ours_default_auto
+    if model.model.layers[0].self_attn.kernels.backend != "avx2":
+        pytest.skip("the C++ kernels are not in use")
+    ids, mask = left_pad([tok.encode(t) for t in TEXTS], pad_id=0)
+    fast = _logits(model, ids, mask)
+    kernels = model.model.layers[0].self_attn.kernels
+    try:
+        model.use_kernels(reference_ops())
+        slow = _logits(model, ids, mask)
+    finally:
+        model.use_kernels(kernels)
+    real = mask.bool()
+    torch.testing.assert_close(fast[real], slow[real], rtol=0, atol=0.05 * float(slow[real].abs().max()))
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic", None])
+def test_greedy_tokens_equal_alone_batched_and_across_cache_kinds(ours_default_auto, cache):
+    model, tok = ours_default_auto
+    prompts = [tok.encode(t) for t in TEXTS]
+    static = GenerationConfig(max_new_tokens=16, cache_implementation="static")
+    config = GenerationConfig(max_new_tokens=16, cache_implementation=cache or "static", use_cache=cache is not None)
+    alone = [generate(model, torch.tensor([p]), None, static).new_token_ids[0] for p in prompts]
+    ids, mask = left_pad(prompts, pad_id=0)
+    assert generate(model, ids, mask, config).new_token_ids == alone
