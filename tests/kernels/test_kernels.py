@@ -178,3 +178,26 @@ def test_bad_inputs_raise_clear_errors():
         K.pack_gguf_rows("Q6_K", [raw])
     with pytest.raises(ValueError, match="nb \\* 20"):
         K.pack_gguf_rows("Q4_1", [raw[:, :30].contiguous()])
+
+
+def test_fused_cache_write_and_attention_match_reference():
+    g = torch.Generator().manual_seed(11)
+    b, t, h, h_kv, d, past = 2, 3, 6, 2, 32, 5
+    qkv = torch.randn(b * t, (h + 2 * h_kv) * d, generator=g)
+    mask = torch.ones(b, past + t, dtype=torch.bool)
+    mask[1, :2] = False
+    for dtype in (torch.float16, torch.float32):
+        caches = [torch.randn(b, h_kv, 16, d, generator=g).to(dtype) for _ in range(2)]
+        mine, theirs = [c.clone() for c in caches], [c.clone() for c in caches]
+        got = OPS.static_attention(qkv, mine[0], mine[1], mask, past, h, d**-0.5)
+        want = REF.static_attention(qkv, theirs[0], theirs[1], mask, past, h, d**-0.5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])  # the same slots written
+    pools = [torch.zeros(8, 4, h_kv, d, dtype=torch.float16) for _ in range(4)]
+    tables, seq_lens, qsl = torch.tensor([[2, 5], [7, 1]]), torch.tensor([3, 6]), torch.tensor([0, 3, 6])
+    slots = torch.tensor([8, 9, 10, 29, 30, 31])  # seq 0: positions 0-2 (block 2); seq 1: positions 3-5 (blocks 7, 1)
+    slots[3:] = torch.tensor([7 * 4 + 3, 1 * 4 + 0, 1 * 4 + 1])
+    got = OPS.paged_attention_qkv(qkv, pools[0], pools[1], slots, tables, qsl, seq_lens, h, d**-0.5)
+    want = REF.paged_attention_qkv(qkv, pools[2], pools[3], slots, tables, qsl, seq_lens, h, d**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pools[0], pools[2])

@@ -10,12 +10,16 @@ notice, never a crash). :func:`get_ops` returns whichever is in use.
 
 Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 
-* ``qgemm(x [M, K] f32, weight [G, nb, R] u8, weight_type, out_features, bias?) -> [M, N] f32``
+* ``qgemm(x [M, K] f32, weight [G, nb, R] u8, weight_type, out_features, bias?, residual?) -> [M, N] f32``
 * ``quantize_q8a(x [M, K] f32) -> [M, K / 32 * 40] u8``
 * ``dequantize_rows(weight, weight_type, ids [n] i64, in_features) -> [n, K] f32``
 * ``attention(q [B, H, T, D], k, v [B, Hkv, S, D], key_mask [B, S] bool?, past_len, scale) -> [B, T, H, D]``
 * ``paged_attention(q [N, H, D], k_pool, v_pool [blocks, block_size, Hkv, D], block_tables [R, nb],
   query_start_loc [R+1], seq_lens [R], scale) -> [N, H, D]`` (K and V read at fp16 precision)
+* ``static_attention(qkv [B*T, (H+2Hkv)D], k_cache, v_cache [B, Hkv, S_max, D], key_mask?, past_len, H, scale)
+  -> [B*T, H*D]``: cache write + ``attention``
+* ``paged_attention_qkv(qkv [N, W], k_pool, v_pool, slot_mapping [N], block_tables, query_start_loc, seq_lens, H,
+  scale) -> [N, H*D]``: cache write + ``paged_attention``
 * ``rms_norm(x [M, C], weight [C], eps) -> [M, C]``
 * ``rope_qkv_(qkv [N, (H + 2 Hkv) D], cos [N, D], sin [N, D], H, Hkv)``: in place on q and k
 * ``silu_mul(gate_up [M, 2I]) -> [M, I]``
@@ -39,7 +43,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "ops.cpp", "quantize_q8a.cpp", "qgemm_q4.cpp", "qgemm_q8.cpp",
-    "attention.cpp", "rms_norm.cpp", "rope.cpp", "silu_mul.cpp", "repack.cpp",
+    "attention.cpp", "rms_norm.cpp", "rope.cpp", "silu_mul.cpp", "repack.cpp", "attention_qkv.cpp",
 )
 HEADERS = ("common.h", "vec_math.h", "aten_lite.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
@@ -60,10 +64,13 @@ class KernelOps:
     rope_qkv_: Callable[..., None]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     repack_gguf: Callable[[list[torch.Tensor], int], torch.Tensor]
+    static_attention: Callable[..., torch.Tensor]
+    paged_attention_qkv: Callable[..., torch.Tensor]
 
 
 _NAMES = (
     "qgemm", "quantize_q8a", "dequantize_rows", "attention", "paged_attention", "rms_norm", "rope_qkv_", "silu_mul", "repack_gguf",
+    "static_attention", "paged_attention_qkv",
 )
 _REFERENCE = KernelOps("reference", *(getattr(reference, n) for n in _NAMES))
 _ops: KernelOps | None = None

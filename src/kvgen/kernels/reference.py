@@ -139,11 +139,21 @@ def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
     return w.permute(0, 3, 1, 2, 4).reshape(g * ROWS, nb * BLOCK)  # [N_pad, K]
 
 
-def qgemm(x: torch.Tensor, weight: torch.Tensor, weight_type: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] float32 @ weight.T -> [M, N] float32, with x quantized per 32 values first."""
+def qgemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_type: int,
+    out_features: int,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] float32 @ weight.T (+ bias [N]) (+ residual [M, N]) -> [M, N] float32, with x
+    quantized per 32 values first."""
     xq = dequantize_q8a(quantize_q8a(x))  # [M, K]
     out = xq @ dequantize_packed(weight, weight_type)[:out_features].T  # [M, N]
-    return out + bias if bias is not None else out
+    if bias is not None:
+        out = out + bias
+    return out + residual.view(out.shape) if residual is not None else out
 
 
 def dequantize_rows(weight: torch.Tensor, weight_type: int, ids: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -203,6 +213,43 @@ def paged_attention(
         qr = q[start:end].transpose(0, 1)[None]  # [1, H, T, D]
         out[start:end] = attention(qr, k, v, None, length - (end - start), scale)[0]
     return out
+
+
+def _split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    n = qkv.shape[0]
+    return q.view(n, num_heads, head_dim), k.view(n, num_kv_heads, head_dim), v.view(n, num_kv_heads, head_dim)
+
+
+def static_attention(
+    qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_mask: torch.Tensor | None,
+    past_len: int, num_heads: int, scale: float,
+) -> torch.Tensor:
+    """qkv [B*T, (H + 2 Hkv) D]: write k, v at slots past_len.. of caches [B, Hkv, S_max, D], then
+    :func:`attention` over the first past_len + T slots. Returns [B*T, H*D]."""
+    b, h_kv, _, d = k_cache.shape
+    t = qkv.shape[0] // b
+    q, k, v = _split_qkv(qkv, num_heads, h_kv, d)  # [N, H|Hkv, D]
+    k_cache[:, :, past_len : past_len + t] = k.view(b, t, h_kv, d).transpose(1, 2)
+    v_cache[:, :, past_len : past_len + t] = v.view(b, t, h_kv, d).transpose(1, 2)
+    end = past_len + t
+    qb = q.view(b, t, num_heads, d).transpose(1, 2)  # [B, H, T, D]
+    out = attention(qb, k_cache[:, :, :end], v_cache[:, :, :end], key_mask, past_len, scale)  # [B, T, H, D]
+    return out.reshape(b * t, num_heads * d)
+
+
+def paged_attention_qkv(
+    qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, scale: float,
+) -> torch.Tensor:
+    """qkv [N, (H + 2 Hkv) D]: write k, v to ``slot_mapping`` [N] of the pools, then
+    :func:`paged_attention`. Returns [N, H*D]."""
+    h_kv, d = k_pool.shape[2], k_pool.shape[3]
+    q, k, v = _split_qkv(qkv, num_heads, h_kv, d)
+    k_pool.view(-1, h_kv, d).index_copy_(0, slot_mapping, k.to(k_pool.dtype))
+    v_pool.view(-1, h_kv, d).index_copy_(0, slot_mapping, v.to(v_pool.dtype))
+    out = paged_attention(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, scale)  # [N, H, D]
+    return out.reshape(qkv.shape[0], num_heads * d)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -205,26 +205,17 @@ class PagedKVCache:
         v: torch.Tensor,
         meta: PagedAttentionMetadata,
         scale: float | None = None,
-        kernels=None,
     ) -> torch.Tensor:
         """Write this step's k, v to their slots, then attend every sequence over its blocks.
 
         q: [1, H, N, D]; k, v: [1, Hkv, N, D] (one packed row). Returns [1, H, N, D], q's dtype.
-        ``kernels`` (``kvgen.kernels.KernelOps``): decodes attend straight from the pool
-        through their block tables (``paged_decode_attention``), with no gather.
         """
         k_new, v_new = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [N, Hkv, D]
         k_pool, v_pool = self.key_cache[layer_idx], self.value_cache[layer_idx]
         k_slots = k_pool.view(-1, self.num_kv_heads, self.head_dim)  # [num_blocks * block_size, Hkv, D]
         v_slots = v_pool.view(-1, self.num_kv_heads, self.head_dim)  # [num_blocks * block_size, Hkv, D]
-        k_slots.index_copy_(0, meta.slot_mapping, k_new.to(k_slots.dtype))
-        v_slots.index_copy_(0, meta.slot_mapping, v_new.to(v_slots.dtype))
-        if kernels is not None:
-            out = kernels.paged_attention(
-                q[0].transpose(0, 1), k_pool, v_pool, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                scale or q.shape[-1] ** -0.5,
-            )  # [N, H, D]
-            return out.transpose(0, 1).unsqueeze(0)  # [1, H, N, D]
+        k_slots.index_copy_(0, meta.slot_mapping, k_new)
+        v_slots.index_copy_(0, meta.slot_mapping, v_new)
         num_heads, num_tokens = q.shape[1], q.shape[2]
         out = q.new_empty(num_tokens, num_heads, self.head_dim)  # [N, H, D]
         if meta.num_decodes:
@@ -232,6 +223,17 @@ class PagedKVCache:
         for chunk in meta.prefills:
             out[chunk.token_start : chunk.token_end] = self._prefill_attention(q, k_new, v_new, k_pool, v_pool, chunk, scale)
         return out.transpose(0, 1).unsqueeze(0)  # [1, H, N, D]
+
+    def attend_rows(
+        self, layer_idx: int, qkv: torch.Tensor, meta: PagedAttentionMetadata, num_heads: int, scale: float, kernels
+    ) -> torch.Tensor:
+        """Kernel path: write the step's k, v from stacked rows qkv [N, (H + 2 Hkv) D] to their slots,
+        then attend every sequence straight from the pool through its block table (no gather;
+        ``kernels.paged_attention_qkv``). Returns [N, H D] float32."""
+        return kernels.paged_attention_qkv(
+            qkv, self.key_cache[layer_idx], self.value_cache[layer_idx], meta.slot_mapping, meta.block_tables,
+            meta.query_start_loc, meta.seq_lens, num_heads, scale,
+        )
 
     def _gather(self, which: str, pool: torch.Tensor, block_ids: torch.Tensor, num_rows: int) -> torch.Tensor:
         """Blocks ``block_ids`` [B * nb] of ``pool`` as ``[B, nb * block_size, Hkv, D]``.

@@ -56,25 +56,62 @@ def attend(
     kv_cache,
     mask: torch.Tensor | PagedAttentionMetadata | None,
     scale: float | None = None,
-    kernels: KernelOps | None = None,
 ) -> torch.Tensor:
     """Store k, v in the cache (if any) and attend: q [B, H, T, D]; k, v [B, Hkv, T, D] -> [B, H, T, D].
 
     With paged metadata, B = 1 and T = N packed tokens (``PagedKVCache.attend``).
-    ``kernels``: attend with ``kernels.attention`` (K and V at fp16 precision, the same
-    arithmetic for a query whatever the batch, chunking or cache kind).
     """
     if isinstance(mask, PagedAttentionMetadata):
-        return kv_cache.attend(layer_idx, q, k, v, mask, scale, kernels)
+        return kv_cache.attend(layer_idx, q, k, v, mask, scale)
+    if kv_cache is not None:
+        k, v = kv_cache.update(layer_idx, k, v)  # [B, Hkv, S, D]
+    return scaled_dot_product_attention(q, k, v, mask, scale)
+
+
+def prepare_key_mask(
+    attn_metadata: AttentionMetadata | PagedAttentionMetadata | None, kv_cache, shape: torch.Size
+) -> torch.Tensor | PagedAttentionMetadata | None:
+    """The kernel path's mask: paged metadata as is, else the key mask [B, S] bool over every slot
+    after this forward (None: no padding). Causality is the kernels' own."""
+    if isinstance(attn_metadata, PagedAttentionMetadata):
+        return attn_metadata
+    mask = attn_metadata.attention_mask if attn_metadata is not None else None
+    if mask is None or bool(mask.all()):
+        return None
+    assert mask.shape == (shape[0], (kv_cache.seq_length if kv_cache is not None else 0) + shape[1]), mask.shape
+    return mask.bool()
+
+
+def attend_rows(
+    qkv: torch.Tensor,
+    batch: int,
+    layer_idx: int,
+    kv_cache,
+    mask: torch.Tensor | PagedAttentionMetadata | None,
+    kernels: KernelOps,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """The kernel path's attention from stacked rows: qkv [N, (H + 2 Hkv) D] (RoPE applied) ->
+    [N, H D] float32, k and v stored in the cache first.
+
+    N = B * T rows (``batch`` = B); ``mask`` is the key mask [B, S] (``prepare_key_mask``) or paged
+    metadata. A cache with ``attend_rows`` (static, paged) does the write and the attention
+    in one fused op; a dynamic cache or none goes through ``kernels.attention``.
+    """
+    scale = head_dim**-0.5
+    if isinstance(mask, PagedAttentionMetadata) or hasattr(kv_cache, "attend_rows"):
+        return kv_cache.attend_rows(layer_idx, qkv, mask, num_heads, scale, kernels)
+    n, t = qkv.shape[0], qkv.shape[0] // batch
+    q, k, v = qkv.view(batch, t, -1).split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    q = q.view(batch, t, num_heads, head_dim).transpose(1, 2)  # [B, H, T, D]
+    k = k.view(batch, t, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+    v = v.view(batch, t, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, T, D]
     past = kv_cache.seq_length if kv_cache is not None else 0
     if kv_cache is not None:
         k, v = kv_cache.update(layer_idx, k, v)  # [B, Hkv, S, D]
-    if kernels is not None:
-        # left padding: the last query sees exactly the valid keys
-        key_mask = None if mask is None or mask.shape[0] == 1 else mask[:, 0, -1]  # [B, S]
-        out = kernels.attention(q, k, v, key_mask, past, scale or q.shape[-1] ** -0.5)  # [B, T, H, D]
-        return out.transpose(1, 2)  # [B, H, T, D]
-    return scaled_dot_product_attention(q, k, v, mask, scale)
+    return kernels.attention(q, k, v, mask, past, scale).view(n, num_heads * head_dim)  # [N, H D]
 
 
 def build_attention_mask(

@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
-        self.kernels = None  # kvgen.kernels.KernelOps: the fused C++ norm on the quantized fast path
+        self.kernels = None  # kvgen.kernels.KernelOps: the fused norm on the quantized fast path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:

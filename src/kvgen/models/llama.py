@@ -18,7 +18,9 @@ from kvgen.models.attention import (
     AttentionMetadata,
     advance_cache,
     attend,
+    attend_rows,
     prepare_attention,
+    prepare_key_mask,
 )
 from kvgen.kernels import KernelOps
 from kvgen.models.quant_linear import VocabEmbedding
@@ -43,21 +45,16 @@ class LlamaAttention(nn.Module):
         bias = config.attention_bias
         self.qkv_proj = nn.Linear(c, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, c, bias=bias)
-        self.kernels: KernelOps | None = None  # fused CPU ops, set by build_model for quantized weights
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_idx: int, kv_cache, mask) -> torch.Tensor:
         """x: [B, T, C] -> [B, T, C]; cos, sin: [B, 1, T, D]; mask: [B|1, 1, T, S] bool, None or paged metadata."""
         b, t, _ = x.shape
-        qkv = self.qkv_proj(x)  # [B, T, (H + 2 Hkv) * D]
-        if self.kernels is not None:  # RoPE in place on the q and k heads: one op instead of ten
-            self.kernels.rope_qkv_(qkv.view(b * t, -1), cos.view(b * t, -1), sin.view(b * t, -1), self.num_heads, self.num_kv_heads)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # [B, T, H*D | Hkv*D]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # [B, T, H*D | Hkv*D]
         q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        if self.kernels is None:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v, layer_idx, kv_cache, mask, kernels=self.kernels)  # [B, H, T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attend(q, k, v, layer_idx, kv_cache, mask)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))  # [B, T, C]
 
 
@@ -74,14 +71,10 @@ class LlamaMLP(nn.Module):
         c, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_up_proj = nn.Linear(c, 2 * i, bias=bias)
         self.down_proj = nn.Linear(i, c, bias=bias)
-        self.kernels: KernelOps | None = None  # fused CPU ops, set by build_model for quantized weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, C] -> [B, T, C]."""
-        gate_up = self.gate_up_proj(x)  # [B, T, 2I]
-        if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_mul(gate_up.view(-1, gate_up.shape[-1])).view(*x.shape[:-1], -1))
-        gate, up = gate_up.chunk(2, dim=-1)  # [B, T, I] each
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, T, I] each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -94,11 +87,35 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.kernels: KernelOps | None = None  # set by use_kernels: the fused fast path below
 
     def forward(self, x, cos, sin, layer_idx, kv_cache, mask) -> torch.Tensor:
         """x: [B, T, C] -> [B, T, C]."""
+        if self.kernels is not None:
+            return self.forward_kernels(x.view(-1, x.shape[-1]), x.shape[0], cos, sin, layer_idx, kv_cache, mask).view(x.shape)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_idx, kv_cache, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_kernels(
+        self, x: torch.Tensor, batch: int, cos: torch.Tensor, sin: torch.Tensor, layer_idx: int, kv_cache, mask
+    ) -> torch.Tensor:
+        """The quantized fast path on rows: x [N = B T, C] -> [N, C], nine fused ops and no module calls.
+
+        cos, sin: [N, D]; mask: key mask [B, S] bool, None or paged metadata (see
+        ``attend_rows``). Every linear layer is a ``QuantLinear`` here; residual adds are
+        fused into the output projections.
+        """
+        ops, attn, mlp = self.kernels, self.self_attn, self.mlp
+        qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        h = ops.rms_norm(x, norm1.weight, norm1.variance_epsilon)  # [N, C]
+        h = ops.qgemm(h, qkv.qweight, qkv.weight_type, qkv.out_features, qkv.bias)  # [N, (H + 2 Hkv) D]
+        ops.rope_qkv_(h, cos, sin, attn.num_heads, attn.num_kv_heads)
+        h = attend_rows(h, batch, layer_idx, kv_cache, mask, ops, attn.num_heads, attn.num_kv_heads, attn.head_dim)  # [N, H D]
+        x = ops.qgemm(h, o.qweight, o.weight_type, o.out_features, o.bias, x)  # x + o_proj(attn)
+        h = ops.rms_norm(x, norm2.weight, norm2.variance_epsilon)
+        h = ops.qgemm(h, gate_up.qweight, gate_up.weight_type, gate_up.out_features, gate_up.bias)  # [N, 2I]
+        return ops.qgemm(ops.silu_mul(h), down.qweight, down.weight_type, down.out_features, down.bias, x)
 
 
 class LlamaModel(nn.Module):
@@ -124,6 +141,9 @@ class LlamaForCausalLM(nn.Module):
             "inv_freq", rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling), persistent=False
         )
         self.kv_cache_dtype: torch.dtype | None = None  # None: the parameters' dtype
+        self.kernels: KernelOps | None = None  # set by use_kernels (quantized weights)
+        self._cos_table: torch.Tensor | None = None  # [P, D] RoPE tables of the kernel path
+        self._sin_table: torch.Tensor | None = None
 
     def forward(
         self,
@@ -141,21 +161,37 @@ class LlamaForCausalLM(nn.Module):
         Returns [B, T, C] in the model dtype.
         """
         x = self.model.embed_tokens(input_ids)  # [B, T, C]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # [B, 1, T, D]
-        mask = prepare_attention(attn_metadata, kv_cache, input_ids.shape[1])
+        if self.kernels is not None:
+            cos, sin = self._rope_table(positions)  # [N, D] each
+            mask = prepare_key_mask(attn_metadata, kv_cache, input_ids.shape)
+        else:
+            cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # [B, 1, T, D]
+            mask = prepare_attention(attn_metadata, kv_cache, input_ids.shape[1])
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, i, kv_cache, mask)
         advance_cache(kv_cache, mask, input_ids.shape[1])
         return self.model.norm(x)
 
     def use_kernels(self, kernels: KernelOps) -> None:
-        """Run norms, RoPE, SwiGLU, attention and quantized matmuls through ``kernels`` (the C++ ops
-        or their torch twins). This is the quantized fast path; the float32 reference path keeps
-        the plain torch ops that match transformers."""
+        """Run every layer through ``kernels`` (the C++ ops or their torch twins): the quantized fast
+        path. Every linear layer must be a ``QuantLinear``. The float32 reference path keeps the
+        plain torch ops that match transformers."""
         for module in self.modules():
             if hasattr(module, "kernels"):
                 module.kernels = kernels
+        self.kernels = kernels
         self.kv_cache_dtype = torch.float16  # the kernels read K and V at fp16 precision: store them so
+
+    def _rope_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, D] float32 for positions [B, T], from a table grown to the largest position
+        (the same bits for a position whatever the batch)."""
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        if self._cos_table is None or self._cos_table.shape[0] < need:
+            size = max(need, 2 * (0 if self._cos_table is None else self._cos_table.shape[0]), 256)
+            cos, sin = rope_cos_sin(torch.arange(size)[None], self.inv_freq, torch.float32)  # [1, 1, size, D]
+            self._cos_table, self._sin_table = cos[0, 0].contiguous(), sin[0, 0].contiguous()
+        flat = positions.reshape(-1)
+        return self._cos_table.index_select(0, flat), self._sin_table.index_select(0, flat)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: hidden [..., C] -> logits [..., V] float32. Pass only the rows that need logits."""

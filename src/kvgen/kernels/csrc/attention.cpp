@@ -4,6 +4,9 @@
 //   attention:       q [B, H, T, D], k/v [B, Hkv, S, D] (static / dynamic cache or none);
 //                    query t of row b sits at slot past_len + t and sees slots <= it whose
 //                    key_mask[b, s] is true (left padding).
+//   static_attention: the same from stacked qkv rows [B*T, (H + 2 Hkv) D] of a layer, after
+//                    storing its k, v at slots past_len.. of caches [B, Hkv, S_max, D]
+//                    (one op between the projections: the decode step's hot path).
 //   paged_attention: q [N, H, D] packed over sequences, k/v pools [num_blocks, block_size,
 //                    Hkv, D] addressed through block tables (vLLM's PagedAttention).
 // Per query the arithmetic depends only on its own visible keys, in order (scores, a
@@ -14,6 +17,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "aten_lite.h"
@@ -31,6 +35,63 @@ struct Scratch {
   std::vector<int64_t> keys;
 };
 
+// 8 dot products (one per vector of a[]) reduced into one vector, lane j = sum of a[j]'s
+// lanes, with the same addition tree for every j.
+inline __m256 hsum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// scores[g * n8 + i] = scale * q[g] . K[keys[i]] for i < n, 8 keys at a time: 8 independent
+// accumulators per head hide the FMA latency; one hsum8 per 8 keys.
+template <typename T, typename KRow>
+void qk_scores(const float* const* q, int64_t G, int64_t D, int64_t n, const int64_t* keys, KRow krow, float scale,
+               float* sc, int64_t n8) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  for (int64_t i0 = 0; i0 < n; i0 += 8) {
+    const T* kr[8];
+    for (int j = 0; j < 8; ++j) kr[j] = krow(keys[std::min<int64_t>(i0 + j, n - 1)]);  // the tail repeats a key
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 a[8];
+      for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q[g] + d);
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, load8(kr[j] + d), a[j]);
+      }
+      _mm256_storeu_ps(sc + g * n8 + i0, _mm256_mul_ps(hsum8(a), vs));
+    }
+  }
+}
+
+// out[g][d0 .. d0 + 8 CW) = sum_i p[g, i] V[keys[i]], every V row converted once for the G heads.
+template <typename T, int G, int CW, typename VRow>
+void pv_chunk(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t d0, float* const* out) {
+  __m256 acc[G][CW];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CW; ++c) acc[g][c] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const T* v = vrow(keys[i]) + d0;
+    __m256 vv[CW];
+    for (int c = 0; c < CW; ++c) vv[c] = load8(v + 8 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m256 w = _mm256_set1_ps(p[g * n8 + i]);
+      for (int c = 0; c < CW; ++c) acc[g][c] = _mm256_fmadd_ps(w, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CW; ++c) _mm256_storeu_ps(out[g] + d0 + 8 * c, acc[g][c]);
+}
+
+template <typename T, int G, typename VRow>
+void pv(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t D, float* const* out) {
+  constexpr int CW = G <= 3 ? 4 : 2;  // 8 CW columns per pass: accumulators + one V chunk fit in 16 registers
+  int64_t d0 = 0;
+  for (; d0 + 8 * CW <= D; d0 += 8 * CW) pv_chunk<T, G, CW>(p, n8, n, keys, vrow, d0, out);
+  for (; d0 < D; d0 += 8) pv_chunk<T, G, 1>(p, n8, n, keys, vrow, d0, out);
+}
+
 // The G query heads q[g] (D floats each) sharing one KV head attend over the visible
 // key positions keys[0..n); krow(p) / vrow(p) give the K / V row of position p.
 template <typename T, typename KRow, typename VRow>
@@ -39,14 +100,7 @@ void attend_query(const float* const* q, float* const* out, int64_t G, int64_t D
   const int64_t n8 = (n + 7) / 8 * 8;
   scratch.scores.resize(G * n8);
   float* sc = scratch.scores.data();
-  for (int64_t i = 0; i < n; ++i) {
-    const T* k = krow(keys[i]);
-    for (int64_t g = 0; g < G; ++g) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d), load8(k + d), acc);
-      sc[g * n8 + i] = hsum(acc) * scale;
-    }
-  }
+  qk_scores<T>(q, G, D, n, keys, krow, scale, sc, n8);
   for (int64_t g = 0; g < G; ++g) {
     float* s = sc + g * n8;
     float mx = -std::numeric_limits<float>::infinity();
@@ -62,31 +116,13 @@ void attend_query(const float* const* q, float* const* out, int64_t G, int64_t D
     const __m256 inv = _mm256_set1_ps(1.0f / hsum(vsum));
     for (int64_t i = 0; i < n8; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), inv));
   }
-  // out[g] = sum_i p[g, i] V[keys[i]], 32 output columns held in registers per pass
-  for (int64_t g = 0; g < G; ++g) {
-    const float* p = sc + g * n8;
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      const bool full = d0 + 32 <= D;
-      for (int64_t i = 0; i < n; ++i) {
-        const T* v = vrow(keys[i]) + d0;
-        const __m256 w = _mm256_set1_ps(p[i]);
-        a0 = _mm256_fmadd_ps(w, load8(v), a0);
-        if (full) {
-          a1 = _mm256_fmadd_ps(w, load8(v + 8), a1);
-          a2 = _mm256_fmadd_ps(w, load8(v + 16), a2);
-          a3 = _mm256_fmadd_ps(w, load8(v + 24), a3);
-        } else {
-          if (d0 + 8 < D) a1 = _mm256_fmadd_ps(w, load8(v + 8), a1);
-          if (d0 + 16 < D) a2 = _mm256_fmadd_ps(w, load8(v + 16), a2);
-        }
-      }
-      float* o = out[g] + d0;
-      _mm256_storeu_ps(o, a0);
-      if (d0 + 8 < D) _mm256_storeu_ps(o + 8, a1);
-      if (d0 + 16 < D) _mm256_storeu_ps(o + 16, a2);
-      if (d0 + 24 < D) _mm256_storeu_ps(o + 24, a3);
-    }
+  switch (G) {  // heads per KV head: templates for the common group sizes
+    case 1: return pv<T, 1>(sc, n8, n, keys, vrow, D, out);
+    case 2: return pv<T, 2>(sc, n8, n, keys, vrow, D, out);
+    case 3: return pv<T, 3>(sc, n8, n, keys, vrow, D, out);
+    case 4: return pv<T, 4>(sc, n8, n, keys, vrow, D, out);
+    default:
+      for (int64_t g = 0; g < G; ++g) pv<T, 1>(sc + g * n8, n8, n, keys, vrow, D, out + g);
   }
 }
 
@@ -98,41 +134,98 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, in
               "kvgen attention: head_dim must be a multiple of 8 and contiguous");
 }
 
+// Raw operands of `attention`: element strides of q [B, H, T, D], k / v [B, Hkv, S, D];
+// out is [B, T, H, D] contiguous; mask [B, S] or null.
 template <typename T>
-at::Tensor attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask,
-                          int64_t past_len, float scale) {
-  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
-  const int64_t G = H / Hkv;
-  at::Tensor out = at::empty({B, Tq, H, D}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * Tq * Hkv, 1, [&](int64_t begin, int64_t end) {
+struct AttentionArgs {
+  const float* q;
+  int64_t q_b, q_h, q_t;
+  const T* k;
+  int64_t k_b, k_h, k_s;
+  const T* v;
+  int64_t v_b, v_h, v_s;
+  float* out;
+  int64_t B, H, Tq, D, Hkv, S;
+  const bool* mask;
+  int64_t past_len;
+  float scale;
+};
+
+template <typename T>
+void attention_impl(const AttentionArgs<T>& a) {
+  const int64_t G = a.H / a.Hkv;
+  at::parallel_for(0, a.B * a.Tq * a.Hkv, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
-    scratch.keys.resize(S);
+    scratch.keys.resize(a.S);
     const float* qs[64];
     float* os[64];
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t j = w % Hkv, t = (w / Hkv) % Tq, b = w / (Hkv * Tq);
-      const int64_t last = std::min<int64_t>(past_len + t, S - 1);
-      const bool* mb = mask ? mask + b * S : nullptr;
+      const int64_t j = w % a.Hkv, t = (w / a.Hkv) % a.Tq, b = w / (a.Hkv * a.Tq);
+      const int64_t last = std::min<int64_t>(a.past_len + t, a.S - 1);
+      const bool* mb = a.mask ? a.mask + b * a.S : nullptr;
       int64_t n = 0;
       for (int64_t s = 0; s <= last; ++s) {
         if (!mb || mb[s]) scratch.keys[n++] = s;
       }
       if (n == 0) scratch.keys[n++] = last;  // a padded query: attend its own slot (finite, unused)
       for (int64_t g = 0; g < G; ++g) {
-        qs[g] = qp + b * q.stride(0) + (j * G + g) * q.stride(1) + t * q.stride(2);
-        os[g] = op + ((b * Tq + t) * H + j * G + g) * D;
+        qs[g] = a.q + b * a.q_b + (j * G + g) * a.q_h + t * a.q_t;
+        os[g] = a.out + ((b * a.Tq + t) * a.H + j * G + g) * a.D;
       }
-      const T* kb = kp + b * k.stride(0) + j * k.stride(1);
-      const T* vb = vp + b * v.stride(0) + j * v.stride(1);
-      const int64_t ks = k.stride(2), vs = v.stride(2);
-      attend_query<T>(qs, os, G, D, n, scratch.keys.data(), [&](int64_t p) { return kb + p * ks; },
-                      [&](int64_t p) { return vb + p * vs; }, scale, scratch);
+      const T* kb = a.k + b * a.k_b + j * a.k_h;
+      const T* vb = a.v + b * a.v_b + j * a.v_h;
+      const int64_t ks = a.k_s, vs = a.v_s;
+      attend_query<T>(qs, os, G, a.D, n, scratch.keys.data(), [&](int64_t p) { return kb + p * ks; },
+                      [&](int64_t p) { return vb + p * vs; }, a.scale, scratch);
     }
   });
+}
+
+template <typename T>
+at::Tensor attention_tensors(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask,
+                             int64_t past_len, float scale) {
+  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
+  at::Tensor out = at::empty({B, Tq, H, D}, q.options());
+  attention_impl<T>({q.data_ptr<float>(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr<T>(), k.stride(0), k.stride(1),
+                     k.stride(2), v.data_ptr<T>(), v.stride(0), v.stride(1), v.stride(2), out.data_ptr<float>(), B, H, Tq, D,
+                     k.size(1), k.size(2), mask, past_len, scale});
+  return out;
+}
+
+// Write rows [B*T, Hkv*D] of fp32 k (or v) into a cache [B, Hkv, S_max, D] at slots past_len..
+template <typename T>
+void store_rows(const float* src, int64_t src_stride, T* cache, int64_t c_b, int64_t c_h, int64_t c_s, int64_t B,
+                int64_t Tq, int64_t Hkv, int64_t D, int64_t past_len) {
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < Tq; ++t)
+      for (int64_t j = 0; j < Hkv; ++j) {
+        const float* x = src + (b * Tq + t) * src_stride + j * D;
+        T* y = cache + b * c_b + j * c_h + (past_len + t) * c_s;
+        for (int64_t d = 0; d < D; d += 8) {
+          if constexpr (std::is_same_v<T, float>) {
+            _mm256_storeu_ps(y + d, _mm256_loadu_ps(x + d));
+          } else {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(y + d), _mm256_cvtps_ph(_mm256_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT));
+          }
+        }
+      }
+}
+
+template <typename T>
+at::Tensor static_impl(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache, const bool* mask, int64_t past_len,
+                       int64_t H, float scale) {
+  const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), D = k_cache.size(3), N = qkv.size(0), Tq = N / B;
+  const int64_t W = qkv.size(1);
+  const float* base = qkv.data_ptr<float>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  store_rows<T>(base + H * D, W, kc, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), B, Tq, Hkv, D, past_len);
+  store_rows<T>(base + (H + Hkv) * D, W, vc, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), B, Tq, Hkv, D, past_len);
+  at::Tensor out = at::empty({N, H * D}, qkv.options());
+  // q of row (b, t), head h sits at base + (b T + t) W + h D
+  attention_impl<T>({base, Tq * W, D, W, kc, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), vc, v_cache.stride(0),
+                     v_cache.stride(1), v_cache.stride(2), out.data_ptr<float>(), B, H, Tq, D, Hkv, past_len + Tq, mask,
+                     past_len, scale});
   return out;
 }
 
@@ -196,8 +289,32 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   }
   const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
   const float sc = static_cast<float>(scale);
-  return k.dtype() == at::kHalf ? attention_impl<at::Half>(q, k, v, mp, past_len, sc)
-                                : attention_impl<float>(q, k, v, mp, past_len, sc);
+  return k.dtype() == at::kHalf ? attention_tensors<at::Half>(q, k, v, mp, past_len, sc)
+                                : attention_tensors<float>(q, k, v, mp, past_len, sc);
+}
+
+at::Tensor static_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache,
+                            const c10::optional<at::Tensor>& key_mask, int64_t past_len, int64_t num_heads, double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.dtype() == at::kFloat && k_cache.dim() == 4 &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.dtype() == v_cache.dtype() &&
+                  (k_cache.dtype() == at::kHalf || k_cache.dtype() == at::kFloat) && k_cache.stride(3) == 1 &&
+                  v_cache.stride(3) == 1,
+              "kvgen.static_attention: qkv float32 [B*T, W] contiguous, caches [B, Hkv, S_max, D] float16/float32");
+  const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), S_max = k_cache.size(2), D = k_cache.size(3);
+  const int64_t N = qkv.size(0), T = N / B, H = num_heads;
+  TORCH_CHECK(N == B * T && qkv.size(1) == (H + 2 * Hkv) * D && D % 8 == 0 && H % Hkv == 0 && H / Hkv <= 64,
+              "kvgen.static_attention: qkv ", qkv.sizes(), " does not fit caches ", k_cache.sizes(), " with ", H, " heads");
+  TORCH_CHECK(past_len >= 0 && past_len + T <= S_max, "kvgen.static_attention: writing slots up to ", past_len + T,
+              " overflows a cache of ", S_max);
+  at::Tensor mask;
+  if (key_mask.has_value() && key_mask->defined()) {
+    mask = key_mask->to(at::kBool).contiguous();
+    TORCH_CHECK(mask.size(0) == B && mask.numel() == B * (past_len + T), "kvgen.static_attention: key_mask must be [B, S]");
+  }
+  const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
+  const float sc = static_cast<float>(scale);
+  return k_cache.dtype() == at::kHalf ? static_impl<at::Half>(qkv, k_cache, v_cache, mp, past_len, H, sc)
+                                      : static_impl<float>(qkv, k_cache, v_cache, mp, past_len, H, sc);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,

@@ -20,6 +20,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 void rope_qkv_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor static_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache,
+                            const c10::optional<at::Tensor>& key_mask, int64_t past_len, int64_t num_heads, double scale);
+at::Tensor paged_attention_qkv(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slot_mapping,
+                               const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                               const at::Tensor& seq_lens, int64_t num_heads, double scale);
 at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type);
 
 namespace {
@@ -56,7 +61,7 @@ at::Tensor quantize_q8a(const at::Tensor& x) {
 }
 
 at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weight_type, int64_t out_features,
-                 const c10::optional<at::Tensor>& bias) {
+                 const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
   check_weight(weight, weight_type);
   TORCH_CHECK(x_in.dtype() == at::kFloat && x_in.dim() == 2, "kvgen.qgemm: x must be float32 [M, K]");
   const at::Tensor x = x_in.contiguous();
@@ -67,8 +72,15 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   const int64_t n_pad = G * kRows;
   at::Tensor out = at::empty({M, n_pad}, x.options());
   if (M == 0) return out.narrow(1, 0, out_features);
-  const at::Tensor q = quantize_rows(x);
-  const auto* act = reinterpret_cast<const BlockQ8A*>(q.data_ptr<uint8_t>());
+  // the quantized activations live in a per-thread buffer reused across calls (no allocation)
+  thread_local std::vector<BlockQ8A> act_buffer;
+  if (static_cast<int64_t>(act_buffer.size()) < M * nb) act_buffer.resize(M * nb);
+  BlockQ8A* act = act_buffer.data();
+  const float* xp = x.data_ptr<float>();
+  const int64_t qgrain = M * K < (1 << 16) ? M : std::max<int64_t>(1, (1 << 14) / K);
+  at::parallel_for(0, M, qgrain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) quantize_row_q8a(xp + m * K, act + m * nb, K);
+  });
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t rec = record_bytes(weight_type);
@@ -93,6 +105,10 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   });
   at::Tensor result = n_pad == out_features ? out : out.narrow(1, 0, out_features).contiguous();
   if (bias.has_value() && bias->defined()) result.add_(*bias);
+  if (residual.has_value() && residual->defined()) {
+    TORCH_CHECK(residual->numel() == result.numel(), "kvgen.qgemm: residual must be [M, N]");
+    result.add_(residual->view({M, out_features}));
+  }
   return result;
 }
 
@@ -146,7 +162,7 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const 
 
 TORCH_LIBRARY(kvgen, m) {
   m.def("quantize_q8a(Tensor x) -> Tensor");
-  m.def("qgemm(Tensor x, Tensor weight, int weight_type, int out_features, Tensor? bias) -> Tensor");
+  m.def("qgemm(Tensor x, Tensor weight, int weight_type, int out_features, Tensor? bias, Tensor? residual=None) -> Tensor");
   m.def("dequantize_rows(Tensor weight, int weight_type, Tensor ids, int in_features) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? key_mask, int past_len, float scale) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor query_start_loc, "
@@ -155,6 +171,10 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("rope_qkv_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("repack_gguf(Tensor[] parts, int gguf_type) -> Tensor");
+  m.def("static_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? key_mask, int past_len, "
+        "int num_heads, float scale) -> Tensor");
+  m.def("paged_attention_qkv(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor query_start_loc, Tensor seq_lens, int num_heads, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
@@ -167,4 +187,6 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("rope_qkv_", &kvgen::rope_qkv_);
   m.impl("silu_mul", &kvgen::silu_mul);
   m.impl("repack_gguf", &kvgen::repack_gguf);
+  m.impl("static_attention", &kvgen::static_attention);
+  m.impl("paged_attention_qkv", &kvgen::paged_attention_qkv);
 }

@@ -9,6 +9,10 @@
 
 #include "common.h"
 
+#ifndef KVGEN_Q8_PREFETCH
+#define KVGEN_Q8_PREFETCH 16
+#endif
+
 namespace kvgen {
 namespace {
 
@@ -24,8 +28,8 @@ void q8_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* cons
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += kQ8Record) {
-    for (int c = 0; c < kQ8Record; c += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(w) + 4 * kQ8Record + c, _MM_HINT_T0);
+    for (int c = 0; c < kQ8Record; c += 64) {  // ~4 KB ahead, as the Q4 kernel
+      _mm_prefetch(reinterpret_cast<const char*>(w) + KVGEN_Q8_PREFETCH * kQ8Record + c, _MM_HINT_T0);
     }
     __m256i sum[MT];
     for (int m = 0; m < MT; ++m) sum[m] = _mm256_setzero_si256();
