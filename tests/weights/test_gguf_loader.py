@@ -395,3 +395,30 @@ def test_wrong_shape_is_listed(tmp_path: Path) -> None:
                  extra={"blk.0.ffn_norm.weight": np.ones(C + 1, np.float32)})
     with pytest.raises(ModelFormatError, match=rf"post_attention_layernorm.weight: expected \[{C}\], got \[{C + 1}\]"):
         load_gguf(tmp_path / "t.gguf")
+
+
+def test_auto_keeps_blocks_and_reencodes_other_types_as_q8_0(tmp_path: Path) -> None:
+    """dtype=None (auto): Q4_0/Q4_1/Q8_0 matrices keep their bytes, every other type (float and
+    K-quants) becomes Q8_0, and the quantized model's logits stay close to the float32 model's."""
+    from kvgen.models import build_model
+    from kvgen.models.quant_linear import QuantLinear
+    from kvgen.weights.quantized import GGUFBlocks
+
+    types = _mixed_types()
+    _write_llama(tmp_path / "tiny.gguf", types)
+    config, compact, _ = load_gguf(tmp_path / "tiny.gguf", dtype=None)
+    config32, dense, _ = load_gguf(tmp_path / "tiny.gguf")
+    for g, qtype in types.items():
+        blocks = compact[gguf_loader.gguf_to_kvgen_name(g)]
+        assert isinstance(blocks, GGUFBlocks)
+        assert blocks.qtype == (qtype if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0) else Q.Q8_0), g
+    assert not isinstance(compact["model.norm.weight"], GGUFBlocks)
+    quant, ref = build_model(config, compact), build_model(config32, dense)
+    assert all(isinstance(m, QuantLinear) for m in (quant.model.layers[0].self_attn.qkv_proj, quant.lm_head))
+    ids = torch.arange(1, 9)[None] % V
+    with torch.inference_mode():
+        got = quant.compute_logits(quant(ids, torch.arange(8)[None]))
+        want = ref.compute_logits(ref(ids, torch.arange(8)[None]))
+    err = (got - want).abs()
+    assert float(err.mean()) < 0.03 * float(want.abs().mean())  # int8 activations: ~1 % typical error
+    assert float(err.max()) < 0.1 * float(want.abs().max())

@@ -20,8 +20,10 @@ class VocabEmbedding(nn.Embedding):
     """``nn.Embedding`` that can also act as the tied LM head: ``as_lm_head(h [..., C]) -> [..., V]``."""
 
     def reset_parameters(self) -> None:
-        """No random init: weights always come from a checkpoint (and ``normal_`` on the meta device
-        imports torch._dynamo, 1.4 s of load time)."""
+        """Random init as ``nn.Embedding``, except on the meta device (``build_model``), where the
+        weights come from a checkpoint and ``normal_`` would import torch._dynamo (1.4 s of load)."""
+        if not self.weight.is_meta:
+            super().reset_parameters()
 
     def as_lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.weight)

@@ -47,9 +47,10 @@ def load_gguf(
     """Read a Llama-family GGUF file: config, state dict in our names, raw metadata.
 
     The state dict uses HF Llama names with matrices ``[out, in]`` in ``dtype``.
-    ``dtype=None`` ("auto") keeps every quantized matrix compact as :class:`GGUFBlocks`
-    (Q4_0 / Q4_1 / Q8_0 as stored; other quantized types re-encoded as Q8_0) and
-    loads float tensors as float32 (``lm_head.weight`` only when the file has ``output.weight``; otherwise
+    ``dtype=None`` ("auto") on a file with quantized matrices keeps every matrix compact
+    as :class:`GGUFBlocks` (Q4_0 / Q4_1 / Q8_0 as stored; every other type, float ones
+    included, re-encoded as Q8_0) and loads vectors (norms, biases) as float32; an
+    all-float file loads as float32 (``lm_head.weight`` only when the file has ``output.weight``; otherwise
     ``config.tie_word_embeddings`` is True). ``config.attention_bias`` /
     ``mlp_bias`` follow the presence of ``attn_q.bias`` / ``ffn_up.bias``.
     Supported tensor types: :data:`SUPPORTED_QUANT_TYPES`.
@@ -78,9 +79,12 @@ def load_gguf(
     for name in names:
         _check_quant_type(by_name[name])
     state: dict[str, torch.Tensor | GGUFBlocks] = {}
+    # auto on a quantized file: every matrix runs through the kernels (float ones re-encoded as
+    # Q8_0), so the model has one kind of linear layer; an all-float file stays float32
+    compact = dtype is None and any(len(by_name[g].shape) == 2 and by_name[g].tensor_type not in _FLOAT_TYPES for g in names)
     for gguf_name, ours in names.items():
         t = by_name[gguf_name]
-        if dtype is None and len(t.shape) == 2 and t.tensor_type not in _FLOAT_TYPES:
+        if compact and len(t.shape) == 2:
             state[ours] = _compact_tensor(t, _qk_heads(ours, config))
         else:
             state[ours] = dequantize_tensor(t, dtype or torch.float32, _qk_heads(ours, config))
