@@ -420,5 +420,6 @@ def test_auto_keeps_blocks_and_reencodes_other_types_as_q8_0(tmp_path: Path) -> 
         got = quant.compute_logits(quant(ids, torch.arange(8)[None]))
         want = ref.compute_logits(ref(ids, torch.arange(8)[None]))
     err = (got - want).abs()
-    assert float(err.mean()) < 0.03 * float(want.abs().mean())  # int8 activations: ~1 % typical error
+    assert float(err.mean()) < 0.05 * float(want.abs().mean())  # int8 activations on random weights: ~3 %; a wrong
+    # repack or permutation gives ~100 %
     assert float(err.max()) < 0.1 * float(want.abs().max())
