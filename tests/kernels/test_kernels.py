@@ -118,17 +118,20 @@ def test_attention_matches_reference_with_padding(b, h, h_kv, t, s, d, dtype):
 
 
 @needs_avx2
-def test_attention_query_does_not_depend_on_chunking_or_padding():
-    q, k, v = _attention_inputs(1, 9, 3, 6, 20, 64, torch.float16, seed=7)
-    whole = OPS.attention(q, k, v, None, 14, 0.125)  # [1, 6, 9, 64]
+@pytest.mark.parametrize("s", [20, 600])  # 600: several 256-key chunks per query
+def test_attention_query_does_not_depend_on_chunking_or_padding(s):
+    q, k, v = _attention_inputs(1, 9, 3, 6, s, 64, torch.float16, seed=7)
+    past = s - 6
+    whole = OPS.attention(q, k, v, None, past, 0.125)  # [1, 6, 9, 64]
     for t in range(6):  # the same query as a one-token decode over its prefix
-        one = OPS.attention(q[:, :, t : t + 1], k[:, :, : 15 + t], v[:, :, : 15 + t], None, 14 + t, 0.125)
+        one = OPS.attention(q[:, :, t : t + 1], k[:, :, : past + 1 + t], v[:, :, : past + 1 + t], None, past + t, 0.125)
         assert torch.equal(one[:, 0], whole[:, t])
     pad = 5  # the same row left-padded by 5 slots
     kp = torch.cat([torch.zeros(1, 3, pad, 64, dtype=k.dtype), k], dim=2)
     vp = torch.cat([torch.zeros(1, 3, pad, 64, dtype=v.dtype), v], dim=2)
-    mask = torch.cat([torch.zeros(1, pad, dtype=torch.bool), torch.ones(1, 20, dtype=torch.bool)], dim=1)
-    assert torch.equal(OPS.attention(q, kp, vp, mask, 14 + pad, 0.125), whole)
+    mask = torch.cat([torch.zeros(1, pad, dtype=torch.bool), torch.ones(1, s, dtype=torch.bool)], dim=1)
+    assert torch.equal(OPS.attention(q, kp, vp, mask, past + pad, 0.125), whole)
+    torch.testing.assert_close(whole, REF.attention(q, k, v, None, past, 0.125), rtol=1e-5, atol=1e-5)
 
 
 def test_paged_attention_matches_reference_and_contiguous_attention():

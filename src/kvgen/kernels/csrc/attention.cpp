@@ -9,13 +9,15 @@
 //                    (one op between the projections: the decode step's hot path).
 //   paged_attention: q [N, H, D] packed over sequences, k/v pools [num_blocks, block_size,
 //                    Hkv, D] addressed through block tables (vLLM's PagedAttention).
-// Per query the arithmetic depends only on its own visible keys, in order (scores, a
-// max, exp, a sum with 8 lanes from the first visible key, then P V in key order), never
-// on the batch, the chunking or the padding: greedy tokens agree across all of them.
+// Per query the arithmetic depends only on its own visible keys, in order (chunks of 256
+// keys, each: scores, a max, exp, a sum with 8 lanes, P V in key order; then the chunks
+// merged in order), never on the batch, the prefill chunking, the padding or the threads:
+// greedy tokens agree across all of them.
 // Source: Vaswani et al. 2017 eq. 1; Kwon et al. 2023 (paged KV cache); HF repeat_kv.
 #include <immintrin.h>
 
 #include <cmath>
+#include <algorithm>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -92,11 +94,16 @@ void pv(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, i
   for (; d0 < D; d0 += 8) pv_chunk<T, G, 1>(p, n8, n, keys, vrow, d0, out);
 }
 
-// The G query heads q[g] (D floats each) sharing one KV head attend over the visible
-// key positions keys[0..n); krow(p) / vrow(p) give the K / V row of position p.
+// Keys are taken in fixed chunks of kKeyChunk visible keys (flash-decoding): a long context
+// gives several tasks that threads share, and since the chunking depends only on a query's
+// own visible keys, its arithmetic stays independent of the batch and the thread count.
+constexpr int64_t kKeyChunk = 256;
+
+// Partial attention of the G query heads q[g] over visible keys keys[0..n) (one chunk):
+// m[g] = max score, l[g] = sum exp(score - m[g]), o[g][D] = sum exp(score - m[g]) V (unnormalized).
 template <typename T, typename KRow, typename VRow>
-void attend_query(const float* const* q, float* const* out, int64_t G, int64_t D, int64_t n, const int64_t* keys,
-                  KRow krow, VRow vrow, float scale, Scratch& scratch) {
+void attend_chunk(const float* const* q, int64_t G, int64_t D, int64_t n, const int64_t* keys, KRow krow, VRow vrow,
+                  float scale, Scratch& scratch, float* m, float* l, float* const* o) {
   const int64_t n8 = (n + 7) / 8 * 8;
   scratch.scores.resize(G * n8);
   float* sc = scratch.scores.data();
@@ -113,17 +120,73 @@ void attend_query(const float* const* q, float* const* out, int64_t G, int64_t D
       _mm256_storeu_ps(s + i, e);
       vsum = _mm256_add_ps(vsum, e);
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / hsum(vsum));
-    for (int64_t i = 0; i < n8; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), inv));
+    m[g] = mx;
+    l[g] = hsum(vsum);
   }
   switch (G) {  // heads per KV head: templates for the common group sizes
-    case 1: return pv<T, 1>(sc, n8, n, keys, vrow, D, out);
-    case 2: return pv<T, 2>(sc, n8, n, keys, vrow, D, out);
-    case 3: return pv<T, 3>(sc, n8, n, keys, vrow, D, out);
-    case 4: return pv<T, 4>(sc, n8, n, keys, vrow, D, out);
+    case 1: return pv<T, 1>(sc, n8, n, keys, vrow, D, o);
+    case 2: return pv<T, 2>(sc, n8, n, keys, vrow, D, o);
+    case 3: return pv<T, 3>(sc, n8, n, keys, vrow, D, o);
+    case 4: return pv<T, 4>(sc, n8, n, keys, vrow, D, o);
     default:
-      for (int64_t g = 0; g < G; ++g) pv<T, 1>(sc + g * n8, n8, n, keys, vrow, D, out + g);
+      for (int64_t g = 0; g < G; ++g) pv<T, 1>(sc + g * n8, n8, n, keys, vrow, D, o + g);
   }
+}
+
+// Per (query, KV head) pair: its chunks' partials, laid out [chunk][m G | l G | o G D].
+struct Partials {
+  int64_t G, D;
+  std::vector<int64_t> first;  // first[w] = index of pair w's first chunk; first[num_pairs] = total
+  std::vector<float> data;
+
+  Partials(const std::vector<int64_t>& num_keys, int64_t G_, int64_t D_) : G(G_), D(D_), first(num_keys.size() + 1, 0) {
+    for (size_t w = 0; w < num_keys.size(); ++w) first[w + 1] = first[w] + (num_keys[w] + kKeyChunk - 1) / kKeyChunk;
+    data.resize(first.back() * stride());
+  }
+  int64_t stride() const { return 2 * G + G * D; }
+  float* chunk(int64_t c) { return data.data() + c * stride(); }
+
+  // out[g] = softmax-weighted V over all chunks of pair w, merged in chunk order.
+  void merge(int64_t w, float* const* out) {
+    const int64_t c0 = first[w], nc = first[w + 1] - first[w];
+    for (int64_t g = 0; g < G; ++g) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < nc; ++c) mx = std::max(mx, chunk(c0 + c)[g]);
+      float total = 0.0f;
+      for (int64_t c = 0; c < nc; ++c) total += chunk(c0 + c)[G + g] * std::exp(chunk(c0 + c)[g] - mx);
+      for (int64_t d = 0; d < D; ++d) out[g][d] = 0.0f;
+      for (int64_t c = 0; c < nc; ++c) {
+        const float wgt = std::exp(chunk(c0 + c)[g] - mx) / total;
+        const float* o = chunk(c0 + c) + 2 * G + g * D;
+        for (int64_t d = 0; d < D; ++d) out[g][d] += o[d] * wgt;
+      }
+    }
+  }
+};
+
+// Runs every chunk task of `parts` (task -> (pair w, chunk c)) and then every merge, in parallel.
+// run_chunk(w, c, scratch, m, l, o) computes one chunk; pointers(w, out) gives pair w's outputs.
+template <typename RunChunk, typename OutPtrs>
+void run_tasks(Partials& parts, int64_t num_pairs, RunChunk run_chunk, OutPtrs out_ptrs) {
+  const int64_t G = parts.G, D = parts.D;
+  at::parallel_for(0, parts.first.back(), 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    float* os[64];
+    int64_t w = std::upper_bound(parts.first.begin(), parts.first.end(), begin) - parts.first.begin() - 1;
+    for (int64_t task = begin; task < end; ++task) {
+      while (parts.first[w + 1] <= task) ++w;
+      float* base = parts.chunk(task);
+      for (int64_t g = 0; g < G; ++g) os[g] = base + 2 * G + g * D;
+      run_chunk(w, task - parts.first[w], scratch, base, base + G, os);
+    }
+  });
+  at::parallel_for(0, num_pairs, 16, [&](int64_t begin, int64_t end) {
+    float* os[64];
+    for (int64_t w = begin; w < end; ++w) {
+      out_ptrs(w, os);
+      parts.merge(w, os);
+    }
+  });
 }
 
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t D) {
@@ -153,31 +216,42 @@ struct AttentionArgs {
 
 template <typename T>
 void attention_impl(const AttentionArgs<T>& a) {
-  const int64_t G = a.H / a.Hkv;
-  at::parallel_for(0, a.B * a.Tq * a.Hkv, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch;
-    scratch.keys.resize(a.S);
-    const float* qs[64];
-    float* os[64];
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t j = w % a.Hkv, t = (w / a.Hkv) % a.Tq, b = w / (a.Hkv * a.Tq);
-      const int64_t last = std::min<int64_t>(a.past_len + t, a.S - 1);
-      const bool* mb = a.mask ? a.mask + b * a.S : nullptr;
-      int64_t n = 0;
-      for (int64_t s = 0; s <= last; ++s) {
-        if (!mb || mb[s]) scratch.keys[n++] = s;
+  const int64_t G = a.H / a.Hkv, num_pairs = a.B * a.Tq * a.Hkv;  // pair w = ((b * Tq) + t) * Hkv + j
+  // visible keys of query (b, t): slots <= past_len + t allowed by the mask (at least its own)
+  auto visible = [&](int64_t b, int64_t t, int64_t s) {
+    return s <= std::min<int64_t>(a.past_len + t, a.S - 1) && (!a.mask || a.mask[b * a.S + s]);
+  };
+  std::vector<int64_t> num_keys(num_pairs);
+  for (int64_t bt = 0; bt < a.B * a.Tq; ++bt) {
+    const int64_t b = bt / a.Tq, t = bt % a.Tq, last = std::min<int64_t>(a.past_len + t, a.S - 1);
+    int64_t n = 0;
+    for (int64_t s = 0; s <= last; ++s) n += visible(b, t, s);
+    for (int64_t j = 0; j < a.Hkv; ++j) num_keys[bt * a.Hkv + j] = std::max<int64_t>(n, 1);
+  }
+  Partials parts(num_keys, G, a.D);
+  auto run_chunk = [&](int64_t w, int64_t c, Scratch& scratch, float* m, float* l, float* const* o) {
+    const int64_t j = w % a.Hkv, t = (w / a.Hkv) % a.Tq, b = w / (a.Hkv * a.Tq);
+    const int64_t last = std::min<int64_t>(a.past_len + t, a.S - 1), lo = c * kKeyChunk;
+    const int64_t hi = std::min<int64_t>(num_keys[w], lo + kKeyChunk);
+    scratch.keys.clear();
+    for (int64_t s = 0, i = 0; s <= last && i < hi; ++s) {  // the chunk's slice of the visible keys
+      if (visible(b, t, s)) {
+        if (i >= lo) scratch.keys.push_back(s);
+        ++i;
       }
-      if (n == 0) scratch.keys[n++] = last;  // a padded query: attend its own slot (finite, unused)
-      for (int64_t g = 0; g < G; ++g) {
-        qs[g] = a.q + b * a.q_b + (j * G + g) * a.q_h + t * a.q_t;
-        os[g] = a.out + ((b * a.Tq + t) * a.H + j * G + g) * a.D;
-      }
-      const T* kb = a.k + b * a.k_b + j * a.k_h;
-      const T* vb = a.v + b * a.v_b + j * a.v_h;
-      const int64_t ks = a.k_s, vs = a.v_s;
-      attend_query<T>(qs, os, G, a.D, n, scratch.keys.data(), [&](int64_t p) { return kb + p * ks; },
-                      [&](int64_t p) { return vb + p * vs; }, a.scale, scratch);
     }
+    if (scratch.keys.empty()) scratch.keys.push_back(last);  // a padded query: its own slot (finite, unused)
+    const float* qs[64];
+    for (int64_t g = 0; g < G; ++g) qs[g] = a.q + b * a.q_b + (j * G + g) * a.q_h + t * a.q_t;
+    const T* kb = a.k + b * a.k_b + j * a.k_h;
+    const T* vb = a.v + b * a.v_b + j * a.v_h;
+    const int64_t ks = a.k_s, vs = a.v_s;
+    attend_chunk<T>(qs, G, a.D, static_cast<int64_t>(scratch.keys.size()), scratch.keys.data(), [&](int64_t p) { return kb + p * ks; },
+                    [&](int64_t p) { return vb + p * vs; }, a.scale, scratch, m, l, o);
+  };
+  run_tasks(parts, num_pairs, run_chunk, [&](int64_t w, float** os) {
+    const int64_t j = w % a.Hkv, bt = w / a.Hkv;
+    for (int64_t g = 0; g < G; ++g) os[g] = a.out + (bt * a.H + j * G + g) * a.D;
   });
 }
 
@@ -249,25 +323,27 @@ at::Tensor paged_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::T
   const T* vp = v_pool.data_ptr<T>();
   float* op = out.data_ptr<float>();
   const int64_t row = Hkv * D;  // elements per slot
-  at::parallel_for(0, N * Hkv, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch;
+  std::vector<int64_t> num_keys(N * Hkv);  // pair w = i * Hkv + j: query i sees positions 0 .. pos_i
+  for (int64_t w = 0; w < N * Hkv; ++w) {
+    const int64_t i = w / Hkv, r = seq_of[i];
+    num_keys[w] = lens[r] - (qslp[r + 1] - i) + 1;
+  }
+  Partials parts(num_keys, G, D);
+  auto run_chunk = [&](int64_t w, int64_t c, Scratch& scratch, float* m, float* l, float* const* o) {
+    const int64_t i = w / Hkv, j = w % Hkv, r = seq_of[i], lo = c * kKeyChunk;
+    const int64_t hi = std::min<int64_t>(num_keys[w], lo + kKeyChunk);
+    scratch.keys.resize(hi - lo);
+    for (int64_t p = lo; p < hi; ++p) scratch.keys[p - lo] = p;
     const float* qs[64];
-    float* os[64];
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t i = w / Hkv, j = w % Hkv, r = seq_of[i];
-      const int64_t pos = lens[r] - (qslp[r + 1] - i);  // this query's position
-      const int64_t n = pos + 1;
-      scratch.keys.resize(n);
-      for (int64_t p = 0; p < n; ++p) scratch.keys[p] = p;
-      for (int64_t g = 0; g < G; ++g) {
-        qs[g] = qp + i * q.stride(0) + (j * G + g) * q.stride(1);
-        os[g] = op + (i * H + j * G + g) * D;
-      }
-      const int64_t* table = tab + r * nb;
-      auto krow = [&](int64_t p) { return kp + (table[p / bs] * bs + p % bs) * row + j * D; };
-      auto vrow = [&](int64_t p) { return vp + (table[p / bs] * bs + p % bs) * row + j * D; };
-      attend_query<T>(qs, os, G, D, n, scratch.keys.data(), krow, vrow, scale, scratch);
-    }
+    for (int64_t g = 0; g < G; ++g) qs[g] = qp + i * q.stride(0) + (j * G + g) * q.stride(1);
+    const int64_t* table = tab + r * nb;
+    auto krow = [&](int64_t p) { return kp + (table[p / bs] * bs + p % bs) * row + j * D; };
+    auto vrow = [&](int64_t p) { return vp + (table[p / bs] * bs + p % bs) * row + j * D; };
+    attend_chunk<T>(qs, G, D, hi - lo, scratch.keys.data(), krow, vrow, scale, scratch, m, l, o);
+  };
+  run_tasks(parts, N * Hkv, run_chunk, [&](int64_t w, float** os) {
+    const int64_t i = w / Hkv, j = w % Hkv;
+    for (int64_t g = 0; g < G; ++g) os[g] = op + (i * H + j * G + g) * D;
   });
   return out;
 }
