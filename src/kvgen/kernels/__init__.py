@@ -45,7 +45,7 @@ SOURCES = (
     "ops.cpp", "quantize_q8a.cpp", "qgemm_q4.cpp", "qgemm_q8.cpp",
     "attention.cpp", "rms_norm.cpp", "rope.cpp", "silu_mul.cpp", "repack.cpp", "attention_qkv.cpp",
 )
-HEADERS = ("common.h", "vec_math.h", "aten_lite.h")
+HEADERS = ("common.h", "vec_math.h", "aten_lite.h", "ops.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 Q4, Q8 = reference.Q4, reference.Q8
 

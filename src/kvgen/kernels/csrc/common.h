@@ -15,7 +15,10 @@
 // activation bytes yields the 8 rows' partial dot products in 8 lanes: no horizontal sums.
 #pragma once
 
+#include <immintrin.h>
+
 #include <cstdint>
+#include <cstring>
 
 namespace kvgen {
 
@@ -32,6 +35,13 @@ struct BlockQ8A {
   int8_t qs[32];   // quantized values
 };
 static_assert(sizeof(BlockQ8A) == 40, "BlockQ8A must be 40 bytes");
+
+// 4 activation bytes broadcast to all 8 lanes (the maddubs partner of 4 columns x 8 rows).
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
 
 // Quantize one row of K floats (K % 32 == 0) into K / 32 blocks.
 void quantize_row_q8a(const float* x, BlockQ8A* y, int64_t K);

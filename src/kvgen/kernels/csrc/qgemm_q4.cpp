@@ -19,12 +19,6 @@ namespace {
 
 constexpr int64_t kPrefetchRecords = KVGEN_Q4_PREFETCH;
 
-inline __m256i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
 template <int MT>
 void q4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);

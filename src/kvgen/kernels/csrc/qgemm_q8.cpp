@@ -16,12 +16,6 @@
 namespace kvgen {
 namespace {
 
-inline __m256i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
 template <int MT>
 void q8_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
   const __m256i ones = _mm256_set1_epi16(1);

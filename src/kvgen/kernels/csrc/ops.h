@@ -1,0 +1,26 @@
+// The op entry points defined across the .cpp files, registered in ops.cpp (shapes and
+// semantics: kvgen/kernels/__init__.py and each op's file header).
+#pragma once
+
+#include <vector>
+
+#include "aten_lite.h"
+
+namespace kvgen {
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& key_mask,
+                     int64_t past_len, double scale);
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                           double scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+void rope_qkv_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor static_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache,
+                            const c10::optional<at::Tensor>& key_mask, int64_t past_len, int64_t num_heads, double scale);
+at::Tensor paged_attention_qkv(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slot_mapping,
+                               const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                               const at::Tensor& seq_lens, int64_t num_heads, double scale);
+at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type);
+
+}  // namespace kvgen
