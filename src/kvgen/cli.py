@@ -390,7 +390,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2) if args.json else format_serve_report(result))
         return 0
     if args.bench_command == "perplexity":
-        from kvgen.bench.perplexity import format_perplexity_report, run_perplexity_bench
+        from kvgen.bench.perplexity import (
+            format_perplexity_report,
+            run_perplexity_bench,
+        )
 
         result = run_perplexity_bench(args.file, args.model, args.dtype, args.context_length, not args.no_llama_cpp, args.num_threads)
         print(json.dumps(result, indent=2) if args.json else format_perplexity_report(result))

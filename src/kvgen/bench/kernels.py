@@ -81,8 +81,8 @@ def qgemm_crossover(out_features: int = 3072, in_features: int = 576, ms: tuple[
     for m in ms:
         x = torch.randn(m, in_features)
         repeats = max(3, 2000 // m)
-        q_us = _time_us(lambda: ops.qgemm(x, packed, weight_type, out_features, None), repeats)
-        d_us = _time_us(lambda: F.linear(x, dense), repeats)
+        q_us = _time_us(lambda x=x: ops.qgemm(x, packed, weight_type, out_features, None), repeats)
+        d_us = _time_us(lambda x=x: F.linear(x, dense), repeats)
         rows.append({"m": m, "qgemm_us": q_us, "dense_fp32_us": d_us, "qgemm_speedup": d_us / q_us})
     crossover = next((r["m"] for r in rows if r["dense_fp32_us"] < r["qgemm_us"]), None)
     return {"shape": [out_features, in_features], "backend": ops.backend, "rows": rows, "crossover_m": crossover}

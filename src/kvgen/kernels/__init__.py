@@ -30,9 +30,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -131,7 +131,7 @@ def get_ops() -> KernelOps:
     else:
         try:
             _load_extension()
-        except Exception as exc:  # a missing compiler, a failed build: fall back, never crash
+        except Exception as exc:  # noqa: BLE001 -- a missing compiler, a failed build: fall back, never crash
             reason = f"the C++ kernels could not be built ({type(exc).__name__}: {str(exc).strip()[:300]})"
     if reason is None:
         _ops = KernelOps("avx2", *(getattr(torch.ops.kvgen, n).default for n in _NAMES))

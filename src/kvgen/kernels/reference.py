@@ -158,7 +158,7 @@ def qgemm(
 
 def dequantize_rows(weight: torch.Tensor, weight_type: int, ids: torch.Tensor, in_features: int) -> torch.Tensor:
     """Rows ``ids`` [n] of a repacked weight as float32 [n, in_features] (embedding lookup)."""
-    g, nb, _ = weight.shape
+    nb = weight.shape[1]
     if in_features != nb * BLOCK:
         raise ValueError(f"in_features {in_features} != {nb * BLOCK}")
     groups = weight.index_select(0, ids.reshape(-1) // ROWS)  # [n, nb, R]

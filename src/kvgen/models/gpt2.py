@@ -15,13 +15,13 @@ from torch import nn
 from kvgen.config import ModelConfig
 from kvgen.errors import UnsupportedArchitectureError
 from kvgen.kv_cache.paged import PagedAttentionMetadata
-from kvgen.models.quant_linear import VocabEmbedding
 from kvgen.models.attention import (
     AttentionMetadata,
     advance_cache,
     attend,
     prepare_attention,
 )
+from kvgen.models.quant_linear import VocabEmbedding
 
 _ACTIVATIONS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),

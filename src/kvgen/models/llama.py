@@ -8,11 +8,14 @@ outputs must agree with ``transformers.LlamaForCausalLM`` on the same weights.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvgen.config import ModelConfig
+from kvgen.kernels import KernelOps
 from kvgen.kv_cache.paged import PagedAttentionMetadata
 from kvgen.models.attention import (
     AttentionMetadata,
@@ -22,9 +25,8 @@ from kvgen.models.attention import (
     prepare_attention,
     prepare_key_mask,
 )
-from kvgen.kernels import KernelOps
-from kvgen.models.quant_linear import VocabEmbedding
 from kvgen.models.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from kvgen.models.quant_linear import VocabEmbedding
 
 
 class LlamaAttention(nn.Module):
@@ -35,7 +37,7 @@ class LlamaAttention(nn.Module):
     activation quantization) serves all three.
     """
 
-    packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+    packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -64,7 +66,7 @@ class LlamaMLP(nn.Module):
     gate_proj and up_proj are stacked into one ``gate_up_proj`` (rows gate, then up).
     """
 
-    packed_modules = {"gate_up_proj": ("gate_proj", "up_proj")}
+    packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

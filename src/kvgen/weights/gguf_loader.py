@@ -23,12 +23,12 @@ from gguf.quants import dequantize
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelFormatError, UnsupportedQuantizationError
 from kvgen.weights.gguf_file import gguf_metadata, open_gguf
-from kvgen.weights.quantized import KERNEL_TYPES, GGUFBlocks, dense_to_q8_0
 from kvgen.weights.name_maps import (
     check_state_dict,
     expected_param_shapes,
     gguf_to_kvgen_name,
 )
+from kvgen.weights.quantized import KERNEL_TYPES, GGUFBlocks, dense_to_q8_0
 
 Q = GGMLQuantizationType
 SUPPORTED_QUANT_TYPES: frozenset[GGMLQuantizationType] = frozenset(
