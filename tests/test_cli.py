@@ -175,9 +175,9 @@ def test_chat_ends_cleanly_on_end_of_input():
 @pytest.mark.parametrize(
     "flags,hf_kwargs",
     [
-        (["--num-beams", "4"], dict(num_beams=4)),
-        (["--num-beams", "4", "--num-return-sequences", "2"], dict(num_beams=4, num_return_sequences=2)),
-        (["--penalty-alpha", "0.6", "--top-k", "4"], dict(penalty_alpha=0.6, top_k=4)),
+        (["--num-beams", "4"], {"num_beams": 4}),
+        (["--num-beams", "4", "--num-return-sequences", "2"], {"num_beams": 4, "num_return_sequences": 2}),
+        (["--penalty-alpha", "0.6", "--top-k", "4"], {"penalty_alpha": 0.6, "top_k": 4}),
     ],
 )
 def test_generate_strategies_from_cli_match_transformers(capsys, ours_default, hf_default, flags, hf_kwargs):

@@ -57,7 +57,7 @@ def _flag_kwargs(name: str, annotation: str) -> dict[str, Any]:
         return {"type": _early_stopping}
     if annotation == "bool":
         return {"action": "store_true", "default": None}
-    if annotation.startswith("int | list[int]") or annotation.startswith("list[int]"):
+    if annotation.startswith(("int | list[int]", "list[int]")):
         return {"type": int, "nargs": "+"}
     if annotation.startswith("int"):
         return {"type": int}
@@ -398,7 +398,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = run_perplexity_bench(args.file, args.model, args.dtype, args.context_length, not args.no_llama_cpp, args.num_threads)
         print(json.dumps(result, indent=2) if args.json else format_perplexity_report(result))
         return 0
-    common = dict(model=args.model, dtype=args.dtype, include_transformers=not args.no_transformers, num_threads=args.num_threads)
+    common = {"model": args.model, "dtype": args.dtype, "include_transformers": not args.no_transformers, "num_threads": args.num_threads}
     if args.bench_command == "decode":
         from kvgen.bench.decode import format_decode_report, run_decode_bench
 

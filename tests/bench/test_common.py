@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.bench.common import available_cpus, peer_torch_dtype, physical_cores, run_side
+from kvgen.bench.common import (
+    available_cpus,
+    peer_torch_dtype,
+    physical_cores,
+    run_side,
+)
 from kvgen.bench.decode import DecodeBenchConfig
 
 

@@ -12,13 +12,13 @@ from kvgen.generation import GenerationConfig, generate
 NEW_TOKENS = 16
 
 SETTINGS = {
-    "4 beams, all returned": dict(num_beams=4, num_return_sequences=4),
-    "no_repeat_ngram, early_stopping=True": dict(
-        num_beams=3, no_repeat_ngram_size=2, early_stopping=True, length_penalty=0.8, num_return_sequences=2
-    ),
-    "early_stopping=never, length_penalty=1.5": dict(
-        num_beams=4, early_stopping="never", length_penalty=1.5, num_return_sequences=2
-    ),
+    "4 beams, all returned": {"num_beams": 4, "num_return_sequences": 4},
+    "no_repeat_ngram, early_stopping=True": {
+        "num_beams": 3, "no_repeat_ngram_size": 2, "early_stopping": True, "length_penalty": 0.8, "num_return_sequences": 2
+    },
+    "early_stopping=never, length_penalty=1.5": {
+        "num_beams": 4, "early_stopping": "never", "length_penalty": 1.5, "num_return_sequences": 2
+    },
 }
 
 
@@ -43,7 +43,7 @@ def test_beam_search_matches_transformers(ours_default, hf_default, name):
     reasons = []
     for i, prompt in enumerate(_prompts(tok)):
         ids = torch.tensor([prompt])
-        with_logits = dict(output_scores=True, output_logits=True) if i == 0 else {}
+        with_logits = {"output_scores": True, "output_logits": True} if i == 0 else {}
         ours = generate(model, ids, None, GenerationConfig(max_new_tokens=NEW_TOKENS, **kwargs, **with_logits))
         ref = _hf_generate(hf_default, tok, ids, **kwargs, **with_logits)
         assert ours.sequences.tolist() == ref.sequences.tolist()
@@ -68,7 +68,7 @@ def test_batched_beam_search_gives_each_prompt_its_beams_alone(ours_default, cac
 
 def test_beam_sample_matches_transformers_for_the_same_seed(ours_default, hf_default):
     model, tok = ours_default
-    kwargs = dict(num_beams=3, num_return_sequences=2, do_sample=True, temperature=0.8)
+    kwargs = {"num_beams": 3, "num_return_sequences": 2, "do_sample": True, "temperature": 0.8}
     for prompt in _prompts(tok)[:2]:
         ids = torch.tensor([prompt])
         ours = generate(model, ids, None, GenerationConfig(max_new_tokens=NEW_TOKENS, seed=1, **kwargs))

@@ -26,7 +26,7 @@ def _hf(hf, tok, ids, mask, **kwargs) -> torch.Tensor:
         )
 
 
-@pytest.mark.parametrize("kwargs", [dict(penalty_alpha=0.6, top_k=4), dict(penalty_alpha=0.3, top_k=6)])
+@pytest.mark.parametrize("kwargs", [{"penalty_alpha": 0.6, "top_k": 4}, {"penalty_alpha": 0.3, "top_k": 6}])
 def test_contrastive_search_matches_transformers_per_prompt(ours_default, hf_default, kwargs):
     model, tok = ours_default
     for prompt in _prompts(tok):

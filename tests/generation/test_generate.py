@@ -27,9 +27,9 @@ def test_no_cache_dynamic_and_static_cache_give_identical_tokens(model_tok):
     outs = {
         name: generate(model, ids, None, GenerationConfig(max_new_tokens=24, **kw)).new_token_ids[0]
         for name, kw in {
-            "none": dict(use_cache=False),
-            "dynamic": dict(cache_implementation="dynamic"),
-            "static": dict(cache_implementation="static"),
+            "none": {"use_cache": False},
+            "dynamic": {"cache_implementation": "dynamic"},
+            "static": {"cache_implementation": "static"},
         }.items()
     }
     assert len(outs["static"]) > 1
@@ -94,15 +94,15 @@ def test_prompt_that_leaves_no_room_raises(model_tok):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
-        (dict(do_sample=True, temperature=0.0), "temperature must be > 0"),
-        (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
-        (dict(top_k=-1), "top_k must be an integer >= 0, got -1"),
-        (dict(repetition_penalty=0.0), "repetition_penalty must be > 0, got 0.0"),
-        (dict(cache_implementation="paged"), "cache_implementation must be 'dynamic' or 'static', got 'paged'"),
-        (dict(num_return_sequences=2), "num_return_sequences=2 conflicts with do_sample=False"),
-        (dict(num_beams=4, num_beam_groups=3), "num_beam_groups=3 conflicts with num_beams=4"),
-        (dict(penalty_alpha=0.6, do_sample=True), "penalty_alpha=0.6 conflicts with do_sample=True"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1, got 0"),
+        ({"do_sample": True, "temperature": 0.0}, "temperature must be > 0"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
+        ({"top_k": -1}, "top_k must be an integer >= 0, got -1"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0, got 0.0"),
+        ({"cache_implementation": "paged"}, "cache_implementation must be 'dynamic' or 'static', got 'paged'"),
+        ({"num_return_sequences": 2}, "num_return_sequences=2 conflicts with do_sample=False"),
+        ({"num_beams": 4, "num_beam_groups": 3}, "num_beam_groups=3 conflicts with num_beams=4"),
+        ({"penalty_alpha": 0.6, "do_sample": True}, "penalty_alpha=0.6 conflicts with do_sample=True"),
     ],
 )
 def test_invalid_generation_config_raises_naming_the_field(kwargs, match):

@@ -13,10 +13,10 @@ from kvgen.generation.group_beam_search import Hypotheses
 NEW_TOKENS = 16
 
 SETTINGS = {
-    "2 groups of 2": dict(num_beams=4, num_beam_groups=2, diversity_penalty=1.0, num_return_sequences=2),
-    "3 groups of 2, early_stopping=True": dict(
-        num_beams=6, num_beam_groups=3, diversity_penalty=0.5, num_return_sequences=3, early_stopping=True
-    ),
+    "2 groups of 2": {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0, "num_return_sequences": 2},
+    "3 groups of 2, early_stopping=True": {
+        "num_beams": 6, "num_beam_groups": 3, "diversity_penalty": 0.5, "num_return_sequences": 3, "early_stopping": True
+    },
 }
 
 

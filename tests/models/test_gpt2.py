@@ -13,8 +13,8 @@ from kvgen.models import AttentionMetadata, build_model
 from kvgen.weights.hf_loader import load_hf_directory
 
 CONFIGS = {
-    "tiny": dict(vocab_size=211, n_embd=64, n_layer=2, n_head=4, n_positions=128),
-    "124M": dict(),  # transformers' GPT2Config defaults are GPT-2 small
+    "tiny": {"vocab_size": 211, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128},
+    "124M": {},  # transformers' GPT2Config defaults are GPT-2 small
 }
 
 

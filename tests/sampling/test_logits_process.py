@@ -94,24 +94,24 @@ PINNED_ORDER = (
     "EtaLogitsWarper",
 )
 
-EVERYTHING = dict(
-    do_sample=True,
-    temperature=0.7,
-    top_k=12,
-    top_p=0.9,
-    min_p=0.05,
-    typical_p=0.95,
-    epsilon_cutoff=3e-4,
-    eta_cutoff=1e-3,
-    repetition_penalty=1.3,
-    no_repeat_ngram_size=2,
-    min_new_tokens=3,
-    eos_token_id=[2, 3],
-    pad_token_id=0,
-    sequence_bias=[[[5], 1.0], [[6, 7], -2.0]],
-    bad_words_ids=[[8], [9, 10], [2]],
-    suppress_tokens=[11],
-)
+EVERYTHING = {
+    "do_sample": True,
+    "temperature": 0.7,
+    "top_k": 12,
+    "top_p": 0.9,
+    "min_p": 0.05,
+    "typical_p": 0.95,
+    "epsilon_cutoff": 3e-4,
+    "eta_cutoff": 1e-3,
+    "repetition_penalty": 1.3,
+    "no_repeat_ngram_size": 2,
+    "min_new_tokens": 3,
+    "eos_token_id": [2, 3],
+    "pad_token_id": 0,
+    "sequence_bias": [[[5], 1.0], [[6, 7], -2.0]],
+    "bad_words_ids": [[8], [9, 10], [2]],
+    "suppress_tokens": [11],
+}
 
 
 def test_processor_order_is_pinned():

@@ -201,7 +201,7 @@ def current_rss_bytes() -> int | None:
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
-def per_second(count: int | float, seconds: float) -> float | None:
+def per_second(count: float, seconds: float) -> float | None:
     """``count / seconds`` (tokens/s), or None when ``seconds`` is not positive."""
     return float(count) / seconds if seconds > 0 else None
 

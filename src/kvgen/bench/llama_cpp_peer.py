@@ -27,9 +27,23 @@ from pathlib import Path
 from typing import Any
 
 if __package__:
-    from kvgen.bench.common import RunStats, TokenTimer, peak_rss_bytes, time_generation, time_to_first_token, timed
+    from kvgen.bench.common import (
+        RunStats,
+        TokenTimer,
+        peak_rss_bytes,
+        time_generation,
+        time_to_first_token,
+        timed,
+    )
 else:  # run as a file by run_llama_cpp: sys.path[0] is this directory, and importing kvgen would import torch
-    from common import RunStats, TokenTimer, peak_rss_bytes, time_generation, time_to_first_token, timed  # type: ignore[no-redef]
+    from common import (  # type: ignore[no-redef]
+        RunStats,
+        TokenTimer,
+        peak_rss_bytes,
+        time_generation,
+        time_to_first_token,
+        timed,
+    )
 
 TASKS = ("decode", "throughput", "perplexity")
 

@@ -20,7 +20,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvgen.bench.common import Progress, default_dtype, environment_info, ratio, set_threads, timed
+from kvgen.bench.common import (
+    Progress,
+    default_dtype,
+    environment_info,
+    ratio,
+    set_threads,
+    timed,
+)
 from kvgen.bench.llama_cpp_peer import run_llama_cpp
 
 SCHEMA = "kvgen.bench.perplexity/1"

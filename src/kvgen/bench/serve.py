@@ -26,7 +26,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvgen.bench.common import Progress, environment_info, per_second, percentile, physical_cores, ratio
+from kvgen.bench.common import (
+    Progress,
+    environment_info,
+    per_second,
+    percentile,
+    physical_cores,
+    ratio,
+)
 from kvgen.bench.throughput import make_workload
 
 SCHEMA = "kvgen.bench.serve/1"

@@ -31,16 +31,15 @@ from kvgen.engine.types import (
 )
 
 __all__ = [
+    "DEFAULT_BLOCK_SIZE",
     "LLM",
     "AsyncLLMEngine",
-    "EngineArgs",
-    "LLMEngine",
-    "ModelRunner",
-    "Sampler",
-    "DEFAULT_BLOCK_SIZE",
     "BlockManager",
     "CompletionOutput",
+    "EngineArgs",
     "EngineCoreOutput",
+    "LLMEngine",
+    "ModelRunner",
     "ModelRunnerOutput",
     "OutputProcessor",
     "ProcessedOutputs",
@@ -50,6 +49,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "RequestStatus",
+    "Sampler",
     "SamplingParams",
     "ScheduledRequest",
     "Scheduler",

@@ -28,7 +28,15 @@ from kvgen.server.protocol import (
     DeltaMessage,
     message_dicts,
 )
-from kvgen.server.results import ChoiceResult, chat_logprobs, chunk_dict, collect, sse, sse_error, usage
+from kvgen.server.results import (
+    ChoiceResult,
+    chat_logprobs,
+    chunk_dict,
+    collect,
+    sse,
+    sse_error,
+    usage,
+)
 from kvgen.server.serving import (
     ClientDisconnected,
     Generation,

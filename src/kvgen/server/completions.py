@@ -16,7 +16,12 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 
 from kvgen.server.errors import bad_request
-from kvgen.server.protocol import CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse
+from kvgen.server.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+)
 from kvgen.server.results import chunk_dict, collect, sse, sse_error, usage
 from kvgen.server.serving import (
     ClientDisconnected,

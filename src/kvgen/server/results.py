@@ -14,7 +14,13 @@ from typing import Any
 from kvgen.engine.outputs import CompletionOutput
 from kvgen.engine.types import TokenLogprobs
 from kvgen.server.errors import OpenAIError
-from kvgen.server.protocol import ChatTokenLogprob, ErrorInfo, ErrorResponse, TopLogprob, Usage
+from kvgen.server.protocol import (
+    ChatTokenLogprob,
+    ErrorInfo,
+    ErrorResponse,
+    TopLogprob,
+    Usage,
+)
 from kvgen.server.serving import Generation
 from kvgen.tokenizer import Tokenizer
 
