@@ -33,9 +33,12 @@ class ModelConfig:
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
-    num_key_value_heads: int | None = None
-    intermediate_size: int | None = None
-    head_dim: int | None = None
+    # These three may be left out (None) and are derived in __post_init__; typed ``int``
+    # because every reader sees the derived value. The None defaults are the one place
+    # the type does not hold, hence the ignores.
+    num_key_value_heads: int = None  # type: ignore[assignment]  # None -> num_attention_heads
+    intermediate_size: int = None  # type: ignore[assignment]  # None -> 4 * hidden_size
+    head_dim: int = None  # type: ignore[assignment]  # None -> hidden_size // num_attention_heads
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6  # llama
     layer_norm_epsilon: float = 1e-5  # gpt2

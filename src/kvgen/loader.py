@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from kvgen.errors import ModelFormatError, ModelNotFoundError
-from kvgen.models import build_model
+from kvgen.models import CausalLM, build_model
 from kvgen.tokenizer import Tokenizer
+from kvgen.weights.quantized import GGUFBlocks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # "auto": quantized GGUF matrices stay in their blocks and run through kvgen's kernels;
@@ -48,7 +49,7 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 def load_model(
     path_or_name: str | os.PathLike[str] = "default", dtype: torch.dtype | str | None = AUTO
-) -> tuple[nn.Module, Tokenizer]:
+) -> tuple[CausalLM, Tokenizer]:
     """Load a model and its tokenizer.
 
     ``path_or_name``: ``"default"``, a ``.gguf`` file or a Hugging Face
@@ -62,6 +63,7 @@ def load_model(
     """
     dtype = parse_dtype(dtype)
     path = resolve_model_path(path_or_name)
+    state_dict: Mapping[str, torch.Tensor | GGUFBlocks]
     if path.is_dir():
         from kvgen.weights.hf_loader import load_hf_directory
 

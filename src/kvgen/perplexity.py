@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+if TYPE_CHECKING:
+    from kvgen.models import CausalLM
 
 
 @dataclass
@@ -30,7 +33,7 @@ def windows(token_ids: list[int], context_length: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def window_nll(model: nn.Module, window: list[int]) -> float:
+def window_nll(model: CausalLM, window: list[int]) -> float:
     """Summed NLL (nats) of tokens 2..n of ``window`` given the earlier ones, in one no-cache forward."""
     ids = torch.tensor([window])  # [1, T]
     positions = torch.arange(len(window))[None]  # [1, T]
@@ -39,7 +42,12 @@ def window_nll(model: nn.Module, window: list[int]) -> float:
     return float(F.cross_entropy(logits, ids[0, 1:], reduction="sum"))
 
 
-def perplexity(model: nn.Module, token_ids: list[int], context_length: int = 512, progress: Iterable | None = None) -> PerplexityResult:
+def perplexity(
+    model: CausalLM,
+    token_ids: list[int],
+    context_length: int = 512,
+    progress: Callable[[list[list[int]]], Iterable[list[int]]] | None = None,
+) -> PerplexityResult:
     """Score ``token_ids`` window by window (see :func:`windows`).
 
     Raises ``ValueError`` when fewer than 2 tokens are given or ``context_length``

@@ -125,7 +125,9 @@ class BlockManager:
             block_id = self._free_uncached.popleft()
         else:  # evict the least recently freed cached block
             block_id, _ = self._free_cached.popitem(last=False)
-            del self._cached[self._block_hash[block_id]]
+            block_hash = self._block_hash[block_id]
+            assert block_hash is not None  # every cached block has a hash
+            del self._cached[block_hash]
             self._block_hash[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id

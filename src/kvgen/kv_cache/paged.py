@@ -190,6 +190,7 @@ class PagedKVCache:
         if (num_blocks is None) == (kv_cache_memory_bytes is None):
             raise ValueError("pass exactly one of num_blocks and kv_cache_memory_bytes")
         if num_blocks is None:
+            assert kv_cache_memory_bytes is not None  # exactly one of the two, checked above
             num_blocks = num_blocks_for_memory(config, kv_cache_memory_bytes, block_size, dtype)
         return cls(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim, dtype)
 
@@ -259,8 +260,10 @@ class PagedKVCache:
         num_heads, batch, d = q.shape
         group = num_heads // self.num_kv_heads
         qg = q.transpose(0, 1).reshape(batch, self.num_kv_heads, group, d)  # [B, Hkv, G, D]
-        k = self._gather("k", k_pool, meta.decode_block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
-        v = self._gather("v", v_pool, meta.decode_block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
+        block_ids = meta.decode_block_ids
+        assert block_ids is not None  # set whenever num_decodes > 0
+        k = self._gather("k", k_pool, block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
+        v = self._gather("v", v_pool, block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=scale)  # [B, Hkv, G, D]
         return out.reshape(batch, num_heads, d)  # [B, H, D]
 

@@ -7,6 +7,7 @@ logits [..., V] float32``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -16,20 +17,21 @@ from kvgen.config import ModelConfig
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
 from kvgen.kernels import get_ops
 from kvgen.models.attention import AttentionMetadata
+from kvgen.models.base import CausalLM, SupportsKernels
 from kvgen.models.gpt2 import GPT2LMHeadModel
 from kvgen.models.llama import LlamaForCausalLM
 from kvgen.models.quant_linear import QuantEmbedding, QuantLinear
 from kvgen.weights.quantized import GGUFBlocks, stack_blocks
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
     "gpt2": GPT2LMHeadModel,
 }
 
 
 def build_model(
-    config: ModelConfig, state_dict: dict[str, torch.Tensor | GGUFBlocks], dtype: torch.dtype = torch.float32
-) -> nn.Module:
+    config: ModelConfig, state_dict: Mapping[str, torch.Tensor | GGUFBlocks], dtype: torch.dtype = torch.float32
+) -> CausalLM:
     """Instantiate the decoder for ``config.model_type`` and load ``state_dict`` strictly.
 
     ``state_dict`` uses checkpoint (HF) names; matrices a module stacks (its
@@ -68,13 +70,13 @@ def build_model(
             module = model.get_submodule(module_name) if module_name else model
             module.register_buffer(attr, _recompute_buffer(config, attr), persistent=False)
     assert not any(p.is_meta for p in model.parameters()), "a parameter was left unloaded"
-    if any(isinstance(m, QuantLinear) for m in model.modules()) and hasattr(model, "use_kernels"):
+    if any(isinstance(m, QuantLinear) for m in model.modules()) and isinstance(model, SupportsKernels):
         model.use_kernels(get_ops())
     model.requires_grad_(False)
     return model.eval()
 
 
-def _stack_packed(model: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
+def _stack_packed(model: nn.Module, state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of ``state_dict`` with each module's ``packed_modules`` parts concatenated by rows."""
     state = dict(state_dict)
     for module_name, module in model.named_modules():
@@ -125,4 +127,4 @@ def _recompute_buffer(config: ModelConfig, name: str) -> torch.Tensor:
     raise AssertionError(f"unknown buffer {name}")
 
 
-__all__ = ["MODEL_REGISTRY", "AttentionMetadata", "GPT2LMHeadModel", "LlamaForCausalLM", "build_model", "kv_cache_dtype"]
+__all__ = ["MODEL_REGISTRY", "AttentionMetadata", "CausalLM", "GPT2LMHeadModel", "LlamaForCausalLM", "build_model", "kv_cache_dtype"]

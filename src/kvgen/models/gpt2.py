@@ -21,6 +21,7 @@ from kvgen.models.attention import (
     attend,
     prepare_attention,
 )
+from kvgen.models.base import CausalLM
 from kvgen.models.quant_linear import VocabEmbedding
 
 _ACTIVATIONS = {
@@ -97,7 +98,7 @@ class GPT2Model(nn.Module):
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(CausalLM):
     """GPT-2 with its LM head tied to the token embeddings."""
 
     def __init__(self, config: ModelConfig) -> None:

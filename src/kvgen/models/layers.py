@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvgen.kernels import KernelOps
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (Zhang & Sennrich 2019), as HF ``LlamaRMSNorm``.
@@ -20,7 +22,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
-        self.kernels = None  # kvgen.kernels.KernelOps: the fused norm on the quantized fast path
+        self.kernels: KernelOps | None = None  # the fused norm on the quantized fast path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:

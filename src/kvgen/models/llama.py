@@ -8,7 +8,7 @@ outputs must agree with ``transformers.LlamaForCausalLM`` on the same weights.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +25,18 @@ from kvgen.models.attention import (
     prepare_attention,
     prepare_key_mask,
 )
+from kvgen.models.base import CausalLM, HasKernels
 from kvgen.models.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
-from kvgen.models.quant_linear import VocabEmbedding
+from kvgen.models.quant_linear import QuantEmbedding, QuantLinear, VocabEmbedding
+
+# A QuantLinear's operands of kernels.qgemm: (qweight, weight_type, out_features, bias).
+_LinearOperands = tuple[torch.Tensor, int, int, torch.Tensor | None]
+# What LlamaDecoderLayer.forward_kernels reads, gathered once by bind_kernels:
+# (kernels, norm1 weight, eps1, qkv, o, norm2 weight, eps2, gate_up, down, H, Hkv, D).
+_LayerOperands = tuple[
+    KernelOps, torch.Tensor, float, _LinearOperands, _LinearOperands, torch.Tensor, float,
+    _LinearOperands, _LinearOperands, int, int, int,
+]
 
 
 class LlamaAttention(nn.Module):
@@ -83,6 +93,8 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
+    _operands: _LayerOperands  # set by bind_kernels
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config)
@@ -90,7 +102,6 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.kernels: KernelOps | None = None  # set by bind_kernels: the fused fast path below
-        self._operands: tuple = ()
 
     def forward(self, x, cos, sin, layer_idx, kv_cache, mask) -> torch.Tensor:
         """x: [B, T, C] -> [B, T, C]."""
@@ -106,8 +117,7 @@ class LlamaDecoderLayer(nn.Module):
         ``attend_rows``). Every linear layer is a ``QuantLinear`` here; residual adds are
         fused into the output projections.
         """
-        ops = self.kernels
-        norm1, eps1, qkv, o, norm2, eps2, gate_up, down, num_heads, num_kv_heads, head_dim = self._operands
+        ops, norm1, eps1, qkv, o, norm2, eps2, gate_up, down, num_heads, num_kv_heads, head_dim = self._operands
         h = ops.rms_norm(x, norm1, eps1)  # [N, C]
         h = ops.qgemm(h, *qkv)  # [N, (H + 2 Hkv) D]
         ops.rope_qkv_(h, cos, sin, num_heads, num_kv_heads)
@@ -121,13 +131,14 @@ class LlamaDecoderLayer(nn.Module):
         """Switch this layer to ``forward_kernels``: its operands are gathered once into a plain tuple
         (nn.Module attribute lookups cost ~1 µs each, ~14 per layer and token)."""
 
-        def linear(m: nn.Module) -> tuple:
-            return (m.qweight, m.weight_type, m.out_features, m.bias)
+        def linear(m: nn.Module) -> _LinearOperands:
+            q = cast(QuantLinear, m)  # built as nn.Linear, replaced by a QuantLinear at load
+            return (q.qweight, q.weight_type, q.out_features, q.bias)
 
         attn, mlp = self.self_attn, self.mlp
         self.kernels = kernels
         self._operands = (
-            self.input_layernorm.weight, self.input_layernorm.variance_epsilon, linear(attn.qkv_proj), linear(attn.o_proj),
+            kernels, self.input_layernorm.weight, self.input_layernorm.variance_epsilon, linear(attn.qkv_proj), linear(attn.o_proj),
             self.post_attention_layernorm.weight, self.post_attention_layernorm.variance_epsilon,
             linear(mlp.gate_up_proj), linear(mlp.down_proj), attn.num_heads, attn.num_kv_heads, attn.head_dim,
         )
@@ -136,6 +147,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embeddings, L decoder layers and the final norm (HF ``LlamaModel`` names)."""
 
+    embed_tokens: VocabEmbedding | QuantEmbedding  # QuantEmbedding when the file's embeddings are quantized
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
@@ -143,8 +156,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Llama decoder with an LM head (tied to ``embed_tokens`` or separate)."""
+
+    inv_freq: torch.Tensor  # [D/2] float32 buffer (rope_inv_freq)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -189,8 +204,8 @@ class LlamaForCausalLM(nn.Module):
                 rows = layer.forward_kernels(rows, x.shape[0], cos, sin, i, kv_cache, mask)
             x = rows.view(x.shape)
         else:
-            for i, layer in enumerate(self.model.layers):
-                x = layer(x, cos, sin, i, kv_cache, mask)
+            for i, block in enumerate(self.model.layers):
+                x = block(x, cos, sin, i, kv_cache, mask)
         advance_cache(kv_cache, mask, input_ids.shape[1])
         return self.model.norm(x)
 
@@ -201,10 +216,10 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, LlamaDecoderLayer):
                 module.bind_kernels(kernels)
-            elif hasattr(module, "kernels"):
+            elif isinstance(module, HasKernels):  # RMSNorm, QuantLinear, QuantEmbedding
                 module.kernels = kernels
         self.kernels = kernels
-        self._kernel_layers = list(self.model.layers)
+        self._kernel_layers = [cast(LlamaDecoderLayer, layer) for layer in self.model.layers]
         self.kv_cache_dtype = torch.float16  # the kernels read K and V at fp16 precision: store them so
 
     def _rope_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,6 +230,7 @@ class LlamaForCausalLM(nn.Module):
             size = max(need, 2 * (0 if self._cos_table is None else self._cos_table.shape[0]), 256)
             cos, sin = rope_cos_sin(torch.arange(size)[None], self.inv_freq, torch.float32)  # [1, 1, size, D]
             self._cos_table, self._sin_table = cos[0, 0].contiguous(), sin[0, 0].contiguous()
+        assert self._sin_table is not None  # grown together with _cos_table
         flat = positions.reshape(-1)
         return self._cos_table.index_select(0, flat), self._sin_table.index_select(0, flat)
 

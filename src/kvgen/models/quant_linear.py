@@ -37,6 +37,8 @@ class QuantLinear(nn.Module):
     row's result does not depend on the other rows of the call.
     """
 
+    qweight: torch.Tensor  # [G, nb, R] uint8 buffer: the kernels' packed 8-row records
+
     def __init__(self, weight_type: int, qweight: torch.Tensor, in_features: int, out_features: int,
                  bias: torch.Tensor | None = None) -> None:
         super().__init__()

@@ -85,7 +85,7 @@ class FastGGUFReader(GGUFReader):
         if self.byte_order != "I":
             u64 = u64.newbyteorder(self.byte_order)
         fmt = "<Q" if self.endianess == GGUFEndian.LITTLE else ">Q"
-        view = memoryview(buf)
+        view = buf.data  # memoryview of the mapped bytes
         for _ in range(n):
             if offs + 8 > size:
                 raise ValueError(f"string array runs past the end of the file at offset {offs}")

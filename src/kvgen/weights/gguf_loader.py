@@ -96,11 +96,11 @@ def _compact_tensor(t: ReaderTensor, qk_heads: int | None) -> GGUFBlocks:
     """A quantized matrix as GGUFBlocks: its own bytes for kernel types, else re-encoded as Q8_0."""
     if t.tensor_type not in KERNEL_TYPES:
         return dense_to_q8_0(dequantize_tensor(t, torch.float32, qk_heads))
-    shape = _torch_shape(t)
-    raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1))  # [out, bytes], a copy
+    out_features, in_features = _torch_shape(t)  # 2-D: the caller's check
+    raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(out_features, -1))  # [out, bytes], a copy
     if qk_heads:
         raw = reverse_permute_qk(raw, qk_heads)  # whole rows move: exact on the encoded bytes
-    return GGUFBlocks(t.tensor_type, [raw], shape)
+    return GGUFBlocks(t.tensor_type, [raw], (out_features, in_features))
 
 
 def _map_names(reader: GGUFReader, path: str) -> dict[str, str]:
