@@ -15,8 +15,6 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from torch import nn
-
 from kvgen.engine.block_manager import BlockManager
 from kvgen.engine.detokenizer import OutputProcessor
 from kvgen.engine.engine_args import DEFAULT_KV_CACHE_MEMORY, EngineArgs
@@ -27,7 +25,7 @@ from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.scheduler import Scheduler
 from kvgen.kv_cache.paged import PagedKVCache, num_blocks_for_memory
-from kvgen.models import kv_cache_dtype
+from kvgen.models import CausalLM, kv_cache_dtype
 from kvgen.tokenizer import Tokenizer
 
 
@@ -60,7 +58,7 @@ class LLMEngine:
     Raises ``ValueError`` when ``max_model_len`` exceeds the model's context window.
     """
 
-    def __init__(self, model: nn.Module, tokenizer: Tokenizer | None, engine_args: EngineArgs | None = None) -> None:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer | None, engine_args: EngineArgs | None = None) -> None:
         args = engine_args or EngineArgs()
         config = model.config
         self.engine_args, self.model, self.tokenizer = args, model, tokenizer

@@ -46,7 +46,7 @@ STATIC_DIR = Path(__file__).parent / "static"
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
 # With "stream": true, each server-sent event is `data: <chunk JSON>`, the last `data: [DONE]`.
 _SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}}, "required": ["data"]}
-_STREAMED = {200: {"content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
+_STREAMED: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
 
 
 def _state(request: Request) -> ServerState:
@@ -113,9 +113,11 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> TokenizeResponse:
 
 def _chat_ids_no_prompt(state: ServerState, request: ChatCompletionRequest) -> list[int]:
     try:
-        return state.tokenizer.apply_chat_template(message_dicts(request.messages), add_generation_prompt=False, tokenize=True)
+        ids = state.tokenizer.apply_chat_template(message_dicts(request.messages), add_generation_prompt=False, tokenize=True)
     except (KvgenError, ValueError) as e:
         raise bad_request(str(e).splitlines()[0], "messages") from None
+    assert isinstance(ids, list)  # tokenize=True returns the ids
+    return ids
 
 
 def _open_router() -> APIRouter:
@@ -154,9 +156,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     """
     if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
         raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
-    if engine.engine.tokenizer is None:
-        raise ValueError("the server needs an engine with a tokenizer")
     llm = engine.engine
+    if llm.tokenizer is None:
+        raise ValueError("the server needs an engine with a tokenizer")
     state = ServerState(
         engine=engine, tokenizer=llm.tokenizer, model_name=model_name, max_model_len=llm.max_model_len,
         max_num_seqs=llm.engine_args.max_num_seqs, max_queue=max_queue, metrics=ServerMetrics(llm, model_name),

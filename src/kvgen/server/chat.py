@@ -33,6 +33,7 @@ from kvgen.server.results import (
     chat_logprobs,
     chunk_dict,
     collect,
+    openai_finish_reason,
     sse,
     sse_error,
     usage,
@@ -57,6 +58,7 @@ def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]
         ids = state.tokenizer.apply_chat_template(message_dicts(req.messages), add_generation_prompt=True, tokenize=True)
     except (KvgenError, ValueError) as e:
         raise bad_request(str(e).splitlines()[0], "messages") from None
+    assert isinstance(ids, list)  # tokenize=True returns the ids
     if not ids:
         raise bad_request("the messages render to an empty prompt", "messages")
     return ids
@@ -100,7 +102,7 @@ def _logprobs(state: ServerState, req: ChatCompletionRequest, token_ids: list[in
 def _choice(state: ServerState, req: ChatCompletionRequest, c: ChoiceResult) -> ChatCompletionChoice:
     return ChatCompletionChoice(
         index=c.index, message=ChatCompletionMessage(content=c.text),
-        logprobs=_logprobs(state, req, c.token_ids, c.logprobs), finish_reason=c.finish_reason,
+        logprobs=_logprobs(state, req, c.token_ids, c.logprobs), finish_reason=openai_finish_reason(c.finish_reason),
     )
 
 
@@ -125,7 +127,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generatio
                     lp = _logprobs(state, req, c.token_ids, c.logprobs or [])
                     yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=c.text), logprobs=lp)])
                 if c.finish_reason is not None:
-                    yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason)])
+                    yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=openai_finish_reason(c.finish_reason))])
         if include_usage:
             final = ChatCompletionChunk(id=gen.request_id, model=state.model_name, choices=[],
                                         usage=usage(num_prompt_tokens, num_tokens))

@@ -22,7 +22,14 @@ from kvgen.server.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from kvgen.server.results import chunk_dict, collect, sse, sse_error, usage
+from kvgen.server.results import (
+    chunk_dict,
+    collect,
+    openai_finish_reason,
+    sse,
+    sse_error,
+    usage,
+)
 from kvgen.server.serving import (
     ClientDisconnected,
     Generation,
@@ -89,7 +96,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         await gen.close()
     response = CompletionResponse(
         id=gen.request_id, model=state.model_name, usage=usage(num_prompt_tokens, choices),
-        choices=[CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason) for c in choices],
+        choices=[CompletionChoice(index=c.index, text=c.text, finish_reason=openai_finish_reason(c.finish_reason)) for c in choices],
     )
     return JSONResponse(response.model_dump())
 
@@ -98,7 +105,7 @@ async def _stream(state: ServerState, req: CompletionRequest, gen: Generation, n
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def chunk(index: int, text: str, finish_reason: str | None) -> str:
-        choice = CompletionChoice(index=index, text=text, finish_reason=finish_reason)
+        choice = CompletionChoice(index=index, text=text, finish_reason=openai_finish_reason(finish_reason))
         return sse(chunk_dict(CompletionChunk(id=gen.request_id, model=state.model_name, choices=[choice]), include_usage))
 
     num_tokens = 0

@@ -80,8 +80,10 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         raise
     name = server_args.served_model_name or engine_args.model
     app = build_app(engine, name, server_args.api_key, server_args.max_queue)
+    # uvicorn annotates timeout_graceful_shutdown as int but hands it to asyncio.wait_for (float seconds).
     config = uvicorn.Config(
-        app, log_level=server_args.log_level, access_log=False, timeout_graceful_shutdown=server_args.shutdown_timeout,
+        app, log_level=server_args.log_level, access_log=False,
+        timeout_graceful_shutdown=server_args.shutdown_timeout,  # type: ignore[arg-type]
         log_config=None,
     )
     server = uvicorn.Server(config)

@@ -52,22 +52,22 @@ class SamplingFields(StrictModel):
     """Sampling fields shared by chat and text completions (OpenAI, then vLLM extras)."""
 
     model: str
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; default 1")
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="0 = greedy; default 1")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: Stop = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    top_k: int | None = Field(None, ge=-1, le=MAX_INT32, description="vLLM extra: 0 or -1 = off")
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_INT32, description="vLLM extra: 0 or -1 = off")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     # bounded away from 0: logits / 1e-300 overflow to inf, and the draw fails
-    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
-    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
+    min_tokens: int = Field(default=0, ge=0, le=MAX_INT32)
     ignore_eos: bool = False
 
 
@@ -87,10 +87,10 @@ class ChatMessage(StrictModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI for max_completion_tokens")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, description="deprecated by OpenAI for max_completion_tokens")
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class ChatCompletionMessage(BaseModel):
@@ -170,11 +170,11 @@ PromptInput = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
-    max_tokens: int | None = Field(16, ge=1)
-    echo: bool = Field(False, description="not supported: must be false")
-    logprobs: int | None = Field(None, ge=0, le=5, description="not supported: must be null")
-    suffix: str | None = Field(None, description="not supported: must be null")
-    best_of: int | None = Field(None, ge=1, le=MAX_N, description="only best_of == n is supported")
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = Field(default=False, description="not supported: must be false")
+    logprobs: int | None = Field(default=None, ge=0, le=5, description="not supported: must be null")
+    suffix: str | None = Field(default=None, description="not supported: must be null")
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N, description="only best_of == n is supported")
 
 
 class CompletionChoice(BaseModel):

@@ -18,6 +18,7 @@ from kvgen.server.protocol import (
     ChatTokenLogprob,
     ErrorInfo,
     ErrorResponse,
+    FinishReason,
     TopLogprob,
     Usage,
 )
@@ -42,6 +43,21 @@ class ChoiceResult:
         self.token_ids += completion.token_ids
         self.logprobs += completion.logprobs or []
         self.finish_reason = completion.finish_reason
+
+
+def openai_finish_reason(reason: str | None) -> FinishReason | None:
+    """An engine ``finish_reason`` as OpenAI's: "stop", "length", or None while running.
+
+    "abort" never reaches a choice (``collect`` raises 503, streams end with an error event
+    first); any other value raises ``ValueError``.
+    """
+    if reason is None:
+        return None
+    if reason == "stop":
+        return "stop"
+    if reason == "length":
+        return "length"
+    raise ValueError(f"finish_reason must be 'stop', 'length' or None, got {reason!r}")
 
 
 async def collect(gen: Generation, n: int) -> list[ChoiceResult]:
