@@ -70,12 +70,12 @@ def start_server(model: str | Path, log_path: Path, *args: str, model_name: str 
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     deadline = time.monotonic() + START_TIMEOUT_S
-    url = None
+    url: str | None = None
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"kvgen serve exited with {proc.returncode}:\n{log_path.read_text(errors='replace')}")
-        match = url or _LISTENING.search(log_path.read_text(errors="replace"))
-        url = url or (match.group(1) if match else None)
+        if url is None and (match := _LISTENING.search(log_path.read_text(errors="replace"))):
+            url = match.group(1)
         if url:
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:

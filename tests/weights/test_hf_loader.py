@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from helpers import hf_params_in_kvgen_layout, make_tiny_model
+from safetensors.torch import load_file, save_file
 from transformers import GPT2LMHeadModel, LlamaForCausalLM
 from transformers.pytorch_utils import Conv1D
 
