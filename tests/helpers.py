@@ -1,8 +1,23 @@
-"""Small helpers shared by tests (import as `from helpers import ...`)."""
+"""Small helpers shared by tests (import as `from helpers import ...`).
+
+The tiny-model builders live here so that module-level code and parametrizations can call
+them; tests usually reach them through the ``tiny_model`` / ``tiny_model_dir`` fixtures of
+``conftest.py``.
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
 import torch
+
+from kvgen.config import ModelConfig
+
+if TYPE_CHECKING:
+    import transformers
+    from tokenizers import Tokenizer as BackendTokenizer
 
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,3 +67,148 @@ def assert_batched_equals_alone(model, prompts: list[list[int]], pad_id: int, cf
         assert batched.new_token_ids[n * i : n * i + n] == alone.new_token_ids
         assert batched.finish_reasons[n * i : n * i + n] == alone.finish_reasons
         torch.testing.assert_close(batched.sequences_scores[n * i : n * i + n], alone.sequences_scores)
+
+
+# ---------------------------------------------------------------- tiny random models
+
+
+class TinyModel(NamedTuple):
+    """transformers' model (the reference, eval mode) and kvgen's model on the same float32 weights."""
+
+    ref: transformers.PreTrainedModel
+    ours: torch.nn.Module
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.ours.config
+
+
+def _hf_config(model_type: str, tie: bool, kv_heads: int, bias: bool, vocab_size: int, max_position_embeddings: int,
+               overrides: dict[str, Any]) -> transformers.PretrainedConfig:
+    import transformers
+
+    if model_type == "llama":
+        return transformers.LlamaConfig(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=kv_heads, max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie,
+            attention_bias=bias, mlp_bias=bias, **overrides,
+        )
+    if model_type == "gpt2":
+        if not bias or kv_heads != 4:
+            raise ValueError(f"GPT-2 always has biases and one KV head per query head, got bias={bias}, kv_heads={kv_heads}")
+        return transformers.GPT2Config(vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4,
+                                       n_positions=max_position_embeddings, tie_word_embeddings=tie, **overrides)
+    raise ValueError(f"model_type must be 'llama' or 'gpt2', got {model_type!r}")
+
+
+def _randomize(model: torch.nn.Module, seed: int, std: float) -> None:
+    """Every parameter drawn from one seeded generator: norm weights 1 + N(0, std²), the rest N(0, std²).
+
+    No parameter keeps an init value (zero biases, unit norms), so swapping any two shows.
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            is_norm_weight = p.dim() == 1 and name.endswith("weight")
+            p.copy_(torch.randn(p.shape, generator=g) * std + (1.0 if is_norm_weight else 0.0))
+
+
+def hf_params_in_kvgen_layout(ref: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of a transformers model's parameters in kvgen's layout, mapped independently of kvgen's name maps.
+
+    GPT-2's ``Conv1D`` weights ([in, out], found by type, not by name) are transposed to
+    [out, in]; a tied ``lm_head.weight`` is absent (``named_parameters`` yields a shared tensor once).
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    conv1d = {name + ".weight" for name, m in ref.named_modules() if isinstance(m, Conv1D)}
+    return {
+        name: (p.detach().t() if name in conv1d else p.detach()).clone().contiguous()
+        for name, p in ref.named_parameters()
+    }
+
+
+def make_tiny_model(
+    model_type: str = "llama",
+    *,
+    tie: bool | None = None,
+    kv_heads: int | None = None,
+    bias: bool | None = None,
+    vocab_size: int = 97,
+    max_position_embeddings: int = 128,
+    std: float = 0.1,
+    seed: int = 0,
+    **overrides: Any,
+) -> TinyModel:
+    """A fresh tiny (2 layers, hidden 64, 4 heads of 16) transformers model and kvgen's twin.
+
+    Llama defaults: untied, 2 KV heads, no biases, intermediate 128. GPT-2: tied, biases.
+    Weights come from ``torch.Generator().manual_seed(seed)`` (see ``_randomize``), so a
+    call's result depends only on its arguments. ``overrides`` go to the transformers
+    config (``rope_theta=500.0``, ``eos_token_id=0``, ``activation_function=...``).
+    kvgen's config is ``ModelConfig.from_hf_dict`` of transformers' config; its model is
+    ``build_model`` on a copy of the weights. Raises ``ValueError`` for an unknown
+    ``model_type`` or a GPT-2 without biases / with grouped KV heads.
+    """
+    import transformers
+
+    from kvgen.models import build_model
+
+    is_gpt2 = model_type == "gpt2"
+    tie = is_gpt2 if tie is None else tie
+    kv_heads = (4 if is_gpt2 else 2) if kv_heads is None else kv_heads
+    bias = is_gpt2 if bias is None else bias
+    hf_config = _hf_config(model_type, tie, kv_heads, bias, vocab_size, max_position_embeddings, overrides)
+    ref = transformers.GPT2LMHeadModel(hf_config) if is_gpt2 else transformers.LlamaForCausalLM(hf_config)
+    _randomize(ref, seed, std)
+    ref.eval()
+    ours = build_model(ModelConfig.from_hf_dict(hf_config.to_dict()), hf_params_in_kvgen_layout(ref))
+    return TinyModel(ref, ours)
+
+
+# ---------------------------------------------------------------- a tiny HF directory
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+_TOKENIZER_TEXT = [
+    "The quick brown fox jumps over the lazy dog. Once upon a time, in a small village, a story began.",
+    "Name three colours: red, green and blue. Hello world! Tell me a story; still there?",
+    "def add(a, b):\n    return a + b\n\nprint(add(10, 20))  # 30",
+    "naïve café 中文 日本語 😀 3.14159, 1,000,000 and 2024-05-01. I'm sure they've seen it.",
+]
+
+
+def train_tiny_tokenizer(vocab_size: int = 384) -> BackendTokenizer:
+    """A byte-level BPE (``tokenizers.Tokenizer``) trained on a few lines; ids 0-2 are ``SPECIAL_TOKENS``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(_TOKENIZER_TEXT * 4, trainer)
+    return backend
+
+
+def save_tiny_model_dir(path: Path, **model_kwargs: Any) -> Path:
+    """Save a tiny Llama (``make_tiny_model`` + ``model_kwargs``) and the tiny tokenizer as an HF directory.
+
+    BOS is ``<|im_start|>``, EOS ``<|im_end|>``, the chat template ChatML; the model's
+    vocabulary is the tokenizer's. Returns ``path``.
+    """
+    backend = train_tiny_tokenizer()
+    bos, eos = backend.token_to_id("<|im_start|>"), backend.token_to_id("<|im_end|>")
+    model_kwargs = {"tie": True, "bos_token_id": bos, "eos_token_id": eos, **model_kwargs}
+    ref, _ = make_tiny_model("llama", vocab_size=backend.get_vocab_size(), **model_kwargs)
+    ref.save_pretrained(path, safe_serialization=True)
+    backend.save(str(path / "tokenizer.json"))
+    config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>",
+              "chat_template": CHATML_TEMPLATE, "add_bos_token": False}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path

@@ -59,15 +59,26 @@ def test_generate_streams_text_to_stdout(capsys, ours_default):
     assert out.rstrip("\n") == json.loads(out2)["text"]
 
 
-def test_no_cache_and_static_cache_flags_agree(capsys):
+def _model_args(request: pytest.FixtureRequest, model: str) -> list[str]:
+    """CLI flags naming ``model``: "default" (the real model, no flag) or "tiny" (``tiny_model_dir``)."""
+    return [] if model == "default" else ["--model", str(request.getfixturevalue("tiny_model_dir"))]
+
+
+ON_BOTH_MODELS = pytest.mark.parametrize("model", [pytest.param("default", marks=pytest.mark.slow), "tiny"])
+
+
+@ON_BOTH_MODELS
+def test_no_cache_and_static_cache_flags_agree(capsys, request, model):
     runs = []
     for flags in (["--no-cache"], ["--cache", "dynamic"], ["--cache", "static"]):
-        code, out, err = _run(capsys, ["generate", "Water boils at", "--max-new-tokens", "10", "--json", *flags])
+        argv = ["generate", "Water boils at", "--max-new-tokens", "10", "--json", *flags, *_model_args(request, model)]
+        code, out, err = _run(capsys, argv)
         assert code == 0, err
         runs.append(json.loads(out)["token_ids"])
     assert runs[0] == runs[1] == runs[2]
 
 
+@pytest.mark.slow  # the default model
 def test_trace_shows_prefill_once_then_cache_growing_and_saves_plot(capsys, tmp_path):
     plot = tmp_path / "trace.png"
     code, _, err = _run(capsys, ["generate", "Hello there", "--max-new-tokens", "5", "--trace", "--trace-plot", str(plot)])
@@ -128,7 +139,8 @@ def test_info_reports_architecture_and_quantization(capsys, hf_default):
         (["generate", "hi", "--top-p", "1.5", "--temperature", "1"], "top_p must be in (0, 1], got 1.5"),
         (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1, got 0"),
         (["generate", "hi", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
-        (["generate", "hi", "--max-new-tokens", "9000"], "exceeds the context window of 8192 tokens"),
+        pytest.param(["generate", "hi", "--max-new-tokens", "9000"], "exceeds the context window of 8192 tokens",
+                     marks=pytest.mark.slow),  # loads the default model to learn its context window
         (["perplexity", "/nonexistent.txt"], "cannot read /nonexistent.txt"),
     ],
 )
@@ -167,8 +179,10 @@ def test_chat_two_turns_then_exit(ours_default):
         assert reply.strip() and reply.strip() in proc.stdout
 
 
-def test_chat_ends_cleanly_on_end_of_input():
-    proc = subprocess.run([sys.executable, "-m", "kvgen.cli", "chat"], input="", capture_output=True, text=True, timeout=120)
+@ON_BOTH_MODELS
+def test_chat_ends_cleanly_on_end_of_input(request, model):
+    proc = subprocess.run([sys.executable, "-m", "kvgen.cli", "chat", *_model_args(request, model)], input="",
+                          capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr
 
 

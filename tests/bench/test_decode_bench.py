@@ -8,35 +8,15 @@ from __future__ import annotations
 import json
 
 import torch
+from helpers import make_tiny_model
 
 from kvgen.bench.common import seeded_prompt_ids
 from kvgen.bench.decode import CACHE_KINDS, DecodeBenchConfig, compare, measure_ours
-from kvgen.config import ModelConfig
 from kvgen.generation import GenerationConfig, generate
-from kvgen.models import build_model
-from kvgen.models.llama import LlamaForCausalLM
 
 
 def _tiny_llama() -> torch.nn.Module:
-    config = ModelConfig(
-        model_type="llama",
-        vocab_size=97,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        pad_token_id=0,
-    )
-    gen = torch.Generator().manual_seed(0)
-    with torch.device("meta"):
-        skeleton = LlamaForCausalLM(config)
-    state_dict = {
-        name: torch.randn(p.shape, generator=gen) * 0.2 if p.dim() > 1 else torch.ones(p.shape)
-        for name, p in skeleton.named_parameters()
-    }
-    return build_model(config, state_dict)
+    return make_tiny_model("llama", std=0.2, pad_token_id=0).ours
 
 
 def test_measure_ours_generates_exactly_the_requested_tokens() -> None:

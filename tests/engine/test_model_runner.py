@@ -4,22 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.config import ModelConfig
 from kvgen.engine.model_runner import ModelRunner, pack_step
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.types import ScheduledRequest, SchedulerOutput
 from kvgen.kv_cache import PagedKVCache
-from kvgen.models.llama import LlamaForCausalLM
 
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(temperature=0.0)
-
-
-def _tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = ModelConfig("llama", vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128, eos_token_id=0)
-    return LlamaForCausalLM(cfg).eval()
 
 
 def _sched(rid, tokens, start, table, prompt, output=(), params=GREEDY, is_new=False, needs_sample=True):
@@ -50,8 +41,8 @@ def test_pack_step_puts_decodes_first_and_samples_last_tokens():
     assert step.attn_metadata.slot_mapping.tolist() == [2 * 4 + 2, 12, 13, 14, 16, 17]
 
 
-def test_greedy_tokens_and_logprobs_match_direct_model_calls():
-    model = _tiny_llama()
+def test_greedy_tokens_and_logprobs_match_direct_model_calls(tiny_model):
+    model = tiny_model("llama", eos_token_id=0).ours
     cache = PagedKVCache(2, 16, BLOCK_SIZE, 2, 16)
     runner = ModelRunner(model, cache, eos_token_ids=[0], seed=0)
     with_lp = SamplingParams(temperature=0.0, logprobs=3)
@@ -85,8 +76,8 @@ def test_greedy_tokens_and_logprobs_match_direct_model_calls():
     assert runner.num_tracked_requests == 0
 
 
-def test_seeded_request_draws_the_same_tokens_alone_and_next_to_others():
-    model = _tiny_llama()
+def test_seeded_request_draws_the_same_tokens_alone_and_next_to_others(tiny_model):
+    model = tiny_model("llama", eos_token_id=0).ours
     seeded = SamplingParams(temperature=1.0, seed=11)
 
     def run(extra: bool) -> list[int]:

@@ -5,28 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvgen.config import ModelConfig
 from kvgen.kv_cache import (
     DynamicCache,
     PagedAttentionMetadata,
     PagedKVCache,
     num_blocks_for_memory,
 )
-from kvgen.models.gpt2 import GPT2LMHeadModel
-from kvgen.models.llama import LlamaForCausalLM
 
 BLOCK_SIZE = 4
-
-
-def _tiny(model_type: str):
-    torch.manual_seed(0)
-    if model_type == "llama":
-        cfg = ModelConfig("llama", vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128)
-        return LlamaForCausalLM(cfg).eval()
-    cfg = ModelConfig("gpt2", vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      max_position_embeddings=128, hidden_act="gelu_new", tie_word_embeddings=True)
-    return GPT2LMHeadModel(cfg).eval()
 
 
 def _dynamic_logits(model, tokens: list[int]) -> torch.Tensor:
@@ -82,8 +68,8 @@ PLAN = [
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
-def test_tiny_model_paged_steps_match_dynamic_cache(model_type):
-    model = _tiny(model_type)
+def test_tiny_model_paged_steps_match_dynamic_cache(tiny_model, model_type):
+    model = tiny_model(model_type).ours
     seqs = [s[: sum(p[i] for p in PLAN)] for i, s in enumerate(SEQS)]
     got = _paged_logits(model, seqs, PLAN, num_blocks=16)
     for seq, logits in zip(seqs, got):
@@ -116,8 +102,8 @@ def test_metadata_rejects_decode_after_prefill_and_short_tables():
         PagedAttentionMetadata.build([2], [4], [[1]], BLOCK_SIZE)
 
 
-def test_pool_sizing_from_memory():
-    cfg = _tiny("llama").config  # 2 layers, 2 KV heads of 16
+def test_pool_sizing_from_memory(tiny_model):
+    cfg = tiny_model("llama").config  # 2 layers, 2 KV heads of 16
     per_block = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
     assert num_blocks_for_memory(cfg, 10 * per_block + 1, BLOCK_SIZE, torch.float32) == 10
     cache = PagedKVCache.from_config(cfg, BLOCK_SIZE, kv_cache_memory_bytes=10 * per_block)

@@ -12,16 +12,17 @@ from kvgen.generation.runner import positions_from_mask
 from kvgen.models import AttentionMetadata, build_model
 from kvgen.weights.hf_loader import load_hf_directory
 
-CONFIGS = {
-    "tiny": {"vocab_size": 211, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128},
-    "124M": {},  # transformers' GPT2Config defaults are GPT-2 small
-}
+# "124M" is GPT-2 small (transformers' GPT2Config defaults): a real-size check, slow.
+CONFIGS = ["tiny", pytest.param("124M", marks=pytest.mark.slow)]
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def gpt2_pair(request, tmp_path_factory):
-    torch.manual_seed(1234)
-    ref = transformers.GPT2LMHeadModel(transformers.GPT2Config(**CONFIGS[request.param])).eval()
+@pytest.fixture(scope="module", params=CONFIGS)
+def gpt2_pair(request, tmp_path_factory, tiny_model):
+    if request.param == "tiny":
+        ref = tiny_model("gpt2", vocab_size=211).ref
+    else:
+        torch.manual_seed(1234)
+        ref = transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval()
     path = tmp_path_factory.mktemp(f"gpt2-{request.param}")
     ref.save_pretrained(path)
     config, state_dict = load_hf_directory(path)

@@ -4,24 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from helpers import left_pad
 
-from kvgen.config import ModelConfig
 from kvgen.generation import GenerationConfig, generate
 from kvgen.generation.runner import positions_from_mask
-from kvgen.models import AttentionMetadata, build_model
-
-
-def _tiny_pair(tie: bool, kv_heads: int = 2):
-    torch.manual_seed(0)
-    hc = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=kv_heads, max_position_embeddings=128, rope_theta=500.0, tie_word_embeddings=tie,
-    )
-    ref = transformers.LlamaForCausalLM(hc).eval()
-    sd = {k: v.clone() for k, v in ref.state_dict().items() if not (tie and k == "lm_head.weight")}
-    return ref, build_model(ModelConfig.from_hf_dict(hc.to_dict()), sd)
+from kvgen.models import AttentionMetadata
 
 
 def _logits(model, ids, mask):
@@ -30,8 +17,8 @@ def _logits(model, ids, mask):
 
 
 @pytest.mark.parametrize("tie,kv_heads", [(False, 2), (True, 4), (False, 1)])
-def test_tiny_llama_logits_match_transformers_on_padded_batch(tie, kv_heads):
-    ref, ours = _tiny_pair(tie, kv_heads)
+def test_tiny_llama_logits_match_transformers_on_padded_batch(tiny_model, tie, kv_heads):
+    ref, ours = tiny_model("llama", tie=tie, kv_heads=kv_heads, rope_theta=500.0)
     ids, mask = left_pad([[5, 6, 7, 8, 9, 10, 11], [3, 4, 5], [1, 2, 3, 4, 5]], pad_id=0)
     with torch.inference_mode():
         expected = ref(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits

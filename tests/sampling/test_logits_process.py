@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers.generation.logits_process as hf
-from helpers import assert_same, random_ids, random_logits
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from helpers import assert_same, make_tiny_model, random_ids, random_logits
+from transformers import GenerationConfig
 
 from kvgen.sampling import logits_process as lp
 
@@ -126,11 +126,7 @@ def test_builder_returns_every_processor_in_declared_order():
 
 def hf_processors(config: GenerationConfig, prompt_length: int) -> hf.LogitsProcessorList:
     """transformers' own list, from the model-free part of generate() on a tiny random Llama."""
-    model_config = LlamaConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    model = LlamaForCausalLM(model_config)
+    model = make_tiny_model("llama", vocab_size=32).ref
     model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device="cpu")
     return model._get_logits_processor(config, input_ids_seq_length=prompt_length, device="cpu")
 

@@ -1,15 +1,14 @@
 """Live ``kvgen serve`` processes on 127.0.0.1 for the server tests.
 
-Most tests talk to a tiny random Llama (2 layers, hidden 64) that carries the default
-model's tokenizer and chat template, saved as a Hugging Face directory, so a server
-starts in a few seconds and a step takes milliseconds. Every server is a real
-subprocess on a free port (``--port 0``; the port is read from its first stderr line),
+Most tests talk to ``tiny_model_dir`` (tests/conftest.py): a tiny random Llama (2 layers,
+hidden 64) with a small byte-level BPE tokenizer and a ChatML template, saved as a Hugging
+Face directory, so a server starts in a few seconds and a step takes milliseconds. Every
+server is a real subprocess on a free port (``--port 0``; the port is read from its first stderr line),
 stopped with SIGTERM at the end of its fixture.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -71,12 +70,12 @@ def start_server(model: str | Path, log_path: Path, *args: str, model_name: str 
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     deadline = time.monotonic() + START_TIMEOUT_S
-    url = None
+    url: str | None = None
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"kvgen serve exited with {proc.returncode}:\n{log_path.read_text(errors='replace')}")
-        match = url or _LISTENING.search(log_path.read_text(errors="replace"))
-        url = url or (match.group(1) if match else None)
+        if url is None and (match := _LISTENING.search(log_path.read_text(errors="replace"))):
+            url = match.group(1)
         if url:
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
@@ -86,30 +85,6 @@ def start_server(model: str | Path, log_path: Path, *args: str, model_name: str 
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError(f"kvgen serve did not start in {START_TIMEOUT_S} s:\n{log_path.read_text(errors='replace')}")
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random 2-layer Llama (hidden 64, 2048 positions) with the default model's tokenizer, as an HF directory."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from kvgen.default_model import find_default_gguf
-    from kvgen.tokenizer import Tokenizer
-    from kvgen.weights.gguf_file import gguf_metadata, open_gguf
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tok = Tokenizer.from_gguf(gguf_metadata(open_gguf(find_default_gguf())))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    tok._backend.save(str(path / "tokenizer.json"))
-    config = {"bos_token": tok.id_to_token(tok.bos_token_id), "eos_token": tok.id_to_token(tok.eos_token_id),
-              "chat_template": tok.chat_template, "add_bos_token": False}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,8 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
+pytestmark = pytest.mark.slow  # fuzzes a server of its own: ~20 s
+
 MAX_EXAMPLES = 25  # per operation
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import hf_params_in_kvgen_layout, make_tiny_model
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2LMHeadModel, LlamaForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 from kvgen.errors import (
@@ -25,43 +26,20 @@ from kvgen.errors import (
 from kvgen.weights.hf_loader import load_hf_directory
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Every parameter random (norm weights too), so a mix-up of any two tensors shows."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.02 + (1.0 if p.dim() == 1 else 0.0))
-    return model.eval()
-
-
 def _tiny_gpt2() -> GPT2LMHeadModel:
-    cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32)
-    return _randomize(GPT2LMHeadModel(cfg), seed=0)
+    """transformers' tiny GPT-2 (vocab 128, 32 positions), every parameter random."""
+    return make_tiny_model("gpt2", vocab_size=128, max_position_embeddings=32).ref
 
 
 def _tiny_llama(tied: bool, bias: bool = False) -> LlamaForCausalLM:
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        tie_word_embeddings=tied,
-        attention_bias=bias,
-        mlp_bias=bias,
-    )
-    return _randomize(LlamaForCausalLM(cfg), seed=1)
+    return make_tiny_model("llama", tie=tied, bias=bias, vocab_size=128, seed=1).ref
 
 
 def _expected(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The transformers model's parameters in our layout: [out, in] matrices, no tied lm_head."""
-    conv1d = {name + ".weight" for name, m in model.named_modules() if isinstance(m, Conv1D)}
-    out = {}
-    for name, p in model.named_parameters():  # named_parameters skips the tied duplicate
-        out[name] = p.detach().t().contiguous() if name in conv1d else p.detach().clone()
-    assert bool(conv1d) == isinstance(model, GPT2LMHeadModel)  # the GPT-2 reference exercises the transpose
-    return out
+    has_conv1d = any(isinstance(m, Conv1D) for m in model.modules())
+    assert has_conv1d == isinstance(model, GPT2LMHeadModel)  # the GPT-2 reference exercises the transpose
+    return hf_params_in_kvgen_layout(model)
 
 
 def _assert_same(ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
