@@ -9,38 +9,13 @@ import json
 
 import torch
 
-from kvgen.bench.common import seeded_prompt_ids
 from kvgen.bench.decode import CACHE_KINDS, DecodeBenchConfig, compare, measure_ours
-from kvgen.config import ModelConfig
+from kvgen.bench.workloads import seeded_prompt_ids
 from kvgen.generation import GenerationConfig, generate
-from kvgen.models import build_model
-from kvgen.models.llama import LlamaForCausalLM
 
 
-def _tiny_llama() -> torch.nn.Module:
-    config = ModelConfig(
-        model_type="llama",
-        vocab_size=97,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        pad_token_id=0,
-    )
-    gen = torch.Generator().manual_seed(0)
-    with torch.device("meta"):
-        skeleton = LlamaForCausalLM(config)
-    state_dict = {
-        name: torch.randn(p.shape, generator=gen) * 0.2 if p.dim() > 1 else torch.ones(p.shape)
-        for name, p in skeleton.named_parameters()
-    }
-    return build_model(config, state_dict)
-
-
-def test_measure_ours_generates_exactly_the_requested_tokens() -> None:
-    model = _tiny_llama()
+def test_measure_ours_generates_exactly_the_requested_tokens(tiny_llama: torch.nn.Module) -> None:
+    model = tiny_llama
     config = DecodeBenchConfig(prompt_tokens=24, new_tokens=9, no_cache_new_tokens=5, include_transformers=False, num_prefill_repeats=1, progress=False)
     prompt_ids = seeded_prompt_ids(config.prompt_tokens, model.config.vocab_size, config.seed)  # [1, 24]
     # Make the model's EOS the very first greedy token: the bench must still run to full length.
