@@ -152,41 +152,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_serve_parser(sub)
 
-    b = sub.add_parser("bench", help="benchmarks (JSON out)")
-    bsub = b.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
-    bd = bsub.add_parser("decode", help="prefill, batch-1 decode and time to first token vs transformers and llama.cpp")
-    _add_bench_flags(bd)
-    bd.add_argument("--prompt-tokens", type=int, default=512)
-    bd.add_argument("--new-tokens", type=int, default=128)
-    bd.add_argument("--ttft-prompt-tokens", type=int, default=20, help="prompt tokens of the time-to-first-token runs")
-    bs = bsub.add_parser("strategies", help="tokens/s of every decoding strategy vs transformers")
-    _add_bench_flags(bs, llama_cpp=False)
-    bs.add_argument("--new-tokens", type=int, default=40)
-    bt = bsub.add_parser("throughput", help="continuous-batching engine throughput vs static batching, transformers, llama.cpp")
-    _add_bench_flags(bt)
-    bt.add_argument("--num-prompts", type=int, default=64)
-    bt.add_argument("--seed", type=int, default=0)
-    bp = bsub.add_parser("perplexity", help="perplexity of kvgen (default dtype and float32) and llama.cpp on the same tokens")
-    _add_bench_flags(bp, transformers=False)
-    bp.add_argument("--file", default=None, help="UTF-8 text (default: /usr/share/common-licenses/GPL-3)")
-    bp.add_argument("--context-length", type=int, default=512, help="tokens per non-overlapping window")
-    bv = bsub.add_parser("serve", help="kvgen serve vs llama-cpp-python's OpenAI server at several concurrencies")
-    _add_bench_flags(bv, transformers=False)
-    bv.add_argument("--num-prompts", type=int, default=32)
-    bv.add_argument("--seed", type=int, default=0)
-    bv.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="requests kept in flight (one run each)")
+    _add_bench_parser(sub)
     return parser
 
 
-def _add_bench_flags(p: argparse.ArgumentParser, transformers: bool = True, llama_cpp: bool = True) -> None:
-    _add_model_flags(p, dtype=False, threads=False)
-    p.add_argument("--dtype", default=None, help="kvgen's dtype, as load_model takes it (default: load_model's default)")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--threads", "--num-threads", dest="num_threads", type=int, default=None, help="threads of every engine (default: physical cores)")
-    if transformers:
-        p.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
-    if llama_cpp:
-        p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama-cpp-python comparison")
+# kvgen bench SUBCOMMAND -> (module of kvgen.bench, its config class, help); the module has run_X_bench and format_X_report
+_BENCHES = {
+    "decode": ("decode", "DecodeBenchConfig", "prefill, batch-1 decode and time to first token vs transformers and llama.cpp"),
+    "strategies": ("strategies", "StrategiesBenchConfig", "tokens/s of every decoding strategy vs transformers"),
+    "throughput": ("throughput", "ThroughputBenchConfig", "continuous-batching engine throughput vs static batching, transformers, llama.cpp"),
+    "perplexity": ("perplexity", "PerplexityBenchConfig", "perplexity of kvgen (default dtype and float32) and llama.cpp on the same tokens"),
+    "serve": ("serve", "ServeBenchConfig", "kvgen serve vs llama-cpp-python's OpenAI server at several concurrencies"),
+}
+
+
+def _add_bench_parser(sub: Any) -> None:
+    """``kvgen bench SUBCOMMAND``: flags generated from each bench's config dataclass (kvgen.bench)."""
+    import importlib
+
+    from kvgen.bench.harness import add_config_flags
+
+    b = sub.add_parser("bench", help="benchmarks (JSON out)")
+    bsub = b.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
+    for name, (module, config_cls, help_text) in _BENCHES.items():
+        p = bsub.add_parser(name, help=help_text)
+        add_config_flags(p, getattr(importlib.import_module(f"kvgen.bench.{module}"), config_cls))
+        p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
 
 
 def _add_serve_parser(sub: Any) -> None:
@@ -377,55 +368,20 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    from kvgen.bench.harness import config_from_args, to_json
+
     for name in ("prompt_tokens", "new_tokens", "num_prompts", "num_threads", "ttft_prompt_tokens"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             flag = "threads" if name == "num_threads" else name.replace("_", "-")
             raise CliError(f"kvgen bench: --{flag} must be >= 1, got {value}")
-    if args.bench_command == "serve":
-        from kvgen.bench.serve import format_serve_report, run_serve_bench
-
-        result = run_serve_bench(args.model, args.dtype, args.num_prompts, args.seed, args.concurrency,
-                                 not args.no_llama_cpp, args.num_threads)
-        print(json.dumps(result, indent=2) if args.json else format_serve_report(result))
-        return 0
-    if args.bench_command == "perplexity":
-        from kvgen.bench.perplexity import (
-            format_perplexity_report,
-            run_perplexity_bench,
-        )
-
-        result = run_perplexity_bench(args.file, args.model, args.dtype, args.context_length, not args.no_llama_cpp, args.num_threads)
-        print(json.dumps(result, indent=2) if args.json else format_perplexity_report(result))
-        return 0
-    common = {"model": args.model, "dtype": args.dtype, "include_transformers": not args.no_transformers, "num_threads": args.num_threads}
-    if args.bench_command == "decode":
-        from kvgen.bench.decode import format_decode_report, run_decode_bench
-
-        result = run_decode_bench(
-            prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, ttft_prompt_tokens=args.ttft_prompt_tokens,
-            include_llama_cpp=not args.no_llama_cpp, **common,
-        )
-        report = format_decode_report
-    elif args.bench_command == "strategies":
-        from kvgen.bench.strategies import (
-            format_strategies_report,
-            run_strategies_bench,
-        )
-
-        result = run_strategies_bench(new_tokens=args.new_tokens, **common)
-        report = format_strategies_report
-    else:
-        from kvgen.bench.throughput import (
-            format_throughput_report,
-            run_throughput_bench,
-        )
-
-        result = run_throughput_bench(
-            num_prompts=args.num_prompts, seed=args.seed, include_llama_cpp=not args.no_llama_cpp, **common
-        )
-        report = format_throughput_report
-    print(json.dumps(result, indent=2) if args.json else report(result))
+    module_name, config_cls, _ = _BENCHES[args.bench_command]
+    module = importlib.import_module(f"kvgen.bench.{module_name}")
+    config = config_from_args(getattr(module, config_cls), args)
+    result = to_json(getattr(module, f"run_{module_name}_bench")(config))
+    print(json.dumps(result, indent=2) if args.json else getattr(module, f"format_{module_name}_report")(result))
     return 0
 
 
@@ -446,7 +402,7 @@ def _set_threads(threads: int | None) -> None:
         raise CliError(f"--threads must be >= 1, got {threads}")
     if threads is None and os.environ.get("OMP_NUM_THREADS"):
         return
-    from kvgen.bench.common import set_threads
+    from kvgen.bench.harness import set_threads
 
     set_threads(threads)
 

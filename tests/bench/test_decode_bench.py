@@ -8,19 +8,14 @@ from __future__ import annotations
 import json
 
 import torch
-from helpers import make_tiny_model
 
-from kvgen.bench.common import seeded_prompt_ids
 from kvgen.bench.decode import CACHE_KINDS, DecodeBenchConfig, compare, measure_ours
+from kvgen.bench.workloads import seeded_prompt_ids
 from kvgen.generation import GenerationConfig, generate
 
 
-def _tiny_llama() -> torch.nn.Module:
-    return make_tiny_model("llama", std=0.2, pad_token_id=0).ours
-
-
-def test_measure_ours_generates_exactly_the_requested_tokens() -> None:
-    model = _tiny_llama()
+def test_measure_ours_generates_exactly_the_requested_tokens(tiny_llama: torch.nn.Module) -> None:
+    model = tiny_llama
     config = DecodeBenchConfig(prompt_tokens=24, new_tokens=9, no_cache_new_tokens=5, include_transformers=False, num_prefill_repeats=1, progress=False)
     prompt_ids = seeded_prompt_ids(config.prompt_tokens, model.config.vocab_size, config.seed)  # [1, 24]
     # Make the model's EOS the very first greedy token: the bench must still run to full length.

@@ -1,17 +1,8 @@
-"""Benchmarks: seeded workloads, wall-clock timing, JSON reports (``kvgen bench``).
+"""Benchmarks (``kvgen bench``), a thin client of kvgen's public API.
 
-Names are resolved on first use (PEP 562) so that ``python -m kvgen.bench.decode``
-does not import its own module twice.
+``harness``: timing, one percentile, one token timer, one subprocess protocol, typed
+results -> JSON, flags from config dataclasses; ``workloads``: seeded prompts, request
+mixes, perplexity text; ``peers``: transformers and llama-cpp-python in their own
+processes; one module per bench (``decode``, ``strategies``, ``throughput``,
+``perplexity``, ``serve``), each a ``*BenchConfig`` -> ``run_*_bench`` -> ``*Report``.
 """
-
-from typing import Any
-
-__all__ = ["DecodeBenchConfig", "format_decode_report", "measure_ours", "measure_transformers", "run_decode_bench"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from kvgen.bench import decode
-
-        return getattr(decode, name)
-    raise AttributeError(f"module 'kvgen.bench' has no attribute {name!r}")

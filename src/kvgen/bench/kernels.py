@@ -12,7 +12,9 @@ which dense wins (None: the kernel wins everywhere measured, so it serves every 
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from functools import partial
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +33,11 @@ def step_breakdown(model: nn.Module, prompt_ids: torch.Tensor, num_steps: int = 
     cache = make_cache(model, "static", 1, prompt_ids.shape[1] + 2 * num_steps + 2)
     model(prompt_ids, torch.arange(prompt_ids.shape[1])[None], cache)
     token = torch.tensor([[1]])
+    lm_head = cast("Callable[[torch.Tensor], torch.Tensor]", model.compute_logits)
 
     def step() -> None:
         hidden = model(token, torch.tensor([[cache.seq_length]]), cache)  # [1, 1, C]
-        model.compute_logits(hidden[:, -1])
+        lm_head(hidden[:, -1])  # [1, V]
 
     step()
     start = time.perf_counter()
@@ -56,7 +59,7 @@ def step_breakdown(model: nn.Module, prompt_ids: torch.Tensor, num_steps: int = 
     }
 
 
-def _time_us(fn, repeats: int) -> float:
+def _time_us(fn: Callable[[], object], repeats: int) -> float:
     fn()
     start = time.perf_counter()
     for _ in range(repeats):
@@ -81,8 +84,8 @@ def qgemm_crossover(out_features: int = 3072, in_features: int = 576, ms: tuple[
     for m in ms:
         x = torch.randn(m, in_features)
         repeats = max(3, 2000 // m)
-        q_us = _time_us(lambda x=x: ops.qgemm(x, packed, weight_type, out_features, None), repeats)
-        d_us = _time_us(lambda x=x: F.linear(x, dense), repeats)
+        q_us = _time_us(partial(ops.qgemm, x, packed, weight_type, out_features, None), repeats)
+        d_us = _time_us(partial(F.linear, x, dense), repeats)
         rows.append({"m": m, "qgemm_us": q_us, "dense_fp32_us": d_us, "qgemm_speedup": d_us / q_us})
     crossover = next((r["m"] for r in rows if r["dense_fp32_us"] < r["qgemm_us"]), None)
     return {"shape": [out_features, in_features], "backend": ops.backend, "rows": rows, "crossover_m": crossover}

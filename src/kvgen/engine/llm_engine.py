@@ -30,17 +30,6 @@ from kvgen.tokenizer import Tokenizer
 
 
 @dataclass
-class EngineTimings:
-    """Cumulative wall-clock seconds of each phase of ``step()`` (the runner splits ``execute_s`` further)."""
-
-    schedule_s: float = 0.0
-    execute_s: float = 0.0
-    update_s: float = 0.0  # Scheduler.update_from_output
-    output_s: float = 0.0  # detokenizing, stop strings, n > 1 merging
-    num_steps: int = 0
-
-
-@dataclass
 class SchedulerStats:
     """A snapshot of the engine's queues and KV pool (vLLM ``SchedulerStats`` names)."""
 
@@ -82,7 +71,6 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self._parents: dict[str, ParentRequest] = {}
         self._child_to_parent: dict[str, tuple[ParentRequest, int]] = {}
-        self.timings = EngineTimings()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -203,21 +191,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return the outputs due (per ``SamplingParams.output_kind``)."""
-        t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        t1 = time.perf_counter()
         runner_output = self.runner.execute(scheduler_output)
-        t2 = time.perf_counter()
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        t3 = time.perf_counter()
         processed = self.output_processor.process_outputs(core_outputs)
         if processed.stopped_request_ids:
             self.scheduler.finish_requests(processed.stopped_request_ids, RequestStatus.FINISHED_STOPPED)
-        outputs = self._merge_children(processed.request_outputs)
-        t = self.timings
-        t.schedule_s, t.execute_s, t.update_s = t.schedule_s + t1 - t0, t.execute_s + t2 - t1, t.update_s + t3 - t2
-        t.output_s, t.num_steps = t.output_s + time.perf_counter() - t3, t.num_steps + 1
-        return outputs
+        return self._merge_children(processed.request_outputs)
 
     def _merge_children(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Replace the outputs of ``n > 1`` children by one output per parent (after the others)."""

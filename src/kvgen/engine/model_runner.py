@@ -11,14 +11,14 @@ Source: vLLM v1 ``GPUModelRunner.execute_model`` (shape of the step), nano-vllm.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 
-from kvgen.engine.sampler import Sampler, SamplingRow
+from kvgen.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kvgen.engine.types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvgen.kv_cache.paged import PagedAttentionMetadata, PagedKVCache
 
@@ -52,18 +52,6 @@ def pack_step(scheduled: Sequence[ScheduledRequest], block_size: int) -> PackedS
     return PackedStep(input_ids, torch.tensor([positions], dtype=torch.long), meta, sample_rows, sample_requests)
 
 
-@dataclass
-class RunnerTimings:
-    """Cumulative wall-clock seconds of each part of ``execute`` (for benchmarks and profiles)."""
-
-    prepare_s: float = 0.0  # packing token ids, positions, slot mapping, block tables
-    forward_s: float = 0.0  # the model over the packed row
-    logits_s: float = 0.0  # LM head on the sampled rows
-    sample_s: float = 0.0  # the batched sampler
-    num_steps: int = 0
-    num_tokens: int = 0  # packed tokens over all steps
-
-
 class ModelRunner:
     """Runs scheduled steps of ``model`` over ``cache``.
 
@@ -89,7 +77,6 @@ class ModelRunner:
         else:
             self._seed_rng.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
-        self.timings = RunnerTimings()
 
     @property
     def num_tracked_requests(self) -> int:
@@ -114,26 +101,36 @@ class ModelRunner:
             self._generators.pop(request_id, None)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput({})
-        t0 = time.perf_counter()
-        for scheduled in scheduler_output.scheduled:
-            self._generator(scheduled)
-        step = pack_step(scheduler_output.scheduled, self.cache.block_size)
-        t1 = time.perf_counter()
-        hidden = self.model(step.input_ids, step.positions, self.cache, step.attn_metadata)  # [1, N, C]
-        t2 = time.perf_counter()
-        timings = self.timings
-        timings.prepare_s, timings.forward_s = timings.prepare_s + t1 - t0, timings.forward_s + t2 - t1
-        timings.num_steps, timings.num_tokens = timings.num_steps + 1, timings.num_tokens + step.input_ids.shape[1]
+        step = self.prepare_inputs(scheduler_output.scheduled)
+        hidden = self.run_model(step)  # [1, N, C]
         if not step.sample_requests:
             return ModelRunnerOutput({})
-        logits = self.model.compute_logits(hidden[0].index_select(0, step.sample_rows))  # [R, V] float32
-        t3 = time.perf_counter()
+        sampled = self.sample(self.compute_logits(hidden, step), step)
+        request_ids = [s.request_id for s in step.sample_requests]
+        logprobs = {rid: lp for rid, lp in zip(request_ids, sampled.logprobs) if lp is not None}
+        return ModelRunnerOutput(dict(zip(request_ids, sampled.token_ids)), logprobs or None)
+
+    # The phases of ``execute``, separate methods so that a profiler can wrap them from outside.
+
+    def prepare_inputs(self, scheduled: Sequence[ScheduledRequest]) -> PackedStep:
+        """Start new requests' generators and pack the step's chunks (see :func:`pack_step`)."""
+        for s in scheduled:
+            self._generator(s)
+        return pack_step(scheduled, self.cache.block_size)
+
+    def run_model(self, step: PackedStep) -> torch.Tensor:
+        """The model over the packed row; returns hidden states [1, N, C]."""
+        return self.model(step.input_ids, step.positions, self.cache, step.attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor, step: PackedStep) -> torch.Tensor:
+        """LM head on the sampled rows only: hidden [1, N, C] -> logits [R, V] float32."""
+        lm_head = cast("Callable[[torch.Tensor], torch.Tensor]", self.model.compute_logits)
+        return lm_head(hidden[0].index_select(0, step.sample_rows))  # [R, V]
+
+    def sample(self, logits: torch.Tensor, step: PackedStep) -> SamplerOutput:
+        """The batched sampler over logits [R, V], one row per request that samples."""
         rows = [
             SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self._generators[s.request_id], self.eos_token_ids)
             for s in step.sample_requests
         ]
-        sampled = self.sampler(logits, rows)
-        timings.logits_s, timings.sample_s = timings.logits_s + t3 - t2, timings.sample_s + time.perf_counter() - t3
-        request_ids = [s.request_id for s in step.sample_requests]
-        logprobs = {rid: lp for rid, lp in zip(request_ids, sampled.logprobs) if lp is not None}
-        return ModelRunnerOutput(dict(zip(request_ids, sampled.token_ids)), logprobs or None)
+        return self.sampler(logits, rows)

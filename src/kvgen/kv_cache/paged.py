@@ -11,7 +11,7 @@ whose chunk is a single token ("decodes") come first and attend together: their
 blocks are gathered (into a reused workspace) as a padded ``[B, S_pad, Hkv, D]``
 tensor and one masked ``scaled_dot_product_attention`` call covers them —
 measured fastest on CPU against a per-sequence loop and SDPA's ``enable_gqa``
-(``kvgen.bench.paged_attention``). Longer chunks (prefills) attend one sequence at
+(a paged-attention experiment, since removed from kvgen.bench). Longer chunks (prefills) attend one sequence at
 a time. Source: Kwon et al. 2023, "Efficient Memory Management for Large Language
 Model Serving with PagedAttention" (vLLM); the decode-first packing as vLLM v1.
 """
@@ -171,7 +171,7 @@ class PagedKVCache:
         self.key_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.value_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         # Gather targets reused by every layer and step: a fresh multi-MB tensor per gather costs
-        # page faults that made decode attention ~2x slower (kvgen.bench.paged_attention).
+        # page faults that made decode attention ~2x slower (a paged-attention experiment).
         self._workspace = {"k": torch.empty(0, dtype=dtype, device=device), "v": torch.empty(0, dtype=dtype, device=device)}
 
     @classmethod

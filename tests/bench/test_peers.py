@@ -1,4 +1,4 @@
-"""The llama-cpp-python peer of ``kvgen bench``: its subprocess protocol, its NLL arithmetic, the ratios.
+"""The peers of ``kvgen bench`` (``bench/peers.py``): the subprocess protocol, llama.cpp's NLL arithmetic, the ratios.
 
 Timings are never asserted; token counts, key names, ratio directions and the
 agreement of llama.cpp's perplexity with kvgen's are. Tests that run llama.cpp skip
@@ -19,11 +19,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvgen.bench import llama_cpp_peer
+from kvgen.bench import peers
 from kvgen.bench.decode import compare
-from kvgen.bench.llama_cpp_peer import run_llama_cpp, window_nll
+from kvgen.bench.harness import Progress, run_peer
+from kvgen.bench.peers import window_nll
 from kvgen.bench.perplexity import relative_differences
-from kvgen.bench.throughput import Workload, _ratios, measure_llama_cpp
+from kvgen.bench.throughput import _llama_cpp, _ratios
+from kvgen.bench.workloads import Workload
 from kvgen.perplexity import perplexity, windows
 
 needs_llama_cpp = pytest.mark.skipif(
@@ -38,7 +40,7 @@ TEXT = (
 
 def test_peer_script_runs_without_torch() -> None:
     """Run as the parent runs it (a file, its directory first on sys.path): its RSS must not include torch."""
-    peer = Path(llama_cpp_peer.__file__).resolve()
+    peer = Path(peers.__file__).resolve()
     code = (
         f"import sys, runpy; sys.path.insert(0, {str(peer.parent)!r}); "
         f"runpy.run_path({str(peer)!r}, run_name='peer'); print('torch' in sys.modules)"
@@ -88,7 +90,7 @@ def test_relative_differences_skip_sides_without_perplexity() -> None:
 def test_decode_task_runs_the_requested_workload(default_gguf_path: Path) -> None:
     request = {"model_path": str(default_gguf_path), "num_threads": 1, "prompt_ids": list(range(100, 108)),
                "ttft_prompt_ids": [100, 101, 102, 103], "new_tokens": 3, "num_prefill_repeats": 1}
-    result = run_llama_cpp("decode", request, lambda _: None, quiet=True)
+    result = run_peer("llama_cpp", "decode", request, lambda _: None, quiet=True)
     assert "error" not in result, result
     rep = result["configs"]["kv_cache"]
     assert (rep["num_prompt_tokens"], rep["num_new_tokens"], rep["num_decode_steps_timed"]) == (8, 3, 2)
@@ -98,10 +100,8 @@ def test_decode_task_runs_the_requested_workload(default_gguf_path: Path) -> Non
 
 @needs_llama_cpp
 def test_throughput_task_generates_each_requested_length(default_gguf_path: Path) -> None:
-    from kvgen.bench.common import Progress
-
     workload = Workload([[100, 101, 102, 103, 104], [200, 201, 202]], [3, 2])
-    result = measure_llama_cpp(str(default_gguf_path), workload, 1, Progress(False))
+    result = _llama_cpp(str(default_gguf_path), workload, 1, Progress(False))
     assert "error" not in result, result
     assert result["num_requests"] == 2 and result["num_useful_tokens"] == 5
     assert result["ttft_p50_s"] is not None and "token_times_s" not in result
@@ -115,7 +115,7 @@ def test_llama_cpp_perplexity_agrees_with_kvgen_float32(default_gguf_path: Path,
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     ours = perplexity(model, ids, 32)
     request = {"model_path": str(default_gguf_path), "num_threads": 1, "context_length": 32, "windows": windows(ids, 32)}
-    theirs = run_llama_cpp("perplexity", request, lambda _: None, quiet=True)
+    theirs = run_peer("llama_cpp", "perplexity", request, lambda _: None, quiet=True)
     assert "error" not in theirs, theirs
     assert theirs["num_tokens_scored"] == ours.num_tokens_scored and theirs["num_windows"] == ours.num_windows
     their_ppl = math.exp(theirs["total_nll"] / theirs["num_tokens_scored"])

@@ -1,0 +1,105 @@
+"""Bench harness: the subprocess protocol, percentile, token timer, typed results -> JSON, flags from configs.
+
+No timings are asserted; only the arithmetic and the plumbing are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+
+import numpy as np
+import pytest
+
+from kvgen.bench.decode import DecodeBenchConfig
+from kvgen.bench.harness import (
+    OMIT_IF_NONE,
+    TokenTimer,
+    add_config_flags,
+    available_cpus,
+    config_from_args,
+    percentile,
+    physical_cores,
+    run_side,
+    to_json,
+)
+from kvgen.bench.serve import ServeBenchConfig
+
+
+def test_run_side_round_trips_a_request_and_reports_failures() -> None:
+    echo = "import json, sys; print(json.dumps({'got': json.load(sys.stdin)}))"
+    assert run_side("echo", ["-c", echo], lambda _: None, {"ids": [1, 2, 3]}) == {"got": {"ids": [1, 2, 3]}}
+    crash = run_side("crash", ["-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"], lambda _: None, quiet=True)
+    assert "status 3" in crash["error"] and "boom" in crash["error"]
+    silent = run_side("silent", ["-c", "print('not json')"], lambda _: None)
+    assert "no JSON report" in silent["error"]
+
+
+def test_thread_default_is_physical_cores_within_affinity() -> None:
+    assert 1 <= physical_cores() <= available_cpus()
+
+
+@pytest.mark.parametrize("q", [0, 10, 50, 90, 99, 100])
+def test_percentile_is_numpys_linear_interpolation(q: float) -> None:
+    values = np.random.default_rng(0).exponential(size=37).tolist()
+    assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12)
+    assert percentile([], q) is None
+
+
+def test_token_timer_skips_the_prompt_put() -> None:
+    timer = TokenTimer()
+    for value in ("prompt", 1, 2, 3):
+        timer.put(value)
+    assert len(timer.times) == 3 and len(timer.gaps()) == 2
+    assert all(g >= 0 for g in timer.gaps())
+
+
+def test_to_json_omits_only_marked_none_fields() -> None:
+    @dataclasses.dataclass
+    class Inner:
+        a: int
+        b: float | None = dataclasses.field(default=None, metadata=OMIT_IF_NONE)
+        c: float | None = None
+
+    @dataclasses.dataclass
+    class Outer:
+        inner: Inner
+        runs: dict[str, Inner]
+
+    got = to_json(Outer(Inner(1), {"x": Inner(2, 0.5)}))
+    assert got == {"inner": {"a": 1, "c": None}, "runs": {"x": {"a": 2, "b": 0.5, "c": None}}}
+
+
+def test_flags_come_from_the_config_and_keep_their_defaults() -> None:
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, DecodeBenchConfig)
+    args = parser.parse_args([])
+    assert config_from_args(DecodeBenchConfig, args, progress=False) == DecodeBenchConfig(progress=False)
+    args = parser.parse_args(["--threads", "2", "--no-llama-cpp", "--prompt-tokens", "7", "--new-tokens", "5"])
+    config = config_from_args(DecodeBenchConfig, args, progress=False)
+    assert (config.num_threads, config.include_llama_cpp, config.include_transformers) == (2, False, True)
+    assert (config.prompt_tokens, config.new_tokens, config.ttft_prompt_tokens) == (7, 5, 20)
+    assert parser.parse_args(["--num-threads", "3"]).num_threads == 3
+    assert "progress" not in vars(args)  # cli=False fields get no flag
+
+    serve = argparse.ArgumentParser()
+    add_config_flags(serve, ServeBenchConfig)
+    assert list(serve.parse_args([]).concurrency) == [1, 4, 16]
+    assert serve.parse_args(["--concurrency", "2", "8"]).concurrency == [2, 8]
+
+
+def test_bench_config_rejects_bad_values_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="new_tokens must be >= 2, got 1"):
+        DecodeBenchConfig(new_tokens=1, progress=False)
+    with pytest.raises(ValueError, match=r"concurrency must be >= 1, got \[0\]"):
+        ServeBenchConfig(concurrency=(0,))
+
+
+def test_bench_dtype_defaults_to_the_loaders_default() -> None:
+    from kvgen.loader import load_model
+
+    default = inspect.signature(load_model).parameters["dtype"].default
+    config = DecodeBenchConfig(progress=False)
+    assert config.dtype == (default if isinstance(default, str) else str(default).removeprefix("torch."))
+    assert DecodeBenchConfig(dtype="bfloat16", progress=False).dtype == "bfloat16"
