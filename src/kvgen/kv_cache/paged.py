@@ -150,8 +150,6 @@ class PagedKVCache:
     ValueError for non-positive sizes.
     """
 
-    is_paged = True
-
     def __init__(
         self,
         num_layers: int,
