@@ -87,3 +87,37 @@ def save_gpt2_dir(trained: BackendTokenizer, directory: Path, legacy: bool, **co
         path = directory / "tokenizer_config.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
     return directory
+
+
+# A BERT-style vocabulary: specials, Chinese characters, English words and ## pieces, punctuation.
+WORDPIECE_VOCAB = (
+    ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    + list("你好世界中文我们是的天气很不错吗，。！？、")
+    + ["hello", "world", "the", "weather", "is", "fine", "cafe", "naive", "resume", "it", "don", "we", "go"]
+    + ["Hello", "World", "The", "café", "naïve", "Résumé", "HELLO"]
+    + list("abcdefghijklmnopqrstuvwxyz.,!?'-()")
+    + ["##" + c for c in "abcdefghijklmnopqrstuvwxyz"]
+    + ["##ing", "##ed", "##ly", "##llo", "##orld", "##é", "##ï"]
+)
+
+# Mixed Chinese / English text: upper case, accents, punctuation, specials, characters not in the vocabulary.
+WORDPIECE_STRINGS = [
+    "",
+    "你好，世界！",
+    "Hello World. 你好世界",
+    "HELLO 我们 Café naïve Résumé!",
+    "it's fine, don't go? 天气很不错。",
+    "the weather's fine (we go) - really",
+    "[CLS] 你好 [SEP] hello [MASK] world [PAD]",
+    "  spaces\tand\nnewlines   ",
+    "ÅNGSTRÖM straße 日本語 한국어",
+    "helloing worlded cafés naïvely",
+]
+
+
+def write_wordpiece_dir(directory: Path, vocab: list[str], **config: object) -> Path:
+    """``vocab.txt`` and a ``tokenizer_config.json`` naming BertTokenizer (plus ``config``) in ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "vocab.txt").write_text("".join(f"{t}\n" for t in vocab), encoding="utf-8")
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer", **config}))
+    return directory

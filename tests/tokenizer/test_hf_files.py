@@ -6,9 +6,16 @@ import json
 from pathlib import Path
 
 import pytest
-from tokenizer_cases import CONVERSATIONS, HARD_STRINGS, save_gpt2_dir
+from tokenizer_cases import (
+    CONVERSATIONS,
+    HARD_STRINGS,
+    WORDPIECE_STRINGS,
+    WORDPIECE_VOCAB,
+    save_gpt2_dir,
+    write_wordpiece_dir,
+)
 from tokenizers import Tokenizer as BackendTokenizer
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, BertTokenizer
 
 from kvgen.errors import ModelFormatError, ModelNotFoundError
 from kvgen.tokenizer import Tokenizer
@@ -59,8 +66,47 @@ def test_saved_gguf_tokenizer_directory_matches_transformers(ref, tmp_path: Path
 def test_bad_directories_raise(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFoundError, match="tokenizer directory not found: .*missing"):
         Tokenizer.from_pretrained(tmp_path / "missing")
-    with pytest.raises(ModelFormatError, match=f"{tmp_path} has no tokenizer.json and no vocab.json"):
+    with pytest.raises(ModelFormatError, match=f"{tmp_path} has no tokenizer.json and no vocab.json.*vocab.txt"):
         Tokenizer.from_pretrained(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ModelFormatError, match="cannot read .*tokenizer.json"):
         Tokenizer.from_pretrained(tmp_path)
+
+
+# ---------------------------------------------------------------- BERT-style vocab.txt
+
+
+def test_vocab_txt_with_tokenizer_class_in_config_json(tmp_path: Path) -> None:
+    """The uer/gpt2-chinese layout: tokenizer_class in config.json, tokenizer_config without it."""
+    directory = write_wordpiece_dir(tmp_path, WORDPIECE_VOCAB)
+    (directory / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": False}))
+    (directory / "config.json").write_text(json.dumps({"model_type": "gpt2", "tokenizer_class": "BertTokenizer"}))
+    ours, ref = Tokenizer.from_pretrained(directory), BertTokenizer(str(directory / "vocab.txt"), do_lower_case=False)
+    for text in WORDPIECE_STRINGS:
+        assert ours.encode(text) == ref.encode(text)
+
+
+def test_special_tokens_map_overrides_the_defaults(tmp_path: Path) -> None:
+    vocab = [*WORDPIECE_VOCAB, "<s>", "</s>", "<eos>"]
+    directory = write_wordpiece_dir(tmp_path, vocab, cls_token="<s>", sep_token="</s>")
+    (directory / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    ours = Tokenizer.from_pretrained(directory)
+    ref = BertTokenizer(str(directory / "vocab.txt"), cls_token="<s>", sep_token="</s>", eos_token="<eos>")
+    assert ours.encode("你好 world") == ref.encode("你好 world")
+    assert ours.eos_token_ids == [ref.eos_token_id]  # a named eos_token wins over the sep token
+
+
+@pytest.mark.parametrize(
+    ("config", "vocab", "match"),
+    [
+        ({"tokenizer_class": "XLNetTokenizer"}, WORDPIECE_VOCAB, r"tokenizer_class='XLNetTokenizer'.*BertTokenizer"),
+        ({"tokenizer_class": None}, WORDPIECE_VOCAB, r"only vocab.txt, with tokenizer_class=None"),
+        ({}, [t for t in WORDPIECE_VOCAB if t != "[CLS]"], r"cls_token='\[CLS\]' is not in .*vocab.txt"),
+        ({"unk_token": "<unk>"}, WORDPIECE_VOCAB, r"unk_token='<unk>' is not in"),
+        ({"do_basic_tokenize": False}, WORDPIECE_VOCAB, r"do_basic_tokenize=false"),
+    ],
+)
+def test_unsupported_vocab_txt_directories_raise(tmp_path: Path, config: dict, vocab: list[str], match: str) -> None:
+    directory = write_wordpiece_dir(tmp_path, vocab, **config)
+    with pytest.raises(ModelFormatError, match=match):
+        Tokenizer.from_pretrained(directory)
