@@ -8,8 +8,14 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizer_cases import CONVERSATIONS, HARD_STRINGS, ref_decode
-from transformers import PreTrainedTokenizerBase
+from tokenizer_cases import (
+    CONVERSATIONS,
+    HARD_STRINGS,
+    WORDPIECE_VOCAB,
+    ref_decode,
+    write_wordpiece_dir,
+)
+from transformers import BertTokenizer, PreTrainedTokenizerBase
 from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
 
 from kvgen.engine.block_manager import BlockManager
@@ -311,3 +317,29 @@ def test_stream_decodes_a_bounded_window(default_tokenizer: Tokenizer, monkeypat
     detok = IncrementalDetokenizer(default_tokenizer, list(range(100)))
     assert "".join(_stream(detok, ids)) == default_tokenizer.decode(ids, skip_special_tokens=True)
     assert len(ids) > 500 and max(windows) <= 12
+
+
+def _continuation(ref: BertTokenizer, prompt: list[int], ids: list[int], skip: bool) -> str:
+    """What ``ids`` add to the decoded ``prompt`` (a space before a new word), cleaned up on their own."""
+    whole, head = (ref.decode(t, skip_special_tokens=skip, clean_up_tokenization_spaces=False) for t in (prompt + ids, prompt))
+    assert whole.startswith(head)
+    return BertTokenizer.clean_up_tokenization(whole[len(head) :])
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_stream_of_wordpiece_ids_matches_bert_decode(tmp_path: Path, skip: bool) -> None:
+    """A WordPiece stream: "##" pieces glue, specials and the clean-up (" ' " -> "'") add up to BertTokenizer.decode."""
+    directory = write_wordpiece_dir(tmp_path, WORDPIECE_VOCAB, do_lower_case=True)
+    ours, ref = Tokenizer.from_pretrained(directory), BertTokenizer(str(directory / "vocab.txt"))
+    rng = random.Random(1)
+    quote, pieces = ours.token_to_id("'"), [i for i, t in enumerate(WORDPIECE_VOCAB) if t.startswith("##")]
+    for _ in range(100):
+        ids = [rng.choice([quote, rng.choice(pieces), rng.randrange(ours.vocab_size)]) for _ in range(30)]
+        stream = "".join(_stream(IncrementalDetokenizer(ours, [], skip_special_tokens=skip), ids))
+        assert stream == ref.decode(ids, skip_special_tokens=skip), ids
+        prompt = [rng.randrange(ours.vocab_size) for _ in range(rng.randrange(1, 6))]
+        stream = "".join(_stream(IncrementalDetokenizer(ours, prompt, skip_special_tokens=skip), ids))
+        assert stream == _continuation(ref, prompt, ids, skip), (prompt, ids)
+    hello, s_piece = ours.encode("hello", add_special_tokens=False), [WORDPIECE_VOCAB.index("##s")]
+    glued = IncrementalDetokenizer(ours, hello, skip_special_tokens=skip)
+    assert glued.add(s_piece) + glued.flush() == "s" == _continuation(ref, hello, s_piece, skip)

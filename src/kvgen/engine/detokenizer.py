@@ -13,7 +13,7 @@ from __future__ import annotations
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.sampling.stopping import find_stop_string, partial_stop_suffix_len
 from kvgen.tokenizer import Tokenizer, check_token_ids
-from kvgen.tokenizer.wordpiece import may_change_on_clean_up
+from kvgen.tokenizer.wordpiece import StreamingCleanUp
 
 # Prompt tokens decoded before the first new one (vLLM's
 # INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET), for spacing that depends on context.
@@ -25,9 +25,11 @@ class IncrementalDetokenizer:
 
     Decodes a short window (the last emitted tokens plus the new ones) and emits the
     difference, holding text back while it ends in "\\ufffd" (an unfinished UTF-8
-    character) or, for a tokenizer that cleans up spaces, in the start of a clean-up
-    pattern (" '"): O(1) per token. ``"".join(add outputs) + flush()`` equals
-    ``tokenizer.decode(token_ids, skip_special_tokens)``. Raises ``ValueError`` for a
+    character): O(1) per token. For a tokenizer that cleans up spaces (WordPiece), that
+    text then runs through a streaming clean-up, which holds back a possible " '".
+    ``"".join(add outputs) + flush()`` equals ``tokenizer.decode(token_ids, skip_special_tokens)``;
+    after a prompt, for a space-joining (WordPiece) tokenizer, it is what the ids add to the
+    decoded prompt instead: a space before a new word, none before a "##" piece. Raises ``ValueError`` for a
     prompt id outside the vocabulary.
     Source: vLLM ``detokenize_incrementally`` (prefix_offset / read_offset).
     """
@@ -38,6 +40,7 @@ class IncrementalDetokenizer:
         context = list(prompt_token_ids or [])[-DETOKENIZE_CONTEXT_TOKENS:]
         check_token_ids(context, tokenizer.vocab_size)
         self._tokenizer = tokenizer
+        self._clean_up = StreamingCleanUp() if tokenizer.clean_up_tokenization_spaces else None
         self._skip_special_tokens = skip_special_tokens
         self._ids = context  # prompt context, then generated ids
         self._num_context = len(context)
@@ -47,19 +50,20 @@ class IncrementalDetokenizer:
         self._pieces: list[str] = []
 
     def _decode(self, start: int, end: int) -> str:
-        return self._tokenizer.decode_unchecked(self._ids[start:end], self._skip_special_tokens)
-
-    def _is_unfinished(self, text: str) -> bool:
-        if text.endswith("\ufffd"):
-            return True
-        return self._tokenizer.clean_up_tokenization_spaces and may_change_on_clean_up(text)
+        return self._tokenizer.decode_without_clean_up(self._ids[start:end], self._skip_special_tokens)
 
     def _emit(self, text: str) -> str:
-        """Record ``text`` as final and slide the window past it."""
-        self._pieces.append(text)
+        """Slide the window past ``text`` (final, not cleaned up yet)."""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        return text
+
+    def _finish(self, text: str, end: bool) -> str:
+        """Clean up ``text`` where the tokenizer asks for it and record what comes out."""
+        if self._clean_up is not None:
+            text = self._clean_up.feed(text) + (self._clean_up.flush() if end else "")
+        self._pieces.append(text)
         return text
 
     def add(self, token_id: int | list[int]) -> str:
@@ -73,14 +77,14 @@ class IncrementalDetokenizer:
         for i in new_ids:
             self._ids.append(i)
             text = self._decode(self._prefix_offset, len(self._ids))
-            if len(text) > len(self._prefix_text) and not self._is_unfinished(text):
+            if len(text) > len(self._prefix_text) and not text.endswith("\ufffd"):
                 out.append(self._emit(text[len(self._prefix_text) :]))
-        return "".join(out)
+        return self._finish("".join(out), end=False)
 
     def flush(self) -> str:
         """Emit whatever is held back (an unfinished character decodes to "\\ufffd")."""
         text = self._decode(self._prefix_offset, len(self._ids))[len(self._prefix_text) :]
-        return self._emit(text) if text else ""
+        return self._finish(self._emit(text) if text else "", end=True)
 
     @property
     def text(self) -> str:

@@ -102,12 +102,16 @@ class Tokenizer:
         """
         ids = [int(i) for i in token_ids]
         check_token_ids(ids, self._vocab_size)
-        return self.decode_unchecked(ids, skip_special_tokens)
-
-    def decode_unchecked(self, token_ids: list[int], skip_special_tokens: bool) -> str:
-        """``decode`` of ids known to be in range (the incremental detokenizer's hot path)."""
-        text = self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
         return clean_up_tokenization(text) if self.clean_up_tokenization_spaces else text
+
+    def decode_without_clean_up(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        """``decode`` of ids known to be in range, spaces never cleaned up.
+
+        The incremental detokenizer's hot path; it cleans up the stream itself
+        (:class:`~kvgen.tokenizer.wordpiece.StreamingCleanUp`).
+        """
+        return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str:
         """Vocabulary string of ``token_id`` (byte-level form, "Ġthe"). Raises ``ValueError`` if out of range."""

@@ -62,17 +62,51 @@ def clean_up_tokenization(text: str) -> str:
     return text
 
 
-# Proper prefixes of the patterns: text ending in one may still change when the next token comes.
-_CLEAN_UP_PREFIXES = tuple(sorted({old[:n] for old, _ in CLEAN_UP_REPLACEMENTS for n in range(1, len(old))}))
+class _StreamingReplace:
+    """``str.replace(old, new)`` over text that arrives in pieces; holds back a possible match start."""
+
+    def __init__(self, old: str, new: str) -> None:
+        self.old, self.new, self.held = old, new, ""
+
+    def feed(self, text: str) -> str:
+        buf, out, start = self.held + text, [], 0
+        while (found := buf.find(self.old, start)) >= 0:  # leftmost, non-overlapping, as str.replace
+            out += [buf[start:found], self.new]
+            start = found + len(self.old)
+        rest = buf[start:]
+        keep = next((k for k in range(min(len(rest), len(self.old) - 1), 0, -1) if rest.endswith(self.old[:k])), 0)
+        self.held = rest[len(rest) - keep :]
+        out.append(rest[: len(rest) - keep])
+        return "".join(out)
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
 
 
-def may_change_on_clean_up(text: str) -> bool:
-    """Whether ``clean_up_tokenization(text + more)`` could change the end of ``text``.
+class StreamingCleanUp:
+    """:func:`clean_up_tokenization` of a text that arrives in pieces.
 
-    True when ``text`` ends in the start of a replaced pattern (" '", " n'", ...): an
-    incremental detokenizer holds such text back.
+    ``"".join(feed(p) for p in pieces) + flush()`` equals ``clean_up_tokenization("".join(pieces))``
+    for any split: each replacement runs as a stage that holds back the end of its input
+    while it may still start a match.
     """
-    return text.endswith(_CLEAN_UP_PREFIXES)
+
+    def __init__(self) -> None:
+        self._stages = [_StreamingReplace(old, new) for old, new in CLEAN_UP_REPLACEMENTS]
+
+    def feed(self, text: str) -> str:
+        """Clean ``text`` (the next piece); returns the cleaned text that can no longer change."""
+        for stage in self._stages:
+            text = stage.feed(text)
+        return text
+
+    def flush(self) -> str:
+        """Everything held back, cleaned as the end of the text."""
+        text = ""
+        for stage in self._stages:
+            text = stage.feed(text) + stage.flush()
+        return text
 
 
 def wordpiece_config(config: dict[str, Any]) -> dict[str, Any]:
