@@ -11,6 +11,7 @@ from torch import nn
 from kvgen.errors import ModelFormatError, ModelNotFoundError
 from kvgen.models import build_model
 from kvgen.tokenizer import Tokenizer
+from kvgen.weights.quantized import GGUFBlocks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # "auto": quantized GGUF matrices stay in their blocks and run through kvgen's kernels;
@@ -52,7 +53,8 @@ def load_model(
     """Load a model and its tokenizer.
 
     ``path_or_name``: ``"default"``, a ``.gguf`` file or a Hugging Face
-    checkpoint directory (``config.json`` + safetensors). The format is sniffed
+    checkpoint directory (``config.json`` + safetensors, and a tokenizer: see
+    :meth:`Tokenizer.from_pretrained`, which also reads a BertTokenizer ``vocab.txt``). The format is sniffed
     from the path (directory, else the file's magic bytes). Returns the model in
     eval mode and a :class:`Tokenizer`. ``dtype="auto"`` (default) runs a quantized
     GGUF from its blocks through kvgen's kernels (float32 activations) and loads float
@@ -62,11 +64,13 @@ def load_model(
     """
     dtype = parse_dtype(dtype)
     path = resolve_model_path(path_or_name)
+    state_dict: dict[str, torch.Tensor | GGUFBlocks]
     if path.is_dir():
         from kvgen.weights.hf_loader import load_hf_directory
 
         dtype = dtype or torch.float32
-        config, state_dict = load_hf_directory(path, dtype=dtype)
+        config, tensors = load_hf_directory(path, dtype=dtype)
+        state_dict = dict(tensors)
         tokenizer = Tokenizer.from_pretrained(path)
     else:
         with open(path, "rb") as f:

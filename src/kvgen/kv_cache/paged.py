@@ -42,6 +42,7 @@ def num_blocks_for_memory(config: ModelConfig, memory_bytes: int, block_size: in
 def block_nbytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block: K and V for ``block_size`` tokens in every layer."""
     elem = torch.empty((), dtype=dtype).element_size()
+    assert config.num_key_value_heads is not None and config.head_dim is not None  # set by ModelConfig.__post_init__
     return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
 
 
@@ -188,7 +189,9 @@ class PagedKVCache:
         if (num_blocks is None) == (kv_cache_memory_bytes is None):
             raise ValueError("pass exactly one of num_blocks and kv_cache_memory_bytes")
         if num_blocks is None:
+            assert kv_cache_memory_bytes is not None
             num_blocks = num_blocks_for_memory(config, kv_cache_memory_bytes, block_size, dtype)
+        assert config.num_key_value_heads is not None and config.head_dim is not None  # set by __post_init__
         return cls(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim, dtype)
 
     def nbytes(self) -> int:
@@ -257,6 +260,7 @@ class PagedKVCache:
         num_heads, batch, d = q.shape
         group = num_heads // self.num_kv_heads
         qg = q.transpose(0, 1).reshape(batch, self.num_kv_heads, group, d)  # [B, Hkv, G, D]
+        assert meta.decode_block_ids is not None, "decode attention without decode rows"
         k = self._gather("k", k_pool, meta.decode_block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
         v = self._gather("v", v_pool, meta.decode_block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=scale)  # [B, Hkv, G, D]
