@@ -1,20 +1,33 @@
-"""kvgen.engine.outputs and kvgen.engine.detokenizer: text, stop strings with hold-back, outputs."""
+"""kvgen.engine.detokenizer and kvgen.engine.output_processor: text, stop strings with hold-back, outputs."""
 
 from __future__ import annotations
+
+import random
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizer_cases import (
+    CONVERSATIONS,
+    HARD_STRINGS,
+    WORDPIECE_VOCAB,
+    ref_decode,
+    write_wordpiece_dir,
+)
+from transformers import BertTokenizer, PreTrainedTokenizerBase
 from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
 
 from kvgen.engine.block_manager import BlockManager
-from kvgen.engine.detokenizer import OutputProcessor, RequestDetokenizer
+from kvgen.engine.detokenizer import IncrementalDetokenizer, RequestDetokenizer
+from kvgen.engine.output_processor import OutputProcessor
 from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvgen.engine.scheduler import Scheduler
 from kvgen.engine.types import EngineCoreOutput, ModelRunnerOutput, TokenLogprobs
 from kvgen.sampling.stopping import find_stop_string
 from kvgen.tokenizer import Tokenizer
+from kvgen.weights.gguf_file import gguf_metadata, open_gguf
 
 EOS = 0
 # Multi-character pieces so stop strings span token boundaries; " é" and "€!" are multi-byte.
@@ -219,3 +232,114 @@ def test_engine_loop_finishes_stop_string_requests_in_the_scheduler(tokenizer) -
     assert (finals["a"].text, finals["a"].finish_reason, finals["a"].token_ids) == ("hel", "stop", plan["a"][:3])
     assert (finals["b"].text, finals["b"].finish_reason) == ("xldxxlox", "length")
     assert bm.num_free_blocks == 32 and not processor.has_unfinished_requests()
+
+
+# ---------------------------------------------------------------- IncrementalDetokenizer on the default GGUF
+
+
+@pytest.fixture(scope="module")
+def default_tokenizer(default_gguf_path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf(gguf_metadata(open_gguf(default_gguf_path)))
+
+
+@pytest.fixture(scope="module")
+def ref(hf_default_tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """transformers' tokenizer on the default GGUF (see tests/tokenizer for the ids it agrees on)."""
+    return hf_default_tokenizer
+
+
+def test_incremental_detokenizer_rejects_out_of_range_ids(default_tokenizer: Tokenizer) -> None:
+    vocab_size = default_tokenizer.vocab_size
+    with pytest.raises(ValueError, match=r"got -1"):
+        IncrementalDetokenizer(default_tokenizer).add(-1)
+    with pytest.raises(ValueError, match=rf"token id must be in \[0, {vocab_size}\), got {vocab_size}"):
+        IncrementalDetokenizer(default_tokenizer, [1, vocab_size])
+
+
+def _stream(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+    return [detok.add(i) for i in ids] + [detok.flush()]
+
+
+def test_stream_never_splits_a_character(default_tokenizer: Tokenizer, ref: PreTrainedTokenizerBase) -> None:
+    text = "👨‍👩‍👧‍👦 中文字符 🇫🇷 naïve ok! 日本語"
+    ids = default_tokenizer.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in ref.decode([i]) for i in ids)  # some tokens hold half a character
+    detok = IncrementalDetokenizer(default_tokenizer)
+    pieces = _stream(detok, ids)
+    assert not any("\ufffd" in p for p in pieces)
+    assert "".join(pieces) == detok.text == ref_decode(ref, ids, skip=True) == text
+    assert detok.token_ids == ids
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_stream_after_prompt_matches_decode(default_tokenizer: Tokenizer, ref: PreTrainedTokenizerBase, skip: bool) -> None:
+    prompt = default_tokenizer.apply_chat_template(CONVERSATIONS["system"], add_generation_prompt=True, tokenize=True)
+    ids = default_tokenizer.encode("  Hello there! 你好 🌍\n\tcode<|im_end|>\n<|im_start|>x", add_special_tokens=False)
+    pieces = _stream(IncrementalDetokenizer(default_tokenizer, prompt, skip_special_tokens=skip), ids)
+    assert "".join(pieces) == ref_decode(ref, ids, skip)
+    chunked = IncrementalDetokenizer(default_tokenizer, prompt, skip_special_tokens=skip)
+    assert chunked.add(ids[:7]) + chunked.add(ids[7:]) + chunked.flush() == "".join(pieces)
+
+
+def test_stream_of_random_ids_matches_decode(default_tokenizer: Tokenizer, ref: PreTrainedTokenizerBase) -> None:
+    """Arbitrary ids (stray UTF-8 bytes, specials, prompts ending mid-character) still add up."""
+    rng = random.Random(0)
+    byte_ids = [i for i in range(default_tokenizer.vocab_size) if len(ref.convert_ids_to_tokens(i)) == 1][:256]
+    for _ in range(60):
+        ids = [rng.choice(byte_ids) if rng.random() < 0.4 else rng.randrange(default_tokenizer.vocab_size) for _ in range(40)]
+        prompt = [rng.randrange(default_tokenizer.vocab_size) for _ in range(rng.randrange(8))]
+        skip = rng.random() < 0.5
+        pieces = _stream(IncrementalDetokenizer(default_tokenizer, prompt, skip_special_tokens=skip), ids)
+        assert "".join(pieces) == ref_decode(ref, ids, skip)
+
+
+def test_flush_emits_an_unfinished_character(default_tokenizer: Tokenizer, ref: PreTrainedTokenizerBase) -> None:
+    partial = default_tokenizer.encode("ok 👨", add_special_tokens=False)[:-1]  # the emoji spans several tokens
+    assert ref.decode(partial).endswith("\ufffd")
+    detok = IncrementalDetokenizer(default_tokenizer)
+    streamed = detok.add(partial)
+    assert "\ufffd" not in streamed
+    tail = detok.flush()
+    assert tail.endswith("\ufffd")
+    assert streamed + tail == detok.text == ref_decode(ref, partial, skip=True)
+
+
+def test_stream_decodes_a_bounded_window(default_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    windows: list[int] = []
+    original = IncrementalDetokenizer._decode
+
+    def recording(self: IncrementalDetokenizer, start: int, end: int) -> str:
+        windows.append(end - start)
+        return original(self, start, end)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "_decode", recording)
+    ids = default_tokenizer.encode(" ".join(HARD_STRINGS) * 5, add_special_tokens=False)
+    detok = IncrementalDetokenizer(default_tokenizer, list(range(100)))
+    assert "".join(_stream(detok, ids)) == default_tokenizer.decode(ids, skip_special_tokens=True)
+    assert len(ids) > 500 and max(windows) <= 12
+
+
+def _continuation(ref: BertTokenizer, prompt: list[int], ids: list[int], skip: bool) -> str:
+    """What ``ids`` add to the decoded ``prompt`` (a space before a new word), cleaned up on their own."""
+    whole, head = (ref.decode(t, skip_special_tokens=skip, clean_up_tokenization_spaces=False) for t in (prompt + ids, prompt))
+    assert whole.startswith(head)
+    return BertTokenizer.clean_up_tokenization(whole[len(head) :])
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_stream_of_wordpiece_ids_matches_bert_decode(tmp_path: Path, skip: bool) -> None:
+    """A WordPiece stream: "##" pieces glue, specials and the clean-up (" ' " -> "'") add up to BertTokenizer.decode."""
+    directory = write_wordpiece_dir(tmp_path, WORDPIECE_VOCAB, do_lower_case=True)
+    ours, ref = Tokenizer.from_pretrained(directory), BertTokenizer(str(directory / "vocab.txt"))
+    rng = random.Random(1)
+    quote, pieces = ours.token_to_id("'"), [i for i, t in enumerate(WORDPIECE_VOCAB) if t.startswith("##")]
+    for _ in range(100):
+        ids = [rng.choice([quote, rng.choice(pieces), rng.randrange(ours.vocab_size)]) for _ in range(30)]
+        stream = "".join(_stream(IncrementalDetokenizer(ours, [], skip_special_tokens=skip), ids))
+        assert stream == ref.decode(ids, skip_special_tokens=skip), ids
+        prompt = [rng.randrange(ours.vocab_size) for _ in range(rng.randrange(1, 6))]
+        stream = "".join(_stream(IncrementalDetokenizer(ours, prompt, skip_special_tokens=skip), ids))
+        assert stream == _continuation(ref, prompt, ids, skip), (prompt, ids)
+    hello, s_piece = ours.encode("hello", add_special_tokens=False), [WORDPIECE_VOCAB.index("##s")]
+    glued = IncrementalDetokenizer(ours, hello, skip_special_tokens=skip)
+    assert glued.add(s_piece) + glued.flush() == "s" == _continuation(ref, hello, s_piece, skip)

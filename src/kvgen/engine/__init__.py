@@ -1,22 +1,19 @@
 """Continuous-batching engine: requests, scheduler, paged-KV bookkeeping, output processing.
 
 The pure-Python half (this package's ``sampling_params``, ``request``, ``block_manager``,
-``scheduler``, ``types``, ``outputs``, ``detokenizer``) touches no tensors and no model.
+``scheduler``, ``types``, ``outputs``, ``detokenizer``, ``output_processor``) touches no tensors and no model.
 The tensor half: ``model_runner`` (requests -> packed tensors), ``sampler``, and the
 fronts ``LLMEngine``, ``LLM`` and ``AsyncLLMEngine``.
 """
 
 from kvgen.engine.async_engine import AsyncLLMEngine
 from kvgen.engine.block_manager import DEFAULT_BLOCK_SIZE, BlockManager, hash_block
-from kvgen.engine.detokenizer import (
-    OutputProcessor,
-    ProcessedOutputs,
-    RequestDetokenizer,
-)
+from kvgen.engine.detokenizer import IncrementalDetokenizer, RequestDetokenizer
 from kvgen.engine.engine_args import EngineArgs
 from kvgen.engine.llm import LLM
 from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.model_runner import ModelRunner
+from kvgen.engine.output_processor import OutputProcessor, ProcessedOutputs
 from kvgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.sampler import Sampler
@@ -38,6 +35,7 @@ __all__ = [
     "CompletionOutput",
     "EngineArgs",
     "EngineCoreOutput",
+    "IncrementalDetokenizer",
     "LLMEngine",
     "ModelRunner",
     "ModelRunnerOutput",

@@ -1,30 +1,100 @@
-"""Output processing: engine-core outputs -> ``RequestOutput``s with text and stop strings.
+"""Detokenization: token ids -> text, incrementally and UTF-8 safe, with stop strings.
 
-Runs after ``Scheduler.update_from_output`` each step. One engine step::
-
-    scheduler_output = scheduler.schedule()
-    runner_output = runner.execute(scheduler_output)  # ModelRunnerOutput({}) when nothing is scheduled
-    core_outputs = scheduler.update_from_output(scheduler_output, runner_output)
-    processed = output_processor.process_outputs(core_outputs)
-    scheduler.finish_requests(processed.stopped_request_ids, RequestStatus.FINISHED_STOPPED)
-
-Stop strings are matched on the decoded text, across token boundaries. While a request
-runs, text that may still grow into a stop string is held back, so streamed text never
-contains any part of a matched stop string; the concatenated deltas equal the final text.
-Source: vLLM v1 ``vllm/v1/engine/detokenizer.py`` and ``output_processor.py``.
+``IncrementalDetokenizer`` turns a stream of ids into text; ``RequestDetokenizer`` adds one
+request's stop strings. Stop strings are matched on the decoded text, across token boundaries.
+While a request runs, text that may still grow into a stop string is held back, so streamed
+text never contains any part of a matched stop string; the concatenated deltas equal the
+final text. ``OutputProcessor`` (:mod:`kvgen.engine.output_processor`) drives them each step.
+Source: vLLM v1 ``vllm/v1/engine/detokenizer.py``.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-
-from kvgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvgen.engine.request import Request
-from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams
-from kvgen.engine.types import EngineCoreOutput, TokenLogprobs
+from kvgen.engine.sampling_params import SamplingParams
 from kvgen.sampling.stopping import find_stop_string, partial_stop_suffix_len
-from kvgen.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvgen.tokenizer import Tokenizer, check_token_ids
+from kvgen.tokenizer.wordpiece import StreamingCleanUp
+
+# Prompt tokens decoded before the first new one (vLLM's
+# INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET), for spacing that depends on context.
+DETOKENIZE_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turn a stream of generated ids into text, one finalized piece at a time.
+
+    Decodes a short window (the last emitted tokens plus the new ones) and emits the
+    difference, holding text back while it ends in "\\ufffd" (an unfinished UTF-8
+    character): O(1) per token. For a tokenizer that cleans up spaces (WordPiece), that
+    text then runs through a streaming clean-up, which holds back a possible " '".
+    ``"".join(add outputs) + flush()`` equals ``tokenizer.decode(token_ids, skip_special_tokens)``;
+    after a prompt, for a space-joining (WordPiece) tokenizer, it is what the ids add to the
+    decoded prompt instead: a space before a new word, none before a "##" piece. Raises ``ValueError`` for a
+    prompt id outside the vocabulary.
+    Source: vLLM ``detokenize_incrementally`` (prefix_offset / read_offset).
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: list[int] | None = None, skip_special_tokens: bool = True
+    ) -> None:
+        context = list(prompt_token_ids or [])[-DETOKENIZE_CONTEXT_TOKENS:]
+        check_token_ids(context, tokenizer.vocab_size)
+        self._tokenizer = tokenizer
+        self._clean_up = StreamingCleanUp() if tokenizer.clean_up_tokenization_spaces else None
+        self._skip_special_tokens = skip_special_tokens
+        self._ids = context  # prompt context, then generated ids
+        self._num_context = len(context)
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._prefix_text = self._decode(0, len(context))
+        self._pieces: list[str] = []
+
+    def _decode(self, start: int, end: int) -> str:
+        return self._tokenizer.decode_without_clean_up(self._ids[start:end], self._skip_special_tokens)
+
+    def _emit(self, text: str) -> str:
+        """Slide the window past ``text`` (final, not cleaned up yet)."""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        return text
+
+    def _finish(self, text: str, end: bool) -> str:
+        """Clean up ``text`` where the tokenizer asks for it and record what comes out."""
+        if self._clean_up is not None:
+            text = self._clean_up.feed(text) + (self._clean_up.flush() if end else "")
+        self._pieces.append(text)
+        return text
+
+    def add(self, token_id: int | list[int]) -> str:
+        """Append generated id(s); return the text they finalize ("" while a character is unfinished).
+
+        Raises ``ValueError`` for an id outside the vocabulary.
+        """
+        new_ids = [int(i) for i in token_id] if isinstance(token_id, (list, tuple)) else [int(token_id)]
+        check_token_ids(new_ids, self._tokenizer.vocab_size)
+        out = []
+        for i in new_ids:
+            self._ids.append(i)
+            text = self._decode(self._prefix_offset, len(self._ids))
+            if len(text) > len(self._prefix_text) and not text.endswith("\ufffd"):
+                out.append(self._emit(text[len(self._prefix_text) :]))
+        return self._finish("".join(out), end=False)
+
+    def flush(self) -> str:
+        """Emit whatever is held back (an unfinished character decodes to "\\ufffd")."""
+        text = self._decode(self._prefix_offset, len(self._ids))[len(self._prefix_text) :]
+        return self._finish(self._emit(text) if text else "", end=True)
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._pieces)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The generated ids added so far (without the prompt)."""
+        return self._ids[self._num_context :]
 
 
 class RequestDetokenizer:
@@ -88,109 +158,3 @@ class RequestDetokenizer:
         assert end >= self._num_sent, "held-back text shrank"
         delta, self._num_sent = self.text[self._num_sent : end], end
         return delta
-
-
-@dataclass
-class RequestState:
-    request: Request
-    detokenizer: RequestDetokenizer
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] | None = None
-    cumulative_logprob: float | None = None
-    last_token_time: float | None = None
-
-    def add(self, output: EngineCoreOutput) -> None:
-        self.token_ids.extend(output.new_token_ids)
-        if output.new_token_ids:
-            self.last_token_time = time.time()
-        if self.logprobs is not None and output.new_logprobs:
-            self.logprobs.extend(output.new_logprobs)
-            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + sum(lp.logprob for lp in output.new_logprobs)
-
-
-@dataclass
-class ProcessedOutputs:
-    request_outputs: list[RequestOutput]
-    stopped_request_ids: list[str]  # stopped by a stop string: pass to Scheduler.finish_requests
-
-
-class OutputProcessor:
-    """Keeps a ``RequestState`` per request from ``add_request`` until its final output.
-
-    ``tokenizer`` None leaves ``text`` empty (token ids only); stop strings then raise ``ValueError``.
-    """
-
-    def __init__(self, tokenizer: Tokenizer | None):
-        self.tokenizer = tokenizer
-        self._states: dict[str, RequestState] = {}
-
-    def add_request(self, request: Request) -> None:
-        """Track a request (call with ``Scheduler.add_request``). Raises ``ValueError`` for a duplicate id."""
-        if request.request_id in self._states:
-            raise ValueError(f"request_id must be unique among unfinished requests, got {request.request_id!r}")
-        detokenizer = RequestDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling_params)
-        state = RequestState(request, detokenizer)
-        if request.sampling_params.logprobs is not None:
-            state.logprobs, state.cumulative_logprob = [], 0.0
-        self._states[request.request_id] = state
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._states)
-
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
-        request_outputs: list[RequestOutput] = []
-        stopped: list[str] = []
-        for output in outputs:
-            state = self._states.get(output.request_id)
-            if state is None:
-                continue
-            finish_reason, stop_reason = output.finish_reason, output.stop_reason
-            stop = state.detokenizer.update(output.new_token_ids, finish_reason == "stop", output.is_finished)
-            if stop is not None:  # the stop string ends the text before any token-based stop
-                if not output.is_finished:
-                    stopped.append(output.request_id)
-                finish_reason, stop_reason = "stop", stop
-            state.add(output)
-            completion = _completion(state, output, finish_reason, stop_reason)
-            if completion is not None:
-                request_outputs.append(_request_output(state, completion, output.error))
-            if finish_reason is not None:
-                del self._states[output.request_id]
-        return ProcessedOutputs(request_outputs, stopped)
-
-
-def _completion(
-    state: RequestState, output: EngineCoreOutput, finish_reason: str | None, stop_reason: int | str | None
-) -> CompletionOutput | None:
-    kind, finished = state.request.sampling_params.output_kind, finish_reason is not None
-    if kind is RequestOutputKind.FINAL_ONLY and not finished:
-        return None
-    if kind is RequestOutputKind.DELTA:
-        text, token_ids = state.detokenizer.get_delta(finished), list(output.new_token_ids)
-        logprobs = None if state.logprobs is None else list(output.new_logprobs or [])
-    else:
-        text, token_ids = state.detokenizer.get_text(finished), list(state.token_ids)
-        logprobs = None if state.logprobs is None else list(state.logprobs)
-    return CompletionOutput(0, text, token_ids, state.cumulative_logprob, logprobs, finish_reason, stop_reason)
-
-
-def _request_output(state: RequestState, completion: CompletionOutput, error: str | None) -> RequestOutput:
-    request = state.request
-    metrics = RequestMetrics(
-        arrival_time=request.arrival_time,
-        first_scheduled_time=request.first_scheduled_time,
-        first_token_time=request.first_token_time,
-        last_token_time=state.last_token_time,
-        finish_time=(request.finish_time or time.time()) if completion.finished else None,
-        num_preemptions=request.num_preemptions,
-    )
-    return RequestOutput(
-        request_id=request.request_id,
-        prompt=request.prompt,
-        prompt_token_ids=request.prompt_token_ids,
-        outputs=[completion],
-        finished=completion.finished,
-        metrics=metrics,
-        num_cached_tokens=request.num_cached_prefix_tokens,
-        error=error,
-    )

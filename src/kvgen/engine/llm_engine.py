@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass
 
 from kvgen.engine.block_manager import BlockManager
-from kvgen.engine.detokenizer import OutputProcessor
 from kvgen.engine.engine_args import DEFAULT_KV_CACHE_MEMORY, EngineArgs
 from kvgen.engine.model_runner import ModelRunner
+from kvgen.engine.output_processor import OutputProcessor
 from kvgen.engine.outputs import RequestOutput
 from kvgen.engine.parallel_sampling import ParentRequest, child_sampling_params
 from kvgen.engine.request import Request, RequestStatus
@@ -171,9 +171,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
-
-    def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished()
 
     def get_stats(self) -> SchedulerStats:
         """Queue lengths and KV pool use now; safe to call while a step runs in another thread."""

@@ -52,10 +52,6 @@ class SchedulerOutput:
     # state (generators included) before handling `scheduled`, where an id may come back as new.
     finished_request_ids: list[str]
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
 
 @dataclass
 class ModelRunnerOutput:

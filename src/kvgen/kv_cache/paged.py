@@ -42,6 +42,7 @@ def num_blocks_for_memory(config: ModelConfig, memory_bytes: int, block_size: in
 def block_nbytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block: K and V for ``block_size`` tokens in every layer."""
     elem = torch.empty((), dtype=dtype).element_size()
+    assert config.num_key_value_heads is not None and config.head_dim is not None  # set by ModelConfig.__post_init__
     return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
 
 
@@ -149,8 +150,6 @@ class PagedKVCache:
     The pool is allocated once (zeros, so padding slots read as finite values). Raises
     ValueError for non-positive sizes.
     """
-
-    is_paged = True
 
     def __init__(
         self,

@@ -1,0 +1,131 @@
+"""Output processing: engine-core outputs -> ``RequestOutput``s with text and stop strings.
+
+Runs after ``Scheduler.update_from_output`` each step. One engine step::
+
+    scheduler_output = scheduler.schedule()
+    runner_output = runner.execute(scheduler_output)  # ModelRunnerOutput({}) when nothing is scheduled
+    core_outputs = scheduler.update_from_output(scheduler_output, runner_output)
+    processed = output_processor.process_outputs(core_outputs)
+    scheduler.finish_requests(processed.stopped_request_ids, RequestStatus.FINISHED_STOPPED)
+
+Each request's text and stop strings are a ``RequestDetokenizer`` (:mod:`kvgen.engine.detokenizer`).
+Source: vLLM v1 ``vllm/v1/engine/output_processor.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvgen.engine.detokenizer import RequestDetokenizer
+from kvgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvgen.engine.request import Request
+from kvgen.engine.sampling_params import RequestOutputKind
+from kvgen.engine.types import EngineCoreOutput, TokenLogprobs
+from kvgen.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestState:
+    request: Request
+    detokenizer: RequestDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    last_token_time: float | None = None
+
+    def add(self, output: EngineCoreOutput) -> None:
+        self.token_ids.extend(output.new_token_ids)
+        if output.new_token_ids:
+            self.last_token_time = time.time()
+        if self.logprobs is not None and output.new_logprobs:
+            self.logprobs.extend(output.new_logprobs)
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + sum(lp.logprob for lp in output.new_logprobs)
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    stopped_request_ids: list[str]  # stopped by a stop string: pass to Scheduler.finish_requests
+
+
+class OutputProcessor:
+    """Keeps a ``RequestState`` per request from ``add_request`` until its final output.
+
+    ``tokenizer`` None leaves ``text`` empty (token ids only); stop strings then raise ``ValueError``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        self._states: dict[str, RequestState] = {}
+
+    def add_request(self, request: Request) -> None:
+        """Track a request (call with ``Scheduler.add_request``). Raises ``ValueError`` for a duplicate id."""
+        if request.request_id in self._states:
+            raise ValueError(f"request_id must be unique among unfinished requests, got {request.request_id!r}")
+        detokenizer = RequestDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling_params)
+        state = RequestState(request, detokenizer)
+        if request.sampling_params.logprobs is not None:
+            state.logprobs, state.cumulative_logprob = [], 0.0
+        self._states[request.request_id] = state
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._states)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        request_outputs: list[RequestOutput] = []
+        stopped: list[str] = []
+        for output in outputs:
+            state = self._states.get(output.request_id)
+            if state is None:
+                continue
+            finish_reason, stop_reason = output.finish_reason, output.stop_reason
+            stop = state.detokenizer.update(output.new_token_ids, finish_reason == "stop", output.is_finished)
+            if stop is not None:  # the stop string ends the text before any token-based stop
+                if not output.is_finished:
+                    stopped.append(output.request_id)
+                finish_reason, stop_reason = "stop", stop
+            state.add(output)
+            completion = _completion(state, output, finish_reason, stop_reason)
+            if completion is not None:
+                request_outputs.append(_request_output(state, completion, output.error))
+            if finish_reason is not None:
+                del self._states[output.request_id]
+        return ProcessedOutputs(request_outputs, stopped)
+
+
+def _completion(
+    state: RequestState, output: EngineCoreOutput, finish_reason: str | None, stop_reason: int | str | None
+) -> CompletionOutput | None:
+    kind, finished = state.request.sampling_params.output_kind, finish_reason is not None
+    if kind is RequestOutputKind.FINAL_ONLY and not finished:
+        return None
+    if kind is RequestOutputKind.DELTA:
+        text, token_ids = state.detokenizer.get_delta(finished), list(output.new_token_ids)
+        logprobs = None if state.logprobs is None else list(output.new_logprobs or [])
+    else:
+        text, token_ids = state.detokenizer.get_text(finished), list(state.token_ids)
+        logprobs = None if state.logprobs is None else list(state.logprobs)
+    return CompletionOutput(0, text, token_ids, state.cumulative_logprob, logprobs, finish_reason, stop_reason)
+
+
+def _request_output(state: RequestState, completion: CompletionOutput, error: str | None) -> RequestOutput:
+    request = state.request
+    metrics = RequestMetrics(
+        arrival_time=request.arrival_time,
+        first_scheduled_time=request.first_scheduled_time,
+        first_token_time=request.first_token_time,
+        last_token_time=state.last_token_time,
+        finish_time=(request.finish_time or time.time()) if completion.finished else None,
+        num_preemptions=request.num_preemptions,
+    )
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        prompt_token_ids=request.prompt_token_ids,
+        outputs=[completion],
+        finished=completion.finished,
+        metrics=metrics,
+        num_cached_tokens=request.num_cached_prefix_tokens,
+        error=error,
+    )

@@ -1,0 +1,112 @@
+"""Rebuilding a ``tokenizers`` backend from GGUF metadata (llama.cpp's "gpt2" tokenizer model).
+
+Source: llama.cpp ``llama-vocab.cpp`` (token types, pre-tokenizer names) and the models' own
+tokenizer.json files for the split patterns.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as BackendTokenizer
+
+from kvgen.errors import ModelFormatError
+from kvgen.tokenizer.byte_level import ByteLevelVariant, build_byte_level_bpe
+from kvgen.tokenizer.special_tokens import SpecialTokenIds
+
+
+class GGUFTokenType(enum.IntEnum):
+    """``tokenizer.ggml.token_type`` values (llama.cpp ``llama_token_type``)."""
+
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6
+
+
+# ``tokenizer.ggml.pre`` -> variant; names and groups as in llama.cpp's llama-vocab.cpp.
+GGUF_PRE_TOKENIZERS: dict[str, ByteLevelVariant] = {
+    "default": ByteLevelVariant.GPT2,
+    "gpt2": ByteLevelVariant.GPT2,
+    "gpt-2": ByteLevelVariant.GPT2,
+    "smollm": ByteLevelVariant.DIGITS,
+    "starcoder": ByteLevelVariant.DIGITS,
+    "refact": ByteLevelVariant.DIGITS,
+    "llama-bpe": ByteLevelVariant.LLAMA3,
+    "llama3": ByteLevelVariant.LLAMA3,
+    "llama-v3": ByteLevelVariant.LLAMA3,
+    "qwen2": ByteLevelVariant.QWEN2,
+}
+
+
+def _require(meta: dict[str, Any], key: str) -> Any:
+    if key not in meta:
+        raise ModelFormatError(f"GGUF metadata has no {key}")
+    return meta[key]
+
+
+def _merges(merges: list[str]) -> list[tuple[str, str]]:
+    pairs: list[tuple[str, str]] = []
+    for i, merge in enumerate(merges):
+        parts = merge.split(" ")
+        if len(parts) != 2:
+            raise ModelFormatError(f"tokenizer.ggml.merges[{i}] must be two tokens and a space, got {merge!r}")
+        pairs.append((parts[0], parts[1]))
+    return pairs
+
+
+def _vocab(meta: dict[str, Any]) -> tuple[list[str], list[int]]:
+    tokens: list[str] = _require(meta, "tokenizer.ggml.tokens")
+    token_types: list[int] = meta.get("tokenizer.ggml.token_type", [GGUFTokenType.NORMAL] * len(tokens))
+    if len(token_types) != len(tokens):
+        raise ModelFormatError(f"tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens")
+    if len(set(tokens)) != len(tokens):
+        raise ModelFormatError(f"tokenizer.ggml.tokens has {len(tokens) - len(set(tokens))} duplicate tokens")
+    return tokens, token_types
+
+
+def gguf_backend(meta: dict[str, Any]) -> BackendTokenizer:
+    """The byte-level BPE of GGUF metadata, without BOS/EOS post-processing.
+
+    CONTROL tokens become special added tokens; USER_DEFINED ones added tokens kept by decode
+    (as llama.cpp). Raises ``ModelFormatError`` for a tokenizer model other than "gpt2", an
+    unknown ``tokenizer.ggml.pre``, or malformed tokens, types or merges.
+    """
+    model = _require(meta, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ModelFormatError(
+            f"unsupported GGUF tokenizer model tokenizer.ggml.model={model!r}; kvgen reads 'gpt2' (byte-level BPE)"
+        )
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in GGUF_PRE_TOKENIZERS:
+        raise ModelFormatError(
+            f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre!r}; supported: {sorted(GGUF_PRE_TOKENIZERS)}"
+        )
+    tokens, token_types = _vocab(meta)
+    merges = _merges(_require(meta, "tokenizer.ggml.merges"))
+    backend = build_byte_level_bpe({t: i for i, t in enumerate(tokens)}, merges, GGUF_PRE_TOKENIZERS[pre])
+    typed = list(zip(tokens, token_types, strict=True))
+    control = [AddedToken(t, special=True, normalized=False) for t, k in typed if k == GGUFTokenType.CONTROL]
+    user = [AddedToken(t, special=False, normalized=False) for t, k in typed if k == GGUFTokenType.USER_DEFINED]
+    backend.add_special_tokens(control)
+    backend.add_tokens(user)
+    return backend
+
+
+def gguf_special_ids(meta: dict[str, Any], vocab_size: int) -> SpecialTokenIds:
+    """BOS, EOS (+ end-of-turn, end-of-message), pad and unk ids of GGUF metadata.
+
+    Raises ``ModelFormatError`` for an id outside ``[0, vocab_size)``.
+    """
+    keys = ("bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id", "padding_token_id", "unknown_token_id")
+    ids = {k: meta.get(f"tokenizer.ggml.{k}") for k in keys}
+    for key, token_id in ids.items():
+        if token_id is not None and not 0 <= token_id < vocab_size:
+            raise ModelFormatError(f"tokenizer.ggml.{key} must be in [0, {vocab_size}), got {token_id}")
+    eos = (ids["eos_token_id"], ids["eot_token_id"], ids["eom_token_id"])
+    eos_ids = tuple(dict.fromkeys(i for i in eos if i is not None))
+    return SpecialTokenIds(ids["bos_token_id"], eos_ids, ids["padding_token_id"], ids["unknown_token_id"])

@@ -1,0 +1,178 @@
+"""Loading a tokenizer from a Hugging Face directory.
+
+Looks, in order, for ``tokenizer.json``; GPT-2's ``vocab.json`` + ``merges.txt``; a BERT-style
+``vocab.txt`` whose ``tokenizer_class`` (tokenizer_config.json, else config.json) is
+``BertTokenizer``. Reads ``tokenizer_config.json`` and ``special_tokens_map.json`` (special tokens,
+BOS/EOS flags), ``added_tokens.json``, ``chat_template.jinja`` and ``generation_config.json``
+(extra EOS ids), as transformers' ``AutoTokenizer`` does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, models, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+
+from kvgen.errors import ModelFormatError
+from kvgen.tokenizer.byte_level import ByteLevelVariant, build_byte_level_bpe
+from kvgen.tokenizer.special_tokens import SpecialTokenIds, add_bos_eos
+from kvgen.tokenizer.wordpiece import (
+    VOCAB_FILE,
+    WORDPIECE_TOKENIZER_CLASSES,
+    wordpiece_backend,
+    wordpiece_config,
+)
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+@dataclass(frozen=True)
+class HFTokenizerFiles:
+    """What a Hugging Face directory says about its tokenizer."""
+
+    backend: BackendTokenizer
+    special: SpecialTokenIds
+    chat_template: str | None
+    clean_up_tokenization_spaces: bool  # decode removes spaces before punctuation (WordPiece)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``; raises ``ModelFormatError`` if unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelFormatError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def token_content(value: Any) -> str | None:
+    """A special-token entry of tokenizer_config.json: a string or an AddedToken dict."""
+    content = value.get("content") if isinstance(value, dict) else value
+    return content if isinstance(content, str) else None
+
+
+def _tokenizer_config(directory: Path) -> dict[str, Any]:
+    """tokenizer_config.json, overridden by special_tokens_map.json as in transformers."""
+    config: dict[str, Any] = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (directory / name).is_file():
+            config.update(read_json(directory / name))
+    return config
+
+
+def _added_tokens(config: dict[str, Any]) -> list[AddedToken]:
+    """``added_tokens_decoder`` entries, then the named special tokens."""
+    added = []
+    for _, entry in sorted(config.get("added_tokens_decoder", {}).items(), key=lambda kv: int(kv[0])):
+        fields = {k: entry[k] for k in ("special", "normalized", "lstrip", "rstrip", "single_word") if k in entry}
+        added.append(AddedToken(entry["content"], **fields))
+    strings = [token_content(config.get(n)) for n in SPECIAL_TOKEN_KEYS]
+    strings += [token_content(t) for t in config.get("additional_special_tokens", [])]
+    return added + [AddedToken(s, special=True, normalized=False) for s in strings if s]
+
+
+def _add_tokens(backend: BackendTokenizer, directory: Path, config: dict[str, Any]) -> None:
+    """Tokens of ``added_tokens.json`` and of the config (specials as special tokens)."""
+    if (directory / "added_tokens.json").is_file():
+        backend.add_tokens(list(read_json(directory / "added_tokens.json")))
+    for token in _added_tokens(config):
+        (backend.add_special_tokens if token.special else backend.add_tokens)([token])
+
+
+def _gpt2_files_backend(directory: Path, config: dict[str, Any]) -> BackendTokenizer:
+    """GPT-2 style ``vocab.json`` + ``merges.txt``, as transformers' GPT2Converter builds it."""
+    try:
+        vocab, merges = models.BPE.read_file(str(directory / "vocab.json"), str(directory / "merges.txt"))
+    except Exception as e:  # noqa: BLE001 -- tokenizers raises plain Exception for unreadable files
+        raise ModelFormatError(f"cannot read vocab.json/merges.txt in {directory}: {e}") from None
+    backend = build_byte_level_bpe(vocab, merges, ByteLevelVariant.GPT2)
+    if config.get("add_prefix_space"):
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    _add_tokens(backend, directory, config)
+    bos, eos = (backend.token_to_id(token_content(config.get(k)) or "") for k in ("bos_token", "eos_token"))
+    add_bos_eos(backend, bos, eos, bool(config.get("add_bos_token")), bool(config.get("add_eos_token")))
+    return backend
+
+
+def _tokenizer_class(directory: Path, config: dict[str, Any]) -> str | None:
+    """``tokenizer_class`` of tokenizer_config.json, else of config.json (as AutoTokenizer reads it)."""
+    name = config.get("tokenizer_class")
+    if name is None and (directory / "config.json").is_file():
+        name = read_json(directory / "config.json").get("tokenizer_class")
+    return name if isinstance(name, str) else None
+
+
+def _wordpiece_files(directory: Path, config: dict[str, Any]) -> HFTokenizerFiles:
+    """``vocab.txt`` + a BertTokenizer config. EOS is the sep token (see ``Tokenizer.from_pretrained``)."""
+    name = _tokenizer_class(directory, config)
+    if name not in WORDPIECE_TOKENIZER_CLASSES:
+        raise ModelFormatError(
+            f"{directory} has only {VOCAB_FILE}, with tokenizer_class={name!r}; kvgen reads a {VOCAB_FILE} "
+            f"for {' or '.join(WORDPIECE_TOKENIZER_CLASSES)} only"
+        )
+    config = wordpiece_config(config)
+    tokens = {k: token_content(config.get(k)) or "" for k in ("unk_token", "cls_token", "sep_token")}
+    backend = wordpiece_backend(directory / VOCAB_FILE, config, tokens)
+    _add_tokens(backend, directory, config)
+    if token_content(config.get("eos_token")) is None:
+        config = {**config, "eos_token": config["sep_token"]}
+    special = _special_ids(directory, config, backend)
+    return HFTokenizerFiles(backend, special, _chat_template(directory, config), bool(config["clean_up_tokenization_spaces"]))
+
+
+def _backend_file(directory: Path) -> BackendTokenizer:
+    try:
+        return BackendTokenizer.from_file(str(directory / "tokenizer.json"))
+    except Exception as e:  # noqa: BLE001 -- tokenizers raises plain Exception on bad JSON
+        raise ModelFormatError(f"cannot read {directory / 'tokenizer.json'}: {e}") from None
+
+
+def _special_ids(directory: Path, config: dict[str, Any], backend: BackendTokenizer) -> SpecialTokenIds:
+    def lookup(key: str) -> int | None:
+        content = token_content(config.get(key))
+        return backend.token_to_id(content) if content else None
+
+    eos = [lookup("eos_token")]
+    if (directory / "generation_config.json").is_file():
+        extra = read_json(directory / "generation_config.json").get("eos_token_id")
+        eos += extra if isinstance(extra, list) else [extra]
+    eos_ids = tuple(dict.fromkeys(i for i in eos if i is not None))
+    return SpecialTokenIds(lookup("bos_token"), eos_ids, lookup("pad_token"), lookup("unk_token"))
+
+
+def _chat_template(directory: Path, config: dict[str, Any]) -> str | None:
+    """``chat_template.jinja`` if present, else tokenizer_config's (the "default" one of a list)."""
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
+    return template if isinstance(template, str) else None
+
+
+def load_hf_tokenizer_files(directory: Path) -> HFTokenizerFiles:
+    """The tokenizer of an existing HF directory.
+
+    Raises ``ModelFormatError`` naming the directory and the files looked for when it holds
+    none of them, a ``vocab.txt`` for a tokenizer class other than BertTokenizer, or an
+    unreadable file.
+    """
+    config = _tokenizer_config(directory)
+    if (directory / "tokenizer.json").is_file():
+        backend = _backend_file(directory)
+    elif (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
+        backend = _gpt2_files_backend(directory, config)
+    elif (directory / VOCAB_FILE).is_file():
+        return _wordpiece_files(directory, config)
+    else:
+        raise ModelFormatError(
+            f"{directory} has no tokenizer.json and no vocab.json + merges.txt (nor a {VOCAB_FILE} for BertTokenizer)"
+        )
+    special = _special_ids(directory, config, backend)
+    return HFTokenizerFiles(backend, special, _chat_template(directory, config), clean_up_tokenization_spaces=False)

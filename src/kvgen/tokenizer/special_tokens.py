@@ -1,0 +1,47 @@
+"""Token ids with a role (BOS, EOS, pad, unk), the post-processor that adds them, id range checks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import processors
+
+from kvgen.errors import ModelFormatError
+
+
+@dataclass(frozen=True)
+class SpecialTokenIds:
+    """Ids of the tokens with a role; ``eos_token_ids[0]`` is the primary EOS."""
+
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    unk_token_id: int | None = None
+
+
+def check_token_ids(token_ids: Iterable[int], vocab_size: int) -> None:
+    """Raise ``ValueError`` naming the first id outside ``[0, vocab_size)``."""
+    for i in token_ids:
+        if not 0 <= i < vocab_size:
+            raise ValueError(f"token id must be in [0, {vocab_size}), got {i}")
+
+
+def add_bos_eos(backend: BackendTokenizer, bos: int | None, eos: int | None, add_bos: bool, add_eos: bool) -> None:
+    """Install a post-processor adding BOS and/or EOS when ``encode(add_special_tokens=True)``.
+
+    Raises ``ModelFormatError`` when asked to add a token that has no id.
+    """
+    if add_bos and bos is None:
+        raise ModelFormatError("tokenizer asks to add a BOS token but has no bos token id")
+    if add_eos and eos is None:
+        raise ModelFormatError("tokenizer asks to add an EOS token but has no eos token id")
+    bos_ids = [bos] if bos is not None and add_bos else []
+    eos_ids = [eos] if eos is not None and add_eos else []
+    if not bos_ids and not eos_ids:
+        return
+    name = backend.id_to_token
+    single = [name(i) for i in bos_ids] + ["$A"] + [name(i) for i in eos_ids]
+    special = [(name(i), i) for i in dict.fromkeys(bos_ids + eos_ids)]
+    backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=special)

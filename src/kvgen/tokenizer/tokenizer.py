@@ -1,0 +1,192 @@
+"""``Tokenizer``: encode, decode and chat-format text for one model over the ``tokenizers`` library.
+
+Built from GGUF metadata (:mod:`kvgen.tokenizer.gguf_vocab`) or a Hugging Face directory
+(:mod:`kvgen.tokenizer.hf_files`); chat templates render with jinja2 as transformers does.
+Incremental detokenization lives with its user, :mod:`kvgen.engine.detokenizer`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from tokenizers import Tokenizer as BackendTokenizer
+
+from kvgen.chat_template import ChatTemplateError, check_messages, compile_chat_template
+from kvgen.errors import ModelFormatError, ModelNotFoundError
+from kvgen.tokenizer.gguf_vocab import gguf_backend, gguf_special_ids
+from kvgen.tokenizer.hf_files import load_hf_tokenizer_files
+from kvgen.tokenizer.special_tokens import SpecialTokenIds, add_bos_eos, check_token_ids
+from kvgen.tokenizer.wordpiece import clean_up_tokenization
+
+
+class Tokenizer:
+    """Encode, decode and chat-format text for one model; build with ``from_gguf`` or ``from_pretrained``.
+
+    Token ids agree with transformers' fast tokenizer on the same files. ``backend`` is the
+    ``tokenizers.Tokenizer`` that encodes and decodes; ``clean_up_tokenization_spaces`` makes
+    ``decode`` drop the spaces before punctuation a space-joining (WordPiece) decoder leaves.
+    """
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        special: SpecialTokenIds,
+        chat_template: str | None,
+        name: str,
+        clean_up_tokenization_spaces: bool = False,
+    ) -> None:
+        self._backend = backend
+        self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
+        self._special = special
+        self._chat_template = chat_template
+        self._compiled_template: jinja2.Template | None = None
+        self.name = name
+        self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        bos = special.bos_token_id
+        self._add_bos_token = bos is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos]
+
+    @classmethod
+    def from_gguf(cls, meta: dict[str, Any]) -> Tokenizer:
+        """Build from GGUF metadata (``gguf_metadata(open_gguf(path))``).
+
+        Reads ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE); adds BOS/EOS only where
+        ``tokenizer.ggml.add_bos_token``/``add_eos_token`` say so. Raises ``ModelFormatError``
+        for another tokenizer model or pre-tokenizer, or malformed tokenizer fields.
+        """
+        backend = gguf_backend(meta)
+        special = gguf_special_ids(meta, backend.get_vocab_size(with_added_tokens=True))
+        eos = special.eos_token_ids[0] if special.eos_token_ids else None
+        add_bos, add_eos = (bool(meta.get(f"tokenizer.ggml.add_{k}_token", False)) for k in ("bos", "eos"))
+        add_bos_eos(backend, special.bos_token_id, eos, add_bos, add_eos)
+        return cls(backend, special, meta.get("tokenizer.chat_template"), meta.get("general.name", "GGUF model"))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike[str]) -> Tokenizer:
+        """Build from a Hugging Face directory: ``tokenizer.json``, ``vocab.json`` + ``merges.txt``,
+        or a ``BertTokenizer`` ``vocab.txt``, with ``tokenizer_config.json``, ``special_tokens_map.json``,
+        ``chat_template.jinja`` and ``generation_config.json`` (extra EOS ids) when present.
+
+        A ``BertTokenizer`` has no BOS or EOS, and ``encode`` wraps text in ``[CLS] ... [SEP]``
+        as transformers does; kvgen takes the sep token as EOS (unless the config names an
+        ``eos_token``), so generation on a GPT-2 + BertTokenizer checkpoint stops at ``[SEP]``,
+        and pad is ``[PAD]``. Decoding matches ``BertTokenizer.decode`` (``##`` pieces merged,
+        clean-up of spaces as ``clean_up_tokenization_spaces`` says, default true).
+
+        Raises ``ModelNotFoundError`` if ``directory`` does not exist, ``ModelFormatError`` if it
+        holds no readable tokenizer (the message names the files looked for) or a ``vocab.txt``
+        for a tokenizer class other than BertTokenizer.
+        """
+        path = Path(directory)
+        if not path.exists():
+            raise ModelNotFoundError(f"tokenizer directory not found: {path}")
+        if not path.is_dir():
+            raise ModelFormatError(f"tokenizer path is not a directory: {path}")
+        files = load_hf_tokenizer_files(path)
+        return cls(files.backend, files.special, files.chat_template, str(path), files.clean_up_tokenization_spaces)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special-token strings in it ("<|im_end|>") become their ids.
+
+        ``add_special_tokens`` adds BOS/EOS only where the model's files ask for them.
+        """
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``token_ids`` (a list, or a 1-D tensor/array); invalid UTF-8 becomes "\\ufffd",
+        spaces cleaned up only where ``clean_up_tokenization_spaces``. Raises ``ValueError`` for
+        an id outside ``[0, vocab_size)``.
+        """
+        ids = [int(i) for i in token_ids]
+        check_token_ids(ids, self._vocab_size)
+        text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return clean_up_tokenization(text) if self.clean_up_tokenization_spaces else text
+
+    def decode_without_clean_up(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        """``decode`` of ids known to be in range, spaces never cleaned up.
+
+        The incremental detokenizer's hot path; it cleans up the stream itself
+        (:class:`~kvgen.tokenizer.wordpiece.StreamingCleanUp`).
+        """
+        return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        """Vocabulary string of ``token_id`` (byte-level form, "Ġthe"). Raises ``ValueError`` if out of range."""
+        check_token_ids([token_id], self._vocab_size)
+        return self._backend.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a vocabulary string, or ``None`` if it is not in the vocabulary."""
+        return self._backend.token_to_id(token)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tokenize: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str | list[int]:
+        """Render ``messages`` with the model's chat template, as transformers' ``apply_chat_template``.
+
+        Returns the prompt, or its ids when ``tokenize`` (no BOS added: the template carries
+        the special tokens). Raises ``ModelFormatError`` if the model has no template and
+        ``ChatTemplateError`` if the template rejects the messages.
+        """
+        if self._chat_template is None:
+            raise ModelFormatError(f"{self.name} has no chat template")
+        check_messages(messages)
+        if self._compiled_template is None:
+            self._compiled_template = compile_chat_template(self._chat_template)
+        special = self._special
+        named = {"bos_token": special.bos_token_id, "eos_token": self.eos_token_id}
+        named |= {"unk_token": special.unk_token_id, "pad_token": special.pad_token_id}
+        strings = {k: self._backend.id_to_token(i) for k, i in named.items() if i is not None}
+        try:
+            text = self._compiled_template.render(
+                messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **strings
+            )
+        except (jinja2.TemplateError, TypeError) as e:
+            raise ChatTemplateError(f"chat template of {self.name} failed on these messages: {e}") from None
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included (the model's embedding may be larger)."""
+        return self._vocab_size
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._special.bos_token_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The primary end-of-sequence id."""
+        return self._special.eos_token_ids[0] if self._special.eos_token_ids else None
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends generation (EOS, end-of-turn, generation_config extras)."""
+        return list(self._special.eos_token_ids)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """The padding id, falling back to EOS."""
+        pad = self._special.pad_token_id
+        return pad if pad is not None else self.eos_token_id
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """Ids of every added token marked special (those ``skip_special_tokens`` drops), sorted."""
+        return sorted(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    @property
+    def add_bos_token(self) -> bool:
+        """Whether ``encode(..., add_special_tokens=True)`` prepends BOS."""
+        return self._add_bos_token

@@ -1,0 +1,97 @@
+"""kvgen.tokenizer.gguf_vocab: backends rebuilt from GGUF metadata against transformers' converters."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from tokenizer_cases import HARD_STRINGS, TRAIN_TEXT
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import models
+from transformers.convert_slow_tokenizer import (
+    GPT2Converter,
+    Qwen2Converter,
+    TikTokenConverter,
+)
+
+from kvgen.errors import ModelFormatError
+from kvgen.tokenizer import GGUF_PRE_TOKENIZERS, ByteLevelVariant, Tokenizer
+
+
+def test_unsupported_tokenizer_model_raises(meta: dict) -> None:
+    with pytest.raises(ModelFormatError, match="unsupported GGUF tokenizer model tokenizer.ggml.model='llama'"):
+        Tokenizer.from_gguf({**meta, "tokenizer.ggml.model": "llama"})
+
+
+def test_unsupported_pre_tokenizer_and_missing_fields_raise(meta: dict) -> None:
+    with pytest.raises(ModelFormatError, match="tokenizer.ggml.pre='mystery'"):
+        Tokenizer.from_gguf({**meta, "tokenizer.ggml.pre": "mystery"})
+    with pytest.raises(ModelFormatError, match="GGUF metadata has no tokenizer.ggml.merges"):
+        Tokenizer.from_gguf({k: v for k, v in meta.items() if k != "tokenizer.ggml.merges"})
+    num_tokens = len(meta["tokenizer.ggml.tokens"])
+    with pytest.raises(ModelFormatError, match=rf"tokenizer.ggml.eos_token_id must be in \[0, {num_tokens}\)"):
+        Tokenizer.from_gguf({**meta, "tokenizer.ggml.eos_token_id": num_tokens})
+
+
+# ---------------------------------------------------------------- byte-level variants
+
+
+def _synthetic_meta(trained: BackendTokenizer, pre: str) -> dict:
+    model = json.loads(trained.to_str())["model"]
+    tokens = [trained.id_to_token(i) for i in range(trained.get_vocab_size())]
+    specials = {t.content for t in trained.get_added_tokens_decoder().values()}
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3 if t in specials else 1 for t in tokens],
+        "tokenizer.ggml.merges": [" ".join(m) for m in model["merges"]],
+        "tokenizer.ggml.eos_token_id": trained.token_to_id("<|im_end|>"),
+    }
+
+
+def test_user_defined_tokens_are_matched_and_kept_by_decode(trained: BackendTokenizer) -> None:
+    meta = _synthetic_meta(trained, "gpt2")
+    tokens, plain = meta["tokenizer.ggml.tokens"], Tokenizer.from_gguf(meta)
+    candidates = [(i, c) for i, t in enumerate(tokens) if len(t) > 3 and t.isascii() and t.isalpha() for c in "aeiost"]
+    # A token that plain BPE does not produce inside "{c}{token}{c}": glued to letters that merge first.
+    user_id, c = next((i, c) for i, c in candidates if i not in plain.encode(f"{c}{tokens[i]}{c}"))
+    text = f"{c}{tokens[user_id]}{c}<|im_end|>"
+    meta["tokenizer.ggml.token_type"][user_id] = 4  # USER_DEFINED: matched whole, printed by decode
+    ours = Tokenizer.from_gguf(meta)
+    ids = ours.encode(text, add_special_tokens=False)
+    assert user_id in ids and user_id not in ours.all_special_ids
+    assert ours.decode(ids, skip_special_tokens=True) == text.removesuffix("<|im_end|>")
+
+
+def _reference_backend(variant: ByteLevelVariant, trained: BackendTokenizer) -> BackendTokenizer:
+    """The backend transformers' slow->fast converter builds for this variant."""
+    vocab = trained.get_vocab(with_added_tokens=False)
+    merges = [tuple(m) for m in json.loads(trained.to_str())["model"]["merges"]]
+    stub = SimpleNamespace(add_prefix_space=False, add_bos_token=False)
+    if variant is ByteLevelVariant.GPT2:
+        backend = GPT2Converter(stub).converted(vocab=vocab, merges=merges)
+    elif variant is ByteLevelVariant.QWEN2:
+        backend = Qwen2Converter(stub).converted(vocab=vocab, merges=merges)
+    else:
+
+        class _Llama3(TikTokenConverter):
+            def tokenizer(self) -> BackendTokenizer:
+                backend = BackendTokenizer(models.BPE(vocab, merges, fuse_unk=False))
+                backend.model.ignore_merges = True
+                return backend
+
+        backend = _Llama3(additional_special_tokens=[]).converted()
+    backend.add_special_tokens([t for t in trained.get_added_tokens_decoder().values()])
+    return backend
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "llama-bpe", "qwen2"])
+def test_variants_match_transformers_converters(trained: BackendTokenizer, pre: str) -> None:
+    ours = Tokenizer.from_gguf(_synthetic_meta(trained, pre))
+    reference = _reference_backend(GGUF_PRE_TOKENIZERS[pre], trained)
+    for text in HARD_STRINGS + TRAIN_TEXT:
+        expected = reference.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text, add_special_tokens=False) == expected, text
+        assert ours.decode(expected) == reference.decode(expected, skip_special_tokens=False)

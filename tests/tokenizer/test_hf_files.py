@@ -1,0 +1,112 @@
+"""kvgen.tokenizer.hf_files: tokenizers of Hugging Face directories against transformers' AutoTokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizer_cases import (
+    CONVERSATIONS,
+    HARD_STRINGS,
+    WORDPIECE_STRINGS,
+    WORDPIECE_VOCAB,
+    save_gpt2_dir,
+    write_wordpiece_dir,
+)
+from tokenizers import Tokenizer as BackendTokenizer
+from transformers import AutoTokenizer, BertTokenizer
+
+from kvgen.errors import ModelFormatError, ModelNotFoundError
+from kvgen.tokenizer import Tokenizer
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["tokenizer_json", "vocab_merges"])
+def test_gpt2_directory_matches_transformers(trained: BackendTokenizer, tmp_path: Path, legacy: bool) -> None:
+    directory = save_gpt2_dir(trained, tmp_path, legacy)
+    assert (directory / "tokenizer.json").exists() != legacy
+    ours, ref = Tokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+    for text in HARD_STRINGS:
+        ids = ref.encode(text, add_special_tokens=False)
+        assert ours.encode(text, add_special_tokens=False) == ids
+        assert ours.encode(text) == ref.encode(text)
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+    assert (ours.bos_token_id, ours.eos_token_id) == (ref.bos_token_id, ref.eos_token_id)
+    assert ours.pad_token_id == ref.eos_token_id  # no pad token: falls back to EOS
+    messages = CONVERSATIONS["multi_turn"]
+    assert ours.apply_chat_template(messages) == ref.apply_chat_template(messages, tokenize=False)
+
+
+def test_gpt2_directory_add_bos_token_and_config_template(trained: BackendTokenizer, tmp_path: Path) -> None:
+    directory = save_gpt2_dir(trained, tmp_path, legacy=True, add_bos_token=True)
+    template = (directory / "chat_template.jinja").read_text()
+    (directory / "chat_template.jinja").unlink()
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    ours, ref = Tokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+    assert ours.add_bos_token
+    for text in HARD_STRINGS:
+        assert ours.encode(text) == ref.encode(text)
+    messages = CONVERSATIONS["system"]
+    assert ours.apply_chat_template(messages, tokenize=True) == ref.apply_chat_template(messages, tokenize=True)
+
+
+def test_saved_gguf_tokenizer_directory_matches_transformers(ref, tmp_path: Path) -> None:
+    ref.save_pretrained(tmp_path)
+    ours, reloaded = Tokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    for text in HARD_STRINGS:
+        assert ours.encode(text) == reloaded.encode(text)
+    assert ours.add_bos_token  # transformers saved its BOS-adding post-processor
+    messages = CONVERSATIONS["system"]
+    expected = reloaded.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert ours.apply_chat_template(messages, add_generation_prompt=True) == expected
+
+
+def test_bad_directories_raise(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="tokenizer directory not found: .*missing"):
+        Tokenizer.from_pretrained(tmp_path / "missing")
+    with pytest.raises(ModelFormatError, match=f"{tmp_path} has no tokenizer.json and no vocab.json.*vocab.txt"):
+        Tokenizer.from_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ModelFormatError, match="cannot read .*tokenizer.json"):
+        Tokenizer.from_pretrained(tmp_path)
+
+
+# ---------------------------------------------------------------- BERT-style vocab.txt
+
+
+def test_vocab_txt_with_tokenizer_class_in_config_json(tmp_path: Path) -> None:
+    """The uer/gpt2-chinese layout: tokenizer_class in config.json, tokenizer_config without it."""
+    directory = write_wordpiece_dir(tmp_path, WORDPIECE_VOCAB)
+    (directory / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": False}))
+    (directory / "config.json").write_text(json.dumps({"model_type": "gpt2", "tokenizer_class": "BertTokenizer"}))
+    ours, ref = Tokenizer.from_pretrained(directory), BertTokenizer(str(directory / "vocab.txt"), do_lower_case=False)
+    for text in WORDPIECE_STRINGS:
+        assert ours.encode(text) == ref.encode(text)
+
+
+def test_special_tokens_map_overrides_the_defaults(tmp_path: Path) -> None:
+    vocab = [*WORDPIECE_VOCAB, "<s>", "</s>", "<eos>"]
+    directory = write_wordpiece_dir(tmp_path, vocab, cls_token="<s>", sep_token="</s>")
+    (directory / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    ours = Tokenizer.from_pretrained(directory)
+    ref = BertTokenizer(str(directory / "vocab.txt"), cls_token="<s>", sep_token="</s>", eos_token="<eos>")
+    assert ours.encode("你好 world") == ref.encode("你好 world")
+    assert ours.eos_token_ids == [ref.eos_token_id]  # a named eos_token wins over the sep token
+
+
+@pytest.mark.parametrize(
+    ("config", "vocab", "match"),
+    [
+        ({"tokenizer_class": "XLNetTokenizer"}, WORDPIECE_VOCAB, r"tokenizer_class='XLNetTokenizer'.*BertTokenizer"),
+        ({"tokenizer_class": None}, WORDPIECE_VOCAB, r"only vocab.txt, with tokenizer_class=None"),
+        ({}, [t for t in WORDPIECE_VOCAB if t != "[CLS]"], r"cls_token='\[CLS\]' is not in .*vocab.txt"),
+        ({"unk_token": "<unk>"}, WORDPIECE_VOCAB, r"unk_token='<unk>' is not in"),
+        ({"do_basic_tokenize": False}, WORDPIECE_VOCAB, r"do_basic_tokenize=false"),
+    ],
+)
+def test_unsupported_vocab_txt_directories_raise(tmp_path: Path, config: dict, vocab: list[str], match: str) -> None:
+    directory = write_wordpiece_dir(tmp_path, vocab, **config)
+    with pytest.raises(ModelFormatError, match=match):
+        Tokenizer.from_pretrained(directory)

@@ -1,0 +1,123 @@
+"""kvgen.tokenizer.tokenizer: ``Tokenizer`` on the default GGUF against transformers' tokenizer.
+
+The reference for every id, string and chat prompt is ``transformers``, never a literal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import regex
+from tokenizer_cases import CONVERSATIONS, HARD_STRINGS, ref_decode
+from tokenizers import Tokenizer as BackendTokenizer
+from transformers import LlamaTokenizerFast
+from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+from kvgen.errors import ModelFormatError
+from kvgen.tokenizer import ChatTemplateError, Tokenizer
+
+
+def test_reference_is_the_class_autotokenizer_picks(meta: dict) -> None:
+    assert TOKENIZER_MAPPING_NAMES[meta["general.architecture"]][1] == LlamaTokenizerFast.__name__
+
+
+def _has_non_ascii_numerals(text: str) -> bool:
+    return any(c not in "0123456789" for c in regex.findall(r"\p{N}", text))
+
+
+@pytest.mark.parametrize("text", HARD_STRINGS)
+def test_encode_matches_transformers(ours: Tokenizer, ref, ref_smollm: BackendTokenizer, text: str) -> None:
+    ids = ours.encode(text, add_special_tokens=False)
+    assert ids == ref_smollm.encode(text, add_special_tokens=False).ids
+    if not _has_non_ascii_numerals(text):
+        assert ids == ref.encode(text, add_special_tokens=False)
+
+
+def test_non_ascii_numerals_follow_the_file_not_transformers(
+    ours: Tokenizer, ref, ref_smollm: BackendTokenizer
+) -> None:
+    text = "أرقام ١٢٣ and ⅷ ٤٥"
+    assert _has_non_ascii_numerals(text)
+    ids = ours.encode(text, add_special_tokens=False)
+    assert ids == ref_smollm.encode(text, add_special_tokens=False).ids
+    assert ids != ref.encode(text, add_special_tokens=False)  # transformers' GGUF loader lacks the digit split
+    assert ours.decode(ids) == ref.decode(ref.encode(text, add_special_tokens=False)) == text
+
+
+def test_add_special_tokens_follows_the_file(ours: Tokenizer, ref, meta: dict) -> None:
+    assert ours.add_bos_token == meta["tokenizer.ggml.add_bos_token"]
+    text = "Hello there"
+    if meta["tokenizer.ggml.add_bos_token"]:
+        assert ours.encode(text) == [ours.bos_token_id] + ours.encode(text, add_special_tokens=False)
+    else:
+        assert ours.encode(text) == ours.encode(text, add_special_tokens=False)
+        # Known transformers difference: its GGUF loader prepends BOS although the file says not to.
+        assert ref.encode(text)[0] == ref.bos_token_id
+        assert ref.encode(text)[1:] == ours.encode(text)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("text", HARD_STRINGS)
+def test_decode_matches_transformers(ours: Tokenizer, ref, text: str, skip: bool) -> None:
+    ids = ref.encode(text, add_special_tokens=False)
+    assert ours.decode(ids, skip_special_tokens=skip) == ref_decode(ref, ids, skip)
+    if not skip:
+        assert ours.decode(ours.encode(text, add_special_tokens=False)) == text
+
+
+def test_special_ids_follow_the_file(ours: Tokenizer, ref, meta: dict) -> None:
+    assert ours.bos_token_id == meta["tokenizer.ggml.bos_token_id"]
+    assert ours.eos_token_id == meta["tokenizer.ggml.eos_token_id"]
+    assert ours.eos_token_ids == [meta["tokenizer.ggml.eos_token_id"]]
+    assert ours.pad_token_id == meta["tokenizer.ggml.padding_token_id"]
+    control = [i for i, kind in enumerate(meta["tokenizer.ggml.token_type"]) if kind == 3]
+    assert ours.all_special_ids == control
+    assert ours.all_special_ids == sorted(i for i, t in ref.added_tokens_decoder.items() if t.special)
+
+
+def test_vocab_matches_transformers(ours: Tokenizer, ref, meta: dict) -> None:
+    assert ours.vocab_size == len(ref) == len(meta["tokenizer.ggml.tokens"])
+    for i in (0, 1, 2, 100, 1000, ours.vocab_size - 1):
+        assert ours.id_to_token(i) == ref.convert_ids_to_tokens(i)
+        assert ours.token_to_id(ours.id_to_token(i)) == i
+    assert ours.token_to_id("not a token at all") is None
+
+
+# ---------------------------------------------------------------- chat template
+
+
+@pytest.mark.parametrize("add_generation_prompt", [False, True])
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+def test_chat_template_matches_transformers(ours: Tokenizer, ref, name: str, add_generation_prompt: bool) -> None:
+    messages = CONVERSATIONS[name]
+    text = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    assert text == ref.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    ids = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    assert ids == ref.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+
+
+def test_chat_template_without_template_raises(meta: dict) -> None:
+    bare = Tokenizer.from_gguf({k: v for k, v in meta.items() if k != "tokenizer.chat_template"})
+    assert bare.chat_template is None
+    with pytest.raises(ModelFormatError, match="has no chat template"):
+        bare.apply_chat_template(CONVERSATIONS["single"])
+
+
+def test_chat_template_errors_are_chat_template_errors(meta: dict, ours: Tokenizer) -> None:
+    strict = Tokenizer.from_gguf({**meta, "tokenizer.chat_template": "{{ raise_exception('roles must alternate') }}"})
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        strict.apply_chat_template(CONVERSATIONS["single"])
+    with pytest.raises(ChatTemplateError, match=r"messages\[1\] must be a dict with a string 'role'"):
+        ours.apply_chat_template([{"role": "user", "content": "hi"}, {"content": "no role"}])
+    broken = Tokenizer.from_gguf({**meta, "tokenizer.chat_template": "{% for m in messages %}"})
+    with pytest.raises(ModelFormatError, match="chat template does not compile"):
+        broken.apply_chat_template(CONVERSATIONS["single"])
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_decode_rejects_out_of_range_ids(ours: Tokenizer) -> None:
+    with pytest.raises(ValueError, match=rf"token id must be in \[0, {ours.vocab_size}\), got {ours.vocab_size}"):
+        ours.decode([1, ours.vocab_size])
+    with pytest.raises(ValueError, match=r"got -1"):
+        ours.id_to_token(-1)
