@@ -72,9 +72,8 @@ class Scheduler:
     # ------------------------------------------------------------ requests in and out
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request. Raises ``ValueError`` for a request id already in flight."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id must be unique among unfinished requests, got {request.request_id!r}")
+        """Queue a new request; its id must not be in flight (``LLMEngine.add_request`` checks that)."""
+        assert request.request_id not in self.requests, f"request {request.request_id!r} is already in flight"
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._enqueue(request)

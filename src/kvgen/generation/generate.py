@@ -38,7 +38,7 @@ STRATEGIES: dict[Strategy, Callable[[StepRunner, LoopContext], GenerateOutput]] 
 }
 
 # Strategies that keep several hypotheses per prompt and pick among them at the end: nothing to stream.
-_NOT_STREAMABLE = (Strategy.BEAM_SEARCH, Strategy.BEAM_SAMPLE, Strategy.GROUP_BEAM_SEARCH, Strategy.SAMPLE_AND_RANK)
+NOT_STREAMABLE = (Strategy.BEAM_SEARCH, Strategy.BEAM_SAMPLE, Strategy.GROUP_BEAM_SEARCH, Strategy.SAMPLE_AND_RANK)
 
 
 def generate(
@@ -79,7 +79,7 @@ def generate(
     strategy = cfg.strategy
     if strategy not in STRATEGIES:
         raise NotImplementedError(f"decoding strategy {strategy.value} is not implemented yet")
-    if streamer is not None and strategy in _NOT_STREAMABLE:
+    if streamer is not None and strategy in NOT_STREAMABLE:
         raise ValueError(f"streamer cannot be used with {strategy.value} (it picks among hypotheses at the end)")
     copies = _num_copies(cfg)
     if copies > 1:

@@ -56,7 +56,7 @@ class TemperatureLogitsWarper(LogitsProcessor):
     """logits / temperature. Raises ValueError unless temperature > 0."""
 
     def __init__(self, temperature: float):
-        ops.validate_param("temperature", temperature)
+        ops.validate_param("temperature", temperature, rule=ops.POSITIVE_TEMPERATURE)
         self.temperature = temperature
 
     def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

@@ -15,10 +15,11 @@ Source: the semantics, tie-breaking and float operation order of Hugging Face
 ``transformers`` 4.55 ``generation/logits_process.py``, which tests compare to.
 """
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
 import torch
+
+from kvgen.sampling.params import PARAM_RULES, ParamRule, check_param
 
 RowParam = float | int | torch.Tensor
 SequenceBias = Mapping[tuple[int, ...], float] | Sequence[Sequence[Sequence[int] | float]]
@@ -30,61 +31,33 @@ FILTER_VALUE = -float("inf")
 # ---------------------------------------------------------------- validation
 
 
-@dataclass(frozen=True)
-class ParamRule:
-    """Valid range of one sampling parameter: a predicate over float64 values and its wording."""
-
-    is_valid: Callable[[torch.Tensor], torch.Tensor]
-    expected: str
-    is_integral: bool = False
+# Where temperature divides the logits it must be positive (0 means greedy, decided before).
+POSITIVE_TEMPERATURE = PARAM_RULES["temperature"].exclusive_low("use greedy decoding for 0")
 
 
-PARAM_RULES: dict[str, ParamRule] = {
-    "temperature": ParamRule(lambda t: t > 0, "> 0 (use greedy decoding for 0)"),
-    "top_k": ParamRule(lambda t: t >= 0, ">= 0 (0 disables)", is_integral=True),
-    "top_p": ParamRule(lambda t: (t > 0) & (t <= 1), "in (0, 1]"),
-    "min_p": ParamRule(lambda t: (t >= 0) & (t <= 1), "in [0, 1]"),
-    "typical_p": ParamRule(lambda t: (t > 0) & (t <= 1), "in (0, 1]"),
-    "epsilon_cutoff": ParamRule(lambda t: (t >= 0) & (t < 1), "in [0, 1)"),
-    "eta_cutoff": ParamRule(lambda t: (t >= 0) & (t < 1), "in [0, 1)"),
-    "repetition_penalty": ParamRule(lambda t: t > 0, "> 0"),
-    "presence_penalty": ParamRule(lambda t: (t >= -2) & (t <= 2), "in [-2, 2]"),
-    "frequency_penalty": ParamRule(lambda t: (t >= -2) & (t <= 2), "in [-2, 2]"),
-    "no_repeat_ngram_size": ParamRule(lambda t: t >= 0, ">= 0 (0 disables)", is_integral=True),
-    "num_generated": ParamRule(lambda t: t >= 0, ">= 0", is_integral=True),
-    "min_tokens": ParamRule(lambda t: t >= 0, ">= 0", is_integral=True),
-    "min_tokens_to_keep": ParamRule(lambda t: t >= 1, ">= 1", is_integral=True),
-}
-
-
-def validate_param(name: str, value: RowParam, num_rows: int | None = None) -> None:
-    """Check a scalar or ``[B]`` parameter against ``PARAM_RULES[name]`` (and B against ``num_rows``).
+def validate_param(name: str, value: RowParam, num_rows: int | None = None, rule: ParamRule | None = None) -> None:
+    """Check a scalar or ``[B]`` parameter against ``PARAM_RULES[name]`` (or ``rule``), and B against ``num_rows``.
 
     Raises ValueError naming the parameter, the first bad value and, for a tensor,
     its row: ``top_p must be in (0, 1], got 1.5``.
     """
-    rule = PARAM_RULES[name]
-    is_tensor = isinstance(value, torch.Tensor)
-    if is_tensor:
-        if value.dim() != 1 or (num_rows is not None and value.shape[0] != num_rows):
-            rows = "B" if num_rows is None else f"B={num_rows}"
-            raise ValueError(f"{name} must be a scalar or a [{rows}] tensor, got shape {list(value.shape)}")
-        if rule.is_integral and (value.dtype.is_floating_point or value.dtype.is_complex):
-            raise ValueError(f"{name} must hold integers, got dtype {value.dtype}")
-        values = value.detach().to("cpu", torch.float64)  # [B]
-    else:
-        kinds = (int,) if rule.is_integral else (int, float)
-        if isinstance(value, bool) or not isinstance(value, kinds):
-            raise ValueError(f"{name} must be {'an int' if rule.is_integral else 'a number'}, got {value!r}")
-        values = torch.tensor([float(value)], dtype=torch.float64)  # [1]
-    bad = ~rule.is_valid(values)  # NaN fails every comparison, so it is reported too
+    rule = rule or PARAM_RULES[name]
+    if not isinstance(value, torch.Tensor):
+        check_param(name, value, rule)
+        return
+    if value.dim() != 1 or (num_rows is not None and value.shape[0] != num_rows):
+        rows = "B" if num_rows is None else f"B={num_rows}"
+        raise ValueError(f"{name} must be a scalar or a [{rows}] tensor, got shape {list(value.shape)}")
+    if rule.kind is int and (value.dtype.is_floating_point or value.dtype.is_complex):
+        raise ValueError(f"{name} must hold integers, got dtype {value.dtype}")
+    values = value.detach().to("cpu", torch.float64)  # [B]
+    bad = ~rule.contains(values)  # [B]
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
-        got = values[row].item() if is_tensor else value
-        if is_tensor and rule.is_integral:
-            got = int(got)
-        where = f" (row {row})" if is_tensor else ""
-        raise ValueError(f"{name} must be {rule.expected}, got {got}{where}")
+        got: float | int = values[row].item()
+        if rule.kind is int:
+            got = int(value[row].item())
+        raise ValueError(f"{name} must be {rule.expected}, got {got} (row {row})")
 
 
 def _check_min_tokens_to_keep(min_tokens_to_keep: int) -> None:
@@ -129,7 +102,7 @@ def apply_temperature(logits: torch.Tensor, temperature: RowParam) -> torch.Tens
     Source: HF ``TemperatureLogitsWarper``.
     """
     _check_logits(logits)
-    validate_param("temperature", temperature, logits.shape[0])
+    validate_param("temperature", temperature, logits.shape[0], POSITIVE_TEMPERATURE)
     t = _per_row(temperature, logits.shape[0], logits.dtype, logits.device)  # [B, 1]
     return logits / t
 
@@ -518,12 +491,6 @@ def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Each row's log-probability of its chosen id. logprobs: [B, V]; token_ids: [B] long. Returns [B]."""
     return logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [B]
-
-
-def token_ranks(logprobs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """1-based rank of each chosen id (1 + number of strictly larger entries). Returns [B] long."""
-    chosen = gather_logprobs(logprobs, token_ids).unsqueeze(1)  # [B, 1]
-    return (logprobs > chosen).sum(dim=-1) + 1  # [B]
 
 
 def top_logprobs(logprobs: torch.Tensor, num: int) -> tuple[torch.Tensor, torch.Tensor]:
