@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from kvgen.generation.decoding import LoopContext
 from kvgen.generation.output import GenerateOutput, GenerateTimings
 from kvgen.generation.runner import StepRunner
+from kvgen.sampling.ops import choose_tokens
 
 NEG = -1.0e9  # HF's "impossible" score; kept finite so arithmetic matches HF bit for bit
 REASONS = ("stop", "stop_string", "time", "length")  # finish reason i is coded as i + 1
@@ -33,12 +34,13 @@ Pick = Callable[[torch.Tensor, int, torch.Generator | None], tuple[torch.Tensor,
 
 def pick_top_k(acc: torch.Tensor, k: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The K best continuations of ``acc [B, nb*V]``, best first."""
-    return torch.topk(acc, k=k)
+    idx = choose_tokens(acc, do_sample=False, num_tokens=k)  # [B, K]
+    return acc.gather(1, idx), idx
 
 
 def pick_sampled(acc: torch.Tensor, k: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """K continuations drawn without replacement from softmax(``acc [B, nb*V]``) (HF beam sample)."""
-    idx = torch.multinomial(torch.softmax(acc, dim=-1), num_samples=k, generator=generator)  # [B, K]
+    idx = choose_tokens(acc, do_sample=True, generator=generator, num_tokens=k)  # [B, K]
     return acc.gather(1, idx), idx
 
 

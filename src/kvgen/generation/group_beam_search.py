@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from kvgen.generation.decoding import LoopContext
 from kvgen.generation.output import GenerateOutput, GenerateTimings
 from kvgen.generation.runner import StepRunner
+from kvgen.sampling.ops import choose_tokens
 from kvgen.sampling.logits_process import (
     LogitsProcessorList,
     SequenceBiasLogitsProcessor,
@@ -126,7 +127,8 @@ def _step_groups(
         scores = _diversity(scores, tokens.view(b, nb)[:, : g * g_size], cfg.diversity_penalty)
         processed[rows] = after(ids, scores)
         acc = (processed[rows] + state.beam_scores[rows, None]).view(b, -1)  # [B, g_size*V]
-        top_scores, top_idx = torch.topk(acc, max(2, 1 + len(cfg.eos_token_ids)) * g_size, dim=1)  # [B, K]
+        top_idx = choose_tokens(acc, do_sample=False, num_tokens=max(2, 1 + len(cfg.eos_token_ids)) * g_size)  # [B, K]
+        top_scores = acc.gather(1, top_idx)  # [B, K], best first
         top = (top_scores, top_idx // vocab, top_idx % vocab)  # scores, parent in group, token: [B, K] each
         for i in range(b):
             mine = slice(i * g_size, (i + 1) * g_size)  # prompt i's rows within the group

@@ -22,6 +22,7 @@ from kvgen.sampling.logits_process import (
     build_logits_processors,
 )
 from kvgen.sampling.ops import (
+    choose_tokens,
     compute_logprobs,
     greedy,
     sample,
@@ -64,6 +65,7 @@ __all__ = [
     "TopPLogitsWarper",
     "TypicalLogitsWarper",
     "build_logits_processors",
+    "choose_tokens",
     "compute_logprobs",
     "find_stop_string",
     "greedy",

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from kvgen.fields import check_int
 from kvgen.sampling.params import PARAM_RULES, ParamRule, check_param
 
 RowParam = float | int | torch.Tensor
@@ -446,37 +447,55 @@ def apply_suppress_tokens(logits: torch.Tensor, suppress_token_ids: Sequence[int
 # ------------------------------------------------------------- token choice
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Argmax per row; ties go to the lowest id. logits: [B, V]. Returns [B] long."""
-    _check_logits(logits)
-    return torch.argmax(logits, dim=-1)
+def choose_tokens(
+    scores: torch.Tensor, do_sample: bool, generator: Generators = None, num_tokens: int = 1
+) -> torch.Tensor:
+    """The one token choice of ``generate()`` and the engine: best ids, or ids drawn from softmax(scores).
 
-
-def sample_from_probs(probs: torch.Tensor, generator: Generators = None) -> torch.Tensor:
-    """Draw one id per row with ``torch.multinomial``.
-
-    probs: [B, V] float, rows non-negative with a positive sum. generator: one
-    ``torch.Generator`` for the batch, or a list of B (``None`` entries use torch's
-    default generator); with a list, each row draws from its own generator, so a
-    seeded row gets the same id whatever else is in the batch. Returns [B] long.
-    Raises ValueError for a list of the wrong length.
+    scores: [B, V] float (processed logits or log-probs; -inf entries are never chosen).
+    Greedy: ``argmax`` for one token (ties go to the lowest id), ``torch.topk`` order for
+    more (beam search). Sampling: ``num_tokens`` draws without replacement by
+    ``torch.multinomial`` on the float32 softmax, from ``generator`` (one for the batch, or
+    a list of B where each row draws from its own, so a seeded row gets the same ids
+    whatever else is in the batch; ``None`` entries use torch's default generator).
+    Returns [B, num_tokens] long. Raises ValueError for num_tokens outside [1, V] or a
+    generator list of the wrong length.
+    Source: HF ``_sample`` (argmax / multinomial of softmax) and ``_beam_search`` (topk /
+    multinomial of softmax over ``num_beams * V``); vLLM v1 ``Sampler.sample``.
     """
-    _check_logits(probs)
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)  # [B]
-    if len(generator) != probs.shape[0]:
-        raise ValueError(f"generator list must have one entry per row ({probs.shape[0]}), got {len(generator)}")
-    rows = [torch.multinomial(probs[i : i + 1], 1, generator=g) for i, g in enumerate(generator)]  # [1, 1] each
-    return torch.cat(rows).squeeze(1)  # [B]
+    _check_logits(scores)
+    check_int("num_tokens", num_tokens, 1, scores.shape[1])
+    if not do_sample:
+        if num_tokens == 1:
+            return torch.argmax(scores, dim=-1, keepdim=True)  # [B, 1]
+        return torch.topk(scores, num_tokens).indices  # [B, K], best first
+    return sample_from_probs(torch.softmax(scores.float(), dim=-1), generator, num_tokens)  # [B, K]
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """``choose_tokens`` without sampling, one id per row. logits: [B, V]. Returns [B] long."""
+    return choose_tokens(logits, do_sample=False).squeeze(1)  # [B]
 
 
 def sample(logits: torch.Tensor, generator: Generators = None) -> torch.Tensor:
-    """Softmax (in float32) then ``sample_from_probs``; -inf logits are never drawn.
+    """``choose_tokens`` with sampling, one id per row. logits: [B, V]. Returns [B] long."""
+    return choose_tokens(logits, do_sample=True, generator=generator).squeeze(1)  # [B]
 
-    logits: [B, V] float. Returns [B] long. Source: HF ``_sample`` (softmax, multinomial).
+
+def sample_from_probs(probs: torch.Tensor, generator: Generators = None, num_samples: int = 1) -> torch.Tensor:
+    """Draw ``num_samples`` ids per row (without replacement) with ``torch.multinomial``.
+
+    probs: [B, V] float, rows non-negative with a positive sum; generator as in
+    ``choose_tokens``. Returns [B, num_samples] long. Raises ValueError for a list of
+    the wrong length.
     """
-    _check_logits(logits)
-    return sample_from_probs(torch.softmax(logits.float(), dim=-1), generator)
+    _check_logits(probs)
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, num_samples=num_samples, generator=generator)  # [B, K]
+    if len(generator) != probs.shape[0]:
+        raise ValueError(f"generator list must have one entry per row ({probs.shape[0]}), got {len(generator)}")
+    rows = [torch.multinomial(probs[i : i + 1], num_samples, generator=g) for i, g in enumerate(generator)]
+    return torch.cat(rows)  # [B, K]
 
 
 # ----------------------------------------------------------------- logprobs
