@@ -52,7 +52,7 @@ def _padded(rows: list[list[int]]) -> torch.Tensor:
     return out  # [B, T]
 
 
-def _column(values: list[float], dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def _column(values: Sequence[float], dtype: torch.dtype = torch.float64) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype)  # [B]
 
 
@@ -95,13 +95,13 @@ def apply_stages(logits: torch.Tensor, rows: list[SamplingRow], names: Sequence[
 
 def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Rows short of ``min_tokens`` may not draw EOS (unless ``ignore_eos``) or a stop token id."""
-    groups: dict[tuple[int, ...], list[int]] = {}
+    groups: dict[tuple[int, ...], list[int]] = {}  # stop ids -> rows short of min_tokens
     for i, r in enumerate(rows):
         p = r.sampling_params
         if len(r.output_token_ids) < p.min_tokens:
-            stop_ids = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(r.eos_token_ids))
-            if stop_ids:
-                groups.setdefault(tuple(sorted(stop_ids)), []).append(i)
+            ids = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(r.eos_token_ids))
+            if ids:
+                groups.setdefault(tuple(sorted(ids)), []).append(i)
     num_generated = _column([len(r.output_token_ids) for r in rows], torch.long)  # [B]
     for stop_ids, members in groups.items():
         min_tokens = torch.zeros(len(rows), dtype=torch.long)  # [B]; 0 leaves a row alone

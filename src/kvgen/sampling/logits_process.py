@@ -12,6 +12,7 @@ Source: ``transformers`` 4.55 ``generation/logits_process.py`` (semantics) and
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -230,7 +231,7 @@ class _Settings:
     min_tokens_to_keep: int
     eos_token_ids: list[int]
 
-    def get(self, name: str, default: object) -> object:
+    def get(self, name: str, default: object) -> Any:
         """``cfg.name``, with a missing attribute or ``None`` meaning ``default`` (disabled)."""
         value = getattr(self.cfg, name, None)
         return default if value is None else value

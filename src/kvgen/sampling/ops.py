@@ -372,6 +372,7 @@ def normalize_sequence_bias(sequence_bias: SequenceBias) -> dict[tuple[int, ...]
     Raises ValueError for an empty container, empty or negative id sequences, or
     non-numeric biases.
     """
+    pairs: list[tuple[object, object]]
     if isinstance(sequence_bias, Mapping):
         pairs = list(sequence_bias.items())
     elif isinstance(sequence_bias, Sequence) and all(
@@ -383,13 +384,13 @@ def normalize_sequence_bias(sequence_bias: SequenceBias) -> dict[tuple[int, ...]
     if not pairs:
         raise ValueError(f"sequence_bias must not be empty, got {sequence_bias!r}")
     result: dict[tuple[int, ...], float] = {}
-    for ids, bias in pairs:
-        ids = tuple(ids) if isinstance(ids, Sequence) and not isinstance(ids, str) else ()
+    for key, bias in pairs:
+        ids = tuple(key) if isinstance(key, Sequence) and not isinstance(key, str) else ()
         if not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError(f"sequence_bias keys must be non-empty sequences of ids >= 0, got {ids!r}")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
             raise ValueError(f"sequence_bias values must be numbers, got {bias!r}")
-        result[ids] = float(bias)
+        result[tuple(int(t) for t in ids)] = float(bias)
     return result
 
 
