@@ -20,7 +20,11 @@ import torch
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.types import TokenLogprobs
 from kvgen.sampling import ops
-from kvgen.sampling.pipeline import ENGINE_FIRST_SAMPLING_STAGE, ENGINE_ORDER, split_order
+from kvgen.sampling.pipeline import (
+    ENGINE_FIRST_SAMPLING_STAGE,
+    ENGINE_ORDER,
+    split_order,
+)
 
 
 @dataclass

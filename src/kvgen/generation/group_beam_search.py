@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from kvgen.generation.decoding import LoopContext
 from kvgen.generation.output import GenerateOutput, GenerateTimings
 from kvgen.generation.runner import StepRunner
-from kvgen.sampling.ops import choose_tokens
-from kvgen.sampling.stopping import FinishReason, reason_of
 from kvgen.sampling.logits_process import (
     LogitsProcessorList,
     SequenceBiasLogitsProcessor,
 )
+from kvgen.sampling.ops import choose_tokens
+from kvgen.sampling.stopping import FinishReason, reason_of
 
 
 @dataclass
