@@ -137,7 +137,7 @@ def test_info_reports_architecture_and_quantization(capsys, hf_default):
     [
         (["generate", "hi", "--model", "/nonexistent/model.gguf"], "model not found: /nonexistent/model.gguf"),
         (["generate", "hi", "--top-p", "1.5", "--temperature", "1"], "top_p must be in (0, 1], got 1.5"),
-        (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1, got 0"),
+        (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens must be an int in [1, 2147483647], got 0"),
         (["generate", "hi", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
         pytest.param(["generate", "hi", "--max-new-tokens", "9000"], "exceeds the context window of 8192 tokens",
                      marks=pytest.mark.slow),  # loads the default model to learn its context window
@@ -212,3 +212,28 @@ def test_generate_strategies_from_cli_match_transformers(capsys, ours_default, h
     if "sequences" in report:
         scores = [s["score"] for s in report["sequences"]]
         assert scores == sorted(scores, reverse=True)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["generate", "hi", "--temperature", "-1"], "temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+        (["generate", "hi", "--top-k", str(2**70)], "top_k must be an int in [0, 2147483647] (0 = off), got"),
+        (["generate", "hi", "--repetition-penalty", "5e-324"], "repetition_penalty must be in [1e-06, 1000000], got 5e-324"),
+        (["generate", "hi", "--top-k", "many"], "top_k must be an int, got 'many'"),
+        (["chat", "--temperature", "-1"], "temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+        (["chat", "--min-p", "2"], "min_p must be in [0, 1], got 2.0"),
+        (["chat", "--num-beams", "2"], "beam_search cannot stream"),
+        (["generate", "hi", "--do-sample", "--temperature", "0.000001"], "temperature=1e-06 conflicts with do_sample=True"),
+    ],
+)
+def test_bad_sampling_values_are_refused_before_loading(capsys, monkeypatch, argv, message):
+    import kvgen.cli
+
+    def no_load(args):  # the refusal must come from flag parsing / validation, before any model is read
+        raise AssertionError("model loaded despite a bad flag")
+
+    monkeypatch.setattr(kvgen.cli, "_load", no_load)
+    code, out, err = _run(capsys, argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err

@@ -21,6 +21,7 @@ from kvgen.errors import KvgenError
 # Fields with a hand-written flag (or none) in `kvgen generate`.
 _CUSTOM_GENERATE_FIELDS = {"use_cache", "cache_implementation", "return_dict_in_generate", "stop_strings"}
 _CLI_DEFAULTS = {"max_new_tokens": 64}
+_CHAT_DEFAULTS = {"max_new_tokens": 256}
 DEFAULT_PROMPT = "The three most useful things to know about the KV cache are"
 
 
@@ -51,10 +52,35 @@ def _early_stopping(text: str) -> bool | str:
     raise argparse.ArgumentTypeError(f"must be true, false or never, got {text!r}")
 
 
+def _checked(name: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type`` that parses, then checks the value against the shared rule table
+    (``kvgen.sampling.params.PARAM_RULES``), so a bad value is refused while parsing."""
+    from kvgen.sampling.params import check_param
+
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError:
+            kind = "an int" if parse is int else "a number"
+            raise argparse.ArgumentTypeError(f"{name} must be {kind}, got {text!r}") from None
+        try:
+            check_param(name, value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+
+    convert.__name__ = parse.__name__  # argparse names the type in its own messages
+    return convert
+
+
 def _flag_kwargs(name: str, annotation: str) -> dict[str, Any]:
     """argparse keyword arguments for a GenerationConfig field, from its type annotation."""
+    from kvgen.sampling.params import PARAM_RULES
+
     if name == "early_stopping":
         return {"type": _early_stopping}
+    if name in PARAM_RULES:
+        return {"type": _checked(name, PARAM_RULES[name].kind)}
     if annotation == "bool":
         return {"action": "store_true", "default": None}
     if annotation.startswith(("int | list[int]", "list[int]")):
@@ -83,8 +109,12 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--cache", choices=["dynamic", "static"], default=None, help="KV cache implementation (default: static)")
 
 
-def generation_config_from_args(args: argparse.Namespace) -> Any:
-    """A validated GenerationConfig from parsed flags; ``--temperature 0`` means greedy."""
+def generation_config_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> Any:
+    """A validated GenerationConfig from parsed flags; ``--temperature 0`` means greedy.
+
+    ``defaults`` (default: ``kvgen generate``'s) fill fields no flag set.
+    Raises ``ValueError`` naming the field for a bad value or a contradictory pair.
+    """
     from kvgen.generation.config import GenerationConfig
 
     values: dict[str, Any] = {}
@@ -92,7 +122,7 @@ def generation_config_from_args(args: argparse.Namespace) -> Any:
         value = getattr(args, f.name, None)
         if value is not None:
             values[f.name] = value
-    for key, default in _CLI_DEFAULTS.items():
+    for key, default in (_CLI_DEFAULTS if defaults is None else defaults).items():
         values.setdefault(key, default)
     temperature = values.get("temperature")
     if temperature is not None and values.get("do_sample") is None:
@@ -134,8 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="interactive multi-turn chat (/exit or end of input leaves)")
     _add_model_flags(c)
-    c.add_argument("--max-new-tokens", type=int, default=256, help="maximum tokens per reply")
     c.add_argument("--system", default=None, help="optional system message")
+    add_generation_flags(c)  # --max-new-tokens defaults to 256 per reply here
 
     t = sub.add_parser("tokenize", help="print the token ids of TEXT as a JSON list")
     t.add_argument("text")
@@ -300,14 +330,19 @@ def _traced_generate(model: Any, input_ids: Any, cfg: Any, tokenizer: Any, plot_
 def cmd_chat(args: argparse.Namespace) -> int:
     import torch
 
-    from kvgen.generation import GenerationConfig, generate
+    from kvgen.generation import generate
+    from kvgen.generation.generate import NOT_STREAMABLE
     from kvgen.generation.streamers import TextStreamer
 
+    cfg = generation_config_from_args(args, _CHAT_DEFAULTS)
+    if cfg.num_return_sequences != 1:
+        raise CliError(f"kvgen chat: error: num_return_sequences must be 1 in chat, got {cfg.num_return_sequences}")
+    if cfg.strategy in NOT_STREAMABLE:  # chat streams its reply
+        raise CliError(f"kvgen chat: error: {cfg.strategy.value} cannot stream, use kvgen generate for it")
     model, tokenizer, _ = _load(args)
     if tokenizer.chat_template is None:
         raise CliError(f"model {args.model} has no chat template")
     messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
-    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, cache_implementation="static")
     print("kvgen chat: type a message; /exit or Ctrl-D leaves.", file=sys.stderr)
     while True:
         try:
@@ -322,7 +357,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        out = generate(model, torch.tensor([ids]), None, cfg, streamer=streamer)
+        out = generate(model, torch.tensor([ids]), None, cfg, tokenizer=tokenizer, streamer=streamer)
         messages.append({"role": "assistant", "content": tokenizer.decode(out.new_token_ids[0], skip_special_tokens=True)})
 
 

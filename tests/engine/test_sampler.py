@@ -87,3 +87,71 @@ def test_logit_bias_is_added_per_row_before_penalties_and_ignores_ids_past_the_v
     assert out.token_ids[1] == int(logits[1].topk(2).indices[1])  # the runner-up once the top is banned
     assert out.token_ids[2] == int(logits[2].argmax())  # a row without bias is untouched
     assert torch.equal(logits, _logits(3, seed=2))  # inputs are not edited
+
+
+# vLLM v1 ``vllm/v1/sample/sampler.py``: ``Sampler.forward`` applies the non-argmax-invariant
+# logits processors (min_tokens, then logit_bias), then ``apply_all_penalties`` (repetition,
+# frequency, presence), then ``Sampler.sample``: greedy argmax, temperature, the argmax-invariant
+# min_p processor, then ``TopKTopPSampler`` (top_k, then top_p) and the draw.
+VLLM_V1_ORDER = (
+    "min_tokens",
+    "logit_bias",
+    "repetition_penalty",
+    "presence_frequency_penalty",
+    "temperature",
+    "min_p",
+    "top_k",
+    "top_p",
+)
+
+
+def test_engine_order_is_vllm_v1s():
+    """The declared engine order is vLLM v1's, and greedy rows branch off right before temperature."""
+    from kvgen.sampling.pipeline import ENGINE_FIRST_SAMPLING_STAGE, ENGINE_ORDER
+
+    assert ENGINE_ORDER == VLLM_V1_ORDER
+    assert ENGINE_FIRST_SAMPLING_STAGE == "temperature"
+
+
+def test_sampler_equals_the_ops_composed_in_vllm_order():
+    """Random logits, every stage enabled with per-row values: the Sampler's stages equal the ops applied by
+    hand in vLLM v1's order, and its draws equal ``choose_tokens`` on that result with the same seeds."""
+    from kvgen.engine.sampler import apply_stages
+
+    logits = _logits(3, seed=5)
+    params = [
+        SamplingParams(temperature=0.7, min_p=0.05, top_k=8, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.5,
+                       frequency_penalty=0.2, min_tokens=4, logit_bias={3: 2.0, 7: -1.0}, stop_token_ids=[9]),
+        SamplingParams(temperature=1.3, min_p=0.0, top_k=0, top_p=0.6, repetition_penalty=0.8, logit_bias={1: 5.0}),
+        SamplingParams(temperature=0.5, min_p=0.2, top_k=3, top_p=1.0, frequency_penalty=-0.4),
+    ]
+    outputs = [[4, 4, 8], [2], [6, 6, 6, 1]]
+    rows = [_row(p, seed=10 + i, output=o) for i, (p, o) in enumerate(zip(params, outputs))]
+    x = ops.apply_min_tokens(logits, torch.tensor([3, 1, 4]), torch.tensor([4, 0, 0]), [0, 9])
+    bias = torch.zeros_like(x)
+    bias[0, 3], bias[0, 7], bias[1, 1] = 2.0, -1.0, 5.0
+    x = x + bias
+    history = torch.tensor([[1, 2, 3, 4, 4, 8, -1], [1, 2, 3, 2, -1, -1, -1], [1, 2, 3, 6, 6, 6, 1]])
+    x = ops.apply_repetition_penalty(x, history, torch.tensor([1.3, 0.8, 1.0], dtype=torch.float64))
+    out_ids = torch.tensor([[4, 4, 8, -1], [2, -1, -1, -1], [6, 6, 6, 1]])
+    f64 = torch.float64
+    x = ops.apply_presence_frequency_penalty(x, out_ids, torch.tensor([0.5, 0.0, 0.0], dtype=f64),
+                                             torch.tensor([0.2, 0.0, -0.4], dtype=f64))
+    x = ops.apply_temperature(x, torch.tensor([0.7, 1.3, 0.5], dtype=f64))
+    x = ops.apply_min_p(x, torch.tensor([0.05, 0.0, 0.2], dtype=f64))
+    x = ops.apply_top_k(x, torch.tensor([8, 0, 3]))
+    x = ops.apply_top_p(x, torch.tensor([0.9, 0.6, 1.0], dtype=f64))
+    torch.testing.assert_close(apply_stages(logits, rows, VLLM_V1_ORDER), x, rtol=0, atol=0)
+    assert bool(torch.isinf(x).any())  # the filters did remove tokens, so the order is exercised
+    gens = [torch.Generator().manual_seed(10 + i) for i in range(3)]
+    expected = ops.choose_tokens(x, do_sample=True, generator=gens).squeeze(1).tolist()
+    assert Sampler()(logits, rows).token_ids == expected
+
+
+def test_vllm_and_hf_filter_orders_keep_different_sets():
+    """Why the engine and generate() keep their own orders: min-p before top-k (vLLM) and after top-p (HF)
+    keep different tokens on the same logits, so one shared order would change one side's tokens."""
+    logits = _logits(64, seed=3)
+    vllm = ops.apply_top_p(ops.apply_top_k(ops.apply_min_p(logits, 0.3), 5), 0.5)
+    hf = ops.apply_min_p(ops.apply_top_p(ops.apply_top_k(logits, 5), 0.5), 0.3)
+    assert not torch.equal(torch.isinf(vllm), torch.isinf(hf))

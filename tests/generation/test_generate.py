@@ -94,11 +94,14 @@ def test_prompt_that_leaves_no_room_raises(model_tok):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1, got 0"),
-        ({"do_sample": True, "temperature": 0.0}, "temperature must be > 0"),
+        ({"max_new_tokens": 0}, r"max_new_tokens must be an int in \[1, 2147483647\], got 0"),
+        ({"do_sample": True, "temperature": 0.0}, "temperature=0.0 conflicts with do_sample=True"),
+        ({"temperature": -1.0}, r"temperature must be a finite number >= 0 \(0 = greedy\), got -1.0"),
+        ({"repetition_penalty": 5e-324}, r"repetition_penalty must be in \[1e-06, 1000000\], got 5e-324"),
+        ({"top_k": 2**70}, r"top_k must be an int in \[0, 2147483647\] \(0 = off\), got 1180591620717411303424"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
-        ({"top_k": -1}, "top_k must be an integer >= 0, got -1"),
-        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0, got 0.0"),
+        ({"top_k": -1}, r"top_k must be an int in \[0, 2147483647\] \(0 = off\), got -1"),
+        ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \[1e-06, 1000000\], got 0.0"),
         ({"cache_implementation": "paged"}, "cache_implementation must be 'dynamic' or 'static', got 'paged'"),
         ({"num_return_sequences": 2}, "num_return_sequences=2 conflicts with do_sample=False"),
         ({"num_beams": 4, "num_beam_groups": 3}, "num_beam_groups=3 conflicts with num_beams=4"),

@@ -186,18 +186,18 @@ Cfg = SimpleNamespace
 
 INVALID = [
     (lambda: lp.TopPLogitsWarper(1.5), r"top_p must be in \(0, 1\], got 1\.5"),
-    (lambda: lp.TopKLogitsWarper(-1), r"top_k must be >= 0 .*got -1"),
-    (lambda: lp.TemperatureLogitsWarper(0.0), r"temperature must be > 0 .*got 0\.0"),
-    (lambda: lp.TemperatureLogitsWarper(-0.5), r"temperature must be > 0 .*got -0\.5"),
-    (lambda: lp.RepetitionPenaltyLogitsProcessor(0.0), r"repetition_penalty must be > 0, got 0\.0"),
-    (lambda: lp.RepetitionPenaltyLogitsProcessor(-1.2), r"repetition_penalty must be > 0, got -1\.2"),
+    (lambda: lp.TopKLogitsWarper(-1), r"top_k must be an int in \[0, 2147483647\] .*got -1"),
+    (lambda: lp.TemperatureLogitsWarper(0.0), r"temperature must be a finite number > 0 .*got 0\.0"),
+    (lambda: lp.TemperatureLogitsWarper(-0.5), r"temperature must be a finite number > 0 .*got -0\.5"),
+    (lambda: lp.RepetitionPenaltyLogitsProcessor(0.0), r"repetition_penalty must be in \[1e-06, 1000000\], got 0\.0"),
+    (lambda: lp.RepetitionPenaltyLogitsProcessor(-1.2), r"repetition_penalty must be in \[1e-06, 1000000\], got -1\.2"),
     (lambda: lp.MinPLogitsWarper(1.01), r"min_p must be in \[0, 1\], got 1\.01"),
     (lambda: lp.TypicalLogitsWarper(0.0), r"typical_p must be in \(0, 1\], got 0\.0"),
     (lambda: lp.TypicalLogitsWarper(1.5), r"typical_p must be in \(0, 1\], got 1\.5"),
     (lambda: lp.EpsilonLogitsWarper(1.0), r"epsilon_cutoff must be in \[0, 1\), got 1\.0"),
     (lambda: lp.EtaLogitsWarper(-0.5), r"eta_cutoff must be in \[0, 1\), got -0\.5"),
-    (lambda: lp.NoRepeatNGramLogitsProcessor(-1), r"no_repeat_ngram_size must be >= 0 .*got -1"),
-    (lambda: lp.TopKLogitsWarper(5, min_tokens_to_keep=0), r"min_tokens_to_keep must be >= 1, got 0"),
+    (lambda: lp.NoRepeatNGramLogitsProcessor(-1), r"no_repeat_ngram_size must be an int in \[0, 2147483647\] .*got -1"),
+    (lambda: lp.TopKLogitsWarper(5, min_tokens_to_keep=0), r"min_tokens_to_keep must be an int in \[1, 2147483647\], got 0"),
     (
         lambda: lp.PresenceFrequencyPenaltyLogitsProcessor(0.0, 3.0, 0),
         r"frequency_penalty must be in \[-2, 2\], got 3\.0",
@@ -205,8 +205,8 @@ INVALID = [
     (lambda: lp.NoBadWordsLogitsProcessor([]), r"bad_words_ids must be a non-empty list"),
     (lambda: lp.SequenceBiasLogitsProcessor({(1, -2): 1.0}), r"sequence_bias keys must be non-empty sequences"),
     (lambda: lp.build_logits_processors(Cfg(do_sample=True, top_p=1.5), 0), r"top_p must be in \(0, 1\], got 1\.5"),
-    (lambda: lp.build_logits_processors(Cfg(do_sample=True, temperature=0.0), 0), r"temperature must be > 0"),
-    (lambda: lp.build_logits_processors(SimpleNamespace(repetition_penalty=0.0), 0), r"repetition_penalty must be > 0"),
+    (lambda: lp.build_logits_processors(Cfg(do_sample=True, temperature=0.0), 0), r"temperature must be a finite number > 0"),
+    (lambda: lp.build_logits_processors(SimpleNamespace(repetition_penalty=0.0), 0), r"repetition_penalty must be in \[1e-06, 1000000\]"),
     (lambda: lp.build_logits_processors(SimpleNamespace(), -1), r"prompt_length must be an int >= 0, got -1"),
 ]
 

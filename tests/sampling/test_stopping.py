@@ -9,13 +9,14 @@ from transformers import PreTrainedTokenizerFast
 from transformers.generation import stopping_criteria as hf
 
 from kvgen.sampling.stopping import (
-    EosTokenCriteria,
-    MaxNewTokensCriteria,
-    MaxTimeCriteria,
-    StoppingCriteriaList,
-    StopStringCriteria,
+    PRIORITY,
+    FinishReason,
+    StopChecker,
+    StopStrings,
+    TokenStops,
     find_stop_string,
     partial_stop_suffix_len,
+    reason_of,
 )
 
 # A toy vocabulary whose tokens are their own text, so a stop string can span several tokens.
@@ -40,18 +41,27 @@ def hf_tokenizer() -> PreTrainedTokenizerFast:
 # ------------------------------------------------------------------ criteria
 
 
+def _checker(**kwargs) -> StopChecker:
+    tokens = kwargs.pop("tokens", TokenStops())
+    return StopChecker(tokens, **kwargs)
+
+
+def _reasons(checker: StopChecker, ids: torch.Tensor) -> list[str | None]:
+    return [r.value if (r := reason_of(c)) is not None else None for c in checker.check(ids).tolist()]
+
+
 def test_max_new_tokens_counts_after_the_prompt():
-    criteria = MaxNewTokensCriteria(max_new_tokens=2, prompt_length=3)
-    assert criteria(torch.zeros(2, 4, dtype=torch.long)).tolist() == [False, False]
-    assert criteria(torch.zeros(2, 5, dtype=torch.long)).tolist() == [True, True]
+    checker = _checker(tokens=TokenStops(max_new_tokens=2), prompt_length=3)
+    assert _reasons(checker, torch.zeros(2, 4, dtype=torch.long)) == [None, None]
+    assert _reasons(checker, torch.zeros(2, 5, dtype=torch.long)) == ["length", "length"]
 
 
 def test_eos_with_several_ids_matches_transformers():
     ids = torch.tensor([[1, 2], [1, 5], [3, 7], [7, 2]])
-    ours = EosTokenCriteria([5, 7])(ids, None)
+    ours = _checker(tokens=TokenStops(eos_token_ids=(5, 7)), prompt_length=1).check(ids) > 0
     assert ours.tolist() == [False, True, True, False]
     assert torch.equal(ours, hf.EosTokenCriteria(eos_token_id=[5, 7])(ids, None))
-    assert EosTokenCriteria(2)(ids).tolist() == [True, False, False, True]
+    assert _reasons(_checker(tokens=TokenStops(eos_token_ids=(2,)), prompt_length=1), ids) == ["stop", None, None, "stop"]
 
 
 @pytest.mark.parametrize(
@@ -66,30 +76,30 @@ def test_eos_with_several_ids_matches_transformers():
     ],
 )
 def test_stop_strings_span_token_boundaries(pieces, expected):
-    criteria = StopStringCriteria(["stop", "\n\n"], decode, prompt_length=1)
+    stops = StopStrings(("stop", "\n\n"))
+    checker = _checker(prompt_length=1, stop_strings=stops, decode=decode)
     ids = torch.tensor([[ID["ab"], *ids_of(*pieces)]])  # the prompt "ab" is ignored
-    assert criteria(ids).tolist() == [expected is not None]
-    assert criteria.matches == [expected]
+    assert _reasons(checker, ids) == ["stop_string" if expected else None]
+    assert find_stop_string(decode(ids_of(*pieces)), stops.stops) == expected
 
 
 def test_stop_strings_in_the_prompt_are_ignored():
-    criteria = StopStringCriteria("stop", decode, prompt_length=2)
+    checker = _checker(prompt_length=2, stop_strings=StopStrings(("stop",)), decode=decode)
     ids = torch.tensor([ids_of("st", "op", "x", "a"), ids_of("x", "a", "st", "op")])  # row 0's "stop" is prompt
-    assert criteria(ids).tolist() == [False, True]
-    assert criteria.matches == [None, (0, "stop")]
+    assert _reasons(checker, ids) == [None, "stop_string"]
 
 
 def test_stop_string_first_hit_matches_transformers():
     stops = ["stop", "\n\n", "aba"]
     theirs = hf.StopStringCriteria(tokenizer=hf_tokenizer(), stop_strings=stops)
-    ours = StopStringCriteria(stops, decode, prompt_length=0)
+    ours = _checker(prompt_length=0, stop_strings=StopStrings(tuple(stops)), decode=decode)
     rng = random.Random(0)
     num_rows, num_steps = 300, 10
     ids = torch.tensor([[rng.randrange(2, len(PIECES)) for _ in range(num_steps)] for _ in range(num_rows)])
     first_ours, first_theirs = [None] * num_rows, [None] * num_rows
     for step in range(1, num_steps + 1):
-        prefix = ids[:, :step]  # [B, step]: the criteria run after every new token
-        for first, hits in ((first_ours, ours(prefix)), (first_theirs, theirs(prefix, None))):
+        prefix = ids[:, :step]  # [B, step]: the checks run after every new token
+        for first, hits in ((first_ours, ours.check(prefix) > 0), (first_theirs, theirs(prefix, None))):
             for row in hits.nonzero().flatten().tolist():
                 first[row] = step if first[row] is None else first[row]
     assert first_ours == first_theirs
@@ -98,31 +108,52 @@ def test_stop_string_first_hit_matches_transformers():
 
 def test_max_time_uses_the_given_clock():
     now = [100.0]
-    criteria = MaxTimeCriteria(2.0, clock=lambda: now[0])
+    checker = _checker(prompt_length=0, max_time=2.0, clock=lambda: now[0])
     ids = torch.zeros(3, 1, dtype=torch.long)
     now[0] = 101.9
-    assert criteria(ids).tolist() == [False] * 3
+    assert _reasons(checker, ids) == [None] * 3
     now[0] = 102.1
-    assert criteria(ids).tolist() == [True] * 3
-    assert MaxTimeCriteria(60.0)(ids).tolist() == [False] * 3  # time.monotonic, started now
-    assert MaxTimeCriteria(0.5, start_time=-1e9)(ids).tolist() == [True] * 3
+    assert _reasons(checker, ids) == ["time"] * 3
+    assert _reasons(_checker(prompt_length=0, max_time=60.0), ids) == [None] * 3  # time.monotonic, started now
+    assert _reasons(_checker(prompt_length=0, max_time=0.5, start_time=1.0, clock=lambda: 2.0), ids) == ["time"] * 3
 
 
-def test_list_ors_criteria_and_names_finish_reasons():
+def test_priority_eos_then_stop_strings_then_time_then_length():
     prompt = ids_of("x")
     rows = [("a", "b"), ("st", "op"), ("a", "x"), ("x", "a")]
     ids = torch.tensor([prompt + ids_of(*row) for row in rows])
-    criteria = StoppingCriteriaList(
-        [MaxNewTokensCriteria(2, prompt_length=1), StopStringCriteria(["stop"], decode, 1), EosTokenCriteria(ID["b"])]
-    )
-    is_done, reasons = criteria.check(ids)
-    assert is_done.tolist() == [True] * 4
-    assert criteria(ids).tolist() == [True] * 4
-    assert reasons == ["stop", "stop_string", "length", "length"]  # EOS, then stop strings, then length
-    is_done, reasons = criteria.check(ids[:, :2])
-    assert is_done.tolist() == [False] * 4 and reasons == [None] * 4
-    empty = StoppingCriteriaList()
-    assert empty(ids).tolist() == [False] * 4 and empty.check(ids)[1] == [None] * 4
+    checker = _checker(tokens=TokenStops(eos_token_ids=(ID["b"],), max_new_tokens=2), prompt_length=1,
+                       stop_strings=StopStrings(("stop",)), decode=decode)
+    assert _reasons(checker, ids) == ["stop", "stop_string", "length", "length"]
+    assert _reasons(checker, ids[:, :2]) == [None] * 4
+    assert PRIORITY == (FinishReason.STOP, FinishReason.STOP_STRING, FinishReason.TIME, FinishReason.LENGTH)
+
+
+def test_token_stops_for_the_engine():
+    stops = TokenStops(eos_token_ids=(0,), stop_token_ids=(7,), min_new_tokens=2, max_new_tokens=5, max_total_tokens=9)
+    assert stops.check(0, 1, 4) is None  # EOS before min_tokens does not stop
+    assert stops.check(7, 1, 4) is None
+    assert stops.check(0, 2, 5) == (FinishReason.STOP, None)
+    assert stops.check(7, 2, 5) == (FinishReason.STOP, 7)  # the stop token id is the stop_reason
+    assert stops.check(7, 5, 8) == (FinishReason.STOP, 7)  # a stop token wins over length
+    assert stops.check(3, 5, 8) == (FinishReason.LENGTH, None)
+    assert stops.check(3, 3, 9) == (FinishReason.LENGTH, None)  # max_model_len reached
+    assert stops.check(3, 3, 8) is None
+
+
+def test_finish_reasons_map_to_openai():
+    assert {r: r.to_openai() for r in FinishReason} == {
+        FinishReason.STOP: "stop", FinishReason.STOP_STRING: "stop", FinishReason.TIME: "length",
+        FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
+    }
+
+
+def test_stop_strings_match_new_text_and_hold_back():
+    stops = StopStrings(("world", "\n\n"))
+    assert stops.match_new("hello world", 6) == (6, "world")
+    assert StopStrings(("world",), include_in_output=True).match_new("hello world!", 9) == (11, "world")
+    assert stops.num_streamable("hello wor") == 6
+    assert stops.match_new("hello", 0) is None
 
 
 # ------------------------------------------------------------------ helpers
@@ -192,14 +223,12 @@ def test_streaming_with_hold_back_never_leaks_a_stop_string():
 @pytest.mark.parametrize(
     "build,message",
     [
-        (lambda: MaxNewTokensCriteria(0, 3), r"max_new_tokens must be an int >= 1, got 0"),
-        (lambda: MaxNewTokensCriteria(5, -1), r"prompt_length must be an int >= 0, got -1"),
-        (lambda: EosTokenCriteria([]), r"eos_token_id must name at least one id"),
-        (lambda: StopStringCriteria([], decode, 0), r"stop_strings must be a non-empty list"),
-        (lambda: StopStringCriteria(["ok", ""], decode, 0), r"stop_strings must be a non-empty list of non-empty"),
-        (lambda: MaxTimeCriteria(0.0), r"max_time must be > 0 seconds, got 0\.0"),
+        (lambda: StopStrings(()), r"stop_strings must be a non-empty list"),
+        (lambda: StopStrings(("ok", "")), r"stop_strings must be a non-empty list of non-empty"),
+        (lambda: StopChecker(TokenStops(), -1), r"prompt_length must be an int >= 0, got -1"),
+        (lambda: StopChecker(TokenStops(), 0, StopStrings(("x",))), r"stop_strings need a decode function"),
     ],
 )
-def test_invalid_criteria_raise_value_error(build, message):
+def test_invalid_settings_raise_value_error(build, message):
     with pytest.raises(ValueError, match=message):
         build()

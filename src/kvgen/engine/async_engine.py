@@ -56,8 +56,8 @@ class AsyncLLMEngine:
         text, ids = (None, prompt["prompt_token_ids"]) if isinstance(prompt, dict) else (prompt, None)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         async with self._lock:
-            if request_id in self._streams:
-                raise ValueError(f"request_id must be unique among unfinished requests, got {request_id!r}")
+            # LLMEngine.add_request is the one uniqueness check; a finished request's stream may still be
+            # open here, and is replaced (it holds its final output already, see _close_stream).
             self.engine.add_request(request_id, text, sampling_params, prompt_token_ids=ids)
             self._streams[request_id] = queue
         self._has_work.set()
@@ -81,8 +81,12 @@ class AsyncLLMEngine:
         finally:
             await stream.aclose()
 
-    def _close_stream(self, request_id: str, is_finished: bool) -> None:
-        self._streams.pop(request_id, None)
+    def _close_stream(
+        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException], is_finished: bool
+    ) -> None:
+        if self._streams.get(request_id) is not queue:
+            return  # the engine finished it and a new request took the id: leave the new one alone
+        del self._streams[request_id]
         if not is_finished:
             self.engine.abort_request(request_id)
             if self._has_work is not None:
@@ -160,4 +164,4 @@ class RequestStream:
     async def aclose(self) -> None:
         if not self._is_closed:
             self._is_closed = True
-            self.engine._close_stream(self.request_id, self.is_finished)
+            self.engine._close_stream(self.request_id, self._queue, self.is_finished)

@@ -11,7 +11,7 @@ Source: vLLM v1 ``vllm/v1/engine/detokenizer.py``.
 from __future__ import annotations
 
 from kvgen.engine.sampling_params import SamplingParams
-from kvgen.sampling.stopping import find_stop_string, partial_stop_suffix_len
+from kvgen.sampling.stopping import StopStrings
 from kvgen.tokenizer import Tokenizer, check_token_ids
 from kvgen.tokenizer.wordpiece import StreamingCleanUp
 
@@ -105,8 +105,7 @@ class RequestDetokenizer:
             raise ValueError(f"stop strings need a tokenizer, got stop={params.stop!r} without one")
         skip = params.skip_special_tokens
         self._decoder = None if tokenizer is None else IncrementalDetokenizer(tokenizer, prompt_token_ids, skip)
-        self._stop: list[str] = list(params.stop)
-        self._max_stop_len = max((len(s) for s in self._stop), default=0)
+        self._stop = StopStrings(tuple(params.stop), params.include_stop_str_in_output) if params.stop else None
         self._include_stop = params.include_stop_str_in_output
         self.text = ""  # decoded so far; final (cut at the stop string) once is_stopped
         self.is_stopped = False
@@ -131,21 +130,18 @@ class RequestDetokenizer:
         return self._match_stop(old_len)
 
     def _match_stop(self, old_len: int) -> str | None:
-        if not self._stop:
-            return None
-        start = max(0, old_len - self._max_stop_len + 1)  # earlier matches were found before
-        match = find_stop_string(self.text[start:], self._stop)
+        match = None if self._stop is None else self._stop.match_new(self.text, old_len)
         if match is None:
             return None
-        position, stop = start + match[0], match[1]
-        self.text = self.text[: position + (len(stop) if self._include_stop else 0)]
+        cut, stop = match
+        self.text = self.text[:cut]
         self.is_stopped = True
         return stop
 
     def _num_streamable(self, finished: bool) -> int:
-        if finished or self.is_stopped:
+        if finished or self.is_stopped or self._stop is None:
             return len(self.text)
-        return len(self.text) - partial_stop_suffix_len(self.text, self._stop)
+        return self._stop.num_streamable(self.text)
 
     def get_text(self, finished: bool) -> str:
         """All text that is safe to show: everything once finished, else minus the hold-back."""

@@ -6,14 +6,14 @@ is there for the CLI to generate flags from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+
+from kvgen.fields import check_int, config_field
+from kvgen.sampling.params import SEED_MAX, SEED_MIN
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, when neither num_blocks nor kv_cache_memory is given
 
-
-def _f(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+_f = config_field
 
 
 @dataclass
@@ -40,12 +40,12 @@ class EngineArgs:
         if self.dtype != AUTO and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {AUTO}, {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            _check_int(name, getattr(self, name), 1)
+            check_int(name, getattr(self, name), 1)
         for name in ("num_blocks", "kv_cache_memory", "max_model_len"):
             if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), 1)
-        _check_int("max_logprobs", self.max_logprobs, 0)
-        _check_int("seed", self.seed, -(2**63))
+                check_int(name, getattr(self, name), 1)
+        check_int("max_logprobs", self.max_logprobs, 0)
+        check_int("seed", self.seed, SEED_MIN, SEED_MAX)
         if self.num_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError(
                 f"num_blocks={self.num_blocks} conflicts with kv_cache_memory={self.kv_cache_memory}: give one pool size"
@@ -53,7 +53,3 @@ class EngineArgs:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
 
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")

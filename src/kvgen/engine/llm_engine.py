@@ -20,7 +20,7 @@ from kvgen.engine.engine_args import DEFAULT_KV_CACHE_MEMORY, EngineArgs
 from kvgen.engine.model_runner import ModelRunner
 from kvgen.engine.output_processor import OutputProcessor
 from kvgen.engine.outputs import RequestOutput
-from kvgen.engine.parallel_sampling import ParentRequest, child_sampling_params
+from kvgen.engine.parallel_sampling import ParentRequest, child_request_id, child_sampling_params
 from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.scheduler import Scheduler
@@ -103,8 +103,7 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self._parents or request_id in self.scheduler.requests:
-            raise ValueError(f"request_id must be unique among unfinished requests, got {request_id!r}")
+        self._check_request_id(request_id, params.n)
         text, token_ids = self._prompt_tokens(prompt, prompt_token_ids)
         params = self._check_request(params, len(token_ids))
         arrival = time.time() if arrival_time is None else arrival_time
@@ -119,6 +118,15 @@ class LLMEngine:
             self._add(Request(request_id=child_id, prompt_token_ids=list(token_ids), prompt=text, arrival_time=arrival,
                               sampling_params=child_sampling_params(params, index), priority=priority,
                               eos_token_ids=self.eos_token_ids))
+
+    def _check_request_id(self, request_id: str, n: int) -> None:
+        """The one request-id uniqueness check (the scheduler and the async front rely on it).
+
+        The id, and the child ids of a parallel-sampling request, must not be in flight.
+        """
+        ids = [request_id] if n == 1 else [request_id, *(child_request_id(i, request_id) for i in range(n))]
+        if any(i in self._parents or i in self.scheduler.requests for i in ids):
+            raise ValueError(f"request_id must be unique among unfinished requests, got {request_id!r}")
 
     def _add(self, request: Request) -> None:
         self.output_processor.add_request(request)

@@ -22,7 +22,10 @@ from kvgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvgen.engine.request import Request
 from kvgen.engine.sampling_params import RequestOutputKind
 from kvgen.engine.types import EngineCoreOutput, TokenLogprobs
+from kvgen.sampling.stopping import FinishReason
 from kvgen.tokenizer import Tokenizer
+
+_STOP = FinishReason.STOP.to_openai()  # the engine reports OpenAI's finish reasons
 
 
 @dataclass
@@ -60,9 +63,8 @@ class OutputProcessor:
         self._states: dict[str, RequestState] = {}
 
     def add_request(self, request: Request) -> None:
-        """Track a request (call with ``Scheduler.add_request``). Raises ``ValueError`` for a duplicate id."""
-        if request.request_id in self._states:
-            raise ValueError(f"request_id must be unique among unfinished requests, got {request.request_id!r}")
+        """Track a request (call with ``Scheduler.add_request``; ``LLMEngine.add_request`` checks the id is new)."""
+        assert request.request_id not in self._states, request.request_id
         detokenizer = RequestDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling_params)
         state = RequestState(request, detokenizer)
         if request.sampling_params.logprobs is not None:
@@ -80,11 +82,11 @@ class OutputProcessor:
             if state is None:
                 continue
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
-            stop = state.detokenizer.update(output.new_token_ids, finish_reason == "stop", output.is_finished)
+            stop = state.detokenizer.update(output.new_token_ids, finish_reason == _STOP, output.is_finished)
             if stop is not None:  # the stop string ends the text before any token-based stop
                 if not output.is_finished:
                     stopped.append(output.request_id)
-                finish_reason, stop_reason = "stop", stop
+                finish_reason, stop_reason = _STOP, stop
             state.add(output)
             completion = _completion(state, output, finish_reason, stop_reason)
             if completion is not None:

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvgen.engine.sampling_params import SamplingParams
+from kvgen.sampling.stopping import FinishReason
 
 
 class RequestStatus(enum.Enum):
@@ -28,13 +29,14 @@ class RequestStatus(enum.Enum):
     @property
     def finish_reason(self) -> str | None:
         """OpenAI ``finish_reason``: "stop", "length", "abort", or None while unfinished."""
-        return _FINISH_REASONS.get(self)
+        reason = _FINISH_REASONS.get(self)
+        return None if reason is None else reason.to_openai()
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
 
 

@@ -1,18 +1,18 @@
 """Batched ``Sampler``: one next token per row, each row with its own ``SamplingParams`` and generator.
 
-Order (vLLM v1 ``Sampler.forward``): logprobs of the RAW logits (vLLM's default
-``raw_logprobs``) -> min_tokens (EOS and ``stop_token_ids`` suppressed) ->
-logit_bias (OpenAI: added to the logits) -> repetition penalty (prompt and output) -> presence / frequency penalties (output)
--> argmax for greedy rows (temperature 0) -> temperature -> min_p -> top_k ->
-top_p -> one multinomial draw per sampled row from that row's ``torch.Generator``,
-so a seeded request gets the same tokens whatever else is in the batch. Every
-transform is the per-row op of ``kvgen.sampling.ops`` that ``generate()`` uses; a
-transform runs only when some row enables it.
+Order (vLLM v1 ``Sampler.forward``, declared in ``kvgen.sampling.pipeline.ENGINE_ORDER``):
+logprobs of the RAW logits (vLLM's default ``raw_logprobs``) -> min_tokens (EOS and
+``stop_token_ids`` suppressed) -> logit_bias -> repetition penalty (prompt and output)
+-> presence / frequency penalties (output) -> argmax for greedy rows (temperature 0)
+-> temperature -> min_p -> top_k -> top_p -> one multinomial draw per sampled row from
+that row's ``torch.Generator``, so a seeded request gets the same tokens whatever else
+is in the batch. Every stage is the per-row op of ``kvgen.sampling.ops`` that
+``generate()`` uses; a stage runs only when some row enables it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +20,11 @@ import torch
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.types import TokenLogprobs
 from kvgen.sampling import ops
+from kvgen.sampling.pipeline import (
+    ENGINE_FIRST_SAMPLING_STAGE,
+    ENGINE_ORDER,
+    split_order,
+)
 
 
 @dataclass
@@ -51,87 +56,127 @@ def _padded(rows: list[list[int]]) -> torch.Tensor:
     return out  # [B, T]
 
 
-def _column(values: list[float], dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def _column(values: Sequence[float], dtype: torch.dtype = torch.float64) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype)  # [B]
 
 
+Stage = Callable[[torch.Tensor, list[SamplingRow]], torch.Tensor]
+
+
 class Sampler:
-    """``sampler(logits [B, V] float32, rows) -> SamplerOutput`` (see module docstring for the order)."""
+    """``sampler(logits [B, V] float32, rows) -> SamplerOutput``, stages in ``ENGINE_ORDER``.
+
+    Stages before ``ENGINE_FIRST_SAMPLING_STAGE`` run on every row; greedy rows then
+    take the argmax, sampled rows go through the remaining stages and one draw each
+    (``ops.choose_tokens``). A stage runs only when some row enables it.
+    """
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
         params = [r.sampling_params for r in rows]
         wants_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = ops.compute_logprobs(logits) if any(wants_logprobs) else None  # [B, V]
-        logits = self._apply_min_tokens(logits, rows)
-        logits = self._apply_logit_bias(logits, rows)
-        logits = self._apply_penalties(logits, rows)
-        token_ids = self._choose(logits, rows)  # [B]
+        logits = apply_stages(logits, rows, _EVERY_ROW)  # [B, V]
+        token_ids = ops.choose_tokens(logits, do_sample=False).squeeze(1)  # [B]
+        sampled = [i for i, r in enumerate(rows) if not r.sampling_params.is_greedy]
+        if sampled:
+            sampled_rows = [rows[i] for i in sampled]
+            x = apply_stages(logits[sampled], sampled_rows, _SAMPLED_ONLY)  # [B', V]
+            generators = [r.generator for r in sampled_rows]
+            token_ids[sampled] = ops.choose_tokens(x, do_sample=True, generator=generators).squeeze(1)
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
             logprobs = _token_logprobs(raw_logprobs, token_ids, [p.logprobs for p in params])
         return SamplerOutput(token_ids.tolist(), logprobs)
 
-    @staticmethod
-    def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Rows short of ``min_tokens`` may not draw EOS (unless ``ignore_eos``) or a stop token id."""
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, r in enumerate(rows):
-            p = r.sampling_params
-            if len(r.output_token_ids) < p.min_tokens:
-                stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
-                if stop_ids:
-                    groups.setdefault(tuple(sorted(stop_ids)), []).append(i)
-        num_generated = _column([len(r.output_token_ids) for r in rows], torch.long)  # [B]
-        for stop_ids, members in groups.items():
-            min_tokens = torch.zeros(len(rows), dtype=torch.long)  # [B]; 0 leaves a row alone
-            min_tokens[members] = _column([rows[i].sampling_params.min_tokens for i in members], torch.long)
-            logits = ops.apply_min_tokens(logits, num_generated, min_tokens, stop_ids)
+
+def apply_stages(logits: torch.Tensor, rows: list[SamplingRow], names: Sequence[str]) -> torch.Tensor:
+    """Run the named stages (of ``ENGINE_ORDER``) in the given order. logits: [B, V]. Returns [B, V]."""
+    for name in names:
+        logits = _STAGES[name](logits, rows)
+    return logits
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Rows short of ``min_tokens`` may not draw EOS (unless ``ignore_eos``) or a stop token id."""
+    groups: dict[tuple[int, ...], list[int]] = {}  # stop ids -> rows short of min_tokens
+    for i, r in enumerate(rows):
+        p = r.sampling_params
+        if len(r.output_token_ids) < p.min_tokens:
+            ids = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(r.eos_token_ids))
+            if ids:
+                groups.setdefault(tuple(sorted(ids)), []).append(i)
+    num_generated = _column([len(r.output_token_ids) for r in rows], torch.long)  # [B]
+    for stop_ids, members in groups.items():
+        min_tokens = torch.zeros(len(rows), dtype=torch.long)  # [B]; 0 leaves a row alone
+        min_tokens[members] = _column([rows[i].sampling_params.min_tokens for i in members], torch.long)
+        logits = ops.apply_min_tokens(logits, num_generated, min_tokens, stop_ids)
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Add each row's ``logit_bias`` (token id -> bias) to its logits [B, V]; ids >= V are ignored."""
+    entries = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.sampling_params.logit_bias or {}).items()]
+    entries = [e for e in entries if e[1] < logits.shape[1]]
+    if not entries:
         return logits
+    row_ids, token_ids, biases = zip(*entries)
+    index = (torch.tensor(row_ids), torch.tensor(token_ids))  # [E], [E]
+    values = torch.tensor(biases, dtype=logits.dtype)  # [E]
+    return logits.index_put(index, values, accumulate=True)
 
-    @staticmethod
-    def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Add each row's ``logit_bias`` (token id -> bias) to its logits [B, V]; ids >= V are ignored."""
-        entries = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.sampling_params.logit_bias or {}).items()]
-        entries = [e for e in entries if e[1] < logits.shape[1]]
-        if not entries:
-            return logits
-        row_ids, token_ids, biases = zip(*entries)
-        index = (torch.tensor(row_ids), torch.tensor(token_ids))  # [E], [E]
-        values = torch.tensor(biases, dtype=logits.dtype)  # [E]
-        return logits.index_put(index, values, accumulate=True)
 
-    @staticmethod
-    def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        params = [r.sampling_params for r in rows]
-        repetition = [p.repetition_penalty for p in params]
-        if any(x != 1.0 for x in repetition):
-            history = _padded([r.prompt_token_ids + r.output_token_ids for r in rows])  # [B, T]
-            logits = ops.apply_repetition_penalty(logits, history, _column(repetition))
-        presence, frequency = [p.presence_penalty for p in params], [p.frequency_penalty for p in params]
-        if any(x != 0.0 for x in presence + frequency):
-            outputs = _padded([r.output_token_ids for r in rows])  # [B, T]
-            logits = ops.apply_presence_frequency_penalty(logits, outputs, _column(presence), _column(frequency))
+def apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """CTRL penalty over prompt and output ids (vLLM: both count as seen)."""
+    repetition = [r.sampling_params.repetition_penalty for r in rows]
+    if all(x == 1.0 for x in repetition):
         return logits
+    history = _padded([r.prompt_token_ids + r.output_token_ids for r in rows])  # [B, T]
+    return ops.apply_repetition_penalty(logits, history, _column(repetition))
 
-    @staticmethod
-    def _choose(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Argmax for greedy rows, a filtered multinomial draw for the others. Returns [B] long."""
-        token_ids = ops.greedy(logits)  # [B]
-        sampled = [i for i, r in enumerate(rows) if not r.sampling_params.is_greedy]
-        if not sampled:
-            return token_ids
-        params = [rows[i].sampling_params for i in sampled]
-        x = logits[sampled]  # [B', V]
-        x = ops.apply_temperature(x, _column([p.temperature for p in params]))
-        if any(p.min_p > 0 for p in params):
-            x = ops.apply_min_p(x, _column([p.min_p for p in params]))
-        if any(p.top_k > 0 for p in params):
-            x = ops.apply_top_k(x, _column([p.top_k for p in params], torch.long))
-        if any(p.top_p < 1 for p in params):
-            x = ops.apply_top_p(x, _column([p.top_p for p in params]))
-        token_ids[sampled] = ops.sample(x, [rows[i].generator for i in sampled])
-        return token_ids
+
+def apply_presence_frequency_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """OpenAI penalties over output ids: frequency (per count), then presence."""
+    presence = [r.sampling_params.presence_penalty for r in rows]
+    frequency = [r.sampling_params.frequency_penalty for r in rows]
+    if all(x == 0.0 for x in presence + frequency):
+        return logits
+    outputs = _padded([r.output_token_ids for r in rows])  # [B, T]
+    return ops.apply_presence_frequency_penalty(logits, outputs, _column(presence), _column(frequency))
+
+
+def apply_temperature(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Divide sampled rows by their temperature (>= SAMPLING_EPS here: lower is greedy)."""
+    return ops.apply_temperature(logits, _column([r.sampling_params.temperature for r in rows]))
+
+
+def apply_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    min_p = [r.sampling_params.min_p for r in rows]
+    return ops.apply_min_p(logits, _column(min_p)) if any(x > 0 for x in min_p) else logits
+
+
+def apply_top_k(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    top_k = [r.sampling_params.top_k for r in rows]
+    return ops.apply_top_k(logits, _column(top_k, torch.long)) if any(k > 0 for k in top_k) else logits
+
+
+def apply_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    top_p = [r.sampling_params.top_p for r in rows]
+    return ops.apply_top_p(logits, _column(top_p)) if any(p < 1 for p in top_p) else logits
+
+
+# ENGINE_ORDER's stage names -> the batched stage over SamplingRows (each a kvgen.sampling.ops op).
+_STAGES: dict[str, Stage] = {
+    "min_tokens": apply_min_tokens,
+    "logit_bias": apply_logit_bias,
+    "repetition_penalty": apply_repetition_penalty,
+    "presence_frequency_penalty": apply_presence_frequency_penalty,
+    "temperature": apply_temperature,
+    "min_p": apply_min_p,
+    "top_k": apply_top_k,
+    "top_p": apply_top_p,
+}
+_EVERY_ROW, _SAMPLED_ONLY = split_order(ENGINE_ORDER, ENGINE_FIRST_SAMPLING_STAGE)
 
 
 def _token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, nums: list[int | None]) -> list[TokenLogprobs | None]:

@@ -1,23 +1,22 @@
 """``SamplingParams``: how the engine decodes one request (vLLM / OpenAI names), validated once.
 
 Source: vLLM ``SamplingParams`` (field names, defaults, ``stop`` normalization);
-value ranges come from ``kvgen.sampling.ops.PARAM_RULES`` so the engine and
-``generate()`` accept the same values.
+value ranges come from ``kvgen.sampling.params.PARAM_RULES`` (the table shared
+with ``GenerationConfig`` and the CLI, defaults side by side there) so the engine
+and ``generate()`` accept the same values.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from kvgen.fields import config_field
-from kvgen.sampling.ops import validate_param
+from kvgen.sampling.params import PARAM_RULES, SAMPLING_EPS, check_param
 
-# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them would overflow.
-SAMPLING_EPS = 1e-5
-_SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+__all__ = ["SAMPLING_EPS", "RequestOutputKind", "SamplingParams"]
 
 
 class RequestOutputKind(enum.Enum):
@@ -62,10 +61,16 @@ class SamplingParams:
     output_kind: RequestOutputKind = _f(RequestOutputKind.CUMULATIVE, "cumulative, delta or final-only outputs")
 
     def __post_init__(self) -> None:
-        self._check_counts()
-        self._check_floats()
-        if self.top_k == -1:
-            self.top_k = 0
+        if type(self.top_k) is int and self.top_k == -1:
+            self.top_k = 0  # vLLM's spelling of "off"
+        for f in dataclasses.fields(self):  # ranges: the table shared with GenerationConfig and the CLI
+            value = getattr(self, f.name)
+            if f.name in PARAM_RULES and value is not None:
+                check_param(f.name, value)
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         self.stop = _stop_list(self.stop)
         self.stop_token_ids = _token_id_list(self.stop_token_ids)
         self.logit_bias = _logit_bias(self.logit_bias)
@@ -75,49 +80,10 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
-    def _check_counts(self) -> None:
-        _check_int("n", self.n, 1)
-        if self.best_of is not None:
-            _check_int("best_of", self.best_of, 1)
-            if self.best_of < self.n:
-                raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
-        if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, 1)
-        validate_param("min_tokens", self.min_tokens)
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0)
-        if self.seed is not None:
-            _check_int("seed", self.seed, _SEED_RANGE[0])
-            if self.seed >= _SEED_RANGE[1]:
-                raise ValueError(f"seed must be < 2**64, got {self.seed}")
-        if isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k < -1:
-            raise ValueError(f"top_k must be >= 0, or -1 (off), got {self.top_k}")
-        _check_int("top_k", self.top_k, -1)
-
-    def _check_floats(self) -> None:
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t >= 0 and math.isfinite(t)):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        names = ("top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-        for name in names:
-            value = getattr(self, name)
-            if isinstance(value, float) and math.isinf(value):
-                raise ValueError(f"{name} must be finite, got {value}")
-            validate_param(name, value)
-
     @property
     def is_greedy(self) -> bool:
         """Argmax decoding: temperature below ``SAMPLING_EPS`` (top_k/top_p/min_p then have no effect)."""
         return self.temperature < SAMPLING_EPS
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _stop_list(stop: Any) -> list[str]:

@@ -25,6 +25,7 @@ from kvgen.engine.types import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from kvgen.sampling.stopping import FinishReason, TokenStops
 
 
 class SchedulingPolicy(enum.Enum):
@@ -50,7 +51,7 @@ class Scheduler:
         policy: SchedulingPolicy | str = SchedulingPolicy.FCFS,
         max_model_len: int | None = None,
     ):
-        limits = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
+        limits: dict[str, int | None] = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
         limits |= {"long_prefill_token_threshold": long_prefill_token_threshold, "max_model_len": max_model_len}
         for name, value in limits.items():
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -72,9 +73,8 @@ class Scheduler:
     # ------------------------------------------------------------ requests in and out
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request. Raises ``ValueError`` for a request id already in flight."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id must be unique among unfinished requests, got {request.request_id!r}")
+        """Queue a new request; its id must not be in flight (``LLMEngine.add_request`` checks that)."""
+        assert request.request_id not in self.requests, f"request {request.request_id!r} is already in flight"
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._enqueue(request)
@@ -262,19 +262,20 @@ class Scheduler:
         return output
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
-        """Stops that need no text; a stop token wins over length (as ``sampling.stopping``)."""
-        params, token_id = request.sampling_params, request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if self.max_model_len is not None and request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        """Stops that need no text (``kvgen.sampling.stopping.TokenStops``); a stop token wins over length."""
+        params = request.sampling_params
+        stops = TokenStops(
+            eos_token_ids=() if params.ignore_eos else request.eos_token_ids,
+            stop_token_ids=tuple(params.stop_token_ids or ()),
+            min_new_tokens=params.min_tokens,
+            max_new_tokens=params.max_tokens,
+            max_total_tokens=self.max_model_len,
+        )
+        hit = stops.check(request.output_token_ids[-1], request.num_output_tokens, request.num_tokens)
+        if hit is None:
+            return None
+        reason, request.stop_reason = hit
+        return RequestStatus.FINISHED_STOPPED if reason is FinishReason.STOP else RequestStatus.FINISHED_LENGTH
 
     # ------------------------------------------------------------ bookkeeping
 
@@ -304,7 +305,8 @@ class Scheduler:
             f"{bm.block_size} tokens for {request.num_tokens} tokens, but the pool has {bm.num_blocks}"
         )
         self._finish(request, RequestStatus.FINISHED_ABORTED, error)
-        self._finished_outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="abort", error=error))
+        abort = FinishReason.ABORT.to_openai()
+        self._finished_outputs.append(EngineCoreOutput(request.request_id, [], finish_reason=abort, error=error))
 
     def _apply_aborts(self) -> None:
         while self._pending_aborts:
@@ -312,7 +314,8 @@ class Scheduler:
             if request is not None:
                 self._remove_from_queues(request)
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
-                self._finished_outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="abort"))
+                abort = FinishReason.ABORT.to_openai()
+                self._finished_outputs.append(EngineCoreOutput(request.request_id, [], finish_reason=abort))
 
     def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         request.status, request.finish_time, request.error = status, time.time(), error

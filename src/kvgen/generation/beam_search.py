@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from kvgen.generation.decoding import LoopContext
 from kvgen.generation.output import GenerateOutput, GenerateTimings
 from kvgen.generation.runner import StepRunner
+from kvgen.sampling.ops import choose_tokens
+from kvgen.sampling.stopping import FinishReason, reason_of
 
 NEG = -1.0e9  # HF's "impossible" score; kept finite so arithmetic matches HF bit for bit
-REASONS = ("stop", "stop_string", "time", "length")  # finish reason i is coded as i + 1
 
 # (accumulated log-probs [B, nb*V], K, generator) -> (scores [B, K], flat indices [B, K])
 Pick = Callable[[torch.Tensor, int, torch.Generator | None], tuple[torch.Tensor, torch.Tensor]]
@@ -33,12 +34,13 @@ Pick = Callable[[torch.Tensor, int, torch.Generator | None], tuple[torch.Tensor,
 
 def pick_top_k(acc: torch.Tensor, k: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The K best continuations of ``acc [B, nb*V]``, best first."""
-    return torch.topk(acc, k=k)
+    idx = choose_tokens(acc, do_sample=False, num_tokens=k)  # [B, K]
+    return acc.gather(1, idx), idx
 
 
 def pick_sampled(acc: torch.Tensor, k: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """K continuations drawn without replacement from softmax(``acc [B, nb*V]``) (HF beam sample)."""
-    idx = torch.multinomial(torch.softmax(acc, dim=-1), num_samples=k, generator=generator)  # [B, K]
+    idx = choose_tokens(acc, do_sample=True, generator=generator, num_tokens=k)  # [B, K]
     return acc.gather(1, idx), idx
 
 
@@ -140,21 +142,8 @@ def _candidates(
     parents, tokens = idx // vocab, idx % vocab  # [B, K]
     beams = runner.sequences.view(b, -1, runner.sequences.shape[1])  # [B, nb, S]
     seqs = torch.cat([beams.gather(1, parents[:, :, None].expand(-1, -1, beams.shape[2])), tokens[:, :, None]], 2)
-    codes = _stop_codes(ctx, seqs.view(b * k, -1), scores.view(-1, 1), step)  # [B*K]
+    codes = ctx.stopper.check(seqs.view(b * k, -1))  # [B*K] finish codes (kvgen.sampling.stopping.PRIORITY)
     return Candidates(scores, parents, tokens, seqs, codes.view(b, k))
-
-
-def _stop_codes(ctx: LoopContext, seqs: torch.Tensor, scores: torch.Tensor, step: int) -> torch.Tensor:
-    """Finish reason code per candidate ``seqs [N, S+1]`` (0 = running); EOS wins over stop strings, time, length."""
-    cfg = ctx.config
-    codes = torch.zeros(seqs.shape[0], dtype=torch.long)  # [N]
-    if cfg.eos_token_ids:
-        codes[torch.isin(seqs[:, -1], torch.tensor(cfg.eos_token_ids))] = REASONS.index("stop") + 1
-    for stop_fn, reason in ctx.row_stops:
-        codes[stop_fn(seqs, scores) & (codes == 0)] = REASONS.index(reason) + 1
-    if step + 1 >= cfg.max_new_tokens:
-        codes[codes == 0] = REASONS.index("length") + 1
-    return codes
 
 
 def _next_running(cand: Candidates, nb: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -222,7 +211,7 @@ def _best_hypotheses(fin: Finished, n: int, prompt_len: int, timings: GenerateTi
     return GenerateOutput(
         sequences=fin.seqs[:, :n, :width].reshape(-1, width),  # [B*n, T + T_new]
         prompt_length=prompt_len,
-        finish_reasons=[REASONS[c - 1] if c > 0 else "length" for c in fin.codes[:, :n].reshape(-1).tolist()],
+        finish_reasons=[(reason_of(c) or FinishReason.LENGTH).value for c in fin.codes[:, :n].reshape(-1).tolist()],
         num_new_tokens=lengths.tolist(),
         sequences_scores=fin.scores[:, :n].reshape(-1),  # [B*n]
         timings=timings,

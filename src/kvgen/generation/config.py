@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgen.fields import config_field
+from kvgen.sampling.params import PARAM_RULES, SAMPLING_EPS, check_param
 
 
 class Strategy(enum.Enum):
@@ -36,8 +37,9 @@ class GenerationConfig:
     """How ``generate()`` decodes (transformers ``GenerationConfig`` names and defaults).
 
     Lengths are in tokens, ``max_time`` in seconds. Raises ``ValueError`` for an
-    out-of-range value (naming the field and the value) or contradictory fields
-    (naming both).
+    out-of-range value (naming the field and the value; ranges from
+    ``kvgen.sampling.params.PARAM_RULES``, shared with ``SamplingParams`` and the
+    CLI) or contradictory fields (naming both).
     """
 
     max_new_tokens: int = _f(20, "maximum number of new tokens to generate")
@@ -81,55 +83,24 @@ class GenerationConfig:
         self._check_combinations()
 
     def _check_ranges(self) -> None:
-        def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
-
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise bad("max_new_tokens", "an integer >= 1")
-        if self.min_new_tokens < 0:
-            raise bad("min_new_tokens", ">= 0")
-        for name in ("num_beams", "num_beam_groups", "num_return_sequences"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise bad(name, "an integer >= 1")
-        if self.do_sample and not self.temperature > 0:
-            raise bad("temperature", "> 0 when sampling (use do_sample=False for greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "an integer >= 0")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "in (0, 1]")
-        if self.min_p is not None and not 0 <= self.min_p <= 1:
-            raise bad("min_p", "in [0, 1]")
-        if not 0 < self.typical_p <= 1:
-            raise bad("typical_p", "in (0, 1]")
-        for name in ("epsilon_cutoff", "eta_cutoff"):
-            if not 0 <= getattr(self, name) < 1:
-                raise bad(name, "in [0, 1)")
-        if not self.repetition_penalty > 0:
-            raise bad("repetition_penalty", "> 0")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise bad(name, "in [-2, 2]")
-        if self.no_repeat_ngram_size < 0:
-            raise bad("no_repeat_ngram_size", ">= 0")
-        if self.diversity_penalty < 0:
-            raise bad("diversity_penalty", ">= 0")
-        if self.penalty_alpha is not None and not 0 <= self.penalty_alpha <= 1:
-            raise bad("penalty_alpha", "in [0, 1]")
+        """Every field with a rule in ``kvgen.sampling.params.PARAM_RULES`` (None = unset), then the rest."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in PARAM_RULES and value is not None:
+                check_param(f.name, value)
         if self.early_stopping not in (True, False, "never"):
-            raise bad("early_stopping", "True, False or 'never'")
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
         if self.cache_implementation not in ("dynamic", "static"):
-            raise bad("cache_implementation", "'dynamic' or 'static'")
-        if self.max_time is not None and not self.max_time > 0:
-            raise bad("max_time", "> 0 seconds")
-        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < 1):
-            raise bad("best_of", "an integer >= 1")
-        if self.stop_strings is not None and any(not s for s in self.stop_strings):
-            raise bad("stop_strings", "non-empty strings")
+            raise ValueError(f"cache_implementation must be 'dynamic' or 'static', got {self.cache_implementation!r}")
+        if self.stop_strings is not None and any(not isinstance(s, str) or not s for s in self.stop_strings):
+            raise ValueError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
 
     def _check_combinations(self) -> None:
         def clash(a: str, b: str, why: str) -> ValueError:
             return ValueError(f"{a}={getattr(self, a)!r} conflicts with {b}={getattr(self, b)!r}: {why}")
 
+        if self.do_sample and self.temperature < SAMPLING_EPS:
+            raise clash("temperature", "do_sample", f"sampling needs temperature >= {SAMPLING_EPS} (0 = greedy)")
         if self.num_beams % self.num_beam_groups != 0:
             raise clash("num_beam_groups", "num_beams", "num_beam_groups must divide num_beams")
         if self.num_beam_groups > 1 and self.do_sample:

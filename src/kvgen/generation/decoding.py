@@ -9,7 +9,7 @@ Agrees with transformers 4.55 ``GenerationMixin._sample``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,9 +17,7 @@ import torch
 from kvgen.generation.config import GenerationConfig
 from kvgen.generation.output import GenerateOutput, GenerateTimings
 from kvgen.generation.runner import StepRunner
-
-# (sequences [N, S], scores [N, V]) -> (done [N] bool, reason)
-RowStop = tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], str]
+from kvgen.sampling.stopping import PRIORITY, FinishReason, StopChecker
 
 
 @dataclass
@@ -28,7 +26,7 @@ class LoopContext:
 
     config: GenerationConfig
     processors: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    row_stops: list[RowStop] = field(default_factory=list)
+    stopper: StopChecker
     generator: torch.Generator | None = None
     streamer: Any = None
 
@@ -40,7 +38,6 @@ def token_loop(
     cfg = ctx.config
     prompt_length = runner.sequences.shape[1]
     n = runner.sequences.shape[0]
-    eos = torch.tensor(cfg.eos_token_ids, dtype=torch.long)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     unfinished = torch.ones(n, dtype=torch.bool)
     reasons: list[str | None] = [None] * n
@@ -60,34 +57,21 @@ def token_loop(
             ctx.streamer.put(next_tokens)
         for i in unfinished.nonzero().flatten().tolist():
             num_new[i] = step + 1
-        done = torch.zeros(n, dtype=torch.bool)
-        if eos.numel():
-            hit = torch.isin(next_tokens, eos) & unfinished
-            _mark(reasons, hit, "stop")
-            done |= hit
-        for stop_fn, reason in ctx.row_stops:
-            hit = stop_fn(runner.sequences, scores) & unfinished & ~done
-            _mark(reasons, hit, reason)
-            done |= hit
-        unfinished &= ~done
+        codes = torch.where(unfinished, ctx.stopper.check(runner.sequences), 0)  # [N]
+        for i in codes.nonzero().flatten().tolist():
+            reasons[i] = PRIORITY[int(codes[i]) - 1].value
+        unfinished &= codes == 0
         if not bool(unfinished.any()):
             break
-    _mark(reasons, unfinished, "length")
     if ctx.streamer is not None:
         ctx.streamer.end()
     timings = GenerateTimings(runner.prefill_s, runner.decode_s, max(runner.num_steps - 1, 0))
     return GenerateOutput(
         sequences=runner.sequences,
         prompt_length=prompt_length,
-        finish_reasons=[r or "length" for r in reasons],
+        finish_reasons=[r or FinishReason.LENGTH.value for r in reasons],
         num_new_tokens=num_new,
         scores=tuple(all_scores) if cfg.output_scores else None,
         logits=tuple(all_logits) if cfg.output_logits else None,
         timings=timings,
     )
-
-
-def _mark(reasons: list[str | None], rows: torch.Tensor, reason: str) -> None:
-    for i in rows.nonzero().flatten().tolist():
-        if reasons[i] is None:
-            reasons[i] = reason

@@ -18,7 +18,7 @@ from kvgen.generation.beam_sample import beam_sample
 from kvgen.generation.beam_search import beam_search
 from kvgen.generation.config import GenerationConfig, Strategy
 from kvgen.generation.contrastive_search import contrastive_search
-from kvgen.generation.decoding import LoopContext, RowStop
+from kvgen.generation.decoding import LoopContext
 from kvgen.generation.greedy import greedy_search
 from kvgen.generation.group_beam_search import group_beam_search
 from kvgen.generation.output import GenerateOutput
@@ -26,6 +26,7 @@ from kvgen.generation.runner import StepRunner
 from kvgen.generation.sample import multinomial_sample
 from kvgen.generation.sample_and_rank import sample_and_rank
 from kvgen.sampling.logits_process import build_logits_processors
+from kvgen.sampling.stopping import StopChecker, StopStrings, TokenStops
 
 STRATEGIES: dict[Strategy, Callable[[StepRunner, LoopContext], GenerateOutput]] = {
     Strategy.GREEDY: greedy_search,
@@ -38,7 +39,7 @@ STRATEGIES: dict[Strategy, Callable[[StepRunner, LoopContext], GenerateOutput]] 
 }
 
 # Strategies that keep several hypotheses per prompt and pick among them at the end: nothing to stream.
-_NOT_STREAMABLE = (Strategy.BEAM_SEARCH, Strategy.BEAM_SAMPLE, Strategy.GROUP_BEAM_SEARCH, Strategy.SAMPLE_AND_RANK)
+NOT_STREAMABLE = (Strategy.BEAM_SEARCH, Strategy.BEAM_SAMPLE, Strategy.GROUP_BEAM_SEARCH, Strategy.SAMPLE_AND_RANK)
 
 
 def generate(
@@ -79,7 +80,7 @@ def generate(
     strategy = cfg.strategy
     if strategy not in STRATEGIES:
         raise NotImplementedError(f"decoding strategy {strategy.value} is not implemented yet")
-    if streamer is not None and strategy in _NOT_STREAMABLE:
+    if streamer is not None and strategy in NOT_STREAMABLE:
         raise ValueError(f"streamer cannot be used with {strategy.value} (it picks among hypotheses at the end)")
     copies = _num_copies(cfg)
     if copies > 1:
@@ -93,7 +94,7 @@ def generate(
     ctx = LoopContext(
         config=cfg,
         processors=build_logits_processors(cfg, prompt_length=input_ids.shape[1]),
-        row_stops=_row_stops(cfg, input_ids.shape[1], tokenizer),
+        stopper=_stopper(cfg, input_ids.shape[1], tokenizer),
         generator=generator,
         streamer=streamer,
     )
@@ -134,16 +135,14 @@ def _check_batch(
     return input_ids, attention_mask
 
 
-def _row_stops(cfg: GenerationConfig, prompt_length: int, tokenizer: Any) -> list[RowStop]:
-    from kvgen.sampling.stopping import MaxTimeCriteria, StopStringCriteria
-
-    stops: list[RowStop] = []
-    if cfg.stop_strings:
-        if tokenizer is None:
-            raise ValueError("stop_strings needs a tokenizer: pass generate(..., tokenizer=tok)")
-        crit = StopStringCriteria(cfg.stop_strings, tokenizer.decode, prompt_length)
-        stops.append((lambda seqs, scores: crit(seqs, scores), "stop_string"))
-    if cfg.max_time is not None:
-        crit_t = MaxTimeCriteria(cfg.max_time)
-        stops.append((lambda seqs, scores: crit_t(seqs, scores), "time"))
-    return stops
+def _stopper(cfg: GenerationConfig, prompt_length: int, tokenizer: Any) -> StopChecker:
+    """EOS ids, max_new_tokens, stop strings and max_time (the clock starts now)."""
+    if cfg.stop_strings and tokenizer is None:
+        raise ValueError("stop_strings needs a tokenizer: pass generate(..., tokenizer=tok)")
+    return StopChecker(
+        TokenStops(eos_token_ids=tuple(cfg.eos_token_ids), max_new_tokens=cfg.max_new_tokens),
+        prompt_length,
+        stop_strings=StopStrings(tuple(cfg.stop_strings)) if cfg.stop_strings else None,
+        decode=tokenizer.decode if cfg.stop_strings else None,
+        max_time=cfg.max_time,
+    )

@@ -25,6 +25,8 @@ from kvgen.sampling.logits_process import (
     LogitsProcessorList,
     SequenceBiasLogitsProcessor,
 )
+from kvgen.sampling.ops import choose_tokens
+from kvgen.sampling.stopping import FinishReason, reason_of
 
 
 @dataclass
@@ -84,7 +86,9 @@ def group_beam_search(runner: StepRunner, ctx: LoopContext) -> GenerateOutput:
     beam_scores = torch.full((b, nb), -1e9, dtype=torch.float32)
     beam_scores[:, ::g_size] = 0  # only the first beam of each group may expand at first
     state = GroupState(hyps, [[False] * num_groups for _ in range(b)], beam_scores.view(-1))
-    all_scores, all_logits, row_reasons = [], [], [None] * (b * nb)
+    all_scores: list[torch.Tensor] = []
+    all_logits: list[torch.Tensor] = []
+    row_reasons: list[str | None] = [None] * (b * nb)
     for step in range(cfg.max_new_tokens):
         logits = runner.next_logits()  # [B*nb, V]
         tokens, parents, processed = _step_groups(runner, ctx, state, F.log_softmax(logits, dim=-1), step)
@@ -96,7 +100,7 @@ def group_beam_search(runner: StepRunner, ctx: LoopContext) -> GenerateOutput:
         runner.append(tokens)
         if all(all(d) for d in state.done):
             break
-        row_reasons = _row_reasons(runner, ctx, processed, step)
+        row_reasons = _row_reasons(runner, ctx)
         if all(r is not None for r in row_reasons):
             break
     _add_open_beams(runner, state, prompt_len, row_reasons)
@@ -115,6 +119,7 @@ def _step_groups(
     cfg = ctx.config
     nb, num_groups, vocab = cfg.num_beams, cfg.num_beam_groups, log_probs.shape[-1]
     g_size, b = nb // num_groups, log_probs.shape[0] // nb
+    assert isinstance(ctx.processors, LogitsProcessorList), "group beam search splits the processor list"
     before, after = _split_processors(ctx.processors)
     tokens = torch.zeros(b * nb, dtype=torch.long)  # this step's choices, filled group by group
     parents = torch.zeros(b * nb, dtype=torch.long)
@@ -126,7 +131,8 @@ def _step_groups(
         scores = _diversity(scores, tokens.view(b, nb)[:, : g * g_size], cfg.diversity_penalty)
         processed[rows] = after(ids, scores)
         acc = (processed[rows] + state.beam_scores[rows, None]).view(b, -1)  # [B, g_size*V]
-        top_scores, top_idx = torch.topk(acc, max(2, 1 + len(cfg.eos_token_ids)) * g_size, dim=1)  # [B, K]
+        top_idx = choose_tokens(acc, do_sample=False, num_tokens=max(2, 1 + len(cfg.eos_token_ids)) * g_size)  # [B, K]
+        top_scores = acc.gather(1, top_idx)  # [B, K], best first
         top = (top_scores, top_idx // vocab, top_idx % vocab)  # scores, parent in group, token: [B, K] each
         for i in range(b):
             mine = slice(i * g_size, (i + 1) * g_size)  # prompt i's rows within the group
@@ -193,20 +199,10 @@ def _choose_beams(
     return torch.tensor(tok), torch.tensor(par), torch.tensor(sc, dtype=torch.float32)
 
 
-def _row_reasons(runner: StepRunner, ctx: LoopContext, scores: torch.Tensor, step: int) -> list[str | None]:
+def _row_reasons(runner: StepRunner, ctx: LoopContext) -> list[str | None]:
     """Per beam row, why it would stop now (HF stops group beam search only when every row would)."""
-    cfg = ctx.config
-    reasons: list[str | None] = [None] * runner.sequences.shape[0]
-    hits: list[tuple[torch.Tensor, str]] = []
-    if cfg.eos_token_ids:
-        hits.append((torch.isin(runner.sequences[:, -1], torch.tensor(cfg.eos_token_ids)), "stop"))
-    hits += [(stop_fn(runner.sequences, scores), reason) for stop_fn, reason in ctx.row_stops]
-    if step + 1 >= cfg.max_new_tokens:
-        hits.append((torch.ones(len(reasons), dtype=torch.bool), "length"))
-    for hit, reason in hits:
-        for row in hit.nonzero().flatten().tolist():
-            reasons[row] = reasons[row] or reason
-    return reasons
+    codes = ctx.stopper.check(runner.sequences).tolist()  # [B*nb] finish codes
+    return [r.value if (r := reason_of(c)) is not None else None for c in codes]
 
 
 def _add_open_beams(runner: StepRunner, state: GroupState, prompt_len: int, reasons: list[str | None]) -> None:
@@ -219,7 +215,8 @@ def _add_open_beams(runner: StepRunner, state: GroupState, prompt_len: int, reas
                 continue
             for j in range(g_size):
                 row = (i * len(groups) + g) * g_size + j
-                reason = reasons[row] if reasons[row] not in (None, "stop") else "length"
+                reason = reasons[row]
+                reason = reason if reason is not None and reason != "stop" else FinishReason.LENGTH.value
                 hyps.add(runner.sequences[row].tolist(), float(state.beam_scores[row]), num_new, reason)
 
 

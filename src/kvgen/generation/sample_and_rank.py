@@ -23,6 +23,7 @@ import torch
 from kvgen.generation.decoding import LoopContext, token_loop
 from kvgen.generation.output import GenerateOutput
 from kvgen.generation.runner import StepRunner
+from kvgen.sampling.ops import choose_tokens
 
 
 class _RawLogitsRecorder:
@@ -44,7 +45,7 @@ def sample_and_rank(runner: StepRunner, ctx: LoopContext) -> GenerateOutput:
     step_logprobs: list[torch.Tensor] = []  # per step [N] log-prob of the drawn token under the raw logits
 
     def choose(scores: torch.Tensor) -> torch.Tensor:
-        tokens = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=ctx.generator).squeeze(1)  # [N]
+        tokens = choose_tokens(scores, do_sample=True, generator=ctx.generator).squeeze(1)  # [N]
         assert recorder.raw is not None
         step_logprobs.append(torch.log_softmax(recorder.raw, dim=-1).gather(1, tokens[:, None]).squeeze(1))
         return tokens

@@ -1,5 +1,6 @@
 """Logits processing, token choice and stopping: ``ops`` (per-row tensor functions),
-``logits_process`` (HF-style processor classes in one declared order) and ``stopping``."""
+``logits_process`` (HF-style processor classes in one declared order), ``params`` (the one
+table of field ranges), ``pipeline`` (the declared orders) and ``stopping`` (every stop check)."""
 
 from kvgen.sampling.logits_process import (
     PROCESSOR_ORDER,
@@ -22,6 +23,7 @@ from kvgen.sampling.logits_process import (
     build_logits_processors,
 )
 from kvgen.sampling.ops import (
+    choose_tokens,
     compute_logprobs,
     greedy,
     sample,
@@ -29,25 +31,21 @@ from kvgen.sampling.ops import (
     validate_param,
 )
 from kvgen.sampling.stopping import (
-    EosTokenCriteria,
-    MaxNewTokensCriteria,
-    MaxTimeCriteria,
-    StoppingCriteria,
-    StoppingCriteriaList,
-    StopStringCriteria,
+    FinishReason,
+    StopChecker,
+    StopStrings,
+    TokenStops,
     find_stop_string,
     partial_stop_suffix_len,
 )
 
 __all__ = [
     "PROCESSOR_ORDER",
-    "EosTokenCriteria",
     "EpsilonLogitsWarper",
+    "FinishReason",
     "EtaLogitsWarper",
     "LogitsProcessor",
     "LogitsProcessorList",
-    "MaxNewTokensCriteria",
-    "MaxTimeCriteria",
     "MinNewTokensLengthLogitsProcessor",
     "MinPLogitsWarper",
     "NoBadWordsLogitsProcessor",
@@ -55,15 +53,16 @@ __all__ = [
     "PresenceFrequencyPenaltyLogitsProcessor",
     "RepetitionPenaltyLogitsProcessor",
     "SequenceBiasLogitsProcessor",
-    "StopStringCriteria",
-    "StoppingCriteria",
-    "StoppingCriteriaList",
+    "StopChecker",
+    "StopStrings",
     "SuppressTokensLogitsProcessor",
     "TemperatureLogitsWarper",
+    "TokenStops",
     "TopKLogitsWarper",
     "TopPLogitsWarper",
     "TypicalLogitsWarper",
     "build_logits_processors",
+    "choose_tokens",
     "compute_logprobs",
     "find_stop_string",
     "greedy",

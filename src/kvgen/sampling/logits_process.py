@@ -4,7 +4,7 @@ Each processor is a small pure callable ``(token_ids [B, T] long, logits [B, V] 
 -> logits [B, V]`` holding one setting for the whole batch; it validates that setting
 when built and never edits its inputs. ``build_logits_processors`` turns any object
 with Hugging Face ``GenerationConfig`` attribute names into a ``LogitsProcessorList``
-ordered by ``PROCESSOR_ORDER``.
+ordered by ``kvgen.sampling.pipeline.GENERATE_ORDER``.
 
 Source: ``transformers`` 4.55 ``generation/logits_process.py`` (semantics) and
 ``GenerationMixin._get_logits_processor`` (order, ``min_tokens_to_keep`` for beams).
@@ -12,10 +12,12 @@ Source: ``transformers`` 4.55 ``generation/logits_process.py`` (semantics) and
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvgen.sampling import ops
+from kvgen.sampling.pipeline import GENERATE_FIRST_WARPER, GENERATE_ORDER, split_order
 
 
 class LogitsProcessor:
@@ -56,7 +58,7 @@ class TemperatureLogitsWarper(LogitsProcessor):
     """logits / temperature. Raises ValueError unless temperature > 0."""
 
     def __init__(self, temperature: float):
-        ops.validate_param("temperature", temperature)
+        ops.validate_param("temperature", temperature, rule=ops.POSITIVE_TEMPERATURE)
         self.temperature = temperature
 
     def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -220,28 +222,6 @@ class SuppressTokensLogitsProcessor(LogitsProcessor):
 
 # ------------------------------------------------------------------ builder
 
-# Processors first, then warpers (only when sampling): the order of transformers 4.55
-# ``_get_logits_processor``. Presence/frequency (absent in HF) sit with the penalties,
-# before temperature, as in vLLM.
-PROCESSOR_ORDER: tuple[type[LogitsProcessor], ...] = (
-    SequenceBiasLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    NoRepeatNGramLogitsProcessor,
-    NoBadWordsLogitsProcessor,
-    MinNewTokensLengthLogitsProcessor,
-    SuppressTokensLogitsProcessor,
-    PresenceFrequencyPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    MinPLogitsWarper,
-    TypicalLogitsWarper,
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-)
-WARPERS: frozenset[type[LogitsProcessor]] = frozenset(PROCESSOR_ORDER[PROCESSOR_ORDER.index(TemperatureLogitsWarper) :])
-
-
 @dataclass(frozen=True)
 class _Settings:
     """What the factories read: the config plus values derived once."""
@@ -251,7 +231,7 @@ class _Settings:
     min_tokens_to_keep: int
     eos_token_ids: list[int]
 
-    def get(self, name: str, default: object) -> object:
+    def get(self, name: str, default: object) -> Any:
         """``cfg.name``, with a missing attribute or ``None`` meaning ``default`` (disabled)."""
         value = getattr(self.cfg, name, None)
         return default if value is None else value
@@ -293,22 +273,30 @@ def _presence_frequency(s: _Settings) -> LogitsProcessor | None:
     return PresenceFrequencyPenaltyLogitsProcessor(presence, frequency, s.prompt_length)
 
 
-_FACTORIES: dict[type[LogitsProcessor], Callable[[_Settings], LogitsProcessor | None]] = {
-    SequenceBiasLogitsProcessor: _when_set(SequenceBiasLogitsProcessor, "sequence_bias"),
-    RepetitionPenaltyLogitsProcessor: _when_set(RepetitionPenaltyLogitsProcessor, "repetition_penalty", 1.0),
-    NoRepeatNGramLogitsProcessor: _when_set(NoRepeatNGramLogitsProcessor, "no_repeat_ngram_size", 0),
-    NoBadWordsLogitsProcessor: _bad_words,
-    MinNewTokensLengthLogitsProcessor: _min_new_tokens,
-    SuppressTokensLogitsProcessor: _when_set(SuppressTokensLogitsProcessor, "suppress_tokens"),
-    PresenceFrequencyPenaltyLogitsProcessor: _presence_frequency,
-    TemperatureLogitsWarper: _when_set(TemperatureLogitsWarper, "temperature", 1.0),
-    TopKLogitsWarper: _filter(TopKLogitsWarper, "top_k", 0),
-    TopPLogitsWarper: _filter(TopPLogitsWarper, "top_p", 1.0),
-    MinPLogitsWarper: _filter(MinPLogitsWarper, "min_p", 0.0),
-    TypicalLogitsWarper: _filter(TypicalLogitsWarper, "typical_p", 1.0),
-    EpsilonLogitsWarper: _filter(EpsilonLogitsWarper, "epsilon_cutoff", 0.0),
-    EtaLogitsWarper: _filter(EtaLogitsWarper, "eta_cutoff", 0.0),
+# Stage name (``kvgen.sampling.pipeline.GENERATE_ORDER``) -> (processor class, factory).
+_STAGES: dict[str, tuple[type[LogitsProcessor], Callable[[_Settings], LogitsProcessor | None]]] = {
+    "sequence_bias": (SequenceBiasLogitsProcessor, _when_set(SequenceBiasLogitsProcessor, "sequence_bias")),
+    "repetition_penalty": (
+        RepetitionPenaltyLogitsProcessor,
+        _when_set(RepetitionPenaltyLogitsProcessor, "repetition_penalty", 1.0),
+    ),
+    "no_repeat_ngram": (NoRepeatNGramLogitsProcessor, _when_set(NoRepeatNGramLogitsProcessor, "no_repeat_ngram_size", 0)),
+    "bad_words": (NoBadWordsLogitsProcessor, _bad_words),
+    "min_new_tokens": (MinNewTokensLengthLogitsProcessor, _min_new_tokens),
+    "suppress_tokens": (SuppressTokensLogitsProcessor, _when_set(SuppressTokensLogitsProcessor, "suppress_tokens")),
+    "presence_frequency_penalty": (PresenceFrequencyPenaltyLogitsProcessor, _presence_frequency),
+    "temperature": (TemperatureLogitsWarper, _when_set(TemperatureLogitsWarper, "temperature", 1.0)),
+    "top_k": (TopKLogitsWarper, _filter(TopKLogitsWarper, "top_k", 0)),
+    "top_p": (TopPLogitsWarper, _filter(TopPLogitsWarper, "top_p", 1.0)),
+    "min_p": (MinPLogitsWarper, _filter(MinPLogitsWarper, "min_p", 0.0)),
+    "typical_p": (TypicalLogitsWarper, _filter(TypicalLogitsWarper, "typical_p", 1.0)),
+    "epsilon_cutoff": (EpsilonLogitsWarper, _filter(EpsilonLogitsWarper, "epsilon_cutoff", 0.0)),
+    "eta_cutoff": (EtaLogitsWarper, _filter(EtaLogitsWarper, "eta_cutoff", 0.0)),
 }
+# The classes in GENERATE_ORDER (transformers 4.55 ``_get_logits_processor`` order).
+PROCESSOR_ORDER: tuple[type[LogitsProcessor], ...] = tuple(_STAGES[name][0] for name in GENERATE_ORDER)
+_ALWAYS, _WARPERS = split_order(GENERATE_ORDER, GENERATE_FIRST_WARPER)
+WARPERS: frozenset[type[LogitsProcessor]] = frozenset(_STAGES[name][0] for name in _WARPERS)
 
 
 def default_min_tokens_to_keep(cfg: object) -> int:
@@ -322,7 +310,7 @@ def default_min_tokens_to_keep(cfg: object) -> int:
 def build_logits_processors(
     cfg: object, prompt_length: int, min_tokens_to_keep: int | None = None
 ) -> LogitsProcessorList:
-    """The processors ``cfg`` enables, in ``PROCESSOR_ORDER``; warpers only when ``cfg.do_sample``.
+    """The processors ``cfg`` enables, in ``GENERATE_ORDER``; warpers only when ``cfg.do_sample``.
 
     cfg: any object with HF ``GenerationConfig`` attribute names (missing or ``None``
     means disabled). prompt_length: tokens before the first generated one (columns
@@ -334,12 +322,10 @@ def build_logits_processors(
     keep = default_min_tokens_to_keep(cfg) if min_tokens_to_keep is None else min_tokens_to_keep
     ops.validate_param("min_tokens_to_keep", keep)
     settings = _Settings(cfg, prompt_length, keep, _eos_list(getattr(cfg, "eos_token_id", None)))
-    is_sampling = bool(getattr(cfg, "do_sample", False))
+    stages = GENERATE_ORDER if getattr(cfg, "do_sample", False) else _ALWAYS
     processors = LogitsProcessorList()
-    for cls in PROCESSOR_ORDER:
-        if cls in WARPERS and not is_sampling:
-            continue
-        processor = _FACTORIES[cls](settings)
+    for name in stages:
+        processor = _STAGES[name][1](settings)
         if processor is not None:
             processors.append(processor)
     return processors

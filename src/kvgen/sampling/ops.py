@@ -15,10 +15,12 @@ Source: the semantics, tie-breaking and float operation order of Hugging Face
 ``transformers`` 4.55 ``generation/logits_process.py``, which tests compare to.
 """
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
 import torch
+
+from kvgen.fields import check_int
+from kvgen.sampling.params import PARAM_RULES, ParamRule, check_param
 
 RowParam = float | int | torch.Tensor
 SequenceBias = Mapping[tuple[int, ...], float] | Sequence[Sequence[Sequence[int] | float]]
@@ -30,61 +32,33 @@ FILTER_VALUE = -float("inf")
 # ---------------------------------------------------------------- validation
 
 
-@dataclass(frozen=True)
-class ParamRule:
-    """Valid range of one sampling parameter: a predicate over float64 values and its wording."""
-
-    is_valid: Callable[[torch.Tensor], torch.Tensor]
-    expected: str
-    is_integral: bool = False
+# Where temperature divides the logits it must be positive (0 means greedy, decided before).
+POSITIVE_TEMPERATURE = PARAM_RULES["temperature"].exclusive_low("use greedy decoding for 0")
 
 
-PARAM_RULES: dict[str, ParamRule] = {
-    "temperature": ParamRule(lambda t: t > 0, "> 0 (use greedy decoding for 0)"),
-    "top_k": ParamRule(lambda t: t >= 0, ">= 0 (0 disables)", is_integral=True),
-    "top_p": ParamRule(lambda t: (t > 0) & (t <= 1), "in (0, 1]"),
-    "min_p": ParamRule(lambda t: (t >= 0) & (t <= 1), "in [0, 1]"),
-    "typical_p": ParamRule(lambda t: (t > 0) & (t <= 1), "in (0, 1]"),
-    "epsilon_cutoff": ParamRule(lambda t: (t >= 0) & (t < 1), "in [0, 1)"),
-    "eta_cutoff": ParamRule(lambda t: (t >= 0) & (t < 1), "in [0, 1)"),
-    "repetition_penalty": ParamRule(lambda t: t > 0, "> 0"),
-    "presence_penalty": ParamRule(lambda t: (t >= -2) & (t <= 2), "in [-2, 2]"),
-    "frequency_penalty": ParamRule(lambda t: (t >= -2) & (t <= 2), "in [-2, 2]"),
-    "no_repeat_ngram_size": ParamRule(lambda t: t >= 0, ">= 0 (0 disables)", is_integral=True),
-    "num_generated": ParamRule(lambda t: t >= 0, ">= 0", is_integral=True),
-    "min_tokens": ParamRule(lambda t: t >= 0, ">= 0", is_integral=True),
-    "min_tokens_to_keep": ParamRule(lambda t: t >= 1, ">= 1", is_integral=True),
-}
-
-
-def validate_param(name: str, value: RowParam, num_rows: int | None = None) -> None:
-    """Check a scalar or ``[B]`` parameter against ``PARAM_RULES[name]`` (and B against ``num_rows``).
+def validate_param(name: str, value: RowParam, num_rows: int | None = None, rule: ParamRule | None = None) -> None:
+    """Check a scalar or ``[B]`` parameter against ``PARAM_RULES[name]`` (or ``rule``), and B against ``num_rows``.
 
     Raises ValueError naming the parameter, the first bad value and, for a tensor,
     its row: ``top_p must be in (0, 1], got 1.5``.
     """
-    rule = PARAM_RULES[name]
-    is_tensor = isinstance(value, torch.Tensor)
-    if is_tensor:
-        if value.dim() != 1 or (num_rows is not None and value.shape[0] != num_rows):
-            rows = "B" if num_rows is None else f"B={num_rows}"
-            raise ValueError(f"{name} must be a scalar or a [{rows}] tensor, got shape {list(value.shape)}")
-        if rule.is_integral and (value.dtype.is_floating_point or value.dtype.is_complex):
-            raise ValueError(f"{name} must hold integers, got dtype {value.dtype}")
-        values = value.detach().to("cpu", torch.float64)  # [B]
-    else:
-        kinds = (int,) if rule.is_integral else (int, float)
-        if isinstance(value, bool) or not isinstance(value, kinds):
-            raise ValueError(f"{name} must be {'an int' if rule.is_integral else 'a number'}, got {value!r}")
-        values = torch.tensor([float(value)], dtype=torch.float64)  # [1]
-    bad = ~rule.is_valid(values)  # NaN fails every comparison, so it is reported too
+    rule = rule or PARAM_RULES[name]
+    if not isinstance(value, torch.Tensor):
+        check_param(name, value, rule)
+        return
+    if value.dim() != 1 or (num_rows is not None and value.shape[0] != num_rows):
+        rows = "B" if num_rows is None else f"B={num_rows}"
+        raise ValueError(f"{name} must be a scalar or a [{rows}] tensor, got shape {list(value.shape)}")
+    if rule.kind is int and (value.dtype.is_floating_point or value.dtype.is_complex):
+        raise ValueError(f"{name} must hold integers, got dtype {value.dtype}")
+    values = value.detach().to("cpu", torch.float64)  # [B]
+    bad = ~rule.contains(values)  # [B]
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
-        got = values[row].item() if is_tensor else value
-        if is_tensor and rule.is_integral:
-            got = int(got)
-        where = f" (row {row})" if is_tensor else ""
-        raise ValueError(f"{name} must be {rule.expected}, got {got}{where}")
+        got: float | int = values[row].item()
+        if rule.kind is int:
+            got = int(value[row].item())
+        raise ValueError(f"{name} must be {rule.expected}, got {got} (row {row})")
 
 
 def _check_min_tokens_to_keep(min_tokens_to_keep: int) -> None:
@@ -129,7 +103,7 @@ def apply_temperature(logits: torch.Tensor, temperature: RowParam) -> torch.Tens
     Source: HF ``TemperatureLogitsWarper``.
     """
     _check_logits(logits)
-    validate_param("temperature", temperature, logits.shape[0])
+    validate_param("temperature", temperature, logits.shape[0], POSITIVE_TEMPERATURE)
     t = _per_row(temperature, logits.shape[0], logits.dtype, logits.device)  # [B, 1]
     return logits / t
 
@@ -398,6 +372,7 @@ def normalize_sequence_bias(sequence_bias: SequenceBias) -> dict[tuple[int, ...]
     Raises ValueError for an empty container, empty or negative id sequences, or
     non-numeric biases.
     """
+    pairs: list[tuple[object, object]]
     if isinstance(sequence_bias, Mapping):
         pairs = list(sequence_bias.items())
     elif isinstance(sequence_bias, Sequence) and all(
@@ -409,13 +384,13 @@ def normalize_sequence_bias(sequence_bias: SequenceBias) -> dict[tuple[int, ...]
     if not pairs:
         raise ValueError(f"sequence_bias must not be empty, got {sequence_bias!r}")
     result: dict[tuple[int, ...], float] = {}
-    for ids, bias in pairs:
-        ids = tuple(ids) if isinstance(ids, Sequence) and not isinstance(ids, str) else ()
+    for key, bias in pairs:
+        ids = tuple(key) if isinstance(key, Sequence) and not isinstance(key, str) else ()
         if not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError(f"sequence_bias keys must be non-empty sequences of ids >= 0, got {ids!r}")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
             raise ValueError(f"sequence_bias values must be numbers, got {bias!r}")
-        result[ids] = float(bias)
+        result[tuple(int(t) for t in ids)] = float(bias)
     return result
 
 
@@ -473,37 +448,55 @@ def apply_suppress_tokens(logits: torch.Tensor, suppress_token_ids: Sequence[int
 # ------------------------------------------------------------- token choice
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Argmax per row; ties go to the lowest id. logits: [B, V]. Returns [B] long."""
-    _check_logits(logits)
-    return torch.argmax(logits, dim=-1)
+def choose_tokens(
+    scores: torch.Tensor, do_sample: bool, generator: Generators = None, num_tokens: int = 1
+) -> torch.Tensor:
+    """The one token choice of ``generate()`` and the engine: best ids, or ids drawn from softmax(scores).
 
-
-def sample_from_probs(probs: torch.Tensor, generator: Generators = None) -> torch.Tensor:
-    """Draw one id per row with ``torch.multinomial``.
-
-    probs: [B, V] float, rows non-negative with a positive sum. generator: one
-    ``torch.Generator`` for the batch, or a list of B (``None`` entries use torch's
-    default generator); with a list, each row draws from its own generator, so a
-    seeded row gets the same id whatever else is in the batch. Returns [B] long.
-    Raises ValueError for a list of the wrong length.
+    scores: [B, V] float (processed logits or log-probs; -inf entries are never chosen).
+    Greedy: ``argmax`` for one token (ties go to the lowest id), ``torch.topk`` order for
+    more (beam search). Sampling: ``num_tokens`` draws without replacement by
+    ``torch.multinomial`` on the float32 softmax, from ``generator`` (one for the batch, or
+    a list of B where each row draws from its own, so a seeded row gets the same ids
+    whatever else is in the batch; ``None`` entries use torch's default generator).
+    Returns [B, num_tokens] long. Raises ValueError for num_tokens outside [1, V] or a
+    generator list of the wrong length.
+    Source: HF ``_sample`` (argmax / multinomial of softmax) and ``_beam_search`` (topk /
+    multinomial of softmax over ``num_beams * V``); vLLM v1 ``Sampler.sample``.
     """
-    _check_logits(probs)
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)  # [B]
-    if len(generator) != probs.shape[0]:
-        raise ValueError(f"generator list must have one entry per row ({probs.shape[0]}), got {len(generator)}")
-    rows = [torch.multinomial(probs[i : i + 1], 1, generator=g) for i, g in enumerate(generator)]  # [1, 1] each
-    return torch.cat(rows).squeeze(1)  # [B]
+    _check_logits(scores)
+    check_int("num_tokens", num_tokens, 1, scores.shape[1])
+    if not do_sample:
+        if num_tokens == 1:
+            return torch.argmax(scores, dim=-1, keepdim=True)  # [B, 1]
+        return torch.topk(scores, num_tokens).indices  # [B, K], best first
+    return sample_from_probs(torch.softmax(scores.float(), dim=-1), generator, num_tokens)  # [B, K]
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """``choose_tokens`` without sampling, one id per row. logits: [B, V]. Returns [B] long."""
+    return choose_tokens(logits, do_sample=False).squeeze(1)  # [B]
 
 
 def sample(logits: torch.Tensor, generator: Generators = None) -> torch.Tensor:
-    """Softmax (in float32) then ``sample_from_probs``; -inf logits are never drawn.
+    """``choose_tokens`` with sampling, one id per row. logits: [B, V]. Returns [B] long."""
+    return choose_tokens(logits, do_sample=True, generator=generator).squeeze(1)  # [B]
 
-    logits: [B, V] float. Returns [B] long. Source: HF ``_sample`` (softmax, multinomial).
+
+def sample_from_probs(probs: torch.Tensor, generator: Generators = None, num_samples: int = 1) -> torch.Tensor:
+    """Draw ``num_samples`` ids per row (without replacement) with ``torch.multinomial``.
+
+    probs: [B, V] float, rows non-negative with a positive sum; generator as in
+    ``choose_tokens``. Returns [B, num_samples] long. Raises ValueError for a list of
+    the wrong length.
     """
-    _check_logits(logits)
-    return sample_from_probs(torch.softmax(logits.float(), dim=-1), generator)
+    _check_logits(probs)
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, num_samples=num_samples, generator=generator)  # [B, K]
+    if len(generator) != probs.shape[0]:
+        raise ValueError(f"generator list must have one entry per row ({probs.shape[0]}), got {len(generator)}")
+    rows = [torch.multinomial(probs[i : i + 1], num_samples, generator=g) for i, g in enumerate(generator)]
+    return torch.cat(rows)  # [B, K]
 
 
 # ----------------------------------------------------------------- logprobs
@@ -518,12 +511,6 @@ def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Each row's log-probability of its chosen id. logprobs: [B, V]; token_ids: [B] long. Returns [B]."""
     return logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [B]
-
-
-def token_ranks(logprobs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """1-based rank of each chosen id (1 + number of strictly larger entries). Returns [B] long."""
-    chosen = gather_logprobs(logprobs, token_ids).unsqueeze(1)  # [B, 1]
-    return (logprobs > chosen).sum(dim=-1) + 1  # [B]
 
 
 def top_logprobs(logprobs: torch.Tensor, num: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,71 +1,93 @@
-"""Stopping criteria: max new tokens, EOS ids, stop strings, wall time.
+"""The one stopping module: EOS ids, stop token ids, ``min_tokens``, max new tokens, context
+length, stop strings (with streaming hold-back), wall time, and one finish-reason vocabulary.
 
-Each criterion is a callable ``(token_ids [B, T] long, logits [B, V] | None) -> is_done
-[B] bool`` with a ``finish_reason``; ``StoppingCriteriaList`` ORs them and names the
-reason per row. ``find_stop_string`` and ``partial_stop_suffix_len`` are the pure
-string helpers an engine's detokenizer uses for stop strings and streaming hold-back.
+``generate()`` and every strategy use ``StopChecker`` (batched over rows: finish codes
+``[N]``); the engine's scheduler uses ``TokenStops.check`` per request and its
+detokenizer ``StopStrings`` on the decoded text. ``FinishReason`` is mapped at the
+edges: ``GenerateOutput.finish_reasons`` shows ``.value`` ("stop", "stop_string",
+"time", "length"), the engine and the server OpenAI's ``to_openai()`` ("stop",
+"length", "abort").
 
-Source: ``transformers`` 4.55 ``generation/stopping_criteria.py`` (roles and names);
-OpenAI ``finish_reason`` values.
+Source: transformers 4.55 ``generation/stopping_criteria.py`` (EOS, max length, stop
+strings anywhere in the generated text, max time); vLLM v1 ``Scheduler`` /
+``check_stop`` and ``detokenizer.py`` (stop token ids, ``min_tokens``, stop strings,
+hold-back); OpenAI ``finish_reason`` values.
 """
 
+from __future__ import annotations
+
+import enum
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-FINISH_STOP = "stop"  # an EOS id
-FINISH_STOP_STRING = "stop_string"
-FINISH_LENGTH = "length"
-FINISH_TIME = "time"
-# When several criteria fire on the same step, the earlier reason wins.
-FINISH_REASON_PRIORITY: tuple[str, ...] = (FINISH_STOP, FINISH_STOP_STRING, FINISH_LENGTH, FINISH_TIME)
+from kvgen.fields import check_int
 
 
-def _check_count(name: str, value: int, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+class FinishReason(enum.Enum):
+    """Why a sequence ended; ``.value`` is what ``generate()`` reports."""
+
+    STOP = "stop"  # an EOS id or a stop token id
+    STOP_STRING = "stop_string"  # a stop string in the decoded text
+    TIME = "time"  # generate(): max_time seconds passed
+    LENGTH = "length"  # max new tokens, or the context length
+    ABORT = "abort"  # engine: aborted by the caller, or it can never fit the KV cache
+
+    def to_openai(self) -> str:
+        """OpenAI ``finish_reason``: "stop", "length", or vLLM's "abort"."""
+        return _OPENAI[self]
 
 
-class StoppingCriteria:
-    """Base class: ``(token_ids [B, T], logits [B, V] | None) -> [B] bool``."""
-
-    finish_reason: str = FINISH_STOP
-
-    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class MaxNewTokensCriteria(StoppingCriteria):
-    """Done once ``T - prompt_length >= max_new_tokens``. Raises ValueError for bad counts."""
-
-    finish_reason = FINISH_LENGTH
-
-    def __init__(self, max_new_tokens: int, prompt_length: int):
-        _check_count("max_new_tokens", max_new_tokens, 1)
-        _check_count("prompt_length", prompt_length, 0)
-        self.max_new_tokens = max_new_tokens
-        self.prompt_length = prompt_length
-
-    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
-        is_done = token_ids.shape[1] - self.prompt_length >= self.max_new_tokens
-        return torch.full((token_ids.shape[0],), is_done, dtype=torch.bool, device=token_ids.device)  # [B]
+_OPENAI = {
+    FinishReason.STOP: "stop",
+    FinishReason.STOP_STRING: "stop",
+    FinishReason.TIME: "length",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+}
+# When several stops fire on the same token, the earlier wins. Finish code i + 1 stands for PRIORITY[i].
+PRIORITY: tuple[FinishReason, ...] = (FinishReason.STOP, FinishReason.STOP_STRING, FinishReason.TIME, FinishReason.LENGTH)
 
 
-class EosTokenCriteria(StoppingCriteria):
-    """Done when a row's last id is any of the EOS ids. Raises ValueError for an empty list."""
+def reason_of(code: int) -> FinishReason | None:
+    """The reason a finish code stands for (0 = still running)."""
+    return PRIORITY[code - 1] if code > 0 else None
 
-    finish_reason = FINISH_STOP
 
-    def __init__(self, eos_token_id: int | Sequence[int]):
-        ids = [eos_token_id] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
-        if not ids:
-            raise ValueError(f"eos_token_id must name at least one id, got {eos_token_id!r}")
-        self.eos_token_ids = ids
+def code_of(reason: FinishReason) -> int:
+    return PRIORITY.index(reason) + 1
 
-    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
-        eos = torch.tensor(self.eos_token_ids, dtype=token_ids.dtype, device=token_ids.device)
-        return torch.isin(token_ids[:, -1], eos)  # [B]
+
+@dataclass(frozen=True)
+class TokenStops:
+    """Stops decided by token ids and counts alone (no text). Counts are in tokens.
+
+    EOS and stop token ids stop only once ``min_new_tokens`` tokens exist (vLLM
+    ``min_tokens``); ``generate()`` passes 0, since its processor already keeps EOS
+    out before then, as HF's ``EosTokenCriteria`` has no minimum.
+    """
+
+    eos_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    min_new_tokens: int = 0
+    max_new_tokens: int | None = None
+    max_total_tokens: int | None = None  # the engine's max_model_len (prompt + output)
+
+    def check(self, token_id: int, num_new: int, num_total: int) -> tuple[FinishReason, int | None] | None:
+        """After appending ``token_id`` (the ``num_new``-th new token, ``num_total`` in all):
+        (reason, the stop token id when one matched, else None), or None to go on."""
+        if num_new >= self.min_new_tokens:
+            if token_id in self.eos_token_ids:
+                return FinishReason.STOP, None
+            if token_id in self.stop_token_ids:
+                return FinishReason.STOP, token_id
+        if self.max_new_tokens is not None and num_new >= self.max_new_tokens:
+            return FinishReason.LENGTH, None
+        if self.max_total_tokens is not None and num_total >= self.max_total_tokens:
+            return FinishReason.LENGTH, None
+        return None
 
 
 def find_stop_string(text: str, stop: Sequence[str]) -> tuple[int, str] | None:
@@ -87,8 +109,8 @@ def find_stop_string(text: str, stop: Sequence[str]) -> tuple[int, str] | None:
 def partial_stop_suffix_len(text: str, stop: Sequence[str]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of some stop string.
 
-    An engine holds back that many trailing characters while streaming, since they may
-    still become a stop string. Returns 0 when no suffix can.
+    A stream holds back that many trailing characters, since they may still become a
+    stop string. Returns 0 when no suffix can.
     """
     longest = 0
     for s in stop:
@@ -99,82 +121,79 @@ def partial_stop_suffix_len(text: str, stop: Sequence[str]) -> int:
     return longest
 
 
-class StopStringCriteria(StoppingCriteria):
-    """Done when a row's generated text contains a stop string, wherever token boundaries fall.
+@dataclass(frozen=True)
+class StopStrings:
+    """Stop strings matched on decoded text wherever token boundaries fall.
 
-    ``decode`` maps the ids after ``prompt_length`` to text; after each call ``matches[i]``
-    holds row i's ``(position, stop_string)`` in that text, or None. Unlike HF, a match
-    anywhere in the generated text counts, so several tokens may be appended per call.
-    Raises ValueError for an empty or blank stop list.
+    Raises ValueError for an empty list or an empty string.
     """
 
-    finish_reason = FINISH_STOP_STRING
+    stops: tuple[str, ...]
+    include_in_output: bool = False
 
-    def __init__(self, stop_strings: str | Sequence[str], decode: Callable[[list[int]], str], prompt_length: int):
-        stops = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
-        if not stops or any(not isinstance(s, str) or not s for s in stops):
-            raise ValueError(f"stop_strings must be a non-empty list of non-empty strings, got {stop_strings!r}")
-        _check_count("prompt_length", prompt_length, 0)
-        self.stop_strings = stops
-        self.decode = decode
-        self.prompt_length = prompt_length
-        self.matches: list[tuple[int, str] | None] = []
+    def __post_init__(self) -> None:
+        if not self.stops or any(not isinstance(s, str) or not s for s in self.stops):
+            raise ValueError(f"stop_strings must be a non-empty list of non-empty strings, got {list(self.stops)!r}")
 
-    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
-        generated = token_ids[:, self.prompt_length :].tolist()  # B lists of T - prompt_length ids
-        self.matches = [find_stop_string(self.decode(ids), self.stop_strings) for ids in generated]
-        return torch.tensor([m is not None for m in self.matches], dtype=torch.bool, device=token_ids.device)
+    def match_new(self, text: str, old_len: int) -> tuple[int, str] | None:
+        """A match that involves text past ``old_len`` (earlier ones were already found):
+        (where the text is cut: before the stop string, or after it when included, the stop string)."""
+        start = max(0, old_len - max(len(s) for s in self.stops) + 1)
+        match = find_stop_string(text[start:], self.stops)
+        if match is None:
+            return None
+        position, stop = start + match[0], match[1]
+        return position + (len(stop) if self.include_in_output else 0), stop
+
+    def num_streamable(self, text: str) -> int:
+        """Characters of a running stream's ``text`` safe to show (the rest may grow into a stop string)."""
+        return len(text) - partial_stop_suffix_len(text, self.stops)
+
+    def rows_hit(self, generated: list[list[int]], decode: Callable[[list[int]], str]) -> list[bool]:
+        """Per row of generated ids: does its decoded text contain a stop string (HF ``StopStringCriteria``)?"""
+        return [find_stop_string(decode(ids), self.stops) is not None for ids in generated]
 
 
-class MaxTimeCriteria(StoppingCriteria):
-    """Done for every row once more than ``max_time`` seconds passed since ``start_time``.
+@dataclass
+class StopChecker:
+    """``generate()``'s stops for every row at once; ``check`` gives finish codes (see ``PRIORITY``).
 
-    ``clock`` defaults to ``time.monotonic`` (and so does ``start_time``: now).
-    Raises ValueError for max_time <= 0.
+    ``decode`` is needed with ``stop_strings``; ``max_time`` is in seconds from
+    ``start_time`` (default: now) on ``clock`` (default ``time.monotonic``).
     """
 
-    finish_reason = FINISH_TIME
+    tokens: TokenStops
+    prompt_length: int
+    stop_strings: StopStrings | None = None
+    decode: Callable[[list[int]], str] | None = None
+    max_time: float | None = None
+    clock: Callable[[], float] = time.monotonic
+    start_time: float | None = None
 
-    def __init__(
-        self, max_time: float, start_time: float | None = None, clock: Callable[[], float] = time.monotonic
-    ):
-        if isinstance(max_time, bool) or not isinstance(max_time, (int, float)) or not max_time > 0:
-            raise ValueError(f"max_time must be > 0 seconds, got {max_time!r}")
-        self.max_time = float(max_time)
-        self.clock = clock
-        self.start_time = clock() if start_time is None else start_time
+    def __post_init__(self) -> None:
+        check_int("prompt_length", self.prompt_length, 0)
+        if self.stop_strings is not None and self.decode is None:
+            raise ValueError("stop_strings need a decode function (pass generate(..., tokenizer=tok))")
+        if self.start_time is None:
+            self.start_time = self.clock()
 
-    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
-        is_done = self.clock() - self.start_time > self.max_time
-        return torch.full((token_ids.shape[0],), is_done, dtype=torch.bool, device=token_ids.device)  # [B]
+    def check(self, sequences: torch.Tensor) -> torch.Tensor:
+        """sequences: [N, S] long, prompt then new tokens. Returns [N] long codes, 0 = go on.
 
-
-def pick_finish_reasons(flags: dict[str, torch.Tensor]) -> list[str | None]:
-    """Per row, the highest-priority reason whose ``[B] bool`` flag is set, else None."""
-    if not flags:
-        return []
-    rows = {reason: flag.tolist() for reason, flag in flags.items()}
-    num_rows = len(next(iter(rows.values())))
-    ordered = [r for r in FINISH_REASON_PRIORITY if r in rows] + [r for r in rows if r not in FINISH_REASON_PRIORITY]
-    return [next((r for r in ordered if rows[r][i]), None) for i in range(num_rows)]
-
-
-class StoppingCriteriaList(list[StoppingCriteria]):
-    """Criteria OR-ed together; an empty list never stops."""
-
-    def check(
-        self, token_ids: torch.Tensor, logits: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, list[str | None]]:
-        """Evaluate each criterion once. Returns (is_done [B] bool, finish reason per row or None)."""
-        is_done = torch.zeros(token_ids.shape[0], dtype=torch.bool, device=token_ids.device)  # [B]
-        flags: dict[str, torch.Tensor] = {}
-        for criteria in self:
-            hit = criteria(token_ids, logits)  # [B]
-            is_done = is_done | hit
-            reason = criteria.finish_reason
-            flags[reason] = flags[reason] | hit if reason in flags else hit
-        reasons = pick_finish_reasons(flags) if flags else [None] * token_ids.shape[0]
-        return is_done, reasons
-
-    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
-        return self.check(token_ids, logits)[0]
+        Priority: EOS / stop token ids, stop strings, time, length (``PRIORITY``).
+        """
+        num_rows, num_new = sequences.shape[0], sequences.shape[1] - self.prompt_length
+        codes = torch.zeros(num_rows, dtype=torch.long)  # [N]
+        stop_ids = self.tokens.eos_token_ids + self.tokens.stop_token_ids
+        if stop_ids and num_new >= max(self.tokens.min_new_tokens, 1):
+            codes[torch.isin(sequences[:, -1], torch.tensor(stop_ids))] = code_of(FinishReason.STOP)
+        if self.stop_strings is not None and self.decode is not None:
+            generated = sequences[:, self.prompt_length :].tolist()  # N lists of new ids
+            hit = torch.tensor(self.stop_strings.rows_hit(generated, self.decode), dtype=torch.bool)  # [N]
+            codes[hit & (codes == 0)] = code_of(FinishReason.STOP_STRING)
+        if self.max_time is not None and self.clock() - (self.start_time or 0.0) > self.max_time:
+            codes[codes == 0] = code_of(FinishReason.TIME)
+        limit = self.tokens.max_new_tokens
+        if limit is not None and num_new >= limit:
+            codes[codes == 0] = code_of(FinishReason.LENGTH)
+        return codes
