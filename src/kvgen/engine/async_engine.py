@@ -28,8 +28,9 @@ class AsyncLLMEngine:
         self.engine = engine
         self.step_in_thread = step_in_thread
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._lock: asyncio.Lock | None = None
-        self._has_work: asyncio.Event | None = None
+        # Made anew in _start for each event loop that runs the step loop.
+        self._lock = asyncio.Lock()
+        self._has_work = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -95,8 +96,7 @@ class AsyncLLMEngine:
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with a finished output whose ``finish_reason`` is "abort"."""
         self.engine.abort_request(request_id)
-        if self._has_work is not None:
-            self._has_work.set()
+        self._has_work.set()
 
     async def _run_loop(self) -> None:
         while True:
@@ -114,9 +114,9 @@ class AsyncLLMEngine:
                     self.engine.abort_request(list(self._streams))
                     raise
             for output in outputs:
-                queue = self._streams.get(output.request_id)
-                if queue is not None:
-                    queue.put_nowait(output)
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    stream.put_nowait(output)
             await asyncio.sleep(0)  # let consumers and add_request run between steps
 
     @property

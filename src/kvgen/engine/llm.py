@@ -6,12 +6,12 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from torch import nn
 
 from kvgen.engine.engine_args import EngineArgs
 from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.outputs import RequestOutput
 from kvgen.engine.sampling_params import SamplingParams
+from kvgen.models import CausalLM
 from kvgen.tokenizer import Tokenizer
 
 PromptInput = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...}
@@ -26,8 +26,8 @@ class LLM:
     Raises ``ValueError`` for bad engine settings.
     """
 
-    def __init__(self, model: str | nn.Module = "default", tokenizer: Tokenizer | None = None, **engine_args: Any) -> None:
-        if isinstance(model, nn.Module):
+    def __init__(self, model: str | CausalLM = "default", tokenizer: Tokenizer | None = None, **engine_args: Any) -> None:
+        if isinstance(model, CausalLM):
             self.llm_engine = LLMEngine(model, tokenizer, EngineArgs(**engine_args))
         else:
             self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=str(model), **engine_args))
@@ -87,11 +87,12 @@ class LLM:
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-        return [list(prompts)]  # one prompt of token ids
     if not isinstance(prompts, Sequence) or not prompts:
         raise ValueError(f"prompts must be a string, a list of token ids or a non-empty list of prompts, got {prompts!r}")
-    return list(prompts)
+    items: list[Any] = list(prompts)
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        return [items]  # one prompt of token ids
+    return items
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int) -> list[SamplingParams]:

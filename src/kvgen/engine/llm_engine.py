@@ -135,12 +135,14 @@ class LLMEngine:
     def _prompt_tokens(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompt and prompt_token_ids")
+        text: str | None = None
+        ids: list[int] | None = prompt_token_ids if prompt is None else None
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass prompt_token_ids instead")
             text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, prompt_token_ids if prompt is None else prompt
+        elif prompt is not None:
+            ids = prompt
         vocab = self.model.config.vocab_size
         if not isinstance(ids, list) or not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
             raise ValueError(f"prompt_token_ids must be a non-empty list of ints, got {ids!r}")

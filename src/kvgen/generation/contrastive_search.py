@@ -59,6 +59,7 @@ class CandidateRunner:
         if self.context is None:
             self.context = self.runner.hidden_states()  # [B, T, C]
             self.chosen_hidden = self.context[:, -1]  # [B, C]
+        assert self.chosen_hidden is not None  # set by the prefill above or by choose()
         return self.runner.model.compute_logits(self.chosen_hidden)  # [B, V]
 
     @torch.inference_mode()

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from kvgen.errors import ContextLengthError
 from kvgen.generation.beam_sample import beam_sample
@@ -25,6 +24,7 @@ from kvgen.generation.output import GenerateOutput
 from kvgen.generation.runner import StepRunner
 from kvgen.generation.sample import multinomial_sample
 from kvgen.generation.sample_and_rank import sample_and_rank
+from kvgen.models import CausalLM
 from kvgen.sampling.logits_process import build_logits_processors
 from kvgen.sampling.stopping import StopChecker, StopStrings, TokenStops
 
@@ -43,7 +43,7 @@ NOT_STREAMABLE = (Strategy.BEAM_SEARCH, Strategy.BEAM_SAMPLE, Strategy.GROUP_BEA
 
 
 def generate(
-    model: nn.Module,
+    model: CausalLM,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     generation_config: GenerationConfig | None = None,

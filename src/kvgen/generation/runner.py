@@ -11,10 +11,9 @@ from __future__ import annotations
 import time
 
 import torch
-from torch import nn
 
 from kvgen.kv_cache import DynamicCache, StaticCache
-from kvgen.models import kv_cache_dtype
+from kvgen.models import CausalLM, kv_cache_dtype
 from kvgen.models.attention import AttentionMetadata
 
 
@@ -23,7 +22,7 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def make_cache(model: nn.Module, kind: str, batch_size: int, max_len: int) -> DynamicCache | StaticCache:
+def make_cache(model: CausalLM, kind: str, batch_size: int, max_len: int) -> DynamicCache | StaticCache:
     """A fresh KV cache of ``kind`` ("dynamic" | "static") sized for ``max_len`` tokens per row."""
     cfg = model.config
     if kind == "static":
@@ -44,7 +43,7 @@ class StepRunner:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         cache_kind: str | None,
@@ -78,6 +77,7 @@ class StepRunner:
         hidden = self.model(ids, positions, self.cache, meta)  # [B/copies, T_fed, C]
         if copies > 1:
             rows = torch.arange(ids.shape[0]).repeat_interleave(copies)  # [B]
+            assert self.cache is not None  # copies > 1 only with a cache
             self.cache.reorder(rows)
             hidden = hidden.index_select(0, rows)  # [B, T_fed, C]
         self.num_cached = self.sequences.shape[1]
