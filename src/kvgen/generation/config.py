@@ -154,6 +154,7 @@ class GenerationConfig:
         pad = self.pad_token_id
         if pad is None:
             pad = pad_token_id
-        if pad is None and eos is not None:
-            pad = eos if isinstance(eos, int) else eos[0]
+        if pad is None:
+            eos_ids = [eos] if isinstance(eos, int) else list(eos or [])  # [] disables EOS: no pad from it
+            pad = eos_ids[0] if eos_ids else None
         return self.replace(eos_token_id=eos, pad_token_id=pad)

@@ -1,0 +1,32 @@
+"""GenerationConfig: model defaults for EOS and pad (as transformers fills them)."""
+
+from __future__ import annotations
+
+import torch
+from helpers import make_tiny_model
+
+from kvgen.generation import GenerationConfig, generate
+
+
+def test_model_defaults_fill_eos_and_pad_from_the_model() -> None:
+    cfg = GenerationConfig().with_model_defaults([5, 7], None)
+    assert (cfg.eos_token_id, cfg.pad_token_id) == ([5, 7], 5)  # pad falls back to the first EOS, as HF
+    cfg = GenerationConfig(pad_token_id=3).with_model_defaults([5], 9)
+    assert (cfg.eos_token_id, cfg.pad_token_id) == ([5], 3)
+
+
+def test_empty_eos_list_disables_eos_and_leaves_pad_unset() -> None:
+    cfg = GenerationConfig(eos_token_id=[]).with_model_defaults([5], None)
+    assert (cfg.eos_token_id, cfg.pad_token_id) == ([], None)
+
+
+def test_generate_with_eos_disabled_runs_to_max_new_tokens() -> None:
+    tiny = make_tiny_model("llama", std=0.5)
+    ids = torch.tensor([[1, 2, 3]])
+    greedy = generate(tiny.ours, ids, None, GenerationConfig(max_new_tokens=4))
+    first = greedy.new_token_ids[0][0]  # make the first greedy token an EOS: without the [] it would stop there
+    tiny.ours.config.eos_token_id = first
+    stopped = generate(tiny.ours, ids, None, GenerationConfig(max_new_tokens=4))
+    assert stopped.new_token_ids[0] == [first] and stopped.finish_reasons == ["stop"]
+    out = generate(tiny.ours, ids, None, GenerationConfig(max_new_tokens=4, eos_token_id=[]))
+    assert out.new_token_ids == greedy.new_token_ids and out.finish_reasons == ["length"]
