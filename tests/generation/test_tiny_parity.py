@@ -12,6 +12,7 @@ processor changes the output, samples differ).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -50,9 +51,10 @@ def _new(sequences: torch.Tensor) -> list[list[int]]:
     return sequences[:, IDS.shape[1] :].tolist()
 
 
+@functools.cache  # one reference run per model; callers only read it
 def _greedy_new(tiny: TinyModel) -> list[list[int]]:
     """transformers' greedy continuations without EOS: the pool the EOS ids and bad words are taken from."""
-    return _new(_hf(tiny, max_new_tokens=NEW_TOKENS).sequences)
+    return _new(_hf(tiny).sequences)
 
 
 def _two_eos(tiny: TinyModel) -> list[int]:
@@ -86,7 +88,7 @@ def test_greedy_matches_transformers(tiny: TinyModel, cache: str) -> None:
     ours = _ours(tiny, cache_implementation=cache, output_scores=True, output_logits=True)
     assert ours.sequences.tolist() == ref.sequences.tolist()
     assert ours.scores is not None and ours.logits is not None
-    for got, want in zip(ours.logits, ref.logits, strict=True):
+    for got, want in zip(ours.scores + ours.logits, ref.scores + ref.logits, strict=True):  # [B, V] per step
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert len({tuple(r) for r in ours.new_token_ids}) == 3 and len(set(ours.new_token_ids[0])) > 2
 
@@ -133,7 +135,7 @@ def test_greedy_with_processor_matches_transformers(tiny: TinyModel, case: str) 
 
 # ---------------------------------------------------------------- multinomial sampling
 
-SAMPLING = {
+SAMPLING: dict[str, dict[str, Any]] = {
     "temperature=0.7, top_k=10": {"temperature": 0.7, "top_k": 10},
     "top_p=0.8, repetition_penalty=1.3": {"top_p": 0.8, "top_k": 0, "repetition_penalty": 1.3},
     "min_p=0.1, temperature=1.5": {"min_p": 0.1, "temperature": 1.5, "top_k": 0},
@@ -158,7 +160,7 @@ def test_seeded_sampling_matches_transformers(tiny: TinyModel, name: str) -> Non
 
 # ---------------------------------------------------------------- beam search and its variants
 
-BEAMS = {
+BEAMS: dict[str, dict[str, Any]] = {
     "4 beams, all returned": {"num_beams": 4, "num_return_sequences": 4},
     "early_stopping=True, length_penalty=0.8, no_repeat_ngram": {
         "num_beams": 3, "early_stopping": True, "length_penalty": 0.8, "no_repeat_ngram_size": 2,
@@ -190,11 +192,12 @@ def test_beam_search_ranks_eos_and_length_hypotheses(tiny: TinyModel) -> None:
     ref = _hf(tiny, eos, **kwargs)
     ours = _ours(tiny, eos, **kwargs)
     _assert_beams_equal(ours, ref)
+    assert ours.sequences_scores is not None
     reasons, counts = _expected_stops(_new(ref.sequences), eos)
     assert "stop" in reasons and "length" in reasons  # EOS hypotheses and max-length ones both ranked
     assert ours.finish_reasons == reasons and ours.num_new_tokens == counts
     for p in range(3):
-        scores = ours.sequences_scores[4 * p : 4 * p + 4].tolist()  # type: ignore[index]
+        scores = ours.sequences_scores[4 * p : 4 * p + 4].tolist()
         assert scores == sorted(scores, reverse=True)
 
 
@@ -214,7 +217,7 @@ def test_beam_sample_matches_transformers_for_the_same_seed(tiny: TinyModel) -> 
     assert _hf(tiny, eos, **kwargs).sequences.tolist() != ref.sequences.tolist()  # the draws decide the beams
 
 
-GROUPS = {
+GROUPS: dict[str, dict[str, Any]] = {
     "2 groups of 2": {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0, "num_return_sequences": 2},
     "3 groups of 2, early_stopping=True": {
         "num_beams": 6, "num_beam_groups": 3, "diversity_penalty": 0.5, "num_return_sequences": 3,
@@ -258,8 +261,11 @@ def test_group_beam_search_with_several_eos_ids_keeps_the_emitted_eos(tiny: Tiny
 # ---------------------------------------------------------------- contrastive search
 
 
-@pytest.mark.parametrize("kwargs", [{"penalty_alpha": 0.6, "top_k": 4}, {"penalty_alpha": 0.45, "top_k": 3}])
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize(
+    "kwargs,cache",
+    [({"penalty_alpha": 0.6, "top_k": 4}, "dynamic"), ({"penalty_alpha": 0.45, "top_k": 3}, "dynamic"),
+     ({"penalty_alpha": 0.6, "top_k": 4}, "static")],
+)
 def test_contrastive_search_matches_transformers(tiny: TinyModel, kwargs: dict[str, Any], cache: str) -> None:
     eos = _two_eos(tiny)
     ref = _hf(tiny, eos, **kwargs)
