@@ -73,6 +73,13 @@ def _expected_stops(new_rows: list[list[int]], eos: list[int]) -> tuple[list[str
     return reasons, counts
 
 
+def _assert_scores_close(ours: GenerateOutput, ref: Any) -> None:
+    """Processed scores of every step equal transformers' (-inf where a processor removed a token)."""
+    assert ours.scores is not None and len(ours.scores) == len(ref.scores)
+    for got, want in zip(ours.scores, ref.scores, strict=True):  # [N, V] per step
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def _assert_beams_equal(ours: GenerateOutput, ref: Any) -> None:
     assert ours.sequences.tolist() == ref.sequences.tolist()
     assert ours.sequences_scores is not None
@@ -127,8 +134,9 @@ def test_greedy_with_processor_matches_transformers(tiny: TinyModel, case: str) 
     eos = kwargs.pop("eos", None)
     ref = _hf(tiny, eos, **kwargs)
     assert ref.sequences.tolist() != _hf(tiny, eos).sequences.tolist()  # the processor changes the output
-    ours = _ours(tiny, eos, **kwargs)
+    ours = _ours(tiny, eos, output_scores=True, **kwargs)
     assert ours.sequences.tolist() == ref.sequences.tolist()
+    _assert_scores_close(ours, ref)
     if eos:
         assert (ours.finish_reasons, ours.num_new_tokens) == _expected_stops(_new(ref.sequences), eos)
 
@@ -151,8 +159,9 @@ def test_seeded_sampling_matches_transformers(tiny: TinyModel, name: str) -> Non
     eos = _two_eos(tiny)
     torch.manual_seed(3)  # transformers draws from the global generator, one multinomial over all rows per step
     ref = _hf(tiny, eos, **kwargs)
-    ours = _ours(tiny, eos, seed=3, **kwargs)
+    ours = _ours(tiny, eos, seed=3, output_scores=True, **kwargs)
     assert ours.sequences.tolist() == ref.sequences.tolist()
+    _assert_scores_close(ours, ref)
     assert (ours.finish_reasons, ours.num_new_tokens) == _expected_stops(_new(ref.sequences), eos)
     rows = _new(ref.sequences)
     assert any(rows[2 * i] != rows[2 * i + 1] for i in range(3))  # the two samples of a prompt differ: draws are random
@@ -222,6 +231,10 @@ GROUPS: dict[str, dict[str, Any]] = {
     "3 groups of 2, early_stopping=True": {
         "num_beams": 6, "num_beam_groups": 3, "diversity_penalty": 0.5, "num_return_sequences": 3,
         "early_stopping": True,
+    },
+    "2 groups of 2, early_stopping=never, length_penalty=0.6": {
+        "num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 0.7, "early_stopping": "never",
+        "length_penalty": 0.6, "num_return_sequences": 4,
     },
 }
 
