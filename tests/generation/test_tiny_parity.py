@@ -41,6 +41,14 @@ def _hf(tiny: TinyModel, eos: list[int] | None = None, **kwargs: Any) -> Any:
         )
 
 
+def _hf_seeded(tiny: TinyModel, seed: int, eos: list[int], **kwargs: Any) -> Any:
+    """``_hf`` with the global generator seeded (transformers samples from it, one multinomial over all
+    rows per step, as kvgen does from a ``torch.Generator`` seeded alike); the caller's RNG state is kept."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return _hf(tiny, eos, **kwargs)
+
+
 def _ours(tiny: TinyModel, eos: list[int] | None = None, **kwargs: Any) -> GenerateOutput:
     cfg = GenerationConfig(max_new_tokens=kwargs.pop("max_new_tokens", NEW_TOKENS), eos_token_id=eos or [],
                            pad_token_id=PAD, **kwargs)
@@ -157,8 +165,7 @@ SAMPLING: dict[str, dict[str, Any]] = {
 def test_seeded_sampling_matches_transformers(tiny: TinyModel, name: str) -> None:
     kwargs = {"do_sample": True, "num_return_sequences": 2, **SAMPLING[name]}
     eos = _two_eos(tiny)
-    torch.manual_seed(3)  # transformers draws from the global generator, one multinomial over all rows per step
-    ref = _hf(tiny, eos, **kwargs)
+    ref = _hf_seeded(tiny, 3, eos, **kwargs)
     ours = _ours(tiny, eos, seed=3, output_scores=True, **kwargs)
     assert ours.sequences.tolist() == ref.sequences.tolist()
     _assert_scores_close(ours, ref)
@@ -219,11 +226,9 @@ def test_beam_search_static_cache_matches_transformers(tiny: TinyModel) -> None:
 def test_beam_sample_matches_transformers_for_the_same_seed(tiny: TinyModel) -> None:
     kwargs = {"num_beams": 3, "num_return_sequences": 2, "do_sample": True, "temperature": 1.2, "top_k": 0}
     eos = _two_eos(tiny)
-    torch.manual_seed(5)
-    ref = _hf(tiny, eos, **kwargs)
+    ref = _hf_seeded(tiny, 5, eos, **kwargs)
     _assert_beams_equal(_ours(tiny, eos, seed=5, **kwargs), ref)
-    torch.manual_seed(6)
-    assert _hf(tiny, eos, **kwargs).sequences.tolist() != ref.sequences.tolist()  # the draws decide the beams
+    assert _hf_seeded(tiny, 6, eos, **kwargs).sequences.tolist() != ref.sequences.tolist()  # the draws decide the beams
 
 
 GROUPS: dict[str, dict[str, Any]] = {
@@ -278,6 +283,7 @@ def test_group_beam_search_with_several_eos_ids_keeps_the_emitted_eos(tiny: Tiny
     "kwargs,cache",
     [({"penalty_alpha": 0.6, "top_k": 4}, "dynamic"), ({"penalty_alpha": 0.45, "top_k": 3}, "dynamic"),
      ({"penalty_alpha": 0.6, "top_k": 4}, "static")],
+    ids=["alpha=0.6,k=4-dynamic", "alpha=0.45,k=3-dynamic", "alpha=0.6,k=4-static"],
 )
 def test_contrastive_search_matches_transformers(tiny: TinyModel, kwargs: dict[str, Any], cache: str) -> None:
     eos = _two_eos(tiny)
