@@ -1,0 +1,323 @@
+"""Every decoding strategy of generate() against transformers 4.55 on tiny random models (fast subset).
+
+The tests of the sibling files compare with transformers on the real default model, which
+makes them ``slow``; these run the same comparisons on a tiny Llama and a tiny GPT-2
+(``make_tiny_model(std=0.5)``: logits spread widely enough that an argmax or a beam ranking
+is not decided by float noise) over one left-padded batch of prompts of different lengths.
+Expected tokens and scores always come from transformers at run time; the EOS ids, bad words
+and so on are picked from transformers' own unconstrained output, and each test also checks
+that the reference run really exercises the feature (rows stop at different steps, a
+processor changes the output, samples differ).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from helpers import TinyModel, left_pad, make_tiny_model
+
+from kvgen.generation import GenerateOutput, GenerationConfig, generate
+
+NEW_TOKENS = 10
+PAD = 1  # not 0: transformers' beam search fills finished rows with eos[0] when pad_token_id is 0 (falsy)
+PROMPTS = [[5, 17, 42, 8, 61, 3, 29], [11, 70], [88, 4, 19, 33]]  # 7, 2 and 4 tokens
+IDS, MASK = left_pad(PROMPTS, PAD)  # [3, 7]
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def tiny(request: pytest.FixtureRequest) -> TinyModel:
+    return make_tiny_model(request.param, std=0.5)
+
+
+def _hf(tiny: TinyModel, eos: list[int] | None = None, **kwargs: Any) -> Any:
+    """transformers' generate() on the padded batch: a GenerateOutput dict with scores."""
+    with torch.inference_mode():
+        return tiny.ref.generate(
+            IDS, attention_mask=MASK, max_new_tokens=kwargs.pop("max_new_tokens", NEW_TOKENS), eos_token_id=eos,
+            pad_token_id=PAD, return_dict_in_generate=True, output_scores=True, **kwargs,
+        )
+
+
+def _hf_seeded(tiny: TinyModel, seed: int, eos: list[int], **kwargs: Any) -> Any:
+    """``_hf`` with the global generator seeded (transformers samples from it, one multinomial over all
+    rows per step, as kvgen does from a ``torch.Generator`` seeded alike); the caller's RNG state is kept."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return _hf(tiny, eos, **kwargs)
+
+
+def _ours(tiny: TinyModel, eos: list[int] | None = None, **kwargs: Any) -> GenerateOutput:
+    cfg = GenerationConfig(max_new_tokens=kwargs.pop("max_new_tokens", NEW_TOKENS), eos_token_id=eos or [],
+                           pad_token_id=PAD, **kwargs)
+    return generate(tiny.ours, IDS, MASK, cfg)
+
+
+def _new(sequences: torch.Tensor) -> list[list[int]]:
+    return sequences[:, IDS.shape[1] :].tolist()
+
+
+@functools.cache  # one reference run per model; callers only read it
+def _greedy_new(tiny: TinyModel) -> list[list[int]]:
+    """transformers' greedy continuations without EOS: the pool the EOS ids and bad words are taken from."""
+    return _new(_hf(tiny).sequences)
+
+
+def _two_eos(tiny: TinyModel) -> list[int]:
+    """Two EOS ids that transformers' greedy run emits in the middle of rows 0 and 1."""
+    greedy = _greedy_new(tiny)
+    return sorted({greedy[0][3], greedy[1][6]})
+
+
+def _expected_stops(new_rows: list[list[int]], eos: list[int]) -> tuple[list[str], list[int]]:
+    """Finish reasons and new-token counts implied by transformers' padded output rows."""
+    reasons, counts = [], []
+    for row in new_rows:
+        hit = next((t for t, token in enumerate(row) if token in eos), None)
+        reasons.append("length" if hit is None else "stop")
+        counts.append(len(row) if hit is None else hit + 1)
+    return reasons, counts
+
+
+def _assert_scores_close(ours: GenerateOutput, ref: Any) -> None:
+    """Processed scores of every step equal transformers' (-inf where a processor removed a token)."""
+    assert ours.scores is not None and len(ours.scores) == len(ref.scores)
+    for got, want in zip(ours.scores, ref.scores, strict=True):  # [N, V] per step
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _assert_beams_equal(ours: GenerateOutput, ref: Any) -> None:
+    assert ours.sequences.tolist() == ref.sequences.tolist()
+    assert ours.sequences_scores is not None
+    torch.testing.assert_close(ours.sequences_scores, ref.sequences_scores, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- greedy and EOS
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_greedy_matches_transformers(tiny: TinyModel, cache: str) -> None:
+    ref = _hf(tiny, output_logits=True)
+    ours = _ours(tiny, cache_implementation=cache, output_scores=True, output_logits=True)
+    assert ours.sequences.tolist() == ref.sequences.tolist()
+    assert ours.scores is not None and ours.logits is not None
+    for got, want in zip(ours.scores + ours.logits, ref.scores + ref.logits, strict=True):  # [B, V] per step
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert len({tuple(r) for r in ours.new_token_ids}) == 3 and len(set(ours.new_token_ids[0])) > 2
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_several_eos_ids_stop_rows_at_different_steps(tiny: TinyModel, cache: str) -> None:
+    eos = _two_eos(tiny)
+    ref = _hf(tiny, eos)
+    reasons, counts = _expected_stops(_new(ref.sequences), eos)
+    assert len(set(counts)) > 1 and "stop" in reasons  # rows really finish at different steps
+    ours = _ours(tiny, eos, cache_implementation=cache)
+    assert ours.sequences.tolist() == ref.sequences.tolist()  # finished rows padded as transformers pads them
+    assert ours.finish_reasons == reasons and ours.num_new_tokens == counts
+
+
+# ---------------------------------------------------------------- logits processors on greedy
+
+
+def _processor_cases(tiny: TinyModel) -> dict[str, dict[str, Any]]:
+    greedy = _greedy_new(tiny)
+    return {
+        "no_repeat_ngram_size=2": {"no_repeat_ngram_size": 2},
+        "no_repeat_ngram_size=1": {"no_repeat_ngram_size": 1},
+        "repetition_penalty=1.8": {"repetition_penalty": 1.8},
+        "bad_words_ids": {"bad_words_ids": [[greedy[0][1]], [greedy[1][2], greedy[1][3]], [greedy[2][4]]]},
+        "min_new_tokens=6": {"min_new_tokens": 6, "eos": [greedy[0][1], greedy[1][0], greedy[2][2]]},
+    }
+
+
+@pytest.mark.parametrize(
+    "case", ["no_repeat_ngram_size=2", "no_repeat_ngram_size=1", "repetition_penalty=1.8", "bad_words_ids",
+             "min_new_tokens=6"]
+)
+def test_greedy_with_processor_matches_transformers(tiny: TinyModel, case: str) -> None:
+    kwargs = _processor_cases(tiny)[case]
+    eos = kwargs.pop("eos", None)
+    ref = _hf(tiny, eos, **kwargs)
+    assert ref.sequences.tolist() != _hf(tiny, eos).sequences.tolist()  # the processor changes the output
+    ours = _ours(tiny, eos, output_scores=True, **kwargs)
+    assert ours.sequences.tolist() == ref.sequences.tolist()
+    _assert_scores_close(ours, ref)
+    if eos:
+        assert (ours.finish_reasons, ours.num_new_tokens) == _expected_stops(_new(ref.sequences), eos)
+
+
+# ---------------------------------------------------------------- multinomial sampling
+
+SAMPLING: dict[str, dict[str, Any]] = {
+    "temperature=0.7, top_k=10": {"temperature": 0.7, "top_k": 10},
+    "top_p=0.8, repetition_penalty=1.3": {"top_p": 0.8, "top_k": 0, "repetition_penalty": 1.3},
+    "min_p=0.1, temperature=1.5": {"min_p": 0.1, "temperature": 1.5, "top_k": 0},
+    "typical_p=0.9, no_repeat_ngram_size=2": {"typical_p": 0.9, "no_repeat_ngram_size": 2},
+    "epsilon_cutoff=0.02": {"epsilon_cutoff": 0.02, "top_k": 0},
+    "eta_cutoff=0.01, top_k=20": {"eta_cutoff": 0.01, "top_k": 20},
+}
+
+
+@pytest.mark.parametrize("name", list(SAMPLING))
+def test_seeded_sampling_matches_transformers(tiny: TinyModel, name: str) -> None:
+    kwargs = {"do_sample": True, "num_return_sequences": 2, **SAMPLING[name]}
+    eos = _two_eos(tiny)
+    ref = _hf_seeded(tiny, 3, eos, **kwargs)
+    ours = _ours(tiny, eos, seed=3, output_scores=True, **kwargs)
+    assert ours.sequences.tolist() == ref.sequences.tolist()
+    _assert_scores_close(ours, ref)
+    assert (ours.finish_reasons, ours.num_new_tokens) == _expected_stops(_new(ref.sequences), eos)
+    rows = _new(ref.sequences)
+    assert any(rows[2 * i] != rows[2 * i + 1] for i in range(3))  # the two samples of a prompt differ: draws are random
+
+
+# ---------------------------------------------------------------- beam search and its variants
+
+BEAMS: dict[str, dict[str, Any]] = {
+    "4 beams, all returned": {"num_beams": 4, "num_return_sequences": 4},
+    "early_stopping=True, length_penalty=0.8, no_repeat_ngram": {
+        "num_beams": 3, "early_stopping": True, "length_penalty": 0.8, "no_repeat_ngram_size": 2,
+        "num_return_sequences": 2,
+    },
+    "early_stopping=never, length_penalty=1.5": {
+        "num_beams": 4, "early_stopping": "never", "length_penalty": 1.5, "num_return_sequences": 2
+    },
+    "early_stopping=False, length_penalty=0": {"num_beams": 2, "length_penalty": 0.0},
+}
+
+
+@pytest.mark.parametrize("name", list(BEAMS))
+def test_beam_search_matches_transformers(tiny: TinyModel, name: str) -> None:
+    kwargs = BEAMS[name]
+    eos = _two_eos(tiny)
+    ref = _hf(tiny, eos, output_logits=True, **kwargs)
+    ours = _ours(tiny, eos, output_scores=True, output_logits=True, **kwargs)
+    _assert_beams_equal(ours, ref)
+    assert ours.scores is not None and ours.logits is not None and len(ours.scores) == len(ref.scores)
+    for got, want in zip(ours.scores + ours.logits, ref.scores + ref.logits, strict=True):  # every live beam row
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert ours.sequences.shape[0] == 3 * kwargs.get("num_return_sequences", 1)
+
+
+def test_beam_search_ranks_eos_and_length_hypotheses(tiny: TinyModel) -> None:
+    eos = _two_eos(tiny)
+    kwargs = BEAMS["4 beams, all returned"]
+    ref = _hf(tiny, eos, **kwargs)
+    ours = _ours(tiny, eos, **kwargs)
+    _assert_beams_equal(ours, ref)
+    assert ours.sequences_scores is not None
+    reasons, counts = _expected_stops(_new(ref.sequences), eos)
+    assert "stop" in reasons and "length" in reasons  # EOS hypotheses and max-length ones both ranked
+    assert ours.finish_reasons == reasons and ours.num_new_tokens == counts
+    for p in range(3):
+        scores = ours.sequences_scores[4 * p : 4 * p + 4].tolist()
+        assert scores == sorted(scores, reverse=True)
+
+
+def test_beam_search_static_cache_matches_transformers(tiny: TinyModel) -> None:
+    kwargs = BEAMS["early_stopping=never, length_penalty=1.5"]
+    eos = _two_eos(tiny)
+    _assert_beams_equal(_ours(tiny, eos, cache_implementation="static", **kwargs), _hf(tiny, eos, **kwargs))
+
+
+def test_beam_sample_matches_transformers_for_the_same_seed(tiny: TinyModel) -> None:
+    kwargs = {"num_beams": 3, "num_return_sequences": 2, "do_sample": True, "temperature": 1.2, "top_k": 0}
+    eos = _two_eos(tiny)
+    ref = _hf_seeded(tiny, 5, eos, **kwargs)
+    _assert_beams_equal(_ours(tiny, eos, seed=5, **kwargs), ref)
+    assert _hf_seeded(tiny, 6, eos, **kwargs).sequences.tolist() != ref.sequences.tolist()  # the draws decide the beams
+
+
+GROUPS: dict[str, dict[str, Any]] = {
+    "2 groups of 2": {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0, "num_return_sequences": 2},
+    "3 groups of 2, early_stopping=True": {
+        "num_beams": 6, "num_beam_groups": 3, "diversity_penalty": 0.5, "num_return_sequences": 3,
+        "early_stopping": True,
+    },
+    "2 groups of 2, early_stopping=never, length_penalty=0.6": {
+        "num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 0.7, "early_stopping": "never",
+        "length_penalty": 0.6, "num_return_sequences": 4,
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(GROUPS))
+def test_group_beam_search_matches_transformers(tiny: TinyModel, name: str) -> None:
+    kwargs = GROUPS[name]
+    eos = _two_eos(tiny)[:1]  # one EOS id: see the next test for several
+    ref = _hf(tiny, eos, **kwargs)
+    _assert_beams_equal(_ours(tiny, eos, **kwargs), ref)
+    assert "stop" in _expected_stops(_new(ref.sequences), eos)[0]  # some returned hypotheses end on EOS
+    barely = _hf(tiny, eos, **{**kwargs, "diversity_penalty": 1e-6})  # transformers refuses 0.0 with groups
+    assert barely.sequences.tolist() != ref.sequences.tolist()  # the diversity penalty changes the beams
+
+
+def test_group_beam_search_with_several_eos_ids_keeps_the_emitted_eos(tiny: TinyModel) -> None:
+    """transformers' group beam search (``BeamSearchScorer.finalize``) writes ``eos[0]`` where a
+    hypothesis ended, whichever EOS id was emitted; kvgen keeps the emitted id (as transformers'
+    own beam search does). Everything else, scores included, is identical."""
+    kwargs = GROUPS["2 groups of 2"]
+    eos = _two_eos(tiny)
+    ref = _hf(tiny, eos, **kwargs)
+    ours = _ours(tiny, eos, **kwargs)
+    assert ours.sequences_scores is not None
+    torch.testing.assert_close(ours.sequences_scores, ref.sequences_scores, rtol=1e-4, atol=1e-4)
+    emitted_other_eos = 0
+    for got, want, reason, n in zip(_new(ours.sequences), _new(ref.sequences), ours.finish_reasons,
+                                    ours.num_new_tokens, strict=True):
+        if reason == "stop":
+            assert got[n - 1] in eos and want[n - 1] == eos[0]
+            emitted_other_eos += got[n - 1] != eos[0]
+            got[n - 1] = want[n - 1]
+        assert got == want
+    assert emitted_other_eos > 0  # the case where the two differ really happens
+
+
+# ---------------------------------------------------------------- contrastive search
+
+
+@pytest.mark.parametrize(
+    "kwargs,cache",
+    [({"penalty_alpha": 0.6, "top_k": 4}, "dynamic"), ({"penalty_alpha": 0.45, "top_k": 3}, "dynamic"),
+     ({"penalty_alpha": 0.6, "top_k": 4}, "static")],
+    ids=["alpha=0.6,k=4-dynamic", "alpha=0.45,k=3-dynamic", "alpha=0.6,k=4-static"],
+)
+def test_contrastive_search_matches_transformers(tiny: TinyModel, kwargs: dict[str, Any], cache: str) -> None:
+    eos = _two_eos(tiny)
+    ref = _hf(tiny, eos, **kwargs)
+    assert ref.sequences.tolist() != _hf(tiny, eos).sequences.tolist()  # the degeneration penalty decides tokens
+    ours = _ours(tiny, eos, cache_implementation=cache, **kwargs)
+    assert ours.sequences.tolist() == ref.sequences.tolist()
+    assert (ours.finish_reasons, ours.num_new_tokens) == _expected_stops(_new(ref.sequences), eos)
+
+
+# ---------------------------------------------------------------- sample-and-rank
+
+
+def _ref_logprob(tiny: TinyModel, prompt: list[int], new_ids: list[int]) -> float:
+    """Sum of transformers' log softmax(raw logits) of ``new_ids`` after ``prompt`` (one uncached forward)."""
+    with torch.inference_mode():
+        logits = tiny.ref(torch.tensor([prompt + new_ids])).logits  # [1, T, V]
+    logprobs = torch.log_softmax(logits[0, len(prompt) - 1 : -1], dim=-1)  # [T_new, V]
+    return float(logprobs.gather(1, torch.tensor(new_ids)[:, None]).sum())
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 0.0])
+def test_sample_and_rank_scores_are_transformers_log_likelihoods(tiny: TinyModel, length_penalty: float) -> None:
+    eos = _two_eos(tiny)
+    kwargs = {"do_sample": True, "best_of": 4, "top_k": 0, "seed": 11,
+              "length_penalty": length_penalty}
+    everything = _ours(tiny, eos, num_return_sequences=4, **kwargs)
+    assert everything.sequences_scores is not None
+    for i, new_ids in enumerate(everything.new_token_ids):
+        expected = _ref_logprob(tiny, PROMPTS[i // 4], new_ids) / len(new_ids) ** length_penalty
+        assert everything.sequences_scores[i].item() == pytest.approx(expected, abs=1e-4)
+    assert "stop" in everything.finish_reasons and "length" in everything.finish_reasons
+    best = _ours(tiny, eos, num_return_sequences=2, **kwargs)
+    for p in range(3):
+        scores = everything.sequences_scores[4 * p : 4 * p + 4].tolist()
+        assert scores == sorted(scores, reverse=True) and len(set(scores)) > 1
+        assert best.new_token_ids[2 * p : 2 * p + 2] == everything.new_token_ids[4 * p : 4 * p + 2]
