@@ -20,7 +20,6 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvgen.engine.async_engine import AsyncLLMEngine
-from kvgen.errors import KvgenError
 from kvgen.server.chat import chat_prompt_ids, create_chat_completion
 from kvgen.server.completions import create_completion
 from kvgen.server.errors import OpenAIError, bad_request, install_error_handlers
@@ -38,7 +37,6 @@ from kvgen.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
-    message_dicts,
 )
 from kvgen.server.serving import ServerState
 
@@ -107,17 +105,8 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> TokenizeResponse:
             request = ChatCompletionRequest(model=state.model_name, messages=body.messages or [])
         except ValueError as e:
             raise bad_request(str(e).splitlines()[0], "messages") from None
-        ids = chat_prompt_ids(state, request) if body.add_generation_prompt else _chat_ids_no_prompt(state, request)
+        ids = chat_prompt_ids(state, request, body.add_generation_prompt)
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.max_model_len)
-
-
-def _chat_ids_no_prompt(state: ServerState, request: ChatCompletionRequest) -> list[int]:
-    try:
-        ids = state.tokenizer.apply_chat_template(message_dicts(request.messages), add_generation_prompt=False, tokenize=True)
-    except (KvgenError, ValueError) as e:
-        raise bad_request(str(e).splitlines()[0], "messages") from None
-    assert isinstance(ids, list)  # tokenize=True returns the ids
-    return ids
 
 
 def _open_router() -> APIRouter:

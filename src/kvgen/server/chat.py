@@ -52,10 +52,15 @@ from kvgen.server.serving import (
 logger = logging.getLogger("kvgen.server")
 
 
-def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
-    """Token ids of the messages rendered by the chat template (with the generation prompt)."""
+def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of the messages rendered by the chat template (by default with the generation prompt).
+
+    Raises a 400 naming ``messages`` when the template fails or renders nothing.
+    """
     try:
-        ids = state.tokenizer.apply_chat_template(message_dicts(req.messages), add_generation_prompt=True, tokenize=True)
+        ids = state.tokenizer.apply_chat_template(
+            message_dicts(req.messages), add_generation_prompt=add_generation_prompt, tokenize=True
+        )
     except (KvgenError, ValueError) as e:
         raise bad_request(str(e).splitlines()[0], "messages") from None
     assert isinstance(ids, list)  # tokenize=True returns the ids
