@@ -1,11 +1,8 @@
-"""``kvgen bench decode``: batch-1 greedy prefill and decode speed, kvgen vs transformers and llama.cpp.
+"""``kvgen bench decode``: batch-1 greedy prefill and decode speed, kvgen vs transformers and llama.cpp (subprocesses).
 
-One seeded prompt of ``prompt_tokens`` ids; exactly ``new_tokens`` greedy tokens (EOS disabled) per cache kind,
-timed by ``harness.time_generation`` around the public ``generate`` (no cache is O(n^2): ``no_cache_new_tokens``).
-``ttft_s``: median 1-token generation of a ``ttft_prompt_tokens`` prompt. Peers run after kvgen in subprocesses.
-``step_breakdown``: ms per static-cache decode step, inside linear layers (profiled) and outside;
-``qgemm_crossover``: the Q4_1 kernel vs dense float32 per M rows, ``crossover_m`` the first M where dense wins.
-"""
+A seeded prompt, exactly ``new_tokens`` greedy tokens per cache kind timed by ``harness.time_generation`` around the
+public ``generate``; ``ttft_s`` on a ``ttft_prompt_tokens`` prompt. ``step_breakdown``: ms per decode step inside
+linear layers (profiled) and outside; ``qgemm_crossover``: Q4_1 kernel vs dense float32 per M (first M dense wins)."""
 
 from __future__ import annotations
 
@@ -137,11 +134,8 @@ def _bench_kvgen(config: DecodeBenchConfig, log: h.Progress) -> h.Side:
 
 
 def compare(ours: h.Side, theirs: h.Side, their_config: str | None = None) -> dict[str, float | None]:
-    """Ratios kvgen / peer per comparable figure (see ``ratios.note``; None where a side is missing).
-
-    ``their_config``: None compares each cache kind with the peer's same kind (transformers);
-    a name compares every kvgen cache kind with that one peer configuration (llama.cpp).
-    """
+    """Ratios kvgen / peer (see ``ratios.note``; None where missing), per cache kind, or against the peer's one
+    ``their_config`` (llama.cpp's ``kv_cache``)."""
     def fig(side: h.Side, cache: str | None, key: str) -> Any:
         return side.get("configs", {}).get(cache, {}).get(key) if cache else side.get(key)
 
@@ -182,10 +176,7 @@ class DecodeReport:
 
 
 def run_decode_bench(config: DecodeBenchConfig) -> DecodeReport:
-    """Batch-1 prefill and greedy decode of kvgen, transformers and llama-cpp-python on one model (see module doc).
-
-    Peers may report ``{"skipped"|"error": ...}``. Raises the loader's errors for a bad model.
-    """
+    """The bench (see the module docstring); peers may report ``{"skipped"|"error": ...}``. Raises the loader's errors."""
     log, threads, dtype, env = h.start(config)
     ours = _bench_kvgen(config, log)
     ids = [seeded_prompt_ids(n, ours["vocab_size"], config.seed)[0].tolist() for n in (config.prompt_tokens, config.ttft_prompt_tokens)]

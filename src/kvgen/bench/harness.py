@@ -1,9 +1,6 @@
-"""What every ``kvgen bench`` shares: machine facts, threads, timing, percentiles, typed results -> JSON,
-one subprocess protocol for peers, flags from config dataclasses, one text renderer.
-
-Torch-free at import: the llama.cpp peer (``peers.py`` run as a file) imports it, and its peak RSS must not
-include torch. Timings never go in tests.
-"""
+"""What every ``kvgen bench`` shares: machine facts, threads, timing, typed results -> JSON, the peers' subprocess
+protocol, flags from config dataclasses, one text renderer. Torch-free at import: the llama.cpp peer (``peers.py`` run
+as a file) imports it, and its peak RSS must not include torch."""
 
 from __future__ import annotations
 
@@ -128,10 +125,8 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
 
 
 class TokenTimer:
-    """A streamer (``put``/``end``, as kvgen's and transformers' ``generate`` call it) timestamping new tokens.
-
-    The first ``put`` (the prompt) is ignored; ``times``: ``time.perf_counter`` seconds of each later one.
-    """
+    """A streamer (``put``/``end``, as kvgen's and transformers' ``generate`` call it) timestamping new tokens:
+    ``times`` holds the ``time.perf_counter`` seconds of each ``put`` after the first (the prompt)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
@@ -188,10 +183,8 @@ def to_json(obj: Any) -> Any:
 
 
 def run_side(name: str, argv: list[str], log: Callable[[str], None], request: Any = None, quiet: bool = False) -> Side:
-    """``python *argv`` in a fresh interpreter (its own peak RSS), ``request`` as JSON on stdin; its one JSON report.
-
-    Progress stays on stderr (captured when ``quiet``); a crash or a missing report becomes ``{"error": ...}``.
-    """
+    """``python *argv`` in a fresh interpreter (its own peak RSS), ``request`` as JSON on stdin; its one JSON report,
+    or ``{"error": ...}``. Progress stays on stderr (captured when ``quiet``)."""
     log(f"{name}: starting a fresh subprocess (its own peak RSS)")
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.run([sys.executable, *argv], input=None if request is None else json.dumps(request), stdout=out,
@@ -212,9 +205,7 @@ def run_peer(peer: str, task: str, request: dict[str, Any], log: Callable[[str],
 
 
 def peer_side(peer: str, task: str, enabled: bool, model: str, log: Progress, request: dict[str, Any]) -> Side:
-    """:func:`run_peer` on ``request`` plus ``model_path``, or ``{"skipped": why}``: not ``enabled``, not installed,
-    or llama.cpp given a Hugging Face directory.
-    """
+    """:func:`run_peer` on ``request`` plus ``model_path``, or ``{"skipped": why}`` (disabled, not installed, not GGUF)."""
     from kvgen.loader import resolve_model_path
 
     path = resolve_model_path(model)
@@ -228,11 +219,8 @@ def peer_side(peer: str, task: str, enabled: bool, model: str, log: Progress, re
 
 
 def add_config_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:
-    """One flag per field of the dataclass ``config_cls`` that has help text (``kvgen.fields.config_field``).
-
-    ``--field-name`` unless the metadata names ``flags``; a bool defaulting to True (``include_x``) becomes
-    ``--no-x``; ``cli=False`` fields get none.
-    """
+    """A ``--field-name`` flag (or the metadata's ``flags``) per field of ``config_cls`` with help text and without
+    ``cli=False``; a bool defaulting to True (``include_x``) becomes ``--no-x``."""
     for f in dataclasses.fields(config_cls):
         if not f.metadata.get("cli", True) or "help" not in f.metadata:
             continue
@@ -297,10 +285,8 @@ def time_to_first_token(generate_fn: GenerateFn, prompt_ids: Any, num_repeats: i
 
 
 def time_generation(generate_fn: GenerateFn, prompt_ids: Any, new_tokens: int, num_prefill_repeats: int = 3) -> GenerationTiming:
-    """An untimed 2-token warm-up; ``prefill_s`` = median 1-token run; one timed ``new_tokens`` run.
-
-    ``decode_s = total_s - prefill_s``; ``decode_step_s_*``: gaps between streamed tokens.
-    """
+    """An untimed 2-token warm-up, ``prefill_s`` = median 1-token run, one timed ``new_tokens`` run;
+    ``decode_s = total_s - prefill_s``, ``decode_step_s_*``: gaps between streamed tokens."""
     generate_fn(prompt_ids, 2, None)  # allocator, oneDNN primitives, first-call paths
     prefill_s, timer = time_to_first_token(generate_fn, prompt_ids, num_prefill_repeats, warm_up=False), TokenTimer()
     stats, total_s = timed(lambda: generate_fn(prompt_ids, new_tokens, timer))
@@ -353,10 +339,8 @@ def _cell(result: Any, path_spec: str) -> str:
 
 
 def render(result: dict[str, Any], title: str, columns: list[str], rows: list[tuple[str, list[str]]]) -> str:
-    """A bench's text report: ``title.format(**result)``; a table, one line per ``(label, cells)`` row, a cell being
-    a dotted path into ``result`` with an optional ``:spec`` (a format spec, or ``MiB`` for bytes; ``-`` when
-    missing); then every ``skipped`` / ``error`` anywhere in ``result``.
-    """
+    """A bench's text report: ``title.format(**result)``; a table of ``(label, cells)`` rows, each cell a dotted path
+    into ``result`` with an optional ``:spec`` (format spec, or ``MiB``; ``-`` when missing); every skipped / error."""
     table = [["", *columns], *([label, *(_cell(result, c) for c in cells)] for label, cells in rows)]
     widths = [max(len(r[i]) for r in table) for i in range(len(columns) + 1)]
     lines = [title.format(**result), *("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in table)]

@@ -68,10 +68,7 @@ class PerplexityReport:
 
 
 def run_perplexity_bench(config: PerplexityBenchConfig) -> PerplexityReport:
-    """Perplexity of kvgen (default dtype, ``float32``) and llama-cpp-python on the same windows.
-
-    Raises ``ValueError`` for an unreadable text, ``context_length`` out of range or too few tokens.
-    """
+    """The bench (see the module docstring). ``ValueError``: unreadable text, bad ``context_length``, too few tokens."""
     from kvgen.perplexity import windows
 
     log, threads, dtype, env = h.start(config, "[bench:perplexity]")

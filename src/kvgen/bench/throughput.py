@@ -86,10 +86,8 @@ def summarize(token_times: list[list[float]], output_lens: list[int], start: flo
 
 
 def profile_engine(engine: Any) -> EngineProfile:
-    """Time ``engine``'s phases by wrapping its and its runner's methods on the instances (engine code is untouched).
-
-    ``output_s`` holds whole steps until :func:`finish_profile` subtracts the other phases.
-    """
+    """Time ``engine``'s phases by wrapping its and its runner's methods on the instances (engine code untouched);
+    ``output_s`` holds whole steps until :func:`finish_profile`."""
     prof, runner = EngineProfile(), engine.runner
 
     def wrap(obj: Any, method: str, key: str, count: str = "", amount: Any = lambda _: 1) -> None:
