@@ -45,6 +45,10 @@ class DecodeBenchConfig:
         self.dtype = self.dtype or h.default_dtype()  # load_model validates it; decode speed needs a step after prefill
         h.check_min(self, prompt_tokens=1, ttft_prompt_tokens=1, new_tokens=2, no_cache_new_tokens=2, num_prefill_repeats=1)
 
+    def new_tokens_per_cache(self) -> dict[str, int]:
+        """Tokens each cache kind generates: ``no_cache_new_tokens`` without a cache (O(n^2)), else ``new_tokens``."""
+        return {c: self.no_cache_new_tokens if c == "no_cache" else self.new_tokens for c in CACHE_KINDS}
+
 
 def kvgen_generate_fn(model: nn.Module, cache: str) -> h.GenerateFn:
     """``GenerateFn`` over kvgen ``generate``: greedy, EOS disabled (``eos_token_id=[]``), per cache kind."""
@@ -62,8 +66,9 @@ def kvgen_generate_fn(model: nn.Module, cache: str) -> h.GenerateFn:
 
 def measure_ours(model: nn.Module, prompt_ids: torch.Tensor, config: DecodeBenchConfig, log: Callable[[str], None] = lambda _: None) -> dict[str, h.Side]:
     """``harness.time_generation`` of kvgen's ``generate`` per cache kind; prompt_ids [1, T] int64."""
-    lengths = {c: config.no_cache_new_tokens if c == "no_cache" else config.new_tokens for c in CACHE_KINDS}
-    return h.measure_caches(lambda c: kvgen_generate_fn(model, c), prompt_ids, lengths, config.num_prefill_repeats, log, "kvgen")
+    runs = {c: (kvgen_generate_fn(model, c), n) for c, n in config.new_tokens_per_cache().items()}
+    return h.measure_caches(runs, prompt_ids, config.num_prefill_repeats, log, "kvgen")
+
 
 
 def _time_us(fn: Callable[[], object], repeats: int) -> float:
@@ -182,8 +187,7 @@ def run_decode_bench(config: DecodeBenchConfig) -> DecodeReport:
     ids = [seeded_prompt_ids(n, ours["vocab_size"], config.seed)[0].tolist() for n in (config.prompt_tokens, config.ttft_prompt_tokens)]
     request = {"dtype": dtype, "num_threads": threads, "prompt_ids": ids[0], "ttft_prompt_ids": ids[1],
                "num_prefill_repeats": config.num_prefill_repeats, "progress": config.progress}
-    hf = h.peer_side("transformers", "decode", config.include_transformers, config.model, log, request | {
-        "new_tokens": {c: config.no_cache_new_tokens if c == "no_cache" else config.new_tokens for c in CACHE_KINDS}})
+    hf = h.peer_side("transformers", "decode", config.include_transformers, config.model, log, request | {"new_tokens": config.new_tokens_per_cache()})
     cpp = h.peer_side("llama_cpp", "decode", config.include_llama_cpp, config.model, log, request | {"new_tokens": {"kv_cache": config.new_tokens}})
     report = DecodeReport(SCHEMA, env, _workload(config, threads), ours, hf, cpp, {
         "note": "kvgen over peer: > 1 is kvgen better for *_tokens_per_s and ttft_speedup (peer ttft_s / kvgen ttft_s); "

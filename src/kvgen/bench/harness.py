@@ -298,14 +298,14 @@ def time_generation(generate_fn: GenerateFn, prompt_ids: Any, new_tokens: int, n
         stats.new_token_ids, stats.model_prefill_s, stats.model_decode_s, per_second(num_new - 1, stats.model_decode_s))
 
 
-def measure_caches(make_fn: Callable[[str], GenerateFn], prompt_ids: Any, new_tokens: dict[str, int], num_prefill_repeats: int,
-                   log: Callable[[str], None], name: str) -> dict[str, Side]:
-    """:func:`time_generation` of one engine per cache kind (``new_tokens[kind]`` each); a failing one reports ``error``."""
+def measure_caches(runs: dict[str, tuple[GenerateFn, int]], prompt_ids: Any, num_prefill_repeats: int, log: Callable[[str], None],
+                   name: str) -> dict[str, Side]:
+    """:func:`time_generation` per cache kind of ``runs`` (kind -> generate fn, new tokens); a failing one reports ``error``."""
     results: dict[str, Side] = {}
-    for cache, n in new_tokens.items():
+    for cache, (generate_fn, n) in runs.items():
         log(f"{name}: {cache}: warm-up, prefill x{num_prefill_repeats}, {n} new tokens")
         try:
-            results[cache] = r = to_json(time_generation(make_fn(cache), prompt_ids, n, num_prefill_repeats))
+            results[cache] = r = to_json(time_generation(generate_fn, prompt_ids, n, num_prefill_repeats))
             log(f"{name}: {cache}: prefill {_cell(r, 'prefill_tokens_per_s')} tokens/s, decode {_cell(r, 'decode_tokens_per_s')} tokens/s")
         except Exception as e:  # noqa: BLE001 -- one failing configuration is reported, the others still run
             results[cache] = {"error": f"{type(e).__name__}: {e}"}

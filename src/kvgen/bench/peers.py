@@ -12,8 +12,6 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 if __package__:
@@ -92,13 +90,15 @@ def decode(peer: str, request: dict[str, Any]) -> dict[str, Any]:
 
         hf_model, load_s = harness.timed(lambda: load_transformers(request["model_path"], request["dtype"]))
         prompt, ttft_prompt = torch.tensor([prompt]), torch.tensor([ttft_prompt])  # [1, T]
-        make: Callable[[str], harness.GenerateFn] = partial(transformers_generate_fn, hf_model)
+        runs = {c: (transformers_generate_fn(hf_model, c), n) for c, n in request["new_tokens"].items()}
+        ttft_fn = transformers_generate_fn(hf_model, "dynamic")
     else:
         n_ctx = len(prompt) + max(request["new_tokens"].values()) + 8
         llm, load_s = _llama(request, n_ctx, min(n_ctx, max(512, len(prompt))))
-        make = partial(lambda llm, _: llama_generate_fn(llm), llm)
-    configs = harness.measure_caches(make, prompt, request["new_tokens"], repeats, log, peer)
-    report = {"load_s": load_s, "configs": configs, "ttft_s": harness.time_to_first_token(make("dynamic"), ttft_prompt, repeats)}
+        ttft_fn = llama_generate_fn(llm)
+        runs = {c: (ttft_fn, n) for c, n in request["new_tokens"].items()}
+    configs = harness.measure_caches(runs, prompt, repeats, log, peer)
+    report = {"load_s": load_s, "configs": configs, "ttft_s": harness.time_to_first_token(ttft_fn, ttft_prompt, repeats)}
     return report | ({"rss_before_load_bytes": rss_before} if peer == "transformers" else {"ttft_prompt_tokens": len(ttft_prompt)})
 
 

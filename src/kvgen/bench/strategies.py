@@ -60,13 +60,14 @@ class StrategyRun:
     model_decode_s: float | None = dataclasses.field(default=None, metadata=h.OMIT_IF_NONE)
 
 
-def measure(model: Any, batch: tuple[torch.Tensor, torch.Tensor], settings: dict[str, Any], config: StrategiesBenchConfig) -> tuple[StrategyRun, list[list[int]]]:
-    """Time kvgen's or (``model`` not a kvgen model) transformers' ``generate`` on a padded batch ids/mask [B, T]."""
+def measure(engine: str, model: Any, batch: tuple[torch.Tensor, torch.Tensor], settings: dict[str, Any],
+            config: StrategiesBenchConfig) -> tuple[StrategyRun, list[list[int]]]:
+    """Time ``engine``'s (``kvgen`` or ``transformers``) ``generate`` on a padded batch ids/mask [B, T]; its new ids."""
     from kvgen.bench.peers import pad_token_id
     from kvgen.generation import GenerationConfig, generate
 
     ids, mask = batch
-    is_ours = hasattr(model, "compute_logits")
+    is_ours = engine == "kvgen"
 
     def run(n: int) -> Any:
         if is_ours:
@@ -88,13 +89,13 @@ def _measure_strategy(name: str, models: tuple[Any, Any], batch: tuple[torch.Ten
     settings = STRATEGY_SETTINGS[name]
     rows = settings["top_k"] if "penalty_alpha" in settings else settings.get("num_beams", settings.get("best_of", 1))
     log(f"{name}: kvgen")
-    ours, our_ids = measure(models[0], batch, settings, config)
+    ours, our_ids = measure("kvgen", models[0], batch, settings, config)
     theirs: h.Side = {"skipped": "include_transformers=False" if models[1] is None else "transformers has no sample-and-rank (best_of) mode"}
     their_ids = None
     if models[1] is not None and "best_of" not in settings:
         log(f"{name}: transformers")
         try:
-            run, their_ids = measure(models[1], batch, settings, config)
+            run, their_ids = measure("transformers", models[1], batch, settings, config)
             theirs = h.to_json(run)
         except Exception as e:  # noqa: BLE001 -- a strategy transformers rejects is reported, the others still run
             theirs = {"error": f"{type(e).__name__}: {e}"}
