@@ -306,7 +306,7 @@ def measure_caches(runs: dict[str, tuple[GenerateFn, int]], prompt_ids: Any, num
         log(f"{name}: {cache}: warm-up, prefill x{num_prefill_repeats}, {n} new tokens")
         try:
             results[cache] = r = to_json(time_generation(generate_fn, prompt_ids, n, num_prefill_repeats))
-            log(f"{name}: {cache}: prefill {_cell(r, 'prefill_tokens_per_s')} tokens/s, decode {_cell(r, 'decode_tokens_per_s')} tokens/s")
+            log(f"{name}: {cache}: prefill {cell(r, 'prefill_tokens_per_s')} tokens/s, decode {cell(r, 'decode_tokens_per_s')} tokens/s")
         except Exception as e:  # noqa: BLE001 -- one failing configuration is reported, the others still run
             results[cache] = {"error": f"{type(e).__name__}: {e}"}
             log(f"{name}: {cache}: failed: {results[cache]['error']}")
@@ -323,7 +323,8 @@ def default_dtype() -> str:
     return default if isinstance(default, str) else str(default).removeprefix("torch.")
 
 
-def _cell(result: Any, path_spec: str) -> str:
+def cell(result: Any, path_spec: str) -> str:
+    """The value at a dotted ``path`` of ``result`` formatted by ``:spec`` (or ``MiB`` for bytes), ``-`` when missing."""
     path, _, spec = path_spec.partition(":")
     for key in path.split("."):
         result = result.get(key) if isinstance(result, dict) else None
@@ -341,7 +342,7 @@ def _cell(result: Any, path_spec: str) -> str:
 def render(result: dict[str, Any], title: str, columns: list[str], rows: list[tuple[str, list[str]]]) -> str:
     """A bench's text report: ``title.format(**result)``; a table of ``(label, cells)`` rows, each cell a dotted path
     into ``result`` with an optional ``:spec`` (format spec, or ``MiB``; ``-`` when missing); every skipped / error."""
-    table = [["", *columns], *([label, *(_cell(result, c) for c in cells)] for label, cells in rows)]
+    table = [["", *columns], *([label, *(cell(result, c) for c in cells)] for label, cells in rows)]
     widths = [max(len(r[i]) for r in table) for i in range(len(columns) + 1)]
     lines = [title.format(**result), *("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in table)]
 

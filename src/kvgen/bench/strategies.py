@@ -138,7 +138,7 @@ def format_strategies_report(result: dict[str, Any]) -> str:
     """The text table of ``run_strategies_bench``'s JSON result (tokens/s of each strategy, both engines)."""
     cells = ["rows_per_step", "kvgen.tokens_per_s", "transformers.tokens_per_s", "ratio_kvgen_over_transformers", "tokens_identical_to_transformers"]
     rows = [(name, [f"strategies.{name}.{c}" for c in cells]) for name in result["strategies"]]
+    load = " -> ".join(h.cell(result, f"env.{k}:.2f") for k in ("load_average_1m", "load_average_1m_at_end"))
     title = ("strategies bench: {workload[model]} ({workload[dtype]}), {workload[batch_size]} prompts x {workload[new_tokens]} new tokens\n"
-             "torch {env[torch_version]}, transformers {env[transformers_version]}, {workload[num_threads]} threads, "
-             "load average {env[load_average_1m]} -> {env[load_average_1m_at_end]}")
+             "torch {env[torch_version]}, transformers {env[transformers_version]}, {workload[num_threads]} threads, load average " + load)
     return h.render(result, title, ["rows/step", "kvgen tok/s", "hf tok/s", "kvgen/hf", "same tokens"], rows)
