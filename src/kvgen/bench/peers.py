@@ -43,8 +43,8 @@ def transformers_generate_fn(hf_model: Any, cache: str) -> harness.GenerateFn:
     """``GenerateFn`` over transformers ``generate``: greedy, min = max new tokens, per cache."""
     import torch
 
-    args: dict[str, Any] = {"use_cache": False} if cache == "no_cache" else {"cache_implementation": "static"} if cache == "static" else {}
-    args["pad_token_id"] = pad_token_id(hf_model)
+    per_cache: dict[str, dict[str, Any]] = {"no_cache": {"use_cache": False}, "static": {"cache_implementation": "static"}}
+    args = per_cache.get(cache, {}) | {"pad_token_id": pad_token_id(hf_model)}
 
     def run(ids: torch.Tensor, max_new_tokens: int, streamer: harness.TokenTimer | None) -> harness.RunStats:
         with torch.inference_mode():
