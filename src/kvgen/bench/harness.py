@@ -60,7 +60,10 @@ def set_threads(num_threads: int | None = None) -> int:
 
 def load_average() -> float | None:
     """1-minute load average (runnable processes); above the core count, timings are contended."""
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # no getloadavg, or the OS cannot report it
+        return None
 
 
 def environment_info() -> dict[str, Any]:
