@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,12 +16,16 @@ import pytest
 from kvgen.bench.decode import DecodeBenchConfig
 from kvgen.bench.harness import (
     OMIT_IF_NONE,
+    Progress,
     TokenTimer,
     add_config_flags,
     available_cpus,
+    cell,
     config_from_args,
+    peer_side,
     percentile,
     physical_cores,
+    render,
     run_side,
     to_json,
 )
@@ -103,3 +108,25 @@ def test_bench_dtype_defaults_to_the_loaders_default() -> None:
     config = DecodeBenchConfig(progress=False)
     assert config.dtype == (default if isinstance(default, str) else str(default).removeprefix("torch."))
     assert DecodeBenchConfig(dtype="bfloat16", progress=False).dtype == "bfloat16"
+
+
+def test_render_shows_each_cell_and_every_skip_or_error() -> None:
+    result = {"workload": {"model": "m"}, "a": {"x": 0.123456, "big": 12345.6, "rss_bytes": 3 << 20, "ok": True},
+              "b": {"x": None, "error": "boom"}, "c": {"nested": {"skipped": "not installed"}}}
+    text = render(result, "bench on {workload[model]}", ["a", "b"],
+                  [("x", ["a.x", "b.x"]), ("big", ["a.big", "b.big"]), ("rss", ["a.rss_bytes:MiB", "b.missing:MiB"]), ("ok", ["a.ok", "b.ok"])])
+    lines = text.splitlines()
+    assert lines[0] == "bench on m"
+    assert lines[2].split() == ["x", "0.1235", "-"]
+    assert lines[3].split() == ["big", "12346", "-"]
+    assert lines[4].split() == ["rss", "3", "-"]
+    assert lines[5].split() == ["ok", "yes", "-"]
+    assert set(lines[6:]) == {"b.error: boom", "c.nested.skipped: not installed"}
+    assert cell(result, "a.x:.2f") == "0.12"
+
+
+def test_peer_side_skips_a_disabled_peer_and_llama_cpp_on_a_directory(tmp_path: Path) -> None:
+    log = Progress(False)
+    assert peer_side("transformers", "decode", False, str(tmp_path), log, {}) == {"skipped": "include_transformers=False"}
+    skipped = peer_side("llama_cpp", "decode", True, str(tmp_path), log, {})["skipped"]
+    assert "Hugging Face directory" in skipped or "not installed" in skipped

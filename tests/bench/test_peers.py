@@ -21,10 +21,10 @@ import torch.nn.functional as F
 
 from kvgen.bench import peers
 from kvgen.bench.decode import compare
-from kvgen.bench.harness import Progress, run_peer
+from kvgen.bench.harness import run_peer
 from kvgen.bench.peers import window_nll
 from kvgen.bench.perplexity import relative_differences
-from kvgen.bench.throughput import _llama_cpp, _ratios
+from kvgen.bench.throughput import _ratios, peer_summary
 from kvgen.bench.workloads import Workload
 from kvgen.perplexity import perplexity, windows
 
@@ -89,7 +89,7 @@ def test_relative_differences_skip_sides_without_perplexity() -> None:
 @needs_llama_cpp
 def test_decode_task_runs_the_requested_workload(default_gguf_path: Path) -> None:
     request = {"model_path": str(default_gguf_path), "num_threads": 1, "prompt_ids": list(range(100, 108)),
-               "ttft_prompt_ids": [100, 101, 102, 103], "new_tokens": 3, "num_prefill_repeats": 1}
+               "ttft_prompt_ids": [100, 101, 102, 103], "new_tokens": {"kv_cache": 3}, "num_prefill_repeats": 1}
     result = run_peer("llama_cpp", "decode", request, lambda _: None, quiet=True)
     assert "error" not in result, result
     rep = result["configs"]["kv_cache"]
@@ -101,10 +101,13 @@ def test_decode_task_runs_the_requested_workload(default_gguf_path: Path) -> Non
 @needs_llama_cpp
 def test_throughput_task_generates_each_requested_length(default_gguf_path: Path) -> None:
     workload = Workload([[100, 101, 102, 103, 104], [200, 201, 202]], [3, 2])
-    result = _llama_cpp(str(default_gguf_path), workload, 1, Progress(False))
+    request = {"model_path": str(default_gguf_path), "num_threads": 1, "prompt_token_ids": workload.prompt_token_ids,
+               "output_lens": workload.output_lens}
+    result = peer_summary(run_peer("llama_cpp", "throughput", request, lambda _: None, quiet=True), workload)
     assert "error" not in result, result
     assert result["num_requests"] == 2 and result["num_useful_tokens"] == 5
     assert result["ttft_p50_s"] is not None and "token_times_s" not in result
+    assert "num_generated_tokens_including_waste" not in result and result["load_s"] > 0  # one request at a time: no waste
 
 
 @needs_llama_cpp

@@ -1,8 +1,2 @@
-"""Benchmarks (``kvgen bench``), a thin client of kvgen's public API.
-
-``harness``: timing, one percentile, one token timer, one subprocess protocol, typed
-results -> JSON, flags from config dataclasses; ``workloads``: seeded prompts, request
-mixes, perplexity text; ``peers``: transformers and llama-cpp-python in their own
-processes; one module per bench (``decode``, ``strategies``, ``throughput``,
-``perplexity``, ``serve``), each a ``*BenchConfig`` -> ``run_*_bench`` -> ``*Report``.
-"""
+"""Benchmarks (``kvgen bench``), a thin client of the public API: ``harness`` (timing, JSON, text), ``workloads``,
+``peers`` (transformers, llama-cpp-python in subprocesses), one module per bench: config -> ``run_*_bench`` -> report."""

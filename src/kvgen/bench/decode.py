@@ -1,50 +1,24 @@
-"""``kvgen bench decode``: batch-1 greedy prefill and decode speed, kvgen vs transformers and llama.cpp.
+"""``kvgen bench decode``: batch-1 greedy prefill and decode speed, kvgen vs transformers and llama.cpp (subprocesses).
 
-Workload (``workloads.seeded_prompt_ids``): one prompt of ``prompt_tokens`` ids; greedy
-decoding of exactly ``new_tokens`` tokens (EOS disabled), batch 1. Each configuration
-(no KV cache, dynamic, static) is timed by ``harness.time_generation`` around the public
-``generate``: ``prefill_s`` = median 1-token generation, ``decode_s = total_s - prefill_s``,
-``decode_tokens_per_s = (new_tokens - 1) / decode_s``. Without a cache each step re-reads
-the sequence (O(n^2)), so that configuration runs ``no_cache_new_tokens``. ``ttft_s``: median
-1-token generation of a ``ttft_prompt_tokens`` prompt (kvgen: static cache). transformers
-and llama-cpp-python (``bench/peers.py``) run after kvgen, each in a fresh subprocess.
-"""
+A seeded prompt, exactly ``new_tokens`` greedy tokens per cache kind timed by ``harness.time_generation`` around the
+public ``generate``; ``ttft_s`` on a ``ttft_prompt_tokens`` prompt. ``step_breakdown``: ms per decode step inside
+linear layers (profiled) and outside; ``qgemm_crossover``: Q4_1 kernel vs dense float32 per M (first M dense wins)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from functools import partial
+from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from kvgen.bench.harness import (
-    GenerateFn,
-    Progress,
-    RunStats,
-    Side,
-    TokenTimer,
-    current_rss_bytes,
-    default_dtype,
-    environment_info,
-    fmt,
-    load_average,
-    peak_rss_bytes,
-    ratio,
-    run_peer,
-    set_threads,
-    time_generation,
-    time_to_first_token,
-    timed,
-    to_json,
-)
+from kvgen.bench import harness as h
 from kvgen.bench.workloads import seeded_prompt_ids
 from kvgen.fields import config_field as _f
-
-if TYPE_CHECKING:
-    from kvgen.config import ModelConfig
 
 CACHE_KINDS = ("no_cache", "dynamic", "static")
 SCHEMA = "kvgen.bench.decode/2"
@@ -68,115 +42,121 @@ class DecodeBenchConfig:
     progress: bool = _f(True, "progress lines on stderr", cli=False)
 
     def __post_init__(self) -> None:
-        self.dtype = self.dtype or default_dtype()  # load_model validates it
-        for name, low in (("prompt_tokens", 1), ("ttft_prompt_tokens", 1), ("new_tokens", 2), ("no_cache_new_tokens", 2),
-                          ("num_prefill_repeats", 1)):  # decode speed needs one step after prefill
-            if getattr(self, name) < low:
-                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        self.dtype = self.dtype or h.default_dtype()  # load_model validates it; decode speed needs a step after prefill
+        h.check_min(self, prompt_tokens=1, ttft_prompt_tokens=1, new_tokens=2, no_cache_new_tokens=2, num_prefill_repeats=1)
+
+    def new_tokens_per_cache(self) -> dict[str, int]:
+        """Tokens each cache kind generates: ``no_cache_new_tokens`` without a cache (O(n^2)), else ``new_tokens``."""
+        return {c: self.no_cache_new_tokens if c == "no_cache" else self.new_tokens for c in CACHE_KINDS}
 
 
-def kvgen_generate_fn(model: nn.Module, cache: str) -> GenerateFn:
+def kvgen_generate_fn(model: nn.Module, cache: str) -> h.GenerateFn:
     """``GenerateFn`` over kvgen ``generate``: greedy, EOS disabled (``eos_token_id=[]``), per cache kind."""
     from kvgen.generation import GenerationConfig, generate
 
     cache_args: dict[str, Any] = {"use_cache": False} if cache == "no_cache" else {"cache_implementation": cache}
 
-    def run(prompt_ids: torch.Tensor, max_new_tokens: int, streamer: TokenTimer | None) -> RunStats:
+    def run(prompt_ids: torch.Tensor, max_new_tokens: int, streamer: h.TokenTimer | None) -> h.RunStats:
         config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0, **cache_args)
         out = generate(model, prompt_ids, None, config, streamer=streamer)
-        return RunStats(out.prompt_length, out.new_token_ids[0], out.timings.prefill_s, out.timings.decode_s)
+        return h.RunStats(out.prompt_length, out.new_token_ids[0], out.timings.prefill_s, out.timings.decode_s)
 
     return run
 
 
-def measure_caches(make_fn: Callable[[str], GenerateFn], prompt_ids: Any, config: DecodeBenchConfig,
-                   log: Callable[[str], None], name: str) -> dict[str, Side]:
-    """Time every cache kind of one engine (JSON reports); a configuration that raises reports ``{"error": ...}``."""
-    results: dict[str, Side] = {}
-    for cache in CACHE_KINDS:
-        n = config.no_cache_new_tokens if cache == "no_cache" else config.new_tokens
-        log(f"{name}: {cache}: warm-up, prefill x{config.num_prefill_repeats}, {n} new tokens")
-        try:
-            r = results[cache] = to_json(time_generation(make_fn(cache), prompt_ids, n, config.num_prefill_repeats))
-            log(f"{name}: {cache}: prefill {fmt(r['prefill_tokens_per_s'])} tokens/s, decode {fmt(r['decode_tokens_per_s'], '.2f')} tokens/s")
-        except Exception as e:  # noqa: BLE001 -- one failing configuration is reported, the others still run
-            results[cache] = {"error": f"{type(e).__name__}: {e}"}
-            log(f"{name}: {cache}: failed: {results[cache]['error']}")
-    return results
+def measure_ours(model: nn.Module, prompt_ids: torch.Tensor, config: DecodeBenchConfig, log: Callable[[str], None] = lambda _: None) -> dict[str, h.Side]:
+    """``harness.time_generation`` of kvgen's ``generate`` per cache kind; prompt_ids [1, T] int64."""
+    runs = {c: (kvgen_generate_fn(model, c), n) for c, n in config.new_tokens_per_cache().items()}
+    return h.measure_caches(runs, prompt_ids, config.num_prefill_repeats, log, "kvgen")
 
 
-def measure_ours(model: nn.Module, prompt_ids: torch.Tensor, config: DecodeBenchConfig, log: Callable[[str], None] | None = None) -> dict[str, Side]:
-    """Time kvgen's ``generate`` on a built model per cache kind; prompt_ids [1, T] int64."""
-    return measure_caches(lambda cache: kvgen_generate_fn(model, cache), prompt_ids, config, log or (lambda _: None), "kvgen")
+
+def _time_us(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    return h.timed(lambda: [fn() for _ in range(repeats)])[1] / repeats * 1e6
 
 
-def _bench_kvgen(config: DecodeBenchConfig, log: Progress) -> Side:
-    from kvgen.bench.kernels import qgemm_crossover, step_breakdown
+@torch.inference_mode()
+def step_breakdown(model: nn.Module, prompt_ids: torch.Tensor, num_steps: int = 32) -> dict[str, Any]:
+    """prompt_ids [1, T] int64; ms per static-cache decode step: total, in linear layers (a profiled run), outside."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvgen.generation.runner import make_cache
+
+    cache = make_cache(model, "static", 1, prompt_ids.shape[1] + 2 * num_steps + 2)
+    model(prompt_ids, torch.arange(prompt_ids.shape[1])[None], cache)
+
+    lm_head = cast("Callable[[torch.Tensor], torch.Tensor]", model.compute_logits)
+
+    def step() -> None:
+        lm_head(model(torch.tensor([[1]]), torch.tensor([[cache.seq_length]]), cache)[:, -1])  # [1, V]
+
+    step_ms = _time_us(step, num_steps) / 1e3
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(num_steps):
+            step()
+    linear_ms = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in ("kvgen::qgemm", "aten::linear")) / num_steps / 1e3
+    return {"context_tokens": prompt_ids.shape[1], "num_steps": num_steps, "step_ms": step_ms, "linear_ms": linear_ms,
+            "outside_linear_ms": step_ms - linear_ms, "note": "linear_ms from a profiled run (profiler overhead included); outside = step - linear"}
+
+
+@torch.inference_mode()
+def qgemm_crossover(out_features: int = 3072, in_features: int = 576, ms: tuple[int, ...] = (1, 4, 16, 64, 256, 512)) -> dict[str, Any]:
+    """µs per call of the Q4_1 kernel vs dense float32 ``F.linear`` on the dequantized weight [N, K], per M."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from kvgen.kernels import get_ops, pack_gguf_rows
+
+    ops, q4_1 = get_ops(), GGMLQuantizationType.Q4_1
+    raw = quantize(torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)).numpy(), q4_1)
+    dense, (weight_type, packed) = torch.from_numpy(dequantize(raw, q4_1)), pack_gguf_rows("Q4_1", [torch.from_numpy(raw)])
+    rows = []
+    for m in ms:
+        x = torch.randn(m, in_features)  # [M, K]
+        q_us = _time_us(partial(ops.qgemm, x, packed, weight_type, out_features, None), max(3, 2000 // m))
+        d_us = _time_us(partial(F.linear, x, dense), max(3, 2000 // m))
+        rows.append({"m": m, "qgemm_us": q_us, "dense_fp32_us": d_us, "qgemm_speedup": d_us / q_us})
+    crossover = next((r["m"] for r in rows if r["dense_fp32_us"] < r["qgemm_us"]), None)
+    return {"shape": [out_features, in_features], "backend": ops.backend, "rows": rows, "crossover_m": crossover}
+
+
+def _bench_kvgen(config: DecodeBenchConfig, log: h.Progress) -> h.Side:
     from kvgen.loader import load_model, resolve_model_path
 
-    rss_before = current_rss_bytes()
+    rss_before = h.current_rss_bytes()
     log(f"kvgen: loading {config.model} ({config.dtype})")
-    (model, _), load_s = timed(lambda: load_model(config.model, dtype=config.dtype))
-    vocab_size = cast("ModelConfig", model.config).vocab_size
+    (model, _), load_s = h.timed(lambda: load_model(config.model, dtype=config.dtype))
+    vocab_size = model.config.vocab_size
     prompt_ids = seeded_prompt_ids(config.prompt_tokens, vocab_size, config.seed)  # [1, prompt_tokens]
     configs = measure_ours(model, prompt_ids, config, log)
     ttft_ids = seeded_prompt_ids(config.ttft_prompt_tokens, vocab_size, config.seed)  # [1, ttft_prompt_tokens]
-    ttft_s = time_to_first_token(kvgen_generate_fn(model, "static"), ttft_ids, config.num_prefill_repeats)
+    ttft_s = h.time_to_first_token(kvgen_generate_fn(model, "static"), ttft_ids, config.num_prefill_repeats)
     log("kvgen: decode step breakdown and kernel crossover")
-    return {
-        "model_path": str(resolve_model_path(config.model)), "step_breakdown": to_json(step_breakdown(model, prompt_ids)),
-        "qgemm_crossover": qgemm_crossover(), "vocab_size": vocab_size, "load_s": load_s, "rss_before_load_bytes": rss_before,
-        "peak_rss_bytes": peak_rss_bytes(), "configs": configs, "ttft_s": ttft_s,
-    }
+    return {"model_path": str(resolve_model_path(config.model)), "step_breakdown": step_breakdown(model, prompt_ids),
+            "qgemm_crossover": qgemm_crossover(), "vocab_size": vocab_size, "load_s": load_s, "rss_before_load_bytes": rss_before,
+            "peak_rss_bytes": h.peak_rss_bytes(), "configs": configs, "ttft_s": ttft_s}
 
 
-def _bench_llama_cpp(config: DecodeBenchConfig, vocab_size: int, num_threads: int, log: Progress) -> Side:
-    from kvgen.loader import resolve_model_path
+def compare(ours: h.Side, theirs: h.Side, their_config: str | None = None) -> dict[str, float | None]:
+    """Ratios kvgen / peer (see ``ratios.note``; None where missing), per cache kind, or against the peer's one
+    ``their_config`` (llama.cpp's ``kv_cache``)."""
+    def fig(side: h.Side, cache: str | None, key: str) -> Any:
+        return side.get("configs", {}).get(cache, {}).get(key) if cache else side.get(key)
 
-    path = resolve_model_path(config.model)
-    if path.is_dir():
-        return {"skipped": "llama.cpp reads GGUF files; the model is a Hugging Face directory"}
-    request = {
-        "model_path": str(path), "num_threads": num_threads, "new_tokens": config.new_tokens,
-        "prompt_ids": seeded_prompt_ids(config.prompt_tokens, vocab_size, config.seed)[0].tolist(),
-        "ttft_prompt_ids": seeded_prompt_ids(config.ttft_prompt_tokens, vocab_size, config.seed)[0].tolist(),
-        "num_prefill_repeats": config.num_prefill_repeats,
-    }
-    return run_peer("llama_cpp", "decode", request, log, quiet=not config.progress)
-
-
-RATIO_NOTE = (
-    "kvgen over peer: > 1 is kvgen better for *_tokens_per_s and ttft_speedup (peer ttft_s / kvgen ttft_s); "
-    "*_kvgen_over_peer < 1 is kvgen better (load seconds, peak RSS bytes). Against llama.cpp every kvgen cache kind "
-    "is compared with its one configuration (kv_cache); prefill compares kvgen's static cache"
-)
-
-
-def compare(ours: Side, theirs: Side, their_config: str | None = None) -> dict[str, float | None]:
-    """Ratios kvgen / peer per comparable figure (see ``RATIO_NOTE``; None where a side is missing).
-
-    ``their_config``: None compares each cache kind with the peer's same kind (transformers);
-    a name compares every kvgen cache kind with that one peer configuration (llama.cpp).
-    """
-
-    def fig(side: Side, cache: str, key: str) -> float | None:
-        return side.get("configs", {}).get(cache, {}).get(key)
-
-    kinds = CACHE_KINDS if their_config is None else ("dynamic", "static")
-    ratios = {"prefill_tokens_per_s": ratio(fig(ours, "static", "prefill_tokens_per_s"), fig(theirs, their_config or "static", "prefill_tokens_per_s"))}
+    r = {"prefill_tokens_per_s": h.ratio(fig(ours, "static", "prefill_tokens_per_s"), fig(theirs, their_config or "static", "prefill_tokens_per_s"))}
     for key in ("decode_tokens_per_s", "decode_tokens_per_s_at_median_step"):
-        for cache in kinds:
-            ratios[f"{key}_{cache}"] = ratio(fig(ours, cache, key), fig(theirs, their_config or cache, key))
-    their_best = max((v for c in theirs.get("configs", {}) if (v := fig(theirs, c, "decode_tokens_per_s")) is not None), default=None)
-    ratios["decode_tokens_per_s_static_vs_their_best"] = ratio(fig(ours, "static", "decode_tokens_per_s"), their_best)
-    ratios["ttft_speedup"] = ratio(theirs.get("ttft_s"), ours.get("ttft_s"))
-    ratios["load_s_kvgen_over_peer"] = ratio(ours.get("load_s"), theirs.get("load_s"))
-    ratios["peak_rss_kvgen_over_peer"] = ratio(ours.get("peak_rss_bytes"), theirs.get("peak_rss_bytes"))
-    return ratios
+        for cache in CACHE_KINDS if their_config is None else CACHE_KINDS[1:]:
+            r[f"{key}_{cache}"] = h.ratio(fig(ours, cache, key), fig(theirs, their_config or cache, key))
+    best = max((v for c in theirs.get("configs", {}) if (v := fig(theirs, c, "decode_tokens_per_s")) is not None), default=None)
+    return r | {"decode_tokens_per_s_static_vs_their_best": h.ratio(fig(ours, "static", "decode_tokens_per_s"), best),
+                "ttft_speedup": h.ratio(theirs.get("ttft_s"), ours.get("ttft_s")),
+                "load_s_kvgen_over_peer": h.ratio(ours.get("load_s"), theirs.get("load_s")),
+                "peak_rss_kvgen_over_peer": h.ratio(ours.get("peak_rss_bytes"), theirs.get("peak_rss_bytes"))}
 
 
-def greedy_agreement(ours: Side, theirs: Side, cache: str = "dynamic", their_config: str | None = None) -> dict[str, Any]:
-    """How many leading greedy tokens of the two engines agree (a sanity check that both ran the same model)."""
+def greedy_agreement(ours: h.Side, theirs: h.Side, cache: str = "dynamic", their_config: str | None = None) -> dict[str, Any]:
+    """How many leading greedy tokens of the two engines agree (a check that both ran the same model)."""
     a = ours.get("configs", {}).get(cache, {}).get("new_token_ids")
     b = theirs.get("configs", {}).get(their_config or cache, {}).get("new_token_ids")
     if a is None or b is None:
@@ -193,94 +173,66 @@ class DecodeReport:
     schema: str
     env: dict[str, Any]
     workload: dict[str, Any]
-    kvgen: Side
-    transformers: Side
-    llama_cpp: Side
+    kvgen: h.Side
+    transformers: h.Side
+    llama_cpp: h.Side
     ratios: dict[str, Any]
     greedy_agreement: dict[str, Any]
 
 
 def run_decode_bench(config: DecodeBenchConfig) -> DecodeReport:
-    """Benchmark batch-1 prefill and greedy decode of kvgen, transformers and llama-cpp-python on one model.
-
-    Peers may report ``{"skipped"|"error": ...}``. Progress goes to stderr. Raises the loader's errors for a bad model.
-    """
-    log = Progress(config.progress)
-    num_threads = set_threads(config.num_threads)
-    env = environment_info()
-    if (load := env["load_average_1m"]) is not None and load > 0.5:
-        log(f"warning: 1-minute load average is {load:.2f}; other processes share these cores, timings will be contended")
+    """The bench (see the module docstring); peers may report ``{"skipped"|"error": ...}``. Raises the loader's errors."""
+    log, threads, dtype, env = h.start(config)
     ours = _bench_kvgen(config, log)
-    request = {"config": dataclasses.asdict(config), "vocab_size": ours["vocab_size"], "num_threads": num_threads}
-    hf: Side = {"skipped": "include_transformers=False"} if not config.include_transformers else (
-        {"skipped": "transformers is not installed"} if env["transformers_version"] is None
-        else run_peer("transformers", "decode", request, log, quiet=not config.progress))
-    cpp: Side = _bench_llama_cpp(config, ours["vocab_size"], num_threads, log) if config.include_llama_cpp else {"skipped": "include_llama_cpp=False"}
-    report = DecodeReport(
-        SCHEMA, env, _workload(config, num_threads), ours, hf, cpp,
-        {"note": RATIO_NOTE, "vs_transformers": compare(ours, hf), "vs_llama_cpp": compare(ours, cpp, "kv_cache")},
-        {"vs_transformers": greedy_agreement(ours, hf), "vs_llama_cpp": greedy_agreement(ours, cpp, "static", "kv_cache")},
-    )
-    for side in (ours, hf, cpp):  # token ids served the agreement checks; keep the report short
-        configs: dict[str, Side] = side.get("configs", {})
-        for rep in configs.values():
-            rep.pop("new_token_ids", None)
-    env["load_average_1m_at_end"] = load_average()
-    log("done")
+    ids = [seeded_prompt_ids(n, ours["vocab_size"], config.seed)[0].tolist() for n in (config.prompt_tokens, config.ttft_prompt_tokens)]
+    request = {"dtype": dtype, "num_threads": threads, "prompt_ids": ids[0], "ttft_prompt_ids": ids[1],
+               "num_prefill_repeats": config.num_prefill_repeats, "progress": config.progress}
+    hf = h.peer_side("transformers", "decode", config.include_transformers, config.model, log, request | {"new_tokens": config.new_tokens_per_cache()})
+    cpp = h.peer_side("llama_cpp", "decode", config.include_llama_cpp, config.model, log, request | {"new_tokens": {"kv_cache": config.new_tokens}})
+    report = DecodeReport(SCHEMA, env, _workload(config, threads), ours, hf, cpp, {
+        "note": "kvgen over peer: > 1 is kvgen better for *_tokens_per_s and ttft_speedup (peer ttft_s / kvgen ttft_s); "
+        "*_kvgen_over_peer < 1 is kvgen better (load seconds, peak RSS bytes). Against llama.cpp every kvgen cache kind "
+        "is compared with its one configuration (kv_cache); prefill compares kvgen's static cache",
+        "vs_transformers": compare(ours, hf), "vs_llama_cpp": compare(ours, cpp, "kv_cache")},
+        {"vs_transformers": greedy_agreement(ours, hf), "vs_llama_cpp": greedy_agreement(ours, cpp, "static", "kv_cache")})
+    for rep in (rep for side in (ours, hf, cpp) for rep in side.get("configs", {}).values()):
+        rep.pop("new_token_ids", None)  # they served the agreement checks; keep the report short
+    env["load_average_1m_at_end"] = h.load_average()
     return report
 
 
 def _workload(config: DecodeBenchConfig, num_threads: int) -> dict[str, Any]:
     from kvgen.loader import DTYPES
 
-    workload = dataclasses.asdict(config)
-    del workload["progress"]
-    return workload | {
+    return {k: v for k, v in dataclasses.asdict(config).items() if k != "progress"} | {
         "num_threads": num_threads, "batch_size": 1,
         "transformers_dtype": str(DTYPES.get(str(config.dtype), torch.float32)).removeprefix("torch."),
         "decoding": "greedy, EOS disabled (kvgen: eos_token_id=[]; transformers: min_new_tokens=max_new_tokens; "
-        "llama.cpp: top_k=1, its generate never stops, cut at new_tokens)",
-        "prompt": f"{config.prompt_tokens} token ids uniform over [0, vocab_size) from torch.Generator().manual_seed({config.seed}), "
-        "the same ids for every engine",
+        "llama.cpp: top_k=1, cut at new_tokens)",
+        "prompt": f"{config.prompt_tokens} ids uniform over [0, vocab_size) from torch.Generator().manual_seed({config.seed}), same for every engine",
         "no_cache_note": f"no-cache runs generate {config.no_cache_new_tokens} tokens instead of {config.new_tokens} (O(n^2) per sequence)",
-        "timing": "wall clock; prefill_s = median of 1-token runs; decode_s = total_s - prefill_s; "
-        "decode_tokens_per_s = (num_new_tokens - 1) / decode_s; decode_step_s_* = gaps between streamed tokens "
-        "(decode_tokens_per_s_at_median_step = 1 / median gap, robust to outliers); one untimed 2-token warm-up per configuration; "
-        f"ttft_s = median 1-token generation of a {config.ttft_prompt_tokens}-token prompt (kvgen: static cache; transformers: dynamic)",
-        "peak_rss_note": "VmHWM of each process: kvgen in the calling process, transformers and llama.cpp (no torch) each in its own subprocess",
+        "timing": "wall clock; prefill_s = median 1-token run; decode_s = total_s - prefill_s; decode_tokens_per_s = (num_new_tokens - 1) "
+        "/ decode_s; decode_step_s_* = gaps between streamed tokens; one untimed 2-token warm-up per configuration; "
+        f"ttft_s = median 1-token run of a {config.ttft_prompt_tokens}-token prompt (kvgen: static cache; transformers: dynamic)",
+        "peak_rss_note": "VmHWM of each process: kvgen here, transformers and llama.cpp (no torch) each in its own subprocess",
     }
 
 
 def format_decode_report(result: dict[str, Any]) -> str:
-    """A human table of ``run_decode_bench``'s JSON result (speeds in tokens/s, memory in MiB)."""
-    env, work = result["env"], result["workload"]
-    sides = (result["kvgen"], result.get("transformers", {}), result.get("llama_cpp", {}))
-    vs = (result.get("ratios", {}).get("vs_transformers", {}), result.get("ratios", {}).get("vs_llama_cpp", {}))
-    lines = [
-        (f"decode bench: {work['model']} ({work['dtype']}), prompt {work['prompt_tokens']} tokens, {work['new_tokens']} new "
-         f"tokens (no cache: {work['no_cache_new_tokens']}), batch 1, greedy, {work['num_threads']} threads"),
-        f"torch {env['torch_version']}, transformers {env['transformers_version']}, {env['processor']}, {env['platform']}",
-    ]
-    lines += [f"{name}: {s.get('skipped') or s.get('error')}" for name, s in zip(("transformers", "llama.cpp"), sides[1:]) if "skipped" in s or "error" in s]
-    lines += ["", f"{'':28}{'kvgen':>10}{'transformers':>14}{'llama.cpp':>11}{'kvgen/hf':>10}{'kvgen/cpp':>11}"]
+    """The text table of ``run_decode_bench``'s JSON result (tokens/s, seconds, MiB; ratios kvgen / peer)."""
+    sides = ("kvgen", "transformers", "llama_cpp", "ratios.vs_transformers", "ratios.vs_llama_cpp")
 
-    def row(label: str, key: str, ratio_key: str, spec: str, cache: str | None = None, scale: float = 1.0) -> None:
-        values = []
-        for side, cfg in zip(sides, (cache, cache, None if cache == "no_cache" else "kv_cache")):
-            v = side.get("configs", {}).get(cfg, {}).get(key) if cache else side.get(key)
-            values.append(fmt(v / scale if v is not None else None, spec))
-        r = [fmt(x.get(ratio_key), ".2f") for x in vs]
-        lines.append(f"{label:28}{values[0]:>10}{values[1]:>14}{values[2]:>11}{r[0]:>10}{r[1]:>11}")
+    def row(label: str, key: str, ratio_key: str, cache: str = "", spec: str = "") -> tuple[str, list[str]]:
+        paths = [f"{s}.configs.{'kv_cache' if s == 'llama_cpp' and cache != 'no_cache' else cache}.{key}" if cache else f"{s}.{key}" for s in sides[:3]]
+        return label, [f"{p}:{spec}" for p in paths] + [f"{s}.{ratio_key}" for s in sides[3:]]
 
-    row("load (s)", "load_s", "load_s_kvgen_over_peer", ".2f")
-    row("peak RSS (MiB)", "peak_rss_bytes", "peak_rss_kvgen_over_peer", ".0f", scale=1 << 20)
-    row("TTFT (s; ratio: speedup)", "ttft_s", "ttft_speedup", ".3f")
-    row("prefill static (tokens/s)", "prefill_tokens_per_s", "prefill_tokens_per_s", ".1f", "static")
-    for cache in CACHE_KINDS:
-        row(f"decode {cache} (tokens/s)", "decode_tokens_per_s", f"decode_tokens_per_s_{cache}", ".2f", cache)
-    for side_name, side in zip(("kvgen", "transformers", "llama.cpp"), sides):
-        lines += [f"{side_name} {cache}: {rep['error']}" for cache, rep in side.get("configs", {}).items() if "error" in rep]
-    for peer, agree in result.get("greedy_agreement", {}).items():
-        if agree.get("num_compared_tokens"):
-            lines.append(f"greedy tokens {peer}: first {agree['num_leading_equal_tokens']} of {agree['num_compared_tokens']} equal")
-    return "\n".join(lines)
+    rows = [row("load s", "load_s", "load_s_kvgen_over_peer"), row("peak RSS MiB", "peak_rss_bytes", "peak_rss_kvgen_over_peer", spec="MiB"),
+            row("TTFT s (ratio: speedup)", "ttft_s", "ttft_speedup"),
+            row("prefill static tokens/s", "prefill_tokens_per_s", "prefill_tokens_per_s", "static"),
+            *(row(f"decode {c} tokens/s", "decode_tokens_per_s", f"decode_tokens_per_s_{c}", c) for c in CACHE_KINDS),
+            ("leading greedy tokens equal", ["", "greedy_agreement.vs_transformers.num_leading_equal_tokens",
+                                     "greedy_agreement.vs_llama_cpp.num_leading_equal_tokens", "", ""])]
+    title = ("decode bench: {workload[model]} ({workload[dtype]}), prompt {workload[prompt_tokens]}, {workload[new_tokens]} new tokens "
+             "(no cache {workload[no_cache_new_tokens]}), batch 1, greedy, {workload[num_threads]} threads\n"
+             "torch {env[torch_version]}, transformers {env[transformers_version]}, {env[processor]}, {env[platform]}")
+    return h.render(result, title, ["kvgen", "transformers", "llama.cpp", "kvgen/hf", "kvgen/cpp"], rows)

@@ -1,14 +1,13 @@
-"""Timing and reports shared by every ``kvgen bench``: environment facts, threads, one
-percentile, one token timer, one subprocess protocol, typed results -> JSON, config flags.
-
-Torch-free at import: the llama.cpp peer (``bench/peers.py`` run as a file) imports this
-module, and its peak RSS must not include torch. Timings never go in tests.
-"""
+"""What every ``kvgen bench`` shares: machine facts, threads, timing, typed results -> JSON, the peers' subprocess
+protocol, flags from config dataclasses, one text renderer. Torch-free at import: the llama.cpp peer (``peers.py`` run
+as a file) imports it, and its peak RSS must not include torch."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -21,16 +20,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-Side = dict[str, Any]  # a system's JSON report: its figures, or {"skipped": why} / {"error": what}
-PEERS_SCRIPT = Path(__file__).resolve().with_name("peers.py")
+Side = dict[str, Any]  # one system's JSON report: its figures, or {"skipped": why} / {"error": what}
+OMIT_IF_NONE = {"omit_if_none": True}  # field metadata: left out of :func:`to_json` while None
 
 
 def available_cpus() -> int:
-    """CPU cores this process may run on (affinity mask when the OS has one, else ``os.cpu_count``)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _cpuinfo() -> list[tuple[str, str]]:
@@ -42,18 +38,17 @@ def _cpuinfo() -> list[tuple[str, str]]:
 
 
 def physical_cores() -> int:
-    """Distinct (package, core) ids of /proc/cpuinfo, at most the available CPUs (one thread per core)."""
+    """Distinct (package, core) ids of /proc/cpuinfo, at most :func:`available_cpus` (one thread per core)."""
     cores, package = set(), ""
     for key, value in _cpuinfo():
-        if key == "physical id":
-            package = value
-        elif key == "core id":
+        package = value if key == "physical id" else package
+        if key == "core id":
             cores.add((package, value))
     return min(len(cores), available_cpus()) if cores else available_cpus()
 
 
 def set_threads(num_threads: int | None = None) -> int:
-    """Set torch's intra-op threads (default: :func:`physical_cores`); return the count. ``ValueError`` below 1."""
+    """Set torch's intra-op threads (default: :func:`physical_cores`); the count. ``ValueError`` below 1."""
     import torch
 
     n = physical_cores() if num_threads is None else num_threads
@@ -67,7 +62,7 @@ def load_average() -> float | None:
     """1-minute load average (runnable processes); above the core count, timings are contended."""
     try:
         return os.getloadavg()[0]
-    except (AttributeError, OSError):
+    except (AttributeError, OSError):  # no getloadavg, or the OS cannot report it
         return None
 
 
@@ -76,18 +71,16 @@ def environment_info() -> dict[str, Any]:
     import torch
 
     try:
-        import transformers
-
-        transformers_version: str | None = transformers.__version__
-    except ImportError:
-        transformers_version = None
-    model_name = next((v for k, v in _cpuinfo() if k == "model name"), platform.processor())
+        hf: str | None = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        hf = None
     return {
-        "torch_version": torch.__version__, "transformers_version": transformers_version,
+        "torch_version": torch.__version__, "transformers_version": hf,
         "python_version": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
-        "processor": model_name, "cpu_count": os.cpu_count(), "physical_cores": physical_cores(),
-        "available_cpus": available_cpus(), "torch_num_threads": torch.get_num_threads(),
-        "torch_num_interop_threads": torch.get_num_interop_threads(), "load_average_1m": load_average(),
+        "processor": next((v for k, v in _cpuinfo() if k == "model name"), platform.processor()),
+        "cpu_count": os.cpu_count(), "physical_cores": physical_cores(), "available_cpus": available_cpus(),
+        "torch_num_threads": torch.get_num_threads(), "torch_num_interop_threads": torch.get_num_interop_threads(),
+        "load_average_1m": load_average(),
     }
 
 
@@ -99,8 +92,7 @@ def peak_rss_bytes() -> int:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     except (OSError, StopIteration):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(peak if sys.platform == "darwin" else peak * 1024)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def current_rss_bytes() -> int | None:
@@ -113,39 +105,31 @@ def current_rss_bytes() -> int | None:
 
 
 def timed(fn: Callable[[], T]) -> tuple[T, float]:
-    """Call ``fn()``; return its result and the wall-clock seconds it took."""
+    """``fn()`` and the wall-clock seconds it took."""
     start = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - start
+    return fn(), time.perf_counter() - start
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    """The ``q``-th percentile (0..100) of ``values`` by linear interpolation (numpy's default), None when empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = q / 100 * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+    """The ``q``-th percentile (0..100) of ``values`` (numpy's linear interpolation), None when empty."""
+    import numpy as np
+
+    return float(np.percentile(values, q)) if values else None
 
 
-def per_second(count: float, seconds: float) -> float | None:
-    """``count / seconds`` (tokens/s), or None when ``seconds`` is not positive."""
-    return float(count) / seconds if seconds > 0 else None
+def per_second(count: float, seconds: float | None) -> float | None:
+    """``count / seconds`` (tokens/s), or None when ``seconds`` is missing or not positive."""
+    return float(count) / seconds if seconds else None
 
 
 def ratio(ours: float | None, theirs: float | None) -> float | None:
-    """``ours / theirs``, or None when either side is missing or ``theirs`` is zero."""
-    return None if ours is None or theirs is None or theirs == 0 else ours / theirs
+    """``ours / theirs``, or None when either is missing or ``theirs`` is zero."""
+    return None if ours is None or not theirs else ours / theirs
 
 
 class TokenTimer:
-    """A streamer (``put``/``end``: kvgen's, transformers' and our llama.cpp loop's protocol) timestamping tokens.
-
-    ``generate`` puts the prompt first (ignored), then the new tokens of each step;
-    ``times`` are those steps' ``time.perf_counter`` seconds, ``gaps()`` the seconds between them.
-    """
+    """A streamer (``put``/``end``, as kvgen's and transformers' ``generate`` call it) timestamping new tokens:
+    ``times`` holds the ``time.perf_counter`` seconds of each ``put`` after the first (the prompt)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
@@ -160,12 +144,12 @@ class TokenTimer:
         pass
 
     def gaps(self) -> list[float]:
-        """Seconds between consecutive new tokens (the first token comes from prefill and is excluded)."""
+        """Seconds between consecutive new tokens (the first one comes from prefill)."""
         return [b - a for a, b in zip(self.times, self.times[1:])]
 
 
 class Progress:
-    """Progress lines on stderr (never stdout, which carries the JSON report)."""
+    """Progress lines on stderr (stdout carries the JSON report)."""
 
     def __init__(self, enabled: bool = True, prefix: str = "[bench]") -> None:
         self.enabled, self.prefix, self._start = enabled, prefix, time.perf_counter()
@@ -175,12 +159,20 @@ class Progress:
             print(f"{self.prefix} {time.perf_counter() - self._start:7.1f}s  {message}", file=sys.stderr, flush=True)
 
 
-def fmt(value: float | None, spec: str = ".1f") -> str:
-    """``value`` formatted by ``spec``, or ``-`` when missing (report tables)."""
-    return format(value, spec) if value is not None else "-"
+def start(config: Any, prefix: str = "[bench]") -> tuple[Progress, int, str, dict[str, Any]]:
+    """A bench's opening: its progress log, threads set from ``config.num_threads``, kvgen's dtype, the environment."""
+    log, threads = Progress(getattr(config, "progress", True), prefix), set_threads(config.num_threads)
+    env = environment_info()
+    if (load := env["load_average_1m"]) is not None and load > 0.5:
+        log(f"warning: 1-minute load average is {load:.2f}; other processes share these cores, timings will be contended")
+    return log, threads, config.dtype or default_dtype(), env
 
 
-OMIT_IF_NONE = {"omit_if_none": True}  # field metadata: left out of :func:`to_json` while None
+def check_min(obj: Any, **lows: int) -> None:
+    """``ValueError`` naming the first field of ``obj`` below its lower bound."""
+    for name, low in lows.items():
+        if getattr(obj, name) < low:
+            raise ValueError(f"{name} must be >= {low}, got {getattr(obj, name)}")
 
 
 def to_json(obj: Any) -> Any:
@@ -190,70 +182,71 @@ def to_json(obj: Any) -> Any:
                 if not (f.metadata.get("omit_if_none") and getattr(obj, f.name) is None)}
     if isinstance(obj, dict):
         return {k: to_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_json(v) for v in obj]
-    return obj
+    return [to_json(v) for v in obj] if isinstance(obj, (list, tuple)) else obj
 
 
 def run_side(name: str, argv: list[str], log: Callable[[str], None], request: Any = None, quiet: bool = False) -> Side:
-    """The one subprocess protocol: ``python *argv`` with ``request`` as JSON on stdin, one JSON report on stdout.
-
-    A fresh interpreter, so the side's peak RSS is its own; progress stays on stderr (captured when
-    ``quiet``). A crash or a missing report becomes ``{"error": ...}``.
-    """
+    """``python *argv`` in a fresh interpreter (its own peak RSS), ``request`` as JSON on stdin; its one JSON report,
+    or ``{"error": ...}``. Progress stays on stderr (captured when ``quiet``)."""
     log(f"{name}: starting a fresh subprocess (its own peak RSS)")
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.run([sys.executable, *argv], input=json.dumps(request) if request is not None else None, stdout=out,
+        proc = subprocess.run([sys.executable, *argv], input=None if request is None else json.dumps(request), stdout=out,
                               stderr=subprocess.PIPE if quiet else None, text=True, check=False)
         out.seek(0)
         text = out.read()
     if proc.returncode != 0:
-        tail = (proc.stderr or "")[-2000:] if quiet else "see stderr"
-        return {"error": f"{name} subprocess exited with status {proc.returncode}: {tail}"}
+        return {"error": f"{name} subprocess exited with status {proc.returncode}: {(proc.stderr or '')[-2000:] if quiet else 'see stderr'}"}
     try:
-        report: Side = json.loads(text)
-        return report
-    except json.JSONDecodeError as e:
+        return dict(json.loads(text))
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
         return {"error": f"{name} subprocess printed no JSON report ({e}): {text[-500:]!r}"}
 
 
 def run_peer(peer: str, task: str, request: dict[str, Any], log: Callable[[str], None], quiet: bool = False) -> Side:
-    """Run ``task`` of ``peer`` (``transformers`` or ``llama_cpp``) in ``bench/peers.py`` (see :func:`run_side`)."""
-    return run_side(f"{peer} {task}", [str(PEERS_SCRIPT), peer, task], log, request, quiet)
+    """``task`` of ``peer`` (``transformers`` or ``llama_cpp``) run by ``peers.py`` (see :func:`run_side`)."""
+    return run_side(f"{peer} {task}", [str(Path(__file__).with_name("peers.py")), peer, task], log, request, quiet)
 
 
-def add_config_flags(parser: argparse.ArgumentParser, config_cls: type, skip: tuple[str, ...] = ()) -> None:
-    """One flag per field of the dataclass ``config_cls`` with help text (``kvgen.fields.config_field``).
+def peer_side(peer: str, task: str, enabled: bool, model: str, log: Progress, request: dict[str, Any]) -> Side:
+    """:func:`run_peer` on ``request`` plus ``model_path``, or ``{"skipped": why}`` (disabled, not installed, not GGUF)."""
+    from kvgen.loader import resolve_model_path
 
-    ``--field-name`` unless the field's metadata names ``flags``; a bool defaulting to True
-    (``include_transformers``) becomes ``--no-transformers``; ``cli=False`` fields get none.
-    """
+    path = resolve_model_path(model)
+    if not enabled:
+        return {"skipped": f"include_{peer}=False"}
+    if importlib.util.find_spec(peer) is None:
+        return {"skipped": f"{peer} is not installed"}
+    if peer == "llama_cpp" and path.is_dir():
+        return {"skipped": "llama.cpp reads GGUF files; the model is a Hugging Face directory"}
+    return run_peer(peer, task, request | {"model_path": str(path)}, log, quiet=not log.enabled)
+
+
+def add_config_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:
+    """A ``--field-name`` flag (or the metadata's ``flags``) per field of ``config_cls`` with help text and without
+    ``cli=False``; a bool defaulting to True (``include_x``) becomes ``--no-x``."""
     for f in dataclasses.fields(config_cls):
-        if f.name in skip or not f.metadata.get("cli", True) or "help" not in f.metadata:
+        if not f.metadata.get("cli", True) or "help" not in f.metadata:
             continue
-        kind, default = str(f.type), f.default
-        kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata["help"], "default": default}
+        kind, kwargs = str(f.type), {"dest": f.name, "help": f.metadata["help"], "default": f.default}
         if kind == "bool":
             flags = f.metadata.get("flags") or ("--no-" + f.name.removeprefix("include_").replace("_", "-"),)
-            kwargs |= {"action": "store_false" if default else "store_true", "help": f"don't {f.metadata['help']}"}
+            kwargs |= {"action": "store_false" if f.default else "store_true", "help": f"don't {f.metadata['help']}"}
         else:
             flags = f.metadata.get("flags") or ("--" + f.name.replace("_", "-"),)
-            base = kind.split("[")[-1].split(",")[0].split("|")[0].strip("] ")
-            kwargs["type"] = {"int": int, "float": float}.get(base, str)
-            if kind.startswith(("tuple", "list")):
-                kwargs["nargs"] = "+"
+            kwargs["type"] = {"int": int, "float": float}.get(kind.split("[")[-1].split(",")[0].split("|")[0].strip("] "), str)
+            kwargs |= {"nargs": "+"} if kind.startswith(("tuple", "list")) else {}
         parser.add_argument(*flags, **kwargs)
 
 
 def config_from_args(config_cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
-    """``config_cls`` built from the parsed flags of :func:`add_config_flags` (fields without a flag keep defaults)."""
+    """``config_cls`` from the flags of :func:`add_config_flags` (fields without a flag keep their defaults)."""
     names = {f.name for f in dataclasses.fields(config_cls)}  # type: ignore[arg-type]
     return config_cls(**{k: v for k, v in vars(args).items() if k in names} | overrides)
 
 
 @dataclasses.dataclass
 class RunStats:
-    """What one generation reports: token counts, and the engine's own model-time split if it has one."""
+    """One generation: token counts, and the engine's own model-time split (seconds) if it has one."""
 
     num_prompt_tokens: int
     new_token_ids: list[int]
@@ -267,7 +260,7 @@ GenerateFn = Callable[[Any, int, "TokenTimer | None"], RunStats]
 
 @dataclasses.dataclass
 class GenerationTiming:
-    """Batch-1 prefill and decode of one engine configuration (seconds, tokens/s); see ``time_generation``."""
+    """Batch-1 prefill and decode of one engine configuration (seconds, tokens/s); see :func:`time_generation`."""
 
     num_prompt_tokens: int
     num_requested_new_tokens: int
@@ -282,37 +275,45 @@ class GenerationTiming:
     decode_step_s_p90: float | None
     decode_tokens_per_s_at_median_step: float | None
     new_token_ids: list[int]
-    model_prefill_s: float | None = dataclasses.field(default=None, metadata=OMIT_IF_NONE)  # the engine's own split: model forward + LM head only
+    model_prefill_s: float | None = dataclasses.field(default=None, metadata=OMIT_IF_NONE)  # the engine's own split
     model_decode_s: float | None = dataclasses.field(default=None, metadata=OMIT_IF_NONE)
     model_decode_tokens_per_s: float | None = dataclasses.field(default=None, metadata=OMIT_IF_NONE)
-
-
-def time_generation(generate_fn: GenerateFn, prompt_ids: Any, new_tokens: int, num_prefill_repeats: int = 3) -> GenerationTiming:
-    """One untimed 2-token warm-up; prefill = median of 1-token runs; then one timed ``new_tokens`` run.
-
-    ``decode_s = total_s - prefill_s``; ``decode_step_s_*``: gaps between streamed tokens.
-    """
-    generate_fn(prompt_ids, 2, None)  # warm-up: allocator, oneDNN primitives, first-call paths
-    prefill_s = time_to_first_token(generate_fn, prompt_ids, num_prefill_repeats, warm_up=False)
-    timer = TokenTimer()
-    stats, total_s = timed(lambda: generate_fn(prompt_ids, new_tokens, timer))
-    num_new, decode_s, steps = len(stats.new_token_ids), total_s - prefill_s, timer.gaps()  # steps: [num_new - 1]
-    step_median = percentile(steps, 50)
-    model_decode = stats.model_decode_s
-    return GenerationTiming(
-        stats.num_prompt_tokens, new_tokens, num_new, prefill_s, per_second(stats.num_prompt_tokens, prefill_s), total_s,
-        decode_s, per_second(num_new - 1, decode_s), len(steps), step_median, percentile(steps, 90),
-        per_second(1, step_median) if step_median else None, stats.new_token_ids, stats.model_prefill_s, model_decode,
-        per_second(num_new - 1, model_decode) if model_decode is not None else None,
-    )
 
 
 def time_to_first_token(generate_fn: GenerateFn, prompt_ids: Any, num_repeats: int = 3, warm_up: bool = True) -> float:
     """Median seconds of ``num_repeats`` 1-token generations (prefill, LM head, first choice), after a warm-up."""
     if warm_up:
         generate_fn(prompt_ids, 1, None)
-    seconds = [timed(lambda: generate_fn(prompt_ids, 1, None))[1] for _ in range(num_repeats)]
-    return percentile(seconds, 50) or 0.0
+    return percentile([timed(lambda: generate_fn(prompt_ids, 1, None))[1] for _ in range(num_repeats)], 50) or 0.0
+
+
+def time_generation(generate_fn: GenerateFn, prompt_ids: Any, new_tokens: int, num_prefill_repeats: int = 3) -> GenerationTiming:
+    """An untimed 2-token warm-up, ``prefill_s`` = median 1-token run, one timed ``new_tokens`` run;
+    ``decode_s = total_s - prefill_s``, ``decode_step_s_*``: gaps between streamed tokens."""
+    generate_fn(prompt_ids, 2, None)  # allocator, oneDNN primitives, first-call paths
+    prefill_s, timer = time_to_first_token(generate_fn, prompt_ids, num_prefill_repeats, warm_up=False), TokenTimer()
+    stats, total_s = timed(lambda: generate_fn(prompt_ids, new_tokens, timer))
+    num_new, decode_s, steps = len(stats.new_token_ids), total_s - prefill_s, timer.gaps()  # steps: [num_new - 1]
+    median = percentile(steps, 50)
+    return GenerationTiming(
+        stats.num_prompt_tokens, new_tokens, num_new, prefill_s, per_second(stats.num_prompt_tokens, prefill_s), total_s,
+        decode_s, per_second(num_new - 1, decode_s), len(steps), median, percentile(steps, 90), per_second(1, median),
+        stats.new_token_ids, stats.model_prefill_s, stats.model_decode_s, per_second(num_new - 1, stats.model_decode_s))
+
+
+def measure_caches(runs: dict[str, tuple[GenerateFn, int]], prompt_ids: Any, num_prefill_repeats: int, log: Callable[[str], None],
+                   name: str) -> dict[str, Side]:
+    """:func:`time_generation` per cache kind of ``runs`` (kind -> generate fn, new tokens); a failing one reports ``error``."""
+    results: dict[str, Side] = {}
+    for cache, (generate_fn, n) in runs.items():
+        log(f"{name}: {cache}: warm-up, prefill x{num_prefill_repeats}, {n} new tokens")
+        try:
+            results[cache] = r = to_json(time_generation(generate_fn, prompt_ids, n, num_prefill_repeats))
+            log(f"{name}: {cache}: prefill {cell(r, 'prefill_tokens_per_s')} tokens/s, decode {cell(r, 'decode_tokens_per_s')} tokens/s")
+        except Exception as e:  # noqa: BLE001 -- one failing configuration is reported, the others still run
+            results[cache] = {"error": f"{type(e).__name__}: {e}"}
+            log(f"{name}: {cache}: failed: {results[cache]['error']}")
+    return results
 
 
 def default_dtype() -> str:
@@ -323,3 +324,34 @@ def default_dtype() -> str:
 
     default = inspect.signature(load_model).parameters["dtype"].default
     return default if isinstance(default, str) else str(default).removeprefix("torch.")
+
+
+def cell(result: Any, path_spec: str) -> str:
+    """The value at a dotted ``path`` of ``result`` formatted by ``:spec`` (or ``MiB`` for bytes), ``-`` when missing."""
+    path, _, spec = path_spec.partition(":")
+    for key in path.split("."):
+        result = result.get(key) if isinstance(result, dict) else None
+    if result is None or isinstance(result, (dict, list)):
+        return "-"
+    if isinstance(result, bool):
+        return "yes" if result else "no"
+    if spec == "MiB":
+        return f"{result / 2**20:.0f}"
+    if isinstance(result, float) and not spec:
+        spec = ".4g" if abs(result) < 1000 else ".0f"
+    return format(result, spec)
+
+
+def render(result: dict[str, Any], title: str, columns: list[str], rows: list[tuple[str, list[str]]]) -> str:
+    """A bench's text report: ``title.format(**result)``; a table of ``(label, cells)`` rows, each cell a dotted path
+    into ``result`` with an optional ``:spec`` (format spec, or ``MiB``; ``-`` when missing); every skipped / error."""
+    table = [["", *columns], *([label, *(cell(result, c) for c in cells)] for label, cells in rows)]
+    widths = [max(len(r[i]) for r in table) for i in range(len(columns) + 1)]
+    lines = [title.format(**result), *("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in table)]
+
+    def notes(obj: Any, path: str) -> list[str]:
+        if not isinstance(obj, dict):
+            return []
+        return [n for k, v in obj.items() for n in ([f"{path}{k}: {v}"] if k in ("skipped", "error") else notes(v, f"{path}{k}."))]
+
+    return "\n".join(lines + notes(result, ""))

@@ -1,11 +1,9 @@
 """``kvgen bench strategies``: speed of every decoding strategy, kvgen vs transformers.
 
-Workload: ``workloads.PROMPTS`` as one left-padded batch; each strategy returns one
-sequence per prompt of exactly ``new_tokens`` tokens (``min_new_tokens = max_new_tokens``
-on both sides). Sampling is seeded (kvgen: ``GenerationConfig.seed``; transformers:
-``torch.manual_seed``). Per strategy and engine: one untimed 2-token warm-up, one timed run;
-``tokens_per_s = prompts x new_tokens / wall seconds`` around ``generate``. Both engines run
-in this process, strategy by strategy, kvgen first. transformers has no sample-and-rank.
+``workloads.PROMPTS`` as one left-padded batch; every strategy returns exactly ``new_tokens`` tokens per prompt
+(``min_new_tokens = max_new_tokens`` on both sides); sampling is seeded (kvgen: ``GenerationConfig.seed``;
+transformers: ``torch.manual_seed``). Per strategy and engine, in this process, kvgen first: an untimed 2-token
+warm-up, one timed run; ``tokens_per_s = prompts x new_tokens / seconds`` around ``generate``.
 """
 
 from __future__ import annotations
@@ -15,28 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
-from kvgen.bench.harness import (
-    OMIT_IF_NONE,
-    Progress,
-    Side,
-    default_dtype,
-    environment_info,
-    fmt,
-    load_average,
-    per_second,
-    ratio,
-    set_threads,
-    timed,
-    to_json,
-)
+from kvgen.bench import harness as h
 from kvgen.bench.workloads import PROMPTS, left_padded
 from kvgen.fields import config_field as _f
 
 SCHEMA = "kvgen.bench.strategies/1"
-# Strategy -> GenerationConfig fields (transformers gets the same; it has no ``best_of``).
-STRATEGY_SETTINGS: dict[str, dict[str, Any]] = {
+STRATEGY_SETTINGS: dict[str, dict[str, Any]] = {  # GenerationConfig fields; transformers gets the same (it has no best_of)
     "greedy": {},
     "sample": {"do_sample": True, "temperature": 0.8, "top_k": 50, "top_p": 0.95},
     "beam_search": {"num_beams": 4},
@@ -61,8 +44,7 @@ class StrategiesBenchConfig:
     progress: bool = _f(True, "progress lines on stderr", cli=False)
 
     def __post_init__(self) -> None:
-        if self.new_tokens < 2:
-            raise ValueError(f"new_tokens must be >= 2, got {self.new_tokens}")
+        h.check_min(self, new_tokens=2)
         if not self.prompts:
             raise ValueError("prompts must hold at least one prompt, got none")
 
@@ -74,74 +56,58 @@ class StrategyRun:
     seconds: float
     num_new_tokens: int
     tokens_per_s: float | None
-    model_prefill_s: float | None = dataclasses.field(default=None, metadata=OMIT_IF_NONE)
-    model_decode_s: float | None = dataclasses.field(default=None, metadata=OMIT_IF_NONE)
+    model_prefill_s: float | None = dataclasses.field(default=None, metadata=h.OMIT_IF_NONE)
+    model_decode_s: float | None = dataclasses.field(default=None, metadata=h.OMIT_IF_NONE)
 
 
-def _run(new_token_ids: list[list[int]], seconds: float, prefill_s: float | None = None, decode_s: float | None = None) -> StrategyRun:
-    num_new = sum(len(row) for row in new_token_ids)
-    return StrategyRun(seconds, num_new, per_second(num_new, seconds), prefill_s, decode_s)
-
-
-def measure_kvgen(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, settings: dict[str, Any], new_tokens: int,
-                  seed: int) -> tuple[StrategyRun, list[list[int]]]:
-    """Time kvgen ``generate`` on a padded batch ids/mask [B, T]; the run and its new token ids."""
+def measure(engine: str, model: Any, batch: tuple[torch.Tensor, torch.Tensor], settings: dict[str, Any],
+            config: StrategiesBenchConfig) -> tuple[StrategyRun, list[list[int]]]:
+    """Time ``engine``'s (``kvgen`` or ``transformers``) ``generate`` on a padded batch ids/mask [B, T]; its new ids."""
+    from kvgen.bench.peers import pad_token_id
     from kvgen.generation import GenerationConfig, generate
 
+    ids, mask = batch
+    is_ours = engine == "kvgen"
+
     def run(n: int) -> Any:
-        return generate(model, ids, mask, GenerationConfig(max_new_tokens=n, min_new_tokens=n, seed=seed, **settings))
-
-    run(2)  # warm-up
-    out, seconds = timed(lambda: run(new_tokens))
-    return _run(out.new_token_ids, seconds, out.timings.prefill_s, out.timings.decode_s), out.new_token_ids
-
-
-def measure_transformers(hf_model: Any, ids: torch.Tensor, mask: torch.Tensor, settings: dict[str, Any], new_tokens: int,
-                         seed: int) -> tuple[StrategyRun, list[list[int]]]:
-    """Time transformers ``generate`` on the same batch and settings (seeded through ``torch.manual_seed``)."""
-    from kvgen.bench.peers import pad_token_id
-
-    def run(n: int) -> torch.Tensor:
-        torch.manual_seed(seed)
+        if is_ours:
+            return generate(model, ids, mask, GenerationConfig(max_new_tokens=n, min_new_tokens=n, seed=config.seed, **settings))
+        torch.manual_seed(config.seed)
         with torch.inference_mode():
-            return hf_model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                     pad_token_id=pad_token_id(hf_model), **settings)
+            return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, pad_token_id=pad_token_id(model), **settings)
 
     run(2)  # warm-up
-    out, seconds = timed(lambda: run(new_tokens))
-    new_ids: list[list[int]] = out[:, ids.shape[1]:].tolist()  # [B, new_tokens]
-    return _run(new_ids, seconds), new_ids
+    out, seconds = h.timed(lambda: run(config.new_tokens))
+    new_ids: list[list[int]] = out.new_token_ids if is_ours else out[:, ids.shape[1]:].tolist()  # [B, new_tokens]
+    timings = (out.timings.prefill_s, out.timings.decode_s) if is_ours else (None, None)
+    num_new = sum(map(len, new_ids))
+    return StrategyRun(seconds, num_new, h.per_second(num_new, seconds), *timings), new_ids
 
 
-def _measure_strategy(name: str, models: tuple[nn.Module, Any], batch: tuple[torch.Tensor, torch.Tensor],
-                      config: StrategiesBenchConfig, log: Progress) -> dict[str, Any]:
+def _measure_strategy(name: str, models: tuple[Any, Any], batch: tuple[torch.Tensor, torch.Tensor], config: StrategiesBenchConfig,
+                      log: h.Progress) -> dict[str, Any]:
     settings = STRATEGY_SETTINGS[name]
     rows = settings["top_k"] if "penalty_alpha" in settings else settings.get("num_beams", settings.get("best_of", 1))
     log(f"{name}: kvgen")
-    ours, our_ids = measure_kvgen(models[0], *batch, settings, config.new_tokens, config.seed)
-    their_ids: list[list[int]] | None = None
-    theirs: Side
-    if models[1] is None:
-        theirs = {"skipped": "include_transformers=False"}
-    elif "best_of" in settings:
-        theirs = {"skipped": "transformers has no sample-and-rank (best_of) mode"}
-    else:
+    ours, our_ids = measure("kvgen", models[0], batch, settings, config)
+    theirs: h.Side = {"skipped": "include_transformers=False" if models[1] is None else "transformers has no sample-and-rank (best_of) mode"}
+    their_ids = None
+    if models[1] is not None and "best_of" not in settings:
         log(f"{name}: transformers")
         try:
-            run, their_ids = measure_transformers(models[1], *batch, settings, config.new_tokens, config.seed)
-            theirs = to_json(run)
+            run, their_ids = measure("transformers", models[1], batch, settings, config)
+            theirs = h.to_json(run)
         except Exception as e:  # noqa: BLE001 -- a strategy transformers rejects is reported, the others still run
             theirs = {"error": f"{type(e).__name__}: {e}"}
-    log(f"{name}: kvgen {fmt(ours.tokens_per_s)} tokens/s, transformers {fmt(theirs.get('tokens_per_s'))} tokens/s")
-    return {"settings": settings, "rows_per_step": rows * batch[0].shape[0], "kvgen": to_json(ours), "transformers": theirs,
-            "ratio_kvgen_over_transformers": ratio(ours.tokens_per_s, theirs.get("tokens_per_s")),
+    return {"settings": settings, "rows_per_step": rows * batch[0].shape[0], "kvgen": h.to_json(ours), "transformers": theirs,
+            "ratio_kvgen_over_transformers": h.ratio(ours.tokens_per_s, theirs.get("tokens_per_s")),
             "tokens_identical_to_transformers": None if their_ids is None else our_ids == their_ids}
 
 
 @dataclass
 class StrategiesReport:
-    """``run_strategies_bench``'s result: per strategy ``settings``, ``rows_per_step``, ``kvgen`` /
-    ``transformers`` runs, ``ratio_kvgen_over_transformers`` (> 1: kvgen faster), ``tokens_identical_to_transformers``."""
+    """``run_strategies_bench``'s result: per strategy ``settings``, ``rows_per_step``, ``kvgen`` / ``transformers``
+    runs, ``ratio_kvgen_over_transformers`` (> 1: kvgen faster), ``tokens_identical_to_transformers``."""
 
     schema: str
     env: dict[str, Any]
@@ -154,36 +120,25 @@ def run_strategies_bench(config: StrategiesBenchConfig) -> StrategiesReport:
     from kvgen.bench.peers import load_transformers
     from kvgen.loader import load_model
 
-    log, threads, dtype = Progress(config.progress), set_threads(config.num_threads), config.dtype or default_dtype()
-    env = environment_info()
-    workload = {
-        "model": config.model, "dtype": dtype, "prompts": list(config.prompts), "batch_size": len(config.prompts),
-        "new_tokens": config.new_tokens, "seed": config.seed, "num_threads": threads,
-        "timing": "per strategy and engine: one untimed 2-token warm-up, one timed run; wall clock around generate(); "
-        "tokens_per_s = batch_size x new_tokens / seconds (min_new_tokens = max_new_tokens on both sides)",
-    }
+    log, threads, dtype, env = h.start(config)
+    workload = {"model": config.model, "dtype": dtype, "prompts": list(config.prompts), "batch_size": len(config.prompts),
+                "new_tokens": config.new_tokens, "seed": config.seed, "num_threads": threads,
+                "timing": "per strategy and engine: one untimed 2-token warm-up, one timed run; wall clock around generate(); "
+                "tokens_per_s = batch_size x new_tokens / seconds (min_new_tokens = max_new_tokens on both sides)"}
     log(f"kvgen: loading {config.model} ({dtype})")
     ours, tokenizer = load_model(config.model, dtype=dtype)
     theirs = load_transformers(config.model, dtype) if config.include_transformers else None
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    batch = left_padded([tokenizer.encode(p) for p in config.prompts], pad)  # ids, mask: [B, T]
+    batch = left_padded([tokenizer.encode(p) for p in config.prompts], tokenizer.pad_token_id or 0)  # ids, mask: [B, T]
     strategies = {name: _measure_strategy(name, (ours, theirs), batch, config, log) for name in STRATEGY_SETTINGS}
-    env["load_average_1m_at_end"] = load_average()
+    env["load_average_1m_at_end"] = h.load_average()
     return StrategiesReport(SCHEMA, env, workload, strategies)
 
 
 def format_strategies_report(result: dict[str, Any]) -> str:
-    """A human table of ``run_strategies_bench``'s JSON result (tokens/s of each strategy, both engines)."""
-    work, env = result["workload"], result["env"]
-    lines = [
-        f"strategies bench: {work['model']} ({work['dtype']}), {work['batch_size']} prompts x {work['new_tokens']} new tokens",
-        (f"torch {env['torch_version']}, transformers {env['transformers_version']}, {work['num_threads']} threads, "
-         f"load average {fmt(env.get('load_average_1m'), '.2f')} -> {fmt(env.get('load_average_1m_at_end'), '.2f')}"),
-        "",
-        f"{'strategy':20}{'rows/step':>10}{'kvgen tok/s':>13}{'hf tok/s':>10}{'kvgen/hf':>10}{'same tokens':>13}",
-    ]
-    for name, e in result["strategies"].items():
-        same = e["tokens_identical_to_transformers"]
-        lines.append(f"{name:20}{e['rows_per_step']:>10}{fmt(e['kvgen']['tokens_per_s']):>13}{fmt(e['transformers'].get('tokens_per_s')):>10}"
-                     f"{fmt(e['ratio_kvgen_over_transformers'], '.2f'):>10}{'-' if same is None else ('yes' if same else 'no'):>13}")
-    return "\n".join(lines)
+    """The text table of ``run_strategies_bench``'s JSON result (tokens/s of each strategy, both engines)."""
+    cells = ["rows_per_step", "kvgen.tokens_per_s", "transformers.tokens_per_s", "ratio_kvgen_over_transformers", "tokens_identical_to_transformers"]
+    rows = [(name, [f"strategies.{name}.{c}" for c in cells]) for name in result["strategies"]]
+    load = " -> ".join(h.cell(result, f"env.{k}:.2f") for k in ("load_average_1m", "load_average_1m_at_end"))
+    title = ("strategies bench: {workload[model]} ({workload[dtype]}), {workload[batch_size]} prompts x {workload[new_tokens]} new tokens\n"
+             "torch {env[torch_version]}, transformers {env[transformers_version]}, {workload[num_threads]} threads, load average " + load)
+    return h.render(result, title, ["rows/step", "kvgen tok/s", "hf tok/s", "kvgen/hf", "same tokens"], rows)
