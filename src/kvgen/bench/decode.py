@@ -10,15 +10,15 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from kvgen.bench import harness as h
 from kvgen.bench.workloads import seeded_prompt_ids
 from kvgen.fields import config_field as _f
+from kvgen.models import CausalLM
 
 CACHE_KINDS = ("no_cache", "dynamic", "static")
 SCHEMA = "kvgen.bench.decode/2"
@@ -50,7 +50,7 @@ class DecodeBenchConfig:
         return {c: self.no_cache_new_tokens if c == "no_cache" else self.new_tokens for c in CACHE_KINDS}
 
 
-def kvgen_generate_fn(model: nn.Module, cache: str) -> h.GenerateFn:
+def kvgen_generate_fn(model: CausalLM, cache: str) -> h.GenerateFn:
     """``GenerateFn`` over kvgen ``generate``: greedy, EOS disabled (``eos_token_id=[]``), per cache kind."""
     from kvgen.generation import GenerationConfig, generate
 
@@ -64,7 +64,7 @@ def kvgen_generate_fn(model: nn.Module, cache: str) -> h.GenerateFn:
     return run
 
 
-def measure_ours(model: nn.Module, prompt_ids: torch.Tensor, config: DecodeBenchConfig, log: Callable[[str], None] = lambda _: None) -> dict[str, h.Side]:
+def measure_ours(model: CausalLM, prompt_ids: torch.Tensor, config: DecodeBenchConfig, log: Callable[[str], None] = lambda _: None) -> dict[str, h.Side]:
     """``harness.time_generation`` of kvgen's ``generate`` per cache kind; prompt_ids [1, T] int64."""
     runs = {c: (kvgen_generate_fn(model, c), n) for c, n in config.new_tokens_per_cache().items()}
     return h.measure_caches(runs, prompt_ids, config.num_prefill_repeats, log, "kvgen")
@@ -77,7 +77,7 @@ def _time_us(fn: Callable[[], object], repeats: int) -> float:
 
 
 @torch.inference_mode()
-def step_breakdown(model: nn.Module, prompt_ids: torch.Tensor, num_steps: int = 32) -> dict[str, Any]:
+def step_breakdown(model: CausalLM, prompt_ids: torch.Tensor, num_steps: int = 32) -> dict[str, Any]:
     """prompt_ids [1, T] int64; ms per static-cache decode step: total, in linear layers (a profiled run), outside."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -86,10 +86,8 @@ def step_breakdown(model: nn.Module, prompt_ids: torch.Tensor, num_steps: int = 
     cache = make_cache(model, "static", 1, prompt_ids.shape[1] + 2 * num_steps + 2)
     model(prompt_ids, torch.arange(prompt_ids.shape[1])[None], cache)
 
-    lm_head = cast("Callable[[torch.Tensor], torch.Tensor]", model.compute_logits)
-
     def step() -> None:
-        lm_head(model(torch.tensor([[1]]), torch.tensor([[cache.seq_length]]), cache)[:, -1])  # [1, V]
+        model.compute_logits(model(torch.tensor([[1]]), torch.tensor([[cache.seq_length]]), cache)[:, -1])  # [1, V]
 
     step_ms = _time_us(step, num_steps) / 1e3
     with profile(activities=[ProfilerActivity.CPU]) as prof:
