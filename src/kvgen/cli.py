@@ -136,8 +136,9 @@ def generation_config_from_args(args: argparse.Namespace, defaults: dict[str, An
     return GenerationConfig(**values)
 
 
-def _add_model_flags(p: argparse.ArgumentParser, dtype: bool = True, threads: bool = True) -> None:
-    p.add_argument("--model", default="default", help="a .gguf file, a Hugging Face directory or 'default' (SmolLM2-135M-Instruct)")
+def _add_model_flags(p: argparse.ArgumentParser, dtype: bool = True, threads: bool = True, model: bool = True) -> None:
+    if model:
+        p.add_argument("--model", default="default", help="a .gguf file, a Hugging Face directory or 'default' (SmolLM2-135M-Instruct)")
     if threads:
         p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the physical cores)")
     if dtype:
@@ -200,7 +201,7 @@ def _add_bench_parser(sub: Any) -> None:
     """``kvgen bench SUBCOMMAND``: flags generated from each bench's config dataclass (kvgen.bench)."""
     import importlib
 
-    from kvgen.bench.harness import add_config_flags
+    from kvgen.fields import add_config_flags
 
     b = sub.add_parser("bench", help="benchmarks (JSON out)")
     bsub = b.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
@@ -211,37 +212,25 @@ def _add_bench_parser(sub: Any) -> None:
 
 
 def _add_serve_parser(sub: Any) -> None:
-    """``kvgen serve``: the OpenAI-compatible HTTP server and chat page (kvgen.server)."""
+    """``kvgen serve``: the OpenAI-compatible HTTP server and chat page (kvgen.server); flags generated from
+    ``EngineArgs`` and ``ServerArgs`` (vLLM's names)."""
+    from kvgen.engine.engine_args import EngineArgs
+    from kvgen.fields import add_config_flags
+    from kvgen.server.launch import ServerArgs
+
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a chat page at /")
-    _add_model_flags(s)
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    s.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port, printed at start)")
-    s.add_argument("--served-model-name", default=None, help="the name requests use in 'model' (default: --model)")
-    s.add_argument("--api-key", default=os.environ.get("KVGEN_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $KVGEN_API_KEY, else none)")
-    s.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running in one engine step")
-    s.add_argument("--max-queue", type=int, default=256, help="sequences allowed to wait beyond --max-num-seqs (then 429)")
-    s.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens (default: the model's)")
-    s.add_argument("--max-num-batched-tokens", type=int, default=512, help="most tokens in one engine step")
-    s.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: 1 GiB worth)")
-    s.add_argument("--seed", type=int, default=0, help="seed for requests without their own")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    s.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get after SIGTERM")
+    _add_model_flags(s, dtype=False, model=False)
+    add_config_flags(s.add_argument_group("engine (EngineArgs)"), EngineArgs)
+    add_config_flags(s.add_argument_group("server (ServerArgs)"), ServerArgs)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvgen.engine.engine_args import EngineArgs
+    from kvgen.fields import config_from_args
     from kvgen.server.launch import ServerArgs, run_server
 
-    engine_args = EngineArgs(
-        model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks, seed=args.seed,
-    )
-    server_args = ServerArgs(
-        host=args.host, port=args.port, served_model_name=args.served_model_name, api_key=args.api_key,
-        max_queue=args.max_queue, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
-    )
-    return run_server(engine_args, server_args)
+    server_args = config_from_args(ServerArgs, args, api_key=args.api_key or os.environ.get("KVGEN_API_KEY"))
+    return run_server(config_from_args(EngineArgs, args), server_args)
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any, float]:
@@ -405,7 +394,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    from kvgen.bench.harness import config_from_args, to_json
+    from kvgen.bench.harness import to_json
+    from kvgen.fields import config_from_args
 
     for name in ("prompt_tokens", "new_tokens", "num_prompts", "num_threads", "ttft_prompt_tokens"):
         value = getattr(args, name, None)

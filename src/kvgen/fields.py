@@ -1,10 +1,15 @@
-"""Dataclass field helpers shared by every config: ``config_field`` (help text the CLI reuses)
-and ``check_int`` (the one "int >= N" check, with its one wording)."""
+"""Dataclass field helpers shared by every config: ``config_field`` (help text the CLI reuses),
+``add_config_flags`` / ``config_from_args`` (CLI flags generated from a config dataclass) and
+``check_int`` (the one "int >= N" check, with its one wording)."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from dataclasses import field
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def config_field(default: Any, help: str, **metadata: Any) -> Any:
@@ -25,3 +30,32 @@ def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -
         return
     expected = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
     raise ValueError(f"{name} must be an int {expected}, got {value!r}")
+
+
+def add_config_flags(parser: argparse._ActionsContainer, config_cls: type) -> None:
+    """A ``--field-name`` flag (or the metadata's ``flags``) per field of ``config_cls`` with help text and without
+    ``cli=False``; a bool defaulting to True (``include_x``, ``enable_x``) becomes ``--no-x``, one defaulting to
+    False a plain switch. The config's ``__post_init__`` validates the values (see :func:`config_from_args`)."""
+    for f in dataclasses.fields(config_cls):
+        if not f.metadata.get("cli", True) or "help" not in f.metadata:
+            continue
+        kind, kwargs = str(f.type), {"dest": f.name, "help": f.metadata["help"], "default": f.default}
+        if kind == "bool" and f.default:
+            flags = f.metadata.get("flags") or ("--no-" + f.name.removeprefix("include_").replace("_", "-"),)
+            kwargs |= {"action": "store_false", "help": f"don't {f.metadata['help']}"}
+        elif kind == "bool":
+            flags = f.metadata.get("flags") or ("--" + f.name.replace("_", "-"),)
+            kwargs["action"] = "store_true"
+        else:
+            flags = f.metadata.get("flags") or ("--" + f.name.replace("_", "-"),)
+            kwargs["type"] = {"int": int, "float": float}.get(kind.split("[")[-1].split(",")[0].split("|")[0].strip("] "), str)
+            kwargs |= {"nargs": "+"} if kind.startswith(("tuple", "list")) else {}
+        parser.add_argument(*flags, **kwargs)
+
+
+def config_from_args(config_cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
+    """``config_cls`` from the flags of :func:`add_config_flags` (fields without a flag keep their defaults).
+
+    Raises the config's ``ValueError`` (naming the field) for a bad value."""
+    names = {f.name for f in dataclasses.fields(config_cls)}  # type: ignore[arg-type]
+    return config_cls(**{k: v for k, v in vars(args).items() if k in names} | overrides)

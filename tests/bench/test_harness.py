@@ -18,10 +18,8 @@ from kvgen.bench.harness import (
     OMIT_IF_NONE,
     Progress,
     TokenTimer,
-    add_config_flags,
     available_cpus,
     cell,
-    config_from_args,
     peer_side,
     percentile,
     physical_cores,
@@ -30,6 +28,7 @@ from kvgen.bench.harness import (
     to_json,
 )
 from kvgen.bench.serve import ServeBenchConfig
+from kvgen.fields import add_config_flags, config_from_args
 
 
 def test_run_side_round_trips_a_request_and_reports_failures() -> None:

@@ -79,7 +79,7 @@ def test_full_queue_is_429_and_leaving_clients_free_everything(guarded):
         (["--max-queue", "-1"], "max_queue must be >= 0"),
         (["--max-num-seqs", "0"], "max_num_seqs"),
         (["--model", "/nonexistent/model.gguf"], "model not found"),
-        (["--log-level", "loud"], "invalid choice"),
+        (["--log-level", "loud"], "log_level must be one of"),
     ],
 )
 def test_serve_user_errors_are_one_line_and_exit_2(capsys, args, message):

@@ -1,10 +1,9 @@
 """What every ``kvgen bench`` shares: machine facts, threads, timing, typed results -> JSON, the peers' subprocess
-protocol, flags from config dataclasses, one text renderer. Torch-free at import: the llama.cpp peer (``peers.py`` run
+protocol, one text renderer. Torch-free at import: the llama.cpp peer (``peers.py`` run
 as a file) imports it, and its peak RSS must not include torch."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -219,29 +218,6 @@ def peer_side(peer: str, task: str, enabled: bool, model: str, log: Progress, re
     if peer == "llama_cpp" and path.is_dir():
         return {"skipped": "llama.cpp reads GGUF files; the model is a Hugging Face directory"}
     return run_peer(peer, task, request | {"model_path": str(path)}, log, quiet=not log.enabled)
-
-
-def add_config_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:
-    """A ``--field-name`` flag (or the metadata's ``flags``) per field of ``config_cls`` with help text and without
-    ``cli=False``; a bool defaulting to True (``include_x``) becomes ``--no-x``."""
-    for f in dataclasses.fields(config_cls):
-        if not f.metadata.get("cli", True) or "help" not in f.metadata:
-            continue
-        kind, kwargs = str(f.type), {"dest": f.name, "help": f.metadata["help"], "default": f.default}
-        if kind == "bool":
-            flags = f.metadata.get("flags") or ("--no-" + f.name.removeprefix("include_").replace("_", "-"),)
-            kwargs |= {"action": "store_false" if f.default else "store_true", "help": f"don't {f.metadata['help']}"}
-        else:
-            flags = f.metadata.get("flags") or ("--" + f.name.replace("_", "-"),)
-            kwargs["type"] = {"int": int, "float": float}.get(kind.split("[")[-1].split(",")[0].split("|")[0].strip("] "), str)
-            kwargs |= {"nargs": "+"} if kind.startswith(("tuple", "list")) else {}
-        parser.add_argument(*flags, **kwargs)
-
-
-def config_from_args(config_cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
-    """``config_cls`` from the flags of :func:`add_config_flags` (fields without a flag keep their defaults)."""
-    names = {f.name for f in dataclasses.fields(config_cls)}  # type: ignore[arg-type]
-    return config_cls(**{k: v for k, v in vars(args).items() if k in names} | overrides)
 
 
 @dataclasses.dataclass

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 
 from kvgen.engine.engine_args import EngineArgs
+from kvgen.fields import config_field as _f
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -23,13 +24,13 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 class ServerArgs:
     """HTTP-side settings of ``kvgen serve``. Raises ``ValueError`` naming the field."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None  # None: the --model argument
-    api_key: str | None = None
-    max_queue: int = 256  # sequences waiting beyond max_num_seqs before 429
-    log_level: str = "info"
-    shutdown_timeout: float = 10.0  # seconds in-flight requests get after SIGTERM
+    host: str = _f("127.0.0.1", "address to listen on")
+    port: int = _f(8000, "TCP port (0 = any free port, printed at start)")
+    served_model_name: str | None = _f(None, "the name requests use in 'model' (default: --model)")
+    api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' on /v1 (default: $KVGEN_API_KEY, else none)")
+    max_queue: int = _f(256, "sequences allowed to wait beyond max_num_seqs (then 429)")
+    log_level: str = _f("info", f"uvicorn log level: {', '.join(LOG_LEVELS)}")
+    shutdown_timeout: float = _f(10.0, "seconds in-flight requests get after SIGTERM")
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
