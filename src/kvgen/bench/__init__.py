@@ -1,2 +1,18 @@
 """Benchmarks (``kvgen bench``), a thin client of the public API: ``harness`` (timing, JSON, text), ``workloads``,
 ``peers`` (transformers, llama-cpp-python in subprocesses), one module per bench: config -> ``run_*_bench`` -> report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvgen.fields import config_field as _f
+
+
+@dataclass
+class BenchConfig:
+    """The fields every bench's config starts with (each bench adds its own; flags come from all of them)."""
+
+    model: str = _f("default", "a .gguf file, a Hugging Face directory or 'default' (SmolLM2-135M-Instruct)")
+    dtype: str | None = _f(None, "kvgen's dtype, as load_model takes it (default: load_model's default)")
+    num_threads: int | None = _f(None, "threads of every engine (default: physical cores)", flags=("--threads", "--num-threads"))
+    progress: bool = _f(True, "progress lines on stderr", cli=False)

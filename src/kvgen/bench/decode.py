@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvgen.bench import BenchConfig
 from kvgen.bench import harness as h
 from kvgen.bench.workloads import seeded_prompt_ids
 from kvgen.fields import config_field as _f
@@ -25,11 +26,9 @@ SCHEMA = "kvgen.bench.decode/2"
 
 
 @dataclass
-class DecodeBenchConfig:
+class DecodeBenchConfig(BenchConfig):
     """What ``run_decode_bench`` measures. Raises ``ValueError`` for out-of-range values."""
 
-    model: str = _f("default", "a .gguf file, a Hugging Face directory or 'default' (SmolLM2-135M-Instruct)")
-    dtype: str | None = _f(None, "kvgen's dtype, as load_model takes it (default: load_model's default)")
     prompt_tokens: int = _f(512, "prompt length in tokens (seeded random ids)")
     new_tokens: int = _f(128, "greedy tokens generated per timed run (EOS disabled)")
     no_cache_new_tokens: int = _f(16, "new tokens for the O(n^2) no-cache runs")
@@ -37,9 +36,7 @@ class DecodeBenchConfig:
     include_llama_cpp: bool = _f(True, "time llama-cpp-python (subprocess)")
     ttft_prompt_tokens: int = _f(20, "prompt tokens of the time-to-first-token runs")
     seed: int = _f(0, "seed of the prompt's torch.Generator")
-    num_threads: int | None = _f(None, "threads of every engine (default: physical cores)", flags=("--threads", "--num-threads"))
     num_prefill_repeats: int = _f(3, "prefill timings per configuration; the median is reported")
-    progress: bool = _f(True, "progress lines on stderr", cli=False)
 
     def __post_init__(self) -> None:
         self.dtype = self.dtype or h.default_dtype()  # load_model validates it; decode speed needs a step after prefill

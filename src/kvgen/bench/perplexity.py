@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvgen.bench import BenchConfig
 from kvgen.bench import harness as h
 from kvgen.bench.workloads import DEFAULT_TEXT, read_text
 from kvgen.fields import config_field as _f
@@ -23,16 +24,12 @@ SCHEMA = "kvgen.bench.perplexity/1"
 
 
 @dataclass
-class PerplexityBenchConfig:
+class PerplexityBenchConfig(BenchConfig):
     """What ``run_perplexity_bench`` measures (``context_length`` is checked by ``kvgen.perplexity``)."""
 
-    model: str = _f("default", "a .gguf file, a Hugging Face directory or 'default' (SmolLM2-135M-Instruct)")
-    dtype: str | None = _f(None, "kvgen's dtype, as load_model takes it (default: load_model's default)")
     file: str | None = _f(None, f"UTF-8 text (default: {DEFAULT_TEXT})")
     context_length: int = _f(512, "tokens per non-overlapping window")
     include_llama_cpp: bool = _f(True, "score with llama-cpp-python")
-    num_threads: int | None = _f(None, "threads of every engine (default: physical cores)", flags=("--threads", "--num-threads"))
-    progress: bool = _f(True, "progress lines on stderr", cli=False)
 
 
 def _kvgen_side(model: str, dtype: str, text: str, context_length: int, log: h.Progress) -> tuple[h.Side, list[int]]:

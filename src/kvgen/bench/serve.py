@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvgen.bench import BenchConfig
 from kvgen.bench import harness as h
 from kvgen.bench.workloads import make_workload
 from kvgen.fields import config_field as _f
@@ -28,16 +29,13 @@ SCHEMA = "kvgen.bench.serve/1"
 
 
 @dataclass
-class ServeBenchConfig:
+class ServeBenchConfig(BenchConfig):
     """What ``run_serve_bench`` measures. Raises ``ValueError`` for a concurrency below 1."""
 
-    model: str = _f("default", "a .gguf file or 'default' (SmolLM2-135M-Instruct); llama.cpp serves the same file")
-    dtype: str | None = _f(None, "kvgen's dtype, as load_model takes it (default: load_model's default)")
     num_prompts: int = _f(32, "requests per concurrency")
     seed: int = _f(0, "seed of the workload's torch.Generator")
     concurrency: tuple[int, ...] = _f((1, 4, 16), "requests kept in flight (one run each)")
     include_llama_cpp: bool = _f(True, "run llama-cpp-python's server")
-    num_threads: int | None = _f(None, "threads of every engine (default: physical cores)", flags=("--threads", "--num-threads"))
 
     def __post_init__(self) -> None:
         h.check_min(self, num_prompts=1)

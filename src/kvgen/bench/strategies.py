@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kvgen.bench import BenchConfig
 from kvgen.bench import harness as h
 from kvgen.bench.workloads import PROMPTS, left_padded
 from kvgen.fields import config_field as _f
@@ -31,17 +32,13 @@ STRATEGY_SETTINGS: dict[str, dict[str, Any]] = {  # GenerationConfig fields; tra
 
 
 @dataclass
-class StrategiesBenchConfig:
+class StrategiesBenchConfig(BenchConfig):
     """What ``run_strategies_bench`` measures. Raises ``ValueError`` for ``new_tokens < 2`` or no prompts."""
 
-    model: str = _f("default", "a .gguf file, a Hugging Face directory or 'default' (SmolLM2-135M-Instruct)")
-    dtype: str | None = _f(None, "kvgen's dtype, as load_model takes it (default: load_model's default)")
     new_tokens: int = _f(40, "tokens generated per prompt and strategy")
     prompts: tuple[str, ...] = _f(PROMPTS, "the prompts of the batch", cli=False)
     include_transformers: bool = _f(True, "time transformers")
-    num_threads: int | None = _f(None, "threads of every engine (default: physical cores)", flags=("--threads", "--num-threads"))
     seed: int = _f(0, "seed of the sampling strategies", cli=False)
-    progress: bool = _f(True, "progress lines on stderr", cli=False)
 
     def __post_init__(self) -> None:
         h.check_min(self, new_tokens=2)

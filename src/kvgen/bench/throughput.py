@@ -14,6 +14,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+from kvgen.bench import BenchConfig
 from kvgen.bench import harness as h
 from kvgen.bench.workloads import Workload, make_workload
 from kvgen.fields import config_field as _f
@@ -23,21 +24,17 @@ SYSTEMS = ("kvgen_engine", "kvgen_static", "transformers_static", "llama_cpp")
 
 
 @dataclass
-class ThroughputBenchConfig:
+class ThroughputBenchConfig(BenchConfig):
     """What ``run_throughput_bench`` measures. Raises ``ValueError`` for out-of-range values."""
 
-    model: str = _f("default", "a .gguf file, a Hugging Face directory or 'default' (SmolLM2-135M-Instruct)")
-    dtype: str | None = _f(None, "kvgen's dtype, as load_model takes it (default: load_model's default)")
     num_prompts: int = _f(64, "requests in the workload")
     seed: int = _f(0, "seed of the workload's torch.Generator")
     static_batch_size: int = _f(32, "requests per static batch (kvgen_static, transformers_static)")
-    num_threads: int | None = _f(None, "threads of every engine (default: physical cores)", flags=("--threads", "--num-threads"))
     include_transformers: bool = _f(True, "time transformers (subprocess)")
     include_llama_cpp: bool = _f(True, "time llama-cpp-python (subprocess)")
     max_num_seqs: int = _f(64, "EngineArgs.max_num_seqs of kvgen_engine")
     max_num_batched_tokens: int = _f(512, "EngineArgs.max_num_batched_tokens of both kvgen systems")
     kv_cache_memory: int = _f(2 << 30, "EngineArgs.kv_cache_memory (bytes) of both kvgen systems")
-    progress: bool = _f(True, "progress lines on stderr", cli=False)
 
     def __post_init__(self) -> None:
         h.check_min(self, num_prompts=1, static_batch_size=1)
