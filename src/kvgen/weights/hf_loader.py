@@ -12,7 +12,6 @@ pickle can run code, and one format keeps the loader small. Convert with
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from safetensors import safe_open
 
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelFormatError, ModelNotFoundError
+from kvgen.tokenizer.hf_files import read_json
 from kvgen.weights.name_maps import (
     check_state_dict,
     expected_param_shapes,
@@ -71,13 +71,7 @@ def load_hf_directory(
 def _read_json(path: Path, what: str) -> dict[str, Any]:
     if not path.is_file():
         raise ModelFormatError(f"{path.parent} has no {what} (looked for {path})")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFormatError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ModelFormatError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
+    return read_json(path)
 
 
 def _weight_files(root: Path) -> dict[Path, list[str] | None]:
