@@ -8,13 +8,13 @@ that could still become one). Source: OpenAI API reference, Chat Completions.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import Response
 from starlette.requests import Request
 
+from kvgen.engine.outputs import CompletionOutput
 from kvgen.errors import KvgenError
 from kvgen.server.errors import bad_request
 from kvgen.server.protocol import (
@@ -32,24 +32,20 @@ from kvgen.server.results import (
     ChoiceResult,
     chat_logprobs,
     chunk_dict,
-    collect,
     openai_finish_reason,
+    respond,
     sse,
-    sse_error,
+    stream_events,
     usage,
 )
 from kvgen.server.serving import (
-    ClientDisconnected,
     Generation,
     ServerState,
     check_stream_options,
     new_request_id,
     resolve_max_tokens,
     sampling_params,
-    until_disconnect,
 )
-
-logger = logging.getLogger("kvgen.server")
 
 
 def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> list[int]:
@@ -82,20 +78,14 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     params = sampling_params(req, state.tokenizer, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     gen = Generation(state, new_request_id("chatcmpl"))
     await gen.start([prompt_ids], params, "messages")
-    if req.stream:
-        body = _stream(state, req, gen, len(prompt_ids))
-        return StreamingResponse(body, media_type="text/event-stream", background=BackgroundTask(gen.close))
-    try:
-        choices = await until_disconnect(raw, collect(gen, req.n))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        await gen.close()
-    response = ChatCompletionResponse(
-        id=gen.request_id, model=state.model_name, usage=usage(len(prompt_ids), choices),
-        choices=[_choice(state, req, c) for c in choices],
-    )
-    return JSONResponse(response.model_dump())
+
+    def response(choices: list[ChoiceResult]) -> ChatCompletionResponse:
+        return ChatCompletionResponse(
+            id=gen.request_id, model=state.model_name, usage=usage(len(prompt_ids), choices),
+            choices=[_choice(state, req, c) for c in choices],
+        )
+
+    return await respond(gen, raw, req.n, _stream(state, req, gen, len(prompt_ids)) if req.stream else None, response)
 
 
 def _logprobs(state: ServerState, req: ChatCompletionRequest, token_ids: list[int], logprobs: list) -> ChoiceLogprobs | None:
@@ -111,36 +101,21 @@ def _choice(state: ServerState, req: ChatCompletionRequest, c: ChoiceResult) -> 
     )
 
 
-async def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation, num_prompt_tokens: int) -> AsyncIterator[str]:
+def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation, num_prompt_tokens: int) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
-        return sse(chunk_dict(ChatCompletionChunk(id=gen.request_id, model=state.model_name, choices=choices), include_usage))
+    def chunk(choices: list[ChatCompletionStreamChoice], **fields: Any) -> str:
+        data = ChatCompletionChunk(id=gen.request_id, model=state.model_name, choices=choices, **fields)
+        return sse(chunk_dict(data, include_usage))
 
-    num_tokens = 0
-    try:
-        for i in range(req.n):
-            yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-        async for _, output in gen.outputs():
-            for c in output.outputs:
-                num_tokens += len(c.token_ids)
-                if c.finish_reason == "abort":
-                    yield sse_error(f"the request was aborted by the server{': ' + output.error if output.error else ''}")
-                    yield sse("[DONE]")
-                    return
-                if c.text or (req.logprobs and c.token_ids):
-                    lp = _logprobs(state, req, c.token_ids, c.logprobs or [])
-                    yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=c.text), logprobs=lp)])
-                if c.finish_reason is not None:
-                    yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=openai_finish_reason(c.finish_reason))])
-        if include_usage:
-            final = ChatCompletionChunk(id=gen.request_id, model=state.model_name, choices=[],
-                                        usage=usage(num_prompt_tokens, num_tokens))
-            yield sse(chunk_dict(final, True))
-        yield sse("[DONE]")
-    except Exception as e:  # the engine failed mid-stream: the 200 is sent, so an error event
-        logger.exception("request %s failed", gen.request_id)
-        yield sse_error(f"internal server error ({type(e).__name__})", "internal_error")
-        yield sse("[DONE]")
-    finally:
-        await gen.close()
+    def events(_: int, c: CompletionOutput) -> Iterator[str]:
+        if c.text or (req.logprobs and c.token_ids):
+            lp = _logprobs(state, req, c.token_ids, c.logprobs or [])
+            yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=c.text), logprobs=lp)])
+        if c.finish_reason is not None:
+            reason = openai_finish_reason(c.finish_reason)
+            yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason)])
+
+    first = (chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]) for i in range(req.n))
+    final = (lambda num_tokens: chunk([], usage=usage(num_prompt_tokens, num_tokens))) if include_usage else None
+    return stream_events(gen, first, events, final)

@@ -8,13 +8,13 @@ usage chunk when asked, then ``data: [DONE]``. Source: OpenAI API reference, Com
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import Response
 from starlette.requests import Request
 
+from kvgen.engine.outputs import CompletionOutput
 from kvgen.server.errors import bad_request
 from kvgen.server.protocol import (
     CompletionChoice,
@@ -23,25 +23,22 @@ from kvgen.server.protocol import (
     CompletionResponse,
 )
 from kvgen.server.results import (
+    ChoiceResult,
     chunk_dict,
-    collect,
     openai_finish_reason,
+    respond,
     sse,
-    sse_error,
+    stream_events,
     usage,
 )
 from kvgen.server.serving import (
-    ClientDisconnected,
     Generation,
     ServerState,
     check_stream_options,
     new_request_id,
     resolve_max_tokens,
     sampling_params,
-    until_disconnect,
 )
-
-logger = logging.getLogger("kvgen.server")
 
 
 def _refuse_unsupported(req: CompletionRequest) -> None:
@@ -85,51 +82,29 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     gen = Generation(state, new_request_id("cmpl"))
     await gen.start(prompts, params, "prompt")
     num_prompt_tokens = sum(len(p) for p in prompts)
-    if req.stream:
-        body = _stream(state, req, gen, num_prompt_tokens)
-        return StreamingResponse(body, media_type="text/event-stream", background=BackgroundTask(gen.close))
-    try:
-        choices = await until_disconnect(raw, collect(gen, req.n))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        await gen.close()
-    response = CompletionResponse(
-        id=gen.request_id, model=state.model_name, usage=usage(num_prompt_tokens, choices),
-        choices=[CompletionChoice(index=c.index, text=c.text, finish_reason=openai_finish_reason(c.finish_reason)) for c in choices],
-    )
-    return JSONResponse(response.model_dump())
+
+    def response(choices: list[ChoiceResult]) -> CompletionResponse:
+        return CompletionResponse(
+            id=gen.request_id, model=state.model_name, usage=usage(num_prompt_tokens, choices),
+            choices=[CompletionChoice(index=c.index, text=c.text, finish_reason=openai_finish_reason(c.finish_reason)) for c in choices],
+        )
+
+    return await respond(gen, raw, req.n, _stream(state, req, gen, num_prompt_tokens) if req.stream else None, response)
 
 
-async def _stream(state: ServerState, req: CompletionRequest, gen: Generation, num_prompt_tokens: int) -> AsyncIterator[str]:
+def _stream(state: ServerState, req: CompletionRequest, gen: Generation, num_prompt_tokens: int) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    def chunk(index: int, text: str, finish_reason: str | None) -> str:
-        choice = CompletionChoice(index=index, text=text, finish_reason=openai_finish_reason(finish_reason))
-        return sse(chunk_dict(CompletionChunk(id=gen.request_id, model=state.model_name, choices=[choice]), include_usage))
+    def chunk(choices: list[CompletionChoice], **fields: Any) -> str:
+        data = CompletionChunk(id=gen.request_id, model=state.model_name, choices=choices, **fields)
+        return sse(chunk_dict(data, include_usage))
 
-    num_tokens = 0
-    try:
-        async for prompt_index, output in gen.outputs():
-            for c in output.outputs:
-                num_tokens += len(c.token_ids)
-                index = prompt_index * req.n + c.index
-                if c.finish_reason == "abort":
-                    yield sse_error(f"the request was aborted by the server{': ' + output.error if output.error else ''}")
-                    yield sse("[DONE]")
-                    return
-                if c.text:
-                    yield chunk(index, c.text, None)
-                if c.finish_reason is not None:
-                    yield chunk(index, "", c.finish_reason)
-        if include_usage:
-            final = CompletionChunk(id=gen.request_id, model=state.model_name, choices=[],
-                                    usage=usage(num_prompt_tokens, num_tokens))
-            yield sse(chunk_dict(final, True))
-        yield sse("[DONE]")
-    except Exception as e:  # the engine failed mid-stream: the 200 is sent, so an error event
-        logger.exception("request %s failed", gen.request_id)
-        yield sse_error(f"internal server error ({type(e).__name__})", "internal_error")
-        yield sse("[DONE]")
-    finally:
-        await gen.close()
+    def events(prompt_index: int, c: CompletionOutput) -> Iterator[str]:
+        index = prompt_index * req.n + c.index
+        if c.text:
+            yield chunk([CompletionChoice(index=index, text=c.text, finish_reason=None)])
+        if c.finish_reason is not None:
+            yield chunk([CompletionChoice(index=index, text="", finish_reason=openai_finish_reason(c.finish_reason))])
+
+    final = (lambda num_tokens: chunk([], usage=usage(num_prompt_tokens, num_tokens))) if include_usage else None
+    return stream_events(gen, (), events, final)

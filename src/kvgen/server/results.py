@@ -7,9 +7,16 @@ prompts). Logprobs are the engine's raw-logit log-probabilities (vLLM's default)
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.background import BackgroundTask
+from starlette.requests import Request
 
 from kvgen.engine.outputs import CompletionOutput
 from kvgen.engine.types import TokenLogprobs
@@ -22,10 +29,11 @@ from kvgen.server.protocol import (
     TopLogprob,
     Usage,
 )
-from kvgen.server.serving import Generation
+from kvgen.server.serving import ClientDisconnected, Generation, until_disconnect
 from kvgen.tokenizer import Tokenizer
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
+logger = logging.getLogger("kvgen.server")
 
 
 @dataclass
@@ -139,3 +147,51 @@ def chunk_dict(chunk: Any, include_usage: bool) -> dict[str, Any]:
         if isinstance(choice.get("delta"), dict):
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
     return data
+
+
+async def respond(
+    gen: Generation, raw: Request, n: int, stream: AsyncIterator[str] | None,
+    response: Callable[[list[ChoiceResult]], BaseModel],
+) -> Response:
+    """The SSE ``stream`` (``gen`` closed after it), or every choice collected and answered once as
+    ``response(choices)``; 499 when the client leaves first (the requests are aborted)."""
+    if stream is not None:
+        return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(gen.close))
+    try:
+        choices = await until_disconnect(raw, collect(gen, n))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        await gen.close()
+    return JSONResponse(response(choices).model_dump())
+
+
+async def stream_events(
+    gen: Generation, first: Iterable[str], events: Callable[[int, CompletionOutput], Iterable[str]],
+    usage_chunk: Callable[[int], str] | None,
+) -> AsyncIterator[str]:
+    """SSE lines of a streamed request: ``first``, then ``events(prompt_index, output)`` per engine output,
+    the ``usage_chunk(num_completion_tokens)`` when asked, ``[DONE]``. An aborted request or an engine
+    failure after the 200 ends the stream with an error event (as vLLM)."""
+    num_tokens = 0
+    try:
+        for line in first:
+            yield line
+        async for prompt_index, output in gen.outputs():
+            for c in output.outputs:
+                num_tokens += len(c.token_ids)
+                if c.finish_reason == "abort":
+                    yield sse_error(f"the request was aborted by the server{': ' + output.error if output.error else ''}")
+                    yield sse("[DONE]")
+                    return
+                for line in events(prompt_index, c):
+                    yield line
+        if usage_chunk is not None:
+            yield usage_chunk(num_tokens)
+        yield sse("[DONE]")
+    except Exception as e:
+        logger.exception("request %s failed", gen.request_id)
+        yield sse_error(f"internal server error ({type(e).__name__})", "internal_error")
+        yield sse("[DONE]")
+    finally:
+        await gen.close()
