@@ -6,7 +6,6 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-
 from kvgen.engine.engine_args import EngineArgs
 from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.outputs import RequestOutput

@@ -20,7 +20,11 @@ from kvgen.engine.engine_args import DEFAULT_KV_CACHE_MEMORY, EngineArgs
 from kvgen.engine.model_runner import ModelRunner
 from kvgen.engine.output_processor import OutputProcessor
 from kvgen.engine.outputs import RequestOutput
-from kvgen.engine.parallel_sampling import ParentRequest, child_request_id, child_sampling_params
+from kvgen.engine.parallel_sampling import (
+    ParentRequest,
+    child_request_id,
+    child_sampling_params,
+)
 from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.scheduler import Scheduler

@@ -42,8 +42,8 @@ from kvgen.sampling.stopping import (
 __all__ = [
     "PROCESSOR_ORDER",
     "EpsilonLogitsWarper",
-    "FinishReason",
     "EtaLogitsWarper",
+    "FinishReason",
     "LogitsProcessor",
     "LogitsProcessorList",
     "MinNewTokensLengthLogitsProcessor",
