@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -24,7 +23,7 @@ PEERS = ("transformers", "llama_cpp")
 SCHEMA = "kvgen.bench.decode/2"
 
 
-@dataclass
+@dataclasses.dataclass
 class DecodeBenchConfig(BenchConfig):
     """What ``run_decode_bench`` measures. Raises ``ValueError`` for out-of-range values."""
 
@@ -167,7 +166,7 @@ def greedy_agreement(ours: h.Side, theirs: h.Side, cache: str = "dynamic", their
             "kvgen_first_new_token_ids": a[:16], "peer_first_new_token_ids": b[:16]}
 
 
-@dataclass
+@dataclasses.dataclass
 class DecodeReport:
     """``run_decode_bench``'s result: seconds in ``*_s``, speeds in ``*_tokens_per_s``, memory in ``*_bytes``."""
 

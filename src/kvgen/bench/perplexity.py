@@ -7,7 +7,6 @@ import dataclasses
 import hashlib
 import itertools
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from kvgen.bench import BenchConfig
@@ -18,7 +17,7 @@ from kvgen.fields import config_field as _f
 SCHEMA = "kvgen.bench.perplexity/1"
 
 
-@dataclass
+@dataclasses.dataclass
 class PerplexityBenchConfig(BenchConfig):
     """What ``run_perplexity_bench`` measures (``context_length`` is checked by ``kvgen.perplexity``)."""
 
@@ -45,7 +44,7 @@ def relative_differences(sides: dict[str, h.Side]) -> dict[str, float | None]:
     return {f"{a}_vs_{b}": pa / pb - 1 for (a, pa), (b, pb) in itertools.combinations(with_ppl, 2)}
 
 
-@dataclass
+@dataclasses.dataclass
 class PerplexityReport:
     """``run_perplexity_bench``'s result; each side has ``perplexity``, ``mean_nll`` (nats), counts and seconds."""
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from kvgen.bench import BenchConfig
@@ -19,7 +18,7 @@ SCHEMA = "kvgen.bench.throughput/1"
 SYSTEMS = ("kvgen_engine", "kvgen_static", "transformers_static", "llama_cpp")
 
 
-@dataclass
+@dataclasses.dataclass
 class ThroughputBenchConfig(BenchConfig):
     """What ``run_throughput_bench`` measures. Raises ``ValueError`` for out-of-range values."""
 
@@ -36,7 +35,7 @@ class ThroughputBenchConfig(BenchConfig):
         h.check_min(self, num_prompts=1, static_batch_size=1)
 
 
-@dataclass
+@dataclasses.dataclass
 class EngineProfile:
     """Cumulative seconds of each phase of ``LLMEngine.step()`` and of ``ModelRunner.execute()``."""
 
@@ -52,7 +51,7 @@ class EngineProfile:
     num_packed_tokens: int = 0
 
 
-@dataclass
+@dataclasses.dataclass
 class ThroughputSummary:
     """One system's figures (seconds, tokens/s, requests/s)."""
 
@@ -139,7 +138,7 @@ def peer_summary(side: h.Side, workload: Workload) -> h.Side:
     return dict(h.to_json(summary)) | side
 
 
-@dataclass
+@dataclasses.dataclass
 class ThroughputReport:
     """``run_throughput_bench``'s result; peers are ``Side`` dicts (figures, or skipped / error)."""
 
