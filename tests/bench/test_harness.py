@@ -20,6 +20,7 @@ from kvgen.bench.harness import (
     TokenTimer,
     available_cpus,
     cell,
+    latencies,
     peer_side,
     percentile,
     physical_cores,
@@ -49,6 +50,13 @@ def test_percentile_is_numpys_linear_interpolation(q: float) -> None:
     values = np.random.default_rng(0).exponential(size=37).tolist()
     assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12)
     assert percentile([], q) is None
+
+
+def test_latencies_measure_ttft_from_each_start_and_itl_within_requests() -> None:
+    token_times, starts = [[1.0, 1.5, 2.5], [], [3.0]], [0.5, 0.0, 1.0]  # the empty request has no first token
+    ttft, itl = [0.5, 2.0], [0.5, 1.0]
+    expected = [float(np.percentile(v, q)) for v in (ttft, itl) for q in (50, 99)]
+    assert list(latencies(token_times, starts)) == pytest.approx(expected)
 
 
 def test_token_timer_skips_the_prompt_put() -> None:

@@ -1,5 +1,5 @@
-"""Benchmarks (``kvgen bench``), a thin client of the public API: ``harness`` (timing, JSON, text), ``workloads``,
-``peers`` (transformers, llama-cpp-python in subprocesses), one module per bench: config -> ``run_*_bench`` -> report."""
+"""``kvgen bench``, a thin client of the public API: ``harness`` (timing, JSON, text), ``workloads``, ``peers``
+(transformers, llama-cpp-python in subprocesses), one module per bench: config -> ``run_*_bench`` -> report."""
 
 from __future__ import annotations
 
@@ -14,5 +14,6 @@ class BenchConfig:
 
     model: str = _f("default", "a .gguf file, a Hugging Face directory or 'default' (SmolLM2-135M-Instruct)")
     dtype: str | None = _f(None, "kvgen's dtype, as load_model takes it (default: load_model's default)")
-    num_threads: int | None = _f(None, "threads of every engine (default: physical cores)", flags=("--threads", "--num-threads"))
+    num_threads: int | None = _f(None, "threads of every engine (default: physical cores)",
+                                 flags=("--threads", "--num-threads"))
     progress: bool = _f(True, "progress lines on stderr", cli=False)

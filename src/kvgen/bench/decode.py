@@ -1,14 +1,11 @@
-"""``kvgen bench decode``: batch-1 greedy prefill and decode speed, kvgen vs transformers and llama.cpp (subprocesses).
-
-A seeded prompt, exactly ``new_tokens`` greedy tokens per cache kind timed by ``harness.time_generation`` around the
-public ``generate``; ``ttft_s`` on a ``ttft_prompt_tokens`` prompt. ``step_breakdown``: ms per decode step inside
-linear layers (profiled) and outside; ``qgemm_crossover``: Q4_1 kernel vs dense float32 per M (first M dense wins)."""
+"""``kvgen bench decode``: batch-1 greedy prefill and decode speed per cache kind, kvgen vs transformers and
+llama.cpp (subprocesses), timed by ``harness.time_generation``; ``ttft_s``; ms per decode step in and outside
+linear layers; Q4_1 kernel vs dense float32 per M."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -22,10 +19,11 @@ from kvgen.fields import config_field as _f
 from kvgen.models import CausalLM
 
 CACHE_KINDS = ("no_cache", "dynamic", "static")
+PEERS = ("transformers", "llama_cpp")
 SCHEMA = "kvgen.bench.decode/2"
 
 
-@dataclass
+@dataclasses.dataclass
 class DecodeBenchConfig(BenchConfig):
     """What ``run_decode_bench`` measures. Raises ``ValueError`` for out-of-range values."""
 
@@ -39,11 +37,12 @@ class DecodeBenchConfig(BenchConfig):
     num_prefill_repeats: int = _f(3, "prefill timings per configuration; the median is reported")
 
     def __post_init__(self) -> None:
-        self.dtype = self.dtype or h.default_dtype()  # load_model validates it; decode speed needs a step after prefill
-        h.check_min(self, prompt_tokens=1, ttft_prompt_tokens=1, new_tokens=2, no_cache_new_tokens=2, num_prefill_repeats=1)
+        self.dtype = self.dtype or h.default_dtype()  # decode speed needs a step after prefill: new_tokens >= 2
+        h.check_min(self, prompt_tokens=1, ttft_prompt_tokens=1, new_tokens=2, no_cache_new_tokens=2,
+                    num_prefill_repeats=1)
 
     def new_tokens_per_cache(self) -> dict[str, int]:
-        """Tokens each cache kind generates: ``no_cache_new_tokens`` without a cache (O(n^2)), else ``new_tokens``."""
+        """Tokens each cache kind generates: ``no_cache_new_tokens`` without a cache, else ``new_tokens``."""
         return {c: self.no_cache_new_tokens if c == "no_cache" else self.new_tokens for c in CACHE_KINDS}
 
 
@@ -54,18 +53,19 @@ def kvgen_generate_fn(model: CausalLM, cache: str) -> h.GenerateFn:
     cache_args: dict[str, Any] = {"use_cache": False} if cache == "no_cache" else {"cache_implementation": cache}
 
     def run(prompt_ids: torch.Tensor, max_new_tokens: int, streamer: h.TokenTimer | None) -> h.RunStats:
-        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0, **cache_args)
+        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0,
+                                  **cache_args)
         out = generate(model, prompt_ids, None, config, streamer=streamer)
         return h.RunStats(out.prompt_length, out.new_token_ids[0], out.timings.prefill_s, out.timings.decode_s)
 
     return run
 
 
-def measure_ours(model: CausalLM, prompt_ids: torch.Tensor, config: DecodeBenchConfig, log: Callable[[str], None] = lambda _: None) -> dict[str, h.Side]:
+def measure_ours(model: CausalLM, prompt_ids: torch.Tensor, config: DecodeBenchConfig,
+                 log: Callable[[str], None] = lambda _: None) -> dict[str, h.Side]:
     """``harness.time_generation`` of kvgen's ``generate`` per cache kind; prompt_ids [1, T] int64."""
     runs = {c: (kvgen_generate_fn(model, c), n) for c, n in config.new_tokens_per_cache().items()}
     return h.measure_caches(runs, prompt_ids, config.num_prefill_repeats, log, "kvgen")
-
 
 
 def _time_us(fn: Callable[[], object], repeats: int) -> float:
@@ -75,7 +75,7 @@ def _time_us(fn: Callable[[], object], repeats: int) -> float:
 
 @torch.inference_mode()
 def step_breakdown(model: CausalLM, prompt_ids: torch.Tensor, num_steps: int = 32) -> dict[str, Any]:
-    """prompt_ids [1, T] int64; ms per static-cache decode step: total, in linear layers (a profiled run), outside."""
+    """prompt_ids [1, T] int64; ms per static-cache decode step: total, in linear layers (profiled), outside."""
     from torch.profiler import ProfilerActivity, profile
 
     from kvgen.generation.runner import make_cache
@@ -90,13 +90,15 @@ def step_breakdown(model: CausalLM, prompt_ids: torch.Tensor, num_steps: int = 3
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(num_steps):
             step()
-    linear_ms = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in ("kvgen::qgemm", "aten::linear")) / num_steps / 1e3
+    linear_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in ("kvgen::qgemm", "aten::linear"))
+    linear_ms = linear_us / num_steps / 1e3
     return {"context_tokens": prompt_ids.shape[1], "num_steps": num_steps, "step_ms": step_ms, "linear_ms": linear_ms,
-            "outside_linear_ms": step_ms - linear_ms, "note": "linear_ms from a profiled run (profiler overhead included); outside = step - linear"}
+            "outside_linear_ms": step_ms - linear_ms, "note": "linear_ms profiled (overhead included)"}
 
 
 @torch.inference_mode()
-def qgemm_crossover(out_features: int = 3072, in_features: int = 576, ms: tuple[int, ...] = (1, 4, 16, 64, 256, 512)) -> dict[str, Any]:
+def qgemm_crossover(out_features: int = 3072, in_features: int = 576, ms: tuple[int, ...] = (1, 4, 16, 64, 256, 512)
+                    ) -> dict[str, Any]:
     """µs per call of the Q4_1 kernel vs dense float32 ``F.linear`` on the dequantized weight [N, K], per M."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
@@ -105,7 +107,7 @@ def qgemm_crossover(out_features: int = 3072, in_features: int = 576, ms: tuple[
 
     ops, q4_1 = get_ops(), GGMLQuantizationType.Q4_1
     raw = quantize(torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)).numpy(), q4_1)
-    dense, (weight_type, packed) = torch.from_numpy(dequantize(raw, q4_1)), pack_gguf_rows("Q4_1", [torch.from_numpy(raw)])
+    dense, (weight_type, packed) = torch.from_numpy(dequantize(raw, q4_1)), pack_gguf_rows("Q4_1", [torch.tensor(raw)])
     rows = []
     for m in ms:
         x = torch.randn(m, in_features)  # [M, K]
@@ -129,28 +131,31 @@ def _bench_kvgen(config: DecodeBenchConfig, log: h.Progress) -> h.Side:
     ttft_s = h.time_to_first_token(kvgen_generate_fn(model, "static"), ttft_ids, config.num_prefill_repeats)
     log("kvgen: decode step breakdown and kernel crossover")
     return {"model_path": str(resolve_model_path(config.model)), "step_breakdown": step_breakdown(model, prompt_ids),
-            "qgemm_crossover": qgemm_crossover(), "vocab_size": vocab_size, "load_s": load_s, "rss_before_load_bytes": rss_before,
-            "peak_rss_bytes": h.peak_rss_bytes(), "configs": configs, "ttft_s": ttft_s}
+            "qgemm_crossover": qgemm_crossover(), "vocab_size": vocab_size, "load_s": load_s,
+            "rss_before_load_bytes": rss_before, "peak_rss_bytes": h.peak_rss_bytes(), "configs": configs,
+            "ttft_s": ttft_s}
 
 
 def compare(ours: h.Side, theirs: h.Side, their_config: str | None = None) -> dict[str, float | None]:
-    """Ratios kvgen / peer (see ``ratios.note``; None where missing), per cache kind, or against the peer's one
-    ``their_config`` (llama.cpp's ``kv_cache``)."""
-    def fig(side: h.Side, cache: str | None, key: str) -> Any:
+    """Ratios kvgen / peer (None where missing) per cache kind, or against the peer's one ``their_config``."""
+    def fig(side: h.Side, cache: str | None, key: str = "decode_tokens_per_s") -> Any:
         return side.get("configs", {}).get(cache, {}).get(key) if cache else side.get(key)
 
-    r = {"prefill_tokens_per_s": h.ratio(fig(ours, "static", "prefill_tokens_per_s"), fig(theirs, their_config or "static", "prefill_tokens_per_s"))}
+    def vs(cache: str, key: str) -> float | None:
+        return h.ratio(fig(ours, cache, key), fig(theirs, their_config or cache, key))
+
+    r = {"prefill_tokens_per_s": vs("static", "prefill_tokens_per_s")}
     for key in ("decode_tokens_per_s", "decode_tokens_per_s_at_median_step"):
-        for cache in CACHE_KINDS if their_config is None else CACHE_KINDS[1:]:
-            r[f"{key}_{cache}"] = h.ratio(fig(ours, cache, key), fig(theirs, their_config or cache, key))
-    best = max((v for c in theirs.get("configs", {}) if (v := fig(theirs, c, "decode_tokens_per_s")) is not None), default=None)
-    return r | {"decode_tokens_per_s_static_vs_their_best": h.ratio(fig(ours, "static", "decode_tokens_per_s"), best),
+        r |= {f"{key}_{c}": vs(c, key) for c in (CACHE_KINDS if their_config is None else CACHE_KINDS[1:])}
+    best = max((v for c in theirs.get("configs", {}) if (v := fig(theirs, c)) is not None), default=None)
+    return r | {"decode_tokens_per_s_static_vs_their_best": h.ratio(fig(ours, "static"), best),
                 "ttft_speedup": h.ratio(theirs.get("ttft_s"), ours.get("ttft_s")),
                 "load_s_kvgen_over_peer": h.ratio(ours.get("load_s"), theirs.get("load_s")),
                 "peak_rss_kvgen_over_peer": h.ratio(ours.get("peak_rss_bytes"), theirs.get("peak_rss_bytes"))}
 
 
-def greedy_agreement(ours: h.Side, theirs: h.Side, cache: str = "dynamic", their_config: str | None = None) -> dict[str, Any]:
+def greedy_agreement(ours: h.Side, theirs: h.Side, cache: str = "dynamic", their_config: str | None = None
+                     ) -> dict[str, Any]:
     """How many leading greedy tokens of the two engines agree (a check that both ran the same model)."""
     a = ours.get("configs", {}).get(cache, {}).get("new_token_ids")
     b = theirs.get("configs", {}).get(their_config or cache, {}).get("new_token_ids")
@@ -161,7 +166,7 @@ def greedy_agreement(ours: h.Side, theirs: h.Side, cache: str = "dynamic", their
             "kvgen_first_new_token_ids": a[:16], "peer_first_new_token_ids": b[:16]}
 
 
-@dataclass
+@dataclasses.dataclass
 class DecodeReport:
     """``run_decode_bench``'s result: seconds in ``*_s``, speeds in ``*_tokens_per_s``, memory in ``*_bytes``."""
 
@@ -176,22 +181,23 @@ class DecodeReport:
 
 
 def run_decode_bench(config: DecodeBenchConfig) -> DecodeReport:
-    """The bench (see the module docstring); peers may report ``{"skipped"|"error": ...}``. Raises the loader's errors."""
+    """The bench (see the module docstring); a peer may report ``skipped`` or ``error``. Raises the loader's errors."""
     log, threads, dtype, env = h.start(config)
     ours = _bench_kvgen(config, log)
-    ids = [seeded_prompt_ids(n, ours["vocab_size"], config.seed)[0].tolist() for n in (config.prompt_tokens, config.ttft_prompt_tokens)]
+    ids = [seeded_prompt_ids(n, ours["vocab_size"], config.seed)[0].tolist()
+           for n in (config.prompt_tokens, config.ttft_prompt_tokens)]
     request = {"dtype": dtype, "num_threads": threads, "prompt_ids": ids[0], "ttft_prompt_ids": ids[1],
                "num_prefill_repeats": config.num_prefill_repeats, "progress": config.progress}
-    hf = h.peer_side("transformers", "decode", config.include_transformers, config.model, log, request | {"new_tokens": config.new_tokens_per_cache()})
-    cpp = h.peer_side("llama_cpp", "decode", config.include_llama_cpp, config.model, log, request | {"new_tokens": {"kv_cache": config.new_tokens}})
-    report = DecodeReport(SCHEMA, env, _workload(config, threads), ours, hf, cpp, {
-        "note": "kvgen over peer: > 1 is kvgen better for *_tokens_per_s and ttft_speedup (peer ttft_s / kvgen ttft_s); "
-        "*_kvgen_over_peer < 1 is kvgen better (load seconds, peak RSS bytes). Against llama.cpp every kvgen cache kind "
-        "is compared with its one configuration (kv_cache); prefill compares kvgen's static cache",
-        "vs_transformers": compare(ours, hf), "vs_llama_cpp": compare(ours, cpp, "kv_cache")},
-        {"vs_transformers": greedy_agreement(ours, hf), "vs_llama_cpp": greedy_agreement(ours, cpp, "static", "kv_cache")})
+    hf, cpp = (h.peer_side(peer, "decode", on, config.model, log, request | {"new_tokens": n}) for peer, on, n in (
+        ("transformers", config.include_transformers, config.new_tokens_per_cache()),
+        ("llama_cpp", config.include_llama_cpp, {"kv_cache": config.new_tokens})))
+    ratios = {"note": "> 1: kvgen better, except *_kvgen_over_peer; llama.cpp: its one kv_cache configuration",
+              "vs_transformers": compare(ours, hf), "vs_llama_cpp": compare(ours, cpp, "kv_cache")}
+    agreement = {"vs_transformers": greedy_agreement(ours, hf),
+                 "vs_llama_cpp": greedy_agreement(ours, cpp, "static", "kv_cache")}
+    report = DecodeReport(SCHEMA, env, _workload(config, threads), ours, hf, cpp, ratios, agreement)
     for rep in (rep for side in (ours, hf, cpp) for rep in side.get("configs", {}).values()):
-        rep.pop("new_token_ids", None)  # they served the agreement checks; keep the report short
+        rep.pop("new_token_ids", None)  # they served the agreement checks
     env["load_average_1m_at_end"] = h.load_average()
     return report
 
@@ -202,32 +208,30 @@ def _workload(config: DecodeBenchConfig, num_threads: int) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(config).items() if k != "progress"} | {
         "num_threads": num_threads, "batch_size": 1,
         "transformers_dtype": str(DTYPES.get(str(config.dtype), torch.float32)).removeprefix("torch."),
-        "decoding": "greedy, EOS disabled (kvgen: eos_token_id=[]; transformers: min_new_tokens=max_new_tokens; "
-        "llama.cpp: top_k=1, cut at new_tokens)",
-        "prompt": f"{config.prompt_tokens} ids uniform over [0, vocab_size) from torch.Generator().manual_seed({config.seed}), same for every engine",
-        "no_cache_note": f"no-cache runs generate {config.no_cache_new_tokens} tokens instead of {config.new_tokens} (O(n^2) per sequence)",
-        "timing": "wall clock; prefill_s = median 1-token run; decode_s = total_s - prefill_s; decode_tokens_per_s = (num_new_tokens - 1) "
-        "/ decode_s; decode_step_s_* = gaps between streamed tokens; one untimed 2-token warm-up per configuration; "
-        f"ttft_s = median 1-token run of a {config.ttft_prompt_tokens}-token prompt (kvgen: static cache; transformers: dynamic)",
-        "peak_rss_note": "VmHWM of each process: kvgen here, transformers and llama.cpp (no torch) each in its own subprocess",
+        "decoding": "greedy, EOS disabled", "prompt": f"seeded uniform ids (seed {config.seed}), same for all",
+        "no_cache_note": f"no-cache runs generate {config.no_cache_new_tokens} tokens",
+        "timing": "prefill_s: median 1-token run; decode_s = total_s - prefill_s; steps: streamed token gaps",
+        "peak_rss_note": "VmHWM of each process",
     }
 
 
 def format_decode_report(result: dict[str, Any]) -> str:
     """The text table of ``run_decode_bench``'s JSON result (tokens/s, seconds, MiB; ratios kvgen / peer)."""
-    sides = ("kvgen", "transformers", "llama_cpp", "ratios.vs_transformers", "ratios.vs_llama_cpp")
-
     def row(label: str, key: str, ratio_key: str, cache: str = "", spec: str = "") -> tuple[str, list[str]]:
-        paths = [f"{s}.configs.{'kv_cache' if s == 'llama_cpp' and cache != 'no_cache' else cache}.{key}" if cache else f"{s}.{key}" for s in sides[:3]]
-        return label, [f"{p}:{spec}" for p in paths] + [f"{s}.{ratio_key}" for s in sides[3:]]
+        cpp = "kv_cache" if cache != "no_cache" else cache
+        paths = [f"{s}.configs.{c}.{key}" if cache else f"{s}.{key}"
+                 for s, c in (("kvgen", cache), ("transformers", cache), ("llama_cpp", cpp))]
+        return label, [f"{p}:{spec}" for p in paths] + [f"ratios.vs_{s}.{ratio_key}" for s in PEERS]
 
-    rows = [row("load s", "load_s", "load_s_kvgen_over_peer"), row("peak RSS MiB", "peak_rss_bytes", "peak_rss_kvgen_over_peer", spec="MiB"),
+    rows = [row("load s", "load_s", "load_s_kvgen_over_peer"),
+            row("peak RSS MiB", "peak_rss_bytes", "peak_rss_kvgen_over_peer", spec="MiB"),
             row("TTFT s (ratio: speedup)", "ttft_s", "ttft_speedup"),
             row("prefill static tokens/s", "prefill_tokens_per_s", "prefill_tokens_per_s", "static"),
             *(row(f"decode {c} tokens/s", "decode_tokens_per_s", f"decode_tokens_per_s_{c}", c) for c in CACHE_KINDS),
-            ("leading greedy tokens equal", ["", "greedy_agreement.vs_transformers.num_leading_equal_tokens",
-                                     "greedy_agreement.vs_llama_cpp.num_leading_equal_tokens", "", ""])]
-    title = ("decode bench: {workload[model]} ({workload[dtype]}), prompt {workload[prompt_tokens]}, {workload[new_tokens]} new tokens "
-             "(no cache {workload[no_cache_new_tokens]}), batch 1, greedy, {workload[num_threads]} threads\n"
-             "torch {env[torch_version]}, transformers {env[transformers_version]}, {env[processor]}, {env[platform]}")
+            ("leading greedy tokens equal", ["", *(f"greedy_agreement.vs_{s}.num_leading_equal_tokens" for s in PEERS),
+                                             "", ""])]
+    title = ("decode bench: {workload[model]} ({workload[dtype]}), prompt {workload[prompt_tokens]}, "
+             "{workload[new_tokens]} new tokens (no cache {workload[no_cache_new_tokens]}), batch 1, greedy, "
+             "{workload[num_threads]} threads\ntorch {env[torch_version]}, transformers {env[transformers_version]}, "
+             "{env[processor]}, {env[platform]}")
     return h.render(result, title, ["kvgen", "transformers", "llama.cpp", "kvgen/hf", "kvgen/cpp"], rows)

@@ -1,22 +1,23 @@
-"""What every ``kvgen bench`` shares: machine facts, threads, timing, typed results -> JSON, the peers' subprocess
-protocol, one text renderer. Torch-free at import: the llama.cpp peer (``peers.py`` run
-as a file) imports it, and its peak RSS must not include torch."""
+"""What every ``kvgen bench`` shares: machine facts, timing, typed results -> JSON, the peers' subprocess protocol,
+one text renderer. Torch-free at import: ``peers.py`` (run as a file by the llama.cpp peer) imports it."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
+
+import psutil
 
 T = TypeVar("T")
 Side = dict[str, Any]  # one system's JSON report: its figures, or {"skipped": why} / {"error": what}
@@ -25,25 +26,13 @@ OMIT_IF_NONE = {"omit_if_none": True}  # field metadata: left out of :func:`to_j
 
 def available_cpus() -> int:
     """CPU cores this process may run on (its affinity mask where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _cpuinfo() -> list[tuple[str, str]]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return [(k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in f)]
-    except OSError:
-        return []
+    has_affinity = hasattr(psutil.Process, "cpu_affinity")  # not on macOS
+    return len(psutil.Process().cpu_affinity() or []) if has_affinity else os.cpu_count() or 1
 
 
 def physical_cores() -> int:
-    """Distinct (package, core) ids of /proc/cpuinfo, at most :func:`available_cpus` (one thread per core)."""
-    cores, package = set(), ""
-    for key, value in _cpuinfo():
-        package = value if key == "physical id" else package
-        if key == "core id":
-            cores.add((package, value))
-    return min(len(cores), available_cpus()) if cores else available_cpus()
+    """Physical cores, at most :func:`available_cpus` (one thread per core)."""
+    return min(psutil.cpu_count(logical=False) or available_cpus(), available_cpus())
 
 
 def set_threads(num_threads: int | None = None) -> int:
@@ -60,9 +49,17 @@ def set_threads(num_threads: int | None = None) -> int:
 def load_average() -> float | None:
     """1-minute load average (runnable processes); above the core count, timings are contended."""
     try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):  # no getloadavg, or the OS cannot report it
+        return psutil.getloadavg()[0]
+    except (AttributeError, OSError):
         return None
+
+
+def _processor() -> str:
+    try:
+        return next(v for k, _, v in (line.partition(":") for line in Path("/proc/cpuinfo").read_text().splitlines())
+                    if k.strip() == "model name").strip()
+    except (OSError, StopIteration):
+        return platform.processor()
 
 
 def environment_info() -> dict[str, Any]:
@@ -73,34 +70,27 @@ def environment_info() -> dict[str, Any]:
         hf: str | None = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
         hf = None
-    return {
-        "torch_version": torch.__version__, "transformers_version": hf,
-        "python_version": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
-        "processor": next((v for k, v in _cpuinfo() if k == "model name"), platform.processor()),
-        "cpu_count": os.cpu_count(), "physical_cores": physical_cores(), "available_cpus": available_cpus(),
-        "torch_num_threads": torch.get_num_threads(), "torch_num_interop_threads": torch.get_num_interop_threads(),
-        "load_average_1m": load_average(),
-    }
+    return {"torch_version": torch.__version__, "transformers_version": hf, "python_version": platform.python_version(),
+            "platform": platform.platform(), "machine": platform.machine(), "processor": _processor(),
+            "cpu_count": os.cpu_count(), "physical_cores": physical_cores(), "available_cpus": available_cpus(),
+            "torch_num_threads": torch.get_num_threads(), "torch_num_interop_threads": torch.get_num_interop_threads(),
+            "load_average_1m": load_average()}
 
 
 def peak_rss_bytes() -> int:
-    """This process's own peak resident set size in bytes (``VmHWM``; ``ru_maxrss`` survives fork + exec)."""
+    """This process's own peak RSS in bytes (``VmHWM``; ``ru_maxrss`` would include a forking parent's)."""
     import resource
 
     try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+        return next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
+                    if line.startswith("VmHWM:"))
     except (OSError, StopIteration):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
-def current_rss_bytes() -> int | None:
-    """Resident set size now, in bytes (Linux ``/proc/self/statm``; None elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, IndexError, ValueError):
-        return None
+def current_rss_bytes() -> int:
+    """Resident set size now, in bytes."""
+    return int(psutil.Process().memory_info().rss)
 
 
 def timed(fn: Callable[[], T]) -> tuple[T, float]:
@@ -127,12 +117,11 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
 
 
 class TokenTimer:
-    """A streamer (``put``/``end``, as kvgen's and transformers' ``generate`` call it) timestamping new tokens:
-    ``times`` holds the ``time.perf_counter`` seconds of each ``put`` after the first (the prompt)."""
+    """A ``generate`` streamer (``put``/``end``): ``times`` holds the ``perf_counter`` seconds of each new token."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
-        self._has_prompt = False
+        self._has_prompt = False  # the first put is the prompt
 
     def put(self, value: Any) -> None:
         if self._has_prompt:
@@ -159,11 +148,10 @@ class Progress:
 
 
 def start(config: Any, prefix: str = "[bench]") -> tuple[Progress, int, str, dict[str, Any]]:
-    """A bench's opening: its progress log, threads set from ``config.num_threads``, kvgen's dtype, the environment."""
-    log, threads = Progress(getattr(config, "progress", True), prefix), set_threads(config.num_threads)
-    env = environment_info()
+    """A bench's opening: progress log, threads set from ``config.num_threads``, kvgen's dtype, the environment."""
+    log, threads, env = Progress(config.progress, prefix), set_threads(config.num_threads), environment_info()
     if (load := env["load_average_1m"]) is not None and load > 0.5:
-        log(f"warning: 1-minute load average is {load:.2f}; other processes share these cores, timings will be contended")
+        log(f"warning: 1-minute load average is {load:.2f}; timings will be contended")
     return log, threads, config.dtype or default_dtype(), env
 
 
@@ -185,20 +173,18 @@ def to_json(obj: Any) -> Any:
 
 
 def run_side(name: str, argv: list[str], log: Callable[[str], None], request: Any = None, quiet: bool = False) -> Side:
-    """``python *argv`` in a fresh interpreter (its own peak RSS), ``request`` as JSON on stdin; its one JSON report,
-    or ``{"error": ...}``. Progress stays on stderr (captured when ``quiet``)."""
+    """``python *argv`` in a fresh process, ``request`` as JSON on stdin; its JSON report, or ``{"error": ...}``.
+    Its progress goes to stderr (captured when ``quiet``)."""
     log(f"{name}: starting a fresh subprocess (its own peak RSS)")
-    with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.run([sys.executable, *argv], input=None if request is None else json.dumps(request), stdout=out,
-                              stderr=subprocess.PIPE if quiet else None, text=True, check=False)
-        out.seek(0)
-        text = out.read()
+    proc = subprocess.run([sys.executable, *argv], input=None if request is None else json.dumps(request),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE if quiet else None, text=True, check=False)
     if proc.returncode != 0:
-        return {"error": f"{name} subprocess exited with status {proc.returncode}: {(proc.stderr or '')[-2000:] if quiet else 'see stderr'}"}
+        why = (proc.stderr or "")[-2000:] if quiet else "see stderr"
+        return {"error": f"{name} subprocess exited with status {proc.returncode}: {why}"}
     try:
-        return dict(json.loads(text))
-    except (json.JSONDecodeError, TypeError, ValueError) as e:
-        return {"error": f"{name} subprocess printed no JSON report ({e}): {text[-500:]!r}"}
+        return dict(json.loads(proc.stdout))
+    except (TypeError, ValueError) as e:
+        return {"error": f"{name} subprocess printed no JSON report ({e}): {proc.stdout[-500:]!r}"}
 
 
 def run_peer(peer: str, task: str, request: dict[str, Any], log: Callable[[str], None], quiet: bool = False) -> Side:
@@ -207,7 +193,7 @@ def run_peer(peer: str, task: str, request: dict[str, Any], log: Callable[[str],
 
 
 def peer_side(peer: str, task: str, enabled: bool, model: str, log: Progress, request: dict[str, Any]) -> Side:
-    """:func:`run_peer` on ``request`` plus ``model_path``, or ``{"skipped": why}`` (disabled, not installed, not GGUF)."""
+    """:func:`run_peer` on ``request`` plus ``model_path``, or ``{"skipped": why}``."""
     from kvgen.loader import resolve_model_path
 
     path = resolve_model_path(model)
@@ -234,9 +220,14 @@ class RunStats:
 GenerateFn = Callable[[Any, int, "TokenTimer | None"], RunStats]
 
 
+def optional() -> Any:
+    """A dataclass field defaulting to None, left out of :func:`to_json` while None."""
+    return dataclasses.field(default=None, metadata=OMIT_IF_NONE)
+
+
 @dataclasses.dataclass
 class GenerationTiming:
-    """Batch-1 prefill and decode of one engine configuration (seconds, tokens/s); see :func:`time_generation`."""
+    """Batch-1 prefill and decode of one configuration (seconds, tokens/s); see :func:`time_generation`."""
 
     num_prompt_tokens: int
     num_requested_new_tokens: int
@@ -251,41 +242,42 @@ class GenerationTiming:
     decode_step_s_p90: float | None
     decode_tokens_per_s_at_median_step: float | None
     new_token_ids: list[int]
-    model_prefill_s: float | None = dataclasses.field(default=None, metadata=OMIT_IF_NONE)  # the engine's own split
-    model_decode_s: float | None = dataclasses.field(default=None, metadata=OMIT_IF_NONE)
-    model_decode_tokens_per_s: float | None = dataclasses.field(default=None, metadata=OMIT_IF_NONE)
+    model_prefill_s: float | None = optional()  # the engine's own split
+    model_decode_s: float | None = optional()
+    model_decode_tokens_per_s: float | None = optional()
 
 
 def time_to_first_token(generate_fn: GenerateFn, prompt_ids: Any, num_repeats: int = 3, warm_up: bool = True) -> float:
-    """Median seconds of ``num_repeats`` 1-token generations (prefill, LM head, first choice), after a warm-up."""
+    """Median seconds of ``num_repeats`` 1-token generations, after a warm-up."""
     if warm_up:
         generate_fn(prompt_ids, 1, None)
     return percentile([timed(lambda: generate_fn(prompt_ids, 1, None))[1] for _ in range(num_repeats)], 50) or 0.0
 
 
-def time_generation(generate_fn: GenerateFn, prompt_ids: Any, new_tokens: int, num_prefill_repeats: int = 3) -> GenerationTiming:
-    """An untimed 2-token warm-up, ``prefill_s`` = median 1-token run, one timed ``new_tokens`` run;
-    ``decode_s = total_s - prefill_s``, ``decode_step_s_*``: gaps between streamed tokens."""
+def time_generation(generate_fn: GenerateFn, prompt_ids: Any, new_tokens: int, num_prefill_repeats: int = 3
+                    ) -> GenerationTiming:
+    """A 2-token warm-up, ``prefill_s`` = median 1-token run, one timed run; ``decode_s = total_s - prefill_s``."""
     generate_fn(prompt_ids, 2, None)  # allocator, oneDNN primitives, first-call paths
     prefill_s, timer = time_to_first_token(generate_fn, prompt_ids, num_prefill_repeats, warm_up=False), TokenTimer()
     stats, total_s = timed(lambda: generate_fn(prompt_ids, new_tokens, timer))
     num_new, decode_s, steps = len(stats.new_token_ids), total_s - prefill_s, timer.gaps()  # steps: [num_new - 1]
-    median = percentile(steps, 50)
+    median, prompt = percentile(steps, 50), stats.num_prompt_tokens
     return GenerationTiming(
-        stats.num_prompt_tokens, new_tokens, num_new, prefill_s, per_second(stats.num_prompt_tokens, prefill_s), total_s,
-        decode_s, per_second(num_new - 1, decode_s), len(steps), median, percentile(steps, 90), per_second(1, median),
+        prompt, new_tokens, num_new, prefill_s, per_second(prompt, prefill_s), total_s, decode_s,
+        per_second(num_new - 1, decode_s), len(steps), median, percentile(steps, 90), per_second(1, median),
         stats.new_token_ids, stats.model_prefill_s, stats.model_decode_s, per_second(num_new - 1, stats.model_decode_s))
 
 
-def measure_caches(runs: dict[str, tuple[GenerateFn, int]], prompt_ids: Any, num_prefill_repeats: int, log: Callable[[str], None],
-                   name: str) -> dict[str, Side]:
-    """:func:`time_generation` per cache kind of ``runs`` (kind -> generate fn, new tokens); a failing one reports ``error``."""
+def measure_caches(runs: dict[str, tuple[GenerateFn, int]], prompt_ids: Any, num_prefill_repeats: int,
+                   log: Callable[[str], None], name: str) -> dict[str, Side]:
+    """:func:`time_generation` per cache kind (kind -> generate fn, new tokens); a failing one reports ``error``."""
     results: dict[str, Side] = {}
     for cache, (generate_fn, n) in runs.items():
         log(f"{name}: {cache}: warm-up, prefill x{num_prefill_repeats}, {n} new tokens")
         try:
             results[cache] = r = to_json(time_generation(generate_fn, prompt_ids, n, num_prefill_repeats))
-            log(f"{name}: {cache}: prefill {cell(r, 'prefill_tokens_per_s')} tokens/s, decode {cell(r, 'decode_tokens_per_s')} tokens/s")
+            log(f"{name}: {cache}: prefill {cell(r, 'prefill_tokens_per_s')}, decode {cell(r, 'decode_tokens_per_s')}"
+                " tokens/s")
         except Exception as e:  # noqa: BLE001 -- one failing configuration is reported, the others still run
             results[cache] = {"error": f"{type(e).__name__}: {e}"}
             log(f"{name}: {cache}: failed: {results[cache]['error']}")
@@ -303,7 +295,7 @@ def default_dtype() -> str:
 
 
 def cell(result: Any, path_spec: str) -> str:
-    """The value at a dotted ``path`` of ``result`` formatted by ``:spec`` (or ``MiB`` for bytes), ``-`` when missing."""
+    """The value at a dotted path of ``result`` formatted by ``:spec`` (or ``MiB`` for bytes), ``-`` when missing."""
     path, _, spec = path_spec.partition(":")
     for key in path.split("."):
         result = result.get(key) if isinstance(result, dict) else None
@@ -313,21 +305,27 @@ def cell(result: Any, path_spec: str) -> str:
         return "yes" if result else "no"
     if spec == "MiB":
         return f"{result / 2**20:.0f}"
-    if isinstance(result, float) and not spec:
-        spec = ".4g" if abs(result) < 1000 else ".0f"
-    return format(result, spec)
+    return format(result, spec or (".4g" if abs(result) < 1000 else ".0f") if isinstance(result, float) else spec)
+
+
+def _notes(obj: Any, path: str = "") -> list[str]:
+    if not isinstance(obj, dict):
+        return []
+    return [n for k, v in obj.items()
+            for n in ([f"{path}{k}: {v}"] if k in ("skipped", "error") else _notes(v, f"{path}{k}."))]
 
 
 def render(result: dict[str, Any], title: str, columns: list[str], rows: list[tuple[str, list[str]]]) -> str:
-    """A bench's text report: ``title.format(**result)``; a table of ``(label, cells)`` rows, each cell a dotted path
-    into ``result`` with an optional ``:spec`` (format spec, or ``MiB``; ``-`` when missing); every skipped / error."""
+    """``title.format(**result)``, a table of ``(label, cells)`` rows (cells: :func:`cell` paths), skips and errors."""
     table = [["", *columns], *([label, *(cell(result, c) for c in cells)] for label, cells in rows)]
     widths = [max(len(r[i]) for r in table) for i in range(len(columns) + 1)]
-    lines = [title.format(**result), *("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in table)]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in table]
+    return "\n".join([title.format(**result), *lines, *_notes(result)])
 
-    def notes(obj: Any, path: str) -> list[str]:
-        if not isinstance(obj, dict):
-            return []
-        return [n for k, v in obj.items() for n in ([f"{path}{k}: {v}"] if k in ("skipped", "error") else notes(v, f"{path}{k}."))]
 
-    return "\n".join(lines + notes(result, ""))
+def latencies(token_times: list[list[float]], starts: list[float]) -> tuple[float | None, float | None, float | None,
+                                                                          float | None]:
+    """TTFT p50, p99 (first token time - request start) and ITL p50, p99 (gaps between tokens), in seconds."""
+    ttft = [times[0] - start for times, start in zip(token_times, starts) if times]
+    itl = [b - a for times in token_times for a, b in itertools.pairwise(times)]
+    return percentile(ttft, 50), percentile(ttft, 99), percentile(itl, 50), percentile(itl, 99)

@@ -1,9 +1,6 @@
-"""The peers of ``kvgen bench``, each run in its own process: ``python peers.py PEER TASK < request.json`` prints one
-JSON report (``harness.run_peer`` is the parent side) with ``peak_rss_bytes`` (VmHWM). Run as a file, so llama.cpp
-never imports torch. ``decode``: ``harness.time_generation`` per cache kind (llama.cpp: top_k=1, cut at length) and TTFT.
-``throughput``: token timestamps of static batches (transformers: left-padded, each decoding its longest output;
-llama.cpp: one request at a time). ``perplexity`` (llama.cpp): summed NLL in nats, float64, from its logits.
-"""
+"""The peers of ``kvgen bench``, each in its own process: ``python peers.py PEER TASK < request.json`` prints one
+JSON report with ``peak_rss_bytes`` (``harness.run_peer`` is the parent side). Run as a file, so that llama.cpp
+never imports torch."""
 
 from __future__ import annotations
 
@@ -21,15 +18,15 @@ else:  # run as a file: sys.path[0] is this directory, and importing kvgen would
 
 
 def load_transformers(model: str, dtype: str) -> Any:
-    """transformers' ``AutoModelForCausalLM`` on kvgen's ``model`` (a GGUF is dequantized) at ``dtype`` if a torch dtype
-    (else float32: kvgen's ``auto`` keeps blocks quantized), in eval mode."""
+    """transformers' ``AutoModelForCausalLM`` on kvgen's ``model`` (a GGUF is dequantized), eval mode, at ``dtype``
+    if it is a torch dtype, else float32 (kvgen's ``auto`` keeps blocks quantized)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from kvgen.loader import DTYPES, resolve_model_path
 
     path = resolve_model_path(model)
-    kwargs: dict[str, Any] = {"torch_dtype": DTYPES.get(dtype, torch.float32)} | ({} if path.is_dir() else {"gguf_file": path.name})
+    kwargs = {"torch_dtype": DTYPES.get(dtype, torch.float32)} | ({} if path.is_dir() else {"gguf_file": path.name})
     return AutoModelForCausalLM.from_pretrained(path if path.is_dir() else path.parent, **kwargs).eval()
 
 
@@ -40,17 +37,19 @@ def pad_token_id(hf_model: Any) -> int:
 
 
 def transformers_generate_fn(hf_model: Any, cache: str) -> harness.GenerateFn:
-    """``GenerateFn`` over transformers ``generate``: greedy, min = max new tokens, per cache."""
+    """``GenerateFn`` over transformers ``generate``: greedy, min = max new tokens, per cache kind."""
     import torch
 
-    per_cache: dict[str, dict[str, Any]] = {"no_cache": {"use_cache": False}, "static": {"cache_implementation": "static"}}
-    args = per_cache.get(cache, {}) | {"pad_token_id": pad_token_id(hf_model)}
+    per_cache: dict[str, dict[str, Any]] = {"no_cache": {"use_cache": False},
+                                            "static": {"cache_implementation": "static"}}
+    args = per_cache.get(cache, {})
 
     def run(ids: torch.Tensor, max_new_tokens: int, streamer: harness.TokenTimer | None) -> harness.RunStats:
         with torch.inference_mode():
-            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                    max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, streamer=streamer, **args)
-        return harness.RunStats(ids.shape[1], out[0, ids.shape[1]:].tolist())  # out: [B, T + new]
+            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, streamer=streamer,
+                                    max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                    pad_token_id=pad_token_id(hf_model), **args)
+        return harness.RunStats(ids.shape[1], out[0, ids.shape[1]:].tolist())  # out: [1, T + new]
 
     return run
 
@@ -82,44 +81,45 @@ def llama_generate_fn(llm: Any) -> harness.GenerateFn:
 
 
 def decode(peer: str, request: dict[str, Any]) -> dict[str, Any]:
-    """Request: ``prompt_ids``, ``ttft_prompt_ids``, ``new_tokens`` ({cache kind: count}), ``num_prefill_repeats``, ``dtype``."""
-    prompt, ttft_prompt, repeats, rss_before = request["prompt_ids"], request["ttft_prompt_ids"], request["num_prefill_repeats"], harness.current_rss_bytes()
-    log = harness.Progress(request.get("progress", True), f"[bench:{peer}]")
+    """``harness.time_generation`` per cache kind of ``new_tokens`` ({kind: count}), and TTFT."""
+    prompt, ttft_prompt, rss_before = request["prompt_ids"], request["ttft_prompt_ids"], harness.current_rss_bytes()
     if peer == "transformers":
         import torch
 
         hf_model, load_s = harness.timed(lambda: load_transformers(request["model_path"], request["dtype"]))
         prompt, ttft_prompt = torch.tensor([prompt]), torch.tensor([ttft_prompt])  # [1, T]
-        runs = {c: (transformers_generate_fn(hf_model, c), n) for c, n in request["new_tokens"].items()}
-        ttft_fn = transformers_generate_fn(hf_model, "dynamic")
+        fns = {c: transformers_generate_fn(hf_model, c) for c in [*request["new_tokens"], "dynamic"]}
     else:
         n_ctx = len(prompt) + max(request["new_tokens"].values()) + 8
         llm, load_s = _llama(request, n_ctx, min(n_ctx, max(512, len(prompt))))
-        ttft_fn = llama_generate_fn(llm)
-        runs = {c: (ttft_fn, n) for c, n in request["new_tokens"].items()}
-    configs = harness.measure_caches(runs, prompt, repeats, log, peer)
-    report = {"load_s": load_s, "configs": configs, "ttft_s": harness.time_to_first_token(ttft_fn, ttft_prompt, repeats)}
-    return report | ({"rss_before_load_bytes": rss_before} if peer == "transformers" else {"ttft_prompt_tokens": len(ttft_prompt)})
+        fns = dict.fromkeys([*request["new_tokens"], "dynamic"], llama_generate_fn(llm))
+    log, repeats = harness.Progress(request.get("progress", True), f"[bench:{peer}]"), request["num_prefill_repeats"]
+    runs = {c: (fns[c], n) for c, n in request["new_tokens"].items()}
+    report = {"load_s": load_s, "configs": harness.measure_caches(runs, prompt, repeats, log, peer),
+              "ttft_s": harness.time_to_first_token(fns["dynamic"], ttft_prompt, repeats)}
+    is_hf = peer == "transformers"
+    return report | ({"rss_before_load_bytes": rss_before} if is_hf else {"ttft_prompt_tokens": len(ttft_prompt)})
 
 
 def throughput(peer: str, request: dict[str, Any]) -> dict[str, Any]:
-    """Request: ``prompt_token_ids``, ``output_lens``, ``static_batch_size`` (transformers), ``dtype``; token times from start."""
+    """Static batches of ``prompt_token_ids`` (transformers: left-padded, each decoding its longest output; llama.cpp:
+    one request at a time); each token's seconds from the start."""
     prompts, lens, extra = request["prompt_token_ids"], request["output_lens"], {}
     if peer == "transformers":
         import torch
 
         from kvgen.bench.workloads import left_padded
 
-        hf_model = load_transformers(request["model_path"], request["dtype"])
-        size, pad = request["static_batch_size"], pad_token_id(hf_model)
+        hf_model, size = load_transformers(request["model_path"], request["dtype"]), request["static_batch_size"]
 
         def generate(rows: list[list[int]], n: int, timer: harness.TokenTimer | None) -> None:
-            ids, mask = left_padded(rows, pad)  # [B, T]
+            ids, mask = left_padded(rows, pad_token_id(hf_model))  # [B, T]
             with torch.inference_mode():
-                hf_model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad, streamer=timer)
+                hf_model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                  pad_token_id=pad_token_id(hf_model), streamer=timer)
     else:
         llm, extra["load_s"] = _llama(request, 1024, 512)
-        llama_run, size = llama_generate_fn(llm), 1
+        size, llama_run = 1, llama_generate_fn(llm)
 
         def generate(rows: list[list[int]], n: int, timer: harness.TokenTimer | None) -> None:
             llama_run(rows[0], n, timer)
@@ -132,13 +132,13 @@ def throughput(peer: str, request: dict[str, Any]) -> dict[str, Any]:
         for i in batch:
             token_times[i] = [t - start for t in timer.times[: lens[i]]]
         waste += new * len(batch)
-    if peer == "transformers":  # static batches decode their longest output for every row
+    if peer == "transformers":
         extra["num_generated_tokens_including_waste"] = waste
     return {"token_times_s": token_times, "elapsed_s": time.perf_counter() - start, **extra}
 
 
 def window_nll(logits: Any, window: list[int]) -> float:
-    """Summed NLL (nats, float64) of ``window[1:]`` under ``logits`` [len(window) - 1, V] (row i predicts token i + 1)."""
+    """Summed NLL (nats, float64) of ``window[1:]`` under ``logits`` [len(window) - 1, V] (row i predicts i + 1)."""
     import numpy as np
 
     x = np.asarray(logits, dtype=np.float64)  # [T-1, V]
@@ -147,7 +147,7 @@ def window_nll(logits: Any, window: list[int]) -> float:
 
 
 def perplexity(peer: str, request: dict[str, Any]) -> dict[str, Any]:
-    """Request: ``windows`` (token id lists of at most ``context_length``), each scored alone from position 0."""
+    """llama.cpp's summed NLL of each of ``windows`` (token id lists), scored alone from position 0."""
     llm, load_s = _llama(request, request["context_length"], request["context_length"], logits_all=True)
     total_nll, start = 0.0, time.perf_counter()
     for window in request["windows"]:
@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.peer == "llama_cpp":
         import llama_cpp
 
-        result |= {"llama_cpp_version": llama_cpp.__version__, "num_threads": request["num_threads"], "is_torch_imported": "torch" in sys.modules}
+        result |= {"llama_cpp_version": llama_cpp.__version__, "num_threads": request["num_threads"],
+                   "is_torch_imported": "torch" in sys.modules}
     print(json.dumps(result | {"peak_rss_bytes": harness.peak_rss_bytes()}))
     return 0
 

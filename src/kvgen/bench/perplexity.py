@@ -1,10 +1,5 @@
-"""``kvgen bench perplexity``: kvgen's default path vs ``float32`` vs llama.cpp on the same token ids.
-
-``file`` (else ``workloads.DEFAULT_TEXT``), tokenized once by kvgen (no special tokens), cut into non-overlapping
-``context_length`` windows (``kvgen.perplexity.windows``), each scored alone from position 0: kvgen by
-``kvgen.perplexity.perplexity`` at its default dtype and float32, llama.cpp (``peers.py``) from its logits in float64.
-Perplexity = exp(mean NLL in nats) over the same tokens.
-"""
+"""``kvgen bench perplexity``: kvgen's default dtype vs ``float32`` vs llama.cpp on the same token ids (kvgen's
+tokenizer), non-overlapping windows each scored alone from position 0; perplexity = exp(mean NLL in nats)."""
 
 from __future__ import annotations
 
@@ -12,7 +7,6 @@ import dataclasses
 import hashlib
 import itertools
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from kvgen.bench import BenchConfig
@@ -23,7 +17,7 @@ from kvgen.fields import config_field as _f
 SCHEMA = "kvgen.bench.perplexity/1"
 
 
-@dataclass
+@dataclasses.dataclass
 class PerplexityBenchConfig(BenchConfig):
     """What ``run_perplexity_bench`` measures (``context_length`` is checked by ``kvgen.perplexity``)."""
 
@@ -32,14 +26,14 @@ class PerplexityBenchConfig(BenchConfig):
     include_llama_cpp: bool = _f(True, "score with llama-cpp-python")
 
 
-def _kvgen_side(model: str, dtype: str, text: str, context_length: int, log: h.Progress) -> tuple[h.Side, list[int]]:
+def _kvgen_side(config: PerplexityBenchConfig, dtype: str, text: str, log: h.Progress) -> tuple[h.Side, list[int]]:
     from kvgen.loader import load_model
     from kvgen.perplexity import perplexity
 
-    log(f"kvgen ({dtype}): loading {model}")
-    (llm, tokenizer), load_s = h.timed(lambda: load_model(model, dtype=dtype))
+    log(f"kvgen ({dtype}): loading {config.model}")
+    (llm, tokenizer), load_s = h.timed(lambda: load_model(config.model, dtype=dtype))
     token_ids = tokenizer.encode(text, add_special_tokens=False)
-    result, score_s = h.timed(lambda: perplexity(llm, token_ids, context_length))
+    result, score_s = h.timed(lambda: perplexity(llm, token_ids, config.context_length))
     log(f"kvgen ({dtype}): perplexity {result.perplexity:.4f} of {len(token_ids)} tokens in {score_s:.1f} s")
     return {"dtype": dtype, **dataclasses.asdict(result), "load_s": load_s, "score_s": score_s}, token_ids
 
@@ -50,7 +44,7 @@ def relative_differences(sides: dict[str, h.Side]) -> dict[str, float | None]:
     return {f"{a}_vs_{b}": pa / pb - 1 for (a, pa), (b, pb) in itertools.combinations(with_ppl, 2)}
 
 
-@dataclass
+@dataclasses.dataclass
 class PerplexityReport:
     """``run_perplexity_bench``'s result; each side has ``perplexity``, ``mean_nll`` (nats), counts and seconds."""
 
@@ -70,17 +64,18 @@ def run_perplexity_bench(config: PerplexityBenchConfig) -> PerplexityReport:
 
     log, threads, dtype, env = h.start(config, "[bench:perplexity]")
     path, text = read_text(config.file)
-    default, token_ids = _kvgen_side(config.model, dtype, text, config.context_length, log)
-    float32 = default if dtype == "float32" else _kvgen_side(config.model, "float32", text, config.context_length, log)[0]
-    request = {"num_threads": threads, "context_length": config.context_length, "windows": windows(token_ids, config.context_length)}
+    default, token_ids = _kvgen_side(config, dtype, text, log)
+    float32 = default if dtype == "float32" else _kvgen_side(config, "float32", text, log)[0]
+    request = {"num_threads": threads, "context_length": config.context_length,
+               "windows": windows(token_ids, config.context_length)}
     cpp = h.peer_side("llama_cpp", "perplexity", config.include_llama_cpp, config.model, log, request)
     if "total_nll" in cpp:
         cpp["mean_nll"] = cpp["total_nll"] / cpp["num_tokens_scored"]
         cpp["perplexity"] = math.exp(cpp["mean_nll"])
     text_info = {"path": str(path), "sha256": hashlib.sha256(text.encode()).hexdigest(), "num_chars": len(text),
                  "num_tokens": len(token_ids), "is_default_text": config.file is None}
-    workload = {"model": config.model, "default_dtype": dtype, "context_length": config.context_length, "num_threads": threads,
-                "windows": "non-overlapping, each scored alone from position 0; kvgen's tokenizer, no special tokens"}
+    workload = {"model": config.model, "default_dtype": dtype, "context_length": config.context_length,
+                "num_threads": threads, "windows": "non-overlapping, each from position 0"}
     differences = relative_differences({"default": default, "float32": float32, "llama_cpp": cpp})
     return PerplexityReport(SCHEMA, env, default, float32, cpp, text_info, workload, differences)
 
@@ -88,7 +83,9 @@ def run_perplexity_bench(config: PerplexityBenchConfig) -> PerplexityReport:
 def format_perplexity_report(result: dict[str, Any]) -> str:
     """The text table of ``run_perplexity_bench``'s JSON result (perplexity, mean NLL in nats, seconds)."""
     sides = ["kvgen_default", "kvgen_float32", "llama_cpp"]
-    rows = [(k, [f"{s}.{k}" for s in sides]) for k in ("dtype", "perplexity", "mean_nll", "num_tokens_scored", "load_s", "score_s")]
+    keys = ("dtype", "perplexity", "mean_nll", "num_tokens_scored", "load_s", "score_s")
+    rows = [(k, [f"{s}.{k}" for s in sides]) for k in keys]
     rows += [(k, [f"relative_differences.{k}:+.3%", "", ""]) for k in result["relative_differences"]]
-    title = "perplexity bench: {text[path]} ({text[num_tokens]} tokens), {workload[model]}, {workload[context_length]}-token windows"
+    title = ("perplexity bench: {text[path]} ({text[num_tokens]} tokens), {workload[model]}, "
+             "{workload[context_length]}-token windows")
     return h.render(result, title, sides, rows)

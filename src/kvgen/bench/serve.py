@@ -1,17 +1,11 @@
-"""``kvgen bench serve``: OpenAI-API serving throughput of ``kvgen serve`` vs llama-cpp-python's server.
-
-``workloads.make_workload`` sent as decoded text to ``/v1/completions`` by the ``openai`` async client, streamed,
-``max_tokens`` = the output length, EOS banned (``logit_bias`` -100) so both servers generate the same count; at
-concurrency C the client keeps C requests in flight. Both servers serve the same GGUF in fresh subprocesses on
-127.0.0.1. Per server and C: requests/s, output tokens/s, TTFT (from the send) and ITL (between streamed chunks)
-p50/p99 in seconds. ``ratios.vs_llama_cpp_server[C]``: tokens/s ours/theirs, TTFT p99 theirs/ours (> 1: kvgen better).
-"""
+"""``kvgen bench serve``: ``kvgen serve`` vs llama-cpp-python's server on the same GGUF (fresh subprocesses), the
+``openai`` async client streaming ``make_workload`` as text to ``/v1/completions`` with C requests in flight, EOS
+banned so both generate ``max_tokens``. Per server and C: requests/s, output tokens/s, TTFT and ITL in seconds."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
-import itertools
 import os
 import socket
 import subprocess
@@ -59,16 +53,19 @@ class LoadRun:
     itl_p99_s: float | None
 
 
-def start_server(system: str, gguf_path: str, dtype: str | None, num_threads: int) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``kvgen`` or ``llama_cpp`` serving ``gguf_path``; the process and its base URL once ``/v1/models`` answers."""
+def start_server(system: str, gguf_path: str, dtype: str | None, threads: int) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``kvgen`` or ``llama_cpp`` serving ``gguf_path``; the process and its base URL once it answers."""
     import httpx
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    cmd = (["kvgen.cli", "serve", "--served-model-name", "bench", "--log-level", "warning", *(["--dtype", dtype] if dtype else [])]
-           if system == "kvgen" else ["llama_cpp.server", "--host", "127.0.0.1", "--n_threads", str(num_threads), "--model_alias", "bench", "--n_ctx", "2048"])
-    proc = subprocess.Popen([sys.executable, "-m", *cmd, "--model", gguf_path, "--port", port], env={**os.environ, "OMP_NUM_THREADS": str(num_threads)},
+    cmd = (["kvgen.cli", "serve", "--served-model-name", "bench", "--log-level", "warning",
+            *(["--dtype", dtype] if dtype else [])] if system == "kvgen" else
+           ["llama_cpp.server", "--host", "127.0.0.1", "--n_threads", str(threads), "--model_alias", "bench",
+            "--n_ctx", "2048"])
+    proc = subprocess.Popen([sys.executable, "-m", *cmd, "--model", gguf_path, "--port", port],
+                            env={**os.environ, "OMP_NUM_THREADS": str(threads)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
@@ -91,25 +88,23 @@ async def run_load(base_url: str, prompts: list[str], output_lens: list[int], co
         async def one(i: int) -> tuple[float, list[float]]:  # send time, arrival of each streamed chunk with text
             async with limit:
                 sent = time.perf_counter()
-                stream = await client.completions.create(model="bench", prompt=prompts[i], max_tokens=output_lens[i], temperature=0.0,
-                                                         stream=True, logit_bias={str(eos_id): -100})
+                stream = await client.completions.create(model="bench", prompt=prompts[i], max_tokens=output_lens[i],
+                                                         temperature=0.0, stream=True, logit_bias={str(eos_id): -100})
                 return sent, [time.perf_counter() async for chunk in stream if chunk.choices and chunk.choices[0].text]
 
         start = time.perf_counter()
-        done = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        sent, times = zip(*await asyncio.gather(*(one(i) for i in range(len(prompts)))))
         elapsed = time.perf_counter() - start
-    ttft = [times[0] - sent for sent, times in done if times]
-    itl = [b - a for _, times in done for a, b in itertools.pairwise(times)]
     n, tokens = len(prompts), sum(output_lens)
-    return LoadRun(concurrency, elapsed, n, tokens, h.per_second(n, elapsed), h.per_second(tokens, elapsed), h.percentile(ttft, 50),
-                   h.percentile(ttft, 99), h.percentile(itl, 50), h.percentile(itl, 99))
+    return LoadRun(concurrency, elapsed, n, tokens, h.per_second(n, elapsed), h.per_second(tokens, elapsed),
+                   *h.latencies(list(times), list(sent)))
 
 
-def measure_system(system: str, gguf_path: str, dtype: str | None, num_threads: int, workload: tuple[list[str], list[int]],
+def measure_system(system: str, path: str, dtype: str | None, threads: int, workload: tuple[list[str], list[int]],
                    config: ServeBenchConfig, eos_id: int, log: h.Progress) -> h.Side:
     """One server's runs keyed by the concurrency as a string, or ``{"error": ...}`` when it does not start."""
     try:
-        proc, url = start_server(system, gguf_path, dtype, num_threads)
+        proc, url = start_server(system, path, dtype, threads)
     except (RuntimeError, OSError) as e:
         return {"error": f"{system} server did not start: {e}"}
     try:
@@ -141,7 +136,7 @@ class ServeReport:
 
 
 def run_serve_bench(config: ServeBenchConfig) -> ServeReport:
-    """The whole bench (see the module docstring). Raises ``ValueError`` for a Hugging Face directory or a GGUF without EOS."""
+    """The whole bench (see the module docstring). ``ValueError`` for a Hugging Face directory or a GGUF without EOS."""
     from kvgen.loader import resolve_model_path
     from kvgen.tokenizer import Tokenizer
     from kvgen.weights.gguf_file import gguf_metadata, open_gguf
@@ -156,13 +151,15 @@ def run_serve_bench(config: ServeBenchConfig) -> ServeReport:
     raw = make_workload(config.num_prompts, tokenizer.vocab_size, config.seed)
     workload = ([tokenizer.decode(ids, skip_special_tokens=True) for ids in raw.prompt_token_ids], raw.output_lens)
     ours = measure_system("kvgen", str(path), config.dtype, threads, workload, config, eos_id, log)
-    missing = next((f"{m} is not installed (pip install -e '.[bench]' brings llama-cpp-python[server])" for m in
-                    ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings") if importlib.util.find_spec(m) is None), None)
-    theirs: h.Side = ({"skipped": "skipped (--no-llama-cpp)"} if not config.include_llama_cpp else {"skipped": missing} if missing
-                      else measure_system("llama_cpp", str(path), None, threads, workload, config, eos_id, log))
+    missing = next((m for m in ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings")
+                    if importlib.util.find_spec(m) is None), None)
+    theirs: h.Side = (
+        {"skipped": "skipped (--no-llama-cpp)"} if not config.include_llama_cpp
+        else {"skipped": f"{missing} is not installed (pip install -e '.[bench]')"} if missing
+        else measure_system("llama_cpp", str(path), None, threads, workload, config, eos_id, log))
     ratios = {c: {"output_tokens_per_s": h.ratio(ours[c]["output_tokens_per_s"], theirs[c]["output_tokens_per_s"]),
                   "ttft_p99_s": h.ratio(theirs[c]["ttft_p99_s"], ours[c]["ttft_p99_s"])}
-              for c in map(str, config.concurrency) if isinstance(ours.get(c), dict) and isinstance(theirs.get(c), dict)}
+              for c in map(str, config.concurrency) if c in ours and c in theirs}
     described = {"num_prompts": config.num_prompts, "seed": config.seed, "concurrencies": list(config.concurrency),
                  "num_output_tokens": sum(raw.output_lens)}
     return ServeReport(SCHEMA, env, str(path), threads, described, ours, theirs, {"vs_llama_cpp_server": ratios})
@@ -173,6 +170,7 @@ def format_serve_report(result: dict[str, Any]) -> str:
     runs = [(s, c) for s in ("kvgen", "llama_cpp_server") for c in map(str, result["workload"]["concurrencies"])]
     keys = ("output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
     rows = [(k, [f"{s}.{c}.{k}" for s, c in runs]) for k in keys]
-    rows += [(f"kvgen/llama.cpp {k}", [f"ratios.vs_llama_cpp_server.{c}.{k}" if s == "kvgen" else "" for s, c in runs]) for k in ("output_tokens_per_s", "ttft_p99_s")]
+    rows += [(f"kvgen/llama.cpp {k}", [f"ratios.vs_llama_cpp_server.{c}.{k}" if s == "kvgen" else "" for s, c in runs])
+             for k in ("output_tokens_per_s", "ttft_p99_s")]
     title = "kvgen bench serve: {workload[num_prompts]} requests, {num_threads} threads"
     return h.render(result, title, [f"{s.removesuffix('_server')} c={c}" for s, c in runs], rows)

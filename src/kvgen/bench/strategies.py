@@ -1,14 +1,8 @@
-"""``kvgen bench strategies``: speed of every decoding strategy, kvgen vs transformers.
-
-``workloads.PROMPTS`` as one left-padded batch; every strategy returns exactly ``new_tokens`` tokens per prompt
-(``min_new_tokens = max_new_tokens`` on both sides); sampling is seeded (kvgen: ``GenerationConfig.seed``;
-transformers: ``torch.manual_seed``). Per strategy and engine, in this process, kvgen first: an untimed 2-token
-warm-up, one timed run; ``tokens_per_s = prompts x new_tokens / seconds`` around ``generate``.
-"""
+"""``kvgen bench strategies``: tokens/s of every decoding strategy, kvgen vs transformers, on ``PROMPTS`` as one
+left-padded batch; exactly ``new_tokens`` per prompt, seeded sampling, a 2-token warm-up then one timed run."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,14 +14,14 @@ from kvgen.bench.workloads import PROMPTS, left_padded
 from kvgen.fields import config_field as _f
 
 SCHEMA = "kvgen.bench.strategies/1"
-STRATEGY_SETTINGS: dict[str, dict[str, Any]] = {  # GenerationConfig fields; transformers gets the same (it has no best_of)
+STRATEGY_SETTINGS: dict[str, dict[str, Any]] = {  # GenerationConfig fields; transformers gets the same
     "greedy": {},
     "sample": {"do_sample": True, "temperature": 0.8, "top_k": 50, "top_p": 0.95},
     "beam_search": {"num_beams": 4},
     "beam_sample": {"num_beams": 4, "do_sample": True, "temperature": 0.8},
     "group_beam_search": {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0},
     "contrastive_search": {"penalty_alpha": 0.6, "top_k": 4},
-    "sample_and_rank": {"do_sample": True, "temperature": 0.8, "best_of": 4},
+    "sample_and_rank": {"do_sample": True, "temperature": 0.8, "best_of": 4},  # transformers has no best_of
 }
 
 
@@ -53,25 +47,27 @@ class StrategyRun:
     seconds: float
     num_new_tokens: int
     tokens_per_s: float | None
-    model_prefill_s: float | None = dataclasses.field(default=None, metadata=h.OMIT_IF_NONE)
-    model_decode_s: float | None = dataclasses.field(default=None, metadata=h.OMIT_IF_NONE)
+    model_prefill_s: float | None = h.optional()
+    model_decode_s: float | None = h.optional()
 
 
-def measure(engine: str, model: Any, batch: tuple[torch.Tensor, torch.Tensor], settings: dict[str, Any],
+def measure(model: Any, batch: tuple[torch.Tensor, torch.Tensor], settings: dict[str, Any],
             config: StrategiesBenchConfig) -> tuple[StrategyRun, list[list[int]]]:
-    """Time ``engine``'s (``kvgen`` or ``transformers``) ``generate`` on a padded batch ids/mask [B, T]; its new ids."""
+    """Time kvgen's or (for a transformers ``model``) transformers' ``generate`` on ids, mask [B, T]; its new ids."""
     from kvgen.bench.peers import pad_token_id
     from kvgen.generation import GenerationConfig, generate
 
     ids, mask = batch
-    is_ours = engine == "kvgen"
+    is_ours = not hasattr(model, "generation_config")
 
     def run(n: int) -> Any:
         if is_ours:
-            return generate(model, ids, mask, GenerationConfig(max_new_tokens=n, min_new_tokens=n, seed=config.seed, **settings))
+            return generate(model, ids, mask, GenerationConfig(max_new_tokens=n, min_new_tokens=n, seed=config.seed,
+                                                               **settings))
         torch.manual_seed(config.seed)
         with torch.inference_mode():
-            return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, pad_token_id=pad_token_id(model), **settings)
+            return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                  pad_token_id=pad_token_id(model), **settings)
 
     run(2)  # warm-up
     out, seconds = h.timed(lambda: run(config.new_tokens))
@@ -81,30 +77,29 @@ def measure(engine: str, model: Any, batch: tuple[torch.Tensor, torch.Tensor], s
     return StrategyRun(seconds, num_new, h.per_second(num_new, seconds), *timings), new_ids
 
 
-def _measure_strategy(name: str, models: tuple[Any, Any], batch: tuple[torch.Tensor, torch.Tensor], config: StrategiesBenchConfig,
-                      log: h.Progress) -> dict[str, Any]:
+def _measure_strategy(name: str, models: tuple[Any, Any], batch: tuple[torch.Tensor, torch.Tensor],
+                      config: StrategiesBenchConfig, log: h.Progress) -> dict[str, Any]:
     settings = STRATEGY_SETTINGS[name]
     rows = settings["top_k"] if "penalty_alpha" in settings else settings.get("num_beams", settings.get("best_of", 1))
     log(f"{name}: kvgen")
-    ours, our_ids = measure("kvgen", models[0], batch, settings, config)
-    theirs: h.Side = {"skipped": "include_transformers=False" if models[1] is None else "transformers has no sample-and-rank (best_of) mode"}
+    ours, our_ids = measure(models[0], batch, settings, config)
+    theirs: h.Side = {"skipped": "include_transformers=False" if models[1] is None else "transformers has no best_of"}
     their_ids = None
     if models[1] is not None and "best_of" not in settings:
         log(f"{name}: transformers")
         try:
-            run, their_ids = measure("transformers", models[1], batch, settings, config)
+            run, their_ids = measure(models[1], batch, settings, config)
             theirs = h.to_json(run)
         except Exception as e:  # noqa: BLE001 -- a strategy transformers rejects is reported, the others still run
             theirs = {"error": f"{type(e).__name__}: {e}"}
-    return {"settings": settings, "rows_per_step": rows * batch[0].shape[0], "kvgen": h.to_json(ours), "transformers": theirs,
-            "ratio_kvgen_over_transformers": h.ratio(ours.tokens_per_s, theirs.get("tokens_per_s")),
+    return {"settings": settings, "rows_per_step": rows * batch[0].shape[0], "kvgen": h.to_json(ours), "transformers":
+            theirs, "ratio_kvgen_over_transformers": h.ratio(ours.tokens_per_s, theirs.get("tokens_per_s")),
             "tokens_identical_to_transformers": None if their_ids is None else our_ids == their_ids}
 
 
 @dataclass
 class StrategiesReport:
-    """``run_strategies_bench``'s result: per strategy ``settings``, ``rows_per_step``, ``kvgen`` / ``transformers``
-    runs, ``ratio_kvgen_over_transformers`` (> 1: kvgen faster), ``tokens_identical_to_transformers``."""
+    """``run_strategies_bench``'s result: per strategy its settings, runs, ratio (> 1: kvgen faster), agreement."""
 
     schema: str
     env: dict[str, Any]
@@ -118,14 +113,13 @@ def run_strategies_bench(config: StrategiesBenchConfig) -> StrategiesReport:
     from kvgen.loader import load_model
 
     log, threads, dtype, env = h.start(config)
-    workload = {"model": config.model, "dtype": dtype, "prompts": list(config.prompts), "batch_size": len(config.prompts),
-                "new_tokens": config.new_tokens, "seed": config.seed, "num_threads": threads,
-                "timing": "per strategy and engine: one untimed 2-token warm-up, one timed run; wall clock around generate(); "
-                "tokens_per_s = batch_size x new_tokens / seconds (min_new_tokens = max_new_tokens on both sides)"}
+    workload = {"model": config.model, "dtype": dtype, "prompts": list(config.prompts), "seed": config.seed,
+                "batch_size": len(config.prompts), "new_tokens": config.new_tokens, "num_threads": threads,
+                "timing": "tokens_per_s = batch_size x new_tokens / seconds of one run after a warm-up"}
     log(f"kvgen: loading {config.model} ({dtype})")
     ours, tokenizer = load_model(config.model, dtype=dtype)
     theirs = load_transformers(config.model, dtype) if config.include_transformers else None
-    batch = left_padded([tokenizer.encode(p) for p in config.prompts], tokenizer.pad_token_id or 0)  # ids, mask: [B, T]
+    batch = left_padded([tokenizer.encode(p) for p in config.prompts], tokenizer.pad_token_id or 0)  # [B, T] each
     strategies = {name: _measure_strategy(name, (ours, theirs), batch, config, log) for name in STRATEGY_SETTINGS}
     env["load_average_1m_at_end"] = h.load_average()
     return StrategiesReport(SCHEMA, env, workload, strategies)
@@ -133,9 +127,11 @@ def run_strategies_bench(config: StrategiesBenchConfig) -> StrategiesReport:
 
 def format_strategies_report(result: dict[str, Any]) -> str:
     """The text table of ``run_strategies_bench``'s JSON result (tokens/s of each strategy, both engines)."""
-    cells = ["rows_per_step", "kvgen.tokens_per_s", "transformers.tokens_per_s", "ratio_kvgen_over_transformers", "tokens_identical_to_transformers"]
+    cells = ["rows_per_step", "kvgen.tokens_per_s", "transformers.tokens_per_s", "ratio_kvgen_over_transformers",
+             "tokens_identical_to_transformers"]
     rows = [(name, [f"strategies.{name}.{c}" for c in cells]) for name in result["strategies"]]
     load = " -> ".join(h.cell(result, f"env.{k}:.2f") for k in ("load_average_1m", "load_average_1m_at_end"))
-    title = ("strategies bench: {workload[model]} ({workload[dtype]}), {workload[batch_size]} prompts x {workload[new_tokens]} new tokens\n"
-             "torch {env[torch_version]}, transformers {env[transformers_version]}, {workload[num_threads]} threads, load average " + load)
+    title = ("strategies bench: {workload[model]} ({workload[dtype]}), {workload[batch_size]} prompts x "
+             "{workload[new_tokens]} new tokens\ntorch {env[torch_version]}, transformers {env[transformers_version]}, "
+             "{workload[num_threads]} threads, load average " + load)
     return h.render(result, title, ["rows/step", "kvgen tok/s", "hf tok/s", "kvgen/hf", "same tokens"], rows)

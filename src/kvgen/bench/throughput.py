@@ -1,17 +1,12 @@
-"""``kvgen bench throughput``: offline serving throughput of the engine vs static batching and the peers.
-
-``workloads.make_workload``: ``num_prompts`` requests at t=0, greedy, EOS ignored. ``kvgen_engine``: ``LLMEngine``
-continuous batching; ``kvgen_static``: the same engine fed batches of ``static_batch_size``, each run to completion;
-``transformers_static``: left-padded batches; ``llama_cpp``: one request at a time (peers in subprocesses). Per system:
-useful tokens/s, requests/s, TTFT (from t=0) and ITL p50/p99 in seconds, peak RSS; ``profile``: the engine's phase
-seconds, read by wrapping its and its runner's methods from outside. On a shared machine pass ``--threads 1``.
-"""
+"""``kvgen bench throughput``: ``make_workload`` (all requests at t=0, greedy, EOS ignored) on ``LLMEngine`` with
+continuous batching (``kvgen_engine``) and fed static batches (``kvgen_static``), vs transformers' left-padded static
+batches and llama.cpp one request at a time (subprocesses): tokens/s, requests/s, TTFT and ITL, peak RSS, and the
+engine's phase seconds (``profile``, by wrapping its methods from outside)."""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from dataclasses import dataclass
+import time
 from typing import Any
 
 from kvgen.bench import BenchConfig
@@ -23,7 +18,7 @@ SCHEMA = "kvgen.bench.throughput/1"
 SYSTEMS = ("kvgen_engine", "kvgen_static", "transformers_static", "llama_cpp")
 
 
-@dataclass
+@dataclasses.dataclass
 class ThroughputBenchConfig(BenchConfig):
     """What ``run_throughput_bench`` measures. Raises ``ValueError`` for out-of-range values."""
 
@@ -40,7 +35,7 @@ class ThroughputBenchConfig(BenchConfig):
         h.check_min(self, num_prompts=1, static_batch_size=1)
 
 
-@dataclass
+@dataclasses.dataclass
 class EngineProfile:
     """Cumulative seconds of each phase of ``LLMEngine.step()`` and of ``ModelRunner.execute()``."""
 
@@ -56,7 +51,7 @@ class EngineProfile:
     num_packed_tokens: int = 0
 
 
-@dataclass
+@dataclasses.dataclass
 class ThroughputSummary:
     """One system's figures (seconds, tokens/s, requests/s)."""
 
@@ -69,23 +64,21 @@ class ThroughputSummary:
     ttft_p99_s: float | None
     itl_p50_s: float | None
     itl_p99_s: float | None
-    num_generated_tokens_including_waste: int | None = dataclasses.field(default=None, metadata=h.OMIT_IF_NONE)  # static batches
+    num_generated_tokens_including_waste: int | None = h.optional()
     profile: EngineProfile | None = dataclasses.field(default=None, metadata=h.OMIT_IF_NONE)
 
 
 def summarize(token_times: list[list[float]], output_lens: list[int], start: float, end: float) -> ThroughputSummary:
-    """Figures of one system from each request's token timestamps (seconds, on one clock with ``start``/``end``)."""
-    ttft = [times[0] - start for times in token_times if times]
-    itl = [b - a for times in token_times for a, b in itertools.pairwise(times)]
+    """One system's figures from each request's token timestamps (seconds, on the clock of ``start``, ``end``)."""
     n, useful, elapsed = len(output_lens), sum(output_lens), end - start
-    return ThroughputSummary(elapsed, n, useful, h.per_second(useful, elapsed), h.per_second(n, elapsed), h.percentile(ttft, 50),
-                             h.percentile(ttft, 99), h.percentile(itl, 50), h.percentile(itl, 99))
+    return ThroughputSummary(elapsed, n, useful, h.per_second(useful, elapsed), h.per_second(n, elapsed),
+                             *h.latencies(token_times, [start] * n))
 
 
 def profile_engine(engine: Any) -> EngineProfile:
     """Time ``engine``'s phases by wrapping its and its runner's methods on the instances (engine code untouched);
     ``output_s`` holds whole steps until :func:`finish_profile`."""
-    prof, runner = EngineProfile(), engine.runner
+    prof, runner, scheduler = EngineProfile(), engine.runner, engine.scheduler
 
     def wrap(obj: Any, method: str, key: str, count: str = "", amount: Any = lambda _: 1) -> None:
         fn = getattr(obj, method)
@@ -101,7 +94,7 @@ def profile_engine(engine: Any) -> EngineProfile:
 
     wrap(engine, "step", "output_s", "num_steps")
     wrap(runner, "prepare_inputs", "runner_prepare_s", "num_packed_tokens", lambda step: step.input_ids.shape[1])
-    for obj, method, key in ((engine.scheduler, "schedule", "schedule_s"), (engine.scheduler, "update_from_output", "update_s"),
+    for obj, method, key in ((scheduler, "schedule", "schedule_s"), (scheduler, "update_from_output", "update_s"),
                              (runner, "execute", "execute_s"), (runner, "run_model", "runner_forward_s"),
                              (runner, "compute_logits", "runner_logits_s"), (runner, "sample", "runner_sample_s")):
         wrap(obj, method, key)
@@ -116,8 +109,6 @@ def finish_profile(prof: EngineProfile) -> EngineProfile:
 
 def measure_kvgen(model: Any, workload: Workload, engine_args: Any, static_batch_size: int | None) -> ThroughputSummary:
     """The workload on a fresh engine: continuous batching, or static batches when ``static_batch_size`` is set."""
-    import time
-
     from kvgen.engine import LLMEngine, SamplingParams
 
     engine, n = LLMEngine(model, None, engine_args), len(workload.output_lens)
@@ -147,7 +138,7 @@ def peer_summary(side: h.Side, workload: Workload) -> h.Side:
     return dict(h.to_json(summary)) | side
 
 
-@dataclass
+@dataclasses.dataclass
 class ThroughputReport:
     """``run_throughput_bench``'s result; peers are ``Side`` dicts (figures, or skipped / error)."""
 
@@ -162,34 +153,41 @@ class ThroughputReport:
     ratios: dict[str, Any]
 
 
+def _describe(config: ThroughputBenchConfig, workload: Workload, engine_args: Any) -> dict[str, Any]:
+    lens, outs = [len(p) for p in workload.prompt_token_ids], workload.output_lens
+    return {"num_prompts": len(lens), "seed": config.seed, "prompt_tokens_total": sum(lens),
+            "prompt_tokens_min_max": [min(lens), max(lens)], "output_tokens_total": sum(outs),
+            "output_tokens_min_max": [min(outs), max(outs)], "decoding": "greedy, ignore_eos",
+            "arrivals": "all at t=0", "static_batch_size": config.static_batch_size,
+            "engine_args": {k: v for k, v in dataclasses.asdict(engine_args).items() if k != "dtype"}}
+
+
 def run_throughput_bench(config: ThroughputBenchConfig) -> ThroughputReport:
     """The engine against static batching, transformers and llama-cpp-python (see the module docstring)."""
     from kvgen.engine import EngineArgs
     from kvgen.loader import load_model
 
     log, threads, dtype, env = h.start(config, "[bench:throughput]")
-    engine_args = EngineArgs(model=config.model, max_num_seqs=config.max_num_seqs, kv_cache_memory=config.kv_cache_memory,
-                             max_num_batched_tokens=config.max_num_batched_tokens)  # the bench loads the model: no dtype here
+    engine_args = EngineArgs(model=config.model, max_num_seqs=config.max_num_seqs,  # no dtype: the model is loaded
+                             kv_cache_memory=config.kv_cache_memory,
+                             max_num_batched_tokens=config.max_num_batched_tokens)
     log(f"loading {config.model} ({dtype})")
     model, _ = load_model(config.model, dtype=dtype)
     workload = make_workload(config.num_prompts, model.config.vocab_size, config.seed)
-    lens, outs = [len(p) for p in workload.prompt_token_ids], workload.output_lens
-    described = {"num_prompts": len(lens), "seed": config.seed, "prompt_tokens_total": sum(lens), "prompt_tokens_min_max": [min(lens), max(lens)],
-                 "output_tokens_total": sum(outs), "output_tokens_min_max": [min(outs), max(outs)],
-                 "decoding": "greedy, ignore_eos (transformers: min_new_tokens = max_new_tokens)",
-                 "arrivals": "all requests at t=0; TTFT includes queueing", "static_batch_size": config.static_batch_size,
-                 "engine_args": {k: v for k, v in dataclasses.asdict(engine_args).items() if k != "dtype"},
-                 "vocab_size": model.config.vocab_size, "dtype": dtype, "num_threads": threads}
-    measure_kvgen(model, Workload([list(range(100, 164))], [4]), engine_args, None)  # warm-up: first-call allocations, kernels
+    described = _describe(config, workload, engine_args) | {"vocab_size": model.config.vocab_size, "dtype": dtype,
+                                                            "num_threads": threads}
+    measure_kvgen(model, Workload([list(range(100, 164))], [4]), engine_args, None)  # warm-up: first-call paths
     log(f"kvgen engine: {config.num_prompts} requests, continuous batching")
     engine = measure_kvgen(model, workload, engine_args, None)
-    log(f"kvgen engine: {engine.generated_tokens_per_s:.1f} tokens/s; now static batches of {config.static_batch_size}")
-    static = measure_kvgen(model, workload, dataclasses.replace(engine_args, max_num_seqs=config.static_batch_size), config.static_batch_size)
+    log(f"kvgen engine: {engine.generated_tokens_per_s:.1f} tokens/s; now static batches")
+    static_args = dataclasses.replace(engine_args, max_num_seqs=config.static_batch_size)
+    static = measure_kvgen(model, workload, static_args, config.static_batch_size)
     log(f"kvgen static: {static.generated_tokens_per_s:.1f} tokens/s")
-    rss, request = h.peak_rss_bytes(), {"dtype": dtype, "num_threads": threads, "static_batch_size": config.static_batch_size}
+    rss, request = h.peak_rss_bytes(), {"dtype": dtype, "num_threads": threads, **dataclasses.asdict(workload),
+                                        "static_batch_size": config.static_batch_size}
     del model
-    hf, cpp = (peer_summary(h.peer_side(peer, "throughput", enabled, config.model, log, request | dataclasses.asdict(workload)), workload)
-               for peer, enabled in (("transformers", config.include_transformers), ("llama_cpp", config.include_llama_cpp)))
+    hf, cpp = (peer_summary(h.peer_side(peer, "throughput", on, config.model, log, request), workload)
+               for peer, on in (("transformers", config.include_transformers), ("llama_cpp", config.include_llama_cpp)))
     report = ThroughputReport(SCHEMA, env, described, engine, static, rss, hf, cpp, {})
     report.ratios = _ratios(h.to_json(report))
     env["load_average_1m_at_end"] = h.load_average()
@@ -207,8 +205,7 @@ def _ratios(result: dict[str, Any]) -> dict[str, Any]:
                 "itl_p50_speedup": h.ratio(fig(peer, "itl_p50_s"), fig("kvgen_engine", "itl_p50_s")),
                 "peak_rss_kvgen_over_peer": h.ratio(result.get("kvgen_peak_rss_bytes"), fig(peer, "peak_rss_bytes"))}
 
-    return {"note": "kvgen_engine over each other system: > 1 is kvgen_engine better for *_per_s and *_speedup "
-            "(peer seconds / kvgen seconds); peak_rss_kvgen_over_peer < 1 is kvgen smaller. over_*: generated tokens/s only",
+    return {"note": "kvgen_engine over each system: > 1 is kvgen better, except *_kvgen_over_peer",
             "vs_transformers": vs("transformers_static"), "vs_llama_cpp": vs("llama_cpp"),
             **{f"over_{name}": h.ratio(fig("kvgen_engine"), fig(name)) for name in SYSTEMS[1:]}}
 
@@ -217,8 +214,12 @@ def format_throughput_report(result: dict[str, Any]) -> str:
     """The text table of ``run_throughput_bench``'s JSON result (tokens/s, requests/s, seconds, MiB)."""
     keys = ("generated_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
     rss = [f"{s}.peak_rss_bytes:MiB" if s[:5] != "kvgen" else "kvgen_peak_rss_bytes:MiB" for s in SYSTEMS]
-    rows = [(k, [f"{s}.{k}" for s in SYSTEMS]) for k in keys] + [("peak RSS MiB", rss), ("kvgen_engine tokens/s over", ["", *(f"ratios.over_{s}" for s in SYSTEMS[1:])])]
-    rows += [(f"kvgen_engine {f.name}", [f"kvgen_engine.profile.{f.name}", "", "", ""]) for f in dataclasses.fields(EngineProfile)]
-    title = ("throughput bench: {workload[num_prompts]} requests, prompts {workload[prompt_tokens_min_max]} tokens ({workload[prompt_tokens_total]} total), "
-             "outputs {workload[output_tokens_min_max]} ({workload[output_tokens_total]} total), {workload[decoding]}; static batches of {workload[static_batch_size]}")
+    rows = [(k, [f"{s}.{k}" for s in SYSTEMS]) for k in keys] + [
+        ("peak RSS MiB", rss), ("kvgen_engine tokens/s over", ["", *(f"ratios.over_{s}" for s in SYSTEMS[1:])]),
+        *((f"kvgen_engine {f.name}", [f"kvgen_engine.profile.{f.name}", "", "", ""])
+          for f in dataclasses.fields(EngineProfile))]
+    title = ("throughput bench: {workload[num_prompts]} requests, prompts {workload[prompt_tokens_min_max]} tokens "
+             "({workload[prompt_tokens_total]} total), outputs {workload[output_tokens_min_max]} "
+             "({workload[output_tokens_total]} total), {workload[decoding]}; static batches of "
+             "{workload[static_batch_size]}")
     return h.render(result, title, list(SYSTEMS), rows)

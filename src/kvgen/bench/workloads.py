@@ -11,11 +11,12 @@ from pathlib import Path
 import torch
 
 PROMPTS = ("The capital of France is", "Once upon a time, in a small village,", "import numpy as np\n\ndef softmax(x):")
-DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")  # GNU GPL v3: ~35 kB of English that Debian's base-files installs
+DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")  # GNU GPL v3: ~35 kB of English (Debian's base-files)
 
 
 def seeded_prompt_ids(num_tokens: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
-    """Prompt ids [1, num_tokens] int64, uniform over [0, vocab_size) from ``torch.Generator(seed)``; ``ValueError`` below 1."""
+    """Prompt ids [1, num_tokens] int64, uniform over [0, vocab_size) from ``torch.Generator(seed)``; ``ValueError``
+    below 1."""
     if num_tokens < 1 or vocab_size < 1:
         raise ValueError(f"num_tokens and vocab_size must be >= 1, got {num_tokens} and {vocab_size}")
     return torch.randint(0, vocab_size, (1, num_tokens), generator=torch.Generator().manual_seed(seed))  # [1, T]
