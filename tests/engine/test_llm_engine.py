@@ -1,5 +1,6 @@
-"""LLMEngine / LLM / AsyncLLMEngine on the default model: equivalence with generate(), sampling
-settings, errors that leave other requests alone, aborts, streaming."""
+"""LLMEngine / LLM / AsyncLLMEngine on the default model (slow) and on the tiny random Llama directory
+(fast subset): equivalence with generate(), sampling settings, errors that leave other requests alone,
+aborts, streaming."""
 
 from __future__ import annotations
 
@@ -24,9 +25,14 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model_tok(ours_default):
-    return ours_default
+@pytest.fixture(scope="module", params=[pytest.param("default", marks=pytest.mark.slow), "tiny"])
+def model_tok(request, tiny_model_dir):
+    """(model, tokenizer): the default model in float32, or the tiny random Llama loaded from its directory."""
+    if request.param == "default":
+        return request.getfixturevalue("ours_default")
+    from kvgen.loader import load_model
+
+    return load_model(str(tiny_model_dir))
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +112,8 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_busy_preempting_batch(model_
     assert busy[-1].outputs[0].token_ids != alone
 
 
-def test_stop_strings_stop_token_ids_min_tokens_and_ignore_eos(model_tok):
-    llm = _llm(model_tok)
+def test_stop_strings_stop_token_ids_min_tokens_and_ignore_eos(ours_default):
+    llm = _llm(ours_default)  # the real model: its chat answer ends with EOS
     tok = llm.get_tokenizer()
     chat = {"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True, tokenize=True)}
     base, free = (o.outputs[0] for o in llm.generate([TEXTS[0], chat], SamplingParams(temperature=0.0, max_tokens=30), use_tqdm=False))
@@ -177,8 +183,9 @@ def test_bad_requests_raise_naming_the_field_and_others_finish_normally(model_to
         engine.add_request("longer", prompt_token_ids=[5] * 64, sampling_params=GREEDY)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
         engine.add_request("bad", "hello", SamplingParams(top_p=1.5))
-    with pytest.raises(ValueError, match=r"prompt_token_ids must be in \[0, 49152\), got 49152"):
-        engine.add_request("oov", prompt_token_ids=[1, 49152], sampling_params=GREEDY)
+    vocab = model.config.vocab_size
+    with pytest.raises(ValueError, match=rf"prompt_token_ids must be in \[0, {vocab}\), got {vocab}"):
+        engine.add_request("oov", prompt_token_ids=[1, vocab], sampling_params=GREEDY)
     with pytest.raises(ValueError, match="request_id must be unique"):
         engine.add_request("ok", "again", GREEDY)
     with pytest.raises(ValueError, match=r"logprobs must be <= max_logprobs \(20\), got 21"):
