@@ -61,18 +61,21 @@ def test_sigterm_finishes_short_streams_cuts_long_ones_and_exits_0(default_serve
     messages = [{"role": "user", "content": "Tell me a long story."}]
     short = {"model": "smollm2", "messages": messages, "max_tokens": 8, "stream": True, "ignore_eos": True}
     long = {**short, "max_tokens": 2000}
-    with httpx.Client(timeout=120) as http:
-        with http.stream("POST", default_server.v1 + "/chat/completions", json=short) as r_short, \
-                http.stream("POST", default_server.v1 + "/chat/completions", json=long) as r_long:
-            lines_short = r_short.iter_lines()
-            next(lines_short)
-            default_server.proc.send_signal(signal.SIGTERM)
-            t0 = time.monotonic()
-            text_short = "\n".join(lines_short)
-            try:
-                text_long = "\n".join(r_long.iter_lines())
-            except httpx.HTTPError:  # cut mid-stream
-                text_long = ""
+    url = default_server.v1 + "/chat/completions"
+    with (
+        httpx.Client(timeout=120) as http,
+        http.stream("POST", url, json=short) as r_short,
+        http.stream("POST", url, json=long) as r_long,
+    ):
+        lines_short = r_short.iter_lines()
+        next(lines_short)
+        default_server.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        text_short = "\n".join(lines_short)
+        try:
+            text_long = "\n".join(r_long.iter_lines())
+        except httpx.HTTPError:  # cut mid-stream
+            text_long = ""
     assert '"finish_reason":"length"' in text_short and text_short.strip().endswith("data: [DONE]")
     assert "[DONE]" not in text_long
     assert default_server.proc.wait(timeout=60) == 0
