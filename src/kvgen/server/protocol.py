@@ -132,11 +132,17 @@ def _now() -> int:
     return int(time.time())
 
 
-class ChatCompletionResponse(BaseModel):
+class _Envelope(BaseModel):
+    """The fields every completion response and stream chunk starts with (OpenAI's order)."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int = Field(default_factory=_now)
     model: str
+
+
+class ChatCompletionResponse(_Envelope):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatCompletionChoice]
     usage: Usage
     system_fingerprint: str | None = None
@@ -154,11 +160,8 @@ class ChatCompletionStreamChoice(BaseModel):
     finish_reason: FinishReason | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[ChatCompletionStreamChoice]
     usage: Usage | None = None
 
@@ -184,21 +187,15 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason | None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_Envelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[CompletionChoice]
     usage: Usage
     system_fingerprint: str | None = None
 
 
-class CompletionChunk(BaseModel):
-    id: str
+class CompletionChunk(_Envelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
