@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# kvgen bench SUBCOMMAND -> (module of kvgen.bench, its config class, help); the module has run_X_bench and format_X_report
+# kvgen bench SUBCOMMAND -> (module of kvgen.bench, its config class, help); the module has run_X_bench and SIDES
 _BENCHES = {
     "decode": ("decode", "DecodeBenchConfig", "prefill, batch-1 decode and time to first token vs transformers and llama.cpp"),
     "strategies": ("strategies", "StrategiesBenchConfig", "tokens/s of every decoding strategy vs transformers"),
@@ -394,19 +394,14 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    from kvgen.bench.harness import to_json
+    from kvgen.bench.harness import render, to_json
     from kvgen.fields import config_from_args
 
-    for name in ("prompt_tokens", "new_tokens", "num_prompts", "num_threads", "ttft_prompt_tokens"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            flag = "threads" if name == "num_threads" else name.replace("_", "-")
-            raise CliError(f"kvgen bench: --{flag} must be >= 1, got {value}")
     module_name, config_cls, _ = _BENCHES[args.bench_command]
     module = importlib.import_module(f"kvgen.bench.{module_name}")
     config = config_from_args(getattr(module, config_cls), args)
     result = to_json(getattr(module, f"run_{module_name}_bench")(config))
-    print(json.dumps(result, indent=2) if args.json else getattr(module, f"format_{module_name}_report")(result))
+    print(json.dumps(result, indent=2) if args.json else render(result, module.SIDES))
     return 0
 
 

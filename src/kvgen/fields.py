@@ -1,6 +1,7 @@
 """Dataclass field helpers shared by every config: ``config_field`` (help text the CLI reuses),
 ``add_config_flags`` / ``config_from_args`` (CLI flags generated from a config dataclass) and
-``check_int`` (the one "int >= N" check, with its one wording)."""
+``check_int`` (the one "int >= N" check, with its one wording) and ``check_minimums`` (it, on every field with a
+``minimum`` in its metadata)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,15 @@ def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -
         return
     expected = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
     raise ValueError(f"{name} must be an int {expected}, got {value!r}")
+
+
+def check_minimums(config: Any) -> None:
+    """:func:`check_int` on each field of the dataclass ``config`` whose metadata has a ``minimum`` (None passes; a
+    tuple is checked item by item). Raises its ``ValueError`` naming the field."""
+    for f in dataclasses.fields(config):
+        if "minimum" in f.metadata and (value := getattr(config, f.name)) is not None:
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                check_int(f.name, item, f.metadata["minimum"])
 
 
 def add_config_flags(parser: argparse._ActionsContainer, config_cls: type) -> None:

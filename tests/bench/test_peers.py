@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from kvgen.bench import peers
 from kvgen.bench.decode import compare
-from kvgen.bench.harness import run_peer
+from kvgen.bench.harness import Progress, peer_side
 from kvgen.bench.peers import window_nll
 from kvgen.bench.perplexity import relative_differences
 from kvgen.bench.throughput import _ratios, peer_summary
@@ -88,9 +88,9 @@ def test_relative_differences_skip_sides_without_perplexity() -> None:
 
 @needs_llama_cpp
 def test_decode_task_runs_the_requested_workload(default_gguf_path: Path) -> None:
-    request = {"model_path": str(default_gguf_path), "num_threads": 1, "prompt_ids": list(range(100, 108)),
+    request = {"num_threads": 1, "prompt_ids": list(range(100, 108)),
                "ttft_prompt_ids": [100, 101, 102, 103], "new_tokens": {"kv_cache": 3}, "num_prefill_repeats": 1}
-    result = run_peer("llama_cpp", "decode", request, lambda _: None, quiet=True)
+    result = peer_side("llama_cpp", "decode", True, str(default_gguf_path), Progress(False), request)
     assert "error" not in result, result
     rep = result["configs"]["kv_cache"]
     assert (rep["num_prompt_tokens"], rep["num_new_tokens"], rep["num_decode_steps_timed"]) == (8, 3, 2)
@@ -101,9 +101,9 @@ def test_decode_task_runs_the_requested_workload(default_gguf_path: Path) -> Non
 @needs_llama_cpp
 def test_throughput_task_generates_each_requested_length(default_gguf_path: Path) -> None:
     workload = Workload([[100, 101, 102, 103, 104], [200, 201, 202]], [3, 2])
-    request = {"model_path": str(default_gguf_path), "num_threads": 1, "prompt_token_ids": workload.prompt_token_ids,
+    request = {"num_threads": 1, "prompt_token_ids": workload.prompt_token_ids,
                "output_lens": workload.output_lens}
-    result = peer_summary(run_peer("llama_cpp", "throughput", request, lambda _: None, quiet=True), workload)
+    result = peer_summary(peer_side("llama_cpp", "throughput", True, str(default_gguf_path), Progress(False), request), workload)
     assert "error" not in result, result
     assert result["num_requests"] == 2 and result["num_useful_tokens"] == 5
     assert result["ttft_p50_s"] is not None and "token_times_s" not in result
@@ -117,8 +117,8 @@ def test_llama_cpp_perplexity_agrees_with_kvgen_float32(default_gguf_path: Path,
     model, tokenizer = ours_default
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     ours = perplexity(model, ids, 32)
-    request = {"model_path": str(default_gguf_path), "num_threads": 1, "context_length": 32, "windows": windows(ids, 32)}
-    theirs = run_peer("llama_cpp", "perplexity", request, lambda _: None, quiet=True)
+    request = {"num_threads": 1, "context_length": 32, "windows": windows(ids, 32)}
+    theirs = peer_side("llama_cpp", "perplexity", True, str(default_gguf_path), Progress(False), request)
     assert "error" not in theirs, theirs
     assert theirs["num_tokens_scored"] == ours.num_tokens_scored and theirs["num_windows"] == ours.num_windows
     their_ppl = math.exp(theirs["total_nll"] / theirs["num_tokens_scored"])

@@ -5,15 +5,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvgen.fields import check_minimums
 from kvgen.fields import config_field as _f
+from kvgen.loader import AUTO
 
 
 @dataclass
 class BenchConfig:
-    """The fields every bench's config starts with (each bench adds its own; flags come from all of them)."""
+    """The fields every bench's config starts with (each bench adds its own; flags come from all of them).
+    Raises ``ValueError`` naming an int field below its ``minimum``."""
 
     model: str = _f("default", "a .gguf file, a Hugging Face directory or 'default' (SmolLM2-135M-Instruct)")
-    dtype: str | None = _f(None, "kvgen's dtype, as load_model takes it (default: load_model's default)")
+    dtype: str = _f(AUTO, "kvgen's dtype, as load_model takes it")
     num_threads: int | None = _f(None, "threads of every engine (default: physical cores)",
-                                 flags=("--threads", "--num-threads"))
+                                 flags=("--threads", "--num-threads"), minimum=1)
     progress: bool = _f(True, "progress lines on stderr", cli=False)
+
+    def __post_init__(self) -> None:
+        check_minimums(self)

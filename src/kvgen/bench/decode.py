@@ -19,7 +19,7 @@ from kvgen.fields import config_field as _f
 from kvgen.models import CausalLM
 
 CACHE_KINDS = ("no_cache", "dynamic", "static")
-PEERS = ("transformers", "llama_cpp")
+SIDES = ("kvgen", "transformers", "llama_cpp")  # the columns of its text table (harness.render)
 SCHEMA = "kvgen.bench.decode/2"
 
 
@@ -27,19 +27,14 @@ SCHEMA = "kvgen.bench.decode/2"
 class DecodeBenchConfig(BenchConfig):
     """What ``run_decode_bench`` measures. Raises ``ValueError`` for out-of-range values."""
 
-    prompt_tokens: int = _f(512, "prompt length in tokens (seeded random ids)")
-    new_tokens: int = _f(128, "greedy tokens generated per timed run (EOS disabled)")
-    no_cache_new_tokens: int = _f(16, "new tokens for the O(n^2) no-cache runs")
+    prompt_tokens: int = _f(512, "prompt length in tokens (seeded random ids)", minimum=1)
+    new_tokens: int = _f(128, "greedy tokens generated per timed run (EOS disabled)", minimum=2)  # a step after prefill
+    no_cache_new_tokens: int = _f(16, "new tokens for the O(n^2) no-cache runs", minimum=2)
     include_transformers: bool = _f(True, "time transformers (subprocess)")
     include_llama_cpp: bool = _f(True, "time llama-cpp-python (subprocess)")
-    ttft_prompt_tokens: int = _f(20, "prompt tokens of the time-to-first-token runs")
+    ttft_prompt_tokens: int = _f(20, "prompt tokens of the time-to-first-token runs", minimum=1)
     seed: int = _f(0, "seed of the prompt's torch.Generator")
-    num_prefill_repeats: int = _f(3, "prefill timings per configuration; the median is reported")
-
-    def __post_init__(self) -> None:
-        self.dtype = self.dtype or h.default_dtype()  # decode speed needs a step after prefill: new_tokens >= 2
-        h.check_min(self, prompt_tokens=1, ttft_prompt_tokens=1, new_tokens=2, no_cache_new_tokens=2,
-                    num_prefill_repeats=1)
+    num_prefill_repeats: int = _f(3, "prefill timings per configuration; the median is reported", minimum=1)
 
     def new_tokens_per_cache(self) -> dict[str, int]:
         """Tokens each cache kind generates: ``no_cache_new_tokens`` without a cache, else ``new_tokens``."""
@@ -213,25 +208,3 @@ def _workload(config: DecodeBenchConfig, num_threads: int) -> dict[str, Any]:
         "timing": "prefill_s: median 1-token run; decode_s = total_s - prefill_s; steps: streamed token gaps",
         "peak_rss_note": "VmHWM of each process",
     }
-
-
-def format_decode_report(result: dict[str, Any]) -> str:
-    """The text table of ``run_decode_bench``'s JSON result (tokens/s, seconds, MiB; ratios kvgen / peer)."""
-    def row(label: str, key: str, ratio_key: str, cache: str = "", spec: str = "") -> tuple[str, list[str]]:
-        cpp = "kv_cache" if cache != "no_cache" else cache
-        paths = [f"{s}.configs.{c}.{key}" if cache else f"{s}.{key}"
-                 for s, c in (("kvgen", cache), ("transformers", cache), ("llama_cpp", cpp))]
-        return label, [f"{p}:{spec}" for p in paths] + [f"ratios.vs_{s}.{ratio_key}" for s in PEERS]
-
-    rows = [row("load s", "load_s", "load_s_kvgen_over_peer"),
-            row("peak RSS MiB", "peak_rss_bytes", "peak_rss_kvgen_over_peer", spec="MiB"),
-            row("TTFT s (ratio: speedup)", "ttft_s", "ttft_speedup"),
-            row("prefill static tokens/s", "prefill_tokens_per_s", "prefill_tokens_per_s", "static"),
-            *(row(f"decode {c} tokens/s", "decode_tokens_per_s", f"decode_tokens_per_s_{c}", c) for c in CACHE_KINDS),
-            ("leading greedy tokens equal", ["", *(f"greedy_agreement.vs_{s}.num_leading_equal_tokens" for s in PEERS),
-                                             "", ""])]
-    title = ("decode bench: {workload[model]} ({workload[dtype]}), prompt {workload[prompt_tokens]}, "
-             "{workload[new_tokens]} new tokens (no cache {workload[no_cache_new_tokens]}), batch 1, greedy, "
-             "{workload[num_threads]} threads\ntorch {env[torch_version]}, transformers {env[transformers_version]}, "
-             "{env[processor]}, {env[platform]}")
-    return h.render(result, title, ["kvgen", "transformers", "llama.cpp", "kvgen/hf", "kvgen/cpp"], rows)

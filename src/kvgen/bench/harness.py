@@ -13,7 +13,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -152,14 +152,7 @@ def start(config: Any, prefix: str = "[bench]") -> tuple[Progress, int, str, dic
     log, threads, env = Progress(config.progress, prefix), set_threads(config.num_threads), environment_info()
     if (load := env["load_average_1m"]) is not None and load > 0.5:
         log(f"warning: 1-minute load average is {load:.2f}; timings will be contended")
-    return log, threads, config.dtype or default_dtype(), env
-
-
-def check_min(obj: Any, **lows: int) -> None:
-    """``ValueError`` naming the first field of ``obj`` below its lower bound."""
-    for name, low in lows.items():
-        if getattr(obj, name) < low:
-            raise ValueError(f"{name} must be >= {low}, got {getattr(obj, name)}")
+    return log, threads, config.dtype, env
 
 
 def to_json(obj: Any) -> Any:
@@ -187,13 +180,9 @@ def run_side(name: str, argv: list[str], log: Callable[[str], None], request: An
         return {"error": f"{name} subprocess printed no JSON report ({e}): {proc.stdout[-500:]!r}"}
 
 
-def run_peer(peer: str, task: str, request: dict[str, Any], log: Callable[[str], None], quiet: bool = False) -> Side:
-    """``task`` of ``peer`` (``transformers`` or ``llama_cpp``) run by ``peers.py`` (see :func:`run_side`)."""
-    return run_side(f"{peer} {task}", [str(Path(__file__).with_name("peers.py")), peer, task], log, request, quiet)
-
-
 def peer_side(peer: str, task: str, enabled: bool, model: str, log: Progress, request: dict[str, Any]) -> Side:
-    """:func:`run_peer` on ``request`` plus ``model_path``, or ``{"skipped": why}``."""
+    """``task`` of ``peer`` (``transformers`` or ``llama_cpp``) run by ``peers.py`` (see :func:`run_side`) on
+    ``request`` plus ``model_path``, or ``{"skipped": why}``."""
     from kvgen.loader import resolve_model_path
 
     path = resolve_model_path(model)
@@ -203,7 +192,8 @@ def peer_side(peer: str, task: str, enabled: bool, model: str, log: Progress, re
         return {"skipped": f"{peer} is not installed"}
     if peer == "llama_cpp" and path.is_dir():
         return {"skipped": "llama.cpp reads GGUF files; the model is a Hugging Face directory"}
-    return run_peer(peer, task, request | {"model_path": str(path)}, log, quiet=not log.enabled)
+    argv = [str(Path(__file__).with_name("peers.py")), peer, task]
+    return run_side(f"{peer} {task}", argv, log, request | {"model_path": str(path)}, quiet=not log.enabled)
 
 
 @dataclasses.dataclass
@@ -276,51 +266,42 @@ def measure_caches(runs: dict[str, tuple[GenerateFn, int]], prompt_ids: Any, num
         log(f"{name}: {cache}: warm-up, prefill x{num_prefill_repeats}, {n} new tokens")
         try:
             results[cache] = r = to_json(time_generation(generate_fn, prompt_ids, n, num_prefill_repeats))
-            log(f"{name}: {cache}: prefill {cell(r, 'prefill_tokens_per_s')}, decode {cell(r, 'decode_tokens_per_s')}"
-                " tokens/s")
+            log(f"{name}: {cache}: prefill {_text('', r['prefill_tokens_per_s'])}, decode "
+                f"{_text('', r['decode_tokens_per_s'])} tokens/s")
         except Exception as e:  # noqa: BLE001 -- one failing configuration is reported, the others still run
             results[cache] = {"error": f"{type(e).__name__}: {e}"}
             log(f"{name}: {cache}: failed: {results[cache]['error']}")
     return results
 
 
-def default_dtype() -> str:
-    """The dtype name ``kvgen.load_model`` uses when none is given (benches time kvgen's default path)."""
-    import inspect
-
-    from kvgen.loader import load_model
-
-    default = inspect.signature(load_model).parameters["dtype"].default
-    return default if isinstance(default, str) else str(default).removeprefix("torch.")
+def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """The leaves of nested dicts (and of lists of dicts) keyed by their dotted paths."""
+    if isinstance(obj, dict) or (isinstance(obj, list) and obj and isinstance(obj[0], dict)):
+        return {p: v for k, x in (obj.items() if isinstance(obj, dict) else enumerate(obj))
+                for p, v in _flat(x, f"{prefix}{k}.").items()}
+    return {prefix[:-1]: obj}
 
 
-def cell(result: Any, path_spec: str) -> str:
-    """The value at a dotted path of ``result`` formatted by ``:spec`` (or ``MiB`` for bytes), ``-`` when missing."""
-    path, _, spec = path_spec.partition(":")
-    for key in path.split("."):
-        result = result.get(key) if isinstance(result, dict) else None
-    if result is None or isinstance(result, (dict, list)):
-        return "-"
-    if isinstance(result, bool):
-        return "yes" if result else "no"
-    if spec == "MiB":
-        return f"{result / 2**20:.0f}"
-    return format(result, spec or (".4g" if abs(result) < 1000 else ".0f") if isinstance(result, float) else spec)
+def _text(path: str, value: Any) -> str:
+    if value is None or isinstance(value, bool):
+        return {None: "-", True: "yes", False: "no"}[value]
+    if path.endswith("_bytes"):
+        return f"{value / 2**20:.0f} MiB"
+    return format(value, ".4g" if abs(value) < 1000 else ".0f") if isinstance(value, float) else str(value)
 
 
-def _notes(obj: Any, path: str = "") -> list[str]:
-    if not isinstance(obj, dict):
-        return []
-    return [n for k, v in obj.items()
-            for n in ([f"{path}{k}: {v}"] if k in ("skipped", "error") else _notes(v, f"{path}{k}."))]
-
-
-def render(result: dict[str, Any], title: str, columns: list[str], rows: list[tuple[str, list[str]]]) -> str:
-    """``title.format(**result)``, a table of ``(label, cells)`` rows (cells: :func:`cell` paths), skips and errors."""
-    table = [["", *columns], *([label, *(cell(result, c) for c in cells)] for label, cells in rows)]
-    widths = [max(len(r[i]) for r in table) for i in range(len(columns) + 1)]
+def render(result: dict[str, Any], sides: Sequence[str]) -> str:
+    """A JSON report as text: a table with a column per side (dotted paths; rows: the leaves under them), then every
+    other leaf (workload, env, ratios, skips and errors) as ``path: value``. Floats to 4 digits, bytes in MiB."""
+    flat, table = _flat(result), [["", *(s.rpartition(".")[2] for s in sides)]]
+    is_cell = {p: (side, p[len(side) + 1:]) for side in sides for p in flat
+               if p.startswith(side + ".") and p.rpartition(".")[2] not in ("skipped", "error")}
+    for row in dict.fromkeys(key for _, key in is_cell.values()):
+        table.append([row, *(_text(row, flat.get(f"{side}.{row}")) for side in sides)])
+    widths = [max(map(len, column)) for column in zip(*table)]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in table]
-    return "\n".join([title.format(**result), *lines, *_notes(result)])
+    return "\n".join([result.get("schema", "kvgen bench"), *lines,
+                      *(f"{p}: {_text(p, v)}" for p, v in flat.items() if p not in is_cell and p != "schema")])
 
 
 def latencies(token_times: list[list[float]], starts: list[float]) -> tuple[float | None, float | None, float | None,

@@ -1,5 +1,5 @@
 """The peers of ``kvgen bench``, each in its own process: ``python peers.py PEER TASK < request.json`` prints one
-JSON report with ``peak_rss_bytes`` (``harness.run_peer`` is the parent side). Run as a file, so that llama.cpp
+JSON report with ``peak_rss_bytes`` (``harness.peer_side`` is the parent side). Run as a file, so that llama.cpp
 never imports torch."""
 
 from __future__ import annotations

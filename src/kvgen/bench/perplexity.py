@@ -15,6 +15,7 @@ from kvgen.bench.workloads import DEFAULT_TEXT, read_text
 from kvgen.fields import config_field as _f
 
 SCHEMA = "kvgen.bench.perplexity/1"
+SIDES = ("kvgen_default", "kvgen_float32", "llama_cpp")  # the columns of its text table (harness.render)
 
 
 @dataclasses.dataclass
@@ -78,14 +79,3 @@ def run_perplexity_bench(config: PerplexityBenchConfig) -> PerplexityReport:
                 "num_threads": threads, "windows": "non-overlapping, each from position 0"}
     differences = relative_differences({"default": default, "float32": float32, "llama_cpp": cpp})
     return PerplexityReport(SCHEMA, env, default, float32, cpp, text_info, workload, differences)
-
-
-def format_perplexity_report(result: dict[str, Any]) -> str:
-    """The text table of ``run_perplexity_bench``'s JSON result (perplexity, mean NLL in nats, seconds)."""
-    sides = ["kvgen_default", "kvgen_float32", "llama_cpp"]
-    keys = ("dtype", "perplexity", "mean_nll", "num_tokens_scored", "load_s", "score_s")
-    rows = [(k, [f"{s}.{k}" for s in sides]) for k in keys]
-    rows += [(k, [f"relative_differences.{k}:+.3%", "", ""]) for k in result["relative_differences"]]
-    title = ("perplexity bench: {text[path]} ({text[num_tokens]} tokens), {workload[model]}, "
-             "{workload[context_length]}-token windows")
-    return h.render(result, title, sides, rows)

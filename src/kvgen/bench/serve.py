@@ -5,12 +5,14 @@ banned so both generate ``max_tokens``. Per server and C: requests/s, output tok
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,21 +22,17 @@ from kvgen.bench.workloads import make_workload
 from kvgen.fields import config_field as _f
 
 SCHEMA = "kvgen.bench.serve/1"
+SIDES = ("kvgen", "llama_cpp_server")  # the columns of its text table (harness.render)
 
 
 @dataclass
 class ServeBenchConfig(BenchConfig):
     """What ``run_serve_bench`` measures. Raises ``ValueError`` for a concurrency below 1."""
 
-    num_prompts: int = _f(32, "requests per concurrency")
+    num_prompts: int = _f(32, "requests per concurrency", minimum=1)
     seed: int = _f(0, "seed of the workload's torch.Generator")
-    concurrency: tuple[int, ...] = _f((1, 4, 16), "requests kept in flight (one run each)")
+    concurrency: tuple[int, ...] = _f((1, 4, 16), "requests kept in flight (one run each)", minimum=1)
     include_llama_cpp: bool = _f(True, "run llama-cpp-python's server")
-
-    def __post_init__(self) -> None:
-        h.check_min(self, num_prompts=1)
-        if any(c < 1 for c in self.concurrency):
-            raise ValueError(f"concurrency must be >= 1, got {list(self.concurrency)}")
 
 
 @dataclass
@@ -53,29 +51,41 @@ class LoadRun:
     itl_p99_s: float | None
 
 
-def start_server(system: str, gguf_path: str, dtype: str | None, threads: int) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``kvgen`` or ``llama_cpp`` serving ``gguf_path``; the process and its base URL once it answers."""
-    import httpx
-
+@contextlib.contextmanager
+def serving(system: str, gguf_path: str, dtype: str, threads: int) -> Iterator[str]:
+    """``kvgen`` or ``llama_cpp`` serving ``gguf_path`` in a subprocess, stopped on exit; its base URL once it answers.
+    Raises ``RuntimeError`` when it exits or does not answer within 300 s."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    cmd = (["kvgen.cli", "serve", "--served-model-name", "bench", "--log-level", "warning",
-            *(["--dtype", dtype] if dtype else [])] if system == "kvgen" else
-           ["llama_cpp.server", "--host", "127.0.0.1", "--n_threads", str(threads), "--model_alias", "bench",
-            "--n_ctx", "2048"])
+    cmd = (["kvgen.cli", "serve", "--served-model-name", "bench", "--log-level", "warning", "--dtype", dtype]
+           if system == "kvgen" else ["llama_cpp.server", "--host", "127.0.0.1", "--n_threads", str(threads),
+                                      "--model_alias", "bench", "--n_ctx", "2048"])
     proc = subprocess.Popen([sys.executable, "-m", *cmd, "--model", gguf_path, "--port", port],
                             env={**os.environ, "OMP_NUM_THREADS": str(threads)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
+    try:
+        while not _answers(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{url} exited with status {proc.returncode} or did not answer within 300 s")
             time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"server at {url} exited with status {proc.returncode} or did not answer within 300 s")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url + "/v1/models", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 async def run_load(base_url: str, prompts: list[str], output_lens: list[int], concurrency: int, eos_id: int) -> LoadRun:
@@ -100,25 +110,15 @@ async def run_load(base_url: str, prompts: list[str], output_lens: list[int], co
                    *h.latencies(list(times), list(sent)))
 
 
-def measure_system(system: str, path: str, dtype: str | None, threads: int, workload: tuple[list[str], list[int]],
+def measure_system(system: str, path: str, dtype: str, threads: int, workload: tuple[list[str], list[int]],
                    config: ServeBenchConfig, eos_id: int, log: h.Progress) -> h.Side:
-    """One server's runs keyed by the concurrency as a string, or ``{"error": ...}`` when it does not start."""
+    """One server's runs keyed by the concurrency as a string, or ``{"error": ...}`` when it fails."""
     try:
-        proc, url = start_server(system, path, dtype, threads)
+        with serving(system, path, dtype, threads) as url:
+            log(f"{system}: {len(workload[0])} requests at each concurrency of {list(config.concurrency)}")
+            return {str(c): h.to_json(asyncio.run(run_load(url, *workload, c, eos_id))) for c in config.concurrency}
     except (RuntimeError, OSError) as e:
-        return {"error": f"{system} server did not start: {e}"}
-    try:
-        out: h.Side = {}
-        for c in config.concurrency:
-            log(f"{system}: {len(workload[0])} requests at concurrency {c}")
-            out[str(c)] = h.to_json(asyncio.run(run_load(url, *workload, c, eos_id)))
-        return out
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        return {"error": f"{system} server failed: {e}"}
 
 
 @dataclass
@@ -156,21 +156,10 @@ def run_serve_bench(config: ServeBenchConfig) -> ServeReport:
     theirs: h.Side = (
         {"skipped": "skipped (--no-llama-cpp)"} if not config.include_llama_cpp
         else {"skipped": f"{missing} is not installed (pip install -e '.[bench]')"} if missing
-        else measure_system("llama_cpp", str(path), None, threads, workload, config, eos_id, log))
+        else measure_system("llama_cpp", str(path), config.dtype, threads, workload, config, eos_id, log))
     ratios = {c: {"output_tokens_per_s": h.ratio(ours[c]["output_tokens_per_s"], theirs[c]["output_tokens_per_s"]),
                   "ttft_p99_s": h.ratio(theirs[c]["ttft_p99_s"], ours[c]["ttft_p99_s"])}
               for c in map(str, config.concurrency) if c in ours and c in theirs}
     described = {"num_prompts": config.num_prompts, "seed": config.seed, "concurrencies": list(config.concurrency),
                  "num_output_tokens": sum(raw.output_lens)}
     return ServeReport(SCHEMA, env, str(path), threads, described, ours, theirs, {"vs_llama_cpp_server": ratios})
-
-
-def format_serve_report(result: dict[str, Any]) -> str:
-    """The text table of ``run_serve_bench``'s JSON result (tokens/s, requests/s, seconds; ratios kvgen / llama.cpp)."""
-    runs = [(s, c) for s in ("kvgen", "llama_cpp_server") for c in map(str, result["workload"]["concurrencies"])]
-    keys = ("output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
-    rows = [(k, [f"{s}.{c}.{k}" for s, c in runs]) for k in keys]
-    rows += [(f"kvgen/llama.cpp {k}", [f"ratios.vs_llama_cpp_server.{c}.{k}" if s == "kvgen" else "" for s, c in runs])
-             for k in ("output_tokens_per_s", "ttft_p99_s")]
-    title = "kvgen bench serve: {workload[num_prompts]} requests, {num_threads} threads"
-    return h.render(result, title, [f"{s.removesuffix('_server')} c={c}" for s, c in runs], rows)

@@ -23,19 +23,20 @@ STRATEGY_SETTINGS: dict[str, dict[str, Any]] = {  # GenerationConfig fields; tra
     "contrastive_search": {"penalty_alpha": 0.6, "top_k": 4},
     "sample_and_rank": {"do_sample": True, "temperature": 0.8, "best_of": 4},  # transformers has no best_of
 }
+SIDES = tuple(f"strategies.{name}" for name in STRATEGY_SETTINGS)  # the columns of its text table (harness.render)
 
 
 @dataclass
 class StrategiesBenchConfig(BenchConfig):
     """What ``run_strategies_bench`` measures. Raises ``ValueError`` for ``new_tokens < 2`` or no prompts."""
 
-    new_tokens: int = _f(40, "tokens generated per prompt and strategy")
+    new_tokens: int = _f(40, "tokens generated per prompt and strategy", minimum=2)
     prompts: tuple[str, ...] = _f(PROMPTS, "the prompts of the batch", cli=False)
     include_transformers: bool = _f(True, "time transformers")
     seed: int = _f(0, "seed of the sampling strategies", cli=False)
 
     def __post_init__(self) -> None:
-        h.check_min(self, new_tokens=2)
+        super().__post_init__()
         if not self.prompts:
             raise ValueError("prompts must hold at least one prompt, got none")
 
@@ -123,15 +124,3 @@ def run_strategies_bench(config: StrategiesBenchConfig) -> StrategiesReport:
     strategies = {name: _measure_strategy(name, (ours, theirs), batch, config, log) for name in STRATEGY_SETTINGS}
     env["load_average_1m_at_end"] = h.load_average()
     return StrategiesReport(SCHEMA, env, workload, strategies)
-
-
-def format_strategies_report(result: dict[str, Any]) -> str:
-    """The text table of ``run_strategies_bench``'s JSON result (tokens/s of each strategy, both engines)."""
-    cells = ["rows_per_step", "kvgen.tokens_per_s", "transformers.tokens_per_s", "ratio_kvgen_over_transformers",
-             "tokens_identical_to_transformers"]
-    rows = [(name, [f"strategies.{name}.{c}" for c in cells]) for name in result["strategies"]]
-    load = " -> ".join(h.cell(result, f"env.{k}:.2f") for k in ("load_average_1m", "load_average_1m_at_end"))
-    title = ("strategies bench: {workload[model]} ({workload[dtype]}), {workload[batch_size]} prompts x "
-             "{workload[new_tokens]} new tokens\ntorch {env[torch_version]}, transformers {env[transformers_version]}, "
-             "{workload[num_threads]} threads, load average " + load)
-    return h.render(result, title, ["rows/step", "kvgen tok/s", "hf tok/s", "kvgen/hf", "same tokens"], rows)

@@ -16,23 +16,21 @@ from kvgen.fields import config_field as _f
 
 SCHEMA = "kvgen.bench.throughput/1"
 SYSTEMS = ("kvgen_engine", "kvgen_static", "transformers_static", "llama_cpp")
+SIDES = SYSTEMS  # the columns of its text table (harness.render)
 
 
 @dataclasses.dataclass
 class ThroughputBenchConfig(BenchConfig):
     """What ``run_throughput_bench`` measures. Raises ``ValueError`` for out-of-range values."""
 
-    num_prompts: int = _f(64, "requests in the workload")
+    num_prompts: int = _f(64, "requests in the workload", minimum=1)
     seed: int = _f(0, "seed of the workload's torch.Generator")
-    static_batch_size: int = _f(32, "requests per static batch (kvgen_static, transformers_static)")
+    static_batch_size: int = _f(32, "requests per static batch (kvgen_static, transformers_static)", minimum=1)
     include_transformers: bool = _f(True, "time transformers (subprocess)")
     include_llama_cpp: bool = _f(True, "time llama-cpp-python (subprocess)")
     max_num_seqs: int = _f(64, "EngineArgs.max_num_seqs of kvgen_engine")
     max_num_batched_tokens: int = _f(512, "EngineArgs.max_num_batched_tokens of both kvgen systems")
     kv_cache_memory: int = _f(2 << 30, "EngineArgs.kv_cache_memory (bytes) of both kvgen systems")
-
-    def __post_init__(self) -> None:
-        h.check_min(self, num_prompts=1, static_batch_size=1)
 
 
 @dataclasses.dataclass
@@ -208,18 +206,3 @@ def _ratios(result: dict[str, Any]) -> dict[str, Any]:
     return {"note": "kvgen_engine over each system: > 1 is kvgen better, except *_kvgen_over_peer",
             "vs_transformers": vs("transformers_static"), "vs_llama_cpp": vs("llama_cpp"),
             **{f"over_{name}": h.ratio(fig("kvgen_engine"), fig(name)) for name in SYSTEMS[1:]}}
-
-
-def format_throughput_report(result: dict[str, Any]) -> str:
-    """The text table of ``run_throughput_bench``'s JSON result (tokens/s, requests/s, seconds, MiB)."""
-    keys = ("generated_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
-    rss = [f"{s}.peak_rss_bytes:MiB" if s[:5] != "kvgen" else "kvgen_peak_rss_bytes:MiB" for s in SYSTEMS]
-    rows = [(k, [f"{s}.{k}" for s in SYSTEMS]) for k in keys] + [
-        ("peak RSS MiB", rss), ("kvgen_engine tokens/s over", ["", *(f"ratios.over_{s}" for s in SYSTEMS[1:])]),
-        *((f"kvgen_engine {f.name}", [f"kvgen_engine.profile.{f.name}", "", "", ""])
-          for f in dataclasses.fields(EngineProfile))]
-    title = ("throughput bench: {workload[num_prompts]} requests, prompts {workload[prompt_tokens_min_max]} tokens "
-             "({workload[prompt_tokens_total]} total), outputs {workload[output_tokens_min_max]} "
-             "({workload[output_tokens_total]} total), {workload[decoding]}; static batches of "
-             "{workload[static_batch_size]}")
-    return h.render(result, title, list(SYSTEMS), rows)
