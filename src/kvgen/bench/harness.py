@@ -291,11 +291,11 @@ def _text(path: str, value: Any) -> str:
 
 
 def render(result: dict[str, Any], sides: Sequence[str]) -> str:
-    """A JSON report as text: a table with a column per side (dotted paths; rows: the leaves under them), then every
-    other leaf (workload, env, ratios, skips and errors) as ``path: value``. Floats to 4 digits, bytes in MiB."""
+    """A JSON report as text: a table with a column per side (dotted paths; rows: the numbers under them), then every
+    other leaf (workload, env, ratios, texts, skips and errors) as ``path: value``. Floats to 4 digits, bytes in MiB."""
     flat, table = _flat(result), [["", *(s.rpartition(".")[2] for s in sides)]]
-    is_cell = {p: (side, p[len(side) + 1:]) for side in sides for p in flat
-               if p.startswith(side + ".") and p.rpartition(".")[2] not in ("skipped", "error")}
+    is_cell = {p: (side, p[len(side) + 1:]) for side in sides for p, v in flat.items()
+               if p.startswith(side + ".") and not isinstance(v, (str, list))}  # numbers: skips and errors are str
     for row in dict.fromkeys(key for _, key in is_cell.values()):
         table.append([row, *(_text(row, flat.get(f"{side}.{row}")) for side in sides)])
     widths = [max(map(len, column)) for column in zip(*table)]
