@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvgen.fields import check_minimums
 from kvgen.fields import config_field as _f
@@ -23,3 +24,13 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         check_minimums(self)
+
+
+@dataclass
+class BenchReport:
+    """The fields every bench's report starts with: its ``schema`` name, machine facts (``env``: versions, cores,
+    load average) and what was measured (``workload``); each bench adds its sides and ratios."""
+
+    schema: str
+    env: dict[str, Any]
+    workload: dict[str, Any]

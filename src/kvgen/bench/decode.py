@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvgen.bench import BenchConfig
+from kvgen.bench import BenchConfig, BenchReport
 from kvgen.bench import harness as h
 from kvgen.bench.workloads import seeded_prompt_ids
 from kvgen.fields import config_field as _f
@@ -162,12 +162,9 @@ def greedy_agreement(ours: h.Side, theirs: h.Side, cache: str = "dynamic", their
 
 
 @dataclasses.dataclass
-class DecodeReport:
+class DecodeReport(BenchReport):
     """``run_decode_bench``'s result: seconds in ``*_s``, speeds in ``*_tokens_per_s``, memory in ``*_bytes``."""
 
-    schema: str
-    env: dict[str, Any]
-    workload: dict[str, Any]
     kvgen: h.Side
     transformers: h.Side
     llama_cpp: h.Side

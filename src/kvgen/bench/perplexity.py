@@ -9,7 +9,7 @@ import itertools
 import math
 from typing import Any
 
-from kvgen.bench import BenchConfig
+from kvgen.bench import BenchConfig, BenchReport
 from kvgen.bench import harness as h
 from kvgen.bench.workloads import DEFAULT_TEXT, read_text
 from kvgen.fields import config_field as _f
@@ -46,16 +46,13 @@ def relative_differences(sides: dict[str, h.Side]) -> dict[str, float | None]:
 
 
 @dataclasses.dataclass
-class PerplexityReport:
+class PerplexityReport(BenchReport):
     """``run_perplexity_bench``'s result; each side has ``perplexity``, ``mean_nll`` (nats), counts and seconds."""
 
-    schema: str
-    env: dict[str, Any]
     kvgen_default: h.Side
     kvgen_float32: h.Side
     llama_cpp: h.Side
     text: dict[str, Any]
-    workload: dict[str, Any]
     relative_differences: dict[str, float | None]
 
 
@@ -78,4 +75,4 @@ def run_perplexity_bench(config: PerplexityBenchConfig) -> PerplexityReport:
     workload = {"model": config.model, "default_dtype": dtype, "context_length": config.context_length,
                 "num_threads": threads, "windows": "non-overlapping, each from position 0"}
     differences = relative_differences({"default": default, "float32": float32, "llama_cpp": cpp})
-    return PerplexityReport(SCHEMA, env, default, float32, cpp, text_info, workload, differences)
+    return PerplexityReport(SCHEMA, env, workload, default, float32, cpp, text_info, differences)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from kvgen.bench import BenchConfig
+from kvgen.bench import BenchConfig, BenchReport
 from kvgen.bench import harness as h
 from kvgen.bench.workloads import PROMPTS, left_padded
 from kvgen.fields import config_field as _f
@@ -99,12 +99,9 @@ def _measure_strategy(name: str, models: tuple[Any, Any], batch: tuple[torch.Ten
 
 
 @dataclass
-class StrategiesReport:
+class StrategiesReport(BenchReport):
     """``run_strategies_bench``'s result: per strategy its settings, runs, ratio (> 1: kvgen faster), agreement."""
 
-    schema: str
-    env: dict[str, Any]
-    workload: dict[str, Any]
     strategies: dict[str, dict[str, Any]]
 
 

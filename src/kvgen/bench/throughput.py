@@ -9,7 +9,7 @@ import dataclasses
 import time
 from typing import Any
 
-from kvgen.bench import BenchConfig
+from kvgen.bench import BenchConfig, BenchReport
 from kvgen.bench import harness as h
 from kvgen.bench.workloads import Workload, make_workload
 from kvgen.fields import config_field as _f
@@ -137,12 +137,9 @@ def peer_summary(side: h.Side, workload: Workload) -> h.Side:
 
 
 @dataclasses.dataclass
-class ThroughputReport:
+class ThroughputReport(BenchReport):
     """``run_throughput_bench``'s result; peers are ``Side`` dicts (figures, or skipped / error)."""
 
-    schema: str
-    env: dict[str, Any]
-    workload: dict[str, Any]
     kvgen_engine: ThroughputSummary
     kvgen_static: ThroughputSummary
     kvgen_peak_rss_bytes: int
