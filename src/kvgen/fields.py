@@ -66,6 +66,14 @@ def add_config_flags(parser: argparse._ActionsContainer, config_cls: type) -> No
 def config_from_args(config_cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
     """``config_cls`` from the flags of :func:`add_config_flags` (fields without a flag keep their defaults).
 
-    Raises the config's ``ValueError`` (naming the field) for a bad value."""
-    names = {f.name for f in dataclasses.fields(config_cls)}  # type: ignore[arg-type]
-    return config_cls(**{k: v for k, v in vars(args).items() if k in names} | overrides)
+    Raises the config's ``ValueError`` for a bad value, naming the flag where the message starts with a field that
+    has one (``--threads must be an int >= 1, got 0``)."""
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}  # type: ignore[arg-type]
+    try:
+        return config_cls(**{k: v for k, v in vars(args).items() if k in fields} | overrides)
+    except ValueError as e:
+        name, _, rest = str(e).partition(" ")
+        if name not in fields or not fields[name].metadata.get("cli", True) or name in overrides:
+            raise
+        flag = fields[name].metadata.get("flags", ("--" + name.replace("_", "-"),))[0]
+        raise ValueError(f"{flag} {rest}") from None
