@@ -75,11 +75,11 @@ def test_full_queue_is_429_and_leaving_clients_free_everything(guarded):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--port", "70000"], "port must be in [0, 65535]"),
-        (["--max-queue", "-1"], "max_queue must be >= 0"),
-        (["--max-num-seqs", "0"], "max_num_seqs"),
+        (["--port", "70000"], "--port must be in [0, 65535]"),
+        (["--max-queue", "-1"], "--max-queue must be >= 0"),
+        (["--max-num-seqs", "0"], "--max-num-seqs must be an int >= 1, got 0"),
         (["--model", "/nonexistent/model.gguf"], "model not found"),
-        (["--log-level", "loud"], "log_level must be one of"),
+        (["--log-level", "loud"], "--log-level must be one of"),
     ],
 )
 def test_serve_user_errors_are_one_line_and_exit_2(capsys, args, message):
