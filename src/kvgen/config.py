@@ -20,6 +20,15 @@ SUPPORTED_MODEL_TYPES = ("llama", "gpt2")
 _GGUF_LLAMA_ARCHS = ("llama",)
 
 
+def token_id_list(value: Any) -> list[int]:
+    """One token id, a sequence of ids or an int tensor as a list of ints (``None`` gives ``[]``)."""
+    if value is None:
+        return []
+    if hasattr(value, "tolist"):  # a tensor: any shape
+        value = value.reshape(-1).tolist()
+    return [int(value)] if isinstance(value, int) else [int(t) for t in value]
+
+
 @dataclass
 class ModelConfig:
     """Decoder hyper-parameters (HF names; sizes in elements, lengths in tokens).
@@ -80,11 +89,7 @@ class ModelConfig:
     @property
     def eos_token_ids(self) -> list[int]:
         """EOS ids as a list (empty when the model declares none)."""
-        if self.eos_token_id is None:
-            return []
-        if isinstance(self.eos_token_id, int):
-            return [self.eos_token_id]
-        return list(self.eos_token_id)
+        return token_id_list(self.eos_token_id)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:

@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from kvgen.config import token_id_list
 from kvgen.fields import config_field
 from kvgen.sampling.params import PARAM_RULES, SAMPLING_EPS, check_param
 
@@ -140,9 +141,7 @@ class GenerationConfig:
     @property
     def eos_token_ids(self) -> list[int]:
         """EOS ids as a list (empty when none is set)."""
-        if self.eos_token_id is None:
-            return []
-        return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
+        return token_id_list(self.eos_token_id)
 
     def replace(self, **changes: Any) -> GenerationConfig:
         """A validated copy with ``changes`` applied."""
@@ -155,6 +154,6 @@ class GenerationConfig:
         if pad is None:
             pad = pad_token_id
         if pad is None:
-            eos_ids = [eos] if isinstance(eos, int) else list(eos or [])  # [] disables EOS: no pad from it
+            eos_ids = token_id_list(eos)  # [] disables EOS: no pad from it
             pad = eos_ids[0] if eos_ids else None
         return self.replace(eos_token_id=eos, pad_token_id=pad)

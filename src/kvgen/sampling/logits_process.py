@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kvgen.config import token_id_list
 from kvgen.sampling import ops
 from kvgen.sampling.pipeline import GENERATE_FIRST_WARPER, GENERATE_ORDER, split_order
 
@@ -38,17 +39,6 @@ class LogitsProcessorList(list[LogitsProcessor]):
         for processor in self:
             logits = processor(token_ids, logits)
         return logits
-
-
-def _eos_list(eos_token_id: int | Sequence[int] | torch.Tensor | None) -> list[int]:
-    """EOS id(s) as a list (``None`` gives ``[]``)."""
-    if eos_token_id is None:
-        return []
-    if isinstance(eos_token_id, torch.Tensor):
-        return [int(t) for t in eos_token_id.reshape(-1).tolist()]
-    if isinstance(eos_token_id, int):
-        return [eos_token_id]
-    return [int(t) for t in eos_token_id]
 
 
 # ------------------------------------------------------------------ warpers
@@ -174,7 +164,7 @@ class MinNewTokensLengthLogitsProcessor(LogitsProcessor):
         ops.validate_param("min_tokens", min_new_tokens)
         self.prompt_length_to_skip = prompt_length_to_skip
         self.min_new_tokens = min_new_tokens
-        self.eos_token_ids = _eos_list(eos_token_id)
+        self.eos_token_ids = token_id_list(eos_token_id)
 
     def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         num_generated = token_ids.shape[1] - self.prompt_length_to_skip
@@ -201,7 +191,7 @@ class NoBadWordsLogitsProcessor(LogitsProcessor):
         if not isinstance(bad_words_ids, Sequence) or not bad_words_ids:
             raise ValueError(f"bad_words_ids must be a non-empty list of id lists, got {bad_words_ids!r}")
         ops.normalize_sequence_bias({tuple(ids): 0.0 for ids in bad_words_ids})  # validates the ids
-        eos = _eos_list(eos_token_id)
+        eos = token_id_list(eos_token_id)
         self.bad_words_ids = [list(ids) for ids in bad_words_ids if not (len(ids) == 1 and ids[0] in eos)]
 
     def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -303,7 +293,7 @@ def default_min_tokens_to_keep(cfg: object) -> int:
     """1, or for beam sampling (num_beams > 1) the number of EOS ids + 1 (2 without EOS), as in HF."""
     if (getattr(cfg, "num_beams", None) or 1) <= 1:
         return 1
-    eos_token_ids = _eos_list(getattr(cfg, "eos_token_id", None))
+    eos_token_ids = token_id_list(getattr(cfg, "eos_token_id", None))
     return len(eos_token_ids) + 1 if eos_token_ids else 2
 
 
@@ -321,7 +311,7 @@ def build_logits_processors(
         raise ValueError(f"prompt_length must be an int >= 0, got {prompt_length!r}")
     keep = default_min_tokens_to_keep(cfg) if min_tokens_to_keep is None else min_tokens_to_keep
     ops.validate_param("min_tokens_to_keep", keep)
-    settings = _Settings(cfg, prompt_length, keep, _eos_list(getattr(cfg, "eos_token_id", None)))
+    settings = _Settings(cfg, prompt_length, keep, token_id_list(getattr(cfg, "eos_token_id", None)))
     stages = GENERATE_ORDER if getattr(cfg, "do_sample", False) else _ALWAYS
     processors = LogitsProcessorList()
     for name in stages:
