@@ -20,6 +20,9 @@ from kvgen.bench import BenchConfig
 from kvgen.bench import harness as h
 from kvgen.bench.workloads import make_workload
 from kvgen.fields import config_field as _f
+from kvgen.loader import resolve_model_path
+from kvgen.tokenizer import Tokenizer
+from kvgen.weights.gguf_file import gguf_metadata, open_gguf
 
 SCHEMA = "kvgen.bench.serve/1"
 SIDES = ("kvgen", "llama_cpp_server")  # the columns of its text table (harness.render)
@@ -137,10 +140,6 @@ class ServeReport:
 
 def run_serve_bench(config: ServeBenchConfig) -> ServeReport:
     """The whole bench (see the module docstring). ``ValueError`` for a Hugging Face directory or a GGUF without EOS."""
-    from kvgen.loader import resolve_model_path
-    from kvgen.tokenizer import Tokenizer
-    from kvgen.weights.gguf_file import gguf_metadata, open_gguf
-
     path = resolve_model_path(config.model)
     if path.is_dir():
         raise ValueError(f"kvgen bench serve needs a GGUF file (llama.cpp serves the same file), got directory {path}")

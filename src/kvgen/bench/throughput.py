@@ -12,7 +12,9 @@ from typing import Any
 from kvgen.bench import BenchConfig, BenchReport
 from kvgen.bench import harness as h
 from kvgen.bench.workloads import Workload, make_workload
+from kvgen.engine import EngineArgs, LLMEngine, SamplingParams
 from kvgen.fields import config_field as _f
+from kvgen.loader import load_model
 
 SCHEMA = "kvgen.bench.throughput/1"
 SYSTEMS = ("kvgen_engine", "kvgen_static", "transformers_static", "llama_cpp")
@@ -105,10 +107,9 @@ def finish_profile(prof: EngineProfile) -> EngineProfile:
     return prof
 
 
-def measure_kvgen(model: Any, workload: Workload, engine_args: Any, static_batch_size: int | None) -> ThroughputSummary:
+def measure_kvgen(model: Any, workload: Workload, engine_args: EngineArgs, static_batch_size: int | None
+                  ) -> ThroughputSummary:
     """The workload on a fresh engine: continuous batching, or static batches when ``static_batch_size`` is set."""
-    from kvgen.engine import LLMEngine, SamplingParams
-
     engine, n = LLMEngine(model, None, engine_args), len(workload.output_lens)
     prof, size = profile_engine(engine), static_batch_size or n
     token_times: list[list[float]] = [[] for _ in range(n)]
@@ -148,7 +149,7 @@ class ThroughputReport(BenchReport):
     ratios: dict[str, Any]
 
 
-def _describe(config: ThroughputBenchConfig, workload: Workload, engine_args: Any) -> dict[str, Any]:
+def _describe(config: ThroughputBenchConfig, workload: Workload, engine_args: EngineArgs) -> dict[str, Any]:
     lens, outs = [len(p) for p in workload.prompt_token_ids], workload.output_lens
     return {"num_prompts": len(lens), "seed": config.seed, "prompt_tokens_total": sum(lens),
             "prompt_tokens_min_max": [min(lens), max(lens)], "output_tokens_total": sum(outs),
@@ -159,9 +160,6 @@ def _describe(config: ThroughputBenchConfig, workload: Workload, engine_args: An
 
 def run_throughput_bench(config: ThroughputBenchConfig) -> ThroughputReport:
     """The engine against static batching, transformers and llama-cpp-python (see the module docstring)."""
-    from kvgen.engine import EngineArgs
-    from kvgen.loader import load_model
-
     log, threads, dtype, env = h.start(config, "[bench:throughput]")
     engine_args = EngineArgs(model=config.model, max_num_seqs=config.max_num_seqs,  # no dtype: the model is loaded
                              kv_cache_memory=config.kv_cache_memory,
@@ -172,12 +170,11 @@ def run_throughput_bench(config: ThroughputBenchConfig) -> ThroughputReport:
     described = _describe(config, workload, engine_args) | {"vocab_size": model.config.vocab_size, "dtype": dtype,
                                                             "num_threads": threads}
     measure_kvgen(model, Workload([list(range(100, 164))], [4]), engine_args, None)  # warm-up: first-call paths
-    log(f"kvgen engine: {config.num_prompts} requests, continuous batching")
+    log(f"kvgen engine: {config.num_prompts} requests, continuous batching, then static batches")
     engine = measure_kvgen(model, workload, engine_args, None)
-    log(f"kvgen engine: {engine.generated_tokens_per_s:.1f} tokens/s; now static batches")
     static_args = dataclasses.replace(engine_args, max_num_seqs=config.static_batch_size)
     static = measure_kvgen(model, workload, static_args, config.static_batch_size)
-    log(f"kvgen static: {static.generated_tokens_per_s:.1f} tokens/s")
+    log(f"kvgen engine: {engine.generated_tokens_per_s:.1f} tokens/s; static: {static.generated_tokens_per_s:.1f}")
     rss, request = h.peak_rss_bytes(), {"dtype": dtype, "num_threads": threads, **dataclasses.asdict(workload),
                                         "static_batch_size": config.static_batch_size}
     del model
