@@ -181,19 +181,15 @@ def run_decode_bench(config: DecodeBenchConfig) -> DecodeReport:
               "vs_transformers": compare(ours, hf), "vs_llama_cpp": compare(ours, cpp, "kv_cache")}
     agreement = {"vs_transformers": greedy_agreement(ours, hf),
                  "vs_llama_cpp": greedy_agreement(ours, cpp, "static", "kv_cache")}
-    report = DecodeReport(SCHEMA, env, _workload(config, threads), ours, hf, cpp, ratios, agreement)
+    workload = {k: v for k, v in dataclasses.asdict(config).items() if k != "progress"} | {
+        "num_threads": threads, "batch_size": 1,
+        "transformers_dtype": str(DTYPES.get(str(dtype), torch.float32)).removeprefix("torch."),
+        "decoding": "greedy, EOS disabled", "prompt": f"seeded uniform ids (seed {config.seed}), same for all",
+        "no_cache_note": f"no-cache runs generate {config.no_cache_new_tokens} tokens",
+        "timing": "prefill_s: median 1-token run; decode_s = total_s - prefill_s; steps: streamed token gaps",
+        "peak_rss_note": "VmHWM of each process"}
+    report = DecodeReport(SCHEMA, env, workload, ours, hf, cpp, ratios, agreement)
     for rep in (rep for side in (ours, hf, cpp) for rep in side.get("configs", {}).values()):
         rep.pop("new_token_ids", None)  # they served the agreement checks
     env["load_average_1m_at_end"] = h.load_average()
     return report
-
-
-def _workload(config: DecodeBenchConfig, num_threads: int) -> dict[str, Any]:
-    return {k: v for k, v in dataclasses.asdict(config).items() if k != "progress"} | {
-        "num_threads": num_threads, "batch_size": 1,
-        "transformers_dtype": str(DTYPES.get(str(config.dtype), torch.float32)).removeprefix("torch."),
-        "decoding": "greedy, EOS disabled", "prompt": f"seeded uniform ids (seed {config.seed}), same for all",
-        "no_cache_note": f"no-cache runs generate {config.no_cache_new_tokens} tokens",
-        "timing": "prefill_s: median 1-token run; decode_s = total_s - prefill_s; steps: streamed token gaps",
-        "peak_rss_note": "VmHWM of each process",
-    }

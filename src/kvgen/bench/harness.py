@@ -206,7 +206,7 @@ class RunStats:
     model_decode_s: float | None = None
 
 
-# (prompt ids: [1, T] tensor for kvgen and transformers, list[int] for llama.cpp; max_new_tokens; streamer or None)
+# (prompt: ids [1, T] for kvgen, (ids, mask) [B, T] for transformers, list[int] for llama.cpp; max_new_tokens; streamer)
 GenerateFn = Callable[[Any, int, "TokenTimer | None"], RunStats]
 
 

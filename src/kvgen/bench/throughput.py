@@ -148,15 +148,6 @@ class ThroughputReport(BenchReport):
     ratios: dict[str, Any]
 
 
-def _describe(config: ThroughputBenchConfig, workload: Workload, engine_args: EngineArgs) -> dict[str, Any]:
-    lens, outs = [len(p) for p in workload.prompt_token_ids], workload.output_lens
-    return {"num_prompts": len(lens), "seed": config.seed, "prompt_tokens_total": sum(lens),
-            "prompt_tokens_min_max": [min(lens), max(lens)], "output_tokens_total": sum(outs),
-            "output_tokens_min_max": [min(outs), max(outs)], "decoding": "greedy, ignore_eos",
-            "arrivals": "all at t=0", "static_batch_size": config.static_batch_size,
-            "engine_args": {k: v for k, v in dataclasses.asdict(engine_args).items() if k != "dtype"}}
-
-
 def run_throughput_bench(config: ThroughputBenchConfig) -> ThroughputReport:
     """The engine against static batching, transformers and llama-cpp-python (see the module docstring)."""
     log, threads, dtype, env = h.start(config, "[bench:throughput]")
@@ -166,8 +157,13 @@ def run_throughput_bench(config: ThroughputBenchConfig) -> ThroughputReport:
     log(f"loading {config.model} ({dtype})")
     model, _ = load_model(config.model, dtype=dtype)
     workload = make_workload(config.num_prompts, model.config.vocab_size, config.seed)
-    described = _describe(config, workload, engine_args) | {"vocab_size": model.config.vocab_size, "dtype": dtype,
-                                                            "num_threads": threads}
+    lens, outs = [len(p) for p in workload.prompt_token_ids], workload.output_lens
+    described = {"num_prompts": len(lens), "seed": config.seed, "prompt_tokens_total": sum(lens),
+                 "prompt_tokens_min_max": [min(lens), max(lens)], "output_tokens_total": sum(outs),
+                 "output_tokens_min_max": [min(outs), max(outs)], "decoding": "greedy, ignore_eos",
+                 "arrivals": "all at t=0", "static_batch_size": config.static_batch_size,
+                 "engine_args": {k: v for k, v in dataclasses.asdict(engine_args).items() if k != "dtype"},
+                 "vocab_size": model.config.vocab_size, "dtype": dtype, "num_threads": threads}
     measure_kvgen(model, Workload([list(range(100, 164))], [4]), engine_args, None)  # warm-up: first-call paths
     log(f"kvgen engine: {config.num_prompts} requests, continuous batching, then static batches")
     engine = measure_kvgen(model, workload, engine_args, None)
