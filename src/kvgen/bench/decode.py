@@ -11,11 +11,18 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from torch.profiler import ProfilerActivity, profile
 
 from kvgen.bench import BenchConfig, BenchReport
 from kvgen.bench import harness as h
 from kvgen.bench.workloads import seeded_prompt_ids
 from kvgen.fields import config_field as _f
+from kvgen.generation import GenerationConfig, generate
+from kvgen.generation.runner import make_cache
+from kvgen.kernels import get_ops, pack_gguf_rows
+from kvgen.loader import DTYPES, load_model, resolve_model_path
 from kvgen.models import CausalLM
 
 CACHE_KINDS = ("no_cache", "dynamic", "static")
@@ -43,8 +50,6 @@ class DecodeBenchConfig(BenchConfig):
 
 def kvgen_generate_fn(model: CausalLM, cache: str) -> h.GenerateFn:
     """``GenerateFn`` over kvgen ``generate``: greedy, EOS disabled (``eos_token_id=[]``), per cache kind."""
-    from kvgen.generation import GenerationConfig, generate
-
     cache_args: dict[str, Any] = {"use_cache": False} if cache == "no_cache" else {"cache_implementation": cache}
 
     def run(prompt_ids: torch.Tensor, max_new_tokens: int, streamer: h.TokenTimer | None) -> h.RunStats:
@@ -71,10 +76,6 @@ def _time_us(fn: Callable[[], object], repeats: int) -> float:
 @torch.inference_mode()
 def step_breakdown(model: CausalLM, prompt_ids: torch.Tensor, num_steps: int = 32) -> dict[str, Any]:
     """prompt_ids [1, T] int64; ms per static-cache decode step: total, in linear layers (profiled), outside."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from kvgen.generation.runner import make_cache
-
     cache = make_cache(model, "static", 1, prompt_ids.shape[1] + 2 * num_steps + 2)
     model(prompt_ids, torch.arange(prompt_ids.shape[1])[None], cache)
 
@@ -95,11 +96,6 @@ def step_breakdown(model: CausalLM, prompt_ids: torch.Tensor, num_steps: int = 3
 def qgemm_crossover(out_features: int = 3072, in_features: int = 576, ms: tuple[int, ...] = (1, 4, 16, 64, 256, 512)
                     ) -> dict[str, Any]:
     """µs per call of the Q4_1 kernel vs dense float32 ``F.linear`` on the dequantized weight [N, K], per M."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
-
-    from kvgen.kernels import get_ops, pack_gguf_rows
-
     ops, q4_1 = get_ops(), GGMLQuantizationType.Q4_1
     raw = quantize(torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)).numpy(), q4_1)
     dense, (weight_type, packed) = torch.from_numpy(dequantize(raw, q4_1)), pack_gguf_rows("Q4_1", [torch.tensor(raw)])
@@ -114,8 +110,6 @@ def qgemm_crossover(out_features: int = 3072, in_features: int = 576, ms: tuple[
 
 
 def _bench_kvgen(config: DecodeBenchConfig, log: h.Progress) -> h.Side:
-    from kvgen.loader import load_model, resolve_model_path
-
     rss_before = h.current_rss_bytes()
     log(f"kvgen: loading {config.model} ({config.dtype})")
     (model, _), load_s = h.timed(lambda: load_model(config.model, dtype=config.dtype))
@@ -131,29 +125,29 @@ def _bench_kvgen(config: DecodeBenchConfig, log: h.Progress) -> h.Side:
             "ttft_s": ttft_s}
 
 
+def _figure(side: h.Side, config: str, key: str = "decode_tokens_per_s") -> Any:
+    return side.get("configs", {}).get(config, {}).get(key)
+
+
 def compare(ours: h.Side, theirs: h.Side, their_config: str | None = None) -> dict[str, float | None]:
     """Ratios kvgen / peer (None where missing) per cache kind, or against the peer's one ``their_config``."""
-    def fig(side: h.Side, cache: str | None, key: str = "decode_tokens_per_s") -> Any:
-        return side.get("configs", {}).get(cache, {}).get(key) if cache else side.get(key)
-
     def vs(cache: str, key: str) -> float | None:
-        return h.ratio(fig(ours, cache, key), fig(theirs, their_config or cache, key))
+        return h.ratio(_figure(ours, cache, key), _figure(theirs, their_config or cache, key))
 
-    r = {"prefill_tokens_per_s": vs("static", "prefill_tokens_per_s")}
-    for key in ("decode_tokens_per_s", "decode_tokens_per_s_at_median_step"):
-        r |= {f"{key}_{c}": vs(c, key) for c in (CACHE_KINDS if their_config is None else CACHE_KINDS[1:])}
-    best = max((v for c in theirs.get("configs", {}) if (v := fig(theirs, c)) is not None), default=None)
-    return r | {"decode_tokens_per_s_static_vs_their_best": h.ratio(fig(ours, "static"), best),
-                "ttft_speedup": h.ratio(theirs.get("ttft_s"), ours.get("ttft_s")),
-                "load_s_kvgen_over_peer": h.ratio(ours.get("load_s"), theirs.get("load_s")),
-                "peak_rss_kvgen_over_peer": h.ratio(ours.get("peak_rss_bytes"), theirs.get("peak_rss_bytes"))}
+    per_cache = {f"{key}_{c}": vs(c, key) for key in ("decode_tokens_per_s", "decode_tokens_per_s_at_median_step")
+                 for c in (CACHE_KINDS if their_config is None else CACHE_KINDS[1:])}
+    best = max((v for c in theirs.get("configs", {}) if (v := _figure(theirs, c)) is not None), default=None)
+    return {"prefill_tokens_per_s": vs("static", "prefill_tokens_per_s"), **per_cache,
+            "decode_tokens_per_s_static_vs_their_best": h.ratio(_figure(ours, "static"), best),
+            "ttft_speedup": h.ratio(theirs.get("ttft_s"), ours.get("ttft_s")),
+            "load_s_kvgen_over_peer": h.ratio(ours.get("load_s"), theirs.get("load_s")),
+            "peak_rss_kvgen_over_peer": h.ratio(ours.get("peak_rss_bytes"), theirs.get("peak_rss_bytes"))}
 
 
 def greedy_agreement(ours: h.Side, theirs: h.Side, cache: str = "dynamic", their_config: str | None = None
                      ) -> dict[str, Any]:
     """How many leading greedy tokens of the two engines agree (a check that both ran the same model)."""
-    a = ours.get("configs", {}).get(cache, {}).get("new_token_ids")
-    b = theirs.get("configs", {}).get(their_config or cache, {}).get("new_token_ids")
+    a, b = _figure(ours, cache, "new_token_ids"), _figure(theirs, their_config or cache, "new_token_ids")
     if a is None or b is None:
         return {"num_compared_tokens": 0, "num_leading_equal_tokens": None}
     n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -187,21 +181,15 @@ def run_decode_bench(config: DecodeBenchConfig) -> DecodeReport:
               "vs_transformers": compare(ours, hf), "vs_llama_cpp": compare(ours, cpp, "kv_cache")}
     agreement = {"vs_transformers": greedy_agreement(ours, hf),
                  "vs_llama_cpp": greedy_agreement(ours, cpp, "static", "kv_cache")}
-    report = DecodeReport(SCHEMA, env, _workload(config, threads), ours, hf, cpp, ratios, agreement)
+    workload = {k: v for k, v in dataclasses.asdict(config).items() if k != "progress"} | {
+        "num_threads": threads, "batch_size": 1,
+        "transformers_dtype": str(DTYPES.get(str(dtype), torch.float32)).removeprefix("torch."),
+        "decoding": "greedy, EOS disabled", "prompt": f"seeded uniform ids (seed {config.seed}), same for all",
+        "no_cache_note": f"no-cache runs generate {config.no_cache_new_tokens} tokens",
+        "timing": "prefill_s: median 1-token run; decode_s = total_s - prefill_s; steps: streamed token gaps",
+        "peak_rss_note": "VmHWM of each process"}
+    report = DecodeReport(SCHEMA, env, workload, ours, hf, cpp, ratios, agreement)
     for rep in (rep for side in (ours, hf, cpp) for rep in side.get("configs", {}).values()):
         rep.pop("new_token_ids", None)  # they served the agreement checks
     env["load_average_1m_at_end"] = h.load_average()
     return report
-
-
-def _workload(config: DecodeBenchConfig, num_threads: int) -> dict[str, Any]:
-    from kvgen.loader import DTYPES
-
-    return {k: v for k, v in dataclasses.asdict(config).items() if k != "progress"} | {
-        "num_threads": num_threads, "batch_size": 1,
-        "transformers_dtype": str(DTYPES.get(str(config.dtype), torch.float32)).removeprefix("torch."),
-        "decoding": "greedy, EOS disabled", "prompt": f"seeded uniform ids (seed {config.seed}), same for all",
-        "no_cache_note": f"no-cache runs generate {config.no_cache_new_tokens} tokens",
-        "timing": "prefill_s: median 1-token run; decode_s = total_s - prefill_s; steps: streamed token gaps",
-        "peak_rss_note": "VmHWM of each process",
-    }

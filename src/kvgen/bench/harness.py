@@ -54,12 +54,13 @@ def load_average() -> float | None:
         return None
 
 
-def _processor() -> str:
+def _proc_field(path: str, key: str) -> str | None:
+    """The value of ``key`` in a ``/proc`` file of ``key: value`` lines, None where unreadable or absent."""
     try:
-        return next(v for k, _, v in (line.partition(":") for line in Path("/proc/cpuinfo").read_text().splitlines())
-                    if k.strip() == "model name").strip()
+        return next(v.strip() for k, _, v in (line.partition(":") for line in Path(path).read_text().splitlines())
+                    if k.strip() == key)
     except (OSError, StopIteration):
-        return platform.processor()
+        return None
 
 
 def environment_info() -> dict[str, Any]:
@@ -71,7 +72,8 @@ def environment_info() -> dict[str, Any]:
     except importlib.metadata.PackageNotFoundError:
         hf = None
     return {"torch_version": torch.__version__, "transformers_version": hf, "python_version": platform.python_version(),
-            "platform": platform.platform(), "machine": platform.machine(), "processor": _processor(),
+            "platform": platform.platform(), "machine": platform.machine(),
+            "processor": _proc_field("/proc/cpuinfo", "model name") or platform.processor(),
             "cpu_count": os.cpu_count(), "physical_cores": physical_cores(), "available_cpus": available_cpus(),
             "torch_num_threads": torch.get_num_threads(), "torch_num_interop_threads": torch.get_num_interop_threads(),
             "load_average_1m": load_average()}
@@ -81,11 +83,9 @@ def peak_rss_bytes() -> int:
     """This process's own peak RSS in bytes (``VmHWM``; ``ru_maxrss`` would include a forking parent's)."""
     import resource
 
-    try:
-        return next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
-                    if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    if (hwm := _proc_field("/proc/self/status", "VmHWM")) is not None:  # "123456 kB"
+        return int(hwm.split()[0]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def current_rss_bytes() -> int:
@@ -206,7 +206,7 @@ class RunStats:
     model_decode_s: float | None = None
 
 
-# (prompt ids: [1, T] tensor for kvgen and transformers, list[int] for llama.cpp; max_new_tokens; streamer or None)
+# (prompt: ids [1, T] for kvgen, (ids, mask) [B, T] for transformers, list[int] for llama.cpp; max_new_tokens; streamer)
 GenerateFn = Callable[[Any, int, "TokenTimer | None"], RunStats]
 
 

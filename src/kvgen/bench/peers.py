@@ -9,6 +9,8 @@ import contextlib
 import json
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 if __package__:
@@ -37,19 +39,22 @@ def pad_token_id(hf_model: Any) -> int:
 
 
 def transformers_generate_fn(hf_model: Any, cache: str) -> harness.GenerateFn:
-    """``GenerateFn`` over transformers ``generate``: greedy, min = max new tokens, per cache kind."""
+    """``GenerateFn`` over transformers ``generate`` on a left-padded batch (ids, mask [B, T]): greedy, min = max new
+    tokens, per cache kind; ``RunStats`` of row 0."""
     import torch
 
     per_cache: dict[str, dict[str, Any]] = {"no_cache": {"use_cache": False},
                                             "static": {"cache_implementation": "static"}}
     args = per_cache.get(cache, {})
 
-    def run(ids: torch.Tensor, max_new_tokens: int, streamer: harness.TokenTimer | None) -> harness.RunStats:
+    def run(batch: tuple[torch.Tensor, torch.Tensor], max_new_tokens: int, streamer: harness.TokenTimer | None
+            ) -> harness.RunStats:
+        ids, mask = batch
         with torch.inference_mode():
-            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, streamer=streamer,
+            out = hf_model.generate(ids, attention_mask=mask, do_sample=False, streamer=streamer,
                                     max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                                     pad_token_id=pad_token_id(hf_model), **args)
-        return harness.RunStats(ids.shape[1], out[0, ids.shape[1]:].tolist())  # out: [1, T + new]
+        return harness.RunStats(ids.shape[1], out[0, ids.shape[1]:].tolist())  # out: [B, T + new]
 
     return run
 
@@ -80,23 +85,30 @@ def llama_generate_fn(llm: Any) -> harness.GenerateFn:
     return run
 
 
+def _open(peer: str, request: dict[str, Any], n_ctx: int, n_batch: int
+          ) -> tuple[Callable[[str], harness.GenerateFn], Callable[[list[list[int]]], Any], float]:
+    """``peer`` loaded for ``request`` (llama.cpp: ``n_ctx`` tokens, ``n_batch`` per batch): its ``GenerateFn`` per
+    cache kind, the prompt that fn takes from token id rows (llama.cpp: the first row), the load seconds."""
+    if peer == "transformers":
+        from kvgen.bench.workloads import left_padded
+
+        hf_model, load_s = harness.timed(lambda: load_transformers(request["model_path"], request["dtype"]))
+        return (partial(transformers_generate_fn, hf_model), lambda rows: left_padded(rows, pad_token_id(hf_model)),
+                load_s)
+    llm, load_s = _llama(request, n_ctx, n_batch)
+    run = llama_generate_fn(llm)
+    return (lambda _: run), (lambda rows: rows[0]), load_s
+
+
 def decode(peer: str, request: dict[str, Any]) -> dict[str, Any]:
     """``harness.time_generation`` per cache kind of ``new_tokens`` ({kind: count}), and TTFT."""
     prompt, ttft_prompt, rss_before = request["prompt_ids"], request["ttft_prompt_ids"], harness.current_rss_bytes()
-    if peer == "transformers":
-        import torch
-
-        hf_model, load_s = harness.timed(lambda: load_transformers(request["model_path"], request["dtype"]))
-        prompt, ttft_prompt = torch.tensor([prompt]), torch.tensor([ttft_prompt])  # [1, T]
-        fns = {c: transformers_generate_fn(hf_model, c) for c in [*request["new_tokens"], "dynamic"]}
-    else:
-        n_ctx = len(prompt) + max(request["new_tokens"].values()) + 8
-        llm, load_s = _llama(request, n_ctx, min(n_ctx, max(512, len(prompt))))
-        fns = dict.fromkeys([*request["new_tokens"], "dynamic"], llama_generate_fn(llm))
+    n_ctx = len(prompt) + max(request["new_tokens"].values()) + 8
+    generate_fn, batch, load_s = _open(peer, request, n_ctx, min(n_ctx, max(512, len(prompt))))
     log, repeats = harness.Progress(request.get("progress", True), f"[bench:{peer}]"), request["num_prefill_repeats"]
-    runs = {c: (fns[c], n) for c, n in request["new_tokens"].items()}
-    report = {"load_s": load_s, "configs": harness.measure_caches(runs, prompt, repeats, log, peer),
-              "ttft_s": harness.time_to_first_token(fns["dynamic"], ttft_prompt, repeats)}
+    runs = {c: (generate_fn(c), n) for c, n in request["new_tokens"].items()}
+    report = {"load_s": load_s, "configs": harness.measure_caches(runs, batch([prompt]), repeats, log, peer),
+              "ttft_s": harness.time_to_first_token(generate_fn("dynamic"), batch([ttft_prompt]), repeats)}
     is_hf = peer == "transformers"
     return report | ({"rss_before_load_bytes": rss_before} if is_hf else {"ttft_prompt_tokens": len(ttft_prompt)})
 
@@ -104,36 +116,19 @@ def decode(peer: str, request: dict[str, Any]) -> dict[str, Any]:
 def throughput(peer: str, request: dict[str, Any]) -> dict[str, Any]:
     """Static batches of ``prompt_token_ids`` (transformers: left-padded, each decoding its longest output; llama.cpp:
     one request at a time); each token's seconds from the start."""
-    prompts, lens, extra = request["prompt_token_ids"], request["output_lens"], {}
-    if peer == "transformers":
-        import torch
-
-        from kvgen.bench.workloads import left_padded
-
-        hf_model, size = load_transformers(request["model_path"], request["dtype"]), request["static_batch_size"]
-
-        def generate(rows: list[list[int]], n: int, timer: harness.TokenTimer | None) -> None:
-            ids, mask = left_padded(rows, pad_token_id(hf_model))  # [B, T]
-            with torch.inference_mode():
-                hf_model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                  pad_token_id=pad_token_id(hf_model), streamer=timer)
-    else:
-        llm, extra["load_s"] = _llama(request, 1024, 512)
-        size, llama_run = 1, llama_generate_fn(llm)
-
-        def generate(rows: list[list[int]], n: int, timer: harness.TokenTimer | None) -> None:
-            llama_run(rows[0], n, timer)
-    generate([prompts[0][:4]], 2, None)  # warm-up, as kvgen's engine gets one
+    prompts, lens = request["prompt_token_ids"], request["output_lens"]
+    generate_fn, batch, load_s = _open(peer, request, 1024, 512)
+    run, size = generate_fn("dynamic"), request["static_batch_size"] if peer == "transformers" else 1
+    run(batch([prompts[0][:4]]), 2, None)  # warm-up, as kvgen's engine gets one
     token_times: list[list[float]] = [[] for _ in lens]
     start, waste = time.perf_counter(), 0
-    for batch in (range(b, min(b + size, len(lens))) for b in range(0, len(lens), size)):
-        new, timer = max(lens[i] for i in batch), harness.TokenTimer()
-        generate([prompts[i] for i in batch], new, timer)
-        for i in batch:
+    for rows in (range(b, min(b + size, len(lens))) for b in range(0, len(lens), size)):
+        new, timer = max(lens[i] for i in rows), harness.TokenTimer()
+        run(batch([prompts[i] for i in rows]), new, timer)
+        for i in rows:
             token_times[i] = [t - start for t in timer.times[: lens[i]]]
-        waste += new * len(batch)
-    if peer == "transformers":
-        extra["num_generated_tokens_including_waste"] = waste
+        waste += new * len(rows)
+    extra = {"num_generated_tokens_including_waste": waste} if peer == "transformers" else {"load_s": load_s}
     return {"token_times_s": token_times, "elapsed_s": time.perf_counter() - start, **extra}
 
 

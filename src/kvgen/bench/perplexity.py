@@ -13,6 +13,8 @@ from kvgen.bench import BenchConfig, BenchReport
 from kvgen.bench import harness as h
 from kvgen.bench.workloads import DEFAULT_TEXT, read_text
 from kvgen.fields import config_field as _f
+from kvgen.loader import load_model
+from kvgen.perplexity import perplexity, windows
 
 SCHEMA = "kvgen.bench.perplexity/1"
 SIDES = ("kvgen_default", "kvgen_float32", "llama_cpp")  # the columns of its text table (harness.render)
@@ -28,9 +30,6 @@ class PerplexityBenchConfig(BenchConfig):
 
 
 def _kvgen_side(config: PerplexityBenchConfig, dtype: str, text: str, log: h.Progress) -> tuple[h.Side, list[int]]:
-    from kvgen.loader import load_model
-    from kvgen.perplexity import perplexity
-
     log(f"kvgen ({dtype}): loading {config.model}")
     (llm, tokenizer), load_s = h.timed(lambda: load_model(config.model, dtype=dtype))
     token_ids = tokenizer.encode(text, add_special_tokens=False)
@@ -58,8 +57,6 @@ class PerplexityReport(BenchReport):
 
 def run_perplexity_bench(config: PerplexityBenchConfig) -> PerplexityReport:
     """The bench (see the module docstring). ``ValueError``: unreadable text, bad ``context_length``, too few tokens."""
-    from kvgen.perplexity import windows
-
     log, threads, dtype, env = h.start(config, "[bench:perplexity]")
     path, text = read_text(config.file)
     default, token_ids = _kvgen_side(config, dtype, text, log)

@@ -20,6 +20,9 @@ from kvgen.bench import BenchConfig
 from kvgen.bench import harness as h
 from kvgen.bench.workloads import make_workload
 from kvgen.fields import config_field as _f
+from kvgen.loader import resolve_model_path
+from kvgen.tokenizer import Tokenizer
+from kvgen.weights.gguf_file import gguf_metadata, open_gguf
 
 SCHEMA = "kvgen.bench.serve/1"
 SIDES = ("kvgen", "llama_cpp_server")  # the columns of its text table (harness.render)
@@ -66,7 +69,7 @@ def serving(system: str, gguf_path: str, dtype: str, threads: int) -> Iterator[s
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
     try:
-        while not _answers(url):
+        while not _answers(url + "/v1/models"):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{url} exited with status {proc.returncode} or did not answer within 300 s")
             time.sleep(0.5)
@@ -82,10 +85,9 @@ def serving(system: str, gguf_path: str, dtype: str, threads: int) -> Iterator[s
 def _answers(url: str) -> bool:
     import httpx
 
-    try:
-        return httpx.get(url + "/v1/models", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
+    with contextlib.suppress(httpx.TransportError):
+        return httpx.get(url, timeout=2).status_code == 200
+    return False
 
 
 async def run_load(base_url: str, prompts: list[str], output_lens: list[int], concurrency: int, eos_id: int) -> LoadRun:
@@ -110,11 +112,11 @@ async def run_load(base_url: str, prompts: list[str], output_lens: list[int], co
                    *h.latencies(list(times), list(sent)))
 
 
-def measure_system(system: str, path: str, dtype: str, threads: int, workload: tuple[list[str], list[int]],
+def measure_system(system: str, path: str, threads: int, workload: tuple[list[str], list[int]],
                    config: ServeBenchConfig, eos_id: int, log: h.Progress) -> h.Side:
     """One server's runs keyed by the concurrency as a string, or ``{"error": ...}`` when it fails."""
     try:
-        with serving(system, path, dtype, threads) as url:
+        with serving(system, path, config.dtype, threads) as url:
             log(f"{system}: {len(workload[0])} requests at each concurrency of {list(config.concurrency)}")
             return {str(c): h.to_json(asyncio.run(run_load(url, *workload, c, eos_id))) for c in config.concurrency}
     except (RuntimeError, OSError) as e:
@@ -137,26 +139,22 @@ class ServeReport:
 
 def run_serve_bench(config: ServeBenchConfig) -> ServeReport:
     """The whole bench (see the module docstring). ``ValueError`` for a Hugging Face directory or a GGUF without EOS."""
-    from kvgen.loader import resolve_model_path
-    from kvgen.tokenizer import Tokenizer
-    from kvgen.weights.gguf_file import gguf_metadata, open_gguf
-
     path = resolve_model_path(config.model)
     if path.is_dir():
         raise ValueError(f"kvgen bench serve needs a GGUF file (llama.cpp serves the same file), got directory {path}")
     tokenizer = Tokenizer.from_gguf(gguf_metadata(open_gguf(path)))
     if (eos_id := tokenizer.eos_token_id) is None:
         raise ValueError(f"kvgen bench serve bans EOS by its id, but {path} names no eos_token_id")
-    log, threads, env = h.Progress(), config.num_threads or h.physical_cores(), h.environment_info()
+    log, threads, _, env = h.start(config)
     raw = make_workload(config.num_prompts, tokenizer.vocab_size, config.seed)
     workload = ([tokenizer.decode(ids, skip_special_tokens=True) for ids in raw.prompt_token_ids], raw.output_lens)
-    ours = measure_system("kvgen", str(path), config.dtype, threads, workload, config, eos_id, log)
+    ours = measure_system("kvgen", str(path), threads, workload, config, eos_id, log)
     missing = next((m for m in ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings")
                     if importlib.util.find_spec(m) is None), None)
     theirs: h.Side = (
         {"skipped": "skipped (--no-llama-cpp)"} if not config.include_llama_cpp
         else {"skipped": f"{missing} is not installed (pip install -e '.[bench]')"} if missing
-        else measure_system("llama_cpp", str(path), config.dtype, threads, workload, config, eos_id, log))
+        else measure_system("llama_cpp", str(path), threads, workload, config, eos_id, log))
     ratios = {c: {"output_tokens_per_s": h.ratio(ours[c]["output_tokens_per_s"], theirs[c]["output_tokens_per_s"]),
                   "ttft_p99_s": h.ratio(theirs[c]["ttft_p99_s"], ours[c]["ttft_p99_s"])}
               for c in map(str, config.concurrency) if c in ours and c in theirs}

@@ -10,8 +10,11 @@ import torch
 
 from kvgen.bench import BenchConfig, BenchReport
 from kvgen.bench import harness as h
+from kvgen.bench.peers import load_transformers, pad_token_id
 from kvgen.bench.workloads import PROMPTS, left_padded
 from kvgen.fields import config_field as _f
+from kvgen.generation import GenerationConfig, generate
+from kvgen.loader import load_model
 
 SCHEMA = "kvgen.bench.strategies/1"
 STRATEGY_SETTINGS: dict[str, dict[str, Any]] = {  # GenerationConfig fields; transformers gets the same
@@ -55,9 +58,6 @@ class StrategyRun:
 def measure(model: Any, batch: tuple[torch.Tensor, torch.Tensor], settings: dict[str, Any],
             config: StrategiesBenchConfig) -> tuple[StrategyRun, list[list[int]]]:
     """Time kvgen's or (for a transformers ``model``) transformers' ``generate`` on ids, mask [B, T]; its new ids."""
-    from kvgen.bench.peers import pad_token_id
-    from kvgen.generation import GenerationConfig, generate
-
     ids, mask = batch
     is_ours = not hasattr(model, "generation_config")
 
@@ -107,9 +107,6 @@ class StrategiesReport(BenchReport):
 
 def run_strategies_bench(config: StrategiesBenchConfig) -> StrategiesReport:
     """Tokens/s of each decoding strategy on ``config.model``, kvgen and (where it has it) transformers."""
-    from kvgen.bench.peers import load_transformers
-    from kvgen.loader import load_model
-
     log, threads, dtype, env = h.start(config)
     workload = {"model": config.model, "dtype": dtype, "prompts": list(config.prompts), "seed": config.seed,
                 "batch_size": len(config.prompts), "new_tokens": config.new_tokens, "num_threads": threads,

@@ -12,11 +12,12 @@ from typing import Any
 from kvgen.bench import BenchConfig, BenchReport
 from kvgen.bench import harness as h
 from kvgen.bench.workloads import Workload, make_workload
+from kvgen.engine import EngineArgs, LLMEngine, SamplingParams
 from kvgen.fields import config_field as _f
+from kvgen.loader import load_model
 
 SCHEMA = "kvgen.bench.throughput/1"
-SYSTEMS = ("kvgen_engine", "kvgen_static", "transformers_static", "llama_cpp")
-SIDES = SYSTEMS  # the columns of its text table (harness.render)
+SIDES = ("kvgen_engine", "kvgen_static", "transformers_static", "llama_cpp")  # its systems; harness.render's columns
 
 
 @dataclasses.dataclass
@@ -105,10 +106,9 @@ def finish_profile(prof: EngineProfile) -> EngineProfile:
     return prof
 
 
-def measure_kvgen(model: Any, workload: Workload, engine_args: Any, static_batch_size: int | None) -> ThroughputSummary:
+def measure_kvgen(model: Any, workload: Workload, engine_args: EngineArgs, static_batch_size: int | None
+                  ) -> ThroughputSummary:
     """The workload on a fresh engine: continuous batching, or static batches when ``static_batch_size`` is set."""
-    from kvgen.engine import LLMEngine, SamplingParams
-
     engine, n = LLMEngine(model, None, engine_args), len(workload.output_lens)
     prof, size = profile_engine(engine), static_batch_size or n
     token_times: list[list[float]] = [[] for _ in range(n)]
@@ -148,20 +148,8 @@ class ThroughputReport(BenchReport):
     ratios: dict[str, Any]
 
 
-def _describe(config: ThroughputBenchConfig, workload: Workload, engine_args: Any) -> dict[str, Any]:
-    lens, outs = [len(p) for p in workload.prompt_token_ids], workload.output_lens
-    return {"num_prompts": len(lens), "seed": config.seed, "prompt_tokens_total": sum(lens),
-            "prompt_tokens_min_max": [min(lens), max(lens)], "output_tokens_total": sum(outs),
-            "output_tokens_min_max": [min(outs), max(outs)], "decoding": "greedy, ignore_eos",
-            "arrivals": "all at t=0", "static_batch_size": config.static_batch_size,
-            "engine_args": {k: v for k, v in dataclasses.asdict(engine_args).items() if k != "dtype"}}
-
-
 def run_throughput_bench(config: ThroughputBenchConfig) -> ThroughputReport:
     """The engine against static batching, transformers and llama-cpp-python (see the module docstring)."""
-    from kvgen.engine import EngineArgs
-    from kvgen.loader import load_model
-
     log, threads, dtype, env = h.start(config, "[bench:throughput]")
     engine_args = EngineArgs(model=config.model, max_num_seqs=config.max_num_seqs,  # no dtype: the model is loaded
                              kv_cache_memory=config.kv_cache_memory,
@@ -169,15 +157,19 @@ def run_throughput_bench(config: ThroughputBenchConfig) -> ThroughputReport:
     log(f"loading {config.model} ({dtype})")
     model, _ = load_model(config.model, dtype=dtype)
     workload = make_workload(config.num_prompts, model.config.vocab_size, config.seed)
-    described = _describe(config, workload, engine_args) | {"vocab_size": model.config.vocab_size, "dtype": dtype,
-                                                            "num_threads": threads}
+    lens, outs = [len(p) for p in workload.prompt_token_ids], workload.output_lens
+    described = {"num_prompts": len(lens), "seed": config.seed, "prompt_tokens_total": sum(lens),
+                 "prompt_tokens_min_max": [min(lens), max(lens)], "output_tokens_total": sum(outs),
+                 "output_tokens_min_max": [min(outs), max(outs)], "decoding": "greedy, ignore_eos",
+                 "arrivals": "all at t=0", "static_batch_size": config.static_batch_size,
+                 "engine_args": {k: v for k, v in dataclasses.asdict(engine_args).items() if k != "dtype"},
+                 "vocab_size": model.config.vocab_size, "dtype": dtype, "num_threads": threads}
     measure_kvgen(model, Workload([list(range(100, 164))], [4]), engine_args, None)  # warm-up: first-call paths
-    log(f"kvgen engine: {config.num_prompts} requests, continuous batching")
+    log(f"kvgen engine: {config.num_prompts} requests, continuous batching, then static batches")
     engine = measure_kvgen(model, workload, engine_args, None)
-    log(f"kvgen engine: {engine.generated_tokens_per_s:.1f} tokens/s; now static batches")
     static_args = dataclasses.replace(engine_args, max_num_seqs=config.static_batch_size)
     static = measure_kvgen(model, workload, static_args, config.static_batch_size)
-    log(f"kvgen static: {static.generated_tokens_per_s:.1f} tokens/s")
+    log(f"kvgen engine: {engine.generated_tokens_per_s:.1f} tokens/s; static: {static.generated_tokens_per_s:.1f}")
     rss, request = h.peak_rss_bytes(), {"dtype": dtype, "num_threads": threads, **dataclasses.asdict(workload),
                                         "static_batch_size": config.static_batch_size}
     del model
@@ -202,4 +194,4 @@ def _ratios(result: dict[str, Any]) -> dict[str, Any]:
 
     return {"note": "kvgen_engine over each system: > 1 is kvgen better, except *_kvgen_over_peer",
             "vs_transformers": vs("transformers_static"), "vs_llama_cpp": vs("llama_cpp"),
-            **{f"over_{name}": h.ratio(fig("kvgen_engine"), fig(name)) for name in SYSTEMS[1:]}}
+            **{f"over_{name}": h.ratio(fig("kvgen_engine"), fig(name)) for name in SIDES[1:]}}
