@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_tiny_model
 from tokenizer_cases import WORDPIECE_VOCAB, write_wordpiece_dir
-from transformers import BertTokenizer, GPT2Config, GPT2LMHeadModel
+from transformers import BertTokenizer, GPT2LMHeadModel
 
 import kvgen
 from kvgen.generation import GenerationConfig
@@ -18,12 +19,9 @@ from kvgen.generation import GenerationConfig
 def gpt2_bert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight GPT-2 saved with a vocab.txt and a tokenizer_config naming BertTokenizer."""
     directory = tmp_path_factory.mktemp("gpt2_bert")
-    cfg = GPT2Config(
-        n_embd=64, n_layer=2, n_head=4, vocab_size=len(WORDPIECE_VOCAB), n_positions=64,
-        bos_token_id=None, eos_token_id=None,  # GPT2Config's 50256 is outside this vocabulary
-    )
-    torch.manual_seed(0)
-    GPT2LMHeadModel(cfg).eval().save_pretrained(directory, safe_serialization=True)
+    ref = make_tiny_model("gpt2", vocab_size=len(WORDPIECE_VOCAB), max_position_embeddings=64,
+                          bos_token_id=None, eos_token_id=None).ref  # GPT2Config's 50256 is outside this vocabulary
+    ref.save_pretrained(directory, safe_serialization=True)
     return write_wordpiece_dir(directory, WORDPIECE_VOCAB, do_lower_case=True)
 
 
