@@ -86,6 +86,16 @@ def _per_row(value: RowParam, num_rows: int, dtype: torch.dtype, device: torch.d
     return torch.full((num_rows, 1), value, dtype=dtype, device=device)  # [B, 1]
 
 
+def _row_param(logits: torch.Tensor, name: str, value: RowParam, dtype: torch.dtype | None = None,
+               min_tokens_to_keep: int = 1, rule: ParamRule | None = None) -> torch.Tensor:
+    """A warper's checks in order (logits [B, V], ``value`` under ``name``'s rule, ``min_tokens_to_keep``), then
+    ``value`` as a ``[B, 1]`` column of ``dtype`` (default: the logits')."""
+    _check_logits(logits)
+    validate_param(name, value, logits.shape[0], rule)
+    _check_min_tokens_to_keep(min_tokens_to_keep)
+    return _per_row(value, logits.shape[0], dtype or logits.dtype, logits.device)  # [B, 1]
+
+
 def _keep_first(sorted_remove: torch.Tensor, num: int) -> torch.Tensor:
     """Clear the first ``num`` columns of a sorted removal mask (in place, internal)."""
     sorted_remove[:, :num] = False
@@ -102,9 +112,7 @@ def apply_temperature(logits: torch.Tensor, temperature: RowParam) -> torch.Tens
     Returns [B, V], logits' dtype. Raises ValueError for temperature <= 0.
     Source: HF ``TemperatureLogitsWarper``.
     """
-    _check_logits(logits)
-    validate_param("temperature", temperature, logits.shape[0], POSITIVE_TEMPERATURE)
-    t = _per_row(temperature, logits.shape[0], logits.dtype, logits.device)  # [B, 1]
+    t = _row_param(logits, "temperature", temperature, rule=POSITIVE_TEMPERATURE)  # [B, 1]
     return logits / t
 
 
@@ -117,11 +125,8 @@ def apply_top_k(
     ``min_tokens_to_keep`` and capped at V. Returns [B, V] with removed entries set to
     ``filter_value``. Raises ValueError for top_k < 0. Source: HF ``TopKLogitsWarper``.
     """
-    _check_logits(logits)
-    validate_param("top_k", top_k, logits.shape[0])
-    _check_min_tokens_to_keep(min_tokens_to_keep)
-    num_rows, vocab_size = logits.shape
-    k = _per_row(top_k, num_rows, torch.long, logits.device)  # [B, 1]
+    k = _row_param(logits, "top_k", top_k, torch.long, min_tokens_to_keep=min_tokens_to_keep)  # [B, 1]
+    vocab_size = logits.shape[1]
     is_enabled = k > 0  # [B, 1]
     k = torch.where(is_enabled, k.clamp(min=min_tokens_to_keep), vocab_size).clamp(max=vocab_size)  # [B, 1]
     top_values = torch.topk(logits, int(k.max())).values  # [B, k_max], descending
@@ -139,10 +144,7 @@ def apply_top_p(
     logits: [B, V] float; top_p: scalar or [B] in (0, 1] (1.0 disables).
     Returns [B, V]. Raises ValueError outside (0, 1]. Source: HF ``TopPLogitsWarper``.
     """
-    _check_logits(logits)
-    validate_param("top_p", top_p, logits.shape[0])
-    _check_min_tokens_to_keep(min_tokens_to_keep)
-    p = _per_row(top_p, logits.shape[0], torch.float64, logits.device)  # [B, 1]
+    p = _row_param(logits, "top_p", top_p, torch.float64, min_tokens_to_keep=min_tokens_to_keep)  # [B, 1]
     # 1 - p in float64, then rounded to the logits dtype, as HF's Python-float threshold is.
     threshold = (1 - p).to(logits.dtype)  # [B, 1]
     sorted_logits, sorted_ids = torch.sort(logits, descending=False)  # [B, V]
@@ -162,10 +164,7 @@ def apply_min_p(
     Returns [B, V]. Raises ValueError outside [0, 1]. Source: HF ``MinPLogitsWarper``
     (Nguyen et al. 2024, "Min P Sampling").
     """
-    _check_logits(logits)
-    validate_param("min_p", min_p, logits.shape[0])
-    _check_min_tokens_to_keep(min_tokens_to_keep)
-    scale = _per_row(min_p, logits.shape[0], logits.dtype, logits.device)  # [B, 1]
+    scale = _row_param(logits, "min_p", min_p, min_tokens_to_keep=min_tokens_to_keep)  # [B, 1]
     probs = torch.softmax(logits, dim=-1)  # [B, V]
     top_probs = probs.max(dim=-1, keepdim=True).values  # [B, 1]
     remove = probs < scale * top_probs  # [B, V]
@@ -184,10 +183,7 @@ def apply_typical_p(
     Returns [B, V]. Raises ValueError outside (0, 1]. Source: HF ``TypicalLogitsWarper``
     (Meister et al. 2022, "Locally Typical Sampling").
     """
-    _check_logits(logits)
-    validate_param("typical_p", typical_p, logits.shape[0])
-    _check_min_tokens_to_keep(min_tokens_to_keep)
-    mass = _per_row(typical_p, logits.shape[0], logits.dtype, logits.device)  # [B, 1]
+    mass = _row_param(logits, "typical_p", typical_p, min_tokens_to_keep=min_tokens_to_keep)  # [B, 1]
     log_probs = torch.nn.functional.log_softmax(logits, dim=-1)  # [B, V]
     entropy = -(log_probs * torch.exp(log_probs)).nansum(-1, keepdim=True)  # [B, 1]
     shifted = torch.abs((-log_probs) - entropy)  # [B, V]
@@ -214,10 +210,7 @@ def apply_epsilon_cutoff(
     Returns [B, V]. Raises ValueError outside [0, 1). Source: HF ``EpsilonLogitsWarper``
     (Hewitt et al. 2022, "Truncation Sampling as Language Model Desmoothing").
     """
-    _check_logits(logits)
-    validate_param("epsilon_cutoff", epsilon, logits.shape[0])
-    _check_min_tokens_to_keep(min_tokens_to_keep)
-    eps = _per_row(epsilon, logits.shape[0], logits.dtype, logits.device)  # [B, 1]
+    eps = _row_param(logits, "epsilon_cutoff", epsilon, min_tokens_to_keep=min_tokens_to_keep)  # [B, 1]
     remove = (logits.softmax(dim=-1) < eps) & _outside_top(logits, min_tokens_to_keep)  # [B, V]
     return logits.masked_fill(remove & (eps > 0), filter_value)
 
@@ -239,10 +232,7 @@ def apply_eta_cutoff(
     Returns [B, V]. Raises ValueError outside [0, 1). Source: HF ``EtaLogitsWarper``
     (Hewitt et al. 2022).
     """
-    _check_logits(logits)
-    validate_param("eta_cutoff", eta, logits.shape[0])
-    _check_min_tokens_to_keep(min_tokens_to_keep)
-    eps = _per_row(eta, logits.shape[0], torch.float32, logits.device)  # [B, 1]
+    eps = _row_param(logits, "eta_cutoff", eta, torch.float32, min_tokens_to_keep=min_tokens_to_keep)  # [B, 1]
     entropy = _categorical_entropy(logits).unsqueeze(1)  # [B, 1]
     threshold = torch.minimum(eps, torch.sqrt(eps) * torch.exp(-entropy)).to(logits.dtype)  # [B, 1]
     remove = (logits.softmax(dim=-1) < threshold) & _outside_top(logits, min_tokens_to_keep)  # [B, V]
