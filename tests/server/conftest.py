@@ -67,8 +67,8 @@ def start_server(model: str | Path, log_path: Path, *args: str, model_name: str 
     cmd = [sys.executable, "-m", "kvgen.cli", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", "0",
            "--served-model-name", model_name, *args]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    with open(log_path, "wb") as log:  # the server keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     deadline = time.monotonic() + START_TIMEOUT_S
     url: str | None = None
     while time.monotonic() < deadline:

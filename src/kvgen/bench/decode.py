@@ -168,11 +168,11 @@ class DecodeReport(BenchReport):
 
 def run_decode_bench(config: DecodeBenchConfig) -> DecodeReport:
     """The bench (see the module docstring); a peer may report ``skipped`` or ``error``. Raises the loader's errors."""
-    log, threads, dtype, env = h.start(config)
+    log, threads, env = h.start(config)
     ours = _bench_kvgen(config, log)
     ids = [seeded_prompt_ids(n, ours["vocab_size"], config.seed)[0].tolist()
            for n in (config.prompt_tokens, config.ttft_prompt_tokens)]
-    request = {"dtype": dtype, "num_threads": threads, "prompt_ids": ids[0], "ttft_prompt_ids": ids[1],
+    request = {"dtype": config.dtype, "num_threads": threads, "prompt_ids": ids[0], "ttft_prompt_ids": ids[1],
                "num_prefill_repeats": config.num_prefill_repeats, "progress": config.progress}
     hf, cpp = (h.peer_side(peer, "decode", on, config.model, log, request | {"new_tokens": n}) for peer, on, n in (
         ("transformers", config.include_transformers, config.new_tokens_per_cache()),
@@ -183,7 +183,7 @@ def run_decode_bench(config: DecodeBenchConfig) -> DecodeReport:
                  "vs_llama_cpp": greedy_agreement(ours, cpp, "static", "kv_cache")}
     workload = {k: v for k, v in dataclasses.asdict(config).items() if k != "progress"} | {
         "num_threads": threads, "batch_size": 1,
-        "transformers_dtype": str(DTYPES.get(str(dtype), torch.float32)).removeprefix("torch."),
+        "transformers_dtype": str(DTYPES.get(str(config.dtype), torch.float32)).removeprefix("torch."),
         "decoding": "greedy, EOS disabled", "prompt": f"seeded uniform ids (seed {config.seed}), same for all",
         "no_cache_note": f"no-cache runs generate {config.no_cache_new_tokens} tokens",
         "timing": "prefill_s: median 1-token run; decode_s = total_s - prefill_s; steps: streamed token gaps",

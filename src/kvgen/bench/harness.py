@@ -147,12 +147,12 @@ class Progress:
             print(f"{self.prefix} {time.perf_counter() - self._start:7.1f}s  {message}", file=sys.stderr, flush=True)
 
 
-def start(config: Any, prefix: str = "[bench]") -> tuple[Progress, int, str, dict[str, Any]]:
-    """A bench's opening: progress log, threads set from ``config.num_threads``, kvgen's dtype, the environment."""
+def start(config: Any, prefix: str = "[bench]") -> tuple[Progress, int, dict[str, Any]]:
+    """A bench's opening: progress log, threads set from ``config.num_threads`` (their count), the environment."""
     log, threads, env = Progress(config.progress, prefix), set_threads(config.num_threads), environment_info()
     if (load := env["load_average_1m"]) is not None and load > 0.5:
         log(f"warning: 1-minute load average is {load:.2f}; timings will be contended")
-    return log, threads, config.dtype, env
+    return log, threads, env
 
 
 def to_json(obj: Any) -> Any:
@@ -294,14 +294,14 @@ def render(result: dict[str, Any], sides: Sequence[str]) -> str:
     """A JSON report as text: a table with a column per side (dotted paths; rows: the numbers under them), then every
     other leaf (workload, env, ratios, texts, skips and errors) as ``path: value``. Floats to 4 digits, bytes in MiB."""
     flat, table = _flat(result), [["", *(s.rpartition(".")[2] for s in sides)]]
-    is_cell = {p: (side, p[len(side) + 1:]) for side in sides for p, v in flat.items()
-               if p.startswith(side + ".") and not isinstance(v, (str, list))}  # numbers: skips and errors are str
-    for row in dict.fromkeys(key for _, key in is_cell.values()):
+    rows = {p: p[len(side) + 1:] for side in sides for p, v in flat.items()
+            if p.startswith(side + ".") and not isinstance(v, (str, list))}  # numbers: skips and errors are str
+    for row in dict.fromkeys(rows.values()):
         table.append([row, *(_text(row, flat.get(f"{side}.{row}")) for side in sides)])
     widths = [max(map(len, column)) for column in zip(*table)]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in table]
     return "\n".join([result.get("schema", "kvgen bench"), *lines,
-                      *(f"{p}: {_text(p, v)}" for p, v in flat.items() if p not in is_cell and p != "schema")])
+                      *(f"{p}: {_text(p, v)}" for p, v in flat.items() if p not in rows and p != "schema")])
 
 
 def latencies(token_times: list[list[float]], starts: list[float]) -> tuple[float | None, float | None, float | None,

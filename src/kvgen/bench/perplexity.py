@@ -57,10 +57,10 @@ class PerplexityReport(BenchReport):
 
 def run_perplexity_bench(config: PerplexityBenchConfig) -> PerplexityReport:
     """The bench (see the module docstring). ``ValueError``: unreadable text, bad ``context_length``, too few tokens."""
-    log, threads, dtype, env = h.start(config, "[bench:perplexity]")
+    log, threads, env = h.start(config, "[bench:perplexity]")
     path, text = read_text(config.file)
-    default, token_ids = _kvgen_side(config, dtype, text, log)
-    float32 = default if dtype == "float32" else _kvgen_side(config, "float32", text, log)[0]
+    default, token_ids = _kvgen_side(config, config.dtype, text, log)
+    float32 = default if config.dtype == "float32" else _kvgen_side(config, "float32", text, log)[0]
     request = {"num_threads": threads, "context_length": config.context_length,
                "windows": windows(token_ids, config.context_length)}
     cpp = h.peer_side("llama_cpp", "perplexity", config.include_llama_cpp, config.model, log, request)
@@ -69,7 +69,7 @@ def run_perplexity_bench(config: PerplexityBenchConfig) -> PerplexityReport:
         cpp["perplexity"] = math.exp(cpp["mean_nll"])
     text_info = {"path": str(path), "sha256": hashlib.sha256(text.encode()).hexdigest(), "num_chars": len(text),
                  "num_tokens": len(token_ids), "is_default_text": config.file is None}
-    workload = {"model": config.model, "default_dtype": dtype, "context_length": config.context_length,
+    workload = {"model": config.model, "default_dtype": config.dtype, "context_length": config.context_length,
                 "num_threads": threads, "windows": "non-overlapping, each from position 0"}
     differences = relative_differences({"default": default, "float32": float32, "llama_cpp": cpp})
     return PerplexityReport(SCHEMA, env, workload, default, float32, cpp, text_info, differences)

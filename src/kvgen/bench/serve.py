@@ -145,7 +145,7 @@ def run_serve_bench(config: ServeBenchConfig) -> ServeReport:
     tokenizer = Tokenizer.from_gguf(gguf_metadata(open_gguf(path)))
     if (eos_id := tokenizer.eos_token_id) is None:
         raise ValueError(f"kvgen bench serve bans EOS by its id, but {path} names no eos_token_id")
-    log, threads, _, env = h.start(config)
+    log, threads, env = h.start(config)
     raw = make_workload(config.num_prompts, tokenizer.vocab_size, config.seed)
     workload = ([tokenizer.decode(ids, skip_special_tokens=True) for ids in raw.prompt_token_ids], raw.output_lens)
     ours = measure_system("kvgen", str(path), threads, workload, config, eos_id, log)

@@ -107,13 +107,13 @@ class StrategiesReport(BenchReport):
 
 def run_strategies_bench(config: StrategiesBenchConfig) -> StrategiesReport:
     """Tokens/s of each decoding strategy on ``config.model``, kvgen and (where it has it) transformers."""
-    log, threads, dtype, env = h.start(config)
-    workload = {"model": config.model, "dtype": dtype, "prompts": list(config.prompts), "seed": config.seed,
+    log, threads, env = h.start(config)
+    workload = {"model": config.model, "dtype": config.dtype, "prompts": list(config.prompts), "seed": config.seed,
                 "batch_size": len(config.prompts), "new_tokens": config.new_tokens, "num_threads": threads,
                 "timing": "tokens_per_s = batch_size x new_tokens / seconds of one run after a warm-up"}
-    log(f"kvgen: loading {config.model} ({dtype})")
-    ours, tokenizer = load_model(config.model, dtype=dtype)
-    theirs = load_transformers(config.model, dtype) if config.include_transformers else None
+    log(f"kvgen: loading {config.model} ({config.dtype})")
+    ours, tokenizer = load_model(config.model, dtype=config.dtype)
+    theirs = load_transformers(config.model, config.dtype) if config.include_transformers else None
     batch = left_padded([tokenizer.encode(p) for p in config.prompts], tokenizer.pad_token_id or 0)  # [B, T] each
     strategies = {name: _measure_strategy(name, (ours, theirs), batch, config, log) for name in STRATEGY_SETTINGS}
     env["load_average_1m_at_end"] = h.load_average()

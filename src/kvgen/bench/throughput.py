@@ -150,12 +150,12 @@ class ThroughputReport(BenchReport):
 
 def run_throughput_bench(config: ThroughputBenchConfig) -> ThroughputReport:
     """The engine against static batching, transformers and llama-cpp-python (see the module docstring)."""
-    log, threads, dtype, env = h.start(config, "[bench:throughput]")
+    log, threads, env = h.start(config, "[bench:throughput]")
     engine_args = EngineArgs(model=config.model, max_num_seqs=config.max_num_seqs,  # no dtype: the model is loaded
                              kv_cache_memory=config.kv_cache_memory,
                              max_num_batched_tokens=config.max_num_batched_tokens)
-    log(f"loading {config.model} ({dtype})")
-    model, _ = load_model(config.model, dtype=dtype)
+    log(f"loading {config.model} ({config.dtype})")
+    model, _ = load_model(config.model, dtype=config.dtype)
     workload = make_workload(config.num_prompts, model.config.vocab_size, config.seed)
     lens, outs = [len(p) for p in workload.prompt_token_ids], workload.output_lens
     described = {"num_prompts": len(lens), "seed": config.seed, "prompt_tokens_total": sum(lens),
@@ -163,14 +163,14 @@ def run_throughput_bench(config: ThroughputBenchConfig) -> ThroughputReport:
                  "output_tokens_min_max": [min(outs), max(outs)], "decoding": "greedy, ignore_eos",
                  "arrivals": "all at t=0", "static_batch_size": config.static_batch_size,
                  "engine_args": {k: v for k, v in dataclasses.asdict(engine_args).items() if k != "dtype"},
-                 "vocab_size": model.config.vocab_size, "dtype": dtype, "num_threads": threads}
+                 "vocab_size": model.config.vocab_size, "dtype": config.dtype, "num_threads": threads}
     measure_kvgen(model, Workload([list(range(100, 164))], [4]), engine_args, None)  # warm-up: first-call paths
     log(f"kvgen engine: {config.num_prompts} requests, continuous batching, then static batches")
     engine = measure_kvgen(model, workload, engine_args, None)
     static_args = dataclasses.replace(engine_args, max_num_seqs=config.static_batch_size)
     static = measure_kvgen(model, workload, static_args, config.static_batch_size)
     log(f"kvgen engine: {engine.generated_tokens_per_s:.1f} tokens/s; static: {static.generated_tokens_per_s:.1f}")
-    rss, request = h.peak_rss_bytes(), {"dtype": dtype, "num_threads": threads, **dataclasses.asdict(workload),
+    rss, request = h.peak_rss_bytes(), {"dtype": config.dtype, "num_threads": threads, **dataclasses.asdict(workload),
                                         "static_batch_size": config.static_batch_size}
     del model
     hf, cpp = (peer_summary(h.peer_side(peer, "throughput", on, config.model, log, request), workload)
