@@ -140,7 +140,7 @@ def _add_model_flags(p: argparse.ArgumentParser, dtype: bool = True, threads: bo
     if model:
         p.add_argument("--model", default="default", help="a .gguf file, a Hugging Face directory or 'default' (SmolLM2-135M-Instruct)")
     if threads:
-        p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the physical cores)")
+        p.add_argument("--threads", type=int, default=None, help="CPU threads (default: $OMP_NUM_THREADS, else the physical cores)")
     if dtype:
         p.add_argument(
             "--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -417,12 +417,10 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 
 def _set_threads(threads: int | None) -> None:
-    """--threads N, else $OMP_NUM_THREADS when set (torch already follows it), else the physical cores."""
+    """--threads N, else $OMP_NUM_THREADS when set, else the physical cores (``kvgen.threads.set_threads``)."""
     if threads is not None and threads < 1:
         raise CliError(f"--threads must be >= 1, got {threads}")
-    if threads is None and os.environ.get("OMP_NUM_THREADS"):
-        return
-    from kvgen.bench.harness import set_threads
+    from kvgen.threads import set_threads
 
     set_threads(threads)
 

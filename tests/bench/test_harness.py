@@ -18,11 +18,9 @@ from kvgen.bench.harness import (
     OMIT_IF_NONE,
     Progress,
     TokenTimer,
-    available_cpus,
     latencies,
     peer_side,
     percentile,
-    physical_cores,
     render,
     run_side,
     to_json,
@@ -38,10 +36,6 @@ def test_run_side_round_trips_a_request_and_reports_failures() -> None:
     assert "status 3" in crash["error"] and "boom" in crash["error"]
     silent = run_side("silent", ["-c", "print('not json')"], lambda _: None)
     assert "no JSON report" in silent["error"]
-
-
-def test_thread_default_is_physical_cores_within_affinity() -> None:
-    assert 1 <= physical_cores() <= available_cpus()
 
 
 @pytest.mark.parametrize("q", [0, 10, 50, 90, 99, 100])

@@ -24,28 +24,6 @@ Side = dict[str, Any]  # one system's JSON report: its figures, or {"skipped": w
 OMIT_IF_NONE = {"omit_if_none": True}  # field metadata: left out of :func:`to_json` while None
 
 
-def available_cpus() -> int:
-    """CPU cores this process may run on (its affinity mask where the OS has one)."""
-    has_affinity = hasattr(psutil.Process, "cpu_affinity")  # not on macOS
-    return len(psutil.Process().cpu_affinity() or []) if has_affinity else os.cpu_count() or 1
-
-
-def physical_cores() -> int:
-    """Physical cores, at most :func:`available_cpus` (one thread per core)."""
-    return min(psutil.cpu_count(logical=False) or available_cpus(), available_cpus())
-
-
-def set_threads(num_threads: int | None = None) -> int:
-    """Set torch's intra-op threads (default: :func:`physical_cores`); the count. ``ValueError`` below 1."""
-    import torch
-
-    n = physical_cores() if num_threads is None else num_threads
-    if n < 1:
-        raise ValueError(f"num_threads must be >= 1, got {n}")
-    torch.set_num_threads(n)
-    return n
-
-
 def load_average() -> float | None:
     """1-minute load average (runnable processes); above the core count, timings are contended."""
     try:
@@ -66,6 +44,8 @@ def _proc_field(path: str, key: str) -> str | None:
 def environment_info() -> dict[str, Any]:
     """Versions and machine facts that a timing depends on (JSON-ready)."""
     import torch
+
+    from kvgen.threads import available_cpus, physical_cores
 
     try:
         hf: str | None = importlib.metadata.version("transformers")
@@ -149,6 +129,8 @@ class Progress:
 
 def start(config: Any, prefix: str = "[bench]") -> tuple[Progress, int, dict[str, Any]]:
     """A bench's opening: progress log, threads set from ``config.num_threads`` (their count), the environment."""
+    from kvgen.threads import set_threads
+
     log, threads, env = Progress(config.progress, prefix), set_threads(config.num_threads), environment_info()
     if (load := env["load_average_1m"]) is not None and load > 0.5:
         log(f"warning: 1-minute load average is {load:.2f}; timings will be contended")

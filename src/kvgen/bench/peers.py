@@ -160,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("task", choices=["decode", "throughput", "perplexity"])
     a, request = parser.parse_args(argv), json.load(sys.stdin)
     if a.peer == "transformers":
-        harness.set_threads(request["num_threads"])
+        from kvgen.threads import set_threads
+
+        set_threads(request["num_threads"])
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON report
         result = {"decode": decode, "throughput": throughput, "perplexity": perplexity}[a.task](a.peer, request)
     if a.peer == "llama_cpp":
