@@ -46,28 +46,62 @@ inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// scores[g * n8 + i] = scale * q[g] . K[keys[i]] for i < n, 8 keys at a time: 8 independent
-// accumulators per head hide the FMA latency; one hsum8 per 8 keys.
-template <typename T, typename KRow>
-void qk_scores(const float* const* q, int64_t G, int64_t D, int64_t n, const int64_t* keys, KRow krow, float scale,
-               float* sc, int64_t n8) {
-  const __m256 vs = _mm256_set1_ps(scale);
-  for (int64_t i0 = 0; i0 < n; i0 += 8) {
-    const T* kr[8];
-    for (int j = 0; j < 8; ++j) kr[j] = krow(keys[std::min<int64_t>(i0 + j, n - 1)]);  // the tail repeats a key
-    for (int64_t g = 0; g < G; ++g) {
-      __m256 a[8];
-      for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(q[g] + d);
-        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, load8(kr[j] + d), a[j]);
+// Dot products of the G heads q[g] with the 8 K rows kr[j], one vector of 8 lanes per (g, j) (summed
+// by hsum8 later): KB rows at a time, each K vector converted once for all G heads; G KB
+// accumulators hide the FMA latency and, with one K vector, fit in 16 registers.
+template <typename T, int G>
+inline void qk_dots(const float* const* q, int64_t D, const T* const* kr, __m256 (*dots)[8]) {
+  constexpr int KB = G == 1 ? 8 : G <= 3 ? 4 : 2;
+  for (int j0 = 0; j0 < 8; j0 += KB) {
+    __m256 a[G][KB];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < KB; ++j) a[g][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8)
+      for (int j = 0; j < KB; ++j) {
+        const __m256 kv = load8(kr[j0 + j] + d);
+        for (int g = 0; g < G; ++g) a[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d), kv, a[g][j]);
       }
-      _mm256_storeu_ps(sc + g * n8 + i0, _mm256_mul_ps(hsum8(a), vs));
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < KB; ++j) dots[g][j0 + j] = a[g][j];
+  }
+}
+
+// The same for any G, one head at a time (each K vector converted G times).
+template <typename T>
+inline void qk_dots_any(const float* const* q, int64_t G, int64_t D, const T* const* kr, __m256 (*dots)[8]) {
+  for (int64_t g = 0; g < G; ++g) {
+    for (int j = 0; j < 8; ++j) dots[g][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q[g] + d);
+      for (int j = 0; j < 8; ++j) dots[g][j] = _mm256_fmadd_ps(qv, load8(kr[j] + d), dots[g][j]);
     }
   }
 }
 
-// out[g][d0 .. d0 + 8 CW) = sum_i p[g, i] V[keys[i]], every V row converted once for the G heads.
+// scores[g * n8 + i] = scale * q[g] . K[keys[i]] for i < n, 8 keys at a time, one hsum8 per head.
+// Every path sums a key's products in the same order (d ascending per lane, then hsum8).
+template <typename T, typename KRow>
+void qk_scores(const float* const* q, int64_t G, int64_t D, int64_t n, const int64_t* keys, KRow krow, float scale,
+               float* sc, int64_t n8) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  __m256 dots[64][8];
+  for (int64_t i0 = 0; i0 < n; i0 += 8) {
+    const T* kr[8];
+    for (int j = 0; j < 8; ++j) kr[j] = krow(keys[std::min<int64_t>(i0 + j, n - 1)]);  // the tail repeats a key
+    switch (G) {  // heads per KV head: templates for the common group sizes
+      case 1: qk_dots<T, 1>(q, D, kr, dots); break;
+      case 2: qk_dots<T, 2>(q, D, kr, dots); break;
+      case 3: qk_dots<T, 3>(q, D, kr, dots); break;
+      case 4: qk_dots<T, 4>(q, D, kr, dots); break;
+      default: qk_dots_any<T>(q, G, D, kr, dots);
+    }
+    for (int64_t g = 0; g < G; ++g) _mm256_storeu_ps(sc + g * n8 + i0, _mm256_mul_ps(hsum8(dots[g]), vs));
+  }
+}
+
+// out[g][d0 .. d0 + 8 CW) = sum_i p[g, i] V[keys[i]] in key order, every V vector converted once
+// for the G heads; G CW accumulators (>= 8 where G allows) hide the FMA latency and, with the
+// G weights and one V vector, fit in 16 registers.
 template <typename T, int G, int CW, typename VRow>
 void pv_chunk(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t d0, float* const* out) {
   __m256 acc[G][CW];
@@ -75,11 +109,11 @@ void pv_chunk(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow v
     for (int c = 0; c < CW; ++c) acc[g][c] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
     const T* v = vrow(keys[i]) + d0;
-    __m256 vv[CW];
-    for (int c = 0; c < CW; ++c) vv[c] = load8(v + 8 * c);
-    for (int g = 0; g < G; ++g) {
-      const __m256 w = _mm256_set1_ps(p[g * n8 + i]);
-      for (int c = 0; c < CW; ++c) acc[g][c] = _mm256_fmadd_ps(w, vv[c], acc[g][c]);
+    __m256 w[G];
+    for (int g = 0; g < G; ++g) w[g] = _mm256_set1_ps(p[g * n8 + i]);
+    for (int c = 0; c < CW; ++c) {
+      const __m256 vv = load8(v + 8 * c);
+      for (int g = 0; g < G; ++g) acc[g][c] = _mm256_fmadd_ps(w[g], vv, acc[g][c]);
     }
   }
   for (int g = 0; g < G; ++g)
@@ -88,7 +122,7 @@ void pv_chunk(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow v
 
 template <typename T, int G, typename VRow>
 void pv(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t D, float* const* out) {
-  constexpr int CW = G <= 3 ? 4 : 2;  // 8 CW columns per pass: accumulators + one V chunk fit in 16 registers
+  constexpr int CW = G == 1 ? 8 : G <= 3 ? 4 : 2;  // 8 CW columns per pass
   int64_t d0 = 0;
   for (; d0 + 8 * CW <= D; d0 += 8 * CW) pv_chunk<T, G, CW>(p, n8, n, keys, vrow, d0, out);
   for (; d0 < D; d0 += 8) pv_chunk<T, G, 1>(p, n8, n, keys, vrow, d0, out);
@@ -110,9 +144,12 @@ void attend_chunk(const float* const* q, int64_t G, int64_t D, int64_t n, const 
   qk_scores<T>(q, G, D, n, keys, krow, scale, sc, n8);
   for (int64_t g = 0; g < G; ++g) {
     float* s = sc + g * n8;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
     for (int64_t i = n; i < n8; ++i) s[i] = -std::numeric_limits<float>::infinity();
+    __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());  // max is exact in any order
+    for (int64_t i = 0; i < n8; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    const float mx = *std::max_element(lanes, lanes + 8);
     const __m256 vmx = _mm256_set1_ps(mx);
     __m256 vsum = _mm256_setzero_ps();
     for (int64_t i = 0; i < n8; i += 8) {
@@ -224,8 +261,8 @@ void attention_impl(const AttentionArgs<T>& a) {
   std::vector<int64_t> num_keys(num_pairs);
   for (int64_t bt = 0; bt < a.B * a.Tq; ++bt) {
     const int64_t b = bt / a.Tq, t = bt % a.Tq, last = std::min<int64_t>(a.past_len + t, a.S - 1);
-    int64_t n = 0;
-    for (int64_t s = 0; s <= last; ++s) n += visible(b, t, s);
+    int64_t n = a.mask ? 0 : last + 1;  // without a mask, every slot up to its own
+    for (int64_t s = 0; a.mask && s <= last; ++s) n += visible(b, t, s);
     for (int64_t j = 0; j < a.Hkv; ++j) num_keys[bt * a.Hkv + j] = std::max<int64_t>(n, 1);
   }
   Partials parts(num_keys, G, a.D);
@@ -234,7 +271,8 @@ void attention_impl(const AttentionArgs<T>& a) {
     const int64_t last = std::min<int64_t>(a.past_len + t, a.S - 1), lo = c * kKeyChunk;
     const int64_t hi = std::min<int64_t>(num_keys[w], lo + kKeyChunk);
     scratch.keys.clear();
-    for (int64_t s = 0, i = 0; s <= last && i < hi; ++s) {  // the chunk's slice of the visible keys
+    for (int64_t s = lo; !a.mask && s < hi; ++s) scratch.keys.push_back(s);  // no mask: slots lo .. hi - 1
+    for (int64_t s = 0, i = 0; a.mask && s <= last && i < hi; ++s) {  // the chunk's slice of the visible keys
       if (visible(b, t, s)) {
         if (i >= lo) scratch.keys.push_back(s);
         ++i;
