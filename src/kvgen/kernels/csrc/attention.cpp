@@ -254,15 +254,15 @@ struct AttentionArgs {
 template <typename T>
 void attention_impl(const AttentionArgs<T>& a) {
   const int64_t G = a.H / a.Hkv, num_pairs = a.B * a.Tq * a.Hkv;  // pair w = ((b * Tq) + t) * Hkv + j
-  // visible keys of query (b, t): slots <= past_len + t allowed by the mask (at least its own)
-  auto visible = [&](int64_t b, int64_t t, int64_t s) {
-    return s <= std::min<int64_t>(a.past_len + t, a.S - 1) && (!a.mask || a.mask[b * a.S + s]);
-  };
+  // visible keys of query (b, t): slots <= past_len + t allowed by the mask (at least its own);
+  // before[b (S + 1) + s] = slots of row b before s that the mask allows
+  std::vector<int64_t> before(a.mask ? a.B * (a.S + 1) : 0);
+  for (int64_t b = 0; a.mask && b < a.B; ++b)
+    for (int64_t s = 0; s < a.S; ++s) before[b * (a.S + 1) + s + 1] = before[b * (a.S + 1) + s] + a.mask[b * a.S + s];
   std::vector<int64_t> num_keys(num_pairs);
   for (int64_t bt = 0; bt < a.B * a.Tq; ++bt) {
     const int64_t b = bt / a.Tq, t = bt % a.Tq, last = std::min<int64_t>(a.past_len + t, a.S - 1);
-    int64_t n = a.mask ? 0 : last + 1;  // without a mask, every slot up to its own
-    for (int64_t s = 0; a.mask && s <= last; ++s) n += visible(b, t, s);
+    const int64_t n = a.mask ? before[b * (a.S + 1) + last + 1] : last + 1;
     for (int64_t j = 0; j < a.Hkv; ++j) num_keys[bt * a.Hkv + j] = std::max<int64_t>(n, 1);
   }
   Partials parts(num_keys, G, a.D);
@@ -271,12 +271,12 @@ void attention_impl(const AttentionArgs<T>& a) {
     const int64_t last = std::min<int64_t>(a.past_len + t, a.S - 1), lo = c * kKeyChunk;
     const int64_t hi = std::min<int64_t>(num_keys[w], lo + kKeyChunk);
     scratch.keys.clear();
-    for (int64_t s = lo; !a.mask && s < hi; ++s) scratch.keys.push_back(s);  // no mask: slots lo .. hi - 1
-    for (int64_t s = 0, i = 0; a.mask && s <= last && i < hi; ++s) {  // the chunk's slice of the visible keys
-      if (visible(b, t, s)) {
-        if (i >= lo) scratch.keys.push_back(s);
-        ++i;
-      }
+    if (!a.mask) {
+      for (int64_t s = lo; s < hi; ++s) scratch.keys.push_back(s);  // every slot up to its own
+    } else if (before[b * (a.S + 1) + last + 1] > 0) {  // the visible keys lo .. hi - 1, from the lo-th one's slot
+      const int64_t* row = before.data() + b * (a.S + 1);
+      for (int64_t s = std::upper_bound(row, row + last + 2, lo) - row - 1; s <= last && int64_t(scratch.keys.size()) < hi - lo; ++s)
+        if (a.mask[b * a.S + s]) scratch.keys.push_back(s);
     }
     if (scratch.keys.empty()) scratch.keys.push_back(last);  // a padded query: its own slot (finite, unused)
     const float* qs[64];
