@@ -204,3 +204,53 @@ def test_fused_cache_write_and_attention_match_reference():
     want = REF.paged_attention_qkv(qkv, pools[2], pools[3], slots, tables, qsl, seq_lens, h, d**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(pools[0], pools[2])
+
+
+def _decoder_inputs(num_layers: int, b: int, t: int, past: int, seed: int):
+    """Random operands of ``decoder_layers``: C 64, H 4, Hkv 2, D 16, I 96, Q4_1 / Q8_0 projections."""
+    c, h, h_kv, d, inter = 64, 4, 2, 16, 96
+    g = torch.Generator().manual_seed(seed)
+    weights, linears, eps = [], [], []
+    for layer in range(num_layers):
+        qtype = (Q.Q4_1, Q.Q8_0)[layer % 2]
+        for n, k in (((h + 2 * h_kv) * d, c), (c, h * d), (2 * inter, c), (c, inter)):
+            raw, _ = _gguf_matrix(qtype, n, k, seed=seed + n + k + layer)
+            weight_type, packed = K.pack_gguf_rows(qtype.name, [raw])
+            weights.append(packed)
+            linears += [weight_type, n]
+        eps += [1e-5, 1e-6]
+    for layer in range(num_layers):  # norms go at 6 l and 6 l + 3, around the four projections
+        weights.insert(6 * layer, torch.rand(c, generator=g) + 0.5)
+        weights.insert(6 * layer + 3, torch.rand(c, generator=g) + 0.5)
+    x = torch.randn(b * t, c, generator=g)
+    angles = torch.randn(b * t, d // 2, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [N, D]
+    caches = [torch.randn(b, h_kv, past + t + 3, d, generator=g).half() for _ in range(2 * num_layers)]
+    mask = torch.ones(b, past + t, dtype=torch.bool)
+    mask[-1, :2] = False  # a left-padded row
+    return x, weights, linears, eps, cos, sin, caches, mask, (h, h_kv, d**-0.5)
+
+
+@needs_avx2
+@pytest.mark.parametrize("b,t,past", [(1, 1, 9), (2, 3, 5)])  # a decode step; a chunk over a padded batch
+def test_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin(b, t, past):
+    x, weights, linears, eps, cos, sin, caches, mask, (h, h_kv, scale) = _decoder_inputs(2, b, t, past, seed=12)
+    ks, vs = [c.clone() for c in caches[0::2]], [c.clone() for c in caches[1::2]]
+    got = OPS.decoder_layers(x, weights, linears, eps, cos, sin, ks, vs, mask, past, h, h_kv, scale)
+    rows, mine_k, mine_v = x, [c.clone() for c in caches[0::2]], [c.clone() for c in caches[1::2]]
+    for layer in range(2):  # LlamaDecoderLayer.forward_kernels, op by op
+        norm1, qkv, o, norm2, gate_up, down = weights[6 * layer : 6 * layer + 6]
+        lin = linears[8 * layer : 8 * layer + 8]
+        hid = OPS.qgemm(OPS.rms_norm(rows, norm1, eps[2 * layer]), qkv, lin[0], lin[1], None)
+        OPS.rope_qkv_(hid, cos, sin, h, h_kv)
+        hid = OPS.static_attention(hid, mine_k[layer], mine_v[layer], mask, past, h, scale)
+        rows = OPS.qgemm(hid, o, lin[2], lin[3], None, rows)
+        hid = OPS.qgemm(OPS.rms_norm(rows, norm2, eps[2 * layer + 1]), gate_up, lin[4], lin[5], None)
+        rows = OPS.qgemm(OPS.silu_mul(hid), down, lin[6], lin[7], None, rows)
+    assert torch.equal(got, rows)
+    assert all(torch.equal(a, c) for a, c in zip(ks + vs, mine_k + mine_v))  # the same slots written
+    ref_k, ref_v = [c.clone() for c in caches[0::2]], [c.clone() for c in caches[1::2]]
+    want = REF.decoder_layers(x, weights, linears, eps, cos, sin, ref_k, ref_v, mask, past, h, h_kv, scale)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * float(want.abs().max()))
+    with pytest.raises(RuntimeError, match="6 weights"):
+        OPS.decoder_layers(x, weights[:-1], linears, eps, cos, sin, ks, vs, mask, past, h, h_kv, scale)

@@ -11,7 +11,7 @@ import torch
 from helpers import left_pad
 
 from kvgen.generation import GenerationConfig, generate
-from kvgen.generation.runner import positions_from_mask
+from kvgen.generation.runner import make_cache, positions_from_mask
 from kvgen.kernels import reference_ops
 from kvgen.models import AttentionMetadata
 from kvgen.models.quant_linear import QuantEmbedding, QuantLinear
@@ -71,3 +71,29 @@ def test_greedy_tokens_equal_alone_batched_and_across_cache_kinds(ours_default_a
     alone = [generate(model, torch.tensor([p]), None, static).new_token_ids[0] for p in prompts]
     ids, mask = left_pad(prompts, pad_id=0)
     assert generate(model, ids, mask, config).new_token_ids == alone
+
+
+def test_one_op_decoder_equals_the_layer_by_layer_path(ours_default_auto):
+    """``kernels.decoder_layers`` (a static cache: every layer in one op) against each layer's own ops: the same
+    hidden states and cache contents, bit for bit, over a padded prefill and two decode steps."""
+    model, tok = ours_default_auto
+    ids, mask = left_pad([tok.encode(t) for t in TEXTS], pad_id=0)
+    operands = model._decoder_operands
+    assert operands is not None  # SmolLM2 has no projection biases
+    runs = []
+    for fused in (operands, None):
+        model._decoder_operands = fused
+        try:
+            cache, out, step_mask = make_cache(model, "static", ids.shape[0], ids.shape[1] + 4), [], mask
+            with torch.inference_mode():
+                out.append(model(ids, positions_from_mask(mask), cache, AttentionMetadata(mask)))
+                for step in range(2):
+                    step_mask = torch.cat([step_mask, torch.ones(ids.shape[0], 1, dtype=mask.dtype)], 1)
+                    positions = positions_from_mask(step_mask)[:, -1:]
+                    out.append(model(torch.full((ids.shape[0], 1), 42 + step), positions, cache, AttentionMetadata(step_mask)))
+            runs.append((out, cache.key_cache + cache.value_cache))
+        finally:
+            model._decoder_operands = operands
+    (fused_out, fused_cache), (layer_out, layer_cache) = runs
+    assert all(torch.equal(a, b) for a, b in zip(fused_out, layer_out))
+    assert all(torch.equal(a, b) for a, b in zip(fused_cache, layer_cache))

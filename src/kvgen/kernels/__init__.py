@@ -23,6 +23,9 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 * ``rms_norm(x [M, C], weight [C], eps) -> [M, C]``
 * ``rope_qkv_(qkv [N, (H + 2 Hkv) D], cos [N, D], sin [N, D], H, Hkv)``: in place on q and k
 * ``silu_mul(gate_up [M, 2I]) -> [M, I]``
+* ``decoder_layers(x [N, C], weights (6 per layer), linears (8 ints per layer), eps (2 per layer), cos, sin [N, D],
+  k_caches, v_caches [B, Hkv, S_max, D] per layer, key_mask?, past_len, H, Hkv, scale) -> [N, C]``: every Llama
+  decoder layer over a static cache in one op (each layer's nine ops above, in order)
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "ops.cpp", "quantize_q8a.cpp", "qgemm_q4.cpp", "qgemm_q8.cpp",
-    "attention.cpp", "rms_norm.cpp", "rope.cpp", "silu_mul.cpp", "repack.cpp", "attention_qkv.cpp",
+    "attention.cpp", "rms_norm.cpp", "rope.cpp", "silu_mul.cpp", "repack.cpp", "attention_qkv.cpp", "decoder.cpp",
 )
 HEADERS = ("common.h", "vec_math.h", "aten_lite.h", "ops.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
@@ -66,11 +69,12 @@ class KernelOps:
     repack_gguf: Callable[[list[torch.Tensor], int], torch.Tensor]
     static_attention: Callable[..., torch.Tensor]
     paged_attention_qkv: Callable[..., torch.Tensor]
+    decoder_layers: Callable[..., torch.Tensor]
 
 
 _NAMES = (
     "qgemm", "quantize_q8a", "dequantize_rows", "attention", "paged_attention", "rms_norm", "rope_qkv_", "silu_mul", "repack_gguf",
-    "static_attention", "paged_attention_qkv",
+    "static_attention", "paged_attention_qkv", "decoder_layers",
 )
 _REFERENCE = KernelOps("reference", *(getattr(reference, n) for n in _NAMES))
 _ops: KernelOps | None = None

@@ -270,3 +270,25 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU gate: gate_up [M, 2I] (gate first) -> silu(gate) * up [M, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def decoder_layers(
+    x: torch.Tensor, weights: list[torch.Tensor], linears: list[int], eps: list[float], cos: torch.Tensor,
+    sin: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], key_mask: torch.Tensor | None,
+    past_len: int, num_heads: int, num_kv_heads: int, scale: float,
+) -> torch.Tensor:
+    """Every decoder layer of a Llama-family model on rows x [N = B T, C] with a static KV cache, as
+    ``LlamaDecoderLayer.forward_kernels`` per layer l: weights[6 l : 6 l + 6] = (input_layernorm,
+    qkv_proj, o_proj, post_attention_layernorm, gate_up_proj, down_proj), linears[8 l : 8 l + 8] =
+    (weight_type, out_features) of the four projections, eps[2 l : 2 l + 2]; caches [B, Hkv, S_max, D]
+    written at slots ``past_len..``. Returns [N, C] float32."""
+    for layer in range(len(k_caches)):
+        norm1, qkv, o, norm2, gate_up, down = weights[6 * layer : 6 * layer + 6]
+        lin = linears[8 * layer : 8 * layer + 8]
+        h = qgemm(rms_norm(x, norm1, eps[2 * layer]), qkv, lin[0], lin[1], None)  # [N, (H + 2 Hkv) D]
+        rope_qkv_(h, cos, sin, num_heads, num_kv_heads)
+        h = static_attention(h, k_caches[layer], v_caches[layer], key_mask, past_len, num_heads, scale)  # [N, H D]
+        x = qgemm(h, o, lin[2], lin[3], None, x)
+        h = qgemm(rms_norm(x, norm2, eps[2 * layer + 1]), gate_up, lin[4], lin[5], None)  # [N, 2 I]
+        x = qgemm(silu_mul(h), down, lin[6], lin[7], None, x)
+    return x

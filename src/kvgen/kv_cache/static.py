@@ -42,17 +42,22 @@ class StaticCache:
         vc[:, :, start:end] = v
         return kc[:, :, :end], vc[:, :, :end]  # [B, Hkv, S+T, D]
 
+    def static_buffers(self, num_new: int) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+        """For a forward writing ``num_new`` tokens per row at slots ``seq_length..``: the per-layer K and V
+        buffers [B, Hkv, S_max, D] and ``seq_length`` (the kernels write and read them in place).
+        Raises ``ContextLengthError`` when the write would pass ``max_cache_len``."""
+        end = self.seq_length + num_new
+        if end > self.max_cache_len:
+            raise ContextLengthError(f"StaticCache holds {self.max_cache_len} tokens; writing up to slot {end} overflows it")
+        return self.key_cache, self.value_cache, self.seq_length
+
     def attend_rows(self, layer_idx: int, qkv: torch.Tensor, key_mask: torch.Tensor | None, num_heads: int,
                     scale: float, kernels) -> torch.Tensor:
         """Kernel path: write this forward's k, v from stacked rows qkv [B*T, (H + 2 Hkv) D] at slots
         ``seq_length..`` and attend (``kernels.static_attention``). Returns [B*T, H D] float32.
         Raises ``ContextLengthError`` when the write would pass ``max_cache_len``."""
-        end = self.seq_length + qkv.shape[0] // self.key_cache[0].shape[0]
-        if end > self.max_cache_len:
-            raise ContextLengthError(f"StaticCache holds {self.max_cache_len} tokens; writing up to slot {end} overflows it")
-        return kernels.static_attention(
-            qkv, self.key_cache[layer_idx], self.value_cache[layer_idx], key_mask, self.seq_length, num_heads, scale
-        )
+        keys, values, past = self.static_buffers(qkv.shape[0] // self.key_cache[0].shape[0])
+        return kernels.static_attention(qkv, keys[layer_idx], values[layer_idx], key_mask, past, num_heads, scale)
 
     def advance(self, num_new: int) -> None:
         """Record that ``num_new`` tokens were written by every layer."""

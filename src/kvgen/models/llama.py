@@ -173,6 +173,7 @@ class LlamaForCausalLM(CausalLM):
         self.kv_cache_dtype: torch.dtype | None = None  # None: the parameters' dtype
         self.kernels: KernelOps | None = None  # set by use_kernels (quantized weights)
         self._kernel_layers: list[LlamaDecoderLayer] = []
+        self._decoder_operands: tuple[list[torch.Tensor], list[int], list[float]] | None = None  # use_kernels
         self._cos_table: torch.Tensor | None = None  # [P, D] RoPE tables of the kernel path
         self._sin_table: torch.Tensor | None = None
 
@@ -200,8 +201,16 @@ class LlamaForCausalLM(CausalLM):
             mask = prepare_attention(attn_metadata, kv_cache, input_ids.shape[1])
         if self.kernels is not None:  # rows [N, C] through each layer's fused ops, no module calls
             rows = x.view(-1, x.shape[-1])
-            for i, layer in enumerate(self._kernel_layers):
-                rows = layer.forward_kernels(rows, x.shape[0], cos, sin, i, kv_cache, mask)
+            if self._decoder_operands is not None and hasattr(kv_cache, "static_buffers"):  # every layer in one op
+                keys, values, past = kv_cache.static_buffers(input_ids.shape[1])
+                c = self.config
+                rows = self.kernels.decoder_layers(
+                    rows, *self._decoder_operands, cos, sin, keys, values, mask, past, c.num_attention_heads,
+                    c.num_key_value_heads, c.head_dim**-0.5,
+                )
+            else:
+                for i, layer in enumerate(self._kernel_layers):
+                    rows = layer.forward_kernels(rows, x.shape[0], cos, sin, i, kv_cache, mask)
             x = rows.view(x.shape)
         else:
             for i, block in enumerate(self.model.layers):
@@ -220,7 +229,23 @@ class LlamaForCausalLM(CausalLM):
                 module.kernels = kernels
         self.kernels = kernels
         self._kernel_layers = [cast(LlamaDecoderLayer, layer) for layer in self.model.layers]
+        self._decoder_operands = self._gather_decoder_operands()
         self.kv_cache_dtype = torch.float16  # the kernels read K and V at fp16 precision: store them so
+
+    def _gather_decoder_operands(self) -> tuple[list[torch.Tensor], list[int], list[float]] | None:
+        """The operands of ``kernels.decoder_layers`` (weights, linears, eps; see its docstring), or None when
+        a projection has a bias (those layers run one by one)."""
+        weights: list[torch.Tensor] = []
+        linears: list[int] = []
+        eps: list[float] = []
+        for layer in self._kernel_layers:
+            _, norm1, eps1, qkv, o, norm2, eps2, gate_up, down, *_ = layer._operands
+            if any(lin[3] is not None for lin in (qkv, o, gate_up, down)):
+                return None
+            weights += [norm1, qkv[0], o[0], norm2, gate_up[0], down[0]]
+            linears += [n for lin in (qkv, o, gate_up, down) for n in lin[1:3]]
+            eps += [eps1, eps2]
+        return weights, linears, eps
 
     def _rope_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, D] float32 for positions [B, T], from a table grown to the largest position

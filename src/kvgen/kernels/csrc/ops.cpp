@@ -46,6 +46,8 @@ at::Tensor quantize_q8a(const at::Tensor& x) {
   return quantize_rows(x.contiguous());
 }
 
+}  // namespace
+
 at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weight_type, int64_t out_features,
                  const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
   check_weight(weight, weight_type);
@@ -97,6 +99,8 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   }
   return result;
 }
+
+namespace {
 
 // Rows `ids` of a repacked weight, dequantized: [n, in_features] float32 (embedding lookup).
 at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const at::Tensor& ids_in, int64_t in_features) {
@@ -161,6 +165,9 @@ TORCH_LIBRARY(kvgen, m) {
         "int num_heads, float scale) -> Tensor");
   m.def("paged_attention_qkv(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, int num_heads, float scale) -> Tensor");
+  m.def("decoder_layers(Tensor x, Tensor[] weights, int[] linears, float[] eps, Tensor cos, Tensor sin, "
+        "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor? key_mask, int past_len, int num_heads, int num_kv_heads, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
@@ -175,4 +182,5 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("repack_gguf", &kvgen::repack_gguf);
   m.impl("static_attention", &kvgen::static_attention);
   m.impl("paged_attention_qkv", &kvgen::paged_attention_qkv);
+  m.impl("decoder_layers", &kvgen::decoder_layers);
 }
