@@ -254,3 +254,29 @@ def test_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin(b, t, pas
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * float(want.abs().max()))
     with pytest.raises(RuntimeError, match="6 weights"):
         OPS.decoder_layers(x, weights[:-1], linears, eps, cos, sin, ks, vs, mask, past, h, h_kv, scale)
+
+
+@needs_avx2
+def test_paged_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin():
+    x, weights, linears, eps, cos, sin, _, _, (h, h_kv, scale) = _decoder_inputs(2, 1, 6, 0, seed=13)
+    g = torch.Generator().manual_seed(14)
+    pools = [torch.randn(8, 4, h_kv, 16, generator=g).half() for _ in range(4)]  # k, v of two layers
+    tables, seq_lens, qsl = torch.tensor([[2, 5], [7, 1]]), torch.tensor([3, 6]), torch.tensor([0, 3, 6])
+    slots = torch.tensor([8, 9, 10, 7 * 4 + 3, 1 * 4 + 0, 1 * 4 + 1])  # seq 0: positions 0-2; seq 1: positions 3-5
+    meta = (slots, tables, qsl, seq_lens)
+    mine = [p.clone() for p in pools]
+    got = OPS.paged_decoder_layers(x, weights, linears, eps, cos, sin, mine[0::2], mine[1::2], *meta, h, h_kv, scale)
+    rows, steps = x, [p.clone() for p in pools]
+    for layer in range(2):  # LlamaDecoderLayer.forward_kernels over a paged cache, op by op
+        norm1, qkv, o, norm2, gate_up, down = weights[6 * layer : 6 * layer + 6]
+        lin = linears[8 * layer : 8 * layer + 8]
+        hid = OPS.qgemm(OPS.rms_norm(rows, norm1, eps[2 * layer]), qkv, lin[0], lin[1], None)
+        OPS.rope_qkv_(hid, cos, sin, h, h_kv)
+        hid = OPS.paged_attention_qkv(hid, steps[2 * layer], steps[2 * layer + 1], *meta, h, scale)
+        rows = OPS.qgemm(hid, o, lin[2], lin[3], None, rows)
+        hid = OPS.qgemm(OPS.rms_norm(rows, norm2, eps[2 * layer + 1]), gate_up, lin[4], lin[5], None)
+        rows = OPS.qgemm(OPS.silu_mul(hid), down, lin[6], lin[7], None, rows)
+    assert torch.equal(got, rows) and all(torch.equal(a, b) for a, b in zip(mine, steps))
+    ref = [p.clone() for p in pools]
+    want = REF.paged_decoder_layers(x, weights, linears, eps, cos, sin, ref[0::2], ref[1::2], *meta, h, h_kv, scale)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * float(want.abs().max()))

@@ -26,6 +26,8 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 * ``decoder_layers(x [N, C], weights (6 per layer), linears (8 ints per layer), eps (2 per layer), cos, sin [N, D],
   k_caches, v_caches [B, Hkv, S_max, D] per layer, key_mask?, past_len, H, Hkv, scale) -> [N, C]``: every Llama
   decoder layer over a static cache in one op (each layer's nine ops above, in order)
+* ``paged_decoder_layers(x, weights, linears, eps, cos, sin, k_pools, v_pools, slot_mapping, block_tables,
+  query_start_loc, seq_lens, H, Hkv, scale) -> [N, C]``: the same over a paged cache (``paged_attention_qkv``)
 """
 
 from __future__ import annotations
@@ -70,11 +72,13 @@ class KernelOps:
     static_attention: Callable[..., torch.Tensor]
     paged_attention_qkv: Callable[..., torch.Tensor]
     decoder_layers: Callable[..., torch.Tensor]
+    paged_decoder_layers: Callable[..., torch.Tensor]
 
 
 _NAMES = (
     "qgemm", "quantize_q8a", "dequantize_rows", "attention", "paged_attention", "rms_norm", "rope_qkv_", "silu_mul", "repack_gguf",
     "static_attention", "paged_attention_qkv", "decoder_layers",
+    "paged_decoder_layers",
 )
 _REFERENCE = KernelOps("reference", *(getattr(reference, n) for n in _NAMES))
 _ops: KernelOps | None = None

@@ -19,6 +19,8 @@ Source: llama.cpp ``ggml/src/ggml-cpu/arch/x86/quants.c`` (``quantize_row_q8_1``
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 BLOCK = 32  # values per quantization block
@@ -272,6 +274,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def _layers(
+    x: torch.Tensor, weights: list[torch.Tensor], linears: list[int], eps: list[float], cos: torch.Tensor,
+    sin: torch.Tensor, num_layers: int, num_heads: int, num_kv_heads: int,
+    attend: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The layer loop of :func:`decoder_layers`; ``attend(l, qkv)`` stores layer l's k, v and returns [N, H D]."""
+    for layer in range(num_layers):
+        norm1, qkv, o, norm2, gate_up, down = weights[6 * layer : 6 * layer + 6]
+        lin = linears[8 * layer : 8 * layer + 8]
+        h = qgemm(rms_norm(x, norm1, eps[2 * layer]), qkv, lin[0], lin[1], None)  # [N, (H + 2 Hkv) D]
+        rope_qkv_(h, cos, sin, num_heads, num_kv_heads)
+        h = attend(layer, h)  # [N, H D]
+        x = qgemm(h, o, lin[2], lin[3], None, x)
+        h = qgemm(rms_norm(x, norm2, eps[2 * layer + 1]), gate_up, lin[4], lin[5], None)  # [N, 2 I]
+        x = qgemm(silu_mul(h), down, lin[6], lin[7], None, x)
+    return x
+
+
 def decoder_layers(
     x: torch.Tensor, weights: list[torch.Tensor], linears: list[int], eps: list[float], cos: torch.Tensor,
     sin: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], key_mask: torch.Tensor | None,
@@ -281,14 +301,19 @@ def decoder_layers(
     ``LlamaDecoderLayer.forward_kernels`` per layer l: weights[6 l : 6 l + 6] = (input_layernorm,
     qkv_proj, o_proj, post_attention_layernorm, gate_up_proj, down_proj), linears[8 l : 8 l + 8] =
     (weight_type, out_features) of the four projections, eps[2 l : 2 l + 2]; caches [B, Hkv, S_max, D]
-    written at slots ``past_len..``. Returns [N, C] float32."""
-    for layer in range(len(k_caches)):
-        norm1, qkv, o, norm2, gate_up, down = weights[6 * layer : 6 * layer + 6]
-        lin = linears[8 * layer : 8 * layer + 8]
-        h = qgemm(rms_norm(x, norm1, eps[2 * layer]), qkv, lin[0], lin[1], None)  # [N, (H + 2 Hkv) D]
-        rope_qkv_(h, cos, sin, num_heads, num_kv_heads)
-        h = static_attention(h, k_caches[layer], v_caches[layer], key_mask, past_len, num_heads, scale)  # [N, H D]
-        x = qgemm(h, o, lin[2], lin[3], None, x)
-        h = qgemm(rms_norm(x, norm2, eps[2 * layer + 1]), gate_up, lin[4], lin[5], None)  # [N, 2 I]
-        x = qgemm(silu_mul(h), down, lin[6], lin[7], None, x)
-    return x
+    written at slots ``past_len..`` (:func:`static_attention`). Returns [N, C] float32."""
+    return _layers(x, weights, linears, eps, cos, sin, len(k_caches), num_heads, num_kv_heads, lambda layer, h:
+                   static_attention(h, k_caches[layer], v_caches[layer], key_mask, past_len, num_heads, scale))
+
+
+def paged_decoder_layers(
+    x: torch.Tensor, weights: list[torch.Tensor], linears: list[int], eps: list[float], cos: torch.Tensor,
+    sin: torch.Tensor, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor], slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,
+    num_kv_heads: int, scale: float,
+) -> torch.Tensor:
+    """:func:`decoder_layers` over packed rows x [N, C] of several sequences and per-layer pools
+    [num_blocks, block_size, Hkv, D] (:func:`paged_attention_qkv`). Returns [N, C] float32."""
+    return _layers(x, weights, linears, eps, cos, sin, len(k_pools), num_heads, num_kv_heads, lambda layer, h:
+                   paged_attention_qkv(h, k_pools[layer], v_pools[layer], slot_mapping, block_tables,
+                                       query_start_loc, seq_lens, num_heads, scale))

@@ -168,6 +168,9 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("decoder_layers(Tensor x, Tensor[] weights, int[] linears, float[] eps, Tensor cos, Tensor sin, "
         "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor? key_mask, int past_len, int num_heads, int num_kv_heads, "
         "float scale) -> Tensor");
+  m.def("paged_decoder_layers(Tensor x, Tensor[] weights, int[] linears, float[] eps, Tensor cos, Tensor sin, "
+        "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
+        "Tensor seq_lens, int num_heads, int num_kv_heads, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
@@ -183,4 +186,5 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("static_attention", &kvgen::static_attention);
   m.impl("paged_attention_qkv", &kvgen::paged_attention_qkv);
   m.impl("decoder_layers", &kvgen::decoder_layers);
+  m.impl("paged_decoder_layers", &kvgen::paged_decoder_layers);
 }

@@ -27,6 +27,11 @@ at::Tensor decoder_layers(const at::Tensor& x, at::TensorList weights, at::IntAr
                           const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches,
                           const c10::optional<at::Tensor>& key_mask, int64_t past_len, int64_t num_heads,
                           int64_t num_kv_heads, double scale);
+at::Tensor paged_decoder_layers(const at::Tensor& x, at::TensorList weights, at::IntArrayRef linears,
+                                at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
+                                at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& slot_mapping,
+                                const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                                const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, double scale);
 at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type);
 
 }  // namespace kvgen
