@@ -78,11 +78,10 @@ def test_one_op_decoder_equals_the_layer_by_layer_path(ours_default_auto):
     hidden states and cache contents, bit for bit, over a padded prefill and two decode steps."""
     model, tok = ours_default_auto
     ids, mask = left_pad([tok.encode(t) for t in TEXTS], pad_id=0)
-    operands = model._decoder_operands
-    assert operands is not None  # SmolLM2 has no projection biases
+    assert model._decoder_operands is not None  # SmolLM2 has no projection biases
     runs = []
-    for fused in (operands, None):
-        model._decoder_operands = fused
+    for one_op in (True, False):
+        model.one_op_decoder = one_op
         try:
             cache, out, step_mask = make_cache(model, "static", ids.shape[0], ids.shape[1] + 4), [], mask
             with torch.inference_mode():
@@ -93,7 +92,7 @@ def test_one_op_decoder_equals_the_layer_by_layer_path(ours_default_auto):
                     out.append(model(torch.full((ids.shape[0], 1), 42 + step), positions, cache, AttentionMetadata(step_mask)))
             runs.append((out, cache.key_cache + cache.value_cache))
         finally:
-            model._decoder_operands = operands
+            model.one_op_decoder = True
     (fused_out, fused_cache), (layer_out, layer_cache) = runs
     assert all(torch.equal(a, b) for a, b in zip(fused_out, layer_out))
     assert all(torch.equal(a, b) for a, b in zip(fused_cache, layer_cache))

@@ -24,6 +24,9 @@ class CausalLM(nn.Module):
     and ``compute_logits(hidden [..., C]) -> logits [..., V]`` float32 (DESIGN.md)."""
 
     config: ModelConfig
+    # A decoder with a one-op path over every layer (LlamaForCausalLM's kernels.decoder_layers) takes it while
+    # True; False runs the layers one by one (the same numbers; a profiler sees each op).
+    one_op_decoder: bool = True
 
     def forward(
         self,

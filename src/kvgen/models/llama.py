@@ -201,16 +201,16 @@ class LlamaForCausalLM(CausalLM):
             mask = prepare_attention(attn_metadata, kv_cache, input_ids.shape[1])
         if self.kernels is not None:  # rows [N, C] through each layer's fused ops, no module calls
             rows = x.view(-1, x.shape[-1])
-            c = self.config
+            c, operands = self.config, self._decoder_operands if self.one_op_decoder else None
             heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim**-0.5)
-            if self._decoder_operands is not None and isinstance(mask, PagedAttentionMetadata):  # every layer, one op
+            if operands is not None and isinstance(mask, PagedAttentionMetadata):  # every layer in one op
                 rows = self.kernels.paged_decoder_layers(
-                    rows, *self._decoder_operands, cos, sin, kv_cache.key_cache, kv_cache.value_cache,
+                    rows, *operands, cos, sin, kv_cache.key_cache, kv_cache.value_cache,
                     mask.slot_mapping, mask.block_tables, mask.query_start_loc, mask.seq_lens, *heads,
                 )
-            elif self._decoder_operands is not None and hasattr(kv_cache, "static_buffers"):
+            elif operands is not None and hasattr(kv_cache, "static_buffers"):
                 keys, values, past = kv_cache.static_buffers(input_ids.shape[1])
-                rows = self.kernels.decoder_layers(rows, *self._decoder_operands, cos, sin, keys, values, mask, past, *heads)
+                rows = self.kernels.decoder_layers(rows, *operands, cos, sin, keys, values, mask, past, *heads)
             else:
                 for i, layer in enumerate(self._kernel_layers):
                     rows = layer.forward_kernels(rows, x.shape[0], cos, sin, i, kv_cache, mask)
