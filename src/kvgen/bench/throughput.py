@@ -6,6 +6,7 @@ engine's phase seconds (``profile``, by wrapping its methods from outside)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from typing import Any
 
@@ -109,6 +110,7 @@ def finish_profile(prof: EngineProfile) -> EngineProfile:
 def measure_kvgen(model: Any, workload: Workload, engine_args: EngineArgs, static_batch_size: int | None
                   ) -> ThroughputSummary:
     """The workload on a fresh engine: continuous batching, or static batches when ``static_batch_size`` is set."""
+    gc.collect()  # the previous engine (kept by the cycles of the profile's wrappers) frees its KV pool first
     engine, n = LLMEngine(model, None, engine_args), len(workload.output_lens)
     prof, size = profile_engine(engine), static_batch_size or n
     token_times: list[list[float]] = [[] for _ in range(n)]
