@@ -6,10 +6,13 @@ model itself for the equivalences (batch, padding, cache kinds), which must hold
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import left_pad
 
+from kvgen.engine import EngineArgs, LLMEngine, SamplingParams
 from kvgen.generation import GenerationConfig, generate
 from kvgen.generation.runner import make_cache, positions_from_mask
 from kvgen.kernels import reference_ops
@@ -73,16 +76,27 @@ def test_greedy_tokens_equal_alone_batched_and_across_cache_kinds(ours_default_a
     assert generate(model, ids, mask, config).new_token_ids == alone
 
 
-def test_one_op_decoder_equals_the_layer_by_layer_path(ours_default_auto):
-    """``kernels.decoder_layers`` (a static cache: every layer in one op) against each layer's own ops: the same
-    hidden states and cache contents, bit for bit, over a padded prefill and two decode steps."""
+@pytest.mark.parametrize("twins", [False, True], ids=["kernels", "torch-twins"])
+def test_one_op_decoder_equals_the_layer_by_layer_path(ours_default_auto, twins):
+    """``decoder_layers`` (a static cache: every layer in one op) against each layer's own ops, on the C++ kernels
+    and on their torch twins: the same hidden states and cache contents, bit for bit, over a padded prefill and
+    two decode steps."""
     model, tok = ours_default_auto
     ids, mask = left_pad([tok.encode(t) for t in TEXTS], pad_id=0)
-    assert model._decoder_operands is not None  # SmolLM2 has no projection biases
+    kernels, calls = model.kernels, []
+    base = reference_ops() if twins else kernels
+
+    def counted(*args):
+        calls.append(1)
+        return base.decoder_layers(*args)
+
     runs = []
-    for one_op in (True, False):
-        model.one_op_decoder = one_op
-        try:
+    try:
+        model.use_kernels(dataclasses.replace(base, decoder_layers=counted))
+        assert model._decoder_operands is not None  # SmolLM2 has no projection biases
+        for one_op in (True, False):
+            model.one_op_decoder = one_op
+            calls.clear()
             cache, out, step_mask = make_cache(model, "static", ids.shape[0], ids.shape[1] + 4), [], mask
             with torch.inference_mode():
                 out.append(model(ids, positions_from_mask(mask), cache, AttentionMetadata(mask)))
@@ -91,8 +105,41 @@ def test_one_op_decoder_equals_the_layer_by_layer_path(ours_default_auto):
                     positions = positions_from_mask(step_mask)[:, -1:]
                     out.append(model(torch.full((ids.shape[0], 1), 42 + step), positions, cache, AttentionMetadata(step_mask)))
             runs.append((out, cache.key_cache + cache.value_cache))
-        finally:
-            model.one_op_decoder = True
+            assert len(calls) == (3 if one_op else 0)  # one op per forward, or none
+    finally:
+        model.one_op_decoder = True
+        model.use_kernels(kernels)
     (fused_out, fused_cache), (layer_out, layer_cache) = runs
     assert all(torch.equal(a, b) for a, b in zip(fused_out, layer_out))
     assert all(torch.equal(a, b) for a, b in zip(fused_cache, layer_cache))
+
+
+def test_engine_steps_run_the_one_op_paged_decoder_with_the_same_tokens(ours_default_auto):
+    """The engine's packed steps (chunked prefill next to decodes) through ``paged_decoder_layers``, one op per
+    step, give the tokens of the layer-by-layer path."""
+    model, tok = ours_default_auto
+    kernels, calls = model.kernels, []
+
+    def counted(*args):
+        calls.append(1)
+        return kernels.paged_decoder_layers(*args)
+
+    def run() -> dict[str, list[int]]:
+        engine = LLMEngine(model, tok, EngineArgs(model="default", max_num_batched_tokens=16, kv_cache_memory=32 << 20))
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        for i, text in enumerate(TEXTS):
+            engine.add_request(str(i), prompt=text, sampling_params=params)
+        outputs: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            outputs |= {out.request_id: out.outputs[0].token_ids for out in engine.step()}
+        return outputs
+
+    try:
+        model.use_kernels(dataclasses.replace(kernels, paged_decoder_layers=counted))
+        one_op = run()
+        num_steps = len(calls)
+        model.one_op_decoder = False
+        assert run() == one_op and len(calls) == num_steps > 0
+    finally:
+        model.one_op_decoder = True
+        model.use_kernels(kernels)
