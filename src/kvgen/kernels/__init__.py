@@ -77,8 +77,7 @@ class KernelOps:
 
 _NAMES = (
     "qgemm", "quantize_q8a", "dequantize_rows", "attention", "paged_attention", "rms_norm", "rope_qkv_", "silu_mul", "repack_gguf",
-    "static_attention", "paged_attention_qkv", "decoder_layers",
-    "paged_decoder_layers",
+    "static_attention", "paged_attention_qkv", "decoder_layers", "paged_decoder_layers",
 )
 _REFERENCE = KernelOps("reference", *(getattr(reference, n) for n in _NAMES))
 _ops: KernelOps | None = None
