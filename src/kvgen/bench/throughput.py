@@ -6,8 +6,8 @@ engine's phase seconds (``profile``, by wrapping its methods from outside)."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
+import weakref
 from typing import Any
 
 from kvgen.bench import BenchConfig, BenchReport
@@ -81,10 +81,10 @@ def profile_engine(engine: Any) -> EngineProfile:
     prof, runner, scheduler = EngineProfile(), engine.runner, engine.scheduler
 
     def wrap(obj: Any, method: str, key: str, count: str = "", amount: Any = lambda _: 1) -> None:
-        fn = getattr(obj, method)
+        fn, owner = getattr(type(obj), method), weakref.ref(obj)  # no cycle: a dropped engine frees its KV pool
 
         def timed_call(*args: Any, **kwargs: Any) -> Any:
-            out, seconds = h.timed(lambda: fn(*args, **kwargs))
+            out, seconds = h.timed(lambda: fn(owner(), *args, **kwargs))
             setattr(prof, key, getattr(prof, key) + seconds)
             if count:
                 setattr(prof, count, getattr(prof, count) + amount(out))
@@ -110,7 +110,6 @@ def finish_profile(prof: EngineProfile) -> EngineProfile:
 def measure_kvgen(model: Any, workload: Workload, engine_args: EngineArgs, static_batch_size: int | None
                   ) -> ThroughputSummary:
     """The workload on a fresh engine: continuous batching, or static batches when ``static_batch_size`` is set."""
-    gc.collect()  # the previous engine (kept by the cycles of the profile's wrappers) frees its KV pool first
     engine, n = LLMEngine(model, None, engine_args), len(workload.output_lens)
     prof, size = profile_engine(engine), static_batch_size or n
     token_times: list[list[float]] = [[] for _ in range(n)]
