@@ -115,7 +115,7 @@ def test_engine_order_is_vllm_v1s():
 
 def test_sampler_equals_the_ops_composed_in_vllm_order():
     """Random logits, every stage enabled with per-row values: the Sampler's stages equal the ops applied by
-    hand in vLLM v1's order, and its draws equal ``choose_tokens`` on that result with the same seeds."""
+    hand in vLLM v1's order, and its draws equal ``choose_tokens`` (inverse CDF) on that result with the same seeds."""
     from kvgen.engine.sampler import apply_stages
 
     logits = _logits(3, seed=5)
@@ -144,7 +144,7 @@ def test_sampler_equals_the_ops_composed_in_vllm_order():
     torch.testing.assert_close(apply_stages(logits, rows, VLLM_V1_ORDER), x, rtol=0, atol=0)
     assert bool(torch.isinf(x).any())  # the filters did remove tokens, so the order is exercised
     gens = [torch.Generator().manual_seed(10 + i) for i in range(3)]
-    expected = ops.choose_tokens(x, do_sample=True, generator=gens).squeeze(1).tolist()
+    expected = ops.choose_tokens(x, True, gens, draw="inverse_cdf").squeeze(1).tolist()
     assert Sampler()(logits, rows).token_ids == expected
 
 

@@ -66,6 +66,57 @@ def test_warpers_match_transformers(op, hf, values, case, min_tokens_to_keep):
         assert_same(op(logits, value, min_tokens_to_keep), expected)
 
 
+def _llm_like_logits(seed: int, B: int, V: int) -> torch.Tensor:
+    """Rows shaped like a language model's: a few dozen strong ids over a long Gaussian tail."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, V, generator=g) * 2  # [B, V]
+    head = torch.randint(0, V, (B, 40), generator=g)  # [B, 40]
+    return x.scatter_add(1, head, 12 + 4 * torch.rand(B, 40, generator=g))
+
+
+TOP_P_ROWS = {
+    "llm_like": lambda: _llm_like_logits(0, 16, 49_152),
+    "llm_like_top_k": lambda: ops.apply_top_k(_llm_like_logits(1, 8, 49_152), 50),
+    "llm_like_fp16_ties": lambda: _llm_like_logits(2, 8, 4_000).half().float(),
+    "integer_ties": lambda: random_logits(3, 8, 2_000, ties=True) * 3,
+    "flat": lambda: random_logits(4, 4, 2_000, scale=0.05),
+    "minus_inf": lambda: random_logits(5, 8, 3_000, scale=4.0, num_inf=2_900),
+}
+
+
+@pytest.mark.parametrize("rows", list(TOP_P_ROWS), ids=str)
+@pytest.mark.parametrize("min_tokens_to_keep", [1, 4])
+def test_top_p_on_vocab_sized_rows_matches_transformers(rows, min_tokens_to_keep, monkeypatch):
+    """apply_top_p decides most rows from their largest logits and sorts the rest: every row equals HF's full
+    sort, ties and float noise at the threshold included; LLM-like rows never need the sort."""
+    logits, sorted_rows = TOP_P_ROWS[rows](), {}
+    by_sort = ops._top_p_by_sort
+    for p in (0.05, 0.5, 0.8, 0.9, 0.95, 0.999):
+        monkeypatch.setattr(ops, "_top_p_by_sort", lambda x, *a, p=p: sorted_rows.setdefault(p, x.shape[0])
+                            and by_sort(x, *a))
+        expected = TopPLogitsWarper(top_p=p, min_tokens_to_keep=min_tokens_to_keep)(None, logits.clone())
+        assert_same(ops.apply_top_p(logits, p, min_tokens_to_keep), expected)
+    if rows in ("llm_like", "llm_like_top_k"):
+        assert not any(sorted_rows.get(p) for p in (0.05, 0.5, 0.8, 0.9, 0.95))
+    if rows == "flat":
+        assert sorted_rows.get(0.95)  # thousands of ids kept: decided by the sort
+
+
+def test_top_p_candidates_defer_a_cut_within_float_noise_or_between_ties():
+    """A cut within _TOP_P_MARGIN of 1 - top_p, or between two equal logits, is left to the full sort."""
+    x = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.2)] + [-INF] * 97])  # [1, 100]
+    threshold = torch.tensor([[0.2]])  # 1 - top_p: cuts exactly at the third id's cumulative 0.2
+    _, certain = ops._top_p_from_candidates(x, threshold, 1, 8)
+    assert not bool(certain[0])
+    _, certain = ops._top_p_from_candidates(x, torch.tensor([[0.1]]), 1, 8)
+    assert bool(certain[0])
+    tied = torch.tensor([[2.0, 1.0, 1.0] + [-5.0] * 97])
+    _, certain = ops._top_p_from_candidates(tied, torch.tensor([[0.3]]), 1, 8)  # cut between the two 1.0s
+    assert not bool(certain[0])
+    _, certain = ops._top_p_from_candidates(tied, torch.tensor([[0.5]]), 1, 8)  # cut between 2.0 and 1.0
+    assert bool(certain[0])
+
+
 @pytest.mark.parametrize("case", all_cases())
 @pytest.mark.parametrize("temperature", [0.05, 0.7, 1.3, 100.0])
 def test_temperature_matches_transformers(case, temperature):
@@ -379,6 +430,41 @@ def test_sampled_frequencies_match_processed_distribution(warp):
     assert torch.isfinite(processed[0, tokens]).all()  # excluded ids never drawn
     assert freqs[torch.isneginf(processed[0])].sum() == 0
     assert (freqs - probs.double()).abs().max() < 0.01
+
+
+def test_inverse_cdf_draws_the_distribution_and_never_an_excluded_id():
+    """sample_inverse_cdf: empirical frequencies over 200k seeded draws within 0.006 of softmax (a vocabulary that
+    is not a whole number of blocks, -inf ids at both ends and in the middle never drawn)."""
+    logits = random_logits(71, 1, 700, scale=1.5)
+    logits[0, :3] = logits[0, 300:350] = logits[0, -3:] = -INF
+    probs = torch.softmax(logits, dim=-1)  # [1, V]
+    draws = ops.choose_tokens(logits.expand(200_000, -1), True, torch.Generator().manual_seed(3), draw="inverse_cdf")
+    freqs = torch.bincount(draws[:, 0], minlength=700).double() / draws.shape[0]
+    assert freqs[torch.isneginf(logits[0])].sum() == 0
+    assert (freqs - probs[0].double()).abs().max() < 0.006
+
+
+def test_inverse_cdf_with_a_generator_per_row_is_batch_invariant():
+    target = random_logits(72, 1, 600, scale=1.5)
+    alone_gen, batch_gen = torch.Generator().manual_seed(8), torch.Generator().manual_seed(8)
+    alone = [ops.choose_tokens(target, True, [alone_gen], draw="inverse_cdf").item() for _ in range(30)]
+    in_batch = []
+    for step in range(30):
+        batch = torch.cat([random_logits(200 + step, 1, 600, scale=3.0), target])
+        in_batch.append(ops.choose_tokens(batch, True, [None, batch_gen], draw="inverse_cdf")[1].item())
+    assert in_batch == alone and len(set(alone)) > 5
+
+
+def test_inverse_cdf_picks_the_only_id_and_rejects_bad_arguments():
+    one_hot = torch.full((3, 513), -INF)
+    one_hot[0, 0], one_hot[1, 256], one_hot[2, 512] = 0.0, 0.0, 0.0  # first id, a block's first id, the last id
+    assert ops.choose_tokens(one_hot, True, draw="inverse_cdf")[:, 0].tolist() == [0, 256, 512]
+    with pytest.raises(ValueError, match="draw must be"):
+        ops.choose_tokens(one_hot, True, draw="gumbel")
+    with pytest.raises(ValueError, match="draw must be"):
+        ops.choose_tokens(one_hot, True, num_tokens=2, draw="inverse_cdf")
+    with pytest.raises(ValueError, match="one entry per row"):
+        ops.sample_inverse_cdf(torch.softmax(one_hot, -1), [None])
 
 
 # ---------------------------------------------------------------- logprobs

@@ -4,7 +4,7 @@ Order (vLLM v1 ``Sampler.forward``, declared in ``kvgen.sampling.pipeline.ENGINE
 logprobs of the RAW logits (vLLM's default ``raw_logprobs``) -> min_tokens (EOS and
 ``stop_token_ids`` suppressed) -> logit_bias -> repetition penalty (prompt and output)
 -> presence / frequency penalties (output) -> argmax for greedy rows (temperature 0)
--> temperature -> min_p -> top_k -> top_p -> one multinomial draw per sampled row from
+-> temperature -> min_p -> top_k -> top_p -> one inverse-CDF draw per sampled row from
 that row's ``torch.Generator``, so a seeded request gets the same tokens whatever else
 is in the batch. Every stage is the per-row op of ``kvgen.sampling.ops`` that
 ``generate()`` uses; a stage runs only when some row enables it.
@@ -77,13 +77,15 @@ class Sampler:
         wants_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = ops.compute_logprobs(logits) if any(wants_logprobs) else None  # [B, V]
         logits = apply_stages(logits, rows, _EVERY_ROW)  # [B, V]
-        token_ids = ops.choose_tokens(logits, do_sample=False).squeeze(1)  # [B]
         sampled = [i for i, r in enumerate(rows) if not r.sampling_params.is_greedy]
+        is_all_sampled = len(sampled) == len(rows)
+        token_ids = (torch.empty(len(rows), dtype=torch.long) if is_all_sampled
+                     else ops.choose_tokens(logits, do_sample=False).squeeze(1))  # [B]
         if sampled:
             sampled_rows = [rows[i] for i in sampled]
-            x = apply_stages(logits[sampled], sampled_rows, _SAMPLED_ONLY)  # [B', V]
+            x = apply_stages(logits if is_all_sampled else logits[sampled], sampled_rows, _SAMPLED_ONLY)  # [B', V]
             generators = [r.generator for r in sampled_rows]
-            token_ids[sampled] = ops.choose_tokens(x, do_sample=True, generator=generators).squeeze(1)
+            token_ids[sampled] = ops.choose_tokens(x, True, generators, draw="inverse_cdf").squeeze(1)
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
             logprobs = _token_logprobs(raw_logprobs, token_ids, [p.logprobs for p in params])

@@ -28,6 +28,7 @@ from kvgen.sampling.ops import (
     greedy,
     sample,
     sample_from_probs,
+    sample_inverse_cdf,
     validate_param,
 )
 from kvgen.sampling.stopping import (
@@ -69,5 +70,6 @@ __all__ = [
     "partial_stop_suffix_len",
     "sample",
     "sample_from_probs",
+    "sample_inverse_cdf",
     "validate_param",
 ]

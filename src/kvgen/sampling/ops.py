@@ -143,16 +143,68 @@ def apply_top_p(
     (so ties at the boundary depend on ``torch.sort``, exactly as in HF).
     logits: [B, V] float; top_p: scalar or [B] in (0, 1] (1.0 disables).
     Returns [B, V]. Raises ValueError outside (0, 1]. Source: HF ``TopPLogitsWarper``.
+
+    A row is first decided from its largest logits only (:func:`_top_p_from_candidates`, ~30x
+    cheaper than sorting V); a row that could decide differently from the full sort (cut
+    beyond the candidates, within float noise of the threshold, or between tied logits)
+    takes the full sort, so every row equals HF's.
     """
     p = _row_param(logits, "top_p", top_p, torch.float64, min_tokens_to_keep=min_tokens_to_keep)  # [B, 1]
     # 1 - p in float64, then rounded to the logits dtype, as HF's Python-float threshold is.
     threshold = (1 - p).to(logits.dtype)  # [B, 1]
+    remove = torch.zeros_like(logits, dtype=torch.bool)  # [B, V]
+    rows = (p[:, 0] < 1).nonzero()[:, 0]  # [R] rows that filter
+    for num_candidates in _TOP_P_CANDIDATES:
+        if rows.numel() == 0 or num_candidates >= logits.shape[1]:
+            break
+        row_remove, certain = _top_p_from_candidates(logits[rows], threshold[rows], min_tokens_to_keep,
+                                                     num_candidates)  # [R, V], [R]
+        remove[rows[certain]] = row_remove[certain]
+        rows = rows[~certain]
+    if rows.numel():
+        remove[rows] = _top_p_by_sort(logits[rows], threshold[rows], min_tokens_to_keep)
+    return logits.masked_fill(remove, filter_value)
+
+
+_TOP_P_CANDIDATES = (64, 1024)  # largest logits a row is decided from, tried in turn before the full sort
+_TOP_P_MARGIN = 1e-4  # cumulative probabilities closer than this to the threshold go to the full sort
+
+
+def _top_p_by_sort(logits: torch.Tensor, threshold: torch.Tensor, min_tokens_to_keep: int) -> torch.Tensor:
+    """HF's top-p removal mask [B, V] bool (logits [B, V], threshold [B, 1] = 1 - top_p, logits' dtype)."""
     sorted_logits, sorted_ids = torch.sort(logits, descending=False)  # [B, V]
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
     sorted_remove = cumulative <= threshold  # [B, V]
     sorted_remove[:, -min_tokens_to_keep:] = False
-    remove = sorted_remove.scatter(1, sorted_ids, sorted_remove)  # [B, V], vocab order
-    return logits.masked_fill(remove & (p < 1), filter_value)
+    return sorted_remove.scatter(1, sorted_ids, sorted_remove)  # [B, V], vocab order
+
+
+def _top_p_from_candidates(logits: torch.Tensor, threshold: torch.Tensor, min_tokens_to_keep: int,
+                           num_candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p's removal mask [B, V] bool from each row's ``num_candidates`` largest logits, and [B] bool: the row
+    certainly equals :func:`_top_p_by_sort`'s.
+
+    A candidate's ascending cumulative probability is 1 - the mass ranked above it (float64); it is
+    non-increasing down the ranks, so the kept tokens are the first ``cut`` candidates, ``cut`` = max(how many
+    exceed the threshold, ``min_tokens_to_keep``), and every token outside the candidates is removed when the
+    cut falls inside them. Certain when it does, when the cumulative probabilities on both sides of the cut
+    are more than ``_TOP_P_MARGIN`` from the threshold (the sort's float32 softmax and sums round differently)
+    and when the two logits there differ (so no tie order of ``torch.sort`` matters).
+    """
+    values, ids = torch.topk(logits, num_candidates)  # [B, K], descending
+    probs = logits.softmax(dim=-1).gather(1, ids).double()  # [B, K]
+    cumulative = 1 - (probs.cumsum(dim=-1) - probs)  # [B, K], non-increasing
+    thr = threshold.double()  # [B, 1]
+    cut = (cumulative > thr).sum(dim=-1, keepdim=True).clamp(min=min_tokens_to_keep)  # [B, 1]
+    first_out = cut.clamp(max=num_candidates - 1)  # [B, 1]
+    last_in = (first_out - 1).clamp(min=0)  # [B, 1]
+    is_forced = cut - 1 < min_tokens_to_keep  # [B, 1]: the last kept token is kept whatever its cumulative
+    certain = ((cut < num_candidates) & (cumulative.gather(1, first_out) <= thr - _TOP_P_MARGIN)
+               & (is_forced | (cumulative.gather(1, last_in) > thr + _TOP_P_MARGIN))
+               & (values.gather(1, first_out) != values.gather(1, last_in)))  # [B, 1]
+    keep = torch.arange(num_candidates) < cut  # [B, K]
+    remove = ~torch.zeros_like(logits, dtype=torch.bool).scatter(1, ids, keep)  # [B, V]
+    return remove, certain[:, 0]
 
 
 def apply_min_p(
@@ -168,9 +220,10 @@ def apply_min_p(
     probs = torch.softmax(logits, dim=-1)  # [B, V]
     top_probs = probs.max(dim=-1, keepdim=True).values  # [B, 1]
     remove = probs < scale * top_probs  # [B, V]
-    sorted_ids = torch.argsort(logits, descending=True, dim=-1)  # [B, V]
-    sorted_remove = _keep_first(remove.gather(-1, sorted_ids), min_tokens_to_keep)  # [B, V]
-    remove = sorted_remove.scatter(1, sorted_ids, sorted_remove)  # [B, V]
+    if min_tokens_to_keep > 1:  # the top token is never below min_p (<= 1) times itself: one is kept anyway
+        sorted_ids = torch.argsort(logits, descending=True, dim=-1)  # [B, V]
+        sorted_remove = _keep_first(remove.gather(-1, sorted_ids), min_tokens_to_keep)  # [B, V]
+        remove = sorted_remove.scatter(1, sorted_ids, sorted_remove)  # [B, V]
     return logits.masked_fill(remove & (scale > 0), filter_value)
 
 
@@ -439,28 +492,73 @@ def apply_suppress_tokens(logits: torch.Tensor, suppress_token_ids: Sequence[int
 
 
 def choose_tokens(
-    scores: torch.Tensor, do_sample: bool, generator: Generators = None, num_tokens: int = 1
+    scores: torch.Tensor, do_sample: bool, generator: Generators = None, num_tokens: int = 1,
+    draw: str = "multinomial",
 ) -> torch.Tensor:
     """The one token choice of ``generate()`` and the engine: best ids, or ids drawn from softmax(scores).
 
     scores: [B, V] float (processed logits or log-probs; -inf entries are never chosen).
     Greedy: ``argmax`` for one token (ties go to the lowest id), ``torch.topk`` order for
-    more (beam search). Sampling: ``num_tokens`` draws without replacement by
-    ``torch.multinomial`` on the float32 softmax, from ``generator`` (one for the batch, or
-    a list of B where each row draws from its own, so a seeded row gets the same ids
-    whatever else is in the batch; ``None`` entries use torch's default generator).
-    Returns [B, num_tokens] long. Raises ValueError for num_tokens outside [1, V] or a
-    generator list of the wrong length.
+    more (beam search). Sampling: ``num_tokens`` draws without replacement from the float32
+    softmax, from ``generator`` (one for the batch, or a list of B where each row draws from
+    its own, so a seeded row gets the same ids whatever else is in the batch; ``None``
+    entries use torch's default generator). ``draw="multinomial"`` is ``torch.multinomial``
+    (HF's draws, seed for seed; it spends V exponential variates per row, ~1 ms at V = 49,152
+    here); ``draw="inverse_cdf"`` (one token) spends one uniform variate per row on the
+    float64 cumulative distribution, the same distribution ~10x cheaper (the engine's draw).
+    Returns [B, num_tokens] long. Raises ValueError for num_tokens outside [1, V], an
+    unknown ``draw``, or a generator list of the wrong length.
     Source: HF ``_sample`` (argmax / multinomial of softmax) and ``_beam_search`` (topk /
     multinomial of softmax over ``num_beams * V``); vLLM v1 ``Sampler.sample``.
     """
     _check_logits(scores)
     check_int("num_tokens", num_tokens, 1, scores.shape[1])
+    if draw not in ("multinomial", "inverse_cdf") or (draw == "inverse_cdf" and num_tokens != 1):
+        raise ValueError(f"draw must be 'multinomial', or 'inverse_cdf' for one token, got {draw!r}")
     if not do_sample:
         if num_tokens == 1:
             return torch.argmax(scores, dim=-1, keepdim=True)  # [B, 1]
         return torch.topk(scores, num_tokens).indices  # [B, K], best first
-    return sample_from_probs(torch.softmax(scores.float(), dim=-1), generator, num_tokens)  # [B, K]
+    probs = torch.softmax(scores.float(), dim=-1)  # [B, V]
+    if draw == "inverse_cdf":
+        return sample_inverse_cdf(probs, generator)  # [B, 1]
+    return sample_from_probs(probs, generator, num_tokens)  # [B, K]
+
+
+def sample_inverse_cdf(probs: torch.Tensor, generator: Generators = None) -> torch.Tensor:
+    """One id per row by inversion: the first id whose cumulative probability exceeds u x the row's total.
+
+    probs: [B, V] float, rows non-negative with a positive sum; generator as in
+    ``choose_tokens`` (one float64 uniform u in [0, 1) per row). The search runs in two
+    levels, over sums of blocks of ``_CDF_BLOCK`` ids and then inside the chosen block (float64
+    cumulative sums), so no float64 copy of the row is made. A zero-probability id is never
+    drawn. Returns [B, 1] long. Raises ValueError for a generator list of the wrong length.
+    """
+    _check_logits(probs)
+    num_rows, vocab_size = probs.shape
+    if generator is None or isinstance(generator, torch.Generator):
+        u = torch.rand(num_rows, 1, generator=generator, dtype=torch.float64)  # [B, 1]
+    elif len(generator) != num_rows:
+        raise ValueError(f"generator list must have one entry per row ({num_rows}), got {len(generator)}")
+    else:
+        u = torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64) for g in generator])  # [B, 1]
+    blocks = torch.nn.functional.pad(probs, (0, -vocab_size % _CDF_BLOCK)).view(num_rows, -1, _CDF_BLOCK)  # [B, N, C]
+    block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [B, N]
+    target = u * block_cdf[:, -1:]  # [B, 1]
+    block = _first_above(block_cdf, target)  # [B, 1]
+    target = target - torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0)  # [B, 1]
+    inner = blocks.gather(1, block.unsqueeze(-1).expand(-1, 1, _CDF_BLOCK))[:, 0].double().cumsum(dim=-1)  # [B, C]
+    return block * _CDF_BLOCK + _first_above(inner, target)  # [B, 1]
+
+
+_CDF_BLOCK = 256  # ids per block of sample_inverse_cdf's first search level
+
+
+def _first_above(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """[B, 1]: the first column of the non-decreasing ``cdf`` [B, N] above ``target`` [B, 1], else (rounding) the
+    first that reaches the row's last value: a column whose own increment is positive."""
+    found = torch.searchsorted(cdf, target, right=True)  # [B, 1]
+    return torch.minimum(found, torch.searchsorted(cdf, cdf[:, -1:].contiguous()))  # [B, 1]
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
