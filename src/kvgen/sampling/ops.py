@@ -16,6 +16,7 @@ Source: the semantics, tie-breaking and float operation order of Hugging Face
 """
 
 from collections.abc import Mapping, Sequence
+from typing import Literal
 
 import torch
 
@@ -25,6 +26,7 @@ from kvgen.sampling.params import PARAM_RULES, ParamRule, check_param
 RowParam = float | int | torch.Tensor
 SequenceBias = Mapping[tuple[int, ...], float] | Sequence[Sequence[Sequence[int] | float]]
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
+Draw = Literal["multinomial", "inverse_cdf"]
 
 FILTER_VALUE = -float("inf")
 
@@ -152,18 +154,24 @@ def apply_top_p(
     p = _row_param(logits, "top_p", top_p, torch.float64, min_tokens_to_keep=min_tokens_to_keep)  # [B, 1]
     # 1 - p in float64, then rounded to the logits dtype, as HF's Python-float threshold is.
     threshold = (1 - p).to(logits.dtype)  # [B, 1]
+    is_active = p[:, 0] < 1  # [B]
     remove = torch.zeros_like(logits, dtype=torch.bool)  # [B, V]
-    rows = (p[:, 0] < 1).nonzero()[:, 0]  # [R] rows that filter
+    rows = torch.arange(logits.shape[0])  # [R] rows not decided yet
     for num_candidates in _TOP_P_CANDIDATES:
         if rows.numel() == 0 or num_candidates >= logits.shape[1]:
             break
-        row_remove, certain = _top_p_from_candidates(logits[rows], threshold[rows], min_tokens_to_keep,
-                                                     num_candidates)  # [R, V], [R]
-        remove[rows[certain]] = row_remove[certain]
+        is_whole = rows.numel() == logits.shape[0]  # no row copies while every row is undecided
+        row_remove, certain = _top_p_from_candidates(logits if is_whole else logits[rows], threshold[rows],
+                                                     min_tokens_to_keep, num_candidates)  # [R, V], [R]
+        certain |= ~is_active[rows]  # a disabled row's mask is dropped below
+        if is_whole:
+            remove = row_remove  # its undecided rows are overwritten below
+        else:
+            remove[rows[certain]] = row_remove[certain]
         rows = rows[~certain]
     if rows.numel():
         remove[rows] = _top_p_by_sort(logits[rows], threshold[rows], min_tokens_to_keep)
-    return logits.masked_fill(remove, filter_value)
+    return logits.masked_fill(remove & is_active[:, None], filter_value)
 
 
 _TOP_P_CANDIDATES = (64, 1024)  # largest logits a row is decided from, tried in turn before the full sort
@@ -197,7 +205,7 @@ def _top_p_from_candidates(logits: torch.Tensor, threshold: torch.Tensor, min_to
     thr = threshold.double()  # [B, 1]
     cut = (cumulative > thr).sum(dim=-1, keepdim=True).clamp(min=min_tokens_to_keep)  # [B, 1]
     first_out = cut.clamp(max=num_candidates - 1)  # [B, 1]
-    last_in = (first_out - 1).clamp(min=0)  # [B, 1]
+    last_in = first_out - 1  # [B, 1]; cut >= min_tokens_to_keep >= 1
     is_forced = cut - 1 < min_tokens_to_keep  # [B, 1]: the last kept token is kept whatever its cumulative
     certain = ((cut < num_candidates) & (cumulative.gather(1, first_out) <= thr - _TOP_P_MARGIN)
                & (is_forced | (cumulative.gather(1, last_in) > thr + _TOP_P_MARGIN))
@@ -493,7 +501,7 @@ def apply_suppress_tokens(logits: torch.Tensor, suppress_token_ids: Sequence[int
 
 def choose_tokens(
     scores: torch.Tensor, do_sample: bool, generator: Generators = None, num_tokens: int = 1,
-    draw: str = "multinomial",
+    draw: Draw = "multinomial",
 ) -> torch.Tensor:
     """The one token choice of ``generate()`` and the engine: best ids, or ids drawn from softmax(scores).
 
@@ -536,17 +544,16 @@ def sample_inverse_cdf(probs: torch.Tensor, generator: Generators = None) -> tor
     """
     _check_logits(probs)
     num_rows, vocab_size = probs.shape
-    if generator is None or isinstance(generator, torch.Generator):
-        u = torch.rand(num_rows, 1, generator=generator, dtype=torch.float64)  # [B, 1]
-    elif len(generator) != num_rows:
-        raise ValueError(f"generator list must have one entry per row ({num_rows}), got {len(generator)}")
+    generators = _row_generators(generator, num_rows)
+    if generators is None:
+        u = torch.rand(num_rows, 1, generator=generator, dtype=torch.float64)  # type: ignore[arg-type]  # [B, 1]
     else:
-        u = torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64) for g in generator])  # [B, 1]
+        u = torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64) for g in generators])  # [B, 1]
     blocks = torch.nn.functional.pad(probs, (0, -vocab_size % _CDF_BLOCK)).view(num_rows, -1, _CDF_BLOCK)  # [B, N, C]
     block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [B, N]
     target = u * block_cdf[:, -1:]  # [B, 1]
     block = _first_above(block_cdf, target)  # [B, 1]
-    target = target - torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0)  # [B, 1]
+    target = target - torch.nn.functional.pad(block_cdf, (1, 0)).gather(1, block)  # mass before the block: [B, 1]
     inner = blocks.gather(1, block.unsqueeze(-1).expand(-1, 1, _CDF_BLOCK))[:, 0].double().cumsum(dim=-1)  # [B, C]
     return block * _CDF_BLOCK + _first_above(inner, target)  # [B, 1]
 
@@ -579,12 +586,21 @@ def sample_from_probs(probs: torch.Tensor, generator: Generators = None, num_sam
     the wrong length.
     """
     _check_logits(probs)
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.multinomial(probs, num_samples=num_samples, generator=generator)  # [B, K]
-    if len(generator) != probs.shape[0]:
-        raise ValueError(f"generator list must have one entry per row ({probs.shape[0]}), got {len(generator)}")
-    rows = [torch.multinomial(probs[i : i + 1], num_samples, generator=g) for i, g in enumerate(generator)]
+    generators = _row_generators(generator, probs.shape[0])
+    if generators is None:
+        return torch.multinomial(probs, num_samples=num_samples, generator=generator)  # type: ignore[arg-type]
+    rows = [torch.multinomial(probs[i : i + 1], num_samples, generator=g) for i, g in enumerate(generators)]
     return torch.cat(rows)  # [B, K]
+
+
+def _row_generators(generator: Generators, num_rows: int) -> Sequence[torch.Generator | None] | None:
+    """None when one generator (or torch's default) serves the batch, else the per-row list, checked against
+    ``num_rows`` (ValueError)."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return None
+    if len(generator) != num_rows:
+        raise ValueError(f"generator list must have one entry per row ({num_rows}), got {len(generator)}")
+    return generator
 
 
 # ----------------------------------------------------------------- logprobs

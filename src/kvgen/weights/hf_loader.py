@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelFormatError, ModelNotFoundError
@@ -130,7 +130,7 @@ def _plan(root: Path, config: ModelConfig) -> tuple[dict[_Entry, tuple[int, ...]
 def _open(file: Path) -> Any:
     try:
         return safe_open(str(file), framework="pt")
-    except Exception as e:  # safetensors raises SafetensorError (header), OSError...
+    except (SafetensorError, OSError) as e:  # a bad header or data / a missing file or a directory
         raise ModelFormatError(f"{file} is not a readable safetensors file: {type(e).__name__}: {e}") from None
 
 
@@ -145,7 +145,7 @@ def _read_tensors(entries: list[_Entry], dtype: torch.dtype) -> dict[str, torch.
             for e in group:
                 try:
                     t = f.get_tensor(e.key)
-                except Exception as err:
+                except SafetensorError as err:  # data out of bounds, unknown dtype
                     msg = f"{file}: cannot read tensor {e.key!r}: {type(err).__name__}: {err}"
                     raise ModelFormatError(msg) from None
                 if e.transpose:  # Conv1D [in, out] -> [out, in], one copy
