@@ -172,3 +172,16 @@ def test_duplicate_content_stays_unregistered_and_prefix_caching_can_be_off() ->
     off = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
     admit(off, make_request("a", [1, 2, 3]))
     assert off.num_cached_blocks == 0 and off.get_computed_blocks(make_request("b", [1, 2, 3])) == ([], 0)
+
+
+def test_freed_uncached_blocks_are_taken_again_before_untouched_ones() -> None:
+    """The pool's pages are committed on first write (kv_cache.pool): a freed block without a hash is reused
+    before a never-written one, so a lightly loaded engine stays within the blocks it has touched."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    a = make_request("a", list(range(10)))
+    admit(bm, a)
+    first = list(a.block_ids)  # [0, 1, 2]
+    bm.free(a)
+    b = make_request("b", list(range(100, 110)))
+    admit(bm, b)
+    assert b.block_ids == first  # the same blocks, head first, not blocks 3..5

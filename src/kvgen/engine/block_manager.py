@@ -6,7 +6,10 @@ every FULL, computed block is registered under ``hash((parent_hash, tokens))``, 
 request whose tokens start the same way reuses those blocks (reference counts let several
 requests share them; full blocks are never written again, so sharing needs no copy).
 A freed block keeps its hash and stays reusable until it is evicted, least recently freed
-first, once no never-cached free block is left.
+first, once no never-cached free block is left. A freed block without a hash holds nothing
+reusable and is taken again first (unlike vLLM's single FIFO queue): the pool's memory is
+committed page by page on first write (``kv_cache.pool``), so reusing written blocks keeps a
+lightly loaded engine's resident memory near what it holds.
 
 Source: vLLM v1 ``KVCacheManager`` / ``BlockPool`` (semantics: at least one prompt token is
 always recomputed so its logits exist; a request's tail blocks are evicted before its head);
@@ -48,7 +51,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self._block_hash: list[int | None] = [None] * num_blocks
         self._cached: dict[int, int] = {}  # block hash -> block id
-        self._free_uncached: deque[int] = deque(range(num_blocks))
+        self._free_uncached: deque[int] = deque(range(num_blocks))  # taken from the left
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU order: first = evicted first
         self._num_registered: dict[str, int] = {}  # request_id -> leading blocks already registered
 
@@ -155,8 +158,8 @@ class BlockManager:
             self.ref_counts[block_id] -= 1
             assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
             if self.ref_counts[block_id] == 0:
-                if self._block_hash[block_id] is None:
-                    self._free_uncached.append(block_id)
+                if self._block_hash[block_id] is None:  # reused first: its pages are resident and warm
+                    self._free_uncached.appendleft(block_id)
                 else:
                     self._free_cached[block_id] = None
         request.block_ids = []

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgen.config import ModelConfig
+from kvgen.kv_cache.pool import lazy_zeros
 
 
 def num_blocks_for_memory(config: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype) -> int:
@@ -147,7 +148,8 @@ def _prefill_chunk(token_start: int, num_tokens: int, start: int, table: list[in
 class PagedKVCache:
     """Per-layer K and V pools ``[num_blocks, block_size, Hkv, D]``, written in place by slot.
 
-    The pool is allocated once (zeros, so padding slots read as finite values). Raises
+    The pool is allocated once as zeros (padding slots read as finite values) that take resident memory only
+    where written (``pool.lazy_zeros``). Raises
     ValueError for non-positive sizes.
     """
 
@@ -167,8 +169,8 @@ class PagedKVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.key_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.value_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        pool = lazy_zeros(2 * num_layers, shape, dtype, device)  # resident only where written
+        self.key_cache, self.value_cache = pool[:num_layers], pool[num_layers:]
         # Gather targets reused by every layer and step: a fresh multi-MB tensor per gather costs
         # page faults that made decode attention ~2x slower (a paged-attention experiment).
         self._workspace = {"k": torch.empty(0, dtype=dtype, device=device), "v": torch.empty(0, dtype=dtype, device=device)}

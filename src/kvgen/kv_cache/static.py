@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvgen.errors import ContextLengthError
+from kvgen.kv_cache.pool import lazy_zeros
 
 
 class StaticCache:
@@ -28,8 +29,8 @@ class StaticCache:
         shape = (batch_size, num_kv_heads, max_cache_len, head_dim)
         self.num_layers = num_layers
         self.max_cache_len = max_cache_len
-        self.key_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.value_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        pool = lazy_zeros(2 * num_layers, shape, dtype, device)  # zeros, resident only where written
+        self.key_cache, self.value_cache = pool[:num_layers], pool[num_layers:]
         self.seq_length = 0
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
