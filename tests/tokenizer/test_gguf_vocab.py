@@ -29,6 +29,10 @@ def test_unsupported_pre_tokenizer_and_missing_fields_raise(meta: dict) -> None:
         Tokenizer.from_gguf({**meta, "tokenizer.ggml.pre": "mystery"})
     with pytest.raises(ModelFormatError, match="GGUF metadata has no tokenizer.ggml.merges"):
         Tokenizer.from_gguf({k: v for k, v in meta.items() if k != "tokenizer.ggml.merges"})
+    merges = list(meta["tokenizer.ggml.merges"])
+    merges[7] = "a b c"
+    with pytest.raises(ModelFormatError, match=r"tokenizer.ggml.merges\[7\] must be two tokens and a space, got 'a b c'"):
+        Tokenizer.from_gguf({**meta, "tokenizer.ggml.merges": merges})
     num_tokens = len(meta["tokenizer.ggml.tokens"])
     with pytest.raises(ModelFormatError, match=rf"tokenizer.ggml.eos_token_id must be in \[0, {num_tokens}\)"):
         Tokenizer.from_gguf({**meta, "tokenizer.ggml.eos_token_id": num_tokens})

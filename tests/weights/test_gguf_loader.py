@@ -98,6 +98,11 @@ def test_fast_reader_matches_gguf_reader(default_gguf_path: Path) -> None:
         assert b.data.shape == a.data.shape and np.array_equal(b.data, a.data), a.name
     meta = gguf_metadata(fast)
     assert meta == {k: f.contents() for k, f in plain.fields.items() if not k.startswith("GGUF.")}
+    tokens, plain_tokens = fast.fields["tokenizer.ggml.tokens"].parts, plain.fields["tokenizer.ggml.tokens"].parts
+    assert [p.tobytes() for p in tokens[-3:]] == [p.tobytes() for p in plain_tokens[-3:]]  # slices, negative
+    assert tokens[-1].tobytes() == plain_tokens[-1].tobytes()
+    with pytest.raises(IndexError):
+        tokens[len(plain_tokens)]
 
 
 _PEAK_SCRIPT = """

@@ -50,13 +50,10 @@ def _require(meta: dict[str, Any], key: str) -> Any:
 
 
 def _merges(merges: list[str]) -> list[tuple[str, str]]:
-    pairs: list[tuple[str, str]] = []
-    for i, merge in enumerate(merges):
-        parts = merge.split(" ")
-        if len(parts) != 2:
-            raise ModelFormatError(f"tokenizer.ggml.merges[{i}] must be two tokens and a space, got {merge!r}")
-        pairs.append((parts[0], parts[1]))
-    return pairs
+    pairs = [tuple(merge.split(" ")) for merge in merges]
+    if (bad := next((i for i, pair in enumerate(pairs) if len(pair) != 2), None)) is not None:
+        raise ModelFormatError(f"tokenizer.ggml.merges[{bad}] must be two tokens and a space, got {merges[bad]!r}")
+    return pairs  # type: ignore[return-value]  # every pair has two items (checked)
 
 
 def _vocab(meta: dict[str, Any]) -> tuple[list[str], list[int]]:
