@@ -196,14 +196,23 @@ def test_fused_cache_write_and_attention_match_reference():
         want = REF.static_attention(qkv, theirs[0], theirs[1], mask, past, h, d**-0.5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])  # the same slots written
-    pools = [torch.zeros(8, 4, h_kv, d, dtype=torch.float16) for _ in range(4)]
     tables, seq_lens, qsl = torch.tensor([[2, 5], [7, 1]]), torch.tensor([3, 6]), torch.tensor([0, 3, 6])
     slots = torch.tensor([8, 9, 10, 29, 30, 31])  # seq 0: positions 0-2 (block 2); seq 1: positions 3-5 (blocks 7, 1)
     slots[3:] = torch.tensor([7 * 4 + 3, 1 * 4 + 0, 1 * 4 + 1])
-    got = OPS.paged_attention_qkv(qkv, pools[0], pools[1], slots, tables, qsl, seq_lens, h, d**-0.5)
-    want = REF.paged_attention_qkv(qkv, pools[2], pools[3], slots, tables, qsl, seq_lens, h, d**-0.5)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert torch.equal(pools[0], pools[2])
+    for dtype in (torch.float16, torch.float32):
+        pools = [torch.randn(8, 4, h_kv, d, generator=g).to(dtype) for _ in range(2)] * 2
+        pools[2:] = [p.clone() for p in pools[:2]]
+        got = OPS.paged_attention_qkv(qkv, pools[0], pools[1], slots, tables, qsl, seq_lens, h, d**-0.5)
+        want = REF.paged_attention_qkv(qkv, pools[2], pools[3], slots, tables, qsl, seq_lens, h, d**-0.5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3]), dtype  # the same slots written
+    if OPS.backend == "avx2":  # the C++ op checks its index operands instead of converting them
+        with pytest.raises(RuntimeError, match="slot 32 outside the pool of 32"):
+            OPS.paged_attention_qkv(qkv, pools[0], pools[1], slots + 1, tables, qsl, seq_lens, h, d**-0.5)
+        with pytest.raises(RuntimeError, match="must be contiguous int64"):
+            OPS.paged_attention_qkv(qkv, pools[0], pools[1], slots.int(), tables, qsl, seq_lens, h, d**-0.5)
+        with pytest.raises(RuntimeError, match="query_start_loc must run from 0 to N=6"):
+            OPS.paged_attention_qkv(qkv, pools[0], pools[1], slots, tables, qsl - 1, seq_lens, h, d**-0.5)
 
 
 def _decoder_inputs(num_layers: int, b: int, t: int, past: int, seed: int):

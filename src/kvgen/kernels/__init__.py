@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "ops.cpp", "quantize_q8a.cpp", "qgemm_q4.cpp", "qgemm_q8.cpp",
-    "attention.cpp", "rms_norm.cpp", "rope.cpp", "silu_mul.cpp", "repack.cpp", "attention_qkv.cpp", "decoder.cpp",
+    "attention.cpp", "rms_norm.cpp", "rope.cpp", "silu_mul.cpp", "repack.cpp", "decoder.cpp",
 )
 HEADERS = ("common.h", "vec_math.h", "aten_lite.h", "ops.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
