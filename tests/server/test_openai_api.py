@@ -106,6 +106,39 @@ def test_logprobs_are_sorted_and_the_greedy_token_is_the_top_one(client):
     assert streamed == [e.token for e in content]
 
 
+def test_completion_logprobs_match_transformers(client, tiny_tokenizer, tiny_model_dir):
+    """Legacy ``logprobs: k``: each greedy token's text, logprob and k best alternatives (plus the chosen one), and
+    text offsets, against transformers' log-softmax on the same weights; streamed chunks carry the same entries."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt, k, n = "The capital of France is", 2, 6
+    r = client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=n, logprobs=k,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ids = torch.tensor([tiny_tokenizer.encode(prompt)])  # [1, T]
+    with torch.inference_mode():
+        out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, pad_token_id=0)
+    new_ids = out.sequences[0, ids.shape[1]:].tolist()
+    want = [torch.log_softmax(step[0].double(), -1) for step in out.logits]  # [V] per step
+    assert lp.tokens == [tiny_tokenizer.decode([t]) for t in new_ids]
+    assert lp.token_logprobs == pytest.approx([float(w[t]) for w, t in zip(want, new_ids)], abs=1e-4)
+    for top, w, t in zip(lp.top_logprobs, want, new_ids):
+        best = w.topk(k)
+        expected = {tiny_tokenizer.decode([int(i)]): float(v) for v, i in zip(best.values, best.indices)}
+        expected.setdefault(tiny_tokenizer.decode([t]), float(w[t]))
+        assert top.keys() == expected.keys() and list(top.values()) == pytest.approx(list(expected.values()), abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+    stream = client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=n, logprobs=k,
+                                       stream=True, extra_body={"ignore_eos": True})
+    streamed = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    assert [v for s in streamed for v in s.token_logprobs] == pytest.approx(lp.token_logprobs)
+
+
 def test_logit_bias_forces_a_token(client, tiny_tokenizer):
     token_id = tiny_tokenizer.encode(" blue")[0]
     r = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=4,

@@ -1,9 +1,11 @@
 """``POST /v1/completions``: raw prompts (text, texts, token ids or lists of them) into the engine.
 
 Each prompt is its own engine request; choice ``index`` is ``prompt_index * n + i``.
-``echo``, ``logprobs``, ``suffix`` and ``best_of != n`` are refused with a 400 naming
-the field. Streaming sends text chunks, one chunk per choice with ``finish_reason``, a
-usage chunk when asked, then ``data: [DONE]``. Source: OpenAI API reference, Completions.
+``logprobs: k`` (0-5) gives each generated token's logprob and the k best alternatives
+(the legacy format, as vLLM). ``echo``, ``suffix`` and ``best_of != n`` are refused with
+a 400 naming the field. Streaming sends text chunks (with their tokens' logprobs), one
+chunk per choice with ``finish_reason``, a usage chunk when asked, then ``data: [DONE]``.
+Source: OpenAI API reference, Completions; vLLM ``serving_completion.py``.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from kvgen.server.errors import bad_request
 from kvgen.server.protocol import (
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
 )
 from kvgen.server.results import (
     ChoiceResult,
     chunk_dict,
+    completion_logprobs,
     openai_finish_reason,
     respond,
     sse,
@@ -44,8 +48,6 @@ from kvgen.server.serving import (
 def _refuse_unsupported(req: CompletionRequest) -> None:
     if req.echo:
         raise bad_request("echo is not supported", "echo")
-    if req.logprobs is not None:
-        raise bad_request("logprobs is not supported on /v1/completions (use /v1/chat/completions)", "logprobs")
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -78,7 +80,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     prompts = completion_prompt_ids(state, req.prompt)
     # max_tokens None: all the room the longest prompt leaves
     max_tokens = min(resolve_max_tokens(state, len(p), req.max_tokens, ("prompt", "max_tokens")) for p in prompts)
-    params = sampling_params(req, state.tokenizer, max_tokens, None)
+    params = sampling_params(req, state.tokenizer, max_tokens, req.logprobs)
     gen = Generation(state, new_request_id("cmpl"))
     await gen.start(prompts, params, "prompt")
     num_prompt_tokens = sum(len(p) for p in prompts)
@@ -86,14 +88,23 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     def response(choices: list[ChoiceResult]) -> CompletionResponse:
         return CompletionResponse(
             id=gen.request_id, model=state.model_name, usage=usage(num_prompt_tokens, choices),
-            choices=[CompletionChoice(index=c.index, text=c.text, finish_reason=openai_finish_reason(c.finish_reason)) for c in choices],
+            choices=[CompletionChoice(index=c.index, text=c.text, logprobs=_logprobs(state, req, c.token_ids, c.logprobs),
+                                      finish_reason=openai_finish_reason(c.finish_reason)) for c in choices],
         )
 
     return await respond(gen, raw, req.n, _stream(state, req, gen, num_prompt_tokens) if req.stream else None, response)
 
 
+def _logprobs(state: ServerState, req: CompletionRequest, token_ids: list[int], logprobs: list | None,
+              text_offset: int = 0) -> CompletionLogprobs | None:
+    if req.logprobs is None:
+        return None
+    return completion_logprobs(state.tokenizer, token_ids, logprobs or [], req.logprobs, text_offset)
+
+
 def _stream(state: ServerState, req: CompletionRequest, gen: Generation, num_prompt_tokens: int) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    text_offsets: dict[int, int] = {}  # choice index -> characters of token text sent so far
 
     def chunk(choices: list[CompletionChoice], **fields: Any) -> str:
         data = CompletionChunk(id=gen.request_id, model=state.model_name, choices=choices, **fields)
@@ -101,8 +112,11 @@ def _stream(state: ServerState, req: CompletionRequest, gen: Generation, num_pro
 
     def events(prompt_index: int, c: CompletionOutput) -> Iterator[str]:
         index = prompt_index * req.n + c.index
-        if c.text:
-            yield chunk([CompletionChoice(index=index, text=c.text, finish_reason=None)])
+        if c.text or (req.logprobs is not None and c.token_ids):
+            lp = _logprobs(state, req, c.token_ids, c.logprobs, text_offsets.get(index, 0))
+            if lp is not None and lp.tokens:
+                text_offsets[index] = lp.text_offset[-1] + len(lp.tokens[-1])
+            yield chunk([CompletionChoice(index=index, text=c.text, logprobs=lp, finish_reason=None)])
         if c.finish_reason is not None:
             yield chunk([CompletionChoice(index=index, text="", finish_reason=openai_finish_reason(c.finish_reason))])
 

@@ -175,15 +175,25 @@ class CompletionRequest(SamplingFields):
     prompt: PromptInput
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = Field(default=False, description="not supported: must be false")
-    logprobs: int | None = Field(default=None, ge=0, le=5, description="not supported: must be null")
+    logprobs: int | None = Field(default=None, ge=0, le=5, description="log-probabilities of the chosen token and the n best")
     suffix: str | None = Field(default=None, description="not supported: must be null")
     best_of: int | None = Field(default=None, ge=1, le=MAX_N, description="only best_of == n is supported")
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions format: per generated token its text, logprob, the ``logprobs`` best alternatives plus
+    the chosen one (token text -> logprob), and its character offset in the choice's text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
 
 

@@ -23,6 +23,7 @@ from kvgen.engine.types import TokenLogprobs
 from kvgen.server.errors import OpenAIError
 from kvgen.server.protocol import (
     ChatTokenLogprob,
+    CompletionLogprobs,
     ErrorInfo,
     ErrorResponse,
     FinishReason,
@@ -124,6 +125,25 @@ def chat_logprobs(
         top = sorted(lp.top_logprobs.items(), key=lambda kv: -kv[1])[:num_top]
         chosen = _top(tokenizer, token_id, lp.logprob)
         out.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=[_top(tokenizer, t, v) for t, v in top]))
+    return out
+
+
+def completion_logprobs(
+    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs], num_top: int, text_offset: int = 0
+) -> CompletionLogprobs:
+    """OpenAI ``choices[].logprobs`` of ``/v1/completions``: per token its text, logprob and a dict of the ``num_top``
+    best alternatives plus the chosen token; ``text_offset`` counts token texts from ``text_offset`` (as vLLM)."""
+    out = CompletionLogprobs()
+    for token_id, lp in zip(token_ids, logprobs, strict=False):  # a stop string may end the text early
+        text = token_text_and_bytes(tokenizer, token_id)[0]
+        best = sorted(lp.top_logprobs.items(), key=lambda kv: -kv[1])[:num_top]
+        top = {token_text_and_bytes(tokenizer, t)[0]: max(v, MIN_LOGPROB) for t, v in best}
+        top.setdefault(text, max(lp.logprob, MIN_LOGPROB))
+        out.tokens.append(text)
+        out.token_logprobs.append(max(lp.logprob, MIN_LOGPROB))
+        out.top_logprobs.append(top)
+        out.text_offset.append(text_offset)
+        text_offset += len(text)
     return out
 
 
