@@ -5,12 +5,14 @@ aborts, streaming."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 
 import pytest
 import torch
 
 from kvgen.engine import LLM, AsyncLLMEngine, EngineArgs, LLMEngine, SamplingParams
+from kvgen.engine.sampling_params import RequestOutputKind
 from kvgen.generation import GenerationConfig, generate
 
 MAX_TOKENS = 6
@@ -170,6 +172,47 @@ def test_logprobs_are_log_softmax_of_raw_logits_with_top_alternatives(model_tok)
         assert list(lp.top_logprobs) == top.indices.tolist()
         assert list(lp.top_logprobs.values()) == pytest.approx(top.values.tolist(), abs=1e-4)
     assert out.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in out.logprobs))
+
+
+def test_prompt_logprobs_are_log_softmax_of_each_prompt_position(model_tok):
+    """``prompt_logprobs``: None for the first prompt token, then each token's logprob under the raw logits of the
+    position before it and the k best, the same with the prompt prefilled in chunks, after a prefix-cache hit
+    was possible (it is skipped), for n = 2, and on the first DELTA output only."""
+    model, tok = model_tok
+    ids = tok.encode(PREAMBLE + TEXTS[4])
+    with torch.inference_mode():
+        raw = model.compute_logits(model(torch.tensor([ids]), torch.arange(len(ids))[None], None, None))[0]  # [T, V]
+    expected = torch.log_softmax(raw, -1)  # row i predicts token i + 1
+
+    def check(prompt_logprobs) -> None:
+        assert len(prompt_logprobs) == len(ids) and prompt_logprobs[0] is None
+        for i, lp in enumerate(prompt_logprobs[1:]):
+            assert lp.logprob == pytest.approx(expected[i, ids[i + 1]].item(), abs=1e-4)
+            top = expected[i].topk(2)
+            assert list(lp.top_logprobs) == top.indices.tolist()
+            assert list(lp.top_logprobs.values()) == pytest.approx(top.values.tolist(), abs=1e-4)
+
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    llm = _llm(model_tok, max_num_batched_tokens=8)  # the prompt is prefilled in 8-token chunks
+    first = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)[0]
+    assert first.prompt_logprobs is None
+    again = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]  # its blocks are cached now
+    assert again.num_cached_tokens == 0
+    check(again.prompt_logprobs)
+    both = llm.generate({"prompt_token_ids": ids}, SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=2,
+                                                                     prompt_logprobs=2), use_tqdm=False)[0]
+    assert len(both.outputs) == 2
+    check(both.prompt_logprobs)
+    engine = LLMEngine(model, tok, EngineArgs(num_blocks=64))
+    engine.add_request("d", prompt_token_ids=ids, sampling_params=dataclasses.replace(
+        params, max_tokens=3, output_kind=RequestOutputKind.DELTA))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    check(outputs[0].prompt_logprobs)
+    assert len(outputs) == 3 and all(o.prompt_logprobs is None for o in outputs[1:])
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be <= max_logprobs \(20\), got 21"):
+        engine.add_request("big", prompt_token_ids=ids, sampling_params=SamplingParams(prompt_logprobs=21))
 
 
 def test_bad_requests_raise_naming_the_field_and_others_finish_normally(model_tok, reference, prompts):

@@ -60,7 +60,7 @@ def test_unknown_model_is_404_not_found(client):
 
 @pytest.mark.parametrize(
     "extra,param",
-    [({"echo": True}, "echo"), ({"logprobs": 6}, "logprobs"), ({"suffix": "end"}, "suffix"), ({"best_of": 3}, "best_of"),
+    [({"logprobs": 6}, "logprobs"), ({"suffix": "end"}, "suffix"), ({"best_of": 3}, "best_of"),
      ({"prompt": ""}, "prompt"), ({"prompt": [1, -5]}, "prompt"), ({"prompt": [[1, 2], [10**7]]}, "prompt"),
      ({"prompt": "x " * 3000}, "prompt")],
 )

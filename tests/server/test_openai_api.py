@@ -139,6 +139,41 @@ def test_completion_logprobs_match_transformers(client, tiny_tokenizer, tiny_mod
     assert [v for s in streamed for v in s.token_logprobs] == pytest.approx(lp.token_logprobs)
 
 
+def test_completion_echo_returns_the_prompt_and_its_logprobs(client, tiny_tokenizer, tiny_model_dir):
+    """``echo`` with ``logprobs: 1`` and ``max_tokens: 1`` (what evaluation harnesses send for log-likelihoods): the
+    prompt's text and tokens come first, its first token without a logprob, the others with transformers'
+    log-softmax of the position before; streamed, the same pieces; without logprobs, only the text."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = "The capital of France is"
+    ids = tiny_tokenizer.encode(prompt)
+    r = client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=1, logprobs=1, echo=True)
+    choice, lp = r.choices[0], r.choices[0].logprobs
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.inference_mode():
+        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)  # [T, V]: row i predicts i + 1
+    new_id = int(want[-1].argmax())
+    assert choice.text == prompt + tiny_tokenizer.decode([new_id]) and r.usage.completion_tokens == 1
+    assert lp.tokens == [tiny_tokenizer.decode([t]) for t in ids + [new_id]]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([float(want[i, t]) for i, t in enumerate(ids[1:] + [new_id])], abs=1e-4)
+    for top, w, t in zip(lp.top_logprobs[1:], want, ids[1:] + [new_id]):
+        best = int(w.argmax())
+        assert top.keys() == {tiny_tokenizer.decode([best]), tiny_tokenizer.decode([t])}
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids) + 1)]
+    stream = client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=1, logprobs=1, echo=True,
+                                       stream=True)
+    pieces = [c.choices[0] for c in stream if c.choices and c.choices[0].logprobs]
+    assert "".join(p.text for p in pieces) == choice.text
+    assert [t for p in pieces for t in p.logprobs.tokens] == lp.tokens
+    assert [o for p in pieces for o in p.logprobs.text_offset] == lp.text_offset
+    by_ids = client.completions.create(model="tiny", prompt=ids, temperature=0, max_tokens=3, echo=True)
+    plain = client.completions.create(model="tiny", prompt=ids, temperature=0, max_tokens=3)
+    assert by_ids.choices[0].text == tiny_tokenizer.decode(ids) + plain.choices[0].text
+    assert by_ids.choices[0].logprobs is None
+
+
 def test_logit_bias_forces_a_token(client, tiny_tokenizer):
     token_id = tiny_tokenizer.encode(" blue")[0]
     r = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=4,

@@ -159,8 +159,9 @@ class LLMEngine:
         """Checks that need the engine; fills ``max_tokens`` None with the room left in the context."""
         if params.best_of is not None and params.best_of > params.n:
             raise ValueError(f"best_of > n is not supported by the engine, got best_of={params.best_of}, n={params.n}")
-        if params.logprobs is not None and params.logprobs > self.engine_args.max_logprobs:
-            raise ValueError(f"logprobs must be <= max_logprobs ({self.engine_args.max_logprobs}), got {params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (value := getattr(params, name)) is not None and value > self.engine_args.max_logprobs:
+                raise ValueError(f"{name} must be <= max_logprobs ({self.engine_args.max_logprobs}), got {value}")
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise ValueError(f"prompt of {num_prompt_tokens} tokens leaves no room to generate within max_model_len ({self.max_model_len})")

@@ -12,17 +12,19 @@ Source: vLLM v1 ``GPUModelRunner.execute_model`` (shape of the step), nano-vllm.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 from torch import nn
 
-from kvgen.engine.sampler import Sampler, SamplerOutput, SamplingRow
-from kvgen.engine.types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from kvgen.engine.sampler import Sampler, SamplerOutput, SamplingRow, token_logprobs
+from kvgen.engine.types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from kvgen.kv_cache.paged import PagedAttentionMetadata, PagedKVCache
+from kvgen.sampling import ops
 
 _SEED_SPAN = 2**63 - 1  # unseeded requests draw their seed from [0, 2**63 - 1)
+_PROMPT_LOGPROB_ROWS = 256  # LM-head rows per pass for prompt logprobs (a [256, V] float32 block)
 
 
 @dataclass
@@ -36,6 +38,9 @@ class PackedStep:
     attn_metadata: PagedAttentionMetadata
     sample_rows: torch.Tensor
     sample_requests: list[ScheduledRequest]
+    # (request, packed index of its chunk's first token, number of its positions whose next token is a prompt token)
+    # for requests with SamplingParams.prompt_logprobs
+    prompt_logprob_chunks: list[tuple[ScheduledRequest, int, int]] = field(default_factory=list)
 
 
 def pack_step(scheduled: Sequence[ScheduledRequest], block_size: int) -> PackedStep:
@@ -49,7 +54,12 @@ def pack_step(scheduled: Sequence[ScheduledRequest], block_size: int) -> PackedS
     sample_requests = [s for s in order if s.needs_sample]
     sample_rows = torch.tensor([i for i, s in zip(last, order) if s.needs_sample], dtype=torch.long)
     input_ids = torch.tensor([ids], dtype=torch.long)  # [1, N]
-    return PackedStep(input_ids, torch.tensor([positions], dtype=torch.long), meta, sample_rows, sample_requests)
+    prompt_chunks = [
+        (s, first, min(s.start_position + len(s.token_ids), len(s.prompt_token_ids) - 1) - s.start_position)
+        for s, first in zip(order, meta.query_start_loc[:-1].tolist()) if s.sampling_params.prompt_logprobs is not None
+    ]
+    return PackedStep(input_ids, torch.tensor([positions], dtype=torch.long), meta, sample_rows, sample_requests,
+                      [c for c in prompt_chunks if c[2] > 0])
 
 
 class ModelRunner:
@@ -103,12 +113,13 @@ class ModelRunner:
             return ModelRunnerOutput({})
         step = self.prepare_inputs(scheduler_output.scheduled)
         hidden = self.run_model(step)  # [1, N, C]
+        prompt_logprobs = self.compute_prompt_logprobs(hidden, step) if step.prompt_logprob_chunks else None
         if not step.sample_requests:
-            return ModelRunnerOutput({})
+            return ModelRunnerOutput({}, None, prompt_logprobs)
         sampled = self.sample(self.compute_logits(hidden, step), step)
         request_ids = [s.request_id for s in step.sample_requests]
         logprobs = {rid: lp for rid, lp in zip(request_ids, sampled.logprobs) if lp is not None}
-        return ModelRunnerOutput(dict(zip(request_ids, sampled.token_ids)), logprobs or None)
+        return ModelRunnerOutput(dict(zip(request_ids, sampled.token_ids)), logprobs or None, prompt_logprobs)
 
     # The phases of ``execute``, separate methods so that a profiler can wrap them from outside.
 
@@ -126,6 +137,22 @@ class ModelRunner:
         """LM head on the sampled rows only: hidden [1, N, C] -> logits [R, V] float32."""
         lm_head = cast("Callable[[torch.Tensor], torch.Tensor]", self.model.compute_logits)
         return lm_head(hidden[0].index_select(0, step.sample_rows))  # [R, V]
+
+    def compute_prompt_logprobs(self, hidden: torch.Tensor, step: PackedStep) -> dict[str, list[TokenLogprobs]]:
+        """Per request of ``step.prompt_logprob_chunks``: the logprob of each next prompt token under its chunk's
+        logits (raw log-softmax, as the sampled tokens'), and the ``prompt_logprobs`` best; hidden [1, N, C]. The
+        LM head runs on at most ``_PROMPT_LOGPROB_ROWS`` rows at a time ([rows, V] float32 each)."""
+        lm_head = cast("Callable[[torch.Tensor], torch.Tensor]", self.model.compute_logits)
+        out: dict[str, list[TokenLogprobs]] = {}
+        for s, first, count in step.prompt_logprob_chunks:
+            entries: list[TokenLogprobs] = out.setdefault(s.request_id, [])
+            for a in range(0, count, _PROMPT_LOGPROB_ROWS):
+                b = min(count, a + _PROMPT_LOGPROB_ROWS)
+                logprobs = ops.compute_logprobs(lm_head(hidden[0, first + a : first + b]))  # [b - a, V]
+                next_ids = s.prompt_token_ids[s.start_position + 1 + a : s.start_position + 1 + b]
+                found = token_logprobs(logprobs, torch.tensor(next_ids), [s.sampling_params.prompt_logprobs] * (b - a))
+                entries.extend(lp for lp in found if lp is not None)
+        return out
 
     def sample(self, logits: torch.Tensor, step: PackedStep) -> SamplerOutput:
         """The batched sampler over logits [R, V], one row per request that samples."""

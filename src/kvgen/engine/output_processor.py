@@ -36,8 +36,11 @@ class RequestState:
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float | None = None
     last_token_time: float | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def add(self, output: EngineCoreOutput) -> None:
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         self.token_ids.extend(output.new_token_ids)
         if output.new_token_ids:
             self.last_token_time = time.time()
@@ -90,7 +93,9 @@ class OutputProcessor:
             state.add(output)
             completion = _completion(state, output, finish_reason, stop_reason)
             if completion is not None:
-                request_outputs.append(_request_output(state, completion, output.error))
+                delta = state.request.sampling_params.output_kind is RequestOutputKind.DELTA
+                prompt_logprobs = output.prompt_logprobs if delta else state.prompt_logprobs
+                request_outputs.append(_request_output(state, completion, output.error, prompt_logprobs))
             if finish_reason is not None:
                 del self._states[output.request_id]
         return ProcessedOutputs(request_outputs, stopped)
@@ -111,7 +116,8 @@ def _completion(
     return CompletionOutput(0, text, token_ids, state.cumulative_logprob, logprobs, finish_reason, stop_reason)
 
 
-def _request_output(state: RequestState, completion: CompletionOutput, error: str | None) -> RequestOutput:
+def _request_output(state: RequestState, completion: CompletionOutput, error: str | None,
+                    prompt_logprobs: list[TokenLogprobs | None] | None = None) -> RequestOutput:
     request = state.request
     metrics = RequestMetrics(
         arrival_time=request.arrival_time,
@@ -130,4 +136,5 @@ def _request_output(state: RequestState, completion: CompletionOutput, error: st
         metrics=metrics,
         num_cached_tokens=request.num_cached_prefix_tokens,
         error=error,
+        prompt_logprobs=prompt_logprobs,
     )

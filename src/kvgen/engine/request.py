@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvgen.engine.sampling_params import SamplingParams
+from kvgen.engine.types import TokenLogprobs
 from kvgen.sampling.stopping import FinishReason
 
 
@@ -70,6 +71,8 @@ class Request:
     finish_time: float | None = field(default=None, init=False)
     stop_reason: int | str | None = field(default=None, init=False)  # the stop token id or stop string
     error: str | None = field(default=None, init=False)  # why the engine aborted it
+    # SamplingParams.prompt_logprobs: per prompt token so far (None for the first), filled chunk by chunk
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         ids = self.prompt_token_ids
@@ -79,6 +82,14 @@ class Request:
             raise ValueError(f"prompt_token_ids must hold ints >= 0, got {ids!r}")
         self.eos_token_ids = tuple(self.eos_token_ids)
         self.all_token_ids = list(ids)
+
+    def add_prompt_logprobs(self, start_position: int, logprobs: list[TokenLogprobs]) -> None:
+        """Record the logprobs of prompt tokens ``start_position + 1 ..`` (a chunk computed from ``start_position``);
+        a chunk recomputed after a preemption adds nothing new."""
+        if not self.prompt_logprobs:
+            self.prompt_logprobs.append(None)  # the first token has no context
+        if len(self.prompt_logprobs) == start_position + 1:
+            self.prompt_logprobs.extend(logprobs)
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         new = [token_ids] if isinstance(token_ids, int) else token_ids

@@ -88,7 +88,7 @@ class Sampler:
             token_ids[sampled] = ops.choose_tokens(x, True, generators, draw="inverse_cdf").squeeze(1)
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
-            logprobs = _token_logprobs(raw_logprobs, token_ids, [p.logprobs for p in params])
+            logprobs = token_logprobs(raw_logprobs, token_ids, [p.logprobs for p in params])
         return SamplerOutput(token_ids.tolist(), logprobs)
 
 
@@ -181,7 +181,7 @@ _STAGES: dict[str, Stage] = {
 _EVERY_ROW, _SAMPLED_ONLY = split_order(ENGINE_ORDER, ENGINE_FIRST_SAMPLING_STAGE)
 
 
-def _token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, nums: list[int | None]) -> list[TokenLogprobs | None]:
+def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, nums: list[int | None]) -> list[TokenLogprobs | None]:
     """Per row: the chosen id's logprob and the ``nums[i]`` largest alternatives (None where not asked).
 
     logprobs: [B, V] float32; token_ids: [B] long.

@@ -56,6 +56,8 @@ class SamplingParams:
     max_tokens: int | None = _f(16, "maximum new tokens; None = up to the model's context length")
     min_tokens: int = _f(0, "EOS and stop_token_ids are suppressed until this many new tokens exist")
     logprobs: int | None = _f(None, "return the sampled token's logprob and this many top alternatives")
+    prompt_logprobs: int | None = _f(None, "return each prompt token's logprob (the first has none) and this many top "
+                                           "alternatives; the request then skips the prefix cache")
     logit_bias: dict[int, float] | None = _f(None, "token id -> bias in [-100, 100] added to its logit (OpenAI logit_bias)")
     skip_special_tokens: bool = _f(True, "leave special tokens out of the text")
     output_kind: RequestOutputKind = _f(RequestOutputKind.CUMULATIVE, "cumulative, delta or final-only outputs")

@@ -161,8 +161,10 @@ class Scheduler:
             if not self._fits_pool(request):
                 self._abort_unfittable(request)
                 continue
-            computed_block_ids, num_cached = self.block_manager.get_computed_blocks(request)
-            if self._waits_for_in_flight(request, num_cached, in_flight):
+            # prompt logprobs need every prompt position's logits: no prefix-cache hit (as vLLM)
+            computed_block_ids, num_cached = (([], 0) if request.sampling_params.prompt_logprobs is not None
+                                              else self.block_manager.get_computed_blocks(request))
+            if request.sampling_params.prompt_logprobs is None and self._waits_for_in_flight(request, num_cached, in_flight):
                 postponed.append(request)  # share those blocks next step instead of recomputing them
                 continue
             num_new = self._num_new_tokens(request, num_cached, budget)
@@ -241,6 +243,8 @@ class Scheduler:
                 continue  # finished since schedule()
             request.num_computed_tokens += len(scheduled.token_ids)
             self.block_manager.cache_full_blocks(request)
+            if (prompt_logprobs := (runner_output.prompt_logprobs or {}).get(request.request_id)) is not None:
+                request.add_prompt_logprobs(scheduled.start_position, prompt_logprobs)
             if scheduled.needs_sample:
                 outputs.append(self._append_token(request, runner_output))
         return outputs
@@ -254,6 +258,8 @@ class Scheduler:
             request.first_token_time = time.time()
         logprobs = (runner_output.logprobs or {}).get(request.request_id)
         output = EngineCoreOutput(request.request_id, [token_id], None if logprobs is None else [logprobs])
+        if request.num_output_tokens == 1 and request.sampling_params.prompt_logprobs is not None:
+            output.prompt_logprobs = list(request.prompt_logprobs)
         status = self._check_stop(request)
         if status is not None:
             self.running.remove(request)

@@ -57,6 +57,9 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]  # request_id -> next token (only for needs_sample)
     logprobs: dict[str, TokenLogprobs] | None = None  # request_id -> logprobs (requests that asked)
+    # request_id -> logprobs of the prompt tokens after this step's chunk (prompt positions start + 1 ..), for
+    # requests with SamplingParams.prompt_logprobs
+    prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
 
 
 @dataclass
@@ -66,6 +69,8 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
+    # on a request's first output when it asked for prompt_logprobs: one entry per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id (or, after detokenizing, stop string)
     error: str | None = None  # why the engine aborted the request, if it did

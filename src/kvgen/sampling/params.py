@@ -140,6 +140,7 @@ PARAM_RULES: dict[str, ParamRule] = {
     "n": _count(1, "completions returned per prompt"),
     "best_of": _count(1, "samples drawn per prompt, the best returned"),
     "logprobs": _count(0, "top alternatives returned per token"),
+    "prompt_logprobs": _count(0, "top alternatives returned per prompt token"),
     "seed": ParamRule(int, SEED_MIN, SEED_MAX, help="seed of the torch.Generator"),
     "num_beams": _count(1, "beams for beam search"),
     "num_beam_groups": _count(1, "groups for diverse beam search"),

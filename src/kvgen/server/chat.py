@@ -14,7 +14,7 @@ from typing import Any
 from fastapi.responses import Response
 from starlette.requests import Request
 
-from kvgen.engine.outputs import CompletionOutput
+from kvgen.engine.outputs import CompletionOutput, RequestOutput
 from kvgen.errors import KvgenError
 from kvgen.server.errors import bad_request
 from kvgen.server.protocol import (
@@ -108,7 +108,7 @@ def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation, num
         data = ChatCompletionChunk(id=gen.request_id, model=state.model_name, choices=choices, **fields)
         return sse(chunk_dict(data, include_usage))
 
-    def events(_: int, c: CompletionOutput) -> Iterator[str]:
+    def events(_: int, c: CompletionOutput, __: RequestOutput) -> Iterator[str]:
         if c.text or (req.logprobs and c.token_ids):
             lp = _logprobs(state, req, c.token_ids, c.logprobs or [])
             yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=c.text), logprobs=lp)])

@@ -2,21 +2,24 @@
 
 Each prompt is its own engine request; choice ``index`` is ``prompt_index * n + i``.
 ``logprobs: k`` (0-5) gives each generated token's logprob and the k best alternatives
-(the legacy format, as vLLM). ``echo``, ``suffix`` and ``best_of != n`` are refused with
-a 400 naming the field. Streaming sends text chunks (with their tokens' logprobs), one
+(the legacy format, as vLLM); ``echo`` puts the prompt before each choice's text, and
+with ``logprobs`` its tokens' logprobs before the generated ones (the first is null),
+as evaluation harnesses ask (``echo``, ``logprobs: 1``, ``max_tokens: 1``). ``suffix``
+and ``best_of != n`` are refused with a 400 naming the field. Streaming sends text chunks (with their tokens' logprobs), one
 chunk per choice with ``finish_reason``, a usage chunk when asked, then ``data: [DONE]``.
 Source: OpenAI API reference, Completions; vLLM ``serving_completion.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi.responses import Response
 from starlette.requests import Request
 
-from kvgen.engine.outputs import CompletionOutput
+from kvgen.engine.outputs import CompletionOutput, RequestOutput
 from kvgen.server.errors import bad_request
 from kvgen.server.protocol import (
     CompletionChoice,
@@ -46,8 +49,6 @@ from kvgen.server.serving import (
 
 
 def _refuse_unsupported(req: CompletionRequest) -> None:
-    if req.echo:
-        raise bad_request("echo is not supported", "echo")
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -72,6 +73,14 @@ def completion_prompt_ids(state: ServerState, prompt: str | list) -> list[list[i
     return prompts
 
 
+def _prompt_texts(state: ServerState, prompt: str | list, prompts: list[list[int]]) -> list[str]:
+    """The text ``echo`` puts before each completion: a text prompt as sent, token ids decoded."""
+    if isinstance(prompt, str):
+        return [prompt]
+    texts = [p if isinstance(p, str) else None for p in prompt] if len(prompt) == len(prompts) else [None] * len(prompts)
+    return [t if t is not None else state.tokenizer.decode(ids) for t, ids in zip(texts, prompts, strict=True)]
+
+
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
     """Validate, enqueue every prompt, then stream (SSE) or answer once. Raises ``OpenAIError``."""
     state.check_model(req.model)
@@ -81,6 +90,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     # max_tokens None: all the room the longest prompt leaves
     max_tokens = min(resolve_max_tokens(state, len(p), req.max_tokens, ("prompt", "max_tokens")) for p in prompts)
     params = sampling_params(req, state.tokenizer, max_tokens, req.logprobs)
+    if req.echo and req.logprobs is not None:
+        params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+    echo = _Echo(state, req, prompts, _prompt_texts(state, req.prompt, prompts) if req.echo else None)
     gen = Generation(state, new_request_id("cmpl"))
     await gen.start(prompts, params, "prompt")
     num_prompt_tokens = sum(len(p) for p in prompts)
@@ -88,35 +100,63 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     def response(choices: list[ChoiceResult]) -> CompletionResponse:
         return CompletionResponse(
             id=gen.request_id, model=state.model_name, usage=usage(num_prompt_tokens, choices),
-            choices=[CompletionChoice(index=c.index, text=c.text, logprobs=_logprobs(state, req, c.token_ids, c.logprobs),
-                                      finish_reason=openai_finish_reason(c.finish_reason)) for c in choices],
+            choices=[CompletionChoice(index=c.index, finish_reason=openai_finish_reason(c.finish_reason),
+                                      **echo.first_piece(c.index // req.n, c.text, c.token_ids, c.logprobs, c.prompt_logprobs))
+                     for c in choices],
         )
 
-    return await respond(gen, raw, req.n, _stream(state, req, gen, num_prompt_tokens) if req.stream else None, response)
+    return await respond(gen, raw, req.n, _stream(state, req, gen, num_prompt_tokens, echo) if req.stream else None, response)
 
 
-def _logprobs(state: ServerState, req: CompletionRequest, token_ids: list[int], logprobs: list | None,
-              text_offset: int = 0) -> CompletionLogprobs | None:
-    if req.logprobs is None:
-        return None
-    return completion_logprobs(state.tokenizer, token_ids, logprobs or [], req.logprobs, text_offset)
+class _Echo:
+    """A choice's text and logprobs, with its prompt's (text, and token logprobs from the second token) put first
+    when ``echo`` asks; ``text_offset`` runs on from the choice's earlier pieces when streamed."""
+
+    def __init__(self, state: ServerState, req: CompletionRequest, prompts: list[list[int]], texts: list[str] | None):
+        self.state, self.req, self.prompts, self.texts = state, req, prompts, texts
+        self.text_offsets: dict[int, int] = {}  # choice index -> characters of token text sent so far (streaming)
+
+    def first_piece(self, prompt_index: int, text: str, token_ids: list[int], logprobs: list | None,
+                    prompt_logprobs: list | None) -> dict[str, Any]:
+        """``text`` and ``logprobs`` (CompletionChoice fields) of a choice's first (or only) piece."""
+        if self.texts is None:
+            return {"text": text, "logprobs": self.logprobs(token_ids, logprobs)}
+        ids = self.prompts[prompt_index]
+        entries = list(prompt_logprobs or [None] * len(ids)) + list(logprobs or [])
+        return {"text": self.texts[prompt_index] + text, "logprobs": self.logprobs(ids + token_ids, entries)}
+
+    def logprobs(self, token_ids: list[int], logprobs: list | None, text_offset: int = 0) -> CompletionLogprobs | None:
+        if self.req.logprobs is None:
+            return None
+        return completion_logprobs(self.state.tokenizer, token_ids, logprobs or [], self.req.logprobs, text_offset)
+
+    def piece(self, index: int, prompt_index: int, c: CompletionOutput, output: RequestOutput) -> CompletionChoice:
+        """A streamed chunk's choice: the first one of a choice carries the echo."""
+        if index in self.text_offsets:
+            choice = CompletionChoice(index=index, text=c.text, finish_reason=None,
+                                      logprobs=self.logprobs(c.token_ids, c.logprobs, self.text_offsets[index]))
+        else:
+            choice = CompletionChoice(index=index, finish_reason=None, **self.first_piece(
+                prompt_index, c.text, c.token_ids, c.logprobs, output.prompt_logprobs))
+        lp = choice.logprobs
+        self.text_offsets[index] = lp.text_offset[-1] + len(lp.tokens[-1]) if lp is not None and lp.tokens else 0
+        return choice
 
 
-def _stream(state: ServerState, req: CompletionRequest, gen: Generation, num_prompt_tokens: int) -> AsyncIterator[str]:
+def _stream(state: ServerState, req: CompletionRequest, gen: Generation, num_prompt_tokens: int, echo: _Echo
+            ) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    text_offsets: dict[int, int] = {}  # choice index -> characters of token text sent so far
 
     def chunk(choices: list[CompletionChoice], **fields: Any) -> str:
         data = CompletionChunk(id=gen.request_id, model=state.model_name, choices=choices, **fields)
         return sse(chunk_dict(data, include_usage))
 
-    def events(prompt_index: int, c: CompletionOutput) -> Iterator[str]:
+    def events(prompt_index: int, c: CompletionOutput, output: RequestOutput) -> Iterator[str]:
         index = prompt_index * req.n + c.index
-        if c.text or (req.logprobs is not None and c.token_ids):
-            lp = _logprobs(state, req, c.token_ids, c.logprobs, text_offsets.get(index, 0))
-            if lp is not None and lp.tokens:
-                text_offsets[index] = lp.text_offset[-1] + len(lp.tokens[-1])
-            yield chunk([CompletionChoice(index=index, text=c.text, logprobs=lp, finish_reason=None)])
+        if c.text or c.token_ids or index not in echo.text_offsets:
+            choice = echo.piece(index, prompt_index, c, output)
+            if choice.text or choice.logprobs is not None:
+                yield chunk([choice])
         if c.finish_reason is not None:
             yield chunk([CompletionChoice(index=index, text="", finish_reason=openai_finish_reason(c.finish_reason))])
 

@@ -174,7 +174,7 @@ PromptInput = str | list[str] | list[int] | list[list[int]]
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
     max_tokens: int | None = Field(default=16, ge=1)
-    echo: bool = Field(default=False, description="not supported: must be false")
+    echo: bool = Field(default=False, description="put the prompt (and, with logprobs, its tokens' logprobs) first")
     logprobs: int | None = Field(default=None, ge=0, le=5, description="log-probabilities of the chosen token and the n best")
     suffix: str | None = Field(default=None, description="not supported: must be null")
     best_of: int | None = Field(default=None, ge=1, le=MAX_N, description="only best_of == n is supported")

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 
-from kvgen.engine.outputs import CompletionOutput
+from kvgen.engine.outputs import CompletionOutput, RequestOutput
 from kvgen.engine.types import TokenLogprobs
 from kvgen.server.errors import OpenAIError
 from kvgen.server.protocol import (
@@ -46,6 +46,7 @@ class ChoiceResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # SamplingParams.prompt_logprobs of its prompt
 
     def add(self, completion: CompletionOutput) -> None:
         self.text += completion.text
@@ -72,13 +73,18 @@ def openai_finish_reason(reason: str | None) -> FinishReason | None:
 async def collect(gen: Generation, n: int) -> list[ChoiceResult]:
     """Read a generation to its end; raises a 503 ``OpenAIError`` if the engine aborted a choice."""
     choices: dict[int, ChoiceResult] = {}
+    prompt_logprobs: dict[int, list[TokenLogprobs | None]] = {}  # prompt index -> its prompt logprobs, if asked
     error: str | None = None
     async for prompt_index, output in gen.outputs():
         error = error or output.error
+        if output.prompt_logprobs is not None:
+            prompt_logprobs[prompt_index] = output.prompt_logprobs
         for completion in output.outputs:
             index = prompt_index * n + completion.index
             choices.setdefault(index, ChoiceResult(index)).add(completion)
     results = [choices[i] for i in sorted(choices)]
+    for choice in results:
+        choice.prompt_logprobs = prompt_logprobs.get(choice.index // n)
     if len(results) < len(gen.streams) * n or any(c.finish_reason not in ("stop", "length") for c in results):
         raise OpenAIError(503, f"the request was aborted by the server{': ' + error if error else ''}", None, "aborted")
     return results
@@ -129,21 +135,27 @@ def chat_logprobs(
 
 
 def completion_logprobs(
-    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs], num_top: int, text_offset: int = 0
+    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs] | list[TokenLogprobs | None],
+    num_top: int, text_offset: int = 0,
 ) -> CompletionLogprobs:
     """OpenAI ``choices[].logprobs`` of ``/v1/completions``: per token its text, logprob and a dict of the ``num_top``
-    best alternatives plus the chosen token; ``text_offset`` counts token texts from ``text_offset`` (as vLLM)."""
+    best alternatives plus the chosen token (both None for an entry without logprobs: an echoed prompt's first
+    token); ``text_offset`` counts token texts from ``text_offset`` (as vLLM)."""
     out = CompletionLogprobs()
     for token_id, lp in zip(token_ids, logprobs, strict=False):  # a stop string may end the text early
         text = token_text_and_bytes(tokenizer, token_id)[0]
+        out.tokens.append(text)
+        out.text_offset.append(text_offset)
+        text_offset += len(text)
+        if lp is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
         best = sorted(lp.top_logprobs.items(), key=lambda kv: -kv[1])[:num_top]
         top = {token_text_and_bytes(tokenizer, t)[0]: max(v, MIN_LOGPROB) for t, v in best}
         top.setdefault(text, max(lp.logprob, MIN_LOGPROB))
-        out.tokens.append(text)
         out.token_logprobs.append(max(lp.logprob, MIN_LOGPROB))
         out.top_logprobs.append(top)
-        out.text_offset.append(text_offset)
-        text_offset += len(text)
     return out
 
 
@@ -187,10 +199,11 @@ async def respond(
 
 
 async def stream_events(
-    gen: Generation, first: Iterable[str], events: Callable[[int, CompletionOutput], Iterable[str]],
+    gen: Generation, first: Iterable[str], events: Callable[[int, CompletionOutput, RequestOutput], Iterable[str]],
     usage_chunk: Callable[[int], str] | None,
 ) -> AsyncIterator[str]:
-    """SSE lines of a streamed request: ``first``, then ``events(prompt_index, output)`` per engine output,
+    """SSE lines of a streamed request: ``first``, then ``events(prompt_index, completion, output)`` per completion of
+    each engine output,
     the ``usage_chunk(num_completion_tokens)`` when asked, ``[DONE]``. An aborted request or an engine
     failure after the 200 ends the stream with an error event (as vLLM)."""
     num_tokens = 0
@@ -204,7 +217,7 @@ async def stream_events(
                     yield sse_error(f"the request was aborted by the server{': ' + output.error if output.error else ''}")
                     yield sse("[DONE]")
                     return
-                for line in events(prompt_index, c):
+                for line in events(prompt_index, c, output):
                     yield line
         if usage_chunk is not None:
             yield usage_chunk(num_tokens)
