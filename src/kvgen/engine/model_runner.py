@@ -19,7 +19,12 @@ import torch
 from torch import nn
 
 from kvgen.engine.sampler import Sampler, SamplerOutput, SamplingRow, token_logprobs
-from kvgen.engine.types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from kvgen.engine.types import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from kvgen.kv_cache.paged import PagedAttentionMetadata, PagedKVCache
 from kvgen.sampling import ops
 
