@@ -155,3 +155,23 @@ def test_vllm_and_hf_filter_orders_keep_different_sets():
     vllm = ops.apply_top_p(ops.apply_top_k(ops.apply_min_p(logits, 0.3), 5), 0.5)
     hf = ops.apply_min_p(ops.apply_top_p(ops.apply_top_k(logits, 5), 0.5), 0.3)
     assert not torch.equal(torch.isinf(vllm), torch.isinf(hf))
+
+
+def test_kernel_draw_gives_the_torch_samplers_tokens():
+    """With the model's kernels the draw is one C++ op (and applies the temperature itself when no row filters):
+    the same tokens as the torch ops, for temperature-only batches, filtered rows and greedy rows mixed in."""
+    from kvgen.kernels import get_ops
+
+    logits = torch.randn(6, 49_152, generator=torch.Generator().manual_seed(4)) * 3
+    batches = [
+        [SamplingParams(temperature=t, seed=s) for t, s in ((1.0, 1), (0.7, 2), (1.6, 3), (0.3, 4), (1.0, 5), (0.9, 6))],
+        [SamplingParams(temperature=0.8, top_k=40, seed=1), SamplingParams(temperature=0.0),
+         SamplingParams(temperature=1.1, min_p=0.02, seed=3), SamplingParams(temperature=0.6, top_p=0.9, seed=4),
+         SamplingParams(temperature=1.0, repetition_penalty=1.2, seed=5), SamplingParams(temperature=0.5, seed=6)],
+    ]
+    for params in batches:
+        def rows(params=params):
+            return [_row(p, seed=p.seed, output=[i, 7]) for i, p in enumerate(params)]
+        torch_ids, kernel_ids = Sampler()(logits, rows()).token_ids, Sampler(get_ops())(logits, rows()).token_ids
+        assert kernel_ids == torch_ids
+    assert len(set(torch_ids)) > 3  # real draws, not one id

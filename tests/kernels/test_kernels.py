@@ -289,3 +289,38 @@ def test_paged_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin():
     ref = [p.clone() for p in pools]
     want = REF.paged_decoder_layers(x, weights, linears, eps, cos, sin, ref[0::2], ref[1::2], *meta, h, h_kv, scale)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("vocab_size", [49_152, 1_003, 7])  # whole blocks of 256; a partial block and vector; one vector
+def test_softmax_draw_matches_reference(vocab_size):
+    """The C++ draw equals its twin (softmax, then ops.inverse_cdf_at) id for id, over temperatures, -inf runs
+    (never drawn) and uniforms at the ends of [0, 1)."""
+    g = torch.Generator().manual_seed(21)
+    rows = 96
+    logits = torch.randn(rows, vocab_size, generator=g) * 4
+    logits[::3, : vocab_size // 2] = float("-inf")  # a filtered row: only the upper half may be drawn
+    temperature = torch.rand(rows, generator=g, dtype=torch.float64) * 2 + 0.05
+    u = torch.rand(rows, generator=g, dtype=torch.float64)
+    u[:4] = torch.tensor([0.0, 1e-12, 1 - 1e-12, 0.5], dtype=torch.float64)
+    got = OPS.softmax_draw(logits, temperature, u)
+    assert got.dtype == torch.long and got.shape == (rows,)
+    assert torch.equal(got, REF.softmax_draw(logits, temperature, u))
+    assert bool((got[::3] >= vocab_size // 2).all())
+    assert torch.equal(OPS.softmax_draw(logits[5:6], temperature[5:6], u[5:6]), got[5:6])  # a row alone
+
+
+@needs_avx2
+def test_softmax_draw_frequencies_and_bad_inputs():
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2])
+    n = 40_000
+    u = torch.rand(n, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    ids = OPS.softmax_draw(probs.log().expand(n, -1).contiguous(), torch.ones(n, dtype=torch.float64), u)
+    freq = torch.bincount(ids, minlength=4).double() / n
+    torch.testing.assert_close(freq, probs.double(), rtol=0, atol=0.01)
+    assert freq[1] == 0  # a zero-probability id is never drawn
+    with pytest.raises(RuntimeError, match="temperature > 0 and u in \\[0, 1\\)"):
+        OPS.softmax_draw(torch.zeros(1, 8), torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="temperature and u must be \\[B=2\\]"):
+        OPS.softmax_draw(torch.zeros(2, 8), torch.ones(1, dtype=torch.float64), torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="no finite logit"):
+        OPS.softmax_draw(torch.full((1, 8), float("-inf")), torch.ones(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64))

@@ -85,7 +85,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.eos_token_ids = tuple(eos_token_ids)
-        self.sampler = sampler or Sampler()
+        self.sampler = sampler or Sampler(getattr(model, "kernels", None))  # the C++ draw with the C++ model
         self._seed_rng = torch.Generator()
         if seed is None:
             self._seed_rng.seed()

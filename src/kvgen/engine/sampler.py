@@ -19,6 +19,7 @@ import torch
 
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.types import TokenLogprobs
+from kvgen.kernels import KernelOps
 from kvgen.sampling import ops
 from kvgen.sampling.pipeline import (
     ENGINE_FIRST_SAMPLING_STAGE,
@@ -68,8 +69,14 @@ class Sampler:
 
     Stages before ``ENGINE_FIRST_SAMPLING_STAGE`` run on every row; greedy rows then
     take the argmax, sampled rows go through the remaining stages and one draw each
-    (``ops.choose_tokens``). A stage runs only when some row enables it.
+    (``ops.choose_tokens``, inverse CDF). A stage runs only when some row enables it.
+    With ``kernels`` (the model's), the draw is their ``softmax_draw`` (softmax and search in one
+    pass per row, the same ids as the torch ops), which also applies the temperature when no
+    sampled row filters (min_p, top_k, top_p): the OpenAI default request.
     """
+
+    def __init__(self, kernels: KernelOps | None = None) -> None:
+        self.kernels = kernels
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
@@ -83,13 +90,25 @@ class Sampler:
                      else ops.choose_tokens(logits, do_sample=False).squeeze(1))  # [B]
         if sampled:
             sampled_rows = [rows[i] for i in sampled]
-            x = apply_stages(logits if is_all_sampled else logits[sampled], sampled_rows, _SAMPLED_ONLY)  # [B', V]
-            generators = [r.generator for r in sampled_rows]
-            token_ids[sampled] = ops.choose_tokens(x, True, generators, draw="inverse_cdf").squeeze(1)
+            x = logits if is_all_sampled else logits[sampled]  # [B', V]
+            token_ids[sampled] = self._draw(x, sampled_rows)
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
             logprobs = token_logprobs(raw_logprobs, token_ids, [p.logprobs for p in params])
         return SamplerOutput(token_ids.tolist(), logprobs)
+
+
+    def _draw(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The sampling stages and one draw per row of x [B', V]; returns [B'] long."""
+        generators = [r.generator for r in rows]
+        if self.kernels is None:
+            x = apply_stages(x, rows, _SAMPLED_ONLY)
+            return ops.choose_tokens(x, True, generators, draw="inverse_cdf").squeeze(1)
+        if any(r.sampling_params.min_p > 0 or r.sampling_params.top_k > 0 or r.sampling_params.top_p < 1 for r in rows):
+            x, temperature = apply_stages(x, rows, _SAMPLED_ONLY), torch.ones(len(rows), dtype=torch.float64)
+        else:  # temperature only: the kernel divides
+            temperature = _column([r.sampling_params.temperature for r in rows])
+        return self.kernels.softmax_draw(x.float(), temperature, ops.uniforms(len(rows), generators).view(-1))
 
 
 def apply_stages(logits: torch.Tensor, rows: list[SamplingRow], names: Sequence[str]) -> torch.Tensor:

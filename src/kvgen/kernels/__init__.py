@@ -28,6 +28,8 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
   decoder layer over a static cache in one op (each layer's nine ops above, in order)
 * ``paged_decoder_layers(x, weights, linears, eps, cos, sin, k_pools, v_pools, slot_mapping, block_tables,
   query_start_loc, seq_lens, H, Hkv, scale) -> [N, C]``: the same over a paged cache (``paged_attention_qkv``)
+* ``softmax_draw(logits [B, V] f32, temperature [B] f64, u [B] f64) -> [B] i64``: one id per row from
+  softmax(logits / temperature) by inversion at u (the engine's draw, ``ops.sample_inverse_cdf``'s search)
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "ops.cpp", "quantize_q8a.cpp", "qgemm_q4.cpp", "qgemm_q8.cpp",
     "attention.cpp", "rms_norm.cpp", "rope.cpp", "silu_mul.cpp", "repack.cpp", "decoder.cpp",
+    "softmax_draw.cpp",
 )
 HEADERS = ("common.h", "vec_math.h", "aten_lite.h", "ops.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
@@ -73,11 +76,12 @@ class KernelOps:
     paged_attention_qkv: Callable[..., torch.Tensor]
     decoder_layers: Callable[..., torch.Tensor]
     paged_decoder_layers: Callable[..., torch.Tensor]
+    softmax_draw: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 _NAMES = (
     "qgemm", "quantize_q8a", "dequantize_rows", "attention", "paged_attention", "rms_norm", "rope_qkv_", "silu_mul", "repack_gguf",
-    "static_attention", "paged_attention_qkv", "decoder_layers", "paged_decoder_layers",
+    "static_attention", "paged_attention_qkv", "decoder_layers", "paged_decoder_layers", "softmax_draw",
 )
 _REFERENCE = KernelOps("reference", *(getattr(reference, n) for n in _NAMES))
 _ops: KernelOps | None = None

@@ -317,3 +317,12 @@ def paged_decoder_layers(
     return _layers(x, weights, linears, eps, cos, sin, len(k_pools), num_heads, num_kv_heads, lambda layer, h:
                    paged_attention_qkv(h, k_pools[layer], v_pools[layer], slot_mapping, block_tables,
                                        query_start_loc, seq_lens, num_heads, scale))
+
+
+def softmax_draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One id per row of logits [B, V] float32 from softmax(logits / temperature [B]) by inversion at u [B] float64
+    (``ops.inverse_cdf_at``). Returns [B] long."""
+    from kvgen.sampling.ops import inverse_cdf_at
+
+    probs = torch.softmax(logits / temperature.to(logits.dtype)[:, None], dim=-1)  # [B, V]
+    return inverse_cdf_at(probs, u.to(torch.float64).view(-1, 1)).view(-1)  # [B]

@@ -543,12 +543,22 @@ def sample_inverse_cdf(probs: torch.Tensor, generator: Generators = None) -> tor
     drawn. Returns [B, 1] long. Raises ValueError for a generator list of the wrong length.
     """
     _check_logits(probs)
-    num_rows, vocab_size = probs.shape
+    return inverse_cdf_at(probs, uniforms(probs.shape[0], generator))  # [B, 1]
+
+
+def uniforms(num_rows: int, generator: Generators = None) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row, [B, 1], from ``generator`` as in ``choose_tokens`` (a list: row i
+    draws from its own). Raises ValueError for a generator list of the wrong length."""
     generators = _row_generators(generator, num_rows)
     if generators is None:
-        u = torch.rand(num_rows, 1, generator=generator, dtype=torch.float64)  # type: ignore[arg-type]  # [B, 1]
-    else:
-        u = torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64) for g in generators])  # [B, 1]
+        return torch.rand(num_rows, 1, generator=generator, dtype=torch.float64)  # type: ignore[arg-type]  # [B, 1]
+    return torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64) for g in generators])  # [B, 1]
+
+
+def inverse_cdf_at(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """:func:`sample_inverse_cdf` at given uniforms u [B, 1] float64: the first id whose cumulative probability
+    exceeds u x the row's total (two-level search). probs: [B, V] float. Returns [B, 1] long."""
+    num_rows, vocab_size = probs.shape
     blocks = torch.nn.functional.pad(probs, (0, -vocab_size % _CDF_BLOCK)).view(num_rows, -1, _CDF_BLOCK)  # [B, N, C]
     block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [B, N]
     target = u * block_cdf[:, -1:]  # [B, 1]

@@ -171,6 +171,7 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("paged_decoder_layers(Tensor x, Tensor[] weights, int[] linears, float[] eps, Tensor cos, Tensor sin, "
         "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
         "Tensor seq_lens, int num_heads, int num_kv_heads, float scale) -> Tensor");
+  m.def("softmax_draw(Tensor logits, Tensor temperature, Tensor u) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
@@ -187,4 +188,5 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("paged_attention_qkv", &kvgen::paged_attention_qkv);
   m.impl("decoder_layers", &kvgen::decoder_layers);
   m.impl("paged_decoder_layers", &kvgen::paged_decoder_layers);
+  m.impl("softmax_draw", &kvgen::softmax_draw);
 }
