@@ -460,3 +460,55 @@ def test_random_workloads_drain_cleanly_with_outputs_as_if_alone(
             assert spec.abort_step is not None or too_big
         else:
             assert (r.output_token_ids, final.finish_reason) == (expected, reason)
+
+
+# ---------------------------------------------------------------- prompt logprobs
+
+
+class PromptLogprobRunner(FakeRunner):
+    """FakeRunner that also scores prompt tokens: token t's logprob is -t (so a wrong position shows)."""
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        result = super().execute(out)
+        result.prompt_logprobs = {}
+        for s in out.scheduled:
+            if s.sampling_params.prompt_logprobs is not None:
+                end = min(s.start_position + len(s.token_ids), len(s.prompt_token_ids) - 1)
+                next_ids = s.prompt_token_ids[s.start_position + 1 : end + 1]
+                if next_ids:  # as ModelRunner: only chunks that score a prompt token
+                    result.prompt_logprobs[s.request_id] = [TokenLogprobs(-float(t)) for t in next_ids]
+        return result
+
+
+def test_prompt_logprobs_gather_over_chunks_skip_the_prefix_cache_and_come_with_the_first_token() -> None:
+    bm = BlockManager(64, 4)
+    scheduler, runner = Scheduler(8, 4, bm), PromptLogprobRunner(bm)  # 4-token chunks
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    scheduler.add_request(make_request("warm", prompt, max_tokens=1))
+    drain(scheduler, runner)  # its full blocks are cached now
+    scheduler.add_request(make_request("r", prompt, max_tokens=2, prompt_logprobs=1))
+    outputs: list[EngineCoreOutput] = []
+    starts = []
+    while scheduler.has_unfinished_requests():
+        out, new = step(scheduler, runner)
+        starts += [s.start_position for s in out.scheduled]
+        outputs += new
+    assert starts[0] == 0  # no prefix-cache hit
+    first, second = outputs
+    assert first.prompt_logprobs is not None and first.prompt_logprobs[0] is None
+    assert [lp.logprob for lp in first.prompt_logprobs[1:]] == [-float(t) for t in prompt[1:]]
+    assert second.prompt_logprobs is None
+
+
+def test_prompt_logprobs_recomputed_after_a_preemption_keep_one_entry_per_token() -> None:
+    r = make_request("r", 10, prompt_logprobs=1)  # prompt tokens 1..10
+
+    def chunk(start: int, end: int) -> list[TokenLogprobs]:  # what the runner returns for positions [start, end)
+        return [TokenLogprobs(-float(t)) for t in range(start + 2, min(end, 9) + 2)]
+
+    r.add_prompt_logprobs(0, chunk(0, 4))
+    r.add_prompt_logprobs(4, chunk(4, 8))
+    r.add_prompt_logprobs(0, chunk(0, 6))  # preempted, recomputed: nothing new
+    r.add_prompt_logprobs(6, chunk(6, 10))  # tokens 8, 9 known, 10 new
+    assert r.prompt_logprobs[0] is None
+    assert [lp.logprob for lp in r.prompt_logprobs[1:]] == [-float(t) for t in range(2, 11)]

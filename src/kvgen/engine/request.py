@@ -85,11 +85,14 @@ class Request:
 
     def add_prompt_logprobs(self, start_position: int, logprobs: list[TokenLogprobs]) -> None:
         """Record the logprobs of prompt tokens ``start_position + 1 ..`` (a chunk computed from ``start_position``);
-        a chunk recomputed after a preemption adds nothing new."""
+        a chunk recomputed after a preemption adds only the tokens not recorded yet."""
+        if not logprobs:
+            return
         if not self.prompt_logprobs:
             self.prompt_logprobs.append(None)  # the first token has no context
-        if len(self.prompt_logprobs) == start_position + 1:
-            self.prompt_logprobs.extend(logprobs)
+        num_known = len(self.prompt_logprobs) - (start_position + 1)  # this chunk's tokens recorded before
+        assert num_known >= 0, f"prompt logprobs of {self.request_id} skip tokens"
+        self.prompt_logprobs.extend(logprobs[num_known:])
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         new = [token_ids] if isinstance(token_ids, int) else token_ids

@@ -97,7 +97,6 @@ class Sampler:
             logprobs = token_logprobs(raw_logprobs, token_ids, [p.logprobs for p in params])
         return SamplerOutput(token_ids.tolist(), logprobs)
 
-
     def _draw(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The sampling stages and one draw per row of x [B', V]; returns [B'] long."""
         generators = [r.generator for r in rows]
