@@ -168,6 +168,17 @@ def test_completion_echo_returns_the_prompt_and_its_logprobs(client, tiny_tokeni
     assert "".join(p.text for p in pieces) == choice.text
     assert [t for p in pieces for t in p.logprobs.tokens] == lp.tokens
     assert [o for p in pieces for o in p.logprobs.text_offset] == lp.text_offset
+    two = client.completions.create(model="tiny", prompt=prompt, temperature=1.0, seed=5, n=2, max_tokens=2, logprobs=1,
+                                    echo=True, stream=True)
+    firsts: dict[int, object] = {}
+    for c in two:
+        for choice in c.choices:
+            if choice.logprobs is not None:
+                firsts.setdefault(choice.index, choice)
+    assert sorted(firsts) == [0, 1]
+    for choice in firsts.values():  # each choice opens with the prompt and its logprobs
+        assert choice.text.startswith(prompt) and choice.logprobs.tokens[: len(ids)] == lp.tokens[: len(ids)]
+        assert choice.logprobs.token_logprobs[1 : len(ids)] == pytest.approx(lp.token_logprobs[1 : len(ids)], abs=1e-5)
     by_ids = client.completions.create(model="tiny", prompt=ids, temperature=0, max_tokens=3, echo=True)
     plain = client.completions.create(model="tiny", prompt=ids, temperature=0, max_tokens=3)
     assert by_ids.choices[0].text == tiny_tokenizer.decode(ids) + plain.choices[0].text

@@ -5,8 +5,9 @@ Each prompt is its own engine request; choice ``index`` is ``prompt_index * n + 
 (the legacy format, as vLLM); ``echo`` puts the prompt before each choice's text, and
 with ``logprobs`` its tokens' logprobs before the generated ones (the first is null),
 as evaluation harnesses ask (``echo``, ``logprobs: 1``, ``max_tokens: 1``). ``suffix``
-and ``best_of != n`` are refused with a 400 naming the field. Streaming sends text chunks (with their tokens' logprobs), one
-chunk per choice with ``finish_reason``, a usage chunk when asked, then ``data: [DONE]``.
+and ``best_of != n`` are refused with a 400 naming the field. Streaming sends text chunks
+(with their tokens' logprobs), one chunk per choice with ``finish_reason``, a usage chunk
+when asked, then ``data: [DONE]``.
 Source: OpenAI API reference, Completions; vLLM ``serving_completion.py``.
 """
 
@@ -115,6 +116,8 @@ class _Echo:
     def __init__(self, state: ServerState, req: CompletionRequest, prompts: list[list[int]], texts: list[str] | None):
         self.state, self.req, self.prompts, self.texts = state, req, prompts, texts
         self.text_offsets: dict[int, int] = {}  # choice index -> characters of token text sent so far (streaming)
+        # prompt index -> its prompt logprobs (streaming: an n > 1 choice may start in an output without them)
+        self.prompt_logprobs: dict[int, list] = {}
 
     def first_piece(self, prompt_index: int, text: str, token_ids: list[int], logprobs: list | None,
                     prompt_logprobs: list | None) -> dict[str, Any]:
@@ -136,8 +139,10 @@ class _Echo:
             choice = CompletionChoice(index=index, text=c.text, finish_reason=None,
                                       logprobs=self.logprobs(c.token_ids, c.logprobs, self.text_offsets[index]))
         else:
+            if output.prompt_logprobs is not None:
+                self.prompt_logprobs[prompt_index] = output.prompt_logprobs
             choice = CompletionChoice(index=index, finish_reason=None, **self.first_piece(
-                prompt_index, c.text, c.token_ids, c.logprobs, output.prompt_logprobs))
+                prompt_index, c.text, c.token_ids, c.logprobs, self.prompt_logprobs.get(prompt_index)))
         lp = choice.logprobs
         self.text_offsets[index] = lp.text_offset[-1] + len(lp.tokens[-1]) if lp is not None and lp.tokens else 0
         return choice
