@@ -91,7 +91,8 @@ def test_metadata_slots_follow_block_tables():
     meta = PagedAttentionMetadata.build([1, 3], [5, 0], [[7, 2], [4]], BLOCK_SIZE)
     assert meta.slot_mapping.tolist() == [2 * 4 + 1, 16, 17, 18]
     assert meta.num_decodes == 1 and meta.seq_lens.tolist() == [6, 3]
-    assert meta.decode_mask[0, 0, 0].tolist() == [True] * 6 + [False] * 2
+    block_ids, mask = meta.decode_inputs
+    assert block_ids.tolist() == [7, 2] and mask[0, 0, 0].tolist() == [True] * 6 + [False] * 2
     assert meta.query_start_loc.tolist() == [0, 1, 4]
 
 

@@ -18,6 +18,7 @@ Model Serving with PagedAttention" (vLLM); the decode-first packing as vLLM v1.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -70,9 +71,8 @@ class PagedAttentionMetadata:
     slot_mapping: [N] long, the cache slot of every packed token. query_start_loc: [R+1]
     long; seq_lens: [R] long, context length after this step; block_tables: [R, nb_max]
     long (padded with block 0). The first ``num_decodes`` sequences have one token each and
-    are tokens ``[0, num_decodes)``; ``decode_block_ids`` [num_decodes * nb_dec] and
-    ``decode_mask`` [num_decodes, 1, 1, nb_dec * block_size] bool serve their batched
-    attention; ``prefills`` the rest, one chunk each.
+    are tokens ``[0, num_decodes)`` (their batched torch attention reads :attr:`decode_inputs`);
+    ``prefills`` the rest, one chunk each.
     """
 
     slot_mapping: torch.Tensor
@@ -80,9 +80,19 @@ class PagedAttentionMetadata:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     num_decodes: int
-    decode_block_ids: torch.Tensor | None
-    decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
+    block_size: int
+
+    @functools.cached_property
+    def decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decodes' flat padded block ids [num_decodes * nb] long and key mask [num_decodes, 1, 1, nb * block_size]
+        bool, made on first use (the kernels read the block tables instead). Needs ``num_decodes > 0``."""
+        assert self.num_decodes > 0, "no decodes in this step"
+        lens = self.seq_lens[: self.num_decodes]  # [B]
+        num_blocks = -(-int(lens.max()) // self.block_size)
+        ids = self.block_tables[: self.num_decodes, :num_blocks]  # [B, nb], padded with block 0
+        mask = torch.arange(num_blocks * self.block_size)[None, :] < lens[:, None]  # [B, S_pad]
+        return ids.reshape(-1), mask[:, None, None, :]  # [B * nb], [B, 1, 1, S_pad]
 
     @classmethod
     def build(
@@ -111,26 +121,12 @@ class PagedAttentionMetadata:
         tables = tables.view(len(block_tables), max_blocks)  # [R, nb_max]
         lens = torch.tensor(seq_lens, dtype=torch.long)  # [R]
         qsl = torch.tensor([0] + query_lens, dtype=torch.long).cumsum(0)  # [R+1]
-        decode_ids, decode_mask = _decode_inputs(block_tables[:num_decodes], seq_lens[:num_decodes], block_size)
         prefills = [
             _prefill_chunk(int(qsl[i]), query_lens[i], start_positions[i], block_tables[i], block_size)
             for i in range(num_decodes, len(query_lens))
         ]
         slot_mapping = torch.tensor(slots, dtype=torch.long)  # [N]
-        return cls(slot_mapping, qsl, lens, tables, num_decodes, decode_ids, decode_mask, prefills)
-
-
-def _decode_inputs(
-    block_tables: list[list[int]], seq_lens: list[int], block_size: int
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Flat padded block ids [B * nb] and key mask [B, 1, 1, nb * block_size] of the decodes."""
-    if not block_tables:
-        return None, None
-    num_blocks = max(-(-n // block_size) for n in seq_lens)
-    ids = torch.tensor([t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in block_tables])  # [B, nb]
-    key_slot = torch.arange(num_blocks * block_size)  # [S_pad]
-    mask = key_slot[None, :] < torch.tensor(seq_lens)[:, None]  # [B, S_pad]
-    return ids.flatten(), mask[:, None, None, :]  # [B * nb], [B, 1, 1, S_pad]
+        return cls(slot_mapping, qsl, lens, tables, num_decodes, prefills, block_size)
 
 
 def _prefill_chunk(token_start: int, num_tokens: int, start: int, table: list[int], block_size: int) -> PrefillChunk:
@@ -261,11 +257,10 @@ class PagedKVCache:
         num_heads, batch, d = q.shape
         group = num_heads // self.num_kv_heads
         qg = q.transpose(0, 1).reshape(batch, self.num_kv_heads, group, d)  # [B, Hkv, G, D]
-        block_ids = meta.decode_block_ids
-        assert block_ids is not None  # set whenever num_decodes > 0
+        block_ids, decode_mask = meta.decode_inputs  # [B * nb], [B, 1, 1, S_pad]
         k = self._gather("k", k_pool, block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
         v = self._gather("v", v_pool, block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=scale)  # [B, Hkv, G, D]
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=decode_mask, scale=scale)  # [B, Hkv, G, D]
         return out.reshape(batch, num_heads, d)  # [B, H, D]
 
     def _prefill_attention(
