@@ -59,10 +59,9 @@ def pack_step(scheduled: Sequence[ScheduledRequest], block_size: int) -> PackedS
     sample_requests = [s for s in order if s.needs_sample]
     sample_rows = torch.tensor([i for i, s in zip(last, order) if s.needs_sample], dtype=torch.long)
     input_ids = torch.tensor([ids], dtype=torch.long)  # [1, N]
-    firsts = [end - len(s.token_ids) + 1 for end, s in zip(last, order)]  # each chunk's first packed index
-    prompt_chunks = [
-        (s, first, min(s.start_position + len(s.token_ids), len(s.prompt_token_ids) - 1) - s.start_position)
-        for s, first in zip(order, firsts) if s.sampling_params.prompt_logprobs is not None
+    prompt_chunks = [  # (request, its chunk's first packed index, positions scored)
+        (s, end - len(s.token_ids) + 1, min(s.start_position + len(s.token_ids), len(s.prompt_token_ids) - 1) - s.start_position)
+        for s, end in zip(order, last) if s.sampling_params.prompt_logprobs is not None
     ]
     return PackedStep(input_ids, torch.tensor([positions], dtype=torch.long), meta, sample_rows, sample_requests,
                       [c for c in prompt_chunks if c[2] > 0])

@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 import torch
 
+from kvgen.sampling.ops import inverse_cdf_at
+
 BLOCK = 32  # values per quantization block
 ROWS = 8  # rows per interleaved group
 Q4, Q8 = 0, 1  # weight_type codes of the ops
@@ -322,7 +324,5 @@ def paged_decoder_layers(
 def softmax_draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One id per row of logits [B, V] float32 from softmax(logits / temperature [B]) by inversion at u [B] float64
     (``ops.inverse_cdf_at``). Returns [B] long."""
-    from kvgen.sampling.ops import inverse_cdf_at
-
     probs = torch.softmax(logits / temperature.to(logits.dtype)[:, None], dim=-1)  # [B, V]
     return inverse_cdf_at(probs, u.to(torch.float64).view(-1, 1)).view(-1)  # [B]

@@ -64,7 +64,7 @@ class ArrayParts(Sequence[np.ndarray]):
 
 
 class FastGGUFReader(GGUFReader):
-    """``gguf.GGUFReader`` with the same ``fields`` and ``tensors``, parsed ~100x faster.
+    """``gguf.GGUFReader`` with the same ``fields`` and ``tensors``, parsed in ~0.1 s instead of ~3.5 s.
 
     The base reader slices an ``np.memmap`` once per array element, and each
     memmap slice pays ``memmap.__array_finalize__`` (~10 us): 3.5 s for a

@@ -381,7 +381,6 @@ at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int6
   const T* vp = v_pool.data_ptr<T>();
   float* op = out.data_ptr<float>();
   const int64_t row = Hkv * D;  // elements per slot
-  const int64_t shift = (bs & (bs - 1)) == 0 ? __builtin_ctzll(static_cast<unsigned long long>(bs)) : -1, mask = bs - 1;
   std::vector<int64_t> num_keys(N * Hkv);  // pair w = i * Hkv + j: query i sees positions 0 .. pos_i
   for (int64_t w = 0; w < N * Hkv; ++w) {
     const int64_t i = w / Hkv, r = seq_of[i];
@@ -396,11 +395,6 @@ at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int6
     const float* qs[64];
     for (int64_t g = 0; g < G; ++g) qs[g] = qp + i * q_n + (j * G + g) * q_h;
     const int64_t* table = tab + r * nb;
-    if (shift >= 0) {  // a power-of-two block size (vLLM's 16): shifts instead of divisions per key
-      auto krow = [&](int64_t p) { return kp + ((table[p >> shift] << shift) + (p & mask)) * row + j * D; };
-      auto vrow = [&](int64_t p) { return vp + ((table[p >> shift] << shift) + (p & mask)) * row + j * D; };
-      return attend_chunk<T>(qs, G, D, hi - lo, scratch.keys.data(), krow, vrow, scale, scratch, m, l, o);
-    }
     auto krow = [&](int64_t p) { return kp + (table[p / bs] * bs + p % bs) * row + j * D; };
     auto vrow = [&](int64_t p) { return vp + (table[p / bs] * bs + p % bs) * row + j * D; };
     attend_chunk<T>(qs, G, D, hi - lo, scratch.keys.data(), krow, vrow, scale, scratch, m, l, o);
