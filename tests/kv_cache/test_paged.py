@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvgen.generation.runner import make_cache
 from kvgen.kv_cache import (
-    DynamicCache,
     PagedAttentionMetadata,
     PagedKVCache,
     num_blocks_for_memory,
@@ -17,7 +17,7 @@ BLOCK_SIZE = 4
 
 def _dynamic_logits(model, tokens: list[int]) -> torch.Tensor:
     """Reference: every position's logits [T, V], prefill of the first half then one token at a time."""
-    cache, half, out = DynamicCache(model.config.num_hidden_layers), len(tokens) // 2, []
+    cache, half, out = make_cache(model, "dynamic", 1, len(tokens)), len(tokens) // 2, []
     with torch.inference_mode():
         for start, end in [(0, half)] + [(i, i + 1) for i in range(half, len(tokens))]:
             ids = torch.tensor([tokens[start:end]])

@@ -76,7 +76,7 @@ class GenerationConfig:
     output_logits: bool = _f(False, "return raw logits of every step")
     return_dict_in_generate: bool = _f(True, "accepted for compatibility; the output type never changes")
     use_cache: bool = _f(True, "reuse keys/values of earlier tokens (False recomputes everything each step)")
-    cache_implementation: str = _f("dynamic", "KV cache: 'dynamic' (concatenate) or 'static' (preallocated)")
+    cache_implementation: str = _f("dynamic", "KV cache: 'dynamic' (grows as written) or 'static' (preallocated)")
     seed: int | None = _f(None, "seed of the torch.Generator used when sampling")
 
     def __post_init__(self) -> None:

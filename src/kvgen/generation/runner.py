@@ -23,12 +23,10 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def make_cache(model: CausalLM, kind: str, batch_size: int, max_len: int) -> DynamicCache | StaticCache:
-    """A fresh KV cache of ``kind`` ("dynamic" | "static") sized for ``max_len`` tokens per row."""
-    cfg = model.config
-    if kind == "static":
-        dtype = kv_cache_dtype(model)
-        return StaticCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim, max_len, dtype)
-    return DynamicCache(cfg.num_hidden_layers)
+    """A fresh KV cache of ``kind``: "static" holds ``max_len`` tokens per row, "dynamic" grows as written."""
+    cfg, dtype = model.config, kv_cache_dtype(model)
+    shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim)
+    return StaticCache(*shape, max_len, dtype) if kind == "static" else DynamicCache(*shape, dtype)
 
 
 class StepRunner:

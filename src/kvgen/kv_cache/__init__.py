@@ -1,5 +1,5 @@
-"""KV caches: ``DynamicCache`` (grows by concatenation), ``StaticCache``
-(preallocated, written in place) and the engine's ``PagedKVCache`` (a pool of
+"""KV caches: ``StaticCache`` (preallocated, written in place), ``DynamicCache`` (the same,
+grown on demand) and the engine's ``PagedKVCache`` (a pool of
 fixed-size blocks addressed by per-sequence block tables).
 """
 

@@ -36,8 +36,7 @@ class StaticCache:
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v ``[B, Hkv, T, D]`` at slots ``[seq_length, seq_length+T)``; return views ``[B, Hkv, S+T, D]``."""
         start, end = self.seq_length, self.seq_length + k.shape[2]
-        if end > self.max_cache_len:
-            raise ContextLengthError(f"StaticCache holds {self.max_cache_len} tokens; writing up to slot {end} overflows it")
+        self.reserve(end)
         kc, vc = self.key_cache[layer_idx], self.value_cache[layer_idx]
         kc[:, :, start:end] = k
         vc[:, :, start:end] = v
@@ -47,10 +46,13 @@ class StaticCache:
         """For a forward writing ``num_new`` tokens per row at slots ``seq_length..``: the per-layer K and V
         buffers [B, Hkv, S_max, D] and ``seq_length`` (the kernels write and read them in place).
         Raises ``ContextLengthError`` when the write would pass ``max_cache_len``."""
-        end = self.seq_length + num_new
+        self.reserve(self.seq_length + num_new)
+        return self.key_cache, self.value_cache, self.seq_length
+
+    def reserve(self, end: int) -> None:
+        """Check that slots up to ``end`` (exclusive) fit. Raises ``ContextLengthError`` past ``max_cache_len``."""
         if end > self.max_cache_len:
             raise ContextLengthError(f"StaticCache holds {self.max_cache_len} tokens; writing up to slot {end} overflows it")
-        return self.key_cache, self.value_cache, self.seq_length
 
     def attend_rows(self, layer_idx: int, qkv: torch.Tensor, key_mask: torch.Tensor | None, num_heads: int,
                     scale: float, kernels) -> torch.Tensor:

@@ -98,7 +98,7 @@ def attend_rows(
 
     N = B * T rows (``batch`` = B); ``mask`` is the key mask [B, S] (``prepare_key_mask``) or paged
     metadata. A cache with ``attend_rows`` (static, paged) does the write and the attention
-    in one fused op; a dynamic cache or none goes through ``kernels.attention``.
+    in one fused op; a cache with only ``update``, or none, goes through ``kernels.attention``.
     """
     scale = head_dim**-0.5
     if isinstance(mask, PagedAttentionMetadata) or hasattr(kv_cache, "attend_rows"):
