@@ -41,6 +41,7 @@ def test_grown_cache_reorders_crops_and_overwrites():
     keys, values = cache.update(0, torch.full((3, 1, 4, 2), 7.0), torch.zeros(3, 1, 4, 2))
     assert keys.shape == (3, 1, 6, 2) and cache.max_cache_len == 6
     assert torch.equal(keys[:, :, :2], k[[1, 1, 0]][:, :, :2]) and bool((keys[:, :, 2:] == 7).all())
+    assert torch.equal(values[:, :, :2], -k[[1, 1, 0]][:, :, :2]) and not values[:, :, 2:].any()
 
 
 def test_bad_sizes_are_refused():
