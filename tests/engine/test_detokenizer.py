@@ -80,7 +80,8 @@ def stream(tokenizer, token_ids: list[int], finish_last: str | None = "length", 
     outputs = []
     for i, token_id in enumerate(token_ids):
         is_last = i == len(token_ids) - 1
-        core = EngineCoreOutput("a", [token_id], finish_reason=finish_last if is_last else None)
+        core = EngineCoreOutput("a", [token_id], finish_reason=finish_last if is_last else None,
+                                is_stop_token=is_last and finish_last == "stop")
         processed = processor.process_outputs([core])
         outputs.extend(processed.request_outputs)
         if processed.stopped_request_ids:
@@ -192,7 +193,7 @@ def test_request_output_fields_logprobs_and_metrics(tokenizer) -> None:
     lps = [TokenLogprobs(-0.5, {piece_id("hel"): -0.5}), TokenLogprobs(-0.25, {piece_id("lo"): -0.25})]
     processor.process_outputs([EngineCoreOutput("a", ids_of("hel"), [lps[0]])])
     (out,) = processor.process_outputs(
-        [EngineCoreOutput("a", ids_of("lo"), [lps[1]], finish_reason="stop", stop_reason=piece_id("lo"))]
+        [EngineCoreOutput("a", ids_of("lo"), [lps[1]], finish_reason="stop", stop_reason=piece_id("lo"), is_stop_token=True)]
     ).request_outputs
     assert (out.request_id, out.prompt, out.prompt_token_ids, out.finished) == ("a", "hi", ids_of("x", "x"), True)
     c = out.outputs[0]

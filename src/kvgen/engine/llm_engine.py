@@ -28,6 +28,7 @@ from kvgen.engine.parallel_sampling import (
 from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.scheduler import Scheduler
+from kvgen.engine.structured_outputs import GrammarCompiler, GrammarMatcher
 from kvgen.kv_cache.paged import PagedKVCache, num_blocks_for_memory
 from kvgen.models import CausalLM, kv_cache_dtype
 from kvgen.tokenizer import Tokenizer
@@ -75,6 +76,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self._parents: dict[str, ParentRequest] = {}
         self._child_to_parent: dict[str, tuple[ParentRequest, int]] = {}
+        self._grammar_compiler: GrammarCompiler | None = None  # built by the first structured-output request
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -99,8 +101,9 @@ class LLMEngine:
         """Queue a request: ``prompt`` text (or a list of token ids), or ``prompt_token_ids``.
 
         Raises ``ValueError`` naming the field for a duplicate ``request_id``, a missing or
-        empty prompt, ids outside the vocabulary, ``logprobs`` above ``max_logprobs``, or a
-        prompt that leaves no room for ``max_tokens`` within ``max_model_len``.
+        empty prompt, ids outside the vocabulary, ``logprobs`` above ``max_logprobs``, a
+        prompt that leaves no room for ``max_tokens`` within ``max_model_len``, or
+        ``structured_outputs`` that do not compile.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -110,10 +113,12 @@ class LLMEngine:
         self._check_request_id(request_id, params.n)
         text, token_ids = self._prompt_tokens(prompt, prompt_token_ids)
         params = self._check_request(params, len(token_ids))
+        grammars = self._grammars(params)
         arrival = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
             self._add(Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params, prompt=text,
-                              arrival_time=arrival, priority=priority, eos_token_ids=self.eos_token_ids))
+                              arrival_time=arrival, priority=priority, eos_token_ids=self.eos_token_ids,
+                              grammar=grammars[0]))
             return
         parent = ParentRequest(request_id, params)
         self._parents[request_id] = parent
@@ -121,7 +126,18 @@ class LLMEngine:
             self._child_to_parent[child_id] = (parent, index)
             self._add(Request(request_id=child_id, prompt_token_ids=list(token_ids), prompt=text, arrival_time=arrival,
                               sampling_params=child_sampling_params(params, index), priority=priority,
-                              eos_token_ids=self.eos_token_ids))
+                              eos_token_ids=self.eos_token_ids, grammar=grammars[index]))
+
+    def _grammars(self, params: SamplingParams) -> list[GrammarMatcher | None]:
+        """One structured-output matcher per completion (None without ``structured_outputs``).
+        Raises ``ValueError`` for a bad schema, regex or grammar, or an engine without a tokenizer."""
+        if params.structured_outputs is None:
+            return [None] * params.n
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer; this engine has none")
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
+        return [self._grammar_compiler.matcher(params.structured_outputs) for _ in range(params.n)]
 
     def _check_request_id(self, request_id: str, n: int) -> None:
         """The one request-id uniqueness check (the scheduler and the async front rely on it).

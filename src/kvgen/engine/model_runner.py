@@ -162,7 +162,8 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, step: PackedStep) -> SamplerOutput:
         """The batched sampler over logits [R, V], one row per request that samples."""
         rows = [
-            SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self._generators[s.request_id], self.eos_token_ids)
+            SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self._generators[s.request_id],
+                        self.eos_token_ids, s.grammar)
             for s in step.sample_requests
         ]
         return self.sampler(logits, rows)

@@ -85,7 +85,7 @@ class OutputProcessor:
             if state is None:
                 continue
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
-            stop = state.detokenizer.update(output.new_token_ids, finish_reason == _STOP, output.is_finished)
+            stop = state.detokenizer.update(output.new_token_ids, output.is_stop_token, output.is_finished)
             if stop is not None:  # the stop string ends the text before any token-based stop
                 if not output.is_finished:
                     stopped.append(output.request_id)

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvgen.engine.sampling_params import SamplingParams
+from kvgen.engine.structured_outputs import GrammarMatcher
 from kvgen.engine.types import TokenLogprobs
 from kvgen.sampling.stopping import FinishReason
 
@@ -58,6 +59,7 @@ class Request:
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0  # lower runs first under the priority policy
     eos_token_ids: tuple[int, ...] = ()
+    grammar: GrammarMatcher | None = None  # SamplingParams.structured_outputs, compiled by the engine
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(default_factory=list, init=False, repr=False)  # prompt + output

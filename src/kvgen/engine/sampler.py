@@ -1,7 +1,8 @@
 """Batched ``Sampler``: one next token per row, each row with its own ``SamplingParams`` and generator.
 
 Order (vLLM v1 ``Sampler.forward``, declared in ``kvgen.sampling.pipeline.ENGINE_ORDER``):
-logprobs of the RAW logits (vLLM's default ``raw_logprobs``) -> min_tokens (EOS and
+logprobs of the RAW logits (vLLM's default ``raw_logprobs``) -> the structured-output mask
+(tokens a request's grammar forbids get -inf) -> min_tokens (EOS and
 ``stop_token_ids`` suppressed) -> logit_bias -> repetition penalty (prompt and output)
 -> presence / frequency penalties (output) -> argmax for greedy rows (temperature 0)
 -> temperature -> min_p -> top_k -> top_p -> one inverse-CDF draw per sampled row from
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgen.engine.sampling_params import SamplingParams
+from kvgen.engine.structured_outputs import GrammarMatcher
 from kvgen.engine.types import TokenLogprobs
 from kvgen.kernels import KernelOps
 from kvgen.sampling import ops
@@ -37,6 +39,7 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None
     eos_token_ids: Sequence[int] = ()
+    grammar: GrammarMatcher | None = None  # structured outputs: only the tokens it allows may be drawn
 
 
 @dataclass
@@ -83,6 +86,7 @@ class Sampler:
         params = [r.sampling_params for r in rows]
         wants_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = ops.compute_logprobs(logits) if any(wants_logprobs) else None  # [B, V]
+        logits = apply_grammar_mask(logits, rows)  # [B, V]
         logits = apply_stages(logits, rows, _EVERY_ROW)  # [B, V]
         sampled = [i for i, r in enumerate(rows) if not r.sampling_params.is_greedy]
         is_all_sampled = len(sampled) == len(rows)
@@ -115,6 +119,20 @@ def apply_stages(logits: torch.Tensor, rows: list[SamplingRow], names: Sequence[
     for name in names:
         logits = _STAGES[name](logits, rows)
     return logits
+
+
+def apply_grammar_mask(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """-inf for the tokens each row's grammar forbids (structured outputs); logits [B, V] -> [B, V]. A row whose
+    grammar allows nothing (a matcher in error) is left as it is: the scheduler then ends the request."""
+    constrained = [(i, r.grammar.allowed_tokens()) for i, r in enumerate(rows) if r.grammar is not None]
+    constrained = [(i, allowed) for i, allowed in constrained if allowed.any()]
+    if not constrained:
+        return logits
+    allowed = torch.ones_like(logits, dtype=torch.bool)  # [B, V]
+    for i, row_allowed in constrained:
+        allowed[i, : row_allowed.numel()] = row_allowed
+        allowed[i, row_allowed.numel() :] = False
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -13,10 +13,11 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from kvgen.engine.structured_outputs import StructuredOutputsParams
 from kvgen.fields import config_field
 from kvgen.sampling.params import PARAM_RULES, SAMPLING_EPS, check_param
 
-__all__ = ["SAMPLING_EPS", "RequestOutputKind", "SamplingParams"]
+__all__ = ["SAMPLING_EPS", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
 
 
 class RequestOutputKind(enum.Enum):
@@ -61,6 +62,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = _f(None, "token id -> bias in [-100, 100] added to its logit (OpenAI logit_bias)")
     skip_special_tokens: bool = _f(True, "leave special tokens out of the text")
     output_kind: RequestOutputKind = _f(RequestOutputKind.CUMULATIVE, "cumulative, delta or final-only outputs")
+    structured_outputs: StructuredOutputsParams | None = _f(
+        None, "constrain the output to a JSON schema, a regex, a choice or a grammar (finishes with 'stop' once complete)")
 
     def __post_init__(self) -> None:
         if type(self.top_k) is int and self.top_k == -1:
@@ -81,6 +84,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -207,6 +207,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=list(request.output_token_ids),
             is_new=is_new,
+            grammar=request.grammar,
         )
 
     # ------------------------------------------------------------ prefix sharing within a step
@@ -260,11 +261,17 @@ class Scheduler:
         output = EngineCoreOutput(request.request_id, [token_id], None if logprobs is None else [logprobs])
         if request.num_output_tokens == 1 and request.sampling_params.prompt_logprobs is not None:
             output.prompt_logprobs = list(request.prompt_logprobs)
-        status = self._check_stop(request)
+        grammar, error = request.grammar, None
+        if grammar is not None and not grammar.accept(token_id):  # the sampler's mask forbids it: never expected
+            error = f"structured outputs: the grammar rejected token {token_id}: {grammar.error}"
+        status = RequestStatus.FINISHED_ABORTED if error else self._check_stop(request)
+        output.is_stop_token = status is RequestStatus.FINISHED_STOPPED
+        if status is None and grammar is not None and grammar.is_terminated:
+            status = RequestStatus.FINISHED_STOPPED  # a complete structured output; its last token is text
         if status is not None:
             self.running.remove(request)
-            self._finish(request, status)
-            output.finish_reason, output.stop_reason = status.finish_reason, request.stop_reason
+            self._finish(request, status, error)
+            output.finish_reason, output.stop_reason, output.error = status.finish_reason, request.stop_reason, error
         return output
 
     def _check_stop(self, request: Request) -> RequestStatus | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvgen.engine.sampling_params import SamplingParams
+from kvgen.engine.structured_outputs import GrammarMatcher
 
 
 @dataclass
@@ -41,6 +42,7 @@ class ScheduledRequest:
     # The runner has never seen this request: create its state (seeded generator). False after a
     # preemption, so the generator continues instead of being reseeded.
     is_new: bool
+    grammar: GrammarMatcher | None = None  # the request's structured-output matcher (the sampler masks with it)
 
 
 @dataclass
@@ -73,6 +75,7 @@ class EngineCoreOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id (or, after detokenizing, stop string)
+    is_stop_token: bool = False  # the last new token is EOS or a stop token id: not part of the text
     error: str | None = None  # why the engine aborted the request, if it did
 
     @property

@@ -113,6 +113,10 @@ class Tokenizer:
         """
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def backend_json(self) -> str:
+        """The ``tokenizers`` JSON of the encoder/decoder (``Tokenizer.to_str()``), as llguidance reads it."""
+        return self._backend.to_str()
+
     def id_to_token(self, token_id: int) -> str:
         """Vocabulary string of ``token_id`` (byte-level form, "Ġthe"). Raises ``ValueError`` if out of range."""
         check_token_ids([token_id], self._vocab_size)

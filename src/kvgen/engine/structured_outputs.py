@@ -1,0 +1,129 @@
+"""Structured outputs: a request's tokens constrained to a JSON schema, a regex, a choice or a grammar.
+
+Each constrained request gets a ``GrammarMatcher`` (an ``llguidance.LLMatcher``): before a draw, the
+sampler sets the logits of every token the grammar forbids to -inf (``allowed_tokens``); after it, the
+scheduler feeds the drawn token to the matcher (``accept``) and finishes the request with "stop" once
+the grammar is complete (``is_terminated``). Grammar compilation and token masks are llguidance's
+(the library behind vLLM's and llama.cpp's ``guidance`` backends); this module only adapts it.
+Source: vLLM v1 ``StructuredOutputsParams`` (field names) and ``structured_output/backend_guidance.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from kvgen.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match; exactly one field is set (vLLM ``StructuredOutputsParams``).
+
+    ``json``: a JSON schema (dict, or its JSON text); ``regex``: a regular expression (Rust ``regex``
+    syntax); ``choice``: one of these strings exactly; ``grammar``: a Lark or GBNF (llama.cpp) grammar;
+    ``json_object``: any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
+    Raises ``ValueError`` when none or several are set, or for a value of the wrong type.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {given or 'none'}")
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or JSON text), got {value!r}")
+        if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {value!r}")
+        if kind == "choice" and (not isinstance(value, (list, tuple)) or not value
+                                 or not all(isinstance(c, str) and c for c in value)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got {value!r}")
+        if kind == "json_object" and value is not True:
+            raise ValueError(f"structured_outputs.json_object must be true, got {value!r}")
+
+    def to_llguidance(self) -> str:
+        """The llguidance grammar of the constraint. Raises ``ValueError`` for JSON text that does not parse."""
+        from llguidance import LLMatcher, grammar_from
+
+        if self.json is not None:
+            try:
+                schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            return LLMatcher.grammar_from_json_schema(schema)
+        if self.json_object:
+            return LLMatcher.grammar_from_json_schema({"type": "object"})
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return grammar_from("choice", json.dumps(list(self.choice)))
+        assert self.grammar is not None  # __post_init__: exactly one field is set
+        return grammar_from("grammar", self.grammar)
+
+
+class GrammarMatcher:
+    """One request's position in its grammar (an ``llguidance.LLMatcher``)."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+
+    def allowed_tokens(self) -> torch.Tensor:
+        """[V] bool: the tokens the grammar allows next (EOS ids once it may end)."""
+        words = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.int32)  # [ceil(V / 32)]
+        bits = (words.view(-1, 1) >> torch.arange(32, dtype=torch.int32)) & 1  # [ceil(V / 32), 32]
+        return bits.view(-1)[: self.vocab_size].bool()  # [V]
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past ``token_id``; False when the grammar forbids it (the matcher is then in error)."""
+        return bool(self._matcher.consume_token(token_id))
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete (or in error): no token but EOS may follow."""
+        return bool(self._matcher.is_stopped())
+
+    @property
+    def error(self) -> str:
+        """Why the matcher failed, or an empty string."""
+        return str(self._matcher.get_error())
+
+
+class GrammarCompiler:
+    """Builds ``GrammarMatcher``s for one tokenizer; ``vocab_size`` is the model's (logits width).
+
+    The llguidance tokenizer is built on first use (~0.25 s for a 49k vocabulary), once per engine.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._ll_tokenizer: Any = None
+
+    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
+        """A fresh matcher at the start of ``params``' grammar. Raises ``ValueError`` naming what is wrong with
+        the schema, regex or grammar."""
+        from llguidance import LLMatcher, LLTokenizer
+
+        if self._ll_tokenizer is None:
+            eos = self.tokenizer.eos_token_ids
+            self._ll_tokenizer = LLTokenizer(self.tokenizer.backend_json(), n_vocab=self.vocab_size,
+                                             eos_token=eos or None)
+        grammar = params.to_llguidance()
+        if problem := LLMatcher.validate_grammar(grammar, self._ll_tokenizer):
+            raise ValueError(f"structured_outputs: {problem}")
+        matcher = LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs: {matcher.get_error()}")
+        return GrammarMatcher(matcher, self.vocab_size)
