@@ -17,7 +17,7 @@ from kvgen.engine.output_processor import OutputProcessor, ProcessedOutputs
 from kvgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.sampler import Sampler
-from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams
+from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from kvgen.engine.scheduler import Scheduler, SchedulingPolicy
 from kvgen.engine.types import (
     EngineCoreOutput,
@@ -53,6 +53,7 @@ __all__ = [
     "Scheduler",
     "SchedulerOutput",
     "SchedulingPolicy",
+    "StructuredOutputsParams",
     "TokenLogprobs",
     "hash_block",
 ]

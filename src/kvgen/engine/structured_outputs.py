@@ -19,6 +19,11 @@ import torch
 if TYPE_CHECKING:
     from kvgen.tokenizer import Tokenizer
 
+# Whitespace between JSON tokens: nothing, one space, or a newline and up to 20 spaces or tabs of indentation
+# (llama.cpp's json-schema-to-grammar ``space`` rule). llguidance's default, any run of whitespace, lets a small
+# model emit newlines until max_tokens.
+JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
+
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
@@ -62,9 +67,9 @@ class StructuredOutputsParams:
                 schema = json.loads(self.json) if isinstance(self.json, str) else self.json
             except json.JSONDecodeError as e:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
-            return LLMatcher.grammar_from_json_schema(schema)
+            return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
         if self.json_object:
-            return LLMatcher.grammar_from_json_schema({"type": "object"})
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_pattern": JSON_WHITESPACE})
         if self.regex is not None:
             return LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:
@@ -122,8 +127,8 @@ class GrammarCompiler:
                                              eos_token=eos or None)
         grammar = params.to_llguidance()
         if problem := LLMatcher.validate_grammar(grammar, self._ll_tokenizer):
-            raise ValueError(f"structured_outputs: {problem}")
+            raise ValueError(f"structured_outputs do not compile: {problem}")
         matcher = LLMatcher(self._ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"structured_outputs: {matcher.get_error()}")
+            raise ValueError(f"structured_outputs do not compile: {matcher.get_error()}")
         return GrammarMatcher(matcher, self.vocab_size)

@@ -48,6 +48,32 @@ class StreamOptions(StrictModel):
 Stop = str | Annotated[list[str], Field(max_length=MAX_STOP)] | None
 
 
+class JsonSchemaFormat(StrictModel):
+    """OpenAI ``response_format.json_schema``: the schema the output must match (``strict`` is always on here)."""
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI ``response_format``: plain text, any JSON object, or JSON matching ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM extra ``structured_outputs``: exactly one constraint (see ``kvgen.engine.StructuredOutputsParams``)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(StrictModel):
     """Sampling fields shared by chat and text completions (OpenAI, then vLLM extras)."""
 
@@ -69,6 +95,8 @@ class SamplingFields(StrictModel):
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
     min_tokens: int = Field(default=0, ge=0, le=MAX_INT32)
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(default=None, description="vLLM extra")
 
 
 # ---------------------------------------------------------------- chat completions

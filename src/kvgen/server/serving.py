@@ -19,7 +19,7 @@ from starlette.requests import Request
 
 from kvgen.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvgen.engine.outputs import RequestOutput
-from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams
+from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from kvgen.server.errors import OpenAIError, bad_request
 from kvgen.server.metrics import RequestTracker, ServerMetrics
 from kvgen.server.protocol import SamplingFields
@@ -72,9 +72,28 @@ def sampling_params(req: SamplingFields, tokenizer: Tokenizer, max_tokens: int |
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             seed=req.seed, stop=req.stop, max_tokens=max_tokens, min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=bias, output_kind=RequestOutputKind.DELTA,
+            structured_outputs=structured_outputs(req),
         )
     except ValueError as e:
         raise value_error(e, None) from None
+
+
+def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    """``response_format`` (OpenAI) or ``structured_outputs`` (vLLM) as the engine's constraint; 400 for both, or a
+    ``json_schema`` format without its schema."""
+    fmt, extra = req.response_format, req.structured_outputs
+    if fmt is not None and fmt.type != "text" and extra is not None:
+        raise bad_request("pass response_format or structured_outputs, not both", "structured_outputs")
+    if extra is not None:
+        return StructuredOutputsParams(json=extra.json_, regex=extra.regex, choice=extra.choice, grammar=extra.grammar,
+                                       json_object=extra.json_object)
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None:
+        raise bad_request("response_format.json_schema is required when type is 'json_schema'", "response_format")
+    return StructuredOutputsParams(json=fmt.json_schema.json_schema)
 
 
 def value_error(e: ValueError, default_param: str | None) -> OpenAIError:

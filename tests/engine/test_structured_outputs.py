@@ -1,0 +1,134 @@
+"""Structured outputs on the tiny random Llama: every completion matches its constraint, greedy tokens equal a
+transformers loop masked by llguidance itself, bad constraints are refused by name."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from kvgen.engine import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
+from kvgen.engine.structured_outputs import JSON_WHITESPACE
+from kvgen.loader import load_model
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+          "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "b": {"type": "string", "maxLength": 5}}}
+
+
+@pytest.fixture(scope="module")
+def model_tok(tiny_model_dir):
+    return load_model(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def llm(model_tok):
+    model, tok = model_tok
+    return LLM(model, tok, num_blocks=256)
+
+
+def _texts(llm, constraint: StructuredOutputsParams, **params) -> list[tuple[str, str]]:
+    sampling = SamplingParams(max_tokens=200, structured_outputs=constraint, **params)
+    (out,) = llm.generate(["Name three colours:"], sampling, use_tqdm=False)
+    return [(c.text, c.finish_reason) for c in out.outputs]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sampled_completions_match_their_constraint(llm, seed):
+    sample = {"temperature": 1.0, "seed": seed, "n": 3}
+    for text, reason in _texts(llm, StructuredOutputsParams(regex=r"[0-9]{3}-(ab|cd)"), **sample):
+        assert reason == "stop" and re.fullmatch(r"[0-9]{3}-(ab|cd)", text), text  # the final "b"/"d" is kept
+    for text, reason in _texts(llm, StructuredOutputsParams(choice=["red", "green", "blue"]), **sample):
+        assert reason == "stop" and text in ("red", "green", "blue")
+    for text, reason in _texts(llm, StructuredOutputsParams(json=SCHEMA), **sample):
+        value = json.loads(text)
+        assert reason == "stop" and set(value) == {"a", "b"}, text
+        assert isinstance(value["a"], int) and 0 <= value["a"] <= 99 and isinstance(value["b"], str) and len(value["b"]) <= 5
+    for text, reason in _texts(llm, StructuredOutputsParams(json_object=True), **sample | {"n": 1}):
+        assert reason in ("stop", "length")
+        if reason == "stop":
+            assert isinstance(json.loads(text), dict)
+
+
+def test_a_lark_grammar_and_a_gbnf_grammar(llm):
+    lark = 'start: "say " WORD "!"\nWORD: /[a-z]{2,4}/'
+    gbnf = 'root ::= "x=" [0-9] [0-9]? ";"'
+    for text, reason in _texts(llm, StructuredOutputsParams(grammar=lark), temperature=1.0, seed=3, n=3):
+        assert reason == "stop" and re.fullmatch(r"say [a-z]{2,4}!", text), text
+    for text, reason in _texts(llm, StructuredOutputsParams(grammar=gbnf), temperature=1.0, seed=4, n=3):
+        assert reason == "stop" and re.fullmatch(r"x=[0-9]{1,2};", text), text
+
+
+def test_greedy_tokens_equal_a_transformers_loop_masked_by_llguidance(llm, model_tok, tiny_model_dir):
+    """The reference: transformers' model on the same directory, each step's argmax over the tokens llguidance's own
+    matcher allows (its bitmask, not ours), fed back to that matcher."""
+    import llguidance
+    import llguidance.torch
+    import transformers
+
+    _, tok = model_tok
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ll_tok = llguidance.LLTokenizer(tok.backend_json(), n_vocab=hf.config.vocab_size, eos_token=tok.eos_token_ids)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_pattern": JSON_WHITESPACE})
+    matcher = llguidance.LLMatcher(ll_tok, grammar, log_level=0)
+    prompt = tok.encode("Name three colours:")
+    ids, bitmask = list(prompt), llguidance.torch.allocate_token_bitmask(1, hf.config.vocab_size)
+    with torch.inference_mode():
+        while not matcher.is_stopped() and len(ids) < len(prompt) + 200:
+            logits = hf(torch.tensor([ids])).logits[:, -1].float()  # [1, V]
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask)
+            allowed = [t for t in range(logits.shape[1]) if int(bitmask[0, t // 32]) >> (t % 32) & 1]
+            ids.append(max(allowed, key=lambda t: float(logits[0, t])))
+            assert matcher.consume_token(ids[-1])
+    expected = ids[len(prompt):]
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=200,
+                                                   structured_outputs=StructuredOutputsParams(json=SCHEMA)), use_tqdm=False)
+    assert out.outputs[0].token_ids == expected and out.outputs[0].finish_reason == "stop"
+    json.loads(out.outputs[0].text)
+
+
+def test_logprobs_stay_raw_and_other_requests_are_untouched(llm):
+    """The mask acts on the draw, not on the reported logprobs (vLLM's raw logprobs); an unconstrained request in the
+    same batch gets the tokens it gets alone."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3)
+    alone = llm.generate(["Name three colours:"], greedy, use_tqdm=False)[0].outputs[0]
+    constrained = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3,
+                                 structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+    both = llm.generate(["Name three colours:"] * 2, [greedy, constrained], use_tqdm=False)
+    assert both[0].outputs[0].token_ids == alone.token_ids
+    digits = both[1].outputs[0]
+    assert re.fullmatch("[0-9]+", digits.text)
+    first = digits.logprobs[0]
+    assert first.logprob <= max(first.top_logprobs.values())  # raw: the unconstrained top tokens stay listed
+    assert list(first.top_logprobs) == list(alone.logprobs[0].top_logprobs)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({}, "exactly one of"),
+    ({"regex": "a", "choice": ["a"]}, "exactly one of"),
+    ({"choice": []}, "choice must be a non-empty list"),
+    ({"choice": ["a", ""]}, "choice must be a non-empty list"),
+    ({"json": 3}, "json must be a JSON schema"),
+    ({"regex": ""}, "regex must be a non-empty string"),
+    ({"json_object": False}, "exactly one of"),
+])
+def test_bad_params_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**kwargs)
+
+
+@pytest.mark.parametrize("constraint", [
+    StructuredOutputsParams(regex="(ab"), StructuredOutputsParams(json="{not json"),
+    StructuredOutputsParams(json={"type": "nonsense"}), StructuredOutputsParams(grammar="start: undefined_rule"),
+])
+def test_constraints_that_do_not_compile_are_refused_at_add_request(model_tok, constraint):
+    model, tok = model_tok
+    engine = LLMEngine(model, tok)
+    with pytest.raises(ValueError, match="structured_outputs"):
+        engine.add_request("a", "hi", SamplingParams(structured_outputs=constraint))
+    assert not engine.has_unfinished_requests()
+    engine.add_request("a", "hi", SamplingParams(max_tokens=2))  # the id was not taken by the refused request
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        LLMEngine(model, None).add_request("b", [1, 2], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
