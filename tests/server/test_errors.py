@@ -29,6 +29,14 @@ BAD_CHAT = [
     ({"extra_body": {"min_tokens": 10}, "max_tokens": 2}, "min_tokens"),
     ({"extra_body": {"top_k": -2}}, "top_k"),
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),  # no json_schema
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "structured_outputs"),
+    ({"extra_body": {"structured_outputs": {"regex": "(ab"}}}, "structured_outputs"),
+    ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["a"]}}}, "structured_outputs"),
+    ({"extra_body": {"structured_outputs": {"choice": ["a"]}}, "response_format": {"type": "json_object"}},
+     "structured_outputs"),
 ]
 
 

@@ -66,7 +66,7 @@ class StructuredOutputsParams:
             try:
                 schema = json.loads(self.json) if isinstance(self.json, str) else self.json
             except json.JSONDecodeError as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+                raise ValueError(f"the json schema is not valid JSON: {e}") from None
             return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
         if self.json_object:
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_pattern": JSON_WHITESPACE})
@@ -125,7 +125,10 @@ class GrammarCompiler:
             eos = self.tokenizer.eos_token_ids
             self._ll_tokenizer = LLTokenizer(self.tokenizer.backend_json(), n_vocab=self.vocab_size,
                                              eos_token=eos or None)
-        grammar = params.to_llguidance()
+        try:
+            grammar = params.to_llguidance()
+        except ValueError as e:  # JSON text that does not parse, a GBNF grammar that does not convert
+            raise ValueError(f"structured_outputs do not compile: {e}") from None
         if problem := LLMatcher.validate_grammar(grammar, self._ll_tokenizer):
             raise ValueError(f"structured_outputs do not compile: {problem}")
         matcher = LLMatcher(self._ll_tokenizer, grammar, log_level=0)
