@@ -17,7 +17,11 @@ from kvgen.engine.output_processor import OutputProcessor, ProcessedOutputs
 from kvgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.sampler import Sampler
-from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from kvgen.engine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from kvgen.engine.scheduler import Scheduler, SchedulingPolicy
 from kvgen.engine.types import (
     EngineCoreOutput,

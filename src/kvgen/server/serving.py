@@ -19,7 +19,11 @@ from starlette.requests import Request
 
 from kvgen.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvgen.engine.outputs import RequestOutput
-from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from kvgen.engine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from kvgen.server.errors import OpenAIError, bad_request
 from kvgen.server.metrics import RequestTracker, ServerMetrics
 from kvgen.server.protocol import SamplingFields
