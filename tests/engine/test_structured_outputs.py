@@ -132,3 +132,22 @@ def test_constraints_that_do_not_compile_are_refused_at_add_request(model_tok, c
     engine.add_request("a", "hi", SamplingParams(max_tokens=2))  # the id was not taken by the refused request
     with pytest.raises(ValueError, match="needs a tokenizer"):
         LLMEngine(model, None).add_request("b", [1, 2], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
+
+
+def test_the_default_model_answers_in_its_schema(ours_default_auto):
+    """The real model through its chat template: greedy JSON that parses, has the required keys and ends with
+    "stop" (without the constraint it writes prose)."""
+    model, tok = ours_default_auto
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Ann is 31. Describe her."}],
+                                     add_generation_prompt=True, tokenize=True)
+    llm = LLM(model, tok, num_blocks=64)
+    constrained, free = llm.generate([prompt] * 2, [
+        SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=schema)),
+        SamplingParams(temperature=0.0, max_tokens=64)], use_tqdm=False)
+    assert constrained.outputs[0].finish_reason == "stop"
+    value = json.loads(constrained.outputs[0].text)
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(free.outputs[0].text)
