@@ -65,7 +65,6 @@ def test_greedy_tokens_equal_a_transformers_loop_masked_by_llguidance(llm, model
     """The reference: transformers' model on the same directory, each step's argmax over the tokens llguidance's own
     matcher allows (its bitmask, not ours), fed back to that matcher."""
     import llguidance
-    import llguidance.torch
     import transformers
 
     _, tok = model_tok
@@ -74,12 +73,12 @@ def test_greedy_tokens_equal_a_transformers_loop_masked_by_llguidance(llm, model
     grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_pattern": JSON_WHITESPACE})
     matcher = llguidance.LLMatcher(ll_tok, grammar, log_level=0)
     prompt = tok.encode("Name three colours:")
-    ids, bitmask = list(prompt), llguidance.torch.allocate_token_bitmask(1, hf.config.vocab_size)
+    ids = list(prompt)
     with torch.inference_mode():
         while not matcher.is_stopped() and len(ids) < len(prompt) + 200:
             logits = hf(torch.tensor([ids])).logits[:, -1].float()  # [1, V]
-            llguidance.torch.fill_next_token_bitmask(matcher, bitmask)
-            allowed = [t for t in range(logits.shape[1]) if int(bitmask[0, t // 32]) >> (t % 32) & 1]
+            bitmask = matcher.compute_bitmask()  # one bit per token, little-endian
+            allowed = [t for t in range(logits.shape[1]) if bitmask[t // 8] >> (t % 8) & 1]
             ids.append(max(allowed, key=lambda t: float(logits[0, t])))
             assert matcher.consume_token(ids[-1])
     expected = ids[len(prompt):]

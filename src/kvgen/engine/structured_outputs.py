@@ -129,8 +129,9 @@ class GrammarCompiler:
             grammar = params.to_llguidance()
         except ValueError as e:  # JSON text that does not parse, a GBNF grammar that does not convert
             raise ValueError(f"structured_outputs do not compile: {e}") from None
-        if problem := LLMatcher.validate_grammar(grammar, self._ll_tokenizer):
-            raise ValueError(f"structured_outputs do not compile: {problem}")
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._ll_tokenizer)
+        if is_error:  # (warnings alone do not refuse a grammar)
+            raise ValueError(f"structured_outputs do not compile: {messages[0]}")
         matcher = LLMatcher(self._ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs do not compile: {matcher.get_error()}")
