@@ -28,6 +28,7 @@ class Strategy(enum.Enum):
     GROUP_BEAM_SEARCH = "group_beam_search"
     CONTRASTIVE_SEARCH = "contrastive_search"
     SAMPLE_AND_RANK = "sample_and_rank"
+    PROMPT_LOOKUP = "prompt_lookup"  # greedy search or sampling with drafts copied from the sequence (HF "assisted")
 
 
 _f = config_field
@@ -78,6 +79,9 @@ class GenerationConfig:
     use_cache: bool = _f(True, "reuse keys/values of earlier tokens (False recomputes everything each step)")
     cache_implementation: str = _f("dynamic", "KV cache: 'dynamic' (grows as written) or 'static' (preallocated)")
     seed: int | None = _f(None, "seed of the torch.Generator used when sampling")
+    prompt_lookup_num_tokens: int | None = _f(
+        None, "prompt lookup decoding: draft up to this many tokens per step from the sequence itself (batch size 1)")
+    max_matching_ngram_size: int | None = _f(None, "prompt lookup decoding: longest n-gram looked up (default 2)")
 
     def __post_init__(self) -> None:
         self._check_ranges()
@@ -124,6 +128,13 @@ class GenerationConfig:
             raise clash("num_return_sequences", "do_sample", "deterministic decoding returns one sequence per prompt")
         if self.min_new_tokens > self.max_new_tokens:
             raise clash("min_new_tokens", "max_new_tokens", "min_new_tokens must not exceed max_new_tokens")
+        if self.prompt_lookup_num_tokens is not None:
+            base = dataclasses.replace(self, prompt_lookup_num_tokens=None).strategy
+            if base not in (Strategy.GREEDY, Strategy.SAMPLE):
+                raise ValueError(f"prompt_lookup_num_tokens={self.prompt_lookup_num_tokens} works with greedy search "
+                                 f"or sampling only, got {base.value} settings")
+            if self.num_return_sequences > 1:
+                raise clash("num_return_sequences", "prompt_lookup_num_tokens", "prompt lookup returns one sequence")
 
     @property
     def strategy(self) -> Strategy:
@@ -134,9 +145,11 @@ class GenerationConfig:
             return Strategy.BEAM_SAMPLE if self.do_sample else Strategy.BEAM_SEARCH
         if self.penalty_alpha is not None and self.penalty_alpha > 0 and self.top_k > 1 and not self.do_sample:
             return Strategy.CONTRASTIVE_SEARCH
-        if self.do_sample:
-            return Strategy.SAMPLE_AND_RANK if (self.best_of or 1) > 1 else Strategy.SAMPLE
-        return Strategy.GREEDY
+        if self.do_sample and (self.best_of or 1) > 1:
+            return Strategy.SAMPLE_AND_RANK
+        if self.prompt_lookup_num_tokens is not None:
+            return Strategy.PROMPT_LOOKUP
+        return Strategy.SAMPLE if self.do_sample else Strategy.GREEDY
 
     @property
     def eos_token_ids(self) -> list[int]:

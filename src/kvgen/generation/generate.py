@@ -21,6 +21,7 @@ from kvgen.generation.decoding import LoopContext
 from kvgen.generation.greedy import greedy_search
 from kvgen.generation.group_beam_search import group_beam_search
 from kvgen.generation.output import GenerateOutput
+from kvgen.generation.prompt_lookup import prompt_lookup_decoding
 from kvgen.generation.runner import StepRunner
 from kvgen.generation.sample import multinomial_sample
 from kvgen.generation.sample_and_rank import sample_and_rank
@@ -36,6 +37,7 @@ STRATEGIES: dict[Strategy, Callable[[StepRunner, LoopContext], GenerateOutput]] 
     Strategy.GROUP_BEAM_SEARCH: group_beam_search,
     Strategy.CONTRASTIVE_SEARCH: contrastive_search,
     Strategy.SAMPLE_AND_RANK: sample_and_rank,
+    Strategy.PROMPT_LOOKUP: prompt_lookup_decoding,
 }
 
 # Strategies that keep several hypotheses per prompt and pick among them at the end: nothing to stream.
@@ -82,6 +84,8 @@ def generate(
         raise NotImplementedError(f"decoding strategy {strategy.value} is not implemented yet")
     if streamer is not None and strategy in NOT_STREAMABLE:
         raise ValueError(f"streamer cannot be used with {strategy.value} (it picks among hypotheses at the end)")
+    if strategy is Strategy.PROMPT_LOOKUP and input_ids.shape[0] != 1:
+        raise ValueError(f"prompt_lookup_num_tokens needs a batch of one prompt (as transformers), got {input_ids.shape[0]}")
     copies = _num_copies(cfg)
     if copies > 1:
         input_ids = input_ids.repeat_interleave(copies, dim=0)  # [B*n, T]

@@ -87,12 +87,17 @@ class StepRunner:
         self.num_steps += 1
         return hidden
 
-    def next_logits(self) -> torch.Tensor:
-        """Logits ``[B, V]`` float32 for the token after the last column."""
+    def next_logits(self, num_positions: int = 1) -> torch.Tensor:
+        """Logits ``[B, V]`` float32 for the token after the last column; with ``num_positions`` n > 1,
+        ``[B, n, V]`` for the tokens after each of the last n columns (verifying speculative tokens)."""
         hidden = self.hidden_states()
         start = time.perf_counter()
         with torch.inference_mode():
-            logits = self.model.compute_logits(hidden[:, -1])  # [B, V]
+            if num_positions == 1:
+                logits = self.model.compute_logits(hidden[:, -1])  # [B, V]
+            else:
+                last = hidden[:, -num_positions:].reshape(-1, hidden.shape[-1])  # [B n, C]
+                logits = self.model.compute_logits(last).view(hidden.shape[0], num_positions, -1)  # [B, n, V]
         elapsed = time.perf_counter() - start
         if self.num_steps == 1:
             self.prefill_s += elapsed
@@ -106,6 +111,20 @@ class StepRunner:
         self.attention_mask = torch.cat(
             [self.attention_mask, self.attention_mask.new_ones(self.attention_mask.shape[0], 1)], dim=1
         )  # [B, S+1]
+
+    def append_columns(self, tokens: torch.Tensor) -> None:
+        """Append ``tokens [B, k]`` int64 as k columns (speculative tokens to verify in one forward)."""
+        self.sequences = torch.cat([self.sequences, tokens], dim=1)  # [B, S+k]
+        self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(tokens.shape)], dim=1)
+
+    def keep_columns(self, num_columns: int) -> None:
+        """Keep the first ``num_columns`` columns of tokens and mask; the cache forgets every slot from
+        ``num_columns - 1`` on, so the next forward feeds the last kept token again (rejected speculative tokens)."""
+        self.sequences = self.sequences[:, :num_columns]  # [B, num_columns]
+        self.attention_mask = self.attention_mask[:, :num_columns]  # [B, num_columns]
+        self.num_cached = min(self.num_cached, num_columns - 1)
+        if self.cache is not None:
+            self.cache.crop(self.num_cached)
 
     @torch.inference_mode()
     def reorder(self, row_idx: torch.Tensor) -> None:

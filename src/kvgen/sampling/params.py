@@ -148,6 +148,8 @@ PARAM_RULES: dict[str, ParamRule] = {
     "penalty_alpha": _unit("contrastive search degeneration penalty", off=0.0),
     "length_penalty": ParamRule(float, help="beam score exponent on the length"),
     "max_time": ParamRule(float, 0.0, low_open=True, help="seconds before stopping"),
+    "prompt_lookup_num_tokens": _count(1, "prompt lookup decoding: tokens drafted per step"),
+    "max_matching_ngram_size": _count(1, "prompt lookup decoding: longest n-gram looked up"),
     # Op-internal counts.
     "num_generated": _count(0, "tokens generated so far"),
     "min_tokens_to_keep": _count(1, "tokens every truncation keeps"),

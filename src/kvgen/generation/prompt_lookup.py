@@ -1,0 +1,86 @@
+"""Prompt lookup decoding: greedy search (or sampling) that drafts tokens by copying what followed the
+sequence's last n-gram earlier in the sequence, and verifies all drafts in one forward.
+
+Each step: draft up to ``prompt_lookup_num_tokens`` ids (``find_draft``), feed the last token plus the
+drafts (one forward over k + 1 columns: on a CPU this costs little more than one token, the weights are
+read once), process the k + 1 logit rows with the prefix each would have had, choose a token per row
+(argmax, or one multinomial draw over the k + 1 rows), keep the drafts up to the first one that differs
+from the choice, then the choice after them. Greedy tokens are those of greedy search, draft or not.
+Source: Saxena 2023, "Prompt Lookup Decoding"; transformers 4.55 ``PromptLookupCandidateGenerator`` and
+``GenerationMixin._assisted_decoding`` (draft choice, acceptance rule and draws, token for token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvgen.generation.decoding import LoopContext
+from kvgen.generation.output import GenerateOutput, GenerateTimings
+from kvgen.generation.runner import StepRunner
+from kvgen.sampling.ops import choose_tokens
+from kvgen.sampling.stopping import PRIORITY, FinishReason
+
+
+def find_draft(ids: torch.Tensor, max_ngram_size: int, num_tokens: int, eos_token_ids: list[int]) -> list[int]:
+    """The up to ``num_tokens`` ids that followed the first earlier occurrence of the longest suffix n-gram
+    (n = ``max_ngram_size`` down to 1) of ``ids [S]``, cut before any EOS id; [] when none is found."""
+    length = ids.shape[0]
+    for n in range(min(max_ngram_size, length - 1), 0, -1):
+        windows = ids.unfold(0, n, 1)  # [S - n + 1, n]
+        starts = (windows == ids[-n:]).all(dim=1).nonzero().flatten().tolist()  # ascending
+        for start in starts:
+            begin, end = start + n, min(start + n + num_tokens, length)
+            if begin < end:  # not the suffix itself
+                draft = ids[begin:end].tolist()
+                cut = next((i for i, t in enumerate(draft) if t in eos_token_ids), len(draft))
+                return draft[:cut]
+    return []
+
+
+def prompt_lookup_decoding(runner: StepRunner, ctx: LoopContext) -> GenerateOutput:
+    """Decode one row ([1, T] prompt) with drafted tokens; ``ctx.config.do_sample`` draws from ``ctx.generator``."""
+    cfg = ctx.config
+    assert runner.sequences.shape[0] == 1, "generate() checks batch size 1"
+    prompt_length = runner.sequences.shape[1]
+    max_ngram = cfg.max_matching_ngram_size or 2
+    assert cfg.prompt_lookup_num_tokens is not None  # this strategy is chosen by it
+    scores_out: list[torch.Tensor] = []
+    logits_out: list[torch.Tensor] = []
+    num_new, code = 0, 0
+    while code == 0:
+        length = runner.sequences.shape[1]
+        room = cfg.max_new_tokens - num_new - 1  # drafts beyond it could never be kept
+        draft = find_draft(runner.sequences[0], max_ngram, min(cfg.prompt_lookup_num_tokens, room), cfg.eos_token_ids)
+        if draft:
+            runner.append_columns(torch.tensor([draft]))  # [1, k]
+        logits = runner.next_logits(len(draft) + 1).view(len(draft) + 1, -1)  # [k + 1, V]
+        scores = torch.stack([ctx.processors(runner.sequences[:, : length + i], logits[i : i + 1])[0]
+                              for i in range(len(draft) + 1)])  # [k + 1, V]
+        chosen = choose_tokens(scores, cfg.do_sample, ctx.generator).flatten().tolist()  # [k + 1]
+        num_accepted = next((i for i, (d, c) in enumerate(zip(draft, chosen)) if d != c), len(draft))
+        kept: list[int] = []  # the accepted drafts and the choice after them, up to the first stop
+        for token in chosen[: num_accepted + 1]:
+            kept.append(token)
+            code = int(ctx.stopper.check(torch.cat([runner.sequences[:, :length], torch.tensor([kept])], 1))[0])
+            if code:
+                break
+        runner.keep_columns(length + min(len(kept), num_accepted))  # kept drafts stay in the cache
+        if len(kept) > num_accepted:
+            runner.append(torch.tensor(kept[-1:]))
+        num_new += len(kept)
+        scores_out.extend(scores[: len(kept)].split(1))  # [1, V] each
+        logits_out.extend(logits[: len(kept)].split(1))
+        if ctx.streamer is not None:
+            for token in kept:
+                ctx.streamer.put(torch.tensor([token]))
+    if ctx.streamer is not None:
+        ctx.streamer.end()
+    return GenerateOutput(
+        sequences=runner.sequences,
+        prompt_length=prompt_length,
+        finish_reasons=[PRIORITY[code - 1].value if code else FinishReason.LENGTH.value],
+        num_new_tokens=[num_new],
+        scores=tuple(scores_out) if cfg.output_scores else None,
+        logits=tuple(logits_out) if cfg.output_logits else None,
+        timings=GenerateTimings(runner.prefill_s, runner.decode_s, max(runner.num_steps - 1, 0)),
+    )
