@@ -118,11 +118,11 @@ class StepRunner:
         self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(tokens.shape)], dim=1)
 
     def keep_columns(self, num_columns: int) -> None:
-        """Keep the first ``num_columns`` columns of tokens and mask; the cache forgets every slot from
-        ``num_columns - 1`` on, so the next forward feeds the last kept token again (rejected speculative tokens)."""
+        """Keep the first ``num_columns`` columns of tokens and mask and forget cached slots past them (rejected
+        speculative tokens). They may all be cached: append a column before the next forward."""
         self.sequences = self.sequences[:, :num_columns]  # [B, num_columns]
         self.attention_mask = self.attention_mask[:, :num_columns]  # [B, num_columns]
-        self.num_cached = min(self.num_cached, num_columns - 1)
+        self.num_cached = min(self.num_cached, num_columns)
         if self.cache is not None:
             self.cache.crop(self.num_cached)
 
