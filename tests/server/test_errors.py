@@ -37,6 +37,16 @@ BAD_CHAT = [
     ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["a"]}}}, "structured_outputs"),
     ({"extra_body": {"structured_outputs": {"choice": ["a"]}}, "response_format": {"type": "json_object"}},
      "structured_outputs"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # "auto": no parser
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "structured_outputs"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "none"}, "tools[0].function.name"),
 ]
 
 
@@ -87,7 +97,7 @@ def test_unsupported_or_bad_completion_fields_are_400(client, extra, param):
         (b'{"model": "tiny"}', "messages"),
         (b'{"model": "tiny", "messages": []}', "messages"),
         (b'{"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}', "messages[0].role"),
-        (b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": []}', "tools"),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web"}]}', "tools[0].type"),
         (b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}', "max_tokens"),
     ],
 )

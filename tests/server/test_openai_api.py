@@ -294,3 +294,55 @@ def test_prefix_cache_hits_show_in_metrics(server, client):
     queries = after["kvgen:prefix_cache_queries_total"] - before["kvgen:prefix_cache_queries_total"]
     assert queries == r.usage.prompt_tokens and hits >= 32 and hits % 16 == 0  # whole blocks of the shared prefix
     assert after["kvgen:prefix_cache_hit_rate"] > 0
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "additionalProperties": False,
+                                                           "required": ["city"],
+                                                           "properties": {"city": {"enum": ["Paris", "Rome"]}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"], "properties": {"zone": {"enum": ["UTC"]}}}}}
+
+
+def test_a_named_tool_choice_returns_a_call_with_schema_arguments(client):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=choice,
+                                       temperature=1.0, seed=4, n=2, max_tokens=60)
+    for c in r.choices:
+        (call,) = c.message.tool_calls
+        assert c.message.content is None and c.finish_reason == "stop" and call.type == "function"
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER], tool_choice=choice,
+                                                 temperature=1.0, seed=4, n=2, max_tokens=60, stream=True))
+    for c in r.choices:  # the streamed arguments, concatenated, are the non-streamed ones
+        deltas = [d.tool_calls[0] for ch in chunks for d in [x.delta for x in ch.choices if x.index == c.index]
+                  if d.tool_calls]
+        assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
+        assert "".join(d.function.arguments or "" for d in deltas) == c.message.tool_calls[0].function.arguments
+
+
+def test_required_tool_choice_returns_calls_of_the_given_tools(client):
+    kwargs = {"model": "tiny", "messages": MESSAGES, "tools": [WEATHER, TIME], "tool_choice": "required",
+              "temperature": 1.0, "seed": 9, "max_tokens": 120, "parallel_tool_calls": False}
+    r = client.chat.completions.create(**kwargs)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    args = json.loads(call.function.arguments)
+    assert args == ({"city": args.get("city")} if call.function.name == "get_weather" else {"zone": "UTC"})
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = [t for ch in chunks for x in ch.choices if x.delta.tool_calls for t in x.delta.tool_calls]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [(call.function.name, call.function.arguments)]
+    assert [x.finish_reason for ch in chunks for x in ch.choices if x.finish_reason] == ["tool_calls"]
+    cut = client.chat.completions.create(**kwargs | {"parallel_tool_calls": True, "max_tokens": 3})
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
+    assert cut.choices[0].message.content.startswith("[")  # the unparsable start of the array comes back as text
+
+
+def test_tool_choice_none_ignores_tools_and_a_tool_turn_is_accepted(client):
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], tool_choice="none",
+                                       temperature=0, max_tokens=5)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")

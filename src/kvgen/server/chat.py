@@ -26,6 +26,9 @@ from kvgen.server.protocol import (
     ChatCompletionStreamChoice,
     ChoiceLogprobs,
     DeltaMessage,
+    FinishReason,
+    FunctionCallDelta,
+    ToolCallDelta,
     message_dicts,
 )
 from kvgen.server.results import (
@@ -46,6 +49,7 @@ from kvgen.server.serving import (
     resolve_max_tokens,
     sampling_params,
 )
+from kvgen.server.tools import ToolPlan, new_call_id, tool_calls, tool_dicts, tool_plan
 
 
 def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> list[int]:
@@ -55,7 +59,8 @@ def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest, add_generati
     """
     try:
         ids = state.tokenizer.apply_chat_template(
-            message_dicts(req.messages), add_generation_prompt=add_generation_prompt, tokenize=True
+            message_dicts(req.messages), add_generation_prompt=add_generation_prompt, tokenize=True,
+            tools=tool_dicts(req),
         )
     except (KvgenError, ValueError) as e:
         raise bad_request(str(e).splitlines()[0], "messages") from None
@@ -71,21 +76,24 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     check_stream_options(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    plan = tool_plan(req)
     prompt_ids = chat_prompt_ids(state, req)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(state, len(prompt_ids), requested, ("messages", field))
-    params = sampling_params(req, state.tokenizer, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    params = sampling_params(req, state.tokenizer, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                             plan.constraint if plan else None)
     gen = Generation(state, new_request_id("chatcmpl"))
     await gen.start([prompt_ids], params, "messages")
 
     def response(choices: list[ChoiceResult]) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=gen.request_id, model=state.model_name, usage=usage(len(prompt_ids), choices),
-            choices=[_choice(state, req, c) for c in choices],
+            choices=[_choice(state, req, c, plan) for c in choices],
         )
 
-    return await respond(gen, raw, req.n, _stream(state, req, gen, len(prompt_ids)) if req.stream else None, response)
+    stream = _stream(state, req, gen, len(prompt_ids), plan) if req.stream else None
+    return await respond(gen, raw, req.n, stream, response)
 
 
 def _logprobs(state: ServerState, req: ChatCompletionRequest, token_ids: list[int], logprobs: list) -> ChoiceLogprobs | None:
@@ -94,28 +102,64 @@ def _logprobs(state: ServerState, req: ChatCompletionRequest, token_ids: list[in
     return ChoiceLogprobs(content=chat_logprobs(state.tokenizer, token_ids, logprobs, req.top_logprobs or 0))
 
 
-def _choice(state: ServerState, req: ChatCompletionRequest, c: ChoiceResult) -> ChatCompletionChoice:
+def _finish_reason(reason: str | None, plan: ToolPlan | None) -> FinishReason | None:
+    """OpenAI's finish reason; "tool_calls" when a ``"required"`` tool call completed (a named one stays "stop")."""
+    if plan is not None and plan.function is None and reason == "stop":
+        return "tool_calls"
+    return openai_finish_reason(reason)
+
+
+def _choice(state: ServerState, req: ChatCompletionRequest, c: ChoiceResult, plan: ToolPlan | None) -> ChatCompletionChoice:
+    calls = tool_calls(plan, c.text) if plan is not None else None
+    message = ChatCompletionMessage(content=None, tool_calls=calls) if calls else ChatCompletionMessage(content=c.text)
     return ChatCompletionChoice(
-        index=c.index, message=ChatCompletionMessage(content=c.text),
-        logprobs=_logprobs(state, req, c.token_ids, c.logprobs), finish_reason=openai_finish_reason(c.finish_reason),
+        index=c.index, message=message, logprobs=_logprobs(state, req, c.token_ids, c.logprobs),
+        finish_reason=_finish_reason(c.finish_reason, plan),
     )
 
 
-def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation, num_prompt_tokens: int) -> AsyncIterator[str]:
+def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation, num_prompt_tokens: int,
+            plan: ToolPlan | None) -> AsyncIterator[str]:
+    """SSE chunks. A named tool call streams its arguments as ``delta.tool_calls[0].function.arguments``; the calls
+    of ``"required"`` come whole in the chunk before the finish (the array must parse first)."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    pending: dict[int, str] = {}  # "required": each choice's text so far
 
     def chunk(choices: list[ChatCompletionStreamChoice], **fields: Any) -> str:
         data = ChatCompletionChunk(id=gen.request_id, model=state.model_name, choices=choices, **fields)
         return sse(chunk_dict(data, include_usage))
 
-    def events(_: int, c: CompletionOutput, __: RequestOutput) -> Iterator[str]:
-        if c.text or (req.logprobs and c.token_ids):
-            lp = _logprobs(state, req, c.token_ids, c.logprobs or [])
-            yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=c.text), logprobs=lp)])
-        if c.finish_reason is not None:
-            reason = openai_finish_reason(c.finish_reason)
-            yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason)])
+    def delta(text: str) -> DeltaMessage:
+        if plan is None:
+            return DeltaMessage(content=text)
+        return DeltaMessage(tool_calls=[ToolCallDelta(index=0, function=FunctionCallDelta(arguments=text))])
 
-    first = (chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]) for i in range(req.n))
+    def events(_: int, c: CompletionOutput, __: RequestOutput) -> Iterator[str]:
+        if plan is not None and plan.function is None:
+            pending[c.index] = pending.get(c.index, "") + c.text
+        elif c.text or (req.logprobs and c.token_ids):
+            lp = _logprobs(state, req, c.token_ids, c.logprobs or [])
+            yield chunk([ChatCompletionStreamChoice(index=c.index, delta=delta(c.text), logprobs=lp)])
+        if c.finish_reason is None:
+            return
+        if plan is not None and plan.function is None:
+            text = pending.pop(c.index, "")
+            calls = tool_calls(plan, text)
+            whole = (DeltaMessage(content=text) if calls is None else DeltaMessage(tool_calls=[
+                ToolCallDelta(index=i, id=call.id, type="function",
+                              function=FunctionCallDelta(name=call.function.name, arguments=call.function.arguments))
+                for i, call in enumerate(calls)]))
+            yield chunk([ChatCompletionStreamChoice(index=c.index, delta=whole)])
+        reason = _finish_reason(c.finish_reason, plan)
+        yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason)])
+
+    def opening(index: int) -> DeltaMessage:
+        if plan is not None and plan.function is not None:  # the call's id and name, then its arguments
+            call = ToolCallDelta(index=0, id=new_call_id(), type="function",
+                                 function=FunctionCallDelta(name=plan.function, arguments=""))
+            return DeltaMessage(role="assistant", tool_calls=[call])
+        return DeltaMessage(role="assistant", content="")
+
+    first = (chunk([ChatCompletionStreamChoice(index=i, delta=opening(i))]) for i in range(req.n))
     final = (lambda num_tokens: chunk([], usage=usage(num_prompt_tokens, num_tokens))) if include_usage else None
     return stream_events(gen, first, events, final)

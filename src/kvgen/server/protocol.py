@@ -107,10 +107,44 @@ class TextContentPart(StrictModel):
     text: str
 
 
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's answer to that call
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; none = any object
+    strict: bool | None = None
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -119,11 +153,27 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ChatTool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class TopLogprob(BaseModel):
@@ -140,7 +190,7 @@ class ChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletionChoice(BaseModel):
@@ -179,6 +229,7 @@ class ChatCompletionResponse(_Envelope):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):
@@ -291,5 +342,9 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.name is not None:
             entry["name"] = m.name
+        if m.tool_calls:
+            entry["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
         out.append(entry)
     return out

@@ -57,8 +57,10 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sampling_params(req: SamplingFields, tokenizer: Tokenizer, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """OpenAI fields -> ``SamplingParams`` (DELTA outputs). Raises a 400 naming the field."""
+def sampling_params(req: SamplingFields, tokenizer: Tokenizer, max_tokens: int | None, logprobs: int | None,
+                    constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+    """OpenAI fields -> ``SamplingParams`` (DELTA outputs); ``constraint`` (a tool call's) replaces the request's own
+    structured outputs. Raises a 400 naming the field."""
     bias = None
     if req.logit_bias:
         try:
@@ -76,7 +78,7 @@ def sampling_params(req: SamplingFields, tokenizer: Tokenizer, max_tokens: int |
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             seed=req.seed, stop=req.stop, max_tokens=max_tokens, min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=bias, output_kind=RequestOutputKind.DELTA,
-            structured_outputs=structured_outputs(req),
+            structured_outputs=constraint or structured_outputs(req),
         )
     except ValueError as e:
         raise value_error(e, None) from None

@@ -1,0 +1,97 @@
+"""Tool calls in chat completions (OpenAI ``tools`` / ``tool_choice``) through structured outputs.
+
+A named ``tool_choice`` constrains the reply to a JSON object matching that function's ``parameters``;
+``"required"`` constrains it to a JSON array of ``{"name", "parameters"}`` calls of the given tools (one
+at most with ``parallel_tool_calls: false``). The reply then comes back as ``message.tool_calls``. As vLLM
+without ``--enable-auto-tool-choice``, ``"auto"`` (the default when tools are given) is refused: telling
+free text from a call needs a model-specific parser. ``"none"`` ignores the tools.
+Source: OpenAI API reference (Chat Completions: tools, tool_choice, tool_calls); vLLM
+``entrypoints/openai/serving_chat.py`` and ``protocol.py`` (``_get_json_schema_from_tool``).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from kvgen.engine.sampling_params import StructuredOutputsParams
+from kvgen.server.errors import bad_request
+from kvgen.server.protocol import (
+    ChatCompletionRequest,
+    ChatTool,
+    FunctionCall,
+    ToolCall,
+)
+
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass
+class ToolPlan:
+    """How a request calls tools: ``function`` is the named one, None for ``"required"``."""
+
+    constraint: StructuredOutputsParams
+    function: str | None
+
+
+def tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
+    """The request's tool constraint, or None when it calls no tool. Raises a 400 naming ``tool_choice`` for
+    ``"auto"``, an unknown function or a choice without tools, and naming ``response_format`` beside one."""
+    choice, tools = req.tool_choice, req.tools or []
+    if choice is None or choice == "auto":
+        if not tools:
+            return None
+        raise bad_request('tool_choice "auto" (the default with tools) needs a tool-call parser, which kvgen serve '
+                          'does not have; pass "required", {"type": "function", "function": {"name": ...}} or "none"',
+                          "tool_choice")
+    if choice == "none":
+        return None
+    if not tools:
+        raise bad_request("tool_choice needs tools", "tool_choice")
+    if (req.response_format is not None and req.response_format.type != "text") or req.structured_outputs is not None:
+        raise bad_request("response_format cannot be combined with a tool_choice that calls a tool", "response_format")
+    if choice == "required":
+        return ToolPlan(StructuredOutputsParams(json=_calls_schema(tools, req.parallel_tool_calls)), None)
+    by_name = {t.function.name: t for t in tools}
+    tool = by_name.get(choice.function.name)
+    if tool is None:
+        raise bad_request(f"tool_choice names function {choice.function.name!r}, which is not in tools "
+                          f"{sorted(by_name)}", "tool_choice")
+    return ToolPlan(StructuredOutputsParams(json=tool.function.parameters or _ANY_OBJECT), tool.function.name)
+
+
+def _calls_schema(tools: list[ChatTool], parallel: bool | None) -> dict[str, Any]:
+    """JSON schema of a non-empty array of calls, each ``{"name": one tool, "parameters": its arguments}``."""
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+              "properties": {"name": {"const": t.function.name}, "parameters": t.function.parameters or _ANY_OBJECT}}
+             for t in tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if parallel is False:
+        schema["maxItems"] = 1
+    return schema
+
+
+def tool_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools as the chat template takes them (OpenAI's JSON), None without tools or with ``"none"``."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    return [t.model_dump(exclude_none=True) for t in req.tools]
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
+    """The calls in a constrained reply: the named function with ``text`` as its arguments (as generated, even
+    when cut by ``max_tokens``), or the parsed array of ``"required"`` (None when it does not parse: cut short)."""
+    if plan.function is not None:
+        return [ToolCall(id=new_call_id(), function=FunctionCall(name=plan.function, arguments=text))]
+    try:
+        calls = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return [ToolCall(id=new_call_id(), function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"])))
+            for c in calls]
