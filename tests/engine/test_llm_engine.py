@@ -300,3 +300,23 @@ def test_async_engine_streams_growing_text_equal_to_llm_generate_and_cancel_abor
     assert last.finished and last.outputs[0].text == expected.text and last.outputs[0].token_ids == expected.token_ids
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_llm_chat_renders_each_conversation_with_the_chat_template(model_tok):
+    """vLLM's ``LLM.chat``: one conversation or a list of them give the outputs of ``generate`` on the template's
+    token ids; a bad conversation or an LLM without a tokenizer is refused."""
+    model, tok = model_tok
+    llm = _llm(model_tok)
+    conversations = [[{"role": "user", "content": t}] for t in TEXTS[:3]]
+    ids = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations]
+    expected = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": i} for i in ids], GREEDY, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.chat(conversations, GREEDY, use_tqdm=False)] == expected
+    (one,) = llm.chat(conversations[1], GREEDY, use_tqdm=False)
+    assert one.outputs[0].token_ids == expected[1] and one.prompt_token_ids == ids[1]
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([{"content": "no role"}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="non-empty list of conversations"):
+        llm.chat([], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        LLM(model, None, num_blocks=16).chat(conversations[0], GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()

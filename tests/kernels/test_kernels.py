@@ -213,6 +213,9 @@ def test_fused_cache_write_and_attention_match_reference():
             OPS.paged_attention_qkv(qkv, pools[0], pools[1], slots.int(), tables, qsl, seq_lens, h, d**-0.5)
         with pytest.raises(RuntimeError, match="query_start_loc must run from 0 to N=6"):
             OPS.paged_attention_qkv(qkv, pools[0], pools[1], slots, tables, qsl - 1, seq_lens, h, d**-0.5)
+        with pytest.raises(RuntimeError, match="sequence 1 reads block 8 outside the pool of 8"):
+            OPS.paged_attention_qkv(qkv, pools[0], pools[1], slots, torch.tensor([[2, 5], [8, 1]]), qsl, seq_lens, h,
+                                    d**-0.5)
 
 
 def _decoder_inputs(num_layers: int, b: int, t: int, past: int, seed: int):

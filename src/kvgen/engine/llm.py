@@ -1,10 +1,10 @@
-"""``LLM``: offline batch generation on the engine (vLLM's ``LLM.generate``)."""
+"""``LLM``: offline batch generation on the engine (vLLM's ``LLM.generate`` and ``LLM.chat``)."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from kvgen.engine.engine_args import EngineArgs
 from kvgen.engine.llm_engine import LLMEngine
@@ -14,6 +14,7 @@ from kvgen.models import CausalLM
 from kvgen.tokenizer import Tokenizer
 
 PromptInput = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...}
+Conversation = list[dict[str, Any]]  # OpenAI-style messages: {"role": ..., "content": ...}
 
 
 class LLM:
@@ -61,6 +62,31 @@ class LLM:
             self.llm_engine.abort_request(request_ids)
             raise
         return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate a reply to one conversation (a list of message dicts) or to each of a list of them, rendered by
+        the model's chat template (with ``tools`` if given); one finished ``RequestOutput`` per conversation.
+        Raises ``ValueError`` without a tokenizer, for malformed messages, or as ``generate``. Source: vLLM
+        ``LLM.chat``."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("LLM.chat needs a tokenizer (its chat template); this LLM has none")
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+            raise ValueError(f"messages must be a conversation or a non-empty list of conversations, got {messages!r}")
+        conversations = cast("list[Conversation]", [messages] if isinstance(messages[0], dict) else list(messages))
+        prompts: list[PromptInput] = [
+            {"prompt_token_ids": tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
+                                                               tokenize=True, tools=tools)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)

@@ -372,9 +372,14 @@ at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int6
   const int64_t* tab = tables.data_ptr<int64_t>();
   TORCH_CHECK(qslp[0] == 0 && qslp[R] == N, "kvgen.paged_attention: query_start_loc must run from 0 to N=", N);
   std::vector<int64_t> seq_of(N);
+  const int64_t num_blocks = k_pool.size(0);
   for (int64_t r = 0; r < R; ++r) {
     TORCH_CHECK(qslp[r] <= qslp[r + 1] && qslp[r + 1] - qslp[r] <= lens[r] && lens[r] <= nb * bs,
                 "kvgen.paged_attention: sequence ", r, " has ", lens[r], " positions for ", nb, " blocks");
+    for (int64_t b = 0; b < (lens[r] + bs - 1) / bs; ++b) {  // the blocks it reads (entries past them are padding)
+      TORCH_CHECK(0 <= tab[r * nb + b] && tab[r * nb + b] < num_blocks, "kvgen.paged_attention: sequence ", r,
+                  " reads block ", tab[r * nb + b], " outside the pool of ", num_blocks);
+    }
     for (int64_t i = qslp[r]; i < qslp[r + 1]; ++i) seq_of[i] = r;
   }
   const T* kp = k_pool.data_ptr<T>();
