@@ -334,6 +334,11 @@ def test_required_tool_choice_returns_calls_of_the_given_tools(client):
     streamed = [t for ch in chunks for x in ch.choices if x.delta.tool_calls for t in x.delta.tool_calls]
     assert [(t.function.name, t.function.arguments) for t in streamed] == [(call.function.name, call.function.arguments)]
     assert [x.finish_reason for ch in chunks for x in ch.choices if x.finish_reason] == ["tool_calls"]
+    body = kwargs | {"stream": True, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    with httpx.stream("POST", str(client.base_url) + "chat/completions", json=body, timeout=60) as raw:
+        events = [json.loads(line[6:]) for line in raw.iter_lines() if line.startswith("data: {")]
+    calls = [t for e in events for c in e["choices"] for t in c["delta"].get("tool_calls", [])]
+    assert len(calls) > 1 and all(None not in t.values() and None not in t["function"].values() for t in calls)  # no nulls
     cut = client.chat.completions.create(**kwargs | {"parallel_tool_calls": True, "max_tokens": 3})
     assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
     assert cut.choices[0].message.content.startswith("[")  # the unparsable start of the array comes back as text

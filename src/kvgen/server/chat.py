@@ -153,13 +153,13 @@ def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation, num
         reason = _finish_reason(c.finish_reason, plan)
         yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason)])
 
-    def opening(index: int) -> DeltaMessage:
+    def opening() -> DeltaMessage:
         if plan is not None and plan.function is not None:  # the call's id and name, then its arguments
             call = ToolCallDelta(index=0, id=new_call_id(), type="function",
                                  function=FunctionCallDelta(name=plan.function, arguments=""))
             return DeltaMessage(role="assistant", tool_calls=[call])
         return DeltaMessage(role="assistant", content="")
 
-    first = (chunk([ChatCompletionStreamChoice(index=i, delta=opening(i))]) for i in range(req.n))
+    first = (chunk([ChatCompletionStreamChoice(index=i, delta=opening())]) for i in range(req.n))
     final = (lambda num_tokens: chunk([], usage=usage(num_prompt_tokens, num_tokens))) if include_usage else None
     return stream_events(gen, first, events, final)

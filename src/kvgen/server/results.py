@@ -177,8 +177,15 @@ def chunk_dict(chunk: Any, include_usage: bool) -> dict[str, Any]:
         data.pop("usage", None)
     for choice in data.get("choices", []):
         if isinstance(choice.get("delta"), dict):
-            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+            choice["delta"] = _without_none(choice["delta"])
     return data
+
+
+def _without_none(value: Any) -> Any:
+    """Dicts (nested, in lists too) without their None entries: a delta carries only what it sets."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    return [_without_none(v) for v in value] if isinstance(value, list) else value
 
 
 async def respond(
