@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import TinyModel, left_pad, make_tiny_model
+from transformers import LogitsProcessorList
 
 from kvgen.generation import GenerateOutput, GenerationConfig, generate
 
@@ -321,3 +322,36 @@ def test_sample_and_rank_scores_are_transformers_log_likelihoods(tiny: TinyModel
         scores = everything.sequences_scores[4 * p : 4 * p + 4].tolist()
         assert scores == sorted(scores, reverse=True) and len(set(scores)) > 1
         assert best.new_token_ids[2 * p : 2 * p + 2] == everything.new_token_ids[4 * p : 4 * p + 2]
+
+
+# ---------------------------------------------------------------- the caller's own logits processors
+
+
+class _Boost:
+    """Adds ``bias`` to one token's logit: a caller's processor, usable by transformers and kvgen alike."""
+
+    def __init__(self, token_id: int, bias: float) -> None:
+        self.token_id, self.bias = token_id, bias
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.clone()
+        scores[:, self.token_id] += self.bias
+        return scores
+
+
+def test_custom_logits_processors_run_where_transformers_runs_them(tiny: TinyModel) -> None:
+    """After the built processors and before the warpers: with temperature 0.5 a +2 boost counts double, so the
+    processed scores (and the seeded draws) pin the position; greedy output changes and matches too."""
+    token = _greedy_new(tiny)[0][2]
+    greedy_ref = _hf(tiny, logits_processor=LogitsProcessorList([_Boost(token, -1e4)]))
+    assert _new(greedy_ref.sequences)[0][2] != token  # the processor changed the output
+    ours = generate(tiny.ours, IDS, MASK, GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=PAD,
+                                                           output_scores=True), logits_processor=[_Boost(token, -1e4)])
+    assert ours.sequences.tolist() == greedy_ref.sequences.tolist()
+    kwargs = {"do_sample": True, "temperature": 0.5, "top_k": 0, "repetition_penalty": 1.2}
+    ref = _hf_seeded(tiny, 5, [], logits_processor=LogitsProcessorList([_Boost(token, 2.0)]), **kwargs)
+    ours = generate(tiny.ours, IDS, MASK, GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=PAD,
+                                                           seed=5, output_scores=True, **kwargs),
+                    logits_processor=[_Boost(token, 2.0)])
+    assert ours.sequences.tolist() == ref.sequences.tolist()
+    _assert_scores_close(ours, ref)

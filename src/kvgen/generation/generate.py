@@ -7,7 +7,7 @@ an explicit table (one module per strategy).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -53,6 +53,7 @@ def generate(
     generator: torch.Generator | None = None,
     tokenizer: Any = None,
     streamer: Any = None,
+    logits_processor: Sequence[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = (),
     **overrides: Any,
 ) -> GenerateOutput:
     """Generate continuations of a left-padded batch of prompts.
@@ -62,6 +63,8 @@ def generate(
     uses ``generator`` or, if None, a ``torch.Generator`` seeded with
     ``config.seed`` (fresh default generator when both are None). ``tokenizer``
     is needed for ``stop_strings``; ``streamer`` gets ``put(ids)`` / ``end()``.
+    ``logits_processor``: the caller's own processors ``(token_ids [B, T], logits [B, V]) -> [B, V]``,
+    run after the built ones and before the sampling warpers (as transformers merges them).
     Returns a :class:`GenerateOutput`. Raises ``ValueError`` for bad shapes or
     settings and ``ContextLengthError`` when prompt + ``max_new_tokens`` exceeds
     the model's context window.
@@ -97,7 +100,7 @@ def generate(
     runner = StepRunner(model, input_ids, attention_mask, cache_kind, cfg.max_new_tokens, prefill_copies=copies)
     ctx = LoopContext(
         config=cfg,
-        processors=build_logits_processors(cfg, prompt_length=input_ids.shape[1]),
+        processors=build_logits_processors(cfg, prompt_length=input_ids.shape[1], custom=list(logits_processor)),
         stopper=_stopper(cfg, input_ids.shape[1], tokenizer),
         generator=generator,
         streamer=streamer,

@@ -32,7 +32,7 @@ class LogitsProcessor:
         return f"{type(self).__name__}({fields})"
 
 
-class LogitsProcessorList(list[LogitsProcessor]):
+class LogitsProcessorList(list[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]):
     """Processors applied left to right; calling it returns the last one's logits [B, V]."""
 
     def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -298,14 +298,18 @@ def default_min_tokens_to_keep(cfg: object) -> int:
 
 
 def build_logits_processors(
-    cfg: object, prompt_length: int, min_tokens_to_keep: int | None = None
+    cfg: object, prompt_length: int, min_tokens_to_keep: int | None = None,
+    custom: Sequence[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = (),
 ) -> LogitsProcessorList:
     """The processors ``cfg`` enables, in ``GENERATE_ORDER``; warpers only when ``cfg.do_sample``.
 
     cfg: any object with HF ``GenerationConfig`` attribute names (missing or ``None``
     means disabled). prompt_length: tokens before the first generated one (columns
     of token_ids). min_tokens_to_keep: for the warpers; ``None`` derives it from
-    num_beams as HF does. Raises ValueError for invalid settings.
+    num_beams as HF does. ``custom``: the caller's own processors ``(token_ids [B, T],
+    logits [B, V]) -> [B, V]``, merged as transformers 4.55 ``_merge_criteria_processor_list``
+    does: one of the same class as a built one takes its place, the others run after
+    the built processors and before the warpers. Raises ValueError for invalid settings.
     """
     if isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or prompt_length < 0:
         raise ValueError(f"prompt_length must be an int >= 0, got {prompt_length!r}")
@@ -315,7 +319,17 @@ def build_logits_processors(
     stages = GENERATE_ORDER if getattr(cfg, "do_sample", False) else _ALWAYS
     processors = LogitsProcessorList()
     for name in stages:
+        if name == GENERATE_FIRST_WARPER:
+            processors = _merge_custom(processors, custom)
         processor = _STAGES[name][1](settings)
         if processor is not None:
             processors.append(processor)
-    return processors
+    return processors if GENERATE_FIRST_WARPER in stages else _merge_custom(processors, custom)
+
+
+def _merge_custom(built: LogitsProcessorList, custom: Sequence[Callable[..., torch.Tensor]]) -> LogitsProcessorList:
+    """``built`` with each processor of a class found in ``custom`` replaced by that custom one, then the rest of
+    ``custom`` appended (transformers' ``_merge_criteria_processor_list``)."""
+    merged = LogitsProcessorList(next((c for c in custom if type(c) is type(p)), p) for p in built)
+    merged.extend(c for c in custom if c not in merged)
+    return merged
