@@ -98,7 +98,12 @@ def _hf_config(model_type: str, tie: bool, kv_heads: int, bias: bool, vocab_size
             raise ValueError(f"GPT-2 always has biases and one KV head per query head, got bias={bias}, kv_heads={kv_heads}")
         return transformers.GPT2Config(vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4,
                                        n_positions=max_position_embeddings, tie_word_embeddings=tie, **overrides)
-    raise ValueError(f"model_type must be 'llama' or 'gpt2', got {model_type!r}")
+    if model_type in ("qwen2", "mistral"):  # Llama-family: biases as their own configs define them
+        cls = transformers.Qwen2Config if model_type == "qwen2" else transformers.MistralConfig
+        return cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=kv_heads, max_position_embeddings=max_position_embeddings,
+                   tie_word_embeddings=tie, **overrides)
+    raise ValueError(f"model_type must be 'llama', 'gpt2', 'qwen2' or 'mistral', got {model_type!r}")
 
 
 def _randomize(model: torch.nn.Module, seed: int, std: float) -> None:
@@ -159,7 +164,7 @@ def make_tiny_model(
     kv_heads = (4 if is_gpt2 else 2) if kv_heads is None else kv_heads
     bias = is_gpt2 if bias is None else bias
     hf_config = _hf_config(model_type, tie, kv_heads, bias, vocab_size, max_position_embeddings, overrides)
-    ref = transformers.GPT2LMHeadModel(hf_config) if is_gpt2 else transformers.LlamaForCausalLM(hf_config)
+    ref = transformers.AutoModelForCausalLM.from_config(hf_config)
     _randomize(ref, seed, std)
     ref.eval()
     ours = build_model(ModelConfig.from_hf_dict(hf_config.to_dict()), hf_params_in_kvgen_layout(ref))

@@ -56,6 +56,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    o_proj_bias: bool | None = None  # None: as attention_bias (Llama); Qwen2 biases q/k/v only
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -124,11 +125,9 @@ class ModelConfig:
                     extra={"scale_attn_weights": cfg.get("scale_attn_weights", True)},
                 )
             if model_type in ("llama", "mistral", "qwen2"):
-                if model_type != "llama":
-                    raise UnsupportedArchitectureError(f"model_type {model_type!r} is not supported")
                 known = {f.name for f in fields(cls)}
-                kwargs = {k: v for k, v in cfg.items() if k in known and k != "extra"}
-                return cls(**kwargs)
+                kwargs = {k: v for k, v in cfg.items() if k in known and k not in ("extra", "o_proj_bias")}
+                return cls(**kwargs | _llama_family_changes(model_type, cfg))
         except KeyError as e:
             raise ModelFormatError(f"config.json for {model_type!r} lacks required field {e.args[0]!r}") from None
         return cls(model_type=model_type, vocab_size=1, hidden_size=1, num_hidden_layers=1, num_attention_heads=1)
@@ -186,3 +185,19 @@ class ModelConfig:
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
             pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
         )
+
+
+def _llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """What Mistral and Qwen2 change of a Llama: Qwen2 biases q/k/v (not o_proj); Mistral's sliding window
+    bounds the context (attention within the window is exact; longer contexts are refused, not approximated).
+    Raises ``UnsupportedArchitectureError`` for Qwen2's sliding-window layers. Source: transformers 4.55
+    ``MistralConfig`` / ``Qwen2Config`` and their attention modules."""
+    changes: dict[str, Any] = {"model_type": "llama", "extra": {"hf_model_type": model_type}}
+    if model_type == "qwen2":
+        if cfg.get("use_sliding_window"):
+            raise UnsupportedArchitectureError("qwen2 with use_sliding_window=true is not supported")
+        changes |= {"attention_bias": True, "o_proj_bias": False}
+    window = cfg.get("sliding_window") if model_type == "mistral" else None
+    if window is not None and window < cfg.get("max_position_embeddings", 2048):
+        changes["max_position_embeddings"] = int(window)
+    return changes

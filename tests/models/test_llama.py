@@ -27,6 +27,42 @@ def test_tiny_llama_logits_match_transformers_on_padded_batch(tiny_model, tie, k
     torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
+def test_llama_family_checkpoints_match_transformers(tiny_model, tmp_path, model_type):
+    """Qwen2 (q/k/v biases, no o_proj bias) and Mistral saved as Hugging Face directories and loaded from them:
+    logits on a padded batch and greedy tokens equal transformers'."""
+    from kvgen.models import build_model
+    from kvgen.weights.hf_loader import load_hf_directory
+
+    ref, _ = tiny_model(model_type, tie=model_type == "qwen2", kv_heads=2, rope_theta=1000.0, std=0.5)
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    ours = build_model(*load_hf_directory(tmp_path, dtype=torch.float32))
+    attn = ours.model.layers[0].self_attn
+    assert (attn.qkv_proj.bias is not None, attn.o_proj.bias is not None) == ((True, False) if model_type == "qwen2"
+                                                                              else (False, False))
+    ids, mask = left_pad([[5, 6, 7, 8, 9, 10, 11], [3, 4, 5], [1, 2, 3, 4, 5]], pad_id=0)
+    with torch.inference_mode():
+        expected = ref(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)
+    real = mask.bool()
+    torch.testing.assert_close(_logits(ours, ids, mask)[real], expected[real], rtol=1e-5, atol=1e-5)
+    got = generate(ours, ids, mask, GenerationConfig(max_new_tokens=8, eos_token_id=[], pad_token_id=0))
+    assert got.sequences.tolist() == want.tolist()
+
+
+def test_mistral_sliding_window_bounds_the_context_and_qwen2_windows_are_refused():
+    from kvgen.config import ModelConfig
+    from kvgen.errors import UnsupportedArchitectureError
+
+    base = {"vocab_size": 97, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "max_position_embeddings": 128}
+    assert ModelConfig.from_hf_dict(base | {"model_type": "mistral", "sliding_window": 64}).max_position_embeddings == 64
+    assert ModelConfig.from_hf_dict(base | {"model_type": "mistral", "sliding_window": None}).max_position_embeddings == 128
+    with pytest.raises(UnsupportedArchitectureError, match="use_sliding_window"):
+        ModelConfig.from_hf_dict(base | {"model_type": "qwen2", "use_sliding_window": True})
+
+
 def test_default_model_logits_match_transformers(ours_default, hf_default):
     model, tok = ours_default
     rows = [tok.encode(t) for t in ["The capital of France is", "def fibonacci(n):\n    ", "Hi"]]

@@ -56,7 +56,7 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         bias = config.attention_bias
         self.qkv_proj = nn.Linear(c, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, c, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, c, bias=bias if config.o_proj_bias is None else config.o_proj_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_idx: int, kv_cache, mask) -> torch.Tensor:
         """x: [B, T, C] -> [B, T, C]; cos, sin: [B, 1, T, D]; mask: [B|1, 1, T, S] bool, None or paged metadata."""

@@ -28,7 +28,7 @@ def _llama_shapes(cfg: ModelConfig) -> Shapes:
         "self_attn.q_proj": ((q_out, c), cfg.attention_bias),
         "self_attn.k_proj": ((kv_out, c), cfg.attention_bias),
         "self_attn.v_proj": ((kv_out, c), cfg.attention_bias),
-        "self_attn.o_proj": ((c, q_out), cfg.attention_bias),
+        "self_attn.o_proj": ((c, q_out), cfg.attention_bias if cfg.o_proj_bias is None else cfg.o_proj_bias),
         "mlp.gate_proj": ((i, c), cfg.mlp_bias),
         "mlp.up_proj": ((i, c), cfg.mlp_bias),
         "mlp.down_proj": ((c, i), cfg.mlp_bias),
