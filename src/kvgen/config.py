@@ -17,7 +17,7 @@ from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
 SUPPORTED_MODEL_TYPES = ("llama", "gpt2")
 
 # GGUF `general.architecture` values we decode with our Llama implementation.
-_GGUF_LLAMA_ARCHS = ("llama",)
+_GGUF_LLAMA_ARCHS = ("llama", "qwen2")  # qwen2: llama.cpp stores its q/k rows unpermuted (NEOX rope)
 
 
 def token_id_list(value: Any) -> list[int]:
@@ -184,6 +184,7 @@ class ModelConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
             pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+            extra={"gguf_architecture": arch},
         )
 
 

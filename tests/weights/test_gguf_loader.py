@@ -137,8 +137,9 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tiny_shapes(*, output: bool = True, bias: bool = False) -> dict[str, tuple[int, ...]]:
-    """GGUF tensor name -> torch shape of a tiny Llama (GQA: H=4, Hkv=2)."""
+def _tiny_shapes(*, output: bool = True, bias: bool | str = False) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> torch shape of a tiny Llama (GQA: H=4, Hkv=2); ``bias``: True for q/k/v biases (Qwen2),
+    "all" for o_proj's too."""
     shapes = {"token_embd.weight": (V, C), "output_norm.weight": (C,)}
     if output:
         shapes["output.weight"] = (V, C)
@@ -149,8 +150,9 @@ def _tiny_shapes(*, output: bool = True, bias: bool = False) -> dict[str, tuple[
                    b + "attn_output.weight": (C, H * D), b + "ffn_gate.weight": (I, C), b + "ffn_up.weight": (I, C),
                    b + "ffn_down.weight": (C, I)}
         if bias:
-            shapes |= {b + "attn_q.bias": (H * D,), b + "attn_k.bias": (HKV * D,), b + "attn_v.bias": (HKV * D,),
-                       b + "attn_output.bias": (C,)}
+            shapes |= {b + "attn_q.bias": (H * D,), b + "attn_k.bias": (HKV * D,), b + "attn_v.bias": (HKV * D,)}
+        if bias == "all":
+            shapes |= {b + "attn_output.bias": (C,)}
     return shapes
 
 
@@ -174,10 +176,11 @@ def _add(writer: GGUFWriter, name: str, x: np.ndarray, qtype: GGMLQuantizationTy
 
 
 def _write_llama(path: Path, types: dict[str, GGMLQuantizationType] | None = None, *, arch: str = "llama",
-                 output: bool = True, bias: bool = False, drop: tuple[str, ...] = (),
+                 output: bool = True, bias: bool | str = False, drop: tuple[str, ...] = (),
                  extra: dict[str, np.ndarray | tuple[np.ndarray, GGMLQuantizationType]] | None = None,
                  ) -> dict[str, np.ndarray]:
     """Write a tiny Llama GGUF; returns the float32 tensors before quantization, in HF (unpermuted) order.
+    q/k rows are stored permuted as llama.cpp does, except for ``arch="qwen2"``.
 
     ``types``: storage type per GGUF name (default F32). ``extra``: tensors added as given
     (an array, or raw bytes with their type).
@@ -200,7 +203,7 @@ def _write_llama(path: Path, types: dict[str, GGMLQuantizationType] | None = Non
             continue
         x = (rng.standard_normal(shape) * 0.05 + (1.0 if name.endswith("norm.weight") else 0.0)).astype(np.float32)
         originals[name] = x
-        heads = H if ".attn_q." in name else HKV if ".attn_k." in name else None
+        heads = None if arch == "qwen2" else H if ".attn_q." in name else HKV if ".attn_k." in name else None
         _add(w, name, _llama_cpp_permute(x, heads) if heads else x, (types or {}).get(name, Q.F32), rng)
     for name, x in (extra or {}).items():
         if isinstance(x, tuple):
@@ -314,13 +317,38 @@ def test_tied_when_file_has_no_output_weight(tmp_path: Path) -> None:
 
 
 def test_attention_biases_are_unpermuted(tmp_path: Path) -> None:
-    originals = _write_llama(tmp_path / "t.gguf", bias=True)
+    originals = _write_llama(tmp_path / "t.gguf", bias="all")
     config, state, _ = load_gguf(tmp_path / "t.gguf")
-    assert config.attention_bias and not config.mlp_bias
+    assert config.attention_bias and config.o_proj_bias and not config.mlp_bias
     for g, ours in (("attn_q.bias", "self_attn.q_proj.bias"), ("attn_k.bias", "self_attn.k_proj.bias"),
                     ("attn_output.bias", "self_attn.o_proj.bias")):
         want = torch.from_numpy(originals[f"blk.1.{g}"])
         torch.testing.assert_close(state[f"model.layers.1.{ours}"], want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
+def test_qwen2_files_load_as_stored_with_q_k_v_biases(tmp_path: Path, qtype) -> None:
+    """llama.cpp writes Qwen2 q/k rows unpermuted and biases q/k/v only: the tensors come back as written, and the
+    model (float32, or quantized on the kernels with its biases) runs the same numbers."""
+    from kvgen.models import build_model
+
+    types = {f"blk.{i}.{n}.weight": qtype for i in range(L) for n in ("attn_q", "attn_k", "attn_v", "attn_output",
+                                                                      "ffn_gate", "ffn_up", "ffn_down")}
+    originals = _write_llama(tmp_path / "q.gguf", types, arch="qwen2", bias=True)
+    config, state, _ = load_gguf(tmp_path / "q.gguf")
+    assert config.attention_bias and config.o_proj_bias is False and config.model_type == "llama"
+    for g, ours in (("attn_q.weight", "self_attn.q_proj.weight"), ("attn_k.weight", "self_attn.k_proj.weight"),
+                    ("attn_q.bias", "self_attn.q_proj.bias"), ("attn_v.bias", "self_attn.v_proj.bias")):
+        want = torch.from_numpy(originals[f"blk.1.{g}"])
+        torch.testing.assert_close(state[f"model.layers.1.{ours}"], want, rtol=0, atol=0.02 if qtype == Q.Q8_0 else 0)
+    reference = build_model(config, state)
+    quantized = build_model(*load_gguf(tmp_path / "q.gguf", None)[:2])
+    assert reference.model.layers[0].self_attn.o_proj.bias is None
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    with torch.inference_mode():
+        want = reference.compute_logits(reference(ids, torch.arange(5)[None]))
+        got = quantized.compute_logits(quantized(ids, torch.arange(5)[None]))
+    torch.testing.assert_close(got, want, rtol=0, atol=0.05 * float(want.abs().max()))
 
 
 def test_rope_freqs_of_ones_is_ignored(tmp_path: Path) -> None:

@@ -51,8 +51,9 @@ def load_gguf(
     as :class:`GGUFBlocks` (Q4_0 / Q4_1 / Q8_0 as stored; every other type, float ones
     included, re-encoded as Q8_0) and loads vectors (norms, biases) as float32; an
     all-float file loads as float32 (``lm_head.weight`` only when the file has ``output.weight``; otherwise
-    ``config.tie_word_embeddings`` is True). ``config.attention_bias`` /
-    ``mlp_bias`` follow the presence of ``attn_q.bias`` / ``ffn_up.bias``.
+    ``config.tie_word_embeddings`` is True). ``config.attention_bias`` / ``o_proj_bias`` /
+    ``mlp_bias`` follow the presence of ``attn_q.bias`` / ``attn_output.bias`` / ``ffn_up.bias``.
+    Architectures: ``llama`` (q/k rows un-permuted) and ``qwen2`` (stored as Hugging Face's).
     Supported tensor types: :data:`SUPPORTED_QUANT_TYPES`.
     Raises ``ModelNotFoundError``, ``ModelFormatError`` (not GGUF, truncated,
     unknown or missing tensors, wrong shapes), ``UnsupportedArchitectureError``
@@ -70,6 +71,7 @@ def load_gguf(
         config,
         tie_word_embeddings="output.weight" not in by_name,
         attention_bias="blk.0.attn_q.bias" in by_name,
+        o_proj_bias="blk.0.attn_output.bias" in by_name,  # Qwen2 biases q/k/v only
         mlp_bias="blk.0.ffn_up.bias" in by_name,
     )
     names = _map_names(reader, path)
@@ -142,7 +144,10 @@ def _check_quant_type(t: ReaderTensor) -> None:
 
 
 def _qk_heads(name: str, config: ModelConfig) -> int | None:
-    """Heads to un-permute for q/k projections (weight or bias); None for every other tensor."""
+    """Heads to un-permute for q/k projections (weight or bias); None for every other tensor, and for every
+    tensor of a ``qwen2`` file (llama.cpp's converter permutes only its ``llama`` models)."""
+    if config.extra.get("gguf_architecture") == "qwen2":
+        return None
     if ".self_attn.q_proj." in name:
         return config.num_attention_heads
     if ".self_attn.k_proj." in name:
