@@ -137,10 +137,12 @@ def _drop_422(app: FastAPI) -> None:
             operation.get("responses", {}).pop("422", None)
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, max_queue: int = 256) -> FastAPI:
+def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, max_queue: int = 256,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The app over a built engine; ``model_name`` is what requests' ``model`` must say.
 
     ``max_queue``: sequences allowed to wait beyond the engine's ``max_num_seqs`` (then 429).
+    ``tool_call_parser`` ("hermes"): tool_choice "auto" is served, calls parsed from the text; None refuses it.
     Raises ``ValueError`` for ``max_queue`` < 0 or an engine without a tokenizer.
     """
     if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
@@ -151,7 +153,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     state = ServerState(
         engine=engine, tokenizer=llm.tokenizer, model_name=model_name, max_model_len=llm.max_model_len,
         max_num_seqs=llm.engine_args.max_num_seqs, max_queue=max_queue, metrics=ServerMetrics(llm, model_name),
-        api_key=api_key,
+        api_key=api_key, tool_call_parser=tool_call_parser,
     )
 
     @asynccontextmanager

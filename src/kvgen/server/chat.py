@@ -28,6 +28,7 @@ from kvgen.server.protocol import (
     DeltaMessage,
     FinishReason,
     FunctionCallDelta,
+    ToolCall,
     ToolCallDelta,
     message_dicts,
 )
@@ -49,7 +50,14 @@ from kvgen.server.serving import (
     resolve_max_tokens,
     sampling_params,
 )
-from kvgen.server.tools import ToolPlan, new_call_id, tool_calls, tool_dicts, tool_plan
+from kvgen.server.tools import (
+    ToolPlan,
+    hermes_tool_calls,
+    new_call_id,
+    tool_calls,
+    tool_dicts,
+    tool_plan,
+)
 
 
 def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> list[int]:
@@ -76,7 +84,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     check_stream_options(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    plan = tool_plan(req)
+    plan = tool_plan(req, state.tool_call_parser)
     prompt_ids = chat_prompt_ids(state, req)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -102,28 +110,40 @@ def _logprobs(state: ServerState, req: ChatCompletionRequest, token_ids: list[in
     return ChoiceLogprobs(content=chat_logprobs(state.tokenizer, token_ids, logprobs, req.top_logprobs or 0))
 
 
-def _finish_reason(reason: str | None, plan: ToolPlan | None) -> FinishReason | None:
-    """OpenAI's finish reason; "tool_calls" when a ``"required"`` tool call completed (a named one stays "stop")."""
-    if plan is not None and plan.function is None and reason == "stop":
+def _finish_reason(reason: str | None, plan: ToolPlan | None, calls: list[ToolCall] | None) -> FinishReason | None:
+    """OpenAI's finish reason; "tool_calls" when a ``"required"`` or ``"auto"`` reply completed with calls (a named
+    call stays "stop")."""
+    if calls and plan is not None and plan.function is None and reason == "stop":
         return "tool_calls"
     return openai_finish_reason(reason)
 
 
+def _reply(plan: ToolPlan | None, text: str) -> tuple[str | None, list[ToolCall] | None]:
+    """(content, tool calls) of a finished reply: the text alone without calls; with calls, ``"auto"`` keeps the text
+    before them, forced calls have none."""
+    if plan is not None and plan.parser is not None:
+        content, found = hermes_tool_calls(text)
+        return content, found or None
+    calls = tool_calls(plan, text) if plan is not None else None
+    return (None, calls) if calls else (text, None)
+
+
 def _choice(state: ServerState, req: ChatCompletionRequest, c: ChoiceResult, plan: ToolPlan | None) -> ChatCompletionChoice:
-    calls = tool_calls(plan, c.text) if plan is not None else None
-    message = ChatCompletionMessage(content=None, tool_calls=calls) if calls else ChatCompletionMessage(content=c.text)
+    content, calls = _reply(plan, c.text)
     return ChatCompletionChoice(
-        index=c.index, message=message, logprobs=_logprobs(state, req, c.token_ids, c.logprobs),
-        finish_reason=_finish_reason(c.finish_reason, plan),
+        index=c.index, message=ChatCompletionMessage(content=content, tool_calls=calls),
+        logprobs=_logprobs(state, req, c.token_ids, c.logprobs), finish_reason=_finish_reason(c.finish_reason, plan, calls),
     )
 
 
 def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation, num_prompt_tokens: int,
             plan: ToolPlan | None) -> AsyncIterator[str]:
     """SSE chunks. A named tool call streams its arguments as ``delta.tool_calls[0].function.arguments``; the calls
-    of ``"required"`` come whole in the chunk before the finish (the array must parse first)."""
+    of ``"required"`` and ``"auto"`` come whole (after ``"auto"``'s content) in the chunks before the finish: the
+    text must be complete to parse."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    pending: dict[int, str] = {}  # "required": each choice's text so far
+    pending: dict[int, str] = {}  # "required" / "auto": each choice's text so far
+    buffered = plan is not None and plan.function is None
 
     def chunk(choices: list[ChatCompletionStreamChoice], **fields: Any) -> str:
         data = ChatCompletionChunk(id=gen.request_id, model=state.model_name, choices=choices, **fields)
@@ -135,22 +155,24 @@ def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation, num
         return DeltaMessage(tool_calls=[ToolCallDelta(index=0, function=FunctionCallDelta(arguments=text))])
 
     def events(_: int, c: CompletionOutput, __: RequestOutput) -> Iterator[str]:
-        if plan is not None and plan.function is None:
+        if buffered:
             pending[c.index] = pending.get(c.index, "") + c.text
         elif c.text or (req.logprobs and c.token_ids):
             lp = _logprobs(state, req, c.token_ids, c.logprobs or [])
             yield chunk([ChatCompletionStreamChoice(index=c.index, delta=delta(c.text), logprobs=lp)])
         if c.finish_reason is None:
             return
-        if plan is not None and plan.function is None:
-            text = pending.pop(c.index, "")
-            calls = tool_calls(plan, text)
-            whole = (DeltaMessage(content=text) if calls is None else DeltaMessage(tool_calls=[
-                ToolCallDelta(index=i, id=call.id, type="function",
-                              function=FunctionCallDelta(name=call.function.name, arguments=call.function.arguments))
-                for i, call in enumerate(calls)]))
-            yield chunk([ChatCompletionStreamChoice(index=c.index, delta=whole)])
-        reason = _finish_reason(c.finish_reason, plan)
+        calls = None
+        if buffered:
+            content, calls = _reply(plan, pending.pop(c.index, ""))
+            if content:
+                yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=content))])
+            if calls:
+                yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(tool_calls=[
+                    ToolCallDelta(index=i, id=call.id, type="function",
+                                  function=FunctionCallDelta(name=call.function.name, arguments=call.function.arguments))
+                    for i, call in enumerate(calls)]))])
+        reason = _finish_reason(c.finish_reason, plan, calls)
         yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason)])
 
     def opening() -> DeltaMessage:

@@ -18,6 +18,7 @@ from kvgen.engine.engine_args import EngineArgs
 from kvgen.fields import config_field as _f
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+TOOL_CALL_PARSERS = ("hermes",)
 
 
 @dataclass
@@ -31,6 +32,10 @@ class ServerArgs:
     max_queue: int = _f(256, "sequences allowed to wait beyond max_num_seqs (then 429)")
     log_level: str = _f("info", f"uvicorn log level: {', '.join(LOG_LEVELS)}")
     shutdown_timeout: float = _f(10.0, "seconds in-flight requests get after SIGTERM")
+    enable_auto_tool_choice: bool = _f(False, "let tool_choice 'auto' (the default with tools) through; needs "
+                                              "--tool-call-parser")
+    tool_call_parser: str | None = _f(None, "how tool calls are found in generated text: 'hermes' "
+                                            "(<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>: Qwen2.5, Hermes)")
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -43,6 +48,10 @@ class ServerArgs:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser hermes)")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -80,7 +89,8 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         sock.close()
         raise
     name = server_args.served_model_name or engine_args.model
-    app = build_app(engine, name, server_args.api_key, server_args.max_queue)
+    parser = server_args.tool_call_parser if server_args.enable_auto_tool_choice else None
+    app = build_app(engine, name, server_args.api_key, server_args.max_queue, parser)
     # uvicorn annotates timeout_graceful_shutdown as int but hands it to asyncio.wait_for (float seconds).
     config = uvicorn.Config(
         app, log_level=server_args.log_level, access_log=False,

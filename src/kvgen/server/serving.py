@@ -46,6 +46,7 @@ class ServerState:
     max_queue: int  # sequences allowed to wait beyond max_num_seqs before 429
     metrics: ServerMetrics
     api_key: str | None = None
+    tool_call_parser: str | None = None  # "hermes": tool_choice "auto" allowed, calls parsed from the text
 
     def check_model(self, name: str | None) -> None:
         """Raises a 404 ``OpenAIError`` unless ``name`` is the served model (None = any)."""

@@ -12,6 +12,7 @@ Source: OpenAI API reference (Chat Completions: tools, tool_choice, tool_calls);
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -30,22 +31,30 @@ _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 @dataclass
 class ToolPlan:
-    """How a request calls tools: ``function`` is the named one, None for ``"required"``."""
+    """How a request calls tools: ``function`` is the named one, None for ``"required"``; ``parser`` ("hermes") for
+    ``"auto"``, where the model decides and calls are parsed out of its text (no constraint)."""
 
-    constraint: StructuredOutputsParams
+    constraint: StructuredOutputsParams | None
     function: str | None
+    parser: str | None = None
 
 
-def tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
-    """The request's tool constraint, or None when it calls no tool. Raises a 400 naming ``tool_choice`` for
-    ``"auto"``, an unknown function or a choice without tools, and naming ``response_format`` beside one."""
+_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+
+def tool_plan(req: ChatCompletionRequest, parser: str | None = None) -> ToolPlan | None:
+    """The request's tool constraint, or None when it calls no tool; ``parser`` is the server's tool-call parser.
+    Raises a 400 naming ``tool_choice`` for ``"auto"`` without a parser, an unknown function or a choice without
+    tools, and naming ``response_format`` beside a forced call."""
     choice, tools = req.tool_choice, req.tools or []
     if choice is None or choice == "auto":
         if not tools:
             return None
-        raise bad_request('tool_choice "auto" (the default with tools) needs a tool-call parser, which kvgen serve '
-                          'does not have; pass "required", {"type": "function", "function": {"name": ...}} or "none"',
-                          "tool_choice")
+        if parser is not None:
+            return ToolPlan(None, None, parser)
+        raise bad_request('tool_choice "auto" (the default with tools) needs the server started with '
+                          '--enable-auto-tool-choice --tool-call-parser hermes; or pass "required", '
+                          '{"type": "function", "function": {"name": ...}} or "none"', "tool_choice")
     if choice == "none":
         return None
     if not tools:
@@ -84,9 +93,30 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def hermes_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a Hermes-format reply: each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+    is a call (an unterminated last one too), the text before the first is the content (None when empty). A block
+    that is not such JSON leaves the whole text as content, with no calls. Source: vLLM ``Hermes2ProToolParser``."""
+    blocks = [closed or tail for closed, tail in _HERMES_CALL.findall(text)]  # findall gives "" for the unused group
+    if not blocks:
+        return text, []
+    calls = []
+    for block in blocks:
+        try:
+            call = json.loads(block)
+            calls.append(ToolCall(id=new_call_id(), function=FunctionCall(name=call["name"],
+                                                                           arguments=json.dumps(call["arguments"]))))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return text, []
+    return text[: text.find("<tool_call>")] or None, calls
+
+
 def tool_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
-    """The calls in a constrained reply: the named function with ``text`` as its arguments (as generated, even
-    when cut by ``max_tokens``), or the parsed array of ``"required"`` (None when it does not parse: cut short)."""
+    """The calls in a reply: the named function with ``text`` as its arguments (as generated, even when cut by
+    ``max_tokens``), the parsed array of ``"required"`` (None when it does not parse: cut short), or the Hermes
+    blocks of ``"auto"`` (None when there are none)."""
+    if plan.parser is not None:
+        return hermes_tool_calls(text)[1] or None
     if plan.function is not None:
         return [ToolCall(id=new_call_id(), function=FunctionCall(name=plan.function, arguments=text))]
     try:

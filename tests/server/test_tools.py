@@ -1,0 +1,67 @@
+"""Tool choice "auto" with the Hermes parser: the parser on strings, and a server started with
+``--enable-auto-tool-choice --tool-call-parser hermes`` whose reply is forced into Hermes form by a regex."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvgen.server.launch import ServerArgs
+from kvgen.server.tools import hermes_tool_calls
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+MESSAGES = [{"role": "user", "content": "Weather in Rome?"}]
+
+
+def test_hermes_blocks_become_calls_and_the_text_before_them_content():
+    text = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {}}')  # the last one unterminated (cut by max_tokens)
+    content, calls = hermes_tool_calls(text)
+    assert content == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Rome"}), ("get_time", {})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    assert hermes_tool_calls("no calls here") == ("no calls here", [])
+    assert hermes_tool_calls('<tool_call>{"name": "f", "arguments": {}}</tool_call>')[0] is None
+    broken = "<tool_call>{not json}</tool_call>"
+    assert hermes_tool_calls(broken) == (broken, [])  # not a call: the text stays the content
+
+
+def test_auto_tool_choice_needs_a_parser():
+    with pytest.raises(ValueError, match="needs a tool_call_parser"):
+        ServerArgs(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes"):
+        ServerArgs(tool_call_parser="mistral")
+
+
+@pytest.fixture(scope="module")
+def hermes_server(tiny_model_dir, tmp_path_factory, launch_server):
+    live = launch_server(tiny_model_dir, tmp_path_factory.mktemp("logs") / "hermes.log", "--num-blocks", "256",
+                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    yield live
+    assert live.stop() == 0, live.log()[-3000:]
+
+
+def test_auto_tool_choice_parses_hermes_calls_streamed_or_not(hermes_server):
+    from openai import OpenAI
+
+    forced = {"structured_outputs": {"regex": r'Checking\.<tool_call>\{"name": "get_weather", "arguments": '
+                                              r'\{"city": "(Rome|Paris)"\}\}</tool_call>'}}
+    with OpenAI(base_url=hermes_server.v1, api_key="unused", max_retries=0, timeout=60) as client:
+        r = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER], temperature=1.0, seed=3,
+                                           max_tokens=80, extra_body=forced)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content == "Checking."
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Rome", "Paris")
+        chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER], temperature=1.0,
+                                                     seed=3, max_tokens=80, extra_body=forced, stream=True))
+        deltas = [x.delta for ch in chunks for x in ch.choices]
+        assert "".join(d.content or "" for d in deltas) == "Checking."
+        (streamed,) = [t for d in deltas if d.tool_calls for t in d.tool_calls]
+        assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+        assert [x.finish_reason for ch in chunks for x in ch.choices if x.finish_reason] == ["tool_calls"]
+        plain = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER], temperature=0,
+                                               max_tokens=5)  # no call in the text: an ordinary reply
+        assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason in ("stop", "length")
