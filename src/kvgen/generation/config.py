@@ -129,7 +129,7 @@ class GenerationConfig:
         if self.min_new_tokens > self.max_new_tokens:
             raise clash("min_new_tokens", "max_new_tokens", "min_new_tokens must not exceed max_new_tokens")
         if self.prompt_lookup_num_tokens is not None:
-            base = dataclasses.replace(self, prompt_lookup_num_tokens=None).strategy
+            base = self._base_strategy()
             if base not in (Strategy.GREEDY, Strategy.SAMPLE):
                 raise ValueError(f"prompt_lookup_num_tokens={self.prompt_lookup_num_tokens} works with greedy search "
                                  f"or sampling only, got {base.value} settings")
@@ -138,18 +138,24 @@ class GenerationConfig:
 
     @property
     def strategy(self) -> Strategy:
-        """The decoding strategy these settings select (transformers 4.55 rules)."""
+        """The decoding strategy these settings select (transformers 4.55 rules: prompt lookup extends greedy search
+        and sampling, and only them)."""
+        base = self._base_strategy()
+        if self.prompt_lookup_num_tokens is not None and base in (Strategy.GREEDY, Strategy.SAMPLE):
+            return Strategy.PROMPT_LOOKUP
+        return base
+
+    def _base_strategy(self) -> Strategy:
+        """The strategy without prompt lookup (transformers' ``get_generation_mode`` before assisted generation)."""
         if self.num_beams > 1:
             if self.num_beam_groups > 1:
                 return Strategy.GROUP_BEAM_SEARCH
             return Strategy.BEAM_SAMPLE if self.do_sample else Strategy.BEAM_SEARCH
         if self.penalty_alpha is not None and self.penalty_alpha > 0 and self.top_k > 1 and not self.do_sample:
             return Strategy.CONTRASTIVE_SEARCH
-        if self.do_sample and (self.best_of or 1) > 1:
-            return Strategy.SAMPLE_AND_RANK
-        if self.prompt_lookup_num_tokens is not None:
-            return Strategy.PROMPT_LOOKUP
-        return Strategy.SAMPLE if self.do_sample else Strategy.GREEDY
+        if self.do_sample:
+            return Strategy.SAMPLE_AND_RANK if (self.best_of or 1) > 1 else Strategy.SAMPLE
+        return Strategy.GREEDY
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -90,6 +90,7 @@ def tool_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
 
 
 def new_call_id() -> str:
+    """A fresh tool-call id, ``call_`` + 24 hex digits (OpenAI's form)."""
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -112,11 +113,9 @@ def hermes_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
 
 
 def tool_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
-    """The calls in a reply: the named function with ``text`` as its arguments (as generated, even when cut by
-    ``max_tokens``), the parsed array of ``"required"`` (None when it does not parse: cut short), or the Hermes
-    blocks of ``"auto"`` (None when there are none)."""
-    if plan.parser is not None:
-        return hermes_tool_calls(text)[1] or None
+    """The calls in a forced reply: the named function with ``text`` as its arguments (as generated, even when cut
+    by ``max_tokens``), or the parsed array of ``"required"`` (None when it does not parse: cut short). ``"auto"``
+    replies go through :func:`hermes_tool_calls`."""
     if plan.function is not None:
         return [ToolCall(id=new_call_id(), function=FunctionCall(name=plan.function, arguments=text))]
     try:
