@@ -226,7 +226,7 @@ def test_engine_loop_finishes_stop_string_requests_in_the_scheduler(tokenizer) -
     finals = {}
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
-        sampled = {s.request_id: plan[s.request_id][len(s.output_token_ids)] for s in out.scheduled if s.needs_sample}
+        sampled = {s.request_id: [plan[s.request_id][len(s.output_token_ids)]] for s in out.scheduled if s.needs_sample}
         processed = processor.process_outputs(scheduler.update_from_output(out, ModelRunnerOutput(sampled)))
         scheduler.finish_requests(processed.stopped_request_ids, RequestStatus.FINISHED_STOPPED)
         finals |= {o.request_id: o.outputs[0] for o in processed.request_outputs if o.finished}

@@ -53,10 +53,10 @@ def test_greedy_tokens_and_logprobs_match_direct_model_calls(tiny_model):
         _sched("b", prompts["b"], 0, tables["b"], prompts["b"], params=with_lp, is_new=True),
     ]))
     assert set(out.sampled_token_ids) == {"b"}
-    tokens = {"b": prompts["b"] + [out.sampled_token_ids["b"]], "a": list(prompts["a"])}
+    tokens = {"b": prompts["b"] + [out.sampled_token_ids["b"][0]], "a": list(prompts["a"])}
     raw = _raw_logits(model, prompts["b"])
-    assert out.sampled_token_ids["b"] == int(raw.argmax())
-    lp = out.logprobs["b"]
+    assert out.sampled_token_ids["b"][0] == int(raw.argmax())
+    (lp,) = out.logprobs["b"]
     expected = torch.log_softmax(raw, -1)
     torch.testing.assert_close(torch.tensor(lp.logprob), expected.max(), rtol=1e-5, atol=1e-5)
     top = expected.topk(3)
@@ -69,8 +69,8 @@ def test_greedy_tokens_and_logprobs_match_direct_model_calls(tiny_model):
             _sched("b", tokens["b"][-1:], len(tokens["b"]) - 1, tables["b"], prompts["b"], tokens["b"][3:], params=with_lp),
         ]))
         for rid in ("a", "b"):
-            assert out.sampled_token_ids[rid] == int(_raw_logits(model, tokens[rid]).argmax()), rid
-            tokens[rid].append(out.sampled_token_ids[rid])
+            assert out.sampled_token_ids[rid][0] == int(_raw_logits(model, tokens[rid]).argmax()), rid
+            tokens[rid].append(out.sampled_token_ids[rid][0])
     assert runner.num_tracked_requests == 2
     runner.execute(_step([], finished=["a", "b"]))
     assert runner.num_tracked_requests == 0
@@ -90,7 +90,7 @@ def test_seeded_request_draws_the_same_tokens_alone_and_next_to_others(tiny_mode
             if extra:
                 other = SamplingParams(temperature=1.5)
                 scheduled.insert(0, _sched(f"o{step}", [7, 8, 9, 10, 11][: step + 1], 0, [10 + step], [7, 8, 9, 10, 11][: step + 1], params=other, is_new=True))
-            drawn.append(runner.execute(_step(scheduled)).sampled_token_ids["s"])
+            drawn.append(runner.execute(_step(scheduled)).sampled_token_ids["s"][0])
         return drawn
 
     assert run(extra=False) == run(extra=True)

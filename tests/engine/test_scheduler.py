@@ -70,7 +70,7 @@ class FakeRunner:
                 assert self.kv[s.block_table[p // self.block_size]][p % self.block_size] == tokens[p], (s, p)
             assert s.needs_sample == (end == len(tokens))
             if s.needs_sample:
-                sampled[s.request_id] = self.next_token(s.request_id, end)
+                sampled[s.request_id] = [self.next_token(s.request_id, end)]
         return ModelRunnerOutput(sampled)
 
 
@@ -312,7 +312,7 @@ def test_logprobs_and_first_token_time_are_recorded() -> None:
     scheduler.add_request(r)
     out = scheduler.schedule()
     lp = TokenLogprobs(-0.5, {7: -0.5, 8: -1.0})
-    (o,) = scheduler.update_from_output(out, ModelRunnerOutput({"a": 7}, {"a": lp}))
+    (o,) = scheduler.update_from_output(out, ModelRunnerOutput({"a": [7]}, {"a": [lp]}))
     assert o.new_logprobs == [lp] and r.first_token_time >= r.arrival_time
 
 

@@ -11,7 +11,6 @@ import torch
 from helpers import TinyModel, make_tiny_model
 
 from kvgen.generation import GenerationConfig, generate
-from kvgen.generation.prompt_lookup import find_draft
 
 NEW_TOKENS = 24
 
@@ -87,15 +86,6 @@ def test_eos_and_max_new_tokens_stop_where_greedy_search_stops(tiny, prompt):
     assert (ours.finish_reasons, ours.num_new_tokens) == (["stop"], [first + 1])
     short = _ours(tiny, prompt, eos_token_id=[], prompt_lookup_num_tokens=10, max_new_tokens=3)
     assert short.new_token_ids[0] == greedy[:3] and short.finish_reasons == ["length"]
-
-
-def test_find_draft_takes_the_first_match_of_the_longest_ngram_and_cuts_at_eos():
-    ids = torch.tensor([1, 2, 3, 9, 4, 1, 2, 7, 1, 2])
-    assert find_draft(ids, 2, 3, []) == [3, 9, 4]  # [1, 2] first occurs at 0
-    assert find_draft(ids, 2, 3, [9]) == [3]
-    assert find_draft(ids, 2, 10, []) == [3, 9, 4, 1, 2, 7, 1, 2]  # up to the end of the sequence
-    assert find_draft(torch.tensor([4, 5, 6]), 2, 3, []) == []
-    assert find_draft(torch.tensor([8, 5, 6, 8]), 3, 2, []) == [5, 6]  # falls back to the 1-gram [8]
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -107,6 +107,7 @@ class RequestDetokenizer:
         self._decoder = None if tokenizer is None else IncrementalDetokenizer(tokenizer, prompt_token_ids, skip)
         self._stop = StopStrings(tuple(params.stop), params.include_stop_str_in_output) if params.stop else None
         self._include_stop = params.include_stop_str_in_output
+        self.has_stop_strings = self._stop is not None
         self.text = ""  # decoded so far; final (cut at the stop string) once is_stopped
         self.is_stopped = False
         self._num_sent = 0  # characters already handed out

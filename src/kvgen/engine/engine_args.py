@@ -7,7 +7,9 @@ is there for the CLI to generate flags from.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from kvgen.engine.spec_decode import SpeculativeConfig
 from kvgen.fields import check_int, config_field
 from kvgen.sampling.params import SEED_MAX, SEED_MIN
 
@@ -33,6 +35,9 @@ class EngineArgs:
     enable_prefix_caching: bool = _f(True, "reuse KV blocks of identical prompt prefixes")
     seed: int = _f(0, "seed of the RNG that seeds requests without their own seed")
     max_logprobs: int = _f(20, "largest SamplingParams.logprobs accepted")
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = _f(
+        None, 'n-gram speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4}\' (drafts copied from the prompt and output; greedy and seeded tokens unchanged)')
 
     def __post_init__(self) -> None:
         from kvgen.loader import AUTO, DTYPES
@@ -50,6 +55,8 @@ class EngineArgs:
             raise ValueError(
                 f"num_blocks={self.num_blocks} conflicts with kv_cache_memory={self.kv_cache_memory}: give one pool size"
             )
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
 

@@ -28,6 +28,7 @@ from kvgen.engine.parallel_sampling import (
 from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.scheduler import Scheduler
+from kvgen.engine.spec_decode import SpeculativeConfig
 from kvgen.engine.structured_outputs import GrammarCompiler, GrammarMatcher
 from kvgen.kv_cache.paged import PagedKVCache, num_blocks_for_memory
 from kvgen.models import CausalLM, kv_cache_dtype
@@ -68,9 +69,10 @@ class LLMEngine:
             num_blocks = num_blocks_for_memory(config, memory, args.block_size, dtype)
         self.cache = PagedKVCache.from_config(config, args.block_size, num_blocks=num_blocks, dtype=dtype)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            args.max_num_seqs, args.max_num_batched_tokens, self.block_manager, max_model_len=self.max_model_len
-        )
+        spec = args.speculative_config
+        assert spec is None or isinstance(spec, SpeculativeConfig)  # EngineArgs parses it
+        self.scheduler = Scheduler(args.max_num_seqs, args.max_num_batched_tokens, self.block_manager,
+                                   max_model_len=self.max_model_len, speculative_config=spec)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids if tokenizer is not None else config.eos_token_ids)
         self.runner = ModelRunner(model, self.cache, self.eos_token_ids, seed=args.seed)
         self.output_processor = OutputProcessor(tokenizer)

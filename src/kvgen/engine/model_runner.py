@@ -2,8 +2,8 @@
 
 Each step packs every scheduled chunk into one row ``[1, N]`` (one-token chunks
 first, so they attend as one batch), runs the model over the ``PagedKVCache``,
-computes logits only for the last token of each request that samples, and calls
-the batched ``Sampler``. It keeps one ``torch.Generator`` per request, from the
+computes logits only for the last token of each request that samples (the last
+1 + k with k speculative drafts), and calls the batched ``Sampler``. It keeps one ``torch.Generator`` per request, from the
 request's first step until the scheduler reports it finished: seeded from
 ``SamplingParams.seed``, else from the runner's own seeded RNG.
 Source: vLLM v1 ``GPUModelRunner.execute_model`` (shape of the step), nano-vllm.
@@ -35,7 +35,8 @@ _PROMPT_LOGPROB_ROWS = 256  # LM-head rows per pass for prompt logprobs (a [256,
 @dataclass
 class PackedStep:
     """One step's model inputs. input_ids, positions: [1, N] long; ``sample_rows``: [R] indices
-    (into the packed tokens) of the last token of each request that samples, in ``sample_requests`` order.
+    (into the packed tokens) of the last token of each request that samples, in ``sample_requests`` order (with
+    k drafts, its last 1 + k tokens).
     """
 
     input_ids: torch.Tensor
@@ -55,9 +56,10 @@ def pack_step(scheduled: Sequence[ScheduledRequest], block_size: int) -> PackedS
     positions = [p for s in order for p in range(s.start_position, s.start_position + len(s.token_ids))]
     query_lens = [len(s.token_ids) for s in order]
     meta = PagedAttentionMetadata.build(query_lens, [s.start_position for s in order], [s.block_table for s in order], block_size)
-    last = (meta.query_start_loc[1:] - 1).tolist()  # [R] index of each chunk's last token
+    last = (meta.query_start_loc[1:] - 1).tolist()  # index of each chunk's last token
     sample_requests = [s for s in order if s.needs_sample]
-    sample_rows = torch.tensor([i for i, s in zip(last, order) if s.needs_sample], dtype=torch.long)
+    rows = [r for i, s in zip(last, order) if s.needs_sample for r in range(i - len(s.spec_token_ids), i + 1)]
+    sample_rows = torch.tensor(rows, dtype=torch.long)  # [R]
     input_ids = torch.tensor([ids], dtype=torch.long)  # [1, N]
     prompt_chunks = [  # (request, its chunk's first packed index, positions scored)
         (s, end - len(s.token_ids) + 1, min(s.start_position + len(s.token_ids), len(s.prompt_token_ids) - 1) - s.start_position)
@@ -121,10 +123,8 @@ class ModelRunner:
         prompt_logprobs = self.compute_prompt_logprobs(hidden, step) if step.prompt_logprob_chunks else None
         if not step.sample_requests:
             return ModelRunnerOutput({}, None, prompt_logprobs)
-        sampled = self.sample(self.compute_logits(hidden, step), step)
-        request_ids = [s.request_id for s in step.sample_requests]
-        logprobs = {rid: lp for rid, lp in zip(request_ids, sampled.logprobs) if lp is not None}
-        return ModelRunnerOutput(dict(zip(request_ids, sampled.token_ids)), logprobs or None, prompt_logprobs)
+        token_ids, logprobs = self.sample(self.compute_logits(hidden, step), step)
+        return ModelRunnerOutput(token_ids, logprobs or None, prompt_logprobs)
 
     # The phases of ``execute``, separate methods so that a profiler can wrap them from outside.
 
@@ -159,11 +159,45 @@ class ModelRunner:
                 entries.extend(lp for lp in found if lp is not None)
         return out
 
-    def sample(self, logits: torch.Tensor, step: PackedStep) -> SamplerOutput:
-        """The batched sampler over logits [R, V], one row per request that samples."""
+    def sample(self, logits: torch.Tensor, step: PackedStep) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+        """The batched sampler over logits [R, V] (one row per request that samples, 1 + k with k drafts, each row
+        with the history it would have had), then the drafts verified: a request keeps its drafts up to the first
+        that differs from its row's token, then that token. Returns (request_id -> new tokens, -> their logprobs).
+        """
         rows = [
-            SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self._generators[s.request_id],
-                        self.eos_token_ids, s.grammar)
-            for s in step.sample_requests
+            SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids + s.spec_token_ids[:j],
+                        self._generators[s.request_id], self.eos_token_ids, s.grammar)
+            for s in step.sample_requests for j in range(1 + len(s.spec_token_ids))
         ]
-        return self.sampler(logits, rows)
+        states = {s.request_id: self._generators[s.request_id].get_state() for s in step.sample_requests
+                  if s.spec_token_ids and not s.sampling_params.is_greedy}
+        sampled: SamplerOutput = self.sampler(logits, rows)
+        token_ids: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        first = 0
+        for s in step.sample_requests:
+            num_rows = 1 + len(s.spec_token_ids)
+            kept = verify_drafts(s.spec_token_ids, sampled.token_ids[first : first + num_rows])
+            token_ids[s.request_id] = kept
+            if s.sampling_params.logprobs is not None:
+                logprobs[s.request_id] = cast("list[TokenLogprobs]", sampled.logprobs[first : first + len(kept)])
+            if s.request_id in states and len(kept) < num_rows:  # as if only the kept rows had drawn
+                generator = self._generators[s.request_id]
+                generator.set_state(states[s.request_id])
+                ops.uniforms(len(kept), [generator] * len(kept))
+            first += num_rows
+        return token_ids, logprobs
+
+
+def verify_drafts(drafts: Sequence[int], token_ids: Sequence[int]) -> list[int]:
+    """The tokens kept from one request's rows: ``token_ids[j]`` was sampled after ``drafts[:j]``, so drafts are kept
+    while they equal the token sampled at their position, and the first differing token (or the one after the
+    last draft) ends the list. token_ids: 1 + len(drafts) ids. Source: Leviathan et al. 2023 with point-mass drafts.
+    """
+    assert len(token_ids) == len(drafts) + 1, (drafts, token_ids)
+    kept: list[int] = []
+    for draft, token_id in zip([*drafts, None], token_ids):
+        kept.append(token_id)
+        if token_id != draft:
+            break
+    return kept

@@ -85,7 +85,7 @@ class OutputProcessor:
             if state is None:
                 continue
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
-            stop = state.detokenizer.update(output.new_token_ids, output.is_stop_token, output.is_finished)
+            stop = _update_text(state.detokenizer, output)
             if stop is not None:  # the stop string ends the text before any token-based stop
                 if not output.is_finished:
                     stopped.append(output.request_id)
@@ -99,6 +99,25 @@ class OutputProcessor:
             if finish_reason is not None:
                 del self._states[output.request_id]
         return ProcessedOutputs(request_outputs, stopped)
+
+
+def _update_text(detokenizer: RequestDetokenizer, output: EngineCoreOutput) -> str | None:
+    """Decode the output's tokens; the stop string that matched, if one did. With stop strings, several tokens (kept
+    speculative drafts) go in one at a time and those after a match are dropped from ``output``, as if the request
+    had stopped there."""
+    ids = output.new_token_ids
+    if len(ids) < 2 or not detokenizer.has_stop_strings:
+        return detokenizer.update(ids, output.is_stop_token, output.is_finished)
+    for i in range(len(ids)):
+        is_last = i == len(ids) - 1
+        stop = detokenizer.update(ids[i : i + 1], output.is_stop_token and is_last, output.is_finished and is_last)
+        if stop is not None:
+            del ids[i + 1 :]
+            if output.new_logprobs is not None:
+                del output.new_logprobs[i + 1 :]
+            output.is_stop_token = output.is_stop_token and is_last
+            return stop
+    return None
 
 
 def _completion(

@@ -1,7 +1,8 @@
 """``Scheduler``: which requests run each step and how many tokens each gets (pure Python).
 
-Each step spends a token budget: running requests first (a decode takes 1 token, an
-unfinished or recomputing prefill a chunk), then waiting ones are admitted while slots,
+Each step spends a token budget: running requests first (a decode takes 1 token, plus its
+n-gram drafts under speculative decoding; an unfinished or recomputing prefill a chunk),
+then waiting ones are admitted while slots,
 budget and KV blocks last, starting after their prefix-cache hit. When the pool runs
 out, the newest running request (under the priority policy: the least important) is
 preempted: its blocks are freed and it is recomputed later from its tokens.
@@ -19,8 +20,10 @@ from collections.abc import Iterable
 
 from kvgen.engine.block_manager import BlockManager, cdiv
 from kvgen.engine.request import Request, RequestStatus
+from kvgen.engine.spec_decode import NgramProposer, SpeculativeConfig
 from kvgen.engine.types import (
     EngineCoreOutput,
+    TokenLogprobs,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
@@ -38,6 +41,8 @@ class Scheduler:
 
     ``long_prefill_token_threshold`` caps one request's prefill chunk per step (None = no cap);
     with ``max_model_len`` set, a request stops ("length") when prompt + output reach it.
+    ``speculative_config`` adds n-gram drafts to decodes (``ScheduledRequest.spec_token_ids``); the runner
+    returns the tokens kept and ``num_draft_tokens`` / ``num_accepted_tokens`` count them.
     Call ``update_from_output`` after every ``schedule()``, even when nothing ran.
     Raises ``ValueError`` for limits < 1.
     """
@@ -50,6 +55,7 @@ class Scheduler:
         long_prefill_token_threshold: int | None = None,
         policy: SchedulingPolicy | str = SchedulingPolicy.FCFS,
         max_model_len: int | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ):
         limits: dict[str, int | None] = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
         limits |= {"long_prefill_token_threshold": long_prefill_token_threshold, "max_model_len": max_model_len}
@@ -62,6 +68,9 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.policy = SchedulingPolicy(policy)
         self.max_model_len = max_model_len
+        self.proposer = None if speculative_config is None else NgramProposer(speculative_config)
+        self.num_draft_tokens = 0  # drafts scheduled, since the start (vLLM spec_decode_num_draft_tokens)
+        self.num_accepted_tokens = 0  # of them, kept
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -124,12 +133,28 @@ class Scheduler:
                 self._abort_unfittable(request)
                 continue
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, i, num_new, preempted):
+            drafts = self._drafts(request, budget) if num_new == request.num_tokens - request.num_computed_tokens == 1 else []
+            if not self._allocate_or_preempt(request, i, num_new + len(drafts), preempted):
                 continue  # the request itself was preempted; running[i] is now the next one
-            scheduled.append(self._scheduled_request(request, num_new))
-            budget -= num_new
+            scheduled.append(self._scheduled_request(request, num_new, drafts))
+            budget -= num_new + len(drafts)
             i += 1
         return budget
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """A decode's n-gram drafts: within the budget, the room left by ``max_tokens`` and ``max_model_len`` (a
+        draft past them could never be kept), and the free KV blocks (drafts never preempt anyone)."""
+        if self.proposer is None:
+            return []
+        room = budget - 1
+        if (max_tokens := request.sampling_params.max_tokens) is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - request.num_tokens - 1)
+        drafts = self.proposer.propose(request, room) if room > 0 else []
+        if drafts and not self.block_manager.can_allocate(request, 1 + len(drafts)):
+            return []
+        return drafts
 
     def _allocate_or_preempt(self, request: Request, index: int, num_new: int, preempted: list[Request]) -> bool:
         """Allocate, preempting running requests not yet scheduled this step until it fits."""
@@ -193,13 +218,14 @@ class Scheduler:
         assert num_new > 0, f"{request.request_id} has nothing to compute"
         return num_new
 
-    def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled_request(self, request: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledRequest:
         start = request.num_computed_tokens
         is_new = request.request_id not in self._seen_by_runner
         self._seen_by_runner.add(request.request_id)
+        self.num_draft_tokens += len(drafts or ())
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=request.all_token_ids[start : start + num_new] + (drafts or []),
             start_position=start,
             block_table=list(request.block_ids),
             needs_sample=start + num_new == request.num_tokens,
@@ -208,6 +234,7 @@ class Scheduler:
             output_token_ids=list(request.output_token_ids),
             is_new=is_new,
             grammar=request.grammar,
+            spec_token_ids=list(drafts or []),
         )
 
     # ------------------------------------------------------------ prefix sharing within a step
@@ -234,45 +261,68 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Advance computed counts, append sampled tokens, finish requests that stop.
 
-        Returns one output per request that got a token or finished (aborts included).
-        Raises ``ValueError`` if the runner left out a token it had to sample.
+        Returns one output per request that got tokens or finished (aborts included). A request with drafts gets
+        the drafts it kept and one more token; its rejected drafts' KV slots count as not computed.
+        Raises ``ValueError`` if the runner left out a token it had to sample, or returned more than the drafts allow.
         """
         outputs, self._finished_outputs = self._finished_outputs, []
         for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # finished since schedule()
-            request.num_computed_tokens += len(scheduled.token_ids)
+            token_ids = runner_output.sampled_token_ids.get(request.request_id) if scheduled.needs_sample else []
+            if token_ids is None or (scheduled.needs_sample and not token_ids):
+                raise ValueError(f"ModelRunnerOutput has no sampled token for request {request.request_id!r}")
+            if len(token_ids) > 1 + len(scheduled.spec_token_ids):
+                raise ValueError(f"ModelRunnerOutput has {len(token_ids)} tokens for request {request.request_id!r}, "
+                                 f"which had {len(scheduled.spec_token_ids)} drafts")
+            num_accepted = len(token_ids) - 1 if scheduled.spec_token_ids else 0
+            self.num_accepted_tokens += num_accepted
+            # the kept drafts' KV counts once they are tokens of the request (appended below)
+            request.num_computed_tokens += len(scheduled.token_ids) - len(scheduled.spec_token_ids)
             self.block_manager.cache_full_blocks(request)
             if (prompt_logprobs := (runner_output.prompt_logprobs or {}).get(request.request_id)) is not None:
                 request.add_prompt_logprobs(scheduled.start_position, prompt_logprobs)
             if scheduled.needs_sample:
-                outputs.append(self._append_token(request, runner_output))
+                outputs.append(self._append_tokens(request, token_ids, (runner_output.logprobs or {}).get(request.request_id)))
+                request.num_computed_tokens += min(num_accepted, request.num_tokens - 1 - request.num_computed_tokens)
         return outputs
 
-    def _append_token(self, request: Request, runner_output: ModelRunnerOutput) -> EngineCoreOutput:
-        token_id = runner_output.sampled_token_ids.get(request.request_id)
-        if token_id is None:
-            raise ValueError(f"ModelRunnerOutput has no sampled token for request {request.request_id!r}")
-        request.append_output_token_ids(token_id)
+    def _append_tokens(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None
+                       ) -> EngineCoreOutput:
+        """Append the step's tokens one by one, checking the stops after each (what follows a stop is dropped)."""
         if request.first_token_time is None:
             request.first_token_time = time.time()
-        logprobs = (runner_output.logprobs or {}).get(request.request_id)
-        output = EngineCoreOutput(request.request_id, [token_id], None if logprobs is None else [logprobs])
-        if request.num_output_tokens == 1 and request.sampling_params.prompt_logprobs is not None:
+        output = EngineCoreOutput(request.request_id, [], None if logprobs is None else [])
+        if request.num_output_tokens == 0 and request.sampling_params.prompt_logprobs is not None:
             output.prompt_logprobs = list(request.prompt_logprobs)
-        grammar, error = request.grammar, None
-        if grammar is not None and not grammar.accept(token_id):  # the sampler's mask forbids it: never expected
-            error = f"structured outputs: the grammar rejected token {token_id}: {grammar.error}"
-        status = RequestStatus.FINISHED_ABORTED if error else self._check_stop(request)
-        output.is_stop_token = status is RequestStatus.FINISHED_STOPPED
-        if status is None and grammar is not None and grammar.is_terminated:
-            status = RequestStatus.FINISHED_STOPPED  # a complete structured output; its last token is text
+        status, error, is_stop_token = None, None, False
+        for i, token_id in enumerate(token_ids):
+            request.append_output_token_ids(token_id)
+            output.new_token_ids.append(token_id)
+            if logprobs is not None and output.new_logprobs is not None:
+                output.new_logprobs.append(logprobs[i])
+            status, error, is_stop_token = self._status_after(request, token_id)
+            if status is not None:
+                break
+        output.is_stop_token = is_stop_token
         if status is not None:
             self.running.remove(request)
             self._finish(request, status, error)
             output.finish_reason, output.stop_reason, output.error = status.finish_reason, request.stop_reason, error
         return output
+
+    def _status_after(self, request: Request, token_id: int) -> tuple[RequestStatus | None, str | None, bool]:
+        """After ``token_id``: the request's finished status (None: it goes on), an error if the grammar broke, and
+        whether the token is EOS or a stop token id (left out of the text)."""
+        grammar = request.grammar
+        if grammar is not None and not grammar.accept(token_id):  # the sampler's mask forbids it: never expected
+            error = f"structured outputs: the grammar rejected token {token_id}: {grammar.error}"
+            return RequestStatus.FINISHED_ABORTED, error, False
+        status = self._check_stop(request)
+        if status is None and grammar is not None and grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED, None, False  # a complete structured output; its last token is text
+        return status, None, status is RequestStatus.FINISHED_STOPPED
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         """Stops that need no text (``kvgen.sampling.stopping.TokenStops``); a stop token wins over length."""

@@ -43,6 +43,9 @@ class ScheduledRequest:
     # preemption, so the generator continues instead of being reseeded.
     is_new: bool
     grammar: GrammarMatcher | None = None  # the request's structured-output matcher (the sampler masks with it)
+    # speculative decoding: n-gram drafts, the last len(spec_token_ids) of token_ids (needs_sample is then True); the
+    # runner samples at each of the 1 + k last positions and returns the drafts it keeps plus one token
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -57,8 +60,9 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]  # request_id -> next token (only for needs_sample)
-    logprobs: dict[str, TokenLogprobs] | None = None  # request_id -> logprobs (requests that asked)
+    # request_id -> new tokens (only for needs_sample): one, or with drafts the kept drafts and one more
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] | None = None  # request_id -> one per new token (requests that asked)
     # request_id -> logprobs of the prompt tokens after this step's chunk (prompt positions start + 1 ..), for
     # requests with SamplingParams.prompt_logprobs
     prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None

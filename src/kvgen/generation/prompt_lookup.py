@@ -20,24 +20,9 @@ import torch
 from kvgen.generation.decoding import LoopContext
 from kvgen.generation.output import GenerateOutput, GenerateTimings
 from kvgen.generation.runner import StepRunner
+from kvgen.sampling.ngram import find_draft
 from kvgen.sampling.ops import choose_tokens
 from kvgen.sampling.stopping import PRIORITY, FinishReason
-
-
-def find_draft(ids: torch.Tensor, max_ngram_size: int, num_tokens: int, eos_token_ids: list[int]) -> list[int]:
-    """The up to ``num_tokens`` ids that followed the first earlier occurrence of the longest suffix n-gram
-    (n = ``max_ngram_size`` down to 1) of ``ids [S]``, cut before any EOS id; [] when none is found."""
-    length = ids.shape[0]
-    for n in range(min(max_ngram_size, length - 1), 0, -1):
-        windows = ids.unfold(0, n, 1)  # [S - n + 1, n]
-        starts = (windows == ids[-n:]).all(dim=1).nonzero().flatten().tolist()  # ascending
-        for start in starts:
-            begin, end = start + n, min(start + n + num_tokens, length)
-            if begin < end:  # not the suffix itself
-                draft = ids[begin:end].tolist()
-                cut = next((i for i, t in enumerate(draft) if t in eos_token_ids), len(draft))
-                return draft[:cut]
-    return []
 
 
 def prompt_lookup_decoding(runner: StepRunner, ctx: LoopContext) -> GenerateOutput:
@@ -53,7 +38,7 @@ def prompt_lookup_decoding(runner: StepRunner, ctx: LoopContext) -> GenerateOutp
     while code == 0:
         length = runner.sequences.shape[1]
         room = cfg.max_new_tokens - num_new - 1  # drafts beyond it could never be kept
-        draft = find_draft(runner.sequences[0], max_ngram, min(num_draft, room), cfg.eos_token_ids)
+        draft = find_draft(runner.sequences[0].tolist(), max_ngram, min(num_draft, room), cfg.eos_token_ids)
         if draft:
             runner.append_columns(torch.tensor([draft]))  # [1, k]
         logits = runner.next_logits(len(draft) + 1).view(len(draft) + 1, -1)  # [k + 1, V]
