@@ -44,6 +44,8 @@ class SchedulerStats:
     kv_cache_usage: float  # fraction of KV blocks held by requests, in [0, 1]
     num_free_blocks: int  # blocks no request holds (evictable prefix-cache blocks included)
     num_blocks: int
+    num_draft_tokens: int | None = None  # speculative decoding only: drafts scheduled since the start
+    num_accepted_tokens: int | None = None  # of them, kept
 
 
 class LLMEngine:
@@ -215,6 +217,8 @@ class LLMEngine:
             kv_cache_usage=1.0 - num_free / bm.num_blocks,
             num_free_blocks=num_free,
             num_blocks=bm.num_blocks,
+            num_draft_tokens=None if self.scheduler.proposer is None else self.scheduler.num_draft_tokens,
+            num_accepted_tokens=None if self.scheduler.proposer is None else self.scheduler.num_accepted_tokens,
         )
 
     # ------------------------------------------------------------ one step

@@ -20,7 +20,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvgen.engine.llm_engine import LLMEngine
@@ -41,7 +41,7 @@ class _EngineCollector(Collector):
     def __init__(self, engine: LLMEngine, server_metrics: ServerMetrics) -> None:
         self.engine, self.server_metrics = engine, server_metrics
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats, name = self.engine.get_stats(), self.server_metrics.model_name
         values = [
             ("kvgen:num_requests_running", "Requests in the running batch.", stats.num_running_reqs),
@@ -58,6 +58,15 @@ class _EngineCollector(Collector):
             family = GaugeMetricFamily(metric, doc, labels=["model_name"])
             family.add_metric([name], float(value))
             yield family
+        if stats.num_draft_tokens is None:  # no speculative decoding
+            return
+        counters = [("kvgen:spec_decode_num_draft_tokens", "Draft tokens scheduled (n-gram speculative decoding).",
+                     stats.num_draft_tokens),
+                    ("kvgen:spec_decode_num_accepted_tokens", "Draft tokens kept.", stats.num_accepted_tokens or 0)]
+        for metric, doc, value in counters:
+            counter = CounterMetricFamily(metric, doc, labels=["model_name"])
+            counter.add_metric([name], float(value))
+            yield counter
 
 
 class ServerMetrics:
