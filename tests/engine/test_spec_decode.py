@@ -121,6 +121,17 @@ def test_drafts_stay_within_max_tokens_the_budget_and_max_model_len():
     assert runner.drafts_fed["a"] <= 4 and runner.drafts_fed["b"] > 0
 
 
+def test_no_drafts_while_more_requests_run_than_disable_by_batch_size():
+    plans = {"a": [7, 8, 9] * 4, "b": [4, 5, 6] * 4}
+    for limit, expect_drafts in ((1, False), (2, True)):
+        scheduler = Scheduler(8, 64, BlockManager(64, 4), speculative_config=SpeculativeConfig(**SPEC, disable_by_batch_size=limit))
+        runner = PlannedRunner(plans)
+        assert _run(scheduler, runner, [_request(rid, plan[:6], 12) for rid, plan in plans.items()]) == plans
+        assert (scheduler.num_draft_tokens > 0) == expect_drafts
+    with pytest.raises(ValueError, match="disable_by_batch_size must be an int >= 1"):
+        SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=0)
+
+
 # ---------------------------------------------------------------- on models: the tokens of decoding without drafts
 
 

@@ -146,6 +146,8 @@ class Scheduler:
         draft past them could never be kept), and the free KV blocks (drafts never preempt anyone)."""
         if self.proposer is None:
             return []
+        if (limit := self.proposer.config.disable_by_batch_size) is not None and len(self.running) > limit:
+            return []
         room = budget - 1
         if (max_tokens := request.sampling_params.max_tokens) is not None:
             room = min(room, max_tokens - request.num_output_tokens - 1)
