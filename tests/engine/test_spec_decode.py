@@ -132,6 +132,16 @@ def test_no_drafts_while_more_requests_run_than_disable_by_batch_size():
         SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=0)
 
 
+def test_drafts_never_take_the_blocks_other_decodes_need():
+    # 5 blocks of 4: after the prefills a (7 tokens) and b (8) hold 2 each; a draft at position 8 would take the last
+    # free block, which b's decode at position 8 needs (b would be preempted)
+    plans = {"a": [7, 8, 9], "b": [6, 4]}
+    requests = [_request("a", [7, 8, 9, 7, 8, 9, 7], 3), _request("b", [4, 5, 6, 4, 5, 6, 4, 5], 2)]
+    scheduler = Scheduler(8, 64, BlockManager(5, 4), speculative_config=SpeculativeConfig(**SPEC))
+    assert _run(scheduler, PlannedRunner(plans), requests) == plans
+    assert [r.num_preemptions for r in requests] == [0, 0]
+
+
 # ---------------------------------------------------------------- on models: the tokens of decoding without drafts
 
 

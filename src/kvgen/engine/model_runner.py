@@ -3,9 +3,10 @@
 Each step packs every scheduled chunk into one row ``[1, N]`` (one-token chunks
 first, so they attend as one batch), runs the model over the ``PagedKVCache``,
 computes logits only for the last token of each request that samples (the last
-1 + k with k speculative drafts), and calls the batched ``Sampler``. It keeps one ``torch.Generator`` per request, from the
-request's first step until the scheduler reports it finished: seeded from
-``SamplingParams.seed``, else from the runner's own seeded RNG.
+1 + k with k speculative drafts), and calls the batched ``Sampler``. It keeps one
+``torch.Generator`` per request, from the request's first step until the scheduler
+reports it finished: seeded from ``SamplingParams.seed``, else from the runner's own
+seeded RNG.
 Source: vLLM v1 ``GPUModelRunner.execute_model`` (shape of the step), nano-vllm.
 """
 

@@ -23,10 +23,10 @@ from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.spec_decode import NgramProposer, SpeculativeConfig
 from kvgen.engine.types import (
     EngineCoreOutput,
-    TokenLogprobs,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
+    TokenLogprobs,
 )
 from kvgen.sampling.stopping import FinishReason, TokenStops
 
@@ -143,7 +143,8 @@ class Scheduler:
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """A decode's n-gram drafts: within the budget, the room left by ``max_tokens`` and ``max_model_len`` (a
-        draft past them could never be kept), and the free KV blocks (drafts never preempt anyone)."""
+        draft past them could never be kept), and the free KV blocks less one per running request (drafts never
+        take the block another request's decode needs, so they never cause a preemption)."""
         if self.proposer is None:
             return []
         if (limit := self.proposer.config.disable_by_batch_size) is not None and len(self.running) > limit:
@@ -154,7 +155,9 @@ class Scheduler:
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - request.num_tokens - 1)
         drafts = self.proposer.propose(request, room) if room > 0 else []
-        if drafts and not self.block_manager.can_allocate(request, 1 + len(drafts)):
+        size, end = self.block_manager.block_size, request.num_computed_tokens + 1
+        extra_blocks = cdiv(end + len(drafts), size) - max(cdiv(end, size), len(request.block_ids))
+        if extra_blocks > 0 and self.block_manager.num_free_blocks - extra_blocks < len(self.running):
             return []
         return drafts
 

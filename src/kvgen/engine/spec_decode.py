@@ -52,10 +52,10 @@ class SpeculativeConfig:
         check_int("prompt_lookup_max", self.prompt_lookup_max, 1)
         if self.disable_by_batch_size is not None:
             check_int("disable_by_batch_size", self.disable_by_batch_size, 1)
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(
-                f"prompt_lookup_min must be <= prompt_lookup_max, got {self.prompt_lookup_min} > {self.prompt_lookup_max}"
-            )
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        assert low is not None and high is not None  # filled above
+        if low > high:
+            raise ValueError(f"prompt_lookup_min must be <= prompt_lookup_max, got {low} > {high}")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
@@ -85,9 +85,9 @@ class NgramProposer:
         """Up to ``min(num_speculative_tokens, max_num_tokens)`` ids for ``request`` (none for a structured-output
         request: its grammar has to accept each token before the next is masked)."""
         cfg = self.config
-        num = min(max_num_tokens, cfg.num_speculative_tokens or 0)
+        assert cfg.num_speculative_tokens and cfg.prompt_lookup_max and cfg.prompt_lookup_min  # set in __post_init__
+        num = min(max_num_tokens, cfg.num_speculative_tokens)
         if num < 1 or request.grammar is not None:
             return []
         eos = () if request.sampling_params.ignore_eos else request.eos_token_ids
-        assert cfg.prompt_lookup_max is not None and cfg.prompt_lookup_min is not None  # set in __post_init__
         return find_draft(request.all_token_ids, cfg.prompt_lookup_max, num, eos, cfg.prompt_lookup_min)
