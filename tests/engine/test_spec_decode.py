@@ -142,6 +142,21 @@ def test_drafts_never_take_the_blocks_other_decodes_need():
     assert [r.num_preemptions for r in requests] == [0, 0]
 
 
+def test_the_draft_limit_adapts_to_acceptance_and_bounds_the_next_drafts():
+    scheduler = Scheduler(8, 64, BlockManager(64, 4), speculative_config=SpeculativeConfig(**SPEC))
+    request = _request("a", [7, 8, 9] * 4, 20)
+    seen = []
+    for is_all_accepted in (False, False, False, False, True, True, False):
+        scheduler._adapt_num_spec_tokens(request, is_all_accepted)
+        seen.append(request.num_spec_tokens_allowed)
+    assert seen == [3, 2, 1, 1, 3, 4, 3]  # -1 after a rejection, +2 after a full acceptance, within [1, 4]
+    request.num_spec_tokens_allowed = 2
+    scheduler.add_request(request)
+    scheduler.update_from_output(out := scheduler.schedule(), ModelRunnerOutput({"a": [7]}))  # prefill
+    (decode,) = scheduler.schedule().scheduled
+    assert decode.spec_token_ids == [8, 9] and out.scheduled[0].spec_token_ids == []
+
+
 # ---------------------------------------------------------------- on models: the tokens of decoding without drafts
 
 

@@ -68,6 +68,8 @@ class Request:
     block_hashes: list[int] = field(default_factory=list, init=False, repr=False)  # full blocks, by BlockManager
     num_cached_prefix_tokens: int = field(default=0, init=False)  # prefix-cache hit at first admission
     num_preemptions: int = field(default=0, init=False)
+    # speculative decoding: drafts allowed next step (0 = the config's num_speculative_tokens), adapted by the scheduler
+    num_spec_tokens_allowed: int = field(default=0, init=False)
     first_scheduled_time: float | None = field(default=None, init=False)
     first_token_time: float | None = field(default=None, init=False)
     finish_time: float | None = field(default=None, init=False)

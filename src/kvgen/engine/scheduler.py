@@ -154,6 +154,7 @@ class Scheduler:
             room = min(room, max_tokens - request.num_output_tokens - 1)
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - request.num_tokens - 1)
+        room = min(room, request.num_spec_tokens_allowed or room)
         drafts = self.proposer.propose(request, room) if room > 0 else []
         size, end = self.block_manager.block_size, request.num_computed_tokens + 1
         extra_blocks = cdiv(end + len(drafts), size) - max(cdiv(end, size), len(request.block_ids))
@@ -282,6 +283,8 @@ class Scheduler:
                 raise ValueError(f"ModelRunnerOutput has {len(token_ids)} tokens for request {request.request_id!r}, "
                                  f"which had {len(scheduled.spec_token_ids)} drafts")
             num_accepted = len(token_ids) - 1 if scheduled.spec_token_ids else 0
+            if scheduled.spec_token_ids:
+                self._adapt_num_spec_tokens(request, num_accepted == len(scheduled.spec_token_ids))
             self.num_accepted_tokens += num_accepted
             # the kept drafts' KV counts once they are tokens of the request (appended below)
             request.num_computed_tokens += len(scheduled.token_ids) - len(scheduled.spec_token_ids)
@@ -292,6 +295,15 @@ class Scheduler:
                 outputs.append(self._append_tokens(request, token_ids, (runner_output.logprobs or {}).get(request.request_id)))
                 request.num_computed_tokens += min(num_accepted, request.num_tokens - 1 - request.num_computed_tokens)
         return outputs
+
+    def _adapt_num_spec_tokens(self, request: Request, is_all_accepted: bool) -> None:
+        """Next step's draft limit: +2 after a step that kept every draft, else -1, within [1,
+        num_speculative_tokens] (transformers' "heuristic" schedule). Tokens never depend on it (a rejected draft
+        costs only time: the verification of k drafts is compute-bound here), so failing drafts shrink to one."""
+        assert self.proposer is not None and self.proposer.config.num_speculative_tokens is not None
+        maximum = self.proposer.config.num_speculative_tokens
+        allowed = request.num_spec_tokens_allowed or maximum
+        request.num_spec_tokens_allowed = min(maximum, allowed + 2) if is_all_accepted else max(1, allowed - 1)
 
     def _append_tokens(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None
                        ) -> EngineCoreOutput:

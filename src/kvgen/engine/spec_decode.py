@@ -6,7 +6,9 @@ k + 1 positions, each from the logits processed with the history it would have h
 the first one that differs from its position's token, then that token. A draft is a point mass, so "sample and
 compare" is the rejection sampling of Leviathan et al. 2023 (accept with probability p(draft); on rejection the
 token is a draw from p without the draft), and only the kept positions spend a draw of the request's generator:
-greedy and seeded requests get the tokens they get without drafts.
+greedy and seeded requests get the tokens they get without drafts. Since tokens never depend on how many drafts a
+step carries, each request's draft limit adapts (transformers' heuristic: +2 after a fully kept draft, else -1):
+verifying k drafts is compute-bound on this CPU, so drafts that keep failing shrink to one.
 Source: vLLM ``SpeculativeConfig`` (names, ngram defaults) and v1 ``NgramProposer``; transformers' prompt lookup.
 """
 
