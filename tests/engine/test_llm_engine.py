@@ -320,3 +320,23 @@ def test_llm_chat_renders_each_conversation_with_the_chat_template(model_tok):
     with pytest.raises(ValueError, match="needs a tokenizer"):
         LLM(model, None, num_blocks=16).chat(conversations[0], GREEDY, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_allowed_token_ids_and_bad_words_on_the_tiny_model(tiny_model_dir):
+    from kvgen.loader import load_model
+
+    llm = LLM(*load_model(str(tiny_model_dir)), num_blocks=64)
+    tok = llm.get_tokenizer()
+    plain = llm.generate("Hello there", GREEDY, use_tqdm=False)[0].outputs[0]
+    allowed = [5, 17, 42, 99]
+    out = llm.generate("Hello there", SamplingParams(temperature=1.0, seed=3, max_tokens=20, allowed_token_ids=allowed),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 20 and set(out.token_ids) <= set(allowed)
+    word = tok.decode(plain.token_ids[:2]).strip()  # the greedy reply's first word(s)
+    banned = llm.generate("Hello there", dataclasses.replace(GREEDY, bad_words=[word]), use_tqdm=False)[0].outputs[0]
+    sequences = llm.llm_engine._bad_words_token_ids([word])
+    assert sequences and banned.token_ids != plain.token_ids
+    for ids in sequences:
+        assert all(banned.token_ids[i : i + len(ids)] != ids for i in range(len(banned.token_ids)))
+    with pytest.raises(ValueError, match=r"allowed_token_ids must be in \[0, 384\), got 384"):
+        llm.generate("Hi", SamplingParams(allowed_token_ids=[1, 384]), use_tqdm=False)

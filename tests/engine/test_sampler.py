@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvgen.engine.sampler import Sampler, SamplingRow
@@ -89,11 +90,13 @@ def test_logit_bias_is_added_per_row_before_penalties_and_ignores_ids_past_the_v
     assert torch.equal(logits, _logits(3, seed=2))  # inputs are not edited
 
 
-# vLLM v1 ``vllm/v1/sample/sampler.py``: ``Sampler.forward`` applies the non-argmax-invariant
-# logits processors (min_tokens, then logit_bias), then ``apply_all_penalties`` (repetition,
+# vLLM v1 ``vllm/v1/sample/sampler.py``: ``Sampler.forward`` applies the allowed-token-ids mask, the bad words and
+# the non-argmax-invariant logits processors (min_tokens, then logit_bias), then ``apply_all_penalties`` (repetition,
 # frequency, presence), then ``Sampler.sample``: greedy argmax, temperature, the argmax-invariant
 # min_p processor, then ``TopKTopPSampler`` (top_k, then top_p) and the draw.
 VLLM_V1_ORDER = (
+    "allowed_token_ids",
+    "bad_words",
     "min_tokens",
     "logit_bias",
     "repetition_penalty",
@@ -175,3 +178,28 @@ def test_kernel_draw_gives_the_torch_samplers_tokens():
         torch_ids, kernel_ids = Sampler()(logits, rows()).token_ids, Sampler(get_ops())(logits, rows()).token_ids
         assert kernel_ids == torch_ids
     assert len(set(torch_ids)) > 3  # real draws, not one id
+
+
+def test_allowed_token_ids_and_bad_words_stages():
+    from kvgen.engine.sampler import apply_allowed_token_ids, apply_bad_words
+
+    logits = _logits(3, seed=2)
+    rows = [_row(SamplingParams(allowed_token_ids=[4, 9])), _row(SamplingParams()), _row(SamplingParams(allowed_token_ids=[1]))]
+    out = apply_allowed_token_ids(logits, rows)
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [4, 9] and torch.equal(out[0, [4, 9]], logits[0, [4, 9]])
+    assert torch.equal(out[1], logits[1]) and torch.isfinite(out[2]).nonzero().flatten().tolist() == [1]
+    words = [[5], [7, 8], [2, 3, 6]]  # vLLM v1: a word's last token is banned when its other tokens end the output
+    params = SamplingParams(bad_words=["x"], bad_words_token_ids=words)
+    cases = {(): [5], (7,): [5, 8], (1, 7): [5, 8], (2, 3): [5, 6], (3,): [5], (7, 1): [5], (2, 3, 7): [5, 8]}
+    for output, banned in cases.items():
+        got = apply_bad_words(logits[:1], [_row(params, output=output)])
+        assert torch.isinf(got[0]).nonzero().flatten().tolist() == banned, output
+    assert torch.equal(apply_bad_words(logits, [_row(SamplingParams())] * 3), logits)
+
+
+def test_allowed_token_ids_and_bad_words_refuse_bad_values():
+    for kwargs, message in [({"allowed_token_ids": []}, "must not be empty"), ({"allowed_token_ids": [-1]}, "allowed_token_ids must be"),
+                            ({"bad_words": [""]}, "bad_words must be"), ({"bad_words": [3]}, "bad_words must be")]:
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**kwargs)
+    assert SamplingParams(bad_words="no").bad_words == ["no"]

@@ -37,6 +37,11 @@ BAD_CHAT = [
     ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["a"]}}}, "structured_outputs"),
     ({"extra_body": {"structured_outputs": {"choice": ["a"]}}, "response_format": {"type": "json_object"}},
      "structured_outputs"),
+    ({"extra_body": {"allowed_token_ids": [1, 100000]}}, "allowed_token_ids"),
+    ({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
+    ({"extra_body": {"bad_words": [" "]}}, "bad_words"),
+    ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids[0]"),
+    ({"extra_body": {"continue_final_message": True, "add_generation_prompt": True}}, "continue_final_message"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # "auto": no parser
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),  # without tools

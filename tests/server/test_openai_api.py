@@ -351,3 +351,30 @@ def test_tool_choice_none_ignores_tools_and_a_tool_turn_is_accepted(client):
     r = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], tool_choice="none",
                                        temperature=0, max_tokens=5)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_vllm_extras_allowed_token_ids_bad_words_stop_token_ids(client, tiny_tokenizer):
+    (x,), (y,) = (tiny_tokenizer.encode(c, add_special_tokens=False) for c in "xy")
+    kwargs = {"model": "tiny", "prompt": "Hello", "temperature": 1.0, "seed": 5, "max_tokens": 20}
+
+    def text(**extra) -> tuple[str, str]:
+        r = client.completions.create(**kwargs, extra_body=extra)
+        return r.choices[0].text, r.choices[0].finish_reason
+
+    both, _ = text(allowed_token_ids=[x, y])
+    assert set(both) == {"x", "y"} and len(both) == 20
+    assert text(allowed_token_ids=[x, y], bad_words=["x"]) == ("y" * 20, "length")
+    stopped, reason = text(allowed_token_ids=[x, y], stop_token_ids=[y])
+    assert reason == "stop" and stopped == both[: both.index("y")]
+    kept, _ = text(allowed_token_ids=[x, y], stop_token_ids=[y], include_stop_str_in_output=True)
+    assert kept == both[: both.index("y") + 1]
+
+
+def test_chat_continue_final_message_and_template_kwargs(client, tiny_tokenizer):
+    messages = [*MESSAGES, {"role": "assistant", "content": "Red, green and"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, extra_body={
+        "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}}, **GREEDY)
+    ids = tiny_tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True)
+    assert r.usage.prompt_tokens == len(ids) and tiny_tokenizer.decode(ids).endswith("Red, green and")
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body={"add_generation_prompt": False}, **GREEDY)
+    assert plain.usage.prompt_tokens == len(tiny_tokenizer.apply_chat_template(MESSAGES, tokenize=True))

@@ -110,3 +110,17 @@ def test_unsupported_vocab_txt_directories_raise(tmp_path: Path, config: dict, v
     directory = write_wordpiece_dir(tmp_path, vocab, **config)
     with pytest.raises(ModelFormatError, match=match):
         Tokenizer.from_pretrained(directory)
+
+
+def test_continue_final_message_and_chat_template_kwargs_match_transformers(trained: BackendTokenizer, tmp_path: Path) -> None:
+    directory = save_gpt2_dir(trained, tmp_path, legacy=False)
+    template = "{% if enable_thinking %}<think>{% endif %}" + (directory / "chat_template.jinja").read_text()
+    (directory / "chat_template.jinja").write_text(template)
+    ours, ref = Tokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+    messages = [*CONVERSATIONS["system"], {"role": "assistant", "content": "The answer is "}]
+    expected = ref.apply_chat_template(messages, continue_final_message=True, tokenize=False, enable_thinking=True)
+    got = ours.apply_chat_template(messages, continue_final_message=True, chat_template_kwargs={"enable_thinking": True})
+    assert got == expected and got.startswith("<think>") and got.endswith("The answer is ")
+    assert not ours.apply_chat_template(messages).startswith("<think>")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        ours.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)

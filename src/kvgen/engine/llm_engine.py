@@ -176,7 +176,13 @@ class LLMEngine:
         return text, list(ids)
 
     def _check_request(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
-        """Checks that need the engine; fills ``max_tokens`` None with the room left in the context."""
+        """Checks that need the engine; fills ``max_tokens`` None with the room left in the context and
+        ``bad_words_token_ids`` from ``bad_words``."""
+        vocab = self.model.config.vocab_size
+        if params.allowed_token_ids is not None and (bad := [t for t in params.allowed_token_ids if t >= vocab]):
+            raise ValueError(f"allowed_token_ids must be in [0, {vocab}), got {bad[0]}")
+        if params.bad_words:
+            params = dataclasses.replace(params, bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         if params.best_of is not None and params.best_of > params.n:
             raise ValueError(f"best_of > n is not supported by the engine, got best_of={params.best_of}, n={params.n}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -193,6 +199,20 @@ class LLMEngine:
                 f"got {params.max_tokens}"
             )
         return params
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each word tokenized as is and, where that gives a new first token of the same length, after a space (a
+        word inside text). Source: vLLM ``SamplingParams.update_from_tokenizer``. ``ValueError`` without a tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; this engine has none")
+        out: list[list[int]] = []
+        for word in bad_words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        return [ids for ids in out if ids]
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Abort requests (an ``n > 1`` id aborts every child); their blocks are freed at the next step.

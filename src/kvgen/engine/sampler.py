@@ -2,7 +2,7 @@
 
 Order (vLLM v1 ``Sampler.forward``, declared in ``kvgen.sampling.pipeline.ENGINE_ORDER``):
 logprobs of the RAW logits (vLLM's default ``raw_logprobs``) -> the structured-output mask
-(tokens a request's grammar forbids get -inf) -> min_tokens (EOS and
+(tokens a request's grammar forbids get -inf) -> allowed_token_ids -> bad_words -> min_tokens (EOS and
 ``stop_token_ids`` suppressed) -> logit_bias -> repetition penalty (prompt and output)
 -> presence / frequency penalties (output) -> argmax for greedy rows (temperature 0)
 -> temperature -> min_p -> top_k -> top_p -> one inverse-CDF draw per sampled row from
@@ -135,6 +135,30 @@ def apply_grammar_mask(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.T
     return logits.masked_fill(~allowed, float("-inf"))
 
 
+def apply_allowed_token_ids(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """-inf for every id outside a row's ``allowed_token_ids`` (rows without the setting untouched); [B, V]."""
+    limited = [(i, r.sampling_params.allowed_token_ids) for i, r in enumerate(rows) if r.sampling_params.allowed_token_ids]
+    if not limited:
+        return logits
+    banned = torch.zeros_like(logits, dtype=torch.bool)  # [B, V]
+    for i, allowed in limited:
+        banned[i] = True
+        banned[i, torch.tensor(allowed, dtype=torch.long)] = False
+    return logits.masked_fill(banned, float("-inf"))
+
+
+def apply_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """-inf for the last token of each of a row's ``bad_words_token_ids`` whose other tokens end its output (a
+    one-token word is always banned); [B, V]. Source: vLLM v1 ``apply_bad_words`` (output tokens only)."""
+    banned = [(i, ids[-1]) for i, r in enumerate(rows) for ids in r.sampling_params.bad_words_token_ids or ()
+              if len(ids) == 1 or (len(ids) - 1 <= len(r.output_token_ids) and r.output_token_ids[1 - len(ids):] == ids[:-1])]
+    banned = [(i, t) for i, t in banned if t < logits.shape[1]]
+    if not banned:
+        return logits
+    row_ids, token_ids = zip(*banned)
+    return logits.index_put((torch.tensor(row_ids), torch.tensor(token_ids)), torch.tensor(float("-inf")))
+
+
 def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Rows short of ``min_tokens`` may not draw EOS (unless ``ignore_eos``) or a stop token id."""
     groups: dict[tuple[int, ...], list[int]] = {}  # stop ids -> rows short of min_tokens
@@ -205,6 +229,8 @@ def apply_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 # ENGINE_ORDER's stage names -> the batched stage over SamplingRows (each a kvgen.sampling.ops op).
 _STAGES: dict[str, Stage] = {
+    "allowed_token_ids": apply_allowed_token_ids,
+    "bad_words": apply_bad_words,
     "min_tokens": apply_min_tokens,
     "logit_bias": apply_logit_bias,
     "repetition_penalty": apply_repetition_penalty,

@@ -60,6 +60,11 @@ class SamplingParams:
     prompt_logprobs: int | None = _f(None, "return each prompt token's logprob (the first has none) and this many top "
                                            "alternatives; the request then skips the prefix cache")
     logit_bias: dict[int, float] | None = _f(None, "token id -> bias in [-100, 100] added to its logit (OpenAI logit_bias)")
+    allowed_token_ids: list[int] | None = _f(None, "only these token ids may be generated")
+    bad_words: list[str] | None = _f(None, "words that may not be generated (each as tokenized with and without a "
+                                           "leading space; the last token of a word is banned after the others)")
+    # bad_words as token id sequences: filled by the engine from its tokenizer (vLLM's _bad_words_token_ids)
+    bad_words_token_ids: list[list[int]] | None = _f(None, "bad_words tokenized (set by the engine)", cli=False)
     skip_special_tokens: bool = _f(True, "leave special tokens out of the text")
     output_kind: RequestOutputKind = _f(RequestOutputKind.CUMULATIVE, "cumulative, delta or final-only outputs")
     structured_outputs: StructuredOutputsParams | None = _f(
@@ -79,6 +84,15 @@ class SamplingParams:
         self.stop = _stop_list(self.stop)
         self.stop_token_ids = _token_id_list(self.stop_token_ids)
         self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_id_list(self.allowed_token_ids, "allowed_token_ids")
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+                raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+            self.bad_words = list(words)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -100,10 +114,10 @@ def _stop_list(stop: Any) -> list[str]:
     return list(stops)
 
 
-def _token_id_list(ids: Any) -> list[int]:
+def _token_id_list(ids: Any, name: str = "stop_token_ids") -> list[int]:
     ids = [] if ids is None else ids
     if not isinstance(ids, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-        raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
+        raise ValueError(f"{name} must be a list of ints >= 0, got {ids!r}")
     return list(ids)
 
 

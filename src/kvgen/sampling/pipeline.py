@@ -41,6 +41,8 @@ GENERATE_FIRST_WARPER = "temperature"
 # The engine: vLLM v1's order. Greedy rows take the argmax of the logits reached just
 # before ENGINE_FIRST_SAMPLING_STAGE; the stages from it on run only for sampled rows.
 ENGINE_ORDER: tuple[str, ...] = (
+    "allowed_token_ids",
+    "bad_words",
     "min_tokens",
     "logit_bias",
     "repetition_penalty",

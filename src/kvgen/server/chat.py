@@ -60,15 +60,22 @@ from kvgen.server.tools import (
 )
 
 
-def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of the messages rendered by the chat template (by default with the generation prompt).
+def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest, add_generation_prompt: bool | None = None) -> list[int]:
+    """Token ids of the messages rendered by the chat template (with the generation prompt unless
+    ``add_generation_prompt`` or the request says otherwise; vLLM's ``continue_final_message`` and
+    ``chat_template_kwargs`` as asked).
 
     Raises a 400 naming ``messages`` when the template fails or renders nothing.
     """
+    if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true", "continue_final_message")
+    if add_generation_prompt is None:
+        add_generation_prompt = req.add_generation_prompt and not req.continue_final_message
     try:
         ids = state.tokenizer.apply_chat_template(
             message_dicts(req.messages), add_generation_prompt=add_generation_prompt, tokenize=True,
-            tools=tool_dicts(req),
+            tools=tool_dicts(req), continue_final_message=req.continue_final_message,
+            chat_template_kwargs=req.chat_template_kwargs,
         )
     except (KvgenError, ValueError) as e:
         raise bad_request(str(e).splitlines()[0], "messages") from None

@@ -97,6 +97,11 @@ class SamplingFields(StrictModel):
     ignore_eos: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = Field(default=None, description="vLLM extra")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, description="vLLM extra")
+    include_stop_str_in_output: bool = Field(default=False, description="vLLM extra")
+    skip_special_tokens: bool = Field(default=True, description="vLLM extra")
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, description="vLLM extra")
+    bad_words: list[str] | None = Field(default=None, description="vLLM extra")
 
 
 # ---------------------------------------------------------------- chat completions
@@ -153,6 +158,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: bool = Field(default=True, description="vLLM extra: end the prompt with the assistant's turn")
+    continue_final_message: bool = Field(default=False, description="vLLM extra: the model continues the last message")
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="vLLM extra: chat template variables")
     tools: list[ChatTool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

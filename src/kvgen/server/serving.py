@@ -79,6 +79,8 @@ def sampling_params(req: SamplingFields, tokenizer: Tokenizer, max_tokens: int |
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             seed=req.seed, stop=req.stop, max_tokens=max_tokens, min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=bias, output_kind=RequestOutputKind.DELTA,
+            stop_token_ids=req.stop_token_ids, include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens, allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
             structured_outputs=constraint or structured_outputs(req),
         )
     except ValueError as e:

@@ -132,16 +132,23 @@ class Tokenizer:
         add_generation_prompt: bool = False,
         tokenize: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str | list[int]:
         """Render ``messages`` with the model's chat template, as transformers' ``apply_chat_template``.
 
+        ``continue_final_message``: the prompt ends inside the last message (its end-of-turn cut off), so the model
+        continues it; ``chat_template_kwargs``: extra template variables (e.g. ``enable_thinking``).
         Returns the prompt, or its ids when ``tokenize`` (no BOS added: the template carries
-        the special tokens). Raises ``ModelFormatError`` if the model has no template and
-        ``ChatTemplateError`` if the template rejects the messages.
+        the special tokens). Raises ``ModelFormatError`` if the model has no template,
+        ``ChatTemplateError`` if the template rejects the messages, ``ValueError`` for
+        ``continue_final_message`` with ``add_generation_prompt`` or a final message the template does not show.
         """
         if self._chat_template is None:
             raise ModelFormatError(f"{self.name} has no chat template")
         check_messages(messages)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if self._compiled_template is None:
             self._compiled_template = compile_chat_template(self._chat_template)
         special = self._special
@@ -150,10 +157,13 @@ class Tokenizer:
         strings = {k: self._backend.id_to_token(i) for k, i in named.items() if i is not None}
         try:
             text = self._compiled_template.render(
-                messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **strings
+                **(chat_template_kwargs or {}), messages=messages, tools=tools, documents=None,
+                add_generation_prompt=add_generation_prompt, **strings,
             )
         except (jinja2.TemplateError, TypeError) as e:
             raise ChatTemplateError(f"chat template of {self.name} failed on these messages: {e}") from None
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages[-1])
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     @property
@@ -194,3 +204,17 @@ class Tokenizer:
     def add_bos_token(self) -> bool:
         """Whether ``encode(..., add_special_tokens=True)`` prepends BOS."""
         return self._add_bos_token
+
+
+def _cut_after_final_message(text: str, final: dict[str, Any]) -> str:
+    """``text`` up to the end of the final message's content (transformers' ``continue_final_message``: its last
+    occurrence, with its trailing whitespace where the template kept it). Raises ``ValueError`` when the rendered prompt does not contain it."""
+    content = final.get("content")
+    if isinstance(content, list):  # text parts
+        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    content = content or ""
+    start = text.rfind(content.strip()) if content.strip() else -1
+    if start < 0:
+        raise ValueError("continue_final_message: the final message's content does not appear in the rendered prompt")
+    whole = content.lstrip()  # trailing whitespace kept where the template kept it
+    return text[: start + (len(whole) if text[start : start + len(whole)] == whole else len(content.strip()))]
