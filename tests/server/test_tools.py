@@ -8,7 +8,9 @@ import json
 import pytest
 
 from kvgen.server.launch import ServerArgs
-from kvgen.server.tools import hermes_tool_calls
+from kvgen.server.tool_parsers import TOOL_CALL_PARSERS
+
+hermes_tool_calls = TOOL_CALL_PARSERS["hermes"].extract
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -29,11 +31,42 @@ def test_hermes_blocks_become_calls_and_the_text_before_them_content():
     assert hermes_tool_calls(broken) == (broken, [])  # not a call: the text stays the content
 
 
+def test_llama3_json_replies_are_calls_when_they_are_json_objects():
+    parse = TOOL_CALL_PARSERS["llama3_json"].extract
+    content, calls = parse('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
+                           '{"name": "get_time", "arguments": {"tz": "CET"}}')
+    assert content is None and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Rome"}), ("get_time", {"tz": "CET"})]
+    assert parse(' {"name": "f", "parameters": {}}\n')[1][0].function.arguments == "{}"
+    for text in ("It is sunny.", '{"name": "f"', '{"nom": "f", "parameters": {}}', '{"name": "f", "parameters": 3}',
+                 '{"name": "f", "parameters": {}} and more'):
+        assert parse(text) == (text, []), text
+
+
+def test_mistral_calls_follow_the_marker():
+    parse = TOOL_CALL_PARSERS["mistral"].extract
+    content, calls = parse('Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}, '
+                           '{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}]')
+    assert content == "Sure. " and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Rome"}), ("get_time", {"tz": "CET"})]
+    assert parse('[TOOL_CALLS] {"name": "f", "arguments": {}}')[0] is None
+    for text in ("no call", "[TOOL_CALLS] [{broken", '[TOOL_CALLS] [{"name": "f"}]'):
+        assert parse(text) == (text, []), text
+
+
+def test_streamable_content_stops_where_a_call_may_start():
+    hermes, llama, mistral = (TOOL_CALL_PARSERS[n] for n in ("hermes", "llama3_json", "mistral"))
+    assert hermes.num_streamable("Hello <tool") == len("Hello ") and hermes.num_streamable("Hi <b>") == len("Hi <b>")
+    assert hermes.num_streamable("A<tool_call>{...") == 1 and mistral.num_streamable("ok [TOOL_") == 3
+    assert llama.num_streamable("  ") == 0 and llama.num_streamable(' {"na') == 0 and llama.num_streamable("<|py") == 0
+    assert llama.num_streamable("The weather") == len("The weather")
+
+
 def test_auto_tool_choice_needs_a_parser():
     with pytest.raises(ValueError, match="needs a tool_call_parser"):
         ServerArgs(enable_auto_tool_choice=True)
-    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes"):
-        ServerArgs(tool_call_parser="mistral")
+    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, llama3_json, mistral"):
+        ServerArgs(tool_call_parser="pythonic")
 
 
 @pytest.fixture(scope="module")
@@ -63,5 +96,11 @@ def test_auto_tool_choice_parses_hermes_calls_streamed_or_not(hermes_server):
         assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
         assert [x.finish_reason for ch in chunks for x in ch.choices if x.finish_reason] == ["tool_calls"]
         plain = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER], temperature=0,
-                                               max_tokens=5)  # no call in the text: an ordinary reply
+                                               max_tokens=12)  # no call in the text: an ordinary reply
         assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason in ("stop", "length")
+        # streamed, an ordinary reply comes as it is written (not held to the end)
+        words = {"structured_outputs": {"regex": "(one two three four five six seven eight)"}}
+        chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER], temperature=0,
+                                                     max_tokens=40, stream=True, extra_body=words))
+        pieces = [x.delta.content for ch in chunks for x in ch.choices if x.delta.content]
+        assert "".join(pieces) == "one two three four five six seven eight" and len(pieces) > 3

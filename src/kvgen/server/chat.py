@@ -50,10 +50,9 @@ from kvgen.server.serving import (
     resolve_max_tokens,
     sampling_params,
 )
+from kvgen.server.tool_parsers import TOOL_CALL_PARSERS, new_call_id
 from kvgen.server.tools import (
     ToolPlan,
-    hermes_tool_calls,
-    new_call_id,
     tool_calls,
     tool_dicts,
     tool_plan,
@@ -129,7 +128,7 @@ def _reply(plan: ToolPlan | None, text: str) -> tuple[str | None, list[ToolCall]
     """(content, tool calls) of a finished reply: the text alone without calls; with calls, ``"auto"`` keeps the text
     before them, forced calls have none."""
     if plan is not None and plan.parser is not None:
-        content, found = hermes_tool_calls(text)
+        content, found = TOOL_CALL_PARSERS[plan.parser].extract(text)
         return content, found or None
     calls = tool_calls(plan, text) if plan is not None else None
     return (None, calls) if calls else (text, None)
@@ -146,11 +145,13 @@ def _choice(state: ServerState, req: ChatCompletionRequest, c: ChoiceResult, pla
 def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation, num_prompt_tokens: int,
             plan: ToolPlan | None) -> AsyncIterator[str]:
     """SSE chunks. A named tool call streams its arguments as ``delta.tool_calls[0].function.arguments``; the calls
-    of ``"required"`` and ``"auto"`` come whole (after ``"auto"``'s content) in the chunks before the finish: the
-    text must be complete to parse."""
+    of ``"required"`` and ``"auto"`` come whole in the chunks before the finish (the text must be complete to
+    parse); ``"auto"`` streams its content as written, holding back only what may start a call."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     pending: dict[int, str] = {}  # "required" / "auto": each choice's text so far
+    num_sent: dict[int, int] = {}  # "auto": characters of it already streamed as content
     buffered = plan is not None and plan.function is None
+    parser = TOOL_CALL_PARSERS[plan.parser] if plan is not None and plan.parser is not None else None
 
     def chunk(choices: list[ChatCompletionStreamChoice], **fields: Any) -> str:
         data = ChatCompletionChunk(id=gen.request_id, model=state.model_name, choices=choices, **fields)
@@ -163,7 +164,11 @@ def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation, num
 
     def events(_: int, c: CompletionOutput, __: RequestOutput) -> Iterator[str]:
         if buffered:
-            pending[c.index] = pending.get(c.index, "") + c.text
+            text = pending[c.index] = pending.get(c.index, "") + c.text
+            sent, ready = num_sent.get(c.index, 0), parser.num_streamable(text) if parser is not None else 0
+            if c.finish_reason is None and ready > sent:
+                num_sent[c.index] = ready
+                yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=text[sent:ready]))])
         elif c.text or (req.logprobs and c.token_ids):
             lp = _logprobs(state, req, c.token_ids, c.logprobs or [])
             yield chunk([ChatCompletionStreamChoice(index=c.index, delta=delta(c.text), logprobs=lp)])
@@ -172,6 +177,7 @@ def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation, num
         calls = None
         if buffered:
             content, calls = _reply(plan, pending.pop(c.index, ""))
+            content = (content or "")[num_sent.pop(c.index, 0) :]  # streamed content is a start of the final one
             if content:
                 yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=content))])
             if calls:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from kvgen.engine.engine_args import EngineArgs
 from kvgen.fields import config_field as _f
+from kvgen.server.tool_parsers import TOOL_CALL_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-TOOL_CALL_PARSERS = ("hermes",)
 
 
 @dataclass
@@ -35,7 +35,8 @@ class ServerArgs:
     enable_auto_tool_choice: bool = _f(False, "let tool_choice 'auto' (the default with tools) through; needs "
                                               "--tool-call-parser")
     tool_call_parser: str | None = _f(None, "how tool calls are found in generated text: 'hermes' "
-                                            "(<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>: Qwen2.5, Hermes)")
+                                            "(<tool_call>{...}</tool_call>: Qwen2.5, Hermes), 'llama3_json' (a JSON "
+                                            "object reply: Llama 3.1/3.2), 'mistral' ([TOOL_CALLS] [...])")
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -51,7 +52,7 @@ class ServerArgs:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser hermes)")
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser hermes|llama3_json|mistral)")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

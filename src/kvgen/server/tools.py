@@ -12,8 +12,6 @@ Source: OpenAI API reference (Chat Completions: tools, tool_choice, tool_calls);
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,21 +23,20 @@ from kvgen.server.protocol import (
     FunctionCall,
     ToolCall,
 )
+from kvgen.server.tool_parsers import new_call_id
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
 @dataclass
 class ToolPlan:
-    """How a request calls tools: ``function`` is the named one, None for ``"required"``; ``parser`` ("hermes") for
+    """How a request calls tools: ``function`` is the named one, None for ``"required"``; ``parser`` (a
+    ``TOOL_CALL_PARSERS`` name) for
     ``"auto"``, where the model decides and calls are parsed out of its text (no constraint)."""
 
     constraint: StructuredOutputsParams | None
     function: str | None
     parser: str | None = None
-
-
-_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
 
 def tool_plan(req: ChatCompletionRequest, parser: str | None = None) -> ToolPlan | None:
@@ -53,7 +50,7 @@ def tool_plan(req: ChatCompletionRequest, parser: str | None = None) -> ToolPlan
         if parser is not None:
             return ToolPlan(None, None, parser)
         raise bad_request('tool_choice "auto" (the default with tools) needs the server started with '
-                          '--enable-auto-tool-choice --tool-call-parser hermes; or pass "required", '
+                          '--enable-auto-tool-choice --tool-call-parser NAME; or pass "required", '
                           '{"type": "function", "function": {"name": ...}} or "none"', "tool_choice")
     if choice == "none":
         return None
@@ -89,33 +86,10 @@ def tool_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     return [t.model_dump(exclude_none=True) for t in req.tools]
 
 
-def new_call_id() -> str:
-    """A fresh tool-call id, ``call_`` + 24 hex digits (OpenAI's form)."""
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def hermes_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a Hermes-format reply: each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-    is a call (an unterminated last one too), the text before the first is the content (None when empty). A block
-    that is not such JSON leaves the whole text as content, with no calls. Source: vLLM ``Hermes2ProToolParser``."""
-    blocks = [closed or tail for closed, tail in _HERMES_CALL.findall(text)]  # findall gives "" for the unused group
-    if not blocks:
-        return text, []
-    calls = []
-    for block in blocks:
-        try:
-            call = json.loads(block)
-            calls.append(ToolCall(id=new_call_id(), function=FunctionCall(name=call["name"],
-                                                                           arguments=json.dumps(call["arguments"]))))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            return text, []
-    return text[: text.find("<tool_call>")] or None, calls
-
-
 def tool_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
     """The calls in a forced reply: the named function with ``text`` as its arguments (as generated, even when cut
     by ``max_tokens``), or the parsed array of ``"required"`` (None when it does not parse: cut short). ``"auto"``
-    replies go through :func:`hermes_tool_calls`."""
+    replies go through their parser (:mod:`kvgen.server.tool_parsers`)."""
     if plan.function is not None:
         return [ToolCall(id=new_call_id(), function=FunctionCall(name=plan.function, arguments=text))]
     try:

@@ -1,0 +1,126 @@
+"""Tool-call parsers of ``kvgen serve --enable-auto-tool-choice --tool-call-parser NAME``: with tool_choice "auto"
+the model decides, and its calls are found in the text it wrote, in the format its chat template taught it.
+
+Each parser gives ``extract(text) -> (content, calls)`` for a finished reply (a reply that does not parse stays
+text, with no calls) and ``num_streamable(text)``: how many leading characters are content whatever comes next, so
+a streamed reply shows its text as it is written and holds back only what may start a call.
+Source: vLLM ``entrypoints/openai/tool_parsers`` (``hermes``, ``llama3_json``, ``mistral``: formats and names).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from kvgen.server.protocol import FunctionCall, ToolCall
+
+
+def new_call_id() -> str:
+    """A fresh tool-call id, ``call_`` + 24 hex digits (OpenAI's form)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call(name: Any, arguments: Any) -> ToolCall:
+    """A call from parsed JSON; ``TypeError`` / ``ValueError`` when it is not a name with object (or JSON) arguments."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"tool call name must be a string, got {name!r}")
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments)
+    if not isinstance(arguments, dict):
+        raise TypeError(f"tool call arguments must be an object, got {arguments!r}")
+    return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False)))
+
+
+def _held_back(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``marker`` (it may become the marker)."""
+    return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:n])), 0)
+
+
+@dataclass(frozen=True)
+class MarkerParser:
+    """Calls follow a marker; the text before it is the content."""
+
+    marker: str
+
+    def num_streamable(self, text: str) -> int:
+        found = text.find(self.marker)
+        return found if found >= 0 else len(text) - _held_back(text, self.marker)
+
+
+class HermesParser(MarkerParser):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Qwen2.5, Hermes); an unterminated last
+    block (cut by max_tokens) counts. Source: vLLM ``Hermes2ProToolParser``."""
+
+    _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+    def __init__(self) -> None:
+        super().__init__("<tool_call>")
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        blocks = [closed or tail for closed, tail in self._BLOCK.findall(text)]  # "" for the unused group
+        if not blocks:
+            return text, []
+        try:
+            calls = [_call(c["name"], c["arguments"]) for c in map(json.loads, blocks)]
+        except (ValueError, KeyError, TypeError):
+            return text, []
+        return text[: text.find(self.marker)] or None, calls
+
+
+class MistralParser(MarkerParser):
+    """``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (Mistral 7B Instruct v0.3 and later's JSON form).
+    Source: vLLM ``MistralToolParser``."""
+
+    def __init__(self) -> None:
+        super().__init__("[TOOL_CALLS]")
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        found = text.find(self.marker)
+        if found < 0:
+            return text, []
+        try:
+            payload = json.loads(text[found + len(self.marker) :])
+            payload = payload if isinstance(payload, list) else [payload]
+            calls = [_call(c["name"], c["arguments"]) for c in payload]
+        except (ValueError, KeyError, TypeError):
+            return text, []
+        return text[:found] or None, calls
+
+
+class Llama3JsonParser:
+    """A reply that is one or more JSON objects ``{"name": ..., "parameters": {...}}`` separated by ``;``, after an
+    optional ``<|python_tag|>`` (Llama 3.1 / 3.2's JSON tool calling); any other reply is content.
+    Source: vLLM ``Llama3JsonToolParser``."""
+
+    python_tag = "<|python_tag|>"
+
+    def num_streamable(self, text: str) -> int:
+        start = text.lstrip()
+        if not start or start[0] == "{" or start.startswith(self.python_tag) or self.python_tag.startswith(start):
+            return 0  # a call may be starting
+        return len(text)
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = text.strip()
+        body = body.removeprefix(self.python_tag).lstrip()
+        if not body.startswith("{"):
+            return text, []
+        decoder, calls, i = json.JSONDecoder(), [], 0
+        try:
+            while i < len(body):
+                obj, i = decoder.raw_decode(body, i)
+                calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters"))))
+                i = len(body) if not body[i:].strip() else body.index(";", i) + 1
+                while i < len(body) and body[i].isspace():
+                    i += 1
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return text, []
+        return None, calls
+
+
+TOOL_CALL_PARSERS: dict[str, HermesParser | MistralParser | Llama3JsonParser] = {
+    "hermes": HermesParser(), "llama3_json": Llama3JsonParser(), "mistral": MistralParser(),
+}
