@@ -254,3 +254,23 @@ def test_default_model_copies_code_in_fewer_steps_with_the_same_tokens(ours_defa
         results[name] = (final.outputs[0].token_ids, num_steps)
     assert results["ngram"][0] == results["plain"][0] and len(results["plain"][0]) > 20
     assert results["ngram"][1] < results["plain"][1] / 2
+
+
+def test_parallel_sampling_prompt_logprobs_and_streamed_deltas_with_drafts(tiny_llama):
+    params = SamplingParams(n=2, temperature=0.6, seed=9, max_tokens=30, prompt_logprobs=1, logprobs=1)
+    (plain,), _ = _generate(tiny_llama, params, prompts=[{"prompt_token_ids": REPEATING}])
+    (spec,), scheduler = _generate(tiny_llama, params, SPEC, prompts=[{"prompt_token_ids": REPEATING}])
+    assert [c.token_ids for c in spec.outputs] == [c.token_ids for c in plain.outputs]
+    assert [lp.logprob if lp else None for lp in spec.prompt_logprobs] == [lp.logprob if lp else None for lp in plain.prompt_logprobs]
+    model, tok = tiny_llama
+    engine = LLM(model, tok, num_blocks=64, speculative_config=SPEC).llm_engine
+    engine.add_request("d", prompt_token_ids=REPEATING, sampling_params=SamplingParams(
+        temperature=0, max_tokens=30, logprobs=0, output_kind=RequestOutputKind.DELTA))
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += [o.outputs[0] for o in engine.step()]
+    (greedy,), _ = _generate(tiny_llama, SamplingParams(temperature=0, max_tokens=30), prompts=[{"prompt_token_ids": REPEATING}])
+    assert [t for d in deltas for t in d.token_ids] == greedy.outputs[0].token_ids
+    assert "".join(d.text for d in deltas) == greedy.outputs[0].text
+    assert all(len(d.logprobs) == len(d.token_ids) for d in deltas) and max(len(d.token_ids) for d in deltas) > 1
+    assert scheduler.num_draft_tokens > 0  # the n=2 run verified drafts (and rewound its generators)
