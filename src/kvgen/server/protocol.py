@@ -100,8 +100,9 @@ class SamplingFields(StrictModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, description="vLLM extra")
     include_stop_str_in_output: bool = Field(default=False, description="vLLM extra")
     skip_special_tokens: bool = Field(default=True, description="vLLM extra")
-    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, description="vLLM extra")
-    bad_words: list[str] | None = Field(default=None, description="vLLM extra")
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=1 << 18,
+                                                                         description="vLLM extra")
+    bad_words: list[str] | None = Field(default=None, max_length=1024, description="vLLM extra")
 
 
 # ---------------------------------------------------------------- chat completions
