@@ -166,8 +166,8 @@ class ModelRunner:
         that differs from its row's token, then that token. Returns (request_id -> new tokens, -> their logprobs).
         """
         rows = [
-            SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids + s.spec_token_ids[:j],
-                        self._generators[s.request_id], self.eos_token_ids, s.grammar)
+            SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids + s.spec_token_ids[:j] if j else
+                        s.output_token_ids, self._generators[s.request_id], self.eos_token_ids, s.grammar)
             for s in step.sample_requests for j in range(1 + len(s.spec_token_ids))
         ]
         states = {s.request_id: self._generators[s.request_id].get_state() for s in step.sample_requests

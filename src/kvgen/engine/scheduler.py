@@ -2,10 +2,10 @@
 
 Each step spends a token budget: running requests first (a decode takes 1 token, plus its
 n-gram drafts under speculative decoding; an unfinished or recomputing prefill a chunk),
-then waiting ones are admitted while slots,
-budget and KV blocks last, starting after their prefix-cache hit. When the pool runs
-out, the newest running request (under the priority policy: the least important) is
-preempted: its blocks are freed and it is recomputed later from its tokens.
+then waiting ones are admitted while slots, budget and KV blocks last, starting after
+their prefix-cache hit. When the pool runs out, the newest running request (under the
+priority policy: the least important) is preempted: its blocks are freed and it is
+recomputed later from its tokens.
 
 Source: vLLM v1 ``vllm/v1/core/sched/scheduler.py`` (semantics: chunked prefill,
 no admission in a step that preempted, ``num_computed_tokens``); nano-vllm (size).
@@ -293,6 +293,7 @@ class Scheduler:
                 request.add_prompt_logprobs(scheduled.start_position, prompt_logprobs)
             if scheduled.needs_sample:
                 outputs.append(self._append_tokens(request, token_ids, (runner_output.logprobs or {}).get(request.request_id)))
+                # kept drafts are computed now (fewer if a stop dropped some); the newest token is not
                 request.num_computed_tokens += min(num_accepted, request.num_tokens - 1 - request.num_computed_tokens)
         return outputs
 
