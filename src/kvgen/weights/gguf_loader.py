@@ -28,7 +28,7 @@ from kvgen.weights.name_maps import (
     expected_param_shapes,
     gguf_to_kvgen_name,
 )
-from kvgen.weights.quantized import KERNEL_TYPES, GGUFBlocks, dense_to_q8_0
+from kvgen.weights.quantized import KERNEL_TYPES, GGUFBlocks, dense_to_q8_0, q4_k_as_q4_1
 
 Q = GGMLQuantizationType
 SUPPORTED_QUANT_TYPES: frozenset[GGMLQuantizationType] = frozenset(
@@ -95,14 +95,21 @@ def load_gguf(
 
 
 def _compact_tensor(t: ReaderTensor, qk_heads: int | None) -> GGUFBlocks:
-    """A quantized matrix as GGUFBlocks: its own bytes for kernel types, else re-encoded as Q8_0."""
-    if t.tensor_type not in KERNEL_TYPES:
+    """A quantized matrix as GGUFBlocks: its own bytes for kernel types, Q4_K rewritten as Q4_1, else re-encoded
+    as Q8_0."""
+    if t.tensor_type not in KERNEL_TYPES and t.tensor_type != GGMLQuantizationType.Q4_K:
         return dense_to_q8_0(dequantize_tensor(t, torch.float32, qk_heads))
     out_features, in_features = _torch_shape(t)  # 2-D: the caller's check
     raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(out_features, -1))  # [out, bytes], a copy
+    qtype = t.tensor_type
+    if qtype == GGMLQuantizationType.Q4_K:
+        as_q4_1 = q4_k_as_q4_1(raw)
+        if as_q4_1 is None:  # a scale beyond float16
+            return dense_to_q8_0(dequantize_tensor(t, torch.float32, qk_heads))
+        raw, qtype = as_q4_1, GGMLQuantizationType.Q4_1
     if qk_heads:
         raw = reverse_permute_qk(raw, qk_heads)  # whole rows move: exact on the encoded bytes
-    return GGUFBlocks(t.tensor_type, [raw], (out_features, in_features))
+    return GGUFBlocks(qtype, [raw], (out_features, in_features))
 
 
 def _map_names(reader: GGUFReader, path: str) -> dict[str, str]:
