@@ -28,7 +28,12 @@ from kvgen.weights.name_maps import (
     expected_param_shapes,
     gguf_to_kvgen_name,
 )
-from kvgen.weights.quantized import KERNEL_TYPES, GGUFBlocks, dense_to_q8_0, q4_k_as_q4_1
+from kvgen.weights.quantized import (
+    KERNEL_TYPES,
+    GGUFBlocks,
+    dense_to_q8_0,
+    q4_k_as_q4_1,
+)
 
 Q = GGMLQuantizationType
 SUPPORTED_QUANT_TYPES: frozenset[GGMLQuantizationType] = frozenset(
