@@ -94,8 +94,9 @@ def q4_k_as_q4_1(raw: torch.Tensor) -> torch.Tensor | None:
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
     dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)  # [n, 1]
     sc, mn = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [n, 8] each
-    scale = (d * sc.astype(np.float32)).astype(np.float16)  # [n, 8]
-    offset = (-(dmin * mn.astype(np.float32))).astype(np.float16)  # [n, 8]
+    with np.errstate(over="ignore"):  # an overflow becomes inf, refused below
+        scale = (d * sc.astype(np.float32)).astype(np.float16)  # [n, 8]
+        offset = (-(dmin * mn.astype(np.float32))).astype(np.float16)  # [n, 8]
     if not (np.isfinite(scale).all() and np.isfinite(offset).all()):
         return None
     qs = blocks[:, 16:].reshape(n, 4, 1, 32)  # [n, pair of sub-blocks, 1, 32 bytes]
