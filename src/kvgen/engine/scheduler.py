@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from kvgen.engine.block_manager import BlockManager, cdiv
 from kvgen.engine.request import Request, RequestStatus
@@ -224,14 +224,14 @@ class Scheduler:
         assert num_new > 0, f"{request.request_id} has nothing to compute"
         return num_new
 
-    def _scheduled_request(self, request: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledRequest:
+    def _scheduled_request(self, request: Request, num_new: int, drafts: Sequence[int] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens
         is_new = request.request_id not in self._seen_by_runner
         self._seen_by_runner.add(request.request_id)
-        self.num_draft_tokens += len(drafts or ())
+        self.num_draft_tokens += len(drafts)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new] + (drafts or []),
+            token_ids=request.all_token_ids[start : start + num_new] + list(drafts),
             start_position=start,
             block_table=list(request.block_ids),
             needs_sample=start + num_new == request.num_tokens,
@@ -240,7 +240,7 @@ class Scheduler:
             output_token_ids=list(request.output_token_ids),
             is_new=is_new,
             grammar=request.grammar,
-            spec_token_ids=list(drafts or []),
+            spec_token_ids=list(drafts),
         )
 
     # ------------------------------------------------------------ prefix sharing within a step

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from kvgen.server.protocol import FunctionCall, ToolCall
@@ -23,8 +22,9 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _call(name: Any, arguments: Any) -> ToolCall:
-    """A call from parsed JSON; ``TypeError`` / ``ValueError`` when it is not a name with object (or JSON) arguments."""
+def parsed_call(name: Any, arguments: Any) -> ToolCall:
+    """A call with a fresh id from parsed JSON (arguments re-serialized, non-ASCII kept as vLLM does); ``TypeError``
+    / ``ValueError`` when it is not a name with object (or JSON-text) arguments."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"tool call name must be a string, got {name!r}")
     if isinstance(arguments, str):
@@ -39,11 +39,10 @@ def _held_back(text: str, marker: str) -> int:
     return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:n])), 0)
 
 
-@dataclass(frozen=True)
 class MarkerParser:
-    """Calls follow a marker; the text before it is the content."""
+    """Calls follow ``marker``; the text before it is the content."""
 
-    marker: str
+    marker = ""
 
     def num_streamable(self, text: str) -> int:
         found = text.find(self.marker)
@@ -54,17 +53,15 @@ class HermesParser(MarkerParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Qwen2.5, Hermes); an unterminated last
     block (cut by max_tokens) counts. Source: vLLM ``Hermes2ProToolParser``."""
 
+    marker = "<tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
-
-    def __init__(self) -> None:
-        super().__init__("<tool_call>")
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         blocks = [closed or tail for closed, tail in self._BLOCK.findall(text)]  # "" for the unused group
         if not blocks:
             return text, []
         try:
-            calls = [_call(c["name"], c["arguments"]) for c in map(json.loads, blocks)]
+            calls = [parsed_call(c["name"], c["arguments"]) for c in map(json.loads, blocks)]
         except (ValueError, KeyError, TypeError):
             return text, []
         return text[: text.find(self.marker)] or None, calls
@@ -74,8 +71,7 @@ class MistralParser(MarkerParser):
     """``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (Mistral 7B Instruct v0.3 and later's JSON form).
     Source: vLLM ``MistralToolParser``."""
 
-    def __init__(self) -> None:
-        super().__init__("[TOOL_CALLS]")
+    marker = "[TOOL_CALLS]"
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         found = text.find(self.marker)
@@ -84,7 +80,7 @@ class MistralParser(MarkerParser):
         try:
             payload = json.loads(text[found + len(self.marker) :])
             payload = payload if isinstance(payload, list) else [payload]
-            calls = [_call(c["name"], c["arguments"]) for c in payload]
+            calls = [parsed_call(c["name"], c["arguments"]) for c in payload]
         except (ValueError, KeyError, TypeError):
             return text, []
         return text[:found] or None, calls
@@ -112,7 +108,7 @@ class Llama3JsonParser:
         try:
             while i < len(body):
                 obj, i = decoder.raw_decode(body, i)
-                calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters"))))
+                calls.append(parsed_call(obj["name"], obj.get("arguments", obj.get("parameters"))))
                 i = len(body) if not body[i:].strip() else body.index(";", i) + 1
                 while i < len(body) and body[i].isspace():
                     i += 1

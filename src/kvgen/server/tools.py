@@ -97,4 +97,4 @@ def tool_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
     except json.JSONDecodeError:
         return None
     return [ToolCall(id=new_call_id(), function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"])))
-            for c in calls]
+            for c in calls]  # any JSON the tool's schema allows (parsers' calls take objects only)
