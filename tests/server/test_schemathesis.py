@@ -32,7 +32,8 @@ def test_generated_requests_get_no_5xx_and_match_the_schema(small_server):
     schema = schemathesis.openapi.from_url(small_server.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     paths = {(op.method.upper(), op.path) for op in operations}
-    assert {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models")} <= paths
+    assert {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
+            ("GET", "/v1/models")} <= paths
     num_calls = 0
     statuses: dict[str, set[int]] = {op.path: set() for op in operations}
     for operation in operations:
@@ -50,6 +51,6 @@ def test_generated_requests_get_no_5xx_and_match_the_schema(small_server):
 
         check()
     assert num_calls >= len(operations) * 5  # something was really generated and sent
-    for path in ("/v1/chat/completions", "/v1/completions"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
         assert 200 in statuses[path] and 400 in statuses[path], statuses  # both ways through the server
     assert "Traceback" not in small_server.log()

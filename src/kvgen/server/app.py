@@ -1,6 +1,7 @@
 """``build_app``: the FastAPI application of ``kvgen serve`` over one ``AsyncLLMEngine``.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (with ``GET`` and
+``DELETE /v1/responses/{response_id}``), ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /metrics`` (Prometheus
 text) and the chat page at ``GET /`` (static files shipped in ``kvgen/server/static``).
 With an API key, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need
@@ -37,6 +38,12 @@ from kvgen.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+)
+from kvgen.server.responses import create_response
+from kvgen.server.responses_protocol import (
+    DeletedResponse,
+    ResponseObject,
+    ResponsesRequest,
 )
 from kvgen.server.serving import ServerState
 
@@ -77,6 +84,19 @@ def _api_router() -> APIRouter:
     @router.post("/v1/completions", response_model=CompletionResponse, responses=_STREAMED)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(_state(request), body, request)
+
+    @router.post("/v1/responses", response_model=ResponseObject, responses=_STREAMED)
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(_state(request), body, request)
+
+    @router.get("/v1/responses/{response_id}", response_model=ResponseObject)
+    async def retrieve_response(response_id: str, request: Request) -> ResponseObject:
+        return _state(request).responses.get(response_id).response
+
+    @router.delete("/v1/responses/{response_id}", response_model=DeletedResponse)
+    async def delete_response(response_id: str, request: Request) -> DeletedResponse:
+        _state(request).responses.delete(response_id)
+        return DeletedResponse(id=response_id)
 
     @router.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:

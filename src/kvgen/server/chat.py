@@ -124,7 +124,7 @@ def _finish_reason(reason: str | None, plan: ToolPlan | None, calls: list[ToolCa
     return openai_finish_reason(reason)
 
 
-def _reply(plan: ToolPlan | None, text: str) -> tuple[str | None, list[ToolCall] | None]:
+def reply_parts(plan: ToolPlan | None, text: str) -> tuple[str | None, list[ToolCall] | None]:
     """(content, tool calls) of a finished reply: the text alone without calls; with calls, ``"auto"`` keeps the text
     before them, forced calls have none."""
     if plan is not None and plan.parser is not None:
@@ -135,66 +135,79 @@ def _reply(plan: ToolPlan | None, text: str) -> tuple[str | None, list[ToolCall]
 
 
 def _choice(state: ServerState, req: ChatCompletionRequest, c: ChoiceResult, plan: ToolPlan | None) -> ChatCompletionChoice:
-    content, calls = _reply(plan, c.text)
+    content, calls = reply_parts(plan, c.text)
     return ChatCompletionChoice(
         index=c.index, message=ChatCompletionMessage(content=content, tool_calls=calls),
         logprobs=_logprobs(state, req, c.token_ids, c.logprobs), finish_reason=_finish_reason(c.finish_reason, plan, calls),
     )
 
 
+class ChatDeltas:
+    """The stream deltas of a chat completion's choices, what ``_stream`` sends as chunks (and ``/v1/responses`` as
+    events). A named tool call streams its arguments as ``delta.tool_calls[0].function.arguments``; the calls of
+    ``"required"`` and ``"auto"`` come whole in the deltas before the finish (the text must be complete to parse);
+    ``"auto"`` streams its content as written, holding back only what may start a call."""
+
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, plan: ToolPlan | None) -> None:
+        self.state, self.req, self.plan = state, req, plan
+        self.pending: dict[int, str] = {}  # "required" / "auto": each choice's text so far
+        self.num_sent: dict[int, int] = {}  # "auto": characters of it already streamed as content
+        self.is_buffered = plan is not None and plan.function is None
+        self.parser = TOOL_CALL_PARSERS[plan.parser] if plan is not None and plan.parser is not None else None
+
+    def opening(self, index: int) -> ChatCompletionStreamChoice:
+        """A choice's first delta: the role, and a named call's id and name (its arguments follow)."""
+        if self.plan is not None and self.plan.function is not None:
+            call = ToolCallDelta(index=0, id=new_call_id(), type="function",
+                                 function=FunctionCallDelta(name=self.plan.function, arguments=""))
+            return ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", tool_calls=[call]))
+        return ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+
+    def __call__(self, c: CompletionOutput) -> Iterator[ChatCompletionStreamChoice]:
+        """The deltas of one engine output of choice ``c.index``; the last carries the finish reason."""
+        req, plan = self.req, self.plan
+        if self.is_buffered:
+            text = self.pending[c.index] = self.pending.get(c.index, "") + c.text
+            sent = self.num_sent.get(c.index, 0)
+            ready = self.parser.num_streamable(text) if self.parser is not None else 0
+            if c.finish_reason is None and ready > sent:
+                self.num_sent[c.index] = ready
+                yield ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=text[sent:ready]))
+        elif c.text or (req.logprobs and c.token_ids):
+            lp = _logprobs(self.state, req, c.token_ids, c.logprobs or [])
+            delta = DeltaMessage(content=c.text) if plan is None else DeltaMessage(
+                tool_calls=[ToolCallDelta(index=0, function=FunctionCallDelta(arguments=c.text))])
+            yield ChatCompletionStreamChoice(index=c.index, delta=delta, logprobs=lp)
+        if c.finish_reason is None:
+            return
+        calls = None
+        if self.is_buffered:
+            content, calls = reply_parts(plan, self.pending.pop(c.index, ""))
+            content = (content or "")[self.num_sent.pop(c.index, 0) :]  # streamed content is a start of the final one
+            if content:
+                yield ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=content))
+            if calls:
+                yield ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(tool_calls=[
+                    ToolCallDelta(index=i, id=call.id, type="function",
+                                  function=FunctionCallDelta(name=call.function.name, arguments=call.function.arguments))
+                    for i, call in enumerate(calls)]))
+        reason = _finish_reason(c.finish_reason, plan, calls)
+        yield ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason)
+
+
 def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation, num_prompt_tokens: int,
             plan: ToolPlan | None) -> AsyncIterator[str]:
-    """SSE chunks. A named tool call streams its arguments as ``delta.tool_calls[0].function.arguments``; the calls
-    of ``"required"`` and ``"auto"`` come whole in the chunks before the finish (the text must be complete to
-    parse); ``"auto"`` streams its content as written, holding back only what may start a call."""
+    """SSE chunks: each choice's opening, its deltas (:class:`ChatDeltas`), the usage chunk when asked."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    pending: dict[int, str] = {}  # "required" / "auto": each choice's text so far
-    num_sent: dict[int, int] = {}  # "auto": characters of it already streamed as content
-    buffered = plan is not None and plan.function is None
-    parser = TOOL_CALL_PARSERS[plan.parser] if plan is not None and plan.parser is not None else None
+    deltas = ChatDeltas(state, req, plan)
 
     def chunk(choices: list[ChatCompletionStreamChoice], **fields: Any) -> str:
         data = ChatCompletionChunk(id=gen.request_id, model=state.model_name, choices=choices, **fields)
         return sse(chunk_dict(data, include_usage))
 
-    def delta(text: str) -> DeltaMessage:
-        if plan is None:
-            return DeltaMessage(content=text)
-        return DeltaMessage(tool_calls=[ToolCallDelta(index=0, function=FunctionCallDelta(arguments=text))])
-
     def events(_: int, c: CompletionOutput, __: RequestOutput) -> Iterator[str]:
-        if buffered:
-            text = pending[c.index] = pending.get(c.index, "") + c.text
-            sent, ready = num_sent.get(c.index, 0), parser.num_streamable(text) if parser is not None else 0
-            if c.finish_reason is None and ready > sent:
-                num_sent[c.index] = ready
-                yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=text[sent:ready]))])
-        elif c.text or (req.logprobs and c.token_ids):
-            lp = _logprobs(state, req, c.token_ids, c.logprobs or [])
-            yield chunk([ChatCompletionStreamChoice(index=c.index, delta=delta(c.text), logprobs=lp)])
-        if c.finish_reason is None:
-            return
-        calls = None
-        if buffered:
-            content, calls = _reply(plan, pending.pop(c.index, ""))
-            content = (content or "")[num_sent.pop(c.index, 0) :]  # streamed content is a start of the final one
-            if content:
-                yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=content))])
-            if calls:
-                yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(tool_calls=[
-                    ToolCallDelta(index=i, id=call.id, type="function",
-                                  function=FunctionCallDelta(name=call.function.name, arguments=call.function.arguments))
-                    for i, call in enumerate(calls)]))])
-        reason = _finish_reason(c.finish_reason, plan, calls)
-        yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason)])
+        return (chunk([choice]) for choice in deltas(c))
 
-    def opening() -> DeltaMessage:
-        if plan is not None and plan.function is not None:  # the call's id and name, then its arguments
-            call = ToolCallDelta(index=0, id=new_call_id(), type="function",
-                                 function=FunctionCallDelta(name=plan.function, arguments=""))
-            return DeltaMessage(role="assistant", tool_calls=[call])
-        return DeltaMessage(role="assistant", content="")
-
-    first = (chunk([ChatCompletionStreamChoice(index=i, delta=opening())]) for i in range(req.n))
+    first = (chunk([deltas.opening(i)]) for i in range(req.n))
     final = (lambda num_tokens: chunk([], usage=usage(num_prompt_tokens, num_tokens))) if include_usage else None
     return stream_events(gen, first, events, final)

@@ -68,7 +68,9 @@ def _loc_param(loc: tuple[Any, ...]) -> str | None:
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
     errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    # the deepest problem: for a union field (``input``: a string or a list of items) that is the branch that came
+    # closest, not "should be a valid string"
+    first = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {"loc": (), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":
         return OpenAIError(400, f"malformed JSON body: {first.get('msg')}", None, "invalid_json")
     param = _loc_param(tuple(first.get("loc", ())))

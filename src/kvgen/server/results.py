@@ -47,6 +47,7 @@ class ChoiceResult:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # SamplingParams.prompt_logprobs of its prompt
+    num_cached_tokens: int = 0  # its prompt's tokens served by the prefix cache
 
     def add(self, completion: CompletionOutput) -> None:
         self.text += completion.text
@@ -82,6 +83,7 @@ async def collect(gen: Generation, n: int) -> list[ChoiceResult]:
         for completion in output.outputs:
             index = prompt_index * n + completion.index
             choices.setdefault(index, ChoiceResult(index)).add(completion)
+            choices[index].num_cached_tokens = output.num_cached_tokens
     results = [choices[i] for i in sorted(choices)]
     for choice in results:
         choice.prompt_logprobs = prompt_logprobs.get(choice.index // n)
@@ -207,13 +209,13 @@ async def respond(
 
 async def stream_events(
     gen: Generation, first: Iterable[str], events: Callable[[int, CompletionOutput, RequestOutput], Iterable[str]],
-    usage_chunk: Callable[[int], str] | None,
+    usage_chunk: Callable[[int], str] | None, *, error_event: Callable[[str, str], str] = sse_error,
+    done: str | None = sse("[DONE]"),
 ) -> AsyncIterator[str]:
     """SSE lines of a streamed request: ``first``, then ``events(prompt_index, completion, output)`` per completion of
-    each engine output,
-    the ``usage_chunk(num_completion_tokens)`` when asked, ``[DONE]``. An aborted request or an engine
-    failure after the 200 ends the stream with an error event (as vLLM)."""
-    num_tokens = 0
+    each engine output, the ``usage_chunk(num_completion_tokens)`` when asked, then ``done`` (unless None). An aborted
+    request or an engine failure after the 200 ends the stream with ``error_event(message, code)`` (as vLLM)."""
+    num_tokens, ending = 0, [] if done is None else [done]
     try:
         for line in first:
             yield line
@@ -221,17 +223,21 @@ async def stream_events(
             for c in output.outputs:
                 num_tokens += len(c.token_ids)
                 if c.finish_reason == "abort":
-                    yield sse_error(f"the request was aborted by the server{': ' + output.error if output.error else ''}")
-                    yield sse("[DONE]")
+                    yield error_event(f"the request was aborted by the server{': ' + output.error if output.error else ''}",
+                                      "aborted")
+                    for line in ending:
+                        yield line
                     return
                 for line in events(prompt_index, c, output):
                     yield line
         if usage_chunk is not None:
             yield usage_chunk(num_tokens)
-        yield sse("[DONE]")
+        for line in ending:
+            yield line
     except Exception as e:
         logger.exception("request %s failed", gen.request_id)
-        yield sse_error(f"internal server error ({type(e).__name__})", "internal_error")
-        yield sse("[DONE]")
+        yield error_event(f"internal server error ({type(e).__name__})", "internal_error")
+        for line in ending:
+            yield line
     finally:
         await gen.close()

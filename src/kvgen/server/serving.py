@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -27,6 +27,7 @@ from kvgen.engine.sampling_params import (
 from kvgen.server.errors import OpenAIError, bad_request
 from kvgen.server.metrics import RequestTracker, ServerMetrics
 from kvgen.server.protocol import SamplingFields
+from kvgen.server.response_store import ResponseStore
 from kvgen.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -47,6 +48,7 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     tool_call_parser: str | None = None  # "hermes": tool_choice "auto" allowed, calls parsed from the text
+    responses: ResponseStore = field(default_factory=ResponseStore)  # stored /v1/responses results
 
     def check_model(self, name: str | None) -> None:
         """Raises a 404 ``OpenAIError`` unless ``name`` is the served model (None = any)."""

@@ -50,8 +50,8 @@ def tool_plan(req: ChatCompletionRequest, parser: str | None = None) -> ToolPlan
         if parser is not None:
             return ToolPlan(None, None, parser)
         raise bad_request('tool_choice "auto" (the default with tools) needs the server started with '
-                          '--enable-auto-tool-choice --tool-call-parser NAME; or pass "required", '
-                          '{"type": "function", "function": {"name": ...}} or "none"', "tool_choice")
+                          '--enable-auto-tool-choice --tool-call-parser NAME; or pass "required", a named function '
+                          'or "none"', "tool_choice")
     if choice == "none":
         return None
     if not tools:

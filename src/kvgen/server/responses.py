@@ -1,0 +1,333 @@
+"""``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{response_id}``: OpenAI's Responses API.
+
+A request becomes a chat completion (instructions as the system message, a previous response's
+conversation, then the input items, through the chat template) and shares its sampling, tool calls,
+structured outputs and streaming deltas (:class:`kvgen.server.chat.ChatDeltas`); only the shapes
+differ: output items (``message`` with ``output_text``, ``function_call``) instead of choices, and
+named, numbered stream events (``response.created`` ... ``response.completed``, no ``[DONE]``).
+A stored response (``store``, the default) is kept in memory, the oldest dropped past
+``ResponseStore.capacity``, and can be read, deleted, or continued with ``previous_response_id``
+(its instructions are not carried over, as OpenAI).
+Source: OpenAI API reference, Responses and "Streaming events"; vLLM ``serving_responses.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from fastapi.responses import Response
+from pydantic import ValidationError
+from starlette.requests import Request
+
+from kvgen.engine.outputs import CompletionOutput, RequestOutput
+from kvgen.server.chat import ChatDeltas, chat_prompt_ids, reply_parts
+from kvgen.server.errors import OpenAIError, bad_request
+from kvgen.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionStreamChoice,
+    ChatMessage,
+    ChatTool,
+    FunctionCall,
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
+    ToolCall,
+)
+from kvgen.server.response_store import StoredResponse
+from kvgen.server.responses_protocol import (
+    LOGPROBS_INCLUDE,
+    FunctionCallItem,
+    FunctionToolChoice,
+    IncompleteDetails,
+    InputTokensDetails,
+    ItemStatus,
+    MessageItem,
+    OutputFunctionCall,
+    OutputItem,
+    OutputMessage,
+    OutputText,
+    ResponseError,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+    TextConfig,
+)
+from kvgen.server.results import ChoiceResult, chat_logprobs, respond, stream_events
+from kvgen.server.serving import (
+    Generation,
+    ServerState,
+    resolve_max_tokens,
+    sampling_params,
+)
+from kvgen.server.tools import ToolPlan, tool_plan
+
+# chat-side parameter names as the Responses API calls them, for error bodies
+_PARAMS = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens"}
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _refuse_unsupported(req: ResponsesRequest) -> None:
+    """400 naming the first field kvgen cannot honour."""
+    if req.background:
+        raise bad_request("background responses are not supported", "background")
+    if req.reasoning and any(v is not None for v in req.reasoning.values()):
+        raise bad_request("reasoning is not supported with this model", "reasoning")
+    if req.conversation is not None:
+        raise bad_request("conversations are not supported; pass previous_response_id", "conversation")
+    if req.prompt is not None:
+        raise bad_request("prompt templates are not supported", "prompt")
+    unknown = [v for v in req.include or [] if v != LOGPROBS_INCLUDE]
+    if unknown:
+        raise bad_request(f"include supports only {LOGPROBS_INCLUDE!r}, got {unknown[0]!r}", "include")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def _input_messages(items: str | list[Any]) -> list[ChatMessage]:
+    """Input items as chat messages: function calls join the assistant turn before them, their outputs are tool turns."""
+    if isinstance(items, str):
+        return [ChatMessage(role="user", content=items)]
+    out: list[ChatMessage] = []
+    for item in items:
+        if isinstance(item, MessageItem):
+            text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
+            out.append(ChatMessage(role=item.role, content=text))
+        elif isinstance(item, FunctionCallItem):
+            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+            if out and out[-1].role == "assistant":
+                out[-1].tool_calls = [*(out[-1].tool_calls or []), call]
+            else:
+                out.append(ChatMessage(role="assistant", tool_calls=[call]))
+        else:
+            out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.output))
+    return out
+
+
+def _chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatCompletionRequest:
+    """The chat completion that serves ``req``; 400 for a ``json_schema`` format without its name and schema."""
+    fmt, response_format = (req.text or TextConfig()).format, None
+    if fmt.type == "json_schema" and fmt.as_json_schema() is None:
+        raise bad_request("text.format needs name and schema when type is 'json_schema'", "text.format")
+    if fmt.type != "text":
+        response_format = ResponseFormat(type=fmt.type, json_schema=fmt.as_json_schema())
+    choice = req.tool_choice
+    tools = [ChatTool(type="function", function=FunctionDefinition(
+        name=t.name, description=t.description, parameters=t.parameters, strict=t.strict)) for t in req.tools or []]
+    logprobs = LOGPROBS_INCLUDE in (req.include or [])
+    try:
+        return ChatCompletionRequest(
+            model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens, temperature=req.temperature,
+            top_p=req.top_p, logprobs=logprobs, top_logprobs=req.top_logprobs if logprobs else None, tools=tools or None,
+            tool_choice=NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+            if isinstance(choice, FunctionToolChoice) else choice,
+            parallel_tool_calls=req.parallel_tool_calls, response_format=response_format, user=req.user,
+        )
+    except ValidationError as e:
+        error = e.errors()[0]
+        raise bad_request(f"input: {error['msg']}" if error["loc"][:1] == ("messages",) else str(e), "input") from None
+
+
+def _prompt(state: ServerState, req: ResponsesRequest, chat: ChatCompletionRequest) -> list[int]:
+    """The prompt's ids; with ``truncation: "auto"`` the oldest turns after the system message are dropped until the
+    prompt leaves room for ``max_output_tokens`` (at least one token)."""
+    ids = chat_prompt_ids(state, chat)
+    room = req.max_output_tokens or 1
+    first = 1 if chat.messages[0].role == "system" else 0
+    while req.truncation == "auto" and len(ids) + room > state.max_model_len and len(chat.messages) > first + 1:
+        del chat.messages[first]
+        ids = chat_prompt_ids(state, chat)
+    return ids
+
+
+async def create_response(state: ServerState, req: ResponsesRequest, raw: Request) -> Response:
+    """Validate, enqueue, then stream events or answer once. Raises ``OpenAIError`` (400/404/429/503)."""
+    state.check_model(req.model)
+    _refuse_unsupported(req)
+    previous = state.responses.get(req.previous_response_id, "previous_response_id") if req.previous_response_id else None
+    history = [*(previous.messages if previous else []), *_input_messages(req.input)]
+    system = [ChatMessage(role="system", content=req.instructions)] if req.instructions is not None else []
+    try:
+        chat = _chat_request(req, system + history)
+        plan = tool_plan(chat, state.tool_call_parser)
+        prompt_ids = _prompt(state, req, chat)
+        max_tokens = resolve_max_tokens(state, len(prompt_ids), req.max_output_tokens, ("input", "max_output_tokens"))
+        params = sampling_params(chat, state.tokenizer, max_tokens, (chat.top_logprobs or 0) if chat.logprobs else None,
+                                 plan.constraint if plan else None)
+    except OpenAIError as e:
+        e.param = _PARAMS.get(e.param or "", e.param)
+        raise
+    builder = _Builder(state, req, chat, plan, history, len(prompt_ids))
+    gen = Generation(state, builder.response.id)
+    await gen.start([prompt_ids], params, "input")
+    if req.stream:
+        return await respond(gen, raw, 1, builder.events(gen, ChatDeltas(state, chat, plan)), builder.from_choices)
+    return await respond(gen, raw, 1, None, builder.from_choices)
+
+
+class _Builder:
+    """Builds one response: at once from the finished choice, or as stream events from its deltas; stores it."""
+
+    def __init__(self, state: ServerState, req: ResponsesRequest, chat: ChatCompletionRequest, plan: ToolPlan | None,
+                 history: list[ChatMessage], num_prompt_tokens: int) -> None:
+        self.state, self.req, self.chat, self.plan, self.history = state, req, chat, plan, history
+        self.num_prompt_tokens = num_prompt_tokens
+        self.response = ResponseObject(
+            id=_new_id("resp"), status="in_progress", instructions=req.instructions,
+            max_output_tokens=req.max_output_tokens, max_tool_calls=req.max_tool_calls, model=state.model_name,
+            parallel_tool_calls=req.parallel_tool_calls is not False, previous_response_id=req.previous_response_id,
+            store=req.store, temperature=1.0 if req.temperature is None else req.temperature,
+            text=req.text or TextConfig(), tool_choice=req.tool_choice or ("auto" if req.tools else "none"),
+            tools=req.tools or [], top_logprobs=req.top_logprobs, top_p=1.0 if req.top_p is None else req.top_p,
+            truncation=req.truncation or "disabled", user=req.user, metadata=req.metadata or {},
+        )
+
+    def finish(self, output: list[OutputItem], finish_reason: str | None, num_tokens: int, num_cached: int) -> ResponseObject:
+        """The finished response (stored when asked): "incomplete" when cut by ``max_output_tokens``."""
+        is_cut = finish_reason == "length"
+        response = self.response.model_copy(update={
+            "status": "incomplete" if is_cut else "completed", "output": output,
+            "incomplete_details": IncompleteDetails(reason="max_output_tokens") if is_cut else None,
+            "usage": ResponseUsage(input_tokens=self.num_prompt_tokens, output_tokens=num_tokens,
+                                   input_tokens_details=InputTokensDetails(cached_tokens=num_cached),
+                                   total_tokens=self.num_prompt_tokens + num_tokens)})
+        if self.req.store:
+            self.state.responses.put(StoredResponse(response, [*self.history, _as_message(output)]))
+        return response
+
+    def from_choices(self, choices: list[ChoiceResult]) -> ResponseObject:
+        c = choices[0]
+        content, calls = reply_parts(self.plan, c.text)
+        status: ItemStatus = "incomplete" if c.finish_reason == "length" else "completed"
+        output: list[OutputItem] = []
+        if content or not calls:
+            logprobs = chat_logprobs(self.state.tokenizer, c.token_ids, c.logprobs, self.chat.top_logprobs or 0) \
+                if self.chat.logprobs else None
+            output.append(OutputMessage(id=_new_id("msg"), status=status,
+                                        content=[OutputText(text=content or "", logprobs=logprobs)]))
+        output += [OutputFunctionCall(id=_new_id("fc"), call_id=call.id, name=call.function.name,
+                                      arguments=call.function.arguments, status=status)
+                   for call in (calls or [])[: self.req.max_tool_calls]]
+        return self.finish(output, c.finish_reason, len(c.token_ids), c.num_cached_tokens)
+
+    def events(self, gen: Generation, deltas: ChatDeltas) -> AsyncIterator[str]:
+        """The SSE events of a streamed response (each ``event: <type>`` with its JSON, numbered from 0)."""
+        writer = _EventWriter(self.req.max_tool_calls)
+        num_cached = 0
+
+        def first() -> Iterator[str]:
+            yield writer.event("response.created", response=self.response)
+            yield writer.event("response.in_progress", response=self.response)
+            yield from writer.delta(deltas.opening(0))
+
+        def on_output(_: int, c: CompletionOutput, output: RequestOutput) -> Iterator[str]:
+            nonlocal num_cached
+            num_cached = output.num_cached_tokens
+            for choice in deltas(c):
+                yield from writer.delta(choice)
+                if choice.finish_reason is not None:
+                    writer.finish_reason = c.finish_reason
+
+        def last(num_tokens: int) -> str:
+            response = self.finish(writer.items, writer.finish_reason, num_tokens, num_cached)
+            kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
+            return writer.event(kind, response=response)
+
+        def failed(message: str, code: str) -> str:
+            response = self.response.model_copy(update={"status": "failed", "output": writer.items,
+                                                        "error": ResponseError(code=code, message=message)})
+            return writer.event("response.failed", response=response)
+
+        return stream_events(gen, first(), on_output, last, error_event=failed, done=None)
+
+
+def _as_message(output: list[OutputItem]) -> ChatMessage:
+    """A response's output as the assistant turn a continuation sees."""
+    text = "".join(part.text for item in output if isinstance(item, OutputMessage) for part in item.content)
+    calls = [ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+             for item in output if isinstance(item, OutputFunctionCall)]
+    return ChatMessage(role="assistant", content=text or (None if calls else ""), tool_calls=calls or None)
+
+
+class _EventWriter:
+    """Chat stream deltas of one choice as Responses events; ``items`` holds the output items so far."""
+
+    def __init__(self, max_tool_calls: int | None) -> None:
+        self.sequence_number = 0
+        self.items: list[OutputItem] = []
+        self.open: OutputItem | None = None
+        self.finish_reason: str | None = None
+        self.max_tool_calls = max_tool_calls
+
+    def event(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self.sequence_number}
+        data |= {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in fields.items()}
+        self.sequence_number += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    def delta(self, choice: ChatCompletionStreamChoice) -> Iterator[str]:
+        d, logprobs = choice.delta, choice.logprobs.content if choice.logprobs and choice.logprobs.content else None
+        if d.tool_calls is None and (d.content or logprobs):
+            yield from self._text(d.content or "", logprobs or [])
+        for call in d.tool_calls or []:
+            if call.id is not None:
+                yield from self._close("completed")
+                if self.max_tool_calls is not None and self._num_calls() >= self.max_tool_calls:
+                    continue
+                yield from self._add(OutputFunctionCall(id=_new_id("fc"), call_id=call.id, name=call.function.name or "",
+                                                        arguments="", status="in_progress"))
+            item = self.open
+            if call.function.arguments and isinstance(item, OutputFunctionCall):
+                item.arguments += call.function.arguments
+                yield self.event("response.function_call_arguments.delta", item_id=item.id,
+                                 output_index=len(self.items) - 1, delta=call.function.arguments)
+        if choice.finish_reason is not None:
+            status: ItemStatus = "incomplete" if choice.finish_reason == "length" else "completed"
+            if not self.items:  # an empty reply is an empty message, as answered at once
+                yield from self._text("", [])
+            yield from self._close(status)
+
+    def _num_calls(self) -> int:
+        return sum(isinstance(item, OutputFunctionCall) for item in self.items)
+
+    def _add(self, item: OutputItem) -> Iterator[str]:
+        self.items.append(item)
+        self.open = item
+        yield self.event("response.output_item.added", output_index=len(self.items) - 1, item=item)
+
+    def _text(self, text: str, logprobs: list) -> Iterator[str]:
+        if not isinstance(self.open, OutputMessage):
+            yield from self._close("completed")
+            part = OutputText(text="", logprobs=[] if logprobs else None)
+            yield from self._add(OutputMessage(id=_new_id("msg"), status="in_progress", content=[part]))
+            yield self.event("response.content_part.added", item_id=self.items[-1].id, output_index=len(self.items) - 1,
+                             content_index=0, part=OutputText(text=""))
+        item = self.open
+        assert isinstance(item, OutputMessage)
+        part = item.content[0]
+        part.text += text
+        if logprobs:
+            part.logprobs = [*(part.logprobs or []), *logprobs]
+        yield self.event("response.output_text.delta", item_id=item.id, output_index=len(self.items) - 1,
+                         content_index=0, delta=text, logprobs=[lp.model_dump() for lp in logprobs])
+
+    def _close(self, status: ItemStatus) -> Iterator[str]:
+        item, self.open, index = self.open, None, len(self.items) - 1
+        if isinstance(item, OutputMessage):
+            part = item.content[0]
+            yield self.event("response.output_text.done", item_id=item.id, output_index=index, content_index=0,
+                             text=part.text, logprobs=[lp.model_dump() for lp in part.logprobs or []])
+            yield self.event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
+                             part=part)
+        elif isinstance(item, OutputFunctionCall):
+            yield self.event("response.function_call_arguments.done", item_id=item.id, output_index=index,
+                             name=item.name, arguments=item.arguments)
+        if item is not None:
+            item.status = status
+            yield self.event("response.output_item.done", output_index=index, item=item)

@@ -1,0 +1,192 @@
+"""``/v1/responses`` (OpenAI's Responses API) against a live ``kvgen serve`` on the tiny model, through the
+official ``openai`` client: every reply is compared with the chat completion of the same conversation
+(the reference the Responses path is built on), streamed events with the SDK's own accumulator."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+GREEDY_CHAT = {"temperature": 0, "max_completion_tokens": 12}
+GREEDY = {"temperature": 0, "max_output_tokens": 12}
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Rome", "Paris"]}}, "required": ["city"],
+                  "additionalProperties": False}  # an enum: the random model's free strings never end
+WEATHER = {"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA}
+
+
+def _chat(client, messages, **kwargs):
+    return client.chat.completions.create(model="tiny", messages=messages, **{**GREEDY_CHAT, **kwargs})
+
+
+def _events(server, body: dict) -> list[tuple[str, dict]]:
+    """(event name, data) of a raw streamed response."""
+    with httpx.stream("POST", server.v1 + "/responses", json={"model": "tiny", "stream": True, **body}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        blocks = r.read().decode().strip().split("\n\n")
+    out = []
+    for block in blocks:
+        event, data = block.split("\n")
+        assert event.startswith("event: ") and data.startswith("data: ")
+        out.append((event[len("event: "):], json.loads(data[len("data: "):])))
+    return out
+
+
+def test_a_response_is_the_chat_completion_of_its_input(client, tiny_tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}]
+    chat = _chat(client, messages)
+    r = client.responses.create(model="tiny", instructions="Be brief.", input="Name three colours.", **GREEDY)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == "tiny" and r.instructions == "Be brief."
+    assert r.output_text == chat.choices[0].message.content and r.output_text
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    assert r.usage.input_tokens == chat.usage.prompt_tokens == len(
+        tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    if chat.choices[0].finish_reason == "length":
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        assert item.status == "incomplete"
+    else:
+        assert r.status == "completed" and r.incomplete_details is None
+    # message items with input_text parts, and a developer message, are the same conversation
+    parts = client.responses.create(model="tiny", input=[
+        {"role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Name three "},
+                                                         {"type": "input_text", "text": "colours."}]}], **GREEDY)
+    assert parts.output_text == r.output_text and parts.usage.input_tokens == r.usage.input_tokens
+
+
+def test_streamed_events_build_the_same_response(client, server):
+    colour = {"type": "json_schema", "name": "colour", "schema": {
+        "type": "object", "properties": {"colour": {"enum": ["red", "green", "light blue"]}}, "required": ["colour"],
+        "additionalProperties": False}}  # a reply that ends before max_output_tokens: "response.completed"
+    kwargs = {"input": "Name a colour.", "temperature": 0, "max_output_tokens": 200, "text": {"format": colour}}
+    full = client.responses.create(model="tiny", **kwargs)
+    assert full.status == "completed"
+    with client.responses.stream(model="tiny", **kwargs) as stream:  # the SDK's accumulator checks the events
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.output_text == "".join(deltas) == full.output_text and len(deltas) > 1
+    assert (final.status, final.usage.input_tokens, final.usage.output_tokens) == (
+        full.status, full.usage.input_tokens, full.usage.output_tokens)
+    assert final.usage.input_tokens_details.cached_tokens > 0  # the same prompt again: the prefix cache served it
+    cut = {"input": "Name three colours.", "temperature": 0, "max_output_tokens": 5}
+    events = _events(server, cut)
+    names = [name for name, _ in events]
+    assert [data["type"] for _, data in events] == names
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    assert names[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert names[4:-4] == ["response.output_text.delta"] * (len(names) - 8)
+    assert names[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    done = client.responses.create(model="tiny", **cut).model_dump()
+    last = events[-1][1]["response"]
+    assert events[0][1]["response"]["status"] == "in_progress" and last["status"] == "incomplete"
+    assert last["output"][0]["content"] == done["output"][0]["content"]
+    assert last["usage"]["output_tokens"] == done["usage"]["output_tokens"] == 5
+    assert "".join(data["delta"] for _, data in events[4:-4]) == done["output"][0]["content"][0]["text"]
+
+
+def test_stored_responses_continue_read_and_delete(client, server):
+    first = client.responses.create(model="tiny", instructions="Be brief.", input="Hello there.", **GREEDY)
+    second = client.responses.create(model="tiny", previous_response_id=first.id, input="And then?", **GREEDY)
+    # the instructions are not carried over (as OpenAI)
+    chat = _chat(client, [{"role": "user", "content": "Hello there."},
+                          {"role": "assistant", "content": first.output_text},
+                          {"role": "user", "content": "And then?"}])
+    assert second.output_text == chat.choices[0].message.content and second.previous_response_id == first.id
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    client.responses.delete(first.id)
+    for method, path in (("GET", first.id), ("DELETE", first.id)):
+        r = httpx.request(method, f"{server.v1}/responses/{path}", timeout=10)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    unstored = client.responses.create(model="tiny", input="Hi", store=False, **GREEDY)
+    assert httpx.get(f"{server.v1}/responses/{unstored.id}", timeout=10).status_code == 404
+    r = httpx.post(server.v1 + "/responses", json={"model": "tiny", "input": "x", "previous_response_id": first.id},
+                   timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_function_calls_and_their_outputs(client, server):
+    named = {"type": "function", "name": "get_weather"}
+    r = client.responses.create(model="tiny", input="Weather in Rome?", tools=[WEATHER], tool_choice=named,
+                                temperature=0, max_output_tokens=200)
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    assert json.loads(call.arguments)["city"] in ("Rome", "Paris") and r.status == "completed"
+    with client.responses.stream(model="tiny", input="Weather in Rome?", tools=[WEATHER], tool_choice=named,
+                                 temperature=0, max_output_tokens=200) as stream:
+        pieces = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        streamed = stream.get_final_response()
+    assert "".join(pieces) == streamed.output[0].arguments == call.arguments and len(pieces) > 1
+    required = client.responses.create(model="tiny", input="Weather in Rome?", tools=[WEATHER], tool_choice="required",
+                                       parallel_tool_calls=False, temperature=0, max_output_tokens=200)
+    assert [item.type for item in required.output] == ["function_call"] and required.output[0].name == "get_weather"
+    names = [name for name, _ in _events(server, {"input": "Weather in Rome?", "tools": [WEATHER],
+                                                  "tool_choice": "required", "parallel_tool_calls": False,
+                                                  "temperature": 0, "max_output_tokens": 200})]
+    assert names[2:6] == ["response.output_item.added", "response.function_call_arguments.delta",
+                          "response.function_call_arguments.done", "response.output_item.done"]
+    # the call and its output given back as input items are the chat conversation with a tool turn
+    answer = client.responses.create(model="tiny", tools=[WEATHER], tool_choice="none", input=[
+        {"role": "user", "content": "Weather in Rome?"}, *r.output,  # the SDK sends them as it parsed them
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}], **GREEDY)
+    chat = _chat(client, [{"role": "user", "content": "Weather in Rome?"},
+                          {"role": "assistant", "content": None, "tool_calls": [
+                              {"id": call.call_id, "type": "function",
+                               "function": {"name": "get_weather", "arguments": call.arguments}}]},
+                          {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}],
+                 tools=[{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA}}],
+                 tool_choice="none")
+    assert answer.output_text == chat.choices[0].message.content and answer.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_text_format_and_logprobs(client):
+    fmt = {"type": "json_schema", "name": "city", "schema": WEATHER_SCHEMA}
+    r = client.responses.create(model="tiny", input="A city?", text={"format": fmt}, temperature=0, max_output_tokens=200)
+    assert json.loads(r.output_text)["city"] in ("Rome", "Paris") and r.text.format.type == "json_schema"
+    assert r.text.format.schema_ == WEATHER_SCHEMA and r.text.format.name == "city"  # echoed as sent
+    r = client.responses.create(model="tiny", input="Name three colours.", include=["message.output_text.logprobs"],
+                                top_logprobs=2, **GREEDY)
+    chat = _chat(client, [{"role": "user", "content": "Name three colours."}], logprobs=True, top_logprobs=2)
+    ours, theirs = r.output[0].content[0].logprobs, chat.choices[0].logprobs.content
+    assert [(x.token, x.logprob, len(x.top_logprobs)) for x in ours] == [
+        (x.token, x.logprob, len(x.top_logprobs)) for x in theirs] and len(ours) == r.usage.output_tokens
+    assert client.responses.create(model="tiny", input="Hi", **GREEDY).output[0].content[0].logprobs is None
+
+
+def test_truncation_auto_drops_the_oldest_turns(server):
+    long_turn = {"role": "user", "content": "word " * 1500}  # over the 2048-token context alone
+    body = {"model": "tiny", "input": [long_turn, {"role": "user", "content": "Hi"}], **GREEDY}
+    r = httpx.post(server.v1 + "/responses", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    r = httpx.post(server.v1 + "/responses", json=body | {"truncation": "auto"}, timeout=60)
+    assert r.status_code == 200 and r.json()["truncation"] == "auto" and r.json()["usage"]["input_tokens"] < 100
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"input": "Hi", "frobnicate": 1}, 400, "frobnicate"),
+    ({"input": "Hi", "tools": [{"type": "web_search_preview"}]}, 400, "tools[0]"),
+    ({"input": "Hi", "background": True}, 400, "background"),
+    ({"input": "Hi", "reasoning": {"effort": "high"}}, 400, "reasoning"),
+    ({"input": "Hi", "include": ["file_search_call.results"]}, 400, "include"),
+    ({"input": "Hi", "max_output_tokens": 10**6}, 400, "max_output_tokens"),
+    ({"input": "Hi", "temperature": 3}, 400, "temperature"),
+    ({"input": []}, 400, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input[0]"),
+    ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format"),
+    ({"input": "Hi", "stream_options": {"include_obfuscation": False}}, 400, "stream_options"),
+    ({"input": "Hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, 400, "tool_choice"),
+    ({"input": "Hi", "tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
+     400, "text.format"),
+    ({"input": "Hi", "model": "other"}, 404, "model"),
+])
+def test_bad_requests_are_openai_errors_naming_the_field(server, body, status, param):
+    r = httpx.post(server.v1 + "/responses", json={"model": "tiny", **body}, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] is not None and error["param"].startswith(param) and error["message"]
