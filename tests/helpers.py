@@ -98,12 +98,17 @@ def _hf_config(model_type: str, tie: bool, kv_heads: int, bias: bool, vocab_size
             raise ValueError(f"GPT-2 always has biases and one KV head per query head, got bias={bias}, kv_heads={kv_heads}")
         return transformers.GPT2Config(vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4,
                                        n_positions=max_position_embeddings, tie_word_embeddings=tie, **overrides)
+    if model_type == "qwen3":  # q_norm / k_norm, and a head_dim that is not hidden_size / heads
+        return transformers.Qwen3Config(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=kv_heads, head_dim=24, max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=tie, **overrides)
     if model_type in ("qwen2", "mistral"):  # Llama-family: biases as their own configs define them
         cls = transformers.Qwen2Config if model_type == "qwen2" else transformers.MistralConfig
         return cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=kv_heads, max_position_embeddings=max_position_embeddings,
                    tie_word_embeddings=tie, **overrides)
-    raise ValueError(f"model_type must be 'llama', 'gpt2', 'qwen2' or 'mistral', got {model_type!r}")
+    raise ValueError(f"model_type must be 'llama', 'gpt2', 'qwen2', 'qwen3' or 'mistral', got {model_type!r}")
 
 
 def _randomize(model: torch.nn.Module, seed: int, std: float) -> None:

@@ -17,7 +17,7 @@ from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
 SUPPORTED_MODEL_TYPES = ("llama", "gpt2")
 
 # GGUF `general.architecture` values we decode with our Llama implementation.
-_GGUF_LLAMA_ARCHS = ("llama", "qwen2")  # qwen2: llama.cpp stores its q/k rows unpermuted (NEOX rope)
+_GGUF_LLAMA_ARCHS = ("llama", "qwen2", "qwen3")  # qwen2/3: llama.cpp stores their q/k rows unpermuted (NEOX rope)
 
 
 def token_id_list(value: Any) -> list[int]:
@@ -58,6 +58,7 @@ class ModelConfig:
     attention_bias: bool = False
     o_proj_bias: bool | None = None  # None: as attention_bias (Llama); Qwen2 biases q/k/v only
     mlp_bias: bool = False
+    use_qk_norm: bool = False  # Qwen3: an RMSNorm over each head's query and key before RoPE
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -124,7 +125,7 @@ class ModelConfig:
                     pad_token_id=cfg.get("pad_token_id"),
                     extra={"scale_attn_weights": cfg.get("scale_attn_weights", True)},
                 )
-            if model_type in ("llama", "mistral", "qwen2"):
+            if model_type in ("llama", "mistral", "qwen2", "qwen3"):
                 known = {f.name for f in fields(cls)}
                 kwargs = {k: v for k, v in cfg.items() if k in known and k not in ("extra", "o_proj_bias")}
                 return cls(**kwargs | _llama_family_changes(model_type, cfg))
@@ -181,6 +182,7 @@ class ModelConfig:
             rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
             tie_word_embeddings=False,  # set by the loader: True when the file has no output.weight
+            use_qk_norm=arch == "qwen3",
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
             pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
@@ -189,15 +191,18 @@ class ModelConfig:
 
 
 def _llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """What Mistral and Qwen2 change of a Llama: Qwen2 biases q/k/v (not o_proj); Mistral's sliding window
+    """What Mistral, Qwen2 and Qwen3 change of a Llama: Qwen2 biases q/k/v (not o_proj); Qwen3 normalizes each
+    head's q and k (``use_qk_norm``; its ``head_dim`` may differ from hidden_size / heads); Mistral's sliding window
     bounds the context (attention within the window is exact; longer contexts are refused, not approximated).
-    Raises ``UnsupportedArchitectureError`` for Qwen2's sliding-window layers. Source: transformers 4.55
-    ``MistralConfig`` / ``Qwen2Config`` and their attention modules."""
+    Raises ``UnsupportedArchitectureError`` for Qwen2/Qwen3 sliding-window layers. Source: transformers 4.55
+    ``MistralConfig`` / ``Qwen2Config`` / ``Qwen3Config`` and their attention modules."""
     changes: dict[str, Any] = {"model_type": "llama", "extra": {"hf_model_type": model_type}}
+    if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+        raise UnsupportedArchitectureError(f"{model_type} with use_sliding_window=true is not supported")
     if model_type == "qwen2":
-        if cfg.get("use_sliding_window"):
-            raise UnsupportedArchitectureError("qwen2 with use_sliding_window=true is not supported")
         changes |= {"attention_bias": True, "o_proj_bias": False}
+    if model_type == "qwen3":
+        changes["use_qk_norm"] = True
     window = cfg.get("sliding_window") if model_type == "mistral" else None
     if window is not None and window < cfg.get("max_position_embeddings", 2048):
         changes["max_position_embeddings"] = int(window)

@@ -180,7 +180,7 @@ def _write_llama(path: Path, types: dict[str, GGMLQuantizationType] | None = Non
                  extra: dict[str, np.ndarray | tuple[np.ndarray, GGMLQuantizationType]] | None = None,
                  ) -> dict[str, np.ndarray]:
     """Write a tiny Llama GGUF; returns the float32 tensors before quantization, in HF (unpermuted) order.
-    q/k rows are stored permuted as llama.cpp does, except for ``arch="qwen2"``.
+    q/k rows are stored permuted as llama.cpp does, except for ``arch="qwen2"`` and ``"qwen3"``.
 
     ``types``: storage type per GGUF name (default F32). ``extra``: tensors added as given
     (an array, or raw bytes with their type).
@@ -203,7 +203,7 @@ def _write_llama(path: Path, types: dict[str, GGMLQuantizationType] | None = Non
             continue
         x = (rng.standard_normal(shape) * 0.05 + (1.0 if name.endswith("norm.weight") else 0.0)).astype(np.float32)
         originals[name] = x
-        heads = None if arch == "qwen2" else H if ".attn_q." in name else HKV if ".attn_k." in name else None
+        heads = None if arch in ("qwen2", "qwen3") else H if ".attn_q." in name else HKV if ".attn_k." in name else None
         _add(w, name, _llama_cpp_permute(x, heads) if heads else x, (types or {}).get(name, Q.F32), rng)
     for name, x in (extra or {}).items():
         if isinstance(x, tuple):
@@ -349,6 +349,38 @@ def test_qwen2_files_load_as_stored_with_q_k_v_biases(tmp_path: Path, qtype) -> 
         want = reference.compute_logits(reference(ids, torch.arange(5)[None]))
         got = quantized.compute_logits(quantized(ids, torch.arange(5)[None]))
     torch.testing.assert_close(got, want, rtol=0, atol=0.05 * float(want.abs().max()))
+
+
+def test_qwen3_files_normalize_each_head_on_both_paths(tmp_path: Path) -> None:
+    """A ``qwen3`` file (q/k rows unpermuted, ``attn_q_norm`` / ``attn_k_norm`` [D]): the norms load, and the
+    quantized kernel path (heads normalized between the qkv matmul and RoPE) runs the float32 path's numbers."""
+    from kvgen.models import build_model
+
+    rng = np.random.default_rng(3)
+    norms = {f"blk.{i}.attn_{n}_norm.weight": (1 + 0.3 * rng.standard_normal(D)).astype(np.float32)
+             for i in range(L) for n in "qk"}
+    types = {f"blk.{i}.{n}.weight": Q.Q8_0 for i in range(L) for n in ("attn_q", "attn_k", "attn_v", "attn_output",
+                                                                       "ffn_gate", "ffn_up", "ffn_down")}
+    originals = _write_llama(tmp_path / "q3.gguf", types, arch="qwen3", extra=dict(norms))
+    config, state, _ = load_gguf(tmp_path / "q3.gguf")
+    assert config.use_qk_norm and config.model_type == "llama"
+    torch.testing.assert_close(state["model.layers.1.self_attn.k_norm.weight"],
+                               torch.from_numpy(norms["blk.1.attn_k_norm.weight"]), rtol=0, atol=0)
+    torch.testing.assert_close(state["model.layers.1.self_attn.q_proj.weight"],
+                               torch.from_numpy(originals["blk.1.attn_q.weight"]), rtol=0, atol=0.02)
+    reference = build_model(config, state)
+    quantized = build_model(*load_gguf(tmp_path / "q3.gguf", None)[:2])
+    assert quantized.kernels is not None and quantized._decoder_operands is None  # layer by layer, norms included
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    with torch.inference_mode():
+        want = reference.compute_logits(reference(ids, torch.arange(5)[None]))
+        got = quantized.compute_logits(quantized(ids, torch.arange(5)[None]))
+        for layer in reference.model.layers:  # without the norms the logits move far more than quantization does
+            layer.self_attn.q_norm.weight.fill_(1.0)
+        unnormed = reference.compute_logits(reference(ids, torch.arange(5)[None]))
+    tol = 0.05 * float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)
+    assert float((unnormed - want).abs().max()) > 4 * tol
 
 
 def test_rope_freqs_of_ones_is_ignored(tmp_path: Path) -> None:

@@ -39,6 +39,16 @@ _LayerOperands = tuple[
 ]
 
 
+def _qk_norm_rows_(ops: KernelOps, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                   num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """RMS-normalize each query and key head of stacked rows qkv [N, (H + 2 Hkv) D] in place (Qwen3's q_norm and
+    k_norm; weights [D] float32)."""
+    n, q_size, kv_size = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+    for start, size, weight in ((0, q_size, q_weight), (q_size, kv_size, k_weight)):
+        heads = qkv[:, start : start + size].reshape(-1, head_dim)  # [N H|Hkv, D] (a copy: the rows are strided)
+        qkv[:, start : start + size] = ops.rms_norm(heads, weight, eps).view(n, size)
+
+
 class LlamaAttention(nn.Module):
     """Multi-head attention with H query and Hkv key/value heads of size D.
 
@@ -53,6 +63,9 @@ class LlamaAttention(nn.Module):
         super().__init__()
         c, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        # Qwen3: each head's q and k RMS-normalized over D before RoPE (transformers Qwen3Attention)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.use_qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.use_qk_norm else None
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         bias = config.attention_bias
         self.qkv_proj = nn.Linear(c, self.q_size + 2 * self.kv_size, bias=bias)
@@ -62,8 +75,11 @@ class LlamaAttention(nn.Module):
         """x: [B, T, C] -> [B, T, C]; cos, sin: [B, 1, T, D]; mask: [B|1, 1, T, S] bool, None or paged metadata."""
         b, t, _ = x.shape
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # [B, T, H*D | Hkv*D]
-        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        q = q.view(b, t, self.num_heads, self.head_dim)  # [B, T, H, D]
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D], [B, Hkv, T, D]
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attend(q, k, v, layer_idx, kv_cache, mask)  # [B, H, T, D]
@@ -94,6 +110,7 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     _operands: _LayerOperands  # set by bind_kernels
+    _qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None  # (q_norm, k_norm weights, eps), by bind_kernels
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -120,6 +137,8 @@ class LlamaDecoderLayer(nn.Module):
         ops, norm1, eps1, qkv, o, norm2, eps2, gate_up, down, num_heads, num_kv_heads, head_dim = self._operands
         h = ops.rms_norm(x, norm1, eps1)  # [N, C]
         h = ops.qgemm(h, *qkv)  # [N, (H + 2 Hkv) D]
+        if self._qk_norm is not None:
+            _qk_norm_rows_(ops, h, *self._qk_norm, num_heads, num_kv_heads, head_dim)
         ops.rope_qkv_(h, cos, sin, num_heads, num_kv_heads)
         h = attend_rows(h, batch, layer_idx, kv_cache, mask, ops, num_heads, num_kv_heads, head_dim)  # [N, H D]
         x = ops.qgemm(h, *o, x)  # x + o_proj(attn)
@@ -137,6 +156,8 @@ class LlamaDecoderLayer(nn.Module):
 
         attn, mlp = self.self_attn, self.mlp
         self.kernels = kernels
+        q_norm, k_norm = attn.q_norm, attn.k_norm
+        self._qk_norm = (q_norm.weight, k_norm.weight, q_norm.variance_epsilon) if q_norm is not None and k_norm is not None else None
         self._operands = (
             kernels, self.input_layernorm.weight, self.input_layernorm.variance_epsilon, linear(attn.qkv_proj), linear(attn.o_proj),
             self.post_attention_layernorm.weight, self.post_attention_layernorm.variance_epsilon,
@@ -237,13 +258,13 @@ class LlamaForCausalLM(CausalLM):
 
     def _gather_decoder_operands(self) -> tuple[list[torch.Tensor], list[int], list[float]] | None:
         """The operands of ``kernels.decoder_layers`` (weights, linears, eps; see its docstring), or None when
-        a projection has a bias (those layers run one by one)."""
+        a projection has a bias or heads are normalized (those layers run one by one)."""
         weights: list[torch.Tensor] = []
         linears: list[int] = []
         eps: list[float] = []
         for layer in self._kernel_layers:
             _, norm1, eps1, qkv, o, norm2, eps2, gate_up, down, *_ = layer._operands
-            if any(lin[3] is not None for lin in (qkv, o, gate_up, down)):
+            if any(lin[3] is not None for lin in (qkv, o, gate_up, down)) or layer._qk_norm is not None:
                 return None
             weights += [norm1, qkv[0], o[0], norm2, gate_up[0], down[0]]
             linears += [n for lin in (qkv, o, gate_up, down) for n in lin[1:3]]

@@ -58,7 +58,7 @@ def load_gguf(
     all-float file loads as float32 (``lm_head.weight`` only when the file has ``output.weight``; otherwise
     ``config.tie_word_embeddings`` is True). ``config.attention_bias`` / ``o_proj_bias`` /
     ``mlp_bias`` follow the presence of ``attn_q.bias`` / ``attn_output.bias`` / ``ffn_up.bias``.
-    Architectures: ``llama`` (q/k rows un-permuted) and ``qwen2`` (stored as Hugging Face's).
+    Architectures: ``llama`` (q/k rows un-permuted), ``qwen2`` and ``qwen3`` (stored as Hugging Face's).
     Supported tensor types: :data:`SUPPORTED_QUANT_TYPES`.
     Raises ``ModelNotFoundError``, ``ModelFormatError`` (not GGUF, truncated,
     unknown or missing tensors, wrong shapes), ``UnsupportedArchitectureError``
@@ -157,8 +157,8 @@ def _check_quant_type(t: ReaderTensor) -> None:
 
 def _qk_heads(name: str, config: ModelConfig) -> int | None:
     """Heads to un-permute for q/k projections (weight or bias); None for every other tensor, and for every
-    tensor of a ``qwen2`` file (llama.cpp's converter permutes only its ``llama`` models)."""
-    if config.extra.get("gguf_architecture") == "qwen2":
+    tensor of a ``qwen2`` / ``qwen3`` file (llama.cpp's converter permutes only its ``llama`` models)."""
+    if config.extra.get("gguf_architecture") in ("qwen2", "qwen3"):
         return None
     if ".self_attn.q_proj." in name:
         return config.num_attention_heads

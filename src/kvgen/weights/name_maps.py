@@ -37,6 +37,8 @@ def _llama_shapes(cfg: ModelConfig) -> Shapes:
         p = f"model.layers.{layer}."
         shapes[p + "input_layernorm.weight"] = (c,)
         shapes[p + "post_attention_layernorm.weight"] = (c,)
+        if cfg.use_qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)
         for name, (shape, has_bias) in linears.items():
             shapes[f"{p}{name}.weight"] = shape
             if has_bias:
@@ -132,6 +134,8 @@ _GGUF_BLOCK = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -151,7 +155,7 @@ def gguf_to_kvgen_name(name: str) -> str | None:
     if m is None or m.group(2) not in _GGUF_BLOCK:
         return None
     ours = _GGUF_BLOCK[m.group(2)]
-    if ours.endswith("layernorm") and m.group(3) != "weight":
+    if ours.endswith(("layernorm", "_norm")) and m.group(3) != "weight":
         return None
     return f"model.layers.{int(m.group(1))}.{ours}.{m.group(3)}"
 
