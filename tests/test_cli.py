@@ -41,7 +41,7 @@ def test_generate_json_greedy_matches_transformers(capsys, ours_default, hf_defa
     assert code == 0, err
     report = json.loads(out)
     assert set(report) >= {"prompt_token_ids", "token_ids", "text", "finish_reason", "timings"}
-    assert set(report["timings"]) == {"load_s", "prefill_s", "decode_s", "decode_tokens_per_s"}
+    assert set(report["timings"]) == {"load_s", "prefill_s", "decode_s", "decode_tokens_per_s", "num_decode_steps"}
     if extra:
         assert report["prompt_token_ids"] == tok.apply_chat_template(
             [{"role": "user", "content": "Name a famous painting."}], add_generation_prompt=True, tokenize=True)
@@ -76,6 +76,21 @@ def test_no_cache_and_static_cache_flags_agree(capsys, request, model):
         assert code == 0, err
         runs.append(json.loads(out)["token_ids"])
     assert runs[0] == runs[1] == runs[2]
+
+
+def test_assistant_model_drafts_the_same_tokens_in_fewer_forwards(capsys, tiny_model_dir, tmp_path):
+    base = ["generate", "Water boils at", "--max-new-tokens", "16", "--json", "--model", str(tiny_model_dir)]
+    code, out, err = _run(capsys, base)
+    assert code == 0, err
+    plain = json.loads(out)
+    code, out, err = _run(capsys, [*base, "--assistant-model", str(tiny_model_dir), "--num-assistant-tokens", "5"])
+    assert code == 0, err
+    assisted = json.loads(out)
+    assert assisted["token_ids"] == plain["token_ids"]
+    assert plain["timings"]["num_decode_steps"] == len(plain["token_ids"]) - 1
+    assert assisted["timings"]["num_decode_steps"] < plain["timings"]["num_decode_steps"] / 2  # the model drafts itself
+    code, _, err = _run(capsys, [*base, "--assistant-model", str(tmp_path / "missing.gguf")])
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "missing.gguf" in err
 
 
 @pytest.mark.slow  # the default model

@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--trace", action="store_true", help="print per-step shapes and latency; plot latency with/without cache")
     g.add_argument("--trace-plot", default="kvgen-trace.png", help="where --trace saves its PNG")
+    g.add_argument("--assistant-model", default=None,
+                   help="assisted decoding: a smaller model with the same vocabulary (a .gguf file or an HF directory) "
+                   "drafts tokens that --model verifies")
     add_generation_flags(g)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat (/exit or end of input leaves)")
@@ -259,12 +262,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt_ids:
         raise CliError("the prompt is empty after tokenization")
     input_ids = torch.tensor([prompt_ids])
+    assistant = None
+    if args.assistant_model is not None:
+        from kvgen.loader import load_model
+
+        assistant = load_model(args.assistant_model, dtype=args.dtype)[0]
     single = cfg.num_return_sequences == 1
     streamer = None if (args.json or args.trace or not single) else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     if args.trace:
         out = _traced_generate(model, input_ids, cfg, tokenizer, args.trace_plot)
     else:
-        out = generate(model, input_ids, None, cfg, tokenizer=tokenizer, streamer=streamer)
+        out = generate(model, input_ids, None, cfg, tokenizer=tokenizer, streamer=streamer, assistant_model=assistant)
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in out.new_token_ids]
     if args.json:
         print(json.dumps(_json_report(prompt_ids, out, texts, load_s), ensure_ascii=False))
@@ -275,7 +283,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _json_report(prompt_ids: list[int], out: Any, texts: list[str], load_s: float) -> dict[str, Any]:
-    steps = out.timings.num_decode_steps
+    decoded = len(out.new_token_ids[0]) - 1  # the first new token comes from the prefill
     decode_s = out.timings.decode_s
     report: dict[str, Any] = {
         "prompt_token_ids": prompt_ids,
@@ -286,7 +294,8 @@ def _json_report(prompt_ids: list[int], out: Any, texts: list[str], load_s: floa
             "load_s": round(load_s, 4),
             "prefill_s": round(out.timings.prefill_s, 4),
             "decode_s": round(decode_s, 4),
-            "decode_tokens_per_s": round(steps / decode_s, 2) if decode_s > 0 else None,
+            "decode_tokens_per_s": round(decoded / decode_s, 2) if decode_s > 0 else None,
+            "num_decode_steps": out.timings.num_decode_steps,  # model forwards after the prefill
         },
     }
     if len(texts) > 1:

@@ -29,6 +29,7 @@ class Strategy(enum.Enum):
     CONTRASTIVE_SEARCH = "contrastive_search"
     SAMPLE_AND_RANK = "sample_and_rank"
     PROMPT_LOOKUP = "prompt_lookup"  # greedy search or sampling with drafts copied from the sequence (HF "assisted")
+    ASSISTED = "assisted"  # greedy search or sampling with drafts from an assistant model (generate(assistant_model=))
 
 
 _f = config_field
@@ -82,6 +83,12 @@ class GenerationConfig:
     prompt_lookup_num_tokens: int | None = _f(
         None, "prompt lookup decoding: draft up to this many tokens per step from the sequence itself (batch size 1)")
     max_matching_ngram_size: int | None = _f(None, "prompt lookup decoding: longest n-gram looked up (default 2)")
+    num_assistant_tokens: int = _f(20, "assisted decoding: tokens the assistant drafts per step, at first")
+    num_assistant_tokens_schedule: str = _f(
+        "heuristic", "assisted decoding: 'heuristic' (+2 after a fully accepted draft, else -1), "
+        "'heuristic_transient' (the same; transformers resets it after each call) or 'constant'")
+    assistant_confidence_threshold: float = _f(
+        0.4, "assisted decoding: the assistant stops drafting after a token it gives less probability (0 = off)")
 
     def __post_init__(self) -> None:
         self._check_ranges()
@@ -95,6 +102,9 @@ class GenerationConfig:
                 check_param(f.name, value)
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        if self.num_assistant_tokens_schedule not in ("heuristic", "heuristic_transient", "constant"):
+            raise ValueError("num_assistant_tokens_schedule must be 'heuristic', 'heuristic_transient' or 'constant', "
+                             f"got {self.num_assistant_tokens_schedule!r}")
         if self.cache_implementation not in ("dynamic", "static"):
             raise ValueError(f"cache_implementation must be 'dynamic' or 'static', got {self.cache_implementation!r}")
         if self.stop_strings is not None and any(not isinstance(s, str) or not s for s in self.stop_strings):

@@ -29,6 +29,7 @@ class LoopContext:
     stopper: StopChecker
     generator: torch.Generator | None = None
     streamer: Any = None
+    assistant: Any = None  # assisted decoding's assistant model (a CausalLM)
 
 
 def token_loop(

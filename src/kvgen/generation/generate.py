@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kvgen.errors import ContextLengthError
+from kvgen.generation.assisted import assisted_decoding
 from kvgen.generation.beam_sample import beam_sample
 from kvgen.generation.beam_search import beam_search
 from kvgen.generation.config import GenerationConfig, Strategy
@@ -38,6 +39,7 @@ STRATEGIES: dict[Strategy, Callable[[StepRunner, LoopContext], GenerateOutput]] 
     Strategy.CONTRASTIVE_SEARCH: contrastive_search,
     Strategy.SAMPLE_AND_RANK: sample_and_rank,
     Strategy.PROMPT_LOOKUP: prompt_lookup_decoding,
+    Strategy.ASSISTED: assisted_decoding,
 }
 
 # Strategies that keep several hypotheses per prompt and pick among them at the end: nothing to stream.
@@ -54,6 +56,7 @@ def generate(
     tokenizer: Any = None,
     streamer: Any = None,
     logits_processor: Sequence[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = (),
+    assistant_model: CausalLM | None = None,
     **overrides: Any,
 ) -> GenerateOutput:
     """Generate continuations of a left-padded batch of prompts.
@@ -65,6 +68,8 @@ def generate(
     is needed for ``stop_strings``; ``streamer`` gets ``put(ids)`` / ``end()``.
     ``logits_processor``: the caller's own processors ``(token_ids [B, T], logits [B, V]) -> [B, V]``,
     run after the built ones and before the sampling warpers (as transformers merges them).
+    ``assistant_model``: a smaller model with the same vocabulary that drafts tokens (assisted decoding, batch
+    size 1, greedy search or sampling: :mod:`kvgen.generation.assisted`).
     Returns a :class:`GenerateOutput`. Raises ``ValueError`` for bad shapes or
     settings and ``ContextLengthError`` when prompt + ``max_new_tokens`` exceeds
     the model's context window.
@@ -82,13 +87,14 @@ def generate(
             f"prompt of {longest} tokens plus max_new_tokens={cfg.max_new_tokens} exceeds the context window of "
             f"{model_cfg.max_position_embeddings} tokens"
         )
-    strategy = cfg.strategy
+    strategy = cfg.strategy if assistant_model is None else _assisted_strategy(cfg, model, assistant_model, longest)
     if strategy not in STRATEGIES:
         raise NotImplementedError(f"decoding strategy {strategy.value} is not implemented yet")
     if streamer is not None and strategy in NOT_STREAMABLE:
         raise ValueError(f"streamer cannot be used with {strategy.value} (it picks among hypotheses at the end)")
-    if strategy is Strategy.PROMPT_LOOKUP and input_ids.shape[0] != 1:
-        raise ValueError(f"prompt_lookup_num_tokens needs a batch of one prompt (as transformers), got {input_ids.shape[0]}")
+    if strategy in (Strategy.PROMPT_LOOKUP, Strategy.ASSISTED) and input_ids.shape[0] != 1:
+        what = "assistant_model" if strategy is Strategy.ASSISTED else "prompt_lookup_num_tokens"
+        raise ValueError(f"{what} needs a batch of one prompt (as transformers), got {input_ids.shape[0]}")
     copies = _num_copies(cfg)
     if copies > 1:
         input_ids = input_ids.repeat_interleave(copies, dim=0)  # [B*n, T]
@@ -104,10 +110,31 @@ def generate(
         stopper=_stopper(cfg, input_ids.shape[1], tokenizer),
         generator=generator,
         streamer=streamer,
+        assistant=assistant_model,
     )
     if streamer is not None:
         streamer.put(input_ids)
     return STRATEGIES[strategy](runner, ctx)
+
+
+def _assisted_strategy(cfg: GenerationConfig, model: CausalLM, assistant: Any, longest: int) -> Strategy:
+    """``Strategy.ASSISTED`` after checking the assistant. Raises ValueError for settings it cannot serve (as
+    transformers: greedy search or sampling of one sequence) or an assistant with another vocabulary size, and
+    ``ContextLengthError`` when the prompt and ``max_new_tokens`` exceed the assistant's context."""
+    if not isinstance(assistant, CausalLM):
+        raise ValueError(f"assistant_model must be a kvgen model (load_model), got {type(assistant).__name__}")
+    strategy = cfg.strategy
+    if strategy not in (Strategy.GREEDY, Strategy.SAMPLE) or cfg.num_return_sequences > 1:
+        raise ValueError(f"assistant_model works with greedy search or sampling of one sequence, got {strategy.value} "
+                         f"settings (num_return_sequences={cfg.num_return_sequences})")
+    ours, theirs = model.config, assistant.config
+    if theirs.vocab_size != ours.vocab_size:
+        raise ValueError(f"assistant_model must share the model's vocabulary: vocab_size {theirs.vocab_size} != "
+                         f"{ours.vocab_size}")
+    if longest + cfg.max_new_tokens > theirs.max_position_embeddings:
+        raise ContextLengthError(f"prompt of {longest} tokens plus max_new_tokens={cfg.max_new_tokens} exceeds the "
+                                 f"assistant model's context window of {theirs.max_position_embeddings} tokens")
+    return Strategy.ASSISTED
 
 
 def _num_copies(cfg: GenerationConfig) -> int:

@@ -9,7 +9,8 @@ import torch
 
 @dataclass
 class GenerateTimings:
-    """Wall-clock seconds spent in the first forward (prefill) and in later steps (decode)."""
+    """Wall-clock seconds spent in the first forward (prefill) and in later steps (decode, drafting included);
+    ``num_decode_steps``: the model's forwards after the prefill (fewer than the tokens when drafts are kept)."""
 
     prefill_s: float = 0.0
     decode_s: float = 0.0

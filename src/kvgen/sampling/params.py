@@ -150,6 +150,9 @@ PARAM_RULES: dict[str, ParamRule] = {
     "max_time": ParamRule(float, 0.0, low_open=True, help="seconds before stopping"),
     "prompt_lookup_num_tokens": _count(1, "prompt lookup decoding: tokens drafted per step"),
     "max_matching_ngram_size": _count(1, "prompt lookup decoding: longest n-gram looked up"),
+    "num_assistant_tokens": _count(1, "assisted decoding: tokens the assistant model drafts per step (at first)"),
+    "assistant_confidence_threshold": _unit("assisted decoding: drafting stops after a token below this probability",
+                                            high_open=True, off=0.0),
     # Op-internal counts.
     "num_generated": _count(0, "tokens generated so far"),
     "min_tokens_to_keep": _count(1, "tokens every truncation keeps"),
