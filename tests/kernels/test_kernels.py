@@ -18,23 +18,27 @@ from kvgen.kernels import reference as R
 OPS = K.get_ops()
 REF = K.reference_ops()
 needs_avx2 = pytest.mark.skipif(OPS.backend != "avx2", reason=f"C++ kernels unavailable (backend {OPS.backend})")
-GGUF_CODE = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2}
+GGUF_CODE = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.F16: 3}
+WEIGHT_TYPE = {Q.Q4_0: K.Q4, Q.Q4_1: K.Q4, Q.Q8_0: K.Q8, Q.F16: K.F16}
+KERNEL_QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16]
 
 
 def _gguf_matrix(qtype: Q, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(GGUF bytes [n, row_bytes] uint8, their gguf.quants dequantization [n, k] float32)."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
     raw = quantize(w, qtype)
+    if qtype == Q.F16:  # gguf.quants gives F16 as float16 values: the file's bytes are their bits
+        return torch.from_numpy(raw.view("uint8")), torch.from_numpy(raw.astype("float32"))
     return torch.from_numpy(raw), torch.from_numpy(dequantize(raw, qtype))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("qtype", KERNEL_QTYPES)
 def test_repack_round_trips_to_gguf_dequantization(qtype):
     raw, dense = _gguf_matrix(qtype, 21, 96, seed=1)  # 21 rows: a partial last group
     parts = [raw[:5].contiguous(), raw[5:13].contiguous(), raw[13:].contiguous()]  # stacked like q, k, v
     for ops in (OPS, REF):
         packed = ops.repack_gguf(parts, GGUF_CODE[qtype])
-        weight_type = K.Q8 if qtype == Q.Q8_0 else K.Q4
+        weight_type = WEIGHT_TYPE[qtype]
         torch.testing.assert_close(R.dequantize_packed(packed, weight_type)[:21], dense, rtol=0, atol=0)
     assert torch.equal(OPS.repack_gguf(parts, GGUF_CODE[qtype]), REF.repack_gguf(parts, GGUF_CODE[qtype]))
 
@@ -51,14 +55,16 @@ def test_activation_quantizer_matches_plain_torch():
     torch.testing.assert_close(R.dequantize_q8a(want), x, rtol=0, atol=float(x.abs().max()) / 127)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("qtype", KERNEL_QTYPES)
 @pytest.mark.parametrize("m,n,k", [(1, 40, 64), (3, 21, 96), (17, 200, 320), (64, 72, 1536)])
 def test_qgemm_matches_dequantize_then_matmul(qtype, m, n, k):
     raw, dense = _gguf_matrix(qtype, n, k, seed=m + n + k)
     weight_type, packed = K.pack_gguf_rows(qtype.name, [raw])
+    assert weight_type == WEIGHT_TYPE[qtype]
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     bias = torch.randn(n)
-    want = R.dequantize_q8a(R.quantize_q8a(x)) @ dense.T + bias  # [M, N]
+    xq = x if qtype == Q.F16 else R.dequantize_q8a(R.quantize_q8a(x))  # F16 weights take x unquantized
+    want = xq @ dense.T + bias  # [M, N]
     scale = float(want.abs().max())
     for ops in (OPS, REF):
         got = ops.qgemm(x, packed, weight_type, n, bias)
@@ -70,7 +76,7 @@ def test_qgemm_matches_dequantize_then_matmul(qtype, m, n, k):
 
 
 @needs_avx2
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16])
 def test_qgemm_rows_do_not_depend_on_the_batch(qtype):
     """Batch invariance: each row's bits are the same alone, in any tile of 1-4 rows, or among 33."""
     raw, _ = _gguf_matrix(qtype, 64, 256, seed=3)
@@ -82,9 +88,10 @@ def test_qgemm_rows_do_not_depend_on_the_batch(qtype):
     assert torch.equal(OPS.qgemm(x[5:7], packed, weight_type, 64, None), together[5:7])
 
 
-def test_dequantize_rows_is_an_embedding_lookup():
-    raw, dense = _gguf_matrix(Q.Q8_0, 50, 64, seed=5)
-    weight_type, packed = K.pack_gguf_rows("Q8_0", [raw])
+@pytest.mark.parametrize("qtype", KERNEL_QTYPES)
+def test_dequantize_rows_is_an_embedding_lookup(qtype):
+    raw, dense = _gguf_matrix(qtype, 50, 64, seed=5)
+    weight_type, packed = K.pack_gguf_rows(qtype.name, [raw])
     ids = torch.tensor([0, 49, 7, 7, 31])
     for ops in (OPS, REF):
         assert torch.equal(ops.dequantize_rows(packed, weight_type, ids, 64), dense[ids])
@@ -219,13 +226,13 @@ def test_fused_cache_write_and_attention_match_reference():
 
 
 def _decoder_inputs(num_layers: int, b: int, t: int, past: int, seed: int):
-    """Random operands of ``decoder_layers``: C 64, H 4, Hkv 2, D 16, I 96, Q4_1 / Q8_0 projections."""
+    """Random operands of ``decoder_layers``: C 64, H 4, Hkv 2, D 16, I 96, Q4_1 / Q8_0 / F16 projections."""
     c, h, h_kv, d, inter = 64, 4, 2, 16, 96
     g = torch.Generator().manual_seed(seed)
     weights, linears, eps = [], [], []
     for layer in range(num_layers):
-        qtype = (Q.Q4_1, Q.Q8_0)[layer % 2]
-        for n, k in (((h + 2 * h_kv) * d, c), (c, h * d), (2 * inter, c), (c, inter)):
+        for j, (n, k) in enumerate((((h + 2 * h_kv) * d, c), (c, h * d), (2 * inter, c), (c, inter))):
+            qtype = (Q.Q4_1, Q.Q8_0, Q.F16)[(layer + j) % 3]
             raw, _ = _gguf_matrix(qtype, n, k, seed=seed + n + k + layer)
             weight_type, packed = K.pack_gguf_rows(qtype.name, [raw])
             weights.append(packed)

@@ -27,7 +27,7 @@ from kvgen.sampling.ops import inverse_cdf_at
 
 BLOCK = 32  # values per quantization block
 ROWS = 8  # rows per interleaved group
-Q4, Q8 = 0, 1  # weight_type codes of the ops
+Q4, Q8, F16 = 0, 1, 2  # weight_type codes of the ops
 RECORD_BYTES = {Q4: 160, Q8: 272}
 # GGUF block sizes in bytes: (scale bytes, has min, quant bytes)
 _Q4_0_BYTES, _Q4_1_BYTES, _Q8_0_BYTES = 18, 20, 34
@@ -63,15 +63,17 @@ def repack_q4(raw: torch.Tensor, has_min: bool) -> torch.Tensor:
     return torch.cat([d, m, qs], dim=-1).contiguous()  # [G, nb, 160]
 
 
-GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # gguf_type codes 0, 1, 2 of ``repack_gguf``
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16")  # gguf_type codes 0, 1, 2, 3 of ``repack_gguf``
 
 
 def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
     """Row blocks ``parts`` ([rows_i, bytes] uint8, one GGUF type) of one matrix -> its records
-    [G, nb, R] uint8: Q4 records for Q4_0 (0) / Q4_1 (1), Q8 records for Q8_0 (2)."""
+    [G, nb, R] uint8: Q4 records for Q4_0 (0) / Q4_1 (1), Q8 records for Q8_0 (2), F16 records for F16 (3)."""
     raw = torch.cat(parts) if len(parts) > 1 else parts[0]  # [N, bytes]
     if gguf_type == 2:
         return repack_q8(raw)
+    if gguf_type == 3:
+        return repack_f16(raw)
     return repack_q4(raw, has_min=gguf_type == 1)
 
 
@@ -84,6 +86,15 @@ def repack_q8(raw: torch.Tensor) -> torch.Tensor:
     d = blocks[..., 0:2].transpose(1, 2).reshape(g, nb, 16)  # [G, nb, 8 x fp16]
     qs = blocks[..., 2:].reshape(g, ROWS, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(g, nb, 256)  # [G, nb, j*r*i]
     return torch.cat([d, qs], dim=-1).contiguous()  # [G, nb, 272]
+
+
+def repack_f16(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF F16 rows ``[N, K * 2]`` uint8 -> F16 records ``[G, K / 32, 512]`` uint8 (column c of row r at w[c][r])."""
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % (2 * BLOCK):
+        raise ValueError(f"F16 rows must be uint8 [N, nb * 64], got {raw.dtype} {list(raw.shape)}")
+    nb = raw.shape[1] // (2 * BLOCK)
+    halves = _pad_rows(raw).view(-1, ROWS, nb, BLOCK, 2)  # [G, r, nb, c, 2 bytes]
+    return halves.permute(0, 2, 3, 1, 4).reshape(-1, nb, 2 * BLOCK * ROWS).contiguous()  # [G, nb, 512]
 
 
 def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
@@ -128,6 +139,9 @@ def dequantize_q8a(q: torch.Tensor) -> torch.Tensor:
 def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
     """Repacked records [G, nb, R] -> float32 weight [G * 8, nb * 32] (padding rows included)."""
     g, nb, _ = weight.shape
+    if weight_type == F16:
+        w16 = weight.contiguous().view(torch.float16).float().view(g, nb, BLOCK, ROWS)  # [G, nb, c, r]
+        return w16.permute(0, 3, 1, 2).reshape(g * ROWS, nb * BLOCK)  # [N_pad, K]
     d = weight[..., 0:16].contiguous().view(torch.float16).float()  # [G, nb, 8]
     if weight_type == Q4:
         m = weight[..., 16:32].contiguous().view(torch.float16).float()  # [G, nb, 8]
@@ -139,7 +153,7 @@ def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
         q = weight[..., 16:].contiguous().view(torch.int8).reshape(g, nb, 8, ROWS, 4).float()  # [G, nb, j, r, i]
         w = q * d.view(g, nb, 1, ROWS, 1)
     else:
-        raise ValueError(f"weight_type must be {Q4} (Q4) or {Q8} (Q8), got {weight_type}")
+        raise ValueError(f"weight_type must be {Q4} (Q4), {Q8} (Q8) or {F16} (F16), got {weight_type}")
     return w.permute(0, 3, 1, 2, 4).reshape(g * ROWS, nb * BLOCK)  # [N_pad, K]
 
 
@@ -152,8 +166,8 @@ def qgemm(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] float32 @ weight.T (+ bias [N]) (+ residual [M, N]) -> [M, N] float32, with x
-    quantized per 32 values first."""
-    xq = dequantize_q8a(quantize_q8a(x))  # [M, K]
+    quantized per 32 values first (Q4, Q8; F16 weights take x as it is)."""
+    xq = x.float() if weight_type == F16 else dequantize_q8a(quantize_q8a(x))  # [M, K]
     out = xq @ dequantize_packed(weight, weight_type)[:out_features].T  # [M, N]
     if bias is not None:
         out = out + bias

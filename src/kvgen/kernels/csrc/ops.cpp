@@ -16,8 +16,8 @@ namespace kvgen {
 namespace {
 
 int64_t record_bytes(int64_t weight_type) {
-  TORCH_CHECK(weight_type == kQ4 || weight_type == kQ8, "kvgen: unknown weight_type ", weight_type);
-  return weight_type == kQ4 ? kQ4Record : kQ8Record;
+  TORCH_CHECK(weight_type == kQ4 || weight_type == kQ8 || weight_type == kF16, "kvgen: unknown weight_type ", weight_type);
+  return weight_type == kQ4 ? kQ4Record : weight_type == kQ8 ? kQ8Record : kF16Record;
 }
 
 void check_weight(const at::Tensor& weight, int64_t weight_type) {
@@ -60,24 +60,29 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   const int64_t n_pad = G * kRows;
   at::Tensor out = at::empty({M, n_pad}, x.options());
   if (M == 0) return out.narrow(1, 0, out_features);
-  // the quantized activations live in a per-thread buffer reused across calls (no allocation)
+  // the quantized activations live in a per-thread buffer reused across calls (no allocation); F16
+  // weights take the activations as they are
+  const bool is_f16 = weight_type == kF16;
   thread_local std::vector<BlockQ8A> act_buffer;
-  if (static_cast<int64_t>(act_buffer.size()) < M * nb) act_buffer.resize(M * nb);
+  if (!is_f16 && static_cast<int64_t>(act_buffer.size()) < M * nb) act_buffer.resize(M * nb);
   BlockQ8A* act = act_buffer.data();
   const float* xp = x.data_ptr<float>();
   const int64_t qgrain = M * K < (1 << 16) ? M : std::max<int64_t>(1, (1 << 14) / K);
-  at::parallel_for(0, M, qgrain, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) quantize_row_q8a(xp + m * K, act + m * nb, K);
-  });
+  if (!is_f16) {
+    at::parallel_for(0, M, qgrain, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) quantize_row_q8a(xp + m * K, act + m * nb, K);
+    });
+  }
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t rec = record_bytes(weight_type);
-  auto group_fn = weight_type == kQ4 ? q4_group : q8_group;
+  auto group_fn = weight_type == kQ4 ? q4_group : q8_group;  // unused for F16
   // Split output rows (groups) across threads; every output element is computed by one
   // thread in one fixed order, so results do not depend on the thread count.
   const int64_t grain = std::max<int64_t>(1, 2048 / (nb * std::max<int64_t>(1, std::min<int64_t>(M, 4))));
   at::parallel_for(0, G, grain, [&](int64_t begin, int64_t end) {
     const BlockQ8A* a[4];
+    const float* xr[4];
     float* o[4];
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* wg = wp + g * nb * rec;
@@ -85,9 +90,14 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
         const int mt = static_cast<int>(std::min<int64_t>(4, M - m0));
         for (int i = 0; i < mt; ++i) {
           a[i] = act + (m0 + i) * nb;
+          xr[i] = xp + (m0 + i) * K;
           o[i] = op + (m0 + i) * n_pad + g * kRows;
         }
-        group_fn(wg, a, mt, nb, o);
+        if (is_f16) {
+          f16_group(wg, xr, mt, nb, o);
+        } else {
+          group_fn(wg, a, mt, nb, o);
+        }
       }
     }
   });
@@ -125,6 +135,13 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const 
         uint16_t h;
         std::memcpy(&h, blk + 2 * r, 2);
         const float d = _cvtsh_ss(h);
+        if (weight_type == kF16) {
+          for (int c = 0; c < kBlock; ++c) {
+            std::memcpy(&h, blk + 16 * c + 2 * r, 2);
+            dst[c] = _cvtsh_ss(h);
+          }
+          continue;
+        }
         if (weight_type == kQ4) {
           std::memcpy(&h, blk + 16 + 2 * r, 2);
           const float mn = _cvtsh_ss(h);
