@@ -22,13 +22,15 @@ void f16_tile(const uint8_t* w, const float* const* x, int64_t nb, float* const*
     for (int c = 0; c < kF16Record; c += 64) {  // 4 KB ahead: DRAM latency, as the Q4 / Q8 kernels
       _mm_prefetch(reinterpret_cast<const char*>(w) + KVGEN_F16_PREFETCH * kF16Record + c, _MM_HINT_T0);
     }
-    const int64_t col = b * kBlock;
+    const float* xb[MT];
+    for (int m = 0; m < MT; ++m) xb[m] = x[m] + b * kBlock;
+#pragma GCC unroll 16  // unrolled, the accumulators stay in registers (rolled, GCC stored them every column)
     for (int c = 0; c < kBlock; c += 2) {
       const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * c)));
       const __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * c + 16)));
       for (int m = 0; m < MT; ++m) {
-        even[m] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(x[m] + col + c), even[m]);
-        odd[m] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(x[m] + col + c + 1), odd[m]);
+        even[m] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xb[m] + c), even[m]);
+        odd[m] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xb[m] + c + 1), odd[m]);
       }
     }
   }
