@@ -46,6 +46,11 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// An empty asm that takes v in a register: GCC may not reassociate the integer sums across it. Without it,
+// GCC turned each tile's running sums into trees over all the products of a block, whose many live values
+// spilled to the stack at MT = 4 (the prefill tiles); at MT = 1 the tree fits and is faster than the chain.
+inline void keep_in_register(__m256i& v) { asm volatile("" : "+x"(v)); }
+
 // Quantize one row of K floats (K % 32 == 0) into K / 32 blocks.
 void quantize_row_q8a(const float* x, BlockQ8A* y, int64_t K);
 

@@ -42,6 +42,7 @@ void q4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* cons
         const int8_t* q = a[m][b].qs;
         sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(lo, bcast4(q + 4 * t)));
         sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(hi, bcast4(q + 16 + 4 * t)));
+        if constexpr (MT > 1) keep_in_register(sum[m]);  // one row: the tree GCC builds fits the registers
       }
     }
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));

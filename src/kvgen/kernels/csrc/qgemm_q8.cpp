@@ -33,6 +33,7 @@ void q8_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* cons
       for (int m = 0; m < MT; ++m) {
         const __m256i s = _mm256_sign_epi8(bcast4(a[m][b].qs + 4 * j), q);
         sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aq, s), ones));
+        if constexpr (MT > 1) keep_in_register(sum[m]);  // one row: the tree GCC builds fits the registers
       }
     }
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
