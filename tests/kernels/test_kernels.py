@@ -18,18 +18,17 @@ from kvgen.kernels import reference as R
 OPS = K.get_ops()
 REF = K.reference_ops()
 needs_avx2 = pytest.mark.skipif(OPS.backend != "avx2", reason=f"C++ kernels unavailable (backend {OPS.backend})")
-GGUF_CODE = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.F16: 3}
-WEIGHT_TYPE = {Q.Q4_0: K.Q4, Q.Q4_1: K.Q4, Q.Q8_0: K.Q8, Q.F16: K.F16}
-KERNEL_QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16]
+GGUF_CODE = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.F16: 3, Q.BF16: 4}
+WEIGHT_TYPE = {Q.Q4_0: K.Q4, Q.Q4_1: K.Q4, Q.Q8_0: K.Q8, Q.F16: K.F16, Q.BF16: K.BF16}
+KERNEL_QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16]
+FLOAT16_QTYPES = (Q.F16, Q.BF16)  # weights that take the activations unquantized
 
 
 def _gguf_matrix(qtype: Q, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(GGUF bytes [n, row_bytes] uint8, their gguf.quants dequantization [n, k] float32)."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
-    raw = quantize(w, qtype)
-    if qtype == Q.F16:  # gguf.quants gives F16 as float16 values: the file's bytes are their bits
-        return torch.from_numpy(raw.view("uint8")), torch.from_numpy(raw.astype("float32"))
-    return torch.from_numpy(raw), torch.from_numpy(dequantize(raw, qtype))
+    raw = quantize(w, qtype)  # F16 as float16 values: the file's bytes are their bits
+    return torch.from_numpy(raw.view("uint8")), torch.from_numpy(dequantize(raw, qtype))
 
 
 @pytest.mark.parametrize("qtype", KERNEL_QTYPES)
@@ -63,7 +62,7 @@ def test_qgemm_matches_dequantize_then_matmul(qtype, m, n, k):
     assert weight_type == WEIGHT_TYPE[qtype]
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     bias = torch.randn(n)
-    xq = x if qtype == Q.F16 else R.dequantize_q8a(R.quantize_q8a(x))  # F16 weights take x unquantized
+    xq = x if qtype in FLOAT16_QTYPES else R.dequantize_q8a(R.quantize_q8a(x))  # 16-bit weights take x as it is
     want = xq @ dense.T + bias  # [M, N]
     scale = float(want.abs().max())
     for ops in (OPS, REF):
@@ -76,7 +75,7 @@ def test_qgemm_matches_dequantize_then_matmul(qtype, m, n, k):
 
 
 @needs_avx2
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16])
 def test_qgemm_rows_do_not_depend_on_the_batch(qtype):
     """Batch invariance: each row's bits are the same alone, in any tile of 1-4 rows, or among 33."""
     raw, _ = _gguf_matrix(qtype, 64, 256, seed=3)
@@ -226,13 +225,13 @@ def test_fused_cache_write_and_attention_match_reference():
 
 
 def _decoder_inputs(num_layers: int, b: int, t: int, past: int, seed: int):
-    """Random operands of ``decoder_layers``: C 64, H 4, Hkv 2, D 16, I 96, Q4_1 / Q8_0 / F16 projections."""
+    """Random operands of ``decoder_layers``: C 64, H 4, Hkv 2, D 16, I 96, Q4_1 / Q8_0 / F16 / BF16 projections."""
     c, h, h_kv, d, inter = 64, 4, 2, 16, 96
     g = torch.Generator().manual_seed(seed)
     weights, linears, eps = [], [], []
     for layer in range(num_layers):
         for j, (n, k) in enumerate((((h + 2 * h_kv) * d, c), (c, h * d), (2 * inter, c), (c, inter))):
-            qtype = (Q.Q4_1, Q.Q8_0, Q.F16)[(layer + j) % 3]
+            qtype = (Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16)[(layer + j) % 4]
             raw, _ = _gguf_matrix(qtype, n, k, seed=seed + n + k + layer)
             weight_type, packed = K.pack_gguf_rows(qtype.name, [raw])
             weights.append(packed)

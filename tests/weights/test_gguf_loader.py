@@ -506,21 +506,23 @@ def test_auto_keeps_blocks_and_reencodes_other_types_as_q8_0(tmp_path: Path) -> 
     assert float(err.max()) < 0.1 * float(want.abs().max())
 
 
-def test_auto_runs_an_f16_file_on_the_f16_kernel(tmp_path: Path) -> None:
-    """dtype=None (auto) on a file of F16 matrices: they stay F16 blocks (bytes as stored, q/k rows unpermuted)
-    and run unquantized on the F16 kernel, the logits within float rounding of the float32 path; an F32
-    matrix beside them becomes Q8_0."""
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16], ids=lambda q: q.name)
+def test_auto_runs_a_16_bit_file_on_the_16_bit_kernels(tmp_path: Path, qtype) -> None:
+    """dtype=None (auto) on a file of F16 (BF16) matrices: they stay F16 (BF16) blocks (bytes as stored, q/k rows
+    unpermuted) and run unquantized on the 16-bit kernels, the logits within float rounding of the float32
+    path; an F32 matrix beside them becomes Q8_0."""
     from kvgen.models import build_model
     from kvgen.models.quant_linear import QuantLinear
     from kvgen.weights.quantized import GGUFBlocks
 
-    types = {name: Q.F16 for name, shape in _tiny_shapes().items() if len(shape) == 2}
+    types = {name: qtype for name, shape in _tiny_shapes().items() if len(shape) == 2}
     originals = _write_llama(tmp_path / "f16.gguf", types)
     config, compact, _ = load_gguf(tmp_path / "f16.gguf", dtype=None)
     q = compact["model.layers.0.self_attn.q_proj.weight"]
-    assert isinstance(q, GGUFBlocks) and q.qtype == Q.F16
-    want_q = torch.from_numpy(originals["blk.0.attn_q.weight"].astype(np.float16).astype(np.float32))
-    torch.testing.assert_close(q.parts[0].view(torch.float16).float(), want_q, rtol=0, atol=0)
+    assert isinstance(q, GGUFBlocks) and q.qtype == qtype
+    want_q = torch.from_numpy(dequantize(quantize(originals["blk.0.attn_q.weight"], qtype), qtype))
+    half = torch.float16 if qtype == Q.F16 else torch.bfloat16
+    torch.testing.assert_close(q.parts[0].view(half).float(), want_q, rtol=0, atol=0)
     quant = build_model(config, compact)
     ref = build_model(*load_gguf(tmp_path / "f16.gguf")[:2])
     assert isinstance(quant.model.layers[0].mlp.gate_up_proj, QuantLinear)

@@ -27,7 +27,7 @@ from kvgen.sampling.ops import inverse_cdf_at
 
 BLOCK = 32  # values per quantization block
 ROWS = 8  # rows per interleaved group
-Q4, Q8, F16 = 0, 1, 2  # weight_type codes of the ops
+Q4, Q8, F16, BF16 = 0, 1, 2, 3  # weight_type codes of the ops
 RECORD_BYTES = {Q4: 160, Q8: 272}
 # GGUF block sizes in bytes: (scale bytes, has min, quant bytes)
 _Q4_0_BYTES, _Q4_1_BYTES, _Q8_0_BYTES = 18, 20, 34
@@ -63,16 +63,17 @@ def repack_q4(raw: torch.Tensor, has_min: bool) -> torch.Tensor:
     return torch.cat([d, m, qs], dim=-1).contiguous()  # [G, nb, 160]
 
 
-GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16")  # gguf_type codes 0, 1, 2, 3 of ``repack_gguf``
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16")  # gguf_type codes 0-4 of ``repack_gguf``
 
 
 def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
     """Row blocks ``parts`` ([rows_i, bytes] uint8, one GGUF type) of one matrix -> its records
-    [G, nb, R] uint8: Q4 records for Q4_0 (0) / Q4_1 (1), Q8 records for Q8_0 (2), F16 records for F16 (3)."""
+    [G, nb, R] uint8: Q4 records for Q4_0 (0) / Q4_1 (1), Q8 records for Q8_0 (2), 16-bit records for F16 (3) and
+    BF16 (4)."""
     raw = torch.cat(parts) if len(parts) > 1 else parts[0]  # [N, bytes]
     if gguf_type == 2:
         return repack_q8(raw)
-    if gguf_type == 3:
+    if gguf_type in (3, 4):
         return repack_f16(raw)
     return repack_q4(raw, has_min=gguf_type == 1)
 
@@ -89,7 +90,7 @@ def repack_q8(raw: torch.Tensor) -> torch.Tensor:
 
 
 def repack_f16(raw: torch.Tensor) -> torch.Tensor:
-    """GGUF F16 rows ``[N, K * 2]`` uint8 -> F16 records ``[G, K / 32, 512]`` uint8 (column c of row r at w[c][r])."""
+    """GGUF F16 or BF16 rows ``[N, K * 2]`` uint8 -> records ``[G, K / 32, 512]`` uint8 (column c of row r at w[c][r])."""
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % (2 * BLOCK):
         raise ValueError(f"F16 rows must be uint8 [N, nb * 64], got {raw.dtype} {list(raw.shape)}")
     nb = raw.shape[1] // (2 * BLOCK)
@@ -139,8 +140,9 @@ def dequantize_q8a(q: torch.Tensor) -> torch.Tensor:
 def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
     """Repacked records [G, nb, R] -> float32 weight [G * 8, nb * 32] (padding rows included)."""
     g, nb, _ = weight.shape
-    if weight_type == F16:
-        w16 = weight.contiguous().view(torch.float16).float().view(g, nb, BLOCK, ROWS)  # [G, nb, c, r]
+    if weight_type in (F16, BF16):
+        half = torch.float16 if weight_type == F16 else torch.bfloat16
+        w16 = weight.contiguous().view(half).float().view(g, nb, BLOCK, ROWS)  # [G, nb, c, r]
         return w16.permute(0, 3, 1, 2).reshape(g * ROWS, nb * BLOCK)  # [N_pad, K]
     d = weight[..., 0:16].contiguous().view(torch.float16).float()  # [G, nb, 8]
     if weight_type == Q4:
@@ -153,7 +155,7 @@ def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
         q = weight[..., 16:].contiguous().view(torch.int8).reshape(g, nb, 8, ROWS, 4).float()  # [G, nb, j, r, i]
         w = q * d.view(g, nb, 1, ROWS, 1)
     else:
-        raise ValueError(f"weight_type must be {Q4} (Q4), {Q8} (Q8) or {F16} (F16), got {weight_type}")
+        raise ValueError(f"weight_type must be {Q4} (Q4), {Q8} (Q8), {F16} (F16) or {BF16} (BF16), got {weight_type}")
     return w.permute(0, 3, 1, 2, 4).reshape(g * ROWS, nb * BLOCK)  # [N_pad, K]
 
 
@@ -166,8 +168,8 @@ def qgemm(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] float32 @ weight.T (+ bias [N]) (+ residual [M, N]) -> [M, N] float32, with x
-    quantized per 32 values first (Q4, Q8; F16 weights take x as it is)."""
-    xq = x.float() if weight_type == F16 else dequantize_q8a(quantize_q8a(x))  # [M, K]
+    quantized per 32 values first (Q4, Q8; F16 and BF16 weights take x as it is)."""
+    xq = x.float() if weight_type in (F16, BF16) else dequantize_q8a(quantize_q8a(x))  # [M, K]
     out = xq @ dequantize_packed(weight, weight_type)[:out_features].T  # [M, N]
     if bias is not None:
         out = out + bias

@@ -29,6 +29,7 @@ from kvgen.weights.name_maps import (
     gguf_to_kvgen_name,
 )
 from kvgen.weights.quantized import (
+    FLOAT16_TYPES,
     KERNEL_TYPES,
     GGUFBlocks,
     dense_to_q8_0,
@@ -55,8 +56,8 @@ def load_gguf(
     ``dtype=None`` ("auto") on a file with quantized matrices keeps every matrix compact
     as :class:`GGUFBlocks` (Q4_0 / Q4_1 / Q8_0 as stored, Q4_K as Q4_1; every other type, float ones
     included, re-encoded as Q8_0) and loads vectors (norms, biases) as float32; in a file of float
-    matrices, F16 ones stay F16 blocks (the F16 kernel: the file's weights, unquantized activations) and
-    F32 / BF16 ones re-encode as Q8_0 beside them; a file without F16 or quantized matrices loads as
+    matrices, F16 and BF16 ones stay as stored (the 16-bit kernels: the file's weights, unquantized
+    activations) and F32 ones re-encode as Q8_0 beside them; a file of F32 matrices loads as
     float32 (``lm_head.weight`` only when the file has ``output.weight``; otherwise
     ``config.tie_word_embeddings`` is True). ``config.attention_bias`` / ``o_proj_bias`` /
     ``mlp_bias`` follow the presence of ``attn_q.bias`` / ``attn_output.bias`` / ``ffn_up.bias``.
@@ -89,24 +90,24 @@ def load_gguf(
         _check_quant_type(by_name[name])
     state: dict[str, torch.Tensor | GGUFBlocks] = {}
     # auto on a quantized (or F16) file: every matrix runs through the kernels, so the model has one kind of
-    # linear layer; F16 matrices keep their bytes unless the file is quantized (then they join its Q8_0)
+    # linear layer; F16 / BF16 matrices keep their bytes unless the file is quantized (then they join its Q8_0)
     matrix_types = {by_name[g].tensor_type for g in names if len(by_name[g].shape) == 2}
     is_quantized = any(q not in _FLOAT_TYPES for q in matrix_types)
-    compact = dtype is None and (is_quantized or GGMLQuantizationType.F16 in matrix_types)
+    compact = dtype is None and (is_quantized or bool(FLOAT16_TYPES & matrix_types))
     for gguf_name, ours in names.items():
         t = by_name[gguf_name]
         if compact and len(t.shape) == 2:
-            state[ours] = _compact_tensor(t, _qk_heads(ours, config), keep_f16=not is_quantized)
+            state[ours] = _compact_tensor(t, _qk_heads(ours, config), keep_16bit=not is_quantized)
         else:
             state[ours] = dequantize_tensor(t, dtype or torch.float32, _qk_heads(ours, config))
         _release_pages(reader, t)
     return config, state, meta
 
 
-def _compact_tensor(t: ReaderTensor, qk_heads: int | None, keep_f16: bool) -> GGUFBlocks:
-    """A matrix as GGUFBlocks: its own bytes for kernel types (F16 only with ``keep_f16``), Q4_K rewritten as
-    Q4_1, else re-encoded as Q8_0."""
-    own = t.tensor_type in KERNEL_TYPES and (keep_f16 or t.tensor_type != GGMLQuantizationType.F16)
+def _compact_tensor(t: ReaderTensor, qk_heads: int | None, keep_16bit: bool) -> GGUFBlocks:
+    """A matrix as GGUFBlocks: its own bytes for kernel types (F16 / BF16 only with ``keep_16bit``), Q4_K
+    rewritten as Q4_1, else re-encoded as Q8_0."""
+    own = t.tensor_type in KERNEL_TYPES and (keep_16bit or t.tensor_type not in FLOAT16_TYPES)
     if not own and t.tensor_type != GGMLQuantizationType.Q4_K:
         return dense_to_q8_0(dequantize_tensor(t, torch.float32, qk_heads))
     out_features, in_features = _torch_shape(t)  # 2-D: the caller's check

@@ -13,6 +13,7 @@
 //     fp16 d[8], int8 qs[8][8][4]: qs[j][r][i] = row r, column 4j+i (w = q * d[r]).
 //   F16 record (512 bytes), from GGUF F16 rows: fp16 w[32][8]: w[c][r] = row r, column c (float32
 //     activations, not quantized: the file's weights times the activations as they are).
+//   BF16 record (512 bytes), from GGUF BF16 rows: the same with bfloat16 values.
 // So one 32-byte load holds 4 columns of 8 rows, and maddubs against a broadcast of 4
 // activation bytes yields the 8 rows' partial dot products in 8 lanes: no horizontal sums.
 #pragma once
@@ -28,9 +29,9 @@ constexpr int64_t kBlock = 32;        // values per quantization block
 constexpr int64_t kRows = 8;          // rows per interleaved group
 constexpr int64_t kQ4Record = 160;    // bytes per (group, block), Q4
 constexpr int64_t kQ8Record = 272;    // bytes per (group, block), Q8
-constexpr int64_t kF16Record = 512;   // bytes per (group, block), F16
+constexpr int64_t kF16Record = 512;   // bytes per (group, block), F16 and BF16
 
-enum WeightType : int64_t { kQ4 = 0, kQ8 = 1, kF16 = 2 };
+enum WeightType : int64_t { kQ4 = 0, kQ8 = 1, kF16 = 2, kBF16 = 3 };
 
 struct BlockQ8A {
   float d;         // scale
@@ -60,5 +61,6 @@ void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, fl
 void q8_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 // The same for an F16 group against MT float32 activation rows x[m] (K values each).
 void f16_group(const uint8_t* w, const float* const* x, int mt, int64_t nb, float* const* out);
+void bf16_group(const uint8_t* w, const float* const* x, int mt, int64_t nb, float* const* out);
 
 }  // namespace kvgen

@@ -16,7 +16,7 @@ namespace kvgen {
 namespace {
 
 int64_t record_bytes(int64_t weight_type) {
-  TORCH_CHECK(weight_type == kQ4 || weight_type == kQ8 || weight_type == kF16, "kvgen: unknown weight_type ", weight_type);
+  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kBF16, "kvgen: unknown weight_type ", weight_type);
   return weight_type == kQ4 ? kQ4Record : weight_type == kQ8 ? kQ8Record : kF16Record;
 }
 
@@ -62,7 +62,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   if (M == 0) return out.narrow(1, 0, out_features);
   // the quantized activations live in a per-thread buffer reused across calls (no allocation); F16
   // weights take the activations as they are
-  const bool is_f16 = weight_type == kF16;
+  const bool is_f16 = weight_type == kF16 || weight_type == kBF16;  // 16-bit float weights
   thread_local std::vector<BlockQ8A> act_buffer;
   if (!is_f16 && static_cast<int64_t>(act_buffer.size()) < M * nb) act_buffer.resize(M * nb);
   BlockQ8A* act = act_buffer.data();
@@ -94,7 +94,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           o[i] = op + (m0 + i) * n_pad + g * kRows;
         }
         if (is_f16) {
-          f16_group(wg, xr, mt, nb, o);
+          (weight_type == kF16 ? f16_group : bf16_group)(wg, xr, mt, nb, o);
         } else {
           group_fn(wg, a, mt, nb, o);
         }
@@ -135,10 +135,15 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const 
         uint16_t h;
         std::memcpy(&h, blk + 2 * r, 2);
         const float d = _cvtsh_ss(h);
-        if (weight_type == kF16) {
+        if (weight_type == kF16 || weight_type == kBF16) {
           for (int c = 0; c < kBlock; ++c) {
             std::memcpy(&h, blk + 16 * c + 2 * r, 2);
-            dst[c] = _cvtsh_ss(h);
+            if (weight_type == kF16) {
+              dst[c] = _cvtsh_ss(h);
+            } else {
+              const uint32_t bits = static_cast<uint32_t>(h) << 16;
+              std::memcpy(dst + c, &bits, 4);
+            }
           }
           continue;
         }

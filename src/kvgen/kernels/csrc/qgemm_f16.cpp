@@ -1,9 +1,12 @@
-// F16 (GGUF F16 rows repacked into 8-row groups, see common.h) times float32 activations, unquantized.
-// Per column c: one 16-byte load holds the 8 rows' fp16 weights, vcvtph2ps widens them, and one fmadd
-// against the broadcast activation x[c] adds the 8 rows' products in 8 lanes: no horizontal sums.
+// F16 / BF16 (GGUF F16 or BF16 rows repacked into 8-row groups, see common.h) times float32 activations,
+// unquantized. Per column c: one 16-byte load holds the 8 rows' 16-bit weights, widened to float32
+// (vcvtph2ps for F16; a zero-extend and a 16-bit shift for BF16, whose bits are a float32's upper half), and
+// one fmadd against the broadcast activation x[c] adds the 8 rows' products in 8 lanes: no horizontal sums.
 // Each row keeps two accumulators (even and odd columns: two fmadd chains in flight), added at the end,
 // so the arithmetic of a row does not depend on how many rows share the call.
 #include <immintrin.h>
+
+#include <type_traits>
 
 #include "common.h"
 
@@ -14,8 +17,17 @@
 namespace kvgen {
 namespace {
 
-template <int MT>
+inline __m256 widen(const uint8_t* p, std::false_type /* F16 */) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 widen(const uint8_t* p, std::true_type /* BF16 */) {
+  const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+}
+
+template <int MT, bool IsBF16>
 void f16_tile(const uint8_t* w, const float* const* x, int64_t nb, float* const* out) {
+  const std::integral_constant<bool, IsBF16> kind;
   __m256 even[MT], odd[MT];
   for (int m = 0; m < MT; ++m) even[m] = odd[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += kF16Record) {
@@ -26,8 +38,8 @@ void f16_tile(const uint8_t* w, const float* const* x, int64_t nb, float* const*
     for (int m = 0; m < MT; ++m) xb[m] = x[m] + b * kBlock;
 #pragma GCC unroll 16  // unrolled, the accumulators stay in registers (rolled, GCC stored them every column)
     for (int c = 0; c < kBlock; c += 2) {
-      const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * c)));
-      const __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * c + 16)));
+      const __m256 w0 = widen(w + 16 * c, kind);
+      const __m256 w1 = widen(w + 16 * c + 16, kind);
       for (int m = 0; m < MT; ++m) {
         even[m] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xb[m] + c), even[m]);
         odd[m] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xb[m] + c + 1), odd[m]);
@@ -37,15 +49,24 @@ void f16_tile(const uint8_t* w, const float* const* x, int64_t nb, float* const*
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], _mm256_add_ps(even[m], odd[m]));
 }
 
+template <bool IsBF16>
+void group(const uint8_t* w, const float* const* x, int mt, int64_t nb, float* const* out) {
+  switch (mt) {
+    case 1: f16_tile<1, IsBF16>(w, x, nb, out); break;
+    case 2: f16_tile<2, IsBF16>(w, x, nb, out); break;
+    case 3: f16_tile<3, IsBF16>(w, x, nb, out); break;
+    default: f16_tile<4, IsBF16>(w, x, nb, out); break;
+  }
+}
+
 }  // namespace
 
 void f16_group(const uint8_t* w, const float* const* x, int mt, int64_t nb, float* const* out) {
-  switch (mt) {
-    case 1: f16_tile<1>(w, x, nb, out); break;
-    case 2: f16_tile<2>(w, x, nb, out); break;
-    case 3: f16_tile<3>(w, x, nb, out); break;
-    default: f16_tile<4>(w, x, nb, out); break;
-  }
+  group<false>(w, x, mt, nb, out);
+}
+
+void bf16_group(const uint8_t* w, const float* const* x, int mt, int64_t nb, float* const* out) {
+  group<true>(w, x, mt, nb, out);
 }
 
 }  // namespace kvgen

@@ -1,7 +1,7 @@
 // Repacking GGUF rows into the kernels' 8-row records (layouts in common.h), at load.
 // parts: row blocks of one matrix (e.g. q, k, v), each [rows_i, nb * block bytes] uint8 of
 // one GGUF type: 0 = Q4_0 (fp16 d, 16 nibble bytes), 1 = Q4_1 (fp16 d, fp16 m, 16 nibble
-// bytes), 2 = Q8_0 (fp16 d, 32 int8), 3 = F16 (32 fp16 values per block). Rows are numbered across
+// bytes), 2 = Q8_0 (fp16 d, 32 int8), 3 = F16, 4 = BF16 (32 16-bit values per block). Rows are numbered across
 // parts; missing rows of the last group are zero (scale 0). Source: ggml-common.h block_q4_0 /
 // block_q4_1 / block_q8_0.
 #include <immintrin.h>
@@ -17,11 +17,12 @@
 namespace kvgen {
 
 at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) {
-  TORCH_CHECK(gguf_type >= 0 && gguf_type <= 3,
-              "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0) or 3 (F16)");
+  TORCH_CHECK(gguf_type >= 0 && gguf_type <= 4,
+              "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (F16) or 4 (BF16)");
   TORCH_CHECK(!parts.empty(), "kvgen.repack_gguf: no rows");
+  const bool is_16bit = gguf_type >= 3;  // F16, BF16
   const int64_t src_block = gguf_type == 0 ? 18 : gguf_type == 1 ? 20 : gguf_type == 2 ? 34 : 64;
-  const int64_t rec = gguf_type == 2 ? kQ8Record : gguf_type == 3 ? kF16Record : kQ4Record;
+  const int64_t rec = gguf_type == 2 ? kQ8Record : is_16bit ? kF16Record : kQ4Record;
   const int64_t row_bytes = parts[0].size(1), nb = row_bytes / src_block;
   int64_t rows = 0;
   for (const auto& p : parts) {
@@ -41,7 +42,7 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* s = src + i * row_bytes + b * src_block;
         uint8_t* d = dst + (g * nb + b) * rec;
-        if (gguf_type == 3) {  // column c of row r -> w[c][r]
+        if (is_16bit) {  // column c of row r -> w[c][r]
           for (int c = 0; c < kBlock; ++c) std::memcpy(d + 16 * c + 2 * r, s + 2 * c, 2);
           continue;
         }
