@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_tiny_model
+from helpers import make_tiny_model, save_tiny_model_dir
 from tokenizer_cases import WORDPIECE_VOCAB, write_wordpiece_dir
 from transformers import BertTokenizer, GPT2LMHeadModel
 
 import kvgen
+from kvgen.loader import load_model
 from kvgen.generation import GenerationConfig
 
 
@@ -64,3 +66,34 @@ def test_engine_on_gpt2_with_bert_tokenizer_matches_generate(gpt2_bert_dir: Path
     expected = ref_tokenizer.decode(ids + completion.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     head = ref_tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     assert completion.text == BertTokenizer.clean_up_tokenization(expected[len(head) :])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_16_bit_llama_checkpoint_runs_its_matrices_as_stored(tmp_path: Path, dtype: torch.dtype) -> None:
+    """A float16 / bfloat16 checkpoint (as most on the Hub) loads with ``dtype="auto"`` onto the 16-bit kernels, its
+    matrices as stored; the logits are transformers' on the same (16-bit) weights within float rounding, and
+    ``dtype="float32"`` is still the dense reference path. A float32 checkpoint stays dense under auto."""
+    import transformers
+
+    from kvgen.kernels import BF16, F16
+    from kvgen.models.quant_linear import QuantLinear
+
+    src = save_tiny_model_dir(tmp_path / "f32", std=0.5)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(src, torch_dtype=dtype)
+    ref.save_pretrained(tmp_path / "half", safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, tmp_path / "half" / name)
+    model, tok = load_model(tmp_path / "half")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantLinear) and qkv.weight_type == (F16 if dtype == torch.float16 else BF16)
+    dense, _ = load_model(tmp_path / "half", dtype="float32")
+    assert not isinstance(dense.model.layers[0].self_attn.qkv_proj, QuantLinear)
+    assert not isinstance(load_model(src)[0].model.layers[0].self_attn.qkv_proj, QuantLinear)
+    ids = torch.tensor([tok.encode("Name three colours: red, green and blue.")])
+    with torch.inference_mode():
+        want = ref.float()(input_ids=ids).logits[0]
+        got = model.compute_logits(model(ids, torch.arange(ids.shape[1])[None]))[0]
+        exact = dense.compute_logits(dense(ids, torch.arange(ids.shape[1])[None]))[0]
+    torch.testing.assert_close(exact, want, rtol=1e-4, atol=1e-4)  # the reference path: the 16-bit weights, exactly
+    # the kernels: the same weights, K and V at fp16 precision
+    assert float((got - want).abs().max()) < 0.01 * float(want.abs().max())

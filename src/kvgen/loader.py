@@ -57,7 +57,8 @@ def load_model(
     :meth:`Tokenizer.from_pretrained`, which also reads a BertTokenizer ``vocab.txt``). The format is sniffed
     from the path (directory, else the file's magic bytes). Returns the model in
     eval mode and a :class:`Tokenizer`. ``dtype="auto"`` (default) runs a quantized
-    GGUF from its blocks through kvgen's kernels (float32 activations) and loads float
+    GGUF from its blocks through kvgen's kernels (float32 activations), F16 / BF16 GGUF files and
+    float16 / bfloat16 Llama-family checkpoints from their 16-bit matrices, and other float
     checkpoints as float32; ``"float32"`` is the exact dequantized reference path.
     Raises ``ModelNotFoundError``, ``ModelFormatError``,
     ``UnsupportedArchitectureError`` or ``UnsupportedQuantizationError``.
@@ -68,7 +69,6 @@ def load_model(
     if path.is_dir():
         from kvgen.weights.hf_loader import load_hf_directory
 
-        dtype = dtype or torch.float32
         config, state_dict = load_hf_directory(path, dtype=dtype)
         tokenizer = Tokenizer.from_pretrained(path)
     else:

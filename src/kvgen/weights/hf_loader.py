@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gguf import GGMLQuantizationType
 from safetensors import SafetensorError, safe_open
 
 from kvgen.config import ModelConfig
@@ -29,7 +30,9 @@ from kvgen.weights.name_maps import (
     hf_needs_transpose,
     hf_to_kvgen_name,
 )
+from kvgen.weights.quantized import GGUFBlocks
 
+_16BIT = ("F16", "BF16")  # safetensors dtypes the 16-bit kernels run as stored
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -43,12 +46,17 @@ class _Entry:
     key: str  # name in the checkpoint
     name: str  # our name
     transpose: bool
+    dtype: str  # safetensors dtype: "F32", "F16", "BF16", ...
 
 
 def load_hf_directory(
-    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    path: str | os.PathLike[str], dtype: torch.dtype | None = torch.float32
+) -> tuple[ModelConfig, dict[str, torch.Tensor | GGUFBlocks]]:
     """Config and state dict (our names, ``[out, in]`` matrices, ``dtype``) of an HF directory.
+
+    ``dtype=None`` ("auto"): a Llama-family checkpoint whose matrices are all float16 or bfloat16 (with
+    ``in_features`` a multiple of 32) keeps them as stored, as F16 / BF16 :class:`GGUFBlocks` for the 16-bit
+    kernels (vLLM's "auto": the checkpoint's dtype); anything else loads as float32.
 
     Keys ignored before the strict check: saved buffers (GPT-2 ``attn.bias`` /
     ``attn.masked_bias``, Llama ``rotary_emb.inv_freq``) and ``lm_head.weight``
@@ -65,7 +73,9 @@ def load_hf_directory(
     config = ModelConfig.from_hf_dict(_read_json(root / "config.json", "config.json"))
     entries, ignored = _plan(root, config)
     check_state_dict(expected_param_shapes(config), {e.name: s for e, s in entries.items()}, str(root), ignored)
-    return config, _read_tensors(list(entries), dtype)
+    keep_16bit = dtype is None and config.model_type == "llama" and all(
+        e.dtype in _16BIT and shape[1] % 32 == 0 for e, shape in entries.items() if len(shape) == 2)
+    return config, _read_tensors(list(entries), dtype or torch.float32, keep_16bit)
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
@@ -122,8 +132,9 @@ def _plan(root: Path, config: ModelConfig) -> tuple[dict[_Entry, tuple[int, ...]
                     raise ModelFormatError(f"{name} appears twice: in {seen[name]} and in {file} (as {key})")
                 seen[name] = file
                 transpose = hf_needs_transpose(name, config)
-                shape = tuple(f.get_slice(key).get_shape())
-                entries[_Entry(file, key, name, transpose)] = shape[::-1] if transpose else shape
+                tensor = f.get_slice(key)
+                shape = tuple(tensor.get_shape())
+                entries[_Entry(file, key, name, transpose, tensor.get_dtype())] = shape[::-1] if transpose else shape
     return entries, ignored
 
 
@@ -134,9 +145,10 @@ def _open(file: Path) -> Any:
         raise ModelFormatError(f"{file} is not a readable safetensors file: {type(e).__name__}: {e}") from None
 
 
-def _read_tensors(entries: list[_Entry], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Read one tensor at a time, transposed where needed and cast to ``dtype`` (contiguous)."""
-    state: dict[str, torch.Tensor] = {}
+def _read_tensors(entries: list[_Entry], dtype: torch.dtype, keep_16bit: bool) -> dict[str, torch.Tensor | GGUFBlocks]:
+    """Read one tensor at a time, transposed where needed and cast to ``dtype`` (contiguous); with ``keep_16bit``,
+    2-D float16 / bfloat16 tensors become GGUFBlocks of their bytes instead."""
+    state: dict[str, torch.Tensor | GGUFBlocks] = {}
     by_file: dict[Path, list[_Entry]] = {}
     for e in entries:
         by_file.setdefault(e.file, []).append(e)
@@ -148,7 +160,10 @@ def _read_tensors(entries: list[_Entry], dtype: torch.dtype) -> dict[str, torch.
                 except SafetensorError as err:  # data out of bounds, unknown dtype
                     msg = f"{file}: cannot read tensor {e.key!r}: {type(err).__name__}: {err}"
                     raise ModelFormatError(msg) from None
-                if e.transpose:  # Conv1D [in, out] -> [out, in], one copy
+                if keep_16bit and t.dim() == 2:
+                    qtype = GGMLQuantizationType.F16 if t.dtype == torch.float16 else GGMLQuantizationType.BF16
+                    state[e.name] = GGUFBlocks(qtype, [t.contiguous().view(torch.uint8)], (t.shape[0], t.shape[1]))
+                elif e.transpose:  # Conv1D [in, out] -> [out, in], one copy
                     state[e.name] = torch.empty(t.shape[::-1], dtype=dtype).copy_(t.t())
                 else:
                     state[e.name] = t.to(dtype).contiguous()
