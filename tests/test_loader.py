@@ -13,8 +13,8 @@ from tokenizer_cases import WORDPIECE_VOCAB, write_wordpiece_dir
 from transformers import BertTokenizer, GPT2LMHeadModel
 
 import kvgen
-from kvgen.loader import load_model
 from kvgen.generation import GenerationConfig
+from kvgen.loader import load_model
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import torch
 from kvgen.generation.config import GenerationConfig
 from kvgen.generation.output import GenerateOutput, GenerateTimings
 from kvgen.generation.runner import StepRunner
+from kvgen.models import CausalLM
 from kvgen.sampling.stopping import PRIORITY, FinishReason, StopChecker
 
 
@@ -29,7 +30,7 @@ class LoopContext:
     stopper: StopChecker
     generator: torch.Generator | None = None
     streamer: Any = None
-    assistant: Any = None  # assisted decoding's assistant model (a CausalLM)
+    assistant: CausalLM | None = None  # assisted decoding's assistant model
 
 
 def token_loop(

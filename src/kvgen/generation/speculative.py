@@ -13,9 +13,8 @@ transformers 4.55 ``GenerationMixin._assisted_decoding`` and ``_speculative_samp
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import time
+from typing import Protocol
 
 import torch
 

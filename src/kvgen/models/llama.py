@@ -157,7 +157,8 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         self.kernels = kernels
         q_norm, k_norm = attn.q_norm, attn.k_norm
-        self._qk_norm = (q_norm.weight, k_norm.weight, q_norm.variance_epsilon) if q_norm is not None and k_norm is not None else None
+        if q_norm is not None and k_norm is not None:
+            self._qk_norm = (q_norm.weight, k_norm.weight, q_norm.variance_epsilon)
         self._operands = (
             kernels, self.input_layernorm.weight, self.input_layernorm.variance_epsilon, linear(attn.qkv_proj), linear(attn.o_proj),
             self.post_attention_layernorm.weight, self.post_attention_layernorm.variance_epsilon,

@@ -89,7 +89,7 @@ def load_gguf(
     for name in names:
         _check_quant_type(by_name[name])
     state: dict[str, torch.Tensor | GGUFBlocks] = {}
-    # auto on a quantized (or F16) file: every matrix runs through the kernels, so the model has one kind of
+    # auto on a quantized (or 16-bit) file: every matrix runs through the kernels, so the model has one kind of
     # linear layer; F16 / BF16 matrices keep their bytes unless the file is quantized (then they join its Q8_0)
     matrix_types = {by_name[g].tensor_type for g in names if len(by_name[g].shape) == 2}
     is_quantized = any(q not in _FLOAT_TYPES for q in matrix_types)
