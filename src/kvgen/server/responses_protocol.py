@@ -35,36 +35,37 @@ class InputTextPart(BaseModel):
     text: str
 
 
-class MessageItem(BaseModel):
-    """A message; ``id`` / ``status`` of a previous response's output item are accepted and ignored."""
+class _InputItem(StrictModel):
+    """An input item; ``id`` / ``status`` (present when a previous response's output item is given back) are
+    accepted and ignored."""
 
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[InputTextPart]
     id: str | None = None
     status: str | None = None
 
 
-class FunctionCallItem(StrictModel):
+class MessageItem(_InputItem):
+    """A message: text, or text parts."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputTextPart]
+
+
+class FunctionCallItem(_InputItem):
     """A call the model made (an earlier output item), given back with the conversation."""
 
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str  # JSON text
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(StrictModel):
+class FunctionCallOutputItem(_InputItem):
     """The caller's answer to a ``function_call`` with the same ``call_id``."""
 
     type: Literal["function_call_output"]
     call_id: str
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
 def _item_type(value: Any) -> str:
