@@ -39,6 +39,7 @@ from kvgen.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from kvgen.server.reasoning_parsers import REASONING_PARSERS
 from kvgen.server.responses import create_response
 from kvgen.server.responses_protocol import (
     DeletedResponse,
@@ -158,22 +159,25 @@ def _drop_422(app: FastAPI) -> None:
 
 
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, max_queue: int = 256,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The app over a built engine; ``model_name`` is what requests' ``model`` must say.
 
     ``max_queue``: sequences allowed to wait beyond the engine's ``max_num_seqs`` (then 429).
     ``tool_call_parser`` ("hermes"): tool_choice "auto" is served, calls parsed from the text; None refuses it.
+    ``reasoning_parser`` ("deepseek_r1", "qwen3"): replies' ``<think>`` text goes to ``reasoning``.
     Raises ``ValueError`` for ``max_queue`` < 0 or an engine without a tokenizer.
     """
     if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
         raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
+    if reasoning_parser not in (None, *REASONING_PARSERS):
+        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
     llm = engine.engine
     if llm.tokenizer is None:
         raise ValueError("the server needs an engine with a tokenizer")
     state = ServerState(
         engine=engine, tokenizer=llm.tokenizer, model_name=model_name, max_model_len=llm.max_model_len,
         max_num_seqs=llm.engine_args.max_num_seqs, max_queue=max_queue, metrics=ServerMetrics(llm, model_name),
-        api_key=api_key, tool_call_parser=tool_call_parser,
+        api_key=api_key, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
     )
 
     @asynccontextmanager

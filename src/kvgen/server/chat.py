@@ -8,6 +8,7 @@ that could still become one). Source: OpenAI API reference, Chat Completions.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -32,6 +33,7 @@ from kvgen.server.protocol import (
     ToolCallDelta,
     message_dicts,
 )
+from kvgen.server.reasoning_parsers import ReasoningSplitter, new_splitter
 from kvgen.server.results import (
     ChoiceResult,
     chat_logprobs,
@@ -134,10 +136,16 @@ def reply_parts(plan: ToolPlan | None, text: str) -> tuple[str | None, list[Tool
     return (None, calls) if calls else (text, None)
 
 
+def split_reasoning(state: ServerState, text: str) -> tuple[str | None, str]:
+    """(reasoning, the rest) of a finished reply under the server's reasoning parser; (None, text) without one."""
+    return new_splitter(state.reasoning_parser).split(text) if state.reasoning_parser else (None, text)
+
+
 def _choice(state: ServerState, req: ChatCompletionRequest, c: ChoiceResult, plan: ToolPlan | None) -> ChatCompletionChoice:
-    content, calls = reply_parts(plan, c.text)
+    reasoning, text = split_reasoning(state, c.text)
+    content, calls = reply_parts(plan, text)
     return ChatCompletionChoice(
-        index=c.index, message=ChatCompletionMessage(content=content, tool_calls=calls),
+        index=c.index, message=ChatCompletionMessage(content=content, tool_calls=calls, reasoning=reasoning),
         logprobs=_logprobs(state, req, c.token_ids, c.logprobs), finish_reason=_finish_reason(c.finish_reason, plan, calls),
     )
 
@@ -154,6 +162,7 @@ class ChatDeltas:
         self.num_sent: dict[int, int] = {}  # "auto": characters of it already streamed as content
         self.is_buffered = plan is not None and plan.function is None
         self.parser = TOOL_CALL_PARSERS[plan.parser] if plan is not None and plan.parser is not None else None
+        self.splitters: dict[int, ReasoningSplitter] = {}  # each choice's reasoning split (--reasoning-parser)
 
     def opening(self, index: int) -> ChatCompletionStreamChoice:
         """A choice's first delta: the role, and a named call's id and name (its arguments follow)."""
@@ -164,7 +173,18 @@ class ChatDeltas:
         return ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
 
     def __call__(self, c: CompletionOutput) -> Iterator[ChatCompletionStreamChoice]:
-        """The deltas of one engine output of choice ``c.index``; the last carries the finish reason."""
+        """The deltas of one engine output of choice ``c.index``; the last carries the finish reason. With a reasoning
+        parser, the reasoning comes as ``delta.reasoning`` and only the rest goes on as the text below."""
+        parser = self.state.reasoning_parser
+        if parser:
+            splitter = self.splitters.setdefault(c.index, new_splitter(parser))
+            reasoning, rest = splitter.feed(c.text)
+            if c.finish_reason is not None:
+                more_reasoning, more_rest = splitter.finish()
+                reasoning, rest = reasoning + more_reasoning, rest + more_rest
+            if reasoning:
+                yield ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(reasoning=reasoning))
+            c = dataclasses.replace(c, text=rest)
         req, plan = self.req, self.plan
         if self.is_buffered:
             text = self.pending[c.index] = self.pending.get(c.index, "") + c.text

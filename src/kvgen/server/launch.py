@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kvgen.engine.engine_args import EngineArgs
 from kvgen.fields import config_field as _f
+from kvgen.server.reasoning_parsers import REASONING_PARSERS
 from kvgen.server.tool_parsers import TOOL_CALL_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -37,6 +38,9 @@ class ServerArgs:
     tool_call_parser: str | None = _f(None, "how tool calls are found in generated text: 'hermes' "
                                             "(<tool_call>{...}</tool_call>: Qwen2.5, Hermes), 'llama3_json' (a JSON "
                                             "object reply: Llama 3.1/3.2), 'mistral' ([TOOL_CALLS] [...])")
+    reasoning_parser: str | None = _f(None, "put replies' <think>...</think> text in 'reasoning': 'deepseek_r1' "
+                                            "(the reply starts inside it) or 'qwen3' (only a reply that opens "
+                                            "with <think>)")
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -51,6 +55,8 @@ class ServerArgs:
             raise ValueError("api_key must not be empty")
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser hermes|llama3_json|mistral)")
 
@@ -91,7 +97,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         raise
     name = server_args.served_model_name or engine_args.model
     parser = server_args.tool_call_parser if server_args.enable_auto_tool_choice else None
-    app = build_app(engine, name, server_args.api_key, server_args.max_queue, parser)
+    app = build_app(engine, name, server_args.api_key, server_args.max_queue, parser, server_args.reasoning_parser)
     # uvicorn annotates timeout_graceful_shutdown as int but hands it to asyncio.wait_for (float seconds).
     config = uvicorn.Config(
         app, log_level=server_args.log_level, access_log=False,

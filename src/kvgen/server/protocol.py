@@ -130,6 +130,7 @@ class ChatMessage(StrictModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool's answer to that call
+    reasoning: str | None = None  # an assistant turn's reasoning, as a reply with --reasoning-parser gave it
 
 
 class FunctionDefinition(StrictModel):
@@ -171,6 +172,7 @@ class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning: str | None = None  # vLLM extra (--reasoning-parser): the reply's chain of thought
 
 
 class FunctionCallDelta(BaseModel):
@@ -238,6 +240,7 @@ class ChatCompletionResponse(_Envelope):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 
@@ -355,5 +358,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             entry["tool_calls"] = [c.model_dump() for c in m.tool_calls]
         if m.tool_call_id is not None:
             entry["tool_call_id"] = m.tool_call_id
+        if m.reasoning is not None:
+            entry["reasoning"] = m.reasoning
         out.append(entry)
     return out

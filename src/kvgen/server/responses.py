@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 
 from kvgen.engine.outputs import CompletionOutput, RequestOutput
-from kvgen.server.chat import ChatDeltas, chat_prompt_ids, reply_parts
+from kvgen.server.chat import ChatDeltas, chat_prompt_ids, reply_parts, split_reasoning
 from kvgen.server.errors import OpenAIError, bad_request
 from kvgen.server.protocol import (
     ChatCompletionRequest,
@@ -49,7 +49,10 @@ from kvgen.server.responses_protocol import (
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
+    OutputReasoning,
     OutputText,
+    ReasoningItem,
+    ReasoningText,
     ResponseError,
     ResponseObject,
     ResponsesRequest,
@@ -91,22 +94,28 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
 
 
 def _input_messages(items: str | list[Any]) -> list[ChatMessage]:
-    """Input items as chat messages: function calls join the assistant turn before them, their outputs are tool turns."""
+    """Input items as chat messages: function calls join the assistant turn before them, their outputs are tool turns,
+    a reasoning item's text goes to the assistant turn after it."""
     if isinstance(items, str):
         return [ChatMessage(role="user", content=items)]
     out: list[ChatMessage] = []
+    reasoning: str | None = None
     for item in items:
-        if isinstance(item, MessageItem):
+        if isinstance(item, ReasoningItem):
+            reasoning = "".join(part.text for part in item.content or [])
+        elif isinstance(item, MessageItem):
             text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
-            out.append(ChatMessage(role=item.role, content=text))
+            out.append(ChatMessage(role=item.role, content=text, reasoning=reasoning if item.role == "assistant" else None))
         elif isinstance(item, FunctionCallItem):
             call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
-            if out and out[-1].role == "assistant":
+            if out and out[-1].role == "assistant" and reasoning is None:
                 out[-1].tool_calls = [*(out[-1].tool_calls or []), call]
             else:
-                out.append(ChatMessage(role="assistant", tool_calls=[call]))
+                out.append(ChatMessage(role="assistant", tool_calls=[call], reasoning=reasoning))
         else:
             out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.output))
+        if not isinstance(item, ReasoningItem):
+            reasoning = None
     return out
 
 
@@ -203,9 +212,12 @@ class _Builder:
 
     def from_choices(self, choices: list[ChoiceResult]) -> ResponseObject:
         c = choices[0]
-        content, calls = reply_parts(self.plan, c.text)
+        reasoning, text = split_reasoning(self.state, c.text)
+        content, calls = reply_parts(self.plan, text)
         status: ItemStatus = "incomplete" if c.finish_reason == "length" else "completed"
         output: list[OutputItem] = []
+        if reasoning is not None:
+            output.append(OutputReasoning(id=_new_id("rs"), content=[ReasoningText(text=reasoning)], status=status))
         if content or not calls:
             logprobs = chat_logprobs(self.state.tokenizer, c.token_ids, c.logprobs, self.chat.top_logprobs or 0) \
                 if self.chat.logprobs else None
@@ -252,7 +264,9 @@ def _as_message(output: list[OutputItem]) -> ChatMessage:
     text = "".join(part.text for item in output if isinstance(item, OutputMessage) for part in item.content)
     calls = [ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
              for item in output if isinstance(item, OutputFunctionCall)]
-    return ChatMessage(role="assistant", content=text or (None if calls else ""), tool_calls=calls or None)
+    thoughts = [part.text for item in output if isinstance(item, OutputReasoning) for part in item.content]
+    return ChatMessage(role="assistant", content=text or (None if calls else ""), tool_calls=calls or None,
+                       reasoning="".join(thoughts) if thoughts else None)
 
 
 class _EventWriter:
@@ -273,6 +287,8 @@ class _EventWriter:
 
     def delta(self, choice: ChatCompletionStreamChoice) -> Iterator[str]:
         d, logprobs = choice.delta, choice.logprobs.content if choice.logprobs and choice.logprobs.content else None
+        if d.reasoning:
+            yield from self._reasoning(d.reasoning)
         if d.tool_calls is None and (d.content or logprobs):
             yield from self._text(d.content or "", logprobs or [])
         for call in d.tool_calls or []:
@@ -289,8 +305,8 @@ class _EventWriter:
                                  output_index=len(self.items) - 1, delta=call.function.arguments)
         if choice.finish_reason is not None:
             status: ItemStatus = "incomplete" if choice.finish_reason == "length" else "completed"
-            if not self.items:  # an empty reply is an empty message, as answered at once
-                yield from self._text("", [])
+            if not any(isinstance(item, (OutputMessage, OutputFunctionCall)) for item in self.items):
+                yield from self._text("", [])  # a reply without text or calls is an empty message, as answered at once
             yield from self._close(status)
 
     def _num_calls(self) -> int:
@@ -300,6 +316,16 @@ class _EventWriter:
         self.items.append(item)
         self.open = item
         yield self.event("response.output_item.added", output_index=len(self.items) - 1, item=item)
+
+    def _reasoning(self, text: str) -> Iterator[str]:
+        if not isinstance(self.open, OutputReasoning):
+            yield from self._close("completed")
+            yield from self._add(OutputReasoning(id=_new_id("rs"), content=[ReasoningText(text="")], status="in_progress"))
+        item = self.open
+        assert isinstance(item, OutputReasoning)
+        item.content[0].text += text
+        yield self.event("response.reasoning_text.delta", item_id=item.id, output_index=len(self.items) - 1,
+                         content_index=0, delta=text)
 
     def _text(self, text: str, logprobs: list) -> Iterator[str]:
         if not isinstance(self.open, OutputMessage):
@@ -328,6 +354,9 @@ class _EventWriter:
         elif isinstance(item, OutputFunctionCall):
             yield self.event("response.function_call_arguments.done", item_id=item.id, output_index=index,
                              name=item.name, arguments=item.arguments)
+        elif isinstance(item, OutputReasoning):
+            yield self.event("response.reasoning_text.done", item_id=item.id, output_index=index, content_index=0,
+                             text=item.content[0].text)
         if item is not None:
             item.status = status
             yield self.event("response.output_item.done", output_index=index, item=item)

@@ -68,6 +68,21 @@ class FunctionCallOutputItem(_InputItem):
     output: str
 
 
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(_InputItem):
+    """A reasoning item of an earlier response (``--reasoning-parser``), given back: the assistant turn after it
+    carries its text."""
+
+    type: Literal["reasoning"]
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+
+
 def _item_type(value: Any) -> str:
     kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
     return f"item-{kind}"  # a tag with "-": error locations skip it (``errors._loc_param``)
@@ -76,9 +91,9 @@ def _item_type(value: Any) -> str:
 # an item's ``type`` picks its model (a message may leave it out), so an error names that model's field
 InputItem = Annotated[
     Annotated[MessageItem, Tag("item-message")] | Annotated[FunctionCallItem, Tag("item-function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("item-function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("item-function_call_output")] | Annotated[ReasoningItem, Tag("item-reasoning")],
     Discriminator(_item_type, custom_error_type="invalid_item",
-                  custom_error_message="type must be 'message', 'function_call' or 'function_call_output'"),
+                  custom_error_message="type must be 'message', 'function_call', 'function_call_output' or 'reasoning'"),
 ]
 
 
@@ -184,7 +199,17 @@ class OutputFunctionCall(BaseModel):
     status: ItemStatus
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class OutputReasoning(BaseModel):
+    """The reply's chain of thought (``kvgen serve --reasoning-parser``), before its message."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: ItemStatus
+
+
+OutputItem = OutputMessage | OutputFunctionCall | OutputReasoning
 
 
 class InputTokensDetails(BaseModel):

@@ -48,6 +48,7 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     tool_call_parser: str | None = None  # "hermes": tool_choice "auto" allowed, calls parsed from the text
+    reasoning_parser: str | None = None  # "deepseek_r1" | "qwen3": <think> text goes to the reasoning fields
     responses: ResponseStore = field(default_factory=ResponseStore)  # stored /v1/responses results
 
     def check_model(self, name: str | None) -> None:

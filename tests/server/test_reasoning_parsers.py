@@ -1,0 +1,96 @@
+"""Reasoning parsers (``kvgen serve --reasoning-parser``): the split of a reply into reasoning and content (vLLM's
+deepseek_r1 and qwen3 rules), the same whether streamed piece by piece or whole, and a live server returning
+``reasoning`` in chat completions (``message.reasoning``, ``delta.reasoning``) and reasoning items in responses."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from kvgen.server.launch import ServerArgs
+from kvgen.server.reasoning_parsers import new_splitter
+
+CASES = {  # reply -> (deepseek_r1, qwen3) as (reasoning, content)
+    "<think>Let me see.</think>The answer is 4.": (("Let me see.", "The answer is 4."),) * 2,
+    "The answer is 4.": (("The answer is 4.", ""), (None, "The answer is 4.")),
+    "Let me see.</think>Four": (("Let me see.", "Four"), (None, "Let me see.</think>Four")),
+    "\n<think>a</think>\n\nb": (("a", "\n\nb"),) * 2,
+    "<think>cut short by max_tokens": (("cut short by max_tokens", ""),) * 2,
+    "<thi": (("<thi", ""), (None, "<thi")),
+    "<think></think>x": (("", "x"),) * 2,
+    "": (("", ""), (None, "")),
+}
+
+
+@pytest.mark.parametrize("reply", list(CASES))
+@pytest.mark.parametrize("index,parser", [(0, "deepseek_r1"), (1, "qwen3")])
+def test_replies_split_as_vllm_and_the_same_streamed(reply, index, parser):
+    assert new_splitter(parser).split(reply) == CASES[reply][index]
+    for size in (1, 2, 3, 5):  # pieces as a stream brings them
+        splitter, reasoning, content = new_splitter(parser), "", ""
+        for i in range(0, len(reply), size):
+            r, c = splitter.feed(reply[i : i + size])
+            reasoning, content = reasoning + r, content + c
+        r, c = splitter.finish()
+        assert ((reasoning + r) if splitter.has_reasoning else None, content + c) == CASES[reply][index]
+
+
+def test_unknown_parsers_are_refused():
+    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3"):
+        ServerArgs(reasoning_parser="o1")
+
+
+@pytest.fixture(scope="module")
+def r1_server(tiny_model_dir, tmp_path_factory, launch_server):
+    live = launch_server(tiny_model_dir, tmp_path_factory.mktemp("logs") / "r1.log", "--num-blocks", "256",
+                         "--reasoning-parser", "deepseek_r1")
+    yield live
+    assert live.stop() == 0, live.log()[-3000:]
+
+
+MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
+FORCED = {"structured_outputs": {"regex": r"<think>(Two plus two|Adding) is four\.</think>The answer is (4|four)\."}}
+
+
+def test_chat_completions_return_the_reasoning_apart(r1_server):
+    from openai import OpenAI
+
+    with OpenAI(base_url=r1_server.v1, api_key="unused", max_retries=0, timeout=60) as client:
+        r = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=200,
+                                           extra_body=FORCED)
+        message = r.choices[0].message
+        assert message.reasoning.endswith(" is four.") and message.content.startswith("The answer is ")
+        assert r.choices[0].finish_reason == "stop"
+        chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=200,
+                                                     extra_body=FORCED, stream=True))
+        deltas = [choice.delta for chunk in chunks for choice in chunk.choices]
+        assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == message.reasoning
+        assert "".join(d.content or "" for d in deltas) == message.content
+        # the assistant turn given back with its reasoning is accepted
+        again = client.chat.completions.create(model="tiny", temperature=0, max_tokens=4, messages=[
+            *MESSAGES, message.model_dump(exclude_none=True), {"role": "user", "content": "Sure?"}])
+        assert again.choices[0].message.content is not None
+
+
+def test_responses_put_the_reasoning_in_a_reasoning_item(r1_server):
+    """Without a closing </think> the whole reply is deepseek_r1 reasoning: a reasoning item, then an empty message,
+    the same streamed (reasoning_text events) as answered at once, and as chat completions give it."""
+    from openai import OpenAI
+
+    body = {"input": "What is 2 + 2?", "temperature": 0, "max_output_tokens": 12}
+    with OpenAI(base_url=r1_server.v1, api_key="unused", max_retries=0, timeout=60) as client:
+        r = client.responses.create(model="tiny", **body)
+        chat = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=12)
+    reasoning, message = r.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == chat.choices[0].message.reasoning
+    assert message.type == "message" and r.output_text == "" == chat.choices[0].message.content
+    with httpx.stream("POST", r1_server.v1 + "/responses", json={"model": "tiny", "stream": True, **body},
+                      timeout=60) as stream:
+        events = [json.loads(line[len("data: "):]) for line in stream.iter_lines() if line.startswith("data: ")]
+    kinds = [e["type"] for e in events]
+    assert kinds[2] == "response.output_item.added" and events[2]["item"]["type"] == "reasoning"
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert deltas == reasoning.content[0].text
+    assert [item["type"] for item in events[-1]["response"]["output"]] == ["reasoning", "message"]
