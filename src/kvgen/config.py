@@ -85,7 +85,7 @@ class ModelConfig:
             )
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in (None, "default", "llama3", "linear"):
+            if kind not in (None, "default", "llama3", "linear", "freq_factors"):
                 raise UnsupportedArchitectureError(f"rope_scaling type {kind!r} is not supported")
 
     @property

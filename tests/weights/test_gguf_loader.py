@@ -10,8 +10,10 @@ that forgets to undo it fails against the original floats.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -442,10 +444,51 @@ def test_unknown_tensor_is_listed(tmp_path: Path) -> None:
         load_gguf(tmp_path / "t.gguf")
 
 
-def test_rope_freqs_other_than_ones_is_refused(tmp_path: Path) -> None:
-    _write_llama(tmp_path / "t.gguf", extra={"rope_freqs.weight": np.full(D // 2, 2.0, dtype=np.float32)})
-    with pytest.raises(ModelFormatError, match="rope_freqs.weight.*not supported"):
-        load_gguf(tmp_path / "t.gguf")
+def _llama_cpp_rope_factors(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
+    """llama.cpp's converter (LlamaModel.generate_extra_tensors): Llama 3 rope scaling as per-frequency divisors."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_rope_freqs_are_llama_3_rope_scaling(tmp_path: Path) -> None:
+    """A Llama 3.1/3.2 file's rope_freqs.weight (llama.cpp's divisors of each frequency): the frequencies equal
+    transformers' llama3 rope scaling, and the model equals ours built with that rope_scaling."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kvgen.models import build_model
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    _write_llama(tmp_path / "t.gguf", extra={"rope_freqs.weight": _llama_cpp_rope_factors(D, 10000.0, scaling)})
+    config, state, _ = load_gguf(tmp_path / "t.gguf")
+    assert config.rope_scaling is not None and config.rope_scaling["rope_type"] == "freq_factors"
+    model = build_model(config, state)
+    hf = LlamaConfig(hidden_size=C, num_attention_heads=H, rope_theta=10000.0, rope_scaling=scaling,
+                     max_position_embeddings=128)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    torch.testing.assert_close(model.inv_freq, want.float(), rtol=1e-6, atol=0)
+    assert not torch.allclose(model.inv_freq, build_model(replace(config, rope_scaling=None), state).inv_freq)
+    llama3 = build_model(replace(config, rope_scaling=scaling), load_gguf(tmp_path / "t.gguf")[1])
+    ids, positions = torch.tensor([[3, 9, 1, 7, 4, 2]]), torch.tensor([[0, 1, 2, 90, 91, 127]])
+    with torch.inference_mode():
+        got = model.compute_logits(model(ids, positions))
+        ref = llama3.compute_logits(llama3(ids, positions))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    _write_llama(tmp_path / "bad.gguf", extra={"rope_freqs.weight": np.full(D // 2 + 1, 2.0, dtype=np.float32)})
+    with pytest.raises(ModelFormatError, match="rope_freqs.weight must hold head_dim / 2"):
+        load_gguf(tmp_path / "bad.gguf")
 
 
 def test_missing_tensor_is_listed(tmp_path: Path) -> None:

@@ -38,8 +38,10 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies ``[D/2]`` float32: theta^(-2i/D), with optional scaling.
 
-    Supports no scaling, ``linear`` (positions / factor) and ``llama3``
-    (Meta's wavelength-dependent smoothing, as in HF ``_compute_llama3_parameters``).
+    Supports no scaling, ``linear`` (positions / factor), ``llama3``
+    (Meta's wavelength-dependent smoothing, as in HF ``_compute_llama3_parameters``) and ``freq_factors``
+    (a GGUF file's ``rope_freqs.weight``: each frequency divided by its factor, as llama.cpp's ``ggml_rope_ext``;
+    llama.cpp's converter stores Llama 3's smoothing this way). Raises ``ValueError`` for factors that are not D/2.
     """
     arange = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")  # CPU even when building on meta
     inv_freq = 1.0 / (rope_theta ** (arange.float() / head_dim))
@@ -48,6 +50,11 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any]
     kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
     if kind == "linear":
         return inv_freq / float(rope_scaling["factor"])
+    if kind == "freq_factors":
+        factors = torch.tensor(rope_scaling["freq_factors"], dtype=torch.float32, device="cpu")  # [D/2]
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope freq_factors must hold head_dim / 2 = {inv_freq.numel()} values, got {factors.numel()}")
+        return inv_freq / factors
     if kind == "llama3":
         factor = float(rope_scaling["factor"])
         low = float(rope_scaling["low_freq_factor"])

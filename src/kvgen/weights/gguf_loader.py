@@ -77,6 +77,7 @@ def load_gguf(
     config = ModelConfig.from_gguf_metadata(meta)
     config = replace(
         config,
+        rope_scaling=_rope_scaling(by_name, config, path),
         tie_word_embeddings="output.weight" not in by_name,
         attention_bias="blk.0.attn_q.bias" in by_name,
         o_proj_bias="blk.0.attn_output.bias" in by_name,  # Qwen2 biases q/k/v only
@@ -131,20 +132,28 @@ def _map_names(reader: GGUFReader, path: str) -> dict[str, str]:
         ours = gguf_to_kvgen_name(t.name)
         if ours is not None:
             names[t.name] = ours
-        elif t.name == _ROPE_FREQS and _is_all_ones(t):
-            continue
-        else:
+        elif t.name != _ROPE_FREQS:  # read into the config's rope_scaling (_rope_scaling)
             unknown.append(f"{t.name} ({t.tensor_type.name}, {list(_torch_shape(t))})")
     if unknown:
-        hint = ""
-        if any(u.startswith(_ROPE_FREQS) for u in unknown):
-            hint = f"; {_ROPE_FREQS} holds RoPE frequency factors other than 1 (Llama 3 rope scaling), not supported"
-        raise ModelFormatError(f"{path} has tensors kvgen does not know: {', '.join(unknown)}{hint}")
+        raise ModelFormatError(f"{path} has tensors kvgen does not know: {', '.join(unknown)}")
     return names
 
 
-def _is_all_ones(t: ReaderTensor) -> bool:
-    return t.tensor_type in SUPPORTED_QUANT_TYPES and bool(np.all(dequantize(t.data, t.tensor_type) == 1.0))
+def _rope_scaling(by_name: dict[str, ReaderTensor], config: ModelConfig, path: str) -> dict[str, Any] | None:
+    """The config's rope_scaling with a file's ``rope_freqs.weight`` (llama.cpp's per-frequency divisors, written
+    for Llama 3.1+ rope scaling) as ``freq_factors``; unchanged without one or when all are 1."""
+    t = by_name.get(_ROPE_FREQS)
+    if t is None:
+        return config.rope_scaling
+    if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        raise ModelFormatError(f"{path}: {_ROPE_FREQS} is stored as {t.tensor_type.name}; expected F32 or F16")
+    factors = dequantize(t.data, t.tensor_type).reshape(-1).astype(np.float64)
+    if factors.size != config.head_dim // 2 or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
+        raise ModelFormatError(f"{path}: {_ROPE_FREQS} must hold head_dim / 2 = {config.head_dim // 2} positive "
+                               f"factors, got {factors.size} values")
+    if np.all(factors == 1.0):
+        return config.rope_scaling
+    return {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
 
 
 def _torch_shape(t: ReaderTensor) -> tuple[int, ...]:
