@@ -20,8 +20,8 @@ from kvgen.tokenizer import GGUF_PRE_TOKENIZERS, ByteLevelVariant, Tokenizer
 
 
 def test_unsupported_tokenizer_model_raises(meta: dict) -> None:
-    with pytest.raises(ModelFormatError, match="unsupported GGUF tokenizer model tokenizer.ggml.model='llama'"):
-        Tokenizer.from_gguf({**meta, "tokenizer.ggml.model": "llama"})
+    with pytest.raises(ModelFormatError, match="unsupported GGUF tokenizer model tokenizer.ggml.model='bert'"):
+        Tokenizer.from_gguf({**meta, "tokenizer.ggml.model": "bert"})
 
 
 def test_unsupported_pre_tokenizer_and_missing_fields_raise(meta: dict) -> None:
@@ -99,3 +99,44 @@ def test_variants_match_transformers_converters(trained: BackendTokenizer, pre: 
         expected = reference.encode(text, add_special_tokens=False).ids
         assert ours.encode(text, add_special_tokens=False) == expected, text
         assert ours.decode(expected) == reference.decode(expected, skip_special_tokens=False)
+
+
+# ---------------------------------------------------------------- SentencePiece BPE ("llama")
+
+
+def _sentencepiece_meta() -> dict:
+    """An SPM-style GGUF vocabulary: <unk>, <s>, </s>, the 256 byte tokens, then "▁"-pieces of a BPE trained on
+    TRAIN_TEXT, each scored by its rank (earlier pieces merge first), as llama.cpp's "llama" model stores them."""
+    from tokenizers import SentencePieceBPETokenizer
+
+    trained = SentencePieceBPETokenizer()
+    trained.train_from_iterator(TRAIN_TEXT, vocab_size=400, min_frequency=1, show_progress=False)
+    head = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)]]
+    pieces = [t for t in (trained.id_to_token(i) for i in range(trained.get_vocab_size())) if t not in head]
+    tokens = [*head, *pieces]
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": [0.0] * 259 + [-float(i) for i in range(len(pieces))],
+        "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * len(pieces),
+        "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.add_bos_token": True,
+    }
+
+
+def test_sentencepiece_vocabularies_match_transformers_gguf_converter() -> None:
+    from transformers.integrations.ggml import GGUFLlamaConverter
+
+    meta = _sentencepiece_meta()
+    ours = Tokenizer.from_gguf(meta)
+    fields = {k.removeprefix("tokenizer.ggml."): v for k, v in meta.items()}
+    reference = GGUFLlamaConverter({**fields, "unk_token_id": 0}).converted()
+    for text in HARD_STRINGS + TRAIN_TEXT + ["  two spaces", "\ttab\nnewline", "<s> literal"]:
+        expected = reference.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text, add_special_tokens=False) == expected, text
+        assert ours.decode(expected) == reference.decode(expected, skip_special_tokens=False), text
+    ids = ours.encode("Hello 🦙")  # BOS first; the emoji (not in the training text) falls back to its UTF-8 bytes
+    assert ids[0] == 1 and {meta["tokenizer.ggml.tokens"].index(f"<0x{b:02X}>") for b in "🦙".encode()} <= set(ids)
+    assert ours.decode(ids, skip_special_tokens=True) == "Hello 🦙"
+    with pytest.raises(ModelFormatError, match="tokenizer.ggml.scores has 3 entries"):
+        Tokenizer.from_gguf({**meta, "tokenizer.ggml.scores": [0.0] * 3})

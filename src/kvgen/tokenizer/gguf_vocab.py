@@ -1,7 +1,8 @@
-"""Rebuilding a ``tokenizers`` backend from GGUF metadata (llama.cpp's "gpt2" tokenizer model).
+"""Rebuilding a ``tokenizers`` backend from GGUF metadata: llama.cpp's "gpt2" tokenizer model (byte-level BPE)
+and its "llama" model (SentencePiece BPE: Llama 2, TinyLlama, Mistral v0.1-0.3).
 
-Source: llama.cpp ``llama-vocab.cpp`` (token types, pre-tokenizer names) and the models' own
-tokenizer.json files for the split patterns.
+Source: llama.cpp ``llama-vocab.cpp`` (token types, pre-tokenizer names), the models' own tokenizer.json
+files for the split patterns, and transformers 4.55 ``GGUFLlamaConverter`` (SentencePiece merges from scores).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from tokenizers import AddedToken
+from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from kvgen.errors import ModelFormatError
@@ -67,17 +68,18 @@ def _vocab(meta: dict[str, Any]) -> tuple[list[str], list[int]]:
 
 
 def gguf_backend(meta: dict[str, Any]) -> BackendTokenizer:
-    """The byte-level BPE of GGUF metadata, without BOS/EOS post-processing.
+    """The byte-level BPE (or SentencePiece BPE) of GGUF metadata, without BOS/EOS post-processing.
 
     CONTROL tokens become special added tokens; USER_DEFINED ones added tokens kept by decode
-    (as llama.cpp). Raises ``ModelFormatError`` for a tokenizer model other than "gpt2", an
-    unknown ``tokenizer.ggml.pre``, or malformed tokens, types or merges.
+    (as llama.cpp). Raises ``ModelFormatError`` for a tokenizer model other than "gpt2" / "llama", an
+    unknown ``tokenizer.ggml.pre``, or malformed tokens, types, merges or scores.
     """
     model = _require(meta, "tokenizer.ggml.model")
+    if model == "llama":
+        return _sentencepiece_backend(meta)
     if model != "gpt2":
-        raise ModelFormatError(
-            f"unsupported GGUF tokenizer model tokenizer.ggml.model={model!r}; kvgen reads 'gpt2' (byte-level BPE)"
-        )
+        raise ModelFormatError(f"unsupported GGUF tokenizer model tokenizer.ggml.model={model!r}; kvgen reads "
+                               "'gpt2' (byte-level BPE) and 'llama' (SentencePiece BPE)")
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in GGUF_PRE_TOKENIZERS:
         raise ModelFormatError(
@@ -91,6 +93,44 @@ def gguf_backend(meta: dict[str, Any]) -> BackendTokenizer:
     user = [AddedToken(t, special=False, normalized=False) for t, k in typed if k == GGUFTokenType.USER_DEFINED]
     backend.add_special_tokens(control)
     backend.add_tokens(user)
+    return backend
+
+
+def _sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece's scores: every split of a token into two tokens, the merges of a
+    higher-scoring token first (transformers' ``GGUFTokenizerSkeleton`` order, ties kept in vocabulary order)."""
+    score = dict(zip(tokens, scores, strict=True))
+    merges: list[tuple[str, str, float]] = []
+    for token, token_score in score.items():
+        pairs = [(token[:i], token[i:], token_score) for i in range(1, len(token)) if token[:i] in score and token[i:] in score]
+        merges += sorted(pairs, key=lambda p: (score[p[0]], score[p[1]]), reverse=True)
+    merges.sort(key=lambda m: m[2], reverse=True)  # stable
+    return [(left, right) for left, right, _ in merges]
+
+
+def _sentencepiece_backend(meta: dict[str, Any]) -> BackendTokenizer:
+    """SentencePiece BPE (llama.cpp's "llama" model): spaces as "▁" with one prepended (unless
+    ``tokenizer.ggml.add_space_prefix`` is false), merges ranked by ``tokenizer.ggml.scores``, unknown bytes as
+    ``<0xNN>`` tokens. Raises ``ModelFormatError`` for missing or mismatched scores."""
+    tokens, token_types = _vocab(meta)
+    scores = _require(meta, "tokenizer.ggml.scores")
+    if len(scores) != len(tokens):
+        raise ModelFormatError(f"tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
+    vocab = {t: i for i, t in enumerate(tokens)}
+    backend = BackendTokenizer(models.BPE(vocab, _sentencepiece_merges(tokens, [float(s) for s in scores]),
+                                          unk_token=unk, fuse_unk=True, byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    steps: list[normalizers.Normalizer] = [normalizers.Prepend("▁")] if prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+    strip: list[decoders.Decoder] = [decoders.Strip(content=" ", left=1)] if prefix else []
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+    typed = list(zip(tokens, token_types, strict=True))
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed
+                                if k == GGUFTokenType.CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed
+                        if k == GGUFTokenType.USER_DEFINED])
     return backend
 
 

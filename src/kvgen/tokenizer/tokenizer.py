@@ -53,7 +53,7 @@ class Tokenizer:
     def from_gguf(cls, meta: dict[str, Any]) -> Tokenizer:
         """Build from GGUF metadata (``gguf_metadata(open_gguf(path))``).
 
-        Reads ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE); adds BOS/EOS only where
+        Reads ``tokenizer.ggml.model`` "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE); adds BOS/EOS only where
         ``tokenizer.ggml.add_bos_token``/``add_eos_token`` say so. Raises ``ModelFormatError``
         for another tokenizer model or pre-tokenizer, or malformed tokenizer fields.
         """
