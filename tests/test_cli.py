@@ -195,6 +195,16 @@ def test_chat_two_turns_then_exit(ours_default):
         assert reply.strip() and reply.strip() in proc.stdout
 
 
+def test_chat_with_an_assistant_model_replies_as_without(tiny_model_dir):
+    """Assisted decoding in chat: the same greedy replies (the model drafting for itself)."""
+    base = [sys.executable, "-m", "kvgen.cli", "chat", "--model", str(tiny_model_dir), "--max-new-tokens", "10"]
+    turns = "Name three colours.\nAnd three more?\n/exit\n"
+    plain, assisted = (subprocess.run(cmd, input=turns, capture_output=True, text=True, timeout=120, check=False)
+                       for cmd in (base, [*base, "--assistant-model", str(tiny_model_dir)]))
+    assert plain.returncode == assisted.returncode == 0, assisted.stderr
+    assert assisted.stdout == plain.stdout and len(plain.stdout.strip()) > 10
+
+
 @ON_BOTH_MODELS
 def test_chat_ends_cleanly_on_end_of_input(request, model):
     proc = subprocess.run([sys.executable, "-m", "kvgen.cli", "chat", *_model_args(request, model)], input="",

@@ -149,6 +149,21 @@ def _add_model_flags(p: argparse.ArgumentParser, dtype: bool = True, threads: bo
         )
 
 
+def _add_assistant_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--assistant-model", default=None,
+                   help="assisted decoding: a smaller model with the same vocabulary (a .gguf file or an HF directory) "
+                   "drafts tokens that --model verifies")
+
+
+def _load_assistant(args: argparse.Namespace) -> Any:
+    """The ``--assistant-model`` (loaded as --model's dtype says), or None."""
+    if args.assistant_model is None:
+        return None
+    from kvgen.loader import load_model
+
+    return load_model(args.assistant_model, dtype=args.dtype)[0]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full ``kvgen`` argument parser."""
     parser = _Parser(prog="kvgen", description="kvgen: LLM inference with our own KV cache, decoding and engine.")
@@ -161,14 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--trace", action="store_true", help="print per-step shapes and latency; plot latency with/without cache")
     g.add_argument("--trace-plot", default="kvgen-trace.png", help="where --trace saves its PNG")
-    g.add_argument("--assistant-model", default=None,
-                   help="assisted decoding: a smaller model with the same vocabulary (a .gguf file or an HF directory) "
-                   "drafts tokens that --model verifies")
+    _add_assistant_flag(g)
     add_generation_flags(g)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat (/exit or end of input leaves)")
     _add_model_flags(c)
     c.add_argument("--system", default=None, help="optional system message")
+    _add_assistant_flag(c)
     add_generation_flags(c)  # --max-new-tokens defaults to 256 per reply here
 
     t = sub.add_parser("tokenize", help="print the token ids of TEXT as a JSON list")
@@ -262,11 +276,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt_ids:
         raise CliError("the prompt is empty after tokenization")
     input_ids = torch.tensor([prompt_ids])
-    assistant = None
-    if args.assistant_model is not None:
-        from kvgen.loader import load_model
-
-        assistant = load_model(args.assistant_model, dtype=args.dtype)[0]
+    assistant = _load_assistant(args)
     single = cfg.num_return_sequences == 1
     streamer = None if (args.json or args.trace or not single) else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     if args.trace:
@@ -340,6 +350,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     model, tokenizer, _ = _load(args)
     if tokenizer.chat_template is None:
         raise CliError(f"model {args.model} has no chat template")
+    assistant = _load_assistant(args)
     messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     print("kvgen chat: type a message; /exit or Ctrl-D leaves.", file=sys.stderr)
     while True:
@@ -355,7 +366,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        out = generate(model, torch.tensor([ids]), None, cfg, tokenizer=tokenizer, streamer=streamer)
+        out = generate(model, torch.tensor([ids]), None, cfg, tokenizer=tokenizer, streamer=streamer,
+                       assistant_model=assistant)
         messages.append({"role": "assistant", "content": tokenizer.decode(out.new_token_ids[0], skip_special_tokens=True)})
 
 
