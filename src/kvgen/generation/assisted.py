@@ -33,6 +33,8 @@ class AssistantDrafter:
         self.ctx, self.num_tokens = ctx, float(cfg.num_assistant_tokens)
 
     def draft(self, sequences: torch.Tensor, max_tokens: int) -> tuple[list[int], torch.Tensor | None]:
+        """Up to ``max_tokens`` ids continuing ``sequences`` [1, S] and their processed scores [k, V]; the assistant's
+        cache first drops what the model did not keep."""
         cfg, runner = self.ctx.config, self.runner
         num = min(int(self.num_tokens), max_tokens)
         if num <= 0:

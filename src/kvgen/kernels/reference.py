@@ -74,7 +74,7 @@ def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
     if gguf_type == 2:
         return repack_q8(raw)
     if gguf_type in (3, 4):
-        return repack_f16(raw)
+        return repack_16bit(raw)
     return repack_q4(raw, has_min=gguf_type == 1)
 
 
@@ -89,7 +89,7 @@ def repack_q8(raw: torch.Tensor) -> torch.Tensor:
     return torch.cat([d, qs], dim=-1).contiguous()  # [G, nb, 272]
 
 
-def repack_f16(raw: torch.Tensor) -> torch.Tensor:
+def repack_16bit(raw: torch.Tensor) -> torch.Tensor:
     """GGUF F16 or BF16 rows ``[N, K * 2]`` uint8 -> records ``[G, K / 32, 512]`` uint8 (column c of row r at w[c][r])."""
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % (2 * BLOCK):
         raise ValueError(f"F16 rows must be uint8 [N, nb * 64], got {raw.dtype} {list(raw.shape)}")

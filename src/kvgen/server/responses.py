@@ -139,8 +139,9 @@ def _chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatCom
             parallel_tool_calls=req.parallel_tool_calls, response_format=response_format, user=req.user,
         )
     except ValidationError as e:
-        error = e.errors()[0]
-        raise bad_request(f"input: {error['msg']}" if error["loc"][:1] == ("messages",) else str(e), "input") from None
+        error = e.errors()[0]  # fields checked again as chat fields: only the conversation itself can fail here
+        where = ".".join(str(p) for p in error["loc"]).replace("messages", "input", 1)
+        raise bad_request(f"{where}: {error['msg']}", "input") from None
 
 
 def _prompt(state: ServerState, req: ResponsesRequest, chat: ChatCompletionRequest) -> list[int]:
@@ -243,8 +244,6 @@ class _Builder:
             num_cached = output.num_cached_tokens
             for choice in deltas(c):
                 yield from writer.delta(choice)
-                if choice.finish_reason is not None:
-                    writer.finish_reason = c.finish_reason
 
         def last(num_tokens: int) -> str:
             response = self.finish(writer.items, writer.finish_reason, num_tokens, num_cached)
@@ -304,6 +303,7 @@ class _EventWriter:
                 yield self.event("response.function_call_arguments.delta", item_id=item.id,
                                  output_index=len(self.items) - 1, delta=call.function.arguments)
         if choice.finish_reason is not None:
+            self.finish_reason = choice.finish_reason  # OpenAI's: "length" as the engine's
             status: ItemStatus = "incomplete" if choice.finish_reason == "length" else "completed"
             if not any(isinstance(item, (OutputMessage, OutputFunctionCall)) for item in self.items):
                 yield from self._text("", [])  # a reply without text or calls is an empty message, as answered at once
