@@ -108,7 +108,13 @@ def _hf_config(model_type: str, tie: bool, kv_heads: int, bias: bool, vocab_size
         return cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=kv_heads, max_position_embeddings=max_position_embeddings,
                    tie_word_embeddings=tie, **overrides)
-    raise ValueError(f"model_type must be 'llama', 'gpt2', 'qwen2', 'qwen3' or 'mistral', got {model_type!r}")
+    if model_type == "phi3":  # stacked qkv_proj / gate_up_proj; ids inside the tiny vocabulary (Phi3Config's are 32000)
+        ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+        return transformers.Phi3Config(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=kv_heads, max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=tie, **(ids | overrides))
+    raise ValueError(f"model_type must be 'llama', 'gpt2', 'qwen2', 'qwen3', 'mistral' or 'phi3', got {model_type!r}")
 
 
 def _randomize(model: torch.nn.Module, seed: int, std: float) -> None:
@@ -206,8 +212,9 @@ def train_tiny_tokenizer(vocab_size: int = 384) -> BackendTokenizer:
     return backend
 
 
-def save_tiny_model_dir(path: Path, **model_kwargs: Any) -> Path:
-    """Save a tiny Llama (``make_tiny_model`` + ``model_kwargs``) and the tiny tokenizer as an HF directory.
+def save_tiny_model_dir(path: Path, model_type: str = "llama", **model_kwargs: Any) -> Path:
+    """Save a tiny Llama (or another ``model_type``: ``make_tiny_model`` + ``model_kwargs``) and the tiny tokenizer
+    as an HF directory.
 
     BOS is ``<|im_start|>``, EOS ``<|im_end|>``, the chat template ChatML; the model's
     vocabulary is the tokenizer's. Returns ``path``.
@@ -215,7 +222,7 @@ def save_tiny_model_dir(path: Path, **model_kwargs: Any) -> Path:
     backend = train_tiny_tokenizer()
     bos, eos = backend.token_to_id("<|im_start|>"), backend.token_to_id("<|im_end|>")
     model_kwargs = {"tie": True, "bos_token_id": bos, "eos_token_id": eos, **model_kwargs}
-    ref, _ = make_tiny_model("llama", vocab_size=backend.get_vocab_size(), **model_kwargs)
+    ref, _ = make_tiny_model(model_type, vocab_size=backend.get_vocab_size(), **model_kwargs)
     ref.save_pretrained(path, safe_serialization=True)
     backend.save(str(path / "tokenizer.json"))
     config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>",

@@ -68,8 +68,10 @@ def test_engine_on_gpt2_with_bert_tokenizer_matches_generate(gpt2_bert_dir: Path
     assert completion.text == BertTokenizer.clean_up_tokenization(expected[len(head) :])
 
 
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])  # phi3: qkv_proj / gate_up_proj stacked in the checkpoint
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_a_16_bit_llama_checkpoint_runs_its_matrices_as_stored(tmp_path: Path, dtype: torch.dtype) -> None:
+def test_a_16_bit_llama_checkpoint_runs_its_matrices_as_stored(tmp_path: Path, dtype: torch.dtype,
+                                                               model_type: str) -> None:
     """A float16 / bfloat16 checkpoint (as most on the Hub) loads with ``dtype="auto"`` onto the 16-bit kernels, its
     matrices as stored; the logits are transformers' on the same (16-bit) weights within float rounding, and
     ``dtype="float32"`` is still the dense reference path. A float32 checkpoint stays dense under auto."""
@@ -78,7 +80,7 @@ def test_a_16_bit_llama_checkpoint_runs_its_matrices_as_stored(tmp_path: Path, d
     from kvgen.kernels import BF16, F16
     from kvgen.models.quant_linear import QuantLinear
 
-    src = save_tiny_model_dir(tmp_path / "f32", std=0.5)
+    src = save_tiny_model_dir(tmp_path / "f32", model_type=model_type, std=0.5)
     ref = transformers.AutoModelForCausalLM.from_pretrained(src, torch_dtype=dtype)
     ref.save_pretrained(tmp_path / "half", safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):

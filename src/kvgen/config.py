@@ -9,6 +9,7 @@ reference are nearly an identity map.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -17,7 +18,11 @@ from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
 SUPPORTED_MODEL_TYPES = ("llama", "gpt2")
 
 # GGUF `general.architecture` values we decode with our Llama implementation.
-_GGUF_LLAMA_ARCHS = ("llama", "qwen2", "qwen3")  # qwen2/3: llama.cpp stores their q/k rows unpermuted (NEOX rope)
+# qwen2/3, phi3: llama.cpp stores their q/k rows unpermuted (NEOX rope); phi3 stacks q/k/v and gate/up
+_GGUF_LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+# Hugging Face model_types decoded by our Llama (see _llama_family_changes)
+_HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+_ROPE_TYPES = (None, "default", "llama3", "linear", "freq_factors", "longrope")
 
 
 def token_id_list(value: Any) -> list[int]:
@@ -34,7 +39,9 @@ class ModelConfig:
     """Decoder hyper-parameters (HF names; sizes in elements, lengths in tokens).
 
     Raises ``UnsupportedArchitectureError`` for a ``model_type`` kvgen has no
-    decoder for and ``ModelFormatError`` for inconsistent sizes.
+    decoder for or an unsupported ``rope_scaling`` type, and ``ModelFormatError`` for inconsistent sizes.
+    A ``longrope`` rope_scaling bounds ``max_position_embeddings`` to its ``original_max_position_embeddings``
+    (:meth:`_apply_rope_scaling` says why).
     """
 
     model_type: str
@@ -59,6 +66,7 @@ class ModelConfig:
     o_proj_bias: bool | None = None  # None: as attention_bias (Llama); Qwen2 biases q/k/v only
     mlp_bias: bool = False
     use_qk_norm: bool = False  # Qwen3: an RMSNorm over each head's query and key before RoPE
+    no_rope_layers: list[int] | None = None  # SmolLM3: a 0/1 per layer, 0 = no RoPE (NoPE); None: RoPE everywhere
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -84,9 +92,30 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
         if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in (None, "default", "llama3", "linear", "freq_factors"):
-                raise UnsupportedArchitectureError(f"rope_scaling type {kind!r} is not supported")
+            self._apply_rope_scaling(self.rope_scaling)
+
+    def _apply_rope_scaling(self, scaling: dict[str, Any]) -> None:
+        """Refuse rope types we do not compute, and bound a LongRoPE model's ``max_position_embeddings``.
+
+        LongRoPE (Phi-3 128k, Phi-3.5): kvgen rotates by the short factors (:func:`longrope_scaling`) and serves at
+        most ``original_max_position_embeddings`` tokens. transformers 4.55 (``_longrope_frequency_update``) switches
+        every frequency to the long factors once a sequence passes that length, while the keys already in its cache
+        stay rotated by the short ones, and llama.cpp picks one set for the whole context from its size: past that
+        length the references disagree with each other, so the context ends there (as a sliding window does).
+        """
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in _ROPE_TYPES:
+            raise UnsupportedArchitectureError(f"rope_scaling type {kind!r} is not supported")
+        if kind != "longrope":
+            return
+        missing = [k for k in ("short_factor", "long_factor", "original_max_position_embeddings") if k not in scaling]
+        if missing:
+            raise ModelFormatError(f"longrope rope_scaling lacks {', '.join(missing)}")
+        for name in ("short_factor", "long_factor"):
+            if len(scaling[name]) != self.head_dim // 2:
+                raise ModelFormatError(f"rope_scaling {name} must hold head_dim / 2 = {self.head_dim // 2} values, "
+                                       f"got {len(scaling[name])}")
+        self.max_position_embeddings = min(self.max_position_embeddings, int(scaling["original_max_position_embeddings"]))
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -95,7 +124,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face ``config.json`` dict (``gpt2`` or ``llama``).
+        """Build from a Hugging Face ``config.json`` dict (``gpt2``, or ``llama`` and the model_types our Llama
+        decodes: ``mistral``, ``qwen2``, ``qwen3``, ``phi3``; see ``_llama_family_changes``).
 
         GPT-2's own names (``n_embd``, ``n_layer``, ``n_head``, ``n_positions``,
         ``n_inner``) are mapped to the common ones.
@@ -125,7 +155,7 @@ class ModelConfig:
                     pad_token_id=cfg.get("pad_token_id"),
                     extra={"scale_attn_weights": cfg.get("scale_attn_weights", True)},
                 )
-            if model_type in ("llama", "mistral", "qwen2", "qwen3"):
+            if model_type in _HF_LLAMA_TYPES:
                 known = {f.name for f in fields(cls)}
                 kwargs = {k: v for k, v in cfg.items() if k in known and k not in ("extra", "o_proj_bias")}
                 return cls(**kwargs | _llama_family_changes(model_type, cfg))
@@ -139,7 +169,8 @@ class ModelConfig:
 
         ``meta`` maps GGUF keys (``general.architecture``, ``llama.block_count``,
         ...) to values. Raises ``UnsupportedArchitectureError`` for an
-        architecture other than ``llama`` and ``ModelFormatError`` for missing keys.
+        architecture outside ``llama``, ``qwen2``, ``qwen3``, ``phi3`` and ``ModelFormatError`` for missing keys.
+        Rope scaling stored as tensors (``rope_freqs``, ``rope_factors_*``) is the loader's to add.
         """
         arch = meta.get("general.architecture")
         if arch is None:
@@ -178,7 +209,7 @@ class ModelConfig:
             num_key_value_heads=int(meta.get(f"{arch}.attention.head_count_kv", num_heads)),
             intermediate_size=int(need("feed_forward_length")),
             head_dim=int(head_dim),
-            max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+            max_position_embeddings=_gguf_context_length(meta, arch),
             rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
             tie_word_embeddings=False,  # set by the loader: True when the file has no output.weight
@@ -191,19 +222,75 @@ class ModelConfig:
 
 
 def _llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """What Mistral, Qwen2 and Qwen3 change of a Llama: Qwen2 biases q/k/v (not o_proj); Qwen3 normalizes each
-    head's q and k (``use_qk_norm``; its ``head_dim`` may differ from hidden_size / heads); Mistral's sliding window
-    bounds the context (attention within the window is exact; longer contexts are refused, not approximated).
-    Raises ``UnsupportedArchitectureError`` for Qwen2/Qwen3 sliding-window layers. Source: transformers 4.55
-    ``MistralConfig`` / ``Qwen2Config`` / ``Qwen3Config`` and their attention modules."""
+    """What Mistral, Qwen2, Qwen3 and Phi-3 change of a Llama: Qwen2 biases q/k/v (not o_proj); Qwen3 normalizes each
+    head's q and k (``use_qk_norm``; its ``head_dim`` may differ from hidden_size / heads); Mistral's and Phi-3's
+    sliding window bounds the context (attention within the window is exact; longer contexts are refused, not
+    approximated); a LongRoPE ``rope_scaling`` is completed by :func:`_hf_longrope`. Phi-3 checkpoints stack q/k/v and
+    gate/up themselves (``weights.name_maps``). Raises ``UnsupportedArchitectureError`` for Qwen2/Qwen3 sliding-window
+    layers and a ``partial_rotary_factor`` below 1 (Phi-4-mini). Source: transformers 4.55 ``MistralConfig`` /
+    ``Qwen2Config`` / ``Qwen3Config`` / ``Phi3Config`` and their attention modules."""
     changes: dict[str, Any] = {"model_type": "llama", "extra": {"hf_model_type": model_type}}
     if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
         raise UnsupportedArchitectureError(f"{model_type} with use_sliding_window=true is not supported")
+    rotary = cfg.get("partial_rotary_factor")
+    if rotary is not None and float(rotary) < 1.0:
+        raise UnsupportedArchitectureError(
+            f"partial_rotary_factor must be 1.0 (kvgen rotates every head dimension; partial rotary embeddings are "
+            f"not supported yet), got {rotary}")
     if model_type == "qwen2":
         changes |= {"attention_bias": True, "o_proj_bias": False}
     if model_type == "qwen3":
         changes["use_qk_norm"] = True
-    window = cfg.get("sliding_window") if model_type == "mistral" else None
+    window = cfg.get("sliding_window") if model_type in ("mistral", "phi3") else None
     if window is not None and window < cfg.get("max_position_embeddings", 2048):
         changes["max_position_embeddings"] = int(window)
+    scaling = cfg.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "longrope" or (model_type == "phi3" and kind in ("su", "yarn")):  # Phi3Config renames su / yarn
+        changes["rope_scaling"] = _hf_longrope(cfg, scaling, model_type)
     return changes
+
+
+def _hf_longrope(cfg: dict[str, Any], scaling: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """A config.json's LongRoPE rope_scaling completed as :func:`longrope_scaling`: the original length and the
+    scale come from the top-level ``original_max_position_embeddings`` when present (Phi3Config's default: 4096),
+    else the rope_scaling's ``factor`` over ``max_position_embeddings``. Source: transformers 4.55
+    ``_compute_longrope_parameters``."""
+    max_len = int(cfg.get("max_position_embeddings", 2048))
+    original = cfg.get("original_max_position_embeddings", 4096 if model_type == "phi3" else None)
+    factor = max_len / original if original else float(scaling.get("factor") or 1.0)
+    try:
+        return longrope_scaling(scaling["short_factor"], scaling["long_factor"], int(original or max_len), factor,
+                                scaling.get("attention_factor"))
+    except KeyError as e:
+        raise ModelFormatError(f"longrope rope_scaling lacks {e.args[0]!r}") from None
+
+
+def longrope_scaling(short_factor: list[float], long_factor: list[float], original_max_position_embeddings: int,
+                     factor: float, attention_factor: float | None = None) -> dict[str, Any]:
+    """LongRoPE (Phi-3 128k, Phi-3.5) rope_scaling in kvgen's form, from HF's config or a GGUF file.
+
+    short_factor, long_factor: ``head_dim / 2`` divisors of the frequencies (within / past the original length);
+    factor: context length / original length. ``attention_factor`` (the scale of cos and sin) defaults to
+    ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))``, 1 when factor <= 1. Sources: transformers 4.55
+    ``_compute_longrope_parameters``; llama.cpp ``convert_hf_to_gguf.py`` ``Phi3MiniModel`` (``rope.scaling.attn_factor``).
+    """
+    if attention_factor is None:
+        attention_factor = 1.0
+        if factor > 1.0:
+            attention_factor = math.sqrt(1 + math.log(factor) / math.log(original_max_position_embeddings))
+    return {
+        "rope_type": "longrope",
+        "short_factor": [float(x) for x in short_factor],
+        "long_factor": [float(x) for x in long_factor],
+        "original_max_position_embeddings": int(original_max_position_embeddings),
+        "attention_factor": float(attention_factor),
+    }
+
+
+def _gguf_context_length(meta: dict[str, Any], arch: str) -> int:
+    """``{arch}.context_length`` (2048 when absent), bounded by a ``phi3`` file's ``attention.sliding_window`` as
+    for Hugging Face's Mistral and Phi-3 (0, Phi-4's value, means none). Source: llama.cpp ``Phi3MiniModel``."""
+    context = int(meta.get(f"{arch}.context_length", 2048))
+    window = int(meta.get(f"{arch}.attention.sliding_window", 0)) if arch == "phi3" else 0
+    return min(context, window) if window > 0 else context

@@ -172,6 +172,15 @@ def test_fused_small_ops_match_reference():
     REF.rope_qkv_(want, cos, sin, 9, 3)
     torch.testing.assert_close(got, want)
     assert torch.equal(got[:, 12 * 64 :], qkv[:, 12 * 64 :])  # v untouched
+    q_w, k_w = torch.rand(64, generator=g) + 0.5, torch.rand(64, generator=g) + 0.5
+    got, want = qkv.clone(), qkv.clone()
+    OPS.rms_norm_heads_(got, q_w, k_w, 1e-6, 9, 3)
+    REF.rms_norm_heads_(want, q_w, k_w, 1e-6, 9, 3)
+    torch.testing.assert_close(got, want)
+    heads = qkv.view(7, 15, 64)  # [N, H + 2 Hkv, D]: the q heads by q_w, the k heads by k_w, v untouched
+    torch.testing.assert_close(got.view(7, 15, 64)[:, :9], torch.nn.functional.rms_norm(heads[:, :9], (64,), q_w, 1e-6))
+    torch.testing.assert_close(got.view(7, 15, 64)[:, 9:12], torch.nn.functional.rms_norm(heads[:, 9:12], (64,), k_w, 1e-6))
+    assert torch.equal(got[:, 12 * 64 :], qkv[:, 12 * 64 :])
     gate_up = torch.randn(6, 2 * 1536, generator=g) * 5
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(OPS.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
@@ -224,11 +233,12 @@ def test_fused_cache_write_and_attention_match_reference():
                                     d**-0.5)
 
 
-def _decoder_inputs(num_layers: int, b: int, t: int, past: int, seed: int):
-    """Random operands of ``decoder_layers``: C 64, H 4, Hkv 2, D 16, I 96, Q4_1 / Q8_0 / F16 / BF16 projections."""
+def _decoder_inputs(num_layers: int, b: int, t: int, past: int, seed: int, with_extras: bool = False):
+    """Random operands of ``decoder_layers``: C 64, H 4, Hkv 2, D 16, I 96, Q4_1 / Q8_0 / F16 / BF16 projections;
+    ``with_extras``: layer 0 has the four biases and q/k norms (Qwen2, Qwen3), layer 1 a qkv bias only."""
     c, h, h_kv, d, inter = 64, 4, 2, 16, 96
-    g = torch.Generator().manual_seed(seed)
-    weights, linears, eps = [], [], []
+    g, g_extra = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
+    weights, linears, eps, extras = [], [], [], []
     for layer in range(num_layers):
         for j, (n, k) in enumerate((((h + 2 * h_kv) * d, c), (c, h * d), (2 * inter, c), (c, inter))):
             qtype = (Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16)[(layer + j) % 4]
@@ -236,7 +246,9 @@ def _decoder_inputs(num_layers: int, b: int, t: int, past: int, seed: int):
             weight_type, packed = K.pack_gguf_rows(qtype.name, [raw])
             weights.append(packed)
             linears += [weight_type, n]
-        eps += [1e-5, 1e-6]
+            extras.append(torch.randn(n, generator=g_extra) if layer == 0 or j == 0 else None)
+        eps += [1e-5, 1e-6, 1e-6]
+        extras += [torch.rand(d, generator=g_extra) + 0.5 if layer == 0 else None for _ in range(2)]  # q_norm, k_norm
     for layer in range(num_layers):  # norms go at 6 l and 6 l + 3, around the four projections
         weights.insert(6 * layer, torch.rand(c, generator=g) + 0.5)
         weights.insert(6 * layer + 3, torch.rand(c, generator=g) + 0.5)
@@ -246,58 +258,82 @@ def _decoder_inputs(num_layers: int, b: int, t: int, past: int, seed: int):
     caches = [torch.randn(b, h_kv, past + t + 3, d, generator=g).half() for _ in range(2 * num_layers)]
     mask = torch.ones(b, past + t, dtype=torch.bool)
     mask[-1, :2] = False  # a left-padded row
-    return x, weights, linears, eps, cos, sin, caches, mask, (h, h_kv, d**-0.5)
+    return x, weights, linears, eps, extras if with_extras else [], cos, sin, caches, mask, (h, h_kv, d**-0.5)
+
+
+def _op_by_op(x, weights, linears, eps, extras, cos, sin, attend, h, h_kv, use_rope=()):
+    """``LlamaDecoderLayer.forward_kernels``, op by op, over every layer; ``attend(l, qkv)`` -> [N, H D]."""
+    rows = x
+    for layer in range(len(weights) // 6):
+        norm1, qkv, o, norm2, gate_up, down = weights[6 * layer : 6 * layer + 6]
+        lin, e = linears[8 * layer : 8 * layer + 8], eps[3 * layer : 3 * layer + 3]
+        qkv_b, o_b, gate_up_b, down_b, q_norm, k_norm = extras[6 * layer : 6 * layer + 6] if extras else [None] * 6
+        hid = OPS.qgemm(OPS.rms_norm(rows, norm1, e[0]), qkv, lin[0], lin[1], qkv_b)
+        if q_norm is not None:
+            OPS.rms_norm_heads_(hid, q_norm, k_norm, e[2], h, h_kv)
+        if not use_rope or use_rope[layer]:
+            OPS.rope_qkv_(hid, cos, sin, h, h_kv)
+        hid = attend(layer, hid)
+        rows = OPS.qgemm(hid, o, lin[2], lin[3], o_b, rows)
+        hid = OPS.qgemm(OPS.rms_norm(rows, norm2, e[1]), gate_up, lin[4], lin[5], gate_up_b)
+        rows = OPS.qgemm(OPS.silu_mul(hid), down, lin[6], lin[7], down_b, rows)
+    return rows
 
 
 @needs_avx2
-@pytest.mark.parametrize("b,t,past", [(1, 1, 9), (2, 3, 5)])  # a decode step; a chunk over a padded batch
-def test_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin(b, t, past):
-    x, weights, linears, eps, cos, sin, caches, mask, (h, h_kv, scale) = _decoder_inputs(2, b, t, past, seed=12)
+@pytest.mark.parametrize("b,t,past,with_extras", [(1, 1, 9, False), (2, 3, 5, False), (2, 3, 5, True)])
+def test_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin(b, t, past, with_extras):
+    # a decode step; a chunk over a padded batch; the same with biases and q/k norms
+    x, weights, linears, eps, extras, cos, sin, caches, mask, (h, h_kv, scale) = _decoder_inputs(
+        2, b, t, past, seed=12, with_extras=with_extras)
     ks, vs = [c.clone() for c in caches[0::2]], [c.clone() for c in caches[1::2]]
-    got = OPS.decoder_layers(x, weights, linears, eps, cos, sin, ks, vs, mask, past, h, h_kv, scale)
-    rows, mine_k, mine_v = x, [c.clone() for c in caches[0::2]], [c.clone() for c in caches[1::2]]
-    for layer in range(2):  # LlamaDecoderLayer.forward_kernels, op by op
-        norm1, qkv, o, norm2, gate_up, down = weights[6 * layer : 6 * layer + 6]
-        lin = linears[8 * layer : 8 * layer + 8]
-        hid = OPS.qgemm(OPS.rms_norm(rows, norm1, eps[2 * layer]), qkv, lin[0], lin[1], None)
-        OPS.rope_qkv_(hid, cos, sin, h, h_kv)
-        hid = OPS.static_attention(hid, mine_k[layer], mine_v[layer], mask, past, h, scale)
-        rows = OPS.qgemm(hid, o, lin[2], lin[3], None, rows)
-        hid = OPS.qgemm(OPS.rms_norm(rows, norm2, eps[2 * layer + 1]), gate_up, lin[4], lin[5], None)
-        rows = OPS.qgemm(OPS.silu_mul(hid), down, lin[6], lin[7], None, rows)
+    got = OPS.decoder_layers(x, weights, linears, eps, extras, [], cos, sin, ks, vs, mask, past, h, h_kv, scale)
+    mine_k, mine_v = [c.clone() for c in caches[0::2]], [c.clone() for c in caches[1::2]]
+    rows = _op_by_op(x, weights, linears, eps, extras, cos, sin, lambda layer, hid: OPS.static_attention(
+        hid, mine_k[layer], mine_v[layer], mask, past, h, scale), h, h_kv)
     assert torch.equal(got, rows)
     assert all(torch.equal(a, c) for a, c in zip(ks + vs, mine_k + mine_v))  # the same slots written
     ref_k, ref_v = [c.clone() for c in caches[0::2]], [c.clone() for c in caches[1::2]]
-    want = REF.decoder_layers(x, weights, linears, eps, cos, sin, ref_k, ref_v, mask, past, h, h_kv, scale)
+    want = REF.decoder_layers(x, weights, linears, eps, extras, [], cos, sin, ref_k, ref_v, mask, past, h, h_kv, scale)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * float(want.abs().max()))
+    if with_extras:  # the extras count: without them the numbers change
+        plain = OPS.decoder_layers(x, weights, linears, eps, [], [], cos, sin, [c.clone() for c in caches[0::2]],
+                                   [c.clone() for c in caches[1::2]], mask, past, h, h_kv, scale)
+        assert not torch.allclose(plain, got, atol=1e-2)
+        with pytest.raises(RuntimeError, match="extras must be empty or 6 per layer"):
+            OPS.decoder_layers(x, weights, linears, eps, extras[:-1], [], cos, sin, ks, vs, mask, past, h, h_kv, scale)
     with pytest.raises(RuntimeError, match="6 weights"):
-        OPS.decoder_layers(x, weights[:-1], linears, eps, cos, sin, ks, vs, mask, past, h, h_kv, scale)
+        OPS.decoder_layers(x, weights[:-1], linears, eps, extras, [], cos, sin, ks, vs, mask, past, h, h_kv, scale)
 
 
 @needs_avx2
-def test_paged_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin():
-    x, weights, linears, eps, cos, sin, _, _, (h, h_kv, scale) = _decoder_inputs(2, 1, 6, 0, seed=13)
+@pytest.mark.parametrize("with_extras,use_rope", [(False, []), (True, []), (False, [1, 0])])  # plain; Qwen; NoPE
+def test_paged_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin(with_extras, use_rope):
+    x, weights, linears, eps, extras, cos, sin, _, _, (h, h_kv, scale) = _decoder_inputs(
+        2, 1, 6, 0, seed=13, with_extras=with_extras)
     g = torch.Generator().manual_seed(14)
     pools = [torch.randn(8, 4, h_kv, 16, generator=g).half() for _ in range(4)]  # k, v of two layers
     tables, seq_lens, qsl = torch.tensor([[2, 5], [7, 1]]), torch.tensor([3, 6]), torch.tensor([0, 3, 6])
     slots = torch.tensor([8, 9, 10, 7 * 4 + 3, 1 * 4 + 0, 1 * 4 + 1])  # seq 0: positions 0-2; seq 1: positions 3-5
     meta = (slots, tables, qsl, seq_lens)
     mine = [p.clone() for p in pools]
-    got = OPS.paged_decoder_layers(x, weights, linears, eps, cos, sin, mine[0::2], mine[1::2], *meta, h, h_kv, scale)
-    rows, steps = x, [p.clone() for p in pools]
-    for layer in range(2):  # LlamaDecoderLayer.forward_kernels over a paged cache, op by op
-        norm1, qkv, o, norm2, gate_up, down = weights[6 * layer : 6 * layer + 6]
-        lin = linears[8 * layer : 8 * layer + 8]
-        hid = OPS.qgemm(OPS.rms_norm(rows, norm1, eps[2 * layer]), qkv, lin[0], lin[1], None)
-        OPS.rope_qkv_(hid, cos, sin, h, h_kv)
-        hid = OPS.paged_attention_qkv(hid, steps[2 * layer], steps[2 * layer + 1], *meta, h, scale)
-        rows = OPS.qgemm(hid, o, lin[2], lin[3], None, rows)
-        hid = OPS.qgemm(OPS.rms_norm(rows, norm2, eps[2 * layer + 1]), gate_up, lin[4], lin[5], None)
-        rows = OPS.qgemm(OPS.silu_mul(hid), down, lin[6], lin[7], None, rows)
+    got = OPS.paged_decoder_layers(x, weights, linears, eps, extras, use_rope, cos, sin, mine[0::2], mine[1::2], *meta, h, h_kv,
+                                   scale)
+    steps = [p.clone() for p in pools]
+    rows = _op_by_op(x, weights, linears, eps, extras, cos, sin, lambda layer, hid: OPS.paged_attention_qkv(
+        hid, steps[2 * layer], steps[2 * layer + 1], *meta, h, scale), h, h_kv, use_rope)
     assert torch.equal(got, rows) and all(torch.equal(a, b) for a, b in zip(mine, steps))
     ref = [p.clone() for p in pools]
-    want = REF.paged_decoder_layers(x, weights, linears, eps, cos, sin, ref[0::2], ref[1::2], *meta, h, h_kv, scale)
+    want = REF.paged_decoder_layers(x, weights, linears, eps, extras, use_rope, cos, sin, ref[0::2], ref[1::2], *meta, h, h_kv,
+                                    scale)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * float(want.abs().max()))
+    if use_rope:  # the flag counts: with RoPE everywhere the numbers change; a flag per layer or none
+        every = OPS.paged_decoder_layers(x, weights, linears, eps, extras, [], cos, sin, *[[p.clone() for p in pools][k::2]
+                                         for k in (0, 1)], *meta, h, h_kv, scale)
+        assert not torch.allclose(every, got, atol=1e-2)
+        with pytest.raises(RuntimeError, match="use_rope must be empty or one flag per layer"):
+            OPS.paged_decoder_layers(x, weights, linears, eps, extras, [1], cos, sin, mine[0::2], mine[1::2], *meta, h,
+                                     h_kv, scale)
 
 
 @pytest.mark.parametrize("vocab_size", [49_152, 1_003, 7])  # whole blocks of 256; a partial block and vector; one vector

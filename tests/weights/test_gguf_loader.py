@@ -351,6 +351,30 @@ def test_qwen2_files_load_as_stored_with_q_k_v_biases(tmp_path: Path, qtype) -> 
         want = reference.compute_logits(reference(ids, torch.arange(5)[None]))
         got = quantized.compute_logits(quantized(ids, torch.arange(5)[None]))
     torch.testing.assert_close(got, want, rtol=0, atol=0.05 * float(want.abs().max()))
+    if qtype == Q.Q8_0:  # on the kernels
+        _assert_one_op_decoder_is_layer_by_layer(quantized, ids, want)
+
+
+def _assert_one_op_decoder_is_layer_by_layer(model, ids: torch.Tensor, want: torch.Tensor) -> None:
+    """With a static cache the model runs ``decoder_layers`` (biases and q/k norms as its extras): the hidden states
+    and cache contents of the layer-by-layer path, bit for bit, over a prefill and a decode step; logits near
+    ``want`` [1, T, V] (the float32 path's, without a cache)."""
+    from kvgen.generation.runner import make_cache
+
+    runs = []
+    assert model._decoder_operands is not None and model._decoder_operands[3]  # extras gathered
+    try:
+        for one_op in (True, False):
+            model.one_op_decoder, cache = one_op, make_cache(model, "static", 1, ids.shape[1] + 2)
+            with torch.inference_mode():
+                hidden = model(ids, torch.arange(ids.shape[1])[None], cache)
+                step = model(ids[:, :1], torch.tensor([[ids.shape[1]]]), cache)
+            runs.append((hidden, step, *cache.key_cache, *cache.value_cache))
+    finally:
+        model.one_op_decoder = True
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    got = model.compute_logits(runs[0][0])
+    torch.testing.assert_close(got, want, rtol=0, atol=0.05 * float(want.abs().max()))
 
 
 def test_qwen3_files_normalize_each_head_on_both_paths(tmp_path: Path) -> None:
@@ -372,7 +396,7 @@ def test_qwen3_files_normalize_each_head_on_both_paths(tmp_path: Path) -> None:
                                torch.from_numpy(originals["blk.1.attn_q.weight"]), rtol=0, atol=0.02)
     reference = build_model(config, state)
     quantized = build_model(*load_gguf(tmp_path / "q3.gguf", None)[:2])
-    assert quantized.kernels is not None and quantized._decoder_operands is None  # layer by layer, norms included
+    assert quantized.kernels is not None
     ids = torch.tensor([[1, 5, 9, 2, 7]])
     with torch.inference_mode():
         want = reference.compute_logits(reference(ids, torch.arange(5)[None]))
@@ -383,6 +407,7 @@ def test_qwen3_files_normalize_each_head_on_both_paths(tmp_path: Path) -> None:
     tol = 0.05 * float(want.abs().max())
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
     assert float((unnormed - want).abs().max()) > 4 * tol
+    _assert_one_op_decoder_is_layer_by_layer(quantized, ids, want)
 
 
 def test_rope_freqs_of_ones_is_ignored(tmp_path: Path) -> None:
@@ -577,3 +602,131 @@ def test_auto_runs_a_16_bit_file_on_the_16_bit_kernels(tmp_path: Path, qtype) ->
     assert float((got - want).abs().mean()) < 0.002 * float(want.abs().mean())
     _write_llama(tmp_path / "mixed.gguf", types | {"blk.1.ffn_down.weight": Q.F32})
     assert load_gguf(tmp_path / "mixed.gguf", dtype=None)[1]["model.layers.1.mlp.down_proj.weight"].qtype == Q.Q8_0
+
+
+# --- phi3 (llama.cpp's Phi3MiniModel: stacked attn_qkv, gate and up in one ffn_up, LongRoPE factor tensors) ---------
+
+_PHI3_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+               "self_attn.qkv_proj.weight": "attn_qkv.weight", "self_attn.o_proj.weight": "attn_output.weight",
+               "mlp.gate_up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+_PHI3_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+
+
+def _phi3_ref(longrope: bool, std: float = 0.3):
+    """transformers' Phi3ForCausalLM (hidden 64, 4 heads of 16, 2 KV heads, I = 128): 128 positions, of which 32
+    original ones with LongRoPE (Phi-3-mini-128k's shape), else a sliding window of 48 (Phi-3-mini-4k's).
+    Weights N(0, std²): 0.3 makes every mix-up show in the logits, 0.1 keeps int8 activations' noise small."""
+    from helpers import make_tiny_model
+
+    if not longrope:
+        return make_tiny_model("phi3", kv_heads=2, sliding_window=48, std=std, seed=5).ref
+    g = torch.Generator().manual_seed(2)
+    scaling = {"type": "longrope", "short_factor": (1 + torch.rand(8, generator=g)).tolist(),
+               "long_factor": (1 + 8 * torch.rand(8, generator=g)).tolist()}
+    return make_tiny_model("phi3", kv_heads=2, original_max_position_embeddings=32, rope_scaling=scaling,
+                           sliding_window=256, std=std, seed=5).ref
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name in _PHI3_GLOBAL:
+        return _PHI3_GLOBAL[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)  # model.layers.N.<rest>
+    return f"blk.{layer}.{_PHI3_NAMES[rest]}"
+
+
+def _write_phi3(path: Path, ref, types: dict[str, GGMLQuantizationType] | None = None,
+                swap_gate_up: bool = False) -> None:
+    """Write ``ref`` (a Phi3ForCausalLM) as llama.cpp's converter does: its tensors stacked as they are (q/k rows
+    unpermuted: NEOX rope), phi3.* metadata, and for LongRoPE the factor tensors and rope.scaling.attn_factor.
+    ``types``: storage type per GGUF name (default F32); ``swap_gate_up``: up rows first (a broken file)."""
+    cfg, rng = ref.config, np.random.default_rng(0)
+    w = GGUFWriter(str(path), "phi3")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_sliding_window(cfg.sliding_window or 0)
+    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    for name, p in ref.state_dict().items():
+        x = p.detach().numpy().astype(np.float32)
+        if swap_gate_up and name.endswith("gate_up_proj.weight"):
+            x = np.concatenate(np.split(x, 2)[::-1])
+        _add(w, _gguf_name(name), x, (types or {}).get(_gguf_name(name), Q.F32), rng)
+    if cfg.rope_scaling:
+        scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings)))
+        w.add_tensor("rope_factors_long.weight", np.array(cfg.rope_scaling["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(cfg.rope_scaling["short_factor"], np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _phi3_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, torch.arange(ids.shape[1])[None]))
+
+
+@pytest.mark.parametrize("longrope", [False, True], ids=["4k", "128k"])
+def test_phi3_file_matches_transformers(tmp_path: Path, longrope: bool) -> None:
+    """A phi3 file of F32 tensors: attn_qkv and ffn_up load as our stacked qkv_proj / gate_up_proj (bit for bit),
+    the context ends at the sliding window (4k) or the original length (128k: LongRoPE from the factor tensors and
+    attn_factor), and the logits of 30 tokens equal transformers'; a file with up before gate does not."""
+    from kvgen.models import build_model
+
+    ref = _phi3_ref(longrope)
+    _write_phi3(tmp_path / "phi3.gguf", ref)
+    config, state, _ = load_gguf(tmp_path / "phi3.gguf")
+    assert config.max_position_embeddings == (32 if longrope else 48)
+    for name in ("model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"):
+        _assert_equal(state[name], ref.state_dict()[name], name)
+    if longrope:
+        assert config.rope_scaling is not None and config.rope_scaling["rope_type"] == "longrope"
+        assert config.rope_scaling["attention_factor"] == pytest.approx(ref.model.rotary_emb.attention_scaling)
+    else:
+        assert config.rope_scaling is None
+    ids = torch.arange(3, 33)[None] % config.vocab_size  # [1, 30]
+    with torch.inference_mode():
+        want = ref(ids).logits
+    torch.testing.assert_close(_phi3_logits(build_model(config, state), ids), want, rtol=1e-5, atol=1e-5)
+    _write_phi3(tmp_path / "swapped.gguf", ref, swap_gate_up=True)
+    swapped = _phi3_logits(build_model(*load_gguf(tmp_path / "swapped.gguf")[:2]), ids)
+    assert float((swapped - want).abs().max()) > 0.1 * float(want.abs().max())
+
+
+def test_phi3_quantized_file_runs_on_the_kernels(tmp_path: Path) -> None:
+    """A phi3 file of Q8_0 / Q4_0 matrices on the default path (dtype auto): the stacked matrices keep their blocks
+    and run through the kernels, whose RoPE tables carry LongRoPE's cos/sin scale: the logits stay as close to the
+    float32 path on the same file as the other architectures' do, and without the scale they do not."""
+    from kvgen.models import build_model
+    from kvgen.models.quant_linear import QuantLinear
+    from kvgen.weights.quantized import GGUFBlocks
+
+    ref = _phi3_ref(longrope=True, std=0.1)
+    types = {_gguf_name(n): Q.Q4_0 if "mlp." in n else Q.Q8_0 for n, p in ref.state_dict().items() if p.dim() == 2}
+    _write_phi3(tmp_path / "q.gguf", ref, types)
+    config, compact, _ = load_gguf(tmp_path / "q.gguf", dtype=None)
+    blocks = compact["model.layers.0.mlp.gate_up_proj.weight"]
+    assert isinstance(blocks, GGUFBlocks) and blocks.qtype == Q.Q4_0 and blocks.shape == (256, 64)
+    quantized = build_model(config, compact)
+    layer = quantized.model.layers[0]
+    assert quantized.kernels is not None
+    assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and isinstance(layer.mlp.gate_up_proj, QuantLinear)
+    reference = build_model(*load_gguf(tmp_path / "q.gguf")[:2])
+    unscaled_config, unscaled_state, _ = load_gguf(tmp_path / "q.gguf", dtype=None)
+    assert unscaled_config.rope_scaling is not None
+    no_scale = unscaled_config.rope_scaling | {"attention_factor": 1.0}
+    unscaled = build_model(replace(unscaled_config, rope_scaling=no_scale), unscaled_state)
+    ids = torch.arange(3, 33)[None] % config.vocab_size  # [1, 30]
+    want, got = _phi3_logits(reference, ids), _phi3_logits(quantized, ids)
+    tol = 0.05 * float(want.abs().max())  # int8 activations: ~3 % here; the qwen2 / qwen3 files' bound
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)
+    assert float((_phi3_logits(unscaled, ids) - want).abs().max()) > 4 * tol  # measured: ~10x tol

@@ -88,6 +88,28 @@ def test_llama_with_biases(tmp_path: Path) -> None:
     _assert_same(state, _expected(model), torch.float32)
 
 
+def test_phi3_stacked_projections_load_as_stored(tmp_path: Path) -> None:
+    """Phi-3 checkpoints hold qkv_proj (rows q, k, v) and gate_up_proj (gate, then up) already stacked: they load
+    under those names, shapes checked ([(H + 2 Hkv) D, C], [2I, C]); a split q/k/v or a missing stacked matrix is
+    listed."""
+    model = make_tiny_model("phi3", kv_heads=2, vocab_size=128, seed=2).ref
+    path = _save(model, tmp_path / "phi3", sharded=True)
+    config, state = load_hf_directory(path)
+    assert config.extra["hf_model_type"] == "phi3" and not config.tie_word_embeddings
+    _assert_same(state, _expected(model), torch.float32)
+    assert state["model.layers.1.self_attn.qkv_proj.weight"].shape == ((4 + 2 * 2) * 16, 64)
+    assert state["model.layers.1.mlp.gate_up_proj.weight"].shape == (2 * 128, 64)
+    single = _save(model, tmp_path / "single", sharded=False)
+    tensors = load_file(single / "model.safetensors")
+    q, k, v = tensors.pop("model.layers.0.self_attn.qkv_proj.weight").split([64, 32, 32])
+    tensors |= {"model.layers.0.self_attn.q_proj.weight": q, "model.layers.0.self_attn.k_proj.weight": k,
+                "model.layers.0.self_attn.v_proj.weight": v}
+    save_file(tensors, single / "model.safetensors", metadata={"format": "pt"})
+    missing = r"missing keys \(1\): model.layers.0.self_attn.qkv_proj.weight \| unexpected keys \(3\)"
+    with pytest.raises(ModelFormatError, match=missing):
+        load_hf_directory(single)
+
+
 def test_bfloat16(tmp_path: Path) -> None:
     model = _tiny_gpt2()
     _, state = load_hf_directory(_save(model, tmp_path / "gpt2", sharded=True), dtype=torch.bfloat16)

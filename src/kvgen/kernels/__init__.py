@@ -22,13 +22,17 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 * ``paged_attention_qkv(qkv [N, W], k_pool, v_pool, slot_mapping [N], block_tables, query_start_loc, seq_lens, H,
   scale) -> [N, H*D]``: cache write + ``paged_attention``
 * ``rms_norm(x [M, C], weight [C], eps) -> [M, C]``
+* ``rms_norm_heads_(qkv [N, (H + 2 Hkv) D], q_weight [D], k_weight [D], eps, H, Hkv)``: in place on each q and k
+  head (Qwen3's q_norm, k_norm)
 * ``rope_qkv_(qkv [N, (H + 2 Hkv) D], cos [N, D], sin [N, D], H, Hkv)``: in place on q and k
 * ``silu_mul(gate_up [M, 2I]) -> [M, I]``
-* ``decoder_layers(x [N, C], weights (6 per layer), linears (8 ints per layer), eps (2 per layer), cos, sin [N, D],
+* ``decoder_layers(x [N, C], weights (6 per layer), linears (8 ints per layer), eps (3 per layer), extras (empty,
+  or 6 per layer: 4 biases, q_norm, k_norm; each may be None), use_rope (empty, or 0/1 per layer), cos, sin [N, D],
   k_caches, v_caches [B, Hkv, S_max, D] per layer, key_mask?, past_len, H, Hkv, scale) -> [N, C]``: every Llama
-  decoder layer over a static cache in one op (each layer's nine ops above, in order)
-* ``paged_decoder_layers(x, weights, linears, eps, cos, sin, k_pools, v_pools, slot_mapping, block_tables,
-  query_start_loc, seq_lens, H, Hkv, scale) -> [N, C]``: the same over a paged cache (``paged_attention_qkv``)
+  decoder layer over a static cache in one op (each layer's ops above, in order)
+* ``paged_decoder_layers(x, weights, linears, eps, extras, use_rope, cos, sin, k_pools, v_pools, slot_mapping,
+  block_tables, query_start_loc, seq_lens, H, Hkv, scale) -> [N, C]``: the same over a paged cache
+  (``paged_attention_qkv``)
 * ``softmax_draw(logits [B, V] f32, temperature [B] f64, u [B] f64) -> [B] i64``: one id per row from
   softmax(logits / temperature) by inversion at u (the engine's draw, ``ops.sample_inverse_cdf``'s search)
 """
@@ -70,6 +74,7 @@ class KernelOps:
     attention: Callable[..., torch.Tensor]
     paged_attention: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor]
+    rms_norm_heads_: Callable[..., None]
     rope_qkv_: Callable[..., None]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     repack_gguf: Callable[[list[torch.Tensor], int], torch.Tensor]
@@ -81,8 +86,8 @@ class KernelOps:
 
 
 _NAMES = (
-    "qgemm", "quantize_q8a", "dequantize_rows", "attention", "paged_attention", "rms_norm", "rope_qkv_", "silu_mul", "repack_gguf",
-    "static_attention", "paged_attention_qkv", "decoder_layers", "paged_decoder_layers", "softmax_draw",
+    "qgemm", "quantize_q8a", "dequantize_rows", "attention", "paged_attention", "rms_norm", "rms_norm_heads_",
+    "rope_qkv_", "silu_mul", "repack_gguf", "static_attention", "paged_attention_qkv", "decoder_layers", "paged_decoder_layers", "softmax_draw",
 )
 _REFERENCE = KernelOps("reference", *(getattr(reference, n) for n in _NAMES))
 _ops: KernelOps | None = None

@@ -292,47 +292,65 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def rms_norm_heads_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, num_heads: int,
+                    num_kv_heads: int) -> None:
+    """RMS-normalize, in place, each q head of stacked rows qkv [N, (H + 2 Hkv) D] by q_weight [D] and each k head by
+    k_weight [D] (Qwen3's q_norm, k_norm: transformers ``Qwen3Attention``); v is left alone."""
+    n, d = qkv.shape[0], q_weight.shape[0]
+    heads = qkv[:, : (num_heads + num_kv_heads) * d].view(n, num_heads + num_kv_heads, d)  # [N, H + Hkv, D]
+    weight = torch.cat([q_weight.expand(num_heads, d), k_weight.expand(num_kv_heads, d)])  # [H + Hkv, D]
+    heads.copy_(weight * (heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + eps)))
+
+
 def _layers(
-    x: torch.Tensor, weights: list[torch.Tensor], linears: list[int], eps: list[float], cos: torch.Tensor,
-    sin: torch.Tensor, num_layers: int, num_heads: int, num_kv_heads: int,
-    attend: Callable[[int, torch.Tensor], torch.Tensor],
+    x: torch.Tensor, weights: list[torch.Tensor], linears: list[int], eps: list[float],
+    extras: list[torch.Tensor | None], use_rope: list[int], cos: torch.Tensor, sin: torch.Tensor, num_layers: int,
+    num_heads: int, num_kv_heads: int, attend: Callable[[int, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """The layer loop of :func:`decoder_layers`; ``attend(l, qkv)`` stores layer l's k, v and returns [N, H D]."""
     for layer in range(num_layers):
         norm1, qkv, o, norm2, gate_up, down = weights[6 * layer : 6 * layer + 6]
-        lin = linears[8 * layer : 8 * layer + 8]
-        h = qgemm(rms_norm(x, norm1, eps[2 * layer]), qkv, lin[0], lin[1], None)  # [N, (H + 2 Hkv) D]
-        rope_qkv_(h, cos, sin, num_heads, num_kv_heads)
+        lin, e = linears[8 * layer : 8 * layer + 8], eps[3 * layer : 3 * layer + 3]
+        biases_and_norms = extras[6 * layer : 6 * layer + 6] if extras else [None] * 6
+        qkv_b, o_b, gate_up_b, down_b, q_norm, k_norm = biases_and_norms
+        h = qgemm(rms_norm(x, norm1, e[0]), qkv, lin[0], lin[1], qkv_b)  # [N, (H + 2 Hkv) D]
+        if q_norm is not None and k_norm is not None:
+            rms_norm_heads_(h, q_norm, k_norm, e[2], num_heads, num_kv_heads)
+        if not use_rope or use_rope[layer]:
+            rope_qkv_(h, cos, sin, num_heads, num_kv_heads)
         h = attend(layer, h)  # [N, H D]
-        x = qgemm(h, o, lin[2], lin[3], None, x)
-        h = qgemm(rms_norm(x, norm2, eps[2 * layer + 1]), gate_up, lin[4], lin[5], None)  # [N, 2 I]
-        x = qgemm(silu_mul(h), down, lin[6], lin[7], None, x)
+        x = qgemm(h, o, lin[2], lin[3], o_b, x)
+        h = qgemm(rms_norm(x, norm2, e[1]), gate_up, lin[4], lin[5], gate_up_b)  # [N, 2 I]
+        x = qgemm(silu_mul(h), down, lin[6], lin[7], down_b, x)
     return x
 
 
 def decoder_layers(
-    x: torch.Tensor, weights: list[torch.Tensor], linears: list[int], eps: list[float], cos: torch.Tensor,
-    sin: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], key_mask: torch.Tensor | None,
-    past_len: int, num_heads: int, num_kv_heads: int, scale: float,
+    x: torch.Tensor, weights: list[torch.Tensor], linears: list[int], eps: list[float],
+    extras: list[torch.Tensor | None], use_rope: list[int], cos: torch.Tensor, sin: torch.Tensor, k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor], key_mask: torch.Tensor | None, past_len: int, num_heads: int, num_kv_heads: int,
+    scale: float,
 ) -> torch.Tensor:
     """Every decoder layer of a Llama-family model on rows x [N = B T, C] with a static KV cache, as
     ``LlamaDecoderLayer.forward_kernels`` per layer l: weights[6 l : 6 l + 6] = (input_layernorm,
     qkv_proj, o_proj, post_attention_layernorm, gate_up_proj, down_proj), linears[8 l : 8 l + 8] =
-    (weight_type, out_features) of the four projections, eps[2 l : 2 l + 2]; caches [B, Hkv, S_max, D]
-    written at slots ``past_len..`` (:func:`static_attention`). Returns [N, C] float32."""
-    return _layers(x, weights, linears, eps, cos, sin, len(k_caches), num_heads, num_kv_heads, lambda layer, h:
+    (weight_type, out_features) of the four projections, eps[3 l : 3 l + 3] (the two norms, the q/k norms),
+    extras empty or extras[6 l : 6 l + 6] = (the four projections' biases, q_norm, k_norm), each possibly None;
+    use_rope empty (every layer) or a 0/1 per layer (0: no RoPE, SmolLM3's NoPE layers);
+    caches [B, Hkv, S_max, D] written at slots ``past_len..`` (:func:`static_attention`). Returns [N, C] float32."""
+    return _layers(x, weights, linears, eps, extras, use_rope, cos, sin, len(k_caches), num_heads, num_kv_heads, lambda layer, h:
                    static_attention(h, k_caches[layer], v_caches[layer], key_mask, past_len, num_heads, scale))
 
 
 def paged_decoder_layers(
-    x: torch.Tensor, weights: list[torch.Tensor], linears: list[int], eps: list[float], cos: torch.Tensor,
-    sin: torch.Tensor, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor], slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,
-    num_kv_heads: int, scale: float,
+    x: torch.Tensor, weights: list[torch.Tensor], linears: list[int], eps: list[float],
+    extras: list[torch.Tensor | None], use_rope: list[int], cos: torch.Tensor, sin: torch.Tensor, k_pools: list[torch.Tensor],
+    v_pools: list[torch.Tensor], slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int, scale: float,
 ) -> torch.Tensor:
     """:func:`decoder_layers` over packed rows x [N, C] of several sequences and per-layer pools
     [num_blocks, block_size, Hkv, D] (:func:`paged_attention_qkv`). Returns [N, C] float32."""
-    return _layers(x, weights, linears, eps, cos, sin, len(k_pools), num_heads, num_kv_heads, lambda layer, h:
+    return _layers(x, weights, linears, eps, extras, use_rope, cos, sin, len(k_pools), num_heads, num_kv_heads, lambda layer, h:
                    paged_attention_qkv(h, k_pools[layer], v_pools[layer], slot_mapping, block_tables,
                                        query_start_loc, seq_lens, num_heads, scale))
 

@@ -39,9 +39,11 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any]
     """Inverse frequencies ``[D/2]`` float32: theta^(-2i/D), with optional scaling.
 
     Supports no scaling, ``linear`` (positions / factor), ``llama3``
-    (Meta's wavelength-dependent smoothing, as in HF ``_compute_llama3_parameters``) and ``freq_factors``
+    (Meta's wavelength-dependent smoothing, as in HF ``_compute_llama3_parameters``), ``freq_factors``
     (a GGUF file's ``rope_freqs.weight``: each frequency divided by its factor, as llama.cpp's ``ggml_rope_ext``;
-    llama.cpp's converter stores Llama 3's smoothing this way). Raises ``ValueError`` for factors that are not D/2.
+    llama.cpp's converter stores Llama 3's smoothing this way) and ``longrope`` (its ``short_factor`` divisors, as
+    HF ``_compute_longrope_parameters`` within ``original_max_position_embeddings``, the only lengths kvgen serves
+    it at; its cos/sin scale is :func:`rope_attention_factor`). Raises ``ValueError`` for factors that are not D/2.
     """
     arange = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")  # CPU even when building on meta
     inv_freq = 1.0 / (rope_theta ** (arange.float() / head_dim))
@@ -51,10 +53,10 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any]
     if kind == "linear":
         return inv_freq / float(rope_scaling["factor"])
     if kind == "freq_factors":
-        factors = torch.tensor(rope_scaling["freq_factors"], dtype=torch.float32, device="cpu")  # [D/2]
-        if factors.shape != inv_freq.shape:
-            raise ValueError(f"rope freq_factors must hold head_dim / 2 = {inv_freq.numel()} values, got {factors.numel()}")
-        return inv_freq / factors
+        return inv_freq / _rope_factors(rope_scaling, "freq_factors", inv_freq.numel())
+    if kind == "longrope":  # HF's expression, bit for bit: 1 / (factor * theta^(2i/D))
+        short = _rope_factors(rope_scaling, "short_factor", inv_freq.numel())  # [D/2]
+        return 1.0 / (short * rope_theta ** (arange.float() / head_dim))
     if kind == "llama3":
         factor = float(rope_scaling["factor"])
         low = float(rope_scaling["low_freq_factor"])
@@ -70,11 +72,36 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any]
     return inv_freq
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin ``[B, 1, T, D]`` for integer positions ``[B, T]`` (computed in float32)."""
+def _rope_factors(rope_scaling: dict[str, Any], key: str, num_freqs: int) -> torch.Tensor:
+    """rope_scaling[key] as float32 ``[D/2]``; ``ValueError`` when it holds another number of values."""
+    factors = torch.tensor(rope_scaling[key], dtype=torch.float32, device="cpu")  # [D/2]
+    if factors.shape != (num_freqs,):
+        raise ValueError(f"rope {key} must hold head_dim / 2 = {num_freqs} values, got {factors.numel()}")
+    return factors
+
+
+def rope_attention_factor(rope_scaling: dict[str, Any] | None) -> float:
+    """The scale of cos and sin: LongRoPE's ``attention_factor`` (``kvgen.config.longrope_scaling``), else 1.
+
+    Both RoPE paths (float tensors and the kernels' tables) take it from here. Source: transformers 4.55
+    ``Phi3RotaryEmbedding.forward`` (``cos * attention_scaling``).
+    """
+    if not rope_scaling or rope_scaling.get("rope_type", rope_scaling.get("type")) != "longrope":
+        return 1.0
+    return float(rope_scaling.get("attention_factor", 1.0))
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, attention_factor: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[B, 1, T, D]`` for integer positions ``[B, T]`` (computed in float32), scaled by
+    ``attention_factor`` (:func:`rope_attention_factor`) before the cast to ``dtype``."""
     freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, D]
+    cos, sin = emb.cos(), emb.sin()  # [B, T, D] float32
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]  # [B, 1, T, D]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

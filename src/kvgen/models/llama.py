@@ -26,7 +26,7 @@ from kvgen.models.attention import (
     prepare_key_mask,
 )
 from kvgen.models.base import CausalLM, HasKernels
-from kvgen.models.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from kvgen.models.layers import RMSNorm, apply_rope, rope_attention_factor, rope_cos_sin, rope_inv_freq
 from kvgen.models.quant_linear import QuantEmbedding, QuantLinear, VocabEmbedding
 
 # A QuantLinear's operands of kernels.qgemm: (qweight, weight_type, out_features, bias).
@@ -37,16 +37,9 @@ _LayerOperands = tuple[
     KernelOps, torch.Tensor, float, _LinearOperands, _LinearOperands, torch.Tensor, float,
     _LinearOperands, _LinearOperands, int, int, int,
 ]
-
-
-def _qk_norm_rows_(ops: KernelOps, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                   num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-    """RMS-normalize each query and key head of stacked rows qkv [N, (H + 2 Hkv) D] in place (Qwen3's q_norm and
-    k_norm; weights [D] float32)."""
-    n, q_size, kv_size = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
-    for start, size, weight in ((0, q_size, q_weight), (q_size, kv_size, k_weight)):
-        heads = qkv[:, start : start + size].reshape(-1, head_dim)  # [N H|Hkv, D] (a copy: the rows are strided)
-        qkv[:, start : start + size] = ops.rms_norm(heads, weight, eps).view(n, size)
+# What kernels.decoder_layers reads for every layer: (weights, linears, eps, extras, use_rope), gathered once by
+# use_kernels.
+_DecoderOperands = tuple[list[torch.Tensor], list[int], list[float], list[torch.Tensor | None], list[int]]
 
 
 class LlamaAttention(nn.Module):
@@ -59,10 +52,12 @@ class LlamaAttention(nn.Module):
 
     packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         c, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        # SmolLM3: layers whose no_rope_layers flag is 0 attend without position embeddings (NoPE)
+        self.use_rope = config.no_rope_layers is None or bool(config.no_rope_layers[layer_idx])
         # Qwen3: each head's q and k RMS-normalized over D before RoPE (transformers Qwen3Attention)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.use_qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.use_qk_norm else None
@@ -81,7 +76,8 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D], [B, Hkv, T, D]
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.use_rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attend(q, k, v, layer_idx, kv_cache, mask)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))  # [B, T, C]
 
@@ -111,10 +107,11 @@ class LlamaDecoderLayer(nn.Module):
 
     _operands: _LayerOperands  # set by bind_kernels
     _qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None  # (q_norm, k_norm weights, eps), by bind_kernels
+    _use_rope = True  # self_attn.use_rope, copied by bind_kernels
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, layer_idx)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -128,7 +125,8 @@ class LlamaDecoderLayer(nn.Module):
     def forward_kernels(
         self, x: torch.Tensor, batch: int, cos: torch.Tensor, sin: torch.Tensor, layer_idx: int, kv_cache, mask
     ) -> torch.Tensor:
-        """The quantized fast path on rows: x [N = B T, C] -> [N, C], nine fused ops and no module calls.
+        """The quantized fast path on rows: x [N = B T, C] -> [N, C], nine fused ops (ten with q/k norms), no module
+        calls.
 
         cos, sin: [N, D]; mask: key mask [B, S] bool, None or paged metadata (see
         ``attend_rows``). Every linear layer is a ``QuantLinear`` here; residual adds are
@@ -138,8 +136,9 @@ class LlamaDecoderLayer(nn.Module):
         h = ops.rms_norm(x, norm1, eps1)  # [N, C]
         h = ops.qgemm(h, *qkv)  # [N, (H + 2 Hkv) D]
         if self._qk_norm is not None:
-            _qk_norm_rows_(ops, h, *self._qk_norm, num_heads, num_kv_heads, head_dim)
-        ops.rope_qkv_(h, cos, sin, num_heads, num_kv_heads)
+            ops.rms_norm_heads_(h, *self._qk_norm, num_heads, num_kv_heads)  # Qwen3: each q and k head, in place
+        if self._use_rope:
+            ops.rope_qkv_(h, cos, sin, num_heads, num_kv_heads)
         h = attend_rows(h, batch, layer_idx, kv_cache, mask, ops, num_heads, num_kv_heads, head_dim)  # [N, H D]
         x = ops.qgemm(h, *o, x)  # x + o_proj(attn)
         h = ops.rms_norm(x, norm2, eps2)
@@ -155,7 +154,7 @@ class LlamaDecoderLayer(nn.Module):
             return (q.qweight, q.weight_type, q.out_features, q.bias)
 
         attn, mlp = self.self_attn, self.mlp
-        self.kernels = kernels
+        self.kernels, self._use_rope = kernels, attn.use_rope
         q_norm, k_norm = attn.q_norm, attn.k_norm
         if q_norm is not None and k_norm is not None:
             self._qk_norm = (q_norm.weight, k_norm.weight, q_norm.variance_epsilon)
@@ -174,7 +173,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -192,10 +191,11 @@ class LlamaForCausalLM(CausalLM):
         self.register_buffer(
             "inv_freq", rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling), persistent=False
         )
+        self.rope_attention_factor = rope_attention_factor(config.rope_scaling)  # cos/sin scale (LongRoPE), else 1
         self.kv_cache_dtype: torch.dtype | None = None  # None: the parameters' dtype
         self.kernels: KernelOps | None = None  # set by use_kernels (quantized weights)
         self._kernel_layers: list[LlamaDecoderLayer] = []
-        self._decoder_operands: tuple[list[torch.Tensor], list[int], list[float]] | None = None  # use_kernels
+        self._decoder_operands: _DecoderOperands | None = None  # set by use_kernels
         self._cos_table: torch.Tensor | None = None  # [P, D] RoPE tables of the kernel path
         self._sin_table: torch.Tensor | None = None
 
@@ -219,7 +219,7 @@ class LlamaForCausalLM(CausalLM):
             cos, sin = self._rope_table(positions)  # [N, D] each
             mask = prepare_key_mask(attn_metadata, kv_cache, input_ids.shape)
         else:
-            cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # [B, 1, T, D]
+            cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype, self.rope_attention_factor)  # [B, 1, T, D]
             mask = prepare_attention(attn_metadata, kv_cache, input_ids.shape[1])
         if self.kernels is not None:  # rows [N, C] through each layer's fused ops, no module calls
             rows = x.view(-1, x.shape[-1])
@@ -257,20 +257,23 @@ class LlamaForCausalLM(CausalLM):
         self._decoder_operands = self._gather_decoder_operands()
         self.kv_cache_dtype = torch.float16  # the kernels read K and V at fp16 precision: store them so
 
-    def _gather_decoder_operands(self) -> tuple[list[torch.Tensor], list[int], list[float]] | None:
-        """The operands of ``kernels.decoder_layers`` (weights, linears, eps; see its docstring), or None when
-        a projection has a bias or heads are normalized (those layers run one by one)."""
+    def _gather_decoder_operands(self) -> _DecoderOperands:
+        """The operands of ``kernels.decoder_layers``: weights, linears, eps, extras (biases and q/k norms: an empty
+        list when no layer has one) and use_rope (empty: every layer), see its docstring."""
         weights: list[torch.Tensor] = []
         linears: list[int] = []
         eps: list[float] = []
+        extras: list[torch.Tensor | None] = []
         for layer in self._kernel_layers:
             _, norm1, eps1, qkv, o, norm2, eps2, gate_up, down, *_ = layer._operands
-            if any(lin[3] is not None for lin in (qkv, o, gate_up, down)) or layer._qk_norm is not None:
-                return None
+            q_norm, k_norm, qk_eps = layer._qk_norm or (None, None, 0.0)
             weights += [norm1, qkv[0], o[0], norm2, gate_up[0], down[0]]
             linears += [n for lin in (qkv, o, gate_up, down) for n in lin[1:3]]
-            eps += [eps1, eps2]
-        return weights, linears, eps
+            eps += [eps1, eps2, qk_eps]
+            extras += [qkv[3], o[3], gate_up[3], down[3], q_norm, k_norm]
+        use_rope = [int(layer._use_rope) for layer in self._kernel_layers]
+        has_extras = any(e is not None for e in extras)
+        return weights, linears, eps, extras if has_extras else [], [] if all(use_rope) else use_rope
 
     def _rope_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, D] float32 for positions [B, T], from a table grown to the largest position
@@ -278,7 +281,8 @@ class LlamaForCausalLM(CausalLM):
         need = int(positions.max()) + 1 if positions.numel() else 1
         if self._cos_table is None or self._cos_table.shape[0] < need:
             size = max(need, 2 * (0 if self._cos_table is None else self._cos_table.shape[0]), 256)
-            cos, sin = rope_cos_sin(torch.arange(size)[None], self.inv_freq, torch.float32)  # [1, 1, size, D]
+            table_positions = torch.arange(size)[None]  # [1, size]
+            cos, sin = rope_cos_sin(table_positions, self.inv_freq, torch.float32, self.rope_attention_factor)
             self._cos_table, self._sin_table = cos[0, 0].contiguous(), sin[0, 0].contiguous()
         assert self._sin_table is not None  # grown together with _cos_table
         flat = positions.reshape(-1)

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 
-from kvgen.config import ModelConfig
+from kvgen.config import ModelConfig, longrope_scaling
 from kvgen.errors import ModelFormatError, UnsupportedQuantizationError
 from kvgen.weights.gguf_file import gguf_metadata, open_gguf
 from kvgen.weights.name_maps import (
@@ -43,6 +43,11 @@ SUPPORTED_QUANT_TYPES: frozenset[GGMLQuantizationType] = frozenset(
 _FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 # Per-frequency RoPE factors (Llama 3.x scaling); harmless, and ignored, only when all ones.
 _ROPE_FREQS = "rope_freqs.weight"
+# LongRoPE's frequency divisors past / within the original context (llama.cpp's Phi3MiniModel, 128k models)
+_ROPE_LONG, _ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
+_ROPE_TENSORS = (_ROPE_FREQS, _ROPE_LONG, _ROPE_SHORT)  # read into the config's rope_scaling, not parameters
+# Architectures whose q/k rows llama.cpp's converter stores as Hugging Face's (it permutes only its llama models)
+_UNPERMUTED_ARCHS = ("qwen2", "qwen3", "phi3")
 # float32 bytes dequantized per step: bounds the transient memory of one tensor.
 _CHUNK_BYTES = 8 << 20
 
@@ -61,7 +66,9 @@ def load_gguf(
     float32 (``lm_head.weight`` only when the file has ``output.weight``; otherwise
     ``config.tie_word_embeddings`` is True). ``config.attention_bias`` / ``o_proj_bias`` /
     ``mlp_bias`` follow the presence of ``attn_q.bias`` / ``attn_output.bias`` / ``ffn_up.bias``.
-    Architectures: ``llama`` (q/k rows un-permuted), ``qwen2`` and ``qwen3`` (stored as Hugging Face's).
+    Architectures: ``llama`` (q/k rows un-permuted), ``qwen2``, ``qwen3`` and ``phi3`` (stored as Hugging Face's;
+    phi3's ``attn_qkv`` and [2I, C] ``ffn_up`` load as ``qkv_proj`` / ``gate_up_proj``, its ``rope_factors_*``
+    as a LongRoPE rope_scaling).
     Supported tensor types: :data:`SUPPORTED_QUANT_TYPES`.
     Raises ``ModelNotFoundError``, ``ModelFormatError`` (not GGUF, truncated,
     unknown or missing tensors, wrong shapes), ``UnsupportedArchitectureError``
@@ -77,16 +84,16 @@ def load_gguf(
     config = ModelConfig.from_gguf_metadata(meta)
     config = replace(
         config,
-        rope_scaling=_rope_scaling(by_name, config, path),
+        rope_scaling=_rope_scaling(by_name, config, meta, path),
         tie_word_embeddings="output.weight" not in by_name,
-        attention_bias="blk.0.attn_q.bias" in by_name,
+        attention_bias="blk.0.attn_q.bias" in by_name or "blk.0.attn_qkv.bias" in by_name,
         o_proj_bias="blk.0.attn_output.bias" in by_name,  # Qwen2 biases q/k/v only
         mlp_bias="blk.0.ffn_up.bias" in by_name,
     )
-    names = _map_names(reader, path)
+    names = _map_names(reader, path, meta["general.architecture"])
     shapes = expected_param_shapes(config)
     found = {ours: _torch_shape(by_name[g]) for g, ours in names.items()}
-    check_state_dict(shapes, found, path, ignored=[_ROPE_FREQS] if _ROPE_FREQS in by_name else [])
+    check_state_dict(shapes, found, path, ignored=[n for n in _ROPE_TENSORS if n in by_name])
     for name in names:
         _check_quant_type(by_name[name])
     state: dict[str, torch.Tensor | GGUFBlocks] = {}
@@ -124,36 +131,66 @@ def _compact_tensor(t: ReaderTensor, qk_heads: int | None, keep_16bit: bool) -> 
     return GGUFBlocks(qtype, [raw], (out_features, in_features))
 
 
-def _map_names(reader: GGUFReader, path: str) -> dict[str, str]:
+def _map_names(reader: GGUFReader, path: str, arch: str) -> dict[str, str]:
     """GGUF tensor name -> our name; ModelFormatError listing unknown tensors."""
     names: dict[str, str] = {}
     unknown = []
     for t in reader.tensors:
-        ours = gguf_to_kvgen_name(t.name)
+        ours = gguf_to_kvgen_name(t.name, arch)
         if ours is not None:
             names[t.name] = ours
-        elif t.name != _ROPE_FREQS:  # read into the config's rope_scaling (_rope_scaling)
+        elif t.name not in _ROPE_TENSORS:  # read into the config's rope_scaling (_rope_scaling)
             unknown.append(f"{t.name} ({t.tensor_type.name}, {list(_torch_shape(t))})")
     if unknown:
         raise ModelFormatError(f"{path} has tensors kvgen does not know: {', '.join(unknown)}")
     return names
 
 
-def _rope_scaling(by_name: dict[str, ReaderTensor], config: ModelConfig, path: str) -> dict[str, Any] | None:
-    """The config's rope_scaling with a file's ``rope_freqs.weight`` (llama.cpp's per-frequency divisors, written
-    for Llama 3.1+ rope scaling) as ``freq_factors``; unchanged without one or when all are 1."""
-    t = by_name.get(_ROPE_FREQS)
-    if t is None:
+def _rope_scaling(
+    by_name: dict[str, ReaderTensor], config: ModelConfig, meta: dict[str, Any], path: str
+) -> dict[str, Any] | None:
+    """The config's rope_scaling with a file's rope tensors: ``rope_factors_long`` / ``rope_factors_short``
+    (LongRoPE, :func:`_longrope`) or ``rope_freqs.weight`` (llama.cpp's per-frequency divisors, written for
+    Llama 3.1+ rope scaling) as ``freq_factors``; unchanged without them or when the divisors are all 1."""
+    if _ROPE_LONG in by_name or _ROPE_SHORT in by_name:
+        return _longrope(by_name, config, meta, path)
+    if _ROPE_FREQS not in by_name:
         return config.rope_scaling
-    if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        raise ModelFormatError(f"{path}: {_ROPE_FREQS} is stored as {t.tensor_type.name}; expected F32 or F16")
-    factors = dequantize(t.data, t.tensor_type).reshape(-1).astype(np.float64)
-    if factors.size != config.head_dim // 2 or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
-        raise ModelFormatError(f"{path}: {_ROPE_FREQS} must hold head_dim / 2 = {config.head_dim // 2} positive "
-                               f"factors, got {factors.size} values")
+    factors = _rope_factors(by_name, _ROPE_FREQS, config, path)
     if np.all(factors == 1.0):
         return config.rope_scaling
     return {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
+
+
+def _longrope(by_name: dict[str, ReaderTensor], config: ModelConfig, meta: dict[str, Any], path: str) -> dict[str, Any]:
+    """LongRoPE rope_scaling (:func:`kvgen.config.longrope_scaling`) of a phi3 file: both factor tensors, the
+    original length ``{arch}.rope.scaling.original_context_length``, the scale ``context_length`` / original and
+    the converter's ``rope.scaling.attn_factor`` (computed as transformers does when absent).
+    Source: llama.cpp ``convert_hf_to_gguf.py`` ``Phi3MiniModel``."""
+    arch = config.extra["gguf_architecture"]
+    absent = [n for n in (_ROPE_LONG, _ROPE_SHORT) if n not in by_name]
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if absent or original is None:
+        what = absent or [f"metadata {arch}.rope.scaling.original_context_length"]
+        raise ModelFormatError(f"{path} has LongRoPE factors but lacks {', '.join(what)}")
+    long_factor = _rope_factors(by_name, _ROPE_LONG, config, path)
+    short_factor = _rope_factors(by_name, _ROPE_SHORT, config, path)
+    context = int(meta.get(f"{arch}.context_length", original))
+    attn_factor = meta.get(f"{arch}.rope.scaling.attn_factor")
+    return longrope_scaling(short_factor.tolist(), long_factor.tolist(), int(original), context / int(original),
+                            None if attn_factor is None else float(attn_factor))
+
+
+def _rope_factors(by_name: dict[str, ReaderTensor], name: str, config: ModelConfig, path: str) -> np.ndarray:
+    """A rope factor tensor as float64 ``[D/2]``: ModelFormatError unless F32 / F16 with D/2 positive values."""
+    t = by_name[name]
+    if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        raise ModelFormatError(f"{path}: {name} is stored as {t.tensor_type.name}; expected F32 or F16")
+    factors = dequantize(t.data, t.tensor_type).reshape(-1).astype(np.float64)
+    if factors.size != config.head_dim // 2 or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
+        raise ModelFormatError(f"{path}: {name} must hold head_dim / 2 = {config.head_dim // 2} positive "
+                               f"factors, got {factors.size} values")
+    return factors
 
 
 def _torch_shape(t: ReaderTensor) -> tuple[int, ...]:
@@ -172,8 +209,8 @@ def _check_quant_type(t: ReaderTensor) -> None:
 
 def _qk_heads(name: str, config: ModelConfig) -> int | None:
     """Heads to un-permute for q/k projections (weight or bias); None for every other tensor, and for every
-    tensor of a ``qwen2`` / ``qwen3`` file (llama.cpp's converter permutes only its ``llama`` models)."""
-    if config.extra.get("gguf_architecture") in ("qwen2", "qwen3"):
+    tensor of a ``qwen2`` / ``qwen3`` / ``phi3`` file (llama.cpp's converter permutes only its ``llama`` models)."""
+    if config.extra.get("gguf_architecture") in _UNPERMUTED_ARCHS:
         return None
     if ".self_attn.q_proj." in name:
         return config.num_attention_heads

@@ -18,19 +18,35 @@ from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
 
 Shapes = dict[str, tuple[int, ...]]
 
+# Checkpoints that store q/k/v and gate/up already stacked as our model does (``qkv_proj`` rows q, k, v;
+# ``gate_up_proj`` rows gate, then up), by HF model_type or GGUF architecture: Phi-3 (transformers
+# ``Phi3Attention`` / ``Phi3MLP``; llama.cpp's ``attn_qkv`` and a [2I, C] ``ffn_up``).
+_STACKED_CHECKPOINTS = frozenset({"phi3"})
+
+
+def has_stacked_projections(cfg: ModelConfig) -> bool:
+    """Whether ``cfg``'s checkpoint holds ``qkv_proj`` / ``gate_up_proj`` instead of their parts (Phi-3)."""
+    return bool({cfg.extra.get("hf_model_type"), cfg.extra.get("gguf_architecture")} & _STACKED_CHECKPOINTS)
+
 
 def _llama_shapes(cfg: ModelConfig) -> Shapes:
     c, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q_out = cfg.num_attention_heads * cfg.head_dim  # H*D
     kv_out = cfg.num_key_value_heads * cfg.head_dim  # Hkv*D
     shapes: Shapes = {"model.embed_tokens.weight": (v, c), "model.norm.weight": (c,)}
-    linears = {
-        "self_attn.q_proj": ((q_out, c), cfg.attention_bias),
-        "self_attn.k_proj": ((kv_out, c), cfg.attention_bias),
-        "self_attn.v_proj": ((kv_out, c), cfg.attention_bias),
+    if has_stacked_projections(cfg):
+        linears = {"self_attn.qkv_proj": ((q_out + 2 * kv_out, c), cfg.attention_bias),
+                   "mlp.gate_up_proj": ((2 * i, c), cfg.mlp_bias)}
+    else:
+        linears = {
+            "self_attn.q_proj": ((q_out, c), cfg.attention_bias),
+            "self_attn.k_proj": ((kv_out, c), cfg.attention_bias),
+            "self_attn.v_proj": ((kv_out, c), cfg.attention_bias),
+            "mlp.gate_proj": ((i, c), cfg.mlp_bias),
+            "mlp.up_proj": ((i, c), cfg.mlp_bias),
+        }
+    linears |= {
         "self_attn.o_proj": ((c, q_out), cfg.attention_bias if cfg.o_proj_bias is None else cfg.o_proj_bias),
-        "mlp.gate_proj": ((i, c), cfg.mlp_bias),
-        "mlp.up_proj": ((i, c), cfg.mlp_bias),
         "mlp.down_proj": ((c, i), cfg.mlp_bias),
     }
     for layer in range(cfg.num_hidden_layers):
@@ -140,21 +156,28 @@ _GGUF_BLOCK = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# phi3 (llama.cpp's converter): q/k/v stacked in attn_qkv, and ffn_up holds gate then up ([2I, C]; no ffn_gate)
+_GGUF_STACKED_BLOCK = {k: v for k, v in _GGUF_BLOCK.items() if k not in ("attn_q", "attn_k", "attn_v", "ffn_gate")} | {
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_up": "mlp.gate_up_proj",
+}
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def gguf_to_kvgen_name(name: str) -> str | None:
-    """Our Llama parameter name for a llama.cpp tensor name, or None if unknown.
+def gguf_to_kvgen_name(name: str, arch: str = "llama") -> str | None:
+    """Our Llama parameter name for a llama.cpp tensor name of a file of architecture ``arch``, or None if unknown.
 
-    ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``.
-    Norms map only their ``.weight`` (a norm ``.bias`` is unknown).
+    ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; in a ``phi3`` file
+    ``blk.3.attn_qkv.weight`` -> ``...self_attn.qkv_proj.weight`` and ``blk.3.ffn_up.weight`` ->
+    ``...mlp.gate_up_proj.weight``. Norms map only their ``.weight`` (a norm ``.bias`` is unknown).
     """
     if name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[name]
+    block = _GGUF_STACKED_BLOCK if arch in _STACKED_CHECKPOINTS else _GGUF_BLOCK
     m = _GGUF_BLOCK_RE.fullmatch(name)
-    if m is None or m.group(2) not in _GGUF_BLOCK:
+    if m is None or m.group(2) not in block:
         return None
-    ours = _GGUF_BLOCK[m.group(2)]
+    ours = block[m.group(2)]
     if ours.endswith(("layernorm", "_norm")) and m.group(3) != "weight":
         return None
     return f"model.layers.{int(m.group(1))}.{ours}.{m.group(3)}"

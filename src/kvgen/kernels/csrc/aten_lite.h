@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>

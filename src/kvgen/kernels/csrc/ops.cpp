@@ -180,6 +180,7 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor query_start_loc, "
         "Tensor seq_lens, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm_heads_(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, float eps, int num_heads, int num_kv_heads) -> ()");
   m.def("rope_qkv_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("repack_gguf(Tensor[] parts, int gguf_type) -> Tensor");
@@ -187,10 +188,10 @@ TORCH_LIBRARY(kvgen, m) {
         "int num_heads, float scale) -> Tensor");
   m.def("paged_attention_qkv(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, int num_heads, float scale) -> Tensor");
-  m.def("decoder_layers(Tensor x, Tensor[] weights, int[] linears, float[] eps, Tensor cos, Tensor sin, "
+  m.def("decoder_layers(Tensor x, Tensor[] weights, int[] linears, float[] eps, Tensor?[] extras, int[] use_rope, Tensor cos, Tensor sin, "
         "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor? key_mask, int past_len, int num_heads, int num_kv_heads, "
         "float scale) -> Tensor");
-  m.def("paged_decoder_layers(Tensor x, Tensor[] weights, int[] linears, float[] eps, Tensor cos, Tensor sin, "
+  m.def("paged_decoder_layers(Tensor x, Tensor[] weights, int[] linears, float[] eps, Tensor?[] extras, int[] use_rope, Tensor cos, Tensor sin, "
         "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
         "Tensor seq_lens, int num_heads, int num_kv_heads, float scale) -> Tensor");
   m.def("softmax_draw(Tensor logits, Tensor temperature, Tensor u) -> Tensor");
@@ -203,6 +204,7 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("attention", &kvgen::attention);
   m.impl("paged_attention", &kvgen::paged_attention);
   m.impl("rms_norm", &kvgen::rms_norm);
+  m.impl("rms_norm_heads_", &kvgen::rms_norm_heads_);
   m.impl("rope_qkv_", &kvgen::rope_qkv_);
   m.impl("silu_mul", &kvgen::silu_mul);
   m.impl("repack_gguf", &kvgen::repack_gguf);

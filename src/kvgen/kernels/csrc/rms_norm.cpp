@@ -1,5 +1,8 @@
 // RMSNorm (Zhang & Sennrich 2019) as HF LlamaRMSNorm: y = w * (x * rsqrt(mean(x^2) + eps)).
-// x: [M, C] float32 (C % 8 == 0), w: [C] float32 -> [M, C] float32.
+//   rms_norm:        x: [M, C] float32 (C % 8 == 0), w: [C] float32 -> [M, C] float32.
+//   rms_norm_heads_: in place on the q and k heads of stacked rows qkv [N, (H + 2 Hkv) D] float32
+//                    (D % 8 == 0): each of the H query heads by q_weight [D], each of the Hkv key heads
+//                    by k_weight [D]; v is left alone (Qwen3's q_norm and k_norm, transformers Qwen3Attention).
 #include "aten_lite.h"
 
 #include <cmath>
@@ -7,6 +10,22 @@
 #include "vec_math.h"
 
 namespace kvgen {
+namespace {
+
+// y[0 .. C) = w * x * rsqrt(mean(x^2) + eps); y may be x (each value is read before it is written).
+inline void norm_row(const float* x, const float* w, float* y, int64_t C, float eps) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t c = 0; c < C; c += 8) {
+    const __m256 v = _mm256_loadu_ps(x + c);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  const __m256 vr = _mm256_set1_ps(1.0f / std::sqrt(hsum(acc) / static_cast<float>(C) + eps));
+  for (int64_t c = 0; c < C; c += 8) {
+    _mm256_storeu_ps(y + c, _mm256_mul_ps(_mm256_loadu_ps(w + c), _mm256_mul_ps(_mm256_loadu_ps(x + c), vr)));
+  }
+}
+
+}  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
   TORCH_CHECK(x_in.dtype() == at::kFloat && w.dtype() == at::kFloat && x_in.dim() == 2, "kvgen.rms_norm: float32 [M, C]");
@@ -18,22 +37,31 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, M, M * C < (1 << 15) ? M : 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const float* xr = xp + m * C;
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t c = 0; c < C; c += 8) {
-        const __m256 v = _mm256_loadu_ps(xr + c);
-        acc = _mm256_fmadd_ps(v, v, acc);
-      }
-      const float r = 1.0f / std::sqrt(hsum(acc) / static_cast<float>(C) + static_cast<float>(eps));
-      const __m256 vr = _mm256_set1_ps(r);
-      for (int64_t c = 0; c < C; c += 8) {
-        const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(wp + c), _mm256_mul_ps(_mm256_loadu_ps(xr + c), vr));
-        _mm256_storeu_ps(op + m * C + c, y);
+    for (int64_t m = begin; m < end; ++m) norm_row(xp + m * C, wp, op + m * C, C, static_cast<float>(eps));
+  });
+  return out;
+}
+
+void rms_norm_heads_(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight, double eps,
+                     int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.dtype() == at::kFloat && qkv.dim() == 2 && qkv.is_contiguous(),
+              "kvgen.rms_norm_heads_: qkv float32 [N, W] contiguous");
+  TORCH_CHECK(q_weight.dtype() == at::kFloat && k_weight.dtype() == at::kFloat && q_weight.is_contiguous() &&
+                  k_weight.is_contiguous(), "kvgen.rms_norm_heads_: weights float32 [D] contiguous");
+  const int64_t N = qkv.size(0), W = qkv.size(1), D = q_weight.numel();
+  TORCH_CHECK(k_weight.numel() == D && D % 8 == 0 && W == (num_heads + 2 * num_kv_heads) * D,
+              "kvgen.rms_norm_heads_: width ", W, " != (H + 2 Hkv) * D with D = ", D, " (D % 8 == 0)");
+  float* xp = qkv.data_ptr<float>();
+  const float* qw = q_weight.data_ptr<float>();
+  const float* kw = k_weight.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+        float* head = xp + n * W + h * D;
+        norm_row(head, h < num_heads ? qw : kw, head, D, static_cast<float>(eps));
       }
     }
   });
-  return out;
 }
 
 }  // namespace kvgen
