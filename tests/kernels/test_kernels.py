@@ -18,14 +18,27 @@ from kvgen.kernels import reference as R
 OPS = K.get_ops()
 REF = K.reference_ops()
 needs_avx2 = pytest.mark.skipif(OPS.backend != "avx2", reason=f"C++ kernels unavailable (backend {OPS.backend})")
-GGUF_CODE = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.F16: 3, Q.BF16: 4}
-WEIGHT_TYPE = {Q.Q4_0: K.Q4, Q.Q4_1: K.Q4, Q.Q8_0: K.Q8, Q.F16: K.F16, Q.BF16: K.BF16}
-KERNEL_QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16]
+GGUF_CODE = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.F16: 3, Q.BF16: 4, Q.Q6_K: 5}
+WEIGHT_TYPE = {Q.Q4_0: K.Q4, Q.Q4_1: K.Q4, Q.Q8_0: K.Q8, Q.F16: K.F16, Q.BF16: K.BF16, Q.Q6_K: K.Q6}
+KERNEL_QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K]
 FLOAT16_QTYPES = (Q.F16, Q.BF16)  # weights that take the activations unquantized
 
 
+def _cols(qtype: Q, k: int) -> int:
+    """k rounded up to whole blocks of ``qtype`` (Q6_K: 256 columns)."""
+    return -(-k // 256) * 256 if qtype == Q.Q6_K else k
+
+
 def _gguf_matrix(qtype: Q, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(GGUF bytes [n, row_bytes] uint8, their gguf.quants dequantization [n, k] float32)."""
+    """(GGUF bytes [n, row_bytes] uint8, their gguf.quants dequantization [n, k] float32). Q6_K (which the gguf
+    package cannot quantize): random 6-bit values and scales, fp16 d ~ 1e-3 (some negative)."""
+    if qtype == Q.Q6_K:
+        gen = torch.Generator().manual_seed(seed)
+        blocks = torch.randint(0, 256, (n, k // 256, 210), dtype=torch.uint8, generator=gen)
+        d = (torch.randn(n, k // 256, 1, generator=gen) * 1e-3).half()
+        blocks[..., 208:] = d.view(torch.uint8)
+        raw = blocks.reshape(n, -1).numpy()
+        return torch.from_numpy(raw), torch.from_numpy(dequantize(raw, qtype))
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
     raw = quantize(w, qtype)  # F16 as float16 values: the file's bytes are their bits
     return torch.from_numpy(raw.view("uint8")), torch.from_numpy(dequantize(raw, qtype))
@@ -33,7 +46,7 @@ def _gguf_matrix(qtype: Q, n: int, k: int, seed: int) -> tuple[torch.Tensor, tor
 
 @pytest.mark.parametrize("qtype", KERNEL_QTYPES)
 def test_repack_round_trips_to_gguf_dequantization(qtype):
-    raw, dense = _gguf_matrix(qtype, 21, 96, seed=1)  # 21 rows: a partial last group
+    raw, dense = _gguf_matrix(qtype, 21, _cols(qtype, 96), seed=1)  # 21 rows: a partial last group
     parts = [raw[:5].contiguous(), raw[5:13].contiguous(), raw[13:].contiguous()]  # stacked like q, k, v
     for ops in (OPS, REF):
         packed = ops.repack_gguf(parts, GGUF_CODE[qtype])
@@ -57,6 +70,7 @@ def test_activation_quantizer_matches_plain_torch():
 @pytest.mark.parametrize("qtype", KERNEL_QTYPES)
 @pytest.mark.parametrize("m,n,k", [(1, 40, 64), (3, 21, 96), (17, 200, 320), (64, 72, 1536)])
 def test_qgemm_matches_dequantize_then_matmul(qtype, m, n, k):
+    k = _cols(qtype, k)
     raw, dense = _gguf_matrix(qtype, n, k, seed=m + n + k)
     weight_type, packed = K.pack_gguf_rows(qtype.name, [raw])
     assert weight_type == WEIGHT_TYPE[qtype]
@@ -75,7 +89,7 @@ def test_qgemm_matches_dequantize_then_matmul(qtype, m, n, k):
 
 
 @needs_avx2
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K])
 def test_qgemm_rows_do_not_depend_on_the_batch(qtype):
     """Batch invariance: each row's bits are the same alone, in any tile of 1-4 rows, or among 33."""
     raw, _ = _gguf_matrix(qtype, 64, 256, seed=3)
@@ -89,11 +103,12 @@ def test_qgemm_rows_do_not_depend_on_the_batch(qtype):
 
 @pytest.mark.parametrize("qtype", KERNEL_QTYPES)
 def test_dequantize_rows_is_an_embedding_lookup(qtype):
-    raw, dense = _gguf_matrix(qtype, 50, 64, seed=5)
+    k = _cols(qtype, 64)
+    raw, dense = _gguf_matrix(qtype, 50, k, seed=5)
     weight_type, packed = K.pack_gguf_rows(qtype.name, [raw])
     ids = torch.tensor([0, 49, 7, 7, 31])
     for ops in (OPS, REF):
-        assert torch.equal(ops.dequantize_rows(packed, weight_type, ids, 64), dense[ids])
+        assert torch.equal(ops.dequantize_rows(packed, weight_type, ids, k), dense[ids])
 
 
 def _attention_inputs(b, h, h_kv, t, s, d, dtype, seed):

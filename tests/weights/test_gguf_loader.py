@@ -547,8 +547,8 @@ def test_q4_k_rows_become_q4_1_rows_with_float16_scales() -> None:
 
 
 def test_auto_keeps_blocks_and_reencodes_other_types_as_q8_0(tmp_path: Path) -> None:
-    """dtype=None (auto): Q4_0/Q4_1/Q8_0 matrices keep their bytes, Q4_K becomes Q4_1, every other type (float and
-    K-quants) becomes Q8_0, and the quantized model's logits stay close to the float32 model's."""
+    """dtype=None (auto): Q4_0/Q4_1/Q8_0/Q6_K matrices keep their bytes, Q4_K becomes Q4_1, every other type (float
+    and K-quants) becomes Q8_0, and the quantized model's logits stay close to the float32 model's."""
     from kvgen.models import build_model
     from kvgen.models.quant_linear import QuantLinear
     from kvgen.weights.quantized import GGUFBlocks
@@ -560,7 +560,8 @@ def test_auto_keeps_blocks_and_reencodes_other_types_as_q8_0(tmp_path: Path) -> 
     for g, qtype in types.items():
         blocks = compact[gguf_loader.gguf_to_kvgen_name(g)]
         assert isinstance(blocks, GGUFBlocks)
-        assert blocks.qtype == (qtype if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0) else Q.Q4_1 if qtype == Q.Q4_K else Q.Q8_0), g
+        own = qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K)
+        assert blocks.qtype == (qtype if own else Q.Q4_1 if qtype == Q.Q4_K else Q.Q8_0), g
     assert not isinstance(compact["model.norm.weight"], GGUFBlocks)
     quant, ref = build_model(config, compact), build_model(config32, dense)
     assert all(isinstance(m, QuantLinear) for m in (quant.model.layers[0].self_attn.qkv_proj, quant.lm_head))

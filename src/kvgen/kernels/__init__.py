@@ -11,7 +11,7 @@ notice, never a crash). :func:`get_ops` returns whichever is in use.
 Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 
 * ``qgemm(x [M, K] f32, weight [G, nb, R] u8, weight_type, out_features, bias?, residual?) -> [M, N] f32``
-  (weight_type Q4, Q8: x quantized per 32 values first; F16, BF16: x as it is)
+  (weight_type Q4, Q8, Q6: x quantized per 32 values first; F16, BF16: x as it is)
 * ``quantize_q8a(x [M, K] f32) -> [M, K / 32 * 40] u8``
 * ``dequantize_rows(weight, weight_type, ids [n] i64, in_features) -> [n, K] f32``
 * ``attention(q [B, H, T, D], k, v [B, Hkv, S, D], key_mask [B, S] bool?, past_len, scale) -> [B, T, H, D]``
@@ -54,13 +54,13 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
-    "ops.cpp", "quantize_q8a.cpp", "qgemm_q4.cpp", "qgemm_q8.cpp", "qgemm_f16.cpp",
+    "ops.cpp", "quantize_q8a.cpp", "qgemm_q4.cpp", "qgemm_q8.cpp", "qgemm_q6.cpp", "qgemm_f16.cpp",
     "attention.cpp", "rms_norm.cpp", "rope.cpp", "silu_mul.cpp", "repack.cpp", "decoder.cpp",
     "softmax_draw.cpp",
 )
 HEADERS = ("common.h", "vec_math.h", "aten_lite.h", "ops.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
-Q4, Q8, F16, BF16 = reference.Q4, reference.Q8, reference.F16, reference.BF16
+Q4, Q8, F16, BF16, Q6 = reference.Q4, reference.Q8, reference.F16, reference.BF16, reference.Q6
 
 
 @dataclass(frozen=True)
@@ -162,17 +162,17 @@ def pack_gguf_rows(qtype: str, parts: list[torch.Tensor]) -> tuple[int, torch.Te
     """GGUF-encoded row blocks of one matrix -> (weight_type, records [G, nb, R] uint8) in the
     kernels' 8-row layout.
 
-    qtype: ``"Q4_0"``, ``"Q4_1"``, ``"Q8_0"``, ``"F16"`` or ``"BF16"``; parts: [rows_i, bytes per row] uint8 each,
-    stacked in order (q, k, v). Raises ValueError for another type or a malformed byte count.
+    qtype: ``"Q4_0"``, ``"Q4_1"``, ``"Q8_0"``, ``"F16"``, ``"BF16"`` or ``"Q6_K"``; parts: [rows_i, bytes per row]
+    uint8 each, stacked in order (q, k, v). Raises ValueError for another type or a malformed byte count.
     """
     if qtype not in reference.GGUF_TYPES:
-        raise ValueError(f"kernels run Q4_0, Q4_1, Q8_0, F16 and BF16 rows, got {qtype}")
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "BF16": 64}[qtype]
+        raise ValueError(f"kernels run Q4_0, Q4_1, Q8_0, F16, BF16 and Q6_K rows, got {qtype}")
+    size = reference.GGUF_BLOCK_BYTES[qtype]
     for p in parts:
         if p.dtype != torch.uint8 or p.dim() != 2 or p.shape[1] % size or p.shape[1] != parts[0].shape[1]:
             raise ValueError(f"{qtype} rows must be uint8 [N, nb * {size}], got {p.dtype} {list(p.shape)}")
     records = get_ops().repack_gguf([p.contiguous() for p in parts], reference.GGUF_TYPES.index(qtype))
-    return {"Q8_0": Q8, "F16": F16, "BF16": BF16}.get(qtype, Q4), records
+    return {"Q8_0": Q8, "F16": F16, "BF16": BF16, "Q6_K": Q6}.get(qtype, Q4), records
 
 
 def reference_ops() -> KernelOps:
@@ -180,4 +180,4 @@ def reference_ops() -> KernelOps:
     return _REFERENCE
 
 
-__all__ = ["BF16", "F16", "Q4", "Q8", "KernelOps", "cache_dir", "get_ops", "pack_gguf_rows", "reference_ops"]
+__all__ = ["BF16", "F16", "Q4", "Q6", "Q8", "KernelOps", "cache_dir", "get_ops", "pack_gguf_rows", "reference_ops"]

@@ -9,6 +9,10 @@ Layouts (see ``csrc/common.h``): weights are repacked at load from GGUF blocks i
   column ``4t+i``, high nibble: column ``16+4t+i``); value = q * d + m (Q4_0: m = -8 d).
 * Q8 record, 272 bytes (from ``block_q8_0``): fp16 ``d[8]``, then int8 ``qs[j][r][i]`` =
   row ``r``, column ``4j+i``; value = q * d.
+* Q6 record, 224 bytes (from ``block_q6_K``, 8 records per 256-column super-block): fp16 ``d[8]``, int8
+  ``sc[2][8]`` (per 16 columns), the 6-bit ``u = q + 32`` as low nibbles ``lo[t][r][i]`` (columns ``4t+i`` and
+  ``16+4t+i``, as Q4) and top bits ``hi[v][r][i]`` (columns ``8v+i``, ``16+8v+i``, ``8v+4+i``, ``16+8v+4+i`` at
+  bits 0, 2, 4, 6); value = d * sc * (u - 32).
 
 Activations are quantized per 32 values (llama.cpp's ``block_q8_1`` with fp32 fields):
 40-byte blocks ``{float d; float s; int8 qs[32]}``, d = max|x| / 127,
@@ -27,8 +31,8 @@ from kvgen.sampling.ops import inverse_cdf_at
 
 BLOCK = 32  # values per quantization block
 ROWS = 8  # rows per interleaved group
-Q4, Q8, F16, BF16 = 0, 1, 2, 3  # weight_type codes of the ops
-RECORD_BYTES = {Q4: 160, Q8: 272}
+Q4, Q8, F16, BF16, Q6 = 0, 1, 2, 3, 4  # weight_type codes of the ops
+RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 224}
 # GGUF block sizes in bytes: (scale bytes, has min, quant bytes)
 _Q4_0_BYTES, _Q4_1_BYTES, _Q8_0_BYTES = 18, 20, 34
 
@@ -63,16 +67,20 @@ def repack_q4(raw: torch.Tensor, has_min: bool) -> torch.Tensor:
     return torch.cat([d, m, qs], dim=-1).contiguous()  # [G, nb, 160]
 
 
-GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16")  # gguf_type codes 0-4 of ``repack_gguf``
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q6_K")  # gguf_type codes 0-5 of ``repack_gguf``
+# bytes per GGUF block of each (32 values; Q6_K: 256)
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "BF16": 64, "Q6_K": 210}
 
 
 def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
     """Row blocks ``parts`` ([rows_i, bytes] uint8, one GGUF type) of one matrix -> its records
     [G, nb, R] uint8: Q4 records for Q4_0 (0) / Q4_1 (1), Q8 records for Q8_0 (2), 16-bit records for F16 (3) and
-    BF16 (4)."""
+    BF16 (4), Q6 records for Q6_K (5)."""
     raw = torch.cat(parts) if len(parts) > 1 else parts[0]  # [N, bytes]
     if gguf_type == 2:
         return repack_q8(raw)
+    if gguf_type == 5:
+        return repack_q6_k(raw)
     if gguf_type in (3, 4):
         return repack_16bit(raw)
     return repack_q4(raw, has_min=gguf_type == 1)
@@ -96,6 +104,38 @@ def repack_16bit(raw: torch.Tensor) -> torch.Tensor:
     nb = raw.shape[1] // (2 * BLOCK)
     halves = _pad_rows(raw).view(-1, ROWS, nb, BLOCK, 2)  # [G, r, nb, c, 2 bytes]
     return halves.permute(0, 2, 3, 1, 4).reshape(-1, nb, 2 * BLOCK * ROWS).contiguous()  # [G, nb, 512]
+
+
+def _q6_k_values(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q6_K rows [N, nsb * 210] uint8 -> (u [N, nsb * 256] uint8 in [0, 63], scales [N, nsb * 16] int8,
+    d [N, nsb] fp16), value = d * scale[c // 16] * (u[c] - 32). Source: ggml ``dequantize_row_q6_K``."""
+    n = raw.shape[0]
+    blocks = raw.view(n, -1, 210)  # [N, nsb, 210]
+    ql = blocks[..., :128].reshape(n, -1, 2, 2, 32)  # [N, nsb, half n, ql half, l]
+    qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 32)  # [N, nsb, half n, 1, l]
+    lo = torch.stack([ql & 15, ql >> 4], dim=3)  # [N, nsb, n, nibble, ql half, l]: quarter k = 2 nibble + ql half
+    hi = torch.stack([(qh >> (2 * k)) & 3 for k in range(4)], dim=3).view(n, -1, 2, 2, 2, 32)  # [.., k // 2, k % 2, l]
+    u = (lo | (hi << 4)).reshape(n, -1)  # [N, nsb * 256]: value 128 n + 32 k + l
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).reshape(n, -1)  # [N, nsb * 16]
+    d = blocks[..., 208:210].contiguous().view(torch.float16).reshape(n, -1)  # [N, nsb]
+    return u, scales, d
+
+
+def repack_q6_k(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF Q6_K rows ``[N, K / 256 * 210]`` uint8 -> Q6 records ``[G, K / 32, 224]`` uint8."""
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % 210:
+        raise ValueError(f"Q6_K rows must be uint8 [N, nsb * 210], got {raw.dtype} {list(raw.shape)}")
+    u, scales, d = _q6_k_values(_pad_rows(raw))
+    g, nb = u.shape[0] // ROWS, u.shape[1] // BLOCK
+    u = u.view(g, ROWS, nb, 2, 4, 4)  # [G, r, nb, half, t, i]: column 16 half + 4 t + i
+    lo = ((u[:, :, :, 0] & 15) | ((u[:, :, :, 1] & 15) << 4)).permute(0, 2, 3, 1, 4)  # [G, nb, t, r, i]
+    top = (u >> 4).view(g, ROWS, nb, 2, 2, 2, 4)  # [G, r, nb, half, v, t % 2, i]
+    hi = top[:, :, :, 0, :, 0] | (top[:, :, :, 1, :, 0] << 2) | (top[:, :, :, 0, :, 1] << 4) | (top[:, :, :, 1, :, 1] << 6)
+    hi = hi.permute(0, 2, 3, 1, 4)  # [G, nb, v, r, i]
+    d8 = d.view(g, ROWS, -1, 1).expand(-1, -1, -1, 8).reshape(g, ROWS, nb)  # [G, r, nb]: each super-block's d
+    d8 = d8.transpose(1, 2).contiguous().view(torch.uint8)  # [G, nb, 16]
+    sc = scales.view(g, ROWS, nb, 2).permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(g, nb, 16)  # [h][r]
+    return torch.cat([d8, sc, lo.reshape(g, nb, 128), hi.reshape(g, nb, 64)], dim=-1).contiguous()  # [G, nb, 224]
 
 
 def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
@@ -154,8 +194,20 @@ def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
     elif weight_type == Q8:
         q = weight[..., 16:].contiguous().view(torch.int8).reshape(g, nb, 8, ROWS, 4).float()  # [G, nb, j, r, i]
         w = q * d.view(g, nb, 1, ROWS, 1)
+    elif weight_type == Q6:
+        sc = weight[..., 16:32].contiguous().view(torch.int8).float().view(g, nb, 2, ROWS)  # [G, nb, h, r]
+        lo = weight[..., 32:160].reshape(g, nb, 4, ROWS, 4)  # [G, nb, t, r, i]
+        hi = weight[..., 160:].reshape(g, nb, 2, 1, ROWS, 4)  # [G, nb, v, 1, r, i]
+        top = torch.cat([(hi >> s) & 3 for s in (0, 4)], dim=3)  # [G, nb, v, t % 2, r, i]: half 0's top bits
+        top1 = torch.cat([(hi >> s) & 3 for s in (2, 6)], dim=3)  # the same for half 1
+        u0 = (lo & 15) | (top.reshape(g, nb, 4, ROWS, 4) << 4)  # [G, nb, t, r, i]: column 4t + i
+        u1 = (lo >> 4) | (top1.reshape(g, nb, 4, ROWS, 4) << 4)  # column 16 + 4t + i
+        u = torch.cat([u0, u1], dim=2).float() - 32.0  # [G, nb, 8 quads, r, i]
+        scale = (d.view(g, nb, 1, ROWS) * sc).repeat_interleave(4, dim=2)  # [G, nb, 8 quads, r]: d * sc (float)
+        w = u * scale[..., None]
     else:
-        raise ValueError(f"weight_type must be {Q4} (Q4), {Q8} (Q8), {F16} (F16) or {BF16} (BF16), got {weight_type}")
+        raise ValueError(f"weight_type must be {Q4} (Q4), {Q8} (Q8), {F16} (F16), {BF16} (BF16) or {Q6} (Q6), "
+                         f"got {weight_type}")
     return w.permute(0, 3, 1, 2, 4).reshape(g * ROWS, nb * BLOCK)  # [N_pad, K]
 
 
@@ -168,7 +220,7 @@ def qgemm(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] float32 @ weight.T (+ bias [N]) (+ residual [M, N]) -> [M, N] float32, with x
-    quantized per 32 values first (Q4, Q8; F16 and BF16 weights take x as it is)."""
+    quantized per 32 values first (Q4, Q8, Q6; F16 and BF16 weights take x as it is)."""
     xq = x.float() if weight_type in (F16, BF16) else dequantize_q8a(quantize_q8a(x))  # [M, K]
     out = xq @ dequantize_packed(weight, weight_type)[:out_features].T  # [M, N]
     if bias is not None:

@@ -18,7 +18,7 @@ Q = GGMLQuantizationType
 # Types our kernels run from their own bytes (F16, BF16: in a file of float matrices); Q4_K is rewritten as Q4_1
 # (q4_k_as_q4_1), every other quantized type is converted to Q8_0.
 FLOAT16_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.F16, Q.BF16})
-KERNEL_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0}) | FLOAT16_TYPES
+KERNEL_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K}) | FLOAT16_TYPES
 _Q4_K_BLOCK, _Q4_1_BLOCK = 144, 20  # bytes per 256 values (block_q4_K), per 32 (block_q4_1)
 
 
@@ -26,7 +26,7 @@ _Q4_K_BLOCK, _Q4_1_BLOCK = 144, 20  # bytes per 256 values (block_q4_K), per 32 
 class GGUFBlocks:
     """One matrix in a GGUF block encoding.
 
-    qtype: Q4_0, Q4_1, Q8_0, F16 or BF16; parts: row blocks [rows_i, bytes per row] uint8 whose
+    qtype: Q4_0, Q4_1, Q8_0, Q6_K, F16 or BF16; parts: row blocks [rows_i, bytes per row] uint8 whose
     rows, in order, are the matrix's (one block unless stacked; rows in torch order, q/k
     rows already un-permuted); shape: (out_features, in_features).
     """
@@ -37,7 +37,7 @@ class GGUFBlocks:
 
     def __post_init__(self) -> None:
         if self.qtype not in KERNEL_TYPES:
-            raise ValueError(f"GGUFBlocks holds Q4_0, Q4_1, Q8_0, F16 or BF16, got {self.qtype.name}")
+            raise ValueError(f"GGUFBlocks holds Q4_0, Q4_1, Q8_0, Q6_K, F16 or BF16, got {self.qtype.name}")
         if any(p.dtype != torch.uint8 or p.dim() != 2 for p in self.parts) or sum(p.shape[0] for p in self.parts) != self.shape[0]:
             raise ValueError(f"parts must be uint8 [rows, bytes] adding up to {self.shape[0]} rows")
 

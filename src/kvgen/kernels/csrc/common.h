@@ -14,6 +14,12 @@
 //   F16 record (512 bytes), from GGUF F16 rows: fp16 w[32][8]: w[c][r] = row r, column c (float32
 //     activations, not quantized: the file's weights times the activations as they are).
 //   BF16 record (512 bytes), from GGUF BF16 rows: the same with bfloat16 values.
+//   Q6 record (224 bytes), from GGUF block_q6_K (one super-block of 256 columns = 8 records):
+//     fp16 d[8] (each row's super-block scale), int8 sc[2][8] (sc[h][r]: the scale of columns
+//     16h .. 16h+15 of row r), then the 6-bit values u = q + 32 in [0, 63] (w = d * sc * (u - 32)):
+//     uint8 lo[4][8][4]: lo[t][r][i] = low nibble of column 4t+i | low nibble of column 16+4t+i << 4,
+//     uint8 hi[2][8][4]: hi[v][r][i] = the top 2 bits of columns 8v+i, 16+8v+i, 8v+4+i, 16+8v+4+i
+//     at bits 0, 2, 4, 6 (so hi[v] completes lo[2v] with bits 0-3 and lo[2v+1] with bits 4-7).
 // So one 32-byte load holds 4 columns of 8 rows, and maddubs against a broadcast of 4
 // activation bytes yields the 8 rows' partial dot products in 8 lanes: no horizontal sums.
 #pragma once
@@ -30,8 +36,9 @@ constexpr int64_t kRows = 8;          // rows per interleaved group
 constexpr int64_t kQ4Record = 160;    // bytes per (group, block), Q4
 constexpr int64_t kQ8Record = 272;    // bytes per (group, block), Q8
 constexpr int64_t kF16Record = 512;   // bytes per (group, block), F16 and BF16
+constexpr int64_t kQ6Record = 224;    // bytes per (group, block), Q6
 
-enum WeightType : int64_t { kQ4 = 0, kQ8 = 1, kF16 = 2, kBF16 = 3 };
+enum WeightType : int64_t { kQ4 = 0, kQ8 = 1, kF16 = 2, kBF16 = 3, kQ6 = 4 };
 
 struct BlockQ8A {
   float d;         // scale
@@ -59,6 +66,7 @@ void quantize_row_q8a(const float* x, BlockQ8A* y, int64_t K);
 // out[m] points at 8 floats (the group's columns of output row m).
 void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q8_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
+void q6_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 // The same for an F16 group against MT float32 activation rows x[m] (K values each).
 void f16_group(const uint8_t* w, const float* const* x, int mt, int64_t nb, float* const* out);
 void bf16_group(const uint8_t* w, const float* const* x, int mt, int64_t nb, float* const* out);

@@ -16,8 +16,8 @@ namespace kvgen {
 namespace {
 
 int64_t record_bytes(int64_t weight_type) {
-  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kBF16, "kvgen: unknown weight_type ", weight_type);
-  return weight_type == kQ4 ? kQ4Record : weight_type == kQ8 ? kQ8Record : kF16Record;
+  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kQ6, "kvgen: unknown weight_type ", weight_type);
+  return weight_type == kQ4 ? kQ4Record : weight_type == kQ8 ? kQ8Record : weight_type == kQ6 ? kQ6Record : kF16Record;
 }
 
 void check_weight(const at::Tensor& weight, int64_t weight_type) {
@@ -76,7 +76,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t rec = record_bytes(weight_type);
-  auto group_fn = weight_type == kQ4 ? q4_group : q8_group;  // unused for F16
+  auto group_fn = weight_type == kQ4 ? q4_group : weight_type == kQ6 ? q6_group : q8_group;  // unused for F16
   // Split output rows (groups) across threads; every output element is computed by one
   // thread in one fixed order, so results do not depend on the thread count.
   const int64_t grain = std::max<int64_t>(1, 2048 / (nb * std::max<int64_t>(1, std::min<int64_t>(M, 4))));
@@ -147,7 +147,18 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const 
           }
           continue;
         }
-        if (weight_type == kQ4) {
+        if (weight_type == kQ6) {
+          const auto* sc = reinterpret_cast<const int8_t*>(blk + 16);
+          for (int t = 0; t < 4; ++t) {
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t lo = blk[32 + 32 * t + 4 * r + i], hi = blk[160 + 32 * (t / 2) + 4 * r + i];
+              const int shift = 4 * (t & 1);  // hi holds t = 2v at bits 0-3, t = 2v + 1 at bits 4-7
+              const int u0 = (lo & 15) | (((hi >> shift) & 3) << 4), u1 = (lo >> 4) | (((hi >> (shift + 2)) & 3) << 4);
+              dst[4 * t + i] = d * static_cast<float>(sc[r]) * static_cast<float>(u0 - 32);
+              dst[16 + 4 * t + i] = d * static_cast<float>(sc[8 + r]) * static_cast<float>(u1 - 32);
+            }
+          }
+        } else if (weight_type == kQ4) {
           std::memcpy(&h, blk + 16 + 2 * r, 2);
           const float mn = _cvtsh_ss(h);
           for (int t = 0; t < 4; ++t) {

@@ -1,9 +1,10 @@
 // Repacking GGUF rows into the kernels' 8-row records (layouts in common.h), at load.
 // parts: row blocks of one matrix (e.g. q, k, v), each [rows_i, nb * block bytes] uint8 of
 // one GGUF type: 0 = Q4_0 (fp16 d, 16 nibble bytes), 1 = Q4_1 (fp16 d, fp16 m, 16 nibble
-// bytes), 2 = Q8_0 (fp16 d, 32 int8), 3 = F16, 4 = BF16 (32 16-bit values per block). Rows are numbered across
-// parts; missing rows of the last group are zero (scale 0). Source: ggml-common.h block_q4_0 /
-// block_q4_1 / block_q8_0.
+// bytes), 2 = Q8_0 (fp16 d, 32 int8), 3 = F16, 4 = BF16 (32 16-bit values per block), 5 = Q6_K (256 values
+// per 210-byte block: ql[128], qh[64], int8 scales[16], fp16 d). Rows are numbered across parts; missing rows
+// of the last group are zero (scale 0). Source: ggml-common.h block_q4_0 / block_q4_1 / block_q8_0 /
+// block_q6_K, ggml-quants.c dequantize_row_q6_K.
 #include <immintrin.h>
 
 #include <cstring>
@@ -15,15 +16,53 @@
 #include "common.h"
 
 namespace kvgen {
+namespace {
+
+constexpr int64_t kQ6KBlock = 210;  // bytes per 256 values (block_q6_K)
+
+// One row's Q6_K super-block s (256 values) into its 8 Q6 records d[0..7] (each kQ6Record apart), as row r.
+void repack_q6_k(const uint8_t* s, int64_t r, uint8_t* d) {
+  const uint8_t* ql = s;
+  const uint8_t* qh = s + 128;
+  const uint8_t* sc = s + 192;
+  uint8_t u[256];  // the 6-bit values q + 32, as dequantize_row_q6_K reads them
+  for (int n = 0; n < 2; ++n) {
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t h = qh[32 * n + l];
+      u[128 * n + l] = (ql[64 * n + l] & 15) | ((h & 3) << 4);
+      u[128 * n + l + 32] = (ql[64 * n + l + 32] & 15) | (((h >> 2) & 3) << 4);
+      u[128 * n + l + 64] = (ql[64 * n + l] >> 4) | (((h >> 4) & 3) << 4);
+      u[128 * n + l + 96] = (ql[64 * n + l + 32] >> 4) | (((h >> 6) & 3) << 4);
+    }
+  }
+  for (int j = 0; j < 8; ++j, d += kQ6Record) {
+    const uint8_t* c = u + 32 * j;  // this record's 32 columns
+    std::memcpy(d + 2 * r, s + 208, 2);  // d
+    d[16 + r] = sc[2 * j];
+    d[24 + r] = sc[2 * j + 1];
+    for (int t = 0; t < 4; ++t) {
+      for (int i = 0; i < 4; ++i) d[32 + 32 * t + 4 * r + i] = (c[4 * t + i] & 15) | ((c[16 + 4 * t + i] & 15) << 4);
+    }
+    for (int v = 0; v < 2; ++v) {
+      for (int i = 0; i < 4; ++i) {
+        d[160 + 32 * v + 4 * r + i] = (c[8 * v + i] >> 4) | ((c[16 + 8 * v + i] >> 4) << 2) |
+                                      ((c[8 * v + 4 + i] >> 4) << 4) | ((c[16 + 8 * v + 4 + i] >> 4) << 6);
+      }
+    }
+  }
+}
+
+}  // namespace
 
 at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) {
-  TORCH_CHECK(gguf_type >= 0 && gguf_type <= 4,
-              "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (F16) or 4 (BF16)");
+  TORCH_CHECK(gguf_type >= 0 && gguf_type <= 5,
+              "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (F16), 4 (BF16) or 5 (Q6_K)");
   TORCH_CHECK(!parts.empty(), "kvgen.repack_gguf: no rows");
-  const bool is_16bit = gguf_type >= 3;  // F16, BF16
-  const int64_t src_block = gguf_type == 0 ? 18 : gguf_type == 1 ? 20 : gguf_type == 2 ? 34 : 64;
-  const int64_t rec = gguf_type == 2 ? kQ8Record : is_16bit ? kF16Record : kQ4Record;
-  const int64_t row_bytes = parts[0].size(1), nb = row_bytes / src_block;
+  const bool is_16bit = gguf_type == 3 || gguf_type == 4;  // F16, BF16
+  const bool is_q6 = gguf_type == 5;
+  const int64_t src_block = gguf_type == 0 ? 18 : gguf_type == 1 ? 20 : gguf_type == 2 ? 34 : is_q6 ? kQ6KBlock : 64;
+  const int64_t rec = gguf_type == 2 ? kQ8Record : is_16bit ? kF16Record : is_q6 ? kQ6Record : kQ4Record;
+  const int64_t row_bytes = parts[0].size(1), nb = row_bytes / src_block * (is_q6 ? 8 : 1);
   int64_t rows = 0;
   for (const auto& p : parts) {
     TORCH_CHECK(p.dtype() == at::kByte && p.dim() == 2 && p.is_contiguous() && p.size(1) == row_bytes &&
@@ -39,6 +78,12 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
     const uint8_t* src = p.data_ptr<uint8_t>();
     for (int64_t i = 0; i < p.size(0); ++i, ++n) {
       const int64_t g = n / kRows, r = n % kRows;
+      if (is_q6) {  // 8 records per super-block
+        for (int64_t sb = 0; sb < nb / 8; ++sb) {
+          repack_q6_k(src + i * row_bytes + sb * kQ6KBlock, r, dst + (g * nb + 8 * sb) * rec);
+        }
+        continue;
+      }
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* s = src + i * row_bytes + b * src_block;
         uint8_t* d = dst + (g * nb + b) * rec;
