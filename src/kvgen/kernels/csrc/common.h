@@ -66,7 +66,11 @@ void quantize_row_q8a(const float* x, BlockQ8A* y, int64_t K);
 // out[m] points at 8 floats (the group's columns of output row m).
 void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q8_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
-void q6_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
+// Q6 also reads each activation block's two half sums (bytes 0-15 in the low, 16-31 in the high int16 of
+// half_sums[m][b]), written for n blocks by q6_half_sums.
+void q6_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums);
+void q6_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
+              float* const* out);
 // The same for an F16 group against MT float32 activation rows x[m] (K values each).
 void f16_group(const uint8_t* w, const float* const* x, int mt, int64_t nb, float* const* out);
 void bf16_group(const uint8_t* w, const float* const* x, int mt, int64_t nb, float* const* out);

@@ -68,20 +68,27 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   BlockQ8A* act = act_buffer.data();
   const float* xp = x.data_ptr<float>();
   const int64_t qgrain = M * K < (1 << 16) ? M : std::max<int64_t>(1, (1 << 14) / K);
+  thread_local std::vector<int32_t> sums_buffer;  // Q6: each activation block's half sums
+  if (weight_type == kQ6 && static_cast<int64_t>(sums_buffer.size()) < M * nb) sums_buffer.resize(M * nb);
+  int32_t* sums = sums_buffer.data();
   if (!is_f16) {
     at::parallel_for(0, M, qgrain, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m) quantize_row_q8a(xp + m * K, act + m * nb, K);
+      for (int64_t m = begin; m < end; ++m) {
+        quantize_row_q8a(xp + m * K, act + m * nb, K);
+        if (weight_type == kQ6) q6_half_sums(act + m * nb, nb, sums + m * nb);
+      }
     });
   }
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t rec = record_bytes(weight_type);
-  auto group_fn = weight_type == kQ4 ? q4_group : weight_type == kQ6 ? q6_group : q8_group;  // unused for F16
+  auto group_fn = weight_type == kQ4 ? q4_group : q8_group;  // unused for F16 and Q6
   // Split output rows (groups) across threads; every output element is computed by one
   // thread in one fixed order, so results do not depend on the thread count.
   const int64_t grain = std::max<int64_t>(1, 2048 / (nb * std::max<int64_t>(1, std::min<int64_t>(M, 4))));
   at::parallel_for(0, G, grain, [&](int64_t begin, int64_t end) {
     const BlockQ8A* a[4];
+    const int32_t* hs[4];
     const float* xr[4];
     float* o[4];
     for (int64_t g = begin; g < end; ++g) {
@@ -90,11 +97,14 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
         const int mt = static_cast<int>(std::min<int64_t>(4, M - m0));
         for (int i = 0; i < mt; ++i) {
           a[i] = act + (m0 + i) * nb;
+          hs[i] = sums + (m0 + i) * nb;
           xr[i] = xp + (m0 + i) * K;
           o[i] = op + (m0 + i) * n_pad + g * kRows;
         }
         if (is_f16) {
           (weight_type == kF16 ? f16_group : bf16_group)(wg, xr, mt, nb, o);
+        } else if (weight_type == kQ6) {
+          q6_group(wg, a, hs, mt, nb, o);
         } else {
           group_fn(wg, a, mt, nb, o);
         }

@@ -1,8 +1,9 @@
 // Q6 (GGUF Q6_K repacked into 8-row groups, see common.h) times Q8A activations: the file's own 6-bit
 // weights, w = d * sc * (u - 32). Per 32-column block and group: 4 loads of low nibbles and 2 of high bits
 // give 8 vectors of 6-bit u (4 columns x 8 rows each); maddubs(u, a) against 4 broadcast activation bytes,
-// two summed in int16 (2 * 2 * 63 * 127 = 32,004 < 32,767), madd to int32 per 16-column half h: S_h.
-// Then sum_h sc_h * (S_h - 32 * A_h), A_h the half's activation sum (exact int32), and
+// two summed in int16 (2 * 2 * 63 * 127 = 32,004 < 32,767), then madd with the row's int8 scale of that
+// 16-column half h: sum_h sc_h * S_h in int32. Minus 32 * sum_h sc_h * A_h (A_h: the half's activation sum,
+// computed once per call by q6_half_sums, one madd per block) gives the exact sum_h sc_h * sum (u - 32) a;
 // acc += that * d_w * d_a. The arithmetic of a row does not depend on how many rows share the call.
 // Source of the Q6_K values: ggml dequantize_row_q6_K; the algebra of ggml_vec_dot_q6_K_q8_K per 16 values.
 #include <immintrin.h>
@@ -18,20 +19,10 @@
 namespace kvgen {
 namespace {
 
-// 32 * (sum of activation bytes 0-15) in every lane of .first, 32 * (bytes 16-31) in .second.
-inline void half_sums_x32(const int8_t* q, __m256i& a0, __m256i& a1) {
-  const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-  __m256i s = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));  // lanes 0-3: bytes 0-15, lanes 4-7: bytes 16-31
-  s = _mm256_hadd_epi32(s, s);
-  s = _mm256_slli_epi32(_mm256_hadd_epi32(s, s), 5);  // every lane of each 128-bit half: 32 * its sum
-  a0 = _mm256_permute2x128_si256(s, s, 0x00);
-  a1 = _mm256_permute2x128_si256(s, s, 0x11);
-}
-
 template <int MT>
-void q6_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
-  const __m256i ones = _mm256_set1_epi16(1);
+void q6_tile(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int64_t nb,
+             float* const* out) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30), low16 = _mm256_set1_epi32(0xFFFF);
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += kQ6Record) {
@@ -48,26 +39,28 @@ void q6_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* cons
       u0[t] = _mm256_or_si256(_mm256_and_si256(p, low4), _mm256_and_si256(b0, top2));
       u1[t] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p, 4), low4), _mm256_and_si256(b1, top2));
     }
+    // per row r (int32 lane r): sc_h[r] in both int16 halves (madd partners of the pair sums), and the pair
+    // (sc_0[r], sc_1[r]) (madd partner of the activation half sums)
     const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 16)));
     const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 24)));
+    const __m256i sc0x2 = _mm256_or_si256(_mm256_and_si256(sc0, low16), _mm256_slli_epi32(sc0, 16));
+    const __m256i sc1x2 = _mm256_or_si256(_mm256_and_si256(sc1, low16), _mm256_slli_epi32(sc1, 16));
+    const __m256i sc01 = _mm256_or_si256(_mm256_and_si256(sc0, low16), _mm256_slli_epi32(sc1, 16));
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
     for (int m = 0; m < MT; ++m) {
       const int8_t* q = a[m][b].qs;
-      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+      __m256i dot = _mm256_setzero_si256();  // sum_h sc_h * S_h: pairs of products summed in int16, then madd
       for (int t = 0; t < 4; t += 2) {
-        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u0[t], bcast4(q + 4 * t)),
-            _mm256_maddubs_epi16(u0[t + 1], bcast4(q + 4 * t + 4))), ones));
-        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u1[t], bcast4(q + 16 + 4 * t)),
-            _mm256_maddubs_epi16(u1[t + 1], bcast4(q + 20 + 4 * t))), ones));
-        if constexpr (MT > 1) {
-          keep_in_register(s0);
-          keep_in_register(s1);
-        }
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_add_epi16(
+            _mm256_maddubs_epi16(u0[t], bcast4(q + 4 * t)), _mm256_maddubs_epi16(u0[t + 1], bcast4(q + 4 * t + 4))), sc0x2));
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_add_epi16(
+            _mm256_maddubs_epi16(u1[t], bcast4(q + 16 + 4 * t)), _mm256_maddubs_epi16(u1[t + 1], bcast4(q + 20 + 4 * t))),
+            sc1x2));
+        if constexpr (MT > 1) keep_in_register(dot);  // one row: the tree GCC builds fits the registers
       }
-      __m256i a0, a1;
-      half_sums_x32(q, a0, a1);
-      const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(sc0, _mm256_sub_epi32(s0, a0)),
-                                           _mm256_mullo_epi32(sc1, _mm256_sub_epi32(s1, a1)));
+      // minus 32 * (sc_0 A_0 + sc_1 A_1): u = q + 32, A_h the activation half sums (int16 pair per block)
+      const __m256i corr = _mm256_madd_epi16(sc01, _mm256_set1_epi32(half_sums[m][b]));
+      dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(corr, 5));
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
     }
   }
@@ -76,12 +69,24 @@ void q6_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* cons
 
 }  // namespace
 
-void q6_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
+void q6_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums) {
+  for (int64_t k = 0; k < n; ++k) {
+    int32_t s0 = 0, s1 = 0;
+    for (int i = 0; i < 16; ++i) {
+      s0 += a[k].qs[i];
+      s1 += a[k].qs[16 + i];
+    }
+    sums[k] = static_cast<int32_t>((static_cast<uint32_t>(s1) << 16) | (static_cast<uint32_t>(s0) & 0xFFFFu));
+  }
+}
+
+void q6_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
+              float* const* out) {
   switch (mt) {
-    case 1: q6_tile<1>(w, a, nb, out); break;
-    case 2: q6_tile<2>(w, a, nb, out); break;
-    case 3: q6_tile<3>(w, a, nb, out); break;
-    default: q6_tile<4>(w, a, nb, out); break;
+    case 1: q6_tile<1>(w, a, half_sums, nb, out); break;
+    case 2: q6_tile<2>(w, a, half_sums, nb, out); break;
+    case 3: q6_tile<3>(w, a, half_sums, nb, out); break;
+    default: q6_tile<4>(w, a, half_sums, nb, out); break;
   }
 }
 
