@@ -384,3 +384,19 @@ def test_softmax_draw_frequencies_and_bad_inputs():
         OPS.softmax_draw(torch.zeros(2, 8), torch.ones(1, dtype=torch.float64), torch.zeros(2, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="no finite logit"):
         OPS.softmax_draw(torch.full((1, 8), float("-inf")), torch.ones(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
+
+
+def test_q4_k_to_q4_1_matches_its_twin_and_gguf_values():
+    """Q4_K rows as Q4_1 rows: the same bytes as the numpy twin, values within fp16 rounding of gguf's Q4_K
+    dequantization, and an empty result when a scale overflows fp16."""
+    gen = torch.Generator().manual_seed(21)
+    raw = torch.randint(0, 256, (12, 2 * 144), dtype=torch.uint8, generator=gen)  # 12 rows of 512 values
+    raw.view(12, 2, 144)[..., :4] = (torch.rand(12, 2, 2, generator=gen) * 1e-2).half().view(torch.uint8)  # d, dmin
+    got, want = OPS.q4_k_to_q4_1(raw), REF.q4_k_to_q4_1(raw)
+    assert got.shape == (12, 16 * 20) and torch.equal(got, want)
+    exact = dequantize(raw.numpy(), Q.Q4_K)  # [12, 512]
+    values = dequantize(got.numpy(), Q.Q4_1)
+    assert abs(values - exact).max() < 1e-3 * abs(exact).max()  # a misplaced nibble: ~1/15 of the range
+    big = raw.clone()
+    big[:, 0:2] = torch.tensor([60000.0]).half().view(torch.uint8)  # d * sc beyond fp16
+    assert OPS.q4_k_to_q4_1(big).numel() == 0 and REF.q4_k_to_q4_1(big).numel() == 0

@@ -33,6 +33,8 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 * ``paged_decoder_layers(x, weights, linears, eps, extras, use_rope, cos, sin, k_pools, v_pools, slot_mapping,
   block_tables, query_start_loc, seq_lens, H, Hkv, scale) -> [N, C]``: the same over a paged cache
   (``paged_attention_qkv``)
+* ``q4_k_to_q4_1(raw [rows, nsb * 144] u8) -> [rows, nsb * 160] u8``: GGUF Q4_K rows as Q4_1 rows (scales rounded to
+  fp16), or an empty tensor when a scale overflows fp16
 * ``softmax_draw(logits [B, V] f32, temperature [B] f64, u [B] f64) -> [B] i64``: one id per row from
   softmax(logits / temperature) by inversion at u (the engine's draw, ``ops.sample_inverse_cdf``'s search)
 """
@@ -78,6 +80,7 @@ class KernelOps:
     rope_qkv_: Callable[..., None]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     repack_gguf: Callable[[list[torch.Tensor], int], torch.Tensor]
+    q4_k_to_q4_1: Callable[[torch.Tensor], torch.Tensor]
     static_attention: Callable[..., torch.Tensor]
     paged_attention_qkv: Callable[..., torch.Tensor]
     decoder_layers: Callable[..., torch.Tensor]
@@ -87,7 +90,7 @@ class KernelOps:
 
 _NAMES = (
     "qgemm", "quantize_q8a", "dequantize_rows", "attention", "paged_attention", "rms_norm", "rms_norm_heads_",
-    "rope_qkv_", "silu_mul", "repack_gguf", "static_attention", "paged_attention_qkv", "decoder_layers", "paged_decoder_layers", "softmax_draw",
+    "rope_qkv_", "silu_mul", "repack_gguf", "q4_k_to_q4_1", "static_attention", "paged_attention_qkv", "decoder_layers", "paged_decoder_layers", "softmax_draw",
 )
 _REFERENCE = KernelOps("reference", *(getattr(reference, n) for n in _NAMES))
 _ops: KernelOps | None = None

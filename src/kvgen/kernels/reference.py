@@ -138,6 +138,30 @@ def repack_q6_k(raw: torch.Tensor) -> torch.Tensor:
     return torch.cat([d8, sc, lo.reshape(g, nb, 128), hi.reshape(g, nb, 64)], dim=-1).contiguous()  # [G, nb, 224]
 
 
+def q4_k_to_q4_1(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_K rows [rows, nsb * 144] uint8 -> Q4_1 rows [rows, nsb * 160] uint8 (d' = d * sc_j, m' = -dmin * m_j
+    rounded to float16, the nibbles moved as they are), or an empty tensor when a d' or m' overflows float16.
+    Source: ggml ``dequantize_row_q4_K``, the gguf package's ``Q4_K.get_scale_min``."""
+    import numpy as np
+    from gguf.quants import Q4_K
+
+    blocks = raw.numpy().reshape(-1, 144)  # [n, 144]
+    n = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)  # [n, 1]
+    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [n, 8] each
+    with np.errstate(over="ignore"):  # an overflow becomes inf, refused below
+        scale = (d * sc.astype(np.float32)).astype(np.float16)  # [n, 8]
+        offset = (-(dmin * mn.astype(np.float32))).astype(np.float16)  # [n, 8]
+    if not (np.isfinite(scale).all() and np.isfinite(offset).all()):
+        return torch.empty(0, dtype=torch.uint8)
+    qs = blocks[:, 16:].reshape(n, 4, 1, 32)  # [n, pair of sub-blocks, 1, 32 bytes]
+    nibbles = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(n, 8, 32)  # [n, 8, 32]
+    packed = nibbles[..., :16] | (nibbles[..., 16:] << 4)  # [n, 8, 16]
+    out = np.concatenate([scale.view(np.uint8).reshape(n, 8, 2), offset.view(np.uint8).reshape(n, 8, 2), packed], -1)
+    return torch.from_numpy(np.ascontiguousarray(out).reshape(raw.shape[0], -1))  # [rows, nsb * 160]
+
+
 def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
     """Float rows [N, K] (K % 32 == 0) -> GGUF Q8_0 bytes [N, K / 32 * 34] uint8.
 

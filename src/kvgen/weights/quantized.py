@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from gguf import GGMLQuantizationType
+
+from kvgen.kernels import get_ops
 
 Q = GGMLQuantizationType
 # Types our kernels run from their own bytes (F16, BF16: in a file of float matrices); Q4_K is rewritten as Q4_1
 # (q4_k_as_q4_1), every other quantized type is converted to Q8_0.
 FLOAT16_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.F16, Q.BF16})
 KERNEL_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K}) | FLOAT16_TYPES
-_Q4_K_BLOCK, _Q4_1_BLOCK = 144, 20  # bytes per 256 values (block_q4_K), per 32 (block_q4_1)
 
 
 @dataclass
@@ -82,26 +82,8 @@ def q4_k_as_q4_1(raw: torch.Tensor) -> torch.Tensor | None:
 
     A Q4_K super-block holds 8 sub-blocks of 32 values, value = d * sc_j * q - dmin * m_j (q a nibble, sc_j and
     m_j 6-bit), which is Q4_1's q * d' + m' with d' = d * sc_j and m' = -dmin * m_j: the nibbles move as they are
-    (Q4_K keeps sub-blocks 2g and 2g+1 in the low and high nibbles of 32 bytes, Q4_1 values i and 16 + i in one
-    byte) and only d' and m' are rounded, to float16 (relative error <= 2^-11 of a scale, far below the 4-bit
-    step), so a Q4_K_M file runs at 4.5 bits per weight on the Q4 kernel. Source: ggml ``dequantize_row_q4_K``,
-    the gguf package's ``Q4_K.get_scale_min``.
+    and only d' and m' are rounded, to float16 (relative error <= 2^-11 of a scale, far below the 4-bit step), so
+    a Q4_K_M file runs at 4.5 bits per weight on the Q4 kernel (``kernels.q4_k_to_q4_1``).
     """
-    from gguf.quants import Q4_K
-
-    rows = raw.shape[0]
-    blocks = raw.numpy().reshape(-1, _Q4_K_BLOCK)  # [n, 144]
-    n = blocks.shape[0]
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)  # [n, 1]
-    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [n, 8] each
-    with np.errstate(over="ignore"):  # an overflow becomes inf, refused below
-        scale = (d * sc.astype(np.float32)).astype(np.float16)  # [n, 8]
-        offset = (-(dmin * mn.astype(np.float32))).astype(np.float16)  # [n, 8]
-    if not (np.isfinite(scale).all() and np.isfinite(offset).all()):
-        return None
-    qs = blocks[:, 16:].reshape(n, 4, 1, 32)  # [n, pair of sub-blocks, 1, 32 bytes]
-    nibbles = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(n, 8, 32)  # [n, 8, 32]
-    packed = nibbles[..., :16] | (nibbles[..., 16:] << 4)  # [n, 8, 16]
-    out = np.concatenate([scale.view(np.uint8).reshape(n, 8, 2), offset.view(np.uint8).reshape(n, 8, 2), packed], axis=-1)
-    return torch.from_numpy(np.ascontiguousarray(out).reshape(rows, -1))  # [rows, cols / 32 * 20]
+    out = get_ops().q4_k_to_q4_1(raw.contiguous())
+    return out if out.numel() else None

@@ -205,6 +205,7 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("rope_qkv_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("repack_gguf(Tensor[] parts, int gguf_type) -> Tensor");
+  m.def("q4_k_to_q4_1(Tensor raw) -> Tensor");
   m.def("static_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? key_mask, int past_len, "
         "int num_heads, float scale) -> Tensor");
   m.def("paged_attention_qkv(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping, Tensor block_tables, "
@@ -229,6 +230,7 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("rope_qkv_", &kvgen::rope_qkv_);
   m.impl("silu_mul", &kvgen::silu_mul);
   m.impl("repack_gguf", &kvgen::repack_gguf);
+  m.impl("q4_k_to_q4_1", &kvgen::q4_k_to_q4_1);
   m.impl("static_attention", &kvgen::static_attention);
   m.impl("paged_attention_qkv", &kvgen::paged_attention_qkv);
   m.impl("decoder_layers", &kvgen::decoder_layers);
