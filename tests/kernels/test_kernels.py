@@ -400,3 +400,30 @@ def test_q4_k_to_q4_1_matches_its_twin_and_gguf_values():
     big = raw.clone()
     big[:, 0:2] = torch.tensor([60000.0]).half().view(torch.uint8)  # d * sc beyond fp16
     assert OPS.q4_k_to_q4_1(big).numel() == 0 and REF.q4_k_to_q4_1(big).numel() == 0
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_mixed_weight_is_its_segments_stacked(m):
+    """A stacked matrix of Q4_1, Q8_0 and Q6_K parts (as a Q4_K_M file's q, k, v) in one MIXED weight: qgemm equals
+    the dequantized parts stacked then multiplied, on the kernels and their twins, with one activation quantization."""
+    k = 256
+    parts = [_gguf_matrix(qtype, n, k, seed=30 + n) for qtype, n in ((Q.Q4_1, 16), (Q.Q8_0, 8), (Q.Q6_K, 13))]
+    weight_type, blob = K.pack_gguf_segments([(q.name, raw) for q, (raw, _) in zip((Q.Q4_1, Q.Q8_0, Q.Q6_K), parts)])
+    assert weight_type == K.MIXED and blob.dim() == 1
+    dense = torch.cat([d for _, d in parts])  # [37, 256]
+    torch.testing.assert_close(R.dequantize_packed(blob, K.MIXED)[:37], dense, rtol=0, atol=0)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    want = R.dequantize_q8a(R.quantize_q8a(x)) @ dense.T  # [M, 37]
+    for ops in (OPS, REF):
+        got = ops.qgemm(x, blob, weight_type, 37, None)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    if OPS.backend == "avx2":  # each segment's rows as their own single-type weight, bit for bit
+        alone = []
+        for q, n, (raw, _) in zip((Q.Q4_1, Q.Q8_0, Q.Q6_K), (16, 8, 13), parts):
+            single_type, packed = K.pack_gguf_rows(q.name, [raw])
+            alone.append(OPS.qgemm(x, packed, single_type, n, None))
+        assert torch.equal(OPS.qgemm(x, blob, weight_type, 37, None), torch.cat(alone, dim=1))
+    with pytest.raises(ValueError, match="multiple of 8 rows, part 0 has 13"):
+        K.pack_gguf_segments([("Q6_K", parts[2][0]), ("Q4_1", parts[0][0])])
+    with pytest.raises(RuntimeError, match="its header describes"):
+        OPS.qgemm(x, blob[:-1], weight_type, 37, None)

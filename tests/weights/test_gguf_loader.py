@@ -548,7 +548,8 @@ def test_q4_k_rows_become_q4_1_rows_with_float16_scales() -> None:
 
 def test_auto_keeps_blocks_and_reencodes_other_types_as_q8_0(tmp_path: Path) -> None:
     """dtype=None (auto): Q4_0/Q4_1/Q8_0/Q6_K matrices keep their bytes, Q4_K becomes Q4_1, every other type (float
-    and K-quants) becomes Q8_0, and the quantized model's logits stay close to the float32 model's."""
+    and K-quants) becomes Q8_0, q/k/v of three types stack into one mixed weight, and the quantized model's logits
+    stay close to the float32 model's."""
     from kvgen.models import build_model
     from kvgen.models.quant_linear import QuantLinear
     from kvgen.weights.quantized import GGUFBlocks
@@ -565,6 +566,9 @@ def test_auto_keeps_blocks_and_reencodes_other_types_as_q8_0(tmp_path: Path) -> 
     assert not isinstance(compact["model.norm.weight"], GGUFBlocks)
     quant, ref = build_model(config, compact), build_model(config32, dense)
     assert all(isinstance(m, QuantLinear) for m in (quant.model.layers[0].self_attn.qkv_proj, quant.lm_head))
+    from kvgen.kernels import MIXED
+
+    assert quant.model.layers[0].self_attn.qkv_proj.weight_type == MIXED  # Q4_K (as Q4_1), Q5_K (as Q8_0), Q6_K
     ids = torch.arange(1, 9)[None] % V
     with torch.inference_mode():
         got = quant.compute_logits(quant(ids, torch.arange(8)[None]))

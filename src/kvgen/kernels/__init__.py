@@ -11,7 +11,8 @@ notice, never a crash). :func:`get_ops` returns whichever is in use.
 Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 
 * ``qgemm(x [M, K] f32, weight [G, nb, R] u8, weight_type, out_features, bias?, residual?) -> [M, N] f32``
-  (weight_type Q4, Q8, Q6: x quantized per 32 values first; F16, BF16: x as it is)
+  (weight_type Q4, Q8, Q6: x quantized per 32 values first; F16, BF16: x as it is; MIXED: a [bytes] weight of
+  Q4 / Q8 / Q6 segments, ``pack_gguf_segments``)
 * ``quantize_q8a(x [M, K] f32) -> [M, K / 32 * 40] u8``
 * ``dequantize_rows(weight, weight_type, ids [n] i64, in_features) -> [n, K] f32``
 * ``attention(q [B, H, T, D], k, v [B, Hkv, S, D], key_mask [B, S] bool?, past_len, scale) -> [B, T, H, D]``
@@ -62,7 +63,7 @@ SOURCES = (
 )
 HEADERS = ("common.h", "vec_math.h", "aten_lite.h", "ops.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
-Q4, Q8, F16, BF16, Q6 = reference.Q4, reference.Q8, reference.F16, reference.BF16, reference.Q6
+Q4, Q8, F16, BF16, Q6, MIXED = reference.Q4, reference.Q8, reference.F16, reference.BF16, reference.Q6, reference.MIXED
 
 
 @dataclass(frozen=True)
@@ -178,9 +179,31 @@ def pack_gguf_rows(qtype: str, parts: list[torch.Tensor]) -> tuple[int, torch.Te
     return {"Q8_0": Q8, "F16": F16, "BF16": BF16, "Q6_K": Q6}.get(qtype, Q4), records
 
 
+def pack_gguf_segments(segments: list[tuple[str, torch.Tensor]]) -> tuple[int, torch.Tensor]:
+    """A stacked matrix whose parts have different GGUF types (e.g. Q4_K_M's Q4_K q, k and Q6_K v) -> (MIXED, one
+    [bytes] uint8 weight): each part ``(qtype, rows [n_i, bytes] uint8)`` packed as :func:`pack_gguf_rows` into
+    its own run of row groups, so one qgemm call (one activation quantization) serves them all.
+
+    qtypes: Q4_0, Q4_1, Q8_0 or Q6_K; every part but the last must have a multiple of 8 rows. Raises ValueError
+    otherwise (and as :func:`pack_gguf_rows`)."""
+    if not 1 <= len(segments) <= 3:
+        raise ValueError(f"a mixed weight holds 1-3 segments, got {len(segments)}")
+    packed = []
+    for i, (qtype, rows) in enumerate(segments):
+        if qtype not in ("Q4_0", "Q4_1", "Q8_0", "Q6_K"):
+            raise ValueError(f"mixed weights hold Q4_0, Q4_1, Q8_0 and Q6_K parts, got {qtype}")
+        if i < len(segments) - 1 and rows.shape[0] % reference.ROWS:
+            raise ValueError(f"every part but the last needs a multiple of 8 rows, part {i} has {rows.shape[0]}")
+        packed.append(pack_gguf_rows(qtype, [rows]))
+    return MIXED, reference.pack_mixed(packed)
+
+
 def reference_ops() -> KernelOps:
     """The plain-torch twins (the spec of every op)."""
     return _REFERENCE
 
 
-__all__ = ["BF16", "F16", "Q4", "Q6", "Q8", "KernelOps", "cache_dir", "get_ops", "pack_gguf_rows", "reference_ops"]
+__all__ = [
+    "BF16", "F16", "MIXED", "Q4", "Q6", "Q8", "KernelOps", "cache_dir", "get_ops", "pack_gguf_rows",
+    "pack_gguf_segments", "reference_ops",
+]

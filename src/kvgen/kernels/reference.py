@@ -31,8 +31,9 @@ from kvgen.sampling.ops import inverse_cdf_at
 
 BLOCK = 32  # values per quantization block
 ROWS = 8  # rows per interleaved group
-Q4, Q8, F16, BF16, Q6 = 0, 1, 2, 3, 4  # weight_type codes of the ops
-RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 224}
+Q4, Q8, F16, BF16, Q6, MIXED = 0, 1, 2, 3, 4, 5  # weight_type codes of the ops
+MIXED_HEADER = 64  # bytes of int64 {S, nb, (weight_type, groups) x S} before a mixed weight's segments
+RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 224, F16: 512, BF16: 512}
 # GGUF block sizes in bytes: (scale bytes, has min, quant bytes)
 _Q4_0_BYTES, _Q4_1_BYTES, _Q8_0_BYTES = 18, 20, 34
 
@@ -201,8 +202,37 @@ def dequantize_q8a(q: torch.Tensor) -> torch.Tensor:
     return (qs * d).reshape(m, -1)
 
 
+def mixed_segments(weight: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """A mixed weight (``csrc/common.h``: a 64-byte int64 header, then each segment's records) -> its segments
+    (weight_type, records [groups, nb, R]). Raises ValueError on a malformed header or byte count."""
+    head = weight[:MIXED_HEADER].contiguous().view(torch.int64).tolist()
+    num, nb, offset, segments = head[0], head[1], MIXED_HEADER, []
+    if not 1 <= num <= 3 or nb < 1:
+        raise ValueError(f"mixed weight header holds {num} segments of {nb} blocks")
+    for weight_type, groups in zip(head[2 : 2 + 2 * num : 2], head[3 : 3 + 2 * num : 2]):
+        size = groups * nb * RECORD_BYTES[weight_type]
+        segments.append((weight_type, weight[offset : offset + size].view(groups, nb, RECORD_BYTES[weight_type])))
+        offset += size
+    if offset != weight.numel():
+        raise ValueError(f"mixed weight has {weight.numel()} bytes, its header describes {offset}")
+    return segments
+
+
+def pack_mixed(segments: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """Segments (weight_type Q4 / Q8 / Q6, records [groups, nb, R]) of one stacked matrix -> a mixed weight
+    [bytes] uint8 (:func:`mixed_segments` reads it back). Every segment but the last must fill whole groups (the
+    caller's check: their rows are a multiple of 8)."""
+    nb = segments[0][1].shape[1]
+    head = [len(segments), nb] + [n for t, records in segments for n in (t, records.shape[0])]
+    header = torch.tensor(head + [0] * (MIXED_HEADER // 8 - len(head)), dtype=torch.int64).view(torch.uint8)
+    return torch.cat([header, *(records.reshape(-1) for _, records in segments)])
+
+
 def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
-    """Repacked records [G, nb, R] -> float32 weight [G * 8, nb * 32] (padding rows included)."""
+    """Repacked records [G, nb, R] (a mixed weight: [bytes]) -> float32 weight [G * 8, nb * 32] (padding rows
+    included)."""
+    if weight_type == MIXED:
+        return torch.cat([dequantize_packed(records, t) for t, records in mixed_segments(weight)])
     g, nb, _ = weight.shape
     if weight_type in (F16, BF16):
         half = torch.float16 if weight_type == F16 else torch.bfloat16

@@ -104,7 +104,12 @@ def _install_quantized(model: nn.Module, module_name: str, blocks: GGUFBlocks, d
     parent = model.get_submodule(parent_name) if parent_name else model
     old = getattr(parent, attr)
     bias = dense.pop(f"{module_name}.bias", None)
-    linear = QuantLinear.from_gguf(blocks.qtype.name, blocks.parts, blocks.shape[1], None if bias is None else bias.float())
+    bias = None if bias is None else bias.float()
+    if blocks.part_types:  # a stack of differently typed parts: one mixed weight
+        linear = QuantLinear.from_gguf_segments([(t.name, p) for t, p in zip(blocks.part_types, blocks.parts)],
+                                                blocks.shape[1], bias)
+    else:
+        linear = QuantLinear.from_gguf(blocks.qtype.name, blocks.parts, blocks.shape[1], bias)
     if isinstance(old, nn.Embedding):
         setattr(parent, attr, QuantEmbedding(linear))
     elif isinstance(old, nn.Linear):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvgen.kernels import get_ops, pack_gguf_rows
+from kvgen.kernels import get_ops, pack_gguf_rows, pack_gguf_segments
 
 
 class VocabEmbedding(nn.Embedding):
@@ -37,7 +37,7 @@ class QuantLinear(nn.Module):
     row's result does not depend on the other rows of the call.
     """
 
-    qweight: torch.Tensor  # [G, nb, R] uint8 buffer: the kernels' packed 8-row records
+    qweight: torch.Tensor  # [G, nb, R] uint8 buffer: the kernels' packed 8-row records ([bytes] for a mixed weight)
 
     def __init__(self, weight_type: int, qweight: torch.Tensor, in_features: int, out_features: int,
                  bias: torch.Tensor | None = None) -> None:
@@ -53,6 +53,14 @@ class QuantLinear(nn.Module):
         (Q4_0, Q4_1, Q8_0)."""
         weight_type, packed = pack_gguf_rows(qtype, parts)
         return cls(weight_type, packed, in_features, sum(p.shape[0] for p in parts), bias)
+
+    @classmethod
+    def from_gguf_segments(cls, segments: list[tuple[str, torch.Tensor]], in_features: int,
+                           bias: torch.Tensor | None = None) -> QuantLinear:
+        """From stacked parts of different GGUF types (``(qtype, rows [n_i, bytes])`` each, in order): one mixed
+        weight (``kernels.pack_gguf_segments``), so the stacked matrix still takes one call."""
+        weight_type, packed = pack_gguf_segments(segments)
+        return cls(weight_type, packed, in_features, sum(rows.shape[0] for _, rows in segments), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # [M, K]

@@ -22,40 +22,52 @@ FLOAT16_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.F16, Q.BF16})
 KERNEL_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K}) | FLOAT16_TYPES
 
 
+_SEGMENT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K})  # parts a mixed stack keeps as they are
+
+
 @dataclass
 class GGUFBlocks:
     """One matrix in a GGUF block encoding.
 
     qtype: Q4_0, Q4_1, Q8_0, Q6_K, F16 or BF16; parts: row blocks [rows_i, bytes per row] uint8 whose
     rows, in order, are the matrix's (one block unless stacked; rows in torch order, q/k
-    rows already un-permuted); shape: (out_features, in_features).
+    rows already un-permuted); shape: (out_features, in_features). part_types: empty, or each part's own type
+    when a stack mixes them (then ``qtype`` is the first part's; ``kernels.pack_gguf_segments`` runs them).
     """
 
     qtype: GGMLQuantizationType
     parts: list[torch.Tensor]
     shape: tuple[int, int]
+    part_types: tuple[GGMLQuantizationType, ...] = ()
 
     def __post_init__(self) -> None:
         if self.qtype not in KERNEL_TYPES:
             raise ValueError(f"GGUFBlocks holds Q4_0, Q4_1, Q8_0, Q6_K, F16 or BF16, got {self.qtype.name}")
         if any(p.dtype != torch.uint8 or p.dim() != 2 for p in self.parts) or sum(p.shape[0] for p in self.parts) != self.shape[0]:
             raise ValueError(f"parts must be uint8 [rows, bytes] adding up to {self.shape[0]} rows")
+        if self.part_types and len(self.part_types) != len(self.parts):
+            raise ValueError(f"part_types names {len(self.part_types)} types for {len(self.parts)} parts")
 
 
 def stack_blocks(parts: list[GGUFBlocks]) -> GGUFBlocks:
     """Concatenate matrices along their rows (vLLM's stacked q/k/v, gate/up).
 
     Parts of one type are joined byte for byte (no copy here: the kernels' repacking reads
-    the row blocks in order); mixed types are all converted to Q8_0 (from their exact
+    the row blocks in order). Parts of different quantized types (a Q4_K_M file's Q4_K q, k beside a Q6_K v) stay
+    as they are, named in ``part_types``, when every part but the last has a multiple of 8 rows (whole row groups of
+    the kernels' mixed weight); otherwise, or with 16-bit parts, all are converted to Q8_0 (from their exact
     dequantized values) so one kernel serves the stacked matrix.
     """
     in_features = parts[0].shape[1]
     if any(p.shape[1] != in_features for p in parts):
         raise ValueError(f"cannot stack matrices with in_features {[p.shape[1] for p in parts]}")
+    shape = (sum(p.shape[0] for p in parts), in_features)
     if len({p.qtype for p in parts}) > 1:
+        whole_groups = all(p.shape[0] % 8 == 0 for p in parts[:-1]) and all(len(p.parts) == 1 for p in parts)
+        if whole_groups and all(p.qtype in _SEGMENT_TYPES for p in parts) and len(parts) <= 3:
+            return GGUFBlocks(parts[0].qtype, [p.parts[0] for p in parts], shape, tuple(p.qtype for p in parts))
         parts = [to_q8_0(p) for p in parts]
-    rows = [r for p in parts for r in p.parts]
-    return GGUFBlocks(parts[0].qtype, rows, (sum(p.shape[0] for p in parts), in_features))
+    return GGUFBlocks(parts[0].qtype, [r for p in parts for r in p.parts], shape)
 
 
 def to_q8_0(blocks: GGUFBlocks) -> GGUFBlocks:

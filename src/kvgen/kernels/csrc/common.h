@@ -20,6 +20,9 @@
 //     uint8 lo[4][8][4]: lo[t][r][i] = low nibble of column 4t+i | low nibble of column 16+4t+i << 4,
 //     uint8 hi[2][8][4]: hi[v][r][i] = the top 2 bits of columns 8v+i, 16+8v+i, 8v+4+i, 16+8v+4+i
 //     at bits 0, 2, 4, 6 (so hi[v] completes lo[2v] with bits 0-3 and lo[2v+1] with bits 4-7).
+//   Mixed weight (a stacked matrix whose parts have different types, e.g. a Q4_K_M file's Q4_K q, k and
+//     Q6_K v): uint8 [bytes], a 64-byte header of int64 {S (1-3), nb, (weight_type, groups) x S}, then each
+//     segment's [groups, nb, record] records in order; every segment but the last fills whole groups.
 // So one 32-byte load holds 4 columns of 8 rows, and maddubs against a broadcast of 4
 // activation bytes yields the 8 rows' partial dot products in 8 lanes: no horizontal sums.
 #pragma once
@@ -37,8 +40,9 @@ constexpr int64_t kQ4Record = 160;    // bytes per (group, block), Q4
 constexpr int64_t kQ8Record = 272;    // bytes per (group, block), Q8
 constexpr int64_t kF16Record = 512;   // bytes per (group, block), F16 and BF16
 constexpr int64_t kQ6Record = 224;    // bytes per (group, block), Q6
+constexpr int64_t kMixedHeader = 64;  // bytes before a mixed weight's segments
 
-enum WeightType : int64_t { kQ4 = 0, kQ8 = 1, kF16 = 2, kBF16 = 3, kQ6 = 4 };
+enum WeightType : int64_t { kQ4 = 0, kQ8 = 1, kF16 = 2, kBF16 = 3, kQ6 = 4, kMixed = 5 };
 
 struct BlockQ8A {
   float d;         // scale

@@ -27,6 +27,43 @@ void check_weight(const at::Tensor& weight, int64_t weight_type) {
               " bytes, expected ", record_bytes(weight_type));
 }
 
+// One run of row groups of a single weight type: groups [g0, g1) of the matrix, records from base.
+struct Segment {
+  int64_t weight_type, g0, g1;
+  const uint8_t* base;
+  int64_t rec;  // record bytes
+};
+
+// The segments of a weight (one, or those of a kMixed weight's header; see common.h) and its groups, blocks.
+std::vector<Segment> segments_of(const at::Tensor& weight, int64_t weight_type, int64_t& G, int64_t& nb) {
+  if (weight_type != kMixed) {
+    check_weight(weight, weight_type);
+    G = weight.size(0), nb = weight.size(1);
+    return {{weight_type, 0, G, weight.data_ptr<uint8_t>(), record_bytes(weight_type)}};
+  }
+  TORCH_CHECK(weight.dtype() == at::kByte && weight.dim() == 1 && weight.is_contiguous() && weight.numel() >= kMixedHeader,
+              "kvgen: a mixed weight must be a contiguous uint8 [bytes] tensor with a ", kMixedHeader, "-byte header");
+  int64_t head[kMixedHeader / 8];
+  std::memcpy(head, weight.data_ptr<uint8_t>(), kMixedHeader);
+  const int64_t num = head[0];
+  nb = head[1];
+  TORCH_CHECK(num >= 1 && num <= 3 && nb >= 1, "kvgen: mixed weight header holds ", num, " segments of ", nb, " blocks");
+  std::vector<Segment> segs;
+  const uint8_t* p = weight.data_ptr<uint8_t>() + kMixedHeader;
+  G = 0;
+  for (int64_t i = 0; i < num; ++i) {
+    const int64_t type = head[2 + 2 * i], groups = head[3 + 2 * i];
+    TORCH_CHECK(type == kQ4 || type == kQ8 || type == kQ6, "kvgen: mixed weight segment of type ", type,
+                " (Q4, Q8 and Q6 segments share the activations)");
+    segs.push_back({type, G, G + groups, p, record_bytes(type)});
+    p += groups * nb * record_bytes(type);
+    G += groups;
+  }
+  TORCH_CHECK(p == weight.data_ptr<uint8_t>() + weight.numel(), "kvgen: mixed weight has ", weight.numel(),
+              " bytes, its header describes ", p - weight.data_ptr<uint8_t>());
+  return segs;
+}
+
 // Rows of x [M, K] quantized into a [M, K / 32] array of BlockQ8A (stored in a uint8 tensor).
 at::Tensor quantize_rows(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
@@ -50,10 +87,11 @@ at::Tensor quantize_q8a(const at::Tensor& x) {
 
 at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weight_type, int64_t out_features,
                  const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
-  check_weight(weight, weight_type);
+  int64_t G = 0, nb = 0;
+  const std::vector<Segment> segs = segments_of(weight, weight_type, G, nb);
   TORCH_CHECK(x_in.dtype() == at::kFloat && x_in.dim() == 2, "kvgen.qgemm: x must be float32 [M, K]");
   const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), G = weight.size(0), nb = weight.size(1);
+  const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K == nb * kBlock, "kvgen.qgemm: x has K=", K, " but the weight has ", nb * kBlock, " columns");
   TORCH_CHECK(out_features <= G * kRows && out_features > (G - 1) * kRows, "kvgen.qgemm: out_features ", out_features,
               " does not fit ", G, " row groups");
@@ -63,26 +101,24 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   // the quantized activations live in a per-thread buffer reused across calls (no allocation); F16
   // weights take the activations as they are
   const bool is_f16 = weight_type == kF16 || weight_type == kBF16;  // 16-bit float weights
+  const bool has_q6 = std::any_of(segs.begin(), segs.end(), [](const Segment& s) { return s.weight_type == kQ6; });
   thread_local std::vector<BlockQ8A> act_buffer;
   if (!is_f16 && static_cast<int64_t>(act_buffer.size()) < M * nb) act_buffer.resize(M * nb);
   BlockQ8A* act = act_buffer.data();
   const float* xp = x.data_ptr<float>();
   const int64_t qgrain = M * K < (1 << 16) ? M : std::max<int64_t>(1, (1 << 14) / K);
   thread_local std::vector<int32_t> sums_buffer;  // Q6: each activation block's half sums
-  if (weight_type == kQ6 && static_cast<int64_t>(sums_buffer.size()) < M * nb) sums_buffer.resize(M * nb);
+  if (has_q6 && static_cast<int64_t>(sums_buffer.size()) < M * nb) sums_buffer.resize(M * nb);
   int32_t* sums = sums_buffer.data();
   if (!is_f16) {
     at::parallel_for(0, M, qgrain, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
         quantize_row_q8a(xp + m * K, act + m * nb, K);
-        if (weight_type == kQ6) q6_half_sums(act + m * nb, nb, sums + m * nb);
+        if (has_q6) q6_half_sums(act + m * nb, nb, sums + m * nb);
       }
     });
   }
-  const uint8_t* wp = weight.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  const int64_t rec = record_bytes(weight_type);
-  auto group_fn = weight_type == kQ4 ? q4_group : q8_group;  // unused for F16 and Q6
   // Split output rows (groups) across threads; every output element is computed by one
   // thread in one fixed order, so results do not depend on the thread count.
   const int64_t grain = std::max<int64_t>(1, 2048 / (nb * std::max<int64_t>(1, std::min<int64_t>(M, 4))));
@@ -91,8 +127,11 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
     const int32_t* hs[4];
     const float* xr[4];
     float* o[4];
+    size_t si = 0;
     for (int64_t g = begin; g < end; ++g) {
-      const uint8_t* wg = wp + g * nb * rec;
+      while (g >= segs[si].g1) ++si;  // groups ascend: the segment holding g
+      const Segment& seg = segs[si];
+      const uint8_t* wg = seg.base + (g - seg.g0) * nb * seg.rec;
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int mt = static_cast<int>(std::min<int64_t>(4, M - m0));
         for (int i = 0; i < mt; ++i) {
@@ -101,12 +140,12 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           xr[i] = xp + (m0 + i) * K;
           o[i] = op + (m0 + i) * n_pad + g * kRows;
         }
-        if (is_f16) {
-          (weight_type == kF16 ? f16_group : bf16_group)(wg, xr, mt, nb, o);
-        } else if (weight_type == kQ6) {
-          q6_group(wg, a, hs, mt, nb, o);
-        } else {
-          group_fn(wg, a, mt, nb, o);
+        switch (seg.weight_type) {
+          case kF16: f16_group(wg, xr, mt, nb, o); break;
+          case kBF16: bf16_group(wg, xr, mt, nb, o); break;
+          case kQ6: q6_group(wg, a, hs, mt, nb, o); break;
+          case kQ4: q4_group(wg, a, mt, nb, o); break;
+          default: q8_group(wg, a, mt, nb, o); break;
         }
       }
     }
