@@ -108,6 +108,11 @@ def _hf_config(model_type: str, tie: bool, kv_heads: int, bias: bool, vocab_size
         return cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=kv_heads, max_position_embeddings=max_position_embeddings,
                    tie_word_embeddings=tie, **overrides)
+    if model_type == "smollm3":  # layer 1 without RoPE (NoPE); ids inside the tiny vocabulary
+        return transformers.SmolLM3Config(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=kv_heads, max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie,
+            **({"no_rope_layers": [1, 0], "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0} | overrides))
     if model_type == "phi3":  # stacked qkv_proj / gate_up_proj; ids inside the tiny vocabulary (Phi3Config's are 32000)
         ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
         return transformers.Phi3Config(

@@ -1,4 +1,5 @@
-"""ModelConfig from Hugging Face config.json dicts and GGUF metadata: Phi-3's context bounds and refusals."""
+"""ModelConfig from Hugging Face config.json dicts and GGUF metadata: Phi-3's context bounds and refusals, SmolLM3's
+NoPE layers."""
 
 from __future__ import annotations
 
@@ -84,3 +85,53 @@ def test_phi3_gguf_metadata():
     assert ModelConfig.from_gguf_metadata(_phi3_meta(**{"attention.sliding_window": 0})).max_position_embeddings == 4096
     with pytest.raises(UnsupportedArchitectureError, match=r"rope.dimension_count=72, head_dim=96"):
         ModelConfig.from_gguf_metadata(_phi3_meta(**{"rope.dimension_count": 72}))
+
+
+SMOLLM3_3B = {"model_type": "smollm3", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 11008,
+              "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
+              "max_position_embeddings": 65536, "rope_theta": 5000000.0, "no_rope_layer_interval": 4,
+              "use_sliding_window": False, "tie_word_embeddings": True}
+
+
+def test_smollm3_no_rope_layers_from_config_json_and_gguf_agree():
+    """SmolLM3-3B: every 4th layer without RoPE, whether config.json lists the flags, only the interval, or a GGUF
+    file (llama.cpp's fixed step of 4) says nothing; flags of another length are refused."""
+    import transformers
+
+    want = transformers.SmolLM3Config(num_hidden_layers=36).no_rope_layers  # transformers' own default
+    assert ModelConfig.from_hf_dict(SMOLLM3_3B).no_rope_layers == want
+    assert want.count(0) == 9 and want[3] == 0 and want[2] == 1
+    listed = [1, 0] * 18
+    assert ModelConfig.from_hf_dict(SMOLLM3_3B | {"no_rope_layers": listed}).no_rope_layers == listed
+    meta = {"general.architecture": "smollm3", "smollm3.block_count": 36, "smollm3.embedding_length": 2048,
+            "smollm3.feed_forward_length": 11008, "smollm3.attention.head_count": 16, "smollm3.vocab_size": 128256}
+    assert ModelConfig.from_gguf_metadata(meta).no_rope_layers == want
+    assert ModelConfig.from_gguf_metadata(meta | {"general.architecture": "llama"} | {
+        k.replace("smollm3", "llama"): v for k, v in meta.items() if k.startswith("smollm3")}).no_rope_layers is None
+    with pytest.raises(ModelFormatError, match="no_rope_layers must hold a 0 or 1 per layer"):
+        ModelConfig.from_hf_dict(SMOLLM3_3B | {"no_rope_layers": [1, 0]})
+    with pytest.raises(UnsupportedArchitectureError, match="sliding-window"):
+        ModelConfig.from_hf_dict(SMOLLM3_3B | {"use_sliding_window": True, "sliding_window": 4096,
+                                               "layer_types": ["sliding_attention"] * 36})
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "mistral", "phi3", "smollm3"])
+def test_values_left_out_of_config_json_are_transformers_defaults(tmp_path, model_type):
+    """save_pretrained leaves out every value equal to its config class's default (SmolLM3's tied embeddings, Phi-3's
+    eps, Mistral's window): kvgen reads the directory's config.json as transformers does."""
+    import json
+
+    import transformers
+
+    cls = transformers.AutoConfig.for_model(model_type).__class__
+    cls(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    reference = transformers.AutoConfig.from_pretrained(tmp_path)
+    ours = ModelConfig.from_hf_dict(saved)
+    for name in ("vocab_size", "rms_norm_eps", "rope_theta", "tie_word_embeddings"):
+        assert getattr(ours, name) == getattr(reference, name), name
+    window = getattr(reference, "sliding_window", None)
+    expected = min(reference.max_position_embeddings, window or reference.max_position_embeddings)
+    if getattr(reference, "rope_scaling", None) is None:
+        assert ours.max_position_embeddings == expected

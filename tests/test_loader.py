@@ -68,7 +68,8 @@ def test_engine_on_gpt2_with_bert_tokenizer_matches_generate(gpt2_bert_dir: Path
     assert completion.text == BertTokenizer.clean_up_tokenization(expected[len(head) :])
 
 
-@pytest.mark.parametrize("model_type", ["llama", "phi3"])  # phi3: qkv_proj / gate_up_proj stacked in the checkpoint
+# phi3: qkv_proj / gate_up_proj stacked in the checkpoint; smollm3: layer 1 without RoPE (the kernels' use_rope flags)
+@pytest.mark.parametrize("model_type", ["llama", "phi3", "smollm3"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_a_16_bit_llama_checkpoint_runs_its_matrices_as_stored(tmp_path: Path, dtype: torch.dtype,
                                                                model_type: str) -> None:
@@ -77,6 +78,7 @@ def test_a_16_bit_llama_checkpoint_runs_its_matrices_as_stored(tmp_path: Path, d
     ``dtype="float32"`` is still the dense reference path. A float32 checkpoint stays dense under auto."""
     import transformers
 
+    from kvgen.generation.runner import make_cache
     from kvgen.kernels import BF16, F16
     from kvgen.models.quant_linear import QuantLinear
 
@@ -99,3 +101,13 @@ def test_a_16_bit_llama_checkpoint_runs_its_matrices_as_stored(tmp_path: Path, d
     torch.testing.assert_close(exact, want, rtol=1e-4, atol=1e-4)  # the reference path: the 16-bit weights, exactly
     # the kernels: the same weights, K and V at fp16 precision
     assert float((got - want).abs().max()) < 0.01 * float(want.abs().max())
+    # with a static cache every layer runs in one op (NoPE flags included): the layer-by-layer path's bits
+    assert model._decoder_operands is not None and model._decoder_operands[4] == ([1, 0] if model_type == "smollm3" else [])
+    runs = []
+    for one_op in (True, False):
+        model.one_op_decoder, cache = one_op, make_cache(model, "static", 1, ids.shape[1] + 1)
+        with torch.inference_mode():
+            runs.append(model(ids, torch.arange(ids.shape[1])[None], cache))
+    model.one_op_decoder = True
+    assert torch.equal(*runs)
+    torch.testing.assert_close(model.compute_logits(runs[0])[0], got, rtol=0, atol=0.01 * float(want.abs().max()))

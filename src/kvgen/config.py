@@ -19,10 +19,20 @@ SUPPORTED_MODEL_TYPES = ("llama", "gpt2")
 
 # GGUF `general.architecture` values we decode with our Llama implementation.
 # qwen2/3, phi3: llama.cpp stores their q/k rows unpermuted (NEOX rope); phi3 stacks q/k/v and gate/up
-_GGUF_LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+_GGUF_LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "smollm3")  # smollm3: llama's tensors, NoPE every 4th layer
 # Hugging Face model_types decoded by our Llama (see _llama_family_changes)
-_HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+_HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 _ROPE_TYPES = (None, "default", "llama3", "linear", "freq_factors", "longrope")
+# The transformers 4.55 config classes' defaults where they differ from ModelConfig's: a config.json written by
+# save_pretrained omits every value equal to its class default (SmolLM3-3B's tied embeddings, Phi-3's eps).
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen2": {"vocab_size": 151936, "max_position_embeddings": 32768},
+    "qwen3": {"vocab_size": 151936, "max_position_embeddings": 32768},
+    "mistral": {"vocab_size": 32000, "max_position_embeddings": 131072, "sliding_window": 4096},
+    "phi3": {"vocab_size": 32064, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+    "smollm3": {"vocab_size": 128256, "max_position_embeddings": 32768, "rope_theta": 2000000.0,
+                "tie_word_embeddings": True},
+}
 
 
 def token_id_list(value: Any) -> list[int]:
@@ -93,6 +103,9 @@ class ModelConfig:
             )
         if self.rope_scaling is not None:
             self._apply_rope_scaling(self.rope_scaling)
+        flags = self.no_rope_layers
+        if flags is not None and (len(flags) != self.num_hidden_layers or any(f not in (0, 1) for f in flags)):
+            raise ModelFormatError(f"no_rope_layers must hold a 0 or 1 per layer ({self.num_hidden_layers}), got {flags}")
 
     def _apply_rope_scaling(self, scaling: dict[str, Any]) -> None:
         """Refuse rope types we do not compute, and bound a LongRoPE model's ``max_position_embeddings``.
@@ -125,7 +138,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (``gpt2``, or ``llama`` and the model_types our Llama
-        decodes: ``mistral``, ``qwen2``, ``qwen3``, ``phi3``; see ``_llama_family_changes``).
+        decodes: ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``smollm3``; see ``_llama_family_changes``).
 
         GPT-2's own names (``n_embd``, ``n_layer``, ``n_head``, ``n_positions``,
         ``n_inner``) are mapped to the common ones.
@@ -156,6 +169,7 @@ class ModelConfig:
                     extra={"scale_attn_weights": cfg.get("scale_attn_weights", True)},
                 )
             if model_type in _HF_LLAMA_TYPES:
+                cfg = _HF_DEFAULTS.get(model_type, {}) | cfg  # save_pretrained leaves out values equal to these
                 known = {f.name for f in fields(cls)}
                 kwargs = {k: v for k, v in cfg.items() if k in known and k not in ("extra", "o_proj_bias")}
                 return cls(**kwargs | _llama_family_changes(model_type, cfg))
@@ -169,7 +183,8 @@ class ModelConfig:
 
         ``meta`` maps GGUF keys (``general.architecture``, ``llama.block_count``,
         ...) to values. Raises ``UnsupportedArchitectureError`` for an
-        architecture outside ``llama``, ``qwen2``, ``qwen3``, ``phi3`` and ``ModelFormatError`` for missing keys.
+        architecture outside ``llama``, ``qwen2``, ``qwen3``, ``phi3``, ``smollm3`` and ``ModelFormatError`` for missing
+        keys.
         Rope scaling stored as tensors (``rope_freqs``, ``rope_factors_*``) is the loader's to add.
         """
         arch = meta.get("general.architecture")
@@ -214,6 +229,8 @@ class ModelConfig:
             rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
             tie_word_embeddings=False,  # set by the loader: True when the file has no output.weight
             use_qk_norm=arch == "qwen3",
+            # llama.cpp's smollm3 graph: no RoPE where (layer + 1) % 4 == 0, a constant of its code (no GGUF key)
+            no_rope_layers=no_rope_every(4, int(need("block_count"))) if arch == "smollm3" else None,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
             pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
@@ -222,13 +239,14 @@ class ModelConfig:
 
 
 def _llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """What Mistral, Qwen2, Qwen3 and Phi-3 change of a Llama: Qwen2 biases q/k/v (not o_proj); Qwen3 normalizes each
+    """What Mistral, Qwen2, Qwen3, Phi-3 and SmolLM3 change of a Llama: SmolLM3 skips RoPE in its ``no_rope_layers``
+    (NoPE); Qwen2 biases q/k/v (not o_proj); Qwen3 normalizes each
     head's q and k (``use_qk_norm``; its ``head_dim`` may differ from hidden_size / heads); Mistral's and Phi-3's
     sliding window bounds the context (attention within the window is exact; longer contexts are refused, not
     approximated); a LongRoPE ``rope_scaling`` is completed by :func:`_hf_longrope`. Phi-3 checkpoints stack q/k/v and
     gate/up themselves (``weights.name_maps``). Raises ``UnsupportedArchitectureError`` for Qwen2/Qwen3 sliding-window
     layers and a ``partial_rotary_factor`` below 1 (Phi-4-mini). Source: transformers 4.55 ``MistralConfig`` /
-    ``Qwen2Config`` / ``Qwen3Config`` / ``Phi3Config`` and their attention modules."""
+    ``Qwen2Config`` / ``Qwen3Config`` / ``Phi3Config`` / ``SmolLM3Config`` and their attention modules."""
     changes: dict[str, Any] = {"model_type": "llama", "extra": {"hf_model_type": model_type}}
     if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
         raise UnsupportedArchitectureError(f"{model_type} with use_sliding_window=true is not supported")
@@ -241,6 +259,11 @@ def _llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any
         changes |= {"attention_bias": True, "o_proj_bias": False}
     if model_type == "qwen3":
         changes["use_qk_norm"] = True
+    if model_type == "smollm3":  # NoPE layers; sliding-window layers are refused
+        if cfg.get("use_sliding_window") and "sliding_attention" in (cfg.get("layer_types") or []):
+            raise UnsupportedArchitectureError("smollm3 with sliding-window layers is not supported")
+        if cfg.get("no_rope_layers") is None:
+            changes["no_rope_layers"] = no_rope_every(int(cfg.get("no_rope_layer_interval", 4)), cfg["num_hidden_layers"])
     window = cfg.get("sliding_window") if model_type in ("mistral", "phi3") else None
     if window is not None and window < cfg.get("max_position_embeddings", 2048):
         changes["max_position_embeddings"] = int(window)
@@ -249,6 +272,12 @@ def _llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any
     if kind == "longrope" or (model_type == "phi3" and kind in ("su", "yarn")):  # Phi3Config renames su / yarn
         changes["rope_scaling"] = _hf_longrope(cfg, scaling, model_type)
     return changes
+
+
+def no_rope_every(interval: int, num_layers: int) -> list[int]:
+    """SmolLM3's ``no_rope_layers``: 0 (no RoPE) for every ``interval``-th layer, 1 elsewhere. Source: transformers
+    4.55 ``SmolLM3Config`` (``int((i + 1) % interval != 0)``), llama.cpp ``n_no_rope_layer_step``."""
+    return [int((i + 1) % interval != 0) for i in range(num_layers)]
 
 
 def _hf_longrope(cfg: dict[str, Any], scaling: dict[str, Any], model_type: str) -> dict[str, Any]:

@@ -29,11 +29,11 @@ def test_tiny_llama_logits_match_transformers_on_padded_batch(tiny_model, tie, k
     torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "mistral", "smollm3"])
 def test_llama_family_checkpoints_match_transformers(tiny_model, tmp_path, model_type):
-    """Qwen2 (q/k/v biases, no o_proj bias), Qwen3 (q/k norms per head, head_dim 24 with hidden 64 and 4 heads) and
-    Mistral saved as Hugging Face directories and loaded from them: logits on a padded batch and greedy tokens equal
-    transformers'."""
+    """Qwen2 (q/k/v biases, no o_proj bias), Qwen3 (q/k norms per head, head_dim 24 with hidden 64 and 4 heads),
+    Mistral and SmolLM3 (layer 1 without RoPE) saved as Hugging Face directories and loaded from them: logits on a
+    padded batch and greedy tokens equal transformers'."""
     from kvgen.models import build_model
     from kvgen.weights.hf_loader import load_hf_directory
 
@@ -44,6 +44,7 @@ def test_llama_family_checkpoints_match_transformers(tiny_model, tmp_path, model
     assert (attn.qkv_proj.bias is not None, attn.o_proj.bias is not None) == ((True, False) if model_type == "qwen2"
                                                                               else (False, False))
     assert (attn.q_norm is not None) == (model_type == "qwen3")
+    assert [layer.self_attn.use_rope for layer in ours.model.layers] == [True, model_type != "smollm3"]
     ids, mask = left_pad([[5, 6, 7, 8, 9, 10, 11], [3, 4, 5], [1, 2, 3, 4, 5]], pad_id=0)
     with torch.inference_mode():
         expected = ref(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits

@@ -91,7 +91,7 @@ def _reference_backend(variant: ByteLevelVariant, trained: BackendTokenizer) -> 
     return backend
 
 
-@pytest.mark.parametrize("pre", ["gpt2", "llama-bpe", "qwen2"])
+@pytest.mark.parametrize("pre", ["gpt2", "llama-bpe", "qwen2", "smaug-bpe"])  # smaug-bpe: SmolLM3's, Llama 3's rules
 def test_variants_match_transformers_converters(trained: BackendTokenizer, pre: str) -> None:
     ours = Tokenizer.from_gguf(_synthetic_meta(trained, pre))
     reference = _reference_backend(GGUF_PRE_TOKENIZERS[pre], trained)

@@ -735,3 +735,19 @@ def test_phi3_quantized_file_runs_on_the_kernels(tmp_path: Path) -> None:
     tol = 0.05 * float(want.abs().max())  # int8 activations: ~3 % here; the qwen2 / qwen3 files' bound
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
     assert float((_phi3_logits(unscaled, ids) - want).abs().max()) > 4 * tol  # measured: ~10x tol
+
+
+def test_smollm3_files_load_as_llama_files_with_nope_flags(tmp_path: Path) -> None:
+    """A ``smollm3`` file holds llama's tensors, q/k rows permuted as llama.cpp's converter writes them (its
+    SmolLM3Model is a LlamaModel): the same weights as the ``llama`` file of the same tensors, and the NoPE flags
+    of llama.cpp's fixed step of 4 (two layers here: both rotate)."""
+    from kvgen.models import build_model
+
+    _write_llama(tmp_path / "s.gguf", arch="smollm3")
+    _write_llama(tmp_path / "l.gguf")
+    config, state, _ = load_gguf(tmp_path / "s.gguf")
+    llama_config, llama_state, _ = load_gguf(tmp_path / "l.gguf")
+    assert config.no_rope_layers == [1, 1] and llama_config.no_rope_layers is None
+    assert state.keys() == llama_state.keys() and all(torch.equal(state[k], llama_state[k]) for k in state)
+    model = build_model(config, state)
+    assert [layer.self_attn.use_rope for layer in model.model.layers] == [True, True]

@@ -40,6 +40,8 @@ GGUF_PRE_TOKENIZERS: dict[str, ByteLevelVariant] = {
     "llama-bpe": ByteLevelVariant.LLAMA3,
     "llama3": ByteLevelVariant.LLAMA3,
     "llama-v3": ByteLevelVariant.LLAMA3,
+    "smaug-bpe": ByteLevelVariant.LLAMA3,  # SmolLM3's; llama.cpp: "same as llama3"
+    "dbrx": ByteLevelVariant.LLAMA3,
     "qwen2": ByteLevelVariant.QWEN2,
 }
 
