@@ -18,9 +18,10 @@ from kvgen.kernels import reference as R
 OPS = K.get_ops()
 REF = K.reference_ops()
 needs_avx2 = pytest.mark.skipif(OPS.backend != "avx2", reason=f"C++ kernels unavailable (backend {OPS.backend})")
-GGUF_CODE = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.F16: 3, Q.BF16: 4, Q.Q6_K: 5}
-WEIGHT_TYPE = {Q.Q4_0: K.Q4, Q.Q4_1: K.Q4, Q.Q8_0: K.Q8, Q.F16: K.F16, Q.BF16: K.BF16, Q.Q6_K: K.Q6}
-KERNEL_QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K]
+GGUF_CODE = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.F16: 3, Q.BF16: 4, Q.Q6_K: 5, Q.Q5_0: 6, Q.Q5_1: 7}
+WEIGHT_TYPE = {Q.Q4_0: K.Q4, Q.Q4_1: K.Q4, Q.Q8_0: K.Q8, Q.F16: K.F16, Q.BF16: K.BF16, Q.Q6_K: K.Q6, Q.Q5_0: K.Q5,
+               Q.Q5_1: K.Q5}
+KERNEL_QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_0, Q.Q5_1]
 FLOAT16_QTYPES = (Q.F16, Q.BF16)  # weights that take the activations unquantized
 
 
@@ -89,7 +90,7 @@ def test_qgemm_matches_dequantize_then_matmul(qtype, m, n, k):
 
 
 @needs_avx2
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_1])
 def test_qgemm_rows_do_not_depend_on_the_batch(qtype):
     """Batch invariance: each row's bits are the same alone, in any tile of 1-4 rows, or among 33."""
     raw, _ = _gguf_matrix(qtype, 64, 256, seed=3)
@@ -427,3 +428,18 @@ def test_mixed_weight_is_its_segments_stacked(m):
         K.pack_gguf_segments([("Q6_K", parts[2][0]), ("Q4_1", parts[0][0])])
     with pytest.raises(RuntimeError, match="its header describes"):
         OPS.qgemm(x, blob[:-1], weight_type, 37, None)
+
+
+def test_q5_k_to_q5_1_matches_its_twin_and_gguf_values():
+    """Q5_K rows as Q5_1 rows: the same bytes as the twin, values within fp16 rounding of gguf's Q5_K dequantization
+    (a misplaced fifth bit would be off by 16 steps), and on the Q5 kernel."""
+    gen = torch.Generator().manual_seed(22)
+    raw = torch.randint(0, 256, (12, 2 * 176), dtype=torch.uint8, generator=gen)  # 12 rows of 512 values
+    raw.view(12, 2, 176)[..., :4] = (torch.rand(12, 2, 2, generator=gen) * 1e-2).half().view(torch.uint8)  # d, dmin
+    got, want = OPS.q5_k_to_q5_1(raw), REF.q5_k_to_q5_1(raw)
+    assert got.shape == (12, 16 * 24) and torch.equal(got, want)
+    exact = dequantize(raw.numpy(), Q.Q5_K)  # [12, 512]
+    assert abs(dequantize(got.numpy(), Q.Q5_1) - exact).max() < 1e-3 * abs(exact).max()
+    big = raw.clone()
+    big[:, 0:2] = torch.tensor([60000.0]).half().view(torch.uint8)  # d * sc beyond fp16
+    assert OPS.q5_k_to_q5_1(big).numel() == 0 and REF.q5_k_to_q5_1(big).numel() == 0

@@ -9,6 +9,8 @@ Layouts (see ``csrc/common.h``): weights are repacked at load from GGUF blocks i
   column ``4t+i``, high nibble: column ``16+4t+i``); value = q * d + m (Q4_0: m = -8 d).
 * Q8 record, 272 bytes (from ``block_q8_0``): fp16 ``d[8]``, then int8 ``qs[j][r][i]`` =
   row ``r``, column ``4j+i``; value = q * d.
+* Q5 record, 192 bytes (from ``block_q5_0`` / ``block_q5_1``): the Q4 record (Q5_0: m = -16 d), then
+  ``qh[r][i]``: bit t = the fifth bit of column ``4t+i``, bit 4+t = that of column ``16+4t+i``.
 * Q6 record, 224 bytes (from ``block_q6_K``, 8 records per 256-column super-block): fp16 ``d[8]``, int8
   ``sc[2][8]`` (per 16 columns), the 6-bit ``u = q + 32`` as low nibbles ``lo[t][r][i]`` (columns ``4t+i`` and
   ``16+4t+i``, as Q4) and top bits ``hi[v][r][i]`` (columns ``8v+i``, ``16+8v+i``, ``8v+4+i``, ``16+8v+4+i`` at
@@ -31,9 +33,9 @@ from kvgen.sampling.ops import inverse_cdf_at
 
 BLOCK = 32  # values per quantization block
 ROWS = 8  # rows per interleaved group
-Q4, Q8, F16, BF16, Q6, MIXED = 0, 1, 2, 3, 4, 5  # weight_type codes of the ops
+Q4, Q8, F16, BF16, Q6, MIXED, Q5 = 0, 1, 2, 3, 4, 5, 6  # weight_type codes of the ops
 MIXED_HEADER = 64  # bytes of int64 {S, nb, (weight_type, groups) x S} before a mixed weight's segments
-RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 224, F16: 512, BF16: 512}
+RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 224, F16: 512, BF16: 512, Q5: 192}
 # GGUF block sizes in bytes: (scale bytes, has min, quant bytes)
 _Q4_0_BYTES, _Q4_1_BYTES, _Q8_0_BYTES = 18, 20, 34
 
@@ -68,9 +70,9 @@ def repack_q4(raw: torch.Tensor, has_min: bool) -> torch.Tensor:
     return torch.cat([d, m, qs], dim=-1).contiguous()  # [G, nb, 160]
 
 
-GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q6_K")  # gguf_type codes 0-5 of ``repack_gguf``
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q6_K", "Q5_0", "Q5_1")  # gguf_type codes 0-7 of repack_gguf
 # bytes per GGUF block of each (32 values; Q6_K: 256)
-GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "BF16": 64, "Q6_K": 210}
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "BF16": 64, "Q6_K": 210, "Q5_0": 22, "Q5_1": 24}
 
 
 def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
@@ -82,9 +84,34 @@ def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
         return repack_q8(raw)
     if gguf_type == 5:
         return repack_q6_k(raw)
+    if gguf_type in (6, 7):
+        return repack_q5(raw, has_min=gguf_type == 7)
     if gguf_type in (3, 4):
         return repack_16bit(raw)
     return repack_q4(raw, has_min=gguf_type == 1)
+
+
+def repack_q5(raw: torch.Tensor, has_min: bool) -> torch.Tensor:
+    """GGUF Q5_1 (``has_min``) or Q5_0 rows [N, nb * 24 | 22] uint8 -> Q5 records ``[G, nb, 192]`` uint8: the Q4
+    record of the same d, m and low nibbles, then the fifth bits as ``qh[r][i]`` (``csrc/common.h``)."""
+    size = 24 if has_min else 22
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % size:
+        raise ValueError(f"Q5 rows must be uint8 [N, nb * {size}], got {raw.dtype} {list(raw.shape)}")
+    n, nb = raw.shape[0], raw.shape[1] // size
+    blocks = raw.view(n, nb, size)
+    as_q4 = torch.cat([blocks[..., : size - 20], blocks[..., size - 16 :]], dim=-1)  # [N, nb, 20 | 18]: d (, m), qs
+    q4 = repack_q4(as_q4.reshape(n, -1), has_min)  # [G, nb, 160] (Q4_0's m = -8 d: replaced below)
+    if not has_min:  # Q5_0: value = (q - 16) d, m = -16 d (exact in fp16); padding rows stay all-zero bytes
+        m = (q4[..., 0:16].contiguous().view(torch.float16) * -16.0).transpose(1, 2).contiguous()  # [G, 8, nb]
+        m.view(-1, nb)[n:] = 0
+        q4[..., 16:32] = m.transpose(1, 2).contiguous().view(torch.uint8)
+    bits = blocks[..., size - 20 : size - 16].contiguous().view(torch.int32).view(n, nb)  # [N, nb]: bit c: column c
+    columns = (bits[..., None] >> torch.arange(32)) & 1  # [N, nb, 32]
+    split = columns.view(n, nb, 2, 4, 4)  # [N, nb, half, t, i]: column 16 half + 4t + i
+    shifts = torch.arange(4).view(1, 1, 4, 1)  # t
+    qh = ((split[:, :, 0] << shifts) | (split[:, :, 1] << (shifts + 4))).sum(dim=2).to(torch.uint8)  # [N, nb, i]
+    qh = _pad_rows(qh.reshape(n, -1)).view(-1, ROWS, nb, 4).transpose(1, 2).reshape(-1, nb, 32)  # [G, nb, r*i]
+    return torch.cat([q4, qh], dim=-1).contiguous()  # [G, nb, 192]
 
 
 def repack_q8(raw: torch.Tensor) -> torch.Tensor:
@@ -163,6 +190,26 @@ def q4_k_to_q4_1(raw: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(out).reshape(raw.shape[0], -1))  # [rows, nsb * 160]
 
 
+def q5_k_to_q5_1(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF Q5_K rows [rows, nsb * 176] uint8 -> Q5_1 rows [rows, nsb * 192] uint8: :func:`q4_k_to_q4_1`'s scales
+    and nibbles plus each value's fifth bit (Q5_K: bit j of ``qh[l]`` for value l of sub-block j), or an empty tensor
+    when a scale overflows float16. Source: ggml ``dequantize_row_q5_K``."""
+    import numpy as np
+
+    n = raw.numel() // 176
+    blocks = raw.view(n, 176)
+    as_q4_k = torch.cat([blocks[:, :16], blocks[:, 48:]], dim=1)  # [n, 144]: Q4_K's layout without qh
+    q4_1 = q4_k_to_q4_1(as_q4_k)  # [n, 160]: 8 x (d, m, 16 nibble bytes)
+    if q4_1.numel() == 0:
+        return q4_1
+    qh = blocks[:, 16:48].numpy()  # [n, 32]: qh[l] bit j = fifth bit of value l of sub-block j
+    bits = ((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1).astype(np.uint32)  # [n, j, l]
+    words = (bits << np.arange(32, dtype=np.uint32)).sum(axis=-1).astype(np.uint32)  # [n, 8]: bit l
+    sub = q4_1.view(n, 8, 20)
+    out = torch.cat([sub[..., :4], torch.from_numpy(words.view(np.uint8).reshape(n, 8, 4)), sub[..., 4:]], dim=-1)
+    return out.reshape(raw.shape[0], -1).contiguous()  # [rows, nsb * 192]
+
+
 def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
     """Float rows [N, K] (K % 32 == 0) -> GGUF Q8_0 bytes [N, K / 32 * 34] uint8.
 
@@ -239,10 +286,14 @@ def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
         w16 = weight.contiguous().view(half).float().view(g, nb, BLOCK, ROWS)  # [G, nb, c, r]
         return w16.permute(0, 3, 1, 2).reshape(g * ROWS, nb * BLOCK)  # [N_pad, K]
     d = weight[..., 0:16].contiguous().view(torch.float16).float()  # [G, nb, 8]
-    if weight_type == Q4:
+    if weight_type in (Q4, Q5):
         m = weight[..., 16:32].contiguous().view(torch.float16).float()  # [G, nb, 8]
-        qs = weight[..., 32:].reshape(g, nb, 4, ROWS, 4)  # [G, nb, t, r, i]
+        qs = weight[..., 32:160].reshape(g, nb, 4, ROWS, 4)  # [G, nb, t, r, i]
         lo, hi = (qs & 15).float(), (qs >> 4).float()
+        if weight_type == Q5:  # qh[r][i]: bit t for column 4t + i, bit 4 + t for column 16 + 4t + i
+            qh = weight[..., 160:].reshape(g, nb, 1, ROWS, 4)
+            t = torch.arange(4, dtype=torch.uint8).view(1, 1, 4, 1, 1)
+            lo, hi = lo + 16 * ((qh >> t) & 1).float(), hi + 16 * ((qh >> (t + 4)) & 1).float()
         q = torch.cat([lo, hi], dim=2)  # [G, nb, 8 quads, r, i]: quads 0-3 low, 4-7 high
         w = q * d.view(g, nb, 1, ROWS, 1) + m.view(g, nb, 1, ROWS, 1)
     elif weight_type == Q8:

@@ -16,20 +16,24 @@ from gguf import GGMLQuantizationType
 from kvgen.kernels import get_ops
 
 Q = GGMLQuantizationType
-# Types our kernels run from their own bytes (F16, BF16: in a file of float matrices); Q4_K is rewritten as Q4_1
-# (q4_k_as_q4_1), every other quantized type is converted to Q8_0.
+# Types our kernels run from their own bytes (F16, BF16: in a file of float matrices); Q4_K and Q5_K are rewritten
+# as Q4_1 and Q5_1 (k_quant_as_legacy), every other quantized type (Q2_K, Q3_K) is converted to Q8_0.
 FLOAT16_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.F16, Q.BF16})
-KERNEL_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K}) | FLOAT16_TYPES
+KERNEL_TYPES: frozenset[GGMLQuantizationType] = (
+    frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q6_K}) | FLOAT16_TYPES)
+# K-quants whose sub-blocks are a legacy type's blocks with float16 scales: type -> (that type, the kernels' op)
+K_QUANT_AS_LEGACY: dict[GGMLQuantizationType, tuple[GGMLQuantizationType, str]] = {
+    Q.Q4_K: (Q.Q4_1, "q4_k_to_q4_1"), Q.Q5_K: (Q.Q5_1, "q5_k_to_q5_1")}
 
 
-_SEGMENT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K})  # parts a mixed stack keeps as they are
+_SEGMENT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q6_K})  # parts a mixed stack keeps as they are
 
 
 @dataclass
 class GGUFBlocks:
     """One matrix in a GGUF block encoding.
 
-    qtype: Q4_0, Q4_1, Q8_0, Q6_K, F16 or BF16; parts: row blocks [rows_i, bytes per row] uint8 whose
+    qtype: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q6_K, F16 or BF16; parts: row blocks [rows_i, bytes per row] uint8 whose
     rows, in order, are the matrix's (one block unless stacked; rows in torch order, q/k
     rows already un-permuted); shape: (out_features, in_features). part_types: empty, or each part's own type
     when a stack mixes them (then ``qtype`` is the first part's; ``kernels.pack_gguf_segments`` runs them).
@@ -42,7 +46,7 @@ class GGUFBlocks:
 
     def __post_init__(self) -> None:
         if self.qtype not in KERNEL_TYPES:
-            raise ValueError(f"GGUFBlocks holds Q4_0, Q4_1, Q8_0, Q6_K, F16 or BF16, got {self.qtype.name}")
+            raise ValueError(f"GGUFBlocks holds Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q6_K, F16 or BF16, got {self.qtype.name}")
         if any(p.dtype != torch.uint8 or p.dim() != 2 for p in self.parts) or sum(p.shape[0] for p in self.parts) != self.shape[0]:
             raise ValueError(f"parts must be uint8 [rows, bytes] adding up to {self.shape[0]} rows")
         if self.part_types and len(self.part_types) != len(self.parts):
@@ -88,14 +92,16 @@ def dense_to_q8_0(w: torch.Tensor) -> GGUFBlocks:
     return GGUFBlocks(Q.Q8_0, [quantize_q8_0(w)], (w.shape[0], w.shape[1]))
 
 
-def q4_k_as_q4_1(raw: torch.Tensor) -> torch.Tensor | None:
-    """GGUF Q4_K rows as Q4_1 rows: uint8 [rows, cols / 256 * 144] -> [rows, cols / 32 * 20], or None when a
-    sub-block scale overflows float16.
+def k_quant_as_legacy(raw: torch.Tensor, qtype: GGMLQuantizationType) -> tuple[torch.Tensor, GGMLQuantizationType] | None:
+    """GGUF Q4_K (Q5_K) rows as Q4_1 (Q5_1) rows: uint8 [rows, cols / 256 * 144 (176)] -> [rows, cols / 32 * 20
+    (24)] and that type, or None when a sub-block scale overflows float16.
 
-    A Q4_K super-block holds 8 sub-blocks of 32 values, value = d * sc_j * q - dmin * m_j (q a nibble, sc_j and
-    m_j 6-bit), which is Q4_1's q * d' + m' with d' = d * sc_j and m' = -dmin * m_j: the nibbles move as they are
-    and only d' and m' are rounded, to float16 (relative error <= 2^-11 of a scale, far below the 4-bit step), so
-    a Q4_K_M file runs at 4.5 bits per weight on the Q4 kernel (``kernels.q4_k_to_q4_1``).
+    A K-quant super-block holds 8 sub-blocks of 32 values, value = d * sc_j * q - dmin * m_j (q 4 or 5 bits, sc_j
+    and m_j 6-bit), which is Q4_1's (Q5_1's) q * d' + m' with d' = d * sc_j and m' = -dmin * m_j: the bits move as
+    they are and only d' and m' are rounded, to float16 (relative error <= 2^-11 of a scale, far below a 4-bit step),
+    so a Q4_K_M file runs at 5 bits per weight on the Q4 kernel, a Q5_K_M file at 6 on the Q5 kernel
+    (``kernels.q4_k_to_q4_1``, ``q5_k_to_q5_1``). Source: ggml ``dequantize_row_q4_K`` / ``dequantize_row_q5_K``.
     """
-    out = get_ops().q4_k_to_q4_1(raw.contiguous())
-    return out if out.numel() else None
+    legacy, op = K_QUANT_AS_LEGACY[qtype]
+    out = getattr(get_ops(), op)(raw.contiguous())
+    return (out, legacy) if out.numel() else None

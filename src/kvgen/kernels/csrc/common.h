@@ -20,6 +20,9 @@
 //     uint8 lo[4][8][4]: lo[t][r][i] = low nibble of column 4t+i | low nibble of column 16+4t+i << 4,
 //     uint8 hi[2][8][4]: hi[v][r][i] = the top 2 bits of columns 8v+i, 16+8v+i, 8v+4+i, 16+8v+4+i
 //     at bits 0, 2, 4, 6 (so hi[v] completes lo[2v] with bits 0-3 and lo[2v+1] with bits 4-7).
+//   Q5 record (192 bytes), from GGUF block_q5_0 / block_q5_1 (Q5_K as Q5_1 rows, q5_k_to_q5_1): the Q4
+//     record (fp16 d[8], fp16 m[8], qs[4][8][4] low nibbles; Q5_0 has m = -16 d), then uint8 qh[8][4]:
+//     qh[r][i] bit t = the high bit of column 4t+i, bit 4+t = that of column 16+4t+i (w = (nibble | 16 hb) d + m).
 //   Mixed weight (a stacked matrix whose parts have different types, e.g. a Q4_K_M file's Q4_K q, k and
 //     Q6_K v): uint8 [bytes], a 64-byte header of int64 {S (1-3), nb, (weight_type, groups) x S}, then each
 //     segment's [groups, nb, record] records in order; every segment but the last fills whole groups.
@@ -40,9 +43,10 @@ constexpr int64_t kQ4Record = 160;    // bytes per (group, block), Q4
 constexpr int64_t kQ8Record = 272;    // bytes per (group, block), Q8
 constexpr int64_t kF16Record = 512;   // bytes per (group, block), F16 and BF16
 constexpr int64_t kQ6Record = 224;    // bytes per (group, block), Q6
+constexpr int64_t kQ5Record = 192;    // bytes per (group, block), Q5
 constexpr int64_t kMixedHeader = 64;  // bytes before a mixed weight's segments
 
-enum WeightType : int64_t { kQ4 = 0, kQ8 = 1, kF16 = 2, kBF16 = 3, kQ6 = 4, kMixed = 5 };
+enum WeightType : int64_t { kQ4 = 0, kQ8 = 1, kF16 = 2, kBF16 = 3, kQ6 = 4, kMixed = 5, kQ5 = 6 };
 
 struct BlockQ8A {
   float d;         // scale
@@ -70,6 +74,7 @@ void quantize_row_q8a(const float* x, BlockQ8A* y, int64_t K);
 // out[m] points at 8 floats (the group's columns of output row m).
 void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q8_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
+void q5_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 // Q6 also reads each activation block's two half sums (bytes 0-15 in the low, 16-31 in the high int16 of
 // half_sums[m][b]), written for n blocks by q6_half_sums.
 void q6_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums);

@@ -56,13 +56,15 @@ void repack_q6_k(const uint8_t* s, int64_t r, uint8_t* d) {
 }  // namespace
 
 at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) {
-  TORCH_CHECK(gguf_type >= 0 && gguf_type <= 5,
-              "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (F16), 4 (BF16) or 5 (Q6_K)");
+  TORCH_CHECK(gguf_type >= 0 && gguf_type <= 7, "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), "
+              "3 (F16), 4 (BF16), 5 (Q6_K), 6 (Q5_0) or 7 (Q5_1)");
   TORCH_CHECK(!parts.empty(), "kvgen.repack_gguf: no rows");
   const bool is_16bit = gguf_type == 3 || gguf_type == 4;  // F16, BF16
-  const bool is_q6 = gguf_type == 5;
-  const int64_t src_block = gguf_type == 0 ? 18 : gguf_type == 1 ? 20 : gguf_type == 2 ? 34 : is_q6 ? kQ6KBlock : 64;
-  const int64_t rec = gguf_type == 2 ? kQ8Record : is_16bit ? kF16Record : is_q6 ? kQ6Record : kQ4Record;
+  const bool is_q6 = gguf_type == 5, is_q5 = gguf_type == 6 || gguf_type == 7;
+  constexpr int64_t kSrcBlock[] = {18, 20, 34, 64, 64, kQ6KBlock, 22, 24};  // bytes per GGUF block of each type
+  const int64_t src_block = kSrcBlock[gguf_type];
+  const int64_t rec = gguf_type == 2 ? kQ8Record : is_16bit ? kF16Record : is_q6 ? kQ6Record : is_q5 ? kQ5Record
+                                                                                               : kQ4Record;
   const int64_t row_bytes = parts[0].size(1), nb = row_bytes / src_block * (is_q6 ? 8 : 1);
   int64_t rows = 0;
   for (const auto& p : parts) {
@@ -97,16 +99,25 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
           for (int j = 0; j < 8; ++j) std::memcpy(d + 16 + 32 * j + 4 * r, s + 2 + 4 * j, 4);
           continue;
         }
-        if (gguf_type == 1) {
+        if (gguf_type == 1 || gguf_type == 7) {
           std::memcpy(d + 16 + 2 * r, s + 2, 2);  // m
-        } else {  // Q4_0: value = (q - 8) d = q d + m with m = -8 d, exact in fp16
+        } else {  // Q4_0 / Q5_0: value = (q - 8|16) d = q d + m with m = -8|16 d, exact in fp16
           uint16_t h;
           std::memcpy(&h, s, 2);
-          const uint16_t m = _cvtss_sh(-8.0f * _cvtsh_ss(h), 0);
+          const uint16_t m = _cvtss_sh((gguf_type == 6 ? -16.0f : -8.0f) * _cvtsh_ss(h), 0);
           std::memcpy(d + 16 + 2 * r, &m, 2);
         }
         const uint8_t* qs = s + src_block - 16;
         for (int t = 0; t < 4; ++t) std::memcpy(d + 32 + 32 * t + 4 * r, qs + 4 * t, 4);
+        if (is_q5) {  // the 32 high bits (bit j: value j) before the nibbles, as qh[r][i] (see common.h)
+          uint32_t bits;
+          std::memcpy(&bits, s + src_block - 20, 4);
+          for (int i = 0; i < 4; ++i) {
+            uint8_t v = 0;
+            for (int t = 0; t < 4; ++t) v |= ((bits >> (4 * t + i)) & 1) << t | ((bits >> (16 + 4 * t + i)) & 1) << (4 + t);
+            d[160 + 4 * r + i] = v;
+          }
+        }
       }
     }
   }
@@ -116,7 +127,7 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
 // GGUF Q4_K rows [rows, nsb * 144] -> Q4_1 rows [rows, nsb * 8 * 20]: per 32-value sub-block j, d' = d * sc_j and
 // m' = -dmin * m_j rounded to fp16 (sc_j, m_j: the 6-bit scales of ggml get_scale_min_k4), the nibbles moved as they
 // are (Q4_K: sub-blocks 2p, 2p+1 in the low / high nibbles of 32 bytes; Q4_1: values i, 16+i in byte i). An empty
-// tensor when a d' or m' overflows fp16. Source: ggml dequantize_row_q4_K (kvgen.weights.quantized.q4_k_as_q4_1).
+// tensor when a d' or m' overflows fp16. Source: ggml dequantize_row_q4_K (kvgen.weights.quantized.k_quant_as_legacy).
 at::Tensor q4_k_to_q4_1(const at::Tensor& raw) {
   TORCH_CHECK(raw.dtype() == at::kByte && raw.dim() == 2 && raw.is_contiguous() && raw.size(1) % 144 == 0,
               "kvgen.q4_k_to_q4_1: raw must be contiguous uint8 [rows, nsb * 144]");
@@ -147,6 +158,50 @@ at::Tensor q4_k_to_q4_1(const at::Tensor& raw) {
         const int shift = 4 * (j % 2);
         for (int i = 0; i < 16; ++i) {
           o[4 + i] = static_cast<uint8_t>(((qs[i] >> shift) & 15) | (((qs[16 + i] >> shift) & 15) << 4));
+        }
+      }
+    }
+  });
+  return overflow ? at::empty({0}, raw.options()) : out;
+}
+
+// GGUF Q5_K rows [rows, nsb * 176] -> Q5_1 rows [rows, nsb * 8 * 24]: as q4_k_to_q4_1, plus each value's fifth
+// bit (Q5_K: bit j of qh[l] for value l of sub-block j; Q5_1: bit l of its 32-bit qh). An empty tensor when a
+// scale overflows fp16. Source: ggml dequantize_row_q5_K.
+at::Tensor q5_k_to_q5_1(const at::Tensor& raw) {
+  TORCH_CHECK(raw.dtype() == at::kByte && raw.dim() == 2 && raw.is_contiguous() && raw.size(1) % 176 == 0,
+              "kvgen.q5_k_to_q5_1: raw must be contiguous uint8 [rows, nsb * 176]");
+  const int64_t n = raw.numel() / 176;  // super-blocks
+  at::Tensor out = at::empty({raw.size(0), raw.size(1) / 176 * 192}, raw.options());
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  std::atomic<bool> overflow{false};
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const uint8_t* s = src + 176 * k;
+      uint8_t* o = dst + 192 * k;
+      uint16_t h;
+      std::memcpy(&h, s, 2);
+      const float d = _cvtsh_ss(h);
+      std::memcpy(&h, s + 2, 2);
+      const float dmin = _cvtsh_ss(h);
+      const uint8_t* q = s + 4;  // 12 bytes of 6-bit scales and mins
+      const uint8_t* qh = s + 16;
+      for (int j = 0; j < 8; ++j, o += 24) {
+        const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        const int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+        const uint16_t dj = _cvtss_sh(d * static_cast<float>(sc), _MM_FROUND_TO_NEAREST_INT);
+        const uint16_t mj = _cvtss_sh(-(dmin * static_cast<float>(mn)), _MM_FROUND_TO_NEAREST_INT);
+        if ((dj & 0x7C00) == 0x7C00 || (mj & 0x7C00) == 0x7C00) overflow = true;  // inf (or a NaN input)
+        std::memcpy(o, &dj, 2);
+        std::memcpy(o + 2, &mj, 2);
+        uint32_t bits = 0;
+        for (int l = 0; l < 32; ++l) bits |= static_cast<uint32_t>((qh[l] >> j) & 1) << l;
+        std::memcpy(o + 4, &bits, 4);
+        const uint8_t* qs = s + 48 + 32 * (j / 2);
+        const int shift = 4 * (j % 2);
+        for (int i = 0; i < 16; ++i) {
+          o[8 + i] = static_cast<uint8_t>(((qs[i] >> shift) & 15) | (((qs[16 + i] >> shift) & 15) << 4));
         }
       }
     }

@@ -1,0 +1,82 @@
+// Q5 (GGUF Q5_0 / Q5_1, and Q5_K as Q5_1, repacked into 8-row groups, see common.h) times Q8A activations:
+// w = u * d + m with u the 5-bit value. Per 32-column block and group: 4 loads of low nibbles as the Q4 kernel,
+// and one load of high bits whose byte (r, i) holds bit t for column 4t+i and bit 4+t for column 16+4t+i, each
+// shifted to bit 4 and OR'd in: 8 vectors of u (4 columns x 8 rows). maddubs against 4 broadcast activation
+// bytes, four summed in int16 (4 * 2 * 31 * 127 = 31,496 < 32,767), madd to int32, then
+// acc += dot * d_w * d_a + m_w * s_a (llama.cpp ggml_vec_dot_q5_1_q8_1 algebra). The arithmetic of a row does
+// not depend on how many rows share the call.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "common.h"
+
+#ifndef KVGEN_Q5_PREFETCH
+#define KVGEN_Q5_PREFETCH 28
+#endif
+
+namespace kvgen {
+namespace {
+
+// bit k of each byte of v moved to bit 4 (other bits cleared); k in 0..7 known at compile time after unrolling
+template <int K>
+inline __m256i bit_to_4(__m256i v, __m256i bit4) {
+  if constexpr (K < 4) return _mm256_and_si256(_mm256_slli_epi16(v, 4 - K), bit4);
+  else if constexpr (K == 4) return _mm256_and_si256(v, bit4);
+  else return _mm256_and_si256(_mm256_srli_epi16(v, K - 4), bit4);
+}
+
+template <int T>
+inline void unpack(const uint8_t* w, __m256i qh, __m256i low4, __m256i bit4, __m256i& lo, __m256i& hi) {
+  const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 + 32 * T));
+  lo = _mm256_or_si256(_mm256_and_si256(p, low4), bit_to_4<T>(qh, bit4));
+  hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p, 4), low4), bit_to_4<4 + T>(qh, bit4));
+}
+
+template <int MT>
+void q5_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += kQ5Record) {
+    const char* ahead = reinterpret_cast<const char*>(w) + KVGEN_Q5_PREFETCH * kQ5Record;
+    for (int c = 0; c < kQ5Record; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 160));
+    __m256i lo[4], hi[4];  // columns 4t+i and 16+4t+i, 8 rows
+    unpack<0>(w, qh, low4, bit4, lo[0], hi[0]);
+    unpack<1>(w, qh, low4, bit4, lo[1], hi[1]);
+    unpack<2>(w, qh, low4, bit4, lo[2], hi[2]);
+    unpack<3>(w, qh, low4, bit4, lo[3], hi[3]);
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* q = a[m][b].qs;
+      __m256i dot = _mm256_setzero_si256();
+      for (int t = 0; t < 4; t += 2) {
+        __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo[t], bcast4(q + 4 * t)),
+                                     _mm256_maddubs_epi16(hi[t], bcast4(q + 16 + 4 * t)));
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[t + 1], bcast4(q + 4 * t + 4)));
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[t + 1], bcast4(q + 20 + 4 * t)));
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(s, ones));
+        if constexpr (MT > 1) keep_in_register(dot);  // one row: the tree GCC builds fits the registers
+      }
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
+      acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a[m][b].s), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
+}
+
+}  // namespace
+
+void q5_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
+  switch (mt) {
+    case 1: q5_tile<1>(w, a, nb, out); break;
+    case 2: q5_tile<2>(w, a, nb, out); break;
+    case 3: q5_tile<3>(w, a, nb, out); break;
+    default: q5_tile<4>(w, a, nb, out); break;
+  }
+}
+
+}  // namespace kvgen
