@@ -387,20 +387,23 @@ def test_softmax_draw_frequencies_and_bad_inputs():
         OPS.softmax_draw(torch.full((1, 8), float("-inf")), torch.ones(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
 
 
-def test_q4_k_to_q4_1_matches_its_twin_and_gguf_values():
-    """Q4_K rows as Q4_1 rows: the same bytes as the numpy twin, values within fp16 rounding of gguf's Q4_K
-    dequantization, and an empty result when a scale overflows fp16."""
+@pytest.mark.parametrize("qtype,legacy,size", [(Q.Q4_K, Q.Q4_1, 20), (Q.Q5_K, Q.Q5_1, 24)], ids=["Q4_K", "Q5_K"])
+def test_k_quant_to_legacy_matches_its_twin_and_gguf_values(qtype, legacy, size):
+    """Q4_K (Q5_K) rows as Q4_1 (Q5_1) rows: the same bytes as the twin, values within fp16 rounding of gguf's
+    dequantization (a misplaced nibble: ~1/15 of the range; a misplaced fifth bit: 16 steps), and an empty result
+    when a scale overflows fp16."""
+    op = f"q{4 if qtype == Q.Q4_K else 5}_k_to_q{4 if qtype == Q.Q4_K else 5}_1"
+    block = 144 if qtype == Q.Q4_K else 176
     gen = torch.Generator().manual_seed(21)
-    raw = torch.randint(0, 256, (12, 2 * 144), dtype=torch.uint8, generator=gen)  # 12 rows of 512 values
-    raw.view(12, 2, 144)[..., :4] = (torch.rand(12, 2, 2, generator=gen) * 1e-2).half().view(torch.uint8)  # d, dmin
-    got, want = OPS.q4_k_to_q4_1(raw), REF.q4_k_to_q4_1(raw)
-    assert got.shape == (12, 16 * 20) and torch.equal(got, want)
-    exact = dequantize(raw.numpy(), Q.Q4_K)  # [12, 512]
-    values = dequantize(got.numpy(), Q.Q4_1)
-    assert abs(values - exact).max() < 1e-3 * abs(exact).max()  # a misplaced nibble: ~1/15 of the range
+    raw = torch.randint(0, 256, (12, 2 * block), dtype=torch.uint8, generator=gen)  # 12 rows of 512 values
+    raw.view(12, 2, block)[..., :4] = (torch.rand(12, 2, 2, generator=gen) * 1e-2).half().view(torch.uint8)  # d, dmin
+    got, want = getattr(OPS, op)(raw), getattr(REF, op)(raw)
+    assert got.shape == (12, 16 * size) and torch.equal(got, want)
+    exact = dequantize(raw.numpy(), qtype)  # [12, 512]
+    assert abs(dequantize(got.numpy(), legacy) - exact).max() < 1e-3 * abs(exact).max()
     big = raw.clone()
     big[:, 0:2] = torch.tensor([60000.0]).half().view(torch.uint8)  # d * sc beyond fp16
-    assert OPS.q4_k_to_q4_1(big).numel() == 0 and REF.q4_k_to_q4_1(big).numel() == 0
+    assert getattr(OPS, op)(big).numel() == 0 and getattr(REF, op)(big).numel() == 0
 
 
 @pytest.mark.parametrize("m", [1, 5])
@@ -428,18 +431,3 @@ def test_mixed_weight_is_its_segments_stacked(m):
         K.pack_gguf_segments([("Q6_K", parts[2][0]), ("Q4_1", parts[0][0])])
     with pytest.raises(RuntimeError, match="its header describes"):
         OPS.qgemm(x, blob[:-1], weight_type, 37, None)
-
-
-def test_q5_k_to_q5_1_matches_its_twin_and_gguf_values():
-    """Q5_K rows as Q5_1 rows: the same bytes as the twin, values within fp16 rounding of gguf's Q5_K dequantization
-    (a misplaced fifth bit would be off by 16 steps), and on the Q5 kernel."""
-    gen = torch.Generator().manual_seed(22)
-    raw = torch.randint(0, 256, (12, 2 * 176), dtype=torch.uint8, generator=gen)  # 12 rows of 512 values
-    raw.view(12, 2, 176)[..., :4] = (torch.rand(12, 2, 2, generator=gen) * 1e-2).half().view(torch.uint8)  # d, dmin
-    got, want = OPS.q5_k_to_q5_1(raw), REF.q5_k_to_q5_1(raw)
-    assert got.shape == (12, 16 * 24) and torch.equal(got, want)
-    exact = dequantize(raw.numpy(), Q.Q5_K)  # [12, 512]
-    assert abs(dequantize(got.numpy(), Q.Q5_1) - exact).max() < 1e-3 * abs(exact).max()
-    big = raw.clone()
-    big[:, 0:2] = torch.tensor([60000.0]).half().view(torch.uint8)  # d * sc beyond fp16
-    assert OPS.q5_k_to_q5_1(big).numel() == 0 and REF.q5_k_to_q5_1(big).numel() == 0

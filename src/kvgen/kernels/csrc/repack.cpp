@@ -124,29 +124,34 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
   return out;
 }
 
-// GGUF Q4_K rows [rows, nsb * 144] -> Q4_1 rows [rows, nsb * 8 * 20]: per 32-value sub-block j, d' = d * sc_j and
-// m' = -dmin * m_j rounded to fp16 (sc_j, m_j: the 6-bit scales of ggml get_scale_min_k4), the nibbles moved as they
-// are (Q4_K: sub-blocks 2p, 2p+1 in the low / high nibbles of 32 bytes; Q4_1: values i, 16+i in byte i). An empty
-// tensor when a d' or m' overflows fp16. Source: ggml dequantize_row_q4_K (kvgen.weights.quantized.k_quant_as_legacy).
-at::Tensor q4_k_to_q4_1(const at::Tensor& raw) {
-  TORCH_CHECK(raw.dtype() == at::kByte && raw.dim() == 2 && raw.is_contiguous() && raw.size(1) % 144 == 0,
-              "kvgen.q4_k_to_q4_1: raw must be contiguous uint8 [rows, nsb * 144]");
-  const int64_t n = raw.numel() / 144;  // super-blocks
-  at::Tensor out = at::empty({raw.size(0), raw.size(1) / 144 * 160}, raw.options());
+// GGUF Q4_K (Q5_K) rows [rows, nsb * 144 (176)] -> Q4_1 (Q5_1) rows [rows, nsb * 8 * 20 (24)]: per 32-value
+// sub-block j, d' = d * sc_j and m' = -dmin * m_j rounded to fp16 (sc_j, m_j: the 6-bit scales of ggml
+// get_scale_min_k4), the nibbles moved as they are (K-quants: sub-blocks 2p, 2p+1 in the low / high nibbles of 32
+// bytes; legacy: values i, 16+i in byte i) and, for Q5_K, each value's fifth bit (bit j of qh[l] for value l of
+// sub-block j; Q5_1: bit l of a 32-bit qh). An empty tensor when a d' or m' overflows fp16. Source: ggml
+// dequantize_row_q4_K / dequantize_row_q5_K (kvgen.weights.quantized.k_quant_as_legacy).
+template <bool FiveBits>
+at::Tensor k_quant_to_legacy(const at::Tensor& raw) {
+  constexpr int64_t kIn = FiveBits ? 176 : 144, kOut = FiveBits ? 24 : 20, kQs = FiveBits ? 48 : 16;
+  TORCH_CHECK(raw.dtype() == at::kByte && raw.dim() == 2 && raw.is_contiguous() && raw.size(1) % kIn == 0,
+              "kvgen.q", FiveBits ? 5 : 4, "_k_to_q", FiveBits ? 5 : 4, "_1: raw must be contiguous uint8 [rows, nsb * ",
+              kIn, "]");
+  const int64_t n = raw.numel() / kIn;  // super-blocks
+  at::Tensor out = at::empty({raw.size(0), raw.size(1) / kIn * 8 * kOut}, raw.options());
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   std::atomic<bool> overflow{false};
   at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
-      const uint8_t* s = src + 144 * k;
-      uint8_t* o = dst + 160 * k;
+      const uint8_t* s = src + kIn * k;
+      uint8_t* o = dst + 8 * kOut * k;
       uint16_t h;
       std::memcpy(&h, s, 2);
       const float d = _cvtsh_ss(h);
       std::memcpy(&h, s + 2, 2);
       const float dmin = _cvtsh_ss(h);
       const uint8_t* q = s + 4;  // 12 bytes of 6-bit scales and mins
-      for (int j = 0; j < 8; ++j, o += 20) {
+      for (int j = 0; j < 8; ++j, o += kOut) {
         const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
         const int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
         const uint16_t dj = _cvtss_sh(d * static_cast<float>(sc), _MM_FROUND_TO_NEAREST_INT);
@@ -154,10 +159,15 @@ at::Tensor q4_k_to_q4_1(const at::Tensor& raw) {
         if ((dj & 0x7C00) == 0x7C00 || (mj & 0x7C00) == 0x7C00) overflow = true;  // inf (or a NaN input)
         std::memcpy(o, &dj, 2);
         std::memcpy(o + 2, &mj, 2);
-        const uint8_t* qs = s + 16 + 32 * (j / 2);
+        if constexpr (FiveBits) {
+          uint32_t bits = 0;
+          for (int l = 0; l < 32; ++l) bits |= static_cast<uint32_t>((s[16 + l] >> j) & 1) << l;
+          std::memcpy(o + 4, &bits, 4);
+        }
+        const uint8_t* qs = s + kQs + 32 * (j / 2);
         const int shift = 4 * (j % 2);
         for (int i = 0; i < 16; ++i) {
-          o[4 + i] = static_cast<uint8_t>(((qs[i] >> shift) & 15) | (((qs[16 + i] >> shift) & 15) << 4));
+          o[kOut - 16 + i] = static_cast<uint8_t>(((qs[i] >> shift) & 15) | (((qs[16 + i] >> shift) & 15) << 4));
         }
       }
     }
@@ -165,48 +175,7 @@ at::Tensor q4_k_to_q4_1(const at::Tensor& raw) {
   return overflow ? at::empty({0}, raw.options()) : out;
 }
 
-// GGUF Q5_K rows [rows, nsb * 176] -> Q5_1 rows [rows, nsb * 8 * 24]: as q4_k_to_q4_1, plus each value's fifth
-// bit (Q5_K: bit j of qh[l] for value l of sub-block j; Q5_1: bit l of its 32-bit qh). An empty tensor when a
-// scale overflows fp16. Source: ggml dequantize_row_q5_K.
-at::Tensor q5_k_to_q5_1(const at::Tensor& raw) {
-  TORCH_CHECK(raw.dtype() == at::kByte && raw.dim() == 2 && raw.is_contiguous() && raw.size(1) % 176 == 0,
-              "kvgen.q5_k_to_q5_1: raw must be contiguous uint8 [rows, nsb * 176]");
-  const int64_t n = raw.numel() / 176;  // super-blocks
-  at::Tensor out = at::empty({raw.size(0), raw.size(1) / 176 * 192}, raw.options());
-  const uint8_t* src = raw.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  std::atomic<bool> overflow{false};
-  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      const uint8_t* s = src + 176 * k;
-      uint8_t* o = dst + 192 * k;
-      uint16_t h;
-      std::memcpy(&h, s, 2);
-      const float d = _cvtsh_ss(h);
-      std::memcpy(&h, s + 2, 2);
-      const float dmin = _cvtsh_ss(h);
-      const uint8_t* q = s + 4;  // 12 bytes of 6-bit scales and mins
-      const uint8_t* qh = s + 16;
-      for (int j = 0; j < 8; ++j, o += 24) {
-        const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        const int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-        const uint16_t dj = _cvtss_sh(d * static_cast<float>(sc), _MM_FROUND_TO_NEAREST_INT);
-        const uint16_t mj = _cvtss_sh(-(dmin * static_cast<float>(mn)), _MM_FROUND_TO_NEAREST_INT);
-        if ((dj & 0x7C00) == 0x7C00 || (mj & 0x7C00) == 0x7C00) overflow = true;  // inf (or a NaN input)
-        std::memcpy(o, &dj, 2);
-        std::memcpy(o + 2, &mj, 2);
-        uint32_t bits = 0;
-        for (int l = 0; l < 32; ++l) bits |= static_cast<uint32_t>((qh[l] >> j) & 1) << l;
-        std::memcpy(o + 4, &bits, 4);
-        const uint8_t* qs = s + 48 + 32 * (j / 2);
-        const int shift = 4 * (j % 2);
-        for (int i = 0; i < 16; ++i) {
-          o[8 + i] = static_cast<uint8_t>(((qs[i] >> shift) & 15) | (((qs[16 + i] >> shift) & 15) << 4));
-        }
-      }
-    }
-  });
-  return overflow ? at::empty({0}, raw.options()) : out;
-}
+at::Tensor q4_k_to_q4_1(const at::Tensor& raw) { return k_quant_to_legacy<false>(raw); }
+at::Tensor q5_k_to_q5_1(const at::Tensor& raw) { return k_quant_to_legacy<true>(raw); }
 
 }  // namespace kvgen
