@@ -26,7 +26,13 @@ from kvgen.models.attention import (
     prepare_key_mask,
 )
 from kvgen.models.base import CausalLM, HasKernels
-from kvgen.models.layers import RMSNorm, apply_rope, rope_attention_factor, rope_cos_sin, rope_inv_freq
+from kvgen.models.layers import (
+    RMSNorm,
+    apply_rope,
+    rope_attention_factor,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from kvgen.models.quant_linear import QuantEmbedding, QuantLinear, VocabEmbedding
 
 # A QuantLinear's operands of kernels.qgemm: (qweight, weight_type, out_features, bias).
