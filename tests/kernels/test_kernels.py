@@ -431,3 +431,13 @@ def test_mixed_weight_is_its_segments_stacked(m):
         K.pack_gguf_segments([("Q6_K", parts[2][0]), ("Q4_1", parts[0][0])])
     with pytest.raises(RuntimeError, match="its header describes"):
         OPS.qgemm(x, blob[:-1], weight_type, 37, None)
+
+
+def test_q3_k_to_q6_k_is_exact_and_matches_its_twin():
+    """Q3_K rows as Q6_K rows: the same bytes as the twin and gguf's dequantization of both, value for value."""
+    gen = torch.Generator().manual_seed(23)
+    raw = torch.randint(0, 256, (6, 2 * 110), dtype=torch.uint8, generator=gen)  # 6 rows of 512 values
+    raw.view(6, 2, 110)[..., 108:] = (torch.randn(6, 2, 1, generator=gen) * 1e-2).half().view(torch.uint8)  # d
+    got = OPS.q3_k_to_q6_k(raw)
+    assert got.shape == (6, 2 * 210) and torch.equal(got, REF.q3_k_to_q6_k(raw))
+    assert (dequantize(got.numpy(), Q.Q6_K) == dequantize(raw.numpy(), Q.Q3_K)).all()

@@ -530,28 +530,32 @@ def test_wrong_shape_is_listed(tmp_path: Path) -> None:
         load_gguf(tmp_path / "t.gguf")
 
 
-@pytest.mark.parametrize("qtype,legacy,size", [(Q.Q4_K, Q.Q4_1, 20), (Q.Q5_K, Q.Q5_1, 24)], ids=["Q4_K", "Q5_K"])
-def test_k_quant_rows_become_legacy_rows_with_float16_scales(qtype, legacy, size) -> None:
-    from kvgen.weights.quantized import k_quant_as_legacy
+@pytest.mark.parametrize("qtype,legacy,size", [(Q.Q4_K, Q.Q4_1, 20), (Q.Q5_K, Q.Q5_1, 24), (Q.Q3_K, Q.Q6_K, 210 / 8)],
+                         ids=["Q4_K", "Q5_K", "Q3_K"])
+def test_k_quants_are_rewritten_as_kernel_types(qtype, legacy, size) -> None:
+    """Q4_K / Q5_K rows as Q4_1 / Q5_1 rows with float16 scales; Q3_K rows as Q6_K rows, exactly."""
+    from kvgen.weights.quantized import rewrite_k_quant
 
     rng = np.random.default_rng(3)
-    raw = _random_kquant_bytes(12, 512, qtype, rng)  # [12, 2 * 144 | 176]
-    result = k_quant_as_legacy(torch.from_numpy(raw), qtype)
+    raw = _random_kquant_bytes(12, 512, qtype, rng)  # [12, 2 * 144 | 176 | 110]
+    result = rewrite_k_quant(torch.from_numpy(raw), qtype)
     assert result is not None and result[1] == legacy
     out = result[0]
     assert out.shape == (12, 16 * size) and out.dtype == torch.uint8
     want = dequantize(raw, qtype)  # [12, 512] float32: ggml's exact values
     got = dequantize(out.numpy(), legacy)
     # float16 scales: <= 2^-11 of a value; a misplaced nibble would be off by a 4-bit step (~1/15 of the range)
-    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+    assert np.abs(got - want).max() <= (0 if qtype == Q.Q3_K else 1e-3 * np.abs(want).max())
+    if qtype == Q.Q3_K:
+        return
     big = raw.copy()
     big[:, 0:2] = np.array([60000.0], dtype=np.float16).view(np.uint8)  # d * sc beyond float16
-    assert k_quant_as_legacy(torch.from_numpy(big), qtype) is None
+    assert rewrite_k_quant(torch.from_numpy(big), qtype) is None
 
 
 def test_auto_keeps_blocks_and_reencodes_other_types_as_q8_0(tmp_path: Path) -> None:
-    """dtype=None (auto): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q6_K matrices keep their bytes, Q4_K and Q5_K become Q4_1 and
-    Q5_1, every other type (float, Q2_K, Q3_K) becomes Q8_0, q/k/v of three types stack into one mixed weight, and the
+    """dtype=None (auto): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q6_K matrices keep their bytes, Q4_K, Q5_K and Q3_K become Q4_1,
+    Q5_1 and Q6_K, every other type (float, Q2_K) becomes Q8_0, q/k/v of three types stack into one mixed weight, and the
     quantized model's logits stay close to the float32 model's."""
     from kvgen.models import build_model
     from kvgen.models.quant_linear import QuantLinear
@@ -565,7 +569,7 @@ def test_auto_keeps_blocks_and_reencodes_other_types_as_q8_0(tmp_path: Path) -> 
         blocks = compact[gguf_loader.gguf_to_kvgen_name(g)]
         assert isinstance(blocks, GGUFBlocks)
         own = qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q6_K)
-        assert blocks.qtype == (qtype if own else {Q.Q4_K: Q.Q4_1, Q.Q5_K: Q.Q5_1}.get(qtype, Q.Q8_0)), g
+        assert blocks.qtype == (qtype if own else {Q.Q4_K: Q.Q4_1, Q.Q5_K: Q.Q5_1, Q.Q3_K: Q.Q6_K}.get(qtype, Q.Q8_0)), g
     assert not isinstance(compact["model.norm.weight"], GGUFBlocks)
     quant, ref = build_model(config, compact), build_model(config32, dense)
     assert all(isinstance(m, QuantLinear) for m in (quant.model.layers[0].self_attn.qkv_proj, quant.lm_head))

@@ -36,6 +36,7 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
   (``paged_attention_qkv``)
 * ``q4_k_to_q4_1(raw [rows, nsb * 144] u8) -> [rows, nsb * 160] u8``: GGUF Q4_K rows as Q4_1 rows (scales rounded to
   fp16), or an empty tensor when a scale overflows fp16; ``q5_k_to_q5_1`` the same for Q5_K (176 -> 8 x 24 bytes)
+* ``q3_k_to_q6_k(raw [rows, nsb * 110] u8) -> [rows, nsb * 210] u8``: GGUF Q3_K rows as Q6_K rows, exactly
 * ``softmax_draw(logits [B, V] f32, temperature [B] f64, u [B] f64) -> [B] i64``: one id per row from
   softmax(logits / temperature) by inversion at u (the engine's draw, ``ops.sample_inverse_cdf``'s search)
 """
@@ -84,6 +85,7 @@ class KernelOps:
     repack_gguf: Callable[[list[torch.Tensor], int], torch.Tensor]
     q4_k_to_q4_1: Callable[[torch.Tensor], torch.Tensor]
     q5_k_to_q5_1: Callable[[torch.Tensor], torch.Tensor]
+    q3_k_to_q6_k: Callable[[torch.Tensor], torch.Tensor]
     static_attention: Callable[..., torch.Tensor]
     paged_attention_qkv: Callable[..., torch.Tensor]
     decoder_layers: Callable[..., torch.Tensor]
@@ -93,7 +95,7 @@ class KernelOps:
 
 _NAMES = (
     "qgemm", "quantize_q8a", "dequantize_rows", "attention", "paged_attention", "rms_norm", "rms_norm_heads_",
-    "rope_qkv_", "silu_mul", "repack_gguf", "q4_k_to_q4_1", "q5_k_to_q5_1",
+    "rope_qkv_", "silu_mul", "repack_gguf", "q4_k_to_q4_1", "q5_k_to_q5_1", "q3_k_to_q6_k",
     "static_attention", "paged_attention_qkv", "decoder_layers", "paged_decoder_layers", "softmax_draw",
 )
 _REFERENCE = KernelOps("reference", *(getattr(reference, n) for n in _NAMES))

@@ -210,6 +210,25 @@ def q5_k_to_q5_1(raw: torch.Tensor) -> torch.Tensor:
     return out.reshape(raw.shape[0], -1).contiguous()  # [rows, nsb * 192]
 
 
+def q3_k_to_q6_k(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF Q3_K rows [rows, nsb * 110] uint8 -> Q6_K rows [rows, nsb * 210] uint8 of the same values: Q3_K's
+    d * (s_j - 32) * (q - 4 hm) is Q6_K's d * sc * (u - 32) with sc = s_j - 32, u = 28 + q + 4 (1 - hm). Sources:
+    the gguf package's ``Q3_K.dequantize_blocks`` (its unpacking) and ggml ``dequantize_row_q6_K`` (the layout)."""
+    n = raw.numel() // 110
+    b = raw.view(n, 110).long()
+    low = (b[:, 96:104].view(n, 1, 8) >> torch.tensor([0, 4]).view(1, 2, 1)).reshape(n, 16) & 15
+    high = (b[:, 104:108].view(n, 1, 4) >> torch.tensor([0, 2, 4, 6]).view(1, 4, 1)).reshape(n, 16) & 3
+    sc = (low | (high << 4)) - 32  # [n, 16]: one per 16 values
+    q = (b[:, 32:96].view(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6]).view(1, 1, 4, 1)) & 3  # [n, half, j, l]
+    hm = (b[:, :32].view(n, 1, 32) >> torch.arange(8).view(1, 8, 1)) & 1  # [n, 4 half + j, l]
+    u = (28 + q + 4 * hm.view(n, 2, 4, 32)).view(n, 2, 4, 32)  # [n, half, j, l]: value 128 half + 32 j + l
+    ql = torch.stack([(u[:, :, 0] & 15) | ((u[:, :, 2] & 15) << 4), (u[:, :, 1] & 15) | ((u[:, :, 3] & 15) << 4)], 1)
+    qh = (u[:, :, 0] >> 4) | ((u[:, :, 1] >> 4) << 2) | ((u[:, :, 2] >> 4) << 4) | ((u[:, :, 3] >> 4) << 6)
+    out = torch.cat([ql.transpose(1, 2).reshape(n, 128), qh.reshape(n, 64), sc.to(torch.int8).view(torch.uint8).long(),
+                     b[:, 108:110]], dim=1)  # [n, 210]: ql (half, 32-byte run), qh, scales, d
+    return out.to(torch.uint8).reshape(raw.shape[0], -1)
+
+
 def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
     """Float rows [N, K] (K % 32 == 0) -> GGUF Q8_0 bytes [N, K / 32 * 34] uint8.
 

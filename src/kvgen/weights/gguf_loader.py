@@ -30,11 +30,11 @@ from kvgen.weights.name_maps import (
 )
 from kvgen.weights.quantized import (
     FLOAT16_TYPES,
-    K_QUANT_AS_LEGACY,
+    K_QUANT_REWRITES,
     KERNEL_TYPES,
     GGUFBlocks,
     dense_to_q8_0,
-    k_quant_as_legacy,
+    rewrite_k_quant,
 )
 
 Q = GGMLQuantizationType
@@ -114,19 +114,19 @@ def load_gguf(
 
 
 def _compact_tensor(t: ReaderTensor, qk_heads: int | None, keep_16bit: bool) -> GGUFBlocks:
-    """A matrix as GGUFBlocks: its own bytes for kernel types (F16 / BF16 only with ``keep_16bit``), Q4_K / Q5_K
-    rewritten as Q4_1 / Q5_1, else re-encoded as Q8_0."""
+    """A matrix as GGUFBlocks: its own bytes for kernel types (F16 / BF16 only with ``keep_16bit``), Q4_K / Q5_K /
+    Q3_K rewritten as Q4_1 / Q5_1 / Q6_K, else re-encoded as Q8_0."""
     own = t.tensor_type in KERNEL_TYPES and (keep_16bit or t.tensor_type not in FLOAT16_TYPES)
-    if not own and t.tensor_type not in K_QUANT_AS_LEGACY:
+    if not own and t.tensor_type not in K_QUANT_REWRITES:
         return dense_to_q8_0(dequantize_tensor(t, torch.float32, qk_heads))
     out_features, in_features = _torch_shape(t)  # 2-D: the caller's check
     raw = torch.from_numpy(np.array(t.data).view(np.uint8).reshape(out_features, -1))  # [out, bytes], a copy
     qtype = t.tensor_type
-    if qtype in K_QUANT_AS_LEGACY:
-        legacy = k_quant_as_legacy(raw, qtype)
-        if legacy is None:  # a scale beyond float16
+    if qtype in K_QUANT_REWRITES:
+        rewritten = rewrite_k_quant(raw, qtype)
+        if rewritten is None:  # a scale beyond float16
             return dense_to_q8_0(dequantize_tensor(t, torch.float32, qk_heads))
-        raw, qtype = legacy
+        raw, qtype = rewritten
     if qk_heads:
         raw = reverse_permute_qk(raw, qk_heads)  # whole rows move: exact on the encoded bytes
     return GGUFBlocks(qtype, [raw], (out_features, in_features))

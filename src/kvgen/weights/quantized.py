@@ -16,14 +16,15 @@ from gguf import GGMLQuantizationType
 from kvgen.kernels import get_ops
 
 Q = GGMLQuantizationType
-# Types our kernels run from their own bytes (F16, BF16: in a file of float matrices); Q4_K and Q5_K are rewritten
-# as Q4_1 and Q5_1 (k_quant_as_legacy), every other quantized type (Q2_K, Q3_K) is converted to Q8_0.
+# Types our kernels run from their own bytes (F16, BF16: in a file of float matrices); Q4_K, Q5_K and Q3_K are
+# rewritten as Q4_1, Q5_1 and Q6_K (rewrite_k_quant), every other quantized type (Q2_K) is converted to Q8_0.
 FLOAT16_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.F16, Q.BF16})
 KERNEL_TYPES: frozenset[GGMLQuantizationType] = (
     frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q6_K}) | FLOAT16_TYPES)
-# K-quants whose sub-blocks are a legacy type's blocks with float16 scales: type -> (that type, the kernels' op)
-K_QUANT_AS_LEGACY: dict[GGMLQuantizationType, tuple[GGMLQuantizationType, str]] = {
-    Q.Q4_K: (Q.Q4_1, "q4_k_to_q4_1"), Q.Q5_K: (Q.Q5_1, "q5_k_to_q5_1")}
+# K-quants rewritten as a kernel type at load: type -> (that type, the kernels' op). Q4_K / Q5_K sub-blocks are
+# Q4_1 / Q5_1 blocks with float16 scales; Q3_K values are Q6_K values exactly.
+K_QUANT_REWRITES: dict[GGMLQuantizationType, tuple[GGMLQuantizationType, str]] = {
+    Q.Q4_K: (Q.Q4_1, "q4_k_to_q4_1"), Q.Q5_K: (Q.Q5_1, "q5_k_to_q5_1"), Q.Q3_K: (Q.Q6_K, "q3_k_to_q6_k")}
 
 
 _SEGMENT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q6_K})  # parts a mixed stack keeps as they are
@@ -92,9 +93,10 @@ def dense_to_q8_0(w: torch.Tensor) -> GGUFBlocks:
     return GGUFBlocks(Q.Q8_0, [quantize_q8_0(w)], (w.shape[0], w.shape[1]))
 
 
-def k_quant_as_legacy(raw: torch.Tensor, qtype: GGMLQuantizationType) -> tuple[torch.Tensor, GGMLQuantizationType] | None:
+def rewrite_k_quant(raw: torch.Tensor, qtype: GGMLQuantizationType) -> tuple[torch.Tensor, GGMLQuantizationType] | None:
     """GGUF Q4_K (Q5_K) rows as Q4_1 (Q5_1) rows: uint8 [rows, cols / 256 * 144 (176)] -> [rows, cols / 32 * 20
-    (24)] and that type, or None when a sub-block scale overflows float16.
+    (24)] and that type, or None when a sub-block scale overflows float16; Q3_K rows as Q6_K rows (110 -> 210 bytes
+    per 256 values, the same values: ``kernels.q3_k_to_q6_k``).
 
     A K-quant super-block holds 8 sub-blocks of 32 values, value = d * sc_j * q - dmin * m_j (q 4 or 5 bits, sc_j
     and m_j 6-bit), which is Q4_1's (Q5_1's) q * d' + m' with d' = d * sc_j and m' = -dmin * m_j: the bits move as
@@ -102,6 +104,6 @@ def k_quant_as_legacy(raw: torch.Tensor, qtype: GGMLQuantizationType) -> tuple[t
     so a Q4_K_M file runs at 5 bits per weight on the Q4 kernel, a Q5_K_M file at 6 on the Q5 kernel
     (``kernels.q4_k_to_q4_1``, ``q5_k_to_q5_1``). Source: ggml ``dequantize_row_q4_K`` / ``dequantize_row_q5_K``.
     """
-    legacy, op = K_QUANT_AS_LEGACY[qtype]
+    rewritten, op = K_QUANT_REWRITES[qtype]
     out = getattr(get_ops(), op)(raw.contiguous())
-    return (out, legacy) if out.numel() else None
+    return (out, rewritten) if out.numel() else None

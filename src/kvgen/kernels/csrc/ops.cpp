@@ -256,6 +256,7 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("repack_gguf(Tensor[] parts, int gguf_type) -> Tensor");
   m.def("q4_k_to_q4_1(Tensor raw) -> Tensor");
   m.def("q5_k_to_q5_1(Tensor raw) -> Tensor");
+  m.def("q3_k_to_q6_k(Tensor raw) -> Tensor");
   m.def("static_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? key_mask, int past_len, "
         "int num_heads, float scale) -> Tensor");
   m.def("paged_attention_qkv(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping, Tensor block_tables, "
@@ -282,6 +283,7 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("repack_gguf", &kvgen::repack_gguf);
   m.impl("q4_k_to_q4_1", &kvgen::q4_k_to_q4_1);
   m.impl("q5_k_to_q5_1", &kvgen::q5_k_to_q5_1);
+  m.impl("q3_k_to_q6_k", &kvgen::q3_k_to_q6_k);
   m.impl("static_attention", &kvgen::static_attention);
   m.impl("paged_attention_qkv", &kvgen::paged_attention_qkv);
   m.impl("decoder_layers", &kvgen::decoder_layers);

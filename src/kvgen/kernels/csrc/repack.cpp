@@ -129,7 +129,7 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
 // get_scale_min_k4), the nibbles moved as they are (K-quants: sub-blocks 2p, 2p+1 in the low / high nibbles of 32
 // bytes; legacy: values i, 16+i in byte i) and, for Q5_K, each value's fifth bit (bit j of qh[l] for value l of
 // sub-block j; Q5_1: bit l of a 32-bit qh). An empty tensor when a d' or m' overflows fp16. Source: ggml
-// dequantize_row_q4_K / dequantize_row_q5_K (kvgen.weights.quantized.k_quant_as_legacy).
+// dequantize_row_q4_K / dequantize_row_q5_K (kvgen.weights.quantized.rewrite_k_quant).
 template <bool FiveBits>
 at::Tensor k_quant_to_legacy(const at::Tensor& raw) {
   constexpr int64_t kIn = FiveBits ? 176 : 144, kOut = FiveBits ? 24 : 20, kQs = FiveBits ? 48 : 16;
@@ -177,5 +177,57 @@ at::Tensor k_quant_to_legacy(const at::Tensor& raw) {
 
 at::Tensor q4_k_to_q4_1(const at::Tensor& raw) { return k_quant_to_legacy<false>(raw); }
 at::Tensor q5_k_to_q5_1(const at::Tensor& raw) { return k_quant_to_legacy<true>(raw); }
+
+// GGUF Q3_K rows [rows, nsb * 110] -> Q6_K rows [rows, nsb * 210], exactly: a Q3_K value d * (s_j - 32) * (q - 4 hm)
+// (q 2 bits, hm the inverted high bit, s_j a 6-bit scale per 16 values) is the Q6_K value d * sc * (u - 32) with
+// sc = s_j - 32 and u = 28 + q + 4 hm. Source: ggml dequantize_row_q3_K (its scale unpacking) and
+// dequantize_row_q6_K (the layout written).
+at::Tensor q3_k_to_q6_k(const at::Tensor& raw) {
+  TORCH_CHECK(raw.dtype() == at::kByte && raw.dim() == 2 && raw.is_contiguous() && raw.size(1) % 110 == 0,
+              "kvgen.q3_k_to_q6_k: raw must be contiguous uint8 [rows, nsb * 110]");
+  const int64_t n = raw.numel() / 110;  // super-blocks
+  at::Tensor out = at::empty({raw.size(0), raw.size(1) / 110 * kQ6KBlock}, raw.options());
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const uint8_t* s = src + 110 * k;
+      const uint8_t* hm = s;  // [32]: bit i of hm[l] for value l (+16) of group i
+      const uint8_t* qs = s + 32;  // [64]
+      uint32_t aux[4];
+      std::memcpy(aux, s + 96, 12);
+      const uint32_t tmp = aux[2], kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
+      aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+      aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+      aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
+      aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+      uint8_t scales[16];
+      std::memcpy(scales, aux, 16);
+      uint8_t u[256];
+      for (int half = 0; half < 2; ++half) {  // 128 values each, from 32 bytes of qs
+        for (int j = 0; j < 4; ++j) {  // shift 2j, high-bit mask 1 << (4 half + j)
+          for (int l = 0; l < 32; ++l) {
+            const int q = (qs[32 * half + l] >> (2 * j)) & 3;
+            const int high = (hm[l] >> (4 * half + j)) & 1;  // set: + 0, clear: - 4
+            u[128 * half + 32 * j + l] = static_cast<uint8_t>(28 + q + 4 * high);
+          }
+        }
+      }
+      uint8_t* o = dst + kQ6KBlock * k;
+      for (int h = 0; h < 2; ++h) {
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t* v = u + 128 * h + l;  // values l, l + 32, l + 64, l + 96 of this half
+          o[64 * h + l] = static_cast<uint8_t>((v[0] & 15) | ((v[64] & 15) << 4));
+          o[64 * h + l + 32] = static_cast<uint8_t>((v[32] & 15) | ((v[96] & 15) << 4));
+          o[128 + 32 * h + l] = static_cast<uint8_t>((v[0] >> 4) | ((v[32] >> 4) << 2) | ((v[64] >> 4) << 4) |
+                                                      ((v[96] >> 4) << 6));
+        }
+      }
+      for (int j = 0; j < 16; ++j) o[192 + j] = static_cast<uint8_t>(static_cast<int8_t>(scales[j] - 32));
+      std::memcpy(o + 208, s + 108, 2);  // d
+    }
+  });
+  return out;
+}
 
 }  // namespace kvgen
