@@ -387,13 +387,12 @@ def test_softmax_draw_frequencies_and_bad_inputs():
         OPS.softmax_draw(torch.full((1, 8), float("-inf")), torch.ones(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("qtype,legacy,size", [(Q.Q4_K, Q.Q4_1, 20), (Q.Q5_K, Q.Q5_1, 24)], ids=["Q4_K", "Q5_K"])
-def test_k_quant_to_legacy_matches_its_twin_and_gguf_values(qtype, legacy, size):
+@pytest.mark.parametrize("op,qtype,legacy,block,size", [("q4_k_to_q4_1", Q.Q4_K, Q.Q4_1, 144, 20),
+                                                        ("q5_k_to_q5_1", Q.Q5_K, Q.Q5_1, 176, 24)])
+def test_k_quant_to_legacy_matches_its_twin_and_gguf_values(op, qtype, legacy, block, size):
     """Q4_K (Q5_K) rows as Q4_1 (Q5_1) rows: the same bytes as the twin, values within fp16 rounding of gguf's
     dequantization (a misplaced nibble: ~1/15 of the range; a misplaced fifth bit: 16 steps), and an empty result
     when a scale overflows fp16."""
-    op = f"q{4 if qtype == Q.Q4_K else 5}_k_to_q{4 if qtype == Q.Q4_K else 5}_1"
-    block = 144 if qtype == Q.Q4_K else 176
     gen = torch.Generator().manual_seed(21)
     raw = torch.randint(0, 256, (12, 2 * block), dtype=torch.uint8, generator=gen)  # 12 rows of 512 values
     raw.view(12, 2, block)[..., :4] = (torch.rand(12, 2, 2, generator=gen) * 1e-2).half().view(torch.uint8)  # d, dmin

@@ -530,8 +530,8 @@ def test_wrong_shape_is_listed(tmp_path: Path) -> None:
         load_gguf(tmp_path / "t.gguf")
 
 
-@pytest.mark.parametrize("qtype,legacy,size", [(Q.Q4_K, Q.Q4_1, 20), (Q.Q5_K, Q.Q5_1, 24), (Q.Q3_K, Q.Q6_K, 210 / 8)],
-                         ids=["Q4_K", "Q5_K", "Q3_K"])
+@pytest.mark.parametrize("qtype,legacy,size", [(Q.Q4_K, Q.Q4_1, 160), (Q.Q5_K, Q.Q5_1, 192), (Q.Q3_K, Q.Q6_K, 210)],
+                         ids=["Q4_K", "Q5_K", "Q3_K"])  # size: bytes per 256 values after the rewrite
 def test_k_quants_are_rewritten_as_kernel_types(qtype, legacy, size) -> None:
     """Q4_K / Q5_K rows as Q4_1 / Q5_1 rows with float16 scales; Q3_K rows as Q6_K rows, exactly."""
     from kvgen.weights.quantized import rewrite_k_quant
@@ -541,7 +541,7 @@ def test_k_quants_are_rewritten_as_kernel_types(qtype, legacy, size) -> None:
     result = rewrite_k_quant(torch.from_numpy(raw), qtype)
     assert result is not None and result[1] == legacy
     out = result[0]
-    assert out.shape == (12, 16 * size) and out.dtype == torch.uint8
+    assert out.shape == (12, 2 * size) and out.dtype == torch.uint8
     want = dequantize(raw, qtype)  # [12, 512] float32: ggml's exact values
     got = dequantize(out.numpy(), legacy)
     # float16 scales: <= 2^-11 of a value; a misplaced nibble would be off by a 4-bit step (~1/15 of the range)

@@ -196,7 +196,7 @@ def pack_gguf_segments(segments: list[tuple[str, torch.Tensor]]) -> tuple[int, t
         raise ValueError(f"a mixed weight holds 1-3 segments, got {len(segments)}")
     packed = []
     for i, (qtype, rows) in enumerate(segments):
-        if qtype not in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q6_K"):
+        if qtype not in reference.GGUF_TYPES or qtype in ("F16", "BF16"):  # 16-bit rows take unquantized activations
             raise ValueError(f"mixed weights hold Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q6_K parts, got {qtype}")
         if i < len(segments) - 1 and rows.shape[0] % reference.ROWS:
             raise ValueError(f"every part but the last needs a multiple of 8 rows, part {i} has {rows.shape[0]}")

@@ -46,10 +46,11 @@ def _pad_rows(raw: torch.Tensor) -> torch.Tensor:
     return raw if pad == 0 else torch.cat([raw, raw.new_zeros(pad, *raw.shape[1:])])
 
 
-def repack_q4(raw: torch.Tensor, has_min: bool) -> torch.Tensor:
+def repack_q4(raw: torch.Tensor, has_min: bool, zero_point: float = 8.0) -> torch.Tensor:
     """GGUF Q4_1 (``has_min``) or Q4_0 rows -> Q4 records ``[G, nb, 160]`` uint8.
 
-    raw: [N, nb * 20] (Q4_1) or [N, nb * 18] (Q4_0) uint8, one matrix row per row.
+    raw: [N, nb * 20] (Q4_1) or [N, nb * 18] (Q4_0) uint8, one matrix row per row; without a min, value =
+    (q - zero_point) d, stored as m = -zero_point d (16 for Q5_0's blocks, :func:`repack_q5`).
     Raises ValueError on a byte count that is not whole blocks.
     """
     size = _Q4_1_BYTES if has_min else _Q4_0_BYTES
@@ -60,7 +61,7 @@ def repack_q4(raw: torch.Tensor, has_min: bool) -> torch.Tensor:
     if has_min:
         m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]  # [G, 8, nb]
     else:
-        m = d * -8.0  # exact in fp16: a power-of-two multiple
+        m = d * -zero_point  # exact in fp16: a power-of-two multiple
         m.view(-1, m.shape[-1])[raw.shape[0] :] = 0  # padding rows stay all-zero bytes
     qs = blocks[..., size - 16 :]  # [G, 8, nb, 16]
     g, _, nb, _ = qs.shape
@@ -100,11 +101,7 @@ def repack_q5(raw: torch.Tensor, has_min: bool) -> torch.Tensor:
     n, nb = raw.shape[0], raw.shape[1] // size
     blocks = raw.view(n, nb, size)
     as_q4 = torch.cat([blocks[..., : size - 20], blocks[..., size - 16 :]], dim=-1)  # [N, nb, 20 | 18]: d (, m), qs
-    q4 = repack_q4(as_q4.reshape(n, -1), has_min)  # [G, nb, 160] (Q4_0's m = -8 d: replaced below)
-    if not has_min:  # Q5_0: value = (q - 16) d, m = -16 d (exact in fp16); padding rows stay all-zero bytes
-        m = (q4[..., 0:16].contiguous().view(torch.float16) * -16.0).transpose(1, 2).contiguous()  # [G, 8, nb]
-        m.view(-1, nb)[n:] = 0
-        q4[..., 16:32] = m.transpose(1, 2).contiguous().view(torch.uint8)
+    q4 = repack_q4(as_q4.reshape(n, -1), has_min, zero_point=16.0)  # [G, nb, 160]: Q5_0's m = -16 d
     bits = blocks[..., size - 20 : size - 16].contiguous().view(torch.int32).view(n, nb)  # [N, nb]: bit c: column c
     columns = (bits[..., None] >> torch.arange(32)) & 1  # [N, nb, 32]
     split = columns.view(n, nb, 2, 4, 4)  # [N, nb, half, t, i]: column 16 half + 4t + i

@@ -27,7 +27,7 @@ K_QUANT_REWRITES: dict[GGMLQuantizationType, tuple[GGMLQuantizationType, str]] =
     Q.Q4_K: (Q.Q4_1, "q4_k_to_q4_1"), Q.Q5_K: (Q.Q5_1, "q5_k_to_q5_1"), Q.Q3_K: (Q.Q6_K, "q3_k_to_q6_k")}
 
 
-_SEGMENT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q6_K})  # parts a mixed stack keeps as they are
+_SEGMENT_TYPES = KERNEL_TYPES - FLOAT16_TYPES  # parts a mixed stack keeps as they are (they share quantized activations)
 
 
 @dataclass
