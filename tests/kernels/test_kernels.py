@@ -18,10 +18,12 @@ from kvgen.kernels import reference as R
 OPS = K.get_ops()
 REF = K.reference_ops()
 needs_avx2 = pytest.mark.skipif(OPS.backend != "avx2", reason=f"C++ kernels unavailable (backend {OPS.backend})")
-GGUF_CODE = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.F16: 3, Q.BF16: 4, Q.Q6_K: 5, Q.Q5_0: 6, Q.Q5_1: 7}
+GGUF_CODE = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.F16: 3, Q.BF16: 4, Q.Q6_K: 5, Q.Q5_0: 6, Q.Q5_1: 7, Q.IQ4_NL: 8}
 WEIGHT_TYPE = {Q.Q4_0: K.Q4, Q.Q4_1: K.Q4, Q.Q8_0: K.Q8, Q.F16: K.F16, Q.BF16: K.BF16, Q.Q6_K: K.Q6, Q.Q5_0: K.Q5,
-               Q.Q5_1: K.Q5}
-KERNEL_QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_0, Q.Q5_1]
+               Q.Q5_1: K.Q5, Q.IQ4_NL: K.IQ4}
+KERNEL_QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.IQ4_NL]
+# types the gguf package cannot quantize: random blocks, (values per block, bytes per block, offset of fp16 d)
+RANDOM_BLOCKS = {Q.Q6_K: (256, 210, 208), Q.IQ4_NL: (32, 18, 0)}
 FLOAT16_QTYPES = (Q.F16, Q.BF16)  # weights that take the activations unquantized
 
 
@@ -31,13 +33,14 @@ def _cols(qtype: Q, k: int) -> int:
 
 
 def _gguf_matrix(qtype: Q, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(GGUF bytes [n, row_bytes] uint8, their gguf.quants dequantization [n, k] float32). Q6_K (which the gguf
-    package cannot quantize): random 6-bit values and scales, fp16 d ~ 1e-3 (some negative)."""
-    if qtype == Q.Q6_K:
+    """(GGUF bytes [n, row_bytes] uint8, their gguf.quants dequantization [n, k] float32). Q6_K and IQ4_NL (which
+    the gguf package cannot quantize): random values (indices) and scales, fp16 d ~ 1e-3 (some negative)."""
+    if qtype in RANDOM_BLOCKS:
+        values, size, at = RANDOM_BLOCKS[qtype]
         gen = torch.Generator().manual_seed(seed)
-        blocks = torch.randint(0, 256, (n, k // 256, 210), dtype=torch.uint8, generator=gen)
-        d = (torch.randn(n, k // 256, 1, generator=gen) * 1e-3).half()
-        blocks[..., 208:] = d.view(torch.uint8)
+        blocks = torch.randint(0, 256, (n, k // values, size), dtype=torch.uint8, generator=gen)
+        d = (torch.randn(n, k // values, 1, generator=gen) * 1e-3).half()
+        blocks[..., at : at + 2] = d.view(torch.uint8)
         raw = blocks.reshape(n, -1).numpy()
         return torch.from_numpy(raw), torch.from_numpy(dequantize(raw, qtype))
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
@@ -90,7 +93,7 @@ def test_qgemm_matches_dequantize_then_matmul(qtype, m, n, k):
 
 
 @needs_avx2
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_1])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_1, Q.IQ4_NL])
 def test_qgemm_rows_do_not_depend_on_the_batch(qtype):
     """Batch invariance: each row's bits are the same alone, in any tile of 1-4 rows, or among 33."""
     raw, _ = _gguf_matrix(qtype, 64, 256, seed=3)
@@ -407,11 +410,13 @@ def test_k_quant_to_legacy_matches_its_twin_and_gguf_values(op, qtype, legacy, b
 
 @pytest.mark.parametrize("m", [1, 5])
 def test_mixed_weight_is_its_segments_stacked(m):
-    """A stacked matrix of Q4_1, Q8_0 and Q6_K parts (as a Q4_K_M file's q, k, v) in one MIXED weight: qgemm equals
-    the dequantized parts stacked then multiplied, on the kernels and their twins, with one activation quantization."""
+    """A stacked matrix of Q4_1 (IQ4_NL), Q8_0 and Q6_K parts (as a Q4_K_M (IQ4_XS) file's q, k, v) in one MIXED
+    weight: qgemm equals the dequantized parts stacked then multiplied, on the kernels and their twins, with one
+    activation quantization."""
     k = 256
-    parts = [_gguf_matrix(qtype, n, k, seed=30 + n) for qtype, n in ((Q.Q4_1, 16), (Q.Q8_0, 8), (Q.Q6_K, 13))]
-    weight_type, blob = K.pack_gguf_segments([(q.name, raw) for q, (raw, _) in zip((Q.Q4_1, Q.Q8_0, Q.Q6_K), parts)])
+    types = (Q.Q4_1 if m == 1 else Q.IQ4_NL, Q.Q8_0, Q.Q6_K)
+    parts = [_gguf_matrix(qtype, n, k, seed=30 + n) for qtype, n in zip(types, (16, 8, 13))]
+    weight_type, blob = K.pack_gguf_segments([(q.name, raw) for q, (raw, _) in zip(types, parts)])
     assert weight_type == K.MIXED and blob.dim() == 1
     dense = torch.cat([d for _, d in parts])  # [37, 256]
     torch.testing.assert_close(R.dequantize_packed(blob, K.MIXED)[:37], dense, rtol=0, atol=0)
@@ -422,7 +427,7 @@ def test_mixed_weight_is_its_segments_stacked(m):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     if OPS.backend == "avx2":  # each segment's rows as their own single-type weight, bit for bit
         alone = []
-        for q, n, (raw, _) in zip((Q.Q4_1, Q.Q8_0, Q.Q6_K), (16, 8, 13), parts):
+        for q, n, (raw, _) in zip(types, (16, 8, 13), parts):
             single_type, packed = K.pack_gguf_rows(q.name, [raw])
             alone.append(OPS.qgemm(x, packed, single_type, n, None))
         assert torch.equal(OPS.qgemm(x, blob, weight_type, 37, None), torch.cat(alone, dim=1))
@@ -430,6 +435,23 @@ def test_mixed_weight_is_its_segments_stacked(m):
         K.pack_gguf_segments([("Q6_K", parts[2][0]), ("Q4_1", parts[0][0])])
     with pytest.raises(RuntimeError, match="its header describes"):
         OPS.qgemm(x, blob[:-1], weight_type, 37, None)
+
+
+def test_iq4_xs_to_iq4_nl_matches_its_twin_and_gguf_values():
+    """IQ4_XS rows as IQ4_NL rows: the same bytes as the twin, values within fp16 rounding of gguf's dequantization
+    (a wrong sub-block scale or a misplaced index byte: a whole step or more off), and an empty result when a scale
+    overflows fp16."""
+    gen = torch.Generator().manual_seed(22)
+    raw = torch.randint(0, 256, (10, 2 * 136), dtype=torch.uint8, generator=gen)  # 10 rows of 512 values
+    raw.view(10, 2, 136)[..., :2] = (torch.randn(10, 2, 1, generator=gen) * 1e-3).half().view(torch.uint8)  # d
+    got = OPS.iq4_xs_to_iq4_nl(raw)
+    assert got.shape == (10, 16 * 18) and torch.equal(got, REF.iq4_xs_to_iq4_nl(raw))
+    exact = dequantize(raw.numpy(), Q.IQ4_XS)  # [10, 512]
+    assert abs(dequantize(got.numpy(), Q.IQ4_NL) - exact).max() < 1e-3 * abs(exact).max()
+    big = raw.clone()
+    big.view(10, 2, 136)[:, 0, :2] = torch.tensor([3000.0]).half().view(torch.uint8)  # d * 32 beyond fp16
+    big.view(10, 2, 136)[:, 0, 4:8] = 0  # scales_l 0: ls - 32 <= -16
+    assert OPS.iq4_xs_to_iq4_nl(big).numel() == 0 and REF.iq4_xs_to_iq4_nl(big).numel() == 0
 
 
 def test_q3_k_to_q6_k_is_exact_and_matches_its_twin():

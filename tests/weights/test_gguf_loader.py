@@ -41,8 +41,13 @@ from kvgen.weights.gguf_loader import (
 Q = GGMLQuantizationType
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
 K_QUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
-# byte offsets of the f16 scale fields (d, dmin) in each K-quant block of 256 values (ggml-common.h)
-_K_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+# types the gguf package dequantizes but cannot quantize, written as random blocks
+IQ_TYPES = [Q.IQ4_NL, Q.IQ4_XS, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.TQ1_0, Q.TQ2_0,
+            Q.MXFP4]
+RANDOM_TYPES = K_QUANTS + IQ_TYPES
+# byte offsets of the f16 scale fields (d, dmin) in each block (ggml-common.h); IQ1_M and MXFP4: _random_kquant_bytes
+_K_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.TQ1_0: (52,),
+                    Q.TQ2_0: (64,), **{q: (0,) for q in IQ_TYPES if q not in (Q.IQ1_M, Q.MXFP4, Q.TQ1_0, Q.TQ2_0)}}
 
 
 def _assert_equal(ours: torch.Tensor, ref: torch.Tensor, name: str) -> None:
@@ -159,17 +164,23 @@ def _tiny_shapes(*, output: bool = True, bias: bool | str = False) -> dict[str, 
 
 
 def _random_kquant_bytes(rows: int, cols: int, qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
-    """Valid raw K-quant blocks: random bits, with f16 scales in a sane range. uint8 [rows, bytes per row]."""
+    """Valid raw blocks of a K, IQ, TQ or MXFP4 type: random bits, with scales in a sane range. uint8 [rows, bytes
+    per row]."""
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
-    for off in _K_SCALE_OFFSETS[qtype]:
+    for off in _K_SCALE_OFFSETS.get(qtype, ()):
         raw[:, off : off + 2] = rng.uniform(1e-3, 2e-2, size=(raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    if qtype == Q.IQ1_M:  # the fp16 d is the top nibbles of the 4 uint16 scales (bytes 48-55): 0x1C00 = 2^-8
+        raw[:, 49:56:2] = (raw[:, 49:56:2] & 0x0F) | (np.array([0x0, 0x0, 0xC, 0x1], np.uint8) << 4)
+    if qtype == Q.MXFP4:  # an E8M0 exponent byte per 32 values: scales 2^-10 .. 2^-6
+        raw[:, 0] = rng.integers(118, 123, size=raw.shape[0], dtype=np.uint8)
     return raw.reshape(rows, cols // block * size)
 
 
 def _add(writer: GGUFWriter, name: str, x: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Generator) -> None:
-    """Store float32 x (torch order) as qtype; K-quants get random blocks instead (gguf cannot quantize them)."""
-    if qtype in K_QUANTS:
+    """Store float32 x (torch order) as qtype; K, IQ, TQ and MXFP4 types get random blocks instead (gguf cannot
+    quantize them)."""
+    if qtype in RANDOM_TYPES:
         writer.add_tensor(name, _random_kquant_bytes(*x.shape, qtype, rng), raw_dtype=qtype)
     elif qtype in (Q.F32, Q.F16):
         writer.add_tensor(name, quantize(x, qtype))
@@ -232,7 +243,7 @@ def _step(qtype: GGMLQuantizationType, x: np.ndarray) -> np.ndarray:
     return np.broadcast_to(span[qtype], blocks.shape).reshape(x.shape)
 
 
-@pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", QUANTIZABLE + RANDOM_TYPES, ids=lambda q: q.name)
 def test_each_type_against_gguf_and_originals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype) -> None:
     monkeypatch.setattr(gguf_loader, "_CHUNK_BYTES", 4 * 512 * 5)  # 5 rows per chunk: several chunks, a short last one
     rng = np.random.default_rng(1)
@@ -249,8 +260,8 @@ def test_each_type_against_gguf_and_originals(tmp_path: Path, monkeypatch: pytes
     assert ours.shape == (23, 512) and ours.dtype == torch.float32
     reference = torch.from_numpy(dequantize(t.data, qtype).copy())  # what transformers' GGUF loader uses too
     torch.testing.assert_close(ours, reference, rtol=0, atol=0)
-    if qtype in K_QUANTS:
-        assert torch.isfinite(ours).all() and ours.unique().numel() > 100
+    if qtype in RANDOM_TYPES:
+        assert torch.isfinite(ours).all() and ours.unique().numel() > 20  # TQ: 3 values per block, MXFP4: 15
     else:
         err = np.abs(ours.numpy() - x)
         assert (err <= _step(qtype, x) + 1e-6).all(), float(err.max())
@@ -258,9 +269,10 @@ def test_each_type_against_gguf_and_originals(tmp_path: Path, monkeypatch: pytes
 
 
 def _mixed_types() -> dict[str, GGMLQuantizationType]:
-    """Every supported type on some matrix, q and k included; norms stay F32."""
-    assert set(K_QUANTS + QUANTIZABLE) == SUPPORTED_QUANT_TYPES
-    types = K_QUANTS + QUANTIZABLE
+    """Every supported type but the rarer IQ ones (each checked alone above) on some matrix, q and k included; norms
+    stay F32."""
+    assert set(RANDOM_TYPES + QUANTIZABLE) == SUPPORTED_QUANT_TYPES
+    types = K_QUANTS + QUANTIZABLE + [Q.IQ4_NL, Q.IQ4_XS]
     mats = [n for n, s in _tiny_shapes().items() if len(s) == 2]
     assert len(mats) >= len(types)
     return {name: types[i % len(types)] for i, name in enumerate(mats)}
@@ -285,7 +297,7 @@ def test_tiny_llama_every_type_matches_transformers(tmp_path: Path, monkeypatch:
     # independent of transformers: the quantizable tensors are close to the original (unpermuted) floats
     names = {gguf_loader.gguf_to_kvgen_name(g): g for g in originals}
     for ours, g in names.items():
-        if types.get(g, Q.F32) not in K_QUANTS:
+        if types.get(g, Q.F32) not in RANDOM_TYPES:
             x = originals[g].reshape(originals[g].shape[0], -1)
             err = np.abs(state[ours].numpy().reshape(x.shape) - x)
             assert (err <= _step(types.get(g, Q.F32), x) + 1e-6).all(), (g, types.get(g), float(err.max()))
@@ -453,7 +465,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
         load_gguf(tmp_path / "falcon.gguf")
 
 
-@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.TQ2_0, Q.Q8_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_1, Q.Q8_K], ids=lambda q: q.name)
 def test_unsupported_quantization_type(tmp_path: Path, qtype) -> None:
     block, size = GGML_QUANT_SIZES[qtype]
     raw = np.zeros((I, C // block * size), np.uint8)  # [rows, bytes per row]
@@ -534,11 +546,11 @@ def test_wrong_shape_is_listed(tmp_path: Path) -> None:
                          ids=["Q4_K", "Q5_K", "Q3_K"])  # size: bytes per 256 values after the rewrite
 def test_k_quants_are_rewritten_as_kernel_types(qtype, legacy, size) -> None:
     """Q4_K / Q5_K rows as Q4_1 / Q5_1 rows with float16 scales; Q3_K rows as Q6_K rows, exactly."""
-    from kvgen.weights.quantized import rewrite_k_quant
+    from kvgen.weights.quantized import rewrite_super_block
 
     rng = np.random.default_rng(3)
     raw = _random_kquant_bytes(12, 512, qtype, rng)  # [12, 2 * 144 | 176 | 110]
-    result = rewrite_k_quant(torch.from_numpy(raw), qtype)
+    result = rewrite_super_block(torch.from_numpy(raw), qtype)
     assert result is not None and result[1] == legacy
     out = result[0]
     assert out.shape == (12, 2 * size) and out.dtype == torch.uint8
@@ -550,13 +562,13 @@ def test_k_quants_are_rewritten_as_kernel_types(qtype, legacy, size) -> None:
         return
     big = raw.copy()
     big[:, 0:2] = np.array([60000.0], dtype=np.float16).view(np.uint8)  # d * sc beyond float16
-    assert rewrite_k_quant(torch.from_numpy(big), qtype) is None
+    assert rewrite_super_block(torch.from_numpy(big), qtype) is None
 
 
 def test_auto_keeps_blocks_and_reencodes_other_types_as_q8_0(tmp_path: Path) -> None:
-    """dtype=None (auto): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q6_K matrices keep their bytes, Q4_K, Q5_K and Q3_K become Q4_1,
-    Q5_1 and Q6_K, every other type (float, Q2_K) becomes Q8_0, q/k/v of three types stack into one mixed weight, and the
-    quantized model's logits stay close to the float32 model's."""
+    """dtype=None (auto): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q6_K/IQ4_NL matrices keep their bytes, Q4_K, Q5_K, Q3_K and IQ4_XS
+    become Q4_1, Q5_1, Q6_K and IQ4_NL, every other type (float, Q2_K) becomes Q8_0, q/k/v of three types stack
+    into one mixed weight, and the quantized model's logits stay close to the float32 model's."""
     from kvgen.models import build_model
     from kvgen.models.quant_linear import QuantLinear
     from kvgen.weights.quantized import GGUFBlocks
@@ -568,8 +580,9 @@ def test_auto_keeps_blocks_and_reencodes_other_types_as_q8_0(tmp_path: Path) -> 
     for g, qtype in types.items():
         blocks = compact[gguf_loader.gguf_to_kvgen_name(g)]
         assert isinstance(blocks, GGUFBlocks)
-        own = qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q6_K)
-        assert blocks.qtype == (qtype if own else {Q.Q4_K: Q.Q4_1, Q.Q5_K: Q.Q5_1, Q.Q3_K: Q.Q6_K}.get(qtype, Q.Q8_0)), g
+        own = qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q6_K, Q.IQ4_NL)
+        rewritten = {Q.Q4_K: Q.Q4_1, Q.Q5_K: Q.Q5_1, Q.Q3_K: Q.Q6_K, Q.IQ4_XS: Q.IQ4_NL}
+        assert blocks.qtype == (qtype if own else rewritten.get(qtype, Q.Q8_0)), g
     assert not isinstance(compact["model.norm.weight"], GGUFBlocks)
     quant, ref = build_model(config, compact), build_model(config32, dense)
     assert all(isinstance(m, QuantLinear) for m in (quant.model.layers[0].self_attn.qkv_proj, quant.lm_head))

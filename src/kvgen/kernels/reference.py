@@ -15,6 +15,8 @@ Layouts (see ``csrc/common.h``): weights are repacked at load from GGUF blocks i
   ``sc[2][8]`` (per 16 columns), the 6-bit ``u = q + 32`` as low nibbles ``lo[t][r][i]`` (columns ``4t+i`` and
   ``16+4t+i``, as Q4) and top bits ``hi[v][r][i]`` (columns ``8v+i``, ``16+8v+i``, ``8v+4+i``, ``16+8v+4+i`` at
   bits 0, 2, 4, 6); value = d * sc * (u - 32).
+* IQ4 record, 144 bytes (from ``block_iq4_nl``; IQ4_XS as IQ4_NL rows): fp16 ``d[8]``, then ``qs`` as the Q4
+  record's; value = d * IQ4_VALUES[nibble].
 
 Activations are quantized per 32 values (llama.cpp's ``block_q8_1`` with fp32 fields):
 40-byte blocks ``{float d; float s; int8 qs[32]}``, d = max|x| / 127,
@@ -33,9 +35,11 @@ from kvgen.sampling.ops import inverse_cdf_at
 
 BLOCK = 32  # values per quantization block
 ROWS = 8  # rows per interleaved group
-Q4, Q8, F16, BF16, Q6, MIXED, Q5 = 0, 1, 2, 3, 4, 5, 6  # weight_type codes of the ops
+Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4 = 0, 1, 2, 3, 4, 5, 6, 7  # weight_type codes of the ops
 MIXED_HEADER = 64  # bytes of int64 {S, nb, (weight_type, groups) x S} before a mixed weight's segments
-RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 224, F16: 512, BF16: 512, Q5: 192}
+RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 224, F16: 512, BF16: 512, Q5: 192, IQ4: 144}
+# The values of IQ4_NL / IQ4_XS's 4-bit indices (ggml-common.h kvalues_iq4nl)
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # GGUF block sizes in bytes: (scale bytes, has min, quant bytes)
 _Q4_0_BYTES, _Q4_1_BYTES, _Q8_0_BYTES = 18, 20, 34
 
@@ -71,16 +75,23 @@ def repack_q4(raw: torch.Tensor, has_min: bool, zero_point: float = 8.0) -> torc
     return torch.cat([d, m, qs], dim=-1).contiguous()  # [G, nb, 160]
 
 
-GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q6_K", "Q5_0", "Q5_1")  # gguf_type codes 0-7 of repack_gguf
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL")  # gguf_type codes of repack_gguf
 # bytes per GGUF block of each (32 values; Q6_K: 256)
-GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "BF16": 64, "Q6_K": 210, "Q5_0": 22, "Q5_1": 24}
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "BF16": 64, "Q6_K": 210, "Q5_0": 22, "Q5_1": 24,
+                    "IQ4_NL": 18}
+# the weight_type each GGUF type's records are
+WEIGHT_TYPE_OF = {"Q4_0": Q4, "Q4_1": Q4, "Q8_0": Q8, "F16": F16, "BF16": BF16, "Q6_K": Q6, "Q5_0": Q5, "Q5_1": Q5,
+                  "IQ4_NL": IQ4}
 
 
 def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
     """Row blocks ``parts`` ([rows_i, bytes] uint8, one GGUF type) of one matrix -> its records
     [G, nb, R] uint8: Q4 records for Q4_0 (0) / Q4_1 (1), Q8 records for Q8_0 (2), 16-bit records for F16 (3) and
-    BF16 (4), Q6 records for Q6_K (5)."""
+    BF16 (4), Q6 records for Q6_K (5), Q5 records for Q5_0 (6) / Q5_1 (7), IQ4 records for IQ4_NL (8)."""
     raw = torch.cat(parts) if len(parts) > 1 else parts[0]  # [N, bytes]
+    if gguf_type == 8:
+        q4 = repack_q4(raw, has_min=False)  # [G, nb, 160]: IQ4_NL's blocks have Q4_0's layout
+        return torch.cat([q4[..., :16], q4[..., 32:]], dim=-1).contiguous()  # [G, nb, 144]: without the mins
     if gguf_type == 2:
         return repack_q8(raw)
     if gguf_type == 5:
@@ -226,6 +237,23 @@ def q3_k_to_q6_k(raw: torch.Tensor) -> torch.Tensor:
     return out.to(torch.uint8).reshape(raw.shape[0], -1)
 
 
+def iq4_xs_to_iq4_nl(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF IQ4_XS rows [rows, nsb * 136] uint8 -> IQ4_NL rows [rows, nsb * 144] uint8: sub-block j's
+    d' = d * (ls_j - 32) rounded to float16, its 16 index bytes as they are; an empty tensor when a d' overflows
+    float16. Source: ggml ``dequantize_row_iq4_xs``."""
+    n = raw.numel() // 136
+    b = raw.view(n, 136)
+    d = b[:, 0:2].contiguous().view(torch.float16).float()  # [n, 1]
+    scales_h = b[:, 2:4].contiguous().view(torch.int16).long() & 0xFFFF  # [n, 1]
+    j = torch.arange(8)
+    ls = ((b[:, 4 + j // 2].long() >> (4 * (j % 2))) & 15) | (((scales_h >> (2 * j)) & 3) << 4)  # [n, 8]
+    dj = (d * (ls - 32).float()).to(torch.float16)  # [n, 8]
+    if not torch.isfinite(dj).all():
+        return torch.empty(0, dtype=torch.uint8)
+    out = torch.cat([dj.view(torch.uint8).view(n, 8, 2), b[:, 8:].reshape(n, 8, 16)], dim=-1)  # [n, 8, 18]
+    return out.reshape(raw.shape[0], -1).contiguous()
+
+
 def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
     """Float rows [N, K] (K % 32 == 0) -> GGUF Q8_0 bytes [N, K / 32 * 34] uint8.
 
@@ -312,6 +340,10 @@ def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
             lo, hi = lo + 16 * ((qh >> t) & 1).float(), hi + 16 * ((qh >> (t + 4)) & 1).float()
         q = torch.cat([lo, hi], dim=2)  # [G, nb, 8 quads, r, i]: quads 0-3 low, 4-7 high
         w = q * d.view(g, nb, 1, ROWS, 1) + m.view(g, nb, 1, ROWS, 1)
+    elif weight_type == IQ4:
+        qs = weight[..., 16:].reshape(g, nb, 4, ROWS, 4).long()  # [G, nb, t, r, i]
+        q = torch.tensor(IQ4_VALUES, dtype=torch.float32)[torch.cat([qs & 15, qs >> 4], dim=2)]  # [G, nb, 8, r, i]
+        w = q * d.view(g, nb, 1, ROWS, 1)
     elif weight_type == Q8:
         q = weight[..., 16:].contiguous().view(torch.int8).reshape(g, nb, 8, ROWS, 4).float()  # [G, nb, j, r, i]
         w = q * d.view(g, nb, 1, ROWS, 1)
@@ -327,8 +359,7 @@ def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
         scale = (d.view(g, nb, 1, ROWS) * sc).repeat_interleave(4, dim=2)  # [G, nb, 8 quads, r]: d * sc (float)
         w = u * scale[..., None]
     else:
-        raise ValueError(f"weight_type must be {Q4} (Q4), {Q8} (Q8), {F16} (F16), {BF16} (BF16) or {Q6} (Q6), "
-                         f"got {weight_type}")
+        raise ValueError(f"weight_type must be one of {sorted(RECORD_BYTES)} or {MIXED} (mixed), got {weight_type}")
     return w.permute(0, 3, 1, 2, 4).reshape(g * ROWS, nb * BLOCK)  # [N_pad, K]
 
 

@@ -30,17 +30,19 @@ from kvgen.weights.name_maps import (
 )
 from kvgen.weights.quantized import (
     FLOAT16_TYPES,
-    K_QUANT_REWRITES,
     KERNEL_TYPES,
+    SUPER_BLOCK_REWRITES,
     GGUFBlocks,
     dense_to_q8_0,
-    rewrite_k_quant,
+    rewrite_super_block,
 )
 
 Q = GGMLQuantizationType
-SUPPORTED_QUANT_TYPES: frozenset[GGMLQuantizationType] = frozenset(
-    {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
-)
+# llama.cpp's weight types that the gguf package dequantizes (legacy, K, IQ, ternary TQ and MXFP4 blocks)
+SUPPORTED_QUANT_TYPES: frozenset[GGMLQuantizationType] = frozenset({
+    Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+    Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0, Q.MXFP4,
+})
 _FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 # Per-frequency RoPE factors (Llama 3.x scaling); harmless, and ignored, only when all ones.
 _ROPE_FREQS = "rope_freqs.weight"
@@ -60,10 +62,10 @@ def load_gguf(
 
     The state dict uses HF Llama names with matrices ``[out, in]`` in ``dtype``.
     ``dtype=None`` ("auto") on a file with quantized matrices keeps every matrix compact
-    as :class:`GGUFBlocks` (Q4_0 / Q4_1 / Q8_0 as stored, Q4_K as Q4_1; every other type, float ones
-    included, re-encoded as Q8_0) and loads vectors (norms, biases) as float32; in a file of float
-    matrices, F16 and BF16 ones stay as stored (the 16-bit kernels: the file's weights, unquantized
-    activations) and F32 ones re-encode as Q8_0 beside them; a file of F32 matrices loads as
+    as :class:`GGUFBlocks` (kernel types as stored, Q4_K / Q5_K / Q3_K / IQ4_XS rewritten as Q4_1 / Q5_1 / Q6_K /
+    IQ4_NL: ``weights.quantized``; every other type, float ones included, re-encoded as Q8_0) and loads vectors
+    (norms, biases) as float32; in a file of float matrices, F16 and BF16 ones stay as stored (the 16-bit kernels:
+    the file's weights, unquantized activations) and F32 ones re-encode as Q8_0 beside them; a file of F32 matrices loads as
     float32 (``lm_head.weight`` only when the file has ``output.weight``; otherwise
     ``config.tie_word_embeddings`` is True). ``config.attention_bias`` / ``o_proj_bias`` /
     ``mlp_bias`` follow the presence of ``attn_q.bias`` / ``attn_output.bias`` / ``ffn_up.bias``.
@@ -115,15 +117,15 @@ def load_gguf(
 
 def _compact_tensor(t: ReaderTensor, qk_heads: int | None, keep_16bit: bool) -> GGUFBlocks:
     """A matrix as GGUFBlocks: its own bytes for kernel types (F16 / BF16 only with ``keep_16bit``), Q4_K / Q5_K /
-    Q3_K rewritten as Q4_1 / Q5_1 / Q6_K, else re-encoded as Q8_0."""
+    Q3_K / IQ4_XS rewritten as Q4_1 / Q5_1 / Q6_K / IQ4_NL, else re-encoded as Q8_0."""
     own = t.tensor_type in KERNEL_TYPES and (keep_16bit or t.tensor_type not in FLOAT16_TYPES)
-    if not own and t.tensor_type not in K_QUANT_REWRITES:
+    if not own and t.tensor_type not in SUPER_BLOCK_REWRITES:
         return dense_to_q8_0(dequantize_tensor(t, torch.float32, qk_heads))
     out_features, in_features = _torch_shape(t)  # 2-D: the caller's check
     raw = torch.from_numpy(np.array(t.data).view(np.uint8).reshape(out_features, -1))  # [out, bytes], a copy
     qtype = t.tensor_type
-    if qtype in K_QUANT_REWRITES:
-        rewritten = rewrite_k_quant(raw, qtype)
+    if qtype in SUPER_BLOCK_REWRITES:
+        rewritten = rewrite_super_block(raw, qtype)
         if rewritten is None:  # a scale beyond float16
             return dense_to_q8_0(dequantize_tensor(t, torch.float32, qk_heads))
         raw, qtype = rewritten

@@ -16,15 +16,17 @@ from gguf import GGMLQuantizationType
 from kvgen.kernels import get_ops
 
 Q = GGMLQuantizationType
-# Types our kernels run from their own bytes (F16, BF16: in a file of float matrices); Q4_K, Q5_K and Q3_K are
-# rewritten as Q4_1, Q5_1 and Q6_K (rewrite_k_quant), every other quantized type (Q2_K) is converted to Q8_0.
+# Types our kernels run from their own bytes (F16, BF16: in a file of float matrices); Q4_K, Q5_K, Q3_K and IQ4_XS
+# are rewritten as Q4_1, Q5_1, Q6_K and IQ4_NL (rewrite_super_block), every other type the gguf package can
+# dequantize (Q2_K, the other IQ types, TQ1_0 / TQ2_0, MXFP4) is converted to Q8_0.
 FLOAT16_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.F16, Q.BF16})
 KERNEL_TYPES: frozenset[GGMLQuantizationType] = (
-    frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q6_K}) | FLOAT16_TYPES)
-# K-quants rewritten as a kernel type at load: type -> (that type, the kernels' op). Q4_K / Q5_K sub-blocks are
-# Q4_1 / Q5_1 blocks with float16 scales; Q3_K values are Q6_K values exactly.
-K_QUANT_REWRITES: dict[GGMLQuantizationType, tuple[GGMLQuantizationType, str]] = {
-    Q.Q4_K: (Q.Q4_1, "q4_k_to_q4_1"), Q.Q5_K: (Q.Q5_1, "q5_k_to_q5_1"), Q.Q3_K: (Q.Q6_K, "q3_k_to_q6_k")}
+    frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q6_K, Q.IQ4_NL}) | FLOAT16_TYPES)
+# 256-value super-block types rewritten as a kernel type at load: type -> (that type, the kernels' op). Q4_K / Q5_K
+# / IQ4_XS sub-blocks are Q4_1 / Q5_1 / IQ4_NL blocks with float16 scales; Q3_K values are Q6_K values exactly.
+SUPER_BLOCK_REWRITES: dict[GGMLQuantizationType, tuple[GGMLQuantizationType, str]] = {
+    Q.Q4_K: (Q.Q4_1, "q4_k_to_q4_1"), Q.Q5_K: (Q.Q5_1, "q5_k_to_q5_1"), Q.Q3_K: (Q.Q6_K, "q3_k_to_q6_k"),
+    Q.IQ4_XS: (Q.IQ4_NL, "iq4_xs_to_iq4_nl")}
 
 
 _SEGMENT_TYPES = KERNEL_TYPES - FLOAT16_TYPES  # parts a mixed stack keeps as they are (they share quantized activations)
@@ -34,7 +36,7 @@ _SEGMENT_TYPES = KERNEL_TYPES - FLOAT16_TYPES  # parts a mixed stack keeps as th
 class GGUFBlocks:
     """One matrix in a GGUF block encoding.
 
-    qtype: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q6_K, F16 or BF16; parts: row blocks [rows_i, bytes per row] uint8 whose
+    qtype: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q6_K, IQ4_NL, F16 or BF16; parts: row blocks [rows_i, bytes per row] uint8 whose
     rows, in order, are the matrix's (one block unless stacked; rows in torch order, q/k
     rows already un-permuted); shape: (out_features, in_features). part_types: empty, or each part's own type
     when a stack mixes them (then ``qtype`` is the first part's; ``kernels.pack_gguf_segments`` runs them).
@@ -47,7 +49,8 @@ class GGUFBlocks:
 
     def __post_init__(self) -> None:
         if self.qtype not in KERNEL_TYPES:
-            raise ValueError(f"GGUFBlocks holds Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q6_K, F16 or BF16, got {self.qtype.name}")
+            kinds = ", ".join(sorted(t.name for t in KERNEL_TYPES))
+            raise ValueError(f"GGUFBlocks holds {kinds}, got {self.qtype.name}")
         if any(p.dtype != torch.uint8 or p.dim() != 2 for p in self.parts) or sum(p.shape[0] for p in self.parts) != self.shape[0]:
             raise ValueError(f"parts must be uint8 [rows, bytes] adding up to {self.shape[0]} rows")
         if self.part_types and len(self.part_types) != len(self.parts):
@@ -93,10 +96,12 @@ def dense_to_q8_0(w: torch.Tensor) -> GGUFBlocks:
     return GGUFBlocks(Q.Q8_0, [quantize_q8_0(w)], (w.shape[0], w.shape[1]))
 
 
-def rewrite_k_quant(raw: torch.Tensor, qtype: GGMLQuantizationType) -> tuple[torch.Tensor, GGMLQuantizationType] | None:
+def rewrite_super_block(raw: torch.Tensor, qtype: GGMLQuantizationType
+                        ) -> tuple[torch.Tensor, GGMLQuantizationType] | None:
     """GGUF Q4_K (Q5_K) rows as Q4_1 (Q5_1) rows: uint8 [rows, cols / 256 * 144 (176)] -> [rows, cols / 32 * 20
     (24)] and that type, or None when a sub-block scale overflows float16; Q3_K rows as Q6_K rows (110 -> 210 bytes
-    per 256 values, the same values: ``kernels.q3_k_to_q6_k``).
+    per 256 values, the same values: ``kernels.q3_k_to_q6_k``); IQ4_XS rows as IQ4_NL rows (136 -> 8 x 18 bytes,
+    d' = d * (ls_j - 32) rounded to float16, the 4-bit indices as they are: ``kernels.iq4_xs_to_iq4_nl``).
 
     A K-quant super-block holds 8 sub-blocks of 32 values, value = d * sc_j * q - dmin * m_j (q 4 or 5 bits, sc_j
     and m_j 6-bit), which is Q4_1's (Q5_1's) q * d' + m' with d' = d * sc_j and m' = -dmin * m_j: the bits move as
@@ -104,6 +109,6 @@ def rewrite_k_quant(raw: torch.Tensor, qtype: GGMLQuantizationType) -> tuple[tor
     so a Q4_K_M file runs at 5 bits per weight on the Q4 kernel, a Q5_K_M file at 6 on the Q5 kernel
     (``kernels.q4_k_to_q4_1``, ``q5_k_to_q5_1``). Source: ggml ``dequantize_row_q4_K`` / ``dequantize_row_q5_K``.
     """
-    rewritten, op = K_QUANT_REWRITES[qtype]
+    rewritten, op = SUPER_BLOCK_REWRITES[qtype]
     out = getattr(get_ops(), op)(raw.contiguous())
     return (out, rewritten) if out.numel() else None

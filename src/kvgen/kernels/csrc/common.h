@@ -23,6 +23,8 @@
 //   Q5 record (192 bytes), from GGUF block_q5_0 / block_q5_1 (Q5_K as Q5_1 rows, q5_k_to_q5_1): the Q4
 //     record (fp16 d[8], fp16 m[8], qs[4][8][4] low nibbles; Q5_0 has m = -16 d), then uint8 qh[8][4]:
 //     qh[r][i] bit t = the high bit of column 4t+i, bit 4+t = that of column 16+4t+i (w = (nibble | 16 hb) d + m).
+//   IQ4 record (144 bytes), from GGUF block_iq4_nl (IQ4_XS as IQ4_NL rows, iq4_xs_to_iq4_nl): fp16 d[8], then
+//     qs[4][8][4] as the Q4 record's; w = d * kIQ4Values[nibble] (llama.cpp's kvalues_iq4nl, non-linear).
 //   Mixed weight (a stacked matrix whose parts have different types, e.g. a Q4_K_M file's Q4_K q, k and
 //     Q6_K v): uint8 [bytes], a 64-byte header of int64 {S (1-3), nb, (weight_type, groups) x S}, then each
 //     segment's [groups, nb, record] records in order; every segment but the last fills whole groups.
@@ -44,9 +46,14 @@ constexpr int64_t kQ8Record = 272;    // bytes per (group, block), Q8
 constexpr int64_t kF16Record = 512;   // bytes per (group, block), F16 and BF16
 constexpr int64_t kQ6Record = 224;    // bytes per (group, block), Q6
 constexpr int64_t kQ5Record = 192;    // bytes per (group, block), Q5
+constexpr int64_t kIQ4Record = 144;   // bytes per (group, block), IQ4
 constexpr int64_t kMixedHeader = 64;  // bytes before a mixed weight's segments
 
-enum WeightType : int64_t { kQ4 = 0, kQ8 = 1, kF16 = 2, kBF16 = 3, kQ6 = 4, kMixed = 5, kQ5 = 6 };
+enum WeightType : int64_t { kQ4 = 0, kQ8 = 1, kF16 = 2, kBF16 = 3, kQ6 = 4, kMixed = 5, kQ5 = 6, kIQ4 = 7 };
+
+// The 16 values a 4-bit IQ4_NL / IQ4_XS index stands for (ggml-common.h kvalues_iq4nl).
+alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                               1,    13,   25,  38,  53,  69,  89,  113};
 
 struct BlockQ8A {
   float d;         // scale
@@ -75,6 +82,7 @@ void quantize_row_q8a(const float* x, BlockQ8A* y, int64_t K);
 void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q8_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q5_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
+void iq4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 // Q6 also reads each activation block's two half sums (bytes 0-15 in the low, 16-31 in the high int16 of
 // half_sums[m][b]), written for n blocks by q6_half_sums.
 void q6_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums);

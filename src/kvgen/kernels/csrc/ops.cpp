@@ -16,13 +16,14 @@ namespace kvgen {
 namespace {
 
 int64_t record_bytes(int64_t weight_type) {
-  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kQ5 && weight_type != kMixed, "kvgen: unknown weight_type ",
+  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kIQ4 && weight_type != kMixed, "kvgen: unknown weight_type ",
               weight_type);
   switch (weight_type) {
     case kQ4: return kQ4Record;
     case kQ8: return kQ8Record;
     case kQ6: return kQ6Record;
     case kQ5: return kQ5Record;
+    case kIQ4: return kIQ4Record;
     default: return kF16Record;
   }
 }
@@ -60,8 +61,8 @@ std::vector<Segment> segments_of(const at::Tensor& weight, int64_t weight_type, 
   G = 0;
   for (int64_t i = 0; i < num; ++i) {
     const int64_t type = head[2 + 2 * i], groups = head[3 + 2 * i];
-    TORCH_CHECK(type == kQ4 || type == kQ8 || type == kQ6 || type == kQ5, "kvgen: mixed weight segment of type ", type,
-                " (Q4, Q5, Q6 and Q8 segments share the activations)");
+    TORCH_CHECK(type == kQ4 || type == kQ8 || type == kQ6 || type == kQ5 || type == kIQ4, "kvgen: mixed weight segment "
+                "of type ", type, " (Q4, Q5, Q6, Q8 and IQ4 segments share the activations)");
     segs.push_back({type, G, G + groups, p, record_bytes(type)});
     p += groups * nb * record_bytes(type);
     G += groups;
@@ -153,6 +154,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           case kQ6: q6_group(wg, a, hs, mt, nb, o); break;
           case kQ4: q4_group(wg, a, mt, nb, o); break;
           case kQ5: q5_group(wg, a, mt, nb, o); break;
+          case kIQ4: iq4_group(wg, a, mt, nb, o); break;
           default: q8_group(wg, a, mt, nb, o); break;
         }
       }
@@ -215,6 +217,14 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const 
               dst[16 + 4 * t + i] = d * static_cast<float>(sc[8 + r]) * static_cast<float>(u1 - 32);
             }
           }
+        } else if (weight_type == kIQ4) {
+          for (int t = 0; t < 4; ++t) {
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t byte = blk[16 + 32 * t + 4 * r + i];
+              dst[4 * t + i] = d * static_cast<float>(kIQ4Values[byte & 15]);
+              dst[16 + 4 * t + i] = d * static_cast<float>(kIQ4Values[byte >> 4]);
+            }
+          }
         } else if (weight_type == kQ4 || weight_type == kQ5) {
           std::memcpy(&h, blk + 16 + 2 * r, 2);
           const float mn = _cvtsh_ss(h);
@@ -257,6 +267,7 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("q4_k_to_q4_1(Tensor raw) -> Tensor");
   m.def("q5_k_to_q5_1(Tensor raw) -> Tensor");
   m.def("q3_k_to_q6_k(Tensor raw) -> Tensor");
+  m.def("iq4_xs_to_iq4_nl(Tensor raw) -> Tensor");
   m.def("static_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? key_mask, int past_len, "
         "int num_heads, float scale) -> Tensor");
   m.def("paged_attention_qkv(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping, Tensor block_tables, "
@@ -284,6 +295,7 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("q4_k_to_q4_1", &kvgen::q4_k_to_q4_1);
   m.impl("q5_k_to_q5_1", &kvgen::q5_k_to_q5_1);
   m.impl("q3_k_to_q6_k", &kvgen::q3_k_to_q6_k);
+  m.impl("iq4_xs_to_iq4_nl", &kvgen::iq4_xs_to_iq4_nl);
   m.impl("static_attention", &kvgen::static_attention);
   m.impl("paged_attention_qkv", &kvgen::paged_attention_qkv);
   m.impl("decoder_layers", &kvgen::decoder_layers);

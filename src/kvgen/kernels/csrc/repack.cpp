@@ -2,9 +2,10 @@
 // parts: row blocks of one matrix (e.g. q, k, v), each [rows_i, nb * block bytes] uint8 of
 // one GGUF type: 0 = Q4_0 (fp16 d, 16 nibble bytes), 1 = Q4_1 (fp16 d, fp16 m, 16 nibble
 // bytes), 2 = Q8_0 (fp16 d, 32 int8), 3 = F16, 4 = BF16 (32 16-bit values per block), 5 = Q6_K (256 values
-// per 210-byte block: ql[128], qh[64], int8 scales[16], fp16 d). Rows are numbered across parts; missing rows
+// per 210-byte block: ql[128], qh[64], int8 scales[16], fp16 d), 6 = Q5_0, 7 = Q5_1, 8 = IQ4_NL (fp16 d, 16 nibble
+// bytes of indices into kIQ4Values). Rows are numbered across parts; missing rows
 // of the last group are zero (scale 0). Source: ggml-common.h block_q4_0 / block_q4_1 / block_q8_0 /
-// block_q6_K, ggml-quants.c dequantize_row_q6_K.
+// block_q6_K / block_iq4_nl, ggml-quants.c dequantize_row_q6_K.
 #include <immintrin.h>
 
 #include <atomic>
@@ -56,15 +57,15 @@ void repack_q6_k(const uint8_t* s, int64_t r, uint8_t* d) {
 }  // namespace
 
 at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) {
-  TORCH_CHECK(gguf_type >= 0 && gguf_type <= 7, "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), "
-              "3 (F16), 4 (BF16), 5 (Q6_K), 6 (Q5_0) or 7 (Q5_1)");
+  TORCH_CHECK(gguf_type >= 0 && gguf_type <= 8, "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), "
+              "3 (F16), 4 (BF16), 5 (Q6_K), 6 (Q5_0), 7 (Q5_1) or 8 (IQ4_NL)");
   TORCH_CHECK(!parts.empty(), "kvgen.repack_gguf: no rows");
   const bool is_16bit = gguf_type == 3 || gguf_type == 4;  // F16, BF16
-  const bool is_q6 = gguf_type == 5, is_q5 = gguf_type == 6 || gguf_type == 7;
-  constexpr int64_t kSrcBlock[] = {18, 20, 34, 64, 64, kQ6KBlock, 22, 24};  // bytes per GGUF block of each type
+  const bool is_q6 = gguf_type == 5, is_q5 = gguf_type == 6 || gguf_type == 7, is_iq4 = gguf_type == 8;
+  constexpr int64_t kSrcBlock[] = {18, 20, 34, 64, 64, kQ6KBlock, 22, 24, 18};  // bytes per GGUF block of each type
   const int64_t src_block = kSrcBlock[gguf_type];
   const int64_t rec = gguf_type == 2 ? kQ8Record : is_16bit ? kF16Record : is_q6 ? kQ6Record : is_q5 ? kQ5Record
-                                                                                               : kQ4Record;
+                      : is_iq4 ? kIQ4Record : kQ4Record;
   const int64_t row_bytes = parts[0].size(1), nb = row_bytes / src_block * (is_q6 ? 8 : 1);
   int64_t rows = 0;
   for (const auto& p : parts) {
@@ -95,8 +96,8 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
           continue;
         }
         std::memcpy(d + 2 * r, s, 2);  // d
-        if (gguf_type == 2) {
-          for (int j = 0; j < 8; ++j) std::memcpy(d + 16 + 32 * j + 4 * r, s + 2 + 4 * j, 4);
+        if (gguf_type == 2 || is_iq4) {  // Q8_0: 8 x 4 int8 values; IQ4_NL: 4 x 4 bytes of two indices
+          for (int j = 0; j < (is_iq4 ? 4 : 8); ++j) std::memcpy(d + 16 + 32 * j + 4 * r, s + 2 + 4 * j, 4);
           continue;
         }
         if (gguf_type == 1 || gguf_type == 7) {
@@ -129,7 +130,7 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
 // get_scale_min_k4), the nibbles moved as they are (K-quants: sub-blocks 2p, 2p+1 in the low / high nibbles of 32
 // bytes; legacy: values i, 16+i in byte i) and, for Q5_K, each value's fifth bit (bit j of qh[l] for value l of
 // sub-block j; Q5_1: bit l of a 32-bit qh). An empty tensor when a d' or m' overflows fp16. Source: ggml
-// dequantize_row_q4_K / dequantize_row_q5_K (kvgen.weights.quantized.rewrite_k_quant).
+// dequantize_row_q4_K / dequantize_row_q5_K (kvgen.weights.quantized.rewrite_super_block).
 template <bool FiveBits>
 at::Tensor k_quant_to_legacy(const at::Tensor& raw) {
   constexpr int64_t kIn = FiveBits ? 176 : 144, kOut = FiveBits ? 24 : 20, kQs = FiveBits ? 48 : 16;
@@ -228,6 +229,39 @@ at::Tensor q3_k_to_q6_k(const at::Tensor& raw) {
     }
   });
   return out;
+}
+
+// GGUF IQ4_XS rows [rows, nsb * 136] -> IQ4_NL rows [rows, nsb * 8 * 18]: sub-block j of a super-block (fp16 d,
+// uint16 scales_h, uint8 scales_l[4], qs[128]) has the 6-bit scale ls_j = low nibble j of scales_l | 2 bits j of
+// scales_h << 4 and values d * (ls_j - 32) * kIQ4Values[q], so it is an IQ4_NL block with d' = d * (ls_j - 32)
+// rounded to fp16 and the same 16 index bytes. An empty tensor when a d' overflows fp16. Source: ggml
+// dequantize_row_iq4_xs.
+at::Tensor iq4_xs_to_iq4_nl(const at::Tensor& raw) {
+  TORCH_CHECK(raw.dtype() == at::kByte && raw.dim() == 2 && raw.is_contiguous() && raw.size(1) % 136 == 0,
+              "kvgen.iq4_xs_to_iq4_nl: raw must be contiguous uint8 [rows, nsb * 136]");
+  const int64_t n = raw.numel() / 136;  // super-blocks
+  at::Tensor out = at::empty({raw.size(0), raw.size(1) / 136 * 8 * 18}, raw.options());
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  std::atomic<bool> overflow{false};
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const uint8_t* s = src + 136 * k;
+      uint8_t* o = dst + 8 * 18 * k;
+      uint16_t h, scales_h;
+      std::memcpy(&h, s, 2);
+      std::memcpy(&scales_h, s + 2, 2);
+      const float d = _cvtsh_ss(h);
+      for (int j = 0; j < 8; ++j, o += 18) {
+        const int ls = ((s[4 + j / 2] >> (4 * (j % 2))) & 15) | (((scales_h >> (2 * j)) & 3) << 4);
+        const uint16_t dj = _cvtss_sh(d * static_cast<float>(ls - 32), _MM_FROUND_TO_NEAREST_INT);
+        if ((dj & 0x7C00) == 0x7C00) overflow = true;  // inf (or a NaN input)
+        std::memcpy(o, &dj, 2);
+        std::memcpy(o + 2, s + 8 + 16 * j, 16);
+      }
+    }
+  });
+  return overflow ? at::empty({0}, raw.options()) : out;
 }
 
 }  // namespace kvgen
