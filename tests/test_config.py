@@ -135,3 +135,33 @@ def test_values_left_out_of_config_json_are_transformers_defaults(tmp_path, mode
     expected = min(reference.max_position_embeddings, window or reference.max_position_embeddings)
     if getattr(reference, "rope_scaling", None) is None:
         assert ours.max_position_embeddings == expected
+
+
+def test_gemma3_config_json_reads_as_transformers_does(tmp_path):
+    """A Gemma3TextConfig's config.json with the class defaults left out (the vocabulary, the window, the scale, both
+    RoPE bases, head_dim, tied embeddings) reads as transformers reads it; a Hub-style config.json with
+    ``sliding_window_pattern`` and no ``layer_types`` gets transformers' layer kinds (every 6th full)."""
+    import json
+
+    import transformers
+
+    transformers.Gemma3TextConfig(num_hidden_layers=7, hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                                  intermediate_size=128).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    defaults = ("vocab_size", "sliding_window", "query_pre_attn_scalar", "rope_local_base_freq", "rope_theta",
+                "head_dim", "tie_word_embeddings", "max_position_embeddings", "hidden_activation", "rms_norm_eps")
+    minimal = {k: v for k, v in saved.items() if k not in defaults}  # as a config.json may leave them out
+    reference = transformers.Gemma3TextConfig(**minimal)
+    assert reference.sliding_window == 4096 and reference.vocab_size == 262208
+    ours = ModelConfig.from_hf_dict(minimal)
+    for name in ("vocab_size", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "head_dim", "sliding_window",
+                 "query_pre_attn_scalar", "rope_local_base_freq", "max_position_embeddings", "layer_types"):
+        assert getattr(ours, name) == getattr(reference, name), name
+    assert (ours.model_type, ours.use_qk_norm, ours.hidden_act) == ("gemma3_text", True, "gelu_pytorch_tanh")
+    hub = {k: v for k, v in saved.items() if k != "layer_types"} | {"sliding_window_pattern": 3}
+    want = transformers.Gemma3TextConfig(**hub).layer_types
+    assert ModelConfig.from_hf_dict(hub).layer_types == want and want[2] == "full_attention" and want[3] != want[2]
+    with pytest.raises(ModelFormatError, match="layer_types must hold one of"):
+        ModelConfig.from_hf_dict(saved | {"layer_types": ["sliding_attention"] * 6})
+    with pytest.raises(UnsupportedArchitectureError, match="'gemma3' is not supported"):
+        ModelConfig.from_hf_dict(saved | {"model_type": "gemma3"})  # Gemma3ForConditionalGeneration (multimodal)

@@ -15,11 +15,12 @@ from typing import Any
 
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
 
-SUPPORTED_MODEL_TYPES = ("llama", "gpt2")
+SUPPORTED_MODEL_TYPES = ("llama", "gpt2", "gemma3_text")
 
 # GGUF `general.architecture` values we decode with our Llama implementation.
 # qwen2/3, phi3: llama.cpp stores their q/k rows unpermuted (NEOX rope); phi3 stacks q/k/v and gate/up
 _GGUF_LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "smollm3")  # smollm3: llama's tensors, NoPE every 4th layer
+_GGUF_ARCHS = (*_GGUF_LLAMA_ARCHS, "gemma3")  # gemma3: our Gemma 3 decoder (model_type gemma3_text)
 # Hugging Face model_types decoded by our Llama (see _llama_family_changes)
 _HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 _ROPE_TYPES = (None, "default", "llama3", "linear", "freq_factors", "longrope")
@@ -32,7 +33,13 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "phi3": {"vocab_size": 32064, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
     "smollm3": {"vocab_size": 128256, "max_position_embeddings": 32768, "rope_theta": 2000000.0,
                 "tie_word_embeddings": True},
+    "gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072, "pad_token_id": 0,
+                    "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True, "rope_theta": 1000000.0,
+                    "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_local_base_freq": 10000.0},
 }
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' layer_types values kvgen decodes
 
 
 def token_id_list(value: Any) -> list[int]:
@@ -77,6 +84,12 @@ class ModelConfig:
     mlp_bias: bool = False
     use_qk_norm: bool = False  # Qwen3: an RMSNorm over each head's query and key before RoPE
     no_rope_layers: list[int] | None = None  # SmolLM3: a 0/1 per layer, 0 = no RoPE (NoPE); None: RoPE everywhere
+    # Gemma 3 (model_type gemma3_text): per-layer "sliding_attention" / "full_attention"; sliding layers see the last
+    # sliding_window tokens and rotate by rope_local_base_freq (unscaled); attention scale query_pre_attn_scalar^-0.5
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    rope_local_base_freq: float | None = None
+    query_pre_attn_scalar: float | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -106,6 +119,12 @@ class ModelConfig:
         flags = self.no_rope_layers
         if flags is not None and (len(flags) != self.num_hidden_layers or any(f not in (0, 1) for f in flags)):
             raise ModelFormatError(f"no_rope_layers must hold a 0 or 1 per layer ({self.num_hidden_layers}), got {flags}")
+        kinds = self.layer_types
+        if kinds is not None and (len(kinds) != self.num_hidden_layers or any(k not in LAYER_TYPES for k in kinds)):
+            raise ModelFormatError(f"layer_types must hold one of {LAYER_TYPES} per layer ({self.num_hidden_layers}), "
+                                   f"got {kinds}")
+        if kinds is not None and "sliding_attention" in kinds and (self.sliding_window or 0) < 1:
+            raise ModelFormatError(f"sliding_attention layers need a positive sliding_window, got {self.sliding_window}")
 
     def _apply_rope_scaling(self, scaling: dict[str, Any]) -> None:
         """Refuse rope types we do not compute, and bound a LongRoPE model's ``max_position_embeddings``.
@@ -168,6 +187,8 @@ class ModelConfig:
                     pad_token_id=cfg.get("pad_token_id"),
                     extra={"scale_attn_weights": cfg.get("scale_attn_weights", True)},
                 )
+            if model_type == "gemma3_text":
+                return cls(**_gemma3_kwargs(_HF_DEFAULTS["gemma3_text"] | cfg))
             if model_type in _HF_LLAMA_TYPES:
                 cfg = _HF_DEFAULTS.get(model_type, {}) | cfg  # save_pretrained leaves out values equal to these
                 known = {f.name for f in fields(cls)}
@@ -183,16 +204,16 @@ class ModelConfig:
 
         ``meta`` maps GGUF keys (``general.architecture``, ``llama.block_count``,
         ...) to values. Raises ``UnsupportedArchitectureError`` for an
-        architecture outside ``llama``, ``qwen2``, ``qwen3``, ``phi3``, ``smollm3`` and ``ModelFormatError`` for missing
-        keys.
+        architecture outside ``llama``, ``qwen2``, ``qwen3``, ``phi3``, ``smollm3``, ``gemma3`` (see
+        :func:`_gemma3_gguf_changes`) and ``ModelFormatError`` for missing keys.
         Rope scaling stored as tensors (``rope_freqs``, ``rope_factors_*``) is the loader's to add.
         """
         arch = meta.get("general.architecture")
         if arch is None:
             raise ModelFormatError("GGUF metadata has no 'general.architecture'")
-        if arch not in _GGUF_LLAMA_ARCHS:
+        if arch not in _GGUF_ARCHS:
             raise UnsupportedArchitectureError(
-                f"GGUF architecture {arch!r} is not supported; kvgen reads GGUF files of: {', '.join(_GGUF_LLAMA_ARCHS)}"
+                f"GGUF architecture {arch!r} is not supported; kvgen reads GGUF files of: {', '.join(_GGUF_ARCHS)}"
             )
 
         def need(key: str) -> Any:
@@ -215,27 +236,30 @@ class ModelConfig:
             raise UnsupportedArchitectureError(
                 f"partial rotary embeddings (rope.dimension_count={rope_dim}, head_dim={head_dim}) are not supported"
             )
-        return cls(
-            model_type="llama",
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            num_hidden_layers=int(need("block_count")),
-            num_attention_heads=num_heads,
-            num_key_value_heads=int(meta.get(f"{arch}.attention.head_count_kv", num_heads)),
-            intermediate_size=int(need("feed_forward_length")),
-            head_dim=int(head_dim),
-            max_position_embeddings=_gguf_context_length(meta, arch),
-            rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-            tie_word_embeddings=False,  # set by the loader: True when the file has no output.weight
-            use_qk_norm=arch == "qwen3",
+        kwargs: dict[str, Any] = {
+            "model_type": "llama",
+            "vocab_size": int(vocab),
+            "hidden_size": hidden,
+            "num_hidden_layers": int(need("block_count")),
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", num_heads)),
+            "intermediate_size": int(need("feed_forward_length")),
+            "head_dim": int(head_dim),
+            "max_position_embeddings": _gguf_context_length(meta, arch),
+            "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            "tie_word_embeddings": False,  # set by the loader: True when the file has no output.weight
+            "use_qk_norm": arch == "qwen3",
             # llama.cpp's smollm3 graph: no RoPE where (layer + 1) % 4 == 0, a constant of its code (no GGUF key)
-            no_rope_layers=no_rope_every(4, int(need("block_count"))) if arch == "smollm3" else None,
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-            pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-            extra={"gguf_architecture": arch},
-        )
+            "no_rope_layers": no_rope_every(4, int(need("block_count"))) if arch == "smollm3" else None,
+            "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+            "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+            "extra": {"gguf_architecture": arch},
+        }
+        if arch == "gemma3":
+            kwargs |= _gemma3_gguf_changes(meta, kwargs, need("attention.sliding_window"))
+        return cls(**kwargs)
 
 
 def _llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -272,6 +296,71 @@ def _llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any
     if kind == "longrope" or (model_type == "phi3" and kind in ("su", "yarn")):  # Phi3Config renames su / yarn
         changes["rope_scaling"] = _hf_longrope(cfg, scaling, model_type)
     return changes
+
+
+def _gemma3_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig arguments of a Gemma 3 text ``config.json`` (``cfg`` completed with transformers' defaults):
+    q/k norms, ``layer_types`` (from ``sliding_window_pattern``, 6 by default, when absent), GeGLU, a ``linear``
+    rope_scaling for the full-attention layers only. Raises ``UnsupportedArchitectureError`` naming logit
+    softcapping (Gemma 2's, None in Gemma 3), an activation other than ``gelu_pytorch_tanh`` or another rope type.
+    Source: transformers 4.55 ``Gemma3TextConfig`` / ``Gemma3TextModel`` (``rotary_emb_local``)."""
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(name) is not None:
+            raise UnsupportedArchitectureError(f"gemma3_text with {name}={cfg[name]} is not supported (kvgen computes "
+                                               f"no logit softcapping; Gemma 3 checkpoints have none)")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act")
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedArchitectureError(f"gemma3_text hidden_activation must be 'gelu_pytorch_tanh', got {act!r}")
+    scaling = cfg.get("rope_scaling") or None
+    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    if kind not in (None, "default", "linear"):
+        raise UnsupportedArchitectureError(f"gemma3_text rope_scaling type {kind!r} is not supported (linear or none)")
+    kinds = cfg.get("layer_types") or gemma3_layer_types(cfg.get("sliding_window_pattern", 6), cfg["num_hidden_layers"])
+    names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+             "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_id", "pad_token_id", "sliding_window",
+             "rope_local_base_freq", "query_pre_attn_scalar")
+    return {k: cfg[k] for k in names if k in cfg} | {
+        "model_type": "gemma3_text", "hidden_act": act, "use_qk_norm": True, "layer_types": list(kinds),
+        "rope_scaling": scaling if kind == "linear" else None, "extra": {"hf_model_type": "gemma3_text"}}
+
+
+def gemma3_layer_types(pattern: int | list[bool], num_layers: int) -> list[str]:
+    """Gemma 3's ``layer_types``: with an int pattern every ``pattern``-th layer full attention, the others sliding
+    (transformers 4.55 ``Gemma3TextConfig``, llama.cpp ``set_swa_pattern(6)``); a list of flags (a GGUF
+    ``attention.sliding_window_pattern`` array) says per layer whether it slides. ModelFormatError for a bad value."""
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ModelFormatError(f"sliding_window_pattern must hold a flag per layer ({num_layers}), got {pattern}")
+        return ["sliding_attention" if flag else "full_attention" for flag in pattern]
+    if int(pattern) < 1:
+        raise ModelFormatError(f"sliding_window_pattern must be >= 1, got {pattern}")
+    return ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(num_layers)]
+
+
+def _gemma3_gguf_changes(meta: dict[str, Any], kwargs: dict[str, Any], window: Any) -> dict[str, Any]:
+    """What a ``gemma3`` GGUF file changes of the llama-family arguments ``kwargs``: llama.cpp's constants for the
+    keys its converter leaves out (every 6th layer full attention, local RoPE base 10000, the attention scale
+    head_dim^-0.5 except hidden / heads for the 62-layer 27B) unless the file has them, a linear
+    ``rope.scaling`` for the full layers. Norm weights already hold 1 + w. Raises ``UnsupportedArchitectureError``
+    for logit softcapping or another rope scaling type. Source: llama.cpp ``llama-model.cpp`` (LLM_ARCH_GEMMA3),
+    ``convert_hf_to_gguf.py`` ``Gemma3Model``."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if float(meta.get(f"gemma3.{key}") or 0.0) != 0.0:
+            raise UnsupportedArchitectureError(f"gemma3 file with {key}={meta[f'gemma3.{key}']} is not supported")
+    layers, hidden, heads = kwargs["num_hidden_layers"], kwargs["hidden_size"], kwargs["num_attention_heads"]
+    kind, factor = meta.get("gemma3.rope.scaling.type"), float(meta.get("gemma3.rope.scaling.factor") or 1.0)
+    if kind not in (None, "none", "linear"):
+        raise UnsupportedArchitectureError(f"gemma3 rope.scaling.type {kind!r} is not supported (linear or none)")
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    return {
+        "model_type": "gemma3_text", "hidden_act": "gelu_pytorch_tanh", "use_qk_norm": True,
+        "layer_types": gemma3_layer_types(list(pattern) if isinstance(pattern, (list, tuple)) else pattern, layers),
+        "sliding_window": int(window), "rope_local_base_freq": float(meta.get("gemma3.rope.freq_base_swa", 10000.0)),
+        "query_pre_attn_scalar": float(hidden // heads if layers == 62 else kwargs["head_dim"]),
+        "rope_scaling": {"rope_type": "linear", "factor": factor} if kind == "linear" and factor != 1.0 else None,
+        "rms_norm_eps": float(meta.get("gemma3.attention.layer_norm_rms_epsilon", 1e-6)),
+    }
 
 
 def no_rope_every(interval: int, num_layers: int) -> list[int]:

@@ -24,7 +24,7 @@ def _storage_types(path: Any) -> dict[str, int]:
         counts: Counter[str] = Counter()
         for file in sorted(path.glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
+                for key in f.keys():  # noqa: SIM118 -- a safetensors handle, not a dict
                     counts[str(f.get_slice(key).get_dtype())] += 1
         return dict(counts)
     from kvgen.weights.gguf_file import open_gguf
@@ -51,7 +51,7 @@ def describe_model(path_or_name: str = "default") -> dict[str, Any]:
         "head_dim": cfg.head_dim,
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "rope_theta": cfg.rope_theta if cfg.model_type == "llama" else None,
+        "rope_theta": cfg.rope_theta if cfg.model_type in ("llama", "gemma3_text") else None,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "storage_types": _storage_types(path),
         "tokenizer": {

@@ -140,3 +140,23 @@ def test_sentencepiece_vocabularies_match_transformers_gguf_converter() -> None:
     assert ours.decode(ids, skip_special_tokens=True) == "Hello 🦙"
     with pytest.raises(ModelFormatError, match="tokenizer.ggml.scores has 3 entries"):
         Tokenizer.from_gguf({**meta, "tokenizer.ggml.scores": [0.0] * 3})
+
+
+def test_gemma_style_sentencepiece_vocabulary_has_no_prefix_space() -> None:
+    """A Gemma 3 GGUF vocabulary (llama.cpp's converter: SentencePiece "llama" model, add_space_prefix false, turn
+    markers as control tokens) builds on the SentencePiece path: no "▁" is prepended, spaces inside the text become
+    "▁", the turn markers stay single special tokens, and decode gives the text back."""
+    meta = _sentencepiece_meta()
+    tokens = [*meta["tokenizer.ggml.tokens"], "<start_of_turn>", "<end_of_turn>"]
+    meta |= {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": [*meta["tokenizer.ggml.scores"], 0.0, 0.0],
+             "tokenizer.ggml.token_type": [*meta["tokenizer.ggml.token_type"], 3, 3],
+             "tokenizer.ggml.add_space_prefix": False, "tokenizer.ggml.add_bos_token": False}
+    ours = Tokenizer.from_gguf(meta)
+    with_prefix = Tokenizer.from_gguf(meta | {"tokenizer.ggml.add_space_prefix": True})
+    text = "<start_of_turn>user\nThe quick brown fox<end_of_turn>"
+    ids = ours.encode(text, add_special_tokens=False)
+    assert ids[0] == tokens.index("<start_of_turn>") and ids[-1] == tokens.index("<end_of_turn>")
+    assert ours.decode(ids) == text
+    plain = ours.encode("quick fox", add_special_tokens=False)
+    assert not tokens[plain[0]].startswith("▁") and any(tokens[i].startswith("▁") for i in plain[1:])
+    assert tokens[with_prefix.encode("quick fox", add_special_tokens=False)[0]].startswith("▁")

@@ -391,18 +391,23 @@ def dequantize_rows(weight: torch.Tensor, weight_type: int, ids: torch.Tensor, i
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, past_len: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, past_len: int, scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention over a cache: q [B, H, T, D] float32; k, v [B, Hkv, S, D] (read at fp16
     precision); key_mask [B, S] bool or None. Query t sits at slot ``past_len + t`` and sees the
-    slots up to it that key_mask allows (a query that sees none sees its own slot).
-    Returns [B, T, H, D] float32. Source: Vaswani et al. 2017 eq. 1; GQA as HF ``repeat_kv``.
+    slots up to it that key_mask allows (a query that sees none sees its own slot); with ``window`` > 0 (a
+    sliding-window layer) only the slots > ``past_len + t - window`` of those.
+    Returns [B, T, H, D] float32. Source: Vaswani et al. 2017 eq. 1; GQA as HF ``repeat_kv``; the window as
+    transformers' ``sliding_window_overlay``.
     """
     b, h, t, d = q.shape
     h_kv, s = k.shape[1], k.shape[2]
     k, v = k.half().float(), v.half().float()
     slot = torch.arange(s)
     visible = slot[None, :] <= (past_len + torch.arange(t))[:, None]  # [T, S]
+    if window > 0:
+        visible &= slot[None, :] > (past_len + torch.arange(t))[:, None] - window  # [T, S]
     visible = visible[None] & (key_mask.bool()[:, None, :] if key_mask is not None else True)  # [B, T, S]
     own = slot[None, :] == (past_len + torch.arange(t)).clamp(max=s - 1)[:, None]  # [T, S]
     visible = torch.where(visible.any(-1, keepdim=True), visible, own[None])  # [B, T, S]
@@ -421,10 +426,11 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Packed queries q [N, H, D] of R sequences (``query_start_loc`` [R+1]) over pools
     [num_blocks, block_size, Hkv, D] through ``block_tables`` [R, nb]; sequence r's queries are
-    its last positions before ``seq_lens[r]``. Returns [N, H, D] float32 (as :func:`attention`).
+    its last positions before ``seq_lens[r]``; ``window`` as :func:`attention`. Returns [N, H, D] float32.
     """
     out = torch.empty_like(q)
     bs = k_pool.shape[1]
@@ -435,7 +441,7 @@ def paged_attention(
         k = k_pool.view(-1, *k_pool.shape[2:])[slots].transpose(0, 1)[None]  # [1, Hkv, L, D]
         v = v_pool.view(-1, *v_pool.shape[2:])[slots].transpose(0, 1)[None]  # [1, Hkv, L, D]
         qr = q[start:end].transpose(0, 1)[None]  # [1, H, T, D]
-        out[start:end] = attention(qr, k, v, None, length - (end - start), scale)[0]
+        out[start:end] = attention(qr, k, v, None, length - (end - start), scale, window)[0]
     return out
 
 
@@ -447,10 +453,10 @@ def _split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: i
 
 def static_attention(
     qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_mask: torch.Tensor | None,
-    past_len: int, num_heads: int, scale: float,
+    past_len: int, num_heads: int, scale: float, window: int = 0,
 ) -> torch.Tensor:
     """qkv [B*T, (H + 2 Hkv) D]: write k, v at slots past_len.. of caches [B, Hkv, S_max, D], then
-    :func:`attention` over the first past_len + T slots. Returns [B*T, H*D]."""
+    :func:`attention` over the first past_len + T slots (``window`` as there). Returns [B*T, H*D]."""
     b, h_kv, _, d = k_cache.shape
     t = qkv.shape[0] // b
     q, k, v = _split_qkv(qkv, num_heads, h_kv, d)  # [N, H|Hkv, D]
@@ -458,21 +464,22 @@ def static_attention(
     v_cache[:, :, past_len : past_len + t] = v.view(b, t, h_kv, d).transpose(1, 2)
     end = past_len + t
     qb = q.view(b, t, num_heads, d).transpose(1, 2)  # [B, H, T, D]
-    out = attention(qb, k_cache[:, :, :end], v_cache[:, :, :end], key_mask, past_len, scale)  # [B, T, H, D]
+    out = attention(qb, k_cache[:, :, :end], v_cache[:, :, :end], key_mask, past_len, scale, window)  # [B, T, H, D]
     return out.reshape(b * t, num_heads * d)
 
 
 def paged_attention_qkv(
     qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor,
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """qkv [N, (H + 2 Hkv) D]: write k, v to ``slot_mapping`` [N] of the pools, then
-    :func:`paged_attention`. Returns [N, H*D]."""
+    :func:`paged_attention` (``window`` as there). Returns [N, H*D]."""
     h_kv, d = k_pool.shape[2], k_pool.shape[3]
     q, k, v = _split_qkv(qkv, num_heads, h_kv, d)
     k_pool.view(-1, h_kv, d).index_copy_(0, slot_mapping, k.to(k_pool.dtype))
     v_pool.view(-1, h_kv, d).index_copy_(0, slot_mapping, v.to(v_pool.dtype))
-    out = paged_attention(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, scale)  # [N, H, D]
+    out = paged_attention(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, scale, window)  # [N, H, D]
     return out.reshape(qkv.shape[0], num_heads * d)
 
 

@@ -203,10 +203,12 @@ class PagedKVCache:
         v: torch.Tensor,
         meta: PagedAttentionMetadata,
         scale: float | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
         """Write this step's k, v to their slots, then attend every sequence over its blocks.
 
-        q: [1, H, N, D]; k, v: [1, Hkv, N, D] (one packed row). Returns [1, H, N, D], q's dtype.
+        q: [1, H, N, D]; k, v: [1, Hkv, N, D] (one packed row). ``window`` > 0 (a sliding-window layer): a query at
+        position p sees positions p - window + 1 .. p only. Returns [1, H, N, D], q's dtype.
         """
         k_new, v_new = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [N, Hkv, D]
         k_pool, v_pool = self.key_cache[layer_idx], self.value_cache[layer_idx]
@@ -217,20 +219,23 @@ class PagedKVCache:
         num_heads, num_tokens = q.shape[1], q.shape[2]
         out = q.new_empty(num_tokens, num_heads, self.head_dim)  # [N, H, D]
         if meta.num_decodes:
-            out[: meta.num_decodes] = self._decode_attention(q[0, :, : meta.num_decodes], k_pool, v_pool, meta, scale)
+            out[: meta.num_decodes] = self._decode_attention(q[0, :, : meta.num_decodes], k_pool, v_pool, meta, scale,
+                                                             window)
         for chunk in meta.prefills:
-            out[chunk.token_start : chunk.token_end] = self._prefill_attention(q, k_new, v_new, k_pool, v_pool, chunk, scale)
+            out[chunk.token_start : chunk.token_end] = self._prefill_attention(q, k_new, v_new, k_pool, v_pool, chunk,
+                                                                               scale, window)
         return out.transpose(0, 1).unsqueeze(0)  # [1, H, N, D]
 
     def attend_rows(
-        self, layer_idx: int, qkv: torch.Tensor, meta: PagedAttentionMetadata, num_heads: int, scale: float, kernels
+        self, layer_idx: int, qkv: torch.Tensor, meta: PagedAttentionMetadata, num_heads: int, scale: float, kernels,
+        window: int = 0,
     ) -> torch.Tensor:
         """Kernel path: write the step's k, v from stacked rows qkv [N, (H + 2 Hkv) D] to their slots,
         then attend every sequence straight from the pool through its block table (no gather;
-        ``kernels.paged_attention_qkv``). Returns [N, H D] float32."""
+        ``kernels.paged_attention_qkv``; ``window`` as :meth:`attend`). Returns [N, H D] float32."""
         return kernels.paged_attention_qkv(
             qkv, self.key_cache[layer_idx], self.value_cache[layer_idx], meta.slot_mapping, meta.block_tables,
-            meta.query_start_loc, meta.seq_lens, num_heads, scale,
+            meta.query_start_loc, meta.seq_lens, num_heads, scale, window,
         )
 
     def _gather(self, which: str, pool: torch.Tensor, block_ids: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -247,7 +252,8 @@ class PagedKVCache:
         return rows.view(num_rows, -1, self.num_kv_heads, self.head_dim)  # [B, S_pad, Hkv, D]
 
     def _decode_attention(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float | None
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: PagedAttentionMetadata,
+        scale: float | None, window: int = 0,
     ) -> torch.Tensor:
         """q: [H, B, D] one query per sequence -> [B, H, D].
 
@@ -258,6 +264,10 @@ class PagedKVCache:
         group = num_heads // self.num_kv_heads
         qg = q.transpose(0, 1).reshape(batch, self.num_kv_heads, group, d)  # [B, Hkv, G, D]
         block_ids, decode_mask = meta.decode_inputs  # [B * nb], [B, 1, 1, S_pad]
+        if window > 0:  # each sequence's last `window` positions: those >= its length - window
+            first = meta.seq_lens[: meta.num_decodes] - window  # [B]
+            near = torch.arange(decode_mask.shape[-1])[None, :] >= first[:, None]  # [B, S_pad]
+            decode_mask = decode_mask & near[:, None, None, :]  # [B, 1, 1, S_pad]
         k = self._gather("k", k_pool, block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
         v = self._gather("v", v_pool, block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=decode_mask, scale=scale)  # [B, Hkv, G, D]
@@ -272,8 +282,9 @@ class PagedKVCache:
         v_pool: torch.Tensor,
         chunk: PrefillChunk,
         scale: float | None,
+        window: int = 0,
     ) -> torch.Tensor:
-        """One chunk's attention: q [1, H, N, D]; k_new, v_new [N, Hkv, D] -> [T, H, D]."""
+        """One chunk's attention: q [1, H, N, D]; k_new, v_new [N, Hkv, D] -> [T, H, D]; ``window`` as ``attend``."""
         qc = q[:, :, chunk.token_start : chunk.token_end]  # [1, H, T, D]
         if chunk.num_context == 0:  # nothing cached: causal attention within the chunk
             k = k_new[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
@@ -282,8 +293,13 @@ class PagedKVCache:
             k = self._gather("k", k_pool, chunk.block_ids, 1).transpose(1, 2)  # [1, Hkv, S_pad, D]
             v = self._gather("v", v_pool, chunk.block_ids, 1).transpose(1, 2)  # [1, Hkv, S_pad, D]
         gqa = qc.shape[1] != k.shape[1]
-        is_causal = chunk.mask is None and qc.shape[2] > 1
+        mask = chunk.mask
+        if window > 0:  # keys at positions (p - window, p] of the query at position p; key slot i is position i
+            q_pos = torch.arange(chunk.num_context, chunk.num_context + qc.shape[2])[:, None]  # [T, 1]
+            k_pos = torch.arange(k.shape[2])[None, :]  # [1, S]
+            mask = ((k_pos <= q_pos) & (k_pos > q_pos - window))[None, None]  # [1, 1, T, S]
+        is_causal = mask is None and qc.shape[2] > 1
         out = F.scaled_dot_product_attention(
-            qc, k, v, attn_mask=chunk.mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
+            qc, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
         )  # [1, H, T, D]
         return out[0].transpose(0, 1)  # [T, H, D]

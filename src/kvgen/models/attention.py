@@ -30,16 +30,17 @@ class AttentionMetadata:
 
 
 def prepare_attention(
-    attn_metadata: AttentionMetadata | PagedAttentionMetadata | None, kv_cache, num_new: int
+    attn_metadata: AttentionMetadata | PagedAttentionMetadata | None, kv_cache, num_new: int, window: int = 0
 ) -> torch.Tensor | PagedAttentionMetadata | None:
     """What every layer's attention gets: the paged metadata as is, else the offline mask.
 
-    The offline mask is ``build_attention_mask`` of the cache's ``seq_length`` (0 without a cache).
+    The offline mask is ``build_attention_mask`` of the cache's ``seq_length`` (0 without a cache) and ``window``
+    (> 0: the sliding-window layers' mask; the paged path takes the window in ``attend``).
     """
     if isinstance(attn_metadata, PagedAttentionMetadata):
         return attn_metadata
     past = kv_cache.seq_length if kv_cache is not None else 0
-    return build_attention_mask(attn_metadata.attention_mask if attn_metadata else None, past, num_new)
+    return build_attention_mask(attn_metadata.attention_mask if attn_metadata else None, past, num_new, window)
 
 
 def advance_cache(kv_cache, mask: torch.Tensor | PagedAttentionMetadata | None, num_new: int) -> None:
@@ -56,13 +57,15 @@ def attend(
     kv_cache,
     mask: torch.Tensor | PagedAttentionMetadata | None,
     scale: float | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Store k, v in the cache (if any) and attend: q [B, H, T, D]; k, v [B, Hkv, T, D] -> [B, H, T, D].
 
-    With paged metadata, B = 1 and T = N packed tokens (``PagedKVCache.attend``).
+    With paged metadata, B = 1 and T = N packed tokens (``PagedKVCache.attend``, which applies ``window`` > 0: each
+    query sees its last ``window`` positions); an offline mask carries its window already (``prepare_attention``).
     """
     if isinstance(mask, PagedAttentionMetadata):
-        return kv_cache.attend(layer_idx, q, k, v, mask, scale)
+        return kv_cache.attend(layer_idx, q, k, v, mask, scale, window)
     if kv_cache is not None:
         k, v = kv_cache.update(layer_idx, k, v)  # [B, Hkv, S, D]
     return scaled_dot_product_attention(q, k, v, mask, scale)
@@ -92,6 +95,8 @@ def attend_rows(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    scale: float | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """The kernel path's attention from stacked rows: qkv [N, (H + 2 Hkv) D] (RoPE applied) ->
     [N, H D] float32, k and v stored in the cache first.
@@ -99,10 +104,11 @@ def attend_rows(
     N = B * T rows (``batch`` = B); ``mask`` is the key mask [B, S] (``prepare_key_mask``) or paged
     metadata. A cache with ``attend_rows`` (static, paged) does the write and the attention
     in one fused op; a cache with only ``update``, or none, goes through ``kernels.attention``.
+    ``scale`` defaults to head_dim^-0.5; ``window`` > 0: each query sees only its last ``window`` slots.
     """
-    scale = head_dim**-0.5
+    scale = head_dim**-0.5 if scale is None else scale
     if isinstance(mask, PagedAttentionMetadata) or hasattr(kv_cache, "attend_rows"):
-        return kv_cache.attend_rows(layer_idx, qkv, mask, num_heads, scale, kernels)
+        return kv_cache.attend_rows(layer_idx, qkv, mask, num_heads, scale, kernels, window)
     n, t = qkv.shape[0], qkv.shape[0] // batch
     q, k, v = qkv.view(batch, t, -1).split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
     q = q.view(batch, t, num_heads, head_dim).transpose(1, 2)  # [B, H, T, D]
@@ -111,21 +117,35 @@ def attend_rows(
     past = kv_cache.seq_length if kv_cache is not None else 0
     if kv_cache is not None:
         k, v = kv_cache.update(layer_idx, k, v)  # [B, Hkv, S, D]
-    return kernels.attention(q, k, v, mask, past, scale).view(n, num_heads * head_dim)  # [N, H D]
+    return kernels.attention(q, k, v, mask, past, scale, window).view(n, num_heads * head_dim)  # [N, H D]
 
 
 def build_attention_mask(
-    attention_mask: torch.Tensor | None, past_len: int, num_new: int
+    attention_mask: torch.Tensor | None, past_len: int, num_new: int, window: int = 0
 ) -> torch.Tensor | None:
-    """Boolean mask ``[B, 1, T, S]`` (True = may attend), or None for "attend to all".
+    """Boolean mask ``[B|1, 1, T, S]`` (True = may attend), or None for "attend to all".
 
     Query t sits at slot ``past_len + t``; it sees keys at slots <= its own that
-    are not padding. A query always sees its own slot, so padded queries get a
+    are not padding, and with ``window`` > 0 (a sliding-window layer) only those > its slot - window
+    (transformers' ``sliding_window_overlay``). A query always sees its own slot, so padded queries get a
     finite (unused) output instead of NaN. Returns None when no mask is needed
     (no padding and a single new token, or no padding and no cache prefix, which
-    the caller runs with ``is_causal``).
+    the caller runs with ``is_causal``; and every key within the window).
     attention_mask: [B, S] with S = past_len + num_new, or None.
     """
+    full = _full_attention_mask(attention_mask, past_len, num_new)
+    total = past_len + num_new
+    if window <= 0 or total <= window:  # no query is `window` slots past slot 0
+        return full
+    device = attention_mask.device if attention_mask is not None else None
+    q_slot = torch.arange(past_len, total, device=device).view(num_new, 1)  # [T, 1]
+    k_slot = torch.arange(total, device=device).view(1, total)  # [1, S]
+    causal = (k_slot <= q_slot).view(1, 1, num_new, total) if full is None else full  # [B|1, 1, T, S]
+    return causal & (k_slot > q_slot - window)  # [B|1, 1, T, S]; its own slot stays
+
+
+def _full_attention_mask(attention_mask: torch.Tensor | None, past_len: int, num_new: int) -> torch.Tensor | None:
+    """:func:`build_attention_mask` without a window."""
     total = past_len + num_new
     if attention_mask is None or bool(attention_mask.all()):
         if num_new == 1 or past_len == 0:

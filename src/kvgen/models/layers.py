@@ -104,6 +104,28 @@ def rope_cos_sin(
     return cos.to(dtype)[:, None], sin.to(dtype)[:, None]  # [B, 1, T, D]
 
 
+class RopeTable:
+    """The kernel path's cos, sin tables ``[P, D]`` float32 of one set of frequencies, grown to the largest position
+    asked for, so a position gets the same bits whatever the batch."""
+
+    def __init__(self) -> None:
+        self.cos: torch.Tensor | None = None  # [P, D]
+        self.sin: torch.Tensor | None = None  # [P, D]
+
+    def rows(
+        self, positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, D] float32 for positions [B, T] (N = B T) of ``inv_freq`` [D/2] (:func:`rope_cos_sin`)."""
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        if self.cos is None or self.cos.shape[0] < need:
+            size = max(need, 2 * (0 if self.cos is None else self.cos.shape[0]), 256)
+            cos, sin = rope_cos_sin(torch.arange(size)[None], inv_freq, torch.float32, attention_factor)  # [1, 1, P, D]
+            self.cos, self.sin = cos[0, 0].contiguous(), sin[0, 0].contiguous()
+        assert self.sin is not None  # grown together with cos
+        flat = positions.reshape(-1)  # [N]
+        return self.cos.index_select(0, flat), self.sin.index_select(0, flat)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate queries or keys by their positions.
 

@@ -28,6 +28,7 @@ from kvgen.models.attention import (
 from kvgen.models.base import CausalLM, HasKernels
 from kvgen.models.layers import (
     RMSNorm,
+    RopeTable,
     apply_rope,
     rope_attention_factor,
     rope_cos_sin,
@@ -68,6 +69,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.use_qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.use_qk_norm else None
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.scaling: float | None = None  # None: head_dim^-0.5 (Gemma 3 sets query_pre_attn_scalar^-0.5)
+        self.window = 0  # > 0: a sliding-window layer's width in tokens (Gemma 3)
         bias = config.attention_bias
         self.qkv_proj = nn.Linear(c, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, c, bias=bias if config.o_proj_bias is None else config.o_proj_bias)
@@ -84,7 +87,7 @@ class LlamaAttention(nn.Module):
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         if self.use_rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v, layer_idx, kv_cache, mask)  # [B, H, T, D]
+        out = attend(q, k, v, layer_idx, kv_cache, mask, self.scaling, self.window)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))  # [B, T, C]
 
 
@@ -202,8 +205,7 @@ class LlamaForCausalLM(CausalLM):
         self.kernels: KernelOps | None = None  # set by use_kernels (quantized weights)
         self._kernel_layers: list[LlamaDecoderLayer] = []
         self._decoder_operands: _DecoderOperands | None = None  # set by use_kernels
-        self._cos_table: torch.Tensor | None = None  # [P, D] RoPE tables of the kernel path
-        self._sin_table: torch.Tensor | None = None
+        self._rope = RopeTable()  # [P, D] cos / sin tables of the kernel path
 
     def forward(
         self,
@@ -282,17 +284,8 @@ class LlamaForCausalLM(CausalLM):
         return weights, linears, eps, extras if has_extras else [], [] if all(use_rope) else use_rope
 
     def _rope_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [N, D] float32 for positions [B, T], from a table grown to the largest position
-        (the same bits for a position whatever the batch)."""
-        need = int(positions.max()) + 1 if positions.numel() else 1
-        if self._cos_table is None or self._cos_table.shape[0] < need:
-            size = max(need, 2 * (0 if self._cos_table is None else self._cos_table.shape[0]), 256)
-            table_positions = torch.arange(size)[None]  # [1, size]
-            cos, sin = rope_cos_sin(table_positions, self.inv_freq, torch.float32, self.rope_attention_factor)
-            self._cos_table, self._sin_table = cos[0, 0].contiguous(), sin[0, 0].contiguous()
-        assert self._sin_table is not None  # grown together with _cos_table
-        flat = positions.reshape(-1)
-        return self._cos_table.index_select(0, flat), self._sin_table.index_select(0, flat)
+        """cos, sin [N, D] float32 for positions [B, T] (``RopeTable``)."""
+        return self._rope.rows(positions, self.inv_freq, self.rope_attention_factor)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: hidden [..., C] -> logits [..., V] float32. Pass only the rows that need logits."""

@@ -28,6 +28,7 @@ from kvgen.weights.name_maps import (
     check_state_dict,
     expected_param_shapes,
     hf_needs_transpose,
+    hf_norm_offset,
     hf_to_kvgen_name,
 )
 from kvgen.weights.quantized import GGUFBlocks
@@ -56,7 +57,8 @@ def load_hf_directory(
 
     ``dtype=None`` ("auto"): a Llama-family checkpoint whose matrices are all float16 or bfloat16 (with
     ``in_features`` a multiple of 32) keeps them as stored, as F16 / BF16 :class:`GGUFBlocks` for the 16-bit
-    kernels (vLLM's "auto": the checkpoint's dtype); anything else loads as float32.
+    kernels (vLLM's "auto": the checkpoint's dtype); anything else loads as float32. Gemma 3's norm weights load
+    as ``1 + w`` (:func:`~kvgen.weights.name_maps.hf_norm_offset`; exact in float32, rounded in a 16-bit ``dtype``).
 
     Keys ignored before the strict check: saved buffers (GPT-2 ``attn.bias`` /
     ``attn.masked_bias``, Llama ``rotary_emb.inv_freq``) and ``lm_head.weight``
@@ -73,9 +75,14 @@ def load_hf_directory(
     config = ModelConfig.from_hf_dict(_read_json(root / "config.json", "config.json"))
     entries, ignored = _plan(root, config)
     check_state_dict(expected_param_shapes(config), {e.name: s for e, s in entries.items()}, str(root), ignored)
-    keep_16bit = dtype is None and config.model_type == "llama" and all(
+    keep_16bit = dtype is None and config.model_type in ("llama", "gemma3_text") and all(
         e.dtype in _16BIT and shape[1] % 32 == 0 for e, shape in entries.items() if len(shape) == 2)
-    return config, _read_tensors(list(entries), dtype or torch.float32, keep_16bit)
+    state = _read_tensors(list(entries), dtype or torch.float32, keep_16bit)
+    for name, tensor in state.items():
+        offset = hf_norm_offset(name, config)  # Gemma 3's norms: 1 + w, added in float32 as transformers does
+        if offset and isinstance(tensor, torch.Tensor):
+            state[name] = (tensor.float() + offset).to(tensor.dtype)
+    return config, state
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:

@@ -94,7 +94,18 @@ def _gpt2_shapes(cfg: ModelConfig) -> Shapes:
     return shapes
 
 
-_SHAPES: dict[str, Callable[[ModelConfig], Shapes]] = {"llama": _llama_shapes, "gpt2": _gpt2_shapes}
+def _gemma3_shapes(cfg: ModelConfig) -> Shapes:
+    """Llama's parameters (q/k norms included) plus Gemma 3's two feed-forward norms per layer."""
+    shapes = _llama_shapes(cfg)
+    for layer in range(cfg.num_hidden_layers):
+        for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            shapes[f"model.layers.{layer}.{norm}.weight"] = (cfg.hidden_size,)
+    return shapes
+
+
+_SHAPES: dict[str, Callable[[ModelConfig], Shapes]] = {
+    "llama": _llama_shapes, "gpt2": _gpt2_shapes, "gemma3_text": _gemma3_shapes,
+}
 
 
 def expected_param_shapes(config: ModelConfig) -> Shapes:
@@ -161,6 +172,12 @@ _GGUF_STACKED_BLOCK = {k: v for k, v in _GGUF_BLOCK.items() if k not in ("attn_q
     "attn_qkv": "self_attn.qkv_proj",
     "ffn_up": "mlp.gate_up_proj",
 }
+# gemma3 (llama.cpp's tensor names): ffn_norm is the pre-feedforward norm, with post-attention / post-feedforward norms
+_GGUF_GEMMA3_BLOCK = {k: v for k, v in _GGUF_BLOCK.items() if k != "ffn_norm"} | {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -169,11 +186,12 @@ def gguf_to_kvgen_name(name: str, arch: str = "llama") -> str | None:
 
     ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; in a ``phi3`` file
     ``blk.3.attn_qkv.weight`` -> ``...self_attn.qkv_proj.weight`` and ``blk.3.ffn_up.weight`` ->
-    ``...mlp.gate_up_proj.weight``. Norms map only their ``.weight`` (a norm ``.bias`` is unknown).
+    ``...mlp.gate_up_proj.weight``; in a ``gemma3`` file ``blk.3.ffn_norm.weight`` ->
+    ``...pre_feedforward_layernorm.weight``, ``post_attention_norm`` / ``post_ffw_norm`` -> the post norms. Norms map only their ``.weight`` (a norm ``.bias`` is unknown).
     """
     if name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[name]
-    block = _GGUF_STACKED_BLOCK if arch in _STACKED_CHECKPOINTS else _GGUF_BLOCK
+    block = _GGUF_STACKED_BLOCK if arch in _STACKED_CHECKPOINTS else _GGUF_GEMMA3_BLOCK if arch == "gemma3" else _GGUF_BLOCK
     m = _GGUF_BLOCK_RE.fullmatch(name)
     if m is None or m.group(2) not in block:
         return None
@@ -206,9 +224,16 @@ def hf_to_kvgen_name(key: str, config: ModelConfig) -> str | None:
         if _GPT2_BUFFER_RE.fullmatch(key):
             return None
         return key if key.startswith("transformer.") else "transformer." + key
-    if config.model_type == "llama":
+    if config.model_type in ("llama", "gemma3_text"):
         return None if _LLAMA_BUFFER_RE.fullmatch(key) else key
     raise UnsupportedArchitectureError(f"no checkpoint name map for model_type {config.model_type!r}")
+
+
+def hf_norm_offset(name: str, config: ModelConfig) -> float:
+    """What to add to the HF tensor of our parameter ``name`` so that every RMSNorm multiplies by its weight: 1 for
+    Gemma 3's norm weights (transformers' ``Gemma3RMSNorm`` computes ``x * (1 + w)``, in float32; llama.cpp's
+    converter stores ``w + 1`` the same way), else 0."""
+    return 1.0 if config.model_type == "gemma3_text" and name.endswith("norm.weight") else 0.0
 
 
 def hf_needs_transpose(name: str, config: ModelConfig) -> bool:

@@ -3,12 +3,14 @@
 // cache kind gives the same numbers. Two entry points share one per-query routine:
 //   attention:       q [B, H, T, D], k/v [B, Hkv, S, D] (static / dynamic cache or none);
 //                    query t of row b sits at slot past_len + t and sees slots <= it whose
-//                    key_mask[b, s] is true (left padding).
+//                    key_mask[b, s] is true (left padding); with window > 0 (a sliding-window layer,
+//                    Gemma 3, Mistral) only slots > past_len + t - window of those.
 //   static_attention: the same from stacked qkv rows [B*T, (H + 2 Hkv) D] of a layer, after
 //                    storing its k, v at slots past_len.. of caches [B, Hkv, S_max, D]
 //                    (one op between the projections: the decode step's hot path).
 //   paged_attention: q [N, H, D] packed over sequences, k/v pools [num_blocks, block_size,
-//                    Hkv, D] addressed through block tables (vLLM's PagedAttention).
+//                    Hkv, D] addressed through block tables (vLLM's PagedAttention); with window > 0
+//                    a query at position p sees positions p - window + 1 .. p.
 //   paged_attention_qkv: the same from stacked qkv rows [N, (H + 2 Hkv) D], after storing their
 //                    k, v at slot_mapping [N] of the pools (the engine step's hot path).
 // K and V rows are prefetched ahead (two 8-key steps for K, 8 keys for V): in a paged pool one
@@ -19,7 +21,8 @@
 // keys, each: scores, a max, exp, a sum with 8 lanes, P V in key order; then the chunks
 // merged in order), never on the batch, the prefill chunking, the padding or the threads:
 // greedy tokens agree across all of them.
-// Source: Vaswani et al. 2017 eq. 1; Kwon et al. 2023 (paged KV cache); HF repeat_kv.
+// Source: Vaswani et al. 2017 eq. 1; Kwon et al. 2023 (paged KV cache); HF repeat_kv; the window as
+// transformers' sliding_window_overlay (kv_idx > q_idx - sliding_window).
 #include <immintrin.h>
 
 #include <cmath>
@@ -263,6 +266,7 @@ struct AttentionArgs {
   const bool* mask;
   int64_t past_len;
   float scale;
+  int64_t window;  // 0: every earlier slot; else the last `window` slots up to the query's own
 };
 
 template <typename T>
@@ -273,23 +277,29 @@ void attention_impl(const AttentionArgs<T>& a) {
   std::vector<int64_t> before(a.mask ? a.B * (a.S + 1) : 0);
   for (int64_t b = 0; a.mask && b < a.B; ++b)
     for (int64_t s = 0; s < a.S; ++s) before[b * (a.S + 1) + s + 1] = before[b * (a.S + 1) + s] + a.mask[b * a.S + s];
+  // first visible slot of query t (sliding window; 0 without one); its mask-allowed keys are those after it
+  const auto first_slot = [&](int64_t t) {
+    return a.window > 0 ? std::max<int64_t>(0, a.past_len + t - a.window + 1) : int64_t{0};
+  };
   std::vector<int64_t> num_keys(num_pairs);
   for (int64_t bt = 0; bt < a.B * a.Tq; ++bt) {
     const int64_t b = bt / a.Tq, t = bt % a.Tq, last = std::min<int64_t>(a.past_len + t, a.S - 1);
-    const int64_t n = a.mask ? before[b * (a.S + 1) + last + 1] : last + 1;
+    const int64_t first = std::min(first_slot(t), last), r = b * (a.S + 1);
+    const int64_t n = a.mask ? before[r + last + 1] - before[r + first] : last + 1 - first;
     for (int64_t j = 0; j < a.Hkv; ++j) num_keys[bt * a.Hkv + j] = std::max<int64_t>(n, 1);
   }
   Partials parts(num_keys, G, a.D);
   auto run_chunk = [&](int64_t w, int64_t c, Scratch& scratch, float* m, float* l, float* const* o) {
     const int64_t j = w % a.Hkv, t = (w / a.Hkv) % a.Tq, b = w / (a.Hkv * a.Tq);
     const int64_t last = std::min<int64_t>(a.past_len + t, a.S - 1), lo = c * kKeyChunk;
-    const int64_t hi = std::min<int64_t>(num_keys[w], lo + kKeyChunk);
+    const int64_t first = std::min(first_slot(t), last), hi = std::min<int64_t>(num_keys[w], lo + kKeyChunk);
     scratch.keys.clear();
     if (!a.mask) {
-      for (int64_t s = lo; s < hi; ++s) scratch.keys.push_back(s);  // every slot up to its own
-    } else if (before[b * (a.S + 1) + last + 1] > 0) {  // the visible keys lo .. hi - 1, from the lo-th one's slot
-      const int64_t* row = before.data() + b * (a.S + 1);
-      for (int64_t s = std::upper_bound(row, row + last + 2, lo) - row - 1; s <= last && int64_t(scratch.keys.size()) < hi - lo; ++s)
+      for (int64_t s = first + lo; s < first + hi; ++s) scratch.keys.push_back(s);  // every slot first .. its own
+    } else if (const int64_t* row = before.data() + b * (a.S + 1); row[last + 1] > row[first]) {
+      // the visible keys lo .. hi - 1 after `first`, from the slot of the (row[first] + lo)-th visible one
+      const int64_t from = row[first] + lo;
+      for (int64_t s = std::upper_bound(row, row + last + 2, from) - row - 1; s <= last && int64_t(scratch.keys.size()) < hi - lo; ++s)
         if (a.mask[b * a.S + s]) scratch.keys.push_back(s);
     }
     if (scratch.keys.empty()) scratch.keys.push_back(last);  // a padded query: its own slot (finite, unused)
@@ -309,12 +319,12 @@ void attention_impl(const AttentionArgs<T>& a) {
 
 template <typename T>
 at::Tensor attention_tensors(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask,
-                             int64_t past_len, float scale) {
+                             int64_t past_len, float scale, int64_t window) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
   at::Tensor out = at::empty({B, Tq, H, D}, q.options());
   attention_impl<T>({q.data_ptr<float>(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr<T>(), k.stride(0), k.stride(1),
                      k.stride(2), v.data_ptr<T>(), v.stride(0), v.stride(1), v.stride(2), out.data_ptr<float>(), B, H, Tq, D,
-                     k.size(1), k.size(2), mask, past_len, scale});
+                     k.size(1), k.size(2), mask, past_len, scale, window});
   return out;
 }
 
@@ -342,7 +352,7 @@ void store_rows(const float* src, int64_t src_stride, T* cache, int64_t c_b, int
 
 template <typename T>
 at::Tensor static_impl(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache, const bool* mask, int64_t past_len,
-                       int64_t H, float scale) {
+                       int64_t H, float scale, int64_t window) {
   const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), D = k_cache.size(3), N = qkv.size(0), Tq = N / B;
   const int64_t W = qkv.size(1);
   const float* base = qkv.data_ptr<float>();
@@ -354,7 +364,7 @@ at::Tensor static_impl(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v
   // q of row (b, t), head h sits at base + (b T + t) W + h D
   attention_impl<T>({base, Tq * W, D, W, kc, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), vc, v_cache.stride(0),
                      v_cache.stride(1), v_cache.stride(2), out.data_ptr<float>(), B, H, Tq, D, Hkv, past_len + Tq, mask,
-                     past_len, scale});
+                     past_len, scale, window});
   return out;
 }
 
@@ -363,7 +373,7 @@ at::Tensor static_impl(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v
 template <typename T>
 at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int64_t H, const at::Tensor& k_pool,
                       const at::Tensor& v_pool, const at::Tensor& tables, const at::Tensor& qsl, const at::Tensor& seq_lens,
-                      float scale, const at::TensorOptions& options) {
+                      float scale, int64_t window, const at::TensorOptions& options) {
   const int64_t D = k_pool.size(3), bs = k_pool.size(1), Hkv = k_pool.size(2), G = H / Hkv, R = seq_lens.size(0);
   const int64_t nb = tables.size(1);
   at::Tensor out = at::empty({N, H * D}, options);
@@ -386,17 +396,19 @@ at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int6
   const T* vp = v_pool.data_ptr<T>();
   float* op = out.data_ptr<float>();
   const int64_t row = Hkv * D;  // elements per slot
-  std::vector<int64_t> num_keys(N * Hkv);  // pair w = i * Hkv + j: query i sees positions 0 .. pos_i
+  // pair w = i * Hkv + j: query i sees positions first_i .. pos_i (first_i = pos_i - window + 1 with a window, else 0)
+  std::vector<int64_t> num_keys(N * Hkv);
   for (int64_t w = 0; w < N * Hkv; ++w) {
-    const int64_t i = w / Hkv, r = seq_of[i];
-    num_keys[w] = lens[r] - (qslp[r + 1] - i) + 1;
+    const int64_t i = w / Hkv, r = seq_of[i], seen = lens[r] - (qslp[r + 1] - i) + 1;
+    num_keys[w] = window > 0 ? std::min(seen, window) : seen;
   }
   Partials parts(num_keys, G, D);
   auto run_chunk = [&](int64_t w, int64_t c, Scratch& scratch, float* m, float* l, float* const* o) {
     const int64_t i = w / Hkv, j = w % Hkv, r = seq_of[i], lo = c * kKeyChunk;
     const int64_t hi = std::min<int64_t>(num_keys[w], lo + kKeyChunk);
+    const int64_t first = lens[r] - (qslp[r + 1] - i) + 1 - num_keys[w];  // pos_i + 1 - its number of keys
     scratch.keys.resize(hi - lo);
-    for (int64_t p = lo; p < hi; ++p) scratch.keys[p - lo] = p;
+    for (int64_t p = lo; p < hi; ++p) scratch.keys[p - lo] = first + p;
     const float* qs[64];
     for (int64_t g = 0; g < G; ++g) qs[g] = qp + i * q_n + (j * G + g) * q_h;
     const int64_t* table = tab + r * nb;
@@ -427,13 +439,14 @@ void check_paged(const at::Tensor& k_pool, const at::Tensor& v_pool, const at::T
 }  // namespace
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& key_mask,
-                     int64_t past_len, double scale) {
+                     int64_t past_len, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "kvgen.attention: q [B, H, T, D], k/v [B, Hkv, S, D]");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1), S = k.size(2);
   check_qkv(q, k, v, D);
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D && H % Hkv == 0 && H / Hkv <= 64,
               "kvgen.attention: shapes q ", q.sizes(), " k ", k.sizes(), " v ", v.sizes());
   TORCH_CHECK(past_len >= 0 && past_len + q.size(2) <= S, "kvgen.attention: past_len ", past_len, " + T exceeds S=", S);
+  TORCH_CHECK(window >= 0, "kvgen.attention: window must be >= 0 (0: none), got ", window);
   at::Tensor mask;
   if (key_mask.has_value() && key_mask->defined()) {
     mask = key_mask->to(at::kBool).contiguous();
@@ -441,12 +454,14 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   }
   const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
   const float sc = static_cast<float>(scale);
-  return k.dtype() == at::kHalf ? attention_tensors<at::Half>(q, k, v, mp, past_len, sc)
-                                : attention_tensors<float>(q, k, v, mp, past_len, sc);
+  return k.dtype() == at::kHalf ? attention_tensors<at::Half>(q, k, v, mp, past_len, sc, window)
+                                : attention_tensors<float>(q, k, v, mp, past_len, sc, window);
 }
 
 at::Tensor static_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache,
-                            const c10::optional<at::Tensor>& key_mask, int64_t past_len, int64_t num_heads, double scale) {
+                            const c10::optional<at::Tensor>& key_mask, int64_t past_len, int64_t num_heads, double scale,
+                            int64_t window) {
+  TORCH_CHECK(window >= 0, "kvgen.static_attention: window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.dtype() == at::kFloat && k_cache.dim() == 4 &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.dtype() == v_cache.dtype() &&
                   (k_cache.dtype() == at::kHalf || k_cache.dtype() == at::kFloat) && k_cache.stride(3) == 1 &&
@@ -465,13 +480,14 @@ at::Tensor static_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
   }
   const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
   const float sc = static_cast<float>(scale);
-  return k_cache.dtype() == at::kHalf ? static_impl<at::Half>(qkv, k_cache, v_cache, mp, past_len, H, sc)
-                                      : static_impl<float>(qkv, k_cache, v_cache, mp, past_len, H, sc);
+  return k_cache.dtype() == at::kHalf ? static_impl<at::Half>(qkv, k_cache, v_cache, mp, past_len, H, sc, window)
+                                      : static_impl<float>(qkv, k_cache, v_cache, mp, past_len, H, sc, window);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                           double scale) {
+                           double scale, int64_t window) {
+  TORCH_CHECK(window >= 0, "kvgen.paged_attention: window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(q.dim() == 3, "kvgen.paged_attention: q [N, H, D], pools [num_blocks, block_size, Hkv, D]");
   check_qkv(q, k_pool, v_pool, q.size(2));
   const at::Tensor tables = block_tables.to(at::kLong).contiguous(), qsl = query_start_loc.to(at::kLong).contiguous();
@@ -481,8 +497,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   const float* qp = q.data_ptr<float>();
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
   const at::Tensor out = k_pool.dtype() == at::kHalf
-      ? paged_impl<at::Half>(qp, q.stride(0), q.stride(1), N, H, k_pool, v_pool, tables, qsl, lens, sc, q.options())
-      : paged_impl<float>(qp, q.stride(0), q.stride(1), N, H, k_pool, v_pool, tables, qsl, lens, sc, q.options());
+      ? paged_impl<at::Half>(qp, q.stride(0), q.stride(1), N, H, k_pool, v_pool, tables, qsl, lens, sc, window, q.options())
+      : paged_impl<float>(qp, q.stride(0), q.stride(1), N, H, k_pool, v_pool, tables, qsl, lens, sc, window, q.options());
   return out.view({N, H, D});
 }
 
@@ -490,7 +506,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
 // output, and the index tensors are read as they are (int64, contiguous: what the engine passes).
 at::Tensor paged_attention_qkv(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slot_mapping,
                                const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                               const at::Tensor& seq_lens, int64_t num_heads, double scale) {
+                               const at::Tensor& seq_lens, int64_t num_heads, double scale, int64_t window) {
+  TORCH_CHECK(window >= 0, "kvgen.paged_attention_qkv: window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.dtype() == at::kFloat,
               "kvgen.paged_attention_qkv: qkv float32 [N, (H + 2 Hkv) D] contiguous");
   for (const at::Tensor* t : {&slot_mapping, &block_tables, &query_start_loc, &seq_lens})
@@ -513,7 +530,8 @@ at::Tensor paged_attention_qkv(const at::Tensor& qkv, at::Tensor& k_pool, at::Te
       store_row<T>(kp + slots[i] * Hkv * D, base + i * W + H * D, Hkv * D);
       store_row<T>(vp + slots[i] * Hkv * D, base + i * W + (H + Hkv) * D, Hkv * D);
     }
-    return paged_impl<T>(base, W, D, N, H, k_pool, v_pool, block_tables, query_start_loc, seq_lens, sc, qkv.options());
+    return paged_impl<T>(base, W, D, N, H, k_pool, v_pool, block_tables, query_start_loc, seq_lens, sc, window,
+                         qkv.options());
   };
   return k_pool.dtype() == at::kHalf ? run(k_pool.data_ptr<at::Half>(), v_pool.data_ptr<at::Half>())
                                      : run(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());

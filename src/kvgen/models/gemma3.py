@@ -1,0 +1,226 @@
+"""Gemma 3 text decoder (Gemma-3-270M, Gemma-3-1B; Gemma Team 2025) from first principles.
+
+What it changes of a Llama: embeddings scaled by sqrt(hidden_size); RMSNorms that multiply by ``1 + w`` (loaded as
+one weight holding ``1 + w``, :func:`kvgen.weights.name_maps.hf_norm_offset`), computed in float32 and cast after
+the product; per-head q/k norms; "sandwich" norms (the attention and MLP outputs are normalized before their
+residual adds); a GeGLU MLP (``gelu_pytorch_tanh``); the attention scale ``query_pre_attn_scalar^-0.5``; and
+per-layer ``layer_types``: sliding-window layers see their last ``sliding_window`` tokens and rotate by
+``rope_local_base_freq`` (unscaled), full layers by ``rope_theta`` with ``rope_scaling``. Outputs must agree with
+transformers 4.55 ``Gemma3ForCausalLM`` on the same weights; the GGUF graph is llama.cpp's ``llm_build_gemma3``.
+
+The kernel path (quantized or 16-bit weights) runs layer by layer on the kernel ops (``forward_kernels``); the
+one-op decoder (``kernels.decoder_layers``) computes Llama's layer only, so Gemma 3 does not take it.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvgen.config import ModelConfig
+from kvgen.kernels import KernelOps
+from kvgen.kv_cache.paged import PagedAttentionMetadata
+from kvgen.models.attention import (
+    AttentionMetadata,
+    advance_cache,
+    attend_rows,
+    prepare_attention,
+    prepare_key_mask,
+)
+from kvgen.models.base import CausalLM, HasKernels
+from kvgen.models.layers import RMSNorm, RopeTable, rope_cos_sin, rope_inv_freq
+from kvgen.models.llama import LlamaAttention, LlamaMLP
+from kvgen.models.quant_linear import QuantEmbedding, QuantLinear, VocabEmbedding
+
+# A QuantLinear's operands of kernels.qgemm: (qweight, weight_type, out_features, bias).
+_LinearOperands = tuple[torch.Tensor, int, int, torch.Tensor | None]
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: ``weight`` holds ``1 + w``; x: [..., C] -> [..., C] in x's dtype, the normalization and the
+    product in float32, cast last (transformers ``Gemma3RMSNorm``: ``(x * (1 + w)).to(dtype)``, not Llama's order).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None or x.dtype == torch.float32:
+            return super().forward(x)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)  # [..., C] float32
+        return (h * self.weight.float()).to(x.dtype)
+
+
+class Gemma3Attention(LlamaAttention):
+    """LlamaAttention with Gemma 3's q/k norms, scale and (on ``sliding_attention`` layers) window."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        assert config.layer_types is not None  # set by ModelConfig for gemma3_text
+        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+        self.scaling = float(config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        self.is_sliding = config.layer_types[layer_idx] == "sliding_attention"
+        self.window = int(config.sliding_window or 0) if self.is_sliding else 0
+
+
+class Gemma3MLP(LlamaMLP):
+    """GeGLU feed-forward: down(gelu_tanh(gate(x)) * up(x)) (transformers ``Gemma3MLP``, ``gelu_pytorch_tanh``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, C] -> [B, T, C]."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, T, I] each
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU gate of the kernel path: gate_up [N, 2I] float32 (gate first) -> gelu_tanh(gate) * up [N, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
+    return F.gelu(gate, approximate="tanh") * up
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """x + post_attn_norm(attn(norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x))) (transformers
+    ``Gemma3DecoderLayer``)."""
+
+    _operands: tuple[KernelOps, list[torch.Tensor], float, _LinearOperands, _LinearOperands, _LinearOperands,
+                     _LinearOperands]  # set by bind_kernels
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Gemma3Attention(config, layer_idx)
+        self.mlp = Gemma3MLP(config)
+        c, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(c, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(c, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(c, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(c, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_idx: int, kv_cache, mask) -> torch.Tensor:
+        """x: [B, T, C] -> [B, T, C]; cos, sin [B, 1, T, D] of this layer's RoPE; mask as ``LlamaAttention``'s."""
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, layer_idx, kv_cache, mask))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+    def forward_kernels(
+        self, x: torch.Tensor, batch: int, cos: torch.Tensor, sin: torch.Tensor, layer_idx: int, kv_cache, mask
+    ) -> torch.Tensor:
+        """The kernel path on rows: x [N = B T, C] float32 -> [N, C]. cos, sin: [N, D] of this layer's RoPE; mask:
+        key mask [B, S] bool, None or paged metadata (``attend_rows``, which applies this layer's window)."""
+        ops, norms, eps, qkv, o, gate_up, down = self._operands
+        attn = self.self_attn
+        h = ops.qgemm(ops.rms_norm(x, norms[0], eps), *qkv)  # [N, (H + 2 Hkv) D]
+        ops.rms_norm_heads_(h, norms[4], norms[5], eps, attn.num_heads, attn.num_kv_heads)  # q_norm, k_norm
+        ops.rope_qkv_(h, cos, sin, attn.num_heads, attn.num_kv_heads)
+        h = attend_rows(h, batch, layer_idx, kv_cache, mask, ops, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                        attn.scaling, attn.window)  # [N, H D]
+        x = x + ops.rms_norm(ops.qgemm(h, *o), norms[1], eps)  # [N, C]
+        h = ops.qgemm(ops.rms_norm(x, norms[2], eps), *gate_up)  # [N, 2I]
+        return x + ops.rms_norm(ops.qgemm(gelu_tanh_mul(h), *down), norms[3], eps)  # [N, C]
+
+    def bind_kernels(self, kernels: KernelOps) -> None:
+        """Gather ``forward_kernels``' operands once: norms (input, post-attention, pre-/post-feedforward, q, k), eps
+        and the four linears (every one a ``QuantLinear`` here)."""
+
+        def linear(m: nn.Module) -> _LinearOperands:
+            q = cast(QuantLinear, m)  # built as nn.Linear, replaced by a QuantLinear at load
+            return (q.qweight, q.weight_type, q.out_features, q.bias)
+
+        attn, mlp = self.self_attn, self.mlp
+        norms: list[torch.Tensor] = [self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                 self.pre_feedforward_layernorm.weight, self.post_feedforward_layernorm.weight,
+                 cast(RMSNorm, attn.q_norm).weight, cast(RMSNorm, attn.k_norm).weight]
+        self._operands = (kernels, norms, self.input_layernorm.variance_epsilon, linear(attn.qkv_proj),
+                          linear(attn.o_proj), linear(mlp.gate_up_proj), linear(mlp.down_proj))
+
+
+class Gemma3TextModel(nn.Module):
+    """Embeddings, L decoder layers and the final norm (HF ``Gemma3TextModel`` names)."""
+
+    embed_tokens: VocabEmbedding | QuantEmbedding  # QuantEmbedding when the file's embeddings are quantized
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Gemma3ForCausalLM(CausalLM):
+    """Gemma 3 decoder with an LM head (tied to ``embed_tokens``, Gemma 3's checkpoints; or separate)."""
+
+    inv_freq: torch.Tensor  # [D/2] float32: the full-attention layers' RoPE (rope_theta, rope_scaling)
+    inv_freq_local: torch.Tensor  # [D/2] float32: the sliding layers' RoPE (rope_local_base_freq, unscaled)
+    one_op_decoder = False  # kernels.decoder_layers runs Llama's layer, not this one: always layer by layer
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma3TextModel(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("inv_freq", gemma3_inv_freq(config, local=False), persistent=False)
+        self.register_buffer("inv_freq_local", gemma3_inv_freq(config, local=True), persistent=False)
+        self.is_sliding = [layer.self_attn.is_sliding for layer in cast(list[Gemma3DecoderLayer], self.model.layers)]
+        self.kv_cache_dtype: torch.dtype | None = None  # None: the parameters' dtype
+        self.kernels: KernelOps | None = None  # set by use_kernels (quantized or 16-bit weights)
+        self._ropes = (RopeTable(), RopeTable())  # the kernel path's tables: full, sliding
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache=None,
+        attn_metadata: AttentionMetadata | PagedAttentionMetadata | None = None,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, as ``LlamaForCausalLM.forward``: input_ids, positions [B, T] int64
+        (B = 1, T = N packed tokens with a ``PagedKVCache``); returns [B, T, C] in the model dtype."""
+        x = self.model.embed_tokens(input_ids)  # [B, T, C]
+        x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)  # HF: the scale cast to the weights' dtype
+        if self.kernels is not None:
+            mask = prepare_key_mask(attn_metadata, kv_cache, input_ids.shape)
+            x = self._layers_on_kernels(x, positions, kv_cache, mask)
+        else:
+            mask = prepare_attention(attn_metadata, kv_cache, input_ids.shape[1])
+            window = self.config.sliding_window or 0
+            sliding = prepare_attention(attn_metadata, kv_cache, input_ids.shape[1], window) if window else mask
+            ropes = [rope_cos_sin(positions, self.inv_freq, x.dtype), rope_cos_sin(positions, self.inv_freq_local, x.dtype)]
+            for i, layer in enumerate(self.model.layers):  # cos, sin [B, 1, T, D]; masks [B|1, 1, T, S], None or paged
+                x = layer(x, *ropes[self.is_sliding[i]], i, kv_cache, sliding if self.is_sliding[i] else mask)
+        advance_cache(kv_cache, mask, input_ids.shape[1])
+        return self.model.norm(x)
+
+    def _layers_on_kernels(self, x: torch.Tensor, positions: torch.Tensor, kv_cache, mask) -> torch.Tensor:
+        """Every layer's ``forward_kernels`` on the rows of x [B, T, C] float32 -> [B, T, C]; each layer rotates by
+        its kind's table and attends through its window (mask: ``prepare_key_mask``'s)."""
+        ropes = [self._ropes[0].rows(positions, self.inv_freq), self._ropes[1].rows(positions, self.inv_freq_local)]
+        rows = x.view(-1, x.shape[-1])  # [N, C]
+        for i, layer in enumerate(cast(list[Gemma3DecoderLayer], self.model.layers)):
+            rows = layer.forward_kernels(rows, x.shape[0], *ropes[self.is_sliding[i]], i, kv_cache, mask)
+        return rows.view(x.shape)
+
+    def use_kernels(self, kernels: KernelOps) -> None:
+        """Run every layer through ``kernels`` (the C++ ops or their torch twins), layer by layer; every linear layer
+        must be a ``QuantLinear``. K and V are then cached at float16 (what the kernels read)."""
+        for module in self.modules():
+            if isinstance(module, Gemma3DecoderLayer):
+                module.bind_kernels(kernels)
+            elif isinstance(module, HasKernels):  # RMSNorm, QuantLinear, QuantEmbedding
+                module.kernels = kernels
+        self.kernels = kernels
+        self.kv_cache_dtype = torch.float16
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head: hidden [..., C] -> logits [..., V] float32 (no final softcapping: Gemma 3 has none)."""
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.as_lm_head(hidden).float()
+        return self.lm_head(hidden).float()
+
+
+def gemma3_inv_freq(config: ModelConfig, local: bool) -> torch.Tensor:
+    """Inverse frequencies [D/2] float32 of the sliding layers (``local``: ``rope_local_base_freq``, no scaling) or
+    the full ones (``rope_theta`` and ``rope_scaling``). Source: transformers 4.55 ``Gemma3TextModel``
+    (``rotary_emb_local``: rope_theta replaced, rope_type default); llama.cpp ``rope_freq_base_train_swa``."""
+    if local:
+        return rope_inv_freq(config.head_dim, config.rope_local_base_freq or config.rope_theta, None)
+    return rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
