@@ -18,29 +18,33 @@ from kvgen.kernels import reference as R
 OPS = K.get_ops()
 REF = K.reference_ops()
 needs_avx2 = pytest.mark.skipif(OPS.backend != "avx2", reason=f"C++ kernels unavailable (backend {OPS.backend})")
-GGUF_CODE = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.F16: 3, Q.BF16: 4, Q.Q6_K: 5, Q.Q5_0: 6, Q.Q5_1: 7, Q.IQ4_NL: 8}
+GGUF_CODE = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.F16: 3, Q.BF16: 4, Q.Q6_K: 5, Q.Q5_0: 6, Q.Q5_1: 7, Q.IQ4_NL: 8,
+             Q.Q2_K: 9, Q.Q3_K: 10}
 WEIGHT_TYPE = {Q.Q4_0: K.Q4, Q.Q4_1: K.Q4, Q.Q8_0: K.Q8, Q.F16: K.F16, Q.BF16: K.BF16, Q.Q6_K: K.Q6, Q.Q5_0: K.Q5,
-               Q.Q5_1: K.Q5, Q.IQ4_NL: K.IQ4}
-KERNEL_QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.IQ4_NL]
-# types the gguf package cannot quantize: random blocks, (values per block, bytes per block, offset of fp16 d)
-RANDOM_BLOCKS = {Q.Q6_K: (256, 210, 208), Q.IQ4_NL: (32, 18, 0)}
+               Q.Q5_1: K.Q5, Q.IQ4_NL: K.IQ4, Q.Q2_K: K.Q2, Q.Q3_K: K.Q3}
+KERNEL_QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K]
+# types the gguf package cannot quantize: random blocks, (values per block, bytes per block, offsets of fp16 scales)
+RANDOM_BLOCKS = {Q.Q6_K: (256, 210, (208,)), Q.IQ4_NL: (32, 18, (0,)), Q.Q2_K: (256, 84, (80, 82)),
+                 Q.Q3_K: (256, 110, (108,))}
 FLOAT16_QTYPES = (Q.F16, Q.BF16)  # weights that take the activations unquantized
 
 
 def _cols(qtype: Q, k: int) -> int:
-    """k rounded up to whole blocks of ``qtype`` (Q6_K: 256 columns)."""
-    return -(-k // 256) * 256 if qtype == Q.Q6_K else k
+    """k rounded up to whole blocks of ``qtype`` (the K types: 256 columns)."""
+    return -(-k // 256) * 256 if qtype in (Q.Q6_K, Q.Q2_K, Q.Q3_K) else k
 
 
 def _gguf_matrix(qtype: Q, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(GGUF bytes [n, row_bytes] uint8, their gguf.quants dequantization [n, k] float32). Q6_K and IQ4_NL (which
-    the gguf package cannot quantize): random values (indices) and scales, fp16 d ~ 1e-3 (some negative)."""
+    """(GGUF bytes [n, row_bytes] uint8, their gguf.quants dequantization [n, k] float32). Q2_K, Q3_K, Q6_K and
+    IQ4_NL (which the gguf package cannot quantize): random values (indices) and scales, fp16 d ~ 1e-3 (some
+    negative)."""
     if qtype in RANDOM_BLOCKS:
-        values, size, at = RANDOM_BLOCKS[qtype]
+        values, size, offsets = RANDOM_BLOCKS[qtype]
         gen = torch.Generator().manual_seed(seed)
         blocks = torch.randint(0, 256, (n, k // values, size), dtype=torch.uint8, generator=gen)
-        d = (torch.randn(n, k // values, 1, generator=gen) * 1e-3).half()
-        blocks[..., at : at + 2] = d.view(torch.uint8)
+        for at in offsets:
+            d = (torch.randn(n, k // values, 1, generator=gen) * 1e-3).half()
+            blocks[..., at : at + 2] = d.view(torch.uint8)
         raw = blocks.reshape(n, -1).numpy()
         return torch.from_numpy(raw), torch.from_numpy(dequantize(raw, qtype))
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
@@ -93,7 +97,7 @@ def test_qgemm_matches_dequantize_then_matmul(qtype, m, n, k):
 
 
 @needs_avx2
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_1, Q.IQ4_NL])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K])
 def test_qgemm_rows_do_not_depend_on_the_batch(qtype):
     """Batch invariance: each row's bits are the same alone, in any tile of 1-4 rows, or among 33."""
     raw, _ = _gguf_matrix(qtype, 64, 256, seed=3)
@@ -408,13 +412,13 @@ def test_k_quant_to_legacy_matches_its_twin_and_gguf_values(op, qtype, legacy, b
     assert getattr(OPS, op)(big).numel() == 0 and getattr(REF, op)(big).numel() == 0
 
 
-@pytest.mark.parametrize("m", [1, 5])
-def test_mixed_weight_is_its_segments_stacked(m):
-    """A stacked matrix of Q4_1 (IQ4_NL), Q8_0 and Q6_K parts (as a Q4_K_M (IQ4_XS) file's q, k, v) in one MIXED
+@pytest.mark.parametrize("m,types", [(1, (Q.Q4_1, Q.Q8_0, Q.Q6_K)), (5, (Q.IQ4_NL, Q.Q8_0, Q.Q6_K)),
+                                     (3, (Q.Q3_K, Q.Q2_K, Q.Q6_K))], ids=["Q4_K_M", "IQ4_XS", "Q2_K_Q3_K"])
+def test_mixed_weight_is_its_segments_stacked(m, types):
+    """A stacked matrix of parts of different types (as a Q4_K_M, IQ4_XS or Q3_K_M file's q, k, v) in one MIXED
     weight: qgemm equals the dequantized parts stacked then multiplied, on the kernels and their twins, with one
     activation quantization."""
     k = 256
-    types = (Q.Q4_1 if m == 1 else Q.IQ4_NL, Q.Q8_0, Q.Q6_K)
     parts = [_gguf_matrix(qtype, n, k, seed=30 + n) for qtype, n in zip(types, (16, 8, 13))]
     weight_type, blob = K.pack_gguf_segments([(q.name, raw) for q, (raw, _) in zip(types, parts)])
     assert weight_type == K.MIXED and blob.dim() == 1
@@ -452,13 +456,3 @@ def test_iq4_xs_to_iq4_nl_matches_its_twin_and_gguf_values():
     big.view(10, 2, 136)[:, 0, :2] = torch.tensor([3000.0]).half().view(torch.uint8)  # d * 32 beyond fp16
     big.view(10, 2, 136)[:, 0, 4:8] = 0  # scales_l 0: ls - 32 <= -16
     assert OPS.iq4_xs_to_iq4_nl(big).numel() == 0 and REF.iq4_xs_to_iq4_nl(big).numel() == 0
-
-
-def test_q3_k_to_q6_k_is_exact_and_matches_its_twin():
-    """Q3_K rows as Q6_K rows: the same bytes as the twin and gguf's dequantization of both, value for value."""
-    gen = torch.Generator().manual_seed(23)
-    raw = torch.randint(0, 256, (6, 2 * 110), dtype=torch.uint8, generator=gen)  # 6 rows of 512 values
-    raw.view(6, 2, 110)[..., 108:] = (torch.randn(6, 2, 1, generator=gen) * 1e-2).half().view(torch.uint8)  # d
-    got = OPS.q3_k_to_q6_k(raw)
-    assert got.shape == (6, 2 * 210) and torch.equal(got, REF.q3_k_to_q6_k(raw))
-    assert (dequantize(got.numpy(), Q.Q6_K) == dequantize(raw.numpy(), Q.Q3_K)).all()

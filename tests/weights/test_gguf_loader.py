@@ -542,14 +542,14 @@ def test_wrong_shape_is_listed(tmp_path: Path) -> None:
         load_gguf(tmp_path / "t.gguf")
 
 
-@pytest.mark.parametrize("qtype,legacy,size", [(Q.Q4_K, Q.Q4_1, 160), (Q.Q5_K, Q.Q5_1, 192), (Q.Q3_K, Q.Q6_K, 210)],
-                         ids=["Q4_K", "Q5_K", "Q3_K"])  # size: bytes per 256 values after the rewrite
-def test_k_quants_are_rewritten_as_kernel_types(qtype, legacy, size) -> None:
-    """Q4_K / Q5_K rows as Q4_1 / Q5_1 rows with float16 scales; Q3_K rows as Q6_K rows, exactly."""
+@pytest.mark.parametrize("qtype,legacy,size", [(Q.Q4_K, Q.Q4_1, 160), (Q.Q5_K, Q.Q5_1, 192), (Q.IQ4_XS, Q.IQ4_NL, 144)],
+                         ids=["Q4_K", "Q5_K", "IQ4_XS"])  # size: bytes per 256 values after the rewrite
+def test_super_block_types_are_rewritten_as_kernel_types(qtype, legacy, size) -> None:
+    """Q4_K / Q5_K / IQ4_XS rows as Q4_1 / Q5_1 / IQ4_NL rows with float16 scales."""
     from kvgen.weights.quantized import rewrite_super_block
 
     rng = np.random.default_rng(3)
-    raw = _random_kquant_bytes(12, 512, qtype, rng)  # [12, 2 * 144 | 176 | 110]
+    raw = _random_kquant_bytes(12, 512, qtype, rng)  # [12, 2 * 144 | 176 | 136]
     result = rewrite_super_block(torch.from_numpy(raw), qtype)
     assert result is not None and result[1] == legacy
     out = result[0]
@@ -557,18 +557,16 @@ def test_k_quants_are_rewritten_as_kernel_types(qtype, legacy, size) -> None:
     want = dequantize(raw, qtype)  # [12, 512] float32: ggml's exact values
     got = dequantize(out.numpy(), legacy)
     # float16 scales: <= 2^-11 of a value; a misplaced nibble would be off by a 4-bit step (~1/15 of the range)
-    assert np.abs(got - want).max() <= (0 if qtype == Q.Q3_K else 1e-3 * np.abs(want).max())
-    if qtype == Q.Q3_K:
-        return
+    assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
     big = raw.copy()
     big[:, 0:2] = np.array([60000.0], dtype=np.float16).view(np.uint8)  # d * sc beyond float16
     assert rewrite_super_block(torch.from_numpy(big), qtype) is None
 
 
 def test_auto_keeps_blocks_and_reencodes_other_types_as_q8_0(tmp_path: Path) -> None:
-    """dtype=None (auto): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q6_K/IQ4_NL matrices keep their bytes, Q4_K, Q5_K, Q3_K and IQ4_XS
-    become Q4_1, Q5_1, Q6_K and IQ4_NL, every other type (float, Q2_K) becomes Q8_0, q/k/v of three types stack
-    into one mixed weight, and the quantized model's logits stay close to the float32 model's."""
+    """dtype=None (auto): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/Q6_K/IQ4_NL matrices keep their bytes, Q4_K, Q5_K and
+    IQ4_XS become Q4_1, Q5_1 and IQ4_NL, every other type (float) becomes Q8_0, q/k/v of three types stack into one
+    mixed weight, and the quantized model's logits stay close to the float32 model's."""
     from kvgen.models import build_model
     from kvgen.models.quant_linear import QuantLinear
     from kvgen.weights.quantized import GGUFBlocks
@@ -580,8 +578,8 @@ def test_auto_keeps_blocks_and_reencodes_other_types_as_q8_0(tmp_path: Path) -> 
     for g, qtype in types.items():
         blocks = compact[gguf_loader.gguf_to_kvgen_name(g)]
         assert isinstance(blocks, GGUFBlocks)
-        own = qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q6_K, Q.IQ4_NL)
-        rewritten = {Q.Q4_K: Q.Q4_1, Q.Q5_K: Q.Q5_1, Q.Q3_K: Q.Q6_K, Q.IQ4_XS: Q.IQ4_NL}
+        own = qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q6_K, Q.IQ4_NL)
+        rewritten = {Q.Q4_K: Q.Q4_1, Q.Q5_K: Q.Q5_1, Q.IQ4_XS: Q.IQ4_NL}
         assert blocks.qtype == (qtype if own else rewritten.get(qtype, Q.Q8_0)), g
     assert not isinstance(compact["model.norm.weight"], GGUFBlocks)
     quant, ref = build_model(config, compact), build_model(config32, dense)

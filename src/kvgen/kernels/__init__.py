@@ -11,8 +11,9 @@ notice, never a crash). :func:`get_ops` returns whichever is in use.
 Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 
 * ``qgemm(x [M, K] f32, weight [G, nb, R] u8, weight_type, out_features, bias?, residual?) -> [M, N] f32``
-  (weight_type Q4, Q5, Q8, Q6, IQ4: x quantized per 32 values first; F16, BF16: x as it is; MIXED: a [bytes]
-  weight of Q4 / Q5 / Q8 / Q6 / IQ4 segments, ``pack_gguf_segments``)
+  (weight_type Q2, Q3, Q4, Q5, Q6, Q8, IQ4: x quantized per 32 values first; F16, BF16: x as it is; MIXED: a
+  [bytes] weight of quantized segments, ``pack_gguf_segments``; Q2 and Q3 weights are [G, K / 256, R]: one record
+  per 256-column super-block)
 * ``quantize_q8a(x [M, K] f32) -> [M, K / 32 * 40] u8``
 * ``dequantize_rows(weight, weight_type, ids [n] i64, in_features) -> [n, K] f32``
 * ``attention(q [B, H, T, D], k, v [B, Hkv, S, D], key_mask [B, S] bool?, past_len, scale) -> [B, T, H, D]``
@@ -36,7 +37,6 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
   (``paged_attention_qkv``)
 * ``q4_k_to_q4_1(raw [rows, nsb * 144] u8) -> [rows, nsb * 160] u8``: GGUF Q4_K rows as Q4_1 rows (scales rounded to
   fp16), or an empty tensor when a scale overflows fp16; ``q5_k_to_q5_1`` the same for Q5_K (176 -> 8 x 24 bytes)
-* ``q3_k_to_q6_k(raw [rows, nsb * 110] u8) -> [rows, nsb * 210] u8``: GGUF Q3_K rows as Q6_K rows, exactly
 * ``iq4_xs_to_iq4_nl(raw [rows, nsb * 136] u8) -> [rows, nsb * 144] u8``: GGUF IQ4_XS rows as IQ4_NL rows (scales
   rounded to fp16), or an empty tensor when a scale overflows fp16
 * ``softmax_draw(logits [B, V] f32, temperature [B] f64, u [B] f64) -> [B] i64``: one id per row from
@@ -61,14 +61,14 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "ops.cpp", "quantize_q8a.cpp", "qgemm_q4.cpp", "qgemm_q5.cpp", "qgemm_q8.cpp", "qgemm_q6.cpp", "qgemm_f16.cpp",
-    "qgemm_iq4.cpp",
+    "qgemm_iq4.cpp", "qgemm_q23.cpp",
     "attention.cpp", "rms_norm.cpp", "rope.cpp", "silu_mul.cpp", "repack.cpp", "decoder.cpp",
     "softmax_draw.cpp",
 )
 HEADERS = ("common.h", "vec_math.h", "aten_lite.h", "ops.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
-Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4 = (reference.Q4, reference.Q8, reference.F16, reference.BF16, reference.Q6,
-                                         reference.MIXED, reference.Q5, reference.IQ4)
+Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3 = (reference.Q4, reference.Q8, reference.F16, reference.BF16, reference.Q6,
+                                                 reference.MIXED, reference.Q5, reference.IQ4, reference.Q2, reference.Q3)
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,6 @@ class KernelOps:
     repack_gguf: Callable[[list[torch.Tensor], int], torch.Tensor]
     q4_k_to_q4_1: Callable[[torch.Tensor], torch.Tensor]
     q5_k_to_q5_1: Callable[[torch.Tensor], torch.Tensor]
-    q3_k_to_q6_k: Callable[[torch.Tensor], torch.Tensor]
     iq4_xs_to_iq4_nl: Callable[[torch.Tensor], torch.Tensor]
     static_attention: Callable[..., torch.Tensor]
     paged_attention_qkv: Callable[..., torch.Tensor]
@@ -99,7 +98,7 @@ class KernelOps:
 
 _NAMES = (
     "qgemm", "quantize_q8a", "dequantize_rows", "attention", "paged_attention", "rms_norm", "rms_norm_heads_",
-    "rope_qkv_", "silu_mul", "repack_gguf", "q4_k_to_q4_1", "q5_k_to_q5_1", "q3_k_to_q6_k",
+    "rope_qkv_", "silu_mul", "repack_gguf", "q4_k_to_q4_1", "q5_k_to_q5_1",
     "iq4_xs_to_iq4_nl", "static_attention", "paged_attention_qkv", "decoder_layers", "paged_decoder_layers",
     "softmax_draw",
 )
@@ -176,9 +175,9 @@ def pack_gguf_rows(qtype: str, parts: list[torch.Tensor]) -> tuple[int, torch.Te
     """GGUF-encoded row blocks of one matrix -> (weight_type, records [G, nb, R] uint8) in the
     kernels' 8-row layout.
 
-    qtype: ``"Q4_0"``, ``"Q4_1"``, ``"Q5_0"``, ``"Q5_1"``, ``"Q8_0"``, ``"F16"``, ``"BF16"``, ``"Q6_K"`` or
-    ``"IQ4_NL"``; parts: [rows_i, bytes per row] uint8 each, stacked in order (q, k, v). Raises ValueError for
-    another type or a malformed byte count.
+    qtype: one of ``reference.GGUF_TYPES`` (Q4_0, Q4_1, Q8_0, F16, BF16, Q6_K, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K);
+    parts: [rows_i, bytes per row] uint8 each, stacked in order (q, k, v). Raises ValueError for another type or a
+    malformed byte count.
     """
     if qtype not in reference.GGUF_TYPES:
         raise ValueError(f"kernels run {', '.join(reference.GGUF_TYPES)} rows, got {qtype}")
@@ -195,14 +194,14 @@ def pack_gguf_segments(segments: list[tuple[str, torch.Tensor]]) -> tuple[int, t
     [bytes] uint8 weight): each part ``(qtype, rows [n_i, bytes] uint8)`` packed as :func:`pack_gguf_rows` into
     its own run of row groups, so one qgemm call (one activation quantization) serves them all.
 
-    qtypes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q6_K or IQ4_NL; every part but the last must have a multiple of 8 rows.
+    qtypes: the quantized ``reference.GGUF_TYPES``; every part but the last must have a multiple of 8 rows.
     Raises ValueError otherwise (and as :func:`pack_gguf_rows`)."""
     if not 1 <= len(segments) <= 3:
         raise ValueError(f"a mixed weight holds 1-3 segments, got {len(segments)}")
     packed = []
     for i, (qtype, rows) in enumerate(segments):
         if qtype not in reference.GGUF_TYPES or qtype in ("F16", "BF16"):  # 16-bit rows take unquantized activations
-            raise ValueError(f"mixed weights hold Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q6_K and IQ4_NL parts, got {qtype}")
+            raise ValueError(f"mixed weights hold quantized parts ({', '.join(reference.GGUF_TYPES)}), got {qtype}")
         if i < len(segments) - 1 and rows.shape[0] % reference.ROWS:
             raise ValueError(f"every part but the last needs a multiple of 8 rows, part {i} has {rows.shape[0]}")
         packed.append(pack_gguf_rows(qtype, [rows]))
@@ -215,6 +214,6 @@ def reference_ops() -> KernelOps:
 
 
 __all__ = [
-    "BF16", "F16", "IQ4", "MIXED", "Q4", "Q5", "Q6", "Q8", "KernelOps", "cache_dir", "get_ops", "pack_gguf_rows",
-    "pack_gguf_segments", "reference_ops",
+    "BF16", "F16", "IQ4", "MIXED", "Q2", "Q3", "Q4", "Q5", "Q6", "Q8", "KernelOps", "cache_dir", "get_ops",
+    "pack_gguf_rows", "pack_gguf_segments", "reference_ops",
 ]

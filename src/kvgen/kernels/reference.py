@@ -15,6 +15,11 @@ Layouts (see ``csrc/common.h``): weights are repacked at load from GGUF blocks i
   ``sc[2][8]`` (per 16 columns), the 6-bit ``u = q + 32`` as low nibbles ``lo[t][r][i]`` (columns ``4t+i`` and
   ``16+4t+i``, as Q4) and top bits ``hi[v][r][i]`` (columns ``8v+i``, ``16+8v+i``, ``8v+4+i``, ``16+8v+4+i`` at
   bits 0, 2, 4, 6); value = d * sc * (u - 32).
+* Q2 / Q3 records, 672 / 912 bytes per 8 rows x 256 columns (one ``block_q2_K`` / ``block_q3_K`` super-block per
+  row; ``csrc/common.h``): fp16 ``d[8]`` (Q2: and ``dmin[8]``), the scales per 16 columns ``[16][8]`` (Q2: the
+  file's ``sc | m << 4`` bytes; Q3: int8 ``s - 32``), 2-bit planes (per block k and half h: bits 2s of byte
+  ``4r+i`` = column ``32k + 16h + 4s + i``) and, for Q3, third bits (bit ``4h + s`` of byte ``4r+i`` per block);
+  value = d sc u - dmin m (Q2), d sc (u - 4) (Q3).
 * IQ4 record, 144 bytes (from ``block_iq4_nl``; IQ4_XS as IQ4_NL rows): fp16 ``d[8]``, then ``qs`` as the Q4
   record's; value = d * IQ4_VALUES[nibble].
 
@@ -35,9 +40,10 @@ from kvgen.sampling.ops import inverse_cdf_at
 
 BLOCK = 32  # values per quantization block
 ROWS = 8  # rows per interleaved group
-Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4 = 0, 1, 2, 3, 4, 5, 6, 7  # weight_type codes of the ops
+Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3 = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9  # weight_type codes of the ops
 MIXED_HEADER = 64  # bytes of int64 {S, nb, (weight_type, groups) x S} before a mixed weight's segments
-RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 224, F16: 512, BF16: 512, Q5: 192, IQ4: 144}
+RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 224, F16: 512, BF16: 512, Q5: 192, IQ4: 144, Q2: 672, Q3: 912}
+RECORD_BLOCKS = {Q2: 8, Q3: 8}  # 32-column blocks per record: one 256-column super-block (1 for the other types)
 # The values of IQ4_NL / IQ4_XS's 4-bit indices (ggml-common.h kvalues_iq4nl)
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # GGUF block sizes in bytes: (scale bytes, has min, quant bytes)
@@ -75,13 +81,14 @@ def repack_q4(raw: torch.Tensor, has_min: bool, zero_point: float = 8.0) -> torc
     return torch.cat([d, m, qs], dim=-1).contiguous()  # [G, nb, 160]
 
 
-GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL")  # gguf_type codes of repack_gguf
-# bytes per GGUF block of each (32 values; Q6_K: 256)
+# gguf_type codes 0-10 of repack_gguf
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K")
+# bytes per GGUF block of each (32 values; the K types: 256)
 GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "BF16": 64, "Q6_K": 210, "Q5_0": 22, "Q5_1": 24,
-                    "IQ4_NL": 18}
+                    "IQ4_NL": 18, "Q2_K": 84, "Q3_K": 110}
 # the weight_type each GGUF type's records are
 WEIGHT_TYPE_OF = {"Q4_0": Q4, "Q4_1": Q4, "Q8_0": Q8, "F16": F16, "BF16": BF16, "Q6_K": Q6, "Q5_0": Q5, "Q5_1": Q5,
-                  "IQ4_NL": IQ4}
+                  "IQ4_NL": IQ4, "Q2_K": Q2, "Q3_K": Q3}
 
 
 def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
@@ -89,6 +96,8 @@ def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
     [G, nb, R] uint8: Q4 records for Q4_0 (0) / Q4_1 (1), Q8 records for Q8_0 (2), 16-bit records for F16 (3) and
     BF16 (4), Q6 records for Q6_K (5), Q5 records for Q5_0 (6) / Q5_1 (7), IQ4 records for IQ4_NL (8)."""
     raw = torch.cat(parts) if len(parts) > 1 else parts[0]  # [N, bytes]
+    if gguf_type in (9, 10):
+        return repack_q23_k(raw, q3=gguf_type == 10)
     if gguf_type == 8:
         q4 = repack_q4(raw, has_min=False)  # [G, nb, 160]: IQ4_NL's blocks have Q4_0's layout
         return torch.cat([q4[..., :16], q4[..., 32:]], dim=-1).contiguous()  # [G, nb, 144]: without the mins
@@ -101,6 +110,70 @@ def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
     if gguf_type in (3, 4):
         return repack_16bit(raw)
     return repack_q4(raw, has_min=gguf_type == 1)
+
+
+def _q3_k_fields(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q3_K rows [N, nsb * 110] uint8 -> (u = q + 4 hm [N, nsb, 256] int64 in [0, 7], scales s_j - 32
+    [N, nsb, 16] int64, d bytes [N, nsb, 2]); value = d (s_j - 32) (u - 4). Source: the gguf package's
+    ``Q3_K.dequantize_blocks``."""
+    n, nsb = raw.shape[0], raw.shape[1] // 110
+    b = raw.reshape(n * nsb, 110).long()
+    low = (b[:, 96:104].view(-1, 1, 8) >> torch.tensor([0, 4]).view(1, 2, 1)).reshape(-1, 16) & 15
+    high = (b[:, 104:108].view(-1, 1, 4) >> torch.tensor([0, 2, 4, 6]).view(1, 4, 1)).reshape(-1, 16) & 3
+    sc = (low | (high << 4)) - 32  # [n nsb, 16]: one per 16 values
+    q = (b[:, 32:96].view(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6]).view(1, 1, 4, 1)) & 3  # [., half, j, l]
+    hm = (b[:, :32].view(-1, 1, 32) >> torch.arange(8).view(1, 8, 1)) & 1  # [., 4 half + j, l]
+    u = q + 4 * hm.view(-1, 2, 4, 32)  # [., half, j, l]: value 128 half + 32 j + l
+    return u.reshape(n, nsb, 256), sc.view(n, nsb, 16), raw.view(n, nsb, 110)[..., 108:110]
+
+
+def repack_q23_k(raw: torch.Tensor, q3: bool) -> torch.Tensor:
+    """GGUF Q2_K (Q3_K) rows [N, nsb * 84 (110)] uint8 -> Q2 (Q3) records [G, nsb, 672 (912)] uint8 (module doc)."""
+    size = 110 if q3 else 84
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % size:
+        raise ValueError(f"Q{3 if q3 else 2}_K rows must be uint8 [N, nsb * {size}], got {raw.dtype} {list(raw.shape)}")
+    n, nsb = raw.shape[0], raw.shape[1] // size
+    if q3:
+        u, sc, d = _q3_k_fields(raw)
+        head = [d, sc.to(torch.int8).view(torch.uint8)]  # [N, nsb, 2], [N, nsb, 16]
+    else:
+        blocks = raw.view(n, nsb, 84)
+        qs = blocks[..., 16:80].long().view(n, nsb, 2, 1, 32)  # [N, nsb, half, 1, l]
+        u = ((qs >> (2 * torch.arange(4).view(1, 1, 1, 4, 1))) & 3).reshape(n, nsb, 256)  # 128 half + 32 j + l
+        head = [blocks[..., 80:82], blocks[..., 82:84], blocks[..., :16]]  # d, dmin, scales
+    g = -(-n // ROWS)
+    fields = [_pad_rows(f.reshape(n, -1)).view(g, ROWS, nsb, -1) for f in head]  # [G, r, nsb, bytes]
+    fields = [f.permute(0, 2, 3, 1).reshape(g, nsb, -1) if f.shape[-1] == 16 else f.transpose(1, 2).reshape(g, nsb, -1)
+              for f in fields]  # scales as [g][r]; d, dmin as [r] fp16
+    uu = _pad_rows(u.reshape(n, -1)).view(g, ROWS, nsb, 8, 2, 4, 4)  # [G, r, nsb, k, h, s, i]
+    shifts = torch.arange(4).view(1, 1, 1, 1, 1, 4, 1)
+    planes = ((uu & 3) << (2 * shifts)).sum(dim=5)  # [G, r, nsb, k, h, i]
+    planes = planes.permute(0, 2, 3, 4, 1, 5).reshape(g, nsb, 512)  # [G, nsb, k h r i]
+    parts = [*fields, planes]
+    if q3:
+        bits = (uu >> 2) << (4 * torch.arange(2).view(1, 1, 1, 1, 2, 1, 1) + shifts)  # bit 4h + s
+        parts.append(bits.sum(dim=(4, 5)).permute(0, 2, 3, 1, 4).reshape(g, nsb, 256))  # [G, nsb, k r i]
+    return torch.cat([p.to(torch.uint8) for p in parts], dim=-1).contiguous()  # [G, nsb, 672 | 912]
+
+
+def _dequantize_q23(weight: torch.Tensor, q3: bool) -> torch.Tensor:
+    """Q2 / Q3 records [G, nsb, R] -> float32 [G * 8, nsb * 256], as ggml dequantize_row_q2_K / _q3_K."""
+    g, nsb, _ = weight.shape
+    d = weight[..., 0:16].contiguous().view(torch.float16).float().view(g, nsb, 1, 1, 1, ROWS, 1)  # [G, nsb, ., r, .]
+    at = 144 if q3 else 160
+    planes = weight[..., at : at + 512].long().view(g, nsb, 8, 2, 1, ROWS, 4)  # [G, nsb, k, h, 1, r, i]
+    s = torch.arange(4).view(1, 1, 1, 1, 4, 1, 1)
+    u = (planes >> (2 * s)) & 3  # [G, nsb, k, h, s, r, i]
+    if q3:
+        high = weight[..., 656:].long().view(g, nsb, 8, 1, 1, ROWS, 4)
+        u = u | (((high >> (4 * torch.arange(2).view(1, 1, 1, 2, 1, 1, 1) + s)) & 1) << 2)
+        sc = weight[..., 16:144].contiguous().view(torch.int8).float().view(g, nsb, 8, 2, 1, ROWS, 1)
+        w = (d * sc) * (u - 4).float()
+    else:
+        scales = weight[..., 32:160].long().view(g, nsb, 8, 2, 1, ROWS, 1)  # group 2k + h
+        dmin = weight[..., 16:32].contiguous().view(torch.float16).float().view(g, nsb, 1, 1, 1, ROWS, 1)
+        w = (d * (scales & 15).float()) * u.float() - dmin * (scales >> 4).float()
+    return w.permute(0, 5, 1, 2, 3, 4, 6).reshape(g * ROWS, nsb * 256)  # [N_pad, K]
 
 
 def repack_q5(raw: torch.Tensor, has_min: bool) -> torch.Tensor:
@@ -218,25 +291,6 @@ def q5_k_to_q5_1(raw: torch.Tensor) -> torch.Tensor:
     return out.reshape(raw.shape[0], -1).contiguous()  # [rows, nsb * 192]
 
 
-def q3_k_to_q6_k(raw: torch.Tensor) -> torch.Tensor:
-    """GGUF Q3_K rows [rows, nsb * 110] uint8 -> Q6_K rows [rows, nsb * 210] uint8 of the same values: Q3_K's
-    d * (s_j - 32) * (q - 4 hm) is Q6_K's d * sc * (u - 32) with sc = s_j - 32, u = 28 + q + 4 (1 - hm). Sources:
-    the gguf package's ``Q3_K.dequantize_blocks`` (its unpacking) and ggml ``dequantize_row_q6_K`` (the layout)."""
-    n = raw.numel() // 110
-    b = raw.view(n, 110).long()
-    low = (b[:, 96:104].view(n, 1, 8) >> torch.tensor([0, 4]).view(1, 2, 1)).reshape(n, 16) & 15
-    high = (b[:, 104:108].view(n, 1, 4) >> torch.tensor([0, 2, 4, 6]).view(1, 4, 1)).reshape(n, 16) & 3
-    sc = (low | (high << 4)) - 32  # [n, 16]: one per 16 values
-    q = (b[:, 32:96].view(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6]).view(1, 1, 4, 1)) & 3  # [n, half, j, l]
-    hm = (b[:, :32].view(n, 1, 32) >> torch.arange(8).view(1, 8, 1)) & 1  # [n, 4 half + j, l]
-    u = (28 + q + 4 * hm.view(n, 2, 4, 32)).view(n, 2, 4, 32)  # [n, half, j, l]: value 128 half + 32 j + l
-    ql = torch.stack([(u[:, :, 0] & 15) | ((u[:, :, 2] & 15) << 4), (u[:, :, 1] & 15) | ((u[:, :, 3] & 15) << 4)], 1)
-    qh = (u[:, :, 0] >> 4) | ((u[:, :, 1] >> 4) << 2) | ((u[:, :, 2] >> 4) << 4) | ((u[:, :, 3] >> 4) << 6)
-    out = torch.cat([ql.transpose(1, 2).reshape(n, 128), qh.reshape(n, 64), sc.to(torch.int8).view(torch.uint8).long(),
-                     b[:, 108:110]], dim=1)  # [n, 210]: ql (half, 32-byte run), qh, scales, d
-    return out.to(torch.uint8).reshape(raw.shape[0], -1)
-
-
 def iq4_xs_to_iq4_nl(raw: torch.Tensor) -> torch.Tensor:
     """GGUF IQ4_XS rows [rows, nsb * 136] uint8 -> IQ4_NL rows [rows, nsb * 144] uint8: sub-block j's
     d' = d * (ls_j - 32) rounded to float16, its 16 index bytes as they are; an empty tensor when a d' overflows
@@ -301,8 +355,9 @@ def mixed_segments(weight: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     if not 1 <= num <= 3 or nb < 1:
         raise ValueError(f"mixed weight header holds {num} segments of {nb} blocks")
     for weight_type, groups in zip(head[2 : 2 + 2 * num : 2], head[3 : 3 + 2 * num : 2]):
-        size = groups * nb * RECORD_BYTES[weight_type]
-        segments.append((weight_type, weight[offset : offset + size].view(groups, nb, RECORD_BYTES[weight_type])))
+        records, record_bytes = nb // RECORD_BLOCKS.get(weight_type, 1), RECORD_BYTES[weight_type]
+        size = groups * records * record_bytes
+        segments.append((weight_type, weight[offset : offset + size].view(groups, records, record_bytes)))
         offset += size
     if offset != weight.numel():
         raise ValueError(f"mixed weight has {weight.numel()} bytes, its header describes {offset}")
@@ -310,10 +365,10 @@ def mixed_segments(weight: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
 
 
 def pack_mixed(segments: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-    """Segments (weight_type Q4 / Q8 / Q6, records [groups, nb, R]) of one stacked matrix -> a mixed weight
+    """Segments (quantized weight_types, records [groups, records, R]) of one stacked matrix -> a mixed weight
     [bytes] uint8 (:func:`mixed_segments` reads it back). Every segment but the last must fill whole groups (the
     caller's check: their rows are a multiple of 8)."""
-    nb = segments[0][1].shape[1]
+    nb = segments[0][1].shape[1] * RECORD_BLOCKS.get(segments[0][0], 1)  # 32-column blocks
     head = [len(segments), nb] + [n for t, records in segments for n in (t, records.shape[0])]
     header = torch.tensor(head + [0] * (MIXED_HEADER // 8 - len(head)), dtype=torch.int64).view(torch.uint8)
     return torch.cat([header, *(records.reshape(-1) for _, records in segments)])
@@ -324,6 +379,8 @@ def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
     included)."""
     if weight_type == MIXED:
         return torch.cat([dequantize_packed(records, t) for t, records in mixed_segments(weight)])
+    if weight_type in (Q2, Q3):
+        return _dequantize_q23(weight, q3=weight_type == Q3)
     g, nb, _ = weight.shape
     if weight_type in (F16, BF16):
         half = torch.float16 if weight_type == F16 else torch.bfloat16
@@ -382,10 +439,10 @@ def qgemm(
 
 def dequantize_rows(weight: torch.Tensor, weight_type: int, ids: torch.Tensor, in_features: int) -> torch.Tensor:
     """Rows ``ids`` [n] of a repacked weight as float32 [n, in_features] (embedding lookup)."""
-    nb = weight.shape[1]
+    nb = weight.shape[1] * RECORD_BLOCKS.get(weight_type, 1)  # 32-column blocks
     if in_features != nb * BLOCK:
         raise ValueError(f"in_features {in_features} != {nb * BLOCK}")
-    groups = weight.index_select(0, ids.reshape(-1) // ROWS)  # [n, nb, R]
+    groups = weight.index_select(0, ids.reshape(-1) // ROWS)  # [n, records, R]
     rows = dequantize_packed(groups, weight_type).view(-1, ROWS, in_features)  # [n, 8, K]
     return rows[torch.arange(rows.shape[0]), ids.reshape(-1) % ROWS]  # [n, K]
 

@@ -16,17 +16,16 @@ from gguf import GGMLQuantizationType
 from kvgen.kernels import get_ops
 
 Q = GGMLQuantizationType
-# Types our kernels run from their own bytes (F16, BF16: in a file of float matrices); Q4_K, Q5_K, Q3_K and IQ4_XS
-# are rewritten as Q4_1, Q5_1, Q6_K and IQ4_NL (rewrite_super_block), every other type the gguf package can
-# dequantize (Q2_K, the other IQ types, TQ1_0 / TQ2_0, MXFP4) is converted to Q8_0.
+# Types our kernels run from their own bytes (F16, BF16: in a file of float matrices); Q4_K, Q5_K and IQ4_XS are
+# rewritten as Q4_1, Q5_1 and IQ4_NL (rewrite_super_block), every other type the gguf package can dequantize (the
+# other IQ types, TQ1_0 / TQ2_0, MXFP4) is converted to Q8_0.
 FLOAT16_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.F16, Q.BF16})
 KERNEL_TYPES: frozenset[GGMLQuantizationType] = (
-    frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q6_K, Q.IQ4_NL}) | FLOAT16_TYPES)
+    frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q6_K, Q.IQ4_NL}) | FLOAT16_TYPES)
 # 256-value super-block types rewritten as a kernel type at load: type -> (that type, the kernels' op). Q4_K / Q5_K
-# / IQ4_XS sub-blocks are Q4_1 / Q5_1 / IQ4_NL blocks with float16 scales; Q3_K values are Q6_K values exactly.
+# / IQ4_XS sub-blocks are Q4_1 / Q5_1 / IQ4_NL blocks with float16 scales.
 SUPER_BLOCK_REWRITES: dict[GGMLQuantizationType, tuple[GGMLQuantizationType, str]] = {
-    Q.Q4_K: (Q.Q4_1, "q4_k_to_q4_1"), Q.Q5_K: (Q.Q5_1, "q5_k_to_q5_1"), Q.Q3_K: (Q.Q6_K, "q3_k_to_q6_k"),
-    Q.IQ4_XS: (Q.IQ4_NL, "iq4_xs_to_iq4_nl")}
+    Q.Q4_K: (Q.Q4_1, "q4_k_to_q4_1"), Q.Q5_K: (Q.Q5_1, "q5_k_to_q5_1"), Q.IQ4_XS: (Q.IQ4_NL, "iq4_xs_to_iq4_nl")}
 
 
 _SEGMENT_TYPES = KERNEL_TYPES - FLOAT16_TYPES  # parts a mixed stack keeps as they are (they share quantized activations)
@@ -36,7 +35,7 @@ _SEGMENT_TYPES = KERNEL_TYPES - FLOAT16_TYPES  # parts a mixed stack keeps as th
 class GGUFBlocks:
     """One matrix in a GGUF block encoding.
 
-    qtype: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q6_K, IQ4_NL, F16 or BF16; parts: row blocks [rows_i, bytes per row] uint8 whose
+    qtype: one of KERNEL_TYPES; parts: row blocks [rows_i, bytes per row] uint8 whose
     rows, in order, are the matrix's (one block unless stacked; rows in torch order, q/k
     rows already un-permuted); shape: (out_features, in_features). part_types: empty, or each part's own type
     when a stack mixes them (then ``qtype`` is the first part's; ``kernels.pack_gguf_segments`` runs them).
@@ -99,8 +98,7 @@ def dense_to_q8_0(w: torch.Tensor) -> GGUFBlocks:
 def rewrite_super_block(raw: torch.Tensor, qtype: GGMLQuantizationType
                         ) -> tuple[torch.Tensor, GGMLQuantizationType] | None:
     """GGUF Q4_K (Q5_K) rows as Q4_1 (Q5_1) rows: uint8 [rows, cols / 256 * 144 (176)] -> [rows, cols / 32 * 20
-    (24)] and that type, or None when a sub-block scale overflows float16; Q3_K rows as Q6_K rows (110 -> 210 bytes
-    per 256 values, the same values: ``kernels.q3_k_to_q6_k``); IQ4_XS rows as IQ4_NL rows (136 -> 8 x 18 bytes,
+    (24)] and that type, or None when a sub-block scale overflows float16; IQ4_XS rows as IQ4_NL rows (136 -> 8 x 18 bytes,
     d' = d * (ls_j - 32) rounded to float16, the 4-bit indices as they are: ``kernels.iq4_xs_to_iq4_nl``).
 
     A K-quant super-block holds 8 sub-blocks of 32 values, value = d * sc_j * q - dmin * m_j (q 4 or 5 bits, sc_j

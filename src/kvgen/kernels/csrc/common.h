@@ -25,6 +25,13 @@
 //     qh[r][i] bit t = the high bit of column 4t+i, bit 4+t = that of column 16+4t+i (w = (nibble | 16 hb) d + m).
 //   IQ4 record (144 bytes), from GGUF block_iq4_nl (IQ4_XS as IQ4_NL rows, iq4_xs_to_iq4_nl): fp16 d[8], then
 //     qs[4][8][4] as the Q4 record's; w = d * kIQ4Values[nibble] (llama.cpp's kvalues_iq4nl, non-linear).
+//   Q2 record (672 bytes per 8 rows x 256 columns: one GGUF block_q2_K super-block of each row):
+//     fp16 d[8], fp16 dmin[8], uint8 scales[16][8] (scales[g][r]: the file's byte of row r's 16 columns 16g ..:
+//     sc in the low, m in the high nibble), then per 32-column block k and half h (16 columns) uint8 qs[4][8][4]
+//     at 160 + 64k + 32h: bits 2s .. 2s+1 of byte 4r+i = u of column 32k + 16h + 4s + i (w = d sc u - dmin m).
+//   Q3 record (912 bytes per 8 rows x 256 columns, from block_q3_K): fp16 d[8], int8 sc[16][8] (s - 32), the
+//     2-bit planes of Q2's layout at 144, then per block k uint8 hb[8][4] at 656 + 32k: bit 4h + s of byte 4r+i =
+//     the third bit of that column (u = low | 4 hb in [0, 7], w = d sc (u - 4); Q3_K's hmask bit set: no -4).
 //   Mixed weight (a stacked matrix whose parts have different types, e.g. a Q4_K_M file's Q4_K q, k and
 //     Q6_K v): uint8 [bytes], a 64-byte header of int64 {S (1-3), nb, (weight_type, groups) x S}, then each
 //     segment's [groups, nb, record] records in order; every segment but the last fills whole groups.
@@ -47,9 +54,11 @@ constexpr int64_t kF16Record = 512;   // bytes per (group, block), F16 and BF16
 constexpr int64_t kQ6Record = 224;    // bytes per (group, block), Q6
 constexpr int64_t kQ5Record = 192;    // bytes per (group, block), Q5
 constexpr int64_t kIQ4Record = 144;   // bytes per (group, block), IQ4
+constexpr int64_t kQ2Record = 672;    // bytes per (group, super-block of 8 blocks), Q2
+constexpr int64_t kQ3Record = 912;    // bytes per (group, super-block of 8 blocks), Q3
 constexpr int64_t kMixedHeader = 64;  // bytes before a mixed weight's segments
 
-enum WeightType : int64_t { kQ4 = 0, kQ8 = 1, kF16 = 2, kBF16 = 3, kQ6 = 4, kMixed = 5, kQ5 = 6, kIQ4 = 7 };
+enum WeightType : int64_t { kQ4 = 0, kQ8 = 1, kF16 = 2, kBF16 = 3, kQ6 = 4, kMixed = 5, kQ5 = 6, kIQ4 = 7, kQ2 = 8, kQ3 = 9 };
 
 // The 16 values a 4-bit IQ4_NL / IQ4_XS index stands for (ggml-common.h kvalues_iq4nl).
 alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -87,6 +96,11 @@ void iq4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, f
 // half_sums[m][b]), written for n blocks by q6_half_sums.
 void q6_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums);
 void q6_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
+              float* const* out);
+// The same for Q2 and Q3 groups (nb a multiple of 8: whole super-block records).
+void q2_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
+              float* const* out);
+void q3_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
               float* const* out);
 // The same for an F16 group against MT float32 activation rows x[m] (K values each).
 void f16_group(const uint8_t* w, const float* const* x, int mt, int64_t nb, float* const* out);

@@ -16,7 +16,7 @@ namespace kvgen {
 namespace {
 
 int64_t record_bytes(int64_t weight_type) {
-  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kIQ4 && weight_type != kMixed, "kvgen: unknown weight_type ",
+  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kQ3 && weight_type != kMixed, "kvgen: unknown weight_type ",
               weight_type);
   switch (weight_type) {
     case kQ4: return kQ4Record;
@@ -24,13 +24,21 @@ int64_t record_bytes(int64_t weight_type) {
     case kQ6: return kQ6Record;
     case kQ5: return kQ5Record;
     case kIQ4: return kIQ4Record;
+    case kQ2: return kQ2Record;
+    case kQ3: return kQ3Record;
     default: return kF16Record;
   }
 }
 
+// 32-column blocks per record: 8 for the super-block records (Q2, Q3), else 1.
+int64_t record_blocks(int64_t weight_type) { return weight_type == kQ2 || weight_type == kQ3 ? 8 : 1; }
+
+// Types that read the activation blocks' half sums (their values carry an offset or a min per 16 columns).
+bool needs_half_sums(int64_t weight_type) { return weight_type == kQ6 || weight_type == kQ2 || weight_type == kQ3; }
+
 void check_weight(const at::Tensor& weight, int64_t weight_type) {
   TORCH_CHECK(weight.dtype() == at::kByte && weight.dim() == 3 && weight.is_contiguous(),
-              "kvgen: weight must be a contiguous uint8 [groups, blocks, record] tensor");
+              "kvgen: weight must be a contiguous uint8 [groups, records, record bytes] tensor");
   TORCH_CHECK(weight.size(2) == record_bytes(weight_type), "kvgen: weight record has ", weight.size(2),
               " bytes, expected ", record_bytes(weight_type));
 }
@@ -39,15 +47,16 @@ void check_weight(const at::Tensor& weight, int64_t weight_type) {
 struct Segment {
   int64_t weight_type, g0, g1;
   const uint8_t* base;
-  int64_t rec;  // record bytes
+  int64_t rec;  // bytes per 32 columns of a group (a record, or an eighth of a super-block record)
 };
 
 // The segments of a weight (one, or those of a kMixed weight's header; see common.h) and its groups, blocks.
 std::vector<Segment> segments_of(const at::Tensor& weight, int64_t weight_type, int64_t& G, int64_t& nb) {
   if (weight_type != kMixed) {
     check_weight(weight, weight_type);
-    G = weight.size(0), nb = weight.size(1);
-    return {{weight_type, 0, G, weight.data_ptr<uint8_t>(), record_bytes(weight_type)}};
+    const int64_t blocks = record_blocks(weight_type);
+    G = weight.size(0), nb = weight.size(1) * blocks;
+    return {{weight_type, 0, G, weight.data_ptr<uint8_t>(), record_bytes(weight_type) / blocks}};
   }
   TORCH_CHECK(weight.dtype() == at::kByte && weight.dim() == 1 && weight.is_contiguous() && weight.numel() >= kMixedHeader,
               "kvgen: a mixed weight must be a contiguous uint8 [bytes] tensor with a ", kMixedHeader, "-byte header");
@@ -61,10 +70,12 @@ std::vector<Segment> segments_of(const at::Tensor& weight, int64_t weight_type, 
   G = 0;
   for (int64_t i = 0; i < num; ++i) {
     const int64_t type = head[2 + 2 * i], groups = head[3 + 2 * i];
-    TORCH_CHECK(type == kQ4 || type == kQ8 || type == kQ6 || type == kQ5 || type == kIQ4, "kvgen: mixed weight segment "
-                "of type ", type, " (Q4, Q5, Q6, Q8 and IQ4 segments share the activations)");
-    segs.push_back({type, G, G + groups, p, record_bytes(type)});
-    p += groups * nb * record_bytes(type);
+    TORCH_CHECK(type >= kQ4 && type <= kQ3 && type != kMixed && type != kF16 && type != kBF16,
+                "kvgen: mixed weight segment of type ", type, " (quantized segments share the activations)");
+    TORCH_CHECK(nb % record_blocks(type) == 0, "kvgen: mixed weight of ", nb, " blocks has a super-block segment");
+    const int64_t rec = record_bytes(type) / record_blocks(type);
+    segs.push_back({type, G, G + groups, p, rec});
+    p += groups * nb * rec;
     G += groups;
   }
   TORCH_CHECK(p == weight.data_ptr<uint8_t>() + weight.numel(), "kvgen: mixed weight has ", weight.numel(),
@@ -109,7 +120,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   // the quantized activations live in a per-thread buffer reused across calls (no allocation); F16
   // weights take the activations as they are
   const bool is_f16 = weight_type == kF16 || weight_type == kBF16;  // 16-bit float weights
-  const bool has_q6 = std::any_of(segs.begin(), segs.end(), [](const Segment& s) { return s.weight_type == kQ6; });
+  const bool has_q6 = std::any_of(segs.begin(), segs.end(), [](const Segment& s) { return needs_half_sums(s.weight_type); });
   thread_local std::vector<BlockQ8A> act_buffer;
   if (!is_f16 && static_cast<int64_t>(act_buffer.size()) < M * nb) act_buffer.resize(M * nb);
   BlockQ8A* act = act_buffer.data();
@@ -155,6 +166,8 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           case kQ4: q4_group(wg, a, mt, nb, o); break;
           case kQ5: q5_group(wg, a, mt, nb, o); break;
           case kIQ4: iq4_group(wg, a, mt, nb, o); break;
+          case kQ2: q2_group(wg, a, hs, mt, nb, o); break;
+          case kQ3: q3_group(wg, a, hs, mt, nb, o); break;
           default: q8_group(wg, a, mt, nb, o); break;
         }
       }
@@ -171,10 +184,31 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
 
 namespace {
 
+// Row r's 32 values of block k (0-7) of a Q2 / Q3 super-block record, as ggml dequantize_row_q2_K / _q3_K.
+void q23_block_values(const uint8_t* rec, int64_t k, int64_t r, bool q3, float* dst) {
+  uint16_t h;
+  std::memcpy(&h, rec + 2 * r, 2);
+  const float d = _cvtsh_ss(h);
+  std::memcpy(&h, rec + 16 + 2 * r, 2);
+  const float dmin = _cvtsh_ss(h);
+  for (int half = 0; half < 2; ++half) {
+    const uint8_t scale = rec[(q3 ? 16 : 32) + 16 * k + 8 * half + r];
+    const float dl = q3 ? d * static_cast<float>(static_cast<int8_t>(scale)) : d * static_cast<float>(scale & 15);
+    const float ml = q3 ? 0.0f : dmin * static_cast<float>(scale >> 4);
+    for (int s = 0; s < 4; ++s) {
+      for (int i = 0; i < 4; ++i) {
+        int u = (rec[(q3 ? 144 : 160) + 64 * k + 32 * half + 4 * r + i] >> (2 * s)) & 3;
+        if (q3) u = (u | (((rec[656 + 32 * k + 4 * r + i] >> (4 * half + s)) & 1) << 2)) - 4;
+        dst[16 * half + 4 * s + i] = dl * static_cast<float>(u) - ml;
+      }
+    }
+  }
+}
+
 // Rows `ids` of a repacked weight, dequantized: [n, in_features] float32 (embedding lookup).
 at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const at::Tensor& ids_in, int64_t in_features) {
   check_weight(weight, weight_type);
-  const int64_t nb = weight.size(1), rec = record_bytes(weight_type);
+  const int64_t blocks = record_blocks(weight_type), nb = weight.size(1) * blocks, rec = record_bytes(weight_type);
   TORCH_CHECK(in_features == nb * kBlock, "kvgen.dequantize_rows: in_features ", in_features, " != ", nb * kBlock);
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
   const int64_t n = ids.numel(), num_rows = weight.size(0) * kRows;
@@ -190,6 +224,10 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const 
       const int64_t g = ip[k] / kRows, r = ip[k] % kRows;
       float* dst = op + k * in_features;
       for (int64_t b = 0; b < nb; ++b, dst += kBlock) {
+        if (blocks == 8) {  // Q2, Q3: block b % 8 of a super-block record
+          q23_block_values(wp + (g * (nb / 8) + b / 8) * rec, b % 8, r, weight_type == kQ3, dst);
+          continue;
+        }
         const uint8_t* blk = wp + (g * nb + b) * rec;
         uint16_t h;
         std::memcpy(&h, blk + 2 * r, 2);
@@ -266,7 +304,6 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("repack_gguf(Tensor[] parts, int gguf_type) -> Tensor");
   m.def("q4_k_to_q4_1(Tensor raw) -> Tensor");
   m.def("q5_k_to_q5_1(Tensor raw) -> Tensor");
-  m.def("q3_k_to_q6_k(Tensor raw) -> Tensor");
   m.def("iq4_xs_to_iq4_nl(Tensor raw) -> Tensor");
   m.def("static_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? key_mask, int past_len, "
         "int num_heads, float scale, int window=0) -> Tensor");
@@ -294,7 +331,6 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("repack_gguf", &kvgen::repack_gguf);
   m.impl("q4_k_to_q4_1", &kvgen::q4_k_to_q4_1);
   m.impl("q5_k_to_q5_1", &kvgen::q5_k_to_q5_1);
-  m.impl("q3_k_to_q6_k", &kvgen::q3_k_to_q6_k);
   m.impl("iq4_xs_to_iq4_nl", &kvgen::iq4_xs_to_iq4_nl);
   m.impl("static_attention", &kvgen::static_attention);
   m.impl("paged_attention_qkv", &kvgen::paged_attention_qkv);

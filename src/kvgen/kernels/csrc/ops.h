@@ -40,7 +40,6 @@ at::Tensor paged_decoder_layers(const at::Tensor& x, at::TensorList weights, at:
 at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type);
 at::Tensor q4_k_to_q4_1(const at::Tensor& raw);
 at::Tensor q5_k_to_q5_1(const at::Tensor& raw);
-at::Tensor q3_k_to_q6_k(const at::Tensor& raw);
 at::Tensor iq4_xs_to_iq4_nl(const at::Tensor& raw);
 at::Tensor softmax_draw(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u);
 

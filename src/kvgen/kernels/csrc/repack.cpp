@@ -54,18 +54,77 @@ void repack_q6_k(const uint8_t* s, int64_t r, uint8_t* d) {
   }
 }
 
+// Q3_K's 16 six-bit scales s_j from its 12 packed bytes (ggml dequantize_row_q3_K's unpacking).
+void q3_k_scales(const uint8_t* packed, uint8_t* scales) {
+  uint32_t aux[4];
+  std::memcpy(aux, packed, 12);
+  const uint32_t tmp = aux[2], kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
+  aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+  aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+  aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
+  aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+  std::memcpy(scales, aux, 16);
+}
+
+// Q3_K's values u = q + 4 hm in [0, 7] (value = d (s_j - 32) (u - 4)), value 128 n + 32 j + l from bits 2j of
+// qs[32 n + l] and bit 4 n + j of hmask[l] (ggml dequantize_row_q3_K).
+void q3_k_values(const uint8_t* hm, const uint8_t* qs, uint8_t* u) {
+  for (int n = 0; n < 2; ++n) {
+    for (int j = 0; j < 4; ++j) {
+      for (int l = 0; l < 32; ++l) {
+        u[128 * n + 32 * j + l] = static_cast<uint8_t>(((qs[32 * n + l] >> (2 * j)) & 3) | (((hm[l] >> (4 * n + j)) & 1) << 2));
+      }
+    }
+  }
+}
+
+// One row's Q2_K (Q3_K) super-block s (256 values) into its Q2 (Q3) record d as row r (layouts in common.h).
+void repack_q23_k(const uint8_t* s, int64_t r, uint8_t* d, bool q3) {
+  uint8_t u[256];
+  if (q3) {
+    q3_k_values(s, s + 32, u);
+    uint8_t scales[16];
+    q3_k_scales(s + 96, scales);
+    std::memcpy(d + 2 * r, s + 108, 2);  // d
+    for (int g = 0; g < 16; ++g) d[16 + 8 * g + r] = static_cast<uint8_t>(static_cast<int8_t>(scales[g] - 32));
+  } else {
+    for (int n = 0; n < 2; ++n)  // value 128 n + 32 j + l: bits 2j of qs[32 n + l] (ggml dequantize_row_q2_K)
+      for (int j = 0; j < 4; ++j)
+        for (int l = 0; l < 32; ++l) u[128 * n + 32 * j + l] = (s[16 + 32 * n + l] >> (2 * j)) & 3;
+    std::memcpy(d + 2 * r, s + 80, 2);  // d
+    std::memcpy(d + 16 + 2 * r, s + 82, 2);  // dmin
+    for (int g = 0; g < 16; ++g) d[32 + 8 * g + r] = s[g];  // sc | m << 4 of columns 16 g ..
+  }
+  uint8_t* planes = d + (q3 ? 144 : 160);
+  for (int k = 0; k < 8; ++k) {
+    for (int h = 0; h < 2; ++h) {
+      for (int i = 0; i < 4; ++i) {
+        uint8_t byte = 0, high = 0;
+        for (int sh = 0; sh < 4; ++sh) {
+          const uint8_t v = u[32 * k + 16 * h + 4 * sh + i];
+          byte |= static_cast<uint8_t>((v & 3) << (2 * sh));
+          high |= static_cast<uint8_t>((v >> 2) << (4 * h + sh));
+        }
+        planes[64 * k + 32 * h + 4 * r + i] = byte;
+        if (q3) d[656 + 32 * k + 4 * r + i] |= high;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) {
-  TORCH_CHECK(gguf_type >= 0 && gguf_type <= 8, "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), "
-              "3 (F16), 4 (BF16), 5 (Q6_K), 6 (Q5_0), 7 (Q5_1) or 8 (IQ4_NL)");
+  TORCH_CHECK(gguf_type >= 0 && gguf_type <= 10, "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), "
+              "3 (F16), 4 (BF16), 5 (Q6_K), 6 (Q5_0), 7 (Q5_1), 8 (IQ4_NL), 9 (Q2_K) or 10 (Q3_K)");
   TORCH_CHECK(!parts.empty(), "kvgen.repack_gguf: no rows");
   const bool is_16bit = gguf_type == 3 || gguf_type == 4;  // F16, BF16
   const bool is_q6 = gguf_type == 5, is_q5 = gguf_type == 6 || gguf_type == 7, is_iq4 = gguf_type == 8;
-  constexpr int64_t kSrcBlock[] = {18, 20, 34, 64, 64, kQ6KBlock, 22, 24, 18};  // bytes per GGUF block of each type
+  const bool is_q23 = gguf_type == 9 || gguf_type == 10;  // one super-block record per 256 columns
+  constexpr int64_t kSrcBlock[] = {18, 20, 34, 64, 64, kQ6KBlock, 22, 24, 18, 84, 110};  // bytes per GGUF block
   const int64_t src_block = kSrcBlock[gguf_type];
   const int64_t rec = gguf_type == 2 ? kQ8Record : is_16bit ? kF16Record : is_q6 ? kQ6Record : is_q5 ? kQ5Record
-                      : is_iq4 ? kIQ4Record : kQ4Record;
+                      : is_iq4 ? kIQ4Record : is_q23 ? (gguf_type == 9 ? kQ2Record : kQ3Record) : kQ4Record;
   const int64_t row_bytes = parts[0].size(1), nb = row_bytes / src_block * (is_q6 ? 8 : 1);
   int64_t rows = 0;
   for (const auto& p : parts) {
@@ -82,6 +141,12 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
     const uint8_t* src = p.data_ptr<uint8_t>();
     for (int64_t i = 0; i < p.size(0); ++i, ++n) {
       const int64_t g = n / kRows, r = n % kRows;
+      if (is_q23) {  // one record per super-block
+        for (int64_t sb = 0; sb < nb; ++sb) {
+          repack_q23_k(src + i * row_bytes + sb * src_block, r, dst + (g * nb + sb) * rec, gguf_type == 10);
+        }
+        continue;
+      }
       if (is_q6) {  // 8 records per super-block
         for (int64_t sb = 0; sb < nb / 8; ++sb) {
           repack_q6_k(src + i * row_bytes + sb * kQ6KBlock, r, dst + (g * nb + 8 * sb) * rec);
@@ -178,58 +243,6 @@ at::Tensor k_quant_to_legacy(const at::Tensor& raw) {
 
 at::Tensor q4_k_to_q4_1(const at::Tensor& raw) { return k_quant_to_legacy<false>(raw); }
 at::Tensor q5_k_to_q5_1(const at::Tensor& raw) { return k_quant_to_legacy<true>(raw); }
-
-// GGUF Q3_K rows [rows, nsb * 110] -> Q6_K rows [rows, nsb * 210], exactly: a Q3_K value d * (s_j - 32) * (q - 4 hm)
-// (q 2 bits, hm the inverted high bit, s_j a 6-bit scale per 16 values) is the Q6_K value d * sc * (u - 32) with
-// sc = s_j - 32 and u = 28 + q + 4 hm. Source: ggml dequantize_row_q3_K (its scale unpacking) and
-// dequantize_row_q6_K (the layout written).
-at::Tensor q3_k_to_q6_k(const at::Tensor& raw) {
-  TORCH_CHECK(raw.dtype() == at::kByte && raw.dim() == 2 && raw.is_contiguous() && raw.size(1) % 110 == 0,
-              "kvgen.q3_k_to_q6_k: raw must be contiguous uint8 [rows, nsb * 110]");
-  const int64_t n = raw.numel() / 110;  // super-blocks
-  at::Tensor out = at::empty({raw.size(0), raw.size(1) / 110 * kQ6KBlock}, raw.options());
-  const uint8_t* src = raw.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      const uint8_t* s = src + 110 * k;
-      const uint8_t* hm = s;  // [32]: bit i of hm[l] for value l (+16) of group i
-      const uint8_t* qs = s + 32;  // [64]
-      uint32_t aux[4];
-      std::memcpy(aux, s + 96, 12);
-      const uint32_t tmp = aux[2], kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
-      aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
-      aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
-      aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
-      aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
-      uint8_t scales[16];
-      std::memcpy(scales, aux, 16);
-      uint8_t u[256];
-      for (int half = 0; half < 2; ++half) {  // 128 values each, from 32 bytes of qs
-        for (int j = 0; j < 4; ++j) {  // shift 2j, high-bit mask 1 << (4 half + j)
-          for (int l = 0; l < 32; ++l) {
-            const int q = (qs[32 * half + l] >> (2 * j)) & 3;
-            const int high = (hm[l] >> (4 * half + j)) & 1;  // set: + 0, clear: - 4
-            u[128 * half + 32 * j + l] = static_cast<uint8_t>(28 + q + 4 * high);
-          }
-        }
-      }
-      uint8_t* o = dst + kQ6KBlock * k;
-      for (int h = 0; h < 2; ++h) {
-        for (int l = 0; l < 32; ++l) {
-          const uint8_t* v = u + 128 * h + l;  // values l, l + 32, l + 64, l + 96 of this half
-          o[64 * h + l] = static_cast<uint8_t>((v[0] & 15) | ((v[64] & 15) << 4));
-          o[64 * h + l + 32] = static_cast<uint8_t>((v[32] & 15) | ((v[96] & 15) << 4));
-          o[128 + 32 * h + l] = static_cast<uint8_t>((v[0] >> 4) | ((v[32] >> 4) << 2) | ((v[64] >> 4) << 4) |
-                                                      ((v[96] >> 4) << 6));
-        }
-      }
-      for (int j = 0; j < 16; ++j) o[192 + j] = static_cast<uint8_t>(static_cast<int8_t>(scales[j] - 32));
-      std::memcpy(o + 208, s + 108, 2);  // d
-    }
-  });
-  return out;
-}
 
 // GGUF IQ4_XS rows [rows, nsb * 136] -> IQ4_NL rows [rows, nsb * 8 * 18]: sub-block j of a super-block (fp16 d,
 // uint16 scales_h, uint8 scales_l[4], qs[128]) has the 6-bit scale ls_j = low nibble j of scales_l | 2 bits j of

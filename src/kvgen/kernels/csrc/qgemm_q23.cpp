@@ -1,0 +1,124 @@
+// Q2 and Q3 (GGUF Q2_K / Q3_K repacked into 8-row groups, one record per 256-column super-block, see common.h)
+// times Q8A activations: the file's own 2- and 3-bit values. Per 32-column block k of a super-block: two loads of
+// 2-bit planes (one per 16-column half h; shift 2s of byte 4r+i = column 16h + 4s + i of row r), plus for Q3 one
+// load of high bits (bit 4h + s), give 8 vectors of u (4 columns x 8 rows); maddubs(u, a) summed in int16 per half
+// (4 * 2 * 7 * 127 = 7,112), then madd with the half's scale: dot = sum_h sc_h * sum u a, int32 per row.
+//   Q2: w = d * sc * u - dmin * m (sc, m 4-bit per 16 columns): acc += dot * d d_a - (sum_h m_h A_h) * dmin d_a.
+//   Q3: w = d * sc * (u - 4) (sc = s - 32, int8 per 16 columns):   acc += (dot - 4 sum_h sc_h A_h) * d d_a.
+// A_h: the activation block's half sums (q6_half_sums, once per call). The arithmetic of a row does not depend on
+// how many rows share the call. Source of the values: ggml dequantize_row_q2_K / dequantize_row_q3_K.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "common.h"
+
+#ifndef KVGEN_Q23_PREFETCH
+#define KVGEN_Q23_PREFETCH 4
+#endif
+
+namespace kvgen {
+namespace {
+
+// The 8 rows' values of one 16-column half (4 vectors of 4 columns x 8 rows) times the activations, summed in int16.
+inline __m256i half_dot(const __m256i* u, const int8_t* q) {
+  return _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u[0], bcast4(q)), _mm256_maddubs_epi16(u[1], bcast4(q + 4))),
+                          _mm256_add_epi16(_mm256_maddubs_epi16(u[2], bcast4(q + 8)), _mm256_maddubs_epi16(u[3], bcast4(q + 12))));
+}
+
+// x (8 int32 lanes, values within int16) in both int16 halves of each lane: the madd partner of pair sums.
+inline __m256i twice(__m256i x) {
+  return _mm256_or_si256(_mm256_and_si256(x, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(x, 16));
+}
+
+// (x0, x1) as the low and high int16 of each lane: the madd partner of an activation block's half sums.
+inline __m256i pair(__m256i x0, __m256i x1) {
+  return _mm256_or_si256(_mm256_and_si256(x0, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(x1, 16));
+}
+
+template <bool Q3, int MT>
+void q23_tile(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int64_t nb,
+              float* const* out) {
+  constexpr int64_t kRec = Q3 ? kQ3Record : kQ2Record, kBits = Q3 ? 144 : 160;  // record bytes, offset of the planes
+  const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nb / 8; ++sb, w += kRec) {
+    const char* ahead = reinterpret_cast<const char*>(w) + KVGEN_Q23_PREFETCH * kRec;
+    for (int c = 0; c < kRec; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m256 mw = Q3 ? dw : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+    for (int k = 0; k < 8; ++k) {
+      const int64_t b = 8 * sb + k;
+      __m256i u[2][4];  // [half][shift]: columns 16h + 4s + i, 8 rows
+      for (int h = 0; h < 2; ++h) {
+        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kBits + 64 * k + 32 * h));
+        u[h][0] = _mm256_and_si256(p, three);
+        u[h][1] = _mm256_and_si256(_mm256_srli_epi16(p, 2), three);
+        u[h][2] = _mm256_and_si256(_mm256_srli_epi16(p, 4), three);
+        u[h][3] = _mm256_and_si256(_mm256_srli_epi16(p, 6), three);
+      }
+      __m256i sc0, sc1, corr_pair;  // per row: the halves' scales, and the madd partner of the half sums
+      if constexpr (Q3) {
+        const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kBits + 512 + 32 * k));
+        // bit t = 4h + s of each byte to bit 2 (16-bit shifts: the bits that cross bytes are masked off)
+        u[0][0] = _mm256_or_si256(u[0][0], _mm256_and_si256(_mm256_slli_epi16(hv, 2), four));
+        u[0][1] = _mm256_or_si256(u[0][1], _mm256_and_si256(_mm256_slli_epi16(hv, 1), four));
+        u[0][2] = _mm256_or_si256(u[0][2], _mm256_and_si256(hv, four));
+        u[0][3] = _mm256_or_si256(u[0][3], _mm256_and_si256(_mm256_srli_epi16(hv, 1), four));
+        for (int s = 0; s < 4; ++s) {
+          u[1][s] = _mm256_or_si256(u[1][s], _mm256_and_si256(_mm256_srli_epi16(hv, 2 + s), four));
+        }
+        sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 16 + 16 * k)));
+        sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 24 + 16 * k)));
+        corr_pair = pair(sc0, sc1);
+      } else {
+        const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 32 + 16 * k));  // [h][r]: sc | m << 4
+        const __m128i lo = _mm_and_si128(s, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(s, 4), _mm_set1_epi8(15));
+        sc0 = _mm256_cvtepu8_epi32(lo);
+        sc1 = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+        corr_pair = pair(_mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+      }
+      const __m256i sc0x2 = twice(sc0), sc1x2 = twice(sc1);
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* q = a[m][b].qs;
+        __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(half_dot(u[0], q), sc0x2), _mm256_madd_epi16(half_dot(u[1], q + 16), sc1x2));
+        const __m256i corr = _mm256_madd_epi16(corr_pair, _mm256_set1_epi32(half_sums[m][b]));  // sum_h x_h A_h
+        const __m256 da = _mm256_set1_ps(a[m][b].d);
+        if constexpr (Q3) {
+          dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(corr, 2));
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, da), acc[m]);
+        } else {
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, da), acc[m]);
+          acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_mul_ps(mw, da), acc[m]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
+}
+
+template <bool Q3>
+void q23_dispatch(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
+                  float* const* out) {
+  switch (mt) {
+    case 1: q23_tile<Q3, 1>(w, a, half_sums, nb, out); break;
+    case 2: q23_tile<Q3, 2>(w, a, half_sums, nb, out); break;
+    case 3: q23_tile<Q3, 3>(w, a, half_sums, nb, out); break;
+    default: q23_tile<Q3, 4>(w, a, half_sums, nb, out); break;
+  }
+}
+
+}  // namespace
+
+void q2_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
+              float* const* out) {
+  q23_dispatch<false>(w, a, half_sums, mt, nb, out);
+}
+
+void q3_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
+              float* const* out) {
+  q23_dispatch<true>(w, a, half_sums, mt, nb, out);
+}
+
+}  // namespace kvgen
