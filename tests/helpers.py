@@ -123,14 +123,22 @@ def _hf_config(model_type: str, tie: bool, kv_heads: int, bias: bool, vocab_size
                                          "pad_token_id": 0,
                                          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
                                         | overrides))
+    if model_type == "gemma2":  # layers sliding, full, sliding (window 6); scale 24^-0.5; softcaps 5 / 10 that matter
+        return transformers.Gemma2Config(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=tie, attn_implementation="eager",  # its SDPA path drops the attention softcap
+            **({"num_hidden_layers": 3, "query_pre_attn_scalar": 24, "sliding_window": 6, "rope_theta": 1000.0,
+                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0, "bos_token_id": 1, "eos_token_id": 2,
+                "pad_token_id": 0} | overrides))
     if model_type == "phi3":  # stacked qkv_proj / gate_up_proj; ids inside the tiny vocabulary (Phi3Config's are 32000)
         ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
         return transformers.Phi3Config(
             vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=kv_heads, max_position_embeddings=max_position_embeddings,
             tie_word_embeddings=tie, **(ids | overrides))
-    raise ValueError(f"model_type must be 'llama', 'gpt2', 'qwen2', 'qwen3', 'mistral', 'smollm3', 'phi3' or "
-                     f"'gemma3_text', got {model_type!r}")
+    raise ValueError(f"model_type must be 'llama', 'gpt2', 'qwen2', 'qwen3', 'mistral', 'smollm3', 'phi3', "
+                     f"'gemma3_text' or 'gemma2', got {model_type!r}")
 
 
 def _randomize(model: torch.nn.Module, seed: int, std: float) -> None:
@@ -172,7 +180,8 @@ def make_tiny_model(
     seed: int = 0,
     **overrides: Any,
 ) -> TinyModel:
-    """A fresh tiny (2 layers, hidden 64, 4 heads of 16; Gemma 3: 3 layers) transformers model and kvgen's twin.
+    """A fresh tiny (2 layers, hidden 64, 4 heads of 16; Gemma 3, Gemma 2: 3 layers) transformers model and kvgen's
+    twin.
 
     Llama defaults: untied, 2 KV heads, no biases, intermediate 128. GPT-2: tied, biases.
     Weights come from ``torch.Generator().manual_seed(seed)`` (see ``_randomize``), so a
@@ -195,7 +204,7 @@ def make_tiny_model(
     _randomize(ref, seed, std)
     ref.eval()
     params = hf_params_in_kvgen_layout(ref)
-    if model_type == "gemma3_text":  # Gemma3RMSNorm multiplies by 1 + w; kvgen's norms hold 1 + w
+    if model_type in ("gemma3_text", "gemma2"):  # Gemma3RMSNorm / Gemma2RMSNorm multiply by 1 + w; kvgen's hold 1 + w
         params = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in params.items()}
     ours = build_model(ModelConfig.from_hf_dict(hf_config.to_dict()), params)
     return TinyModel(ref, ours)

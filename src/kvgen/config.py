@@ -15,12 +15,12 @@ from typing import Any
 
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
 
-SUPPORTED_MODEL_TYPES = ("llama", "gpt2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "gpt2", "gemma3_text", "gemma2")
 
 # GGUF `general.architecture` values we decode with our Llama implementation.
 # qwen2/3, phi3: llama.cpp stores their q/k rows unpermuted (NEOX rope); phi3 stacks q/k/v and gate/up
 _GGUF_LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "smollm3")  # smollm3: llama's tensors, NoPE every 4th layer
-_GGUF_ARCHS = (*_GGUF_LLAMA_ARCHS, "gemma3")  # gemma3: our Gemma 3 decoder (model_type gemma3_text)
+_GGUF_ARCHS = (*_GGUF_LLAMA_ARCHS, "gemma3", "gemma2")  # gemma3: our Gemma 3 decoder (model_type gemma3_text)
 # Hugging Face model_types decoded by our Llama (see _llama_family_changes)
 _HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 _ROPE_TYPES = (None, "default", "llama3", "linear", "freq_factors", "longrope")
@@ -38,6 +38,12 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
                     "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072, "pad_token_id": 0,
                     "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True, "rope_theta": 1000000.0,
                     "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_local_base_freq": 10000.0},
+    "gemma2": {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+               "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192, "pad_token_id": 0,
+               "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True, "rope_theta": 10000.0,
+               "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": 30.0,
+               "attn_logit_softcapping": 50.0},
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' layer_types values kvgen decodes
 
@@ -90,6 +96,9 @@ class ModelConfig:
     sliding_window: int | None = None
     rope_local_base_freq: float | None = None
     query_pre_attn_scalar: float | None = None
+    # Gemma 2: attention scores s -> c * tanh(s / c) before the softmax, logits l -> c * tanh(l / c); None: no cap
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -125,6 +134,13 @@ class ModelConfig:
                                    f"got {kinds}")
         if kinds is not None and "sliding_attention" in kinds and (self.sliding_window or 0) < 1:
             raise ModelFormatError(f"sliding_attention layers need a positive sliding_window, got {self.sliding_window}")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            cap = getattr(self, name)
+            if cap is not None and self.model_type != "gemma2":
+                raise UnsupportedArchitectureError(f"{self.model_type} with {name}={cap} is not supported (kvgen "
+                                                   f"computes logit softcapping for gemma2 only)")
+            if cap is not None and not float(cap) > 0:  # NaN included
+                raise ModelFormatError(f"{name} must be positive (or absent: no softcapping), got {cap}")
 
     def _apply_rope_scaling(self, scaling: dict[str, Any]) -> None:
         """Refuse rope types we do not compute, and bound a LongRoPE model's ``max_position_embeddings``.
@@ -187,8 +203,8 @@ class ModelConfig:
                     pad_token_id=cfg.get("pad_token_id"),
                     extra={"scale_attn_weights": cfg.get("scale_attn_weights", True)},
                 )
-            if model_type == "gemma3_text":
-                return cls(**_gemma3_kwargs(_HF_DEFAULTS["gemma3_text"] | cfg))
+            if model_type in ("gemma3_text", "gemma2"):
+                return cls(**_gemma3_kwargs(_HF_DEFAULTS[model_type] | cfg, model_type))
             if model_type in _HF_LLAMA_TYPES:
                 cfg = _HF_DEFAULTS.get(model_type, {}) | cfg  # save_pretrained leaves out values equal to these
                 known = {f.name for f in fields(cls)}
@@ -204,8 +220,9 @@ class ModelConfig:
 
         ``meta`` maps GGUF keys (``general.architecture``, ``llama.block_count``,
         ...) to values. Raises ``UnsupportedArchitectureError`` for an
-        architecture outside ``llama``, ``qwen2``, ``qwen3``, ``phi3``, ``smollm3``, ``gemma3`` (see
-        :func:`_gemma3_gguf_changes`) and ``ModelFormatError`` for missing keys.
+        architecture outside ``llama``, ``qwen2``, ``qwen3``, ``phi3``, ``smollm3``, ``gemma3``, ``gemma2`` (see
+        :func:`_gemma3_gguf_changes`, :func:`_gemma2_gguf_changes`) and ``ModelFormatError`` for missing keys or bad
+        values.
         Rope scaling stored as tensors (``rope_freqs``, ``rope_factors_*``) is the loader's to add.
         """
         arch = meta.get("general.architecture")
@@ -259,6 +276,8 @@ class ModelConfig:
         }
         if arch == "gemma3":
             kwargs |= _gemma3_gguf_changes(meta, kwargs, need("attention.sliding_window"))
+        if arch == "gemma2":
+            kwargs |= _gemma2_gguf_changes(meta, kwargs)
         return cls(**kwargs)
 
 
@@ -298,31 +317,36 @@ def _llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any
     return changes
 
 
-def _gemma3_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig arguments of a Gemma 3 text ``config.json`` (``cfg`` completed with transformers' defaults):
-    q/k norms, ``layer_types`` (from ``sliding_window_pattern``, 6 by default, when absent), GeGLU, a ``linear``
-    rope_scaling for the full-attention layers only. Raises ``UnsupportedArchitectureError`` naming logit
-    softcapping (Gemma 2's, None in Gemma 3), an activation other than ``gelu_pytorch_tanh`` or another rope type.
-    Source: transformers 4.55 ``Gemma3TextConfig`` / ``Gemma3TextModel`` (``rotary_emb_local``)."""
+def _gemma3_kwargs(cfg: dict[str, Any], model_type: str = "gemma3_text") -> dict[str, Any]:
+    """ModelConfig arguments of a Gemma 3 text or (``model_type`` ``gemma2``) Gemma 2 ``config.json`` (``cfg``
+    completed with transformers' defaults): GeGLU; Gemma 3: q/k norms, ``layer_types`` (from
+    ``sliding_window_pattern``, 6 by default, when absent), a ``linear`` rope_scaling for the full-attention layers
+    only; Gemma 2: no q/k norms, ``layer_types`` alternating (even layers sliding) when absent, one RoPE for every
+    layer, attention and final logit softcapping. Raises ``UnsupportedArchitectureError`` naming logit softcapping in
+    Gemma 3 (None in its checkpoints), an activation other than ``gelu_pytorch_tanh`` or another rope type. Source:
+    transformers 4.55 ``Gemma3TextConfig`` / ``Gemma3TextModel`` (``rotary_emb_local``), ``Gemma2Config``."""
+    is_gemma3 = model_type == "gemma3_text"
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if cfg.get(name) is not None:
+        if is_gemma3 and cfg.get(name) is not None:
             raise UnsupportedArchitectureError(f"gemma3_text with {name}={cfg[name]} is not supported (kvgen computes "
-                                               f"no logit softcapping; Gemma 3 checkpoints have none)")
+                                               f"no logit softcapping for Gemma 3; its checkpoints have none)")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act")
     if act != "gelu_pytorch_tanh":
-        raise UnsupportedArchitectureError(f"gemma3_text hidden_activation must be 'gelu_pytorch_tanh', got {act!r}")
+        raise UnsupportedArchitectureError(f"{model_type} hidden_activation must be 'gelu_pytorch_tanh', got {act!r}")
     scaling = cfg.get("rope_scaling") or None
     kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
     if kind not in (None, "default", "linear"):
-        raise UnsupportedArchitectureError(f"gemma3_text rope_scaling type {kind!r} is not supported (linear or none)")
-    kinds = cfg.get("layer_types") or gemma3_layer_types(cfg.get("sliding_window_pattern", 6), cfg["num_hidden_layers"])
+        raise UnsupportedArchitectureError(f"{model_type} rope_scaling type {kind!r} is not supported (linear or none)")
+    pattern = cfg.get("sliding_window_pattern", 6) if is_gemma3 else 2  # Gemma2Config: sliding where (i + 1) % 2
+    kinds = cfg.get("layer_types") or gemma3_layer_types(pattern, cfg["num_hidden_layers"])
     names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
              "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_id", "pad_token_id", "sliding_window",
-             "rope_local_base_freq", "query_pre_attn_scalar")
+             "query_pre_attn_scalar", *(("rope_local_base_freq",) if is_gemma3 else
+                                        ("attn_logit_softcapping", "final_logit_softcapping")))
     return {k: cfg[k] for k in names if k in cfg} | {
-        "model_type": "gemma3_text", "hidden_act": act, "use_qk_norm": True, "layer_types": list(kinds),
-        "rope_scaling": scaling if kind == "linear" else None, "extra": {"hf_model_type": "gemma3_text"}}
+        "model_type": model_type, "hidden_act": act, "use_qk_norm": is_gemma3, "layer_types": list(kinds),
+        "rope_scaling": scaling if kind == "linear" else None, "extra": {"hf_model_type": model_type}}
 
 
 def gemma3_layer_types(pattern: int | list[bool], num_layers: int) -> list[str]:
@@ -360,6 +384,25 @@ def _gemma3_gguf_changes(meta: dict[str, Any], kwargs: dict[str, Any], window: A
         "query_pre_attn_scalar": float(hidden // heads if layers == 62 else kwargs["head_dim"]),
         "rope_scaling": {"rope_type": "linear", "factor": factor} if kind == "linear" and factor != 1.0 else None,
         "rms_norm_eps": float(meta.get("gemma3.attention.layer_norm_rms_epsilon", 1e-6)),
+    }
+
+
+def _gemma2_gguf_changes(meta: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What a ``gemma2`` GGUF file changes of the llama-family arguments ``kwargs``: llama.cpp's constants for what
+    it does not store (every other layer sliding, even layers first; the attention scale head_dim^-0.5 except
+    hidden / heads for the 46-layer 27B) and for the keys it may leave out (sliding window 4096, softcapping 50 and
+    30). Norm weights already hold 1 + w; q/k rows are Hugging Face's. A stored softcap that is not positive is
+    refused (``ModelFormatError``, by ``ModelConfig``). Source: llama.cpp ``llama-model.cpp`` (LLM_ARCH_GEMMA2:
+    ``set_swa_pattern(2)``, ``f_attention_scale``), ``models/gemma2-iswa.cpp``, ``convert_hf_to_gguf.py``
+    ``Gemma2Model``."""
+    layers, hidden, heads = kwargs["num_hidden_layers"], kwargs["hidden_size"], kwargs["num_attention_heads"]
+    return {
+        "model_type": "gemma2", "hidden_act": "gelu_pytorch_tanh", "layer_types": gemma3_layer_types(2, layers),
+        "sliding_window": int(meta.get("gemma2.attention.sliding_window", 4096)),
+        "query_pre_attn_scalar": float(hidden // heads if layers == 46 else kwargs["head_dim"]),
+        "attn_logit_softcapping": float(meta.get("gemma2.attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": float(meta.get("gemma2.final_logit_softcapping", 30.0)),
+        "rms_norm_eps": float(meta.get("gemma2.attention.layer_norm_rms_epsilon", 1e-6)),
     }
 
 

@@ -22,10 +22,10 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvgen.config import ModelConfig
 from kvgen.kv_cache.pool import lazy_zeros
+from kvgen.kv_cache.sdpa import sdpa
 
 
 def num_blocks_for_memory(config: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype) -> int:
@@ -204,11 +204,13 @@ class PagedKVCache:
         meta: PagedAttentionMetadata,
         scale: float | None = None,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Write this step's k, v to their slots, then attend every sequence over its blocks.
 
         q: [1, H, N, D]; k, v: [1, Hkv, N, D] (one packed row). ``window`` > 0 (a sliding-window layer): a query at
-        position p sees positions p - window + 1 .. p only. Returns [1, H, N, D], q's dtype.
+        position p sees positions p - window + 1 .. p only; ``softcap`` > 0 (Gemma 2): scores capped to
+        ``softcap * tanh(s / softcap)`` (:func:`~kvgen.kv_cache.sdpa.sdpa`). Returns [1, H, N, D], q's dtype.
         """
         k_new, v_new = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [N, Hkv, D]
         k_pool, v_pool = self.key_cache[layer_idx], self.value_cache[layer_idx]
@@ -220,22 +222,22 @@ class PagedKVCache:
         out = q.new_empty(num_tokens, num_heads, self.head_dim)  # [N, H, D]
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode_attention(q[0, :, : meta.num_decodes], k_pool, v_pool, meta, scale,
-                                                             window)
+                                                             window, softcap)
         for chunk in meta.prefills:
             out[chunk.token_start : chunk.token_end] = self._prefill_attention(q, k_new, v_new, k_pool, v_pool, chunk,
-                                                                               scale, window)
+                                                                               scale, window, softcap)
         return out.transpose(0, 1).unsqueeze(0)  # [1, H, N, D]
 
     def attend_rows(
         self, layer_idx: int, qkv: torch.Tensor, meta: PagedAttentionMetadata, num_heads: int, scale: float, kernels,
-        window: int = 0,
+        window: int = 0, softcap: float = 0.0,
     ) -> torch.Tensor:
         """Kernel path: write the step's k, v from stacked rows qkv [N, (H + 2 Hkv) D] to their slots,
         then attend every sequence straight from the pool through its block table (no gather;
-        ``kernels.paged_attention_qkv``; ``window`` as :meth:`attend`). Returns [N, H D] float32."""
+        ``kernels.paged_attention_qkv``; ``window``, ``softcap`` as :meth:`attend`). Returns [N, H D] float32."""
         return kernels.paged_attention_qkv(
             qkv, self.key_cache[layer_idx], self.value_cache[layer_idx], meta.slot_mapping, meta.block_tables,
-            meta.query_start_loc, meta.seq_lens, num_heads, scale, window,
+            meta.query_start_loc, meta.seq_lens, num_heads, scale, window, softcap,
         )
 
     def _gather(self, which: str, pool: torch.Tensor, block_ids: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -253,7 +255,7 @@ class PagedKVCache:
 
     def _decode_attention(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: PagedAttentionMetadata,
-        scale: float | None, window: int = 0,
+        scale: float | None, window: int = 0, softcap: float = 0.0,
     ) -> torch.Tensor:
         """q: [H, B, D] one query per sequence -> [B, H, D].
 
@@ -270,7 +272,7 @@ class PagedKVCache:
             decode_mask = decode_mask & near[:, None, None, :]  # [B, 1, 1, S_pad]
         k = self._gather("k", k_pool, block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
         v = self._gather("v", v_pool, block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=decode_mask, scale=scale)  # [B, Hkv, G, D]
+        out = sdpa(qg, k, v, decode_mask, scale=scale, softcap=softcap)  # [B, Hkv, G, D]
         return out.reshape(batch, num_heads, d)  # [B, H, D]
 
     def _prefill_attention(
@@ -283,8 +285,10 @@ class PagedKVCache:
         chunk: PrefillChunk,
         scale: float | None,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """One chunk's attention: q [1, H, N, D]; k_new, v_new [N, Hkv, D] -> [T, H, D]; ``window`` as ``attend``."""
+        """One chunk's attention: q [1, H, N, D]; k_new, v_new [N, Hkv, D] -> [T, H, D]; ``window`` and ``softcap`` as
+        ``attend``."""
         qc = q[:, :, chunk.token_start : chunk.token_end]  # [1, H, T, D]
         if chunk.num_context == 0:  # nothing cached: causal attention within the chunk
             k = k_new[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
@@ -292,14 +296,11 @@ class PagedKVCache:
         else:
             k = self._gather("k", k_pool, chunk.block_ids, 1).transpose(1, 2)  # [1, Hkv, S_pad, D]
             v = self._gather("v", v_pool, chunk.block_ids, 1).transpose(1, 2)  # [1, Hkv, S_pad, D]
-        gqa = qc.shape[1] != k.shape[1]
         mask = chunk.mask
         if window > 0:  # keys at positions (p - window, p] of the query at position p; key slot i is position i
             q_pos = torch.arange(chunk.num_context, chunk.num_context + qc.shape[2])[:, None]  # [T, 1]
             k_pos = torch.arange(k.shape[2])[None, :]  # [1, S]
             mask = ((k_pos <= q_pos) & (k_pos > q_pos - window))[None, None]  # [1, 1, T, S]
         is_causal = mask is None and qc.shape[2] > 1
-        out = F.scaled_dot_product_attention(
-            qc, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
-        )  # [1, H, T, D]
+        out = sdpa(qc, k, v, mask, is_causal, scale, softcap)  # [1, H, T, D]
         return out[0].transpose(0, 1)  # [T, H, D]

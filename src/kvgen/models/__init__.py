@@ -18,6 +18,7 @@ from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
 from kvgen.kernels import get_ops
 from kvgen.models.attention import AttentionMetadata
 from kvgen.models.base import CausalLM, SupportsKernels
+from kvgen.models.gemma2 import Gemma2ForCausalLM
 from kvgen.models.gemma3 import Gemma3ForCausalLM, gemma3_inv_freq
 from kvgen.models.gpt2 import GPT2LMHeadModel
 from kvgen.models.llama import LlamaForCausalLM
@@ -28,6 +29,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
     "gpt2": GPT2LMHeadModel,
     "gemma3_text": Gemma3ForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
 }
 
 
@@ -131,10 +133,10 @@ def _recompute_buffer(config: ModelConfig, name: str) -> torch.Tensor:
 
     if name == "inv_freq":
         return rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-    if name == "inv_freq_local":  # Gemma 3's sliding-window layers
+    if name == "inv_freq_local":  # Gemma 3's sliding-window layers (Gemma 2's: inv_freq's values)
         return gemma3_inv_freq(config, local=True)
     raise AssertionError(f"unknown buffer {name}")
 
 
-__all__ = ["MODEL_REGISTRY", "AttentionMetadata", "CausalLM", "GPT2LMHeadModel", "Gemma3ForCausalLM", "LlamaForCausalLM",
-           "build_model", "kv_cache_dtype"]
+__all__ = ["MODEL_REGISTRY", "AttentionMetadata", "CausalLM", "GPT2LMHeadModel", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+           "LlamaForCausalLM", "build_model", "kv_cache_dtype"]

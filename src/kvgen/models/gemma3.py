@@ -53,16 +53,19 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class Gemma3Attention(LlamaAttention):
-    """LlamaAttention with Gemma 3's q/k norms, scale and (on ``sliding_attention`` layers) window."""
+    """LlamaAttention with Gemma 3's q/k norms (Gemma 2: none, ``use_qk_norm`` False), scale, (on
+    ``sliding_attention`` layers) window and (Gemma 2) score softcapping."""
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
-        assert config.layer_types is not None  # set by ModelConfig for gemma3_text
-        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+        assert config.layer_types is not None  # set by ModelConfig for gemma3_text and gemma2
+        if config.use_qk_norm:
+            self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
         self.scaling = float(config.query_pre_attn_scalar or config.head_dim) ** -0.5
         self.is_sliding = config.layer_types[layer_idx] == "sliding_attention"
         self.window = int(config.sliding_window or 0) if self.is_sliding else 0
+        self.softcap = float(config.attn_logit_softcapping or 0.0)
 
 
 class Gemma3MLP(LlamaMLP):
@@ -110,17 +113,18 @@ class Gemma3DecoderLayer(nn.Module):
         ops, norms, eps, qkv, o, gate_up, down = self._operands
         attn = self.self_attn
         h = ops.qgemm(ops.rms_norm(x, norms[0], eps), *qkv)  # [N, (H + 2 Hkv) D]
-        ops.rms_norm_heads_(h, norms[4], norms[5], eps, attn.num_heads, attn.num_kv_heads)  # q_norm, k_norm
+        if len(norms) == 6:  # q_norm, k_norm (Gemma 3; Gemma 2 has none)
+            ops.rms_norm_heads_(h, norms[4], norms[5], eps, attn.num_heads, attn.num_kv_heads)
         ops.rope_qkv_(h, cos, sin, attn.num_heads, attn.num_kv_heads)
         h = attend_rows(h, batch, layer_idx, kv_cache, mask, ops, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                        attn.scaling, attn.window)  # [N, H D]
+                        attn.scaling, attn.window, attn.softcap)  # [N, H D]
         x = x + ops.rms_norm(ops.qgemm(h, *o), norms[1], eps)  # [N, C]
         h = ops.qgemm(ops.rms_norm(x, norms[2], eps), *gate_up)  # [N, 2I]
         return x + ops.rms_norm(ops.qgemm(gelu_tanh_mul(h), *down), norms[3], eps)  # [N, C]
 
     def bind_kernels(self, kernels: KernelOps) -> None:
-        """Gather ``forward_kernels``' operands once: norms (input, post-attention, pre-/post-feedforward, q, k), eps
-        and the four linears (every one a ``QuantLinear`` here)."""
+        """Gather ``forward_kernels``' operands once: norms (input, post-attention, pre-/post-feedforward, then q, k
+        where the layer has them), eps and the four linears (every one a ``QuantLinear`` here)."""
 
         def linear(m: nn.Module) -> _LinearOperands:
             q = cast(QuantLinear, m)  # built as nn.Linear, replaced by a QuantLinear at load
@@ -128,8 +132,9 @@ class Gemma3DecoderLayer(nn.Module):
 
         attn, mlp = self.self_attn, self.mlp
         norms: list[torch.Tensor] = [self.input_layernorm.weight, self.post_attention_layernorm.weight,
-                 self.pre_feedforward_layernorm.weight, self.post_feedforward_layernorm.weight,
-                 cast(RMSNorm, attn.q_norm).weight, cast(RMSNorm, attn.k_norm).weight]
+                 self.pre_feedforward_layernorm.weight, self.post_feedforward_layernorm.weight]
+        if attn.q_norm is not None and attn.k_norm is not None:
+            norms += [attn.q_norm.weight, attn.k_norm.weight]
         self._operands = (kernels, norms, self.input_layernorm.variance_epsilon, linear(attn.qkv_proj),
                           linear(attn.o_proj), linear(mlp.gate_up_proj), linear(mlp.down_proj))
 
@@ -219,8 +224,9 @@ class Gemma3ForCausalLM(CausalLM):
 
 def gemma3_inv_freq(config: ModelConfig, local: bool) -> torch.Tensor:
     """Inverse frequencies [D/2] float32 of the sliding layers (``local``: ``rope_local_base_freq``, no scaling) or
-    the full ones (``rope_theta`` and ``rope_scaling``). Source: transformers 4.55 ``Gemma3TextModel``
-    (``rotary_emb_local``: rope_theta replaced, rope_type default); llama.cpp ``rope_freq_base_train_swa``."""
-    if local:
-        return rope_inv_freq(config.head_dim, config.rope_local_base_freq or config.rope_theta, None)
+    the full ones (``rope_theta`` and ``rope_scaling``); without a ``rope_local_base_freq`` (Gemma 2) every layer
+    has the full ones. Source: transformers 4.55 ``Gemma3TextModel`` (``rotary_emb_local``: rope_theta replaced,
+    rope_type default), ``Gemma2Model`` (one ``rotary_emb``); llama.cpp ``rope_freq_base_train_swa``."""
+    if local and config.rope_local_base_freq is not None:
+        return rope_inv_freq(config.head_dim, config.rope_local_base_freq, None)
     return rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)

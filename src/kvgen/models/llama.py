@@ -70,7 +70,8 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.use_qk_norm else None
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.scaling: float | None = None  # None: head_dim^-0.5 (Gemma 3 sets query_pre_attn_scalar^-0.5)
-        self.window = 0  # > 0: a sliding-window layer's width in tokens (Gemma 3)
+        self.window = 0  # > 0: a sliding-window layer's width in tokens (Gemma 2, Gemma 3)
+        self.softcap = 0.0  # > 0: scores capped to softcap * tanh(s / softcap) (Gemma 2's attn_logit_softcapping)
         bias = config.attention_bias
         self.qkv_proj = nn.Linear(c, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, c, bias=bias if config.o_proj_bias is None else config.o_proj_bias)
@@ -87,7 +88,7 @@ class LlamaAttention(nn.Module):
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         if self.use_rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v, layer_idx, kv_cache, mask, self.scaling, self.window)  # [B, H, T, D]
+        out = attend(q, k, v, layer_idx, kv_cache, mask, self.scaling, self.window, self.softcap)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))  # [B, T, C]
 
 

@@ -50,7 +50,7 @@ _ROPE_FREQS = "rope_freqs.weight"
 _ROPE_LONG, _ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
 _ROPE_TENSORS = (_ROPE_FREQS, _ROPE_LONG, _ROPE_SHORT)  # read into the config's rope_scaling, not parameters
 # Architectures whose q/k rows llama.cpp's converter stores as Hugging Face's (it permutes only its llama models)
-_UNPERMUTED_ARCHS = ("qwen2", "qwen3", "phi3", "gemma3")
+_UNPERMUTED_ARCHS = ("qwen2", "qwen3", "phi3", "gemma3", "gemma2")
 # float32 bytes dequantized per step: bounds the transient memory of one tensor.
 _CHUNK_BYTES = 8 << 20
 
@@ -212,8 +212,8 @@ def _check_quant_type(t: ReaderTensor) -> None:
 
 def _qk_heads(name: str, config: ModelConfig) -> int | None:
     """Heads to un-permute for q/k projections (weight or bias); None for every other tensor, and for every
-    tensor of a ``qwen2`` / ``qwen3`` / ``phi3`` / ``gemma3`` file (llama.cpp's converter permutes only its ``llama``
-    models)."""
+    tensor of a ``qwen2`` / ``qwen3`` / ``phi3`` / ``gemma3`` / ``gemma2`` file (llama.cpp's converter permutes only its
+    ``llama`` models)."""
     if config.extra.get("gguf_architecture") in _UNPERMUTED_ARCHS:
         return None
     if ".self_attn.q_proj." in name:

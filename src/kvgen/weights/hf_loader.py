@@ -75,7 +75,7 @@ def load_hf_directory(
     config = ModelConfig.from_hf_dict(_read_json(root / "config.json", "config.json"))
     entries, ignored = _plan(root, config)
     check_state_dict(expected_param_shapes(config), {e.name: s for e, s in entries.items()}, str(root), ignored)
-    keep_16bit = dtype is None and config.model_type in ("llama", "gemma3_text") and all(
+    keep_16bit = dtype is None and config.model_type in ("llama", "gemma3_text", "gemma2") and all(
         e.dtype in _16BIT and shape[1] % 32 == 0 for e, shape in entries.items() if len(shape) == 2)
     state = _read_tensors(list(entries), dtype or torch.float32, keep_16bit)
     for name, tensor in state.items():

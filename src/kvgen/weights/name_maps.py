@@ -95,7 +95,8 @@ def _gpt2_shapes(cfg: ModelConfig) -> Shapes:
 
 
 def _gemma3_shapes(cfg: ModelConfig) -> Shapes:
-    """Llama's parameters (q/k norms included) plus Gemma 3's two feed-forward norms per layer."""
+    """Llama's parameters (q/k norms where ``use_qk_norm``: Gemma 3, not Gemma 2) plus the two feed-forward norms per
+    layer of Gemma 3 and Gemma 2."""
     shapes = _llama_shapes(cfg)
     for layer in range(cfg.num_hidden_layers):
         for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
@@ -104,7 +105,7 @@ def _gemma3_shapes(cfg: ModelConfig) -> Shapes:
 
 
 _SHAPES: dict[str, Callable[[ModelConfig], Shapes]] = {
-    "llama": _llama_shapes, "gpt2": _gpt2_shapes, "gemma3_text": _gemma3_shapes,
+    "llama": _llama_shapes, "gpt2": _gpt2_shapes, "gemma3_text": _gemma3_shapes, "gemma2": _gemma3_shapes,
 }
 
 
@@ -172,7 +173,7 @@ _GGUF_STACKED_BLOCK = {k: v for k, v in _GGUF_BLOCK.items() if k not in ("attn_q
     "attn_qkv": "self_attn.qkv_proj",
     "ffn_up": "mlp.gate_up_proj",
 }
-# gemma3 (llama.cpp's tensor names): ffn_norm is the pre-feedforward norm, with post-attention / post-feedforward norms
+# gemma3 and gemma2 (llama.cpp's tensor names): ffn_norm is the pre-feedforward norm, with post-attention / post-feedforward norms
 _GGUF_GEMMA3_BLOCK = {k: v for k, v in _GGUF_BLOCK.items() if k != "ffn_norm"} | {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
@@ -191,7 +192,8 @@ def gguf_to_kvgen_name(name: str, arch: str = "llama") -> str | None:
     """
     if name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[name]
-    block = _GGUF_STACKED_BLOCK if arch in _STACKED_CHECKPOINTS else _GGUF_GEMMA3_BLOCK if arch == "gemma3" else _GGUF_BLOCK
+    gemma = arch in ("gemma3", "gemma2")  # the same four norms per layer
+    block = _GGUF_STACKED_BLOCK if arch in _STACKED_CHECKPOINTS else _GGUF_GEMMA3_BLOCK if gemma else _GGUF_BLOCK
     m = _GGUF_BLOCK_RE.fullmatch(name)
     if m is None or m.group(2) not in block:
         return None
@@ -224,16 +226,17 @@ def hf_to_kvgen_name(key: str, config: ModelConfig) -> str | None:
         if _GPT2_BUFFER_RE.fullmatch(key):
             return None
         return key if key.startswith("transformer.") else "transformer." + key
-    if config.model_type in ("llama", "gemma3_text"):
+    if config.model_type in ("llama", "gemma3_text", "gemma2"):
         return None if _LLAMA_BUFFER_RE.fullmatch(key) else key
     raise UnsupportedArchitectureError(f"no checkpoint name map for model_type {config.model_type!r}")
 
 
 def hf_norm_offset(name: str, config: ModelConfig) -> float:
     """What to add to the HF tensor of our parameter ``name`` so that every RMSNorm multiplies by its weight: 1 for
-    Gemma 3's norm weights (transformers' ``Gemma3RMSNorm`` computes ``x * (1 + w)``, in float32; llama.cpp's
-    converter stores ``w + 1`` the same way), else 0."""
-    return 1.0 if config.model_type == "gemma3_text" and name.endswith("norm.weight") else 0.0
+    Gemma 3's and Gemma 2's norm weights (transformers' ``Gemma3RMSNorm`` / ``Gemma2RMSNorm`` compute
+    ``x * (1 + w)``, in float32; llama.cpp's converter stores ``w + 1`` the same way), else 0."""
+    gemma = config.model_type in ("gemma3_text", "gemma2")
+    return 1.0 if gemma and name.endswith("norm.weight") else 0.0
 
 
 def hf_needs_transpose(name: str, config: ModelConfig) -> bool:

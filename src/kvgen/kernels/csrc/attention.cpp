@@ -13,6 +13,8 @@
 //                    a query at position p sees positions p - window + 1 .. p.
 //   paged_attention_qkv: the same from stacked qkv rows [N, (H + 2 Hkv) D], after storing their
 //                    k, v at slot_mapping [N] of the pools (the engine step's hot path).
+// softcap > 0 (Gemma 2's attn_logit_softcapping): every scaled score s becomes softcap * tanh(s / softcap) before
+// the softmax (transformers' eager_attention_forward: after the scale, before the mask); 0 leaves the scores alone.
 // K and V rows are prefetched ahead (two 8-key steps for K, 8 keys for V): in a paged pool one
 // head's rows are Hkv * D * 2 bytes apart, a pattern the hardware prefetcher does not follow, and
 // with the KV cache cold (weights stream through the caches between layers) paged attention took
@@ -154,13 +156,15 @@ constexpr int64_t kKeyChunk = 256;
 // m[g] = max score, l[g] = sum exp(score - m[g]), o[g][D] = sum exp(score - m[g]) V (unnormalized).
 template <typename T, typename KRow, typename VRow>
 void attend_chunk(const float* const* q, int64_t G, int64_t D, int64_t n, const int64_t* keys, KRow krow, VRow vrow,
-                  float scale, Scratch& scratch, float* m, float* l, float* const* o) {
+                  float scale, float softcap, Scratch& scratch, float* m, float* l, float* const* o) {
   const int64_t n8 = (n + 7) / 8 * 8;
   scratch.scores.resize(G * n8);
   float* sc = scratch.scores.data();
   qk_scores<T>(q, G, D, n, keys, krow, scale, sc, n8);
   for (int64_t g = 0; g < G; ++g) {
     float* s = sc + g * n8;
+    if (softcap > 0.0f)  // scalar tanh: exact to an ulp, as torch.tanh (a vector tanh loses ~1e-7 near 0)
+      for (int64_t i = 0; i < n; ++i) s[i] = softcap * std::tanh(s[i] / softcap);
     for (int64_t i = n; i < n8; ++i) s[i] = -std::numeric_limits<float>::infinity();
     __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());  // max is exact in any order
     for (int64_t i = 0; i < n8; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
@@ -267,6 +271,7 @@ struct AttentionArgs {
   int64_t past_len;
   float scale;
   int64_t window;  // 0: every earlier slot; else the last `window` slots up to the query's own
+  float softcap;   // 0: none; else scores -> softcap * tanh(score / softcap)
 };
 
 template <typename T>
@@ -309,7 +314,7 @@ void attention_impl(const AttentionArgs<T>& a) {
     const T* vb = a.v + b * a.v_b + j * a.v_h;
     const int64_t ks = a.k_s, vs = a.v_s;
     attend_chunk<T>(qs, G, a.D, static_cast<int64_t>(scratch.keys.size()), scratch.keys.data(), [&](int64_t p) { return kb + p * ks; },
-                    [&](int64_t p) { return vb + p * vs; }, a.scale, scratch, m, l, o);
+                    [&](int64_t p) { return vb + p * vs; }, a.scale, a.softcap, scratch, m, l, o);
   };
   run_tasks(parts, num_pairs, run_chunk, [&](int64_t w, float** os) {
     const int64_t j = w % a.Hkv, bt = w / a.Hkv;
@@ -319,12 +324,12 @@ void attention_impl(const AttentionArgs<T>& a) {
 
 template <typename T>
 at::Tensor attention_tensors(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask,
-                             int64_t past_len, float scale, int64_t window) {
+                             int64_t past_len, float scale, int64_t window, float softcap) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
   at::Tensor out = at::empty({B, Tq, H, D}, q.options());
   attention_impl<T>({q.data_ptr<float>(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr<T>(), k.stride(0), k.stride(1),
                      k.stride(2), v.data_ptr<T>(), v.stride(0), v.stride(1), v.stride(2), out.data_ptr<float>(), B, H, Tq, D,
-                     k.size(1), k.size(2), mask, past_len, scale, window});
+                     k.size(1), k.size(2), mask, past_len, scale, window, softcap});
   return out;
 }
 
@@ -352,7 +357,7 @@ void store_rows(const float* src, int64_t src_stride, T* cache, int64_t c_b, int
 
 template <typename T>
 at::Tensor static_impl(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache, const bool* mask, int64_t past_len,
-                       int64_t H, float scale, int64_t window) {
+                       int64_t H, float scale, int64_t window, float softcap) {
   const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), D = k_cache.size(3), N = qkv.size(0), Tq = N / B;
   const int64_t W = qkv.size(1);
   const float* base = qkv.data_ptr<float>();
@@ -364,7 +369,7 @@ at::Tensor static_impl(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v
   // q of row (b, t), head h sits at base + (b T + t) W + h D
   attention_impl<T>({base, Tq * W, D, W, kc, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), vc, v_cache.stride(0),
                      v_cache.stride(1), v_cache.stride(2), out.data_ptr<float>(), B, H, Tq, D, Hkv, past_len + Tq, mask,
-                     past_len, scale, window});
+                     past_len, scale, window, softcap});
   return out;
 }
 
@@ -373,7 +378,7 @@ at::Tensor static_impl(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v
 template <typename T>
 at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int64_t H, const at::Tensor& k_pool,
                       const at::Tensor& v_pool, const at::Tensor& tables, const at::Tensor& qsl, const at::Tensor& seq_lens,
-                      float scale, int64_t window, const at::TensorOptions& options) {
+                      float scale, int64_t window, float softcap, const at::TensorOptions& options) {
   const int64_t D = k_pool.size(3), bs = k_pool.size(1), Hkv = k_pool.size(2), G = H / Hkv, R = seq_lens.size(0);
   const int64_t nb = tables.size(1);
   at::Tensor out = at::empty({N, H * D}, options);
@@ -414,7 +419,7 @@ at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int6
     const int64_t* table = tab + r * nb;
     auto krow = [&](int64_t p) { return kp + (table[p / bs] * bs + p % bs) * row + j * D; };
     auto vrow = [&](int64_t p) { return vp + (table[p / bs] * bs + p % bs) * row + j * D; };
-    attend_chunk<T>(qs, G, D, hi - lo, scratch.keys.data(), krow, vrow, scale, scratch, m, l, o);
+    attend_chunk<T>(qs, G, D, hi - lo, scratch.keys.data(), krow, vrow, scale, softcap, scratch, m, l, o);
   };
   run_tasks(parts, N * Hkv, run_chunk, [&](int64_t w, float** os) {
     const int64_t i = w / Hkv, j = w % Hkv;
@@ -439,7 +444,7 @@ void check_paged(const at::Tensor& k_pool, const at::Tensor& v_pool, const at::T
 }  // namespace
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& key_mask,
-                     int64_t past_len, double scale, int64_t window) {
+                     int64_t past_len, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "kvgen.attention: q [B, H, T, D], k/v [B, Hkv, S, D]");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1), S = k.size(2);
   check_qkv(q, k, v, D);
@@ -447,6 +452,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
               "kvgen.attention: shapes q ", q.sizes(), " k ", k.sizes(), " v ", v.sizes());
   TORCH_CHECK(past_len >= 0 && past_len + q.size(2) <= S, "kvgen.attention: past_len ", past_len, " + T exceeds S=", S);
   TORCH_CHECK(window >= 0, "kvgen.attention: window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(softcap >= 0, "kvgen.attention: softcap must be >= 0 (0: none), got ", softcap);
   at::Tensor mask;
   if (key_mask.has_value() && key_mask->defined()) {
     mask = key_mask->to(at::kBool).contiguous();
@@ -454,14 +460,16 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   }
   const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
   const float sc = static_cast<float>(scale);
-  return k.dtype() == at::kHalf ? attention_tensors<at::Half>(q, k, v, mp, past_len, sc, window)
-                                : attention_tensors<float>(q, k, v, mp, past_len, sc, window);
+  const float cap = static_cast<float>(softcap);
+  return k.dtype() == at::kHalf ? attention_tensors<at::Half>(q, k, v, mp, past_len, sc, window, cap)
+                                : attention_tensors<float>(q, k, v, mp, past_len, sc, window, cap);
 }
 
 at::Tensor static_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache,
                             const c10::optional<at::Tensor>& key_mask, int64_t past_len, int64_t num_heads, double scale,
-                            int64_t window) {
+                            int64_t window, double softcap) {
   TORCH_CHECK(window >= 0, "kvgen.static_attention: window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(softcap >= 0, "kvgen.static_attention: softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.dtype() == at::kFloat && k_cache.dim() == 4 &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.dtype() == v_cache.dtype() &&
                   (k_cache.dtype() == at::kHalf || k_cache.dtype() == at::kFloat) && k_cache.stride(3) == 1 &&
@@ -480,25 +488,29 @@ at::Tensor static_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
   }
   const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
   const float sc = static_cast<float>(scale);
-  return k_cache.dtype() == at::kHalf ? static_impl<at::Half>(qkv, k_cache, v_cache, mp, past_len, H, sc, window)
-                                      : static_impl<float>(qkv, k_cache, v_cache, mp, past_len, H, sc, window);
+  const float cap = static_cast<float>(softcap);
+  return k_cache.dtype() == at::kHalf ? static_impl<at::Half>(qkv, k_cache, v_cache, mp, past_len, H, sc, window, cap)
+                                      : static_impl<float>(qkv, k_cache, v_cache, mp, past_len, H, sc, window, cap);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                           double scale, int64_t window) {
+                           double scale, int64_t window, double softcap) {
   TORCH_CHECK(window >= 0, "kvgen.paged_attention: window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(softcap >= 0, "kvgen.paged_attention: softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(q.dim() == 3, "kvgen.paged_attention: q [N, H, D], pools [num_blocks, block_size, Hkv, D]");
   check_qkv(q, k_pool, v_pool, q.size(2));
   const at::Tensor tables = block_tables.to(at::kLong).contiguous(), qsl = query_start_loc.to(at::kLong).contiguous();
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
   check_paged(k_pool, v_pool, tables, qsl, lens, q.size(1), q.size(2));
-  const float sc = static_cast<float>(scale);
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const float* qp = q.data_ptr<float>();
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
   const at::Tensor out = k_pool.dtype() == at::kHalf
-      ? paged_impl<at::Half>(qp, q.stride(0), q.stride(1), N, H, k_pool, v_pool, tables, qsl, lens, sc, window, q.options())
-      : paged_impl<float>(qp, q.stride(0), q.stride(1), N, H, k_pool, v_pool, tables, qsl, lens, sc, window, q.options());
+      ? paged_impl<at::Half>(qp, q.stride(0), q.stride(1), N, H, k_pool, v_pool, tables, qsl, lens, sc, window, cap,
+                             q.options())
+      : paged_impl<float>(qp, q.stride(0), q.stride(1), N, H, k_pool, v_pool, tables, qsl, lens, sc, window, cap,
+                          q.options());
   return out.view({N, H, D});
 }
 
@@ -506,8 +518,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
 // output, and the index tensors are read as they are (int64, contiguous: what the engine passes).
 at::Tensor paged_attention_qkv(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slot_mapping,
                                const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                               const at::Tensor& seq_lens, int64_t num_heads, double scale, int64_t window) {
+                               const at::Tensor& seq_lens, int64_t num_heads, double scale, int64_t window,
+                               double softcap) {
   TORCH_CHECK(window >= 0, "kvgen.paged_attention_qkv: window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(softcap >= 0, "kvgen.paged_attention_qkv: softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.dtype() == at::kFloat,
               "kvgen.paged_attention_qkv: qkv float32 [N, (H + 2 Hkv) D] contiguous");
   for (const at::Tensor* t : {&slot_mapping, &block_tables, &query_start_loc, &seq_lens})
@@ -523,14 +537,14 @@ at::Tensor paged_attention_qkv(const at::Tensor& qkv, at::Tensor& k_pool, at::Te
   for (int64_t i = 0; i < N; ++i)
     TORCH_CHECK(0 <= slots[i] && slots[i] < num_slots, "kvgen.paged_attention_qkv: slot ", slots[i], " outside the pool of ",
                 num_slots);
-  const float sc = static_cast<float>(scale);
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   auto run = [&](auto* kp, auto* vp) {
     using T = std::remove_pointer_t<decltype(kp)>;
     for (int64_t i = 0; i < N; ++i) {
       store_row<T>(kp + slots[i] * Hkv * D, base + i * W + H * D, Hkv * D);
       store_row<T>(vp + slots[i] * Hkv * D, base + i * W + (H + Hkv) * D, Hkv * D);
     }
-    return paged_impl<T>(base, W, D, N, H, k_pool, v_pool, block_tables, query_start_loc, seq_lens, sc, window,
+    return paged_impl<T>(base, W, D, N, H, k_pool, v_pool, block_tables, query_start_loc, seq_lens, sc, window, cap,
                          qkv.options());
   };
   return k_pool.dtype() == at::kHalf ? run(k_pool.data_ptr<at::Half>(), v_pool.data_ptr<at::Half>())

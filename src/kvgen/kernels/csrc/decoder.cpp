@@ -62,7 +62,7 @@ at::Tensor decoder_layers(const at::Tensor& x, at::TensorList weights, at::IntAr
   return run_layers(x, weights, linears, eps, extras, use_rope, cos, sin, k_caches.size(), num_heads, num_kv_heads,
                     [&](size_t l, const at::Tensor& qkv) {
                       at::Tensor k = k_caches[l], v = v_caches[l];
-                      return static_attention(qkv, k, v, key_mask, past_len, num_heads, scale, 0);  // no window
+                      return static_attention(qkv, k, v, key_mask, past_len, num_heads, scale, 0, 0.0);  // no window, no softcap
                     });
 }
 
@@ -76,7 +76,7 @@ at::Tensor paged_decoder_layers(const at::Tensor& x, at::TensorList weights, at:
                     [&](size_t l, const at::Tensor& qkv) {
                       at::Tensor k = k_pools[l], v = v_pools[l];
                       return paged_attention_qkv(qkv, k, v, slot_mapping, block_tables, query_start_loc, seq_lens,
-                                                 num_heads, scale, 0);  // no window: Llama-family layers
+                                                 num_heads, scale, 0, 0.0);  // no window or softcap: Llama-family layers
                     });
 }
 
