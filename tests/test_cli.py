@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import save_tiny_model_dir
 
 from kvgen.cli import main
 
@@ -145,6 +146,15 @@ def test_info_reports_architecture_and_quantization(capsys, hf_default):
     assert info["num_key_value_heads"] == cfg.num_key_value_heads
     assert info["num_parameters"] == sum(p.numel() for p in hf_default.parameters())
     assert set(info["storage_types"]) == {"Q4_1", "Q8_0", "F32"}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "mistral"])
+def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
+    """A directory whose model runs on kvgen's Llama decoder is reported as its own model_type, the decoder beside."""
+    from kvgen.info import describe_model
+
+    info = describe_model(str(save_tiny_model_dir(tmp_path / model_type, model_type=model_type)))
+    assert (info["architecture"], info["decoder"]) == (model_type, "llama")
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,8 @@ def describe_model(path_or_name: str = "default") -> dict[str, Any]:
     return {
         "path": str(path),
         "format": "huggingface" if path.is_dir() else "gguf",
-        "architecture": cfg.model_type,
+        "architecture": cfg.extra.get("gguf_architecture") or cfg.extra.get("hf_model_type") or cfg.model_type,
+        "decoder": cfg.model_type,  # kvgen's decoder class family (qwen2/3, phi3, mistral, smollm3 run as llama)
         "num_parameters": num_parameters(model),
         "num_hidden_layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
