@@ -62,8 +62,8 @@ def load_gguf(
 
     The state dict uses HF Llama names with matrices ``[out, in]`` in ``dtype``.
     ``dtype=None`` ("auto") on a file with quantized matrices keeps every matrix compact
-    as :class:`GGUFBlocks` (kernel types as stored, Q4_K / Q5_K / Q3_K / IQ4_XS rewritten as Q4_1 / Q5_1 / Q6_K /
-    IQ4_NL: ``weights.quantized``; every other type, float ones included, re-encoded as Q8_0) and loads vectors
+    as :class:`GGUFBlocks` (kernel types as stored, Q4_K / Q5_K / IQ4_XS rewritten as Q4_1 / Q5_1 / IQ4_NL:
+    ``weights.quantized``; every other type, float ones included, re-encoded as Q8_0) and loads vectors
     (norms, biases) as float32; in a file of float matrices, F16 and BF16 ones stay as stored (the 16-bit kernels:
     the file's weights, unquantized activations) and F32 ones re-encode as Q8_0 beside them; a file of F32 matrices loads as
     float32 (``lm_head.weight`` only when the file has ``output.weight``; otherwise
@@ -117,7 +117,7 @@ def load_gguf(
 
 def _compact_tensor(t: ReaderTensor, qk_heads: int | None, keep_16bit: bool) -> GGUFBlocks:
     """A matrix as GGUFBlocks: its own bytes for kernel types (F16 / BF16 only with ``keep_16bit``), Q4_K / Q5_K /
-    Q3_K / IQ4_XS rewritten as Q4_1 / Q5_1 / Q6_K / IQ4_NL, else re-encoded as Q8_0."""
+    IQ4_XS rewritten as Q4_1 / Q5_1 / IQ4_NL, else re-encoded as Q8_0."""
     own = t.tensor_type in KERNEL_TYPES and (keep_16bit or t.tensor_type not in FLOAT16_TYPES)
     if not own and t.tensor_type not in SUPER_BLOCK_REWRITES:
         return dense_to_q8_0(dequantize_tensor(t, torch.float32, qk_heads))
