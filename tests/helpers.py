@@ -69,6 +69,125 @@ def assert_batched_equals_alone(model, prompts: list[list[int]], pad_id: int, cf
         torch.testing.assert_close(batched.sequences_scores[n * i : n * i + n], alone.sequences_scores)
 
 
+# ---------------------------------------------------------------- running a model or an attention op
+
+
+def model_logits(model, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [B, T, V] float32 of kvgen's ``model`` on ids [B, T] int64, without a cache.
+
+    mask [B, T] (1 real, 0 left padding): positions from it and ``AttentionMetadata(mask)``; None: positions
+    0..T-1 and no attention metadata.
+    """
+    from kvgen.generation.runner import positions_from_mask
+    from kvgen.models import AttentionMetadata
+
+    with torch.inference_mode():
+        if mask is None:
+            return model.compute_logits(model(ids, torch.arange(ids.shape[1])[None]))
+        return model.compute_logits(model(ids, positions_from_mask(mask), None, AttentionMetadata(mask)))
+
+
+def hf_greedy(ref: transformers.PreTrainedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' ``max_new_tokens`` greedy tokens after ``prompt`` alone (no EOS stop, pad id 0)."""
+    ids = torch.tensor([prompt])  # [1, T]
+    with torch.inference_mode():
+        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)  # [1, T + max_new_tokens]
+    return out[0, len(prompt):].tolist()
+
+
+def engine_greedy(model, prompts: list[list[int]], max_tokens: int, **engine_args: Any) -> list[list[int]]:
+    """Each prompt's ``max_tokens`` greedy tokens from the paged engine (``LLM``; 64 blocks of 4 tokens unless
+    ``engine_args`` say otherwise), EOS ignored."""
+    from kvgen.engine import LLM, SamplingParams
+
+    llm = LLM(model, None, **{"num_blocks": 64, "block_size": 4, **engine_args})
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def twin_logits(model, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``model_logits`` [B, T, V] float32 with the C++ ops of a model on the kernels swapped for their float32 torch
+    twins (``reference_ops()``), which are swapped back afterwards."""
+    from kvgen.kernels import reference_ops
+
+    kernels = model.kernels
+    model.use_kernels(reference_ops())
+    try:
+        return model_logits(model, ids, mask)
+    finally:
+        model.use_kernels(kernels)
+
+
+def assert_greedy_on_every_cache(model, prompts: list[list[int]], expected: list[list[int]], max_new_tokens: int) -> None:
+    """Each prompt alone gives its ``expected`` greedy tokens through generate() with the static and the dynamic
+    cache, and the paged engine gives them all, with whole and with chunked prefill (7 tokens a step)."""
+    from kvgen.generation import GenerationConfig, generate
+
+    for cache in ("static", "dynamic"):
+        for prompt, tokens in zip(prompts, expected):
+            out = generate(model, torch.tensor([prompt]), None,
+                           GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=[], cache_implementation=cache))
+            assert out.new_token_ids[0] == tokens, cache
+    assert engine_greedy(model, prompts, max_new_tokens) == expected
+    assert engine_greedy(model, prompts, max_new_tokens, max_num_batched_tokens=7) == expected
+
+
+def attention_inputs(b: int, h: int, h_kv: int, t: int, s: int, d: int,
+                     seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random inputs of the attention ops: q [B, H, T, D] float32 (a transposed view, strided like the model's),
+    k, v [B, Hkv, S, D] float16."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, h, d, generator=g).transpose(1, 2)  # [B, H, T, D]
+    k = torch.randn(b, h_kv, s, d, generator=g).half()  # [B, Hkv, S, D]
+    v = torch.randn(b, h_kv, s, d, generator=g).half()  # [B, Hkv, S, D]
+    return q, k, v
+
+
+class PagedInputs(NamedTuple):
+    """Packed rows and a block pool for the paged attention ops: two sequences over 6 blocks of ``block_size`` = 4
+    slots; sequence 0 holds 12 positions over blocks 3, 0, 5 (a 3-token chunk at 9-11), sequence 1 a decode at 6."""
+
+    rows: torch.Tensor  # [N = 4, (H + 2 Hkv) D] float32: the chunk's 3 rows, then the decode's
+    pools: list[torch.Tensor]  # K, V [6, 4, Hkv, D] float16
+    slots: torch.Tensor  # [N] int64: where each row's K and V go
+    tables: torch.Tensor  # [2, 3] int64 block tables
+    qsl: torch.Tensor  # [3] int64 query_start_loc
+    seq_lens: torch.Tensor  # [2] int64
+    block_size: int
+
+
+def paged_inputs(qkv: torch.Tensor, h_kv: int, d: int, g: torch.Generator) -> PagedInputs:
+    """The first 4 rows of qkv [>= 4, (H + 2 Hkv) D] float32 as ``PagedInputs``, the pools drawn from ``g``."""
+    bs = 4
+    tables, seq_lens, qsl = torch.tensor([[3, 0, 5], [1, 2, 0]]), torch.tensor([12, 7]), torch.tensor([0, 3, 4])
+    slots = torch.tensor([5 * bs + 1, 5 * bs + 2, 5 * bs + 3, 2 * bs + 2])  # [N]
+    rows = qkv[:4].contiguous()  # [N, (H + 2 Hkv) D]
+    pools = [torch.randn(6, bs, h_kv, d, generator=g).half() for _ in range(2)]  # K, V [6, bs, Hkv, D]
+    return PagedInputs(rows, pools, slots, tables, qsl, seq_lens, bs)
+
+
+def float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, past: int,
+                      scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Plain attention in float64, the spec of the attention ops: scores * scale, then softcap * tanh(. / softcap)
+    (softcap > 0; transformers' Gemma 2 ``eager_attention_forward``), the causal mask over slots (query i at slot
+    past + i) with transformers' sliding window (window > 0: kv_idx > q_idx - window), the key mask, the softmax.
+
+    q [B, H, T, D]; k, v [B, Hkv, S, D]; key_mask [B, S] or None. Returns [B, T, H, D] float64.
+    """
+    h, t = q.shape[1], q.shape[2]
+    s, group = k.shape[2], h // k.shape[1]
+    q_slot, k_slot = past + torch.arange(t)[:, None], torch.arange(s)[None, :]  # [T, 1], [1, S]
+    visible = (k_slot <= q_slot) & ((k_slot > q_slot - window) if window else True)  # [T, S]
+    visible = visible[None] & (key_mask.bool()[:, None, :] if key_mask is not None else True)  # [B, T, S]
+    scores = q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2) * scale  # [B, H, T, S]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)  # [B, H, T, S]
+    return (probs @ v.double().repeat_interleave(group, 1)).transpose(1, 2)  # [B, T, H, D]
+
+
 # ---------------------------------------------------------------- tiny random models
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import attention_inputs, float64_attention, paged_inputs
 
 import kvgen.kernels as K
 
@@ -15,38 +16,16 @@ REF = K.reference_ops()
 SCALE, CAP = 0.5, 2.0  # scores of random unit vectors of 16 reach ~8: the cap changes them
 
 
-def _inputs(b: int, h: int, h_kv: int, t: int, s: int, d: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, t, h, d, generator=g).transpose(1, 2)  # [B, H, T, D], strided like the model's
-    k = torch.randn(b, h_kv, s, d, generator=g).half()  # [B, Hkv, S, D]
-    v = torch.randn(b, h_kv, s, d, generator=g).half()
-    return q, k, v
-
-
-def _float64_capped_attention(q, k, v, key_mask, past: int, scale: float, softcap: float, window: int = 0):
-    """transformers' eager attention in float64: scores * scale, then softcap * tanh(. / softcap), then the causal
-    (and sliding-window) mask and the softmax. q [B, H, T, D]; k, v [B, Hkv, S, D]. Returns [B, T, H, D]."""
-    h, t = q.shape[1], q.shape[2]
-    s, group = k.shape[2], h // k.shape[1]
-    q_slot, k_slot = past + torch.arange(t)[:, None], torch.arange(s)[None, :]  # [T, 1], [1, S]
-    visible = (k_slot <= q_slot) & ((k_slot > q_slot - window) if window else True)  # [T, S]
-    visible = visible[None] & (key_mask.bool()[:, None, :] if key_mask is not None else True)  # [B, T, S]
-    scores = q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2) * scale  # [B, H, T, S]
-    scores = torch.tanh(scores / softcap) * softcap
-    probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
-    return (probs @ v.double().repeat_interleave(group, 1)).transpose(1, 2)  # [B, T, H, D]
-
-
 @pytest.mark.parametrize("t,s,window", [(1, 40, 0), (7, 20, 0), (5, 300, 0), (6, 30, 8)])
 def test_capped_attention_matches_its_twin_and_float64(t, s, window):
     """Decodes and prefills, keys over two 256-key chunks, a sliding window; left padding in the second row: the op
     equals its twin, which equals float64 capped attention, and leaving the cap off moves the output far more."""
-    q, k, v = _inputs(2, 6, 2, t, s, 16, seed=s + t)
+    q, k, v = attention_inputs(2, 6, 2, t, s, 16, seed=s + t)
     mask = torch.ones(2, s, dtype=torch.bool)
     mask[1, :3] = False
     past = s - t
     for key_mask in (None, mask):
-        want64 = _float64_capped_attention(q, k, v, key_mask, past, SCALE, CAP, window)
+        want64 = float64_attention(q, k, v, key_mask, past, SCALE, window, CAP)
         twin = REF.attention(q, k, v, key_mask, past, SCALE, window, CAP)
         torch.testing.assert_close(twin.double(), want64, rtol=1e-5, atol=1e-5)
         got = OPS.attention(q, k, v, key_mask, past, SCALE, window, CAP)
@@ -70,11 +49,8 @@ def test_capped_static_and_paged_ops_match_their_twins():
     assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])
     uncapped = OPS.static_attention(qkv, *[c.clone() for c in caches], None, past, h, SCALE, window)
     assert float((got - uncapped).abs().max()) > 0.05
-    bs = 4  # sequence 0: 12 positions over blocks 3, 0, 5 (a 3-token chunk at 9-11); sequence 1: a decode at 6
-    tables, seq_lens, qsl = torch.tensor([[3, 0, 5], [1, 2, 0]]), torch.tensor([12, 7]), torch.tensor([0, 3, 4])
-    slots = torch.tensor([5 * bs + 1, 5 * bs + 2, 5 * bs + 3, 2 * bs + 2])
-    rows = qkv[:4].contiguous()
-    pools = [torch.randn(6, bs, h_kv, d, generator=g).half() for _ in range(2)]
+    # sequence 0: 12 positions over blocks 3, 0, 5 (a 3-token chunk at 9-11); sequence 1: a decode at 6
+    rows, pools, slots, tables, qsl, seq_lens, _ = paged_inputs(qkv, h_kv, d, g)
     mine, theirs = [p.clone() for p in pools], [p.clone() for p in pools]
     got = OPS.paged_attention_qkv(rows, mine[0], mine[1], slots, tables, qsl, seq_lens, h, SCALE, 0, CAP)
     want = REF.paged_attention_qkv(rows, theirs[0], theirs[1], slots, tables, qsl, seq_lens, h, SCALE, 0, CAP)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import attention_inputs, float64_attention, paged_inputs
 
 import kvgen.kernels as K
 
@@ -13,37 +14,16 @@ OPS = K.get_ops()
 REF = K.reference_ops()
 
 
-def _inputs(b: int, h: int, h_kv: int, t: int, s: int, d: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, t, h, d, generator=g).transpose(1, 2)  # [B, H, T, D], strided like the model's
-    k = torch.randn(b, h_kv, s, d, generator=g).half()  # [B, Hkv, S, D]
-    v = torch.randn(b, h_kv, s, d, generator=g).half()
-    return q, k, v
-
-
-def _float64_window_attention(q, k, v, key_mask, past: int, scale: float, window: int) -> torch.Tensor:
-    """Plain softmax attention in float64 with transformers' sliding-window causal mask over slots: q [B, H, T, D];
-    k, v [B, Hkv, S, D]; key_mask [B, S] or None. Returns [B, T, H, D]."""
-    h, t = q.shape[1], q.shape[2]
-    s, group = k.shape[2], h // k.shape[1]
-    q_slot, k_slot = past + torch.arange(t)[:, None], torch.arange(s)[None, :]  # [T, 1], [1, S]
-    visible = (k_slot <= q_slot) & (k_slot > q_slot - window)  # [T, S]
-    visible = visible[None] & (key_mask.bool()[:, None, :] if key_mask is not None else True)  # [B, T, S]
-    scores = q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2) * scale  # [B, H, T, S]
-    probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
-    return (probs @ v.double().repeat_interleave(group, 1)).transpose(1, 2)  # [B, T, H, D]
-
-
 @pytest.mark.parametrize("t,s,window", [(1, 40, 6), (7, 20, 6), (5, 300, 260), (4, 9, 16)])
 def test_windowed_attention_matches_its_twin_and_the_float64_mask(t, s, window):
     """Decodes and prefills, a window that spans two 256-key chunks and one wider than the context; left padding in
     the second row; the window must change the result wherever a query is more than ``window`` slots in."""
-    q, k, v = _inputs(2, 6, 2, t, s, 16, seed=s + t)
+    q, k, v = attention_inputs(2, 6, 2, t, s, 16, seed=s + t)
     mask = torch.ones(2, s, dtype=torch.bool)
     mask[1, :3] = False
     past = s - t
     for key_mask in (None, mask):
-        want64 = _float64_window_attention(q, k, v, key_mask, past, 0.25, window)
+        want64 = float64_attention(q, k, v, key_mask, past, 0.25, window)
         twin = REF.attention(q, k, v, key_mask, past, 0.25, window)
         torch.testing.assert_close(twin.double(), want64, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(OPS.attention(q, k, v, key_mask, past, 0.25, window), twin, rtol=1e-5, atol=1e-5)
@@ -68,11 +48,8 @@ def test_windowed_static_and_paged_ops_match_their_twins_and_each_other():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])
     assert float((got - OPS.static_attention(qkv, *[c.clone() for c in caches], None, past, h, 0.25)).abs().max()) > 1e-3
-    bs = 4  # sequence 0: 12 positions over blocks 3, 0, 5 (a 3-token chunk at 9-11); sequence 1: a decode at 6
-    tables, seq_lens, qsl = torch.tensor([[3, 0, 5], [1, 2, 0]]), torch.tensor([12, 7]), torch.tensor([0, 3, 4])
-    slots = torch.tensor([5 * bs + 1, 5 * bs + 2, 5 * bs + 3, 2 * bs + 2])
-    rows = qkv[:4].contiguous()
-    pools = [torch.randn(6, bs, h_kv, d, generator=g).half() for _ in range(2)]
+    # sequence 0: 12 positions over blocks 3, 0, 5 (a 3-token chunk at 9-11); sequence 1: a decode at 6
+    rows, pools, slots, tables, qsl, seq_lens, bs = paged_inputs(qkv, h_kv, d, g)
     mine, theirs = [p.clone() for p in pools], [p.clone() for p in pools]
     got = OPS.paged_attention_qkv(rows, mine[0], mine[1], slots, tables, qsl, seq_lens, h, 0.25, window)
     want = REF.paged_attention_qkv(rows, theirs[0], theirs[1], slots, tables, qsl, seq_lens, h, 0.25, window)

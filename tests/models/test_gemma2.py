@@ -10,15 +10,21 @@ import copy
 
 import pytest
 import torch
-from helpers import left_pad, make_tiny_model
+from helpers import (
+    assert_greedy_on_every_cache,
+    engine_greedy,
+    hf_greedy,
+    left_pad,
+    make_tiny_model,
+    model_logits,
+    twin_logits,
+)
 
 from kvgen.config import ModelConfig
-from kvgen.engine import LLM, SamplingParams
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
 from kvgen.generation import GenerationConfig, generate
 from kvgen.generation.runner import positions_from_mask
-from kvgen.kernels import reference_ops
-from kvgen.models import AttentionMetadata, Gemma2ForCausalLM, build_model
+from kvgen.models import Gemma2ForCausalLM, build_model
 from kvgen.models.quant_linear import QuantLinear
 from kvgen.weights.hf_loader import load_hf_directory
 
@@ -38,26 +44,6 @@ def gemma(tmp_path_factory: pytest.TempPathFactory):
     return ref, f32, bf16
 
 
-def _logits(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    with torch.inference_mode():
-        return model.compute_logits(model(ids, positions_from_mask(mask), None, AttentionMetadata(mask)))
-
-
-def _hf_greedy(ref, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def _engine_tokens(model, **engine_args) -> list[list[int]]:
-    llm = LLM(model, None, **{"num_blocks": 64, "block_size": 4, **engine_args})
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_gemma2_directory_matches_transformers_logits_and_greedy_tokens(gemma, cache):
     """Loaded from its directory (norm weights + 1, no q/k norms, layer kinds, window, scale, both softcaps): logits
@@ -75,7 +61,7 @@ def test_gemma2_directory_matches_transformers_logits_and_greedy_tokens(gemma, c
         want = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                             pad_token_id=0)
     real = mask.bool()
-    torch.testing.assert_close(_logits(ours, ids, mask)[real], expected[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model_logits(ours, ids, mask)[real], expected[real], rtol=1e-5, atol=1e-5)
     got = generate(ours, ids, mask, GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0,
                                                      cache_implementation=cache))
     assert got.sequences.tolist() == want.tolist()
@@ -89,15 +75,15 @@ def test_gemma2_without_its_softcaps_no_longer_matches(gemma):
     ids = torch.tensor([PROMPTS[0]])
     with torch.inference_mode():
         expected = ref(ids).logits  # [1, 20, V]
-    torch.testing.assert_close(_logits(ours, ids, torch.ones_like(ids)), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model_logits(ours, ids, torch.ones_like(ids)), expected, rtol=1e-5, atol=1e-5)
     for layer in ours.model.layers:
         layer.self_attn.softcap = 0.0
-    uncapped = _logits(ours, ids, torch.ones_like(ids))
+    uncapped = model_logits(ours, ids, torch.ones_like(ids))
     assert float((uncapped - expected).abs().max()) > 0.1 * float(expected.abs().max())
     for layer in ours.model.layers:
         layer.self_attn.softcap = 5.0
     ours.config.final_logit_softcapping = None
-    raw = _logits(ours, ids, torch.ones_like(ids))
+    raw = model_logits(ours, ids, torch.ones_like(ids))
     assert float(raw.abs().max()) > 10.0 > float(expected.abs().max())  # past the cap: the final tanh mattered
 
 
@@ -108,7 +94,7 @@ def test_gemma2_engine_greedy_tokens_are_transformers(gemma, engine_args):
     greedy tokens equal transformers' alone."""
     ref, f32, _ = gemma
     ours = build_model(*load_hf_directory(f32, dtype=torch.float32))
-    assert _engine_tokens(ours, **engine_args) == [_hf_greedy(ref, p) for p in PROMPTS]
+    assert engine_greedy(ours, PROMPTS, NEW_TOKENS, **engine_args) == [hf_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
 
 
 def test_gemma2_16_bit_kernels_layer_by_layer_match_transformers(gemma):
@@ -124,28 +110,17 @@ def test_gemma2_16_bit_kernels_layer_by_layer_match_transformers(gemma):
     ids = torch.tensor([PROMPTS[0]])
     with torch.inference_mode():
         want = ref16(ids).logits
-    got = _logits(fast, ids, torch.ones_like(ids))
+    got = model_logits(fast, ids, torch.ones_like(ids))
     # K and V read at fp16: 2.4e-3 of the logits' scale at most here (3-4e-3 for the same weights without softcaps)
     torch.testing.assert_close(got, want, rtol=0, atol=4e-3 * float(want.abs().max()))
-    expected = [_hf_greedy(ref16, p) for p in PROMPTS]
-    for cache in ("static", "dynamic"):
-        for prompt, tokens in zip(PROMPTS, expected):
-            out = generate(fast, torch.tensor([prompt]), None,
-                           GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=[], cache_implementation=cache))
-            assert out.new_token_ids[0] == tokens, cache
-    assert _engine_tokens(fast) == expected
-    assert _engine_tokens(fast, max_num_batched_tokens=7) == expected
-    kernels = fast.kernels
-    fast.use_kernels(reference_ops())
-    try:
-        twins = _logits(fast, ids, torch.ones_like(ids))  # the same ops in float32 torch: other summation orders
-        # 1.1e-4 of the scale here (7.7e-4 for the same weights with the softcap off on both: the weights' scale)
-        torch.testing.assert_close(twins, got, rtol=0, atol=3e-4 * float(got.abs().max()))
-    finally:
-        fast.use_kernels(kernels)
+    expected = [hf_greedy(ref16, p, NEW_TOKENS) for p in PROMPTS]
+    assert_greedy_on_every_cache(fast, PROMPTS, expected, NEW_TOKENS)
+    twins = twin_logits(fast, ids, torch.ones_like(ids))  # the same ops in float32 torch: other summation orders
+    # 1.1e-4 of the scale here (7.7e-4 for the same weights with the softcap off on both: the weights' scale)
+    torch.testing.assert_close(twins, got, rtol=0, atol=3e-4 * float(got.abs().max()))
     for layer in fast.model.layers:
         layer.self_attn.softcap = 0.0
-    assert float((_logits(fast, ids, torch.ones_like(ids)) - want).abs().max()) > 0.1 * float(want.abs().max())
+    assert float((model_logits(fast, ids, torch.ones_like(ids)) - want).abs().max()) > 0.1 * float(want.abs().max())
 
 
 @pytest.mark.parametrize("variant", [
@@ -164,7 +139,7 @@ def test_gemma2_variants_match_transformers(variant):
     ids = torch.tensor([PROMPTS[0]])
     with torch.inference_mode():
         want = ref(ids).logits
-    torch.testing.assert_close(_logits(ours, ids, torch.ones_like(ids)), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model_logits(ours, ids, torch.ones_like(ids)), want, rtol=1e-5, atol=1e-5)
 
 
 def test_gemma2_config_defaults_and_refusals():

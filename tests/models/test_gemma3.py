@@ -10,13 +10,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import left_pad, make_tiny_model
+from helpers import (
+    assert_greedy_on_every_cache,
+    engine_greedy,
+    hf_greedy,
+    left_pad,
+    make_tiny_model,
+    model_logits,
+    twin_logits,
+)
 
-from kvgen.engine import LLM, SamplingParams
 from kvgen.generation import GenerationConfig, generate
 from kvgen.generation.runner import positions_from_mask
-from kvgen.kernels import reference_ops
-from kvgen.models import AttentionMetadata, build_model
+from kvgen.models import build_model
 from kvgen.models.quant_linear import QuantLinear
 from kvgen.weights.hf_loader import load_hf_directory
 
@@ -34,26 +40,6 @@ def gemma(tmp_path_factory: pytest.TempPathFactory):
     return ref, f32, bf16
 
 
-def _logits(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    with torch.inference_mode():
-        return model.compute_logits(model(ids, positions_from_mask(mask), None, AttentionMetadata(mask)))
-
-
-def _hf_greedy(ref, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def _engine_tokens(model, **engine_args) -> list[list[int]]:
-    llm = LLM(model, None, **{"num_blocks": 64, "block_size": 4, **engine_args})
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_gemma3_directory_matches_transformers_logits_and_greedy_tokens(gemma, cache):
     """Loaded from its directory (norm weights + 1, q/k norms, layer kinds, window, scale, two RoPE bases): logits
@@ -69,7 +55,7 @@ def test_gemma3_directory_matches_transformers_logits_and_greedy_tokens(gemma, c
         want = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                             pad_token_id=0)
     real = mask.bool()
-    torch.testing.assert_close(_logits(ours, ids, mask)[real], expected[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model_logits(ours, ids, mask)[real], expected[real], rtol=1e-5, atol=1e-5)
     got = generate(ours, ids, mask, GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0,
                                                      cache_implementation=cache))
     assert got.sequences.tolist() == want.tolist()
@@ -86,7 +72,7 @@ def test_gemma3_without_its_sliding_window_no_longer_matches(gemma):
     for layer in ours.model.layers:
         layer.self_attn.window = 0
     ours.config.sliding_window = None
-    unwindowed = _logits(ours, ids, torch.ones_like(ids))
+    unwindowed = model_logits(ours, ids, torch.ones_like(ids))
     torch.testing.assert_close(unwindowed[:, :6], expected[:, :6], rtol=1e-5, atol=1e-5)
     assert float((unwindowed[:, 6:] - expected[:, 6:]).abs().max()) > 0.1 * float(expected.abs().max())
 
@@ -97,7 +83,7 @@ def test_gemma3_engine_greedy_tokens_are_transformers(gemma, engine_args):
     attends from a chunk over its cached context): every prompt's greedy tokens equal transformers' alone."""
     ref, f32, _ = gemma
     ours = build_model(*load_hf_directory(f32, dtype=torch.float32))
-    assert _engine_tokens(ours, **engine_args) == [_hf_greedy(ref, p) for p in PROMPTS]
+    assert engine_greedy(ours, PROMPTS, NEW_TOKENS, **engine_args) == [hf_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
 
 
 def test_gemma3_16_bit_kernels_layer_by_layer_match_transformers(gemma):
@@ -112,23 +98,12 @@ def test_gemma3_16_bit_kernels_layer_by_layer_match_transformers(gemma):
     ids = torch.tensor([PROMPTS[0]])
     with torch.inference_mode():
         want = ref16(ids).logits
-    got = _logits(fast, ids, torch.ones_like(ids))
+    got = model_logits(fast, ids, torch.ones_like(ids))
     torch.testing.assert_close(got, want, rtol=0, atol=2e-3 * float(want.abs().max()))
-    expected = [_hf_greedy(ref16, p) for p in PROMPTS]
-    for cache in ("static", "dynamic"):
-        for prompt, tokens in zip(PROMPTS, expected):
-            out = generate(fast, torch.tensor([prompt]), None,
-                           GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=[], cache_implementation=cache))
-            assert out.new_token_ids[0] == tokens, cache
-    assert _engine_tokens(fast) == expected
-    assert _engine_tokens(fast, max_num_batched_tokens=7) == expected
-    kernels = fast.kernels
-    fast.use_kernels(reference_ops())
-    try:
-        twins = _logits(fast, ids, torch.ones_like(ids))  # the same ops in float32 torch: other summation orders
-        torch.testing.assert_close(twins, got, rtol=0, atol=1e-4 * float(got.abs().max()))
-    finally:
-        fast.use_kernels(kernels)
+    expected = [hf_greedy(ref16, p, NEW_TOKENS) for p in PROMPTS]
+    assert_greedy_on_every_cache(fast, PROMPTS, expected, NEW_TOKENS)
+    twins = twin_logits(fast, ids, torch.ones_like(ids))  # the same ops in float32 torch: other summation orders
+    torch.testing.assert_close(twins, got, rtol=0, atol=1e-4 * float(got.abs().max()))
 
 
 def test_gemma3_refuses_what_it_does_not_compute(tmp_path: Path):
@@ -159,4 +134,4 @@ def test_gemma3_variants_match_transformers(variant):
     ids = torch.tensor([PROMPTS[0]])
     with torch.inference_mode():
         want = ref(ids).logits
-    torch.testing.assert_close(_logits(ours, ids, torch.ones_like(ids)), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model_logits(ours, ids, torch.ones_like(ids)), want, rtol=1e-5, atol=1e-5)

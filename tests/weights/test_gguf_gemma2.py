@@ -8,73 +8,31 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
-from gguf.quants import quantize
-from helpers import make_tiny_model
+from helpers import engine_greedy, make_tiny_model, model_logits
+from weights.gemma_gguf import Q, copy_file_weights, write_gemma_gguf
 
 from kvgen.config import ModelConfig
-from kvgen.engine import LLM, SamplingParams
 from kvgen.errors import ModelFormatError
 from kvgen.generation import GenerationConfig, generate
 from kvgen.models import Gemma2ForCausalLM, build_model
 from kvgen.weights.gguf_loader import load_gguf
 
-Q = GGMLQuantizationType
-_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "post_attention_norm",
-          "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
 STD = 0.2  # scores and logits well past the caps of the tiny config (5, 10)
 ROPE = {"rope_theta": 10000.0}  # the converter writes no rope base: llama.cpp's default, Gemma2Config's
-
-
-def _gguf_name(hf_name: str) -> str:
-    if hf_name in _GLOBAL:
-        return _GLOBAL[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)  # model.layers.N.<module>.weight
-    return f"blk.{layer}.{_BLOCK[rest.removesuffix('.weight')]}.weight"
 
 
 def _write_gemma2(path: Path, ref, qtype: GGMLQuantizationType = Q.F32) -> None:
     """``ref`` as llama.cpp's ``Gemma2Model`` converter writes it: its gemma2.* keys (softcaps, sliding window; no rope
     base, no layer pattern), every ``*norm.weight`` + 1, matrices as ``qtype``, no output.weight when tied."""
-    cfg = ref.config
-    w = GGUFWriter(str(path), "gemma2")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
-    w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    w.add_sliding_window(cfg.sliding_window)
-    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
-    for name, p in ref.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:  # the converter writes no output.weight
-            continue
-        x = p.detach().numpy().astype(np.float32) + (1.0 if name.endswith("norm.weight") else 0.0)
-        if x.ndim == 2 and qtype != Q.F32:
-            w.add_tensor(_gguf_name(name), quantize(x, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(_gguf_name(name), x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
+    def softcaps(w: GGUFWriter) -> None:
+        w.add_attn_logit_softcapping(ref.config.attn_logit_softcapping)
+        w.add_final_logit_softcapping(ref.config.final_logit_softcapping)
 
-def _logits(model, ids: torch.Tensor) -> torch.Tensor:
-    with torch.inference_mode():
-        return model.compute_logits(model(ids, torch.arange(ids.shape[1])[None]))
+    write_gemma_gguf(path, ref, "gemma2", qtype, softcaps)
 
 
 def test_gemma2_f32_file_matches_transformers(tmp_path: Path):
@@ -97,7 +55,7 @@ def test_gemma2_f32_file_matches_transformers(tmp_path: Path):
     ids = torch.arange(3, 27)[None]  # [1, 24]
     with torch.inference_mode():
         want = ref(ids).logits
-    torch.testing.assert_close(_logits(model, ids), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model_logits(model, ids), want, rtol=1e-5, atol=1e-5)
 
 
 def test_gemma2_q8_0_file_runs_on_the_kernels(tmp_path: Path):
@@ -112,24 +70,20 @@ def test_gemma2_q8_0_file_runs_on_the_kernels(tmp_path: Path):
     quantized = build_model(*load_gguf(tmp_path / "q.gguf", dtype=None)[:2])
     assert quantized.kernels is not None and not config.tie_word_embeddings
     ids = torch.tensor([[5, 9, 2, 7, 1, 3, 8, 4, 6, 11, 13, 10, 12, 14]])  # 14 tokens: past the window of 6
+    copy_file_weights(ref, state)  # the file's (dequantized) weights, norms back to w
     with torch.no_grad():
-        for name, p in ref.named_parameters():  # the file's (dequantized) weights, norms back to w
-            p.copy_(state[name] - (1.0 if name.endswith("norm.weight") else 0.0))
         want = ref(ids).logits
-    torch.testing.assert_close(_logits(reference, ids), want, rtol=1e-5, atol=1e-5)
-    got = _logits(quantized, ids)
+    torch.testing.assert_close(model_logits(reference, ids), want, rtol=1e-5, atol=1e-5)
+    got = model_logits(quantized, ids)
     assert float((got - want).abs().mean()) < 0.05 * float(want.abs().mean())  # int8 activations
     torch.testing.assert_close(got, want, rtol=0, atol=0.1 * float(want.abs().max()))
     static = GenerationConfig(max_new_tokens=8, eos_token_id=[], cache_implementation="static")
     tokens = generate(quantized, ids, None, static).new_token_ids[0]
     assert generate(quantized, ids, None, replace(static, use_cache=False)).new_token_ids[0] == tokens
-    llm = LLM(quantized, None, num_blocks=16, block_size=4)
-    paged = llm.generate([{"prompt_token_ids": ids[0].tolist()}], SamplingParams(temperature=0.0, max_tokens=8,
-                                                                                  ignore_eos=True), use_tqdm=False)
-    assert list(paged[0].outputs[0].token_ids) == tokens
+    assert engine_greedy(quantized, [ids[0].tolist()], 8, num_blocks=16)[0] == tokens  # blocks of 4
     for layer in quantized.model.layers:  # the kernels without the attention softcap: far beyond quantization noise
         layer.self_attn.softcap = 0.0
-    assert float((_logits(quantized, ids) - want).abs().mean()) > 0.2 * float(want.abs().mean())
+    assert float((model_logits(quantized, ids) - want).abs().mean()) > 0.2 * float(want.abs().mean())
 
 
 def test_gemma2_metadata_defaults_and_bad_values():
