@@ -116,11 +116,12 @@ def test_a_16_bit_llama_checkpoint_runs_its_matrices_as_stored(tmp_path: Path, d
 
 
 def test_freed_heap_memory_goes_back_to_the_os() -> None:
-    """return_freed_memory (run by load_model) gives back the holes that freed blocks leave between kept ones: 100
-    MiB freed in 100 kB pieces (below malloc's mmap threshold, so on the heap) leaves RSS until it runs."""
+    """kvgen.heap.return_freed_memory (run while a model loads) gives back the holes that freed blocks leave between
+    kept ones: 100 MiB freed in 100 kB pieces (below malloc's mmap threshold, so on the heap) stays resident until it
+    runs."""
     code = """
 import psutil
-from kvgen.loader import return_freed_memory
+from kvgen.heap import return_freed_memory
 rss = lambda: psutil.Process().memory_info().rss
 blocks = [bytearray(b"x" * 100_000) for _ in range(2000)]  # 200 MB, written (resident)
 del blocks[::2]  # every other one freed: 100 MB of holes between the kept ones

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import torch
 
 from kvgen.errors import ModelFormatError, ModelNotFoundError
+from kvgen.heap import return_freed_memory
 from kvgen.models import CausalLM, build_model
 from kvgen.tokenizer import Tokenizer
 from kvgen.weights.quantized import GGUFBlocks
@@ -87,18 +87,3 @@ def load_model(
     del state_dict
     return_freed_memory()
     return model, tokenizer
-
-
-def return_freed_memory() -> bool:
-    """Give the free pages inside the C heap back to the OS (glibc ``malloc_trim(0)``); False where the C library
-    has no such call (musl, macOS), a no-op there.
-
-    Loading frees each matrix's file bytes as its packed copy arrives, and the holes they leave between the kept
-    weights stay resident otherwise: a 1.2B-parameter IQ4_XS file held 1,250 MiB after load, 874 MiB after this.
-    """
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return False
-    trim(0)
-    return True

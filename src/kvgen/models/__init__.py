@@ -15,6 +15,7 @@ from torch import nn
 
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
+from kvgen.heap import return_freed_memory
 from kvgen.kernels import get_ops
 from kvgen.models.attention import AttentionMetadata
 from kvgen.models.base import CausalLM, SupportsKernels
@@ -67,6 +68,7 @@ def build_model(
         if isinstance(blocks, GGUFBlocks):
             _install_quantized(model, name.removesuffix(".weight"), blocks, dense)
             blocks.parts = []  # consumed: the file's bytes go as their packed copy arrives (peak memory)
+            return_freed_memory()  # and their pages with them (kvgen.heap)
     model.load_state_dict({k: v.to(dtype) for k, v in dense.items()}, strict=False, assign=True)
     for name, buf in list(model.named_buffers()):
         if buf.is_meta:  # non-persistent buffers (rope inv_freq) are recomputed on CPU

@@ -22,6 +22,7 @@ from gguf.quants import dequantize
 
 from kvgen.config import ModelConfig, longrope_scaling
 from kvgen.errors import ModelFormatError, UnsupportedQuantizationError
+from kvgen.heap import return_freed_memory
 from kvgen.weights.gguf_file import gguf_metadata, open_gguf
 from kvgen.weights.name_maps import (
     check_state_dict,
@@ -112,6 +113,7 @@ def load_gguf(
         else:
             state[ours] = dequantize_tensor(t, dtype or torch.float32, _qk_heads(ours, config))
         _release_pages(reader, t)
+        return_freed_memory()  # the transients of this tensor's conversion (kvgen.heap)
     return config, state, meta
 
 
