@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -133,23 +132,3 @@ print(return_freed_memory(), (before - rss()) / 2**20)
     if out[0] == "False":
         pytest.skip("no malloc_trim in this C library")
     assert float(out[1]) > 50, f"only {out[1]} MiB went back"
-
-
-@pytest.mark.parametrize("user_setting,want_huge", [(None, True), ("0", False)])
-def test_importing_kvgen_first_gives_big_tensors_huge_pages(user_setting, want_huge) -> None:
-    """kvgen sets THP_MEM_ALLOC_ENABLE=1 (unless the user set it) before torch's first allocation: 8 x 16 MiB
-    tensors then sit mostly in transparent huge pages; with the user's 0 in none."""
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not thp.exists() or "[never]" in thp.read_text():
-        pytest.skip("transparent huge pages are off on this machine")
-    code = """
-import kvgen, torch
-tensors = [torch.ones(4 << 20) for _ in range(8)]  # 8 x 16 MiB float32, touched
-print(sum(int(line.split()[1]) for line in open("/proc/self/smaps") if line.startswith("AnonHugePages:")) // 1024)
-"""
-    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    if user_setting is not None:
-        env["THP_MEM_ALLOC_ENABLE"] = user_setting
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
-    huge_mib = int(out.split()[-1])
-    assert huge_mib >= 64 if want_huge else huge_mib == 0, huge_mib
