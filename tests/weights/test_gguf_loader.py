@@ -22,6 +22,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
+from helpers import model_logits
 
 from kvgen.errors import (
     ModelFormatError,
@@ -693,11 +694,6 @@ def _write_phi3(path: Path, ref, types: dict[str, GGMLQuantizationType] | None =
     w.close()
 
 
-def _phi3_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    with torch.inference_mode():
-        return model.compute_logits(model(ids, torch.arange(ids.shape[1])[None]))
-
-
 @pytest.mark.parametrize("longrope", [False, True], ids=["4k", "128k"])
 def test_phi3_file_matches_transformers(tmp_path: Path, longrope: bool) -> None:
     """A phi3 file of F32 tensors: attn_qkv and ffn_up load as our stacked qkv_proj / gate_up_proj (bit for bit),
@@ -719,9 +715,9 @@ def test_phi3_file_matches_transformers(tmp_path: Path, longrope: bool) -> None:
     ids = torch.arange(3, 33)[None] % config.vocab_size  # [1, 30]
     with torch.inference_mode():
         want = ref(ids).logits
-    torch.testing.assert_close(_phi3_logits(build_model(config, state), ids), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model_logits(build_model(config, state), ids), want, rtol=1e-5, atol=1e-5)
     _write_phi3(tmp_path / "swapped.gguf", ref, swap_gate_up=True)
-    swapped = _phi3_logits(build_model(*load_gguf(tmp_path / "swapped.gguf")[:2]), ids)
+    swapped = model_logits(build_model(*load_gguf(tmp_path / "swapped.gguf")[:2]), ids)
     assert float((swapped - want).abs().max()) > 0.1 * float(want.abs().max())
 
 
@@ -749,10 +745,10 @@ def test_phi3_quantized_file_runs_on_the_kernels(tmp_path: Path) -> None:
     no_scale = unscaled_config.rope_scaling | {"attention_factor": 1.0}
     unscaled = build_model(replace(unscaled_config, rope_scaling=no_scale), unscaled_state)
     ids = torch.arange(3, 33)[None] % config.vocab_size  # [1, 30]
-    want, got = _phi3_logits(reference, ids), _phi3_logits(quantized, ids)
+    want, got = model_logits(reference, ids), model_logits(quantized, ids)
     tol = 0.05 * float(want.abs().max())  # int8 activations: ~3 % here; the qwen2 / qwen3 files' bound
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
-    assert float((_phi3_logits(unscaled, ids) - want).abs().max()) > 4 * tol  # measured: ~10x tol
+    assert float((model_logits(unscaled, ids) - want).abs().max()) > 4 * tol  # measured: ~10x tol
 
 
 def test_smollm3_files_load_as_llama_files_with_nope_flags(tmp_path: Path) -> None:

@@ -92,9 +92,9 @@ void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, fl
 void q8_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q5_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void iq4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
-// Q6 also reads each activation block's two half sums (bytes 0-15 in the low, 16-31 in the high int16 of
-// half_sums[m][b]), written for n blocks by q6_half_sums.
-void q6_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums);
+// Q6, Q2 and Q3 also read each activation block's two half sums (bytes 0-15 in the low, 16-31 in the high int16 of
+// half_sums[m][b]), written for n blocks by activation_half_sums.
+void activation_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums);
 void q6_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
               float* const* out);
 // The same for Q2 and Q3 groups (nb a multiple of 8: whole super-block records).

@@ -120,20 +120,20 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   // the quantized activations live in a per-thread buffer reused across calls (no allocation); F16
   // weights take the activations as they are
   const bool is_f16 = weight_type == kF16 || weight_type == kBF16;  // 16-bit float weights
-  const bool has_q6 = std::any_of(segs.begin(), segs.end(), [](const Segment& s) { return needs_half_sums(s.weight_type); });
+  const bool has_half_sums = std::any_of(segs.begin(), segs.end(), [](const Segment& s) { return needs_half_sums(s.weight_type); });
   thread_local std::vector<BlockQ8A> act_buffer;
   if (!is_f16 && static_cast<int64_t>(act_buffer.size()) < M * nb) act_buffer.resize(M * nb);
   BlockQ8A* act = act_buffer.data();
   const float* xp = x.data_ptr<float>();
   const int64_t qgrain = M * K < (1 << 16) ? M : std::max<int64_t>(1, (1 << 14) / K);
-  thread_local std::vector<int32_t> sums_buffer;  // Q6: each activation block's half sums
-  if (has_q6 && static_cast<int64_t>(sums_buffer.size()) < M * nb) sums_buffer.resize(M * nb);
+  thread_local std::vector<int32_t> sums_buffer;  // Q6, Q2, Q3: each activation block's half sums
+  if (has_half_sums && static_cast<int64_t>(sums_buffer.size()) < M * nb) sums_buffer.resize(M * nb);
   int32_t* sums = sums_buffer.data();
   if (!is_f16) {
     at::parallel_for(0, M, qgrain, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
         quantize_row_q8a(xp + m * K, act + m * nb, K);
-        if (has_q6) q6_half_sums(act + m * nb, nb, sums + m * nb);
+        if (has_half_sums) activation_half_sums(act + m * nb, nb, sums + m * nb);
       }
     });
   }

@@ -5,8 +5,8 @@
 // (4 * 2 * 7 * 127 = 7,112), then madd with the half's scale: dot = sum_h sc_h * sum u a, int32 per row.
 //   Q2: w = d * sc * u - dmin * m (sc, m 4-bit per 16 columns): acc += dot * d d_a - (sum_h m_h A_h) * dmin d_a.
 //   Q3: w = d * sc * (u - 4) (sc = s - 32, int8 per 16 columns):   acc += (dot - 4 sum_h sc_h A_h) * d d_a.
-// A_h: the activation block's half sums (q6_half_sums, once per call). The arithmetic of a row does not depend on
-// how many rows share the call. Source of the values: ggml dequantize_row_q2_K / dequantize_row_q3_K.
+// A_h: the activation block's half sums (activation_half_sums, once per call). The arithmetic of a row does not
+// depend on how many rows share the call. Source of the values: ggml dequantize_row_q2_K / dequantize_row_q3_K.
 #include <immintrin.h>
 
 #include <cstring>

@@ -3,7 +3,7 @@
 // give 8 vectors of 6-bit u (4 columns x 8 rows each); maddubs(u, a) against 4 broadcast activation bytes,
 // two summed in int16 (2 * 2 * 63 * 127 = 32,004 < 32,767), then madd with the row's int8 scale of that
 // 16-column half h: sum_h sc_h * S_h in int32. Minus 32 * sum_h sc_h * A_h (A_h: the half's activation sum,
-// computed once per call by q6_half_sums, one madd per block) gives the exact sum_h sc_h * sum (u - 32) a;
+// computed once per call by activation_half_sums, one madd per block) gives the exact sum_h sc_h * sum (u - 32) a;
 // acc += that * d_w * d_a. The arithmetic of a row does not depend on how many rows share the call.
 // Source of the Q6_K values: ggml dequantize_row_q6_K; the algebra of ggml_vec_dot_q6_K_q8_K per 16 values.
 #include <immintrin.h>
@@ -69,7 +69,7 @@ void q6_tile(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* h
 
 }  // namespace
 
-void q6_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums) {
+void activation_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums) {
   for (int64_t k = 0; k < n; ++k) {
     int32_t s0 = 0, s1 = 0;
     for (int i = 0; i < 16; ++i) {
