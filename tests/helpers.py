@@ -256,8 +256,36 @@ def _hf_config(model_type: str, tie: bool, kv_heads: int, bias: bool, vocab_size
             vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=kv_heads, max_position_embeddings=max_position_embeddings,
             tie_word_embeddings=tie, **(ids | overrides))
+    # mixtures of experts: 3 layers of hidden 64, 8 experts of 32, top 2. Qwen3-MoE: layer 1 dense (mlp_only_layers),
+    # q/k norms, head_dim 32 (not 64 / 4), renormalized top-k; Qwen2-MoE: a shared expert of 64, q/k/v biases, top-k as is;
+    # Mixtral: every layer sparse, experts of intermediate_size, renormalized top-k
+    moe = {"qwen3_moe": (transformers.Qwen3MoeConfig, {"num_experts": 8, "moe_intermediate_size": 32, "head_dim": 32,
+                                                       "norm_topk_prob": True, "mlp_only_layers": [1]}),
+           "qwen2_moe": (transformers.Qwen2MoeConfig, {"num_experts": 8, "moe_intermediate_size": 32,
+                                                       "shared_expert_intermediate_size": 64}),
+           "mixtral": (transformers.MixtralConfig, {"num_local_experts": 8, "intermediate_size": 32})}
+    if model_type in moe:
+        cls, settings = moe[model_type]
+        return cls(vocab_size=vocab_size, num_attention_heads=4, num_key_value_heads=kv_heads,
+                   max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie,
+                   **({"hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 128, "num_experts_per_tok": 2}
+                      | settings | overrides))
     raise ValueError(f"model_type must be 'llama', 'gpt2', 'qwen2', 'qwen3', 'mistral', 'smollm3', 'phi3', "
-                     f"'gemma3_text' or 'gemma2', got {model_type!r}")
+                     f"'gemma3_text', 'gemma2', 'qwen3_moe', 'qwen2_moe' or 'mixtral', got {model_type!r}")
+
+
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def mixtral_to_qwen_names(name: str) -> str:
+    """A transformers Mixtral parameter name in kvgen's layout (transformers' Qwen-MoE names), written out here
+    independently of kvgen's name maps: ``block_sparse_moe.gate`` -> ``mlp.gate``,
+    ``block_sparse_moe.experts.E.w1`` (w3, w2) -> ``mlp.experts.E.gate_proj`` (up_proj, down_proj)."""
+    if ".block_sparse_moe." not in name:
+        return name
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    head, w, tail = name.rsplit(".", 2)
+    return f"{head}.{_MIXTRAL_EXPERT.get(w, w)}.{tail}"
 
 
 def _randomize(model: torch.nn.Module, seed: int, std: float) -> None:
@@ -323,6 +351,8 @@ def make_tiny_model(
     _randomize(ref, seed, std)
     ref.eval()
     params = hf_params_in_kvgen_layout(ref)
+    if model_type == "mixtral":
+        params = {mixtral_to_qwen_names(k): v for k, v in params.items()}
     if model_type in ("gemma3_text", "gemma2"):  # Gemma3RMSNorm / Gemma2RMSNorm multiply by 1 + w; kvgen's hold 1 + w
         params = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in params.items()}
     ours = build_model(ModelConfig.from_hf_dict(hf_config.to_dict()), params)

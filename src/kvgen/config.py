@@ -14,16 +14,20 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
+from kvgen.moe_config import MOE_FIELDS, gguf_moe_fields, hf_moe_fields
+from kvgen.rope_scaling import gguf_rope_scaling, yarn_scaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "gpt2", "gemma3_text", "gemma2")
 
 # GGUF `general.architecture` values we decode with our Llama implementation.
 # qwen2/3, phi3: llama.cpp stores their q/k rows unpermuted (NEOX rope); phi3 stacks q/k/v and gate/up
-_GGUF_LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "smollm3")  # smollm3: llama's tensors, NoPE every 4th layer
+# smollm3: llama's tensors, NoPE every 4th layer; qwen2moe / qwen3moe (and llama with expert_count > 0, Mixtral):
+# mixture-of-experts layers (models/moe.py)
+_GGUF_LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "smollm3", "qwen2moe", "qwen3moe")
 _GGUF_ARCHS = (*_GGUF_LLAMA_ARCHS, "gemma3", "gemma2")  # gemma3: our Gemma 3 decoder (model_type gemma3_text)
 # Hugging Face model_types decoded by our Llama (see _llama_family_changes)
-_HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
-_ROPE_TYPES = (None, "default", "llama3", "linear", "freq_factors", "longrope")
+_HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "qwen3_moe", "qwen2_moe", "mixtral")
+_ROPE_TYPES = (None, "default", "llama3", "linear", "freq_factors", "longrope", "yarn")
 # The transformers 4.55 config classes' defaults where they differ from ModelConfig's: a config.json written by
 # save_pretrained omits every value equal to its class default (SmolLM3-3B's tied embeddings, Phi-3's eps).
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -31,6 +35,19 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"vocab_size": 151936, "max_position_embeddings": 32768},
     "mistral": {"vocab_size": 32000, "max_position_embeddings": 131072, "sliding_window": 4096},
     "phi3": {"vocab_size": 32064, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+    "qwen3_moe": {"vocab_size": 151936, "max_position_embeddings": 32768, "hidden_size": 2048,
+                  "intermediate_size": 6144, "num_hidden_layers": 24, "num_attention_heads": 32,
+                  "num_key_value_heads": 4, "decoder_sparse_step": 1, "moe_intermediate_size": 768,
+                  "num_experts_per_tok": 8, "num_experts": 128, "norm_topk_prob": False, "mlp_only_layers": []},
+    "qwen2_moe": {"vocab_size": 151936, "max_position_embeddings": 32768, "hidden_size": 2048,
+                  "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
+                  "num_key_value_heads": 16, "decoder_sparse_step": 1, "moe_intermediate_size": 1408,
+                  "shared_expert_intermediate_size": 5632, "num_experts_per_tok": 4, "num_experts": 60,
+                  "norm_topk_prob": False, "mlp_only_layers": [], "qkv_bias": True},
+    "mixtral": {"vocab_size": 32000, "max_position_embeddings": 131072, "hidden_size": 4096,
+                "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_experts_per_tok": 2,
+                "num_local_experts": 8, "bos_token_id": 1, "eos_token_id": 2},
     "smollm3": {"vocab_size": 128256, "max_position_embeddings": 32768, "rope_theta": 2000000.0,
                 "tie_word_embeddings": True},
     "gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -99,6 +116,18 @@ class ModelConfig:
     # Gemma 2: attention scores s -> c * tanh(s / c) before the softmax, logits l -> c * tanh(l / c); None: no cap
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral; models/moe.py). num_experts = 0: a dense model. A layer is
+    # sparse (is_sparse_layer) where num_experts > 0, it is not in mlp_only_layers and (i + 1) % decoder_sparse_step
+    # == 0; its router picks num_experts_per_tok of the num_experts SwiGLU experts (moe_intermediate_size each;
+    # None: intermediate_size) from a float32 softmax, their weights renormalized to sum 1 when norm_topk_prob.
+    # shared_expert_intermediate_size: Qwen2-MoE's shared expert beside them (None: none).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = None  # type: ignore[assignment]  # None -> intermediate_size
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    shared_expert_intermediate_size: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -115,6 +144,8 @@ class ModelConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.intermediate_size is None:
             self.intermediate_size = 4 * self.hidden_size
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
             if getattr(self, name) <= 0:
                 raise ModelFormatError(f"{name} must be positive, got {getattr(self, name)}")
@@ -141,6 +172,42 @@ class ModelConfig:
                                                    f"computes logit softcapping for gemma2 only)")
             if cap is not None and not float(cap) > 0:  # NaN included
                 raise ModelFormatError(f"{name} must be positive (or absent: no softcapping), got {cap}")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """ModelFormatError naming the mixture-of-experts field that is out of range (checked where num_experts > 0),
+        UnsupportedArchitectureError for experts in a decoder other than Llama's."""
+        if self.num_experts < 0:
+            raise ModelFormatError(f"num_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts == 0:
+            return
+        if self.model_type != "llama":
+            raise UnsupportedArchitectureError(f"{self.model_type} with num_experts={self.num_experts} is not supported "
+                                               f"(kvgen's mixture-of-experts layers are Llama-family layers)")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ModelFormatError(f"num_experts_per_tok must be in [1, num_experts = {self.num_experts}], "
+                                   f"got {self.num_experts_per_tok}")
+        if self.moe_intermediate_size <= 0:
+            raise ModelFormatError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+        if self.decoder_sparse_step < 1:
+            raise ModelFormatError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        if any(not 0 <= i < self.num_hidden_layers for i in self.mlp_only_layers):
+            raise ModelFormatError(f"mlp_only_layers must hold layer indices in [0, {self.num_hidden_layers}), "
+                                   f"got {self.mlp_only_layers}")
+        shared = self.shared_expert_intermediate_size
+        if shared is not None and shared <= 0:
+            raise ModelFormatError(f"shared_expert_intermediate_size must be positive (or absent), got {shared}")
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` is a mixture of experts (else a dense MLP). Source: transformers 4.55
+        ``Qwen3MoeDecoderLayer`` / ``Qwen2MoeDecoderLayer`` (Mixtral: every layer)."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether any layer is a mixture of experts."""
+        return any(self.is_sparse_layer(i) for i in range(self.num_hidden_layers))
 
     def _apply_rope_scaling(self, scaling: dict[str, Any]) -> None:
         """Refuse rope types we do not compute, and bound a LongRoPE model's ``max_position_embeddings``.
@@ -154,6 +221,11 @@ class ModelConfig:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind not in _ROPE_TYPES:
             raise UnsupportedArchitectureError(f"rope_scaling type {kind!r} is not supported")
+        if kind == "yarn":  # completed to kvgen's form (kvgen.rope_scaling); its cos/sin scale is Llama's to apply
+            if self.model_type != "llama":
+                raise UnsupportedArchitectureError(f"{self.model_type} with a yarn rope_scaling is not supported")
+            self.rope_scaling = yarn_scaling(scaling, self.max_position_embeddings)
+            return
         if kind != "longrope":
             return
         missing = [k for k in ("short_factor", "long_factor", "original_max_position_embeddings") if k not in scaling]
@@ -173,7 +245,8 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (``gpt2``, or ``llama`` and the model_types our Llama
-        decodes: ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``smollm3``; see ``_llama_family_changes``).
+        decodes: ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``smollm3``, and with mixture-of-experts layers
+        ``qwen3_moe``, ``qwen2_moe``, ``mixtral``; see ``_llama_family_changes`` and ``kvgen.moe_config``).
 
         GPT-2's own names (``n_embd``, ``n_layer``, ``n_head``, ``n_positions``,
         ``n_inner``) are mapped to the common ones.
@@ -207,9 +280,9 @@ class ModelConfig:
                 return cls(**_gemma3_kwargs(_HF_DEFAULTS[model_type] | cfg, model_type))
             if model_type in _HF_LLAMA_TYPES:
                 cfg = _HF_DEFAULTS.get(model_type, {}) | cfg  # save_pretrained leaves out values equal to these
-                known = {f.name for f in fields(cls)}
-                kwargs = {k: v for k, v in cfg.items() if k in known and k not in ("extra", "o_proj_bias")}
-                return cls(**kwargs | _llama_family_changes(model_type, cfg))
+                known = {f.name for f in fields(cls)} - {"extra", "o_proj_bias", *MOE_FIELDS}
+                kwargs = {k: v for k, v in cfg.items() if k in known}
+                return cls(**kwargs | _llama_family_changes(model_type, cfg) | hf_moe_fields(model_type, cfg))
         except KeyError as e:
             raise ModelFormatError(f"config.json for {model_type!r} lacks required field {e.args[0]!r}") from None
         return cls(model_type=model_type, vocab_size=1, hidden_size=1, num_hidden_layers=1, num_attention_heads=1)
@@ -220,10 +293,13 @@ class ModelConfig:
 
         ``meta`` maps GGUF keys (``general.architecture``, ``llama.block_count``,
         ...) to values. Raises ``UnsupportedArchitectureError`` for an
-        architecture outside ``llama``, ``qwen2``, ``qwen3``, ``phi3``, ``smollm3``, ``gemma3``, ``gemma2`` (see
-        :func:`_gemma3_gguf_changes`, :func:`_gemma2_gguf_changes`) and ``ModelFormatError`` for missing keys or bad
+        architecture outside ``llama`` (with ``expert_count`` > 0: Mixtral), ``qwen2``, ``qwen3``, ``phi3``,
+        ``smollm3``, ``qwen2moe``, ``qwen3moe``, ``gemma3``, ``gemma2`` (see :func:`_gemma3_gguf_changes`,
+        :func:`_gemma2_gguf_changes`, :func:`kvgen.moe_config.gguf_moe_fields`) and ``ModelFormatError`` for missing keys or bad
         values.
-        Rope scaling stored as tensors (``rope_freqs``, ``rope_factors_*``) is the loader's to add.
+        A Llama-family file's ``rope.scaling`` keys (linear, YaRN) are read by
+        :func:`kvgen.rope_scaling.gguf_rope_scaling`; rope scaling stored as tensors (``rope_freqs``,
+        ``rope_factors_*``) is the loader's to add.
         """
         arch = meta.get("general.architecture")
         if arch is None:
@@ -260,15 +336,17 @@ class ModelConfig:
             "num_hidden_layers": int(need("block_count")),
             "num_attention_heads": num_heads,
             "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", num_heads)),
-            "intermediate_size": int(need("feed_forward_length")),
+            # MoE files may leave it out (every layer sparse): the experts' size then (gguf_moe_fields)
+            "intermediate_size": int(meta.get(f"{arch}.feed_forward_length") or 0) or None,
             "head_dim": int(head_dim),
             "max_position_embeddings": _gguf_context_length(meta, arch),
             "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
             "tie_word_embeddings": False,  # set by the loader: True when the file has no output.weight
-            "use_qk_norm": arch == "qwen3",
+            "use_qk_norm": arch in ("qwen3", "qwen3moe"),
             # llama.cpp's smollm3 graph: no RoPE where (layer + 1) % 4 == 0, a constant of its code (no GGUF key)
             "no_rope_layers": no_rope_every(4, int(need("block_count"))) if arch == "smollm3" else None,
+            "rope_scaling": gguf_rope_scaling(meta, arch) if arch in _GGUF_LLAMA_ARCHS else None,  # YaRN, linear
             "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
             "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
@@ -278,6 +356,10 @@ class ModelConfig:
             kwargs |= _gemma3_gguf_changes(meta, kwargs, need("attention.sliding_window"))
         if arch == "gemma2":
             kwargs |= _gemma2_gguf_changes(meta, kwargs)
+        if arch in ("qwen2moe", "qwen3moe") or int(meta.get(f"{arch}.expert_count") or 0) > 0:
+            kwargs |= gguf_moe_fields(meta, arch, kwargs["intermediate_size"])
+        elif kwargs["intermediate_size"] is None:
+            need("feed_forward_length")  # raises: a dense model's MLP size
         return cls(**kwargs)
 
 
@@ -286,12 +368,13 @@ def _llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any
     (NoPE); Qwen2 biases q/k/v (not o_proj); Qwen3 normalizes each
     head's q and k (``use_qk_norm``; its ``head_dim`` may differ from hidden_size / heads); Mistral's and Phi-3's
     sliding window bounds the context (attention within the window is exact; longer contexts are refused, not
-    approximated); a LongRoPE ``rope_scaling`` is completed by :func:`_hf_longrope`. Phi-3 checkpoints stack q/k/v and
+    approximated); a LongRoPE ``rope_scaling`` is completed by :func:`_hf_longrope`, a YaRN one by
+    :func:`kvgen.rope_scaling.yarn_scaling`. Phi-3 checkpoints stack q/k/v and
     gate/up themselves (``weights.name_maps``). Raises ``UnsupportedArchitectureError`` for Qwen2/Qwen3 sliding-window
     layers and a ``partial_rotary_factor`` below 1 (Phi-4-mini). Source: transformers 4.55 ``MistralConfig`` /
     ``Qwen2Config`` / ``Qwen3Config`` / ``Phi3Config`` / ``SmolLM3Config`` and their attention modules."""
     changes: dict[str, Any] = {"model_type": "llama", "extra": {"hf_model_type": model_type}}
-    if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and cfg.get("use_sliding_window"):
         raise UnsupportedArchitectureError(f"{model_type} with use_sliding_window=true is not supported")
     rotary = cfg.get("partial_rotary_factor")
     if rotary is not None and float(rotary) < 1.0:
@@ -300,20 +383,24 @@ def _llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any
             f"not supported yet), got {rotary}")
     if model_type == "qwen2":
         changes |= {"attention_bias": True, "o_proj_bias": False}
-    if model_type == "qwen3":
+    if model_type == "qwen2_moe":  # Qwen2MoeAttention: q/k/v biased as qkv_bias says, o_proj never
+        changes |= {"attention_bias": bool(cfg.get("qkv_bias", True)), "o_proj_bias": False}
+    if model_type in ("qwen3", "qwen3_moe"):
         changes["use_qk_norm"] = True
     if model_type == "smollm3":  # NoPE layers; sliding-window layers are refused
         if cfg.get("use_sliding_window") and "sliding_attention" in (cfg.get("layer_types") or []):
             raise UnsupportedArchitectureError("smollm3 with sliding-window layers is not supported")
         if cfg.get("no_rope_layers") is None:
             changes["no_rope_layers"] = no_rope_every(int(cfg.get("no_rope_layer_interval", 4)), cfg["num_hidden_layers"])
-    window = cfg.get("sliding_window") if model_type in ("mistral", "phi3") else None
+    window = cfg.get("sliding_window") if model_type in ("mistral", "phi3", "mixtral") else None
     if window is not None and window < cfg.get("max_position_embeddings", 2048):
         changes["max_position_embeddings"] = int(window)
     scaling = cfg.get("rope_scaling") or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "longrope" or (model_type == "phi3" and kind in ("su", "yarn")):  # Phi3Config renames su / yarn
         changes["rope_scaling"] = _hf_longrope(cfg, scaling, model_type)
+    elif kind == "yarn":  # its factor from the config's own max_position_embeddings, before a window bounds them
+        changes["rope_scaling"] = yarn_scaling(scaling, int(cfg.get("max_position_embeddings", 2048)))
     return changes
 
 

@@ -47,6 +47,8 @@ def describe_model(path_or_name: str = "default") -> dict[str, Any]:
         "num_hidden_layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
+        **({"num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+            "moe_intermediate_size": cfg.moe_intermediate_size} if cfg.has_experts else {}),
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,

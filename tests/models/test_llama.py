@@ -174,3 +174,104 @@ def test_phi3_longrope_matches_transformers_within_the_original_length(tiny_mode
     ours.rope_attention_factor = 1.0
     unscaled = _logits(ours, ids, mask)
     assert float((scaled - unscaled).abs().max()) > 0.1 * float(scaled.abs().max())
+
+
+# ---------------------------------------------------------------- YaRN (Qwen3 long context, gpt-oss)
+
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "truncate": False}
+_YARN_PROMPTS = [list(range(3, 43)), [5, 9, 11], list(range(40, 52)), [7] * 9 + [8, 9, 10, 11]]  # 40, 3, 12, 13 tokens
+
+
+def _save_yarn_model(model_type: str, tmp_path_factory: pytest.TempPathFactory, std: float):
+    """(transformers' ``model_type`` with YaRN 4x over 32 of 128 positions and gpt-oss's unrounded ramp, weights of
+    ``std``, in float32; its directory saved in float32; the same saved in bfloat16)."""
+    import copy
+
+    from helpers import make_tiny_model
+
+    ref = make_tiny_model(model_type, kv_heads=2, rope_theta=1000.0, rope_scaling=dict(_YARN), std=std, seed=5).ref
+    f32, bf16 = tmp_path_factory.mktemp(f"yarn-{model_type}-f32"), tmp_path_factory.mktemp(f"yarn-{model_type}-bf16")
+    ref.save_pretrained(f32, safe_serialization=True)
+    copy.deepcopy(ref).to(torch.bfloat16).save_pretrained(bf16, safe_serialization=True)  # .to converts in place
+    return ref, f32, bf16
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def yarn_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """Qwen3 (q/k norms, head_dim 24) or Llama (head_dim 16) with YaRN: see ``_save_yarn_model``."""
+    return _save_yarn_model(request.param, tmp_path_factory, std=0.5)
+
+
+def test_yarn_directory_matches_transformers(yarn_model):
+    """A Qwen3 or Llama directory with a yarn rope_scaling on the float32 path: frequencies and the cos/sin scale
+    0.1 ln 4 + 1 equal transformers', logits on a left-padded batch (positions past the original 32) too, greedy
+    tokens alone with the static and dynamic caches and in the paged engine (whole and chunked prefill) are its own;
+    without the scale, or with every frequency interpolated (no ramp), the logits move far past the tolerance."""
+    from helpers import assert_greedy_on_every_cache, hf_greedy, model_logits
+
+    from kvgen.models import build_model
+    from kvgen.models.layers import rope_inv_freq
+    from kvgen.weights.hf_loader import load_hf_directory
+
+    ref, f32, _ = yarn_model
+    ours = build_model(*load_hf_directory(f32, dtype=torch.float32))
+    assert ours.config.rope_scaling is not None and ours.config.rope_scaling["factor"] == 4.0
+    torch.testing.assert_close(ours.inv_freq, ref.model.rotary_emb.inv_freq, rtol=0, atol=0)
+    assert ours.rope_attention_factor == ref.model.rotary_emb.attention_scaling == pytest.approx(0.1 * math.log(4) + 1)
+    ids, mask = left_pad(_YARN_PROMPTS, pad_id=0)
+    with torch.inference_mode():
+        expected = ref(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+    real = mask.bool()
+    torch.testing.assert_close(model_logits(ours, ids, mask)[real], expected[real], rtol=1e-5, atol=1e-5)
+    assert_greedy_on_every_cache(ours, _YARN_PROMPTS, [hf_greedy(ref, p, 12) for p in _YARN_PROMPTS], 12)
+    scale = float(expected[real].abs().max())
+    ours.rope_attention_factor = 1.0
+    assert float((model_logits(ours, ids, mask)[real] - expected[real]).abs().max()) > 0.05 * scale
+    ours.rope_attention_factor = ref.model.rotary_emb.attention_scaling
+    ours.inv_freq = rope_inv_freq(ours.config.head_dim, 1000.0, None) / 4.0  # [D/2]: interpolated everywhere
+    assert float((model_logits(ours, ids, mask)[real] - expected[real]).abs().max()) > 0.05 * scale
+
+
+@pytest.fixture(scope="module")
+def yarn_llama(tmp_path_factory: pytest.TempPathFactory):
+    """Llama with YaRN (head_dim 16: the kernels' rope op takes multiples of 16): see ``_save_yarn_model``. Weights of
+    std 0.3: with 0.5 (and these frequencies) the attention is sharp enough that the C++ ops and their twins, which
+    read the same tables, part by 5e-3 of the logits' scale from summation order alone."""
+    return _save_yarn_model("llama", tmp_path_factory, std=0.3)
+
+
+def test_yarn_16_bit_kernels_match_transformers(yarn_llama):
+    """The bfloat16 directory on the 16-bit kernels (cos/sin tables scaled by YaRN's factor in every op): logits near
+    transformers' on the same rounded weights, the C++ ops and their torch twins agree, greedy tokens on every cache
+    are transformers'; tables without the scale move the logits far past the 16-bit noise."""
+    import copy
+
+    from helpers import (
+        assert_greedy_on_every_cache,
+        hf_greedy,
+        model_logits,
+        twin_logits,
+    )
+
+    from kvgen.models import build_model
+    from kvgen.models.layers import RopeTable
+    from kvgen.weights.hf_loader import load_hf_directory
+
+    ref, _, bf16 = yarn_llama
+    ref16 = copy.deepcopy(ref).to(torch.bfloat16).float()  # the directory's weights
+    fast = build_model(*load_hf_directory(bf16, dtype=None))
+    assert fast.kernels is not None and fast.rope_attention_factor == pytest.approx(0.1 * math.log(4) + 1)
+    ids = torch.tensor([_YARN_PROMPTS[0]])
+    with torch.inference_mode():
+        want = ref16(ids).logits  # [1, 40, V]
+    got = model_logits(fast, ids, torch.ones_like(ids))
+    # K and V at float16: ~5e-4 of the logits' scale on average, 1e-2 at most here (2.2e-2 for the same weights
+    # without YaRN), so the mean is held tightly and the maximum loosely
+    scale = float(want.abs().max())
+    assert float((got - want).abs().mean()) < 1e-3 * scale
+    torch.testing.assert_close(got, want, rtol=0, atol=0.03 * scale)
+    assert_greedy_on_every_cache(fast, _YARN_PROMPTS, [hf_greedy(ref16, p, 12) for p in _YARN_PROMPTS], 12)
+    twins = twin_logits(fast, ids, torch.ones_like(ids))  # the same ops in float32 torch: other summation orders
+    torch.testing.assert_close(twins, got, rtol=0, atol=5e-4 * float(got.abs().max()))
+    fast.rope_attention_factor, fast._rope = 1.0, RopeTable()  # tables rebuilt without the scale
+    assert float((model_logits(fast, ids, torch.ones_like(ids)) - want).abs().mean()) > 1e-2 * scale

@@ -101,6 +101,83 @@ def test_variants_match_transformers_converters(trained: BackendTokenizer, pre: 
         assert ours.decode(expected) == reference.decode(expected, skip_special_tokens=False)
 
 
+# ---------------------------------------------------------------- GPT-4o / o200k ("gpt-4o": gpt-oss, Phi-4)
+
+# tiktoken's o200k_base pattern as the Split of gpt-oss's tokenizer.json holds it (written out here, not imported)
+O200K_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n/]*|"
+    r"\s*[\r\n]+|"
+    r"\s+(?!\S)|"
+    r"\s+"
+)
+O200K_STRINGS = [
+    "they're here, DON'T stop; she'LL say we've I'm don't",  # contractions stay on their word
+    "HelloWorld getHTTPResponseCode XMLHttpRequest iPhone McDonald's ÉcoleNormale",  # CamelCase splits
+    "1234567 12 345 6789012 3.14159 1,000,000",  # digits in threes
+    "wait...!!! ?! --> ==> a/b//c path/to/file.txt)\r\n",  # punctuation runs
+    "line1\n\nline2\r\n\tindent\n   \n  trailing  ",  # newlines and spaces
+    "Straße ÅNGSTRÖM Ελληνικά ΑΒΓδε Привет мир नमस्ते 中文字符 日本語テキスト",  # letters of other scripts, marks
+]
+
+
+def _o200k_trained() -> BackendTokenizer:
+    """A byte-level BPE trained on whole lines (no pre-split), so its tokens cross the o200k pieces' boundaries and
+    any other split of the same text encodes differently."""
+    from tokenizers import decoders, pre_tokenizers, trainers
+
+    backend = BackendTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=900, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator((O200K_STRINGS + TRAIN_TEXT) * 4, trainer)
+    return backend
+
+
+def test_gpt4o_vocabulary_splits_as_o200k_and_matches_transformers() -> None:
+    """``tokenizer.ggml.pre = "gpt-4o"`` (llama.cpp's GPT4O, gpt-oss's files): pieces as the o200k pattern cuts them
+    (CamelCase, contractions kept, digits in threes), and ids equal the backend transformers builds for such a
+    tokenizer.json (TikTokenConverter: that Split, then ByteLevel without its regex) on tricky strings; the Llama 3
+    rules cut some of them otherwise, so another variant would not pass."""
+    trained = _o200k_trained()
+    meta = _synthetic_meta(trained, "gpt-4o")
+    ours = Tokenizer.from_gguf(meta)
+    vocab = trained.get_vocab(with_added_tokens=False)
+    merges = [tuple(m) for m in json.loads(trained.to_str())["model"]["merges"]]
+
+    class _O200k(TikTokenConverter):
+        def tokenizer(self) -> BackendTokenizer:  # TikTokenConverter's, from these merges instead of a tiktoken file
+            backend = BackendTokenizer(models.BPE(vocab, merges, fuse_unk=False))
+            backend.model.ignore_merges = True  # a whole piece in the vocabulary is one token (tiktoken's shortcut)
+            return backend
+
+    reference = _O200k(pattern=O200K_PATTERN, additional_special_tokens=[]).converted()
+    reference.add_special_tokens([t for t in trained.get_added_tokens_decoder().values()])
+    for text in O200K_STRINGS + HARD_STRINGS + TRAIN_TEXT:
+        expected = reference.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text, add_special_tokens=False) == expected, text
+        assert ours.decode(expected) == reference.decode(expected, skip_special_tokens=False)
+
+    def pieces(pre: str, text: str) -> list[str]:
+        from kvgen.tokenizer.gguf_vocab import gguf_backend
+
+        pre_tokenizer = gguf_backend(meta | {"tokenizer.ggml.pre": pre}).pre_tokenizer
+        assert pre_tokenizer is not None
+        return [p for p, _ in pre_tokenizer.pre_tokenize_str(text)]
+
+    assert pieces("gpt-4o", "getHTTPResponseCode they're 1234567") == [
+        "get", "HTTPResponse", "Code", "Ġthey're", "Ġ", "123", "456", "7"]
+    assert pieces("llama-bpe", "getHTTPResponseCode they're") == ["getHTTPResponseCode", "Ġthey", "'re"]
+    llama3 = Tokenizer.from_gguf(meta | {"tokenizer.ggml.pre": "llama-bpe"})
+    differ = [t for t in O200K_STRINGS
+              if llama3.encode(t, add_special_tokens=False) != ours.encode(t, add_special_tokens=False)]
+    assert len(differ) >= 3, differ
+    assert all(GGUF_PRE_TOKENIZERS[name] is ByteLevelVariant.GPT4O for name in ("gpt-4o", "llama4"))
+
+
 # ---------------------------------------------------------------- SentencePiece BPE ("llama")
 
 

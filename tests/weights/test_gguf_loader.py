@@ -13,6 +13,7 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -192,12 +193,12 @@ def _add(writer: GGUFWriter, name: str, x: np.ndarray, qtype: GGMLQuantizationTy
 def _write_llama(path: Path, types: dict[str, GGMLQuantizationType] | None = None, *, arch: str = "llama",
                  output: bool = True, bias: bool | str = False, drop: tuple[str, ...] = (),
                  extra: dict[str, np.ndarray | tuple[np.ndarray, GGMLQuantizationType]] | None = None,
-                 ) -> dict[str, np.ndarray]:
+                 keys: Callable[[GGUFWriter], None] | None = None) -> dict[str, np.ndarray]:
     """Write a tiny Llama GGUF; returns the float32 tensors before quantization, in HF (unpermuted) order.
     q/k rows are stored permuted as llama.cpp does, except for ``arch="qwen2"`` and ``"qwen3"``.
 
     ``types``: storage type per GGUF name (default F32). ``extra``: tensors added as given
-    (an array, or raw bytes with their type).
+    (an array, or raw bytes with their type). ``keys``: called with the writer to add metadata.
     """
     rng = np.random.default_rng(0)
     w = GGUFWriter(str(path), arch)
@@ -211,6 +212,8 @@ def _write_llama(path: Path, types: dict[str, GGMLQuantizationType] | None = Non
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(V)
+    if keys is not None:
+        keys(w)
     originals = {}
     for name, shape in _tiny_shapes(output=output, bias=bias).items():
         if name in drop:
@@ -635,6 +638,37 @@ _PHI3_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_lay
                "mlp.gate_up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
 _PHI3_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}
+
+
+def test_yarn_rope_scaling_keys_load_as_transformers_yarn(tmp_path: Path) -> None:
+    """A file with llama.cpp's yarn keys (rope.scaling.type, factor 4, original_context_length 32 of 128 positions, as
+    its converter writes them for such a config.json): the model's frequencies and cos/sin scale equal transformers'
+    for that config.json, and its logits are not those of the same file without the keys."""
+    from gguf import RopeScalingType
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kvgen.models import build_model
+
+    def yarn(w: GGUFWriter) -> None:
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(32)
+
+    _write_llama(tmp_path / "t.gguf", keys=yarn)
+    config, state, _ = load_gguf(tmp_path / "t.gguf")
+    model = build_model(config, state)
+    hf = LlamaConfig(hidden_size=C, num_attention_heads=H, rope_theta=10000.0, max_position_embeddings=128,
+                     rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
+    want, want_scale = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    torch.testing.assert_close(model.inv_freq, want, rtol=0, atol=0)
+    assert model.rope_attention_factor == pytest.approx(want_scale, rel=1e-15) and want_scale > 1.1
+    plain = build_model(replace(config, rope_scaling=None), load_gguf(tmp_path / "t.gguf")[1])
+    ids, positions = torch.tensor([[3, 9, 1, 7, 4, 2]]), torch.tensor([[0, 1, 2, 90, 91, 127]])
+    with torch.inference_mode():
+        got = model.compute_logits(model(ids, positions))
+        unscaled = plain.compute_logits(plain(ids, positions))
+    assert float((got - unscaled).abs().max()) > 0.01 * float(unscaled.abs().max())
 
 
 def _phi3_ref(longrope: bool, std: float = 0.3):

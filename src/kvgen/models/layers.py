@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvgen.kernels import KernelOps
+from kvgen.rope_scaling import yarn_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -43,7 +44,8 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any]
     (a GGUF file's ``rope_freqs.weight``: each frequency divided by its factor, as llama.cpp's ``ggml_rope_ext``;
     llama.cpp's converter stores Llama 3's smoothing this way) and ``longrope`` (its ``short_factor`` divisors, as
     HF ``_compute_longrope_parameters`` within ``original_max_position_embeddings``, the only lengths kvgen serves
-    it at; its cos/sin scale is :func:`rope_attention_factor`). Raises ``ValueError`` for factors that are not D/2.
+    it at; its cos/sin scale is :func:`rope_attention_factor`) and ``yarn`` (kvgen's form:
+    :func:`kvgen.rope_scaling.yarn_inv_freq`). Raises ``ValueError`` for factors that are not D/2.
     """
     arange = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")  # CPU even when building on meta
     inv_freq = 1.0 / (rope_theta ** (arange.float() / head_dim))
@@ -54,6 +56,8 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any]
         return inv_freq / float(rope_scaling["factor"])
     if kind == "freq_factors":
         return inv_freq / _rope_factors(rope_scaling, "freq_factors", inv_freq.numel())
+    if kind == "yarn":
+        return yarn_inv_freq(head_dim, rope_theta, rope_scaling)
     if kind == "longrope":  # HF's expression, bit for bit: 1 / (factor * theta^(2i/D))
         short = _rope_factors(rope_scaling, "short_factor", inv_freq.numel())  # [D/2]
         return 1.0 / (short * rope_theta ** (arange.float() / head_dim))
@@ -81,12 +85,13 @@ def _rope_factors(rope_scaling: dict[str, Any], key: str, num_freqs: int) -> tor
 
 
 def rope_attention_factor(rope_scaling: dict[str, Any] | None) -> float:
-    """The scale of cos and sin: LongRoPE's ``attention_factor`` (``kvgen.config.longrope_scaling``), else 1.
+    """The scale of cos and sin: the ``attention_factor`` of LongRoPE (``kvgen.config.longrope_scaling``) and of
+    YaRN (``kvgen.rope_scaling``), else 1.
 
     Both RoPE paths (float tensors and the kernels' tables) take it from here. Source: transformers 4.55
-    ``Phi3RotaryEmbedding.forward`` (``cos * attention_scaling``).
+    ``Phi3RotaryEmbedding.forward`` / ``LlamaRotaryEmbedding.forward`` (``cos * attention_scaling``).
     """
-    if not rope_scaling or rope_scaling.get("rope_type", rope_scaling.get("type")) != "longrope":
+    if not rope_scaling or rope_scaling.get("rope_type", rope_scaling.get("type")) not in ("longrope", "yarn"):
         return 1.0
     return float(rope_scaling.get("attention_factor", 1.0))
 

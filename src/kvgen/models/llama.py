@@ -8,6 +8,7 @@ outputs must agree with ``transformers.LlamaForCausalLM`` on the same weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar, cast
 
 import torch
@@ -34,6 +35,7 @@ from kvgen.models.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from kvgen.models.moe import SparseMoeBlock
 from kvgen.models.quant_linear import QuantEmbedding, QuantLinear, VocabEmbedding
 
 # A QuantLinear's operands of kernels.qgemm: (qweight, weight_type, out_features, bias).
@@ -47,6 +49,8 @@ _LayerOperands = tuple[
 # What kernels.decoder_layers reads for every layer: (weights, linears, eps, extras, use_rope), gathered once by
 # use_kernels.
 _DecoderOperands = tuple[list[torch.Tensor], list[int], list[float], list[torch.Tensor | None], list[int]]
+# A sparse layer's stand-in for the gate_up / down operands (its SparseMoeBlock.forward_kernels ends the layer).
+_NO_LINEAR: _LinearOperands = (torch.empty(0, dtype=torch.uint8), 0, 0, None)
 
 
 class LlamaAttention(nn.Module):
@@ -113,16 +117,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); ``mlp`` is a ``SparseMoeBlock`` (models/moe.py) on
+    the layers ``config.is_sparse_layer`` names (Qwen3-MoE, Qwen2-MoE, Mixtral)."""
 
     _operands: _LayerOperands  # set by bind_kernels
+    # a sparse layer's SparseMoeBlock.forward_kernels (h, residual -> residual + experts), set by bind_kernels
+    _moe_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     _qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None  # (q_norm, k_norm weights, eps), by bind_kernels
     _use_rope = True  # self_attn.use_rope, copied by bind_kernels
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.mlp = SparseMoeBlock(config) if config.is_sparse_layer(layer_idx) else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.kernels: KernelOps | None = None  # set by bind_kernels: the fused fast path below
@@ -152,6 +159,8 @@ class LlamaDecoderLayer(nn.Module):
         h = attend_rows(h, batch, layer_idx, kv_cache, mask, ops, num_heads, num_kv_heads, head_dim)  # [N, H D]
         x = ops.qgemm(h, *o, x)  # x + o_proj(attn)
         h = ops.rms_norm(x, norm2, eps2)
+        if self._moe_forward is not None:  # a sparse layer: x + the experts' weighted outputs
+            return self._moe_forward(h, x)
         h = ops.qgemm(h, *gate_up)  # [N, 2I]
         return ops.qgemm(ops.silu_mul(h), *down, x)  # x + down_proj(silu(gate) * up)
 
@@ -164,6 +173,11 @@ class LlamaDecoderLayer(nn.Module):
             return (q.qweight, q.weight_type, q.out_features, q.bias)
 
         attn, mlp = self.self_attn, self.mlp
+        if isinstance(mlp, SparseMoeBlock):
+            mlp.bind_kernels(kernels)
+            self._moe_forward, gate_up, down = mlp.forward_kernels, _NO_LINEAR, _NO_LINEAR
+        else:
+            gate_up, down = linear(mlp.gate_up_proj), linear(mlp.down_proj)
         self.kernels, self._use_rope = kernels, attn.use_rope
         q_norm, k_norm = attn.q_norm, attn.k_norm
         if q_norm is not None and k_norm is not None:
@@ -171,7 +185,7 @@ class LlamaDecoderLayer(nn.Module):
         self._operands = (
             kernels, self.input_layernorm.weight, self.input_layernorm.variance_epsilon, linear(attn.qkv_proj), linear(attn.o_proj),
             self.post_attention_layernorm.weight, self.post_attention_layernorm.variance_epsilon,
-            linear(mlp.gate_up_proj), linear(mlp.down_proj), attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            gate_up, down, attn.num_heads, attn.num_kv_heads, attn.head_dim,
         )
 
 
@@ -201,12 +215,14 @@ class LlamaForCausalLM(CausalLM):
         self.register_buffer(
             "inv_freq", rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling), persistent=False
         )
-        self.rope_attention_factor = rope_attention_factor(config.rope_scaling)  # cos/sin scale (LongRoPE), else 1
+        self.rope_attention_factor = rope_attention_factor(config.rope_scaling)  # cos/sin scale: LongRoPE, YaRN; else 1
         self.kv_cache_dtype: torch.dtype | None = None  # None: the parameters' dtype
         self.kernels: KernelOps | None = None  # set by use_kernels (quantized weights)
         self._kernel_layers: list[LlamaDecoderLayer] = []
         self._decoder_operands: _DecoderOperands | None = None  # set by use_kernels
         self._rope = RopeTable()  # [P, D] cos / sin tables of the kernel path
+        if config.has_experts:  # kernels.decoder_layers computes dense layers only: layer by layer
+            self.one_op_decoder = False
 
     def forward(
         self,
@@ -263,7 +279,7 @@ class LlamaForCausalLM(CausalLM):
                 module.kernels = kernels
         self.kernels = kernels
         self._kernel_layers = [cast(LlamaDecoderLayer, layer) for layer in self.model.layers]
-        self._decoder_operands = self._gather_decoder_operands()
+        self._decoder_operands = None if self.config.has_experts else self._gather_decoder_operands()
         self.kv_cache_dtype = torch.float16  # the kernels read K and V at fp16 precision: store them so
 
     def _gather_decoder_operands(self) -> _DecoderOperands:

@@ -43,6 +43,10 @@ GGUF_PRE_TOKENIZERS: dict[str, ByteLevelVariant] = {
     "smaug-bpe": ByteLevelVariant.LLAMA3,  # SmolLM3's; llama.cpp: "same as llama3"
     "dbrx": ByteLevelVariant.LLAMA3,
     "qwen2": ByteLevelVariant.QWEN2,
+    "gpt-4o": ByteLevelVariant.GPT4O,  # gpt-oss, Phi-4 (LLAMA_VOCAB_PRE_TYPE_GPT4O, as "llama4", "kanana2", "talkie")
+    "llama4": ByteLevelVariant.GPT4O,
+    "kanana2": ByteLevelVariant.GPT4O,
+    "talkie": ByteLevelVariant.GPT4O,
 }
 
 

@@ -27,7 +27,9 @@ from kvgen.weights.gguf_file import gguf_metadata, open_gguf
 from kvgen.weights.name_maps import (
     check_state_dict,
     expected_param_shapes,
+    gguf_expert_stack_name,
     gguf_to_kvgen_name,
+    is_router_weight,
 )
 from kvgen.weights.quantized import (
     FLOAT16_TYPES,
@@ -51,7 +53,7 @@ _ROPE_FREQS = "rope_freqs.weight"
 _ROPE_LONG, _ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
 _ROPE_TENSORS = (_ROPE_FREQS, _ROPE_LONG, _ROPE_SHORT)  # read into the config's rope_scaling, not parameters
 # Architectures whose q/k rows llama.cpp's converter stores as Hugging Face's (it permutes only its llama models)
-_UNPERMUTED_ARCHS = ("qwen2", "qwen3", "phi3", "gemma3", "gemma2")
+_UNPERMUTED_ARCHS = ("qwen2", "qwen3", "phi3", "gemma3", "gemma2", "qwen2moe", "qwen3moe")
 # float32 bytes dequantized per step: bounds the transient memory of one tensor.
 _CHUNK_BYTES = 8 << 20
 
@@ -72,7 +74,10 @@ def load_gguf(
     ``mlp_bias`` follow the presence of ``attn_q.bias`` / ``attn_output.bias`` / ``ffn_up.bias``.
     Architectures: ``llama`` (q/k rows un-permuted), ``qwen2``, ``qwen3`` and ``phi3`` (stored as Hugging Face's;
     phi3's ``attn_qkv`` and [2I, C] ``ffn_up`` load as ``qkv_proj`` / ``gate_up_proj``, its ``rope_factors_*``
-    as a LongRoPE rope_scaling).
+    as a LongRoPE rope_scaling); mixtures of experts (``qwen3moe``, ``qwen2moe``, ``llama`` with ``expert_count``):
+    each expert stack [E, rows, cols] becomes E matrices converted one by one like any other (:func:`_expert_slice`;
+    older files' per-expert tensors map directly), routers stay dense (float32 for auto), and a layer without a
+    router but with ``ffn_up`` is dense (:func:`_dense_layers`).
     Supported tensor types: :data:`SUPPORTED_QUANT_TYPES`.
     Raises ``ModelNotFoundError``, ``ModelFormatError`` (not GGUF, truncated,
     unknown or missing tensors, wrong shapes), ``UnsupportedArchitectureError``
@@ -94,27 +99,84 @@ def load_gguf(
         o_proj_bias="blk.0.attn_output.bias" in by_name,  # Qwen2 biases q/k/v only
         mlp_bias="blk.0.ffn_up.bias" in by_name,
     )
-    names = _map_names(reader, path, meta["general.architecture"])
+    names, stacks = _map_names(reader, path, meta["general.architecture"])
+    if config.num_experts:
+        config = replace(config, mlp_only_layers=_dense_layers(by_name, config))
+    if config.num_experts or stacks:
+        _check_expert_tensors(by_name, stacks, config, path)
     shapes = expected_param_shapes(config)
-    found = {ours: _torch_shape(by_name[g]) for g, ours in names.items()}
+    found = {ours: _param_shape(by_name[g], ours) for g, ours in names.items()}
+    for g, template in stacks.items():  # expert e of a stack [E, rows, cols]
+        found |= {template.format(e): _torch_shape(by_name[g])[1:] for e in range(int(by_name[g].shape[2]))}
     check_state_dict(shapes, found, path, ignored=[n for n in _ROPE_TENSORS if n in by_name])
-    for name in names:
+    for name in (*names, *stacks):
         _check_quant_type(by_name[name])
-    state: dict[str, torch.Tensor | GGUFBlocks] = {}
     # auto on a quantized (or 16-bit) file: every matrix runs through the kernels, so the model has one kind of
-    # linear layer; F16 / BF16 matrices keep their bytes unless the file is quantized (then they join its Q8_0)
-    matrix_types = {by_name[g].tensor_type for g in names if len(by_name[g].shape) == 2}
+    # linear layer; F16 / BF16 matrices keep their bytes unless the file is quantized (then they join its Q8_0).
+    # Routers stay dense float32 (is_router_weight).
+    matrix_types = {by_name[g].tensor_type for g, ours in (*names.items(), *stacks.items())
+                    if len(by_name[g].shape) >= 2 and not is_router_weight(ours)}
     is_quantized = any(q not in _FLOAT_TYPES for q in matrix_types)
     compact = dtype is None and (is_quantized or bool(FLOAT16_TYPES & matrix_types))
-    for gguf_name, ours in names.items():
+
+    def convert(t: ReaderTensor, ours: str) -> torch.Tensor | GGUFBlocks:
+        if compact and len(t.shape) == 2 and not is_router_weight(ours):
+            return _compact_tensor(t, _qk_heads(ours, config), keep_16bit=not is_quantized)
+        return dequantize_tensor(t, dtype or torch.float32, _qk_heads(ours, config)).view(_param_shape(t, ours))
+
+    state: dict[str, torch.Tensor | GGUFBlocks] = {}
+    for gguf_name, ours in (*names.items(), *stacks.items()):
         t = by_name[gguf_name]
-        if compact and len(t.shape) == 2:
-            state[ours] = _compact_tensor(t, _qk_heads(ours, config), keep_16bit=not is_quantized)
+        if gguf_name in stacks:  # one matrix per expert, each converted as a 2-D tensor of the file
+            state |= {ours.format(e): convert(_expert_slice(t, e), ours) for e in range(int(t.shape[2]))}
         else:
-            state[ours] = dequantize_tensor(t, dtype or torch.float32, _qk_heads(ours, config))
+            state[ours] = convert(t, ours)
         _release_pages(reader, t)
         return_freed_memory()  # the transients of this tensor's conversion (kvgen.heap)
     return config, state, meta
+
+
+def _param_shape(t: ReaderTensor, ours: str) -> tuple[int, ...]:
+    """The torch shape parameter ``ours`` takes from ``t``: the file's, but [1, C] for a shared expert gate that
+    llama.cpp's converter squeezed to [C]."""
+    shape = _torch_shape(t)
+    return (1, *shape) if len(shape) == 1 and ours.endswith(".shared_expert_gate.weight") else shape
+
+
+def _expert_slice(t: ReaderTensor, e: int) -> ReaderTensor:
+    """Expert ``e`` of an expert stack ``t`` (ggml ne [cols, rows, E], data [E, rows, cols or bytes]) as a 2-D
+    tensor of its own: a view of the file's bytes, named ``{t.name}[e]`` in messages."""
+    num_experts = int(t.shape[2])
+    n_bytes = t.n_bytes // num_experts
+    return t._replace(name=f"{t.name}[{e}]", shape=t.shape[:2], n_elements=t.n_elements // num_experts,
+                      n_bytes=n_bytes, data_offset=t.data_offset + e * n_bytes, data=t.data[e])
+
+
+def _dense_layers(by_name: dict[str, ReaderTensor], config: ModelConfig) -> list[int]:
+    """The layers of a mixture-of-experts file that are dense: no router (``ffn_gate_inp``) but an ``ffn_up``
+    (llama.cpp's llama graph decides so per layer; its qwen2moe / qwen3moe graphs know sparse layers only)."""
+    return [i for i in range(config.num_hidden_layers)
+            if f"blk.{i}.ffn_gate_inp.weight" not in by_name and f"blk.{i}.ffn_up.weight" in by_name]
+
+
+def _check_expert_tensors(by_name: dict[str, ReaderTensor], stacks: dict[str, str], config: ModelConfig,
+                          path: str) -> None:
+    """ModelFormatError naming each expert tensor a sparse layer lacks (its ``ffn_{gate,up,down}_exps`` stack, or
+    the older per-expert ``ffn_{gate,up,down}.E``) and each stack whose expert count is not ``expert_count``."""
+    missing, wrong = [], []
+    for i in range(config.num_hidden_layers):
+        for kind in ("gate", "up", "down") if config.is_sparse_layer(i) else ():
+            stack = f"blk.{i}.ffn_{kind}_exps.weight"
+            if stack not in by_name and f"blk.{i}.ffn_{kind}.0.weight" not in by_name:
+                missing.append(stack)
+    for name in stacks:
+        shape = by_name[name].shape
+        if len(shape) != 3 or int(shape[2]) != config.num_experts:
+            wrong.append(f"{name} {list(_torch_shape(by_name[name]))}")
+    if missing or wrong:
+        raise ModelFormatError(f"{path} does not hold the experts its metadata announces (expert_count = "
+                               f"{config.num_experts}): missing {', '.join(missing) or 'none'}; "
+                               f"not [{config.num_experts}, rows, cols]: {', '.join(wrong) or 'none'}")
 
 
 def _compact_tensor(t: ReaderTensor, qk_heads: int | None, keep_16bit: bool) -> GGUFBlocks:
@@ -136,19 +198,24 @@ def _compact_tensor(t: ReaderTensor, qk_heads: int | None, keep_16bit: bool) -> 
     return GGUFBlocks(qtype, [raw], (out_features, in_features))
 
 
-def _map_names(reader: GGUFReader, path: str, arch: str) -> dict[str, str]:
-    """GGUF tensor name -> our name; ModelFormatError listing unknown tensors."""
+def _map_names(reader: GGUFReader, path: str, arch: str) -> tuple[dict[str, str], dict[str, str]]:
+    """GGUF tensor name -> our name, and expert stack name -> its experts' names as a format string (of the
+    expert index); ModelFormatError listing unknown tensors."""
     names: dict[str, str] = {}
+    stacks: dict[str, str] = {}
     unknown = []
     for t in reader.tensors:
         ours = gguf_to_kvgen_name(t.name, arch)
+        stack = gguf_expert_stack_name(t.name)
         if ours is not None:
             names[t.name] = ours
+        elif stack is not None:
+            stacks[t.name] = stack
         elif t.name not in _ROPE_TENSORS:  # read into the config's rope_scaling (_rope_scaling)
             unknown.append(f"{t.name} ({t.tensor_type.name}, {list(_torch_shape(t))})")
     if unknown:
         raise ModelFormatError(f"{path} has tensors kvgen does not know: {', '.join(unknown)}")
-    return names
+    return names, stacks
 
 
 def _rope_scaling(
@@ -214,8 +281,8 @@ def _check_quant_type(t: ReaderTensor) -> None:
 
 def _qk_heads(name: str, config: ModelConfig) -> int | None:
     """Heads to un-permute for q/k projections (weight or bias); None for every other tensor, and for every
-    tensor of a ``qwen2`` / ``qwen3`` / ``phi3`` / ``gemma3`` / ``gemma2`` file (llama.cpp's converter permutes only its
-    ``llama`` models)."""
+    tensor of a ``qwen2`` / ``qwen3`` / ``phi3`` / ``gemma3`` / ``gemma2`` / ``qwen2moe`` / ``qwen3moe`` file
+    (llama.cpp's converter permutes only its ``llama`` models, Mixtral included)."""
     if config.extra.get("gguf_architecture") in _UNPERMUTED_ARCHS:
         return None
     if ".self_attn.q_proj." in name:

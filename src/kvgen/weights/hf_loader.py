@@ -30,6 +30,7 @@ from kvgen.weights.name_maps import (
     hf_needs_transpose,
     hf_norm_offset,
     hf_to_kvgen_name,
+    is_router_weight,
 )
 from kvgen.weights.quantized import GGUFBlocks
 
@@ -59,6 +60,8 @@ def load_hf_directory(
     ``in_features`` a multiple of 32) keeps them as stored, as F16 / BF16 :class:`GGUFBlocks` for the 16-bit
     kernels (vLLM's "auto": the checkpoint's dtype); anything else loads as float32. Gemma 3's norm weights load
     as ``1 + w`` (:func:`~kvgen.weights.name_maps.hf_norm_offset`; exact in float32, rounded in a 16-bit ``dtype``).
+    Mixture-of-experts routers (:func:`~kvgen.weights.name_maps.is_router_weight`) load as ``dtype`` (float32 for
+    auto) whatever the rest.
 
     Keys ignored before the strict check: saved buffers (GPT-2 ``attn.bias`` /
     ``attn.masked_bias``, Llama ``rotary_emb.inv_freq``) and ``lm_head.weight``
@@ -76,7 +79,8 @@ def load_hf_directory(
     entries, ignored = _plan(root, config)
     check_state_dict(expected_param_shapes(config), {e.name: s for e, s in entries.items()}, str(root), ignored)
     keep_16bit = dtype is None and config.model_type in ("llama", "gemma3_text", "gemma2") and all(
-        e.dtype in _16BIT and shape[1] % 32 == 0 for e, shape in entries.items() if len(shape) == 2)
+        e.dtype in _16BIT and shape[1] % 32 == 0 for e, shape in entries.items()
+        if len(shape) == 2 and not is_router_weight(e.name))
     state = _read_tensors(list(entries), dtype or torch.float32, keep_16bit)
     for name, tensor in state.items():
         offset = hf_norm_offset(name, config)  # Gemma 3's norms: 1 + w, added in float32 as transformers does
@@ -167,7 +171,7 @@ def _read_tensors(entries: list[_Entry], dtype: torch.dtype, keep_16bit: bool) -
                 except SafetensorError as err:  # data out of bounds, unknown dtype
                     msg = f"{file}: cannot read tensor {e.key!r}: {type(err).__name__}: {err}"
                     raise ModelFormatError(msg) from None
-                if keep_16bit and t.dim() == 2:
+                if keep_16bit and t.dim() == 2 and not is_router_weight(e.name):  # routers: dense float32
                     qtype = GGMLQuantizationType.F16 if t.dtype == torch.float16 else GGMLQuantizationType.BF16
                     state[e.name] = GGUFBlocks(qtype, [t.contiguous().view(torch.uint8)], (t.shape[0], t.shape[1]))
                 elif e.transpose:  # Conv1D [in, out] -> [out, in], one copy

@@ -55,13 +55,41 @@ def _llama_shapes(cfg: ModelConfig) -> Shapes:
         shapes[p + "post_attention_layernorm.weight"] = (c,)
         if cfg.use_qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)
+        is_sparse = cfg.is_sparse_layer(layer)
         for name, (shape, has_bias) in linears.items():
+            if is_sparse and name.startswith("mlp."):
+                continue
             shapes[f"{p}{name}.weight"] = shape
             if has_bias:
                 shapes[f"{p}{name}.bias"] = (shape[0],)
+        if is_sparse:
+            shapes |= _moe_shapes(cfg, p + "mlp.")
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, c)
     return shapes
+
+
+def _moe_shapes(cfg: ModelConfig, prefix: str) -> Shapes:
+    """A sparse layer's parameters (``models.moe.SparseMoeBlock``, transformers' Qwen-MoE names): the router
+    ``gate`` [E, C], each expert's gate/up [I_moe, C] and down [C, I_moe], and where ``shared_expert_intermediate_size``
+    is set the shared expert's and its ``shared_expert_gate`` [1, C]."""
+    c, i = cfg.hidden_size, cfg.moe_intermediate_size
+    shapes: Shapes = {prefix + "gate.weight": (cfg.num_experts, c)}
+    experts = [(f"experts.{e}.", i) for e in range(cfg.num_experts)]
+    if cfg.shared_expert_intermediate_size:
+        experts.append(("shared_expert.", cfg.shared_expert_intermediate_size))
+        shapes[prefix + "shared_expert_gate.weight"] = (1, c)
+    for name, size in experts:
+        shapes |= {f"{prefix}{name}gate_proj.weight": (size, c), f"{prefix}{name}up_proj.weight": (size, c),
+                   f"{prefix}{name}down_proj.weight": (c, size)}
+    return shapes
+
+
+def is_router_weight(name: str) -> bool:
+    """Whether our parameter ``name`` is a mixture of experts' router (``mlp.gate``, ``mlp.shared_expert_gate``):
+    kept dense (float32 on the kernel path) whatever the file stores, as llama.cpp computes them (its converter
+    writes ``ffn_gate_inp`` as F32 and llama-quantize leaves it so)."""
+    return name.endswith((".mlp.gate.weight", ".mlp.shared_expert_gate.weight"))
 
 
 def _gpt2_shapes(cfg: ModelConfig) -> Shapes:
@@ -167,7 +195,18 @@ _GGUF_BLOCK = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixture-of-experts layers (qwen2moe, qwen3moe, Mixtral's llama): router, Qwen2-MoE's shared expert and its gate
+    # (ffn_gate_inp_shexp: [C] in the file, squeezed by the converter); the experts: _GGUF_EXPERT_STACKS
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# every expert's matrix of a sparse layer in one 3-D tensor [E, rows, cols] (llama.cpp's converter since 2024)
+_GGUF_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# older Mixtral files: one 2-D tensor per expert, blk.N.ffn_gate.E.weight (llama.cpp's LLM_TENSOR_FFN_GATE_EXP)
+_GGUF_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 # phi3 (llama.cpp's converter): q/k/v stacked in attn_qkv, and ffn_up holds gate then up ([2I, C]; no ffn_gate)
 _GGUF_STACKED_BLOCK = {k: v for k, v in _GGUF_BLOCK.items() if k not in ("attn_q", "attn_k", "attn_v", "ffn_gate")} | {
     "attn_qkv": "self_attn.qkv_proj",
@@ -189,9 +228,15 @@ def gguf_to_kvgen_name(name: str, arch: str = "llama") -> str | None:
     ``blk.3.attn_qkv.weight`` -> ``...self_attn.qkv_proj.weight`` and ``blk.3.ffn_up.weight`` ->
     ``...mlp.gate_up_proj.weight``; in a ``gemma3`` file ``blk.3.ffn_norm.weight`` ->
     ``...pre_feedforward_layernorm.weight``, ``post_attention_norm`` / ``post_ffw_norm`` -> the post norms. Norms map only their ``.weight`` (a norm ``.bias`` is unknown).
+    Mixtures of experts: ``ffn_gate_inp`` -> ``mlp.gate``, ``ffn_{gate,up,down}_shexp`` / ``ffn_gate_inp_shexp`` ->
+    ``mlp.shared_expert.*`` / ``mlp.shared_expert_gate``, an older file's ``blk.3.ffn_up.5.weight`` ->
+    ``model.layers.3.mlp.experts.5.up_proj.weight`` (expert stacks: :func:`gguf_expert_stack_name`).
     """
     if name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[name]
+    expert = _GGUF_EXPERT_RE.fullmatch(name)
+    if expert is not None:
+        return f"model.layers.{int(expert.group(1))}.mlp.experts.{int(expert.group(3))}.{expert.group(2)}_proj.weight"
     gemma = arch in ("gemma3", "gemma2")  # the same four norms per layer
     block = _GGUF_STACKED_BLOCK if arch in _STACKED_CHECKPOINTS else _GGUF_GEMMA3_BLOCK if gemma else _GGUF_BLOCK
     m = _GGUF_BLOCK_RE.fullmatch(name)
@@ -203,12 +248,24 @@ def gguf_to_kvgen_name(name: str, arch: str = "llama") -> str | None:
     return f"model.layers.{int(m.group(1))}.{ours}.{m.group(3)}"
 
 
+def gguf_expert_stack_name(name: str) -> str | None:
+    """For a llama.cpp expert stack (``blk.3.ffn_up_exps.weight``, [E, rows, cols]) the name of its expert ``e``'s
+    matrix as a format string (``model.layers.3.mlp.experts.{}.up_proj.weight``); None for any other tensor."""
+    m = _GGUF_BLOCK_RE.fullmatch(name)
+    if m is None or m.group(2) not in _GGUF_EXPERT_STACKS or m.group(3) != "weight":
+        return None
+    return f"model.layers.{int(m.group(1))}.mlp.experts.{{}}.{_GGUF_EXPERT_STACKS[m.group(2)]}.weight"
+
+
 # --- Hugging Face checkpoints -------------------------------------------------
 
 # Non-persistent buffers that some older checkpoints saved: causal masks and RoPE tables.
 _GPT2_BUFFER_RE = re.compile(r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)")
 _LLAMA_BUFFER_RE = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 # GPT-2 stores these as transformers' Conv1D: weight [in, out].
+# Mixtral's sparse block: block_sparse_moe.gate is our mlp.gate, its experts' w1 / w3 / w2 our gate / up / down
+_MIXTRAL_RE = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(gate|experts\.\d+\.w[123])\.weight")
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _GPT2_CONV1D_RE = re.compile(r"transformer\.h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight")
 
 
@@ -216,7 +273,9 @@ def hf_to_kvgen_name(key: str, config: ModelConfig) -> str | None:
     """Our parameter name for an HF checkpoint key, or None when the key is ignored.
 
     Ignored: saved buffers (GPT-2 ``attn.bias``/``attn.masked_bias``, Llama
-    ``rotary_emb.inv_freq``) and ``lm_head.weight`` when embeddings are tied.
+    ``rotary_emb.inv_freq``) and ``lm_head.weight`` when embeddings are tied. Mixtral's
+    ``block_sparse_moe.gate`` / ``block_sparse_moe.experts.E.w1`` (w3, w2) become ``mlp.gate`` /
+    ``mlp.experts.E.gate_proj`` (up_proj, down_proj).
     GPT-2 keys without the ``transformer.`` prefix (original OpenAI-style and
     ``GPT2Model`` checkpoints) get it added.
     """
@@ -227,6 +286,13 @@ def hf_to_kvgen_name(key: str, config: ModelConfig) -> str | None:
             return None
         return key if key.startswith("transformer.") else "transformer." + key
     if config.model_type in ("llama", "gemma3_text", "gemma2"):
+        mixtral = _MIXTRAL_RE.fullmatch(key) if config.extra.get("hf_model_type") == "mixtral" else None
+        if mixtral is not None:
+            prefix, part = mixtral.groups()
+            *expert, w = part.split(".")  # "gate" or "experts", E, "w1"
+            if not expert:
+                return f"{prefix}mlp.gate.weight"
+            return f"{prefix}mlp.{'.'.join(expert)}.{_MIXTRAL_EXPERT[w]}.weight"
         return None if _LLAMA_BUFFER_RE.fullmatch(key) else key
     raise UnsupportedArchitectureError(f"no checkpoint name map for model_type {config.model_type!r}")
 

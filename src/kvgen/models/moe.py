@@ -1,0 +1,150 @@
+"""Mixture-of-experts feed-forward blocks (Qwen3-MoE, Qwen2-MoE, Mixtral) for the Llama decoder's sparse layers.
+
+A router (``gate``, a float32 softmax over all ``num_experts``) picks ``num_experts_per_tok`` SwiGLU experts per
+token, their probabilities renormalized to sum 1 where ``norm_topk_prob``; the block returns the experts' outputs
+weighted by those probabilities, plus (Qwen2-MoE) a shared expert scaled by ``sigmoid(shared_expert_gate(x))``.
+Names are transformers' Qwen-MoE ones (``mlp.gate``, ``mlp.experts.E``, ``mlp.shared_expert``,
+``mlp.shared_expert_gate``; Mixtral's ``block_sparse_moe.experts.E.w1/w3/w2`` load as ``gate_proj/up_proj/down_proj``,
+:func:`kvgen.weights.name_maps.hf_to_kvgen_name`). Outputs agree with transformers 4.55 ``Qwen3MoeSparseMoeBlock``,
+``Qwen2MoeSparseMoeBlock`` and ``MixtralSparseMoeBlock`` on the same weights; llama.cpp computes the same in
+``llm_graph_context::build_moe_ffn`` (softmax gating, weights taken before the optional renormalization).
+
+Routers stay dense float32 (``nn.Linear``) on every path, as llama.cpp's converter stores them (F32); the experts
+and the shared expert are ``QuantLinear`` on the kernel path, where the rows routed to each expert go through one
+``qgemm`` per matrix (``forward_kernels``), so a prefill of N tokens costs one GEMM per chosen expert, not per token.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvgen.config import ModelConfig
+from kvgen.kernels import KernelOps
+from kvgen.models.quant_linear import QuantLinear
+
+# A QuantLinear's operands of kernels.qgemm: (qweight, weight_type, out_features, bias).
+_LinearOperands = tuple[torch.Tensor, int, int, torch.Tensor | None]
+# One SwiGLU expert's (gate_up_proj, down_proj) operands.
+_ExpertOperands = tuple[_LinearOperands, _LinearOperands]
+
+
+def linear_operands(module: nn.Module) -> _LinearOperands:
+    """A ``QuantLinear``'s operands of ``kernels.qgemm`` (the module is built as nn.Linear, replaced at load)."""
+    q = cast(QuantLinear, module)
+    return (q.qweight, q.weight_type, q.out_features, q.bias)
+
+
+class MoeMLP(nn.Module):
+    """One SwiGLU expert (or the shared expert): down(silu(gate(x)) * up(x)), no biases; gate_proj and up_proj
+    stacked into ``gate_up_proj`` (rows gate, then up) as in ``LlamaMLP``. x: [..., C] -> [..., C].
+    Source: transformers ``Qwen3MoeMLP``, ``MixtralBlockSparseTop2MLP`` (w1 gate, w3 up, w2 down)."""
+
+    packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up_proj": ("gate_proj", "up_proj")}
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [..., I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts each row goes to and their weights: router_logits [N, E] -> (weights [N, k] float32, ids [N, k]
+    int64), ids by descending probability (``torch.topk``; ties as transformers breaks them).
+
+    Softmax over all E in float32, top k of the probabilities, renormalized to sum 1 per row when
+    ``norm_topk_prob``. Source: transformers ``Qwen3MoeSparseMoeBlock.forward``; llama.cpp ``build_moe_ffn``
+    (``norm_w``)."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)  # [N, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [N, k] each
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def expert_groups(ids: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """The rows routed to each chosen expert, experts ascending: ids [N, k] int64 -> ``(expert, rows [n] int64,
+    slots [n] int64)`` per expert with n >= 1 rows, ``slots`` indexing ``ids.view(-1)`` (and the weights alike).
+    A row picks an expert at most once, so ``index_add_`` over ``rows`` adds one term per row."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)  # [N k]
+    slots = torch.argsort(flat, stable=True)  # [N k]: grouped by expert, rows ascending within a group
+    groups, start = [], 0
+    for expert, count in enumerate(torch.bincount(flat).tolist()):
+        if count:
+            group = slots[start : start + count]  # [n]
+            groups.append((expert, group // k, group))
+            start += count
+    return groups
+
+
+class SparseMoeBlock(nn.Module):
+    """A sparse layer's feed-forward: router, ``num_experts`` experts, optionally a gated shared expert.
+
+    ``forward`` (torch modules, any dtype; transformers' order of operations) and ``forward_kernels`` (the kernel
+    path's rows, experts as ``QuantLinear``) compute the same function.
+    """
+
+    _operands: tuple[KernelOps, torch.Tensor, list[_ExpertOperands],
+                     tuple[torch.Tensor, _ExpertOperands] | None]  # set by bind_kernels
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config.hidden_size
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = nn.Linear(c, config.num_experts, bias=False)  # the router: [E, C], float32 on the kernel path
+        self.experts = nn.ModuleList(MoeMLP(c, config.moe_intermediate_size) for _ in range(config.num_experts))
+        shared = config.shared_expert_intermediate_size
+        self.shared_expert = MoeMLP(c, shared) if shared else None
+        self.shared_expert_gate = nn.Linear(c, 1, bias=False) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, C] -> [B, T, C] in x's dtype (the router's weights cast to it, as transformers does)."""
+        rows = x.reshape(-1, x.shape[-1])  # [N, C]
+        weights, ids = route(self.gate(rows), self.top_k, self.norm_topk_prob)  # [N, k]
+        weights = weights.to(x.dtype).reshape(-1)  # [N k]
+        out = torch.zeros_like(rows)  # [N, C]
+        for expert, idx, slots in expert_groups(ids):
+            y = self.experts[expert](rows.index_select(0, idx))  # [n, C]
+            out.index_add_(0, idx, y * weights[slots, None])
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(rows)) * self.shared_expert(rows)  # [N, C]
+        return out.view(x.shape)
+
+    def forward_kernels(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The kernel path: x + block(h) for h, x [N, C] float32 (h the normalized rows, x the residual) -> [N, C].
+
+        Router in float32 (F.linear); each chosen expert runs once over the rows routed to it (index_select,
+        ``qgemm`` gate_up, ``silu_mul``, ``qgemm`` down, ``index_add_`` weighted), so N = 1 (decode) runs k experts
+        and a prefill one GEMM per expert it reaches."""
+        ops, router, experts, shared = self._operands
+        weights, ids = route(F.linear(h, router), self.top_k, self.norm_topk_prob)  # [N, k]
+        weights = weights.reshape(-1)  # [N k]
+        out = torch.zeros_like(h)  # [N, C]
+        for expert, idx, slots in expert_groups(ids):
+            gate_up, down = experts[expert]
+            y = ops.qgemm(ops.silu_mul(ops.qgemm(h.index_select(0, idx), *gate_up)), *down)  # [n, C]
+            out.index_add_(0, idx, y * weights[slots, None])
+        if shared is not None:
+            shared_gate, (gate_up, down) = shared
+            y = ops.qgemm(ops.silu_mul(ops.qgemm(h, *gate_up)), *down)  # [N, C]
+            out = out + torch.sigmoid(F.linear(h, shared_gate)) * y  # shared_gate [1, C]: a scale per row
+        return x + out
+
+    def bind_kernels(self, kernels: KernelOps) -> None:
+        """Gather ``forward_kernels``' operands once: the router's float32 weight [E, C], each expert's linears (every
+        one a ``QuantLinear`` here) and the shared expert's gate weight [1, C] and linears."""
+        experts = [(linear_operands(e.gate_up_proj), linear_operands(e.down_proj))
+                   for e in cast(list[MoeMLP], self.experts)]
+        shared = None
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            shared = (self.shared_expert_gate.weight, (linear_operands(self.shared_expert.gate_up_proj),
+                                                       linear_operands(self.shared_expert.down_proj)))
+        self._operands = (kernels, self.gate.weight, experts, shared)
