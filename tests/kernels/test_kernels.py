@@ -7,6 +7,8 @@ quantizer. The fast path (C++) and the portable path (kvgen.kernels.reference) m
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -207,6 +209,9 @@ def test_fused_small_ops_match_reference():
     gate_up = torch.randn(6, 2 * 1536, generator=g) * 5
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(OPS.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    gelu = torch.nn.functional.gelu(gate, approximate="tanh") * up  # Gemma's GeGLU, gates far into both tails
+    torch.testing.assert_close(OPS.gelu_tanh_mul(gate_up), gelu, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(REF.gelu_tanh_mul(gate_up), gelu, rtol=0, atol=0)
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -256,107 +261,153 @@ def test_fused_cache_write_and_attention_match_reference():
                                     d**-0.5)
 
 
-def _decoder_inputs(num_layers: int, b: int, t: int, past: int, seed: int, with_extras: bool = False):
-    """Random operands of ``decoder_layers``: C 64, H 4, Hkv 2, D 16, I 96, Q4_1 / Q8_0 / F16 / BF16 projections;
-    ``with_extras``: layer 0 has the four biases and q/k norms (Qwen2, Qwen3), layer 1 a qkv bias only."""
+class DecoderInputs(NamedTuple):
+    """Random operands of ``decoder_layers`` (see :func:`_decoder_inputs`)."""
+
+    x: torch.Tensor
+    weights: list[torch.Tensor]
+    linears: list[int]
+    eps: list[float]
+    extras: list[torch.Tensor | None]
+    layer_args: list[int]
+    rope: list[torch.Tensor]
+    caches: list[torch.Tensor]
+    mask: torch.Tensor
+    heads: tuple[int, int, float, int, float]  # H, Hkv, scale, activation, softcap
+
+    def layers(self) -> tuple:
+        return self.x, self.weights, self.linears, self.eps, self.extras, self.layer_args, self.rope
+
+
+def _decoder_inputs(b: int, t: int, past: int, seed: int, variant: str = "llama") -> DecoderInputs:
+    """Random operands of two layers of ``decoder_layers``: C 64, H 4, Hkv 2, D 16, I 96, Q4_1 / Q8_0 / F16 / BF16
+    projections. ``variant``: ``llama`` (no extras); ``qwen``: layer 0 has the four biases and q/k norms (Qwen2,
+    Qwen3), layer 1 a qkv bias only; ``gemma``: q/k norms and post-attention / post-feedforward norms on both layers,
+    layer 0 full attention on RoPE table 1, layer 1 a 3-token window on table 2, GeGLU, scores capped at 2."""
     c, h, h_kv, d, inter = 64, 4, 2, 16, 96
     g, g_extra = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
     weights, linears, eps, extras = [], [], [], []
-    for layer in range(num_layers):
+    for layer in range(2):
         for j, (n, k) in enumerate((((h + 2 * h_kv) * d, c), (c, h * d), (2 * inter, c), (c, inter))):
             qtype = (Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16)[(layer + j) % 4]
             raw, _ = _gguf_matrix(qtype, n, k, seed=seed + n + k + layer)
             weight_type, packed = K.pack_gguf_rows(qtype.name, [raw])
             weights.append(packed)
             linears += [weight_type, n]
-            extras.append(torch.randn(n, generator=g_extra) if layer == 0 or j == 0 else None)
+            has_bias = variant == "qwen" and (layer == 0 or j == 0)
+            extras.append(torch.randn(n, generator=g_extra) if has_bias else None)
         eps += [1e-5, 1e-6, 1e-6]
-        extras += [torch.rand(d, generator=g_extra) + 0.5 if layer == 0 else None for _ in range(2)]  # q_norm, k_norm
-    for layer in range(num_layers):  # norms go at 6 l and 6 l + 3, around the four projections
+        has_qk_norm = variant == "gemma" or (variant == "qwen" and layer == 0)
+        extras += [torch.rand(d, generator=g_extra) + 0.5 if has_qk_norm else None for _ in range(2)]  # q_norm, k_norm
+        extras += [torch.rand(c, generator=g_extra) + 0.5 if variant == "gemma" else None for _ in range(2)]  # post
+    for layer in range(2):  # norms go at 6 l and 6 l + 3, around the four projections
         weights.insert(6 * layer, torch.rand(c, generator=g) + 0.5)
         weights.insert(6 * layer + 3, torch.rand(c, generator=g) + 0.5)
     x = torch.randn(b * t, c, generator=g)
-    angles = torch.randn(b * t, d // 2, generator=g)
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [N, D]
-    caches = [torch.randn(b, h_kv, past + t + 3, d, generator=g).half() for _ in range(2 * num_layers)]
+    rope = []
+    for _ in range(2 if variant == "gemma" else 1):
+        angles = torch.randn(b * t, d // 2, generator=g)
+        rope += [torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)]  # cos, sin [N, D]
+    caches = [torch.randn(b, h_kv, past + t + 3, d, generator=g).half() for _ in range(4)]
     mask = torch.ones(b, past + t, dtype=torch.bool)
     mask[-1, :2] = False  # a left-padded row
-    return x, weights, linears, eps, extras if with_extras else [], cos, sin, caches, mask, (h, h_kv, d**-0.5)
+    gemma = variant == "gemma"
+    return DecoderInputs(x, weights, linears, eps, extras if variant != "llama" else [], [1, 0, 2, 3] if gemma else [],
+                         rope, caches, mask, (h, h_kv, d**-0.5, int(gemma), 2.0 if gemma else 0.0))
 
 
-def _op_by_op(x, weights, linears, eps, extras, cos, sin, attend, h, h_kv, use_rope=()):
-    """``LlamaDecoderLayer.forward_kernels``, op by op, over every layer; ``attend(l, qkv)`` -> [N, H D]."""
-    rows = x
-    for layer in range(len(weights) // 6):
-        norm1, qkv, o, norm2, gate_up, down = weights[6 * layer : 6 * layer + 6]
-        lin, e = linears[8 * layer : 8 * layer + 8], eps[3 * layer : 3 * layer + 3]
-        qkv_b, o_b, gate_up_b, down_b, q_norm, k_norm = extras[6 * layer : 6 * layer + 6] if extras else [None] * 6
+def _op_by_op(inputs: DecoderInputs, attend) -> torch.Tensor:
+    """``LlamaDecoderLayer.forward_kernels`` (``Gemma3DecoderLayer.forward_kernels`` where the layer has post norms),
+    op by op, over every layer; ``attend(l, qkv, window)`` -> [N, H D]."""
+    rows, (h, h_kv, _, activation, _) = inputs.x, inputs.heads
+    for layer in range(len(inputs.weights) // 6):
+        norm1, qkv, o, norm2, gate_up, down = inputs.weights[6 * layer : 6 * layer + 6]
+        lin, e = inputs.linears[8 * layer : 8 * layer + 8], inputs.eps[3 * layer : 3 * layer + 3]
+        qkv_b, o_b, gate_up_b, down_b, q_norm, k_norm, post_attn, post_ff = (
+            inputs.extras[8 * layer : 8 * layer + 8] if inputs.extras else [None] * 8)
+        table, window = inputs.layer_args[2 * layer : 2 * layer + 2] if inputs.layer_args else (1, 0)
         hid = OPS.qgemm(OPS.rms_norm(rows, norm1, e[0]), qkv, lin[0], lin[1], qkv_b)
         if q_norm is not None:
             OPS.rms_norm_heads_(hid, q_norm, k_norm, e[2], h, h_kv)
-        if not use_rope or use_rope[layer]:
-            OPS.rope_qkv_(hid, cos, sin, h, h_kv)
-        hid = attend(layer, hid)
-        rows = OPS.qgemm(hid, o, lin[2], lin[3], o_b, rows)
+        if table:
+            OPS.rope_qkv_(hid, inputs.rope[2 * table - 2], inputs.rope[2 * table - 1], h, h_kv)
+        hid = attend(layer, hid, window)
+        rows = (OPS.qgemm(hid, o, lin[2], lin[3], o_b, rows) if post_attn is None
+                else rows + OPS.rms_norm(OPS.qgemm(hid, o, lin[2], lin[3], o_b), post_attn, e[0]))
         hid = OPS.qgemm(OPS.rms_norm(rows, norm2, e[1]), gate_up, lin[4], lin[5], gate_up_b)
-        rows = OPS.qgemm(OPS.silu_mul(hid), down, lin[6], lin[7], down_b, rows)
+        hid = OPS.gelu_tanh_mul(hid) if activation else OPS.silu_mul(hid)
+        rows = (OPS.qgemm(hid, down, lin[6], lin[7], down_b, rows) if post_ff is None
+                else rows + OPS.rms_norm(OPS.qgemm(hid, down, lin[6], lin[7], down_b), post_ff, e[1]))
     return rows
 
 
+def _clones(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.clone() for t in tensors]
+
+
 @needs_avx2
-@pytest.mark.parametrize("b,t,past,with_extras", [(1, 1, 9, False), (2, 3, 5, False), (2, 3, 5, True)])
-def test_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin(b, t, past, with_extras):
-    # a decode step; a chunk over a padded batch; the same with biases and q/k norms
-    x, weights, linears, eps, extras, cos, sin, caches, mask, (h, h_kv, scale) = _decoder_inputs(
-        2, b, t, past, seed=12, with_extras=with_extras)
-    ks, vs = [c.clone() for c in caches[0::2]], [c.clone() for c in caches[1::2]]
-    got = OPS.decoder_layers(x, weights, linears, eps, extras, [], cos, sin, ks, vs, mask, past, h, h_kv, scale)
-    mine_k, mine_v = [c.clone() for c in caches[0::2]], [c.clone() for c in caches[1::2]]
-    rows = _op_by_op(x, weights, linears, eps, extras, cos, sin, lambda layer, hid: OPS.static_attention(
-        hid, mine_k[layer], mine_v[layer], mask, past, h, scale), h, h_kv)
+@pytest.mark.parametrize("b,t,past,variant", [(1, 1, 9, "llama"), (2, 3, 5, "llama"), (2, 3, 5, "qwen"),
+                                              (2, 3, 5, "gemma"), (1, 1, 9, "gemma")])
+def test_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin(b, t, past, variant):
+    # a decode step; a chunk over a padded batch; the same with biases and q/k norms, and with Gemma's layer
+    inputs = _decoder_inputs(b, t, past, seed=12, variant=variant)
+    ks, vs, mask, (h, _, scale, _, softcap) = _clones(inputs.caches[0::2]), _clones(inputs.caches[1::2]), inputs.mask, inputs.heads
+    got = OPS.decoder_layers(*inputs.layers(), ks, vs, mask, past, *inputs.heads)
+    mine_k, mine_v = _clones(inputs.caches[0::2]), _clones(inputs.caches[1::2])
+    rows = _op_by_op(inputs, lambda layer, hid, window: OPS.static_attention(
+        hid, mine_k[layer], mine_v[layer], mask, past, h, scale, window, softcap))
     assert torch.equal(got, rows)
     assert all(torch.equal(a, c) for a, c in zip(ks + vs, mine_k + mine_v))  # the same slots written
-    ref_k, ref_v = [c.clone() for c in caches[0::2]], [c.clone() for c in caches[1::2]]
-    want = REF.decoder_layers(x, weights, linears, eps, extras, [], cos, sin, ref_k, ref_v, mask, past, h, h_kv, scale)
+    ref_k, ref_v = _clones(inputs.caches[0::2]), _clones(inputs.caches[1::2])
+    want = REF.decoder_layers(*inputs.layers(), ref_k, ref_v, mask, past, *inputs.heads)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * float(want.abs().max()))
-    if with_extras:  # the extras count: without them the numbers change
-        plain = OPS.decoder_layers(x, weights, linears, eps, [], [], cos, sin, [c.clone() for c in caches[0::2]],
-                                   [c.clone() for c in caches[1::2]], mask, past, h, h_kv, scale)
-        assert not torch.allclose(plain, got, atol=1e-2)
-        with pytest.raises(RuntimeError, match="extras must be empty or 6 per layer"):
-            OPS.decoder_layers(x, weights, linears, eps, extras[:-1], [], cos, sin, ks, vs, mask, past, h, h_kv, scale)
+
+    def changed(**what) -> bool:  # the op's output with an operand replaced differs from got
+        args = inputs._replace(**{k: v for k, v in what.items() if k != "heads"})
+        out = OPS.decoder_layers(*args.layers(), _clones(inputs.caches[0::2]), _clones(inputs.caches[1::2]), mask,
+                                 past, *what.get("heads", inputs.heads))
+        return not torch.allclose(out, got, atol=1e-2)
+
+    if variant != "llama":  # the extras count: without them the numbers change
+        assert changed(extras=[])
+        with pytest.raises(RuntimeError, match="extras must be empty or 8 per layer"):
+            OPS.decoder_layers(*inputs._replace(extras=inputs.extras[:-1]).layers(), ks, vs, mask, past, *inputs.heads)
+    if variant == "gemma":  # so do the second RoPE table, the window (past > 3), GeGLU and the softcap
+        assert changed(layer_args=[1, 0, 1, 3]) and changed(layer_args=[1, 0, 2, 0]) == (past > 0)
+        assert changed(heads=(*inputs.heads[:3], 0, softcap)) and changed(heads=(*inputs.heads[:4], 0.0))
+        with pytest.raises(RuntimeError, match="names rope table 3 of 2"):
+            OPS.decoder_layers(*inputs._replace(layer_args=[1, 0, 3, 0]).layers(), ks, vs, mask, past, *inputs.heads)
     with pytest.raises(RuntimeError, match="6 weights"):
-        OPS.decoder_layers(x, weights[:-1], linears, eps, extras, [], cos, sin, ks, vs, mask, past, h, h_kv, scale)
+        OPS.decoder_layers(*inputs._replace(weights=inputs.weights[:-1]).layers(), ks, vs, mask, past, *inputs.heads)
 
 
 @needs_avx2
-@pytest.mark.parametrize("with_extras,use_rope", [(False, []), (True, []), (False, [1, 0])])  # plain; Qwen; NoPE
-def test_paged_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin(with_extras, use_rope):
-    x, weights, linears, eps, extras, cos, sin, _, _, (h, h_kv, scale) = _decoder_inputs(
-        2, 1, 6, 0, seed=13, with_extras=with_extras)
+@pytest.mark.parametrize("variant,layer_args", [("llama", []), ("qwen", []), ("llama", [1, 0, 0, 0]),  # NoPE layer 1
+                                                ("gemma", [1, 0, 2, 3])])
+def test_paged_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin(variant, layer_args):
+    inputs = _decoder_inputs(1, 6, 0, seed=13, variant=variant)._replace(layer_args=layer_args)
+    h, h_kv, scale, _, softcap = inputs.heads
     g = torch.Generator().manual_seed(14)
     pools = [torch.randn(8, 4, h_kv, 16, generator=g).half() for _ in range(4)]  # k, v of two layers
     tables, seq_lens, qsl = torch.tensor([[2, 5], [7, 1]]), torch.tensor([3, 6]), torch.tensor([0, 3, 6])
     slots = torch.tensor([8, 9, 10, 7 * 4 + 3, 1 * 4 + 0, 1 * 4 + 1])  # seq 0: positions 0-2; seq 1: positions 3-5
     meta = (slots, tables, qsl, seq_lens)
-    mine = [p.clone() for p in pools]
-    got = OPS.paged_decoder_layers(x, weights, linears, eps, extras, use_rope, cos, sin, mine[0::2], mine[1::2], *meta, h, h_kv,
-                                   scale)
-    steps = [p.clone() for p in pools]
-    rows = _op_by_op(x, weights, linears, eps, extras, cos, sin, lambda layer, hid: OPS.paged_attention_qkv(
-        hid, steps[2 * layer], steps[2 * layer + 1], *meta, h, scale), h, h_kv, use_rope)
+    mine = _clones(pools)
+    got = OPS.paged_decoder_layers(*inputs.layers(), mine[0::2], mine[1::2], *meta, *inputs.heads)
+    steps = _clones(pools)
+    rows = _op_by_op(inputs, lambda layer, hid, window: OPS.paged_attention_qkv(
+        hid, steps[2 * layer], steps[2 * layer + 1], *meta, h, scale, window, softcap))
     assert torch.equal(got, rows) and all(torch.equal(a, b) for a, b in zip(mine, steps))
-    ref = [p.clone() for p in pools]
-    want = REF.paged_decoder_layers(x, weights, linears, eps, extras, use_rope, cos, sin, ref[0::2], ref[1::2], *meta, h, h_kv,
-                                    scale)
+    ref = _clones(pools)
+    want = REF.paged_decoder_layers(*inputs.layers(), ref[0::2], ref[1::2], *meta, *inputs.heads)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * float(want.abs().max()))
-    if use_rope:  # the flag counts: with RoPE everywhere the numbers change; a flag per layer or none
-        every = OPS.paged_decoder_layers(x, weights, linears, eps, extras, [], cos, sin, *[[p.clone() for p in pools][k::2]
-                                         for k in (0, 1)], *meta, h, h_kv, scale)
+    if layer_args:  # the layer args count: with RoPE table 1 and no window everywhere the numbers change
+        every = OPS.paged_decoder_layers(*inputs._replace(layer_args=[]).layers(), *[_clones(pools)[k::2] for k in (0, 1)],
+                                         *meta, *inputs.heads)
         assert not torch.allclose(every, got, atol=1e-2)
-        with pytest.raises(RuntimeError, match="use_rope must be empty or one flag per layer"):
-            OPS.paged_decoder_layers(x, weights, linears, eps, extras, [1], cos, sin, mine[0::2], mine[1::2], *meta, h,
-                                     h_kv, scale)
+        with pytest.raises(RuntimeError, match="layer_args must be empty or 2 per layer"):
+            OPS.paged_decoder_layers(*inputs._replace(layer_args=[1]).layers(), mine[0::2], mine[1::2], *meta,
+                                     *inputs.heads)
 
 
 @pytest.mark.parametrize("vocab_size", [49_152, 1_003, 7])  # whole blocks of 256; a partial block and vector; one vector

@@ -22,7 +22,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
-from helpers import model_logits
+from helpers import assert_one_op_decoder_is_layer_by_layer, model_logits
 
 from kvgen.errors import (
     ModelFormatError,
@@ -365,29 +365,8 @@ def test_qwen2_files_load_as_stored_with_q_k_v_biases(tmp_path: Path, qtype) -> 
         got = quantized.compute_logits(quantized(ids, torch.arange(5)[None]))
     torch.testing.assert_close(got, want, rtol=0, atol=0.05 * float(want.abs().max()))
     if qtype == Q.Q8_0:  # on the kernels
-        _assert_one_op_decoder_is_layer_by_layer(quantized, ids, want)
-
-
-def _assert_one_op_decoder_is_layer_by_layer(model, ids: torch.Tensor, want: torch.Tensor) -> None:
-    """With a static cache the model runs ``decoder_layers`` (biases and q/k norms as its extras): the hidden states
-    and cache contents of the layer-by-layer path, bit for bit, over a prefill and a decode step; logits near
-    ``want`` [1, T, V] (the float32 path's, without a cache)."""
-    from kvgen.generation.runner import make_cache
-
-    runs = []
-    assert model._decoder_operands is not None and model._decoder_operands[3]  # extras gathered
-    try:
-        for one_op in (True, False):
-            model.one_op_decoder, cache = one_op, make_cache(model, "static", 1, ids.shape[1] + 2)
-            with torch.inference_mode():
-                hidden = model(ids, torch.arange(ids.shape[1])[None], cache)
-                step = model(ids[:, :1], torch.tensor([[ids.shape[1]]]), cache)
-            runs.append((hidden, step, *cache.key_cache, *cache.value_cache))
-    finally:
-        model.one_op_decoder = True
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
-    got = model.compute_logits(runs[0][0])
-    torch.testing.assert_close(got, want, rtol=0, atol=0.05 * float(want.abs().max()))
+        assert quantized._decoder_operands is not None and quantized._decoder_operands.extras  # extras gathered
+        assert_one_op_decoder_is_layer_by_layer(quantized, ids, want)
 
 
 def test_qwen3_files_normalize_each_head_on_both_paths(tmp_path: Path) -> None:
@@ -420,7 +399,8 @@ def test_qwen3_files_normalize_each_head_on_both_paths(tmp_path: Path) -> None:
     tol = 0.05 * float(want.abs().max())
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
     assert float((unnormed - want).abs().max()) > 4 * tol
-    _assert_one_op_decoder_is_layer_by_layer(quantized, ids, want)
+    assert quantized._decoder_operands is not None and quantized._decoder_operands.extras  # extras gathered
+    assert_one_op_decoder_is_layer_by_layer(quantized, ids, want)
 
 
 def test_rope_freqs_of_ones_is_ignored(tmp_path: Path) -> None:

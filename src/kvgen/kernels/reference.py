@@ -33,6 +33,7 @@ Source: llama.cpp ``ggml/src/ggml-cpu/arch/x86/quants.c`` (``quantize_row_q8_1``
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -567,6 +568,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU gate (Gemma's ``gelu_pytorch_tanh``): gate_up [M, 2I] (gate first) -> gelu_tanh(gate) * up [M, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
 def rms_norm_heads_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, num_heads: int,
                     num_kv_heads: int) -> None:
     """RMS-normalize, in place, each q head of stacked rows qkv [N, (H + 2 Hkv) D] by q_weight [D] and each k head by
@@ -577,57 +584,85 @@ def rms_norm_heads_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.T
     heads.copy_(weight * (heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + eps)))
 
 
-def _layers(
-    x: torch.Tensor, weights: list[torch.Tensor], linears: list[int], eps: list[float],
-    extras: list[torch.Tensor | None], use_rope: list[int], cos: torch.Tensor, sin: torch.Tensor, num_layers: int,
-    num_heads: int, num_kv_heads: int, attend: Callable[[int, torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """The layer loop of :func:`decoder_layers`; ``attend(l, qkv)`` stores layer l's k, v and returns [N, H D]."""
+@dataclass(frozen=True)
+class _Layers:
+    """The per-layer operands of :func:`decoder_layers` (see its docstring)."""
+
+    weights: list[torch.Tensor]
+    linears: list[int]
+    eps: list[float]
+    extras: list[torch.Tensor | None]
+    layer_args: list[int]
+    rope: list[torch.Tensor]
+    num_heads: int
+    num_kv_heads: int
+    activation: int
+
+
+def _layers(x: torch.Tensor, p: _Layers, num_layers: int, attend: Callable[[int, torch.Tensor, int], torch.Tensor]
+            ) -> torch.Tensor:
+    """The layer loop of :func:`decoder_layers`; ``attend(l, qkv, window)`` stores layer l's k, v and returns
+    [N, H D]."""
     for layer in range(num_layers):
-        norm1, qkv, o, norm2, gate_up, down = weights[6 * layer : 6 * layer + 6]
-        lin, e = linears[8 * layer : 8 * layer + 8], eps[3 * layer : 3 * layer + 3]
-        biases_and_norms = extras[6 * layer : 6 * layer + 6] if extras else [None] * 6
-        qkv_b, o_b, gate_up_b, down_b, q_norm, k_norm = biases_and_norms
+        norm1, qkv, o, norm2, gate_up, down = p.weights[6 * layer : 6 * layer + 6]
+        lin, e = p.linears[8 * layer : 8 * layer + 8], p.eps[3 * layer : 3 * layer + 3]
+        qkv_b, o_b, gate_up_b, down_b, q_norm, k_norm, post_attn, post_ff = (
+            p.extras[8 * layer : 8 * layer + 8] if p.extras else [None] * 8)
+        table, window = p.layer_args[2 * layer : 2 * layer + 2] if p.layer_args else (1, 0)
         h = qgemm(rms_norm(x, norm1, e[0]), qkv, lin[0], lin[1], qkv_b)  # [N, (H + 2 Hkv) D]
         if q_norm is not None and k_norm is not None:
-            rms_norm_heads_(h, q_norm, k_norm, e[2], num_heads, num_kv_heads)
-        if not use_rope or use_rope[layer]:
-            rope_qkv_(h, cos, sin, num_heads, num_kv_heads)
-        h = attend(layer, h)  # [N, H D]
-        x = qgemm(h, o, lin[2], lin[3], o_b, x)
+            rms_norm_heads_(h, q_norm, k_norm, e[2], p.num_heads, p.num_kv_heads)
+        if table:
+            rope_qkv_(h, p.rope[2 * table - 2], p.rope[2 * table - 1], p.num_heads, p.num_kv_heads)
+        h = attend(layer, h, window)  # [N, H D]
+        if post_attn is None:
+            x = qgemm(h, o, lin[2], lin[3], o_b, x)
+        else:
+            x = x + rms_norm(qgemm(h, o, lin[2], lin[3], o_b), post_attn, e[0])
         h = qgemm(rms_norm(x, norm2, e[1]), gate_up, lin[4], lin[5], gate_up_b)  # [N, 2 I]
-        x = qgemm(silu_mul(h), down, lin[6], lin[7], down_b, x)
+        h = gelu_tanh_mul(h) if p.activation == 1 else silu_mul(h)  # [N, I]
+        if post_ff is None:
+            x = qgemm(h, down, lin[6], lin[7], down_b, x)
+        else:
+            x = x + rms_norm(qgemm(h, down, lin[6], lin[7], down_b), post_ff, e[1])
     return x
 
 
 def decoder_layers(
     x: torch.Tensor, weights: list[torch.Tensor], linears: list[int], eps: list[float],
-    extras: list[torch.Tensor | None], use_rope: list[int], cos: torch.Tensor, sin: torch.Tensor, k_caches: list[torch.Tensor],
+    extras: list[torch.Tensor | None], layer_args: list[int], rope: list[torch.Tensor], k_caches: list[torch.Tensor],
     v_caches: list[torch.Tensor], key_mask: torch.Tensor | None, past_len: int, num_heads: int, num_kv_heads: int,
-    scale: float,
+    scale: float, activation: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Every decoder layer of a Llama-family model on rows x [N = B T, C] with a static KV cache, as
-    ``LlamaDecoderLayer.forward_kernels`` per layer l: weights[6 l : 6 l + 6] = (input_layernorm,
-    qkv_proj, o_proj, post_attention_layernorm, gate_up_proj, down_proj), linears[8 l : 8 l + 8] =
-    (weight_type, out_features) of the four projections, eps[3 l : 3 l + 3] (the two norms, the q/k norms),
-    extras empty or extras[6 l : 6 l + 6] = (the four projections' biases, q_norm, k_norm), each possibly None;
-    use_rope empty (every layer) or a 0/1 per layer (0: no RoPE, SmolLM3's NoPE layers);
-    caches [B, Hkv, S_max, D] written at slots ``past_len..`` (:func:`static_attention`). Returns [N, C] float32."""
-    return _layers(x, weights, linears, eps, extras, use_rope, cos, sin, len(k_caches), num_heads, num_kv_heads, lambda layer, h:
-                   static_attention(h, k_caches[layer], v_caches[layer], key_mask, past_len, num_heads, scale))
+    """Every decoder layer of a Llama-family or Gemma model on rows x [N = B T, C] with a static KV cache, as
+    ``LlamaDecoderLayer.forward_kernels`` (``Gemma3DecoderLayer.forward_kernels``) per layer l: weights[6 l : 6 l + 6]
+    = (input_layernorm, qkv_proj, o_proj, post_attention_layernorm (Gemma: pre_feedforward_layernorm), gate_up_proj,
+    down_proj), linears[8 l : 8 l + 8] = (weight_type, out_features) of the four projections, eps[3 l : 3 l + 3] (the
+    two norms, the q/k norms), extras empty or extras[8 l : 8 l + 8] = (the four projections' biases, q_norm, k_norm,
+    Gemma's post_attention_layernorm and post_feedforward_layernorm, normalizing the attention and MLP outputs before
+    their residual adds with the eps of the norm before them), each possibly None; layer_args empty (every layer
+    rotates by rope[0], rope[1], no window) or 2 per layer: (r, window), r = 0 no RoPE (SmolLM3's NoPE layers), r > 0
+    the pair rope[2 r - 2], rope[2 r - 1] [N, D], window > 0 a sliding-window layer; activation 0 SwiGLU, 1 GeGLU;
+    softcap > 0 caps the scores (Gemma 2); caches [B, Hkv, S_max, D] written at slots ``past_len..``
+    (:func:`static_attention`). Returns [N, C] float32."""
+    p = _Layers(weights, linears, eps, extras, layer_args, rope, num_heads, num_kv_heads, activation)
+    return _layers(x, p, len(k_caches), lambda layer, h, window: static_attention(
+        h, k_caches[layer], v_caches[layer], key_mask, past_len, num_heads, scale, window, softcap))
 
 
 def paged_decoder_layers(
     x: torch.Tensor, weights: list[torch.Tensor], linears: list[int], eps: list[float],
-    extras: list[torch.Tensor | None], use_rope: list[int], cos: torch.Tensor, sin: torch.Tensor, k_pools: list[torch.Tensor],
+    extras: list[torch.Tensor | None], layer_args: list[int], rope: list[torch.Tensor], k_pools: list[torch.Tensor],
     v_pools: list[torch.Tensor], slot_mapping: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int, scale: float,
+    activation: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """:func:`decoder_layers` over packed rows x [N, C] of several sequences and per-layer pools
     [num_blocks, block_size, Hkv, D] (:func:`paged_attention_qkv`). Returns [N, C] float32."""
-    return _layers(x, weights, linears, eps, extras, use_rope, cos, sin, len(k_pools), num_heads, num_kv_heads, lambda layer, h:
-                   paged_attention_qkv(h, k_pools[layer], v_pools[layer], slot_mapping, block_tables,
-                                       query_start_loc, seq_lens, num_heads, scale))
+    p = _Layers(weights, linears, eps, extras, layer_args, rope, num_heads, num_kv_heads, activation)
+    return _layers(x, p, len(k_pools), lambda layer, h, window: paged_attention_qkv(
+        h, k_pools[layer], v_pools[layer], slot_mapping, block_tables, query_start_loc, seq_lens, num_heads, scale,
+        window, softcap))
 
 
 def softmax_draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

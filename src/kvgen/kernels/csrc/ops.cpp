@@ -301,6 +301,7 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("rms_norm_heads_(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, float eps, int num_heads, int num_kv_heads) -> ()");
   m.def("rope_qkv_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor");
   m.def("repack_gguf(Tensor[] parts, int gguf_type) -> Tensor");
   m.def("q4_k_to_q4_1(Tensor raw) -> Tensor");
   m.def("q5_k_to_q5_1(Tensor raw) -> Tensor");
@@ -309,12 +310,13 @@ TORCH_LIBRARY(kvgen, m) {
         "int num_heads, float scale, int window=0, float softcap=0.0) -> Tensor");
   m.def("paged_attention_qkv(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, int num_heads, float scale, int window=0, float softcap=0.0) -> Tensor");
-  m.def("decoder_layers(Tensor x, Tensor[] weights, int[] linears, float[] eps, Tensor?[] extras, int[] use_rope, Tensor cos, Tensor sin, "
-        "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor? key_mask, int past_len, int num_heads, int num_kv_heads, "
-        "float scale) -> Tensor");
-  m.def("paged_decoder_layers(Tensor x, Tensor[] weights, int[] linears, float[] eps, Tensor?[] extras, int[] use_rope, Tensor cos, Tensor sin, "
-        "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
-        "Tensor seq_lens, int num_heads, int num_kv_heads, float scale) -> Tensor");
+  m.def("decoder_layers(Tensor x, Tensor[] weights, int[] linears, float[] eps, Tensor?[] extras, int[] layer_args, "
+        "Tensor[] rope, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor? key_mask, int past_len, int num_heads, "
+        "int num_kv_heads, float scale, int activation=0, float softcap=0.0) -> Tensor");
+  m.def("paged_decoder_layers(Tensor x, Tensor[] weights, int[] linears, float[] eps, Tensor?[] extras, int[] layer_args, "
+        "Tensor[] rope, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor query_start_loc, Tensor seq_lens, int num_heads, int num_kv_heads, float scale, int activation=0, "
+        "float softcap=0.0) -> Tensor");
   m.def("softmax_draw(Tensor logits, Tensor temperature, Tensor u) -> Tensor");
 }
 
@@ -328,6 +330,7 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("rms_norm_heads_", &kvgen::rms_norm_heads_);
   m.impl("rope_qkv_", &kvgen::rope_qkv_);
   m.impl("silu_mul", &kvgen::silu_mul);
+  m.impl("gelu_tanh_mul", &kvgen::gelu_tanh_mul);
   m.impl("repack_gguf", &kvgen::repack_gguf);
   m.impl("q4_k_to_q4_1", &kvgen::q4_k_to_q4_1);
   m.impl("q5_k_to_q5_1", &kvgen::q5_k_to_q5_1);
