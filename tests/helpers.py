@@ -208,10 +208,13 @@ def paged_inputs(qkv: torch.Tensor, h_kv: int, d: int, g: torch.Generator) -> Pa
 
 
 def float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, past: int,
-                      scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                      scale: float, window: int = 0, softcap: float = 0.0,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Plain attention in float64, the spec of the attention ops: scores * scale, then softcap * tanh(. / softcap)
     (softcap > 0; transformers' Gemma 2 ``eager_attention_forward``), the causal mask over slots (query i at slot
-    past + i) with transformers' sliding window (window > 0: kv_idx > q_idx - window), the key mask, the softmax.
+    past + i) with transformers' sliding window (window > 0: kv_idx > q_idx - window), the key mask, the softmax
+    (with ``sinks`` [H]: over the scores and head h's sink logit, whose probability is dropped, as transformers'
+    GptOss ``eager_attention_forward``).
 
     q [B, H, T, D]; k, v [B, Hkv, S, D]; key_mask [B, S] or None. Returns [B, T, H, D] float64.
     """
@@ -223,7 +226,12 @@ def float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mas
     scores = q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2) * scale  # [B, H, T, S]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)  # [B, H, T, S]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))  # [B, H, T, S]
+    if sinks is not None:
+        sink = sinks.double().view(1, h, 1, 1).expand(scores.shape[0], h, t, 1)  # [B, H, T, 1]
+        probs = torch.cat([scores, sink], -1).softmax(-1)[..., :s]  # [B, H, T, S]
+    else:
+        probs = scores.softmax(-1)  # [B, H, T, S]
     return (probs @ v.double().repeat_interleave(group, 1)).transpose(1, 2)  # [B, T, H, D]
 
 

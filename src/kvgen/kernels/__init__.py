@@ -24,7 +24,8 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 * ``paged_attention_qkv(qkv [N, W], k_pool, v_pool, slot_mapping [N], block_tables, query_start_loc, seq_lens, H,
   scale) -> [N, H*D]``: cache write + ``paged_attention``
 * every attention op also takes ``window=0`` (> 0: a query at position p sees positions > p - window only; Gemma's
-  sliding layers) and ``softcap=0.0`` (> 0: scores become ``softcap * tanh(score / softcap)``; Gemma 2)
+  sliding layers), ``softcap=0.0`` (> 0: scores become ``softcap * tanh(score / softcap)``; Gemma 2) and
+  ``sinks=None`` ([H] float32: one more logit in each head's softmax, its probability dropped; gpt-oss)
 * ``rms_norm(x [M, C], weight [C], eps) -> [M, C]``
 * ``rms_norm_heads_(qkv [N, (H + 2 Hkv) D], q_weight [D], k_weight [D], eps, H, Hkv)``: in place on each q and k
   head (Qwen3's q_norm, k_norm)

@@ -450,15 +450,17 @@ def dequantize_rows(weight: torch.Tensor, weight_type: int, ids: torch.Tensor, i
 
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, past_len: int, scale: float,
-    window: int = 0, softcap: float = 0.0,
+    window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over a cache: q [B, H, T, D] float32; k, v [B, Hkv, S, D] (read at fp16
     precision); key_mask [B, S] bool or None. Query t sits at slot ``past_len + t`` and sees the
     slots up to it that key_mask allows (a query that sees none sees its own slot); with ``window`` > 0 (a
     sliding-window layer) only the slots > ``past_len + t - window`` of those. ``softcap`` > 0 (Gemma 2): each
-    scaled score s becomes ``softcap * tanh(s / softcap)`` before the softmax.
+    scaled score s becomes ``softcap * tanh(s / softcap)`` before the softmax. ``sinks`` [H] (gpt-oss): each head's
+    softmax also runs over its sink logit, whose probability is dropped.
     Returns [B, T, H, D] float32. Source: Vaswani et al. 2017 eq. 1; GQA as HF ``repeat_kv``; the window as
-    transformers' ``sliding_window_overlay``; the softcap as its Gemma 2 ``eager_attention_forward``.
+    transformers' ``sliding_window_overlay``; the softcap as its Gemma 2 ``eager_attention_forward``; the sinks as its
+    GptOss ``eager_attention_forward``.
     """
     b, h, t, d = q.shape
     h_kv, s = k.shape[1], k.shape[2]
@@ -475,7 +477,12 @@ def attention(
     if softcap > 0:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    out = torch.softmax(scores, dim=-1).view(b, h_kv, -1, s) @ v  # [B, Hkv, G*T, D]
+    if sinks is not None:  # one more logit per head, its probability dropped
+        sink = sinks.float().view(1, h_kv, h // h_kv, 1, 1).expand(b, -1, -1, t, 1)  # [B, Hkv, G, T, 1]
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :s]  # [B, Hkv, G, T, S]
+    else:
+        probs = torch.softmax(scores, dim=-1)  # [B, Hkv, G, T, S]
+    out = probs.reshape(b, h_kv, -1, s) @ v  # [B, Hkv, G*T, D]
     return out.view(b, h, t, d).transpose(1, 2).contiguous()  # [B, T, H, D]
 
 
@@ -489,10 +496,11 @@ def paged_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed queries q [N, H, D] of R sequences (``query_start_loc`` [R+1]) over pools
     [num_blocks, block_size, Hkv, D] through ``block_tables`` [R, nb]; sequence r's queries are
-    its last positions before ``seq_lens[r]``; ``window`` and ``softcap`` as :func:`attention`. Returns [N, H, D]
+    its last positions before ``seq_lens[r]``; ``window``, ``softcap`` and ``sinks`` as :func:`attention`. Returns [N, H, D]
     float32.
     """
     out = torch.empty_like(q)
@@ -504,7 +512,7 @@ def paged_attention(
         k = k_pool.view(-1, *k_pool.shape[2:])[slots].transpose(0, 1)[None]  # [1, Hkv, L, D]
         v = v_pool.view(-1, *v_pool.shape[2:])[slots].transpose(0, 1)[None]  # [1, Hkv, L, D]
         qr = q[start:end].transpose(0, 1)[None]  # [1, H, T, D]
-        out[start:end] = attention(qr, k, v, None, length - (end - start), scale, window, softcap)[0]
+        out[start:end] = attention(qr, k, v, None, length - (end - start), scale, window, softcap, sinks)[0]
     return out
 
 
@@ -517,9 +525,11 @@ def _split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: i
 def static_attention(
     qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_mask: torch.Tensor | None,
     past_len: int, num_heads: int, scale: float, window: int = 0, softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qkv [B*T, (H + 2 Hkv) D]: write k, v at slots past_len.. of caches [B, Hkv, S_max, D], then
-    :func:`attention` over the first past_len + T slots (``window``, ``softcap`` as there). Returns [B*T, H*D]."""
+    :func:`attention` over the first past_len + T slots (``window``, ``softcap``, ``sinks`` as there). Returns
+    [B*T, H*D]."""
     b, h_kv, _, d = k_cache.shape
     t = qkv.shape[0] // b
     q, k, v = _split_qkv(qkv, num_heads, h_kv, d)  # [N, H|Hkv, D]
@@ -528,23 +538,23 @@ def static_attention(
     end = past_len + t
     qb = q.view(b, t, num_heads, d).transpose(1, 2)  # [B, H, T, D]
     out = attention(qb, k_cache[:, :, :end], v_cache[:, :, :end], key_mask, past_len, scale, window,
-                    softcap)  # [B, T, H, D]
+                    softcap, sinks)  # [B, T, H, D]
     return out.reshape(b * t, num_heads * d)
 
 
 def paged_attention_qkv(
     qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor,
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, scale: float,
-    window: int = 0, softcap: float = 0.0,
+    window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qkv [N, (H + 2 Hkv) D]: write k, v to ``slot_mapping`` [N] of the pools, then
-    :func:`paged_attention` (``window``, ``softcap`` as there). Returns [N, H*D]."""
+    :func:`paged_attention` (``window``, ``softcap``, ``sinks`` as there). Returns [N, H*D]."""
     h_kv, d = k_pool.shape[2], k_pool.shape[3]
     q, k, v = _split_qkv(qkv, num_heads, h_kv, d)
     k_pool.view(-1, h_kv, d).index_copy_(0, slot_mapping, k.to(k_pool.dtype))
     v_pool.view(-1, h_kv, d).index_copy_(0, slot_mapping, v.to(v_pool.dtype))
     out = paged_attention(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, scale, window,
-                          softcap)  # [N, H, D]
+                          softcap, sinks)  # [N, H, D]
     return out.reshape(qkv.shape[0], num_heads * d)
 
 

@@ -95,7 +95,7 @@ at::Tensor decoder_layers(const at::Tensor& x, at::TensorList weights, at::IntAr
   const Layers p{weights, linears, eps, extras, layer_args, rope, num_heads, num_kv_heads, activation};
   return run_layers(x, p, k_caches.size(), [&](size_t l, const at::Tensor& qkv, int64_t window) {
     at::Tensor k = k_caches[l], v = v_caches[l];
-    return static_attention(qkv, k, v, key_mask, past_len, num_heads, scale, window, softcap);
+    return static_attention(qkv, k, v, key_mask, past_len, num_heads, scale, window, softcap, c10::nullopt);
   });
 }
 
@@ -110,7 +110,7 @@ at::Tensor paged_decoder_layers(const at::Tensor& x, at::TensorList weights, at:
   return run_layers(x, p, k_pools.size(), [&](size_t l, const at::Tensor& qkv, int64_t window) {
     at::Tensor k = k_pools[l], v = v_pools[l];
     return paged_attention_qkv(qkv, k, v, slot_mapping, block_tables, query_start_loc, seq_lens, num_heads, scale,
-                               window, softcap);
+                               window, softcap, c10::nullopt);
   });
 }
 

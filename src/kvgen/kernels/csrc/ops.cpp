@@ -294,9 +294,9 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("quantize_q8a(Tensor x) -> Tensor");
   m.def("qgemm(Tensor x, Tensor weight, int weight_type, int out_features, Tensor? bias, Tensor? residual=None) -> Tensor");
   m.def("dequantize_rows(Tensor weight, int weight_type, Tensor ids, int in_features) -> Tensor");
-  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? key_mask, int past_len, float scale, int window=0, float softcap=0.0) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? key_mask, int past_len, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor query_start_loc, "
-        "Tensor seq_lens, float scale, int window=0, float softcap=0.0) -> Tensor");
+        "Tensor seq_lens, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rms_norm_heads_(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, float eps, int num_heads, int num_kv_heads) -> ()");
   m.def("rope_qkv_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads) -> ()");
@@ -307,9 +307,10 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("q5_k_to_q5_1(Tensor raw) -> Tensor");
   m.def("iq4_xs_to_iq4_nl(Tensor raw) -> Tensor");
   m.def("static_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? key_mask, int past_len, "
-        "int num_heads, float scale, int window=0, float softcap=0.0) -> Tensor");
+        "int num_heads, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("paged_attention_qkv(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, int num_heads, float scale, int window=0, float softcap=0.0) -> Tensor");
+        "Tensor query_start_loc, Tensor seq_lens, int num_heads, float scale, int window=0, float softcap=0.0, "
+        "Tensor? sinks=None) -> Tensor");
   m.def("decoder_layers(Tensor x, Tensor[] weights, int[] linears, float[] eps, Tensor?[] extras, int[] layer_args, "
         "Tensor[] rope, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor? key_mask, int past_len, int num_heads, "
         "int num_kv_heads, float scale, int activation=0, float softcap=0.0) -> Tensor");

@@ -11,10 +11,11 @@ namespace kvgen {
 using Extras = c10::List<c10::optional<at::Tensor>>;  // Tensor?[]: per-layer optional operands
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& key_mask,
-                     int64_t past_len, double scale, int64_t window, double softcap);
+                     int64_t past_len, double scale, int64_t window, double softcap,
+                     const c10::optional<at::Tensor>& sinks);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                           double scale, int64_t window, double softcap);
+                           double scale, int64_t window, double softcap, const c10::optional<at::Tensor>& sinks);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 void rms_norm_heads_(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight, double eps,
                      int64_t num_heads, int64_t num_kv_heads);
@@ -23,11 +24,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor gelu_tanh_mul(const at::Tensor& gate_up);
 at::Tensor static_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache,
                             const c10::optional<at::Tensor>& key_mask, int64_t past_len, int64_t num_heads, double scale,
-                            int64_t window, double softcap);
+                            int64_t window, double softcap, const c10::optional<at::Tensor>& sinks);
 at::Tensor paged_attention_qkv(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slot_mapping,
                                const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                                const at::Tensor& seq_lens, int64_t num_heads, double scale, int64_t window,
-                               double softcap);
+                               double softcap, const c10::optional<at::Tensor>& sinks);
 at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weight_type, int64_t out_features,
                  const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual);
 at::Tensor decoder_layers(const at::Tensor& x, at::TensorList weights, at::IntArrayRef linears, at::ArrayRef<double> eps,
