@@ -21,10 +21,10 @@ OPS = K.get_ops()
 REF = K.reference_ops()
 needs_avx2 = pytest.mark.skipif(OPS.backend != "avx2", reason=f"C++ kernels unavailable (backend {OPS.backend})")
 GGUF_CODE = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.F16: 3, Q.BF16: 4, Q.Q6_K: 5, Q.Q5_0: 6, Q.Q5_1: 7, Q.IQ4_NL: 8,
-             Q.Q2_K: 9, Q.Q3_K: 10}
+             Q.Q2_K: 9, Q.Q3_K: 10, Q.MXFP4: 11}
 WEIGHT_TYPE = {Q.Q4_0: K.Q4, Q.Q4_1: K.Q4, Q.Q8_0: K.Q8, Q.F16: K.F16, Q.BF16: K.BF16, Q.Q6_K: K.Q6, Q.Q5_0: K.Q5,
-               Q.Q5_1: K.Q5, Q.IQ4_NL: K.IQ4, Q.Q2_K: K.Q2, Q.Q3_K: K.Q3}
-KERNEL_QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K]
+               Q.Q5_1: K.Q5, Q.IQ4_NL: K.IQ4, Q.Q2_K: K.Q2, Q.Q3_K: K.Q3, Q.MXFP4: K.MXFP4}
+KERNEL_QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.MXFP4]
 # types the gguf package cannot quantize: random blocks, (values per block, bytes per block, offsets of fp16 scales)
 RANDOM_BLOCKS = {Q.Q6_K: (256, 210, (208,)), Q.IQ4_NL: (32, 18, (0,)), Q.Q2_K: (256, 84, (80, 82)),
                  Q.Q3_K: (256, 110, (108,))}
@@ -99,7 +99,7 @@ def test_qgemm_matches_dequantize_then_matmul(qtype, m, n, k):
 
 
 @needs_avx2
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.MXFP4])
 def test_qgemm_rows_do_not_depend_on_the_batch(qtype):
     """Batch invariance: each row's bits are the same alone, in any tile of 1-4 rows, or among 33."""
     raw, _ = _gguf_matrix(qtype, 64, 256, seed=3)
@@ -464,7 +464,8 @@ def test_k_quant_to_legacy_matches_its_twin_and_gguf_values(op, qtype, legacy, b
 
 
 @pytest.mark.parametrize("m,types", [(1, (Q.Q4_1, Q.Q8_0, Q.Q6_K)), (5, (Q.IQ4_NL, Q.Q8_0, Q.Q6_K)),
-                                     (3, (Q.Q3_K, Q.Q2_K, Q.Q6_K))], ids=["Q4_K_M", "IQ4_XS", "Q2_K_Q3_K"])
+                                     (3, (Q.Q3_K, Q.Q2_K, Q.Q6_K)), (2, (Q.MXFP4, Q.Q8_0, Q.IQ4_NL))],
+                         ids=["Q4_K_M", "IQ4_XS", "Q2_K_Q3_K", "MXFP4"])
 def test_mixed_weight_is_its_segments_stacked(m, types):
     """A stacked matrix of parts of different types (as a Q4_K_M, IQ4_XS or Q3_K_M file's q, k, v) in one MIXED
     weight: qgemm equals the dequantized parts stacked then multiplied, on the kernels and their twins, with one
@@ -490,6 +491,38 @@ def test_mixed_weight_is_its_segments_stacked(m, types):
         K.pack_gguf_segments([("Q6_K", parts[2][0]), ("Q4_1", parts[0][0])])
     with pytest.raises(RuntimeError, match="its header describes"):
         OPS.qgemm(x, blob[:-1], weight_type, 37, None)
+
+
+def test_mxfp4_records_hold_every_exponent_float16_can():
+    """MXFP4 blocks with random indices and exponents over the whole range float16 holds exactly (104 .. 143, both
+    ends): repacked to the same bytes as the twin, values equal to gguf's dequantization, qgemm and the embedding
+    lookup on them; an exponent beyond the range is refused by both (the loader re-encodes such files as Q8_0)."""
+    from kvgen.weights.quantized import mxfp4_fits_float16
+
+    gen = torch.Generator().manual_seed(23)
+    raw = torch.randint(0, 256, (19, 4, 17), dtype=torch.uint8, generator=gen)  # 19 rows of 128 values
+    raw[..., 0] = torch.randint(104, 144, (19, 4), dtype=torch.uint8, generator=gen)
+    raw[0, :2, 0] = torch.tensor([104, 143], dtype=torch.uint8)
+    raw = raw.view(19, 68)
+    dense = torch.from_numpy(dequantize(raw.numpy(), Q.MXFP4))  # [19, 128]
+    packed = OPS.repack_gguf([raw], 11)
+    assert torch.equal(packed, REF.repack_gguf([raw], 11)) and mxfp4_fits_float16(raw)
+    torch.testing.assert_close(R.dequantize_packed(packed, K.MXFP4)[:19], dense, rtol=0, atol=0)
+    x = torch.randn(3, 128, generator=gen)
+    want = R.dequantize_q8a(R.quantize_q8a(x)) @ dense.T  # [3, 19]
+    for ops in (OPS, REF):
+        torch.testing.assert_close(ops.qgemm(x, packed, K.MXFP4, 19, None), want, rtol=1e-5,
+                                   atol=1e-5 * float(want.abs().max()))
+        assert torch.equal(ops.dequantize_rows(packed, K.MXFP4, torch.tensor([18, 0]), 128), dense[[18, 0]])
+    for e in (103, 144):
+        bad = raw.clone()
+        bad.view(19, 4, 17)[5, 2, 0] = e
+        assert not mxfp4_fits_float16(bad)
+        with pytest.raises(ValueError, match="outside float16"):
+            REF.repack_gguf([bad], 11)
+        if OPS.backend == "avx2":
+            with pytest.raises(RuntimeError, match="outside float16"):
+                OPS.repack_gguf([bad], 11)
 
 
 def test_iq4_xs_to_iq4_nl_matches_its_twin_and_gguf_values():

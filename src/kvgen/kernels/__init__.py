@@ -11,7 +11,7 @@ notice, never a crash). :func:`get_ops` returns whichever is in use.
 Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 
 * ``qgemm(x [M, K] f32, weight [G, nb, R] u8, weight_type, out_features, bias?, residual?) -> [M, N] f32``
-  (weight_type Q2, Q3, Q4, Q5, Q6, Q8, IQ4: x quantized per 32 values first; F16, BF16: x as it is; MIXED: a
+  (weight_type Q2, Q3, Q4, Q5, Q6, Q8, IQ4, MXFP4: x quantized per 32 values first; F16, BF16: x as it is; MIXED: a
   [bytes] weight of quantized segments, ``pack_gguf_segments``; Q2 and Q3 weights are [G, K / 256, R]: one record
   per 256-column super-block)
 * ``quantize_q8a(x [M, K] f32) -> [M, K / 32 * 40] u8``
@@ -72,8 +72,9 @@ SOURCES = (
 )
 HEADERS = ("common.h", "vec_math.h", "aten_lite.h", "ops.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
-Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3 = (reference.Q4, reference.Q8, reference.F16, reference.BF16, reference.Q6,
-                                                 reference.MIXED, reference.Q5, reference.IQ4, reference.Q2, reference.Q3)
+Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4 = (
+    reference.Q4, reference.Q8, reference.F16, reference.BF16, reference.Q6, reference.MIXED, reference.Q5, reference.IQ4,
+    reference.Q2, reference.Q3, reference.MXFP4)
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,8 @@ def pack_gguf_rows(qtype: str, parts: list[torch.Tensor]) -> tuple[int, torch.Te
     """GGUF-encoded row blocks of one matrix -> (weight_type, records [G, nb, R] uint8) in the
     kernels' 8-row layout.
 
-    qtype: one of ``reference.GGUF_TYPES`` (Q4_0, Q4_1, Q8_0, F16, BF16, Q6_K, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K);
+    qtype: one of ``reference.GGUF_TYPES`` (Q4_0, Q4_1, Q8_0, F16, BF16, Q6_K, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, MXFP4:
+    exponents in ``reference.MXFP4_EXPONENTS`` only);
     parts: [rows_i, bytes per row] uint8 each, stacked in order (q, k, v). Raises ValueError for another type or a
     malformed byte count.
     """
@@ -220,6 +222,6 @@ def reference_ops() -> KernelOps:
 
 
 __all__ = [
-    "BF16", "F16", "IQ4", "MIXED", "Q2", "Q3", "Q4", "Q5", "Q6", "Q8", "KernelOps", "cache_dir", "get_ops",
+    "BF16", "F16", "IQ4", "MIXED", "MXFP4", "Q2", "Q3", "Q4", "Q5", "Q6", "Q8", "KernelOps", "cache_dir", "get_ops",
     "pack_gguf_rows", "pack_gguf_segments", "reference_ops",
 ]

@@ -22,6 +22,8 @@ Layouts (see ``csrc/common.h``): weights are repacked at load from GGUF blocks i
   value = d sc u - dmin m (Q2), d sc (u - 4) (Q3).
 * IQ4 record, 144 bytes (from ``block_iq4_nl``; IQ4_XS as IQ4_NL rows): fp16 ``d[8]``, then ``qs`` as the Q4
   record's; value = d * IQ4_VALUES[nibble].
+* MXFP4 record, 144 bytes (from ``block_mxfp4``: an E8M0 exponent e, 16 bytes of FP4 indices): the IQ4 record with
+  d = 2^(e - 128) (exact in fp16 for e in 104 .. 143) and value = d * MXFP4_VALUES[nibble].
 
 Activations are quantized per 32 values (llama.cpp's ``block_q8_1`` with fp32 fields):
 40-byte blocks ``{float d; float s; int8 qs[32]}``, d = max|x| / 127,
@@ -41,12 +43,16 @@ from kvgen.sampling.ops import inverse_cdf_at
 
 BLOCK = 32  # values per quantization block
 ROWS = 8  # rows per interleaved group
-Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3 = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9  # weight_type codes of the ops
+Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4 = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10  # weight_type codes of the ops
 MIXED_HEADER = 64  # bytes of int64 {S, nb, (weight_type, groups) x S} before a mixed weight's segments
-RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 224, F16: 512, BF16: 512, Q5: 192, IQ4: 144, Q2: 672, Q3: 912}
+RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 224, F16: 512, BF16: 512, Q5: 192, IQ4: 144, Q2: 672, Q3: 912, MXFP4: 144}
 RECORD_BLOCKS = {Q2: 8, Q3: 8}  # 32-column blocks per record: one 256-column super-block (1 for the other types)
 # The values of IQ4_NL / IQ4_XS's 4-bit indices (ggml-common.h kvalues_iq4nl)
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# The values of an MXFP4 index: FP4 E2M1 (0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives) doubled (ggml-common.h
+# kvalues_mxfp4), with the block scale halved to match: 2^(e - 128)
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+MXFP4_EXPONENTS = (104, 143)  # the E8M0 exponents whose scale 2^(e - 128) float16 holds exactly
 # GGUF block sizes in bytes: (scale bytes, has min, quant bytes)
 _Q4_0_BYTES, _Q4_1_BYTES, _Q8_0_BYTES = 18, 20, 34
 
@@ -82,21 +88,26 @@ def repack_q4(raw: torch.Tensor, has_min: bool, zero_point: float = 8.0) -> torc
     return torch.cat([d, m, qs], dim=-1).contiguous()  # [G, nb, 160]
 
 
-# gguf_type codes 0-10 of repack_gguf
-GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K")
+# gguf_type codes 0-11 of repack_gguf
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "MXFP4")
 # bytes per GGUF block of each (32 values; the K types: 256)
 GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "BF16": 64, "Q6_K": 210, "Q5_0": 22, "Q5_1": 24,
-                    "IQ4_NL": 18, "Q2_K": 84, "Q3_K": 110}
+                    "IQ4_NL": 18, "Q2_K": 84, "Q3_K": 110, "MXFP4": 17}
 # the weight_type each GGUF type's records are
 WEIGHT_TYPE_OF = {"Q4_0": Q4, "Q4_1": Q4, "Q8_0": Q8, "F16": F16, "BF16": BF16, "Q6_K": Q6, "Q5_0": Q5, "Q5_1": Q5,
-                  "IQ4_NL": IQ4, "Q2_K": Q2, "Q3_K": Q3}
+                  "IQ4_NL": IQ4, "Q2_K": Q2, "Q3_K": Q3, "MXFP4": MXFP4}
 
 
 def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
     """Row blocks ``parts`` ([rows_i, bytes] uint8, one GGUF type) of one matrix -> its records
     [G, nb, R] uint8: Q4 records for Q4_0 (0) / Q4_1 (1), Q8 records for Q8_0 (2), 16-bit records for F16 (3) and
-    BF16 (4), Q6 records for Q6_K (5), Q5 records for Q5_0 (6) / Q5_1 (7), IQ4 records for IQ4_NL (8)."""
+    BF16 (4), Q6 records for Q6_K (5), Q5 records for Q5_0 (6) / Q5_1 (7), IQ4 records for IQ4_NL (8), Q2 / Q3
+    records for Q2_K (9) / Q3_K (10), MXFP4 records for MXFP4 (11). Raises ValueError for an MXFP4 exponent outside
+    ``MXFP4_EXPONENTS``."""
     raw = torch.cat(parts) if len(parts) > 1 else parts[0]  # [N, bytes]
+    if gguf_type == 11:
+        raw = mxfp4_as_iq4_nl(raw)  # [N, nb * 18]: d = 2^(e - 128) as float16, the indices as they are
+        gguf_type = 8
     if gguf_type in (9, 10):
         return repack_q23_k(raw, q3=gguf_type == 10)
     if gguf_type == 8:
@@ -111,6 +122,19 @@ def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
     if gguf_type in (3, 4):
         return repack_16bit(raw)
     return repack_q4(raw, has_min=gguf_type == 1)
+
+
+def mxfp4_as_iq4_nl(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF MXFP4 rows [N, nb * 17] uint8 (E8M0 exponent e, 16 index bytes) -> rows of IQ4_NL's block layout
+    [N, nb * 18] (fp16 d = 2^(e - 128), the same index bytes), read with ``MXFP4_VALUES``. Raises ValueError for an
+    exponent outside ``MXFP4_EXPONENTS`` (a scale float16 does not hold). Source: ggml ``dequantize_row_mxfp4``."""
+    blocks = raw.reshape(raw.shape[0], -1, 17)  # [N, nb, 17]
+    e = blocks[..., 0].long()  # [N, nb]
+    if e.numel() and not MXFP4_EXPONENTS[0] <= int(e.min()) <= int(e.max()) <= MXFP4_EXPONENTS[1]:
+        raise ValueError(f"MXFP4 exponents {int(e.min())} .. {int(e.max())} give scales outside float16 "
+                         f"({MXFP4_EXPONENTS[0]} .. {MXFP4_EXPONENTS[1]})")
+    d = torch.ldexp(torch.ones(e.shape), (e - 128).float()).half().view(torch.uint8).view(*e.shape, 2)  # [N, nb, 2]
+    return torch.cat([d, blocks[..., 1:]], dim=-1).reshape(raw.shape[0], -1)  # [N, nb * 18]
 
 
 def _q3_k_fields(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -398,9 +422,10 @@ def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
             lo, hi = lo + 16 * ((qh >> t) & 1).float(), hi + 16 * ((qh >> (t + 4)) & 1).float()
         q = torch.cat([lo, hi], dim=2)  # [G, nb, 8 quads, r, i]: quads 0-3 low, 4-7 high
         w = q * d.view(g, nb, 1, ROWS, 1) + m.view(g, nb, 1, ROWS, 1)
-    elif weight_type == IQ4:
+    elif weight_type in (IQ4, MXFP4):
         qs = weight[..., 16:].reshape(g, nb, 4, ROWS, 4).long()  # [G, nb, t, r, i]
-        q = torch.tensor(IQ4_VALUES, dtype=torch.float32)[torch.cat([qs & 15, qs >> 4], dim=2)]  # [G, nb, 8, r, i]
+        values = torch.tensor(IQ4_VALUES if weight_type == IQ4 else MXFP4_VALUES, dtype=torch.float32)
+        q = values[torch.cat([qs & 15, qs >> 4], dim=2)]  # [G, nb, 8, r, i]
         w = q * d.view(g, nb, 1, ROWS, 1)
     elif weight_type == Q8:
         q = weight[..., 16:].contiguous().view(torch.int8).reshape(g, nb, 8, ROWS, 4).float()  # [G, nb, j, r, i]
