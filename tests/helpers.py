@@ -120,6 +120,45 @@ def twin_logits(model, ids: torch.Tensor, mask: torch.Tensor | None = None) -> t
         model.use_kernels(kernels)
 
 
+def assert_one_op_decoder_is_layer_by_layer(model, ids: torch.Tensor, want: torch.Tensor | None = None) -> None:
+    """A model on the kernels runs every layer in one op: ``decoder_layers`` once per forward with a static cache,
+    giving the hidden states and cache contents of the layer-by-layer path bit for bit over a prefill of ids [1, T]
+    and a decode step, and ``paged_decoder_layers`` in the paged engine, giving its greedy tokens; with ``want``
+    [1, T, V] (the float32 path's logits) the logits stay near it."""
+    import dataclasses
+
+    from kvgen.generation.runner import make_cache
+
+    kernels, calls = model.kernels, []
+
+    def counted(name: str):
+        def op(*args):
+            calls.append(name)
+            return getattr(kernels, name)(*args)
+        return op
+
+    runs, tokens = [], []
+    try:
+        model.use_kernels(dataclasses.replace(kernels, decoder_layers=counted("decoder_layers"),
+                                              paged_decoder_layers=counted("paged_decoder_layers")))
+        for one_op in (True, False):
+            model.one_op_decoder, cache = one_op, make_cache(model, "static", 1, ids.shape[1] + 2)
+            with torch.inference_mode():
+                hidden = model(ids, torch.arange(ids.shape[1])[None], cache)
+                step = model(ids[:, :1], torch.tensor([[ids.shape[1]]]), cache)
+            runs.append((hidden, step, *cache.key_cache, *cache.value_cache))
+            tokens.append(engine_greedy(model, [ids[0].tolist()], 4))
+            assert calls.count("decoder_layers") == (2 if one_op else 0) and ("paged_decoder_layers" in calls) == one_op
+            calls.clear()
+    finally:
+        model.one_op_decoder = True
+        model.use_kernels(kernels)
+    assert all(torch.equal(a, b) for a, b in zip(*runs)) and tokens[0] == tokens[1]
+    if want is not None:
+        got = model.compute_logits(runs[0][0])
+        torch.testing.assert_close(got, want, rtol=0, atol=0.05 * float(want.abs().max()))
+
+
 def assert_greedy_on_every_cache(model, prompts: list[list[int]], expected: list[list[int]], max_new_tokens: int) -> None:
     """Each prompt alone gives its ``expected`` greedy tokens through generate() with the static and the dynamic
     cache, and the paged engine gives them all, with whole and with chunked prefill (7 tokens a step)."""
@@ -169,10 +208,13 @@ def paged_inputs(qkv: torch.Tensor, h_kv: int, d: int, g: torch.Generator) -> Pa
 
 
 def float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, past: int,
-                      scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                      scale: float, window: int = 0, softcap: float = 0.0,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Plain attention in float64, the spec of the attention ops: scores * scale, then softcap * tanh(. / softcap)
     (softcap > 0; transformers' Gemma 2 ``eager_attention_forward``), the causal mask over slots (query i at slot
-    past + i) with transformers' sliding window (window > 0: kv_idx > q_idx - window), the key mask, the softmax.
+    past + i) with transformers' sliding window (window > 0: kv_idx > q_idx - window), the key mask, the softmax
+    (with ``sinks`` [H]: over the scores and head h's sink logit, whose probability is dropped, as transformers'
+    GptOss ``eager_attention_forward``).
 
     q [B, H, T, D]; k, v [B, Hkv, S, D]; key_mask [B, S] or None. Returns [B, T, H, D] float64.
     """
@@ -184,7 +226,12 @@ def float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mas
     scores = q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2) * scale  # [B, H, T, S]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)  # [B, H, T, S]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))  # [B, H, T, S]
+    if sinks is not None:
+        sink = sinks.double().view(1, h, 1, 1).expand(scores.shape[0], h, t, 1)  # [B, H, T, 1]
+        probs = torch.cat([scores, sink], -1).softmax(-1)[..., :s]  # [B, H, T, S]
+    else:
+        probs = scores.softmax(-1)  # [B, H, T, S]
     return (probs @ v.double().repeat_interleave(group, 1)).transpose(1, 2)  # [B, T, H, D]
 
 

@@ -104,7 +104,8 @@ def test_a_16_bit_llama_checkpoint_runs_its_matrices_as_stored(tmp_path: Path, d
     # the kernels: the same weights, K and V at fp16 precision
     assert float((got - want).abs().max()) < 0.01 * float(want.abs().max())
     # with a static cache every layer runs in one op (NoPE flags included): the layer-by-layer path's bits
-    assert model._decoder_operands is not None and model._decoder_operands[4] == ([1, 0] if model_type == "smollm3" else [])
+    assert model._decoder_operands is not None
+    assert model._decoder_operands.layer_args == ([1, 0, 0, 0] if model_type == "smollm3" else [])
     runs = []
     for one_op in (True, False):
         model.one_op_decoder, cache = one_op, make_cache(model, "static", 1, ids.shape[1] + 1)

@@ -7,6 +7,8 @@ quantizer. The fast path (C++) and the portable path (kvgen.kernels.reference) m
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -19,10 +21,10 @@ OPS = K.get_ops()
 REF = K.reference_ops()
 needs_avx2 = pytest.mark.skipif(OPS.backend != "avx2", reason=f"C++ kernels unavailable (backend {OPS.backend})")
 GGUF_CODE = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.F16: 3, Q.BF16: 4, Q.Q6_K: 5, Q.Q5_0: 6, Q.Q5_1: 7, Q.IQ4_NL: 8,
-             Q.Q2_K: 9, Q.Q3_K: 10}
+             Q.Q2_K: 9, Q.Q3_K: 10, Q.MXFP4: 11}
 WEIGHT_TYPE = {Q.Q4_0: K.Q4, Q.Q4_1: K.Q4, Q.Q8_0: K.Q8, Q.F16: K.F16, Q.BF16: K.BF16, Q.Q6_K: K.Q6, Q.Q5_0: K.Q5,
-               Q.Q5_1: K.Q5, Q.IQ4_NL: K.IQ4, Q.Q2_K: K.Q2, Q.Q3_K: K.Q3}
-KERNEL_QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K]
+               Q.Q5_1: K.Q5, Q.IQ4_NL: K.IQ4, Q.Q2_K: K.Q2, Q.Q3_K: K.Q3, Q.MXFP4: K.MXFP4}
+KERNEL_QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.MXFP4]
 # types the gguf package cannot quantize: random blocks, (values per block, bytes per block, offsets of fp16 scales)
 RANDOM_BLOCKS = {Q.Q6_K: (256, 210, (208,)), Q.IQ4_NL: (32, 18, (0,)), Q.Q2_K: (256, 84, (80, 82)),
                  Q.Q3_K: (256, 110, (108,))}
@@ -97,7 +99,7 @@ def test_qgemm_matches_dequantize_then_matmul(qtype, m, n, k):
 
 
 @needs_avx2
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.MXFP4])
 def test_qgemm_rows_do_not_depend_on_the_batch(qtype):
     """Batch invariance: each row's bits are the same alone, in any tile of 1-4 rows, or among 33."""
     raw, _ = _gguf_matrix(qtype, 64, 256, seed=3)
@@ -207,6 +209,9 @@ def test_fused_small_ops_match_reference():
     gate_up = torch.randn(6, 2 * 1536, generator=g) * 5
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(OPS.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    gelu = torch.nn.functional.gelu(gate, approximate="tanh") * up  # Gemma's GeGLU, gates far into both tails
+    torch.testing.assert_close(OPS.gelu_tanh_mul(gate_up), gelu, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(REF.gelu_tanh_mul(gate_up), gelu, rtol=0, atol=0)
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -256,107 +261,153 @@ def test_fused_cache_write_and_attention_match_reference():
                                     d**-0.5)
 
 
-def _decoder_inputs(num_layers: int, b: int, t: int, past: int, seed: int, with_extras: bool = False):
-    """Random operands of ``decoder_layers``: C 64, H 4, Hkv 2, D 16, I 96, Q4_1 / Q8_0 / F16 / BF16 projections;
-    ``with_extras``: layer 0 has the four biases and q/k norms (Qwen2, Qwen3), layer 1 a qkv bias only."""
+class DecoderInputs(NamedTuple):
+    """Random operands of ``decoder_layers`` (see :func:`_decoder_inputs`)."""
+
+    x: torch.Tensor
+    weights: list[torch.Tensor]
+    linears: list[int]
+    eps: list[float]
+    extras: list[torch.Tensor | None]
+    layer_args: list[int]
+    rope: list[torch.Tensor]
+    caches: list[torch.Tensor]
+    mask: torch.Tensor
+    heads: tuple[int, int, float, int, float]  # H, Hkv, scale, activation, softcap
+
+    def layers(self) -> tuple:
+        return self.x, self.weights, self.linears, self.eps, self.extras, self.layer_args, self.rope
+
+
+def _decoder_inputs(b: int, t: int, past: int, seed: int, variant: str = "llama") -> DecoderInputs:
+    """Random operands of two layers of ``decoder_layers``: C 64, H 4, Hkv 2, D 16, I 96, Q4_1 / Q8_0 / F16 / BF16
+    projections. ``variant``: ``llama`` (no extras); ``qwen``: layer 0 has the four biases and q/k norms (Qwen2,
+    Qwen3), layer 1 a qkv bias only; ``gemma``: q/k norms and post-attention / post-feedforward norms on both layers,
+    layer 0 full attention on RoPE table 1, layer 1 a 3-token window on table 2, GeGLU, scores capped at 2."""
     c, h, h_kv, d, inter = 64, 4, 2, 16, 96
     g, g_extra = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
     weights, linears, eps, extras = [], [], [], []
-    for layer in range(num_layers):
+    for layer in range(2):
         for j, (n, k) in enumerate((((h + 2 * h_kv) * d, c), (c, h * d), (2 * inter, c), (c, inter))):
             qtype = (Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16)[(layer + j) % 4]
             raw, _ = _gguf_matrix(qtype, n, k, seed=seed + n + k + layer)
             weight_type, packed = K.pack_gguf_rows(qtype.name, [raw])
             weights.append(packed)
             linears += [weight_type, n]
-            extras.append(torch.randn(n, generator=g_extra) if layer == 0 or j == 0 else None)
+            has_bias = variant == "qwen" and (layer == 0 or j == 0)
+            extras.append(torch.randn(n, generator=g_extra) if has_bias else None)
         eps += [1e-5, 1e-6, 1e-6]
-        extras += [torch.rand(d, generator=g_extra) + 0.5 if layer == 0 else None for _ in range(2)]  # q_norm, k_norm
-    for layer in range(num_layers):  # norms go at 6 l and 6 l + 3, around the four projections
+        has_qk_norm = variant == "gemma" or (variant == "qwen" and layer == 0)
+        extras += [torch.rand(d, generator=g_extra) + 0.5 if has_qk_norm else None for _ in range(2)]  # q_norm, k_norm
+        extras += [torch.rand(c, generator=g_extra) + 0.5 if variant == "gemma" else None for _ in range(2)]  # post
+    for layer in range(2):  # norms go at 6 l and 6 l + 3, around the four projections
         weights.insert(6 * layer, torch.rand(c, generator=g) + 0.5)
         weights.insert(6 * layer + 3, torch.rand(c, generator=g) + 0.5)
     x = torch.randn(b * t, c, generator=g)
-    angles = torch.randn(b * t, d // 2, generator=g)
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [N, D]
-    caches = [torch.randn(b, h_kv, past + t + 3, d, generator=g).half() for _ in range(2 * num_layers)]
+    rope = []
+    for _ in range(2 if variant == "gemma" else 1):
+        angles = torch.randn(b * t, d // 2, generator=g)
+        rope += [torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)]  # cos, sin [N, D]
+    caches = [torch.randn(b, h_kv, past + t + 3, d, generator=g).half() for _ in range(4)]
     mask = torch.ones(b, past + t, dtype=torch.bool)
     mask[-1, :2] = False  # a left-padded row
-    return x, weights, linears, eps, extras if with_extras else [], cos, sin, caches, mask, (h, h_kv, d**-0.5)
+    gemma = variant == "gemma"
+    return DecoderInputs(x, weights, linears, eps, extras if variant != "llama" else [], [1, 0, 2, 3] if gemma else [],
+                         rope, caches, mask, (h, h_kv, d**-0.5, int(gemma), 2.0 if gemma else 0.0))
 
 
-def _op_by_op(x, weights, linears, eps, extras, cos, sin, attend, h, h_kv, use_rope=()):
-    """``LlamaDecoderLayer.forward_kernels``, op by op, over every layer; ``attend(l, qkv)`` -> [N, H D]."""
-    rows = x
-    for layer in range(len(weights) // 6):
-        norm1, qkv, o, norm2, gate_up, down = weights[6 * layer : 6 * layer + 6]
-        lin, e = linears[8 * layer : 8 * layer + 8], eps[3 * layer : 3 * layer + 3]
-        qkv_b, o_b, gate_up_b, down_b, q_norm, k_norm = extras[6 * layer : 6 * layer + 6] if extras else [None] * 6
+def _op_by_op(inputs: DecoderInputs, attend) -> torch.Tensor:
+    """``LlamaDecoderLayer.forward_kernels`` (``Gemma3DecoderLayer.forward_kernels`` where the layer has post norms),
+    op by op, over every layer; ``attend(l, qkv, window)`` -> [N, H D]."""
+    rows, (h, h_kv, _, activation, _) = inputs.x, inputs.heads
+    for layer in range(len(inputs.weights) // 6):
+        norm1, qkv, o, norm2, gate_up, down = inputs.weights[6 * layer : 6 * layer + 6]
+        lin, e = inputs.linears[8 * layer : 8 * layer + 8], inputs.eps[3 * layer : 3 * layer + 3]
+        qkv_b, o_b, gate_up_b, down_b, q_norm, k_norm, post_attn, post_ff = (
+            inputs.extras[8 * layer : 8 * layer + 8] if inputs.extras else [None] * 8)
+        table, window = inputs.layer_args[2 * layer : 2 * layer + 2] if inputs.layer_args else (1, 0)
         hid = OPS.qgemm(OPS.rms_norm(rows, norm1, e[0]), qkv, lin[0], lin[1], qkv_b)
         if q_norm is not None:
             OPS.rms_norm_heads_(hid, q_norm, k_norm, e[2], h, h_kv)
-        if not use_rope or use_rope[layer]:
-            OPS.rope_qkv_(hid, cos, sin, h, h_kv)
-        hid = attend(layer, hid)
-        rows = OPS.qgemm(hid, o, lin[2], lin[3], o_b, rows)
+        if table:
+            OPS.rope_qkv_(hid, inputs.rope[2 * table - 2], inputs.rope[2 * table - 1], h, h_kv)
+        hid = attend(layer, hid, window)
+        rows = (OPS.qgemm(hid, o, lin[2], lin[3], o_b, rows) if post_attn is None
+                else rows + OPS.rms_norm(OPS.qgemm(hid, o, lin[2], lin[3], o_b), post_attn, e[0]))
         hid = OPS.qgemm(OPS.rms_norm(rows, norm2, e[1]), gate_up, lin[4], lin[5], gate_up_b)
-        rows = OPS.qgemm(OPS.silu_mul(hid), down, lin[6], lin[7], down_b, rows)
+        hid = OPS.gelu_tanh_mul(hid) if activation else OPS.silu_mul(hid)
+        rows = (OPS.qgemm(hid, down, lin[6], lin[7], down_b, rows) if post_ff is None
+                else rows + OPS.rms_norm(OPS.qgemm(hid, down, lin[6], lin[7], down_b), post_ff, e[1]))
     return rows
 
 
+def _clones(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.clone() for t in tensors]
+
+
 @needs_avx2
-@pytest.mark.parametrize("b,t,past,with_extras", [(1, 1, 9, False), (2, 3, 5, False), (2, 3, 5, True)])
-def test_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin(b, t, past, with_extras):
-    # a decode step; a chunk over a padded batch; the same with biases and q/k norms
-    x, weights, linears, eps, extras, cos, sin, caches, mask, (h, h_kv, scale) = _decoder_inputs(
-        2, b, t, past, seed=12, with_extras=with_extras)
-    ks, vs = [c.clone() for c in caches[0::2]], [c.clone() for c in caches[1::2]]
-    got = OPS.decoder_layers(x, weights, linears, eps, extras, [], cos, sin, ks, vs, mask, past, h, h_kv, scale)
-    mine_k, mine_v = [c.clone() for c in caches[0::2]], [c.clone() for c in caches[1::2]]
-    rows = _op_by_op(x, weights, linears, eps, extras, cos, sin, lambda layer, hid: OPS.static_attention(
-        hid, mine_k[layer], mine_v[layer], mask, past, h, scale), h, h_kv)
+@pytest.mark.parametrize("b,t,past,variant", [(1, 1, 9, "llama"), (2, 3, 5, "llama"), (2, 3, 5, "qwen"),
+                                              (2, 3, 5, "gemma"), (1, 1, 9, "gemma")])
+def test_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin(b, t, past, variant):
+    # a decode step; a chunk over a padded batch; the same with biases and q/k norms, and with Gemma's layer
+    inputs = _decoder_inputs(b, t, past, seed=12, variant=variant)
+    ks, vs, mask, (h, _, scale, _, softcap) = _clones(inputs.caches[0::2]), _clones(inputs.caches[1::2]), inputs.mask, inputs.heads
+    got = OPS.decoder_layers(*inputs.layers(), ks, vs, mask, past, *inputs.heads)
+    mine_k, mine_v = _clones(inputs.caches[0::2]), _clones(inputs.caches[1::2])
+    rows = _op_by_op(inputs, lambda layer, hid, window: OPS.static_attention(
+        hid, mine_k[layer], mine_v[layer], mask, past, h, scale, window, softcap))
     assert torch.equal(got, rows)
     assert all(torch.equal(a, c) for a, c in zip(ks + vs, mine_k + mine_v))  # the same slots written
-    ref_k, ref_v = [c.clone() for c in caches[0::2]], [c.clone() for c in caches[1::2]]
-    want = REF.decoder_layers(x, weights, linears, eps, extras, [], cos, sin, ref_k, ref_v, mask, past, h, h_kv, scale)
+    ref_k, ref_v = _clones(inputs.caches[0::2]), _clones(inputs.caches[1::2])
+    want = REF.decoder_layers(*inputs.layers(), ref_k, ref_v, mask, past, *inputs.heads)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * float(want.abs().max()))
-    if with_extras:  # the extras count: without them the numbers change
-        plain = OPS.decoder_layers(x, weights, linears, eps, [], [], cos, sin, [c.clone() for c in caches[0::2]],
-                                   [c.clone() for c in caches[1::2]], mask, past, h, h_kv, scale)
-        assert not torch.allclose(plain, got, atol=1e-2)
-        with pytest.raises(RuntimeError, match="extras must be empty or 6 per layer"):
-            OPS.decoder_layers(x, weights, linears, eps, extras[:-1], [], cos, sin, ks, vs, mask, past, h, h_kv, scale)
+
+    def changed(**what) -> bool:  # the op's output with an operand replaced differs from got
+        args = inputs._replace(**{k: v for k, v in what.items() if k != "heads"})
+        out = OPS.decoder_layers(*args.layers(), _clones(inputs.caches[0::2]), _clones(inputs.caches[1::2]), mask,
+                                 past, *what.get("heads", inputs.heads))
+        return not torch.allclose(out, got, atol=1e-2)
+
+    if variant != "llama":  # the extras count: without them the numbers change
+        assert changed(extras=[])
+        with pytest.raises(RuntimeError, match="extras must be empty or 8 per layer"):
+            OPS.decoder_layers(*inputs._replace(extras=inputs.extras[:-1]).layers(), ks, vs, mask, past, *inputs.heads)
+    if variant == "gemma":  # so do the second RoPE table, the window (past > 3), GeGLU and the softcap
+        assert changed(layer_args=[1, 0, 1, 3]) and changed(layer_args=[1, 0, 2, 0]) == (past > 0)
+        assert changed(heads=(*inputs.heads[:3], 0, softcap)) and changed(heads=(*inputs.heads[:4], 0.0))
+        with pytest.raises(RuntimeError, match="names rope table 3 of 2"):
+            OPS.decoder_layers(*inputs._replace(layer_args=[1, 0, 3, 0]).layers(), ks, vs, mask, past, *inputs.heads)
     with pytest.raises(RuntimeError, match="6 weights"):
-        OPS.decoder_layers(x, weights[:-1], linears, eps, extras, [], cos, sin, ks, vs, mask, past, h, h_kv, scale)
+        OPS.decoder_layers(*inputs._replace(weights=inputs.weights[:-1]).layers(), ks, vs, mask, past, *inputs.heads)
 
 
 @needs_avx2
-@pytest.mark.parametrize("with_extras,use_rope", [(False, []), (True, []), (False, [1, 0])])  # plain; Qwen; NoPE
-def test_paged_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin(with_extras, use_rope):
-    x, weights, linears, eps, extras, cos, sin, _, _, (h, h_kv, scale) = _decoder_inputs(
-        2, 1, 6, 0, seed=13, with_extras=with_extras)
+@pytest.mark.parametrize("variant,layer_args", [("llama", []), ("qwen", []), ("llama", [1, 0, 0, 0]),  # NoPE layer 1
+                                                ("gemma", [1, 0, 2, 3])])
+def test_paged_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin(variant, layer_args):
+    inputs = _decoder_inputs(1, 6, 0, seed=13, variant=variant)._replace(layer_args=layer_args)
+    h, h_kv, scale, _, softcap = inputs.heads
     g = torch.Generator().manual_seed(14)
     pools = [torch.randn(8, 4, h_kv, 16, generator=g).half() for _ in range(4)]  # k, v of two layers
     tables, seq_lens, qsl = torch.tensor([[2, 5], [7, 1]]), torch.tensor([3, 6]), torch.tensor([0, 3, 6])
     slots = torch.tensor([8, 9, 10, 7 * 4 + 3, 1 * 4 + 0, 1 * 4 + 1])  # seq 0: positions 0-2; seq 1: positions 3-5
     meta = (slots, tables, qsl, seq_lens)
-    mine = [p.clone() for p in pools]
-    got = OPS.paged_decoder_layers(x, weights, linears, eps, extras, use_rope, cos, sin, mine[0::2], mine[1::2], *meta, h, h_kv,
-                                   scale)
-    steps = [p.clone() for p in pools]
-    rows = _op_by_op(x, weights, linears, eps, extras, cos, sin, lambda layer, hid: OPS.paged_attention_qkv(
-        hid, steps[2 * layer], steps[2 * layer + 1], *meta, h, scale), h, h_kv, use_rope)
+    mine = _clones(pools)
+    got = OPS.paged_decoder_layers(*inputs.layers(), mine[0::2], mine[1::2], *meta, *inputs.heads)
+    steps = _clones(pools)
+    rows = _op_by_op(inputs, lambda layer, hid, window: OPS.paged_attention_qkv(
+        hid, steps[2 * layer], steps[2 * layer + 1], *meta, h, scale, window, softcap))
     assert torch.equal(got, rows) and all(torch.equal(a, b) for a, b in zip(mine, steps))
-    ref = [p.clone() for p in pools]
-    want = REF.paged_decoder_layers(x, weights, linears, eps, extras, use_rope, cos, sin, ref[0::2], ref[1::2], *meta, h, h_kv,
-                                    scale)
+    ref = _clones(pools)
+    want = REF.paged_decoder_layers(*inputs.layers(), ref[0::2], ref[1::2], *meta, *inputs.heads)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * float(want.abs().max()))
-    if use_rope:  # the flag counts: with RoPE everywhere the numbers change; a flag per layer or none
-        every = OPS.paged_decoder_layers(x, weights, linears, eps, extras, [], cos, sin, *[[p.clone() for p in pools][k::2]
-                                         for k in (0, 1)], *meta, h, h_kv, scale)
+    if layer_args:  # the layer args count: with RoPE table 1 and no window everywhere the numbers change
+        every = OPS.paged_decoder_layers(*inputs._replace(layer_args=[]).layers(), *[_clones(pools)[k::2] for k in (0, 1)],
+                                         *meta, *inputs.heads)
         assert not torch.allclose(every, got, atol=1e-2)
-        with pytest.raises(RuntimeError, match="use_rope must be empty or one flag per layer"):
-            OPS.paged_decoder_layers(x, weights, linears, eps, extras, [1], cos, sin, mine[0::2], mine[1::2], *meta, h,
-                                     h_kv, scale)
+        with pytest.raises(RuntimeError, match="layer_args must be empty or 2 per layer"):
+            OPS.paged_decoder_layers(*inputs._replace(layer_args=[1]).layers(), mine[0::2], mine[1::2], *meta,
+                                     *inputs.heads)
 
 
 @pytest.mark.parametrize("vocab_size", [49_152, 1_003, 7])  # whole blocks of 256; a partial block and vector; one vector
@@ -413,7 +464,8 @@ def test_k_quant_to_legacy_matches_its_twin_and_gguf_values(op, qtype, legacy, b
 
 
 @pytest.mark.parametrize("m,types", [(1, (Q.Q4_1, Q.Q8_0, Q.Q6_K)), (5, (Q.IQ4_NL, Q.Q8_0, Q.Q6_K)),
-                                     (3, (Q.Q3_K, Q.Q2_K, Q.Q6_K))], ids=["Q4_K_M", "IQ4_XS", "Q2_K_Q3_K"])
+                                     (3, (Q.Q3_K, Q.Q2_K, Q.Q6_K)), (2, (Q.MXFP4, Q.Q8_0, Q.IQ4_NL))],
+                         ids=["Q4_K_M", "IQ4_XS", "Q2_K_Q3_K", "MXFP4"])
 def test_mixed_weight_is_its_segments_stacked(m, types):
     """A stacked matrix of parts of different types (as a Q4_K_M, IQ4_XS or Q3_K_M file's q, k, v) in one MIXED
     weight: qgemm equals the dequantized parts stacked then multiplied, on the kernels and their twins, with one
@@ -439,6 +491,38 @@ def test_mixed_weight_is_its_segments_stacked(m, types):
         K.pack_gguf_segments([("Q6_K", parts[2][0]), ("Q4_1", parts[0][0])])
     with pytest.raises(RuntimeError, match="its header describes"):
         OPS.qgemm(x, blob[:-1], weight_type, 37, None)
+
+
+def test_mxfp4_records_hold_every_exponent_float16_can():
+    """MXFP4 blocks with random indices and exponents over the whole range float16 holds exactly (104 .. 143, both
+    ends): repacked to the same bytes as the twin, values equal to gguf's dequantization, qgemm and the embedding
+    lookup on them; an exponent beyond the range is refused by both (the loader re-encodes such files as Q8_0)."""
+    from kvgen.weights.quantized import mxfp4_fits_float16
+
+    gen = torch.Generator().manual_seed(23)
+    raw = torch.randint(0, 256, (19, 4, 17), dtype=torch.uint8, generator=gen)  # 19 rows of 128 values
+    raw[..., 0] = torch.randint(104, 144, (19, 4), dtype=torch.uint8, generator=gen)
+    raw[0, :2, 0] = torch.tensor([104, 143], dtype=torch.uint8)
+    raw = raw.view(19, 68)
+    dense = torch.from_numpy(dequantize(raw.numpy(), Q.MXFP4))  # [19, 128]
+    packed = OPS.repack_gguf([raw], 11)
+    assert torch.equal(packed, REF.repack_gguf([raw], 11)) and mxfp4_fits_float16(raw)
+    torch.testing.assert_close(R.dequantize_packed(packed, K.MXFP4)[:19], dense, rtol=0, atol=0)
+    x = torch.randn(3, 128, generator=gen)
+    want = R.dequantize_q8a(R.quantize_q8a(x)) @ dense.T  # [3, 19]
+    for ops in (OPS, REF):
+        torch.testing.assert_close(ops.qgemm(x, packed, K.MXFP4, 19, None), want, rtol=1e-5,
+                                   atol=1e-5 * float(want.abs().max()))
+        assert torch.equal(ops.dequantize_rows(packed, K.MXFP4, torch.tensor([18, 0]), 128), dense[[18, 0]])
+    for e in (103, 144):
+        bad = raw.clone()
+        bad.view(19, 4, 17)[5, 2, 0] = e
+        assert not mxfp4_fits_float16(bad)
+        with pytest.raises(ValueError, match="outside float16"):
+            REF.repack_gguf([bad], 11)
+        if OPS.backend == "avx2":
+            with pytest.raises(RuntimeError, match="outside float16"):
+                OPS.repack_gguf([bad], 11)
 
 
 def test_iq4_xs_to_iq4_nl_matches_its_twin_and_gguf_values():

@@ -2,7 +2,7 @@
 the same weights: a tiny random model (3 layers: sliding, full, sliding; window 6; attention softcap 5, final softcap
 10, both well inside the scores' and logits' range) saved as a Hugging Face directory, prompts of up to 20 tokens that
 cross the window, on the float32 reference path (dynamic and static caches, the paged engine with and without chunked
-prefill) and on the kernel path (bfloat16 matrices on the 16-bit kernels, layer by layer)."""
+prefill) and on the kernel path (bfloat16 matrices on the 16-bit kernels, every layer in one op)."""
 
 from __future__ import annotations
 
@@ -97,8 +97,8 @@ def test_gemma2_engine_greedy_tokens_are_transformers(gemma, engine_args):
     assert engine_greedy(ours, PROMPTS, NEW_TOKENS, **engine_args) == [hf_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
 
 
-def test_gemma2_16_bit_kernels_layer_by_layer_match_transformers(gemma):
-    """A bfloat16 directory loads onto the 16-bit kernels (every linear a QuantLinear, layer by layer, no q/k norm
+def test_gemma2_16_bit_kernels_match_transformers(gemma):
+    """A bfloat16 directory loads onto the 16-bit kernels (every linear a QuantLinear, no q/k norm
     op, K and V cached at float16, the attention ops capping the scores): logits near transformers' on the same
     (bfloat16-rounded) weights, the C++ ops and their torch twins agree, greedy tokens with the static and dynamic
     caches and in the paged engine (chunked prefill included) are transformers'; without the softcap in the ops the

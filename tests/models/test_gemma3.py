@@ -1,7 +1,7 @@
 """Our Gemma 3 decoder vs transformers' Gemma3ForCausalLM on the same weights: a tiny random model (3 layers:
 sliding, full, sliding; window 6) saved as a Hugging Face directory, prompts of up to 20 tokens that cross the window,
 on the float32 reference path (no cache, dynamic, static, the paged engine) and on the kernel path (bfloat16
-matrices on the 16-bit kernels, layer by layer, over the same caches)."""
+matrices on the 16-bit kernels, every layer in one op, over the same caches)."""
 
 from __future__ import annotations
 
@@ -86,8 +86,8 @@ def test_gemma3_engine_greedy_tokens_are_transformers(gemma, engine_args):
     assert engine_greedy(ours, PROMPTS, NEW_TOKENS, **engine_args) == [hf_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
 
 
-def test_gemma3_16_bit_kernels_layer_by_layer_match_transformers(gemma):
-    """A bfloat16 directory loads onto the 16-bit kernels (every linear a QuantLinear, layer by layer, K and V cached
+def test_gemma3_16_bit_kernels_match_transformers(gemma):
+    """A bfloat16 directory loads onto the 16-bit kernels (every linear a QuantLinear, K and V cached
     at float16): logits near transformers' on the same (bfloat16-rounded) weights without a cache, the C++ ops and
     their torch twins agree, and greedy tokens with the static and dynamic caches and in the paged engine (chunked
     prefill included) are transformers'."""

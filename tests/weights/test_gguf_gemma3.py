@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
-from helpers import engine_greedy, make_tiny_model, model_logits
+from helpers import (
+    assert_one_op_decoder_is_layer_by_layer,
+    engine_greedy,
+    make_tiny_model,
+    model_logits,
+)
 from weights.gemma_gguf import Q, copy_file_weights, write_gemma_gguf
 
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
@@ -81,6 +86,7 @@ def test_gemma3_q8_0_file_runs_on_the_kernels(tmp_path: Path):
     tokens = generate(quantized, ids, None, static).new_token_ids[0]
     assert generate(quantized, ids, None, replace(static, use_cache=False)).new_token_ids[0] == tokens
     assert engine_greedy(quantized, [ids[0].tolist()], 8, num_blocks=16)[0] == tokens  # blocks of 4
+    assert_one_op_decoder_is_layer_by_layer(quantized, ids)  # every layer in one op: the same bits
     for layer in quantized.model.layers:  # the kernels without the window: far beyond quantization noise
         layer.self_attn.window = 0
     assert float((model_logits(quantized, ids) - want).abs().mean()) > 0.2 * float(want.abs().mean())

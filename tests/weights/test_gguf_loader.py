@@ -23,7 +23,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
-from helpers import model_logits
+from helpers import assert_one_op_decoder_is_layer_by_layer, model_logits
 
 from kvgen.errors import (
     ModelFormatError,
@@ -276,7 +276,7 @@ def _mixed_types() -> dict[str, GGMLQuantizationType]:
     """Every supported type but the rarer IQ ones (each checked alone above) on some matrix, q and k included; norms
     stay F32."""
     assert set(RANDOM_TYPES + QUANTIZABLE) == SUPPORTED_QUANT_TYPES
-    types = K_QUANTS + QUANTIZABLE + [Q.IQ4_NL, Q.IQ4_XS]
+    types = K_QUANTS + QUANTIZABLE + [Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4]
     mats = [n for n, s in _tiny_shapes().items() if len(s) == 2]
     assert len(mats) >= len(types)
     return {name: types[i % len(types)] for i, name in enumerate(mats)}
@@ -368,29 +368,8 @@ def test_qwen2_files_load_as_stored_with_q_k_v_biases(tmp_path: Path, qtype) -> 
         got = quantized.compute_logits(quantized(ids, torch.arange(5)[None]))
     torch.testing.assert_close(got, want, rtol=0, atol=0.05 * float(want.abs().max()))
     if qtype == Q.Q8_0:  # on the kernels
-        _assert_one_op_decoder_is_layer_by_layer(quantized, ids, want)
-
-
-def _assert_one_op_decoder_is_layer_by_layer(model, ids: torch.Tensor, want: torch.Tensor) -> None:
-    """With a static cache the model runs ``decoder_layers`` (biases and q/k norms as its extras): the hidden states
-    and cache contents of the layer-by-layer path, bit for bit, over a prefill and a decode step; logits near
-    ``want`` [1, T, V] (the float32 path's, without a cache)."""
-    from kvgen.generation.runner import make_cache
-
-    runs = []
-    assert model._decoder_operands is not None and model._decoder_operands[3]  # extras gathered
-    try:
-        for one_op in (True, False):
-            model.one_op_decoder, cache = one_op, make_cache(model, "static", 1, ids.shape[1] + 2)
-            with torch.inference_mode():
-                hidden = model(ids, torch.arange(ids.shape[1])[None], cache)
-                step = model(ids[:, :1], torch.tensor([[ids.shape[1]]]), cache)
-            runs.append((hidden, step, *cache.key_cache, *cache.value_cache))
-    finally:
-        model.one_op_decoder = True
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
-    got = model.compute_logits(runs[0][0])
-    torch.testing.assert_close(got, want, rtol=0, atol=0.05 * float(want.abs().max()))
+        assert quantized._decoder_operands is not None and quantized._decoder_operands.extras  # extras gathered
+        assert_one_op_decoder_is_layer_by_layer(quantized, ids, want)
 
 
 def test_qwen3_files_normalize_each_head_on_both_paths(tmp_path: Path) -> None:
@@ -423,7 +402,8 @@ def test_qwen3_files_normalize_each_head_on_both_paths(tmp_path: Path) -> None:
     tol = 0.05 * float(want.abs().max())
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
     assert float((unnormed - want).abs().max()) > 4 * tol
-    _assert_one_op_decoder_is_layer_by_layer(quantized, ids, want)
+    assert quantized._decoder_operands is not None and quantized._decoder_operands.extras  # extras gathered
+    assert_one_op_decoder_is_layer_by_layer(quantized, ids, want)
 
 
 def test_rope_freqs_of_ones_is_ignored(tmp_path: Path) -> None:
@@ -568,7 +548,7 @@ def test_super_block_types_are_rewritten_as_kernel_types(qtype, legacy, size) ->
 
 
 def test_auto_keeps_blocks_and_reencodes_other_types_as_q8_0(tmp_path: Path) -> None:
-    """dtype=None (auto): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/Q6_K/IQ4_NL matrices keep their bytes, Q4_K, Q5_K and
+    """dtype=None (auto): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/Q6_K/IQ4_NL/MXFP4 matrices keep their bytes, Q4_K, Q5_K and
     IQ4_XS become Q4_1, Q5_1 and IQ4_NL, every other type (float) becomes Q8_0, q/k/v of three types stack into one
     mixed weight, and the quantized model's logits stay close to the float32 model's."""
     from kvgen.models import build_model
@@ -582,7 +562,7 @@ def test_auto_keeps_blocks_and_reencodes_other_types_as_q8_0(tmp_path: Path) -> 
     for g, qtype in types.items():
         blocks = compact[gguf_loader.gguf_to_kvgen_name(g)]
         assert isinstance(blocks, GGUFBlocks)
-        own = qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q6_K, Q.IQ4_NL)
+        own = qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q6_K, Q.IQ4_NL, Q.MXFP4)
         rewritten = {Q.Q4_K: Q.Q4_1, Q.Q5_K: Q.Q5_1, Q.IQ4_XS: Q.IQ4_NL}
         assert blocks.qtype == (qtype if own else rewritten.get(qtype, Q.Q8_0)), g
     assert not isinstance(compact["model.norm.weight"], GGUFBlocks)
@@ -599,6 +579,34 @@ def test_auto_keeps_blocks_and_reencodes_other_types_as_q8_0(tmp_path: Path) -> 
     assert float(err.mean()) < 0.05 * float(want.abs().mean())  # int8 activations on random weights: ~3 %; a wrong
     # repack or permutation gives ~100 %
     assert float(err.max()) < 0.1 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("exponents,kept", [((104, 143), True), ((100, 120), False)], ids=["in-range", "beyond-fp16"])
+def test_auto_keeps_mxfp4_blocks_whose_scales_fit_float16(tmp_path: Path, exponents, kept) -> None:
+    """An MXFP4 matrix (gpt-oss's experts) stays MXFP4 blocks on the MXFP4 kernel when every exponent gives a scale
+    float16 holds exactly (2^-24 .. 2^15), else it is re-encoded as Q8_0; either way the linear layer computes the
+    file's exact values (gguf's dequantization) within int8-activation error."""
+    from kvgen.models.quant_linear import QuantLinear
+    from kvgen.weights.quantized import GGUFBlocks
+
+    rng = np.random.default_rng(3)
+    raw = _random_kquant_bytes(24, 256, Q.MXFP4, rng).reshape(-1, 17)
+    raw[:, 0] = rng.integers(exponents[0], exponents[1] + 1, size=raw.shape[0], dtype=np.uint8)
+    raw[:2, 0] = exponents  # both ends
+    writer = GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    writer.add_tensor("t.weight", raw.reshape(24, -1), raw_dtype=Q.MXFP4)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    t = open_gguf(tmp_path / "m.gguf").tensors[0]
+    blocks = gguf_loader._compact_tensor(t, None, keep_16bit=False)
+    assert isinstance(blocks, GGUFBlocks) and blocks.qtype == (Q.MXFP4 if kept else Q.Q8_0)
+    exact = torch.from_numpy(dequantize(t.data, Q.MXFP4).copy())  # [24, 256]
+    linear = QuantLinear.from_gguf(blocks.qtype.name, blocks.parts, 256, None)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3))
+    want = x @ exact.T
+    assert float((linear(x) - want).abs().max()) < 0.03 * float(want.abs().max())
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16], ids=lambda q: q.name)

@@ -11,7 +11,7 @@ notice, never a crash). :func:`get_ops` returns whichever is in use.
 Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 
 * ``qgemm(x [M, K] f32, weight [G, nb, R] u8, weight_type, out_features, bias?, residual?) -> [M, N] f32``
-  (weight_type Q2, Q3, Q4, Q5, Q6, Q8, IQ4: x quantized per 32 values first; F16, BF16: x as it is; MIXED: a
+  (weight_type Q2, Q3, Q4, Q5, Q6, Q8, IQ4, MXFP4: x quantized per 32 values first; F16, BF16: x as it is; MIXED: a
   [bytes] weight of quantized segments, ``pack_gguf_segments``; Q2 and Q3 weights are [G, K / 256, R]: one record
   per 256-column super-block)
 * ``quantize_q8a(x [M, K] f32) -> [M, K / 32 * 40] u8``
@@ -24,19 +24,22 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 * ``paged_attention_qkv(qkv [N, W], k_pool, v_pool, slot_mapping [N], block_tables, query_start_loc, seq_lens, H,
   scale) -> [N, H*D]``: cache write + ``paged_attention``
 * every attention op also takes ``window=0`` (> 0: a query at position p sees positions > p - window only; Gemma's
-  sliding layers) and ``softcap=0.0`` (> 0: scores become ``softcap * tanh(score / softcap)``; Gemma 2)
+  sliding layers), ``softcap=0.0`` (> 0: scores become ``softcap * tanh(score / softcap)``; Gemma 2) and
+  ``sinks=None`` ([H] float32: one more logit in each head's softmax, its probability dropped; gpt-oss)
 * ``rms_norm(x [M, C], weight [C], eps) -> [M, C]``
 * ``rms_norm_heads_(qkv [N, (H + 2 Hkv) D], q_weight [D], k_weight [D], eps, H, Hkv)``: in place on each q and k
   head (Qwen3's q_norm, k_norm)
 * ``rope_qkv_(qkv [N, (H + 2 Hkv) D], cos [N, D], sin [N, D], H, Hkv)``: in place on q and k
-* ``silu_mul(gate_up [M, 2I]) -> [M, I]``
+* ``silu_mul(gate_up [M, 2I]) -> [M, I]``: SwiGLU's gate; ``gelu_tanh_mul`` the same for GeGLU (Gemma)
 * ``decoder_layers(x [N, C], weights (6 per layer), linears (8 ints per layer), eps (3 per layer), extras (empty,
-  or 6 per layer: 4 biases, q_norm, k_norm; each may be None), use_rope (empty, or 0/1 per layer), cos, sin [N, D],
-  k_caches, v_caches [B, Hkv, S_max, D] per layer, key_mask?, past_len, H, Hkv, scale) -> [N, C]``: every Llama
-  decoder layer over a static cache in one op (each layer's ops above, in order)
-* ``paged_decoder_layers(x, weights, linears, eps, extras, use_rope, cos, sin, k_pools, v_pools, slot_mapping,
-  block_tables, query_start_loc, seq_lens, H, Hkv, scale) -> [N, C]``: the same over a paged cache
-  (``paged_attention_qkv``)
+  or 8 per layer: 4 biases, q_norm, k_norm, post_attention_norm, post_feedforward_norm; each may be None),
+  layer_args (empty, or 2 per layer: RoPE table (0: none, r: rope[2r-2], rope[2r-1]), window), rope (cos, sin
+  [N, D] pairs), k_caches, v_caches [B, Hkv, S_max, D] per layer, key_mask?, past_len, H, Hkv, scale,
+  activation=0 (1: GeGLU), softcap=0.0) -> [N, C]``: every Llama or Gemma decoder layer over a static cache in one
+  op (each layer's ops above, in order)
+* ``paged_decoder_layers(x, weights, linears, eps, extras, layer_args, rope, k_pools, v_pools, slot_mapping,
+  block_tables, query_start_loc, seq_lens, H, Hkv, scale, activation=0, softcap=0.0) -> [N, C]``: the same over a
+  paged cache (``paged_attention_qkv``)
 * ``q4_k_to_q4_1(raw [rows, nsb * 144] u8) -> [rows, nsb * 160] u8``: GGUF Q4_K rows as Q4_1 rows (scales rounded to
   fp16), or an empty tensor when a scale overflows fp16; ``q5_k_to_q5_1`` the same for Q5_K (176 -> 8 x 24 bytes)
 * ``iq4_xs_to_iq4_nl(raw [rows, nsb * 136] u8) -> [rows, nsb * 144] u8``: GGUF IQ4_XS rows as IQ4_NL rows (scales
@@ -64,13 +67,14 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "ops.cpp", "quantize_q8a.cpp", "qgemm_q4.cpp", "qgemm_q5.cpp", "qgemm_q8.cpp", "qgemm_q6.cpp", "qgemm_f16.cpp",
     "qgemm_iq4.cpp", "qgemm_q23.cpp",
-    "attention.cpp", "rms_norm.cpp", "rope.cpp", "silu_mul.cpp", "repack.cpp", "decoder.cpp",
+    "attention.cpp", "rms_norm.cpp", "rope.cpp", "glu.cpp", "repack.cpp", "decoder.cpp",
     "softmax_draw.cpp",
 )
 HEADERS = ("common.h", "vec_math.h", "aten_lite.h", "ops.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
-Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3 = (reference.Q4, reference.Q8, reference.F16, reference.BF16, reference.Q6,
-                                                 reference.MIXED, reference.Q5, reference.IQ4, reference.Q2, reference.Q3)
+Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4 = (
+    reference.Q4, reference.Q8, reference.F16, reference.BF16, reference.Q6, reference.MIXED, reference.Q5, reference.IQ4,
+    reference.Q2, reference.Q3, reference.MXFP4)
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,7 @@ class KernelOps:
     rms_norm_heads_: Callable[..., None]
     rope_qkv_: Callable[..., None]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    gelu_tanh_mul: Callable[[torch.Tensor], torch.Tensor]
     repack_gguf: Callable[[list[torch.Tensor], int], torch.Tensor]
     q4_k_to_q4_1: Callable[[torch.Tensor], torch.Tensor]
     q5_k_to_q5_1: Callable[[torch.Tensor], torch.Tensor]
@@ -100,7 +105,7 @@ class KernelOps:
 
 _NAMES = (
     "qgemm", "quantize_q8a", "dequantize_rows", "attention", "paged_attention", "rms_norm", "rms_norm_heads_",
-    "rope_qkv_", "silu_mul", "repack_gguf", "q4_k_to_q4_1", "q5_k_to_q5_1",
+    "rope_qkv_", "silu_mul", "gelu_tanh_mul", "repack_gguf", "q4_k_to_q4_1", "q5_k_to_q5_1",
     "iq4_xs_to_iq4_nl", "static_attention", "paged_attention_qkv", "decoder_layers", "paged_decoder_layers",
     "softmax_draw",
 )
@@ -177,7 +182,8 @@ def pack_gguf_rows(qtype: str, parts: list[torch.Tensor]) -> tuple[int, torch.Te
     """GGUF-encoded row blocks of one matrix -> (weight_type, records [G, nb, R] uint8) in the
     kernels' 8-row layout.
 
-    qtype: one of ``reference.GGUF_TYPES`` (Q4_0, Q4_1, Q8_0, F16, BF16, Q6_K, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K);
+    qtype: one of ``reference.GGUF_TYPES`` (Q4_0, Q4_1, Q8_0, F16, BF16, Q6_K, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, MXFP4:
+    exponents in ``reference.MXFP4_EXPONENTS`` only);
     parts: [rows_i, bytes per row] uint8 each, stacked in order (q, k, v). Raises ValueError for another type or a
     malformed byte count.
     """
@@ -216,6 +222,6 @@ def reference_ops() -> KernelOps:
 
 
 __all__ = [
-    "BF16", "F16", "IQ4", "MIXED", "Q2", "Q3", "Q4", "Q5", "Q6", "Q8", "KernelOps", "cache_dir", "get_ops",
+    "BF16", "F16", "IQ4", "MIXED", "MXFP4", "Q2", "Q3", "Q4", "Q5", "Q6", "Q8", "KernelOps", "cache_dir", "get_ops",
     "pack_gguf_rows", "pack_gguf_segments", "reference_ops",
 ]

@@ -22,6 +22,8 @@ Layouts (see ``csrc/common.h``): weights are repacked at load from GGUF blocks i
   value = d sc u - dmin m (Q2), d sc (u - 4) (Q3).
 * IQ4 record, 144 bytes (from ``block_iq4_nl``; IQ4_XS as IQ4_NL rows): fp16 ``d[8]``, then ``qs`` as the Q4
   record's; value = d * IQ4_VALUES[nibble].
+* MXFP4 record, 144 bytes (from ``block_mxfp4``: an E8M0 exponent e, 16 bytes of FP4 indices): the IQ4 record with
+  d = 2^(e - 128) (exact in fp16 for e in 104 .. 143) and value = d * MXFP4_VALUES[nibble].
 
 Activations are quantized per 32 values (llama.cpp's ``block_q8_1`` with fp32 fields):
 40-byte blocks ``{float d; float s; int8 qs[32]}``, d = max|x| / 127,
@@ -33,6 +35,7 @@ Source: llama.cpp ``ggml/src/ggml-cpu/arch/x86/quants.c`` (``quantize_row_q8_1``
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -40,12 +43,16 @@ from kvgen.sampling.ops import inverse_cdf_at
 
 BLOCK = 32  # values per quantization block
 ROWS = 8  # rows per interleaved group
-Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3 = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9  # weight_type codes of the ops
+Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4 = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10  # weight_type codes of the ops
 MIXED_HEADER = 64  # bytes of int64 {S, nb, (weight_type, groups) x S} before a mixed weight's segments
-RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 224, F16: 512, BF16: 512, Q5: 192, IQ4: 144, Q2: 672, Q3: 912}
+RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 224, F16: 512, BF16: 512, Q5: 192, IQ4: 144, Q2: 672, Q3: 912, MXFP4: 144}
 RECORD_BLOCKS = {Q2: 8, Q3: 8}  # 32-column blocks per record: one 256-column super-block (1 for the other types)
 # The values of IQ4_NL / IQ4_XS's 4-bit indices (ggml-common.h kvalues_iq4nl)
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# The values of an MXFP4 index: FP4 E2M1 (0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives) doubled (ggml-common.h
+# kvalues_mxfp4), with the block scale halved to match: 2^(e - 128)
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+MXFP4_EXPONENTS = (104, 143)  # the E8M0 exponents whose scale 2^(e - 128) float16 holds exactly
 # GGUF block sizes in bytes: (scale bytes, has min, quant bytes)
 _Q4_0_BYTES, _Q4_1_BYTES, _Q8_0_BYTES = 18, 20, 34
 
@@ -81,21 +88,26 @@ def repack_q4(raw: torch.Tensor, has_min: bool, zero_point: float = 8.0) -> torc
     return torch.cat([d, m, qs], dim=-1).contiguous()  # [G, nb, 160]
 
 
-# gguf_type codes 0-10 of repack_gguf
-GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K")
+# gguf_type codes 0-11 of repack_gguf
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "MXFP4")
 # bytes per GGUF block of each (32 values; the K types: 256)
 GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "BF16": 64, "Q6_K": 210, "Q5_0": 22, "Q5_1": 24,
-                    "IQ4_NL": 18, "Q2_K": 84, "Q3_K": 110}
+                    "IQ4_NL": 18, "Q2_K": 84, "Q3_K": 110, "MXFP4": 17}
 # the weight_type each GGUF type's records are
 WEIGHT_TYPE_OF = {"Q4_0": Q4, "Q4_1": Q4, "Q8_0": Q8, "F16": F16, "BF16": BF16, "Q6_K": Q6, "Q5_0": Q5, "Q5_1": Q5,
-                  "IQ4_NL": IQ4, "Q2_K": Q2, "Q3_K": Q3}
+                  "IQ4_NL": IQ4, "Q2_K": Q2, "Q3_K": Q3, "MXFP4": MXFP4}
 
 
 def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
     """Row blocks ``parts`` ([rows_i, bytes] uint8, one GGUF type) of one matrix -> its records
     [G, nb, R] uint8: Q4 records for Q4_0 (0) / Q4_1 (1), Q8 records for Q8_0 (2), 16-bit records for F16 (3) and
-    BF16 (4), Q6 records for Q6_K (5), Q5 records for Q5_0 (6) / Q5_1 (7), IQ4 records for IQ4_NL (8)."""
+    BF16 (4), Q6 records for Q6_K (5), Q5 records for Q5_0 (6) / Q5_1 (7), IQ4 records for IQ4_NL (8), Q2 / Q3
+    records for Q2_K (9) / Q3_K (10), MXFP4 records for MXFP4 (11). Raises ValueError for an MXFP4 exponent outside
+    ``MXFP4_EXPONENTS``."""
     raw = torch.cat(parts) if len(parts) > 1 else parts[0]  # [N, bytes]
+    if gguf_type == 11:
+        raw = mxfp4_as_iq4_nl(raw)  # [N, nb * 18]: d = 2^(e - 128) as float16, the indices as they are
+        gguf_type = 8
     if gguf_type in (9, 10):
         return repack_q23_k(raw, q3=gguf_type == 10)
     if gguf_type == 8:
@@ -110,6 +122,19 @@ def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
     if gguf_type in (3, 4):
         return repack_16bit(raw)
     return repack_q4(raw, has_min=gguf_type == 1)
+
+
+def mxfp4_as_iq4_nl(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF MXFP4 rows [N, nb * 17] uint8 (E8M0 exponent e, 16 index bytes) -> rows of IQ4_NL's block layout
+    [N, nb * 18] (fp16 d = 2^(e - 128), the same index bytes), read with ``MXFP4_VALUES``. Raises ValueError for an
+    exponent outside ``MXFP4_EXPONENTS`` (a scale float16 does not hold). Source: ggml ``dequantize_row_mxfp4``."""
+    blocks = raw.reshape(raw.shape[0], -1, 17)  # [N, nb, 17]
+    e = blocks[..., 0].long()  # [N, nb]
+    if e.numel() and not MXFP4_EXPONENTS[0] <= int(e.min()) <= int(e.max()) <= MXFP4_EXPONENTS[1]:
+        raise ValueError(f"MXFP4 exponents {int(e.min())} .. {int(e.max())} give scales outside float16 "
+                         f"({MXFP4_EXPONENTS[0]} .. {MXFP4_EXPONENTS[1]})")
+    d = torch.ldexp(torch.ones(e.shape), (e - 128).float()).half().view(torch.uint8).view(*e.shape, 2)  # [N, nb, 2]
+    return torch.cat([d, blocks[..., 1:]], dim=-1).reshape(raw.shape[0], -1)  # [N, nb * 18]
 
 
 def _q3_k_fields(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -397,9 +422,10 @@ def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
             lo, hi = lo + 16 * ((qh >> t) & 1).float(), hi + 16 * ((qh >> (t + 4)) & 1).float()
         q = torch.cat([lo, hi], dim=2)  # [G, nb, 8 quads, r, i]: quads 0-3 low, 4-7 high
         w = q * d.view(g, nb, 1, ROWS, 1) + m.view(g, nb, 1, ROWS, 1)
-    elif weight_type == IQ4:
+    elif weight_type in (IQ4, MXFP4):
         qs = weight[..., 16:].reshape(g, nb, 4, ROWS, 4).long()  # [G, nb, t, r, i]
-        q = torch.tensor(IQ4_VALUES, dtype=torch.float32)[torch.cat([qs & 15, qs >> 4], dim=2)]  # [G, nb, 8, r, i]
+        values = torch.tensor(IQ4_VALUES if weight_type == IQ4 else MXFP4_VALUES, dtype=torch.float32)
+        q = values[torch.cat([qs & 15, qs >> 4], dim=2)]  # [G, nb, 8, r, i]
         w = q * d.view(g, nb, 1, ROWS, 1)
     elif weight_type == Q8:
         q = weight[..., 16:].contiguous().view(torch.int8).reshape(g, nb, 8, ROWS, 4).float()  # [G, nb, j, r, i]
@@ -449,15 +475,17 @@ def dequantize_rows(weight: torch.Tensor, weight_type: int, ids: torch.Tensor, i
 
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, past_len: int, scale: float,
-    window: int = 0, softcap: float = 0.0,
+    window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over a cache: q [B, H, T, D] float32; k, v [B, Hkv, S, D] (read at fp16
     precision); key_mask [B, S] bool or None. Query t sits at slot ``past_len + t`` and sees the
     slots up to it that key_mask allows (a query that sees none sees its own slot); with ``window`` > 0 (a
     sliding-window layer) only the slots > ``past_len + t - window`` of those. ``softcap`` > 0 (Gemma 2): each
-    scaled score s becomes ``softcap * tanh(s / softcap)`` before the softmax.
+    scaled score s becomes ``softcap * tanh(s / softcap)`` before the softmax. ``sinks`` [H] (gpt-oss): each head's
+    softmax also runs over its sink logit, whose probability is dropped.
     Returns [B, T, H, D] float32. Source: Vaswani et al. 2017 eq. 1; GQA as HF ``repeat_kv``; the window as
-    transformers' ``sliding_window_overlay``; the softcap as its Gemma 2 ``eager_attention_forward``.
+    transformers' ``sliding_window_overlay``; the softcap as its Gemma 2 ``eager_attention_forward``; the sinks as its
+    GptOss ``eager_attention_forward``.
     """
     b, h, t, d = q.shape
     h_kv, s = k.shape[1], k.shape[2]
@@ -474,7 +502,12 @@ def attention(
     if softcap > 0:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    out = torch.softmax(scores, dim=-1).view(b, h_kv, -1, s) @ v  # [B, Hkv, G*T, D]
+    if sinks is not None:  # one more logit per head, its probability dropped
+        sink = sinks.float().view(1, h_kv, h // h_kv, 1, 1).expand(b, -1, -1, t, 1)  # [B, Hkv, G, T, 1]
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :s]  # [B, Hkv, G, T, S]
+    else:
+        probs = torch.softmax(scores, dim=-1)  # [B, Hkv, G, T, S]
+    out = probs.reshape(b, h_kv, -1, s) @ v  # [B, Hkv, G*T, D]
     return out.view(b, h, t, d).transpose(1, 2).contiguous()  # [B, T, H, D]
 
 
@@ -488,10 +521,11 @@ def paged_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed queries q [N, H, D] of R sequences (``query_start_loc`` [R+1]) over pools
     [num_blocks, block_size, Hkv, D] through ``block_tables`` [R, nb]; sequence r's queries are
-    its last positions before ``seq_lens[r]``; ``window`` and ``softcap`` as :func:`attention`. Returns [N, H, D]
+    its last positions before ``seq_lens[r]``; ``window``, ``softcap`` and ``sinks`` as :func:`attention`. Returns [N, H, D]
     float32.
     """
     out = torch.empty_like(q)
@@ -503,7 +537,7 @@ def paged_attention(
         k = k_pool.view(-1, *k_pool.shape[2:])[slots].transpose(0, 1)[None]  # [1, Hkv, L, D]
         v = v_pool.view(-1, *v_pool.shape[2:])[slots].transpose(0, 1)[None]  # [1, Hkv, L, D]
         qr = q[start:end].transpose(0, 1)[None]  # [1, H, T, D]
-        out[start:end] = attention(qr, k, v, None, length - (end - start), scale, window, softcap)[0]
+        out[start:end] = attention(qr, k, v, None, length - (end - start), scale, window, softcap, sinks)[0]
     return out
 
 
@@ -516,9 +550,11 @@ def _split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: i
 def static_attention(
     qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_mask: torch.Tensor | None,
     past_len: int, num_heads: int, scale: float, window: int = 0, softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qkv [B*T, (H + 2 Hkv) D]: write k, v at slots past_len.. of caches [B, Hkv, S_max, D], then
-    :func:`attention` over the first past_len + T slots (``window``, ``softcap`` as there). Returns [B*T, H*D]."""
+    :func:`attention` over the first past_len + T slots (``window``, ``softcap``, ``sinks`` as there). Returns
+    [B*T, H*D]."""
     b, h_kv, _, d = k_cache.shape
     t = qkv.shape[0] // b
     q, k, v = _split_qkv(qkv, num_heads, h_kv, d)  # [N, H|Hkv, D]
@@ -527,23 +563,23 @@ def static_attention(
     end = past_len + t
     qb = q.view(b, t, num_heads, d).transpose(1, 2)  # [B, H, T, D]
     out = attention(qb, k_cache[:, :, :end], v_cache[:, :, :end], key_mask, past_len, scale, window,
-                    softcap)  # [B, T, H, D]
+                    softcap, sinks)  # [B, T, H, D]
     return out.reshape(b * t, num_heads * d)
 
 
 def paged_attention_qkv(
     qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor,
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, scale: float,
-    window: int = 0, softcap: float = 0.0,
+    window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qkv [N, (H + 2 Hkv) D]: write k, v to ``slot_mapping`` [N] of the pools, then
-    :func:`paged_attention` (``window``, ``softcap`` as there). Returns [N, H*D]."""
+    :func:`paged_attention` (``window``, ``softcap``, ``sinks`` as there). Returns [N, H*D]."""
     h_kv, d = k_pool.shape[2], k_pool.shape[3]
     q, k, v = _split_qkv(qkv, num_heads, h_kv, d)
     k_pool.view(-1, h_kv, d).index_copy_(0, slot_mapping, k.to(k_pool.dtype))
     v_pool.view(-1, h_kv, d).index_copy_(0, slot_mapping, v.to(v_pool.dtype))
     out = paged_attention(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, scale, window,
-                          softcap)  # [N, H, D]
+                          softcap, sinks)  # [N, H, D]
     return out.reshape(qkv.shape[0], num_heads * d)
 
 
@@ -567,6 +603,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU gate (Gemma's ``gelu_pytorch_tanh``): gate_up [M, 2I] (gate first) -> gelu_tanh(gate) * up [M, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
 def rms_norm_heads_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, num_heads: int,
                     num_kv_heads: int) -> None:
     """RMS-normalize, in place, each q head of stacked rows qkv [N, (H + 2 Hkv) D] by q_weight [D] and each k head by
@@ -577,57 +619,85 @@ def rms_norm_heads_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.T
     heads.copy_(weight * (heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + eps)))
 
 
-def _layers(
-    x: torch.Tensor, weights: list[torch.Tensor], linears: list[int], eps: list[float],
-    extras: list[torch.Tensor | None], use_rope: list[int], cos: torch.Tensor, sin: torch.Tensor, num_layers: int,
-    num_heads: int, num_kv_heads: int, attend: Callable[[int, torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """The layer loop of :func:`decoder_layers`; ``attend(l, qkv)`` stores layer l's k, v and returns [N, H D]."""
+@dataclass(frozen=True)
+class _Layers:
+    """The per-layer operands of :func:`decoder_layers` (see its docstring)."""
+
+    weights: list[torch.Tensor]
+    linears: list[int]
+    eps: list[float]
+    extras: list[torch.Tensor | None]
+    layer_args: list[int]
+    rope: list[torch.Tensor]
+    num_heads: int
+    num_kv_heads: int
+    activation: int
+
+
+def _layers(x: torch.Tensor, p: _Layers, num_layers: int, attend: Callable[[int, torch.Tensor, int], torch.Tensor]
+            ) -> torch.Tensor:
+    """The layer loop of :func:`decoder_layers`; ``attend(l, qkv, window)`` stores layer l's k, v and returns
+    [N, H D]."""
     for layer in range(num_layers):
-        norm1, qkv, o, norm2, gate_up, down = weights[6 * layer : 6 * layer + 6]
-        lin, e = linears[8 * layer : 8 * layer + 8], eps[3 * layer : 3 * layer + 3]
-        biases_and_norms = extras[6 * layer : 6 * layer + 6] if extras else [None] * 6
-        qkv_b, o_b, gate_up_b, down_b, q_norm, k_norm = biases_and_norms
+        norm1, qkv, o, norm2, gate_up, down = p.weights[6 * layer : 6 * layer + 6]
+        lin, e = p.linears[8 * layer : 8 * layer + 8], p.eps[3 * layer : 3 * layer + 3]
+        qkv_b, o_b, gate_up_b, down_b, q_norm, k_norm, post_attn, post_ff = (
+            p.extras[8 * layer : 8 * layer + 8] if p.extras else [None] * 8)
+        table, window = p.layer_args[2 * layer : 2 * layer + 2] if p.layer_args else (1, 0)
         h = qgemm(rms_norm(x, norm1, e[0]), qkv, lin[0], lin[1], qkv_b)  # [N, (H + 2 Hkv) D]
         if q_norm is not None and k_norm is not None:
-            rms_norm_heads_(h, q_norm, k_norm, e[2], num_heads, num_kv_heads)
-        if not use_rope or use_rope[layer]:
-            rope_qkv_(h, cos, sin, num_heads, num_kv_heads)
-        h = attend(layer, h)  # [N, H D]
-        x = qgemm(h, o, lin[2], lin[3], o_b, x)
+            rms_norm_heads_(h, q_norm, k_norm, e[2], p.num_heads, p.num_kv_heads)
+        if table:
+            rope_qkv_(h, p.rope[2 * table - 2], p.rope[2 * table - 1], p.num_heads, p.num_kv_heads)
+        h = attend(layer, h, window)  # [N, H D]
+        if post_attn is None:
+            x = qgemm(h, o, lin[2], lin[3], o_b, x)
+        else:
+            x = x + rms_norm(qgemm(h, o, lin[2], lin[3], o_b), post_attn, e[0])
         h = qgemm(rms_norm(x, norm2, e[1]), gate_up, lin[4], lin[5], gate_up_b)  # [N, 2 I]
-        x = qgemm(silu_mul(h), down, lin[6], lin[7], down_b, x)
+        h = gelu_tanh_mul(h) if p.activation == 1 else silu_mul(h)  # [N, I]
+        if post_ff is None:
+            x = qgemm(h, down, lin[6], lin[7], down_b, x)
+        else:
+            x = x + rms_norm(qgemm(h, down, lin[6], lin[7], down_b), post_ff, e[1])
     return x
 
 
 def decoder_layers(
     x: torch.Tensor, weights: list[torch.Tensor], linears: list[int], eps: list[float],
-    extras: list[torch.Tensor | None], use_rope: list[int], cos: torch.Tensor, sin: torch.Tensor, k_caches: list[torch.Tensor],
+    extras: list[torch.Tensor | None], layer_args: list[int], rope: list[torch.Tensor], k_caches: list[torch.Tensor],
     v_caches: list[torch.Tensor], key_mask: torch.Tensor | None, past_len: int, num_heads: int, num_kv_heads: int,
-    scale: float,
+    scale: float, activation: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Every decoder layer of a Llama-family model on rows x [N = B T, C] with a static KV cache, as
-    ``LlamaDecoderLayer.forward_kernels`` per layer l: weights[6 l : 6 l + 6] = (input_layernorm,
-    qkv_proj, o_proj, post_attention_layernorm, gate_up_proj, down_proj), linears[8 l : 8 l + 8] =
-    (weight_type, out_features) of the four projections, eps[3 l : 3 l + 3] (the two norms, the q/k norms),
-    extras empty or extras[6 l : 6 l + 6] = (the four projections' biases, q_norm, k_norm), each possibly None;
-    use_rope empty (every layer) or a 0/1 per layer (0: no RoPE, SmolLM3's NoPE layers);
-    caches [B, Hkv, S_max, D] written at slots ``past_len..`` (:func:`static_attention`). Returns [N, C] float32."""
-    return _layers(x, weights, linears, eps, extras, use_rope, cos, sin, len(k_caches), num_heads, num_kv_heads, lambda layer, h:
-                   static_attention(h, k_caches[layer], v_caches[layer], key_mask, past_len, num_heads, scale))
+    """Every decoder layer of a Llama-family or Gemma model on rows x [N = B T, C] with a static KV cache, as
+    ``LlamaDecoderLayer.forward_kernels`` (``Gemma3DecoderLayer.forward_kernels``) per layer l: weights[6 l : 6 l + 6]
+    = (input_layernorm, qkv_proj, o_proj, post_attention_layernorm (Gemma: pre_feedforward_layernorm), gate_up_proj,
+    down_proj), linears[8 l : 8 l + 8] = (weight_type, out_features) of the four projections, eps[3 l : 3 l + 3] (the
+    two norms, the q/k norms), extras empty or extras[8 l : 8 l + 8] = (the four projections' biases, q_norm, k_norm,
+    Gemma's post_attention_layernorm and post_feedforward_layernorm, normalizing the attention and MLP outputs before
+    their residual adds with the eps of the norm before them), each possibly None; layer_args empty (every layer
+    rotates by rope[0], rope[1], no window) or 2 per layer: (r, window), r = 0 no RoPE (SmolLM3's NoPE layers), r > 0
+    the pair rope[2 r - 2], rope[2 r - 1] [N, D], window > 0 a sliding-window layer; activation 0 SwiGLU, 1 GeGLU;
+    softcap > 0 caps the scores (Gemma 2); caches [B, Hkv, S_max, D] written at slots ``past_len..``
+    (:func:`static_attention`). Returns [N, C] float32."""
+    p = _Layers(weights, linears, eps, extras, layer_args, rope, num_heads, num_kv_heads, activation)
+    return _layers(x, p, len(k_caches), lambda layer, h, window: static_attention(
+        h, k_caches[layer], v_caches[layer], key_mask, past_len, num_heads, scale, window, softcap))
 
 
 def paged_decoder_layers(
     x: torch.Tensor, weights: list[torch.Tensor], linears: list[int], eps: list[float],
-    extras: list[torch.Tensor | None], use_rope: list[int], cos: torch.Tensor, sin: torch.Tensor, k_pools: list[torch.Tensor],
+    extras: list[torch.Tensor | None], layer_args: list[int], rope: list[torch.Tensor], k_pools: list[torch.Tensor],
     v_pools: list[torch.Tensor], slot_mapping: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int, scale: float,
+    activation: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """:func:`decoder_layers` over packed rows x [N, C] of several sequences and per-layer pools
     [num_blocks, block_size, Hkv, D] (:func:`paged_attention_qkv`). Returns [N, C] float32."""
-    return _layers(x, weights, linears, eps, extras, use_rope, cos, sin, len(k_pools), num_heads, num_kv_heads, lambda layer, h:
-                   paged_attention_qkv(h, k_pools[layer], v_pools[layer], slot_mapping, block_tables,
-                                       query_start_loc, seq_lens, num_heads, scale))
+    p = _Layers(weights, linears, eps, extras, layer_args, rope, num_heads, num_kv_heads, activation)
+    return _layers(x, p, len(k_pools), lambda layer, h, window: paged_attention_qkv(
+        h, k_pools[layer], v_pools[layer], slot_mapping, block_tables, query_start_loc, seq_lens, num_heads, scale,
+        window, softcap))
 
 
 def softmax_draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

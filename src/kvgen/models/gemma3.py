@@ -8,8 +8,9 @@ per-layer ``layer_types``: sliding-window layers see their last ``sliding_window
 ``rope_local_base_freq`` (unscaled), full layers by ``rope_theta`` with ``rope_scaling``. Outputs must agree with
 transformers 4.55 ``Gemma3ForCausalLM`` on the same weights; the GGUF graph is llama.cpp's ``llm_build_gemma3``.
 
-The kernel path (quantized or 16-bit weights) runs layer by layer on the kernel ops (``forward_kernels``); the
-one-op decoder (``kernels.decoder_layers``) computes Llama's layer only, so Gemma 3 does not take it.
+The kernel path (quantized or 16-bit weights) runs every layer in one op over a static or paged KV cache (the one-op
+decoder, :mod:`kvgen.models.one_op`: sandwich norms, GeGLU, per-layer RoPE tables and windows), else layer by layer on
+the same kernel ops (``forward_kernels``).
 """
 
 from __future__ import annotations
@@ -33,10 +34,9 @@ from kvgen.models.attention import (
 from kvgen.models.base import CausalLM, HasKernels
 from kvgen.models.layers import RMSNorm, RopeTable, rope_cos_sin, rope_inv_freq
 from kvgen.models.llama import LlamaAttention, LlamaMLP
+from kvgen.models.one_op import DecoderOperands
+from kvgen.models.one_op import LinearOperands as _LinearOperands
 from kvgen.models.quant_linear import QuantEmbedding, QuantLinear, VocabEmbedding
-
-# A QuantLinear's operands of kernels.qgemm: (qweight, weight_type, out_features, bias).
-_LinearOperands = tuple[torch.Tensor, int, int, torch.Tensor | None]
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -77,12 +77,6 @@ class Gemma3MLP(LlamaMLP):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
-def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """GeGLU gate of the kernel path: gate_up [N, 2I] float32 (gate first) -> gelu_tanh(gate) * up [N, I]."""
-    gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
-    return F.gelu(gate, approximate="tanh") * up
-
-
 class Gemma3DecoderLayer(nn.Module):
     """x + post_attn_norm(attn(norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x))) (transformers
     ``Gemma3DecoderLayer``)."""
@@ -120,7 +114,7 @@ class Gemma3DecoderLayer(nn.Module):
                         attn.scaling, attn.window, attn.softcap)  # [N, H D]
         x = x + ops.rms_norm(ops.qgemm(h, *o), norms[1], eps)  # [N, C]
         h = ops.qgemm(ops.rms_norm(x, norms[2], eps), *gate_up)  # [N, 2I]
-        return x + ops.rms_norm(ops.qgemm(gelu_tanh_mul(h), *down), norms[3], eps)  # [N, C]
+        return x + ops.rms_norm(ops.qgemm(ops.gelu_tanh_mul(h), *down), norms[3], eps)  # [N, C]
 
     def bind_kernels(self, kernels: KernelOps) -> None:
         """Gather ``forward_kernels``' operands once: norms (input, post-attention, pre-/post-feedforward, then q, k
@@ -156,7 +150,6 @@ class Gemma3ForCausalLM(CausalLM):
 
     inv_freq: torch.Tensor  # [D/2] float32: the full-attention layers' RoPE (rope_theta, rope_scaling)
     inv_freq_local: torch.Tensor  # [D/2] float32: the sliding layers' RoPE (rope_local_base_freq, unscaled)
-    one_op_decoder = False  # kernels.decoder_layers runs Llama's layer, not this one: always layer by layer
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -170,6 +163,7 @@ class Gemma3ForCausalLM(CausalLM):
         self.kv_cache_dtype: torch.dtype | None = None  # None: the parameters' dtype
         self.kernels: KernelOps | None = None  # set by use_kernels (quantized or 16-bit weights)
         self._ropes = (RopeTable(), RopeTable())  # the kernel path's tables: full, sliding
+        self._decoder_operands: DecoderOperands | None = None  # set by use_kernels
 
     def forward(
         self,
@@ -199,14 +193,19 @@ class Gemma3ForCausalLM(CausalLM):
         """Every layer's ``forward_kernels`` on the rows of x [B, T, C] float32 -> [B, T, C]; each layer rotates by
         its kind's table and attends through its window (mask: ``prepare_key_mask``'s)."""
         ropes = [self._ropes[0].rows(positions, self.inv_freq), self._ropes[1].rows(positions, self.inv_freq_local)]
-        rows = x.view(-1, x.shape[-1])  # [N, C]
-        for i, layer in enumerate(cast(list[Gemma3DecoderLayer], self.model.layers)):
-            rows = layer.forward_kernels(rows, x.shape[0], *ropes[self.is_sliding[i]], i, kv_cache, mask)
-        return rows.view(x.shape)
+        rows, operands = x.view(-1, x.shape[-1]), self._decoder_operands  # [N, C]
+        assert self.kernels is not None
+        out = operands.run(self.kernels, rows, [*ropes[0], *ropes[1]], kv_cache, mask, x.shape[1]) if (
+            operands is not None and self.one_op_decoder) else None  # None: neither a static nor a paged cache
+        if out is None:
+            for i, layer in enumerate(cast(list[Gemma3DecoderLayer], self.model.layers)):
+                rows = layer.forward_kernels(rows, x.shape[0], *ropes[self.is_sliding[i]], i, kv_cache, mask)
+        return (rows if out is None else out).view(x.shape)
 
     def use_kernels(self, kernels: KernelOps) -> None:
-        """Run every layer through ``kernels`` (the C++ ops or their torch twins), layer by layer; every linear layer
-        must be a ``QuantLinear``. K and V are then cached at float16 (what the kernels read)."""
+        """Run every layer through ``kernels`` (the C++ ops or their torch twins): in one op where the cache allows,
+        else layer by layer; every linear layer must be a ``QuantLinear``. K and V are then cached at float16 (what
+        the kernels read)."""
         for module in self.modules():
             if isinstance(module, Gemma3DecoderLayer):
                 module.bind_kernels(kernels)
@@ -214,6 +213,23 @@ class Gemma3ForCausalLM(CausalLM):
                 module.kernels = kernels
         self.kernels = kernels
         self.kv_cache_dtype = torch.float16
+        self._decoder_operands = self._gather_decoder_operands()
+
+    def _gather_decoder_operands(self) -> DecoderOperands:
+        """The one-op decoder's operands (:class:`DecoderOperands`): per layer the four norms, the q/k norms (Gemma 3),
+        the projections, the RoPE table (1: full, 2: sliding, as ``_layers_on_kernels`` passes them) and the window;
+        GeGLU and the score softcap for every layer."""
+        layers = cast(list[Gemma3DecoderLayer], self.model.layers)
+        attn = layers[0].self_attn
+        operands = DecoderOperands(attn.num_heads, attn.num_kv_heads, cast(float, attn.scaling), activation=1,
+                                   softcap=attn.softcap)
+        for layer, sliding in zip(layers, self.is_sliding):
+            _, norms, eps, qkv, o, gate_up, down = layer._operands
+            q_norm, k_norm = norms[4:6] if len(norms) == 6 else (None, None)
+            operands.add_layer((norms[0], norms[2]), (eps, eps, eps), (qkv, o, gate_up, down),
+                               (q_norm, k_norm, norms[1], norms[3]), rope_table=2 if sliding else 1,
+                               window=layer.self_attn.window)
+        return operands.finish()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: hidden [..., C] -> logits [..., V] float32 (no final softcapping: Gemma 3 has none)."""

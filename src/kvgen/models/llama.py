@@ -36,19 +36,16 @@ from kvgen.models.layers import (
     rope_inv_freq,
 )
 from kvgen.models.moe import SparseMoeBlock
+from kvgen.models.one_op import DecoderOperands
+from kvgen.models.one_op import LinearOperands as _LinearOperands
 from kvgen.models.quant_linear import QuantEmbedding, QuantLinear, VocabEmbedding
 
-# A QuantLinear's operands of kernels.qgemm: (qweight, weight_type, out_features, bias).
-_LinearOperands = tuple[torch.Tensor, int, int, torch.Tensor | None]
 # What LlamaDecoderLayer.forward_kernels reads, gathered once by bind_kernels:
 # (kernels, norm1 weight, eps1, qkv, o, norm2 weight, eps2, gate_up, down, H, Hkv, D).
 _LayerOperands = tuple[
     KernelOps, torch.Tensor, float, _LinearOperands, _LinearOperands, torch.Tensor, float,
     _LinearOperands, _LinearOperands, int, int, int,
 ]
-# What kernels.decoder_layers reads for every layer: (weights, linears, eps, extras, use_rope), gathered once by
-# use_kernels.
-_DecoderOperands = tuple[list[torch.Tensor], list[int], list[float], list[torch.Tensor | None], list[int]]
 # A sparse layer's stand-in for the gate_up / down operands (its SparseMoeBlock.forward_kernels ends the layer).
 _NO_LINEAR: _LinearOperands = (torch.empty(0, dtype=torch.uint8), 0, 0, None)
 
@@ -219,7 +216,7 @@ class LlamaForCausalLM(CausalLM):
         self.kv_cache_dtype: torch.dtype | None = None  # None: the parameters' dtype
         self.kernels: KernelOps | None = None  # set by use_kernels (quantized weights)
         self._kernel_layers: list[LlamaDecoderLayer] = []
-        self._decoder_operands: _DecoderOperands | None = None  # set by use_kernels
+        self._decoder_operands: DecoderOperands | None = None  # set by use_kernels
         self._rope = RopeTable()  # [P, D] cos / sin tables of the kernel path
         if config.has_experts:  # kernels.decoder_layers computes dense layers only: layer by layer
             self.one_op_decoder = False
@@ -247,21 +244,13 @@ class LlamaForCausalLM(CausalLM):
             cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype, self.rope_attention_factor)  # [B, 1, T, D]
             mask = prepare_attention(attn_metadata, kv_cache, input_ids.shape[1])
         if self.kernels is not None:  # rows [N, C] through each layer's fused ops, no module calls
-            rows = x.view(-1, x.shape[-1])
-            c, operands = self.config, self._decoder_operands if self.one_op_decoder else None
-            heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim**-0.5)
-            if operands is not None and isinstance(mask, PagedAttentionMetadata):  # every layer in one op
-                rows = self.kernels.paged_decoder_layers(
-                    rows, *operands, cos, sin, kv_cache.key_cache, kv_cache.value_cache,
-                    mask.slot_mapping, mask.block_tables, mask.query_start_loc, mask.seq_lens, *heads,
-                )
-            elif operands is not None and hasattr(kv_cache, "static_buffers"):
-                keys, values, past = kv_cache.static_buffers(input_ids.shape[1])
-                rows = self.kernels.decoder_layers(rows, *operands, cos, sin, keys, values, mask, past, *heads)
-            else:
+            rows, operands = x.view(-1, x.shape[-1]), self._decoder_operands
+            out = operands.run(self.kernels, rows, [cos, sin], kv_cache, mask, input_ids.shape[1]) if (
+                operands is not None and self.one_op_decoder) else None  # None: neither a static nor a paged cache
+            if out is None:
                 for i, layer in enumerate(self._kernel_layers):
                     rows = layer.forward_kernels(rows, x.shape[0], cos, sin, i, kv_cache, mask)
-            x = rows.view(x.shape)
+            x = (rows if out is None else out).view(x.shape)
         else:
             for i, block in enumerate(self.model.layers):
                 x = block(x, cos, sin, i, kv_cache, mask)
@@ -282,23 +271,17 @@ class LlamaForCausalLM(CausalLM):
         self._decoder_operands = None if self.config.has_experts else self._gather_decoder_operands()
         self.kv_cache_dtype = torch.float16  # the kernels read K and V at fp16 precision: store them so
 
-    def _gather_decoder_operands(self) -> _DecoderOperands:
-        """The operands of ``kernels.decoder_layers``: weights, linears, eps, extras (biases and q/k norms: an empty
-        list when no layer has one) and use_rope (empty: every layer), see its docstring."""
-        weights: list[torch.Tensor] = []
-        linears: list[int] = []
-        eps: list[float] = []
-        extras: list[torch.Tensor | None] = []
+    def _gather_decoder_operands(self) -> DecoderOperands:
+        """The operands of ``kernels.decoder_layers`` (:class:`DecoderOperands`): each layer's norms, projections,
+        biases and q/k norms, and its RoPE (none on SmolLM3's NoPE layers)."""
+        c = self.config
+        operands = DecoderOperands(c.num_attention_heads, c.num_key_value_heads, c.head_dim**-0.5)
         for layer in self._kernel_layers:
             _, norm1, eps1, qkv, o, norm2, eps2, gate_up, down, *_ = layer._operands
             q_norm, k_norm, qk_eps = layer._qk_norm or (None, None, 0.0)
-            weights += [norm1, qkv[0], o[0], norm2, gate_up[0], down[0]]
-            linears += [n for lin in (qkv, o, gate_up, down) for n in lin[1:3]]
-            eps += [eps1, eps2, qk_eps]
-            extras += [qkv[3], o[3], gate_up[3], down[3], q_norm, k_norm]
-        use_rope = [int(layer._use_rope) for layer in self._kernel_layers]
-        has_extras = any(e is not None for e in extras)
-        return weights, linears, eps, extras if has_extras else [], [] if all(use_rope) else use_rope
+            operands.add_layer((norm1, norm2), (eps1, eps2, qk_eps), (qkv, o, gate_up, down),
+                               (q_norm, k_norm, None, None), rope_table=int(layer._use_rope))
+        return operands.finish()
 
     def _rope_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, D] float32 for positions [B, T] (``RopeTable``)."""

@@ -50,7 +50,7 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_gguf(cls, qtype: str, parts: list[torch.Tensor], in_features: int, bias: torch.Tensor | None = None) -> QuantLinear:
         """From GGUF row blocks ``parts`` ([rows_i, bytes] each, stacked in order) of type ``qtype``
-        (Q4_0, Q4_1, Q8_0)."""
+        (one of ``kernels.reference.GGUF_TYPES``)."""
         weight_type, packed = pack_gguf_rows(qtype, parts)
         return cls(weight_type, packed, in_features, sum(p.shape[0] for p in parts), bias)
 

@@ -37,6 +37,7 @@ from kvgen.weights.quantized import (
     SUPER_BLOCK_REWRITES,
     GGUFBlocks,
     dense_to_q8_0,
+    mxfp4_fits_float16,
     rewrite_super_block,
 )
 
@@ -188,6 +189,8 @@ def _compact_tensor(t: ReaderTensor, qk_heads: int | None, keep_16bit: bool) -> 
     out_features, in_features = _torch_shape(t)  # 2-D: the caller's check
     raw = torch.from_numpy(np.array(t.data).view(np.uint8).reshape(out_features, -1))  # [out, bytes], a copy
     qtype = t.tensor_type
+    if qtype == Q.MXFP4 and not mxfp4_fits_float16(raw):  # a scale float16 does not hold
+        return dense_to_q8_0(dequantize_tensor(t, torch.float32, qk_heads))
     if qtype in SUPER_BLOCK_REWRITES:
         rewritten = rewrite_super_block(raw, qtype)
         if rewritten is None:  # a scale beyond float16

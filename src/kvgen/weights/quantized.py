@@ -16,12 +16,12 @@ from gguf import GGMLQuantizationType
 from kvgen.kernels import get_ops
 
 Q = GGMLQuantizationType
-# Types our kernels run from their own bytes (F16, BF16: in a file of float matrices); Q4_K, Q5_K and IQ4_XS are
-# rewritten as Q4_1, Q5_1 and IQ4_NL (rewrite_super_block), every other type the gguf package can dequantize (the
-# other IQ types, TQ1_0 / TQ2_0, MXFP4) is converted to Q8_0.
+# Types our kernels run from their own bytes (F16, BF16: in a file of float matrices; MXFP4 when its scales fit
+# float16, mxfp4_fits_float16); Q4_K, Q5_K and IQ4_XS are rewritten as Q4_1, Q5_1 and IQ4_NL (rewrite_super_block),
+# every other type the gguf package can dequantize (the other IQ types, TQ1_0 / TQ2_0) is converted to Q8_0.
 FLOAT16_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.F16, Q.BF16})
 KERNEL_TYPES: frozenset[GGMLQuantizationType] = (
-    frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q6_K, Q.IQ4_NL}) | FLOAT16_TYPES)
+    frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q6_K, Q.IQ4_NL, Q.MXFP4}) | FLOAT16_TYPES)
 # 256-value super-block types rewritten as a kernel type at load: type -> (that type, the kernels' op). Q4_K / Q5_K
 # / IQ4_XS sub-blocks are Q4_1 / Q5_1 / IQ4_NL blocks with float16 scales.
 SUPER_BLOCK_REWRITES: dict[GGMLQuantizationType, tuple[GGMLQuantizationType, str]] = {
@@ -93,6 +93,15 @@ def dense_to_q8_0(w: torch.Tensor) -> GGUFBlocks:
     from kvgen.kernels.reference import quantize_q8_0
 
     return GGUFBlocks(Q.Q8_0, [quantize_q8_0(w)], (w.shape[0], w.shape[1]))
+
+
+def mxfp4_fits_float16(raw: torch.Tensor) -> bool:
+    """Whether every block scale 2^(e - 128) of GGUF MXFP4 rows [rows, nb * 17] uint8 is exact in float16 (the
+    kernels' MXFP4 record; ``reference.MXFP4_EXPONENTS``); files whose scales are not are re-encoded as Q8_0."""
+    from kvgen.kernels.reference import MXFP4_EXPONENTS
+
+    e = raw.reshape(-1, 17)[:, 0]  # [blocks]: the E8M0 exponents
+    return e.numel() == 0 or MXFP4_EXPONENTS[0] <= int(e.min()) <= int(e.max()) <= MXFP4_EXPONENTS[1]
 
 
 def rewrite_super_block(raw: torch.Tensor, qtype: GGMLQuantizationType

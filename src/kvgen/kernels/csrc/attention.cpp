@@ -15,6 +15,10 @@
 //                    k, v at slot_mapping [N] of the pools (the engine step's hot path).
 // softcap > 0 (Gemma 2's attn_logit_softcapping): every scaled score s becomes softcap * tanh(s / softcap) before
 // the softmax (transformers' eager_attention_forward: after the scale, before the mask); 0 leaves the scores alone.
+// sinks [H] float32 (gpt-oss's attention sinks): head h's softmax runs over its scores and one more logit,
+// sinks[h], whose probability is then dropped (transformers' GptOss eager_attention_forward), so the weights of the
+// keys sum to less than 1: out = sum_k exp(s_k - m) v_k / (sum_k exp(s_k - m) + exp(sinks[h] - m)), m the max of
+// all of them.
 // K and V rows are prefetched ahead (two 8-key steps for K, 8 keys for V): in a paged pool one
 // head's rows are Hkv * D * 2 bytes apart, a pattern the hardware prefetcher does not follow, and
 // with the KV cache cold (weights stream through the caches between layers) paged attention took
@@ -204,13 +208,14 @@ struct Partials {
   int64_t stride() const { return 2 * G + G * D; }
   float* chunk(int64_t c) { return data.data() + c * stride(); }
 
-  // out[g] = softmax-weighted V over all chunks of pair w, merged in chunk order.
-  void merge(int64_t w, float* const* out) {
+  // out[g] = softmax-weighted V over all chunks of pair w, merged in chunk order; sinks: null, or the G heads'
+  // sink logits, one more term of each softmax's denominator.
+  void merge(int64_t w, float* const* out, const float* sinks) {
     const int64_t c0 = first[w], nc = first[w + 1] - first[w];
     for (int64_t g = 0; g < G; ++g) {
-      float mx = -std::numeric_limits<float>::infinity();
+      float mx = sinks ? sinks[g] : -std::numeric_limits<float>::infinity();
       for (int64_t c = 0; c < nc; ++c) mx = std::max(mx, chunk(c0 + c)[g]);
-      float total = 0.0f;
+      float total = sinks ? std::exp(sinks[g] - mx) : 0.0f;
       for (int64_t c = 0; c < nc; ++c) total += chunk(c0 + c)[G + g] * std::exp(chunk(c0 + c)[g] - mx);
       for (int64_t d = 0; d < D; ++d) out[g][d] = 0.0f;
       for (int64_t c = 0; c < nc; ++c) {
@@ -223,9 +228,11 @@ struct Partials {
 };
 
 // Runs every chunk task of `parts` (task -> (pair w, chunk c)) and then every merge, in parallel.
-// run_chunk(w, c, scratch, m, l, o) computes one chunk; pointers(w, out) gives pair w's outputs.
+// run_chunk(w, c, scratch, m, l, o) computes one chunk; pointers(w, out) gives pair w's outputs; sinks: null or
+// [H] (pair w's KV head is w % Hkv, its query heads (w % Hkv) G .. + G - 1).
 template <typename RunChunk, typename OutPtrs>
-void run_tasks(Partials& parts, int64_t num_pairs, RunChunk run_chunk, OutPtrs out_ptrs) {
+void run_tasks(Partials& parts, int64_t num_pairs, RunChunk run_chunk, OutPtrs out_ptrs, const float* sinks,
+               int64_t Hkv) {
   const int64_t G = parts.G, D = parts.D;
   at::parallel_for(0, parts.first.back(), 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
@@ -242,7 +249,7 @@ void run_tasks(Partials& parts, int64_t num_pairs, RunChunk run_chunk, OutPtrs o
     float* os[64];
     for (int64_t w = begin; w < end; ++w) {
       out_ptrs(w, os);
-      parts.merge(w, os);
+      parts.merge(w, os, sinks ? sinks + (w % Hkv) * G : nullptr);
     }
   });
 }
@@ -272,6 +279,7 @@ struct AttentionArgs {
   float scale;
   int64_t window;  // 0: every earlier slot; else the last `window` slots up to the query's own
   float softcap;   // 0: none; else scores -> softcap * tanh(score / softcap)
+  const float* sinks;  // null, or [H] sink logits
 };
 
 template <typename T>
@@ -319,17 +327,17 @@ void attention_impl(const AttentionArgs<T>& a) {
   run_tasks(parts, num_pairs, run_chunk, [&](int64_t w, float** os) {
     const int64_t j = w % a.Hkv, bt = w / a.Hkv;
     for (int64_t g = 0; g < G; ++g) os[g] = a.out + (bt * a.H + j * G + g) * a.D;
-  });
+  }, a.sinks, a.Hkv);
 }
 
 template <typename T>
 at::Tensor attention_tensors(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask,
-                             int64_t past_len, float scale, int64_t window, float softcap) {
+                             int64_t past_len, float scale, int64_t window, float softcap, const float* sinks) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
   at::Tensor out = at::empty({B, Tq, H, D}, q.options());
   attention_impl<T>({q.data_ptr<float>(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr<T>(), k.stride(0), k.stride(1),
                      k.stride(2), v.data_ptr<T>(), v.stride(0), v.stride(1), v.stride(2), out.data_ptr<float>(), B, H, Tq, D,
-                     k.size(1), k.size(2), mask, past_len, scale, window, softcap});
+                     k.size(1), k.size(2), mask, past_len, scale, window, softcap, sinks});
   return out;
 }
 
@@ -357,7 +365,7 @@ void store_rows(const float* src, int64_t src_stride, T* cache, int64_t c_b, int
 
 template <typename T>
 at::Tensor static_impl(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache, const bool* mask, int64_t past_len,
-                       int64_t H, float scale, int64_t window, float softcap) {
+                       int64_t H, float scale, int64_t window, float softcap, const float* sinks) {
   const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), D = k_cache.size(3), N = qkv.size(0), Tq = N / B;
   const int64_t W = qkv.size(1);
   const float* base = qkv.data_ptr<float>();
@@ -369,7 +377,7 @@ at::Tensor static_impl(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v
   // q of row (b, t), head h sits at base + (b T + t) W + h D
   attention_impl<T>({base, Tq * W, D, W, kc, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), vc, v_cache.stride(0),
                      v_cache.stride(1), v_cache.stride(2), out.data_ptr<float>(), B, H, Tq, D, Hkv, past_len + Tq, mask,
-                     past_len, scale, window, softcap});
+                     past_len, scale, window, softcap, sinks});
   return out;
 }
 
@@ -378,7 +386,7 @@ at::Tensor static_impl(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v
 template <typename T>
 at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int64_t H, const at::Tensor& k_pool,
                       const at::Tensor& v_pool, const at::Tensor& tables, const at::Tensor& qsl, const at::Tensor& seq_lens,
-                      float scale, int64_t window, float softcap, const at::TensorOptions& options) {
+                      float scale, int64_t window, float softcap, const float* sinks, const at::TensorOptions& options) {
   const int64_t D = k_pool.size(3), bs = k_pool.size(1), Hkv = k_pool.size(2), G = H / Hkv, R = seq_lens.size(0);
   const int64_t nb = tables.size(1);
   at::Tensor out = at::empty({N, H * D}, options);
@@ -424,7 +432,7 @@ at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int6
   run_tasks(parts, N * Hkv, run_chunk, [&](int64_t w, float** os) {
     const int64_t i = w / Hkv, j = w % Hkv;
     for (int64_t g = 0; g < G; ++g) os[g] = op + (i * H + j * G + g) * D;
-  });
+  }, sinks, Hkv);
   return out;
 }
 
@@ -441,10 +449,19 @@ void check_paged(const at::Tensor& k_pool, const at::Tensor& v_pool, const at::T
               "kvgen.paged_attention: query_start_loc [R+1] / seq_lens [R] / block_tables [R, nb] disagree");
 }
 
+// The sink logits [H] as contiguous float32 (kept alive in `holder`), or null without them.
+const float* sink_logits(const c10::optional<at::Tensor>& sinks, int64_t H, at::Tensor& holder, const char* op) {
+  if (!sinks.has_value() || !sinks->defined()) return nullptr;
+  holder = sinks->to(at::kFloat).contiguous();
+  TORCH_CHECK(holder.dim() == 1 && holder.numel() == H, "kvgen.", op, ": sinks must be [H] = [", H, "], got ",
+              sinks->sizes());
+  return holder.data_ptr<float>();
+}
+
 }  // namespace
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& key_mask,
-                     int64_t past_len, double scale, int64_t window, double softcap) {
+                     int64_t past_len, double scale, int64_t window, double softcap, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "kvgen.attention: q [B, H, T, D], k/v [B, Hkv, S, D]");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1), S = k.size(2);
   check_qkv(q, k, v, D);
@@ -461,13 +478,15 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
   const float sc = static_cast<float>(scale);
   const float cap = static_cast<float>(softcap);
-  return k.dtype() == at::kHalf ? attention_tensors<at::Half>(q, k, v, mp, past_len, sc, window, cap)
-                                : attention_tensors<float>(q, k, v, mp, past_len, sc, window, cap);
+  at::Tensor held;
+  const float* sk = sink_logits(sinks, H, held, "attention");
+  return k.dtype() == at::kHalf ? attention_tensors<at::Half>(q, k, v, mp, past_len, sc, window, cap, sk)
+                                : attention_tensors<float>(q, k, v, mp, past_len, sc, window, cap, sk);
 }
 
 at::Tensor static_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache,
                             const c10::optional<at::Tensor>& key_mask, int64_t past_len, int64_t num_heads, double scale,
-                            int64_t window, double softcap) {
+                            int64_t window, double softcap, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(window >= 0, "kvgen.static_attention: window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(softcap >= 0, "kvgen.static_attention: softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.dtype() == at::kFloat && k_cache.dim() == 4 &&
@@ -489,13 +508,15 @@ at::Tensor static_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
   const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
   const float sc = static_cast<float>(scale);
   const float cap = static_cast<float>(softcap);
-  return k_cache.dtype() == at::kHalf ? static_impl<at::Half>(qkv, k_cache, v_cache, mp, past_len, H, sc, window, cap)
-                                      : static_impl<float>(qkv, k_cache, v_cache, mp, past_len, H, sc, window, cap);
+  at::Tensor held;
+  const float* sk = sink_logits(sinks, H, held, "static_attention");
+  return k_cache.dtype() == at::kHalf ? static_impl<at::Half>(qkv, k_cache, v_cache, mp, past_len, H, sc, window, cap, sk)
+                                      : static_impl<float>(qkv, k_cache, v_cache, mp, past_len, H, sc, window, cap, sk);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                           double scale, int64_t window, double softcap) {
+                           double scale, int64_t window, double softcap, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(window >= 0, "kvgen.paged_attention: window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(softcap >= 0, "kvgen.paged_attention: softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(q.dim() == 3, "kvgen.paged_attention: q [N, H, D], pools [num_blocks, block_size, Hkv, D]");
@@ -506,11 +527,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const float* qp = q.data_ptr<float>();
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+  at::Tensor held;
+  const float* sk = sink_logits(sinks, H, held, "paged_attention");
   const at::Tensor out = k_pool.dtype() == at::kHalf
       ? paged_impl<at::Half>(qp, q.stride(0), q.stride(1), N, H, k_pool, v_pool, tables, qsl, lens, sc, window, cap,
-                             q.options())
+                             sk, q.options())
       : paged_impl<float>(qp, q.stride(0), q.stride(1), N, H, k_pool, v_pool, tables, qsl, lens, sc, window, cap,
-                          q.options());
+                          sk, q.options());
   return out.view({N, H, D});
 }
 
@@ -519,7 +542,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
 at::Tensor paged_attention_qkv(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slot_mapping,
                                const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                                const at::Tensor& seq_lens, int64_t num_heads, double scale, int64_t window,
-                               double softcap) {
+                               double softcap, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(window >= 0, "kvgen.paged_attention_qkv: window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(softcap >= 0, "kvgen.paged_attention_qkv: softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.dtype() == at::kFloat,
@@ -538,6 +561,8 @@ at::Tensor paged_attention_qkv(const at::Tensor& qkv, at::Tensor& k_pool, at::Te
     TORCH_CHECK(0 <= slots[i] && slots[i] < num_slots, "kvgen.paged_attention_qkv: slot ", slots[i], " outside the pool of ",
                 num_slots);
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  at::Tensor held;
+  const float* sk = sink_logits(sinks, H, held, "paged_attention_qkv");
   auto run = [&](auto* kp, auto* vp) {
     using T = std::remove_pointer_t<decltype(kp)>;
     for (int64_t i = 0; i < N; ++i) {
@@ -545,7 +570,7 @@ at::Tensor paged_attention_qkv(const at::Tensor& qkv, at::Tensor& k_pool, at::Te
       store_row<T>(vp + slots[i] * Hkv * D, base + i * W + (H + Hkv) * D, Hkv * D);
     }
     return paged_impl<T>(base, W, D, N, H, k_pool, v_pool, block_tables, query_start_loc, seq_lens, sc, window, cap,
-                         qkv.options());
+                         sk, qkv.options());
   };
   return k_pool.dtype() == at::kHalf ? run(k_pool.data_ptr<at::Half>(), v_pool.data_ptr<at::Half>())
                                      : run(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());

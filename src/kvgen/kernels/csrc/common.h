@@ -25,6 +25,8 @@
 //     qh[r][i] bit t = the high bit of column 4t+i, bit 4+t = that of column 16+4t+i (w = (nibble | 16 hb) d + m).
 //   IQ4 record (144 bytes), from GGUF block_iq4_nl (IQ4_XS as IQ4_NL rows, iq4_xs_to_iq4_nl): fp16 d[8], then
 //     qs[4][8][4] as the Q4 record's; w = d * kIQ4Values[nibble] (llama.cpp's kvalues_iq4nl, non-linear).
+//   MXFP4 record (144 bytes), from GGUF block_mxfp4 (E8M0 exponent e, 16 bytes of FP4 E2M1 indices): the IQ4
+//     record with d = 2^(e - 128) as fp16 (exact for e in 104 .. 143) and w = d * kMXFP4Values[nibble].
 //   Q2 record (672 bytes per 8 rows x 256 columns: one GGUF block_q2_K super-block of each row):
 //     fp16 d[8], fp16 dmin[8], uint8 scales[16][8] (scales[g][r]: the file's byte of row r's 16 columns 16g ..:
 //     sc in the low, m in the high nibble), then per 32-column block k and half h (16 columns) uint8 qs[4][8][4]
@@ -58,11 +60,16 @@ constexpr int64_t kQ2Record = 672;    // bytes per (group, super-block of 8 bloc
 constexpr int64_t kQ3Record = 912;    // bytes per (group, super-block of 8 blocks), Q3
 constexpr int64_t kMixedHeader = 64;  // bytes before a mixed weight's segments
 
-enum WeightType : int64_t { kQ4 = 0, kQ8 = 1, kF16 = 2, kBF16 = 3, kQ6 = 4, kMixed = 5, kQ5 = 6, kIQ4 = 7, kQ2 = 8, kQ3 = 9 };
+enum WeightType : int64_t {
+  kQ4 = 0, kQ8 = 1, kF16 = 2, kBF16 = 3, kQ6 = 4, kMixed = 5, kQ5 = 6, kIQ4 = 7, kQ2 = 8, kQ3 = 9, kMXFP4 = 10
+};
 
 // The 16 values a 4-bit IQ4_NL / IQ4_XS index stands for (ggml-common.h kvalues_iq4nl).
 alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                1,    13,   25,  38,  53,  69,  89,  113};
+// The values of an MXFP4 index, FP4 E2M1 doubled (ggml-common.h kvalues_mxfp4): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their
+// negatives times 2, so the block scale is 2^(e - 128) instead of 2^(e - 127).
+alignas(16) constexpr int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 struct BlockQ8A {
   float d;         // scale
@@ -91,7 +98,8 @@ void quantize_row_q8a(const float* x, BlockQ8A* y, int64_t K);
 void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q8_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q5_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
-void iq4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
+// IQ4 and MXFP4 groups: `values` is the 16-entry table of the indices (kIQ4Values, kMXFP4Values).
+void iq4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out, const int8_t* values);
 // Q6, Q2 and Q3 also read each activation block's two half sums (bytes 0-15 in the low, 16-31 in the high int16 of
 // half_sums[m][b]), written for n blocks by activation_half_sums.
 void activation_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums);

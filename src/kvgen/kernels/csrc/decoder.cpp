@@ -1,53 +1,86 @@
-// Every decoder layer of a Llama-family model in one op, over a static or a paged KV cache:
+// Every decoder layer of a Llama-family or Gemma model in one op, over a static or a paged KV cache:
 //   decoder_layers:       x [N = B T, C] rows; per layer l, weights[6 l ..] = (input_layernorm,
-//                         qkv_proj, o_proj, post_attention_layernorm, gate_up_proj, down_proj),
-//                         linears[8 l ..] = (weight_type, out_features) of the four projections,
-//                         eps[3 l ..] = the eps of the two norms and of the q/k norms; extras: empty, or
-//                         extras[6 l ..] = (qkv, o, gate_up, down biases, q_norm, k_norm weights), each
-//                         possibly None (Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm before RoPE,
-//                         rms_norm_heads_); use_rope: empty (every layer) or a 0/1 per layer (0: the layer
-//                         skips RoPE, SmolLM3's NoPE layers); k_caches[l], v_caches[l] [B, Hkv, S_max, D]
-//                         written at slots past_len .. (static_attention). Returns x after the last layer.
+//                         qkv_proj, o_proj, post_attention_layernorm (Gemma: pre_feedforward_layernorm),
+//                         gate_up_proj, down_proj), linears[8 l ..] = (weight_type, out_features) of the four
+//                         projections, eps[3 l ..] = the eps of the two norms and of the q/k norms; extras: empty, or
+//                         extras[8 l ..] = (qkv, o, gate_up, down biases, q_norm, k_norm weights, Gemma's
+//                         post_attention_layernorm and post_feedforward_layernorm weights), each possibly None
+//                         (Qwen2's q/k/v biases, Qwen3's and Gemma 3's per-head q/k RMSNorm before RoPE,
+//                         rms_norm_heads_; Gemma's "sandwich" norms on the attention and MLP outputs before their
+//                         residual adds, with the eps of the norm before them); layer_args: empty (every layer
+//                         rotates by rope[0], rope[1] and sees every key) or 2 per layer: (r, window), r = 0 no
+//                         RoPE (SmolLM3's NoPE layers), r > 0 the cos, sin pair rope[2 r - 2], rope[2 r - 1] [N, D]
+//                         (Gemma 3: full and sliding layers have their own bases), window > 0 a sliding-window
+//                         layer; activation 0 SwiGLU (silu_mul), 1 GeGLU (gelu_tanh_mul); softcap > 0: Gemma 2's
+//                         capped scores; k_caches[l], v_caches[l] [B, Hkv, S_max, D] written at slots past_len ..
+//                         (static_attention). Returns x after the last layer.
 //   paged_decoder_layers: the same over packed rows of several sequences, k_pools[l], v_pools[l]
 //                         [num_blocks, block_size, Hkv, D] through block tables (paged_attention_qkv).
-// Each layer runs the nine ops of LlamaDecoderLayer.forward_kernels in the same order on the same
-// operands (so the numbers are those ops' numbers), called here directly: one dispatch per forward
-// instead of nine per layer, which at batch 1 is a sixth of a decode step.
+// Each layer runs the ops of LlamaDecoderLayer.forward_kernels (Gemma3DecoderLayer.forward_kernels) in the same
+// order on the same operands (so the numbers are those ops' numbers), called here directly: one dispatch per forward
+// instead of nine or more per layer, which at batch 1 is a sixth of a decode step.
 #include "aten_lite.h"
 #include "ops.h"
 
 namespace kvgen {
 namespace {
 
-// The layer loop; attend(l, qkv [N, (H + 2 Hkv) D]) stores layer l's k, v and returns [N, H D].
+struct Layers {
+  at::TensorList weights;
+  at::IntArrayRef linears;
+  at::ArrayRef<double> eps;
+  const Extras& extras;
+  at::IntArrayRef layer_args;
+  at::TensorList rope;
+  int64_t num_heads, num_kv_heads, activation;
+};
+
+// x + rms_norm(y, norm): Gemma's sandwich norm on an attention or MLP output before its residual add.
+at::Tensor add_normed(const at::Tensor& x, at::Tensor y, const c10::optional<at::Tensor>& norm, double eps) {
+  return rms_norm(y, *norm, eps).add_(x);
+}
+
+// The layer loop; attend(l, qkv [N, (H + 2 Hkv) D], window) stores layer l's k, v and returns [N, H D].
 template <typename Attend>
-at::Tensor run_layers(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef linears, at::ArrayRef<double> eps,
-                      const Extras& extras, at::IntArrayRef use_rope, const at::Tensor& cos, const at::Tensor& sin,
-                      size_t num_layers, int64_t num_heads, int64_t num_kv_heads, Attend attend) {
-  TORCH_CHECK(weights.size() == 6 * num_layers && linears.size() == 8 * num_layers && eps.size() == 3 * num_layers,
+at::Tensor run_layers(const at::Tensor& x_in, const Layers& p, size_t num_layers, Attend attend) {
+  TORCH_CHECK(p.weights.size() == 6 * num_layers && p.linears.size() == 8 * num_layers && p.eps.size() == 3 * num_layers,
               "kvgen.decoder_layers: ", num_layers, " layers need 6 weights, 8 linear ints and 3 eps each");
-  TORCH_CHECK(extras.empty() || extras.size() == 6 * num_layers, "kvgen.decoder_layers: extras must be empty or 6 per "
-              "layer (4 biases, q_norm, k_norm), got ", extras.size(), " for ", num_layers, " layers");
-  TORCH_CHECK(use_rope.empty() || use_rope.size() == num_layers, "kvgen.decoder_layers: use_rope must be empty or one "
-              "flag per layer, got ", use_rope.size(), " for ", num_layers, " layers");
+  TORCH_CHECK(p.extras.empty() || p.extras.size() == 8 * num_layers, "kvgen.decoder_layers: extras must be empty or 8 "
+              "per layer (4 biases, q_norm, k_norm, 2 post norms), got ", p.extras.size(), " for ", num_layers, " layers");
+  TORCH_CHECK(p.layer_args.empty() || p.layer_args.size() == 2 * num_layers, "kvgen.decoder_layers: layer_args must be "
+              "empty or 2 per layer (rope table, window), got ", p.layer_args.size(), " for ", num_layers, " layers");
+  TORCH_CHECK(p.rope.size() % 2 == 0 && p.rope.size() >= 2, "kvgen.decoder_layers: rope holds (cos, sin) pairs");
+  TORCH_CHECK(p.activation == 0 || p.activation == 1, "kvgen.decoder_layers: activation must be 0 (SwiGLU) or 1 (GeGLU)");
+  for (size_t l = 0; l < p.layer_args.size() / 2; ++l)
+    TORCH_CHECK(p.layer_args[2 * l] >= 0 && 2 * p.layer_args[2 * l] <= static_cast<int64_t>(p.rope.size()),
+                "kvgen.decoder_layers: layer ", l, " names rope table ", p.layer_args[2 * l], " of ", p.rope.size() / 2);
   const auto extra = [&](size_t l, size_t i) -> c10::optional<at::Tensor> {
-    if (extras.empty()) return c10::nullopt;
-    return extras.get(6 * l + i);
+    if (p.extras.empty()) return c10::nullopt;
+    return p.extras.get(8 * l + i);
   };
   at::Tensor x = x_in;
   for (size_t l = 0; l < num_layers; ++l) {
-    const at::Tensor* w = weights.data() + 6 * l;
-    const int64_t* lin = linears.data() + 8 * l;
-    at::Tensor h = rms_norm(x, w[0], eps[3 * l]);
+    const at::Tensor* w = p.weights.data() + 6 * l;
+    const int64_t* lin = p.linears.data() + 8 * l;
+    const int64_t table = p.layer_args.empty() ? 1 : p.layer_args[2 * l];
+    const int64_t window = p.layer_args.empty() ? 0 : p.layer_args[2 * l + 1];
+    at::Tensor h = rms_norm(x, w[0], p.eps[3 * l]);
     h = qgemm(h, w[1], lin[0], lin[1], extra(l, 0), c10::nullopt);  // [N, (H + 2 Hkv) D]
     const c10::optional<at::Tensor> q_norm = extra(l, 4), k_norm = extra(l, 5);
-    if (q_norm.has_value() && k_norm.has_value()) rms_norm_heads_(h, *q_norm, *k_norm, eps[3 * l + 2], num_heads, num_kv_heads);
-    if (use_rope.empty() || use_rope[l] != 0) rope_qkv_(h, cos, sin, num_heads, num_kv_heads);
-    h = attend(l, h);  // [N, H D]
-    x = qgemm(h, w[2], lin[2], lin[3], extra(l, 1), x);  // x + o_proj(attn)
-    h = rms_norm(x, w[3], eps[3 * l + 1]);
+    if (q_norm.has_value() && k_norm.has_value())
+      rms_norm_heads_(h, *q_norm, *k_norm, p.eps[3 * l + 2], p.num_heads, p.num_kv_heads);
+    if (table > 0) rope_qkv_(h, p.rope[2 * table - 2], p.rope[2 * table - 1], p.num_heads, p.num_kv_heads);
+    h = attend(l, h, window);  // [N, H D]
+    const c10::optional<at::Tensor> post_attention = extra(l, 6), post_feedforward = extra(l, 7);
+    x = post_attention.has_value()
+            ? add_normed(x, qgemm(h, w[2], lin[2], lin[3], extra(l, 1), c10::nullopt), post_attention, p.eps[3 * l])
+            : qgemm(h, w[2], lin[2], lin[3], extra(l, 1), x);  // x + o_proj(attn)
+    h = rms_norm(x, w[3], p.eps[3 * l + 1]);
     h = qgemm(h, w[4], lin[4], lin[5], extra(l, 2), c10::nullopt);  // [N, 2 I]
-    x = qgemm(silu_mul(h), w[5], lin[6], lin[7], extra(l, 3), x);  // x + down_proj(silu(gate) * up)
+    h = p.activation == 1 ? gelu_tanh_mul(h) : silu_mul(h);  // [N, I]
+    x = post_feedforward.has_value()
+            ? add_normed(x, qgemm(h, w[5], lin[6], lin[7], extra(l, 3), c10::nullopt), post_feedforward, p.eps[3 * l + 1])
+            : qgemm(h, w[5], lin[6], lin[7], extra(l, 3), x);  // x + down_proj(act(gate) * up)
   }
   return x;
 }
@@ -55,29 +88,30 @@ at::Tensor run_layers(const at::Tensor& x_in, at::TensorList weights, at::IntArr
 }  // namespace
 
 at::Tensor decoder_layers(const at::Tensor& x, at::TensorList weights, at::IntArrayRef linears, at::ArrayRef<double> eps,
-                          const Extras& extras, at::IntArrayRef use_rope, const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches,
-                          const c10::optional<at::Tensor>& key_mask, int64_t past_len, int64_t num_heads,
-                          int64_t num_kv_heads, double scale) {
+                          const Extras& extras, at::IntArrayRef layer_args, at::TensorList rope, at::TensorList k_caches,
+                          at::TensorList v_caches, const c10::optional<at::Tensor>& key_mask, int64_t past_len,
+                          int64_t num_heads, int64_t num_kv_heads, double scale, int64_t activation, double softcap) {
   TORCH_CHECK(v_caches.size() == k_caches.size(), "kvgen.decoder_layers: one v cache per k cache");
-  return run_layers(x, weights, linears, eps, extras, use_rope, cos, sin, k_caches.size(), num_heads, num_kv_heads,
-                    [&](size_t l, const at::Tensor& qkv) {
-                      at::Tensor k = k_caches[l], v = v_caches[l];
-                      return static_attention(qkv, k, v, key_mask, past_len, num_heads, scale, 0, 0.0);  // no window, no softcap
-                    });
+  const Layers p{weights, linears, eps, extras, layer_args, rope, num_heads, num_kv_heads, activation};
+  return run_layers(x, p, k_caches.size(), [&](size_t l, const at::Tensor& qkv, int64_t window) {
+    at::Tensor k = k_caches[l], v = v_caches[l];
+    return static_attention(qkv, k, v, key_mask, past_len, num_heads, scale, window, softcap, c10::nullopt);
+  });
 }
 
 at::Tensor paged_decoder_layers(const at::Tensor& x, at::TensorList weights, at::IntArrayRef linears,
-                                at::ArrayRef<double> eps, const Extras& extras, at::IntArrayRef use_rope, const at::Tensor& cos, const at::Tensor& sin,
-                                at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& slot_mapping,
-                                const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                                const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, double scale) {
+                                at::ArrayRef<double> eps, const Extras& extras, at::IntArrayRef layer_args,
+                                at::TensorList rope, at::TensorList k_pools, at::TensorList v_pools,
+                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t num_heads,
+                                int64_t num_kv_heads, double scale, int64_t activation, double softcap) {
   TORCH_CHECK(v_pools.size() == k_pools.size(), "kvgen.paged_decoder_layers: one v pool per k pool");
-  return run_layers(x, weights, linears, eps, extras, use_rope, cos, sin, k_pools.size(), num_heads, num_kv_heads,
-                    [&](size_t l, const at::Tensor& qkv) {
-                      at::Tensor k = k_pools[l], v = v_pools[l];
-                      return paged_attention_qkv(qkv, k, v, slot_mapping, block_tables, query_start_loc, seq_lens,
-                                                 num_heads, scale, 0, 0.0);  // no window or softcap: Llama-family layers
-                    });
+  const Layers p{weights, linears, eps, extras, layer_args, rope, num_heads, num_kv_heads, activation};
+  return run_layers(x, p, k_pools.size(), [&](size_t l, const at::Tensor& qkv, int64_t window) {
+    at::Tensor k = k_pools[l], v = v_pools[l];
+    return paged_attention_qkv(qkv, k, v, slot_mapping, block_tables, query_start_loc, seq_lens, num_heads, scale,
+                               window, softcap, c10::nullopt);
+  });
 }
 
 }  // namespace kvgen

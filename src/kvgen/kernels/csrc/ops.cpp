@@ -16,14 +16,14 @@ namespace kvgen {
 namespace {
 
 int64_t record_bytes(int64_t weight_type) {
-  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kQ3 && weight_type != kMixed, "kvgen: unknown weight_type ",
+  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kMXFP4 && weight_type != kMixed, "kvgen: unknown weight_type ",
               weight_type);
   switch (weight_type) {
     case kQ4: return kQ4Record;
     case kQ8: return kQ8Record;
     case kQ6: return kQ6Record;
     case kQ5: return kQ5Record;
-    case kIQ4: return kIQ4Record;
+    case kIQ4: case kMXFP4: return kIQ4Record;
     case kQ2: return kQ2Record;
     case kQ3: return kQ3Record;
     default: return kF16Record;
@@ -70,7 +70,7 @@ std::vector<Segment> segments_of(const at::Tensor& weight, int64_t weight_type, 
   G = 0;
   for (int64_t i = 0; i < num; ++i) {
     const int64_t type = head[2 + 2 * i], groups = head[3 + 2 * i];
-    TORCH_CHECK(type >= kQ4 && type <= kQ3 && type != kMixed && type != kF16 && type != kBF16,
+    TORCH_CHECK(type >= kQ4 && type <= kMXFP4 && type != kMixed && type != kF16 && type != kBF16,
                 "kvgen: mixed weight segment of type ", type, " (quantized segments share the activations)");
     TORCH_CHECK(nb % record_blocks(type) == 0, "kvgen: mixed weight of ", nb, " blocks has a super-block segment");
     const int64_t rec = record_bytes(type) / record_blocks(type);
@@ -165,7 +165,8 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           case kQ6: q6_group(wg, a, hs, mt, nb, o); break;
           case kQ4: q4_group(wg, a, mt, nb, o); break;
           case kQ5: q5_group(wg, a, mt, nb, o); break;
-          case kIQ4: iq4_group(wg, a, mt, nb, o); break;
+          case kIQ4: iq4_group(wg, a, mt, nb, o, kIQ4Values); break;
+          case kMXFP4: iq4_group(wg, a, mt, nb, o, kMXFP4Values); break;
           case kQ2: q2_group(wg, a, hs, mt, nb, o); break;
           case kQ3: q3_group(wg, a, hs, mt, nb, o); break;
           default: q8_group(wg, a, mt, nb, o); break;
@@ -255,12 +256,13 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const 
               dst[16 + 4 * t + i] = d * static_cast<float>(sc[8 + r]) * static_cast<float>(u1 - 32);
             }
           }
-        } else if (weight_type == kIQ4) {
+        } else if (weight_type == kIQ4 || weight_type == kMXFP4) {
+          const int8_t* values = weight_type == kIQ4 ? kIQ4Values : kMXFP4Values;
           for (int t = 0; t < 4; ++t) {
             for (int i = 0; i < 4; ++i) {
               const uint8_t byte = blk[16 + 32 * t + 4 * r + i];
-              dst[4 * t + i] = d * static_cast<float>(kIQ4Values[byte & 15]);
-              dst[16 + 4 * t + i] = d * static_cast<float>(kIQ4Values[byte >> 4]);
+              dst[4 * t + i] = d * static_cast<float>(values[byte & 15]);
+              dst[16 + 4 * t + i] = d * static_cast<float>(values[byte >> 4]);
             }
           }
         } else if (weight_type == kQ4 || weight_type == kQ5) {
@@ -294,27 +296,30 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("quantize_q8a(Tensor x) -> Tensor");
   m.def("qgemm(Tensor x, Tensor weight, int weight_type, int out_features, Tensor? bias, Tensor? residual=None) -> Tensor");
   m.def("dequantize_rows(Tensor weight, int weight_type, Tensor ids, int in_features) -> Tensor");
-  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? key_mask, int past_len, float scale, int window=0, float softcap=0.0) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? key_mask, int past_len, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor query_start_loc, "
-        "Tensor seq_lens, float scale, int window=0, float softcap=0.0) -> Tensor");
+        "Tensor seq_lens, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rms_norm_heads_(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, float eps, int num_heads, int num_kv_heads) -> ()");
   m.def("rope_qkv_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor");
   m.def("repack_gguf(Tensor[] parts, int gguf_type) -> Tensor");
   m.def("q4_k_to_q4_1(Tensor raw) -> Tensor");
   m.def("q5_k_to_q5_1(Tensor raw) -> Tensor");
   m.def("iq4_xs_to_iq4_nl(Tensor raw) -> Tensor");
   m.def("static_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? key_mask, int past_len, "
-        "int num_heads, float scale, int window=0, float softcap=0.0) -> Tensor");
+        "int num_heads, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("paged_attention_qkv(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, int num_heads, float scale, int window=0, float softcap=0.0) -> Tensor");
-  m.def("decoder_layers(Tensor x, Tensor[] weights, int[] linears, float[] eps, Tensor?[] extras, int[] use_rope, Tensor cos, Tensor sin, "
-        "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor? key_mask, int past_len, int num_heads, int num_kv_heads, "
-        "float scale) -> Tensor");
-  m.def("paged_decoder_layers(Tensor x, Tensor[] weights, int[] linears, float[] eps, Tensor?[] extras, int[] use_rope, Tensor cos, Tensor sin, "
-        "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
-        "Tensor seq_lens, int num_heads, int num_kv_heads, float scale) -> Tensor");
+        "Tensor query_start_loc, Tensor seq_lens, int num_heads, float scale, int window=0, float softcap=0.0, "
+        "Tensor? sinks=None) -> Tensor");
+  m.def("decoder_layers(Tensor x, Tensor[] weights, int[] linears, float[] eps, Tensor?[] extras, int[] layer_args, "
+        "Tensor[] rope, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor? key_mask, int past_len, int num_heads, "
+        "int num_kv_heads, float scale, int activation=0, float softcap=0.0) -> Tensor");
+  m.def("paged_decoder_layers(Tensor x, Tensor[] weights, int[] linears, float[] eps, Tensor?[] extras, int[] layer_args, "
+        "Tensor[] rope, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor query_start_loc, Tensor seq_lens, int num_heads, int num_kv_heads, float scale, int activation=0, "
+        "float softcap=0.0) -> Tensor");
   m.def("softmax_draw(Tensor logits, Tensor temperature, Tensor u) -> Tensor");
 }
 
@@ -328,6 +333,7 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("rms_norm_heads_", &kvgen::rms_norm_heads_);
   m.impl("rope_qkv_", &kvgen::rope_qkv_);
   m.impl("silu_mul", &kvgen::silu_mul);
+  m.impl("gelu_tanh_mul", &kvgen::gelu_tanh_mul);
   m.impl("repack_gguf", &kvgen::repack_gguf);
   m.impl("q4_k_to_q4_1", &kvgen::q4_k_to_q4_1);
   m.impl("q5_k_to_q5_1", &kvgen::q5_k_to_q5_1);

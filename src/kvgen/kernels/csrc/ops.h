@@ -11,33 +11,36 @@ namespace kvgen {
 using Extras = c10::List<c10::optional<at::Tensor>>;  // Tensor?[]: per-layer optional operands
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& key_mask,
-                     int64_t past_len, double scale, int64_t window, double softcap);
+                     int64_t past_len, double scale, int64_t window, double softcap,
+                     const c10::optional<at::Tensor>& sinks);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                           double scale, int64_t window, double softcap);
+                           double scale, int64_t window, double softcap, const c10::optional<at::Tensor>& sinks);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 void rms_norm_heads_(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight, double eps,
                      int64_t num_heads, int64_t num_kv_heads);
 void rope_qkv_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up);
 at::Tensor static_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache,
                             const c10::optional<at::Tensor>& key_mask, int64_t past_len, int64_t num_heads, double scale,
-                            int64_t window, double softcap);
+                            int64_t window, double softcap, const c10::optional<at::Tensor>& sinks);
 at::Tensor paged_attention_qkv(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slot_mapping,
                                const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                                const at::Tensor& seq_lens, int64_t num_heads, double scale, int64_t window,
-                               double softcap);
+                               double softcap, const c10::optional<at::Tensor>& sinks);
 at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weight_type, int64_t out_features,
                  const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual);
 at::Tensor decoder_layers(const at::Tensor& x, at::TensorList weights, at::IntArrayRef linears, at::ArrayRef<double> eps,
-                          const Extras& extras, at::IntArrayRef use_rope, const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches,
-                          const c10::optional<at::Tensor>& key_mask, int64_t past_len, int64_t num_heads,
-                          int64_t num_kv_heads, double scale);
+                          const Extras& extras, at::IntArrayRef layer_args, at::TensorList rope, at::TensorList k_caches,
+                          at::TensorList v_caches, const c10::optional<at::Tensor>& key_mask, int64_t past_len,
+                          int64_t num_heads, int64_t num_kv_heads, double scale, int64_t activation, double softcap);
 at::Tensor paged_decoder_layers(const at::Tensor& x, at::TensorList weights, at::IntArrayRef linears,
-                                at::ArrayRef<double> eps, const Extras& extras, at::IntArrayRef use_rope, const at::Tensor& cos, const at::Tensor& sin,
-                                at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& slot_mapping,
-                                const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                                const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, double scale);
+                                at::ArrayRef<double> eps, const Extras& extras, at::IntArrayRef layer_args,
+                                at::TensorList rope, at::TensorList k_pools, at::TensorList v_pools,
+                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t num_heads,
+                                int64_t num_kv_heads, double scale, int64_t activation, double softcap);
 at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type);
 at::Tensor q4_k_to_q4_1(const at::Tensor& raw);
 at::Tensor q5_k_to_q5_1(const at::Tensor& raw);

@@ -1,6 +1,7 @@
-// IQ4 (GGUF IQ4_NL repacked into 8-row groups, IQ4_XS rewritten as IQ4_NL rows; see common.h) times Q8A
-// activations. Per 32-column block and group: 4 loads of 32 bytes hold the 8 rows' nibbles (low: columns 4t+i,
-// high: 16+4t+i, as the Q4 record); one pshufb per half turns the nibbles into their int8 values (kIQ4Values),
+// IQ4 (GGUF IQ4_NL repacked into 8-row groups, IQ4_XS rewritten as IQ4_NL rows; see common.h) and MXFP4 (the same
+// record, another table of values) times Q8A activations. Per 32-column block and group: 4 loads of 32 bytes hold the 8 rows' nibbles (low: columns 4t+i,
+// high: 16+4t+i, as the Q4 record); one pshufb per half turns the nibbles into their int8 values (kIQ4Values or
+// kMXFP4Values),
 // which are then a Q8 kernel's 4 columns x 8 rows: maddubs(|w|, sign(a, w)), madd to int32 per half (two int16
 // pair sums of up to 2 * 127 * 127 could overflow), acc += dot * d_w * d_a.
 // Source: llama.cpp ggml_vec_dot_iq4_nl_q8_0 (the lookup by shuffle), our qgemm_q8.cpp (the products).
@@ -19,10 +20,10 @@ namespace kvgen {
 namespace {
 
 template <int MT>
-void iq4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
+void iq4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out, const int8_t* table) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i values = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+  const __m256i values = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(table)));
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += kIQ4Record) {
@@ -55,12 +56,12 @@ void iq4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* con
 
 }  // namespace
 
-void iq4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
+void iq4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out, const int8_t* values) {
   switch (mt) {
-    case 1: iq4_tile<1>(w, a, nb, out); break;
-    case 2: iq4_tile<2>(w, a, nb, out); break;
-    case 3: iq4_tile<3>(w, a, nb, out); break;
-    default: iq4_tile<4>(w, a, nb, out); break;
+    case 1: iq4_tile<1>(w, a, nb, out, values); break;
+    case 2: iq4_tile<2>(w, a, nb, out, values); break;
+    case 3: iq4_tile<3>(w, a, nb, out, values); break;
+    default: iq4_tile<4>(w, a, nb, out, values); break;
   }
 }
 

@@ -3,12 +3,14 @@
 // one GGUF type: 0 = Q4_0 (fp16 d, 16 nibble bytes), 1 = Q4_1 (fp16 d, fp16 m, 16 nibble
 // bytes), 2 = Q8_0 (fp16 d, 32 int8), 3 = F16, 4 = BF16 (32 16-bit values per block), 5 = Q6_K (256 values
 // per 210-byte block: ql[128], qh[64], int8 scales[16], fp16 d), 6 = Q5_0, 7 = Q5_1, 8 = IQ4_NL (fp16 d, 16 nibble
-// bytes of indices into kIQ4Values). Rows are numbered across parts; missing rows
+// bytes of indices into kIQ4Values), 9 = Q2_K, 10 = Q3_K, 11 = MXFP4 (uint8 E8M0 exponent e, 16 nibble bytes of
+// indices into kMXFP4Values; exponents outside 104 .. 143 are refused). Rows are numbered across parts; missing rows
 // of the last group are zero (scale 0). Source: ggml-common.h block_q4_0 / block_q4_1 / block_q8_0 /
-// block_q6_K / block_iq4_nl, ggml-quants.c dequantize_row_q6_K.
+// block_q6_K / block_iq4_nl / block_mxfp4, ggml-quants.c dequantize_row_q6_K / dequantize_row_mxfp4.
 #include <immintrin.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -115,13 +117,14 @@ void repack_q23_k(const uint8_t* s, int64_t r, uint8_t* d, bool q3) {
 }  // namespace
 
 at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) {
-  TORCH_CHECK(gguf_type >= 0 && gguf_type <= 10, "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), "
-              "3 (F16), 4 (BF16), 5 (Q6_K), 6 (Q5_0), 7 (Q5_1), 8 (IQ4_NL), 9 (Q2_K) or 10 (Q3_K)");
+  TORCH_CHECK(gguf_type >= 0 && gguf_type <= 11, "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), "
+              "3 (F16), 4 (BF16), 5 (Q6_K), 6 (Q5_0), 7 (Q5_1), 8 (IQ4_NL), 9 (Q2_K), 10 (Q3_K) or 11 (MXFP4)");
   TORCH_CHECK(!parts.empty(), "kvgen.repack_gguf: no rows");
   const bool is_16bit = gguf_type == 3 || gguf_type == 4;  // F16, BF16
-  const bool is_q6 = gguf_type == 5, is_q5 = gguf_type == 6 || gguf_type == 7, is_iq4 = gguf_type == 8;
+  const bool is_q6 = gguf_type == 5, is_q5 = gguf_type == 6 || gguf_type == 7, is_mxfp4 = gguf_type == 11;
+  const bool is_iq4 = gguf_type == 8 || is_mxfp4;  // MXFP4: the IQ4 record, d from the block's exponent
   const bool is_q23 = gguf_type == 9 || gguf_type == 10;  // one super-block record per 256 columns
-  constexpr int64_t kSrcBlock[] = {18, 20, 34, 64, 64, kQ6KBlock, 22, 24, 18, 84, 110};  // bytes per GGUF block
+  constexpr int64_t kSrcBlock[] = {18, 20, 34, 64, 64, kQ6KBlock, 22, 24, 18, 84, 110, 17};  // bytes per GGUF block
   const int64_t src_block = kSrcBlock[gguf_type];
   const int64_t rec = gguf_type == 2 ? kQ8Record : is_16bit ? kF16Record : is_q6 ? kQ6Record : is_q5 ? kQ5Record
                       : is_iq4 ? kIQ4Record : is_q23 ? (gguf_type == 9 ? kQ2Record : kQ3Record) : kQ4Record;
@@ -160,9 +163,17 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
           for (int c = 0; c < kBlock; ++c) std::memcpy(d + 16 * c + 2 * r, s + 2 * c, 2);
           continue;
         }
-        std::memcpy(d + 2 * r, s, 2);  // d
-        if (gguf_type == 2 || is_iq4) {  // Q8_0: 8 x 4 int8 values; IQ4_NL: 4 x 4 bytes of two indices
-          for (int j = 0; j < (is_iq4 ? 4 : 8); ++j) std::memcpy(d + 16 + 32 * j + 4 * r, s + 2 + 4 * j, 4);
+        if (is_mxfp4) {  // d = 2^(e - 128): the kMXFP4Values are twice FP4's values
+          TORCH_CHECK(s[0] >= 104 && s[0] <= 143, "kvgen.repack_gguf: MXFP4 exponent ", int(s[0]),
+                      " gives a scale outside float16 (104 .. 143)");
+          const uint16_t h = _cvtss_sh(std::ldexp(1.0f, int(s[0]) - 128), 0);
+          std::memcpy(d + 2 * r, &h, 2);
+        } else {
+          std::memcpy(d + 2 * r, s, 2);  // d
+        }
+        if (gguf_type == 2 || is_iq4) {  // Q8_0: 8 x 4 int8 values; IQ4_NL, MXFP4: 4 x 4 bytes of two indices
+          const int64_t qs = is_mxfp4 ? 1 : 2;  // the values follow the scale
+          for (int j = 0; j < (is_iq4 ? 4 : 8); ++j) std::memcpy(d + 16 + 32 * j + 4 * r, s + qs + 4 * j, 4);
           continue;
         }
         if (gguf_type == 1 || gguf_type == 7) {
