@@ -35,8 +35,8 @@ from kvgen.models.base import CausalLM, HasKernels
 from kvgen.models.layers import RMSNorm, RopeTable, rope_cos_sin, rope_inv_freq
 from kvgen.models.llama import LlamaAttention, LlamaMLP
 from kvgen.models.one_op import DecoderOperands
-from kvgen.models.one_op import LinearOperands as _LinearOperands
-from kvgen.models.quant_linear import QuantEmbedding, QuantLinear, VocabEmbedding
+from kvgen.models.quant_linear import LinearOperands as _LinearOperands
+from kvgen.models.quant_linear import QuantEmbedding, VocabEmbedding, linear_operands
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -119,11 +119,7 @@ class Gemma3DecoderLayer(nn.Module):
     def bind_kernels(self, kernels: KernelOps) -> None:
         """Gather ``forward_kernels``' operands once: norms (input, post-attention, pre-/post-feedforward, then q, k
         where the layer has them), eps and the four linears (every one a ``QuantLinear`` here)."""
-
-        def linear(m: nn.Module) -> _LinearOperands:
-            q = cast(QuantLinear, m)  # built as nn.Linear, replaced by a QuantLinear at load
-            return (q.qweight, q.weight_type, q.out_features, q.bias)
-
+        linear = linear_operands
         attn, mlp = self.self_attn, self.mlp
         norms: list[torch.Tensor] = [self.input_layernorm.weight, self.post_attention_layernorm.weight,
                  self.pre_feedforward_layernorm.weight, self.post_feedforward_layernorm.weight]

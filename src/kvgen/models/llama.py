@@ -37,8 +37,8 @@ from kvgen.models.layers import (
 )
 from kvgen.models.moe import SparseMoeBlock
 from kvgen.models.one_op import DecoderOperands
-from kvgen.models.one_op import LinearOperands as _LinearOperands
-from kvgen.models.quant_linear import QuantEmbedding, QuantLinear, VocabEmbedding
+from kvgen.models.quant_linear import LinearOperands as _LinearOperands
+from kvgen.models.quant_linear import QuantEmbedding, VocabEmbedding, linear_operands
 
 # What LlamaDecoderLayer.forward_kernels reads, gathered once by bind_kernels:
 # (kernels, norm1 weight, eps1, qkv, o, norm2 weight, eps2, gate_up, down, H, Hkv, D).
@@ -164,11 +164,7 @@ class LlamaDecoderLayer(nn.Module):
     def bind_kernels(self, kernels: KernelOps) -> None:
         """Switch this layer to ``forward_kernels``: its operands are gathered once into a plain tuple
         (nn.Module attribute lookups cost ~1 µs each, ~14 per layer and token)."""
-
-        def linear(m: nn.Module) -> _LinearOperands:
-            q = cast(QuantLinear, m)  # built as nn.Linear, replaced by a QuantLinear at load
-            return (q.qweight, q.weight_type, q.out_features, q.bias)
-
+        linear = linear_operands
         attn, mlp = self.self_attn, self.mlp
         if isinstance(mlp, SparseMoeBlock):
             mlp.bind_kernels(kernels)

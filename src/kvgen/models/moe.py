@@ -24,18 +24,10 @@ from torch import nn
 
 from kvgen.config import ModelConfig
 from kvgen.kernels import KernelOps
-from kvgen.models.quant_linear import QuantLinear
+from kvgen.models.quant_linear import LinearOperands, linear_operands
 
-# A QuantLinear's operands of kernels.qgemm: (qweight, weight_type, out_features, bias).
-_LinearOperands = tuple[torch.Tensor, int, int, torch.Tensor | None]
 # One SwiGLU expert's (gate_up_proj, down_proj) operands.
-_ExpertOperands = tuple[_LinearOperands, _LinearOperands]
-
-
-def linear_operands(module: nn.Module) -> _LinearOperands:
-    """A ``QuantLinear``'s operands of ``kernels.qgemm`` (the module is built as nn.Linear, replaced at load)."""
-    q = cast(QuantLinear, module)
-    return (q.qweight, q.weight_type, q.out_features, q.bias)
+_ExpertOperands = tuple[LinearOperands, LinearOperands]
 
 
 class MoeMLP(nn.Module):

@@ -11,9 +11,7 @@ import torch
 
 from kvgen.kernels import KernelOps
 from kvgen.kv_cache.paged import PagedAttentionMetadata
-
-# A QuantLinear's operands of kernels.qgemm: (qweight, weight_type, out_features, bias).
-LinearOperands = tuple[torch.Tensor, int, int, torch.Tensor | None]
+from kvgen.models.quant_linear import LinearOperands
 
 
 @dataclass

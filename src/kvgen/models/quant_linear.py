@@ -15,6 +15,17 @@ from torch import nn
 
 from kvgen.kernels import get_ops, pack_gguf_rows, pack_gguf_segments
 
+# A QuantLinear's operands of kernels.qgemm: (qweight, weight_type, out_features, bias).
+LinearOperands = tuple[torch.Tensor, int, int, torch.Tensor | None]
+
+
+def linear_operands(module: nn.Module) -> LinearOperands:
+    """A ``QuantLinear``'s operands of ``kernels.qgemm``, gathered once by a layer binding its kernels (a module
+    built as nn.Linear and replaced at load: nn.Module attribute lookups cost ~1 µs each on the decode path)."""
+    if not isinstance(module, QuantLinear):
+        raise TypeError(f"the kernel path needs QuantLinear layers, got {type(module).__name__}")
+    return (module.qweight, module.weight_type, module.out_features, module.bias)
+
 
 class VocabEmbedding(nn.Embedding):
     """``nn.Embedding`` that can also act as the tied LM head: ``as_lm_head(h [..., C]) -> [..., V]``."""
