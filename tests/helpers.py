@@ -453,3 +453,28 @@ def save_tiny_model_dir(path: Path, model_type: str = "llama", **model_kwargs: A
               "chat_template": CHATML_TEMPLATE, "add_bos_token": False}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
+
+
+def tiny_gpt_oss(seed: int = 0):
+    """transformers' GptOssForCausalLM in float32, eager attention: 4 layers alternating sliding (window 4) / full,
+    hidden 64, 4 heads, 2 KV heads of 16, 4 experts of 32, top 2, YaRN (factor 8 over 32 positions, unrounded); every
+    parameter random (biases N(0, 0.3²), expert matrices N(0, 0.5²), sinks N(0, 1), norms 1 + N(0, 0.3²))."""
+    from transformers import GptOssConfig
+    from transformers import GptOssForCausalLM as Ref
+
+    cfg = GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        max_position_embeddings=256, rope_theta=10000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                      "original_max_position_embeddings": 32},
+        attn_implementation="eager")
+    torch.manual_seed(seed)
+    ref = Ref(cfg).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            norm = name.endswith("norm.weight")
+            std = 1.0 if name.endswith("sinks") else 0.5 if "experts" in name else 0.3
+            p.copy_(torch.randn(p.shape, generator=g) * std + (1.0 if norm else 0.0))
+    return ref

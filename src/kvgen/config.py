@@ -14,17 +14,24 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
-from kvgen.moe_config import MOE_FIELDS, gguf_moe_fields, hf_moe_fields
+from kvgen.moe_config import (
+    MOE_FIELDS,
+    gguf_gpt_oss_changes,
+    gguf_moe_fields,
+    hf_gpt_oss_kwargs,
+    hf_moe_fields,
+)
 from kvgen.rope_scaling import gguf_rope_scaling, yarn_scaling
 
-SUPPORTED_MODEL_TYPES = ("llama", "gpt2", "gemma3_text", "gemma2")
+SUPPORTED_MODEL_TYPES = ("llama", "gpt2", "gemma3_text", "gemma2", "gpt_oss")
 
 # GGUF `general.architecture` values we decode with our Llama implementation.
 # qwen2/3, phi3: llama.cpp stores their q/k rows unpermuted (NEOX rope); phi3 stacks q/k/v and gate/up
 # smollm3: llama's tensors, NoPE every 4th layer; qwen2moe / qwen3moe (and llama with expert_count > 0, Mixtral):
 # mixture-of-experts layers (models/moe.py)
 _GGUF_LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "smollm3", "qwen2moe", "qwen3moe")
-_GGUF_ARCHS = (*_GGUF_LLAMA_ARCHS, "gemma3", "gemma2")  # gemma3: our Gemma 3 decoder (model_type gemma3_text)
+# gemma3: our Gemma 3 decoder (model_type gemma3_text); gpt-oss: model_type gpt_oss (kvgen.moe_config)
+_GGUF_ARCHS = (*_GGUF_LLAMA_ARCHS, "gemma3", "gemma2", "gpt-oss")
 # Hugging Face model_types decoded by our Llama (see _llama_family_changes)
 _HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "qwen3_moe", "qwen2_moe", "mixtral")
 _ROPE_TYPES = (None, "default", "llama3", "linear", "freq_factors", "longrope", "yarn")
@@ -179,9 +186,12 @@ class ModelConfig:
         UnsupportedArchitectureError for experts in a decoder other than Llama's."""
         if self.num_experts < 0:
             raise ModelFormatError(f"num_experts must be >= 0, got {self.num_experts}")
+        if self.model_type == "gpt_oss" and (self.num_experts == 0 or self.layer_types is None):
+            raise ModelFormatError(f"gpt_oss needs experts and layer_types, got num_experts={self.num_experts}, "
+                                   f"layer_types={self.layer_types}")
         if self.num_experts == 0:
             return
-        if self.model_type != "llama":
+        if self.model_type not in ("llama", "gpt_oss"):
             raise UnsupportedArchitectureError(f"{self.model_type} with num_experts={self.num_experts} is not supported "
                                                f"(kvgen's mixture-of-experts layers are Llama-family layers)")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -222,7 +232,7 @@ class ModelConfig:
         if kind not in _ROPE_TYPES:
             raise UnsupportedArchitectureError(f"rope_scaling type {kind!r} is not supported")
         if kind == "yarn":  # completed to kvgen's form (kvgen.rope_scaling); its cos/sin scale is Llama's to apply
-            if self.model_type != "llama":
+            if self.model_type not in ("llama", "gpt_oss"):
                 raise UnsupportedArchitectureError(f"{self.model_type} with a yarn rope_scaling is not supported")
             self.rope_scaling = yarn_scaling(scaling, self.max_position_embeddings)
             return
@@ -246,7 +256,8 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (``gpt2``, or ``llama`` and the model_types our Llama
         decodes: ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``smollm3``, and with mixture-of-experts layers
-        ``qwen3_moe``, ``qwen2_moe``, ``mixtral``; see ``_llama_family_changes`` and ``kvgen.moe_config``).
+        ``qwen3_moe``, ``qwen2_moe``, ``mixtral``; see ``_llama_family_changes`` and ``kvgen.moe_config``), ``gpt_oss``
+        (:func:`kvgen.moe_config.hf_gpt_oss_kwargs`).
 
         GPT-2's own names (``n_embd``, ``n_layer``, ``n_head``, ``n_positions``,
         ``n_inner``) are mapped to the common ones.
@@ -278,6 +289,8 @@ class ModelConfig:
                 )
             if model_type in ("gemma3_text", "gemma2"):
                 return cls(**_gemma3_kwargs(_HF_DEFAULTS[model_type] | cfg, model_type))
+            if model_type == "gpt_oss":
+                return cls(**hf_gpt_oss_kwargs(cfg))
             if model_type in _HF_LLAMA_TYPES:
                 cfg = _HF_DEFAULTS.get(model_type, {}) | cfg  # save_pretrained leaves out values equal to these
                 known = {f.name for f in fields(cls)} - {"extra", "o_proj_bias", *MOE_FIELDS}
@@ -294,8 +307,8 @@ class ModelConfig:
         ``meta`` maps GGUF keys (``general.architecture``, ``llama.block_count``,
         ...) to values. Raises ``UnsupportedArchitectureError`` for an
         architecture outside ``llama`` (with ``expert_count`` > 0: Mixtral), ``qwen2``, ``qwen3``, ``phi3``,
-        ``smollm3``, ``qwen2moe``, ``qwen3moe``, ``gemma3``, ``gemma2`` (see :func:`_gemma3_gguf_changes`,
-        :func:`_gemma2_gguf_changes`, :func:`kvgen.moe_config.gguf_moe_fields`) and ``ModelFormatError`` for missing keys or bad
+        ``smollm3``, ``qwen2moe``, ``qwen3moe``, ``gemma3``, ``gemma2``, ``gpt-oss`` (see :func:`_gemma3_gguf_changes`,
+        :func:`_gemma2_gguf_changes`, :func:`kvgen.moe_config.gguf_moe_fields`, :func:`~kvgen.moe_config.gguf_gpt_oss_changes`) and ``ModelFormatError`` for missing keys or bad
         values.
         A Llama-family file's ``rope.scaling`` keys (linear, YaRN) are read by
         :func:`kvgen.rope_scaling.gguf_rope_scaling`; rope scaling stored as tensors (``rope_freqs``,
@@ -356,7 +369,9 @@ class ModelConfig:
             kwargs |= _gemma3_gguf_changes(meta, kwargs, need("attention.sliding_window"))
         if arch == "gemma2":
             kwargs |= _gemma2_gguf_changes(meta, kwargs)
-        if arch in ("qwen2moe", "qwen3moe") or int(meta.get(f"{arch}.expert_count") or 0) > 0:
+        if arch == "gpt-oss":
+            kwargs |= gguf_gpt_oss_changes(meta, kwargs["intermediate_size"])
+        elif arch in ("qwen2moe", "qwen3moe") or int(meta.get(f"{arch}.expert_count") or 0) > 0:
             kwargs |= gguf_moe_fields(meta, arch, kwargs["intermediate_size"])
         elif kwargs["intermediate_size"] is None:
             need("feed_forward_length")  # raises: a dense model's MLP size

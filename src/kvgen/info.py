@@ -54,7 +54,7 @@ def describe_model(path_or_name: str = "default") -> dict[str, Any]:
         "head_dim": cfg.head_dim,
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "rope_theta": cfg.rope_theta if cfg.model_type in ("llama", "gemma3_text", "gemma2") else None,
+        "rope_theta": cfg.rope_theta if cfg.model_type != "gpt2" else None,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "storage_types": _storage_types(path),
         "tokenizer": {

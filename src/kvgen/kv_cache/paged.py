@@ -205,12 +205,14 @@ class PagedKVCache:
         scale: float | None = None,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write this step's k, v to their slots, then attend every sequence over its blocks.
 
         q: [1, H, N, D]; k, v: [1, Hkv, N, D] (one packed row). ``window`` > 0 (a sliding-window layer): a query at
         position p sees positions p - window + 1 .. p only; ``softcap`` > 0 (Gemma 2): scores capped to
-        ``softcap * tanh(s / softcap)`` (:func:`~kvgen.kv_cache.sdpa.sdpa`). Returns [1, H, N, D], q's dtype.
+        ``softcap * tanh(s / softcap)``; ``sinks`` [H] float32 (gpt-oss): one more logit in each head's softmax, dropped
+        (:func:`~kvgen.kv_cache.sdpa.sdpa`). Returns [1, H, N, D], q's dtype.
         """
         k_new, v_new = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [N, Hkv, D]
         k_pool, v_pool = self.key_cache[layer_idx], self.value_cache[layer_idx]
@@ -222,22 +224,22 @@ class PagedKVCache:
         out = q.new_empty(num_tokens, num_heads, self.head_dim)  # [N, H, D]
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode_attention(q[0, :, : meta.num_decodes], k_pool, v_pool, meta, scale,
-                                                             window, softcap)
+                                                             window, softcap, sinks)
         for chunk in meta.prefills:
             out[chunk.token_start : chunk.token_end] = self._prefill_attention(q, k_new, v_new, k_pool, v_pool, chunk,
-                                                                               scale, window, softcap)
+                                                                               scale, window, softcap, sinks)
         return out.transpose(0, 1).unsqueeze(0)  # [1, H, N, D]
 
     def attend_rows(
         self, layer_idx: int, qkv: torch.Tensor, meta: PagedAttentionMetadata, num_heads: int, scale: float, kernels,
-        window: int = 0, softcap: float = 0.0,
+        window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Kernel path: write the step's k, v from stacked rows qkv [N, (H + 2 Hkv) D] to their slots,
         then attend every sequence straight from the pool through its block table (no gather;
-        ``kernels.paged_attention_qkv``; ``window``, ``softcap`` as :meth:`attend`). Returns [N, H D] float32."""
+        ``kernels.paged_attention_qkv``; ``window``, ``softcap``, ``sinks`` as :meth:`attend`). Returns [N, H D] float32."""
         return kernels.paged_attention_qkv(
             qkv, self.key_cache[layer_idx], self.value_cache[layer_idx], meta.slot_mapping, meta.block_tables,
-            meta.query_start_loc, meta.seq_lens, num_heads, scale, window, softcap,
+            meta.query_start_loc, meta.seq_lens, num_heads, scale, window, softcap, sinks,
         )
 
     def _gather(self, which: str, pool: torch.Tensor, block_ids: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -255,16 +257,19 @@ class PagedKVCache:
 
     def _decode_attention(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: PagedAttentionMetadata,
-        scale: float | None, window: int = 0, softcap: float = 0.0,
+        scale: float | None, window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [H, B, D] one query per sequence -> [B, H, D].
 
         Grouped-query heads are folded into the query axis (``[B, Hkv, H/Hkv, D]``), so no
-        key or value is repeated.
+        key or value is repeated; with ``sinks`` (one per query head) ``sdpa``'s eager path groups them instead.
         """
         num_heads, batch, d = q.shape
         group = num_heads // self.num_kv_heads
-        qg = q.transpose(0, 1).reshape(batch, self.num_kv_heads, group, d)  # [B, Hkv, G, D]
+        if sinks is None:
+            qg = q.transpose(0, 1).reshape(batch, self.num_kv_heads, group, d)  # [B, Hkv, G, D]
+        else:
+            qg = q.transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
         block_ids, decode_mask = meta.decode_inputs  # [B * nb], [B, 1, 1, S_pad]
         if window > 0:  # each sequence's last `window` positions: those >= its length - window
             first = meta.seq_lens[: meta.num_decodes] - window  # [B]
@@ -272,7 +277,7 @@ class PagedKVCache:
             decode_mask = decode_mask & near[:, None, None, :]  # [B, 1, 1, S_pad]
         k = self._gather("k", k_pool, block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
         v = self._gather("v", v_pool, block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
-        out = sdpa(qg, k, v, decode_mask, scale=scale, softcap=softcap)  # [B, Hkv, G, D]
+        out = sdpa(qg, k, v, decode_mask, scale=scale, softcap=softcap, sinks=sinks)  # [B, Hkv, G, D] | [B, H, 1, D]
         return out.reshape(batch, num_heads, d)  # [B, H, D]
 
     def _prefill_attention(
@@ -286,9 +291,10 @@ class PagedKVCache:
         scale: float | None,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One chunk's attention: q [1, H, N, D]; k_new, v_new [N, Hkv, D] -> [T, H, D]; ``window`` and ``softcap`` as
-        ``attend``."""
+        """One chunk's attention: q [1, H, N, D]; k_new, v_new [N, Hkv, D] -> [T, H, D]; ``window``, ``softcap`` and
+        ``sinks`` as ``attend``."""
         qc = q[:, :, chunk.token_start : chunk.token_end]  # [1, H, T, D]
         if chunk.num_context == 0:  # nothing cached: causal attention within the chunk
             k = k_new[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
@@ -302,5 +308,5 @@ class PagedKVCache:
             k_pos = torch.arange(k.shape[2])[None, :]  # [1, S]
             mask = ((k_pos <= q_pos) & (k_pos > q_pos - window))[None, None]  # [1, 1, T, S]
         is_causal = mask is None and qc.shape[2] > 1
-        out = sdpa(qc, k, v, mask, is_causal, scale, softcap)  # [1, H, T, D]
+        out = sdpa(qc, k, v, mask, is_causal, scale, softcap, sinks)  # [1, H, T, D]
         return out[0].transpose(0, 1)  # [T, H, D]

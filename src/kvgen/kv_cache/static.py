@@ -55,15 +55,16 @@ class StaticCache:
             raise ContextLengthError(f"StaticCache holds {self.max_cache_len} tokens; writing up to slot {end} overflows it")
 
     def attend_rows(self, layer_idx: int, qkv: torch.Tensor, key_mask: torch.Tensor | None, num_heads: int,
-                    scale: float, kernels, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                    scale: float, kernels, window: int = 0, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Kernel path: write this forward's k, v from stacked rows qkv [B*T, (H + 2 Hkv) D] at slots
         ``seq_length..`` and attend (``kernels.static_attention``; ``window`` > 0: each query sees its last
-        ``window`` slots; ``softcap`` > 0: scores capped to ``softcap * tanh(s / softcap)``). Returns [B*T, H D]
-        float32.
+        ``window`` slots; ``softcap`` > 0: scores capped to ``softcap * tanh(s / softcap)``; ``sinks`` [H] float32: one
+        more logit per head's softmax, dropped). Returns [B*T, H D] float32.
         Raises ``ContextLengthError`` when the write would pass ``max_cache_len``."""
         keys, values, past = self.static_buffers(qkv.shape[0] // self.key_cache[0].shape[0])
         return kernels.static_attention(qkv, keys[layer_idx], values[layer_idx], key_mask, past, num_heads, scale,
-                                        window, softcap)
+                                        window, softcap, sinks)
 
     def advance(self, num_new: int) -> None:
         """Record that ``num_new`` tokens were written by every layer."""

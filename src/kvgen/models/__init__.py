@@ -22,6 +22,7 @@ from kvgen.models.base import CausalLM, SupportsKernels
 from kvgen.models.gemma2 import Gemma2ForCausalLM
 from kvgen.models.gemma3 import Gemma3ForCausalLM, gemma3_inv_freq
 from kvgen.models.gpt2 import GPT2LMHeadModel
+from kvgen.models.gpt_oss import GptOssForCausalLM
 from kvgen.models.llama import LlamaForCausalLM
 from kvgen.models.quant_linear import QuantEmbedding, QuantLinear
 from kvgen.weights.quantized import GGUFBlocks, stack_blocks
@@ -31,6 +32,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "gpt2": GPT2LMHeadModel,
     "gemma3_text": Gemma3ForCausalLM,
     "gemma2": Gemma2ForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 
@@ -141,4 +143,4 @@ def _recompute_buffer(config: ModelConfig, name: str) -> torch.Tensor:
 
 
 __all__ = ["MODEL_REGISTRY", "AttentionMetadata", "CausalLM", "GPT2LMHeadModel", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-           "LlamaForCausalLM", "build_model", "kv_cache_dtype"]
+           "GptOssForCausalLM", "LlamaForCausalLM", "build_model", "kv_cache_dtype"]

@@ -59,18 +59,20 @@ def attend(
     scale: float | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store k, v in the cache (if any) and attend: q [B, H, T, D]; k, v [B, Hkv, T, D] -> [B, H, T, D].
 
     With paged metadata, B = 1 and T = N packed tokens (``PagedKVCache.attend``, which applies ``window`` > 0: each
     query sees its last ``window`` positions); an offline mask carries its window already (``prepare_attention``).
-    ``softcap`` > 0 (Gemma 2): scores capped to ``softcap * tanh(s / softcap)`` before the softmax.
+    ``softcap`` > 0 (Gemma 2): scores capped to ``softcap * tanh(s / softcap)`` before the softmax. ``sinks`` [H]
+    float32 (gpt-oss): one more logit in each head's softmax, its probability dropped.
     """
     if isinstance(mask, PagedAttentionMetadata):
-        return kv_cache.attend(layer_idx, q, k, v, mask, scale, window, softcap)
+        return kv_cache.attend(layer_idx, q, k, v, mask, scale, window, softcap, sinks)
     if kv_cache is not None:
         k, v = kv_cache.update(layer_idx, k, v)  # [B, Hkv, S, D]
-    return scaled_dot_product_attention(q, k, v, mask, scale, softcap)
+    return scaled_dot_product_attention(q, k, v, mask, scale, softcap, sinks)
 
 
 def prepare_key_mask(
@@ -100,6 +102,7 @@ def attend_rows(
     scale: float | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The kernel path's attention from stacked rows: qkv [N, (H + 2 Hkv) D] (RoPE applied) ->
     [N, H D] float32, k and v stored in the cache first.
@@ -108,11 +111,11 @@ def attend_rows(
     metadata. A cache with ``attend_rows`` (static, paged) does the write and the attention
     in one fused op; a cache with only ``update``, or none, goes through ``kernels.attention``.
     ``scale`` defaults to head_dim^-0.5; ``window`` > 0: each query sees only its last ``window`` slots; ``softcap``
-    > 0: scores capped as in :func:`attend`.
+    > 0: scores capped as in :func:`attend`; ``sinks`` [H] float32 as there.
     """
     scale = head_dim**-0.5 if scale is None else scale
     if isinstance(mask, PagedAttentionMetadata) or hasattr(kv_cache, "attend_rows"):
-        return kv_cache.attend_rows(layer_idx, qkv, mask, num_heads, scale, kernels, window, softcap)
+        return kv_cache.attend_rows(layer_idx, qkv, mask, num_heads, scale, kernels, window, softcap, sinks)
     n, t = qkv.shape[0], qkv.shape[0] // batch
     q, k, v = qkv.view(batch, t, -1).split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
     q = q.view(batch, t, num_heads, head_dim).transpose(1, 2)  # [B, H, T, D]
@@ -121,7 +124,7 @@ def attend_rows(
     past = kv_cache.seq_length if kv_cache is not None else 0
     if kv_cache is not None:
         k, v = kv_cache.update(layer_idx, k, v)  # [B, Hkv, S, D]
-    out = kernels.attention(q, k, v, mask, past, scale, window, softcap)  # [B, T, H, D]
+    out = kernels.attention(q, k, v, mask, past, scale, window, softcap, sinks)  # [B, T, H, D]
     return out.view(n, num_heads * head_dim)  # [N, H D]
 
 
@@ -169,7 +172,7 @@ def _full_attention_mask(attention_mask: torch.Tensor | None, past_len: int, num
 
 def scaled_dot_product_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None,
-    softcap: float = 0.0,
+    softcap: float = 0.0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention with grouped-query heads.
 
@@ -177,11 +180,12 @@ def scaled_dot_product_attention(
     [B|1, 1, T, S] bool or None. Returns [B, H, T, D] in q's dtype.
     Source: Vaswani et al. 2017 eq. 1; GQA as in Ainslie et al. 2023.
     ``mask is None`` with T == S means causal (fresh prefill); with T == 1 it
-    means attend to every key. ``softcap`` > 0: Gemma 2's capped scores (:func:`kvgen.kv_cache.sdpa.sdpa`).
+    means attend to every key. ``softcap`` > 0: Gemma 2's capped scores; ``sinks`` [H]: gpt-oss's attention sinks
+    (:func:`kvgen.kv_cache.sdpa.sdpa`).
     """
     b, h, num_new, d = q.shape
     h_kv, num_keys = k.shape[1], k.shape[2]
-    if num_new == 1 and h != h_kv:
+    if num_new == 1 and h != h_kv and sinks is None:  # (sinks: the eager path groups the heads itself)
         # Decode: fold the G = H / Hkv query heads sharing a KV head into the query-length
         # axis, so one plain MHA call over Hkv heads does GQA with no K/V copy (head
         # h = j * G + g reads KV head j, as HF repeat_kv). Measured faster than enable_gqa.
@@ -189,4 +193,4 @@ def scaled_dot_product_attention(
         out = sdpa(q_grouped, k, v, mask, scale=scale, softcap=softcap)  # [B, Hkv, G, D]
         return out.reshape(b, h, 1, d)  # [B, H, 1, D]
     is_causal = mask is None and num_new > 1 and num_new == num_keys
-    return sdpa(q, k, v, mask, is_causal, scale, softcap)
+    return sdpa(q, k, v, mask, is_causal, scale, softcap, sinks)

@@ -35,7 +35,7 @@ from kvgen.models.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from kvgen.models.moe import SparseMoeBlock
+from kvgen.models.moe import GptOssMoeBlock, SparseMoeBlock
 from kvgen.models.one_op import DecoderOperands
 from kvgen.models.quant_linear import LinearOperands as _LinearOperands
 from kvgen.models.quant_linear import QuantEmbedding, VocabEmbedding, linear_operands
@@ -73,6 +73,7 @@ class LlamaAttention(nn.Module):
         self.scaling: float | None = None  # None: head_dim^-0.5 (Gemma 3 sets query_pre_attn_scalar^-0.5)
         self.window = 0  # > 0: a sliding-window layer's width in tokens (Gemma 2, Gemma 3)
         self.softcap = 0.0  # > 0: scores capped to softcap * tanh(s / softcap) (Gemma 2's attn_logit_softcapping)
+        self.sinks: nn.Parameter | None = None  # [H] float32: one more logit per head's softmax, dropped (gpt-oss)
         bias = config.attention_bias
         self.qkv_proj = nn.Linear(c, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, c, bias=bias if config.o_proj_bias is None else config.o_proj_bias)
@@ -89,7 +90,8 @@ class LlamaAttention(nn.Module):
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         if self.use_rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v, layer_idx, kv_cache, mask, self.scaling, self.window, self.softcap)  # [B, H, T, D]
+        out = attend(q, k, v, layer_idx, kv_cache, mask, self.scaling, self.window, self.softcap,
+                     self.sinks)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))  # [B, T, C]
 
 
@@ -122,11 +124,14 @@ class LlamaDecoderLayer(nn.Module):
     _moe_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     _qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None  # (q_norm, k_norm weights, eps), by bind_kernels
     _use_rope = True  # self_attn.use_rope, copied by bind_kernels
+    # self_attn's (scaling, window, softcap, sinks) as attend_rows takes them, copied by bind_kernels
+    _attn_args: tuple[float | None, int, float, torch.Tensor | None] = (None, 0, 0.0, None)
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx)
-        self.mlp = SparseMoeBlock(config) if config.is_sparse_layer(layer_idx) else LlamaMLP(config)
+        self.mlp: LlamaMLP | SparseMoeBlock | GptOssMoeBlock = (
+            SparseMoeBlock(config) if config.is_sparse_layer(layer_idx) else LlamaMLP(config))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.kernels: KernelOps | None = None  # set by bind_kernels: the fused fast path below
@@ -153,7 +158,8 @@ class LlamaDecoderLayer(nn.Module):
             ops.rms_norm_heads_(h, *self._qk_norm, num_heads, num_kv_heads)  # Qwen3: each q and k head, in place
         if self._use_rope:
             ops.rope_qkv_(h, cos, sin, num_heads, num_kv_heads)
-        h = attend_rows(h, batch, layer_idx, kv_cache, mask, ops, num_heads, num_kv_heads, head_dim)  # [N, H D]
+        h = attend_rows(h, batch, layer_idx, kv_cache, mask, ops, num_heads, num_kv_heads, head_dim,
+                        *self._attn_args)  # [N, H D]
         x = ops.qgemm(h, *o, x)  # x + o_proj(attn)
         h = ops.rms_norm(x, norm2, eps2)
         if self._moe_forward is not None:  # a sparse layer: x + the experts' weighted outputs
@@ -166,12 +172,14 @@ class LlamaDecoderLayer(nn.Module):
         (nn.Module attribute lookups cost ~1 µs each, ~14 per layer and token)."""
         linear = linear_operands
         attn, mlp = self.self_attn, self.mlp
-        if isinstance(mlp, SparseMoeBlock):
+        if isinstance(mlp, (SparseMoeBlock, GptOssMoeBlock)):
             mlp.bind_kernels(kernels)
             self._moe_forward, gate_up, down = mlp.forward_kernels, _NO_LINEAR, _NO_LINEAR
         else:
             gate_up, down = linear(mlp.gate_up_proj), linear(mlp.down_proj)
         self.kernels, self._use_rope = kernels, attn.use_rope
+        sinks = None if attn.sinks is None else attn.sinks.float()
+        self._attn_args = (attn.scaling, attn.window, attn.softcap, sinks)
         q_norm, k_norm = attn.q_norm, attn.k_norm
         if q_norm is not None and k_norm is not None:
             self._qk_norm = (q_norm.weight, k_norm.weight, q_norm.variance_epsilon)
@@ -187,10 +195,11 @@ class LlamaModel(nn.Module):
 
     embed_tokens: VocabEmbedding | QuantEmbedding  # QuantEmbedding when the file's embeddings are quantized
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_cls: type[LlamaDecoderLayer] | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        layer_cls = layer_cls or LlamaDecoderLayer
+        self.layers = nn.ModuleList(layer_cls(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -198,11 +207,12 @@ class LlamaForCausalLM(CausalLM):
     """Llama decoder with an LM head (tied to ``embed_tokens`` or separate)."""
 
     inv_freq: torch.Tensor  # [D/2] float32 buffer (rope_inv_freq)
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer  # gpt-oss: GptOssDecoderLayer
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, self.layer_cls)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer(
@@ -216,6 +226,8 @@ class LlamaForCausalLM(CausalLM):
         self._rope = RopeTable()  # [P, D] cos / sin tables of the kernel path
         if config.has_experts:  # kernels.decoder_layers computes dense layers only: layer by layer
             self.one_op_decoder = False
+        # per layer: its sliding window in tokens (0: full attention; gpt-oss's sliding_attention layers)
+        self.windows = [cast(LlamaDecoderLayer, layer).self_attn.window for layer in self.model.layers]
 
     def forward(
         self,
@@ -239,6 +251,8 @@ class LlamaForCausalLM(CausalLM):
         else:
             cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype, self.rope_attention_factor)  # [B, 1, T, D]
             mask = prepare_attention(attn_metadata, kv_cache, input_ids.shape[1])
+            window = max(self.windows)  # the sliding layers' mask (one window per model)
+            sliding = prepare_attention(attn_metadata, kv_cache, input_ids.shape[1], window) if window else mask
         if self.kernels is not None:  # rows [N, C] through each layer's fused ops, no module calls
             rows, operands = x.view(-1, x.shape[-1]), self._decoder_operands
             out = operands.run(self.kernels, rows, [cos, sin], kv_cache, mask, input_ids.shape[1]) if (
@@ -249,7 +263,7 @@ class LlamaForCausalLM(CausalLM):
             x = (rows if out is None else out).view(x.shape)
         else:
             for i, block in enumerate(self.model.layers):
-                x = block(x, cos, sin, i, kv_cache, mask)
+                x = block(x, cos, sin, i, kv_cache, sliding if self.windows[i] else mask)
         advance_cache(kv_cache, mask, input_ids.shape[1])
         return self.model.norm(x)
 

@@ -1,4 +1,5 @@
-"""Mixture-of-experts feed-forward blocks (Qwen3-MoE, Qwen2-MoE, Mixtral) for the Llama decoder's sparse layers.
+"""Mixture-of-experts feed-forward blocks (Qwen3-MoE, Qwen2-MoE, Mixtral; gpt-oss's ``GptOssMoeBlock``) for the Llama
+decoder's sparse layers.
 
 A router (``gate``, a float32 softmax over all ``num_experts``) picks ``num_experts_per_tok`` SwiGLU experts per
 token, their probabilities renormalized to sum 1 where ``norm_topk_prob``; the block returns the experts' outputs
@@ -25,6 +26,7 @@ from torch import nn
 from kvgen.config import ModelConfig
 from kvgen.kernels import KernelOps
 from kvgen.models.quant_linear import LinearOperands, linear_operands
+from kvgen.moe_config import GPT_OSS_SWIGLU_LIMIT
 
 # One SwiGLU expert's (gate_up_proj, down_proj) operands.
 _ExpertOperands = tuple[LinearOperands, LinearOperands]
@@ -140,3 +142,85 @@ class SparseMoeBlock(nn.Module):
             shared = (self.shared_expert_gate.weight, (linear_operands(self.shared_expert.gate_up_proj),
                                                        linear_operands(self.shared_expert.down_proj)))
         self._operands = (kernels, self.gate.weight, experts, shared)
+
+
+GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, GPT_OSS_SWIGLU_LIMIT  # GptOssExperts.alpha, .limit (transformers' constants)
+
+
+def gpt_oss_glu(gate_up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's clamped GLU: gate_up [..., 2I] (gate, then up) -> (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g) with
+    g = min(gate, 7), [..., I], gate_up's dtype. Source: transformers 4.55 ``GptOssExperts.forward``."""
+    gate, up = gate_up.chunk(2, dim=-1)  # [..., I] each
+    gate = gate.clamp(max=GPT_OSS_LIMIT)
+    up = up.clamp(min=-GPT_OSS_LIMIT, max=GPT_OSS_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * GPT_OSS_ALPHA))
+
+
+def route_top_k_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's routing: router_logits [N, E] -> (weights [N, k] float32, ids [N, k] int64): the top k logits, then a
+    float32 softmax over those k only. Source: transformers 4.55 ``GptOssTopKRouter.forward``."""
+    values, ids = torch.topk(router_logits, top_k, dim=-1)  # [N, k] each
+    return F.softmax(values, dim=-1, dtype=torch.float32), ids
+
+
+class GptOssExpert(nn.Module):
+    """One gpt-oss expert: down(gpt_oss_glu(gate_up(x))), both with biases; ``gate_up_proj`` [2I, C] stacks the
+    checkpoint's ``gate_proj`` and ``up_proj`` (rows gate, then up, as ``LlamaMLP``; :mod:`kvgen.weights.gpt_oss`
+    splits a Hugging Face checkpoint's interleaved stacks so). x: [..., C] -> [..., C]."""
+
+    packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up_proj": ("gate_proj", "up_proj")}
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=True)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gpt_oss_glu(self.gate_up_proj(x)))
+
+
+class GptOssMoeBlock(nn.Module):
+    """gpt-oss's feed-forward: a biased ``router`` [E, C] (top-k logits, softmax over them) and ``num_experts``
+    :class:`GptOssExpert` (``experts.E``). ``forward`` and ``forward_kernels`` as :class:`SparseMoeBlock`'s; outputs
+    agree with transformers 4.55 ``GptOssMLP``; llama.cpp computes the same (``build_moe_ffn`` with
+    ``LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT`` and ``swiglu_oai``)."""
+
+    _operands: tuple[KernelOps, torch.Tensor, torch.Tensor, list[_ExpertOperands]]  # set by bind_kernels
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config.hidden_size
+        self.top_k = config.num_experts_per_tok
+        self.router = nn.Linear(c, config.num_experts, bias=True)  # [E, C], float32 on the kernel path
+        self.experts = nn.ModuleList(GptOssExpert(c, config.moe_intermediate_size) for _ in range(config.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, C] -> [B, T, C] in x's dtype."""
+        rows = x.reshape(-1, x.shape[-1])  # [N, C]
+        weights, ids = route_top_k_softmax(self.router(rows), self.top_k)  # [N, k]
+        weights = weights.to(x.dtype).reshape(-1)  # [N k]
+        out = torch.zeros_like(rows)  # [N, C]
+        for expert, idx, slots in expert_groups(ids):
+            y = self.experts[expert](rows.index_select(0, idx))  # [n, C]
+            out.index_add_(0, idx, y * weights[slots, None])
+        return out.view(x.shape)
+
+    def forward_kernels(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The kernel path: x + block(h) for h, x [N, C] float32 -> [N, C]; the router in float32, each chosen expert
+        once over its rows (``qgemm`` with bias, the GLU in torch, ``qgemm`` with bias)."""
+        ops, router, router_bias, experts = self._operands
+        weights, ids = route_top_k_softmax(F.linear(h, router, router_bias), self.top_k)  # [N, k]
+        weights = weights.reshape(-1)  # [N k]
+        out = torch.zeros_like(h)  # [N, C]
+        for expert, idx, slots in expert_groups(ids):
+            gate_up, down = experts[expert]
+            y = ops.qgemm(gpt_oss_glu(ops.qgemm(h.index_select(0, idx), *gate_up)), *down)  # [n, C]
+            out.index_add_(0, idx, y * weights[slots, None])
+        return x + out
+
+    def bind_kernels(self, kernels: KernelOps) -> None:
+        """Gather ``forward_kernels``' operands once: the router's float32 weight [E, C] and bias [E], each expert's
+        linears (every one a ``QuantLinear`` here)."""
+        experts = [(linear_operands(e.gate_up_proj), linear_operands(e.down_proj))
+                   for e in cast(list[GptOssExpert], self.experts)]
+        self._operands = (kernels, self.router.weight.float(), self.router.bias.float(), experts)

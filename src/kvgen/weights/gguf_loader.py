@@ -54,7 +54,7 @@ _ROPE_FREQS = "rope_freqs.weight"
 _ROPE_LONG, _ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
 _ROPE_TENSORS = (_ROPE_FREQS, _ROPE_LONG, _ROPE_SHORT)  # read into the config's rope_scaling, not parameters
 # Architectures whose q/k rows llama.cpp's converter stores as Hugging Face's (it permutes only its llama models)
-_UNPERMUTED_ARCHS = ("qwen2", "qwen3", "phi3", "gemma3", "gemma2", "qwen2moe", "qwen3moe")
+_UNPERMUTED_ARCHS = ("qwen2", "qwen3", "phi3", "gemma3", "gemma2", "qwen2moe", "qwen3moe", "gpt-oss")
 # float32 bytes dequantized per step: bounds the transient memory of one tensor.
 _CHUNK_BYTES = 8 << 20
 
@@ -108,7 +108,8 @@ def load_gguf(
     shapes = expected_param_shapes(config)
     found = {ours: _param_shape(by_name[g], ours) for g, ours in names.items()}
     for g, template in stacks.items():  # expert e of a stack [E, rows, cols]
-        found |= {template.format(e): _torch_shape(by_name[g])[1:] for e in range(int(by_name[g].shape[2]))}
+        for e in range(int(by_name[g].shape[-1])):
+            found |= _unfused(template.format(e), _torch_shape(by_name[g])[1:])
     check_state_dict(shapes, found, path, ignored=[n for n in _ROPE_TENSORS if n in by_name])
     for name in (*names, *stacks):
         _check_quant_type(by_name[name])
@@ -129,12 +130,21 @@ def load_gguf(
     for gguf_name, ours in (*names.items(), *stacks.items()):
         t = by_name[gguf_name]
         if gguf_name in stacks:  # one matrix per expert, each converted as a 2-D tensor of the file
-            state |= {ours.format(e): convert(_expert_slice(t, e), ours) for e in range(int(t.shape[2]))}
+            state |= {ours.format(e): convert(_expert_slice(t, e), ours) for e in range(int(t.shape[-1]))}
         else:
             state[ours] = convert(t, ours)
         _release_pages(reader, t)
         return_freed_memory()  # the transients of this tensor's conversion (kvgen.heap)
     return config, state, meta
+
+
+def _unfused(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """An expert's part as the strict check sees it: a fused ``gate_up_proj`` [2I, ...] (``ffn_gate_up_exps``) as
+    the ``gate_proj`` and ``up_proj`` halves its module stacks, anything else as it is."""
+    if ".gate_up_proj." not in name or shape[0] % 2:
+        return {name: shape}
+    half = (shape[0] // 2, *shape[1:])
+    return {name.replace(".gate_up_proj.", f".{part}."): half for part in ("gate_proj", "up_proj")}
 
 
 def _param_shape(t: ReaderTensor, ours: str) -> tuple[int, ...]:
@@ -145,11 +155,12 @@ def _param_shape(t: ReaderTensor, ours: str) -> tuple[int, ...]:
 
 
 def _expert_slice(t: ReaderTensor, e: int) -> ReaderTensor:
-    """Expert ``e`` of an expert stack ``t`` (ggml ne [cols, rows, E], data [E, rows, cols or bytes]) as a 2-D
-    tensor of its own: a view of the file's bytes, named ``{t.name}[e]`` in messages."""
-    num_experts = int(t.shape[2])
+    """Expert ``e`` of an expert stack ``t`` (ggml ne [cols, rows, E], data [E, rows, cols or bytes]; gpt-oss's bias
+    stacks ne [rows, E]) as a tensor of its own (2-D; 1-D for a bias): a view of the file's bytes, named
+    ``{t.name}[e]`` in messages."""
+    num_experts = int(t.shape[-1])
     n_bytes = t.n_bytes // num_experts
-    return t._replace(name=f"{t.name}[{e}]", shape=t.shape[:2], n_elements=t.n_elements // num_experts,
+    return t._replace(name=f"{t.name}[{e}]", shape=t.shape[:-1], n_elements=t.n_elements // num_experts,
                       n_bytes=n_bytes, data_offset=t.data_offset + e * n_bytes, data=t.data[e])
 
 
@@ -163,16 +174,17 @@ def _dense_layers(by_name: dict[str, ReaderTensor], config: ModelConfig) -> list
 def _check_expert_tensors(by_name: dict[str, ReaderTensor], stacks: dict[str, str], config: ModelConfig,
                           path: str) -> None:
     """ModelFormatError naming each expert tensor a sparse layer lacks (its ``ffn_{gate,up,down}_exps`` stack, or
-    the older per-expert ``ffn_{gate,up,down}.E``) and each stack whose expert count is not ``expert_count``."""
+    ``ffn_gate_up_exps`` and ``ffn_down_exps``, or the older per-expert ``ffn_{gate,up,down}.E``) and each stack whose expert count is not ``expert_count``."""
     missing, wrong = [], []
     for i in range(config.num_hidden_layers):
-        for kind in ("gate", "up", "down") if config.is_sparse_layer(i) else ():
+        fused = f"blk.{i}.ffn_gate_up_exps.weight" in by_name
+        for kind in (("down",) if fused else ("gate", "up", "down")) if config.is_sparse_layer(i) else ():
             stack = f"blk.{i}.ffn_{kind}_exps.weight"
             if stack not in by_name and f"blk.{i}.ffn_{kind}.0.weight" not in by_name:
                 missing.append(stack)
     for name in stacks:
         shape = by_name[name].shape
-        if len(shape) != 3 or int(shape[2]) != config.num_experts:
+        if len(shape) != (2 if name.endswith(".bias") else 3) or int(shape[-1]) != config.num_experts:
             wrong.append(f"{name} {list(_torch_shape(by_name[name]))}")
     if missing or wrong:
         raise ModelFormatError(f"{path} does not hold the experts its metadata announces (expert_count = "
@@ -209,7 +221,7 @@ def _map_names(reader: GGUFReader, path: str, arch: str) -> tuple[dict[str, str]
     unknown = []
     for t in reader.tensors:
         ours = gguf_to_kvgen_name(t.name, arch)
-        stack = gguf_expert_stack_name(t.name)
+        stack = gguf_expert_stack_name(t.name, arch)
         if ours is not None:
             names[t.name] = ours
         elif stack is not None:

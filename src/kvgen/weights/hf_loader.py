@@ -24,6 +24,12 @@ from safetensors import SafetensorError, safe_open
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelFormatError, ModelNotFoundError
 from kvgen.tokenizer.hf_files import read_json
+from kvgen.weights.gpt_oss import (
+    check_mxfp4_pairs,
+    expert_stack_shapes,
+    is_expert_stack,
+    split_expert_stacks,
+)
 from kvgen.weights.name_maps import (
     check_state_dict,
     expected_param_shapes,
@@ -61,7 +67,8 @@ def load_hf_directory(
     kernels (vLLM's "auto": the checkpoint's dtype); anything else loads as float32. Gemma 3's norm weights load
     as ``1 + w`` (:func:`~kvgen.weights.name_maps.hf_norm_offset`; exact in float32, rounded in a 16-bit ``dtype``).
     Mixture-of-experts routers (:func:`~kvgen.weights.name_maps.is_router_weight`) load as ``dtype`` (float32 for
-    auto) whatever the rest.
+    auto) whatever the rest; gpt-oss's expert stacks are split per expert (:mod:`kvgen.weights.gpt_oss`), its MXFP4
+    stacks (``*_blocks`` / ``*_scales``) kept as MXFP4 blocks where the rest stays 16-bit, else dequantized.
 
     Keys ignored before the strict check: saved buffers (GPT-2 ``attn.bias`` /
     ``attn.masked_bias``, Llama ``rotary_emb.inv_freq``) and ``lm_head.weight``
@@ -77,11 +84,17 @@ def load_hf_directory(
         raise ModelFormatError(f"{root} is not a directory (expected an HF checkpoint directory with config.json)")
     config = ModelConfig.from_hf_dict(_read_json(root / "config.json", "config.json"))
     entries, ignored = _plan(root, config)
-    check_state_dict(expected_param_shapes(config), {e.name: s for e, s in entries.items()}, str(root), ignored)
-    keep_16bit = dtype is None and config.model_type in ("llama", "gemma3_text", "gemma2") and all(
+    check_mxfp4_pairs([e.name for e in entries])
+    actual: dict[str, tuple[int, ...]] = {}
+    for e, shape in entries.items():  # a gpt-oss expert stack: as the per-expert parameters it becomes
+        actual |= expert_stack_shapes(e.name, shape) if is_expert_stack(e.name) else {e.name: shape}
+    check_state_dict(expected_param_shapes(config), actual, str(root), ignored)
+    keep_16bit = dtype is None and config.model_type in ("llama", "gemma3_text", "gemma2", "gpt_oss") and all(
         e.dtype in _16BIT and shape[1] % 32 == 0 for e, shape in entries.items()
-        if len(shape) == 2 and not is_router_weight(e.name))
+        if len(shape) >= 2 and not is_router_weight(e.name) and not e.name.endswith(("_bias", "_blocks", "_scales")))
     state = _read_tensors(list(entries), dtype or torch.float32, keep_16bit)
+    if config.model_type == "gpt_oss":
+        state = split_expert_stacks(state, dtype or torch.float32, keep_16bit, keep=keep_16bit)
     for name, tensor in state.items():
         offset = hf_norm_offset(name, config)  # Gemma 3's norms: 1 + w, added in float32 as transformers does
         if offset and isinstance(tensor, torch.Tensor):
@@ -171,7 +184,9 @@ def _read_tensors(entries: list[_Entry], dtype: torch.dtype, keep_16bit: bool) -
                 except SafetensorError as err:  # data out of bounds, unknown dtype
                     msg = f"{file}: cannot read tensor {e.key!r}: {type(err).__name__}: {err}"
                     raise ModelFormatError(msg) from None
-                if keep_16bit and t.dim() == 2 and not is_router_weight(e.name):  # routers: dense float32
+                if is_expert_stack(e.name):  # as stored: split_expert_stacks casts or keeps each expert's part
+                    state[e.name] = t
+                elif keep_16bit and t.dim() == 2 and not is_router_weight(e.name):  # routers: dense float32
                     qtype = GGMLQuantizationType.F16 if t.dtype == torch.float16 else GGMLQuantizationType.BF16
                     state[e.name] = GGUFBlocks(qtype, [t.contiguous().view(torch.uint8)], (t.shape[0], t.shape[1]))
                 elif e.transpose:  # Conv1D [in, out] -> [out, in], one copy

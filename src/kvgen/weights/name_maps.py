@@ -85,11 +85,29 @@ def _moe_shapes(cfg: ModelConfig, prefix: str) -> Shapes:
     return shapes
 
 
+def _gpt_oss_shapes(cfg: ModelConfig) -> Shapes:
+    """Llama's attention and norms with biases, each layer's ``self_attn.sinks`` [H] and its
+    ``models.moe.GptOssMoeBlock``: ``router`` [E, C] + [E], experts' ``gate_proj`` and ``up_proj`` [I, C] + [I]
+    (stacked into ``gate_up_proj`` by the model) and ``down_proj`` [C, I] + [C]."""
+    c, i = cfg.hidden_size, cfg.moe_intermediate_size
+    shapes = {k: v for k, v in _llama_shapes(cfg).items() if ".mlp." not in k}
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        shapes |= {p + "self_attn.sinks": (cfg.num_attention_heads,), p + "mlp.router.weight": (cfg.num_experts, c),
+                   p + "mlp.router.bias": (cfg.num_experts,)}
+        for e in range(cfg.num_experts):
+            x = f"{p}mlp.experts.{e}."
+            shapes |= {x + "gate_proj.weight": (i, c), x + "gate_proj.bias": (i,), x + "up_proj.weight": (i, c),
+                       x + "up_proj.bias": (i,), x + "down_proj.weight": (c, i), x + "down_proj.bias": (c,)}
+    return shapes
+
+
 def is_router_weight(name: str) -> bool:
-    """Whether our parameter ``name`` is a mixture of experts' router (``mlp.gate``, ``mlp.shared_expert_gate``):
+    """Whether our parameter ``name`` is a mixture of experts' router (``mlp.gate``, ``mlp.shared_expert_gate``,
+    gpt-oss's ``mlp.router``):
     kept dense (float32 on the kernel path) whatever the file stores, as llama.cpp computes them (its converter
     writes ``ffn_gate_inp`` as F32 and llama-quantize leaves it so)."""
-    return name.endswith((".mlp.gate.weight", ".mlp.shared_expert_gate.weight"))
+    return name.endswith((".mlp.gate.weight", ".mlp.shared_expert_gate.weight", ".mlp.router.weight"))
 
 
 def _gpt2_shapes(cfg: ModelConfig) -> Shapes:
@@ -134,6 +152,7 @@ def _gemma3_shapes(cfg: ModelConfig) -> Shapes:
 
 _SHAPES: dict[str, Callable[[ModelConfig], Shapes]] = {
     "llama": _llama_shapes, "gpt2": _gpt2_shapes, "gemma3_text": _gemma3_shapes, "gemma2": _gemma3_shapes,
+    "gpt_oss": _gpt_oss_shapes,
 }
 
 
@@ -204,7 +223,9 @@ _GGUF_BLOCK = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # every expert's matrix of a sparse layer in one 3-D tensor [E, rows, cols] (llama.cpp's converter since 2024)
-_GGUF_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_GGUF_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj",
+                       # convert_hf_to_gguf.py --fuse-gate-up-exps: gate rows, then up rows, in one stack
+                       "ffn_gate_up_exps": "gate_up_proj"}
 # older Mixtral files: one 2-D tensor per expert, blk.N.ffn_gate.E.weight (llama.cpp's LLM_TENSOR_FFN_GATE_EXP)
 _GGUF_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 # phi3 (llama.cpp's converter): q/k/v stacked in attn_qkv, and ffn_up holds gate then up ([2I, C]; no ffn_gate)
@@ -218,6 +239,14 @@ _GGUF_GEMMA3_BLOCK = {k: v for k, v in _GGUF_BLOCK.items() if k != "ffn_norm"} |
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# gpt-oss (llama.cpp's LLM_ARCH_OPENAI_MOE): post_attention_norm is the norm before the experts, attn_sinks [H] the
+# sinks, ffn_gate_inp (weight and bias) the router; its expert stacks carry biases too (ffn_{gate,up,down}_exps.bias)
+_GGUF_GPT_OSS_BLOCK = {k: v for k, v in _GGUF_BLOCK.items() if k.startswith("attn_") and "norm" not in k} | {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+}
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -228,6 +257,8 @@ def gguf_to_kvgen_name(name: str, arch: str = "llama") -> str | None:
     ``blk.3.attn_qkv.weight`` -> ``...self_attn.qkv_proj.weight`` and ``blk.3.ffn_up.weight`` ->
     ``...mlp.gate_up_proj.weight``; in a ``gemma3`` file ``blk.3.ffn_norm.weight`` ->
     ``...pre_feedforward_layernorm.weight``, ``post_attention_norm`` / ``post_ffw_norm`` -> the post norms. Norms map only their ``.weight`` (a norm ``.bias`` is unknown).
+    In a ``gpt-oss`` file ``post_attention_norm`` -> ``post_attention_layernorm``, ``attn_sinks.weight`` ->
+    ``self_attn.sinks``, ``ffn_gate_inp`` -> ``mlp.router`` (weight and bias).
     Mixtures of experts: ``ffn_gate_inp`` -> ``mlp.gate``, ``ffn_{gate,up,down}_shexp`` / ``ffn_gate_inp_shexp`` ->
     ``mlp.shared_expert.*`` / ``mlp.shared_expert_gate``, an older file's ``blk.3.ffn_up.5.weight`` ->
     ``model.layers.3.mlp.experts.5.up_proj.weight`` (expert stacks: :func:`gguf_expert_stack_name`).
@@ -239,22 +270,26 @@ def gguf_to_kvgen_name(name: str, arch: str = "llama") -> str | None:
         return f"model.layers.{int(expert.group(1))}.mlp.experts.{int(expert.group(3))}.{expert.group(2)}_proj.weight"
     gemma = arch in ("gemma3", "gemma2")  # the same four norms per layer
     block = _GGUF_STACKED_BLOCK if arch in _STACKED_CHECKPOINTS else _GGUF_GEMMA3_BLOCK if gemma else _GGUF_BLOCK
+    block = _GGUF_GPT_OSS_BLOCK if arch == "gpt-oss" else block
     m = _GGUF_BLOCK_RE.fullmatch(name)
     if m is None or m.group(2) not in block:
         return None
     ours = block[m.group(2)]
+    if ours == "self_attn.sinks":  # a parameter of its own, not a module's weight
+        return f"model.layers.{int(m.group(1))}.{ours}" if m.group(3) == "weight" else None
     if ours.endswith(("layernorm", "_norm")) and m.group(3) != "weight":
         return None
     return f"model.layers.{int(m.group(1))}.{ours}.{m.group(3)}"
 
 
-def gguf_expert_stack_name(name: str) -> str | None:
-    """For a llama.cpp expert stack (``blk.3.ffn_up_exps.weight``, [E, rows, cols]) the name of its expert ``e``'s
-    matrix as a format string (``model.layers.3.mlp.experts.{}.up_proj.weight``); None for any other tensor."""
+def gguf_expert_stack_name(name: str, arch: str = "llama") -> str | None:
+    """For a llama.cpp expert stack (``blk.3.ffn_up_exps.weight``, [E, rows, cols]; in a ``gpt-oss`` file also its
+    bias stack ``blk.3.ffn_up_exps.bias``, [E, rows]) the name of its expert ``e``'s matrix (vector) as a format
+    string (``model.layers.3.mlp.experts.{}.up_proj.weight``); None for any other tensor."""
     m = _GGUF_BLOCK_RE.fullmatch(name)
-    if m is None or m.group(2) not in _GGUF_EXPERT_STACKS or m.group(3) != "weight":
+    if m is None or m.group(2) not in _GGUF_EXPERT_STACKS or (m.group(3) != "weight" and arch != "gpt-oss"):
         return None
-    return f"model.layers.{int(m.group(1))}.mlp.experts.{{}}.{_GGUF_EXPERT_STACKS[m.group(2)]}.weight"
+    return f"model.layers.{int(m.group(1))}.mlp.experts.{{}}.{_GGUF_EXPERT_STACKS[m.group(2)]}.{m.group(3)}"
 
 
 # --- Hugging Face checkpoints -------------------------------------------------
@@ -285,7 +320,7 @@ def hf_to_kvgen_name(key: str, config: ModelConfig) -> str | None:
         if _GPT2_BUFFER_RE.fullmatch(key):
             return None
         return key if key.startswith("transformer.") else "transformer." + key
-    if config.model_type in ("llama", "gemma3_text", "gemma2"):
+    if config.model_type in ("llama", "gemma3_text", "gemma2", "gpt_oss"):
         mixtral = _MIXTRAL_RE.fullmatch(key) if config.extra.get("hf_model_type") == "mixtral" else None
         if mixtral is not None:
             prefix, part = mixtral.groups()
