@@ -138,7 +138,7 @@ def test_moe_kernel_block_groups_rows_by_expert(moe):
     with torch.inference_mode():
         alone = torch.cat([block.forward_kernels(h[i : i + 1], x[i : i + 1]) for i in range(12)])  # N = 1 each
         reference = x + exact.model.layers[2].mlp(h[None])[0]
-    torch.testing.assert_close(batched, alone, rtol=0, atol=1e-5 * float(alone.abs().max()))
+    assert torch.equal(batched, alone)  # a row alone (decode: no grouping) has the bits it has among others
     torch.testing.assert_close(batched, reference, rtol=0, atol=1e-5 * float(reference.abs().max()))
 
 

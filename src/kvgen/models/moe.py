@@ -10,13 +10,16 @@ Names are transformers' Qwen-MoE ones (``mlp.gate``, ``mlp.experts.E``, ``mlp.sh
 ``Qwen2MoeSparseMoeBlock`` and ``MixtralSparseMoeBlock`` on the same weights; llama.cpp computes the same in
 ``llm_graph_context::build_moe_ffn`` (softmax gating, weights taken before the optional renormalization).
 
-Routers stay dense float32 (``nn.Linear``) on every path, as llama.cpp's converter stores them (F32); the experts
-and the shared expert are ``QuantLinear`` on the kernel path, where the rows routed to each expert go through one
-``qgemm`` per matrix (``forward_kernels``), so a prefill of N tokens costs one GEMM per chosen expert, not per token.
+Routers stay dense float32 (``nn.Linear``) on every path, as llama.cpp's converter stores them (F32; the kernel path
+computes their logits in float64, ``row_invariant_linear``, so a row's route does not depend on its batch); the
+experts and the shared expert are ``QuantLinear`` on the kernel path, where the rows routed to each expert go through
+one ``qgemm`` per matrix (``experts_on_kernels``), so a prefill of N tokens costs one GEMM per chosen expert, not per
+token, and a decode step runs its k experts without grouping.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar, cast
 
 import torch
@@ -79,6 +82,38 @@ def expert_groups(ids: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tens
     return groups
 
 
+def row_invariant_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """h [N, C] float32 @ weight.T (+ bias) with weight, bias float64 -> [N, E] float32, computed in float64 and
+    rounded: a float32 GEMM's per-row sums change with N (BLAS picks other kernels and blockings), which would move a
+    router's near-tied choices between a row alone (decode) and among others (prefill, the engine's batches); in
+    float64 the difference is ~1e-16 of a value, below float32's rounding. The kernel path's routers use it."""
+    return F.linear(h.double(), weight, bias).float()
+
+
+def experts_on_kernels(ops: KernelOps, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                       experts: list[_ExpertOperands], act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The kernel path's routed experts: for rows h [N, C] float32, weights [N, k] float32 and ids [N, k] int64 (a
+    router's), sum_j weights[:, j] * down(act(gate_up(h))) of expert ids[:, j] -> [N, C] float32; experts[e] = its
+    (gate_up, down) ``qgemm`` operands, act [n, 2I] -> [n, I] (``ops.silu_mul``, gpt-oss's GLU).
+
+    Each chosen expert runs once over the rows routed to it (``expert_groups``: one GEMM per expert in a prefill),
+    the weighted outputs added to zeros in ascending expert order. A single row (a decode step) skips the grouping
+    (argsort, bincount, gathers and scatters: ~0.2 ms a layer) and adds its k experts in that same order, so its bits
+    are those it has among other rows (batch invariance: the engine's tokens are generate()'s)."""
+    out = torch.zeros_like(h)  # [N, C]
+    if h.shape[0] == 1:
+        for expert, j in sorted(zip(ids[0].tolist(), range(ids.shape[1]))):
+            gate_up, down = experts[expert]
+            out.add_(ops.qgemm(act(ops.qgemm(h, *gate_up)), *down) * weights[0, j])  # [1, C]
+        return out
+    flat = weights.reshape(-1)  # [N k]
+    for expert, idx, slots in expert_groups(ids):
+        gate_up, down = experts[expert]
+        y = ops.qgemm(act(ops.qgemm(h.index_select(0, idx), *gate_up)), *down)  # [n, C]
+        out.index_add_(0, idx, y * flat[slots, None])
+    return out
+
+
 class SparseMoeBlock(nn.Module):
     """A sparse layer's feed-forward: router, ``num_experts`` experts, optionally a gated shared expert.
 
@@ -115,33 +150,27 @@ class SparseMoeBlock(nn.Module):
     def forward_kernels(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The kernel path: x + block(h) for h, x [N, C] float32 (h the normalized rows, x the residual) -> [N, C].
 
-        Router in float32 (F.linear); each chosen expert runs once over the rows routed to it (index_select,
-        ``qgemm`` gate_up, ``silu_mul``, ``qgemm`` down, ``index_add_`` weighted), so N = 1 (decode) runs k experts
-        and a prefill one GEMM per expert it reaches."""
+        The router's logits through ``row_invariant_linear``; the experts through ``experts_on_kernels`` (one GEMM
+        per expert reached; a decode step's k experts without grouping)."""
         ops, router, experts, shared = self._operands
-        weights, ids = route(F.linear(h, router), self.top_k, self.norm_topk_prob)  # [N, k]
-        weights = weights.reshape(-1)  # [N k]
-        out = torch.zeros_like(h)  # [N, C]
-        for expert, idx, slots in expert_groups(ids):
-            gate_up, down = experts[expert]
-            y = ops.qgemm(ops.silu_mul(ops.qgemm(h.index_select(0, idx), *gate_up)), *down)  # [n, C]
-            out.index_add_(0, idx, y * weights[slots, None])
+        weights, ids = route(row_invariant_linear(h, router), self.top_k, self.norm_topk_prob)  # [N, k]
+        out = experts_on_kernels(ops, h, weights, ids, experts, ops.silu_mul)  # [N, C]
         if shared is not None:
             shared_gate, (gate_up, down) = shared
             y = ops.qgemm(ops.silu_mul(ops.qgemm(h, *gate_up)), *down)  # [N, C]
-            out = out + torch.sigmoid(F.linear(h, shared_gate)) * y  # shared_gate [1, C]: a scale per row
+            out = out + torch.sigmoid(row_invariant_linear(h, shared_gate)) * y  # shared_gate [1, C]: a scale per row
         return x + out
 
     def bind_kernels(self, kernels: KernelOps) -> None:
-        """Gather ``forward_kernels``' operands once: the router's float32 weight [E, C], each expert's linears (every
-        one a ``QuantLinear`` here) and the shared expert's gate weight [1, C] and linears."""
+        """Gather ``forward_kernels``' operands once: the router's weight [E, C] as float64, each expert's linears
+        (every one a ``QuantLinear`` here) and the shared expert's gate weight [1, C] (float64) and linears."""
         experts = [(linear_operands(e.gate_up_proj), linear_operands(e.down_proj))
                    for e in cast(list[MoeMLP], self.experts)]
         shared = None
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            shared = (self.shared_expert_gate.weight, (linear_operands(self.shared_expert.gate_up_proj),
+            shared = (self.shared_expert_gate.weight.double(), (linear_operands(self.shared_expert.gate_up_proj),
                                                        linear_operands(self.shared_expert.down_proj)))
-        self._operands = (kernels, self.gate.weight, experts, shared)
+        self._operands = (kernels, self.gate.weight.double(), experts, shared)
 
 
 GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, GPT_OSS_SWIGLU_LIMIT  # GptOssExperts.alpha, .limit (transformers' constants)
@@ -206,21 +235,16 @@ class GptOssMoeBlock(nn.Module):
         return out.view(x.shape)
 
     def forward_kernels(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The kernel path: x + block(h) for h, x [N, C] float32 -> [N, C]; the router in float32, each chosen expert
-        once over its rows (``qgemm`` with bias, the GLU in torch, ``qgemm`` with bias)."""
+        """The kernel path: x + block(h) for h, x [N, C] float32 -> [N, C]; the router through
+        ``row_invariant_linear``, each chosen expert once over its rows (``qgemm`` with bias, the GLU in torch,
+        ``qgemm`` with bias; ``experts_on_kernels``)."""
         ops, router, router_bias, experts = self._operands
-        weights, ids = route_top_k_softmax(F.linear(h, router, router_bias), self.top_k)  # [N, k]
-        weights = weights.reshape(-1)  # [N k]
-        out = torch.zeros_like(h)  # [N, C]
-        for expert, idx, slots in expert_groups(ids):
-            gate_up, down = experts[expert]
-            y = ops.qgemm(gpt_oss_glu(ops.qgemm(h.index_select(0, idx), *gate_up)), *down)  # [n, C]
-            out.index_add_(0, idx, y * weights[slots, None])
-        return x + out
+        weights, ids = route_top_k_softmax(row_invariant_linear(h, router, router_bias), self.top_k)  # [N, k]
+        return x + experts_on_kernels(ops, h, weights, ids, experts, gpt_oss_glu)
 
     def bind_kernels(self, kernels: KernelOps) -> None:
-        """Gather ``forward_kernels``' operands once: the router's float32 weight [E, C] and bias [E], each expert's
+        """Gather ``forward_kernels``' operands once: the router's weight [E, C] and bias [E] as float64, each expert's
         linears (every one a ``QuantLinear`` here)."""
         experts = [(linear_operands(e.gate_up_proj), linear_operands(e.down_proj))
                    for e in cast(list[GptOssExpert], self.experts)]
-        self._operands = (kernels, self.router.weight.float(), self.router.bias.float(), experts)
+        self._operands = (kernels, self.router.weight.double(), self.router.bias.double(), experts)
