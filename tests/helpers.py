@@ -159,6 +159,42 @@ def assert_one_op_decoder_is_layer_by_layer(model, ids: torch.Tensor, want: torc
         torch.testing.assert_close(got, want, rtol=0, atol=0.05 * float(want.abs().max()))
 
 
+def gguf_writer_for(path: Path, arch: str, cfg: Any) -> Any:
+    """A ``gguf.GGUFWriter`` for ``arch`` at ``path`` holding the shape keys every converted model has, from a
+    transformers config: context length, embedding length, block count, feed-forward length, head counts and the RMS
+    norm eps (the caller adds its architecture's own keys, the vocabulary and the tensors)."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    return w
+
+
+def assert_batch_matches_transformers(ours, ref: transformers.PreTrainedModel, prompts: list[list[int]],
+                                      max_new_tokens: int, cache: str) -> None:
+    """On ``prompts`` as one left-padded batch: our logits at the real positions equal transformers' (rtol = atol =
+    1e-5), and ``generate`` with ``cache`` gives transformers' greedy sequences [B, T + max_new_tokens]."""
+    from kvgen.generation import GenerationConfig, generate
+    from kvgen.generation.runner import positions_from_mask
+
+    ids, mask = left_pad(prompts, pad_id=0)
+    with torch.inference_mode():
+        expected = ref(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
+    real = mask.bool()
+    torch.testing.assert_close(model_logits(ours, ids, mask)[real], expected[real], rtol=1e-5, atol=1e-5)
+    got = generate(ours, ids, mask, GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=0,
+                                                     cache_implementation=cache))
+    assert got.sequences.tolist() == want.tolist()
+
+
 def assert_greedy_on_every_cache(model, prompts: list[list[int]], expected: list[list[int]], max_new_tokens: int) -> None:
     """Each prompt alone gives its ``expected`` greedy tokens through generate() with the static and the dynamic
     cache, and the paged engine gives them all, with whole and with chunked prefill (7 tokens a step)."""

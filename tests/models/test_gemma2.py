@@ -11,10 +11,10 @@ import copy
 import pytest
 import torch
 from helpers import (
+    assert_batch_matches_transformers,
     assert_greedy_on_every_cache,
     engine_greedy,
     hf_greedy,
-    left_pad,
     make_tiny_model,
     model_logits,
     twin_logits,
@@ -22,8 +22,6 @@ from helpers import (
 
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
-from kvgen.generation import GenerationConfig, generate
-from kvgen.generation.runner import positions_from_mask
 from kvgen.models import Gemma2ForCausalLM, build_model
 from kvgen.models.quant_linear import QuantLinear
 from kvgen.weights.hf_loader import load_hf_directory
@@ -55,16 +53,7 @@ def test_gemma2_directory_matches_transformers_logits_and_greedy_tokens(gemma, c
         (6, 5.0, None), (0, 5.0, None), (6, 5.0, None)]
     assert ours.config.final_logit_softcapping == 10.0
     torch.testing.assert_close(ours.inv_freq_local, ref.model.rotary_emb.inv_freq, rtol=0, atol=0)  # one RoPE
-    ids, mask = left_pad(PROMPTS, pad_id=0)
-    with torch.inference_mode():
-        expected = ref(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
-        want = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)
-    real = mask.bool()
-    torch.testing.assert_close(model_logits(ours, ids, mask)[real], expected[real], rtol=1e-5, atol=1e-5)
-    got = generate(ours, ids, mask, GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0,
-                                                     cache_implementation=cache))
-    assert got.sequences.tolist() == want.tolist()
+    assert_batch_matches_transformers(ours, ref, PROMPTS, NEW_TOKENS, cache)
 
 
 def test_gemma2_without_its_softcaps_no_longer_matches(gemma):

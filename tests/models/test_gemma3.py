@@ -11,17 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
+    assert_batch_matches_transformers,
     assert_greedy_on_every_cache,
     engine_greedy,
     hf_greedy,
-    left_pad,
     make_tiny_model,
     model_logits,
     twin_logits,
 )
 
-from kvgen.generation import GenerationConfig, generate
-from kvgen.generation.runner import positions_from_mask
 from kvgen.models import build_model
 from kvgen.models.quant_linear import QuantLinear
 from kvgen.weights.hf_loader import load_hf_directory
@@ -49,16 +47,7 @@ def test_gemma3_directory_matches_transformers_logits_and_greedy_tokens(gemma, c
     assert ours.is_sliding == [True, False, True] and ours.config.sliding_window == 6
     assert [layer.self_attn.window for layer in ours.model.layers] == [6, 0, 6]
     torch.testing.assert_close(ours.model.layers[0].input_layernorm.weight, 1 + ref.model.layers[0].input_layernorm.weight)
-    ids, mask = left_pad(PROMPTS, pad_id=0)
-    with torch.inference_mode():
-        expected = ref(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
-        want = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)
-    real = mask.bool()
-    torch.testing.assert_close(model_logits(ours, ids, mask)[real], expected[real], rtol=1e-5, atol=1e-5)
-    got = generate(ours, ids, mask, GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0,
-                                                     cache_implementation=cache))
-    assert got.sequences.tolist() == want.tolist()
+    assert_batch_matches_transformers(ours, ref, PROMPTS, NEW_TOKENS, cache)
 
 
 def test_gemma3_without_its_sliding_window_no_longer_matches(gemma):

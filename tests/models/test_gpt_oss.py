@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
+    assert_batch_matches_transformers,
     assert_greedy_on_every_cache,
     hf_greedy,
-    left_pad,
     model_logits,
     tiny_gpt_oss,
     twin_logits,
@@ -76,16 +76,7 @@ def test_gpt_oss_directory_matches_transformers(gpt_oss, cache):
     ref, f32, _ = gpt_oss
     ours = build_model(*load_hf_directory(f32, dtype=torch.float32))
     assert isinstance(ours, GptOssForCausalLM) and ours.windows == [4, 0, 4, 0] and not ours.one_op_decoder
-    ids, mask = left_pad(PROMPTS, pad_id=0)
-    expected = _ref_logits(ref, ids, mask)
-    real = mask.bool()
-    torch.testing.assert_close(model_logits(ours, ids, mask)[real], expected[real], rtol=1e-5, atol=1e-5)
-    with torch.inference_mode():
-        want = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)
-    got = generate(ours, ids, mask, GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0,
-                                                     cache_implementation=cache))
-    assert got.sequences.tolist() == want.tolist()
+    assert_batch_matches_transformers(ours, ref, PROMPTS, NEW_TOKENS, cache)
 
 
 def test_gpt_oss_greedy_tokens_on_every_cache_are_transformers(gpt_oss):

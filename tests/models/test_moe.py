@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import (
+    assert_batch_matches_transformers,
     assert_greedy_on_every_cache,
     hf_greedy,
-    left_pad,
     make_tiny_model,
     model_logits,
     save_tiny_model_dir,
@@ -26,8 +26,7 @@ from helpers import (
 
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
-from kvgen.generation import GenerationConfig, generate
-from kvgen.generation.runner import make_cache, positions_from_mask
+from kvgen.generation.runner import make_cache
 from kvgen.models import build_model
 from kvgen.models.llama import LlamaMLP
 from kvgen.models.moe import SparseMoeBlock, route
@@ -61,16 +60,7 @@ def test_moe_directory_matches_transformers_logits_and_greedy_tokens(moe, cache)
     kinds = [type(layer.mlp) for layer in ours.model.layers]
     assert kinds == [SparseMoeBlock, LlamaMLP if model_type == "qwen3_moe" else SparseMoeBlock, SparseMoeBlock]
     assert not ours.one_op_decoder and len(ours.model.layers[0].mlp.experts) == 8
-    ids, mask = left_pad(PROMPTS, pad_id=0)
-    with torch.inference_mode():
-        expected = ref(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
-        want = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)
-    real = mask.bool()
-    torch.testing.assert_close(model_logits(ours, ids, mask)[real], expected[real], rtol=1e-5, atol=1e-5)
-    got = generate(ours, ids, mask, GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0,
-                                                     cache_implementation=cache))
-    assert got.sequences.tolist() == want.tolist()
+    assert_batch_matches_transformers(ours, ref, PROMPTS, NEW_TOKENS, cache)
 
 
 def test_moe_greedy_tokens_on_every_cache_are_transformers(moe):

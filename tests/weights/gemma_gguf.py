@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
+from helpers import gguf_writer_for
 
 Q = GGMLQuantizationType
 _BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -39,14 +40,7 @@ def write_gemma_gguf(path: Path, ref: torch.nn.Module, arch: str, qtype: GGMLQua
     ``qtype`` (1-D ones stay F32), no output.weight when the embeddings are tied.
     """
     cfg = ref.config
-    w = GGUFWriter(str(path), arch)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w = gguf_writer_for(path, arch, cfg)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     if add_keys is not None:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
+from helpers import gguf_writer_for
 
 Q = GGMLQuantizationType
 _ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
@@ -85,15 +86,8 @@ def write_moe_gguf(path: Path, ref: torch.nn.Module, model_type: str, qtype: GGM
     ``qtype``, vectors and the router ``ffn_gate_inp`` as F32; tensors in ``drop`` left out, those in ``raw``
     written as the given blocks and type instead; ``expert_count`` written in place of the model's."""
     cfg = ref.config
-    w = GGUFWriter(str(path), _ARCH[model_type])
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w = gguf_writer_for(path, _ARCH[model_type], cfg)
     w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if getattr(cfg, "head_dim", None):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
