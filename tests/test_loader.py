@@ -133,3 +133,16 @@ print(return_freed_memory(), (before - rss()) / 2**20)
     if out[0] == "False":
         pytest.skip("no malloc_trim in this C library")
     assert float(out[1]) > 50, f"only {out[1]} MiB went back"
+
+
+def test_trims_wait_for_16_mib_of_freed_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Callers that say what they freed trim once 16 MiB have been (a load of many small expert matrices would
+    otherwise spend a tenth of its time trimming); a call without a count trims at once."""
+    from kvgen import heap
+
+    if not heap.return_freed_memory():
+        pytest.skip("no malloc_trim in this C library")
+    assert not heap.return_freed_memory(10 << 20) and not heap.return_freed_memory(5 << 20)  # 15 MiB so far
+    assert heap.return_freed_memory(2 << 20)  # 17 MiB: trimmed, the count starts again
+    assert not heap.return_freed_memory(1 << 20)
+    assert heap.return_freed_memory()

@@ -134,7 +134,7 @@ def load_gguf(
         else:
             state[ours] = convert(t, ours)
         _release_pages(reader, t)
-        return_freed_memory()  # the transients of this tensor's conversion (kvgen.heap)
+        return_freed_memory(int(t.n_bytes))  # the transients of this tensor's conversion (kvgen.heap)
     return config, state, meta
 
 
