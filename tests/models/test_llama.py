@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import left_pad
+from helpers import assert_batch_matches_transformers, left_pad
 
 from kvgen.generation import GenerationConfig, generate
 from kvgen.generation.runner import positions_from_mask
@@ -117,20 +117,6 @@ def _longrope(seed: int = 1) -> dict:
             "long_factor": (1 + 8 * torch.rand(8, generator=g)).tolist()}
 
 
-def _assert_matches_transformers(ref, ours, prompts, max_new_tokens: int, cache: str = "dynamic") -> None:
-    """Logits on a left-padded batch equal transformers'; greedy tokens with the KV cache are identical."""
-    ids, mask = left_pad(prompts, pad_id=0)
-    with torch.inference_mode():
-        expected = ref(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
-        want = ref.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
-    real = mask.bool()
-    torch.testing.assert_close(_logits(ours, ids, mask)[real], expected[real], rtol=1e-5, atol=1e-5)
-    got = generate(ours, ids, mask, GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=0,
-                                                     cache_implementation=cache))
-    assert got.sequences.tolist() == want.tolist()
-
-
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_phi3_directory_loads_its_stacked_projections_and_matches_transformers(tmp_path, cache):
     """A Phi3ForCausalLM directory (GQA: 2 KV heads of 4; qkv_proj and gate_up_proj stacked in the checkpoint;
@@ -149,7 +135,7 @@ def test_phi3_directory_loads_its_stacked_projections_and_matches_transformers(t
     assert torch.equal(attn.qkv_proj.weight, ref.model.layers[1].self_attn.qkv_proj.weight)
     assert attn.qkv_proj.weight.shape == ((4 + 2 * 2) * 16, 64)
     assert torch.equal(mlp.gate_up_proj.weight, ref.model.layers[1].mlp.gate_up_proj.weight)
-    _assert_matches_transformers(ref, ours, _PROMPTS, max_new_tokens=32, cache=cache)
+    assert_batch_matches_transformers(ours, ref, _PROMPTS, 32, cache)
 
 
 def test_phi3_longrope_matches_transformers_within_the_original_length(tiny_model):
@@ -165,8 +151,8 @@ def test_phi3_longrope_matches_transformers_within_the_original_length(tiny_mode
     assert ours.rope_attention_factor == pytest.approx((1 + math.log(4) / math.log(32)) ** 0.5)
     torch.testing.assert_close(ours.inv_freq, ref.model.rotary_emb.original_inv_freq, rtol=0, atol=0)
     long = [list(range(3, 33)), [7, 1, 9]]  # 30 tokens: every short-factor position but the last two
-    _assert_matches_transformers(ref, ours, long, max_new_tokens=2)
-    _assert_matches_transformers(ref, ours, _PROMPTS, max_new_tokens=25)
+    assert_batch_matches_transformers(ours, ref, long, 2, "dynamic")
+    assert_batch_matches_transformers(ours, ref, _PROMPTS, 25, "dynamic")
     with pytest.raises(ContextLengthError, match="context window of 32 tokens"):
         generate(ours, torch.tensor([_PROMPTS[0]]), None, GenerationConfig(max_new_tokens=26))
     ids, mask = left_pad(long, pad_id=0)
