@@ -807,3 +807,32 @@ def test_smollm3_files_load_as_llama_files_with_nope_flags(tmp_path: Path) -> No
     assert state.keys() == llama_state.keys() and all(torch.equal(state[k], llama_state[k]) for k in state)
     model = build_model(config, state)
     assert [layer.self_attn.use_rope for layer in model.model.layers] == [True, True]
+
+
+def test_kernel_bytes_stay_views_of_the_file_until_packed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """dtype=None: a Q8_0 / Q6_K matrix that needs no change is a view of the mapped file (no copy), its pages
+    released once ``build_model`` has packed it; a rewritten (Q4_K) or row-permuted (llama q/k) one is a copy,
+    released at load. Every tensor is released once, and the packed model computes the float32 model's logits."""
+    from kvgen.models import build_model
+    from kvgen.weights.quantized import GGUFBlocks
+
+    types = {name: Q.Q8_0 for name, shape in _tiny_shapes().items() if len(shape) == 2}
+    types["blk.0.ffn_down.weight"], types["blk.1.ffn_up.weight"] = Q.Q6_K, Q.Q4_K
+    _write_llama(tmp_path / "v.gguf", types)
+    released: list[str] = []
+    original = gguf_loader._release_pages
+    monkeypatch.setattr(gguf_loader, "_release_pages", lambda reader, t: released.append(t.name) or original(reader, t))
+    config, compact, _ = load_gguf(tmp_path / "v.gguf", dtype=None)
+    views = {name for name, b in compact.items() if isinstance(b, GGUFBlocks) and b.release}
+    assert "model.layers.0.mlp.down_proj.weight" in views and "model.layers.0.self_attn.v_proj.weight" in views
+    assert "model.layers.1.mlp.up_proj.weight" not in views  # Q4_K rewritten as Q4_1
+    assert not {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"} & views
+    assert "blk.0.ffn_down.weight" not in released and "blk.1.ffn_up.weight" in released
+    quant = build_model(config, compact)
+    assert sorted(released) == sorted(_tiny_shapes())  # each once
+    ref = build_model(*load_gguf(tmp_path / "v.gguf")[:2])
+    ids = torch.arange(1, 9)[None] % V
+    with torch.inference_mode():
+        got = quant.compute_logits(quant(ids, torch.arange(8)[None]))
+        want = ref.compute_logits(ref(ids, torch.arange(8)[None]))
+    assert float((got - want).abs().mean()) < 0.05 * float(want.abs().mean())

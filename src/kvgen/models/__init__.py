@@ -71,7 +71,9 @@ def build_model(
             _install_quantized(model, name.removesuffix(".weight"), blocks, dense)
             freed = sum(p.numel() for p in blocks.parts)
             blocks.parts = []  # consumed: the file's bytes go as their packed copy arrives (peak memory)
-            return_freed_memory(freed)  # and their pages with them (kvgen.heap)
+            for release in blocks.release:  # parts that viewed a mapped file: its pages leave the resident set
+                release()
+            return_freed_memory(freed)  # and the copies' pages with them (kvgen.heap)
     model.load_state_dict({k: v.to(dtype) for k, v in dense.items()}, strict=False, assign=True)
     for name, buf in list(model.named_buffers()):
         if buf.is_meta:  # non-persistent buffers (rope inv_freq) are recomputed on CPU

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import warnings
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -122,9 +125,14 @@ def load_gguf(
     compact = dtype is None and (is_quantized or bool(FLOAT16_TYPES & matrix_types))
 
     def convert(t: ReaderTensor, ours: str) -> torch.Tensor | GGUFBlocks:
+        """``t`` as kvgen stores it; its file pages are dropped from RSS now, or by the blocks' ``release`` once
+        they are packed where the blocks view the file (``_compact_tensor``)."""
+        release = partial(_release_pages, reader, t)
         if compact and len(t.shape) == 2 and not is_router_weight(ours):
-            return _compact_tensor(t, _qk_heads(ours, config), keep_16bit=not is_quantized)
-        return dequantize_tensor(t, dtype or torch.float32, _qk_heads(ours, config)).view(_param_shape(t, ours))
+            return _compact_tensor(t, _qk_heads(ours, config), not is_quantized, release)
+        out = dequantize_tensor(t, dtype or torch.float32, _qk_heads(ours, config)).view(_param_shape(t, ours))
+        release()
+        return out
 
     state: dict[str, torch.Tensor | GGUFBlocks] = {}
     for gguf_name, ours in (*names.items(), *stacks.items()):
@@ -133,7 +141,6 @@ def load_gguf(
             state |= {ours.format(e): convert(_expert_slice(t, e), ours) for e in range(int(t.shape[-1]))}
         else:
             state[ours] = convert(t, ours)
-        _release_pages(reader, t)
         return_freed_memory(int(t.n_bytes))  # the transients of this tensor's conversion (kvgen.heap)
     return config, state, meta
 
@@ -192,25 +199,36 @@ def _check_expert_tensors(by_name: dict[str, ReaderTensor], stacks: dict[str, st
                                f"not [{config.num_experts}, rows, cols]: {', '.join(wrong) or 'none'}")
 
 
-def _compact_tensor(t: ReaderTensor, qk_heads: int | None, keep_16bit: bool) -> GGUFBlocks:
+def _compact_tensor(t: ReaderTensor, qk_heads: int | None, keep_16bit: bool,
+                    release: Callable[[], None] = lambda: None) -> GGUFBlocks:
     """A matrix as GGUFBlocks: its own bytes for kernel types (F16 / BF16 only with ``keep_16bit``), Q4_K / Q5_K /
-    IQ4_XS rewritten as Q4_1 / Q5_1 / IQ4_NL, else re-encoded as Q8_0."""
+    IQ4_XS rewritten as Q4_1 / Q5_1 / IQ4_NL, else re-encoded as Q8_0. Kernel-type bytes that need no change (no
+    rewrite, no q/k row permutation) stay a view of the mapped file, with ``release`` (dropping its pages) called by
+    whoever packs them: no copy of them is made (the copy took a quarter of a mixture-of-experts file's load); every
+    other result is the tensor's own and ``release`` runs here."""
     own = t.tensor_type in KERNEL_TYPES and (keep_16bit or t.tensor_type not in FLOAT16_TYPES)
-    if not own and t.tensor_type not in SUPER_BLOCK_REWRITES:
-        return dense_to_q8_0(dequantize_tensor(t, torch.float32, qk_heads))
     out_features, in_features = _torch_shape(t)  # 2-D: the caller's check
-    raw = torch.from_numpy(np.array(t.data).view(np.uint8).reshape(out_features, -1))  # [out, bytes], a copy
     qtype = t.tensor_type
-    if qtype == Q.MXFP4 and not mxfp4_fits_float16(raw):  # a scale float16 does not hold
-        return dense_to_q8_0(dequantize_tensor(t, torch.float32, qk_heads))
-    if qtype in SUPER_BLOCK_REWRITES:
-        rewritten = rewrite_super_block(raw, qtype)
-        if rewritten is None:  # a scale beyond float16
-            return dense_to_q8_0(dequantize_tensor(t, torch.float32, qk_heads))
-        raw, qtype = rewritten
-    if qk_heads:
-        raw = reverse_permute_qk(raw, qk_heads)  # whole rows move: exact on the encoded bytes
-    return GGUFBlocks(qtype, [raw], (out_features, in_features))
+    if own or qtype in SUPER_BLOCK_REWRITES:
+        with warnings.catch_warnings():  # a read-only mapping: the kernels only read it
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(np.asarray(t.data).view(np.uint8).reshape(out_features, -1))  # [out, bytes]
+        if qtype == Q.MXFP4 and not mxfp4_fits_float16(raw):  # a scale float16 does not hold
+            own = False
+        elif qtype in SUPER_BLOCK_REWRITES:
+            rewritten = rewrite_super_block(raw, qtype)
+            own = rewritten is not None  # None: a scale beyond float16
+            raw, qtype = rewritten or (raw, qtype)
+        elif not qk_heads:
+            return GGUFBlocks(qtype, [raw], (out_features, in_features), release=(release,))
+        if own:
+            if qk_heads:
+                raw = reverse_permute_qk(raw, qk_heads)  # whole rows move: exact on the encoded bytes
+            release()
+            return GGUFBlocks(qtype, [raw], (out_features, in_features))
+    blocks = dense_to_q8_0(dequantize_tensor(t, torch.float32, qk_heads))
+    release()
+    return blocks
 
 
 def _map_names(reader: GGUFReader, path: str, arch: str) -> tuple[dict[str, str], dict[str, str]]:

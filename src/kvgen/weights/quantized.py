@@ -8,6 +8,7 @@ to float32 in memory. ``build_model`` turns them into ``QuantLinear`` /
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,12 +40,15 @@ class GGUFBlocks:
     rows, in order, are the matrix's (one block unless stacked; rows in torch order, q/k
     rows already un-permuted); shape: (out_features, in_features). part_types: empty, or each part's own type
     when a stack mixes them (then ``qtype`` is the first part's; ``kernels.pack_gguf_segments`` runs them).
+    release: what to call once the parts are packed (parts that view a memory-mapped file: dropping its pages
+    from the resident set, ``gguf_loader``); empty for parts of their own.
     """
 
     qtype: GGMLQuantizationType
     parts: list[torch.Tensor]
     shape: tuple[int, int]
     part_types: tuple[GGMLQuantizationType, ...] = ()
+    release: tuple[Callable[[], None], ...] = ()
 
     def __post_init__(self) -> None:
         if self.qtype not in KERNEL_TYPES:
@@ -72,9 +76,13 @@ def stack_blocks(parts: list[GGUFBlocks]) -> GGUFBlocks:
     if len({p.qtype for p in parts}) > 1:
         whole_groups = all(p.shape[0] % 8 == 0 for p in parts[:-1]) and all(len(p.parts) == 1 for p in parts)
         if whole_groups and all(p.qtype in _SEGMENT_TYPES for p in parts) and len(parts) <= 3:
-            return GGUFBlocks(parts[0].qtype, [p.parts[0] for p in parts], shape, tuple(p.qtype for p in parts))
+            return GGUFBlocks(parts[0].qtype, [p.parts[0] for p in parts], shape, tuple(p.qtype for p in parts),
+                              tuple(r for p in parts for r in p.release))
+        releases = tuple(r for p in parts for r in p.release)
         parts = [to_q8_0(p) for p in parts]
-    return GGUFBlocks(parts[0].qtype, [r for p in parts for r in p.parts], shape)
+        return GGUFBlocks(parts[0].qtype, [r for p in parts for r in p.parts], shape, release=releases)
+    return GGUFBlocks(parts[0].qtype, [r for p in parts for r in p.parts], shape,
+                      release=tuple(r for p in parts for r in p.release))
 
 
 def to_q8_0(blocks: GGUFBlocks) -> GGUFBlocks:
