@@ -228,6 +228,7 @@ class LlamaForCausalLM(CausalLM):
             self.one_op_decoder = False
         # per layer: its sliding window in tokens (0: full attention; gpt-oss's sliding_attention layers)
         self.windows = [cast(LlamaDecoderLayer, layer).self_attn.window for layer in self.model.layers]
+        self.window = max(self.windows)  # the sliding layers' window (one per model): their float path's mask
 
     def forward(
         self,
@@ -251,8 +252,7 @@ class LlamaForCausalLM(CausalLM):
         else:
             cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype, self.rope_attention_factor)  # [B, 1, T, D]
             mask = prepare_attention(attn_metadata, kv_cache, input_ids.shape[1])
-            window = max(self.windows)  # the sliding layers' mask (one window per model)
-            sliding = prepare_attention(attn_metadata, kv_cache, input_ids.shape[1], window) if window else mask
+            sliding = prepare_attention(attn_metadata, kv_cache, input_ids.shape[1], self.window) if self.window else mask
         if self.kernels is not None:  # rows [N, C] through each layer's fused ops, no module calls
             rows, operands = x.view(-1, x.shape[-1]), self._decoder_operands
             out = operands.run(self.kernels, rows, [cos, sin], kv_cache, mask, input_ids.shape[1]) if (

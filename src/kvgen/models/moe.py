@@ -82,6 +82,19 @@ def expert_groups(ids: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tens
     return groups
 
 
+def experts_in_torch(rows: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList
+                     ) -> torch.Tensor:
+    """The reference path's routed experts: sum_j weights[:, j] * experts[ids[:, j]](rows) for rows [N, C], weights
+    [N, k] (cast to rows' dtype), ids [N, k] int64 -> [N, C] in rows' dtype; each chosen expert once over the rows
+    routed to it (``expert_groups``), added to zeros in ascending expert order (transformers' loop order)."""
+    flat = weights.to(rows.dtype).reshape(-1)  # [N k]
+    out = torch.zeros_like(rows)  # [N, C]
+    for expert, idx, slots in expert_groups(ids):
+        y = experts[expert](rows.index_select(0, idx))  # [n, C]
+        out.index_add_(0, idx, y * flat[slots, None])
+    return out
+
+
 def row_invariant_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """h [N, C] float32 @ weight.T (+ bias) with weight, bias float64 -> [N, E] float32, computed in float64 and
     rounded: a float32 GEMM's per-row sums change with N (BLAS picks other kernels and blockings), which would move a
@@ -138,11 +151,7 @@ class SparseMoeBlock(nn.Module):
         """x: [B, T, C] -> [B, T, C] in x's dtype (the router's weights cast to it, as transformers does)."""
         rows = x.reshape(-1, x.shape[-1])  # [N, C]
         weights, ids = route(self.gate(rows), self.top_k, self.norm_topk_prob)  # [N, k]
-        weights = weights.to(x.dtype).reshape(-1)  # [N k]
-        out = torch.zeros_like(rows)  # [N, C]
-        for expert, idx, slots in expert_groups(ids):
-            y = self.experts[expert](rows.index_select(0, idx))  # [n, C]
-            out.index_add_(0, idx, y * weights[slots, None])
+        out = experts_in_torch(rows, weights, ids, self.experts)  # [N, C]
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(rows)) * self.shared_expert(rows)  # [N, C]
         return out.view(x.shape)
@@ -227,12 +236,7 @@ class GptOssMoeBlock(nn.Module):
         """x: [B, T, C] -> [B, T, C] in x's dtype."""
         rows = x.reshape(-1, x.shape[-1])  # [N, C]
         weights, ids = route_top_k_softmax(self.router(rows), self.top_k)  # [N, k]
-        weights = weights.to(x.dtype).reshape(-1)  # [N k]
-        out = torch.zeros_like(rows)  # [N, C]
-        for expert, idx, slots in expert_groups(ids):
-            y = self.experts[expert](rows.index_select(0, idx))  # [n, C]
-            out.index_add_(0, idx, y * weights[slots, None])
-        return out.view(x.shape)
+        return experts_in_torch(rows, weights, ids, self.experts).view(x.shape)
 
     def forward_kernels(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The kernel path: x + block(h) for h, x [N, C] float32 -> [N, C]; the router through
