@@ -65,6 +65,21 @@ def test_repack_round_trips_to_gguf_dequantization(qtype):
     assert torch.equal(OPS.repack_gguf(parts, GGUF_CODE[qtype]), REF.repack_gguf(parts, GGUF_CODE[qtype]))
 
 
+
+@pytest.mark.parametrize("qtype", KERNEL_QTYPES)
+def test_repack_on_two_threads_is_the_twins(qtype):
+    """Repacking splits the 8-row groups over threads (load time): 301 rows (38 groups, a partial last one) in three
+    parts, on 2 threads, give the twin's bytes."""
+    raw, _ = _gguf_matrix(qtype, 301, _cols(qtype, 64), seed=3)
+    parts = [raw[:130].contiguous(), raw[130:131].contiguous(), raw[131:].contiguous()]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        packed = OPS.repack_gguf(parts, GGUF_CODE[qtype])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(packed, REF.repack_gguf(parts, GGUF_CODE[qtype]))
+
 def test_activation_quantizer_matches_plain_torch():
     x = torch.randn(7, 576, generator=torch.Generator().manual_seed(2)) * 3
     x[0, :32] = 0  # an all-zero block: scale 0, no division by zero

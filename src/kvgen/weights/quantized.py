@@ -109,7 +109,10 @@ def mxfp4_fits_float16(raw: torch.Tensor) -> bool:
     from kvgen.kernels.reference import MXFP4_EXPONENTS
 
     e = raw.reshape(-1, 17)[:, 0]  # [blocks]: the E8M0 exponents
-    return e.numel() == 0 or MXFP4_EXPONENTS[0] <= int(e.min()) <= int(e.max()) <= MXFP4_EXPONENTS[1]
+    if e.numel() == 0:
+        return True
+    low, high = torch.aminmax(e)  # one pass over the strided bytes
+    return MXFP4_EXPONENTS[0] <= int(low) <= int(high) <= MXFP4_EXPONENTS[1]
 
 
 def rewrite_super_block(raw: torch.Tensor, qtype: GGMLQuantizationType

@@ -14,7 +14,6 @@
 #include <cstring>
 #include <vector>
 
-#include <ATen/ops/zeros.h>
 
 #include "aten_lite.h"
 #include "common.h"
@@ -137,67 +136,75 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
     rows += p.size(0);
   }
   const int64_t G = (rows + kRows - 1) / kRows;
-  at::Tensor out = at::zeros({G, nb, rec}, parts[0].options());
+  std::vector<const uint8_t*> row_ptr;  // row n's first byte, rows numbered across parts
+  row_ptr.reserve(rows);
+  for (const auto& p : parts)
+    for (int64_t i = 0; i < p.size(0); ++i) row_ptr.push_back(p.data_ptr<uint8_t>() + i * row_bytes);
+  at::Tensor out = at::empty({G, nb, rec}, parts[0].options());
   uint8_t* dst = out.data_ptr<uint8_t>();
-  int64_t n = 0;
-  for (const auto& p : parts) {
-    const uint8_t* src = p.data_ptr<uint8_t>();
-    for (int64_t i = 0; i < p.size(0); ++i, ++n) {
-      const int64_t g = n / kRows, r = n % kRows;
-      if (is_q23) {  // one record per super-block
-        for (int64_t sb = 0; sb < nb; ++sb) {
-          repack_q23_k(src + i * row_bytes + sb * src_block, r, dst + (g * nb + sb) * rec, gguf_type == 10);
-        }
-        continue;
-      }
-      if (is_q6) {  // 8 records per super-block
-        for (int64_t sb = 0; sb < nb / 8; ++sb) {
-          repack_q6_k(src + i * row_bytes + sb * kQ6KBlock, r, dst + (g * nb + 8 * sb) * rec);
-        }
-        continue;
-      }
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* s = src + i * row_bytes + b * src_block;
-        uint8_t* d = dst + (g * nb + b) * rec;
-        if (is_16bit) {  // column c of row r -> w[c][r]
-          for (int c = 0; c < kBlock; ++c) std::memcpy(d + 16 * c + 2 * r, s + 2 * c, 2);
+  // Groups are independent: threads take whole groups, each zeroed just before its rows are written (a missing
+  // row of the last group keeps scale 0; the Q3 record ORs its high bits in).
+  at::parallel_for(0, G, 16, [&](int64_t g_begin, int64_t g_end) {
+    std::memset(dst + g_begin * nb * rec, 0, (g_end - g_begin) * nb * rec);
+    for (int64_t g = g_begin; g < g_end; ++g)
+      for (int64_t r = 0; r < kRows && g * kRows + r < rows; ++r) {
+        const uint8_t* src = row_ptr[g * kRows + r];
+        if (is_q23) {  // one record per super-block
+          for (int64_t sb = 0; sb < nb; ++sb) {
+            repack_q23_k(src + sb * src_block, r, dst + (g * nb + sb) * rec, gguf_type == 10);
+          }
           continue;
         }
-        if (is_mxfp4) {  // d = 2^(e - 128): the kMXFP4Values are twice FP4's values
-          TORCH_CHECK(s[0] >= 104 && s[0] <= 143, "kvgen.repack_gguf: MXFP4 exponent ", int(s[0]),
-                      " gives a scale outside float16 (104 .. 143)");
-          const uint16_t h = _cvtss_sh(std::ldexp(1.0f, int(s[0]) - 128), 0);
-          std::memcpy(d + 2 * r, &h, 2);
-        } else {
-          std::memcpy(d + 2 * r, s, 2);  // d
-        }
-        if (gguf_type == 2 || is_iq4) {  // Q8_0: 8 x 4 int8 values; IQ4_NL, MXFP4: 4 x 4 bytes of two indices
-          const int64_t qs = is_mxfp4 ? 1 : 2;  // the values follow the scale
-          for (int j = 0; j < (is_iq4 ? 4 : 8); ++j) std::memcpy(d + 16 + 32 * j + 4 * r, s + qs + 4 * j, 4);
+        if (is_q6) {  // 8 records per super-block
+          for (int64_t sb = 0; sb < nb / 8; ++sb) {
+            repack_q6_k(src + sb * kQ6KBlock, r, dst + (g * nb + 8 * sb) * rec);
+          }
           continue;
         }
-        if (gguf_type == 1 || gguf_type == 7) {
-          std::memcpy(d + 16 + 2 * r, s + 2, 2);  // m
-        } else {  // Q4_0 / Q5_0: value = (q - 8|16) d = q d + m with m = -8|16 d, exact in fp16
-          uint16_t h;
-          std::memcpy(&h, s, 2);
-          const uint16_t m = _cvtss_sh((gguf_type == 6 ? -16.0f : -8.0f) * _cvtsh_ss(h), 0);
-          std::memcpy(d + 16 + 2 * r, &m, 2);
-        }
-        const uint8_t* qs = s + src_block - 16;
-        for (int t = 0; t < 4; ++t) std::memcpy(d + 32 + 32 * t + 4 * r, qs + 4 * t, 4);
-        if (is_q5) {  // the 32 high bits (bit j: value j) before the nibbles, as qh[r][i] (see common.h)
-          uint32_t bits;
-          std::memcpy(&bits, s + src_block - 20, 4);
-          for (int i = 0; i < 4; ++i) {
-            uint8_t v = 0;
-            for (int t = 0; t < 4; ++t) v |= ((bits >> (4 * t + i)) & 1) << t | ((bits >> (16 + 4 * t + i)) & 1) << (4 + t);
-            d[160 + 4 * r + i] = v;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* s = src + b * src_block;
+          uint8_t* d = dst + (g * nb + b) * rec;
+          if (is_16bit) {  // column c of row r -> w[c][r]
+            for (int c = 0; c < kBlock; ++c) std::memcpy(d + 16 * c + 2 * r, s + 2 * c, 2);
+            continue;
+          }
+          if (is_mxfp4) {  // d = 2^(e - 128): the kMXFP4Values are twice FP4's values
+            TORCH_CHECK(s[0] >= 104 && s[0] <= 143, "kvgen.repack_gguf: MXFP4 exponent ", int(s[0]),
+                        " gives a scale outside float16 (104 .. 143)");
+            // 2^(e - 128) as fp16 bits: normal from e = 114 (exponent field e - 113), subnormal (2^(e - 104) units of
+          // 2^-24) below
+          const uint16_t h = s[0] >= 114 ? static_cast<uint16_t>((s[0] - 113) << 10) : static_cast<uint16_t>(1u << (s[0] - 104));
+            std::memcpy(d + 2 * r, &h, 2);
+          } else {
+            std::memcpy(d + 2 * r, s, 2);  // d
+          }
+          if (gguf_type == 2 || is_iq4) {  // Q8_0: 8 x 4 int8 values; IQ4_NL, MXFP4: 4 x 4 bytes of two indices
+            const int64_t qs = is_mxfp4 ? 1 : 2;  // the values follow the scale
+            for (int j = 0; j < (is_iq4 ? 4 : 8); ++j) std::memcpy(d + 16 + 32 * j + 4 * r, s + qs + 4 * j, 4);
+            continue;
+          }
+          if (gguf_type == 1 || gguf_type == 7) {
+            std::memcpy(d + 16 + 2 * r, s + 2, 2);  // m
+          } else {  // Q4_0 / Q5_0: value = (q - 8|16) d = q d + m with m = -8|16 d, exact in fp16
+            uint16_t h;
+            std::memcpy(&h, s, 2);
+            const uint16_t m = _cvtss_sh((gguf_type == 6 ? -16.0f : -8.0f) * _cvtsh_ss(h), 0);
+            std::memcpy(d + 16 + 2 * r, &m, 2);
+          }
+          const uint8_t* qs = s + src_block - 16;
+          for (int t = 0; t < 4; ++t) std::memcpy(d + 32 + 32 * t + 4 * r, qs + 4 * t, 4);
+          if (is_q5) {  // the 32 high bits (bit j: value j) before the nibbles, as qh[r][i] (see common.h)
+            uint32_t bits;
+            std::memcpy(&bits, s + src_block - 20, 4);
+            for (int i = 0; i < 4; ++i) {
+              uint8_t v = 0;
+              for (int t = 0; t < 4; ++t) v |= ((bits >> (4 * t + i)) & 1) << t | ((bits >> (16 + 4 * t + i)) & 1) << (4 + t);
+              d[160 + 4 * r + i] = v;
+            }
           }
         }
       }
-    }
-  }
+  });
   return out;
 }
 
