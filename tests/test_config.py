@@ -44,18 +44,31 @@ def test_phi3_longrope_is_completed_and_bounds_the_context_to_the_original_lengt
 
 def test_longrope_with_the_wrong_number_of_factors_is_refused():
     bad = LONGROPE | {"short_factor": [1.0] * 47}
-    with pytest.raises(ModelFormatError, match="short_factor must hold head_dim / 2 = 48 values, got 47"):
+    with pytest.raises(ModelFormatError, match="short_factor must hold rotary_dim / 2 = 48 values, got 47"):
         ModelConfig.from_hf_dict(PHI3_128K | {"rope_scaling": bad})
     with pytest.raises(ModelFormatError, match="'long_factor'"):
         ModelConfig.from_hf_dict(PHI3_128K | {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48}})
 
 
-def test_partial_rotary_factor_below_one_is_refused_naming_it():
-    """Phi-4-mini (model_type phi3) rotates 3/4 of each head; kvgen rotates all of it, so it refuses."""
-    with pytest.raises(ValueError, match=r"partial_rotary_factor must be 1\.0 .*got 0\.75") as info:
-        ModelConfig.from_hf_dict(PHI3_MINI | {"partial_rotary_factor": 0.75})
-    assert isinstance(info.value, UnsupportedArchitectureError)
-    assert ModelConfig.from_hf_dict(PHI3_MINI | {"partial_rotary_factor": 1.0}).head_dim == 96
+# Phi-4-mini-instruct's config.json: 24 heads of 128 (8 KV heads), 3/4 of each head rotated, LongRoPE factors of 48
+PHI4_MINI = {"model_type": "phi3", "vocab_size": 200064, "hidden_size": 3072, "intermediate_size": 8192,
+             "num_hidden_layers": 32, "num_attention_heads": 24, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+             "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "sliding_window": 262144,
+             "partial_rotary_factor": 0.75, "rope_scaling": LONGROPE, "rope_theta": 10000.0, "tie_word_embeddings": True}
+
+
+def test_phi4_mini_rotates_three_quarters_of_each_head():
+    """Phi-4-mini (model_type phi3, partial_rotary_factor 0.75): 96 of 128 dimensions rotated, its 48 LongRoPE
+    factors taken; a partial factor outside phi3 (whose transformers attention rotates whole heads) and one giving an
+    odd or empty rotary dimension are refused by name."""
+    config = ModelConfig.from_hf_dict(PHI4_MINI)
+    assert (config.head_dim, config.rotary_dim, config.partial_rotary_factor) == (128, 96, 0.75)
+    assert ModelConfig.from_hf_dict(PHI3_MINI | {"partial_rotary_factor": 1.0}).rotary_dim == 96
+    with pytest.raises(UnsupportedArchitectureError, match=r"partial_rotary_factor must be 1\.0 for qwen2.*got 0\.5"):
+        ModelConfig.from_hf_dict(PHI3_MINI | {"model_type": "qwen2", "partial_rotary_factor": 0.5})
+    for bad in (0.0, 1.5, 0.01, 0.7):  # rotary dims 0, 144, 1 and 67 of 96
+        with pytest.raises(ModelFormatError, match="partial_rotary_factor must give an even rotary dimension"):
+            ModelConfig.from_hf_dict(PHI3_MINI | {"partial_rotary_factor": bad})
 
 
 @pytest.mark.parametrize("model_type", ["phi3small", "phimoe"])
@@ -77,14 +90,20 @@ def _phi3_meta(**changes: object) -> dict[str, object]:
 
 def test_phi3_gguf_metadata():
     """llama.cpp's converter writes Phi-3-mini-4k's window (2047), 0 for none (Phi-4) and the head's rotary
-    dimensions: the window bounds the context; fewer rotary dimensions than the head are refused."""
+    dimensions: the window bounds the context; fewer rotary dimensions than the head (Phi-4-mini: 96 of 128) give the
+    partial factor, an odd count is refused, and so is a partial count in a llama file (interleaved pairs)."""
     config = ModelConfig.from_gguf_metadata(_phi3_meta())
     assert (config.model_type, config.extra["gguf_architecture"]) == ("llama", "phi3")
     assert (config.hidden_size, config.head_dim, config.vocab_size, config.max_position_embeddings) == (3072, 96, 32064,
                                                                                                      2047)
     assert ModelConfig.from_gguf_metadata(_phi3_meta(**{"attention.sliding_window": 0})).max_position_embeddings == 4096
-    with pytest.raises(UnsupportedArchitectureError, match=r"rope.dimension_count=72, head_dim=96"):
-        ModelConfig.from_gguf_metadata(_phi3_meta(**{"rope.dimension_count": 72}))
+    partial = ModelConfig.from_gguf_metadata(_phi3_meta(**{"rope.dimension_count": 72}))
+    assert (partial.head_dim, partial.rotary_dim, partial.partial_rotary_factor) == (96, 72, 0.75)
+    with pytest.raises(ModelFormatError, match="rope.dimension_count must be an even number in .2, head_dim = 96., got 71"):
+        ModelConfig.from_gguf_metadata(_phi3_meta(**{"rope.dimension_count": 71}))
+    llama = {k.replace("phi3.", "llama."): v for k, v in _phi3_meta(**{"rope.dimension_count": 72}).items()}
+    with pytest.raises(UnsupportedArchitectureError, match=r"rope.dimension_count=72, head_dim=96.*not llama"):
+        ModelConfig.from_gguf_metadata(llama | {"general.architecture": "llama"})
 
 
 SMOLLM3_3B = {"model_type": "smollm3", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 11008,

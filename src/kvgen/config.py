@@ -31,6 +31,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "gpt2", "gemma3_text", "gemma2", "gpt_oss")
 # smollm3: llama's tensors, NoPE every 4th layer; qwen2moe / qwen3moe (and llama with expert_count > 0, Mixtral):
 # mixture-of-experts layers (models/moe.py)
 _GGUF_LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "smollm3", "qwen2moe", "qwen3moe")
+# rope.dimension_count below the head size: read for these rotate-half architectures only
+_GGUF_PARTIAL_ROTARY_ARCHS = ("phi3",)
 # gemma3: our Gemma 3 decoder (model_type gemma3_text); gpt-oss: model_type gpt_oss (kvgen.moe_config)
 _GGUF_ARCHS = (*_GGUF_LLAMA_ARCHS, "gemma3", "gemma2", "gpt-oss")
 # Hugging Face model_types decoded by our Llama (see _llama_family_changes)
@@ -108,6 +110,9 @@ class ModelConfig:
     layer_norm_epsilon: float = 1e-5  # gpt2
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+    # Phi-4-mini: RoPE rotates the first rotary_dim = int(head_dim * partial_rotary_factor) dimensions of each head
+    # (rotate-half pairs i, i + rotary_dim / 2) and passes the rest through; 1.0 rotates all of them
+    partial_rotary_factor: float = 1.0
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -162,6 +167,12 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ModelFormatError(f"partial_rotary_factor must give an even rotary dimension in [2, head_dim = "
+                                   f"{self.head_dim}], got {self.partial_rotary_factor} ({self.rotary_dim})")
+        if self.partial_rotary_factor != 1.0 and self.model_type != "llama":
+            raise UnsupportedArchitectureError(f"{self.model_type} with partial_rotary_factor="
+                                               f"{self.partial_rotary_factor} is not supported (Llama-family only)")
         if self.rope_scaling is not None:
             self._apply_rope_scaling(self.rope_scaling)
         flags = self.no_rope_layers
@@ -216,6 +227,12 @@ class ModelConfig:
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
     @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates, the first ones: int(head_dim * partial_rotary_factor), as
+        transformers' ``_compute_default_rope_parameters``."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def has_experts(self) -> bool:
         """Whether any layer is a mixture of experts."""
         return any(self.is_sparse_layer(i) for i in range(self.num_hidden_layers))
@@ -243,8 +260,8 @@ class ModelConfig:
         if missing:
             raise ModelFormatError(f"longrope rope_scaling lacks {', '.join(missing)}")
         for name in ("short_factor", "long_factor"):
-            if len(scaling[name]) != self.head_dim // 2:
-                raise ModelFormatError(f"rope_scaling {name} must hold head_dim / 2 = {self.head_dim // 2} values, "
+            if len(scaling[name]) != self.rotary_dim // 2:
+                raise ModelFormatError(f"rope_scaling {name} must hold rotary_dim / 2 = {self.rotary_dim // 2} values, "
                                        f"got {len(scaling[name])}")
         self.max_position_embeddings = min(self.max_position_embeddings, int(scaling["original_max_position_embeddings"]))
 
@@ -337,12 +354,8 @@ class ModelConfig:
             if tokens is None:
                 raise ModelFormatError("GGUF metadata has neither vocab_size nor tokenizer.ggml.tokens")
             vocab = len(tokens)
-        rope_dim = meta.get(f"{arch}.rope.dimension_count")
-        head_dim = meta.get(f"{arch}.attention.key_length", hidden // num_heads)
-        if rope_dim is not None and int(rope_dim) != int(head_dim):
-            raise UnsupportedArchitectureError(
-                f"partial rotary embeddings (rope.dimension_count={rope_dim}, head_dim={head_dim}) are not supported"
-            )
+        head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
+        rotary = _gguf_partial_rotary_factor(meta, arch, head_dim)
         kwargs: dict[str, Any] = {
             "model_type": "llama",
             "vocab_size": int(vocab),
@@ -352,7 +365,8 @@ class ModelConfig:
             "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", num_heads)),
             # MoE files may leave it out (every layer sparse): the experts' size then (gguf_moe_fields)
             "intermediate_size": int(meta.get(f"{arch}.feed_forward_length") or 0) or None,
-            "head_dim": int(head_dim),
+            "head_dim": head_dim,
+            "partial_rotary_factor": rotary,
             "max_position_embeddings": _gguf_context_length(meta, arch),
             "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
@@ -379,6 +393,25 @@ class ModelConfig:
         return cls(**kwargs)
 
 
+def _gguf_partial_rotary_factor(meta: dict[str, Any], arch: str, head_dim: int) -> float:
+    """``{arch}.rope.dimension_count`` / head_dim: 1.0 when absent or equal; below 1 for the rotate-half (NEOX)
+    architectures llama.cpp stores unpermuted (phi3: Phi-4-mini). Raises ``UnsupportedArchitectureError`` elsewhere
+    (llama's pairs are interleaved over the rotated part only) and ``ModelFormatError`` for a count that is not an even
+    number in [2, head_dim]."""
+    rope_dim = meta.get(f"{arch}.rope.dimension_count")
+    if rope_dim is None or int(rope_dim) == head_dim:
+        return 1.0
+    if arch not in _GGUF_PARTIAL_ROTARY_ARCHS:
+        raise UnsupportedArchitectureError(f"partial rotary embeddings (rope.dimension_count={rope_dim}, head_dim="
+                                           f"{head_dim}) are supported for {', '.join(_GGUF_PARTIAL_ROTARY_ARCHS)} files, "
+                                           f"not {arch}")
+    factor = int(rope_dim) / head_dim
+    if not 2 <= int(rope_dim) <= head_dim or int(rope_dim) % 2 or int(head_dim * factor) != int(rope_dim):
+        raise ModelFormatError(f"{arch}.rope.dimension_count must be an even number in [2, head_dim = {head_dim}], "
+                               f"got {rope_dim}")
+    return factor
+
+
 def _llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """What Mistral, Qwen2, Qwen3, Phi-3 and SmolLM3 change of a Llama: SmolLM3 skips RoPE in its ``no_rope_layers``
     (NoPE); Qwen2 biases q/k/v (not o_proj); Qwen3 normalizes each
@@ -387,16 +420,17 @@ def _llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any
     approximated); a LongRoPE ``rope_scaling`` is completed by :func:`_hf_longrope`, a YaRN one by
     :func:`kvgen.rope_scaling.yarn_scaling`. Phi-3 checkpoints stack q/k/v and
     gate/up themselves (``weights.name_maps``). Raises ``UnsupportedArchitectureError`` for Qwen2/Qwen3 sliding-window
-    layers and a ``partial_rotary_factor`` below 1 (Phi-4-mini). Source: transformers 4.55 ``MistralConfig`` /
+    layers and a ``partial_rotary_factor`` below 1 outside Phi-3 (Phi-4-mini's is taken). Source: transformers 4.55 ``MistralConfig`` /
     ``Qwen2Config`` / ``Qwen3Config`` / ``Phi3Config`` / ``SmolLM3Config`` and their attention modules."""
     changes: dict[str, Any] = {"model_type": "llama", "extra": {"hf_model_type": model_type}}
     if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and cfg.get("use_sliding_window"):
         raise UnsupportedArchitectureError(f"{model_type} with use_sliding_window=true is not supported")
-    rotary = cfg.get("partial_rotary_factor")
-    if rotary is not None and float(rotary) < 1.0:
+    rotary = 1.0 if cfg.get("partial_rotary_factor") is None else float(cfg["partial_rotary_factor"])
+    if rotary != 1.0 and model_type != "phi3":  # transformers' other Llama-family attentions rotate whole heads
         raise UnsupportedArchitectureError(
-            f"partial_rotary_factor must be 1.0 (kvgen rotates every head dimension; partial rotary embeddings are "
-            f"not supported yet), got {rotary}")
+            f"partial_rotary_factor must be 1.0 for {model_type} (kvgen rotates part of each head for phi3 only, "
+            f"as transformers does), got {rotary}")
+    changes["partial_rotary_factor"] = rotary
     if model_type == "qwen2":
         changes |= {"attention_bias": True, "o_proj_bias": False}
     if model_type == "qwen2_moe":  # Qwen2MoeAttention: q/k/v biased as qkv_bias says, o_proj never

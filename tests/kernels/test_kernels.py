@@ -201,6 +201,30 @@ def test_paged_attention_matches_reference_and_contiguous_attention():
     torch.testing.assert_close(alone, contiguous, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rotary_dim", [48, 40, 2])
+def test_partial_rope_rotates_the_first_rotary_dims_of_each_q_and_k_head(rotary_dim):
+    """cos, sin [N, R] with R < D = 64 (Phi-4-mini rotates 96 of 128): the first R dims of every q and k head are
+    rotated as the model's float path (``apply_rope``, HF Phi3's form) and the twin; the other D - R dims and v are
+    left alone. R / 2 = 24, 20, 1: whole 8-lane steps, steps and a scalar tail, the tail alone."""
+    from kvgen.models.layers import apply_rope
+
+    g = torch.Generator().manual_seed(10)
+    qkv = torch.randn(5, (4 + 2 * 2) * 64, generator=g)
+    cos, sin = torch.randn(5, rotary_dim, generator=g), torch.randn(5, rotary_dim, generator=g)
+    got, want = qkv.clone(), qkv.clone()
+    OPS.rope_qkv_(got, cos, sin, 4, 2)
+    REF.rope_qkv_(want, cos, sin, 4, 2)
+    torch.testing.assert_close(got, want)
+    heads = qkv.view(5, 8, 64).transpose(0, 1)[None, :6]  # [1, H + Hkv, N, D]: the q and k heads
+    rotated = apply_rope(heads, cos[None, None], sin[None, None])[0].transpose(0, 1)  # [N, H + Hkv, D]
+    torch.testing.assert_close(got.view(5, 8, 64)[:, :6], rotated)
+    assert torch.equal(got.view(5, 8, 64)[:, :6, rotary_dim:], qkv.view(5, 8, 64)[:, :6, rotary_dim:])
+    assert torch.equal(got.view(5, 8, 64)[:, 6:], qkv.view(5, 8, 64)[:, 6:])  # v untouched
+    assert not torch.equal(got.view(5, 8, 64)[:, :6, :rotary_dim], qkv.view(5, 8, 64)[:, :6, :rotary_dim])
+    with pytest.raises(RuntimeError, match="R even and <= D"):
+        OPS.rope_qkv_(qkv.clone(), torch.randn(5, 66), torch.randn(5, 66), 4, 2)
+
+
 def test_fused_small_ops_match_reference():
     g = torch.Generator().manual_seed(9)
     x, w = torch.randn(5, 576, generator=g), torch.randn(576, generator=g)

@@ -110,11 +110,12 @@ def test_default_model_greedy_32_tokens_identical_to_transformers(ours_default, 
 _PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5], [1, 2, 3, 4, 5]]
 
 
-def _longrope(seed: int = 1) -> dict:
-    """A Phi-3 rope_scaling for head_dim 16: 8 short and 8 long divisors (float32 values, as a GGUF stores them)."""
+def _longrope(seed: int = 1, num_freqs: int = 8) -> dict:
+    """A Phi-3 rope_scaling for head_dim 16 (or 2 num_freqs rotated dimensions): num_freqs short and long divisors
+    (float32 values, as a GGUF stores them)."""
     g = torch.Generator().manual_seed(seed)
-    return {"type": "longrope", "short_factor": (1 + torch.rand(8, generator=g)).tolist(),
-            "long_factor": (1 + 8 * torch.rand(8, generator=g)).tolist()}
+    return {"type": "longrope", "short_factor": (1 + torch.rand(num_freqs, generator=g)).tolist(),
+            "long_factor": (1 + 8 * torch.rand(num_freqs, generator=g)).tolist()}
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
@@ -160,6 +161,22 @@ def test_phi3_longrope_matches_transformers_within_the_original_length(tiny_mode
     ours.rope_attention_factor = 1.0
     unscaled = _logits(ours, ids, mask)
     assert float((scaled - unscaled).abs().max()) > 0.1 * float(scaled.abs().max())
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_phi4_mini_partial_rotary_matches_transformers(tiny_model, cache):
+    """Phi-4-mini's partial rotary (model_type phi3, partial_rotary_factor 0.75 of 128 with LongRoPE; here 0.5 of 16,
+    4 divisors of each kind): the 4 frequencies equal transformers', and logits and greedy tokens equal transformers'
+    on the float path; the dimensions past the rotated 8 pass through (rotating them too moves the logits)."""
+    ref, ours = tiny_model("phi3", kv_heads=2, max_position_embeddings=128, original_max_position_embeddings=32,
+                           rope_scaling=_longrope(num_freqs=4), partial_rotary_factor=0.5, std=0.5, seed=6)
+    assert (ours.config.head_dim, ours.config.rotary_dim) == (16, 8)
+    torch.testing.assert_close(ours.inv_freq, ref.model.rotary_emb.original_inv_freq, rtol=0, atol=0)
+    assert_batch_matches_transformers(ours, ref, _PROMPTS, 25, cache)
+    ids, mask = left_pad(_PROMPTS, pad_id=0)
+    partial = _logits(ours, ids, mask)
+    ours.inv_freq = torch.cat([ours.inv_freq, ours.inv_freq])  # 16 rotated dimensions of the same frequencies
+    assert float((_logits(ours, ids, mask) - partial).abs().max()) > 0.1 * float(partial.abs().max())
 
 
 # ---------------------------------------------------------------- YaRN (Qwen3 long context, gpt-oss)

@@ -508,7 +508,7 @@ def test_rope_freqs_are_llama_3_rope_scaling(tmp_path: Path) -> None:
         ref = llama3.compute_logits(llama3(ids, positions))
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     _write_llama(tmp_path / "bad.gguf", extra={"rope_freqs.weight": np.full(D // 2 + 1, 2.0, dtype=np.float32)})
-    with pytest.raises(ModelFormatError, match="rope_freqs.weight must hold head_dim / 2"):
+    with pytest.raises(ModelFormatError, match="rope_freqs.weight must hold rotary_dim / 2"):
         load_gguf(tmp_path / "bad.gguf")
 
 
@@ -679,19 +679,21 @@ def test_yarn_rope_scaling_keys_load_as_transformers_yarn(tmp_path: Path) -> Non
     assert float((got - unscaled).abs().max()) > 0.01 * float(unscaled.abs().max())
 
 
-def _phi3_ref(longrope: bool, std: float = 0.3):
+def _phi3_ref(longrope: bool, std: float = 0.3, partial_rotary_factor: float = 1.0):
     """transformers' Phi3ForCausalLM (hidden 64, 4 heads of 16, 2 KV heads, I = 128): 128 positions, of which 32
-    original ones with LongRoPE (Phi-3-mini-128k's shape), else a sliding window of 48 (Phi-3-mini-4k's).
+    original ones with LongRoPE (Phi-3-mini-128k's shape), else a sliding window of 48 (Phi-3-mini-4k's); with
+    ``partial_rotary_factor`` < 1 (Phi-4-mini's shape) only that share of each head rotated.
     Weights N(0, std²): 0.3 makes every mix-up show in the logits, 0.1 keeps int8 activations' noise small."""
     from helpers import make_tiny_model
 
+    partial = {} if partial_rotary_factor == 1.0 else {"partial_rotary_factor": partial_rotary_factor}
     if not longrope:
-        return make_tiny_model("phi3", kv_heads=2, sliding_window=48, std=std, seed=5).ref
-    g = torch.Generator().manual_seed(2)
-    scaling = {"type": "longrope", "short_factor": (1 + torch.rand(8, generator=g)).tolist(),
-               "long_factor": (1 + 8 * torch.rand(8, generator=g)).tolist()}
+        return make_tiny_model("phi3", kv_heads=2, sliding_window=48, std=std, seed=5, **partial).ref
+    g, num_freqs = torch.Generator().manual_seed(2), int(8 * partial_rotary_factor)
+    scaling = {"type": "longrope", "short_factor": (1 + torch.rand(num_freqs, generator=g)).tolist(),
+               "long_factor": (1 + 8 * torch.rand(num_freqs, generator=g)).tolist()}
     return make_tiny_model("phi3", kv_heads=2, original_max_position_embeddings=32, rope_scaling=scaling,
-                           sliding_window=256, std=std, seed=5).ref
+                           sliding_window=256, std=std, seed=5, **partial).ref
 
 
 def _gguf_name(hf_name: str) -> str:
@@ -716,7 +718,7 @@ def _write_phi3(path: Path, ref, types: dict[str, GGMLQuantizationType] | None =
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_rope_dimension_count(int(cfg.hidden_size // cfg.num_attention_heads * cfg.partial_rotary_factor))
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_sliding_window(cfg.sliding_window or 0)
     w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
@@ -736,17 +738,19 @@ def _write_phi3(path: Path, ref, types: dict[str, GGMLQuantizationType] | None =
     w.close()
 
 
-@pytest.mark.parametrize("longrope", [False, True], ids=["4k", "128k"])
-def test_phi3_file_matches_transformers(tmp_path: Path, longrope: bool) -> None:
+@pytest.mark.parametrize(("longrope", "partial"), [(False, 1.0), (True, 1.0), (True, 0.5)],
+                         ids=["4k", "128k", "phi4-mini"])
+def test_phi3_file_matches_transformers(tmp_path: Path, longrope: bool, partial: float) -> None:
     """A phi3 file of F32 tensors: attn_qkv and ffn_up load as our stacked qkv_proj / gate_up_proj (bit for bit),
     the context ends at the sliding window (4k) or the original length (128k: LongRoPE from the factor tensors and
-    attn_factor), and the logits of 30 tokens equal transformers'; a file with up before gate does not."""
+    attn_factor; Phi-4-mini's shape: rope.dimension_count half the head, 4 factors of each kind), and the logits of
+    30 tokens equal transformers'; a file with up before gate does not."""
     from kvgen.models import build_model
 
-    ref = _phi3_ref(longrope)
+    ref = _phi3_ref(longrope, partial_rotary_factor=partial)
     _write_phi3(tmp_path / "phi3.gguf", ref)
     config, state, _ = load_gguf(tmp_path / "phi3.gguf")
-    assert config.max_position_embeddings == (32 if longrope else 48)
+    assert config.max_position_embeddings == (32 if longrope else 48) and config.rotary_dim == int(16 * partial)
     for name in ("model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"):
         _assert_equal(state[name], ref.state_dict()[name], name)
     if longrope:
@@ -763,15 +767,17 @@ def test_phi3_file_matches_transformers(tmp_path: Path, longrope: bool) -> None:
     assert float((swapped - want).abs().max()) > 0.1 * float(want.abs().max())
 
 
-def test_phi3_quantized_file_runs_on_the_kernels(tmp_path: Path) -> None:
+@pytest.mark.parametrize("partial", [1.0, 0.5], ids=["phi3", "phi4-mini"])
+def test_phi3_quantized_file_runs_on_the_kernels(tmp_path: Path, partial: float) -> None:
     """A phi3 file of Q8_0 / Q4_0 matrices on the default path (dtype auto): the stacked matrices keep their blocks
-    and run through the kernels, whose RoPE tables carry LongRoPE's cos/sin scale: the logits stay as close to the
-    float32 path on the same file as the other architectures' do, and without the scale they do not."""
+    and run through the kernels, whose RoPE tables carry LongRoPE's cos/sin scale (and, Phi-4-mini's shape, rotate
+    half of each head): the logits stay as close to the float32 path on the same file as the other architectures'
+    do, and without the scale they do not."""
     from kvgen.models import build_model
     from kvgen.models.quant_linear import QuantLinear
     from kvgen.weights.quantized import GGUFBlocks
 
-    ref = _phi3_ref(longrope=True, std=0.1)
+    ref = _phi3_ref(longrope=True, std=0.1, partial_rotary_factor=partial)
     types = {_gguf_name(n): Q.Q4_0 if "mlp." in n else Q.Q8_0 for n, p in ref.state_dict().items() if p.dim() == 2}
     _write_phi3(tmp_path / "q.gguf", ref, types)
     config, compact, _ = load_gguf(tmp_path / "q.gguf", dtype=None)

@@ -29,7 +29,7 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 * ``rms_norm(x [M, C], weight [C], eps) -> [M, C]``
 * ``rms_norm_heads_(qkv [N, (H + 2 Hkv) D], q_weight [D], k_weight [D], eps, H, Hkv)``: in place on each q and k
   head (Qwen3's q_norm, k_norm)
-* ``rope_qkv_(qkv [N, (H + 2 Hkv) D], cos [N, D], sin [N, D], H, Hkv)``: in place on q and k
+* ``rope_qkv_(qkv [N, (H + 2 Hkv) D], cos [N, R], sin [N, R], H, Hkv)``: in place on the first R <= D dims of q and k
 * ``silu_mul(gate_up [M, 2I]) -> [M, I]``: SwiGLU's gate; ``gelu_tanh_mul`` the same for GeGLU (Gemma)
 * ``decoder_layers(x [N, C], weights (6 per layer), linears (8 ints per layer), eps (3 per layer), extras (empty,
   or 8 per layer: 4 biases, q_norm, k_norm, post_attention_norm, post_feedforward_norm; each may be None),

@@ -589,11 +589,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
-    """Rotate, in place, the q and k heads of stacked rows qkv [N, (H + 2 Hkv) * D] by cos, sin [N, D]."""
-    n, d = qkv.shape[0], cos.shape[-1]
-    heads = qkv[:, : (num_heads + num_kv_heads) * d].view(n, num_heads + num_kv_heads, d)  # [N, H + Hkv, D]
-    c, s = cos.reshape(n, 1, d), sin.reshape(n, 1, d)
-    rotated = torch.cat((-heads[..., d // 2 :], heads[..., : d // 2]), dim=-1)  # [N, H + Hkv, D]
+    """Rotate, in place, the q and k heads of stacked rows qkv [N, (H + 2 Hkv) * D] by cos, sin [N, R], R <= D even:
+    the first R dimensions of each head (pairs i, i + R/2); the other D - R are left alone (partial rotary)."""
+    n, r = qkv.shape[0], cos.shape[-1]
+    d = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    heads = qkv[:, : (num_heads + num_kv_heads) * d].view(n, num_heads + num_kv_heads, d)[..., :r]  # [N, H + Hkv, R]
+    c, s = cos.reshape(n, 1, r), sin.reshape(n, 1, r)
+    rotated = torch.cat((-heads[..., r // 2 :], heads[..., : r // 2]), dim=-1)  # [N, H + Hkv, R]
     heads.copy_(heads * c + rotated * s)
 
 

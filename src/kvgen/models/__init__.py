@@ -139,7 +139,7 @@ def _recompute_buffer(config: ModelConfig, name: str) -> torch.Tensor:
     from kvgen.models.layers import rope_inv_freq
 
     if name == "inv_freq":
-        return rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        return rope_inv_freq(config.rotary_dim, config.rope_theta, config.rope_scaling)
     if name == "inv_freq_local":  # Gemma 3's sliding-window layers (Gemma 2's: inv_freq's values)
         return gemma3_inv_freq(config, local=True)
     raise AssertionError(f"unknown buffer {name}")

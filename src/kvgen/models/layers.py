@@ -80,7 +80,7 @@ def _rope_factors(rope_scaling: dict[str, Any], key: str, num_freqs: int) -> tor
     """rope_scaling[key] as float32 ``[D/2]``; ``ValueError`` when it holds another number of values."""
     factors = torch.tensor(rope_scaling[key], dtype=torch.float32, device="cpu")  # [D/2]
     if factors.shape != (num_freqs,):
-        raise ValueError(f"rope {key} must hold head_dim / 2 = {num_freqs} values, got {factors.numel()}")
+        raise ValueError(f"rope {key} must hold rotary_dim / 2 = {num_freqs} values, got {factors.numel()}")
     return factors
 
 
@@ -134,9 +134,14 @@ class RopeTable:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate queries or keys by their positions.
 
-    x: [B, H, T, D]; cos, sin: [B, 1, T, D]. Returns [B, H, T, D], x's dtype.
-    Source: Su et al. 2021, RoFormer, eq. 34 (rotate-half form as in HF Llama).
+    x: [B, H, T, D]; cos, sin: [B, 1, T, R], R <= D: the first R dimensions are rotated (pairs i, i + R/2), the
+    other D - R pass through (partial rotary, Phi-4-mini). Returns [B, H, T, D], x's dtype.
+    Source: Su et al. 2021, RoFormer, eq. 34 (rotate-half form as in HF Llama; partial as HF Phi3's
+    ``apply_rotary_pos_emb``).
     """
-    half = x.shape[-1] // 2
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)  # [B, H, T, D]
+    half = r // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [B, H, T, D]
     return x * cos + rotated * sin

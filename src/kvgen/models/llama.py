@@ -216,7 +216,7 @@ class LlamaForCausalLM(CausalLM):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer(
-            "inv_freq", rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling), persistent=False
+            "inv_freq", rope_inv_freq(config.rotary_dim, config.rope_theta, config.rope_scaling), persistent=False
         )
         self.rope_attention_factor = rope_attention_factor(config.rope_scaling)  # cos/sin scale: LongRoPE, YaRN; else 1
         self.kv_cache_dtype: torch.dtype | None = None  # None: the parameters' dtype

@@ -287,13 +287,14 @@ def _longrope(by_name: dict[str, ReaderTensor], config: ModelConfig, meta: dict[
 
 
 def _rope_factors(by_name: dict[str, ReaderTensor], name: str, config: ModelConfig, path: str) -> np.ndarray:
-    """A rope factor tensor as float64 ``[D/2]``: ModelFormatError unless F32 / F16 with D/2 positive values."""
+    """A rope factor tensor as float64 ``[R/2]`` (R = ``config.rotary_dim``): ModelFormatError unless F32 / F16 with
+    R/2 positive values."""
     t = by_name[name]
     if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         raise ModelFormatError(f"{path}: {name} is stored as {t.tensor_type.name}; expected F32 or F16")
     factors = dequantize(t.data, t.tensor_type).reshape(-1).astype(np.float64)
-    if factors.size != config.head_dim // 2 or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
-        raise ModelFormatError(f"{path}: {name} must hold head_dim / 2 = {config.head_dim // 2} positive "
+    if factors.size != config.rotary_dim // 2 or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
+        raise ModelFormatError(f"{path}: {name} must hold rotary_dim / 2 = {config.rotary_dim // 2} positive "
                                f"factors, got {factors.size} values")
     return factors
 
