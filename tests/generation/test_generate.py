@@ -119,5 +119,7 @@ def test_bad_batches_raise(model_tok):
         generate(model, torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="left-padded"):
         generate(model, torch.tensor([[1, 2, 3]]), torch.tensor([[1, 0, 1]]))
+    with pytest.raises(ValueError, match="attention_mask must be a tensor .* got GenerationConfig .*generation_config="):
+        generate(model, torch.tensor([[1, 2, 3]]), GenerationConfig(max_new_tokens=2))  # HF's positional order
     with pytest.raises(ValueError, match=r"input_ids must be in \[0, 49152\)"):
         generate(model, torch.tensor([[1, 2, 10**6]]))

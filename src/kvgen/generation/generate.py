@@ -159,6 +159,9 @@ def _check_batch(
         raise ValueError(f"input_ids must be in [0, {model_cfg.vocab_size}), got values in [{int(input_ids.min())}, {int(input_ids.max())}]")
     if attention_mask is None:
         return input_ids, torch.ones_like(input_ids)
+    if not isinstance(attention_mask, torch.Tensor):  # e.g. a GenerationConfig in HF's second place
+        raise ValueError(f"attention_mask must be a tensor [B, T] or None, got {type(attention_mask).__name__} "
+                         f"(pass a GenerationConfig as generation_config=...)")
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
     attention_mask = attention_mask.long()
