@@ -333,6 +333,12 @@ def _hf_config(model_type: str, tie: bool, kv_heads: int, bias: bool, vocab_size
             **({"num_hidden_layers": 3, "query_pre_attn_scalar": 24, "sliding_window": 6, "rope_theta": 1000.0,
                 "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0, "bos_token_id": 1, "eos_token_id": 2,
                 "pad_token_id": 0} | overrides))
+    if model_type == "granite":  # Llama's layers with Granite's four multipliers, none of them 1
+        return transformers.GraniteConfig(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=kv_heads, max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie,
+            **({"embedding_multiplier": 3.0, "residual_multiplier": 0.5, "attention_multiplier": 0.125,
+                "logits_scaling": 2.5} | overrides))
     if model_type == "phi3":  # stacked qkv_proj / gate_up_proj; ids inside the tiny vocabulary (Phi3Config's are 32000)
         ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
         return transformers.Phi3Config(
@@ -353,7 +359,7 @@ def _hf_config(model_type: str, tie: bool, kv_heads: int, bias: bool, vocab_size
                    max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie,
                    **({"hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 128, "num_experts_per_tok": 2}
                       | settings | overrides))
-    raise ValueError(f"model_type must be 'llama', 'gpt2', 'qwen2', 'qwen3', 'mistral', 'smollm3', 'phi3', "
+    raise ValueError(f"model_type must be 'llama', 'gpt2', 'qwen2', 'qwen3', 'mistral', 'smollm3', 'phi3', 'granite', "
                      f"'gemma3_text', 'gemma2', 'qwen3_moe', 'qwen2_moe' or 'mixtral', got {model_type!r}")
 
 

@@ -30,13 +30,15 @@ SUPPORTED_MODEL_TYPES = ("llama", "gpt2", "gemma3_text", "gemma2", "gpt_oss")
 # qwen2/3, phi3: llama.cpp stores their q/k rows unpermuted (NEOX rope); phi3 stacks q/k/v and gate/up
 # smollm3: llama's tensors, NoPE every 4th layer; qwen2moe / qwen3moe (and llama with expert_count > 0, Mixtral):
 # mixture-of-experts layers (models/moe.py)
-_GGUF_LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "smollm3", "qwen2moe", "qwen3moe")
+# granite: llama's tensors (q/k permuted) and four scalar multipliers
+_GGUF_LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "smollm3", "qwen2moe", "qwen3moe", "granite")
 # rope.dimension_count below the head size: read for these rotate-half architectures only
 _GGUF_PARTIAL_ROTARY_ARCHS = ("phi3",)
 # gemma3: our Gemma 3 decoder (model_type gemma3_text); gpt-oss: model_type gpt_oss (kvgen.moe_config)
 _GGUF_ARCHS = (*_GGUF_LLAMA_ARCHS, "gemma3", "gemma2", "gpt-oss")
 # Hugging Face model_types decoded by our Llama (see _llama_family_changes)
-_HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "qwen3_moe", "qwen2_moe", "mixtral")
+_HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "qwen3_moe", "qwen2_moe", "mixtral",
+                   "granite")
 _ROPE_TYPES = (None, "default", "llama3", "linear", "freq_factors", "longrope", "yarn")
 # The transformers 4.55 config classes' defaults where they differ from ModelConfig's: a config.json written by
 # save_pretrained omits every value equal to its class default (SmolLM3-3B's tied embeddings, Phi-3's eps).
@@ -45,6 +47,8 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"vocab_size": 151936, "max_position_embeddings": 32768},
     "mistral": {"vocab_size": 32000, "max_position_embeddings": 131072, "sliding_window": 4096},
     "phi3": {"vocab_size": 32064, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+    "granite": {"vocab_size": 32000, "max_position_embeddings": 2048, "attention_multiplier": 1.0,
+                "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0},
     "qwen3_moe": {"vocab_size": 151936, "max_position_embeddings": 32768, "hidden_size": 2048,
                   "intermediate_size": 6144, "num_hidden_layers": 24, "num_attention_heads": 32,
                   "num_key_value_heads": 4, "decoder_sparse_step": 1, "moe_intermediate_size": 768,
@@ -113,6 +117,13 @@ class ModelConfig:
     # Phi-4-mini: RoPE rotates the first rotary_dim = int(head_dim * partial_rotary_factor) dimensions of each head
     # (rotate-half pairs i, i + rotary_dim / 2) and passes the rest through; 1.0 rotates all of them
     partial_rotary_factor: float = 1.0
+    # Granite (IBM Granite 3.x): embeddings times embedding_multiplier, each block's attention and MLP outputs times
+    # residual_multiplier before their residual add, attention scores times attention_multiplier (None: head_dim^-0.5),
+    # logits divided by logits_scaling (transformers' GraniteForCausalLM)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -170,6 +181,10 @@ class ModelConfig:
         if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim < 2 or self.rotary_dim % 2:
             raise ModelFormatError(f"partial_rotary_factor must give an even rotary dimension in [2, head_dim = "
                                    f"{self.head_dim}], got {self.partial_rotary_factor} ({self.rotary_dim})")
+        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ModelFormatError(f"{name} must be a positive number, got {value}")
         if self.partial_rotary_factor != 1.0 and self.model_type != "llama":
             raise UnsupportedArchitectureError(f"{self.model_type} with partial_rotary_factor="
                                                f"{self.partial_rotary_factor} is not supported (Llama-family only)")
@@ -325,7 +340,8 @@ class ModelConfig:
         ``meta`` maps GGUF keys (``general.architecture``, ``llama.block_count``,
         ...) to values. Raises ``UnsupportedArchitectureError`` for an
         architecture outside ``llama`` (with ``expert_count`` > 0: Mixtral), ``qwen2``, ``qwen3``, ``phi3``,
-        ``smollm3``, ``qwen2moe``, ``qwen3moe``, ``gemma3``, ``gemma2``, ``gpt-oss`` (see :func:`kvgen.gemma_config.gemma3_gguf_changes`,
+        ``smollm3``, ``granite`` (its ``attention.scale``, ``embedding_scale``, ``residual_scale``, ``logit_scale``),
+        ``qwen2moe``, ``qwen3moe``, ``gemma3``, ``gemma2``, ``gpt-oss`` (see :func:`kvgen.gemma_config.gemma3_gguf_changes`,
         :func:`kvgen.gemma_config.gemma2_gguf_changes`, :func:`kvgen.moe_config.gguf_moe_fields`, :func:`~kvgen.moe_config.gguf_gpt_oss_changes`) and ``ModelFormatError`` for missing keys or bad
         values.
         A Llama-family file's ``rope.scaling`` keys (linear, YaRN) are read by
@@ -380,6 +396,11 @@ class ModelConfig:
             "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
             "extra": {"gguf_architecture": arch},
         }
+        if arch == "granite":  # llama.cpp: an absent (or 0) attention.scale means head_dim^-0.5
+            kwargs |= {"attention_multiplier": float(meta.get(f"{arch}.attention.scale") or 0.0) or None,
+                       "embedding_multiplier": float(meta.get(f"{arch}.embedding_scale", 1.0)),
+                       "residual_multiplier": float(meta.get(f"{arch}.residual_scale", 1.0)),
+                       "logits_scaling": float(meta.get(f"{arch}.logit_scale", 1.0))}
         if arch == "gemma3":
             kwargs |= gemma3_gguf_changes(meta, kwargs, need("attention.sliding_window"))
         if arch == "gemma2":
@@ -413,7 +434,8 @@ def _gguf_partial_rotary_factor(meta: dict[str, Any], arch: str, head_dim: int) 
 
 
 def _llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """What Mistral, Qwen2, Qwen3, Phi-3 and SmolLM3 change of a Llama: SmolLM3 skips RoPE in its ``no_rope_layers``
+    """What Mistral, Qwen2, Qwen3, Phi-3, SmolLM3 and Granite change of a Llama (Granite: only its multipliers, read
+    as the config's own fields with GraniteConfig's defaults of 1.0): SmolLM3 skips RoPE in its ``no_rope_layers``
     (NoPE); Qwen2 biases q/k/v (not o_proj); Qwen3 normalizes each
     head's q and k (``use_qk_norm``; its ``head_dim`` may differ from hidden_size / heads); Mistral's and Phi-3's
     sliding window bounds the context (attention within the window is exact; longer contexts are refused, not

@@ -70,7 +70,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.use_qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.use_qk_norm else None
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.scaling: float | None = None  # None: head_dim^-0.5 (Gemma 3 sets query_pre_attn_scalar^-0.5)
+        # None: head_dim^-0.5 (Granite: attention_multiplier; Gemma 3 sets query_pre_attn_scalar^-0.5)
+        self.scaling: float | None = config.attention_multiplier
         self.window = 0  # > 0: a sliding-window layer's width in tokens (Gemma 2, Gemma 3)
         self.softcap = 0.0  # > 0: scores capped to softcap * tanh(s / softcap) (Gemma 2's attn_logit_softcapping)
         self.sinks: nn.Parameter | None = None  # [H] float32: one more logit per head's softmax, dropped (gpt-oss)
@@ -116,8 +117,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); ``mlp`` is a ``SparseMoeBlock`` (models/moe.py) on
-    the layers ``config.is_sparse_layer`` names (Qwen3-MoE, Qwen2-MoE, Mixtral)."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) (Granite: each output times residual_multiplier
+    before its add); ``mlp`` is a ``SparseMoeBlock`` (models/moe.py) on the layers ``config.is_sparse_layer`` names
+    (Qwen3-MoE, Qwen2-MoE, Mixtral)."""
 
     _operands: _LayerOperands  # set by bind_kernels
     # a sparse layer's SparseMoeBlock.forward_kernels (h, residual -> residual + experts), set by bind_kernels
@@ -126,6 +128,7 @@ class LlamaDecoderLayer(nn.Module):
     _use_rope = True  # self_attn.use_rope, copied by bind_kernels
     # self_attn's (scaling, window, softcap, sinks) as attend_rows takes them, copied by bind_kernels
     _attn_args: tuple[float | None, int, float, torch.Tensor | None] = (None, 0, 0.0, None)
+    residual_multiplier = 1.0  # Granite's config.residual_multiplier, set by __init__
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
@@ -134,11 +137,16 @@ class LlamaDecoderLayer(nn.Module):
             SparseMoeBlock(config) if config.is_sparse_layer(layer_idx) else LlamaMLP(config))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_multiplier = config.residual_multiplier  # Granite's; 1.0 elsewhere
         self.kernels: KernelOps | None = None  # set by bind_kernels: the fused fast path below
 
     def forward(self, x, cos, sin, layer_idx, kv_cache, mask) -> torch.Tensor:
         """x: [B, T, C] -> [B, T, C]."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_idx, kv_cache, mask)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, layer_idx, kv_cache, mask)
+        if self.residual_multiplier != 1.0:  # Granite: residual + out * multiplier (transformers' order)
+            x = x + attn * self.residual_multiplier
+            return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
+        x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_kernels(
@@ -160,11 +168,14 @@ class LlamaDecoderLayer(nn.Module):
             ops.rope_qkv_(h, cos, sin, num_heads, num_kv_heads)
         h = attend_rows(h, batch, layer_idx, kv_cache, mask, ops, num_heads, num_kv_heads, head_dim,
                         *self._attn_args)  # [N, H D]
-        x = ops.qgemm(h, *o, x)  # x + o_proj(attn)
+        rm = self.residual_multiplier
+        x = ops.qgemm(h, *o, x) if rm == 1.0 else x + ops.qgemm(h, *o) * rm  # x + o_proj(attn) (* rm: Granite)
         h = ops.rms_norm(x, norm2, eps2)
         if self._moe_forward is not None:  # a sparse layer: x + the experts' weighted outputs
             return self._moe_forward(h, x)
         h = ops.qgemm(h, *gate_up)  # [N, 2I]
+        if rm != 1.0:
+            return x + ops.qgemm(ops.silu_mul(h), *down) * rm
         return ops.qgemm(ops.silu_mul(h), *down, x)  # x + down_proj(silu(gate) * up)
 
     def bind_kernels(self, kernels: KernelOps) -> None:
@@ -224,7 +235,9 @@ class LlamaForCausalLM(CausalLM):
         self._kernel_layers: list[LlamaDecoderLayer] = []
         self._decoder_operands: DecoderOperands | None = None  # set by use_kernels
         self._rope = RopeTable()  # [P, D] cos / sin tables of the kernel path
-        if config.has_experts:  # kernels.decoder_layers computes dense layers only: layer by layer
+        # kernels.decoder_layers computes dense layers with plain residual adds only: layer by layer otherwise
+        self._has_one_op_layers = not config.has_experts and config.residual_multiplier == 1.0
+        if not self._has_one_op_layers:
             self.one_op_decoder = False
         # per layer: its sliding window in tokens (0: full attention; gpt-oss's sliding_attention layers)
         self.windows = [cast(LlamaDecoderLayer, layer).self_attn.window for layer in self.model.layers]
@@ -246,6 +259,8 @@ class LlamaForCausalLM(CausalLM):
         Returns [B, T, C] in the model dtype.
         """
         x = self.model.embed_tokens(input_ids)  # [B, T, C]
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            x = x * self.config.embedding_multiplier
         if self.kernels is not None:
             cos, sin = self._rope_table(positions)  # [N, D] each
             mask = prepare_key_mask(attn_metadata, kv_cache, input_ids.shape)
@@ -278,14 +293,15 @@ class LlamaForCausalLM(CausalLM):
                 module.kernels = kernels
         self.kernels = kernels
         self._kernel_layers = [cast(LlamaDecoderLayer, layer) for layer in self.model.layers]
-        self._decoder_operands = None if self.config.has_experts else self._gather_decoder_operands()
+        self._decoder_operands = self._gather_decoder_operands() if self._has_one_op_layers else None
         self.kv_cache_dtype = torch.float16  # the kernels read K and V at fp16 precision: store them so
 
     def _gather_decoder_operands(self) -> DecoderOperands:
         """The operands of ``kernels.decoder_layers`` (:class:`DecoderOperands`): each layer's norms, projections,
         biases and q/k norms, and its RoPE (none on SmolLM3's NoPE layers)."""
         c = self.config
-        operands = DecoderOperands(c.num_attention_heads, c.num_key_value_heads, c.head_dim**-0.5)
+        scale = c.head_dim**-0.5 if c.attention_multiplier is None else c.attention_multiplier
+        operands = DecoderOperands(c.num_attention_heads, c.num_key_value_heads, scale)
         for layer in self._kernel_layers:
             _, norm1, eps1, qkv, o, norm2, eps2, gate_up, down, *_ = layer._operands
             q_norm, k_norm, qk_eps = layer._qk_norm or (None, None, 0.0)
@@ -298,7 +314,10 @@ class LlamaForCausalLM(CausalLM):
         return self._rope.rows(positions, self.inv_freq, self.rope_attention_factor)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head: hidden [..., C] -> logits [..., V] float32. Pass only the rows that need logits."""
+        """LM head: hidden [..., C] -> logits [..., V] float32 (Granite: divided by logits_scaling). Pass only the rows
+        that need logits."""
         if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.as_lm_head(hidden).float()
-        return self.lm_head(hidden).float()
+            logits = self.model.embed_tokens.as_lm_head(hidden).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
