@@ -333,6 +333,11 @@ def _hf_config(model_type: str, tie: bool, kv_heads: int, bias: bool, vocab_size
             **({"num_hidden_layers": 3, "query_pre_attn_scalar": 24, "sliding_window": 6, "rope_theta": 1000.0,
                 "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0, "bos_token_id": 1, "eos_token_id": 2,
                 "pad_token_id": 0} | overrides))
+    if model_type == "ernie4_5":  # Llama's layers, RoPE over interleaved pairs (q/k rows reordered by kvgen's loader)
+        return transformers.Ernie4_5Config(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=tie, **({"use_bias": bias} | overrides))
     if model_type == "granite":  # Llama's layers with Granite's four multipliers, none of them 1
         return transformers.GraniteConfig(
             vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -360,6 +365,7 @@ def _hf_config(model_type: str, tie: bool, kv_heads: int, bias: bool, vocab_size
                    **({"hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 128, "num_experts_per_tok": 2}
                       | settings | overrides))
     raise ValueError(f"model_type must be 'llama', 'gpt2', 'qwen2', 'qwen3', 'mistral', 'smollm3', 'phi3', 'granite', "
+                     f"'ernie4_5', "
                      f"'gemma3_text', 'gemma2', 'qwen3_moe', 'qwen2_moe' or 'mixtral', got {model_type!r}")
 
 
@@ -404,6 +410,13 @@ def hf_params_in_kvgen_layout(ref: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def interleaved_to_rotate_half(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Rows [H * D, ...] of q or k whose RoPE pairs are (2j, 2j + 1) (ERNIE 4.5) reordered so the pairs are (j, j + D/2)
+    (Llama's rotate-half): row 2j + s of a head goes to s * D/2 + j."""
+    d = w.shape[0] // num_heads
+    return w.reshape(num_heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
 def make_tiny_model(
     model_type: str = "llama",
     *,
@@ -444,6 +457,10 @@ def make_tiny_model(
         params = {mixtral_to_qwen_names(k): v for k, v in params.items()}
     if model_type in ("gemma3_text", "gemma2"):  # Gemma3RMSNorm / Gemma2RMSNorm multiply by 1 + w; kvgen's hold 1 + w
         params = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in params.items()}
+    if model_type == "ernie4_5":  # q/k rows of interleaved pairs (2j, 2j + 1) -> kvgen's rotate-half (j, j + D/2)
+        heads = {"q_proj": hf_config.num_attention_heads, "k_proj": hf_config.num_key_value_heads}
+        params = {k: interleaved_to_rotate_half(v, heads[k.split(".")[-2]]) if k.split(".")[-2] in heads else v
+                  for k, v in params.items()}
     ours = build_model(ModelConfig.from_hf_dict(hf_config.to_dict()), params)
     return TinyModel(ref, ours)
 

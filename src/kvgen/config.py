@@ -30,15 +30,19 @@ SUPPORTED_MODEL_TYPES = ("llama", "gpt2", "gemma3_text", "gemma2", "gpt_oss")
 # qwen2/3, phi3: llama.cpp stores their q/k rows unpermuted (NEOX rope); phi3 stacks q/k/v and gate/up
 # smollm3: llama's tensors, NoPE every 4th layer; qwen2moe / qwen3moe (and llama with expert_count > 0, Mixtral):
 # mixture-of-experts layers (models/moe.py)
-# granite: llama's tensors (q/k permuted) and four scalar multipliers
-_GGUF_LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "smollm3", "qwen2moe", "qwen3moe", "granite")
+# granite: llama's tensors (q/k permuted) and four scalar multipliers; ernie4_5: llama's tensors, q/k rows interleaved
+# as Baidu's checkpoints store them (the permuted order of a llama file)
+_GGUF_LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "smollm3", "qwen2moe", "qwen3moe", "granite", "ernie4_5")
 # rope.dimension_count below the head size: read for these rotate-half architectures only
 _GGUF_PARTIAL_ROTARY_ARCHS = ("phi3",)
 # gemma3: our Gemma 3 decoder (model_type gemma3_text); gpt-oss: model_type gpt_oss (kvgen.moe_config)
 _GGUF_ARCHS = (*_GGUF_LLAMA_ARCHS, "gemma3", "gemma2", "gpt-oss")
 # Hugging Face model_types decoded by our Llama (see _llama_family_changes)
 _HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "qwen3_moe", "qwen2_moe", "mixtral",
-                   "granite")
+                   "granite", "ernie4_5")
+# Hugging Face model_types whose q_proj / k_proj rows rotate interleaved pairs (2i, 2i + 1) (transformers' Ernie4_5
+# apply_rotary_pos_emb): the loader moves them into rotate-half order, as it does for a llama GGUF file's
+INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5",)
 _ROPE_TYPES = (None, "default", "llama3", "linear", "freq_factors", "longrope", "yarn")
 # The transformers 4.55 config classes' defaults where they differ from ModelConfig's: a config.json written by
 # save_pretrained omits every value equal to its class default (SmolLM3-3B's tied embeddings, Phi-3's eps).
@@ -47,6 +51,10 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"vocab_size": 151936, "max_position_embeddings": 32768},
     "mistral": {"vocab_size": 32000, "max_position_embeddings": 131072, "sliding_window": 4096},
     "phi3": {"vocab_size": 32064, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+    "ernie4_5": {"vocab_size": 103424, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 18,
+                 "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 131072,
+                 "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 500000.0, "pad_token_id": 0,
+                 "bos_token_id": 1, "eos_token_id": 2},
     "granite": {"vocab_size": 32000, "max_position_embeddings": 2048, "attention_multiplier": 1.0,
                 "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0},
     "qwen3_moe": {"vocab_size": 151936, "max_position_embeddings": 32768, "hidden_size": 2048,
@@ -341,6 +349,7 @@ class ModelConfig:
         ...) to values. Raises ``UnsupportedArchitectureError`` for an
         architecture outside ``llama`` (with ``expert_count`` > 0: Mixtral), ``qwen2``, ``qwen3``, ``phi3``,
         ``smollm3``, ``granite`` (its ``attention.scale``, ``embedding_scale``, ``residual_scale``, ``logit_scale``),
+        ``ernie4_5``,
         ``qwen2moe``, ``qwen3moe``, ``gemma3``, ``gemma2``, ``gpt-oss`` (see :func:`kvgen.gemma_config.gemma3_gguf_changes`,
         :func:`kvgen.gemma_config.gemma2_gguf_changes`, :func:`kvgen.moe_config.gguf_moe_fields`, :func:`~kvgen.moe_config.gguf_gpt_oss_changes`) and ``ModelFormatError`` for missing keys or bad
         values.
@@ -434,8 +443,9 @@ def _gguf_partial_rotary_factor(meta: dict[str, Any], arch: str, head_dim: int) 
 
 
 def _llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """What Mistral, Qwen2, Qwen3, Phi-3, SmolLM3 and Granite change of a Llama (Granite: only its multipliers, read
-    as the config's own fields with GraniteConfig's defaults of 1.0): SmolLM3 skips RoPE in its ``no_rope_layers``
+    """What Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite and ERNIE 4.5 change of a Llama (Granite: only its
+    multipliers, read as the config's own fields with GraniteConfig's defaults of 1.0; ERNIE 4.5: ``use_bias`` for
+    every projection, its interleaved q/k rows reordered by the loader): SmolLM3 skips RoPE in its ``no_rope_layers``
     (NoPE); Qwen2 biases q/k/v (not o_proj); Qwen3 normalizes each
     head's q and k (``use_qk_norm``; its ``head_dim`` may differ from hidden_size / heads); Mistral's and Phi-3's
     sliding window bounds the context (attention within the window is exact; longer contexts are refused, not
@@ -459,6 +469,9 @@ def _llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any
         changes |= {"attention_bias": bool(cfg.get("qkv_bias", True)), "o_proj_bias": False}
     if model_type in ("qwen3", "qwen3_moe"):
         changes["use_qk_norm"] = True
+    if model_type == "ernie4_5":  # one use_bias for every projection
+        bias = bool(cfg.get("use_bias", False))
+        changes |= {"attention_bias": bias, "mlp_bias": bias}
     if model_type == "smollm3":  # NoPE layers; sliding-window layers are refused
         if cfg.get("use_sliding_window") and "sliding_attention" in (cfg.get("layer_types") or []):
             raise UnsupportedArchitectureError("smollm3 with sliding-window layers is not supported")

@@ -29,11 +29,12 @@ def test_tiny_llama_logits_match_transformers_on_padded_batch(tiny_model, tie, k
     torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "mistral", "smollm3"])
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "mistral", "smollm3", "ernie4_5"])
 def test_llama_family_checkpoints_match_transformers(tiny_model, tmp_path, model_type):
     """Qwen2 (q/k/v biases, no o_proj bias), Qwen3 (q/k norms per head, head_dim 24 with hidden 64 and 4 heads),
-    Mistral and SmolLM3 (layer 1 without RoPE) saved as Hugging Face directories and loaded from them: logits on a
-    padded batch and greedy tokens equal transformers'."""
+    Mistral, SmolLM3 (layer 1 without RoPE) and ERNIE 4.5 (RoPE over interleaved pairs: the loader reorders its q/k
+    rows) saved as Hugging Face directories and loaded from them: logits on a padded batch and greedy tokens equal
+    transformers'."""
     from kvgen.models import build_model
     from kvgen.weights.hf_loader import load_hf_directory
 

@@ -21,7 +21,7 @@ import torch
 from gguf import GGMLQuantizationType
 from safetensors import SafetensorError, safe_open
 
-from kvgen.config import ModelConfig
+from kvgen.config import INTERLEAVED_ROPE_MODEL_TYPES, ModelConfig
 from kvgen.errors import ModelFormatError, ModelNotFoundError
 from kvgen.tokenizer.hf_files import read_json
 from kvgen.weights.gpt_oss import (
@@ -38,6 +38,7 @@ from kvgen.weights.name_maps import (
     hf_to_kvgen_name,
     is_router_weight,
 )
+from kvgen.weights.gguf_loader import reverse_permute_qk
 from kvgen.weights.quantized import GGUFBlocks
 
 _16BIT = ("F16", "BF16")  # safetensors dtypes the 16-bit kernels run as stored
@@ -92,7 +93,7 @@ def load_hf_directory(
     keep_16bit = dtype is None and config.model_type in ("llama", "gemma3_text", "gemma2", "gpt_oss") and all(
         e.dtype in _16BIT and shape[1] % 32 == 0 for e, shape in entries.items()
         if len(shape) >= 2 and not is_router_weight(e.name) and not e.name.endswith(("_bias", "_blocks", "_scales")))
-    state = _read_tensors(list(entries), dtype or torch.float32, keep_16bit)
+    state = _read_tensors(list(entries), dtype or torch.float32, keep_16bit, _interleaved_qk_heads(config))
     if config.model_type == "gpt_oss":
         state = split_expert_stacks(state, dtype or torch.float32, keep_16bit, keep=keep_16bit)
     for name, tensor in state.items():
@@ -169,9 +170,22 @@ def _open(file: Path) -> Any:
         raise ModelFormatError(f"{file} is not a readable safetensors file: {type(e).__name__}: {e}") from None
 
 
-def _read_tensors(entries: list[_Entry], dtype: torch.dtype, keep_16bit: bool) -> dict[str, torch.Tensor | GGUFBlocks]:
+def _interleaved_qk_heads(config: ModelConfig) -> dict[str, int]:
+    """For a checkpoint whose q/k rows rotate interleaved pairs (``INTERLEAVED_ROPE_MODEL_TYPES``: ERNIE 4.5): the
+    heads of each q_proj / k_proj weight and bias name suffix, to move its rows into rotate-half order (the order
+    llama.cpp's converter permutes llama's rows out of, so :func:`reverse_permute_qk` undoes it); else empty."""
+    if config.extra.get("hf_model_type") not in INTERLEAVED_ROPE_MODEL_TYPES:
+        return {}
+    return {f".self_attn.{p}.{kind}": heads for p, heads in (("q_proj", config.num_attention_heads),
+                                                             ("k_proj", config.num_key_value_heads))
+            for kind in ("weight", "bias")}
+
+
+def _read_tensors(entries: list[_Entry], dtype: torch.dtype, keep_16bit: bool,
+                  qk_heads: dict[str, int]) -> dict[str, torch.Tensor | GGUFBlocks]:
     """Read one tensor at a time, transposed where needed and cast to ``dtype`` (contiguous); with ``keep_16bit``,
-    2-D float16 / bfloat16 tensors become GGUFBlocks of their bytes instead."""
+    2-D float16 / bfloat16 tensors become GGUFBlocks of their bytes instead. A tensor whose name ends with a key of
+    ``qk_heads`` has its rows put in rotate-half order first (:func:`_interleaved_qk_heads`)."""
     state: dict[str, torch.Tensor | GGUFBlocks] = {}
     by_file: dict[Path, list[_Entry]] = {}
     for e in entries:
@@ -184,6 +198,9 @@ def _read_tensors(entries: list[_Entry], dtype: torch.dtype, keep_16bit: bool) -
                 except SafetensorError as err:  # data out of bounds, unknown dtype
                     msg = f"{file}: cannot read tensor {e.key!r}: {type(err).__name__}: {err}"
                     raise ModelFormatError(msg) from None
+                heads = next((h for suffix, h in qk_heads.items() if e.name.endswith(suffix)), None)
+                if heads is not None:  # whole rows move: exact in any dtype
+                    t = reverse_permute_qk(t, heads)
                 if is_expert_stack(e.name):  # as stored: split_expert_stacks casts or keeps each expert's part
                     state[e.name] = t
                 elif keep_16bit and t.dim() == 2 and not is_router_weight(e.name):  # routers: dense float32
