@@ -11,7 +11,7 @@ notice, never a crash). :func:`get_ops` returns whichever is in use.
 Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 
 * ``qgemm(x [M, K] f32, weight [G, nb, R] u8, weight_type, out_features, bias?, residual?) -> [M, N] f32``
-  (weight_type Q2, Q3, Q4, Q5, Q6, Q8, IQ4, MXFP4: x quantized per 32 values first; F16, BF16: x as it is; MIXED: a
+  (weight_type Q2, Q3, Q4, Q4_0, Q5, Q6, Q8, IQ4, MXFP4: x quantized per 32 values first; F16, BF16: x as it is; MIXED: a
   [bytes] weight of quantized segments, ``pack_gguf_segments``; Q2 and Q3 weights are [G, K / 256, R]: one record
   per 256-column super-block)
 * ``quantize_q8a(x [M, K] f32) -> [M, K / 32 * 40] u8``
@@ -72,9 +72,9 @@ SOURCES = (
 )
 HEADERS = ("common.h", "vec_math.h", "aten_lite.h", "ops.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
-Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4 = (
+Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0 = (
     reference.Q4, reference.Q8, reference.F16, reference.BF16, reference.Q6, reference.MIXED, reference.Q5, reference.IQ4,
-    reference.Q2, reference.Q3, reference.MXFP4)
+    reference.Q2, reference.Q3, reference.MXFP4, reference.Q4_0)
 
 
 @dataclass(frozen=True)
@@ -222,6 +222,6 @@ def reference_ops() -> KernelOps:
 
 
 __all__ = [
-    "BF16", "F16", "IQ4", "MIXED", "MXFP4", "Q2", "Q3", "Q4", "Q5", "Q6", "Q8", "KernelOps", "cache_dir", "get_ops",
+    "BF16", "F16", "IQ4", "MIXED", "MXFP4", "Q2", "Q3", "Q4", "Q4_0", "Q5", "Q6", "Q8", "KernelOps", "cache_dir", "get_ops",
     "pack_gguf_rows", "pack_gguf_segments", "reference_ops",
 ]

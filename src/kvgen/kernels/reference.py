@@ -4,9 +4,11 @@ portable path used where the extension cannot be built or the CPU lacks AVX2/FMA
 Layouts (see ``csrc/common.h``): weights are repacked at load from GGUF blocks into
 8-row groups, one record per (group, 32-column block):
 
-* Q4 record, 160 bytes (from ``block_q4_0`` / ``block_q4_1``): fp16 ``d[8]``, fp16
+* Q4 record, 160 bytes (from ``block_q4_1``; Q4_K as Q4_1 rows): fp16 ``d[8]``, fp16
   ``m[8]``, then ``qs[t][r][i]`` = byte ``4t+i`` of row ``r``'s GGUF block (low nibble:
-  column ``4t+i``, high nibble: column ``16+4t+i``); value = q * d + m (Q4_0: m = -8 d).
+  column ``4t+i``, high nibble: column ``16+4t+i``); value = q * d + m.
+* Q4_0 record, 144 bytes (from ``block_q4_0``): the Q4 record without ``m`` (``qs`` at byte 16); value = q * d + m
+  with m = -8 d computed (the file's 4.5 bits a weight, not the Q4 record's 5).
 * Q8 record, 272 bytes (from ``block_q8_0``): fp16 ``d[8]``, then int8 ``qs[j][r][i]`` =
   row ``r``, column ``4j+i``; value = q * d.
 * Q5 record, 192 bytes (from ``block_q5_0`` / ``block_q5_1``): the Q4 record (Q5_0: m = -16 d), then
@@ -43,9 +45,11 @@ from kvgen.sampling.ops import inverse_cdf_at
 
 BLOCK = 32  # values per quantization block
 ROWS = 8  # rows per interleaved group
-Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4 = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10  # weight_type codes of the ops
+# weight_type codes of the ops
+Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0 = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11
 MIXED_HEADER = 64  # bytes of int64 {S, nb, (weight_type, groups) x S} before a mixed weight's segments
-RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 224, F16: 512, BF16: 512, Q5: 192, IQ4: 144, Q2: 672, Q3: 912, MXFP4: 144}
+RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 224, F16: 512, BF16: 512, Q5: 192, IQ4: 144, Q2: 672, Q3: 912, MXFP4: 144,
+                Q4_0: 144}
 RECORD_BLOCKS = {Q2: 8, Q3: 8}  # 32-column blocks per record: one 256-column super-block (1 for the other types)
 # The values of IQ4_NL / IQ4_XS's 4-bit indices (ggml-common.h kvalues_iq4nl)
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -94,13 +98,13 @@ GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q6_K", "Q5_0", "Q5_1", "IQ
 GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "BF16": 64, "Q6_K": 210, "Q5_0": 22, "Q5_1": 24,
                     "IQ4_NL": 18, "Q2_K": 84, "Q3_K": 110, "MXFP4": 17}
 # the weight_type each GGUF type's records are
-WEIGHT_TYPE_OF = {"Q4_0": Q4, "Q4_1": Q4, "Q8_0": Q8, "F16": F16, "BF16": BF16, "Q6_K": Q6, "Q5_0": Q5, "Q5_1": Q5,
+WEIGHT_TYPE_OF = {"Q4_0": Q4_0, "Q4_1": Q4, "Q8_0": Q8, "F16": F16, "BF16": BF16, "Q6_K": Q6, "Q5_0": Q5, "Q5_1": Q5,
                   "IQ4_NL": IQ4, "Q2_K": Q2, "Q3_K": Q3, "MXFP4": MXFP4}
 
 
 def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
     """Row blocks ``parts`` ([rows_i, bytes] uint8, one GGUF type) of one matrix -> its records
-    [G, nb, R] uint8: Q4 records for Q4_0 (0) / Q4_1 (1), Q8 records for Q8_0 (2), 16-bit records for F16 (3) and
+    [G, nb, R] uint8: Q4_0 records for Q4_0 (0), Q4 records for Q4_1 (1), Q8 records for Q8_0 (2), 16-bit records for F16 (3) and
     BF16 (4), Q6 records for Q6_K (5), Q5 records for Q5_0 (6) / Q5_1 (7), IQ4 records for IQ4_NL (8), Q2 / Q3
     records for Q2_K (9) / Q3_K (10), MXFP4 records for MXFP4 (11). Raises ValueError for an MXFP4 exponent outside
     ``MXFP4_EXPONENTS``."""
@@ -110,7 +114,7 @@ def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
         gguf_type = 8
     if gguf_type in (9, 10):
         return repack_q23_k(raw, q3=gguf_type == 10)
-    if gguf_type == 8:
+    if gguf_type in (0, 8):
         q4 = repack_q4(raw, has_min=False)  # [G, nb, 160]: IQ4_NL's blocks have Q4_0's layout
         return torch.cat([q4[..., :16], q4[..., 32:]], dim=-1).contiguous()  # [G, nb, 144]: without the mins
     if gguf_type == 2:
@@ -412,9 +416,12 @@ def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
         w16 = weight.contiguous().view(half).float().view(g, nb, BLOCK, ROWS)  # [G, nb, c, r]
         return w16.permute(0, 3, 1, 2).reshape(g * ROWS, nb * BLOCK)  # [N_pad, K]
     d = weight[..., 0:16].contiguous().view(torch.float16).float()  # [G, nb, 8]
-    if weight_type in (Q4, Q5):
-        m = weight[..., 16:32].contiguous().view(torch.float16).float()  # [G, nb, 8]
-        qs = weight[..., 32:160].reshape(g, nb, 4, ROWS, 4)  # [G, nb, t, r, i]
+    if weight_type in (Q4, Q5, Q4_0):
+        if weight_type == Q4_0:  # no m stored: m = -8 d, exact
+            m, qs = d * -8.0, weight[..., 16:144].reshape(g, nb, 4, ROWS, 4)  # [G, nb, 8], [G, nb, t, r, i]
+        else:
+            m = weight[..., 16:32].contiguous().view(torch.float16).float()  # [G, nb, 8]
+            qs = weight[..., 32:160].reshape(g, nb, 4, ROWS, 4)  # [G, nb, t, r, i]
         lo, hi = (qs & 15).float(), (qs >> 4).float()
         if weight_type == Q5:  # qh[r][i]: bit t for column 4t + i, bit 4 + t for column 16 + 4t + i
             qh = weight[..., 160:].reshape(g, nb, 1, ROWS, 4)

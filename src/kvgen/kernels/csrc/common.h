@@ -9,6 +9,8 @@
 //     fp16 d[8], fp16 m[8] (row r of the group: w = q * d[r] + m[r]; Q4_0 has m = -8 d),
 //     uint8 qs[4][8][4]: qs[t][r][i] = byte 4t+i of row r's GGUF block (low nibble =
 //     column 4t+i, high nibble = column 16+4t+i).
+//   Q4_0 record (144 bytes), from GGUF block_q4_0: the Q4 record without m (fp16 d[8], then qs at 16): w = (q - 8) d,
+//     the Q4 kernel's arithmetic with m = -8 d (exact); 4.5 bits a weight as the file's, not the Q4 record's 5.
 //   Q8 record (272 bytes), from GGUF block_q8_0:
 //     fp16 d[8], int8 qs[8][8][4]: qs[j][r][i] = row r, column 4j+i (w = q * d[r]).
 //   F16 record (512 bytes), from GGUF F16 rows: fp16 w[32][8]: w[c][r] = row r, column c (float32
@@ -55,13 +57,15 @@ constexpr int64_t kQ8Record = 272;    // bytes per (group, block), Q8
 constexpr int64_t kF16Record = 512;   // bytes per (group, block), F16 and BF16
 constexpr int64_t kQ6Record = 224;    // bytes per (group, block), Q6
 constexpr int64_t kQ5Record = 192;    // bytes per (group, block), Q5
-constexpr int64_t kIQ4Record = 144;   // bytes per (group, block), IQ4
+constexpr int64_t kIQ4Record = 144;   // bytes per (group, block), IQ4 (and MXFP4)
+constexpr int64_t kQ40Record = 144;   // bytes per (group, block), Q4_0
 constexpr int64_t kQ2Record = 672;    // bytes per (group, super-block of 8 blocks), Q2
 constexpr int64_t kQ3Record = 912;    // bytes per (group, super-block of 8 blocks), Q3
 constexpr int64_t kMixedHeader = 64;  // bytes before a mixed weight's segments
 
 enum WeightType : int64_t {
-  kQ4 = 0, kQ8 = 1, kF16 = 2, kBF16 = 3, kQ6 = 4, kMixed = 5, kQ5 = 6, kIQ4 = 7, kQ2 = 8, kQ3 = 9, kMXFP4 = 10
+  kQ4 = 0, kQ8 = 1, kF16 = 2, kBF16 = 3, kQ6 = 4, kMixed = 5, kQ5 = 6, kIQ4 = 7, kQ2 = 8, kQ3 = 9, kMXFP4 = 10,
+  kQ40 = 11
 };
 
 // The 16 values a 4-bit IQ4_NL / IQ4_XS index stands for (ggml-common.h kvalues_iq4nl).
@@ -96,6 +100,7 @@ void quantize_row_q8a(const float* x, BlockQ8A* y, int64_t K);
 // y[m, 8 rows] for MT activation rows against one 8-row group of nb blocks.
 // out[m] points at 8 floats (the group's columns of output row m).
 void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
+void q40_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q8_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q5_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 // IQ4 and MXFP4 groups: `values` is the 16-entry table of the indices (kIQ4Values, kMXFP4Values).

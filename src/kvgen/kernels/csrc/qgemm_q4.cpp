@@ -1,4 +1,5 @@
-// Q4 (GGUF Q4_0 / Q4_1 repacked into 8-row groups, see common.h) times Q8A activations.
+// Q4 (GGUF Q4_1 repacked into 8-row groups, see common.h) and Q4_0 (its record without m: m = -8 d, computed)
+// times Q8A activations.
 // Per 32-column block and group: 4 loads of 32 bytes give 8 vectors of 4 columns x 8 rows
 // (low and high nibbles); maddubs against 4 broadcast activation bytes, int16 sums over
 // the 8 vectors (8 * 2 * 15 * 127 = 30,480 < 32,767, exact), one madd to int32 per row,
@@ -19,23 +20,24 @@ namespace {
 
 constexpr int64_t kPrefetchRecords = KVGEN_Q4_PREFETCH;
 
-template <int MT>
+template <int MT, bool HasMin>
 void q4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
+  constexpr int64_t kRecord = HasMin ? kQ4Record : kQ40Record, kQs = HasMin ? 32 : 16;  // record size, nibbles' offset
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, w += kQ4Record) {
+  for (int64_t b = 0; b < nb; ++b, w += kRecord) {
     // ~5 KB ahead: enough records in flight to cover DRAM latency (measured: 8 ahead left half
     // the bandwidth unused on cold weights)
-    const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchRecords * kQ4Record;
+    const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchRecords * kRecord;
     _mm_prefetch(ahead, _MM_HINT_T0);
     _mm_prefetch(ahead + 64, _MM_HINT_T0);
     _mm_prefetch(ahead + 128, _MM_HINT_T0);
     __m256i sum[MT];
     for (int m = 0; m < MT; ++m) sum[m] = _mm256_setzero_si256();
     for (int t = 0; t < 4; ++t) {
-      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 + 32 * t));
+      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kQs + 32 * t));
       const __m256i lo = _mm256_and_si256(p, low4);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
       for (int m = 0; m < MT; ++m) {
@@ -46,7 +48,9 @@ void q4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* cons
       }
     }
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+    // Q4_0: m = -8 d, the value the Q4 record stored (exact: a power of two times an fp16)
+    const __m256 mw = HasMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)))
+                             : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
     for (int m = 0; m < MT; ++m) {
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[m], ones));
       acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
@@ -56,15 +60,24 @@ void q4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* cons
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
 }
 
+template <bool HasMin>
+void group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
+  switch (mt) {
+    case 1: q4_tile<1, HasMin>(w, a, nb, out); break;
+    case 2: q4_tile<2, HasMin>(w, a, nb, out); break;
+    case 3: q4_tile<3, HasMin>(w, a, nb, out); break;
+    default: q4_tile<4, HasMin>(w, a, nb, out); break;
+  }
+}
+
 }  // namespace
 
 void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
-  switch (mt) {
-    case 1: q4_tile<1>(w, a, nb, out); break;
-    case 2: q4_tile<2>(w, a, nb, out); break;
-    case 3: q4_tile<3>(w, a, nb, out); break;
-    default: q4_tile<4>(w, a, nb, out); break;
-  }
+  group<true>(w, a, mt, nb, out);
+}
+
+void q40_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
+  group<false>(w, a, mt, nb, out);
 }
 
 }  // namespace kvgen

@@ -1,6 +1,6 @@
 // Repacking GGUF rows into the kernels' 8-row records (layouts in common.h), at load.
 // parts: row blocks of one matrix (e.g. q, k, v), each [rows_i, nb * block bytes] uint8 of
-// one GGUF type: 0 = Q4_0 (fp16 d, 16 nibble bytes), 1 = Q4_1 (fp16 d, fp16 m, 16 nibble
+// one GGUF type: 0 = Q4_0 (fp16 d, 16 nibble bytes: the Q4_0 record), 1 = Q4_1 (fp16 d, fp16 m, 16 nibble
 // bytes), 2 = Q8_0 (fp16 d, 32 int8), 3 = F16, 4 = BF16 (32 16-bit values per block), 5 = Q6_K (256 values
 // per 210-byte block: ql[128], qh[64], int8 scales[16], fp16 d), 6 = Q5_0, 7 = Q5_1, 8 = IQ4_NL (fp16 d, 16 nibble
 // bytes of indices into kIQ4Values), 9 = Q2_K, 10 = Q3_K, 11 = MXFP4 (uint8 E8M0 exponent e, 16 nibble bytes of
@@ -121,7 +121,8 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
   TORCH_CHECK(!parts.empty(), "kvgen.repack_gguf: no rows");
   const bool is_16bit = gguf_type == 3 || gguf_type == 4;  // F16, BF16
   const bool is_q6 = gguf_type == 5, is_q5 = gguf_type == 6 || gguf_type == 7, is_mxfp4 = gguf_type == 11;
-  const bool is_iq4 = gguf_type == 8 || is_mxfp4;  // MXFP4: the IQ4 record, d from the block's exponent
+  // MXFP4: the IQ4 record, d from the block's exponent; Q4_0: the same layout (fp16 d, 16 nibble bytes) read as q - 8
+  const bool is_iq4 = gguf_type == 8 || is_mxfp4 || gguf_type == 0;
   const bool is_q23 = gguf_type == 9 || gguf_type == 10;  // one super-block record per 256 columns
   constexpr int64_t kSrcBlock[] = {18, 20, 34, 64, 64, kQ6KBlock, 22, 24, 18, 84, 110, 17};  // bytes per GGUF block
   const int64_t src_block = kSrcBlock[gguf_type];
@@ -171,24 +172,25 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
           if (is_mxfp4) {  // d = 2^(e - 128): the kMXFP4Values are twice FP4's values
             TORCH_CHECK(s[0] >= 104 && s[0] <= 143, "kvgen.repack_gguf: MXFP4 exponent ", int(s[0]),
                         " gives a scale outside float16 (104 .. 143)");
-            // 2^(e - 128) as fp16 bits: normal from e = 114 (exponent field e - 113), subnormal (2^(e - 104) units of
-          // 2^-24) below
-          const uint16_t h = s[0] >= 114 ? static_cast<uint16_t>((s[0] - 113) << 10) : static_cast<uint16_t>(1u << (s[0] - 104));
+            // 2^(e - 128) as fp16 bits: normal from e = 114 (exponent field e - 113), subnormal (2^(e - 104) units
+            // of 2^-24) below
+            const uint16_t h = s[0] >= 114 ? static_cast<uint16_t>((s[0] - 113) << 10)
+                                           : static_cast<uint16_t>(1u << (s[0] - 104));
             std::memcpy(d + 2 * r, &h, 2);
           } else {
             std::memcpy(d + 2 * r, s, 2);  // d
           }
-          if (gguf_type == 2 || is_iq4) {  // Q8_0: 8 x 4 int8 values; IQ4_NL, MXFP4: 4 x 4 bytes of two indices
+          if (gguf_type == 2 || is_iq4) {  // Q8_0: 8 x 4 int8 values; Q4_0, IQ4_NL, MXFP4: 4 x 4 bytes of two nibbles
             const int64_t qs = is_mxfp4 ? 1 : 2;  // the values follow the scale
             for (int j = 0; j < (is_iq4 ? 4 : 8); ++j) std::memcpy(d + 16 + 32 * j + 4 * r, s + qs + 4 * j, 4);
             continue;
           }
           if (gguf_type == 1 || gguf_type == 7) {
             std::memcpy(d + 16 + 2 * r, s + 2, 2);  // m
-          } else {  // Q4_0 / Q5_0: value = (q - 8|16) d = q d + m with m = -8|16 d, exact in fp16
+          } else {  // Q5_0: value = (q - 16) d = q d + m with m = -16 d, exact in fp16
             uint16_t h;
             std::memcpy(&h, s, 2);
-            const uint16_t m = _cvtss_sh((gguf_type == 6 ? -16.0f : -8.0f) * _cvtsh_ss(h), 0);
+            const uint16_t m = _cvtss_sh(-16.0f * _cvtsh_ss(h), 0);
             std::memcpy(d + 16 + 2 * r, &m, 2);
           }
           const uint8_t* qs = s + src_block - 16;
