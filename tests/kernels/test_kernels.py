@@ -225,6 +225,49 @@ def test_partial_rope_rotates_the_first_rotary_dims_of_each_q_and_k_head(rotary_
         OPS.rope_qkv_(qkv.clone(), torch.randn(5, 66), torch.randn(5, 66), 4, 2)
 
 
+@needs_avx2
+def test_moe_experts_row_is_the_loop_of_ops_it_replaces():
+    """A decode row's k = 5 routed experts (Q4_0 and Q8_0 weights mixed) in one op: bit for bit the torch loop of
+    qgemm, silu_mul, product and add in the given order (kvgen.models.moe's loop before it), near the twin;
+    experts_on_kernels takes it for one row (called once); bad lengths are refused."""
+    import dataclasses
+
+    from kvgen.models.moe import experts_on_kernels
+
+    g = torch.Generator().manual_seed(11)
+    c, i, k = 96, 64, 5
+    experts = []
+    for e in range(8):
+        qtype = "Q4_0" if e % 2 else "Q8_0"
+        gu = quantize(torch.randn(2 * i, c, generator=g).numpy(), Q[qtype])
+        dn = quantize(torch.randn(c, i, generator=g).numpy(), Q[qtype])
+        (t1, p1), (t2, p2) = K.pack_gguf_rows(qtype, [torch.from_numpy(gu)]), K.pack_gguf_rows(qtype, [torch.from_numpy(dn)])
+        experts.append(((p1, t1, 2 * i, None), (p2, t2, c, None)))
+    h = torch.randn(1, c, generator=g)
+    ids = torch.tensor([[6, 1, 3, 0, 5]])
+    weights = torch.softmax(torch.randn(1, k, generator=g), -1)
+    order = sorted(zip(ids[0].tolist(), range(k)))
+    args = (h, [experts[e][0][0] for e, _ in order], [v for e, _ in order for v in experts[e][0][1:3]],
+            [experts[e][1][0] for e, _ in order], [v for e, _ in order for v in experts[e][1][1:3]],
+            [float(weights[0, j]) for _, j in order])
+    got = OPS.moe_experts_row(*args)
+    loop = torch.zeros_like(h)
+    for e, j in order:
+        loop.add_(OPS.qgemm(OPS.silu_mul(OPS.qgemm(h, *experts[e][0])), *experts[e][1]) * weights[0, j])
+    assert torch.equal(got, loop)
+    torch.testing.assert_close(got, REF.moe_experts_row(*args), rtol=1e-3, atol=1e-3 * float(got.abs().max()))
+    calls = []
+
+    def counted(*a):
+        calls.append(1)
+        return OPS.moe_experts_row(*a)
+
+    ops = dataclasses.replace(OPS, moe_experts_row=counted)
+    assert torch.equal(experts_on_kernels(ops, h, weights, ids, experts, ops.silu_mul), loop) and calls == [1]
+    with pytest.raises(RuntimeError, match="k >= 1 experts"):
+        OPS.moe_experts_row(h, args[1], args[2], args[3][:-1], args[4], args[5])
+
+
 def test_fused_small_ops_match_reference():
     g = torch.Generator().manual_seed(9)
     x, w = torch.randn(5, 576, generator=g), torch.randn(576, generator=g)

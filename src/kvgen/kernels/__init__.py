@@ -46,6 +46,9 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
   rounded to fp16), or an empty tensor when a scale overflows fp16
 * ``softmax_draw(logits [B, V] f32, temperature [B] f64, u [B] f64) -> [B] i64``: one id per row from
   softmax(logits / temperature) by inversion at u (the engine's draw, ``ops.sample_inverse_cdf``'s search)
+* ``moe_experts_row(h [1, C], gate_up [k] packed, gate_up_linears [2k], down [k] packed, down_linears [2k],
+  expert_weights [k]) -> [1, C]``: sum_j w_j * down_j(silu_mul(gate_up_j(h))) in the order given, each term rounded
+  before its add (a decode step's routed experts in one op; ``linears``: (weight_type, out_features) pairs)
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ SOURCES = (
     "ops.cpp", "quantize_q8a.cpp", "qgemm_q4.cpp", "qgemm_q5.cpp", "qgemm_q8.cpp", "qgemm_q6.cpp", "qgemm_f16.cpp",
     "qgemm_iq4.cpp", "qgemm_q23.cpp",
     "attention.cpp", "rms_norm.cpp", "rope.cpp", "glu.cpp", "repack.cpp", "decoder.cpp",
-    "softmax_draw.cpp",
+    "softmax_draw.cpp", "moe.cpp",
 )
 HEADERS = ("common.h", "vec_math.h", "aten_lite.h", "ops.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
@@ -101,13 +104,14 @@ class KernelOps:
     decoder_layers: Callable[..., torch.Tensor]
     paged_decoder_layers: Callable[..., torch.Tensor]
     softmax_draw: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    moe_experts_row: Callable[..., torch.Tensor]
 
 
 _NAMES = (
     "qgemm", "quantize_q8a", "dequantize_rows", "attention", "paged_attention", "rms_norm", "rms_norm_heads_",
     "rope_qkv_", "silu_mul", "gelu_tanh_mul", "repack_gguf", "q4_k_to_q4_1", "q5_k_to_q5_1",
     "iq4_xs_to_iq4_nl", "static_attention", "paged_attention_qkv", "decoder_layers", "paged_decoder_layers",
-    "softmax_draw",
+    "softmax_draw", "moe_experts_row",
 )
 _REFERENCE = KernelOps("reference", *(getattr(reference, n) for n in _NAMES))
 _ops: KernelOps | None = None

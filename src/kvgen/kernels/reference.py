@@ -714,3 +714,15 @@ def softmax_draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tenso
     (``ops.inverse_cdf_at``). Returns [B] long."""
     probs = torch.softmax(logits / temperature.to(logits.dtype)[:, None], dim=-1)  # [B, V]
     return inverse_cdf_at(probs, u.to(torch.float64).view(-1, 1)).view(-1)  # [B]
+
+
+def moe_experts_row(h: torch.Tensor, gate_up: list[torch.Tensor], gate_up_linears: list[int], down: list[torch.Tensor],
+                    down_linears: list[int], expert_weights: list[float]) -> torch.Tensor:
+    """One row's routed experts: h [1, C] float32 -> sum_j w_j * down_j(silu_mul(gate_up_j(h))) [1, C], j in the given
+    order, each term rounded (a float32 product) before it is added to zeros."""
+    out = torch.zeros_like(h)  # [1, C]
+    for j, w in enumerate(expert_weights):
+        g = qgemm(h, gate_up[j], gate_up_linears[2 * j], gate_up_linears[2 * j + 1], None)  # [1, 2I]
+        y = qgemm(silu_mul(g), down[j], down_linears[2 * j], down_linears[2 * j + 1], None)  # [1, C]
+        out.add_(y * torch.tensor(w, dtype=torch.float32))
+    return out

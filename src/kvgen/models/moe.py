@@ -113,12 +113,19 @@ def experts_on_kernels(ops: KernelOps, h: torch.Tensor, weights: torch.Tensor, i
     the weighted outputs added to zeros in ascending expert order. A single row (a decode step) skips the grouping
     (argsort, bincount, gathers and scatters: ~0.2 ms a layer) and adds its k experts in that same order, so its bits
     are those it has among other rows (batch invariance: the engine's tokens are generate()'s)."""
-    out = torch.zeros_like(h)  # [N, C]
     if h.shape[0] == 1:
-        for expert, j in sorted(zip(ids[0].tolist(), range(ids.shape[1]))):
-            gate_up, down = experts[expert]
+        order = sorted(zip(ids[0].tolist(), range(ids.shape[1])))  # (expert, slot), ascending expert
+        chosen = [experts[e] for e, _ in order]
+        if act is ops.silu_mul and all(gu[3] is None and d[3] is None for gu, d in chosen):  # one op, the same bits
+            w = weights[0].tolist()
+            return ops.moe_experts_row(h, [gu[0] for gu, _ in chosen], [v for gu, _ in chosen for v in gu[1:3]],
+                                       [d[0] for _, d in chosen], [v for _, d in chosen for v in d[1:3]],
+                                       [w[j] for _, j in order])
+        out = torch.zeros_like(h)  # [1, C]
+        for (gate_up, down), (_, j) in zip(chosen, order):
             out.add_(ops.qgemm(act(ops.qgemm(h, *gate_up)), *down) * weights[0, j])  # [1, C]
         return out
+    out = torch.zeros_like(h)  # [N, C]
     flat = weights.reshape(-1)  # [N k]
     for expert, idx, slots in expert_groups(ids):
         gate_up, down = experts[expert]

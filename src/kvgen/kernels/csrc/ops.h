@@ -46,5 +46,7 @@ at::Tensor q4_k_to_q4_1(const at::Tensor& raw);
 at::Tensor q5_k_to_q5_1(const at::Tensor& raw);
 at::Tensor iq4_xs_to_iq4_nl(const at::Tensor& raw);
 at::Tensor softmax_draw(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u);
+at::Tensor moe_experts_row(const at::Tensor& h, at::TensorList gate_up, at::IntArrayRef gate_up_linears,
+                           at::TensorList down, at::IntArrayRef down_linears, at::ArrayRef<double> expert_weights);
 
 }  // namespace kvgen
