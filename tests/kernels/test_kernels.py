@@ -249,7 +249,7 @@ def test_moe_experts_row_is_the_loop_of_ops_it_replaces():
     order = sorted(zip(ids[0].tolist(), range(k)))
     args = (h, [experts[e][0][0] for e, _ in order], [v for e, _ in order for v in experts[e][0][1:3]],
             [experts[e][1][0] for e, _ in order], [v for e, _ in order for v in experts[e][1][1:3]],
-            [float(weights[0, j]) for _, j in order])
+            [float(weights[0, j]) for _, j in order], [], 0)
     got = OPS.moe_experts_row(*args)
     loop = torch.zeros_like(h)
     for e, j in order:
@@ -265,7 +265,31 @@ def test_moe_experts_row_is_the_loop_of_ops_it_replaces():
     ops = dataclasses.replace(OPS, moe_experts_row=counted)
     assert torch.equal(experts_on_kernels(ops, h, weights, ids, experts, ops.silu_mul), loop) and calls == [1]
     with pytest.raises(RuntimeError, match="k >= 1 experts"):
-        OPS.moe_experts_row(h, args[1], args[2], args[3][:-1], args[4], args[5])
+        OPS.moe_experts_row(h, args[1], args[2], args[3][:-1], args[4], args[5], [], 0)
+    # gpt-oss: biases on both projections (one left out) and the clamped GLU, as its loop computes them
+    biases = [torch.randn(2 * i if n % 2 == 0 else c, generator=g) for n in range(2 * k)]
+    biases[3] = None
+    got = OPS.moe_experts_row(*args[:6], biases, 1)
+    loop = torch.zeros_like(h)
+    for n, (e, j) in enumerate(order):
+        gu, dn = experts[e]
+        y = OPS.qgemm(OPS.gpt_oss_glu(OPS.qgemm(h, *gu[:3], biases[2 * n])), *dn[:3], biases[2 * n + 1])
+        loop.add_(y * weights[0, j])
+    assert torch.equal(got, loop)
+    torch.testing.assert_close(got, REF.moe_experts_row(*args[:6], biases, 1), rtol=1e-3,
+                               atol=1e-3 * float(got.abs().max()))
+
+
+def test_gpt_oss_glu_matches_the_twin():
+    """(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g), g = min(gate, 7): gates and ups past both limits, a NaN gate
+    stays NaN (torch.clamp's rule)."""
+    g = torch.Generator().manual_seed(12)
+    gate_up = torch.randn(3, 2 * 40, generator=g) * 6  # values well past +-7
+    gate_up[1, 3] = float("nan")
+    got, want = OPS.gpt_oss_glu(gate_up), REF.gpt_oss_glu(gate_up)
+    assert got.shape == (3, 40) and bool(got[1, 3].isnan()) and int(got.isnan().sum()) == 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert float(gate_up[:, :40].nan_to_num().max()) > 7 and float(gate_up[:, 40:].min()) < -7  # both clamps reached
 
 
 def test_fused_small_ops_match_reference():

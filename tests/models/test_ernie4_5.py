@@ -12,7 +12,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
-from helpers import assert_one_op_decoder_is_layer_by_layer, gguf_writer_for, make_tiny_model, model_logits
+from helpers import (
+    assert_one_op_decoder_is_layer_by_layer,
+    gguf_writer_for,
+    make_tiny_model,
+    model_logits,
+)
 
 from kvgen.models import build_model
 from kvgen.weights.gguf_loader import load_gguf

@@ -30,7 +30,8 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 * ``rms_norm_heads_(qkv [N, (H + 2 Hkv) D], q_weight [D], k_weight [D], eps, H, Hkv)``: in place on each q and k
   head (Qwen3's q_norm, k_norm)
 * ``rope_qkv_(qkv [N, (H + 2 Hkv) D], cos [N, R], sin [N, R], H, Hkv)``: in place on the first R <= D dims of q and k
-* ``silu_mul(gate_up [M, 2I]) -> [M, I]``: SwiGLU's gate; ``gelu_tanh_mul`` the same for GeGLU (Gemma)
+* ``silu_mul(gate_up [M, 2I]) -> [M, I]``: SwiGLU's gate; ``gelu_tanh_mul`` the same for GeGLU (Gemma),
+  ``gpt_oss_glu`` for gpt-oss's clamped GLU
 * ``decoder_layers(x [N, C], weights (6 per layer), linears (8 ints per layer), eps (3 per layer), extras (empty,
   or 8 per layer: 4 biases, q_norm, k_norm, post_attention_norm, post_feedforward_norm; each may be None),
   layer_args (empty, or 2 per layer: RoPE table (0: none, r: rope[2r-2], rope[2r-1]), window), rope (cos, sin
@@ -47,8 +48,9 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 * ``softmax_draw(logits [B, V] f32, temperature [B] f64, u [B] f64) -> [B] i64``: one id per row from
   softmax(logits / temperature) by inversion at u (the engine's draw, ``ops.sample_inverse_cdf``'s search)
 * ``moe_experts_row(h [1, C], gate_up [k] packed, gate_up_linears [2k], down [k] packed, down_linears [2k],
-  expert_weights [k]) -> [1, C]``: sum_j w_j * down_j(silu_mul(gate_up_j(h))) in the order given, each term rounded
-  before its add (a decode step's routed experts in one op; ``linears``: (weight_type, out_features) pairs)
+  expert_weights [k], biases [] or [2k], activation 0 | 1) -> [1, C]``: sum_j w_j * down_j(act(gate_up_j(h))) in the
+  order given, each term rounded before its add (a decode step's routed experts in one op; ``linears``:
+  (weight_type, out_features) pairs; act: silu_mul, or gpt_oss_glu for 1)
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class KernelOps:
     rope_qkv_: Callable[..., None]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     gelu_tanh_mul: Callable[[torch.Tensor], torch.Tensor]
+    gpt_oss_glu: Callable[[torch.Tensor], torch.Tensor]
     repack_gguf: Callable[[list[torch.Tensor], int], torch.Tensor]
     q4_k_to_q4_1: Callable[[torch.Tensor], torch.Tensor]
     q5_k_to_q5_1: Callable[[torch.Tensor], torch.Tensor]
@@ -109,7 +112,7 @@ class KernelOps:
 
 _NAMES = (
     "qgemm", "quantize_q8a", "dequantize_rows", "attention", "paged_attention", "rms_norm", "rms_norm_heads_",
-    "rope_qkv_", "silu_mul", "gelu_tanh_mul", "repack_gguf", "q4_k_to_q4_1", "q5_k_to_q5_1",
+    "rope_qkv_", "silu_mul", "gelu_tanh_mul", "gpt_oss_glu", "repack_gguf", "q4_k_to_q4_1", "q5_k_to_q5_1",
     "iq4_xs_to_iq4_nl", "static_attention", "paged_attention_qkv", "decoder_layers", "paged_decoder_layers",
     "softmax_draw", "moe_experts_row",
 )

@@ -716,13 +716,25 @@ def softmax_draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tenso
     return inverse_cdf_at(probs, u.to(torch.float64).view(-1, 1)).view(-1)  # [B]
 
 
+def gpt_oss_glu(gate_up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's clamped GLU: gate_up [M, 2I] (gate, then up) -> (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g) with
+    g = min(gate, 7), [M, I] float32 (transformers 4.55 ``GptOssExperts.forward``)."""
+    gate, up = gate_up.chunk(2, dim=-1)  # [M, I] each
+    gate = gate.clamp(max=7.0)
+    return (up.clamp(min=-7.0, max=7.0) + 1) * (gate * torch.sigmoid(gate * 1.702))
+
+
 def moe_experts_row(h: torch.Tensor, gate_up: list[torch.Tensor], gate_up_linears: list[int], down: list[torch.Tensor],
-                    down_linears: list[int], expert_weights: list[float]) -> torch.Tensor:
-    """One row's routed experts: h [1, C] float32 -> sum_j w_j * down_j(silu_mul(gate_up_j(h))) [1, C], j in the given
-    order, each term rounded (a float32 product) before it is added to zeros."""
+                    down_linears: list[int], expert_weights: list[float],
+                    biases: list[torch.Tensor | None] | None = None, activation: int = 0) -> torch.Tensor:
+    """One row's routed experts: h [1, C] float32 -> sum_j w_j * down_j(act(gate_up_j(h))) [1, C] (act: silu_mul, or
+    gpt_oss_glu for activation 1; biases: none, or gate_up's and down's of each expert), j in the given order, each
+    term rounded (a float32 product) before it is added to zeros."""
     out = torch.zeros_like(h)  # [1, C]
+    act = silu_mul if activation == 0 else gpt_oss_glu
     for j, w in enumerate(expert_weights):
-        g = qgemm(h, gate_up[j], gate_up_linears[2 * j], gate_up_linears[2 * j + 1], None)  # [1, 2I]
-        y = qgemm(silu_mul(g), down[j], down_linears[2 * j], down_linears[2 * j + 1], None)  # [1, C]
+        gb, db = (biases[2 * j], biases[2 * j + 1]) if biases else (None, None)
+        g = qgemm(h, gate_up[j], gate_up_linears[2 * j], gate_up_linears[2 * j + 1], gb)  # [1, 2I]
+        y = qgemm(act(g), down[j], down_linears[2 * j], down_linears[2 * j + 1], db)  # [1, C]
         out.add_(y * torch.tensor(w, dtype=torch.float32))
     return out

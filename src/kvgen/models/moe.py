@@ -116,11 +116,13 @@ def experts_on_kernels(ops: KernelOps, h: torch.Tensor, weights: torch.Tensor, i
     if h.shape[0] == 1:
         order = sorted(zip(ids[0].tolist(), range(ids.shape[1])))  # (expert, slot), ascending expert
         chosen = [experts[e] for e, _ in order]
-        if act is ops.silu_mul and all(gu[3] is None and d[3] is None for gu, d in chosen):  # one op, the same bits
+        if act is ops.silu_mul or act is ops.gpt_oss_glu:  # one op, the same bits
             w = weights[0].tolist()
+            biased = any(gu[3] is not None or d[3] is not None for gu, d in chosen)
             return ops.moe_experts_row(h, [gu[0] for gu, _ in chosen], [v for gu, _ in chosen for v in gu[1:3]],
                                        [d[0] for _, d in chosen], [v for _, d in chosen for v in d[1:3]],
-                                       [w[j] for _, j in order])
+                                       [w[j] for _, j in order], [b for gu, d in chosen for b in (gu[3], d[3])] if biased
+                                       else [], int(act is ops.gpt_oss_glu))
         out = torch.zeros_like(h)  # [1, C]
         for (gate_up, down), (_, j) in zip(chosen, order):
             out.add_(ops.qgemm(act(ops.qgemm(h, *gate_up)), *down) * weights[0, j])  # [1, C]
@@ -251,7 +253,7 @@ class GptOssMoeBlock(nn.Module):
         ``qgemm`` with bias; ``experts_on_kernels``)."""
         ops, router, router_bias, experts = self._operands
         weights, ids = route_top_k_softmax(row_invariant_linear(h, router, router_bias), self.top_k)  # [N, k]
-        return x + experts_on_kernels(ops, h, weights, ids, experts, gpt_oss_glu)
+        return x + experts_on_kernels(ops, h, weights, ids, experts, ops.gpt_oss_glu)  # the kernels' GLU, every N
 
     def bind_kernels(self, kernels: KernelOps) -> None:
         """Gather ``forward_kernels``' operands once: the router's weight [E, C] and bias [E] as float64, each expert's

@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from kvgen.config import INTERLEAVED_ROPE_MODEL_TYPES, ModelConfig
 from kvgen.errors import ModelFormatError, ModelNotFoundError
 from kvgen.tokenizer.hf_files import read_json
+from kvgen.weights.gguf_loader import reverse_permute_qk
 from kvgen.weights.gpt_oss import (
     check_mxfp4_pairs,
     expert_stack_shapes,
@@ -38,7 +39,6 @@ from kvgen.weights.name_maps import (
     hf_to_kvgen_name,
     is_router_weight,
 )
-from kvgen.weights.gguf_loader import reverse_permute_qk
 from kvgen.weights.quantized import GGUFBlocks
 
 _16BIT = ("F16", "BF16")  # safetensors dtypes the 16-bit kernels run as stored

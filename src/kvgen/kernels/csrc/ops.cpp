@@ -307,6 +307,7 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("rope_qkv_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor");
+  m.def("gpt_oss_glu(Tensor gate_up) -> Tensor");
   m.def("repack_gguf(Tensor[] parts, int gguf_type) -> Tensor");
   m.def("q4_k_to_q4_1(Tensor raw) -> Tensor");
   m.def("q5_k_to_q5_1(Tensor raw) -> Tensor");
@@ -325,7 +326,7 @@ TORCH_LIBRARY(kvgen, m) {
         "float softcap=0.0) -> Tensor");
   m.def("softmax_draw(Tensor logits, Tensor temperature, Tensor u) -> Tensor");
   m.def("moe_experts_row(Tensor h, Tensor[] gate_up, int[] gate_up_linears, Tensor[] down, int[] down_linears, "
-        "float[] expert_weights) -> Tensor");
+        "float[] expert_weights, Tensor?[] biases, int activation) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
@@ -339,6 +340,7 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("rope_qkv_", &kvgen::rope_qkv_);
   m.impl("silu_mul", &kvgen::silu_mul);
   m.impl("gelu_tanh_mul", &kvgen::gelu_tanh_mul);
+  m.impl("gpt_oss_glu", &kvgen::gpt_oss_glu);
   m.impl("repack_gguf", &kvgen::repack_gguf);
   m.impl("q4_k_to_q4_1", &kvgen::q4_k_to_q4_1);
   m.impl("q5_k_to_q5_1", &kvgen::q5_k_to_q5_1);

@@ -22,6 +22,7 @@ void rms_norm_heads_(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tens
 void rope_qkv_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor gelu_tanh_mul(const at::Tensor& gate_up);
+at::Tensor gpt_oss_glu(const at::Tensor& gate_up);
 at::Tensor static_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache,
                             const c10::optional<at::Tensor>& key_mask, int64_t past_len, int64_t num_heads, double scale,
                             int64_t window, double softcap, const c10::optional<at::Tensor>& sinks);
@@ -47,6 +48,7 @@ at::Tensor q5_k_to_q5_1(const at::Tensor& raw);
 at::Tensor iq4_xs_to_iq4_nl(const at::Tensor& raw);
 at::Tensor softmax_draw(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u);
 at::Tensor moe_experts_row(const at::Tensor& h, at::TensorList gate_up, at::IntArrayRef gate_up_linears,
-                           at::TensorList down, at::IntArrayRef down_linears, at::ArrayRef<double> expert_weights);
+                           at::TensorList down, at::IntArrayRef down_linears, at::ArrayRef<double> expert_weights,
+                           const Extras& biases, int64_t activation);
 
 }  // namespace kvgen
