@@ -107,26 +107,23 @@ def experts_on_kernels(ops: KernelOps, h: torch.Tensor, weights: torch.Tensor, i
                        experts: list[_ExpertOperands], act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The kernel path's routed experts: for rows h [N, C] float32, weights [N, k] float32 and ids [N, k] int64 (a
     router's), sum_j weights[:, j] * down(act(gate_up(h))) of expert ids[:, j] -> [N, C] float32; experts[e] = its
-    (gate_up, down) ``qgemm`` operands, act [n, 2I] -> [n, I] (``ops.silu_mul``, gpt-oss's GLU).
+    (gate_up, down) ``qgemm`` operands, act [n, 2I] -> [n, I]: ``ops.silu_mul`` or ``ops.gpt_oss_glu``.
 
     Each chosen expert runs once over the rows routed to it (``expert_groups``: one GEMM per expert in a prefill),
     the weighted outputs added to zeros in ascending expert order. A single row (a decode step) skips the grouping
-    (argsort, bincount, gathers and scatters: ~0.2 ms a layer) and adds its k experts in that same order, so its bits
-    are those it has among other rows (batch invariance: the engine's tokens are generate()'s)."""
+    (argsort, bincount, gathers and scatters: ~0.2 ms a layer) and runs its k experts in one op
+    (``ops.moe_experts_row``) that adds them in that same order, so its bits are those it has among other rows (batch
+    invariance: the engine's tokens are generate()'s)."""
+    assert act is ops.silu_mul or act is ops.gpt_oss_glu, "the kernels' GLUs only"
     if h.shape[0] == 1:
         order = sorted(zip(ids[0].tolist(), range(ids.shape[1])))  # (expert, slot), ascending expert
         chosen = [experts[e] for e, _ in order]
-        if act is ops.silu_mul or act is ops.gpt_oss_glu:  # one op, the same bits
-            w = weights[0].tolist()
-            biased = any(gu[3] is not None or d[3] is not None for gu, d in chosen)
-            return ops.moe_experts_row(h, [gu[0] for gu, _ in chosen], [v for gu, _ in chosen for v in gu[1:3]],
-                                       [d[0] for _, d in chosen], [v for _, d in chosen for v in d[1:3]],
-                                       [w[j] for _, j in order], [b for gu, d in chosen for b in (gu[3], d[3])] if biased
-                                       else [], int(act is ops.gpt_oss_glu))
-        out = torch.zeros_like(h)  # [1, C]
-        for (gate_up, down), (_, j) in zip(chosen, order):
-            out.add_(ops.qgemm(act(ops.qgemm(h, *gate_up)), *down) * weights[0, j])  # [1, C]
-        return out
+        w = weights[0].tolist()
+        biased = any(gu[3] is not None or d[3] is not None for gu, d in chosen)
+        return ops.moe_experts_row(h, [gu[0] for gu, _ in chosen], [v for gu, _ in chosen for v in gu[1:3]],
+                                   [d[0] for _, d in chosen], [v for _, d in chosen for v in d[1:3]],
+                                   [w[j] for _, j in order], [b for gu, d in chosen for b in (gu[3], d[3])] if biased
+                                   else [], int(act is ops.gpt_oss_glu))  # [1, C]
     out = torch.zeros_like(h)  # [N, C]
     flat = weights.reshape(-1)  # [N k]
     for expert, idx, slots in expert_groups(ids):
