@@ -159,6 +159,59 @@ def assert_one_op_decoder_is_layer_by_layer(model, ids: torch.Tensor, want: torc
         torch.testing.assert_close(got, want, rtol=0, atol=0.05 * float(want.abs().max()))
 
 
+def llama_cpp_permute(w: Any, n_head: int) -> Any:
+    """llama.cpp convert_hf_to_gguf.py ``LlamaModel.permute`` (HF order -> GGUF order) of q or k rows, a numpy array
+    [H * D, ...]."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_DENSE_GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                     "mlp.down_proj": "ffn_down"}
+_GLOBAL_GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                      "lm_head.weight": "output.weight"}
+
+
+def write_dense_gguf(path: Path, ref: Any, arch: str, qtype: Any = None, *, permute_qk: bool,
+                     add_keys: Any = None) -> None:
+    """``ref`` (a dense transformers Llama-family model in float32) as llama.cpp's converter writes an ``arch`` file:
+    the shape keys (:func:`gguf_writer_for`), ``rope.freq_base``, ``add_keys(writer)``, a token list t0 .., llama's
+    tensor names, q/k rows permuted when ``permute_qk`` (its ``LlamaModel``), matrices as ``qtype`` (default F32;
+    vectors F32), no ``output.weight`` when the embeddings are tied."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    cfg = ref.config
+    w = gguf_writer_for(path, arch, cfg)
+    w.add_rope_freq_base(cfg.rope_theta)
+    if add_keys is not None:
+        add_keys(w)
+    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    for name, p in ref.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        x = np.ascontiguousarray(p.detach().float().numpy())
+        if name in _GLOBAL_GGUF_NAMES:
+            gguf_name = _GLOBAL_GGUF_NAMES[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)  # model.layers.N.<module>.<weight|bias>
+            module, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{_DENSE_GGUF_NAMES[module]}.{kind}"
+        if permute_qk and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+            heads = cfg.num_attention_heads if ".attn_q." in gguf_name else cfg.num_key_value_heads
+            x = np.ascontiguousarray(llama_cpp_permute(x, heads))
+        if qtype not in (None, GGMLQuantizationType.F32) and x.ndim == 2:
+            w.add_tensor(gguf_name, quantize(x, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def gguf_writer_for(path: Path, arch: str, cfg: Any) -> Any:
     """A ``gguf.GGUFWriter`` for ``arch`` at ``path`` holding the shape keys every converted model has, from a
     transformers config: context length, embedding length, block count, feed-forward length, head counts and the RMS

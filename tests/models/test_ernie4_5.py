@@ -7,29 +7,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import quantize
 from helpers import (
     assert_one_op_decoder_is_layer_by_layer,
-    gguf_writer_for,
     make_tiny_model,
     model_logits,
+    write_dense_gguf,
 )
 
 from kvgen.models import build_model
 from kvgen.weights.gguf_loader import load_gguf
 
 Q = GGMLQuantizationType
-_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-
-
 @pytest.fixture(scope="module")
 def ernie():
     """transformers' tiny Ernie4_5ForCausalLM (tied, 2 KV heads of 4, head_dim 16, biases), float32."""
@@ -38,31 +29,13 @@ def ernie():
 
 def _write_ernie(path: Path, ref, qtype: Q = Q.F32) -> None:
     """``ref`` as llama.cpp's converter (``Ernie4_5Model``) writes it: llama's tensor names, every row as the
-    checkpoint stores it, matrices as ``qtype`` (vectors F32), no ``output.weight`` (tied), a token list t0 ..."""
-    cfg = ref.config
-    w = gguf_writer_for(path, "ernie4_5", cfg)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
-    for name, p in ref.state_dict().items():
-        if name == "lm_head.weight":
-            continue
-        x = np.ascontiguousarray(p.detach().float().numpy())
-        if name in _GLOBAL:
-            gguf_name = _GLOBAL[name]
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            module, kind = rest.rsplit(".", 1)
-            gguf_name = f"blk.{layer}.{_NAMES[module]}.{kind}"
-        if qtype != Q.F32 and x.ndim == 2:
-            w.add_tensor(gguf_name, quantize(x, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gguf_name, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    checkpoint stores it (not permuted), the head size as key and value lengths, no ``output.weight`` (tied)."""
+
+    def keys(w) -> None:
+        w.add_key_length(ref.config.head_dim)
+        w.add_value_length(ref.config.head_dim)
+
+    write_dense_gguf(path, ref, "ernie4_5", qtype, permute_qk=False, add_keys=keys)
 
 
 def test_ernie4_5_gguf_file_matches_transformers(ernie, tmp_path):

@@ -8,20 +8,17 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import quantize
 from helpers import (
     assert_batch_matches_transformers,
     engine_greedy,
-    gguf_writer_for,
     hf_greedy,
     make_tiny_model,
     model_logits,
+    write_dense_gguf,
 )
-from weights.moe_gguf import llama_cpp_permute
 
 from kvgen.config import ModelConfig
 from kvgen.models import build_model
@@ -30,13 +27,6 @@ from kvgen.weights.hf_loader import load_hf_directory
 
 Q = GGMLQuantizationType
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5], [1, 2, 3, 4, 5]]
-_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-
-
 @pytest.fixture(scope="module")
 def granite():
     """transformers' tiny GraniteForCausalLM (untied, 2 KV heads of 4; multipliers 3, 0.5, 0.125, 2.5), float32."""
@@ -44,36 +34,19 @@ def granite():
 
 
 def _write_granite(path: Path, ref, qtype: Q = Q.F32, attention_scale: bool = True) -> None:
-    """``ref`` as llama.cpp's converter (``GraniteModel``, a ``LlamaModel``) writes it: llama's tensor names, q/k rows
-    permuted, matrices as ``qtype`` (norms F32), ``granite.attention.scale`` (left out when not
-    ``attention_scale``), ``embedding_scale``, ``residual_scale`` and ``logit_scale``, a token list t0 ..."""
+    """``ref`` as llama.cpp's converter (``GraniteModel``, a ``LlamaModel``) writes it: llama's tensors, q/k rows
+    permuted, ``granite.attention.scale`` (left out when not ``attention_scale``), ``embedding_scale``,
+    ``residual_scale`` and ``logit_scale``."""
     cfg = ref.config
-    w = gguf_writer_for(path, "granite", cfg)
-    w.add_rope_freq_base(cfg.rope_theta)
-    if attention_scale:
-        w.add_float32("granite.attention.scale", cfg.attention_multiplier)
-    w.add_float32("granite.embedding_scale", cfg.embedding_multiplier)
-    w.add_float32("granite.residual_scale", cfg.residual_multiplier)
-    w.add_float32("granite.logit_scale", cfg.logits_scaling)
-    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
-    for name, p in ref.state_dict().items():
-        x = p.detach().float().numpy()
-        if name in _GLOBAL:
-            gguf_name = _GLOBAL[name]
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            module, kind = rest.rsplit(".", 1)
-            gguf_name = f"blk.{layer}.{_NAMES[module]}.{kind}"
-        if ".attn_q." in gguf_name or ".attn_k." in gguf_name:
-            x = llama_cpp_permute(x, cfg.num_attention_heads if ".attn_q." in gguf_name else cfg.num_key_value_heads)
-        if qtype != Q.F32 and x.ndim == 2:
-            w.add_tensor(gguf_name, quantize(np.ascontiguousarray(x), qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gguf_name, np.ascontiguousarray(x))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+
+    def keys(w) -> None:
+        if attention_scale:
+            w.add_float32("granite.attention.scale", cfg.attention_multiplier)
+        w.add_float32("granite.embedding_scale", cfg.embedding_multiplier)
+        w.add_float32("granite.residual_scale", cfg.residual_multiplier)
+        w.add_float32("granite.logit_scale", cfg.logits_scaling)
+
+    write_dense_gguf(path, ref, "granite", qtype, permute_qk=True, add_keys=keys)
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
-from helpers import gguf_writer_for
+from helpers import gguf_writer_for, llama_cpp_permute
 
 Q = GGMLQuantizationType
 _ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
@@ -34,11 +34,6 @@ _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight"
 # an expert's matrix: transformers' name (Qwen-MoE or Mixtral) -> (layer, expert, llama.cpp's gate / up / down)
 _EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _KIND = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
-
-
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf.py ``LlamaModel.permute`` (HF order -> GGUF order)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _gguf_name(hf_name: str) -> str:

@@ -23,7 +23,11 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
-from helpers import assert_one_op_decoder_is_layer_by_layer, model_logits
+from helpers import (
+    assert_one_op_decoder_is_layer_by_layer,
+    llama_cpp_permute,
+    model_logits,
+)
 
 from kvgen.errors import (
     ModelFormatError,
@@ -141,11 +145,6 @@ C, I, V, H, HKV, L = 256, 512, 64, 4, 2, 2  # K-quants need rows that are multip
 D = C // H
 
 
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf.py ``LlamaModel.permute`` (HF order -> GGUF order)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _tiny_shapes(*, output: bool = True, bias: bool | str = False) -> dict[str, tuple[int, ...]]:
     """GGUF tensor name -> torch shape of a tiny Llama (GQA: H=4, Hkv=2); ``bias``: True for q/k/v biases (Qwen2),
     "all" for o_proj's too."""
@@ -221,7 +220,7 @@ def _write_llama(path: Path, types: dict[str, GGMLQuantizationType] | None = Non
         x = (rng.standard_normal(shape) * 0.05 + (1.0 if name.endswith("norm.weight") else 0.0)).astype(np.float32)
         originals[name] = x
         heads = None if arch in ("qwen2", "qwen3") else H if ".attn_q." in name else HKV if ".attn_k." in name else None
-        _add(w, name, _llama_cpp_permute(x, heads) if heads else x, (types or {}).get(name, Q.F32), rng)
+        _add(w, name, llama_cpp_permute(x, heads) if heads else x, (types or {}).get(name, Q.F32), rng)
     for name, x in (extra or {}).items():
         if isinstance(x, tuple):
             w.add_tensor(name, x[0], raw_dtype=x[1])
@@ -320,7 +319,7 @@ def test_reverse_permute_matches_transformers(num_heads: int, num_kv_heads: int)
             # transformers picks num_kv_heads when it differs from n_head (its k path)
             theirs = reverse(w.numpy(), num_heads, heads)
             torch.testing.assert_close(ours, torch.from_numpy(theirs), rtol=0, atol=0)
-            permuted = torch.from_numpy(_llama_cpp_permute(w.numpy(), heads))
+            permuted = torch.from_numpy(llama_cpp_permute(w.numpy(), heads))
             torch.testing.assert_close(reverse_permute_qk(permuted, heads), w, rtol=0, atol=0)
             assert not torch.equal(ours, w)  # the permutation is not the identity
 
