@@ -26,6 +26,7 @@ from kvgen.config import ModelConfig
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
 from kvgen.generation import GenerationConfig, generate
 from kvgen.generation.runner import positions_from_mask
+from kvgen.kernels import reference
 from kvgen.models import build_model, moe
 from kvgen.models.gpt_oss import GptOssForCausalLM
 from kvgen.models.moe import GptOssMoeBlock
@@ -101,7 +102,7 @@ def test_gpt_oss_sinks_clamp_and_routing_each_matter(gpt_oss, monkeypatch):
         layer.self_attn.sinks = None
     assert far(ours)
     ours = build_model(*load_hf_directory(f32, dtype=torch.float32))
-    monkeypatch.setattr(moe, "GPT_OSS_LIMIT", 1e9)
+    monkeypatch.setattr(reference, "GPT_OSS_LIMIT", 1e9)  # the GLU's clamps (kvgen.kernels.reference.gpt_oss_glu)
     assert far(ours)
     monkeypatch.undo()
 

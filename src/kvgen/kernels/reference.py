@@ -716,12 +716,17 @@ def softmax_draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tenso
     return inverse_cdf_at(probs, u.to(torch.float64).view(-1, 1)).view(-1)  # [B]
 
 
+GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0  # GptOssExperts.alpha, .limit (constants of transformers' and llama.cpp's code)
+
+
 def gpt_oss_glu(gate_up: torch.Tensor) -> torch.Tensor:
-    """gpt-oss's clamped GLU: gate_up [M, 2I] (gate, then up) -> (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g) with
-    g = min(gate, 7), [M, I] float32 (transformers 4.55 ``GptOssExperts.forward``)."""
-    gate, up = gate_up.chunk(2, dim=-1)  # [M, I] each
-    gate = gate.clamp(max=7.0)
-    return (up.clamp(min=-7.0, max=7.0) + 1) * (gate * torch.sigmoid(gate * 1.702))
+    """gpt-oss's clamped GLU: gate_up [..., 2I] (gate, then up) -> (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g) with
+    g = min(gate, 7), [..., I], gate_up's dtype; also the float path's (models.moe). Source: transformers 4.55
+    ``GptOssExperts.forward``."""
+    gate, up = gate_up.chunk(2, dim=-1)  # [..., I] each
+    gate = gate.clamp(max=GPT_OSS_LIMIT)
+    up = up.clamp(min=-GPT_OSS_LIMIT, max=GPT_OSS_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * GPT_OSS_ALPHA))
 
 
 def moe_experts_row(h: torch.Tensor, gate_up: list[torch.Tensor], gate_up_linears: list[int], down: list[torch.Tensor],

@@ -28,8 +28,8 @@ from torch import nn
 
 from kvgen.config import ModelConfig
 from kvgen.kernels import KernelOps
+from kvgen.kernels.reference import gpt_oss_glu
 from kvgen.models.quant_linear import LinearOperands, linear_operands
-from kvgen.moe_config import GPT_OSS_SWIGLU_LIMIT
 
 # One SwiGLU expert's (gate_up_proj, down_proj) operands.
 _ExpertOperands = tuple[LinearOperands, LinearOperands]
@@ -186,18 +186,6 @@ class SparseMoeBlock(nn.Module):
             shared = (self.shared_expert_gate.weight.double(), (linear_operands(self.shared_expert.gate_up_proj),
                                                        linear_operands(self.shared_expert.down_proj)))
         self._operands = (kernels, self.gate.weight.double(), experts, shared)
-
-
-GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, GPT_OSS_SWIGLU_LIMIT  # GptOssExperts.alpha, .limit (transformers' constants)
-
-
-def gpt_oss_glu(gate_up: torch.Tensor) -> torch.Tensor:
-    """gpt-oss's clamped GLU: gate_up [..., 2I] (gate, then up) -> (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g) with
-    g = min(gate, 7), [..., I], gate_up's dtype. Source: transformers 4.55 ``GptOssExperts.forward``."""
-    gate, up = gate_up.chunk(2, dim=-1)  # [..., I] each
-    gate = gate.clamp(max=GPT_OSS_LIMIT)
-    up = up.clamp(min=-GPT_OSS_LIMIT, max=GPT_OSS_LIMIT)
-    return (up + 1) * (gate * torch.sigmoid(gate * GPT_OSS_ALPHA))
 
 
 def route_top_k_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
