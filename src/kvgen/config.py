@@ -15,6 +15,7 @@ from typing import Any
 
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
 from kvgen.gemma_config import gemma2_gguf_changes, gemma3_gguf_changes, gemma3_kwargs
+from kvgen.llama_config import gguf_partial_rotary_factor, granite_gguf_fields, llama_family_changes, no_rope_every
 from kvgen.moe_config import (
     MOE_FIELDS,
     gguf_gpt_oss_changes,
@@ -33,16 +34,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "gpt2", "gemma3_text", "gemma2", "gpt_oss")
 # granite: llama's tensors (q/k permuted) and four scalar multipliers; ernie4_5: llama's tensors, q/k rows interleaved
 # as Baidu's checkpoints store them (the permuted order of a llama file)
 _GGUF_LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "smollm3", "qwen2moe", "qwen3moe", "granite", "ernie4_5")
-# rope.dimension_count below the head size: read for these rotate-half architectures only
-_GGUF_PARTIAL_ROTARY_ARCHS = ("phi3",)
 # gemma3: our Gemma 3 decoder (model_type gemma3_text); gpt-oss: model_type gpt_oss (kvgen.moe_config)
 _GGUF_ARCHS = (*_GGUF_LLAMA_ARCHS, "gemma3", "gemma2", "gpt-oss")
-# Hugging Face model_types decoded by our Llama (see _llama_family_changes)
+# Hugging Face model_types decoded by our Llama (see kvgen.llama_config.llama_family_changes)
 _HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "qwen3_moe", "qwen2_moe", "mixtral",
                    "granite", "ernie4_5")
-# Hugging Face model_types whose q_proj / k_proj rows rotate interleaved pairs (2i, 2i + 1) (transformers' Ernie4_5
-# apply_rotary_pos_emb): the loader moves them into rotate-half order, as it does for a llama GGUF file's
-INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5",)
 _ROPE_TYPES = (None, "default", "llama3", "linear", "freq_factors", "longrope", "yarn")
 # The transformers 4.55 config classes' defaults where they differ from ModelConfig's: a config.json written by
 # save_pretrained omits every value equal to its class default (SmolLM3-3B's tied embeddings, Phi-3's eps).
@@ -297,7 +293,7 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (``gpt2``, or ``llama`` and the model_types our Llama
         decodes: ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``smollm3``, and with mixture-of-experts layers
-        ``qwen3_moe``, ``qwen2_moe``, ``mixtral``; see ``_llama_family_changes`` and ``kvgen.moe_config``), ``gpt_oss``
+        ``qwen3_moe``, ``qwen2_moe``, ``mixtral``; see ``kvgen.llama_config.llama_family_changes`` and ``kvgen.moe_config``), ``gpt_oss``
         (:func:`kvgen.moe_config.hf_gpt_oss_kwargs`).
 
         GPT-2's own names (``n_embd``, ``n_layer``, ``n_head``, ``n_positions``,
@@ -336,7 +332,7 @@ class ModelConfig:
                 cfg = _HF_DEFAULTS.get(model_type, {}) | cfg  # save_pretrained leaves out values equal to these
                 known = {f.name for f in fields(cls)} - {"extra", "o_proj_bias", *MOE_FIELDS}
                 kwargs = {k: v for k, v in cfg.items() if k in known}
-                return cls(**kwargs | _llama_family_changes(model_type, cfg) | hf_moe_fields(model_type, cfg))
+                return cls(**kwargs | llama_family_changes(model_type, cfg) | hf_moe_fields(model_type, cfg))
         except KeyError as e:
             raise ModelFormatError(f"config.json for {model_type!r} lacks required field {e.args[0]!r}") from None
         return cls(model_type=model_type, vocab_size=1, hidden_size=1, num_hidden_layers=1, num_attention_heads=1)
@@ -380,7 +376,7 @@ class ModelConfig:
                 raise ModelFormatError("GGUF metadata has neither vocab_size nor tokenizer.ggml.tokens")
             vocab = len(tokens)
         head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
-        rotary = _gguf_partial_rotary_factor(meta, arch, head_dim)
+        rotary = gguf_partial_rotary_factor(meta, arch, head_dim)
         kwargs: dict[str, Any] = {
             "model_type": "llama",
             "vocab_size": int(vocab),
@@ -405,11 +401,8 @@ class ModelConfig:
             "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
             "extra": {"gguf_architecture": arch},
         }
-        if arch == "granite":  # llama.cpp: an absent (or 0) attention.scale means head_dim^-0.5
-            kwargs |= {"attention_multiplier": float(meta.get(f"{arch}.attention.scale") or 0.0) or None,
-                       "embedding_multiplier": float(meta.get(f"{arch}.embedding_scale", 1.0)),
-                       "residual_multiplier": float(meta.get(f"{arch}.residual_scale", 1.0)),
-                       "logits_scaling": float(meta.get(f"{arch}.logit_scale", 1.0))}
+        if arch == "granite":
+            kwargs |= granite_gguf_fields(meta, arch)
         if arch == "gemma3":
             kwargs |= gemma3_gguf_changes(meta, kwargs, need("attention.sliding_window"))
         if arch == "gemma2":
@@ -421,115 +414,6 @@ class ModelConfig:
         elif kwargs["intermediate_size"] is None:
             need("feed_forward_length")  # raises: a dense model's MLP size
         return cls(**kwargs)
-
-
-def _gguf_partial_rotary_factor(meta: dict[str, Any], arch: str, head_dim: int) -> float:
-    """``{arch}.rope.dimension_count`` / head_dim: 1.0 when absent or equal; below 1 for the rotate-half (NEOX)
-    architectures llama.cpp stores unpermuted (phi3: Phi-4-mini). Raises ``UnsupportedArchitectureError`` elsewhere
-    (llama's pairs are interleaved over the rotated part only) and ``ModelFormatError`` for a count that is not an even
-    number in [2, head_dim]."""
-    rope_dim = meta.get(f"{arch}.rope.dimension_count")
-    if rope_dim is None or int(rope_dim) == head_dim:
-        return 1.0
-    if arch not in _GGUF_PARTIAL_ROTARY_ARCHS:
-        raise UnsupportedArchitectureError(f"partial rotary embeddings (rope.dimension_count={rope_dim}, head_dim="
-                                           f"{head_dim}) are supported for {', '.join(_GGUF_PARTIAL_ROTARY_ARCHS)} files, "
-                                           f"not {arch}")
-    factor = int(rope_dim) / head_dim
-    if not 2 <= int(rope_dim) <= head_dim or int(rope_dim) % 2 or int(head_dim * factor) != int(rope_dim):
-        raise ModelFormatError(f"{arch}.rope.dimension_count must be an even number in [2, head_dim = {head_dim}], "
-                               f"got {rope_dim}")
-    return factor
-
-
-def _llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """What Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite and ERNIE 4.5 change of a Llama (Granite: only its
-    multipliers, read as the config's own fields with GraniteConfig's defaults of 1.0; ERNIE 4.5: ``use_bias`` for
-    every projection, its interleaved q/k rows reordered by the loader): SmolLM3 skips RoPE in its ``no_rope_layers``
-    (NoPE); Qwen2 biases q/k/v (not o_proj); Qwen3 normalizes each
-    head's q and k (``use_qk_norm``; its ``head_dim`` may differ from hidden_size / heads); Mistral's and Phi-3's
-    sliding window bounds the context (attention within the window is exact; longer contexts are refused, not
-    approximated); a LongRoPE ``rope_scaling`` is completed by :func:`_hf_longrope`, a YaRN one by
-    :func:`kvgen.rope_scaling.yarn_scaling`. Phi-3 checkpoints stack q/k/v and
-    gate/up themselves (``weights.name_maps``). Raises ``UnsupportedArchitectureError`` for Qwen2/Qwen3 sliding-window
-    layers and a ``partial_rotary_factor`` below 1 outside Phi-3 (Phi-4-mini's is taken). Source: transformers 4.55 ``MistralConfig`` /
-    ``Qwen2Config`` / ``Qwen3Config`` / ``Phi3Config`` / ``SmolLM3Config`` and their attention modules."""
-    changes: dict[str, Any] = {"model_type": "llama", "extra": {"hf_model_type": model_type}}
-    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and cfg.get("use_sliding_window"):
-        raise UnsupportedArchitectureError(f"{model_type} with use_sliding_window=true is not supported")
-    rotary = 1.0 if cfg.get("partial_rotary_factor") is None else float(cfg["partial_rotary_factor"])
-    if rotary != 1.0 and model_type != "phi3":  # transformers' other Llama-family attentions rotate whole heads
-        raise UnsupportedArchitectureError(
-            f"partial_rotary_factor must be 1.0 for {model_type} (kvgen rotates part of each head for phi3 only, "
-            f"as transformers does), got {rotary}")
-    changes["partial_rotary_factor"] = rotary
-    if model_type == "qwen2":
-        changes |= {"attention_bias": True, "o_proj_bias": False}
-    if model_type == "qwen2_moe":  # Qwen2MoeAttention: q/k/v biased as qkv_bias says, o_proj never
-        changes |= {"attention_bias": bool(cfg.get("qkv_bias", True)), "o_proj_bias": False}
-    if model_type in ("qwen3", "qwen3_moe"):
-        changes["use_qk_norm"] = True
-    if model_type == "ernie4_5":  # one use_bias for every projection
-        bias = bool(cfg.get("use_bias", False))
-        changes |= {"attention_bias": bias, "mlp_bias": bias}
-    if model_type == "smollm3":  # NoPE layers; sliding-window layers are refused
-        if cfg.get("use_sliding_window") and "sliding_attention" in (cfg.get("layer_types") or []):
-            raise UnsupportedArchitectureError("smollm3 with sliding-window layers is not supported")
-        if cfg.get("no_rope_layers") is None:
-            changes["no_rope_layers"] = no_rope_every(int(cfg.get("no_rope_layer_interval", 4)), cfg["num_hidden_layers"])
-    window = cfg.get("sliding_window") if model_type in ("mistral", "phi3", "mixtral") else None
-    if window is not None and window < cfg.get("max_position_embeddings", 2048):
-        changes["max_position_embeddings"] = int(window)
-    scaling = cfg.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "longrope" or (model_type == "phi3" and kind in ("su", "yarn")):  # Phi3Config renames su / yarn
-        changes["rope_scaling"] = _hf_longrope(cfg, scaling, model_type)
-    elif kind == "yarn":  # its factor from the config's own max_position_embeddings, before a window bounds them
-        changes["rope_scaling"] = yarn_scaling(scaling, int(cfg.get("max_position_embeddings", 2048)))
-    return changes
-
-
-def no_rope_every(interval: int, num_layers: int) -> list[int]:
-    """SmolLM3's ``no_rope_layers``: 0 (no RoPE) for every ``interval``-th layer, 1 elsewhere. Source: transformers
-    4.55 ``SmolLM3Config`` (``int((i + 1) % interval != 0)``), llama.cpp ``n_no_rope_layer_step``."""
-    return [int((i + 1) % interval != 0) for i in range(num_layers)]
-
-
-def _hf_longrope(cfg: dict[str, Any], scaling: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """A config.json's LongRoPE rope_scaling completed as :func:`longrope_scaling`: the original length and the
-    scale come from the top-level ``original_max_position_embeddings`` when present (Phi3Config's default: 4096),
-    else the rope_scaling's ``factor`` over ``max_position_embeddings``. Source: transformers 4.55
-    ``_compute_longrope_parameters``."""
-    max_len = int(cfg.get("max_position_embeddings", 2048))
-    original = cfg.get("original_max_position_embeddings", 4096 if model_type == "phi3" else None)
-    factor = max_len / original if original else float(scaling.get("factor") or 1.0)
-    try:
-        return longrope_scaling(scaling["short_factor"], scaling["long_factor"], int(original or max_len), factor,
-                                scaling.get("attention_factor"))
-    except KeyError as e:
-        raise ModelFormatError(f"longrope rope_scaling lacks {e.args[0]!r}") from None
-
-
-def longrope_scaling(short_factor: list[float], long_factor: list[float], original_max_position_embeddings: int,
-                     factor: float, attention_factor: float | None = None) -> dict[str, Any]:
-    """LongRoPE (Phi-3 128k, Phi-3.5) rope_scaling in kvgen's form, from HF's config or a GGUF file.
-
-    short_factor, long_factor: ``head_dim / 2`` divisors of the frequencies (within / past the original length);
-    factor: context length / original length. ``attention_factor`` (the scale of cos and sin) defaults to
-    ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))``, 1 when factor <= 1. Sources: transformers 4.55
-    ``_compute_longrope_parameters``; llama.cpp ``convert_hf_to_gguf.py`` ``Phi3MiniModel`` (``rope.scaling.attn_factor``).
-    """
-    if attention_factor is None:
-        attention_factor = 1.0
-        if factor > 1.0:
-            attention_factor = math.sqrt(1 + math.log(factor) / math.log(original_max_position_embeddings))
-    return {
-        "rope_type": "longrope",
-        "short_factor": [float(x) for x in short_factor],
-        "long_factor": [float(x) for x in long_factor],
-        "original_max_position_embeddings": int(original_max_position_embeddings),
-        "attention_factor": float(attention_factor),
-    }
 
 
 def _gguf_context_length(meta: dict[str, Any], arch: str) -> int:

@@ -85,7 +85,7 @@ def _rope_factors(rope_scaling: dict[str, Any], key: str, num_freqs: int) -> tor
 
 
 def rope_attention_factor(rope_scaling: dict[str, Any] | None) -> float:
-    """The scale of cos and sin: the ``attention_factor`` of LongRoPE (``kvgen.config.longrope_scaling``) and of
+    """The scale of cos and sin: the ``attention_factor`` of LongRoPE (``kvgen.llama_config.longrope_scaling``) and of
     YaRN (``kvgen.rope_scaling``), else 1.
 
     Both RoPE paths (float tensors and the kernels' tables) take it from here. Source: transformers 4.55

@@ -23,9 +23,10 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 
-from kvgen.config import ModelConfig, longrope_scaling
+from kvgen.config import ModelConfig
 from kvgen.errors import ModelFormatError, UnsupportedQuantizationError
 from kvgen.heap import return_freed_memory
+from kvgen.llama_config import longrope_scaling
 from kvgen.weights.gguf_file import gguf_metadata, open_gguf
 from kvgen.weights.name_maps import (
     check_state_dict,
@@ -268,7 +269,7 @@ def _rope_scaling(
 
 
 def _longrope(by_name: dict[str, ReaderTensor], config: ModelConfig, meta: dict[str, Any], path: str) -> dict[str, Any]:
-    """LongRoPE rope_scaling (:func:`kvgen.config.longrope_scaling`) of a phi3 file: both factor tensors, the
+    """LongRoPE rope_scaling (:func:`kvgen.llama_config.longrope_scaling`) of a phi3 file: both factor tensors, the
     original length ``{arch}.rope.scaling.original_context_length``, the scale ``context_length`` / original and
     the converter's ``rope.scaling.attn_factor`` (computed as transformers does when absent).
     Source: llama.cpp ``convert_hf_to_gguf.py`` ``Phi3MiniModel``."""

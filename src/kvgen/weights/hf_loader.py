@@ -21,8 +21,9 @@ import torch
 from gguf import GGMLQuantizationType
 from safetensors import SafetensorError, safe_open
 
-from kvgen.config import INTERLEAVED_ROPE_MODEL_TYPES, ModelConfig
+from kvgen.config import ModelConfig
 from kvgen.errors import ModelFormatError, ModelNotFoundError
+from kvgen.llama_config import INTERLEAVED_ROPE_MODEL_TYPES
 from kvgen.tokenizer.hf_files import read_json
 from kvgen.weights.gguf_loader import reverse_permute_qk
 from kvgen.weights.gpt_oss import (
