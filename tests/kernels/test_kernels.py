@@ -21,23 +21,24 @@ OPS = K.get_ops()
 REF = K.reference_ops()
 needs_avx2 = pytest.mark.skipif(OPS.backend != "avx2", reason=f"C++ kernels unavailable (backend {OPS.backend})")
 GGUF_CODE = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.F16: 3, Q.BF16: 4, Q.Q6_K: 5, Q.Q5_0: 6, Q.Q5_1: 7, Q.IQ4_NL: 8,
-             Q.Q2_K: 9, Q.Q3_K: 10, Q.MXFP4: 11}
+             Q.Q2_K: 9, Q.Q3_K: 10, Q.MXFP4: 11, Q.Q4_K: 12}
 WEIGHT_TYPE = {Q.Q4_0: K.Q4_0, Q.Q4_1: K.Q4, Q.Q8_0: K.Q8, Q.F16: K.F16, Q.BF16: K.BF16, Q.Q6_K: K.Q6, Q.Q5_0: K.Q5,
-               Q.Q5_1: K.Q5, Q.IQ4_NL: K.IQ4, Q.Q2_K: K.Q2, Q.Q3_K: K.Q3, Q.MXFP4: K.MXFP4}
-KERNEL_QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.MXFP4]
+               Q.Q5_1: K.Q5, Q.IQ4_NL: K.IQ4, Q.Q2_K: K.Q2, Q.Q3_K: K.Q3, Q.MXFP4: K.MXFP4, Q.Q4_K: K.Q4_K}
+KERNEL_QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.MXFP4,
+                 Q.Q4_K]
 # types the gguf package cannot quantize: random blocks, (values per block, bytes per block, offsets of fp16 scales)
 RANDOM_BLOCKS = {Q.Q6_K: (256, 210, (208,)), Q.IQ4_NL: (32, 18, (0,)), Q.Q2_K: (256, 84, (80, 82)),
-                 Q.Q3_K: (256, 110, (108,))}
+                 Q.Q3_K: (256, 110, (108,)), Q.Q4_K: (256, 144, (0, 2))}
 FLOAT16_QTYPES = (Q.F16, Q.BF16)  # weights that take the activations unquantized
 
 
 def _cols(qtype: Q, k: int) -> int:
     """k rounded up to whole blocks of ``qtype`` (the K types: 256 columns)."""
-    return -(-k // 256) * 256 if qtype in (Q.Q6_K, Q.Q2_K, Q.Q3_K) else k
+    return -(-k // 256) * 256 if qtype in (Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.Q4_K) else k
 
 
 def _gguf_matrix(qtype: Q, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(GGUF bytes [n, row_bytes] uint8, their gguf.quants dequantization [n, k] float32). Q2_K, Q3_K, Q6_K and
+    """(GGUF bytes [n, row_bytes] uint8, their gguf.quants dequantization [n, k] float32). Q2_K, Q3_K, Q4_K, Q6_K and
     IQ4_NL (which the gguf package cannot quantize): random values (indices) and scales, fp16 d ~ 1e-3 (some
     negative)."""
     if qtype in RANDOM_BLOCKS:
@@ -114,7 +115,8 @@ def test_qgemm_matches_dequantize_then_matmul(qtype, m, n, k):
 
 
 @needs_avx2
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.MXFP4])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.MXFP4,
+                                   Q.Q4_K])
 def test_qgemm_rows_do_not_depend_on_the_batch(qtype):
     """Batch invariance: each row's bits are the same alone, in any tile of 1-4 rows, or among 33."""
     raw, _ = _gguf_matrix(qtype, 64, 256, seed=3)
@@ -569,7 +571,7 @@ def test_k_quant_to_legacy_matches_its_twin_and_gguf_values(op, qtype, legacy, b
     assert getattr(OPS, op)(big).numel() == 0 and getattr(REF, op)(big).numel() == 0
 
 
-@pytest.mark.parametrize("m,types", [(1, (Q.Q4_1, Q.Q8_0, Q.Q6_K)), (5, (Q.IQ4_NL, Q.Q8_0, Q.Q6_K)),
+@pytest.mark.parametrize("m,types", [(1, (Q.Q4_K, Q.Q4_1, Q.Q6_K)), (5, (Q.IQ4_NL, Q.Q8_0, Q.Q6_K)),
                                      (3, (Q.Q3_K, Q.Q2_K, Q.Q6_K)), (2, (Q.MXFP4, Q.Q8_0, Q.IQ4_NL))],
                          ids=["Q4_K_M", "IQ4_XS", "Q2_K_Q3_K", "MXFP4"])
 def test_mixed_weight_is_its_segments_stacked(m, types):

@@ -121,9 +121,9 @@ def _random_k_blocks(shape: tuple[int, ...], qtype: GGMLQuantizationType, rng: n
     return raw.reshape(*shape[:-1], shape[-1] // block * size)
 
 
-def test_moe_k_quant_stacks_are_rewritten_for_the_kernels(tmp_path: Path):
+def test_moe_k_quant_stacks_run_on_the_kernels(tmp_path: Path):
     """A Mixtral file shaped as Q4_K_M writes it (gate and up stacks Q4_K, down Q6_K, the rest Q8_0; hidden 256):
-    each expert's Q4_K rows are rewritten as Q4_1 (its gate and up stacked into one weight), its Q6_K rows kept, and
+    each expert keeps its Q4_K rows (its gate and up stacked into one weight) and its Q6_K rows, and
     every sparse block on the kernels stays near the same block of the float32 path of the file (dequantized by the
     gguf package). Whole-model logits are not compared: a random 3-layer mixture amplifies int8 activation noise
     through flipped routes (by as much with Q8_0 experts of the same values), which test_moe_q8_0_file_... bounds."""
@@ -136,7 +136,7 @@ def test_moe_k_quant_stacks_are_rewritten_for_the_kernels(tmp_path: Path):
     config, state, _ = load_gguf(tmp_path / "k.gguf", dtype=None)
     gate, down = (state[f"model.layers.1.mlp.experts.6.{name}.weight"] for name in ("gate_proj", "down_proj"))
     assert isinstance(gate, GGUFBlocks) and isinstance(down, GGUFBlocks)
-    assert (gate.qtype, down.qtype) == (Q.Q4_1, Q.Q6_K)
+    assert (gate.qtype, down.qtype) == (Q.Q4_K, Q.Q6_K)
     quantized = build_model(config, state)
     h = torch.randn(16, 256, generator=torch.Generator().manual_seed(0))  # [N, C]
     for exact, fast in zip(reference.model.layers, quantized.model.layers):

@@ -11,9 +11,9 @@ notice, never a crash). :func:`get_ops` returns whichever is in use.
 Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 
 * ``qgemm(x [M, K] f32, weight [G, nb, R] u8, weight_type, out_features, bias?, residual?) -> [M, N] f32``
-  (weight_type Q2, Q3, Q4, Q4_0, Q5, Q6, Q8, IQ4, MXFP4: x quantized per 32 values first; F16, BF16: x as it is; MIXED: a
-  [bytes] weight of quantized segments, ``pack_gguf_segments``; Q2 and Q3 weights are [G, K / 256, R]: one record
-  per 256-column super-block)
+  (weight_type Q2, Q3, Q4, Q4_0, Q4_K, Q5, Q6, Q8, IQ4, MXFP4: x quantized per 32 values first; F16, BF16: x as it
+  is; MIXED: a [bytes] weight of quantized segments, ``pack_gguf_segments``; Q2, Q3 and Q4_K weights are
+  [G, K / 256, R]: one record per 256-column super-block)
 * ``quantize_q8a(x [M, K] f32) -> [M, K / 32 * 40] u8``
 * ``dequantize_rows(weight, weight_type, ids [n] i64, in_features) -> [n, K] f32``
 * ``attention(q [B, H, T, D], k, v [B, Hkv, S, D], key_mask [B, S] bool?, past_len, scale) -> [B, T, H, D]``
@@ -77,9 +77,9 @@ SOURCES = (
 )
 HEADERS = ("common.h", "vec_math.h", "aten_lite.h", "ops.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
-Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0 = (
+Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0, Q4_K = (
     reference.Q4, reference.Q8, reference.F16, reference.BF16, reference.Q6, reference.MIXED, reference.Q5, reference.IQ4,
-    reference.Q2, reference.Q3, reference.MXFP4, reference.Q4_0)
+    reference.Q2, reference.Q3, reference.MXFP4, reference.Q4_0, reference.Q4_K)
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ def pack_gguf_rows(qtype: str, parts: list[torch.Tensor]) -> tuple[int, torch.Te
     kernels' 8-row layout.
 
     qtype: one of ``reference.GGUF_TYPES`` (Q4_0, Q4_1, Q8_0, F16, BF16, Q6_K, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, MXFP4:
-    exponents in ``reference.MXFP4_EXPONENTS`` only);
+    exponents in ``reference.MXFP4_EXPONENTS`` only, Q4_K);
     parts: [rows_i, bytes per row] uint8 each, stacked in order (q, k, v). Raises ValueError for another type or a
     malformed byte count.
     """
@@ -229,6 +229,6 @@ def reference_ops() -> KernelOps:
 
 
 __all__ = [
-    "BF16", "F16", "IQ4", "MIXED", "MXFP4", "Q2", "Q3", "Q4", "Q4_0", "Q5", "Q6", "Q8", "KernelOps", "cache_dir", "get_ops",
+    "BF16", "F16", "IQ4", "MIXED", "MXFP4", "Q2", "Q3", "Q4", "Q4_0", "Q4_K", "Q5", "Q6", "Q8", "KernelOps", "cache_dir", "get_ops",
     "pack_gguf_rows", "pack_gguf_segments", "reference_ops",
 ]

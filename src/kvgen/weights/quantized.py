@@ -18,15 +18,16 @@ from kvgen.kernels import get_ops
 
 Q = GGMLQuantizationType
 # Types our kernels run from their own bytes (F16, BF16: in a file of float matrices; MXFP4 when its scales fit
-# float16, mxfp4_fits_float16); Q4_K, Q5_K and IQ4_XS are rewritten as Q4_1, Q5_1 and IQ4_NL (rewrite_super_block),
+# float16, mxfp4_fits_float16); Q5_K and IQ4_XS are rewritten as Q5_1 and IQ4_NL (rewrite_super_block),
 # every other type the gguf package can dequantize (the other IQ types, TQ1_0 / TQ2_0) is converted to Q8_0.
 FLOAT16_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.F16, Q.BF16})
 KERNEL_TYPES: frozenset[GGMLQuantizationType] = (
-    frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q6_K, Q.IQ4_NL, Q.MXFP4}) | FLOAT16_TYPES)
-# 256-value super-block types rewritten as a kernel type at load: type -> (that type, the kernels' op). Q4_K / Q5_K
-# / IQ4_XS sub-blocks are Q4_1 / Q5_1 / IQ4_NL blocks with float16 scales.
+    frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q6_K, Q.IQ4_NL, Q.MXFP4})
+    | FLOAT16_TYPES)
+# 256-value super-block types rewritten as a kernel type at load: type -> (that type, the kernels' op). Q5_K / IQ4_XS
+# sub-blocks are Q5_1 / IQ4_NL blocks with float16 scales.
 SUPER_BLOCK_REWRITES: dict[GGMLQuantizationType, tuple[GGMLQuantizationType, str]] = {
-    Q.Q4_K: (Q.Q4_1, "q4_k_to_q4_1"), Q.Q5_K: (Q.Q5_1, "q5_k_to_q5_1"), Q.IQ4_XS: (Q.IQ4_NL, "iq4_xs_to_iq4_nl")}
+    Q.Q5_K: (Q.Q5_1, "q5_k_to_q5_1"), Q.IQ4_XS: (Q.IQ4_NL, "iq4_xs_to_iq4_nl")}
 
 
 _SEGMENT_TYPES = KERNEL_TYPES - FLOAT16_TYPES  # parts a mixed stack keeps as they are (they share quantized activations)

@@ -36,6 +36,10 @@
 //   Q3 record (912 bytes per 8 rows x 256 columns, from block_q3_K): fp16 d[8], int8 sc[16][8] (s - 32), the
 //     2-bit planes of Q2's layout at 144, then per block k uint8 hb[8][4] at 656 + 32k: bit 4h + s of byte 4r+i =
 //     the third bit of that column (u = low | 4 hb in [0, 7], w = d sc (u - 4); Q3_K's hmask bit set: no -4).
+//   Q4_K record (1184 bytes per 8 rows x 256 columns: one GGUF block_q4_K super-block of each row): fp16 d[8],
+//     fp16 dmin[8], uint8 sc[8][8] and uint8 m[8][8] at 32 and 96 (sc[k][r], m[k][r]: the 6-bit scale and min of
+//     32-column block k of row r, unpacked from the file's 12 bytes), then per block k at 160 + 128k the Q4 record's
+//     qs[4][8][4] (w = d sc q - dmin m): 4.625 bits a weight (the file's 4.5 plus the scales widened to bytes).
 //   Mixed weight (a stacked matrix whose parts have different types, e.g. a Q4_K_M file's Q4_K q, k and
 //     Q6_K v): uint8 [bytes], a 64-byte header of int64 {S (1-3), nb, (weight_type, groups) x S}, then each
 //     segment's [groups, nb, record] records in order; every segment but the last fills whole groups.
@@ -61,11 +65,12 @@ constexpr int64_t kIQ4Record = 144;   // bytes per (group, block), IQ4 (and MXFP
 constexpr int64_t kQ40Record = 144;   // bytes per (group, block), Q4_0
 constexpr int64_t kQ2Record = 672;    // bytes per (group, super-block of 8 blocks), Q2
 constexpr int64_t kQ3Record = 912;    // bytes per (group, super-block of 8 blocks), Q3
+constexpr int64_t kQ4KRecord = 1184;  // bytes per (group, super-block of 8 blocks), Q4_K
 constexpr int64_t kMixedHeader = 64;  // bytes before a mixed weight's segments
 
 enum WeightType : int64_t {
   kQ4 = 0, kQ8 = 1, kF16 = 2, kBF16 = 3, kQ6 = 4, kMixed = 5, kQ5 = 6, kIQ4 = 7, kQ2 = 8, kQ3 = 9, kMXFP4 = 10,
-  kQ40 = 11
+  kQ40 = 11, kQ4K = 12
 };
 
 // The 16 values a 4-bit IQ4_NL / IQ4_XS index stands for (ggml-common.h kvalues_iq4nl).
@@ -101,6 +106,8 @@ void quantize_row_q8a(const float* x, BlockQ8A* y, int64_t K);
 // out[m] points at 8 floats (the group's columns of output row m).
 void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q40_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
+// Q4_K groups: nb a multiple of 8 (whole super-block records).
+void q4k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q8_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q5_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 // IQ4 and MXFP4 groups: `values` is the 16-entry table of the indices (kIQ4Values, kMXFP4Values).

@@ -16,7 +16,7 @@ namespace kvgen {
 namespace {
 
 int64_t record_bytes(int64_t weight_type) {
-  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kQ40 && weight_type != kMixed, "kvgen: unknown weight_type ",
+  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kQ4K && weight_type != kMixed, "kvgen: unknown weight_type ",
               weight_type);
   switch (weight_type) {
     case kQ4: return kQ4Record;
@@ -27,12 +27,15 @@ int64_t record_bytes(int64_t weight_type) {
     case kQ40: return kQ40Record;
     case kQ2: return kQ2Record;
     case kQ3: return kQ3Record;
+    case kQ4K: return kQ4KRecord;
     default: return kF16Record;
   }
 }
 
-// 32-column blocks per record: 8 for the super-block records (Q2, Q3), else 1.
-int64_t record_blocks(int64_t weight_type) { return weight_type == kQ2 || weight_type == kQ3 ? 8 : 1; }
+// 32-column blocks per record: 8 for the super-block records (Q2, Q3, Q4_K), else 1.
+int64_t record_blocks(int64_t weight_type) {
+  return weight_type == kQ2 || weight_type == kQ3 || weight_type == kQ4K ? 8 : 1;
+}
 
 // Types that read the activation blocks' half sums (their values carry an offset or a min per 16 columns).
 bool needs_half_sums(int64_t weight_type) { return weight_type == kQ6 || weight_type == kQ2 || weight_type == kQ3; }
@@ -71,7 +74,7 @@ std::vector<Segment> segments_of(const at::Tensor& weight, int64_t weight_type, 
   G = 0;
   for (int64_t i = 0; i < num; ++i) {
     const int64_t type = head[2 + 2 * i], groups = head[3 + 2 * i];
-    TORCH_CHECK(type >= kQ4 && type <= kQ40 && type != kMixed && type != kF16 && type != kBF16,
+    TORCH_CHECK(type >= kQ4 && type <= kQ4K && type != kMixed && type != kF16 && type != kBF16,
                 "kvgen: mixed weight segment of type ", type, " (quantized segments share the activations)");
     TORCH_CHECK(nb % record_blocks(type) == 0, "kvgen: mixed weight of ", nb, " blocks has a super-block segment");
     const int64_t rec = record_bytes(type) / record_blocks(type);
@@ -166,6 +169,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           case kQ6: q6_group(wg, a, hs, mt, nb, o); break;
           case kQ4: q4_group(wg, a, mt, nb, o); break;
           case kQ40: q40_group(wg, a, mt, nb, o); break;
+          case kQ4K: q4k_group(wg, a, mt, nb, o); break;
           case kQ5: q5_group(wg, a, mt, nb, o); break;
           case kIQ4: iq4_group(wg, a, mt, nb, o, kIQ4Values); break;
           case kMXFP4: iq4_group(wg, a, mt, nb, o, kMXFP4Values); break;
@@ -208,6 +212,22 @@ void q23_block_values(const uint8_t* rec, int64_t k, int64_t r, bool q3, float* 
   }
 }
 
+// Row r's 32 values of block k (0-7) of a Q4_K super-block record: (d sc) q - (dmin m), as ggml dequantize_row_q4_K.
+void q4k_block_values(const uint8_t* rec, int64_t k, int64_t r, float* dst) {
+  uint16_t h;
+  std::memcpy(&h, rec + 2 * r, 2);
+  const float d = _cvtsh_ss(h) * static_cast<float>(rec[32 + 8 * k + r]);
+  std::memcpy(&h, rec + 16 + 2 * r, 2);
+  const float m = _cvtsh_ss(h) * static_cast<float>(rec[96 + 8 * k + r]);
+  for (int t = 0; t < 4; ++t) {
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t byte = rec[160 + 128 * k + 32 * t + 4 * r + i];
+      dst[4 * t + i] = d * static_cast<float>(byte & 15) - m;
+      dst[16 + 4 * t + i] = d * static_cast<float>(byte >> 4) - m;
+    }
+  }
+}
+
 // Rows `ids` of a repacked weight, dequantized: [n, in_features] float32 (embedding lookup).
 at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const at::Tensor& ids_in, int64_t in_features) {
   check_weight(weight, weight_type);
@@ -227,6 +247,10 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const 
       const int64_t g = ip[k] / kRows, r = ip[k] % kRows;
       float* dst = op + k * in_features;
       for (int64_t b = 0; b < nb; ++b, dst += kBlock) {
+        if (weight_type == kQ4K) {  // block b % 8 of a super-block record
+          q4k_block_values(wp + (g * (nb / 8) + b / 8) * rec, b % 8, r, dst);
+          continue;
+        }
         if (blocks == 8) {  // Q2, Q3: block b % 8 of a super-block record
           q23_block_values(wp + (g * (nb / 8) + b / 8) * rec, b % 8, r, weight_type == kQ3, dst);
           continue;

@@ -1,9 +1,10 @@
-// Q4 (GGUF Q4_1 repacked into 8-row groups, see common.h) and Q4_0 (its record without m: m = -8 d, computed)
-// times Q8A activations.
+// Q4 (GGUF Q4_1 repacked into 8-row groups, see common.h), Q4_0 (its record without m: m = -8 d, computed) and Q4_K
+// (super-block records: byte scales and mins under fp16 d, dmin) times Q8A activations.
 // Per 32-column block and group: 4 loads of 32 bytes give 8 vectors of 4 columns x 8 rows
 // (low and high nibbles); maddubs against 4 broadcast activation bytes, int16 sums over
-// the 8 vectors (8 * 2 * 15 * 127 = 30,480 < 32,767, exact), one madd to int32 per row,
-// then acc += dot * d_w * d_a + m_w * s_a (llama.cpp ggml_vec_dot_q4_1_q8_1 algebra).
+// the 8 vectors (8 * 2 * 15 * 127 = 30,480 < 32,767, exact), one madd to int32 per row, then
+//   Q4, Q4_0: acc += dot * d_w * d_a + m_w * s_a (llama.cpp ggml_vec_dot_q4_1_q8_1 algebra);
+//   Q4_K: the same with d_w = d sc and m_w = -dmin m of the block (ggml dequantize_row_q4_K's values), in fp32.
 // The arithmetic of a row does not depend on how many rows share the call.
 #include <immintrin.h>
 
@@ -14,16 +15,37 @@
 #ifndef KVGEN_Q4_PREFETCH
 #define KVGEN_Q4_PREFETCH 32
 #endif
+#ifndef KVGEN_Q4K_PREFETCH
+#define KVGEN_Q4K_PREFETCH 4
+#endif
 
 namespace kvgen {
 namespace {
 
 constexpr int64_t kPrefetchRecords = KVGEN_Q4_PREFETCH;
 
+// sum[m]: int16 pair sums of the 8 rows' nibbles qs[4][8][4] (128 bytes, the Q4 record's layout) times activation
+// block b of row m.
+template <int MT>
+inline void nibble_sums(const uint8_t* qs, const BlockQ8A* const* a, int64_t b, __m256i* sum) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int m = 0; m < MT; ++m) sum[m] = _mm256_setzero_si256();
+  for (int t = 0; t < 4; ++t) {
+    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
+    const __m256i lo = _mm256_and_si256(p, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* q = a[m][b].qs;
+      sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(lo, bcast4(q + 4 * t)));
+      sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(hi, bcast4(q + 16 + 4 * t)));
+      if constexpr (MT > 1) keep_in_register(sum[m]);  // one row: the tree GCC builds fits the registers
+    }
+  }
+}
+
 template <int MT, bool HasMin>
 void q4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
   constexpr int64_t kRecord = HasMin ? kQ4Record : kQ40Record, kQs = HasMin ? 32 : 16;  // record size, nibbles' offset
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
@@ -35,18 +57,7 @@ void q4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* cons
     _mm_prefetch(ahead + 64, _MM_HINT_T0);
     _mm_prefetch(ahead + 128, _MM_HINT_T0);
     __m256i sum[MT];
-    for (int m = 0; m < MT; ++m) sum[m] = _mm256_setzero_si256();
-    for (int t = 0; t < 4; ++t) {
-      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kQs + 32 * t));
-      const __m256i lo = _mm256_and_si256(p, low4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
-      for (int m = 0; m < MT; ++m) {
-        const int8_t* q = a[m][b].qs;
-        sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(lo, bcast4(q + 4 * t)));
-        sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(hi, bcast4(q + 16 + 4 * t)));
-        if constexpr (MT > 1) keep_in_register(sum[m]);  // one row: the tree GCC builds fits the registers
-      }
-    }
+    nibble_sums<MT>(w + kQs, a, b, sum);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
     // Q4_0: m = -8 d, the value the Q4 record stored (exact: a power of two times an fp16)
     const __m256 mw = HasMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)))
@@ -55,6 +66,39 @@ void q4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* cons
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[m], ones));
       acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
       acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a[m][b].s), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
+}
+
+// Q4_K: one 1184-byte record per super-block (8 blocks of 32 columns). Per block, the rows' d sc and dmin m in fp32
+// (shared by the MT activation rows), then Q4's two fmadds per row: the registers of Q4's tile (accumulating
+// d sum_k sc_k dot_k per row instead spilled at MT = 4 and made prefill slower than Q4_1's).
+template <int MT>
+void q4k_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nb / 8; ++sb, w += kQ4KRecord) {
+    const char* ahead = reinterpret_cast<const char*>(w) + KVGEN_Q4K_PREFETCH * kQ4KRecord;
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+    for (int k = 0; k < 8; ++k) {
+      const int64_t b = 8 * sb + k;
+      _mm_prefetch(ahead + 148 * k, _MM_HINT_T0);  // a record ahead in 8 steps of 148 bytes (3 lines each)
+      _mm_prefetch(ahead + 148 * k + 64, _MM_HINT_T0);
+      _mm_prefetch(ahead + 148 * k + 128, _MM_HINT_T0);
+      __m256i sum[MT];
+      nibble_sums<MT>(w + 160 + 128 * k, a, b, sum);
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 32 + 8 * k)))));
+      const __m256 mn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 96 + 8 * k)))));
+      for (int m = 0; m < MT; ++m) {
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[m], ones));
+        acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(a[m][b].d)), acc[m]);
+        acc[m] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(a[m][b].s), acc[m]);
+      }
     }
   }
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
@@ -71,6 +115,15 @@ void group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float
 }
 
 }  // namespace
+
+void q4k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
+  switch (mt) {
+    case 1: q4k_tile<1>(w, a, nb, out); break;
+    case 2: q4k_tile<2>(w, a, nb, out); break;
+    case 3: q4k_tile<3>(w, a, nb, out); break;
+    default: q4k_tile<4>(w, a, nb, out); break;
+  }
+}
 
 void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
   group<true>(w, a, mt, nb, out);

@@ -4,9 +4,11 @@
 // bytes), 2 = Q8_0 (fp16 d, 32 int8), 3 = F16, 4 = BF16 (32 16-bit values per block), 5 = Q6_K (256 values
 // per 210-byte block: ql[128], qh[64], int8 scales[16], fp16 d), 6 = Q5_0, 7 = Q5_1, 8 = IQ4_NL (fp16 d, 16 nibble
 // bytes of indices into kIQ4Values), 9 = Q2_K, 10 = Q3_K, 11 = MXFP4 (uint8 E8M0 exponent e, 16 nibble bytes of
-// indices into kMXFP4Values; exponents outside 104 .. 143 are refused). Rows are numbered across parts; missing rows
+// indices into kMXFP4Values; exponents outside 104 .. 143 are refused), 12 = Q4_K (fp16 d, dmin, 12 bytes of 6-bit
+// scales and mins, 128 nibble bytes per 256 values). Rows are numbered across parts; missing rows
 // of the last group are zero (scale 0). Source: ggml-common.h block_q4_0 / block_q4_1 / block_q8_0 /
-// block_q6_K / block_iq4_nl / block_mxfp4, ggml-quants.c dequantize_row_q6_K / dequantize_row_mxfp4.
+// block_q6_K / block_iq4_nl / block_mxfp4 / block_q4_K, ggml-quants.c dequantize_row_q6_K / dequantize_row_mxfp4 /
+// dequantize_row_q4_K.
 #include <immintrin.h>
 
 #include <atomic>
@@ -113,21 +115,49 @@ void repack_q23_k(const uint8_t* s, int64_t r, uint8_t* d, bool q3) {
   }
 }
 
+// Sub-block j's 6-bit scale and min of a K-quant's 12 packed bytes q (ggml get_scale_min_k4).
+inline void k_scale_min(const uint8_t* q, int j, int& sc, int& mn) {
+  sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+  mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+}
+
+// One row's Q4_K super-block s (256 values) into its Q4_K record d as row r (layout in common.h): sub-block j's
+// values l are the low (j even) or high (j odd) nibbles of qs[32 (j / 2) + l].
+void repack_q4_k(const uint8_t* s, int64_t r, uint8_t* d) {
+  std::memcpy(d + 2 * r, s, 2);  // d
+  std::memcpy(d + 16 + 2 * r, s + 2, 2);  // dmin
+  for (int k = 0; k < 8; ++k) {
+    int sc, mn;
+    k_scale_min(s + 4, k, sc, mn);
+    d[32 + 8 * k + r] = static_cast<uint8_t>(sc);
+    d[96 + 8 * k + r] = static_cast<uint8_t>(mn);
+    const uint8_t* qs = s + 16 + 32 * (k / 2);
+    const int shift = 4 * (k % 2);
+    for (int t = 0; t < 4; ++t) {
+      for (int i = 0; i < 4; ++i) {
+        d[160 + 128 * k + 32 * t + 4 * r + i] =
+            static_cast<uint8_t>(((qs[4 * t + i] >> shift) & 15) | (((qs[16 + 4 * t + i] >> shift) & 15) << 4));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) {
-  TORCH_CHECK(gguf_type >= 0 && gguf_type <= 11, "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), "
-              "3 (F16), 4 (BF16), 5 (Q6_K), 6 (Q5_0), 7 (Q5_1), 8 (IQ4_NL), 9 (Q2_K), 10 (Q3_K) or 11 (MXFP4)");
+  TORCH_CHECK(gguf_type >= 0 && gguf_type <= 12, "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), "
+              "3 (F16), 4 (BF16), 5 (Q6_K), 6 (Q5_0), 7 (Q5_1), 8 (IQ4_NL), 9 (Q2_K), 10 (Q3_K), 11 (MXFP4) or 12 (Q4_K)");
   TORCH_CHECK(!parts.empty(), "kvgen.repack_gguf: no rows");
   const bool is_16bit = gguf_type == 3 || gguf_type == 4;  // F16, BF16
   const bool is_q6 = gguf_type == 5, is_q5 = gguf_type == 6 || gguf_type == 7, is_mxfp4 = gguf_type == 11;
   // MXFP4: the IQ4 record, d from the block's exponent; Q4_0: the same layout (fp16 d, 16 nibble bytes) read as q - 8
   const bool is_iq4 = gguf_type == 8 || is_mxfp4 || gguf_type == 0;
-  const bool is_q23 = gguf_type == 9 || gguf_type == 10;  // one super-block record per 256 columns
-  constexpr int64_t kSrcBlock[] = {18, 20, 34, 64, 64, kQ6KBlock, 22, 24, 18, 84, 110, 17};  // bytes per GGUF block
+  const bool is_q23 = gguf_type == 9 || gguf_type == 10, is_q4k = gguf_type == 12;  // one record per 256 columns
+  constexpr int64_t kSrcBlock[] = {18, 20, 34, 64, 64, kQ6KBlock, 22, 24, 18, 84, 110, 17, 144};  // bytes per block
   const int64_t src_block = kSrcBlock[gguf_type];
   const int64_t rec = gguf_type == 2 ? kQ8Record : is_16bit ? kF16Record : is_q6 ? kQ6Record : is_q5 ? kQ5Record
-                      : is_iq4 ? kIQ4Record : is_q23 ? (gguf_type == 9 ? kQ2Record : kQ3Record) : kQ4Record;
+                      : is_iq4 ? kIQ4Record : is_q23 ? (gguf_type == 9 ? kQ2Record : kQ3Record)
+                      : is_q4k ? kQ4KRecord : kQ4Record;
   const int64_t row_bytes = parts[0].size(1), nb = row_bytes / src_block * (is_q6 ? 8 : 1);
   int64_t rows = 0;
   for (const auto& p : parts) {
@@ -150,9 +180,14 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
     for (int64_t g = g_begin; g < g_end; ++g)
       for (int64_t r = 0; r < kRows && g * kRows + r < rows; ++r) {
         const uint8_t* src = row_ptr[g * kRows + r];
-        if (is_q23) {  // one record per super-block
+        if (is_q23 || is_q4k) {  // one record per super-block
           for (int64_t sb = 0; sb < nb; ++sb) {
-            repack_q23_k(src + sb * src_block, r, dst + (g * nb + sb) * rec, gguf_type == 10);
+            uint8_t* d = dst + (g * nb + sb) * rec;
+            if (is_q4k) {
+              repack_q4_k(src + sb * src_block, r, d);
+            } else {
+              repack_q23_k(src + sb * src_block, r, d, gguf_type == 10);
+            }
           }
           continue;
         }
@@ -238,8 +273,8 @@ at::Tensor k_quant_to_legacy(const at::Tensor& raw) {
       const float dmin = _cvtsh_ss(h);
       const uint8_t* q = s + 4;  // 12 bytes of 6-bit scales and mins
       for (int j = 0; j < 8; ++j, o += kOut) {
-        const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        const int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+        int sc, mn;
+        k_scale_min(q, j, sc, mn);
         const uint16_t dj = _cvtss_sh(d * static_cast<float>(sc), _MM_FROUND_TO_NEAREST_INT);
         const uint16_t mj = _cvtss_sh(-(dmin * static_cast<float>(mn)), _MM_FROUND_TO_NEAREST_INT);
         if ((dj & 0x7C00) == 0x7C00 || (mj & 0x7C00) == 0x7C00) overflow = true;  // inf (or a NaN input)
