@@ -21,25 +21,27 @@ OPS = K.get_ops()
 REF = K.reference_ops()
 needs_avx2 = pytest.mark.skipif(OPS.backend != "avx2", reason=f"C++ kernels unavailable (backend {OPS.backend})")
 GGUF_CODE = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.F16: 3, Q.BF16: 4, Q.Q6_K: 5, Q.Q5_0: 6, Q.Q5_1: 7, Q.IQ4_NL: 8,
-             Q.Q2_K: 9, Q.Q3_K: 10, Q.MXFP4: 11, Q.Q4_K: 12}
+             Q.Q2_K: 9, Q.Q3_K: 10, Q.MXFP4: 11, Q.Q4_K: 12, Q.Q5_K: 13}
 WEIGHT_TYPE = {Q.Q4_0: K.Q4_0, Q.Q4_1: K.Q4, Q.Q8_0: K.Q8, Q.F16: K.F16, Q.BF16: K.BF16, Q.Q6_K: K.Q6, Q.Q5_0: K.Q5,
-               Q.Q5_1: K.Q5, Q.IQ4_NL: K.IQ4, Q.Q2_K: K.Q2, Q.Q3_K: K.Q3, Q.MXFP4: K.MXFP4, Q.Q4_K: K.Q4_K}
+               Q.Q5_1: K.Q5, Q.IQ4_NL: K.IQ4, Q.Q2_K: K.Q2, Q.Q3_K: K.Q3, Q.MXFP4: K.MXFP4, Q.Q4_K: K.Q4_K,
+               Q.Q5_K: K.Q5_K}
 KERNEL_QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.MXFP4,
-                 Q.Q4_K]
+                 Q.Q4_K, Q.Q5_K]
 # types the gguf package cannot quantize: random blocks, (values per block, bytes per block, offsets of fp16 scales)
 RANDOM_BLOCKS = {Q.Q6_K: (256, 210, (208,)), Q.IQ4_NL: (32, 18, (0,)), Q.Q2_K: (256, 84, (80, 82)),
-                 Q.Q3_K: (256, 110, (108,)), Q.Q4_K: (256, 144, (0, 2))}
+                 Q.Q3_K: (256, 110, (108,)), Q.Q4_K: (256, 144, (0, 2)),
+                 Q.Q5_K: (256, 176, (0, 2))}
 FLOAT16_QTYPES = (Q.F16, Q.BF16)  # weights that take the activations unquantized
 
 
 def _cols(qtype: Q, k: int) -> int:
     """k rounded up to whole blocks of ``qtype`` (the K types: 256 columns)."""
-    return -(-k // 256) * 256 if qtype in (Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.Q4_K) else k
+    return -(-k // 256) * 256 if qtype in (Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K) else k
 
 
 def _gguf_matrix(qtype: Q, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(GGUF bytes [n, row_bytes] uint8, their gguf.quants dequantization [n, k] float32). Q2_K, Q3_K, Q4_K, Q6_K and
-    IQ4_NL (which the gguf package cannot quantize): random values (indices) and scales, fp16 d ~ 1e-3 (some
+    """(GGUF bytes [n, row_bytes] uint8, their gguf.quants dequantization [n, k] float32). Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+    and IQ4_NL (which the gguf package cannot quantize): random values (indices) and scales, fp16 d ~ 1e-3 (some
     negative)."""
     if qtype in RANDOM_BLOCKS:
         values, size, offsets = RANDOM_BLOCKS[qtype]
@@ -116,7 +118,7 @@ def test_qgemm_matches_dequantize_then_matmul(qtype, m, n, k):
 
 @needs_avx2
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.MXFP4,
-                                   Q.Q4_K])
+                                   Q.Q4_K, Q.Q5_K])
 def test_qgemm_rows_do_not_depend_on_the_batch(qtype):
     """Batch invariance: each row's bits are the same alone, in any tile of 1-4 rows, or among 33."""
     raw, _ = _gguf_matrix(qtype, 64, 256, seed=3)
@@ -553,25 +555,7 @@ def test_softmax_draw_frequencies_and_bad_inputs():
         OPS.softmax_draw(torch.full((1, 8), float("-inf")), torch.ones(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("op,qtype,legacy,block,size", [("q4_k_to_q4_1", Q.Q4_K, Q.Q4_1, 144, 20),
-                                                        ("q5_k_to_q5_1", Q.Q5_K, Q.Q5_1, 176, 24)])
-def test_k_quant_to_legacy_matches_its_twin_and_gguf_values(op, qtype, legacy, block, size):
-    """Q4_K (Q5_K) rows as Q4_1 (Q5_1) rows: the same bytes as the twin, values within fp16 rounding of gguf's
-    dequantization (a misplaced nibble: ~1/15 of the range; a misplaced fifth bit: 16 steps), and an empty result
-    when a scale overflows fp16."""
-    gen = torch.Generator().manual_seed(21)
-    raw = torch.randint(0, 256, (12, 2 * block), dtype=torch.uint8, generator=gen)  # 12 rows of 512 values
-    raw.view(12, 2, block)[..., :4] = (torch.rand(12, 2, 2, generator=gen) * 1e-2).half().view(torch.uint8)  # d, dmin
-    got, want = getattr(OPS, op)(raw), getattr(REF, op)(raw)
-    assert got.shape == (12, 16 * size) and torch.equal(got, want)
-    exact = dequantize(raw.numpy(), qtype)  # [12, 512]
-    assert abs(dequantize(got.numpy(), legacy) - exact).max() < 1e-3 * abs(exact).max()
-    big = raw.clone()
-    big[:, 0:2] = torch.tensor([60000.0]).half().view(torch.uint8)  # d * sc beyond fp16
-    assert getattr(OPS, op)(big).numel() == 0 and getattr(REF, op)(big).numel() == 0
-
-
-@pytest.mark.parametrize("m,types", [(1, (Q.Q4_K, Q.Q4_1, Q.Q6_K)), (5, (Q.IQ4_NL, Q.Q8_0, Q.Q6_K)),
+@pytest.mark.parametrize("m,types", [(1, (Q.Q4_K, Q.Q5_K, Q.Q6_K)), (5, (Q.IQ4_NL, Q.Q8_0, Q.Q6_K)),
                                      (3, (Q.Q3_K, Q.Q2_K, Q.Q6_K)), (2, (Q.MXFP4, Q.Q8_0, Q.IQ4_NL))],
                          ids=["Q4_K_M", "IQ4_XS", "Q2_K_Q3_K", "MXFP4"])
 def test_mixed_weight_is_its_segments_stacked(m, types):

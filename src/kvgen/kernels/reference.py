@@ -25,6 +25,8 @@ Layouts (see ``csrc/common.h``): weights are repacked at load from GGUF blocks i
 * Q4_K record, 1184 bytes per 8 rows x 256 columns (one ``block_q4_K`` super-block per row): fp16 ``d[8]``, fp16
   ``dmin[8]``, uint8 ``sc[8][8]`` and ``m[8][8]`` (``[k][r]``: block k's 6-bit scale and min), then per block k
   the Q4 record's ``qs``; value = d sc q - dmin m.
+* Q5_K record, 1440 bytes per 8 rows x 256 columns (from ``block_q5_K``): the Q4_K record's first 160 bytes, then per
+  block k the Q5 record's ``qs`` and ``qh`` (160 bytes); value = d sc u - dmin m.
 * IQ4 record, 144 bytes (from ``block_iq4_nl``; IQ4_XS as IQ4_NL rows): fp16 ``d[8]``, then ``qs`` as the Q4
   record's; value = d * IQ4_VALUES[nibble].
 * MXFP4 record, 144 bytes (from ``block_mxfp4``: an E8M0 exponent e, 16 bytes of FP4 indices): the IQ4 record with
@@ -49,11 +51,11 @@ from kvgen.sampling.ops import inverse_cdf_at
 BLOCK = 32  # values per quantization block
 ROWS = 8  # rows per interleaved group
 # weight_type codes of the ops
-Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0, Q4_K = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12
+Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0, Q4_K, Q5_K = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13
 MIXED_HEADER = 64  # bytes of int64 {S, nb, (weight_type, groups) x S} before a mixed weight's segments
 RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 224, F16: 512, BF16: 512, Q5: 192, IQ4: 144, Q2: 672, Q3: 912, MXFP4: 144,
-                Q4_0: 144, Q4_K: 1184}
-RECORD_BLOCKS = {Q2: 8, Q3: 8, Q4_K: 8}  # 32-column blocks per record: one 256-column super-block (1 for the other types)
+                Q4_0: 144, Q4_K: 1184, Q5_K: 1440}
+RECORD_BLOCKS = {Q2: 8, Q3: 8, Q4_K: 8, Q5_K: 8}  # 32-column blocks per record: one 256-column super-block (1 for the other types)
 # The values of IQ4_NL / IQ4_XS's 4-bit indices (ggml-common.h kvalues_iq4nl)
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # The values of an MXFP4 index: FP4 E2M1 (0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives) doubled (ggml-common.h
@@ -95,25 +97,28 @@ def repack_q4(raw: torch.Tensor, has_min: bool, zero_point: float = 8.0) -> torc
     return torch.cat([d, m, qs], dim=-1).contiguous()  # [G, nb, 160]
 
 
-# gguf_type codes 0-12 of repack_gguf
-GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "MXFP4", "Q4_K")
+# gguf_type codes 0-13 of repack_gguf
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "MXFP4", "Q4_K",
+              "Q5_K")
 # bytes per GGUF block of each (32 values; the K types: 256)
 GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "BF16": 64, "Q6_K": 210, "Q5_0": 22, "Q5_1": 24,
-                    "IQ4_NL": 18, "Q2_K": 84, "Q3_K": 110, "MXFP4": 17, "Q4_K": 144}
+                    "IQ4_NL": 18, "Q2_K": 84, "Q3_K": 110, "MXFP4": 17, "Q4_K": 144,
+                    "Q5_K": 176}
 # the weight_type each GGUF type's records are
 WEIGHT_TYPE_OF = {"Q4_0": Q4_0, "Q4_1": Q4, "Q8_0": Q8, "F16": F16, "BF16": BF16, "Q6_K": Q6, "Q5_0": Q5, "Q5_1": Q5,
-                  "IQ4_NL": IQ4, "Q2_K": Q2, "Q3_K": Q3, "MXFP4": MXFP4, "Q4_K": Q4_K}
+                  "IQ4_NL": IQ4, "Q2_K": Q2, "Q3_K": Q3, "MXFP4": MXFP4, "Q4_K": Q4_K,
+                  "Q5_K": Q5_K}
 
 
 def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
     """Row blocks ``parts`` ([rows_i, bytes] uint8, one GGUF type) of one matrix -> its records
     [G, nb, R] uint8: Q4_0 records for Q4_0 (0), Q4 records for Q4_1 (1), Q8 records for Q8_0 (2), 16-bit records for F16 (3) and
     BF16 (4), Q6 records for Q6_K (5), Q5 records for Q5_0 (6) / Q5_1 (7), IQ4 records for IQ4_NL (8), Q2 / Q3
-    records for Q2_K (9) / Q3_K (10), MXFP4 records for MXFP4 (11), Q4_K records for Q4_K (12). Raises ValueError for
-    an MXFP4 exponent outside ``MXFP4_EXPONENTS``."""
+    records for Q2_K (9) / Q3_K (10), MXFP4 records for MXFP4 (11), Q4_K / Q5_K records for Q4_K (12) / Q5_K
+    (13). Raises ValueError for an MXFP4 exponent outside ``MXFP4_EXPONENTS``."""
     raw = torch.cat(parts) if len(parts) > 1 else parts[0]  # [N, bytes]
-    if gguf_type == 12:
-        return repack_q4_k(raw)
+    if gguf_type in (12, 13):
+        return repack_k_quant(raw, five=gguf_type == 13)
     if gguf_type == 11:
         raw = mxfp4_as_iq4_nl(raw)  # [N, nb * 18]: d = 2^(e - 128) as float16, the indices as they are
         gguf_type = 8
@@ -190,39 +195,52 @@ def repack_q23_k(raw: torch.Tensor, q3: bool) -> torch.Tensor:
     return torch.cat([p.to(torch.uint8) for p in parts], dim=-1).contiguous()  # [G, nsb, 672 | 912]
 
 
-def repack_q4_k(raw: torch.Tensor) -> torch.Tensor:
-    """GGUF Q4_K rows [N, nsb * 144] uint8 -> Q4_K records [G, nsb, 1184] uint8 (module doc). Source: ggml
-    ``dequantize_row_q4_K``, the gguf package's ``Q4_K.get_scale_min``."""
+def repack_k_quant(raw: torch.Tensor, five: bool) -> torch.Tensor:
+    """GGUF Q4_K (Q5_K) rows [N, nsb * 144 (176)] uint8 -> Q4_K (Q5_K) records [G, nsb, 1184 (1440)] uint8 (module
+    doc). Source: ggml ``dequantize_row_q4_K`` / ``dequantize_row_q5_K``, the gguf package's ``Q4_K.get_scale_min``."""
     import numpy as np
     from gguf.quants import Q4_K as GGUF_Q4_K
 
-    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % 144:
-        raise ValueError(f"Q4_K rows must be uint8 [N, nsb * 144], got {raw.dtype} {list(raw.shape)}")
-    n, nsb = raw.shape[0], raw.shape[1] // 144
-    blocks = _pad_rows(raw.reshape(n, nsb * 144)).view(-1, ROWS, nsb, 144)  # [G, r, nsb, 144]
+    size, at = (176, 48) if five else (144, 16)  # bytes per super-block, offset of the nibbles
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % size:
+        raise ValueError(f"Q{5 if five else 4}_K rows must be uint8 [N, nsb * {size}], got {raw.dtype} {list(raw.shape)}")
+    n, nsb = raw.shape[0], raw.shape[1] // size
+    blocks = _pad_rows(raw).view(-1, ROWS, nsb, size)  # [G, r, nsb, size]
     g = blocks.shape[0]
     sc, mn = (torch.from_numpy(x.astype(np.uint8)).view(g, ROWS, nsb, 8)  # [G, r, nsb, k]
               for x in GGUF_Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12).numpy().copy()))
     scales = [f.permute(0, 2, 3, 1).reshape(g, nsb, 64) for f in (sc, mn)]  # [G, nsb, k r]
     head = [blocks[..., a:a + 2].transpose(1, 2).reshape(g, nsb, 16) for a in (0, 2)]  # d, dmin: [G, nsb, r 2]
-    qs = blocks[..., 16:].reshape(g, ROWS, nsb, 4, 1, 32)  # [G, r, nsb, pair, 1, byte]
+    qs = blocks[..., at:].reshape(g, ROWS, nsb, 4, 1, 32)  # [G, r, nsb, pair, 1, byte]
     nib = (qs >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 1, 2, 1)) & 15  # [G, r, nsb, pair, k % 2, l]
     nib = nib.reshape(g, ROWS, nsb, 8, 2, 4, 4)  # [G, r, nsb, k, column 16 h + 4 t + i]
-    packed = nib[:, :, :, :, 0] | (nib[:, :, :, :, 1] << 4)  # [G, r, nsb, k, t, i]
-    packed = packed.permute(0, 2, 3, 4, 1, 5).reshape(g, nsb, 1024)  # [G, nsb, k t r i]
-    return torch.cat([*head, *scales, packed], dim=-1).contiguous()  # [G, nsb, 1184]
+    packed = (nib[:, :, :, :, 0] | (nib[:, :, :, :, 1] << 4)).permute(0, 2, 3, 4, 1, 5)  # [G, nsb, k, t, r, i]
+    per_block = [packed.reshape(g, nsb, 8, 128)]
+    if five:  # qh[r][i] of block k: bit t = bit k of qh[4t + i], bit 4 + t = bit k of qh[16 + 4t + i]
+        qh = blocks[..., 16:48].reshape(g, ROWS, nsb, 1, 2, 4, 4)  # [G, r, nsb, 1, h, t, i]
+        bits = (qh >> torch.arange(8, dtype=torch.uint8).view(1, 1, 1, 8, 1, 1, 1)) & 1  # [G, r, nsb, k, h, t, i]
+        shifts = (4 * torch.arange(2).view(2, 1, 1) + torch.arange(4).view(1, 4, 1))  # [h, t, 1]: bit 4h + t
+        high = (bits.long() << shifts).sum(dim=(4, 5))  # [G, r, nsb, k, i]
+        per_block.append(high.permute(0, 2, 3, 1, 4).reshape(g, nsb, 8, 32).to(torch.uint8))  # [G, nsb, k, r i]
+    blocks_out = torch.cat(per_block, dim=-1).reshape(g, nsb, -1)  # [G, nsb, 8 x (128 | 160)]
+    return torch.cat([*head, *scales, blocks_out], dim=-1).contiguous()  # [G, nsb, 1184 | 1440]
 
 
-def _dequantize_q4_k(weight: torch.Tensor) -> torch.Tensor:
-    """Q4_K records [G, nsb, 1184] -> float32 [G * 8, nsb * 256]: (d sc) q - (dmin m), as ggml
-    ``dequantize_row_q4_K``."""
+def _dequantize_k_quant(weight: torch.Tensor, five: bool) -> torch.Tensor:
+    """Q4_K (Q5_K) records [G, nsb, 1184 (1440)] -> float32 [G * 8, nsb * 256]: (d sc) u - (dmin m), as ggml
+    ``dequantize_row_q4_K`` (``_q5_K``)."""
     g, nsb, _ = weight.shape
     d, dmin = (weight[..., a:a + 16].contiguous().view(torch.float16).float().view(g, nsb, 1, ROWS, 1, 1)
                for a in (0, 16))  # [G, nsb, 1, r, 1, 1]
     sc, mn = (weight[..., a:a + 64].float().view(g, nsb, 8, ROWS, 1, 1) for a in (32, 96))  # [G, nsb, k, r, 1, 1]
-    qs = weight[..., 160:].reshape(g, nsb, 8, 4, ROWS, 4).permute(0, 1, 2, 4, 3, 5)  # [G, nsb, k, r, t, i]
-    q = torch.stack([qs & 15, qs >> 4], dim=4).float()  # [G, nsb, k, r, h, t, i]: column 16 h + 4 t + i
-    w = (d * sc).unsqueeze(-1) * q - (dmin * mn).unsqueeze(-1)  # [G, nsb, k, r, h, t, i]
+    blk = weight[..., 160:].reshape(g, nsb, 8, 160 if five else 128)  # [G, nsb, k, bytes]
+    qs = blk[..., :128].reshape(g, nsb, 8, 4, ROWS, 4).permute(0, 1, 2, 4, 3, 5)  # [G, nsb, k, r, t, i]
+    u = torch.stack([qs & 15, qs >> 4], dim=4).long()  # [G, nsb, k, r, h, t, i]: column 16 h + 4 t + i
+    if five:
+        qh = blk[..., 128:].reshape(g, nsb, 8, ROWS, 1, 1, 4).long()  # [G, nsb, k, r, 1, 1, i]
+        shifts = (4 * torch.arange(2).view(2, 1, 1) + torch.arange(4).view(1, 4, 1))  # [h, t, 1]: bit 4h + t
+        u = u | (((qh >> shifts) & 1) << 4)
+    w = (d * sc).unsqueeze(-1) * u.float() - (dmin * mn).unsqueeze(-1)  # [G, nsb, k, r, h, t, i]
     return w.permute(0, 3, 1, 2, 4, 5, 6).reshape(g * ROWS, nsb * 256)  # [N_pad, K]
 
 
@@ -317,50 +335,6 @@ def repack_q6_k(raw: torch.Tensor) -> torch.Tensor:
     return torch.cat([d8, sc, lo.reshape(g, nb, 128), hi.reshape(g, nb, 64)], dim=-1).contiguous()  # [G, nb, 224]
 
 
-def q4_k_to_q4_1(raw: torch.Tensor) -> torch.Tensor:
-    """GGUF Q4_K rows [rows, nsb * 144] uint8 -> Q4_1 rows [rows, nsb * 160] uint8 (d' = d * sc_j, m' = -dmin * m_j
-    rounded to float16, the nibbles moved as they are), or an empty tensor when a d' or m' overflows float16.
-    Source: ggml ``dequantize_row_q4_K``, the gguf package's ``Q4_K.get_scale_min``."""
-    import numpy as np
-    from gguf.quants import Q4_K
-
-    blocks = raw.numpy().reshape(-1, 144)  # [n, 144]
-    n = blocks.shape[0]
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)  # [n, 1]
-    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [n, 8] each
-    with np.errstate(over="ignore"):  # an overflow becomes inf, refused below
-        scale = (d * sc.astype(np.float32)).astype(np.float16)  # [n, 8]
-        offset = (-(dmin * mn.astype(np.float32))).astype(np.float16)  # [n, 8]
-    if not (np.isfinite(scale).all() and np.isfinite(offset).all()):
-        return torch.empty(0, dtype=torch.uint8)
-    qs = blocks[:, 16:].reshape(n, 4, 1, 32)  # [n, pair of sub-blocks, 1, 32 bytes]
-    nibbles = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(n, 8, 32)  # [n, 8, 32]
-    packed = nibbles[..., :16] | (nibbles[..., 16:] << 4)  # [n, 8, 16]
-    out = np.concatenate([scale.view(np.uint8).reshape(n, 8, 2), offset.view(np.uint8).reshape(n, 8, 2), packed], -1)
-    return torch.from_numpy(np.ascontiguousarray(out).reshape(raw.shape[0], -1))  # [rows, nsb * 160]
-
-
-def q5_k_to_q5_1(raw: torch.Tensor) -> torch.Tensor:
-    """GGUF Q5_K rows [rows, nsb * 176] uint8 -> Q5_1 rows [rows, nsb * 192] uint8: :func:`q4_k_to_q4_1`'s scales
-    and nibbles plus each value's fifth bit (Q5_K: bit j of ``qh[l]`` for value l of sub-block j), or an empty tensor
-    when a scale overflows float16. Source: ggml ``dequantize_row_q5_K``."""
-    import numpy as np
-
-    n = raw.numel() // 176
-    blocks = raw.view(n, 176)
-    as_q4_k = torch.cat([blocks[:, :16], blocks[:, 48:]], dim=1)  # [n, 144]: Q4_K's layout without qh
-    q4_1 = q4_k_to_q4_1(as_q4_k)  # [n, 160]: 8 x (d, m, 16 nibble bytes)
-    if q4_1.numel() == 0:
-        return q4_1
-    qh = blocks[:, 16:48].numpy()  # [n, 32]: qh[l] bit j = fifth bit of value l of sub-block j
-    bits = ((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1).astype(np.uint32)  # [n, j, l]
-    words = (bits << np.arange(32, dtype=np.uint32)).sum(axis=-1).astype(np.uint32)  # [n, 8]: bit l
-    sub = q4_1.view(n, 8, 20)
-    out = torch.cat([sub[..., :4], torch.from_numpy(words.view(np.uint8).reshape(n, 8, 4)), sub[..., 4:]], dim=-1)
-    return out.reshape(raw.shape[0], -1).contiguous()  # [rows, nsb * 192]
-
-
 def iq4_xs_to_iq4_nl(raw: torch.Tensor) -> torch.Tensor:
     """GGUF IQ4_XS rows [rows, nsb * 136] uint8 -> IQ4_NL rows [rows, nsb * 144] uint8: sub-block j's
     d' = d * (ls_j - 32) rounded to float16, its 16 index bytes as they are; an empty tensor when a d' overflows
@@ -451,8 +425,8 @@ def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
         return torch.cat([dequantize_packed(records, t) for t, records in mixed_segments(weight)])
     if weight_type in (Q2, Q3):
         return _dequantize_q23(weight, q3=weight_type == Q3)
-    if weight_type == Q4_K:
-        return _dequantize_q4_k(weight)
+    if weight_type in (Q4_K, Q5_K):
+        return _dequantize_k_quant(weight, five=weight_type == Q5_K)
     g, nb, _ = weight.shape
     if weight_type in (F16, BF16):
         half = torch.float16 if weight_type == F16 else torch.bfloat16

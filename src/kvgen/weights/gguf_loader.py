@@ -70,7 +70,7 @@ def load_gguf(
 
     The state dict uses HF Llama names with matrices ``[out, in]`` in ``dtype``.
     ``dtype=None`` ("auto") on a file with quantized matrices keeps every matrix compact
-    as :class:`GGUFBlocks` (kernel types as stored, Q4_K / Q5_K / IQ4_XS rewritten as Q4_1 / Q5_1 / IQ4_NL:
+    as :class:`GGUFBlocks` (kernel types as stored, IQ4_XS rewritten as IQ4_NL:
     ``weights.quantized``; every other type, float ones included, re-encoded as Q8_0) and loads vectors
     (norms, biases) as float32; in a file of float matrices, F16 and BF16 ones stay as stored (the 16-bit kernels:
     the file's weights, unquantized activations) and F32 ones re-encode as Q8_0 beside them; a file of F32 matrices loads as
@@ -202,8 +202,8 @@ def _check_expert_tensors(by_name: dict[str, ReaderTensor], stacks: dict[str, st
 
 def _compact_tensor(t: ReaderTensor, qk_heads: int | None, keep_16bit: bool,
                     release: Callable[[], None] = lambda: None) -> GGUFBlocks:
-    """A matrix as GGUFBlocks: its own bytes for kernel types (F16 / BF16 only with ``keep_16bit``), Q4_K / Q5_K /
-    IQ4_XS rewritten as Q4_1 / Q5_1 / IQ4_NL, else re-encoded as Q8_0. Kernel-type bytes that need no change (no
+    """A matrix as GGUFBlocks: its own bytes for kernel types (F16 / BF16 only with ``keep_16bit``), IQ4_XS
+    rewritten as IQ4_NL, else re-encoded as Q8_0. Kernel-type bytes that need no change (no
     rewrite, no q/k row permutation) stay a view of the mapped file, with ``release`` (dropping its pages) called by
     whoever packs them: no copy of them is made (the copy took a quarter of a mixture-of-experts file's load); every
     other result is the tensor's own and ``release`` runs here."""

@@ -18,16 +18,16 @@ from kvgen.kernels import get_ops
 
 Q = GGMLQuantizationType
 # Types our kernels run from their own bytes (F16, BF16: in a file of float matrices; MXFP4 when its scales fit
-# float16, mxfp4_fits_float16); Q5_K and IQ4_XS are rewritten as Q5_1 and IQ4_NL (rewrite_super_block),
+# float16, mxfp4_fits_float16); IQ4_XS is rewritten as IQ4_NL (rewrite_super_block),
 # every other type the gguf package can dequantize (the other IQ types, TQ1_0 / TQ2_0) is converted to Q8_0.
 FLOAT16_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.F16, Q.BF16})
 KERNEL_TYPES: frozenset[GGMLQuantizationType] = (
-    frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q6_K, Q.IQ4_NL, Q.MXFP4})
+    frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.MXFP4})
     | FLOAT16_TYPES)
-# 256-value super-block types rewritten as a kernel type at load: type -> (that type, the kernels' op). Q5_K / IQ4_XS
-# sub-blocks are Q5_1 / IQ4_NL blocks with float16 scales.
+# 256-value super-block types rewritten as a kernel type at load: type -> (that type, the kernels' op). IQ4_XS
+# sub-blocks are IQ4_NL blocks with float16 scales.
 SUPER_BLOCK_REWRITES: dict[GGMLQuantizationType, tuple[GGMLQuantizationType, str]] = {
-    Q.Q5_K: (Q.Q5_1, "q5_k_to_q5_1"), Q.IQ4_XS: (Q.IQ4_NL, "iq4_xs_to_iq4_nl")}
+    Q.IQ4_XS: (Q.IQ4_NL, "iq4_xs_to_iq4_nl")}
 
 
 _SEGMENT_TYPES = KERNEL_TYPES - FLOAT16_TYPES  # parts a mixed stack keeps as they are (they share quantized activations)
@@ -118,15 +118,12 @@ def mxfp4_fits_float16(raw: torch.Tensor) -> bool:
 
 def rewrite_super_block(raw: torch.Tensor, qtype: GGMLQuantizationType
                         ) -> tuple[torch.Tensor, GGMLQuantizationType] | None:
-    """GGUF Q4_K (Q5_K) rows as Q4_1 (Q5_1) rows: uint8 [rows, cols / 256 * 144 (176)] -> [rows, cols / 32 * 20
-    (24)] and that type, or None when a sub-block scale overflows float16; IQ4_XS rows as IQ4_NL rows (136 -> 8 x 18 bytes,
-    d' = d * (ls_j - 32) rounded to float16, the 4-bit indices as they are: ``kernels.iq4_xs_to_iq4_nl``).
+    """GGUF IQ4_XS rows as IQ4_NL rows: uint8 [rows, cols / 256 * 136] -> [rows, cols / 32 * 18] and that type, or
+    None when a sub-block scale overflows float16 (``kernels.iq4_xs_to_iq4_nl``).
 
-    A K-quant super-block holds 8 sub-blocks of 32 values, value = d * sc_j * q - dmin * m_j (q 4 or 5 bits, sc_j
-    and m_j 6-bit), which is Q4_1's (Q5_1's) q * d' + m' with d' = d * sc_j and m' = -dmin * m_j: the bits move as
-    they are and only d' and m' are rounded, to float16 (relative error <= 2^-11 of a scale, far below a 4-bit step),
-    so a Q4_K_M file runs at 5 bits per weight on the Q4 kernel, a Q5_K_M file at 6 on the Q5 kernel
-    (``kernels.q4_k_to_q4_1``, ``q5_k_to_q5_1``). Source: ggml ``dequantize_row_q4_K`` / ``dequantize_row_q5_K``.
+    An IQ4_XS super-block holds 8 sub-blocks of 32 values, value = d * (ls_j - 32) * kvalues_iq4nl[q] (ls_j 6-bit),
+    which is IQ4_NL's d' * kvalues_iq4nl[q] with d' = d * (ls_j - 32) rounded to float16 (relative error <= 2^-11):
+    the 4-bit indices move as they are, 4.5 bits a weight on the IQ4 kernel. Source: ggml ``dequantize_row_iq4_xs``.
     """
     rewritten, op = SUPER_BLOCK_REWRITES[qtype]
     out = getattr(get_ops(), op)(raw.contiguous())

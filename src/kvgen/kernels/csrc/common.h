@@ -22,7 +22,7 @@
 //     uint8 lo[4][8][4]: lo[t][r][i] = low nibble of column 4t+i | low nibble of column 16+4t+i << 4,
 //     uint8 hi[2][8][4]: hi[v][r][i] = the top 2 bits of columns 8v+i, 16+8v+i, 8v+4+i, 16+8v+4+i
 //     at bits 0, 2, 4, 6 (so hi[v] completes lo[2v] with bits 0-3 and lo[2v+1] with bits 4-7).
-//   Q5 record (192 bytes), from GGUF block_q5_0 / block_q5_1 (Q5_K as Q5_1 rows, q5_k_to_q5_1): the Q4
+//   Q5 record (192 bytes), from GGUF block_q5_0 / block_q5_1: the Q4
 //     record (fp16 d[8], fp16 m[8], qs[4][8][4] low nibbles; Q5_0 has m = -16 d), then uint8 qh[8][4]:
 //     qh[r][i] bit t = the high bit of column 4t+i, bit 4+t = that of column 16+4t+i (w = (nibble | 16 hb) d + m).
 //   IQ4 record (144 bytes), from GGUF block_iq4_nl (IQ4_XS as IQ4_NL rows, iq4_xs_to_iq4_nl): fp16 d[8], then
@@ -40,6 +40,9 @@
 //     fp16 dmin[8], uint8 sc[8][8] and uint8 m[8][8] at 32 and 96 (sc[k][r], m[k][r]: the 6-bit scale and min of
 //     32-column block k of row r, unpacked from the file's 12 bytes), then per block k at 160 + 128k the Q4 record's
 //     qs[4][8][4] (w = d sc q - dmin m): 4.625 bits a weight (the file's 4.5 plus the scales widened to bytes).
+//   Q5_K record (1440 bytes per 8 rows x 256 columns, from block_q5_K): the Q4_K record's 160 bytes of d, dmin, sc
+//     and m, then per block k at 160 + 160k the Q5 record's qs[4][8][4] and qh[8][4] (w = d sc u - dmin m): 5.625
+//     bits a weight.
 //   Mixed weight (a stacked matrix whose parts have different types, e.g. a Q4_K_M file's Q4_K q, k and
 //     Q6_K v): uint8 [bytes], a 64-byte header of int64 {S (1-3), nb, (weight_type, groups) x S}, then each
 //     segment's [groups, nb, record] records in order; every segment but the last fills whole groups.
@@ -66,11 +69,12 @@ constexpr int64_t kQ40Record = 144;   // bytes per (group, block), Q4_0
 constexpr int64_t kQ2Record = 672;    // bytes per (group, super-block of 8 blocks), Q2
 constexpr int64_t kQ3Record = 912;    // bytes per (group, super-block of 8 blocks), Q3
 constexpr int64_t kQ4KRecord = 1184;  // bytes per (group, super-block of 8 blocks), Q4_K
+constexpr int64_t kQ5KRecord = 1440;  // bytes per (group, super-block of 8 blocks), Q5_K
 constexpr int64_t kMixedHeader = 64;  // bytes before a mixed weight's segments
 
 enum WeightType : int64_t {
   kQ4 = 0, kQ8 = 1, kF16 = 2, kBF16 = 3, kQ6 = 4, kMixed = 5, kQ5 = 6, kIQ4 = 7, kQ2 = 8, kQ3 = 9, kMXFP4 = 10,
-  kQ40 = 11, kQ4K = 12
+  kQ40 = 11, kQ4K = 12, kQ5K = 13
 };
 
 // The 16 values a 4-bit IQ4_NL / IQ4_XS index stands for (ggml-common.h kvalues_iq4nl).
@@ -110,6 +114,7 @@ void q40_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, f
 void q4k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q8_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q5_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
+void q5k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);  // nb % 8 == 0
 // IQ4 and MXFP4 groups: `values` is the 16-entry table of the indices (kIQ4Values, kMXFP4Values).
 void iq4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out, const int8_t* values);
 // Q6, Q2 and Q3 also read each activation block's two half sums (bytes 0-15 in the low, 16-31 in the high int16 of

@@ -16,7 +16,7 @@ namespace kvgen {
 namespace {
 
 int64_t record_bytes(int64_t weight_type) {
-  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kQ4K && weight_type != kMixed, "kvgen: unknown weight_type ",
+  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kQ5K && weight_type != kMixed, "kvgen: unknown weight_type ",
               weight_type);
   switch (weight_type) {
     case kQ4: return kQ4Record;
@@ -28,13 +28,14 @@ int64_t record_bytes(int64_t weight_type) {
     case kQ2: return kQ2Record;
     case kQ3: return kQ3Record;
     case kQ4K: return kQ4KRecord;
+    case kQ5K: return kQ5KRecord;
     default: return kF16Record;
   }
 }
 
-// 32-column blocks per record: 8 for the super-block records (Q2, Q3, Q4_K), else 1.
+// 32-column blocks per record: 8 for the super-block records (Q2, Q3, Q4_K, Q5_K), else 1.
 int64_t record_blocks(int64_t weight_type) {
-  return weight_type == kQ2 || weight_type == kQ3 || weight_type == kQ4K ? 8 : 1;
+  return weight_type == kQ2 || weight_type == kQ3 || weight_type == kQ4K || weight_type == kQ5K ? 8 : 1;
 }
 
 // Types that read the activation blocks' half sums (their values carry an offset or a min per 16 columns).
@@ -74,7 +75,7 @@ std::vector<Segment> segments_of(const at::Tensor& weight, int64_t weight_type, 
   G = 0;
   for (int64_t i = 0; i < num; ++i) {
     const int64_t type = head[2 + 2 * i], groups = head[3 + 2 * i];
-    TORCH_CHECK(type >= kQ4 && type <= kQ4K && type != kMixed && type != kF16 && type != kBF16,
+    TORCH_CHECK(type >= kQ4 && type <= kQ5K && type != kMixed && type != kF16 && type != kBF16,
                 "kvgen: mixed weight segment of type ", type, " (quantized segments share the activations)");
     TORCH_CHECK(nb % record_blocks(type) == 0, "kvgen: mixed weight of ", nb, " blocks has a super-block segment");
     const int64_t rec = record_bytes(type) / record_blocks(type);
@@ -170,6 +171,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           case kQ4: q4_group(wg, a, mt, nb, o); break;
           case kQ40: q40_group(wg, a, mt, nb, o); break;
           case kQ4K: q4k_group(wg, a, mt, nb, o); break;
+          case kQ5K: q5k_group(wg, a, mt, nb, o); break;
           case kQ5: q5_group(wg, a, mt, nb, o); break;
           case kIQ4: iq4_group(wg, a, mt, nb, o, kIQ4Values); break;
           case kMXFP4: iq4_group(wg, a, mt, nb, o, kMXFP4Values); break;
@@ -212,18 +214,20 @@ void q23_block_values(const uint8_t* rec, int64_t k, int64_t r, bool q3, float* 
   }
 }
 
-// Row r's 32 values of block k (0-7) of a Q4_K super-block record: (d sc) q - (dmin m), as ggml dequantize_row_q4_K.
-void q4k_block_values(const uint8_t* rec, int64_t k, int64_t r, float* dst) {
+// Row r's 32 values of block k (0-7) of a Q4_K (Q5_K) super-block record: (d sc) u - (dmin m), as ggml
+// dequantize_row_q4_K (_q5_K).
+void k_block_values(const uint8_t* rec, int64_t k, int64_t r, bool five, float* dst) {
   uint16_t h;
   std::memcpy(&h, rec + 2 * r, 2);
   const float d = _cvtsh_ss(h) * static_cast<float>(rec[32 + 8 * k + r]);
   std::memcpy(&h, rec + 16 + 2 * r, 2);
   const float m = _cvtsh_ss(h) * static_cast<float>(rec[96 + 8 * k + r]);
+  const uint8_t* blk = rec + 160 + (five ? 160 : 128) * k;  // nibbles, then (Q5_K) the high bits at 128
   for (int t = 0; t < 4; ++t) {
     for (int i = 0; i < 4; ++i) {
-      const uint8_t byte = rec[160 + 128 * k + 32 * t + 4 * r + i];
-      dst[4 * t + i] = d * static_cast<float>(byte & 15) - m;
-      dst[16 + 4 * t + i] = d * static_cast<float>(byte >> 4) - m;
+      const uint8_t byte = blk[32 * t + 4 * r + i], hb = five ? blk[128 + 4 * r + i] : 0;
+      dst[4 * t + i] = d * static_cast<float>((byte & 15) | (((hb >> t) & 1) << 4)) - m;
+      dst[16 + 4 * t + i] = d * static_cast<float>((byte >> 4) | (((hb >> (4 + t)) & 1) << 4)) - m;
     }
   }
 }
@@ -247,8 +251,8 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const 
       const int64_t g = ip[k] / kRows, r = ip[k] % kRows;
       float* dst = op + k * in_features;
       for (int64_t b = 0; b < nb; ++b, dst += kBlock) {
-        if (weight_type == kQ4K) {  // block b % 8 of a super-block record
-          q4k_block_values(wp + (g * (nb / 8) + b / 8) * rec, b % 8, r, dst);
+        if (weight_type == kQ4K || weight_type == kQ5K) {  // block b % 8 of a super-block record
+          k_block_values(wp + (g * (nb / 8) + b / 8) * rec, b % 8, r, weight_type == kQ5K, dst);
           continue;
         }
         if (blocks == 8) {  // Q2, Q3: block b % 8 of a super-block record
@@ -333,8 +337,6 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor");
   m.def("gpt_oss_glu(Tensor gate_up) -> Tensor");
   m.def("repack_gguf(Tensor[] parts, int gguf_type) -> Tensor");
-  m.def("q4_k_to_q4_1(Tensor raw) -> Tensor");
-  m.def("q5_k_to_q5_1(Tensor raw) -> Tensor");
   m.def("iq4_xs_to_iq4_nl(Tensor raw) -> Tensor");
   m.def("static_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? key_mask, int past_len, "
         "int num_heads, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
@@ -366,8 +368,6 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("gelu_tanh_mul", &kvgen::gelu_tanh_mul);
   m.impl("gpt_oss_glu", &kvgen::gpt_oss_glu);
   m.impl("repack_gguf", &kvgen::repack_gguf);
-  m.impl("q4_k_to_q4_1", &kvgen::q4_k_to_q4_1);
-  m.impl("q5_k_to_q5_1", &kvgen::q5_k_to_q5_1);
   m.impl("iq4_xs_to_iq4_nl", &kvgen::iq4_xs_to_iq4_nl);
   m.impl("static_attention", &kvgen::static_attention);
   m.impl("paged_attention_qkv", &kvgen::paged_attention_qkv);

@@ -1,5 +1,6 @@
-// Q5 (GGUF Q5_0 / Q5_1, and Q5_K as Q5_1, repacked into 8-row groups, see common.h) times Q8A activations:
-// w = u * d + m with u the 5-bit value. Per 32-column block and group: 4 loads of low nibbles as the Q4 kernel,
+// Q5 (GGUF Q5_0 / Q5_1 repacked into 8-row groups, see common.h) and Q5_K (super-block records: byte scales and
+// mins under fp16 d, dmin) times Q8A activations: w = u * d + m with u the 5-bit value (Q5_K: d = d sc, m = -dmin m
+// per 32 columns, ggml dequantize_row_q5_K's values). Per 32-column block and group: 4 loads of low nibbles as the Q4 kernel,
 // and one load of high bits whose byte (r, i) holds bit t for column 4t+i and bit 4+t for column 16+4t+i, each
 // shifted to bit 4 and OR'd in: 8 vectors of u (4 columns x 8 rows). maddubs against 4 broadcast activation
 // bytes, four summed in int16 (4 * 2 * 31 * 127 = 31,496 < 32,767), madd to int32, then
@@ -13,6 +14,9 @@
 
 #ifndef KVGEN_Q5_PREFETCH
 #define KVGEN_Q5_PREFETCH 28
+#endif
+#ifndef KVGEN_Q5K_PREFETCH
+#define KVGEN_Q5K_PREFETCH 4
 #endif
 
 namespace kvgen {
@@ -33,36 +37,76 @@ inline void unpack(const uint8_t* w, __m256i qh, __m256i low4, __m256i bit4, __m
   hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p, 4), low4), bit_to_4<4 + T>(qh, bit4));
 }
 
+// dot[m]: int32 per row of the 8 rows' 5-bit values (the Q5 record's nibbles at w + 32, high bits at w + 160) times
+// activation block b of row m.
 template <int MT>
-void q5_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
+inline void q5_dots(const uint8_t* w, const BlockQ8A* const* a, int64_t b, __m256i* dot) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
   const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 160));
+  __m256i lo[4], hi[4];  // columns 4t+i and 16+4t+i, 8 rows
+  unpack<0>(w, qh, low4, bit4, lo[0], hi[0]);
+  unpack<1>(w, qh, low4, bit4, lo[1], hi[1]);
+  unpack<2>(w, qh, low4, bit4, lo[2], hi[2]);
+  unpack<3>(w, qh, low4, bit4, lo[3], hi[3]);
+  for (int m = 0; m < MT; ++m) {
+    const int8_t* q = a[m][b].qs;
+    dot[m] = _mm256_setzero_si256();
+    for (int t = 0; t < 4; t += 2) {
+      __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo[t], bcast4(q + 4 * t)),
+                                   _mm256_maddubs_epi16(hi[t], bcast4(q + 16 + 4 * t)));
+      s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[t + 1], bcast4(q + 4 * t + 4)));
+      s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[t + 1], bcast4(q + 20 + 4 * t)));
+      dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(s, ones));
+      if constexpr (MT > 1) keep_in_register(dot[m]);  // one row: the tree GCC builds fits the registers
+    }
+  }
+}
+
+template <int MT>
+void q5_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += kQ5Record) {
     const char* ahead = reinterpret_cast<const char*>(w) + KVGEN_Q5_PREFETCH * kQ5Record;
     for (int c = 0; c < kQ5Record; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 160));
-    __m256i lo[4], hi[4];  // columns 4t+i and 16+4t+i, 8 rows
-    unpack<0>(w, qh, low4, bit4, lo[0], hi[0]);
-    unpack<1>(w, qh, low4, bit4, lo[1], hi[1]);
-    unpack<2>(w, qh, low4, bit4, lo[2], hi[2]);
-    unpack<3>(w, qh, low4, bit4, lo[3], hi[3]);
+    __m256i dot[MT];
+    q5_dots<MT>(w, a, b, dot);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
     for (int m = 0; m < MT; ++m) {
-      const int8_t* q = a[m][b].qs;
-      __m256i dot = _mm256_setzero_si256();
-      for (int t = 0; t < 4; t += 2) {
-        __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo[t], bcast4(q + 4 * t)),
-                                     _mm256_maddubs_epi16(hi[t], bcast4(q + 16 + 4 * t)));
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[t + 1], bcast4(q + 4 * t + 4)));
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[t + 1], bcast4(q + 20 + 4 * t)));
-        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(s, ones));
-        if constexpr (MT > 1) keep_in_register(dot);  // one row: the tree GCC builds fits the registers
-      }
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
       acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a[m][b].s), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
+}
+
+// Q5_K: one 1440-byte record per super-block; block k's nibbles and high bits are the Q5 record's at 32 .. 191 of
+// a record that starts at 128 + 160k, and its d_w = d sc_k, m_w = -dmin m_k in fp32 (as the Q4_K tile).
+template <int MT>
+void q5k_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nb / 8; ++sb, w += kQ5KRecord) {
+    const char* ahead = reinterpret_cast<const char*>(w) + KVGEN_Q5K_PREFETCH * kQ5KRecord;
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+    for (int k = 0; k < 8; ++k) {
+      const int64_t b = 8 * sb + k;
+      _mm_prefetch(ahead + 180 * k, _MM_HINT_T0);  // a record ahead in 8 steps of 180 bytes (3 lines each)
+      _mm_prefetch(ahead + 180 * k + 64, _MM_HINT_T0);
+      _mm_prefetch(ahead + 180 * k + 128, _MM_HINT_T0);
+      __m256i dot[MT];
+      q5_dots<MT>(w + 128 + 160 * k, a, b, dot);
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 32 + 8 * k)))));
+      const __m256 mn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 96 + 8 * k)))));
+      for (int m = 0; m < MT; ++m) {
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(scale, _mm256_set1_ps(a[m][b].d)), acc[m]);
+        acc[m] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(a[m][b].s), acc[m]);
+      }
     }
   }
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
@@ -76,6 +120,15 @@ void q5_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, fl
     case 2: q5_tile<2>(w, a, nb, out); break;
     case 3: q5_tile<3>(w, a, nb, out); break;
     default: q5_tile<4>(w, a, nb, out); break;
+  }
+}
+
+void q5k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
+  switch (mt) {
+    case 1: q5k_tile<1>(w, a, nb, out); break;
+    case 2: q5k_tile<2>(w, a, nb, out); break;
+    case 3: q5k_tile<3>(w, a, nb, out); break;
+    default: q5k_tile<4>(w, a, nb, out); break;
   }
 }
 

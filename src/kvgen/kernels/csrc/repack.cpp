@@ -5,10 +5,11 @@
 // per 210-byte block: ql[128], qh[64], int8 scales[16], fp16 d), 6 = Q5_0, 7 = Q5_1, 8 = IQ4_NL (fp16 d, 16 nibble
 // bytes of indices into kIQ4Values), 9 = Q2_K, 10 = Q3_K, 11 = MXFP4 (uint8 E8M0 exponent e, 16 nibble bytes of
 // indices into kMXFP4Values; exponents outside 104 .. 143 are refused), 12 = Q4_K (fp16 d, dmin, 12 bytes of 6-bit
-// scales and mins, 128 nibble bytes per 256 values). Rows are numbered across parts; missing rows
+// scales and mins, 128 nibble bytes per 256 values), 13 = Q5_K (the same with 32 bytes of high bits before the
+// nibbles). Rows are numbered across parts; missing rows
 // of the last group are zero (scale 0). Source: ggml-common.h block_q4_0 / block_q4_1 / block_q8_0 /
-// block_q6_K / block_iq4_nl / block_mxfp4 / block_q4_K, ggml-quants.c dequantize_row_q6_K / dequantize_row_mxfp4 /
-// dequantize_row_q4_K.
+// block_q6_K / block_iq4_nl / block_mxfp4 / block_q4_K / block_q5_K, ggml-quants.c dequantize_row_q6_K /
+// dequantize_row_mxfp4 / dequantize_row_q4_K / dequantize_row_q5_K.
 #include <immintrin.h>
 
 #include <atomic>
@@ -121,9 +122,10 @@ inline void k_scale_min(const uint8_t* q, int j, int& sc, int& mn) {
   mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
 }
 
-// One row's Q4_K super-block s (256 values) into its Q4_K record d as row r (layout in common.h): sub-block j's
-// values l are the low (j even) or high (j odd) nibbles of qs[32 (j / 2) + l].
-void repack_q4_k(const uint8_t* s, int64_t r, uint8_t* d) {
+// One row's Q4_K (Q5_K) super-block s (256 values) into its Q4_K (Q5_K) record d as row r (layouts in common.h):
+// sub-block j's values l are the low (j even) or high (j odd) nibbles of qs[32 (j / 2) + l] (Q5_K: plus bit j of
+// qh[l] as the fifth bit).
+void repack_k(const uint8_t* s, int64_t r, uint8_t* d, bool five) {
   std::memcpy(d + 2 * r, s, 2);  // d
   std::memcpy(d + 16 + 2 * r, s + 2, 2);  // dmin
   for (int k = 0; k < 8; ++k) {
@@ -131,12 +133,23 @@ void repack_q4_k(const uint8_t* s, int64_t r, uint8_t* d) {
     k_scale_min(s + 4, k, sc, mn);
     d[32 + 8 * k + r] = static_cast<uint8_t>(sc);
     d[96 + 8 * k + r] = static_cast<uint8_t>(mn);
-    const uint8_t* qs = s + 16 + 32 * (k / 2);
+    const uint8_t* qs = s + (five ? 48 : 16) + 32 * (k / 2);
     const int shift = 4 * (k % 2);
+    uint8_t* blk = d + 160 + (five ? 160 : 128) * k;
     for (int t = 0; t < 4; ++t) {
       for (int i = 0; i < 4; ++i) {
-        d[160 + 128 * k + 32 * t + 4 * r + i] =
+        blk[32 * t + 4 * r + i] =
             static_cast<uint8_t>(((qs[4 * t + i] >> shift) & 15) | (((qs[16 + 4 * t + i] >> shift) & 15) << 4));
+      }
+    }
+    if (five) {  // qh[r][i]: bit t = the fifth bit of column 4t + i, bit 4 + t = that of column 16 + 4t + i
+      const uint8_t* qh = s + 16;
+      for (int i = 0; i < 4; ++i) {
+        uint8_t v = 0;
+        for (int t = 0; t < 4; ++t) {
+          v |= static_cast<uint8_t>(((qh[4 * t + i] >> k) & 1) << t | ((qh[16 + 4 * t + i] >> k) & 1) << (4 + t));
+        }
+        blk[128 + 4 * r + i] = v;
       }
     }
   }
@@ -145,19 +158,21 @@ void repack_q4_k(const uint8_t* s, int64_t r, uint8_t* d) {
 }  // namespace
 
 at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) {
-  TORCH_CHECK(gguf_type >= 0 && gguf_type <= 12, "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), "
-              "3 (F16), 4 (BF16), 5 (Q6_K), 6 (Q5_0), 7 (Q5_1), 8 (IQ4_NL), 9 (Q2_K), 10 (Q3_K), 11 (MXFP4) or 12 (Q4_K)");
+  TORCH_CHECK(gguf_type >= 0 && gguf_type <= 13, "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), "
+              "3 (F16), 4 (BF16), 5 (Q6_K), 6 (Q5_0), 7 (Q5_1), 8 (IQ4_NL), 9 (Q2_K), 10 (Q3_K), 11 (MXFP4), 12 (Q4_K) "
+              "or 13 (Q5_K)");
   TORCH_CHECK(!parts.empty(), "kvgen.repack_gguf: no rows");
   const bool is_16bit = gguf_type == 3 || gguf_type == 4;  // F16, BF16
   const bool is_q6 = gguf_type == 5, is_q5 = gguf_type == 6 || gguf_type == 7, is_mxfp4 = gguf_type == 11;
   // MXFP4: the IQ4 record, d from the block's exponent; Q4_0: the same layout (fp16 d, 16 nibble bytes) read as q - 8
   const bool is_iq4 = gguf_type == 8 || is_mxfp4 || gguf_type == 0;
-  const bool is_q23 = gguf_type == 9 || gguf_type == 10, is_q4k = gguf_type == 12;  // one record per 256 columns
-  constexpr int64_t kSrcBlock[] = {18, 20, 34, 64, 64, kQ6KBlock, 22, 24, 18, 84, 110, 17, 144};  // bytes per block
+  // one record per 256 columns
+  const bool is_q23 = gguf_type == 9 || gguf_type == 10, is_k = gguf_type == 12 || gguf_type == 13;
+  constexpr int64_t kSrcBlock[] = {18, 20, 34, 64, 64, kQ6KBlock, 22, 24, 18, 84, 110, 17, 144, 176};  // bytes/block
   const int64_t src_block = kSrcBlock[gguf_type];
   const int64_t rec = gguf_type == 2 ? kQ8Record : is_16bit ? kF16Record : is_q6 ? kQ6Record : is_q5 ? kQ5Record
                       : is_iq4 ? kIQ4Record : is_q23 ? (gguf_type == 9 ? kQ2Record : kQ3Record)
-                      : is_q4k ? kQ4KRecord : kQ4Record;
+                      : is_k ? (gguf_type == 12 ? kQ4KRecord : kQ5KRecord) : kQ4Record;
   const int64_t row_bytes = parts[0].size(1), nb = row_bytes / src_block * (is_q6 ? 8 : 1);
   int64_t rows = 0;
   for (const auto& p : parts) {
@@ -180,11 +195,11 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
     for (int64_t g = g_begin; g < g_end; ++g)
       for (int64_t r = 0; r < kRows && g * kRows + r < rows; ++r) {
         const uint8_t* src = row_ptr[g * kRows + r];
-        if (is_q23 || is_q4k) {  // one record per super-block
+        if (is_q23 || is_k) {  // one record per super-block
           for (int64_t sb = 0; sb < nb; ++sb) {
             uint8_t* d = dst + (g * nb + sb) * rec;
-            if (is_q4k) {
-              repack_q4_k(src + sb * src_block, r, d);
+            if (is_k) {
+              repack_k(src + sb * src_block, r, d, gguf_type == 13);
             } else {
               repack_q23_k(src + sb * src_block, r, d, gguf_type == 10);
             }
@@ -244,60 +259,6 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
   });
   return out;
 }
-
-// GGUF Q4_K (Q5_K) rows [rows, nsb * 144 (176)] -> Q4_1 (Q5_1) rows [rows, nsb * 8 * 20 (24)]: per 32-value
-// sub-block j, d' = d * sc_j and m' = -dmin * m_j rounded to fp16 (sc_j, m_j: the 6-bit scales of ggml
-// get_scale_min_k4), the nibbles moved as they are (K-quants: sub-blocks 2p, 2p+1 in the low / high nibbles of 32
-// bytes; legacy: values i, 16+i in byte i) and, for Q5_K, each value's fifth bit (bit j of qh[l] for value l of
-// sub-block j; Q5_1: bit l of a 32-bit qh). An empty tensor when a d' or m' overflows fp16. Source: ggml
-// dequantize_row_q4_K / dequantize_row_q5_K (kvgen.weights.quantized.rewrite_super_block).
-template <bool FiveBits>
-at::Tensor k_quant_to_legacy(const at::Tensor& raw) {
-  constexpr int64_t kIn = FiveBits ? 176 : 144, kOut = FiveBits ? 24 : 20, kQs = FiveBits ? 48 : 16;
-  TORCH_CHECK(raw.dtype() == at::kByte && raw.dim() == 2 && raw.is_contiguous() && raw.size(1) % kIn == 0,
-              "kvgen.q", FiveBits ? 5 : 4, "_k_to_q", FiveBits ? 5 : 4, "_1: raw must be contiguous uint8 [rows, nsb * ",
-              kIn, "]");
-  const int64_t n = raw.numel() / kIn;  // super-blocks
-  at::Tensor out = at::empty({raw.size(0), raw.size(1) / kIn * 8 * kOut}, raw.options());
-  const uint8_t* src = raw.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  std::atomic<bool> overflow{false};
-  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      const uint8_t* s = src + kIn * k;
-      uint8_t* o = dst + 8 * kOut * k;
-      uint16_t h;
-      std::memcpy(&h, s, 2);
-      const float d = _cvtsh_ss(h);
-      std::memcpy(&h, s + 2, 2);
-      const float dmin = _cvtsh_ss(h);
-      const uint8_t* q = s + 4;  // 12 bytes of 6-bit scales and mins
-      for (int j = 0; j < 8; ++j, o += kOut) {
-        int sc, mn;
-        k_scale_min(q, j, sc, mn);
-        const uint16_t dj = _cvtss_sh(d * static_cast<float>(sc), _MM_FROUND_TO_NEAREST_INT);
-        const uint16_t mj = _cvtss_sh(-(dmin * static_cast<float>(mn)), _MM_FROUND_TO_NEAREST_INT);
-        if ((dj & 0x7C00) == 0x7C00 || (mj & 0x7C00) == 0x7C00) overflow = true;  // inf (or a NaN input)
-        std::memcpy(o, &dj, 2);
-        std::memcpy(o + 2, &mj, 2);
-        if constexpr (FiveBits) {
-          uint32_t bits = 0;
-          for (int l = 0; l < 32; ++l) bits |= static_cast<uint32_t>((s[16 + l] >> j) & 1) << l;
-          std::memcpy(o + 4, &bits, 4);
-        }
-        const uint8_t* qs = s + kQs + 32 * (j / 2);
-        const int shift = 4 * (j % 2);
-        for (int i = 0; i < 16; ++i) {
-          o[kOut - 16 + i] = static_cast<uint8_t>(((qs[i] >> shift) & 15) | (((qs[16 + i] >> shift) & 15) << 4));
-        }
-      }
-    }
-  });
-  return overflow ? at::empty({0}, raw.options()) : out;
-}
-
-at::Tensor q4_k_to_q4_1(const at::Tensor& raw) { return k_quant_to_legacy<false>(raw); }
-at::Tensor q5_k_to_q5_1(const at::Tensor& raw) { return k_quant_to_legacy<true>(raw); }
 
 // GGUF IQ4_XS rows [rows, nsb * 136] -> IQ4_NL rows [rows, nsb * 8 * 18]: sub-block j of a super-block (fp16 d,
 // uint16 scales_h, uint8 scales_l[4], qs[128]) has the 6-bit scale ls_j = low nibble j of scales_l | 2 bits j of
