@@ -525,28 +525,9 @@ def test_wrong_shape_is_listed(tmp_path: Path) -> None:
         load_gguf(tmp_path / "t.gguf")
 
 
-def test_iq4_xs_is_rewritten_as_iq4_nl() -> None:
-    """IQ4_XS rows as IQ4_NL rows with float16 scales."""
-    from kvgen.weights.quantized import rewrite_super_block
-
-    rng = np.random.default_rng(3)
-    raw = _random_kquant_bytes(12, 512, Q.IQ4_XS, rng)  # [12, 2 * 136]
-    result = rewrite_super_block(torch.from_numpy(raw), Q.IQ4_XS)
-    assert result is not None and result[1] == Q.IQ4_NL
-    out = result[0]
-    assert out.shape == (12, 2 * 144) and out.dtype == torch.uint8
-    want = dequantize(raw, Q.IQ4_XS)  # [12, 512] float32: ggml's exact values
-    got = dequantize(out.numpy(), Q.IQ4_NL)
-    # float16 scales: <= 2^-11 of a value; a misplaced nibble would be off by a 4-bit step (~1/15 of the range)
-    assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
-    big = raw.copy()
-    big[:, 0:2] = np.array([60000.0], dtype=np.float16).view(np.uint8)  # d * sc beyond float16
-    assert rewrite_super_block(torch.from_numpy(big), Q.IQ4_XS) is None
-
-
 def test_auto_keeps_blocks_and_reencodes_other_types_as_q8_0(tmp_path: Path) -> None:
-    """dtype=None (auto): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_NL/MXFP4 matrices keep their bytes,
-    IQ4_XS becomes IQ4_NL, every other type (float) becomes Q8_0, q/k/v of three types stack into one
+    """dtype=None (auto): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS/MXFP4 matrices keep their
+    bytes, every other type (float) becomes Q8_0, q/k/v of three types stack into one
     mixed weight, and the quantized model's logits stay close to the float32 model's."""
     from kvgen.models import build_model
     from kvgen.models.quant_linear import QuantLinear
@@ -560,9 +541,8 @@ def test_auto_keeps_blocks_and_reencodes_other_types_as_q8_0(tmp_path: Path) -> 
         blocks = compact[gguf_loader.gguf_to_kvgen_name(g)]
         assert isinstance(blocks, GGUFBlocks)
         own = qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL,
-                        Q.MXFP4)
-        rewritten = {Q.IQ4_XS: Q.IQ4_NL}
-        assert blocks.qtype == (qtype if own else rewritten.get(qtype, Q.Q8_0)), g
+                        Q.IQ4_XS, Q.MXFP4)
+        assert blocks.qtype == (qtype if own else Q.Q8_0), g
     assert not isinstance(compact["model.norm.weight"], GGUFBlocks)
     quant, ref = build_model(config, compact), build_model(config32, dense)
     assert all(isinstance(m, QuantLinear) for m in (quant.model.layers[0].self_attn.qkv_proj, quant.lm_head))
@@ -815,7 +795,7 @@ def test_smollm3_files_load_as_llama_files_with_nope_flags(tmp_path: Path) -> No
 
 def test_kernel_bytes_stay_views_of_the_file_until_packed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """dtype=None: a Q8_0 / Q6_K matrix that needs no change is a view of the mapped file (no copy), its pages
-    released once ``build_model`` has packed it; a rewritten (IQ4_XS) or row-permuted (llama q/k) one is a copy,
+    released once ``build_model`` has packed it; a row-permuted one (llama q/k) is a copy,
     released at load. Every tensor is released once, and the packed model computes the float32 model's logits."""
     from kvgen.models import build_model
     from kvgen.weights.quantized import GGUFBlocks
@@ -829,10 +809,9 @@ def test_kernel_bytes_stay_views_of_the_file_until_packed(tmp_path: Path, monkey
     config, compact, _ = load_gguf(tmp_path / "v.gguf", dtype=None)
     views = {name for name, b in compact.items() if isinstance(b, GGUFBlocks) and b.release}
     assert "model.layers.0.mlp.down_proj.weight" in views and "model.layers.0.self_attn.v_proj.weight" in views
-    assert "model.layers.1.mlp.up_proj.weight" not in views  # IQ4_XS rewritten as IQ4_NL
-    assert "model.layers.1.mlp.gate_proj.weight" in views  # Q4_K runs on its own bytes
+    assert {"model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.gate_proj.weight"} <= views  # IQ4_XS, Q4_K
     assert not {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"} & views
-    assert "blk.0.ffn_down.weight" not in released and "blk.1.ffn_up.weight" in released
+    assert not {"blk.0.ffn_down.weight", "blk.1.ffn_up.weight"} & set(released) and "blk.0.attn_q.weight" in released
     quant = build_model(config, compact)
     assert sorted(released) == sorted(_tiny_shapes())  # each once
     ref = build_model(*load_gguf(tmp_path / "v.gguf")[:2])

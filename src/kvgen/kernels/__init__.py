@@ -11,9 +11,9 @@ notice, never a crash). :func:`get_ops` returns whichever is in use.
 Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 
 * ``qgemm(x [M, K] f32, weight [G, nb, R] u8, weight_type, out_features, bias?, residual?) -> [M, N] f32``
-  (weight_type Q2, Q3, Q4, Q4_0, Q4_K, Q5, Q5_K, Q6, Q8, IQ4, MXFP4: x quantized per 32 values first; F16, BF16: x
-  as it is; MIXED: a [bytes] weight of quantized segments, ``pack_gguf_segments``; Q2, Q3, Q4_K and Q5_K weights
-  are [G, K / 256, R]: one record per 256-column super-block)
+  (weight_type Q2, Q3, Q4, Q4_0, Q4_K, Q5, Q5_K, Q6, Q8, IQ4, IQ4_XS, MXFP4: x quantized per 32 values first;
+  F16, BF16: x as it is; MIXED: a [bytes] weight of quantized segments, ``pack_gguf_segments``; Q2, Q3, Q4_K, Q5_K,
+  Q6 and IQ4_XS weights are [G, K / 256, R]: one record per 256-column super-block)
 * ``quantize_q8a(x [M, K] f32) -> [M, K / 32 * 40] u8``
 * ``dequantize_rows(weight, weight_type, ids [n] i64, in_features) -> [n, K] f32``
 * ``attention(q [B, H, T, D], k, v [B, Hkv, S, D], key_mask [B, S] bool?, past_len, scale) -> [B, T, H, D]``
@@ -41,8 +41,6 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 * ``paged_decoder_layers(x, weights, linears, eps, extras, layer_args, rope, k_pools, v_pools, slot_mapping,
   block_tables, query_start_loc, seq_lens, H, Hkv, scale, activation=0, softcap=0.0) -> [N, C]``: the same over a
   paged cache (``paged_attention_qkv``)
-* ``iq4_xs_to_iq4_nl(raw [rows, nsb * 136] u8) -> [rows, nsb * 144] u8``: GGUF IQ4_XS rows as IQ4_NL rows (scales
-  rounded to fp16), or an empty tensor when a scale overflows fp16
 * ``softmax_draw(logits [B, V] f32, temperature [B] f64, u [B] f64) -> [B] i64``: one id per row from
   softmax(logits / temperature) by inversion at u (the engine's draw, ``ops.sample_inverse_cdf``'s search)
 * ``moe_experts_row(h [1, C], gate_up [k] packed, gate_up_linears [2k], down [k] packed, down_linears [2k],
@@ -75,9 +73,9 @@ SOURCES = (
 )
 HEADERS = ("common.h", "vec_math.h", "aten_lite.h", "ops.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
-Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0, Q4_K, Q5_K = (
+Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0, Q4_K, Q5_K, IQ4_XS = (
     reference.Q4, reference.Q8, reference.F16, reference.BF16, reference.Q6, reference.MIXED, reference.Q5, reference.IQ4,
-    reference.Q2, reference.Q3, reference.MXFP4, reference.Q4_0, reference.Q4_K, reference.Q5_K)
+    reference.Q2, reference.Q3, reference.MXFP4, reference.Q4_0, reference.Q4_K, reference.Q5_K, reference.IQ4_XS)
 
 
 @dataclass(frozen=True)
@@ -97,7 +95,6 @@ class KernelOps:
     gelu_tanh_mul: Callable[[torch.Tensor], torch.Tensor]
     gpt_oss_glu: Callable[[torch.Tensor], torch.Tensor]
     repack_gguf: Callable[[list[torch.Tensor], int], torch.Tensor]
-    iq4_xs_to_iq4_nl: Callable[[torch.Tensor], torch.Tensor]
     static_attention: Callable[..., torch.Tensor]
     paged_attention_qkv: Callable[..., torch.Tensor]
     decoder_layers: Callable[..., torch.Tensor]
@@ -108,7 +105,7 @@ class KernelOps:
 
 _NAMES = (
     "qgemm", "quantize_q8a", "dequantize_rows", "attention", "paged_attention", "rms_norm", "rms_norm_heads_",
-    "rope_qkv_", "silu_mul", "gelu_tanh_mul", "gpt_oss_glu", "repack_gguf", "iq4_xs_to_iq4_nl", "static_attention",
+    "rope_qkv_", "silu_mul", "gelu_tanh_mul", "gpt_oss_glu", "repack_gguf", "static_attention",
     "paged_attention_qkv", "decoder_layers", "paged_decoder_layers", "softmax_draw", "moe_experts_row",
 )
 _REFERENCE = KernelOps("reference", *(getattr(reference, n) for n in _NAMES))
@@ -185,7 +182,7 @@ def pack_gguf_rows(qtype: str, parts: list[torch.Tensor]) -> tuple[int, torch.Te
     kernels' 8-row layout.
 
     qtype: one of ``reference.GGUF_TYPES`` (Q4_0, Q4_1, Q8_0, F16, BF16, Q6_K, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, MXFP4:
-    exponents in ``reference.MXFP4_EXPONENTS`` only, Q4_K, Q5_K);
+    exponents in ``reference.MXFP4_EXPONENTS`` only, Q4_K, Q5_K, IQ4_XS);
     parts: [rows_i, bytes per row] uint8 each, stacked in order (q, k, v). Raises ValueError for another type or a
     malformed byte count.
     """
@@ -224,6 +221,6 @@ def reference_ops() -> KernelOps:
 
 
 __all__ = [
-    "BF16", "F16", "IQ4", "MIXED", "MXFP4", "Q2", "Q3", "Q4", "Q4_0", "Q4_K", "Q5", "Q5_K", "Q6", "Q8", "KernelOps", "cache_dir", "get_ops",
+    "BF16", "F16", "IQ4", "IQ4_XS", "MIXED", "MXFP4", "Q2", "Q3", "Q4", "Q4_0", "Q4_K", "Q5", "Q5_K", "Q6", "Q8", "KernelOps", "cache_dir", "get_ops",
     "pack_gguf_rows", "pack_gguf_segments", "reference_ops",
 ]

@@ -13,10 +13,11 @@ Layouts (see ``csrc/common.h``): weights are repacked at load from GGUF blocks i
   row ``r``, column ``4j+i``; value = q * d.
 * Q5 record, 192 bytes (from ``block_q5_0`` / ``block_q5_1``): the Q4 record (Q5_0: m = -16 d), then
   ``qh[r][i]``: bit t = the fifth bit of column ``4t+i``, bit 4+t = that of column ``16+4t+i``.
-* Q6 record, 224 bytes (from ``block_q6_K``, 8 records per 256-column super-block): fp16 ``d[8]``, int8
-  ``sc[2][8]`` (per 16 columns), the 6-bit ``u = q + 32`` as low nibbles ``lo[t][r][i]`` (columns ``4t+i`` and
-  ``16+4t+i``, as Q4) and top bits ``hi[v][r][i]`` (columns ``8v+i``, ``16+8v+i``, ``8v+4+i``, ``16+8v+4+i`` at
-  bits 0, 2, 4, 6); value = d * sc * (u - 32).
+* Q6 record, 1680 bytes per 8 rows x 256 columns (one ``block_q6_K`` super-block per row): fp16 ``d[8]``, then per
+  32-column block k at ``208 k`` (offsets from there): int8 ``sc[2][8]`` at 16 (per 16 columns), the 6-bit
+  ``u = q + 32`` as low nibbles ``lo[t][r][i]`` at 32 (columns ``4t+i`` and ``16+4t+i``, as Q4) and top bits
+  ``hi[v][r][i]`` at 160 (columns ``8v+i``, ``16+8v+i``, ``8v+4+i``, ``16+8v+4+i`` at bits 0, 2, 4, 6); value =
+  d * sc * (u - 32).
 * Q2 / Q3 records, 672 / 912 bytes per 8 rows x 256 columns (one ``block_q2_K`` / ``block_q3_K`` super-block per
   row; ``csrc/common.h``): fp16 ``d[8]`` (Q2: and ``dmin[8]``), the scales per 16 columns ``[16][8]`` (Q2: the
   file's ``sc | m << 4`` bytes; Q3: int8 ``s - 32``), 2-bit planes (per block k and half h: bits 2s of byte
@@ -27,8 +28,10 @@ Layouts (see ``csrc/common.h``): weights are repacked at load from GGUF blocks i
   the Q4 record's ``qs``; value = d sc q - dmin m.
 * Q5_K record, 1440 bytes per 8 rows x 256 columns (from ``block_q5_K``): the Q4_K record's first 160 bytes, then per
   block k the Q5 record's ``qs`` and ``qh`` (160 bytes); value = d sc u - dmin m.
-* IQ4 record, 144 bytes (from ``block_iq4_nl``; IQ4_XS as IQ4_NL rows): fp16 ``d[8]``, then ``qs`` as the Q4
-  record's; value = d * IQ4_VALUES[nibble].
+* IQ4 record, 144 bytes (from ``block_iq4_nl``): fp16 ``d[8]``, then ``qs`` as the Q4 record's; value =
+  d * IQ4_VALUES[nibble].
+* IQ4_XS record, 1104 bytes per 8 rows x 256 columns (from ``block_iq4_xs``): fp16 ``d[8]``, int8 ``sc[8][8]``
+  (``[k][r]``: ls - 32 of block k), then per block k the IQ4 record's ``qs``; value = d * sc * IQ4_VALUES[nibble].
 * MXFP4 record, 144 bytes (from ``block_mxfp4``: an E8M0 exponent e, 16 bytes of FP4 indices): the IQ4 record with
   d = 2^(e - 128) (exact in fp16 for e in 104 .. 143) and value = d * MXFP4_VALUES[nibble].
 
@@ -51,11 +54,11 @@ from kvgen.sampling.ops import inverse_cdf_at
 BLOCK = 32  # values per quantization block
 ROWS = 8  # rows per interleaved group
 # weight_type codes of the ops
-Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0, Q4_K, Q5_K = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13
+Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0, Q4_K, Q5_K, IQ4_XS = range(15)
 MIXED_HEADER = 64  # bytes of int64 {S, nb, (weight_type, groups) x S} before a mixed weight's segments
-RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 224, F16: 512, BF16: 512, Q5: 192, IQ4: 144, Q2: 672, Q3: 912, MXFP4: 144,
-                Q4_0: 144, Q4_K: 1184, Q5_K: 1440}
-RECORD_BLOCKS = {Q2: 8, Q3: 8, Q4_K: 8, Q5_K: 8}  # 32-column blocks per record: one 256-column super-block (1 for the other types)
+RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 1680, F16: 512, BF16: 512, Q5: 192, IQ4: 144, Q2: 672, Q3: 912, MXFP4: 144,
+                Q4_0: 144, Q4_K: 1184, Q5_K: 1440, IQ4_XS: 1104}
+RECORD_BLOCKS = {Q2: 8, Q3: 8, Q4_K: 8, Q5_K: 8, Q6: 8, IQ4_XS: 8}  # 32-column blocks per record: one 256-column super-block (1 for the other types)
 # The values of IQ4_NL / IQ4_XS's 4-bit indices (ggml-common.h kvalues_iq4nl)
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # The values of an MXFP4 index: FP4 E2M1 (0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives) doubled (ggml-common.h
@@ -97,17 +100,17 @@ def repack_q4(raw: torch.Tensor, has_min: bool, zero_point: float = 8.0) -> torc
     return torch.cat([d, m, qs], dim=-1).contiguous()  # [G, nb, 160]
 
 
-# gguf_type codes 0-13 of repack_gguf
+# gguf_type codes 0-14 of repack_gguf
 GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "MXFP4", "Q4_K",
-              "Q5_K")
+              "Q5_K", "IQ4_XS")
 # bytes per GGUF block of each (32 values; the K types: 256)
 GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "BF16": 64, "Q6_K": 210, "Q5_0": 22, "Q5_1": 24,
                     "IQ4_NL": 18, "Q2_K": 84, "Q3_K": 110, "MXFP4": 17, "Q4_K": 144,
-                    "Q5_K": 176}
+                    "Q5_K": 176, "IQ4_XS": 136}
 # the weight_type each GGUF type's records are
 WEIGHT_TYPE_OF = {"Q4_0": Q4_0, "Q4_1": Q4, "Q8_0": Q8, "F16": F16, "BF16": BF16, "Q6_K": Q6, "Q5_0": Q5, "Q5_1": Q5,
                   "IQ4_NL": IQ4, "Q2_K": Q2, "Q3_K": Q3, "MXFP4": MXFP4, "Q4_K": Q4_K,
-                  "Q5_K": Q5_K}
+                  "Q5_K": Q5_K, "IQ4_XS": IQ4_XS}
 
 
 def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
@@ -115,8 +118,10 @@ def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
     [G, nb, R] uint8: Q4_0 records for Q4_0 (0), Q4 records for Q4_1 (1), Q8 records for Q8_0 (2), 16-bit records for F16 (3) and
     BF16 (4), Q6 records for Q6_K (5), Q5 records for Q5_0 (6) / Q5_1 (7), IQ4 records for IQ4_NL (8), Q2 / Q3
     records for Q2_K (9) / Q3_K (10), MXFP4 records for MXFP4 (11), Q4_K / Q5_K records for Q4_K (12) / Q5_K
-    (13). Raises ValueError for an MXFP4 exponent outside ``MXFP4_EXPONENTS``."""
+    (13), IQ4_XS records for IQ4_XS (14). Raises ValueError for an MXFP4 exponent outside ``MXFP4_EXPONENTS``."""
     raw = torch.cat(parts) if len(parts) > 1 else parts[0]  # [N, bytes]
+    if gguf_type == 14:
+        return repack_iq4_xs(raw)
     if gguf_type in (12, 13):
         return repack_k_quant(raw, five=gguf_type == 13)
     if gguf_type == 11:
@@ -319,7 +324,7 @@ def _q6_k_values(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 def repack_q6_k(raw: torch.Tensor) -> torch.Tensor:
-    """GGUF Q6_K rows ``[N, K / 256 * 210]`` uint8 -> Q6 records ``[G, K / 32, 224]`` uint8."""
+    """GGUF Q6_K rows ``[N, K / 256 * 210]`` uint8 -> Q6 records ``[G, K / 256, 1680]`` uint8 (module doc)."""
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % 210:
         raise ValueError(f"Q6_K rows must be uint8 [N, nsb * 210], got {raw.dtype} {list(raw.shape)}")
     u, scales, d = _q6_k_values(_pad_rows(raw))
@@ -329,27 +334,52 @@ def repack_q6_k(raw: torch.Tensor) -> torch.Tensor:
     top = (u >> 4).view(g, ROWS, nb, 2, 2, 2, 4)  # [G, r, nb, half, v, t % 2, i]
     hi = top[:, :, :, 0, :, 0] | (top[:, :, :, 1, :, 0] << 2) | (top[:, :, :, 0, :, 1] << 4) | (top[:, :, :, 1, :, 1] << 6)
     hi = hi.permute(0, 2, 3, 1, 4)  # [G, nb, v, r, i]
-    d8 = d.view(g, ROWS, -1, 1).expand(-1, -1, -1, 8).reshape(g, ROWS, nb)  # [G, r, nb]: each super-block's d
-    d8 = d8.transpose(1, 2).contiguous().view(torch.uint8)  # [G, nb, 16]
     sc = scales.view(g, ROWS, nb, 2).permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(g, nb, 16)  # [h][r]
-    return torch.cat([d8, sc, lo.reshape(g, nb, 128), hi.reshape(g, nb, 64)], dim=-1).contiguous()  # [G, nb, 224]
+    blocks = torch.cat([sc, lo.reshape(g, nb, 128), hi.reshape(g, nb, 64)], dim=-1)  # [G, nb, 208]
+    d = d.view(g, ROWS, nb // 8).transpose(1, 2).contiguous().view(torch.uint8)  # [G, nsb, 16]
+    return torch.cat([d, blocks.reshape(g, nb // 8, 8 * 208)], dim=-1).contiguous()  # [G, nsb, 1680]
 
 
-def iq4_xs_to_iq4_nl(raw: torch.Tensor) -> torch.Tensor:
-    """GGUF IQ4_XS rows [rows, nsb * 136] uint8 -> IQ4_NL rows [rows, nsb * 144] uint8: sub-block j's
-    d' = d * (ls_j - 32) rounded to float16, its 16 index bytes as they are; an empty tensor when a d' overflows
-    float16. Source: ggml ``dequantize_row_iq4_xs``."""
-    n = raw.numel() // 136
-    b = raw.view(n, 136)
-    d = b[:, 0:2].contiguous().view(torch.float16).float()  # [n, 1]
-    scales_h = b[:, 2:4].contiguous().view(torch.int16).long() & 0xFFFF  # [n, 1]
+def _q6_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """Q6 records [G, nsb, 1680] -> one 224-byte block per 32 columns [G, nsb * 8, 224] (each with its
+    super-block's d[8] in front), the form :func:`dequantize_packed` reads."""
+    g, nsb, _ = weight.shape
+    d = weight[..., :16].unsqueeze(2).expand(g, nsb, 8, 16)  # [G, nsb, k, 16]
+    return torch.cat([d, weight[..., 16:].reshape(g, nsb, 8, 208)], dim=-1).reshape(g, nsb * 8, 224)
+
+
+def _iq4_xs_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF IQ4_XS super-blocks [..., 136] uint8 -> the 8 sub-block scales ls_j - 32 [..., 8] int64 (ls_j: low
+    nibble j of scales_l | 2 bits j of scales_h << 4). Source: ggml ``dequantize_row_iq4_xs``."""
+    scales_h = blocks[..., 2:4].contiguous().view(torch.int16).long() & 0xFFFF  # [..., 1]
     j = torch.arange(8)
-    ls = ((b[:, 4 + j // 2].long() >> (4 * (j % 2))) & 15) | (((scales_h >> (2 * j)) & 3) << 4)  # [n, 8]
-    dj = (d * (ls - 32).float()).to(torch.float16)  # [n, 8]
-    if not torch.isfinite(dj).all():
-        return torch.empty(0, dtype=torch.uint8)
-    out = torch.cat([dj.view(torch.uint8).view(n, 8, 2), b[:, 8:].reshape(n, 8, 16)], dim=-1)  # [n, 8, 18]
-    return out.reshape(raw.shape[0], -1).contiguous()
+    return (((blocks[..., 4 + j // 2].long() >> (4 * (j % 2))) & 15) | (((scales_h >> (2 * j)) & 3) << 4)) - 32
+
+
+def repack_iq4_xs(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF IQ4_XS rows [N, nsb * 136] uint8 -> IQ4_XS records [G, nsb, 1104] uint8 (module doc)."""
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % 136:
+        raise ValueError(f"IQ4_XS rows must be uint8 [N, nsb * 136], got {raw.dtype} {list(raw.shape)}")
+    nsb = raw.shape[1] // 136
+    blocks = _pad_rows(raw).view(-1, ROWS, nsb, 136)  # [G, r, nsb, 136]
+    g = blocks.shape[0]
+    d = blocks[..., 0:2].transpose(1, 2).reshape(g, nsb, 16)  # [G, nsb, r 2]
+    sc = _pad_rows(_iq4_xs_scales(raw.view(-1, nsb, 136)).to(torch.int8).view(torch.uint8))  # [N_pad, nsb, k]
+    sc = sc.view(g, ROWS, nsb, 8).permute(0, 2, 3, 1).reshape(g, nsb, 64)  # [G, nsb, k r]: padding rows 0
+    qs = blocks[..., 8:].reshape(g, ROWS, nsb, 8, 4, 4).permute(0, 2, 3, 4, 1, 5).reshape(g, nsb, 1024)  # [k t r i]
+    return torch.cat([d, sc, qs], dim=-1).contiguous()  # [G, nsb, 1104]
+
+
+def _dequantize_iq4_xs(weight: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS records [G, nsb, 1104] -> float32 [G * 8, nsb * 256]: (d sc) IQ4_VALUES[nibble], as ggml
+    ``dequantize_row_iq4_xs``."""
+    g, nsb, _ = weight.shape
+    d = weight[..., :16].contiguous().view(torch.float16).float().view(g, nsb, 1, ROWS, 1, 1)  # [G, nsb, 1, r, 1, 1]
+    sc = weight[..., 16:80].contiguous().view(torch.int8).float().view(g, nsb, 8, ROWS, 1, 1)  # [G, nsb, k, r, 1, 1]
+    qs = weight[..., 80:].reshape(g, nsb, 8, 4, ROWS, 4).permute(0, 1, 2, 4, 3, 5).long()  # [G, nsb, k, r, t, i]
+    values = torch.tensor(IQ4_VALUES, dtype=torch.float32)[torch.stack([qs & 15, qs >> 4], dim=4)]  # [., h, t, i]
+    w = (d * sc).unsqueeze(-1) * values  # [G, nsb, k, r, h, t, i]
+    return w.permute(0, 3, 1, 2, 4, 5, 6).reshape(g * ROWS, nsb * 256)  # [N_pad, K]
 
 
 def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
@@ -427,6 +457,10 @@ def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
         return _dequantize_q23(weight, q3=weight_type == Q3)
     if weight_type in (Q4_K, Q5_K):
         return _dequantize_k_quant(weight, five=weight_type == Q5_K)
+    if weight_type == IQ4_XS:
+        return _dequantize_iq4_xs(weight)
+    if weight_type == Q6:
+        weight = _q6_blocks(weight)  # [G, nb, 224]
     g, nb, _ = weight.shape
     if weight_type in (F16, BF16):
         half = torch.float16 if weight_type == F16 else torch.bfloat16

@@ -38,11 +38,9 @@ from kvgen.weights.name_maps import (
 from kvgen.weights.quantized import (
     FLOAT16_TYPES,
     KERNEL_TYPES,
-    SUPER_BLOCK_REWRITES,
     GGUFBlocks,
     dense_to_q8_0,
     mxfp4_fits_float16,
-    rewrite_super_block,
 )
 
 Q = GGMLQuantizationType
@@ -70,8 +68,7 @@ def load_gguf(
 
     The state dict uses HF Llama names with matrices ``[out, in]`` in ``dtype``.
     ``dtype=None`` ("auto") on a file with quantized matrices keeps every matrix compact
-    as :class:`GGUFBlocks` (kernel types as stored, IQ4_XS rewritten as IQ4_NL:
-    ``weights.quantized``; every other type, float ones included, re-encoded as Q8_0) and loads vectors
+    as :class:`GGUFBlocks` (kernel types as stored: ``weights.quantized``; every other type, float ones included, re-encoded as Q8_0) and loads vectors
     (norms, biases) as float32; in a file of float matrices, F16 and BF16 ones stay as stored (the 16-bit kernels:
     the file's weights, unquantized activations) and F32 ones re-encode as Q8_0 beside them; a file of F32 matrices loads as
     float32 (``lm_head.weight`` only when the file has ``output.weight``; otherwise
@@ -202,29 +199,24 @@ def _check_expert_tensors(by_name: dict[str, ReaderTensor], stacks: dict[str, st
 
 def _compact_tensor(t: ReaderTensor, qk_heads: int | None, keep_16bit: bool,
                     release: Callable[[], None] = lambda: None) -> GGUFBlocks:
-    """A matrix as GGUFBlocks: its own bytes for kernel types (F16 / BF16 only with ``keep_16bit``), IQ4_XS
-    rewritten as IQ4_NL, else re-encoded as Q8_0. Kernel-type bytes that need no change (no
-    rewrite, no q/k row permutation) stay a view of the mapped file, with ``release`` (dropping its pages) called by
+    """A matrix as GGUFBlocks: its own bytes for kernel types (F16 / BF16 only with ``keep_16bit``), else
+    re-encoded as Q8_0. Kernel-type bytes that need no change (no
+    q/k row permutation) stay a view of the mapped file, with ``release`` (dropping its pages) called by
     whoever packs them: no copy of them is made (the copy took a quarter of a mixture-of-experts file's load); every
     other result is the tensor's own and ``release`` runs here."""
     own = t.tensor_type in KERNEL_TYPES and (keep_16bit or t.tensor_type not in FLOAT16_TYPES)
     out_features, in_features = _torch_shape(t)  # 2-D: the caller's check
     qtype = t.tensor_type
-    if own or qtype in SUPER_BLOCK_REWRITES:
+    if own:
         with warnings.catch_warnings():  # a read-only mapping: the kernels only read it
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(np.asarray(t.data).view(np.uint8).reshape(out_features, -1))  # [out, bytes]
         if qtype == Q.MXFP4 and not mxfp4_fits_float16(raw):  # a scale float16 does not hold
             own = False
-        elif qtype in SUPER_BLOCK_REWRITES:
-            rewritten = rewrite_super_block(raw, qtype)
-            own = rewritten is not None  # None: a scale beyond float16
-            raw, qtype = rewritten or (raw, qtype)
         elif not qk_heads:
             return GGUFBlocks(qtype, [raw], (out_features, in_features), release=(release,))
-        if own:
-            if qk_heads:
-                raw = reverse_permute_qk(raw, qk_heads)  # whole rows move: exact on the encoded bytes
+        else:
+            raw = reverse_permute_qk(raw, qk_heads)  # whole rows move: exact on the encoded bytes
             release()
             return GGUFBlocks(qtype, [raw], (out_features, in_features))
     blocks = dense_to_q8_0(dequantize_tensor(t, torch.float32, qk_heads))

@@ -14,20 +14,14 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType
 
-from kvgen.kernels import get_ops
-
 Q = GGMLQuantizationType
 # Types our kernels run from their own bytes (F16, BF16: in a file of float matrices; MXFP4 when its scales fit
-# float16, mxfp4_fits_float16); IQ4_XS is rewritten as IQ4_NL (rewrite_super_block),
-# every other type the gguf package can dequantize (the other IQ types, TQ1_0 / TQ2_0) is converted to Q8_0.
+# float16, mxfp4_fits_float16); every other type the gguf package can dequantize (the other IQ types, TQ1_0 / TQ2_0)
+# is converted to Q8_0.
 FLOAT16_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.F16, Q.BF16})
-KERNEL_TYPES: frozenset[GGMLQuantizationType] = (
-    frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.MXFP4})
-    | FLOAT16_TYPES)
-# 256-value super-block types rewritten as a kernel type at load: type -> (that type, the kernels' op). IQ4_XS
-# sub-blocks are IQ4_NL blocks with float16 scales.
-SUPER_BLOCK_REWRITES: dict[GGMLQuantizationType, tuple[GGMLQuantizationType, str]] = {
-    Q.IQ4_XS: (Q.IQ4_NL, "iq4_xs_to_iq4_nl")}
+KERNEL_TYPES: frozenset[GGMLQuantizationType] = frozenset({
+    Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4,
+}) | FLOAT16_TYPES
 
 
 _SEGMENT_TYPES = KERNEL_TYPES - FLOAT16_TYPES  # parts a mixed stack keeps as they are (they share quantized activations)
@@ -114,17 +108,3 @@ def mxfp4_fits_float16(raw: torch.Tensor) -> bool:
         return True
     low, high = torch.aminmax(e)  # one pass over the strided bytes
     return MXFP4_EXPONENTS[0] <= int(low) <= int(high) <= MXFP4_EXPONENTS[1]
-
-
-def rewrite_super_block(raw: torch.Tensor, qtype: GGMLQuantizationType
-                        ) -> tuple[torch.Tensor, GGMLQuantizationType] | None:
-    """GGUF IQ4_XS rows as IQ4_NL rows: uint8 [rows, cols / 256 * 136] -> [rows, cols / 32 * 18] and that type, or
-    None when a sub-block scale overflows float16 (``kernels.iq4_xs_to_iq4_nl``).
-
-    An IQ4_XS super-block holds 8 sub-blocks of 32 values, value = d * (ls_j - 32) * kvalues_iq4nl[q] (ls_j 6-bit),
-    which is IQ4_NL's d' * kvalues_iq4nl[q] with d' = d * (ls_j - 32) rounded to float16 (relative error <= 2^-11):
-    the 4-bit indices move as they are, 4.5 bits a weight on the IQ4 kernel. Source: ggml ``dequantize_row_iq4_xs``.
-    """
-    rewritten, op = SUPER_BLOCK_REWRITES[qtype]
-    out = getattr(get_ops(), op)(raw.contiguous())
-    return (out, rewritten) if out.numel() else None

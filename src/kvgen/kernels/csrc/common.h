@@ -16,16 +16,18 @@
 //   F16 record (512 bytes), from GGUF F16 rows: fp16 w[32][8]: w[c][r] = row r, column c (float32
 //     activations, not quantized: the file's weights times the activations as they are).
 //   BF16 record (512 bytes), from GGUF BF16 rows: the same with bfloat16 values.
-//   Q6 record (224 bytes), from GGUF block_q6_K (one super-block of 256 columns = 8 records):
-//     fp16 d[8] (each row's super-block scale), int8 sc[2][8] (sc[h][r]: the scale of columns
-//     16h .. 16h+15 of row r), then the 6-bit values u = q + 32 in [0, 63] (w = d * sc * (u - 32)):
-//     uint8 lo[4][8][4]: lo[t][r][i] = low nibble of column 4t+i | low nibble of column 16+4t+i << 4,
-//     uint8 hi[2][8][4]: hi[v][r][i] = the top 2 bits of columns 8v+i, 16+8v+i, 8v+4+i, 16+8v+4+i
-//     at bits 0, 2, 4, 6 (so hi[v] completes lo[2v] with bits 0-3 and lo[2v+1] with bits 4-7).
+//   Q6 record (1680 bytes per 8 rows x 256 columns: one GGUF block_q6_K super-block of each row): fp16 d[8] (each
+//     row's super-block scale), then per 32-column block k at 208k (so its fields sit at the offsets below from
+//     there, 16 .. 207): int8 sc[2][8] at 16 (sc[h][r]: the scale of columns 16h .. 16h+15 of row r), then the 6-bit
+//     values u = q + 32 in [0, 63] (w = d * sc * (u - 32)):
+//     uint8 lo[4][8][4] at 32: lo[t][r][i] = low nibble of column 4t+i | low nibble of column 16+4t+i << 4,
+//     uint8 hi[2][8][4] at 160: hi[v][r][i] = the top 2 bits of columns 8v+i, 16+8v+i, 8v+4+i, 16+8v+4+i
+//     at bits 0, 2, 4, 6 (so hi[v] completes lo[2v] with bits 0-3 and lo[2v+1] with bits 4-7). 6.5625 bits a
+//     weight, the file's (d once per super-block; it was repeated per 32 columns, 7 bits).
 //   Q5 record (192 bytes), from GGUF block_q5_0 / block_q5_1: the Q4
 //     record (fp16 d[8], fp16 m[8], qs[4][8][4] low nibbles; Q5_0 has m = -16 d), then uint8 qh[8][4]:
 //     qh[r][i] bit t = the high bit of column 4t+i, bit 4+t = that of column 16+4t+i (w = (nibble | 16 hb) d + m).
-//   IQ4 record (144 bytes), from GGUF block_iq4_nl (IQ4_XS as IQ4_NL rows, iq4_xs_to_iq4_nl): fp16 d[8], then
+//   IQ4 record (144 bytes), from GGUF block_iq4_nl: fp16 d[8], then
 //     qs[4][8][4] as the Q4 record's; w = d * kIQ4Values[nibble] (llama.cpp's kvalues_iq4nl, non-linear).
 //   MXFP4 record (144 bytes), from GGUF block_mxfp4 (E8M0 exponent e, 16 bytes of FP4 E2M1 indices): the IQ4
 //     record with d = 2^(e - 128) as fp16 (exact for e in 104 .. 143) and w = d * kMXFP4Values[nibble].
@@ -43,6 +45,9 @@
 //   Q5_K record (1440 bytes per 8 rows x 256 columns, from block_q5_K): the Q4_K record's 160 bytes of d, dmin, sc
 //     and m, then per block k at 160 + 160k the Q5 record's qs[4][8][4] and qh[8][4] (w = d sc u - dmin m): 5.625
 //     bits a weight.
+//   IQ4_XS record (1104 bytes per 8 rows x 256 columns, from block_iq4_xs): fp16 d[8], int8 sc[8][8] at 16 (sc[k][r]:
+//     ls - 32 of block k, the file's 6-bit scale), then per block k at 80 + 128k the IQ4 record's qs[4][8][4]
+//     (w = d sc kIQ4Values[nibble]): 4.3125 bits a weight.
 //   Mixed weight (a stacked matrix whose parts have different types, e.g. a Q4_K_M file's Q4_K q, k and
 //     Q6_K v): uint8 [bytes], a 64-byte header of int64 {S (1-3), nb, (weight_type, groups) x S}, then each
 //     segment's [groups, nb, record] records in order; every segment but the last fills whole groups.
@@ -62,7 +67,8 @@ constexpr int64_t kRows = 8;          // rows per interleaved group
 constexpr int64_t kQ4Record = 160;    // bytes per (group, block), Q4
 constexpr int64_t kQ8Record = 272;    // bytes per (group, block), Q8
 constexpr int64_t kF16Record = 512;   // bytes per (group, block), F16 and BF16
-constexpr int64_t kQ6Record = 224;    // bytes per (group, block), Q6
+constexpr int64_t kQ6Record = 1680;   // bytes per (group, super-block of 8 blocks), Q6
+constexpr int64_t kQ6Block = 208;     // bytes from one 32-column block of a Q6 record to the next
 constexpr int64_t kQ5Record = 192;    // bytes per (group, block), Q5
 constexpr int64_t kIQ4Record = 144;   // bytes per (group, block), IQ4 (and MXFP4)
 constexpr int64_t kQ40Record = 144;   // bytes per (group, block), Q4_0
@@ -70,11 +76,12 @@ constexpr int64_t kQ2Record = 672;    // bytes per (group, super-block of 8 bloc
 constexpr int64_t kQ3Record = 912;    // bytes per (group, super-block of 8 blocks), Q3
 constexpr int64_t kQ4KRecord = 1184;  // bytes per (group, super-block of 8 blocks), Q4_K
 constexpr int64_t kQ5KRecord = 1440;  // bytes per (group, super-block of 8 blocks), Q5_K
+constexpr int64_t kIQ4XSRecord = 1104;  // bytes per (group, super-block of 8 blocks), IQ4_XS
 constexpr int64_t kMixedHeader = 64;  // bytes before a mixed weight's segments
 
 enum WeightType : int64_t {
   kQ4 = 0, kQ8 = 1, kF16 = 2, kBF16 = 3, kQ6 = 4, kMixed = 5, kQ5 = 6, kIQ4 = 7, kQ2 = 8, kQ3 = 9, kMXFP4 = 10,
-  kQ40 = 11, kQ4K = 12, kQ5K = 13
+  kQ40 = 11, kQ4K = 12, kQ5K = 13, kIQ4XS = 14
 };
 
 // The 16 values a 4-bit IQ4_NL / IQ4_XS index stands for (ggml-common.h kvalues_iq4nl).
@@ -117,7 +124,8 @@ void q5_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, fl
 void q5k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);  // nb % 8 == 0
 // IQ4 and MXFP4 groups: `values` is the 16-entry table of the indices (kIQ4Values, kMXFP4Values).
 void iq4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out, const int8_t* values);
-// Q6, Q2 and Q3 also read each activation block's two half sums (bytes 0-15 in the low, 16-31 in the high int16 of
+void iq4xs_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);  // nb % 8 == 0
+// Q6 (nb a multiple of 8: whole super-block records), Q2 and Q3 also read each activation block's two half sums (bytes 0-15 in the low, 16-31 in the high int16 of
 // half_sums[m][b]), written for n blocks by activation_half_sums.
 void activation_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums);
 void q6_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,

@@ -16,7 +16,7 @@ namespace kvgen {
 namespace {
 
 int64_t record_bytes(int64_t weight_type) {
-  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kQ5K && weight_type != kMixed, "kvgen: unknown weight_type ",
+  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kIQ4XS && weight_type != kMixed, "kvgen: unknown weight_type ",
               weight_type);
   switch (weight_type) {
     case kQ4: return kQ4Record;
@@ -29,13 +29,17 @@ int64_t record_bytes(int64_t weight_type) {
     case kQ3: return kQ3Record;
     case kQ4K: return kQ4KRecord;
     case kQ5K: return kQ5KRecord;
+    case kIQ4XS: return kIQ4XSRecord;
     default: return kF16Record;
   }
 }
 
-// 32-column blocks per record: 8 for the super-block records (Q2, Q3, Q4_K, Q5_K), else 1.
+// 32-column blocks per record: 8 for the super-block records (Q2, Q3, Q4_K, Q5_K, Q6, IQ4_XS), else 1.
 int64_t record_blocks(int64_t weight_type) {
-  return weight_type == kQ2 || weight_type == kQ3 || weight_type == kQ4K || weight_type == kQ5K ? 8 : 1;
+  switch (weight_type) {
+    case kQ2: case kQ3: case kQ4K: case kQ5K: case kQ6: case kIQ4XS: return 8;
+    default: return 1;
+  }
 }
 
 // Types that read the activation blocks' half sums (their values carry an offset or a min per 16 columns).
@@ -75,7 +79,7 @@ std::vector<Segment> segments_of(const at::Tensor& weight, int64_t weight_type, 
   G = 0;
   for (int64_t i = 0; i < num; ++i) {
     const int64_t type = head[2 + 2 * i], groups = head[3 + 2 * i];
-    TORCH_CHECK(type >= kQ4 && type <= kQ5K && type != kMixed && type != kF16 && type != kBF16,
+    TORCH_CHECK(type >= kQ4 && type <= kIQ4XS && type != kMixed && type != kF16 && type != kBF16,
                 "kvgen: mixed weight segment of type ", type, " (quantized segments share the activations)");
     TORCH_CHECK(nb % record_blocks(type) == 0, "kvgen: mixed weight of ", nb, " blocks has a super-block segment");
     const int64_t rec = record_bytes(type) / record_blocks(type);
@@ -172,6 +176,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           case kQ40: q40_group(wg, a, mt, nb, o); break;
           case kQ4K: q4k_group(wg, a, mt, nb, o); break;
           case kQ5K: q5k_group(wg, a, mt, nb, o); break;
+          case kIQ4XS: iq4xs_group(wg, a, mt, nb, o); break;
           case kQ5: q5_group(wg, a, mt, nb, o); break;
           case kIQ4: iq4_group(wg, a, mt, nb, o, kIQ4Values); break;
           case kMXFP4: iq4_group(wg, a, mt, nb, o, kMXFP4Values); break;
@@ -232,6 +237,39 @@ void k_block_values(const uint8_t* rec, int64_t k, int64_t r, bool five, float* 
   }
 }
 
+// Row r's 32 values of block k (0-7) of an IQ4_XS super-block record: (d (ls - 32)) kIQ4Values[nibble], as ggml
+// dequantize_row_iq4_xs.
+void iq4xs_block_values(const uint8_t* rec, int64_t k, int64_t r, float* dst) {
+  uint16_t h;
+  std::memcpy(&h, rec + 2 * r, 2);
+  const float dl = _cvtsh_ss(h) * static_cast<float>(static_cast<int8_t>(rec[16 + 8 * k + r]));
+  for (int t = 0; t < 4; ++t) {
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t byte = rec[80 + 128 * k + 32 * t + 4 * r + i];
+      dst[4 * t + i] = dl * static_cast<float>(kIQ4Values[byte & 15]);
+      dst[16 + 4 * t + i] = dl * static_cast<float>(kIQ4Values[byte >> 4]);
+    }
+  }
+}
+
+// Row r's 32 values of block k (0-7) of a Q6 super-block record: d sc (u - 32), as ggml dequantize_row_q6_K.
+void q6_block_values(const uint8_t* rec, int64_t k, int64_t r, float* dst) {
+  uint16_t h;
+  std::memcpy(&h, rec + 2 * r, 2);
+  const float d = _cvtsh_ss(h);
+  const uint8_t* blk = rec + kQ6Block * k;
+  const auto* sc = reinterpret_cast<const int8_t*>(blk + 16);
+  for (int t = 0; t < 4; ++t) {
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t lo = blk[32 + 32 * t + 4 * r + i], hi = blk[160 + 32 * (t / 2) + 4 * r + i];
+      const int shift = 4 * (t & 1);  // hi holds t = 2v at bits 0-3, t = 2v + 1 at bits 4-7
+      const int u0 = (lo & 15) | (((hi >> shift) & 3) << 4), u1 = (lo >> 4) | (((hi >> (shift + 2)) & 3) << 4);
+      dst[4 * t + i] = d * static_cast<float>(sc[r]) * static_cast<float>(u0 - 32);
+      dst[16 + 4 * t + i] = d * static_cast<float>(sc[8 + r]) * static_cast<float>(u1 - 32);
+    }
+  }
+}
+
 // Rows `ids` of a repacked weight, dequantized: [n, in_features] float32 (embedding lookup).
 at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const at::Tensor& ids_in, int64_t in_features) {
   check_weight(weight, weight_type);
@@ -255,6 +293,14 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const 
           k_block_values(wp + (g * (nb / 8) + b / 8) * rec, b % 8, r, weight_type == kQ5K, dst);
           continue;
         }
+        if (weight_type == kIQ4XS) {  // block b % 8 of a super-block record
+          iq4xs_block_values(wp + (g * (nb / 8) + b / 8) * rec, b % 8, r, dst);
+          continue;
+        }
+        if (weight_type == kQ6) {  // block b % 8 of a super-block record
+          q6_block_values(wp + (g * (nb / 8) + b / 8) * rec, b % 8, r, dst);
+          continue;
+        }
         if (blocks == 8) {  // Q2, Q3: block b % 8 of a super-block record
           q23_block_values(wp + (g * (nb / 8) + b / 8) * rec, b % 8, r, weight_type == kQ3, dst);
           continue;
@@ -275,18 +321,7 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const 
           }
           continue;
         }
-        if (weight_type == kQ6) {
-          const auto* sc = reinterpret_cast<const int8_t*>(blk + 16);
-          for (int t = 0; t < 4; ++t) {
-            for (int i = 0; i < 4; ++i) {
-              const uint8_t lo = blk[32 + 32 * t + 4 * r + i], hi = blk[160 + 32 * (t / 2) + 4 * r + i];
-              const int shift = 4 * (t & 1);  // hi holds t = 2v at bits 0-3, t = 2v + 1 at bits 4-7
-              const int u0 = (lo & 15) | (((hi >> shift) & 3) << 4), u1 = (lo >> 4) | (((hi >> (shift + 2)) & 3) << 4);
-              dst[4 * t + i] = d * static_cast<float>(sc[r]) * static_cast<float>(u0 - 32);
-              dst[16 + 4 * t + i] = d * static_cast<float>(sc[8 + r]) * static_cast<float>(u1 - 32);
-            }
-          }
-        } else if (weight_type == kIQ4 || weight_type == kMXFP4) {
+        if (weight_type == kIQ4 || weight_type == kMXFP4) {
           const int8_t* values = weight_type == kIQ4 ? kIQ4Values : kMXFP4Values;
           for (int t = 0; t < 4; ++t) {
             for (int i = 0; i < 4; ++i) {
@@ -337,7 +372,6 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor");
   m.def("gpt_oss_glu(Tensor gate_up) -> Tensor");
   m.def("repack_gguf(Tensor[] parts, int gguf_type) -> Tensor");
-  m.def("iq4_xs_to_iq4_nl(Tensor raw) -> Tensor");
   m.def("static_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? key_mask, int past_len, "
         "int num_heads, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("paged_attention_qkv(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping, Tensor block_tables, "
@@ -368,7 +402,6 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("gelu_tanh_mul", &kvgen::gelu_tanh_mul);
   m.impl("gpt_oss_glu", &kvgen::gpt_oss_glu);
   m.impl("repack_gguf", &kvgen::repack_gguf);
-  m.impl("iq4_xs_to_iq4_nl", &kvgen::iq4_xs_to_iq4_nl);
   m.impl("static_attention", &kvgen::static_attention);
   m.impl("paged_attention_qkv", &kvgen::paged_attention_qkv);
   m.impl("decoder_layers", &kvgen::decoder_layers);

@@ -1,8 +1,7 @@
-// IQ4 (GGUF IQ4_NL repacked into 8-row groups, IQ4_XS rewritten as IQ4_NL rows; see common.h) and MXFP4 (the same
-// record, another table of values) times Q8A activations. Per 32-column block and group: 4 loads of 32 bytes hold the 8 rows' nibbles (low: columns 4t+i,
-// high: 16+4t+i, as the Q4 record); one pshufb per half turns the nibbles into their int8 values (kIQ4Values or
-// kMXFP4Values),
-// which are then a Q8 kernel's 4 columns x 8 rows: maddubs(|w|, sign(a, w)), madd to int32 per half (two int16
+// IQ4 (GGUF IQ4_NL repacked into 8-row groups; see common.h), MXFP4 (the same record, another table of values) and
+// IQ4_XS (super-block records: int8 scales ls - 32 under an fp16 d) times Q8A activations. Per 32-column block and
+// group: 4 loads of 32 bytes hold the 8 rows' nibbles (low: columns 4t+i, high: 16+4t+i, as the Q4 record); one
+// pshufb per half turns the nibbles into their int8 values (kIQ4Values or kMXFP4Values), which are then a Q8 kernel's 4 columns x 8 rows: maddubs(|w|, sign(a, w)), madd to int32 per half (two int16
 // pair sums of up to 2 * 127 * 127 could overflow), acc += dot * d_w * d_a.
 // Source: llama.cpp ggml_vec_dot_iq4_nl_q8_0 (the lookup by shuffle), our qgemm_q8.cpp (the products).
 // The arithmetic of a row does not depend on how many rows share the call.
@@ -15,14 +14,38 @@
 #ifndef KVGEN_IQ4_PREFETCH
 #define KVGEN_IQ4_PREFETCH 32
 #endif
+#ifndef KVGEN_IQ4XS_PREFETCH
+#define KVGEN_IQ4XS_PREFETCH 4
+#endif
 
 namespace kvgen {
 namespace {
 
+// sum[m]: int32 per row of the 8 rows' 4-bit indices qs[4][8][4] (the IQ4 record's layout), looked up in `values`,
+// times activation block b of row m, times `scale` (int16 pairs, the madd partner of the products: 1, or IQ4_XS's
+// ls - 32 of each row; |sum| <= 32 * 127 * 127 * 32 < 2^31).
+template <int MT>
+inline void iq4_sums(const uint8_t* qs, const BlockQ8A* const* a, int64_t b, __m256i values, __m256i scale,
+                     __m256i* sum) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int m = 0; m < MT; ++m) sum[m] = _mm256_setzero_si256();
+  for (int t = 0; t < 4; ++t) {
+    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
+    const __m256i lo = _mm256_shuffle_epi8(values, _mm256_and_si256(p, low4));
+    const __m256i hi = _mm256_shuffle_epi8(values, _mm256_and_si256(_mm256_srli_epi16(p, 4), low4));
+    const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* q = a[m][b].qs;
+      const __m256i plo = _mm256_maddubs_epi16(alo, _mm256_sign_epi8(bcast4(q + 4 * t), lo));
+      const __m256i phi = _mm256_maddubs_epi16(ahi, _mm256_sign_epi8(bcast4(q + 16 + 4 * t), hi));
+      sum[m] = _mm256_add_epi32(sum[m], _mm256_add_epi32(_mm256_madd_epi16(plo, scale), _mm256_madd_epi16(phi, scale)));
+      if constexpr (MT > 1) keep_in_register(sum[m]);  // one row: the tree GCC builds fits the registers
+    }
+  }
+}
+
 template <int MT>
 void iq4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out, const int8_t* table) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
   const __m256i values = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(table)));
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
@@ -32,23 +55,38 @@ void iq4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* con
     _mm_prefetch(ahead + 64, _MM_HINT_T0);
     _mm_prefetch(ahead + 128, _MM_HINT_T0);
     __m256i sum[MT];
-    for (int m = 0; m < MT; ++m) sum[m] = _mm256_setzero_si256();
-    for (int t = 0; t < 4; ++t) {
-      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 + 32 * t));
-      const __m256i lo = _mm256_shuffle_epi8(values, _mm256_and_si256(p, low4));
-      const __m256i hi = _mm256_shuffle_epi8(values, _mm256_and_si256(_mm256_srli_epi16(p, 4), low4));
-      const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
-      for (int m = 0; m < MT; ++m) {
-        const int8_t* q = a[m][b].qs;
-        const __m256i plo = _mm256_maddubs_epi16(alo, _mm256_sign_epi8(bcast4(q + 4 * t), lo));
-        const __m256i phi = _mm256_maddubs_epi16(ahi, _mm256_sign_epi8(bcast4(q + 16 + 4 * t), hi));
-        sum[m] = _mm256_add_epi32(sum[m], _mm256_add_epi32(_mm256_madd_epi16(plo, ones), _mm256_madd_epi16(phi, ones)));
-        if constexpr (MT > 1) keep_in_register(sum[m]);  // one row: the tree GCC builds fits the registers
-      }
-    }
+    iq4_sums<MT>(w + 16, a, b, values, _mm256_set1_epi16(1), sum);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
     for (int m = 0; m < MT; ++m) {
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
+}
+
+// IQ4_XS: one 1104-byte record per super-block; block k's indices at 80 + 128k, its int8 scale ls_k - 32 the madd
+// partner of the products (exact in int32), then acc += dot * d_w * d_a as IQ4.
+template <int MT>
+void iq4xs_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
+  const __m256i values = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nb / 8; ++sb, w += kIQ4XSRecord) {
+    const char* ahead = reinterpret_cast<const char*>(w) + KVGEN_IQ4XS_PREFETCH * kIQ4XSRecord;
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    for (int k = 0; k < 8; ++k) {
+      const int64_t b = 8 * sb + k;
+      _mm_prefetch(ahead + 138 * k, _MM_HINT_T0);  // a record ahead in 8 steps of 138 bytes (3 lines each)
+      _mm_prefetch(ahead + 138 * k + 64, _MM_HINT_T0);
+      _mm_prefetch(ahead + 138 * k + 128, _MM_HINT_T0);
+      // each row's ls - 32 in both int16 halves of its lane
+      const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 16 + 8 * k)));
+      const __m256i sc2 = _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc, 16));
+      __m256i sum[MT];
+      iq4_sums<MT>(w + 80 + 128 * k, a, b, values, sc2, sum);
+      for (int m = 0; m < MT; ++m) {
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
+      }
     }
   }
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
@@ -62,6 +100,15 @@ void iq4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, f
     case 2: iq4_tile<2>(w, a, nb, out, values); break;
     case 3: iq4_tile<3>(w, a, nb, out, values); break;
     default: iq4_tile<4>(w, a, nb, out, values); break;
+  }
+}
+
+void iq4xs_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
+  switch (mt) {
+    case 1: iq4xs_tile<1>(w, a, nb, out); break;
+    case 2: iq4xs_tile<2>(w, a, nb, out); break;
+    case 3: iq4xs_tile<3>(w, a, nb, out); break;
+    default: iq4xs_tile<4>(w, a, nb, out); break;
   }
 }
 

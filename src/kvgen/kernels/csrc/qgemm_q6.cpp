@@ -1,5 +1,5 @@
-// Q6 (GGUF Q6_K repacked into 8-row groups, see common.h) times Q8A activations: the file's own 6-bit
-// weights, w = d * sc * (u - 32). Per 32-column block and group: 4 loads of low nibbles and 2 of high bits
+// Q6 (GGUF Q6_K repacked into 8-row groups, one record per 256-column super-block, see common.h) times Q8A
+// activations: the file's own 6-bit weights, w = d * sc * (u - 32). Per 32-column block and group: 4 loads of low nibbles and 2 of high bits
 // give 8 vectors of 6-bit u (4 columns x 8 rows each); maddubs(u, a) against 4 broadcast activation bytes,
 // two summed in int16 (2 * 2 * 63 * 127 = 32,004 < 32,767), then madd with the row's int8 scale of that
 // 16-column half h: sum_h sc_h * S_h in int32. Minus 32 * sum_h sc_h * A_h (A_h: the half's activation sum,
@@ -13,7 +13,7 @@
 #include "common.h"
 
 #ifndef KVGEN_Q6_PREFETCH
-#define KVGEN_Q6_PREFETCH 24
+#define KVGEN_Q6_PREFETCH 3
 #endif
 
 namespace kvgen {
@@ -25,43 +25,48 @@ void q6_tile(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* h
   const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30), low16 = _mm256_set1_epi32(0xFFFF);
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, w += kQ6Record) {
+  for (int64_t sb = 0; sb < nb / 8; ++sb, w += kQ6Record) {
     const char* ahead = reinterpret_cast<const char*>(w) + KVGEN_Q6_PREFETCH * kQ6Record;
-    for (int c = 0; c < kQ6Record; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
-    __m256i u0[4], u1[4];  // columns 4t+i (half 0) and 16+4t+i (half 1), 8 rows
-    const __m256i h[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 160)),
-                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 192))};
-    for (int t = 0; t < 4; ++t) {
-      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 + 32 * t));
-      const __m256i hv = h[t >> 1];
-      const __m256i b0 = (t & 1) ? hv : _mm256_slli_epi16(hv, 4);  // bits 4-5 of each byte: u >> 4
-      const __m256i b1 = (t & 1) ? _mm256_srli_epi16(hv, 2) : _mm256_slli_epi16(hv, 2);
-      u0[t] = _mm256_or_si256(_mm256_and_si256(p, low4), _mm256_and_si256(b0, top2));
-      u1[t] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p, 4), low4), _mm256_and_si256(b1, top2));
-    }
-    // per row r (int32 lane r): sc_h[r] in both int16 halves (madd partners of the pair sums), and the pair
-    // (sc_0[r], sc_1[r]) (madd partner of the activation half sums)
-    const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 16)));
-    const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 24)));
-    const __m256i sc0x2 = _mm256_or_si256(_mm256_and_si256(sc0, low16), _mm256_slli_epi32(sc0, 16));
-    const __m256i sc1x2 = _mm256_or_si256(_mm256_and_si256(sc1, low16), _mm256_slli_epi32(sc1, 16));
-    const __m256i sc01 = _mm256_or_si256(_mm256_and_si256(sc0, low16), _mm256_slli_epi32(sc1, 16));
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    for (int m = 0; m < MT; ++m) {
-      const int8_t* q = a[m][b].qs;
-      __m256i dot = _mm256_setzero_si256();  // sum_h sc_h * S_h: pairs of products summed in int16, then madd
-      for (int t = 0; t < 4; t += 2) {
-        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_add_epi16(
-            _mm256_maddubs_epi16(u0[t], bcast4(q + 4 * t)), _mm256_maddubs_epi16(u0[t + 1], bcast4(q + 4 * t + 4))), sc0x2));
-        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_add_epi16(
-            _mm256_maddubs_epi16(u1[t], bcast4(q + 16 + 4 * t)), _mm256_maddubs_epi16(u1[t + 1], bcast4(q + 20 + 4 * t))),
-            sc1x2));
-        if constexpr (MT > 1) keep_in_register(dot);  // one row: the tree GCC builds fits the registers
+    for (int k = 0; k < 8; ++k) {
+      const int64_t b = 8 * sb + k;
+      const uint8_t* blk = w + kQ6Block * k;  // sc at 16, lo at 32, hi at 160
+      for (int c = 0; c < 256; c += 64) _mm_prefetch(ahead + 210 * k + c, _MM_HINT_T0);  // a record in 8 steps
+      __m256i u0[4], u1[4];  // columns 4t+i (half 0) and 16+4t+i (half 1), 8 rows
+      const __m256i h[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 160)),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 192))};
+      for (int t = 0; t < 4; ++t) {
+        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 32 * t));
+        const __m256i hv = h[t >> 1];
+        const __m256i b0 = (t & 1) ? hv : _mm256_slli_epi16(hv, 4);  // bits 4-5 of each byte: u >> 4
+        const __m256i b1 = (t & 1) ? _mm256_srli_epi16(hv, 2) : _mm256_slli_epi16(hv, 2);
+        u0[t] = _mm256_or_si256(_mm256_and_si256(p, low4), _mm256_and_si256(b0, top2));
+        u1[t] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p, 4), low4), _mm256_and_si256(b1, top2));
       }
-      // minus 32 * (sc_0 A_0 + sc_1 A_1): u = q + 32, A_h the activation half sums (int16 pair per block)
-      const __m256i corr = _mm256_madd_epi16(sc01, _mm256_set1_epi32(half_sums[m][b]));
-      dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(corr, 5));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
+      // per row r (int32 lane r): sc_h[r] in both int16 halves (madd partners of the pair sums), and the pair
+      // (sc_0[r], sc_1[r]) (madd partner of the activation half sums)
+      const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 16)));
+      const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 24)));
+      const __m256i sc0x2 = _mm256_or_si256(_mm256_and_si256(sc0, low16), _mm256_slli_epi32(sc0, 16));
+      const __m256i sc1x2 = _mm256_or_si256(_mm256_and_si256(sc1, low16), _mm256_slli_epi32(sc1, 16));
+      const __m256i sc01 = _mm256_or_si256(_mm256_and_si256(sc0, low16), _mm256_slli_epi32(sc1, 16));
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* q = a[m][b].qs;
+        __m256i dot = _mm256_setzero_si256();  // sum_h sc_h * S_h: pairs of products summed in int16, then madd
+        for (int t = 0; t < 4; t += 2) {
+          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_add_epi16(
+              _mm256_maddubs_epi16(u0[t], bcast4(q + 4 * t)), _mm256_maddubs_epi16(u0[t + 1], bcast4(q + 4 * t + 4))),
+              sc0x2));
+          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_add_epi16(
+              _mm256_maddubs_epi16(u1[t], bcast4(q + 16 + 4 * t)), _mm256_maddubs_epi16(u1[t + 1], bcast4(q + 20 + 4 * t))),
+              sc1x2));
+          if constexpr (MT > 1) keep_in_register(dot);  // one row: the tree GCC builds fits the registers
+        }
+        // minus 32 * (sc_0 A_0 + sc_1 A_1): u = q + 32, A_h the activation half sums (int16 pair per block)
+        const __m256i corr = _mm256_madd_epi16(sc01, _mm256_set1_epi32(half_sums[m][b]));
+        dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(corr, 5));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
+      }
     }
   }
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);

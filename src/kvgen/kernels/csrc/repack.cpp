@@ -6,13 +6,12 @@
 // bytes of indices into kIQ4Values), 9 = Q2_K, 10 = Q3_K, 11 = MXFP4 (uint8 E8M0 exponent e, 16 nibble bytes of
 // indices into kMXFP4Values; exponents outside 104 .. 143 are refused), 12 = Q4_K (fp16 d, dmin, 12 bytes of 6-bit
 // scales and mins, 128 nibble bytes per 256 values), 13 = Q5_K (the same with 32 bytes of high bits before the
-// nibbles). Rows are numbered across parts; missing rows
+// nibbles), 14 = IQ4_XS (fp16 d, uint16 scales_h, uint8 scales_l[4], 128 bytes of indices per 256 values). Rows are numbered across parts; missing rows
 // of the last group are zero (scale 0). Source: ggml-common.h block_q4_0 / block_q4_1 / block_q8_0 /
 // block_q6_K / block_iq4_nl / block_mxfp4 / block_q4_K / block_q5_K, ggml-quants.c dequantize_row_q6_K /
-// dequantize_row_mxfp4 / dequantize_row_q4_K / dequantize_row_q5_K.
+// dequantize_row_mxfp4 / dequantize_row_q4_K / dequantize_row_q5_K / dequantize_row_iq4_xs.
 #include <immintrin.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -26,7 +25,8 @@ namespace {
 
 constexpr int64_t kQ6KBlock = 210;  // bytes per 256 values (block_q6_K)
 
-// One row's Q6_K super-block s (256 values) into its 8 Q6 records d[0..7] (each kQ6Record apart), as row r.
+// One row's Q6_K super-block s (256 values) into its Q6 record d as row r: d once, each 32-column block's fields
+// at kQ6Block * j (sc at 16, lo at 32, hi at 160 from there).
 void repack_q6_k(const uint8_t* s, int64_t r, uint8_t* d) {
   const uint8_t* ql = s;
   const uint8_t* qh = s + 128;
@@ -41,9 +41,9 @@ void repack_q6_k(const uint8_t* s, int64_t r, uint8_t* d) {
       u[128 * n + l + 96] = (ql[64 * n + l + 32] >> 4) | (((h >> 6) & 3) << 4);
     }
   }
-  for (int j = 0; j < 8; ++j, d += kQ6Record) {
-    const uint8_t* c = u + 32 * j;  // this record's 32 columns
-    std::memcpy(d + 2 * r, s + 208, 2);  // d
+  std::memcpy(d + 2 * r, s + 208, 2);  // d
+  for (int j = 0; j < 8; ++j, d += kQ6Block) {
+    const uint8_t* c = u + 32 * j;  // this block's 32 columns
     d[16 + r] = sc[2 * j];
     d[24 + r] = sc[2 * j + 1];
     for (int t = 0; t < 4; ++t) {
@@ -155,12 +155,26 @@ void repack_k(const uint8_t* s, int64_t r, uint8_t* d, bool five) {
   }
 }
 
+// One row's IQ4_XS super-block s (256 values) into its IQ4_XS record d as row r (layout in common.h): sub-block j's
+// scale ls_j = low (j even) or high (j odd) nibble of scales_l[j / 2] | bits 2j .. 2j+1 of scales_h << 4, its 16
+// index bytes (byte i: values i and 16 + i) as the IQ4 record's.
+void repack_iq4_xs(const uint8_t* s, int64_t r, uint8_t* d) {
+  std::memcpy(d + 2 * r, s, 2);  // d
+  uint16_t scales_h;
+  std::memcpy(&scales_h, s + 2, 2);
+  for (int k = 0; k < 8; ++k) {
+    const int ls = ((s[4 + k / 2] >> (4 * (k % 2))) & 15) | (((scales_h >> (2 * k)) & 3) << 4);
+    d[16 + 8 * k + r] = static_cast<uint8_t>(static_cast<int8_t>(ls - 32));
+    for (int t = 0; t < 4; ++t) std::memcpy(d + 80 + 128 * k + 32 * t + 4 * r, s + 8 + 16 * k + 4 * t, 4);
+  }
+}
+
 }  // namespace
 
 at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) {
-  TORCH_CHECK(gguf_type >= 0 && gguf_type <= 13, "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), "
-              "3 (F16), 4 (BF16), 5 (Q6_K), 6 (Q5_0), 7 (Q5_1), 8 (IQ4_NL), 9 (Q2_K), 10 (Q3_K), 11 (MXFP4), 12 (Q4_K) "
-              "or 13 (Q5_K)");
+  TORCH_CHECK(gguf_type >= 0 && gguf_type <= 14, "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), "
+              "3 (F16), 4 (BF16), 5 (Q6_K), 6 (Q5_0), 7 (Q5_1), 8 (IQ4_NL), 9 (Q2_K), 10 (Q3_K), 11 (MXFP4), 12 (Q4_K), "
+              "13 (Q5_K) or 14 (IQ4_XS)");
   TORCH_CHECK(!parts.empty(), "kvgen.repack_gguf: no rows");
   const bool is_16bit = gguf_type == 3 || gguf_type == 4;  // F16, BF16
   const bool is_q6 = gguf_type == 5, is_q5 = gguf_type == 6 || gguf_type == 7, is_mxfp4 = gguf_type == 11;
@@ -168,12 +182,13 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
   const bool is_iq4 = gguf_type == 8 || is_mxfp4 || gguf_type == 0;
   // one record per 256 columns
   const bool is_q23 = gguf_type == 9 || gguf_type == 10, is_k = gguf_type == 12 || gguf_type == 13;
-  constexpr int64_t kSrcBlock[] = {18, 20, 34, 64, 64, kQ6KBlock, 22, 24, 18, 84, 110, 17, 144, 176};  // bytes/block
+  const bool is_iq4xs = gguf_type == 14;
+  constexpr int64_t kSrcBlock[] = {18, 20, 34, 64, 64, kQ6KBlock, 22, 24, 18, 84, 110, 17, 144, 176, 136};  // bytes
   const int64_t src_block = kSrcBlock[gguf_type];
   const int64_t rec = gguf_type == 2 ? kQ8Record : is_16bit ? kF16Record : is_q6 ? kQ6Record : is_q5 ? kQ5Record
                       : is_iq4 ? kIQ4Record : is_q23 ? (gguf_type == 9 ? kQ2Record : kQ3Record)
-                      : is_k ? (gguf_type == 12 ? kQ4KRecord : kQ5KRecord) : kQ4Record;
-  const int64_t row_bytes = parts[0].size(1), nb = row_bytes / src_block * (is_q6 ? 8 : 1);
+                      : is_k ? (gguf_type == 12 ? kQ4KRecord : kQ5KRecord) : is_iq4xs ? kIQ4XSRecord : kQ4Record;
+  const int64_t row_bytes = parts[0].size(1), nb = row_bytes / src_block;  // records per row
   int64_t rows = 0;
   for (const auto& p : parts) {
     TORCH_CHECK(p.dtype() == at::kByte && p.dim() == 2 && p.is_contiguous() && p.size(1) == row_bytes &&
@@ -195,10 +210,12 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
     for (int64_t g = g_begin; g < g_end; ++g)
       for (int64_t r = 0; r < kRows && g * kRows + r < rows; ++r) {
         const uint8_t* src = row_ptr[g * kRows + r];
-        if (is_q23 || is_k) {  // one record per super-block
+        if (is_q23 || is_k || is_iq4xs) {  // one record per super-block
           for (int64_t sb = 0; sb < nb; ++sb) {
             uint8_t* d = dst + (g * nb + sb) * rec;
-            if (is_k) {
+            if (is_iq4xs) {
+              repack_iq4_xs(src + sb * src_block, r, d);
+            } else if (is_k) {
               repack_k(src + sb * src_block, r, d, gguf_type == 13);
             } else {
               repack_q23_k(src + sb * src_block, r, d, gguf_type == 10);
@@ -206,10 +223,8 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
           }
           continue;
         }
-        if (is_q6) {  // 8 records per super-block
-          for (int64_t sb = 0; sb < nb / 8; ++sb) {
-            repack_q6_k(src + sb * kQ6KBlock, r, dst + (g * nb + 8 * sb) * rec);
-          }
+        if (is_q6) {  // one record per super-block
+          for (int64_t sb = 0; sb < nb; ++sb) repack_q6_k(src + sb * kQ6KBlock, r, dst + (g * nb + sb) * rec);
           continue;
         }
         for (int64_t b = 0; b < nb; ++b) {
@@ -258,39 +273,6 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
       }
   });
   return out;
-}
-
-// GGUF IQ4_XS rows [rows, nsb * 136] -> IQ4_NL rows [rows, nsb * 8 * 18]: sub-block j of a super-block (fp16 d,
-// uint16 scales_h, uint8 scales_l[4], qs[128]) has the 6-bit scale ls_j = low nibble j of scales_l | 2 bits j of
-// scales_h << 4 and values d * (ls_j - 32) * kIQ4Values[q], so it is an IQ4_NL block with d' = d * (ls_j - 32)
-// rounded to fp16 and the same 16 index bytes. An empty tensor when a d' overflows fp16. Source: ggml
-// dequantize_row_iq4_xs.
-at::Tensor iq4_xs_to_iq4_nl(const at::Tensor& raw) {
-  TORCH_CHECK(raw.dtype() == at::kByte && raw.dim() == 2 && raw.is_contiguous() && raw.size(1) % 136 == 0,
-              "kvgen.iq4_xs_to_iq4_nl: raw must be contiguous uint8 [rows, nsb * 136]");
-  const int64_t n = raw.numel() / 136;  // super-blocks
-  at::Tensor out = at::empty({raw.size(0), raw.size(1) / 136 * 8 * 18}, raw.options());
-  const uint8_t* src = raw.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  std::atomic<bool> overflow{false};
-  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      const uint8_t* s = src + 136 * k;
-      uint8_t* o = dst + 8 * 18 * k;
-      uint16_t h, scales_h;
-      std::memcpy(&h, s, 2);
-      std::memcpy(&scales_h, s + 2, 2);
-      const float d = _cvtsh_ss(h);
-      for (int j = 0; j < 8; ++j, o += 18) {
-        const int ls = ((s[4 + j / 2] >> (4 * (j % 2))) & 15) | (((scales_h >> (2 * j)) & 3) << 4);
-        const uint16_t dj = _cvtss_sh(d * static_cast<float>(ls - 32), _MM_FROUND_TO_NEAREST_INT);
-        if ((dj & 0x7C00) == 0x7C00) overflow = true;  // inf (or a NaN input)
-        std::memcpy(o, &dj, 2);
-        std::memcpy(o + 2, s + 8 + 16 * j, 16);
-      }
-    }
-  });
-  return overflow ? at::empty({0}, raw.options()) : out;
 }
 
 }  // namespace kvgen
