@@ -209,7 +209,7 @@ def repack_k_quant(raw: torch.Tensor, five: bool) -> torch.Tensor:
     size, at = (176, 48) if five else (144, 16)  # bytes per super-block, offset of the nibbles
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % size:
         raise ValueError(f"Q{5 if five else 4}_K rows must be uint8 [N, nsb * {size}], got {raw.dtype} {list(raw.shape)}")
-    n, nsb = raw.shape[0], raw.shape[1] // size
+    nsb = raw.shape[1] // size
     blocks = _pad_rows(raw).view(-1, ROWS, nsb, size)  # [G, r, nsb, size]
     g = blocks.shape[0]
     sc, mn = (torch.from_numpy(x.astype(np.uint8)).view(g, ROWS, nsb, 8)  # [G, r, nsb, k]

@@ -110,6 +110,37 @@ inline __m256i bcast4(const int8_t* p) {
 // spilled to the stack at MT = 4 (the prefill tiles); at MT = 1 the tree fits and is faster than the chain.
 inline void keep_in_register(__m256i& v) { asm volatile("" : "+x"(v)); }
 
+// The Q4_K and Q5_K tiles: MT activation rows against one group's super-block records of kRecord bytes (fp16 d at 0,
+// dmin at 16, byte scales sc[k][r] at 32 and mins m[k][r] at 96). dots(w, k, b, dot) gives block k's int32 dot per
+// row; per block the rows' d sc and dmin m in fp32 (shared by the MT rows), then per row acc += dot (d sc) d_a -
+// (dmin m) s_a: Q4's two fmadds and registers (accumulating d sum_k sc_k dot_k per row instead spilled at MT = 4).
+template <int MT, int64_t kRecord, int64_t kPrefetchRecords, class Dots>
+inline void k_quant_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out, Dots dots) {
+  constexpr int64_t kStep = kRecord / 8;  // prefetch a record ahead in 8 steps
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nb / 8; ++sb, w += kRecord) {
+    const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchRecords * kRecord;
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+    for (int k = 0; k < 8; ++k) {
+      const int64_t b = 8 * sb + k;
+      for (int64_t c = 0; c < kStep; c += 64) _mm_prefetch(ahead + kStep * k + c, _MM_HINT_T0);
+      __m256i dot[MT];
+      dots(w, k, b, dot);
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 32 + 8 * k)))));
+      const __m256 mn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 96 + 8 * k)))));
+      for (int m = 0; m < MT; ++m) {
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(scale, _mm256_set1_ps(a[m][b].d)), acc[m]);
+        acc[m] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(a[m][b].s), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
+}
+
 // Quantize one row of K floats (K % 32 == 0) into K / 32 blocks.
 void quantize_row_q8a(const float* x, BlockQ8A* y, int64_t K);
 

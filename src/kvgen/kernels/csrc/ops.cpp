@@ -289,20 +289,14 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const 
       const int64_t g = ip[k] / kRows, r = ip[k] % kRows;
       float* dst = op + k * in_features;
       for (int64_t b = 0; b < nb; ++b, dst += kBlock) {
-        if (weight_type == kQ4K || weight_type == kQ5K) {  // block b % 8 of a super-block record
-          k_block_values(wp + (g * (nb / 8) + b / 8) * rec, b % 8, r, weight_type == kQ5K, dst);
-          continue;
-        }
-        if (weight_type == kIQ4XS) {  // block b % 8 of a super-block record
-          iq4xs_block_values(wp + (g * (nb / 8) + b / 8) * rec, b % 8, r, dst);
-          continue;
-        }
-        if (weight_type == kQ6) {  // block b % 8 of a super-block record
-          q6_block_values(wp + (g * (nb / 8) + b / 8) * rec, b % 8, r, dst);
-          continue;
-        }
-        if (blocks == 8) {  // Q2, Q3: block b % 8 of a super-block record
-          q23_block_values(wp + (g * (nb / 8) + b / 8) * rec, b % 8, r, weight_type == kQ3, dst);
+        if (blocks == 8) {  // block b % 8 of a super-block record
+          const uint8_t* sb = wp + (g * (nb / 8) + b / 8) * rec;
+          switch (weight_type) {
+            case kQ4K: case kQ5K: k_block_values(sb, b % 8, r, weight_type == kQ5K, dst); break;
+            case kIQ4XS: iq4xs_block_values(sb, b % 8, r, dst); break;
+            case kQ6: q6_block_values(sb, b % 8, r, dst); break;
+            default: q23_block_values(sb, b % 8, r, weight_type == kQ3, dst); break;
+          }
           continue;
         }
         const uint8_t* blk = wp + (g * nb + b) * rec;

@@ -71,37 +71,14 @@ void q4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* cons
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
 }
 
-// Q4_K: one 1184-byte record per super-block (8 blocks of 32 columns). Per block, the rows' d sc and dmin m in fp32
-// (shared by the MT activation rows), then Q4's two fmadds per row: the registers of Q4's tile (accumulating
-// d sum_k sc_k dot_k per row instead spilled at MT = 4 and made prefill slower than Q4_1's).
+// Q4_K: block k's nibbles at 160 + 128k of a super-block record (k_quant_tile in common.h).
 template <int MT>
 void q4k_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t sb = 0; sb < nb / 8; ++sb, w += kQ4KRecord) {
-    const char* ahead = reinterpret_cast<const char*>(w) + KVGEN_Q4K_PREFETCH * kQ4KRecord;
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
-    for (int k = 0; k < 8; ++k) {
-      const int64_t b = 8 * sb + k;
-      _mm_prefetch(ahead + 148 * k, _MM_HINT_T0);  // a record ahead in 8 steps of 148 bytes (3 lines each)
-      _mm_prefetch(ahead + 148 * k + 64, _MM_HINT_T0);
-      _mm_prefetch(ahead + 148 * k + 128, _MM_HINT_T0);
-      __m256i sum[MT];
-      nibble_sums<MT>(w + 160 + 128 * k, a, b, sum);
-      const __m256 scale = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 32 + 8 * k)))));
-      const __m256 mn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 96 + 8 * k)))));
-      for (int m = 0; m < MT; ++m) {
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[m], ones));
-        acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(a[m][b].d)), acc[m]);
-        acc[m] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(a[m][b].s), acc[m]);
-      }
-    }
-  }
-  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
+  k_quant_tile<MT, kQ4KRecord, KVGEN_Q4K_PREFETCH>(w, a, nb, out, [a](const uint8_t* r, int k, int64_t b, __m256i* dot) {
+    __m256i sum[MT];
+    nibble_sums<MT>(r + 160 + 128 * k, a, b, sum);
+    for (int m = 0; m < MT; ++m) dot[m] = _mm256_madd_epi16(sum[m], _mm256_set1_epi16(1));
+  });
 }
 
 template <bool HasMin>

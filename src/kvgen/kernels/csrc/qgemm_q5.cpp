@@ -82,34 +82,12 @@ void q5_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* cons
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
 }
 
-// Q5_K: one 1440-byte record per super-block; block k's nibbles and high bits are the Q5 record's at 32 .. 191 of
-// a record that starts at 128 + 160k, and its d_w = d sc_k, m_w = -dmin m_k in fp32 (as the Q4_K tile).
+// Q5_K: block k's nibbles and high bits are the Q5 record's at 32 .. 191 of a record that starts at 128 + 160k of a
+// super-block record (k_quant_tile in common.h).
 template <int MT>
 void q5k_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
-  __m256 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t sb = 0; sb < nb / 8; ++sb, w += kQ5KRecord) {
-    const char* ahead = reinterpret_cast<const char*>(w) + KVGEN_Q5K_PREFETCH * kQ5KRecord;
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
-    for (int k = 0; k < 8; ++k) {
-      const int64_t b = 8 * sb + k;
-      _mm_prefetch(ahead + 180 * k, _MM_HINT_T0);  // a record ahead in 8 steps of 180 bytes (3 lines each)
-      _mm_prefetch(ahead + 180 * k + 64, _MM_HINT_T0);
-      _mm_prefetch(ahead + 180 * k + 128, _MM_HINT_T0);
-      __m256i dot[MT];
-      q5_dots<MT>(w + 128 + 160 * k, a, b, dot);
-      const __m256 scale = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 32 + 8 * k)))));
-      const __m256 mn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 96 + 8 * k)))));
-      for (int m = 0; m < MT; ++m) {
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(scale, _mm256_set1_ps(a[m][b].d)), acc[m]);
-        acc[m] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(a[m][b].s), acc[m]);
-      }
-    }
-  }
-  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
+  k_quant_tile<MT, kQ5KRecord, KVGEN_Q5K_PREFETCH>(
+      w, a, nb, out, [a](const uint8_t* r, int k, int64_t b, __m256i* dot) { q5_dots<MT>(r + 128 + 160 * k, a, b, dot); });
 }
 
 }  // namespace

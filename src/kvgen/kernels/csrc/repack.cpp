@@ -6,8 +6,8 @@
 // bytes of indices into kIQ4Values), 9 = Q2_K, 10 = Q3_K, 11 = MXFP4 (uint8 E8M0 exponent e, 16 nibble bytes of
 // indices into kMXFP4Values; exponents outside 104 .. 143 are refused), 12 = Q4_K (fp16 d, dmin, 12 bytes of 6-bit
 // scales and mins, 128 nibble bytes per 256 values), 13 = Q5_K (the same with 32 bytes of high bits before the
-// nibbles), 14 = IQ4_XS (fp16 d, uint16 scales_h, uint8 scales_l[4], 128 bytes of indices per 256 values). Rows are numbered across parts; missing rows
-// of the last group are zero (scale 0). Source: ggml-common.h block_q4_0 / block_q4_1 / block_q8_0 /
+// nibbles), 14 = IQ4_XS (fp16 d, uint16 scales_h, uint8 scales_l[4], 128 bytes of indices per 256 values). Rows
+// are numbered across parts; missing rows of the last group are zero (scale 0). Source: ggml-common.h block_q4_0 / block_q4_1 / block_q8_0 /
 // block_q6_K / block_iq4_nl / block_mxfp4 / block_q4_K / block_q5_K, ggml-quants.c dequantize_row_q6_K /
 // dequantize_row_mxfp4 / dequantize_row_q4_K / dequantize_row_q5_K / dequantize_row_iq4_xs.
 #include <immintrin.h>
@@ -180,7 +180,7 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
   const bool is_q6 = gguf_type == 5, is_q5 = gguf_type == 6 || gguf_type == 7, is_mxfp4 = gguf_type == 11;
   // MXFP4: the IQ4 record, d from the block's exponent; Q4_0: the same layout (fp16 d, 16 nibble bytes) read as q - 8
   const bool is_iq4 = gguf_type == 8 || is_mxfp4 || gguf_type == 0;
-  // one record per 256 columns
+  // one record per 256 columns: Q2_K, Q3_K; Q4_K, Q5_K; IQ4_XS (and Q6_K, repacked by a loop of its own)
   const bool is_q23 = gguf_type == 9 || gguf_type == 10, is_k = gguf_type == 12 || gguf_type == 13;
   const bool is_iq4xs = gguf_type == 14;
   constexpr int64_t kSrcBlock[] = {18, 20, 34, 64, 64, kQ6KBlock, 22, 24, 18, 84, 110, 17, 144, 176, 136};  // bytes
