@@ -15,7 +15,12 @@ from typing import Any
 
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
 from kvgen.gemma_config import gemma2_gguf_changes, gemma3_gguf_changes, gemma3_kwargs
-from kvgen.llama_config import gguf_partial_rotary_factor, granite_gguf_fields, llama_family_changes, no_rope_every
+from kvgen.llama_config import (
+    gguf_partial_rotary_factor,
+    granite_gguf_fields,
+    llama_family_changes,
+    no_rope_every,
+)
 from kvgen.moe_config import (
     MOE_FIELDS,
     gguf_gpt_oss_changes,

@@ -58,7 +58,10 @@ Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0, Q4_K, Q5_K, IQ4_XS =
 MIXED_HEADER = 64  # bytes of int64 {S, nb, (weight_type, groups) x S} before a mixed weight's segments
 RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 1680, F16: 512, BF16: 512, Q5: 192, IQ4: 144, Q2: 672, Q3: 912, MXFP4: 144,
                 Q4_0: 144, Q4_K: 1184, Q5_K: 1440, IQ4_XS: 1104}
-RECORD_BLOCKS = {Q2: 8, Q3: 8, Q4_K: 8, Q5_K: 8, Q6: 8, IQ4_XS: 8}  # 32-column blocks per record: one 256-column super-block (1 for the other types)
+# 32-column blocks per record: one 256-column super-block (1 for the other types)
+RECORD_BLOCKS = {Q2: 8, Q3: 8, Q4_K: 8, Q5_K: 8, Q6: 8, IQ4_XS: 8}
+# bit 4h + t of a Q5 / Q5_K record's qh byte (r, i): the fifth bit of column 16h + 4t + i, as [h, t, 1]
+_QH_SHIFTS = 4 * torch.arange(2).view(2, 1, 1) + torch.arange(4).view(1, 4, 1)
 # The values of IQ4_NL / IQ4_XS's 4-bit indices (ggml-common.h kvalues_iq4nl)
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # The values of an MXFP4 index: FP4 E2M1 (0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives) doubled (ggml-common.h
@@ -105,12 +108,12 @@ GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q6_K", "Q5_0", "Q5_1", "IQ
               "Q5_K", "IQ4_XS")
 # bytes per GGUF block of each (32 values; the K types: 256)
 GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "BF16": 64, "Q6_K": 210, "Q5_0": 22, "Q5_1": 24,
-                    "IQ4_NL": 18, "Q2_K": 84, "Q3_K": 110, "MXFP4": 17, "Q4_K": 144,
-                    "Q5_K": 176, "IQ4_XS": 136}
+                    "IQ4_NL": 18, "Q2_K": 84, "Q3_K": 110, "MXFP4": 17, "Q4_K": 144, "Q5_K": 176,
+                    "IQ4_XS": 136}
 # the weight_type each GGUF type's records are
 WEIGHT_TYPE_OF = {"Q4_0": Q4_0, "Q4_1": Q4, "Q8_0": Q8, "F16": F16, "BF16": BF16, "Q6_K": Q6, "Q5_0": Q5, "Q5_1": Q5,
-                  "IQ4_NL": IQ4, "Q2_K": Q2, "Q3_K": Q3, "MXFP4": MXFP4, "Q4_K": Q4_K,
-                  "Q5_K": Q5_K, "IQ4_XS": IQ4_XS}
+                  "IQ4_NL": IQ4, "Q2_K": Q2, "Q3_K": Q3, "MXFP4": MXFP4, "Q4_K": Q4_K, "Q5_K": Q5_K,
+                  "IQ4_XS": IQ4_XS}
 
 
 def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
@@ -224,8 +227,7 @@ def repack_k_quant(raw: torch.Tensor, five: bool) -> torch.Tensor:
     if five:  # qh[r][i] of block k: bit t = bit k of qh[4t + i], bit 4 + t = bit k of qh[16 + 4t + i]
         qh = blocks[..., 16:48].reshape(g, ROWS, nsb, 1, 2, 4, 4)  # [G, r, nsb, 1, h, t, i]
         bits = (qh >> torch.arange(8, dtype=torch.uint8).view(1, 1, 1, 8, 1, 1, 1)) & 1  # [G, r, nsb, k, h, t, i]
-        shifts = (4 * torch.arange(2).view(2, 1, 1) + torch.arange(4).view(1, 4, 1))  # [h, t, 1]: bit 4h + t
-        high = (bits.long() << shifts).sum(dim=(4, 5))  # [G, r, nsb, k, i]
+        high = (bits.long() << _QH_SHIFTS).sum(dim=(4, 5))  # [G, r, nsb, k, i]
         per_block.append(high.permute(0, 2, 3, 1, 4).reshape(g, nsb, 8, 32).to(torch.uint8))  # [G, nsb, k, r i]
     blocks_out = torch.cat(per_block, dim=-1).reshape(g, nsb, -1)  # [G, nsb, 8 x (128 | 160)]
     return torch.cat([*head, *scales, blocks_out], dim=-1).contiguous()  # [G, nsb, 1184 | 1440]
@@ -243,8 +245,7 @@ def _dequantize_k_quant(weight: torch.Tensor, five: bool) -> torch.Tensor:
     u = torch.stack([qs & 15, qs >> 4], dim=4).long()  # [G, nsb, k, r, h, t, i]: column 16 h + 4 t + i
     if five:
         qh = blk[..., 128:].reshape(g, nsb, 8, ROWS, 1, 1, 4).long()  # [G, nsb, k, r, 1, 1, i]
-        shifts = (4 * torch.arange(2).view(2, 1, 1) + torch.arange(4).view(1, 4, 1))  # [h, t, 1]: bit 4h + t
-        u = u | (((qh >> shifts) & 1) << 4)
+        u = u | (((qh >> _QH_SHIFTS) & 1) << 4)
     w = (d * sc).unsqueeze(-1) * u.float() - (dmin * mn).unsqueeze(-1)  # [G, nsb, k, r, h, t, i]
     return w.permute(0, 3, 1, 2, 4, 5, 6).reshape(g * ROWS, nsb * 256)  # [N_pad, K]
 
