@@ -95,9 +95,11 @@ inline void qk_dots_any(const float* const* q, int64_t G, int64_t D, const T* co
 
 // scores[g * n8 + i] = scale * q[g] . K[keys[i]] for i < n, 8 keys at a time, one hsum8 per head.
 // Every path sums a key's products in the same order (d ascending per lane, then hsum8).
-template <typename T, typename KRow>
-void qk_scores(const float* const* q, int64_t G, int64_t D, int64_t n, const int64_t* keys, KRow krow, float scale,
-               float* sc, int64_t n8) {
+// The V rows of the same keys are prefetched into L2 meanwhile: this loop is bound by its arithmetic, P V by
+// memory latency, so P V then reads V from L2 (30 layers, 3,000 keys, 1 thread: 22 -> 17.5 ns a key and KV head).
+template <typename T, typename KRow, typename VRow>
+void qk_scores(const float* const* q, int64_t G, int64_t D, int64_t n, const int64_t* keys, KRow krow, VRow vrow,
+               float scale, float* sc, int64_t n8) {
   const __m256 vs = _mm256_set1_ps(scale);
   __m256 dots[64][8];
   for (int64_t i0 = 0; i0 < n; i0 += 8) {
@@ -105,7 +107,11 @@ void qk_scores(const float* const* q, int64_t G, int64_t D, int64_t n, const int
     for (int j = 0; j < 8; ++j) kr[j] = krow(keys[std::min<int64_t>(i0 + j, n - 1)]);  // the tail repeats a key
     for (int64_t j = i0 + 16; j < std::min<int64_t>(i0 + 24, n); ++j) {  // rows two steps ahead
       const char* r = reinterpret_cast<const char*>(krow(keys[j]));
-      for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
+      const char* v = reinterpret_cast<const char*>(vrow(keys[j]));
+      for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64) {
+        _mm_prefetch(r + b, _MM_HINT_T0);
+        _mm_prefetch(v + b, _MM_HINT_T1);
+      }
     }
     switch (G) {  // heads per KV head: templates for the common group sizes
       case 1: qk_dots<T, 1>(q, D, kr, dots); break;
@@ -122,15 +128,16 @@ void qk_scores(const float* const* q, int64_t G, int64_t D, int64_t n, const int
 // for the G heads; G CW accumulators (>= 8 where G allows) hide the FMA latency and, with the
 // G weights and one V vector, fit in 16 registers.
 template <typename T, int G, int CW, typename VRow>
-void pv_chunk(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t d0, float* const* out) {
+void pv_chunk(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t D, int64_t d0,
+              float* const* out) {
   __m256 acc[G][CW];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < CW; ++c) acc[g][c] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
     const T* v = vrow(keys[i]) + d0;
-    if (i + 8 < n) {
-      const char* r = reinterpret_cast<const char*>(vrow(keys[i + 8]) + d0);
-      for (int64_t b = 0; b < 8 * CW * int64_t(sizeof(T)); b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
+    if (i + 8 < n) {  // the whole row (from L2, see qk_scores)
+      const char* r = reinterpret_cast<const char*>(vrow(keys[i + 8]));
+      for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
     }
     __m256 w[G];
     for (int g = 0; g < G; ++g) w[g] = _mm256_set1_ps(p[g * n8 + i]);
@@ -147,8 +154,8 @@ template <typename T, int G, typename VRow>
 void pv(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t D, float* const* out) {
   constexpr int CW = G == 1 ? 8 : G <= 3 ? 4 : 2;  // 8 CW columns per pass
   int64_t d0 = 0;
-  for (; d0 + 8 * CW <= D; d0 += 8 * CW) pv_chunk<T, G, CW>(p, n8, n, keys, vrow, d0, out);
-  for (; d0 < D; d0 += 8) pv_chunk<T, G, 1>(p, n8, n, keys, vrow, d0, out);
+  for (; d0 + 8 * CW <= D; d0 += 8 * CW) pv_chunk<T, G, CW>(p, n8, n, keys, vrow, D, d0, out);
+  for (; d0 < D; d0 += 8) pv_chunk<T, G, 1>(p, n8, n, keys, vrow, D, d0, out);
 }
 
 // Keys are taken in fixed chunks of kKeyChunk visible keys (flash-decoding): a long context
@@ -164,7 +171,7 @@ void attend_chunk(const float* const* q, int64_t G, int64_t D, int64_t n, const 
   const int64_t n8 = (n + 7) / 8 * 8;
   scratch.scores.resize(G * n8);
   float* sc = scratch.scores.data();
-  qk_scores<T>(q, G, D, n, keys, krow, scale, sc, n8);
+  qk_scores<T>(q, G, D, n, keys, krow, vrow, scale, sc, n8);
   for (int64_t g = 0; g < G; ++g) {
     float* s = sc + g * n8;
     if (softcap > 0.0f)  // scalar tanh: exact to an ulp, as torch.tanh (a vector tanh loses ~1e-7 near 0)
