@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvgen.server.protocol import FunctionCall, ToolCall
+if TYPE_CHECKING:  # imported where used: ServerArgs checks parser names without loading pydantic models
+    from kvgen.server.protocol import ToolCall
 
 
 def new_call_id() -> str:
@@ -31,6 +32,8 @@ def parsed_call(name: Any, arguments: Any) -> ToolCall:
         arguments = json.loads(arguments)
     if not isinstance(arguments, dict):
         raise TypeError(f"tool call arguments must be an object, got {arguments!r}")
+    from kvgen.server.protocol import FunctionCall, ToolCall
+
     return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False)))
 
 
