@@ -278,7 +278,7 @@ class PagedInputs(NamedTuple):
     slots; sequence 0 holds 12 positions over blocks 3, 0, 5 (a 3-token chunk at 9-11), sequence 1 a decode at 6."""
 
     rows: torch.Tensor  # [N = 4, (H + 2 Hkv) D] float32: the chunk's 3 rows, then the decode's
-    pools: list[torch.Tensor]  # K, V [6, 4, Hkv, D] float16
+    pools: list[torch.Tensor]  # K, V [6, Hkv, 4, D] float16
     slots: torch.Tensor  # [N] int64: where each row's K and V go
     tables: torch.Tensor  # [2, 3] int64 block tables
     qsl: torch.Tensor  # [3] int64 query_start_loc
@@ -292,7 +292,7 @@ def paged_inputs(qkv: torch.Tensor, h_kv: int, d: int, g: torch.Generator) -> Pa
     tables, seq_lens, qsl = torch.tensor([[3, 0, 5], [1, 2, 0]]), torch.tensor([12, 7]), torch.tensor([0, 3, 4])
     slots = torch.tensor([5 * bs + 1, 5 * bs + 2, 5 * bs + 3, 2 * bs + 2])  # [N]
     rows = qkv[:4].contiguous()  # [N, (H + 2 Hkv) D]
-    pools = [torch.randn(6, bs, h_kv, d, generator=g).half() for _ in range(2)]  # K, V [6, bs, Hkv, D]
+    pools = [torch.randn(6, h_kv, bs, d, generator=g).half() for _ in range(2)]  # K, V [6, Hkv, bs, D]
     return PagedInputs(rows, pools, slots, tables, qsl, seq_lens, bs)
 
 

@@ -280,6 +280,6 @@ def test_parser_does_not_import_the_http_stack():
     modules load only when ``kvgen serve`` runs (they were 0.36 s of each ``kvgen generate``)."""
     code = ("import sys, kvgen.cli; kvgen.cli.build_parser(); "
             "print(sorted(m for m in ('fastapi', 'uvicorn', 'kvgen.server.app', 'kvgen.server.protocol') if m in sys.modules))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

@@ -56,9 +56,9 @@ def test_windowed_static_and_paged_ops_match_their_twins_and_each_other():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])
     positions = torch.arange(12)
-    seq_slots = tables[0][positions // bs] * bs + positions % bs  # [12]
-    k = mine[0].view(-1, h_kv, d)[seq_slots].transpose(0, 1)[None]  # [1, Hkv, 12, D]
-    v = mine[1].view(-1, h_kv, d)[seq_slots].transpose(0, 1)[None]
+    blocks = tables[0][positions // bs]  # [12]
+    k = mine[0][blocks, :, positions % bs].transpose(0, 1)[None]  # [12, Hkv, D] -> [1, Hkv, 12, D]
+    v = mine[1][blocks, :, positions % bs].transpose(0, 1)[None]
     q = rows[:3, : h * d].view(3, h, d).transpose(0, 1)[None]  # [1, H, 3, D]
     contiguous = OPS.attention(q, k, v, None, 9, 0.25, window).reshape(3, h * d)  # [3, H D]
     torch.testing.assert_close(got[:3], contiguous, rtol=1e-6, atol=1e-6)

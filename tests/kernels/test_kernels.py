@@ -187,8 +187,8 @@ def test_attention_query_does_not_depend_on_chunking_or_padding(s):
 def test_paged_attention_matches_reference_and_contiguous_attention():
     g = torch.Generator().manual_seed(8)
     bs, h, h_kv, d = 4, 9, 3, 64
-    k_pool = torch.randn(20, bs, h_kv, d, generator=g).half()
-    v_pool = torch.randn(20, bs, h_kv, d, generator=g).half()
+    k_pool = torch.randn(20, h_kv, bs, d, generator=g).half()
+    v_pool = torch.randn(20, h_kv, bs, d, generator=g).half()
     tables = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11]])
     seq_lens, qsl = torch.tensor([6, 15]), torch.tensor([0, 1, 5])  # a decode, then a 4-token chunk
     q = torch.randn(5, h, d, generator=g)
@@ -198,9 +198,9 @@ def test_paged_attention_matches_reference_and_contiguous_attention():
     alone = OPS.paged_attention(q[1:], k_pool, v_pool, tables[1:], torch.tensor([0, 4]), seq_lens[1:], 0.125)
     if OPS.backend == "avx2":
         assert torch.equal(alone, got[1:])
-    slots = tables[1][torch.arange(15) // bs] * bs + torch.arange(15) % bs
-    k = k_pool.view(-1, h_kv, d)[slots].transpose(0, 1)[None]  # [1, Hkv, 15, D]
-    v = v_pool.view(-1, h_kv, d)[slots].transpose(0, 1)[None]
+    blocks, rows = tables[1][torch.arange(15) // bs], torch.arange(15) % bs  # [15] each
+    k = k_pool[blocks, :, rows].transpose(0, 1)[None]  # [15, Hkv, D] -> [1, Hkv, 15, D]
+    v = v_pool[blocks, :, rows].transpose(0, 1)[None]
     contiguous = OPS.attention(q[1:].transpose(0, 1)[None], k, v, None, 11, 0.125)[0]  # [4, H, D]
     torch.testing.assert_close(alone, contiguous, rtol=0, atol=0)
 
@@ -353,7 +353,7 @@ def test_fused_cache_write_and_attention_match_reference():
     slots = torch.tensor([8, 9, 10, 29, 30, 31])  # seq 0: positions 0-2 (block 2); seq 1: positions 3-5 (blocks 7, 1)
     slots[3:] = torch.tensor([7 * 4 + 3, 1 * 4 + 0, 1 * 4 + 1])
     for dtype in (torch.float16, torch.float32):
-        pools = [torch.randn(8, 4, h_kv, d, generator=g).to(dtype) for _ in range(2)] * 2
+        pools = [torch.randn(8, h_kv, 4, d, generator=g).to(dtype) for _ in range(2)] * 2
         pools[2:] = [p.clone() for p in pools[:2]]
         got = OPS.paged_attention_qkv(qkv, pools[0], pools[1], slots, tables, qsl, seq_lens, h, d**-0.5)
         want = REF.paged_attention_qkv(qkv, pools[2], pools[3], slots, tables, qsl, seq_lens, h, d**-0.5)
@@ -498,7 +498,7 @@ def test_paged_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin(var
     inputs = _decoder_inputs(1, 6, 0, seed=13, variant=variant)._replace(layer_args=layer_args)
     h, h_kv, scale, _, softcap = inputs.heads
     g = torch.Generator().manual_seed(14)
-    pools = [torch.randn(8, 4, h_kv, 16, generator=g).half() for _ in range(4)]  # k, v of two layers
+    pools = [torch.randn(8, h_kv, 4, 16, generator=g).half() for _ in range(4)]  # k, v of two layers [8, Hkv, 4, D]
     tables, seq_lens, qsl = torch.tensor([[2, 5], [7, 1]]), torch.tensor([3, 6]), torch.tensor([0, 3, 6])
     slots = torch.tensor([8, 9, 10, 7 * 4 + 3, 1 * 4 + 0, 1 * 4 + 1])  # seq 0: positions 0-2; seq 1: positions 3-5
     meta = (slots, tables, qsl, seq_lens)

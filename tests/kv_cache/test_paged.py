@@ -109,7 +109,7 @@ def test_pool_sizing_from_memory(tiny_model):
     assert num_blocks_for_memory(cfg, 10 * per_block + 1, BLOCK_SIZE, torch.float32) == 10
     cache = PagedKVCache.from_config(cfg, BLOCK_SIZE, kv_cache_memory_bytes=10 * per_block)
     assert cache.num_blocks == 10 and cache.nbytes() == 10 * per_block
-    assert tuple(cache.key_cache[0].shape) == (10, BLOCK_SIZE, 2, 16)
+    assert tuple(cache.key_cache[0].shape) == (10, 2, BLOCK_SIZE, 16)  # [num_blocks, Hkv, block_size, D]
     with pytest.raises(ValueError, match="kv_cache_memory must hold at least one block"):
         num_blocks_for_memory(cfg, per_block - 1, BLOCK_SIZE, torch.float32)
     with pytest.raises(ValueError, match="exactly one of num_blocks and kv_cache_memory_bytes"):

@@ -17,7 +17,7 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 * ``quantize_q8a(x [M, K] f32) -> [M, K / 32 * 40] u8``
 * ``dequantize_rows(weight, weight_type, ids [n] i64, in_features) -> [n, K] f32``
 * ``attention(q [B, H, T, D], k, v [B, Hkv, S, D], key_mask [B, S] bool?, past_len, scale) -> [B, T, H, D]``
-* ``paged_attention(q [N, H, D], k_pool, v_pool [blocks, block_size, Hkv, D], block_tables [R, nb],
+* ``paged_attention(q [N, H, D], k_pool, v_pool [blocks, Hkv, block_size, D], block_tables [R, nb],
   query_start_loc [R+1], seq_lens [R], scale) -> [N, H, D]`` (K and V read at fp16 precision)
 * ``static_attention(qkv [B*T, (H+2Hkv)D], k_cache, v_cache [B, Hkv, S_max, D], key_mask?, past_len, H, scale)
   -> [B*T, H*D]``: cache write + ``attention``

@@ -583,18 +583,18 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed queries q [N, H, D] of R sequences (``query_start_loc`` [R+1]) over pools
-    [num_blocks, block_size, Hkv, D] through ``block_tables`` [R, nb]; sequence r's queries are
+    [num_blocks, Hkv, block_size, D] through ``block_tables`` [R, nb]; sequence r's queries are
     its last positions before ``seq_lens[r]``; ``window``, ``softcap`` and ``sinks`` as :func:`attention`. Returns [N, H, D]
     float32.
     """
     out = torch.empty_like(q)
-    bs = k_pool.shape[1]
+    bs = k_pool.shape[2]
     for r in range(seq_lens.shape[0]):
         start, end, length = int(query_start_loc[r]), int(query_start_loc[r + 1]), int(seq_lens[r])
         pos = torch.arange(length)
-        slots = block_tables[r][pos // bs] * bs + pos % bs  # [L]
-        k = k_pool.view(-1, *k_pool.shape[2:])[slots].transpose(0, 1)[None]  # [1, Hkv, L, D]
-        v = v_pool.view(-1, *v_pool.shape[2:])[slots].transpose(0, 1)[None]  # [1, Hkv, L, D]
+        blocks = block_tables[r][pos // bs]  # [L]
+        k = k_pool[blocks, :, pos % bs].transpose(0, 1)[None]  # [L, Hkv, D] -> [1, Hkv, L, D]
+        v = v_pool[blocks, :, pos % bs].transpose(0, 1)[None]  # [1, Hkv, L, D]
         qr = q[start:end].transpose(0, 1)[None]  # [1, H, T, D]
         out[start:end] = attention(qr, k, v, None, length - (end - start), scale, window, softcap, sinks)[0]
     return out
@@ -633,10 +633,10 @@ def paged_attention_qkv(
 ) -> torch.Tensor:
     """qkv [N, (H + 2 Hkv) D]: write k, v to ``slot_mapping`` [N] of the pools, then
     :func:`paged_attention` (``window``, ``softcap``, ``sinks`` as there). Returns [N, H*D]."""
-    h_kv, d = k_pool.shape[2], k_pool.shape[3]
+    h_kv, bs, d = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
     q, k, v = _split_qkv(qkv, num_heads, h_kv, d)
-    k_pool.view(-1, h_kv, d).index_copy_(0, slot_mapping, k.to(k_pool.dtype))
-    v_pool.view(-1, h_kv, d).index_copy_(0, slot_mapping, v.to(v_pool.dtype))
+    k_pool[slot_mapping // bs, :, slot_mapping % bs] = k.to(k_pool.dtype)  # slot s: row s % bs of block s // bs
+    v_pool[slot_mapping // bs, :, slot_mapping % bs] = v.to(v_pool.dtype)
     out = paged_attention(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, scale, window,
                           softcap, sinks)  # [N, H, D]
     return out.reshape(qkv.shape[0], num_heads * d)
@@ -754,7 +754,7 @@ def paged_decoder_layers(
     activation: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """:func:`decoder_layers` over packed rows x [N, C] of several sequences and per-layer pools
-    [num_blocks, block_size, Hkv, D] (:func:`paged_attention_qkv`). Returns [N, C] float32."""
+    [num_blocks, Hkv, block_size, D] (:func:`paged_attention_qkv`). Returns [N, C] float32."""
     p = _Layers(weights, linears, eps, extras, layer_args, rope, num_heads, num_kv_heads, activation)
     return _layers(x, p, len(k_pools), lambda layer, h, window: paged_attention_qkv(
         h, k_pools[layer], v_pools[layer], slot_mapping, block_tables, query_start_loc, seq_lens, num_heads, scale,

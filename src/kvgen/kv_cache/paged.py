@@ -142,7 +142,9 @@ def _prefill_chunk(token_start: int, num_tokens: int, start: int, table: list[in
 
 
 class PagedKVCache:
-    """Per-layer K and V pools ``[num_blocks, block_size, Hkv, D]``, written in place by slot.
+    """Per-layer K and V pools ``[num_blocks, Hkv, block_size, D]``, written in place by slot (slot s: row
+    ``s % block_size`` of block ``s // block_size``, in each head's part of the block: a head's rows of a block are
+    contiguous, as vLLM's PagedAttention lays them out, which the kernels read faster than slots of interleaved heads).
 
     The pool is allocated once as zeros (padding slots read as finite values) that take resident memory only
     where written (``pool.lazy_zeros``). Raises
@@ -162,7 +164,7 @@ class PagedKVCache:
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         pool = lazy_zeros(2 * num_layers, shape, dtype, device)  # resident only where written
@@ -216,10 +218,9 @@ class PagedKVCache:
         """
         k_new, v_new = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [N, Hkv, D]
         k_pool, v_pool = self.key_cache[layer_idx], self.value_cache[layer_idx]
-        k_slots = k_pool.view(-1, self.num_kv_heads, self.head_dim)  # [num_blocks * block_size, Hkv, D]
-        v_slots = v_pool.view(-1, self.num_kv_heads, self.head_dim)  # [num_blocks * block_size, Hkv, D]
-        k_slots.index_copy_(0, meta.slot_mapping, k_new)
-        v_slots.index_copy_(0, meta.slot_mapping, v_new)
+        blocks, rows = meta.slot_mapping // self.block_size, meta.slot_mapping % self.block_size  # [N] each
+        k_pool[blocks, :, rows] = k_new  # [N, Hkv, D] at (block, every head, row)
+        v_pool[blocks, :, rows] = v_new
         num_heads, num_tokens = q.shape[1], q.shape[2]
         out = q.new_empty(num_tokens, num_heads, self.head_dim)  # [N, H, D]
         if meta.num_decodes:
@@ -243,17 +244,16 @@ class PagedKVCache:
         )
 
     def _gather(self, which: str, pool: torch.Tensor, block_ids: torch.Tensor, num_rows: int) -> torch.Tensor:
-        """Blocks ``block_ids`` [B * nb] of ``pool`` as ``[B, nb * block_size, Hkv, D]``.
-
-        The result lives in the ``which`` ("k" or "v") workspace: valid until the next gather into it.
-        """
+        """Blocks ``block_ids`` [B * nb] of ``pool`` as ``[B, Hkv, nb * block_size, D]`` (a view of the ``which``
+        ("k" or "v") workspace, valid until the next gather into it)."""
         block_numel = pool[0].numel()
         numel = block_ids.numel() * block_numel
         if self._workspace[which].numel() < numel:
             self._workspace[which] = pool.new_empty(numel)
-        rows = self._workspace[which][:numel].view(block_ids.numel(), block_numel)  # [B * nb, block_size * Hkv * D]
-        torch.index_select(pool.view(self.num_blocks, block_numel), 0, block_ids, out=rows)
-        return rows.view(num_rows, -1, self.num_kv_heads, self.head_dim)  # [B, S_pad, Hkv, D]
+        h_kv, row = self.num_kv_heads, self.block_size * self.head_dim
+        rows = self._workspace[which][:numel].view(h_kv, block_ids.numel(), row)  # [Hkv, B * nb, bs * D]
+        torch.index_select(pool.view(self.num_blocks, h_kv, row).transpose(0, 1), 1, block_ids, out=rows)
+        return rows.view(h_kv, num_rows, -1, self.head_dim).transpose(0, 1)  # [B, Hkv, S_pad, D]
 
     def _decode_attention(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: PagedAttentionMetadata,
@@ -275,8 +275,8 @@ class PagedKVCache:
             first = meta.seq_lens[: meta.num_decodes] - window  # [B]
             near = torch.arange(decode_mask.shape[-1])[None, :] >= first[:, None]  # [B, S_pad]
             decode_mask = decode_mask & near[:, None, None, :]  # [B, 1, 1, S_pad]
-        k = self._gather("k", k_pool, block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
-        v = self._gather("v", v_pool, block_ids, batch).transpose(1, 2)  # [B, Hkv, S_pad, D]
+        k = self._gather("k", k_pool, block_ids, batch)  # [B, Hkv, S_pad, D]
+        v = self._gather("v", v_pool, block_ids, batch)  # [B, Hkv, S_pad, D]
         out = sdpa(qg, k, v, decode_mask, scale=scale, softcap=softcap, sinks=sinks)  # [B, Hkv, G, D] | [B, H, 1, D]
         return out.reshape(batch, num_heads, d)  # [B, H, D]
 
@@ -300,8 +300,8 @@ class PagedKVCache:
             k = k_new[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
             v = v_new[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
         else:
-            k = self._gather("k", k_pool, chunk.block_ids, 1).transpose(1, 2)  # [1, Hkv, S_pad, D]
-            v = self._gather("v", v_pool, chunk.block_ids, 1).transpose(1, 2)  # [1, Hkv, S_pad, D]
+            k = self._gather("k", k_pool, chunk.block_ids, 1)  # [1, Hkv, S_pad, D]
+            v = self._gather("v", v_pool, chunk.block_ids, 1)  # [1, Hkv, S_pad, D]
         mask = chunk.mask
         if window > 0:  # keys at positions (p - window, p] of the query at position p; key slot i is position i
             q_pos = torch.arange(chunk.num_context, chunk.num_context + qc.shape[2])[:, None]  # [T, 1]

@@ -15,7 +15,7 @@
 //                         capped scores; k_caches[l], v_caches[l] [B, Hkv, S_max, D] written at slots past_len ..
 //                         (static_attention). Returns x after the last layer.
 //   paged_decoder_layers: the same over packed rows of several sequences, k_pools[l], v_pools[l]
-//                         [num_blocks, block_size, Hkv, D] through block tables (paged_attention_qkv).
+//                         [num_blocks, Hkv, block_size, D] through block tables (paged_attention_qkv).
 // Each layer runs the ops of LlamaDecoderLayer.forward_kernels (Gemma3DecoderLayer.forward_kernels) in the same
 // order on the same operands (so the numbers are those ops' numbers), called here directly: one dispatch per forward
 // instead of nine or more per layer, which at batch 1 is a sixth of a decode step.
