@@ -171,7 +171,7 @@ class PagedKVCache:
         self.key_cache, self.value_cache = pool[:num_layers], pool[num_layers:]
         # Gather targets reused by every layer and step: a fresh multi-MB tensor per gather costs
         # page faults that made decode attention ~2x slower (a paged-attention experiment).
-        self._workspace = {"k": torch.empty(0, dtype=dtype, device=device), "v": torch.empty(0, dtype=dtype, device=device)}
+        self._workspace = {name: torch.empty(0, dtype=dtype, device=device) for name in ("k", "v", "k_heads", "v_heads")}
 
     @classmethod
     def from_config(
@@ -244,16 +244,21 @@ class PagedKVCache:
         )
 
     def _gather(self, which: str, pool: torch.Tensor, block_ids: torch.Tensor, num_rows: int) -> torch.Tensor:
-        """Blocks ``block_ids`` [B * nb] of ``pool`` as ``[B, Hkv, nb * block_size, D]`` (a view of the ``which``
-        ("k" or "v") workspace, valid until the next gather into it)."""
-        block_numel = pool[0].numel()
-        numel = block_ids.numel() * block_numel
-        if self._workspace[which].numel() < numel:
-            self._workspace[which] = pool.new_empty(numel)
-        h_kv, row = self.num_kv_heads, self.block_size * self.head_dim
-        rows = self._workspace[which][:numel].view(h_kv, block_ids.numel(), row)  # [Hkv, B * nb, bs * D]
-        torch.index_select(pool.view(self.num_blocks, h_kv, row).transpose(0, 1), 1, block_ids, out=rows)
-        return rows.view(h_kv, num_rows, -1, self.head_dim).transpose(0, 1)  # [B, Hkv, S_pad, D]
+        """Blocks ``block_ids`` [B * nb] of ``pool`` as ``[B, Hkv, nb * block_size, D]``, in the ``which`` ("k" or
+        "v") workspaces: valid until the next gather into them. The blocks are gathered whole (``index_select`` of
+        contiguous rows; over a transposed view of the pool it copied the whole pool first), then each head's rows
+        put in order."""
+        numel = block_ids.numel() * pool[0].numel()
+        for key in (which, which + "_heads"):
+            if self._workspace[key].numel() < numel:
+                self._workspace[key] = pool.new_empty(numel)
+        blocks = self._workspace[which][:numel].view(block_ids.numel(), -1)  # [B * nb, Hkv * bs * D]
+        torch.index_select(pool.view(self.num_blocks, -1), 0, block_ids, out=blocks)
+        shape = (num_rows, -1, self.num_kv_heads, self.block_size, self.head_dim)  # [B, nb, Hkv, bs, D]
+        heads = self._workspace[which + "_heads"][:numel].view(num_rows, self.num_kv_heads, -1, self.block_size,
+                                                                  self.head_dim)  # [B, Hkv, nb, bs, D]
+        heads.copy_(blocks.view(shape).transpose(1, 2))
+        return heads.view(num_rows, self.num_kv_heads, -1, self.head_dim)  # [B, Hkv, S_pad, D]
 
     def _decode_attention(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: PagedAttentionMetadata,
