@@ -59,6 +59,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace kvgen {
 
@@ -109,6 +110,19 @@ inline __m256i bcast4(const int8_t* p) {
 // GCC turned each tile's running sums into trees over all the products of a block, whose many live values
 // spilled to the stack at MT = 4 (the prefill tiles); at MT = 1 the tree fits and is faster than the chain.
 inline void keep_in_register(__m256i& v) { asm volatile("" : "+x"(v)); }
+
+// Calls tile(std::integral_constant<int, MT>{}) for a tile of MT = mt activation rows (1, 2, 3; 4 for mt >= 4): every
+// kernel's tile template is compiled once per row count and picked here, as in
+//   tile_rows(mt, [&](auto MT) { q8_tile<MT>(w, a, nb, out); });
+template <typename Tile>
+inline void tile_rows(int mt, Tile&& tile) {
+  switch (mt) {
+    case 1: tile(std::integral_constant<int, 1>{}); break;
+    case 2: tile(std::integral_constant<int, 2>{}); break;
+    case 3: tile(std::integral_constant<int, 3>{}); break;
+    default: tile(std::integral_constant<int, 4>{}); break;
+  }
+}
 
 // The Q4_K and Q5_K tiles: MT activation rows against one group's super-block records of kRecord bytes (fp16 d at 0,
 // dmin at 16, byte scales sc[k][r] at 32 and mins m[k][r] at 96). dots(w, k, b, dot) gives block k's int32 dot per

@@ -51,12 +51,7 @@ void f16_tile(const uint8_t* w, const float* const* x, int64_t nb, float* const*
 
 template <bool IsBF16>
 void group(const uint8_t* w, const float* const* x, int mt, int64_t nb, float* const* out) {
-  switch (mt) {
-    case 1: f16_tile<1, IsBF16>(w, x, nb, out); break;
-    case 2: f16_tile<2, IsBF16>(w, x, nb, out); break;
-    case 3: f16_tile<3, IsBF16>(w, x, nb, out); break;
-    default: f16_tile<4, IsBF16>(w, x, nb, out); break;
-  }
+  tile_rows(mt, [&](auto MT) { f16_tile<MT, IsBF16>(w, x, nb, out); });
 }
 
 }  // namespace

@@ -95,21 +95,11 @@ void iq4xs_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* c
 }  // namespace
 
 void iq4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out, const int8_t* values) {
-  switch (mt) {
-    case 1: iq4_tile<1>(w, a, nb, out, values); break;
-    case 2: iq4_tile<2>(w, a, nb, out, values); break;
-    case 3: iq4_tile<3>(w, a, nb, out, values); break;
-    default: iq4_tile<4>(w, a, nb, out, values); break;
-  }
+  tile_rows(mt, [&](auto MT) { iq4_tile<MT>(w, a, nb, out, values); });
 }
 
 void iq4xs_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
-  switch (mt) {
-    case 1: iq4xs_tile<1>(w, a, nb, out); break;
-    case 2: iq4xs_tile<2>(w, a, nb, out); break;
-    case 3: iq4xs_tile<3>(w, a, nb, out); break;
-    default: iq4xs_tile<4>(w, a, nb, out); break;
-  }
+  tile_rows(mt, [&](auto MT) { iq4xs_tile<MT>(w, a, nb, out); });
 }
 
 }  // namespace kvgen

@@ -101,12 +101,7 @@ void q23_tile(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* 
 template <bool Q3>
 void q23_dispatch(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
                   float* const* out) {
-  switch (mt) {
-    case 1: q23_tile<Q3, 1>(w, a, half_sums, nb, out); break;
-    case 2: q23_tile<Q3, 2>(w, a, half_sums, nb, out); break;
-    case 3: q23_tile<Q3, 3>(w, a, half_sums, nb, out); break;
-    default: q23_tile<Q3, 4>(w, a, half_sums, nb, out); break;
-  }
+  tile_rows(mt, [&](auto MT) { q23_tile<Q3, MT>(w, a, half_sums, nb, out); });
 }
 
 }  // namespace

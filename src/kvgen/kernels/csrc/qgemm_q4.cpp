@@ -83,23 +83,13 @@ void q4k_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* con
 
 template <bool HasMin>
 void group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
-  switch (mt) {
-    case 1: q4_tile<1, HasMin>(w, a, nb, out); break;
-    case 2: q4_tile<2, HasMin>(w, a, nb, out); break;
-    case 3: q4_tile<3, HasMin>(w, a, nb, out); break;
-    default: q4_tile<4, HasMin>(w, a, nb, out); break;
-  }
+  tile_rows(mt, [&](auto MT) { q4_tile<MT, HasMin>(w, a, nb, out); });
 }
 
 }  // namespace
 
 void q4k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
-  switch (mt) {
-    case 1: q4k_tile<1>(w, a, nb, out); break;
-    case 2: q4k_tile<2>(w, a, nb, out); break;
-    case 3: q4k_tile<3>(w, a, nb, out); break;
-    default: q4k_tile<4>(w, a, nb, out); break;
-  }
+  tile_rows(mt, [&](auto MT) { q4k_tile<MT>(w, a, nb, out); });
 }
 
 void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {

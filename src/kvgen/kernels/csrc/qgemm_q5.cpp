@@ -93,21 +93,11 @@ void q5k_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* con
 }  // namespace
 
 void q5_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
-  switch (mt) {
-    case 1: q5_tile<1>(w, a, nb, out); break;
-    case 2: q5_tile<2>(w, a, nb, out); break;
-    case 3: q5_tile<3>(w, a, nb, out); break;
-    default: q5_tile<4>(w, a, nb, out); break;
-  }
+  tile_rows(mt, [&](auto MT) { q5_tile<MT>(w, a, nb, out); });
 }
 
 void q5k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
-  switch (mt) {
-    case 1: q5k_tile<1>(w, a, nb, out); break;
-    case 2: q5k_tile<2>(w, a, nb, out); break;
-    case 3: q5k_tile<3>(w, a, nb, out); break;
-    default: q5k_tile<4>(w, a, nb, out); break;
-  }
+  tile_rows(mt, [&](auto MT) { q5k_tile<MT>(w, a, nb, out); });
 }
 
 }  // namespace kvgen

@@ -87,12 +87,7 @@ void activation_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums) {
 
 void q6_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
               float* const* out) {
-  switch (mt) {
-    case 1: q6_tile<1>(w, a, half_sums, nb, out); break;
-    case 2: q6_tile<2>(w, a, half_sums, nb, out); break;
-    case 3: q6_tile<3>(w, a, half_sums, nb, out); break;
-    default: q6_tile<4>(w, a, half_sums, nb, out); break;
-  }
+  tile_rows(mt, [&](auto MT) { q6_tile<MT>(w, a, half_sums, nb, out); });
 }
 
 }  // namespace kvgen

@@ -47,12 +47,7 @@ void q8_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* cons
 }  // namespace
 
 void q8_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
-  switch (mt) {
-    case 1: q8_tile<1>(w, a, nb, out); break;
-    case 2: q8_tile<2>(w, a, nb, out); break;
-    case 3: q8_tile<3>(w, a, nb, out); break;
-    default: q8_tile<4>(w, a, nb, out); break;
-  }
+  tile_rows(mt, [&](auto MT) { q8_tile<MT>(w, a, nb, out); });
 }
 
 }  // namespace kvgen
