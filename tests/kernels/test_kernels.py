@@ -83,6 +83,26 @@ def test_repack_on_two_threads_is_the_twins(qtype):
         torch.set_num_threads(threads)
     assert torch.equal(packed, REF.repack_gguf(parts, GGUF_CODE[qtype]))
 
+@needs_avx2
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K, Q.F16])
+@pytest.mark.parametrize("m", [1, 3, 5])
+def test_qgemm_on_two_threads_is_one_threads(qtype, m):
+    """qgemm splits the 8-row groups over threads (from 512 blocks a thread: here 72 groups of 18 blocks at M = 1,
+    the default model's o_proj); each output is one thread's sum in one order, so 2 threads give 1's bits."""
+    k = _cols(qtype, 576)
+    raw, _ = _gguf_matrix(qtype, 576, k, seed=4)
+    weight_type, packed = K.pack_gguf_rows(qtype.name, [raw])
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5))
+    threads, outs = torch.get_num_threads(), []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(OPS.qgemm(x, packed, weight_type, 576, None))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_activation_quantizer_matches_plain_torch():
     x = torch.randn(7, 576, generator=torch.Generator().manual_seed(2)) * 3
     x[0, :32] = 0  # an all-zero block: scale 0, no division by zero
