@@ -8,6 +8,7 @@ process then exits 0 instead of re-raising the signal.
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import socket
@@ -75,6 +76,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def freeze_startup_objects() -> int:
+    """Move every object alive now (torch, the model, the app: ~222,000 with the default model) out of the garbage
+    collector's sight for good (``gc.freeze``; vLLM does the same after start-up): they live as long as the server,
+    and a full collection walked them all, 141-147 ms here with every stream stalled, 0.01 ms once frozen. Python
+    runs one when the long-lived objects have grown by a quarter. Returns how many are frozen. No collection runs
+    first (it took as long): the few cycles of garbage start-up leaves (~700 objects) stay."""
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     """Serve until a signal arrives; returns the exit code (0).
 
@@ -105,6 +116,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         log_config=None,
     )
     server = uvicorn.Server(config)
+    freeze_startup_objects()
     host, port = sock.getsockname()[:2]
     print(f"kvgen serve: model {name!r} on http://{host}:{port} (chat page at /, OpenAI API at /v1)", file=sys.stderr, flush=True)
     # uvicorn re-raises the signal it caught once it has shut down; a no-op handler makes that exit 0.
