@@ -250,6 +250,22 @@ def test_partial_rope_rotates_the_first_rotary_dims_of_each_q_and_k_head(rotary_
 
 
 @needs_avx2
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("c", [2048, 2880, 37])  # Qwen3-30B-A3B's and gpt-oss's hidden sizes; a tail past 16 columns
+def test_linear_f64_is_float64_linear_rounded_once_and_batch_invariant(with_bias, c):
+    """A router's logits: the op gives float64 F.linear rounded to float32 (its twin) and float32 F.linear within
+    float32's rounding; a row alone gives the bits it gets among 37 others (the float64 sum's order is fixed)."""
+    g = torch.Generator().manual_seed(c)
+    x, w = torch.randn(37, c, generator=g), torch.randn(128, c, generator=g) * 0.05  # [N, C], [E, C]
+    b = torch.randn(128, generator=g) if with_bias else None
+    for ops in (OPS, REF):
+        got = ops.linear_f64(x, w, b)  # [N, E]
+        assert got.dtype == torch.float32 and got.shape == (37, 128)
+        assert torch.equal(got, REF.linear_f64(x, w, b))
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(ops.linear_f64(x[i : i + 1], w, b), got[i : i + 1]) for i in (0, 17, 36))
+
+
 def test_moe_experts_row_is_the_loop_of_ops_it_replaces():
     """A decode row's k = 5 routed experts (Q4_0 and Q8_0 weights mixed) in one op: bit for bit the torch loop of
     qgemm, silu_mul, product and add in the given order (kvgen.models.moe's loop before it), near the twin;

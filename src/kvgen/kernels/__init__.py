@@ -47,6 +47,8 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
   expert_weights [k], biases [] or [2k], activation 0 | 1) -> [1, C]``: sum_j w_j * down_j(act(gate_up_j(h))) in the
   order given, each term rounded before its add (a decode step's routed experts in one op; ``linears``:
   (weight_type, out_features) pairs; act: silu_mul, or gpt_oss_glu for 1)
+* ``linear_f64(x [N, C] f32, weight [E, C] f32, bias [E] f32?) -> [N, E] f32``: ``x @ weight.T + bias`` summed in
+  float64 and rounded once, one fixed order per output (batch-invariant; mixture-of-experts routers)
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ SOURCES = (
     "ops.cpp", "quantize_q8a.cpp", "qgemm_q4.cpp", "qgemm_q5.cpp", "qgemm_q8.cpp", "qgemm_q6.cpp", "qgemm_f16.cpp",
     "qgemm_iq4.cpp", "qgemm_q23.cpp",
     "attention.cpp", "rms_norm.cpp", "rope.cpp", "glu.cpp", "repack.cpp", "decoder.cpp",
-    "softmax_draw.cpp", "moe.cpp",
+    "softmax_draw.cpp", "moe.cpp", "linear_f64.cpp",
 )
 HEADERS = ("common.h", "vec_math.h", "aten_lite.h", "ops.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
@@ -101,12 +103,13 @@ class KernelOps:
     paged_decoder_layers: Callable[..., torch.Tensor]
     softmax_draw: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     moe_experts_row: Callable[..., torch.Tensor]
+    linear_f64: Callable[..., torch.Tensor]
 
 
 _NAMES = (
     "qgemm", "quantize_q8a", "dequantize_rows", "attention", "paged_attention", "rms_norm", "rms_norm_heads_",
     "rope_qkv_", "silu_mul", "gelu_tanh_mul", "gpt_oss_glu", "repack_gguf", "static_attention",
-    "paged_attention_qkv", "decoder_layers", "paged_decoder_layers", "softmax_draw", "moe_experts_row",
+    "paged_attention_qkv", "decoder_layers", "paged_decoder_layers", "softmax_draw", "moe_experts_row", "linear_f64",
 )
 _REFERENCE = KernelOps("reference", *(getattr(reference, n) for n in _NAMES))
 _ops: KernelOps | None = None

@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvgen.sampling.ops import inverse_cdf_at
 
@@ -769,6 +770,16 @@ def softmax_draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tenso
 
 
 GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0  # GptOssExperts.alpha, .limit (constants of transformers' and llama.cpp's code)
+
+
+def linear_f64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, C] float32 @ weight [E, C].T (+ bias [E]) computed in float64 and rounded once -> [N, E] float32.
+
+    A float32 GEMM's per-row sums change with N (BLAS picks other kernels and blockings), which would move a
+    mixture-of-experts router's near-tied choices between a row alone (decode) and among others (prefill, the
+    engine's batches); in float64 the difference is ~1e-16 of a value, below float32's rounding. The C++ op sums
+    each output in one fixed order and reads the weights as float32."""
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double()).float()
 
 
 def gpt_oss_glu(gate_up: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ Names are transformers' Qwen-MoE ones (``mlp.gate``, ``mlp.experts.E``, ``mlp.sh
 ``llm_graph_context::build_moe_ffn`` (softmax gating, weights taken before the optional renormalization).
 
 Routers stay dense float32 (``nn.Linear``) on every path, as llama.cpp's converter stores them (F32; the kernel path
-computes their logits in float64, ``row_invariant_linear``, so a row's route does not depend on its batch); the
+computes their logits in float64, ``ops.linear_f64``, so a row's route does not depend on its batch); the
 experts and the shared expert are ``QuantLinear`` on the kernel path, where the rows routed to each expert go through
 one ``qgemm`` per matrix (``experts_on_kernels``), so a prefill of N tokens costs one GEMM per chosen expert, not per
 token, and a decode step runs its k experts without grouping.
@@ -95,14 +95,6 @@ def experts_in_torch(rows: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     return out
 
 
-def row_invariant_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """h [N, C] float32 @ weight.T (+ bias) with weight, bias float64 -> [N, E] float32, computed in float64 and
-    rounded: a float32 GEMM's per-row sums change with N (BLAS picks other kernels and blockings), which would move a
-    router's near-tied choices between a row alone (decode) and among others (prefill, the engine's batches); in
-    float64 the difference is ~1e-16 of a value, below float32's rounding. The kernel path's routers use it."""
-    return F.linear(h.double(), weight, bias).float()
-
-
 def experts_on_kernels(ops: KernelOps, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                        experts: list[_ExpertOperands], act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The kernel path's routed experts: for rows h [N, C] float32, weights [N, k] float32 and ids [N, k] int64 (a
@@ -165,27 +157,27 @@ class SparseMoeBlock(nn.Module):
     def forward_kernels(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The kernel path: x + block(h) for h, x [N, C] float32 (h the normalized rows, x the residual) -> [N, C].
 
-        The router's logits through ``row_invariant_linear``; the experts through ``experts_on_kernels`` (one GEMM
+        The router's logits through ``ops.linear_f64``; the experts through ``experts_on_kernels`` (one GEMM
         per expert reached; a decode step's k experts without grouping)."""
         ops, router, experts, shared = self._operands
-        weights, ids = route(row_invariant_linear(h, router), self.top_k, self.norm_topk_prob)  # [N, k]
+        weights, ids = route(ops.linear_f64(h, router), self.top_k, self.norm_topk_prob)  # [N, k]
         out = experts_on_kernels(ops, h, weights, ids, experts, ops.silu_mul)  # [N, C]
         if shared is not None:
             shared_gate, (gate_up, down) = shared
             y = ops.qgemm(ops.silu_mul(ops.qgemm(h, *gate_up)), *down)  # [N, C]
-            out = out + torch.sigmoid(row_invariant_linear(h, shared_gate)) * y  # shared_gate [1, C]: a scale per row
+            out = out + torch.sigmoid(ops.linear_f64(h, shared_gate)) * y  # shared_gate [1, C]: a scale per row
         return x + out
 
     def bind_kernels(self, kernels: KernelOps) -> None:
-        """Gather ``forward_kernels``' operands once: the router's weight [E, C] as float64, each expert's linears
-        (every one a ``QuantLinear`` here) and the shared expert's gate weight [1, C] (float64) and linears."""
+        """Gather ``forward_kernels``' operands once: the router's weight [E, C] (float32), each expert's linears
+        (every one a ``QuantLinear`` here) and the shared expert's gate weight [1, C] (float32) and linears."""
         experts = [(linear_operands(e.gate_up_proj), linear_operands(e.down_proj))
                    for e in cast(list[MoeMLP], self.experts)]
         shared = None
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            shared = (self.shared_expert_gate.weight.double(), (linear_operands(self.shared_expert.gate_up_proj),
+            shared = (self.shared_expert_gate.weight.float(), (linear_operands(self.shared_expert.gate_up_proj),
                                                        linear_operands(self.shared_expert.down_proj)))
-        self._operands = (kernels, self.gate.weight.double(), experts, shared)
+        self._operands = (kernels, self.gate.weight.float(), experts, shared)
 
 
 def route_top_k_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,15 +226,15 @@ class GptOssMoeBlock(nn.Module):
 
     def forward_kernels(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The kernel path: x + block(h) for h, x [N, C] float32 -> [N, C]; the router through
-        ``row_invariant_linear``, each chosen expert once over its rows (``qgemm`` with bias, the GLU in torch,
+        ``ops.linear_f64``, each chosen expert once over its rows (``qgemm`` with bias, the GLU in torch,
         ``qgemm`` with bias; ``experts_on_kernels``)."""
         ops, router, router_bias, experts = self._operands
-        weights, ids = route_top_k_softmax(row_invariant_linear(h, router, router_bias), self.top_k)  # [N, k]
+        weights, ids = route_top_k_softmax(ops.linear_f64(h, router, router_bias), self.top_k)  # [N, k]
         return x + experts_on_kernels(ops, h, weights, ids, experts, ops.gpt_oss_glu)  # the kernels' GLU, every N
 
     def bind_kernels(self, kernels: KernelOps) -> None:
-        """Gather ``forward_kernels``' operands once: the router's weight [E, C] and bias [E] as float64, each expert's
+        """Gather ``forward_kernels``' operands once: the router's weight [E, C] and bias [E] (float32), each expert's
         linears (every one a ``QuantLinear`` here)."""
         experts = [(linear_operands(e.gate_up_proj), linear_operands(e.down_proj))
                    for e in cast(list[GptOssExpert], self.experts)]
-        self._operands = (kernels, self.router.weight.double(), self.router.bias.double(), experts)
+        self._operands = (kernels, self.router.weight.float(), self.router.bias.float(), experts)

@@ -43,6 +43,7 @@ at::Tensor paged_decoder_layers(const at::Tensor& x, at::TensorList weights, at:
                                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t num_heads,
                                 int64_t num_kv_heads, double scale, int64_t activation, double softcap);
 at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type);
+at::Tensor linear_f64(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor softmax_draw(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u);
 at::Tensor moe_experts_row(const at::Tensor& h, at::TensorList gate_up, at::IntArrayRef gate_up_linears,
                            at::TensorList down, at::IntArrayRef down_linears, at::ArrayRef<double> expert_weights,
