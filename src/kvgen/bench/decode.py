@@ -91,7 +91,7 @@ def step_breakdown(model: CausalLM, prompt_ids: torch.Tensor, num_steps: int = 3
                 step()
     finally:
         model.one_op_decoder = True
-    linear_ops = ("kvgen::qgemm", "aten::linear", "kvgen::moe_experts_row")  # the last: a row's experts (GLUs inside)
+    linear_ops = ("kvgen::qgemm", "aten::linear", "kvgen::moe_experts_row", "kvgen::linear_f64")  # a row's experts (GLUs inside), MoE routers
     linear_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in linear_ops)
     linear_ms = linear_us / num_steps / 1e3
     return {"context_tokens": prompt_ids.shape[1], "num_steps": num_steps, "step_ms": step_ms, "linear_ms": linear_ms,
