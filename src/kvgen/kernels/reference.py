@@ -778,7 +778,9 @@ def linear_f64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     A float32 GEMM's per-row sums change with N (BLAS picks other kernels and blockings), which would move a
     mixture-of-experts router's near-tied choices between a row alone (decode) and among others (prefill, the
     engine's batches); in float64 the difference is ~1e-16 of a value, below float32's rounding. The C++ op sums
-    each output in one fixed order and reads the weights as float32."""
+    each output in one fixed order and reads the weights as float32; it raises RuntimeError for inputs that are not
+    float32 or whose C (or E, for the bias) differ, as F.linear does for mismatched shapes here.
+    Source: torch ``F.linear``; the routers of transformers' Qwen3MoeSparseMoeBlock / GptOssTopKRouter."""
     return F.linear(x.double(), weight.double(), None if bias is None else bias.double()).float()
 
 
