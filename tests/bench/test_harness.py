@@ -25,7 +25,8 @@ from kvgen.bench.harness import (
     run_side,
     to_json,
 )
-from kvgen.bench.serve import ServeBenchConfig
+from kvgen.bench.serve import ServeBenchConfig, split_workload
+from kvgen.bench.workloads import make_workload
 from kvgen.fields import add_config_flags, config_from_args
 
 
@@ -127,3 +128,15 @@ def test_peer_side_skips_a_disabled_peer_and_llama_cpp_on_a_directory(tmp_path: 
     assert peer_side("transformers", "decode", False, str(tmp_path), log, {}) == {"skipped": "include_transformers=False"}
     skipped = peer_side("llama_cpp", "decode", True, str(tmp_path), log, {})["skipped"]
     assert "Hugging Face directory" in skipped or "not installed" in skipped
+
+
+def test_serve_runs_get_distinct_prompts_of_one_workload() -> None:
+    """Each concurrency of ``kvgen bench serve`` sends its own prompts (a prefix cache warmed by an earlier run would
+    flatter a later one's TTFT), and together they are one seeded ``make_workload``."""
+    runs = split_workload(8, 3, vocab_size=1000, seed=4)
+    whole = make_workload(24, 1000, seed=4)
+    assert [len(w.prompt_token_ids) for w in runs] == [8, 8, 8]
+    assert [p for w in runs for p in w.prompt_token_ids] == whole.prompt_token_ids
+    assert [n for w in runs for n in w.output_lens] == whole.output_lens
+    prompts = [tuple(p) for w in runs for p in w.prompt_token_ids]
+    assert len(set(prompts)) == len(prompts)

@@ -1,6 +1,8 @@
 """``kvgen bench serve``: ``kvgen serve`` vs llama-cpp-python's server on the same GGUF (fresh subprocesses), the
 ``openai`` async client streaming ``make_workload`` as text to ``/v1/completions`` with C requests in flight, EOS
-banned so both generate ``max_tokens``. Per server and C: requests/s, output tokens/s, TTFT and ITL in seconds."""
+banned so both generate ``max_tokens``. Each C gets its own prompts (the next ``num_prompts`` of one workload): a run
+never finds an earlier run's prompts in a prefix cache. Per server and C: requests/s, output tokens/s, TTFT and ITL
+in seconds."""
 
 from __future__ import annotations
 
@@ -18,13 +20,13 @@ from typing import Any
 
 from kvgen.bench import BenchConfig
 from kvgen.bench import harness as h
-from kvgen.bench.workloads import make_workload
+from kvgen.bench.workloads import Workload, make_workload
 from kvgen.fields import config_field as _f
 from kvgen.loader import resolve_model_path
 from kvgen.tokenizer import Tokenizer
 from kvgen.weights.gguf_file import gguf_metadata, open_gguf
 
-SCHEMA = "kvgen.bench.serve/1"
+SCHEMA = "kvgen.bench.serve/2"  # /2: distinct prompts per concurrency
 SIDES = ("kvgen", "llama_cpp_server")  # the columns of its text table (harness.render)
 
 
@@ -112,15 +114,24 @@ async def run_load(base_url: str, prompts: list[str], output_lens: list[int], co
                    *h.latencies(list(times), list(sent)))
 
 
-def measure_system(system: str, path: str, threads: int, workload: tuple[list[str], list[int]],
+def measure_system(system: str, path: str, threads: int, workloads: list[tuple[list[str], list[int]]],
                    config: ServeBenchConfig, eos_id: int, log: h.Progress) -> h.Side:
-    """One server's runs keyed by the concurrency as a string, or ``{"error": ...}`` when it fails."""
+    """One server's runs keyed by the concurrency as a string (``workloads[j]``: prompts and output lengths of the
+    j-th concurrency), or ``{"error": ...}`` when it fails."""
     try:
         with serving(system, path, config.dtype, threads) as url:
-            log(f"{system}: {len(workload[0])} requests at each concurrency of {list(config.concurrency)}")
-            return {str(c): h.to_json(asyncio.run(run_load(url, *workload, c, eos_id))) for c in config.concurrency}
+            log(f"{system}: {config.num_prompts} requests at each concurrency of {list(config.concurrency)}")
+            return {str(c): h.to_json(asyncio.run(run_load(url, *w, c, eos_id)))
+                    for c, w in zip(config.concurrency, workloads)}
     except (RuntimeError, OSError) as e:
         return {"error": f"{system} server failed: {e}"}
+
+
+def split_workload(num_prompts: int, num_runs: int, vocab_size: int, seed: int) -> list[Workload]:
+    """``num_runs`` request mixes of ``num_prompts`` each: consecutive slices of one ``make_workload``, so no run
+    repeats another's prompts (a prefix cache would serve them)."""
+    w, n = make_workload(num_prompts * num_runs, vocab_size, seed), num_prompts
+    return [Workload(w.prompt_token_ids[j * n:(j + 1) * n], w.output_lens[j * n:(j + 1) * n]) for j in range(num_runs)]
 
 
 @dataclass
@@ -146,18 +157,19 @@ def run_serve_bench(config: ServeBenchConfig) -> ServeReport:
     if (eos_id := tokenizer.eos_token_id) is None:
         raise ValueError(f"kvgen bench serve bans EOS by its id, but {path} names no eos_token_id")
     log, threads, env = h.start(config)
-    raw = make_workload(config.num_prompts, tokenizer.vocab_size, config.seed)
-    workload = ([tokenizer.decode(ids, skip_special_tokens=True) for ids in raw.prompt_token_ids], raw.output_lens)
-    ours = measure_system("kvgen", str(path), threads, workload, config, eos_id, log)
+    workloads = [([tokenizer.decode(ids, skip_special_tokens=True) for ids in w.prompt_token_ids], w.output_lens)
+                 for w in split_workload(config.num_prompts, len(config.concurrency), tokenizer.vocab_size, config.seed)]
+    ours = measure_system("kvgen", str(path), threads, workloads, config, eos_id, log)
     missing = next((m for m in ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings")
                     if importlib.util.find_spec(m) is None), None)
     theirs: h.Side = (
         {"skipped": "skipped (--no-llama-cpp)"} if not config.include_llama_cpp
         else {"skipped": f"{missing} is not installed (pip install -e '.[bench]')"} if missing
-        else measure_system("llama_cpp", str(path), threads, workload, config, eos_id, log))
+        else measure_system("llama_cpp", str(path), threads, workloads, config, eos_id, log))
     ratios = {c: {"output_tokens_per_s": h.ratio(ours[c]["output_tokens_per_s"], theirs[c]["output_tokens_per_s"]),
                   "ttft_p99_s": h.ratio(theirs[c]["ttft_p99_s"], ours[c]["ttft_p99_s"])}
               for c in map(str, config.concurrency) if c in ours and c in theirs}
     described = {"num_prompts": config.num_prompts, "seed": config.seed, "concurrencies": list(config.concurrency),
-                 "num_output_tokens": sum(raw.output_lens)}
+                 "num_output_tokens": [sum(lens) for _, lens in workloads],
+                 "prompts": "distinct per concurrency: the next num_prompts of one seeded workload"}
     return ServeReport(SCHEMA, env, str(path), threads, described, ours, theirs, {"vs_llama_cpp_server": ratios})
