@@ -239,6 +239,9 @@ def test_presence_frequency_match_openai_formula():
         )
         torch.testing.assert_close(actual[row], torch.tensor(expected))
     assert_same(actual[0], logits[0])  # (0, 0) disables
+    counts = torch.zeros(4, 17).scatter_add_(1, torch.where(out_ids >= 0, out_ids, 16), torch.ones(4, 9))[:, :16]
+    over_vocab = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()  # [B, V] formula
+    assert_same(actual, over_vocab)  # touching only the generated ids changes no bit
     mask = out_ids >= 0
     padded_zero = out_ids.clamp(min=0)  # pads now read as id 0, masked out instead
     assert_same(ops.apply_presence_frequency_penalty(logits, padded_zero, presence, frequency, mask), actual)

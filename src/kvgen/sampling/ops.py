@@ -303,19 +303,6 @@ def apply_eta_cutoff(
 # ---------------------------------------------------------------- penalties
 
 
-def token_counts(token_ids: torch.Tensor, vocab_size: int, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Count each vocabulary id per row.
-
-    token_ids: [B, T] long; mask: [B, T] bool (True = real token) or None, in which
-    case negative ids are padding. Returns [B, V] long counts.
-    """
-    is_real = token_ids >= 0 if mask is None else mask.to(torch.bool) & (token_ids >= 0)  # [B, T]
-    ids = torch.where(is_real, token_ids, vocab_size)  # [B, T]; padding goes to a spill column
-    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.long, device=token_ids.device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids))  # [B, V + 1]
-    return counts[:, :vocab_size]  # [B, V]
-
-
 def apply_repetition_penalty(logits: torch.Tensor, token_ids: torch.Tensor, penalty: RowParam) -> torch.Tensor:
     """Penalize every id present in a row's history: positive logits / penalty, others * penalty.
 
@@ -327,9 +314,18 @@ def apply_repetition_penalty(logits: torch.Tensor, token_ids: torch.Tensor, pena
     _check_token_ids(token_ids, logits)
     validate_param("repetition_penalty", penalty, logits.shape[0])
     factor = _per_row(penalty, logits.shape[0], logits.dtype, logits.device)  # [B, 1]
-    is_seen = token_counts(token_ids, logits.shape[1]) > 0  # [B, V]
-    penalized = torch.where(logits < 0, logits * factor, logits / factor)  # [B, V]
-    return torch.where(is_seen, penalized, logits)
+    spill, ids = _with_spill_column(logits, token_ids)  # [B, V + 1], [B, T]
+    seen = spill.gather(1, ids)  # [B, T]: only the history's entries change (O(T), as HF's gather/scatter)
+    return spill.scatter_(1, ids, torch.where(seen < 0, seen * factor, seen / factor))[:, : logits.shape[1]]
+
+
+def _with_spill_column(logits: torch.Tensor, token_ids: torch.Tensor, mask: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy of logits [B, V] with one spill column [B, V + 1], and token_ids [B, T] with padding (negative ids, or
+    False in ``mask``) sent to that column, so a gather/scatter over the history touches only its T entries."""
+    is_real = token_ids >= 0 if mask is None else mask.to(torch.bool) & (token_ids >= 0)  # [B, T]
+    spill = torch.cat([logits, logits.new_zeros(logits.shape[0], 1)], dim=1)  # [B, V + 1]
+    return spill, torch.where(is_real, token_ids, logits.shape[1])  # [B, T]
 
 
 def apply_presence_frequency_penalty(
@@ -353,8 +349,12 @@ def apply_presence_frequency_penalty(
     num_rows, vocab_size = logits.shape
     presence = _per_row(presence_penalty, num_rows, logits.dtype, logits.device)  # [B, 1]
     frequency = _per_row(frequency_penalty, num_rows, logits.dtype, logits.device)  # [B, 1]
-    counts = token_counts(output_token_ids, vocab_size, output_mask).to(logits.dtype)  # [B, V]
-    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+    spill, ids = _with_spill_column(logits, output_token_ids, output_mask)  # [B, V + 1], [B, T]
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.int32, device=logits.device)  # [B, V + 1]
+    counts = counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32)).gather(1, ids).to(logits.dtype)
+    # [B, T]: each entry's count; only the generated ids change (the same float ops as over all of V: x - f*c - p*1)
+    penalized = spill.gather(1, ids) - frequency * counts - presence * (counts > 0).to(logits.dtype)  # [B, T]
+    return spill.scatter_(1, ids, penalized)[:, :vocab_size]
 
 
 def banned_ngram_tokens(history: Sequence[int], ngram_size: int) -> set[int]:
