@@ -178,6 +178,17 @@ def test_kernel_draw_gives_the_torch_samplers_tokens():
         torch_ids, kernel_ids = Sampler()(logits, rows()).token_ids, Sampler(get_ops())(logits, rows()).token_ids
         assert kernel_ids == torch_ids
     assert len(set(torch_ids)) > 3  # real draws, not one id
+    # filter_draw leaves the flat row 3 (top_p's cut beyond 1,024 logits) to the torch stages: the same ids still
+    peaked = logits.clone()
+    peaked[[0, 2, 5], :20] += 12
+    peaked[3] /= 4  # flat: at temperature 0.6, ~randn * 1.25
+    temperature, min_p, top_k, top_p = ([p.temperature or 1.0 for p in params], [p.min_p for p in params],
+                                        [p.top_k for p in params], [p.top_p for p in params])
+    f64 = lambda v: torch.tensor(v, dtype=torch.float64)
+    left = get_ops().filter_draw(peaked, f64(temperature), f64(min_p), torch.tensor(top_k), f64(top_p), f64([0.5] * 6))
+    if get_ops().backend == "avx2":
+        assert int(left[3]) == -1 and bool((left[[0, 2]] >= 0).all())
+    assert Sampler(get_ops())(peaked, rows()).token_ids == Sampler()(peaked, rows()).token_ids
 
 
 def test_allowed_token_ids_and_bad_words_stages():

@@ -574,6 +574,59 @@ def test_softmax_draw_matches_reference(vocab_size):
     assert torch.equal(OPS.softmax_draw(logits[5:6], temperature[5:6], u[5:6]), got[5:6])  # a row alone
 
 
+def _filter_params(rows: int, g: torch.Generator, vocab_size: int) -> tuple[torch.Tensor, ...]:
+    """Per-row temperature, min_p, top_k, top_p, u [rows], each filter on in about half the rows, with edge values."""
+    f64 = torch.float64
+    some = lambda p: torch.rand(rows, generator=g) < p
+    temperature = torch.rand(rows, generator=g, dtype=f64) * 2 + 0.05
+    min_p = torch.where(some(0.4), torch.rand(rows, generator=g, dtype=f64) * 0.5, torch.zeros(rows, dtype=f64))
+    top_k = torch.where(some(0.4), torch.randint(1, 3 * vocab_size, (rows,), generator=g), torch.zeros(rows, dtype=torch.long))
+    top_p = torch.where(some(0.6), torch.rand(rows, generator=g, dtype=f64) * 0.99 + 0.01, torch.ones(rows, dtype=f64))
+    u = torch.rand(rows, generator=g, dtype=f64)
+    min_p[:2], top_k[2:4], top_p[4:6], u[6:9] = 1.0, 1, 1e-6, torch.tensor([0.0, 1e-12, 1 - 1e-12], dtype=f64)
+    return temperature, min_p, top_k, top_p, u
+
+
+@needs_avx2
+@pytest.mark.parametrize("vocab_size", [49_152, 1_003, 7])
+def test_filter_draw_matches_reference(vocab_size):
+    """The C++ sampling stages + draw equal their twin (ops' temperature, min_p, top_k, top_p, then softmax_draw) id
+    for id on every row they decide, over peaked and flat rows, ties (rounded logits), -inf runs and edge values;
+    the rows left undecided (-1, for the torch ops) are a minority, and a row alone gets its id in the batch."""
+    g = torch.Generator().manual_seed(vocab_size)
+    rows = 240
+    logits = torch.randn(rows, vocab_size, generator=g) * torch.rand(rows, 1, generator=g) * 6
+    logits[::2, : min(40, vocab_size - 1)] += 10  # a real distribution's head
+    logits[::7] = logits[::7].round()  # ties
+    logits[::11, : vocab_size // 2] = float("-inf")
+    params = _filter_params(rows, g, vocab_size)
+    got, want = OPS.filter_draw(logits, *params), REF.filter_draw(logits, *params)
+    decided = got >= 0
+    assert torch.equal(got[decided], want[decided])
+    assert int(decided.sum()) >= 0.7 * rows and int(decided[::2].sum()) >= 0.8 * (rows // 2)  # peaked rows: most
+    assert not torch.equal(want, REF.softmax_draw(logits, params[0], params[4]))  # the filters changed draws
+    i = int(decided.nonzero()[-1])
+    assert torch.equal(OPS.filter_draw(logits[i:i + 1], *(p[i:i + 1] for p in params)), got[i:i + 1])
+
+
+@needs_avx2
+def test_filter_draw_leaves_undecidable_rows_and_refuses_bad_inputs():
+    """A flat row whose top-p cut lies beyond the largest 1,024 logits, or a min_p line through a logit, returns -1;
+    out-of-range parameters raise naming them."""
+    f64 = torch.float64
+    flat = torch.randn(1, 49_152, generator=torch.Generator().manual_seed(5))
+    one, zero = torch.ones(1, dtype=f64), torch.zeros(1, dtype=f64)
+    assert int(OPS.filter_draw(flat, one, zero, torch.zeros(1, dtype=torch.long), torch.tensor([0.9], dtype=f64), zero)) == -1
+    on_line = torch.tensor([[0.0, -1.0, 5.0]])  # min_p = e^-5: logit 0.0 lies on m + log(min_p)
+    min_p = torch.tensor([float(torch.tensor(-5.0).exp())], dtype=f64)
+    assert int(OPS.filter_draw(on_line, one, min_p, torch.zeros(1, dtype=torch.long), one, zero)) == -1
+    assert int(OPS.filter_draw(on_line, one, min_p * 0.5, torch.zeros(1, dtype=torch.long), one, zero)) >= 0
+    with pytest.raises(RuntimeError, match="top_k >= 0 and top_p in \\(0, 1\\]"):
+        OPS.filter_draw(on_line, one, zero, torch.zeros(1, dtype=torch.long), zero, zero)
+    with pytest.raises(RuntimeError, match="must be \\[B=2\\]"):
+        OPS.filter_draw(torch.zeros(2, 8), one, zero, torch.zeros(1, dtype=torch.long), one, zero)
+
+
 @needs_avx2
 def test_softmax_draw_frequencies_and_bad_inputs():
     probs = torch.tensor([0.5, 0.0, 0.3, 0.2])

@@ -75,7 +75,9 @@ class Sampler:
     (``ops.choose_tokens``, inverse CDF). A stage runs only when some row enables it.
     With ``kernels`` (the model's), the draw is their ``softmax_draw`` (softmax and search in one
     pass per row, the same ids as the torch ops), which also applies the temperature when no
-    sampled row filters (min_p, top_k, top_p): the OpenAI default request.
+    sampled row filters (min_p, top_k, top_p): the OpenAI default request. When one does, their
+    ``filter_draw`` runs the sampling stages and the draw per row in C++ (the same ids as the torch
+    ops; a row it cannot decide bit-exactly, -1, goes through the torch stages instead).
     """
 
     def __init__(self, kernels: KernelOps | None = None) -> None:
@@ -107,11 +109,18 @@ class Sampler:
         if self.kernels is None:
             x = apply_stages(x, rows, _SAMPLED_ONLY)
             return ops.choose_tokens(x, True, generators, draw="inverse_cdf").squeeze(1)
-        if any(r.sampling_params.min_p > 0 or r.sampling_params.top_k > 0 or r.sampling_params.top_p < 1 for r in rows):
-            x, temperature = apply_stages(x, rows, _SAMPLED_ONLY), torch.ones(len(rows), dtype=torch.float64)
-        else:  # temperature only: the kernel divides
-            temperature = _column([r.sampling_params.temperature for r in rows])
-        return self.kernels.softmax_draw(x.float(), temperature, ops.uniforms(len(rows), generators).view(-1))
+        params = [r.sampling_params for r in rows]
+        temperature, u = _column([p.temperature for p in params]), ops.uniforms(len(rows), generators).view(-1)
+        if not any(p.min_p > 0 or p.top_k > 0 or p.top_p < 1 for p in params):  # temperature only: the kernel divides
+            return self.kernels.softmax_draw(x.float(), temperature, u)
+        token_ids = self.kernels.filter_draw(x.float(), temperature, _column([p.min_p for p in params]),
+                                             _column([p.top_k for p in params], torch.long),
+                                             _column([p.top_p for p in params]), u)  # [B'], -1: undecided
+        if undecided := [i for i, t in enumerate(token_ids.tolist()) if t < 0]:  # float32 rounding could matter
+            y = apply_stages(x[undecided], [rows[i] for i in undecided], _SAMPLED_ONLY)  # the torch stages
+            token_ids[undecided] = self.kernels.softmax_draw(y.float(), torch.ones(len(undecided), dtype=torch.float64),
+                                                             u[undecided])
+        return token_ids
 
 
 def apply_stages(logits: torch.Tensor, rows: list[SamplingRow], names: Sequence[str]) -> torch.Tensor:

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvgen.sampling import ops
 from kvgen.sampling.ops import inverse_cdf_at
 
 BLOCK = 32  # values per quantization block
@@ -767,6 +768,17 @@ def softmax_draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tenso
     (``ops.inverse_cdf_at``). Returns [B] long."""
     probs = torch.softmax(logits / temperature.to(logits.dtype)[:, None], dim=-1)  # [B, V]
     return inverse_cdf_at(probs, u.to(torch.float64).view(-1, 1)).view(-1)  # [B]
+
+
+def filter_draw(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The engine's sampling stages in vLLM v1's order (``ops.apply_temperature``, ``apply_min_p``, ``apply_top_k``,
+    ``apply_top_p``; 0 / 0 / 1 disable a filter) on logits [B, V] float32 with per-row parameters [B], then
+    :func:`softmax_draw` at temperature 1 with u [B] float64. Returns [B] long (the C++ op may return -1 for a row it
+    leaves to these ops). Raises ValueError for out-of-range parameters. Source: vLLM v1 ``Sampler``; HF's warpers."""
+    x = ops.apply_temperature(logits, temperature)
+    x = ops.apply_top_p(ops.apply_top_k(ops.apply_min_p(x, min_p), top_k), top_p)  # [B, V]
+    return softmax_draw(x, torch.ones_like(temperature, dtype=torch.float64), u)
 
 
 GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0  # GptOssExperts.alpha, .limit (constants of transformers' and llama.cpp's code)

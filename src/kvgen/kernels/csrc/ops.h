@@ -45,6 +45,8 @@ at::Tensor paged_decoder_layers(const at::Tensor& x, at::TensorList weights, at:
 at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type);
 at::Tensor linear_f64(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor softmax_draw(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u);
+at::Tensor filter_draw(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& min_p,
+                       const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& u);
 at::Tensor moe_experts_row(const at::Tensor& h, at::TensorList gate_up, at::IntArrayRef gate_up_linears,
                            at::TensorList down, at::IntArrayRef down_linears, at::ArrayRef<double> expert_weights,
                            const Extras& biases, int64_t activation);
