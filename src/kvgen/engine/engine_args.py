@@ -7,8 +7,10 @@ is there for the CLI to generate flags from.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from kvgen.engine.generation_defaults import GENERATION_CONFIG_MODES, parse_override
 from kvgen.engine.spec_decode import SpeculativeConfig
 from kvgen.fields import check_int, config_field
 from kvgen.sampling.params import SEED_MAX, SEED_MIN
@@ -38,6 +40,11 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = _f(
         None, 'n-gram speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4}\' (drafts copied from the prompt and output; greedy and seeded tokens unchanged)')
+    generation_config: str = _f("auto", "sampling defaults for requests that leave them unset: 'auto' (the model "
+                                        "directory's generation_config.json), 'vllm' (vLLM's own) or a directory")
+    override_generation_config: dict[str, Any] | str | None = _f(
+        None, 'JSON object of sampling defaults over the generation config\'s, e.g. \'{"temperature": 0.5}\' '
+        "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)")
 
     def __post_init__(self) -> None:
         from kvgen.loader import AUTO, DTYPES
@@ -57,6 +64,9 @@ class EngineArgs:
             )
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.generation_config not in GENERATION_CONFIG_MODES and not Path(self.generation_config).expanduser().is_dir():
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
+        self.override_generation_config = parse_override(self.override_generation_config) or None
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
 

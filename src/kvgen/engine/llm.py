@@ -7,9 +7,11 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from kvgen.engine.engine_args import EngineArgs
+from kvgen.engine.generation_defaults import as_sampling_params, default_sampling_params
 from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.outputs import RequestOutput
 from kvgen.engine.sampling_params import SamplingParams
+from kvgen.loader import resolve_model_path
 from kvgen.models import CausalLM
 from kvgen.tokenizer import Tokenizer
 
@@ -28,13 +30,22 @@ class LLM:
 
     def __init__(self, model: str | CausalLM = "default", tokenizer: Tokenizer | None = None, **engine_args: Any) -> None:
         if isinstance(model, CausalLM):
-            self.llm_engine = LLMEngine(model, tokenizer, EngineArgs(**engine_args))
+            args = EngineArgs(**engine_args)
+            self.llm_engine, model_path = LLMEngine(model, tokenizer, args), None
         else:
-            self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=str(model), **engine_args))
+            args = EngineArgs(model=str(model), **engine_args)
+            self.llm_engine, model_path = LLMEngine.from_engine_args(args), resolve_model_path(args.model)
+        self._default_sampling = default_sampling_params(model_path, args.generation_config,
+                                                         args.override_generation_config)
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` run without ``sampling_params``: ``SamplingParams()`` with the model's
+        generation-config defaults (``EngineArgs.generation_config``, ``override_generation_config``) over it."""
+        return as_sampling_params(self._default_sampling)
 
     def generate(
         self,
@@ -46,11 +57,12 @@ class LLM:
 
         ``prompts``: a string, a list of token ids, a list of either, or dicts with
         ``prompt`` or ``prompt_token_ids``. ``sampling_params``: one for all prompts or one
-        per prompt (default ``SamplingParams()``). Raises ``ValueError`` (naming the field) for
+        per prompt (default :meth:`get_default_sampling_params`). Raises ``ValueError`` (naming the field) for
         an invalid prompt or settings; then no prompt of the call is left in the engine.
         """
         items = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(items))
+        params = _as_params_list(sampling_params if sampling_params is not None else self.get_default_sampling_params(),
+                                 len(items))
         request_ids: list[str] = []
         try:
             for item, p in zip(items, params):
@@ -120,9 +132,7 @@ def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt
     return items
 
 
-def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(num_prompts)]
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams], num_prompts: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * num_prompts
     params = list(params)

@@ -159,8 +159,12 @@ def _drop_422(app: FastAPI) -> None:
 
 
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, max_queue: int = 256,
-              tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+              default_sampling: dict[str, Any] | None = None) -> FastAPI:
     """The app over a built engine; ``model_name`` is what requests' ``model`` must say.
+
+    ``default_sampling``: ``SamplingParams`` fields a request that leaves them unset gets (the model's generation
+    config, ``kvgen.engine.generation_defaults.default_sampling_params``); ``max_tokens`` also caps every request.
 
     ``max_queue``: sequences allowed to wait beyond the engine's ``max_num_seqs`` (then 429).
     ``tool_call_parser`` ("hermes"): tool_choice "auto" is served, calls parsed from the text; None refuses it.
@@ -178,6 +182,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         engine=engine, tokenizer=llm.tokenizer, model_name=model_name, max_model_len=llm.max_model_len,
         max_num_seqs=llm.engine_args.max_num_seqs, max_queue=max_queue, metrics=ServerMetrics(llm, model_name),
         api_key=api_key, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+        default_sampling=dict(default_sampling or {}),
     )
 
     @asynccontextmanager

@@ -97,7 +97,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(state, len(prompt_ids), requested, ("messages", field))
-    params = sampling_params(req, state.tokenizer, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+    params = sampling_params(req, state, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                              plan.constraint if plan else None)
     gen = Generation(state, new_request_id("chatcmpl"))
     await gen.start([prompt_ids], params, "messages")

@@ -90,7 +90,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     prompts = completion_prompt_ids(state, req.prompt)
     # max_tokens None: all the room the longest prompt leaves
     max_tokens = min(resolve_max_tokens(state, len(p), req.max_tokens, ("prompt", "max_tokens")) for p in prompts)
-    params = sampling_params(req, state.tokenizer, max_tokens, req.logprobs)
+    params = sampling_params(req, state, max_tokens, req.logprobs)
     if req.echo and req.logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
     echo = _Echo(state, req, prompts, _prompt_texts(state, req.prompt, prompts) if req.echo else None)

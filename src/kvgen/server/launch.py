@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 
 from kvgen.engine.engine_args import EngineArgs
+from kvgen.engine.generation_defaults import default_sampling_params
 from kvgen.fields import config_field as _f
 from kvgen.server.reasoning_parsers import REASONING_PARSERS
 from kvgen.server.tool_parsers import TOOL_CALL_PARSERS
@@ -94,6 +95,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     import uvicorn
 
     from kvgen.engine.async_engine import AsyncLLMEngine
+    from kvgen.loader import resolve_model_path
     from kvgen.server.app import build_app
 
     logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -102,13 +104,19 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     except OSError as e:
         raise ValueError(f"kvgen serve: cannot listen on {server_args.host}:{server_args.port}: {e.strerror or e}") from None
     try:
+        defaults = default_sampling_params(resolve_model_path(engine_args.model), engine_args.generation_config,
+                                           engine_args.override_generation_config)
         engine = AsyncLLMEngine.from_engine_args(engine_args)
     except BaseException:
         sock.close()
         raise
     name = server_args.served_model_name or engine_args.model
     parser = server_args.tool_call_parser if server_args.enable_auto_tool_choice else None
-    app = build_app(engine, name, server_args.api_key, server_args.max_queue, parser, server_args.reasoning_parser)
+    if defaults:
+        print(f"kvgen serve: sampling defaults from the model's generation config: {defaults} (--generation-config "
+              "vllm for vLLM's own)", file=sys.stderr, flush=True)
+    app = build_app(engine, name, server_args.api_key, server_args.max_queue, parser, server_args.reasoning_parser,
+                    defaults)
     # uvicorn annotates timeout_graceful_shutdown as int but hands it to asyncio.wait_for (float seconds).
     config = uvicorn.Config(
         app, log_level=server_args.log_level, access_log=False,

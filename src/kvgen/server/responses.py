@@ -168,7 +168,7 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
         plan = tool_plan(chat, state.tool_call_parser)
         prompt_ids = _prompt(state, req, chat)
         max_tokens = resolve_max_tokens(state, len(prompt_ids), req.max_output_tokens, ("input", "max_output_tokens"))
-        params = sampling_params(chat, state.tokenizer, max_tokens, (chat.top_logprobs or 0) if chat.logprobs else None,
+        params = sampling_params(chat, state, max_tokens, (chat.top_logprobs or 0) if chat.logprobs else None,
                                  plan.constraint if plan else None)
     except OpenAIError as e:
         e.param = _PARAMS.get(e.param or "", e.param)
@@ -192,9 +192,10 @@ class _Builder:
             id=_new_id("resp"), status="in_progress", instructions=req.instructions,
             max_output_tokens=req.max_output_tokens, max_tool_calls=req.max_tool_calls, model=state.model_name,
             parallel_tool_calls=req.parallel_tool_calls is not False, previous_response_id=req.previous_response_id,
-            store=req.store, temperature=1.0 if req.temperature is None else req.temperature,
+            store=req.store,
+            temperature=req.temperature if req.temperature is not None else state.default_sampling.get("temperature", 1.0),
             text=req.text or TextConfig(), tool_choice=req.tool_choice or ("auto" if req.tools else "none"),
-            tools=req.tools or [], top_logprobs=req.top_logprobs, top_p=1.0 if req.top_p is None else req.top_p,
+            tools=req.tools or [], top_logprobs=req.top_logprobs, top_p=req.top_p if req.top_p is not None else state.default_sampling.get("top_p", 1.0),
             truncation=req.truncation or "disabled", user=req.user, metadata=req.metadata or {},
         )
 

@@ -13,7 +13,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
@@ -50,6 +50,8 @@ class ServerState:
     tool_call_parser: str | None = None  # "hermes": tool_choice "auto" allowed, calls parsed from the text
     reasoning_parser: str | None = None  # "deepseek_r1" | "qwen3": <think> text goes to the reasoning fields
     responses: ResponseStore = field(default_factory=ResponseStore)  # stored /v1/responses results
+    # sampling defaults for unset request fields (the model's generation_config.json; SamplingParams names)
+    default_sampling: dict[str, Any] = field(default_factory=dict)
 
     def check_model(self, name: str | None) -> None:
         """Raises a 404 ``OpenAIError`` unless ``name`` is the served model (None = any)."""
@@ -61,10 +63,16 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sampling_params(req: SamplingFields, tokenizer: Tokenizer, max_tokens: int | None, logprobs: int | None,
+def sampling_params(req: SamplingFields, state: ServerState, max_tokens: int | None, logprobs: int | None,
                     constraint: StructuredOutputsParams | None = None) -> SamplingParams:
-    """OpenAI fields -> ``SamplingParams`` (DELTA outputs); ``constraint`` (a tool call's) replaces the request's own
+    """OpenAI fields -> ``SamplingParams`` (DELTA outputs); a field the request leaves unset takes the model's
+    default (``state.default_sampling``), else vLLM's; ``constraint`` (a tool call's) replaces the request's own
     structured outputs. Raises a 400 naming the field."""
+    tokenizer, defaults = state.tokenizer, state.default_sampling
+
+    def pick(value: Any, name: str, fallback: Any) -> Any:
+        return value if value is not None else defaults.get(name, fallback)
+
     bias = None
     if req.logit_bias:
         try:
@@ -76,9 +84,9 @@ def sampling_params(req: SamplingFields, tokenizer: Tokenizer, max_tokens: int |
             raise bad_request(f"logit_bias token ids must be in [0, {tokenizer.vocab_size}), got {bad[0]}", "logit_bias")
     try:
         return SamplingParams(
-            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-            min_p=req.min_p or 0.0, repetition_penalty=req.repetition_penalty or 1.0,
+            n=req.n, temperature=pick(req.temperature, "temperature", 1.0), top_p=pick(req.top_p, "top_p", 1.0),
+            top_k=pick(req.top_k, "top_k", 0), min_p=pick(req.min_p, "min_p", 0.0),
+            repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             seed=req.seed, stop=req.stop, max_tokens=max_tokens, min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=bias, output_kind=RequestOutputKind.DELTA,
@@ -120,7 +128,8 @@ def check_stream_options(req: SamplingFields) -> None:
 
 
 def resolve_max_tokens(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, params: tuple[str, str]) -> int:
-    """``max_tokens`` checked against the context and the KV pool; None -> all the room left.
+    """``max_tokens`` checked against the context and the KV pool; None -> all the room left; then capped at the
+    model's ``max_new_tokens`` default where it has one (as vLLM).
 
     ``params``: (the prompt's field name, the max-tokens field name) for error messages.
     """
@@ -132,14 +141,15 @@ def resolve_max_tokens(state: ServerState, num_prompt_tokens: int, max_tokens: i
         raise bad_request(
             f"This model's maximum context length is {limit} tokens. However, your prompt has "
             f"{num_prompt_tokens} tokens, which leaves no room for a completion.", params[0])
+    cap = state.default_sampling.get("max_tokens") or room
     if max_tokens is None:
-        return room
+        return min(room, cap)
     if max_tokens > room:
         raise bad_request(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
             f"completion). Please reduce the prompt or {params[1]}.", params[1])
-    return max_tokens
+    return min(max_tokens, cap)
 
 
 class Generation:

@@ -1,0 +1,72 @@
+"""The model's generation_config.json as sampling defaults (vLLM's ``--generation-config auto``), in ``LLM``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvgen.engine import EngineArgs, SamplingParams
+from kvgen.engine.generation_defaults import default_sampling_params, read_generation_config
+from kvgen.engine.llm import LLM
+
+
+def _with_generation_config(src: Path, dst: Path, config: dict) -> Path:
+    shutil.copytree(src, dst)
+    (dst / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, **config}))
+    return dst
+
+
+def test_reads_the_sampling_keys_that_differ_from_transformers_defaults(tmp_path: Path) -> None:
+    """As vLLM's get_diff_sampling_param: the six keys, values equal to GenerationConfig's defaults dropped, other
+    keys ignored, max_new_tokens renamed max_tokens; 'vllm' reads nothing, a directory is read, override wins."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({
+        "temperature": 0.6, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.0, "min_p": None, "max_new_tokens": 7,
+        "do_sample": True, "eos_token_id": [2, 3]}))
+    assert read_generation_config(tmp_path) == {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 7}
+    assert default_sampling_params(tmp_path) == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 7}
+    assert default_sampling_params(tmp_path, "vllm") == {}
+    assert default_sampling_params(None, str(tmp_path), '{"top_p": 0.5, "min_p": 0.1}') == {
+        "temperature": 0.6, "top_p": 0.5, "max_tokens": 7, "min_p": 0.1}
+    assert default_sampling_params(tmp_path / "model.gguf") == {}  # a file: no generation config
+    assert default_sampling_params(tmp_path.parent) == {}  # a directory without one
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"generation_config": "/no/such/dir"}, "generation_config must be 'auto', 'vllm' or a directory"),
+    ({"override_generation_config": '{"temp": 1}'}, "override_generation_config keys must be among"),
+    ({"override_generation_config": "[1]"}, "override_generation_config must be a JSON object"),
+    ({"override_generation_config": "{bad"}, "override_generation_config must be a JSON object"),
+    ({"override_generation_config": {"top_p": 1.5}}, "override_generation_config: top_p must be"),
+])
+def test_bad_settings_are_refused_naming_the_field(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs)
+
+
+def test_a_corrupt_generation_config_is_a_value_error(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read .*generation_config.json"):
+        default_sampling_params(tmp_path)
+    (tmp_path / "generation_config.json").write_text('{"temperature": -1}')
+    with pytest.raises(ValueError, match="temperature must be"):
+        default_sampling_params(tmp_path)
+
+
+def test_llm_runs_without_sampling_params_on_the_models_defaults(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """LLM.generate without sampling_params takes the directory's generation config (greedy with a repetition
+    penalty, 6 new tokens): the tokens of the same settings passed explicitly, not those of SamplingParams()'s
+    penalty-free greedy run; generation_config='vllm' ignores the file."""
+    model_dir = _with_generation_config(tiny_model_dir, tmp_path / "m", {
+        "temperature": 0.0, "repetition_penalty": 1.8, "max_new_tokens": 6})
+    llm = LLM(str(model_dir), num_blocks=64)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, repetition_penalty=1.8, max_tokens=6)
+    got = llm.generate(prompt, use_tqdm=False)[0].outputs[0].token_ids
+    explicit = SamplingParams(temperature=0.0, repetition_penalty=1.8, max_tokens=6)
+    assert got == llm.generate(prompt, explicit, use_tqdm=False)[0].outputs[0].token_ids and len(got) == 6
+    plain = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0].outputs[0].token_ids
+    assert got != plain
+    assert LLM(str(model_dir), num_blocks=64, generation_config="vllm").get_default_sampling_params() == SamplingParams()
