@@ -574,6 +574,28 @@ def test_softmax_draw_matches_reference(vocab_size):
     assert torch.equal(OPS.softmax_draw(logits[5:6], temperature[5:6], u[5:6]), got[5:6])  # a row alone
 
 
+@needs_avx2
+@pytest.mark.parametrize("vocab_size", [49_152, 1_003, 7])
+def test_argmax_is_torch_argmax(vocab_size):
+    """The C++ argmax equals torch.argmax id for id: ties go to the lowest id (rounded rows), the max in the tail
+    lanes, all -inf rows, +inf, -0.0 before +0.0, and a NaN counts as the largest (its first index)."""
+    g = torch.Generator().manual_seed(vocab_size)
+    x = torch.randn(64, vocab_size, generator=g) * 3
+    x[::4] = x[::4].round()  # ties at the max
+    x[1, -1] = 100.0  # the max in the last (tail) lanes
+    x[2] = float("-inf")
+    x[3, vocab_size // 2] = float("inf")
+    x[5, :] = -1.0
+    x[5, min(2, vocab_size - 1)], x[5, min(3, vocab_size - 1)] = -0.0, 0.0
+    x[6, vocab_size - 1] = float("nan")
+    x[7, [0, vocab_size // 2]] = float("nan")
+    got = OPS.argmax(x)
+    assert got.dtype == torch.long and torch.equal(got, torch.argmax(x, dim=-1)) and torch.equal(got, REF.argmax(x))
+    assert torch.equal(OPS.argmax(x[1:2]), got[1:2])  # a row alone
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        OPS.argmax(x.double())
+
+
 def _filter_params(rows: int, g: torch.Generator, vocab_size: int) -> tuple[torch.Tensor, ...]:
     """Per-row temperature, min_p, top_k, top_p, u [rows], each filter on in about half the rows, with edge values."""
     f64 = torch.float64

@@ -93,7 +93,7 @@ class Sampler:
         sampled = [i for i, r in enumerate(rows) if not r.sampling_params.is_greedy]
         is_all_sampled = len(sampled) == len(rows)
         token_ids = (torch.empty(len(rows), dtype=torch.long) if is_all_sampled
-                     else ops.choose_tokens(logits, do_sample=False).squeeze(1))  # [B]
+                     else ops.greedy(logits, None if self.kernels is None else self.kernels.argmax))  # [B]
         if sampled:
             sampled_rows = [rows[i] for i in sampled]
             x = logits if is_all_sampled else logits[sampled]  # [B', V]
@@ -177,6 +177,8 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
             ids = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(r.eos_token_ids))
             if ids:
                 groups.setdefault(tuple(sorted(ids)), []).append(i)
+    if not groups:
+        return logits
     num_generated = _column([len(r.output_token_ids) for r in rows], torch.long)  # [B]
     for stop_ids, members in groups.items():
         min_tokens = torch.zeros(len(rows), dtype=torch.long)  # [B]; 0 leaves a row alone
@@ -192,9 +194,8 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     if not entries:
         return logits
     row_ids, token_ids, biases = zip(*entries)
-    index = (torch.tensor(row_ids), torch.tensor(token_ids))  # [E], [E]
-    values = torch.tensor(biases, dtype=logits.dtype)  # [E]
-    return logits.index_put(index, values, accumulate=True)
+    index = (torch.tensor(row_ids), torch.tensor(token_ids))  # [E], [E]: (row, id) pairs are unique (dict keys)
+    return logits.index_put(index, logits[index] + torch.tensor(biases, dtype=logits.dtype))  # x + b, as accumulate
 
 
 def apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -5,9 +5,12 @@ from __future__ import annotations
 from kvgen.generation.decoding import LoopContext, token_loop
 from kvgen.generation.output import GenerateOutput
 from kvgen.generation.runner import StepRunner
-from kvgen.sampling.ops import choose_tokens
+from kvgen.sampling.ops import greedy
 
 
 def greedy_search(runner: StepRunner, ctx: LoopContext) -> GenerateOutput:
-    """Pick ``argmax`` of scores ``[N, V]`` each step (ties: lowest id, as torch.argmax / HF)."""
-    return token_loop(runner, ctx, lambda scores: choose_tokens(scores, do_sample=False).squeeze(1))
+    """Pick ``argmax`` of scores ``[N, V]`` each step (ties: lowest id, as torch.argmax / HF; the model's C++ argmax
+    where it has kernels)."""
+    kernels = getattr(runner.model, "kernels", None)
+    argmax = None if kernels is None else kernels.argmax
+    return token_loop(runner, ctx, lambda scores: greedy(scores, argmax))

@@ -43,6 +43,8 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
   paged cache (``paged_attention_qkv``)
 * ``softmax_draw(logits [B, V] f32, temperature [B] f64, u [B] f64) -> [B] i64``: one id per row from
   softmax(logits / temperature) by inversion at u (the engine's draw, ``ops.sample_inverse_cdf``'s search)
+* ``argmax(x [B, V] f32) -> [B] i64``: per row the first index of the largest value (of the first NaN, as
+  ``torch.argmax``): the greedy token
 * ``filter_draw(logits [B, V] f32, temperature, min_p, top_p [B] f64, top_k [B] i64, u [B] f64) -> [B] i64``: the
   engine's sampling stages (logits / temperature, min_p, top_k, top_p: ``ops``' warpers in vLLM's order) then the
   draw at temperature 1, per row; -1 for a row whose filters float32 rounding could decide otherwise (the caller
@@ -107,6 +109,7 @@ class KernelOps:
     paged_decoder_layers: Callable[..., torch.Tensor]
     softmax_draw: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     filter_draw: Callable[..., torch.Tensor]
+    argmax: Callable[[torch.Tensor], torch.Tensor]
     moe_experts_row: Callable[..., torch.Tensor]
     linear_f64: Callable[..., torch.Tensor]
 
@@ -114,7 +117,8 @@ class KernelOps:
 _NAMES = (
     "qgemm", "quantize_q8a", "dequantize_rows", "attention", "paged_attention", "rms_norm", "rms_norm_heads_",
     "rope_qkv_", "silu_mul", "gelu_tanh_mul", "gpt_oss_glu", "repack_gguf", "static_attention",
-    "paged_attention_qkv", "decoder_layers", "paged_decoder_layers", "softmax_draw", "filter_draw", "moe_experts_row", "linear_f64",
+    "paged_attention_qkv", "decoder_layers", "paged_decoder_layers", "softmax_draw", "filter_draw", "argmax",
+    "moe_experts_row", "linear_f64",
 )
 _REFERENCE = KernelOps("reference", *(getattr(reference, n) for n in _NAMES))
 _ops: KernelOps | None = None

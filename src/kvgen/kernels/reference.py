@@ -770,6 +770,12 @@ def softmax_draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tenso
     return inverse_cdf_at(probs, u.to(torch.float64).view(-1, 1)).view(-1)  # [B]
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Per row of x [B, V] float32 the first index of the largest value, NaN counting as the largest: [B] long.
+    Source: ``torch.argmax`` (the greedy token of HF's ``_sample`` and vLLM's sampler)."""
+    return torch.argmax(x, dim=-1)
+
+
 def filter_draw(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
                 top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The engine's sampling stages in vLLM v1's order (``ops.apply_temperature``, ``apply_min_p``, ``apply_top_k``,

@@ -15,7 +15,7 @@ Source: the semantics, tie-breaking and float operation order of Hugging Face
 ``transformers`` 4.55 ``generation/logits_process.py``, which tests compare to.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -578,8 +578,11 @@ def _first_above(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.minimum(found, torch.searchsorted(cdf, cdf[:, -1:].contiguous()))  # [B, 1]
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """``choose_tokens`` without sampling, one id per row. logits: [B, V]. Returns [B] long."""
+def greedy(logits: torch.Tensor, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """``choose_tokens`` without sampling, one id per row. logits: [B, V]. Returns [B] long. ``argmax``: a model's
+    ``kernels.argmax`` (the same ids as ``torch.argmax``, ~10x faster at V = 49,152), used for float32 logits."""
+    if argmax is not None and logits.dtype == torch.float32:
+        return argmax(logits)  # [B]
     return choose_tokens(logits, do_sample=False).squeeze(1)  # [B]
 
 

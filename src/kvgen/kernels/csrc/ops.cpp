@@ -382,6 +382,7 @@ TORCH_LIBRARY(kvgen, m) {
         "Tensor query_start_loc, Tensor seq_lens, int num_heads, int num_kv_heads, float scale, int activation=0, "
         "float softcap=0.0) -> Tensor");
   m.def("softmax_draw(Tensor logits, Tensor temperature, Tensor u) -> Tensor");
+  m.def("argmax(Tensor x) -> Tensor");
   m.def("filter_draw(Tensor logits, Tensor temperature, Tensor min_p, Tensor top_k, Tensor top_p, Tensor u) -> Tensor");
   m.def("linear_f64(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("moe_experts_row(Tensor h, Tensor[] gate_up, int[] gate_up_linears, Tensor[] down, int[] down_linears, "
@@ -406,6 +407,7 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("decoder_layers", &kvgen::decoder_layers);
   m.impl("paged_decoder_layers", &kvgen::paged_decoder_layers);
   m.impl("softmax_draw", &kvgen::softmax_draw);
+  m.impl("argmax", &kvgen::argmax);
   m.impl("filter_draw", &kvgen::filter_draw);
   m.impl("linear_f64", &kvgen::linear_f64);
   m.impl("moe_experts_row", &kvgen::moe_experts_row);

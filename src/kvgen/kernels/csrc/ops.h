@@ -44,6 +44,7 @@ at::Tensor paged_decoder_layers(const at::Tensor& x, at::TensorList weights, at:
                                 int64_t num_kv_heads, double scale, int64_t activation, double softcap);
 at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type);
 at::Tensor linear_f64(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+at::Tensor argmax(const at::Tensor& x);
 at::Tensor softmax_draw(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u);
 at::Tensor filter_draw(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& min_p,
                        const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& u);

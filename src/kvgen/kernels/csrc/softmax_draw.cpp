@@ -426,3 +426,53 @@ at::Tensor filter_draw(const at::Tensor& logits_in, const at::Tensor& temperatur
 }
 
 }  // namespace kvgen
+
+namespace kvgen {
+
+// argmax(x [B, V] f32) -> [B] i64: per row the first index of the largest value, or of the first NaN when the row
+// has one (torch.argmax's rule, its twin: NaN counts as the largest); two passes of 8 lanes, rows in parallel.
+at::Tensor argmax(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dtype() == at::kFloat && x_in.dim() == 2 && x_in.size(1) > 0, "kvgen.argmax: x must be float32 [B, V]");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t B = x.size(0), V = x.size(1);
+  at::Tensor out = at::empty({B}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* r = xp + b * V;
+      __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), nan = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 8 <= V; i += 8) {
+        const __m256 v = _mm256_loadu_ps(r + i);
+        vmax = _mm256_max_ps(vmax, v);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, vmax);
+      float m = *std::max_element(lanes, lanes + 8);
+      bool has_nan = _mm256_movemask_ps(nan) != 0;
+      for (; i < V; ++i) {
+        m = std::max(m, r[i]);
+        has_nan |= std::isnan(r[i]);
+      }
+      int64_t found = 0;
+      if (has_nan) {
+        while (!std::isnan(r[found])) ++found;
+      } else {
+        const __m256 vm = _mm256_set1_ps(m);
+        for (i = 0; i + 8 <= V; i += 8) {
+          const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(r + i), vm, _CMP_EQ_OQ));
+          if (mask) break;
+        }
+        for (; r[i] != m; ++i) {
+        }
+        found = i;
+      }
+      op[b] = found;
+    }
+  });
+  return out;
+}
+
+}  // namespace kvgen
