@@ -92,12 +92,12 @@ class Sampler:
         logits = apply_stages(logits, rows, _EVERY_ROW)  # [B, V]
         sampled = [i for i, r in enumerate(rows) if not r.sampling_params.is_greedy]
         is_all_sampled = len(sampled) == len(rows)
-        token_ids = (torch.empty(len(rows), dtype=torch.long) if is_all_sampled
-                     else ops.greedy(logits, None if self.kernels is None else self.kernels.argmax))  # [B]
-        if sampled:
-            sampled_rows = [rows[i] for i in sampled]
-            x = logits if is_all_sampled else logits[sampled]  # [B', V]
-            token_ids[sampled] = self._draw(x, sampled_rows)
+        if is_all_sampled:
+            token_ids = self._draw(logits, rows)  # [B]
+        else:
+            token_ids = ops.greedy(logits, None if self.kernels is None else self.kernels.argmax)  # [B]
+            if sampled:
+                token_ids[sampled] = self._draw(logits[sampled], [rows[i] for i in sampled])
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
             logprobs = token_logprobs(raw_logprobs, token_ids, [p.logprobs for p in params])
@@ -110,12 +110,13 @@ class Sampler:
             x = apply_stages(x, rows, _SAMPLED_ONLY)
             return ops.choose_tokens(x, True, generators, draw="inverse_cdf").squeeze(1)
         params = [r.sampling_params for r in rows]
-        temperature, u = _column([p.temperature for p in params]), ops.uniforms(len(rows), generators).view(-1)
+        u = ops.uniforms(len(rows), generators).view(-1)  # [B']
         if not any(p.min_p > 0 or p.top_k > 0 or p.top_p < 1 for p in params):  # temperature only: the kernel divides
-            return self.kernels.softmax_draw(x.float(), temperature, u)
-        token_ids = self.kernels.filter_draw(x.float(), temperature, _column([p.min_p for p in params]),
-                                             _column([p.top_k for p in params], torch.long),
-                                             _column([p.top_p for p in params]), u)  # [B'], -1: undecided
+            return self.kernels.softmax_draw(x.float(), _column([p.temperature for p in params]), u)
+        temperature, min_p, top_k, top_p = torch.tensor(  # one [4, B'] float64 tensor: its rows are the op's columns
+            [[p.temperature for p in params], [p.min_p for p in params], [p.top_k for p in params],
+             [p.top_p for p in params]], dtype=torch.float64)
+        token_ids = self.kernels.filter_draw(x.float(), temperature, min_p, top_k, top_p, u)  # [B'], -1: undecided
         if undecided := [i for i, t in enumerate(token_ids.tolist()) if t < 0]:  # float32 rounding could matter
             y = apply_stages(x[undecided], [rows[i] for i in undecided], _SAMPLED_ONLY)  # the torch stages
             token_ids[undecided] = self.kernels.softmax_draw(y.float(), torch.ones(len(undecided), dtype=torch.float64),

@@ -43,8 +43,6 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-import torch
-
 INT32_MAX = 2**31 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 # Temperatures below this are greedy in the engine (vLLM's _SAMPLING_EPS) and refused for sampling in generate().
@@ -84,15 +82,6 @@ class ParamRule:
         elif self.low is None or self.high is None:
             text = f"a finite number {text}" if text != "finite" else "a finite number"
         return f"{text} ({self.note})" if self.note else text
-
-    def contains(self, values: torch.Tensor) -> torch.Tensor:
-        """[B] bool: which of ``values`` ([B] float64) are in range (NaN and inf never are)."""
-        ok = torch.isfinite(values)
-        if self.low is not None:
-            ok &= (values > self.low) if self.low_open else (values >= self.low)
-        if self.high is not None:
-            ok &= (values < self.high) if self.high_open else (values <= self.high)
-        return ok
 
     def accepts_kind(self, value: object) -> bool:
         """Whether ``value`` is a Python number of this rule's kind (bools never are)."""
@@ -165,13 +154,13 @@ def check_param(name: str, value: object, rule: ParamRule | None = None) -> None
     Raises ``ValueError`` naming the field and the value: ``top_p must be in (0, 1], got 1.5``.
     """
     rule = rule or PARAM_RULES[name]
-    if isinstance(value, (int, float)) and rule.accepts_kind(value) and _scalar_in_range(rule, value):
+    if isinstance(value, (int, float)) and rule.accepts_kind(value) and in_range(rule, value):
         return
     raise ValueError(f"{name} must be {rule.expected}, got {value!r}")
 
 
-def _scalar_in_range(rule: ParamRule, x: float) -> bool:
-    """``rule.contains`` for one Python number, exact for ints of any size."""
+def in_range(rule: ParamRule, x: float) -> bool:
+    """Whether the Python number ``x`` lies in ``rule``'s range (NaN and inf never do; exact for ints of any size)."""
     if isinstance(x, float) and not math.isfinite(x):
         return False
     if rule.low is not None and not (x > rule.low if rule.low_open else x >= rule.low):
