@@ -9,6 +9,8 @@ import re
 import httpx
 import pytest
 
+import kvgen
+
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 GREEDY = {"temperature": 0, "max_tokens": 12}
 
@@ -265,6 +267,8 @@ def test_models_tokenize_detokenize_health_and_page(server, client, tiny_tokeniz
     assert chat["tokens"] == _chat_ids(tiny_tokenizer, MESSAGES)
     assert httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "hello world"}
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/ping").json() == httpx.post(server.url + "/ping").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/version").json() == {"version": kvgen.__version__}
     page = httpx.get(server.url + "/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"] and "/static/chat.js" in page.text
     assert "/v1/chat/completions" in httpx.get(server.url + "/static/chat.js").text

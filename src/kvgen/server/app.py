@@ -20,6 +20,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
+import kvgen
 from kvgen.engine.async_engine import AsyncLLMEngine
 from kvgen.server.chat import chat_prompt_ids, create_chat_completion
 from kvgen.server.completions import create_completion
@@ -38,6 +39,7 @@ from kvgen.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    VersionResponse,
 )
 from kvgen.server.reasoning_parsers import REASONING_PARSERS
 from kvgen.server.responses import create_response
@@ -138,6 +140,15 @@ def _open_router() -> APIRouter:
         if _state(request).engine.is_failed:
             raise OpenAIError(503, "the engine loop failed; see the server log", None, "engine_dead")
         return JSONResponse(HealthResponse().model_dump())
+
+    @router.api_route("/ping", methods=["GET", "POST"], response_model=HealthResponse,
+                      responses={503: {"model": ErrorResponse}})
+    async def ping(request: Request) -> Response:  # vLLM's (SageMaker's) name for /health
+        return await health(request)
+
+    @router.get("/version", response_model=VersionResponse)
+    async def version() -> Response:
+        return JSONResponse(VersionResponse(version=kvgen.__version__).model_dump())
 
     @router.get("/metrics", include_in_schema=False)
     async def metrics(request: Request) -> Response:

@@ -346,6 +346,10 @@ class HealthResponse(BaseModel):
     status: Literal["ok"] = "ok"
 
 
+class VersionResponse(BaseModel):
+    version: str  # kvgen's (vLLM's GET /version gives vLLM's)
+
+
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template takes them: text parts joined, ``developer`` as ``system``."""
     out = []
