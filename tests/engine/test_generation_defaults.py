@@ -39,7 +39,7 @@ def test_reads_the_sampling_keys_that_differ_from_transformers_defaults(tmp_path
     ({"override_generation_config": '{"temp": 1}'}, "override_generation_config keys must be among"),
     ({"override_generation_config": "[1]"}, "override_generation_config must be a JSON object"),
     ({"override_generation_config": "{bad"}, "override_generation_config must be a JSON object"),
-    ({"override_generation_config": {"top_p": 1.5}}, "override_generation_config: top_p must be"),
+    ({"override_generation_config": {"top_p": 1.5}}, "override_generation_config must hold values SamplingParams accepts: top_p must be"),
 ])
 def test_bad_settings_are_refused_naming_the_field(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):

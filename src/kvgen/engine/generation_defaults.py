@@ -41,7 +41,7 @@ def parse_override(override: Mapping[str, Any] | str | None) -> dict[str, Any]:
     try:
         as_sampling_params(values)  # the ranges SamplingParams accepts
     except ValueError as e:
-        raise ValueError(f"override_generation_config: {e}") from None
+        raise ValueError(f"override_generation_config must hold values SamplingParams accepts: {e}") from None
     return values
 
 
