@@ -19,7 +19,7 @@ class _StubEngine:
         self.aborted: list[str] = []
         self.fail_steps = fail_steps
 
-    def add_request(self, request_id, prompt, sampling_params, prompt_token_ids=None) -> None:
+    def add_request(self, request_id, prompt, sampling_params, prompt_token_ids=None, priority=0) -> None:
         self.unfinished.add(request_id)
 
     def abort_request(self, request_id) -> None:

@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 
 from kvgen.engine import EngineArgs, SamplingParams
-from kvgen.engine.generation_defaults import default_sampling_params, read_generation_config
+from kvgen.engine.generation_defaults import (
+    default_sampling_params,
+    read_generation_config,
+)
 from kvgen.engine.llm import LLM
 
 

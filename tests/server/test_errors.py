@@ -29,6 +29,7 @@ BAD_CHAT = [
     ({"extra_body": {"min_tokens": 10}, "max_tokens": 2}, "min_tokens"),
     ({"extra_body": {"top_k": -2}}, "top_k"),
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"extra_body": {"priority": 3}}, "priority"),  # the shared server schedules fcfs
     ({"response_format": {"type": "json_schema"}}, "response_format"),  # no json_schema
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
@@ -85,7 +86,7 @@ def test_unknown_model_is_404_not_found(client):
     "extra,param",
     [({"logprobs": 6}, "logprobs"), ({"suffix": "end"}, "suffix"), ({"best_of": 3}, "best_of"),
      ({"prompt": ""}, "prompt"), ({"prompt": [1, -5]}, "prompt"), ({"prompt": [[1, 2], [10**7]]}, "prompt"),
-     ({"prompt": "x " * 3000}, "prompt")],
+     ({"prompt": "x " * 3000}, "prompt"), ({"extra_body": {"priority": -1}}, "priority")],
 )
 def test_unsupported_or_bad_completion_fields_are_400(client, extra, param):
     kwargs = {"prompt": "Hello", "max_tokens": 4, **extra}

@@ -51,6 +51,7 @@ class AsyncLLMEngine:
         request_id: str,
         prompt: str | list[int] | dict[str, Any],
         sampling_params: SamplingParams | None,
+        priority: int = 0,
     ) -> RequestStream:
         """Queue a request now and return its output stream (iterate it, then ``aclose`` it).
 
@@ -63,7 +64,7 @@ class AsyncLLMEngine:
         async with self._lock:
             # LLMEngine.add_request is the one uniqueness check; a finished request's stream may still be
             # open here, and is replaced (it holds its final output already, see _close_stream).
-            self.engine.add_request(request_id, text, sampling_params, prompt_token_ids=ids)
+            self.engine.add_request(request_id, text, sampling_params, prompt_token_ids=ids, priority=priority)
             self._streams[request_id] = queue
         self._has_work.set()
         return RequestStream(self, request_id, queue)
@@ -73,13 +74,14 @@ class AsyncLLMEngine:
         prompt: str | list[int] | dict[str, Any],
         sampling_params: SamplingParams | None,
         request_id: str,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as they come (per ``output_kind``), the last one ``finished``.
 
         Raises ``ValueError`` from ``LLMEngine.add_request`` before the first output for an
         invalid request. Leaving the loop early aborts the request.
         """
-        stream = await self.add_request(request_id, prompt, sampling_params)
+        stream = await self.add_request(request_id, prompt, sampling_params, priority)
         try:
             async for output in stream:
                 yield output

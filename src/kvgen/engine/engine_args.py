@@ -15,6 +15,7 @@ from kvgen.engine.spec_decode import SpeculativeConfig
 from kvgen.fields import check_int, config_field
 from kvgen.sampling.params import SEED_MAX, SEED_MIN
 
+SCHEDULING_POLICIES = ("fcfs", "priority")  # the values of scheduler.SchedulingPolicy
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, when neither num_blocks nor kv_cache_memory is given
 
 _f = config_field
@@ -37,6 +38,8 @@ class EngineArgs:
     enable_prefix_caching: bool = _f(True, "reuse KV blocks of identical prompt prefixes")
     seed: int = _f(0, "seed of the RNG that seeds requests without their own seed")
     max_logprobs: int = _f(20, "largest SamplingParams.logprobs accepted")
+    scheduling_policy: str = _f("fcfs", "which waiting request runs first: 'fcfs' (arrival order) or 'priority' (the "
+                                        "lowest request priority, then arrival; the least important is preempted)")
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = _f(
         None, 'n-gram speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4}\' (drafts copied from the prompt and output; greedy and seeded tokens unchanged)')
@@ -67,6 +70,8 @@ class EngineArgs:
         if self.generation_config not in GENERATION_CONFIG_MODES and not Path(self.generation_config).expanduser().is_dir():
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
         self.override_generation_config = parse_override(self.override_generation_config) or None
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
 

@@ -52,23 +52,28 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished ``RequestOutput`` per prompt, in input order.
 
         ``prompts``: a string, a list of token ids, a list of either, or dicts with
         ``prompt`` or ``prompt_token_ids``. ``sampling_params``: one for all prompts or one
-        per prompt (default :meth:`get_default_sampling_params`). Raises ``ValueError`` (naming the field) for
+        per prompt (default :meth:`get_default_sampling_params`). ``priority``: one per prompt (lower first;
+        needs ``scheduling_policy="priority"``). Raises ``ValueError`` (naming the field) for
         an invalid prompt or settings; then no prompt of the call is left in the engine.
         """
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params if sampling_params is not None else self.get_default_sampling_params(),
                                  len(items))
+        priorities = [0] * len(items) if priority is None else list(priority)
+        if len(priorities) != len(items):
+            raise ValueError(f"priority must give one int per prompt ({len(items)}), got {len(priorities)}")
         request_ids: list[str] = []
         try:
-            for item, p in zip(items, params):
+            for item, p, prio in zip(items, params, priorities):
                 request_id = str(next(self._counter))
                 text, ids = _split_prompt(item)
-                self.llm_engine.add_request(request_id, text, p, prompt_token_ids=ids)
+                self.llm_engine.add_request(request_id, text, p, prompt_token_ids=ids, priority=prio)
                 request_ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(request_ids)

@@ -74,7 +74,8 @@ class LLMEngine:
         spec = args.speculative_config
         assert spec is None or isinstance(spec, SpeculativeConfig)  # EngineArgs parses it
         self.scheduler = Scheduler(args.max_num_seqs, args.max_num_batched_tokens, self.block_manager,
-                                   max_model_len=self.max_model_len, speculative_config=spec)
+                                   policy=args.scheduling_policy, max_model_len=self.max_model_len,
+                                   speculative_config=spec)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids if tokenizer is not None else config.eos_token_ids)
         self.runner = ModelRunner(model, self.cache, self.eos_token_ids, seed=args.seed)
         self.output_processor = OutputProcessor(tokenizer)
@@ -104,6 +105,8 @@ class LLMEngine:
     ) -> None:
         """Queue a request: ``prompt`` text (or a list of token ids), or ``prompt_token_ids``.
 
+        ``priority``: lower runs first under ``scheduling_policy="priority"`` (vLLM's rule); any other
+        value than 0 is refused under "fcfs".
         Raises ``ValueError`` naming the field for a duplicate ``request_id``, a missing or
         empty prompt, ids outside the vocabulary, ``logprobs`` above ``max_logprobs``, a
         prompt that leaves no room for ``max_tokens`` within ``max_model_len``, or
@@ -115,6 +118,11 @@ class LLMEngine:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         self._check_request_id(request_id, params.n)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if priority != 0 and self.engine_args.scheduling_policy != "priority":
+            raise ValueError(f"priority must be 0 unless scheduling_policy is 'priority' (--scheduling-policy "
+                             f"priority), got {priority}")
         text, token_ids = self._prompt_tokens(prompt, prompt_token_ids)
         params = self._check_request(params, len(token_ids))
         grammars = self._grammars(params)

@@ -100,7 +100,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     params = sampling_params(req, state, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                              plan.constraint if plan else None)
     gen = Generation(state, new_request_id("chatcmpl"))
-    await gen.start([prompt_ids], params, "messages")
+    await gen.start([prompt_ids], params, "messages", req.priority)
 
     def response(choices: list[ChoiceResult]) -> ChatCompletionResponse:
         return ChatCompletionResponse(

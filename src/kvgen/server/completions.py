@@ -95,7 +95,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
     echo = _Echo(state, req, prompts, _prompt_texts(state, req.prompt, prompts) if req.echo else None)
     gen = Generation(state, new_request_id("cmpl"))
-    await gen.start(prompts, params, "prompt")
+    await gen.start(prompts, params, "prompt", req.priority)
     num_prompt_tokens = sum(len(p) for p in prompts)
 
     def response(choices: list[ChoiceResult]) -> CompletionResponse:

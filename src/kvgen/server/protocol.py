@@ -95,6 +95,8 @@ class SamplingFields(StrictModel):
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
     min_tokens: int = Field(default=0, ge=0, le=MAX_INT32)
     ignore_eos: bool = False
+    priority: int = Field(default=0, ge=-MAX_INT32 - 1, le=MAX_INT32,
+                          description="vLLM extra: lower runs first (needs --scheduling-policy priority)")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = Field(default=None, description="vLLM extra")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, description="vLLM extra")

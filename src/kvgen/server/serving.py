@@ -167,7 +167,8 @@ class Generation:
         self._num_admitted = 0
         self._is_closed = False
 
-    async def start(self, prompts: list[list[int]], params: SamplingParams, prompt_param: str) -> None:
+    async def start(self, prompts: list[list[int]], params: SamplingParams, prompt_param: str, priority: int = 0
+                    ) -> None:
         state = self.state
         num_seqs = len(prompts) * params.n
         capacity = state.max_num_seqs + state.max_queue
@@ -181,7 +182,7 @@ class Generation:
         for i, ids in enumerate(prompts):
             engine_id = self.request_id if len(prompts) == 1 else f"{self.request_id}-{i}"
             try:
-                stream = await state.engine.add_request(engine_id, {"prompt_token_ids": ids}, params)
+                stream = await state.engine.add_request(engine_id, {"prompt_token_ids": ids}, params, priority)
             except ValueError as e:
                 await self.close()
                 raise value_error(e, prompt_param) from None
