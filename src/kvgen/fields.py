@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+from collections.abc import Mapping
 from dataclasses import field
 from typing import Any, TypeVar
 
@@ -31,6 +33,20 @@ def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -
         return
     expected = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
     raise ValueError(f"{name} must be an int {expected}, got {value!r}")
+
+
+def json_object(name: str, value: Any) -> dict[str, Any]:
+    """``value`` as a dict: a mapping, or the JSON text of an object (what a CLI flag such as
+    ``--speculative-config`` gives). Raises ``ValueError``: ``name must be JSON, got '{': ...`` or
+    ``name must be a JSON object, got [3]``."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} must be JSON, got {value!r}: {e}") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    return dict(value)
 
 
 def check_minimums(config: Any) -> None:

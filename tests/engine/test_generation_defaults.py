@@ -41,7 +41,7 @@ def test_reads_the_sampling_keys_that_differ_from_transformers_defaults(tmp_path
     ({"generation_config": "/no/such/dir"}, "generation_config must be 'auto', 'vllm' or a directory"),
     ({"override_generation_config": '{"temp": 1}'}, "override_generation_config keys must be among"),
     ({"override_generation_config": "[1]"}, "override_generation_config must be a JSON object"),
-    ({"override_generation_config": "{bad"}, "override_generation_config must be a JSON object"),
+    ({"override_generation_config": "{bad"}, "override_generation_config must be JSON"),
     ({"override_generation_config": {"top_p": 1.5}}, "override_generation_config must hold values SamplingParams accepts: top_p must be"),
 ])
 def test_bad_settings_are_refused_naming_the_field(kwargs, message) -> None:

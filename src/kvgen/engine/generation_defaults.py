@@ -10,12 +10,13 @@ Source: vLLM ``ModelConfig.get_diff_sampling_param`` (the keys read, values equa
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from kvgen.engine.sampling_params import SamplingParams
+from kvgen.fields import json_object
+from kvgen.tokenizer.hf_files import read_json
 
 GENERATION_CONFIG_MODES = ("auto", "vllm")  # or a directory holding a generation_config.json
 SAMPLING_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
@@ -27,17 +28,10 @@ def parse_override(override: Mapping[str, Any] | str | None) -> dict[str, Any]:
     Raises ``ValueError`` naming an unknown key, a non-object, or a value ``SamplingParams`` refuses."""
     if override is None:
         return {}
-    if isinstance(override, str):
-        try:
-            override = json.loads(override)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"override_generation_config must be a JSON object, got {override!r} ({e})") from None
-    if not isinstance(override, Mapping):
-        raise ValueError(f"override_generation_config must be a JSON object, got {override!r}")
-    unknown = sorted(set(override) - set(SAMPLING_KEYS))
+    values = json_object("override_generation_config", override)
+    unknown = sorted(set(values) - set(SAMPLING_KEYS))
     if unknown:
         raise ValueError(f"override_generation_config keys must be among {', '.join(SAMPLING_KEYS)}, got {unknown[0]!r}")
-    values = dict(override)
     try:
         as_sampling_params(values)  # the ranges SamplingParams accepts
     except ValueError as e:
@@ -49,7 +43,7 @@ def read_generation_config(model_path: Path | None, generation_config: str = "au
     """The :data:`SAMPLING_KEYS` fields set in ``generation_config.json`` and different from transformers'
     defaults: from the model's directory (``"auto"``; none for a GGUF file or a model given as an object, None),
     none (``"vllm"``), or from the directory ``generation_config`` names. Raises ``ValueError`` for a missing
-    directory or an unreadable file."""
+    directory, ``ModelFormatError`` (a ``ValueError``) for an unreadable file."""
     if generation_config == "vllm":
         return {}
     if generation_config == "auto":
@@ -63,12 +57,7 @@ def read_generation_config(model_path: Path | None, generation_config: str = "au
     file = directory / "generation_config.json"
     if not file.is_file():
         return {}
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {file}: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{file} must hold a JSON object")
+    config = read_json(file)  # ModelFormatError (a ValueError) when unreadable or not an object
     return {k: config[k] for k in SAMPLING_KEYS if config.get(k) is not None and config[k] != HF_DEFAULTS.get(k)}
 
 

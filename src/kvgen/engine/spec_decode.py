@@ -14,12 +14,11 @@ Source: vLLM ``SpeculativeConfig`` (names, ngram defaults) and v1 ``NgramPropose
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
 
 from kvgen.engine.request import Request
-from kvgen.fields import check_int
+from kvgen.fields import check_int, json_object
 from kvgen.sampling.ngram import find_draft
 
 _NGRAM_DEFAULT = 5  # vLLM's prompt_lookup_min and _max when neither is given
@@ -64,13 +63,7 @@ class SpeculativeConfig:
         """From a config, a dict or its JSON text (the CLI's ``--speculative-config``). Raises ``ValueError``."""
         if isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config must be JSON, got {value!r}: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        value = json_object("speculative_config", value)
         unknown = sorted(set(value) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known: {[f.name for f in fields(cls)]}")
