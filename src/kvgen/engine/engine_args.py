@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from kvgen.engine.generation_defaults import GENERATION_CONFIG_MODES, parse_override
+from kvgen.engine.scheduler import SchedulingPolicy
 from kvgen.engine.spec_decode import SpeculativeConfig
 from kvgen.fields import check_int, config_field
 from kvgen.sampling.params import SEED_MAX, SEED_MIN
 
-SCHEDULING_POLICIES = ("fcfs", "priority")  # the values of scheduler.SchedulingPolicy
+SCHEDULING_POLICIES = tuple(p.value for p in SchedulingPolicy)  # "fcfs", "priority"
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, when neither num_blocks nor kv_cache_memory is given
 
 _f = config_field

@@ -27,7 +27,7 @@ from kvgen.engine.parallel_sampling import (
 )
 from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.scheduler import Scheduler
+from kvgen.engine.scheduler import Scheduler, SchedulingPolicy
 from kvgen.engine.spec_decode import SpeculativeConfig
 from kvgen.engine.structured_outputs import GrammarCompiler, GrammarMatcher
 from kvgen.kv_cache.paged import PagedKVCache, num_blocks_for_memory
@@ -120,7 +120,7 @@ class LLMEngine:
         self._check_request_id(request_id, params.n)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
-        if priority != 0 and self.engine_args.scheduling_policy != "priority":
+        if priority != 0 and self.scheduler.policy is not SchedulingPolicy.PRIORITY:
             raise ValueError(f"priority must be 0 unless scheduling_policy is 'priority' (--scheduling-policy "
                              f"priority), got {priority}")
         text, token_ids = self._prompt_tokens(prompt, prompt_token_ids)

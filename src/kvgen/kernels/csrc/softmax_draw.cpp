@@ -1,3 +1,5 @@
+// The engine's token choice. filter_draw (below) adds the sampling filters before the same draw; argmax (at the
+// end) is the greedy choice.
 // One id per row drawn from softmax(logits / temperature) by inversion, without materializing the
 // distribution: softmax_draw(logits [B, V] f32, temperature [B] f64, u [B] f64) -> [B] i64.
 // Row b: weights w_i = exp((x_i - max x) / t_b) (8 lanes, vec_math's exp256; -inf gives 0), summed
@@ -389,10 +391,6 @@ at::Tensor softmax_draw(const at::Tensor& logits_in, const at::Tensor& temperatu
   return out;
 }
 
-}  // namespace kvgen
-
-namespace kvgen {
-
 at::Tensor filter_draw(const at::Tensor& logits_in, const at::Tensor& temperature_in, const at::Tensor& min_p_in,
                        const at::Tensor& top_k_in, const at::Tensor& top_p_in, const at::Tensor& u_in) {
   TORCH_CHECK(logits_in.dtype() == at::kFloat && logits_in.dim() == 2 && logits_in.size(1) > 0,
@@ -424,10 +422,6 @@ at::Tensor filter_draw(const at::Tensor& logits_in, const at::Tensor& temperatur
   });
   return out;
 }
-
-}  // namespace kvgen
-
-namespace kvgen {
 
 // argmax(x [B, V] f32) -> [B] i64: per row the first index of the largest value, or of the first NaN when the row
 // has one (torch.argmax's rule, its twin: NaN counts as the largest); two passes of 8 lanes, rows in parallel.
