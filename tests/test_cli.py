@@ -60,6 +60,15 @@ def test_generate_streams_text_to_stdout(capsys, ours_default):
     assert out.rstrip("\n") == json.loads(out2)["text"]
 
 
+def test_prompt_option_is_the_positional_prompt(capsys, tiny_model_dir):
+    base = ["generate", "--model", str(tiny_model_dir), "--max-new-tokens", "6", "--json"]
+    runs = [_run(capsys, [*base, *prompt]) for prompt in (["The sky is"], ["-p", "The sky is"], ["--prompt", "The sky is"])]
+    assert [code for code, _, _ in runs] == [0, 0, 0]
+    reports = [json.loads(out) for _, out, _ in runs]
+    assert reports[0]["prompt_token_ids"] == reports[1]["prompt_token_ids"] == reports[2]["prompt_token_ids"]
+    assert reports[0]["token_ids"] == reports[1]["token_ids"] == reports[2]["token_ids"]
+
+
 def _model_args(request: pytest.FixtureRequest, model: str) -> list[str]:
     """CLI flags naming ``model``: "default" (the real model, no flag) or "tiny" (``tiny_model_dir``)."""
     return [] if model == "default" else ["--model", str(request.getfixturevalue("tiny_model_dir"))]
@@ -164,6 +173,9 @@ def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
         (["generate", "hi", "--top-p", "1.5", "--temperature", "1"], "top_p must be in (0, 1], got 1.5"),
         (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens must be an int in [1, 2147483647], got 0"),
         (["generate", "hi", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+        # a prefix of a longer flag is not that flag (argparse's allow_abbrev would read --prompt-lookup-num-tokens)
+        (["generate", "--max-new", "4", "hi"], "unrecognized arguments: --max-new"),
+        (["generate", "hi", "-p", "ho"], "give the prompt once, as PROMPT or as -p/--prompt, not both"),
         pytest.param(["generate", "hi", "--max-new-tokens", "9000"], "exceeds the context window of 8192 tokens",
                      marks=pytest.mark.slow),  # loads the default model to learn its context window
         (["perplexity", "/nonexistent.txt"], "cannot read /nonexistent.txt"),

@@ -30,6 +30,12 @@ class CliError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, and without prefix matching: ``--prompt`` must not silently mean
+    ``--prompt-lookup-num-tokens``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
     def error(self, message: str) -> NoReturn:  # one line, exit 2 (argparse prints usage too)
         raise CliError(f"{self.prog}: {message}")
 
@@ -170,7 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
-    g.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="the prompt text")
+    g.add_argument("prompt", nargs="?", default=None, help=f"the prompt text (default: {DEFAULT_PROMPT!r})")
+    g.add_argument("-p", "--prompt", dest="prompt_option", default=None, metavar="TEXT",
+                   help="the prompt text, as llama.cpp's -p (instead of the positional PROMPT)")
     _add_model_flags(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -258,10 +266,17 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, float]:
     return model, tokenizer, time.perf_counter() - start
 
 
-def _prompt_ids(args: argparse.Namespace, tokenizer: Any) -> list[int]:
-    if args.chat:
-        return tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
-    return tokenizer.encode(args.prompt)
+def _prompt_text(args: argparse.Namespace) -> str:
+    """The prompt of ``kvgen generate``: the positional PROMPT or ``-p/--prompt`` (not both), else the default."""
+    if args.prompt is not None and args.prompt_option is not None:
+        raise CliError("kvgen generate: give the prompt once, as PROMPT or as -p/--prompt, not both")
+    return next((p for p in (args.prompt_option, args.prompt) if p is not None), DEFAULT_PROMPT)
+
+
+def _prompt_ids(text: str, is_chat: bool, tokenizer: Any) -> list[int]:
+    if is_chat:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return tokenizer.encode(text)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -270,9 +285,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from kvgen.generation import generate
     from kvgen.generation.streamers import TextStreamer
 
-    cfg = generation_config_from_args(args)
+    cfg, text = generation_config_from_args(args), _prompt_text(args)
     model, tokenizer, load_s = _load(args)
-    prompt_ids = _prompt_ids(args, tokenizer)
+    prompt_ids = _prompt_ids(text, args.chat, tokenizer)
     if not prompt_ids:
         raise CliError("the prompt is empty after tokenization")
     input_ids = torch.tensor([prompt_ids])
