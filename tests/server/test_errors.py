@@ -123,3 +123,18 @@ def test_other_routes_answer_errors_as_openai_bodies(server):
 def test_server_still_answers_after_bad_requests(client):
     r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_request_without_model_is_served_by_the_served_model(server, client):
+    """vLLM and llama.cpp's server take a missing ``model`` as the served one: the same tokens as naming it."""
+    for path, body in (("chat/completions", {"messages": MESSAGES}), ("completions", {"prompt": "Hello"}),
+                       ("responses", {"input": "Hello", "max_output_tokens": 4})):
+        greedy = {"temperature": 0} | ({} if path == "responses" else {"max_tokens": 4})
+        unnamed = httpx.post(f"{server.v1}/{path}", json=body | greedy, timeout=60)
+        named = httpx.post(f"{server.v1}/{path}", json=body | greedy | {"model": "tiny"}, timeout=60)
+        assert unnamed.status_code == named.status_code == 200, unnamed.text
+        assert unnamed.json()["model"] == "tiny"
+        pick = (lambda r: r["output"]) if path == "responses" else (lambda r: r["choices"])
+        strip = {"id", "created", "created_at", "object"}  # ids differ; the generated content must not
+        assert [{k: v for k, v in c.items() if k not in strip} for c in pick(unnamed.json())] == \
+            [{k: v for k, v in c.items() if k not in strip} for c in pick(named.json())]

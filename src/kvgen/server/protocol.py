@@ -75,9 +75,10 @@ class StructuredOutputs(StrictModel):
 
 
 class SamplingFields(StrictModel):
-    """Sampling fields shared by chat and text completions (OpenAI, then vLLM extras)."""
+    """Sampling fields shared by chat and text completions (OpenAI, then vLLM extras). ``model`` may be left out
+    (the served model), as vLLM and llama.cpp's server allow."""
 
-    model: str
+    model: str | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="0 = greedy; default 1")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)

@@ -140,9 +140,10 @@ class ResponsesStreamOptions(StrictModel):
 
 class ResponsesRequest(StrictModel):
     """``POST /v1/responses``. ``store`` (default true) keeps the response for ``GET /v1/responses/{id}`` and for a
-    later ``previous_response_id``, in a bounded in-memory store (as vLLM)."""
+    later ``previous_response_id``, in a bounded in-memory store (as vLLM). ``model`` may be left out (the served
+    model), as vLLM allows."""
 
-    model: str
+    model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
     previous_response_id: str | None = None
