@@ -350,6 +350,31 @@ def _traced_generate(model: Any, input_ids: Any, cfg: Any, tokenizer: Any, plot_
     return out
 
 
+class ConversationCache:
+    """A chat's KV cache across turns, as llama.cpp's chat keeps its context: each turn prefills only the prompt
+    tokens after the longest prefix it shares with the tokens the cache holds (the template re-renders earlier
+    replies, which may tokenize differently from how they were generated)."""
+
+    def __init__(self, model: Any) -> None:
+        from kvgen.generation import make_cache
+
+        self.cache = make_cache(model)
+        self.token_ids: list[int] = []  # what the cache holds, in order
+
+    def reuse(self, prompt_ids: list[int]) -> Any:
+        """The cache cropped to the prompt's shared prefix (at most all but its last token), for ``generate``."""
+        shared = next((i for i, (a, b) in enumerate(zip(self.token_ids, prompt_ids)) if a != b),
+                      min(len(self.token_ids), len(prompt_ids)))
+        self.cache.crop(min(shared, len(prompt_ids) - 1))
+        self.token_ids = self.token_ids[: self.cache.seq_length]
+        return self.cache
+
+    def record(self, prompt_ids: list[int], new_token_ids: list[int]) -> None:
+        """After ``generate``, which leaves the cache holding the prompt and the reply but its last token."""
+        self.token_ids = (prompt_ids + new_token_ids)[: self.cache.seq_length]
+        assert len(self.token_ids) == self.cache.seq_length, (len(self.token_ids), self.cache.seq_length)
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     import torch
 
@@ -367,6 +392,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         raise CliError(f"model {args.model} has no chat template")
     assistant = _load_assistant(args)
     messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    history = ConversationCache(model) if cfg.use_cache else None
     print("kvgen chat: type a message; /exit or Ctrl-D leaves.", file=sys.stderr)
     while True:
         try:
@@ -382,7 +408,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         out = generate(model, torch.tensor([ids]), None, cfg, tokenizer=tokenizer, streamer=streamer,
-                       assistant_model=assistant)
+                       assistant_model=assistant, past_key_values=history.reuse(ids) if history else None)
+        if history:
+            history.record(ids, out.new_token_ids[0])
         messages.append({"role": "assistant", "content": tokenizer.decode(out.new_token_ids[0], skip_special_tokens=True)})
 
 

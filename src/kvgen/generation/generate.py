@@ -26,7 +26,8 @@ from kvgen.generation.prompt_lookup import prompt_lookup_decoding
 from kvgen.generation.runner import StepRunner
 from kvgen.generation.sample import multinomial_sample
 from kvgen.generation.sample_and_rank import sample_and_rank
-from kvgen.models import CausalLM
+from kvgen.kv_cache import DynamicCache, StaticCache
+from kvgen.models import CausalLM, kv_cache_dtype
 from kvgen.sampling.logits_process import build_logits_processors
 from kvgen.sampling.stopping import StopChecker, StopStrings, TokenStops
 
@@ -57,6 +58,7 @@ def generate(
     streamer: Any = None,
     logits_processor: Sequence[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = (),
     assistant_model: CausalLM | None = None,
+    past_key_values: StaticCache | None = None,
     **overrides: Any,
 ) -> GenerateOutput:
     """Generate continuations of a left-padded batch of prompts.
@@ -70,6 +72,12 @@ def generate(
     run after the built ones and before the sampling warpers (as transformers merges them).
     ``assistant_model``: a smaller model with the same vocabulary that drafts tokens (assisted decoding, batch
     size 1, greedy search or sampling: :mod:`kvgen.generation.assisted`).
+    ``past_key_values``: a ``DynamicCache`` / ``StaticCache`` (``make_cache``) holding the keys and values of the
+    first ``S = seq_length`` tokens of every row of an unpadded ``input_ids`` (S < T): only the last T - S tokens are
+    prefilled (transformers' reuse of a cache across chat turns; ``cache_implementation`` is then unused). With
+    one row per prompt, the cache is left holding every column of ``sequences`` but the last, ready for the next
+    turn (``cache.crop(n)`` keeps a shorter prefix); beams and several samples per prompt leave it one row per
+    hypothesis.
     Returns a :class:`GenerateOutput`. Raises ``ValueError`` for bad shapes or
     settings and ``ContextLengthError`` when prompt + ``max_new_tokens`` exceeds
     the model's context window.
@@ -102,8 +110,11 @@ def generate(
     if generator is None and cfg.do_sample:
         generator = torch.Generator()
         generator.manual_seed(cfg.seed) if cfg.seed is not None else generator.seed()
+    if past_key_values is not None:
+        _check_past(past_key_values, model, cfg, strategy, input_ids, attention_mask)
     cache_kind = cfg.cache_implementation if cfg.use_cache else None
-    runner = StepRunner(model, input_ids, attention_mask, cache_kind, cfg.max_new_tokens, prefill_copies=copies)
+    runner = StepRunner(model, input_ids, attention_mask, cache_kind, cfg.max_new_tokens, prefill_copies=copies,
+                        cache=past_key_values)
     ctx = LoopContext(
         config=cfg,
         processors=build_logits_processors(cfg, prompt_length=input_ids.shape[1], custom=list(logits_processor)),
@@ -114,7 +125,10 @@ def generate(
     )
     if streamer is not None:
         streamer.put(input_ids)
-    return STRATEGIES[strategy](runner, ctx)
+    out = STRATEGIES[strategy](runner, ctx)
+    if past_key_values is not None and copies == 1:  # drafting strategies may leave rejected drafts after the kept
+        past_key_values.crop(out.sequences.shape[1] - 1)
+    return out
 
 
 def _assisted_strategy(cfg: GenerationConfig, model: CausalLM, assistant: Any, longest: int) -> Strategy:
@@ -135,6 +149,36 @@ def _assisted_strategy(cfg: GenerationConfig, model: CausalLM, assistant: Any, l
         raise ContextLengthError(f"prompt of {longest} tokens plus max_new_tokens={cfg.max_new_tokens} exceeds the "
                                  f"assistant model's context window of {theirs.max_position_embeddings} tokens")
     return Strategy.ASSISTED
+
+
+def _check_past(cache: Any, model: CausalLM, cfg: GenerationConfig, strategy: Strategy, input_ids: torch.Tensor,
+                attention_mask: torch.Tensor) -> None:
+    """Raises ``ValueError`` unless ``cache`` can carry ``input_ids``' first tokens into this generation, and
+    ``ContextLengthError`` when a ``StaticCache`` cannot hold the prompt and ``max_new_tokens``."""
+    if not isinstance(cache, StaticCache):
+        raise ValueError(f"past_key_values must be a kvgen DynamicCache or StaticCache (make_cache), got "
+                         f"{type(cache).__name__}")
+    if not cfg.use_cache:
+        raise ValueError("past_key_values needs use_cache=True")
+    if strategy is Strategy.CONTRASTIVE_SEARCH:  # its degeneration penalty needs the hidden states of every token
+        raise ValueError("past_key_values cannot be used with contrastive search")
+    m, (rows, heads, _, head_dim) = model.config, cache.layer_shape()
+    if (cache.num_layers, heads, head_dim, cache.key_cache[0].dtype) != (
+            m.num_hidden_layers, m.num_key_value_heads, m.head_dim, kv_cache_dtype(model)):
+        raise ValueError(f"past_key_values was not made for this model (make_cache(model)): {cache.num_layers} layers "
+                         f"of [B, {heads}, S, {head_dim}] {cache.key_cache[0].dtype}")
+    if rows != input_ids.shape[0] // _num_copies(cfg):
+        raise ValueError(f"past_key_values holds {rows} rows; input_ids has {input_ids.shape[0] // _num_copies(cfg)} "
+                         f"prompts")
+    tokens = input_ids.shape[1]
+    if not bool(attention_mask.all()):
+        raise ValueError("past_key_values needs an unpadded batch (attention_mask of ones)")
+    if cache.seq_length >= tokens:
+        raise ValueError(f"past_key_values holds {cache.seq_length} tokens; input_ids ({tokens} tokens) must extend "
+                         f"them by at least one")
+    if not isinstance(cache, DynamicCache) and tokens + cfg.max_new_tokens > cache.max_cache_len:
+        raise ContextLengthError(f"past_key_values is a StaticCache of {cache.max_cache_len} tokens; the prompt of "
+                                 f"{tokens} plus max_new_tokens={cfg.max_new_tokens} does not fit")
 
 
 def _num_copies(cfg: GenerationConfig) -> int:

@@ -22,11 +22,16 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def make_cache(model: CausalLM, kind: str, batch_size: int, max_len: int) -> DynamicCache | StaticCache:
-    """A fresh KV cache of ``kind``: "static" holds ``max_len`` tokens per row, "dynamic" grows as written."""
+def make_cache(model: CausalLM, kind: str = "dynamic", batch_size: int = 1, max_len: int | None = None
+               ) -> DynamicCache | StaticCache:
+    """A fresh KV cache for ``model`` of ``kind``: "static" holds ``max_len`` tokens per row (default: the model's
+    context window; memory is committed only where written), "dynamic" grows as written. Pass it to
+    ``generate(past_key_values=...)`` to keep a conversation's keys and values between calls."""
     cfg, dtype = model.config, kv_cache_dtype(model)
     shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim)
-    return StaticCache(*shape, max_len, dtype) if kind == "static" else DynamicCache(*shape, dtype)
+    if kind == "static":
+        return StaticCache(*shape, max_len or cfg.max_position_embeddings, dtype)
+    return DynamicCache(*shape, dtype)
 
 
 class StepRunner:
@@ -36,7 +41,8 @@ class StepRunner:
     disables the KV cache. ``prefill_copies`` > 1 says the rows come in groups
     of that many identical copies (beams, samples of one prompt): with a cache,
     the prompt is run once per group and its cache rows are then copied.
-    ``prefill_s`` / ``decode_s`` accumulate seconds.
+    ``cache``: a caller's KV cache holding the first ``cache.seq_length`` columns of ``input_ids`` (one row per
+    group); the prefill runs only the columns after them. ``prefill_s`` / ``decode_s`` accumulate seconds.
     """
 
     def __init__(
@@ -47,6 +53,7 @@ class StepRunner:
         cache_kind: str | None,
         max_new_tokens: int,
         prefill_copies: int = 1,
+        cache: DynamicCache | StaticCache | None = None,
     ) -> None:
         assert input_ids.shape[0] % prefill_copies == 0, (input_ids.shape, prefill_copies)
         self.model = model
@@ -56,8 +63,10 @@ class StepRunner:
         self.prefill_copies = prefill_copies if cache_kind else 1
         max_len = input_ids.shape[1] + max_new_tokens
         cache_rows = input_ids.shape[0] // self.prefill_copies
-        self.cache = make_cache(model, cache_kind, cache_rows, max_len) if cache_kind else None
-        self.num_cached = 0  # columns of `sequences` already in the cache
+        if cache is None and cache_kind:
+            cache = make_cache(model, cache_kind, cache_rows, max_len)
+        self.cache = cache
+        self.num_cached = cache.seq_length if cache is not None else 0  # columns of `sequences` already in the cache
         self.prefill_s = 0.0
         self.decode_s = 0.0
         self.num_steps = 0
@@ -67,7 +76,7 @@ class StepRunner:
         """Run the model on the not-yet-cached columns; return hidden ``[B, T_fed, C]``."""
         start = time.perf_counter()
         first = self.num_cached if self.cache is not None else 0
-        copies = self.prefill_copies if self.num_cached == 0 else 1
+        copies = self.prefill_copies if self.num_steps == 0 else 1
         mask = self.attention_mask[::copies]  # [B/copies, S]
         ids = self.sequences[::copies, first:]  # [B/copies, T_fed]
         positions = positions_from_mask(mask)[:, first:]  # [B/copies, T_fed]
