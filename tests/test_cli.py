@@ -217,6 +217,15 @@ def test_chat_two_turns_then_exit(ours_default):
         assert reply.strip() and reply.strip() in proc.stdout
 
 
+def test_chat_with_contrastive_search_prefills_each_turn_whole(tiny_model_dir):
+    """Contrastive search takes no cache from earlier turns; two turns still reply."""
+    proc = subprocess.run([sys.executable, "-m", "kvgen.cli", "chat", "--model", str(tiny_model_dir), "--max-new-tokens",
+                           "6", "--penalty-alpha", "0.6", "--top-k", "4"], input="Hi\nAgain\n/exit\n",
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.count("> ") == 3 and len(proc.stdout.strip()) > 10
+
+
 def test_chat_with_an_assistant_model_replies_as_without(tiny_model_dir):
     """Assisted decoding in chat: the same greedy replies (the model drafting for itself)."""
     base = [sys.executable, "-m", "kvgen.cli", "chat", "--model", str(tiny_model_dir), "--max-new-tokens", "10"]

@@ -378,7 +378,7 @@ class ConversationCache:
 def cmd_chat(args: argparse.Namespace) -> int:
     import torch
 
-    from kvgen.generation import generate
+    from kvgen.generation import Strategy, generate
     from kvgen.generation.generate import NOT_STREAMABLE
     from kvgen.generation.streamers import TextStreamer
 
@@ -392,7 +392,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         raise CliError(f"model {args.model} has no chat template")
     assistant = _load_assistant(args)
     messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
-    history = ConversationCache(model) if cfg.use_cache else None
+    # contrastive search scores candidates against every token's hidden state: it prefills the whole conversation
+    history = ConversationCache(model) if cfg.use_cache and cfg.strategy is not Strategy.CONTRASTIVE_SEARCH else None
     print("kvgen chat: type a message; /exit or Ctrl-D leaves.", file=sys.stderr)
     while True:
         try:
