@@ -226,6 +226,18 @@ def test_chat_with_contrastive_search_prefills_each_turn_whole(tiny_model_dir):
     assert proc.stdout.count("> ") == 3 and len(proc.stdout.strip()) > 10
 
 
+def test_chat_drops_the_oldest_exchange_when_the_context_is_full(tiny_model_dir):
+    """A conversation outgrowing the 2048-token window loses its oldest exchange (as llama.cpp shifts its context);
+    a message too long alone is not sent; the chat goes on."""
+    long_message = "word " * 400  # ~800 tokens of the tiny tokenizer
+    turns = f"{long_message}\n{long_message}\n{long_message}\n{'word ' * 1200}\nhi\n/exit\n"
+    proc = subprocess.run([sys.executable, "-m", "kvgen.cli", "chat", "--model", str(tiny_model_dir), "--max-new-tokens",
+                           "8"], input=turns, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("dropped the oldest exchange") == 1 and proc.stderr.count("not sent") == 1
+    assert proc.stdout.count("> ") == 6
+
+
 def test_chat_with_an_assistant_model_replies_as_without(tiny_model_dir):
     """Assisted decoding in chat: the same greedy replies (the model drafting for itself)."""
     base = [sys.executable, "-m", "kvgen.cli", "chat", "--model", str(tiny_model_dir), "--max-new-tokens", "10"]

@@ -375,6 +375,26 @@ class ConversationCache:
         assert len(self.token_ids) == self.cache.seq_length, (len(self.token_ids), self.cache.seq_length)
 
 
+def _chat_prompt(messages: list[dict[str, str]], tokenizer: Any, max_prompt_tokens: int) -> list[int] | None:
+    """The conversation's prompt ids; while it is longer than ``max_prompt_tokens``, the oldest exchange after the
+    system message is dropped from ``messages`` (as llama.cpp's chat shifts its context). None (said on stderr, the
+    conversation left whole) when the last message does not fit even alone."""
+    def prompt(turns: list[dict[str, str]]) -> list[int]:
+        return tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+
+    first = 1 if messages[0]["role"] == "system" else 0
+    if len(ids := prompt(messages)) > max_prompt_tokens and len(alone := prompt(messages[:first] + messages[-1:])) > \
+            max_prompt_tokens:
+        print(f"kvgen chat: the message makes a prompt of {len(alone)} tokens, over the {max_prompt_tokens} the "
+              f"context window leaves beside max_new_tokens; not sent", file=sys.stderr)
+        return None
+    while len(ids) > max_prompt_tokens:
+        del messages[first : first + 2]  # the oldest user message and its reply
+        print("kvgen chat: dropped the oldest exchange to fit the context window", file=sys.stderr)
+        ids = prompt(messages)
+    return ids
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     import torch
 
@@ -406,7 +426,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = _chat_prompt(messages, tokenizer, model.config.max_position_embeddings - cfg.max_new_tokens)
+        if ids is None:
+            messages.pop()
+            continue
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         out = generate(model, torch.tensor([ids]), None, cfg, tokenizer=tokenizer, streamer=streamer,
                        assistant_model=assistant, past_key_values=history.reuse(ids) if history else None)
