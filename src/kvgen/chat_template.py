@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -47,6 +48,21 @@ def _tojson(
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+def read_chat_template(value: str) -> str:
+    """A chat template given as a file path or as the Jinja text itself (vLLM's ``--chat-template``): the file's
+    text when ``value`` names a file, else ``value`` when it holds Jinja (``{``, ``}`` or a newline). Raises
+    ``ValueError`` naming the value otherwise, or when the file cannot be read as UTF-8."""
+    path = Path(value)
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"chat_template: cannot read {value}: {e}") from None
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"chat_template: {value!r} is neither a file nor a Jinja template")
 
 
 def compile_chat_template(source: str) -> jinja2.Template:

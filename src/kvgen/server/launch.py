@@ -9,12 +9,14 @@ process then exits 0 instead of re-raising the signal.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import signal
 import socket
 import sys
 from dataclasses import dataclass
 
+from kvgen.chat_template import compile_chat_template, read_chat_template
 from kvgen.engine.engine_args import EngineArgs
 from kvgen.engine.generation_defaults import default_sampling_params
 from kvgen.fields import config_field as _f
@@ -43,6 +45,11 @@ class ServerArgs:
     reasoning_parser: str | None = _f(None, "put replies' <think>...</think> text in 'reasoning': 'deepseek_r1' "
                                             "(the reply starts inside it) or 'qwen3' (only a reply that opens "
                                             "with <think>)")
+    chat_template: str | None = _f(None, "a Jinja chat template, or a file holding one, replacing the model's")
+    allowed_origins: tuple[str, ...] = _f(("*",), "origins a browser may call the API from (CORS)")
+    allowed_methods: tuple[str, ...] = _f(("*",), "HTTP methods allowed from other origins (CORS)")
+    allowed_headers: tuple[str, ...] = _f(("*",), "request headers allowed from other origins (CORS)")
+    allow_credentials: bool = _f(False, "let other origins send cookies and credentials (CORS)")
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -59,8 +66,25 @@ class ServerArgs:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            setattr(self, name, _string_list(name, getattr(self, name)))
+        if self.chat_template is not None:  # refused before the model loads
+            compile_chat_template(read_chat_template(self.chat_template))
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser hermes|llama3_json|mistral)")
+
+
+def _string_list(name: str, values: tuple[str, ...]) -> tuple[str, ...]:
+    """CORS values as given (``--allowed-origins A B``) or as vLLM's one JSON list (``'["A", "B"]'``)."""
+    if len(values) == 1 and values[0].lstrip().startswith("["):
+        try:
+            parsed = json.loads(values[0])
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} must be strings or a JSON list of strings, got {values[0]!r} ({e.msg})") from None
+        if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+            raise ValueError(f"{name} must be a JSON list of strings, got {values[0]!r}")
+        return tuple(parsed)
+    return tuple(values)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -93,6 +117,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     Raises ``ValueError`` when the address cannot be bound (a busy port), before the model loads.
     """
     import uvicorn
+    from starlette.middleware.cors import CORSMiddleware
 
     from kvgen.engine.async_engine import AsyncLLMEngine
     from kvgen.loader import resolve_model_path
@@ -107,6 +132,8 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         defaults = default_sampling_params(resolve_model_path(engine_args.model), engine_args.generation_config,
                                            engine_args.override_generation_config)
         engine = AsyncLLMEngine.from_engine_args(engine_args)
+        if server_args.chat_template is not None and engine.engine.tokenizer is not None:
+            engine.engine.tokenizer.chat_template = read_chat_template(server_args.chat_template)
     except BaseException:
         sock.close()
         raise
@@ -117,6 +144,9 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
               "vllm for vLLM's own)", file=sys.stderr, flush=True)
     app = build_app(engine, name, server_args.api_key, server_args.max_queue, parser, server_args.reasoning_parser,
                     defaults)
+    app.add_middleware(CORSMiddleware, allow_origins=list(server_args.allowed_origins),  # vLLM's defaults: any
+                       allow_methods=list(server_args.allowed_methods), allow_headers=list(server_args.allowed_headers),
+                       allow_credentials=server_args.allow_credentials)
     # uvicorn annotates timeout_graceful_shutdown as int but hands it to asyncio.wait_for (float seconds).
     config = uvicorn.Config(
         app, log_level=server_args.log_level, access_log=False,

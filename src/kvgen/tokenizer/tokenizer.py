@@ -198,7 +198,14 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> str | None:
+        """The Jinja chat template; assigning one replaces the model's (as transformers' ``tokenizer.chat_template =
+        ...``), compiled at once: ``ModelFormatError`` (a ``ValueError``) when it does not compile."""
         return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, source: str) -> None:
+        self._compiled_template = compile_chat_template(source)
+        self._chat_template = source
 
     @property
     def add_bos_token(self) -> bool:

@@ -1,0 +1,60 @@
+"""``kvgen serve``'s vLLM front-end options: CORS (any origin by default, as vLLM; ``--allowed-origins`` narrows it)
+and ``--chat-template`` (a file or inline Jinja replacing the model's), refused in one line before the model loads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type,authorization"}
+PLAIN_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+
+
+def test_any_origin_may_call_the_api_by_default(server):
+    origin = {"Origin": "http://localhost:3000"}
+    pre = httpx.options(f"{server.v1}/chat/completions", headers=origin | PREFLIGHT, timeout=30)
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    models = httpx.get(f"{server.v1}/models", headers=origin, timeout=30)
+    assert models.status_code == 200 and models.headers["access-control-allow-origin"] == "*"
+
+
+def test_allowed_origins_and_a_chat_template_file(tiny_model_dir, tiny_tokenizer, tmp_path, launch_server):
+    from kvgen.tokenizer import Tokenizer
+
+    (template := tmp_path / "plain.jinja").write_text(PLAIN_TEMPLATE)
+    live = launch_server(tiny_model_dir, tmp_path / "server.log", "--chat-template", str(template),
+                         "--allowed-origins", '["http://ok.example"]')
+    try:
+        for origin, allowed in (("http://ok.example", True), ("http://elsewhere.example", False)):
+            pre = httpx.options(f"{live.v1}/chat/completions", headers={"Origin": origin} | PREFLIGHT, timeout=30)
+            assert (pre.status_code == 200) is allowed
+            assert pre.headers.get("access-control-allow-origin") == (origin if allowed else None)
+        custom = Tokenizer.from_pretrained(tiny_model_dir)
+        custom.chat_template = PLAIN_TEMPLATE
+        want = custom.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+        assert want != tiny_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+        tokens = httpx.post(f"{live.url}/tokenize", json={"messages": MESSAGES}, timeout=30).json()["tokens"]
+        chat = httpx.post(f"{live.v1}/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}, timeout=60)
+        assert tokens == want and chat.json()["usage"]["prompt_tokens"] == len(want)
+    finally:
+        assert live.stop() == 0
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--chat-template", "/no/such/template.jinja"], "chat_template: '/no/such/template.jinja' is neither a file nor"),
+        (["--chat-template", "{% for %}"], "chat template does not compile (line 1)"),
+        (["--allowed-origins", '["a", 1]'], "--allowed-origins must be a JSON list of strings"),
+    ],
+)
+def test_bad_front_end_options_are_one_line_and_exit_code_2(tiny_model_dir, flags, message):
+    r = subprocess.run([sys.executable, "-m", "kvgen.cli", "serve", "--model", str(tiny_model_dir), *flags],
+                       check=False, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+    assert message in r.stderr
