@@ -69,6 +69,19 @@ def test_prompt_option_is_the_positional_prompt(capsys, tiny_model_dir):
     assert reports[0]["token_ids"] == reports[1]["token_ids"] == reports[2]["token_ids"]
 
 
+def test_chat_template_flag_replaces_the_models(capsys, tiny_model_dir, tmp_path):
+    from kvgen.tokenizer import Tokenizer
+
+    (template := tmp_path / "t.jinja").write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    code, out, _ = _run(capsys, ["generate", "--model", str(tiny_model_dir), "--chat", "--chat-template", str(template),
+                                 "hello there", "--max-new-tokens", "2", "--json"])
+    assert code == 0
+    tok = Tokenizer.from_pretrained(tiny_model_dir)
+    assert json.loads(out)["prompt_token_ids"] == tok.encode("<hello there>", add_special_tokens=False)
+    assert json.loads(out)["prompt_token_ids"] != tok.apply_chat_template(
+        [{"role": "user", "content": "hello there"}], add_generation_prompt=True, tokenize=True)
+
+
 def _model_args(request: pytest.FixtureRequest, model: str) -> list[str]:
     """CLI flags naming ``model``: "default" (the real model, no flag) or "tiny" (``tiny_model_dir``)."""
     return [] if model == "default" else ["--model", str(request.getfixturevalue("tiny_model_dir"))]
@@ -176,6 +189,7 @@ def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
         # a prefix of a longer flag is not that flag (argparse's allow_abbrev would read --prompt-lookup-num-tokens)
         (["generate", "--max-new", "4", "hi"], "unrecognized arguments: --max-new"),
         (["generate", "hi", "-p", "ho"], "give the prompt once, as PROMPT or as -p/--prompt, not both"),
+        (["chat", "--chat-template", "/no/such.jinja"], "chat_template: '/no/such.jinja' is neither a file nor"),
         pytest.param(["generate", "hi", "--max-new-tokens", "9000"], "exceeds the context window of 8192 tokens",
                      marks=pytest.mark.slow),  # loads the default model to learn its context window
         (["perplexity", "/nonexistent.txt"], "cannot read /nonexistent.txt"),

@@ -155,10 +155,31 @@ def _add_model_flags(p: argparse.ArgumentParser, dtype: bool = True, threads: bo
         )
 
 
-def _add_assistant_flag(p: argparse.ArgumentParser) -> None:
+def _add_chat_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--assistant-model", default=None,
                    help="assisted decoding: a smaller model with the same vocabulary (a .gguf file or an HF directory) "
                    "drafts tokens that --model verifies")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_JINJA",
+                   help="a Jinja chat template, or a file holding one, replacing the model's")
+
+
+def _chat_template(args: argparse.Namespace) -> str | None:
+    """``--chat-template``'s text, compiled to refuse a bad one before the model loads (``ValueError``)."""
+    from kvgen.chat_template import compile_chat_template, read_chat_template
+
+    if args.chat_template is None:
+        return None
+    compile_chat_template(text := read_chat_template(args.chat_template))
+    return text
+
+
+def _load_for_chat(args: argparse.Namespace) -> tuple[Any, Any, float]:
+    """``_load`` with ``--chat-template`` checked first and put in the tokenizer."""
+    template = _chat_template(args)
+    model, tokenizer, load_s = _load(args)
+    if template is not None:
+        tokenizer.chat_template = template
+    return model, tokenizer, load_s
 
 
 def _load_assistant(args: argparse.Namespace) -> Any:
@@ -184,13 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--trace", action="store_true", help="print per-step shapes and latency; plot latency with/without cache")
     g.add_argument("--trace-plot", default="kvgen-trace.png", help="where --trace saves its PNG")
-    _add_assistant_flag(g)
+    _add_chat_flags(g)
     add_generation_flags(g)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat (/exit or end of input leaves)")
     _add_model_flags(c)
     c.add_argument("--system", default=None, help="optional system message")
-    _add_assistant_flag(c)
+    _add_chat_flags(c)
     add_generation_flags(c)  # --max-new-tokens defaults to 256 per reply here
 
     t = sub.add_parser("tokenize", help="print the token ids of TEXT as a JSON list")
@@ -286,7 +307,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from kvgen.generation.streamers import TextStreamer
 
     cfg, text = generation_config_from_args(args), _prompt_text(args)
-    model, tokenizer, load_s = _load(args)
+    model, tokenizer, load_s = _load_for_chat(args)
     prompt_ids = _prompt_ids(text, args.chat, tokenizer)
     if not prompt_ids:
         raise CliError("the prompt is empty after tokenization")
@@ -407,7 +428,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         raise CliError(f"kvgen chat: error: num_return_sequences must be 1 in chat, got {cfg.num_return_sequences}")
     if cfg.strategy in NOT_STREAMABLE:  # chat streams its reply
         raise CliError(f"kvgen chat: error: {cfg.strategy.value} cannot stream, use kvgen generate for it")
-    model, tokenizer, _ = _load(args)
+    model, tokenizer, _ = _load_for_chat(args)
     if tokenizer.chat_template is None:
         raise CliError(f"model {args.model} has no chat template")
     assistant = _load_assistant(args)
