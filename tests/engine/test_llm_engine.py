@@ -371,3 +371,15 @@ def test_llm_generate_takes_one_priority_per_prompt(tiny_model_dir):
         llm.generate([[5, 6, 7], [8, 9, 10]], params, use_tqdm=False, priority=[1])
     with pytest.raises(ValueError, match="priority must be 0 unless"):
         LLM(str(tiny_model_dir), num_blocks=64).generate([5, 6, 7], params, use_tqdm=False, priority=[4])
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(model_tok, prompts):
+    """vLLM's left truncation: the tokens of the prompt's last k alone; -1 keeps up to max_model_len."""
+    long_prompt, k = next(p for p in prompts if len(p) > 12), 8
+    llm = _llm(model_tok)
+    out = llm.generate([long_prompt], dataclasses.replace(GREEDY, truncate_prompt_tokens=k), use_tqdm=False)[0]
+    assert out.prompt_token_ids == long_prompt[-k:]
+    alone = llm.generate([long_prompt[-k:]], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    whole = llm.generate([long_prompt], dataclasses.replace(GREEDY, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert whole.prompt_token_ids == long_prompt

@@ -71,6 +71,9 @@ def test_is_greedy(temperature: float, is_greedy: bool) -> None:
         ({"logit_bias": {5: 101}}, r"logit_bias values must be numbers in \[-100, 100\], got 101 for token 5"),
         ({"logit_bias": {-1: 1}}, r"logit_bias keys must be token ids \(ints >= 0\), got -1"),
         ({"logit_bias": [1]}, "logit_bias must be a dict of token id -> bias"),
+        ({"truncate_prompt_tokens": 0}, r"truncate_prompt_tokens must be -1 or an int in \[1, 2147483647\], got 0"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be -1 or an int"),
+        ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens must be -1 or an int"),
     ],
 )
 def test_validation_names_field_and_value(kwargs: dict, message: str) -> None:

@@ -138,3 +138,23 @@ def test_a_request_without_model_is_served_by_the_served_model(server, client):
         strip = {"id", "created", "created_at", "object"}  # ids differ; the generated content must not
         assert [{k: v for k, v in c.items() if k not in strip} for c in pick(unnamed.json())] == \
             [{k: v for k, v in c.items() if k not in strip} for c in pick(named.json())]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_before_the_length_check(server, client, tiny_tokenizer):
+    """vLLM's extra: the prompt's last k tokens are what the model sees and usage counts, so a prompt longer than
+    the context is served; k outside -1, 1.. is a 400 naming the field."""
+    ids = tiny_tokenizer.encode("hello world " * 1500)  # beyond the 2048-token context
+    assert len(ids) > 2048
+    greedy = {"max_tokens": 4, "temperature": 0}
+    cut = client.completions.create(model="tiny", prompt=ids, extra_body={"truncate_prompt_tokens": 10}, **greedy)
+    alone = client.completions.create(model="tiny", prompt=ids[-10:], **greedy)
+    assert cut.usage.prompt_tokens == 10 and cut.choices[0].text == alone.choices[0].text
+    echoed = client.completions.create(model="tiny", prompt="hello world " * 1500, echo=True,
+                                       extra_body={"truncate_prompt_tokens": 10}, **greedy)
+    assert echoed.choices[0].text == tiny_tokenizer.decode(ids[-10:]) + alone.choices[0].text  # the kept tokens
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello world " * 1500}],
+                                          extra_body={"truncate_prompt_tokens": 50}, **greedy)
+    assert chat.usage.prompt_tokens == 50
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="hi", extra_body={"truncate_prompt_tokens": -2}, **greedy)
+    assert e.value.param == "truncate_prompt_tokens"

@@ -26,7 +26,7 @@ from kvgen.engine.parallel_sampling import (
     child_sampling_params,
 )
 from kvgen.engine.request import Request, RequestStatus
-from kvgen.engine.sampling_params import SamplingParams
+from kvgen.engine.sampling_params import SamplingParams, truncate_prompt
 from kvgen.engine.scheduler import Scheduler, SchedulingPolicy
 from kvgen.engine.spec_decode import SpeculativeConfig
 from kvgen.engine.structured_outputs import GrammarCompiler, GrammarMatcher
@@ -124,6 +124,7 @@ class LLMEngine:
             raise ValueError(f"priority must be 0 unless scheduling_policy is 'priority' (--scheduling-policy "
                              f"priority), got {priority}")
         text, token_ids = self._prompt_tokens(prompt, prompt_token_ids)
+        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         params = self._check_request(params, len(token_ids))
         grammars = self._grammars(params)
         arrival = time.time() if arrival_time is None else arrival_time

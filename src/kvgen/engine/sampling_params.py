@@ -15,7 +15,7 @@ from typing import Any
 
 from kvgen.engine.structured_outputs import StructuredOutputsParams
 from kvgen.fields import config_field
-from kvgen.sampling.params import PARAM_RULES, SAMPLING_EPS, check_param
+from kvgen.sampling.params import INT32_MAX, PARAM_RULES, SAMPLING_EPS, check_param
 
 __all__ = ["SAMPLING_EPS", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
 
@@ -59,6 +59,8 @@ class SamplingParams:
     logprobs: int | None = _f(None, "return the sampled token's logprob and this many top alternatives")
     prompt_logprobs: int | None = _f(None, "return each prompt token's logprob (the first has none) and this many top "
                                            "alternatives; the request then skips the prefix cache")
+    truncate_prompt_tokens: int | None = _f(None, "keep only the prompt's last k tokens (left truncation); -1: the "
+                                                  "model's context length")
     logit_bias: dict[int, float] | None = _f(None, "token id -> bias in [-100, 100] added to its logit (OpenAI logit_bias)")
     allowed_token_ids: list[int] | None = _f(None, "only these token ids may be generated")
     bad_words: list[str] | None = _f(None, "words that may not be generated (each as tokenized with and without a "
@@ -77,6 +79,9 @@ class SamplingParams:
             value = getattr(self, f.name)
             if f.name in PARAM_RULES and value is not None:
                 check_param(f.name, value)
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k == -1 or 1 <= k <= INT32_MAX)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or an int in [1, {INT32_MAX}], got {k!r}")
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -133,3 +138,11 @@ def _logit_bias(bias: Any) -> dict[int, float] | None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token_id}")
     return {token_id: float(value) for token_id, value in bias.items()} or None
+
+
+def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last ``truncate_prompt_tokens`` ids (-1: ``max_model_len``; None: all), as vLLM truncates."""
+    if truncate_prompt_tokens is None:
+        return token_ids
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    return token_ids[-keep:]

@@ -51,6 +51,7 @@ from kvgen.server.serving import (
     new_request_id,
     resolve_max_tokens,
     sampling_params,
+    truncated,
 )
 from kvgen.server.tool_parsers import TOOL_CALL_PARSERS, new_call_id
 from kvgen.server.tools import (
@@ -93,7 +94,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     plan = tool_plan(req, state.tool_call_parser)
-    prompt_ids = chat_prompt_ids(state, req)
+    prompt_ids = truncated(state, chat_prompt_ids(state, req), req.truncate_prompt_tokens)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(state, len(prompt_ids), requested, ("messages", field))

@@ -46,6 +46,7 @@ from kvgen.server.serving import (
     new_request_id,
     resolve_max_tokens,
     sampling_params,
+    truncated,
 )
 
 
@@ -87,13 +88,15 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     state.check_model(req.model)
     check_stream_options(req)
     _refuse_unsupported(req)
-    prompts = completion_prompt_ids(state, req.prompt)
+    prompts = [truncated(state, p, req.truncate_prompt_tokens) for p in completion_prompt_ids(state, req.prompt)]
     # max_tokens None: all the room the longest prompt leaves
     max_tokens = min(resolve_max_tokens(state, len(p), req.max_tokens, ("prompt", "max_tokens")) for p in prompts)
     params = sampling_params(req, state, max_tokens, req.logprobs)
     if req.echo and req.logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
-    echo = _Echo(state, req, prompts, _prompt_texts(state, req.prompt, prompts) if req.echo else None)
+    # a truncated prompt is echoed as its kept tokens decoded
+    texts = _prompt_texts(state, req.prompt if req.truncate_prompt_tokens is None else [None] * len(prompts), prompts)
+    echo = _Echo(state, req, prompts, texts if req.echo else None)
     gen = Generation(state, new_request_id("cmpl"))
     await gen.start(prompts, params, "prompt", req.priority)
     num_prompt_tokens = sum(len(p) for p in prompts)

@@ -95,6 +95,8 @@ class SamplingFields(StrictModel):
     # bounded away from 0: logits / 1e-300 overflow to inf, and the draw fails
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
     min_tokens: int = Field(default=0, ge=0, le=MAX_INT32)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=MAX_INT32,
+                                               description="vLLM extra: keep the prompt's last k tokens; -1: max_model_len")
     ignore_eos: bool = False
     priority: int = Field(default=0, ge=-MAX_INT32 - 1, le=MAX_INT32,
                           description="vLLM extra: lower runs first (needs --scheduling-policy priority)")

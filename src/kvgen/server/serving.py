@@ -23,6 +23,7 @@ from kvgen.engine.sampling_params import (
     RequestOutputKind,
     SamplingParams,
     StructuredOutputsParams,
+    truncate_prompt,
 )
 from kvgen.server.errors import OpenAIError, bad_request
 from kvgen.server.metrics import RequestTracker, ServerMetrics
@@ -89,6 +90,7 @@ def sampling_params(req: SamplingFields, state: ServerState, max_tokens: int | N
             repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             seed=req.seed, stop=req.stop, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
             ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=bias, output_kind=RequestOutputKind.DELTA,
             stop_token_ids=req.stop_token_ids, include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
@@ -125,6 +127,11 @@ def value_error(e: ValueError, default_param: str | None) -> OpenAIError:
 def check_stream_options(req: SamplingFields) -> None:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def truncated(state: ServerState, prompt_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+    """The prompt ids a request's ``truncate_prompt_tokens`` keeps (vLLM's extra), before any length check."""
+    return truncate_prompt(prompt_ids, truncate_prompt_tokens, state.max_model_len)
 
 
 def resolve_max_tokens(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, params: tuple[str, str]) -> int:
