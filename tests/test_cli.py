@@ -60,13 +60,15 @@ def test_generate_streams_text_to_stdout(capsys, ours_default):
     assert out.rstrip("\n") == json.loads(out2)["text"]
 
 
-def test_prompt_option_is_the_positional_prompt(capsys, tiny_model_dir):
+def test_prompt_option_and_file_are_the_positional_prompt(capsys, tiny_model_dir, tmp_path):
+    (prompt_file := tmp_path / "prompt.txt").write_text("The sky is")
     base = ["generate", "--model", str(tiny_model_dir), "--max-new-tokens", "6", "--json"]
-    runs = [_run(capsys, [*base, *prompt]) for prompt in (["The sky is"], ["-p", "The sky is"], ["--prompt", "The sky is"])]
-    assert [code for code, _, _ in runs] == [0, 0, 0]
+    runs = [_run(capsys, [*base, *prompt]) for prompt in (["The sky is"], ["-p", "The sky is"], ["--prompt", "The sky is"],
+                                                          ["-f", str(prompt_file)])]
+    assert [code for code, _, _ in runs] == [0, 0, 0, 0]
     reports = [json.loads(out) for _, out, _ in runs]
-    assert reports[0]["prompt_token_ids"] == reports[1]["prompt_token_ids"] == reports[2]["prompt_token_ids"]
-    assert reports[0]["token_ids"] == reports[1]["token_ids"] == reports[2]["token_ids"]
+    assert all(r["prompt_token_ids"] == reports[0]["prompt_token_ids"] for r in reports)
+    assert all(r["token_ids"] == reports[0]["token_ids"] for r in reports)
 
 
 def test_chat_template_flag_replaces_the_models(capsys, tiny_model_dir, tmp_path):
@@ -188,7 +190,8 @@ def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
         (["generate", "hi", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
         # a prefix of a longer flag is not that flag (argparse's allow_abbrev would read --prompt-lookup-num-tokens)
         (["generate", "--max-new", "4", "hi"], "unrecognized arguments: --max-new"),
-        (["generate", "hi", "-p", "ho"], "give the prompt once, as PROMPT or as -p/--prompt, not both"),
+        (["generate", "hi", "-p", "ho"], "give the prompt once, as PROMPT, -p/--prompt or -f/--file"),
+        (["generate", "-f", "/no/such/prompt.txt"], "cannot read the prompt file /no/such/prompt.txt"),
         (["chat", "--chat-template", "/no/such.jinja"], "chat_template: '/no/such.jinja' is neither a file nor"),
         pytest.param(["generate", "hi", "--max-new-tokens", "9000"], "exceeds the context window of 8192 tokens",
                      marks=pytest.mark.slow),  # loads the default model to learn its context window

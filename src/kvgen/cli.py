@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from kvgen.errors import KvgenError
@@ -200,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", default=None, help=f"the prompt text (default: {DEFAULT_PROMPT!r})")
     g.add_argument("-p", "--prompt", dest="prompt_option", default=None, metavar="TEXT",
                    help="the prompt text, as llama.cpp's -p (instead of the positional PROMPT)")
+    g.add_argument("-f", "--file", dest="prompt_file", default=None, metavar="FILE",
+                   help="read the prompt from FILE ('-': standard input), as llama.cpp's -f")
     _add_model_flags(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -288,10 +291,17 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, float]:
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
-    """The prompt of ``kvgen generate``: the positional PROMPT or ``-p/--prompt`` (not both), else the default."""
-    if args.prompt is not None and args.prompt_option is not None:
-        raise CliError("kvgen generate: give the prompt once, as PROMPT or as -p/--prompt, not both")
-    return next((p for p in (args.prompt_option, args.prompt) if p is not None), DEFAULT_PROMPT)
+    """The prompt of ``kvgen generate``: the positional PROMPT, ``-p/--prompt`` or ``-f/--file`` (one of them), else
+    the default. Raises ``CliError`` for two of them or an unreadable file."""
+    given = [p for p in (args.prompt, args.prompt_option, args.prompt_file) if p is not None]
+    if len(given) > 1:
+        raise CliError("kvgen generate: give the prompt once, as PROMPT, -p/--prompt or -f/--file")
+    if args.prompt_file is None:
+        return given[0] if given else DEFAULT_PROMPT
+    try:
+        return sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"kvgen generate: cannot read the prompt file {args.prompt_file}: {e}") from None
 
 
 def _prompt_ids(text: str, is_chat: bool, tokenizer: Any) -> list[int]:
