@@ -255,6 +255,32 @@ def test_chat_drops_the_oldest_exchange_when_the_context_is_full(tiny_model_dir)
     assert proc.stdout.count("> ") == 6
 
 
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(capsys, monkeypatch, tiny_model_dir):
+    """As llama.cpp's chat: Ctrl-C during a reply ends the reply (its message dropped), not the program; the next
+    turn's prompt does not hold the dropped message."""
+    import io
+
+    import kvgen.generation
+
+    real, prompts = kvgen.generation.generate, []
+
+    def interrupted_once(model, input_ids, *args, **kwargs):
+        prompts.append(input_ids[0].tolist())
+        if len(prompts) == 1:
+            raise KeyboardInterrupt
+        return real(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(kvgen.generation, "generate", interrupted_once)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Stop me\nName three colours.\n/exit\n"))
+    code, _, err = _run(capsys, ["chat", "--model", str(tiny_model_dir), "--max-new-tokens", "4"])
+    assert code == 0 and "reply interrupted" in err
+    from kvgen.tokenizer import Tokenizer
+
+    want = Tokenizer.from_pretrained(tiny_model_dir).apply_chat_template(
+        [{"role": "user", "content": "Name three colours."}], add_generation_prompt=True, tokenize=True)
+    assert len(prompts) == 2 and prompts[1] == want
+
+
 def test_chat_with_an_assistant_model_replies_as_without(tiny_model_dir):
     """Assisted decoding in chat: the same greedy replies (the model drafting for itself)."""
     base = [sys.executable, "-m", "kvgen.cli", "chat", "--model", str(tiny_model_dir), "--max-new-tokens", "10"]

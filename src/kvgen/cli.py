@@ -462,8 +462,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
             messages.pop()
             continue
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        out = generate(model, torch.tensor([ids]), None, cfg, tokenizer=tokenizer, streamer=streamer,
-                       assistant_model=assistant, past_key_values=history.reuse(ids) if history else None)
+        try:
+            out = generate(model, torch.tensor([ids]), None, cfg, tokenizer=tokenizer, streamer=streamer,
+                           assistant_model=assistant, past_key_values=history.reuse(ids) if history else None)
+        except KeyboardInterrupt:  # Ctrl-C stops the reply, as in llama.cpp's chat; at the prompt it leaves
+            print(flush=True)
+            print("kvgen chat: reply interrupted; the message is dropped", file=sys.stderr, flush=True)
+            messages.pop()
+            continue
         if history:
             history.record(ids, out.new_token_ids[0])
         messages.append({"role": "assistant", "content": tokenizer.decode(out.new_token_ids[0], skip_special_tokens=True)})
