@@ -51,8 +51,9 @@ def random_ids(seed: int, B: int, T: int, high: int) -> torch.Tensor:
 
 
 def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bit-equal values, the same -inf and NaN positions (NaN where the reference gives NaN, e.g. -inf + inf)."""
     assert torch.equal(torch.isneginf(actual), torch.isneginf(expected))
-    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
 
 
 def assert_batched_equals_alone(model, prompts: list[list[int]], pad_id: int, cfg, rows_per_prompt: int) -> None:

@@ -131,12 +131,19 @@ def _processor_cases(tiny: TinyModel) -> dict[str, dict[str, Any]]:
         "repetition_penalty=1.8": {"repetition_penalty": 1.8},
         "bad_words_ids": {"bad_words_ids": [[greedy[0][1]], [greedy[1][2], greedy[1][3]], [greedy[2][4]]]},
         "min_new_tokens=6": {"min_new_tokens": 6, "eos": [greedy[0][1], greedy[1][0], greedy[2][2]]},
+        "forced_eos_token_id": {"forced_eos_token_id": greedy[0][2]},
+        "exponential_decay_length_penalty": {"exponential_decay_length_penalty": (2, 4.0),
+                                             "eos": [greedy[0][7], greedy[1][8], greedy[2][9]]},
+        "begin_suppress_tokens, renormalize_logits, remove_invalid_values": {
+            "begin_suppress_tokens": [greedy[0][0], greedy[1][0]], "renormalize_logits": True,
+            "remove_invalid_values": True},
     }
 
 
 @pytest.mark.parametrize(
     "case", ["no_repeat_ngram_size=2", "no_repeat_ngram_size=1", "repetition_penalty=1.8", "bad_words_ids",
-             "min_new_tokens=6"]
+             "min_new_tokens=6", "forced_eos_token_id", "exponential_decay_length_penalty",
+             "begin_suppress_tokens, renormalize_logits, remove_invalid_values"]
 )
 def test_greedy_with_processor_matches_transformers(tiny: TinyModel, case: str) -> None:
     kwargs = _processor_cases(tiny)[case]
@@ -187,6 +194,8 @@ BEAMS: dict[str, dict[str, Any]] = {
         "num_beams": 4, "early_stopping": "never", "length_penalty": 1.5, "num_return_sequences": 2
     },
     "early_stopping=False, length_penalty=0": {"num_beams": 2, "length_penalty": 0.0},
+    "forced_eos_token_id, renormalize_logits": {"num_beams": 3, "num_return_sequences": 2, "forced_eos_token_id": 7,
+                                                "renormalize_logits": True},
 }
 
 

@@ -38,6 +38,13 @@ PAIRS = [
         lambda: hf.NoBadWordsLogitsProcessor([[1], [4], [3, 5], [2, 2, 6]], eos_token_id=[4, 9]),
     ),
     (lambda: lp.SuppressTokensLogitsProcessor([0, 7]), lambda: hf.SuppressTokensLogitsProcessor([0, 7])),
+    (lambda: lp.ForcedBOSTokenLogitsProcessor(3), lambda: hf.ForcedBOSTokenLogitsProcessor(3)),
+    (lambda: lp.ForcedEOSTokenLogitsProcessor(6, [1, 4]), lambda: hf.ForcedEOSTokenLogitsProcessor(6, [1, 4])),
+    (lambda: lp.InfNanRemoveLogitsProcessor(), lambda: hf.InfNanRemoveLogitsProcessor()),
+    (lambda: lp.ExponentialDecayLengthPenalty((1, 1.7), [1, 4], 3),
+     lambda: hf.ExponentialDecayLengthPenalty((1, 1.7), [1, 4], 3)),
+    (lambda: lp.SuppressTokensAtBeginLogitsProcessor([0, 7], 5), lambda: hf.SuppressTokensAtBeginLogitsProcessor([0, 7], 5)),
+    (lambda: lp.LogitNormalization(), lambda: hf.LogitNormalization()),
 ]
 
 
@@ -83,7 +90,12 @@ PINNED_ORDER = (
     "NoRepeatNGramLogitsProcessor",
     "NoBadWordsLogitsProcessor",
     "MinNewTokensLengthLogitsProcessor",
+    "ForcedBOSTokenLogitsProcessor",
+    "ForcedEOSTokenLogitsProcessor",
+    "InfNanRemoveLogitsProcessor",
+    "ExponentialDecayLengthPenalty",
     "SuppressTokensLogitsProcessor",
+    "SuppressTokensAtBeginLogitsProcessor",
     "PresenceFrequencyPenaltyLogitsProcessor",
     "TemperatureLogitsWarper",
     "TopKLogitsWarper",
@@ -92,6 +104,7 @@ PINNED_ORDER = (
     "TypicalLogitsWarper",
     "EpsilonLogitsWarper",
     "EtaLogitsWarper",
+    "LogitNormalization",
 )
 
 EVERYTHING = {
@@ -111,6 +124,14 @@ EVERYTHING = {
     "sequence_bias": [[[5], 1.0], [[6, 7], -2.0]],
     "bad_words_ids": [[8], [9, 10], [2]],
     "suppress_tokens": [11],
+    "forced_bos_token_id": 4,
+    "forced_eos_token_id": [3],
+    "max_new_tokens": 4,
+    "max_length": 9,  # transformers' generate() sets it: prompt (5) + max_new_tokens
+    "remove_invalid_values": True,
+    "exponential_decay_length_penalty": (2, 1.5),
+    "begin_suppress_tokens": [12],
+    "renormalize_logits": True,
 }
 
 
@@ -133,7 +154,8 @@ def hf_processors(config: GenerationConfig, prompt_length: int) -> hf.LogitsProc
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"do_sample": False}, {"num_beams": 4}, {"num_beams": 3, "eos_token_id": None, "min_new_tokens": None}],
+    [{}, {"do_sample": False}, {"num_beams": 4}, {"num_beams": 3, "eos_token_id": None, "min_new_tokens": None,
+                                                       "exponential_decay_length_penalty": None}],  # HF fails on it without EOS
     ids=["sample", "greedy", "beam-sample", "beam-sample-no-eos"],
 )
 def test_builder_matches_transformers_get_logits_processor(overrides):
@@ -215,3 +237,15 @@ INVALID = [
 def test_invalid_settings_raise_value_error(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_forced_bos_and_begin_suppress_act_after_a_one_token_input():
+    """transformers' rules: a forced BOS after a 1-token input, and begin_suppress_tokens one step later then."""
+    cfg = GenerationConfig(forced_bos_token_id=5, begin_suppress_tokens=[6], max_new_tokens=3, max_length=4)
+    ours, theirs = lp.build_logits_processors(cfg, prompt_length=1), hf_processors(cfg, 1)
+    for length in (1, 2, 3):
+        ids, logits = random_ids(length, 2, length, 12), random_logits(length, 2, 12)
+        assert_same(ours(ids, logits), theirs(ids, logits.clone()))
+    forced = ours(random_ids(0, 2, 1, 12), random_logits(0, 2, 12))
+    assert (forced.argmax(-1) == 5).all() and torch.isneginf(forced).sum() == 2 * 11
+    assert torch.isneginf(ours(random_ids(1, 2, 2, 12), random_logits(1, 2, 12))[:, 6]).all()

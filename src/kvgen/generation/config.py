@@ -15,6 +15,7 @@ from typing import Any
 
 from kvgen.config import token_id_list
 from kvgen.fields import config_field
+from kvgen.sampling.logits_process import check_processor_settings
 from kvgen.sampling.params import PARAM_RULES, SAMPLING_EPS, check_param
 
 
@@ -70,6 +71,13 @@ class GenerationConfig:
     sequence_bias: dict[tuple[int, ...], float] | None = _f(None, "bias added to the logit of token sequences")
     bad_words_ids: list[list[int]] | None = _f(None, "token sequences that may not be generated")
     suppress_tokens: list[int] | None = _f(None, "token ids that are never generated")
+    begin_suppress_tokens: list[int] | None = _f(None, "token ids that may not be the first new token")
+    forced_bos_token_id: int | None = _f(None, "token forced after a 1-token input")
+    forced_eos_token_id: int | list[int] | None = _f(None, "EOS id(s) forced as the last token at max_new_tokens")
+    exponential_decay_length_penalty: tuple[int, float] | None = _f(
+        None, "(start, factor): after start new tokens, EOS logits grow by |x| (factor ** n - 1)")
+    remove_invalid_values: bool = _f(False, "replace NaN and inf logits by finite values")
+    renormalize_logits: bool = _f(False, "log-softmax the scores after every processor")
     eos_token_id: int | list[int] | None = _f(None, "end-of-sequence token id(s); default: the model's")
     pad_token_id: int | None = _f(None, "id emitted by finished rows; default: the model's, else EOS")
     stop_strings: list[str] | None = _f(None, "stop when the generated text contains one of these", cli_name="stop")
@@ -105,6 +113,7 @@ class GenerationConfig:
         if self.num_assistant_tokens_schedule not in ("heuristic", "heuristic_transient", "constant"):
             raise ValueError("num_assistant_tokens_schedule must be 'heuristic', 'heuristic_transient' or 'constant', "
                              f"got {self.num_assistant_tokens_schedule!r}")
+        check_processor_settings(self)
         if self.cache_implementation not in ("dynamic", "static"):
             raise ValueError(f"cache_implementation must be 'dynamic' or 'static', got {self.cache_implementation!r}")
         if self.stop_strings is not None and any(not isinstance(s, str) or not s for s in self.stop_strings):

@@ -10,8 +10,10 @@ Source: ``transformers`` 4.55 ``generation/logits_process.py`` (semantics) and
 ``GenerationMixin._get_logits_processor`` (order, ``min_tokens_to_keep`` for beams).
 """
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -210,6 +212,111 @@ class SuppressTokensLogitsProcessor(LogitsProcessor):
         return ops.apply_suppress_tokens(logits, self.suppress_tokens)
 
 
+def _token_ids(name: str, value: object) -> list[int]:
+    """``value`` (one id or a list) as a list of ints >= 0; ValueError naming ``name`` otherwise."""
+    ids = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(ids, (list, tuple)) or not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                                                             for i in ids):
+        raise ValueError(f"{name} must be a token id or a non-empty list of them (ints >= 0), got {value!r}")
+    return list(ids)
+
+
+def _only(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
+    """-inf everywhere but 0 at ``token_ids`` (ids >= V ignored), as transformers' forcing processors."""
+    forced = torch.full_like(logits, -math.inf)  # [B, V]
+    keep = [t for t in token_ids if t < logits.shape[1]]
+    forced[:, keep] = 0
+    return forced
+
+
+class ForcedBOSTokenLogitsProcessor(LogitsProcessor):
+    """Force ``bos_token_id`` as the token after a 1-token input (transformers' rule: only when ``cur_len == 1``)."""
+
+    def __init__(self, bos_token_id: int):
+        self.bos_token_id = _token_ids("forced_bos_token_id", bos_token_id)[0]
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return _only(logits, [self.bos_token_id]) if token_ids.shape[-1] == 1 else logits
+
+
+class ForcedEOSTokenLogitsProcessor(LogitsProcessor):
+    """Force an EOS id as the last token: at length ``max_length - 1`` only ``eos_token_id`` stays possible."""
+
+    def __init__(self, max_length: int, eos_token_id: int | Sequence[int]):
+        self.max_length = max_length
+        self.eos_token_ids = _token_ids("forced_eos_token_id", eos_token_id)
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return _only(logits, self.eos_token_ids) if token_ids.shape[-1] == self.max_length - 1 else logits
+
+
+class InfNanRemoveLogitsProcessor(LogitsProcessor):
+    """NaN -> 0, +inf / -inf -> the largest / lowest float of the dtype (``remove_invalid_values``)."""
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        out = torch.where(logits != logits, 0.0, logits)  # NaN != NaN
+        out = torch.where(logits == math.inf, torch.finfo(logits.dtype).max, out)
+        return torch.where(logits == -math.inf, torch.finfo(logits.dtype).min, out)
+
+
+def check_processor_settings(cfg: object) -> None:
+    """``ValueError`` naming the field for a malformed setting of the processors below (GenerationConfig checks
+    them on construction, before any model work)."""
+    for name in ("forced_bos_token_id", "forced_eos_token_id", "begin_suppress_tokens"):
+        if (value := getattr(cfg, name, None)) is not None:
+            _token_ids(name, value)
+    pair = getattr(cfg, "exponential_decay_length_penalty", None)
+    if pair is not None and (
+            not isinstance(pair, (list, tuple)) or len(pair) != 2 or isinstance(pair[0], bool)
+            or not isinstance(pair[0], int) or pair[0] < 0 or isinstance(pair[1], bool)
+            or not isinstance(pair[1], (int, float)) or not math.isfinite(pair[1]) or pair[1] <= 0):
+        raise ValueError(f"exponential_decay_length_penalty must be (start >= 0, factor > 0), got {pair!r}")
+    for name in ("remove_invalid_values", "renormalize_logits"):
+        if not isinstance(getattr(cfg, name, False), bool):
+            raise ValueError(f"{name} must be a bool, got {getattr(cfg, name)!r}")
+
+
+class ExponentialDecayLengthPenalty(LogitsProcessor):
+    """After ``start`` new tokens, raise the EOS logits by ``|x| (factor ** (n - start) - 1)`` at new token n > start
+    (``exponential_decay_length_penalty = (start, factor)``). Raises ValueError for a malformed pair."""
+
+    def __init__(self, exponential_decay_length_penalty: Sequence[float], eos_token_id: int | Sequence[int],
+                 prompt_length: int):
+        pair = exponential_decay_length_penalty
+        check_processor_settings(SimpleNamespace(exponential_decay_length_penalty=pair))
+        self.regulation_start, self.regulation_factor = pair[0] + prompt_length, float(pair[1])
+        self.eos_token_ids = _token_ids("eos_token_id", eos_token_id)
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        cur_len = token_ids.shape[-1]
+        if cur_len <= self.regulation_start:
+            return logits
+        eos = [t for t in self.eos_token_ids if t < logits.shape[1]]
+        penalties = torch.zeros_like(logits)  # [B, V]
+        penalties[:, eos] = logits[:, eos].abs() * (pow(self.regulation_factor, cur_len - self.regulation_start) - 1)
+        return logits + penalties
+
+
+class SuppressTokensAtBeginLogitsProcessor(LogitsProcessor):
+    """Set the listed ids to -inf at one step only: when the sequence is ``begin_index`` tokens long."""
+
+    def __init__(self, begin_suppress_tokens: Sequence[int], begin_index: int):
+        self.begin_suppress_tokens = _token_ids("begin_suppress_tokens", list(begin_suppress_tokens))
+        self.begin_index = begin_index
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if token_ids.shape[-1] != self.begin_index:
+            return logits
+        return ops.apply_suppress_tokens(logits, self.begin_suppress_tokens)
+
+
+class LogitNormalization(LogitsProcessor):
+    """Log-softmax over the vocabulary (``renormalize_logits``: after every other processor and warper)."""
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return logits.log_softmax(dim=-1)
+
+
 # ------------------------------------------------------------------ builder
 
 @dataclass(frozen=True)
@@ -256,6 +363,28 @@ def _min_new_tokens(s: _Settings) -> LogitsProcessor | None:
     return MinNewTokensLengthLogitsProcessor(s.prompt_length, min_new_tokens, s.eos_token_ids)
 
 
+def _forced_eos(s: _Settings) -> LogitsProcessor | None:
+    eos = s.get("forced_eos_token_id", None)
+    max_new = s.get("max_new_tokens", None)
+    return None if eos is None or max_new is None else ForcedEOSTokenLogitsProcessor(s.prompt_length + max_new, eos)
+
+
+def _exponential_decay(s: _Settings) -> LogitsProcessor | None:
+    pair = s.get("exponential_decay_length_penalty", None)
+    if pair is None or not s.eos_token_ids:  # nothing to raise (transformers fails on a missing EOS id)
+        return None
+    return ExponentialDecayLengthPenalty(pair, s.eos_token_ids, s.prompt_length)
+
+
+def _begin_suppress(s: _Settings) -> LogitsProcessor | None:
+    tokens = s.get("begin_suppress_tokens", None)
+    if tokens is None:
+        return None
+    # transformers: one later when a forced BOS follows a 1-token input
+    shift = s.prompt_length == 1 and s.get("forced_bos_token_id", None) is not None
+    return SuppressTokensAtBeginLogitsProcessor(tokens, s.prompt_length + shift)
+
+
 def _presence_frequency(s: _Settings) -> LogitsProcessor | None:
     presence, frequency = s.get("presence_penalty", 0.0), s.get("frequency_penalty", 0.0)
     if presence == 0.0 and frequency == 0.0:
@@ -273,7 +402,13 @@ _STAGES: dict[str, tuple[type[LogitsProcessor], Callable[[_Settings], LogitsProc
     "no_repeat_ngram": (NoRepeatNGramLogitsProcessor, _when_set(NoRepeatNGramLogitsProcessor, "no_repeat_ngram_size", 0)),
     "bad_words": (NoBadWordsLogitsProcessor, _bad_words),
     "min_new_tokens": (MinNewTokensLengthLogitsProcessor, _min_new_tokens),
+    "forced_bos": (ForcedBOSTokenLogitsProcessor, _when_set(ForcedBOSTokenLogitsProcessor, "forced_bos_token_id")),
+    "forced_eos": (ForcedEOSTokenLogitsProcessor, _forced_eos),
+    "remove_invalid_values": (InfNanRemoveLogitsProcessor,
+                              lambda s: InfNanRemoveLogitsProcessor() if s.get("remove_invalid_values", False) else None),
+    "exponential_decay_length_penalty": (ExponentialDecayLengthPenalty, _exponential_decay),
     "suppress_tokens": (SuppressTokensLogitsProcessor, _when_set(SuppressTokensLogitsProcessor, "suppress_tokens")),
+    "begin_suppress_tokens": (SuppressTokensAtBeginLogitsProcessor, _begin_suppress),
     "presence_frequency_penalty": (PresenceFrequencyPenaltyLogitsProcessor, _presence_frequency),
     "temperature": (TemperatureLogitsWarper, _when_set(TemperatureLogitsWarper, "temperature", 1.0)),
     "top_k": (TopKLogitsWarper, _filter(TopKLogitsWarper, "top_k", 0)),
@@ -282,10 +417,13 @@ _STAGES: dict[str, tuple[type[LogitsProcessor], Callable[[_Settings], LogitsProc
     "typical_p": (TypicalLogitsWarper, _filter(TypicalLogitsWarper, "typical_p", 1.0)),
     "epsilon_cutoff": (EpsilonLogitsWarper, _filter(EpsilonLogitsWarper, "epsilon_cutoff", 0.0)),
     "eta_cutoff": (EtaLogitsWarper, _filter(EtaLogitsWarper, "eta_cutoff", 0.0)),
+    "renormalize_logits": (LogitNormalization,
+                           lambda s: LogitNormalization() if s.get("renormalize_logits", False) else None),
 }
 # The classes in GENERATE_ORDER (transformers 4.55 ``_get_logits_processor`` order).
 PROCESSOR_ORDER: tuple[type[LogitsProcessor], ...] = tuple(_STAGES[name][0] for name in GENERATE_ORDER)
-_ALWAYS, _WARPERS = split_order(GENERATE_ORDER, GENERATE_FIRST_WARPER)
+_ALWAYS, _WARPERS = split_order(GENERATE_ORDER[:-1], GENERATE_FIRST_WARPER)
+_ALWAYS += GENERATE_ORDER[-1:]  # renormalize_logits: last, with or without sampling
 WARPERS: frozenset[type[LogitsProcessor]] = frozenset(_STAGES[name][0] for name in _WARPERS)
 
 
@@ -316,15 +454,16 @@ def build_logits_processors(
     keep = default_min_tokens_to_keep(cfg) if min_tokens_to_keep is None else min_tokens_to_keep
     ops.validate_param("min_tokens_to_keep", keep)
     settings = _Settings(cfg, prompt_length, keep, token_id_list(getattr(cfg, "eos_token_id", None)))
-    stages = GENERATE_ORDER if getattr(cfg, "do_sample", False) else _ALWAYS
+    sampling = getattr(cfg, "do_sample", False)
+    stages, merge_at = (GENERATE_ORDER, GENERATE_FIRST_WARPER) if sampling else (_ALWAYS, _ALWAYS[-1])
     processors = LogitsProcessorList()
     for name in stages:
-        if name == GENERATE_FIRST_WARPER:
+        if name == merge_at:  # the caller's processors: before the warpers (and renormalize_logits)
             processors = _merge_custom(processors, custom)
         processor = _STAGES[name][1](settings)
         if processor is not None:
             processors.append(processor)
-    return processors if GENERATE_FIRST_WARPER in stages else _merge_custom(processors, custom)
+    return processors
 
 
 def _merge_custom(built: LogitsProcessorList, custom: Sequence[Callable[..., torch.Tensor]]) -> LogitsProcessorList:

@@ -25,7 +25,12 @@ GENERATE_ORDER: tuple[str, ...] = (
     "no_repeat_ngram",
     "bad_words",
     "min_new_tokens",
+    "forced_bos",
+    "forced_eos",
+    "remove_invalid_values",
+    "exponential_decay_length_penalty",
     "suppress_tokens",
+    "begin_suppress_tokens",
     "presence_frequency_penalty",
     "temperature",
     "top_k",
@@ -34,8 +39,9 @@ GENERATE_ORDER: tuple[str, ...] = (
     "typical_p",
     "epsilon_cutoff",
     "eta_cutoff",
+    "renormalize_logits",  # not a warper: transformers appends it last, sampling or not
 )
-# Stages from this one on are HF "warpers": they run only when sampling.
+# Stages from this one on (but the last) are HF "warpers": they run only when sampling.
 GENERATE_FIRST_WARPER = "temperature"
 
 # The engine: vLLM v1's order. Greedy rows take the argmax of the logits reached just
