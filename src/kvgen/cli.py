@@ -381,98 +381,10 @@ def _traced_generate(model: Any, input_ids: Any, cfg: Any, tokenizer: Any, plot_
     return out
 
 
-class ConversationCache:
-    """A chat's KV cache across turns, as llama.cpp's chat keeps its context: each turn prefills only the prompt
-    tokens after the longest prefix it shares with the tokens the cache holds (the template re-renders earlier
-    replies, which may tokenize differently from how they were generated)."""
-
-    def __init__(self, model: Any) -> None:
-        from kvgen.generation import make_cache
-
-        self.cache = make_cache(model)
-        self.token_ids: list[int] = []  # what the cache holds, in order
-
-    def reuse(self, prompt_ids: list[int]) -> Any:
-        """The cache cropped to the prompt's shared prefix (at most all but its last token), for ``generate``."""
-        shared = next((i for i, (a, b) in enumerate(zip(self.token_ids, prompt_ids)) if a != b),
-                      min(len(self.token_ids), len(prompt_ids)))
-        self.cache.crop(min(shared, len(prompt_ids) - 1))
-        self.token_ids = self.token_ids[: self.cache.seq_length]
-        return self.cache
-
-    def record(self, prompt_ids: list[int], new_token_ids: list[int]) -> None:
-        """After ``generate``, which leaves the cache holding the prompt and the reply but its last token."""
-        self.token_ids = (prompt_ids + new_token_ids)[: self.cache.seq_length]
-        assert len(self.token_ids) == self.cache.seq_length, (len(self.token_ids), self.cache.seq_length)
-
-
-def _chat_prompt(messages: list[dict[str, str]], tokenizer: Any, max_prompt_tokens: int) -> list[int] | None:
-    """The conversation's prompt ids; while it is longer than ``max_prompt_tokens``, the oldest exchange after the
-    system message is dropped from ``messages`` (as llama.cpp's chat shifts its context). None (said on stderr, the
-    conversation left whole) when the last message does not fit even alone."""
-    def prompt(turns: list[dict[str, str]]) -> list[int]:
-        return tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
-
-    first = 1 if messages[0]["role"] == "system" else 0
-    if len(ids := prompt(messages)) > max_prompt_tokens and len(alone := prompt(messages[:first] + messages[-1:])) > \
-            max_prompt_tokens:
-        print(f"kvgen chat: the message makes a prompt of {len(alone)} tokens, over the {max_prompt_tokens} the "
-              f"context window leaves beside max_new_tokens; not sent", file=sys.stderr)
-        return None
-    while len(ids) > max_prompt_tokens:
-        del messages[first : first + 2]  # the oldest user message and its reply
-        print("kvgen chat: dropped the oldest exchange to fit the context window", file=sys.stderr)
-        ids = prompt(messages)
-    return ids
-
-
 def cmd_chat(args: argparse.Namespace) -> int:
-    import torch
+    from kvgen.cli_chat import run_chat
 
-    from kvgen.generation import Strategy, generate
-    from kvgen.generation.generate import NOT_STREAMABLE
-    from kvgen.generation.streamers import TextStreamer
-
-    cfg = generation_config_from_args(args, _CHAT_DEFAULTS)
-    if cfg.num_return_sequences != 1:
-        raise CliError(f"kvgen chat: error: num_return_sequences must be 1 in chat, got {cfg.num_return_sequences}")
-    if cfg.strategy in NOT_STREAMABLE:  # chat streams its reply
-        raise CliError(f"kvgen chat: error: {cfg.strategy.value} cannot stream, use kvgen generate for it")
-    model, tokenizer, _ = _load_for_chat(args)
-    if tokenizer.chat_template is None:
-        raise CliError(f"model {args.model} has no chat template")
-    assistant = _load_assistant(args)
-    messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
-    # contrastive search scores candidates against every token's hidden state: it prefills the whole conversation
-    history = ConversationCache(model) if cfg.use_cache and cfg.strategy is not Strategy.CONTRASTIVE_SEARCH else None
-    print("kvgen chat: type a message; /exit or Ctrl-D leaves.", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            print(file=sys.stderr)
-            return 0
-        if line.strip() == "/exit":
-            return 0
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line})
-        ids = _chat_prompt(messages, tokenizer, model.config.max_position_embeddings - cfg.max_new_tokens)
-        if ids is None:
-            messages.pop()
-            continue
-        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        try:
-            out = generate(model, torch.tensor([ids]), None, cfg, tokenizer=tokenizer, streamer=streamer,
-                           assistant_model=assistant, past_key_values=history.reuse(ids) if history else None)
-        except KeyboardInterrupt:  # Ctrl-C stops the reply, as in llama.cpp's chat; at the prompt it leaves
-            print(flush=True)
-            print("kvgen chat: reply interrupted; the message is dropped", file=sys.stderr, flush=True)
-            messages.pop()
-            continue
-        if history:
-            history.record(ids, out.new_token_ids[0])
-        messages.append({"role": "assistant", "content": tokenizer.decode(out.new_token_ids[0], skip_special_tokens=True)})
+    return run_chat(args)
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:

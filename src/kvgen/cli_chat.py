@@ -1,0 +1,87 @@
+"""``kvgen chat``: an interactive conversation with the model's chat template, its KV cache kept across turns."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from kvgen.cli import (
+    _CHAT_DEFAULTS,
+    CliError,
+    _load_assistant,
+    _load_for_chat,
+    generation_config_from_args,
+)
+
+
+def _chat_prompt(messages: list[dict[str, str]], tokenizer: Any, max_prompt_tokens: int) -> list[int] | None:
+    """The conversation's prompt ids; while it is longer than ``max_prompt_tokens``, the oldest exchange after the
+    system message is dropped from ``messages`` (as llama.cpp's chat shifts its context). None (said on stderr, the
+    conversation left whole) when the last message does not fit even alone."""
+    def prompt(turns: list[dict[str, str]]) -> list[int]:
+        return tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+
+    first = 1 if messages[0]["role"] == "system" else 0
+    if len(ids := prompt(messages)) > max_prompt_tokens and len(alone := prompt(messages[:first] + messages[-1:])) > \
+            max_prompt_tokens:
+        print(f"kvgen chat: the message makes a prompt of {len(alone)} tokens, over the {max_prompt_tokens} the "
+              f"context window leaves beside max_new_tokens; not sent", file=sys.stderr)
+        return None
+    while len(ids) > max_prompt_tokens:
+        del messages[first : first + 2]  # the oldest user message and its reply
+        print("kvgen chat: dropped the oldest exchange to fit the context window", file=sys.stderr)
+        ids = prompt(messages)
+    return ids
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    """``kvgen chat``: reads messages from stdin until ``/exit`` or end of input; returns the exit code. Raises
+    ``CliError`` (and the loader's errors) for bad settings, before the first message."""
+    import torch
+
+    from kvgen.generation import Strategy, generate
+    from kvgen.generation.conversation import ConversationCache
+    from kvgen.generation.generate import NOT_STREAMABLE
+    from kvgen.generation.streamers import TextStreamer
+
+    cfg = generation_config_from_args(args, _CHAT_DEFAULTS)
+    if cfg.num_return_sequences != 1:
+        raise CliError(f"kvgen chat: error: num_return_sequences must be 1 in chat, got {cfg.num_return_sequences}")
+    if cfg.strategy in NOT_STREAMABLE:  # chat streams its reply
+        raise CliError(f"kvgen chat: error: {cfg.strategy.value} cannot stream, use kvgen generate for it")
+    model, tokenizer, _ = _load_for_chat(args)
+    if tokenizer.chat_template is None:
+        raise CliError(f"model {args.model} has no chat template")
+    assistant = _load_assistant(args)
+    messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    # contrastive search scores candidates against every token's hidden state: it prefills the whole conversation
+    history = ConversationCache(model) if cfg.use_cache and cfg.strategy is not Strategy.CONTRASTIVE_SEARCH else None
+    print("kvgen chat: type a message; /exit or Ctrl-D leaves.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() == "/exit":
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = _chat_prompt(messages, tokenizer, model.config.max_position_embeddings - cfg.max_new_tokens)
+        if ids is None:
+            messages.pop()
+            continue
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        try:
+            out = generate(model, torch.tensor([ids]), None, cfg, tokenizer=tokenizer, streamer=streamer,
+                           assistant_model=assistant, past_key_values=history.reuse(ids) if history else None)
+        except KeyboardInterrupt:  # Ctrl-C stops the reply, as in llama.cpp's chat; at the prompt it leaves
+            print(flush=True)
+            print("kvgen chat: reply interrupted; the message is dropped", file=sys.stderr, flush=True)
+            messages.pop()
+            continue
+        if history:
+            history.record(ids, out.new_token_ids[0])
+        messages.append({"role": "assistant", "content": tokenizer.decode(out.new_token_ids[0], skip_special_tokens=True)})
