@@ -124,13 +124,18 @@ def generation_config_from_args(args: argparse.Namespace, defaults: dict[str, An
     """
     from kvgen.generation.config import GenerationConfig
 
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(GenerationConfig):
-        value = getattr(args, f.name, None)
-        if value is not None:
-            values[f.name] = value
-    for key, default in (_CLI_DEFAULTS if defaults is None else defaults).items():
-        values.setdefault(key, default)
+    values = {**(_CLI_DEFAULTS if defaults is None else defaults), **flag_values(args)}
+    values["use_cache"] = not args.no_cache
+    values["cache_implementation"] = args.cache or "static"
+    return GenerationConfig(**values)
+
+
+def flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The GenerationConfig fields the user's flags set: ``generate(..., **flag_values(args))`` lets them win over
+    the model's generation config (as transformers' keyword arguments do), even where they equal a default."""
+    from kvgen.generation.config import GenerationConfig
+
+    values = {f.name: v for f in dataclasses.fields(GenerationConfig) if (v := getattr(args, f.name, None)) is not None}
     temperature = values.get("temperature")
     if temperature is not None and values.get("do_sample") is None:
         values["do_sample"] = temperature > 0
@@ -138,9 +143,7 @@ def generation_config_from_args(args: argparse.Namespace, defaults: dict[str, An
             values.pop("temperature")
     if isinstance(values.get("sequence_bias"), list):
         values["sequence_bias"] = {tuple(ids): float(b) for ids, b in values["sequence_bias"]}
-    values["use_cache"] = not args.no_cache
-    values["cache_implementation"] = args.cache or "static"
-    return GenerationConfig(**values)
+    return values
 
 
 def _add_model_flags(p: argparse.ArgumentParser, dtype: bool = True, threads: bool = True, model: bool = True) -> None:
@@ -314,6 +317,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from kvgen.generation import generate
+    from kvgen.generation.generate import NOT_STREAMABLE
     from kvgen.generation.streamers import TextStreamer
 
     cfg, text = generation_config_from_args(args), _prompt_text(args)
@@ -323,12 +327,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CliError("the prompt is empty after tokenization")
     input_ids = torch.tensor([prompt_ids])
     assistant = _load_assistant(args)
+    # the model's generation config fills what the flags leave unset, as in transformers' generate(); the flags
+    # also go to generate() as keyword arguments, which win over it there too
+    flags = flag_values(args)
+    cfg = cfg.with_generation_defaults(model.generation_defaults).replace(**flags)
     single = cfg.num_return_sequences == 1
-    streamer = None if (args.json or args.trace or not single) else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    # beams and sample-and-rank pick their sequence at the end: printed then
+    streams = not (args.json or args.trace or not single or cfg.strategy in NOT_STREAMABLE)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if streams else None
     if args.trace:
-        out = _traced_generate(model, input_ids, cfg, tokenizer, args.trace_plot)
+        out = _traced_generate(model, input_ids, cfg, tokenizer, args.trace_plot, flags)
     else:
-        out = generate(model, input_ids, None, cfg, tokenizer=tokenizer, streamer=streamer, assistant_model=assistant)
+        out = generate(model, input_ids, None, cfg, tokenizer=tokenizer, streamer=streamer, assistant_model=assistant,
+                       **flags)
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in out.new_token_ids]
     if args.json:
         print(json.dumps(_json_report(prompt_ids, out, texts, load_s), ensure_ascii=False))
@@ -363,17 +374,18 @@ def _json_report(prompt_ids: list[int], out: Any, texts: list[str], load_s: floa
     return report
 
 
-def _traced_generate(model: Any, input_ids: Any, cfg: Any, tokenizer: Any, plot_path: str) -> Any:
+def _traced_generate(model: Any, input_ids: Any, cfg: Any, tokenizer: Any, plot_path: str, flags: dict[str, Any]
+                     ) -> Any:
     from kvgen.generation import generate
     from kvgen.trace import Tracer, format_step, plot_latencies
 
     with Tracer(model) as cached:
-        out = generate(model, input_ids, None, cfg, tokenizer=tokenizer)
+        out = generate(model, input_ids, None, cfg, tokenizer=tokenizer, **flags)
     for i, step in enumerate(cached.steps):
         print(format_step(i, step), file=sys.stderr)
     print("[trace] now the same generation without a KV cache (every step recomputes the sequence):", file=sys.stderr)
     with Tracer(model) as uncached:
-        generate(model, input_ids, None, cfg.replace(use_cache=False), tokenizer=tokenizer)
+        generate(model, input_ids, None, cfg.replace(use_cache=False), tokenizer=tokenizer, **flags)
     for i, step in enumerate(uncached.steps):
         print(format_step(i, step), file=sys.stderr)
     plot_latencies([s.latency_s for s in cached.steps], [s.latency_s for s in uncached.steps], plot_path)

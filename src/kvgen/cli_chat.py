@@ -11,6 +11,7 @@ from kvgen.cli import (
     CliError,
     _load_assistant,
     _load_for_chat,
+    flag_values,
     generation_config_from_args,
 )
 
@@ -45,12 +46,16 @@ def run_chat(args: argparse.Namespace) -> int:
     from kvgen.generation.generate import NOT_STREAMABLE
     from kvgen.generation.streamers import TextStreamer
 
-    cfg = generation_config_from_args(args, _CHAT_DEFAULTS)
-    if cfg.num_return_sequences != 1:
-        raise CliError(f"kvgen chat: error: num_return_sequences must be 1 in chat, got {cfg.num_return_sequences}")
-    if cfg.strategy in NOT_STREAMABLE:  # chat streams its reply
-        raise CliError(f"kvgen chat: error: {cfg.strategy.value} cannot stream, use kvgen generate for it")
+    def check(cfg: Any) -> Any:
+        if cfg.num_return_sequences != 1:
+            raise CliError(f"kvgen chat: error: num_return_sequences must be 1 in chat, got {cfg.num_return_sequences}")
+        if cfg.strategy in NOT_STREAMABLE:  # chat streams its reply
+            raise CliError(f"kvgen chat: error: {cfg.strategy.value} cannot stream, use kvgen generate for it")
+        return cfg
+
+    cfg, flags = check(generation_config_from_args(args, _CHAT_DEFAULTS)), flag_values(args)
     model, tokenizer, _ = _load_for_chat(args)
+    cfg = check(cfg.with_generation_defaults(model.generation_defaults).replace(**flags))  # as kvgen generate
     if tokenizer.chat_template is None:
         raise CliError(f"model {args.model} has no chat template")
     assistant = _load_assistant(args)
@@ -76,7 +81,7 @@ def run_chat(args: argparse.Namespace) -> int:
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         try:
             out = generate(model, torch.tensor([ids]), None, cfg, tokenizer=tokenizer, streamer=streamer,
-                           assistant_model=assistant, past_key_values=history.reuse(ids) if history else None)
+                           assistant_model=assistant, past_key_values=history.reuse(ids) if history else None, **flags)
         except KeyboardInterrupt:  # Ctrl-C stops the reply, as in llama.cpp's chat; at the prompt it leaves
             print(flush=True)
             print("kvgen chat: reply interrupted; the message is dropped", file=sys.stderr, flush=True)

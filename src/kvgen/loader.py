@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kvgen.errors import ModelFormatError, ModelNotFoundError
+from kvgen.generation.config import read_generation_defaults
 from kvgen.heap import return_freed_memory
 from kvgen.models import CausalLM, build_model
 from kvgen.tokenizer import Tokenizer
@@ -67,11 +69,13 @@ def load_model(
     dtype = parse_dtype(dtype)
     path = resolve_model_path(path_or_name)
     state_dict: Mapping[str, torch.Tensor | GGUFBlocks]
+    generation_defaults: dict[str, Any] = {}  # a GGUF file carries no generation config
     if path.is_dir():
         from kvgen.weights.hf_loader import load_hf_directory
 
         config, state_dict = load_hf_directory(path, dtype=dtype)
         tokenizer = Tokenizer.from_pretrained(path)
+        generation_defaults = read_generation_defaults(path / "generation_config.json")
     else:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -84,6 +88,7 @@ def load_model(
         config, state_dict, meta = load_gguf(path, dtype=dtype)
         tokenizer = Tokenizer.from_gguf(meta)
     model = build_model(config, state_dict, dtype or torch.float32)
+    model.generation_defaults = generation_defaults
     del state_dict
     return_freed_memory()
     return model, tokenizer

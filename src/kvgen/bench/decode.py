@@ -55,7 +55,7 @@ def kvgen_generate_fn(model: CausalLM, cache: str) -> h.GenerateFn:
     def run(prompt_ids: torch.Tensor, max_new_tokens: int, streamer: h.TokenTimer | None) -> h.RunStats:
         config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0,
                                   **cache_args)
-        out = generate(model, prompt_ids, None, config, streamer=streamer)
+        out = generate(model, prompt_ids, None, config, streamer=streamer, do_sample=False)  # over the model's config
         return h.RunStats(out.prompt_length, out.new_token_ids[0], out.timings.prefill_s, out.timings.decode_s)
 
     return run

@@ -63,8 +63,9 @@ def measure(model: Any, batch: tuple[torch.Tensor, torch.Tensor], settings: dict
 
     def run(n: int) -> Any:
         if is_ours:
-            return generate(model, ids, mask, GenerationConfig(max_new_tokens=n, min_new_tokens=n, seed=config.seed,
-                                                               **settings))
+            # the settings as keyword arguments, as transformers gets them: over the model's generation config
+            return generate(model, ids, mask, GenerationConfig(max_new_tokens=n, min_new_tokens=n, seed=config.seed),
+                            **settings)
         torch.manual_seed(config.seed)
         with torch.inference_mode():
             return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvgen.config import token_id_list
 from kvgen.fields import config_field
 from kvgen.sampling.logits_process import check_processor_settings
-from kvgen.sampling.params import PARAM_RULES, SAMPLING_EPS, check_param
+from kvgen.sampling.params import INT32_MAX, PARAM_RULES, SAMPLING_EPS, check_param
 
 
 class Strategy(enum.Enum):
@@ -34,6 +36,16 @@ class Strategy(enum.Enum):
 
 
 _f = config_field
+
+# generation_config.json keys that become generate()'s defaults (transformers' model.generation_config); others
+# (max_length, cache_implementation, return_dict_in_generate, ...) are left out.
+MODEL_DEFAULT_KEYS = (
+    "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+    "repetition_penalty", "no_repeat_ngram_size", "num_beams", "num_beam_groups", "diversity_penalty",
+    "length_penalty", "early_stopping", "num_return_sequences", "penalty_alpha", "max_new_tokens", "min_new_tokens",
+    "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
+    "exponential_decay_length_penalty", "renormalize_logits", "remove_invalid_values", "eos_token_id", "pad_token_id",
+)
 
 
 @dataclass
@@ -176,6 +188,15 @@ class GenerationConfig:
             return Strategy.SAMPLE_AND_RANK if (self.best_of or 1) > 1 else Strategy.SAMPLE
         return Strategy.GREEDY
 
+    def with_generation_defaults(self, defaults: Mapping[str, Any]) -> GenerationConfig:
+        """These settings with each field still at its default taking the model's value (transformers 4.55
+        ``_prepare_generation_config``: the model's generation config fills what the caller left at the global
+        default). ``defaults``: ``CausalLM.generation_defaults``."""
+        plain = GenerationConfig()
+        changes = {k: v for k, v in defaults.items()
+                   if getattr(self, k) == getattr(plain, k) and v != getattr(plain, k)}
+        return self.replace(**changes) if changes else self
+
     @property
     def eos_token_ids(self) -> list[int]:
         """EOS ids as a list (empty when none is set)."""
@@ -195,3 +216,22 @@ class GenerationConfig:
             eos_ids = token_id_list(eos)  # [] disables EOS: no pad from it
             pad = eos_ids[0] if eos_ids else None
         return self.replace(eos_token_id=eos, pad_token_id=pad)
+
+
+def read_generation_defaults(path: Path) -> dict[str, Any]:
+    """The :data:`MODEL_DEFAULT_KEYS` of a ``generation_config.json`` ({} when the file is absent), checked as
+    ``GenerationConfig`` checks them. Raises ``ModelFormatError`` naming the file for bad JSON or a bad value."""
+    from kvgen.errors import ModelFormatError
+    from kvgen.tokenizer.hf_files import read_json
+
+    if not path.is_file():
+        return {}
+    raw = read_json(path)
+    values = {k: raw[k] for k in MODEL_DEFAULT_KEYS if raw.get(k) is not None}
+    if isinstance(values.get("exponential_decay_length_penalty"), list):
+        values["exponential_decay_length_penalty"] = tuple(values["exponential_decay_length_penalty"])
+    try:  # alone: a min_new_tokens above the default max_new_tokens is no contradiction
+        GenerationConfig(**{"max_new_tokens": INT32_MAX, **values})
+    except (TypeError, ValueError) as e:
+        raise ModelFormatError(f"{path}: {e}") from None
+    return values

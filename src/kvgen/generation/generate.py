@@ -83,7 +83,7 @@ def generate(
     the model's context window.
     Reference: transformers 4.55 ``GenerationMixin.generate``.
     """
-    cfg = generation_config or GenerationConfig()
+    cfg = (generation_config or GenerationConfig()).with_generation_defaults(model.generation_defaults)
     if overrides:
         cfg = cfg.replace(**overrides)
     model_cfg = model.config

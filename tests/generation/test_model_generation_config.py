@@ -1,0 +1,74 @@
+"""A Hugging Face directory's ``generation_config.json`` gives generate() its defaults, as transformers'
+``model.generation_config`` does: the same tokens as transformers' generate() on the directory with no settings,
+settings passed as keyword arguments (or CLI flags) winning over it, a bad file refused naming it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from kvgen.cli import main
+from kvgen.errors import ModelFormatError
+from kvgen.generation import generate
+from kvgen.loader import load_model
+
+PROMPT = [[5, 17, 42, 8, 61, 3, 29, 11]]
+GREEDY_FILE = {"bos_token_id": 1, "eos_token_id": 2, "repetition_penalty": 1.8, "no_repeat_ngram_size": 2,
+               "max_new_tokens": 9, "max_length": 4096, "cache_implementation": "hybrid"}  # the last two: not ours
+SAMPLING_FILE = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.7, "top_k": 5,
+                 "max_new_tokens": 8}
+
+
+def _dir(tiny_model_dir, tmp_path, settings: dict):
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, path)
+    (path / "generation_config.json").write_text(json.dumps(settings))
+    return path
+
+
+def _hf(path, seed: int | None = None, **kwargs) -> list[int]:
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = torch.tensor(PROMPT)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed or 0)
+        with torch.inference_mode():
+            out = ref.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0, **kwargs)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_no_settings_means_the_directorys_generation_config(tiny_model_dir, tmp_path):
+    plain = generate(load_model(tiny_model_dir)[0], torch.tensor(PROMPT), max_new_tokens=9).new_token_ids[0]
+    path = _dir(tiny_model_dir, tmp_path, GREEDY_FILE | {"suppress_tokens": [plain[0]]})
+    model, _ = load_model(path)
+    assert model.generation_defaults == {k: (GREEDY_FILE | {"suppress_tokens": [plain[0]]})[k] for k in (
+        "repetition_penalty", "no_repeat_ngram_size", "max_new_tokens", "suppress_tokens", "eos_token_id")}
+    ours = generate(model, torch.tensor(PROMPT)).new_token_ids[0]
+    assert ours == _hf(path) and ours != plain  # the file's processors and max_new_tokens, as transformers reads them
+    overridden = generate(model, torch.tensor(PROMPT), repetition_penalty=1.0, suppress_tokens=None).new_token_ids[0]
+    assert overridden == _hf(path, repetition_penalty=1.0, suppress_tokens=None)
+
+
+def test_sampling_defaults_and_flags_that_override_them(tiny_model_dir, tmp_path, capsys):
+    path = _dir(tiny_model_dir, tmp_path, SAMPLING_FILE)
+    model, _ = load_model(path)
+    sampled = generate(model, torch.tensor(PROMPT), seed=3).new_token_ids[0]
+    assert sampled == _hf(path, seed=3)[:len(sampled)]
+    greedy = generate(model, torch.tensor(PROMPT), do_sample=False).new_token_ids[0]
+    assert greedy == _hf(path, do_sample=False)[:len(greedy)] and greedy != sampled
+    # kvgen generate: --temperature 0 is greedy although the file samples (a flag equal to a default still wins)
+    code = main(["generate", "--model", str(path), "--temperature", "0", "--max-new-tokens", "8", "--json",
+                 "--eos-token-id", "2"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["token_ids"] == generate(model, torch.tensor([report["prompt_token_ids"]]),
+                                           do_sample=False).new_token_ids[0]
+
+
+def test_a_bad_generation_config_is_refused_naming_the_file(tiny_model_dir, tmp_path):
+    path = _dir(tiny_model_dir, tmp_path, {"top_p": 7})
+    with pytest.raises(ModelFormatError, match=r"generation_config\.json: top_p must be in \(0, 1\], got 7"):
+        load_model(path)
