@@ -84,6 +84,16 @@ def test_chat_template_flag_replaces_the_models(capsys, tiny_model_dir, tmp_path
         [{"role": "user", "content": "hello there"}], add_generation_prompt=True, tokenize=True)
 
 
+@pytest.mark.parametrize("flags", [["--num-beams", "2"], ["--do-sample", "--best-of", "3", "--seed", "1"]])
+def test_strategies_that_pick_at_the_end_print_their_sequence(capsys, tiny_model_dir, flags):
+    """Beam search and sample-and-rank cannot stream: the chosen sequence is printed once chosen (the --json text)."""
+    base = ["generate", "The sky is", "--model", str(tiny_model_dir), "--max-new-tokens", "5", *flags]
+    code, out, err = _run(capsys, base)
+    code_json, out_json, _ = _run(capsys, [*base, "--json"])
+    assert code == code_json == 0, err
+    assert out.rstrip("\n") == json.loads(out_json)["text"] and out.strip()
+
+
 def _model_args(request: pytest.FixtureRequest, model: str) -> list[str]:
     """CLI flags naming ``model``: "default" (the real model, no flag) or "tiny" (``tiny_model_dir``)."""
     return [] if model == "default" else ["--model", str(request.getfixturevalue("tiny_model_dir"))]
