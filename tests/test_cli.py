@@ -94,6 +94,15 @@ def test_strategies_that_pick_at_the_end_print_their_sequence(capsys, tiny_model
     assert out.rstrip("\n") == json.loads(out_json)["text"] and out.strip()
 
 
+def test_max_length_counts_the_prompt(capsys, tiny_model_dir):
+    """transformers' max_length: prompt plus new tokens (without --max-new-tokens, whose CLI default would win)."""
+    code, out, _ = _run(capsys, ["generate", "Hi", "--model", str(tiny_model_dir), "--max-length", "9",
+                                 "--eos-token-id", "0", "--json"])
+    report = json.loads(out)
+    assert code == 0 and len(report["prompt_token_ids"]) < 8
+    assert len(report["prompt_token_ids"]) + len(report["token_ids"]) == 9
+
+
 def _model_args(request: pytest.FixtureRequest, model: str) -> list[str]:
     """CLI flags naming ``model``: "default" (the real model, no flag) or "tiny" (``tiny_model_dir``)."""
     return [] if model == "default" else ["--model", str(request.getfixturevalue("tiny_model_dir"))]

@@ -124,7 +124,10 @@ def generation_config_from_args(args: argparse.Namespace, defaults: dict[str, An
     """
     from kvgen.generation.config import GenerationConfig
 
-    values = {**(_CLI_DEFAULTS if defaults is None else defaults), **flag_values(args)}
+    flags = flag_values(args)
+    values = {**(_CLI_DEFAULTS if defaults is None else defaults), **flags}
+    if "max_length" in flags and "max_new_tokens" not in flags:  # --max-length alone decides the length
+        del values["max_new_tokens"]
     values["use_cache"] = not args.no_cache
     values["cache_implementation"] = args.cache or "static"
     return GenerationConfig(**values)

@@ -51,7 +51,8 @@ def _hf_seeded(tiny: TinyModel, seed: int, eos: list[int], **kwargs: Any) -> Any
 
 
 def _ours(tiny: TinyModel, eos: list[int] | None = None, **kwargs: Any) -> GenerateOutput:
-    cfg = GenerationConfig(max_new_tokens=kwargs.pop("max_new_tokens", NEW_TOKENS), eos_token_id=eos or [],
+    new_tokens = kwargs.pop("max_new_tokens", NEW_TOKENS)  # None: max_length decides, as in transformers
+    cfg = GenerationConfig(**({} if new_tokens is None else {"max_new_tokens": new_tokens}), eos_token_id=eos or [],
                            pad_token_id=PAD, **kwargs)
     return generate(tiny.ours, IDS, MASK, cfg)
 
@@ -134,6 +135,8 @@ def _processor_cases(tiny: TinyModel) -> dict[str, dict[str, Any]]:
         "forced_eos_token_id": {"forced_eos_token_id": greedy[0][2]},
         "exponential_decay_length_penalty": {"exponential_decay_length_penalty": (2, 4.0),
                                              "eos": [greedy[0][7], greedy[1][8], greedy[2][9]]},
+        "min_length=12": {"min_length": 12, "eos": [greedy[0][1], greedy[1][0], greedy[2][2]]},
+        "max_length=11": {"max_length": 11, "max_new_tokens": None},
         "begin_suppress_tokens, renormalize_logits, remove_invalid_values": {
             "begin_suppress_tokens": [greedy[0][0], greedy[1][0]], "renormalize_logits": True,
             "remove_invalid_values": True},
@@ -142,7 +145,7 @@ def _processor_cases(tiny: TinyModel) -> dict[str, dict[str, Any]]:
 
 @pytest.mark.parametrize(
     "case", ["no_repeat_ngram_size=2", "no_repeat_ngram_size=1", "repetition_penalty=1.8", "bad_words_ids",
-             "min_new_tokens=6", "forced_eos_token_id", "exponential_decay_length_penalty",
+             "min_new_tokens=6", "min_length=12", "max_length=11", "forced_eos_token_id", "exponential_decay_length_penalty",
              "begin_suppress_tokens, renormalize_logits, remove_invalid_values"]
 )
 def test_greedy_with_processor_matches_transformers(tiny: TinyModel, case: str) -> None:

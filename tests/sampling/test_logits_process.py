@@ -38,6 +38,7 @@ PAIRS = [
         lambda: hf.NoBadWordsLogitsProcessor([[1], [4], [3, 5], [2, 2, 6]], eos_token_id=[4, 9]),
     ),
     (lambda: lp.SuppressTokensLogitsProcessor([0, 7]), lambda: hf.SuppressTokensLogitsProcessor([0, 7])),
+    (lambda: lp.MinLengthLogitsProcessor(7, [1, 4]), lambda: hf.MinLengthLogitsProcessor(7, [1, 4])),
     (lambda: lp.ForcedBOSTokenLogitsProcessor(3), lambda: hf.ForcedBOSTokenLogitsProcessor(3)),
     (lambda: lp.ForcedEOSTokenLogitsProcessor(6, [1, 4]), lambda: hf.ForcedEOSTokenLogitsProcessor(6, [1, 4])),
     (lambda: lp.InfNanRemoveLogitsProcessor(), lambda: hf.InfNanRemoveLogitsProcessor()),
@@ -89,6 +90,7 @@ PINNED_ORDER = (
     "RepetitionPenaltyLogitsProcessor",
     "NoRepeatNGramLogitsProcessor",
     "NoBadWordsLogitsProcessor",
+    "MinLengthLogitsProcessor",
     "MinNewTokensLengthLogitsProcessor",
     "ForcedBOSTokenLogitsProcessor",
     "ForcedEOSTokenLogitsProcessor",
@@ -119,6 +121,7 @@ EVERYTHING = {
     "repetition_penalty": 1.3,
     "no_repeat_ngram_size": 2,
     "min_new_tokens": 3,
+    "min_length": 7,
     "eos_token_id": [2, 3],
     "pad_token_id": 0,
     "sequence_bias": [[[5], 1.0], [[6, 7], -2.0]],
@@ -154,7 +157,7 @@ def hf_processors(config: GenerationConfig, prompt_length: int) -> hf.LogitsProc
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"do_sample": False}, {"num_beams": 4}, {"num_beams": 3, "eos_token_id": None, "min_new_tokens": None,
+    [{}, {"do_sample": False}, {"num_beams": 4}, {"num_beams": 3, "eos_token_id": None, "min_new_tokens": None, "min_length": 0,
                                                        "exponential_decay_length_penalty": None}],  # HF fails on it without EOS
     ids=["sample", "greedy", "beam-sample", "beam-sample-no-eos"],
 )

@@ -43,6 +43,7 @@ MODEL_DEFAULT_KEYS = (
     "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
     "repetition_penalty", "no_repeat_ngram_size", "num_beams", "num_beam_groups", "diversity_penalty",
     "length_penalty", "early_stopping", "num_return_sequences", "penalty_alpha", "max_new_tokens", "min_new_tokens",
+    "min_length",
     "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
     "exponential_decay_length_penalty", "renormalize_logits", "remove_invalid_values", "eos_token_id", "pad_token_id",
 )
@@ -59,7 +60,9 @@ class GenerationConfig:
     """
 
     max_new_tokens: int = _f(20, "maximum number of new tokens to generate")
+    max_length: int | None = _f(None, "maximum length, prompt included (used while max_new_tokens is at its default)")
     min_new_tokens: int = _f(0, "EOS is suppressed until this many new tokens exist")
+    min_length: int = _f(0, "EOS is suppressed until the sequence, prompt included, is this long")
     do_sample: bool = _f(False, "sample from the distribution instead of taking the argmax")
     num_beams: int = _f(1, "beams for beam search (1 = no beam search)")
     num_beam_groups: int = _f(1, "groups for diverse (group) beam search; must divide num_beams")
@@ -187,6 +190,14 @@ class GenerationConfig:
         if self.do_sample:
             return Strategy.SAMPLE_AND_RANK if (self.best_of or 1) > 1 else Strategy.SAMPLE
         return Strategy.GREEDY
+
+    def with_prompt_length(self, prompt_length: int) -> GenerationConfig:
+        """``max_length`` (total tokens) as ``max_new_tokens`` for prompts of ``prompt_length`` columns, where
+        ``max_new_tokens`` was left at its default (transformers' ``_prepare_generated_length``: at least one new
+        token, as its max-length check runs after each step)."""
+        if self.max_length is None or self.max_new_tokens != GenerationConfig.max_new_tokens:
+            return self
+        return self.replace(max_new_tokens=max(self.max_length - prompt_length, 1))
 
     def with_generation_defaults(self, defaults: Mapping[str, Any]) -> GenerationConfig:
         """These settings with each field still at its default taking the model's value (transformers 4.55

@@ -89,6 +89,7 @@ def generate(
     model_cfg = model.config
     cfg = cfg.with_model_defaults(model_cfg.eos_token_ids, model_cfg.pad_token_id)
     input_ids, attention_mask = _check_batch(input_ids, attention_mask, model_cfg)
+    cfg = cfg.with_prompt_length(input_ids.shape[1])
     longest = int(attention_mask.sum(-1).max())
     if longest + cfg.max_new_tokens > model_cfg.max_position_embeddings:
         raise ContextLengthError(

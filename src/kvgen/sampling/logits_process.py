@@ -173,6 +173,19 @@ class MinNewTokensLengthLogitsProcessor(LogitsProcessor):
         return ops.apply_min_tokens(logits, num_generated, self.min_new_tokens, self.eos_token_ids)
 
 
+class MinLengthLogitsProcessor(LogitsProcessor):
+    """Forbid EOS ids while the sequence, prompt included, is shorter than ``min_length`` (transformers'
+    ``min_length``). Raises ValueError for a negative length."""
+
+    def __init__(self, min_length: int, eos_token_id: int | Sequence[int]):
+        ops.validate_param("min_length", min_length)
+        self.min_length = min_length
+        self.eos_token_ids = token_id_list(eos_token_id)
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return ops.apply_min_tokens(logits, token_ids.shape[1], self.min_length, self.eos_token_ids)
+
+
 class SequenceBiasLogitsProcessor(LogitsProcessor):
     """Additive bias on the id that would complete each listed sequence. Raises ValueError if malformed."""
 
@@ -356,6 +369,11 @@ def _bad_words(s: _Settings) -> LogitsProcessor | None:
     return None if bad_words_ids is None else NoBadWordsLogitsProcessor(bad_words_ids, s.eos_token_ids)
 
 
+def _min_length(s: _Settings) -> LogitsProcessor | None:
+    min_length = s.get("min_length", 0)
+    return None if min_length == 0 or not s.eos_token_ids else MinLengthLogitsProcessor(min_length, s.eos_token_ids)
+
+
 def _min_new_tokens(s: _Settings) -> LogitsProcessor | None:
     min_new_tokens = s.get("min_new_tokens", 0)
     if min_new_tokens == 0 or not s.eos_token_ids:  # HF skips it without an EOS id
@@ -401,6 +419,7 @@ _STAGES: dict[str, tuple[type[LogitsProcessor], Callable[[_Settings], LogitsProc
     ),
     "no_repeat_ngram": (NoRepeatNGramLogitsProcessor, _when_set(NoRepeatNGramLogitsProcessor, "no_repeat_ngram_size", 0)),
     "bad_words": (NoBadWordsLogitsProcessor, _bad_words),
+    "min_length": (MinLengthLogitsProcessor, _min_length),
     "min_new_tokens": (MinNewTokensLengthLogitsProcessor, _min_new_tokens),
     "forced_bos": (ForcedBOSTokenLogitsProcessor, _when_set(ForcedBOSTokenLogitsProcessor, "forced_bos_token_id")),
     "forced_eos": (ForcedEOSTokenLogitsProcessor, _forced_eos),

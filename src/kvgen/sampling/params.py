@@ -22,6 +22,7 @@ presence_penalty / frequency_penalty         0.0                     0.0        
 no_repeat_ngram_size                         0                       -                 int in [0, 2**31-1] (0)
 min_new_tokens / min_tokens                  0                       0                 int in [0, 2**31-1] (0)
 max_new_tokens / max_tokens                  20                      16 (None = ctx)   int in [1, 2**31-1]
+min_length / max_length (prompt included)    0 / None                -                 int in [0 / 1, 2**31-1]
 num_return_sequences / n                     1                       1                 int in [1, 2**31-1]
 best_of                                      None                    None              int in [1, 2**31-1]
 seed                                         None                    None              int in [-2**63, 2**64-1]
@@ -122,6 +123,8 @@ PARAM_RULES: dict[str, ParamRule] = {
     "frequency_penalty": _PENALTY,
     "no_repeat_ngram_size": _count(0, "forbid repeating n-grams of this size", "0 = off"),
     "min_new_tokens": _count(0, "EOS suppressed until this many new tokens"),
+    "min_length": _count(0, "EOS suppressed until the sequence, prompt included, is this long"),
+    "max_length": _count(1, "most tokens, prompt included"),
     "min_tokens": _count(0, "EOS and stop tokens suppressed until this many new tokens"),
     "max_new_tokens": _count(1, "most new tokens"),
     "max_tokens": _count(1, "most new tokens"),

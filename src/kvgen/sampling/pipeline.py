@@ -24,6 +24,7 @@ GENERATE_ORDER: tuple[str, ...] = (
     "repetition_penalty",
     "no_repeat_ngram",
     "bad_words",
+    "min_length",
     "min_new_tokens",
     "forced_bos",
     "forced_eos",
