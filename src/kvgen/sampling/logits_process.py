@@ -267,7 +267,7 @@ class InfNanRemoveLogitsProcessor(LogitsProcessor):
     """NaN -> 0, +inf / -inf -> the largest / lowest float of the dtype (``remove_invalid_values``)."""
 
     def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        out = torch.where(logits != logits, 0.0, logits)  # NaN != NaN
+        out = torch.where(torch.isnan(logits), 0.0, logits)
         out = torch.where(logits == math.inf, torch.finfo(logits.dtype).max, out)
         return torch.where(logits == -math.inf, torch.finfo(logits.dtype).min, out)
 
