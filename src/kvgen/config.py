@@ -88,6 +88,17 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' layer_types values kvgen decodes
 
 
+def checked_token_ids(name: str, value: Any, single: bool = False) -> list[int]:
+    """A list of token ids (ints >= 0) given as a list or tuple, or with ``single`` also one id (then the list must
+    not be empty). Raises ``ValueError`` naming ``name`` and the value."""
+    ids = [value] if single and isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(ids, (list, tuple)) or (single and not ids) or any(
+            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        what = "a token id or a non-empty list of them (ints >= 0)" if single else "a list of ints >= 0"
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return list(ids)
+
+
 def token_id_list(value: Any) -> list[int]:
     """One token id, a sequence of ids or an int tensor as a list of ints (``None`` gives ``[]``)."""
     if value is None:

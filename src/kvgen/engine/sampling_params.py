@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from kvgen.config import checked_token_ids
 from kvgen.engine.structured_outputs import StructuredOutputsParams
 from kvgen.fields import config_field
 from kvgen.sampling.params import INT32_MAX, PARAM_RULES, SAMPLING_EPS, check_param
@@ -120,10 +121,7 @@ def _stop_list(stop: Any) -> list[str]:
 
 
 def _token_id_list(ids: Any, name: str = "stop_token_ids") -> list[int]:
-    ids = [] if ids is None else ids
-    if not isinstance(ids, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-        raise ValueError(f"{name} must be a list of ints >= 0, got {ids!r}")
-    return list(ids)
+    return checked_token_ids(name, [] if ids is None else ids)
 
 
 def _logit_bias(bias: Any) -> dict[int, float] | None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvgen.config import token_id_list
+from kvgen.config import checked_token_ids, token_id_list
 from kvgen.sampling import ops
 from kvgen.sampling.pipeline import GENERATE_FIRST_WARPER, GENERATE_ORDER, split_order
 
@@ -225,15 +225,6 @@ class SuppressTokensLogitsProcessor(LogitsProcessor):
         return ops.apply_suppress_tokens(logits, self.suppress_tokens)
 
 
-def _token_ids(name: str, value: object) -> list[int]:
-    """``value`` (one id or a list) as a list of ints >= 0; ValueError naming ``name`` otherwise."""
-    ids = [value] if isinstance(value, int) and not isinstance(value, bool) else value
-    if not isinstance(ids, (list, tuple)) or not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
-                                                             for i in ids):
-        raise ValueError(f"{name} must be a token id or a non-empty list of them (ints >= 0), got {value!r}")
-    return list(ids)
-
-
 def _only(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
     """-inf everywhere but 0 at ``token_ids`` (ids >= V ignored), as transformers' forcing processors."""
     forced = torch.full_like(logits, -math.inf)  # [B, V]
@@ -246,7 +237,7 @@ class ForcedBOSTokenLogitsProcessor(LogitsProcessor):
     """Force ``bos_token_id`` as the token after a 1-token input (transformers' rule: only when ``cur_len == 1``)."""
 
     def __init__(self, bos_token_id: int):
-        self.bos_token_id = _token_ids("forced_bos_token_id", bos_token_id)[0]
+        self.bos_token_id = checked_token_ids("forced_bos_token_id", bos_token_id, single=True)[0]
 
     def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         return _only(logits, [self.bos_token_id]) if token_ids.shape[-1] == 1 else logits
@@ -257,7 +248,7 @@ class ForcedEOSTokenLogitsProcessor(LogitsProcessor):
 
     def __init__(self, max_length: int, eos_token_id: int | Sequence[int]):
         self.max_length = max_length
-        self.eos_token_ids = _token_ids("forced_eos_token_id", eos_token_id)
+        self.eos_token_ids = checked_token_ids("forced_eos_token_id", eos_token_id, single=True)
 
     def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         return _only(logits, self.eos_token_ids) if token_ids.shape[-1] == self.max_length - 1 else logits
@@ -277,7 +268,7 @@ def check_processor_settings(cfg: object) -> None:
     them on construction, before any model work)."""
     for name in ("forced_bos_token_id", "forced_eos_token_id", "begin_suppress_tokens"):
         if (value := getattr(cfg, name, None)) is not None:
-            _token_ids(name, value)
+            checked_token_ids(name, value, single=True)
     pair = getattr(cfg, "exponential_decay_length_penalty", None)
     if pair is not None and (
             not isinstance(pair, (list, tuple)) or len(pair) != 2 or isinstance(pair[0], bool)
@@ -298,7 +289,7 @@ class ExponentialDecayLengthPenalty(LogitsProcessor):
         pair = exponential_decay_length_penalty
         check_processor_settings(SimpleNamespace(exponential_decay_length_penalty=pair))
         self.regulation_start, self.regulation_factor = pair[0] + prompt_length, float(pair[1])
-        self.eos_token_ids = _token_ids("eos_token_id", eos_token_id)
+        self.eos_token_ids = checked_token_ids("eos_token_id", eos_token_id, single=True)
 
     def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         cur_len = token_ids.shape[-1]
@@ -314,7 +305,7 @@ class SuppressTokensAtBeginLogitsProcessor(LogitsProcessor):
     """Set the listed ids to -inf at one step only: when the sequence is ``begin_index`` tokens long."""
 
     def __init__(self, begin_suppress_tokens: Sequence[int], begin_index: int):
-        self.begin_suppress_tokens = _token_ids("begin_suppress_tokens", list(begin_suppress_tokens))
+        self.begin_suppress_tokens = checked_token_ids("begin_suppress_tokens", list(begin_suppress_tokens), single=True)
         self.begin_index = begin_index
 
     def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
