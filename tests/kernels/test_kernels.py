@@ -170,6 +170,7 @@ def _attention_inputs(b, h, h_kv, t, s, d, dtype, seed):
 
 @pytest.mark.parametrize("b,h,h_kv,t,s,d,dtype", [
     (1, 9, 3, 1, 77, 64, torch.float16), (3, 4, 2, 5, 12, 16, torch.float32), (2, 6, 2, 7, 7, 80, torch.float16),
+    (2, 6, 2, 40, 40, 64, torch.float16), (2, 4, 2, 37, 300, 16, torch.float32),  # >= 16 queries: shared K/V rows
 ])
 def test_attention_matches_reference_with_padding(b, h, h_kv, t, s, d, dtype):
     q, k, v = _attention_inputs(b, h, h_kv, t, s, d, dtype, seed=s)
@@ -188,20 +189,48 @@ def test_attention_matches_reference_with_padding(b, h, h_kv, t, s, d, dtype):
 
 
 @needs_avx2
-@pytest.mark.parametrize("s", [20, 600])  # 600: several 256-key chunks per query
-def test_attention_query_does_not_depend_on_chunking_or_padding(s):
-    q, k, v = _attention_inputs(1, 9, 3, 6, s, 64, torch.float16, seed=7)
-    past = s - 6
-    whole = OPS.attention(q, k, v, None, past, 0.125)  # [1, 6, 9, 64]
-    for t in range(6):  # the same query as a one-token decode over its prefix
-        one = OPS.attention(q[:, :, t : t + 1], k[:, :, : past + 1 + t], v[:, :, : past + 1 + t], None, past + t, 0.125)
-        assert torch.equal(one[:, 0], whole[:, t])
+@pytest.mark.parametrize("s,t", [(20, 6), (600, 6), (600, 40), (300, 300)])  # 600: several 256-key chunks per query;
+def test_attention_query_does_not_depend_on_chunking_or_padding(s, t):  # t >= 16: blocks of queries share K/V rows
+    q, k, v = _attention_inputs(1, 9, 3, t, s, 64, torch.float16, seed=7)
+    past = s - t
+    whole = OPS.attention(q, k, v, None, past, 0.125)  # [1, t, 9, 64]
+    for i in sorted({0, 1, t // 2, t - 17, t - 16, t - 1} & set(range(t))):  # as a one-token decode over its prefix
+        one = OPS.attention(q[:, :, i : i + 1], k[:, :, : past + 1 + i], v[:, :, : past + 1 + i], None, past + i, 0.125)
+        assert torch.equal(one[:, 0], whole[:, i])
     pad = 5  # the same row left-padded by 5 slots
     kp = torch.cat([torch.zeros(1, 3, pad, 64, dtype=k.dtype), k], dim=2)
     vp = torch.cat([torch.zeros(1, 3, pad, 64, dtype=v.dtype), v], dim=2)
     mask = torch.cat([torch.zeros(1, pad, dtype=torch.bool), torch.ones(1, s, dtype=torch.bool)], dim=1)
     assert torch.equal(OPS.attention(q, kp, vp, mask, past + pad, 0.125), whole)
+    if past == 0:  # and with its padding as queries too (they see no key: their own slot, as the twin's)
+        qp = torch.cat([torch.randn(1, 9, pad, 64), q], dim=2)
+        padded = OPS.attention(qp, kp, vp, mask, 0, 0.125)
+        assert torch.equal(padded[:, pad:], whole)
+        torch.testing.assert_close(padded, REF.attention(qp, kp, vp, mask, 0, 0.125), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(whole, REF.attention(q, k, v, None, past, 0.125), rtol=1e-5, atol=1e-5)
+
+
+@needs_avx2
+def test_paged_prefill_chunk_equals_its_queries_one_by_one():
+    """A 40-query prefill chunk over 600 positions (blocks of queries share K/V rows) gives each query the bits of
+    that query attending alone, and of contiguous attention over the gathered blocks."""
+    g = torch.Generator().manual_seed(9)
+    bs, h, h_kv, d, n, length = 16, 9, 3, 64, 40, 600
+    k_pool = torch.randn(40, h_kv, bs, d, generator=g).half()
+    v_pool = torch.randn(40, h_kv, bs, d, generator=g).half()
+    tables = torch.randperm(40, generator=g)[None, : length // bs + 1]  # [1, 38]
+    q = torch.randn(n, h, d, generator=g)
+    got = OPS.paged_attention(q, k_pool, v_pool, tables, torch.tensor([0, n]), torch.tensor([length]), 0.125)
+    for i in (0, 15, 16, 33, n - 1):
+        pos = length - n + i
+        one = OPS.paged_attention(q[i : i + 1], k_pool, v_pool, tables, torch.tensor([0, 1]), torch.tensor([pos + 1]),
+                                  0.125)
+        assert torch.equal(one[0], got[i])
+    blocks, rows = tables[0][torch.arange(length) // bs], torch.arange(length) % bs
+    k = k_pool[blocks, :, rows].transpose(0, 1)[None]  # [1, Hkv, S, D]
+    v = v_pool[blocks, :, rows].transpose(0, 1)[None]
+    contiguous = OPS.attention(q.transpose(0, 1)[None], k, v, None, length - n, 0.125)[0]  # [n, H, D]
+    assert torch.equal(got, contiguous)
 
 
 def test_paged_attention_matches_reference_and_contiguous_attention():
