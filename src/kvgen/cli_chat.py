@@ -6,11 +6,10 @@ import argparse
 import sys
 from typing import Any
 
-from kvgen.cli import (
-    _CHAT_DEFAULTS,
+from kvgen.cli import _load_assistant, _load_for_chat
+from kvgen.cli_flags import (
+    CHAT_DEFAULTS,
     CliError,
-    _load_assistant,
-    _load_for_chat,
     flag_values,
     generation_config_from_args,
 )
@@ -53,7 +52,7 @@ def run_chat(args: argparse.Namespace) -> int:
             raise CliError(f"kvgen chat: error: {cfg.strategy.value} cannot stream, use kvgen generate for it")
         return cfg
 
-    cfg, flags = check(generation_config_from_args(args, _CHAT_DEFAULTS)), flag_values(args)
+    cfg, flags = check(generation_config_from_args(args, CHAT_DEFAULTS)), flag_values(args)
     model, tokenizer, _ = _load_for_chat(args)
     cfg = check(cfg.with_generation_defaults(model.generation_defaults).replace(**flags))  # as kvgen generate
     if tokenizer.chat_template is None:
