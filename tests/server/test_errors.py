@@ -74,6 +74,15 @@ def test_bad_chat_parameters_are_400_naming_the_parameter(client, extra, param):
     assert e.value.type == "invalid_request_error"
 
 
+def test_a_union_field_names_the_branch_its_value_took(client):
+    """``stop`` is a string or a list of at most 16: 17 strings are "a list too long" on ``stop``, not the string
+    branch's "should be a valid string" on ``stop.str``."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, stop=["x"] * 17)
+    assert e.value.param == "stop", e.value.body
+    assert "at most 16 items" in e.value.message and "valid string" not in e.value.message
+
+
 def test_unknown_model_is_404_not_found(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=4)

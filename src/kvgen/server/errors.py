@@ -52,6 +52,9 @@ def bad_request(message: str, param: str | None) -> OpenAIError:
     return OpenAIError(400, message, param, "invalid_value")
 
 
+_BRANCH_TAGS = {"str", "int", "float", "bool", "dict", "list"}  # pydantic's tags of a union's scalar branches
+
+
 def _loc_param(loc: tuple[Any, ...]) -> str | None:
     """``("body", "messages", 0, "role")`` -> ``"messages[0].role"``."""
     parts = [p for p in loc if p != "body"]
@@ -59,7 +62,7 @@ def _loc_param(loc: tuple[Any, ...]) -> str | None:
     for p in parts:
         if isinstance(p, int):
             out += f"[{p}]"
-        elif "[" in str(p) or "-" in str(p):  # a union branch tag ("list[int]"), not a field
+        elif "[" in str(p) or "-" in str(p) or p in _BRANCH_TAGS:  # a union branch tag ("list[int]"), not a field
             continue
         else:
             out += ("." if out else "") + str(p)
@@ -69,8 +72,10 @@ def _loc_param(loc: tuple[Any, ...]) -> str | None:
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
     errors = exc.errors()
     # the deepest problem: for a union field (``input``: a string or a list of items) that is the branch that came
-    # closest, not "should be a valid string"
-    first = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    # closest, not "should be a valid string"; at one depth a branch whose type fit (``stop``: 17 strings is a list
+    # too long, not "should be a valid string")
+    first = max(errors, key=lambda e: (len(e.get("loc", ())), not str(e.get("type", "")).endswith("_type"))) \
+        if errors else {"loc": (), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":
         return OpenAIError(400, f"malformed JSON body: {first.get('msg')}", None, "invalid_json")
     param = _loc_param(tuple(first.get("loc", ())))
