@@ -11,6 +11,9 @@ from typing import Any, NoReturn
 
 # Fields with a hand-written flag (or none) in `kvgen generate`.
 _CUSTOM_GENERATE_FIELDS = {"use_cache", "cache_implementation", "return_dict_in_generate", "stop_strings"}
+# llama.cpp's names of the same settings (llama-cli -n, --temp, --repeat-penalty, -s), accepted as well
+_LLAMA_CPP_ALIASES = {"max_new_tokens": ("-n", "--n-predict"), "temperature": ("--temp",),
+                      "repetition_penalty": ("--repeat-penalty",), "seed": ("-s",)}
 _CLI_DEFAULTS = {"max_new_tokens": 64}
 CHAT_DEFAULTS = {"max_new_tokens": 256}
 DEFAULT_PROMPT = "The three most useful things to know about the KV cache are"
@@ -90,7 +93,8 @@ def _flag_kwargs(name: str, annotation: str) -> dict[str, Any]:
 
 
 def add_generation_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per GenerationConfig field (``--max-new-tokens``, ``--num-beams``, ...), help from the field."""
+    """One flag per GenerationConfig field (``--max-new-tokens``, ``--num-beams``, ...), help from the field; also
+    llama.cpp's names of four of them (``-n``, ``--temp``, ``--repeat-penalty``, ``-s``)."""
     from kvgen.generation.config import GenerationConfig
 
     group = parser.add_argument_group("generation (GenerationConfig fields)")
@@ -99,7 +103,7 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
             continue
         kwargs = {"dest": f.name, "default": None, "help": f.metadata.get("help", "")}
         kwargs.update(_flag_kwargs(f.name, str(f.type)))
-        group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+        group.add_argument("--" + f.name.replace("_", "-"), *_LLAMA_CPP_ALIASES.get(f.name, ()), **kwargs)
     group.add_argument("--stop", dest="stop_strings", action="append", default=None, help="stop string (repeatable)")
     cache = group.add_mutually_exclusive_group()
     cache.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (slow path)")
@@ -141,9 +145,9 @@ def flag_values(args: argparse.Namespace) -> dict[str, Any]:
 
 def _add_model_flags(p: argparse.ArgumentParser, dtype: bool = True, threads: bool = True, model: bool = True) -> None:
     if model:
-        p.add_argument("--model", default="default", help="a .gguf file, a Hugging Face directory or 'default' (SmolLM2-135M-Instruct)")
+        p.add_argument("-m", "--model", default="default", help="a .gguf file, a Hugging Face directory or 'default' (SmolLM2-135M-Instruct)")
     if threads:
-        p.add_argument("--threads", type=int, default=None, help="CPU threads (default: $OMP_NUM_THREADS, else the physical cores)")
+        p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: $OMP_NUM_THREADS, else the physical cores)")
     if dtype:
         p.add_argument(
             "--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
