@@ -140,13 +140,18 @@ def _processor_cases(tiny: TinyModel) -> dict[str, dict[str, Any]]:
         "begin_suppress_tokens, renormalize_logits, remove_invalid_values": {
             "begin_suppress_tokens": [greedy[0][0], greedy[1][0]], "renormalize_logits": True,
             "remove_invalid_values": True},
+        "encoder_repetition_penalty=3": {"encoder_repetition_penalty": 3.0},
+        # the boost makes the random models copy the prompt, so the prompt's bigrams get banned
+        "encoder_repetition_penalty=3, encoder_no_repeat_ngram_size=2": {"encoder_repetition_penalty": 3.0,
+                                                                          "encoder_no_repeat_ngram_size": 2},
     }
 
 
 @pytest.mark.parametrize(
     "case", ["no_repeat_ngram_size=2", "no_repeat_ngram_size=1", "repetition_penalty=1.8", "bad_words_ids",
              "min_new_tokens=6", "min_length=12", "max_length=11", "forced_eos_token_id", "exponential_decay_length_penalty",
-             "begin_suppress_tokens, renormalize_logits, remove_invalid_values"]
+             "begin_suppress_tokens, renormalize_logits, remove_invalid_values", "encoder_repetition_penalty=3",
+             "encoder_repetition_penalty=3, encoder_no_repeat_ngram_size=2"]
 )
 def test_greedy_with_processor_matches_transformers(tiny: TinyModel, case: str) -> None:
     kwargs = _processor_cases(tiny)[case]
@@ -199,6 +204,9 @@ BEAMS: dict[str, dict[str, Any]] = {
     "early_stopping=False, length_penalty=0": {"num_beams": 2, "length_penalty": 0.0},
     "forced_eos_token_id, renormalize_logits": {"num_beams": 3, "num_return_sequences": 2, "forced_eos_token_id": 7,
                                                 "renormalize_logits": True},
+    # transformers gives these the unexpanded prompt: the penalty reaches the first B of the B x num_beams rows
+    "encoder_repetition_penalty, encoder_no_repeat_ngram_size": {
+        "num_beams": 3, "num_return_sequences": 2, "encoder_repetition_penalty": 2.5, "encoder_no_repeat_ngram_size": 2},
 }
 
 
@@ -367,3 +375,4 @@ def test_custom_logits_processors_run_where_transformers_runs_them(tiny: TinyMod
                     logits_processor=[_Boost(token, 2.0)])
     assert ours.sequences.tolist() == ref.sequences.tolist()
     _assert_scores_close(ours, ref)
+

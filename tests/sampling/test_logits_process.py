@@ -15,6 +15,8 @@ INF = float("inf")
 
 # ------------------------------------------------------- class vs transformers
 
+PROMPT = random_ids(11, 3, 6, 7)  # [3, 6]: the encoder_* processors' prompt
+
 PAIRS = [
     (lambda: lp.TemperatureLogitsWarper(0.6), lambda: hf.TemperatureLogitsWarper(0.6)),
     (lambda: lp.TopKLogitsWarper(7, min_tokens_to_keep=2), lambda: hf.TopKLogitsWarper(7, min_tokens_to_keep=2)),
@@ -46,6 +48,11 @@ PAIRS = [
      lambda: hf.ExponentialDecayLengthPenalty((1, 1.7), [1, 4], 3)),
     (lambda: lp.SuppressTokensAtBeginLogitsProcessor([0, 7], 5), lambda: hf.SuppressTokensAtBeginLogitsProcessor([0, 7], 5)),
     (lambda: lp.LogitNormalization(), lambda: hf.LogitNormalization()),
+    # the prompt: 3 rows for the 6 score rows, as transformers' generate() gives it (unexpanded) with 2 beams
+    (lambda: lp.EncoderRepetitionPenaltyLogitsProcessor(1.7, PROMPT), lambda: hf.EncoderRepetitionPenaltyLogitsProcessor(1.7, PROMPT)),
+    (lambda: lp.EncoderRepetitionPenaltyLogitsProcessor(0.6, PROMPT), lambda: hf.EncoderRepetitionPenaltyLogitsProcessor(0.6, PROMPT)),
+    (lambda: lp.EncoderNoRepeatNGramLogitsProcessor(2, PROMPT), lambda: hf.EncoderNoRepeatNGramLogitsProcessor(2, PROMPT)),
+    (lambda: lp.EncoderNoRepeatNGramLogitsProcessor(1, PROMPT), lambda: hf.EncoderNoRepeatNGramLogitsProcessor(1, PROMPT)),
 ]
 
 
@@ -87,8 +94,10 @@ def test_logits_processor_list_applies_in_order():
 
 PINNED_ORDER = (
     "SequenceBiasLogitsProcessor",
+    "EncoderRepetitionPenaltyLogitsProcessor",
     "RepetitionPenaltyLogitsProcessor",
     "NoRepeatNGramLogitsProcessor",
+    "EncoderNoRepeatNGramLogitsProcessor",
     "NoBadWordsLogitsProcessor",
     "MinLengthLogitsProcessor",
     "MinNewTokensLengthLogitsProcessor",
@@ -119,7 +128,9 @@ EVERYTHING = {
     "epsilon_cutoff": 3e-4,
     "eta_cutoff": 1e-3,
     "repetition_penalty": 1.3,
+    "encoder_repetition_penalty": 1.2,
     "no_repeat_ngram_size": 2,
+    "encoder_no_repeat_ngram_size": 3,
     "min_new_tokens": 3,
     "min_length": 7,
     "eos_token_id": [2, 3],
@@ -144,15 +155,19 @@ def test_processor_order_is_pinned():
 
 def test_builder_returns_every_processor_in_declared_order():
     cfg = SimpleNamespace(**EVERYTHING, presence_penalty=0.5, frequency_penalty=0.1)
-    processors = lp.build_logits_processors(cfg, prompt_length=4)
+    processors = lp.build_logits_processors(cfg, prompt_length=4, prompt_ids=random_ids(0, 2, 4, 9))
     assert tuple(type(p) for p in processors) == lp.PROCESSOR_ORDER
+    without_prompt = lp.build_logits_processors(cfg, prompt_length=4)  # as transformers without input ids
+    assert tuple(type(p) for p in without_prompt) == tuple(
+        c for c in lp.PROCESSOR_ORDER if not c.__name__.startswith("Encoder"))
 
 
-def hf_processors(config: GenerationConfig, prompt_length: int) -> hf.LogitsProcessorList:
+def hf_processors(config: GenerationConfig, prompt_ids: torch.Tensor) -> hf.LogitsProcessorList:
     """transformers' own list, from the model-free part of generate() on a tiny random Llama."""
     model = make_tiny_model("llama", vocab_size=32).ref
     model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device="cpu")
-    return model._get_logits_processor(config, input_ids_seq_length=prompt_length, device="cpu")
+    return model._get_logits_processor(config, input_ids_seq_length=prompt_ids.shape[1], encoder_input_ids=prompt_ids,
+                                       device="cpu")
 
 
 @pytest.mark.parametrize(
@@ -164,8 +179,9 @@ def hf_processors(config: GenerationConfig, prompt_length: int) -> hf.LogitsProc
 def test_builder_matches_transformers_get_logits_processor(overrides):
     settings = {**EVERYTHING, **overrides}
     prompt_length = 5
-    theirs = hf_processors(GenerationConfig(**settings), prompt_length)
-    ours = lp.build_logits_processors(GenerationConfig(**settings), prompt_length)
+    prompt = random_ids(5, 4, prompt_length, 12)  # 4 prompts for the 8 score rows
+    theirs = hf_processors(GenerationConfig(**settings), prompt)
+    ours = lp.build_logits_processors(GenerationConfig(**settings), prompt_length, prompt_ids=prompt)
     assert [type(p).__name__ for p in ours] == [type(p).__name__ for p in theirs]
     for seed in range(4):  # same composed result, so same order and same min_tokens_to_keep
         logits = random_logits(seed, 8, 32, scale=6.0, num_inf=2)
@@ -245,7 +261,7 @@ def test_invalid_settings_raise_value_error(build, message):
 def test_forced_bos_and_begin_suppress_act_after_a_one_token_input():
     """transformers' rules: a forced BOS after a 1-token input, and begin_suppress_tokens one step later then."""
     cfg = GenerationConfig(forced_bos_token_id=5, begin_suppress_tokens=[6], max_new_tokens=3, max_length=4)
-    ours, theirs = lp.build_logits_processors(cfg, prompt_length=1), hf_processors(cfg, 1)
+    ours, theirs = lp.build_logits_processors(cfg, prompt_length=1), hf_processors(cfg, random_ids(0, 2, 1, 12))
     for length in (1, 2, 3):
         ids, logits = random_ids(length, 2, length, 12), random_logits(length, 2, 12)
         assert_same(ours(ids, logits), theirs(ids, logits.clone()))

@@ -41,7 +41,8 @@ _f = config_field
 # (max_length, cache_implementation, return_dict_in_generate, ...) are left out.
 MODEL_DEFAULT_KEYS = (
     "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
-    "repetition_penalty", "no_repeat_ngram_size", "num_beams", "num_beam_groups", "diversity_penalty",
+    "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+    "num_beams", "num_beam_groups", "diversity_penalty",
     "length_penalty", "early_stopping", "num_return_sequences", "penalty_alpha", "max_new_tokens", "min_new_tokens",
     "min_length",
     "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
@@ -83,6 +84,8 @@ class GenerationConfig:
     presence_penalty: float = _f(0.0, "OpenAI presence penalty over generated tokens")
     frequency_penalty: float = _f(0.0, "OpenAI frequency penalty over generated tokens")
     no_repeat_ngram_size: int = _f(0, "forbid repeating any n-gram of this size (0 = off)")
+    encoder_repetition_penalty: float = _f(1.0, "> 1 favours the prompt's tokens, < 1 avoids them (1.0 = off)")
+    encoder_no_repeat_ngram_size: int = _f(0, "forbid n-grams of this size that occur in the prompt (0 = off)")
     sequence_bias: dict[tuple[int, ...], float] | None = _f(None, "bias added to the logit of token sequences")
     bad_words_ids: list[list[int]] | None = _f(None, "token sequences that may not be generated")
     suppress_tokens: list[int] | None = _f(None, "token ids that are never generated")

@@ -104,7 +104,7 @@ def generate(
     if strategy in (Strategy.PROMPT_LOOKUP, Strategy.ASSISTED) and input_ids.shape[0] != 1:
         what = "assistant_model" if strategy is Strategy.ASSISTED else "prompt_lookup_num_tokens"
         raise ValueError(f"{what} needs a batch of one prompt (as transformers), got {input_ids.shape[0]}")
-    copies = _num_copies(cfg)
+    copies, prompt_ids = _num_copies(cfg), input_ids  # prompt_ids [B, T]: the encoder_* processors' (unexpanded)
     if copies > 1:
         input_ids = input_ids.repeat_interleave(copies, dim=0)  # [B*n, T]
         attention_mask = attention_mask.repeat_interleave(copies, dim=0)  # [B*n, T]
@@ -118,7 +118,8 @@ def generate(
                         cache=past_key_values)
     ctx = LoopContext(
         config=cfg,
-        processors=build_logits_processors(cfg, prompt_length=input_ids.shape[1], custom=list(logits_processor)),
+        processors=build_logits_processors(cfg, prompt_length=input_ids.shape[1], custom=list(logits_processor),
+                                           prompt_ids=prompt_ids),
         stopper=_stopper(cfg, input_ids.shape[1], tokenizer),
         generator=generator,
         streamer=streamer,

@@ -124,6 +124,55 @@ class RepetitionPenaltyLogitsProcessor(LogitsProcessor):
         return ops.apply_repetition_penalty(logits, token_ids, self.penalty)
 
 
+class EncoderRepetitionPenaltyLogitsProcessor(LogitsProcessor):
+    """The repetition penalty inverted, on the prompt's ids: penalty > 1 makes them likelier (a "hallucination
+    penalty"). encoder_input_ids [B, T] long: the prompt as passed to ``generate()``, padding ids included.
+
+    As transformers 4.55 (``EncoderRepetitionPenaltyLogitsProcessor``, which ``generate()`` gives the unexpanded
+    prompt): rows i < B of the scores take row i's ids, so with beams or several sequences per prompt only the first
+    B rows change. Raises ValueError for a penalty outside [1e-6, 1e6].
+    """
+
+    def __init__(self, penalty: float, encoder_input_ids: torch.Tensor):
+        ops.validate_param("encoder_repetition_penalty", penalty)
+        self.penalty = 1 / penalty
+        self.encoder_input_ids = encoder_input_ids
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        rows = min(self.encoder_input_ids.shape[0], logits.shape[0])
+        ids = self.encoder_input_ids[:rows]  # [rows, T]
+        seen = logits.gather(1, ids)  # [rows, T]
+        return logits.scatter(1, ids, torch.where(seen < 0, seen * self.penalty, seen / self.penalty))
+
+
+class EncoderNoRepeatNGramLogitsProcessor(LogitsProcessor):
+    """Forbid a token that would complete an ``ngram_size``-gram of the row's prompt. encoder_input_ids [B, T] long,
+    as passed to ``generate()``; score row h (of B x k hypotheses) uses prompt h // k, its last ngram_size - 1 tokens
+    the n-gram's start. Source: transformers 4.55 ``EncoderNoRepeatNGramLogitsProcessor``. Raises ValueError for
+    ngram_size < 1."""
+
+    def __init__(self, ngram_size: int, encoder_input_ids: torch.Tensor):
+        ops.validate_param("encoder_no_repeat_ngram_size", ngram_size)
+        if ngram_size < 1:
+            raise ValueError(f"encoder_no_repeat_ngram_size must be >= 1 here, got {ngram_size}")
+        self.ngram_size = ngram_size
+        self.next_tokens: list[dict[tuple[int, ...], list[int]]] = []  # per prompt: (n - 1)-gram -> next tokens
+        for row in encoder_input_ids.tolist():
+            table: dict[tuple[int, ...], list[int]] = {}
+            for i in range(len(row) - ngram_size + 1):
+                table.setdefault(tuple(row[i : i + ngram_size - 1]), []).append(row[i + ngram_size - 1])
+            self.next_tokens.append(table)
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        per_prompt = max(1, logits.shape[0] // len(self.next_tokens))
+        out, start = logits.clone(), token_ids.shape[1] + 1 - self.ngram_size
+        for h, row in enumerate(token_ids.tolist()):
+            banned = self.next_tokens[h // per_prompt].get(tuple(row[start:]) if start >= 0 else (), [])
+            if start >= 0 and banned:
+                out[h, banned] = -float("inf")
+        return out
+
+
 class PresenceFrequencyPenaltyLogitsProcessor(LogitsProcessor):
     """OpenAI presence/frequency penalties over the tokens after ``prompt_length``.
 
@@ -331,6 +380,7 @@ class _Settings:
     prompt_length: int
     min_tokens_to_keep: int
     eos_token_ids: list[int]
+    prompt_ids: torch.Tensor | None = None  # [B, T] as passed to generate(): the encoder_* processors' prompt
 
     def get(self, name: str, default: object) -> Any:
         """``cfg.name``, with a missing attribute or ``None`` meaning ``default`` (disabled)."""
@@ -394,6 +444,18 @@ def _begin_suppress(s: _Settings) -> LogitsProcessor | None:
     return SuppressTokensAtBeginLogitsProcessor(tokens, s.prompt_length + shift)
 
 
+def _encoder(cls: Callable[..., LogitsProcessor], name: str, disabled: object
+             ) -> Callable[[_Settings], LogitsProcessor | None]:
+    """A factory building ``cls(cfg.name, prompt ids)`` unless the value is the disabled one or no prompt is known
+    (transformers warns and skips it then)."""
+
+    def build(s: _Settings) -> LogitsProcessor | None:
+        value = s.get(name, disabled)
+        return None if value == disabled or s.prompt_ids is None else cls(value, s.prompt_ids)
+
+    return build
+
+
 def _presence_frequency(s: _Settings) -> LogitsProcessor | None:
     presence, frequency = s.get("presence_penalty", 0.0), s.get("frequency_penalty", 0.0)
     if presence == 0.0 and frequency == 0.0:
@@ -404,11 +466,19 @@ def _presence_frequency(s: _Settings) -> LogitsProcessor | None:
 # Stage name (``kvgen.sampling.pipeline.GENERATE_ORDER``) -> (processor class, factory).
 _STAGES: dict[str, tuple[type[LogitsProcessor], Callable[[_Settings], LogitsProcessor | None]]] = {
     "sequence_bias": (SequenceBiasLogitsProcessor, _when_set(SequenceBiasLogitsProcessor, "sequence_bias")),
+    "encoder_repetition_penalty": (
+        EncoderRepetitionPenaltyLogitsProcessor,
+        _encoder(EncoderRepetitionPenaltyLogitsProcessor, "encoder_repetition_penalty", 1.0),
+    ),
     "repetition_penalty": (
         RepetitionPenaltyLogitsProcessor,
         _when_set(RepetitionPenaltyLogitsProcessor, "repetition_penalty", 1.0),
     ),
     "no_repeat_ngram": (NoRepeatNGramLogitsProcessor, _when_set(NoRepeatNGramLogitsProcessor, "no_repeat_ngram_size", 0)),
+    "encoder_no_repeat_ngram": (
+        EncoderNoRepeatNGramLogitsProcessor,
+        _encoder(EncoderNoRepeatNGramLogitsProcessor, "encoder_no_repeat_ngram_size", 0),
+    ),
     "bad_words": (NoBadWordsLogitsProcessor, _bad_words),
     "min_length": (MinLengthLogitsProcessor, _min_length),
     "min_new_tokens": (MinNewTokensLengthLogitsProcessor, _min_new_tokens),
@@ -447,7 +517,7 @@ def default_min_tokens_to_keep(cfg: object) -> int:
 
 def build_logits_processors(
     cfg: object, prompt_length: int, min_tokens_to_keep: int | None = None,
-    custom: Sequence[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = (),
+    custom: Sequence[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = (), prompt_ids: torch.Tensor | None = None,
 ) -> LogitsProcessorList:
     """The processors ``cfg`` enables, in ``GENERATE_ORDER``; warpers only when ``cfg.do_sample``.
 
@@ -457,13 +527,15 @@ def build_logits_processors(
     num_beams as HF does. ``custom``: the caller's own processors ``(token_ids [B, T],
     logits [B, V]) -> [B, V]``, merged as transformers 4.55 ``_merge_criteria_processor_list``
     does: one of the same class as a built one takes its place, the others run after
-    the built processors and before the warpers. Raises ValueError for invalid settings.
+    the built processors and before the warpers. ``prompt_ids`` [B, T]: the prompt as passed to ``generate()``
+    (before any expansion), which the encoder_* processors read (without it they are left out, as transformers does
+    without input ids). Raises ValueError for invalid settings.
     """
     if isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or prompt_length < 0:
         raise ValueError(f"prompt_length must be an int >= 0, got {prompt_length!r}")
     keep = default_min_tokens_to_keep(cfg) if min_tokens_to_keep is None else min_tokens_to_keep
     ops.validate_param("min_tokens_to_keep", keep)
-    settings = _Settings(cfg, prompt_length, keep, token_id_list(getattr(cfg, "eos_token_id", None)))
+    settings = _Settings(cfg, prompt_length, keep, token_id_list(getattr(cfg, "eos_token_id", None)), prompt_ids)
     sampling = getattr(cfg, "do_sample", False)
     stages, merge_at = (GENERATE_ORDER, GENERATE_FIRST_WARPER) if sampling else (_ALWAYS, _ALWAYS[-1])
     processors = LogitsProcessorList()

@@ -18,8 +18,10 @@ min_p                                        None (off)              0.0        
 typical_p                                    1.0                     -                 (0, 1] (1.0)
 epsilon_cutoff / eta_cutoff                  0.0                     -                 [0, 1) (0.0)
 repetition_penalty                           1.0                     1.0               [1e-6, 1e6] (1.0)
+encoder_repetition_penalty                   1.0                     -                 [1e-6, 1e6] (1.0)
 presence_penalty / frequency_penalty         0.0                     0.0               [-2, 2] (0.0)
 no_repeat_ngram_size                         0                       -                 int in [0, 2**31-1] (0)
+encoder_no_repeat_ngram_size                 0                       -                 int in [0, 2**31-1] (0)
 min_new_tokens / min_tokens                  0                       0                 int in [0, 2**31-1] (0)
 max_new_tokens / max_tokens                  20                      16 (None = ctx)   int in [1, 2**31-1]
 min_length / max_length (prompt included)    0 / None                -                 int in [0 / 1, 2**31-1]
@@ -119,9 +121,11 @@ PARAM_RULES: dict[str, ParamRule] = {
     "epsilon_cutoff": _unit("drop tokens with probability below this", high_open=True, off=0.0),
     "eta_cutoff": _unit("eta sampling cutoff", high_open=True, off=0.0),
     "repetition_penalty": ParamRule(float, 1e-6, 1e6, off=1.0, help="CTRL penalty over prompt and output"),
+    "encoder_repetition_penalty": ParamRule(float, 1e-6, 1e6, off=1.0, help="inverse CTRL penalty on the prompt's ids"),
     "presence_penalty": _PENALTY,
     "frequency_penalty": _PENALTY,
     "no_repeat_ngram_size": _count(0, "forbid repeating n-grams of this size", "0 = off"),
+    "encoder_no_repeat_ngram_size": _count(0, "forbid n-grams of this size that occur in the prompt", "0 = off"),
     "min_new_tokens": _count(0, "EOS suppressed until this many new tokens"),
     "min_length": _count(0, "EOS suppressed until the sequence, prompt included, is this long"),
     "max_length": _count(1, "most tokens, prompt included"),

@@ -21,8 +21,10 @@ from __future__ import annotations
 # before the warpers, where vLLM puts penalties relative to temperature.
 GENERATE_ORDER: tuple[str, ...] = (
     "sequence_bias",
+    "encoder_repetition_penalty",
     "repetition_penalty",
     "no_repeat_ngram",
+    "encoder_no_repeat_ngram",
     "bad_words",
     "min_length",
     "min_new_tokens",
