@@ -491,3 +491,17 @@ def test_logprob_helpers():
     order = logprobs.argsort(dim=-1, descending=True)[:, :3]
     assert torch.equal(ids, order) and torch.equal(values, logprobs.gather(1, order))
     assert math.isclose(torch.exp(logprobs[0]).sum().item(), 1.0, rel_tol=1e-5)
+
+
+def test_sampling_a_row_with_no_token_left_names_the_row():
+    """Every token removed (or NaN scores): a ValueError naming the row, where torch.multinomial (and transformers)
+    fail with "probability tensor contains either inf, nan or element < 0"; other rows, and greedy, are fine."""
+    scores = torch.randn(3, 10)
+    scores[1] = -float("inf")
+    with pytest.raises(ValueError, match="no token left to sample in row 1"):
+        ops.choose_tokens(scores, True, torch.Generator().manual_seed(0))
+    scores[1, 4] = float("nan")
+    with pytest.raises(ValueError, match="row 1"):
+        ops.choose_tokens(scores, True, torch.Generator().manual_seed(0), num_tokens=2)
+    scores[1] = 0.0
+    assert ops.choose_tokens(scores, True, torch.Generator().manual_seed(0)).shape == (3, 1)

@@ -592,9 +592,16 @@ def sample_from_probs(probs: torch.Tensor, generator: Generators = None, num_sam
 
     probs: [B, V] float, rows non-negative with a positive sum; generator as in
     ``choose_tokens``. Returns [B, num_samples] long. Raises ValueError for a list of
-    the wrong length.
+    the wrong length, or for a row with no probability left (every token removed by the
+    logits processors, or NaN scores), naming the row (transformers fails there too, with
+    torch.multinomial's "probability tensor contains either inf, nan or element < 0").
     """
     _check_logits(probs)
+    empty = ~(probs.sum(dim=-1) > 0)  # [B]; a NaN sum compares False too
+    if bool(empty.any()):
+        row = int(empty.nonzero()[0, 0])
+        raise ValueError(f"no token left to sample in row {row}: the logits processors removed every token (or the "
+                         "scores are NaN); loosen no_repeat_ngram_size, bad_words_ids, suppress_tokens or the cutoffs")
     generators = _row_generators(generator, probs.shape[0])
     if generators is None:
         return torch.multinomial(probs, num_samples=num_samples, generator=generator)  # type: ignore[arg-type]
