@@ -376,3 +376,14 @@ def test_custom_logits_processors_run_where_transformers_runs_them(tiny: TinyMod
     assert ours.sequences.tolist() == ref.sequences.tolist()
     _assert_scores_close(ours, ref)
 
+
+
+def test_unknown_and_unimplemented_settings_are_named(tiny: TinyModel) -> None:
+    """A typo is a ValueError listing it (transformers: "model_kwargs are not used"); a transformers setting kvgen
+    does not implement is a NotImplementedError naming it and its feature, never a TypeError."""
+    with pytest.raises(ValueError, match=r"unknown generation setting\(s\) \['max_new_token'\]"):
+        generate(tiny.ours, IDS, MASK, max_new_token=3)
+    with pytest.raises(NotImplementedError, match=r"force_words_ids \(constrained beam search\)"):
+        generate(tiny.ours, IDS, MASK, num_beams=2, force_words_ids=[[3]])
+    with pytest.raises(NotImplementedError, match="guidance_scale"):
+        generate(tiny.ours, IDS, MASK, guidance_scale=1.5)

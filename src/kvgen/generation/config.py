@@ -50,6 +50,29 @@ MODEL_DEFAULT_KEYS = (
 )
 
 
+# transformers 4.55 GenerationConfig fields kvgen does not implement -> what they would do there
+UNIMPLEMENTED_HF_FIELDS = {
+    "force_words_ids": "constrained beam search", "constraints": "constrained beam search",
+    "guidance_scale": "classifier-free guidance", "dola_layers": "DoLa decoding",
+    "watermarking_config": "watermarking", "token_healing": "token healing",
+    "assistant_early_exit": "self-speculative decoding", "low_memory": "sequential contrastive search",
+    "output_attentions": "attention outputs", "output_hidden_states": "hidden-state outputs",
+}
+
+
+def check_setting_names(settings: Mapping[str, Any]) -> None:
+    """``generate(**settings)``'s names: ``NotImplementedError`` naming a transformers setting kvgen does not
+    implement, ``ValueError`` listing names that are no setting at all (as transformers' check of unused
+    ``model_kwargs``, where typos show up)."""
+    names = {f.name for f in dataclasses.fields(GenerationConfig)}
+    for name in settings:
+        if name in UNIMPLEMENTED_HF_FIELDS:
+            raise NotImplementedError(f"kvgen does not implement transformers' {name} "
+                                      f"({UNIMPLEMENTED_HF_FIELDS[name]})")
+    if unknown := sorted(set(settings) - names):
+        raise ValueError(f"unknown generation setting(s) {unknown}: not GenerationConfig fields (check for typos)")
+
+
 @dataclass
 class GenerationConfig:
     """How ``generate()`` decodes (transformers ``GenerationConfig`` names and defaults).

@@ -16,7 +16,7 @@ from kvgen.errors import ContextLengthError
 from kvgen.generation.assisted import assisted_decoding
 from kvgen.generation.beam_sample import beam_sample
 from kvgen.generation.beam_search import beam_search
-from kvgen.generation.config import GenerationConfig, Strategy
+from kvgen.generation.config import GenerationConfig, Strategy, check_setting_names
 from kvgen.generation.contrastive_search import contrastive_search
 from kvgen.generation.decoding import LoopContext
 from kvgen.generation.greedy import greedy_search
@@ -79,12 +79,14 @@ def generate(
     turn (``cache.crop(n)`` keeps a shorter prefix); beams and several samples per prompt leave it one row per
     hypothesis.
     Returns a :class:`GenerateOutput`. Raises ``ValueError`` for bad shapes or
-    settings and ``ContextLengthError`` when prompt + ``max_new_tokens`` exceeds
-    the model's context window.
+    settings (an unknown setting name too), ``NotImplementedError`` for a transformers setting kvgen does not
+    implement (``force_words_ids``, ``guidance_scale``, ``dola_layers``, ...) and ``ContextLengthError`` when
+    prompt + ``max_new_tokens`` exceeds the model's context window.
     Reference: transformers 4.55 ``GenerationMixin.generate``.
     """
     cfg = (generation_config or GenerationConfig()).with_generation_defaults(model.generation_defaults)
     if overrides:
+        check_setting_names(overrides)
         cfg = cfg.replace(**overrides)
     model_cfg = model.config
     cfg = cfg.with_model_defaults(model_cfg.eos_token_ids, model_cfg.pad_token_id)
