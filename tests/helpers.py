@@ -344,11 +344,10 @@ def _hf_config(model_type: str, tie: bool, kv_heads: int, bias: bool, vocab_size
     import transformers
 
     if model_type == "llama":
-        return transformers.LlamaConfig(
-            vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=kv_heads, max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie,
-            attention_bias=bias, mlp_bias=bias, **overrides,
-        )
+        return transformers.LlamaConfig(**{
+            "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": kv_heads, "max_position_embeddings": max_position_embeddings,
+            "tie_word_embeddings": tie, "attention_bias": bias, "mlp_bias": bias, **overrides})
     if model_type == "gpt2":
         if not bias or kv_heads != 4:
             raise ValueError(f"GPT-2 always has biases and one KV head per query head, got bias={bias}, kv_heads={kv_heads}")

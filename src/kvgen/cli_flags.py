@@ -52,6 +52,18 @@ def _early_stopping(text: str) -> bool | str:
     raise argparse.ArgumentTypeError(f"must be true, false or never, got {text!r}")
 
 
+def _dola_layers(text: str) -> str | list[int]:
+    """``--dola-layers``: low, high or a JSON list of layer indices."""
+    from kvgen.generation.config import check_dola_layers
+
+    value = text if text in ("low", "high") else json.loads(text) if text.lstrip().startswith("[") else text
+    try:
+        check_dola_layers(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 def _checked(name: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """An argparse ``type`` that parses, then checks the value against the shared rule table
     (``kvgen.sampling.params.PARAM_RULES``), so a bad value is refused while parsing."""
@@ -79,6 +91,8 @@ def _flag_kwargs(name: str, annotation: str) -> dict[str, Any]:
 
     if name == "early_stopping":
         return {"type": _early_stopping}
+    if name == "dola_layers":
+        return {"type": _dola_layers, "metavar": "low|high|JSON"}
     if name in PARAM_RULES:
         return {"type": _checked(name, PARAM_RULES[name].kind)}
     if annotation == "bool":

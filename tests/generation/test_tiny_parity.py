@@ -387,3 +387,50 @@ def test_unknown_and_unimplemented_settings_are_named(tiny: TinyModel) -> None:
         generate(tiny.ours, IDS, MASK, num_beams=2, force_words_ids=[[3]])
     with pytest.raises(NotImplementedError, match="guidance_scale"):
         generate(tiny.ours, IDS, MASK, guidance_scale=1.5)
+
+
+# ---------------------------------------------------------------- DoLa decoding
+
+@pytest.mark.parametrize("dola_layers", ["low", "high", [0, 1]])
+def test_dola_greedy_matches_transformers(tiny: TinyModel, dola_layers: Any) -> None:
+    """Tokens, DoLa scores and the final layer's logits equal transformers' ``_dola_decoding`` (with [0, 1] two
+    candidate layers: the Jensen-Shannon choice between them)."""
+    eos = _two_eos(tiny)
+    ref = _hf(tiny, eos, dola_layers=dola_layers, repetition_penalty=1.2, output_logits=True)
+    assert ref.sequences.tolist() != _hf(tiny, eos, repetition_penalty=1.2).sequences.tolist()  # DoLa changes it
+    ours = _ours(tiny, eos, dola_layers=dola_layers, repetition_penalty=1.2, output_scores=True, output_logits=True)
+    assert ours.sequences.tolist() == ref.sequences.tolist()
+    _assert_scores_close(ours, ref)
+    assert ours.logits is not None
+    for got, want in zip(ours.logits, ref.logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_dola_sampling_matches_transformers(tiny: TinyModel) -> None:
+    kwargs = {"do_sample": True, "num_return_sequences": 2, "dola_layers": [0, 1], "top_k": 0, "temperature": 0.8}
+    ref = _hf_seeded(tiny, 4, _two_eos(tiny), **kwargs)
+    ours = _ours(tiny, _two_eos(tiny), seed=4, output_scores=True, **kwargs)
+    assert ours.sequences.tolist() == ref.sequences.tolist()
+    _assert_scores_close(ours, ref)
+
+
+@pytest.mark.parametrize("dola_layers", ["low", "high"])
+def test_dola_picks_transformers_layers_on_a_deeper_tied_model(dola_layers: str) -> None:
+    """8 tied layers: 'low' contrasts layer 2 (the embeddings skipped), 'high' layers 4 and 6, as transformers."""
+    deep = make_tiny_model("llama", std=0.5, tie=True, num_hidden_layers=8)
+    with torch.inference_mode():
+        ref = deep.ref.generate(IDS, attention_mask=MASK, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, eos_token_id=None,
+                                dola_layers=dola_layers, return_dict_in_generate=True, output_scores=True)
+    ours = generate(deep.ours, IDS, MASK, GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=PAD,
+                                                           dola_layers=dola_layers, output_scores=True))
+    assert ours.sequences.tolist() == ref.sequences.tolist()
+    _assert_scores_close(ours, ref)
+
+
+def test_dola_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="dola_layers must be 'low', 'high' or a non-empty list"):
+        GenerationConfig(dola_layers="middle")
+    with pytest.raises(ValueError, match="dola_layers works with greedy search or sampling only"):
+        GenerationConfig(dola_layers="low", num_beams=2)
+    with pytest.raises(ValueError, match="conflicts"):
+        GenerationConfig(dola_layers="low", num_return_sequences=2)

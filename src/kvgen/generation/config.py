@@ -33,6 +33,7 @@ class Strategy(enum.Enum):
     SAMPLE_AND_RANK = "sample_and_rank"
     PROMPT_LOOKUP = "prompt_lookup"  # greedy search or sampling with drafts copied from the sequence (HF "assisted")
     ASSISTED = "assisted"  # greedy search or sampling with drafts from an assistant model (generate(assistant_model=))
+    DOLA = "dola"  # greedy search or sampling on logits contrasted with an earlier layer's (kvgen.generation.dola)
 
 
 _f = config_field
@@ -53,11 +54,20 @@ MODEL_DEFAULT_KEYS = (
 # transformers 4.55 GenerationConfig fields kvgen does not implement -> what they would do there
 UNIMPLEMENTED_HF_FIELDS = {
     "force_words_ids": "constrained beam search", "constraints": "constrained beam search",
-    "guidance_scale": "classifier-free guidance", "dola_layers": "DoLa decoding",
+    "guidance_scale": "classifier-free guidance",
     "watermarking_config": "watermarking", "token_healing": "token healing",
     "assistant_early_exit": "self-speculative decoding", "low_memory": "sequential contrastive search",
     "output_attentions": "attention outputs", "output_hidden_states": "hidden-state outputs",
 }
+
+
+def check_dola_layers(value: object) -> None:
+    """``dola_layers``: 'low', 'high' or a non-empty list of layer indices >= 0 (``ValueError`` otherwise)."""
+    if value in ("low", "high"):
+        return
+    if not isinstance(value, (list, tuple)) or not value or any(
+            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in value):
+        raise ValueError(f"dola_layers must be 'low', 'high' or a non-empty list of layer indices >= 0, got {value!r}")
 
 
 def check_setting_names(settings: Mapping[str, Any]) -> None:
@@ -129,6 +139,8 @@ class GenerationConfig:
     use_cache: bool = _f(True, "reuse keys/values of earlier tokens (False recomputes everything each step)")
     cache_implementation: str = _f("dynamic", "KV cache: 'dynamic' (grows as written) or 'static' (preallocated)")
     seed: int | None = _f(None, "seed of the torch.Generator used when sampling")
+    dola_layers: str | list[int] | None = _f(
+        None, "DoLa decoding: contrast the last layer with 'low' or 'high' layers, or these layer indices (JSON list)")
     prompt_lookup_num_tokens: int | None = _f(
         None, "prompt lookup decoding: draft up to this many tokens per step from the sequence itself (batch size 1)")
     max_matching_ngram_size: int | None = _f(None, "prompt lookup decoding: longest n-gram looked up (default 2)")
@@ -184,10 +196,17 @@ class GenerationConfig:
                 raise clash("best_of", "num_beams", "sample-and-rank does not use beams")
             if self.num_return_sequences > self.best_of:
                 raise clash("num_return_sequences", "best_of", "cannot return more sequences than samples")
-        if self.num_return_sequences > 1 and self.strategy in (Strategy.GREEDY, Strategy.CONTRASTIVE_SEARCH):
+        deterministic = self.strategy in (Strategy.GREEDY, Strategy.CONTRASTIVE_SEARCH) or (
+            self.strategy is Strategy.DOLA and not self.do_sample)
+        if self.num_return_sequences > 1 and deterministic:
             raise clash("num_return_sequences", "do_sample", "deterministic decoding returns one sequence per prompt")
         if self.min_new_tokens > self.max_new_tokens:
             raise clash("min_new_tokens", "max_new_tokens", "min_new_tokens must not exceed max_new_tokens")
+        if self.dola_layers is not None:
+            check_dola_layers(self.dola_layers)
+            if self._base_strategy() not in (Strategy.GREEDY, Strategy.SAMPLE) or self.prompt_lookup_num_tokens:
+                raise ValueError(f"dola_layers works with greedy search or sampling only, got "
+                                 f"{self.strategy.value} settings (transformers ignores it then)")
         if self.prompt_lookup_num_tokens is not None:
             base = self._base_strategy()
             if base not in (Strategy.GREEDY, Strategy.SAMPLE):
@@ -203,6 +222,8 @@ class GenerationConfig:
         base = self._base_strategy()
         if self.prompt_lookup_num_tokens is not None and base in (Strategy.GREEDY, Strategy.SAMPLE):
             return Strategy.PROMPT_LOOKUP
+        if self.dola_layers is not None and base in (Strategy.GREEDY, Strategy.SAMPLE):
+            return Strategy.DOLA
         return base
 
     def _base_strategy(self) -> Strategy:

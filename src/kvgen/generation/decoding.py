@@ -34,9 +34,11 @@ class LoopContext:
 
 
 def token_loop(
-    runner: StepRunner, ctx: LoopContext, choose: Callable[[torch.Tensor], torch.Tensor]
+    runner: StepRunner, ctx: LoopContext, choose: Callable[[torch.Tensor], torch.Tensor],
+    next_logits: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> GenerateOutput:
-    """Decode until every row has finished; ``choose(scores [N, V]) -> [N]`` picks tokens."""
+    """Decode until every row has finished; ``choose(scores [N, V]) -> [N]`` picks tokens. ``next_logits()``: the
+    logits [N, V] the processors get and the model's own [N, V] (``output_logits``); default both the runner's."""
     cfg = ctx.config
     prompt_length = runner.sequences.shape[1]
     n = runner.sequences.shape[0]
@@ -47,12 +49,12 @@ def token_loop(
     all_scores: list[torch.Tensor] = []
     all_logits: list[torch.Tensor] = []
     for step in range(cfg.max_new_tokens):
-        logits = runner.next_logits()  # [N, V]
+        logits, raw = (runner.next_logits(),) * 2 if next_logits is None else next_logits()  # [N, V] each
         scores = ctx.processors(runner.sequences, logits)  # [N, V]
         if cfg.output_scores:
             all_scores.append(scores)
         if cfg.output_logits:
-            all_logits.append(logits)
+            all_logits.append(raw)
         next_tokens = torch.where(unfinished, choose(scores), pad)  # [N]
         runner.append(next_tokens)
         if ctx.streamer is not None:

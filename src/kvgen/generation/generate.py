@@ -19,6 +19,7 @@ from kvgen.generation.beam_search import beam_search
 from kvgen.generation.config import GenerationConfig, Strategy, check_setting_names
 from kvgen.generation.contrastive_search import contrastive_search
 from kvgen.generation.decoding import LoopContext
+from kvgen.generation.dola import dola_decoding
 from kvgen.generation.greedy import greedy_search
 from kvgen.generation.group_beam_search import group_beam_search
 from kvgen.generation.output import GenerateOutput
@@ -41,6 +42,7 @@ STRATEGIES: dict[Strategy, Callable[[StepRunner, LoopContext], GenerateOutput]] 
     Strategy.SAMPLE_AND_RANK: sample_and_rank,
     Strategy.PROMPT_LOOKUP: prompt_lookup_decoding,
     Strategy.ASSISTED: assisted_decoding,
+    Strategy.DOLA: dola_decoding,
 }
 
 # Strategies that keep several hypotheses per prompt and pick among them at the end: nothing to stream.
