@@ -434,3 +434,48 @@ def test_dola_settings_are_checked() -> None:
         GenerationConfig(dola_layers="low", num_beams=2)
     with pytest.raises(ValueError, match="conflicts"):
         GenerationConfig(dola_layers="low", num_return_sequences=2)
+
+
+# ---------------------------------------------------------------- classifier-free guidance
+
+NEGATIVE_IDS, NEGATIVE_MASK = left_pad([[9, 14, 2], [30], [21, 7]], PAD)  # [3, 3]: one unconditional prompt per row
+
+GUIDED: dict[str, dict[str, Any]] = {
+    "greedy, scale 1.5": {"guidance_scale": 1.5},
+    "greedy, scale 3, negative prompt": {"guidance_scale": 3.0, "negative_prompt_ids": NEGATIVE_IDS,
+                                         "negative_prompt_attention_mask": NEGATIVE_MASK},
+    "beams, scale 2": {"guidance_scale": 2.0, "num_beams": 3, "num_return_sequences": 2},  # rows never reordered
+    "contrastive, scale 1.5": {"guidance_scale": 1.5, "penalty_alpha": 0.6, "top_k": 4},
+}
+
+
+@pytest.mark.parametrize("name", list(GUIDED))
+def test_classifier_free_guidance_matches_transformers(tiny: TinyModel, name: str) -> None:
+    kwargs = dict(GUIDED[name])
+    eos = _two_eos(tiny)
+    ref = _hf(tiny, eos, **kwargs)
+    unguided = {k: v for k, v in kwargs.items() if not k.startswith(("guidance", "negative"))}
+    assert ref.sequences.tolist() != _hf(tiny, eos, **unguided).sequences.tolist()  # guidance changes the output
+    negative = {k: kwargs.pop(k) for k in ("negative_prompt_ids", "negative_prompt_attention_mask") if k in kwargs}
+    cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=PAD, output_scores=True, **kwargs)
+    ours = generate(tiny.ours, IDS, MASK, cfg, **negative)
+    assert ours.sequences.tolist() == ref.sequences.tolist()
+    if "num_beams" not in kwargs:
+        _assert_scores_close(ours, ref)
+
+
+def test_guided_sampling_matches_transformers(tiny: TinyModel) -> None:
+    kwargs = {"do_sample": True, "guidance_scale": 2.0, "num_return_sequences": 2, "top_k": 0}
+    ref = _hf_seeded(tiny, 6, _two_eos(tiny), **kwargs)
+    ours = _ours(tiny, _two_eos(tiny), seed=6, output_scores=True, **kwargs)
+    assert ours.sequences.tolist() == ref.sequences.tolist()
+    _assert_scores_close(ours, ref)
+
+
+def test_guidance_refusals(tiny: TinyModel) -> None:
+    with pytest.raises(ValueError, match="negative_prompt_ids must be"):
+        generate(tiny.ours, IDS, MASK, guidance_scale=2.0, negative_prompt_ids=NEGATIVE_IDS[:2])
+    with pytest.raises(ValueError, match="guidance_scale must be"):
+        GenerationConfig(guidance_scale=-1.0)
+    with pytest.raises(ValueError, match="guidance_scale cannot be used with prompt_lookup"):
+        generate(tiny.ours, IDS[:1], MASK[:1], guidance_scale=2.0, prompt_lookup_num_tokens=3)

@@ -93,6 +93,7 @@ def test_logits_processor_list_applies_in_order():
 # ------------------------------------------------------------------- order
 
 PINNED_ORDER = (
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor",
     "SequenceBiasLogitsProcessor",
     "EncoderRepetitionPenaltyLogitsProcessor",
     "RepetitionPenaltyLogitsProcessor",
@@ -154,12 +155,14 @@ def test_processor_order_is_pinned():
 
 
 def test_builder_returns_every_processor_in_declared_order():
-    cfg = SimpleNamespace(**EVERYTHING, presence_penalty=0.5, frequency_penalty=0.1)
-    processors = lp.build_logits_processors(cfg, prompt_length=4, prompt_ids=random_ids(0, 2, 4, 9))
+    cfg = SimpleNamespace(**EVERYTHING, presence_penalty=0.5, frequency_penalty=0.1, guidance_scale=1.5)
+    processors = lp.build_logits_processors(cfg, prompt_length=4, prompt_ids=random_ids(0, 2, 4, 9),
+                                            unconditional_logits=lambda ids: torch.zeros(ids.shape[0], 32))
     assert tuple(type(p) for p in processors) == lp.PROCESSOR_ORDER
+    cfg.guidance_scale = 1.0  # off
     without_prompt = lp.build_logits_processors(cfg, prompt_length=4)  # as transformers without input ids
     assert tuple(type(p) for p in without_prompt) == tuple(
-        c for c in lp.PROCESSOR_ORDER if not c.__name__.startswith("Encoder"))
+        c for c in lp.PROCESSOR_ORDER if not c.__name__.startswith(("Encoder", "Unbatched")))
 
 
 def hf_processors(config: GenerationConfig, prompt_ids: torch.Tensor) -> hf.LogitsProcessorList:

@@ -54,7 +54,6 @@ MODEL_DEFAULT_KEYS = (
 # transformers 4.55 GenerationConfig fields kvgen does not implement -> what they would do there
 UNIMPLEMENTED_HF_FIELDS = {
     "force_words_ids": "constrained beam search", "constraints": "constrained beam search",
-    "guidance_scale": "classifier-free guidance",
     "watermarking_config": "watermarking", "token_healing": "token healing",
     "assistant_early_exit": "self-speculative decoding", "low_memory": "sequential contrastive search",
     "output_attentions": "attention outputs", "output_hidden_states": "hidden-state outputs",
@@ -117,6 +116,8 @@ class GenerationConfig:
     presence_penalty: float = _f(0.0, "OpenAI presence penalty over generated tokens")
     frequency_penalty: float = _f(0.0, "OpenAI frequency penalty over generated tokens")
     no_repeat_ngram_size: int = _f(0, "forbid repeating any n-gram of this size (0 = off)")
+    guidance_scale: float | None = _f(None, "classifier-free guidance: > 1 pushes away from the unconditional "
+                                      "(negative-prompt) continuation (1.0 / None = off)")
     encoder_repetition_penalty: float = _f(1.0, "> 1 favours the prompt's tokens, < 1 avoids them (1.0 = off)")
     encoder_no_repeat_ngram_size: int = _f(0, "forbid n-grams of this size that occur in the prompt (0 = off)")
     sequence_bias: dict[tuple[int, ...], float] | None = _f(None, "bias added to the logit of token sequences")

@@ -22,6 +22,7 @@ from kvgen.generation.decoding import LoopContext
 from kvgen.generation.dola import dola_decoding
 from kvgen.generation.greedy import greedy_search
 from kvgen.generation.group_beam_search import group_beam_search
+from kvgen.generation.guidance import UnconditionalBranch
 from kvgen.generation.output import GenerateOutput
 from kvgen.generation.prompt_lookup import prompt_lookup_decoding
 from kvgen.generation.runner import StepRunner
@@ -61,6 +62,8 @@ def generate(
     logits_processor: Sequence[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = (),
     assistant_model: CausalLM | None = None,
     past_key_values: StaticCache | None = None,
+    negative_prompt_ids: torch.Tensor | None = None,
+    negative_prompt_attention_mask: torch.Tensor | None = None,
     **overrides: Any,
 ) -> GenerateOutput:
     """Generate continuations of a left-padded batch of prompts.
@@ -80,6 +83,9 @@ def generate(
     one row per prompt, the cache is left holding every column of ``sequences`` but the last, ready for the next
     turn (``cache.crop(n)`` keeps a shorter prefix); beams and several samples per prompt leave it one row per
     hypothesis.
+    ``negative_prompt_ids`` [N, S] (``negative_prompt_attention_mask`` [N, S]): with ``guidance_scale``, the
+    unconditional sequence of classifier-free guidance, one row per generated row (default: each row's last prompt
+    token), as transformers.
     Returns a :class:`GenerateOutput`. Raises ``ValueError`` for bad shapes or
     settings (an unknown setting name too), ``NotImplementedError`` for a transformers setting kvgen does not
     implement (``force_words_ids``, ``guidance_scale``, ``dola_layers``, ...) and ``ContextLengthError`` when
@@ -105,6 +111,9 @@ def generate(
         raise NotImplementedError(f"decoding strategy {strategy.value} is not implemented yet")
     if streamer is not None and strategy in NOT_STREAMABLE:
         raise ValueError(f"streamer cannot be used with {strategy.value} (it picks among hypotheses at the end)")
+    if strategy in (Strategy.PROMPT_LOOKUP, Strategy.ASSISTED) and cfg.guidance_scale not in (None, 1.0):
+        raise ValueError(f"guidance_scale cannot be used with {strategy.value} decoding (it verifies several tokens "
+                         "per forward; the unconditional branch advances one token per step)")
     if strategy in (Strategy.PROMPT_LOOKUP, Strategy.ASSISTED) and input_ids.shape[0] != 1:
         what = "assistant_model" if strategy is Strategy.ASSISTED else "prompt_lookup_num_tokens"
         raise ValueError(f"{what} needs a batch of one prompt (as transformers), got {input_ids.shape[0]}")
@@ -122,8 +131,9 @@ def generate(
                         cache=past_key_values)
     ctx = LoopContext(
         config=cfg,
-        processors=build_logits_processors(cfg, prompt_length=input_ids.shape[1], custom=list(logits_processor),
-                                           prompt_ids=prompt_ids),
+        processors=build_logits_processors(
+            cfg, prompt_length=input_ids.shape[1], custom=list(logits_processor), prompt_ids=prompt_ids,
+            unconditional_logits=UnconditionalBranch(model, negative_prompt_ids, negative_prompt_attention_mask)),
         stopper=_stopper(cfg, input_ids.shape[1], tokenizer),
         generator=generator,
         streamer=streamer,

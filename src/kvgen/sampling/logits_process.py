@@ -124,6 +124,24 @@ class RepetitionPenaltyLogitsProcessor(LogitsProcessor):
         return ops.apply_repetition_penalty(logits, token_ids, self.penalty)
 
 
+class UnbatchedClassifierFreeGuidanceLogitsProcessor(LogitsProcessor):
+    """Classifier-free guidance for a decoder-only model: scores become g (log_softmax(scores) - u) + u, u the
+    log-softmax of the next-token logits [N, V] ``unconditional_logits(token_ids)`` gives for an unconditional
+    sequence (``kvgen.generation.guidance.UnconditionalBranch``: the negative prompt, or each row's last prompt
+    token, then every new token). Sanchez et al. 2023, "Stay on topic with Classifier-Free Guidance"; transformers
+    4.55 ``UnbatchedClassifierFreeGuidanceLogitsProcessor``. Raises ValueError for a scale outside [0, 1e6]."""
+
+    def __init__(self, guidance_scale: float, unconditional_logits: Callable[[torch.Tensor], torch.Tensor]):
+        ops.validate_param("guidance_scale", guidance_scale)
+        self.guidance_scale = guidance_scale
+        self.unconditional_logits = unconditional_logits
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        scores = torch.log_softmax(logits, dim=-1)  # [N, V]
+        unconditional = torch.log_softmax(self.unconditional_logits(token_ids), dim=-1)  # [N, V]
+        return self.guidance_scale * (scores - unconditional) + unconditional
+
+
 class EncoderRepetitionPenaltyLogitsProcessor(LogitsProcessor):
     """The repetition penalty inverted, on the prompt's ids: penalty > 1 makes them likelier (a "hallucination
     penalty"). encoder_input_ids [B, T] long: the prompt as passed to ``generate()``, padding ids included.
@@ -381,6 +399,7 @@ class _Settings:
     min_tokens_to_keep: int
     eos_token_ids: list[int]
     prompt_ids: torch.Tensor | None = None  # [B, T] as passed to generate(): the encoder_* processors' prompt
+    unconditional_logits: Callable[[torch.Tensor], torch.Tensor] | None = None  # classifier-free guidance's branch
 
     def get(self, name: str, default: object) -> Any:
         """``cfg.name``, with a missing attribute or ``None`` meaning ``default`` (disabled)."""
@@ -456,6 +475,15 @@ def _encoder(cls: Callable[..., LogitsProcessor], name: str, disabled: object
     return build
 
 
+def _guidance(s: _Settings) -> LogitsProcessor | None:
+    scale = s.get("guidance_scale", 1.0)
+    if scale == 1.0:
+        return None
+    if s.unconditional_logits is None:
+        raise ValueError("guidance_scale needs the model's unconditional branch (generate() builds it)")
+    return UnbatchedClassifierFreeGuidanceLogitsProcessor(scale, s.unconditional_logits)
+
+
 def _presence_frequency(s: _Settings) -> LogitsProcessor | None:
     presence, frequency = s.get("presence_penalty", 0.0), s.get("frequency_penalty", 0.0)
     if presence == 0.0 and frequency == 0.0:
@@ -465,6 +493,7 @@ def _presence_frequency(s: _Settings) -> LogitsProcessor | None:
 
 # Stage name (``kvgen.sampling.pipeline.GENERATE_ORDER``) -> (processor class, factory).
 _STAGES: dict[str, tuple[type[LogitsProcessor], Callable[[_Settings], LogitsProcessor | None]]] = {
+    "guidance": (UnbatchedClassifierFreeGuidanceLogitsProcessor, _guidance),
     "sequence_bias": (SequenceBiasLogitsProcessor, _when_set(SequenceBiasLogitsProcessor, "sequence_bias")),
     "encoder_repetition_penalty": (
         EncoderRepetitionPenaltyLogitsProcessor,
@@ -518,6 +547,7 @@ def default_min_tokens_to_keep(cfg: object) -> int:
 def build_logits_processors(
     cfg: object, prompt_length: int, min_tokens_to_keep: int | None = None,
     custom: Sequence[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = (), prompt_ids: torch.Tensor | None = None,
+    unconditional_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> LogitsProcessorList:
     """The processors ``cfg`` enables, in ``GENERATE_ORDER``; warpers only when ``cfg.do_sample``.
 
@@ -529,13 +559,15 @@ def build_logits_processors(
     does: one of the same class as a built one takes its place, the others run after
     the built processors and before the warpers. ``prompt_ids`` [B, T]: the prompt as passed to ``generate()``
     (before any expansion), which the encoder_* processors read (without it they are left out, as transformers does
-    without input ids). Raises ValueError for invalid settings.
+    without input ids). ``unconditional_logits``: classifier-free guidance's branch (``guidance_scale``), token_ids
+    [N, T] -> next-token logits [N, V]. Raises ValueError for invalid settings.
     """
     if isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or prompt_length < 0:
         raise ValueError(f"prompt_length must be an int >= 0, got {prompt_length!r}")
     keep = default_min_tokens_to_keep(cfg) if min_tokens_to_keep is None else min_tokens_to_keep
     ops.validate_param("min_tokens_to_keep", keep)
-    settings = _Settings(cfg, prompt_length, keep, token_id_list(getattr(cfg, "eos_token_id", None)), prompt_ids)
+    settings = _Settings(cfg, prompt_length, keep, token_id_list(getattr(cfg, "eos_token_id", None)), prompt_ids,
+                         unconditional_logits)
     sampling = getattr(cfg, "do_sample", False)
     stages, merge_at = (GENERATE_ORDER, GENERATE_FIRST_WARPER) if sampling else (_ALWAYS, _ALWAYS[-1])
     processors = LogitsProcessorList()

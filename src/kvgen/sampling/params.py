@@ -19,6 +19,7 @@ typical_p                                    1.0                     -          
 epsilon_cutoff / eta_cutoff                  0.0                     -                 [0, 1) (0.0)
 repetition_penalty                           1.0                     1.0               [1e-6, 1e6] (1.0)
 encoder_repetition_penalty                   1.0                     -                 [1e-6, 1e6] (1.0)
+guidance_scale                               None (off)              -                 [0, 1e6] (1.0)
 presence_penalty / frequency_penalty         0.0                     0.0               [-2, 2] (0.0)
 no_repeat_ngram_size                         0                       -                 int in [0, 2**31-1] (0)
 encoder_no_repeat_ngram_size                 0                       -                 int in [0, 2**31-1] (0)
@@ -122,6 +123,7 @@ PARAM_RULES: dict[str, ParamRule] = {
     "eta_cutoff": _unit("eta sampling cutoff", high_open=True, off=0.0),
     "repetition_penalty": ParamRule(float, 1e-6, 1e6, off=1.0, help="CTRL penalty over prompt and output"),
     "encoder_repetition_penalty": ParamRule(float, 1e-6, 1e6, off=1.0, help="inverse CTRL penalty on the prompt's ids"),
+    "guidance_scale": ParamRule(float, 0.0, 1e6, off=1.0, help="classifier-free guidance scale"),
     "presence_penalty": _PENALTY,
     "frequency_penalty": _PENALTY,
     "no_repeat_ngram_size": _count(0, "forbid repeating n-grams of this size", "0 = off"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 # generate(): HF's order. Presence/frequency penalties (not in HF) sit after HF's processors and
 # before the warpers, where vLLM puts penalties relative to temperature.
 GENERATE_ORDER: tuple[str, ...] = (
+    "guidance",
     "sequence_bias",
     "encoder_repetition_penalty",
     "repetition_penalty",
