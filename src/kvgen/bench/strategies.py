@@ -25,6 +25,8 @@ STRATEGY_SETTINGS: dict[str, dict[str, Any]] = {  # GenerationConfig fields; tra
     "group_beam_search": {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0},
     "contrastive_search": {"penalty_alpha": 0.6, "top_k": 4},
     "sample_and_rank": {"do_sample": True, "temperature": 0.8, "best_of": 4},  # transformers has no best_of
+    "dola": {"dola_layers": "high", "repetition_penalty": 1.2},
+    "classifier_free_guidance": {"guidance_scale": 1.5},
 }
 SIDES = tuple(f"strategies.{name}" for name in STRATEGY_SETTINGS)  # the columns of its text table (harness.render)
 
