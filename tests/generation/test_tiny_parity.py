@@ -385,8 +385,8 @@ def test_unknown_and_unimplemented_settings_are_named(tiny: TinyModel) -> None:
         generate(tiny.ours, IDS, MASK, max_new_token=3)
     with pytest.raises(NotImplementedError, match=r"force_words_ids \(constrained beam search\)"):
         generate(tiny.ours, IDS, MASK, num_beams=2, force_words_ids=[[3]])
-    with pytest.raises(NotImplementedError, match="guidance_scale"):
-        generate(tiny.ours, IDS, MASK, guidance_scale=1.5)
+    with pytest.raises(NotImplementedError, match=r"token_healing \(token healing\)"):
+        generate(tiny.ours, IDS, MASK, token_healing=True)
 
 
 # ---------------------------------------------------------------- DoLa decoding
