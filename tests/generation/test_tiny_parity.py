@@ -13,6 +13,7 @@ processor changes the output, samples differ).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -297,6 +298,81 @@ def test_group_beam_search_with_several_eos_ids_keeps_the_emitted_eos(tiny: Tiny
     assert emitted_other_eos > 0  # the case where the two differ really happens
 
 
+# ---------------------------------------------------------------- constrained beam search
+
+def _unforced_absent(tiny: TinyModel) -> list[int]:
+    """Five ids transformers' unconstrained beam search (4 beams, all returned) emits in no row, lowest first."""
+    ref = _hf(tiny, _two_eos(tiny), num_beams=4, num_return_sequences=4)
+    seen = {t for row in _new(ref.sequences) for t in row}
+    return [t for t in range(2, tiny.ref.config.vocab_size) if t not in seen][:5]
+
+
+CONSTRAINED_NEW_TOKENS = 12  # transformers' search tends to place forced ids last: leave room for them
+CONSTRAINED: dict[str, Callable[[list[int]], dict[str, Any]]] = {
+    "a phrase": lambda a: {"num_beams": 4, "num_return_sequences": 2, "force_words_ids": [[a[0], a[1]]]},
+    "two phrases, length_penalty=0.5": lambda a: {
+        "num_beams": 4, "num_return_sequences": 3, "length_penalty": 0.5,
+        "force_words_ids": [[a[0]], [a[1], a[2]]]},
+    "words sharing a prefix, early_stopping=True, no_repeat_ngram_size": lambda a: {
+        "num_beams": 4, "num_return_sequences": 2, "early_stopping": True, "no_repeat_ngram_size": 2,
+        "force_words_ids": [[[a[0], a[1]], [a[0], a[2]], [a[3]]]]},
+    "a disjunction and a phrase, early_stopping=never": lambda a: {
+        "num_beams": 3, "early_stopping": "never", "force_words_ids": [[[a[0]], [a[1], a[2]]], [a[3], a[4]]]},
+}
+
+
+@pytest.mark.parametrize("name", list(CONSTRAINED))
+def test_constrained_beam_search_matches_transformers(tiny: TinyModel, name: str) -> None:
+    kwargs = CONSTRAINED[name](_unforced_absent(tiny))
+    eos = _two_eos(tiny)
+    ref = _hf(tiny, eos, output_logits=True, max_new_tokens=CONSTRAINED_NEW_TOKENS, **kwargs)
+    ours = _ours(tiny, eos, output_scores=True, output_logits=True, max_new_tokens=CONSTRAINED_NEW_TOKENS, **kwargs)
+    _assert_beams_equal(ours, ref)
+    assert ours.scores is not None and ours.logits is not None and len(ours.scores) == len(ref.scores)
+    for got, want in zip(ours.scores + ours.logits, ref.scores + ref.logits, strict=True):  # every live beam row
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    words = [w if isinstance(w[0], list) else [w] for w in kwargs["force_words_ids"]]
+    fulfilled = [all(any(_contains(row, word) for word in choice) for choice in words) for row in _new(ref.sequences)]
+    assert any(fulfilled)  # the forced ids really appear (transformers returns the best open beams when it fails)
+
+
+def _contains(row: list[int], word: list[int]) -> bool:
+    return any(row[i : i + len(word)] == word for i in range(len(row)))
+
+
+def test_constraint_objects_give_what_force_words_ids_gives(tiny: TinyModel) -> None:
+    """kvgen's constraint objects and transformers' own: the same output as the equivalent force_words_ids."""
+    from transformers.generation import DisjunctiveConstraint as HFDisjunctive
+
+    from kvgen.generation.constraints import DisjunctiveConstraint, PhrasalConstraint
+
+    a = _unforced_absent(tiny)
+    kwargs = CONSTRAINED["a disjunction and a phrase, early_stopping=never"](a)
+    eos = _two_eos(tiny)
+    want = _ours(tiny, eos, **kwargs)
+    del kwargs["force_words_ids"]
+    mine = [DisjunctiveConstraint([[a[0]], [a[1], a[2]]]), PhrasalConstraint([a[3], a[4]])]
+    assert _ours(tiny, eos, constraints=mine, **kwargs).sequences.tolist() == want.sequences.tolist()
+    theirs = _ours(tiny, eos, constraints=[HFDisjunctive([[a[0]], [a[1], a[2]]])], force_words_ids=[[a[3], a[4]]],
+                   **kwargs)
+    assert theirs.sequences.tolist() == want.sequences.tolist()
+    assert want.sequences.tolist() != _ours(tiny, eos, num_beams=3, early_stopping="never").sequences.tolist()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"num_beams": 1, "force_words_ids": [[3]]}, "needs num_beams > 1"),
+    ({"num_beams": 2, "do_sample": True, "force_words_ids": [[3]]}, "do_sample=True conflicts"),
+    ({"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0, "force_words_ids": [[3]]}, "one group"),
+    ({"num_beams": 2, "force_words_ids": [[3, -1]]}, "token ids >= 0"),
+    ({"num_beams": 2, "force_words_ids": [[[3, 4], [3]]]}, "prefix of another"),
+    ({"num_beams": 2, "constraints": []}, "at least one constraint"),
+    ({"num_beams": 2, "force_words_ids": [[5000]]}, "must be < vocab_size"),
+])
+def test_constrained_beam_search_refusals(tiny: TinyModel, kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        generate(tiny.ours, IDS, MASK, **kwargs)
+
+
 # ---------------------------------------------------------------- contrastive search
 
 
@@ -383,8 +459,8 @@ def test_unknown_and_unimplemented_settings_are_named(tiny: TinyModel) -> None:
     does not implement is a NotImplementedError naming it and its feature, never a TypeError."""
     with pytest.raises(ValueError, match=r"unknown generation setting\(s\) \['max_new_token'\]"):
         generate(tiny.ours, IDS, MASK, max_new_token=3)
-    with pytest.raises(NotImplementedError, match=r"force_words_ids \(constrained beam search\)"):
-        generate(tiny.ours, IDS, MASK, num_beams=2, force_words_ids=[[3]])
+    with pytest.raises(NotImplementedError, match=r"watermarking_config \(watermarking\)"):
+        generate(tiny.ours, IDS, MASK, watermarking_config={"bias": 2.0})
     with pytest.raises(NotImplementedError, match=r"token_healing \(token healing\)"):
         generate(tiny.ours, IDS, MASK, token_healing=True)
 

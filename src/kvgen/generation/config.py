@@ -34,6 +34,7 @@ class Strategy(enum.Enum):
     PROMPT_LOOKUP = "prompt_lookup"  # greedy search or sampling with drafts copied from the sequence (HF "assisted")
     ASSISTED = "assisted"  # greedy search or sampling with drafts from an assistant model (generate(assistant_model=))
     DOLA = "dola"  # greedy search or sampling on logits contrasted with an earlier layer's (kvgen.generation.dola)
+    CONSTRAINED_BEAM_SEARCH = "constrained_beam_search"  # beam search whose output contains given token sequences
 
 
 _f = config_field
@@ -53,7 +54,6 @@ MODEL_DEFAULT_KEYS = (
 
 # transformers 4.55 GenerationConfig fields kvgen does not implement -> what they would do there
 UNIMPLEMENTED_HF_FIELDS = {
-    "force_words_ids": "constrained beam search", "constraints": "constrained beam search",
     "watermarking_config": "watermarking", "token_healing": "token healing",
     "assistant_early_exit": "self-speculative decoding", "low_memory": "sequential contrastive search",
     "output_attentions": "attention outputs", "output_hidden_states": "hidden-state outputs",
@@ -104,6 +104,10 @@ class GenerationConfig:
     length_penalty: float = _f(1.0, "beam score = sum logprob / length**length_penalty")
     early_stopping: bool | str = _f(False, "beam search stop rule: true, false or 'never'")
     num_return_sequences: int = _f(1, "sequences returned per prompt")
+    force_words_ids: list[list[int]] | list[list[list[int]]] | None = _f(
+        None, "constrained beam search: id lists the output must contain (a list of id lists: any one of them)")
+    constraints: list[Any] | None = _f(None, "constrained beam search: PhrasalConstraint / DisjunctiveConstraint "
+                                       "objects (kvgen.generation.constraints) the output must fulfil")
     best_of: int | None = _f(None, "sample-and-rank: draw this many samples, return the most likely")
     temperature: float = _f(1.0, "softmax temperature when sampling")
     top_k: int = _f(50, "keep the k most likely tokens when sampling (0 = off)")
@@ -203,6 +207,8 @@ class GenerationConfig:
             raise clash("num_return_sequences", "do_sample", "deterministic decoding returns one sequence per prompt")
         if self.min_new_tokens > self.max_new_tokens:
             raise clash("min_new_tokens", "max_new_tokens", "min_new_tokens must not exceed max_new_tokens")
+        if self.force_words_ids is not None or self.constraints is not None:
+            self._check_constrained(clash)
         if self.dola_layers is not None:
             check_dola_layers(self.dola_layers)
             if self._base_strategy() not in (Strategy.GREEDY, Strategy.SAMPLE) or self.prompt_lookup_num_tokens:
@@ -215,6 +221,20 @@ class GenerationConfig:
                                  f"or sampling only, got {base.value} settings")
             if self.num_return_sequences > 1:
                 raise clash("num_return_sequences", "prompt_lookup_num_tokens", "prompt lookup returns one sequence")
+
+    def _check_constrained(self, clash: Any) -> None:
+        """Constrained beam search: well-formed constraints, beams, no sampling, no groups (transformers 4.55)."""
+        from kvgen.generation.constraints import build_constraints
+
+        if not build_constraints(self.force_words_ids, self.constraints):
+            raise ValueError("constraints must hold at least one constraint, got []")
+        if self.num_beams < 2:
+            raise ValueError(f"constrained beam search (force_words_ids / constraints) needs num_beams > 1, got "
+                             f"{self.num_beams}")
+        if self.do_sample:
+            raise clash("do_sample", "num_beams", "constrained beam search does not sample")
+        if self.num_beam_groups > 1:
+            raise clash("num_beam_groups", "num_beams", "constrained beam search uses one group")
 
     @property
     def strategy(self) -> Strategy:
@@ -229,6 +249,8 @@ class GenerationConfig:
 
     def _base_strategy(self) -> Strategy:
         """The strategy without prompt lookup (transformers' ``get_generation_mode`` before assisted generation)."""
+        if self.force_words_ids is not None or self.constraints is not None:
+            return Strategy.CONSTRAINED_BEAM_SEARCH
         if self.num_beams > 1:
             if self.num_beam_groups > 1:
                 return Strategy.GROUP_BEAM_SEARCH

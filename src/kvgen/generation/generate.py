@@ -17,6 +17,7 @@ from kvgen.generation.assisted import assisted_decoding
 from kvgen.generation.beam_sample import beam_sample
 from kvgen.generation.beam_search import beam_search
 from kvgen.generation.config import GenerationConfig, Strategy, check_setting_names
+from kvgen.generation.constrained_beam_search import constrained_beam_search
 from kvgen.generation.contrastive_search import contrastive_search
 from kvgen.generation.decoding import LoopContext
 from kvgen.generation.dola import dola_decoding
@@ -44,10 +45,12 @@ STRATEGIES: dict[Strategy, Callable[[StepRunner, LoopContext], GenerateOutput]] 
     Strategy.PROMPT_LOOKUP: prompt_lookup_decoding,
     Strategy.ASSISTED: assisted_decoding,
     Strategy.DOLA: dola_decoding,
+    Strategy.CONSTRAINED_BEAM_SEARCH: constrained_beam_search,
 }
 
 # Strategies that keep several hypotheses per prompt and pick among them at the end: nothing to stream.
-NOT_STREAMABLE = (Strategy.BEAM_SEARCH, Strategy.BEAM_SAMPLE, Strategy.GROUP_BEAM_SEARCH, Strategy.SAMPLE_AND_RANK)
+NOT_STREAMABLE = (Strategy.BEAM_SEARCH, Strategy.BEAM_SAMPLE, Strategy.GROUP_BEAM_SEARCH,
+                  Strategy.CONSTRAINED_BEAM_SEARCH, Strategy.SAMPLE_AND_RANK)
 
 
 def generate(
@@ -88,7 +91,7 @@ def generate(
     token), as transformers.
     Returns a :class:`GenerateOutput`. Raises ``ValueError`` for bad shapes or
     settings (an unknown setting name too), ``NotImplementedError`` for a transformers setting kvgen does not
-    implement (``force_words_ids``, ``guidance_scale``, ``dola_layers``, ...) and ``ContextLengthError`` when
+    implement (``watermarking_config``, ``token_healing``, ...) and ``ContextLengthError`` when
     prompt + ``max_new_tokens`` exceeds the model's context window.
     Reference: transformers 4.55 ``GenerationMixin.generate``.
     """
@@ -200,7 +203,8 @@ def _check_past(cache: Any, model: CausalLM, cfg: GenerationConfig, strategy: St
 def _num_copies(cfg: GenerationConfig) -> int:
     """Rows per prompt the strategy runs: beams, returned samples, or samples to rank."""
     strategy = cfg.strategy
-    if strategy in (Strategy.BEAM_SEARCH, Strategy.BEAM_SAMPLE, Strategy.GROUP_BEAM_SEARCH):
+    if strategy in (Strategy.BEAM_SEARCH, Strategy.BEAM_SAMPLE, Strategy.GROUP_BEAM_SEARCH,
+                    Strategy.CONSTRAINED_BEAM_SEARCH):
         return cfg.num_beams
     if strategy is Strategy.SAMPLE_AND_RANK:
         return cfg.best_of or 1
