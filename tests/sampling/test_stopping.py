@@ -106,6 +106,22 @@ def test_stop_string_first_hit_matches_transformers():
     assert sum(f is not None for f in first_ours) > num_rows // 4  # many rows actually stop
 
 
+def test_stop_strings_hit_where_they_overlap_the_last_token_as_transformers():
+    """A row that runs on past a match (the beams of group and constrained beam search) is hit at every step
+    exactly where transformers' criterion hits it: the match must end in the last token's text."""
+    stops = ["stop", "\n\n", "aba"]
+    theirs = hf.StopStringCriteria(tokenizer=hf_tokenizer(), stop_strings=stops)
+    ours = _checker(prompt_length=0, stop_strings=StopStrings(tuple(stops)), decode=decode)
+    rng = random.Random(1)
+    ids = torch.tensor([[rng.randrange(2, len(PIECES)) for _ in range(10)] for _ in range(300)])
+    hits = []
+    for step in range(1, 11):
+        mine = (ours.check(ids[:, :step]) > 0).tolist()
+        assert mine == theirs(ids[:, :step], None).tolist()
+        hits.append(mine)
+    assert any(hits[t][r] and not hits[t + 1][r] for t in range(9) for r in range(300))  # runs past a match
+
+
 def test_max_time_uses_the_given_clock():
     now = [100.0]
     checker = _checker(prompt_length=0, max_time=2.0, clock=lambda: now[0])

@@ -150,8 +150,15 @@ class StopStrings:
         return len(text) - partial_stop_suffix_len(text, self.stops)
 
     def rows_hit(self, generated: list[list[int]], decode: Callable[[list[int]], str]) -> list[bool]:
-        """Per row of generated ids: does its decoded text contain a stop string (HF ``StopStringCriteria``)?"""
-        return [find_stop_string(decode(ids), self.stops) is not None for ids in generated]
+        """Per row of generated ids: does a stop string end in the text of its last token? As HF
+        ``StopStringCriteria``, a match must overlap the final token, so a row that runs on past a match (group
+        and constrained beam search stop only when every beam matches at once) is not stopped by it later."""
+        hits = []
+        for ids in generated:
+            text = decode(ids)
+            before = len(decode(ids[:-1])) if len(ids) > 1 else 0  # text of the earlier tokens, in characters
+            hits.append(any(s in text[max(0, before - len(s) + 1):] for s in self.stops))
+        return hits
 
 
 @dataclass
