@@ -23,6 +23,7 @@ STRATEGY_SETTINGS: dict[str, dict[str, Any]] = {  # GenerationConfig fields; tra
     "beam_search": {"num_beams": 4},
     "beam_sample": {"num_beams": 4, "do_sample": True, "temperature": 0.8},
     "group_beam_search": {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0},
+    "constrained_beam_search": {"num_beams": 4, "force_words_ids": [[28]]},  # id 28: "," in GPT-2-style vocabularies
     "contrastive_search": {"penalty_alpha": 0.6, "top_k": 4},
     "sample_and_rank": {"do_sample": True, "temperature": 0.8, "best_of": 4},  # transformers has no best_of
     "dola": {"dola_layers": "high", "repetition_penalty": 1.2},

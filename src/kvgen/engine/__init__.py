@@ -7,6 +7,11 @@ fronts ``LLMEngine``, ``LLM`` and ``AsyncLLMEngine``.
 """
 
 from kvgen.engine.async_engine import AsyncLLMEngine
+from kvgen.engine.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchSequence,
+)
 from kvgen.engine.block_manager import DEFAULT_BLOCK_SIZE, BlockManager, hash_block
 from kvgen.engine.detokenizer import IncrementalDetokenizer, RequestDetokenizer
 from kvgen.engine.engine_args import EngineArgs
@@ -35,6 +40,9 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "LLM",
     "AsyncLLMEngine",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "BlockManager",
     "CompletionOutput",
     "EngineArgs",

@@ -6,6 +6,12 @@ import itertools
 from collections.abc import Sequence
 from typing import Any, cast
 
+from kvgen.engine.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    Candidates,
+    beam_search_steps,
+)
 from kvgen.engine.engine_args import EngineArgs
 from kvgen.engine.generation_defaults import as_sampling_params, default_sampling_params
 from kvgen.engine.llm_engine import LLMEngine
@@ -105,6 +111,41 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (:mod:`kvgen.engine.beam_search`); per prompt the best
+        ``params.beam_width`` sequences, best first, each with ``text`` = the decoded prompt and output (as vLLM).
+        Raises ``ValueError`` for a prompt that leaves no room for a token within ``max_model_len``, or
+        ``2 * beam_width`` above ``max_logprobs``. Source: vLLM ``LLM.beam_search``."""
+        engine, tokenizer = self.llm_engine, self.get_tokenizer()
+        if 2 * params.beam_width > engine.engine_args.max_logprobs:
+            raise ValueError(f"beam_width={params.beam_width} needs 2 * beam_width <= max_logprobs "
+                             f"({engine.engine_args.max_logprobs}); raise max_logprobs")
+        token_lists = []
+        for item in _as_prompt_list(prompts):
+            text, ids = _split_prompt(item)
+            if ids is None:
+                if tokenizer is None:
+                    raise ValueError("text prompts need a tokenizer; this LLM has none (pass token ids)")
+                ids = tokenizer.encode(text or "")
+            if not ids or len(ids) >= engine.max_model_len:
+                raise ValueError(f"a beam search prompt must hold 1 to {engine.max_model_len - 1} tokens "
+                                 f"(max_model_len - 1), got {len(ids)}")
+            token_lists.append(list(ids))
+        step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
+        search = beam_search_steps(token_lists, params, engine.eos_token_ids, engine.max_model_len)
+        try:
+            batch = next(search)
+            while True:
+                outputs = self.generate([{"prompt_token_ids": t} for t in batch], step_params, use_tqdm=use_tqdm)
+                batch = search.send([_candidates(o) for o in outputs])
+        except StopIteration as done:
+            best = done.value
+        for beams in best:
+            for beam in beams:
+                beam.text = tokenizer.decode(beam.tokens) if tokenizer is not None else None
+        return [BeamSearchOutput(beams) for beams in best]
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)
         finished: dict[str, RequestOutput] = {}
@@ -124,6 +165,15 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[r] for r in request_ids]
+
+
+def _candidates(output: RequestOutput) -> Candidates:
+    """A one-token output's sampled id and top alternatives, id -> logprob (the sampled one first, as vLLM)."""
+    completion = output.outputs[0]
+    if not completion.logprobs or not completion.token_ids:
+        return None
+    first = completion.logprobs[0]
+    return {completion.token_ids[0]: first.logprob, **first.top_logprobs}
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
