@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
+from kvgen.engine.outputs import RequestOutput
+from kvgen.engine.types import TokenLogprobs
 from kvgen.fields import check_int, config_field
 
 _f = config_field
@@ -72,6 +74,22 @@ def beam_search_score(tokens: list[int], cum_logprob: float, eos_token_ids: Sequ
     """cum_logprob / len(tokens) ** length_penalty, a final EOS not counted (vLLM ``get_beam_search_score``)."""
     length = len(tokens) - (1 if tokens and tokens[-1] in eos_token_ids else 0)
     return cum_logprob / (length**length_penalty)
+
+
+def candidates_of(output: RequestOutput) -> Candidates:
+    """A finished one-token request's sampled id and top alternatives, id -> logprob (the sampled one first, as
+    vLLM's logprobs dict); None when it produced no token."""
+    completion = output.outputs[0]
+    if not completion.logprobs or not completion.token_ids:
+        return None
+    first = completion.logprobs[0]
+    return {completion.token_ids[0]: first.logprob, **first.top_logprobs}
+
+
+def token_logprobs(beam: BeamSearchSequence, num_prompt_tokens: int, num_top: int) -> list[TokenLogprobs]:
+    """Per generated token of ``beam``: its logprob and the ``num_top`` best of its step's candidates."""
+    return [TokenLogprobs(candidates[token], dict(sorted(candidates.items(), key=lambda kv: -kv[1])[:num_top]))
+            for token, candidates in zip(beam.tokens[num_prompt_tokens:], beam.logprobs, strict=True)]
 
 
 def beam_search_steps(

@@ -1,4 +1,4 @@
-"""``LLM``: offline batch generation on the engine (vLLM's ``LLM.generate`` and ``LLM.chat``)."""
+"""``LLM``: offline batch generation on the engine (vLLM's ``LLM.generate``, ``LLM.chat`` and ``LLM.beam_search``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any, cast
 from kvgen.engine.beam_search import (
     BeamSearchOutput,
     BeamSearchParams,
-    Candidates,
     beam_search_steps,
+    candidates_of,
 )
 from kvgen.engine.engine_args import EngineArgs
 from kvgen.engine.generation_defaults import as_sampling_params, default_sampling_params
@@ -138,7 +138,7 @@ class LLM:
             batch = next(search)
             while True:
                 outputs = self.generate([{"prompt_token_ids": t} for t in batch], step_params, use_tqdm=use_tqdm)
-                batch = search.send([_candidates(o) for o in outputs])
+                batch = search.send([candidates_of(o) for o in outputs])
         except StopIteration as done:
             best = done.value
         for beams in best:
@@ -165,15 +165,6 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[r] for r in request_ids]
-
-
-def _candidates(output: RequestOutput) -> Candidates:
-    """A one-token output's sampled id and top alternatives, id -> logprob (the sampled one first, as vLLM)."""
-    completion = output.outputs[0]
-    if not completion.logprobs or not completion.token_ids:
-        return None
-    first = completion.logprobs[0]
-    return {completion.token_ids[0]: first.logprob, **first.top_logprobs}
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

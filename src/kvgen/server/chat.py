@@ -17,6 +17,7 @@ from starlette.requests import Request
 
 from kvgen.engine.outputs import CompletionOutput, RequestOutput
 from kvgen.errors import KvgenError
+from kvgen.server.beam import new_generation
 from kvgen.server.errors import bad_request
 from kvgen.server.protocol import (
     ChatCompletionChoice,
@@ -48,7 +49,6 @@ from kvgen.server.serving import (
     Generation,
     ServerState,
     check_stream_options,
-    new_request_id,
     resolve_max_tokens,
     sampling_params,
     truncated,
@@ -100,7 +100,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     max_tokens = resolve_max_tokens(state, len(prompt_ids), requested, ("messages", field))
     params = sampling_params(req, state, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                              plan.constraint if plan else None)
-    gen = Generation(state, new_request_id("chatcmpl"))
+    gen = new_generation(state, req, "chatcmpl")
     await gen.start([prompt_ids], params, "messages", req.priority)
 
     def response(choices: list[ChoiceResult]) -> ChatCompletionResponse:

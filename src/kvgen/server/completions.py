@@ -21,6 +21,7 @@ from fastapi.responses import Response
 from starlette.requests import Request
 
 from kvgen.engine.outputs import CompletionOutput, RequestOutput
+from kvgen.server.beam import new_generation
 from kvgen.server.errors import bad_request
 from kvgen.server.protocol import (
     CompletionChoice,
@@ -43,7 +44,6 @@ from kvgen.server.serving import (
     Generation,
     ServerState,
     check_stream_options,
-    new_request_id,
     resolve_max_tokens,
     sampling_params,
     truncated,
@@ -97,7 +97,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     # a truncated prompt is echoed as its kept tokens decoded
     texts = _prompt_texts(state, req.prompt if req.truncate_prompt_tokens is None else [None] * len(prompts), prompts)
     echo = _Echo(state, req, prompts, texts if req.echo else None)
-    gen = Generation(state, new_request_id("cmpl"))
+    gen = new_generation(state, req, "cmpl")
     await gen.start(prompts, params, "prompt", req.priority)
     num_prompt_tokens = sum(len(p) for p in prompts)
 

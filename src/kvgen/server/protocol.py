@@ -108,6 +108,9 @@ class SamplingFields(StrictModel):
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=1 << 18,
                                                                          description="vLLM extra")
     bad_words: list[str] | None = Field(default=None, max_length=1024, description="vLLM extra")
+    use_beam_search: bool = Field(default=False, description="vLLM extra: the n best beams of a beam search")
+    length_penalty: float = Field(default=1.0, ge=-100.0, le=100.0, description="vLLM extra: beam score = "
+                                  "cumulative logprob / tokens ** length_penalty (use_beam_search)")
 
 
 # ---------------------------------------------------------------- chat completions

@@ -87,7 +87,7 @@ async def collect(gen: Generation, n: int) -> list[ChoiceResult]:
     results = [choices[i] for i in sorted(choices)]
     for choice in results:
         choice.prompt_logprobs = prompt_logprobs.get(choice.index // n)
-    if len(results) < len(gen.streams) * n or any(c.finish_reason not in ("stop", "length") for c in results):
+    if len(results) < gen.num_prompts * n or any(c.finish_reason not in ("stop", "length") for c in results):
         raise OpenAIError(503, f"the request was aborted by the server{': ' + error if error else ''}", None, "aborted")
     return results
 

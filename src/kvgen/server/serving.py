@@ -171,13 +171,13 @@ class Generation:
         self.state, self.request_id = state, request_id
         self.streams: list[RequestStream] = []
         self.trackers: list[RequestTracker] = []
+        self.num_prompts = 0
         self._num_admitted = 0
         self._is_closed = False
 
-    async def start(self, prompts: list[list[int]], params: SamplingParams, prompt_param: str, priority: int = 0
-                    ) -> None:
+    def admit(self, num_seqs: int) -> None:
+        """Take ``num_seqs`` admission slots: a 400 beyond the server's capacity, a 429 when the queue is full."""
         state = self.state
-        num_seqs = len(prompts) * params.n
         capacity = state.max_num_seqs + state.max_queue
         if num_seqs > capacity:
             raise bad_request(f"this request needs {num_seqs} sequences (prompts x n); the server takes {capacity}", "n")
@@ -186,6 +186,12 @@ class Generation:
                               None, "rate_limit_exceeded")
         state.metrics.num_in_server += num_seqs
         self._num_admitted = num_seqs
+
+    async def start(self, prompts: list[list[int]], params: SamplingParams, prompt_param: str, priority: int = 0
+                    ) -> None:
+        state = self.state
+        self.admit(len(prompts) * params.n)
+        self.num_prompts = len(prompts)
         for i, ids in enumerate(prompts):
             engine_id = self.request_id if len(prompts) == 1 else f"{self.request_id}-{i}"
             try:

@@ -1,0 +1,63 @@
+"""``use_beam_search`` on a live ``kvgen serve`` (tiny random model): the choices are ``LLM.beam_search``'s beams,
+streamed or not, with their logprobs; settings beam search would ignore are a 400 naming them."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from kvgen.engine import LLM, BeamSearchParams
+
+PROMPT = "The colour of the sky is"
+BEAMS = {"n": 3, "max_tokens": 6, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir, tiny_tokenizer):
+    """LLM.beam_search's 3 best beams of PROMPT: (new ids, text without special tokens, cumulative logprob)."""
+    prompt = tiny_tokenizer.encode(PROMPT)
+    out = LLM(str(tiny_model_dir), num_blocks=256).beam_search(
+        prompt, BeamSearchParams(beam_width=3, max_tokens=6, temperature=0.0))[0]
+    return [(s.tokens[len(prompt):], tiny_tokenizer.decode(s.tokens[len(prompt):], skip_special_tokens=True),
+             s.cum_logprob) for s in out.sequences]
+
+
+def test_completion_choices_are_the_beams_with_their_logprobs(server, expected):
+    body = {"model": "tiny", "prompt": PROMPT, "use_beam_search": True, "logprobs": 2, **BEAMS}
+    r = httpx.post(server.v1 + "/completions", json=body, timeout=60).json()
+    assert [c["text"] for c in r["choices"]] == [text for _, text, _ in expected]
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    for choice, (ids, _, cum) in zip(r["choices"], expected, strict=True):
+        logprobs = choice["logprobs"]["token_logprobs"]
+        assert len(logprobs) == len(ids) and sum(logprobs) == pytest.approx(cum, abs=1e-4)
+        assert choice["finish_reason"] == ("stop" if len(ids) < BEAMS["max_tokens"] else "length")
+    assert r["usage"]["completion_tokens"] == sum(len(ids) for ids, _, _ in expected)
+
+
+def test_streamed_chat_beam_search_equals_the_answer_at_once(client):
+    kwargs = {"model": "tiny", "messages": [{"role": "user", "content": "Name a colour."}],
+              "extra_body": {"use_beam_search": True, "length_penalty": 0.5}, **BEAMS}
+    whole = client.chat.completions.create(**kwargs)
+    texts: dict[int, str] = {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    assert [texts[i] for i in range(3)] == [c.message.content for c in whole.choices]
+    assert len({c.message.content for c in whole.choices}) > 1  # three different beams
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"stop": ["."]}, "stop"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"n": 11}, "n"),
+    ({"echo": True, "logprobs": 1}, "echo"),
+])
+def test_settings_beam_search_would_ignore_are_refused(server, extra, param):
+    body = {"model": "tiny", "prompt": PROMPT, "use_beam_search": True, **BEAMS, **extra}
+    r = httpx.post(server.v1 + "/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    ok = httpx.post(server.v1 + "/completions", json={**body, **BEAMS, "stop": None, "repetition_penalty": None,
+                                                     "response_format": None, "echo": False, "logprobs": None},
+                    timeout=60)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 3  # the server goes on serving
