@@ -109,6 +109,36 @@ def test_strategies_that_pick_at_the_end_print_their_sequence(capsys, tiny_model
     assert out.rstrip("\n") == json.loads(out_json)["text"] and out.strip()
 
 
+def test_force_word_and_negative_prompt_reach_generate(capsys, tiny_model_dir):
+    """--force-word (constrained beam search) and --negative-prompt (classifier-free guidance) give the tokens of
+    generate() with force_words_ids / negative_prompt_ids tokenized the same way."""
+    from kvgen.generation import GenerationConfig, generate
+    from kvgen.loader import load_model
+
+    model, tok = load_model(str(tiny_model_dir))
+    ids = torch.tensor([tok.encode("The sky is")])
+    base = ["generate", "The sky is", "--model", str(tiny_model_dir), "--max-new-tokens", "8", "--json"]
+    cases = [
+        (["--num-beams", "3", "--force-word", " green", "--force-word", " sea"],
+         {"num_beams": 3, "force_words_ids": [tok.encode(" green", add_special_tokens=False),
+                                              tok.encode(" sea", add_special_tokens=False)]}, {}),
+        (["--guidance-scale", "5.0", "--negative-prompt", "The sea is"], {"guidance_scale": 5.0},
+         {"negative_prompt_ids": torch.tensor([tok.encode("The sea is")])}),
+    ]
+    for flags, settings, extra in cases:
+        code, out, err = _run(capsys, [*base, *flags])
+        assert code == 0, err
+        want = generate(model, ids, None, GenerationConfig(max_new_tokens=8, **settings), **extra).new_token_ids[0]
+        assert json.loads(out)["token_ids"] == want
+        plain = generate(model, ids, None, GenerationConfig(max_new_tokens=8, num_beams=settings.get("num_beams", 1)))
+        assert plain.new_token_ids[0] != want  # the flag changed the output
+    for flags, message in [(["--negative-prompt", "x"], "--negative-prompt needs --guidance-scale"),
+                           (["--force-word", " x"], "needs num_beams > 1"), (["--force-word", "", "--num-beams", "2"],
+                                                                             "--force-word must not be empty")]:
+        code, _, err = _run(capsys, [*base, *flags])
+        assert code == 2 and message in err and err.count("\n") == 1, err
+
+
 def test_max_length_counts_the_prompt(capsys, tiny_model_dir):
     """transformers' max_length: prompt plus new tokens (without --max-new-tokens, whose CLI default would win)."""
     code, out, _ = _run(capsys, ["generate", "Hi", "--model", str(tiny_model_dir), "--max-length", "9",

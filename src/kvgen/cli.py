@@ -132,7 +132,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # the model's generation config fills what the flags leave unset, as in transformers' generate(); the flags
     # also go to generate() as keyword arguments, which win over it there too
     flags = flag_values(args)
+    if args.force_word:  # phrases as tokenized here, after any --force-words-ids
+        flags["force_words_ids"] = list(flags.get("force_words_ids") or []) + _force_words(args.force_word, tokenizer)
     cfg = cfg.with_generation_defaults(model.generation_defaults).replace(**flags)
+    negative = None
+    if args.negative_prompt is not None:
+        if cfg.guidance_scale in (None, 1.0):
+            raise CliError("--negative-prompt needs --guidance-scale (a value other than 1)")
+        negative = torch.tensor([_prompt_ids(args.negative_prompt, args.chat, tokenizer) or [prompt_ids[-1]]])
     single = cfg.num_return_sequences == 1
     # beams and sample-and-rank pick their sequence at the end: printed then
     streams = not (args.json or args.trace or not single or cfg.strategy in NOT_STREAMABLE)
@@ -141,7 +148,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = _traced_generate(model, input_ids, cfg, tokenizer, args.trace_plot, flags)
     else:
         out = generate(model, input_ids, None, cfg, tokenizer=tokenizer, streamer=streamer, assistant_model=assistant,
-                       **flags)
+                       negative_prompt_ids=negative, **flags)
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in out.new_token_ids]
     if args.json:
         print(json.dumps(_json_report(prompt_ids, out, texts, load_s), ensure_ascii=False))
@@ -149,6 +156,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for k, text in enumerate(texts):
             print(text if single else f"--- sequence {k} ---\n{text}")
     return 0
+
+
+def _force_words(texts: list[str], tokenizer: Any) -> list[list[int]]:
+    """``--force-word`` texts as id lists (no special tokens); ``CliError`` for one that tokenizes to nothing."""
+    words = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    if any(not w for w in words):
+        raise CliError(f"--force-word must not be empty, got {texts!r}")
+    return words
 
 
 def _json_report(prompt_ids: list[int], out: Any, texts: list[str], load_s: float) -> dict[str, Any]:

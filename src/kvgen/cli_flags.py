@@ -189,6 +189,10 @@ def add_generate_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--trace", action="store_true", help="print per-step shapes and latency; plot latency with/without cache")
     g.add_argument("--trace-plot", default="kvgen-trace.png", help="where --trace saves its PNG")
+    g.add_argument("--negative-prompt", default=None, metavar="TEXT",
+                   help="classifier-free guidance: the prompt to steer away from (with --guidance-scale)")
+    g.add_argument("--force-word", action="append", default=None, metavar="TEXT",
+                   help="constrained beam search: text the output must contain (repeatable; with --num-beams > 1)")
     _add_chat_flags(g)
     add_generation_flags(g)
 
