@@ -459,10 +459,37 @@ def test_unknown_and_unimplemented_settings_are_named(tiny: TinyModel) -> None:
     does not implement is a NotImplementedError naming it and its feature, never a TypeError."""
     with pytest.raises(ValueError, match=r"unknown generation setting\(s\) \['max_new_token'\]"):
         generate(tiny.ours, IDS, MASK, max_new_token=3)
-    with pytest.raises(NotImplementedError, match=r"watermarking_config \(watermarking\)"):
-        generate(tiny.ours, IDS, MASK, watermarking_config={"bias": 2.0})
+    with pytest.raises(NotImplementedError, match=r"low_memory \(sequential contrastive search\)"):
+        generate(tiny.ours, IDS, MASK, low_memory=True)
+    with pytest.raises(NotImplementedError, match="SynthID"):
+        generate(tiny.ours, IDS, MASK, watermarking_config={"ngram_len": 5, "keys": [1, 2, 3]})
     with pytest.raises(NotImplementedError, match=r"token_healing \(token healing\)"):
         generate(tiny.ours, IDS, MASK, token_healing=True)
+
+
+# ---------------------------------------------------------------- watermarking
+
+WATERMARKS = {
+    "lefthash, greedy": ({"bias": 3.0}, {}),
+    "selfhash, width 2, seeded sampling": ({"bias": 2.0, "seeding_scheme": "selfhash", "context_width": 2},
+                                          {"do_sample": True, "seed": 3}),
+    "lefthash, beam search": ({"greenlist_ratio": 0.5, "bias": 1.5}, {"num_beams": 3}),
+}
+
+
+@pytest.mark.parametrize("name", list(WATERMARKS))
+def test_watermarked_generation_matches_transformers(tiny: TinyModel, name: str) -> None:
+    """watermarking_config as a dict (transformers' WatermarkingConfig fields), after every other processor."""
+    fields, kwargs = WATERMARKS[name][0], dict(WATERMARKS[name][1])
+    eos = _two_eos(tiny)
+    seed = kwargs.pop("seed", None)
+    ref = _hf(tiny, eos, watermarking_config=fields, **kwargs) if seed is None else _hf_seeded(
+        tiny, seed, eos, watermarking_config=fields, **kwargs)
+    ours = _ours(tiny, eos, watermarking_config=fields, output_scores=True, seed=seed, **kwargs)
+    assert ours.sequences.tolist() == ref.sequences.tolist()
+    _assert_scores_close(ours, ref)
+    plain = _ours(tiny, eos, seed=seed, **kwargs)
+    assert plain.sequences.tolist() != ours.sequences.tolist()  # the watermark changed the tokens
 
 
 # ---------------------------------------------------------------- DoLa decoding

@@ -116,6 +116,7 @@ PINNED_ORDER = (
     "TypicalLogitsWarper",
     "EpsilonLogitsWarper",
     "EtaLogitsWarper",
+    "WatermarkLogitsProcessor",
     "LogitNormalization",
 )
 
@@ -146,6 +147,7 @@ EVERYTHING = {
     "remove_invalid_values": True,
     "exponential_decay_length_penalty": (2, 1.5),
     "begin_suppress_tokens": [12],
+    "watermarking_config": {"bias": 1.5, "context_width": 2, "hashing_key": 11},
     "renormalize_logits": True,
 }
 

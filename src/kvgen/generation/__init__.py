@@ -1,8 +1,12 @@
-"""Offline generation: ``generate()``, ``GenerationConfig``, ``GenerateOutput``."""
+"""Offline generation: ``generate()``, ``GenerationConfig``, ``GenerateOutput``; the constraints of constrained beam
+search and the watermark of ``watermarking_config`` (with its detector), under transformers' names."""
 
 from kvgen.generation.config import GenerationConfig, Strategy
+from kvgen.generation.constraints import DisjunctiveConstraint, PhrasalConstraint
 from kvgen.generation.generate import generate
 from kvgen.generation.output import GenerateOutput, GenerateTimings
 from kvgen.generation.runner import make_cache
+from kvgen.sampling.watermark import WatermarkDetector, WatermarkingConfig
 
-__all__ = ["GenerateOutput", "GenerateTimings", "GenerationConfig", "Strategy", "generate", "make_cache"]
+__all__ = ["DisjunctiveConstraint", "GenerateOutput", "GenerateTimings", "GenerationConfig", "PhrasalConstraint",
+           "Strategy", "WatermarkDetector", "WatermarkingConfig", "generate", "make_cache"]

@@ -54,7 +54,7 @@ MODEL_DEFAULT_KEYS = (
 
 # transformers 4.55 GenerationConfig fields kvgen does not implement -> what they would do there
 UNIMPLEMENTED_HF_FIELDS = {
-    "watermarking_config": "watermarking", "token_healing": "token healing",
+    "token_healing": "token healing",
     "assistant_early_exit": "self-speculative decoding", "low_memory": "sequential contrastive search",
     "output_attentions": "attention outputs", "output_hidden_states": "hidden-state outputs",
 }
@@ -132,6 +132,8 @@ class GenerationConfig:
     forced_eos_token_id: int | list[int] | None = _f(None, "EOS id(s) forced as the last token at max_new_tokens")
     exponential_decay_length_penalty: tuple[int, float] | None = _f(
         None, "(start, factor): after start new tokens, EOS logits grow by |x| (factor ** n - 1)")
+    watermarking_config: Any = _f(None, "green-list watermark (Kirchenbauer et al. 2023): a WatermarkingConfig or its "
+                                  "fields, e.g. {\"bias\": 2.0, \"seeding_scheme\": \"selfhash\"}")
     remove_invalid_values: bool = _f(False, "replace NaN and inf logits by finite values")
     renormalize_logits: bool = _f(False, "log-softmax the scores after every processor")
     eos_token_id: int | list[int] | None = _f(None, "end-of-sequence token id(s); default: the model's")
@@ -172,6 +174,10 @@ class GenerationConfig:
             raise ValueError("num_assistant_tokens_schedule must be 'heuristic', 'heuristic_transient' or 'constant', "
                              f"got {self.num_assistant_tokens_schedule!r}")
         check_processor_settings(self)
+        if self.watermarking_config is not None:
+            from kvgen.sampling.watermark import WatermarkingConfig
+
+            self.watermarking_config = WatermarkingConfig.of(self.watermarking_config)
         if self.cache_implementation not in ("dynamic", "static"):
             raise ValueError(f"cache_implementation must be 'dynamic' or 'static', got {self.cache_implementation!r}")
         if self.stop_strings is not None and any(not isinstance(s, str) or not s for s in self.stop_strings):

@@ -21,6 +21,7 @@ import torch
 from kvgen.config import checked_token_ids, token_id_list
 from kvgen.sampling import ops
 from kvgen.sampling.pipeline import GENERATE_FIRST_WARPER, GENERATE_ORDER, split_order
+from kvgen.sampling.watermark import WatermarkingConfig, WatermarkLogitsProcessor
 
 
 class LogitsProcessor:
@@ -491,8 +492,13 @@ def _presence_frequency(s: _Settings) -> LogitsProcessor | None:
     return PresenceFrequencyPenaltyLogitsProcessor(presence, frequency, s.prompt_length)
 
 
+def _watermark(s: _Settings) -> WatermarkLogitsProcessor | None:
+    value = s.get("watermarking_config", None)
+    return None if value is None else WatermarkLogitsProcessor(None, WatermarkingConfig.of(value))
+
+
 # Stage name (``kvgen.sampling.pipeline.GENERATE_ORDER``) -> (processor class, factory).
-_STAGES: dict[str, tuple[type[LogitsProcessor], Callable[[_Settings], LogitsProcessor | None]]] = {
+_STAGES: dict[str, tuple[type, Callable[[_Settings], Any]]] = {  # (LogitsProcessor or watermark class, factory)
     "guidance": (UnbatchedClassifierFreeGuidanceLogitsProcessor, _guidance),
     "sequence_bias": (SequenceBiasLogitsProcessor, _when_set(SequenceBiasLogitsProcessor, "sequence_bias")),
     "encoder_repetition_penalty": (
@@ -526,14 +532,15 @@ _STAGES: dict[str, tuple[type[LogitsProcessor], Callable[[_Settings], LogitsProc
     "typical_p": (TypicalLogitsWarper, _filter(TypicalLogitsWarper, "typical_p", 1.0)),
     "epsilon_cutoff": (EpsilonLogitsWarper, _filter(EpsilonLogitsWarper, "epsilon_cutoff", 0.0)),
     "eta_cutoff": (EtaLogitsWarper, _filter(EtaLogitsWarper, "eta_cutoff", 0.0)),
+    "watermark": (WatermarkLogitsProcessor, _watermark),
     "renormalize_logits": (LogitNormalization,
                            lambda s: LogitNormalization() if s.get("renormalize_logits", False) else None),
 }
 # The classes in GENERATE_ORDER (transformers 4.55 ``_get_logits_processor`` order).
-PROCESSOR_ORDER: tuple[type[LogitsProcessor], ...] = tuple(_STAGES[name][0] for name in GENERATE_ORDER)
-_ALWAYS, _WARPERS = split_order(GENERATE_ORDER[:-1], GENERATE_FIRST_WARPER)
-_ALWAYS += GENERATE_ORDER[-1:]  # renormalize_logits: last, with or without sampling
-WARPERS: frozenset[type[LogitsProcessor]] = frozenset(_STAGES[name][0] for name in _WARPERS)
+PROCESSOR_ORDER: tuple[type, ...] = tuple(_STAGES[name][0] for name in GENERATE_ORDER)
+_ALWAYS, _WARPERS = split_order(GENERATE_ORDER[:-2], GENERATE_FIRST_WARPER)
+_ALWAYS += GENERATE_ORDER[-2:]  # watermark, renormalize_logits: last, with or without sampling
+WARPERS: frozenset[type] = frozenset(_STAGES[name][0] for name in _WARPERS)
 
 
 def default_min_tokens_to_keep(cfg: object) -> int:
@@ -569,7 +576,7 @@ def build_logits_processors(
     settings = _Settings(cfg, prompt_length, keep, token_id_list(getattr(cfg, "eos_token_id", None)), prompt_ids,
                          unconditional_logits)
     sampling = getattr(cfg, "do_sample", False)
-    stages, merge_at = (GENERATE_ORDER, GENERATE_FIRST_WARPER) if sampling else (_ALWAYS, _ALWAYS[-1])
+    stages, merge_at = (GENERATE_ORDER, GENERATE_FIRST_WARPER) if sampling else (_ALWAYS, _ALWAYS[-2])
     processors = LogitsProcessorList()
     for name in stages:
         if name == merge_at:  # the caller's processors: before the warpers (and renormalize_logits)

@@ -43,9 +43,10 @@ GENERATE_ORDER: tuple[str, ...] = (
     "typical_p",
     "epsilon_cutoff",
     "eta_cutoff",
+    "watermark",  # not a warper: after them (transformers #34630), sampling or not
     "renormalize_logits",  # not a warper: transformers appends it last, sampling or not
 )
-# Stages from this one on (but the last) are HF "warpers": they run only when sampling.
+# Stages from this one on (but the last two) are HF "warpers": they run only when sampling.
 GENERATE_FIRST_WARPER = "temperature"
 
 # The engine: vLLM v1's order. Greedy rows take the argmax of the logits reached just
