@@ -391,6 +391,18 @@ def test_contrastive_search_matches_transformers(tiny: TinyModel, kwargs: dict[s
     assert (ours.finish_reasons, ours.num_new_tokens) == _expected_stops(_new(ref.sequences), eos)
 
 
+def test_low_memory_contrastive_search_gives_the_same_tokens(tiny: TinyModel) -> None:
+    """transformers' low_memory=True scores the top_k candidates one by one; kvgen accepts it and scores them in one
+    batch, with transformers' sequential tokens (one unpadded prompt: transformers' low_memory path fails on a
+    padded batch)."""
+    kwargs = {"penalty_alpha": 0.6, "top_k": 4, "max_new_tokens": 12, "pad_token_id": PAD}
+    with torch.inference_mode():
+        ref = tiny.ref.generate(IDS[:1], attention_mask=MASK[:1], low_memory=True, **kwargs)
+    ours = generate(tiny.ours, IDS[:1], MASK[:1], GenerationConfig(low_memory=True, eos_token_id=[], **kwargs))
+    assert ours.sequences.tolist() == ref.tolist()
+    assert ours.sequences.tolist() != generate(tiny.ours, IDS[:1], MASK[:1], max_new_tokens=12).sequences.tolist()
+
+
 # ---------------------------------------------------------------- sample-and-rank
 
 
@@ -459,8 +471,8 @@ def test_unknown_and_unimplemented_settings_are_named(tiny: TinyModel) -> None:
     does not implement is a NotImplementedError naming it and its feature, never a TypeError."""
     with pytest.raises(ValueError, match=r"unknown generation setting\(s\) \['max_new_token'\]"):
         generate(tiny.ours, IDS, MASK, max_new_token=3)
-    with pytest.raises(NotImplementedError, match=r"low_memory \(sequential contrastive search\)"):
-        generate(tiny.ours, IDS, MASK, low_memory=True)
+    with pytest.raises(NotImplementedError, match=r"output_attentions \(attention outputs\)"):
+        generate(tiny.ours, IDS, MASK, output_attentions=True)
     with pytest.raises(NotImplementedError, match="SynthID"):
         generate(tiny.ours, IDS, MASK, watermarking_config={"ngram_len": 5, "keys": [1, 2, 3]})
     with pytest.raises(NotImplementedError, match=r"token_healing \(token healing\)"):

@@ -55,7 +55,7 @@ MODEL_DEFAULT_KEYS = (
 # transformers 4.55 GenerationConfig fields kvgen does not implement -> what they would do there
 UNIMPLEMENTED_HF_FIELDS = {
     "token_healing": "token healing",
-    "assistant_early_exit": "self-speculative decoding", "low_memory": "sequential contrastive search",
+    "assistant_early_exit": "self-speculative decoding",
     "output_attentions": "attention outputs", "output_hidden_states": "hidden-state outputs",
 }
 
@@ -101,6 +101,8 @@ class GenerationConfig:
     num_beam_groups: int = _f(1, "groups for diverse (group) beam search; must divide num_beams")
     diversity_penalty: float = _f(0.0, "group beam search: penalty for tokens chosen by earlier groups")
     penalty_alpha: float | None = _f(None, "contrastive search: degeneration penalty (with top_k > 1)")
+    low_memory: bool | None = _f(None, "accepted for transformers' sake: its sequential contrastive search gives the "
+                                 "tokens of the batched one kvgen runs")
     length_penalty: float = _f(1.0, "beam score = sum logprob / length**length_penalty")
     early_stopping: bool | str = _f(False, "beam search stop rule: true, false or 'never'")
     num_return_sequences: int = _f(1, "sequences returned per prompt")
