@@ -18,6 +18,7 @@ hypothesis shorter than the longest one plus one (up to the maximum length).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,7 @@ NEG = -1.0e9  # transformers' "impossible" beam score
 class Search:
     """Per-call constants and the per-prompt state: ``hyps[b]`` / ``done[b]`` of prompt b."""
 
-    constraints: list
+    constraints: list[Any]
     num_beams: int
     eos_token_ids: list[int]
     pad_token_id: int
@@ -93,10 +94,11 @@ def constrained_beam_search(runner: StepRunner, ctx: LoopContext) -> GenerateOut
     return out
 
 
-def _check_vocab(constraints: list, vocab: int) -> None:
+def _check_vocab(constraints: list[Any], vocab: int) -> None:
+    """``ValueError`` for a constraint id outside the vocabulary (constraints without ``token_ids`` unchecked)."""
     for c in constraints:
-        words = c.token_ids if isinstance(c.token_ids[0], list) else [c.token_ids]
-        if max(max(w) for w in words) >= vocab:
+        ids = getattr(c, "token_ids", None) or []
+        if any(t >= vocab for word in ids for t in (word if isinstance(word, list) else [word])):
             raise ValueError(f"constraint token ids must be < vocab_size {vocab}, got {c.token_ids}")
 
 
