@@ -84,6 +84,23 @@ def test_greedy_batch_is_token_identical_to_generate_alone(model_tok, prompts, r
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_long_prefill_token_threshold_caps_each_prefill_chunk(model_tok, prompts, reference):
+    """vLLM's long_prefill_token_threshold: no request prefills more than 7 tokens in a step; tokens unchanged."""
+    llm = _llm(model_tok, long_prefill_token_threshold=7)
+    scheduler, chunks = llm.llm_engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def recording():
+        out = schedule()
+        chunks.extend(len(r.token_ids) for r in out.scheduled)
+        return out
+
+    scheduler.schedule = recording
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[16:32:2]], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference[16:32:2]
+    assert max(chunks) == 7 and max(len(p) for p in prompts[16:32:2]) > 7
+
+
 @pytest.mark.parametrize(
     "engine_args", [{}, {"num_blocks": 12}, {"max_num_batched_tokens": 16}], ids=["large_pool", "tiny_pool_preempts", "chunked_prefill"]
 )

@@ -36,6 +36,9 @@ class EngineArgs:
     max_num_seqs: int = _f(64, "most requests running in one step")
     max_num_batched_tokens: int = _f(512, "most tokens (prefill chunks + decodes) in one step")
     max_model_len: int | None = _f(None, "longest prompt + output in tokens (default: the model's context)")
+    long_prefill_token_threshold: int | None = _f(
+        None, "most prompt tokens one request prefills per step (None = up to the token budget); smaller keeps the "
+        "other requests' decode steps short while a long prompt comes in")
     enable_prefix_caching: bool = _f(True, "reuse KV blocks of identical prompt prefixes")
     seed: int = _f(0, "seed of the RNG that seeds requests without their own seed")
     max_logprobs: int = _f(20, "largest SamplingParams.logprobs accepted")
@@ -57,7 +60,7 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {AUTO}, {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             check_int(name, getattr(self, name), 1)
-        for name in ("num_blocks", "kv_cache_memory", "max_model_len"):
+        for name in ("num_blocks", "kv_cache_memory", "max_model_len", "long_prefill_token_threshold"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
         check_int("max_logprobs", self.max_logprobs, 0)

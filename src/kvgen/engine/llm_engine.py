@@ -74,6 +74,7 @@ class LLMEngine:
         spec = args.speculative_config
         assert spec is None or isinstance(spec, SpeculativeConfig)  # EngineArgs parses it
         self.scheduler = Scheduler(args.max_num_seqs, args.max_num_batched_tokens, self.block_manager,
+                                   long_prefill_token_threshold=args.long_prefill_token_threshold,
                                    policy=args.scheduling_policy, max_model_len=self.max_model_len,
                                    speculative_config=spec)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids if tokenizer is not None else config.eos_token_ids)
