@@ -70,6 +70,24 @@ def assert_batched_equals_alone(model, prompts: list[list[int]], pad_id: int, cf
         torch.testing.assert_close(batched.sequences_scores[n * i : n * i + n], alone.sequences_scores)
 
 
+def assert_padded_beams_match_transformers(ours_default, hf_model, hf_tokenizer, prompts: list[list[int]],
+                                           max_new_tokens: int, **kwargs):
+    """generate() and transformers' generate() on the left-padded ``prompts`` (a tokenizer given to both, for stop
+    strings): the same sequences and sequence scores. Returns kvgen's ``GenerateOutput``."""
+    from kvgen.generation import GenerationConfig, generate
+
+    model, tok = ours_default
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    ours = generate(model, ids, mask, GenerationConfig(max_new_tokens=max_new_tokens, **kwargs), tokenizer=tok)
+    with torch.inference_mode():
+        ref = hf_model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_ids,
+                                pad_token_id=tok.pad_token_id, return_dict_in_generate=True, output_scores=True,
+                                tokenizer=hf_tokenizer, **kwargs)
+    assert ours.sequences.tolist() == ref.sequences.tolist()
+    torch.testing.assert_close(ours.sequences_scores, ref.sequences_scores)
+    return ours
+
+
 # ---------------------------------------------------------------- running a model or an attention op
 
 

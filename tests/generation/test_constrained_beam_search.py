@@ -4,7 +4,7 @@ words really appear, and each prompt of a padded batch gets the hypotheses it ge
 from __future__ import annotations
 
 import torch
-from helpers import assert_batched_equals_alone, left_pad
+from helpers import assert_batched_equals_alone, assert_padded_beams_match_transformers
 
 from kvgen.generation import GenerationConfig, generate
 
@@ -48,15 +48,8 @@ def test_batched_constrained_beam_search_gives_each_prompt_its_hypotheses_alone(
 def test_constrained_beam_search_with_stop_strings_matches_transformers(ours_default, hf_default,
                                                                        hf_default_tokenizer):
     """A stop string ends the search only when every beam's last token ends one at once (transformers)."""
-    model, tok = ours_default
-    (france, force), (story, _) = _cases(tok)
-    ids, mask = left_pad([france, story], tok.pad_token_id)
-    kwargs = {"num_beams": 4, "num_return_sequences": 2, "force_words_ids": force, "stop_strings": [".", ","]}
-    ours = generate(model, ids, mask, GenerationConfig(max_new_tokens=NEW_TOKENS, **kwargs), tokenizer=tok)
-    with torch.inference_mode():
-        ref = hf_default.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=tok.eos_token_ids,
-                                  pad_token_id=tok.pad_token_id, return_dict_in_generate=True, output_scores=True,
-                                  tokenizer=hf_default_tokenizer, **kwargs)
-    assert ours.sequences.tolist() == ref.sequences.tolist()
-    torch.testing.assert_close(ours.sequences_scores, ref.sequences_scores)
-    assert any("." in tok.decode(row) for row in ours.new_token_ids)  # beams ran past a stop string
+    (france, force), (story, _) = _cases(ours_default[1])
+    ours = assert_padded_beams_match_transformers(
+        ours_default, hf_default, hf_default_tokenizer, [france, story], NEW_TOKENS, num_beams=4,
+        num_return_sequences=2, force_words_ids=force, stop_strings=[".", ","])
+    assert any("." in ours_default[1].decode(row) for row in ours.new_token_ids)  # beams ran past a stop string

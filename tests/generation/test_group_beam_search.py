@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_batched_equals_alone, left_pad
+from helpers import assert_batched_equals_alone, assert_padded_beams_match_transformers
 
 from kvgen.generation import GenerationConfig, generate
 from kvgen.generation.group_beam_search import Hypotheses
@@ -48,18 +48,11 @@ def test_group_beam_search_matches_transformers(ours_default, hf_default, name):
 def test_group_beam_search_with_stop_strings_matches_transformers(ours_default, hf_default, hf_default_tokenizer):
     """transformers stops group beam search only when every beam's last token ends a stop string at once; beams
     that ran past a match earlier do not count."""
-    model, tok = ours_default
-    kwargs = {**SETTINGS["2 groups of 2"], "stop_strings": [".", ","]}
-    ids, mask = left_pad([tok.encode("The capital of France is"), tok.encode("Once upon a time, in a small village,")],
-                         tok.pad_token_id)
-    ours = generate(model, ids, mask, GenerationConfig(max_new_tokens=NEW_TOKENS, **kwargs), tokenizer=tok)
-    with torch.inference_mode():
-        ref = hf_default.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=tok.eos_token_ids,
-                                  pad_token_id=tok.pad_token_id, return_dict_in_generate=True, output_scores=True,
-                                  tokenizer=hf_default_tokenizer, **kwargs)
-    assert ours.sequences.tolist() == ref.sequences.tolist()
-    torch.testing.assert_close(ours.sequences_scores, ref.sequences_scores)
-    assert any(s in tok.decode(row) for row in ours.new_token_ids for s in kwargs["stop_strings"])  # beams ran past
+    tok = ours_default[1]
+    prompts = [tok.encode("The capital of France is"), tok.encode("Once upon a time, in a small village,")]
+    ours = assert_padded_beams_match_transformers(ours_default, hf_default, hf_default_tokenizer, prompts, NEW_TOKENS,
+                                                  **SETTINGS["2 groups of 2"], stop_strings=[".", ","])
+    assert any(s in tok.decode(row) for row in ours.new_token_ids for s in ".,")  # beams ran past a match
 
 
 def test_diversity_penalty_changes_the_later_groups(ours_default):
