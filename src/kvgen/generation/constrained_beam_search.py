@@ -135,7 +135,7 @@ def _with_advances(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pool the chosen beams with the advance continuations of prompt i's beams; keep nb round-robin over banks
     (transformers' ``step_sentence_constraint``). Returns (scores, tokens, rows), each [nb]."""
-    nb, (scores, tokens, rows) = search.num_beams, chosen
+    nb, (scores, tokens, rows) = search.num_beams, (list(c) for c in chosen)
     pool = [seqs[r] + [t] for r, t in zip(rows, tokens)]  # the chosen hypotheses, then advances not among them
     states = [ConstraintListState.after(search.constraints, seq) for seq in pool]
     new_scores: list[torch.Tensor] = []
@@ -149,7 +149,8 @@ def _with_advances(
             if seqs[row] + [token] not in pool:
                 pool.append(seqs[row] + [token])
                 states.append(state)
-                tokens, rows = tokens + [token], rows + [row]
+                tokens.append(token)
+                rows.append(row)
                 new_scores.append(acc[row, token])
     all_scores = torch.tensor(scores, dtype=torch.float32)
     if not new_scores:

@@ -28,7 +28,8 @@ class GenerateOutput:
     scores / logits: per step, [R, V] float32 processed scores / raw logits
     (only when ``output_scores`` / ``output_logits``); R = N, except for beam
     strategies, where the rows are the B * num_beams live beams of that step
-    (as transformers; beam strategies score log-softmax, then processors).
+    (as transformers; beam strategies score log-softmax, then processors; constrained beam search adds each
+    beam's running score, as transformers does).
     sequences_scores: [N] float32, best first per prompt: beam strategies give
     sum of processed log-probs / generated_len ** length_penalty (as
     transformers), sample-and-rank the same over raw-logit log-probs; None otherwise.
