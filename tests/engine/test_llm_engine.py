@@ -84,6 +84,16 @@ def test_greedy_batch_is_token_identical_to_generate_alone(model_tok, prompts, r
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_detokenize_false_gives_the_token_ids_without_text(model_tok, prompts, reference):
+    llm = _llm(model_tok)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[:6]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference[:6]
+    assert all(o.outputs[0].text == "" for o in outputs)
+    assert any(o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in prompts[:6]], GREEDY,
+                                                       use_tqdm=False))
+
+
 def test_long_prefill_token_threshold_caps_each_prefill_chunk(model_tok, prompts, reference):
     """vLLM's long_prefill_token_threshold: no request prefills more than 7 tokens in a step; tokens unchanged."""
     llm = _llm(model_tok, long_prefill_token_threshold=7)

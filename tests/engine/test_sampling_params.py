@@ -13,7 +13,7 @@ def test_defaults_follow_vllm() -> None:
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
     assert (p.max_tokens, p.min_tokens, p.logprobs, p.seed) == (16, 0, None, None)
     assert (p.stop, p.stop_token_ids) == ([], [])
-    assert p.skip_special_tokens and not p.ignore_eos and not p.include_stop_str_in_output
+    assert p.skip_special_tokens and p.detokenize and not p.ignore_eos and not p.include_stop_str_in_output
     assert p.output_kind is RequestOutputKind.CUMULATIVE
     assert not p.is_greedy
 
@@ -74,6 +74,8 @@ def test_is_greedy(temperature: float, is_greedy: bool) -> None:
         ({"truncate_prompt_tokens": 0}, r"truncate_prompt_tokens must be -1 or an int in \[1, 2147483647\], got 0"),
         ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be -1 or an int"),
         ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens must be -1 or an int"),
+        ({"detokenize": False, "stop": "."}, r"detokenize=False conflicts with stop=\['\.'\]"),
+        ({"detokenize": 0}, "detokenize must be a bool, got 0"),
     ],
 )
 def test_validation_names_field_and_value(kwargs: dict, message: str) -> None:

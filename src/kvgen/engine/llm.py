@@ -132,7 +132,8 @@ class LLM:
                 raise ValueError(f"a beam search prompt must hold 1 to {engine.max_model_len - 1} tokens "
                                  f"(max_model_len - 1), got {len(ids)}")
             token_lists.append(list(ids))
-        step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
+        step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature,
+                                     detokenize=False)
         search = beam_search_steps(token_lists, params, engine.eos_token_ids, engine.max_model_len)
         try:
             batch = next(search)

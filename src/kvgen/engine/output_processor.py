@@ -68,7 +68,9 @@ class OutputProcessor:
     def add_request(self, request: Request) -> None:
         """Track a request (call with ``Scheduler.add_request``; ``LLMEngine.add_request`` checks the id is new)."""
         assert request.request_id not in self._states, request.request_id
-        detokenizer = RequestDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling_params)
+        params = request.sampling_params
+        detokenizer = RequestDetokenizer(self.tokenizer if params.detokenize else None, request.prompt_token_ids,
+                                         params)
         state = RequestState(request, detokenizer)
         if request.sampling_params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0

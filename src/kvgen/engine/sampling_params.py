@@ -69,6 +69,7 @@ class SamplingParams:
     # bad_words as token id sequences: filled by the engine from its tokenizer (vLLM's _bad_words_token_ids)
     bad_words_token_ids: list[list[int]] | None = _f(None, "bad_words tokenized (set by the engine)", cli=False)
     skip_special_tokens: bool = _f(True, "leave special tokens out of the text")
+    detokenize: bool = _f(True, "decode the output into text (False: token ids only, empty text, no stop strings)")
     output_kind: RequestOutputKind = _f(RequestOutputKind.CUMULATIVE, "cumulative, delta or final-only outputs")
     structured_outputs: StructuredOutputsParams | None = _f(
         None, "constrain the output to a JSON schema, a regex, a choice or a grammar (finishes with 'stop' once complete)")
@@ -99,9 +100,11 @@ class SamplingParams:
             if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
                 raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
             self.bad_words = list(words)
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not self.detokenize and self.stop:
+            raise ValueError(f"detokenize=False conflicts with stop={self.stop!r}: stop strings are matched on text")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

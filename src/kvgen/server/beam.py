@@ -84,7 +84,7 @@ class BeamGeneration(Generation):
         self.prompts, self.priority, self.logprobs = prompts, priority, params.logprobs
         self.skip_special_tokens = params.skip_special_tokens
         self.step_params = SamplingParams(logprobs=2 * params.n, max_tokens=1, temperature=params.temperature,
-                                          output_kind=RequestOutputKind.FINAL_ONLY)
+                                          output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
         self.trackers = [RequestTracker(self.state.metrics, f"{self.request_id}-{i}") for i in range(len(prompts))]
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
