@@ -91,7 +91,7 @@ def generate(
     token), as transformers.
     Returns a :class:`GenerateOutput`. Raises ``ValueError`` for bad shapes or
     settings (an unknown setting name too), ``NotImplementedError`` for a transformers setting kvgen does not
-    implement (``watermarking_config``, ``token_healing``, ...) and ``ContextLengthError`` when
+    implement (``token_healing``, SynthID watermarking, ...) and ``ContextLengthError`` when
     prompt + ``max_new_tokens`` exceeds the model's context window.
     Reference: transformers 4.55 ``GenerationMixin.generate``.
     """
