@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvgen.generation.beam_search import NEG
 from kvgen.generation.config import GenerationConfig
 from kvgen.generation.constraints import (
     ConstraintListState,
@@ -34,8 +35,6 @@ from kvgen.generation.group_beam_search import Hypotheses
 from kvgen.generation.output import GenerateOutput, GenerateTimings
 from kvgen.generation.runner import StepRunner
 from kvgen.sampling.stopping import FinishReason, reason_of
-
-NEG = -1.0e9  # transformers' "impossible" beam score
 
 
 @dataclass

@@ -56,10 +56,9 @@ class BeamGeneration(Generation):
         super().__init__(state, request_id)
         self.length_penalty = length_penalty
         self.prompts: list[list[int]] = []
-        self.step_params = SamplingParams()
+        self.params = SamplingParams()  # the request's (n, max_tokens, logprobs, ...), set by start
+        self.step_params = SamplingParams()  # each beam's one-token step request
         self.beam_params = BeamSearchParams()
-        self.logprobs: int | None = None
-        self.skip_special_tokens = True
         self.priority = 0
 
     async def start(self, prompts: list[list[int]], params: SamplingParams, prompt_param: str, priority: int = 0
@@ -81,8 +80,7 @@ class BeamGeneration(Generation):
             raise value_error(e, "length_penalty") from None
         self.admit(len(prompts) * params.n)
         self.num_prompts = len(prompts)
-        self.prompts, self.priority, self.logprobs = prompts, priority, params.logprobs
-        self.skip_special_tokens = params.skip_special_tokens
+        self.prompts, self.priority, self.params = prompts, priority, params
         self.step_params = SamplingParams(logprobs=2 * params.n, max_tokens=1, temperature=params.temperature,
                                           output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
         self.trackers = [RequestTracker(self.state.metrics, f"{self.request_id}-{i}") for i in range(len(prompts))]
@@ -120,8 +118,9 @@ class BeamGeneration(Generation):
 
     def _completion(self, index: int, beam: BeamSearchSequence, num_prompt_tokens: int) -> CompletionOutput:
         new_ids = beam.tokens[num_prompt_tokens:]
-        text = self.state.tokenizer.decode(new_ids, skip_special_tokens=self.skip_special_tokens)
-        logprobs = None if self.logprobs is None else token_logprobs(beam, num_prompt_tokens, self.logprobs)
+        text = self.state.tokenizer.decode(new_ids, skip_special_tokens=self.params.skip_special_tokens)
+        num_top = self.params.logprobs
+        logprobs = None if num_top is None else token_logprobs(beam, num_prompt_tokens, num_top)
         return CompletionOutput(index, text, new_ids, beam.cum_logprob, logprobs, beam.finish_reason)
 
     async def close(self) -> None:
