@@ -471,8 +471,8 @@ def test_unknown_and_unimplemented_settings_are_named(tiny: TinyModel) -> None:
     does not implement is a NotImplementedError naming it and its feature, never a TypeError."""
     with pytest.raises(ValueError, match=r"unknown generation setting\(s\) \['max_new_token'\]"):
         generate(tiny.ours, IDS, MASK, max_new_token=3)
-    with pytest.raises(NotImplementedError, match=r"output_attentions \(attention outputs\)"):
-        generate(tiny.ours, IDS, MASK, output_attentions=True)
+    with pytest.raises(NotImplementedError, match=r"assistant_early_exit \(self-speculative decoding\)"):
+        generate(tiny.ours, IDS, MASK, assistant_early_exit=2)
     with pytest.raises(NotImplementedError, match="SynthID"):
         generate(tiny.ours, IDS, MASK, watermarking_config={"ngram_len": 5, "keys": [1, 2, 3]})
     with pytest.raises(NotImplementedError, match=r"token_healing \(token healing\)"):

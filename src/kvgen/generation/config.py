@@ -56,7 +56,6 @@ MODEL_DEFAULT_KEYS = (
 UNIMPLEMENTED_HF_FIELDS = {
     "token_healing": "token healing",
     "assistant_early_exit": "self-speculative decoding",
-    "output_attentions": "attention outputs", "output_hidden_states": "hidden-state outputs",
 }
 
 
@@ -144,6 +143,8 @@ class GenerationConfig:
     max_time: float | None = _f(None, "stop after this many seconds")
     output_scores: bool = _f(False, "return processed scores of every step")
     output_logits: bool = _f(False, "return raw logits of every step")
+    output_hidden_states: bool = _f(False, "return every layer's input hidden states and the output of every forward")
+    output_attentions: bool = _f(False, "return every layer's attention weights of every forward")
     return_dict_in_generate: bool = _f(True, "accepted for compatibility; the output type never changes")
     use_cache: bool = _f(True, "reuse keys/values of earlier tokens (False recomputes everything each step)")
     cache_implementation: str = _f("dynamic", "KV cache: 'dynamic' (grows as written) or 'static' (preallocated)")

@@ -11,19 +11,14 @@ agrees with transformers 4.55 ``GenerationMixin._dola_decoding`` (``_dola_select
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from kvgen.generation.decoding import LoopContext, token_loop
 from kvgen.generation.output import GenerateOutput
 from kvgen.generation.runner import StepRunner
-from kvgen.models import CausalLM
 from kvgen.sampling.ops import choose_tokens, greedy
 
 
@@ -70,61 +65,20 @@ def contrast(layers: list[int], premature: dict[int, torch.Tensor], final: torch
     return final_lp - base_lp
 
 
-def _decoder_layers(model: CausalLM) -> nn.ModuleList:
-    """The model's stack of decoder layers (the ModuleList of ``num_hidden_layers`` modules)."""
-    found = next((m for m in model.modules() if isinstance(m, nn.ModuleList)
-                  and len(m) == model.config.num_hidden_layers), None)
-    if found is None:
-        raise NotImplementedError(f"DoLa decoding: no stack of decoder layers found in {type(model).__name__}")
-    return found
-
-
-@contextlib.contextmanager
-def captured_layer_inputs(model: CausalLM, layers: list[int]) -> Iterator[dict[int, torch.Tensor]]:
-    """While open, every forward leaves in the yielded dict the hidden state entering each layer of ``layers`` at
-    the last position, [B, C] (transformers' ``hidden_states[i][:, -1]``). The kernel path runs layer by layer
-    meanwhile (the same numbers as its one-op decoder)."""
-    captured: dict[int, torch.Tensor] = {}
-    stack, hooks, patched = _decoder_layers(model), [], []
-    one_op = model.one_op_decoder
-    model.one_op_decoder = False
-    try:
-        for i in layers:
-            layer = stack[i]
-            hooks.append(layer.register_forward_pre_hook(
-                lambda _m, args, i=i: captured.__setitem__(i, args[0][:, -1])))  # x [B, T, C]
-            if hasattr(layer, "forward_kernels"):  # rows [B T, C], B: the kernel path's layer call
-                run: Callable[..., Any] = getattr(layer, "forward_kernels")  # noqa: B009 -- typed as Any
-
-                def forward_kernels(rows: torch.Tensor, batch: int, *args: Any, _run: Any = run, i: int = i) -> Any:
-                    captured[i] = rows.view(batch, -1, rows.shape[-1])[:, -1]
-                    return _run(rows, batch, *args)
-
-                setattr(layer, "forward_kernels", forward_kernels)  # noqa: B010 -- an instance attribute
-                patched.append(layer)
-        yield captured
-    finally:
-        model.one_op_decoder = one_op
-        for hook in hooks:
-            hook.remove()
-        for layer in patched:
-            del layer.forward_kernels  # the class's method again
-
-
 def dola_decoding(runner: StepRunner, ctx: LoopContext) -> GenerateOutput:
     """Greedy search or sampling (``ctx.config.do_sample``) on DoLa scores; ``output_logits`` keeps the final
     layer's logits, ``output_scores`` the processed DoLa scores, as transformers."""
-    model, cfg = runner.model, ctx.config
-    assert cfg.dola_layers is not None  # the strategy exists only with them
+    model, cfg, recorder = runner.model, ctx.config, runner.recorder
+    assert cfg.dola_layers is not None and recorder is not None  # generate() records the premature layers' inputs
     layers = premature_layers(cfg.dola_layers, model.config.num_hidden_layers, model.config.tie_word_embeddings)
-    with captured_layer_inputs(model, layers) as captured, torch.inference_mode():
 
-        def next_logits() -> tuple[torch.Tensor, torch.Tensor]:
-            final = runner.next_logits()  # [N, V]; the forward fills `captured`
-            copies = final.shape[0] // next(iter(captured.values())).shape[0]  # several samples share a prefill
-            premature = {i: model.compute_logits(h.repeat_interleave(copies, dim=0)) for i, h in captured.items()}
-            return contrast(layers, premature, final), final
+    def next_logits() -> tuple[torch.Tensor, torch.Tensor]:
+        final = runner.next_logits()  # [N, V]; the forward's record holds each layer's input [N, T, C]
+        hidden = recorder.steps[-1].hidden_states
+        with torch.inference_mode():
+            premature = {i: model.compute_logits(hidden[i][:, -1]) for i in layers}  # [N, V] each
+        return contrast(layers, premature, final), final
 
-        if cfg.do_sample:
-            return token_loop(runner, ctx, lambda s: choose_tokens(s, True, ctx.generator).squeeze(1), next_logits)
-        return token_loop(runner, ctx, greedy, next_logits)
+    if cfg.do_sample:
+        return token_loop(runner, ctx, lambda s: choose_tokens(s, True, ctx.generator).squeeze(1), next_logits)
+    return token_loop(runner, ctx, greedy, next_logits)

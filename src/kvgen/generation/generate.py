@@ -7,6 +7,7 @@ an explicit table (one module per strategy).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ from kvgen.generation.config import GenerationConfig, Strategy, check_setting_na
 from kvgen.generation.constrained_beam_search import constrained_beam_search
 from kvgen.generation.contrastive_search import contrastive_search
 from kvgen.generation.decoding import LoopContext
-from kvgen.generation.dola import dola_decoding
+from kvgen.generation.dola import dola_decoding, premature_layers
 from kvgen.generation.greedy import greedy_search
 from kvgen.generation.group_beam_search import group_beam_search
 from kvgen.generation.guidance import UnconditionalBranch
@@ -31,6 +32,7 @@ from kvgen.generation.sample import multinomial_sample
 from kvgen.generation.sample_and_rank import sample_and_rank
 from kvgen.kv_cache import DynamicCache, StaticCache
 from kvgen.models import CausalLM, kv_cache_dtype
+from kvgen.models.recording import ForwardRecorder
 from kvgen.sampling.logits_process import build_logits_processors
 from kvgen.sampling.stopping import StopChecker, StopStrings, TokenStops
 
@@ -51,6 +53,9 @@ STRATEGIES: dict[Strategy, Callable[[StepRunner, LoopContext], GenerateOutput]] 
 # Strategies that keep several hypotheses per prompt and pick among them at the end: nothing to stream.
 NOT_STREAMABLE = (Strategy.BEAM_SEARCH, Strategy.BEAM_SAMPLE, Strategy.GROUP_BEAM_SEARCH,
                   Strategy.CONSTRAINED_BEAM_SEARCH, Strategy.SAMPLE_AND_RANK)
+# Strategies whose forwards are not one step each of the returned rows (candidates, drafts): no per-step
+# hidden states or attention weights as transformers returns them.
+NOT_RECORDABLE = (Strategy.CONTRASTIVE_SEARCH, Strategy.PROMPT_LOOKUP, Strategy.ASSISTED)
 
 
 def generate(
@@ -91,7 +96,8 @@ def generate(
     token), as transformers.
     Returns a :class:`GenerateOutput`. Raises ``ValueError`` for bad shapes or
     settings (an unknown setting name too), ``NotImplementedError`` for a transformers setting kvgen does not
-    implement (``token_healing``, SynthID watermarking, ...) and ``ContextLengthError`` when
+    implement (``token_healing``, SynthID watermarking, hidden states of contrastive search, ...) and
+    ``ContextLengthError`` when
     prompt + ``max_new_tokens`` exceeds the model's context window.
     Reference: transformers 4.55 ``GenerationMixin.generate``.
     """
@@ -130,8 +136,9 @@ def generate(
     if past_key_values is not None:
         _check_past(past_key_values, model, cfg, strategy, input_ids, attention_mask)
     cache_kind = cfg.cache_implementation if cfg.use_cache else None
+    recorder = _recorder(cfg, strategy, model)
     runner = StepRunner(model, input_ids, attention_mask, cache_kind, cfg.max_new_tokens, prefill_copies=copies,
-                        cache=past_key_values)
+                        cache=past_key_values, recorder=recorder)
     ctx = LoopContext(
         config=cfg,
         processors=build_logits_processors(
@@ -144,10 +151,34 @@ def generate(
     )
     if streamer is not None:
         streamer.put(input_ids)
-    out = STRATEGIES[strategy](runner, ctx)
+    with recorder or contextlib.nullcontext():
+        out = STRATEGIES[strategy](runner, ctx)
+    if recorder is not None and recorder.keep_steps:
+        out.hidden_states = recorder.hidden_states_per_step() if cfg.output_hidden_states else None
+        out.attentions = recorder.attentions_per_step() if cfg.output_attentions else None
     if past_key_values is not None and copies == 1:  # drafting strategies may leave rejected drafts after the kept
         past_key_values.crop(out.sequences.shape[1] - 1)
     return out
+
+
+def _recorder(cfg: GenerationConfig, strategy: Strategy, model: CausalLM) -> ForwardRecorder | None:
+    """What the forwards record: every layer's input and the output (``output_hidden_states``), attention weights
+    (``output_attentions``), DoLa's premature layers (its latest step only, unless asked for more); None: nothing.
+    Raises ``NotImplementedError`` for hidden states or attentions of a strategy in ``NOT_RECORDABLE``, and
+    ``ValueError`` for ``dola_layers`` that leave no layer."""
+    asked = cfg.output_hidden_states or cfg.output_attentions
+    if asked and strategy in NOT_RECORDABLE:
+        raise NotImplementedError(f"output_hidden_states / output_attentions are not implemented for "
+                                  f"{strategy.value} decoding")
+    num_layers = model.config.num_hidden_layers
+    layers = set(range(num_layers)) if cfg.output_hidden_states else set()
+    if strategy is Strategy.DOLA:
+        assert cfg.dola_layers is not None  # the strategy exists only with them
+        layers |= set(premature_layers(cfg.dola_layers, num_layers, model.config.tie_word_embeddings))
+    if not layers and not cfg.output_attentions:
+        return None
+    return ForwardRecorder(model, layers, final=cfg.output_hidden_states, attentions=cfg.output_attentions,
+                           keep_steps=asked)
 
 
 def _assisted_strategy(cfg: GenerationConfig, model: CausalLM, assistant: Any, longest: int) -> Strategy:

@@ -33,6 +33,13 @@ class GenerateOutput:
     sequences_scores: [N] float32, best first per prompt: beam strategies give
     sum of processed log-probs / generated_len ** length_penalty (as
     transformers), sample-and-rank the same over raw-logit log-probs; None otherwise.
+    hidden_states (``output_hidden_states``): per forward of the model, one tensor [R, T_step, C] per layer input
+    (the embeddings first) and one after the final norm (L + 1 in all); T_step is the prompt's length at the
+    prefill (the tokens not in ``past_key_values``), then 1 (every column without a KV cache).
+    attentions (``output_attentions``): per forward, one tensor [R, H, T_step, S] float32 per layer, the
+    attention weights over the S keys cached after that forward (transformers' eager attention and dynamic
+    cache; its static cache pads S with zeros to the cache's length). R as ``scores``' rows; both as transformers'
+    ``hidden_states`` / ``attentions``; None unless asked.
     """
 
     sequences: torch.Tensor
@@ -42,6 +49,8 @@ class GenerateOutput:
     scores: tuple[torch.Tensor, ...] | None = None
     logits: tuple[torch.Tensor, ...] | None = None
     sequences_scores: torch.Tensor | None = None
+    hidden_states: tuple[tuple[torch.Tensor, ...], ...] | None = None
+    attentions: tuple[tuple[torch.Tensor, ...], ...] | None = None
     timings: GenerateTimings = field(default_factory=GenerateTimings)
 
     @property

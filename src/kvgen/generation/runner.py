@@ -15,6 +15,7 @@ import torch
 from kvgen.kv_cache import DynamicCache, StaticCache
 from kvgen.models import CausalLM, kv_cache_dtype
 from kvgen.models.attention import AttentionMetadata
+from kvgen.models.recording import ForwardRecorder
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -43,6 +44,8 @@ class StepRunner:
     the prompt is run once per group and its cache rows are then copied.
     ``cache``: a caller's KV cache holding the first ``cache.seq_length`` columns of ``input_ids`` (one row per
     group); the prefill runs only the columns after them. ``prefill_s`` / ``decode_s`` accumulate seconds.
+    ``recorder``: an open :class:`ForwardRecorder` that records every forward (a prefill's rows copied as its
+    hidden states are), or None.
     """
 
     def __init__(
@@ -54,6 +57,7 @@ class StepRunner:
         max_new_tokens: int,
         prefill_copies: int = 1,
         cache: DynamicCache | StaticCache | None = None,
+        recorder: ForwardRecorder | None = None,
     ) -> None:
         assert input_ids.shape[0] % prefill_copies == 0, (input_ids.shape, prefill_copies)
         self.model = model
@@ -70,6 +74,7 @@ class StepRunner:
         self.prefill_s = 0.0
         self.decode_s = 0.0
         self.num_steps = 0
+        self.recorder = recorder
 
     @torch.inference_mode()
     def hidden_states(self) -> torch.Tensor:
@@ -81,12 +86,19 @@ class StepRunner:
         ids = self.sequences[::copies, first:]  # [B/copies, T_fed]
         positions = positions_from_mask(mask)[:, first:]  # [B/copies, T_fed]
         meta = AttentionMetadata(mask if self.has_padding else None)
-        hidden = self.model(ids, positions, self.cache, meta)  # [B/copies, T_fed, C]
+        if self.recorder is None:
+            hidden = self.model(ids, positions, self.cache, meta)  # [B/copies, T_fed, C]
+        else:
+            with self.recorder.forward() as record:
+                hidden = self.model(ids, positions, self.cache, meta)
+            self.recorder.output(record, hidden)
         if copies > 1:
             rows = torch.arange(ids.shape[0]).repeat_interleave(copies)  # [B]
             assert self.cache is not None  # copies > 1 only with a cache
             self.cache.reorder(rows)
             hidden = hidden.index_select(0, rows)  # [B, T_fed, C]
+            if self.recorder is not None:
+                record.select_rows(rows)
         self.num_cached = self.sequences.shape[1]
         elapsed = time.perf_counter() - start
         if self.num_steps == 0:

@@ -39,6 +39,25 @@ def sdpa(
                                               enable_gqa=gqa)
     b, h, t, d = q.shape
     h_kv, s = k.shape[1], k.shape[2]
+    probs = attention_probs(q, k, attn_mask, is_causal, scale, softcap, sinks).to(q.dtype)  # [B, H, T, S]
+    out = probs.view(b, h_kv, -1, s) @ v  # [B, Hkv, G*T, D]: head h = j * G + g reads KV head j
+    return out.view(b, h, t, d)  # [B, H, T, D]
+
+
+def attention_probs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The attention weights of :func:`sdpa` (same arguments, no values): [B, H, T, S] float32, each query's softmax
+    over its keys (0 where masked; with ``sinks``, the rows sum to less than 1). transformers 4.55's
+    ``eager_attention_forward`` weights (``output_attentions``)."""
+    b, h, t, d = q.shape
+    h_kv, s = k.shape[1], k.shape[2]
     scale = d**-0.5 if scale is None else scale
     qg = q.reshape(b, h_kv, h // h_kv * t, d)  # [B, Hkv, G*T, D]: the G heads sharing a KV head, then t
     scores = (qg @ k.transpose(-1, -2)).view(b, h_kv, h // h_kv, t, s) * scale  # [B, Hkv, G, T, S]
@@ -51,6 +70,5 @@ def sdpa(
     if sinks is not None:  # one more logit per head, its probability dropped
         sink = sinks.to(scores.dtype).view(1, h_kv, h // h_kv, 1, 1).expand(b, -1, -1, t, 1)  # [B, Hkv, G, T, 1]
         scores = torch.cat([scores, sink], dim=-1)  # [B, Hkv, G, T, S+1]
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :s].to(q.dtype)  # [B, Hkv, G, T, S]
-    out = probs.view(b, h_kv, -1, s) @ v  # [B, Hkv, G*T, D]
-    return out.view(b, h, t, d)  # [B, H, T, D]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :s]  # [B, Hkv, G, T, S]
+    return probs.reshape(b, h, t, s)  # [B, H, T, S]

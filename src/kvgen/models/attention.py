@@ -16,6 +16,7 @@ import torch
 from kvgen.kernels import KernelOps
 from kvgen.kv_cache.paged import PagedAttentionMetadata
 from kvgen.kv_cache.sdpa import sdpa
+from kvgen.models.recording import RECORDER
 
 
 @dataclass
@@ -72,6 +73,8 @@ def attend(
         return kv_cache.attend(layer_idx, q, k, v, mask, scale, window, softcap, sinks)
     if kv_cache is not None:
         k, v = kv_cache.update(layer_idx, k, v)  # [B, Hkv, S, D]
+    if (recorder := RECORDER.get()) is not None:  # generate(output_attentions=True)
+        recorder.attention(layer_idx, q, k, mask, scale, softcap, sinks)
     return scaled_dot_product_attention(q, k, v, mask, scale, softcap, sinks)
 
 
@@ -114,18 +117,25 @@ def attend_rows(
     > 0: scores capped as in :func:`attend`; ``sinks`` [H] float32 as there.
     """
     scale = head_dim**-0.5 if scale is None else scale
-    if isinstance(mask, PagedAttentionMetadata) or hasattr(kv_cache, "attend_rows"):
+    recorder = RECORDER.get()  # generate(output_attentions=True): the weights are recomputed below
+    if isinstance(mask, PagedAttentionMetadata) or (hasattr(kv_cache, "attend_rows") and recorder is None):
         return kv_cache.attend_rows(layer_idx, qkv, mask, num_heads, scale, kernels, window, softcap, sinks)
     n, t = qkv.shape[0], qkv.shape[0] // batch
+    past = kv_cache.seq_length if kv_cache is not None else 0
     q, k, v = qkv.view(batch, t, -1).split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
     q = q.view(batch, t, num_heads, head_dim).transpose(1, 2)  # [B, H, T, D]
-    k = k.view(batch, t, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-    v = v.view(batch, t, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-    past = kv_cache.seq_length if kv_cache is not None else 0
-    if kv_cache is not None:
-        k, v = kv_cache.update(layer_idx, k, v)  # [B, Hkv, S, D]
-    out = kernels.attention(q, k, v, mask, past, scale, window, softcap, sinks)  # [B, T, H, D]
-    return out.view(n, num_heads * head_dim)  # [N, H D]
+    if hasattr(kv_cache, "attend_rows"):  # recording: the fused op, then every key read back from the cache
+        out = kv_cache.attend_rows(layer_idx, qkv, mask, num_heads, scale, kernels, window, softcap, sinks)
+        k = kv_cache.key_cache[layer_idx][:, :, : past + t]  # [B, Hkv, S, D]
+    else:
+        k = k.view(batch, t, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.view(batch, t, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer_idx, k, v)  # [B, Hkv, S, D]
+        out = kernels.attention(q, k, v, mask, past, scale, window, softcap, sinks).view(n, -1)  # [N, H D]
+    if recorder is not None:
+        recorder.attention(layer_idx, q, k, build_attention_mask(mask, past, t, window), scale, softcap, sinks)
+    return out
 
 
 def build_attention_mask(
