@@ -34,6 +34,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "group beam search": {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0},
     "constrained beam search": {"num_beams": 3, "force_words_ids": [[7, 9]]},
     "dola": {"dola_layers": [0, 1]},
+    "contrastive search": {"penalty_alpha": 0.6, "top_k": 4},
     "guidance, negative prompt": {"guidance_scale": 2.0, "negative_prompt_ids": NEGATIVE_IDS,
                                   "negative_prompt_attention_mask": NEGATIVE_MASK},
 }
@@ -116,10 +117,11 @@ def test_a_cached_prefix_is_not_recorded_again(tiny: TinyModel) -> None:
         torch.testing.assert_close(x, y[:, :, 3:], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("settings", [{"penalty_alpha": 0.6, "top_k": 4}, {"prompt_lookup_num_tokens": 2}])
-def test_strategies_without_per_step_recordings_refuse(tiny: TinyModel, settings: dict[str, Any]) -> None:
+def test_drafting_strategies_refuse_to_record(tiny: TinyModel) -> None:
     with pytest.raises(NotImplementedError, match=r"output_hidden_states / output_attentions are not implemented"):
-        generate(tiny.ours, IDS[:1], None, max_new_tokens=2, output_hidden_states=True, **settings)
+        generate(tiny.ours, IDS[:1], None, max_new_tokens=2, output_hidden_states=True, prompt_lookup_num_tokens=2)
+    with pytest.raises(NotImplementedError, match=r"not implemented for assisted decoding"):
+        generate(tiny.ours, IDS[:1], None, max_new_tokens=2, output_attentions=True, assistant_model=tiny.ours)
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])

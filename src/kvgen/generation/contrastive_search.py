@@ -6,7 +6,8 @@ the candidate v maximising
 ``(1 - penalty_alpha) * p(v) - penalty_alpha * max_j cos(h_v, h_j)``
 where h are last hidden states (after the final norm) and j runs over the
 non-padding columns so far. The chosen candidate's cache row and logits are
-kept, so no step runs the model twice.
+kept, so no step runs the model twice. Recorded hidden states and attention weights are, as transformers', the
+prefill's and then those of each step's chosen candidates.
 Must agree with transformers 4.55 ``GenerationMixin._contrastive_search`` (with
 ``_ranking_fast``).
 """
@@ -23,7 +24,10 @@ from kvgen.generation.runner import StepRunner
 def contrastive_search(runner: StepRunner, ctx: LoopContext) -> GenerateOutput:
     """Contrastive search over B rows with ``top_k`` candidates and ``penalty_alpha``; stops as greedy search."""
     candidates = CandidateRunner(runner, ctx.config.top_k, float(ctx.config.penalty_alpha or 0.0))
-    return token_loop(candidates, ctx, candidates.choose)  # type: ignore[arg-type]
+    out = token_loop(candidates, ctx, candidates.choose)  # type: ignore[arg-type]
+    if runner.recorder is not None and runner.recorder.steps:  # transformers records a step's chosen candidates
+        runner.recorder.steps.pop()  # as the next step's forward: the last step's never
+    return out
 
 
 class CandidateRunner:
@@ -75,6 +79,8 @@ class CandidateRunner:
         picked = rank_candidates(self.context, hidden.view(b, k, -1), top_probs, mask, self.penalty_alpha)  # [B]
         rows = torch.arange(b) * k + picked  # [B]
         self.runner.reorder(rows)
+        if self.runner.recorder is not None:  # output_hidden_states / output_attentions: the chosen rows
+            self.runner.recorder.steps[-1].select_rows(rows)
         self.chosen_hidden = hidden.index_select(0, rows)  # [B, C]
         self.context = torch.cat([self.context, self.chosen_hidden[:, None]], dim=1)  # [B, S+1, C]
         return top_ids.gather(1, picked[:, None]).squeeze(1)  # [B]

@@ -53,9 +53,8 @@ STRATEGIES: dict[Strategy, Callable[[StepRunner, LoopContext], GenerateOutput]] 
 # Strategies that keep several hypotheses per prompt and pick among them at the end: nothing to stream.
 NOT_STREAMABLE = (Strategy.BEAM_SEARCH, Strategy.BEAM_SAMPLE, Strategy.GROUP_BEAM_SEARCH,
                   Strategy.CONSTRAINED_BEAM_SEARCH, Strategy.SAMPLE_AND_RANK)
-# Strategies whose forwards are not one step each of the returned rows (candidates, drafts): no per-step
-# hidden states or attention weights as transformers returns them.
-NOT_RECORDABLE = (Strategy.CONTRASTIVE_SEARCH, Strategy.PROMPT_LOOKUP, Strategy.ASSISTED)
+# Strategies that verify several drafted tokens per forward: no per-token hidden states or attention weights.
+NOT_RECORDABLE = (Strategy.PROMPT_LOOKUP, Strategy.ASSISTED)
 
 
 def generate(
@@ -96,7 +95,8 @@ def generate(
     token), as transformers.
     Returns a :class:`GenerateOutput`. Raises ``ValueError`` for bad shapes or
     settings (an unknown setting name too), ``NotImplementedError`` for a transformers setting kvgen does not
-    implement (``token_healing``, SynthID watermarking, hidden states of contrastive search, ...) and
+    implement (``token_healing``, SynthID watermarking, hidden states of
+    drafting strategies, ...) and
     ``ContextLengthError`` when
     prompt + ``max_new_tokens`` exceeds the model's context window.
     Reference: transformers 4.55 ``GenerationMixin.generate``.
