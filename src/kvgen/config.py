@@ -417,6 +417,8 @@ class ModelConfig:
             "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
             "extra": {"gguf_architecture": arch},
         }
+        if (pooling := _GGUF_POOLING_TYPES.get(int(meta.get(f"{arch}.pooling_type") or 0))) is not None:  # embeddings
+            kwargs["extra"]["pooling_type"] = pooling
         if arch == "granite":
             kwargs |= granite_gguf_fields(meta, arch)
         if arch == "gemma3":
@@ -430,6 +432,10 @@ class ModelConfig:
         elif kwargs["intermediate_size"] is None:
             need("feed_forward_length")  # raises: a dense model's MLP size
         return cls(**kwargs)
+
+
+# llama.cpp's enum llama_pooling_type (0 none, 4 rank: no embedding to serve) -> kvgen.engine.pooling's names
+_GGUF_POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
 
 
 def _gguf_context_length(meta: dict[str, Any], arch: str) -> int:

@@ -20,6 +20,7 @@ from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.model_runner import ModelRunner
 from kvgen.engine.output_processor import OutputProcessor, ProcessedOutputs
 from kvgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvgen.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.sampler import Sampler
 from kvgen.engine.sampling_params import (
@@ -45,6 +46,8 @@ __all__ = [
     "BeamSearchSequence",
     "BlockManager",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "EngineCoreOutput",
     "IncrementalDetokenizer",
@@ -52,6 +55,7 @@ __all__ = [
     "ModelRunner",
     "ModelRunnerOutput",
     "OutputProcessor",
+    "PoolingParams",
     "ProcessedOutputs",
     "Request",
     "RequestDetokenizer",

@@ -21,6 +21,7 @@ from typing import Any
 from kvgen.engine.engine_args import EngineArgs
 from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.outputs import RequestOutput
+from kvgen.engine.pooling import EmbeddingRequestOutput, PoolingParams
 from kvgen.engine.sampling_params import SamplingParams
 
 
@@ -87,6 +88,20 @@ class AsyncLLMEngine:
                 yield output
         finally:
             await stream.aclose()
+
+    async def embed(self, request_id: str, prompt: str | list[int], pooling_params: PoolingParams | None
+                    ) -> EmbeddingRequestOutput:
+        """``LLMEngine.embed`` between two steps, in the step thread (the model is never run by two threads at
+        once). Raises its ``ValueError``."""
+        self._start()
+        text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+        async with self._lock:
+            def run() -> EmbeddingRequestOutput:
+                return self.engine.embed(request_id, text, pooling_params, prompt_token_ids=ids)
+
+            if not self.step_in_thread:
+                return run()
+            return await asyncio.get_running_loop().run_in_executor(self._step_thread, run)
 
     def _close_stream(
         self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException], is_finished: bool

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgen.engine.generation_defaults import GENERATION_CONFIG_MODES, parse_override
+from kvgen.engine.pooling import check_pooling_type
 from kvgen.engine.scheduler import SchedulingPolicy
 from kvgen.engine.spec_decode import SpeculativeConfig
 from kvgen.fields import check_int, config_field
@@ -49,6 +50,8 @@ class EngineArgs:
         '"prompt_lookup_max": 4}\' (drafts copied from the prompt and output; greedy and seeded tokens unchanged)')
     generation_config: str = _f("auto", "sampling defaults for requests that leave them unset: 'auto' (the model "
                                         "directory's generation_config.json), 'vllm' (vLLM's own) or a directory")
+    pooling_type: str | None = _f(None, "embeddings (LLM.embed, /v1/embeddings): pool the prompt's hidden states by "
+                                        "'last', 'mean' or 'cls' (default: the model's own, else 'last')")
     override_generation_config: dict[str, Any] | str | None = _f(
         None, 'JSON object of sampling defaults over the generation config\'s, e.g. \'{"temperature": 0.5}\' '
         "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)")
@@ -76,6 +79,8 @@ class EngineArgs:
         self.override_generation_config = parse_override(self.override_generation_config) or None
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
+        if self.pooling_type is not None:
+            check_pooling_type(self.pooling_type)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
 

@@ -16,6 +16,7 @@ from kvgen.engine.engine_args import EngineArgs
 from kvgen.engine.generation_defaults import as_sampling_params, default_sampling_params
 from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.outputs import RequestOutput
+from kvgen.engine.pooling import EmbeddingRequestOutput, PoolingParams
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.loader import resolve_model_path
 from kvgen.models import CausalLM
@@ -110,6 +111,18 @@ class LLM:
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def embed(self, prompts: PromptInput | Sequence[PromptInput], pooling_params: PoolingParams | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (prompts as ``generate`` takes them), in input order: the hidden states after the
+        final norm pooled by ``EngineArgs.pooling_type`` (:mod:`kvgen.engine.pooling`); ``pooling_params``:
+        ``dimensions``, ``normalize`` (default: every value, unit norm). Raises ``ValueError`` for an invalid
+        prompt, one over ``max_model_len`` or ``dimensions`` over the hidden size. Source: vLLM ``LLM.embed``."""
+        outputs = []
+        for item in _as_prompt_list(prompts):
+            text, ids = _split_prompt(item)
+            outputs.append(self.llm_engine.embed(str(next(self._counter)), text, pooling_params, prompt_token_ids=ids))
+        return outputs
 
     def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvgen.engine.block_manager import BlockManager
 from kvgen.engine.engine_args import DEFAULT_KV_CACHE_MEMORY, EngineArgs
@@ -24,6 +25,13 @@ from kvgen.engine.parallel_sampling import (
     ParentRequest,
     child_request_id,
     child_sampling_params,
+)
+from kvgen.engine.pooling import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingParams,
+    default_pooling_type,
+    embed,
 )
 from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.sampling_params import SamplingParams, truncate_prompt
@@ -83,6 +91,8 @@ class LLMEngine:
         self._parents: dict[str, ParentRequest] = {}
         self._child_to_parent: dict[str, tuple[ParentRequest, int]] = {}
         self._grammar_compiler: GrammarCompiler | None = None  # built by the first structured-output request
+        directory = Path(args.model).expanduser()
+        self.pooling_type = args.pooling_type or default_pooling_type(model, directory if directory.is_dir() else None)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -184,6 +194,20 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt_token_ids must be in [0, {vocab}), got {bad[0]}")
         return text, list(ids)
+
+    def embed(self, request_id: str, prompt: str | list[int] | None = None, pooling_params: PoolingParams | None = None,
+              *, prompt_token_ids: list[int] | None = None) -> EmbeddingRequestOutput:
+        """The embedding of ``prompt`` (text or token ids) or ``prompt_token_ids``, computed now: one forward without
+        the KV cache, pooled by ``self.pooling_type`` (:mod:`kvgen.engine.pooling`). Call it between steps, from
+        the thread that steps. Raises ``ValueError`` for a bad prompt, one longer than ``max_model_len``, or
+        ``dimensions`` over the hidden size."""
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        _, ids = self._prompt_tokens(prompt, prompt_token_ids)
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds max_model_len ({self.max_model_len})")
+        return EmbeddingRequestOutput(request_id, ids, EmbeddingOutput(embed(self.model, ids, self.pooling_type, params)))
 
     def _check_request(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """Checks that need the engine; fills ``max_tokens`` None with the room left in the context and

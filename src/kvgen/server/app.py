@@ -1,7 +1,7 @@
 """``build_app``: the FastAPI application of ``kvgen serve`` over one ``AsyncLLMEngine``.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (with ``GET`` and
-``DELETE /v1/responses/{response_id}``), ``GET /v1/models``,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``, ``POST /v1/responses``
+(with ``GET`` and ``DELETE /v1/responses/{response_id}``), ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /metrics`` (Prometheus
 text) and the chat page at ``GET /`` (static files shipped in ``kvgen/server/static``).
 With an API key, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need
@@ -24,6 +24,7 @@ import kvgen
 from kvgen.engine.async_engine import AsyncLLMEngine
 from kvgen.server.chat import chat_prompt_ids, create_chat_completion
 from kvgen.server.completions import create_completion
+from kvgen.server.embeddings import create_embedding
 from kvgen.server.errors import OpenAIError, bad_request, install_error_handlers
 from kvgen.server.metrics import ServerMetrics
 from kvgen.server.protocol import (
@@ -33,6 +34,8 @@ from kvgen.server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorResponse,
     HealthResponse,
     ModelCard,
@@ -87,6 +90,10 @@ def _api_router() -> APIRouter:
     @router.post("/v1/completions", response_model=CompletionResponse, responses=_STREAMED)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(_state(request), body, request)
+
+    @router.post("/v1/embeddings", response_model=EmbeddingResponse)
+    async def embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
+        return await create_embedding(_state(request), body)
 
     @router.post("/v1/responses", response_model=ResponseObject, responses=_STREAMED)
     async def responses(body: ResponsesRequest, request: Request) -> Response:

@@ -325,6 +325,40 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+MAX_EMBEDDING_INPUTS = 2048  # as OpenAI: inputs per /v1/embeddings request
+
+
+class EmbeddingRequest(StrictModel):
+    """OpenAI's /v1/embeddings: ``input`` is a string, a list of token ids, or a non-empty list of either (at most
+    2048); ``dimensions`` keeps the first n values before normalizing; ``encoding_format`` "base64" sends each
+    embedding as the base64 of its little-endian float32 bytes (what the ``openai`` client asks for)."""
+
+    model: str | None = None
+    input: (str | Annotated[list[str], Field(max_length=MAX_EMBEDDING_INPUTS)] | list[Annotated[int, Field(ge=0)]]
+            | Annotated[list[list[Annotated[int, Field(ge=0)]]], Field(max_length=MAX_EMBEDDING_INPUTS)])
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # str: base64 (encoding_format)
+    index: int
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
 class TokenizeRequest(StrictModel):
     """Either ``prompt`` (text) or ``messages`` (through the chat template), as vLLM's /tokenize."""
 

@@ -1,0 +1,57 @@
+"""``POST /v1/embeddings`` (OpenAI's Embeddings API; vLLM's and llama.cpp's servers serve it too).
+
+Each input is embedded by ``AsyncLLMEngine.embed`` between two engine steps (one forward without the KV cache,
+pooled by the engine's ``pooling_type``: :mod:`kvgen.engine.pooling`), so generation requests keep running
+between the inputs of a long embeddings request. Usage counts the inputs' tokens.
+Source: OpenAI openapi.yaml ``CreateEmbeddingRequest`` / ``CreateEmbeddingResponse``.
+"""
+
+from __future__ import annotations
+
+import array
+import base64
+import sys
+
+from kvgen.engine.pooling import PoolingParams
+from kvgen.server.errors import bad_request
+from kvgen.server.protocol import (
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+)
+from kvgen.server.serving import ServerState, new_request_id
+
+
+def encode_embedding(values: list[float], encoding_format: str) -> list[float] | str:
+    """``values`` as they are ("float") or as the base64 of their little-endian float32 bytes ("base64")."""
+    if encoding_format == "float":
+        return values
+    packed = array.array("f", values)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode("ascii")
+
+
+async def create_embedding(state: ServerState, body: EmbeddingRequest) -> EmbeddingResponse:
+    """The embeddings of ``body.input``, in input order. Raises a 400 ``OpenAIError`` for an empty input, token ids
+    outside the vocabulary, an input over ``max_model_len`` or ``dimensions`` over the hidden size; 404 for
+    another model's name."""
+    state.check_model(body.model)
+    inputs = body.input
+    if isinstance(inputs, str) or (inputs and all(isinstance(t, int) for t in inputs)):
+        inputs = [inputs]  # type: ignore[assignment]  # one string, or one list of token ids
+    if not inputs:
+        raise bad_request("input must be a string, a list of token ids, or a non-empty list of either", "input")
+    params = PoolingParams(dimensions=body.dimensions)
+    data, num_tokens = [], 0
+    for index, item in enumerate(inputs):
+        try:
+            out = await state.engine.embed(new_request_id("embd"), item, params)  # type: ignore[arg-type]
+        except ValueError as e:
+            raise bad_request(f"input {index}: {e}" if len(inputs) > 1 else str(e),
+                              "dimensions" if str(e).startswith("dimensions") else "input") from None
+        num_tokens += len(out.prompt_token_ids)
+        data.append(EmbeddingData(embedding=encode_embedding(out.outputs.embedding, body.encoding_format), index=index))
+    return EmbeddingResponse(data=data, model=state.model_name,
+                             usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))

@@ -1,0 +1,72 @@
+"""``POST /v1/embeddings`` on the live tiny-model server: the ``openai`` client (base64 by default) and plain JSON
+get transformers' normalized last hidden states of the same tokens; bad input is a 400 naming the field, and the
+server goes on serving."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_model_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+
+
+def _expected(hf_tiny, ids: list[int], dimensions: int | None = None) -> torch.Tensor:
+    with torch.inference_mode():
+        hidden = hf_tiny.model(torch.tensor([ids])).last_hidden_state[0, -1]  # [C]: the last token's (pooling "last")
+    return F.normalize(hidden[:dimensions], dim=0)
+
+
+def test_openai_client_embeddings_match_transformers(client, hf_tiny, tiny_tokenizer):
+    texts = ["The capital of France is", "hello"]
+    r = client.embeddings.create(model="tiny", input=texts)  # the client asks for base64 and decodes it
+    assert r.object == "list" and r.model == "tiny" and [d.index for d in r.data] == [0, 1]
+    ids = [tiny_tokenizer.encode(t) for t in texts]
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(map(len, ids))
+    for data, prompt in zip(r.data, ids, strict=True):
+        torch.testing.assert_close(torch.tensor(data.embedding), _expected(hf_tiny, prompt), rtol=1e-5, atol=1e-5)
+    cut = client.embeddings.create(model="tiny", input=ids[0], dimensions=8, encoding_format="float")
+    torch.testing.assert_close(torch.tensor(cut.data[0].embedding), _expected(hf_tiny, ids[0], 8), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_json_float_and_base64_carry_the_same_values(server, tiny_tokenizer):
+    body = {"input": [[5, 6, 7], [8]]}
+    floats = httpx.post(server.v1 + "/embeddings", json=body, timeout=30).json()
+    packed = httpx.post(server.v1 + "/embeddings", json=body | {"encoding_format": "base64"}, timeout=30).json()
+    import base64
+
+    import numpy as np
+
+    for f, b in zip(floats["data"], packed["data"], strict=True):
+        assert isinstance(b["embedding"], str) and f["object"] == "embedding"
+        assert np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4").tolist() == pytest.approx(f["embedding"])
+    assert floats["usage"] == {"prompt_tokens": 4, "total_tokens": 4}
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"input": []}, "input", "non-empty list"),
+    ({"input": [5, 100000]}, "input", "prompt_token_ids must be in"),
+    ({"input": ["a", [1, 2]]}, "input", None),  # mixed kinds: not one of the input forms
+    ({"input": "a", "dimensions": 65}, "dimensions", "dimensions must be <= the model's hidden size (64)"),
+    ({"input": "a", "dimensions": 0}, "dimensions", None),
+    ({"input": [7] * 2049}, "input", "exceeds max_model_len (2048)"),
+    ({"input": "a", "encoding_format": "int8"}, "encoding_format", None),
+])
+def test_bad_embedding_requests_are_400_naming_the_field(server, client, body, param, message):
+    r = httpx.post(server.v1 + "/embeddings", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and param in (error["param"] or "")
+    assert message is None or message in error["message"]
+    assert client.embeddings.create(model="tiny", input="still serving").data  # nothing broke
+
+
+def test_another_models_name_is_404(server):
+    r = httpx.post(server.v1 + "/embeddings", json={"model": "gpt-4", "input": "a"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
