@@ -147,3 +147,24 @@ def test_kernel_path_recordings_agree_with_the_float32_path(ours_default_auto, o
         for x, y in zip(got, want, strict=True):
             assert x.shape == y.shape and float((x - y).abs().max()) < 0.1
             torch.testing.assert_close(x.sum(-1), torch.ones(x.shape[:-1]))
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma2", "qwen3", "mixtral"])
+def test_other_architectures_record_what_transformers_returns(model_type: str) -> None:
+    """Sliding-window layers (Gemma 3 and 2: a window of 6 slots, passed by the 7-token prompt), q/k norms, experts:
+    the same hidden states and attention weights, every key slot included."""
+    tiny = make_tiny_model(model_type, std=0.5)
+    tiny.ref.set_attn_implementation("eager")
+    ids = IDS[:1]  # [1, 7]: the unpadded prompt
+    common = {"max_new_tokens": NEW_TOKENS, "pad_token_id": PAD, "output_hidden_states": True,
+              "output_attentions": True}
+    with torch.inference_mode():
+        ref = tiny.ref.generate(ids, eos_token_id=None, return_dict_in_generate=True, **common)
+    ours = generate(tiny.ours, ids, None, eos_token_id=[], **common)
+    assert ours.sequences.tolist() == ref.sequences.tolist()
+    assert ours.hidden_states is not None and ours.attentions is not None
+    assert len(ours.hidden_states) == len(ref.hidden_states) == NEW_TOKENS
+    for got, want in zip(ours.hidden_states + ours.attentions, ref.hidden_states + ref.attentions, strict=True):
+        assert len(got) == len(want)
+        for x, y in zip(got, want, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=5e-4)
