@@ -441,3 +441,28 @@ def test_parser_does_not_import_the_http_stack():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_embed_prints_transformers_pooled_hidden_states(capsys, tiny_model_dir):
+    """``kvgen embed`` on a Hugging Face directory: each text's last-token hidden state after the final norm,
+    normalized (cut to --dimensions), as transformers computes it; --pooling-type mean and --no-normalize change it
+    as they should; a bad --dimensions is one line and exit 2."""
+    import transformers
+
+    from kvgen.tokenizer import Tokenizer
+
+    texts = ["The capital of France is", "hi"]
+    ids = [Tokenizer.from_pretrained(tiny_model_dir).encode(t) for t in texts]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    with torch.inference_mode():
+        hidden = [hf.model(torch.tensor([i])).last_hidden_state[0] for i in ids]  # [T, C] each
+    code, out, err = _run(capsys, ["embed", *texts, "--model", str(tiny_model_dir), "--dimensions", "16"])
+    assert code == 0, err
+    for got, h in zip(json.loads(out), hidden, strict=True):
+        torch.testing.assert_close(torch.tensor(got), F.normalize(h[-1, :16], dim=0), rtol=1e-5, atol=1e-5)
+    code, out, err = _run(capsys, ["embed", texts[0], "--model", str(tiny_model_dir), "--pooling-type", "mean",
+                                   "--no-normalize"])
+    assert code == 0, err
+    torch.testing.assert_close(torch.tensor(json.loads(out)[0]), hidden[0].mean(0), rtol=1e-5, atol=1e-5)
+    code, _, err = _run(capsys, ["embed", "a", "--model", str(tiny_model_dir), "--dimensions", "0"])
+    assert code == 2 and err.strip().splitlines() == ["kvgen: error: dimensions must be an int >= 1, got 0"]

@@ -1,4 +1,4 @@
-"""The ``kvgen`` command line: generate | chat | tokenize | perplexity | info | serve | bench.
+"""The ``kvgen`` command line: generate | chat | tokenize | embed | perplexity | info | serve | bench.
 
 Every user error (bad flag, missing or corrupt model, invalid setting, prompt
 too long) is one line on stderr and exit code 2, never a traceback.
@@ -25,6 +25,7 @@ from kvgen.cli_flags import (
     Parser,
     add_bench_flags,
     add_chat_command_flags,
+    add_embed_flags,
     add_generate_flags,
     add_info_flags,
     add_perplexity_flags,
@@ -231,6 +232,17 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_embed(args: argparse.Namespace) -> int:
+    """Each TEXT's embedding (``LLM.embed``: pooled final hidden states) as one JSON list of lists on stdout."""
+    from kvgen.engine.llm import LLM
+    from kvgen.engine.pooling import PoolingParams
+
+    params = PoolingParams(dimensions=args.dimensions, normalize=args.normalize)  # ValueError: one line, exit 2
+    llm = LLM(args.model, dtype=args.dtype, pooling_type=args.pooling_type)
+    print(json.dumps([out.outputs.embedding for out in llm.embed(list(args.text), params)]))
+    return 0
+
+
 def cmd_perplexity(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -276,6 +288,7 @@ _SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Ca
     "generate": ("generate text from a prompt (streams to stdout)", add_generate_flags, cmd_generate),
     "chat": ("interactive multi-turn chat (/exit or end of input leaves)", add_chat_command_flags, cmd_chat),
     "tokenize": ("print the token ids of TEXT as a JSON list", add_tokenize_flags, cmd_tokenize),
+    "embed": ("print the embedding of each TEXT as a JSON list of lists", add_embed_flags, cmd_embed),
     "perplexity": ("perplexity of the model on a text file", add_perplexity_flags, cmd_perplexity),
     "info": ("architecture, sizes, quantization and tokenizer facts", add_info_flags, cmd_info),
     "serve": ("OpenAI-compatible HTTP server with a chat page at /", add_serve_flags, cmd_serve),

@@ -210,6 +210,15 @@ def add_tokenize_flags(t: argparse.ArgumentParser) -> None:
     _add_model_flags(t, dtype=False)
 
 
+def add_embed_flags(e: argparse.ArgumentParser) -> None:
+    e.add_argument("text", nargs="+", help="one embedding per TEXT")
+    _add_model_flags(e)
+    e.add_argument("--pooling-type", choices=["last", "mean", "cls"], default=None,
+                   help="pool the hidden states by the last token, their mean or the first token (default: the model's)")
+    e.add_argument("--dimensions", type=int, default=None, help="keep the first N values (Matryoshka embeddings)")
+    e.add_argument("--no-normalize", dest="normalize", action="store_false", help="leave the L2 norm as it is")
+
+
 def add_perplexity_flags(pp: argparse.ArgumentParser) -> None:
     pp.add_argument("file")
     _add_model_flags(pp)
