@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, PoolingType
 from helpers import make_tiny_model, write_dense_gguf
 
+from kvgen.engine.engine_args import EngineArgs
 from kvgen.engine.llm import LLM
 from kvgen.engine.pooling import PoolingParams, default_pooling_type
 from kvgen.models import build_model
@@ -124,3 +125,44 @@ def test_a_quantized_qwen3_embedding_file_matches_transformers(tmp_path: Path) -
         cosines = wanted @ torch.tensor(out.outputs.embedding)  # [P]
         assert float(cosines[i]) > 0.99 and int(cosines.argmax()) == i  # its own prompt's, not another's
         assert abs(float(torch.tensor(out.outputs.embedding).norm()) - 1) < 1e-5
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
+def test_prompts_over_the_token_budget_run_in_chunks_with_the_same_result(pooling: str) -> None:
+    """With ``max_num_batched_tokens=3`` a 7-token prompt runs as chunks of 3, 3 and 1 tokens over a KV cache of its
+    own; the embedding is transformers' all the same."""
+    tiny = make_tiny_model("llama", std=0.5)
+    llm = LLM(tiny.ours, None, pooling_type=pooling, max_num_batched_tokens=3)
+    job = llm.llm_engine.embedding_job("j", PROMPTS[0])
+    assert [job.step() for _ in range(3)] == [False, False, True] and job.num_computed_tokens == 7
+    torch.testing.assert_close(torch.tensor(job.output().outputs.embedding), _reference(tiny.ref, PROMPTS[0], pooling),
+                               rtol=1e-5, atol=1e-5)
+    cut = llm.embed(PROMPTS[0], PoolingParams(dimensions=8, normalize=False))[0].outputs.embedding
+    torch.testing.assert_close(torch.tensor(cut), _reference(tiny.ref, PROMPTS[0], pooling, 8, normalize=False),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_generation_steps_run_between_the_chunks_of_a_long_embedding() -> None:
+    """AsyncLLMEngine: while a 40-token prompt is embedded 4 tokens at a time, a running request keeps decoding."""
+    import asyncio
+
+    from kvgen.engine.async_engine import AsyncLLMEngine
+    from kvgen.engine.llm_engine import LLMEngine
+    from kvgen.engine.sampling_params import SamplingParams
+
+    tiny = make_tiny_model("llama", std=0.5)
+    engine = AsyncLLMEngine(LLMEngine(tiny.ours, None, EngineArgs(max_num_batched_tokens=4)), step_in_thread=False)
+
+    async def run() -> tuple[int, list[float], list[float]]:
+        params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        stream = await engine.add_request("g", {"prompt_token_ids": PROMPTS[1]}, params)
+        out = await engine.embed("e", list(range(3, 43)), None)
+        num_outputs = stream._queue.qsize()  # decode steps that ran while the embedding was computed
+        async for _ in stream:
+            pass
+        alone = await engine.embed("e2", list(range(3, 43)), None)
+        await engine.shutdown()
+        return num_outputs, out.outputs.embedding, alone.outputs.embedding
+
+    num_outputs, during, alone = asyncio.run(run())
+    assert num_outputs >= 5 and during == pytest.approx(alone, abs=1e-6)

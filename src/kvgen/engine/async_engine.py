@@ -91,17 +91,19 @@ class AsyncLLMEngine:
 
     async def embed(self, request_id: str, prompt: str | list[int], pooling_params: PoolingParams | None
                     ) -> EmbeddingRequestOutput:
-        """``LLMEngine.embed`` between two steps, in the step thread (the model is never run by two threads at
-        once). Raises its ``ValueError``."""
+        """``LLMEngine.embedding_job``'s chunks, each between two steps in the step thread (the model never runs in
+        two threads at once; generation goes on between the chunks of a long prompt). Raises its ``ValueError``."""
         self._start()
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
         async with self._lock:
-            def run() -> EmbeddingRequestOutput:
-                return self.engine.embed(request_id, text, pooling_params, prompt_token_ids=ids)
-
-            if not self.step_in_thread:
-                return run()
-            return await asyncio.get_running_loop().run_in_executor(self._step_thread, run)
+            job = self.engine.embedding_job(request_id, text, pooling_params, prompt_token_ids=ids)
+        while True:
+            async with self._lock:
+                done = (await asyncio.get_running_loop().run_in_executor(self._step_thread, job.step)
+                        if self.step_in_thread else job.step())
+            if done:
+                return job.output()
+            await asyncio.sleep(0)  # the step loop, waiting on the lock, runs a step now
 
     def _close_stream(
         self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException], is_finished: bool

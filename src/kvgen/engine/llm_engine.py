@@ -27,11 +27,10 @@ from kvgen.engine.parallel_sampling import (
     child_sampling_params,
 )
 from kvgen.engine.pooling import (
-    EmbeddingOutput,
+    EmbeddingJob,
     EmbeddingRequestOutput,
     PoolingParams,
     default_pooling_type,
-    embed,
 )
 from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.sampling_params import SamplingParams, truncate_prompt
@@ -197,17 +196,27 @@ class LLMEngine:
 
     def embed(self, request_id: str, prompt: str | list[int] | None = None, pooling_params: PoolingParams | None = None,
               *, prompt_token_ids: list[int] | None = None) -> EmbeddingRequestOutput:
-        """The embedding of ``prompt`` (text or token ids) or ``prompt_token_ids``, computed now: one forward without
-        the KV cache, pooled by ``self.pooling_type`` (:mod:`kvgen.engine.pooling`). Call it between steps, from
-        the thread that steps. Raises ``ValueError`` for a bad prompt, one longer than ``max_model_len``, or
-        ``dimensions`` over the hidden size."""
+        """The embedding of ``prompt`` (text or token ids) or ``prompt_token_ids``, computed now (every chunk of
+        :meth:`embedding_job`). Call it between steps, from the thread that steps. Raises as that."""
+        job = self.embedding_job(request_id, prompt, pooling_params, prompt_token_ids=prompt_token_ids)
+        while not job.step():
+            pass
+        return job.output()
+
+    def embedding_job(self, request_id: str, prompt: str | list[int] | None = None,
+                      pooling_params: PoolingParams | None = None, *, prompt_token_ids: list[int] | None = None
+                      ) -> EmbeddingJob:
+        """A checked :class:`EmbeddingJob` for the prompt: pooled by ``self.pooling_type``, run in chunks of
+        ``max_num_batched_tokens`` (:mod:`kvgen.engine.pooling`). Raises ``ValueError`` for a bad prompt, one longer
+        than ``max_model_len``, or ``dimensions`` over the hidden size."""
         params = pooling_params if pooling_params is not None else PoolingParams()
         if not isinstance(params, PoolingParams):
             raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
         _, ids = self._prompt_tokens(prompt, prompt_token_ids)
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds max_model_len ({self.max_model_len})")
-        return EmbeddingRequestOutput(request_id, ids, EmbeddingOutput(embed(self.model, ids, self.pooling_type, params)))
+        return EmbeddingJob(self.model, request_id, ids, self.pooling_type, params,
+                            self.engine_args.max_num_batched_tokens)
 
     def _check_request(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """Checks that need the engine; fills ``max_tokens`` None with the room left in the context and

@@ -1,7 +1,8 @@
 """Embeddings: a prompt's hidden states after the model's final norm, pooled into one vector.
 
 What vLLM's pooling runner (``LLM.embed``, ``/v1/embeddings``) and llama.cpp's ``--embeddings`` serve: the
-prompt runs once through the decoder, without the KV cache (nothing is generated), and its hidden states
+prompt runs once through the decoder (in chunks, with a KV cache of its own, when longer than the engine's token
+budget per step; nothing is generated), and its hidden states
 [T, C] become one embedding [C] by the model's pooling: the last token's (decoder embedding models such as
 Qwen3-Embedding), the mean over tokens, or the first token's ("cls"). ``dimensions`` keeps the first n values
 (Matryoshka embeddings), then ``normalize`` scales to unit L2 norm (vLLM's order).
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgen.fields import check_int
+from kvgen.generation.runner import make_cache
 from kvgen.models import CausalLM
 
 POOLING_TYPES = ("last", "mean", "cls")
@@ -94,17 +96,49 @@ def pool(hidden: torch.Tensor, pooling_type: str) -> torch.Tensor:
     return hidden[-1] if pooling_type == "last" else hidden[0]
 
 
-@torch.inference_mode()
-def embed(model: CausalLM, token_ids: list[int], pooling_type: str, params: PoolingParams) -> list[float]:
-    """One prompt's embedding: the model's forward over ``token_ids`` (no KV cache), :func:`pool`, the first
-    ``params.dimensions`` values, L2-normalized if ``params.normalize``. Raises ``ValueError`` when
-    ``dimensions`` exceeds the hidden size. The caller checks the ids (vocabulary, context)."""
-    size = model.config.hidden_size
-    if params.dimensions is not None and params.dimensions > size:
-        raise ValueError(f"dimensions must be <= the model's hidden size ({size}), got {params.dimensions}")
-    ids = torch.tensor([token_ids])  # [1, T]
-    hidden = model(ids, torch.arange(ids.shape[1])[None], None, None)[0]  # [T, C]
-    vector = pool(hidden, pooling_type)[: params.dimensions]  # [dimensions]
-    if params.normalize:
-        vector = F.normalize(vector, dim=0)
-    return vector.tolist()
+class EmbeddingJob:
+    """One prompt's embedding, computed ``chunk_size`` tokens per :meth:`step` (the earlier chunks' keys and values
+    kept in a ``DynamicCache``), so an engine can run its steps between the chunks of a long prompt.
+
+    token_ids: the prompt (the caller checks vocabulary and context); the result equals one forward over the whole
+    prompt up to float rounding. Raises ``ValueError`` when ``params.dimensions`` exceeds the hidden size.
+    """
+
+    def __init__(self, model: CausalLM, request_id: str, token_ids: list[int], pooling_type: str,
+                 params: PoolingParams, chunk_size: int) -> None:
+        size = model.config.hidden_size
+        if params.dimensions is not None and params.dimensions > size:
+            raise ValueError(f"dimensions must be <= the model's hidden size ({size}), got {params.dimensions}")
+        self.model, self.request_id, self.token_ids = model, request_id, token_ids
+        self.pooling_type, self.params, self.chunk_size = pooling_type, params, chunk_size
+        self.cache = make_cache(model, "dynamic", 1, len(token_ids)) if len(token_ids) > chunk_size else None
+        self.num_computed_tokens = 0
+        self._pooled: torch.Tensor | None = None  # [C] float32: the last / first row, or the sum of rows ("mean")
+
+    @property
+    def is_finished(self) -> bool:
+        return self.num_computed_tokens == len(self.token_ids)
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """Run the next chunk of the prompt; True once every token has run."""
+        start = self.num_computed_tokens
+        end = min(start + self.chunk_size, len(self.token_ids))
+        ids = torch.tensor([self.token_ids[start:end]])  # [1, n]
+        hidden = self.model(ids, torch.arange(start, end)[None], self.cache, None)[0].float()  # [n, C]
+        if self.pooling_type == "mean":
+            rows = hidden.sum(dim=0)  # [C]
+            self._pooled = rows if self._pooled is None else self._pooled + rows
+        elif self.pooling_type == "last" or self._pooled is None:
+            self._pooled = pool(hidden, self.pooling_type)
+        self.num_computed_tokens = end
+        return self.is_finished
+
+    def output(self) -> EmbeddingRequestOutput:
+        """The finished job's embedding: pooled, cut to ``dimensions``, normalized (``normalize``)."""
+        assert self.is_finished and self._pooled is not None
+        vector = self._pooled / len(self.token_ids) if self.pooling_type == "mean" else self._pooled
+        vector = vector[: self.params.dimensions]  # [dimensions]
+        if self.params.normalize:
+            vector = F.normalize(vector, dim=0)
+        return EmbeddingRequestOutput(self.request_id, self.token_ids, EmbeddingOutput(vector.tolist()))
