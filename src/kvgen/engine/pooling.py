@@ -1,9 +1,8 @@
 """Embeddings: a prompt's hidden states after the model's final norm, pooled into one vector.
 
 What vLLM's pooling runner (``LLM.embed``, ``/v1/embeddings``) and llama.cpp's ``--embeddings`` serve: the
-prompt runs once through the decoder (in chunks, with a KV cache of its own, when longer than the engine's token
-budget per step; nothing is generated), and its hidden states
-[T, C] become one embedding [C] by the model's pooling: the last token's (decoder embedding models such as
+prompt runs once through the decoder (with a KV cache of its own, in chunks of the engine's token budget per step;
+nothing is generated), and its hidden states [T, C] become one embedding [C] by the model's pooling: the last token's (decoder embedding models such as
 Qwen3-Embedding), the mean over tokens, or the first token's ("cls"). ``dimensions`` keeps the first n values
 (Matryoshka embeddings), then ``normalize`` scales to unit L2 norm (vLLM's order).
 Source: vLLM ``PoolingParams`` / ``EmbeddingRequestOutput`` / ``Pooler``; llama.cpp ``llama_pooling_type``.
@@ -97,8 +96,8 @@ def pool(hidden: torch.Tensor, pooling_type: str) -> torch.Tensor:
 
 
 class EmbeddingJob:
-    """One prompt's embedding, computed ``chunk_size`` tokens per :meth:`step` (the earlier chunks' keys and values
-    kept in a ``DynamicCache``), so an engine can run its steps between the chunks of a long prompt.
+    """One prompt's embedding, computed ``chunk_size`` tokens per :meth:`step` (keys and values kept in a
+    ``DynamicCache`` of its own for the later chunks), so an engine can run its steps between the chunks of a long prompt.
 
     token_ids: the prompt (the caller checks vocabulary and context); the result equals one forward over the whole
     prompt up to float rounding. Raises ``ValueError`` when ``params.dimensions`` exceeds the hidden size.
@@ -111,7 +110,9 @@ class EmbeddingJob:
             raise ValueError(f"dimensions must be <= the model's hidden size ({size}), got {params.dimensions}")
         self.model, self.request_id, self.token_ids = model, request_id, token_ids
         self.pooling_type, self.params, self.chunk_size = pooling_type, params, chunk_size
-        self.cache = make_cache(model, "dynamic", 1, len(token_ids)) if len(token_ids) > chunk_size else None
+        # a cache even for one chunk: the kernels' fused cache-write-and-attend beats their cache-free attention
+        # (0.82 vs 0.94 s for 480 tokens of the default model)
+        self.cache = make_cache(model, "dynamic", 1, len(token_ids))
         self.num_computed_tokens = 0
         self._pooled: torch.Tensor | None = None  # [C] float32: the last / first row, or the sum of rows ("mean")
 
