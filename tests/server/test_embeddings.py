@@ -70,3 +70,12 @@ def test_bad_embedding_requests_are_400_naming_the_field(server, client, body, p
 def test_another_models_name_is_404(server):
     r = httpx.post(server.v1 + "/embeddings", json={"model": "gpt-4", "input": "a"}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_embeddings_count_in_the_metrics(server, client):
+    before = server.metrics()
+    r = client.embeddings.create(model="tiny", input=["one two three", "four"])
+    after = server.metrics()
+    assert after["kvgen:prompt_tokens_total"] - before["kvgen:prompt_tokens_total"] == r.usage.prompt_tokens > 0
+    stop = 'kvgen:request_success_total{finished_reason="stop",model_name="tiny"}'
+    assert after[stop] - before.get(stop, 0.0) == 1

@@ -2,7 +2,8 @@
 
 Each input is embedded by ``AsyncLLMEngine.embed`` between two engine steps (one forward without the KV cache,
 pooled by the engine's ``pooling_type``: :mod:`kvgen.engine.pooling`), so generation requests keep running
-between the inputs of a long embeddings request. Usage counts the inputs' tokens.
+between the inputs (and chunks) of a long embeddings request. Usage counts the inputs' tokens, and so do the
+``kvgen:prompt_tokens`` and ``kvgen:request_success`` (finished_reason "stop") metrics.
 Source: OpenAI openapi.yaml ``CreateEmbeddingRequest`` / ``CreateEmbeddingResponse``.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import array
 import base64
 import sys
+import time
 
 from kvgen.engine.pooling import PoolingParams
 from kvgen.server.errors import bad_request
@@ -44,14 +46,15 @@ async def create_embedding(state: ServerState, body: EmbeddingRequest) -> Embedd
     if not inputs:
         raise bad_request("input must be a string, a list of token ids, or a non-empty list of either", "input")
     params = PoolingParams(dimensions=body.dimensions)
-    data, num_tokens = [], 0
+    data, num_tokens, request_id, start = [], 0, new_request_id("embd"), time.monotonic()
     for index, item in enumerate(inputs):
         try:
-            out = await state.engine.embed(new_request_id("embd"), item, params)  # type: ignore[arg-type]
+            out = await state.engine.embed(f"{request_id}-{index}", item, params)  # type: ignore[arg-type]
         except ValueError as e:
             raise bad_request(f"input {index}: {e}" if len(inputs) > 1 else str(e),
                               "dimensions" if str(e).startswith("dimensions") else "input") from None
         num_tokens += len(out.prompt_token_ids)
         data.append(EmbeddingData(embedding=encode_embedding(out.outputs.embedding, body.encoding_format), index=index))
+    state.metrics.record_embedding(request_id, num_tokens, time.monotonic() - start)
     return EmbeddingResponse(data=data, model=state.model_name,
                              usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))

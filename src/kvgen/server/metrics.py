@@ -108,6 +108,15 @@ class ServerMetrics:
                      (self.prefix_cache_hits, num_cached_tokens)):
             c.labels(self.model_name).inc(v)
 
+    def record_embedding(self, request_id: str, num_prompt_tokens: int, seconds: float) -> None:
+        """One finished /v1/embeddings request: its inputs' tokens, a "stop" success, its latency, a log line (the
+        prefix cache, which embeddings do not use, is left out)."""
+        name = self.model_name
+        self.prompt_tokens.labels(name).inc(num_prompt_tokens)
+        self.request_success.labels(name, "stop").inc()
+        self.e2e.labels(name).observe(seconds)
+        logger.info("request %s: embeddings prompt_tokens=%d total=%.3fs", request_id, num_prompt_tokens, seconds)
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
