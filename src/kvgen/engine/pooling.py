@@ -2,8 +2,8 @@
 
 What vLLM's pooling runner (``LLM.embed``, ``/v1/embeddings``) and llama.cpp's ``--embeddings`` serve: the
 prompt runs once through the decoder (with a KV cache of its own, in chunks of the engine's token budget per step;
-nothing is generated), and its hidden states [T, C] become one embedding [C] by the model's pooling: the last token's (decoder embedding models such as
-Qwen3-Embedding), the mean over tokens, or the first token's ("cls"). ``dimensions`` keeps the first n values
+nothing is generated), and its hidden states [T, C] become one embedding [C] by the model's pooling: the last
+token's (decoder embedding models such as Qwen3-Embedding), the mean over tokens, or the first token's ("cls"). ``dimensions`` keeps the first n values
 (Matryoshka embeddings), then ``normalize`` scales to unit L2 norm (vLLM's order).
 Source: vLLM ``PoolingParams`` / ``EmbeddingRequestOutput`` / ``Pooler``; llama.cpp ``llama_pooling_type``.
 """
@@ -87,17 +87,10 @@ def check_pooling_type(pooling_type: str) -> str:
     return pooling_type
 
 
-def pool(hidden: torch.Tensor, pooling_type: str) -> torch.Tensor:
-    """hidden [T, C] -> [C] float32: the last row, the mean of the rows, or the first row ("cls")."""
-    hidden = hidden.float()
-    if pooling_type == "mean":
-        return hidden.mean(dim=0)
-    return hidden[-1] if pooling_type == "last" else hidden[0]
-
-
 class EmbeddingJob:
     """One prompt's embedding, computed ``chunk_size`` tokens per :meth:`step` (keys and values kept in a
-    ``DynamicCache`` of its own for the later chunks), so an engine can run its steps between the chunks of a long prompt.
+    ``DynamicCache`` of its own for the later chunks), so an engine can run its steps between the chunks of a long
+    prompt. Pooling: the last row ("last"), the first chunk's first row ("cls"), the mean of every row ("mean").
 
     token_ids: the prompt (the caller checks vocabulary and context); the result equals one forward over the whole
     prompt up to float rounding. Raises ``ValueError`` when ``params.dimensions`` exceeds the hidden size.
@@ -130,8 +123,10 @@ class EmbeddingJob:
         if self.pooling_type == "mean":
             rows = hidden.sum(dim=0)  # [C]
             self._pooled = rows if self._pooled is None else self._pooled + rows
-        elif self.pooling_type == "last" or self._pooled is None:
-            self._pooled = pool(hidden, self.pooling_type)
+        elif self.pooling_type == "last":
+            self._pooled = hidden[-1]
+        elif self._pooled is None:  # "cls": the prompt's first row
+            self._pooled = hidden[0]
         self.num_computed_tokens = end
         return self.is_finished
 

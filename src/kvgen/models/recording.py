@@ -122,7 +122,7 @@ class ForwardRecorder:
     def output(self, record: ForwardRecord, hidden: torch.Tensor) -> None:
         """Keep the model's output hidden [B, T, C] (after the final norm) in ``record`` when ``final``."""
         if self.final:
-            record.hidden_states[len(decoder_layers(self.model))] = hidden.clone()
+            record.hidden_states[self.model.config.num_hidden_layers] = hidden.clone()
 
     def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
                   scale: float | None, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> None:
@@ -138,7 +138,7 @@ class ForwardRecorder:
     def hidden_states_per_step(self) -> tuple[tuple[torch.Tensor, ...], ...]:
         """Per recorded forward, the recorded layers' inputs then the output (when ``final``): transformers'
         ``GenerateOutput.hidden_states`` when every layer is recorded."""
-        last = [len(decoder_layers(self.model))] if self.final else []
+        last = [self.model.config.num_hidden_layers] if self.final else []
         return tuple(tuple(step.hidden_states[i] for i in [*self.layers, *last]) for step in self.steps)
 
     def attentions_per_step(self) -> tuple[tuple[torch.Tensor, ...], ...]:
