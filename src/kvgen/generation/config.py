@@ -147,6 +147,9 @@ class GenerationConfig:
     output_attentions: bool = _f(False, "return every layer's attention weights of every forward")
     return_dict_in_generate: bool = _f(True, "accepted for compatibility; the output type never changes")
     use_cache: bool = _f(True, "reuse keys/values of earlier tokens (False recomputes everything each step)")
+    prefill_chunk_size: int | None = _f(
+        None, "greedy search and sampling: prefill the prompt this many tokens per forward (less peak memory, the "
+        "same tokens)")
     cache_implementation: str = _f("dynamic", "KV cache: 'dynamic' (grows as written) or 'static' (preallocated)")
     seed: int | None = _f(None, "seed of the torch.Generator used when sampling")
     dola_layers: str | list[int] | None = _f(
@@ -223,6 +226,12 @@ class GenerationConfig:
             if self._base_strategy() not in (Strategy.GREEDY, Strategy.SAMPLE) or self.prompt_lookup_num_tokens:
                 raise ValueError(f"dola_layers works with greedy search or sampling only, got "
                                  f"{self.strategy.value} settings (transformers ignores it then)")
+        if self.prefill_chunk_size is not None:
+            if self.strategy not in (Strategy.GREEDY, Strategy.SAMPLE):
+                raise ValueError(f"prefill_chunk_size works with greedy search or sampling only (transformers "
+                                 f"ignores it otherwise), got {self.strategy.value} settings")
+            if not self.use_cache:
+                raise clash("prefill_chunk_size", "use_cache", "chunks of the prompt are kept in the KV cache")
         if self.prompt_lookup_num_tokens is not None:
             base = self._base_strategy()
             if base not in (Strategy.GREEDY, Strategy.SAMPLE):

@@ -137,7 +137,7 @@ def generate(
     cache_kind = cfg.cache_implementation if cfg.use_cache else None
     recorder = _recorder(cfg, strategy, model)
     runner = StepRunner(model, input_ids, attention_mask, cache_kind, cfg.max_new_tokens, prefill_copies=copies,
-                        cache=past_key_values, recorder=recorder)
+                        cache=past_key_values, recorder=recorder, prefill_chunk_size=cfg.prefill_chunk_size)
     ctx = LoopContext(
         config=cfg,
         processors=build_logits_processors(

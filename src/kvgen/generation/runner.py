@@ -45,7 +45,9 @@ class StepRunner:
     ``cache``: a caller's KV cache holding the first ``cache.seq_length`` columns of ``input_ids`` (one row per
     group); the prefill runs only the columns after them. ``prefill_s`` / ``decode_s`` accumulate seconds.
     ``recorder``: an open :class:`ForwardRecorder` that records every forward (a prefill's rows copied as its
-    hidden states are), or None.
+    hidden states are), or None. ``prefill_chunk_size`` n (with a cache): the prompt's columns but the last go
+    through the model n per forward first, unrecorded, and the prefill proper runs the last column (transformers'
+    ``_prefill_chunking``).
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class StepRunner:
         prefill_copies: int = 1,
         cache: DynamicCache | StaticCache | None = None,
         recorder: ForwardRecorder | None = None,
+        prefill_chunk_size: int | None = None,
     ) -> None:
         assert input_ids.shape[0] % prefill_copies == 0, (input_ids.shape, prefill_copies)
         self.model = model
@@ -75,6 +78,7 @@ class StepRunner:
         self.decode_s = 0.0
         self.num_steps = 0
         self.recorder = recorder
+        self.prefill_chunk_size = prefill_chunk_size if cache is not None else None
 
     @torch.inference_mode()
     def hidden_states(self) -> torch.Tensor:
@@ -85,6 +89,8 @@ class StepRunner:
         mask = self.attention_mask[::copies]  # [B/copies, S]
         ids = self.sequences[::copies, first:]  # [B/copies, T_fed]
         positions = positions_from_mask(mask)[:, first:]  # [B/copies, T_fed]
+        if self.num_steps == 0 and self.prefill_chunk_size is not None:
+            ids, positions = self._prefill_chunks(ids, positions, mask, first)  # [B/copies, 1] each
         meta = AttentionMetadata(mask if self.has_padding else None)
         if self.recorder is None:
             hidden = self.model(ids, positions, self.cache, meta)  # [B/copies, T_fed, C]
@@ -107,6 +113,18 @@ class StepRunner:
             self.decode_s += elapsed
         self.num_steps += 1
         return hidden
+
+    def _prefill_chunks(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, first: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ids [B, T] but the last column, ``prefill_chunk_size`` columns per forward, into the cache (the
+        first ``first`` slots of mask [B, S] are cached already); return the last column of ids and positions."""
+        end, size = ids.shape[1] - 1, self.prefill_chunk_size
+        assert size is not None
+        for start in range(0, end, size):
+            stop = min(start + size, end)
+            meta = AttentionMetadata(mask[:, : first + stop] if self.has_padding else None)  # [B, slots so far]
+            self.model(ids[:, start:stop], positions[:, start:stop], self.cache, meta)
+        return ids[:, end:], positions[:, end:]
 
     def next_logits(self, num_positions: int = 1) -> torch.Tensor:
         """Logits ``[B, V]`` float32 for the token after the last column; with ``num_positions`` n > 1,

@@ -149,6 +149,7 @@ PARAM_RULES: dict[str, ParamRule] = {
     "prompt_lookup_num_tokens": _count(1, "prompt lookup decoding: tokens drafted per step"),
     "max_matching_ngram_size": _count(1, "prompt lookup decoding: longest n-gram looked up"),
     "num_assistant_tokens": _count(1, "assisted decoding: tokens the assistant model drafts per step (at first)"),
+    "prefill_chunk_size": _count(1, "prompt tokens per prefill forward"),
     "assistant_confidence_threshold": _unit("assisted decoding: drafting stops after a token below this probability",
                                             high_open=True, off=0.0),
     # Op-internal counts.
