@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 # Fields with a hand-written flag (or none) in `kvgen generate`.
 _CUSTOM_GENERATE_FIELDS = {"use_cache", "cache_implementation", "return_dict_in_generate", "stop_strings", "constraints",
-                           "low_memory", "output_hidden_states", "output_attentions"}
+                           "low_memory", "output_hidden_states", "output_attentions", "disable_compile"}
 # llama.cpp's names of the same settings (llama-cli -n, --temp, --repeat-penalty, -s), accepted as well
 _LLAMA_CPP_ALIASES = {"max_new_tokens": ("-n", "--n-predict"), "temperature": ("--temp",),
                       "repetition_penalty": ("--repeat-penalty",), "seed": ("-s",)}

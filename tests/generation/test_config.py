@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import make_tiny_model
 
@@ -30,3 +31,21 @@ def test_generate_with_eos_disabled_runs_to_max_new_tokens() -> None:
     assert stopped.new_token_ids[0] == [first] and stopped.finish_reasons == ["stop"]
     out = generate(tiny.ours, ids, None, GenerationConfig(max_new_tokens=4, eos_token_id=[]))
     assert out.new_token_ids == greedy.new_token_ids and out.finish_reasons == ["length"]
+
+
+def test_every_transformers_setting_is_a_field_or_named_as_unimplemented() -> None:
+    """transformers 4.55's GenerationConfig keys are kvgen fields (HF names) or in UNIMPLEMENTED_HF_FIELDS, whose
+    names are a NotImplementedError naming the feature, never "unknown setting"."""
+    import dataclasses
+
+    import transformers
+
+    from kvgen.generation.config import HF_METADATA_KEYS, UNIMPLEMENTED_HF_FIELDS, check_setting_names
+
+    ours = {f.name for f in dataclasses.fields(GenerationConfig)}
+    theirs = set(transformers.GenerationConfig().to_dict()) - set(HF_METADATA_KEYS)
+    assert theirs - ours == set(UNIMPLEMENTED_HF_FIELDS)
+    for name, feature in UNIMPLEMENTED_HF_FIELDS.items():
+        with pytest.raises(NotImplementedError, match=f"transformers' {name} \\({feature}\\)"):
+            check_setting_names({name: 1})
+    assert GenerationConfig(disable_compile=True).disable_compile

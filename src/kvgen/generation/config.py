@@ -56,7 +56,16 @@ MODEL_DEFAULT_KEYS = (
 UNIMPLEMENTED_HF_FIELDS = {
     "token_healing": "token healing",
     "assistant_early_exit": "self-speculative decoding",
+    "assistant_lookbehind": "universal assisted decoding, an assistant with another tokenizer",
+    "target_lookbehind": "universal assisted decoding, an assistant with another tokenizer",
+    "cache_config": "quantized and offloaded KV caches",
+    "return_legacy_cache": "tuple-of-tensors caches",
+    "is_assistant": "an assistant model's own generation config",
+    "bos_token_id": "generation from no prompt: pass input_ids",
+    "decoder_start_token_id": "encoder-decoder models",
 }
+# transformers GenerationConfig keys that are bookkeeping, not settings
+HF_METADATA_KEYS = ("_from_model_config", "transformers_version")
 
 
 def check_dola_layers(value: object) -> None:
@@ -146,6 +155,8 @@ class GenerationConfig:
     output_hidden_states: bool = _f(False, "return every layer's input hidden states and the output of every forward")
     output_attentions: bool = _f(False, "return every layer's attention weights of every forward")
     return_dict_in_generate: bool = _f(True, "accepted for compatibility; the output type never changes")
+    disable_compile: bool = _f(False, "accepted for compatibility: kvgen compiles no forward (its kernels are built "
+                               "ahead)")
     use_cache: bool = _f(True, "reuse keys/values of earlier tokens (False recomputes everything each step)")
     prefill_chunk_size: int | None = _f(
         None, "greedy search and sampling: prefill the prompt this many tokens per forward (less peak memory, the "
