@@ -239,7 +239,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
 
     params = PoolingParams(dimensions=args.dimensions, normalize=args.normalize)  # ValueError: one line, exit 2
     llm = LLM(args.model, dtype=args.dtype, pooling_type=args.pooling_type)
-    print(json.dumps([out.outputs.embedding for out in llm.embed(list(args.text), params)]))
+    print(json.dumps([out.outputs.embedding for out in llm.embed(list(args.text), params, use_tqdm=False)]))
     return 0
 
 

@@ -49,6 +49,11 @@ def test_embeddings_match_transformers_hidden_states(model_type: str, pooling: s
     cut = llm.embed(PROMPTS[0], PoolingParams(dimensions=8, normalize=False))[0].outputs.embedding
     torch.testing.assert_close(torch.tensor(cut), _reference(tiny.ref, PROMPTS[0], pooling, 8, normalize=False),
                                rtol=1e-5, atol=1e-5)
+    per_prompt = llm.embed(PROMPTS[:2], [PoolingParams(dimensions=4), PoolingParams(normalize=False)], use_tqdm=False)
+    torch.testing.assert_close(torch.tensor(per_prompt[0].outputs.embedding),
+                               _reference(tiny.ref, PROMPTS[0], pooling, 4), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(per_prompt[1].outputs.embedding),
+                               _reference(tiny.ref, PROMPTS[1], pooling, normalize=False), rtol=1e-5, atol=1e-5)
 
 
 def test_embeddings_do_not_disturb_generation() -> None:
@@ -86,6 +91,8 @@ def test_embedding_refusals() -> None:
         llm.embed([1, 97])
     with pytest.raises(ValueError, match="a text prompt needs a tokenizer"):
         llm.embed("hello")
+    with pytest.raises(ValueError, match=r"pooling_params must be one PoolingParams or one per prompt \(2\), got 1"):
+        llm.embed([[1, 2], [3]], [PoolingParams()])
     with pytest.raises(ValueError, match="pooling_type must be one of last, mean, cls, got 'max'"):
         LLM(tiny.ours, None, pooling_type="max")
 

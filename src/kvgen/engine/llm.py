@@ -112,16 +112,34 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def embed(self, prompts: PromptInput | Sequence[PromptInput], pooling_params: PoolingParams | None = None
+    def embed(self, prompts: PromptInput | Sequence[PromptInput],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, use_tqdm: bool = True
               ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (prompts as ``generate`` takes them), in input order: the hidden states after the
-        final norm pooled by ``EngineArgs.pooling_type`` (:mod:`kvgen.engine.pooling`); ``pooling_params``:
-        ``dimensions``, ``normalize`` (default: every value, unit norm). Raises ``ValueError`` for an invalid
-        prompt, one over ``max_model_len`` or ``dimensions`` over the hidden size. Source: vLLM ``LLM.embed``."""
+        final norm pooled by ``EngineArgs.pooling_type`` (:mod:`kvgen.engine.pooling`); ``pooling_params``: one for
+        all prompts or one per prompt (``dimensions``, ``normalize``; default: every value, unit norm). Raises
+        ``ValueError`` for an invalid prompt, one over ``max_model_len``, ``dimensions`` over the hidden size or a
+        params list of another length. Source: vLLM ``LLM.embed``."""
+        items = _as_prompt_list(prompts)
+        params = list(pooling_params) if isinstance(pooling_params, Sequence) else [pooling_params] * len(items)
+        if len(params) != len(items):
+            raise ValueError(f"pooling_params must be one PoolingParams or one per prompt ({len(items)}), got "
+                             f"{len(params)}")
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(items), desc="Embedded prompts", dynamic_ncols=True)
         outputs = []
-        for item in _as_prompt_list(prompts):
-            text, ids = _split_prompt(item)
-            outputs.append(self.llm_engine.embed(str(next(self._counter)), text, pooling_params, prompt_token_ids=ids))
+        try:
+            for item, p in zip(items, params):
+                text, ids = _split_prompt(item)
+                outputs.append(self.llm_engine.embed(str(next(self._counter)), text, p, prompt_token_ids=ids))
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         return outputs
 
     def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
