@@ -473,8 +473,6 @@ def test_unknown_and_unimplemented_settings_are_named(tiny: TinyModel) -> None:
         generate(tiny.ours, IDS, MASK, max_new_token=3)
     with pytest.raises(NotImplementedError, match=r"assistant_early_exit \(self-speculative decoding\)"):
         generate(tiny.ours, IDS, MASK, assistant_early_exit=2)
-    with pytest.raises(NotImplementedError, match="SynthID"):
-        generate(tiny.ours, IDS, MASK, watermarking_config={"ngram_len": 5, "keys": [1, 2, 3]})
     with pytest.raises(NotImplementedError, match=r"token_healing \(token healing\)"):
         generate(tiny.ours, IDS, MASK, token_healing=True)
 
@@ -502,6 +500,29 @@ def test_watermarked_generation_matches_transformers(tiny: TinyModel, name: str)
     _assert_scores_close(ours, ref)
     plain = _ours(tiny, eos, seed=seed, **kwargs)
     assert plain.sequences.tolist() != ours.sequences.tolist()  # the watermark changed the tokens
+
+
+@pytest.mark.parametrize("settings", [{"do_sample": True, "seed": 3, "top_k": 0},
+                                      {"do_sample": True, "seed": 8, "num_return_sequences": 2, "temperature": 0.7},
+                                      {"num_beams": 3}])
+def test_synthid_watermarked_generation_matches_transformers(tiny: TinyModel, settings: dict[str, Any]) -> None:
+    """SynthID (tournament layers over the sampling distribution) on a padded batch: transformers' tokens and
+    per-step distributions, and other tokens than without it. The scores are compared as probabilities: ten
+    layers of p * (1 + g - E[g]) leave the least likely tokens' log-probabilities carrying the float noise of the
+    logits many times over (0.2 apart at p ~ 1e-9), the bit-equal processor notwithstanding (tests/sampling)."""
+    from transformers.generation import SynthIDTextWatermarkingConfig as HFSynthIDConfig
+
+    fields = {"ngram_len": 3, "keys": [654, 400, 836, 123, 340, 443, 597, 160, 57, 29]}
+    kwargs, eos, seed = dict(settings), _two_eos(tiny), settings.get("seed")
+    kwargs.pop("seed", None)
+    ref = _hf(tiny, eos, watermarking_config=HFSynthIDConfig(**fields), **kwargs) if seed is None else _hf_seeded(
+        tiny, seed, eos, watermarking_config=HFSynthIDConfig(**fields), **kwargs)
+    ours = _ours(tiny, eos, watermarking_config=fields, output_scores=True, seed=seed, **kwargs)
+    assert ours.sequences.tolist() == ref.sequences.tolist()
+    assert ours.scores is not None and len(ours.scores) == len(ref.scores)
+    for got, want in zip(ours.scores, ref.scores, strict=True):  # [N, V] log-probabilities per step
+        torch.testing.assert_close(got.exp(), want.exp(), rtol=1e-4, atol=1e-4)
+    assert _ours(tiny, eos, seed=seed, **kwargs).sequences.tolist() != ours.sequences.tolist()
 
 
 # ---------------------------------------------------------------- DoLa decoding

@@ -75,7 +75,10 @@ def test_ignore_repeated_ngrams_counts_each_ngram_once():
     ({"context_width": 0}, ValueError, "context_width"),
     ({"bias": float("inf")}, ValueError, "bias"),
     ({"gamma": 0.3}, ValueError, "unknown watermarking_config key"),
-    ({"ngram_len": 5, "keys": [1, 2]}, NotImplementedError, "SynthID"),
+    ({"ngram_len": 0, "keys": [1, 2]}, ValueError, "ngram_len must be an int >= 1"),
+    ({"ngram_len": 5, "keys": []}, ValueError, "keys must be a non-empty list"),
+    ({"ngram_len": 5, "keys": [1], "sampling_table_size": 2**25}, ValueError, "sampling_table_size must be <= 2"),
+    ({"ngram_len": 5, "keys": [1], "depth": 3}, ValueError, "unknown SynthID watermarking_config key"),
 ])
 def test_bad_configs_are_refused(fields, error, message):
     with pytest.raises(error, match=message):
@@ -98,3 +101,43 @@ class SimpleConfig:
 
     def __init__(self, vocab_size: int, bos_token_id: int) -> None:
         self.vocab_size, self.bos_token_id = vocab_size, bos_token_id
+
+
+# ---------------------------------------------------------------- SynthID
+
+
+SYNTHID = {
+    "5 keys, trigrams": {"ngram_len": 3, "keys": [654, 400, 836, 123, 340, 443, 597, 160]},
+    "repeated contexts, skip first calls": {"ngram_len": 2, "keys": [7, -11], "context_history_size": 3,
+                                            "skip_first_ngram_calls": True, "sampling_table_size": 1000},
+    "debug mode": {"ngram_len": 4, "keys": [2**62, 5], "sampling_table_seed": 9, "debug_mode": True},
+}
+
+
+@pytest.mark.parametrize("name", list(SYNTHID))
+def test_synthid_scores_equal_transformers_step_by_step(name):
+    """Twelve steps of three rows over a 9-token vocabulary, the new tokens cycling 0, 1, 2 (so contexts repeat
+    and the history check fires): the processor's log-probabilities equal transformers' bit for bit."""
+    from transformers.generation import SynthIDTextWatermarkingConfig as HFSynthIDConfig
+
+    from kvgen.sampling.synthid import SynthIDTextWatermarkLogitsProcessor
+
+    fields = SYNTHID[name]
+    theirs = HFSynthIDConfig(**fields).construct_processor(9, torch.device("cpu"))
+    ours = SynthIDTextWatermarkLogitsProcessor(WatermarkingConfig.of(fields))
+    ids = random_ids(3, 3, 4, 9)
+    unchanged = 0
+    for step in range(12):
+        scores = random_logits(200 + step, 3, 9)
+        want = theirs(ids, scores.clone())
+        assert_same(ours(ids, scores.clone()), want)
+        unchanged += int(torch.equal(want, scores))
+        ids = torch.cat([ids, torch.full((3, 1), step % 3)], dim=1)
+    assert unchanged < 12  # the watermark moves the scores
+    if name.startswith("repeated"):  # the skipped first call, then contexts seen within 3 steps
+        assert unchanged >= 2
+
+
+def test_the_green_list_detector_refuses_synthid():
+    with pytest.raises(ValueError, match="SynthID text needs a trained Bayesian detector"):
+        WatermarkDetector(VOCAB, {"ngram_len": 3, "keys": [1]})

@@ -143,7 +143,8 @@ class GenerationConfig:
     exponential_decay_length_penalty: tuple[int, float] | None = _f(
         None, "(start, factor): after start new tokens, EOS logits grow by |x| (factor ** n - 1)")
     watermarking_config: Any = _f(None, "green-list watermark (Kirchenbauer et al. 2023): a WatermarkingConfig or its "
-                                  "fields, e.g. {\"bias\": 2.0, \"seeding_scheme\": \"selfhash\"}")
+                                  "fields, e.g. {\"bias\": 2.0, \"seeding_scheme\": \"selfhash\"}; or SynthID's "
+                                  "(a SynthIDTextWatermarkingConfig, or {\"ngram_len\": 5, \"keys\": [...]})")
     remove_invalid_values: bool = _f(False, "replace NaN and inf logits by finite values")
     renormalize_logits: bool = _f(False, "log-softmax the scores after every processor")
     eos_token_id: int | list[int] | None = _f(None, "end-of-sequence token id(s); default: the model's")

@@ -95,7 +95,7 @@ def generate(
     token), as transformers.
     Returns a :class:`GenerateOutput`. Raises ``ValueError`` for bad shapes or
     settings (an unknown setting name too), ``NotImplementedError`` for a transformers setting kvgen does not
-    implement (``token_healing``, SynthID watermarking, hidden states of drafting strategies, ...) and
+    implement (``token_healing``, ``assistant_early_exit``, hidden states of drafting strategies, ...) and
     ``ContextLengthError`` when
     prompt + ``max_new_tokens`` exceeds the model's context window.
     Reference: transformers 4.55 ``GenerationMixin.generate``.

@@ -21,6 +21,7 @@ import torch
 from kvgen.config import checked_token_ids, token_id_list
 from kvgen.sampling import ops
 from kvgen.sampling.pipeline import GENERATE_FIRST_WARPER, GENERATE_ORDER, split_order
+from kvgen.sampling.synthid import SynthIDTextWatermarkingConfig, SynthIDTextWatermarkLogitsProcessor
 from kvgen.sampling.watermark import WatermarkingConfig, WatermarkLogitsProcessor
 
 
@@ -492,9 +493,14 @@ def _presence_frequency(s: _Settings) -> LogitsProcessor | None:
     return PresenceFrequencyPenaltyLogitsProcessor(presence, frequency, s.prompt_length)
 
 
-def _watermark(s: _Settings) -> WatermarkLogitsProcessor | None:
+def _watermark(s: _Settings) -> WatermarkLogitsProcessor | SynthIDTextWatermarkLogitsProcessor | None:
     value = s.get("watermarking_config", None)
-    return None if value is None else WatermarkLogitsProcessor(None, WatermarkingConfig.of(value))
+    if value is None:
+        return None
+    config = WatermarkingConfig.of(value)
+    if isinstance(config, SynthIDTextWatermarkingConfig):
+        return SynthIDTextWatermarkLogitsProcessor(config)
+    return WatermarkLogitsProcessor(None, config)
 
 
 # Stage name (``kvgen.sampling.pipeline.GENERATE_ORDER``) -> (processor class, factory).

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from kvgen.sampling.synthid import SynthIDTextWatermarkingConfig
+
 SEEDING_SCHEMES = ("lefthash", "selfhash")
 _TABLE_SIZE = 1_000_003
 _NUM_SELFHASH_CANDIDATES = 40  # transformers looks at the 40 best candidates per step
@@ -50,13 +52,14 @@ class WatermarkingConfig:
                                  f"{1 if name == 'context_width' else 0}, got {value!r}")
 
     @classmethod
-    def of(cls, value: Any) -> WatermarkingConfig:
-        """A config from itself, a dict of its fields, or transformers' ``WatermarkingConfig``. Raises
-        ``ValueError`` for unknown keys or values, ``NotImplementedError`` for SynthID watermarking."""
-        if isinstance(value, cls):
+    def of(cls, value: Any) -> WatermarkingConfig | SynthIDTextWatermarkingConfig:
+        """A config from itself, a dict of its fields, or transformers' ``WatermarkingConfig``; a SynthID config (or
+        a dict with ``ngram_len``) gives :class:`~kvgen.sampling.synthid.SynthIDTextWatermarkingConfig`. Raises
+        ``ValueError`` for unknown keys or values."""
+        if isinstance(value, (cls, SynthIDTextWatermarkingConfig)):
             return value
         if type(value).__name__ == "SynthIDTextWatermarkingConfig" or (isinstance(value, dict) and "ngram_len" in value):
-            raise NotImplementedError("kvgen does not implement SynthID text watermarking")
+            return SynthIDTextWatermarkingConfig.of(value)
         fields = value if isinstance(value, dict) else getattr(value, "__dict__", None)
         if not isinstance(fields, dict):
             raise ValueError(f"watermarking_config must be a WatermarkingConfig or a dict, got {value!r}")
@@ -133,12 +136,17 @@ class WatermarkDetectorOutput:
 class WatermarkDetector:
     """Tells watermarked text from plain text (transformers ``WatermarkDetector``).
 
-    ``vocab_size`` and ``bos_token_id`` are the model's; ``config`` the generation's watermarking settings.
+    ``vocab_size`` and ``bos_token_id`` are the model's; ``config`` the generation's green-list watermarking
+    settings. Raises ``ValueError`` for a SynthID config (its detector is a trained Bayesian model).
     """
 
     def __init__(self, vocab_size: int, config: Any, bos_token_id: int | None = None,
                  ignore_repeated_ngrams: bool = False) -> None:
-        self.config = WatermarkingConfig.of(config)
+        found = WatermarkingConfig.of(config)
+        if not isinstance(found, WatermarkingConfig):
+            raise ValueError("WatermarkDetector detects the green-list watermark; SynthID text needs a trained "
+                             "Bayesian detector (transformers' BayesianDetectorModel)")
+        self.config = found
         self.processor = WatermarkLogitsProcessor(vocab_size, self.config)
         self.bos_token_id, self.ignore_repeated_ngrams = bos_token_id, ignore_repeated_ngrams
 
