@@ -40,7 +40,11 @@ def test_every_transformers_setting_is_a_field_or_named_as_unimplemented() -> No
 
     import transformers
 
-    from kvgen.generation.config import HF_METADATA_KEYS, UNIMPLEMENTED_HF_FIELDS, check_setting_names
+    from kvgen.generation.config import (
+        HF_METADATA_KEYS,
+        UNIMPLEMENTED_HF_FIELDS,
+        check_setting_names,
+    )
 
     ours = {f.name for f in dataclasses.fields(GenerationConfig)}
     theirs = set(transformers.GenerationConfig().to_dict()) - set(HF_METADATA_KEYS)

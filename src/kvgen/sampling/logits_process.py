@@ -21,7 +21,10 @@ import torch
 from kvgen.config import checked_token_ids, token_id_list
 from kvgen.sampling import ops
 from kvgen.sampling.pipeline import GENERATE_FIRST_WARPER, GENERATE_ORDER, split_order
-from kvgen.sampling.synthid import SynthIDTextWatermarkingConfig, SynthIDTextWatermarkLogitsProcessor
+from kvgen.sampling.synthid import (
+    SynthIDTextWatermarkingConfig,
+    SynthIDTextWatermarkLogitsProcessor,
+)
 from kvgen.sampling.watermark import WatermarkingConfig, WatermarkLogitsProcessor
 
 
