@@ -29,6 +29,7 @@ inline void iq4_sums(const uint8_t* qs, const BlockQ8A* const* a, int64_t b, __m
                      __m256i* sum) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int m = 0; m < MT; ++m) sum[m] = _mm256_setzero_si256();
+#pragma GCC unroll 4
   for (int t = 0; t < 4; ++t) {
     const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
     const __m256i lo = _mm256_shuffle_epi8(values, _mm256_and_si256(p, low4));

@@ -52,6 +52,7 @@ inline void q5_dots(const uint8_t* w, const BlockQ8A* const* a, int64_t b, __m25
   for (int m = 0; m < MT; ++m) {
     const int8_t* q = a[m][b].qs;
     dot[m] = _mm256_setzero_si256();
+#pragma GCC unroll 2
     for (int t = 0; t < 4; t += 2) {
       __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo[t], bcast4(q + 4 * t)),
                                    _mm256_maddubs_epi16(hi[t], bcast4(q + 16 + 4 * t)));

@@ -53,6 +53,7 @@ void q6_tile(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* h
       for (int m = 0; m < MT; ++m) {
         const int8_t* q = a[m][b].qs;
         __m256i dot = _mm256_setzero_si256();  // sum_h sc_h * S_h: pairs of products summed in int16, then madd
+#pragma GCC unroll 2
         for (int t = 0; t < 4; t += 2) {
           dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_add_epi16(
               _mm256_maddubs_epi16(u0[t], bcast4(q + 4 * t)), _mm256_maddubs_epi16(u0[t + 1], bcast4(q + 4 * t + 4))),

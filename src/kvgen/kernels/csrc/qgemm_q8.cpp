@@ -27,6 +27,7 @@ void q8_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* cons
     }
     __m256i sum[MT];
     for (int m = 0; m < MT; ++m) sum[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 + 32 * j));
       const __m256i aq = _mm256_sign_epi8(q, q);
