@@ -148,6 +148,25 @@ def test_max_length_counts_the_prompt(capsys, tiny_model_dir):
     assert len(report["prompt_token_ids"]) + len(report["token_ids"]) == 9
 
 
+def test_quantization_flag_runs_the_quantized_model(capsys, tiny_model_dir):
+    """--quantization q4_0 (any case) gives the tokens of load_model(quantization="q4_0") and generate()."""
+    from kvgen.generation import GenerationConfig, generate
+    from kvgen.loader import load_model
+
+    code, out, err = _run(capsys, ["generate", "Water boils at", "--model", str(tiny_model_dir), "--quantization",
+                                   "Q4_0", "--max-new-tokens", "8", "--json"])
+    assert code == 0, err
+    report = json.loads(out)
+    model, _ = load_model(tiny_model_dir, quantization="q4_0")
+    want = generate(model, torch.tensor([report["prompt_token_ids"]]), None,
+                    GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=model.generation_defaults.get(
+                        "eos_token_id", [])))
+    assert report["token_ids"] == want.new_token_ids[0][: len(report["token_ids"])]
+    from kvgen.models.quant_linear import QuantEmbedding
+
+    assert isinstance(model.model.embed_tokens, QuantEmbedding)  # the float32 checkpoint became quantized blocks
+
+
 def _model_args(request: pytest.FixtureRequest, model: str) -> list[str]:
     """CLI flags naming ``model``: "default" (the real model, no flag) or "tiny" (``tiny_model_dir``)."""
     return [] if model == "default" else ["--model", str(request.getfixturevalue("tiny_model_dir"))]
@@ -262,6 +281,8 @@ def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
         pytest.param(["generate", "hi", "--max-new-tokens", "9000"], "exceeds the context window of 8192 tokens",
                      marks=pytest.mark.slow),  # loads the default model to learn its context window
         (["perplexity", "/nonexistent.txt"], "cannot read /nonexistent.txt"),
+        (["generate", "hi", "--quantization", "q3_k"], "invalid choice: 'q3_k'"),
+        (["generate", "hi", "--quantization", "q8_0", "--dtype", "float32"], "quantization='q8_0' needs dtype 'auto'"),
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(capsys, argv, message):

@@ -57,12 +57,12 @@ def _load_for_chat(args: argparse.Namespace) -> tuple[Any, Any, float]:
 
 
 def _load_assistant(args: argparse.Namespace) -> Any:
-    """The ``--assistant-model`` (loaded as --model's dtype says), or None."""
+    """The ``--assistant-model`` (loaded as --model's dtype and quantization say), or None."""
     if args.assistant_model is None:
         return None
     from kvgen.loader import load_model
 
-    return load_model(args.assistant_model, dtype=args.dtype)[0]
+    return load_model(args.assistant_model, dtype=args.dtype, quantization=args.quantization)[0]
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -92,7 +92,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, float]:
     from kvgen.loader import load_model
 
     start = time.perf_counter()
-    model, tokenizer = load_model(args.model, dtype=getattr(args, "dtype", "auto"))
+    model, tokenizer = load_model(args.model, dtype=getattr(args, "dtype", "auto"),
+                                  quantization=getattr(args, "quantization", None))
     return model, tokenizer, time.perf_counter() - start
 
 
@@ -238,7 +239,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
     from kvgen.engine.pooling import PoolingParams
 
     params = PoolingParams(dimensions=args.dimensions, normalize=args.normalize)  # ValueError: one line, exit 2
-    llm = LLM(args.model, dtype=args.dtype, pooling_type=args.pooling_type)
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, pooling_type=args.pooling_type)
     print(json.dumps([out.outputs.embedding for out in llm.embed(list(args.text), params, use_tqdm=False)]))
     return 0
 

@@ -158,6 +158,10 @@ def flag_values(args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
+# kvgen.weights.quantized.QUANTIZATIONS (named here so that the CLI parses without importing torch)
+QUANTIZATION_CHOICES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+
+
 def _add_model_flags(p: argparse.ArgumentParser, dtype: bool = True, threads: bool = True, model: bool = True) -> None:
     if model:
         p.add_argument("-m", "--model", default="default", help="a .gguf file, a Hugging Face directory or 'default' (SmolLM2-135M-Instruct)")
@@ -168,6 +172,11 @@ def _add_model_flags(p: argparse.ArgumentParser, dtype: bool = True, threads: bo
             "--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
             help="auto: a quantized GGUF runs from its blocks through kvgen's CPU kernels; "
             "float32: the exact dequantized reference path",
+        )
+        p.add_argument(
+            "--quantization", default=None, type=str.lower, choices=QUANTIZATION_CHOICES,
+            help="encode the model's float matrices at load in this llama.cpp type (--dtype auto): a Hugging Face "
+            "checkpoint or a float GGUF then runs through the quantized kernels",
         )
 
 

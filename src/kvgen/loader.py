@@ -14,7 +14,7 @@ from kvgen.generation.config import read_generation_defaults
 from kvgen.heap import return_freed_memory
 from kvgen.models import CausalLM, build_model
 from kvgen.tokenizer import Tokenizer
-from kvgen.weights.quantized import GGUFBlocks
+from kvgen.weights.quantized import GGUFBlocks, parse_quantization
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # "auto": quantized GGUF matrices stay in their blocks and run through kvgen's kernels;
@@ -51,7 +51,8 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def load_model(
-    path_or_name: str | os.PathLike[str] = "default", dtype: torch.dtype | str | None = AUTO
+    path_or_name: str | os.PathLike[str] = "default", dtype: torch.dtype | str | None = AUTO,
+    quantization: str | None = None,
 ) -> tuple[CausalLM, Tokenizer]:
     """Load a model and its tokenizer.
 
@@ -63,9 +64,19 @@ def load_model(
     GGUF from its blocks through kvgen's kernels (float32 activations), F16 / BF16 GGUF files and
     float16 / bfloat16 Llama-family checkpoints from their 16-bit matrices, and other float
     checkpoints as float32; ``"float32"`` is the exact dequantized reference path.
+    ``quantization`` (vLLM's argument; llama.cpp's ``llama-quantize`` types ``"q8_0"``, ``"q5_1"``, ``"q5_0"``,
+    ``"q4_1"``, ``"q4_0"``; ``dtype="auto"`` only): float matrices are encoded in that type at load, with the
+    ``gguf`` package's quantizers (llama.cpp's reference rounding), and run through the kernels: a float16
+    checkpoint reads about half the bytes per token as ``q8_0``, a quarter as ``q4_0``. The token embedding and LM
+    head take ``q8_0`` under the 4- and 5-bit types, as llama.cpp keeps its output matrix at a higher precision. A
+    GGUF file's quantized matrices stay as stored.
     Raises ``ModelNotFoundError``, ``ModelFormatError``,
-    ``UnsupportedArchitectureError`` or ``UnsupportedQuantizationError``.
+    ``UnsupportedArchitectureError``, ``UnsupportedQuantizationError`` or ``ValueError`` (a bad ``dtype`` or
+    ``quantization``, or one the model cannot take: GPT-2, gpt-oss checkpoints, ``in_features`` not a multiple of 32).
     """
+    qtype = parse_quantization(quantization)
+    if qtype is not None and dtype not in (None, AUTO):
+        raise ValueError(f"quantization={quantization!r} needs dtype 'auto' (the kernels), got {dtype!r}")
     dtype = parse_dtype(dtype)
     path = resolve_model_path(path_or_name)
     state_dict: Mapping[str, torch.Tensor | GGUFBlocks]
@@ -73,7 +84,7 @@ def load_model(
     if path.is_dir():
         from kvgen.weights.hf_loader import load_hf_directory
 
-        config, state_dict = load_hf_directory(path, dtype=dtype)
+        config, state_dict = load_hf_directory(path, dtype=dtype, quantization=qtype)
         tokenizer = Tokenizer.from_pretrained(path)
         generation_defaults = read_generation_defaults(path / "generation_config.json")
     else:
@@ -85,7 +96,7 @@ def load_model(
             )
         from kvgen.weights.gguf_loader import load_gguf
 
-        config, state_dict, meta = load_gguf(path, dtype=dtype)
+        config, state_dict, meta = load_gguf(path, dtype=dtype, quantization=qtype)
         tokenizer = Tokenizer.from_gguf(meta)
     model = build_model(config, state_dict, dtype or torch.float32)
     model.generation_defaults = generation_defaults

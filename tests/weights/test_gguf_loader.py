@@ -820,3 +820,36 @@ def test_kernel_bytes_stay_views_of_the_file_until_packed(tmp_path: Path, monkey
         got = quant.compute_logits(quant(ids, torch.arange(8)[None]))
         want = ref.compute_logits(ref(ids, torch.arange(8)[None]))
     assert float((got - want).abs().mean()) < 0.05 * float(want.abs().mean())
+
+
+@pytest.mark.parametrize("stored", [Q.F32, Q.F16], ids=lambda q: q.name)
+def test_quantization_encodes_a_float_file_and_keeps_a_quantized_one(tmp_path: Path, stored) -> None:
+    """quantization=Q4_0 on a file of float matrices: each is the gguf package's Q4_0 encoding of the file's values
+    (q/k rows un-permuted first), the embedding and output matrices Q8_0; on a quantized file (Q5_1 beside one F32
+    matrix) the quantized matrices stay as stored and only the float one is encoded; the model runs them."""
+    from kvgen.models import build_model
+    from kvgen.weights.quantized import GGUFBlocks
+
+    types = {name: stored for name, shape in _tiny_shapes().items() if len(shape) == 2}
+    originals = _write_llama(tmp_path / "float.gguf", types)
+    config, state, _ = load_gguf(tmp_path / "float.gguf", dtype=None, quantization=Q.Q4_0)
+    for gguf_name, ours, qtype in (("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", Q.Q4_0),
+                                   ("blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj.weight", Q.Q4_0),
+                                   ("token_embd.weight", "model.embed_tokens.weight", Q.Q8_0),
+                                   ("output.weight", "lm_head.weight", Q.Q8_0)):
+        values = originals[gguf_name].astype(np.float16).astype(np.float32) if stored == Q.F16 else originals[gguf_name]
+        got = state[ours]
+        assert isinstance(got, GGUFBlocks) and got.qtype == qtype, ours
+        assert np.array_equal(got.parts[0].numpy(), quantize(values, qtype)), ours
+    ids = torch.arange(1, 9)[None] % V
+    quant, ref = build_model(config, state), build_model(*load_gguf(tmp_path / "float.gguf")[:2])
+    with torch.inference_mode():
+        got_logits = quant.compute_logits(quant(ids, torch.arange(8)[None]))
+        want_logits = ref.compute_logits(ref(ids, torch.arange(8)[None]))
+    assert float((got_logits - want_logits).abs().mean()) < 0.3 * float(want_logits.abs().mean())
+    _write_llama(tmp_path / "q5.gguf", {**dict.fromkeys(types, Q.Q5_1), "blk.1.ffn_down.weight": Q.F32})
+    _, kept, _ = load_gguf(tmp_path / "q5.gguf", dtype=None, quantization=Q.Q8_0)
+    assert kept["model.layers.0.mlp.up_proj.weight"].qtype == Q.Q5_1
+    assert kept["model.layers.1.mlp.down_proj.weight"].qtype == Q.Q8_0
+    with pytest.raises(ValueError, match="needs dtype 'auto'"):
+        load_gguf(tmp_path / "q5.gguf", dtype=torch.float32, quantization=Q.Q8_0)

@@ -118,7 +118,7 @@ def qgemm_crossover(out_features: int = 3072, in_features: int = 576, ms: tuple[
 def _bench_kvgen(config: DecodeBenchConfig, log: h.Progress) -> h.Side:
     rss_before = h.current_rss_bytes()
     log(f"kvgen: loading {config.model} ({config.dtype})")
-    (model, _), load_s = h.timed(lambda: load_model(config.model, dtype=config.dtype))
+    (model, _), load_s = h.timed(lambda: load_model(config.model, config.dtype, config.quantization))
     vocab_size = model.config.vocab_size
     prompt_ids = seeded_prompt_ids(config.prompt_tokens, vocab_size, config.seed)  # [1, prompt_tokens]
     configs = measure_ours(model, prompt_ids, config, log)

@@ -29,13 +29,14 @@ class PerplexityBenchConfig(BenchConfig):
     include_llama_cpp: bool = _f(True, "score with llama-cpp-python")
 
 
-def _kvgen_side(config: PerplexityBenchConfig, dtype: str, text: str, log: h.Progress) -> tuple[h.Side, list[int]]:
+def _kvgen_side(config: PerplexityBenchConfig, dtype: str, quantization: str | None, text: str, log: h.Progress
+                ) -> tuple[h.Side, list[int]]:
     log(f"kvgen ({dtype}): loading {config.model}")
-    (llm, tokenizer), load_s = h.timed(lambda: load_model(config.model, dtype=dtype))
+    (llm, tokenizer), load_s = h.timed(lambda: load_model(config.model, dtype, quantization))
     token_ids = tokenizer.encode(text, add_special_tokens=False)
     result, score_s = h.timed(lambda: perplexity(llm, token_ids, config.context_length))
     log(f"kvgen ({dtype}): perplexity {result.perplexity:.4f} of {len(token_ids)} tokens in {score_s:.1f} s")
-    return {"dtype": dtype, **dataclasses.asdict(result), "load_s": load_s, "score_s": score_s}, token_ids
+    return {"dtype": dtype, "quantization": quantization, **dataclasses.asdict(result), "load_s": load_s, "score_s": score_s}, token_ids
 
 
 def relative_differences(sides: dict[str, h.Side]) -> dict[str, float | None]:
@@ -59,8 +60,8 @@ def run_perplexity_bench(config: PerplexityBenchConfig) -> PerplexityReport:
     """The bench (see the module docstring). ``ValueError``: unreadable text, bad ``context_length``, too few tokens."""
     log, threads, env = h.start(config, "[bench:perplexity]")
     path, text = read_text(config.file)
-    default, token_ids = _kvgen_side(config, config.dtype, text, log)
-    float32 = default if config.dtype == "float32" else _kvgen_side(config, "float32", text, log)[0]
+    default, token_ids = _kvgen_side(config, config.dtype, config.quantization, text, log)
+    float32 = default if config.dtype == "float32" else _kvgen_side(config, "float32", None, text, log)[0]
     request = {"num_threads": threads, "context_length": config.context_length,
                "windows": windows(token_ids, config.context_length)}
     cpp = h.peer_side("llama_cpp", "perplexity", config.include_llama_cpp, config.model, log, request)

@@ -116,7 +116,7 @@ def run_strategies_bench(config: StrategiesBenchConfig) -> StrategiesReport:
                 "batch_size": len(config.prompts), "new_tokens": config.new_tokens, "num_threads": threads,
                 "timing": "tokens_per_s = batch_size x new_tokens / seconds of one run after a warm-up"}
     log(f"kvgen: loading {config.model} ({config.dtype})")
-    ours, tokenizer = load_model(config.model, dtype=config.dtype)
+    ours, tokenizer = load_model(config.model, config.dtype, config.quantization)
     theirs = load_transformers(config.model, config.dtype) if config.include_transformers else None
     batch = left_padded([tokenizer.encode(p) for p in config.prompts], tokenizer.pad_token_id or 0)  # [B, T] each
     strategies = {name: _measure_strategy(name, (ours, theirs), batch, config, log) for name in STRATEGY_SETTINGS}

@@ -156,7 +156,7 @@ def run_throughput_bench(config: ThroughputBenchConfig) -> ThroughputReport:
                              kv_cache_memory=config.kv_cache_memory,
                              max_num_batched_tokens=config.max_num_batched_tokens)
     log(f"loading {config.model} ({config.dtype})")
-    model, _ = load_model(config.model, dtype=config.dtype)
+    model, _ = load_model(config.model, config.dtype, config.quantization)
     workload = make_workload(config.num_prompts, model.config.vocab_size, config.seed)
     lens, outs = [len(p) for p in workload.prompt_token_ids], workload.output_lens
     described = {"num_prompts": len(lens), "seed": config.seed, "prompt_tokens_total": sum(lens),

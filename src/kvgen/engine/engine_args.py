@@ -16,6 +16,7 @@ from kvgen.engine.scheduler import SchedulingPolicy
 from kvgen.engine.spec_decode import SpeculativeConfig
 from kvgen.fields import check_int, config_field
 from kvgen.sampling.params import SEED_MAX, SEED_MIN
+from kvgen.weights.quantized import parse_quantization
 
 SCHEDULING_POLICIES = tuple(p.value for p in SchedulingPolicy)  # "fcfs", "priority"
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, when neither num_blocks nor kv_cache_memory is given
@@ -31,6 +32,8 @@ class EngineArgs:
 
     model: str = _f("default", "model: 'default', a .gguf file or a Hugging Face directory")
     dtype: str = _f("auto", "weights: auto (a quantized GGUF runs from its blocks, fp16 KV cache), float32, bfloat16 or float16")
+    quantization: str | None = _f(None, "encode a checkpoint's float matrices at load for the kernels: q8_0, q5_1, "
+                                        "q5_0, q4_1 or q4_0 (llama.cpp's types; dtype auto only)")
     block_size: int = _f(16, "tokens per KV-cache block")
     num_blocks: int | None = _f(None, "KV-cache blocks in the pool (vLLM num_gpu_blocks); exclusive with kv_cache_memory")
     kv_cache_memory: int | None = _f(None, "KV-cache pool size in bytes (default 1 GiB when num_blocks is unset)")
@@ -61,6 +64,8 @@ class EngineArgs:
 
         if self.dtype != AUTO and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {AUTO}, {', '.join(DTYPES)}, got {self.dtype!r}")
+        if parse_quantization(self.quantization) is not None and self.dtype != AUTO:
+            raise ValueError(f"quantization={self.quantization!r} needs dtype 'auto' (the kernels), got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             check_int(name, getattr(self, name), 1)
         for name in ("num_blocks", "kv_cache_memory", "max_model_len", "long_prefill_token_threshold"):

@@ -98,7 +98,7 @@ class LLMEngine:
         """Load ``engine_args.model`` (see ``kvgen.load_model``) and build an engine on it."""
         from kvgen.loader import load_model
 
-        model, tokenizer = load_model(engine_args.model, engine_args.dtype)
+        model, tokenizer = load_model(engine_args.model, engine_args.dtype, engine_args.quantization)
         return cls(model, tokenizer, engine_args)
 
     # ------------------------------------------------------------ requests

@@ -41,6 +41,7 @@ from kvgen.weights.quantized import (
     GGUFBlocks,
     dense_to_q8_0,
     mxfp4_fits_float16,
+    quantize_matrix,
 )
 
 Q = GGMLQuantizationType
@@ -62,7 +63,8 @@ _CHUNK_BYTES = 8 << 20
 
 
 def load_gguf(
-    path: str | os.PathLike[str], dtype: torch.dtype | None = torch.float32
+    path: str | os.PathLike[str], dtype: torch.dtype | None = torch.float32,
+    quantization: GGMLQuantizationType | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor | GGUFBlocks], dict[str, Any]]:
     """Read a Llama-family GGUF file: config, state dict in our names, raw metadata.
 
@@ -80,6 +82,9 @@ def load_gguf(
     each expert stack [E, rows, cols] becomes E matrices converted one by one like any other (:func:`_expert_slice`;
     older files' per-expert tensors map directly), routers stay dense (float32 for auto), and a layer without a
     router but with ``ffn_up`` is dense (:func:`_dense_layers`).
+    ``quantization`` (a type of :data:`~kvgen.weights.quantized.QUANTIZATIONS`, with ``dtype=None``): the file's
+    F32 / F16 / BF16 matrices are encoded in that type (:func:`~kvgen.weights.quantized.quantize_matrix`; ``ValueError``
+    for one whose ``in_features`` is not a multiple of 32); quantized ones stay as stored.
     Supported tensor types: :data:`SUPPORTED_QUANT_TYPES`.
     Raises ``ModelNotFoundError``, ``ModelFormatError`` (not GGUF, truncated,
     unknown or missing tensors, wrong shapes), ``UnsupportedArchitectureError``
@@ -120,13 +125,19 @@ def load_gguf(
     matrix_types = {by_name[g].tensor_type for g, ours in (*names.items(), *stacks.items())
                     if len(by_name[g].shape) >= 2 and not is_router_weight(ours)}
     is_quantized = any(q not in _FLOAT_TYPES for q in matrix_types)
-    compact = dtype is None and (is_quantized or bool(FLOAT16_TYPES & matrix_types))
+    compact = dtype is None and (is_quantized or bool(FLOAT16_TYPES & matrix_types) or quantization is not None)
+    if quantization is not None:
+        _check_quantizable(by_name, names, stacks, dtype, quantization)
 
     def convert(t: ReaderTensor, ours: str) -> torch.Tensor | GGUFBlocks:
         """``t`` as kvgen stores it; its file pages are dropped from RSS now, or by the blocks' ``release`` once
         they are packed where the blocks view the file (``_compact_tensor``)."""
         release = partial(_release_pages, reader, t)
         if compact and len(t.shape) == 2 and not is_router_weight(ours):
+            if quantization is not None and t.tensor_type in _FLOAT_TYPES:
+                blocks = quantize_matrix(ours, dequantize_tensor(t, torch.float32, _qk_heads(ours, config)), quantization)
+                release()
+                return blocks
             return _compact_tensor(t, _qk_heads(ours, config), not is_quantized, release)
         out = dequantize_tensor(t, dtype or torch.float32, _qk_heads(ours, config)).view(_param_shape(t, ours))
         release()
@@ -195,6 +206,19 @@ def _check_expert_tensors(by_name: dict[str, ReaderTensor], stacks: dict[str, st
         raise ModelFormatError(f"{path} does not hold the experts its metadata announces (expert_count = "
                                f"{config.num_experts}): missing {', '.join(missing) or 'none'}; "
                                f"not [{config.num_experts}, rows, cols]: {', '.join(wrong) or 'none'}")
+
+
+def _check_quantizable(by_name: dict[str, ReaderTensor], names: dict[str, str], stacks: dict[str, str],
+                       dtype: torch.dtype | None, quantization: GGMLQuantizationType) -> None:
+    """``ValueError`` unless ``quantization`` can encode every float matrix of the file for the kernels."""
+    name = quantization.name.lower()
+    if dtype is not None:
+        raise ValueError(f"quantization={name!r} needs dtype 'auto' (the kernels), got {dtype}")
+    for g, ours in (*names.items(), *stacks.items()):
+        t = by_name[g]
+        if len(t.shape) >= 2 and t.tensor_type in _FLOAT_TYPES and not is_router_weight(ours) and int(t.shape[0]) % 32:
+            raise ValueError(f"quantization={name!r} needs matrices whose in_features is a multiple of 32, got {g} "
+                             f"{list(_torch_shape(t))}")
 
 
 def _compact_tensor(t: ReaderTensor, qk_heads: int | None, keep_16bit: bool,

@@ -40,7 +40,7 @@ from kvgen.weights.name_maps import (
     hf_to_kvgen_name,
     is_router_weight,
 )
-from kvgen.weights.quantized import GGUFBlocks
+from kvgen.weights.quantized import GGUFBlocks, quantize_matrix
 
 _16BIT = ("F16", "BF16")  # safetensors dtypes the 16-bit kernels run as stored
 SINGLE_FILE = "model.safetensors"
@@ -60,7 +60,8 @@ class _Entry:
 
 
 def load_hf_directory(
-    path: str | os.PathLike[str], dtype: torch.dtype | None = torch.float32
+    path: str | os.PathLike[str], dtype: torch.dtype | None = torch.float32,
+    quantization: GGMLQuantizationType | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor | GGUFBlocks]]:
     """Config and state dict (our names, ``[out, in]`` matrices, ``dtype``) of an HF directory.
 
@@ -71,6 +72,11 @@ def load_hf_directory(
     Mixture-of-experts routers (:func:`~kvgen.weights.name_maps.is_router_weight`) load as ``dtype`` (float32 for
     auto) whatever the rest; gpt-oss's expert stacks are split per expert (:mod:`kvgen.weights.gpt_oss`), its MXFP4
     stacks (``*_blocks`` / ``*_scales``) kept as MXFP4 blocks where the rest stays 16-bit, else dequantized.
+
+    ``quantization`` (a type of :data:`~kvgen.weights.quantized.QUANTIZATIONS`, with ``dtype=None``): every matrix
+    but the routers is encoded in that type as it is read (:func:`~kvgen.weights.quantized.quantize_matrix`), for
+    the kernels; Llama-family, Gemma 2 and Gemma 3 checkpoints whose matrices have ``in_features`` a multiple of 32
+    only, else ``ValueError``.
 
     Keys ignored before the strict check: saved buffers (GPT-2 ``attn.bias`` /
     ``attn.masked_bias``, Llama ``rotary_emb.inv_freq``) and ``lm_head.weight``
@@ -91,10 +97,14 @@ def load_hf_directory(
     for e, shape in entries.items():  # a gpt-oss expert stack: as the per-expert parameters it becomes
         actual |= expert_stack_shapes(e.name, shape) if is_expert_stack(e.name) else {e.name: shape}
     check_state_dict(expected_param_shapes(config), actual, str(root), ignored)
+    matrices = {e: shape for e, shape in entries.items()
+                if len(shape) >= 2 and not is_router_weight(e.name) and not e.name.endswith(("_bias", "_blocks", "_scales"))}
+    if quantization is not None:
+        _check_quantizable(config, matrices, dtype, quantization)
     keep_16bit = dtype is None and config.model_type in ("llama", "gemma3_text", "gemma2", "gpt_oss") and all(
-        e.dtype in _16BIT and shape[1] % 32 == 0 for e, shape in entries.items()
-        if len(shape) >= 2 and not is_router_weight(e.name) and not e.name.endswith(("_bias", "_blocks", "_scales")))
-    state = _read_tensors(list(entries), dtype or torch.float32, keep_16bit, _interleaved_qk_heads(config))
+        e.dtype in _16BIT and shape[1] % 32 == 0 for e, shape in matrices.items())
+    state = _read_tensors(list(entries), dtype or torch.float32, keep_16bit, _interleaved_qk_heads(config),
+                          quantization)
     if config.model_type == "gpt_oss":
         state = split_expert_stacks(state, dtype or torch.float32, keep_16bit, keep=keep_16bit)
     for name, tensor in state.items():
@@ -182,11 +192,26 @@ def _interleaved_qk_heads(config: ModelConfig) -> dict[str, int]:
             for kind in ("weight", "bias")}
 
 
-def _read_tensors(entries: list[_Entry], dtype: torch.dtype, keep_16bit: bool,
-                  qk_heads: dict[str, int]) -> dict[str, torch.Tensor | GGUFBlocks]:
+def _check_quantizable(config: ModelConfig, matrices: dict[_Entry, tuple[int, ...]], dtype: torch.dtype | None,
+                       quantization: GGMLQuantizationType) -> None:
+    """``ValueError`` unless ``quantization`` can encode every matrix of this checkpoint for the kernels."""
+    name = quantization.name.lower()
+    if dtype is not None:
+        raise ValueError(f"quantization={name!r} needs dtype 'auto' (the kernels), got {dtype}")
+    if config.model_type not in ("llama", "gemma3_text", "gemma2"):
+        raise ValueError(f"quantization={name!r} is not supported for model_type {config.model_type!r} (Llama-family, "
+                         "Gemma 2 and Gemma 3 checkpoints only)")
+    odd = next((f"{e.key} {list(shape)}" for e, shape in matrices.items() if shape[-1] % 32), None)
+    if odd is not None:
+        raise ValueError(f"quantization={name!r} needs matrices whose in_features is a multiple of 32, got {odd}")
+
+
+def _read_tensors(entries: list[_Entry], dtype: torch.dtype, keep_16bit: bool, qk_heads: dict[str, int],
+                  quantization: GGMLQuantizationType | None = None) -> dict[str, torch.Tensor | GGUFBlocks]:
     """Read one tensor at a time, transposed where needed and cast to ``dtype`` (contiguous); with ``keep_16bit``,
-    2-D float16 / bfloat16 tensors become GGUFBlocks of their bytes instead. A tensor whose name ends with a key of
-    ``qk_heads`` has its rows put in rotate-half order first (:func:`_interleaved_qk_heads`)."""
+    2-D float16 / bfloat16 tensors become GGUFBlocks of their bytes instead, with ``quantization`` 2-D tensors are
+    encoded in that type. A tensor whose name ends with a key of ``qk_heads`` has its rows put in rotate-half order
+    first (:func:`_interleaved_qk_heads`). Routers stay dense ``dtype`` (float32 for auto)."""
     state: dict[str, torch.Tensor | GGUFBlocks] = {}
     by_file: dict[Path, list[_Entry]] = {}
     for e in entries:
@@ -204,6 +229,8 @@ def _read_tensors(entries: list[_Entry], dtype: torch.dtype, keep_16bit: bool,
                     t = reverse_permute_qk(t, heads)
                 if is_expert_stack(e.name):  # as stored: split_expert_stacks casts or keeps each expert's part
                     state[e.name] = t
+                elif quantization is not None and t.dim() == 2 and not is_router_weight(e.name):
+                    state[e.name] = quantize_matrix(e.name, t.t() if e.transpose else t, quantization)
                 elif keep_16bit and t.dim() == 2 and not is_router_weight(e.name):  # routers: dense float32
                     qtype = GGMLQuantizationType.F16 if t.dtype == torch.float16 else GGMLQuantizationType.BF16
                     state[e.name] = GGUFBlocks(qtype, [t.contiguous().view(torch.uint8)], (t.shape[0], t.shape[1]))

@@ -98,6 +98,46 @@ def dense_to_q8_0(w: torch.Tensor) -> GGUFBlocks:
     return GGUFBlocks(Q.Q8_0, [quantize_q8_0(w)], (w.shape[0], w.shape[1]))
 
 
+# ``quantization`` (load_model, EngineArgs, --quantization): float matrices encoded at load in one of these
+# llama.cpp types, each run by its kernel. vLLM's knob of the same name; llama.cpp's `llama-quantize` types.
+QUANTIZATIONS: dict[str, GGMLQuantizationType] = {
+    "q8_0": Q.Q8_0, "q5_1": Q.Q5_1, "q5_0": Q.Q5_0, "q4_1": Q.Q4_1, "q4_0": Q.Q4_0,
+}
+# Names of the token embedding and the LM head (our state dict): Q8_0 under a 4- or 5-bit quantization
+# (llama.cpp's quantize keeps its output matrix at a higher precision too; the default model's Q4_1 file holds its
+# tied embedding as Q8_0).
+_VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")
+_QUANTIZE_CHUNK_VALUES = 1 << 20  # float32 values quantized per step (4 MiB; the quantizer makes a few copies)
+
+
+def parse_quantization(quantization: str | None) -> GGMLQuantizationType | None:
+    """``quantization`` as its GGUF type: None for None; ``ValueError`` naming the choices for anything else."""
+    if quantization is None:
+        return None
+    qtype = QUANTIZATIONS.get(str(quantization).lower())
+    if qtype is None:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or None), got {quantization!r}")
+    return qtype
+
+
+def quantize_matrix(name: str, w: torch.Tensor, qtype: GGMLQuantizationType) -> GGUFBlocks:
+    """The float matrix ``name`` [out, in] (in % 32 == 0) encoded as ``qtype`` by the gguf package's quantizers
+    (llama.cpp's ``quantize_row_*_ref`` rounding); the embedding and LM head as Q8_0 under a 4- or 5-bit type."""
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import quantize
+
+    if name in _VOCAB_MATRICES:
+        qtype = Q.Q8_0
+    out_features, in_features = w.shape
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    raw = torch.empty(out_features, in_features // block_size * type_size, dtype=torch.uint8)  # [out, bytes]
+    step = max(1, _QUANTIZE_CHUNK_VALUES // in_features)  # rows per step: bounds the quantizer's float temporaries
+    for r in range(0, out_features, step):
+        rows = w[r:r + step].float().contiguous().numpy()  # [step, in] float32
+        raw[r:r + step] = torch.from_numpy(quantize(rows, qtype))
+    return GGUFBlocks(qtype, [raw], (out_features, in_features))
+
+
 def mxfp4_fits_float16(raw: torch.Tensor) -> bool:
     """Whether every block scale 2^(e - 128) of GGUF MXFP4 rows [rows, nb * 17] uint8 is exact in float16 (the
     kernels' MXFP4 record; ``reference.MXFP4_EXPONENTS``); files whose scales are not are re-encoded as Q8_0."""

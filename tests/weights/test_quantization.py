@@ -1,0 +1,126 @@
+"""``quantization`` (load_model, EngineArgs, ``--quantization``): float checkpoints encoded at load for the kernels.
+
+The reference for the encoding is the ``gguf`` package's quantizers (llama.cpp's ``quantize_row_*_ref``) applied
+to transformers' own parameters; the reference for the model is transformers' float model on the same weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+from helpers import engine_greedy, hf_params_in_kvgen_layout, make_tiny_model, save_tiny_model_dir
+
+import kvgen.weights.quantized as quantized
+from kvgen.engine import EngineArgs
+from kvgen.generation import GenerationConfig, generate
+from kvgen.loader import load_model
+from kvgen.models.quant_linear import QuantEmbedding, QuantLinear
+from kvgen.weights.hf_loader import load_hf_directory
+from kvgen.weights.quantized import QUANTIZATIONS, GGUFBlocks, parse_quantization
+
+Q = GGMLQuantizationType
+TYPES = list(QUANTIZATIONS.values())
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    """A tiny random Llama (untied LM head, GQA, hidden 64) saved in float32, and transformers' model."""
+    path = tmp_path_factory.mktemp("quantize-me")
+    save_tiny_model_dir(path, tie=False, kv_heads=2, max_position_embeddings=256)
+    from transformers import LlamaForCausalLM
+
+    return path, LlamaForCausalLM.from_pretrained(path).eval()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_every_matrix_is_the_gguf_encoding_of_the_checkpoint(tiny_llama_dir, qtype, monkeypatch) -> None:
+    """Every matrix (embedding and LM head as Q8_0 under a 4- or 5-bit type) holds exactly the bytes that the gguf
+    package's quantizer makes of transformers' parameter, also when the rows are encoded a few at a time; vectors
+    stay float32."""
+    path, ref = tiny_llama_dir
+    monkeypatch.setattr(quantized, "_QUANTIZE_CHUNK_VALUES", 64 * 5)  # 5 rows a step: the last step is partial
+    _, state = load_hf_directory(path, dtype=None, quantization=qtype)
+    want = hf_params_in_kvgen_layout(ref)
+    assert sorted(state) == sorted(want)
+    for name, w in want.items():
+        got = state[name]
+        if w.dim() == 1:
+            assert isinstance(got, torch.Tensor) and got.dtype == torch.float32 and torch.equal(got, w), name
+            continue
+        assert isinstance(got, GGUFBlocks), name
+        expected_type = Q.Q8_0 if name in ("model.embed_tokens.weight", "lm_head.weight") else qtype
+        assert got.qtype == expected_type and got.shape == tuple(w.shape), name
+        assert torch.equal(torch.cat(got.parts), torch.from_numpy(quantize(w.numpy(), expected_type))), name
+
+
+@pytest.mark.parametrize(("quantization", "tolerance"), [("q8_0", 0.05), ("q5_1", 0.15), ("q4_0", 0.4)])
+def test_quantized_model_stays_near_transformers(tiny_llama_dir, quantization, tolerance) -> None:
+    """The quantized model runs every matrix through the kernels; its logits stay within the quantization's error
+    of transformers' float32 logits (mean absolute difference relative to their mean magnitude), the errors
+    growing as the bits shrink; q8_0 picks transformers' top token at most positions."""
+    path, ref = tiny_llama_dir
+    model, _ = load_model(path, quantization=quantization)
+    layer = model.model.layers[0]
+    assert isinstance(model.model.embed_tokens, QuantEmbedding) and isinstance(model.lm_head, QuantLinear)
+    assert all(isinstance(m, QuantLinear) for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj))
+    ids = torch.randint(0, ref.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got = model.compute_logits(model(ids, torch.arange(24)[None].expand(2, -1)))
+        want = ref(ids).logits
+    error = float((got - want).abs().mean() / want.abs().mean())
+    assert error < tolerance, error
+    if quantization == "q8_0":
+        assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) > 0.9
+
+
+def test_the_engine_and_generate_agree_on_a_quantized_model(tiny_llama_dir) -> None:
+    """LLM(..., quantization=...) (EngineArgs) loads the same quantized model as load_model: the engine's greedy
+    tokens equal generate()'s, and its LM head is Q8_0 under a 4-bit type."""
+    from kvgen.engine import LLM
+    from kvgen.kernels import Q8
+
+    path, _ = tiny_llama_dir
+    model, _ = load_model(path, quantization="q4_1")
+    prompts = [[5, 9, 14, 2, 7], [3, 3, 8]]
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=[])
+    want = [generate(model, torch.tensor([p]), None, config).new_token_ids[0] for p in prompts]
+    llm = LLM(str(path), quantization="q4_1", num_blocks=64, block_size=4)
+    assert llm.llm_engine.model.lm_head.weight_type == Q8
+    assert engine_greedy(llm.llm_engine.model, prompts, 6) == want
+
+
+def test_bad_quantization_requests_are_refused(tiny_llama_dir, tmp_path: Path) -> None:
+    """A name that is not a type, a dtype other than auto, GPT-2, in_features not a multiple of 32: ValueError
+    naming the problem (load_model, EngineArgs)."""
+    path, _ = tiny_llama_dir
+    with pytest.raises(ValueError, match="quantization must be one of q8_0, q5_1, q5_0, q4_1, q4_0"):
+        load_model(path, quantization="q3_k")
+    with pytest.raises(ValueError, match="needs dtype 'auto'"):
+        load_model(path, dtype="float32", quantization="q8_0")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineArgs(quantization="int8")
+    with pytest.raises(ValueError, match="needs dtype 'auto'"):
+        EngineArgs(quantization="q8_0", dtype="bfloat16")
+    assert parse_quantization("Q4_0") == Q.Q4_0 and parse_quantization(None) is None
+    gpt2 = make_tiny_model("gpt2", vocab_size=64).ref
+    gpt2.save_pretrained(tmp_path / "gpt2", safe_serialization=True)
+    with pytest.raises(ValueError, match="not supported for model_type 'gpt2'"):
+        load_hf_directory(tmp_path / "gpt2", dtype=None, quantization=Q.Q8_0)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    odd = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2))
+    odd.save_pretrained(tmp_path / "odd", safe_serialization=True)
+    with pytest.raises(ValueError, match="in_features is a multiple of 32"):
+        load_hf_directory(tmp_path / "odd", dtype=None, quantization=Q.Q4_0)
+
+
+def test_cli_choices_are_the_quantizations() -> None:
+    """The CLI's --quantization choices (named there without importing torch) are QUANTIZATIONS'."""
+    from kvgen.cli_flags import QUANTIZATION_CHOICES
+
+    assert QUANTIZATION_CHOICES == tuple(QUANTIZATIONS)
