@@ -12,7 +12,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
-from helpers import engine_greedy, hf_params_in_kvgen_layout, make_tiny_model, save_tiny_model_dir
+from helpers import (
+    engine_greedy,
+    hf_params_in_kvgen_layout,
+    make_tiny_model,
+    save_tiny_model_dir,
+)
 
 import kvgen.weights.quantized as quantized
 from kvgen.engine import EngineArgs
