@@ -36,7 +36,8 @@ def _kvgen_side(config: PerplexityBenchConfig, dtype: str, quantization: str | N
     token_ids = tokenizer.encode(text, add_special_tokens=False)
     result, score_s = h.timed(lambda: perplexity(llm, token_ids, config.context_length))
     log(f"kvgen ({dtype}): perplexity {result.perplexity:.4f} of {len(token_ids)} tokens in {score_s:.1f} s")
-    return {"dtype": dtype, "quantization": quantization, **dataclasses.asdict(result), "load_s": load_s, "score_s": score_s}, token_ids
+    side = {"dtype": dtype, "quantization": quantization, **dataclasses.asdict(result)}
+    return side | {"load_s": load_s, "score_s": score_s}, token_ids
 
 
 def relative_differences(sides: dict[str, h.Side]) -> dict[str, float | None]:

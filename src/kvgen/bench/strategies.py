@@ -112,8 +112,8 @@ class StrategiesReport(BenchReport):
 def run_strategies_bench(config: StrategiesBenchConfig) -> StrategiesReport:
     """Tokens/s of each decoding strategy on ``config.model``, kvgen and (where it has it) transformers."""
     log, threads, env = h.start(config)
-    workload = {"model": config.model, "dtype": config.dtype, "prompts": list(config.prompts), "seed": config.seed,
-                "batch_size": len(config.prompts), "new_tokens": config.new_tokens, "num_threads": threads,
+    workload = {"model": config.model, "dtype": config.dtype, "quantization": config.quantization,
+                "prompts": list(config.prompts), "seed": config.seed, "batch_size": len(config.prompts), "new_tokens": config.new_tokens, "num_threads": threads,
                 "timing": "tokens_per_s = batch_size x new_tokens / seconds of one run after a warm-up"}
     log(f"kvgen: loading {config.model} ({config.dtype})")
     ours, tokenizer = load_model(config.model, config.dtype, config.quantization)

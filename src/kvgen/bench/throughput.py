@@ -163,8 +163,10 @@ def run_throughput_bench(config: ThroughputBenchConfig) -> ThroughputReport:
                  "prompt_tokens_min_max": [min(lens), max(lens)], "output_tokens_total": sum(outs),
                  "output_tokens_min_max": [min(outs), max(outs)], "decoding": "greedy, ignore_eos",
                  "arrivals": "all at t=0", "static_batch_size": config.static_batch_size,
-                 "engine_args": {k: v for k, v in dataclasses.asdict(engine_args).items() if k != "dtype"},
-                 "vocab_size": model.config.vocab_size, "dtype": config.dtype, "num_threads": threads}
+                 "engine_args": {k: v for k, v in dataclasses.asdict(engine_args).items()
+                                 if k not in ("dtype", "quantization")},  # the model is loaded: these two are below
+                 "vocab_size": model.config.vocab_size, "dtype": config.dtype, "quantization": config.quantization,
+                 "num_threads": threads}
     measure_kvgen(model, Workload([list(range(100, 164))], [4]), engine_args, None)  # warm-up: first-call paths
     log(f"kvgen engine: {config.num_prompts} requests, continuous batching, then static batches")
     engine = measure_kvgen(model, workload, engine_args, None)

@@ -135,7 +135,8 @@ def load_gguf(
         release = partial(_release_pages, reader, t)
         if compact and len(t.shape) == 2 and not is_router_weight(ours):
             if quantization is not None and t.tensor_type in _FLOAT_TYPES:
-                blocks = quantize_matrix(ours, dequantize_tensor(t, torch.float32, _qk_heads(ours, config)), quantization)
+                dense = dequantize_tensor(t, torch.float32, _qk_heads(ours, config))  # [out, in]
+                blocks = quantize_matrix(ours, dense, quantization)
                 release()
                 return blocks
             return _compact_tensor(t, _qk_heads(ours, config), not is_quantized, release)

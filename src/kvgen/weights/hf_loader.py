@@ -97,8 +97,8 @@ def load_hf_directory(
     for e, shape in entries.items():  # a gpt-oss expert stack: as the per-expert parameters it becomes
         actual |= expert_stack_shapes(e.name, shape) if is_expert_stack(e.name) else {e.name: shape}
     check_state_dict(expected_param_shapes(config), actual, str(root), ignored)
-    matrices = {e: shape for e, shape in entries.items()
-                if len(shape) >= 2 and not is_router_weight(e.name) and not e.name.endswith(("_bias", "_blocks", "_scales"))}
+    matrices = {e: shape for e, shape in entries.items() if len(shape) >= 2 and not is_router_weight(e.name)
+                and not e.name.endswith(("_bias", "_blocks", "_scales"))}
     if quantization is not None:
         _check_quantizable(config, matrices, dtype, quantization)
     keep_16bit = dtype is None and config.model_type in ("llama", "gemma3_text", "gemma2", "gpt_oss") and all(
