@@ -19,11 +19,11 @@ from helpers import (
     save_tiny_model_dir,
 )
 
-import kvgen.weights.quantized as quantized
 from kvgen.engine import EngineArgs
 from kvgen.generation import GenerationConfig, generate
 from kvgen.loader import load_model
 from kvgen.models.quant_linear import QuantEmbedding, QuantLinear
+from kvgen.weights import quantized
 from kvgen.weights.hf_loader import load_hf_directory
 from kvgen.weights.quantized import QUANTIZATIONS, GGUFBlocks, parse_quantization
 
