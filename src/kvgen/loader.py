@@ -72,7 +72,7 @@ def load_model(
     GGUF file's quantized matrices stay as stored.
     Raises ``ModelNotFoundError``, ``ModelFormatError``,
     ``UnsupportedArchitectureError``, ``UnsupportedQuantizationError`` or ``ValueError`` (a bad ``dtype`` or
-    ``quantization``, or one the model cannot take: GPT-2, gpt-oss checkpoints, ``in_features`` not a multiple of 32).
+    ``quantization``, or one the model cannot take: gpt-oss checkpoints, ``in_features`` not a multiple of 32).
     """
     qtype = parse_quantization(quantization)
     if qtype is not None and dtype not in (None, AUTO):

@@ -124,4 +124,4 @@ class GPT2LMHeadModel(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., C] -> logits [..., V] float32 (tied head)."""
-        return F.linear(hidden, self.transformer.wte.weight).float()
+        return self.transformer.wte.as_lm_head(hidden).float()

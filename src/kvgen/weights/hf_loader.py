@@ -40,7 +40,7 @@ from kvgen.weights.name_maps import (
     hf_to_kvgen_name,
     is_router_weight,
 )
-from kvgen.weights.quantized import GGUFBlocks, quantize_matrix
+from kvgen.weights.quantized import GGUFBlocks, is_quantizable, quantize_matrix
 
 _16BIT = ("F16", "BF16")  # safetensors dtypes the 16-bit kernels run as stored
 SINGLE_FILE = "model.safetensors"
@@ -74,9 +74,9 @@ def load_hf_directory(
     stacks (``*_blocks`` / ``*_scales``) kept as MXFP4 blocks where the rest stays 16-bit, else dequantized.
 
     ``quantization`` (a type of :data:`~kvgen.weights.quantized.QUANTIZATIONS`, with ``dtype=None``): every matrix
-    but the routers is encoded in that type as it is read (:func:`~kvgen.weights.quantized.quantize_matrix`), for
-    the kernels; Llama-family, Gemma 2 and Gemma 3 checkpoints whose matrices have ``in_features`` a multiple of 32
-    only, else ``ValueError``.
+    but the routers and GPT-2's position table is encoded in that type as it is read
+    (:func:`~kvgen.weights.quantized.quantize_matrix`), for the kernels; Llama-family, Gemma 2, Gemma 3 and GPT-2
+    checkpoints whose matrices have ``in_features`` a multiple of 32 only, else ``ValueError``.
 
     Keys ignored before the strict check: saved buffers (GPT-2 ``attn.bias`` /
     ``attn.masked_bias``, Llama ``rotary_emb.inv_freq``) and ``lm_head.weight``
@@ -198,10 +198,11 @@ def _check_quantizable(config: ModelConfig, matrices: dict[_Entry, tuple[int, ..
     name = quantization.name.lower()
     if dtype is not None:
         raise ValueError(f"quantization={name!r} needs dtype 'auto' (the kernels), got {dtype}")
-    if config.model_type not in ("llama", "gemma3_text", "gemma2"):
+    if config.model_type not in ("llama", "gemma3_text", "gemma2", "gpt2"):
         raise ValueError(f"quantization={name!r} is not supported for model_type {config.model_type!r} (Llama-family, "
-                         "Gemma 2 and Gemma 3 checkpoints only)")
-    odd = next((f"{e.key} {list(shape)}" for e, shape in matrices.items() if shape[-1] % 32), None)
+                         "Gemma 2, Gemma 3 and GPT-2 checkpoints only)")
+    odd = next((f"{e.key} {list(shape)}" for e, shape in matrices.items() if is_quantizable(e.name) and shape[-1] % 32),
+               None)  # shapes as ours: [out, in]
     if odd is not None:
         raise ValueError(f"quantization={name!r} needs matrices whose in_features is a multiple of 32, got {odd}")
 
@@ -229,7 +230,7 @@ def _read_tensors(entries: list[_Entry], dtype: torch.dtype, keep_16bit: bool, q
                     t = reverse_permute_qk(t, heads)
                 if is_expert_stack(e.name):  # as stored: split_expert_stacks casts or keeps each expert's part
                     state[e.name] = t
-                elif quantization is not None and t.dim() == 2 and not is_router_weight(e.name):
+                elif quantization is not None and t.dim() == 2 and is_quantizable(e.name):
                     state[e.name] = quantize_matrix(e.name, t.t() if e.transpose else t, quantization)
                 elif keep_16bit and t.dim() == 2 and not is_router_weight(e.name):  # routers: dense float32
                     qtype = GGMLQuantizationType.F16 if t.dtype == torch.float16 else GGMLQuantizationType.BF16

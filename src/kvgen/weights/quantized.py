@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType
 
+from kvgen.weights.name_maps import is_router_weight
+
 Q = GGMLQuantizationType
 # Types our kernels run from their own bytes (F16, BF16: in a file of float matrices; MXFP4 when its scales fit
 # float16, mxfp4_fits_float16); every other type the gguf package can dequantize (the other IQ types, TQ1_0 / TQ2_0)
@@ -106,7 +108,9 @@ QUANTIZATIONS: dict[str, GGMLQuantizationType] = {
 # Names of the token embedding and the LM head (our state dict): Q8_0 under a 4- or 5-bit quantization
 # (llama.cpp's quantize keeps its output matrix at a higher precision too; the default model's Q4_1 file holds its
 # tied embedding as Q8_0).
-_VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")
+_VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.weight", "transformer.wte.weight")
+# Matrices no linear layer reads, left dense: GPT-2's learned position embeddings (a lookup of T rows a step).
+_DENSE_MATRICES = ("transformer.wpe.weight",)
 _QUANTIZE_CHUNK_VALUES = 1 << 20  # float32 values quantized per step (4 MiB; the quantizer makes a few copies)
 
 
@@ -118,6 +122,11 @@ def parse_quantization(quantization: str | None) -> GGMLQuantizationType | None:
     if qtype is None:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or None), got {quantization!r}")
     return qtype
+
+
+def is_quantizable(name: str) -> bool:
+    """Whether ``quantization`` encodes the 2-D parameter ``name`` (every matrix but routers and position tables)."""
+    return not is_router_weight(name) and name not in _DENSE_MATRICES
 
 
 def quantize_matrix(name: str, w: torch.Tensor, qtype: GGMLQuantizationType) -> GGUFBlocks:
