@@ -80,6 +80,8 @@ def test_full_queue_is_429_and_leaving_clients_free_everything(guarded):
         (["--max-num-seqs", "0"], "--max-num-seqs must be an int >= 1, got 0"),
         (["--model", "/nonexistent/model.gguf"], "model not found"),
         (["--log-level", "loud"], "--log-level must be one of"),
+        (["--quantization", "q3_k"], "quantization must be one of q8_0, q5_1, q5_0, q4_1, q4_0"),
+        (["--quantization", "q8_0", "--dtype", "float32"], "needs dtype 'auto'"),
     ],
 )
 def test_serve_user_errors_are_one_line_and_exit_2(capsys, args, message):
