@@ -40,7 +40,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "gpt2", "gemma3_text", "gemma2", "gpt_oss")
 # as Baidu's checkpoints store them (the permuted order of a llama file)
 _GGUF_LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "smollm3", "qwen2moe", "qwen3moe", "granite", "ernie4_5")
 # gemma3: our Gemma 3 decoder (model_type gemma3_text); gpt-oss: model_type gpt_oss (kvgen.moe_config)
-_GGUF_ARCHS = (*_GGUF_LLAMA_ARCHS, "gemma3", "gemma2", "gpt-oss")
+_GGUF_ARCHS = (*_GGUF_LLAMA_ARCHS, "gemma3", "gemma2", "gpt-oss", "gpt2")
 # Hugging Face model_types decoded by our Llama (see kvgen.llama_config.llama_family_changes)
 _HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "qwen3_moe", "qwen2_moe", "mixtral",
                    "granite", "ernie4_5")
@@ -362,7 +362,7 @@ class ModelConfig:
         architecture outside ``llama`` (with ``expert_count`` > 0: Mixtral), ``qwen2``, ``qwen3``, ``phi3``,
         ``smollm3``, ``granite`` (its ``attention.scale``, ``embedding_scale``, ``residual_scale``, ``logit_scale``),
         ``ernie4_5``,
-        ``qwen2moe``, ``qwen3moe``, ``gemma3``, ``gemma2``, ``gpt-oss`` (see :func:`kvgen.gemma_config.gemma3_gguf_changes`,
+        ``qwen2moe``, ``qwen3moe``, ``gemma3``, ``gemma2``, ``gpt-oss``, ``gpt2`` (llama.cpp's GPT2Model keys) (see :func:`kvgen.gemma_config.gemma3_gguf_changes`,
         :func:`kvgen.gemma_config.gemma2_gguf_changes`, :func:`kvgen.moe_config.gguf_moe_fields`, :func:`~kvgen.moe_config.gguf_gpt_oss_changes`) and ``ModelFormatError`` for missing keys or bad
         values.
         A Llama-family file's ``rope.scaling`` keys (linear, YaRN) are read by
@@ -391,6 +391,17 @@ class ModelConfig:
             if tokens is None:
                 raise ModelFormatError("GGUF metadata has neither vocab_size nor tokenizer.ggml.tokens")
             vocab = len(tokens)
+        if arch == "gpt2":  # llama.cpp's GPT2Model keys; GELU with the tanh approximation (ggml_gelu, gelu_new)
+            return cls(model_type="gpt2", vocab_size=int(vocab), hidden_size=hidden,
+                       num_hidden_layers=int(need("block_count")), num_attention_heads=num_heads,
+                       intermediate_size=int(need("feed_forward_length")),
+                       max_position_embeddings=int(need("context_length")),
+                       layer_norm_epsilon=float(need("attention.layer_norm_epsilon")), hidden_act="gelu_new",
+                       tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+                       bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+                       eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+                       pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+                       extra={"scale_attn_weights": True, "gguf_architecture": arch})
         head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
         rotary = gguf_partial_rotary_factor(meta, arch, head_dim)
         kwargs: dict[str, Any] = {

@@ -40,6 +40,7 @@ from kvgen.weights.quantized import (
     KERNEL_TYPES,
     GGUFBlocks,
     dense_to_q8_0,
+    is_quantizable,
     mxfp4_fits_float16,
     quantize_matrix,
 )
@@ -66,7 +67,7 @@ def load_gguf(
     path: str | os.PathLike[str], dtype: torch.dtype | None = torch.float32,
     quantization: GGMLQuantizationType | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor | GGUFBlocks], dict[str, Any]]:
-    """Read a Llama-family GGUF file: config, state dict in our names, raw metadata.
+    """Read a Llama-family (or ``gpt2``) GGUF file: config, state dict in our names, raw metadata.
 
     The state dict uses HF Llama names with matrices ``[out, in]`` in ``dtype``.
     ``dtype=None`` ("auto") on a file with quantized matrices keeps every matrix compact
@@ -98,10 +99,11 @@ def load_gguf(
     reader.fields.clear()  # ~250k numpy views of the vocabulary (~40 MB); `meta` holds the values now
     by_name = {t.name: t for t in reader.tensors}
     config = ModelConfig.from_gguf_metadata(meta)
+    is_gpt2 = config.model_type == "gpt2"  # its output.weight is the embedding's copy: kvgen's GPT-2 ties its head
     config = replace(
         config,
         rope_scaling=_rope_scaling(by_name, config, meta, path),
-        tie_word_embeddings="output.weight" not in by_name,
+        tie_word_embeddings=is_gpt2 or "output.weight" not in by_name,
         attention_bias="blk.0.attn_q.bias" in by_name or "blk.0.attn_qkv.bias" in by_name,
         o_proj_bias="blk.0.attn_output.bias" in by_name,  # Qwen2 biases q/k/v only
         mlp_bias="blk.0.ffn_up.bias" in by_name,
@@ -116,7 +118,8 @@ def load_gguf(
     for g, template in stacks.items():  # expert e of a stack [E, rows, cols]
         for e in range(int(by_name[g].shape[-1])):
             found |= _unfused(template.format(e), _torch_shape(by_name[g])[1:])
-    check_state_dict(shapes, found, path, ignored=[n for n in _ROPE_TENSORS if n in by_name])
+    ignored = [n for n in (*_ROPE_TENSORS, *(("output.weight",) if is_gpt2 else ())) if n in by_name]
+    check_state_dict(shapes, found, path, ignored=ignored)
     for name in (*names, *stacks):
         _check_quant_type(by_name[name])
     # auto on a quantized (or 16-bit) file: every matrix runs through the kernels, so the model has one kind of
@@ -133,7 +136,7 @@ def load_gguf(
         """``t`` as kvgen stores it; its file pages are dropped from RSS now, or by the blocks' ``release`` once
         they are packed where the blocks view the file (``_compact_tensor``)."""
         release = partial(_release_pages, reader, t)
-        if compact and len(t.shape) == 2 and not is_router_weight(ours):
+        if compact and len(t.shape) == 2 and is_quantizable(ours):  # not routers, not GPT-2's position table
             if quantization is not None and t.tensor_type in _FLOAT_TYPES:
                 dense = dequantize_tensor(t, torch.float32, _qk_heads(ours, config))  # [out, in]
                 blocks = quantize_matrix(ours, dense, quantization)
@@ -217,7 +220,7 @@ def _check_quantizable(by_name: dict[str, ReaderTensor], names: dict[str, str], 
         raise ValueError(f"quantization={name!r} needs dtype 'auto' (the kernels), got {dtype}")
     for g, ours in (*names.items(), *stacks.items()):
         t = by_name[g]
-        if len(t.shape) >= 2 and t.tensor_type in _FLOAT_TYPES and not is_router_weight(ours) and int(t.shape[0]) % 32:
+        if len(t.shape) >= 2 and t.tensor_type in _FLOAT_TYPES and is_quantizable(ours) and int(t.shape[0]) % 32:
             raise ValueError(f"quantization={name!r} needs matrices whose in_features is a multiple of 32, got {g} "
                              f"{list(_torch_shape(t))}")
 
@@ -262,7 +265,7 @@ def _map_names(reader: GGUFReader, path: str, arch: str) -> tuple[dict[str, str]
             names[t.name] = ours
         elif stack is not None:
             stacks[t.name] = stack
-        elif t.name not in _ROPE_TENSORS:  # read into the config's rope_scaling (_rope_scaling)
+        elif t.name not in _ROPE_TENSORS and not (arch == "gpt2" and t.name == "output.weight"):  # rope: the config's
             unknown.append(f"{t.name} ({t.tensor_type.name}, {list(_torch_shape(t))})")
     if unknown:
         raise ModelFormatError(f"{path} has tensors kvgen does not know: {', '.join(unknown)}")
