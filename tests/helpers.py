@@ -192,6 +192,26 @@ _GLOBAL_GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.n
                       "lm_head.weight": "output.weight"}
 
 
+def add_gguf_matrix(w: Any, name: str, x: Any, qtype: Any = None) -> None:
+    """Add the float32 array ``x`` to the GGUFWriter ``w``: a 2-D one as ``qtype`` by the gguf package's quantizer,
+    a vector (or any with ``qtype`` None / F32) as it is."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    if qtype not in (None, GGMLQuantizationType.F32) and x.ndim == 2:
+        w.add_tensor(name, quantize(x, qtype), raw_dtype=qtype)
+    else:
+        w.add_tensor(name, x)
+
+
+def finish_gguf(w: Any) -> None:
+    """Write the GGUFWriter ``w``'s header, metadata and tensors to its file, and close it."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_dense_gguf(path: Path, ref: Any, arch: str, qtype: Any = None, *, permute_qk: bool,
                      add_keys: Any = None) -> None:
     """``ref`` (a dense transformers Llama-family model in float32) as llama.cpp's converter writes an ``arch`` file:
@@ -199,8 +219,6 @@ def write_dense_gguf(path: Path, ref: Any, arch: str, qtype: Any = None, *, perm
     tensor names, q/k rows permuted when ``permute_qk`` (its ``LlamaModel``), matrices as ``qtype`` (default F32;
     vectors F32), no ``output.weight`` when the embeddings are tied."""
     import numpy as np
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
 
     cfg = ref.config
     w = gguf_writer_for(path, arch, cfg)
@@ -221,14 +239,8 @@ def write_dense_gguf(path: Path, ref: Any, arch: str, qtype: Any = None, *, perm
         if permute_qk and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
             heads = cfg.num_attention_heads if ".attn_q." in gguf_name else cfg.num_key_value_heads
             x = np.ascontiguousarray(llama_cpp_permute(x, heads))
-        if qtype not in (None, GGMLQuantizationType.F32) and x.ndim == 2:
-            w.add_tensor(gguf_name, quantize(x, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gguf_name, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        add_gguf_matrix(w, gguf_name, x, qtype)
+    finish_gguf(w)
 
 
 def gguf_writer_for(path: Path, arch: str, cfg: Any) -> Any:

@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
-from gguf.quants import quantize
-from helpers import gguf_writer_for
+from helpers import add_gguf_matrix, finish_gguf, gguf_writer_for
 
 Q = GGMLQuantizationType
 _BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -51,14 +50,8 @@ def write_gemma_gguf(path: Path, ref: torch.nn.Module, arch: str, qtype: GGMLQua
         if name == "lm_head.weight" and cfg.tie_word_embeddings:  # the converter writes no output.weight
             continue
         x = p.detach().numpy().astype(np.float32) + (1.0 if name.endswith("norm.weight") else 0.0)
-        if x.ndim == 2 and qtype != Q.F32:
-            w.add_tensor(gguf_name(name), quantize(x, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gguf_name(name), x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        add_gguf_matrix(w, gguf_name(name), x, qtype)
+    finish_gguf(w)
 
 
 def copy_file_weights(ref: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
+from helpers import finish_gguf
 
 Q = GGMLQuantizationType
 _BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
@@ -101,7 +102,4 @@ def write_gpt_oss_gguf(path: Path, ref: torch.nn.Module, expert_qtype: GGMLQuant
             w.add_tensor(name, quantize(x, kind), raw_dtype=kind)
         else:
             w.add_tensor(name, x.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)

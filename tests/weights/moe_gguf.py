@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
-from helpers import gguf_writer_for, llama_cpp_permute
+from helpers import finish_gguf, gguf_writer_for, llama_cpp_permute
 
 Q = GGMLQuantizationType
 _ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
@@ -107,10 +107,7 @@ def write_moe_gguf(path: Path, ref: torch.nn.Module, model_type: str, qtype: GGM
             w.add_tensor(name, x.astype(np.float16))
         else:
             w.add_tensor(name, quantize(x, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 def copy_file_weights(ref: torch.nn.Module, state: dict[str, torch.Tensor], model_type: str) -> None:

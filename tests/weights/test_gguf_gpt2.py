@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
-from gguf.quants import quantize
-from helpers import hf_greedy, make_tiny_model
+from helpers import add_gguf_matrix, finish_gguf, hf_greedy, make_tiny_model
 
 from kvgen.errors import ModelFormatError
 from kvgen.generation import GenerationConfig, generate
@@ -51,14 +50,8 @@ def _write(path: Path, ref: torch.nn.Module, qtype: GGMLQuantizationType = Q.F32
         parts = name.split(".")
         gguf_name = _GLOBAL.get(name) or f"blk.{parts[2]}.{_BLOCK['.'.join(parts[3:-1])]}.{parts[-1]}"
         for out in (gguf_name, "output.weight") if gguf_name == "token_embd.weight" else (gguf_name,):
-            if qtype != Q.F32 and x.ndim == 2 and gguf_name != "position_embd.weight":
-                w.add_tensor(out, quantize(x, qtype), raw_dtype=qtype)
-            else:
-                w.add_tensor(out, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+            add_gguf_matrix(w, out, x, Q.F32 if gguf_name == "position_embd.weight" else qtype)
+    finish_gguf(w)
     return path
 
 

@@ -25,6 +25,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 from helpers import (
     assert_one_op_decoder_is_layer_by_layer,
+    finish_gguf,
     llama_cpp_permute,
     model_logits,
 )
@@ -226,10 +227,7 @@ def _write_llama(path: Path, types: dict[str, GGMLQuantizationType] | None = Non
             w.add_tensor(name, x[0], raw_dtype=x[1])
         else:
             w.add_tensor(name, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return originals
 
 
@@ -253,10 +251,7 @@ def test_each_type_against_gguf_and_originals(tmp_path: Path, monkeypatch: pytes
     x = (rng.standard_normal((23, 512)) * 0.1).astype(np.float32)
     writer = GGUFWriter(str(tmp_path / "t.gguf"), "llama")
     _add(writer, "t.weight", x, qtype, rng)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     t = open_gguf(tmp_path / "t.gguf").tensors[0]
     assert t.tensor_type == qtype
     ours = dequantize_tensor(t, torch.float32)
@@ -573,10 +568,7 @@ def test_auto_keeps_mxfp4_blocks_whose_scales_fit_float16(tmp_path: Path, expone
     raw[:2, 0] = exponents  # both ends
     writer = GGUFWriter(str(tmp_path / "m.gguf"), "llama")
     writer.add_tensor("t.weight", raw.reshape(24, -1), raw_dtype=Q.MXFP4)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     t = open_gguf(tmp_path / "m.gguf").tensors[0]
     blocks = gguf_loader._compact_tensor(t, None, keep_16bit=False)
     assert isinstance(blocks, GGUFBlocks) and blocks.qtype == (Q.MXFP4 if kept else Q.Q8_0)
@@ -710,10 +702,7 @@ def _write_phi3(path: Path, ref, types: dict[str, GGMLQuantizationType] | None =
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings)))
         w.add_tensor("rope_factors_long.weight", np.array(cfg.rope_scaling["long_factor"], np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(cfg.rope_scaling["short_factor"], np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 @pytest.mark.parametrize(("longrope", "partial"), [(False, 1.0), (True, 1.0), (True, 0.5)],
