@@ -22,10 +22,13 @@
 // sinks[h], whose probability is then dropped (transformers' GptOss eager_attention_forward), so the weights of the
 // keys sum to less than 1: out = sum_k exp(s_k - m) v_k / (sum_k exp(s_k - m) + exp(sinks[h] - m)), m the max of
 // all of them.
-// K and V rows are prefetched ahead (two 8-key steps for K, 8 keys for V, and each chunk's V rows into L2 while
+// When a sequence has one query in the call (a decode step), its K and V rows are prefetched ahead (two 8-key steps
+// for K, 8 keys for V, and each chunk's V rows into L2 while
 // its scores are computed): in a paged pool a head's rows are contiguous only within a block, and with the KV
 // cache cold (weights stream through the caches between layers) paged attention over slots of interleaved heads
-// took 1.8x the static cache's time without it (1.1x with it; 30 layers, 512 keys, 2 threads).
+// took 1.8x the static cache's time without it (1.1x with it; 30 layers, 512 keys, 2 threads). A sequence's several
+// queries (a prefill) share its rows, which stay in cache: there prefetching only added instructions (one static
+// attention call of SmolLM2's shape over 512 queries: 6.0 -> 4.8 ms without it; 2,048 queries: 102 -> 83 ms).
 // Per query the arithmetic depends only on its own visible keys, in order (chunks of 256
 // keys, each: scores, a max, exp, a sum with 8 lanes, P V in key order; then the chunks
 // merged in order), never on the batch, the prefill chunking, the padding or the threads:
@@ -36,6 +39,7 @@
 
 #include <cmath>
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -103,13 +107,13 @@ inline void qk_dots_any(const float* const* q, int64_t G, int64_t D, const T* co
 // 1 thread 7.0-7.7 -> 6.2-6.6 ms, 2 threads 3.9-4.3 -> 3.6-4.0 ms).
 template <typename T, typename KRow, typename VRow>
 void qk_scores(const float* const* q, int64_t G, int64_t D, int64_t n, const int64_t* keys, KRow krow, VRow vrow,
-               float scale, float* sc, int64_t n8) {
+               float scale, float* sc, int64_t n8, bool prefetch) {
   const __m256 vs = _mm256_set1_ps(scale);
   __m256 dots[64][8];
   for (int64_t i0 = 0; i0 < n; i0 += 8) {
     const T* kr[8];
     for (int j = 0; j < 8; ++j) kr[j] = krow(keys[std::min<int64_t>(i0 + j, n - 1)]);  // the tail repeats a key
-    for (int64_t j = i0 + 16; j < std::min<int64_t>(i0 + 24, n); ++j) {  // rows two steps ahead
+    for (int64_t j = i0 + 16; prefetch && j < std::min<int64_t>(i0 + 24, n); ++j) {  // rows two steps ahead
       const char* r = reinterpret_cast<const char*>(krow(keys[j]));
       const char* v = reinterpret_cast<const char*>(vrow(keys[j]));
       for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64) {
@@ -133,13 +137,13 @@ void qk_scores(const float* const* q, int64_t G, int64_t D, int64_t n, const int
 // G weights and one V vector, fit in 16 registers.
 template <typename T, int G, int CW, typename VRow>
 void pv_chunk(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t D, int64_t d0,
-              float* const* out) {
+              float* const* out, bool prefetch) {
   __m256 acc[G][CW];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < CW; ++c) acc[g][c] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
     const T* v = vrow(keys[i]) + d0;
-    if (i + 8 < n) {  // the whole row (from L2, see qk_scores)
+    if (prefetch && i + 8 < n) {  // the whole row (from L2, see qk_scores)
       const char* r = reinterpret_cast<const char*>(vrow(keys[i + 8]));
       for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
     }
@@ -155,11 +159,12 @@ void pv_chunk(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow v
 }
 
 template <typename T, int G, typename VRow>
-void pv(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t D, float* const* out) {
+void pv(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t D, float* const* out,
+        bool prefetch) {
   constexpr int CW = G == 1 ? 8 : G <= 3 ? 4 : 2;  // 8 CW columns per pass
   int64_t d0 = 0;
-  for (; d0 + 8 * CW <= D; d0 += 8 * CW) pv_chunk<T, G, CW>(p, n8, n, keys, vrow, D, d0, out);
-  for (; d0 < D; d0 += 8) pv_chunk<T, G, 1>(p, n8, n, keys, vrow, D, d0, out);
+  for (; d0 + 8 * CW <= D; d0 += 8 * CW) pv_chunk<T, G, CW>(p, n8, n, keys, vrow, D, d0, out, prefetch);
+  for (; d0 < D; d0 += 8) pv_chunk<T, G, 1>(p, n8, n, keys, vrow, D, d0, out, prefetch);
 }
 
 // Keys are taken in fixed chunks of kKeyChunk visible keys (flash-decoding): a long context
@@ -174,11 +179,11 @@ constexpr int64_t kMinParallelKeys = 384;
 // m[g] = max score, l[g] = sum exp(score - m[g]), o[g][D] = sum exp(score - m[g]) V (unnormalized).
 template <typename T, typename KRow, typename VRow>
 void attend_chunk(const float* const* q, int64_t G, int64_t D, int64_t n, const int64_t* keys, KRow krow, VRow vrow,
-                  float scale, float softcap, Scratch& scratch, float* m, float* l, float* const* o) {
+                  float scale, float softcap, bool prefetch, Scratch& scratch, float* m, float* l, float* const* o) {
   const int64_t n8 = (n + 7) / 8 * 8;
   scratch.scores.resize(G * n8);
   float* sc = scratch.scores.data();
-  qk_scores<T>(q, G, D, n, keys, krow, vrow, scale, sc, n8);
+  qk_scores<T>(q, G, D, n, keys, krow, vrow, scale, sc, n8, prefetch);
   for (int64_t g = 0; g < G; ++g) {
     float* s = sc + g * n8;
     if (softcap > 0.0f)  // scalar tanh: exact to an ulp, as torch.tanh (a vector tanh loses ~1e-7 near 0)
@@ -200,12 +205,12 @@ void attend_chunk(const float* const* q, int64_t G, int64_t D, int64_t n, const 
     l[g] = hsum(vsum);
   }
   switch (G) {  // heads per KV head: templates for the common group sizes
-    case 1: return pv<T, 1>(sc, n8, n, keys, vrow, D, o);
-    case 2: return pv<T, 2>(sc, n8, n, keys, vrow, D, o);
-    case 3: return pv<T, 3>(sc, n8, n, keys, vrow, D, o);
-    case 4: return pv<T, 4>(sc, n8, n, keys, vrow, D, o);
+    case 1: return pv<T, 1>(sc, n8, n, keys, vrow, D, o, prefetch);
+    case 2: return pv<T, 2>(sc, n8, n, keys, vrow, D, o, prefetch);
+    case 3: return pv<T, 3>(sc, n8, n, keys, vrow, D, o, prefetch);
+    case 4: return pv<T, 4>(sc, n8, n, keys, vrow, D, o, prefetch);
     default:
-      for (int64_t g = 0; g < G; ++g) pv<T, 1>(sc + g * n8, n8, n, keys, vrow, D, o + g);
+      for (int64_t g = 0; g < G; ++g) pv<T, 1>(sc + g * n8, n8, n, keys, vrow, D, o + g, prefetch);
   }
 }
 
@@ -253,13 +258,16 @@ void run_tasks(Partials& parts, int64_t num_pairs, RunChunk run_chunk, OutPtrs o
                int64_t Hkv) {
   const int64_t G = parts.G, D = parts.D, num_tasks = parts.first.back();
   // Few keys in all (a decode step over a short context): one thread, as waking the others costs more than it saves.
-  const int64_t grain = parts.total_keys < kMinParallelKeys ? std::max<int64_t>(num_tasks, 1) : 1;
-  at::parallel_for(0, num_tasks, grain, [&](int64_t begin, int64_t end) {
+  // Else each thread claims the next task as it finishes one: a prefill's later queries see more keys, and equal
+  // contiguous shares of the task list (parallel_for's split) left one thread with ~60 % of the work at 512 queries.
+  const int64_t num_workers = parts.total_keys < kMinParallelKeys ? 1 : std::min<int64_t>(num_tasks, at::get_num_threads());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::max<int64_t>(num_workers, 1), 1, [&](int64_t, int64_t) {
     Scratch scratch;
     float* os[64];
-    int64_t w = std::upper_bound(parts.first.begin(), parts.first.end(), begin) - parts.first.begin() - 1;
-    for (int64_t task = begin; task < end; ++task) {
-      while (parts.first[w + 1] <= task) ++w;
+    int64_t w = 0;
+    for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
+      while (parts.first[w + 1] <= task) ++w;  // tasks are claimed in increasing order
       float* base = parts.chunk(task);
       for (int64_t g = 0; g < G; ++g) os[g] = base + 2 * G + g * D;
       run_chunk(w, task - parts.first[w], scratch, base, base + G, os);
@@ -342,7 +350,7 @@ void attention_impl(const AttentionArgs<T>& a) {
     const T* vb = a.v + b * a.v_b + j * a.v_h;
     const int64_t ks = a.k_s, vs = a.v_s;
     attend_chunk<T>(qs, G, a.D, static_cast<int64_t>(scratch.keys.size()), scratch.keys.data(), [&](int64_t p) { return kb + p * ks; },
-                    [&](int64_t p) { return vb + p * vs; }, a.scale, a.softcap, scratch, m, l, o);
+                    [&](int64_t p) { return vb + p * vs; }, a.scale, a.softcap, a.Tq == 1, scratch, m, l, o);
   };
   run_tasks(parts, num_pairs, run_chunk, [&](int64_t w, float** os) {
     const int64_t j = w % a.Hkv, bt = w / a.Hkv;
@@ -446,7 +454,8 @@ at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int6
     const int64_t* table = tab + r * nb;
     auto krow = [&](int64_t p) { return kp + ((table[p / bs] * Hkv + j) * bs + p % bs) * D; };  // block, head, slot
     auto vrow = [&](int64_t p) { return vp + ((table[p / bs] * Hkv + j) * bs + p % bs) * D; };
-    attend_chunk<T>(qs, G, D, hi - lo, scratch.keys.data(), krow, vrow, scale, softcap, scratch, m, l, o);
+    const bool prefetch = qslp[r + 1] - qslp[r] == 1;  // a decode step's keys are cold; a prefill's, shared and hot
+    attend_chunk<T>(qs, G, D, hi - lo, scratch.keys.data(), krow, vrow, scale, softcap, prefetch, scratch, m, l, o);
   };
   run_tasks(parts, N * Hkv, run_chunk, [&](int64_t w, float** os) {
     const int64_t i = w / Hkv, j = w % Hkv;
