@@ -13,16 +13,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvgen.bench import harness
 from kvgen.bench.decode import DecodeBenchConfig
 from kvgen.bench.harness import (
     OMIT_IF_NONE,
     Progress,
+    RunStats,
     TokenTimer,
     latencies,
     peer_side,
     percentile,
     render,
     run_side,
+    time_generation,
     to_json,
 )
 from kvgen.bench.serve import ServeBenchConfig, split_workload
@@ -59,6 +62,27 @@ def test_token_timer_skips_the_prompt_put() -> None:
         timer.put(value)
     assert len(timer.times) == 3 and len(timer.gaps()) == 2
     assert all(g >= 0 for g in timer.gaps())
+
+
+def test_time_generation_takes_decode_from_the_timed_runs_own_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a fake clock: 1-token runs' prefill costs 10, the timed run's 7, each later token 1 (as a noisy host might)
+    now = [0.0]
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: now[0])
+
+    def generate_fn(prompt: list[int], max_new_tokens: int, streamer: TokenTimer | None) -> RunStats:
+        now[0] += 7.0 if streamer is not None else 10.0
+        if streamer is not None:
+            streamer.put(prompt)
+        for i in range(max_new_tokens):
+            now[0] += 1.0 if i else 0.0
+            if streamer is not None:
+                streamer.put([i])
+        return RunStats(len(prompt), list(range(max_new_tokens)))
+
+    timing = time_generation(generate_fn, [5, 6, 7], 9)
+    assert timing.prefill_s == 10.0 and timing.total_s == 15.0  # the median 1-token run; the timed run's 7 + 8
+    assert timing.decode_s == 8.0 and timing.num_decode_steps_timed == 8  # total_s - prefill_s would say 5.0
+    assert timing.decode_tokens_per_s == 1.0 and timing.decode_step_s_median == 1.0
 
 
 def test_to_json_omits_only_marked_none_fields() -> None:

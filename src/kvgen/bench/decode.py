@@ -192,7 +192,7 @@ def run_decode_bench(config: DecodeBenchConfig) -> DecodeReport:
         "transformers_dtype": str(DTYPES.get(str(config.dtype), torch.float32)).removeprefix("torch."),
         "decoding": "greedy, EOS disabled", "prompt": f"seeded uniform ids (seed {config.seed}), same for all",
         "no_cache_note": f"no-cache runs generate {config.no_cache_new_tokens} tokens",
-        "timing": "prefill_s: median 1-token run; decode_s = total_s - prefill_s; steps: streamed token gaps",
+        "timing": "prefill_s: median 1-token run; decode_s: first to last streamed token; steps: their gaps",
         "peak_rss_note": "VmHWM of each process after its generation runs (kvgen: before its diagnostics)"}
     report = DecodeReport(SCHEMA, env, workload, ours, hf, cpp, ratios, agreement)
     for rep in (rep for side in (ours, hf, cpp) for rep in side.get("configs", {}).values()):
