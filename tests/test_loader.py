@@ -116,6 +116,24 @@ def test_a_16_bit_llama_checkpoint_runs_its_matrices_as_stored(tmp_path: Path, d
     torch.testing.assert_close(model.compute_logits(runs[0])[0], got, rtol=0, atol=0.01 * float(want.abs().max()))
 
 
+def test_the_load_runs_in_a_thread_that_has_ended_when_it_returns(tiny_model_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load's OpenMP team ends with its thread (see load_model); its errors reach the caller unchanged."""
+    import threading
+
+    import kvgen.loader
+    from kvgen.errors import ModelNotFoundError
+
+    built_in: list[threading.Thread] = []
+    build = kvgen.loader.build_model
+    monkeypatch.setattr(kvgen.loader, "build_model", lambda *a: built_in.append(threading.current_thread()) or build(*a))
+    model, _ = load_model(tiny_model_dir)
+    assert len(built_in) == 1 and built_in[0] is not threading.current_thread() and not built_in[0].is_alive()
+    assert model.config.vocab_size > 0
+    with pytest.raises(ModelNotFoundError, match="no-such-model"):
+        load_model(tiny_model_dir / "no-such-model.gguf")
+
+
 def test_freed_heap_memory_goes_back_to_the_os() -> None:
     """kvgen.heap.return_freed_memory (run while a model loads) gives back the holes that freed blocks leave between
     kept ones: 100 MiB freed in 100 kB pieces (below malloc's mmap threshold, so on the heap) stays resident until it
