@@ -148,9 +148,13 @@ def _open_router() -> APIRouter:
             raise OpenAIError(503, "the engine loop failed; see the server log", None, "engine_dead")
         return JSONResponse(HealthResponse().model_dump())
 
-    @router.api_route("/ping", methods=["GET", "POST"], response_model=HealthResponse,
-                      responses={503: {"model": ErrorResponse}})
-    async def ping(request: Request) -> Response:  # vLLM's (SageMaker's) name for /health
+    # vLLM's (SageMaker's) name for /health; one route per method, so each has its own OpenAPI operation id
+    @router.get("/ping", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
+    async def ping(request: Request) -> Response:
+        return await health(request)
+
+    @router.post("/ping", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
+    async def ping_post(request: Request) -> Response:
         return await health(request)
 
     @router.get("/version", response_model=VersionResponse)
