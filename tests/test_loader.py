@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from tokenizer_cases import WORDPIECE_VOCAB, write_wordpiece_dir
 from transformers import BertTokenizer, GPT2LMHeadModel
 
 import kvgen
+import kvgen.loader
+from kvgen.errors import ModelNotFoundError
 from kvgen.generation import GenerationConfig
 from kvgen.loader import load_model
 
@@ -119,11 +122,6 @@ def test_a_16_bit_llama_checkpoint_runs_its_matrices_as_stored(tmp_path: Path, d
 def test_the_load_runs_in_a_thread_that_has_ended_when_it_returns(tiny_model_dir: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The load's OpenMP team ends with its thread (see load_model); its errors reach the caller unchanged."""
-    import threading
-
-    import kvgen.loader
-    from kvgen.errors import ModelNotFoundError
-
     built_in: list[threading.Thread] = []
     build = kvgen.loader.build_model
     monkeypatch.setattr(kvgen.loader, "build_model", lambda *a: built_in.append(threading.current_thread()) or build(*a))
