@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -130,6 +132,21 @@ def test_the_load_runs_in_a_thread_that_has_ended_when_it_returns(tiny_model_dir
     assert model.config.vocab_size > 0
     with pytest.raises(ModelNotFoundError, match="no-such-model"):
         load_model(tiny_model_dir / "no-such-model.gguf")
+
+
+def test_ctrl_c_during_a_load_does_not_wait_for_the_load() -> None:
+    """The load thread is a daemon and the wait is interruptible: SIGINT ends a 60-s load at once."""
+    code = ("import sys, time\nimport kvgen.loader\nkvgen.loader._load_model = lambda *a: time.sleep(60)\n"
+            "print('loading', flush=True)\ntry:\n    kvgen.loader.load_model('default')\n"
+            "except KeyboardInterrupt:\n    sys.exit(3)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "loading"
+        time.sleep(0.5)  # into thread.join()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 3  # not the load's 60 s
+    finally:
+        proc.kill()
 
 
 def test_freed_heap_memory_goes_back_to_the_os() -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -80,10 +80,23 @@ def load_model(
     has the process's only team. With two teams' threads on 2 cores libgomp spins 100 rounds instead of 300,000
     before a waiting thread sleeps (its ``GOMP_SPINCOUNT`` rule), and a decode step's ~150 parallel regions each
     woke a sleeping worker: greedy decode from a second thread took 8.5-10.2 ms a token after a load in the
-    caller's thread, 6.3-8.3 after a load in a thread that had ended.
+    caller's thread, 6.3-8.3 after a load in a thread that had ended. The thread is a daemon and the wait for it
+    can be interrupted: Ctrl-C during a long load exits without waiting for the load to finish.
     """
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgen-load") as pool:
-        return pool.submit(_load_model, path_or_name, dtype, quantization).result()
+    outcome: list[tuple[CausalLM, Tokenizer] | BaseException] = []
+
+    def load() -> None:
+        try:
+            outcome.append(_load_model(path_or_name, dtype, quantization))
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller's thread, which raises it
+            outcome.append(e)
+
+    thread = threading.Thread(target=load, name="kvgen-load", daemon=True)
+    thread.start()
+    thread.join()
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
 
 
 def _load_model(path_or_name: str | os.PathLike[str], dtype: torch.dtype | str | None, quantization: str | None
