@@ -23,12 +23,12 @@
 // keys sum to less than 1: out = sum_k exp(s_k - m) v_k / (sum_k exp(s_k - m) + exp(sinks[h] - m)), m the max of
 // all of them.
 // When a sequence has one query in the call (a decode step), its K and V rows are prefetched ahead (two 8-key steps
-// for K, 8 keys for V, and each chunk's V rows into L2 while
-// its scores are computed): in a paged pool a head's rows are contiguous only within a block, and with the KV
-// cache cold (weights stream through the caches between layers) paged attention over slots of interleaved heads
-// took 1.8x the static cache's time without it (1.1x with it; 30 layers, 512 keys, 2 threads). A sequence's several
-// queries (a prefill) share its rows, which stay in cache: there prefetching only added instructions (one static
-// attention call of SmolLM2's shape over 512 queries: 6.0 -> 4.8 ms without it; 2,048 queries: 102 -> 83 ms).
+// for K, 8 keys for V, and each chunk's V rows into L2 while its scores are computed): in a paged pool a head's rows
+// are contiguous only within a block, and with the KV cache cold (weights stream through the caches between layers)
+// paged attention over slots of interleaved heads took 1.8x the static cache's time without it (1.1x with it; 30
+// layers, 512 keys, 2 threads). A sequence's several queries (a prefill) share its rows, which stay in cache: there
+// prefetching only added instructions (one static attention call of SmolLM2's shape over 512 queries: 6.0 -> 4.8 ms
+// without it; 2,048 queries: 102 -> 83 ms).
 // Per query the arithmetic depends only on its own visible keys, in order (chunks of 256
 // keys, each: scores, a max, exp, a sum with 8 lanes, P V in key order; then the chunks
 // merged in order), never on the batch, the prefill chunking, the padding or the threads:
