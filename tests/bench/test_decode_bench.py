@@ -9,12 +9,13 @@ import json
 
 import torch
 
-from kvgen.bench.decode import CACHE_KINDS, DecodeBenchConfig, compare, measure_ours
+from kvgen.bench.decode import CACHE_KINDS, DecodeBenchConfig, compare
+from kvgen.bench.peers import decode, kvgen_system
 from kvgen.bench.workloads import seeded_prompt_ids
 from kvgen.generation import GenerationConfig, generate
 
 
-def test_measure_ours_generates_exactly_the_requested_tokens(tiny_llama: torch.nn.Module) -> None:
+def test_kvgen_decode_generates_exactly_the_requested_tokens(tiny_llama: torch.nn.Module) -> None:
     model = tiny_llama
     config = DecodeBenchConfig(prompt_tokens=24, new_tokens=9, no_cache_new_tokens=5, include_transformers=False, num_prefill_repeats=1, progress=False)
     prompt_ids = seeded_prompt_ids(config.prompt_tokens, model.config.vocab_size, config.seed)  # [1, 24]
@@ -22,7 +23,10 @@ def test_measure_ours_generates_exactly_the_requested_tokens(tiny_llama: torch.n
     first = generate(model, prompt_ids, None, GenerationConfig(max_new_tokens=1)).new_token_ids[0][0]
     model.config.eos_token_id = first
 
-    report = measure_ours(model, prompt_ids, config)
+    request = {"prompt_ids": prompt_ids[0].tolist(), "ttft_prompt_ids": [1, 2, 3], "num_prefill_repeats": 1,
+               "new_tokens": config.new_tokens_per_cache(), "ttft_cache": "static"}
+    side = decode(kvgen_system(model, 0.0), request, lambda _: None)
+    report = side["configs"]
 
     assert set(report) == set(CACHE_KINDS)
     for cache, rep in report.items():
@@ -37,7 +41,8 @@ def test_measure_ours_generates_exactly_the_requested_tokens(tiny_llama: torch.n
     n = config.no_cache_new_tokens
     assert report["dynamic"]["new_token_ids"] == report["static"]["new_token_ids"]
     assert report["no_cache"]["new_token_ids"] == report["dynamic"]["new_token_ids"][:n]
-    json.dumps(compare({"configs": report}, {"skipped": "test"}))  # the report stays JSON-ready
+    assert side["ttft_prompt_tokens"] == 3 and side["ttft_s"] > 0
+    json.dumps(compare(side, {"skipped": "test"}))  # the report stays JSON-ready
 
 
 def test_seeded_prompt_is_reproducible() -> None:

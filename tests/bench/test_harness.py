@@ -18,16 +18,15 @@ from kvgen.bench.decode import DecodeBenchConfig
 from kvgen.bench.harness import (
     OMIT_IF_NONE,
     Progress,
-    RunStats,
     TokenTimer,
     latencies,
     peer_side,
     percentile,
     render,
     run_side,
-    time_generation,
     to_json,
 )
+from kvgen.bench.peers import RunStats, time_generation
 from kvgen.bench.serve import ServeBenchConfig, split_workload
 from kvgen.bench.workloads import make_workload
 from kvgen.fields import add_config_flags, config_from_args

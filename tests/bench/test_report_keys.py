@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 from kvgen.bench.decode import CACHE_KINDS, DecodeReport, compare, greedy_agreement
-from kvgen.bench.harness import GenerationTiming, to_json
+from kvgen.bench.harness import to_json
+from kvgen.bench.peers import GenerationTiming
 from kvgen.bench.perplexity import PerplexityReport
 from kvgen.bench.serve import LoadRun, ServeReport
 from kvgen.bench.strategies import StrategiesReport, StrategyRun

@@ -1,5 +1,5 @@
 """``kvgen bench decode``: batch-1 greedy prefill and decode speed per cache kind, kvgen vs transformers and
-llama.cpp (subprocesses), timed by ``harness.time_generation``; ``ttft_s``; ms per decode step in and outside
+llama.cpp (subprocesses), timed by ``peers.time_generation``; ``ttft_s``; ms per decode step in and outside
 linear layers; Q4_1 kernel vs dense float32 per M."""
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from torch.profiler import ProfilerActivity, profile
 
-from kvgen.bench import BenchConfig, BenchReport
+from kvgen.bench import BenchConfig, BenchReport, peers
 from kvgen.bench import harness as h
 from kvgen.bench.workloads import seeded_prompt_ids
 from kvgen.fields import config_field as _f
-from kvgen.generation import GenerationConfig, generate
 from kvgen.generation.runner import make_cache
 from kvgen.kernels import get_ops, pack_gguf_rows
 from kvgen.loader import DTYPES, load_model, resolve_model_path
@@ -46,26 +45,6 @@ class DecodeBenchConfig(BenchConfig):
     def new_tokens_per_cache(self) -> dict[str, int]:
         """Tokens each cache kind generates: ``no_cache_new_tokens`` without a cache, else ``new_tokens``."""
         return {c: self.no_cache_new_tokens if c == "no_cache" else self.new_tokens for c in CACHE_KINDS}
-
-
-def kvgen_generate_fn(model: CausalLM, cache: str) -> h.GenerateFn:
-    """``GenerateFn`` over kvgen ``generate``: greedy, EOS disabled (``eos_token_id=[]``), per cache kind."""
-    cache_args: dict[str, Any] = {"use_cache": False} if cache == "no_cache" else {"cache_implementation": cache}
-
-    def run(prompt_ids: torch.Tensor, max_new_tokens: int, streamer: h.TokenTimer | None) -> h.RunStats:
-        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0,
-                                  **cache_args)
-        out = generate(model, prompt_ids, None, config, streamer=streamer, do_sample=False)  # over the model's config
-        return h.RunStats(out.prompt_length, out.new_token_ids[0], out.timings.prefill_s, out.timings.decode_s)
-
-    return run
-
-
-def measure_ours(model: CausalLM, prompt_ids: torch.Tensor, config: DecodeBenchConfig,
-                 log: Callable[[str], None] = lambda _: None) -> dict[str, h.Side]:
-    """``harness.time_generation`` of kvgen's ``generate`` per cache kind; prompt_ids [1, T] int64."""
-    runs = {c: (kvgen_generate_fn(model, c), n) for c, n in config.new_tokens_per_cache().items()}
-    return h.measure_caches(runs, prompt_ids, config.num_prefill_repeats, log, "kvgen")
 
 
 def _time_us(fn: Callable[[], object], repeats: int) -> float:
@@ -115,22 +94,6 @@ def qgemm_crossover(out_features: int = 3072, in_features: int = 576, ms: tuple[
     return {"shape": [out_features, in_features], "backend": ops.backend, "rows": rows, "crossover_m": crossover}
 
 
-def _bench_kvgen(config: DecodeBenchConfig, log: h.Progress) -> h.Side:
-    rss_before = h.current_rss_bytes()
-    log(f"kvgen: loading {config.model} ({config.dtype})")
-    (model, _), load_s = h.timed(lambda: load_model(config.model, config.dtype, config.quantization))
-    vocab_size = model.config.vocab_size
-    prompt_ids = seeded_prompt_ids(config.prompt_tokens, vocab_size, config.seed)  # [1, prompt_tokens]
-    configs = measure_ours(model, prompt_ids, config, log)
-    ttft_ids = seeded_prompt_ids(config.ttft_prompt_tokens, vocab_size, config.seed)  # [1, ttft_prompt_tokens]
-    ttft_s = h.time_to_first_token(kvgen_generate_fn(model, "static"), ttft_ids, config.num_prefill_repeats)
-    peak_rss = h.peak_rss_bytes()  # the generation runs' peak, as the peers' (the profiler below adds ~100 MiB)
-    log("kvgen: decode step breakdown and kernel crossover")
-    return {"model_path": str(resolve_model_path(config.model)), "step_breakdown": step_breakdown(model, prompt_ids),
-            "qgemm_crossover": qgemm_crossover(), "vocab_size": vocab_size, "load_s": load_s,
-            "rss_before_load_bytes": rss_before, "peak_rss_bytes": peak_rss, "configs": configs, "ttft_s": ttft_s}
-
-
 def _figure(side: h.Side, config: str, key: str = "decode_tokens_per_s") -> Any:
     return side.get("configs", {}).get(config, {}).get(key)
 
@@ -175,11 +138,21 @@ class DecodeReport(BenchReport):
 def run_decode_bench(config: DecodeBenchConfig) -> DecodeReport:
     """The bench (see the module docstring); a peer may report ``skipped`` or ``error``. Raises the loader's errors."""
     log, threads, env = h.start(config)
-    ours = _bench_kvgen(config, log)
-    ids = [seeded_prompt_ids(n, ours["vocab_size"], config.seed)[0].tolist()
-           for n in (config.prompt_tokens, config.ttft_prompt_tokens)]
-    request = {"dtype": config.dtype, "num_threads": threads, "prompt_ids": ids[0], "ttft_prompt_ids": ids[1],
-               "num_prefill_repeats": config.num_prefill_repeats, "progress": config.progress}
+    rss_before = h.rss_bytes()
+    log(f"kvgen: loading {config.model} ({config.dtype})")
+    (model, _), load_s = h.timed(lambda: load_model(config.model, config.dtype, config.quantization))
+    vocab_size = model.config.vocab_size
+    prompt_ids, ttft_ids = (seeded_prompt_ids(n, vocab_size, config.seed)  # [1, n]
+                            for n in (config.prompt_tokens, config.ttft_prompt_tokens))
+    request = {"dtype": config.dtype, "num_threads": threads, "prompt_ids": prompt_ids[0].tolist(),
+               "ttft_prompt_ids": ttft_ids[0].tolist(), "num_prefill_repeats": config.num_prefill_repeats,
+               "progress": config.progress}
+    ours = peers.decode(peers.kvgen_system(model, load_s), request | {
+        "new_tokens": config.new_tokens_per_cache(), "ttft_cache": "static"}, lambda m: log(f"kvgen: {m}"))
+    ours |= {"model_path": str(resolve_model_path(config.model)), "vocab_size": vocab_size,
+             "rss_before_load_bytes": rss_before, "peak_rss_bytes": h.peak_rss_bytes()}  # before the diagnostics
+    log("kvgen: decode step breakdown and kernel crossover")
+    ours |= {"step_breakdown": step_breakdown(model, prompt_ids), "qgemm_crossover": qgemm_crossover()}
     hf, cpp = (h.peer_side(peer, "decode", on, config.model, log, request | {"new_tokens": n}) for peer, on, n in (
         ("transformers", config.include_transformers, config.new_tokens_per_cache()),
         ("llama_cpp", config.include_llama_cpp, {"kv_cache": config.new_tokens})))
@@ -194,8 +167,7 @@ def run_decode_bench(config: DecodeBenchConfig) -> DecodeReport:
         "no_cache_note": f"no-cache runs generate {config.no_cache_new_tokens} tokens",
         "timing": "prefill_s: median 1-token run; decode_s: first to last streamed token; steps: their gaps",
         "peak_rss_note": "VmHWM of each process after its generation runs (kvgen: before its diagnostics)"}
-    report = DecodeReport(SCHEMA, env, workload, ours, hf, cpp, ratios, agreement)
     for rep in (rep for side in (ours, hf, cpp) for rep in side.get("configs", {}).values()):
         rep.pop("new_token_ids", None)  # they served the agreement checks
     env["load_average_1m_at_end"] = h.load_average()
-    return report
+    return DecodeReport(SCHEMA, env, workload, ours, hf, cpp, ratios, agreement)

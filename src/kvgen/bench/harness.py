@@ -24,14 +24,6 @@ Side = dict[str, Any]  # one system's JSON report: its figures, or {"skipped": w
 OMIT_IF_NONE = {"omit_if_none": True}  # field metadata: left out of :func:`to_json` while None
 
 
-def load_average() -> float | None:
-    """1-minute load average (runnable processes); above the core count, timings are contended."""
-    try:
-        return psutil.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None
-
-
 def _proc_field(path: str, key: str) -> str | None:
     """The value of ``key`` in a ``/proc`` file of ``key: value`` lines, None where unreadable or absent."""
     try:
@@ -47,10 +39,7 @@ def environment_info() -> dict[str, Any]:
 
     from kvgen.threads import available_cpus, physical_cores
 
-    try:
-        hf: str | None = importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
-        hf = None
+    hf = importlib.metadata.version("transformers") if importlib.util.find_spec("transformers") else None
     return {"torch_version": torch.__version__, "transformers_version": hf, "python_version": platform.python_version(),
             "platform": platform.platform(), "machine": platform.machine(),
             "processor": _proc_field("/proc/cpuinfo", "model name") or platform.processor(),
@@ -59,18 +48,20 @@ def environment_info() -> dict[str, Any]:
             "load_average_1m": load_average()}
 
 
-def peak_rss_bytes() -> int:
-    """This process's own peak RSS in bytes (``VmHWM``; ``ru_maxrss`` would include a forking parent's)."""
-    import resource
-
-    if (hwm := _proc_field("/proc/self/status", "VmHWM")) is not None:  # "123456 kB"
-        return int(hwm.split()[0]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+def load_average() -> float:
+    """1-minute load average (runnable processes); above the core count, timings are contended."""
+    return float(psutil.getloadavg()[0])
 
 
-def current_rss_bytes() -> int:
+def rss_bytes() -> int:
     """Resident set size now, in bytes."""
     return int(psutil.Process().memory_info().rss)
+
+
+def peak_rss_bytes() -> int:
+    """This process's own peak RSS in bytes (``VmHWM``; ``ru_maxrss`` would include a forking parent's)."""
+    hwm = _proc_field("/proc/self/status", "VmHWM")  # "123456 kB"
+    return int(hwm.split()[0]) * 1024 if hwm else rss_bytes()
 
 
 def timed(fn: Callable[[], T]) -> tuple[T, float]:
@@ -96,6 +87,16 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
     return None if ours is None or not theirs else ours / theirs
 
 
+F4 = tuple[float | None, float | None, float | None, float | None]
+
+
+def latencies(token_times: list[list[float]], starts: list[float]) -> F4:
+    """TTFT p50, p99 (first token time - request start) and ITL p50, p99 (gaps between tokens), in seconds."""
+    ttft = [times[0] - start for times, start in zip(token_times, starts) if times]
+    itl = [b - a for times in token_times for a, b in itertools.pairwise(times)]
+    return percentile(ttft, 50), percentile(ttft, 99), percentile(itl, 50), percentile(itl, 99)
+
+
 class TokenTimer:
     """A ``generate`` streamer (``put``/``end``): ``times`` holds the ``perf_counter`` seconds of each new token."""
 
@@ -113,7 +114,7 @@ class TokenTimer:
 
     def gaps(self) -> list[float]:
         """Seconds between consecutive new tokens (the first one comes from prefill)."""
-        return [b - a for a, b in zip(self.times, self.times[1:])]
+        return [b - a for a, b in itertools.pairwise(self.times)]
 
 
 class Progress:
@@ -132,9 +133,14 @@ def start(config: Any, prefix: str = "[bench]") -> tuple[Progress, int, dict[str
     from kvgen.threads import set_threads
 
     log, threads, env = Progress(config.progress, prefix), set_threads(config.num_threads), environment_info()
-    if (load := env["load_average_1m"]) is not None and load > 0.5:
-        log(f"warning: 1-minute load average is {load:.2f}; timings will be contended")
+    if env["load_average_1m"] > 0.5:
+        log(f"warning: 1-minute load average is {env['load_average_1m']:.2f}; timings will be contended")
     return log, threads, env
+
+
+def optional() -> Any:
+    """A dataclass field defaulting to None, left out of :func:`to_json` while None."""
+    return dataclasses.field(default=None, metadata=OMIT_IF_NONE)
 
 
 def to_json(obj: Any) -> Any:
@@ -178,88 +184,6 @@ def peer_side(peer: str, task: str, enabled: bool, model: str, log: Progress, re
     return run_side(f"{peer} {task}", argv, log, request | {"model_path": str(path)}, quiet=not log.enabled)
 
 
-@dataclasses.dataclass
-class RunStats:
-    """One generation: token counts, and the engine's own model-time split (seconds) if it has one."""
-
-    num_prompt_tokens: int
-    new_token_ids: list[int]
-    model_prefill_s: float | None = None
-    model_decode_s: float | None = None
-
-
-# (prompt: ids [1, T] for kvgen, (ids, mask) [B, T] for transformers, list[int] for llama.cpp; max_new_tokens; streamer)
-GenerateFn = Callable[[Any, int, "TokenTimer | None"], RunStats]
-
-
-def optional() -> Any:
-    """A dataclass field defaulting to None, left out of :func:`to_json` while None."""
-    return dataclasses.field(default=None, metadata=OMIT_IF_NONE)
-
-
-@dataclasses.dataclass
-class GenerationTiming:
-    """Batch-1 prefill and decode of one configuration (seconds, tokens/s); see :func:`time_generation`."""
-
-    num_prompt_tokens: int
-    num_requested_new_tokens: int
-    num_new_tokens: int
-    prefill_s: float
-    prefill_tokens_per_s: float | None
-    total_s: float
-    decode_s: float
-    decode_tokens_per_s: float | None
-    num_decode_steps_timed: int
-    decode_step_s_median: float | None
-    decode_step_s_p90: float | None
-    decode_tokens_per_s_at_median_step: float | None
-    new_token_ids: list[int]
-    model_prefill_s: float | None = optional()  # the engine's own split
-    model_decode_s: float | None = optional()
-    model_decode_tokens_per_s: float | None = optional()
-
-
-def time_to_first_token(generate_fn: GenerateFn, prompt_ids: Any, num_repeats: int = 3, warm_up: bool = True) -> float:
-    """Median seconds of ``num_repeats`` 1-token generations, after a warm-up."""
-    if warm_up:
-        generate_fn(prompt_ids, 1, None)
-    return percentile([timed(lambda: generate_fn(prompt_ids, 1, None))[1] for _ in range(num_repeats)], 50) or 0.0
-
-
-def time_generation(generate_fn: GenerateFn, prompt_ids: Any, new_tokens: int, num_prefill_repeats: int = 3
-                    ) -> GenerationTiming:
-    """A 2-token warm-up, ``prefill_s`` = median 1-token run, one timed run whose ``decode_s`` runs from its first
-    streamed token to its last (``num_new_tokens - 1`` steps; ``total_s - prefill_s`` if it streamed fewer than two).
-    ``total_s - prefill_s`` took the other runs' prefill for this one's: at a 2,048-token prompt on a noisy host it
-    gave 3.4x the median step's rate."""
-    generate_fn(prompt_ids, 2, None)  # allocator, oneDNN primitives, first-call paths
-    prefill_s, timer = time_to_first_token(generate_fn, prompt_ids, num_prefill_repeats, warm_up=False), TokenTimer()
-    stats, total_s = timed(lambda: generate_fn(prompt_ids, new_tokens, timer))
-    num_new, steps, times = len(stats.new_token_ids), timer.gaps(), timer.times  # steps: [num_new - 1]
-    decode_s = times[-1] - times[0] if len(times) > 1 else total_s - prefill_s
-    median, prompt = percentile(steps, 50), stats.num_prompt_tokens
-    return GenerationTiming(
-        prompt, new_tokens, num_new, prefill_s, per_second(prompt, prefill_s), total_s, decode_s,
-        per_second(num_new - 1, decode_s), len(steps), median, percentile(steps, 90), per_second(1, median),
-        stats.new_token_ids, stats.model_prefill_s, stats.model_decode_s, per_second(num_new - 1, stats.model_decode_s))
-
-
-def measure_caches(runs: dict[str, tuple[GenerateFn, int]], prompt_ids: Any, num_prefill_repeats: int,
-                   log: Callable[[str], None], name: str) -> dict[str, Side]:
-    """:func:`time_generation` per cache kind (kind -> generate fn, new tokens); a failing one reports ``error``."""
-    results: dict[str, Side] = {}
-    for cache, (generate_fn, n) in runs.items():
-        log(f"{name}: {cache}: warm-up, prefill x{num_prefill_repeats}, {n} new tokens")
-        try:
-            results[cache] = r = to_json(time_generation(generate_fn, prompt_ids, n, num_prefill_repeats))
-            log(f"{name}: {cache}: prefill {_text('', r['prefill_tokens_per_s'])}, decode "
-                f"{_text('', r['decode_tokens_per_s'])} tokens/s")
-        except Exception as e:  # noqa: BLE001 -- one failing configuration is reported, the others still run
-            results[cache] = {"error": f"{type(e).__name__}: {e}"}
-            log(f"{name}: {cache}: failed: {results[cache]['error']}")
-    return results
-
-
 def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
     """The leaves of nested dicts (and of lists of dicts) keyed by their dotted paths."""
     if isinstance(obj, dict) or (isinstance(obj, list) and obj and isinstance(obj[0], dict)):
@@ -288,11 +212,3 @@ def render(result: dict[str, Any], sides: Sequence[str]) -> str:
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in table]
     return "\n".join([result.get("schema", "kvgen bench"), *lines,
                       *(f"{p}: {_text(p, v)}" for p, v in flat.items() if p not in rows and p != "schema")])
-
-
-def latencies(token_times: list[list[float]], starts: list[float]) -> tuple[float | None, float | None, float | None,
-                                                                          float | None]:
-    """TTFT p50, p99 (first token time - request start) and ITL p50, p99 (gaps between tokens), in seconds."""
-    ttft = [times[0] - start for times, start in zip(token_times, starts) if times]
-    itl = [b - a for times in token_times for a, b in itertools.pairwise(times)]
-    return percentile(ttft, 50), percentile(ttft, 99), percentile(itl, 50), percentile(itl, 99)
