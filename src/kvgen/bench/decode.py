@@ -170,4 +170,5 @@ def run_decode_bench(config: DecodeBenchConfig) -> DecodeReport:
     for rep in (rep for side in (ours, hf, cpp) for rep in side.get("configs", {}).values()):
         rep.pop("new_token_ids", None)  # they served the agreement checks
     env["load_average_1m_at_end"] = h.load_average()
-    return DecodeReport(SCHEMA, env, workload, ours, hf, cpp, ratios, agreement)
+    return DecodeReport(schema=SCHEMA, env=env, workload=workload, kvgen=ours, transformers=hf, llama_cpp=cpp,
+                        ratios=ratios, greedy_agreement=agreement)

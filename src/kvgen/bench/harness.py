@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import psutil
 
@@ -87,14 +87,21 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
     return None if ours is None or not theirs else ours / theirs
 
 
-F4 = tuple[float | None, float | None, float | None, float | None]
+class Latencies(TypedDict):
+    """TTFT (first token time - request start) and ITL (gaps between a request's tokens) percentiles, in seconds."""
+
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    itl_p50_s: float | None
+    itl_p99_s: float | None
 
 
-def latencies(token_times: list[list[float]], starts: list[float]) -> F4:
-    """TTFT p50, p99 (first token time - request start) and ITL p50, p99 (gaps between tokens), in seconds."""
+def latencies(token_times: list[list[float]], starts: list[float]) -> Latencies:
+    """The :class:`Latencies` of requests whose tokens came at ``token_times`` (seconds) after ``starts``."""
     ttft = [times[0] - start for times, start in zip(token_times, starts) if times]
     itl = [b - a for times in token_times for a, b in itertools.pairwise(times)]
-    return percentile(ttft, 50), percentile(ttft, 99), percentile(itl, 50), percentile(itl, 99)
+    return {"ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "itl_p50_s": percentile(itl, 50),
+            "itl_p99_s": percentile(itl, 99)}
 
 
 class TokenTimer:

@@ -88,10 +88,13 @@ def time_generation(generate_fn: GenerateFn, prompt: Any, new_tokens: int, num_p
     decode_s = times[-1] - times[0] if len(times) > 1 else total_s - prefill_s
     median, n = h.percentile(steps, 50), stats.num_prompt_tokens
     return GenerationTiming(
-        n, new_tokens, num_new, prefill_s, h.per_second(n, prefill_s), total_s, decode_s,
-        h.per_second(num_new - 1, decode_s), len(steps), median, h.percentile(steps, 90), h.per_second(1, median),
-        stats.new_token_ids, stats.model_prefill_s, stats.model_decode_s,
-        h.per_second(num_new - 1, stats.model_decode_s))
+        num_prompt_tokens=n, num_requested_new_tokens=new_tokens, num_new_tokens=num_new, prefill_s=prefill_s,
+        prefill_tokens_per_s=h.per_second(n, prefill_s), total_s=total_s, decode_s=decode_s,
+        decode_tokens_per_s=h.per_second(num_new - 1, decode_s), num_decode_steps_timed=len(steps),
+        decode_step_s_median=median, decode_step_s_p90=h.percentile(steps, 90),
+        decode_tokens_per_s_at_median_step=h.per_second(1, median), new_token_ids=stats.new_token_ids,
+        model_prefill_s=stats.model_prefill_s, model_decode_s=stats.model_decode_s,
+        model_decode_tokens_per_s=h.per_second(num_new - 1, stats.model_decode_s))
 
 
 def decode(system: System, request: dict[str, Any], log: Callable[[str], None]) -> h.Side:

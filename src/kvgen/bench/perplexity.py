@@ -74,4 +74,5 @@ def run_perplexity_bench(config: PerplexityBenchConfig) -> PerplexityReport:
     workload = {"model": config.model, "default_dtype": config.dtype, "context_length": config.context_length,
                 "num_threads": threads, "windows": "non-overlapping, each from position 0"}
     differences = relative_differences({"default": default, "float32": float32, "llama_cpp": cpp})
-    return PerplexityReport(SCHEMA, env, workload, default, float32, cpp, text_info, differences)
+    return PerplexityReport(schema=SCHEMA, env=env, workload=workload, kvgen_default=default, kvgen_float32=float32,
+                            llama_cpp=cpp, text=text_info, relative_differences=differences)

@@ -110,8 +110,9 @@ async def run_load(base_url: str, prompts: list[str], output_lens: list[int], co
         sent, times = zip(*await asyncio.gather(*(one(i) for i in range(len(prompts)))))
         elapsed = time.perf_counter() - start
     n, tokens = len(prompts), sum(output_lens)
-    return LoadRun(concurrency, elapsed, n, tokens, h.per_second(n, elapsed), h.per_second(tokens, elapsed),
-                   *h.latencies(list(times), list(sent)))
+    return LoadRun(concurrency=concurrency, elapsed_s=elapsed, num_requests=n, num_output_tokens=tokens,
+                   requests_per_s=h.per_second(n, elapsed), output_tokens_per_s=h.per_second(tokens, elapsed),
+                   **h.latencies(list(times), list(sent)))
 
 
 def measure_system(system: str, path: str, threads: int, workloads: list[tuple[list[str], list[int]]],
@@ -172,4 +173,5 @@ def run_serve_bench(config: ServeBenchConfig) -> ServeReport:
     described = {"num_prompts": config.num_prompts, "seed": config.seed, "concurrencies": list(config.concurrency),
                  "num_output_tokens": [sum(lens) for _, lens in workloads],
                  "prompts": "distinct per concurrency: the next num_prompts of one seeded workload"}
-    return ServeReport(SCHEMA, env, str(path), threads, described, ours, theirs, {"vs_llama_cpp_server": ratios})
+    return ServeReport(schema=SCHEMA, environment=env, model=str(path), num_threads=threads, workload=described,
+                       kvgen=ours, llama_cpp_server=theirs, ratios={"vs_llama_cpp_server": ratios})

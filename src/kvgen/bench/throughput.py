@@ -71,8 +71,9 @@ class ThroughputSummary:
 def summarize(token_times: list[list[float]], output_lens: list[int], start: float, end: float) -> ThroughputSummary:
     """One system's figures from each request's token timestamps (seconds, on the clock of ``start``, ``end``)."""
     n, useful, elapsed = len(output_lens), sum(output_lens), end - start
-    return ThroughputSummary(elapsed, n, useful, h.per_second(useful, elapsed), h.per_second(n, elapsed),
-                             *h.latencies(token_times, [start] * n))
+    return ThroughputSummary(elapsed_s=elapsed, num_requests=n, num_useful_tokens=useful,
+                             generated_tokens_per_s=h.per_second(useful, elapsed),
+                             requests_per_s=h.per_second(n, elapsed), **h.latencies(token_times, [start] * n))
 
 
 def profile_engine(engine: Any) -> EngineProfile:
@@ -178,7 +179,8 @@ def run_throughput_bench(config: ThroughputBenchConfig) -> ThroughputReport:
     del model
     hf, cpp = (peer_summary(h.peer_side(peer, "throughput", on, config.model, log, request), workload)
                for peer, on in (("transformers", config.include_transformers), ("llama_cpp", config.include_llama_cpp)))
-    report = ThroughputReport(SCHEMA, env, described, engine, static, rss, hf, cpp, {})
+    report = ThroughputReport(schema=SCHEMA, env=env, workload=described, kvgen_engine=engine, kvgen_static=static,
+                              kvgen_peak_rss_bytes=rss, transformers_static=hf, llama_cpp=cpp, ratios={})
     report.ratios = _ratios(h.to_json(report))
     env["load_average_1m_at_end"] = h.load_average()
     return report
