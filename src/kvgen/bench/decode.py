@@ -20,7 +20,7 @@ from kvgen.bench import harness as h
 from kvgen.bench.workloads import seeded_prompt_ids
 from kvgen.fields import config_field as _f
 from kvgen.generation.runner import make_cache
-from kvgen.kernels import get_ops, pack_gguf_rows
+from kvgen.kernels import get_ops, kernel_isa, pack_gguf_rows
 from kvgen.loader import DTYPES, load_model, resolve_model_path
 from kvgen.models import CausalLM
 
@@ -91,7 +91,8 @@ def qgemm_crossover(out_features: int = 3072, in_features: int = 576, ms: tuple[
         d_us = _time_us(partial(F.linear, x, dense), max(3, 2000 // m))
         rows.append({"m": m, "qgemm_us": q_us, "dense_fp32_us": d_us, "qgemm_speedup": d_us / q_us})
     crossover = next((r["m"] for r in rows if r["dense_fp32_us"] < r["qgemm_us"]), None)
-    return {"shape": [out_features, in_features], "backend": ops.backend, "rows": rows, "crossover_m": crossover}
+    return {"shape": [out_features, in_features], "backend": ops.backend, "isa": kernel_isa(), "rows": rows,
+            "crossover_m": crossover}
 
 
 def _figure(side: h.Side, config: str, key: str = "decode_tokens_per_s") -> Any:

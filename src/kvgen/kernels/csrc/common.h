@@ -155,6 +155,16 @@ inline void k_quant_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb,
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
 }
 
+// AVX512-VNNI with AVX512VL (Ice Lake and later Xeons, AMD Zen 4 and later): vpdpbusd sums 4 u8 x s8 products
+// into each int32 lane in one instruction, where AVX2 needs maddubs (pairs into int16), an int16 add and a madd with
+// ones (pairs into int32). The Q4 and Q8 kernels have a copy of their tile for it (code between
+// KVGEN_VNNI_BEGIN and KVGEN_VNNI_END is compiled for these extensions; the rest of the library stays AVX2), chosen
+// per call by use_vnni(): the CPU has them and $KVGEN_KERNELS_ISA is not "avx2". Their int32 sums equal the AVX2
+// path's (no int16 sum there saturates), so the outputs are bit-identical.
+#define KVGEN_VNNI_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512vnni\")")
+#define KVGEN_VNNI_END _Pragma("GCC pop_options")
+bool use_vnni();
+
 // Quantize one row of K floats (K % 32 == 0) into K / 32 blocks.
 void quantize_row_q8a(const float* x, BlockQ8A* y, int64_t K);
 

@@ -4,7 +4,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "aten_lite.h"
@@ -355,7 +357,24 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const 
 }  // namespace
 }  // namespace kvgen
 
+namespace kvgen {
+
+bool use_vnni() {
+  static const bool enabled = [] {
+    const char* isa = std::getenv("KVGEN_KERNELS_ISA");
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+           !(isa != nullptr && std::string(isa) == "avx2");
+  }();
+  return enabled;
+}
+
+// The instruction set qgemm's Q4 and Q8 kernels use here: 1 AVX512-VNNI, 0 AVX2 (use_vnni, common.h).
+int64_t kernel_isa() { return use_vnni() ? 1 : 0; }
+
+}  // namespace kvgen
+
 TORCH_LIBRARY(kvgen, m) {
+  m.def("kernel_isa() -> int", &kvgen::kernel_isa);
   m.def("quantize_q8a(Tensor x) -> Tensor");
   m.def("qgemm(Tensor x, Tensor weight, int weight_type, int out_features, Tensor? bias, Tensor? residual=None) -> Tensor");
   m.def("dequantize_rows(Tensor weight, int weight_type, Tensor ids, int in_features) -> Tensor");

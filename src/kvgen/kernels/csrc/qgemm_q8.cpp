@@ -16,15 +16,28 @@
 namespace kvgen {
 namespace {
 
+inline void q8_prefetch(const uint8_t* w) {
+  for (int c = 0; c < kQ8Record; c += 64) {  // ~4 KB ahead, as the Q4 kernel
+    _mm_prefetch(reinterpret_cast<const char*>(w) + KVGEN_Q8_PREFETCH * kQ8Record + c, _MM_HINT_T0);
+  }
+}
+
+// acc[m] += sum[m] * d_w * d_a for the Q8 record at w and activation block b (sum: the int32 dots).
+template <int MT>
+inline void q8_accumulate(const uint8_t* w, const BlockQ8A* const* a, int64_t b, const __m256i* sum, __m256* acc) {
+  const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  for (int m = 0; m < MT; ++m) {
+    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
+  }
+}
+
 template <int MT>
 void q8_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += kQ8Record) {
-    for (int c = 0; c < kQ8Record; c += 64) {  // ~4 KB ahead, as the Q4 kernel
-      _mm_prefetch(reinterpret_cast<const char*>(w) + KVGEN_Q8_PREFETCH * kQ8Record + c, _MM_HINT_T0);
-    }
+    q8_prefetch(w);
     __m256i sum[MT];
     for (int m = 0; m < MT; ++m) sum[m] = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -37,17 +50,47 @@ void q8_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* cons
         if constexpr (MT > 1) keep_in_register(sum[m]);  // one row: the tree GCC builds fits the registers
       }
     }
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    for (int m = 0; m < MT; ++m) {
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
-    }
+    q8_accumulate<MT>(w, a, b, sum, acc);
   }
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
 }
 
+KVGEN_VNNI_BEGIN
+// q8_tile with vpdpbusd(|w|, sign(a, w)): the 4 products of each lane summed straight into int32 (common.h), a row's
+// 8 loads over kChains running sums (one chain of 8 dependent vpdpbusd waited on their latency).
+template <int MT>
+void q8_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
+  constexpr int kChains = MT == 1 ? 4 : 2;
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += kQ8Record) {
+    q8_prefetch(w);
+    __m256i part[MT][kChains], sum[MT];
+    for (int m = 0; m < MT; ++m)
+      for (int c = 0; c < kChains; ++c) part[m][c] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 + 32 * j));
+      const __m256i aq = _mm256_sign_epi8(q, q);
+      for (int m = 0; m < MT; ++m) {
+        const __m256i s = _mm256_sign_epi8(bcast4(a[m][b].qs + 4 * j), q);
+        part[m][j % kChains] = _mm256_dpbusd_epi32(part[m][j % kChains], aq, s);
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      sum[m] = _mm256_add_epi32(part[m][0], part[m][1]);
+      if constexpr (kChains == 4) sum[m] = _mm256_add_epi32(sum[m], _mm256_add_epi32(part[m][2], part[m][3]));
+    }
+    q8_accumulate<MT>(w, a, b, sum, acc);
+  }
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
+}
+KVGEN_VNNI_END
+
 }  // namespace
 
 void q8_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
+  if (use_vnni()) return tile_rows(mt, [&](auto MT) { q8_tile_vnni<MT>(w, a, nb, out); });
   tile_rows(mt, [&](auto MT) { q8_tile<MT>(w, a, nb, out); });
 }
 
