@@ -128,8 +128,10 @@ inline void tile_rows(int mt, Tile&& tile) {
 // dmin at 16, byte scales sc[k][r] at 32 and mins m[k][r] at 96). dots(w, k, b, dot) gives block k's int32 dot per
 // row; per block the rows' d sc and dmin m in fp32 (shared by the MT rows), then per row acc += dot (d sc) d_a -
 // (dmin m) s_a: Q4's two fmadds and registers (accumulating d sum_k sc_k dot_k per row instead spilled at MT = 4).
+// Always inlined: a VNNI tile (KVGEN_VNNI_BEGIN) that calls it with its VNNI dots gets the loop in its own body, where
+// the dots inline too (a function compiled for fewer extensions cannot inline them: a call per block).
 template <int MT, int64_t kRecord, int64_t kPrefetchRecords, class Dots>
-inline void k_quant_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out, Dots dots) {
+__attribute__((always_inline)) inline void k_quant_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out, Dots dots) {
   constexpr int64_t kStep = kRecord / 8;  // prefetch a record ahead in 8 steps
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();

@@ -64,15 +64,41 @@ inline void q5_dots(const uint8_t* w, const BlockQ8A* const* a, int64_t b, __m25
   }
 }
 
+KVGEN_VNNI_BEGIN
+// q5_dots with vpdpbusd (common.h): a row's 8 vectors over two running sums (one chain waited on their latency).
 template <int MT>
-void q5_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
+inline void q5_dots_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t b, __m256i* dot) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 160));
+  __m256i lo[4], hi[4];  // columns 4t+i and 16+4t+i, 8 rows
+  unpack<0>(w, qh, low4, bit4, lo[0], hi[0]);
+  unpack<1>(w, qh, low4, bit4, lo[1], hi[1]);
+  unpack<2>(w, qh, low4, bit4, lo[2], hi[2]);
+  unpack<3>(w, qh, low4, bit4, lo[3], hi[3]);
+  for (int m = 0; m < MT; ++m) {
+    const int8_t* q = a[m][b].qs;
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    for (int t = 0; t < 4; ++t) {
+      s0 = _mm256_dpbusd_epi32(s0, lo[t], bcast4(q + 4 * t));
+      s1 = _mm256_dpbusd_epi32(s1, hi[t], bcast4(q + 16 + 4 * t));
+    }
+    dot[m] = _mm256_add_epi32(s0, s1);
+  }
+}
+KVGEN_VNNI_END
+
+// MT activation rows against one group's nb Q5 records: dots(w, b, dot) gives each row's int32 dot for activation
+// block b. Always inlined, so a VNNI tile gets the loop in its own body with its dots inlined (common.h).
+template <int MT, class Dots>
+__attribute__((always_inline)) inline void q5_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb,
+                                                   float* const* out, Dots dots) {
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += kQ5Record) {
     const char* ahead = reinterpret_cast<const char*>(w) + KVGEN_Q5_PREFETCH * kQ5Record;
     for (int c = 0; c < kQ5Record; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
     __m256i dot[MT];
-    q5_dots<MT>(w, a, b, dot);
+    dots(w, b, dot);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
     const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
     for (int m = 0; m < MT; ++m) {
@@ -91,13 +117,33 @@ void q5k_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* con
       w, a, nb, out, [a](const uint8_t* r, int k, int64_t b, __m256i* dot) { q5_dots<MT>(r + 128 + 160 * k, a, b, dot); });
 }
 
+KVGEN_VNNI_BEGIN
+template <int MT>
+void q5_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
+  q5_tile<MT>(w, a, nb, out, [a](const uint8_t* r, int64_t b, __m256i* dot) { q5_dots_vnni<MT>(r, a, b, dot); });
+}
+
+template <int MT>
+void q5k_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
+  k_quant_tile<MT, kQ5KRecord, KVGEN_Q5K_PREFETCH>(
+      w, a, nb, out,
+      [a](const uint8_t* r, int k, int64_t b, __m256i* dot) { q5_dots_vnni<MT>(r + 128 + 160 * k, a, b, dot); });
+}
+KVGEN_VNNI_END
+
 }  // namespace
 
 void q5_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
-  tile_rows(mt, [&](auto MT) { q5_tile<MT>(w, a, nb, out); });
+  if (use_vnni()) return tile_rows(mt, [&](auto MT) { q5_tile_vnni<MT>(w, a, nb, out); });
+  tile_rows(mt, [&](auto MT) {
+    q5_tile<MT>(w, a, nb, out, [a](const uint8_t* r, int64_t b, __m256i* dot) {
+      q5_dots<decltype(MT)::value>(r, a, b, dot);
+    });
+  });
 }
 
 void q5k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
+  if (use_vnni()) return tile_rows(mt, [&](auto MT) { q5k_tile_vnni<MT>(w, a, nb, out); });
   tile_rows(mt, [&](auto MT) { q5k_tile<MT>(w, a, nb, out); });
 }
 
