@@ -1,4 +1,5 @@
-"""qgemm's AVX512-VNNI tiles (Q4_1, Q4_0, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K) give bit for bit what its AVX2 tiles give.
+"""qgemm's AVX512-VNNI tiles (Q4_1, Q4_0, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) give bit for bit what its AVX2 tiles
+give.
 
 The same inputs run in a subprocess with ``KVGEN_KERNELS_ISA=avx2``; skipped where the CPU lacks AVX512-VNNI (both
 runs would take the AVX2 tiles) or the C++ kernels are not built.
@@ -22,9 +23,9 @@ needs_vnni = pytest.mark.skipif(kernel_isa() != "avx512vnni", reason=f"qgemm run
 # N not a multiple of 8 (a padded last group), K of 3 blocks (K-quants: 1 super-block), M across the 1-4 row tiles
 # and past them
 SHAPES = [(37, 96, m) for m in (1, 2, 3, 4, 5, 9)] + [(64, 576, 17)]
-# the K-quants, which the gguf package cannot quantize: random blocks with fp16 d (and dmin) near 1e-3
+# the K-quants, which the gguf package cannot quantize: random blocks (scales included) with fp16 d (and dmin) near 1e-3
 # (bytes per 256-value block, offsets of the fp16 scales)
-RANDOM_BLOCKS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2))}
+RANDOM_BLOCKS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
 
 
 def _rows(qtype: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -46,7 +47,7 @@ torch.save([get_ops().qgemm(x, packed, wt, n, None) for x, packed, wt, n in case
 
 
 @needs_vnni
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_vnni_tiles_equal_the_avx2_tiles(qtype: str, tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(0)
     cases = []

@@ -37,18 +37,23 @@ inline void unpack(const uint8_t* w, __m256i qh, __m256i low4, __m256i bit4, __m
   hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p, 4), low4), bit_to_4<4 + T>(qh, bit4));
 }
 
-// dot[m]: int32 per row of the 8 rows' 5-bit values (the Q5 record's nibbles at w + 32, high bits at w + 160) times
-// activation block b of row m.
-template <int MT>
-inline void q5_dots(const uint8_t* w, const BlockQ8A* const* a, int64_t b, __m256i* dot) {
+// The record's 5-bit values: lo[t] = columns 4t+i, hi[t] = columns 16+4t+i of the 8 rows (nibble | fifth bit).
+inline void unpack_record(const uint8_t* w, __m256i* lo, __m256i* hi) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
-  const __m256i ones = _mm256_set1_epi16(1);
   const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 160));
-  __m256i lo[4], hi[4];  // columns 4t+i and 16+4t+i, 8 rows
   unpack<0>(w, qh, low4, bit4, lo[0], hi[0]);
   unpack<1>(w, qh, low4, bit4, lo[1], hi[1]);
   unpack<2>(w, qh, low4, bit4, lo[2], hi[2]);
   unpack<3>(w, qh, low4, bit4, lo[3], hi[3]);
+}
+
+// dot[m]: int32 per row of the 8 rows' 5-bit values (the Q5 record's nibbles at w + 32, high bits at w + 160) times
+// activation block b of row m.
+template <int MT>
+inline void q5_dots(const uint8_t* w, const BlockQ8A* const* a, int64_t b, __m256i* dot) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i lo[4], hi[4];  // columns 4t+i and 16+4t+i, 8 rows
+  unpack_record(w, lo, hi);
   for (int m = 0; m < MT; ++m) {
     const int8_t* q = a[m][b].qs;
     dot[m] = _mm256_setzero_si256();
@@ -68,13 +73,8 @@ KVGEN_VNNI_BEGIN
 // q5_dots with vpdpbusd (common.h): a row's 8 vectors over two running sums (one chain waited on their latency).
 template <int MT>
 inline void q5_dots_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t b, __m256i* dot) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
-  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 160));
   __m256i lo[4], hi[4];  // columns 4t+i and 16+4t+i, 8 rows
-  unpack<0>(w, qh, low4, bit4, lo[0], hi[0]);
-  unpack<1>(w, qh, low4, bit4, lo[1], hi[1]);
-  unpack<2>(w, qh, low4, bit4, lo[2], hi[2]);
-  unpack<3>(w, qh, low4, bit4, lo[3], hi[3]);
+  unpack_record(w, lo, hi);
   for (int m = 0; m < MT; ++m) {
     const int8_t* q = a[m][b].qs;
     __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();

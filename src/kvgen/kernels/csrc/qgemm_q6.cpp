@@ -19,9 +19,50 @@
 namespace kvgen {
 namespace {
 
+// Per row r (int32 lane r) of a 32-column block: the scales sc_0[r], sc_1[r] of its two 16-column halves as int32,
+// each in both int16 halves of a lane (the AVX2 madd partners of the pair sums), and the pair (sc_0[r], sc_1[r]) (the
+// madd partner of the activation half sums).
+struct Q6Scales {
+  __m256i sc0, sc1, sc0x2, sc1x2, sc01;
+};
+
+// sum_h sc_h * S_h of one activation row's bytes q (S_h: the products of half h) in int32 per row: pairs of
+// products summed in int16, two maddubs at a time, then madd with sc_h.
 template <int MT>
-void q6_tile(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int64_t nb,
-             float* const* out) {
+inline __m256i q6_row_dot(const __m256i* u0, const __m256i* u1, const Q6Scales& sc, const int8_t* q) {
+  __m256i dot = _mm256_setzero_si256();
+#pragma GCC unroll 2
+  for (int t = 0; t < 4; t += 2) {
+    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_add_epi16(
+        _mm256_maddubs_epi16(u0[t], bcast4(q + 4 * t)), _mm256_maddubs_epi16(u0[t + 1], bcast4(q + 4 * t + 4))),
+        sc.sc0x2));
+    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_add_epi16(
+        _mm256_maddubs_epi16(u1[t], bcast4(q + 16 + 4 * t)), _mm256_maddubs_epi16(u1[t + 1], bcast4(q + 20 + 4 * t))),
+        sc.sc1x2));
+    if constexpr (MT > 1) keep_in_register(dot);  // one row: the tree GCC builds fits the registers
+  }
+  return dot;
+}
+
+KVGEN_VNNI_BEGIN
+// q6_row_dot with vpdpbusd (common.h): S_0 and S_1 in int32 (16 * 63 * 127 at most), then times sc_h with vpmulld:
+// the same int32 sums.
+inline __m256i q6_row_dot_vnni(const __m256i* u0, const __m256i* u1, const Q6Scales& sc, const int8_t* q) {
+  __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+  for (int t = 0; t < 4; ++t) {
+    s0 = _mm256_dpbusd_epi32(s0, u0[t], bcast4(q + 4 * t));
+    s1 = _mm256_dpbusd_epi32(s1, u1[t], bcast4(q + 16 + 4 * t));
+  }
+  return _mm256_add_epi32(_mm256_mullo_epi32(s0, sc.sc0), _mm256_mullo_epi32(s1, sc.sc1));
+}
+KVGEN_VNNI_END
+
+// MT activation rows against one group's Q6 records: row_dot(u0, u1, scales, q) gives sum_h sc_h * S_h. Always
+// inlined, so a VNNI tile gets the loop in its own body with its row_dot inlined (common.h).
+template <int MT, class RowDot>
+__attribute__((always_inline)) inline void q6_tile(const uint8_t* w, const BlockQ8A* const* a,
+                                                   const int32_t* const* half_sums, int64_t nb, float* const* out,
+                                                   RowDot row_dot) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30), low16 = _mm256_set1_epi32(0xFFFF);
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
@@ -43,28 +84,16 @@ void q6_tile(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* h
         u0[t] = _mm256_or_si256(_mm256_and_si256(p, low4), _mm256_and_si256(b0, top2));
         u1[t] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p, 4), low4), _mm256_and_si256(b1, top2));
       }
-      // per row r (int32 lane r): sc_h[r] in both int16 halves (madd partners of the pair sums), and the pair
-      // (sc_0[r], sc_1[r]) (madd partner of the activation half sums)
-      const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 16)));
-      const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 24)));
-      const __m256i sc0x2 = _mm256_or_si256(_mm256_and_si256(sc0, low16), _mm256_slli_epi32(sc0, 16));
-      const __m256i sc1x2 = _mm256_or_si256(_mm256_and_si256(sc1, low16), _mm256_slli_epi32(sc1, 16));
-      const __m256i sc01 = _mm256_or_si256(_mm256_and_si256(sc0, low16), _mm256_slli_epi32(sc1, 16));
+      Q6Scales sc;
+      sc.sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 16)));
+      sc.sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 24)));
+      sc.sc0x2 = _mm256_or_si256(_mm256_and_si256(sc.sc0, low16), _mm256_slli_epi32(sc.sc0, 16));
+      sc.sc1x2 = _mm256_or_si256(_mm256_and_si256(sc.sc1, low16), _mm256_slli_epi32(sc.sc1, 16));
+      sc.sc01 = _mm256_or_si256(_mm256_and_si256(sc.sc0, low16), _mm256_slli_epi32(sc.sc1, 16));
       for (int m = 0; m < MT; ++m) {
-        const int8_t* q = a[m][b].qs;
-        __m256i dot = _mm256_setzero_si256();  // sum_h sc_h * S_h: pairs of products summed in int16, then madd
-#pragma GCC unroll 2
-        for (int t = 0; t < 4; t += 2) {
-          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_add_epi16(
-              _mm256_maddubs_epi16(u0[t], bcast4(q + 4 * t)), _mm256_maddubs_epi16(u0[t + 1], bcast4(q + 4 * t + 4))),
-              sc0x2));
-          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_add_epi16(
-              _mm256_maddubs_epi16(u1[t], bcast4(q + 16 + 4 * t)), _mm256_maddubs_epi16(u1[t + 1], bcast4(q + 20 + 4 * t))),
-              sc1x2));
-          if constexpr (MT > 1) keep_in_register(dot);  // one row: the tree GCC builds fits the registers
-        }
+        __m256i dot = row_dot(u0, u1, sc, a[m][b].qs);
         // minus 32 * (sc_0 A_0 + sc_1 A_1): u = q + 32, A_h the activation half sums (int16 pair per block)
-        const __m256i corr = _mm256_madd_epi16(sc01, _mm256_set1_epi32(half_sums[m][b]));
+        const __m256i corr = _mm256_madd_epi16(sc.sc01, _mm256_set1_epi32(half_sums[m][b]));
         dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(corr, 5));
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
       }
@@ -72,6 +101,14 @@ void q6_tile(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* h
   }
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
 }
+
+KVGEN_VNNI_BEGIN
+template <int MT>
+void q6_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int64_t nb,
+                  float* const* out) {
+  q6_tile<MT>(w, a, half_sums, nb, out, q6_row_dot_vnni);
+}
+KVGEN_VNNI_END
 
 }  // namespace
 
@@ -88,7 +125,11 @@ void activation_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums) {
 
 void q6_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
               float* const* out) {
-  tile_rows(mt, [&](auto MT) { q6_tile<MT>(w, a, half_sums, nb, out); });
+  if (use_vnni()) return tile_rows(mt, [&](auto MT) { q6_tile_vnni<MT>(w, a, half_sums, nb, out); });
+  tile_rows(mt, [&](auto MT) {
+    q6_tile<MT>(w, a, half_sums, nb, out, [](const __m256i* u0, const __m256i* u1, const Q6Scales& sc,
+                                             const int8_t* q) { return q6_row_dot<decltype(MT)::value>(u0, u1, sc, q); });
+  });
 }
 
 }  // namespace kvgen
