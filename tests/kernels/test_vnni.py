@@ -1,5 +1,5 @@
-"""qgemm's AVX512-VNNI tiles (Q4_1, Q4_0, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) give bit for bit what its AVX2 tiles
-give.
+"""qgemm's AVX512-VNNI tiles (Q4_1, Q4_0, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4) give bit for bit
+what its AVX2 tiles give.
 
 The same inputs run in a subprocess with ``KVGEN_KERNELS_ISA=avx2``; skipped where the CPU lacks AVX512-VNNI (both
 runs would take the AVX2 tiles) or the C++ kernels are not built.
@@ -23,19 +23,20 @@ needs_vnni = pytest.mark.skipif(kernel_isa() != "avx512vnni", reason=f"qgemm run
 # N not a multiple of 8 (a padded last group), K of 3 blocks (K-quants: 1 super-block), M across the 1-4 row tiles
 # and past them
 SHAPES = [(37, 96, m) for m in (1, 2, 3, 4, 5, 9)] + [(64, 576, 17)]
-# the K-quants, which the gguf package cannot quantize: random blocks (scales included) with fp16 d (and dmin) near 1e-3
-# (bytes per 256-value block, offsets of the fp16 scales)
-RANDOM_BLOCKS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+# the types the gguf package cannot quantize: random blocks (indices and scales included) with fp16 d (and dmin) near
+# 1e-3 (values and bytes per block, offsets of the fp16 scales)
+RANDOM_BLOCKS = {"Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
+                 "IQ4_NL": (32, 18, (0,)), "IQ4_XS": (256, 136, (0,))}
 
 
 def _rows(qtype: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """GGUF rows [n, bytes] uint8 of ``qtype``: gguf's quantization of a random matrix, or random K-quant blocks."""
     if qtype not in RANDOM_BLOCKS:
         return torch.tensor(quantize((torch.randn(n, k, generator=gen) * 3).numpy(), getattr(GGMLQuantizationType, qtype)))
-    size, offsets = RANDOM_BLOCKS[qtype]
-    blocks = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8, generator=gen)
+    values, size, offsets = RANDOM_BLOCKS[qtype]
+    blocks = torch.randint(0, 256, (n, k // values, size), dtype=torch.uint8, generator=gen)
     for at in offsets:
-        blocks[..., at : at + 2] = (torch.randn(n, k // 256, 1, generator=gen) * 1e-3).half().view(torch.uint8)
+        blocks[..., at : at + 2] = (torch.randn(n, k // values, 1, generator=gen) * 1e-3).half().view(torch.uint8)
     return blocks.reshape(n, -1)
 AVX2_RUN = """
 import sys, torch
@@ -47,12 +48,13 @@ torch.save([get_ops().qgemm(x, packed, wt, n, None) for x, packed, wt, n in case
 
 
 @needs_vnni
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+                                   "IQ4_XS", "MXFP4"])
 def test_vnni_tiles_equal_the_avx2_tiles(qtype: str, tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(0)
     cases = []
     for n, k, m in SHAPES:
-        k = -(-k // 256) * 256 if qtype in RANDOM_BLOCKS else k  # whole super-blocks
+        k = -(-k // 256) * 256 if RANDOM_BLOCKS.get(qtype, (32,))[0] == 256 else k  # whole super-blocks
         weight_type, packed = pack_gguf_rows(qtype, [_rows(qtype, n, k, gen)])
         x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 10  # [M, K], rows of mixed scale
         cases.append((x, packed, weight_type, n))

@@ -22,12 +22,13 @@ namespace kvgen {
 namespace {
 
 // sum[m]: int32 per row of the 8 rows' 4-bit indices qs[4][8][4] (the IQ4 record's layout), looked up in `values`,
-// times activation block b of row m, times `scale` (int16 pairs, the madd partner of the products: 1, or IQ4_XS's
-// ls - 32 of each row; |sum| <= 32 * 127 * 127 * 32 < 2^31).
+// times activation block b of row m, times the row's int32 scale sc (1, or IQ4_XS's ls - 32; |sum| <= 32 * 127 * 127
+// * 32 < 2^31): maddubs(|v|, sign(a, v)) pairs, then madd with sc in both int16 halves of a lane.
 template <int MT>
-inline void iq4_sums(const uint8_t* qs, const BlockQ8A* const* a, int64_t b, __m256i values, __m256i scale,
+inline void iq4_sums(const uint8_t* qs, const BlockQ8A* const* a, int64_t b, __m256i values, __m256i sc,
                      __m256i* sum) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i scale = _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc, 16));
   for (int m = 0; m < MT; ++m) sum[m] = _mm256_setzero_si256();
 #pragma GCC unroll 4
   for (int t = 0; t < 4; ++t) {
@@ -45,8 +46,39 @@ inline void iq4_sums(const uint8_t* qs, const BlockQ8A* const* a, int64_t b, __m
   }
 }
 
-template <int MT>
-void iq4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out, const int8_t* table) {
+KVGEN_VNNI_BEGIN
+// iq4_sums with vpdpbusd(|v|, sign(a, v)) into two running sums a row, then times sc with vpmulld where Scaled (the
+// same int32 sums, common.h).
+template <int MT, bool Scaled>
+inline void iq4_sums_vnni(const uint8_t* qs, const BlockQ8A* const* a, int64_t b, __m256i values, __m256i sc,
+                          __m256i* sum) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256i part[MT][2];
+  for (int m = 0; m < MT; ++m) part[m][0] = part[m][1] = _mm256_setzero_si256();
+  for (int t = 0; t < 4; ++t) {
+    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
+    const __m256i lo = _mm256_shuffle_epi8(values, _mm256_and_si256(p, low4));
+    const __m256i hi = _mm256_shuffle_epi8(values, _mm256_and_si256(_mm256_srli_epi16(p, 4), low4));
+    const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* q = a[m][b].qs;
+      part[m][0] = _mm256_dpbusd_epi32(part[m][0], alo, _mm256_sign_epi8(bcast4(q + 4 * t), lo));
+      part[m][1] = _mm256_dpbusd_epi32(part[m][1], ahi, _mm256_sign_epi8(bcast4(q + 16 + 4 * t), hi));
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    sum[m] = _mm256_add_epi32(part[m][0], part[m][1]);
+    if constexpr (Scaled) sum[m] = _mm256_mullo_epi32(sum[m], sc);
+  }
+}
+KVGEN_VNNI_END
+
+// The IQ4_NL / MXFP4 tile (the 16 values in `table`) and the IQ4_XS tile: sums(qs, b, values, sc, sum) gives the
+// int32 dots (iq4_sums or its VNNI twin). Always inlined, so a VNNI tile gets the loop in its own body with its sums
+// inlined (common.h).
+template <int MT, class Sums>
+__attribute__((always_inline)) inline void iq4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb,
+                                                    float* const* out, const int8_t* table, Sums sums) {
   const __m256i values = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(table)));
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
@@ -56,7 +88,7 @@ void iq4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* con
     _mm_prefetch(ahead + 64, _MM_HINT_T0);
     _mm_prefetch(ahead + 128, _MM_HINT_T0);
     __m256i sum[MT];
-    iq4_sums<MT>(w + 16, a, b, values, _mm256_set1_epi16(1), sum);
+    sums(w + 16, b, values, _mm256_set1_epi32(1), sum);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
     for (int m = 0; m < MT; ++m) {
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
@@ -65,10 +97,9 @@ void iq4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* con
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
 }
 
-// IQ4_XS: one 1104-byte record per super-block; block k's indices at 80 + 128k, its int8 scale ls_k - 32 the madd
-// partner of the products (exact in int32), then acc += dot * d_w * d_a as IQ4.
-template <int MT>
-void iq4xs_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
+template <int MT, class Sums>
+__attribute__((always_inline)) inline void iq4xs_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb,
+                                                      float* const* out, Sums sums) {
   const __m256i values = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
@@ -80,11 +111,10 @@ void iq4xs_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* c
       _mm_prefetch(ahead + 138 * k, _MM_HINT_T0);  // a record ahead in 8 steps of 138 bytes (3 lines each)
       _mm_prefetch(ahead + 138 * k + 64, _MM_HINT_T0);
       _mm_prefetch(ahead + 138 * k + 128, _MM_HINT_T0);
-      // each row's ls - 32 in both int16 halves of its lane
+      // each row's ls - 32
       const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 16 + 8 * k)));
-      const __m256i sc2 = _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc, 16));
       __m256i sum[MT];
-      iq4_sums<MT>(w + 80 + 128 * k, a, b, values, sc2, sum);
+      sums(w + 80 + 128 * k, b, values, sc, sum);
       for (int m = 0; m < MT; ++m) {
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
       }
@@ -93,14 +123,40 @@ void iq4xs_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* c
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
 }
 
+KVGEN_VNNI_BEGIN
+template <int MT>
+void iq4_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out, const int8_t* table) {
+  iq4_tile<MT>(w, a, nb, out, table, [a](const uint8_t* qs, int64_t b, __m256i values, __m256i sc, __m256i* sum) {
+    iq4_sums_vnni<MT, false>(qs, a, b, values, sc, sum);
+  });
+}
+
+template <int MT>
+void iq4xs_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
+  iq4xs_tile<MT>(w, a, nb, out, [a](const uint8_t* qs, int64_t b, __m256i values, __m256i sc, __m256i* sum) {
+    iq4_sums_vnni<MT, true>(qs, a, b, values, sc, sum);
+  });
+}
+KVGEN_VNNI_END
+
 }  // namespace
 
 void iq4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out, const int8_t* values) {
-  tile_rows(mt, [&](auto MT) { iq4_tile<MT>(w, a, nb, out, values); });
+  if (use_vnni()) return tile_rows(mt, [&](auto MT) { iq4_tile_vnni<MT>(w, a, nb, out, values); });
+  tile_rows(mt, [&](auto MT) {
+    iq4_tile<MT>(w, a, nb, out, values, [a](const uint8_t* qs, int64_t b, __m256i v, __m256i sc, __m256i* sum) {
+      iq4_sums<decltype(MT)::value>(qs, a, b, v, sc, sum);
+    });
+  });
 }
 
 void iq4xs_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
-  tile_rows(mt, [&](auto MT) { iq4xs_tile<MT>(w, a, nb, out); });
+  if (use_vnni()) return tile_rows(mt, [&](auto MT) { iq4xs_tile_vnni<MT>(w, a, nb, out); });
+  tile_rows(mt, [&](auto MT) {
+    iq4xs_tile<MT>(w, a, nb, out, [a](const uint8_t* qs, int64_t b, __m256i v, __m256i sc, __m256i* sum) {
+      iq4_sums<decltype(MT)::value>(qs, a, b, v, sc, sum);
+    });
+  });
 }
 
 }  // namespace kvgen
