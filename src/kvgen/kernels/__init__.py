@@ -6,9 +6,9 @@ The sources in ``csrc/`` are compiled once by ``torch.utils.cpp_extension`` (g++
 flags and the torch version; later processes load the cached library in milliseconds.
 Where the CPU lacks AVX2/FMA/F16C, the build fails, or ``KVGEN_KERNELS=reference`` is
 set, the plain-torch twins in :mod:`kvgen.kernels.reference` run instead (one logged
-notice, never a crash). :func:`get_ops` returns whichever is in use. On a CPU with AVX512-VNNI, qgemm's Q4_1, Q4_0
-and Q8_0 tiles use ``vpdpbusd`` (chosen at run time; ``KVGEN_KERNELS_ISA=avx2`` keeps the AVX2 tiles; the outputs
-are bit-identical): :func:`kernel_isa` says which.
+notice, never a crash). :func:`get_ops` returns whichever is in use. On a CPU with AVX512-VNNI, qgemm's quantized
+tiles (all but Q2_K and Q3_K) use ``vpdpbusd`` (chosen at run time; ``KVGEN_KERNELS_ISA=avx2`` keeps the AVX2 tiles;
+the outputs are bit-identical): :func:`kernel_isa` says which.
 
 Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 
@@ -230,9 +230,9 @@ def pack_gguf_segments(segments: list[tuple[str, torch.Tensor]]) -> tuple[int, t
 
 
 def kernel_isa() -> str:
-    """The instruction set of qgemm's Q4_1, Q4_0 and Q8_0 tiles in this process: ``"avx512vnni"`` (the CPU has
-    AVX512-VNNI and AVX512VL, and ``$KVGEN_KERNELS_ISA`` is not ``"avx2"``), ``"avx2"``, or ``"reference"`` (the
-    torch twins). Both C++ paths give bit-identical outputs (``csrc/common.h``)."""
+    """The instruction set of qgemm's quantized tiles (all but Q2_K and Q3_K) in this process: ``"avx512vnni"`` (the
+    CPU has AVX512F, BW, VL and VNNI, and ``$KVGEN_KERNELS_ISA`` is not ``"avx2"``), ``"avx2"``, or ``"reference"``
+    (the torch twins). Both C++ paths give bit-identical outputs (``csrc/common.h``)."""
     if get_ops().backend != "avx2":
         return "reference"
     return "avx512vnni" if torch.ops.kvgen.kernel_isa() == 1 else "avx2"
@@ -244,6 +244,6 @@ def reference_ops() -> KernelOps:
 
 
 __all__ = [
-    "BF16", "F16", "IQ4", "IQ4_XS", "MIXED", "MXFP4", "Q2", "Q3", "Q4", "Q4_0", "Q4_K", "Q5", "Q5_K", "Q6", "Q8", "KernelOps", "cache_dir", "get_ops", "kernel_isa",
-    "pack_gguf_rows", "pack_gguf_segments", "reference_ops",
+    "BF16", "F16", "IQ4", "IQ4_XS", "MIXED", "MXFP4", "Q2", "Q3", "Q4", "Q4_0", "Q4_K", "Q5", "Q5_K", "Q6", "Q8", "KernelOps", "cache_dir", "get_ops",
+    "kernel_isa", "pack_gguf_rows", "pack_gguf_segments", "reference_ops",
 ]

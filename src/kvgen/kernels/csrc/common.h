@@ -131,7 +131,8 @@ inline void tile_rows(int mt, Tile&& tile) {
 // Always inlined: a VNNI tile (KVGEN_VNNI_BEGIN) that calls it with its VNNI dots gets the loop in its own body, where
 // the dots inline too (a function compiled for fewer extensions cannot inline them: a call per block).
 template <int MT, int64_t kRecord, int64_t kPrefetchRecords, class Dots>
-__attribute__((always_inline)) inline void k_quant_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out, Dots dots) {
+__attribute__((always_inline)) inline void k_quant_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb,
+                                                        float* const* out, Dots dots) {
   constexpr int64_t kStep = kRecord / 8;  // prefetch a record ahead in 8 steps
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
@@ -159,10 +160,11 @@ __attribute__((always_inline)) inline void k_quant_tile(const uint8_t* w, const 
 
 // AVX512-VNNI with AVX512VL (Ice Lake and later Xeons, AMD Zen 4 and later): vpdpbusd sums 4 u8 x s8 products
 // into each int32 lane in one instruction, where AVX2 needs maddubs (pairs into int16), an int16 add and a madd with
-// ones (pairs into int32). The Q4 and Q8 kernels have a copy of their tile for it (code between
-// KVGEN_VNNI_BEGIN and KVGEN_VNNI_END is compiled for these extensions; the rest of the library stays AVX2), chosen
-// per call by use_vnni(): the CPU has them and $KVGEN_KERNELS_ISA is not "avx2". Their int32 sums equal the AVX2
-// path's (no int16 sum there saturates), so the outputs are bit-identical.
+// ones (pairs into int32). Every quantized kernel but Q2_K and Q3_K has VNNI dots for it: its tile loop is one
+// always-inlined template over a dots functor, instantiated once with the AVX2 dots and once, between
+// KVGEN_VNNI_BEGIN and KVGEN_VNNI_END (compiled for these extensions; the rest of the library stays AVX2), with the
+// VNNI dots. use_vnni() picks per call: the CPU has AVX512F, BW, VL and VNNI, and $KVGEN_KERNELS_ISA is not "avx2".
+// The int32 sums equal the AVX2 path's (no int16 sum there saturates), so the outputs are bit-identical.
 #define KVGEN_VNNI_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512vnni\")")
 #define KVGEN_VNNI_END _Pragma("GCC pop_options")
 bool use_vnni();

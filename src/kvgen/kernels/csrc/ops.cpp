@@ -362,13 +362,14 @@ namespace kvgen {
 bool use_vnni() {
   static const bool enabled = [] {
     const char* isa = std::getenv("KVGEN_KERNELS_ISA");
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
            !(isa != nullptr && std::string(isa) == "avx2");
   }();
   return enabled;
 }
 
-// The instruction set qgemm's Q4 and Q8 kernels use here: 1 AVX512-VNNI, 0 AVX2 (use_vnni, common.h).
+// The instruction set of qgemm's quantized tiles here: 1 AVX512-VNNI, 0 AVX2 (use_vnni, common.h).
 int64_t kernel_isa() { return use_vnni() ? 1 : 0; }
 
 }  // namespace kvgen

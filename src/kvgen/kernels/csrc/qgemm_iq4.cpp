@@ -21,20 +21,25 @@
 namespace kvgen {
 namespace {
 
+// The int8 values (the 16-entry table `values`) of the 32 bytes of nibbles at p: lo of the low nibbles, hi of the high.
+inline void lookup(const uint8_t* p, __m256i values, __m256i& lo, __m256i& hi) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_shuffle_epi8(values, _mm256_and_si256(v, low4));
+  hi = _mm256_shuffle_epi8(values, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+}
+
 // sum[m]: int32 per row of the 8 rows' 4-bit indices qs[4][8][4] (the IQ4 record's layout), looked up in `values`,
 // times activation block b of row m, times the row's int32 scale sc (1, or IQ4_XS's ls - 32; |sum| <= 32 * 127 * 127
 // * 32 < 2^31): maddubs(|v|, sign(a, v)) pairs, then madd with sc in both int16 halves of a lane.
 template <int MT>
 inline void iq4_sums(const uint8_t* qs, const BlockQ8A* const* a, int64_t b, __m256i values, __m256i sc,
                      __m256i* sum) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i scale = _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc, 16));
   for (int m = 0; m < MT; ++m) sum[m] = _mm256_setzero_si256();
 #pragma GCC unroll 4
   for (int t = 0; t < 4; ++t) {
-    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
-    const __m256i lo = _mm256_shuffle_epi8(values, _mm256_and_si256(p, low4));
-    const __m256i hi = _mm256_shuffle_epi8(values, _mm256_and_si256(_mm256_srli_epi16(p, 4), low4));
+    __m256i lo, hi;  // the values of columns 4t+i and 16+4t+i, 8 rows
+    lookup(qs + 32 * t, values, lo, hi);
     const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
     for (int m = 0; m < MT; ++m) {
       const int8_t* q = a[m][b].qs;
@@ -52,13 +57,11 @@ KVGEN_VNNI_BEGIN
 template <int MT, bool Scaled>
 inline void iq4_sums_vnni(const uint8_t* qs, const BlockQ8A* const* a, int64_t b, __m256i values, __m256i sc,
                           __m256i* sum) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256i part[MT][2];
   for (int m = 0; m < MT; ++m) part[m][0] = part[m][1] = _mm256_setzero_si256();
   for (int t = 0; t < 4; ++t) {
-    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
-    const __m256i lo = _mm256_shuffle_epi8(values, _mm256_and_si256(p, low4));
-    const __m256i hi = _mm256_shuffle_epi8(values, _mm256_and_si256(_mm256_srli_epi16(p, 4), low4));
+    __m256i lo, hi;  // the values of columns 4t+i and 16+4t+i, 8 rows
+    lookup(qs + 32 * t, values, lo, hi);
     const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
     for (int m = 0; m < MT; ++m) {
       const int8_t* q = a[m][b].qs;
