@@ -25,6 +25,7 @@ from kvgen.models.gpt2 import GPT2LMHeadModel
 from kvgen.models.gpt_oss import GptOssForCausalLM
 from kvgen.models.llama import LlamaForCausalLM
 from kvgen.models.quant_linear import QuantEmbedding, QuantLinear
+from kvgen.weights.arena import WeightArena
 from kvgen.weights.quantized import GGUFBlocks, stack_blocks
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
@@ -66,9 +67,10 @@ def build_model(
                 f"parameter {name} has shape {tuple(state_dict[name].shape)}, expected {tuple(param.shape)}"
             )
     dense = {k: v for k, v in state_dict.items() if not isinstance(v, GGUFBlocks)}
+    arena = WeightArena()  # the packed matrices back to back in huge pages (kvgen.weights.arena)
     for name, blocks in state_dict.items():
         if isinstance(blocks, GGUFBlocks):
-            _install_quantized(model, name.removesuffix(".weight"), blocks, dense)
+            _install_quantized(model, name.removesuffix(".weight"), blocks, dense, arena)
             freed = sum(p.numel() for p in blocks.parts)
             blocks.parts = []  # consumed: the file's bytes go as their packed copy arrives (peak memory)
             for release in blocks.release:  # parts that viewed a mapped file: its pages leave the resident set
@@ -109,8 +111,9 @@ def _stack_packed(model: nn.Module, state_dict: Mapping[str, Any]) -> dict[str, 
     return state
 
 
-def _install_quantized(model: nn.Module, module_name: str, blocks: GGUFBlocks, dense: dict[str, torch.Tensor]) -> None:
-    """Replace the linear or embedding ``module_name`` by its quantized counterpart."""
+def _install_quantized(model: nn.Module, module_name: str, blocks: GGUFBlocks, dense: dict[str, torch.Tensor],
+                       arena: WeightArena) -> None:
+    """Replace the linear or embedding ``module_name`` by its quantized counterpart, its packed weight in ``arena``."""
     parent_name, _, attr = module_name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     old = getattr(parent, attr)
@@ -121,6 +124,7 @@ def _install_quantized(model: nn.Module, module_name: str, blocks: GGUFBlocks, d
                                                 blocks.shape[1], bias)
     else:
         linear = QuantLinear.from_gguf(blocks.qtype.name, blocks.parts, blocks.shape[1], bias)
+    linear.qweight = arena.adopt(linear.qweight)  # the packed copy goes back to the allocator
     if isinstance(old, nn.Embedding):
         setattr(parent, attr, QuantEmbedding(linear))
     elif isinstance(old, nn.Linear):
