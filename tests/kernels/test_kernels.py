@@ -68,6 +68,21 @@ def test_repack_round_trips_to_gguf_dequantization(qtype):
     assert torch.equal(OPS.repack_gguf(parts, GGUF_CODE[qtype]), REF.repack_gguf(parts, GGUF_CODE[qtype]))
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K, Q.Q4_K])
+def test_repack_writes_into_a_given_out_and_refuses_a_wrong_one(qtype):
+    """``out`` (a weight arena's memory, ``pack_gguf_rows``'s ``empty``) receives the records the op would return,
+    whatever it held; an out of another shape or dtype is refused by both."""
+    raw, _ = _gguf_matrix(qtype, 21, _cols(qtype, 96), seed=2)
+    want = REF.repack_gguf([raw], GGUF_CODE[qtype])  # [G, nb, R]
+    for ops in (OPS, REF):
+        out = torch.full(want.shape, 0xA5, dtype=torch.uint8)
+        got = ops.repack_gguf([raw], GGUF_CODE[qtype], out)
+        assert got.data_ptr() == out.data_ptr() and torch.equal(out, want)
+        for bad in (torch.empty(want.shape[0] + 1, *want.shape[1:], dtype=torch.uint8), want.to(torch.int8)):
+            with pytest.raises((ValueError, RuntimeError), match="out must be a contiguous uint8"):
+                ops.repack_gguf([raw], GGUF_CODE[qtype], bad)
+
+
 
 @pytest.mark.parametrize("qtype", KERNEL_QTYPES)
 def test_repack_on_two_threads_is_the_twins(qtype):

@@ -51,6 +51,9 @@ def test_adopted_tensors_are_equal_copies_back_to_back_in_advised_mappings() -> 
     assert copies[1].data_ptr() == copies[0].data_ptr() + 2432  # 2,400 bytes, then the next cache line
     assert copies[2].data_ptr() == copies[1].data_ptr() + 256  # 7 x 9 float32: 252 bytes
     assert len({c.untyped_storage().data_ptr() for c in copies}) == 1  # one mapping
+    fresh = a.empty((5, 3), torch.float32)  # what the loader packs into: zeros, next in line
+    assert fresh.shape == (5, 3) and fresh.dtype == torch.float32 and not fresh.any()
+    assert fresh.data_ptr() == copies[2].data_ptr() + 1024  # 1,000 bytes, then the next cache line
 
 
 @needs_thp

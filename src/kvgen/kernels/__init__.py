@@ -104,7 +104,7 @@ class KernelOps:
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     gelu_tanh_mul: Callable[[torch.Tensor], torch.Tensor]
     gpt_oss_glu: Callable[[torch.Tensor], torch.Tensor]
-    repack_gguf: Callable[[list[torch.Tensor], int], torch.Tensor]
+    repack_gguf: Callable[..., torch.Tensor]
     static_attention: Callable[..., torch.Tensor]
     paged_attention_qkv: Callable[..., torch.Tensor]
     decoder_layers: Callable[..., torch.Tensor]
@@ -191,14 +191,16 @@ def get_ops() -> KernelOps:
     return _ops
 
 
-def pack_gguf_rows(qtype: str, parts: list[torch.Tensor]) -> tuple[int, torch.Tensor]:
+def pack_gguf_rows(qtype: str, parts: list[torch.Tensor], empty: Callable[[tuple[int, ...]], torch.Tensor] | None = None
+                   ) -> tuple[int, torch.Tensor]:
     """GGUF-encoded row blocks of one matrix -> (weight_type, records [G, nb, R] uint8) in the
     kernels' 8-row layout.
 
     qtype: one of ``reference.GGUF_TYPES`` (Q4_0, Q4_1, Q8_0, F16, BF16, Q6_K, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, MXFP4:
     exponents in ``reference.MXFP4_EXPONENTS`` only, Q4_K, Q5_K, IQ4_XS);
-    parts: [rows_i, bytes per row] uint8 each, stacked in order (q, k, v). Raises ValueError for another type or a
-    malformed byte count.
+    parts: [rows_i, bytes per row] uint8 each, stacked in order (q, k, v); empty: where the records go, given their
+    shape (e.g. ``WeightArena.empty``; default: a new tensor). Raises ValueError for another type or a malformed
+    byte count.
     """
     if qtype not in reference.GGUF_TYPES:
         raise ValueError(f"kernels run {', '.join(reference.GGUF_TYPES)} rows, got {qtype}")
@@ -206,8 +208,11 @@ def pack_gguf_rows(qtype: str, parts: list[torch.Tensor]) -> tuple[int, torch.Te
     for p in parts:
         if p.dtype != torch.uint8 or p.dim() != 2 or p.shape[1] % size or p.shape[1] != parts[0].shape[1]:
             raise ValueError(f"{qtype} rows must be uint8 [N, nb * {size}], got {p.dtype} {list(p.shape)}")
-    records = get_ops().repack_gguf([p.contiguous() for p in parts], reference.GGUF_TYPES.index(qtype))
-    return reference.WEIGHT_TYPE_OF[qtype], records
+    weight_type = reference.WEIGHT_TYPE_OF[qtype]
+    shape = ((sum(p.shape[0] for p in parts) + reference.ROWS - 1) // reference.ROWS,  # [G, nb, R]
+             parts[0].shape[1] // size, reference.RECORD_BYTES[weight_type])
+    out = None if empty is None else empty(shape)
+    return weight_type, get_ops().repack_gguf([p.contiguous() for p in parts], reference.GGUF_TYPES.index(qtype), out)
 
 
 def pack_gguf_segments(segments: list[tuple[str, torch.Tensor]]) -> tuple[int, torch.Tensor]:

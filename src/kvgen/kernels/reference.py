@@ -118,13 +118,23 @@ WEIGHT_TYPE_OF = {"Q4_0": Q4_0, "Q4_1": Q4, "Q8_0": Q8, "F16": F16, "BF16": BF16
                   "IQ4_XS": IQ4_XS}
 
 
-def repack_gguf(parts: list[torch.Tensor], gguf_type: int) -> torch.Tensor:
+def repack_gguf(parts: list[torch.Tensor], gguf_type: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Row blocks ``parts`` ([rows_i, bytes] uint8, one GGUF type) of one matrix -> its records
     [G, nb, R] uint8: Q4_0 records for Q4_0 (0), Q4 records for Q4_1 (1), Q8 records for Q8_0 (2), 16-bit records for F16 (3) and
     BF16 (4), Q6 records for Q6_K (5), Q5 records for Q5_0 (6) / Q5_1 (7), IQ4 records for IQ4_NL (8), Q2 / Q3
     records for Q2_K (9) / Q3_K (10), MXFP4 records for MXFP4 (11), Q4_K / Q5_K records for Q4_K (12) / Q5_K
-    (13), IQ4_XS records for IQ4_XS (14). Raises ValueError for an MXFP4 exponent outside ``MXFP4_EXPONENTS``."""
-    raw = torch.cat(parts) if len(parts) > 1 else parts[0]  # [N, bytes]
+    (13), IQ4_XS records for IQ4_XS (14), written into ``out`` where given (uint8 [G, nb, R], contiguous). Raises
+    ValueError for an MXFP4 exponent outside ``MXFP4_EXPONENTS`` or an ``out`` of another shape."""
+    records = _repack_gguf(torch.cat(parts) if len(parts) > 1 else parts[0], gguf_type)  # [G, nb, R]
+    if out is None:
+        return records
+    if out.dtype != torch.uint8 or not out.is_contiguous() or out.shape != records.shape:
+        raise ValueError(f"out must be a contiguous uint8 {list(records.shape)} tensor, got {out.dtype} {list(out.shape)}")
+    return out.copy_(records)
+
+
+def _repack_gguf(raw: torch.Tensor, gguf_type: int) -> torch.Tensor:
+    """``repack_gguf`` of the rows ``raw`` [N, bytes] uint8 (the parts stacked) into a new tensor."""
     if gguf_type == 14:
         return repack_iq4_xs(raw)
     if gguf_type in (12, 13):

@@ -119,12 +119,12 @@ def _install_quantized(model: nn.Module, module_name: str, blocks: GGUFBlocks, d
     old = getattr(parent, attr)
     bias = dense.pop(f"{module_name}.bias", None)
     bias = None if bias is None else bias.float()
-    if blocks.part_types:  # a stack of differently typed parts: one mixed weight
+    if blocks.part_types:  # a stack of differently typed parts: one mixed weight, packed in parts, then copied
         linear = QuantLinear.from_gguf_segments([(t.name, p) for t, p in zip(blocks.part_types, blocks.parts)],
                                                 blocks.shape[1], bias)
-    else:
-        linear = QuantLinear.from_gguf(blocks.qtype.name, blocks.parts, blocks.shape[1], bias)
-    linear.qweight = arena.adopt(linear.qweight)  # the packed copy goes back to the allocator
+        linear.qweight = arena.adopt(linear.qweight)
+    else:  # packed straight into the arena: no large temporary freed (whose size would raise malloc's mmap threshold)
+        linear = QuantLinear.from_gguf(blocks.qtype.name, blocks.parts, blocks.shape[1], bias, arena.empty)
     if isinstance(old, nn.Embedding):
         setattr(parent, attr, QuantEmbedding(linear))
     elif isinstance(old, nn.Linear):

@@ -9,6 +9,8 @@ implementation is picked once when the module is built (C++ or the torch referen
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,10 +61,11 @@ class QuantLinear(nn.Module):
         self.kernels = get_ops()
 
     @classmethod
-    def from_gguf(cls, qtype: str, parts: list[torch.Tensor], in_features: int, bias: torch.Tensor | None = None) -> QuantLinear:
+    def from_gguf(cls, qtype: str, parts: list[torch.Tensor], in_features: int, bias: torch.Tensor | None = None,
+                  empty: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> QuantLinear:
         """From GGUF row blocks ``parts`` ([rows_i, bytes] each, stacked in order) of type ``qtype``
-        (one of ``kernels.reference.GGUF_TYPES``)."""
-        weight_type, packed = pack_gguf_rows(qtype, parts)
+        (one of ``kernels.reference.GGUF_TYPES``), packed into ``empty(shape)`` where given (``pack_gguf_rows``)."""
+        weight_type, packed = pack_gguf_rows(qtype, parts, empty)
         return cls(weight_type, packed, in_features, sum(p.shape[0] for p in parts), bias)
 
     @classmethod

@@ -388,7 +388,7 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor");
   m.def("gpt_oss_glu(Tensor gate_up) -> Tensor");
-  m.def("repack_gguf(Tensor[] parts, int gguf_type) -> Tensor");
+  m.def("repack_gguf(Tensor[] parts, int gguf_type, Tensor(a!)? out=None) -> Tensor");
   m.def("static_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? key_mask, int past_len, "
         "int num_heads, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("paged_attention_qkv(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping, Tensor block_tables, "

@@ -7,7 +7,8 @@
 // indices into kMXFP4Values; exponents outside 104 .. 143 are refused), 12 = Q4_K (fp16 d, dmin, 12 bytes of 6-bit
 // scales and mins, 128 nibble bytes per 256 values), 13 = Q5_K (the same with 32 bytes of high bits before the
 // nibbles), 14 = IQ4_XS (fp16 d, uint16 scales_h, uint8 scales_l[4], 128 bytes of indices per 256 values). Rows
-// are numbered across parts; missing rows of the last group are zero (scale 0). Source: ggml-common.h block_q4_0 / block_q4_1 / block_q8_0 /
+// are numbered across parts; missing rows of the last group are zero (scale 0). The records go into `out` where given
+// (contiguous uint8 [G, nb, R], e.g. a weight arena's huge pages), else into a new tensor. Source: ggml-common.h block_q4_0 / block_q4_1 / block_q8_0 /
 // block_q6_K / block_iq4_nl / block_mxfp4 / block_q4_K / block_q5_K, ggml-quants.c dequantize_row_q6_K /
 // dequantize_row_mxfp4 / dequantize_row_q4_K / dequantize_row_q5_K / dequantize_row_iq4_xs.
 #include <immintrin.h>
@@ -171,7 +172,7 @@ void repack_iq4_xs(const uint8_t* s, int64_t r, uint8_t* d) {
 
 }  // namespace
 
-at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) {
+at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type, const c10::optional<at::Tensor>& out_in) {
   TORCH_CHECK(gguf_type >= 0 && gguf_type <= 14, "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), "
               "3 (F16), 4 (BF16), 5 (Q6_K), 6 (Q5_0), 7 (Q5_1), 8 (IQ4_NL), 9 (Q2_K), 10 (Q3_K), 11 (MXFP4), 12 (Q4_K), "
               "13 (Q5_K) or 14 (IQ4_XS)");
@@ -201,7 +202,9 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type) 
   row_ptr.reserve(rows);
   for (const auto& p : parts)
     for (int64_t i = 0; i < p.size(0); ++i) row_ptr.push_back(p.data_ptr<uint8_t>() + i * row_bytes);
-  at::Tensor out = at::empty({G, nb, rec}, parts[0].options());
+  at::Tensor out = out_in.has_value() && out_in->defined() ? *out_in : at::empty({G, nb, rec}, parts[0].options());
+  TORCH_CHECK(out.dtype() == at::kByte && out.is_contiguous() && out.sizes().equals({G, nb, rec}),
+              "kvgen.repack_gguf: out must be a contiguous uint8 [", G, ", ", nb, ", ", rec, "] tensor, got ", out.sizes());
   uint8_t* dst = out.data_ptr<uint8_t>();
   // Groups are independent: threads take whole groups, each zeroed just before its rows are written (a missing
   // row of the last group keeps scale 0; the Q3 record ORs its high bits in).
