@@ -156,17 +156,19 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   // 18 blocks) ran on one thread, 22.6 us a call cold vs 15.9 split (30 layers: ~0.2 ms of a 5.7 ms step).
   const int64_t grain = std::max<int64_t>(1, 512 / (nb * std::max<int64_t>(1, std::min<int64_t>(M, 4))));
   at::parallel_for(0, G, grain, [&](int64_t begin, int64_t end) {
-    const BlockQ8A* a[4];
-    const int32_t* hs[4];
-    const float* xr[4];
-    float* o[4];
+    const BlockQ8A* a[kVnniQ4Rows];
+    const int32_t* hs[kVnniQ4Rows];
+    const float* xr[kVnniQ4Rows];
+    float* o[kVnniQ4Rows];
     size_t si = 0;
     for (int64_t g = begin; g < end; ++g) {
       while (g >= segs[si].g1) ++si;  // groups ascend: the segment holding g
       const Segment& seg = segs[si];
       const uint8_t* wg = seg.base + (g - seg.g0) * nb * seg.rec;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int mt = static_cast<int>(std::min<int64_t>(4, M - m0));
+      // activation rows a tile takes: 4, or kVnniQ4Rows for the Q4 / Q4_0 VNNI tiles (common.h)
+      const int64_t rows = use_vnni() && (seg.weight_type == kQ4 || seg.weight_type == kQ40) ? kVnniQ4Rows : 4;
+      for (int64_t m0 = 0; m0 < M; m0 += rows) {
+        const int mt = static_cast<int>(std::min<int64_t>(rows, M - m0));
         for (int i = 0; i < mt; ++i) {
           a[i] = act + (m0 + i) * nb;
           hs[i] = sums + (m0 + i) * nb;

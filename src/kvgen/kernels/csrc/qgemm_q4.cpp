@@ -85,10 +85,11 @@ inline void nibble_dots(const uint8_t* qs, const BlockQ8A* const* a, int64_t b, 
 KVGEN_VNNI_BEGIN
 // nibble_dots with vpdpbusd: each nibble vector's products with 4 broadcast activation bytes summed straight into the
 // int32 lanes (common.h). A row's 8 products per block go to kChains running sums, added at the end (exact): one
-// chain of 8 dependent vpdpbusd per row kept the tile waiting on their latency.
+// chain of 8 dependent vpdpbusd per row kept the tile waiting on their latency. At MT = 8 the rows' own chains are
+// enough, and two per row would not fit the 32 registers.
 template <int MT>
 inline void nibble_dots_vnni(const uint8_t* qs, const BlockQ8A* const* a, int64_t b, __m256i* dot) {
-  constexpr int kChains = MT == 1 ? 4 : 2;
+  constexpr int kChains = MT == 1 ? 4 : MT <= 4 ? 2 : 1;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256i part[MT][kChains];
   for (int m = 0; m < MT; ++m)
@@ -96,15 +97,15 @@ inline void nibble_dots_vnni(const uint8_t* qs, const BlockQ8A* const* a, int64_
   for (int t = 0; t < 4; ++t) {
     const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
     const __m256i lo = _mm256_and_si256(p, low4), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
-    const int c = 2 * (t % (kChains / 2));
+    const int c = (2 * t) % kChains, c1 = (c + 1) % kChains;  // t's low nibbles to chain c, high ones to c1
     for (int m = 0; m < MT; ++m) {
       part[m][c] = _mm256_dpbusd_epi32(part[m][c], lo, bcast4(a[m][b].qs + 4 * t));
-      part[m][c + 1] = _mm256_dpbusd_epi32(part[m][c + 1], hi, bcast4(a[m][b].qs + 16 + 4 * t));
+      part[m][c1] = _mm256_dpbusd_epi32(part[m][c1], hi, bcast4(a[m][b].qs + 16 + 4 * t));
     }
   }
   for (int m = 0; m < MT; ++m) {
-    dot[m] = _mm256_add_epi32(part[m][0], part[m][1]);
-    if constexpr (kChains == 4) dot[m] = _mm256_add_epi32(dot[m], _mm256_add_epi32(part[m][2], part[m][3]));
+    dot[m] = part[m][0];
+    for (int c = 1; c < kChains; ++c) dot[m] = _mm256_add_epi32(dot[m], part[m][c]);
   }
 }
 
@@ -133,7 +134,14 @@ void q4k_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* con
 
 template <bool HasMin>
 void group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
-  if (use_vnni()) return tile_rows(mt, [&](auto MT) { q4_tile_vnni<MT, HasMin>(w, a, nb, out); });
+  if (use_vnni()) {  // up to kVnniQ4Rows rows: 8 in one tile, 5-7 as 4 and the rest
+    if (mt == 8) return q4_tile_vnni<8, HasMin>(w, a, nb, out);
+    if (mt > 4) {
+      q4_tile_vnni<4, HasMin>(w, a, nb, out);
+      return tile_rows(mt - 4, [&](auto MT) { q4_tile_vnni<MT, HasMin>(w, a + 4, nb, out + 4); });
+    }
+    return tile_rows(mt, [&](auto MT) { q4_tile_vnni<MT, HasMin>(w, a, nb, out); });
+  }
   tile_rows(mt, [&](auto MT) {
     q4_tile<MT, HasMin>(w, a, nb, out, [a](const uint8_t* qs, int64_t b, __m256i* dot) {
       nibble_dots<decltype(MT)::value>(qs, a, b, dot);
