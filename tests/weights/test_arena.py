@@ -3,6 +3,7 @@ of it (every ``QuantLinear`` weight of a loaded model lives in one)."""
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,16 @@ def test_a_loaded_models_packed_weights_live_in_the_arena(tmp_path: Path) -> Non
     for linear in linears:
         assert "hg" in _vm_flags(linear.qweight.data_ptr())
     assert len({m.qweight.untyped_storage().data_ptr() for m in linears}) == 1  # one chunk: a tiny model
+
+
+def test_a_refused_advice_still_gives_working_memory(monkeypatch) -> None:
+    """Where madvise is refused (a container's seccomp policy), the arena's memory is ordinary pages, and a load
+    goes on."""
+    class Refusing(mmap.mmap):
+        def madvise(self, *args: object) -> None:
+            raise PermissionError("madvise is not allowed here")
+
+    monkeypatch.setattr(arena.mmap, "mmap", Refusing)
+    t = torch.arange(10, dtype=torch.float32)
+    got = WeightArena(enabled=True).adopt(t)
+    assert torch.equal(got, t) and got.data_ptr() != t.data_ptr()

@@ -15,6 +15,7 @@ resident after a 512-token generation.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 from pathlib import Path
@@ -79,7 +80,8 @@ class WeightArena:
         """A fresh mapping's bytes from its first 2 MiB boundary, at least ``nbytes`` of them: uint8 [bytes]."""
         size = -(-(nbytes + HUGE_PAGE_BYTES) // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
         region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory takes no THP
-        region.madvise(mmap.MADV_HUGEPAGE)
+        with contextlib.suppress(OSError):  # refused (a seccomp policy): the mapping still serves, in 4 KiB pages
+            region.madvise(mmap.MADV_HUGEPAGE)
         flat = torch.frombuffer(region, dtype=torch.uint8)  # [size], holds the mapping
         head = -flat.data_ptr() % HUGE_PAGE_BYTES
         return flat[head : head + size - HUGE_PAGE_BYTES]
