@@ -134,6 +134,7 @@ void q4k_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* con
 
 template <bool HasMin>
 void group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
+  static_assert(kVnniQ4Rows == 8, "the VNNI branch below splits 5-7 rows as 4 and the rest");
   if (use_vnni()) {  // up to kVnniQ4Rows rows: 8 in one tile, 5-7 as 4 and the rest
     if (mt == 8) return q4_tile_vnni<8, HasMin>(w, a, nb, out);
     if (mt > 4) {
