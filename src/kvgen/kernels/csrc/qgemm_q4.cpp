@@ -116,6 +116,56 @@ void q4_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float*
   });
 }
 
+// Two adjacent row groups (records at w and at w + nb records) against MT activation rows: each activation
+// broadcast serves both groups' 16 rows, and the 2 MT running sums are independent chains. q4_tile's arithmetic per
+// row (the same int32 dots, then the same two fmadds per block), so the outputs are the single-group tile's.
+template <int MT, bool HasMin>
+void q4_pair_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
+  constexpr int64_t kRecord = HasMin ? kQ4Record : kQ40Record, kQs = HasMin ? 32 : 16;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[2][MT];
+  for (int j = 0; j < 2; ++j)
+    for (int m = 0; m < MT; ++m) acc[j][m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += kRecord) {
+    const uint8_t* r[2] = {w, w + nb * kRecord};
+    for (const uint8_t* x : r)
+      for (int64_t c = 0; c < kRecord; c += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(x) + kPrefetchRecords * kRecord + c, _MM_HINT_T0);
+    __m256i dot[2][MT];
+    for (int j = 0; j < 2; ++j)
+      for (int m = 0; m < MT; ++m) dot[j][m] = _mm256_setzero_si256();
+    for (int t = 0; t < 4; ++t) {
+      __m256i lo[2], hi[2];
+      for (int j = 0; j < 2; ++j) {
+        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r[j] + kQs + 32 * t));
+        lo[j] = _mm256_and_si256(p, low4);
+        hi[j] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
+      }
+      for (int m = 0; m < MT; ++m) {
+        const __m256i al = bcast4(a[m][b].qs + 4 * t), ah = bcast4(a[m][b].qs + 16 + 4 * t);
+        for (int j = 0; j < 2; ++j) {
+          dot[j][m] = _mm256_dpbusd_epi32(dot[j][m], lo[j], al);
+          dot[j][m] = _mm256_dpbusd_epi32(dot[j][m], hi[j], ah);
+        }
+      }
+    }
+    for (int j = 0; j < 2; ++j) {
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r[j])));
+      const __m256 mw = HasMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r[j] + 16)))
+                               : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
+      for (int m = 0; m < MT; ++m) {
+        acc[j][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[j][m]), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)),
+                                    acc[j][m]);
+        acc[j][m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a[m][b].s), acc[j][m]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    _mm256_storeu_ps(out[m], acc[0][m]);
+    _mm256_storeu_ps(out[m] + kRows, acc[1][m]);
+  }
+}
+
 template <int MT>
 void q4k_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
   k_quant_tile<MT, kQ4KRecord, KVGEN_Q4K_PREFETCH>(w, a, nb, out, [a](const uint8_t* r, int k, int64_t b, __m256i* dot) {
@@ -155,6 +205,19 @@ void group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float
 void q4k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
   if (use_vnni()) return tile_rows(mt, [&](auto MT) { q4k_tile_vnni<MT>(w, a, nb, out); });
   tile_rows(mt, [&](auto MT) { q4k_tile<MT>(w, a, nb, out); });
+}
+
+void q4_pair_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out, bool has_min) {
+  switch (mt * 2 + has_min) {
+    case 2: return q4_pair_tile_vnni<1, false>(w, a, nb, out);
+    case 3: return q4_pair_tile_vnni<1, true>(w, a, nb, out);
+    case 4: return q4_pair_tile_vnni<2, false>(w, a, nb, out);
+    case 5: return q4_pair_tile_vnni<2, true>(w, a, nb, out);
+    case 6: return q4_pair_tile_vnni<3, false>(w, a, nb, out);
+    case 7: return q4_pair_tile_vnni<3, true>(w, a, nb, out);
+    case 8: return q4_pair_tile_vnni<4, false>(w, a, nb, out);
+    default: return q4_pair_tile_vnni<4, true>(w, a, nb, out);
+  }
 }
 
 void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
