@@ -447,13 +447,21 @@ at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int6
     const int64_t i = w / Hkv, j = w % Hkv, r = seq_of[i], lo = c * kKeyChunk;
     const int64_t hi = std::min<int64_t>(num_keys[w], lo + kKeyChunk);
     const int64_t first = lens[r] - (qslp[r + 1] - i) + 1 - num_keys[w];  // pos_i + 1 - its number of keys
+    // each key's row offset in the pools (block, head, slot), walked block by block: no division by the block size
+    // per key and row (K, V and their prefetches); engine decode steps at 1-16 sequences measured the same or ~5 %
+    // faster
     scratch.keys.resize(hi - lo);
-    for (int64_t p = lo; p < hi; ++p) scratch.keys[p - lo] = first + p;
+    const int64_t* table = tab + r * nb;
+    for (int64_t p = first + lo, n = 0; n < hi - lo;) {
+      const int64_t block = p / bs, slot = p % bs, run = std::min(bs - slot, hi - lo - n);
+      const int64_t base = ((table[block] * Hkv + j) * bs + slot) * D;
+      for (int64_t s = 0; s < run; ++s) scratch.keys[n + s] = base + s * D;
+      p += run, n += run;
+    }
     const float* qs[64];
     for (int64_t g = 0; g < G; ++g) qs[g] = qp + i * q_n + (j * G + g) * q_h;
-    const int64_t* table = tab + r * nb;
-    auto krow = [&](int64_t p) { return kp + ((table[p / bs] * Hkv + j) * bs + p % bs) * D; };  // block, head, slot
-    auto vrow = [&](int64_t p) { return vp + ((table[p / bs] * Hkv + j) * bs + p % bs) * D; };
+    auto krow = [&](int64_t offset) { return kp + offset; };
+    auto vrow = [&](int64_t offset) { return vp + offset; };
     const bool prefetch = qslp[r + 1] - qslp[r] == 1;  // a decode step's keys are cold; a prefill's, shared and hot
     attend_chunk<T>(qs, G, D, hi - lo, scratch.keys.data(), krow, vrow, scale, softcap, prefetch, scratch, m, l, o);
   };
