@@ -53,14 +53,16 @@ class WeightArena:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A new contiguous tensor of ``shape`` and ``dtype`` in the arena (zeros until written; ``torch.empty`` when
-        disabled): what the loader packs a weight into."""
+        disabled): what the loader packs a weight into. Raises ``OSError`` where the kernel refuses a new mapping (out
+        of memory)."""
         if not self.enabled:
             return torch.empty(shape, dtype=dtype)
         return self._take(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
     def adopt(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of ``t`` (CPU, any dtype and shape) in the arena, contiguous, or ``t`` itself when disabled or
-        not on the CPU. The caller drops ``t`` for the copy: its memory goes back to the allocator."""
+        not on the CPU. The caller drops ``t`` for the copy: its memory goes back to the allocator. Raises ``OSError``
+        as :meth:`empty`."""
         if not self.enabled or t.device.type != "cpu" or t.numel() == 0:
             return t
         return self.empty(tuple(t.shape), t.dtype).copy_(t)
