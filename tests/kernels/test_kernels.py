@@ -469,12 +469,13 @@ class DecoderInputs(NamedTuple):
         return self.x, self.weights, self.linears, self.eps, self.extras, self.layer_args, self.rope
 
 
-def _decoder_inputs(b: int, t: int, past: int, seed: int, variant: str = "llama") -> DecoderInputs:
-    """Random operands of two layers of ``decoder_layers``: C 64, H 4, Hkv 2, D 16, I 96, Q4_1 / Q8_0 / F16 / BF16
-    projections. ``variant``: ``llama`` (no extras); ``qwen``: layer 0 has the four biases and q/k norms (Qwen2,
+def _decoder_inputs(b: int, t: int, past: int, seed: int, variant: str = "llama", c: int = 64, inter: int = 96
+                    ) -> DecoderInputs:
+    """Random operands of two layers of ``decoder_layers``: C ``c`` (64), H 4, Hkv 2, D 16, I ``inter`` (96), Q4_1 /
+    Q8_0 / F16 / BF16 projections. ``variant``: ``llama`` (no extras); ``qwen``: layer 0 has the four biases and q/k norms (Qwen2,
     Qwen3), layer 1 a qkv bias only; ``gemma``: q/k norms and post-attention / post-feedforward norms on both layers,
     layer 0 full attention on RoPE table 1, layer 1 a 3-token window on table 2, GeGLU, scores capped at 2."""
-    c, h, h_kv, d, inter = 64, 4, 2, 16, 96
+    h, h_kv, d = 4, 2, 16
     g, g_extra = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
     weights, linears, eps, extras = [], [], [], []
     for layer in range(2):
@@ -598,6 +599,41 @@ def test_paged_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin(var
         with pytest.raises(RuntimeError, match="layer_args must be empty or 2 per layer"):
             OPS.paged_decoder_layers(*inputs._replace(layer_args=[1]).layers(), mine[0::2], mine[1::2], *meta,
                                      *inputs.heads)
+
+
+@needs_avx2
+@pytest.mark.parametrize("paged", [False, True])
+def test_decoder_layers_in_a_thread_team_is_one_threads(paged):
+    """A forward of at most 16 rows runs its layers in one thread team (team.h). With C 512 and I 1024 on 2 threads,
+    gate_up's and down's row groups and 400 keys' attention chunks go to the team's second thread; every output is
+    still one thread's sum in one order, so 2 threads give 1's bits. A bad operand raises out of the team."""
+    inputs = _decoder_inputs(2, 1, 400, seed=15, c=512, inter=1024)
+    h_kv = inputs.heads[1]
+    tables, qsl, seq_lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([0, 1, 2]), torch.tensor([401, 300])
+    slots = torch.tensor([400, 2 * 256 + 299])  # each sequence's last position, in blocks of 256
+
+    def forward(weights: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        caches = _clones(inputs.caches)
+        layers = inputs._replace(weights=weights).layers()
+        if not paged:
+            return OPS.decoder_layers(*layers, caches[0::2], caches[1::2], None, 400, *inputs.heads), caches
+        pools = [torch.randn(4, h_kv, 256, 16, generator=torch.Generator().manual_seed(16 + i)).half() for i in range(4)]
+        out = OPS.paged_decoder_layers(*layers, pools[0::2], pools[1::2], slots, tables, qsl, seq_lens, *inputs.heads)
+        return out, pools
+
+    threads, runs = torch.get_num_threads(), []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            runs.append(forward(inputs.weights))
+        with pytest.raises(RuntimeError, match="6 weights"):
+            forward(inputs.weights[:-1])
+        assert torch.equal(forward(inputs.weights)[0], runs[1][0])  # the team still works after the error
+    finally:
+        torch.set_num_threads(threads)
+    (one, one_caches), (two, two_caches) = runs
+    assert torch.equal(one, two) and all(torch.equal(a, b) for a, b in zip(one_caches, two_caches))
+    assert one.abs().max() > 0
 
 
 @pytest.mark.parametrize("vocab_size", [49_152, 1_003, 7])  # whole blocks of 256; a partial block and vector; one vector

@@ -81,7 +81,7 @@ SOURCES = (
     "attention.cpp", "rms_norm.cpp", "rope.cpp", "glu.cpp", "repack.cpp", "decoder.cpp",
     "softmax_draw.cpp", "moe.cpp", "linear_f64.cpp",
 )
-HEADERS = ("common.h", "vec_math.h", "aten_lite.h", "ops.h")
+HEADERS = ("common.h", "vec_math.h", "aten_lite.h", "ops.h", "team.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0, Q4_K, Q5_K, IQ4_XS = (
     reference.Q4, reference.Q8, reference.F16, reference.BF16, reference.Q6, reference.MIXED, reference.Q5, reference.IQ4,

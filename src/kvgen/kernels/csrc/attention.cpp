@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "aten_lite.h"
+#include "team.h"
 #include "vec_math.h"
 
 namespace kvgen {
@@ -260,9 +261,9 @@ void run_tasks(Partials& parts, int64_t num_pairs, RunChunk run_chunk, OutPtrs o
   // Few keys in all (a decode step over a short context): one thread, as waking the others costs more than it saves.
   // Else each thread claims the next task as it finishes one: a prefill's later queries see more keys, and equal
   // contiguous shares of the task list (parallel_for's split) left one thread with ~60 % of the work at 512 queries.
-  const int64_t num_workers = parts.total_keys < kMinParallelKeys ? 1 : std::min<int64_t>(num_tasks, at::get_num_threads());
+  const int64_t num_workers = parts.total_keys < kMinParallelKeys ? 1 : std::min<int64_t>(num_tasks, num_threads());
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::max<int64_t>(num_workers, 1), 1, [&](int64_t, int64_t) {
+  parallel_for(0, std::max<int64_t>(num_workers, 1), 1, [&](int64_t, int64_t) {
     Scratch scratch;
     float* os[64];
     int64_t w = 0;
@@ -273,7 +274,7 @@ void run_tasks(Partials& parts, int64_t num_pairs, RunChunk run_chunk, OutPtrs o
       run_chunk(w, task - parts.first[w], scratch, base, base + G, os);
     }
   });
-  at::parallel_for(0, num_pairs, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_pairs, 16, [&](int64_t begin, int64_t end) {
     float* os[64];
     for (int64_t w = begin; w < end; ++w) {
       out_ptrs(w, os);

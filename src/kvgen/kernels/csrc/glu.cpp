@@ -6,6 +6,7 @@
 //   gpt_oss_glu:   gpt-oss's clamped GLU (transformers GptOssExperts): (clamp(u, -7, 7) + 1) * g / (1 + exp(-1.702 g))
 //                  with g = min(gate, 7) (a NaN gate stays NaN, as torch.clamp leaves it).
 #include "aten_lite.h"
+#include "team.h"
 
 #include <cmath>
 
@@ -30,7 +31,7 @@ at::Tensor gated(const at::Tensor& gate_up_in, const char* name, Scaled scaled, 
   const float* gp = gu.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const __m256 one = _mm256_set1_ps(1.0f);
-  at::parallel_for(0, M, M * I < (1 << 15) ? M : 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, M, M * I < (1 << 15) ? M : 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* g = gp + m * 2 * I;
       for (int64_t i = 0; i < I; i += 8) {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "aten_lite.h"
+#include "team.h"
 #include "common.h"
 #include "ops.h"
 
@@ -101,7 +102,7 @@ at::Tensor quantize_rows(const at::Tensor& x) {
   const float* xp = x.data_ptr<float>();
   auto* qp = reinterpret_cast<BlockQ8A*>(q.data_ptr<uint8_t>());
   const int64_t grain = M * K < (1 << 16) ? M : std::max<int64_t>(1, (1 << 14) / K);
-  at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) quantize_row_q8a(xp + m * K, qp + m * nb, K);
   });
   return q;
@@ -141,7 +142,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   if (has_half_sums && static_cast<int64_t>(sums_buffer.size()) < M * nb) sums_buffer.resize(M * nb);
   int32_t* sums = sums_buffer.data();
   if (!is_f16) {
-    at::parallel_for(0, M, qgrain, [&](int64_t begin, int64_t end) {
+    parallel_for(0, M, qgrain, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
         quantize_row_q8a(xp + m * K, act + m * nb, K);
         if (has_half_sums) activation_half_sums(act + m * nb, nb, sums + m * nb);
@@ -155,7 +156,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   // DRAM, where one thread streams half of what two do: at 2,048 blocks the default model's o_proj (72 groups of
   // 18 blocks) ran on one thread, 22.6 us a call cold vs 15.9 split (30 layers: ~0.2 ms of a 5.7 ms step).
   const int64_t grain = std::max<int64_t>(1, 512 / (nb * std::max<int64_t>(1, std::min<int64_t>(M, 4))));
-  at::parallel_for(0, G, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, G, grain, [&](int64_t begin, int64_t end) {
     const BlockQ8A* a[kVnniQ4Rows];
     const int32_t* hs[kVnniQ4Rows];
     const float* xr[kVnniQ4Rows];
@@ -302,7 +303,7 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const 
   for (int64_t k = 0; k < n; ++k) {
     TORCH_CHECK(ip[k] >= 0 && ip[k] < num_rows, "kvgen.dequantize_rows: id ", ip[k], " out of range [0, ", num_rows, ")");
   }
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
       const int64_t g = ip[k] / kRows, r = ip[k] % kRows;
       float* dst = op + k * in_features;

@@ -4,6 +4,7 @@
 //                    (D % 8 == 0): each of the H query heads by q_weight [D], each of the Hkv key heads
 //                    by k_weight [D]; v is left alone (Qwen3's q_norm and k_norm, transformers Qwen3Attention).
 #include "aten_lite.h"
+#include "team.h"
 
 #include <cmath>
 
@@ -36,7 +37,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, M, M * C < (1 << 15) ? M : 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, M, M * C < (1 << 15) ? M : 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) norm_row(xp + m * C, wp, op + m * C, C, static_cast<float>(eps));
   });
   return out;
@@ -54,7 +55,7 @@ void rms_norm_heads_(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tens
   float* xp = qkv.data_ptr<float>();
   const float* qw = q_weight.data_ptr<float>();
   const float* kw = k_weight.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
         float* head = xp + n * W + h * D;

@@ -4,6 +4,7 @@
 // H + Hkv heads (q, then k) are rotated in their first R dimensions (pairs i, i + R/2; the other D - R pass
 // through: partial rotary, HF Phi3's apply_rotary_pos_emb); v is left alone.
 #include "aten_lite.h"
+#include "team.h"
 
 #include "vec_math.h"
 
@@ -20,7 +21,7 @@ void rope_qkv_(at::Tensor& qkv, const at::Tensor& cos_in, const at::Tensor& sin_
   float* xp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const float* cr = cp + n * R;
       const float* sr = sp + n * R;
