@@ -43,7 +43,8 @@ def token_loop(
     prompt_length = runner.sequences.shape[1]
     n = runner.sequences.shape[0]
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-    unfinished = torch.ones(n, dtype=torch.bool)
+    # rows still running, kept as a list: the per-row bookkeeping is Python, not a dozen small tensor ops a step
+    unfinished = [True] * n
     reasons: list[str | None] = [None] * n
     num_new = [0] * n
     all_scores: list[torch.Tensor] = []
@@ -55,17 +56,19 @@ def token_loop(
             all_scores.append(scores)
         if cfg.output_logits:
             all_logits.append(raw)
-        next_tokens = torch.where(unfinished, choose(scores), pad)  # [N]
+        next_tokens = choose(scores)  # [N]
+        if not all(unfinished):  # finished rows emit the pad token
+            next_tokens = torch.where(torch.tensor(unfinished), next_tokens, pad)
         runner.append(next_tokens)
         if ctx.streamer is not None:
             ctx.streamer.put(next_tokens)
-        for i in unfinished.nonzero().flatten().tolist():
-            num_new[i] = step + 1
-        codes = torch.where(unfinished, ctx.stopper.check(runner.sequences), 0)  # [N]
-        for i in codes.nonzero().flatten().tolist():
-            reasons[i] = PRIORITY[int(codes[i]) - 1].value
-        unfinished &= codes == 0
-        if not bool(unfinished.any()):
+        codes = ctx.stopper.check_rows(runner.sequences)
+        for i in range(n):
+            if unfinished[i]:
+                num_new[i] = step + 1
+                if codes[i]:
+                    reasons[i], unfinished[i] = PRIORITY[codes[i] - 1].value, False
+        if not any(unfinished):
             break
     if ctx.streamer is not None:
         ctx.streamer.end()

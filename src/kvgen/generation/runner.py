@@ -78,6 +78,7 @@ class StepRunner:
         self.decode_s = 0.0
         self.num_steps = 0
         self.recorder = recorder
+        self._ones_column: torch.Tensor | None = None  # [B, 1] ones: the mask column append() adds
         self.prefill_chunk_size = prefill_chunk_size if cache is not None else None
 
     @torch.inference_mode()
@@ -147,9 +148,9 @@ class StepRunner:
     def append(self, next_tokens: torch.Tensor) -> None:
         """Append one column ``next_tokens [B]`` int64 (the mask grows by ones, as HF)."""
         self.sequences = torch.cat([self.sequences, next_tokens[:, None]], dim=1)  # [B, S+1]
-        self.attention_mask = torch.cat(
-            [self.attention_mask, self.attention_mask.new_ones(self.attention_mask.shape[0], 1)], dim=1
-        )  # [B, S+1]
+        if self._ones_column is None or self._ones_column.shape[0] != self.attention_mask.shape[0]:
+            self._ones_column = self.attention_mask.new_ones(self.attention_mask.shape[0], 1)  # [B, 1]
+        self.attention_mask = torch.cat([self.attention_mask, self._ones_column], dim=1)  # [B, S+1]
 
     def append_columns(self, tokens: torch.Tensor) -> None:
         """Append ``tokens [B, k]`` int64 as k columns (speculative tokens to verify in one forward)."""

@@ -189,18 +189,24 @@ class StopChecker:
 
         Priority: EOS / stop token ids, stop strings, time, length (``PRIORITY``).
         """
-        num_rows, num_new = sequences.shape[0], sequences.shape[1] - self.prompt_length
-        codes = torch.zeros(num_rows, dtype=torch.long)  # [N]
+        return torch.tensor(self.check_rows(sequences), dtype=torch.long)  # [N]
+
+    def check_rows(self, sequences: torch.Tensor) -> list[int]:
+        """``check`` as a list of N codes. The rows are judged in Python on the last column (and, with stop strings,
+        the new ids): a decode step then reads one tensor instead of running a dozen small ops, each slow just after
+        the forward has streamed the weights through the caches."""
+        num_new = sequences.shape[1] - self.prompt_length
         stop_ids = self.tokens.eos_token_ids + self.tokens.stop_token_ids
+        codes = [0] * sequences.shape[0]
         if stop_ids and num_new >= max(self.tokens.min_new_tokens, 1):
-            codes[torch.isin(sequences[:, -1], torch.tensor(stop_ids))] = code_of(FinishReason.STOP)
+            codes = [code_of(FinishReason.STOP) if token in stop_ids else 0 for token in sequences[:, -1].tolist()]
         if self.stop_strings is not None and self.decode is not None:
             generated = sequences[:, self.prompt_length :].tolist()  # N lists of new ids
-            hit = torch.tensor(self.stop_strings.rows_hit(generated, self.decode), dtype=torch.bool)  # [N]
-            codes[hit & (codes == 0)] = code_of(FinishReason.STOP_STRING)
+            hits = self.stop_strings.rows_hit(generated, self.decode)
+            codes = [code or (code_of(FinishReason.STOP_STRING) if hit else 0) for code, hit in zip(codes, hits)]
         if self.max_time is not None and self.clock() - (self.start_time or 0.0) > self.max_time:
-            codes[codes == 0] = code_of(FinishReason.TIME)
+            codes = [code or code_of(FinishReason.TIME) for code in codes]
         limit = self.tokens.max_new_tokens
         if limit is not None and num_new >= limit:
-            codes[codes == 0] = code_of(FinishReason.LENGTH)
+            codes = [code or code_of(FinishReason.LENGTH) for code in codes]
         return codes
