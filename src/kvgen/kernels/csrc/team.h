@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstdint>
 #include <exception>
+#include <thread>
 
 #include "aten_lite.h"
 
@@ -77,7 +78,7 @@ class Team {
     }
     busy_ = false;
     for (int t = 1; t < size_; ++t) {  // every thread acknowledges every job before the next overwrites it
-      while (slots_[t].done.load(std::memory_order_acquire) != epoch) _mm_pause();
+      for (uint32_t spins = 0; slots_[t].done.load(std::memory_order_acquire) != epoch;) pause(spins);
       if (slots_[t].error && !error) error = slots_[t].error;
       slots_[t].error = nullptr;
     }
@@ -86,6 +87,14 @@ class Team {
 
  private:
   static constexpr int kMaxThreads = 64;
+  // A wait spins (the other thread is a few microseconds away), and past 2^14 pauses (a few hundred microseconds) also yields the core:
+  // with more runnable threads than cores (a server's event loop, a client beside it) the thread waited for may be
+  // the one descheduled.
+  static void pause(uint32_t& spins) {
+    _mm_pause();
+    if (++spins >= (1u << 14)) std::this_thread::yield();
+  }
+
   struct alignas(64) Slot {
     std::atomic<uint64_t> done{0};
     std::exception_ptr error;
@@ -96,7 +105,7 @@ class Team {
     uint64_t seen = 0;
     for (;;) {
       uint64_t epoch;
-      while ((epoch = epoch_.load(std::memory_order_acquire)) == seen) _mm_pause();
+      for (uint32_t spins = 0; (epoch = epoch_.load(std::memory_order_acquire)) == seen;) pause(spins);
       seen = epoch;
       if (exit_) return;
       const int64_t b = begin_ + tid * chunk_;
