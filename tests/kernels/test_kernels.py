@@ -605,9 +605,10 @@ def test_paged_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin(var
 @pytest.mark.parametrize("paged", [False, True])
 def test_decoder_layers_in_a_thread_team_is_one_threads(paged):
     """A forward of at most 16 rows runs its layers in one thread team (team.h). With C 512 and I 1024 on 2 threads,
-    gate_up's and down's row groups and 400 keys' attention chunks go to the team's second thread; every output is
-    still one thread's sum in one order, so 2 threads give 1's bits. A bad operand raises out of the team."""
-    inputs = _decoder_inputs(2, 1, 400, seed=15, c=512, inter=1024)
+    gate_up's and down's row groups, 400 keys' attention chunks and (static: 6 rows) the activation rows' quantization
+    go to the team's second thread; every output is still one thread's sum in one order, so 2 threads give 1's bits.
+    A bad operand raises out of the team."""
+    inputs = _decoder_inputs(2 if paged else 6, 1, 400, seed=15, c=512, inter=1024)
     h_kv = inputs.heads[1]
     tables, qsl, seq_lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([0, 1, 2]), torch.tensor([401, 300])
     slots = torch.tensor([400, 2 * 256 + 299])  # each sequence's last position, in blocks of 256
