@@ -12,6 +12,7 @@ Source: vLLM v1 ``GPUModelRunner.execute_model`` (shape of the step), nano-vllm.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -57,7 +58,7 @@ def pack_step(scheduled: Sequence[ScheduledRequest], block_size: int) -> PackedS
     positions = [p for s in order for p in range(s.start_position, s.start_position + len(s.token_ids))]
     query_lens = [len(s.token_ids) for s in order]
     meta = PagedAttentionMetadata.build(query_lens, [s.start_position for s in order], [s.block_table for s in order], block_size)
-    last = (meta.query_start_loc[1:] - 1).tolist()  # index of each chunk's last token
+    last = list(itertools.accumulate(query_lens, initial=-1))[1:]  # index of each chunk's last token
     sample_requests = [s for s in order if s.needs_sample]
     rows = [r for i, s in zip(last, order) if s.needs_sample for r in range(i - len(s.spec_token_ids), i + 1)]
     sample_rows = torch.tensor(rows, dtype=torch.long)  # [R]

@@ -19,6 +19,7 @@ Model Serving with PagedAttention" (vLLM); the decode-first packing as vLLM v1.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -120,9 +121,10 @@ class PagedAttentionMetadata:
         tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
         tables = tables.view(len(block_tables), max_blocks)  # [R, nb_max]
         lens = torch.tensor(seq_lens, dtype=torch.long)  # [R]
-        qsl = torch.tensor([0] + query_lens, dtype=torch.long).cumsum(0)  # [R+1]
+        starts = list(itertools.accumulate(query_lens, initial=0))  # each sequence's first packed token, then N
+        qsl = torch.tensor(starts, dtype=torch.long)  # [R+1]
         prefills = [
-            _prefill_chunk(int(qsl[i]), query_lens[i], start_positions[i], block_tables[i], block_size)
+            _prefill_chunk(starts[i], query_lens[i], start_positions[i], block_tables[i], block_size)
             for i in range(num_decodes, len(query_lens))
         ]
         slot_mapping = torch.tensor(slots, dtype=torch.long)  # [N]
