@@ -606,8 +606,9 @@ def test_paged_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin(var
 def test_decoder_layers_in_a_thread_team_is_one_threads(paged):
     """A forward of at most 16 rows runs its layers in one thread team (team.h). With C 512 and I 1024 on 2 threads,
     gate_up's and down's row groups, 400 keys' attention chunks and (static: 6 rows) the activation rows' quantization
-    go to the team's second thread; every output is still one thread's sum in one order, so 2 threads give 1's bits.
-    A bad operand raises out of the team."""
+    go to the team's second thread; every output is still one thread's sum in one order, so 2 threads (and 3: a team
+    of 3, or with more threads than CPUs one OpenMP region per op) give 1's bits. A bad operand raises out of the
+    team."""
     inputs = _decoder_inputs(2 if paged else 6, 1, 400, seed=15, c=512, inter=1024)
     h_kv = inputs.heads[1]
     tables, qsl, seq_lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([0, 1, 2]), torch.tensor([401, 300])
@@ -624,16 +625,18 @@ def test_decoder_layers_in_a_thread_team_is_one_threads(paged):
 
     threads, runs = torch.get_num_threads(), []
     try:
-        for n in (1, 2):
+        for n in (1, 2, 3):  # 3: a team of 3, or (more threads than CPUs) one OpenMP region per op
             torch.set_num_threads(n)
             runs.append(forward(inputs.weights))
+        torch.set_num_threads(2)
         with pytest.raises(RuntimeError, match="6 weights"):
             forward(inputs.weights[:-1])
         assert torch.equal(forward(inputs.weights)[0], runs[1][0])  # the team still works after the error
     finally:
         torch.set_num_threads(threads)
-    (one, one_caches), (two, two_caches) = runs
-    assert torch.equal(one, two) and all(torch.equal(a, b) for a, b in zip(one_caches, two_caches))
+    (one, one_caches), *more = runs
+    for out, caches in more:
+        assert torch.equal(one, out) and all(torch.equal(a, b) for a, b in zip(one_caches, caches))
     assert one.abs().max() > 0
 
 
