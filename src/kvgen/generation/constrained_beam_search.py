@@ -170,7 +170,7 @@ def _add_open_beams(search: Search, runner: StepRunner, beam_scores: torch.Tenso
     """Offer the open beams of every prompt not done to its hypotheses (transformers' ``finalize``)."""
     nb, n_return = search.num_beams, ctx.config.num_return_sequences
     seqs = runner.sequences.tolist()
-    codes = ctx.stopper.check(runner.sequences).tolist()  # [B*nb] finish codes
+    codes = ctx.stopper.check_rows(runner.sequences)  # [B*nb] finish codes
     for i, hyps in enumerate(search.hyps):
         if search.done[i]:
             continue

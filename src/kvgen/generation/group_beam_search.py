@@ -201,7 +201,7 @@ def _choose_beams(
 
 def _row_reasons(runner: StepRunner, ctx: LoopContext) -> list[str | None]:
     """Per beam row, why it would stop now (HF stops group beam search only when every row would)."""
-    codes = ctx.stopper.check(runner.sequences).tolist()  # [B*nb] finish codes
+    codes = ctx.stopper.check_rows(runner.sequences)  # [B*nb] finish codes
     return [r.value if (r := reason_of(c)) is not None else None for c in codes]
 
 

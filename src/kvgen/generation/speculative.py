@@ -85,7 +85,7 @@ def speculative_loop(runner: StepRunner, ctx: LoopContext, drafter: Drafter) -> 
         kept: list[int] = []  # the accepted drafts and the choice after them, up to the first stop
         for token in chosen[: num_accepted + 1]:
             kept.append(token)
-            code = int(ctx.stopper.check(torch.cat([runner.sequences[:, :length], torch.tensor([kept])], 1))[0])
+            code = ctx.stopper.check_rows(torch.cat([runner.sequences[:, :length], torch.tensor([kept])], 1))[0]
             if code:
                 break
         runner.keep_columns(length + min(len(kept), num_accepted))  # kept drafts stay in the cache
