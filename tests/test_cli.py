@@ -72,17 +72,19 @@ def test_prompt_option_and_file_are_the_positional_prompt(capsys, tiny_model_dir
 
 
 def test_llama_cpp_flag_names_mean_the_same_settings(capsys, tiny_model_dir):
-    """-m, -t, -n / --n-predict, --temp, --repeat-penalty and -s (llama-cli's names) give the same sampled tokens as
-    --model, --threads, --max-new-tokens, --temperature, --repetition-penalty and --seed; another seed differs."""
+    """-m, -t, -n / --n-predict, --temp, --repeat-penalty and -s (llama-cli's names) and --max-tokens (vLLM's) give the
+    same sampled tokens as --model, --threads, --max-new-tokens, --temperature, --repetition-penalty and --seed;
+    another seed differs."""
     long = ["--model", str(tiny_model_dir), "--threads", "1", "--max-new-tokens", "9", "--temperature", "1.5",
             "--repetition-penalty", "1.3", "--seed", "11", "--do-sample"]
     short = ["-m", str(tiny_model_dir), "-t", "1", "-n", "9", "--temp", "1.5", "--repeat-penalty", "1.3", "-s", "11",
              "--do-sample"]
     runs = [_run(capsys, ["generate", "The sky is", "--json", *flags]) for flags in
-            (long, short, [*short[:4], "--n-predict", "9", *short[6:]], [*short[:-2], "12", "--do-sample"])]
-    assert [code for code, _, _ in runs] == [0, 0, 0, 0]
+            (long, short, [*short[:4], "--n-predict", "9", *short[6:]], [*short[:-2], "12", "--do-sample"],
+             [*short[:4], "--max-tokens", "9", *short[6:]])]
+    assert [code for code, _, _ in runs] == [0, 0, 0, 0, 0]
     ids = [json.loads(out)["token_ids"] for _, out, _ in runs]
-    assert len(ids[0]) == 9 and ids[1] == ids[0] and ids[2] == ids[0]
+    assert len(ids[0]) == 9 and ids[1] == ids[0] and ids[2] == ids[0] and ids[4] == ids[0]
     assert ids[3] != ids[0]  # -s reached the seed
 
 

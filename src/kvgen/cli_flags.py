@@ -12,8 +12,9 @@ from typing import Any, NoReturn
 # Fields with a hand-written flag (or none) in `kvgen generate`.
 _CUSTOM_GENERATE_FIELDS = {"use_cache", "cache_implementation", "return_dict_in_generate", "stop_strings", "constraints",
                            "low_memory", "output_hidden_states", "output_attentions", "disable_compile"}
-# llama.cpp's names of the same settings (llama-cli -n, --temp, --repeat-penalty, -s), accepted as well
-_LLAMA_CPP_ALIASES = {"max_new_tokens": ("-n", "--n-predict"), "temperature": ("--temp",),
+# llama.cpp's names of the same settings (llama-cli -n, --temp, --repeat-penalty, -s) and vLLM's / OpenAI's
+# max_tokens, accepted as well
+_ALIASES = {"max_new_tokens": ("-n", "--n-predict", "--max-tokens"), "temperature": ("--temp",),
                       "repetition_penalty": ("--repeat-penalty",), "seed": ("-s",)}
 _CLI_DEFAULTS = {"max_new_tokens": 64}
 CHAT_DEFAULTS = {"max_new_tokens": 256}
@@ -118,7 +119,7 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
             continue
         kwargs = {"dest": f.name, "default": None, "help": f.metadata.get("help", "")}
         kwargs.update(_flag_kwargs(f.name, str(f.type)))
-        group.add_argument("--" + f.name.replace("_", "-"), *_LLAMA_CPP_ALIASES.get(f.name, ()), **kwargs)
+        group.add_argument("--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, ()), **kwargs)
     group.add_argument("--stop", dest="stop_strings", action="append", default=None, help="stop string (repeatable)")
     cache = group.add_mutually_exclusive_group()
     cache.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (slow path)")
