@@ -56,7 +56,8 @@ def reference(model_tok, prompts):
 
 def _llm(model_tok, **engine_args) -> LLM:
     model, tok = model_tok
-    return LLM(model, tok, **{"num_blocks": 256, **engine_args})
+    # 16-token blocks (vLLM's GPU size): the 20-token preamble fills a block (prefix-cache hits) and small pools preempt
+    return LLM(model, tok, **{"num_blocks": 256, "block_size": 16, **engine_args})
 
 
 @pytest.mark.parametrize(
@@ -121,7 +122,7 @@ def test_quantized_default_path_engine_is_token_identical_to_generate_alone(ours
     prompts = prompts[::2]
     config = GenerationConfig(max_new_tokens=12)
     alone = [generate(model, torch.tensor([p]), None, config).new_token_ids[0] for p in prompts]
-    llm = LLM(model, tok, **{"num_blocks": 256, **engine_args})
+    llm = LLM(model, tok, **{"num_blocks": 256, "block_size": 16, **engine_args})  # 12 blocks of 16 preempt
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == alone
@@ -165,7 +166,7 @@ def test_n_completions_share_the_prompt_and_match_their_seeds(model_tok):
     model, tok = model_tok
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6)
     prompt = PREAMBLE + TEXTS[1]
-    engine = LLMEngine(model, tok, EngineArgs(num_blocks=128))
+    engine = LLMEngine(model, tok, EngineArgs(num_blocks=128, block_size=16))  # the prompt fills a 16-token block
     engine.add_request("p", prompt, params)
     engine.step()
     engine.step()  # the children after the first wait one step for its prompt blocks, then share them

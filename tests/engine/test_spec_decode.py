@@ -165,7 +165,8 @@ REPEATING = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38] * 4  # a prompt the tiny mod
 
 def _generate(model_tok, params, spec=None, prompts=None, **engine_args):
     model, tok = model_tok
-    llm = LLM(model, tok, speculative_config=spec, **{"num_blocks": 256, **engine_args})
+    # 16-token blocks (vLLM's GPU size): the small pools below preempt at these prompt lengths
+    llm = LLM(model, tok, speculative_config=spec, **{"num_blocks": 256, "block_size": 16, **engine_args})
     prompts = prompts or [{"prompt_token_ids": REPEATING}, {"prompt_token_ids": REPEATING[3:27]}, "Hello there, hello there,"]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return outputs, llm.llm_engine.scheduler

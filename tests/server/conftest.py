@@ -96,8 +96,10 @@ def tiny_tokenizer(tiny_model_dir: Path):
 
 @pytest.fixture(scope="session")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """The shared tiny-model server (64 running sequences, a 2048-token context)."""
-    live = start_server(tiny_model_dir, tmp_path_factory.mktemp("logs") / "server.log", "--num-blocks", "2048")
+    """The shared tiny-model server (64 running sequences, a 2048-token context, 16-token blocks so that the short
+    prompts of the tests fill blocks the prefix cache serves)."""
+    live = start_server(tiny_model_dir, tmp_path_factory.mktemp("logs") / "server.log", "--num-blocks", "2048",
+                        "--block-size", "16")
     yield live
     assert live.stop() == 0, live.log()[-3000:]
 

@@ -23,7 +23,13 @@ from collections.abc import Sequence
 
 from kvgen.engine.request import Request
 
-DEFAULT_BLOCK_SIZE = 16  # tokens per block, as vLLM
+# Tokens per block: 128, as vLLM's CPU backend with intel_extension_for_pytorch's kernels (16 elsewhere). A head's
+# rows of a block are one contiguous run, and once finished requests have left a pool's free blocks in no order, a
+# sequence's blocks are scattered through it: decode steps of the default model measured 1.08x (1 sequence, 3,000
+# tokens of context) to 1.2x (16 sequences, 1,024 tokens) faster at 128 than at 16, and a served workload 1.07x more
+# tokens/s at 4 and 16 requests in flight. A prefix-cache hit is reused in whole blocks, so up to 127 prompt tokens
+# are recomputed.
+DEFAULT_BLOCK_SIZE = 128
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:

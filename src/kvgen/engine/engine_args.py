@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvgen.engine.block_manager import DEFAULT_BLOCK_SIZE
 from kvgen.engine.generation_defaults import GENERATION_CONFIG_MODES, parse_override
 from kvgen.engine.pooling import check_pooling_type
 from kvgen.engine.scheduler import SchedulingPolicy
@@ -34,7 +35,7 @@ class EngineArgs:
     dtype: str = _f("auto", "weights: auto (a quantized GGUF runs from its blocks, fp16 KV cache), float32, bfloat16 or float16")
     quantization: str | None = _f(None, "encode a checkpoint's float matrices at load for the kernels: q8_0, q5_1, "
                                         "q5_0, q4_1 or q4_0 (llama.cpp's types; dtype auto only)")
-    block_size: int = _f(16, "tokens per KV-cache block")
+    block_size: int = _f(DEFAULT_BLOCK_SIZE, "tokens per KV-cache block")
     num_blocks: int | None = _f(None, "KV-cache blocks in the pool (vLLM num_gpu_blocks); exclusive with kv_cache_memory")
     kv_cache_memory: int | None = _f(None, "KV-cache pool size in bytes (default 1 GiB when num_blocks is unset)")
     max_num_seqs: int = _f(64, "most requests running in one step")

@@ -179,7 +179,7 @@ class PagedKVCache:
     def from_config(
         cls,
         config: ModelConfig,
-        block_size: int = 16,
+        block_size: int,
         num_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         dtype: torch.dtype = torch.float32,
