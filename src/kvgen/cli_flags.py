@@ -15,7 +15,7 @@ _CUSTOM_GENERATE_FIELDS = {"use_cache", "cache_implementation", "return_dict_in_
 # llama.cpp's names of the same settings (llama-cli -n, --temp, --repeat-penalty, -s) and vLLM's / OpenAI's
 # max_tokens, accepted as well
 _ALIASES = {"max_new_tokens": ("-n", "--n-predict", "--max-tokens"), "temperature": ("--temp",),
-                      "repetition_penalty": ("--repeat-penalty",), "seed": ("-s",)}
+            "repetition_penalty": ("--repeat-penalty",), "seed": ("-s",)}
 _CLI_DEFAULTS = {"max_new_tokens": 64}
 CHAT_DEFAULTS = {"max_new_tokens": 256}
 DEFAULT_PROMPT = "The three most useful things to know about the KV cache are"
