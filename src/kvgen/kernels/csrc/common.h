@@ -181,11 +181,6 @@ void quantize_row_q8a(const float* x, BlockQ8A* y, int64_t K);
 // out[m] points at 8 floats (the group's columns of output row m).
 void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q40_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
-// Two adjacent Q4 (has_min) or Q4_0 groups at once, VNNI only, mt 1-4: out[m] holds 16 floats (the two groups'
-// columns of output row m), w the first group's records (the second's follow them). Each activation broadcast
-// serves 16 weight rows and the running sums double: qgemm 3072 x 768 at M = 2 279-315 -> 333-365 GOPS, at M = 4
-// 374-424 -> 442-478 (at M = 1, bound by DRAM, qgemm keeps one group a call).
-void q4_pair_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out, bool has_min);
 // Q4_K groups: nb a multiple of 8 (whole super-block records).
 void q4k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q8_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);

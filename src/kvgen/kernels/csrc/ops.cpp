@@ -169,17 +169,6 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
       while (g >= segs[si].g1) ++si;  // groups ascend: the segment holding g
       const Segment& seg = segs[si];
       const uint8_t* wg = seg.base + (g - seg.g0) * nb * seg.rec;
-      // Q4 / Q4_0 on VNNI at M = 2-4 (a small batch's decode): two groups a call (q4_pair_group, common.h)
-      if (M >= 2 && M <= 4 && g + 1 < std::min(end, seg.g1) && use_vnni() &&
-          (seg.weight_type == kQ4 || seg.weight_type == kQ40)) {
-        for (int i = 0; i < M; ++i) {
-          a[i] = act + i * nb;
-          o[i] = op + i * n_pad + g * kRows;
-        }
-        q4_pair_group(wg, a, static_cast<int>(M), nb, o, seg.weight_type == kQ4);
-        ++g;
-        continue;
-      }
       // activation rows a tile takes: 4, or kVnniQ4Rows for the Q4 / Q4_0 VNNI tiles (common.h)
       const int64_t rows = use_vnni() && (seg.weight_type == kQ4 || seg.weight_type == kQ40) ? kVnniQ4Rows : 4;
       for (int64_t m0 = 0; m0 < M; m0 += rows) {

@@ -44,46 +44,37 @@ inline void nibble_sums(const uint8_t* qs, const BlockQ8A* const* a, int64_t b, 
   }
 }
 
-// MT activation rows against NG adjacent groups' nb Q4 (HasMin) or Q4_0 records (group j's at w + j nb records):
-// dots(qs, b, dot) gives dot[j][m], row m's int32 dot with group j's nibbles at qs[j] for activation block b, then per
-// group acc += dot * d_w * d_a + m_w * s_a, and out[m] + 8 j gets group j's columns of row m. Always inlined, so a
-// VNNI tile (KVGEN_VNNI_BEGIN) gets the loop in its own body with its dots inlined.
-template <int MT, bool HasMin, int NG, class Dots>
+// MT activation rows against one group's nb Q4 (HasMin) or Q4_0 records: dots(qs, b, dot) gives dot[m], row m's int32
+// dot with the nibbles at qs for activation block b, then acc += dot * d_w * d_a + m_w * s_a, and out[m] gets the
+// group's 8 columns of row m. Always inlined, so a VNNI tile (KVGEN_VNNI_BEGIN) gets the loop in its own body with
+// its dots inlined. One group a call at every M: a two-group tile (each activation broadcast serving 16 rows) ran
+// 3072 x 768 faster with the weights in cache, but decode steps of 2 / 4 sequences, weights from DRAM, 1.3 / 1.1x
+// slower than this one.
+template <int MT, bool HasMin, class Dots>
 __attribute__((always_inline)) inline void q4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb,
                                                    float* const* out, Dots dots) {
   constexpr int64_t kRecord = HasMin ? kQ4Record : kQ40Record, kQs = HasMin ? 32 : 16;  // record size, nibbles' offset
-  __m256 acc[NG][MT];
-  for (int j = 0; j < NG; ++j)
-    for (int m = 0; m < MT; ++m) acc[j][m] = _mm256_setzero_ps();
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += kRecord) {
-    const uint8_t* qs[NG];
-    for (int j = 0; j < NG; ++j) {
-      const uint8_t* r = w + j * nb * kRecord;
-      // ~5 KB ahead: enough records in flight to cover DRAM latency (measured: 8 ahead left half
-      // the bandwidth unused on cold weights)
-      const char* ahead = reinterpret_cast<const char*>(r) + kPrefetchRecords * kRecord;
-      _mm_prefetch(ahead, _MM_HINT_T0);
-      _mm_prefetch(ahead + 64, _MM_HINT_T0);
-      _mm_prefetch(ahead + 128, _MM_HINT_T0);
-      qs[j] = r + kQs;
-    }
-    __m256i dot[NG][MT];
-    dots(qs, b, dot);
-    for (int j = 0; j < NG; ++j) {
-      const uint8_t* r = qs[j] - kQs;
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r)));
-      // Q4_0: m = -8 d, the value the Q4 record stored (exact: a power of two times an fp16)
-      const __m256 mw = HasMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 16)))
-                               : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
-      for (int m = 0; m < MT; ++m) {
-        acc[j][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[j][m]), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)),
-                                    acc[j][m]);
-        acc[j][m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a[m][b].s), acc[j][m]);
-      }
+    // ~5 KB ahead: enough records in flight to cover DRAM latency (measured: 8 ahead left half
+    // the bandwidth unused on cold weights)
+    const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchRecords * kRecord;
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    _mm_prefetch(ahead + 128, _MM_HINT_T0);
+    __m256i dot[MT];
+    dots(w + kQs, b, dot);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    // Q4_0: m = -8 d, the value the Q4 record stored (exact: a power of two times an fp16)
+    const __m256 mw = HasMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)))
+                             : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
+    for (int m = 0; m < MT; ++m) {
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
+      acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a[m][b].s), acc[m]);
     }
   }
-  for (int j = 0; j < NG; ++j)
-    for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m] + kRows * j, acc[j][m]);
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
 }
 
 // The int32 dots of the nibbles at qs with activation block b: nibble_sums, then one madd per row.
@@ -123,40 +114,8 @@ inline void nibble_dots_vnni(const uint8_t* qs, const BlockQ8A* const* a, int64_
 
 template <int MT, bool HasMin>
 void q4_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
-  q4_tile<MT, HasMin, 1>(w, a, nb, out, [a](const uint8_t* const* qs, int64_t b, __m256i (*dot)[MT]) {
-    nibble_dots_vnni<MT>(qs[0], a, b, dot[0]);
-  });
-}
-
-// nibble_dots_vnni of two groups' nibbles (qs[0], qs[1]) at once: each activation broadcast serves both groups' 16
-// rows, and the 2 MT running sums are independent chains. The same int32 dots, so a pair tile's outputs are those
-// of two single-group tiles.
-template <int MT>
-inline void nibble_dots_pair_vnni(const uint8_t* const* qs, const BlockQ8A* const* a, int64_t b, __m256i (*dot)[MT]) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  for (int j = 0; j < 2; ++j)
-    for (int m = 0; m < MT; ++m) dot[j][m] = _mm256_setzero_si256();
-  for (int t = 0; t < 4; ++t) {
-    __m256i lo[2], hi[2];
-    for (int j = 0; j < 2; ++j) {
-      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs[j] + 32 * t));
-      lo[j] = _mm256_and_si256(p, low4);
-      hi[j] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
-    }
-    for (int m = 0; m < MT; ++m) {
-      const __m256i al = bcast4(a[m][b].qs + 4 * t), ah = bcast4(a[m][b].qs + 16 + 4 * t);
-      for (int j = 0; j < 2; ++j) {
-        dot[j][m] = _mm256_dpbusd_epi32(dot[j][m], lo[j], al);
-        dot[j][m] = _mm256_dpbusd_epi32(dot[j][m], hi[j], ah);
-      }
-    }
-  }
-}
-
-template <int MT, bool HasMin>
-void q4_pair_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
-  q4_tile<MT, HasMin, 2>(w, a, nb, out, [a](const uint8_t* const* qs, int64_t b, __m256i (*dot)[MT]) {
-    nibble_dots_pair_vnni<MT>(qs, a, b, dot);
+  q4_tile<MT, HasMin>(w, a, nb, out, [a](const uint8_t* qs, int64_t b, __m256i* dot) {
+    nibble_dots_vnni<MT>(qs, a, b, dot);
   });
 }
 
@@ -188,8 +147,8 @@ void group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float
     return tile_rows(mt, [&](auto MT) { q4_tile_vnni<MT, HasMin>(w, a, nb, out); });
   }
   tile_rows(mt, [&](auto MT) {
-    q4_tile<MT, HasMin, 1>(w, a, nb, out, [a](const uint8_t* const* qs, int64_t b, auto dot) {
-      nibble_dots<decltype(MT)::value>(qs[0], a, b, dot[0]);
+    q4_tile<MT, HasMin>(w, a, nb, out, [a](const uint8_t* qs, int64_t b, __m256i* dot) {
+      nibble_dots<decltype(MT)::value>(qs, a, b, dot);
     });
   });
 }
@@ -199,19 +158,6 @@ void group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float
 void q4k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
   if (use_vnni()) return tile_rows(mt, [&](auto MT) { q4k_tile_vnni<MT>(w, a, nb, out); });
   tile_rows(mt, [&](auto MT) { q4k_tile<MT>(w, a, nb, out); });
-}
-
-void q4_pair_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out, bool has_min) {
-  switch (mt * 2 + has_min) {
-    case 2: return q4_pair_tile_vnni<1, false>(w, a, nb, out);
-    case 3: return q4_pair_tile_vnni<1, true>(w, a, nb, out);
-    case 4: return q4_pair_tile_vnni<2, false>(w, a, nb, out);
-    case 5: return q4_pair_tile_vnni<2, true>(w, a, nb, out);
-    case 6: return q4_pair_tile_vnni<3, false>(w, a, nb, out);
-    case 7: return q4_pair_tile_vnni<3, true>(w, a, nb, out);
-    case 8: return q4_pair_tile_vnni<4, false>(w, a, nb, out);
-    default: return q4_pair_tile_vnni<4, true>(w, a, nb, out);
-  }
 }
 
 void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
