@@ -23,7 +23,8 @@ def _sinks(h: int, seed: int) -> torch.Tensor:
     return torch.randn(h, generator=torch.Generator().manual_seed(seed)) * 2 + 6
 
 
-@pytest.mark.parametrize("t,s,window", [(1, 40, 0), (7, 20, 0), (5, 600, 0), (6, 30, 8), (1, 300, 128)])
+@pytest.mark.parametrize("t,s,window", [(1, 40, 0), (7, 20, 0), (5, 600, 0), (6, 30, 8), (1, 300, 128),
+                                            (20, 600, 0), (20, 300, 128)])  # 20 queries: a task a (query, KV head) pair
 def test_attention_with_sinks_matches_its_twin_and_float64(t, s, window):
     """Decodes and prefills, keys over three 256-key chunks, sliding windows (gpt-oss: 128); left padding in the
     second row: the op equals its twin, which equals float64 attention with sinks; without the sinks, or with the

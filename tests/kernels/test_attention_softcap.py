@@ -16,7 +16,7 @@ REF = K.reference_ops()
 SCALE, CAP = 0.5, 2.0  # scores of random unit vectors of 16 reach ~8: the cap changes them
 
 
-@pytest.mark.parametrize("t,s,window", [(1, 40, 0), (7, 20, 0), (5, 300, 0), (6, 30, 8)])
+@pytest.mark.parametrize("t,s,window", [(1, 40, 0), (7, 20, 0), (5, 300, 0), (6, 30, 8), (20, 300, 0)])
 def test_capped_attention_matches_its_twin_and_float64(t, s, window):
     """Decodes and prefills, keys over two 256-key chunks, a sliding window; left padding in the second row: the op
     equals its twin, which equals float64 capped attention, and leaving the cap off moves the output far more."""

@@ -14,7 +14,7 @@ OPS = K.get_ops()
 REF = K.reference_ops()
 
 
-@pytest.mark.parametrize("t,s,window", [(1, 40, 6), (7, 20, 6), (5, 300, 260), (4, 9, 16)])
+@pytest.mark.parametrize("t,s,window", [(1, 40, 6), (7, 20, 6), (5, 300, 260), (4, 9, 16), (20, 300, 260)])
 def test_windowed_attention_matches_its_twin_and_the_float64_mask(t, s, window):
     """Decodes and prefills, a window that spans two 256-key chunks and one wider than the context; left padding in
     the second row; the window must change the result wherever a query is more than ``window`` slots in."""

@@ -41,6 +41,7 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -215,70 +216,100 @@ void attend_chunk(const float* const* q, int64_t G, int64_t D, int64_t n, const 
   }
 }
 
-// Per (query, KV head) pair: its chunks' partials, laid out [chunk][m G | l G | o G D].
+// The chunks of every (query, KV head) pair; a chunk's partials are laid out [m G | l G | o G D].
 struct Partials {
   int64_t G, D;
   std::vector<int64_t> first;  // first[w] = index of pair w's first chunk; first[num_pairs] = total
-  std::vector<float> data;
   int64_t total_keys = 0;  // visible keys summed over the pairs
+  int64_t max_chunks = 0;  // the most chunks of one pair
 
   Partials(const std::vector<int64_t>& num_keys, int64_t G_, int64_t D_) : G(G_), D(D_), first(num_keys.size() + 1, 0) {
     for (size_t w = 0; w < num_keys.size(); ++w) {
-      first[w + 1] = first[w] + (num_keys[w] + kKeyChunk - 1) / kKeyChunk;
+      const int64_t nc = (num_keys[w] + kKeyChunk - 1) / kKeyChunk;
+      first[w + 1] = first[w] + nc;
       total_keys += num_keys[w];
+      max_chunks = std::max(max_chunks, nc);
     }
-    data.resize(first.back() * stride());
   }
   int64_t stride() const { return 2 * G + G * D; }
-  float* chunk(int64_t c) { return data.data() + c * stride(); }
 
-  // out[g] = softmax-weighted V over all chunks of pair w, merged in chunk order; sinks: null, or the G heads'
-  // sink logits, one more term of each softmax's denominator.
-  void merge(int64_t w, float* const* out, const float* sinks) {
-    const int64_t c0 = first[w], nc = first[w + 1] - first[w];
+  // out[g] = softmax-weighted V over the nc chunks of a pair at `chunks` (chunk c at chunks + c stride()), merged in
+  // chunk order; sinks: null, or the G heads' sink logits, one more term of each softmax's denominator.
+  void merge(int64_t nc, const float* chunks, float* const* out, const float* sinks) const {
+    const auto chunk = [&](int64_t c) { return chunks + c * stride(); };
     for (int64_t g = 0; g < G; ++g) {
       float mx = sinks ? sinks[g] : -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < nc; ++c) mx = std::max(mx, chunk(c0 + c)[g]);
+      for (int64_t c = 0; c < nc; ++c) mx = std::max(mx, chunk(c)[g]);
       float total = sinks ? std::exp(sinks[g] - mx) : 0.0f;
-      for (int64_t c = 0; c < nc; ++c) total += chunk(c0 + c)[G + g] * std::exp(chunk(c0 + c)[g] - mx);
+      for (int64_t c = 0; c < nc; ++c) total += chunk(c)[G + g] * std::exp(chunk(c)[g] - mx);
       for (int64_t d = 0; d < D; ++d) out[g][d] = 0.0f;
       for (int64_t c = 0; c < nc; ++c) {
-        const float wgt = std::exp(chunk(c0 + c)[g] - mx) / total;
-        const float* o = chunk(c0 + c) + 2 * G + g * D;
+        const float wgt = std::exp(chunk(c)[g] - mx) / total;
+        const float* o = chunk(c) + 2 * G + g * D;
         for (int64_t d = 0; d < D; ++d) out[g][d] += o[d] * wgt;
       }
     }
   }
 };
 
-// Runs every chunk task of `parts` (task -> (pair w, chunk c)) and then every merge, in parallel.
-// run_chunk(w, c, scratch, m, l, o) computes one chunk; pointers(w, out) gives pair w's outputs; sinks: null or
-// [H] (pair w's KV head is w % Hkv, its query heads (w % Hkv) G .. + G - 1).
+// From this many (query, KV head) pairs (a prefill, or a decode step of many sequences), a task is a whole pair:
+// its chunks one after the other into a scratch of the thread's, then their merge. Below it (a decode step: few
+// pairs, maybe long contexts), a task is one chunk (flash-decoding), all chunks' partials kept until every merge.
+// Per pair, the partials of a 4,096-token prefill took 83 MB a layer, written once and read once, in fresh pages.
+constexpr int64_t kMinPairTasks = 64;
+
+// Runs every chunk of `parts` and merges each pair's chunks into its outputs, in parallel.
+// run_chunk(w, c, scratch, m, l, o) computes chunk c of pair w; out_ptrs(w, out) gives pair w's outputs; sinks: null or
+// [H] (pair w's KV head is w % Hkv, its query heads (w % Hkv) G .. + G - 1). Each thread claims the next task as it
+// finishes one: a prefill's later queries see more keys, and equal contiguous shares of the task list (parallel_for's
+// split) left one thread with ~60 % of the work at 512 queries.
 template <typename RunChunk, typename OutPtrs>
-void run_tasks(Partials& parts, int64_t num_pairs, RunChunk run_chunk, OutPtrs out_ptrs, const float* sinks,
+void run_tasks(const Partials& parts, int64_t num_pairs, RunChunk run_chunk, OutPtrs out_ptrs, const float* sinks,
                int64_t Hkv) {
-  const int64_t G = parts.G, D = parts.D, num_tasks = parts.first.back();
-  // Few keys in all (a decode step over a short context): one thread, as waking the others costs more than it saves.
-  // Else each thread claims the next task as it finishes one: a prefill's later queries see more keys, and equal
-  // contiguous shares of the task list (parallel_for's split) left one thread with ~60 % of the work at 512 queries.
-  const int64_t num_workers = parts.total_keys < kMinParallelKeys ? 1 : std::min<int64_t>(num_tasks, num_threads());
+  const int64_t G = parts.G, D = parts.D, stride = parts.stride(), num_chunks = parts.first.back();
+  const auto set_outputs = [&](float* chunk, float** os) {
+    for (int64_t g = 0; g < G; ++g) os[g] = chunk + 2 * G + g * D;
+  };
   std::atomic<int64_t> next{0};
+  if (num_pairs >= kMinPairTasks) {
+    parallel_for(0, std::min<int64_t>(num_pairs, num_threads()), 1, [&](int64_t, int64_t) {
+      Scratch scratch;
+      std::vector<float> chunks(parts.max_chunks * stride);
+      float* os[64];
+      for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < num_pairs;) {
+        const int64_t w = num_pairs - 1 - k;  // the later queries (more keys) first, so the last tasks are short
+        const int64_t nc = parts.first[w + 1] - parts.first[w];
+        for (int64_t c = 0; c < nc; ++c) {
+          float* chunk = chunks.data() + c * stride;
+          set_outputs(chunk, os);
+          run_chunk(w, c, scratch, chunk, chunk + G, os);
+        }
+        out_ptrs(w, os);
+        parts.merge(nc, chunks.data(), os, sinks ? sinks + (w % Hkv) * G : nullptr);
+      }
+    });
+    return;
+  }
+  // Few keys in all (a decode step over a short context): one thread, as waking the others costs more than it saves.
+  const int64_t num_workers = parts.total_keys < kMinParallelKeys ? 1 : std::min<int64_t>(num_chunks, num_threads());
+  std::vector<float> data(num_chunks * stride);
   parallel_for(0, std::max<int64_t>(num_workers, 1), 1, [&](int64_t, int64_t) {
     Scratch scratch;
     float* os[64];
     int64_t w = 0;
-    for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
+    for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < num_chunks;) {
       while (parts.first[w + 1] <= task) ++w;  // tasks are claimed in increasing order
-      float* base = parts.chunk(task);
-      for (int64_t g = 0; g < G; ++g) os[g] = base + 2 * G + g * D;
-      run_chunk(w, task - parts.first[w], scratch, base, base + G, os);
+      float* chunk = data.data() + task * stride;
+      set_outputs(chunk, os);
+      run_chunk(w, task - parts.first[w], scratch, chunk, chunk + G, os);
     }
   });
   parallel_for(0, num_pairs, 16, [&](int64_t begin, int64_t end) {
     float* os[64];
     for (int64_t w = begin; w < end; ++w) {
       out_ptrs(w, os);
-      parts.merge(w, os, sinks ? sinks + (w % Hkv) * G : nullptr);
+      parts.merge(parts.first[w + 1] - parts.first[w], data.data() + parts.first[w] * stride, os,
+                  sinks ? sinks + (w % Hkv) * G : nullptr);
     }
   });
 }
@@ -331,26 +362,31 @@ void attention_impl(const AttentionArgs<T>& a) {
     for (int64_t j = 0; j < a.Hkv; ++j) num_keys[bt * a.Hkv + j] = std::max<int64_t>(n, 1);
   }
   Partials parts(num_keys, G, a.D);
+  std::vector<int64_t> slots(a.mask ? 0 : a.S);  // slots[s] = s: the keys of a chunk without a mask, as a view
+  std::iota(slots.begin(), slots.end(), int64_t{0});
   auto run_chunk = [&](int64_t w, int64_t c, Scratch& scratch, float* m, float* l, float* const* o) {
     const int64_t j = w % a.Hkv, t = (w / a.Hkv) % a.Tq, b = w / (a.Hkv * a.Tq);
     const int64_t last = std::min<int64_t>(a.past_len + t, a.S - 1), lo = c * kKeyChunk;
     const int64_t first = std::min(first_slot(t), last), hi = std::min<int64_t>(num_keys[w], lo + kKeyChunk);
-    scratch.keys.clear();
-    if (!a.mask) {
-      for (int64_t s = first + lo; s < first + hi; ++s) scratch.keys.push_back(s);  // every slot first .. its own
-    } else if (const int64_t* row = before.data() + b * (a.S + 1); row[last + 1] > row[first]) {
-      // the visible keys lo .. hi - 1 after `first`, from the slot of the (row[first] + lo)-th visible one
-      const int64_t from = row[first] + lo;
-      for (int64_t s = std::upper_bound(row, row + last + 2, from) - row - 1; s <= last && int64_t(scratch.keys.size()) < hi - lo; ++s)
-        if (a.mask[b * a.S + s]) scratch.keys.push_back(s);
+    const int64_t* keys = slots.data() + first + lo;  // no mask: every slot first .. its own
+    int64_t n = hi - lo;
+    if (a.mask) {
+      scratch.keys.clear();
+      if (const int64_t* row = before.data() + b * (a.S + 1); row[last + 1] > row[first]) {
+        // the visible keys lo .. hi - 1 after `first`, from the slot of the (row[first] + lo)-th visible one
+        const int64_t from = row[first] + lo;
+        for (int64_t s = std::upper_bound(row, row + last + 2, from) - row - 1; s <= last && int64_t(scratch.keys.size()) < hi - lo; ++s)
+          if (a.mask[b * a.S + s]) scratch.keys.push_back(s);
+      }
+      if (scratch.keys.empty()) scratch.keys.push_back(last);  // a padded query: its own slot (finite, unused)
+      keys = scratch.keys.data(), n = static_cast<int64_t>(scratch.keys.size());
     }
-    if (scratch.keys.empty()) scratch.keys.push_back(last);  // a padded query: its own slot (finite, unused)
     const float* qs[64];
     for (int64_t g = 0; g < G; ++g) qs[g] = a.q + b * a.q_b + (j * G + g) * a.q_h + t * a.q_t;
     const T* kb = a.k + b * a.k_b + j * a.k_h;
     const T* vb = a.v + b * a.v_b + j * a.v_h;
     const int64_t ks = a.k_s, vs = a.v_s;
-    attend_chunk<T>(qs, G, a.D, static_cast<int64_t>(scratch.keys.size()), scratch.keys.data(), [&](int64_t p) { return kb + p * ks; },
+    attend_chunk<T>(qs, G, a.D, n, keys, [&](int64_t p) { return kb + p * ks; },
                     [&](int64_t p) { return vb + p * vs; }, a.scale, a.softcap, a.Tq == 1, scratch, m, l, o);
   };
   run_tasks(parts, num_pairs, run_chunk, [&](int64_t w, float** os) {
