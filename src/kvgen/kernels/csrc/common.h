@@ -168,9 +168,9 @@ __attribute__((always_inline)) inline void k_quant_tile(const uint8_t* w, const 
 #define KVGEN_VNNI_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512vnni\")")
 #define KVGEN_VNNI_END _Pragma("GCC pop_options")
 bool use_vnni();
-// Activation rows of one Q4 / Q4_0 VNNI tile call (q4_group, q40_group take up to this many there; every other
-// group function, and those two on AVX2, up to 4): AVX-512VL's 32 registers hold 8 rows' sums, and each weight
-// vector unpacked serves twice the rows (qgemm 3072 x 768 at M = 512: 394-437 -> 477-482 GOPS; a 512-token
+// Activation rows of one Q4 / Q4_0 / Q8 VNNI tile call (q4_group, q40_group and q8_group, given offset bytes, take
+// up to this many there; every other group function, and those three on AVX2, up to 4): AVX-512VL's 32 registers
+// hold 8 rows' sums, and each weight vector unpacked serves twice the rows (qgemm 3072 x 768 at M = 512: 394-437 -> 477-482 GOPS; a 512-token
 // prefill +2-6 %).
 constexpr int kVnniQ4Rows = 8;
 
@@ -183,7 +183,11 @@ void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, fl
 void q40_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 // Q4_K groups: nb a multiple of 8 (whole super-block records).
 void q4k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
-void q8_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
+// Q8 groups: au[m], where not null, holds row m's activation bytes offset by 128 (32 a block, written for n blocks by
+// activation_offset_bytes), which the 8-row VNNI tile reads; qgemm passes them from M = 8 rows on AVX512-VNNI.
+void activation_offset_bytes(const BlockQ8A* a, int64_t n, uint8_t* au);
+void q8_group(const uint8_t* w, const BlockQ8A* const* a, const uint8_t* const* au, int mt, int64_t nb,
+              float* const* out);
 void q5_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q5k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);  // nb % 8 == 0
 // IQ4 and MXFP4 groups: `values` is the 16-entry table of the indices (kIQ4Values, kMXFP4Values).

@@ -144,11 +144,18 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   thread_local std::vector<int32_t> sums_buffer;  // Q6, Q2, Q3: each activation block's half sums
   if (has_half_sums && static_cast<int64_t>(sums_buffer.size()) < M * nb) sums_buffer.resize(M * nb);
   int32_t* sums = sums_buffer.data();
+  // Q8's 8-row VNNI tile (q8_group) reads the activation bytes offset by 128: made once a call
+  const bool has_offsets = use_vnni() && M >= kVnniQ4Rows &&
+                           std::any_of(segs.begin(), segs.end(), [](const Segment& s) { return s.weight_type == kQ8; });
+  thread_local std::vector<uint8_t> offset_buffer;
+  if (has_offsets && static_cast<int64_t>(offset_buffer.size()) < M * K) offset_buffer.resize(M * K);
+  uint8_t* offsets = offset_buffer.data();
   if (!is_f16) {
     parallel_for(0, M, qgrain, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
         quantize_row_q8a(xp + m * K, act + m * nb, K);
         if (has_half_sums) activation_half_sums(act + m * nb, nb, sums + m * nb);
+        if (has_offsets) activation_offset_bytes(act + m * nb, nb, offsets + m * K);
       }
     });
   }
@@ -162,6 +169,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   parallel_for(0, G, grain, [&](int64_t begin, int64_t end) {
     const BlockQ8A* a[kVnniQ4Rows];
     const int32_t* hs[kVnniQ4Rows];
+    const uint8_t* au[kVnniQ4Rows];
     const float* xr[kVnniQ4Rows];
     float* o[kVnniQ4Rows];
     size_t si = 0;
@@ -169,13 +177,15 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
       while (g >= segs[si].g1) ++si;  // groups ascend: the segment holding g
       const Segment& seg = segs[si];
       const uint8_t* wg = seg.base + (g - seg.g0) * nb * seg.rec;
-      // activation rows a tile takes: 4, or kVnniQ4Rows for the Q4 / Q4_0 VNNI tiles (common.h)
-      const int64_t rows = use_vnni() && (seg.weight_type == kQ4 || seg.weight_type == kQ40) ? kVnniQ4Rows : 4;
+      // activation rows a tile takes: 4, or kVnniQ4Rows for the Q4 / Q4_0 / Q8 VNNI tiles (common.h)
+      const int64_t rows = (use_vnni() && (seg.weight_type == kQ4 || seg.weight_type == kQ40)) ||
+                           (has_offsets && seg.weight_type == kQ8) ? kVnniQ4Rows : 4;
       for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int mt = static_cast<int>(std::min<int64_t>(rows, M - m0));
         for (int i = 0; i < mt; ++i) {
           a[i] = act + (m0 + i) * nb;
           hs[i] = sums + (m0 + i) * nb;
+          au[i] = offsets + (m0 + i) * K;
           xr[i] = xp + (m0 + i) * K;
           o[i] = op + (m0 + i) * n_pad + g * kRows;
         }
@@ -193,7 +203,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           case kMXFP4: iq4_group(wg, a, mt, nb, o, kMXFP4Values); break;
           case kQ2: q2_group(wg, a, hs, mt, nb, o); break;
           case kQ3: q3_group(wg, a, hs, mt, nb, o); break;
-          default: q8_group(wg, a, mt, nb, o); break;
+          default: q8_group(wg, a, has_offsets ? au : nullptr, mt, nb, o); break;
         }
       }
     }
