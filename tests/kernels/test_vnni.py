@@ -21,7 +21,7 @@ from kvgen.kernels import get_ops, kernel_isa, pack_gguf_rows
 
 needs_vnni = pytest.mark.skipif(kernel_isa() != "avx512vnni", reason=f"qgemm runs {kernel_isa()} tiles here")
 # N not a multiple of 8 (a padded last group), K of 3 blocks (K-quants: 1 super-block), M across the 1-4 row tiles,
-# the 8-row ones (Q4_1, Q4_0, Q8_0) and what follows them
+# the 8-row ones and what follows them
 SHAPES = [(37, 96, m) for m in (1, 2, 3, 4, 5, 8, 9, 14)] + [(64, 576, 17)]
 # the types the gguf package cannot quantize: random blocks (indices and scales included) with fp16 d (and dmin) near
 # 1e-3 (values and bytes per block, offsets of the fp16 scales)

@@ -168,11 +168,26 @@ __attribute__((always_inline)) inline void k_quant_tile(const uint8_t* w, const 
 #define KVGEN_VNNI_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512vnni\")")
 #define KVGEN_VNNI_END _Pragma("GCC pop_options")
 bool use_vnni();
-// Activation rows of one Q4 / Q4_0 / Q8 VNNI tile call (q4_group, q40_group and q8_group, given offset bytes, take
-// up to this many there; every other group function, and those three on AVX2, up to 4): AVX-512VL's 32 registers
-// hold 8 rows' sums, and each weight vector unpacked serves twice the rows (qgemm 3072 x 768 at M = 512: 394-437 -> 477-482 GOPS; a 512-token
-// prefill +2-6 %).
-constexpr int kVnniQ4Rows = 8;
+// Activation rows of one VNNI tile call (every group function with VNNI tiles takes up to this many there, Q8's
+// given offset bytes; on AVX2, and Q2_K, Q3_K everywhere, up to 4): AVX-512VL's 32 registers hold 8 rows' sums, and
+// each weight vector unpacked serves twice the rows. qgemm 3072 x 768 (2 threads, in-process A/B, M = 16-512): Q4_1
+// 394-437 -> 477-482 GOPS at M = 512 (a 512-token prefill +2-6 %); Q8_0 1.13-1.37x; Q4_K 1.02-1.19x, Q5_K 1.08-1.18x,
+// Q6_K 1.08-1.16x, Q5_0 / Q5_1 1.04-1.20x, IQ4_NL and IQ4_XS 1.02-1.18x (one noisy run of IQ4_NL: 0.96-1.05x).
+constexpr int kVnniRows = 8;
+
+// Calls tile(std::integral_constant<int, MT>{}, r) to cover mt <= kVnniRows activation rows with VNNI tiles of MT
+// rows from row r: all 8 in one tile, 5-7 as 4 and the rest, fewer in one (tile_rows), as in
+//   vnni_tile_rows(mt, [&](auto MT, int r) { q4k_tile_vnni<MT>(w, a + r, nb, out + r); });
+template <typename Tile>
+inline void vnni_tile_rows(int mt, Tile&& tile) {
+  static_assert(kVnniRows == 8, "8 rows: one tile; 5-7: 4 and the rest");
+  if (mt == 8) return tile(std::integral_constant<int, 8>{}, 0);
+  if (mt > 4) {
+    tile(std::integral_constant<int, 4>{}, 0);
+    return tile_rows(mt - 4, [&](auto MT) { tile(MT, 4); });
+  }
+  tile_rows(mt, [&](auto MT) { tile(MT, 0); });
+}
 
 // Quantize one row of K floats (K % 32 == 0) into K / 32 blocks.
 void quantize_row_q8a(const float* x, BlockQ8A* y, int64_t K);

@@ -145,7 +145,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   if (has_half_sums && static_cast<int64_t>(sums_buffer.size()) < M * nb) sums_buffer.resize(M * nb);
   int32_t* sums = sums_buffer.data();
   // Q8's 8-row VNNI tile (q8_group) reads the activation bytes offset by 128: made once a call
-  const bool has_offsets = use_vnni() && M >= kVnniQ4Rows &&
+  const bool has_offsets = use_vnni() && M >= kVnniRows &&
                            std::any_of(segs.begin(), segs.end(), [](const Segment& s) { return s.weight_type == kQ8; });
   thread_local std::vector<uint8_t> offset_buffer;
   if (has_offsets && static_cast<int64_t>(offset_buffer.size()) < M * K) offset_buffer.resize(M * K);
@@ -167,19 +167,20 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   // 18 blocks) ran on one thread, 22.6 us a call cold vs 15.9 split (30 layers: ~0.2 ms of a 5.7 ms step).
   const int64_t grain = std::max<int64_t>(1, 512 / (nb * std::max<int64_t>(1, std::min<int64_t>(M, 4))));
   parallel_for(0, G, grain, [&](int64_t begin, int64_t end) {
-    const BlockQ8A* a[kVnniQ4Rows];
-    const int32_t* hs[kVnniQ4Rows];
-    const uint8_t* au[kVnniQ4Rows];
-    const float* xr[kVnniQ4Rows];
-    float* o[kVnniQ4Rows];
+    const BlockQ8A* a[kVnniRows];
+    const int32_t* hs[kVnniRows];
+    const uint8_t* au[kVnniRows];
+    const float* xr[kVnniRows];
+    float* o[kVnniRows];
     size_t si = 0;
     for (int64_t g = begin; g < end; ++g) {
       while (g >= segs[si].g1) ++si;  // groups ascend: the segment holding g
       const Segment& seg = segs[si];
       const uint8_t* wg = seg.base + (g - seg.g0) * nb * seg.rec;
-      // activation rows a tile takes: 4, or kVnniQ4Rows for the Q4 / Q4_0 / Q8 VNNI tiles (common.h)
-      const int64_t rows = (use_vnni() && (seg.weight_type == kQ4 || seg.weight_type == kQ40)) ||
-                           (has_offsets && seg.weight_type == kQ8) ? kVnniQ4Rows : 4;
+      // activation rows a tile takes: kVnniRows for the VNNI tiles (common.h; Q8's given offset bytes), else 4
+      const int64_t t = seg.weight_type;
+      const bool is_vnni = use_vnni() && t != kQ2 && t != kQ3 && t != kF16 && t != kBF16;
+      const int64_t rows = is_vnni && (t != kQ8 || has_offsets) ? kVnniRows : 4;
       for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int mt = static_cast<int>(std::min<int64_t>(rows, M - m0));
         for (int i = 0; i < mt; ++i) {

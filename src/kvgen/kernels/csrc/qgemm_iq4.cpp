@@ -145,7 +145,7 @@ KVGEN_VNNI_END
 }  // namespace
 
 void iq4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out, const int8_t* values) {
-  if (use_vnni()) return tile_rows(mt, [&](auto MT) { iq4_tile_vnni<MT>(w, a, nb, out, values); });
+  if (use_vnni()) return vnni_tile_rows(mt, [&](auto MT, int r) { iq4_tile_vnni<MT>(w, a + r, nb, out + r, values); });
   tile_rows(mt, [&](auto MT) {
     iq4_tile<MT>(w, a, nb, out, values, [a](const uint8_t* qs, int64_t b, __m256i v, __m256i sc, __m256i* sum) {
       iq4_sums<decltype(MT)::value>(qs, a, b, v, sc, sum);
@@ -154,7 +154,7 @@ void iq4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, f
 }
 
 void iq4xs_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
-  if (use_vnni()) return tile_rows(mt, [&](auto MT) { iq4xs_tile_vnni<MT>(w, a, nb, out); });
+  if (use_vnni()) return vnni_tile_rows(mt, [&](auto MT, int r) { iq4xs_tile_vnni<MT>(w, a + r, nb, out + r); });
   tile_rows(mt, [&](auto MT) {
     iq4xs_tile<MT>(w, a, nb, out, [a](const uint8_t* qs, int64_t b, __m256i v, __m256i sc, __m256i* sum) {
       iq4_sums<decltype(MT)::value>(qs, a, b, v, sc, sum);

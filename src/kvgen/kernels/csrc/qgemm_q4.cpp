@@ -137,15 +137,7 @@ void q4k_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* con
 
 template <bool HasMin>
 void group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
-  static_assert(kVnniQ4Rows == 8, "the VNNI branch below splits 5-7 rows as 4 and the rest");
-  if (use_vnni()) {  // up to kVnniQ4Rows rows: 8 in one tile, 5-7 as 4 and the rest
-    if (mt == 8) return q4_tile_vnni<8, HasMin>(w, a, nb, out);
-    if (mt > 4) {
-      q4_tile_vnni<4, HasMin>(w, a, nb, out);
-      return tile_rows(mt - 4, [&](auto MT) { q4_tile_vnni<MT, HasMin>(w, a + 4, nb, out + 4); });
-    }
-    return tile_rows(mt, [&](auto MT) { q4_tile_vnni<MT, HasMin>(w, a, nb, out); });
-  }
+  if (use_vnni()) return vnni_tile_rows(mt, [&](auto MT, int r) { q4_tile_vnni<MT, HasMin>(w, a + r, nb, out + r); });
   tile_rows(mt, [&](auto MT) {
     q4_tile<MT, HasMin>(w, a, nb, out, [a](const uint8_t* qs, int64_t b, __m256i* dot) {
       nibble_dots<decltype(MT)::value>(qs, a, b, dot);
@@ -156,7 +148,7 @@ void group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float
 }  // namespace
 
 void q4k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
-  if (use_vnni()) return tile_rows(mt, [&](auto MT) { q4k_tile_vnni<MT>(w, a, nb, out); });
+  if (use_vnni()) return vnni_tile_rows(mt, [&](auto MT, int r) { q4k_tile_vnni<MT>(w, a + r, nb, out + r); });
   tile_rows(mt, [&](auto MT) { q4k_tile<MT>(w, a, nb, out); });
 }
 

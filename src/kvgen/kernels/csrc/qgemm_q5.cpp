@@ -134,7 +134,7 @@ KVGEN_VNNI_END
 }  // namespace
 
 void q5_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
-  if (use_vnni()) return tile_rows(mt, [&](auto MT) { q5_tile_vnni<MT>(w, a, nb, out); });
+  if (use_vnni()) return vnni_tile_rows(mt, [&](auto MT, int r) { q5_tile_vnni<MT>(w, a + r, nb, out + r); });
   tile_rows(mt, [&](auto MT) {
     q5_tile<MT>(w, a, nb, out, [a](const uint8_t* r, int64_t b, __m256i* dot) {
       q5_dots<decltype(MT)::value>(r, a, b, dot);
@@ -143,7 +143,7 @@ void q5_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, fl
 }
 
 void q5k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
-  if (use_vnni()) return tile_rows(mt, [&](auto MT) { q5k_tile_vnni<MT>(w, a, nb, out); });
+  if (use_vnni()) return vnni_tile_rows(mt, [&](auto MT, int r) { q5k_tile_vnni<MT>(w, a + r, nb, out + r); });
   tile_rows(mt, [&](auto MT) { q5k_tile<MT>(w, a, nb, out); });
 }
 

@@ -125,7 +125,9 @@ void activation_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums) {
 
 void q6_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
               float* const* out) {
-  if (use_vnni()) return tile_rows(mt, [&](auto MT) { q6_tile_vnni<MT>(w, a, half_sums, nb, out); });
+  if (use_vnni()) {
+    return vnni_tile_rows(mt, [&](auto MT, int r) { q6_tile_vnni<MT>(w, a + r, half_sums + r, nb, out + r); });
+  }
   tile_rows(mt, [&](auto MT) {
     q6_tile<MT>(w, a, half_sums, nb, out, [](const __m256i* u0, const __m256i* u1, const Q6Scales& sc,
                                              const int8_t* q) { return q6_row_dot<decltype(MT)::value>(u0, u1, sc, q); });

@@ -126,13 +126,11 @@ void activation_offset_bytes(const BlockQ8A* a, int64_t n, uint8_t* au) {
 
 void q8_group(const uint8_t* w, const BlockQ8A* const* a, const uint8_t* const* au, int mt, int64_t nb,
               float* const* out) {
-  if (use_vnni()) {  // 8 rows with offset bytes in one tile, 5-7 as 4 and the rest
-    if (mt == 8 && au != nullptr) return q8_tile_vnni_8(w, a, au, nb, out);
-    if (mt > 4) {
-      q8_tile_vnni<4>(w, a, nb, out);
-      return tile_rows(mt - 4, [&](auto MT) { q8_tile_vnni<MT>(w, a + 4, nb, out + 4); });
-    }
-    return tile_rows(mt, [&](auto MT) { q8_tile_vnni<MT>(w, a, nb, out); });
+  if (use_vnni()) {  // 8 rows with offset bytes in one tile, the others in sign tiles
+    return vnni_tile_rows(mt, [&](auto MT, int r) {
+      if constexpr (MT == 8) return q8_tile_vnni_8(w, a, au, nb, out);
+      else q8_tile_vnni<MT>(w, a + r, nb, out + r);
+    });
   }
   tile_rows(mt, [&](auto MT) {
     q8_tile<MT>(w, a, nb, out, [a](const uint8_t* r, int64_t b, __m256i* sum) {
