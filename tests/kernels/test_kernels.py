@@ -22,7 +22,7 @@ REF = K.reference_ops()
 needs_avx2 = pytest.mark.skipif(OPS.backend != "avx2", reason=f"C++ kernels unavailable (backend {OPS.backend})")
 GGUF_CODE = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.F16: 3, Q.BF16: 4, Q.Q6_K: 5, Q.Q5_0: 6, Q.Q5_1: 7, Q.IQ4_NL: 8,
              Q.Q2_K: 9, Q.Q3_K: 10, Q.MXFP4: 11, Q.Q4_K: 12, Q.Q5_K: 13, Q.IQ4_XS: 14}
-WEIGHT_TYPE = {Q.Q4_0: K.Q4_0, Q.Q4_1: K.Q4, Q.Q8_0: K.Q8, Q.F16: K.F16, Q.BF16: K.BF16, Q.Q6_K: K.Q6, Q.Q5_0: K.Q5,
+WEIGHT_TYPE = {Q.Q4_0: K.Q4_0, Q.Q4_1: K.Q4, Q.Q8_0: K.Q8, Q.F16: K.F16, Q.BF16: K.BF16, Q.Q6_K: K.Q6, Q.Q5_0: K.Q5_0,
                Q.Q5_1: K.Q5, Q.IQ4_NL: K.IQ4, Q.Q2_K: K.Q2, Q.Q3_K: K.Q3, Q.MXFP4: K.MXFP4, Q.Q4_K: K.Q4_K,
                Q.Q5_K: K.Q5_K, Q.IQ4_XS: K.IQ4_XS}
 KERNEL_QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.MXFP4,

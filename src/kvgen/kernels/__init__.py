@@ -13,7 +13,7 @@ the outputs are bit-identical): :func:`kernel_isa` says which.
 Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 
 * ``qgemm(x [M, K] f32, weight [G, nb, R] u8, weight_type, out_features, bias?, residual?) -> [M, N] f32``
-  (weight_type Q2, Q3, Q4, Q4_0, Q4_K, Q5, Q5_K, Q6, Q8, IQ4, IQ4_XS, MXFP4: x quantized per 32 values first;
+  (weight_type Q2, Q3, Q4, Q4_0, Q4_K, Q5, Q5_0, Q5_K, Q6, Q8, IQ4, IQ4_XS, MXFP4: x quantized per 32 values first;
   F16, BF16: x as it is; MIXED: a [bytes] weight of quantized segments, ``pack_gguf_segments``; Q2, Q3, Q4_K, Q5_K,
   Q6 and IQ4_XS weights are [G, K / 256, R]: one record per 256-column super-block)
 * ``quantize_q8a(x [M, K] f32) -> [M, K / 32 * 40] u8``
@@ -83,9 +83,10 @@ SOURCES = (
 )
 HEADERS = ("common.h", "vec_math.h", "aten_lite.h", "ops.h", "team.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
-Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0, Q4_K, Q5_K, IQ4_XS = (
+Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0, Q4_K, Q5_K, IQ4_XS, Q5_0 = (
     reference.Q4, reference.Q8, reference.F16, reference.BF16, reference.Q6, reference.MIXED, reference.Q5, reference.IQ4,
-    reference.Q2, reference.Q3, reference.MXFP4, reference.Q4_0, reference.Q4_K, reference.Q5_K, reference.IQ4_XS)
+    reference.Q2, reference.Q3, reference.MXFP4, reference.Q4_0, reference.Q4_K, reference.Q5_K, reference.IQ4_XS,
+    reference.Q5_0)
 
 
 @dataclass(frozen=True)
@@ -249,6 +250,6 @@ def reference_ops() -> KernelOps:
 
 
 __all__ = [
-    "BF16", "F16", "IQ4", "IQ4_XS", "MIXED", "MXFP4", "Q2", "Q3", "Q4", "Q4_0", "Q4_K", "Q5", "Q5_K", "Q6", "Q8", "KernelOps", "cache_dir", "get_ops",
+    "BF16", "F16", "IQ4", "IQ4_XS", "MIXED", "MXFP4", "Q2", "Q3", "Q4", "Q4_0", "Q4_K", "Q5", "Q5_0", "Q5_K", "Q6", "Q8", "KernelOps", "cache_dir", "get_ops",
     "kernel_isa", "pack_gguf_rows", "pack_gguf_segments", "reference_ops",
 ]

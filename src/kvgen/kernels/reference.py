@@ -11,8 +11,10 @@ Layouts (see ``csrc/common.h``): weights are repacked at load from GGUF blocks i
   with m = -8 d computed (the file's 4.5 bits a weight, not the Q4 record's 5).
 * Q8 record, 272 bytes (from ``block_q8_0``): fp16 ``d[8]``, then int8 ``qs[j][r][i]`` =
   row ``r``, column ``4j+i``; value = q * d.
-* Q5 record, 192 bytes (from ``block_q5_0`` / ``block_q5_1``): the Q4 record (Q5_0: m = -16 d), then
+* Q5 record, 192 bytes (from ``block_q5_1``): the Q4 record, then
   ``qh[r][i]``: bit t = the fifth bit of column ``4t+i``, bit 4+t = that of column ``16+4t+i``.
+* Q5_0 record, 176 bytes (from ``block_q5_0``): the Q5 record without ``m`` (``qs`` at byte 16, ``qh`` at 144); value
+  = u * d + m with m = -16 d computed (the file's 5.5 bits a weight, not the Q5 record's 6).
 * Q6 record, 1680 bytes per 8 rows x 256 columns (one ``block_q6_K`` super-block per row): fp16 ``d[8]``, then per
   32-column block k at ``208 k`` (offsets from there): int8 ``sc[2][8]`` at 16 (per 16 columns), the 6-bit
   ``u = q + 32`` as low nibbles ``lo[t][r][i]`` at 32 (columns ``4t+i`` and ``16+4t+i``, as Q4) and top bits
@@ -56,10 +58,10 @@ from kvgen.sampling.ops import inverse_cdf_at
 BLOCK = 32  # values per quantization block
 ROWS = 8  # rows per interleaved group
 # weight_type codes of the ops
-Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0, Q4_K, Q5_K, IQ4_XS = range(15)
+Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0, Q4_K, Q5_K, IQ4_XS, Q5_0 = range(16)
 MIXED_HEADER = 64  # bytes of int64 {S, nb, (weight_type, groups) x S} before a mixed weight's segments
 RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 1680, F16: 512, BF16: 512, Q5: 192, IQ4: 144, Q2: 672, Q3: 912, MXFP4: 144,
-                Q4_0: 144, Q4_K: 1184, Q5_K: 1440, IQ4_XS: 1104}
+                Q4_0: 144, Q4_K: 1184, Q5_K: 1440, IQ4_XS: 1104, Q5_0: 176}
 # 32-column blocks per record: one 256-column super-block (1 for the other types)
 RECORD_BLOCKS = {Q2: 8, Q3: 8, Q4_K: 8, Q5_K: 8, Q6: 8, IQ4_XS: 8}
 # bit 4h + t of a Q5 / Q5_K record's qh byte (r, i): the fifth bit of column 16h + 4t + i, as [h, t, 1]
@@ -113,7 +115,7 @@ GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "BF16": 64, "
                     "IQ4_NL": 18, "Q2_K": 84, "Q3_K": 110, "MXFP4": 17, "Q4_K": 144, "Q5_K": 176,
                     "IQ4_XS": 136}
 # the weight_type each GGUF type's records are
-WEIGHT_TYPE_OF = {"Q4_0": Q4_0, "Q4_1": Q4, "Q8_0": Q8, "F16": F16, "BF16": BF16, "Q6_K": Q6, "Q5_0": Q5, "Q5_1": Q5,
+WEIGHT_TYPE_OF = {"Q4_0": Q4_0, "Q4_1": Q4, "Q8_0": Q8, "F16": F16, "BF16": BF16, "Q6_K": Q6, "Q5_0": Q5_0, "Q5_1": Q5,
                   "IQ4_NL": IQ4, "Q2_K": Q2, "Q3_K": Q3, "MXFP4": MXFP4, "Q4_K": Q4_K, "Q5_K": Q5_K,
                   "IQ4_XS": IQ4_XS}
 
@@ -121,7 +123,7 @@ WEIGHT_TYPE_OF = {"Q4_0": Q4_0, "Q4_1": Q4, "Q8_0": Q8, "F16": F16, "BF16": BF16
 def repack_gguf(parts: list[torch.Tensor], gguf_type: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Row blocks ``parts`` ([rows_i, bytes] uint8, one GGUF type) of one matrix -> its records
     [G, nb, R] uint8: Q4_0 records for Q4_0 (0), Q4 records for Q4_1 (1), Q8 records for Q8_0 (2), 16-bit records for F16 (3) and
-    BF16 (4), Q6 records for Q6_K (5), Q5 records for Q5_0 (6) / Q5_1 (7), IQ4 records for IQ4_NL (8), Q2 / Q3
+    BF16 (4), Q6 records for Q6_K (5), Q5_0 / Q5 records for Q5_0 (6) / Q5_1 (7), IQ4 records for IQ4_NL (8), Q2 / Q3
     records for Q2_K (9) / Q3_K (10), MXFP4 records for MXFP4 (11), Q4_K / Q5_K records for Q4_K (12) / Q5_K
     (13), IQ4_XS records for IQ4_XS (14), written into ``out`` where given (uint8 [G, nb, R], contiguous). Raises
     ValueError for an MXFP4 exponent outside ``MXFP4_EXPONENTS`` or an ``out`` of another shape."""
@@ -151,8 +153,11 @@ def _repack_gguf(raw: torch.Tensor, gguf_type: int) -> torch.Tensor:
         return repack_q8(raw)
     if gguf_type == 5:
         return repack_q6_k(raw)
-    if gguf_type in (6, 7):
-        return repack_q5(raw, has_min=gguf_type == 7)
+    if gguf_type == 6:  # the Q5 record without the mins
+        q5 = repack_q5(raw, has_min=False)  # [G, nb, 192]
+        return torch.cat([q5[..., :16], q5[..., 32:]], dim=-1).contiguous()  # [G, nb, 176]
+    if gguf_type == 7:
+        return repack_q5(raw, has_min=True)
     if gguf_type in (3, 4):
         return repack_16bit(raw)
     return repack_q4(raw, has_min=gguf_type == 1)
@@ -480,15 +485,16 @@ def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
         w16 = weight.contiguous().view(half).float().view(g, nb, BLOCK, ROWS)  # [G, nb, c, r]
         return w16.permute(0, 3, 1, 2).reshape(g * ROWS, nb * BLOCK)  # [N_pad, K]
     d = weight[..., 0:16].contiguous().view(torch.float16).float()  # [G, nb, 8]
-    if weight_type in (Q4, Q5, Q4_0):
-        if weight_type == Q4_0:  # no m stored: m = -8 d, exact
-            m, qs = d * -8.0, weight[..., 16:144].reshape(g, nb, 4, ROWS, 4)  # [G, nb, 8], [G, nb, t, r, i]
+    if weight_type in (Q4, Q5, Q4_0, Q5_0):
+        if weight_type in (Q4_0, Q5_0):  # no m stored: m = -8 d, -16 d, exact
+            m = d * (-8.0 if weight_type == Q4_0 else -16.0)  # [G, nb, 8]
+            qs = weight[..., 16:144].reshape(g, nb, 4, ROWS, 4)  # [G, nb, t, r, i]
         else:
             m = weight[..., 16:32].contiguous().view(torch.float16).float()  # [G, nb, 8]
             qs = weight[..., 32:160].reshape(g, nb, 4, ROWS, 4)  # [G, nb, t, r, i]
         lo, hi = (qs & 15).float(), (qs >> 4).float()
-        if weight_type == Q5:  # qh[r][i]: bit t for column 4t + i, bit 4 + t for column 16 + 4t + i
-            qh = weight[..., 160:].reshape(g, nb, 1, ROWS, 4)
+        if weight_type in (Q5, Q5_0):  # qh[r][i]: bit t for column 4t + i, bit 4 + t for column 16 + 4t + i
+            qh = weight[..., 160 if weight_type == Q5 else 144:].reshape(g, nb, 1, ROWS, 4)
             t = torch.arange(4, dtype=torch.uint8).view(1, 1, 4, 1, 1)
             lo, hi = lo + 16 * ((qh >> t) & 1).float(), hi + 16 * ((qh >> (t + 4)) & 1).float()
         q = torch.cat([lo, hi], dim=2)  # [G, nb, 8 quads, r, i]: quads 0-3 low, 4-7 high

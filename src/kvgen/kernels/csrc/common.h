@@ -24,9 +24,11 @@
 //     uint8 hi[2][8][4] at 160: hi[v][r][i] = the top 2 bits of columns 8v+i, 16+8v+i, 8v+4+i, 16+8v+4+i
 //     at bits 0, 2, 4, 6 (so hi[v] completes lo[2v] with bits 0-3 and lo[2v+1] with bits 4-7). 6.5625 bits a
 //     weight, the file's (d once per super-block; it was repeated per 32 columns, 7 bits).
-//   Q5 record (192 bytes), from GGUF block_q5_0 / block_q5_1: the Q4
-//     record (fp16 d[8], fp16 m[8], qs[4][8][4] low nibbles; Q5_0 has m = -16 d), then uint8 qh[8][4]:
+//   Q5 record (192 bytes), from GGUF block_q5_1: the Q4
+//     record (fp16 d[8], fp16 m[8], qs[4][8][4] low nibbles), then uint8 qh[8][4]:
 //     qh[r][i] bit t = the high bit of column 4t+i, bit 4+t = that of column 16+4t+i (w = (nibble | 16 hb) d + m).
+//   Q5_0 record (176 bytes), from GGUF block_q5_0: the Q5 record without m (fp16 d[8], qs at 16, qh at 144): m = -16 d,
+//     computed (exact); 5.5 bits a weight as the file's, not the Q5 record's 6.
 //   IQ4 record (144 bytes), from GGUF block_iq4_nl: fp16 d[8], then
 //     qs[4][8][4] as the Q4 record's; w = d * kIQ4Values[nibble] (llama.cpp's kvalues_iq4nl, non-linear).
 //   MXFP4 record (144 bytes), from GGUF block_mxfp4 (E8M0 exponent e, 16 bytes of FP4 E2M1 indices): the IQ4
@@ -71,6 +73,7 @@ constexpr int64_t kF16Record = 512;   // bytes per (group, block), F16 and BF16
 constexpr int64_t kQ6Record = 1680;   // bytes per (group, super-block of 8 blocks), Q6
 constexpr int64_t kQ6Block = 208;     // bytes from one 32-column block of a Q6 record to the next
 constexpr int64_t kQ5Record = 192;    // bytes per (group, block), Q5
+constexpr int64_t kQ50Record = 176;   // bytes per (group, block), Q5_0
 constexpr int64_t kIQ4Record = 144;   // bytes per (group, block), IQ4 (and MXFP4)
 constexpr int64_t kQ40Record = 144;   // bytes per (group, block), Q4_0
 constexpr int64_t kQ2Record = 672;    // bytes per (group, super-block of 8 blocks), Q2
@@ -82,7 +85,7 @@ constexpr int64_t kMixedHeader = 64;  // bytes before a mixed weight's segments
 
 enum WeightType : int64_t {
   kQ4 = 0, kQ8 = 1, kF16 = 2, kBF16 = 3, kQ6 = 4, kMixed = 5, kQ5 = 6, kIQ4 = 7, kQ2 = 8, kQ3 = 9, kMXFP4 = 10,
-  kQ40 = 11, kQ4K = 12, kQ5K = 13, kIQ4XS = 14
+  kQ40 = 11, kQ4K = 12, kQ5K = 13, kIQ4XS = 14, kQ50 = 15
 };
 
 // The 16 values a 4-bit IQ4_NL / IQ4_XS index stands for (ggml-common.h kvalues_iq4nl).
@@ -204,6 +207,7 @@ void activation_offset_bytes(const BlockQ8A* a, int64_t n, uint8_t* au);
 void q8_group(const uint8_t* w, const BlockQ8A* const* a, const uint8_t* const* au, int mt, int64_t nb,
               float* const* out);
 void q5_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
+void q50_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q5k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);  // nb % 8 == 0
 // IQ4 and MXFP4 groups: `values` is the 16-entry table of the indices (kIQ4Values, kMXFP4Values).
 void iq4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out, const int8_t* values);

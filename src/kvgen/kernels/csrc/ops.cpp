@@ -19,13 +19,14 @@ namespace kvgen {
 namespace {
 
 int64_t record_bytes(int64_t weight_type) {
-  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kIQ4XS && weight_type != kMixed, "kvgen: unknown weight_type ",
+  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kQ50 && weight_type != kMixed, "kvgen: unknown weight_type ",
               weight_type);
   switch (weight_type) {
     case kQ4: return kQ4Record;
     case kQ8: return kQ8Record;
     case kQ6: return kQ6Record;
     case kQ5: return kQ5Record;
+    case kQ50: return kQ50Record;
     case kIQ4: case kMXFP4: return kIQ4Record;
     case kQ40: return kQ40Record;
     case kQ2: return kQ2Record;
@@ -82,7 +83,7 @@ std::vector<Segment> segments_of(const at::Tensor& weight, int64_t weight_type, 
   G = 0;
   for (int64_t i = 0; i < num; ++i) {
     const int64_t type = head[2 + 2 * i], groups = head[3 + 2 * i];
-    TORCH_CHECK(type >= kQ4 && type <= kIQ4XS && type != kMixed && type != kF16 && type != kBF16,
+    TORCH_CHECK(type >= kQ4 && type <= kQ50 && type != kMixed && type != kF16 && type != kBF16,
                 "kvgen: mixed weight segment of type ", type, " (quantized segments share the activations)");
     TORCH_CHECK(nb % record_blocks(type) == 0, "kvgen: mixed weight of ", nb, " blocks has a super-block segment");
     const int64_t rec = record_bytes(type) / record_blocks(type);
@@ -200,6 +201,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           case kQ5K: q5k_group(wg, a, mt, nb, o); break;
           case kIQ4XS: iq4xs_group(wg, a, mt, nb, o); break;
           case kQ5: q5_group(wg, a, mt, nb, o); break;
+          case kQ50: q50_group(wg, a, mt, nb, o); break;
           case kIQ4: iq4_group(wg, a, mt, nb, o, kIQ4Values); break;
           case kMXFP4: iq4_group(wg, a, mt, nb, o, kMXFP4Values); break;
           case kQ2: q2_group(wg, a, hs, mt, nb, o); break;
@@ -346,14 +348,17 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const 
               dst[16 + 4 * t + i] = d * static_cast<float>(values[byte >> 4]);
             }
           }
-        } else if (weight_type == kQ4 || weight_type == kQ5 || weight_type == kQ40) {
+        } else if (weight_type == kQ4 || weight_type == kQ5 || weight_type == kQ40 || weight_type == kQ50) {
           std::memcpy(&h, blk + 16 + 2 * r, 2);
-          const float mn = weight_type == kQ40 ? -8.0f * d : _cvtsh_ss(h);  // Q4_0: no m stored, m = -8 d
-          const int64_t qs = weight_type == kQ40 ? 16 : 32;
+          // Q4_0, Q5_0: no m stored, m = -8 d, -16 d
+          const float mn = weight_type == kQ40 ? -8.0f * d : weight_type == kQ50 ? -16.0f * d : _cvtsh_ss(h);
+          const bool has_min = weight_type == kQ4 || weight_type == kQ5;
+          const int64_t qs = has_min ? 32 : 16, qh = has_min ? 160 : 144;
           for (int t = 0; t < 4; ++t) {
             for (int i = 0; i < 4; ++i) {
               const uint8_t byte = blk[qs + 32 * t + 4 * r + i];
-              const uint8_t hb = weight_type == kQ5 ? blk[160 + 4 * r + i] : 0;  // Q5: the high bits
+              // Q5, Q5_0: the high bits
+              const uint8_t hb = weight_type == kQ5 || weight_type == kQ50 ? blk[qh + 4 * r + i] : 0;
               const int lo = (byte & 15) | (((hb >> t) & 1) << 4), hi = (byte >> 4) | (((hb >> (4 + t)) & 1) << 4);
               dst[4 * t + i] = static_cast<float>(lo) * d + mn;
               dst[16 + 4 * t + i] = static_cast<float>(hi) * d + mn;

@@ -1,4 +1,4 @@
-// Q5 (GGUF Q5_0 / Q5_1 repacked into 8-row groups, see common.h) and Q5_K (super-block records: byte scales and
+// Q5 (GGUF Q5_1 repacked into 8-row groups, see common.h), Q5_0 (its record without m: m = -16 d, computed) and Q5_K (super-block records: byte scales and
 // mins under fp16 d, dmin) times Q8A activations: w = u * d + m with u the 5-bit value (Q5_K: d = d sc, m = -dmin m
 // per 32 columns, ggml dequantize_row_q5_K's values). Per 32-column block and group: 4 loads of low nibbles as the Q4 kernel,
 // and one load of high bits whose byte (r, i) holds bit t for column 4t+i and bit 4+t for column 16+4t+i, each
@@ -31,29 +31,30 @@ inline __m256i bit_to_4(__m256i v, __m256i bit4) {
 }
 
 template <int T>
-inline void unpack(const uint8_t* w, __m256i qh, __m256i low4, __m256i bit4, __m256i& lo, __m256i& hi) {
-  const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 + 32 * T));
+inline void unpack(const uint8_t* qs, __m256i qh, __m256i low4, __m256i bit4, __m256i& lo, __m256i& hi) {
+  const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * T));
   lo = _mm256_or_si256(_mm256_and_si256(p, low4), bit_to_4<T>(qh, bit4));
   hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p, 4), low4), bit_to_4<4 + T>(qh, bit4));
 }
 
-// The record's 5-bit values: lo[t] = columns 4t+i, hi[t] = columns 16+4t+i of the 8 rows (nibble | fifth bit).
-inline void unpack_record(const uint8_t* w, __m256i* lo, __m256i* hi) {
+// The 5-bit values of nibbles qs[4][8][4] and high bits qh[8][4] (a record's, common.h): lo[t] = columns 4t+i,
+// hi[t] = columns 16+4t+i of the 8 rows (nibble | fifth bit).
+inline void unpack_record(const uint8_t* qs, const uint8_t* qh_bytes, __m256i* lo, __m256i* hi) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
-  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 160));
-  unpack<0>(w, qh, low4, bit4, lo[0], hi[0]);
-  unpack<1>(w, qh, low4, bit4, lo[1], hi[1]);
-  unpack<2>(w, qh, low4, bit4, lo[2], hi[2]);
-  unpack<3>(w, qh, low4, bit4, lo[3], hi[3]);
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh_bytes));
+  unpack<0>(qs, qh, low4, bit4, lo[0], hi[0]);
+  unpack<1>(qs, qh, low4, bit4, lo[1], hi[1]);
+  unpack<2>(qs, qh, low4, bit4, lo[2], hi[2]);
+  unpack<3>(qs, qh, low4, bit4, lo[3], hi[3]);
 }
 
-// dot[m]: int32 per row of the 8 rows' 5-bit values (the Q5 record's nibbles at w + 32, high bits at w + 160) times
-// activation block b of row m.
+// dot[m]: int32 per row of the 8 rows' 5-bit values (nibbles at qs, high bits at qh) times activation block b of
+// row m.
 template <int MT>
-inline void q5_dots(const uint8_t* w, const BlockQ8A* const* a, int64_t b, __m256i* dot) {
+inline void q5_dots(const uint8_t* qs, const uint8_t* qh, const BlockQ8A* const* a, int64_t b, __m256i* dot) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i lo[4], hi[4];  // columns 4t+i and 16+4t+i, 8 rows
-  unpack_record(w, lo, hi);
+  unpack_record(qs, qh, lo, hi);
   for (int m = 0; m < MT; ++m) {
     const int8_t* q = a[m][b].qs;
     dot[m] = _mm256_setzero_si256();
@@ -72,9 +73,9 @@ inline void q5_dots(const uint8_t* w, const BlockQ8A* const* a, int64_t b, __m25
 KVGEN_VNNI_BEGIN
 // q5_dots with vpdpbusd (common.h): a row's 8 vectors over two running sums (one chain waited on their latency).
 template <int MT>
-inline void q5_dots_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t b, __m256i* dot) {
+inline void q5_dots_vnni(const uint8_t* qs, const uint8_t* qh, const BlockQ8A* const* a, int64_t b, __m256i* dot) {
   __m256i lo[4], hi[4];  // columns 4t+i and 16+4t+i, 8 rows
-  unpack_record(w, lo, hi);
+  unpack_record(qs, qh, lo, hi);
   for (int m = 0; m < MT; ++m) {
     const int8_t* q = a[m][b].qs;
     __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
@@ -87,20 +88,24 @@ inline void q5_dots_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t b, 
 }
 KVGEN_VNNI_END
 
-// MT activation rows against one group's nb Q5 records: dots(w, b, dot) gives each row's int32 dot for activation
-// block b. Always inlined, so a VNNI tile gets the loop in its own body with its dots inlined (common.h).
-template <int MT, class Dots>
+// MT activation rows against one group's nb Q5 (HasMin) or Q5_0 records: dots(qs, qh, b, dot) gives each row's
+// int32 dot for activation block b. Always inlined, so a VNNI tile gets the loop in its own body with its dots
+// inlined (common.h).
+template <int MT, bool HasMin, class Dots>
 __attribute__((always_inline)) inline void q5_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb,
                                                    float* const* out, Dots dots) {
+  constexpr int64_t kRecord = HasMin ? kQ5Record : kQ50Record, kQs = HasMin ? 32 : 16;  // record size, nibbles
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, w += kQ5Record) {
-    const char* ahead = reinterpret_cast<const char*>(w) + KVGEN_Q5_PREFETCH * kQ5Record;
-    for (int c = 0; c < kQ5Record; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+  for (int64_t b = 0; b < nb; ++b, w += kRecord) {
+    const char* ahead = reinterpret_cast<const char*>(w) + KVGEN_Q5_PREFETCH * kRecord;
+    for (int c = 0; c < kRecord; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
     __m256i dot[MT];
-    dots(w, b, dot);
+    dots(w + kQs, w + kQs + 128, b, dot);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+    // Q5_0: m = -16 d, the value the Q5 record stored (exact: a power of two times an fp16)
+    const __m256 mw = HasMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)))
+                             : _mm256_mul_ps(dw, _mm256_set1_ps(-16.0f));
     for (int m = 0; m < MT; ++m) {
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
       acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a[m][b].s), acc[m]);
@@ -109,37 +114,52 @@ __attribute__((always_inline)) inline void q5_tile(const uint8_t* w, const Block
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
 }
 
-// Q5_K: block k's nibbles and high bits are the Q5 record's at 32 .. 191 of a record that starts at 128 + 160k of a
-// super-block record (k_quant_tile in common.h).
+// Q5_K: block k's nibbles at 160 + 160k and high bits at 288 + 160k of a super-block record (k_quant_tile in
+// common.h).
 template <int MT>
 void q5k_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
   k_quant_tile<MT, kQ5KRecord, KVGEN_Q5K_PREFETCH>(
-      w, a, nb, out, [a](const uint8_t* r, int k, int64_t b, __m256i* dot) { q5_dots<MT>(r + 128 + 160 * k, a, b, dot); });
+      w, a, nb, out, [a](const uint8_t* r, int k, int64_t b, __m256i* dot) {
+        q5_dots<MT>(r + 160 + 160 * k, r + 288 + 160 * k, a, b, dot);
+      });
 }
 
 KVGEN_VNNI_BEGIN
-template <int MT>
+template <int MT, bool HasMin>
 void q5_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
-  q5_tile<MT>(w, a, nb, out, [a](const uint8_t* r, int64_t b, __m256i* dot) { q5_dots_vnni<MT>(r, a, b, dot); });
+  q5_tile<MT, HasMin>(w, a, nb, out, [a](const uint8_t* qs, const uint8_t* qh, int64_t b, __m256i* dot) {
+    q5_dots_vnni<MT>(qs, qh, a, b, dot);
+  });
 }
 
 template <int MT>
 void q5k_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
   k_quant_tile<MT, kQ5KRecord, KVGEN_Q5K_PREFETCH>(
       w, a, nb, out,
-      [a](const uint8_t* r, int k, int64_t b, __m256i* dot) { q5_dots_vnni<MT>(r + 128 + 160 * k, a, b, dot); });
+      [a](const uint8_t* r, int k, int64_t b, __m256i* dot) {
+        q5_dots_vnni<MT>(r + 160 + 160 * k, r + 288 + 160 * k, a, b, dot);
+      });
 }
 KVGEN_VNNI_END
+
+template <bool HasMin>
+void group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
+  if (use_vnni()) return vnni_tile_rows(mt, [&](auto MT, int r) { q5_tile_vnni<MT, HasMin>(w, a + r, nb, out + r); });
+  tile_rows(mt, [&](auto MT) {
+    q5_tile<MT, HasMin>(w, a, nb, out, [a](const uint8_t* qs, const uint8_t* qh, int64_t b, __m256i* dot) {
+      q5_dots<decltype(MT)::value>(qs, qh, a, b, dot);
+    });
+  });
+}
 
 }  // namespace
 
 void q5_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
-  if (use_vnni()) return vnni_tile_rows(mt, [&](auto MT, int r) { q5_tile_vnni<MT>(w, a + r, nb, out + r); });
-  tile_rows(mt, [&](auto MT) {
-    q5_tile<MT>(w, a, nb, out, [a](const uint8_t* r, int64_t b, __m256i* dot) {
-      q5_dots<decltype(MT)::value>(r, a, b, dot);
-    });
-  });
+  group<true>(w, a, mt, nb, out);
+}
+
+void q50_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
+  group<false>(w, a, mt, nb, out);
 }
 
 void q5k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {

@@ -186,7 +186,10 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type, 
   const bool is_iq4xs = gguf_type == 14;
   constexpr int64_t kSrcBlock[] = {18, 20, 34, 64, 64, kQ6KBlock, 22, 24, 18, 84, 110, 17, 144, 176, 136};  // bytes
   const int64_t src_block = kSrcBlock[gguf_type];
-  const int64_t rec = gguf_type == 2 ? kQ8Record : is_16bit ? kF16Record : is_q6 ? kQ6Record : is_q5 ? kQ5Record
+  // Q5_0: the Q5_0 record (the Q5 record without m: nibbles at 16, high bits at 144)
+  const int64_t qs_at = gguf_type == 6 ? 16 : 32, qh_at = gguf_type == 6 ? 144 : 160;
+  const int64_t rec = gguf_type == 2 ? kQ8Record : is_16bit ? kF16Record : is_q6 ? kQ6Record
+                      : is_q5 ? (gguf_type == 6 ? kQ50Record : kQ5Record)
                       : is_iq4 ? kIQ4Record : is_q23 ? (gguf_type == 9 ? kQ2Record : kQ3Record)
                       : is_k ? (gguf_type == 12 ? kQ4KRecord : kQ5KRecord) : is_iq4xs ? kIQ4XSRecord : kQ4Record;
   const int64_t row_bytes = parts[0].size(1), nb = row_bytes / src_block;  // records per row
@@ -253,23 +256,16 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type, 
             for (int j = 0; j < (is_iq4 ? 4 : 8); ++j) std::memcpy(d + 16 + 32 * j + 4 * r, s + qs + 4 * j, 4);
             continue;
           }
-          if (gguf_type == 1 || gguf_type == 7) {
-            std::memcpy(d + 16 + 2 * r, s + 2, 2);  // m
-          } else {  // Q5_0: value = (q - 16) d = q d + m with m = -16 d, exact in fp16
-            uint16_t h;
-            std::memcpy(&h, s, 2);
-            const uint16_t m = _cvtss_sh(-16.0f * _cvtsh_ss(h), 0);
-            std::memcpy(d + 16 + 2 * r, &m, 2);
-          }
+          if (gguf_type == 1 || gguf_type == 7) std::memcpy(d + 16 + 2 * r, s + 2, 2);  // m (Q5_0's: -16 d, computed)
           const uint8_t* qs = s + src_block - 16;
-          for (int t = 0; t < 4; ++t) std::memcpy(d + 32 + 32 * t + 4 * r, qs + 4 * t, 4);
+          for (int t = 0; t < 4; ++t) std::memcpy(d + qs_at + 32 * t + 4 * r, qs + 4 * t, 4);
           if (is_q5) {  // the 32 high bits (bit j: value j) before the nibbles, as qh[r][i] (see common.h)
             uint32_t bits;
             std::memcpy(&bits, s + src_block - 20, 4);
             for (int i = 0; i < 4; ++i) {
               uint8_t v = 0;
               for (int t = 0; t < 4; ++t) v |= ((bits >> (4 * t + i)) & 1) << t | ((bits >> (16 + 4 * t + i)) & 1) << (4 + t);
-              d[160 + 4 * r + i] = v;
+              d[qh_at + 4 * r + i] = v;
             }
           }
         }
