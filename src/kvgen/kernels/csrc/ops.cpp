@@ -148,6 +148,13 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   // Q8's 8-row VNNI tile (q8_group) reads the activation bytes offset by 128: made once a call
   const bool has_offsets = use_vnni() && M >= kVnniRows &&
                            std::any_of(segs.begin(), segs.end(), [](const Segment& s) { return s.weight_type == kQ8; });
+  // the IQ4, MXFP4 and IQ4_XS VNNI tiles read 128 x each activation block's sum: made once a call
+  const bool has_block_sums = use_vnni() && std::any_of(segs.begin(), segs.end(), [](const Segment& s) {
+    return s.weight_type == kIQ4 || s.weight_type == kMXFP4 || s.weight_type == kIQ4XS;
+  });
+  thread_local std::vector<int32_t> block_sums_buffer;
+  if (has_block_sums && static_cast<int64_t>(block_sums_buffer.size()) < M * nb) block_sums_buffer.resize(M * nb);
+  int32_t* block_sums = block_sums_buffer.data();
   thread_local std::vector<uint8_t> offset_buffer;
   if (has_offsets && static_cast<int64_t>(offset_buffer.size()) < M * K) offset_buffer.resize(M * K);
   uint8_t* offsets = offset_buffer.data();
@@ -157,6 +164,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
         quantize_row_q8a(xp + m * K, act + m * nb, K);
         if (has_half_sums) activation_half_sums(act + m * nb, nb, sums + m * nb);
         if (has_offsets) activation_offset_bytes(act + m * nb, nb, offsets + m * K);
+        if (has_block_sums) activation_block_sums(act + m * nb, nb, block_sums + m * nb);
       }
     });
   }
@@ -171,6 +179,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
     const BlockQ8A* a[kVnniRows];
     const int32_t* hs[kVnniRows];
     const uint8_t* au[kVnniRows];
+    const int32_t* bs[kVnniRows];
     const float* xr[kVnniRows];
     float* o[kVnniRows];
     size_t si = 0;
@@ -188,6 +197,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           a[i] = act + (m0 + i) * nb;
           hs[i] = sums + (m0 + i) * nb;
           au[i] = offsets + (m0 + i) * K;
+          bs[i] = block_sums + (m0 + i) * nb;
           xr[i] = xp + (m0 + i) * K;
           o[i] = op + (m0 + i) * n_pad + g * kRows;
         }
@@ -199,11 +209,11 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           case kQ40: q40_group(wg, a, mt, nb, o); break;
           case kQ4K: q4k_group(wg, a, mt, nb, o); break;
           case kQ5K: q5k_group(wg, a, mt, nb, o); break;
-          case kIQ4XS: iq4xs_group(wg, a, mt, nb, o); break;
+          case kIQ4XS: iq4xs_group(wg, a, has_block_sums ? bs : nullptr, mt, nb, o); break;
           case kQ5: q5_group(wg, a, mt, nb, o); break;
           case kQ50: q50_group(wg, a, mt, nb, o); break;
-          case kIQ4: iq4_group(wg, a, mt, nb, o, kIQ4Values); break;
-          case kMXFP4: iq4_group(wg, a, mt, nb, o, kMXFP4Values); break;
+          case kIQ4: iq4_group(wg, a, has_block_sums ? bs : nullptr, mt, nb, o, kIQ4Values); break;
+          case kMXFP4: iq4_group(wg, a, has_block_sums ? bs : nullptr, mt, nb, o, kMXFP4Values); break;
           case kQ2: q2_group(wg, a, hs, mt, nb, o); break;
           case kQ3: q3_group(wg, a, hs, mt, nb, o); break;
           default: q8_group(wg, a, has_offsets ? au : nullptr, mt, nb, o); break;
