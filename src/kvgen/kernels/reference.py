@@ -9,8 +9,8 @@ Layouts (see ``csrc/common.h``): weights are repacked at load from GGUF blocks i
   column ``4t+i``, high nibble: column ``16+4t+i``); value = q * d + m.
 * Q4_0 record, 144 bytes (from ``block_q4_0``): the Q4 record without ``m`` (``qs`` at byte 16); value = q * d + m
   with m = -8 d computed (the file's 4.5 bits a weight, not the Q4 record's 5).
-* Q8 record, 272 bytes (from ``block_q8_0``): fp16 ``d[8]``, then int8 ``qs[j][r][i]`` =
-  row ``r``, column ``4j+i``; value = q * d.
+* Q8 record, 272 bytes (from ``block_q8_0``): fp16 ``d[8]``, then uint8 ``u[j][r][i]`` = q + 128 (``q ^ 0x80``) of
+  row ``r``, column ``4j+i``; value = (u - 128) * d.
 * Q5 record, 192 bytes (from ``block_q5_1``): the Q4 record, then
   ``qh[r][i]``: bit t = the fifth bit of column ``4t+i``, bit 4+t = that of column ``16+4t+i``.
 * Q5_0 record, 176 bytes (from ``block_q5_0``): the Q5 record without ``m`` (``qs`` at byte 16, ``qh`` at 144); value
@@ -310,7 +310,9 @@ def repack_q8(raw: torch.Tensor) -> torch.Tensor:
     """GGUF Q8_0 rows ``[N, nb * 34]`` uint8 -> Q8 records ``[G, nb, 272]`` uint8."""
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % _Q8_0_BYTES:
         raise ValueError(f"Q8_0 rows must be uint8 [N, nb * 34], got {raw.dtype} {list(raw.shape)}")
-    blocks = _pad_rows(raw).view(-1, ROWS, raw.shape[1] // _Q8_0_BYTES, _Q8_0_BYTES)  # [G, 8, nb, 34]
+    offset = raw.view(raw.shape[0], -1, _Q8_0_BYTES).clone()  # [N, nb, 34]
+    offset[..., 2:] ^= 0x80  # the values plus 128 as uint8 (padding rows stay all zero, as the kernel's)
+    blocks = _pad_rows(offset.view(raw.shape)).view(-1, ROWS, raw.shape[1] // _Q8_0_BYTES, _Q8_0_BYTES)  # [G, 8, nb, 34]
     g, _, nb, _ = blocks.shape
     d = blocks[..., 0:2].transpose(1, 2).reshape(g, nb, 16)  # [G, nb, 8 x fp16]
     qs = blocks[..., 2:].reshape(g, ROWS, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(g, nb, 256)  # [G, nb, j*r*i]
@@ -505,7 +507,7 @@ def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
         q = values[torch.cat([qs & 15, qs >> 4], dim=2)]  # [G, nb, 8, r, i]
         w = q * d.view(g, nb, 1, ROWS, 1)
     elif weight_type == Q8:
-        q = weight[..., 16:].contiguous().view(torch.int8).reshape(g, nb, 8, ROWS, 4).float()  # [G, nb, j, r, i]
+        q = (weight[..., 16:] ^ 0x80).contiguous().view(torch.int8).reshape(g, nb, 8, ROWS, 4).float()  # [G, nb, j, r, i]
         w = q * d.view(g, nb, 1, ROWS, 1)
     elif weight_type == Q6:
         sc = weight[..., 16:32].contiguous().view(torch.int8).float().view(g, nb, 2, ROWS)  # [G, nb, h, r]

@@ -12,7 +12,8 @@
 //   Q4_0 record (144 bytes), from GGUF block_q4_0: the Q4 record without m (fp16 d[8], then qs at 16): w = (q - 8) d,
 //     the Q4 kernel's arithmetic with m = -8 d (exact); 4.5 bits a weight as the file's, not the Q4 record's 5.
 //   Q8 record (272 bytes), from GGUF block_q8_0:
-//     fp16 d[8], int8 qs[8][8][4]: qs[j][r][i] = row r, column 4j+i (w = q * d[r]).
+//     fp16 d[8], uint8 u[8][8][4]: u[j][r][i] = q + 128 (q ^ 0x80) of row r, column 4j+i (w = (u - 128) * d[r]):
+//     vpdpbusd's unsigned operand as stored.
 //   F16 record (512 bytes), from GGUF F16 rows: fp16 w[32][8]: w[c][r] = row r, column c (float32
 //     activations, not quantized: the file's weights times the activations as they are).
 //   BF16 record (512 bytes), from GGUF BF16 rows: the same with bfloat16 values.
@@ -171,8 +172,8 @@ __attribute__((always_inline)) inline void k_quant_tile(const uint8_t* w, const 
 #define KVGEN_VNNI_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512vnni\")")
 #define KVGEN_VNNI_END _Pragma("GCC pop_options")
 bool use_vnni();
-// Activation rows of one VNNI tile call (every group function with VNNI tiles takes up to this many there, Q8's
-// given offset bytes; on AVX2, and Q2_K, Q3_K everywhere, up to 4): AVX-512VL's 32 registers hold 8 rows' sums, and
+// Activation rows of one VNNI tile call (every group function with VNNI tiles takes up to this many there; on AVX2,
+// and Q2_K, Q3_K everywhere, up to 4): AVX-512VL's 32 registers hold 8 rows' sums, and
 // each weight vector unpacked serves twice the rows. qgemm 3072 x 768 (2 threads, in-process A/B, M = 16-512): Q4_1
 // 394-437 -> 477-482 GOPS at M = 512 (a 512-token prefill +2-6 %); Q8_0 1.13-1.37x; Q4_K 1.02-1.19x, Q5_K 1.08-1.18x,
 // Q6_K 1.08-1.16x, Q5_0 / Q5_1 1.04-1.20x, IQ4_NL and IQ4_XS 1.02-1.18x (one noisy run of IQ4_NL: 0.96-1.05x).
@@ -201,15 +202,13 @@ void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, fl
 void q40_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 // Q4_K groups: nb a multiple of 8 (whole super-block records).
 void q4k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
-// Q8 groups: au[m], where not null, holds row m's activation bytes offset by 128 (32 a block, written for n blocks by
-// activation_offset_bytes), which the 8-row VNNI tile reads; qgemm passes them from M = 8 rows on AVX512-VNNI.
-void activation_offset_bytes(const BlockQ8A* a, int64_t n, uint8_t* au);
-void q8_group(const uint8_t* w, const BlockQ8A* const* a, const uint8_t* const* au, int mt, int64_t nb,
+// Q8 groups take their VNNI tiles where block_sums is not null (see iq4_group below).
+void q8_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* block_sums, int mt, int64_t nb,
               float* const* out);
 void q5_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q50_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q5k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);  // nb % 8 == 0
-// IQ4 and MXFP4 groups: `values` is the 16-entry table of the indices (kIQ4Values, kMXFP4Values). IQ4, MXFP4 and
+// IQ4 and MXFP4 groups: `values` is the 16-entry table of the indices (kIQ4Values, kMXFP4Values). Q8, IQ4, MXFP4 and
 // IQ4_XS groups take their VNNI tiles where block_sums is not null: block_sums[m][b] = 128 * the sum of row m's
 // activation block b (activation_block_sums; qgemm passes them on AVX512-VNNI), null on AVX2.
 void activation_block_sums(const BlockQ8A* a, int64_t n, int32_t* sums);

@@ -145,25 +145,18 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   thread_local std::vector<int32_t> sums_buffer;  // Q6, Q2, Q3: each activation block's half sums
   if (has_half_sums && static_cast<int64_t>(sums_buffer.size()) < M * nb) sums_buffer.resize(M * nb);
   int32_t* sums = sums_buffer.data();
-  // Q8's 8-row VNNI tile (q8_group) reads the activation bytes offset by 128: made once a call
-  const bool has_offsets = use_vnni() && M >= kVnniRows &&
-                           std::any_of(segs.begin(), segs.end(), [](const Segment& s) { return s.weight_type == kQ8; });
-  // the IQ4, MXFP4 and IQ4_XS VNNI tiles read 128 x each activation block's sum: made once a call
+  // the Q8, IQ4, MXFP4 and IQ4_XS VNNI tiles read 128 x each activation block's sum: made once a call
   const bool has_block_sums = use_vnni() && std::any_of(segs.begin(), segs.end(), [](const Segment& s) {
-    return s.weight_type == kIQ4 || s.weight_type == kMXFP4 || s.weight_type == kIQ4XS;
+    return s.weight_type == kQ8 || s.weight_type == kIQ4 || s.weight_type == kMXFP4 || s.weight_type == kIQ4XS;
   });
   thread_local std::vector<int32_t> block_sums_buffer;
   if (has_block_sums && static_cast<int64_t>(block_sums_buffer.size()) < M * nb) block_sums_buffer.resize(M * nb);
   int32_t* block_sums = block_sums_buffer.data();
-  thread_local std::vector<uint8_t> offset_buffer;
-  if (has_offsets && static_cast<int64_t>(offset_buffer.size()) < M * K) offset_buffer.resize(M * K);
-  uint8_t* offsets = offset_buffer.data();
   if (!is_f16) {
     parallel_for(0, M, qgrain, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
         quantize_row_q8a(xp + m * K, act + m * nb, K);
         if (has_half_sums) activation_half_sums(act + m * nb, nb, sums + m * nb);
-        if (has_offsets) activation_offset_bytes(act + m * nb, nb, offsets + m * K);
         if (has_block_sums) activation_block_sums(act + m * nb, nb, block_sums + m * nb);
       }
     });
@@ -178,7 +171,6 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   parallel_for(0, G, grain, [&](int64_t begin, int64_t end) {
     const BlockQ8A* a[kVnniRows];
     const int32_t* hs[kVnniRows];
-    const uint8_t* au[kVnniRows];
     const int32_t* bs[kVnniRows];
     const float* xr[kVnniRows];
     float* o[kVnniRows];
@@ -187,16 +179,14 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
       while (g >= segs[si].g1) ++si;  // groups ascend: the segment holding g
       const Segment& seg = segs[si];
       const uint8_t* wg = seg.base + (g - seg.g0) * nb * seg.rec;
-      // activation rows a tile takes: kVnniRows for the VNNI tiles (common.h; Q8's given offset bytes), else 4
+      // activation rows a tile takes: kVnniRows for the VNNI tiles (common.h), else 4
       const int64_t t = seg.weight_type;
-      const bool is_vnni = use_vnni() && t != kQ2 && t != kQ3 && t != kF16 && t != kBF16;
-      const int64_t rows = is_vnni && (t != kQ8 || has_offsets) ? kVnniRows : 4;
+      const int64_t rows = use_vnni() && t != kQ2 && t != kQ3 && t != kF16 && t != kBF16 ? kVnniRows : 4;
       for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int mt = static_cast<int>(std::min<int64_t>(rows, M - m0));
         for (int i = 0; i < mt; ++i) {
           a[i] = act + (m0 + i) * nb;
           hs[i] = sums + (m0 + i) * nb;
-          au[i] = offsets + (m0 + i) * K;
           bs[i] = block_sums + (m0 + i) * nb;
           xr[i] = xp + (m0 + i) * K;
           o[i] = op + (m0 + i) * n_pad + g * kRows;
@@ -216,7 +206,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           case kMXFP4: iq4_group(wg, a, has_block_sums ? bs : nullptr, mt, nb, o, kMXFP4Values); break;
           case kQ2: q2_group(wg, a, hs, mt, nb, o); break;
           case kQ3: q3_group(wg, a, hs, mt, nb, o); break;
-          default: q8_group(wg, a, has_offsets ? au : nullptr, mt, nb, o); break;
+          default: q8_group(wg, a, has_block_sums ? bs : nullptr, mt, nb, o); break;
         }
       }
     }
@@ -375,9 +365,9 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const 
             }
           }
         } else {
-          const auto* qs = reinterpret_cast<const int8_t*>(blk + 16);
+          const uint8_t* qs = blk + 16;  // Q8: the values plus 128
           for (int j = 0; j < 8; ++j) {
-            for (int i = 0; i < 4; ++i) dst[4 * j + i] = static_cast<float>(qs[32 * j + 4 * r + i]) * d;
+            for (int i = 0; i < 4; ++i) dst[4 * j + i] = static_cast<float>(static_cast<int>(qs[32 * j + 4 * r + i]) - 128) * d;
           }
         }
       }

@@ -251,9 +251,14 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type, 
           } else {
             std::memcpy(d + 2 * r, s, 2);  // d
           }
-          if (gguf_type == 2 || is_iq4) {  // Q8_0: 8 x 4 int8 values; Q4_0, IQ4_NL, MXFP4: 4 x 4 bytes of two nibbles
+          if (gguf_type == 2) {  // Q8_0: 8 x 4 int8 values q, stored as q + 128 (q ^ 0x80)
+            for (int j = 0; j < 8; ++j)
+              for (int i = 0; i < 4; ++i) d[16 + 32 * j + 4 * r + i] = s[2 + 4 * j + i] ^ 0x80;
+            continue;
+          }
+          if (is_iq4) {  // Q4_0, IQ4_NL, MXFP4: 4 x 4 bytes of two nibbles
             const int64_t qs = is_mxfp4 ? 1 : 2;  // the values follow the scale
-            for (int j = 0; j < (is_iq4 ? 4 : 8); ++j) std::memcpy(d + 16 + 32 * j + 4 * r, s + qs + 4 * j, 4);
+            for (int j = 0; j < 4; ++j) std::memcpy(d + 16 + 32 * j + 4 * r, s + qs + 4 * j, 4);
             continue;
           }
           if (gguf_type == 1 || gguf_type == 7) std::memcpy(d + 16 + 2 * r, s + 2, 2);  // m (Q5_0's: -16 d, computed)
