@@ -175,7 +175,7 @@ bool use_vnni();
 // Activation rows of one VNNI tile call (every group function with VNNI tiles takes up to this many there; on AVX2,
 // and Q2_K, Q3_K everywhere, up to 4): AVX-512VL's 32 registers hold 8 rows' sums, and
 // each weight vector unpacked serves twice the rows. qgemm 3072 x 768 (2 threads, in-process A/B, M = 16-512): Q4_1
-// 394-437 -> 477-482 GOPS at M = 512 (a 512-token prefill +2-6 %); Q8_0 1.13-1.37x; Q4_K 1.02-1.19x, Q5_K 1.08-1.18x,
+// 394-437 -> 477-482 GOPS at M = 512 (a 512-token prefill +2-6 %); Q4_K 1.02-1.19x, Q5_K 1.08-1.18x,
 // Q6_K 1.08-1.16x, Q5_0 / Q5_1 1.04-1.20x, IQ4_NL and IQ4_XS 1.02-1.18x (one noisy run of IQ4_NL: 0.96-1.05x).
 constexpr int kVnniRows = 8;
 
