@@ -312,7 +312,7 @@ def repack_q8(raw: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"Q8_0 rows must be uint8 [N, nb * 34], got {raw.dtype} {list(raw.shape)}")
     offset = raw.view(raw.shape[0], -1, _Q8_0_BYTES).clone()  # [N, nb, 34]
     offset[..., 2:] ^= 0x80  # the values plus 128 as uint8 (padding rows stay all zero, as the kernel's)
-    blocks = _pad_rows(offset.view(raw.shape)).view(-1, ROWS, raw.shape[1] // _Q8_0_BYTES, _Q8_0_BYTES)  # [G, 8, nb, 34]
+    blocks = _pad_rows(offset.view(raw.shape)).view(-1, ROWS, offset.shape[1], _Q8_0_BYTES)  # [G, 8, nb, 34]
     g, _, nb, _ = blocks.shape
     d = blocks[..., 0:2].transpose(1, 2).reshape(g, nb, 16)  # [G, nb, 8 x fp16]
     qs = blocks[..., 2:].reshape(g, ROWS, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(g, nb, 256)  # [G, nb, j*r*i]
@@ -507,7 +507,8 @@ def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
         q = values[torch.cat([qs & 15, qs >> 4], dim=2)]  # [G, nb, 8, r, i]
         w = q * d.view(g, nb, 1, ROWS, 1)
     elif weight_type == Q8:
-        q = (weight[..., 16:] ^ 0x80).contiguous().view(torch.int8).reshape(g, nb, 8, ROWS, 4).float()  # [G, nb, j, r, i]
+        q = (weight[..., 16:] ^ 0x80).contiguous().view(torch.int8)  # the values: stored plus 128
+        q = q.reshape(g, nb, 8, ROWS, 4).float()  # [G, nb, j, r, i]
         w = q * d.view(g, nb, 1, ROWS, 1)
     elif weight_type == Q6:
         sc = weight[..., 16:32].contiguous().view(torch.int8).float().view(g, nb, 2, ROWS)  # [G, nb, h, r]

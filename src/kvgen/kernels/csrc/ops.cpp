@@ -367,7 +367,9 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const 
         } else {
           const uint8_t* qs = blk + 16;  // Q8: the values plus 128
           for (int j = 0; j < 8; ++j) {
-            for (int i = 0; i < 4; ++i) dst[4 * j + i] = static_cast<float>(static_cast<int>(qs[32 * j + 4 * r + i]) - 128) * d;
+            for (int i = 0; i < 4; ++i) {
+              dst[4 * j + i] = static_cast<float>(static_cast<int>(qs[32 * j + 4 * r + i]) - 128) * d;
+            }
           }
         }
       }

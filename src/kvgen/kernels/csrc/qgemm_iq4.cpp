@@ -170,7 +170,9 @@ void activation_block_sums(const BlockQ8A* a, int64_t n, int32_t* sums) {
 void iq4_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* block_sums, int mt, int64_t nb,
                float* const* out, const int8_t* values) {
   if (block_sums != nullptr) {
-    return vnni_tile_rows(mt, [&](auto MT, int r) { iq4_tile_vnni<MT>(w, a + r, block_sums + r, nb, out + r, values); });
+    return vnni_tile_rows(mt, [&](auto MT, int r) {
+      iq4_tile_vnni<MT>(w, a + r, block_sums + r, nb, out + r, values);
+    });
   }
   tile_rows(mt, [&](auto MT) {
     iq4_tile<MT, false>(w, a, nb, out, values, [a](const uint8_t* qs, int64_t b, __m256i v, __m256i sc, __m256i* sum) {

@@ -1,11 +1,11 @@
-// Q5 (GGUF Q5_1 repacked into 8-row groups, see common.h), Q5_0 (its record without m: m = -16 d, computed) and Q5_K (super-block records: byte scales and
-// mins under fp16 d, dmin) times Q8A activations: w = u * d + m with u the 5-bit value (Q5_K: d = d sc, m = -dmin m
-// per 32 columns, ggml dequantize_row_q5_K's values). Per 32-column block and group: 4 loads of low nibbles as the Q4 kernel,
-// and one load of high bits whose byte (r, i) holds bit t for column 4t+i and bit 4+t for column 16+4t+i, each
-// shifted to bit 4 and OR'd in: 8 vectors of u (4 columns x 8 rows). maddubs against 4 broadcast activation
-// bytes, four summed in int16 (4 * 2 * 31 * 127 = 31,496 < 32,767), madd to int32, then
-// acc += dot * d_w * d_a + m_w * s_a (llama.cpp ggml_vec_dot_q5_1_q8_1 algebra). The arithmetic of a row does
-// not depend on how many rows share the call.
+// Q5 (GGUF Q5_1 repacked into 8-row groups, see common.h), Q5_0 (its record without m: m = -16 d, computed) and
+// Q5_K (super-block records: byte scales and mins under fp16 d, dmin) times Q8A activations: w = u * d + m with u the
+// 5-bit value (Q5_K: d = d sc, m = -dmin m per 32 columns, ggml dequantize_row_q5_K's values). Per 32-column block
+// and group: 4 loads of low nibbles as the Q4 kernel, and one load of high bits whose byte (r, i) holds bit t for
+// column 4t+i and bit 4+t for column 16+4t+i, each shifted to bit 4 and OR'd in: 8 vectors of u (4 columns x 8 rows).
+// maddubs against 4 broadcast activation bytes, four summed in int16 (4 * 2 * 31 * 127 = 31,496 < 32,767), madd to
+// int32, then acc += dot * d_w * d_a + m_w * s_a (llama.cpp ggml_vec_dot_q5_1_q8_1 algebra). The arithmetic of a row
+// does not depend on how many rows share the call.
 #include <immintrin.h>
 
 #include <cstring>
