@@ -128,6 +128,35 @@ inline void tile_rows(int mt, Tile&& tile) {
   }
 }
 
+// The Q4 / Q4_0 and Q5 / Q5_0 tiles: MT activation rows against one group's nb records of kRecord bytes (fp16 d[8] at
+// 0; kZeroPoint 0: fp16 m[8] at 16, else m = -kZeroPoint d, the value a record with m would store, exact: a power of
+// two times an fp16). dots(w + kDotsAt, b, dot) gives dot[m], row m's int32 dot with the record at w for activation
+// block b (kDotsAt: where its values start),
+// then acc += dot * d_w * d_a + m_w * s_a (llama.cpp ggml_vec_dot_q4_1_q8_1 algebra), and out[m] gets the group's 8
+// columns of row m. The record kPrefetchRecords ahead is prefetched line by line (enough records in flight to cover
+// DRAM latency: 8 ahead left half the bandwidth unused on cold weights). Always inlined, so a VNNI tile
+// (KVGEN_VNNI_BEGIN) gets the loop in its own body with its dots inlined.
+template <int MT, int64_t kRecord, int64_t kPrefetchRecords, int kZeroPoint, int64_t kDotsAt, class Dots>
+__attribute__((always_inline)) inline void affine_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb,
+                                                       float* const* out, Dots dots) {
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += kRecord) {
+    const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchRecords * kRecord;
+    for (int64_t c = 0; c < kRecord; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+    __m256i dot[MT];
+    dots(w + kDotsAt, b, dot);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m256 mw = kZeroPoint == 0 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)))
+                                      : _mm256_mul_ps(dw, _mm256_set1_ps(-static_cast<float>(kZeroPoint)));
+    for (int m = 0; m < MT; ++m) {
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
+      acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a[m][b].s), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
+}
+
 // The Q4_K and Q5_K tiles: MT activation rows against one group's super-block records of kRecord bytes (fp16 d at 0,
 // dmin at 16, byte scales sc[k][r] at 32 and mins m[k][r] at 96). dots(w, k, b, dot) gives block k's int32 dot per
 // row; per block the rows' d sc and dmin m in fp32 (shared by the MT rows), then per row acc += dot (d sc) d_a -

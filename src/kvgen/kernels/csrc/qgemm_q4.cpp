@@ -23,7 +23,7 @@
 namespace kvgen {
 namespace {
 
-constexpr int64_t kPrefetchRecords = KVGEN_Q4_PREFETCH;
+constexpr int64_t kPrefetchRecords = KVGEN_Q4_PREFETCH;  // ~5 KB ahead
 
 // sum[m]: int16 pair sums of the 8 rows' nibbles qs[4][8][4] (128 bytes, the Q4 record's layout) times activation
 // block b of row m.
@@ -44,37 +44,16 @@ inline void nibble_sums(const uint8_t* qs, const BlockQ8A* const* a, int64_t b, 
   }
 }
 
-// MT activation rows against one group's nb Q4 (HasMin) or Q4_0 records: dots(qs, b, dot) gives dot[m], row m's int32
-// dot with the nibbles at qs for activation block b, then acc += dot * d_w * d_a + m_w * s_a, and out[m] gets the
-// group's 8 columns of row m. Always inlined, so a VNNI tile (KVGEN_VNNI_BEGIN) gets the loop in its own body with
-// its dots inlined. One group a call at every M: a two-group tile (each activation broadcast serving 16 rows) ran
-// 3072 x 768 faster with the weights in cache, but decode steps of 2 / 4 sequences, weights from DRAM, 1.3 / 1.1x
-// slower than this one.
+// MT activation rows against one group's nb Q4 (HasMin) or Q4_0 records (affine_tile in common.h): dots(qs, b, dot)
+// gives dot[m], row m's int32 dot with the nibbles at qs for activation block b. One group a call at every M: a
+// two-group tile (each activation broadcast serving 16 rows) ran 3072 x 768 faster with the weights in cache, but
+// decode steps of 2 / 4 sequences, weights from DRAM, 1.3 / 1.1x slower than this one.
 template <int MT, bool HasMin, class Dots>
 __attribute__((always_inline)) inline void q4_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb,
                                                    float* const* out, Dots dots) {
-  constexpr int64_t kRecord = HasMin ? kQ4Record : kQ40Record, kQs = HasMin ? 32 : 16;  // record size, nibbles' offset
-  __m256 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, w += kRecord) {
-    // ~5 KB ahead: enough records in flight to cover DRAM latency (measured: 8 ahead left half
-    // the bandwidth unused on cold weights)
-    const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchRecords * kRecord;
-    _mm_prefetch(ahead, _MM_HINT_T0);
-    _mm_prefetch(ahead + 64, _MM_HINT_T0);
-    _mm_prefetch(ahead + 128, _MM_HINT_T0);
-    __m256i dot[MT];
-    dots(w + kQs, b, dot);
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    // Q4_0: m = -8 d, the value the Q4 record stored (exact: a power of two times an fp16)
-    const __m256 mw = HasMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)))
-                             : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
-    for (int m = 0; m < MT; ++m) {
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
-      acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a[m][b].s), acc[m]);
-    }
-  }
-  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
+  // dots passes straight through: a lambda of this (AVX2) function in between kept a VNNI tile's dots out of line
+  constexpr int64_t kRecord = HasMin ? kQ4Record : kQ40Record, kDotsAt = HasMin ? 32 : 16;
+  affine_tile<MT, kRecord, kPrefetchRecords, HasMin ? 0 : 8, kDotsAt>(w, a, nb, out, dots);
 }
 
 // The int32 dots of the nibbles at qs with activation block b: nibble_sums, then one madd per row.

@@ -37,24 +37,24 @@ inline void unpack(const uint8_t* qs, __m256i qh, __m256i low4, __m256i bit4, __
   hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p, 4), low4), bit_to_4<4 + T>(qh, bit4));
 }
 
-// The 5-bit values of nibbles qs[4][8][4] and high bits qh[8][4] (a record's, common.h): lo[t] = columns 4t+i,
-// hi[t] = columns 16+4t+i of the 8 rows (nibble | fifth bit).
-inline void unpack_record(const uint8_t* qs, const uint8_t* qh_bytes, __m256i* lo, __m256i* hi) {
+// The 5-bit values of nibbles qs[4][8][4] and the high bits qh[8][4] after them at qs + 128 (every Q5 layout's,
+// common.h): lo[t] = columns 4t+i, hi[t] = columns 16+4t+i of the 8 rows (nibble | fifth bit).
+inline void unpack_record(const uint8_t* qs, __m256i* lo, __m256i* hi) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
-  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh_bytes));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 128));
   unpack<0>(qs, qh, low4, bit4, lo[0], hi[0]);
   unpack<1>(qs, qh, low4, bit4, lo[1], hi[1]);
   unpack<2>(qs, qh, low4, bit4, lo[2], hi[2]);
   unpack<3>(qs, qh, low4, bit4, lo[3], hi[3]);
 }
 
-// dot[m]: int32 per row of the 8 rows' 5-bit values (nibbles at qs, high bits at qh) times activation block b of
-// row m.
+// dot[m]: int32 per row of the 8 rows' 5-bit values (nibbles at qs, high bits at qs + 128) times activation block b
+// of row m.
 template <int MT>
-inline void q5_dots(const uint8_t* qs, const uint8_t* qh, const BlockQ8A* const* a, int64_t b, __m256i* dot) {
+inline void q5_dots(const uint8_t* qs, const BlockQ8A* const* a, int64_t b, __m256i* dot) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i lo[4], hi[4];  // columns 4t+i and 16+4t+i, 8 rows
-  unpack_record(qs, qh, lo, hi);
+  unpack_record(qs, lo, hi);
   for (int m = 0; m < MT; ++m) {
     const int8_t* q = a[m][b].qs;
     dot[m] = _mm256_setzero_si256();
@@ -73,9 +73,9 @@ inline void q5_dots(const uint8_t* qs, const uint8_t* qh, const BlockQ8A* const*
 KVGEN_VNNI_BEGIN
 // q5_dots with vpdpbusd (common.h): a row's 8 vectors over two running sums (one chain waited on their latency).
 template <int MT>
-inline void q5_dots_vnni(const uint8_t* qs, const uint8_t* qh, const BlockQ8A* const* a, int64_t b, __m256i* dot) {
+inline void q5_dots_vnni(const uint8_t* qs, const BlockQ8A* const* a, int64_t b, __m256i* dot) {
   __m256i lo[4], hi[4];  // columns 4t+i and 16+4t+i, 8 rows
-  unpack_record(qs, qh, lo, hi);
+  unpack_record(qs, lo, hi);
   for (int m = 0; m < MT; ++m) {
     const int8_t* q = a[m][b].qs;
     __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
@@ -88,30 +88,14 @@ inline void q5_dots_vnni(const uint8_t* qs, const uint8_t* qh, const BlockQ8A* c
 }
 KVGEN_VNNI_END
 
-// MT activation rows against one group's nb Q5 (HasMin) or Q5_0 records: dots(qs, qh, b, dot) gives each row's
-// int32 dot for activation block b. Always inlined, so a VNNI tile gets the loop in its own body with its dots
-// inlined (common.h).
+// MT activation rows against one group's nb Q5 (HasMin) or Q5_0 records (affine_tile in common.h): dots(qs, b, dot)
+// gives each row's int32 dot for activation block b from the nibbles at qs and the high bits at qs + 128.
 template <int MT, bool HasMin, class Dots>
 __attribute__((always_inline)) inline void q5_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb,
                                                    float* const* out, Dots dots) {
-  constexpr int64_t kRecord = HasMin ? kQ5Record : kQ50Record, kQs = HasMin ? 32 : 16;  // record size, nibbles
-  __m256 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, w += kRecord) {
-    const char* ahead = reinterpret_cast<const char*>(w) + KVGEN_Q5_PREFETCH * kRecord;
-    for (int c = 0; c < kRecord; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
-    __m256i dot[MT];
-    dots(w + kQs, w + kQs + 128, b, dot);
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    // Q5_0: m = -16 d, the value the Q5 record stored (exact: a power of two times an fp16)
-    const __m256 mw = HasMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)))
-                             : _mm256_mul_ps(dw, _mm256_set1_ps(-16.0f));
-    for (int m = 0; m < MT; ++m) {
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
-      acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a[m][b].s), acc[m]);
-    }
-  }
-  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
+  // dots passes straight through: a lambda of this (AVX2) function in between kept a VNNI tile's dots out of line
+  constexpr int64_t kRecord = HasMin ? kQ5Record : kQ50Record, kDotsAt = HasMin ? 32 : 16;
+  affine_tile<MT, kRecord, KVGEN_Q5_PREFETCH, HasMin ? 0 : 16, kDotsAt>(w, a, nb, out, dots);
 }
 
 // Q5_K: block k's nibbles at 160 + 160k and high bits at 288 + 160k of a super-block record (k_quant_tile in
@@ -120,15 +104,15 @@ template <int MT>
 void q5k_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
   k_quant_tile<MT, kQ5KRecord, KVGEN_Q5K_PREFETCH>(
       w, a, nb, out, [a](const uint8_t* r, int k, int64_t b, __m256i* dot) {
-        q5_dots<MT>(r + 160 + 160 * k, r + 288 + 160 * k, a, b, dot);
+        q5_dots<MT>(r + 160 + 160 * k, a, b, dot);
       });
 }
 
 KVGEN_VNNI_BEGIN
 template <int MT, bool HasMin>
 void q5_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
-  q5_tile<MT, HasMin>(w, a, nb, out, [a](const uint8_t* qs, const uint8_t* qh, int64_t b, __m256i* dot) {
-    q5_dots_vnni<MT>(qs, qh, a, b, dot);
+  q5_tile<MT, HasMin>(w, a, nb, out, [a](const uint8_t* qs, int64_t b, __m256i* dot) {
+    q5_dots_vnni<MT>(qs, a, b, dot);
   });
 }
 
@@ -137,7 +121,7 @@ void q5k_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float
   k_quant_tile<MT, kQ5KRecord, KVGEN_Q5K_PREFETCH>(
       w, a, nb, out,
       [a](const uint8_t* r, int k, int64_t b, __m256i* dot) {
-        q5_dots_vnni<MT>(r + 160 + 160 * k, r + 288 + 160 * k, a, b, dot);
+        q5_dots_vnni<MT>(r + 160 + 160 * k, a, b, dot);
       });
 }
 KVGEN_VNNI_END
@@ -146,8 +130,8 @@ template <bool HasMin>
 void group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
   if (use_vnni()) return vnni_tile_rows(mt, [&](auto MT, int r) { q5_tile_vnni<MT, HasMin>(w, a + r, nb, out + r); });
   tile_rows(mt, [&](auto MT) {
-    q5_tile<MT, HasMin>(w, a, nb, out, [a](const uint8_t* qs, const uint8_t* qh, int64_t b, __m256i* dot) {
-      q5_dots<decltype(MT)::value>(qs, qh, a, b, dot);
+    q5_tile<MT, HasMin>(w, a, nb, out, [a](const uint8_t* qs, int64_t b, __m256i* dot) {
+      q5_dots<decltype(MT)::value>(qs, a, b, dot);
     });
   });
 }
