@@ -25,11 +25,13 @@ Layouts (see ``csrc/common.h``): weights are repacked at load from GGUF blocks i
   file's ``sc | m << 4`` bytes; Q3: int8 ``s - 32``), 2-bit planes (per block k and half h: bits 2s of byte
   ``4r+i`` = column ``32k + 16h + 4s + i``) and, for Q3, third bits (bit ``4h + s`` of byte ``4r+i`` per block);
   value = d sc u - dmin m (Q2), d sc (u - 4) (Q3).
-* Q4_K record, 1184 bytes per 8 rows x 256 columns (one ``block_q4_K`` super-block per row): fp16 ``d[8]``, fp16
-  ``dmin[8]``, uint8 ``sc[8][8]`` and ``m[8][8]`` (``[k][r]``: block k's 6-bit scale and min), then per block k
-  the Q4 record's ``qs``; value = d sc q - dmin m.
-* Q5_K record, 1440 bytes per 8 rows x 256 columns (from ``block_q5_K``): the Q4_K record's first 160 bytes, then per
-  block k the Q5 record's ``qs`` and ``qh`` (160 bytes); value = d sc u - dmin m.
+* Q4_K record, 1152 bytes per 8 rows x 256 columns (one ``block_q4_K`` super-block per row): fp16 ``d[8]``, fp16
+  ``dmin[8]``, block k's 6-bit scale ``sc[k][r]`` and min ``m[k][r]`` as ``low[k][r]`` at 32 (their low 4 bits:
+  ``sc & 15 | (m & 15) << 4``) and ``top[k % 4][r]`` at 96 (their top 2 bits: those of ``sc`` at bits
+  ``2 (k // 4)``, those of ``m`` at ``4 + 2 (k // 4)``), then per block k the Q4 record's ``qs``; value =
+  d sc q - dmin m (the file's 4.5 bits a weight).
+* Q5_K record, 1408 bytes per 8 rows x 256 columns (from ``block_q5_K``): the Q4_K record's first 128 bytes, then per
+  block k the Q5 record's ``qs`` and ``qh``; value = d sc u - dmin m.
 * IQ4 record, 144 bytes (from ``block_iq4_nl``): fp16 ``d[8]``, then ``qs`` as the Q4 record's; value =
   d * IQ4_VALUES[nibble].
 * IQ4_XS record, 1104 bytes per 8 rows x 256 columns (from ``block_iq4_xs``): fp16 ``d[8]``, int8 ``sc[8][8]``
@@ -61,7 +63,7 @@ ROWS = 8  # rows per interleaved group
 Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0, Q4_K, Q5_K, IQ4_XS, Q5_0 = range(16)
 MIXED_HEADER = 64  # bytes of int64 {S, nb, (weight_type, groups) x S} before a mixed weight's segments
 RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 1680, F16: 512, BF16: 512, Q5: 192, IQ4: 144, Q2: 672, Q3: 912, MXFP4: 144,
-                Q4_0: 144, Q4_K: 1184, Q5_K: 1440, IQ4_XS: 1104, Q5_0: 176}
+                Q4_0: 144, Q4_K: 1152, Q5_K: 1408, IQ4_XS: 1104, Q5_0: 176}
 # 32-column blocks per record: one 256-column super-block (1 for the other types)
 RECORD_BLOCKS = {Q2: 8, Q3: 8, Q4_K: 8, Q5_K: 8, Q6: 8, IQ4_XS: 8}
 # bit 4h + t of a Q5 / Q5_K record's qh byte (r, i): the fifth bit of column 16h + 4t + i, as [h, t, 1]
@@ -221,7 +223,7 @@ def repack_q23_k(raw: torch.Tensor, q3: bool) -> torch.Tensor:
 
 
 def repack_k_quant(raw: torch.Tensor, five: bool) -> torch.Tensor:
-    """GGUF Q4_K (Q5_K) rows [N, nsb * 144 (176)] uint8 -> Q4_K (Q5_K) records [G, nsb, 1184 (1440)] uint8 (module
+    """GGUF Q4_K (Q5_K) rows [N, nsb * 144 (176)] uint8 -> Q4_K (Q5_K) records [G, nsb, 1152 (1408)] uint8 (module
     doc). Source: ggml ``dequantize_row_q4_K`` / ``dequantize_row_q5_K``, the gguf package's ``Q4_K.get_scale_min``."""
     import numpy as np
     from gguf.quants import Q4_K as GGUF_Q4_K
@@ -234,7 +236,11 @@ def repack_k_quant(raw: torch.Tensor, five: bool) -> torch.Tensor:
     g = blocks.shape[0]
     sc, mn = (torch.from_numpy(x.astype(np.uint8)).view(g, ROWS, nsb, 8)  # [G, r, nsb, k]
               for x in GGUF_Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12).numpy().copy()))
-    scales = [f.permute(0, 2, 3, 1).reshape(g, nsb, 64) for f in (sc, mn)]  # [G, nsb, k r]
+    sc, mn = (f.permute(0, 2, 3, 1) for f in (sc, mn))  # [G, nsb, k, r]
+    low = ((sc & 15) | ((mn & 15) << 4)).reshape(g, nsb, 64)  # [G, nsb, k r]
+    top = ((sc[:, :, :4] >> 4) | ((sc[:, :, 4:] >> 4) << 2) | ((mn[:, :, :4] >> 4) << 4)
+           | ((mn[:, :, 4:] >> 4) << 6)).reshape(g, nsb, 32)  # [G, nsb, k % 4 r]
+    scales = [low, top]
     head = [blocks[..., a:a + 2].transpose(1, 2).reshape(g, nsb, 16) for a in (0, 2)]  # d, dmin: [G, nsb, r 2]
     qs = blocks[..., at:].reshape(g, ROWS, nsb, 4, 1, 32)  # [G, r, nsb, pair, 1, byte]
     nib = (qs >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 1, 2, 1)) & 15  # [G, r, nsb, pair, k % 2, l]
@@ -247,17 +253,21 @@ def repack_k_quant(raw: torch.Tensor, five: bool) -> torch.Tensor:
         high = (bits.long() << _QH_SHIFTS).sum(dim=(4, 5))  # [G, r, nsb, k, i]
         per_block.append(high.permute(0, 2, 3, 1, 4).reshape(g, nsb, 8, 32).to(torch.uint8))  # [G, nsb, k, r i]
     blocks_out = torch.cat(per_block, dim=-1).reshape(g, nsb, -1)  # [G, nsb, 8 x (128 | 160)]
-    return torch.cat([*head, *scales, blocks_out], dim=-1).contiguous()  # [G, nsb, 1184 | 1440]
+    return torch.cat([*head, *scales, blocks_out], dim=-1).contiguous()  # [G, nsb, 1152 | 1408]
 
 
 def _dequantize_k_quant(weight: torch.Tensor, five: bool) -> torch.Tensor:
-    """Q4_K (Q5_K) records [G, nsb, 1184 (1440)] -> float32 [G * 8, nsb * 256]: (d sc) u - (dmin m), as ggml
+    """Q4_K (Q5_K) records [G, nsb, 1152 (1408)] -> float32 [G * 8, nsb * 256]: (d sc) u - (dmin m), as ggml
     ``dequantize_row_q4_K`` (``_q5_K``)."""
     g, nsb, _ = weight.shape
     d, dmin = (weight[..., a:a + 16].contiguous().view(torch.float16).float().view(g, nsb, 1, ROWS, 1, 1)
                for a in (0, 16))  # [G, nsb, 1, r, 1, 1]
-    sc, mn = (weight[..., a:a + 64].float().view(g, nsb, 8, ROWS, 1, 1) for a in (32, 96))  # [G, nsb, k, r, 1, 1]
-    blk = weight[..., 160:].reshape(g, nsb, 8, 160 if five else 128)  # [G, nsb, k, bytes]
+    low = weight[..., 32:96].reshape(g, nsb, 8, ROWS)  # [G, nsb, k, r]
+    top = weight[..., 96:128].reshape(g, nsb, 1, 4, ROWS)  # [G, nsb, 1, k % 4, r]
+    top = torch.cat([top, top >> 2], dim=2).reshape(g, nsb, 8, ROWS)  # [G, nsb, k, r]: sc's top bits at 0, m's at 4
+    sc, mn = (((low >> s) & 15) | (((top >> s) & 3) << 4) for s in (0, 4))  # [G, nsb, k, r]
+    sc, mn = (f.float().view(g, nsb, 8, ROWS, 1, 1) for f in (sc, mn))  # [G, nsb, k, r, 1, 1]
+    blk = weight[..., 128:].reshape(g, nsb, 8, 160 if five else 128)  # [G, nsb, k, bytes]
     qs = blk[..., :128].reshape(g, nsb, 8, 4, ROWS, 4).permute(0, 1, 2, 4, 3, 5)  # [G, nsb, k, r, t, i]
     u = torch.stack([qs & 15, qs >> 4], dim=4).long()  # [G, nsb, k, r, h, t, i]: column 16 h + 4 t + i
     if five:

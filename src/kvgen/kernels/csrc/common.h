@@ -41,13 +41,15 @@
 //   Q3 record (912 bytes per 8 rows x 256 columns, from block_q3_K): fp16 d[8], int8 sc[16][8] (s - 32), the
 //     2-bit planes of Q2's layout at 144, then per block k uint8 hb[8][4] at 656 + 32k: bit 4h + s of byte 4r+i =
 //     the third bit of that column (u = low | 4 hb in [0, 7], w = d sc (u - 4); Q3_K's hmask bit set: no -4).
-//   Q4_K record (1184 bytes per 8 rows x 256 columns: one GGUF block_q4_K super-block of each row): fp16 d[8],
-//     fp16 dmin[8], uint8 sc[8][8] and uint8 m[8][8] at 32 and 96 (sc[k][r], m[k][r]: the 6-bit scale and min of
-//     32-column block k of row r, unpacked from the file's 12 bytes), then per block k at 160 + 128k the Q4 record's
-//     qs[4][8][4] (w = d sc q - dmin m): 4.625 bits a weight (the file's 4.5 plus the scales widened to bytes).
-//   Q5_K record (1440 bytes per 8 rows x 256 columns, from block_q5_K): the Q4_K record's 160 bytes of d, dmin, sc
-//     and m, then per block k at 160 + 160k the Q5 record's qs[4][8][4] and qh[8][4] (w = d sc u - dmin m): 5.625
-//     bits a weight.
+//   Q4_K record (1152 bytes per 8 rows x 256 columns: one GGUF block_q4_K super-block of each row): fp16 d[8],
+//     fp16 dmin[8], the 6-bit scales sc[k][r] and mins m[k][r] of 32-column block k of row r (the file's 12 bytes a
+//     row, regrouped so that one pass of vector shifts and masks per record unpacks them, k_scales_mins): at 32 + 8k
+//     + r the low 4 bits of sc[k][r] | those of m[k][r] << 4, at 96 + 8k + r (k < 4) the top 2 bits of sc[k][r],
+//     sc[k + 4][r], m[k][r], m[k + 4][r] at bits 0, 2, 4, 6; then per block k at 128 + 128k the Q4 record's
+//     qs[4][8][4] (w = d sc q - dmin m): the file's 4.5 bits a weight.
+//   Q5_K record (1408 bytes per 8 rows x 256 columns, from block_q5_K): the Q4_K record's 128 bytes of d, dmin, sc
+//     and m, then per block k at 128 + 160k the Q5 record's qs[4][8][4] and qh[8][4] (w = d sc u - dmin m): the
+//     file's 5.5 bits a weight.
 //   IQ4_XS record (1104 bytes per 8 rows x 256 columns, from block_iq4_xs): fp16 d[8], int8 sc[8][8] at 16 (sc[k][r]:
 //     ls - 32 of block k, the file's 6-bit scale), then per block k at 80 + 128k the IQ4 record's qs[4][8][4]
 //     (w = d sc kIQ4Values[nibble]): 4.3125 bits a weight.
@@ -79,8 +81,8 @@ constexpr int64_t kIQ4Record = 144;   // bytes per (group, block), IQ4 (and MXFP
 constexpr int64_t kQ40Record = 144;   // bytes per (group, block), Q4_0
 constexpr int64_t kQ2Record = 672;    // bytes per (group, super-block of 8 blocks), Q2
 constexpr int64_t kQ3Record = 912;    // bytes per (group, super-block of 8 blocks), Q3
-constexpr int64_t kQ4KRecord = 1184;  // bytes per (group, super-block of 8 blocks), Q4_K
-constexpr int64_t kQ5KRecord = 1440;  // bytes per (group, super-block of 8 blocks), Q5_K
+constexpr int64_t kQ4KRecord = 1152;  // bytes per (group, super-block of 8 blocks), Q4_K
+constexpr int64_t kQ5KRecord = 1408;  // bytes per (group, super-block of 8 blocks), Q5_K
 constexpr int64_t kIQ4XSRecord = 1104;  // bytes per (group, super-block of 8 blocks), IQ4_XS
 constexpr int64_t kMixedHeader = 64;  // bytes before a mixed weight's segments
 
@@ -157,31 +159,50 @@ __attribute__((always_inline)) inline void affine_tile(const uint8_t* w, const B
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
 }
 
+// A Q4_K / Q5_K record's scales and mins (layout above) as bytes: sm[8k + r] = sc[k][r], sm[64 + 8k + r] = m[k][r].
+// 16-bit shifts are safe: each mask keeps only bits that came from the byte's own bits.
+__attribute__((always_inline)) inline void k_scales_mins(const uint8_t* w, uint8_t* sm) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+  const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));  // blocks 0-3
+  const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64));  // blocks 4-7
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 96));
+  const auto put = [sm](int at, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(sm + at), v); };
+  put(0, _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), top2)));
+  put(32, _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), top2)));
+  put(64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(h, top2)));
+  put(96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                          _mm256_and_si256(_mm256_srli_epi16(h, 2), top2)));
+}
+
 // The Q4_K and Q5_K tiles: MT activation rows against one group's super-block records of kRecord bytes (fp16 d at 0,
-// dmin at 16, byte scales sc[k][r] at 32 and mins m[k][r] at 96). dots(w, k, b, dot) gives block k's int32 dot per
-// row; per block the rows' d sc and dmin m in fp32 (shared by the MT rows), then per row acc += dot (d sc) d_a -
+// dmin at 16); scales: null (each record's scales and mins unpacked here by k_scales_mins) or the group's, unpacked
+// by qgemm once for all its tiles (k_scales_mins of each record: 128 bytes a record). dots(w, k, b, dot) gives block k's int32 dot
+// per row; per block the rows' d sc and dmin m in fp32 (shared by the MT rows), then per row acc += dot (d sc) d_a -
 // (dmin m) s_a: Q4's two fmadds and registers (accumulating d sum_k sc_k dot_k per row instead spilled at MT = 4).
 // Always inlined: a VNNI tile (KVGEN_VNNI_BEGIN) that calls it with its VNNI dots gets the loop in its own body, where
 // the dots inline too (a function compiled for fewer extensions cannot inline them: a call per block).
-template <int MT, int64_t kRecord, int64_t kPrefetchRecords, class Dots>
-__attribute__((always_inline)) inline void k_quant_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb,
-                                                        float* const* out, Dots dots) {
+template <int MT, int64_t kRecord, int64_t kPrefetchRecords, bool kUnpack, class Dots>
+__attribute__((always_inline)) inline void k_quant_tile_body(const uint8_t* w, const BlockQ8A* const* a, int64_t nb,
+                                                             float* const* out, const uint8_t* scales, Dots dots) {
   constexpr int64_t kStep = kRecord / 8;  // prefetch a record ahead in 8 steps
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  alignas(32) uint8_t unpacked[kUnpack ? 128 : 1];
   for (int64_t sb = 0; sb < nb / 8; ++sb, w += kRecord) {
     const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchRecords * kRecord;
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
     const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+    const uint8_t* sm = kUnpack ? unpacked : scales + 128 * sb;
+    if constexpr (kUnpack) k_scales_mins(w, unpacked);
     for (int k = 0; k < 8; ++k) {
       const int64_t b = 8 * sb + k;
       for (int64_t c = 0; c < kStep; c += 64) _mm_prefetch(ahead + kStep * k + c, _MM_HINT_T0);
       __m256i dot[MT];
       dots(w, k, b, dot);
       const __m256 scale = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 32 + 8 * k)))));
+                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8 * k)))));
       const __m256 mn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 96 + 8 * k)))));
+                                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 64 + 8 * k)))));
       for (int m = 0; m < MT; ++m) {
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(scale, _mm256_set1_ps(a[m][b].d)), acc[m]);
         acc[m] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(a[m][b].s), acc[m]);
@@ -189,6 +210,17 @@ __attribute__((always_inline)) inline void k_quant_tile(const uint8_t* w, const 
     }
   }
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
+}
+
+// scales null: each record's scales unpacked in the loop, from the record just read (a group met by one tile, as in
+// decode: unpacked ahead by qgemm, the records' scattered first lines were read before their prefetches, and qgemm
+// 5632 x 2048 at M = 1 ran 1.2-1.4x slower); else the group's, unpacked once for its several tiles (in the loop, that
+// took Q4_K at M = 64 1.03x as long, in cache).
+template <int MT, int64_t kRecord, int64_t kPrefetchRecords, class Dots>
+__attribute__((always_inline)) inline void k_quant_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb,
+                                                        float* const* out, const uint8_t* scales, Dots dots) {
+  if (scales == nullptr) return k_quant_tile_body<MT, kRecord, kPrefetchRecords, true>(w, a, nb, out, scales, dots);
+  k_quant_tile_body<MT, kRecord, kPrefetchRecords, false>(w, a, nb, out, scales, dots);
 }
 
 // AVX512-VNNI with AVX512VL (Ice Lake and later Xeons, AMD Zen 4 and later): vpdpbusd sums 4 u8 x s8 products
@@ -230,13 +262,16 @@ void quantize_row_q8a(const float* x, BlockQ8A* y, int64_t K);
 void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q40_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 // Q4_K groups: nb a multiple of 8 (whole super-block records).
-void q4k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
+// scales: null, or the group's scales and mins unpacked by k_group_scales_mins (k_quant_tile).
+void q4k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out,
+               const uint8_t* scales);
 // Q8 groups take their VNNI tiles where block_sums is not null (see iq4_group below).
 void q8_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* block_sums, int mt, int64_t nb,
               float* const* out);
 void q5_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q50_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
-void q5k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);  // nb % 8 == 0
+void q5k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out,
+               const uint8_t* scales);  // nb % 8 == 0
 // IQ4 and MXFP4 groups: `values` is the 16-entry table of the indices (kIQ4Values, kMXFP4Values). Q8, IQ4, MXFP4 and
 // IQ4_XS groups take their VNNI tiles where block_sums is not null: block_sums[m][b] = 128 * the sum of row m's
 // activation block b (activation_block_sums; qgemm passes them on AVX512-VNNI), null on AVX2.

@@ -174,6 +174,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
     const int32_t* bs[kVnniRows];
     const float* xr[kVnniRows];
     float* o[kVnniRows];
+    std::vector<uint8_t> kscales_buffer;  // a K-quant group's unpacked scales and mins
     size_t si = 0;
     for (int64_t g = begin; g < end; ++g) {
       while (g >= segs[si].g1) ++si;  // groups ascend: the segment holding g
@@ -182,6 +183,13 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
       // activation rows a tile takes: kVnniRows for the VNNI tiles (common.h), else 4
       const int64_t t = seg.weight_type;
       const int64_t rows = use_vnni() && t != kQ2 && t != kQ3 && t != kF16 && t != kBF16 ? kVnniRows : 4;
+      // a K-quant group met by several tiles has its scales and mins unpacked once (k_quant_tile in common.h)
+      const uint8_t* kscales = nullptr;
+      if ((t == kQ4K || t == kQ5K) && M > rows) {
+        kscales_buffer.resize(nb / 8 * 128);
+        for (int64_t sb = 0; sb < nb / 8; ++sb) k_scales_mins(wg + 8 * sb * seg.rec, kscales_buffer.data() + 128 * sb);
+        kscales = kscales_buffer.data();
+      }
       for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int mt = static_cast<int>(std::min<int64_t>(rows, M - m0));
         for (int i = 0; i < mt; ++i) {
@@ -197,8 +205,8 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           case kQ6: q6_group(wg, a, hs, mt, nb, o); break;
           case kQ4: q4_group(wg, a, mt, nb, o); break;
           case kQ40: q40_group(wg, a, mt, nb, o); break;
-          case kQ4K: q4k_group(wg, a, mt, nb, o); break;
-          case kQ5K: q5k_group(wg, a, mt, nb, o); break;
+          case kQ4K: q4k_group(wg, a, mt, nb, o, kscales); break;
+          case kQ5K: q5k_group(wg, a, mt, nb, o, kscales); break;
           case kIQ4XS: iq4xs_group(wg, a, has_block_sums ? bs : nullptr, mt, nb, o); break;
           case kQ5: q5_group(wg, a, mt, nb, o); break;
           case kQ50: q50_group(wg, a, mt, nb, o); break;
@@ -248,10 +256,11 @@ void q23_block_values(const uint8_t* rec, int64_t k, int64_t r, bool q3, float* 
 void k_block_values(const uint8_t* rec, int64_t k, int64_t r, bool five, float* dst) {
   uint16_t h;
   std::memcpy(&h, rec + 2 * r, 2);
-  const float d = _cvtsh_ss(h) * static_cast<float>(rec[32 + 8 * k + r]);
+  const uint8_t low = rec[32 + 8 * k + r], top = rec[96 + 8 * (k % 4) + r] >> (2 * (k / 4));  // layout: common.h
+  const float d = _cvtsh_ss(h) * static_cast<float>((low & 15) | (top & 3) << 4);
   std::memcpy(&h, rec + 16 + 2 * r, 2);
-  const float m = _cvtsh_ss(h) * static_cast<float>(rec[96 + 8 * k + r]);
-  const uint8_t* blk = rec + 160 + (five ? 160 : 128) * k;  // nibbles, then (Q5_K) the high bits at 128
+  const float m = _cvtsh_ss(h) * static_cast<float>((low >> 4) | ((top >> 4) & 3) << 4);
+  const uint8_t* blk = rec + 128 + (five ? 160 : 128) * k;  // nibbles, then (Q5_K) the high bits at 128
   for (int t = 0; t < 4; ++t) {
     for (int i = 0; i < 4; ++i) {
       const uint8_t byte = blk[32 * t + 4 * r + i], hb = five ? blk[128 + 4 * r + i] : 0;

@@ -99,18 +99,20 @@ void q4_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float*
 }
 
 template <int MT>
-void q4k_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
-  k_quant_tile<MT, kQ4KRecord, KVGEN_Q4K_PREFETCH>(w, a, nb, out, [a](const uint8_t* r, int k, int64_t b, __m256i* dot) {
-    nibble_dots_vnni<MT>(r + 160 + 128 * k, a, b, dot);
+void q4k_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out, const uint8_t* scales) {
+  k_quant_tile<MT, kQ4KRecord, KVGEN_Q4K_PREFETCH>(w, a, nb, out, scales, [a](const uint8_t* r, int k, int64_t b,
+                                                                              __m256i* dot) {
+    nibble_dots_vnni<MT>(r + 128 + 128 * k, a, b, dot);
   });
 }
 KVGEN_VNNI_END
 
-// Q4_K: block k's nibbles at 160 + 128k of a super-block record (k_quant_tile in common.h).
+// Q4_K: block k's nibbles at 128 + 128k of a super-block record (k_quant_tile in common.h).
 template <int MT>
-void q4k_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
-  k_quant_tile<MT, kQ4KRecord, KVGEN_Q4K_PREFETCH>(w, a, nb, out, [a](const uint8_t* r, int k, int64_t b, __m256i* dot) {
-    nibble_dots<MT>(r + 160 + 128 * k, a, b, dot);
+void q4k_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out, const uint8_t* scales) {
+  k_quant_tile<MT, kQ4KRecord, KVGEN_Q4K_PREFETCH>(w, a, nb, out, scales, [a](const uint8_t* r, int k, int64_t b,
+                                                                              __m256i* dot) {
+    nibble_dots<MT>(r + 128 + 128 * k, a, b, dot);
   });
 }
 
@@ -126,9 +128,10 @@ void group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float
 
 }  // namespace
 
-void q4k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
-  if (use_vnni()) return vnni_tile_rows(mt, [&](auto MT, int r) { q4k_tile_vnni<MT>(w, a + r, nb, out + r); });
-  tile_rows(mt, [&](auto MT) { q4k_tile<MT>(w, a, nb, out); });
+void q4k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out,
+               const uint8_t* scales) {
+  if (use_vnni()) return vnni_tile_rows(mt, [&](auto MT, int r) { q4k_tile_vnni<MT>(w, a + r, nb, out + r, scales); });
+  tile_rows(mt, [&](auto MT) { q4k_tile<MT>(w, a, nb, out, scales); });
 }
 
 void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {

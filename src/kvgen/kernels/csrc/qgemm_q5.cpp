@@ -98,13 +98,13 @@ __attribute__((always_inline)) inline void q5_tile(const uint8_t* w, const Block
   affine_tile<MT, kRecord, KVGEN_Q5_PREFETCH, HasMin ? 0 : 16, kDotsAt>(w, a, nb, out, dots);
 }
 
-// Q5_K: block k's nibbles at 160 + 160k and high bits at 288 + 160k of a super-block record (k_quant_tile in
+// Q5_K: block k's nibbles at 128 + 160k and high bits at 256 + 160k of a super-block record (k_quant_tile in
 // common.h).
 template <int MT>
-void q5k_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
+void q5k_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out, const uint8_t* scales) {
   k_quant_tile<MT, kQ5KRecord, KVGEN_Q5K_PREFETCH>(
-      w, a, nb, out, [a](const uint8_t* r, int k, int64_t b, __m256i* dot) {
-        q5_dots<MT>(r + 160 + 160 * k, a, b, dot);
+      w, a, nb, out, scales, [a](const uint8_t* r, int k, int64_t b, __m256i* dot) {
+        q5_dots<MT>(r + 128 + 160 * k, a, b, dot);
       });
 }
 
@@ -117,11 +117,11 @@ void q5_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float*
 }
 
 template <int MT>
-void q5k_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out) {
+void q5k_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float* const* out, const uint8_t* scales) {
   k_quant_tile<MT, kQ5KRecord, KVGEN_Q5K_PREFETCH>(
-      w, a, nb, out,
+      w, a, nb, out, scales,
       [a](const uint8_t* r, int k, int64_t b, __m256i* dot) {
-        q5_dots_vnni<MT>(r + 160 + 160 * k, a, b, dot);
+        q5_dots_vnni<MT>(r + 128 + 160 * k, a, b, dot);
       });
 }
 KVGEN_VNNI_END
@@ -146,9 +146,10 @@ void q50_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, f
   group<false>(w, a, mt, nb, out);
 }
 
-void q5k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
-  if (use_vnni()) return vnni_tile_rows(mt, [&](auto MT, int r) { q5k_tile_vnni<MT>(w, a + r, nb, out + r); });
-  tile_rows(mt, [&](auto MT) { q5k_tile<MT>(w, a, nb, out); });
+void q5k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out,
+               const uint8_t* scales) {
+  if (use_vnni()) return vnni_tile_rows(mt, [&](auto MT, int r) { q5k_tile_vnni<MT>(w, a + r, nb, out + r, scales); });
+  tile_rows(mt, [&](auto MT) { q5k_tile<MT>(w, a, nb, out, scales); });
 }
 
 }  // namespace kvgen

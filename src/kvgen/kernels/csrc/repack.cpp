@@ -132,11 +132,12 @@ void repack_k(const uint8_t* s, int64_t r, uint8_t* d, bool five) {
   for (int k = 0; k < 8; ++k) {
     int sc, mn;
     k_scale_min(s + 4, k, sc, mn);
-    d[32 + 8 * k + r] = static_cast<uint8_t>(sc);
-    d[96 + 8 * k + r] = static_cast<uint8_t>(mn);
+    d[32 + 8 * k + r] = static_cast<uint8_t>((sc & 15) | (mn & 15) << 4);
+    uint8_t& top = d[96 + 8 * (k % 4) + r];  // the top 2 bits of sc, sc of block k + 4, m, m of block k + 4
+    top = static_cast<uint8_t>(top | (sc >> 4) << (2 * (k / 4)) | (mn >> 4) << (4 + 2 * (k / 4)));
     const uint8_t* qs = s + (five ? 48 : 16) + 32 * (k / 2);
     const int shift = 4 * (k % 2);
-    uint8_t* blk = d + 160 + (five ? 160 : 128) * k;
+    uint8_t* blk = d + 128 + (five ? 160 : 128) * k;
     for (int t = 0; t < 4; ++t) {
       for (int i = 0; i < 4; ++i) {
         blk[32 * t + 4 * r + i] =
@@ -210,7 +211,7 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type, 
               "kvgen.repack_gguf: out must be a contiguous uint8 [", G, ", ", nb, ", ", rec, "] tensor, got ", out.sizes());
   uint8_t* dst = out.data_ptr<uint8_t>();
   // Groups are independent: threads take whole groups, each zeroed just before its rows are written (a missing
-  // row of the last group keeps scale 0; the Q3 record ORs its high bits in).
+  // row of the last group keeps scale 0; the Q3, Q4_K and Q5_K records OR bits in).
   at::parallel_for(0, G, 16, [&](int64_t g_begin, int64_t g_end) {
     std::memset(dst + g_begin * nb * rec, 0, (g_end - g_begin) * nb * rec);
     for (int64_t g = g_begin; g < g_end; ++g)
