@@ -48,6 +48,7 @@ Source: llama.cpp ``ggml/src/ggml-cpu/arch/x86/quants.c`` (``quantize_row_q8_1``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -458,13 +459,14 @@ def mixed_segments(weight: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     num, nb, offset, segments = head[0], head[1], MIXED_HEADER, []
     if not 1 <= num <= 3 or nb < 1:
         raise ValueError(f"mixed weight header holds {num} segments of {nb} blocks")
-    for weight_type, groups in zip(head[2 : 2 + 2 * num : 2], head[3 : 3 + 2 * num : 2]):
-        records, record_bytes = nb // RECORD_BLOCKS.get(weight_type, 1), RECORD_BYTES[weight_type]
-        size = groups * records * record_bytes
-        segments.append((weight_type, weight[offset : offset + size].view(groups, records, record_bytes)))
-        offset += size
-    if offset != weight.numel():
-        raise ValueError(f"mixed weight has {weight.numel()} bytes, its header describes {offset}")
+    shapes = [(weight_type, (groups, nb // RECORD_BLOCKS.get(weight_type, 1), RECORD_BYTES[weight_type]))
+              for weight_type, groups in zip(head[2 : 2 + 2 * num : 2], head[3 : 3 + 2 * num : 2])]
+    described = offset + sum(math.prod(shape) for _, shape in shapes)
+    if described != weight.numel():
+        raise ValueError(f"mixed weight has {weight.numel()} bytes, its header describes {described}")
+    for weight_type, shape in shapes:
+        segments.append((weight_type, weight[offset : offset + math.prod(shape)].view(shape)))
+        offset += math.prod(shape)
     return segments
 
 
@@ -545,9 +547,12 @@ def qgemm(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] float32 @ weight.T (+ bias [N]) (+ residual [M, N]) -> [M, N] float32, with x
-    quantized per 32 values first (Q4, Q8, Q6; F16 and BF16 weights take x as it is)."""
+    quantized per 32 values first (Q4, Q8, Q6; F16 and BF16 weights take x as it is). The products are summed in
+    float64 and rounded once, so a row's result does not depend on the rows beside it (a float32 matmul's blocking
+    does): greedy tokens on this path agree alone, batched and in the engine, as on the kernels."""
     xq = x.float() if weight_type in (F16, BF16) else dequantize_q8a(quantize_q8a(x))  # [M, K]
-    out = xq @ dequantize_packed(weight, weight_type)[:out_features].T  # [M, N]
+    w = dequantize_packed(weight, weight_type)[:out_features]  # [N, K]
+    out = (xq.double() @ w.double().T).float()  # [M, N]
     if bias is not None:
         out = out + bias
     return out + residual.view(out.shape) if residual is not None else out
@@ -573,13 +578,14 @@ def attention(
     sliding-window layer) only the slots > ``past_len + t - window`` of those. ``softcap`` > 0 (Gemma 2): each
     scaled score s becomes ``softcap * tanh(s / softcap)`` before the softmax. ``sinks`` [H] (gpt-oss): each head's
     softmax also runs over its sink logit, whose probability is dropped.
-    Returns [B, T, H, D] float32. Source: Vaswani et al. 2017 eq. 1; GQA as HF ``repeat_kv``; the window as
-    transformers' ``sliding_window_overlay``; the softcap as its Gemma 2 ``eager_attention_forward``; the sinks as its
-    GptOss ``eager_attention_forward``.
+    Returns [B, T, H, D] float32, computed in float64 and rounded once (so a query's result does not depend on the
+    batch, the cache length or the other queries, as on the kernels). Source: Vaswani et al. 2017 eq. 1; GQA as HF
+    ``repeat_kv``; the window as transformers' ``sliding_window_overlay``; the softcap as its Gemma 2
+    ``eager_attention_forward``; the sinks as its GptOss ``eager_attention_forward``.
     """
     b, h, t, d = q.shape
     h_kv, s = k.shape[1], k.shape[2]
-    k, v = k.half().float(), v.half().float()
+    q, k, v = q.double(), k.half().double(), v.half().double()
     slot = torch.arange(s)
     visible = slot[None, :] <= (past_len + torch.arange(t))[:, None]  # [T, S]
     if window > 0:
@@ -593,12 +599,12 @@ def attention(
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     if sinks is not None:  # one more logit per head, its probability dropped
-        sink = sinks.float().view(1, h_kv, h // h_kv, 1, 1).expand(b, -1, -1, t, 1)  # [B, Hkv, G, T, 1]
+        sink = sinks.double().view(1, h_kv, h // h_kv, 1, 1).expand(b, -1, -1, t, 1)  # [B, Hkv, G, T, 1]
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :s]  # [B, Hkv, G, T, S]
     else:
         probs = torch.softmax(scores, dim=-1)  # [B, Hkv, G, T, S]
     out = probs.reshape(b, h_kv, -1, s) @ v  # [B, Hkv, G*T, D]
-    return out.view(b, h, t, d).transpose(1, 2).contiguous()  # [B, T, H, D]
+    return out.view(b, h, t, d).transpose(1, 2).float().contiguous()  # [B, T, H, D]
 
 
 def paged_attention(
@@ -683,6 +689,8 @@ def rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads
     the first R dimensions of each head (pairs i, i + R/2); the other D - R are left alone (partial rotary)."""
     n, r = qkv.shape[0], cos.shape[-1]
     d = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    if cos.numel() != n * r or sin.numel() != n * r or r % 2 or not 2 <= r <= d:
+        raise ValueError(f"rope_qkv_: cos/sin must be [N, R] with R even and <= D = {d}")
     heads = qkv[:, : (num_heads + num_kv_heads) * d].view(n, num_heads + num_kv_heads, d)[..., :r]  # [N, H + Hkv, R]
     c, s = cos.reshape(n, 1, r), sin.reshape(n, 1, r)
     rotated = torch.cat((-heads[..., r // 2 :], heads[..., : r // 2]), dim=-1)  # [N, H + Hkv, R]
@@ -809,9 +817,10 @@ def filter_draw(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Te
                 top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The engine's sampling stages in vLLM v1's order (``ops.apply_temperature``, ``apply_min_p``, ``apply_top_k``,
     ``apply_top_p``; 0 / 0 / 1 disable a filter) on logits [B, V] float32 with per-row parameters [B], then
-    :func:`softmax_draw` at temperature 1 with u [B] float64. Returns [B] long (the C++ op may return -1 for a row it
+    :func:`softmax_draw` at temperature 1 with u [B] float64 (top_k: integer or float64 whole numbers). Returns [B] long (the C++ op may return -1 for a row it
     leaves to these ops). Raises ValueError for out-of-range parameters. Source: vLLM v1 ``Sampler``; HF's warpers."""
     x = ops.apply_temperature(logits, temperature)
+    top_k = top_k.to(torch.int64)  # whole numbers, possibly as float64 (the engine's one parameter tensor), as the op
     x = ops.apply_top_p(ops.apply_top_k(ops.apply_min_p(x, min_p), top_k), top_p)  # [B, V]
     return softmax_draw(x, torch.ones_like(temperature, dtype=torch.float64), u)
 
@@ -846,7 +855,14 @@ def moe_experts_row(h: torch.Tensor, gate_up: list[torch.Tensor], gate_up_linear
                     biases: list[torch.Tensor | None] | None = None, activation: int = 0) -> torch.Tensor:
     """One row's routed experts: h [1, C] float32 -> sum_j w_j * down_j(act(gate_up_j(h))) [1, C] (act: silu_mul, or
     gpt_oss_glu for activation 1; biases: none, or gate_up's and down's of each expert), j in the given order, each
-    term rounded (a float32 product) before it is added to zeros."""
+    term rounded (a float32 product) before it is added to zeros. ``ValueError`` for lists of mismatched lengths (the
+    op's checks)."""
+    k = len(gate_up)
+    if not (k >= 1 and len(down) == len(expert_weights) == k and len(gate_up_linears) == len(down_linears) == 2 * k):
+        raise ValueError("moe_experts_row: k >= 1 experts, each with gate_up, down, (type, out_features) of both and a "
+                         "weight")
+    if biases and len(biases) != 2 * k:
+        raise ValueError(f"moe_experts_row: biases must be empty or 2 per expert, got {len(biases)}")
     out = torch.zeros_like(h)  # [1, C]
     act = silu_mul if activation == 0 else gpt_oss_glu
     for j, w in enumerate(expert_weights):
