@@ -456,18 +456,16 @@ def mixed_segments(weight: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     """A mixed weight (``csrc/common.h``: a 64-byte int64 header, then each segment's records) -> its segments
     (weight_type, records [groups, nb, R]). Raises ValueError on a malformed header or byte count."""
     head = weight[:MIXED_HEADER].contiguous().view(torch.int64).tolist()
-    num, nb, offset, segments = head[0], head[1], MIXED_HEADER, []
+    num, nb = head[0], head[1]
     if not 1 <= num <= 3 or nb < 1:
         raise ValueError(f"mixed weight header holds {num} segments of {nb} blocks")
     shapes = [(weight_type, (groups, nb // RECORD_BLOCKS.get(weight_type, 1), RECORD_BYTES[weight_type]))
               for weight_type, groups in zip(head[2 : 2 + 2 * num : 2], head[3 : 3 + 2 * num : 2])]
-    described = offset + sum(math.prod(shape) for _, shape in shapes)
-    if described != weight.numel():
-        raise ValueError(f"mixed weight has {weight.numel()} bytes, its header describes {described}")
-    for weight_type, shape in shapes:
-        segments.append((weight_type, weight[offset : offset + math.prod(shape)].view(shape)))
-        offset += math.prod(shape)
-    return segments
+    sizes = [math.prod(shape) for _, shape in shapes]  # bytes of each segment
+    if MIXED_HEADER + sum(sizes) != weight.numel():
+        raise ValueError(f"mixed weight has {weight.numel()} bytes, its header describes {MIXED_HEADER + sum(sizes)}")
+    parts = weight[MIXED_HEADER:].split(sizes)
+    return [(weight_type, part.view(shape)) for (weight_type, shape), part in zip(shapes, parts)]
 
 
 def pack_mixed(segments: list[tuple[int, torch.Tensor]]) -> torch.Tensor:

@@ -174,7 +174,8 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
     const int32_t* bs[kVnniRows];
     const float* xr[kVnniRows];
     float* o[kVnniRows];
-    std::vector<uint8_t> kscales_buffer;  // a K-quant group's unpacked scales and mins
+    thread_local std::vector<uint8_t> kscales_buffer;  // a K-quant group's unpacked scales and mins (kept: no
+                                                       // allocation per engine step)
     size_t si = 0;
     for (int64_t g = begin; g < end; ++g) {
       while (g >= segs[si].g1) ++si;  // groups ascend: the segment holding g
