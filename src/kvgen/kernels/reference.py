@@ -34,8 +34,10 @@ Layouts (see ``csrc/common.h``): weights are repacked at load from GGUF blocks i
   block k the Q5 record's ``qs`` and ``qh``; value = d sc u - dmin m.
 * IQ4 record, 144 bytes (from ``block_iq4_nl``): fp16 ``d[8]``, then ``qs`` as the Q4 record's; value =
   d * IQ4_VALUES[nibble].
-* IQ4_XS record, 1104 bytes per 8 rows x 256 columns (from ``block_iq4_xs``): fp16 ``d[8]``, int8 ``sc[8][8]``
-  (``[k][r]``: ls - 32 of block k), then per block k the IQ4 record's ``qs``; value = d * sc * IQ4_VALUES[nibble].
+* IQ4_XS record, 1088 bytes per 8 rows x 256 columns (from ``block_iq4_xs``): fp16 ``d[8]``, block k's 6-bit scale
+  ``ls[k][r]`` as ``low[k % 4][r]`` at 16 (low 4 bits, at bits ``4 (k // 4)``) and ``top[k % 2][r]`` at 48 (top 2
+  bits, at bits ``2 (k // 2)``), then per block k the IQ4 record's ``qs``; value = d * (ls - 32) *
+  IQ4_VALUES[nibble] (the file's 4.25 bits a weight).
 * MXFP4 record, 144 bytes (from ``block_mxfp4``: an E8M0 exponent e, 16 bytes of FP4 indices): the IQ4 record with
   d = 2^(e - 128) (exact in fp16 for e in 104 .. 143) and value = d * MXFP4_VALUES[nibble].
 
@@ -64,7 +66,7 @@ ROWS = 8  # rows per interleaved group
 Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0, Q4_K, Q5_K, IQ4_XS, Q5_0 = range(16)
 MIXED_HEADER = 64  # bytes of int64 {S, nb, (weight_type, groups) x S} before a mixed weight's segments
 RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 1680, F16: 512, BF16: 512, Q5: 192, IQ4: 144, Q2: 672, Q3: 912, MXFP4: 144,
-                Q4_0: 144, Q4_K: 1152, Q5_K: 1408, IQ4_XS: 1104, Q5_0: 176}
+                Q4_0: 144, Q4_K: 1152, Q5_K: 1408, IQ4_XS: 1088, Q5_0: 176}
 # 32-column blocks per record: one 256-column super-block (1 for the other types)
 RECORD_BLOCKS = {Q2: 8, Q3: 8, Q4_K: 8, Q5_K: 8, Q6: 8, IQ4_XS: 8}
 # bit 4h + t of a Q5 / Q5_K record's qh byte (r, i): the fifth bit of column 16h + 4t + i, as [h, t, 1]
@@ -388,17 +390,20 @@ def _iq4_xs_scales(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def repack_iq4_xs(raw: torch.Tensor) -> torch.Tensor:
-    """GGUF IQ4_XS rows [N, nsb * 136] uint8 -> IQ4_XS records [G, nsb, 1104] uint8 (module doc)."""
+    """GGUF IQ4_XS rows [N, nsb * 136] uint8 -> IQ4_XS records [G, nsb, 1088] uint8 (module doc)."""
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % 136:
         raise ValueError(f"IQ4_XS rows must be uint8 [N, nsb * 136], got {raw.dtype} {list(raw.shape)}")
     nsb = raw.shape[1] // 136
     blocks = _pad_rows(raw).view(-1, ROWS, nsb, 136)  # [G, r, nsb, 136]
     g = blocks.shape[0]
     d = blocks[..., 0:2].transpose(1, 2).reshape(g, nsb, 16)  # [G, nsb, r 2]
-    sc = _pad_rows(_iq4_xs_scales(raw.view(-1, nsb, 136)).to(torch.int8).view(torch.uint8))  # [N_pad, nsb, k]
-    sc = sc.view(g, ROWS, nsb, 8).permute(0, 2, 3, 1).reshape(g, nsb, 64)  # [G, nsb, k r]: padding rows 0
+    ls = _pad_rows(_iq4_xs_scales(raw.view(-1, nsb, 136)) + 32)  # [N_pad, nsb, k]: padding rows 0
+    ls = ls.view(g, ROWS, nsb, 8).permute(0, 2, 3, 1)  # [G, nsb, k, r]
+    low = (ls[:, :, :4] & 15) | ((ls[:, :, 4:] & 15) << 4)  # [G, nsb, k % 4, r]
+    top = torch.stack([sum((ls[:, :, t + 2 * j] >> 4) << (2 * j) for j in range(4)) for t in (0, 1)], dim=2)
+    top = top.reshape(g, nsb, 16).to(torch.uint8)  # [G, nsb, t r]: the top bits of ls[t + 2j] at bits 2j
     qs = blocks[..., 8:].reshape(g, ROWS, nsb, 8, 4, 4).permute(0, 2, 3, 4, 1, 5).reshape(g, nsb, 1024)  # [k t r i]
-    return torch.cat([d, sc, qs], dim=-1).contiguous()  # [G, nsb, 1104]
+    return torch.cat([d, low.reshape(g, nsb, 32).to(torch.uint8), top, qs], dim=-1).contiguous()  # [G, nsb, 1088]
 
 
 def _dequantize_iq4_xs(weight: torch.Tensor) -> torch.Tensor:
@@ -406,8 +411,12 @@ def _dequantize_iq4_xs(weight: torch.Tensor) -> torch.Tensor:
     ``dequantize_row_iq4_xs``."""
     g, nsb, _ = weight.shape
     d = weight[..., :16].contiguous().view(torch.float16).float().view(g, nsb, 1, ROWS, 1, 1)  # [G, nsb, 1, r, 1, 1]
-    sc = weight[..., 16:80].contiguous().view(torch.int8).float().view(g, nsb, 8, ROWS, 1, 1)  # [G, nsb, k, r, 1, 1]
-    qs = weight[..., 80:].reshape(g, nsb, 8, 4, ROWS, 4).permute(0, 1, 2, 4, 3, 5).long()  # [G, nsb, k, r, t, i]
+    k = torch.arange(8)
+    low, top = weight[..., 16:48].long().view(g, nsb, 4, ROWS), weight[..., 48:64].long().view(g, nsb, 2, ROWS)
+    low, top = low[:, :, k % 4] >> (4 * (k // 4)).view(8, 1), top[:, :, k % 2] >> (2 * (k // 2)).view(8, 1)
+    ls = (low & 15) | ((top & 3) << 4)  # [G, nsb, k, r]
+    sc = (ls - 32).float().view(g, nsb, 8, ROWS, 1, 1)  # [G, nsb, k, r, 1, 1]
+    qs = weight[..., 64:].reshape(g, nsb, 8, 4, ROWS, 4).permute(0, 1, 2, 4, 3, 5).long()  # [G, nsb, k, r, t, i]
     values = torch.tensor(IQ4_VALUES, dtype=torch.float32)[torch.stack([qs & 15, qs >> 4], dim=4)]  # [., h, t, i]
     w = (d * sc).unsqueeze(-1) * values  # [G, nsb, k, r, h, t, i]
     return w.permute(0, 3, 1, 2, 4, 5, 6).reshape(g * ROWS, nsb * 256)  # [N_pad, K]

@@ -41,6 +41,8 @@
 //   Q3 record (912 bytes per 8 rows x 256 columns, from block_q3_K): fp16 d[8], int8 sc[16][8] (s - 32), the
 //     2-bit planes of Q2's layout at 144, then per block k uint8 hb[8][4] at 656 + 32k: bit 4h + s of byte 4r+i =
 //     the third bit of that column (u = low | 4 hb in [0, 7], w = d sc (u - 4); Q3_K's hmask bit set: no -4).
+//     3.5625 bits a weight, the file's 3.4375 plus the scales as bytes: packed as the Q4_K record's, their unpacking
+//     (per record in the tile, or per group) made 1.1B Q3_K_M decode 1.8 % and Q3_K qgemm at M = 8-512 ~3 % slower.
 //   Q4_K record (1152 bytes per 8 rows x 256 columns: one GGUF block_q4_K super-block of each row): fp16 d[8],
 //     fp16 dmin[8], the 6-bit scales sc[k][r] and mins m[k][r] of 32-column block k of row r (the file's 12 bytes a
 //     row, regrouped so that one pass of vector shifts and masks per record unpacks them, k_scales_mins): at 32 + 8k
@@ -50,9 +52,11 @@
 //   Q5_K record (1408 bytes per 8 rows x 256 columns, from block_q5_K): the Q4_K record's 128 bytes of d, dmin, sc
 //     and m, then per block k at 128 + 160k the Q5 record's qs[4][8][4] and qh[8][4] (w = d sc u - dmin m): the
 //     file's 5.5 bits a weight.
-//   IQ4_XS record (1104 bytes per 8 rows x 256 columns, from block_iq4_xs): fp16 d[8], int8 sc[8][8] at 16 (sc[k][r]:
-//     ls - 32 of block k, the file's 6-bit scale), then per block k at 80 + 128k the IQ4 record's qs[4][8][4]
-//     (w = d sc kIQ4Values[nibble]): 4.3125 bits a weight.
+//   IQ4_XS record (1088 bytes per 8 rows x 256 columns, from block_iq4_xs): fp16 d[8], the 6-bit scales ls[k][r] of
+//     block k of row r (sc = ls - 32; iq4xs_scales unpacks them): at 16 + 8k + r (k < 4) the low 4 bits of ls[k][r]
+//     | those of ls[k + 4][r] << 4, at 48 + 8t + r (t < 2) the top 2 bits of ls[t][r], ls[t + 2][r], ls[t + 4][r],
+//     ls[t + 6][r] at bits 0, 2, 4, 6; then per block k at 64 + 128k the IQ4 record's qs[4][8][4]
+//     (w = d sc kIQ4Values[nibble]): the file's 4.25 bits a weight.
 //   Mixed weight (a stacked matrix whose parts have different types, e.g. a Q4_K_M file's Q4_K q, k and
 //     Q6_K v): uint8 [bytes], a 64-byte header of int64 {S (1-3), nb, (weight_type, groups) x S}, then each
 //     segment's [groups, nb, record] records in order; every segment but the last fills whole groups.
@@ -83,7 +87,7 @@ constexpr int64_t kQ2Record = 672;    // bytes per (group, super-block of 8 bloc
 constexpr int64_t kQ3Record = 912;    // bytes per (group, super-block of 8 blocks), Q3
 constexpr int64_t kQ4KRecord = 1152;  // bytes per (group, super-block of 8 blocks), Q4_K
 constexpr int64_t kQ5KRecord = 1408;  // bytes per (group, super-block of 8 blocks), Q5_K
-constexpr int64_t kIQ4XSRecord = 1104;  // bytes per (group, super-block of 8 blocks), IQ4_XS
+constexpr int64_t kIQ4XSRecord = 1088;  // bytes per (group, super-block of 8 blocks), IQ4_XS
 constexpr int64_t kMixedHeader = 64;  // bytes before a mixed weight's segments
 
 enum WeightType : int64_t {
@@ -174,6 +178,21 @@ __attribute__((always_inline)) inline void k_scales_mins(const uint8_t* w, uint8
                           _mm256_and_si256(_mm256_srli_epi16(h, 2), top2)));
 }
 
+// An IQ4_XS record's 64 six-bit scales (the 48 bytes at its byte 16, layout above) as int8 ls - 32: sc[8k + r] for
+// block k, row r. The top-bit bytes, in both lanes, serve blocks 0-1 (4-5) in the low lane and 2-3 (6-7) in the
+// high one, each lane shifting its own bits to 4-5 (32-bit shifts: the mask drops the bits from other bytes).
+__attribute__((always_inline)) inline void iq4xs_scales(const uint8_t* p, int8_t* sc) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+  const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i h = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32)));
+  const __m256i top_lo = _mm256_sllv_epi32(h, _mm256_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2));  // of blocks 0-3
+  const __m256i top_hi = _mm256_srlv_epi32(h, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));  // of blocks 4-7
+  const __m256i lo = _mm256_or_si256(_mm256_and_si256(l, low4), _mm256_and_si256(top_lo, top2));
+  const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l, 4), low4), _mm256_and_si256(top_hi, top2));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc), _mm256_sub_epi8(lo, bias));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc + 32), _mm256_sub_epi8(hi, bias));
+}
+
 // The Q4_K and Q5_K tiles: MT activation rows against one group's super-block records of kRecord bytes (fp16 d at 0,
 // dmin at 16); scales: null (each record's scales and mins unpacked here by k_scales_mins) or the group's, unpacked
 // by qgemm once for all its tiles (k_scales_mins of each record: 128 bytes a record). dots(w, k, b, dot) gives block k's int32 dot
@@ -262,7 +281,7 @@ void quantize_row_q8a(const float* x, BlockQ8A* y, int64_t K);
 void q4_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 void q40_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out);
 // Q4_K groups: nb a multiple of 8 (whole super-block records).
-// scales: null, or the group's scales and mins unpacked by k_group_scales_mins (k_quant_tile).
+// scales: null, or the group's scales and mins unpacked by qgemm (k_scales_mins of each record; k_quant_tile).
 void q4k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out,
                const uint8_t* scales);
 // Q8 groups take their VNNI tiles where block_sums is not null (see iq4_group below).
@@ -278,8 +297,9 @@ void q5k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, f
 void activation_block_sums(const BlockQ8A* a, int64_t n, int32_t* sums);
 void iq4_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* block_sums, int mt, int64_t nb,
                float* const* out, const int8_t* values);
+// IQ4_XS: nb % 8 == 0; scales null, or the group's int8 scales unpacked by qgemm (iq4xs_scales, 64 bytes a record).
 void iq4xs_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* block_sums, int mt, int64_t nb,
-                 float* const* out);  // nb % 8 == 0
+                 float* const* out, const int8_t* scales);
 // Q6 (nb a multiple of 8: whole super-block records), Q2 and Q3 also read each activation block's two half sums (bytes 0-15 in the low, 16-31 in the high int16 of
 // half_sums[m][b]), written for n blocks by activation_half_sums.
 void activation_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums);

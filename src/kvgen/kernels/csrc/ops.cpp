@@ -174,7 +174,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
     const int32_t* bs[kVnniRows];
     const float* xr[kVnniRows];
     float* o[kVnniRows];
-    thread_local std::vector<uint8_t> kscales_buffer;  // a K-quant group's unpacked scales and mins (kept: no
+    thread_local std::vector<uint8_t> kscales_buffer;  // a group's unpacked 6-bit scales (and mins) (kept: no
                                                        // allocation per engine step)
     size_t si = 0;
     for (int64_t g = begin; g < end; ++g) {
@@ -184,11 +184,19 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
       // activation rows a tile takes: kVnniRows for the VNNI tiles (common.h), else 4
       const int64_t t = seg.weight_type;
       const int64_t rows = use_vnni() && t != kQ2 && t != kQ3 && t != kF16 && t != kBF16 ? kVnniRows : 4;
-      // a K-quant group met by several tiles has its scales and mins unpacked once (k_quant_tile in common.h)
+      // a group of packed 6-bit scales met by several tiles has them unpacked once (k_quant_tile in common.h)
       const uint8_t* kscales = nullptr;
-      if ((t == kQ4K || t == kQ5K) && M > rows) {
+      if ((t == kQ4K || t == kQ5K || t == kIQ4XS) && M > rows) {
         kscales_buffer.resize(nb / 8 * 128);
-        for (int64_t sb = 0; sb < nb / 8; ++sb) k_scales_mins(wg + 8 * sb * seg.rec, kscales_buffer.data() + 128 * sb);
+        for (int64_t sb = 0; sb < nb / 8; ++sb) {
+          const uint8_t* record = wg + 8 * sb * seg.rec;
+          uint8_t* dst = kscales_buffer.data() + (t == kIQ4XS ? 64 : 128) * sb;
+          if (t == kIQ4XS) {
+            iq4xs_scales(record + 16, reinterpret_cast<int8_t*>(dst));
+          } else {
+            k_scales_mins(record, dst);
+          }
+        }
         kscales = kscales_buffer.data();
       }
       for (int64_t m0 = 0; m0 < M; m0 += rows) {
@@ -208,7 +216,9 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           case kQ40: q40_group(wg, a, mt, nb, o); break;
           case kQ4K: q4k_group(wg, a, mt, nb, o, kscales); break;
           case kQ5K: q5k_group(wg, a, mt, nb, o, kscales); break;
-          case kIQ4XS: iq4xs_group(wg, a, has_block_sums ? bs : nullptr, mt, nb, o); break;
+          case kIQ4XS:
+            iq4xs_group(wg, a, has_block_sums ? bs : nullptr, mt, nb, o, reinterpret_cast<const int8_t*>(kscales));
+            break;
           case kQ5: q5_group(wg, a, mt, nb, o); break;
           case kQ50: q50_group(wg, a, mt, nb, o); break;
           case kIQ4: iq4_group(wg, a, has_block_sums ? bs : nullptr, mt, nb, o, kIQ4Values); break;
@@ -276,10 +286,12 @@ void k_block_values(const uint8_t* rec, int64_t k, int64_t r, bool five, float* 
 void iq4xs_block_values(const uint8_t* rec, int64_t k, int64_t r, float* dst) {
   uint16_t h;
   std::memcpy(&h, rec + 2 * r, 2);
-  const float dl = _cvtsh_ss(h) * static_cast<float>(static_cast<int8_t>(rec[16 + 8 * k + r]));
+  const int ls = ((rec[16 + 8 * (k % 4) + r] >> (4 * (k / 4))) & 15) |
+                 ((rec[48 + 8 * (k % 2) + r] >> (2 * (k / 2))) & 3) << 4;
+  const float dl = _cvtsh_ss(h) * static_cast<float>(ls - 32);  // layout: common.h
   for (int t = 0; t < 4; ++t) {
     for (int i = 0; i < 4; ++i) {
-      const uint8_t byte = rec[80 + 128 * k + 32 * t + 4 * r + i];
+      const uint8_t byte = rec[64 + 128 * k + 32 * t + 4 * r + i];
       dst[4 * t + i] = dl * static_cast<float>(kIQ4Values[byte & 15]);
       dst[16 + 4 * t + i] = dl * static_cast<float>(kIQ4Values[byte >> 4]);
     }

@@ -1,6 +1,6 @@
 // IQ4 (GGUF IQ4_NL repacked into 8-row groups; see common.h), MXFP4 (the same record, another table of values) and
-// IQ4_XS (super-block records: int8 scales ls - 32 under an fp16 d) times Q8A activations. Per 32-column block and
-// group: 4 loads of 32 bytes hold the 8 rows' nibbles (low: columns 4t+i, high: 16+4t+i, as the Q4 record); one
+// IQ4_XS (super-block records: 6-bit scales ls, sc = ls - 32, under an fp16 d) times Q8A activations. Per 32-column
+// block and group: 4 loads of 32 bytes hold the 8 rows' nibbles (low: columns 4t+i, high: 16+4t+i, as the Q4 record); one
 // pshufb per half turns the nibbles into their int8 values (kIQ4Values or kMXFP4Values), which are then a Q8 kernel's 4 columns x 8 rows: maddubs(|w|, sign(a, w)), madd to int32 per half (two int16
 // pair sums of up to 2 * 127 * 127 could overflow), acc += dot * d_w * d_a. With AVX512-VNNI the table's values plus
 // 128 (unsigned) go into vpdpbusd against the activations as they are, minus 128 x each activation block's sum (made
@@ -112,30 +112,43 @@ __attribute__((always_inline)) inline void iq4_tile(const uint8_t* w, const Bloc
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
 }
 
-template <int MT, bool Offset, class Sums>
-__attribute__((always_inline)) inline void iq4xs_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb,
-                                                      float* const* out, Sums sums) {
+// scales: null (each record's scales unpacked in the loop by iq4xs_scales, from the record just read) or the group's,
+// unpacked by qgemm once for its several tiles (64 bytes a record), as k_quant_tile (common.h).
+template <int MT, bool Offset, bool kUnpack, class Sums>
+__attribute__((always_inline)) inline void iq4xs_tile_body(const uint8_t* w, const BlockQ8A* const* a, int64_t nb,
+                                                           float* const* out, const int8_t* scales, Sums sums) {
+  constexpr int64_t kStep = kIQ4XSRecord / 8;  // prefetch a record ahead in 8 steps (3 lines each)
   const __m256i values = table_values<Offset>(kIQ4Values);
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  alignas(32) int8_t unpacked[kUnpack ? 64 : 1];
   for (int64_t sb = 0; sb < nb / 8; ++sb, w += kIQ4XSRecord) {
     const char* ahead = reinterpret_cast<const char*>(w) + KVGEN_IQ4XS_PREFETCH * kIQ4XSRecord;
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const int8_t* sm = kUnpack ? unpacked : scales + 64 * sb;
+    if constexpr (kUnpack) iq4xs_scales(w + 16, unpacked);
     for (int k = 0; k < 8; ++k) {
       const int64_t b = 8 * sb + k;
-      _mm_prefetch(ahead + 138 * k, _MM_HINT_T0);  // a record ahead in 8 steps of 138 bytes (3 lines each)
-      _mm_prefetch(ahead + 138 * k + 64, _MM_HINT_T0);
-      _mm_prefetch(ahead + 138 * k + 128, _MM_HINT_T0);
+      _mm_prefetch(ahead + kStep * k, _MM_HINT_T0);
+      _mm_prefetch(ahead + kStep * k + 64, _MM_HINT_T0);
+      _mm_prefetch(ahead + kStep * k + 128, _MM_HINT_T0);
       // each row's ls - 32
-      const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 16 + 8 * k)));
+      const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8 * k)));
       __m256i sum[MT];
-      sums(w + 80 + 128 * k, b, values, sc, sum);
+      sums(w + 64 + 128 * k, b, values, sc, sum);
       for (int m = 0; m < MT; ++m) {
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
       }
     }
   }
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
+}
+
+template <int MT, bool Offset, class Sums>
+__attribute__((always_inline)) inline void iq4xs_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb,
+                                                      float* const* out, const int8_t* scales, Sums sums) {
+  if (scales == nullptr) return iq4xs_tile_body<MT, Offset, true>(w, a, nb, out, scales, sums);
+  iq4xs_tile_body<MT, Offset, false>(w, a, nb, out, scales, sums);
 }
 
 KVGEN_VNNI_BEGIN
@@ -149,8 +162,8 @@ void iq4_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, const int32_t* co
 
 template <int MT>
 void iq4xs_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* bs, int64_t nb,
-                     float* const* out) {
-  iq4xs_tile<MT, true>(w, a, nb, out, [a, bs](const uint8_t* qs, int64_t b, __m256i v, __m256i sc,
+                     float* const* out, const int8_t* scales) {
+  iq4xs_tile<MT, true>(w, a, nb, out, scales, [a, bs](const uint8_t* qs, int64_t b, __m256i v, __m256i sc,
                                                           __m256i* sum) {
     iq4_sums_vnni<MT, true>(qs, a, bs, b, v, sc, sum);
   });
@@ -182,14 +195,17 @@ void iq4_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const*
 }
 
 void iq4xs_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* block_sums, int mt, int64_t nb,
-                 float* const* out) {
+                 float* const* out, const int8_t* scales) {
   if (block_sums != nullptr) {
-    return vnni_tile_rows(mt, [&](auto MT, int r) { iq4xs_tile_vnni<MT>(w, a + r, block_sums + r, nb, out + r); });
+    return vnni_tile_rows(mt, [&](auto MT, int r) {
+      iq4xs_tile_vnni<MT>(w, a + r, block_sums + r, nb, out + r, scales);
+    });
   }
   tile_rows(mt, [&](auto MT) {
-    iq4xs_tile<MT, false>(w, a, nb, out, [a](const uint8_t* qs, int64_t b, __m256i v, __m256i sc, __m256i* sum) {
-      iq4_sums<decltype(MT)::value>(qs, a, b, v, sc, sum);
-    });
+    iq4xs_tile<MT, false>(w, a, nb, out, scales,
+                          [a](const uint8_t* qs, int64_t b, __m256i v, __m256i sc, __m256i* sum) {
+                            iq4_sums<decltype(MT)::value>(qs, a, b, v, sc, sum);
+                          });
   });
 }
 

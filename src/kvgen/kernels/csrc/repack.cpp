@@ -166,8 +166,9 @@ void repack_iq4_xs(const uint8_t* s, int64_t r, uint8_t* d) {
   std::memcpy(&scales_h, s + 2, 2);
   for (int k = 0; k < 8; ++k) {
     const int ls = ((s[4 + k / 2] >> (4 * (k % 2))) & 15) | (((scales_h >> (2 * k)) & 3) << 4);
-    d[16 + 8 * k + r] = static_cast<uint8_t>(static_cast<int8_t>(ls - 32));
-    for (int t = 0; t < 4; ++t) std::memcpy(d + 80 + 128 * k + 32 * t + 4 * r, s + 8 + 16 * k + 4 * t, 4);
+    d[16 + 8 * (k % 4) + r] |= static_cast<uint8_t>((ls & 15) << (4 * (k / 4)));
+    d[48 + 8 * (k % 2) + r] |= static_cast<uint8_t>((ls >> 4) << (2 * (k / 2)));
+    for (int t = 0; t < 4; ++t) std::memcpy(d + 64 + 128 * k + 32 * t + 4 * r, s + 8 + 16 * k + 4 * t, 4);
   }
 }
 
@@ -211,7 +212,7 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type, 
               "kvgen.repack_gguf: out must be a contiguous uint8 [", G, ", ", nb, ", ", rec, "] tensor, got ", out.sizes());
   uint8_t* dst = out.data_ptr<uint8_t>();
   // Groups are independent: threads take whole groups, each zeroed just before its rows are written (a missing
-  // row of the last group keeps scale 0; the Q3, Q4_K and Q5_K records OR bits in).
+  // row of the last group keeps scale 0; the Q3, Q4_K, Q5_K and IQ4_XS records OR bits in).
   at::parallel_for(0, G, 16, [&](int64_t g_begin, int64_t g_end) {
     std::memset(dst + g_begin * nb * rec, 0, (g_end - g_begin) * nb * rec);
     for (int64_t g = g_begin; g < g_end; ++g)
