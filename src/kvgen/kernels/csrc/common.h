@@ -303,8 +303,11 @@ void iq4xs_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* cons
 // Q6 (nb a multiple of 8: whole super-block records), Q2 and Q3 also read each activation block's two half sums (bytes 0-15 in the low, 16-31 in the high int16 of
 // half_sums[m][b]), written for n blocks by activation_half_sums.
 void activation_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums);
-void q6_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
-              float* const* out);
+// Q6 groups take their VNNI tile where offsets is not null: offsets[m][2b + h] = -32 x the sum of half h of row m's
+// activation block b (activation_q6_offsets; qgemm passes them on AVX512-VNNI, half_sums on AVX2).
+void activation_q6_offsets(const BlockQ8A* a, int64_t n, int32_t* offsets);
+void q6_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums,
+              const int32_t* const* offsets, int mt, int64_t nb, float* const* out);
 // The same for Q2 and Q3 groups (nb a multiple of 8: whole super-block records).
 void q2_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
               float* const* out);

@@ -46,8 +46,11 @@ int64_t record_blocks(int64_t weight_type) {
   }
 }
 
-// Types that read the activation blocks' half sums (their values carry an offset or a min per 16 columns).
-bool needs_half_sums(int64_t weight_type) { return weight_type == kQ6 || weight_type == kQ2 || weight_type == kQ3; }
+// Types that read the activation blocks' half sums (their values carry an offset or a min per 16 columns): Q2, Q3,
+// and Q6 on AVX2 (on AVX512-VNNI its tile reads activation_q6_offsets instead).
+bool needs_half_sums(int64_t weight_type) {
+  return (weight_type == kQ6 && !use_vnni()) || weight_type == kQ2 || weight_type == kQ3;
+}
 
 void check_weight(const at::Tensor& weight, int64_t weight_type) {
   TORCH_CHECK(weight.dtype() == at::kByte && weight.dim() == 3 && weight.is_contiguous(),
@@ -152,12 +155,22 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   thread_local std::vector<int32_t> block_sums_buffer;
   if (has_block_sums && static_cast<int64_t>(block_sums_buffer.size()) < M * nb) block_sums_buffer.resize(M * nb);
   int32_t* block_sums = block_sums_buffer.data();
+  // the Q6 VNNI tile starts each 16-column half's sum at -32 x its activation sum: made once a call
+  const bool has_q6_offsets = use_vnni() && std::any_of(segs.begin(), segs.end(), [](const Segment& s) {
+    return s.weight_type == kQ6;
+  });
+  thread_local std::vector<int32_t> q6_offsets_buffer;
+  if (has_q6_offsets && static_cast<int64_t>(q6_offsets_buffer.size()) < 2 * M * nb) {
+    q6_offsets_buffer.resize(2 * M * nb);
+  }
+  int32_t* q6_offsets = q6_offsets_buffer.data();
   if (!is_f16) {
     parallel_for(0, M, qgrain, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
         quantize_row_q8a(xp + m * K, act + m * nb, K);
         if (has_half_sums) activation_half_sums(act + m * nb, nb, sums + m * nb);
         if (has_block_sums) activation_block_sums(act + m * nb, nb, block_sums + m * nb);
+        if (has_q6_offsets) activation_q6_offsets(act + m * nb, nb, q6_offsets + 2 * m * nb);
       }
     });
   }
@@ -172,6 +185,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
     const BlockQ8A* a[kVnniRows];
     const int32_t* hs[kVnniRows];
     const int32_t* bs[kVnniRows];
+    const int32_t* qo[kVnniRows];
     const float* xr[kVnniRows];
     float* o[kVnniRows];
     thread_local std::vector<uint8_t> kscales_buffer;  // a group's unpacked 6-bit scales (and mins) (kept: no
@@ -205,13 +219,14 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           a[i] = act + (m0 + i) * nb;
           hs[i] = sums + (m0 + i) * nb;
           bs[i] = block_sums + (m0 + i) * nb;
+          qo[i] = q6_offsets + 2 * (m0 + i) * nb;
           xr[i] = xp + (m0 + i) * K;
           o[i] = op + (m0 + i) * n_pad + g * kRows;
         }
         switch (seg.weight_type) {
           case kF16: f16_group(wg, xr, mt, nb, o); break;
           case kBF16: bf16_group(wg, xr, mt, nb, o); break;
-          case kQ6: q6_group(wg, a, hs, mt, nb, o); break;
+          case kQ6: q6_group(wg, a, hs, has_q6_offsets ? qo : nullptr, mt, nb, o); break;
           case kQ4: q4_group(wg, a, mt, nb, o); break;
           case kQ40: q40_group(wg, a, mt, nb, o); break;
           case kQ4K: q4k_group(wg, a, mt, nb, o, kscales); break;

@@ -4,7 +4,9 @@
 // two summed in int16 (2 * 2 * 63 * 127 = 32,004 < 32,767), then madd with the row's int8 scale of that
 // 16-column half h: sum_h sc_h * S_h in int32. Minus 32 * sum_h sc_h * A_h (A_h: the half's activation sum,
 // computed once per call by activation_half_sums, one madd per block) gives the exact sum_h sc_h * sum (u - 32) a;
-// acc += that * d_w * d_a. The arithmetic of a row does not depend on how many rows share the call.
+// acc += that * d_w * d_a. With AVX512-VNNI each half's int32 sum starts at -32 A_h instead (activation_q6_offsets,
+// once per call), then times sc_h: the same integer, three vector operations fewer a row and block. The arithmetic
+// of a row does not depend on how many rows share the call.
 // Source of the Q6_K values: ggml dequantize_row_q6_K; the algebra of ggml_vec_dot_q6_K_q8_K per 16 values.
 #include <immintrin.h>
 
@@ -45,10 +47,11 @@ inline __m256i q6_row_dot(const __m256i* u0, const __m256i* u1, const Q6Scales& 
 }
 
 KVGEN_VNNI_BEGIN
-// q6_row_dot with vpdpbusd (common.h): S_0 and S_1 in int32 (16 * 63 * 127 at most), then times sc_h with vpmulld:
-// the same int32 sums.
-inline __m256i q6_row_dot_vnni(const __m256i* u0, const __m256i* u1, const Q6Scales& sc, const int8_t* q) {
-  __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+// sum_h sc_h * sum (u - 32) a with vpdpbusd (common.h): S_h - 32 A_h in int32 per half (each starting at -32 A_h,
+// `offsets`; |S_h| <= 16 * 63 * 127), then times sc_h with vpmulld: q6_row_dot's sums minus their correction.
+inline __m256i q6_row_dot_vnni(const __m256i* u0, const __m256i* u1, const Q6Scales& sc, const int8_t* q,
+                               const int32_t* offsets) {
+  __m256i s0 = _mm256_set1_epi32(offsets[0]), s1 = _mm256_set1_epi32(offsets[1]);
   for (int t = 0; t < 4; ++t) {
     s0 = _mm256_dpbusd_epi32(s0, u0[t], bcast4(q + 4 * t));
     s1 = _mm256_dpbusd_epi32(s1, u1[t], bcast4(q + 16 + 4 * t));
@@ -57,12 +60,12 @@ inline __m256i q6_row_dot_vnni(const __m256i* u0, const __m256i* u1, const Q6Sca
 }
 KVGEN_VNNI_END
 
-// MT activation rows against one group's Q6 records: row_dot(u0, u1, scales, q) gives sum_h sc_h * S_h. Always
-// inlined, so a VNNI tile gets the loop in its own body with its row_dot inlined (common.h).
+// MT activation rows against one group's Q6 records: row_dot(u0, u1, scales, m, b) gives sum_h sc_h * sum (u - 32) a
+// of row m's block b. Always inlined, so a VNNI tile gets the loop in its own body with its row_dot inlined
+// (common.h).
 template <int MT, class RowDot>
-__attribute__((always_inline)) inline void q6_tile(const uint8_t* w, const BlockQ8A* const* a,
-                                                   const int32_t* const* half_sums, int64_t nb, float* const* out,
-                                                   RowDot row_dot) {
+__attribute__((always_inline)) inline void q6_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb,
+                                                   float* const* out, RowDot row_dot) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30), low16 = _mm256_set1_epi32(0xFFFF);
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
@@ -91,10 +94,7 @@ __attribute__((always_inline)) inline void q6_tile(const uint8_t* w, const Block
       sc.sc1x2 = _mm256_or_si256(_mm256_and_si256(sc.sc1, low16), _mm256_slli_epi32(sc.sc1, 16));
       sc.sc01 = _mm256_or_si256(_mm256_and_si256(sc.sc0, low16), _mm256_slli_epi32(sc.sc1, 16));
       for (int m = 0; m < MT; ++m) {
-        __m256i dot = row_dot(u0, u1, sc, a[m][b].qs);
-        // minus 32 * (sc_0 A_0 + sc_1 A_1): u = q + 32, A_h the activation half sums (int16 pair per block)
-        const __m256i corr = _mm256_madd_epi16(sc.sc01, _mm256_set1_epi32(half_sums[m][b]));
-        dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(corr, 5));
+        const __m256i dot = row_dot(u0, u1, sc, m, b);
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a[m][b].d)), acc[m]);
       }
     }
@@ -104,9 +104,11 @@ __attribute__((always_inline)) inline void q6_tile(const uint8_t* w, const Block
 
 KVGEN_VNNI_BEGIN
 template <int MT>
-void q6_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int64_t nb,
+void q6_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* offsets, int64_t nb,
                   float* const* out) {
-  q6_tile<MT>(w, a, half_sums, nb, out, q6_row_dot_vnni);
+  q6_tile<MT>(w, a, nb, out, [a, offsets](const __m256i* u0, const __m256i* u1, const Q6Scales& sc, int m, int64_t b) {
+    return q6_row_dot_vnni(u0, u1, sc, a[m][b].qs, offsets[m] + 2 * b);
+  });
 }
 KVGEN_VNNI_END
 
@@ -123,14 +125,31 @@ void activation_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums) {
   }
 }
 
-void q6_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
-              float* const* out) {
-  if (use_vnni()) {
-    return vnni_tile_rows(mt, [&](auto MT, int r) { q6_tile_vnni<MT>(w, a + r, half_sums + r, nb, out + r); });
+void activation_q6_offsets(const BlockQ8A* a, int64_t n, int32_t* offsets) {
+  for (int64_t k = 0; k < n; ++k) {
+    int32_t s0 = 0, s1 = 0;
+    for (int i = 0; i < 16; ++i) {
+      s0 += a[k].qs[i];
+      s1 += a[k].qs[16 + i];
+    }
+    offsets[2 * k] = -32 * s0;
+    offsets[2 * k + 1] = -32 * s1;
+  }
+}
+
+void q6_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums,
+              const int32_t* const* offsets, int mt, int64_t nb, float* const* out) {
+  if (offsets != nullptr) {
+    return vnni_tile_rows(mt, [&](auto MT, int r) { q6_tile_vnni<MT>(w, a + r, offsets + r, nb, out + r); });
   }
   tile_rows(mt, [&](auto MT) {
-    q6_tile<MT>(w, a, half_sums, nb, out, [](const __m256i* u0, const __m256i* u1, const Q6Scales& sc,
-                                             const int8_t* q) { return q6_row_dot<decltype(MT)::value>(u0, u1, sc, q); });
+    q6_tile<MT>(w, a, nb, out, [a, half_sums](const __m256i* u0, const __m256i* u1, const Q6Scales& sc, int m,
+                                               int64_t b) {
+      const __m256i dot = q6_row_dot<decltype(MT)::value>(u0, u1, sc, a[m][b].qs);
+      // minus 32 * (sc_0 A_0 + sc_1 A_1): u = q + 32, A_h the activation half sums (int16 pair per block)
+      const __m256i corr = _mm256_madd_epi16(sc.sc01, _mm256_set1_epi32(half_sums[m][b]));
+      return _mm256_sub_epi32(dot, _mm256_slli_epi32(corr, 5));
+    });
   });
 }
 
