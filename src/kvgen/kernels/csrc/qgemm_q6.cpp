@@ -114,24 +114,31 @@ KVGEN_VNNI_END
 
 }  // namespace
 
+namespace {
+
+// The sums of an activation block's two 16-value halves.
+inline void half_sums_of(const BlockQ8A& block, int32_t& s0, int32_t& s1) {
+  s0 = s1 = 0;
+  for (int i = 0; i < 16; ++i) {
+    s0 += block.qs[i];
+    s1 += block.qs[16 + i];
+  }
+}
+
+}  // namespace
+
 void activation_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums) {
   for (int64_t k = 0; k < n; ++k) {
-    int32_t s0 = 0, s1 = 0;
-    for (int i = 0; i < 16; ++i) {
-      s0 += a[k].qs[i];
-      s1 += a[k].qs[16 + i];
-    }
+    int32_t s0, s1;
+    half_sums_of(a[k], s0, s1);
     sums[k] = static_cast<int32_t>((static_cast<uint32_t>(s1) << 16) | (static_cast<uint32_t>(s0) & 0xFFFFu));
   }
 }
 
 void activation_q6_offsets(const BlockQ8A* a, int64_t n, int32_t* offsets) {
   for (int64_t k = 0; k < n; ++k) {
-    int32_t s0 = 0, s1 = 0;
-    for (int i = 0; i < 16; ++i) {
-      s0 += a[k].qs[i];
-      s1 += a[k].qs[16 + i];
-    }
+    int32_t s0, s1;
+    half_sums_of(a[k], s0, s1);
     offsets[2 * k] = -32 * s0;
     offsets[2 * k + 1] = -32 * s1;
   }
