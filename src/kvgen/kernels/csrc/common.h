@@ -244,7 +244,7 @@ __attribute__((always_inline)) inline void k_quant_tile(const uint8_t* w, const 
 
 // AVX512-VNNI with AVX512VL (Ice Lake and later Xeons, AMD Zen 4 and later): vpdpbusd sums 4 u8 x s8 products
 // into each int32 lane in one instruction, where AVX2 needs maddubs (pairs into int16), an int16 add and a madd with
-// ones (pairs into int32). Every quantized kernel but Q2_K and Q3_K has VNNI dots for it: its tile loop is one
+// ones (pairs into int32). Every quantized kernel has VNNI dots for it: its tile loop is one (Q2_K / Q3_K: two)
 // always-inlined template over a dots functor, instantiated once with the AVX2 dots and once, between
 // KVGEN_VNNI_BEGIN and KVGEN_VNNI_END (compiled for these extensions; the rest of the library stays AVX2), with the
 // VNNI dots. use_vnni() picks per call: the CPU has AVX512F, BW, VL and VNNI, and $KVGEN_KERNELS_ISA is not "avx2".
@@ -252,8 +252,8 @@ __attribute__((always_inline)) inline void k_quant_tile(const uint8_t* w, const 
 #define KVGEN_VNNI_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512vnni\")")
 #define KVGEN_VNNI_END _Pragma("GCC pop_options")
 bool use_vnni();
-// Activation rows of one VNNI tile call (every group function with VNNI tiles takes up to this many there; on AVX2,
-// and Q2_K, Q3_K everywhere, up to 4): AVX-512VL's 32 registers hold 8 rows' sums, and
+// Activation rows of one VNNI tile call (every group function with VNNI tiles takes up to this many there; on AVX2
+// up to 4): AVX-512VL's 32 registers hold 8 rows' sums, and
 // each weight vector unpacked serves twice the rows. qgemm 3072 x 768 (2 threads, in-process A/B, M = 16-512): Q4_1
 // 394-437 -> 477-482 GOPS at M = 512 (a 512-token prefill +2-6 %); Q4_K 1.02-1.19x, Q5_K 1.08-1.18x,
 // Q6_K 1.08-1.16x, Q5_0 / Q5_1 1.04-1.20x, IQ4_NL and IQ4_XS 1.02-1.18x (one noisy run of IQ4_NL: 0.96-1.05x).
@@ -304,15 +304,16 @@ void iq4xs_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* cons
 // half_sums[m][b]), written for n blocks by activation_half_sums.
 void activation_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums);
 // Q6 groups take their VNNI tile where offsets is not null: offsets[m][2b + h] = -32 x the sum of half h of row m's
-// activation block b (activation_q6_offsets; qgemm passes them on AVX512-VNNI, half_sums on AVX2).
-void activation_q6_offsets(const BlockQ8A* a, int64_t n, int32_t* offsets);
+// activation block b (activation_half_offsets with factor -32; qgemm passes them on AVX512-VNNI, half_sums on AVX2).
+void activation_half_offsets(const BlockQ8A* a, int64_t n, int32_t factor, int32_t* offsets);
 void q6_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums,
               const int32_t* const* offsets, int mt, int64_t nb, float* const* out);
-// The same for Q2 and Q3 groups (nb a multiple of 8: whole super-block records).
+// The same for Q2 and Q3 groups (nb a multiple of 8: whole super-block records), on AVX512-VNNI with VNNI tiles:
+// Q2 reads half_sums there too, Q3 offsets (factor -4) instead.
 void q2_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
               float* const* out);
-void q3_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
-              float* const* out);
+void q3_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums,
+              const int32_t* const* offsets, int mt, int64_t nb, float* const* out);
 // The same for an F16 group against MT float32 activation rows x[m] (K values each).
 void f16_group(const uint8_t* w, const float* const* x, int mt, int64_t nb, float* const* out);
 void bf16_group(const uint8_t* w, const float* const* x, int mt, int64_t nb, float* const* out);

@@ -46,10 +46,10 @@ int64_t record_blocks(int64_t weight_type) {
   }
 }
 
-// Types that read the activation blocks' half sums (their values carry an offset or a min per 16 columns): Q2, Q3,
-// and Q6 on AVX2 (on AVX512-VNNI its tile reads activation_q6_offsets instead).
+// Types that read the activation blocks' half sums (their values carry an offset or a min per 16 columns): Q2, and
+// Q3 and Q6 on AVX2 (on AVX512-VNNI their tiles read activation_half_offsets instead).
 bool needs_half_sums(int64_t weight_type) {
-  return (weight_type == kQ6 && !use_vnni()) || weight_type == kQ2 || weight_type == kQ3;
+  return ((weight_type == kQ6 || weight_type == kQ3) && !use_vnni()) || weight_type == kQ2;
 }
 
 void check_weight(const at::Tensor& weight, int64_t weight_type) {
@@ -155,22 +155,25 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   thread_local std::vector<int32_t> block_sums_buffer;
   if (has_block_sums && static_cast<int64_t>(block_sums_buffer.size()) < M * nb) block_sums_buffer.resize(M * nb);
   int32_t* block_sums = block_sums_buffer.data();
-  // the Q6 VNNI tile starts each 16-column half's sum at -32 x its activation sum: made once a call
-  const bool has_q6_offsets = use_vnni() && std::any_of(segs.begin(), segs.end(), [](const Segment& s) {
-    return s.weight_type == kQ6;
-  });
-  thread_local std::vector<int32_t> q6_offsets_buffer;
-  if (has_q6_offsets && static_cast<int64_t>(q6_offsets_buffer.size()) < 2 * M * nb) {
-    q6_offsets_buffer.resize(2 * M * nb);
+  // the Q6 (Q3) VNNI tile starts each 16-column half's sum at -32 (-4) x its activation sum: made once a call
+  const auto has_type = [&segs](int64_t t) {
+    return std::any_of(segs.begin(), segs.end(), [t](const Segment& s) { return s.weight_type == t; });
+  };
+  const bool has_q6_offsets = use_vnni() && has_type(kQ6), has_q3_offsets = use_vnni() && has_type(kQ3);
+  thread_local std::vector<int32_t> q6_offsets_buffer, q3_offsets_buffer;
+  for (auto [has, buffer] : {std::pair{has_q6_offsets, &q6_offsets_buffer}, {has_q3_offsets, &q3_offsets_buffer}}) {
+    if (has && static_cast<int64_t>(buffer->size()) < 2 * M * nb) buffer->resize(2 * M * nb);
   }
   int32_t* q6_offsets = q6_offsets_buffer.data();
+  int32_t* q3_offsets = q3_offsets_buffer.data();
   if (!is_f16) {
     parallel_for(0, M, qgrain, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
         quantize_row_q8a(xp + m * K, act + m * nb, K);
         if (has_half_sums) activation_half_sums(act + m * nb, nb, sums + m * nb);
         if (has_block_sums) activation_block_sums(act + m * nb, nb, block_sums + m * nb);
-        if (has_q6_offsets) activation_q6_offsets(act + m * nb, nb, q6_offsets + 2 * m * nb);
+        if (has_q6_offsets) activation_half_offsets(act + m * nb, nb, -32, q6_offsets + 2 * m * nb);
+        if (has_q3_offsets) activation_half_offsets(act + m * nb, nb, -4, q3_offsets + 2 * m * nb);
       }
     });
   }
@@ -186,6 +189,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
     const int32_t* hs[kVnniRows];
     const int32_t* bs[kVnniRows];
     const int32_t* qo[kVnniRows];
+    const int32_t* q3o[kVnniRows];
     const float* xr[kVnniRows];
     float* o[kVnniRows];
     thread_local std::vector<uint8_t> kscales_buffer;  // a group's unpacked 6-bit scales (and mins) (kept: no
@@ -197,7 +201,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
       const uint8_t* wg = seg.base + (g - seg.g0) * nb * seg.rec;
       // activation rows a tile takes: kVnniRows for the VNNI tiles (common.h), else 4
       const int64_t t = seg.weight_type;
-      const int64_t rows = use_vnni() && t != kQ2 && t != kQ3 && t != kF16 && t != kBF16 ? kVnniRows : 4;
+      const int64_t rows = use_vnni() && t != kF16 && t != kBF16 ? kVnniRows : 4;
       // a group of packed 6-bit scales met by several tiles has them unpacked once (k_quant_tile in common.h)
       const uint8_t* kscales = nullptr;
       if ((t == kQ4K || t == kQ5K || t == kIQ4XS) && M > rows) {
@@ -220,6 +224,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           hs[i] = sums + (m0 + i) * nb;
           bs[i] = block_sums + (m0 + i) * nb;
           qo[i] = q6_offsets + 2 * (m0 + i) * nb;
+          q3o[i] = q3_offsets + 2 * (m0 + i) * nb;
           xr[i] = xp + (m0 + i) * K;
           o[i] = op + (m0 + i) * n_pad + g * kRows;
         }
@@ -239,7 +244,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           case kIQ4: iq4_group(wg, a, has_block_sums ? bs : nullptr, mt, nb, o, kIQ4Values); break;
           case kMXFP4: iq4_group(wg, a, has_block_sums ? bs : nullptr, mt, nb, o, kMXFP4Values); break;
           case kQ2: q2_group(wg, a, hs, mt, nb, o); break;
-          case kQ3: q3_group(wg, a, hs, mt, nb, o); break;
+          case kQ3: q3_group(wg, a, hs, q3o, mt, nb, o); break;
           default: q8_group(wg, a, has_block_sums ? bs : nullptr, mt, nb, o); break;
         }
       }

@@ -5,8 +5,9 @@
 // (4 * 2 * 7 * 127 = 7,112), then madd with the half's scale: dot = sum_h sc_h * sum u a, int32 per row.
 //   Q2: w = d * sc * u - dmin * m (sc, m 4-bit per 16 columns): acc += dot * d d_a - (sum_h m_h A_h) * dmin d_a.
 //   Q3: w = d * sc * (u - 4) (sc = s - 32, int8 per 16 columns):   acc += (dot - 4 sum_h sc_h A_h) * d d_a.
-// A_h: the activation block's half sums (activation_half_sums, once per call). The arithmetic of a row does not
-// depend on how many rows share the call. Source of the values: ggml dequantize_row_q2_K / dequantize_row_q3_K.
+// A_h: the activation block's half sums (activation_half_sums, once per call). With AVX512-VNNI (q23_tile_vnni)
+// vpdpbusd sums each half in int32, then times sc_h with vpmulld: the same integers. The arithmetic of a row does not
+// depend on how many rows share the call or on the ISA. Source of the values: ggml dequantize_row_q2_K / dequantize_row_q3_K.
 #include <immintrin.h>
 
 #include <cstring>
@@ -36,11 +37,47 @@ inline __m256i pair(__m256i x0, __m256i x1) {
   return _mm256_or_si256(_mm256_and_si256(x0, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(x1, 16));
 }
 
+// Block k of a Q2 / Q3 record w: u[h][s] (columns 16h + 4s + i of the 8 rows, in [0, 3] / [0, 7]), each row's
+// scales sc0, sc1 of the two halves (int32 lanes), and corr_pair: the madd partner of an activation block's half sums
+// (Q2: the halves' mins, Q3: their scales).
+template <bool Q3>
+__attribute__((always_inline)) inline void q23_block(const uint8_t* w, int k, __m256i (&u)[2][4], __m256i& sc0,
+                                                     __m256i& sc1, __m256i& corr_pair) {
+  constexpr int64_t kBits = Q3 ? 144 : 160;  // offset of the planes
+  const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kBits + 64 * k + 32 * h));
+    u[h][0] = _mm256_and_si256(p, three);
+    u[h][1] = _mm256_and_si256(_mm256_srli_epi16(p, 2), three);
+    u[h][2] = _mm256_and_si256(_mm256_srli_epi16(p, 4), three);
+    u[h][3] = _mm256_and_si256(_mm256_srli_epi16(p, 6), three);
+  }
+  if constexpr (Q3) {
+    const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kBits + 512 + 32 * k));
+    // bit t = 4h + s of each byte to bit 2 (16-bit shifts: the bits that cross bytes are masked off)
+    u[0][0] = _mm256_or_si256(u[0][0], _mm256_and_si256(_mm256_slli_epi16(hv, 2), four));
+    u[0][1] = _mm256_or_si256(u[0][1], _mm256_and_si256(_mm256_slli_epi16(hv, 1), four));
+    u[0][2] = _mm256_or_si256(u[0][2], _mm256_and_si256(hv, four));
+    u[0][3] = _mm256_or_si256(u[0][3], _mm256_and_si256(_mm256_srli_epi16(hv, 1), four));
+    for (int s = 0; s < 4; ++s) {
+      u[1][s] = _mm256_or_si256(u[1][s], _mm256_and_si256(_mm256_srli_epi16(hv, 2 + s), four));
+    }
+    sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 16 + 16 * k)));
+    sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 24 + 16 * k)));
+    corr_pair = pair(sc0, sc1);
+  } else {
+    const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 32 + 16 * k));  // [h][r]: sc | m << 4
+    const __m128i lo = _mm_and_si128(s, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(s, 4), _mm_set1_epi8(15));
+    sc0 = _mm256_cvtepu8_epi32(lo);
+    sc1 = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+    corr_pair = pair(_mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  }
+}
+
 template <bool Q3, int MT>
 void q23_tile(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int64_t nb,
               float* const* out) {
-  constexpr int64_t kRec = Q3 ? kQ3Record : kQ2Record, kBits = Q3 ? 144 : 160;  // record bytes, offset of the planes
-  const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+  constexpr int64_t kRec = Q3 ? kQ3Record : kQ2Record;  // record bytes
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < nb / 8; ++sb, w += kRec) {
@@ -51,34 +88,8 @@ void q23_tile(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* 
     for (int k = 0; k < 8; ++k) {
       const int64_t b = 8 * sb + k;
       __m256i u[2][4];  // [half][shift]: columns 16h + 4s + i, 8 rows
-      for (int h = 0; h < 2; ++h) {
-        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kBits + 64 * k + 32 * h));
-        u[h][0] = _mm256_and_si256(p, three);
-        u[h][1] = _mm256_and_si256(_mm256_srli_epi16(p, 2), three);
-        u[h][2] = _mm256_and_si256(_mm256_srli_epi16(p, 4), three);
-        u[h][3] = _mm256_and_si256(_mm256_srli_epi16(p, 6), three);
-      }
       __m256i sc0, sc1, corr_pair;  // per row: the halves' scales, and the madd partner of the half sums
-      if constexpr (Q3) {
-        const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kBits + 512 + 32 * k));
-        // bit t = 4h + s of each byte to bit 2 (16-bit shifts: the bits that cross bytes are masked off)
-        u[0][0] = _mm256_or_si256(u[0][0], _mm256_and_si256(_mm256_slli_epi16(hv, 2), four));
-        u[0][1] = _mm256_or_si256(u[0][1], _mm256_and_si256(_mm256_slli_epi16(hv, 1), four));
-        u[0][2] = _mm256_or_si256(u[0][2], _mm256_and_si256(hv, four));
-        u[0][3] = _mm256_or_si256(u[0][3], _mm256_and_si256(_mm256_srli_epi16(hv, 1), four));
-        for (int s = 0; s < 4; ++s) {
-          u[1][s] = _mm256_or_si256(u[1][s], _mm256_and_si256(_mm256_srli_epi16(hv, 2 + s), four));
-        }
-        sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 16 + 16 * k)));
-        sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 24 + 16 * k)));
-        corr_pair = pair(sc0, sc1);
-      } else {
-        const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 32 + 16 * k));  // [h][r]: sc | m << 4
-        const __m128i lo = _mm_and_si128(s, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(s, 4), _mm_set1_epi8(15));
-        sc0 = _mm256_cvtepu8_epi32(lo);
-        sc1 = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
-        corr_pair = pair(_mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-      }
+      q23_block<Q3>(w, k, u, sc0, sc1, corr_pair);
       const __m256i sc0x2 = twice(sc0), sc1x2 = twice(sc1);
       for (int m = 0; m < MT; ++m) {
         const int8_t* q = a[m][b].qs;
@@ -98,9 +109,55 @@ void q23_tile(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* 
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
 }
 
+KVGEN_VNNI_BEGIN
+// The tile with vpdpbusd (common.h): each half's S_h = sum u a in int32 (16 * 7 * 127 at most), times sc_h with
+// vpmulld. Q3's halves start at offsets[m][2b + h] = -4 A_h (activation_half_offsets), so the sum is
+// sum_h sc_h (S_h - 4 A_h): the AVX2 tile's integer. Q2's mins go through the half sums as there.
+template <bool Q3, int MT>
+void q23_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums,
+                   const int32_t* const* offsets, int64_t nb, float* const* out) {
+  constexpr int64_t kRec = Q3 ? kQ3Record : kQ2Record;  // record bytes
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nb / 8; ++sb, w += kRec) {
+    const char* ahead = reinterpret_cast<const char*>(w) + KVGEN_Q23_PREFETCH * kRec;
+    for (int c = 0; c < kRec; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m256 mw = Q3 ? dw : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+    for (int k = 0; k < 8; ++k) {
+      const int64_t b = 8 * sb + k;
+      __m256i u[2][4], sc0, sc1, corr_pair;
+      q23_block<Q3>(w, k, u, sc0, sc1, corr_pair);
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* q = a[m][b].qs;
+        __m256i s0 = Q3 ? _mm256_set1_epi32(offsets[m][2 * b]) : _mm256_setzero_si256();
+        __m256i s1 = Q3 ? _mm256_set1_epi32(offsets[m][2 * b + 1]) : _mm256_setzero_si256();
+        for (int s = 0; s < 4; ++s) {
+          s0 = _mm256_dpbusd_epi32(s0, u[0][s], bcast4(q + 4 * s));
+          s1 = _mm256_dpbusd_epi32(s1, u[1][s], bcast4(q + 16 + 4 * s));
+        }
+        const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(s0, sc0), _mm256_mullo_epi32(s1, sc1));
+        const __m256 da = _mm256_set1_ps(a[m][b].d);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, da), acc[m]);
+        if constexpr (!Q3) {
+          const __m256i corr = _mm256_madd_epi16(corr_pair, _mm256_set1_epi32(half_sums[m][b]));  // sum_h m_h A_h
+          acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_mul_ps(mw, da), acc[m]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
+}
+KVGEN_VNNI_END
+
 template <bool Q3>
-void q23_dispatch(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
-                  float* const* out) {
+void q23_dispatch(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums,
+                  const int32_t* const* offsets, int mt, int64_t nb, float* const* out) {
+  if (use_vnni()) {
+    return vnni_tile_rows(mt, [&](auto MT, int r) {
+      q23_tile_vnni<Q3, MT>(w, a + r, half_sums + r, Q3 ? offsets + r : nullptr, nb, out + r);
+    });
+  }
   tile_rows(mt, [&](auto MT) { q23_tile<Q3, MT>(w, a, half_sums, nb, out); });
 }
 
@@ -108,12 +165,12 @@ void q23_dispatch(const uint8_t* w, const BlockQ8A* const* a, const int32_t* con
 
 void q2_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
               float* const* out) {
-  q23_dispatch<false>(w, a, half_sums, mt, nb, out);
+  q23_dispatch<false>(w, a, half_sums, nullptr, mt, nb, out);
 }
 
-void q3_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int mt, int64_t nb,
-              float* const* out) {
-  q23_dispatch<true>(w, a, half_sums, mt, nb, out);
+void q3_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums,
+              const int32_t* const* offsets, int mt, int64_t nb, float* const* out) {
+  q23_dispatch<true>(w, a, half_sums, offsets, mt, nb, out);
 }
 
 }  // namespace kvgen

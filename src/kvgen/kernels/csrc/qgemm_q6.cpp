@@ -4,7 +4,7 @@
 // two summed in int16 (2 * 2 * 63 * 127 = 32,004 < 32,767), then madd with the row's int8 scale of that
 // 16-column half h: sum_h sc_h * S_h in int32. Minus 32 * sum_h sc_h * A_h (A_h: the half's activation sum,
 // computed once per call by activation_half_sums, one madd per block) gives the exact sum_h sc_h * sum (u - 32) a;
-// acc += that * d_w * d_a. With AVX512-VNNI each half's int32 sum starts at -32 A_h instead (activation_q6_offsets,
+// acc += that * d_w * d_a. With AVX512-VNNI each half's int32 sum starts at -32 A_h instead (activation_half_offsets,
 // once per call), then times sc_h: the same integer, three vector operations fewer a row and block. The arithmetic
 // of a row does not depend on how many rows share the call.
 // Source of the Q6_K values: ggml dequantize_row_q6_K; the algebra of ggml_vec_dot_q6_K_q8_K per 16 values.
@@ -135,12 +135,12 @@ void activation_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums) {
   }
 }
 
-void activation_q6_offsets(const BlockQ8A* a, int64_t n, int32_t* offsets) {
+void activation_half_offsets(const BlockQ8A* a, int64_t n, int32_t factor, int32_t* offsets) {
   for (int64_t k = 0; k < n; ++k) {
     int32_t s0, s1;
     half_sums_of(a[k], s0, s1);
-    offsets[2 * k] = -32 * s0;
-    offsets[2 * k + 1] = -32 * s1;
+    offsets[2 * k] = factor * s0;
+    offsets[2 * k + 1] = factor * s1;
   }
 }
 
