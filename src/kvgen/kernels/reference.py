@@ -400,7 +400,8 @@ def repack_iq4_xs(raw: torch.Tensor) -> torch.Tensor:
     ls = _pad_rows(_iq4_xs_scales(raw.view(-1, nsb, 136)) + 32)  # [N_pad, nsb, k]: padding rows 0
     ls = ls.view(g, ROWS, nsb, 8).permute(0, 2, 3, 1)  # [G, nsb, k, r]
     low = (ls[:, :, :4] & 15) | ((ls[:, :, 4:] & 15) << 4)  # [G, nsb, k % 4, r]
-    top = torch.stack([sum((ls[:, :, t + 2 * j] >> 4) << (2 * j) for j in range(4)) for t in (0, 1)], dim=2)
+    shifts = 2 * torch.arange(4).view(1, 1, 4, 1)  # blocks t, t + 2, t + 4, t + 6 at bits 0, 2, 4, 6
+    top = torch.stack([((ls[:, :, t::2] >> 4) << shifts).sum(dim=2) for t in (0, 1)], dim=2)  # [G, nsb, t, r]
     top = top.reshape(g, nsb, 16).to(torch.uint8)  # [G, nsb, t r]: the top bits of ls[t + 2j] at bits 2j
     qs = blocks[..., 8:].reshape(g, ROWS, nsb, 8, 4, 4).permute(0, 2, 3, 4, 1, 5).reshape(g, nsb, 1024)  # [k t r i]
     return torch.cat([d, low.reshape(g, nsb, 32).to(torch.uint8), top, qs], dim=-1).contiguous()  # [G, nsb, 1088]
