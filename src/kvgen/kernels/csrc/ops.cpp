@@ -244,7 +244,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           case kIQ4: iq4_group(wg, a, has_block_sums ? bs : nullptr, mt, nb, o, kIQ4Values); break;
           case kMXFP4: iq4_group(wg, a, has_block_sums ? bs : nullptr, mt, nb, o, kMXFP4Values); break;
           case kQ2: q2_group(wg, a, hs, mt, nb, o); break;
-          case kQ3: q3_group(wg, a, hs, q3o, mt, nb, o); break;
+          case kQ3: q3_group(wg, a, hs, has_q3_offsets ? q3o : nullptr, mt, nb, o); break;
           default: q8_group(wg, a, has_block_sums ? bs : nullptr, mt, nb, o); break;
         }
       }

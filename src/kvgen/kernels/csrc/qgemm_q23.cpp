@@ -7,7 +7,8 @@
 //   Q3: w = d * sc * (u - 4) (sc = s - 32, int8 per 16 columns):   acc += (dot - 4 sum_h sc_h A_h) * d d_a.
 // A_h: the activation block's half sums (activation_half_sums, once per call). With AVX512-VNNI (q23_tile_vnni)
 // vpdpbusd sums each half in int32, then times sc_h with vpmulld: the same integers. The arithmetic of a row does not
-// depend on how many rows share the call or on the ISA. Source of the values: ggml dequantize_row_q2_K / dequantize_row_q3_K.
+// depend on how many rows share the call or on the ISA. Source of the values: ggml dequantize_row_q2_K /
+// dequantize_row_q3_K.
 #include <immintrin.h>
 
 #include <cstring>
@@ -74,9 +75,11 @@ __attribute__((always_inline)) inline void q23_block(const uint8_t* w, int k, __
   }
 }
 
-template <bool Q3, int MT>
-void q23_tile(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int64_t nb,
-              float* const* out) {
+// MT activation rows against one group's Q2 / Q3 records: per block b (k of its record), rows(u, sc0, sc1, corr_pair,
+// b, dw, mw, acc) adds the block's products to every row's acc. Always inlined, so a VNNI tile gets the loop in its
+// own body with its rows inlined (common.h).
+template <bool Q3, int MT, class Rows>
+__attribute__((always_inline)) inline void q23_tile(const uint8_t* w, int64_t nb, float* const* out, Rows rows) {
   constexpr int64_t kRec = Q3 ? kQ3Record : kQ2Record;  // record bytes
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
@@ -86,67 +89,66 @@ void q23_tile(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* 
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
     const __m256 mw = Q3 ? dw : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
     for (int k = 0; k < 8; ++k) {
-      const int64_t b = 8 * sb + k;
       __m256i u[2][4];  // [half][shift]: columns 16h + 4s + i, 8 rows
       __m256i sc0, sc1, corr_pair;  // per row: the halves' scales, and the madd partner of the half sums
       q23_block<Q3>(w, k, u, sc0, sc1, corr_pair);
-      const __m256i sc0x2 = twice(sc0), sc1x2 = twice(sc1);
-      for (int m = 0; m < MT; ++m) {
-        const int8_t* q = a[m][b].qs;
-        __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(half_dot(u[0], q), sc0x2), _mm256_madd_epi16(half_dot(u[1], q + 16), sc1x2));
-        const __m256i corr = _mm256_madd_epi16(corr_pair, _mm256_set1_epi32(half_sums[m][b]));  // sum_h x_h A_h
-        const __m256 da = _mm256_set1_ps(a[m][b].d);
-        if constexpr (Q3) {
-          dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(corr, 2));
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, da), acc[m]);
-        } else {
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, da), acc[m]);
-          acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_mul_ps(mw, da), acc[m]);
-        }
-      }
+      rows(u, sc0, sc1, corr_pair, 8 * sb + k, dw, mw, acc);
     }
   }
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
 }
 
+// The AVX2 rows: maddubs pair sums in int16, madd with the halves' scales.
+template <bool Q3, int MT>
+void q23_tile_avx2(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums, int64_t nb,
+                   float* const* out) {
+  q23_tile<Q3, MT>(w, nb, out, [a, half_sums](const __m256i (&u)[2][4], __m256i sc0, __m256i sc1, __m256i corr_pair,
+                                              int64_t b, __m256 dw, __m256 mw, __m256* acc) {
+    const __m256i sc0x2 = twice(sc0), sc1x2 = twice(sc1);
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* q = a[m][b].qs;
+      __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(half_dot(u[0], q), sc0x2),
+                                     _mm256_madd_epi16(half_dot(u[1], q + 16), sc1x2));
+      const __m256i corr = _mm256_madd_epi16(corr_pair, _mm256_set1_epi32(half_sums[m][b]));  // sum_h x_h A_h
+      const __m256 da = _mm256_set1_ps(a[m][b].d);
+      if constexpr (Q3) {
+        dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(corr, 2));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, da), acc[m]);
+      } else {
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, da), acc[m]);
+        acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_mul_ps(mw, da), acc[m]);
+      }
+    }
+  });
+}
+
 KVGEN_VNNI_BEGIN
-// The tile with vpdpbusd (common.h): each half's S_h = sum u a in int32 (16 * 7 * 127 at most), times sc_h with
+// The rows with vpdpbusd (common.h): each half's S_h = sum u a in int32 (16 * 7 * 127 at most), times sc_h with
 // vpmulld. Q3's halves start at offsets[m][2b + h] = -4 A_h (activation_half_offsets), so the sum is
 // sum_h sc_h (S_h - 4 A_h): the AVX2 tile's integer. Q2's mins go through the half sums as there.
 template <bool Q3, int MT>
 void q23_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_sums,
                    const int32_t* const* offsets, int64_t nb, float* const* out) {
-  constexpr int64_t kRec = Q3 ? kQ3Record : kQ2Record;  // record bytes
-  __m256 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t sb = 0; sb < nb / 8; ++sb, w += kRec) {
-    const char* ahead = reinterpret_cast<const char*>(w) + KVGEN_Q23_PREFETCH * kRec;
-    for (int c = 0; c < kRec; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    const __m256 mw = Q3 ? dw : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
-    for (int k = 0; k < 8; ++k) {
-      const int64_t b = 8 * sb + k;
-      __m256i u[2][4], sc0, sc1, corr_pair;
-      q23_block<Q3>(w, k, u, sc0, sc1, corr_pair);
-      for (int m = 0; m < MT; ++m) {
-        const int8_t* q = a[m][b].qs;
-        __m256i s0 = Q3 ? _mm256_set1_epi32(offsets[m][2 * b]) : _mm256_setzero_si256();
-        __m256i s1 = Q3 ? _mm256_set1_epi32(offsets[m][2 * b + 1]) : _mm256_setzero_si256();
-        for (int s = 0; s < 4; ++s) {
-          s0 = _mm256_dpbusd_epi32(s0, u[0][s], bcast4(q + 4 * s));
-          s1 = _mm256_dpbusd_epi32(s1, u[1][s], bcast4(q + 16 + 4 * s));
-        }
-        const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(s0, sc0), _mm256_mullo_epi32(s1, sc1));
-        const __m256 da = _mm256_set1_ps(a[m][b].d);
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, da), acc[m]);
-        if constexpr (!Q3) {
-          const __m256i corr = _mm256_madd_epi16(corr_pair, _mm256_set1_epi32(half_sums[m][b]));  // sum_h m_h A_h
-          acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_mul_ps(mw, da), acc[m]);
-        }
+  q23_tile<Q3, MT>(w, nb, out, [a, half_sums, offsets](const __m256i (&u)[2][4], __m256i sc0, __m256i sc1,
+                                                       __m256i corr_pair, int64_t b, __m256 dw, __m256 mw,
+                                                       __m256* acc) {
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* q = a[m][b].qs;
+      __m256i s0 = Q3 ? _mm256_set1_epi32(offsets[m][2 * b]) : _mm256_setzero_si256();
+      __m256i s1 = Q3 ? _mm256_set1_epi32(offsets[m][2 * b + 1]) : _mm256_setzero_si256();
+      for (int s = 0; s < 4; ++s) {
+        s0 = _mm256_dpbusd_epi32(s0, u[0][s], bcast4(q + 4 * s));
+        s1 = _mm256_dpbusd_epi32(s1, u[1][s], bcast4(q + 16 + 4 * s));
+      }
+      const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(s0, sc0), _mm256_mullo_epi32(s1, sc1));
+      const __m256 da = _mm256_set1_ps(a[m][b].d);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, da), acc[m]);
+      if constexpr (!Q3) {
+        const __m256i corr = _mm256_madd_epi16(corr_pair, _mm256_set1_epi32(half_sums[m][b]));  // sum_h m_h A_h
+        acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_mul_ps(mw, da), acc[m]);
       }
     }
-  }
-  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out[m], acc[m]);
+  });
 }
 KVGEN_VNNI_END
 
@@ -158,7 +160,7 @@ void q23_dispatch(const uint8_t* w, const BlockQ8A* const* a, const int32_t* con
       q23_tile_vnni<Q3, MT>(w, a + r, half_sums + r, Q3 ? offsets + r : nullptr, nb, out + r);
     });
   }
-  tile_rows(mt, [&](auto MT) { q23_tile<Q3, MT>(w, a, half_sums, nb, out); });
+  tile_rows(mt, [&](auto MT) { q23_tile_avx2<Q3, MT>(w, a, half_sums, nb, out); });
 }
 
 }  // namespace
