@@ -7,7 +7,7 @@ flags and the torch version; later processes load the cached library in millisec
 Where the CPU lacks AVX2/FMA/F16C, the build fails, or ``KVGEN_KERNELS=reference`` is
 set, the plain-torch twins in :mod:`kvgen.kernels.reference` run instead (one logged
 notice, never a crash). :func:`get_ops` returns whichever is in use. On a CPU with AVX512-VNNI, qgemm's quantized
-tiles (all but Q2_K and Q3_K) use ``vpdpbusd`` (chosen at run time; ``KVGEN_KERNELS_ISA=avx2`` keeps the AVX2 tiles;
+tiles use ``vpdpbusd`` (chosen at run time; ``KVGEN_KERNELS_ISA=avx2`` keeps the AVX2 tiles;
 the outputs are bit-identical): :func:`kernel_isa` says which.
 
 Ops (``torch.ops.kvgen.*``, same signatures in the reference):
@@ -236,7 +236,7 @@ def pack_gguf_segments(segments: list[tuple[str, torch.Tensor]]) -> tuple[int, t
 
 
 def kernel_isa() -> str:
-    """The instruction set of qgemm's quantized tiles (all but Q2_K and Q3_K) in this process: ``"avx512vnni"`` (the
+    """The instruction set of qgemm's quantized tiles in this process: ``"avx512vnni"`` (the
     CPU has AVX512F, BW, VL and VNNI, and ``$KVGEN_KERNELS_ISA`` is not ``"avx2"``), ``"avx2"``, or ``"reference"``
     (the torch twins). Both C++ paths give bit-identical outputs (``csrc/common.h``)."""
     if get_ops().backend != "avx2":
