@@ -112,10 +112,6 @@ void q6_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, const int32_t* con
 }
 KVGEN_VNNI_END
 
-}  // namespace
-
-namespace {
-
 // The sums of an activation block's two 16-value halves.
 inline void half_sums_of(const BlockQ8A& block, int32_t& s0, int32_t& s1) {
   s0 = s1 = 0;
