@@ -1,5 +1,5 @@
-"""qgemm's AVX512-VNNI tiles (Q4_1, Q4_0, Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4)
-give bit for bit what its AVX2 tiles give.
+"""qgemm's AVX512-VNNI tiles (Q4_1, Q4_0, Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4; and
+F16 / BF16, whose tiles take 8 activation rows there) give bit for bit what its AVX2 tiles give.
 
 The same inputs run in a subprocess with ``KVGEN_KERNELS_ISA=avx2``; skipped where the CPU lacks AVX512-VNNI (both
 runs would take the AVX2 tiles) or the C++ kernels are not built.
@@ -31,7 +31,11 @@ RANDOM_BLOCKS = {"Q2_K": (256, 84, (80, 82)), "Q3_K": (256, 110, (108,)), "Q4_K"
 
 
 def _rows(qtype: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """GGUF rows [n, bytes] uint8 of ``qtype``: gguf's quantization of a random matrix, or random K-quant blocks."""
+    """GGUF rows [n, bytes] uint8 of ``qtype``: a random 16-bit matrix's bytes, gguf's quantization of a random
+    matrix, or random K-quant blocks."""
+    if qtype in ("F16", "BF16"):
+        return torch.randn(n, k, generator=gen).to(getattr(torch, "float16" if qtype == "F16" else "bfloat16")).view(
+            torch.uint8)
     if qtype not in RANDOM_BLOCKS:
         return torch.tensor(quantize((torch.randn(n, k, generator=gen) * 3).numpy(), getattr(GGMLQuantizationType, qtype)))
     values, size, offsets = RANDOM_BLOCKS[qtype]
@@ -50,7 +54,7 @@ torch.save([get_ops().qgemm(x, packed, wt, n, None) for x, packed, wt, n in case
 
 @needs_vnni
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-                                   "IQ4_NL", "IQ4_XS", "MXFP4"])
+                                   "IQ4_NL", "IQ4_XS", "MXFP4", "F16", "BF16"])
 def test_vnni_tiles_equal_the_avx2_tiles(qtype: str, tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(0)
     cases = []

@@ -252,7 +252,7 @@ __attribute__((always_inline)) inline void k_quant_tile(const uint8_t* w, const 
 #define KVGEN_VNNI_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512vnni\")")
 #define KVGEN_VNNI_END _Pragma("GCC pop_options")
 bool use_vnni();
-// Activation rows of one VNNI tile call (every group function with VNNI tiles takes up to this many there; on AVX2
+// Activation rows of one VNNI tile call (every group function takes up to this many there, F16 / BF16 too; on AVX2
 // up to 4): AVX-512VL's 32 registers hold 8 rows' sums, and
 // each weight vector unpacked serves twice the rows. qgemm 3072 x 768 (2 threads, in-process A/B, M = 16-512): Q4_1
 // 394-437 -> 477-482 GOPS at M = 512 (a 512-token prefill +2-6 %); Q4_K 1.02-1.19x, Q5_K 1.08-1.18x,

@@ -199,9 +199,9 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
       while (g >= segs[si].g1) ++si;  // groups ascend: the segment holding g
       const Segment& seg = segs[si];
       const uint8_t* wg = seg.base + (g - seg.g0) * nb * seg.rec;
-      // activation rows a tile takes: kVnniRows for the VNNI tiles (common.h), else 4
+      // activation rows a tile takes: kVnniRows on an AVX512-VNNI host (common.h), else 4
       const int64_t t = seg.weight_type;
-      const int64_t rows = use_vnni() && t != kF16 && t != kBF16 ? kVnniRows : 4;
+      const int64_t rows = use_vnni() ? kVnniRows : 4;
       // a group of packed 6-bit scales met by several tiles has them unpacked once (k_quant_tile in common.h)
       const uint8_t* kscales = nullptr;
       if ((t == kQ4K || t == kQ5K || t == kIQ4XS) && M > rows) {
