@@ -34,18 +34,18 @@ def windows(token_ids: list[int], context_length: int) -> list[list[int]]:
 
 @torch.inference_mode()
 def window_nll(model: CausalLM, window: list[int]) -> float:
-    """Summed NLL (nats) of tokens 2..n of ``window`` given the earlier ones, in one forward.
+    """Summed NLL (nats) of tokens 2..n of ``window`` given the earlier ones.
 
-    The forward fills a static KV cache of the window's length, as a prefill does: the quantized path then runs its
-    one-op decoder and fused cache attention (a 512-token window of the default model 521 -> 458 ms), where a forward
-    without a cache goes layer by layer; the NLL is the same to the bit (checked on the default model, auto and
-    float32).
+    The forward fills a static KV cache of the window's length, as a prefill does (in chunks on the kernels:
+    ``chunked_forward``): the quantized path then runs its one-op decoder and fused cache attention (a 512-token
+    window of the default model 521 -> 458 ms), where a forward without a cache goes layer by layer; the NLL is the
+    same to the bit (checked on the default model, auto and float32).
     """
-    from kvgen.generation.runner import make_cache
+    from kvgen.generation.runner import chunked_forward, make_cache
 
     ids = torch.tensor([window])  # [1, T]
     positions = torch.arange(len(window))[None]  # [1, T]
-    hidden = model(ids, positions, make_cache(model, "static", 1, len(window)))  # [1, T, C]
+    hidden = chunked_forward(model, ids, positions, make_cache(model, "static", 1, len(window)), None)  # [1, T, C]
     logits = model.compute_logits(hidden[0, :-1])  # [T-1, V]
     return float(F.cross_entropy(logits, ids[0, 1:], reduction="sum"))
 

@@ -65,3 +65,48 @@ def test_chunked_prefill_on_the_kernel_path(ours_default_auto, cache: str) -> No
     kwargs = {"max_new_tokens": 12, "cache_implementation": cache}
     assert generate(model, ids, None, prefill_chunk_size=5, **kwargs).new_token_ids == generate(
         model, ids, None, **kwargs).new_token_ids
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_long_prefill_on_the_kernels_goes_in_chunks_with_the_same_bits(ours_default_auto, monkeypatch, cache: str
+                                                                        ) -> None:
+    """Over ``PREFILL_CHUNK_TOKENS`` tokens (8 here) a prefill on the kernels goes in column chunks (a left-padded
+    batch of 2: 4 columns a forward) with no option set: every step's scores and the tokens are those of one
+    forward, to the bit, and so is a perplexity window's NLL."""
+    from kvgen.generation import runner
+    from kvgen.perplexity import window_nll
+
+    model, tokenizer = ours_default_auto
+    rows = [tokenizer.encode("Paged attention stores the KV cache in fixed-size blocks, so that"), tokenizer.encode(
+        "The capital of France is")]
+    ids, mask = left_pad(rows, 0)  # [2, T]
+    kwargs = {"max_new_tokens": 5, "output_scores": True, "cache_implementation": cache, "eos_token_id": []}
+    forwards = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *args: forwards.append(args[0].shape) or forward(*args))
+    monkeypatch.setattr(runner, "PREFILL_CHUNK_TOKENS", 1 << 30)
+    whole, whole_nll = generate(model, ids, mask, **kwargs), window_nll(model, rows[0])
+    assert forwards[0] == ids.shape and len(forwards) == 1 + 4 + 1  # prefill, 4 steps, the window
+    monkeypatch.setattr(runner, "PREFILL_CHUNK_TOKENS", 8)
+    forwards.clear()
+    chunked, chunked_nll = generate(model, ids, mask, **kwargs), window_nll(model, rows[0])
+    num_chunks = -(-ids.shape[1] // 4)
+    assert forwards[:num_chunks] == [(2, min(4, ids.shape[1] - c)) for c in range(0, ids.shape[1], 4)]
+    assert len(forwards) == num_chunks + 4 + -(-len(rows[0]) // 8)
+    assert chunked.sequences.tolist() == whole.sequences.tolist()
+    assert chunked.scores is not None and whole.scores is not None
+    assert all(torch.equal(a, b) for a, b in zip(chunked.scores, whole.scores, strict=True))
+    assert chunked_nll == whole_nll
+
+
+def test_the_float32_path_prefills_in_one_forward(tiny: TinyModel, monkeypatch) -> None:
+    """Without kernels (transformers' matrix products, whose results depend on their shapes) a long prompt still
+    goes in one forward."""
+    from kvgen.generation import runner
+
+    monkeypatch.setattr(runner, "PREFILL_CHUNK_TOKENS", 2)
+    forwards = []
+    forward = tiny.ours.forward
+    monkeypatch.setattr(tiny.ours, "forward", lambda *args: forwards.append(args[0].shape) or forward(*args))
+    generate(tiny.ours, IDS, MASK, max_new_tokens=2, pad_token_id=1, eos_token_id=[])
+    assert forwards == [IDS.shape, (3, 1)]

@@ -23,6 +23,31 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+# Tokens (rows x columns) a forward over the kernels takes at most when it fills a KV cache: a longer input goes in
+# column chunks of this many tokens, one forward each, with the same results to the bit (the kernels' rows and
+# attention do not depend on the batch or the chunking) in less time, as the activations of a chunk stay in cache
+# (a 2,048-token prefill from one forward vs chunks of 512 / 256 / 128, tokens/s: SmolLM2-135M Q4_1 855 / 947 /
+# 980 / 971; a 3B Q4_K_M 59.5 / 63.8 / 66.0; a 1.1B Q4_K_M over 1,024 tokens 177 / 194 / 201 / 203; 2 threads, Zen 4).
+PREFILL_CHUNK_TOKENS = 256
+
+
+def chunked_forward(model: CausalLM, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | StaticCache,
+                    mask: torch.Tensor | None) -> torch.Tensor:
+    """``model(ids, positions, cache, AttentionMetadata(mask))`` -> hidden [B, T, C], in column chunks of at most
+    :data:`PREFILL_CHUNK_TOKENS` tokens where the model runs on its kernels (one forward otherwise: the float32
+    path's matrix products depend on their shapes). ids, positions: [B, T] int64; mask: None (no padding) or
+    [B, cache.seq_length + T] (1 real, 0 left padding)."""
+    columns = max(1, PREFILL_CHUNK_TOKENS // ids.shape[0])
+    if getattr(model, "kernels", None) is None or ids.shape[1] <= columns:
+        return model(ids, positions, cache, AttentionMetadata(mask))
+    first, parts = cache.seq_length, []
+    for start in range(0, ids.shape[1], columns):
+        stop = min(start + columns, ids.shape[1])
+        meta = AttentionMetadata(None if mask is None else mask[:, : first + stop])  # [B, slots so far]
+        parts.append(model(ids[:, start:stop], positions[:, start:stop], cache, meta))  # [B, stop - start, C]
+    return torch.cat(parts, dim=1)  # [B, T, C]
+
+
 def make_cache(model: CausalLM, kind: str = "dynamic", batch_size: int = 1, max_len: int | None = None
                ) -> DynamicCache | StaticCache:
     """A fresh KV cache for ``model`` of ``kind``: "static" holds ``max_len`` tokens per row (default: the model's
@@ -93,7 +118,9 @@ class StepRunner:
         if self.num_steps == 0 and self.prefill_chunk_size is not None:
             ids, positions = self._prefill_chunks(ids, positions, mask, first)  # [B/copies, 1] each
         meta = AttentionMetadata(mask if self.has_padding else None)
-        if self.recorder is None:
+        if self.recorder is None and self.cache is not None:  # a long prefill in chunks (same bits, less time)
+            hidden = chunked_forward(self.model, ids, positions, self.cache, meta.attention_mask)  # [B/copies, T_fed, C]
+        elif self.recorder is None:
             hidden = self.model(ids, positions, self.cache, meta)  # [B/copies, T_fed, C]
         else:
             with self.recorder.forward() as record:
