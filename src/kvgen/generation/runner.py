@@ -25,20 +25,22 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 # Tokens (rows x columns) a forward over the kernels takes at most when it fills a KV cache: a longer input goes in
 # column chunks of this many tokens, one forward each, with the same results to the bit (the kernels' rows and
-# attention do not depend on the batch or the chunking) in less time, as the activations of a chunk stay in cache
-# (a 2,048-token prefill from one forward vs chunks of 512 / 256 / 128, tokens/s: SmolLM2-135M Q4_1 855 / 947 /
-# 980 / 971; a 3B Q4_K_M 59.5 / 63.8 / 66.0; a 1.1B Q4_K_M over 1,024 tokens 177 / 194 / 201 / 203; 2 threads, Zen 4).
+# attention do not depend on the batch or the chunking) in less time, as the activations of a chunk stay in cache.
+# A 2,048-token prefill from one forward vs chunks of 512 / 256 / 128, tokens/s (2 threads, Zen 4): SmolLM2-135M
+# Q4_1 878 / 967 / 989 / 966 (best of 6, interleaved in one process); one run each: a 3B Q4_K_M 59.5 / 63.8 / 66.0,
+# a 1.1B Q4_K_M over 1,024 tokens 177 / 194 / 201 / 203.
 PREFILL_CHUNK_TOKENS = 256
 
 
-def chunked_forward(model: CausalLM, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | StaticCache,
-                    mask: torch.Tensor | None) -> torch.Tensor:
+def chunked_forward(model: CausalLM, ids: torch.Tensor, positions: torch.Tensor,
+                    cache: DynamicCache | StaticCache | None, mask: torch.Tensor | None) -> torch.Tensor:
     """``model(ids, positions, cache, AttentionMetadata(mask))`` -> hidden [B, T, C], in column chunks of at most
-    :data:`PREFILL_CHUNK_TOKENS` tokens where the model runs on its kernels (one forward otherwise: the float32
-    path's matrix products depend on their shapes). ids, positions: [B, T] int64; mask: None (no padding) or
-    [B, cache.seq_length + T] (1 real, 0 left padding)."""
+    :data:`PREFILL_CHUNK_TOKENS` tokens where the model runs on its kernels and fills ``cache`` (one forward
+    otherwise: without a cache a chunk could not see the earlier ones, and the float32 path's matrix products depend
+    on their shapes). ids, positions: [B, T] int64; mask: None (no padding) or [B, cached + T] (1 real, 0 left
+    padding)."""
     columns = max(1, PREFILL_CHUNK_TOKENS // ids.shape[0])
-    if getattr(model, "kernels", None) is None or ids.shape[1] <= columns:
+    if cache is None or getattr(model, "kernels", None) is None or ids.shape[1] <= columns:
         return model(ids, positions, cache, AttentionMetadata(mask))
     first, parts = cache.seq_length, []
     for start in range(0, ids.shape[1], columns):
@@ -118,10 +120,8 @@ class StepRunner:
         if self.num_steps == 0 and self.prefill_chunk_size is not None:
             ids, positions = self._prefill_chunks(ids, positions, mask, first)  # [B/copies, 1] each
         meta = AttentionMetadata(mask if self.has_padding else None)
-        if self.recorder is None and self.cache is not None:  # a long prefill in chunks (same bits, less time)
+        if self.recorder is None:  # a long prefill in chunks (same bits, less time)
             hidden = chunked_forward(self.model, ids, positions, self.cache, meta.attention_mask)  # [B/copies, T_fed, C]
-        elif self.recorder is None:
-            hidden = self.model(ids, positions, self.cache, meta)  # [B/copies, T_fed, C]
         else:
             with self.recorder.forward() as record:
                 hidden = self.model(ids, positions, self.cache, meta)
