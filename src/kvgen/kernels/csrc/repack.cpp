@@ -26,20 +26,44 @@ namespace {
 
 constexpr int64_t kQ6KBlock = 210;  // bytes per 256 values (block_q6_K)
 
+// The records keep a row's 4-column runs 32 bytes apart: bytes 4t .. 4t + 3 of v go to d + 32 t (t = 0 .. 3).
+inline void store_runs(uint8_t* d, __m128i v) {
+  const uint32_t w[4] = {static_cast<uint32_t>(_mm_cvtsi128_si32(v)), static_cast<uint32_t>(_mm_extract_epi32(v, 1)),
+                         static_cast<uint32_t>(_mm_extract_epi32(v, 2)), static_cast<uint32_t>(_mm_extract_epi32(v, 3))};
+  for (int t = 0; t < 4; ++t) std::memcpy(d + 32 * t, &w[t], 4);
+}
+
+// Bytes (x >> shift) & mask of 16 bytes (a 16-bit shift, masked back into each byte).
+inline __m128i bits(__m128i x, int shift, int mask) {
+  return _mm_and_si128(_mm_srli_epi16(x, shift), _mm_set1_epi8(static_cast<char>(mask)));
+}
+
+// Byte i of the result: x[i] | x[i + 4] << step | x[i + 8] << 2 step | x[i + 12] << 3 step, for x's bytes below
+// 2^step (the records' 2-bit planes, step 2, and bit planes, step 1; i = 0 .. 3).
+inline __m128i gather4(__m128i x, int step) {
+  __m128i y = x;
+  y = _mm_or_si128(y, _mm_slli_epi16(_mm_srli_si128(x, 4), step));
+  y = _mm_or_si128(y, _mm_slli_epi16(_mm_srli_si128(x, 8), 2 * step));
+  return _mm_or_si128(y, _mm_slli_epi16(_mm_srli_si128(x, 12), 3 * step));
+}
+
 // One row's Q6_K super-block s (256 values) into its Q6 record d as row r: d once, each 32-column block's fields
 // at kQ6Block * j (sc at 16, lo at 32, hi at 160 from there).
 void repack_q6_k(const uint8_t* s, int64_t r, uint8_t* d) {
   const uint8_t* ql = s;
   const uint8_t* qh = s + 128;
   const uint8_t* sc = s + 192;
-  uint8_t u[256];  // the 6-bit values q + 32, as dequantize_row_q6_K reads them
-  for (int n = 0; n < 2; ++n) {
-    for (int l = 0; l < 32; ++l) {
-      const uint8_t h = qh[32 * n + l];
-      u[128 * n + l] = (ql[64 * n + l] & 15) | ((h & 3) << 4);
-      u[128 * n + l + 32] = (ql[64 * n + l + 32] & 15) | (((h >> 2) & 3) << 4);
-      u[128 * n + l + 64] = (ql[64 * n + l] >> 4) | (((h >> 4) & 3) << 4);
-      u[128 * n + l + 96] = (ql[64 * n + l + 32] >> 4) | (((h >> 6) & 3) << 4);
+  alignas(32) uint8_t u[256];  // the 6-bit values q + 32, as dequantize_row_q6_K reads them
+  const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+  for (int n = 0; n < 2; ++n) {  // u[128 n + 32 p + l] from ql[64 n + l (+ 32)] and bits 2 p of qh[32 n + l]
+    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * n));
+    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * n + 32));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * n));
+    const __m256i lo[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                           _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+    for (int p = 0; p < 4; ++p) {
+      const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * p), m3), 4);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(u + 128 * n + 32 * p), _mm256_or_si256(lo[p], high));
     }
   }
   std::memcpy(d + 2 * r, s + 208, 2);  // d
@@ -47,15 +71,15 @@ void repack_q6_k(const uint8_t* s, int64_t r, uint8_t* d) {
     const uint8_t* c = u + 32 * j;  // this block's 32 columns
     d[16 + r] = sc[2 * j];
     d[24 + r] = sc[2 * j + 1];
-    for (int t = 0; t < 4; ++t) {
-      for (int i = 0; i < 4; ++i) d[32 + 32 * t + 4 * r + i] = (c[4 * t + i] & 15) | ((c[16 + 4 * t + i] & 15) << 4);
-    }
-    for (int v = 0; v < 2; ++v) {
-      for (int i = 0; i < 4; ++i) {
-        d[160 + 32 * v + 4 * r + i] = (c[8 * v + i] >> 4) | ((c[16 + 8 * v + i] >> 4) << 2) |
-                                      ((c[8 * v + 4 + i] >> 4) << 4) | ((c[16 + 8 * v + 4 + i] >> 4) << 6);
-      }
-    }
+    const __m128i c0 = _mm_load_si128(reinterpret_cast<const __m128i*>(c));
+    const __m128i c1 = _mm_load_si128(reinterpret_cast<const __m128i*>(c + 16));
+    // low nibbles: byte 4t + i of run t is c[4t + i] & 15 | (c[16 + 4t + i] & 15) << 4
+    store_runs(d + 32 + 4 * r, _mm_or_si128(bits(c0, 0, 15), _mm_slli_epi16(bits(c1, 0, 15), 4)));
+    // 2-bit planes: byte i of plane v is c[8v + i] >> 4 | c[16 + 8v + i] >> 4 << 2 | c[8v + 4 + i] >> 4 << 4 | ...
+    const __m128i x = _mm_or_si128(bits(c0, 4, 3), _mm_slli_epi16(bits(c1, 4, 3), 2));  // 4-bit values
+    const __m128i y = _mm_or_si128(x, _mm_slli_epi16(_mm_srli_si128(x, 4), 4));  // bytes 0-3: plane 0, 8-11: 1
+    const uint32_t planes[2] = {static_cast<uint32_t>(_mm_cvtsi128_si32(y)), static_cast<uint32_t>(_mm_extract_epi32(y, 2))};
+    for (int v = 0; v < 2; ++v) std::memcpy(d + 160 + 32 * v + 4 * r, &planes[v], 4);
   }
 }
 
@@ -74,11 +98,14 @@ void q3_k_scales(const uint8_t* packed, uint8_t* scales) {
 // Q3_K's values u = q + 4 hm in [0, 7] (value = d (s_j - 32) (u - 4)), value 128 n + 32 j + l from bits 2j of
 // qs[32 n + l] and bit 4 n + j of hmask[l] (ggml dequantize_row_q3_K).
 void q3_k_values(const uint8_t* hm, const uint8_t* qs, uint8_t* u) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hm));
+  const __m256i m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
   for (int n = 0; n < 2; ++n) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * n));
     for (int j = 0; j < 4; ++j) {
-      for (int l = 0; l < 32; ++l) {
-        u[128 * n + 32 * j + l] = static_cast<uint8_t>(((qs[32 * n + l] >> (2 * j)) & 3) | (((hm[l] >> (4 * n + j)) & 1) << 2));
-      }
+      const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3);
+      const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4 * n + j), m1), 2);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + 128 * n + 32 * j), _mm256_or_si256(low, high));
     }
   }
 }
@@ -93,25 +120,28 @@ void repack_q23_k(const uint8_t* s, int64_t r, uint8_t* d, bool q3) {
     std::memcpy(d + 2 * r, s + 108, 2);  // d
     for (int g = 0; g < 16; ++g) d[16 + 8 * g + r] = static_cast<uint8_t>(static_cast<int8_t>(scales[g] - 32));
   } else {
-    for (int n = 0; n < 2; ++n)  // value 128 n + 32 j + l: bits 2j of qs[32 n + l] (ggml dequantize_row_q2_K)
-      for (int j = 0; j < 4; ++j)
-        for (int l = 0; l < 32; ++l) u[128 * n + 32 * j + l] = (s[16 + 32 * n + l] >> (2 * j)) & 3;
+    for (int n = 0; n < 2; ++n) {  // value 128 n + 32 j + l: bits 2j of qs[32 n + l] (ggml dequantize_row_q2_K)
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16 + 32 * n));
+      for (int j = 0; j < 4; ++j) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + 128 * n + 32 * j),
+                            _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), _mm256_set1_epi8(3)));
+      }
+    }
     std::memcpy(d + 2 * r, s + 80, 2);  // d
     std::memcpy(d + 16 + 2 * r, s + 82, 2);  // dmin
     for (int g = 0; g < 16; ++g) d[32 + 8 * g + r] = s[g];  // sc | m << 4 of columns 16 g ..
   }
   uint8_t* planes = d + (q3 ? 144 : 160);
   for (int k = 0; k < 8; ++k) {
-    for (int h = 0; h < 2; ++h) {
-      for (int i = 0; i < 4; ++i) {
-        uint8_t byte = 0, high = 0;
-        for (int sh = 0; sh < 4; ++sh) {
-          const uint8_t v = u[32 * k + 16 * h + 4 * sh + i];
-          byte |= static_cast<uint8_t>((v & 3) << (2 * sh));
-          high |= static_cast<uint8_t>((v >> 2) << (4 * h + sh));
-        }
-        planes[64 * k + 32 * h + 4 * r + i] = byte;
-        if (q3) d[656 + 32 * k + 4 * r + i] |= high;
+    for (int h = 0; h < 2; ++h) {  // byte i: the low 2 bits of values 4 sh + i of these 16, sh = 0 .. 3
+      const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 32 * k + 16 * h));
+      const uint32_t low = static_cast<uint32_t>(_mm_cvtsi128_si32(gather4(bits(w, 0, 3), 2)));
+      std::memcpy(planes + 64 * k + 32 * h + 4 * r, &low, 4);
+      if (q3) {  // their third bits, at 4 h + sh of byte i
+        uint32_t high = static_cast<uint32_t>(_mm_cvtsi128_si32(gather4(bits(w, 2, 1), 1))) << (4 * h), have;
+        std::memcpy(&have, d + 656 + 32 * k + 4 * r, 4);
+        high |= have;
+        std::memcpy(d + 656 + 32 * k + 4 * r, &high, 4);
       }
     }
   }
@@ -138,21 +168,15 @@ void repack_k(const uint8_t* s, int64_t r, uint8_t* d, bool five) {
     const uint8_t* qs = s + (five ? 48 : 16) + 32 * (k / 2);
     const int shift = 4 * (k % 2);
     uint8_t* blk = d + 128 + (five ? 160 : 128) * k;
-    for (int t = 0; t < 4; ++t) {
-      for (int i = 0; i < 4; ++i) {
-        blk[32 * t + 4 * r + i] =
-            static_cast<uint8_t>(((qs[4 * t + i] >> shift) & 15) | (((qs[16 + 4 * t + i] >> shift) & 15) << 4));
-      }
-    }
+    // byte 4t + i of run t: (qs[4t + i] >> shift) & 15 | ((qs[16 + 4t + i] >> shift) & 15) << 4
+    const __m128i a = bits(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), shift, 15);
+    const __m128i b = bits(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)), shift, 15);
+    store_runs(blk + 4 * r, _mm_or_si128(a, _mm_slli_epi16(b, 4)));
     if (five) {  // qh[r][i]: bit t = the fifth bit of column 4t + i, bit 4 + t = that of column 16 + 4t + i
-      const uint8_t* qh = s + 16;
-      for (int i = 0; i < 4; ++i) {
-        uint8_t v = 0;
-        for (int t = 0; t < 4; ++t) {
-          v |= static_cast<uint8_t>(((qh[4 * t + i] >> k) & 1) << t | ((qh[16 + 4 * t + i] >> k) & 1) << (4 + t));
-        }
-        blk[128 + 4 * r + i] = v;
-      }
+      const __m128i lo = gather4(bits(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16)), k, 1), 1);
+      const __m128i hi = gather4(bits(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32)), k, 1), 1);
+      const uint32_t v = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm_or_si128(lo, _mm_slli_epi16(hi, 4))));
+      std::memcpy(blk + 128 + 4 * r, &v, 4);
     }
   }
 }
