@@ -17,17 +17,26 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from kvgen.kernels import get_ops, kernel_isa, pack_gguf_rows
+from kvgen.kernels import get_ops, kernel_isa, pack_gguf_rows, pack_gguf_segments
 
 needs_vnni = pytest.mark.skipif(kernel_isa() != "avx512vnni", reason=f"qgemm runs {kernel_isa()} tiles here")
 # N not a multiple of 8 (a padded last group), K of 3 blocks (K-quants: 1 super-block), M across the 1-4 row tiles,
-# the 8-row ones and what follows them
+# the 8-row ones and what follows them (Q4 / Q4_0 / Q4_K: from 8 rows, groups go in pairs, an odd last one alone)
 SHAPES = [(37, 96, m) for m in (1, 2, 3, 4, 5, 8, 9, 14)] + [(64, 576, 17)]
 # the types the gguf package cannot quantize: random blocks (indices and scales included) with fp16 d (and dmin) near
 # 1e-3 (values and bytes per block, offsets of the fp16 scales)
 RANDOM_BLOCKS = {"Q2_K": (256, 84, (80, 82)), "Q3_K": (256, 110, (108,)), "Q4_K": (256, 144, (0, 2)),
                  "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
                  "IQ4_NL": (32, 18, (0,)), "IQ4_XS": (256, 136, (0,))}
+
+
+def _run_avx2(cases: list, tmp_path: Path) -> list[torch.Tensor]:
+    """qgemm of each case (x, packed, weight_type, n) in a subprocess on the AVX2 tiles."""
+    torch.save(cases, tmp_path / "cases.pt")
+    env = {**os.environ, "KVGEN_KERNELS_ISA": "avx2"}
+    subprocess.run([sys.executable, "-c", AVX2_RUN, str(tmp_path / "cases.pt"), str(tmp_path / "avx2.pt")],
+                   env=env, check=True, capture_output=True)
+    return torch.load(tmp_path / "avx2.pt")
 
 
 def _rows(qtype: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -64,10 +73,22 @@ def test_vnni_tiles_equal_the_avx2_tiles(qtype: str, tmp_path: Path) -> None:
         x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 10  # [M, K], rows of mixed scale
         cases.append((x, packed, weight_type, n))
     ours = [get_ops().qgemm(x, packed, wt, n, None) for x, packed, wt, n in cases]  # [M, N] each
-    torch.save(cases, tmp_path / "cases.pt")
-    env = {**os.environ, "KVGEN_KERNELS_ISA": "avx2"}
-    subprocess.run([sys.executable, "-c", AVX2_RUN, str(tmp_path / "cases.pt"), str(tmp_path / "avx2.pt")],
-                   env=env, check=True, capture_output=True)
-    theirs = torch.load(tmp_path / "avx2.pt")
-    for (x, *_), a, b in zip(cases, ours, theirs):
+    for (x, *_), a, b in zip(cases, ours, _run_avx2(cases, tmp_path)):
         assert torch.equal(a, b), (qtype, list(x.shape), (a - b).abs().max())
+
+
+@needs_vnni
+def test_paired_groups_of_a_mixed_weight_equal_the_avx2_tiles(tmp_path: Path) -> None:
+    """Stacked weights of Q4_0 (3 groups: a pair, then one alone, as a pair never spans two parts), Q4_K (2 groups) and
+    Q6_K (1, partial) rows, and of Q4_1 (3) and Q4_K (3), at M = 8 / 9 / 16 / 23 (pairs of 8-row tiles, then the
+    rest): the AVX2 tiles' bits, and each row alone gives its row of the batch."""
+    gen = torch.Generator().manual_seed(1)
+    cases = []
+    for parts in ([("Q4_0", 24), ("Q4_K", 16), ("Q6_K", 5)], [("Q4_1", 24), ("Q4_K", 20)]):
+        weight_type, packed = pack_gguf_segments([(q, _rows(q, n, 256, gen)) for q, n in parts])
+        n = sum(rows for _, rows in parts)
+        cases += [(torch.randn(m, 256, generator=gen) * 3, packed, weight_type, n) for m in (8, 9, 16, 23)]
+    ours = [get_ops().qgemm(x, p, wt, n, None) for x, p, wt, n in cases]  # [M, N] each
+    for (x, p, wt, n), a, b in zip(cases, ours, _run_avx2(cases, tmp_path)):
+        assert torch.equal(a, b), (list(x.shape), (a - b).abs().max())
+        assert torch.equal(a, torch.cat([get_ops().qgemm(x[i : i + 1], p, wt, n, None) for i in range(x.shape[0])]))

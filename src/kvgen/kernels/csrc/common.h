@@ -284,6 +284,12 @@ void q40_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, f
 // scales: null, or the group's scales and mins unpacked by qgemm (k_scales_mins of each record; k_quant_tile).
 void q4k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out,
                const uint8_t* scales);
+// Two consecutive groups w0, w1 of weight_type kQ4, kQ40 or kQ4K against mt <= kVnniRows activation rows, on a VNNI
+// host: with kVnniRows rows in one pass of 512-bit registers (each activation broadcast serving both groups' 16
+// rows), else each group's own tiles; the same bits either way. out[m] points at 16 floats (w0's columns, then w1's);
+// scales (Q4_K): the two groups' unpacked scales back to back (nb / 8 * 128 bytes each).
+void q4_pair_group(int64_t weight_type, const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, int mt,
+                   int64_t nb, float* const* out, const uint8_t* scales);
 // Q8 groups take their VNNI tiles where block_sums is not null (see iq4_group below).
 void q8_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* block_sums, int mt, int64_t nb,
               float* const* out);

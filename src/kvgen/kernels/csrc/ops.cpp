@@ -195,30 +195,52 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
     thread_local std::vector<uint8_t> kscales_buffer;  // a group's unpacked 6-bit scales (and mins) (kept: no
                                                        // allocation per engine step)
     size_t si = 0;
+    bool skip = false;  // the group after a pair: done
     for (int64_t g = begin; g < end; ++g) {
+      if (skip) {
+        skip = false;
+        continue;
+      }
       while (g >= segs[si].g1) ++si;  // groups ascend: the segment holding g
       const Segment& seg = segs[si];
       const uint8_t* wg = seg.base + (g - seg.g0) * nb * seg.rec;
       // activation rows a tile takes: kVnniRows on an AVX512-VNNI host (common.h), else 4
       const int64_t t = seg.weight_type;
       const int64_t rows = use_vnni() ? kVnniRows : 4;
+      // With 8 activation rows or more on a VNNI host, Q4 / Q4_0 / Q4_K groups go two at a time (q4_pair_group: each
+      // activation broadcast serves 16 weight rows); a pair stays within one segment and one thread's groups.
+      const bool is_pair = use_vnni() && M >= kVnniRows && (t == kQ4 || t == kQ40 || t == kQ4K) && g + 1 < end &&
+                           g + 1 < seg.g1;
+      skip = is_pair;
+      const uint8_t* wg1 = wg + nb * seg.rec;  // the next group (a pair's second)
       // a group of packed 6-bit scales met by several tiles has them unpacked once (k_quant_tile in common.h)
       const uint8_t* kscales = nullptr;
-      if ((t == kQ4K || t == kQ5K || t == kIQ4XS) && M > rows) {
-        kscales_buffer.resize(nb / 8 * 128);
-        for (int64_t sb = 0; sb < nb / 8; ++sb) {
-          const uint8_t* record = wg + 8 * sb * seg.rec;
-          uint8_t* dst = kscales_buffer.data() + (t == kIQ4XS ? 64 : 128) * sb;
-          if (t == kIQ4XS) {
-            iq4xs_scales(record + 16, reinterpret_cast<int8_t*>(dst));
-          } else {
-            k_scales_mins(record, dst);
+      if ((t == kQ4K || t == kQ5K || t == kIQ4XS) && (M > rows || is_pair)) {
+        const int64_t per_group = nb / 8 * 128;
+        kscales_buffer.resize((is_pair ? 2 : 1) * per_group);
+        for (int64_t h = 0; h < (is_pair ? 2 : 1); ++h) {
+          for (int64_t sb = 0; sb < nb / 8; ++sb) {
+            const uint8_t* record = (h ? wg1 : wg) + 8 * sb * seg.rec;
+            uint8_t* dst = kscales_buffer.data() + h * per_group + (t == kIQ4XS ? 64 : 128) * sb;
+            if (t == kIQ4XS) {
+              iq4xs_scales(record + 16, reinterpret_cast<int8_t*>(dst));
+            } else {
+              k_scales_mins(record, dst);
+            }
           }
         }
         kscales = kscales_buffer.data();
       }
       for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int mt = static_cast<int>(std::min<int64_t>(rows, M - m0));
+        if (is_pair) {
+          for (int i = 0; i < mt; ++i) {
+            a[i] = act + (m0 + i) * nb;
+            o[i] = op + (m0 + i) * n_pad + g * kRows;
+          }
+          q4_pair_group(t, wg, wg1, a, mt, nb, o, kscales);
+          continue;
+        }
         for (int i = 0; i < mt; ++i) {
           a[i] = act + (m0 + i) * nb;
           hs[i] = sums + (m0 + i) * nb;
