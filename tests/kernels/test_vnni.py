@@ -21,7 +21,7 @@ from kvgen.kernels import get_ops, kernel_isa, pack_gguf_rows, pack_gguf_segment
 
 needs_vnni = pytest.mark.skipif(kernel_isa() != "avx512vnni", reason=f"qgemm runs {kernel_isa()} tiles here")
 # N not a multiple of 8 (a padded last group), K of 3 blocks (K-quants: 1 super-block), M across the 1-4 row tiles,
-# the 8-row ones and what follows them (Q4 / Q4_0 / Q4_K: from 8 rows, groups go in pairs, an odd last one alone)
+# the 8-row ones and what follows them (Q4 / Q4_0 / Q4_K / Q6_K: from 8 rows, groups go in pairs, an odd last one alone)
 SHAPES = [(37, 96, m) for m in (1, 2, 3, 4, 5, 8, 9, 14)] + [(64, 576, 17)]
 # the types the gguf package cannot quantize: random blocks (indices and scales included) with fp16 d (and dmin) near
 # 1e-3 (values and bytes per block, offsets of the fp16 scales)
@@ -80,11 +80,11 @@ def test_vnni_tiles_equal_the_avx2_tiles(qtype: str, tmp_path: Path) -> None:
 @needs_vnni
 def test_paired_groups_of_a_mixed_weight_equal_the_avx2_tiles(tmp_path: Path) -> None:
     """Stacked weights of Q4_0 (3 groups: a pair, then one alone, as a pair never spans two parts), Q4_K (2 groups) and
-    Q6_K (1, partial) rows, and of Q4_1 (3) and Q4_K (3), at M = 8 / 9 / 16 / 23 (pairs of 8-row tiles, then the
-    rest): the AVX2 tiles' bits, and each row alone gives its row of the batch."""
+    Q6_K (1, partial) rows, and of Q4_1 (3), Q4_K (2) and Q6_K (3) rows, at M = 8 / 9 / 16 / 23 (pairs of 8-row
+    tiles, then the rest): the AVX2 tiles' bits, and each row alone gives its row of the batch."""
     gen = torch.Generator().manual_seed(1)
     cases = []
-    for parts in ([("Q4_0", 24), ("Q4_K", 16), ("Q6_K", 5)], [("Q4_1", 24), ("Q4_K", 20)]):
+    for parts in ([("Q4_0", 24), ("Q4_K", 16), ("Q6_K", 5)], [("Q4_1", 24), ("Q4_K", 16), ("Q6_K", 20)]):
         weight_type, packed = pack_gguf_segments([(q, _rows(q, n, 256, gen)) for q, n in parts])
         n = sum(rows for _, rows in parts)
         cases += [(torch.randn(m, 256, generator=gen) * 3, packed, weight_type, n) for m in (8, 9, 16, 23)]

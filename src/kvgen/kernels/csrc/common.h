@@ -252,6 +252,29 @@ __attribute__((always_inline)) inline void k_quant_tile(const uint8_t* w, const 
 #define KVGEN_VNNI_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512vnni\")")
 #define KVGEN_VNNI_END _Pragma("GCC pop_options")
 bool use_vnni();
+
+// Loads for the pair tiles, which take two consecutive 8-row groups in 512-bit registers (q4_pair_group).
+KVGEN_VNNI_BEGIN
+// 32 bytes of each of two groups' records in one 512-bit register (lanes 0-7: group 0's rows, 8-15: group 1's).
+inline __m512i pair_bytes(const uint8_t* p0, const uint8_t* p1) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1)), 1);
+}
+
+// 8 fp16 of each of two groups' records as 16 floats.
+inline __m512 pair_halves(const uint8_t* p0, const uint8_t* p1) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1));
+}
+
+// 8 bytes of each of two groups' unpacked scales (or mins) as 16 floats.
+inline __m512 pair_bytes_ps(const uint8_t* p0, const uint8_t* p1) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0)), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1)))));
+}
+
+KVGEN_VNNI_END
 // Activation rows of one VNNI tile call (every group function takes up to this many there, F16 / BF16 too; on AVX2
 // up to 4): AVX-512VL's 32 registers hold 8 rows' sums, and
 // each weight vector unpacked serves twice the rows. qgemm 3072 x 768 (2 threads, in-process A/B, M = 16-512): Q4_1
@@ -288,6 +311,9 @@ void q4k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, f
 // host: with kVnniRows rows in one pass of 512-bit registers (each activation broadcast serving both groups' 16
 // rows), else each group's own tiles; the same bits either way. out[m] points at 16 floats (w0's columns, then w1's);
 // scales (Q4_K): the two groups' unpacked scales back to back (nb / 8 * 128 bytes each).
+// Two consecutive Q6 groups (as q4_pair_group), with the activation half offsets of their VNNI tiles.
+void q6_pair_group(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* offsets,
+                   int mt, int64_t nb, float* const* out);
 void q4_pair_group(int64_t weight_type, const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, int mt,
                    int64_t nb, float* const* out, const uint8_t* scales);
 // Q8 groups take their VNNI tiles where block_sums is not null (see iq4_group below).

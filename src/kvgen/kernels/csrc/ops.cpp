@@ -207,10 +207,11 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
       // activation rows a tile takes: kVnniRows on an AVX512-VNNI host (common.h), else 4
       const int64_t t = seg.weight_type;
       const int64_t rows = use_vnni() ? kVnniRows : 4;
-      // With 8 activation rows or more on a VNNI host, Q4 / Q4_0 / Q4_K groups go two at a time (q4_pair_group: each
-      // activation broadcast serves 16 weight rows); a pair stays within one segment and one thread's groups.
-      const bool is_pair = use_vnni() && M >= kVnniRows && (t == kQ4 || t == kQ40 || t == kQ4K) && g + 1 < end &&
-                           g + 1 < seg.g1;
+      // With 8 activation rows or more on a VNNI host, Q4 / Q4_0 / Q4_K / Q6 groups go two at a time (q4_pair_group,
+      // q6_pair_group: each activation broadcast serves 16 weight rows); a pair stays within one segment and one
+      // thread's groups.
+      const bool is_pair = use_vnni() && M >= kVnniRows && (t == kQ4 || t == kQ40 || t == kQ4K || t == kQ6) &&
+                           g + 1 < end && g + 1 < seg.g1;
       skip = is_pair;
       const uint8_t* wg1 = wg + nb * seg.rec;  // the next group (a pair's second)
       // a group of packed 6-bit scales met by several tiles has them unpacked once (k_quant_tile in common.h)
@@ -236,9 +237,14 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
         if (is_pair) {
           for (int i = 0; i < mt; ++i) {
             a[i] = act + (m0 + i) * nb;
+            qo[i] = q6_offsets + 2 * (m0 + i) * nb;
             o[i] = op + (m0 + i) * n_pad + g * kRows;
           }
-          q4_pair_group(t, wg, wg1, a, mt, nb, o, kscales);
+          if (t == kQ6) {
+            q6_pair_group(wg, wg1, a, qo, mt, nb, o);
+          } else {
+            q4_pair_group(t, wg, wg1, a, mt, nb, o, kscales);
+          }
           continue;
         }
         for (int i = 0; i < mt; ++i) {

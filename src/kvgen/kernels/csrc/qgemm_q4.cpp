@@ -106,25 +106,6 @@ void q4k_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float
   });
 }
 
-// 32 bytes of each of two groups' records in one 512-bit register (lanes 0-7: group 0's rows, 8-15: group 1's).
-inline __m512i pair_bytes(const uint8_t* p0, const uint8_t* p1) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0))),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1)), 1);
-}
-
-// 8 fp16 of each of two groups' records as 16 floats.
-inline __m512 pair_halves(const uint8_t* p0, const uint8_t* p1) {
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1));
-}
-
-// 8 bytes of each of two groups' unpacked scales (or mins) as 16 floats.
-inline __m512 pair_bytes_ps(const uint8_t* p0, const uint8_t* p1) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
-      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0)), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1)))));
-}
-
 // nibble_dots_vnni of two groups' nibbles (qs0, qs1: the Q4 record's layout) for kVnniRows activation rows: each
 // broadcast of 4 activation bytes serves 16 weight rows. Exact int32 sums, as nibble_dots_vnni's.
 inline void pair_nibble_dots(const uint8_t* qs0, const uint8_t* qs1, const BlockQ8A* const* a, int64_t b,
