@@ -21,7 +21,8 @@ from kvgen.kernels import get_ops, kernel_isa, pack_gguf_rows, pack_gguf_segment
 
 needs_vnni = pytest.mark.skipif(kernel_isa() != "avx512vnni", reason=f"qgemm runs {kernel_isa()} tiles here")
 # N not a multiple of 8 (a padded last group), K of 3 blocks (K-quants: 1 super-block), M across the 1-4 row tiles,
-# the 8-row ones and what follows them (Q4 / Q4_0 / Q4_K / Q6_K: from 8 rows, groups go in pairs, an odd last one alone)
+# the 8-row ones and what follows them (from 8 rows, groups of the types with a pair tile go two at a time, an odd last
+# one alone)
 SHAPES = [(37, 96, m) for m in (1, 2, 3, 4, 5, 8, 9, 14)] + [(64, 576, 17)]
 # the types the gguf package cannot quantize: random blocks (indices and scales included) with fp16 d (and dmin) near
 # 1e-3 (values and bytes per block, offsets of the fp16 scales)

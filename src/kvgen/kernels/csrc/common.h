@@ -253,7 +253,7 @@ __attribute__((always_inline)) inline void k_quant_tile(const uint8_t* w, const 
 #define KVGEN_VNNI_END _Pragma("GCC pop_options")
 bool use_vnni();
 
-// Loads for the pair tiles, which take two consecutive 8-row groups in 512-bit registers (q4_pair_group).
+// Loads for the pair tiles, which take two consecutive 8-row groups in 512-bit registers (affine_pair_tile below).
 KVGEN_VNNI_BEGIN
 // 32 bytes of each of two groups' records in one 512-bit register (lanes 0-7: group 0's rows, 8-15: group 1's).
 inline __m512i pair_bytes(const uint8_t* p0, const uint8_t* p1) {
@@ -296,6 +296,77 @@ inline void vnni_tile_rows(int mt, Tile&& tile) {
   tile_rows(mt, [&](auto MT) { tile(MT, 0); });
 }
 
+KVGEN_VNNI_BEGIN
+// The pair tiles: two consecutive 8-row groups (w0, w1) against kVnniRows activation rows in 512-bit registers, lanes
+// 0-7 holding group 0's rows and 8-15 group 1's, so each activation broadcast serves 16 weight rows (half the
+// broadcasts of two 8-row tiles, which held those back: Q4_1 qgemm 476-522 -> 548-616 GOPS at M = 8-256). Lane by lane
+// they run the one-group tiles' operations in their order (exact int32 dots, then the same fmadds): the same bits.
+// affine_pair_tile is affine_tile's loop (the Q4 / Q4_0 / Q5 / Q5_0 records); dots(qs0, qs1, b, dot) gives each
+// row's int32 dots of both groups for activation block b.
+template <int64_t kRecord, int64_t kPrefetchRecords, int kZeroPoint, int64_t kDotsAt, class Dots>
+__attribute__((always_inline)) inline void affine_pair_tile(const uint8_t* w0, const uint8_t* w1,
+                                                            const BlockQ8A* const* a, int64_t nb, float* const* out,
+                                                            Dots dots) {
+  __m512 acc[kVnniRows];
+  for (int m = 0; m < kVnniRows; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w0 += kRecord, w1 += kRecord) {
+    for (int64_t c = 0; c < kRecord; c += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(w0) + kPrefetchRecords * kRecord + c, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w1) + kPrefetchRecords * kRecord + c, _MM_HINT_T0);
+    }
+    __m512i dot[kVnniRows];
+    dots(w0 + kDotsAt, w1 + kDotsAt, b, dot);
+    const __m512 dw = pair_halves(w0, w1);
+    const __m512 mw = kZeroPoint == 0 ? pair_halves(w0 + 16, w1 + 16)
+                                      : _mm512_mul_ps(dw, _mm512_set1_ps(-static_cast<float>(kZeroPoint)));
+    for (int m = 0; m < kVnniRows; ++m) {
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(dw, _mm512_set1_ps(a[m][b].d)), acc[m]);
+      acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a[m][b].s), acc[m]);
+    }
+  }
+  for (int m = 0; m < kVnniRows; ++m) _mm512_storeu_ps(out[m], acc[m]);
+}
+
+// k_quant_tile_body's loop for two Q4_K / Q5_K groups with their scales unpacked (s0, s1: 128 bytes a record);
+// dots(r0, r1, k, b, dot) gives each row's int32 dots of block k of both records.
+template <int64_t kRecord, int64_t kPrefetchRecords, class Dots>
+__attribute__((always_inline)) inline void k_quant_pair_tile(const uint8_t* w0, const uint8_t* w1,
+                                                             const BlockQ8A* const* a, int64_t nb, float* const* out,
+                                                             const uint8_t* s0, const uint8_t* s1, Dots dots) {
+  constexpr int64_t kStep = kRecord / 8;
+  __m512 acc[kVnniRows];
+  for (int m = 0; m < kVnniRows; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < nb / 8; ++sb, w0 += kRecord, w1 += kRecord, s0 += 128, s1 += 128) {
+    const char* ahead0 = reinterpret_cast<const char*>(w0) + kPrefetchRecords * kRecord;
+    const char* ahead1 = reinterpret_cast<const char*>(w1) + kPrefetchRecords * kRecord;
+    const __m512 dw = pair_halves(w0, w1), dmin = pair_halves(w0 + 16, w1 + 16);
+    for (int k = 0; k < 8; ++k) {
+      const int64_t b = 8 * sb + k;
+      for (int64_t c = 0; c < kStep; c += 64) {
+        _mm_prefetch(ahead0 + kStep * k + c, _MM_HINT_T0);
+        _mm_prefetch(ahead1 + kStep * k + c, _MM_HINT_T0);
+      }
+      __m512i dot[kVnniRows];
+      dots(w0, w1, k, b, dot);
+      const __m512 scale = _mm512_mul_ps(dw, pair_bytes_ps(s0 + 8 * k, s1 + 8 * k));
+      const __m512 mn = _mm512_mul_ps(dmin, pair_bytes_ps(s0 + 64 + 8 * k, s1 + 64 + 8 * k));
+      for (int m = 0; m < kVnniRows; ++m) {
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(scale, _mm512_set1_ps(a[m][b].d)), acc[m]);
+        acc[m] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a[m][b].s), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < kVnniRows; ++m) _mm512_storeu_ps(out[m], acc[m]);
+}
+
+// 4 activation bytes broadcast to all 16 lanes.
+inline __m512i bcast4x16(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+KVGEN_VNNI_END
+
 // Quantize one row of K floats (K % 32 == 0) into K / 32 blocks.
 void quantize_row_q8a(const float* x, BlockQ8A* y, int64_t K);
 
@@ -311,11 +382,21 @@ void q4k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, f
 // host: with kVnniRows rows in one pass of 512-bit registers (each activation broadcast serving both groups' 16
 // rows), else each group's own tiles; the same bits either way. out[m] points at 16 floats (w0's columns, then w1's);
 // scales (Q4_K): the two groups' unpacked scales back to back (nb / 8 * 128 bytes each).
-// Two consecutive Q6 groups (as q4_pair_group), with the activation half offsets of their VNNI tiles.
-void q6_pair_group(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* offsets,
-                   int mt, int64_t nb, float* const* out);
-void q4_pair_group(int64_t weight_type, const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, int mt,
-                   int64_t nb, float* const* out, const uint8_t* scales);
+// The pair tiles (affine_pair_tile above) of two consecutive groups w0, w1 against kVnniRows activation rows, on a
+// VNNI host; out[m] points at 16 floats (w0's columns, then w1's). Q4 / Q5: has_min (Q4_1, Q5_1) or not (Q4_0,
+// Q5_0); the K types: each group's unpacked scales; Q6: the activation half offsets, Q8: block sums, of its VNNI tile.
+void q4_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, int64_t nb, float* const* out,
+                  bool has_min);
+void q4k_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, int64_t nb, float* const* out,
+                   const uint8_t* scales0, const uint8_t* scales1);
+void q5_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, int64_t nb, float* const* out,
+                  bool has_min);
+void q5k_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, int64_t nb, float* const* out,
+                   const uint8_t* scales0, const uint8_t* scales1);
+void q6_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* offsets,
+                  int64_t nb, float* const* out);
+void q8_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* block_sums,
+                  int64_t nb, float* const* out);
 // Q8 groups take their VNNI tiles where block_sums is not null (see iq4_group below).
 void q8_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* block_sums, int mt, int64_t nb,
               float* const* out);

@@ -207,11 +207,12 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
       // activation rows a tile takes: kVnniRows on an AVX512-VNNI host (common.h), else 4
       const int64_t t = seg.weight_type;
       const int64_t rows = use_vnni() ? kVnniRows : 4;
-      // With 8 activation rows or more on a VNNI host, Q4 / Q4_0 / Q4_K / Q6 groups go two at a time (q4_pair_group,
-      // q6_pair_group: each activation broadcast serves 16 weight rows); a pair stays within one segment and one
-      // thread's groups.
-      const bool is_pair = use_vnni() && M >= kVnniRows && (t == kQ4 || t == kQ40 || t == kQ4K || t == kQ6) &&
-                           g + 1 < end && g + 1 < seg.g1;
+      // With 8 activation rows or more on a VNNI host, groups of the quantized types with a pair tile go two at a time
+      // (affine_pair_tile in common.h: each activation broadcast serves 16 weight rows); a pair stays within one
+      // segment and one thread's groups.
+      const bool has_pair_tile = t == kQ4 || t == kQ40 || t == kQ4K || t == kQ5 || t == kQ50 || t == kQ5K ||
+                                 t == kQ6 || t == kQ8;
+      const bool is_pair = use_vnni() && M >= kVnniRows && has_pair_tile && g + 1 < end && g + 1 < seg.g1;
       skip = is_pair;
       const uint8_t* wg1 = wg + nb * seg.rec;  // the next group (a pair's second)
       // a group of packed 6-bit scales met by several tiles has them unpacked once (k_quant_tile in common.h)
@@ -234,19 +235,6 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
       }
       for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int mt = static_cast<int>(std::min<int64_t>(rows, M - m0));
-        if (is_pair) {
-          for (int i = 0; i < mt; ++i) {
-            a[i] = act + (m0 + i) * nb;
-            qo[i] = q6_offsets + 2 * (m0 + i) * nb;
-            o[i] = op + (m0 + i) * n_pad + g * kRows;
-          }
-          if (t == kQ6) {
-            q6_pair_group(wg, wg1, a, qo, mt, nb, o);
-          } else {
-            q4_pair_group(t, wg, wg1, a, mt, nb, o, kscales);
-          }
-          continue;
-        }
         for (int i = 0; i < mt; ++i) {
           a[i] = act + (m0 + i) * nb;
           hs[i] = sums + (m0 + i) * nb;
@@ -256,24 +244,42 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           xr[i] = xp + (m0 + i) * K;
           o[i] = op + (m0 + i) * n_pad + g * kRows;
         }
-        switch (seg.weight_type) {
-          case kF16: f16_group(wg, xr, mt, nb, o); break;
-          case kBF16: bf16_group(wg, xr, mt, nb, o); break;
-          case kQ6: q6_group(wg, a, hs, has_q6_offsets ? qo : nullptr, mt, nb, o); break;
-          case kQ4: q4_group(wg, a, mt, nb, o); break;
-          case kQ40: q40_group(wg, a, mt, nb, o); break;
-          case kQ4K: q4k_group(wg, a, mt, nb, o, kscales); break;
-          case kQ5K: q5k_group(wg, a, mt, nb, o, kscales); break;
-          case kIQ4XS:
-            iq4xs_group(wg, a, has_block_sums ? bs : nullptr, mt, nb, o, reinterpret_cast<const int8_t*>(kscales));
-            break;
-          case kQ5: q5_group(wg, a, mt, nb, o); break;
-          case kQ50: q50_group(wg, a, mt, nb, o); break;
-          case kIQ4: iq4_group(wg, a, has_block_sums ? bs : nullptr, mt, nb, o, kIQ4Values); break;
-          case kMXFP4: iq4_group(wg, a, has_block_sums ? bs : nullptr, mt, nb, o, kMXFP4Values); break;
-          case kQ2: q2_group(wg, a, hs, mt, nb, o); break;
-          case kQ3: q3_group(wg, a, hs, has_q3_offsets ? q3o : nullptr, mt, nb, o); break;
-          default: q8_group(wg, a, has_block_sums ? bs : nullptr, mt, nb, o); break;
+        const uint8_t* kscales1 = is_pair && kscales != nullptr ? kscales + nb / 8 * 128 : nullptr;  // the 2nd group's
+        if (is_pair && mt == kVnniRows) {
+          switch (t) {
+            case kQ4: case kQ40: q4_pair_tile(wg, wg1, a, nb, o, t == kQ4); break;
+            case kQ5: case kQ50: q5_pair_tile(wg, wg1, a, nb, o, t == kQ5); break;
+            case kQ4K: q4k_pair_tile(wg, wg1, a, nb, o, kscales, kscales1); break;
+            case kQ5K: q5k_pair_tile(wg, wg1, a, nb, o, kscales, kscales1); break;
+            case kQ6: q6_pair_tile(wg, wg1, a, qo, nb, o); break;
+            default: q8_pair_tile(wg, wg1, a, bs, nb, o); break;
+          }
+          continue;
+        }
+        for (int h = 0; h < (is_pair ? 2 : 1); ++h) {  // one group, or each of a pair's for fewer rows
+          const uint8_t* w = h ? wg1 : wg;
+          const uint8_t* ks = h ? kscales1 : kscales;
+          if (h)
+            for (int i = 0; i < mt; ++i) o[i] += kRows;
+          switch (seg.weight_type) {
+            case kF16: f16_group(w, xr, mt, nb, o); break;
+            case kBF16: bf16_group(w, xr, mt, nb, o); break;
+            case kQ6: q6_group(w, a, hs, has_q6_offsets ? qo : nullptr, mt, nb, o); break;
+            case kQ4: q4_group(w, a, mt, nb, o); break;
+            case kQ40: q40_group(w, a, mt, nb, o); break;
+            case kQ4K: q4k_group(w, a, mt, nb, o, ks); break;
+            case kQ5K: q5k_group(w, a, mt, nb, o, ks); break;
+            case kIQ4XS:
+              iq4xs_group(w, a, has_block_sums ? bs : nullptr, mt, nb, o, reinterpret_cast<const int8_t*>(ks));
+              break;
+            case kQ5: q5_group(w, a, mt, nb, o); break;
+            case kQ50: q50_group(w, a, mt, nb, o); break;
+            case kIQ4: iq4_group(w, a, has_block_sums ? bs : nullptr, mt, nb, o, kIQ4Values); break;
+            case kMXFP4: iq4_group(w, a, has_block_sums ? bs : nullptr, mt, nb, o, kMXFP4Values); break;
+            case kQ2: q2_group(w, a, hs, mt, nb, o); break;
+            case kQ3: q3_group(w, a, hs, has_q3_offsets ? q3o : nullptr, mt, nb, o); break;
+            default: q8_group(w, a, has_block_sums ? bs : nullptr, mt, nb, o); break;
+          }
         }
       }
     }

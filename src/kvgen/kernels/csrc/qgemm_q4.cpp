@@ -116,71 +116,12 @@ inline void pair_nibble_dots(const uint8_t* qs0, const uint8_t* qs1, const Block
     const __m512i p = pair_bytes(qs0 + 32 * t, qs1 + 32 * t);
     const __m512i lo = _mm512_and_si512(p, low4), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
     for (int m = 0; m < kVnniRows; ++m) {
-      int32_t qlo, qhi;
-      std::memcpy(&qlo, a[m][b].qs + 4 * t, 4);
-      std::memcpy(&qhi, a[m][b].qs + 16 + 4 * t, 4);
-      dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(qlo));
-      dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(qhi));
+      dot[m] = _mm512_dpbusd_epi32(dot[m], lo, bcast4x16(a[m][b].qs + 4 * t));
+      dot[m] = _mm512_dpbusd_epi32(dot[m], hi, bcast4x16(a[m][b].qs + 16 + 4 * t));
     }
   }
 }
 
-// Two groups (16 weight rows) against kVnniRows activation rows in 512-bit registers: lanes 0-7 hold group 0's rows,
-// 8-15 group 1's, so each activation broadcast serves 16 weight rows, half the broadcasts of two q4_tile_vnni<8>
-// calls (qgemm 3072 x 768 at M = 8-256, 2 threads: 476-522 -> 548-616 GOPS, Q4_1 and Q4_0). Every lane runs the
-// operations of q4_tile_vnni<8> (affine_tile in common.h) in their order: exact int32 dots, then the same fmadds, so
-// the bits are those of two single-group tiles.
-template <bool HasMin>
-void q4_pair_tile_vnni(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, int64_t nb, float* const* out) {
-  constexpr int64_t kRecord = HasMin ? kQ4Record : kQ40Record, kDotsAt = HasMin ? 32 : 16;
-  __m512 acc[kVnniRows];
-  for (int m = 0; m < kVnniRows; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, w0 += kRecord, w1 += kRecord) {
-    for (int64_t c = 0; c < kRecord; c += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(w0) + kPrefetchRecords * kRecord + c, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w1) + kPrefetchRecords * kRecord + c, _MM_HINT_T0);
-    }
-    __m512i dot[kVnniRows];
-    pair_nibble_dots(w0 + kDotsAt, w1 + kDotsAt, a, b, dot);
-    const __m512 dw = pair_halves(w0, w1);
-    const __m512 mw = HasMin ? pair_halves(w0 + 16, w1 + 16) : _mm512_mul_ps(dw, _mm512_set1_ps(-8.0f));
-    for (int m = 0; m < kVnniRows; ++m) {
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(dw, _mm512_set1_ps(a[m][b].d)), acc[m]);
-      acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a[m][b].s), acc[m]);
-    }
-  }
-  for (int m = 0; m < kVnniRows; ++m) _mm512_storeu_ps(out[m], acc[m]);
-}
-
-// The same for two Q4_K groups with their scales unpacked (s0, s1: 128 bytes a record), lane by lane the operations
-// of k_quant_tile_body<8> (common.h).
-void q4k_pair_tile_vnni(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, int64_t nb, float* const* out,
-                        const uint8_t* s0, const uint8_t* s1) {
-  constexpr int64_t kStep = kQ4KRecord / 8;
-  __m512 acc[kVnniRows];
-  for (int m = 0; m < kVnniRows; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t sb = 0; sb < nb / 8; ++sb, w0 += kQ4KRecord, w1 += kQ4KRecord, s0 += 128, s1 += 128) {
-    const char* ahead0 = reinterpret_cast<const char*>(w0) + KVGEN_Q4K_PREFETCH * kQ4KRecord;
-    const char* ahead1 = reinterpret_cast<const char*>(w1) + KVGEN_Q4K_PREFETCH * kQ4KRecord;
-    const __m512 dw = pair_halves(w0, w1), dmin = pair_halves(w0 + 16, w1 + 16);
-    for (int k = 0; k < 8; ++k) {
-      const int64_t b = 8 * sb + k;
-      for (int64_t c = 0; c < kStep; c += 64) {
-        _mm_prefetch(ahead0 + kStep * k + c, _MM_HINT_T0);
-        _mm_prefetch(ahead1 + kStep * k + c, _MM_HINT_T0);
-      }
-      __m512i dot[kVnniRows];
-      pair_nibble_dots(w0 + 128 + 128 * k, w1 + 128 + 128 * k, a, b, dot);
-      const __m512 scale = _mm512_mul_ps(dw, pair_bytes_ps(s0 + 8 * k, s1 + 8 * k));
-      const __m512 mn = _mm512_mul_ps(dmin, pair_bytes_ps(s0 + 64 + 8 * k, s1 + 64 + 8 * k));
-      for (int m = 0; m < kVnniRows; ++m) {
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(scale, _mm512_set1_ps(a[m][b].d)), acc[m]);
-        acc[m] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a[m][b].s), acc[m]);
-      }
-    }
-  }
-  for (int m = 0; m < kVnniRows; ++m) _mm512_storeu_ps(out[m], acc[m]);
-}
 KVGEN_VNNI_END
 
 // Q4_K: block k's nibbles at 128 + 128k of a super-block record (k_quant_tile in common.h).
@@ -218,26 +159,23 @@ void q40_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, f
   group<false>(w, a, mt, nb, out);
 }
 
-void q4_pair_group(int64_t weight_type, const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, int mt,
-                   int64_t nb, float* const* out, const uint8_t* scales) {
-  const uint8_t* scales1 = weight_type == kQ4K ? scales + nb / 8 * 128 : nullptr;
-  if (mt == kVnniRows) {
-    if (weight_type == kQ4K) return q4k_pair_tile_vnni(w0, w1, a, nb, out, scales, scales1);
-    if (weight_type == kQ4) return q4_pair_tile_vnni<true>(w0, w1, a, nb, out);
-    return q4_pair_tile_vnni<false>(w0, w1, a, nb, out);
-  }
-  float* shifted[kVnniRows];  // fewer rows: each group's own tiles
-  for (int h = 0; h < 2; ++h) {
-    for (int i = 0; i < mt; ++i) shifted[i] = out[i] + h * kRows;
-    const uint8_t* w = h ? w1 : w0;
-    if (weight_type == kQ4K) {
-      q4k_group(w, a, mt, nb, shifted, h ? scales1 : scales);
-    } else if (weight_type == kQ4) {
-      group<true>(w, a, mt, nb, shifted);
-    } else {
-      group<false>(w, a, mt, nb, shifted);
-    }
-  }
+KVGEN_VNNI_BEGIN
+void q4_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, int64_t nb, float* const* out,
+                  bool has_min) {
+  const auto dots = [a](const uint8_t* qs0, const uint8_t* qs1, int64_t b, __m512i* dot) {
+    pair_nibble_dots(qs0, qs1, a, b, dot);
+  };
+  if (has_min) return affine_pair_tile<kQ4Record, kPrefetchRecords, 0, 32>(w0, w1, a, nb, out, dots);
+  affine_pair_tile<kQ40Record, kPrefetchRecords, 8, 16>(w0, w1, a, nb, out, dots);
 }
+
+void q4k_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, int64_t nb, float* const* out,
+                   const uint8_t* scales0, const uint8_t* scales1) {
+  k_quant_pair_tile<kQ4KRecord, KVGEN_Q4K_PREFETCH>(
+      w0, w1, a, nb, out, scales0, scales1, [a](const uint8_t* r0, const uint8_t* r1, int k, int64_t b, __m512i* dot) {
+        pair_nibble_dots(r0 + 128 + 128 * k, r1 + 128 + 128 * k, a, b, dot);
+      });
+}
+KVGEN_VNNI_END
 
 }  // namespace kvgen

@@ -126,6 +126,43 @@ void q5k_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, int64_t nb, float
 }
 KVGEN_VNNI_END
 
+KVGEN_VNNI_BEGIN
+// bit_to_4 of 512-bit registers.
+template <int K>
+inline __m512i bit_to_4_pair(__m512i v, __m512i bit4) {
+  if constexpr (K < 4) return _mm512_and_si512(_mm512_slli_epi16(v, 4 - K), bit4);
+  else if constexpr (K == 4) return _mm512_and_si512(v, bit4);
+  else return _mm512_and_si512(_mm512_srli_epi16(v, K - 4), bit4);
+}
+
+template <int T>
+inline void unpack_pair(const uint8_t* qs0, const uint8_t* qs1, __m512i qh, __m512i& lo, __m512i& hi) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  const __m512i p = pair_bytes(qs0 + 32 * T, qs1 + 32 * T);
+  lo = _mm512_or_si512(_mm512_and_si512(p, low4), bit_to_4_pair<T>(qh, bit4));
+  hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(p, 4), low4), bit_to_4_pair<4 + T>(qh, bit4));
+}
+
+// q5_dots_vnni of two groups' records (the pair tiles, common.h) for kVnniRows activation rows.
+inline void pair_q5_dots(const uint8_t* qs0, const uint8_t* qs1, const BlockQ8A* const* a, int64_t b, __m512i* dot) {
+  const __m512i qh = pair_bytes(qs0 + 128, qs1 + 128);
+  __m512i lo[4], hi[4];  // columns 4t+i and 16+4t+i, 16 rows
+  unpack_pair<0>(qs0, qs1, qh, lo[0], hi[0]);
+  unpack_pair<1>(qs0, qs1, qh, lo[1], hi[1]);
+  unpack_pair<2>(qs0, qs1, qh, lo[2], hi[2]);
+  unpack_pair<3>(qs0, qs1, qh, lo[3], hi[3]);
+  for (int m = 0; m < kVnniRows; ++m) {
+    const int8_t* q = a[m][b].qs;
+    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    for (int t = 0; t < 4; ++t) {
+      s0 = _mm512_dpbusd_epi32(s0, lo[t], bcast4x16(q + 4 * t));
+      s1 = _mm512_dpbusd_epi32(s1, hi[t], bcast4x16(q + 16 + 4 * t));
+    }
+    dot[m] = _mm512_add_epi32(s0, s1);
+  }
+}
+KVGEN_VNNI_END
+
 template <bool HasMin>
 void group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, float* const* out) {
   if (use_vnni()) return vnni_tile_rows(mt, [&](auto MT, int r) { q5_tile_vnni<MT, HasMin>(w, a + r, nb, out + r); });
@@ -151,5 +188,24 @@ void q5k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, f
   if (use_vnni()) return vnni_tile_rows(mt, [&](auto MT, int r) { q5k_tile_vnni<MT>(w, a + r, nb, out + r, scales); });
   tile_rows(mt, [&](auto MT) { q5k_tile<MT>(w, a, nb, out, scales); });
 }
+
+KVGEN_VNNI_BEGIN
+void q5_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, int64_t nb, float* const* out,
+                  bool has_min) {
+  const auto dots = [a](const uint8_t* qs0, const uint8_t* qs1, int64_t b, __m512i* dot) {
+    pair_q5_dots(qs0, qs1, a, b, dot);
+  };
+  if (has_min) return affine_pair_tile<kQ5Record, KVGEN_Q5_PREFETCH, 0, 32>(w0, w1, a, nb, out, dots);
+  affine_pair_tile<kQ50Record, KVGEN_Q5_PREFETCH, 16, 16>(w0, w1, a, nb, out, dots);
+}
+
+void q5k_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, int64_t nb, float* const* out,
+                   const uint8_t* scales0, const uint8_t* scales1) {
+  k_quant_pair_tile<kQ5KRecord, KVGEN_Q5K_PREFETCH>(
+      w0, w1, a, nb, out, scales0, scales1, [a](const uint8_t* r0, const uint8_t* r1, int k, int64_t b, __m512i* dot) {
+        pair_q5_dots(r0 + 128 + 160 * k, r1 + 128 + 160 * k, a, b, dot);
+      });
+}
+KVGEN_VNNI_END
 
 }  // namespace kvgen

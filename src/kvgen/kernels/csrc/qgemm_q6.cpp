@@ -112,62 +112,6 @@ void q6_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, const int32_t* con
 }
 KVGEN_VNNI_END
 
-KVGEN_VNNI_BEGIN
-// Two groups (16 weight rows) against kVnniRows activation rows in 512-bit registers (lanes 0-7: group 0's rows,
-// 8-15: group 1's), as q4_pair_group: each activation broadcast serves 16 rows. Lane by lane the operations of
-// q6_tile_vnni<8>: the same bits.
-void q6_pair_tile_vnni(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* offsets,
-                       int64_t nb, float* const* out) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
-  __m512 acc[kVnniRows];
-  for (int m = 0; m < kVnniRows; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t sb = 0; sb < nb / 8; ++sb, w0 += kQ6Record, w1 += kQ6Record) {
-    const char* ahead0 = reinterpret_cast<const char*>(w0) + KVGEN_Q6_PREFETCH * kQ6Record;
-    const char* ahead1 = reinterpret_cast<const char*>(w1) + KVGEN_Q6_PREFETCH * kQ6Record;
-    const __m512 dw = pair_halves(w0, w1);
-    for (int k = 0; k < 8; ++k) {
-      const int64_t b = 8 * sb + k;
-      const uint8_t* blk0 = w0 + kQ6Block * k;  // sc at 16, lo at 32, hi at 160
-      const uint8_t* blk1 = w1 + kQ6Block * k;
-      for (int c = 0; c < 256; c += 64) {
-        _mm_prefetch(ahead0 + 210 * k + c, _MM_HINT_T0);
-        _mm_prefetch(ahead1 + 210 * k + c, _MM_HINT_T0);
-      }
-      __m512i u0[4], u1[4];
-      const __m512i h[2] = {pair_bytes(blk0 + 160, blk1 + 160), pair_bytes(blk0 + 192, blk1 + 192)};
-      for (int t = 0; t < 4; ++t) {
-        const __m512i p = pair_bytes(blk0 + 32 + 32 * t, blk1 + 32 + 32 * t);
-        const __m512i hv = h[t >> 1];
-        const __m512i b0 = (t & 1) ? hv : _mm512_slli_epi16(hv, 4);
-        const __m512i b1 = (t & 1) ? _mm512_srli_epi16(hv, 2) : _mm512_slli_epi16(hv, 2);
-        u0[t] = _mm512_or_si512(_mm512_and_si512(p, low4), _mm512_and_si512(b0, top2));
-        u1[t] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(p, 4), low4), _mm512_and_si512(b1, top2));
-      }
-      const auto scales = [](const uint8_t* p0, const uint8_t* p1) {  // 8 int8 of each group as int32
-        return _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0)),
-                                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1))));
-      };
-      const __m512i sc0 = scales(blk0 + 16, blk1 + 16), sc1 = scales(blk0 + 24, blk1 + 24);
-      for (int m = 0; m < kVnniRows; ++m) {
-        const int8_t* q = a[m][b].qs;
-        const int32_t* off = offsets[m] + 2 * b;
-        __m512i s0 = _mm512_set1_epi32(off[0]), s1 = _mm512_set1_epi32(off[1]);
-        for (int t = 0; t < 4; ++t) {
-          int32_t q0, q1;
-          std::memcpy(&q0, q + 4 * t, 4);
-          std::memcpy(&q1, q + 16 + 4 * t, 4);
-          s0 = _mm512_dpbusd_epi32(s0, u0[t], _mm512_set1_epi32(q0));
-          s1 = _mm512_dpbusd_epi32(s1, u1[t], _mm512_set1_epi32(q1));
-        }
-        const __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(a[m][b].d)), acc[m]);
-      }
-    }
-  }
-  for (int m = 0; m < kVnniRows; ++m) _mm512_storeu_ps(out[m], acc[m]);
-}
-KVGEN_VNNI_END
-
 // The sums of an activation block's two 16-value halves.
 inline void half_sums_of(const BlockQ8A& block, int32_t& s0, int32_t& s1) {
   s0 = s1 = 0;
@@ -212,14 +156,55 @@ void q6_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* 
   });
 }
 
-void q6_pair_group(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* offsets,
-                   int mt, int64_t nb, float* const* out) {
-  if (mt == kVnniRows) return q6_pair_tile_vnni(w0, w1, a, offsets, nb, out);
-  float* shifted[kVnniRows];  // fewer rows: each group's own tiles
-  for (int h = 0; h < 2; ++h) {
-    for (int i = 0; i < mt; ++i) shifted[i] = out[i] + h * kRows;
-    q6_group(h ? w1 : w0, a, nullptr, offsets, mt, nb, shifted);
+KVGEN_VNNI_BEGIN
+// The pair tile (common.h): lane by lane the operations of q6_tile_vnni<8>.
+void q6_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* offsets,
+                       int64_t nb, float* const* out) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
+  __m512 acc[kVnniRows];
+  for (int m = 0; m < kVnniRows; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < nb / 8; ++sb, w0 += kQ6Record, w1 += kQ6Record) {
+    const char* ahead0 = reinterpret_cast<const char*>(w0) + KVGEN_Q6_PREFETCH * kQ6Record;
+    const char* ahead1 = reinterpret_cast<const char*>(w1) + KVGEN_Q6_PREFETCH * kQ6Record;
+    const __m512 dw = pair_halves(w0, w1);
+    for (int k = 0; k < 8; ++k) {
+      const int64_t b = 8 * sb + k;
+      const uint8_t* blk0 = w0 + kQ6Block * k;  // sc at 16, lo at 32, hi at 160
+      const uint8_t* blk1 = w1 + kQ6Block * k;
+      for (int c = 0; c < 256; c += 64) {
+        _mm_prefetch(ahead0 + 210 * k + c, _MM_HINT_T0);
+        _mm_prefetch(ahead1 + 210 * k + c, _MM_HINT_T0);
+      }
+      __m512i u0[4], u1[4];
+      const __m512i h[2] = {pair_bytes(blk0 + 160, blk1 + 160), pair_bytes(blk0 + 192, blk1 + 192)};
+      for (int t = 0; t < 4; ++t) {
+        const __m512i p = pair_bytes(blk0 + 32 + 32 * t, blk1 + 32 + 32 * t);
+        const __m512i hv = h[t >> 1];
+        const __m512i b0 = (t & 1) ? hv : _mm512_slli_epi16(hv, 4);
+        const __m512i b1 = (t & 1) ? _mm512_srli_epi16(hv, 2) : _mm512_slli_epi16(hv, 2);
+        u0[t] = _mm512_or_si512(_mm512_and_si512(p, low4), _mm512_and_si512(b0, top2));
+        u1[t] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(p, 4), low4), _mm512_and_si512(b1, top2));
+      }
+      const auto scales = [](const uint8_t* p0, const uint8_t* p1) {  // 8 int8 of each group as int32
+        return _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0)),
+                                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1))));
+      };
+      const __m512i sc0 = scales(blk0 + 16, blk1 + 16), sc1 = scales(blk0 + 24, blk1 + 24);
+      for (int m = 0; m < kVnniRows; ++m) {
+        const int8_t* q = a[m][b].qs;
+        const int32_t* off = offsets[m] + 2 * b;
+        __m512i s0 = _mm512_set1_epi32(off[0]), s1 = _mm512_set1_epi32(off[1]);
+        for (int t = 0; t < 4; ++t) {
+          s0 = _mm512_dpbusd_epi32(s0, u0[t], bcast4x16(q + 4 * t));
+          s1 = _mm512_dpbusd_epi32(s1, u1[t], bcast4x16(q + 16 + 4 * t));
+        }
+        const __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(a[m][b].d)), acc[m]);
+      }
+    }
   }
+  for (int m = 0; m < kVnniRows; ++m) _mm512_storeu_ps(out[m], acc[m]);
 }
+KVGEN_VNNI_END
 
 }  // namespace kvgen

@@ -105,4 +105,31 @@ void q8_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* 
   });
 }
 
+KVGEN_VNNI_BEGIN
+// The pair tile (common.h): lane by lane the operations of q8_tile_vnni<8>.
+void q8_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* block_sums,
+                  int64_t nb, float* const* out) {
+  __m512 acc[kVnniRows];
+  for (int m = 0; m < kVnniRows; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w0 += kQ8Record, w1 += kQ8Record) {
+    for (int c = 0; c < kQ8Record; c += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(w0) + KVGEN_Q8_PREFETCH * kQ8Record + c, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w1) + KVGEN_Q8_PREFETCH * kQ8Record + c, _MM_HINT_T0);
+    }
+    __m512i dot[kVnniRows];
+    for (int m = 0; m < kVnniRows; ++m) dot[m] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      const __m512i u = pair_bytes(w0 + 16 + 32 * j, w1 + 16 + 32 * j);
+      for (int m = 0; m < kVnniRows; ++m) dot[m] = _mm512_dpbusd_epi32(dot[m], u, bcast4x16(a[m][b].qs + 4 * j));
+    }
+    const __m512 dw = pair_halves(w0, w1);
+    for (int m = 0; m < kVnniRows; ++m) {
+      const __m512i sum = _mm512_sub_epi32(dot[m], _mm512_set1_epi32(block_sums[m][b]));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(a[m][b].d)), acc[m]);
+    }
+  }
+  for (int m = 0; m < kVnniRows; ++m) _mm512_storeu_ps(out[m], acc[m]);
+}
+KVGEN_VNNI_END
+
 }  // namespace kvgen
