@@ -211,7 +211,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
       // (affine_pair_tile in common.h: each activation broadcast serves 16 weight rows); a pair stays within one
       // segment and one thread's groups.
       const bool has_pair_tile = t == kQ4 || t == kQ40 || t == kQ4K || t == kQ5 || t == kQ50 || t == kQ5K ||
-                                 t == kQ6 || t == kQ8;
+                                 t == kQ6 || t == kQ8 || t == kIQ4 || t == kMXFP4 || t == kIQ4XS;
       const bool is_pair = use_vnni() && M >= kVnniRows && has_pair_tile && g + 1 < end && g + 1 < seg.g1;
       skip = is_pair;
       const uint8_t* wg1 = wg + nb * seg.rec;  // the next group (a pair's second)
@@ -252,6 +252,12 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
             case kQ4K: q4k_pair_tile(wg, wg1, a, nb, o, kscales, kscales1); break;
             case kQ5K: q5k_pair_tile(wg, wg1, a, nb, o, kscales, kscales1); break;
             case kQ6: q6_pair_tile(wg, wg1, a, qo, nb, o); break;
+            case kIQ4: iq4_pair_tile(wg, wg1, a, bs, nb, o, kIQ4Values); break;
+            case kMXFP4: iq4_pair_tile(wg, wg1, a, bs, nb, o, kMXFP4Values); break;
+            case kIQ4XS:
+              iq4xs_pair_tile(wg, wg1, a, bs, nb, o, reinterpret_cast<const int8_t*>(kscales),
+                              reinterpret_cast<const int8_t*>(kscales1));
+              break;
             default: q8_pair_tile(wg, wg1, a, bs, nb, o); break;
           }
           continue;

@@ -209,4 +209,89 @@ void iq4xs_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* cons
   });
 }
 
+KVGEN_VNNI_BEGIN
+namespace {
+
+// iq4_sums_vnni of two groups' indices (the pair tiles, common.h) for kVnniRows activation rows: `values` holds the
+// offset table in all four 128-bit lanes; Scaled: times each row's sc (16 lanes: both groups' rows).
+template <bool Scaled>
+inline void pair_iq4_sums(const uint8_t* qs0, const uint8_t* qs1, const BlockQ8A* const* a,
+                          const int32_t* const* block_sums, int64_t b, __m512i values, __m512i sc, __m512i* sum) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512i part[kVnniRows][2];
+  for (int m = 0; m < kVnniRows; ++m) part[m][0] = part[m][1] = _mm512_setzero_si512();
+  for (int t = 0; t < 4; ++t) {
+    const __m512i p = pair_bytes(qs0 + 32 * t, qs1 + 32 * t);
+    const __m512i lo = _mm512_shuffle_epi8(values, _mm512_and_si512(p, low4));
+    const __m512i hi = _mm512_shuffle_epi8(values, _mm512_and_si512(_mm512_srli_epi16(p, 4), low4));
+    for (int m = 0; m < kVnniRows; ++m) {
+      part[m][0] = _mm512_dpbusd_epi32(part[m][0], lo, bcast4x16(a[m][b].qs + 4 * t));
+      part[m][1] = _mm512_dpbusd_epi32(part[m][1], hi, bcast4x16(a[m][b].qs + 16 + 4 * t));
+    }
+  }
+  for (int m = 0; m < kVnniRows; ++m) {
+    sum[m] = _mm512_sub_epi32(_mm512_add_epi32(part[m][0], part[m][1]), _mm512_set1_epi32(block_sums[m][b]));
+    if constexpr (Scaled) sum[m] = _mm512_mullo_epi32(sum[m], sc);
+  }
+}
+
+// The 16 values of `table` plus 128 as uint8 (iq4_sums_vnni's operand) in all four lanes.
+inline __m512i pair_table(const int8_t* table) {
+  return _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(table))),
+                          _mm512_set1_epi8(static_cast<char>(0x80)));
+}
+
+}  // namespace
+
+// The pair tiles (common.h): lane by lane the operations of iq4_tile_vnni<8> and iq4xs_tile_vnni<8>.
+void iq4_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* block_sums,
+                   int64_t nb, float* const* out, const int8_t* table) {
+  const __m512i values = pair_table(table);
+  __m512 acc[kVnniRows];
+  for (int m = 0; m < kVnniRows; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w0 += kIQ4Record, w1 += kIQ4Record) {
+    for (int c = 0; c < 192; c += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(w0) + KVGEN_IQ4_PREFETCH * kIQ4Record + c, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w1) + KVGEN_IQ4_PREFETCH * kIQ4Record + c, _MM_HINT_T0);
+    }
+    __m512i sum[kVnniRows];
+    pair_iq4_sums<false>(w0 + 16, w1 + 16, a, block_sums, b, values, _mm512_set1_epi32(1), sum);
+    const __m512 dw = pair_halves(w0, w1);
+    for (int m = 0; m < kVnniRows; ++m) {
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m]), _mm512_mul_ps(dw, _mm512_set1_ps(a[m][b].d)), acc[m]);
+    }
+  }
+  for (int m = 0; m < kVnniRows; ++m) _mm512_storeu_ps(out[m], acc[m]);
+}
+
+void iq4xs_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* block_sums,
+                     int64_t nb, float* const* out, const int8_t* scales0, const int8_t* scales1) {
+  constexpr int64_t kStep = kIQ4XSRecord / 8;
+  const __m512i values = pair_table(kIQ4Values);
+  __m512 acc[kVnniRows];
+  for (int m = 0; m < kVnniRows; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < nb / 8; ++sb, w0 += kIQ4XSRecord, w1 += kIQ4XSRecord, scales0 += 64, scales1 += 64) {
+    const char* ahead0 = reinterpret_cast<const char*>(w0) + KVGEN_IQ4XS_PREFETCH * kIQ4XSRecord;
+    const char* ahead1 = reinterpret_cast<const char*>(w1) + KVGEN_IQ4XS_PREFETCH * kIQ4XSRecord;
+    const __m512 dw = pair_halves(w0, w1);
+    for (int k = 0; k < 8; ++k) {
+      const int64_t b = 8 * sb + k;
+      for (int c = 0; c < 192; c += 64) {
+        _mm_prefetch(ahead0 + kStep * k + c, _MM_HINT_T0);
+        _mm_prefetch(ahead1 + kStep * k + c, _MM_HINT_T0);
+      }
+      const __m512i sc = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(  // each row's ls - 32
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales0 + 8 * k)),
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales1 + 8 * k))));
+      __m512i sum[kVnniRows];
+      pair_iq4_sums<true>(w0 + 64 + 128 * k, w1 + 64 + 128 * k, a, block_sums, b, values, sc, sum);
+      for (int m = 0; m < kVnniRows; ++m) {
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m]), _mm512_mul_ps(dw, _mm512_set1_ps(a[m][b].d)), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < kVnniRows; ++m) _mm512_storeu_ps(out[m], acc[m]);
+}
+KVGEN_VNNI_END
+
 }  // namespace kvgen
