@@ -384,8 +384,8 @@ void q4k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, f
 // scales (Q4_K): the two groups' unpacked scales back to back (nb / 8 * 128 bytes each).
 // The pair tiles (affine_pair_tile above) of two consecutive groups w0, w1 against kVnniRows activation rows, on a
 // VNNI host; out[m] points at 16 floats (w0's columns, then w1's). Q4 / Q5: has_min (Q4_1, Q5_1) or not (Q4_0,
-// Q5_0); the K types and IQ4_XS: each group's unpacked scales; Q6: the activation half offsets, Q8 and the IQ4 types:
-// block sums, of its VNNI tile; IQ4_NL / MXFP4: the table.
+// Q5_0); the K types and IQ4_XS: each group's unpacked scales; Q6 and Q3: the activation half offsets, Q2: the half
+// sums, Q8 and the IQ4 types: the block sums, of its VNNI tile; IQ4_NL / MXFP4: the table.
 void q4_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, int64_t nb, float* const* out,
                   bool has_min);
 void q4k_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, int64_t nb, float* const* out,
@@ -402,6 +402,10 @@ void iq4_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* 
                    int64_t nb, float* const* out, const int8_t* table);
 void iq4xs_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* block_sums,
                      int64_t nb, float* const* out, const int8_t* scales0, const int8_t* scales1);
+void q2_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* half_sums,
+                  int64_t nb, float* const* out);
+void q3_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* offsets,
+                  int64_t nb, float* const* out);
 // Q8 groups take their VNNI tiles where block_sums is not null (see iq4_group below).
 void q8_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* block_sums, int mt, int64_t nb,
               float* const* out);

@@ -211,7 +211,8 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
       // (affine_pair_tile in common.h: each activation broadcast serves 16 weight rows); a pair stays within one
       // segment and one thread's groups.
       const bool has_pair_tile = t == kQ4 || t == kQ40 || t == kQ4K || t == kQ5 || t == kQ50 || t == kQ5K ||
-                                 t == kQ6 || t == kQ8 || t == kIQ4 || t == kMXFP4 || t == kIQ4XS;
+                                 t == kQ6 || t == kQ8 || t == kIQ4 || t == kMXFP4 || t == kIQ4XS || t == kQ2 ||
+                                 t == kQ3;
       const bool is_pair = use_vnni() && M >= kVnniRows && has_pair_tile && g + 1 < end && g + 1 < seg.g1;
       skip = is_pair;
       const uint8_t* wg1 = wg + nb * seg.rec;  // the next group (a pair's second)
@@ -258,6 +259,8 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
               iq4xs_pair_tile(wg, wg1, a, bs, nb, o, reinterpret_cast<const int8_t*>(kscales),
                               reinterpret_cast<const int8_t*>(kscales1));
               break;
+            case kQ2: q2_pair_tile(wg, wg1, a, hs, nb, o); break;
+            case kQ3: q3_pair_tile(wg, wg1, a, q3o, nb, o); break;
             default: q8_pair_tile(wg, wg1, a, bs, nb, o); break;
           }
           continue;

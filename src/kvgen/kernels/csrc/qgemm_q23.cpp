@@ -175,4 +175,91 @@ void q3_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* 
   q23_dispatch<true>(w, a, half_sums, offsets, mt, nb, out);
 }
 
+KVGEN_VNNI_BEGIN
+// The pair tile (common.h) of two Q2 / Q3 groups: lane by lane the operations of q23_tile_vnni<Q3, 8>, with q23_block's
+// unpacking of both records in 512-bit registers.
+template <bool Q3>
+void q23_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* half_sums,
+                   const int32_t* const* offsets, int64_t nb, float* const* out) {
+  constexpr int64_t kRec = Q3 ? kQ3Record : kQ2Record, kBits = Q3 ? 144 : 160;
+  const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4), low16 = _mm512_set1_epi32(0xFFFF);
+  const auto bytes16 = [](__m128i x0, __m128i x1, bool high) {  // 8 bytes of each group's x as int32 lanes
+    return _mm512_cvtepu8_epi32(high ? _mm_unpackhi_epi64(x0, x1) : _mm_unpacklo_epi64(x0, x1));
+  };
+  __m512 acc[kVnniRows];
+  for (int m = 0; m < kVnniRows; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < nb / 8; ++sb, w0 += kRec, w1 += kRec) {
+    for (int c = 0; c < kRec; c += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(w0) + KVGEN_Q23_PREFETCH * kRec + c, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w1) + KVGEN_Q23_PREFETCH * kRec + c, _MM_HINT_T0);
+    }
+    const __m512 dw = pair_halves(w0, w1);
+    const __m512 mw = Q3 ? dw : pair_halves(w0 + 16, w1 + 16);
+    for (int k = 0; k < 8; ++k) {
+      const int64_t b = 8 * sb + k;
+      __m512i u[2][4];  // [half][shift]: columns 16h + 4s + i, 16 rows
+      for (int h = 0; h < 2; ++h) {
+        const __m512i p = pair_bytes(w0 + kBits + 64 * k + 32 * h, w1 + kBits + 64 * k + 32 * h);
+        for (int sh = 0; sh < 4; ++sh) u[h][sh] = _mm512_and_si512(_mm512_srli_epi16(p, 2 * sh), three);
+      }
+      __m512i sc0, sc1, corr_pair;
+      if constexpr (Q3) {
+        const __m512i hv = pair_bytes(w0 + kBits + 512 + 32 * k, w1 + kBits + 512 + 32 * k);
+        u[0][0] = _mm512_or_si512(u[0][0], _mm512_and_si512(_mm512_slli_epi16(hv, 2), four));
+        u[0][1] = _mm512_or_si512(u[0][1], _mm512_and_si512(_mm512_slli_epi16(hv, 1), four));
+        u[0][2] = _mm512_or_si512(u[0][2], _mm512_and_si512(hv, four));
+        u[0][3] = _mm512_or_si512(u[0][3], _mm512_and_si512(_mm512_srli_epi16(hv, 1), four));
+        for (int sh = 0; sh < 4; ++sh) {
+          u[1][sh] = _mm512_or_si512(u[1][sh], _mm512_and_si512(_mm512_srli_epi16(hv, 2 + sh), four));
+        }
+        const auto scales = [](const uint8_t* p0, const uint8_t* p1) {
+          return _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0)),
+                                                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1))));
+        };
+        sc0 = scales(w0 + 16 + 16 * k, w1 + 16 + 16 * k);
+        sc1 = scales(w0 + 24 + 16 * k, w1 + 24 + 16 * k);
+        corr_pair = _mm512_setzero_si512();  // unused: the offsets carry Q3's correction
+      } else {
+        const __m128i s0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w0 + 32 + 16 * k));  // [h][r]: sc | m << 4
+        const __m128i s1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w1 + 32 + 16 * k));
+        const __m128i f = _mm_set1_epi8(15);
+        const __m128i lo0 = _mm_and_si128(s0, f), lo1 = _mm_and_si128(s1, f);
+        const __m128i hi0 = _mm_and_si128(_mm_srli_epi16(s0, 4), f), hi1 = _mm_and_si128(_mm_srli_epi16(s1, 4), f);
+        sc0 = bytes16(lo0, lo1, false);
+        sc1 = bytes16(lo0, lo1, true);
+        corr_pair = _mm512_or_si512(_mm512_and_si512(bytes16(hi0, hi1, false), low16),
+                                    _mm512_slli_epi32(bytes16(hi0, hi1, true), 16));
+      }
+      for (int m = 0; m < kVnniRows; ++m) {
+        const int8_t* q = a[m][b].qs;
+        __m512i s0 = Q3 ? _mm512_set1_epi32(offsets[m][2 * b]) : _mm512_setzero_si512();
+        __m512i s1 = Q3 ? _mm512_set1_epi32(offsets[m][2 * b + 1]) : _mm512_setzero_si512();
+        for (int sh = 0; sh < 4; ++sh) {
+          s0 = _mm512_dpbusd_epi32(s0, u[0][sh], bcast4x16(q + 4 * sh));
+          s1 = _mm512_dpbusd_epi32(s1, u[1][sh], bcast4x16(q + 16 + 4 * sh));
+        }
+        const __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1));
+        const __m512 da = _mm512_set1_ps(a[m][b].d);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, da), acc[m]);
+        if constexpr (!Q3) {
+          const __m512i corr = _mm512_madd_epi16(corr_pair, _mm512_set1_epi32(half_sums[m][b]));  // sum_h m_h A_h
+          acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(corr), _mm512_mul_ps(mw, da), acc[m]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < kVnniRows; ++m) _mm512_storeu_ps(out[m], acc[m]);
+}
+
+void q2_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* half_sums,
+                  int64_t nb, float* const* out) {
+  q23_pair_tile<false>(w0, w1, a, half_sums, nullptr, nb, out);
+}
+
+void q3_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* offsets,
+                  int64_t nb, float* const* out) {
+  q23_pair_tile<true>(w0, w1, a, nullptr, offsets, nb, out);
+}
+KVGEN_VNNI_END
+
 }  // namespace kvgen
