@@ -406,6 +406,9 @@ void q2_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a
                   int64_t nb, float* const* out);
 void q3_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* offsets,
                   int64_t nb, float* const* out);
+// F16 / BF16 (is_bf16): the activation rows x unquantized, as f16_group.
+void f16_pair_tile(const uint8_t* w0, const uint8_t* w1, const float* const* x, int64_t nb, float* const* out,
+                   bool is_bf16);
 // Q8 groups take their VNNI tiles where block_sums is not null (see iq4_group below).
 void q8_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* block_sums, int mt, int64_t nb,
               float* const* out);

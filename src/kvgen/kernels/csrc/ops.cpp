@@ -207,13 +207,10 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
       // activation rows a tile takes: kVnniRows on an AVX512-VNNI host (common.h), else 4
       const int64_t t = seg.weight_type;
       const int64_t rows = use_vnni() ? kVnniRows : 4;
-      // With 8 activation rows or more on a VNNI host, groups of the quantized types with a pair tile go two at a time
-      // (affine_pair_tile in common.h: each activation broadcast serves 16 weight rows); a pair stays within one
-      // segment and one thread's groups.
-      const bool has_pair_tile = t == kQ4 || t == kQ40 || t == kQ4K || t == kQ5 || t == kQ50 || t == kQ5K ||
-                                 t == kQ6 || t == kQ8 || t == kIQ4 || t == kMXFP4 || t == kIQ4XS || t == kQ2 ||
-                                 t == kQ3;
-      const bool is_pair = use_vnni() && M >= kVnniRows && has_pair_tile && g + 1 < end && g + 1 < seg.g1;
+      // With 8 activation rows or more on a VNNI host, groups go two at a time (the pair tiles, affine_pair_tile in
+      // common.h: each activation broadcast serves 16 weight rows); a pair stays within one segment and one thread's
+      // groups.
+      const bool is_pair = use_vnni() && M >= kVnniRows && g + 1 < end && g + 1 < seg.g1;  // every type has one
       skip = is_pair;
       const uint8_t* wg1 = wg + nb * seg.rec;  // the next group (a pair's second)
       // a group of packed 6-bit scales met by several tiles has them unpacked once (k_quant_tile in common.h)
@@ -259,6 +256,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
               iq4xs_pair_tile(wg, wg1, a, bs, nb, o, reinterpret_cast<const int8_t*>(kscales),
                               reinterpret_cast<const int8_t*>(kscales1));
               break;
+            case kF16: case kBF16: f16_pair_tile(wg, wg1, xr, nb, o, t == kBF16); break;
             case kQ2: q2_pair_tile(wg, wg1, a, hs, nb, o); break;
             case kQ3: q3_pair_tile(wg, wg1, a, q3o, nb, o); break;
             default: q8_pair_tile(wg, wg1, a, bs, nb, o); break;

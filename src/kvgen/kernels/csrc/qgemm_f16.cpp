@@ -77,4 +77,39 @@ void bf16_group(const uint8_t* w, const float* const* x, int mt, int64_t nb, flo
   group<true>(w, x, mt, nb, out);
 }
 
+KVGEN_VNNI_BEGIN
+// The pair tile (common.h) of two F16 / BF16 groups: lane by lane the operations of f16_tile_wide<8>, each broadcast
+// activation serving both groups' 16 rows.
+void f16_pair_tile(const uint8_t* w0, const uint8_t* w1, const float* const* x, int64_t nb, float* const* out,
+                   bool is_bf16) {
+  const auto widen_pair = [is_bf16](const uint8_t* p0, const uint8_t* p1) {  // 8 values of each group as 16 floats
+    if (!is_bf16) return pair_halves(p0, p1);
+    const __m256i bits = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  };
+  __m512 even[kVnniRows], odd[kVnniRows];
+  for (int m = 0; m < kVnniRows; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w0 += kF16Record, w1 += kF16Record) {
+    for (int c = 0; c < kF16Record; c += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(w0) + KVGEN_F16_PREFETCH * kF16Record + c, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w1) + KVGEN_F16_PREFETCH * kF16Record + c, _MM_HINT_T0);
+    }
+    const float* xb[kVnniRows];
+    for (int m = 0; m < kVnniRows; ++m) xb[m] = x[m] + b * kBlock;
+#pragma GCC unroll 16
+    for (int c = 0; c < kBlock; c += 2) {
+      const __m512 v0 = widen_pair(w0 + 16 * c, w1 + 16 * c);
+      const __m512 v1 = widen_pair(w0 + 16 * c + 16, w1 + 16 * c + 16);
+      for (int m = 0; m < kVnniRows; ++m) {
+        even[m] = _mm512_fmadd_ps(v0, _mm512_set1_ps(xb[m][c]), even[m]);
+        odd[m] = _mm512_fmadd_ps(v1, _mm512_set1_ps(xb[m][c + 1]), odd[m]);
+      }
+    }
+  }
+  for (int m = 0; m < kVnniRows; ++m) _mm512_storeu_ps(out[m], _mm512_add_ps(even[m], odd[m]));
+}
+KVGEN_VNNI_END
+
 }  // namespace kvgen
