@@ -215,7 +215,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
       const uint8_t* wg1 = wg + nb * seg.rec;  // the next group (a pair's second)
       // a group of packed 6-bit scales met by several tiles has them unpacked once (k_quant_tile in common.h)
       const uint8_t* kscales = nullptr;
-      if ((t == kQ4K || t == kQ5K || t == kIQ4XS) && (M > rows || is_pair)) {
+      if ((t == kQ4K || t == kQ5K || t == kIQ4XS) && M > rows) {
         const int64_t per_group = nb / 8 * 128;
         kscales_buffer.resize((is_pair ? 2 : 1) * per_group);
         for (int64_t h = 0; h < (is_pair ? 2 : 1); ++h) {

@@ -270,10 +270,18 @@ void iq4xs_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const
   const __m512i values = pair_table(kIQ4Values);
   __m512 acc[kVnniRows];
   for (int m = 0; m < kVnniRows; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t sb = 0; sb < nb / 8; ++sb, w0 += kIQ4XSRecord, w1 += kIQ4XSRecord, scales0 += 64, scales1 += 64) {
+  const bool unpack = scales0 == nullptr;  // null: each record's scales unpacked in the loop (as iq4xs_tile)
+  alignas(32) int8_t unpacked[2][64];
+  for (int64_t sb = 0; sb < nb / 8; ++sb, w0 += kIQ4XSRecord, w1 += kIQ4XSRecord) {
     const char* ahead0 = reinterpret_cast<const char*>(w0) + KVGEN_IQ4XS_PREFETCH * kIQ4XSRecord;
     const char* ahead1 = reinterpret_cast<const char*>(w1) + KVGEN_IQ4XS_PREFETCH * kIQ4XSRecord;
     const __m512 dw = pair_halves(w0, w1);
+    if (unpack) {
+      iq4xs_scales(w0 + 16, unpacked[0]);
+      iq4xs_scales(w1 + 16, unpacked[1]);
+    }
+    const int8_t* sm0 = unpack ? unpacked[0] : scales0 + 64 * sb;
+    const int8_t* sm1 = unpack ? unpacked[1] : scales1 + 64 * sb;
     for (int k = 0; k < 8; ++k) {
       const int64_t b = 8 * sb + k;
       for (int c = 0; c < 192; c += 64) {
@@ -281,8 +289,8 @@ void iq4xs_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const
         _mm_prefetch(ahead1 + kStep * k + c, _MM_HINT_T0);
       }
       const __m512i sc = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(  // each row's ls - 32
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales0 + 8 * k)),
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales1 + 8 * k))));
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm0 + 8 * k)),
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm1 + 8 * k))));
       __m512i sum[kVnniRows];
       pair_iq4_sums<true>(w0 + 64 + 128 * k, w1 + 64 + 128 * k, a, block_sums, b, values, sc, sum);
       for (int m = 0; m < kVnniRows; ++m) {
