@@ -268,6 +268,15 @@ inline __m512 pair_halves(const uint8_t* p0, const uint8_t* p1) {
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1));
 }
 
+// Bytes [offset, offset + bytes) past w0 and past w1, a prefetch a line: the two weight streams of a pair tile, each
+// as far ahead as its one-group tile reads.
+inline void prefetch_pair(const uint8_t* w0, const uint8_t* w1, int64_t offset, int64_t bytes) {
+  for (int64_t c = 0; c < bytes; c += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(w0) + offset + c, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w1) + offset + c, _MM_HINT_T0);
+  }
+}
+
 // 8 bytes of each of two groups' unpacked scales (or mins) as 16 floats.
 inline __m512 pair_bytes_ps(const uint8_t* p0, const uint8_t* p1) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
@@ -310,10 +319,7 @@ __attribute__((always_inline)) inline void affine_pair_tile(const uint8_t* w0, c
   __m512 acc[kVnniRows];
   for (int m = 0; m < kVnniRows; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w0 += kRecord, w1 += kRecord) {
-    for (int64_t c = 0; c < kRecord; c += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(w0) + kPrefetchRecords * kRecord + c, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w1) + kPrefetchRecords * kRecord + c, _MM_HINT_T0);
-    }
+    prefetch_pair(w0, w1, kPrefetchRecords * kRecord, kRecord);
     __m512i dot[kVnniRows];
     dots(w0 + kDotsAt, w1 + kDotsAt, b, dot);
     const __m512 dw = pair_halves(w0, w1);
@@ -340,8 +346,6 @@ __attribute__((always_inline)) inline void k_quant_pair_tile(const uint8_t* w0, 
   __m512 acc[kVnniRows];
   for (int m = 0; m < kVnniRows; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < nb / 8; ++sb, w0 += kRecord, w1 += kRecord) {
-    const char* ahead0 = reinterpret_cast<const char*>(w0) + kPrefetchRecords * kRecord;
-    const char* ahead1 = reinterpret_cast<const char*>(w1) + kPrefetchRecords * kRecord;
     const __m512 dw = pair_halves(w0, w1), dmin = pair_halves(w0 + 16, w1 + 16);
     if (unpack) {
       k_scales_mins(w0, unpacked[0]);
@@ -351,10 +355,7 @@ __attribute__((always_inline)) inline void k_quant_pair_tile(const uint8_t* w0, 
     const uint8_t* sm1 = unpack ? unpacked[1] : s1 + 128 * sb;
     for (int k = 0; k < 8; ++k) {
       const int64_t b = 8 * sb + k;
-      for (int64_t c = 0; c < kStep; c += 64) {
-        _mm_prefetch(ahead0 + kStep * k + c, _MM_HINT_T0);
-        _mm_prefetch(ahead1 + kStep * k + c, _MM_HINT_T0);
-      }
+      prefetch_pair(w0, w1, kPrefetchRecords * kRecord + kStep * k, kStep);  // a record ahead in 8 steps
       __m512i dot[kVnniRows];
       dots(w0, w1, k, b, dot);
       const __m512 scale = _mm512_mul_ps(dw, pair_bytes_ps(sm0 + 8 * k, sm1 + 8 * k));

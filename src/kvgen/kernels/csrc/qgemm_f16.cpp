@@ -92,10 +92,7 @@ void f16_pair_tile(const uint8_t* w0, const uint8_t* w1, const float* const* x, 
   __m512 even[kVnniRows], odd[kVnniRows];
   for (int m = 0; m < kVnniRows; ++m) even[m] = odd[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w0 += kF16Record, w1 += kF16Record) {
-    for (int c = 0; c < kF16Record; c += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(w0) + KVGEN_F16_PREFETCH * kF16Record + c, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w1) + KVGEN_F16_PREFETCH * kF16Record + c, _MM_HINT_T0);
-    }
+    prefetch_pair(w0, w1, KVGEN_F16_PREFETCH * kF16Record, kF16Record);
     const float* xb[kVnniRows];
     for (int m = 0; m < kVnniRows; ++m) xb[m] = x[m] + b * kBlock;
 #pragma GCC unroll 16

@@ -250,10 +250,7 @@ void iq4_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* 
   __m512 acc[kVnniRows];
   for (int m = 0; m < kVnniRows; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w0 += kIQ4Record, w1 += kIQ4Record) {
-    for (int c = 0; c < 192; c += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(w0) + KVGEN_IQ4_PREFETCH * kIQ4Record + c, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w1) + KVGEN_IQ4_PREFETCH * kIQ4Record + c, _MM_HINT_T0);
-    }
+    prefetch_pair(w0, w1, KVGEN_IQ4_PREFETCH * kIQ4Record, 192);  // 3 lines, as iq4_tile
     __m512i sum[kVnniRows];
     pair_iq4_sums<false>(w0 + 16, w1 + 16, a, block_sums, b, values, _mm512_set1_epi32(1), sum);
     const __m512 dw = pair_halves(w0, w1);
@@ -273,8 +270,6 @@ void iq4xs_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const
   const bool unpack = scales0 == nullptr;  // null: each record's scales unpacked in the loop (as iq4xs_tile)
   alignas(32) int8_t unpacked[2][64];
   for (int64_t sb = 0; sb < nb / 8; ++sb, w0 += kIQ4XSRecord, w1 += kIQ4XSRecord) {
-    const char* ahead0 = reinterpret_cast<const char*>(w0) + KVGEN_IQ4XS_PREFETCH * kIQ4XSRecord;
-    const char* ahead1 = reinterpret_cast<const char*>(w1) + KVGEN_IQ4XS_PREFETCH * kIQ4XSRecord;
     const __m512 dw = pair_halves(w0, w1);
     if (unpack) {
       iq4xs_scales(w0 + 16, unpacked[0]);
@@ -284,10 +279,7 @@ void iq4xs_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const
     const int8_t* sm1 = unpack ? unpacked[1] : scales1 + 64 * sb;
     for (int k = 0; k < 8; ++k) {
       const int64_t b = 8 * sb + k;
-      for (int c = 0; c < 192; c += 64) {
-        _mm_prefetch(ahead0 + kStep * k + c, _MM_HINT_T0);
-        _mm_prefetch(ahead1 + kStep * k + c, _MM_HINT_T0);
-      }
+      prefetch_pair(w0, w1, KVGEN_IQ4XS_PREFETCH * kIQ4XSRecord + kStep * k, 192);
       const __m512i sc = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(  // each row's ls - 32
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm0 + 8 * k)),
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm1 + 8 * k))));

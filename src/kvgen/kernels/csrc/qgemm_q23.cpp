@@ -189,10 +189,7 @@ void q23_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* 
   __m512 acc[kVnniRows];
   for (int m = 0; m < kVnniRows; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < nb / 8; ++sb, w0 += kRec, w1 += kRec) {
-    for (int c = 0; c < kRec; c += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(w0) + KVGEN_Q23_PREFETCH * kRec + c, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w1) + KVGEN_Q23_PREFETCH * kRec + c, _MM_HINT_T0);
-    }
+    prefetch_pair(w0, w1, KVGEN_Q23_PREFETCH * kRec, kRec);
     const __m512 dw = pair_halves(w0, w1);
     const __m512 mw = Q3 ? dw : pair_halves(w0 + 16, w1 + 16);
     for (int k = 0; k < 8; ++k) {

@@ -164,17 +164,12 @@ void q6_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a
   __m512 acc[kVnniRows];
   for (int m = 0; m < kVnniRows; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < nb / 8; ++sb, w0 += kQ6Record, w1 += kQ6Record) {
-    const char* ahead0 = reinterpret_cast<const char*>(w0) + KVGEN_Q6_PREFETCH * kQ6Record;
-    const char* ahead1 = reinterpret_cast<const char*>(w1) + KVGEN_Q6_PREFETCH * kQ6Record;
     const __m512 dw = pair_halves(w0, w1);
     for (int k = 0; k < 8; ++k) {
       const int64_t b = 8 * sb + k;
       const uint8_t* blk0 = w0 + kQ6Block * k;  // sc at 16, lo at 32, hi at 160
       const uint8_t* blk1 = w1 + kQ6Block * k;
-      for (int c = 0; c < 256; c += 64) {
-        _mm_prefetch(ahead0 + 210 * k + c, _MM_HINT_T0);
-        _mm_prefetch(ahead1 + 210 * k + c, _MM_HINT_T0);
-      }
+      prefetch_pair(w0, w1, KVGEN_Q6_PREFETCH * kQ6Record + 210 * k, 256);  // a record in 8 steps, as q6_tile
       __m512i u0[4], u1[4];
       const __m512i h[2] = {pair_bytes(blk0 + 160, blk1 + 160), pair_bytes(blk0 + 192, blk1 + 192)};
       for (int t = 0; t < 4; ++t) {

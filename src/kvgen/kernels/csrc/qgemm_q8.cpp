@@ -112,10 +112,7 @@ void q8_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a
   __m512 acc[kVnniRows];
   for (int m = 0; m < kVnniRows; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w0 += kQ8Record, w1 += kQ8Record) {
-    for (int c = 0; c < kQ8Record; c += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(w0) + KVGEN_Q8_PREFETCH * kQ8Record + c, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w1) + KVGEN_Q8_PREFETCH * kQ8Record + c, _MM_HINT_T0);
-    }
+    prefetch_pair(w0, w1, KVGEN_Q8_PREFETCH * kQ8Record, kQ8Record);
     __m512i dot[kVnniRows];
     for (int m = 0; m < kVnniRows; ++m) dot[m] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
