@@ -70,7 +70,9 @@ from pathlib import Path
 
 import torch
 
-from kvgen.kernels import reference
+from gguf import GGMLQuantizationType
+
+from kvgen.kernels import recode, reference
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ SOURCES = (
     "ops.cpp", "quantize_q8a.cpp", "qgemm_q4.cpp", "qgemm_q5.cpp", "qgemm_q8.cpp", "qgemm_q6.cpp", "qgemm_f16.cpp",
     "qgemm_iq4.cpp", "qgemm_q23.cpp",
     "attention.cpp", "rms_norm.cpp", "rope.cpp", "glu.cpp", "repack.cpp", "decoder.cpp",
-    "softmax_draw.cpp", "moe.cpp", "linear_f64.cpp",
+    "softmax_draw.cpp", "moe.cpp", "linear_f64.cpp", "recode.cpp",
 )
 HEADERS = ("common.h", "vec_math.h", "aten_lite.h", "ops.h", "team.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
@@ -87,6 +89,7 @@ Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0, Q4_K, Q5_K, IQ4_XS, 
     reference.Q4, reference.Q8, reference.F16, reference.BF16, reference.Q6, reference.MIXED, reference.Q5, reference.IQ4,
     reference.Q2, reference.Q3, reference.MXFP4, reference.Q4_0, reference.Q4_K, reference.Q5_K, reference.IQ4_XS,
     reference.Q5_0)
+IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S, TQ = reference.IQ3_XXS, reference.IQ3_S, reference.IQ2_XXS, reference.IQ1_S, reference.TQ
 
 
 @dataclass(frozen=True)
@@ -115,13 +118,14 @@ class KernelOps:
     argmax: Callable[[torch.Tensor], torch.Tensor]
     moe_experts_row: Callable[..., torch.Tensor]
     linear_f64: Callable[..., torch.Tensor]
+    recode_iq4_xs: Callable[..., torch.Tensor]
 
 
 _NAMES = (
     "qgemm", "quantize_q8a", "dequantize_rows", "attention", "paged_attention", "rms_norm", "rms_norm_heads_",
     "rope_qkv_", "silu_mul", "gelu_tanh_mul", "gpt_oss_glu", "repack_gguf", "static_attention",
     "paged_attention_qkv", "decoder_layers", "paged_decoder_layers", "softmax_draw", "filter_draw", "argmax",
-    "moe_experts_row", "linear_f64",
+    "moe_experts_row", "linear_f64", "recode_iq4_xs",
 )
 _REFERENCE = KernelOps("reference", *(getattr(reference, n) for n in _NAMES))
 _ops: KernelOps | None = None
@@ -198,18 +202,27 @@ def pack_gguf_rows(qtype: str, parts: list[torch.Tensor], empty: Callable[[tuple
     kernels' 8-row layout.
 
     qtype: one of ``reference.GGUF_TYPES`` (Q4_0, Q4_1, Q8_0, F16, BF16, Q6_K, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, MXFP4:
-    exponents in ``reference.MXFP4_EXPONENTS`` only, Q4_K, Q5_K, IQ4_XS);
+    exponents in ``reference.MXFP4_EXPONENTS`` only, Q4_K, Q5_K, IQ4_XS) or of ``reference.RECODED_TYPES`` (IQ3_XXS,
+    IQ3_S, IQ2_XXS, IQ1_S, TQ1_0, TQ2_0: recoded as IQ4_XS records first, ``recode.py``);
     parts: [rows_i, bytes per row] uint8 each, stacked in order (q, k, v); empty: where the records go, given their
     shape (e.g. ``WeightArena.empty``; default: a new tensor). Raises ValueError for another type or a malformed
     byte count.
     """
-    if qtype not in reference.GGUF_TYPES:
-        raise ValueError(f"kernels run {', '.join(reference.GGUF_TYPES)} rows, got {qtype}")
-    size = reference.GGUF_BLOCK_BYTES[qtype]
+    recoded = qtype in reference.RECODED_TYPES
+    if qtype not in reference.GGUF_TYPES and not recoded:
+        kinds = (*reference.GGUF_TYPES, *reference.RECODED_TYPES)
+        raise ValueError(f"kernels run {', '.join(kinds)} rows, got {qtype}")
+    size = recode.RECODINGS[qtype].block_bytes if recoded else reference.GGUF_BLOCK_BYTES[qtype]
     for p in parts:
         if p.dtype != torch.uint8 or p.dim() != 2 or p.shape[1] % size or p.shape[1] != parts[0].shape[1]:
             raise ValueError(f"{qtype} rows must be uint8 [N, nb * {size}], got {p.dtype} {list(p.shape)}")
-    weight_type = reference.WEIGHT_TYPE_OF[qtype]
+    if recoded:
+        weight_type, grid = reference.RECODED_TYPES[qtype], recode.grid_codes(qtype)
+        ggml_type = GGMLQuantizationType[qtype].value
+        parts = [get_ops().recode_iq4_xs(p.contiguous(), ggml_type, grid) for p in parts]  # [rows_i, nsb * 136]
+        qtype, size = "IQ4_XS", reference.GGUF_BLOCK_BYTES["IQ4_XS"]
+    else:
+        weight_type = reference.WEIGHT_TYPE_OF[qtype]
     shape = ((sum(p.shape[0] for p in parts) + reference.ROWS - 1) // reference.ROWS,  # [G, nb, R]
              parts[0].shape[1] // size, reference.RECORD_BYTES[weight_type])
     out = None if empty is None else empty(shape)
@@ -227,8 +240,9 @@ def pack_gguf_segments(segments: list[tuple[str, torch.Tensor]]) -> tuple[int, t
         raise ValueError(f"a mixed weight holds 1-3 segments, got {len(segments)}")
     packed = []
     for i, (qtype, rows) in enumerate(segments):
-        if qtype not in reference.GGUF_TYPES or qtype in ("F16", "BF16"):  # 16-bit rows take unquantized activations
-            raise ValueError(f"mixed weights hold quantized parts ({', '.join(reference.GGUF_TYPES)}), got {qtype}")
+        if (qtype not in reference.GGUF_TYPES and qtype not in reference.RECODED_TYPES) or qtype in ("F16", "BF16"):
+            kinds = ", ".join((*reference.GGUF_TYPES[:3], *reference.GGUF_TYPES[5:], *reference.RECODED_TYPES))
+            raise ValueError(f"mixed weights hold quantized parts ({kinds}), got {qtype}")  # 16-bit: unquantized x
         if i < len(segments) - 1 and rows.shape[0] % reference.ROWS:
             raise ValueError(f"every part but the last needs a multiple of 8 rows, part {i} has {rows.shape[0]}")
         packed.append(pack_gguf_rows(qtype, [rows]))
@@ -250,6 +264,7 @@ def reference_ops() -> KernelOps:
 
 
 __all__ = [
-    "BF16", "F16", "IQ4", "IQ4_XS", "MIXED", "MXFP4", "Q2", "Q3", "Q4", "Q4_0", "Q4_K", "Q5", "Q5_0", "Q5_K", "Q6", "Q8", "KernelOps", "cache_dir", "get_ops",
+    "BF16", "F16", "IQ1_S", "IQ2_XXS", "IQ3_S", "IQ3_XXS", "IQ4", "IQ4_XS", "MIXED", "MXFP4", "Q2", "Q3", "Q4", "Q4_0",
+    "Q4_K", "Q5", "Q5_0", "Q5_K", "Q6", "Q8", "TQ", "KernelOps", "cache_dir", "get_ops",
     "kernel_isa", "pack_gguf_rows", "pack_gguf_segments", "reference_ops",
 ]

@@ -40,6 +40,8 @@ Layouts (see ``csrc/common.h``): weights are repacked at load from GGUF blocks i
   IQ4_VALUES[nibble] (the file's 4.25 bits a weight).
 * MXFP4 record, 144 bytes (from ``block_mxfp4``: an E8M0 exponent e, 16 bytes of FP4 indices): the IQ4 record with
   d = 2^(e - 128) (exact in fp16 for e in 104 .. 143) and value = d * MXFP4_VALUES[nibble].
+* IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S and TQ (TQ1_0, TQ2_0) records: IQ4_XS records of the file's blocks recoded by
+  ``recode.py`` (``recode_iq4_xs``), read with their own table (``XS_TABLES``) in place of IQ4_VALUES.
 
 Activations are quantized per 32 values (llama.cpp's ``block_q8_1`` with fp32 fields):
 40-byte blocks ``{float d; float s; int8 qs[32]}``, d = max|x| / 127,
@@ -57,6 +59,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvgen.kernels import recode
 from kvgen.sampling import ops
 from kvgen.sampling.ops import inverse_cdf_at
 
@@ -64,11 +67,13 @@ BLOCK = 32  # values per quantization block
 ROWS = 8  # rows per interleaved group
 # weight_type codes of the ops
 Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0, Q4_K, Q5_K, IQ4_XS, Q5_0 = range(16)
+IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S, TQ = range(16, 21)  # IQ4_XS records of recoded blocks (recode.py), own tables
 MIXED_HEADER = 64  # bytes of int64 {S, nb, (weight_type, groups) x S} before a mixed weight's segments
 RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 1680, F16: 512, BF16: 512, Q5: 192, IQ4: 144, Q2: 672, Q3: 912, MXFP4: 144,
-                Q4_0: 144, Q4_K: 1152, Q5_K: 1408, IQ4_XS: 1088, Q5_0: 176}
+                Q4_0: 144, Q4_K: 1152, Q5_K: 1408, IQ4_XS: 1088, Q5_0: 176, IQ3_XXS: 1088, IQ3_S: 1088,
+                IQ2_XXS: 1088, IQ1_S: 1088, TQ: 1088}
 # 32-column blocks per record: one 256-column super-block (1 for the other types)
-RECORD_BLOCKS = {Q2: 8, Q3: 8, Q4_K: 8, Q5_K: 8, Q6: 8, IQ4_XS: 8}
+RECORD_BLOCKS = {Q2: 8, Q3: 8, Q4_K: 8, Q5_K: 8, Q6: 8, IQ4_XS: 8, IQ3_XXS: 8, IQ3_S: 8, IQ2_XXS: 8, IQ1_S: 8, TQ: 8}
 # bit 4h + t of a Q5 / Q5_K record's qh byte (r, i): the fifth bit of column 16h + 4t + i, as [h, t, 1]
 _QH_SHIFTS = 4 * torch.arange(2).view(2, 1, 1) + torch.arange(4).view(1, 4, 1)
 # The values of IQ4_NL / IQ4_XS's 4-bit indices (ggml-common.h kvalues_iq4nl)
@@ -76,6 +81,9 @@ IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 8
 # The values of an MXFP4 index: FP4 E2M1 (0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives) doubled (ggml-common.h
 # kvalues_mxfp4), with the block scale halved to match: 2^(e - 128)
 MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+# GGUF types recoded as IQ4_XS records -> their weight_type, and each IQ4_XS-record type's 16 values
+RECODED_TYPES = {"IQ3_XXS": IQ3_XXS, "IQ3_S": IQ3_S, "IQ2_XXS": IQ2_XXS, "IQ1_S": IQ1_S, "TQ1_0": TQ, "TQ2_0": TQ}
+XS_TABLES = {IQ4_XS: IQ4_VALUES, **{t: recode.RECODINGS[name].table for name, t in RECODED_TYPES.items()}}
 MXFP4_EXPONENTS = (104, 143)  # the E8M0 exponents whose scale 2^(e - 128) float16 holds exactly
 # GGUF block sizes in bytes: (scale bytes, has min, quant bytes)
 _Q4_0_BYTES, _Q4_1_BYTES, _Q8_0_BYTES = 18, 20, 34
@@ -166,6 +174,19 @@ def _repack_gguf(raw: torch.Tensor, gguf_type: int) -> torch.Tensor:
     if gguf_type in (3, 4):
         return repack_16bit(raw)
     return repack_q4(raw, has_min=gguf_type == 1)
+
+
+def recode_iq4_xs(raw: torch.Tensor, ggml_type: int, grid: torch.Tensor) -> torch.Tensor:
+    """GGUF rows [N, nsb * block bytes] uint8 of ggml type ``ggml_type`` (IQ2_XXS 16, IQ3_XXS 18, IQ1_S 19, IQ3_S
+    21, TQ1_0 34, TQ2_0 35) -> IQ4_XS rows [N, nsb * 136] read with the type's table (``recode.recode_as_iq4_xs``;
+    ``grid``, the C++ op's level codes, unused). Raises ValueError for another type or shape."""
+    from gguf import GGMLQuantizationType
+
+    try:
+        name = GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        raise ValueError(f"ggml_type {ggml_type} is not a GGML type") from None
+    return recode.recode_as_iq4_xs(name, raw)
 
 
 def mxfp4_as_iq4_nl(raw: torch.Tensor) -> torch.Tensor:
@@ -407,9 +428,9 @@ def repack_iq4_xs(raw: torch.Tensor) -> torch.Tensor:
     return torch.cat([d, low.reshape(g, nsb, 32).to(torch.uint8), top, qs], dim=-1).contiguous()  # [G, nsb, 1088]
 
 
-def _dequantize_iq4_xs(weight: torch.Tensor) -> torch.Tensor:
-    """IQ4_XS records [G, nsb, 1104] -> float32 [G * 8, nsb * 256]: (d sc) IQ4_VALUES[nibble], as ggml
-    ``dequantize_row_iq4_xs``."""
+def _dequantize_iq4_xs(weight: torch.Tensor, table: tuple[int, ...] = IQ4_VALUES) -> torch.Tensor:
+    """IQ4_XS records [G, nsb, 1088] -> float32 [G * 8, nsb * 256]: (d sc) table[nibble] (IQ4_VALUES: as ggml
+    ``dequantize_row_iq4_xs``)."""
     g, nsb, _ = weight.shape
     d = weight[..., :16].contiguous().view(torch.float16).float().view(g, nsb, 1, ROWS, 1, 1)  # [G, nsb, 1, r, 1, 1]
     k = torch.arange(8)
@@ -418,7 +439,7 @@ def _dequantize_iq4_xs(weight: torch.Tensor) -> torch.Tensor:
     ls = (low & 15) | ((top & 3) << 4)  # [G, nsb, k, r]
     sc = (ls - 32).float().view(g, nsb, 8, ROWS, 1, 1)  # [G, nsb, k, r, 1, 1]
     qs = weight[..., 64:].reshape(g, nsb, 8, 4, ROWS, 4).permute(0, 1, 2, 4, 3, 5).long()  # [G, nsb, k, r, t, i]
-    values = torch.tensor(IQ4_VALUES, dtype=torch.float32)[torch.stack([qs & 15, qs >> 4], dim=4)]  # [., h, t, i]
+    values = torch.tensor(table, dtype=torch.float32)[torch.stack([qs & 15, qs >> 4], dim=4)]  # [., h, t, i]
     w = (d * sc).unsqueeze(-1) * values  # [G, nsb, k, r, h, t, i]
     return w.permute(0, 3, 1, 2, 4, 5, 6).reshape(g * ROWS, nsb * 256)  # [N_pad, K]
 
@@ -497,8 +518,8 @@ def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
         return _dequantize_q23(weight, q3=weight_type == Q3)
     if weight_type in (Q4_K, Q5_K):
         return _dequantize_k_quant(weight, five=weight_type == Q5_K)
-    if weight_type == IQ4_XS:
-        return _dequantize_iq4_xs(weight)
+    if weight_type in XS_TABLES:
+        return _dequantize_iq4_xs(weight, XS_TABLES[weight_type])
     if weight_type == Q6:
         weight = _q6_blocks(weight)  # [G, nb, 224]
     g, nb, _ = weight.shape

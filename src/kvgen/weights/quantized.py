@@ -18,11 +18,13 @@ from kvgen.weights.name_maps import is_router_weight
 
 Q = GGMLQuantizationType
 # Types our kernels run from their own bytes (F16, BF16: in a file of float matrices; MXFP4 when its scales fit
-# float16, mxfp4_fits_float16); every other type the gguf package can dequantize (the other IQ types, TQ1_0 / TQ2_0)
-# is converted to Q8_0.
+# float16, mxfp4_fits_float16; IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S, TQ1_0 and TQ2_0 recoded value for value as IQ4_XS
+# records at load, kernels/recode.py); every other type the gguf package can dequantize (IQ2_XS, IQ2_S, IQ1_M: a scale
+# per 16 values) is converted to Q8_0.
 FLOAT16_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.F16, Q.BF16})
 KERNEL_TYPES: frozenset[GGMLQuantizationType] = frozenset({
     Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4,
+    Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ1_S, Q.TQ1_0, Q.TQ2_0,
 }) | FLOAT16_TYPES
 
 

@@ -92,7 +92,10 @@ constexpr int64_t kMixedHeader = 64;  // bytes before a mixed weight's segments
 
 enum WeightType : int64_t {
   kQ4 = 0, kQ8 = 1, kF16 = 2, kBF16 = 3, kQ6 = 4, kMixed = 5, kQ5 = 6, kIQ4 = 7, kQ2 = 8, kQ3 = 9, kMXFP4 = 10,
-  kQ40 = 11, kQ4K = 12, kQ5K = 13, kIQ4XS = 14, kQ50 = 15
+  kQ40 = 11, kQ4K = 12, kQ5K = 13, kIQ4XS = 14, kQ50 = 15,
+  // GGUF IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S and TQ1_0 / TQ2_0 recoded as IQ4_XS records (recode.cpp), each read with its
+  // own table below
+  kIQ3XXS = 16, kIQ3S = 17, kIQ2XXS = 18, kIQ1S = 19, kTQ = 20
 };
 
 // The 16 values a 4-bit IQ4_NL / IQ4_XS index stands for (ggml-common.h kvalues_iq4nl).
@@ -101,6 +104,26 @@ alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -
 // The values of an MXFP4 index, FP4 E2M1 doubled (ggml-common.h kvalues_mxfp4): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their
 // negatives times 2, so the block scale is 2^(e - 128) instead of 2^(e - 127).
 alignas(16) constexpr int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+// The levels of the types recoded as IQ4_XS records (kvgen/kernels/recode.py, padded with their first entry): the
+// grid values (IQ3_XXS's halved, its d halved), with the sign in the code's top half; IQ1_S's 8 g +- 1; ternary.
+alignas(16) constexpr int8_t kIQ3XXSValues[16] = {2, 6, 10, 14, 18, 22, 26, 31, -2, -6, -10, -14, -18, -22, -26, -31};
+alignas(16) constexpr int8_t kIQ3SValues[16] = {1, 3, 5, 7, 9, 11, 13, 15, -1, -3, -5, -7, -9, -11, -13, -15};
+alignas(16) constexpr int8_t kIQ2XXSValues[16] = {8, 25, 43, -8, -25, -43, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8};
+alignas(16) constexpr int8_t kIQ1SValues[16] = {-9, -7, -1, 1, 7, 9, -9, -9, -9, -9, -9, -9, -9, -9, -9, -9};
+alignas(16) constexpr int8_t kTernaryValues[16] = {-1, 0, 1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+
+// The table of a weight type read through IQ4_XS records (kIQ4Values for IQ4_XS itself), null for the others.
+inline const int8_t* xs_table(int64_t weight_type) {
+  switch (weight_type) {
+    case kIQ4XS: return kIQ4Values;
+    case kIQ3XXS: return kIQ3XXSValues;
+    case kIQ3S: return kIQ3SValues;
+    case kIQ2XXS: return kIQ2XXSValues;
+    case kIQ1S: return kIQ1SValues;
+    case kTQ: return kTernaryValues;
+    default: return nullptr;
+  }
+}
 
 struct BlockQ8A {
   float d;         // scale
@@ -411,7 +434,8 @@ void q8_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a
 void iq4_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* block_sums,
                    int64_t nb, float* const* out, const int8_t* table);
 void iq4xs_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* block_sums,
-                     int64_t nb, float* const* out, const int8_t* scales0, const int8_t* scales1);
+                     int64_t nb, float* const* out, const int8_t* scales0, const int8_t* scales1,
+                     const int8_t* table);
 void q2_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* half_sums,
                   int64_t nb, float* const* out);
 void q3_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* offsets,
@@ -432,9 +456,10 @@ void q5k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, f
 void activation_block_sums(const BlockQ8A* a, int64_t n, int32_t* sums);
 void iq4_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* block_sums, int mt, int64_t nb,
                float* const* out, const int8_t* values);
-// IQ4_XS: nb % 8 == 0; scales null, or the group's int8 scales unpacked by qgemm (iq4xs_scales, 64 bytes a record).
+// IQ4_XS records: nb % 8 == 0; scales null, or the group's int8 scales unpacked by qgemm (iq4xs_scales, 64 bytes a
+// record); table: the values of the 4-bit indices (xs_table).
 void iq4xs_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* block_sums, int mt, int64_t nb,
-                 float* const* out, const int8_t* scales);
+                 float* const* out, const int8_t* scales, const int8_t* table);
 // Q6 (nb a multiple of 8: whole super-block records), Q2 and Q3 also read each activation block's two half sums (bytes 0-15 in the low, 16-31 in the high int16 of
 // half_sums[m][b]), written for n blocks by activation_half_sums.
 void activation_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums);

@@ -19,7 +19,7 @@ namespace kvgen {
 namespace {
 
 int64_t record_bytes(int64_t weight_type) {
-  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kQ50 && weight_type != kMixed, "kvgen: unknown weight_type ",
+  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kTQ && weight_type != kMixed, "kvgen: unknown weight_type ",
               weight_type);
   switch (weight_type) {
     case kQ4: return kQ4Record;
@@ -33,16 +33,17 @@ int64_t record_bytes(int64_t weight_type) {
     case kQ3: return kQ3Record;
     case kQ4K: return kQ4KRecord;
     case kQ5K: return kQ5KRecord;
-    case kIQ4XS: return kIQ4XSRecord;
+    case kIQ4XS: case kIQ3XXS: case kIQ3S: case kIQ2XXS: case kIQ1S: case kTQ: return kIQ4XSRecord;
     default: return kF16Record;
   }
 }
 
-// 32-column blocks per record: 8 for the super-block records (Q2, Q3, Q4_K, Q5_K, Q6, IQ4_XS), else 1.
+// 32-column blocks per record: 8 for the super-block records (Q2, Q3, Q4_K, Q5_K, Q6, IQ4_XS and the types recoded
+// as IQ4_XS), else 1.
 int64_t record_blocks(int64_t weight_type) {
   switch (weight_type) {
-    case kQ2: case kQ3: case kQ4K: case kQ5K: case kQ6: case kIQ4XS: return 8;
-    default: return 1;
+    case kQ2: case kQ3: case kQ4K: case kQ5K: case kQ6: return 8;
+    default: return xs_table(weight_type) != nullptr ? 8 : 1;
   }
 }
 
@@ -59,12 +60,21 @@ void check_weight(const at::Tensor& weight, int64_t weight_type) {
               " bytes, expected ", record_bytes(weight_type));
 }
 
-// One run of row groups of a single weight type: groups [g0, g1) of the matrix, records from base.
+// One run of row groups of a single weight type: groups [g0, g1) of the matrix, records from base. The types
+// recoded as IQ4_XS records run as kIQ4XS with their table.
 struct Segment {
   int64_t weight_type, g0, g1;
   const uint8_t* base;
   int64_t rec;  // bytes per 32 columns of a group (a record, or an eighth of a super-block record)
+  const int8_t* table = nullptr;  // IQ4_XS records: the values of their indices (xs_table)
 };
+
+// The segment of groups [g0, g1) of `weight_type` from base.
+Segment segment(int64_t weight_type, int64_t g0, int64_t g1, const uint8_t* base) {
+  const int8_t* table = xs_table(weight_type);
+  return {table != nullptr ? kIQ4XS : weight_type, g0, g1, base, record_bytes(weight_type) / record_blocks(weight_type),
+          table};
+}
 
 // The segments of a weight (one, or those of a kMixed weight's header; see common.h) and its groups, blocks.
 std::vector<Segment> segments_of(const at::Tensor& weight, int64_t weight_type, int64_t& G, int64_t& nb) {
@@ -72,7 +82,7 @@ std::vector<Segment> segments_of(const at::Tensor& weight, int64_t weight_type, 
     check_weight(weight, weight_type);
     const int64_t blocks = record_blocks(weight_type);
     G = weight.size(0), nb = weight.size(1) * blocks;
-    return {{weight_type, 0, G, weight.data_ptr<uint8_t>(), record_bytes(weight_type) / blocks}};
+    return {segment(weight_type, 0, G, weight.data_ptr<uint8_t>())};
   }
   TORCH_CHECK(weight.dtype() == at::kByte && weight.dim() == 1 && weight.is_contiguous() && weight.numel() >= kMixedHeader,
               "kvgen: a mixed weight must be a contiguous uint8 [bytes] tensor with a ", kMixedHeader, "-byte header");
@@ -86,12 +96,11 @@ std::vector<Segment> segments_of(const at::Tensor& weight, int64_t weight_type, 
   G = 0;
   for (int64_t i = 0; i < num; ++i) {
     const int64_t type = head[2 + 2 * i], groups = head[3 + 2 * i];
-    TORCH_CHECK(type >= kQ4 && type <= kQ50 && type != kMixed && type != kF16 && type != kBF16,
+    TORCH_CHECK(type >= kQ4 && type <= kTQ && type != kMixed && type != kF16 && type != kBF16,
                 "kvgen: mixed weight segment of type ", type, " (quantized segments share the activations)");
     TORCH_CHECK(nb % record_blocks(type) == 0, "kvgen: mixed weight of ", nb, " blocks has a super-block segment");
-    const int64_t rec = record_bytes(type) / record_blocks(type);
-    segs.push_back({type, G, G + groups, p, rec});
-    p += groups * nb * rec;
+    segs.push_back(segment(type, G, G + groups, p));
+    p += groups * nb * segs.back().rec;
     G += groups;
   }
   TORCH_CHECK(p == weight.data_ptr<uint8_t>() + weight.numel(), "kvgen: mixed weight has ", weight.numel(),
@@ -254,7 +263,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
             case kMXFP4: iq4_pair_tile(wg, wg1, a, bs, nb, o, kMXFP4Values); break;
             case kIQ4XS:
               iq4xs_pair_tile(wg, wg1, a, bs, nb, o, reinterpret_cast<const int8_t*>(kscales),
-                              reinterpret_cast<const int8_t*>(kscales1));
+                              reinterpret_cast<const int8_t*>(kscales1), seg.table);
               break;
             case kF16: case kBF16: f16_pair_tile(wg, wg1, xr, nb, o, t == kBF16); break;
             case kQ2: q2_pair_tile(wg, wg1, a, hs, nb, o); break;
@@ -277,7 +286,8 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
             case kQ4K: q4k_group(w, a, mt, nb, o, ks); break;
             case kQ5K: q5k_group(w, a, mt, nb, o, ks); break;
             case kIQ4XS:
-              iq4xs_group(w, a, has_block_sums ? bs : nullptr, mt, nb, o, reinterpret_cast<const int8_t*>(ks));
+              iq4xs_group(w, a, has_block_sums ? bs : nullptr, mt, nb, o, reinterpret_cast<const int8_t*>(ks),
+                          seg.table);
               break;
             case kQ5: q5_group(w, a, mt, nb, o); break;
             case kQ50: q50_group(w, a, mt, nb, o); break;
@@ -342,9 +352,9 @@ void k_block_values(const uint8_t* rec, int64_t k, int64_t r, bool five, float* 
   }
 }
 
-// Row r's 32 values of block k (0-7) of an IQ4_XS super-block record: (d (ls - 32)) kIQ4Values[nibble], as ggml
-// dequantize_row_iq4_xs.
-void iq4xs_block_values(const uint8_t* rec, int64_t k, int64_t r, float* dst) {
+// Row r's 32 values of block k (0-7) of an IQ4_XS super-block record: (d (ls - 32)) table[nibble] (kIQ4Values: as
+// ggml dequantize_row_iq4_xs).
+void iq4xs_block_values(const uint8_t* rec, int64_t k, int64_t r, const int8_t* table, float* dst) {
   uint16_t h;
   std::memcpy(&h, rec + 2 * r, 2);
   const int ls = ((rec[16 + 8 * (k % 4) + r] >> (4 * (k / 4))) & 15) |
@@ -353,8 +363,8 @@ void iq4xs_block_values(const uint8_t* rec, int64_t k, int64_t r, float* dst) {
   for (int t = 0; t < 4; ++t) {
     for (int i = 0; i < 4; ++i) {
       const uint8_t byte = rec[64 + 128 * k + 32 * t + 4 * r + i];
-      dst[4 * t + i] = dl * static_cast<float>(kIQ4Values[byte & 15]);
-      dst[16 + 4 * t + i] = dl * static_cast<float>(kIQ4Values[byte >> 4]);
+      dst[4 * t + i] = dl * static_cast<float>(table[byte & 15]);
+      dst[16 + 4 * t + i] = dl * static_cast<float>(table[byte >> 4]);
     }
   }
 }
@@ -400,9 +410,9 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const 
           const uint8_t* sb = wp + (g * (nb / 8) + b / 8) * rec;
           switch (weight_type) {
             case kQ4K: case kQ5K: k_block_values(sb, b % 8, r, weight_type == kQ5K, dst); break;
-            case kIQ4XS: iq4xs_block_values(sb, b % 8, r, dst); break;
             case kQ6: q6_block_values(sb, b % 8, r, dst); break;
-            default: q23_block_values(sb, b % 8, r, weight_type == kQ3, dst); break;
+            case kQ2: case kQ3: q23_block_values(sb, b % 8, r, weight_type == kQ3, dst); break;
+            default: iq4xs_block_values(sb, b % 8, r, xs_table(weight_type), dst); break;  // IQ4_XS records
           }
           continue;
         }
@@ -496,6 +506,7 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor");
   m.def("gpt_oss_glu(Tensor gate_up) -> Tensor");
   m.def("repack_gguf(Tensor[] parts, int gguf_type, Tensor(a!)? out=None) -> Tensor");
+  m.def("recode_iq4_xs(Tensor raw, int ggml_type, Tensor grid) -> Tensor");
   m.def("static_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? key_mask, int past_len, "
         "int num_heads, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("paged_attention_qkv(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping, Tensor block_tables, "
@@ -529,6 +540,7 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("gelu_tanh_mul", &kvgen::gelu_tanh_mul);
   m.impl("gpt_oss_glu", &kvgen::gpt_oss_glu);
   m.impl("repack_gguf", &kvgen::repack_gguf);
+  m.impl("recode_iq4_xs", &kvgen::recode_iq4_xs);
   m.impl("static_attention", &kvgen::static_attention);
   m.impl("paged_attention_qkv", &kvgen::paged_attention_qkv);
   m.impl("decoder_layers", &kvgen::decoder_layers);

@@ -116,9 +116,10 @@ __attribute__((always_inline)) inline void iq4_tile(const uint8_t* w, const Bloc
 // unpacked by qgemm once for its several tiles (64 bytes a record), as k_quant_tile (common.h).
 template <int MT, bool Offset, bool kUnpack, class Sums>
 __attribute__((always_inline)) inline void iq4xs_tile_body(const uint8_t* w, const BlockQ8A* const* a, int64_t nb,
-                                                           float* const* out, const int8_t* scales, Sums sums) {
+                                                           float* const* out, const int8_t* scales,
+                                                           const int8_t* table, Sums sums) {
   constexpr int64_t kStep = kIQ4XSRecord / 8;  // prefetch a record ahead in 8 steps (3 lines each)
-  const __m256i values = table_values<Offset>(kIQ4Values);
+  const __m256i values = table_values<Offset>(table);
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   alignas(32) int8_t unpacked[kUnpack ? 64 : 1];
@@ -146,9 +147,10 @@ __attribute__((always_inline)) inline void iq4xs_tile_body(const uint8_t* w, con
 
 template <int MT, bool Offset, class Sums>
 __attribute__((always_inline)) inline void iq4xs_tile(const uint8_t* w, const BlockQ8A* const* a, int64_t nb,
-                                                      float* const* out, const int8_t* scales, Sums sums) {
-  if (scales == nullptr) return iq4xs_tile_body<MT, Offset, true>(w, a, nb, out, scales, sums);
-  iq4xs_tile_body<MT, Offset, false>(w, a, nb, out, scales, sums);
+                                                      float* const* out, const int8_t* scales, const int8_t* table,
+                                                      Sums sums) {
+  if (scales == nullptr) return iq4xs_tile_body<MT, Offset, true>(w, a, nb, out, scales, table, sums);
+  iq4xs_tile_body<MT, Offset, false>(w, a, nb, out, scales, table, sums);
 }
 
 KVGEN_VNNI_BEGIN
@@ -162,8 +164,8 @@ void iq4_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, const int32_t* co
 
 template <int MT>
 void iq4xs_tile_vnni(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* bs, int64_t nb,
-                     float* const* out, const int8_t* scales) {
-  iq4xs_tile<MT, true>(w, a, nb, out, scales, [a, bs](const uint8_t* qs, int64_t b, __m256i v, __m256i sc,
+                     float* const* out, const int8_t* scales, const int8_t* table) {
+  iq4xs_tile<MT, true>(w, a, nb, out, scales, table, [a, bs](const uint8_t* qs, int64_t b, __m256i v, __m256i sc,
                                                           __m256i* sum) {
     iq4_sums_vnni<MT, true>(qs, a, bs, b, v, sc, sum);
   });
@@ -195,14 +197,14 @@ void iq4_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const*
 }
 
 void iq4xs_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* block_sums, int mt, int64_t nb,
-                 float* const* out, const int8_t* scales) {
+                 float* const* out, const int8_t* scales, const int8_t* table) {
   if (block_sums != nullptr) {
     return vnni_tile_rows(mt, [&](auto MT, int r) {
-      iq4xs_tile_vnni<MT>(w, a + r, block_sums + r, nb, out + r, scales);
+      iq4xs_tile_vnni<MT>(w, a + r, block_sums + r, nb, out + r, scales, table);
     });
   }
   tile_rows(mt, [&](auto MT) {
-    iq4xs_tile<MT, false>(w, a, nb, out, scales,
+    iq4xs_tile<MT, false>(w, a, nb, out, scales, table,
                           [a](const uint8_t* qs, int64_t b, __m256i v, __m256i sc, __m256i* sum) {
                             iq4_sums<decltype(MT)::value>(qs, a, b, v, sc, sum);
                           });
@@ -262,9 +264,10 @@ void iq4_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* 
 }
 
 void iq4xs_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* block_sums,
-                     int64_t nb, float* const* out, const int8_t* scales0, const int8_t* scales1) {
+                     int64_t nb, float* const* out, const int8_t* scales0, const int8_t* scales1,
+                     const int8_t* table) {
   constexpr int64_t kStep = kIQ4XSRecord / 8;
-  const __m512i values = pair_table(kIQ4Values);
+  const __m512i values = pair_table(table);
   __m512 acc[kVnniRows];
   for (int m = 0; m < kVnniRows; ++m) acc[m] = _mm512_setzero_ps();
   const bool unpack = scales0 == nullptr;  // null: each record's scales unpacked in the loop (as iq4xs_tile)

@@ -1,0 +1,161 @@
+// GGUF's lattice and ternary types re-encoded as IQ4_XS blocks over a table of their own, at load (the mapping and
+// its tables: kvgen/kernels/recode.py, whose numpy twin over the gguf package's dequantization is this op's spec).
+// raw: [N, nsb * block bytes] uint8 rows of one type, by its ggml type number: 16 = IQ2_XXS (fp16 d, per 32 values
+// a uint32 of 4 grid indices and a uint32 of 4 x 7-bit sign indices + a 4-bit scale), 18 = IQ3_XXS (fp16 d, 64 grid
+// indices, then per 32 values a uint32 of 4 x 7-bit sign indices + a 4-bit scale), 19 = IQ1_S (fp16 d, 32 low index
+// bytes, per 32 values a uint16 of 4 x 3 high index bits, a 3-bit scale and the delta's sign), 21 = IQ3_S (fp16 d,
+// 64 low index bytes, 8 bytes of ninth bits, 32 bytes of sign bits, 4 bytes of 4-bit scales), 34 = TQ1_0 (48 + 4
+// bytes of five or four base-3 digits, fp16 d), 35 = TQ2_0 (64 bytes of 2-bit values, fp16 d). grid: uint8
+// [entries, 4 or 8], each grid point's values as their level's index (recode.py grid_codes; empty for TQ types).
+// A 7-bit sign index i stands for the 8 signs i | parity(i) << 7 (an even count of minus signs).
+// Returns IQ4_XS rows [N, nsb * 136] (fp16 d / divisor, uint16 scales_h, scales_l[4], qs[128]).
+// Source: ggml-quants.c dequantize_row_iq2_xxs / _iq3_xxs / _iq1_s / _iq3_s / _tq1_0 / _tq2_0, block_iq4_xs.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "aten_lite.h"
+#include "ops.h"
+
+namespace kvgen {
+namespace {
+
+struct Kind {
+  int64_t block_bytes, d_offset, divisor, num_levels;  // num_levels: codes of negative values start there (0: none)
+};
+
+Kind kind_of(int64_t ggml_type) {
+  switch (ggml_type) {
+    case 16: return {66, 0, 8, 3};
+    case 18: return {98, 0, 2, 8};
+    case 19: return {50, 0, 8, 0};
+    case 21: return {110, 0, 1, 8};
+    case 34: return {54, 52, 1, 0};
+    case 35: return {66, 64, 1, 0};
+    default: TORCH_CHECK(false, "kvgen.recode_iq4_xs: ggml_type must be 16 (IQ2_XXS), 18 (IQ3_XXS), 19 (IQ1_S), "
+                         "21 (IQ3_S), 34 (TQ1_0) or 35 (TQ2_0), got ", ggml_type);
+  }
+  return {};
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// The 8 signs (bit m: value m negative) of a 7-bit sign index: its bits and their parity.
+inline int signs_of(uint32_t i) { return static_cast<int>(i | ((__builtin_popcount(i) & 1) << 7)); }
+
+// One super-block b of `ggml_type` -> codes[256] (table indices) and sc[8] (1 + 2 s).
+void decode(int64_t ggml_type, const uint8_t* b, const uint8_t* grid, int64_t width, int num_levels, uint8_t* codes,
+            int* sc) {
+  for (int j = 0; j < 8; ++j) {
+    uint8_t* c = codes + 32 * j;
+    switch (ggml_type) {
+      case 16: {  // IQ2_XXS: 4 grid points of 8 values
+        const uint32_t idx = load_u32(b + 2 + 8 * j), aux = load_u32(b + 6 + 8 * j);
+        sc[j] = 1 + 2 * static_cast<int>(aux >> 28);
+        for (int l = 0; l < 4; ++l) {
+          const uint8_t* g = grid + width * ((idx >> (8 * l)) & 255);
+          const int s = signs_of((aux >> (7 * l)) & 127);
+          for (int m = 0; m < 8; ++m) c[8 * l + m] = static_cast<uint8_t>(g[m] + num_levels * ((s >> m) & 1));
+        }
+        break;
+      }
+      case 18: {  // IQ3_XXS: 8 grid points of 4 values, a sign byte per two
+        const uint32_t aux = load_u32(b + 66 + 4 * j);
+        sc[j] = 1 + 2 * static_cast<int>(aux >> 28);
+        for (int l = 0; l < 8; ++l) {
+          const uint8_t* g = grid + width * b[2 + 8 * j + l];
+          const int s = signs_of((aux >> (7 * (l / 2))) & 127) >> (4 * (l % 2));
+          for (int m = 0; m < 4; ++m) c[4 * l + m] = static_cast<uint8_t>(g[m] + num_levels * ((s >> m) & 1));
+        }
+        break;
+      }
+      case 19: {  // IQ1_S: 4 grid points of 8 values in {-1, 0, 1} (codes 0, 1, 2), level 8 g +- 1
+        const uint16_t h = load_u16(b + 34 + 2 * j);
+        sc[j] = 1 + 2 * ((h >> 12) & 7);
+        const int up = (h & 0x8000) ? 0 : 1;  // delta +1/8: codes 2 g' + 1 (table -9, -7, -1, 1, 7, 9)
+        for (int l = 0; l < 4; ++l) {
+          const uint8_t* g = grid + width * (b[2 + 4 * j + l] | (((h >> (3 * l)) & 7) << 8));
+          for (int m = 0; m < 8; ++m) c[8 * l + m] = static_cast<uint8_t>(2 * g[m] + up);
+        }
+        break;
+      }
+      case 21: {  // IQ3_S: 8 grid points of 4 values (9-bit indices), a sign bit per value
+        sc[j] = 1 + 2 * ((b[106 + j / 2] >> (4 * (j % 2))) & 15);
+        for (int l = 0; l < 8; ++l) {
+          const uint8_t* g = grid + width * (b[2 + 8 * j + l] | (((b[66 + j] >> l) & 1) << 8));
+          const int s = b[74 + 4 * j + l / 2] >> (4 * (l % 2));
+          for (int m = 0; m < 4; ++m) c[4 * l + m] = static_cast<uint8_t>(g[m] + num_levels * ((s >> m) & 1));
+        }
+        break;
+      }
+      default:
+        sc[j] = 1;
+        break;
+    }
+  }
+  if (ggml_type == 35) {  // TQ2_0: value 128 c + 32 s + i is bits 2 s of byte 32 c + i (3, never written, as 2)
+    for (int v = 0; v < 256; ++v) codes[v] = static_cast<uint8_t>(std::min((b[32 * (v / 128) + v % 32] >> (2 * ((v / 32) % 4))) & 3, 2));
+  } else if (ggml_type == 34) {  // TQ1_0: digit k of a byte x is ((x 3^k mod 256) 3) >> 8
+    static constexpr uint8_t kPow3[5] = {1, 3, 9, 27, 81};
+    for (int v = 0; v < 256; ++v) {
+      const int byte = v < 160 ? v % 32 : v < 240 ? 32 + (v - 160) % 16 : 48 + (v - 240) % 4;
+      const int k = v < 160 ? v / 32 : v < 240 ? (v - 160) / 16 : (v - 240) / 4;
+      const uint8_t x = static_cast<uint8_t>(b[byte] * kPow3[k]);
+      codes[v] = static_cast<uint8_t>((static_cast<uint16_t>(x) * 3) >> 8);
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor recode_iq4_xs(const at::Tensor& raw, int64_t ggml_type, const at::Tensor& grid) {
+  const Kind kind = kind_of(ggml_type);
+  TORCH_CHECK(raw.dtype() == at::kByte && raw.dim() == 2 && raw.is_contiguous() && raw.size(1) % kind.block_bytes == 0,
+              "kvgen.recode_iq4_xs: raw must be contiguous uint8 [N, nsb * ", kind.block_bytes, "]");
+  const bool has_grid = ggml_type != 34 && ggml_type != 35;
+  TORCH_CHECK(!has_grid || (grid.dtype() == at::kByte && grid.dim() == 2 && grid.is_contiguous() &&
+                            grid.size(0) == (ggml_type == 19 ? 2048 : ggml_type == 21 ? 512 : 256) &&
+                            grid.size(1) == (ggml_type == 18 || ggml_type == 21 ? 4 : 8)),
+              "kvgen.recode_iq4_xs: grid must be the type's contiguous uint8 [entries, values] level codes");
+  const int64_t n = raw.numel() / kind.block_bytes;
+  at::Tensor out = at::empty({raw.size(0), raw.size(1) / kind.block_bytes * 136}, raw.options());
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  const uint8_t* g = has_grid ? grid.data_ptr<uint8_t>() : nullptr;
+  const int64_t width = has_grid ? grid.size(1) : 0;
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    alignas(32) uint8_t codes[256];
+    int sc[8];
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* b = src + i * kind.block_bytes;
+      uint8_t* o = dst + i * 136;
+      decode(ggml_type, b, g, width, static_cast<int>(kind.num_levels), codes, sc);
+      const float d = _cvtsh_ss(load_u16(b + kind.d_offset)) / static_cast<float>(kind.divisor);
+      const uint16_t dh = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
+      std::memcpy(o, &dh, 2);
+      uint16_t scales_h = 0;
+      for (int j = 0; j < 8; ++j) {
+        const int ls = sc[j] + 32;
+        scales_h |= static_cast<uint16_t>(((ls >> 4) & 3) << (2 * j));
+        if (j % 2 == 0) o[4 + j / 2] = static_cast<uint8_t>(ls & 15);
+        else o[4 + j / 2] |= static_cast<uint8_t>((ls & 15) << 4);
+        for (int k = 0; k < 16; ++k) o[8 + 16 * j + k] = static_cast<uint8_t>(codes[32 * j + k] | (codes[32 * j + 16 + k] << 4));
+      }
+      std::memcpy(o + 2, &scales_h, 2);
+    }
+  });
+  return out;
+}
+
+}  // namespace kvgen
