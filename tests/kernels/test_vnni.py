@@ -1,5 +1,6 @@
-"""qgemm's AVX512-VNNI tiles (Q4_1, Q4_0, Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4; and
-F16 / BF16, whose tiles take 8 activation rows there) give bit for bit what its AVX2 tiles give.
+"""qgemm's AVX512-VNNI tiles (Q4_1, Q4_0, Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4, the
+types recoded as IQ4_XS records; and F16 / BF16, whose tiles take 8 activation rows there) give bit for bit what its
+AVX2 tiles give.
 
 The same inputs run in a subprocess with ``KVGEN_KERNELS_ISA=avx2``; skipped where the CPU lacks AVX512-VNNI (both
 runs would take the AVX2 tiles) or the C++ kernels are not built.
@@ -28,7 +29,9 @@ SHAPES = [(37, 96, m) for m in (1, 2, 3, 4, 5, 8, 9, 14)] + [(64, 576, 17)]
 # 1e-3 (values and bytes per block, offsets of the fp16 scales)
 RANDOM_BLOCKS = {"Q2_K": (256, 84, (80, 82)), "Q3_K": (256, 110, (108,)), "Q4_K": (256, 144, (0, 2)),
                  "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
-                 "IQ4_NL": (32, 18, (0,)), "IQ4_XS": (256, 136, (0,))}
+                 "IQ4_NL": (32, 18, (0,)), "IQ4_XS": (256, 136, (0,)), "IQ3_XXS": (256, 98, (0,)),
+                 "IQ3_S": (256, 110, (0,)), "IQ2_XXS": (256, 66, (0,)), "IQ1_S": (256, 50, (0,)),
+                 "TQ1_0": (256, 54, (52,)), "TQ2_0": (256, 66, (64,))}
 
 
 def _run_avx2(cases: list, tmp_path: Path) -> list[torch.Tensor]:
@@ -64,7 +67,8 @@ torch.save([get_ops().qgemm(x, packed, wt, n, None) for x, packed, wt, n in case
 
 @needs_vnni
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-                                   "IQ4_NL", "IQ4_XS", "MXFP4", "F16", "BF16"])
+                                   "IQ4_NL", "IQ4_XS", "MXFP4", "F16", "BF16", "IQ3_XXS", "IQ3_S", "IQ2_XXS",
+                                   "IQ1_S", "TQ1_0", "TQ2_0"])
 def test_vnni_tiles_equal_the_avx2_tiles(qtype: str, tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(0)
     cases = []

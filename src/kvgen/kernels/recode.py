@@ -12,7 +12,7 @@ IQ3_XXS    d/2   1 + 2 s (4 bits)              +-{2, 6, 10, 14, 18, 22, 26, 31}:
 IQ3_S      d     1 + 2 s (4 bits)              +-{1, 3, 5, 7, 9, 11, 13, 15}
 IQ2_XXS    d/8   1 + 2 s (4 bits)              +-{8, 25, 43}
 IQ1_S      d/8   1 + 2 s (3 bits)              8 g + 1 or 8 g - 1 for g in {-1, 0, 1} (delta +-1/8, per 32)
-TQ1_0/2_0  d     1                             {-1, 0, 1}
+TQ1_0/2_0  d     1                             {-1, 0, 1} (and 2: TQ2_0's unused code 3 decodes to it)
 =========  ====  ============================  ==========================================
 
 which is IQ4_XS's block (``ls = sc + 32``, a 4-bit code per value) with ``table`` in place of ``kvalues_iq4nl``: the
@@ -78,8 +78,8 @@ RECODINGS: dict[str, Recoding] = {
     "IQ3_S": Recoding(110, 0, 1, _signed((1, 3, 5, 7, 9, 11, 13, 15)), lambda b: 1 + 2 * _nibbles(b, 106)),
     "IQ2_XXS": Recoding(66, 0, 8, _signed((8, 25, 43)), lambda b: 1 + 2 * (_u32(b, 2, 16)[:, 1::2] >> 28)),
     "IQ1_S": Recoding(50, 0, 8, (-9, -7, -1, 1, 7, 9), lambda b: 1 + 2 * ((_u16(b, 34, 8) >> 12) & 7)),
-    "TQ1_0": Recoding(54, 52, 1, (-1, 0, 1), lambda b: np.ones((b.shape[0], 8), dtype=np.int64)),
-    "TQ2_0": Recoding(66, 64, 1, (-1, 0, 1), lambda b: np.ones((b.shape[0], 8), dtype=np.int64)),
+    "TQ1_0": Recoding(54, 52, 1, (-1, 0, 1, 2), lambda b: np.ones((b.shape[0], 8), dtype=np.int64)),
+    "TQ2_0": Recoding(66, 64, 1, (-1, 0, 1, 2), lambda b: np.ones((b.shape[0], 8), dtype=np.int64)),
 }
 
 

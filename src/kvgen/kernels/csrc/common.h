@@ -105,12 +105,13 @@ alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -
 // negatives times 2, so the block scale is 2^(e - 128) instead of 2^(e - 127).
 alignas(16) constexpr int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 // The levels of the types recoded as IQ4_XS records (kvgen/kernels/recode.py, padded with their first entry): the
-// grid values (IQ3_XXS's halved, its d halved), with the sign in the code's top half; IQ1_S's 8 g +- 1; ternary.
+// grid values (IQ3_XXS's halved, its d halved), with the sign in the code's top half; IQ1_S's 8 g +- 1; ternary (and
+// 2, TQ2_0's code 3).
 alignas(16) constexpr int8_t kIQ3XXSValues[16] = {2, 6, 10, 14, 18, 22, 26, 31, -2, -6, -10, -14, -18, -22, -26, -31};
 alignas(16) constexpr int8_t kIQ3SValues[16] = {1, 3, 5, 7, 9, 11, 13, 15, -1, -3, -5, -7, -9, -11, -13, -15};
 alignas(16) constexpr int8_t kIQ2XXSValues[16] = {8, 25, 43, -8, -25, -43, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8};
 alignas(16) constexpr int8_t kIQ1SValues[16] = {-9, -7, -1, 1, 7, 9, -9, -9, -9, -9, -9, -9, -9, -9, -9, -9};
-alignas(16) constexpr int8_t kTernaryValues[16] = {-1, 0, 1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+alignas(16) constexpr int8_t kTernaryValues[16] = {-1, 0, 1, 2, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
 
 // The table of a weight type read through IQ4_XS records (kIQ4Values for IQ4_XS itself), null for the others.
 inline const int8_t* xs_table(int64_t weight_type) {

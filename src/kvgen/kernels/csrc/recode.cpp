@@ -12,7 +12,6 @@
 // Source: ggml-quants.c dequantize_row_iq2_xxs / _iq3_xxs / _iq1_s / _iq3_s / _tq1_0 / _tq2_0, block_iq4_xs.
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cstring>
 
 #include "aten_lite.h"
@@ -104,8 +103,8 @@ void decode(int64_t ggml_type, const uint8_t* b, const uint8_t* grid, int64_t wi
         break;
     }
   }
-  if (ggml_type == 35) {  // TQ2_0: value 128 c + 32 s + i is bits 2 s of byte 32 c + i (3, never written, as 2)
-    for (int v = 0; v < 256; ++v) codes[v] = static_cast<uint8_t>(std::min((b[32 * (v / 128) + v % 32] >> (2 * ((v / 32) % 4))) & 3, 2));
+  if (ggml_type == 35) {  // TQ2_0: value 128 c + 32 s + i is bits 2 s of byte 32 c + i (code 3, never written: 2)
+    for (int v = 0; v < 256; ++v) codes[v] = static_cast<uint8_t>((b[32 * (v / 128) + v % 32] >> (2 * ((v / 32) % 4))) & 3);
   } else if (ggml_type == 34) {  // TQ1_0: digit k of a byte x is ((x 3^k mod 256) 3) >> 8
     static constexpr uint8_t kPow3[5] = {1, 3, 9, 27, 81};
     for (int v = 0; v < 256; ++v) {
