@@ -53,66 +53,79 @@ inline uint16_t load_u16(const uint8_t* p) {
 // The 8 signs (bit m: value m negative) of a 7-bit sign index: its bits and their parity.
 inline int signs_of(uint32_t i) { return static_cast<int>(i | ((__builtin_popcount(i) & 1) << 7)); }
 
-// One super-block b of `ggml_type` -> codes[256] (table indices) and sc[8] (1 + 2 s).
-void decode(int64_t ggml_type, const uint8_t* b, const uint8_t* grid, int64_t width, int num_levels, uint8_t* codes,
-            int* sc) {
-  for (int j = 0; j < 8; ++j) {
-    uint8_t* c = codes + 32 * j;
-    switch (ggml_type) {
-      case 16: {  // IQ2_XXS: 4 grid points of 8 values
-        const uint32_t idx = load_u32(b + 2 + 8 * j), aux = load_u32(b + 6 + 8 * j);
-        sc[j] = 1 + 2 * static_cast<int>(aux >> 28);
-        for (int l = 0; l < 4; ++l) {
-          const uint8_t* g = grid + width * ((idx >> (8 * l)) & 255);
-          const int s = signs_of((aux >> (7 * l)) & 127);
-          for (int m = 0; m < 8; ++m) c[8 * l + m] = static_cast<uint8_t>(g[m] + num_levels * ((s >> m) & 1));
-        }
-        break;
-      }
-      case 18: {  // IQ3_XXS: 8 grid points of 4 values, a sign byte per two
-        const uint32_t aux = load_u32(b + 66 + 4 * j);
-        sc[j] = 1 + 2 * static_cast<int>(aux >> 28);
-        for (int l = 0; l < 8; ++l) {
-          const uint8_t* g = grid + width * b[2 + 8 * j + l];
-          const int s = signs_of((aux >> (7 * (l / 2))) & 127) >> (4 * (l % 2));
-          for (int m = 0; m < 4; ++m) c[4 * l + m] = static_cast<uint8_t>(g[m] + num_levels * ((s >> m) & 1));
-        }
-        break;
-      }
-      case 19: {  // IQ1_S: 4 grid points of 8 values in {-1, 0, 1} (codes 0, 1, 2), level 8 g +- 1
-        const uint16_t h = load_u16(b + 34 + 2 * j);
-        sc[j] = 1 + 2 * ((h >> 12) & 7);
-        const int up = (h & 0x8000) ? 0 : 1;  // delta +1/8: codes 2 g' + 1 (table -9, -7, -1, 1, 7, 9)
-        for (int l = 0; l < 4; ++l) {
-          const uint8_t* g = grid + width * (b[2 + 4 * j + l] | (((h >> (3 * l)) & 7) << 8));
-          for (int m = 0; m < 8; ++m) c[8 * l + m] = static_cast<uint8_t>(2 * g[m] + up);
-        }
-        break;
-      }
-      case 21: {  // IQ3_S: 8 grid points of 4 values (9-bit indices), a sign bit per value
-        sc[j] = 1 + 2 * ((b[106 + j / 2] >> (4 * (j % 2))) & 15);
-        for (int l = 0; l < 8; ++l) {
-          const uint8_t* g = grid + width * (b[2 + 8 * j + l] | (((b[66 + j] >> l) & 1) << 8));
-          const int s = b[74 + 4 * j + l / 2] >> (4 * (l % 2));
-          for (int m = 0; m < 4; ++m) c[4 * l + m] = static_cast<uint8_t>(g[m] + num_levels * ((s >> m) & 1));
-        }
-        break;
-      }
-      default:
-        sc[j] = 1;
-        break;
+// Byte i of the result: 0xFF where bit i of `bits` is set, else 0.
+inline __m256i bit_bytes(uint32_t bits) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  // byte i: byte i / 8 of bits
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i select = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));  // then its bit i % 8
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), spread);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, select), select);
+}
+
+// The 32 level codes of 8 grid points of 4 values (idx: their indices, 32-bit lanes) or 4 of 8 (64-bit lanes).
+inline __m256i grid4(const uint8_t* grid, __m256i idx) {
+  return _mm256_i32gather_epi32(reinterpret_cast<const int*>(grid), idx, 4);
+}
+inline __m256i grid8(const uint8_t* grid, __m128i idx) {
+  return _mm256_i32gather_epi64(reinterpret_cast<const long long*>(grid), idx, 8);
+}
+
+// The four sign bytes of a uint32 of 4 x 7-bit sign indices, value v's sign at bit v.
+inline uint32_t sign_bits(uint32_t aux) {
+  uint32_t bits = 0;
+  for (int k = 0; k < 4; ++k) bits |= static_cast<uint32_t>(signs_of((aux >> (7 * k)) & 127)) << (8 * k);
+  return bits;
+}
+
+// Sub-block j (32 values) of super-block b: its codes (table indices, values 0-31 in bytes 0-31) and sc = 1 + 2 s.
+__m256i sub_block_codes(int64_t ggml_type, const uint8_t* b, int j, const uint8_t* grid, int num_levels, int& sc) {
+  const __m256i negative = _mm256_set1_epi8(static_cast<char>(num_levels));
+  switch (ggml_type) {
+    case 16: {  // IQ2_XXS: 4 grid points of 8 values, their indices the bytes of a uint32
+      const uint32_t idx = load_u32(b + 2 + 8 * j), aux = load_u32(b + 6 + 8 * j);
+      sc = 1 + 2 * static_cast<int>(aux >> 28);
+      const __m256i g = grid8(grid, _mm_cvtepu8_epi32(_mm_cvtsi32_si128(static_cast<int>(idx))));
+      return _mm256_add_epi8(g, _mm256_and_si256(bit_bytes(sign_bits(aux)), negative));
+    }
+    case 18: {  // IQ3_XXS: 8 grid points of 4 values, a sign byte per two
+      const uint32_t aux = load_u32(b + 66 + 4 * j);
+      sc = 1 + 2 * static_cast<int>(aux >> 28);
+      const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j)));
+      return _mm256_add_epi8(grid4(grid, idx), _mm256_and_si256(bit_bytes(sign_bits(aux)), negative));
+    }
+    case 19: {  // IQ1_S: 4 grid points of 8 values in {-1, 0, 1} (codes 0, 1, 2), level 8 g +- 1: code 2 g' + up
+      const uint16_t h = load_u16(b + 34 + 2 * j);
+      sc = 1 + 2 * ((h >> 12) & 7);
+      const __m128i low = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(static_cast<int>(load_u32(b + 2 + 4 * j))));
+      const __m128i high = _mm_slli_epi32(
+          _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(h), _mm_setr_epi32(0, 3, 6, 9)), _mm_set1_epi32(7)), 8);
+      const __m256i g = grid8(grid, _mm_or_si128(low, high));
+      return _mm256_add_epi8(_mm256_add_epi8(g, g), _mm256_set1_epi8((h & 0x8000) ? 0 : 1));  // delta +1/8: up
+    }
+    default: {  // 21, IQ3_S: 8 grid points of 4 values (ninth index bits in a byte), a sign bit per value
+      sc = 1 + 2 * ((b[106 + j / 2] >> (4 * (j % 2))) & 15);
+      const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j)));
+      const __m256i high = _mm256_slli_epi32(_mm256_and_si256(
+          _mm256_srlv_epi32(_mm256_set1_epi32(b[66 + j]), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+          _mm256_set1_epi32(1)), 8);
+      const __m256i g = grid4(grid, _mm256_or_si256(low, high));
+      return _mm256_add_epi8(g, _mm256_and_si256(bit_bytes(load_u32(b + 74 + 4 * j)), negative));
     }
   }
+}
+
+// The 256 codes of a TQ1_0 (34) or TQ2_0 (35) super-block: the digit itself (table -1, 0, 1, 2).
+void ternary_codes(int64_t ggml_type, const uint8_t* b, uint8_t* codes) {
   if (ggml_type == 35) {  // TQ2_0: value 128 c + 32 s + i is bits 2 s of byte 32 c + i (code 3, never written: 2)
     for (int v = 0; v < 256; ++v) codes[v] = static_cast<uint8_t>((b[32 * (v / 128) + v % 32] >> (2 * ((v / 32) % 4))) & 3);
-  } else if (ggml_type == 34) {  // TQ1_0: digit k of a byte x is ((x 3^k mod 256) 3) >> 8
-    static constexpr uint8_t kPow3[5] = {1, 3, 9, 27, 81};
-    for (int v = 0; v < 256; ++v) {
-      const int byte = v < 160 ? v % 32 : v < 240 ? 32 + (v - 160) % 16 : 48 + (v - 240) % 4;
-      const int k = v < 160 ? v / 32 : v < 240 ? (v - 160) / 16 : (v - 240) / 4;
-      const uint8_t x = static_cast<uint8_t>(b[byte] * kPow3[k]);
-      codes[v] = static_cast<uint8_t>((static_cast<uint16_t>(x) * 3) >> 8);
-    }
+    return;
+  }
+  static constexpr uint8_t kPow3[5] = {1, 3, 9, 27, 81};  // TQ1_0: digit k of a byte x is ((x 3^k mod 256) 3) >> 8
+  for (int v = 0; v < 256; ++v) {
+    const int byte = v < 160 ? v % 32 : v < 240 ? 32 + (v - 160) % 16 : 48 + (v - 240) % 4;
+    const int k = v < 160 ? v / 32 : v < 240 ? (v - 160) / 16 : (v - 240) / 4;
+    const uint8_t x = static_cast<uint8_t>(b[byte] * kPow3[k]);
+    codes[v] = static_cast<uint8_t>((static_cast<uint16_t>(x) * 3) >> 8);
   }
 }
 
@@ -131,25 +144,28 @@ at::Tensor recode_iq4_xs(const at::Tensor& raw, int64_t ggml_type, const at::Ten
   at::Tensor out = at::empty({raw.size(0), raw.size(1) / kind.block_bytes * 136}, raw.options());
   const uint8_t* src = raw.data_ptr<uint8_t>();
   const uint8_t* g = has_grid ? grid.data_ptr<uint8_t>() : nullptr;
-  const int64_t width = has_grid ? grid.size(1) : 0;
   uint8_t* dst = out.data_ptr<uint8_t>();
+  const bool is_ternary = !has_grid;
   at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
     alignas(32) uint8_t codes[256];
-    int sc[8];
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* b = src + i * kind.block_bytes;
       uint8_t* o = dst + i * 136;
-      decode(ggml_type, b, g, width, static_cast<int>(kind.num_levels), codes, sc);
       const float d = _cvtsh_ss(load_u16(b + kind.d_offset)) / static_cast<float>(kind.divisor);
       const uint16_t dh = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
       std::memcpy(o, &dh, 2);
+      if (is_ternary) ternary_codes(ggml_type, b, codes);
       uint16_t scales_h = 0;
       for (int j = 0; j < 8; ++j) {
-        const int ls = sc[j] + 32;
+        int sc = 1;
+        const __m256i c = is_ternary ? _mm256_load_si256(reinterpret_cast<const __m256i*>(codes + 32 * j))
+                                     : sub_block_codes(ggml_type, b, j, g, static_cast<int>(kind.num_levels), sc);
+        const int ls = sc + 32;  // IQ4_XS's 6-bit scale
         scales_h |= static_cast<uint16_t>(((ls >> 4) & 3) << (2 * j));
-        if (j % 2 == 0) o[4 + j / 2] = static_cast<uint8_t>(ls & 15);
-        else o[4 + j / 2] |= static_cast<uint8_t>((ls & 15) << 4);
-        for (int k = 0; k < 16; ++k) o[8 + 16 * j + k] = static_cast<uint8_t>(codes[32 * j + k] | (codes[32 * j + 16 + k] << 4));
+        o[4 + j / 2] = static_cast<uint8_t>(j % 2 ? o[4 + j / 2] | (ls & 15) << 4 : ls & 15);
+        // values 0-15 in the low nibbles, 16-31 in the high (codes < 16: the 16-bit shift keeps them in their byte)
+        const __m128i packed = _mm_or_si128(_mm256_castsi256_si128(c), _mm_slli_epi16(_mm256_extracti128_si256(c, 1), 4));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8 + 16 * j), packed);
       }
       std::memcpy(o + 2, &scales_h, 2);
     }
