@@ -522,7 +522,8 @@ def test_wrong_shape_is_listed(tmp_path: Path) -> None:
 
 def test_auto_keeps_blocks_and_reencodes_other_types_as_q8_0(tmp_path: Path) -> None:
     """dtype=None (auto): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS/MXFP4 matrices keep their
-    bytes, every other type (float) becomes Q8_0, q/k/v of three types stack into one
+    bytes (the lattice and ternary types: the test after the 16-bit one), every other type (float) becomes Q8_0, q/k/v
+    of three types stack into one
     mixed weight, and the quantized model's logits stay close to the float32 model's."""
     from kvgen.models import build_model
     from kvgen.models.quant_linear import QuantLinear
@@ -607,6 +608,37 @@ def test_auto_runs_a_16_bit_file_on_the_16_bit_kernels(tmp_path: Path, qtype) ->
     assert float((got - want).abs().mean()) < 0.002 * float(want.abs().mean())
     _write_llama(tmp_path / "mixed.gguf", types | {"blk.1.ffn_down.weight": Q.F32})
     assert load_gguf(tmp_path / "mixed.gguf", dtype=None)[1]["model.layers.1.mlp.down_proj.weight"].qtype == Q.Q8_0
+
+
+def test_auto_runs_lattice_and_ternary_types_from_their_own_values(tmp_path: Path) -> None:
+    """dtype=None (auto) on a file whose matrices are IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S, TQ1_0 and TQ2_0 (the embedding
+    and LM head too; q, k and v of three types, stacked into one mixed weight): each keeps its type, no Q8_0 (the
+    kernels run them as IQ4_XS records, ``kernels/recode.py``), and the logits are the float32 path's (gguf's
+    dequantization of the file) within int8-activation error."""
+    from kvgen.kernels import MIXED
+    from kvgen.kernels.reference import RECODED_TYPES
+    from kvgen.models import build_model
+    from kvgen.weights.quantized import GGUFBlocks
+
+    recoded = [Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ1_S, Q.TQ1_0, Q.TQ2_0]
+    mats = [n for n, shape in _tiny_shapes().items() if len(shape) == 2]
+    types = {name: recoded[i % len(recoded)] for i, name in enumerate(mats)}
+    _write_llama(tmp_path / "iq.gguf", types)
+    config, compact, _ = load_gguf(tmp_path / "iq.gguf", dtype=None)
+    for g, qtype in types.items():
+        blocks = compact[gguf_loader.gguf_to_kvgen_name(g)]
+        assert isinstance(blocks, GGUFBlocks) and blocks.qtype == qtype, g
+    quant, ref = build_model(config, compact), build_model(*load_gguf(tmp_path / "iq.gguf")[:2])
+    layer = quant.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight_type == MIXED
+    assert layer.mlp.down_proj.weight_type == RECODED_TYPES[types["blk.0.ffn_down.weight"].name]
+    ids = torch.arange(1, 9)[None] % V
+    with torch.inference_mode():
+        got = quant.compute_logits(quant(ids, torch.arange(8)[None]))
+        want = ref.compute_logits(ref(ids, torch.arange(8)[None]))
+    err = (got - want).abs()  # int8 activations on random weights: a few %; a wrong code or table gives ~100 %
+    assert float(err.mean()) < 0.05 * float(want.abs().mean())
+    assert float(err.max()) < 0.1 * float(want.abs().max())
 
 
 # --- phi3 (llama.cpp's Phi3MiniModel: stacked attn_qkv, gate and up in one ffn_up, LongRoPE factor tensors) ---------
