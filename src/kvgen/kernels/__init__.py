@@ -69,7 +69,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from gguf import GGMLQuantizationType
 
 from kvgen.kernels import recode, reference

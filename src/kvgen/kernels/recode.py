@@ -32,8 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from gguf import quants
+from gguf import GGMLQuantizationType, quants
 from gguf.quants import dequantize
 
 SUPER_BLOCK = 256  # values per GGUF super-block
