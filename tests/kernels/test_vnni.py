@@ -1,5 +1,5 @@
 """qgemm's AVX512-VNNI tiles (Q4_1, Q4_0, Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4, the
-types recoded as IQ4_XS records; and F16 / BF16, whose tiles take 8 activation rows there) give bit for bit what its
+types recoded as IQ4_XS or XS16 records; and F16 / BF16, whose tiles take 8 activation rows there) give bit for bit what its
 AVX2 tiles give.
 
 The same inputs run in a subprocess with ``KVGEN_KERNELS_ISA=avx2``; skipped where the CPU lacks AVX512-VNNI (both
@@ -31,7 +31,8 @@ RANDOM_BLOCKS = {"Q2_K": (256, 84, (80, 82)), "Q3_K": (256, 110, (108,)), "Q4_K"
                  "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
                  "IQ4_NL": (32, 18, (0,)), "IQ4_XS": (256, 136, (0,)), "IQ3_XXS": (256, 98, (0,)),
                  "IQ3_S": (256, 110, (0,)), "IQ2_XXS": (256, 66, (0,)), "IQ1_S": (256, 50, (0,)),
-                 "TQ1_0": (256, 54, (52,)), "TQ2_0": (256, 66, (64,))}
+                 "TQ1_0": (256, 54, (52,)), "TQ2_0": (256, 66, (64,)), "IQ2_XS": (256, 74, (0,)),
+                 "IQ2_S": (256, 82, (0,)), "IQ1_M": (256, 56, ())}  # IQ1_M: d in its scales' top nibbles (_rows)
 
 
 def _run_avx2(cases: list, tmp_path: Path) -> list[torch.Tensor]:
@@ -55,6 +56,8 @@ def _rows(qtype: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     blocks = torch.randint(0, 256, (n, k // values, size), dtype=torch.uint8, generator=gen)
     for at in offsets:
         blocks[..., at : at + 2] = (torch.randn(n, k // values, 1, generator=gen) * 1e-3).half().view(torch.uint8)
+    if qtype == "IQ1_M":  # d = 0x1C00 (2^-8): nibble j of its bits tops the j-th uint16 scale (bytes 48-55)
+        blocks[..., 49:56:2] = (blocks[..., 49:56:2] & 0x0F) | torch.tensor([0x00, 0x00, 0xC0, 0x10], dtype=torch.uint8)
     return blocks.reshape(n, -1)
 AVX2_RUN = """
 import sys, torch
@@ -68,7 +71,7 @@ torch.save([get_ops().qgemm(x, packed, wt, n, None) for x, packed, wt, n in case
 @needs_vnni
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                                    "IQ4_NL", "IQ4_XS", "MXFP4", "F16", "BF16", "IQ3_XXS", "IQ3_S", "IQ2_XXS",
-                                   "IQ1_S", "TQ1_0", "TQ2_0"])
+                                   "IQ1_S", "TQ1_0", "TQ2_0", "IQ2_XS", "IQ2_S", "IQ1_M"])
 def test_vnni_tiles_equal_the_avx2_tiles(qtype: str, tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(0)
     cases = []

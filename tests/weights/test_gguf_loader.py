@@ -611,16 +611,16 @@ def test_auto_runs_a_16_bit_file_on_the_16_bit_kernels(tmp_path: Path, qtype) ->
 
 
 def test_auto_runs_lattice_and_ternary_types_from_their_own_values(tmp_path: Path) -> None:
-    """dtype=None (auto) on a file whose matrices are IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S, TQ1_0 and TQ2_0 (the embedding
-    and LM head too; q, k and v of three types, stacked into one mixed weight): each keeps its type, no Q8_0 (the
-    kernels run them as IQ4_XS records, ``kernels/recode.py``), and the logits are the float32 path's (gguf's
-    dequantization of the file) within int8-activation error."""
+    """dtype=None (auto) on a file whose matrices are IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S, TQ1_0, TQ2_0, IQ2_XS, IQ2_S and
+    IQ1_M (the embedding and LM head too; q, k and v of three types, stacked into one mixed weight): each keeps its
+    type, no Q8_0 (the kernels run them as IQ4_XS or XS16 records, ``kernels/recode.py``), and the logits are the
+    float32 path's (gguf's dequantization of the file) within int8-activation error."""
     from kvgen.kernels import MIXED
     from kvgen.kernels.reference import RECODED_TYPES
     from kvgen.models import build_model
     from kvgen.weights.quantized import GGUFBlocks
 
-    recoded = [Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ1_S, Q.TQ1_0, Q.TQ2_0]
+    recoded = [Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ1_S, Q.TQ1_0, Q.TQ2_0, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_M]
     mats = [n for n, shape in _tiny_shapes().items() if len(shape) == 2]
     types = {name: recoded[i % len(recoded)] for i, name in enumerate(mats)}
     _write_llama(tmp_path / "iq.gguf", types)

@@ -89,6 +89,7 @@ Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0, Q4_K, Q5_K, IQ4_XS, 
     reference.Q2, reference.Q3, reference.MXFP4, reference.Q4_0, reference.Q4_K, reference.Q5_K, reference.IQ4_XS,
     reference.Q5_0)
 IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S, TQ = reference.IQ3_XXS, reference.IQ3_S, reference.IQ2_XXS, reference.IQ1_S, reference.TQ
+IQ2_XS, IQ1_M = reference.IQ2_XS, reference.IQ1_M
 
 
 @dataclass(frozen=True)
@@ -117,14 +118,14 @@ class KernelOps:
     argmax: Callable[[torch.Tensor], torch.Tensor]
     moe_experts_row: Callable[..., torch.Tensor]
     linear_f64: Callable[..., torch.Tensor]
-    recode_iq4_xs: Callable[..., torch.Tensor]
+    recode_gguf: Callable[..., torch.Tensor]
 
 
 _NAMES = (
     "qgemm", "quantize_q8a", "dequantize_rows", "attention", "paged_attention", "rms_norm", "rms_norm_heads_",
     "rope_qkv_", "silu_mul", "gelu_tanh_mul", "gpt_oss_glu", "repack_gguf", "static_attention",
     "paged_attention_qkv", "decoder_layers", "paged_decoder_layers", "softmax_draw", "filter_draw", "argmax",
-    "moe_experts_row", "linear_f64", "recode_iq4_xs",
+    "moe_experts_row", "linear_f64", "recode_gguf",
 )
 _REFERENCE = KernelOps("reference", *(getattr(reference, n) for n in _NAMES))
 _ops: KernelOps | None = None
@@ -202,7 +203,8 @@ def pack_gguf_rows(qtype: str, parts: list[torch.Tensor], empty: Callable[[tuple
 
     qtype: one of ``reference.GGUF_TYPES`` (Q4_0, Q4_1, Q8_0, F16, BF16, Q6_K, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, MXFP4:
     exponents in ``reference.MXFP4_EXPONENTS`` only, Q4_K, Q5_K, IQ4_XS) or of ``reference.RECODED_TYPES`` (IQ3_XXS,
-    IQ3_S, IQ2_XXS, IQ1_S, TQ1_0, TQ2_0: recoded as IQ4_XS records first, ``recode.py``);
+    IQ3_S, IQ2_XXS, IQ1_S, TQ1_0, TQ2_0: recoded as IQ4_XS records first; IQ2_XS, IQ2_S, IQ1_M: as XS16 records;
+    ``recode.py``);
     parts: [rows_i, bytes per row] uint8 each, stacked in order (q, k, v); empty: where the records go, given their
     shape (e.g. ``WeightArena.empty``; default: a new tensor). Raises ValueError for another type or a malformed
     byte count.
@@ -218,14 +220,15 @@ def pack_gguf_rows(qtype: str, parts: list[torch.Tensor], empty: Callable[[tuple
     if recoded:
         weight_type, grid = reference.RECODED_TYPES[qtype], recode.grid_codes(qtype)
         ggml_type = GGMLQuantizationType[qtype].value
-        parts = [get_ops().recode_iq4_xs(p.contiguous(), ggml_type, grid) for p in parts]  # [rows_i, nsb * 136]
-        qtype, size = "IQ4_XS", reference.GGUF_BLOCK_BYTES["IQ4_XS"]
+        parts = [get_ops().recode_gguf(p.contiguous(), ggml_type, grid) for p in parts]  # [rows_i, nsb * 136 or 146]
+        halves = recode.RECODINGS[qtype].halves
+        code, size = (reference.XS16_ROWS, recode.XS16_BYTES) if halves else (14, recode.IQ4_XS_BYTES)
     else:
-        weight_type = reference.WEIGHT_TYPE_OF[qtype]
+        weight_type, code = reference.WEIGHT_TYPE_OF[qtype], reference.GGUF_TYPES.index(qtype)
     shape = ((sum(p.shape[0] for p in parts) + reference.ROWS - 1) // reference.ROWS,  # [G, nb, R]
              parts[0].shape[1] // size, reference.RECORD_BYTES[weight_type])
     out = None if empty is None else empty(shape)
-    return weight_type, get_ops().repack_gguf([p.contiguous() for p in parts], reference.GGUF_TYPES.index(qtype), out)
+    return weight_type, get_ops().repack_gguf([p.contiguous() for p in parts], code, out)
 
 
 def pack_gguf_segments(segments: list[tuple[str, torch.Tensor]]) -> tuple[int, torch.Tensor]:
@@ -263,7 +266,7 @@ def reference_ops() -> KernelOps:
 
 
 __all__ = [
-    "BF16", "F16", "IQ1_S", "IQ2_XXS", "IQ3_S", "IQ3_XXS", "IQ4", "IQ4_XS", "MIXED", "MXFP4", "Q2", "Q3", "Q4", "Q4_0",
+    "BF16", "F16", "IQ1_M", "IQ1_S", "IQ2_XS", "IQ2_XXS", "IQ3_S", "IQ3_XXS", "IQ4", "IQ4_XS", "MIXED", "MXFP4", "Q2", "Q3", "Q4", "Q4_0",
     "Q4_K", "Q5", "Q5_0", "Q5_K", "Q6", "Q8", "TQ", "KernelOps", "cache_dir", "get_ops",
     "kernel_isa", "pack_gguf_rows", "pack_gguf_segments", "reference_ops",
 ]

@@ -17,12 +17,16 @@ TQ1_0/2_0  d     1                             {-1, 0, 1} (and 2: TQ2_0's unused
 
 which is IQ4_XS's block (``ls = sc + 32``, a 4-bit code per value) with ``table`` in place of ``kvalues_iq4nl``: the
 kernels run these types through the IQ4_XS tiles at 4.25 bits a weight (1.39x IQ3_XXS's bytes, 2.06x IQ2_XXS's,
-against 8.5 bits for the Q8_0 they were converted to before), from the file's values and no requantization. The
-codes come from the ``gguf`` package's dequantization of the file (llama.cpp's reference decoding): code = the table
-index nearest to value / (d' sc). Source: ggml-quants.c ``dequantize_row_iq3_xxs`` / ``_iq3_s`` / ``_iq2_xxs`` /
-``_iq1_s`` / ``_tq1_0`` / ``_tq2_0``, ``block_iq4_xs``.
+against 8.5 bits for the Q8_0 they were converted to before), from the file's values and no requantization.
 
-IQ2_XS, IQ2_S and IQ1_M scale every 16 values, which one table per matrix cannot absorb: they stay Q8_0.
+IQ2_XS and IQ2_S (IQ2_XXS's levels, d/8) and IQ1_M (IQ1_S's levels and a delta sign per 8 values, d/8 with d spread
+over the top nibbles of its scales) have an ``sc`` per 16 values: they become XS16 rows, per 256 values fp16 d',
+int8 ``sc[16]`` (16-value group 2 j + h) and IQ4_XS's 128 index bytes (146 bytes, 4.56 bits a weight), which the
+kernels keep in their XS16 records.
+
+The codes come from the ``gguf`` package's dequantization of the file (llama.cpp's reference decoding): code = the
+table index nearest to value / (d' sc). Source: ggml-quants.c ``dequantize_row_iq3_xxs`` / ``_iq3_s`` / ``_iq2_xxs``
+/ ``_iq2_xs`` / ``_iq2_s`` / ``_iq1_s`` / ``_iq1_m`` / ``_tq1_0`` / ``_tq2_0``, ``block_iq4_xs``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from gguf.quants import dequantize
 
 SUPER_BLOCK = 256  # values per GGUF super-block
 IQ4_XS_BYTES = 136  # bytes of a block_iq4_xs: fp16 d, uint16 scales_h, scales_l[4], qs[128]
+XS16_BYTES = 146  # bytes of an XS16 row block: fp16 d, int8 sc[16], qs[128]
 
 
 def _u16(blocks: np.ndarray, start: int, count: int) -> np.ndarray:
@@ -47,25 +52,47 @@ def _u32(blocks: np.ndarray, start: int, count: int) -> np.ndarray:
     return blocks[:, start:start + 4 * count].copy().view("<u4").astype(np.int64)  # [n, count]
 
 
-def _nibbles(blocks: np.ndarray, start: int) -> np.ndarray:
-    b = blocks[:, start:start + 4].astype(np.int64)  # [n, 4]: two 4-bit scales a byte, low first
-    return np.stack([b & 15, b >> 4], axis=2).reshape(-1, 8)  # [n, 8]
+def _nibbles(blocks: np.ndarray, start: int, count: int = 4) -> np.ndarray:
+    b = blocks[:, start:start + count].astype(np.int64)  # [n, count]: two 4-bit scales a byte, low first
+    return np.stack([b & 15, b >> 4], axis=2).reshape(-1, 2 * count)  # [n, 2 count]
 
 
 def _signed(levels: tuple[int, ...]) -> tuple[int, ...]:
     return (*levels, *(-v for v in levels))
 
 
+def _iq1_m_d(blocks: np.ndarray) -> np.ndarray:
+    """IQ1_M's fp16 d [n, 1]: the top nibbles of its 4 uint16 scales, lowest first."""
+    return ((_u16(blocks, 48, 4) >> 12) << (4 * np.arange(4))).sum(axis=1, keepdims=True).astype("<u2").view(np.float16)
+
+
+def _iq1_m_scales(blocks: np.ndarray) -> np.ndarray:
+    s = _u16(blocks, 48, 4)  # [n, 4]: 3-bit scales at bits 0, 3, 6, 9
+    return 1 + 2 * ((s[:, :, None] >> (3 * np.arange(4))) & 7).reshape(-1, 16)
+
+
+def _halves(blocks: np.ndarray, start: int) -> np.ndarray:
+    return 1 + 2 * _nibbles(blocks, start, 8)  # [n, 16]: a 4-bit scale per 16 values, two a byte
+
+
 @dataclass(frozen=True)
 class Recoding:
-    """How one GGUF type maps onto IQ4_XS: its block bytes, where its fp16 ``d`` sits, ``d' = d / d_divisor``, the
-    16-entry table (shorter tables padded with their first entry) and its per-32 ``sc`` from the blocks [n, bytes]."""
+    """How one GGUF type maps onto IQ4_XS (XS16): its block bytes, where its fp16 ``d`` sits (None: IQ1_M's),
+    ``d' = d / d_divisor``, the 16-entry table (shorter tables padded with their first entry) and its ``sc`` per 32
+    values (per 16: XS16) from the blocks [n, bytes]."""
 
     block_bytes: int
-    d_offset: int
+    d_offset: int | None
     d_divisor: int
     levels: tuple[int, ...]
-    scales: Callable[[np.ndarray], np.ndarray]  # blocks [n, bytes] uint8 -> sc [n, 8] int64
+    scales: Callable[[np.ndarray], np.ndarray]  # blocks [n, bytes] uint8 -> sc [n, 8] (XS16: [n, 16]) int64
+    halves: bool = False
+
+    def d(self, blocks: np.ndarray) -> np.ndarray:
+        """The blocks' fp16 d [n, 1]."""
+        if self.d_offset is None:
+            return _iq1_m_d(blocks)
+        return blocks[:, self.d_offset:self.d_offset + 2].copy().view(np.float16)
 
     @property
     def table(self) -> tuple[int, ...]:
@@ -79,13 +106,17 @@ RECODINGS: dict[str, Recoding] = {
     "IQ1_S": Recoding(50, 0, 8, (-9, -7, -1, 1, 7, 9), lambda b: 1 + 2 * ((_u16(b, 34, 8) >> 12) & 7)),
     "TQ1_0": Recoding(54, 52, 1, (-1, 0, 1, 2), lambda b: np.ones((b.shape[0], 8), dtype=np.int64)),
     "TQ2_0": Recoding(66, 64, 1, (-1, 0, 1, 2), lambda b: np.ones((b.shape[0], 8), dtype=np.int64)),
+    "IQ2_XS": Recoding(74, 0, 8, _signed((8, 25, 43)), lambda b: _halves(b, 66), halves=True),
+    "IQ2_S": Recoding(82, 0, 8, _signed((8, 25, 43)), lambda b: _halves(b, 74), halves=True),
+    "IQ1_M": Recoding(56, None, 8, (-9, -7, -1, 1, 7, 9), _iq1_m_scales, halves=True),
 }
 
 
-def recode_as_iq4_xs(qtype: str, raw: torch.Tensor) -> torch.Tensor:
+def recode_rows(qtype: str, raw: torch.Tensor) -> torch.Tensor:
     """GGUF rows of ``qtype`` (a key of :data:`RECODINGS`) [N, nsb * block_bytes] uint8 -> IQ4_XS rows
-    [N, nsb * 136] uint8 that, read with ``RECODINGS[qtype].table`` in place of IQ4_XS's values, decode to the same
-    values (``d'`` rounded to fp16: exact but where d' is subnormal). Raises ValueError for another type or shape."""
+    [N, nsb * 136] (XS16 rows [N, nsb * 146] for the types with ``halves``) uint8 that, read with
+    ``RECODINGS[qtype].table``, decode to the same values (``d'`` rounded to fp16: exact but where d' is subnormal).
+    Raises ValueError for another type or shape."""
     if qtype not in RECODINGS:
         raise ValueError(f"recoded types are {', '.join(RECODINGS)}, got {qtype}")
     rc = RECODINGS[qtype]
@@ -93,29 +124,33 @@ def recode_as_iq4_xs(qtype: str, raw: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{qtype} rows must be uint8 [N, nsb * {rc.block_bytes}], got {raw.dtype} {list(raw.shape)}")
     n_rows = raw.shape[0]
     blocks = raw.contiguous().numpy().reshape(-1, rc.block_bytes)  # [n, B]
-    n = blocks.shape[0]
-    values = dequantize(blocks, GGMLQuantizationType[qtype]).reshape(n, 8, 32)  # [n, j, 32] float32
-    d = blocks[:, rc.d_offset:rc.d_offset + 2].copy().view(np.float16).astype(np.float32)  # [n, 1]
-    sc = rc.scales(blocks)  # [n, j]
-    unit = d / rc.d_divisor * sc  # [n, j]: d' sc
+    n, groups = blocks.shape[0], 16 if rc.halves else 8  # scale groups of 256 values
+    values = dequantize(blocks, GGMLQuantizationType[qtype]).reshape(n, groups, -1)  # [n, groups, 16 or 32] float32
+    d = rc.d(blocks).astype(np.float32)  # [n, 1]
+    sc = rc.scales(blocks)  # [n, groups]
+    unit = d / rc.d_divisor * sc  # [n, groups]: d' sc
     with np.errstate(divide="ignore", invalid="ignore"):
-        level = np.rint(np.where(unit[..., None] != 0, values / unit[..., None], 0))  # [n, j, 32]
+        level = np.rint(np.where(unit[..., None] != 0, values / unit[..., None], 0))  # [n, groups, values]
     table = np.array(rc.table)
     grid = np.arange(-64, 65)  # the levels a value can reach, each to its nearest table entry
     code_of = np.abs(grid[:, None] - table[None, :]).argmin(axis=1).astype(np.uint8)  # [129]
-    codes = code_of[np.clip(level, -64, 64).astype(np.int64) + 64]  # [n, j, 32]
-    ls = sc + 32  # [n, j]: 6 bits
+    codes = code_of[np.clip(level, -64, 64).astype(np.int64) + 64].reshape(n, 8, 32)  # [n, j, 32]
+    nibbles = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(n, 128)  # low nibbles: values 0-15 of 32
+    d_new = (d / rc.d_divisor).astype(np.float16).view(np.uint8)  # [n, 2]
+    if rc.halves:
+        return torch.from_numpy(np.concatenate([d_new, sc.astype(np.uint8), nibbles], axis=1).reshape(n_rows, -1))
+    ls = sc + 32  # [n, j]: IQ4_XS's 6-bit scales
     out = np.empty((n, IQ4_XS_BYTES), dtype=np.uint8)
-    out[:, 0:2] = (d / rc.d_divisor).astype(np.float16).view(np.uint8)
+    out[:, 0:2] = d_new
     out[:, 2:4] = (((ls >> 4) & 3) << (2 * np.arange(8))).sum(axis=1).astype("<u2")[:, None].view(np.uint8)
     out[:, 4:8] = (ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)
-    out[:, 8:] = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(n, 128)  # low nibbles: values 0-15 of 32
+    out[:, 8:] = nibbles
     return torch.from_numpy(out.reshape(n_rows, -1))
 
 
 def grid_codes(qtype: str) -> torch.Tensor:
-    """The grid of ``qtype`` (IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S; from the ``gguf`` package) as each point's values' level
-    indices: uint8 [entries, 4 or 8], the ``grid`` of the C++ op ``recode_iq4_xs``; empty [0, 0] for TQ1_0 / TQ2_0."""
+    """The grid of ``qtype`` (IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M; from the ``gguf`` package) as each point's values' level
+    indices: uint8 [entries, 4 or 8], the ``grid`` of the C++ op ``recode_gguf``; empty [0, 0] for TQ1_0 / TQ2_0."""
     cls = getattr(quants, qtype, None)
     if qtype not in RECODINGS or cls is None:
         raise ValueError(f"recoded types are {', '.join(RECODINGS)}, got {qtype}")

@@ -41,7 +41,10 @@ Layouts (see ``csrc/common.h``): weights are repacked at load from GGUF blocks i
 * MXFP4 record, 144 bytes (from ``block_mxfp4``: an E8M0 exponent e, 16 bytes of FP4 indices): the IQ4 record with
   d = 2^(e - 128) (exact in fp16 for e in 104 .. 143) and value = d * MXFP4_VALUES[nibble].
 * IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S and TQ (TQ1_0, TQ2_0) records: IQ4_XS records of the file's blocks recoded by
-  ``recode.py`` (``recode_iq4_xs``), read with their own table (``XS_TABLES``) in place of IQ4_VALUES.
+  ``recode.py`` (``recode_gguf``), read with their own table (``XS_TABLES``) in place of IQ4_VALUES.
+* XS16 record (IQ2_XS for IQ2_XS and IQ2_S, IQ1_M), 1168 bytes per 8 rows x 256 columns (from ``recode.py``'s XS16
+  rows): fp16 ``d[8]``, int8 ``sc[k][h][r]`` at 16 (block k's columns 16 h .. 16 h + 15), then per block k the IQ4
+  record's ``qs`` at 144; value = d * sc * table[nibble] (``XS16_TABLES``).
 
 Activations are quantized per 32 values (llama.cpp's ``block_q8_1`` with fp32 fields):
 40-byte blocks ``{float d; float s; int8 qs[32]}``, d = max|x| / 127,
@@ -68,12 +71,14 @@ ROWS = 8  # rows per interleaved group
 # weight_type codes of the ops
 Q4, Q8, F16, BF16, Q6, MIXED, Q5, IQ4, Q2, Q3, MXFP4, Q4_0, Q4_K, Q5_K, IQ4_XS, Q5_0 = range(16)
 IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S, TQ = range(16, 21)  # IQ4_XS records of recoded blocks (recode.py), own tables
+IQ2_XS, IQ1_M = 21, 22  # XS16 records of recoded blocks (a scale per 16 values)
 MIXED_HEADER = 64  # bytes of int64 {S, nb, (weight_type, groups) x S} before a mixed weight's segments
 RECORD_BYTES = {Q4: 160, Q8: 272, Q6: 1680, F16: 512, BF16: 512, Q5: 192, IQ4: 144, Q2: 672, Q3: 912, MXFP4: 144,
                 Q4_0: 144, Q4_K: 1152, Q5_K: 1408, IQ4_XS: 1088, Q5_0: 176, IQ3_XXS: 1088, IQ3_S: 1088,
-                IQ2_XXS: 1088, IQ1_S: 1088, TQ: 1088}
+                IQ2_XXS: 1088, IQ1_S: 1088, TQ: 1088, IQ2_XS: 1168, IQ1_M: 1168}
 # 32-column blocks per record: one 256-column super-block (1 for the other types)
-RECORD_BLOCKS = {Q2: 8, Q3: 8, Q4_K: 8, Q5_K: 8, Q6: 8, IQ4_XS: 8, IQ3_XXS: 8, IQ3_S: 8, IQ2_XXS: 8, IQ1_S: 8, TQ: 8}
+RECORD_BLOCKS = {Q2: 8, Q3: 8, Q4_K: 8, Q5_K: 8, Q6: 8, IQ4_XS: 8, IQ3_XXS: 8, IQ3_S: 8, IQ2_XXS: 8, IQ1_S: 8, TQ: 8,
+                 IQ2_XS: 8, IQ1_M: 8}
 # bit 4h + t of a Q5 / Q5_K record's qh byte (r, i): the fifth bit of column 16h + 4t + i, as [h, t, 1]
 _QH_SHIFTS = 4 * torch.arange(2).view(2, 1, 1) + torch.arange(4).view(1, 4, 1)
 # The values of IQ4_NL / IQ4_XS's 4-bit indices (ggml-common.h kvalues_iq4nl)
@@ -82,8 +87,11 @@ IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 8
 # kvalues_mxfp4), with the block scale halved to match: 2^(e - 128)
 MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 # GGUF types recoded as IQ4_XS records -> their weight_type, and each IQ4_XS-record type's 16 values
-RECODED_TYPES = {"IQ3_XXS": IQ3_XXS, "IQ3_S": IQ3_S, "IQ2_XXS": IQ2_XXS, "IQ1_S": IQ1_S, "TQ1_0": TQ, "TQ2_0": TQ}
-XS_TABLES = {IQ4_XS: IQ4_VALUES, **{t: recode.RECODINGS[name].table for name, t in RECODED_TYPES.items()}}
+RECODED_TYPES = {"IQ3_XXS": IQ3_XXS, "IQ3_S": IQ3_S, "IQ2_XXS": IQ2_XXS, "IQ1_S": IQ1_S, "TQ1_0": TQ, "TQ2_0": TQ,
+                 "IQ2_XS": IQ2_XS, "IQ2_S": IQ2_XS, "IQ1_M": IQ1_M}
+_TABLES = {t: recode.RECODINGS[name].table for name, t in RECODED_TYPES.items()}
+XS_TABLES = {IQ4_XS: IQ4_VALUES, **{t: v for t, v in _TABLES.items() if RECORD_BYTES[t] == 1088}}
+XS16_TABLES = {t: v for t, v in _TABLES.items() if RECORD_BYTES[t] == 1168}
 MXFP4_EXPONENTS = (104, 143)  # the E8M0 exponents whose scale 2^(e - 128) float16 holds exactly
 # GGUF block sizes in bytes: (scale bytes, has min, quant bytes)
 _Q4_0_BYTES, _Q4_1_BYTES, _Q8_0_BYTES = 18, 20, 34
@@ -123,6 +131,7 @@ def repack_q4(raw: torch.Tensor, has_min: bool, zero_point: float = 8.0) -> torc
 # gguf_type codes 0-14 of repack_gguf
 GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "MXFP4", "Q4_K",
               "Q5_K", "IQ4_XS")
+XS16_ROWS = 15  # repack_gguf's code of recode.py's XS16 rows (146 bytes per 256 values)
 # bytes per GGUF block of each (32 values; the K types: 256)
 GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "BF16": 64, "Q6_K": 210, "Q5_0": 22, "Q5_1": 24,
                     "IQ4_NL": 18, "Q2_K": 84, "Q3_K": 110, "MXFP4": 17, "Q4_K": 144, "Q5_K": 176,
@@ -138,7 +147,8 @@ def repack_gguf(parts: list[torch.Tensor], gguf_type: int, out: torch.Tensor | N
     [G, nb, R] uint8: Q4_0 records for Q4_0 (0), Q4 records for Q4_1 (1), Q8 records for Q8_0 (2), 16-bit records for F16 (3) and
     BF16 (4), Q6 records for Q6_K (5), Q5_0 / Q5 records for Q5_0 (6) / Q5_1 (7), IQ4 records for IQ4_NL (8), Q2 / Q3
     records for Q2_K (9) / Q3_K (10), MXFP4 records for MXFP4 (11), Q4_K / Q5_K records for Q4_K (12) / Q5_K
-    (13), IQ4_XS records for IQ4_XS (14), written into ``out`` where given (uint8 [G, nb, R], contiguous). Raises
+    (13), IQ4_XS records for IQ4_XS (14), XS16 records for XS16 rows (15, ``recode.py``), written into ``out`` where
+    given (uint8 [G, nb, R], contiguous). Raises
     ValueError for an MXFP4 exponent outside ``MXFP4_EXPONENTS`` or an ``out`` of another shape."""
     records = _repack_gguf(torch.cat(parts) if len(parts) > 1 else parts[0], gguf_type)  # [G, nb, R]
     if out is None:
@@ -150,6 +160,8 @@ def repack_gguf(parts: list[torch.Tensor], gguf_type: int, out: torch.Tensor | N
 
 def _repack_gguf(raw: torch.Tensor, gguf_type: int) -> torch.Tensor:
     """``repack_gguf`` of the rows ``raw`` [N, bytes] uint8 (the parts stacked) into a new tensor."""
+    if gguf_type == XS16_ROWS:
+        return repack_xs16(raw)
     if gguf_type == 14:
         return repack_iq4_xs(raw)
     if gguf_type in (12, 13):
@@ -176,17 +188,18 @@ def _repack_gguf(raw: torch.Tensor, gguf_type: int) -> torch.Tensor:
     return repack_q4(raw, has_min=gguf_type == 1)
 
 
-def recode_iq4_xs(raw: torch.Tensor, ggml_type: int, grid: torch.Tensor) -> torch.Tensor:
-    """GGUF rows [N, nsb * block bytes] uint8 of ggml type ``ggml_type`` (IQ2_XXS 16, IQ3_XXS 18, IQ1_S 19, IQ3_S
-    21, TQ1_0 34, TQ2_0 35) -> IQ4_XS rows [N, nsb * 136] read with the type's table (``recode.recode_as_iq4_xs``;
-    ``grid``, the C++ op's level codes, unused). Raises ValueError for another type or shape."""
+def recode_gguf(raw: torch.Tensor, ggml_type: int, grid: torch.Tensor) -> torch.Tensor:
+    """GGUF rows [N, nsb * block bytes] uint8 of ggml type ``ggml_type`` (IQ2_XXS 16, IQ2_XS 17, IQ3_XXS 18, IQ1_S 19,
+    IQ3_S 21, IQ2_S 22, IQ1_M 29, TQ1_0 34, TQ2_0 35) -> IQ4_XS rows [N, nsb * 136] (XS16 rows [N, nsb * 146]: IQ2_XS,
+    IQ2_S, IQ1_M) read with the type's table (``recode.recode_rows``; ``grid``, the C++ op's level codes, unused).
+    Raises ValueError for another type or shape."""
     from gguf import GGMLQuantizationType
 
     try:
         name = GGMLQuantizationType(ggml_type).name
     except ValueError:
         raise ValueError(f"ggml_type {ggml_type} is not a GGML type") from None
-    return recode.recode_as_iq4_xs(name, raw)
+    return recode.recode_rows(name, raw)
 
 
 def mxfp4_as_iq4_nl(raw: torch.Tensor) -> torch.Tensor:
@@ -428,6 +441,30 @@ def repack_iq4_xs(raw: torch.Tensor) -> torch.Tensor:
     return torch.cat([d, low.reshape(g, nsb, 32).to(torch.uint8), top, qs], dim=-1).contiguous()  # [G, nsb, 1088]
 
 
+def repack_xs16(raw: torch.Tensor) -> torch.Tensor:
+    """XS16 rows [N, nsb * 146] uint8 (fp16 d, int8 sc[16], 128 index bytes) -> XS16 records [G, nsb, 1168]."""
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % 146:
+        raise ValueError(f"XS16 rows must be uint8 [N, nsb * 146], got {raw.dtype} {list(raw.shape)}")
+    nsb = raw.shape[1] // 146
+    blocks = _pad_rows(raw).view(-1, ROWS, nsb, 146)  # [G, r, nsb, 146]
+    g = blocks.shape[0]
+    d = blocks[..., 0:2].transpose(1, 2).reshape(g, nsb, 16)  # [G, nsb, r 2]
+    sc = blocks[..., 2:18].reshape(g, ROWS, nsb, 8, 2).permute(0, 2, 3, 4, 1).reshape(g, nsb, 128)  # [k h r]
+    qs = blocks[..., 18:].reshape(g, ROWS, nsb, 8, 4, 4).permute(0, 2, 3, 4, 1, 5).reshape(g, nsb, 1024)  # [k t r i]
+    return torch.cat([d, sc, qs], dim=-1).contiguous()  # [G, nsb, 1168]
+
+
+def _dequantize_xs16(weight: torch.Tensor, table: tuple[int, ...]) -> torch.Tensor:
+    """XS16 records [G, nsb, 1168] -> float32 [G * 8, nsb * 256]: (d sc) table[nibble]."""
+    g, nsb, _ = weight.shape
+    d = weight[..., :16].contiguous().view(torch.float16).float().view(g, nsb, 1, 1, ROWS, 1, 1)
+    sc = weight[..., 16:144].contiguous().view(torch.int8).float().view(g, nsb, 8, 2, ROWS, 1, 1)  # [., k, h, r, 1, 1]
+    qs = weight[..., 144:].reshape(g, nsb, 8, 4, ROWS, 4).permute(0, 1, 2, 4, 3, 5).long()  # [G, nsb, k, r, t, i]
+    values = torch.tensor(table, dtype=torch.float32)[torch.stack([qs & 15, qs >> 4], dim=3)]  # [., k, h, r, t, i]
+    w = (d * sc) * values  # [G, nsb, k, h, r, t, i]
+    return w.permute(0, 4, 1, 2, 3, 5, 6).reshape(g * ROWS, nsb * 256)  # [N_pad, K]
+
+
 def _dequantize_iq4_xs(weight: torch.Tensor, table: tuple[int, ...] = IQ4_VALUES) -> torch.Tensor:
     """IQ4_XS records [G, nsb, 1088] -> float32 [G * 8, nsb * 256]: (d sc) table[nibble] (IQ4_VALUES: as ggml
     ``dequantize_row_iq4_xs``)."""
@@ -520,6 +557,8 @@ def dequantize_packed(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
         return _dequantize_k_quant(weight, five=weight_type == Q5_K)
     if weight_type in XS_TABLES:
         return _dequantize_iq4_xs(weight, XS_TABLES[weight_type])
+    if weight_type in XS16_TABLES:
+        return _dequantize_xs16(weight, XS16_TABLES[weight_type])
     if weight_type == Q6:
         weight = _q6_blocks(weight)  # [G, nb, 224]
     g, nb, _ = weight.shape

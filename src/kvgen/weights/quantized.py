@@ -19,12 +19,12 @@ from kvgen.weights.name_maps import is_router_weight
 Q = GGMLQuantizationType
 # Types our kernels run from their own bytes (F16, BF16: in a file of float matrices; MXFP4 when its scales fit
 # float16, mxfp4_fits_float16; IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S, TQ1_0 and TQ2_0 recoded value for value as IQ4_XS
-# records at load, kernels/recode.py); every other type the gguf package can dequantize (IQ2_XS, IQ2_S, IQ1_M: a scale
-# per 16 values) is converted to Q8_0.
+# records at load, IQ2_XS, IQ2_S and IQ1_M as XS16 records, kernels/recode.py); F32 matrices (and 16-bit ones in a
+# quantized file: gguf_loader) are converted to Q8_0.
 FLOAT16_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.F16, Q.BF16})
 KERNEL_TYPES: frozenset[GGMLQuantizationType] = frozenset({
     Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4,
-    Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ1_S, Q.TQ1_0, Q.TQ2_0,
+    Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ1_S, Q.TQ1_0, Q.TQ2_0, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_M,
 }) | FLOAT16_TYPES
 
 

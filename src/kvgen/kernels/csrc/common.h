@@ -88,6 +88,7 @@ constexpr int64_t kQ3Record = 912;    // bytes per (group, super-block of 8 bloc
 constexpr int64_t kQ4KRecord = 1152;  // bytes per (group, super-block of 8 blocks), Q4_K
 constexpr int64_t kQ5KRecord = 1408;  // bytes per (group, super-block of 8 blocks), Q5_K
 constexpr int64_t kIQ4XSRecord = 1088;  // bytes per (group, super-block of 8 blocks), IQ4_XS
+constexpr int64_t kXS16Record = 1168;  // bytes per (group, super-block of 8 blocks), XS16 (IQ2_XS, IQ2_S, IQ1_M)
 constexpr int64_t kMixedHeader = 64;  // bytes before a mixed weight's segments
 
 enum WeightType : int64_t {
@@ -95,7 +96,11 @@ enum WeightType : int64_t {
   kQ40 = 11, kQ4K = 12, kQ5K = 13, kIQ4XS = 14, kQ50 = 15,
   // GGUF IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S and TQ1_0 / TQ2_0 recoded as IQ4_XS records (recode.cpp), each read with its
   // own table below
-  kIQ3XXS = 16, kIQ3S = 17, kIQ2XXS = 18, kIQ1S = 19, kTQ = 20
+  kIQ3XXS = 16, kIQ3S = 17, kIQ2XXS = 18, kIQ1S = 19, kTQ = 20,
+  // GGUF IQ2_XS / IQ2_S and IQ1_M (a scale per 16 values) recoded as XS16 records: fp16 d[8], int8 sc[8][2][8] (block
+  // k, half h = columns 16 h .. 16 h + 15, row r at 16 + 16 k + 8 h + r), then per block k the IQ4 record's qs at
+  // 144 + 128 k; w = d sc[k][h][r] table[nibble] (IQ2_XXS's table, IQ1_S's)
+  kIQ2XS = 21, kIQ1M = 22
 };
 
 // The 16 values a 4-bit IQ4_NL / IQ4_XS index stands for (ggml-common.h kvalues_iq4nl).
@@ -112,6 +117,11 @@ alignas(16) constexpr int8_t kIQ3SValues[16] = {1, 3, 5, 7, 9, 11, 13, 15, -1, -
 alignas(16) constexpr int8_t kIQ2XXSValues[16] = {8, 25, 43, -8, -25, -43, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8};
 alignas(16) constexpr int8_t kIQ1SValues[16] = {-9, -7, -1, 1, 7, 9, -9, -9, -9, -9, -9, -9, -9, -9, -9, -9};
 alignas(16) constexpr int8_t kTernaryValues[16] = {-1, 0, 1, 2, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+
+// The table of an XS16 weight type, null for the others.
+inline const int8_t* xs16_table(int64_t weight_type) {
+  return weight_type == kIQ2XS ? kIQ2XXSValues : weight_type == kIQ1M ? kIQ1SValues : nullptr;
+}
 
 // The table of a weight type read through IQ4_XS records (kIQ4Values for IQ4_XS itself), null for the others.
 inline const int8_t* xs_table(int64_t weight_type) {
@@ -461,6 +471,12 @@ void iq4_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const*
 // record); table: the values of the 4-bit indices (xs_table).
 void iq4xs_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* block_sums, int mt, int64_t nb,
                  float* const* out, const int8_t* scales, const int8_t* table);
+// XS16 records (kIQ2XS, kIQ1M): nb % 8 == 0; the VNNI tiles where half_offsets is not null (-128 x each half's
+// activation sum, activation_half_offsets; qgemm passes them on AVX512-VNNI), and the pair tile.
+void xs16_group(const uint8_t* w, const BlockQ8A* const* a, const int32_t* const* half_offsets, int mt, int64_t nb,
+                float* const* out, const int8_t* table);
+void xs16_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, const int32_t* const* half_offsets,
+                    int64_t nb, float* const* out, const int8_t* table);
 // Q6 (nb a multiple of 8: whole super-block records), Q2 and Q3 also read each activation block's two half sums (bytes 0-15 in the low, 16-31 in the high int16 of
 // half_sums[m][b]), written for n blocks by activation_half_sums.
 void activation_half_sums(const BlockQ8A* a, int64_t n, int32_t* sums);

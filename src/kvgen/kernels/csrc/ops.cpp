@@ -19,7 +19,7 @@ namespace kvgen {
 namespace {
 
 int64_t record_bytes(int64_t weight_type) {
-  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kTQ && weight_type != kMixed, "kvgen: unknown weight_type ",
+  TORCH_CHECK(weight_type >= kQ4 && weight_type <= kIQ1M && weight_type != kMixed, "kvgen: unknown weight_type ",
               weight_type);
   switch (weight_type) {
     case kQ4: return kQ4Record;
@@ -34,16 +34,17 @@ int64_t record_bytes(int64_t weight_type) {
     case kQ4K: return kQ4KRecord;
     case kQ5K: return kQ5KRecord;
     case kIQ4XS: case kIQ3XXS: case kIQ3S: case kIQ2XXS: case kIQ1S: case kTQ: return kIQ4XSRecord;
+    case kIQ2XS: case kIQ1M: return kXS16Record;
     default: return kF16Record;
   }
 }
 
 // 32-column blocks per record: 8 for the super-block records (Q2, Q3, Q4_K, Q5_K, Q6, IQ4_XS and the types recoded
-// as IQ4_XS), else 1.
+// as IQ4_XS or XS16), else 1.
 int64_t record_blocks(int64_t weight_type) {
   switch (weight_type) {
     case kQ2: case kQ3: case kQ4K: case kQ5K: case kQ6: return 8;
-    default: return xs_table(weight_type) != nullptr ? 8 : 1;
+    default: return xs_table(weight_type) != nullptr || xs16_table(weight_type) != nullptr ? 8 : 1;
   }
 }
 
@@ -61,7 +62,7 @@ void check_weight(const at::Tensor& weight, int64_t weight_type) {
 }
 
 // One run of row groups of a single weight type: groups [g0, g1) of the matrix, records from base. The types
-// recoded as IQ4_XS records run as kIQ4XS with their table.
+// recoded as IQ4_XS records run as kIQ4XS with their table, the XS16 ones as kIQ2XS with theirs.
 struct Segment {
   int64_t weight_type, g0, g1;
   const uint8_t* base;
@@ -71,9 +72,10 @@ struct Segment {
 
 // The segment of groups [g0, g1) of `weight_type` from base.
 Segment segment(int64_t weight_type, int64_t g0, int64_t g1, const uint8_t* base) {
-  const int8_t* table = xs_table(weight_type);
-  return {table != nullptr ? kIQ4XS : weight_type, g0, g1, base, record_bytes(weight_type) / record_blocks(weight_type),
-          table};
+  const int8_t* xs = xs_table(weight_type);
+  const int8_t* xs16 = xs16_table(weight_type);
+  const int64_t type = xs != nullptr ? kIQ4XS : xs16 != nullptr ? kIQ2XS : weight_type;
+  return {type, g0, g1, base, record_bytes(weight_type) / record_blocks(weight_type), xs != nullptr ? xs : xs16};
 }
 
 // The segments of a weight (one, or those of a kMixed weight's header; see common.h) and its groups, blocks.
@@ -96,7 +98,7 @@ std::vector<Segment> segments_of(const at::Tensor& weight, int64_t weight_type, 
   G = 0;
   for (int64_t i = 0; i < num; ++i) {
     const int64_t type = head[2 + 2 * i], groups = head[3 + 2 * i];
-    TORCH_CHECK(type >= kQ4 && type <= kTQ && type != kMixed && type != kF16 && type != kBF16,
+    TORCH_CHECK(type >= kQ4 && type <= kIQ1M && type != kMixed && type != kF16 && type != kBF16,
                 "kvgen: mixed weight segment of type ", type, " (quantized segments share the activations)");
     TORCH_CHECK(nb % record_blocks(type) == 0, "kvgen: mixed weight of ", nb, " blocks has a super-block segment");
     segs.push_back(segment(type, G, G + groups, p));
@@ -168,13 +170,17 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
   const auto has_type = [&segs](int64_t t) {
     return std::any_of(segs.begin(), segs.end(), [t](const Segment& s) { return s.weight_type == t; });
   };
+  // (and the XS16 one at -128 x each half's sum)
   const bool has_q6_offsets = use_vnni() && has_type(kQ6), has_q3_offsets = use_vnni() && has_type(kQ3);
-  thread_local std::vector<int32_t> q6_offsets_buffer, q3_offsets_buffer;
-  for (auto [has, buffer] : {std::pair{has_q6_offsets, &q6_offsets_buffer}, {has_q3_offsets, &q3_offsets_buffer}}) {
+  const bool has_xs16_offsets = use_vnni() && has_type(kIQ2XS);
+  thread_local std::vector<int32_t> q6_offsets_buffer, q3_offsets_buffer, xs16_offsets_buffer;
+  for (auto [has, buffer] : {std::pair{has_q6_offsets, &q6_offsets_buffer}, {has_q3_offsets, &q3_offsets_buffer},
+                             {has_xs16_offsets, &xs16_offsets_buffer}}) {
     if (has && static_cast<int64_t>(buffer->size()) < 2 * M * nb) buffer->resize(2 * M * nb);
   }
   int32_t* q6_offsets = q6_offsets_buffer.data();
   int32_t* q3_offsets = q3_offsets_buffer.data();
+  int32_t* xs16_offsets = xs16_offsets_buffer.data();
   if (!is_f16) {
     parallel_for(0, M, qgrain, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
@@ -183,6 +189,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
         if (has_block_sums) activation_block_sums(act + m * nb, nb, block_sums + m * nb);
         if (has_q6_offsets) activation_half_offsets(act + m * nb, nb, -32, q6_offsets + 2 * m * nb);
         if (has_q3_offsets) activation_half_offsets(act + m * nb, nb, -4, q3_offsets + 2 * m * nb);
+        if (has_xs16_offsets) activation_half_offsets(act + m * nb, nb, -128, xs16_offsets + 2 * m * nb);
       }
     });
   }
@@ -199,6 +206,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
     const int32_t* bs[kVnniRows];
     const int32_t* qo[kVnniRows];
     const int32_t* q3o[kVnniRows];
+    const int32_t* xo[kVnniRows];
     const float* xr[kVnniRows];
     float* o[kVnniRows];
     thread_local std::vector<uint8_t> kscales_buffer;  // a group's unpacked 6-bit scales (and mins) (kept: no
@@ -248,6 +256,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
           bs[i] = block_sums + (m0 + i) * nb;
           qo[i] = q6_offsets + 2 * (m0 + i) * nb;
           q3o[i] = q3_offsets + 2 * (m0 + i) * nb;
+          xo[i] = xs16_offsets + 2 * (m0 + i) * nb;
           xr[i] = xp + (m0 + i) * K;
           o[i] = op + (m0 + i) * n_pad + g * kRows;
         }
@@ -268,6 +277,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
             case kF16: case kBF16: f16_pair_tile(wg, wg1, xr, nb, o, t == kBF16); break;
             case kQ2: q2_pair_tile(wg, wg1, a, hs, nb, o); break;
             case kQ3: q3_pair_tile(wg, wg1, a, q3o, nb, o); break;
+            case kIQ2XS: xs16_pair_tile(wg, wg1, a, xo, nb, o, seg.table); break;
             default: q8_pair_tile(wg, wg1, a, bs, nb, o); break;
           }
           continue;
@@ -295,6 +305,7 @@ at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weigh
             case kMXFP4: iq4_group(w, a, has_block_sums ? bs : nullptr, mt, nb, o, kMXFP4Values); break;
             case kQ2: q2_group(w, a, hs, mt, nb, o); break;
             case kQ3: q3_group(w, a, hs, has_q3_offsets ? q3o : nullptr, mt, nb, o); break;
+            case kIQ2XS: xs16_group(w, a, has_xs16_offsets ? xo : nullptr, mt, nb, o, seg.table); break;
             default: q8_group(w, a, has_block_sums ? bs : nullptr, mt, nb, o); break;
           }
         }
@@ -369,6 +380,22 @@ void iq4xs_block_values(const uint8_t* rec, int64_t k, int64_t r, const int8_t* 
   }
 }
 
+// Row r's 32 values of block k (0-7) of an XS16 super-block record: d sc[k][h] table[nibble] (common.h).
+void xs16_block_values(const uint8_t* rec, int64_t k, int64_t r, const int8_t* table, float* dst) {
+  uint16_t h;
+  std::memcpy(&h, rec + 2 * r, 2);
+  const float d = _cvtsh_ss(h);
+  const auto* sc = reinterpret_cast<const int8_t*>(rec + 16 + 16 * k);
+  const float d0 = d * static_cast<float>(sc[r]), d1 = d * static_cast<float>(sc[8 + r]);
+  for (int t = 0; t < 4; ++t) {
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t byte = rec[144 + 128 * k + 32 * t + 4 * r + i];
+      dst[4 * t + i] = d0 * static_cast<float>(table[byte & 15]);
+      dst[16 + 4 * t + i] = d1 * static_cast<float>(table[byte >> 4]);
+    }
+  }
+}
+
 // Row r's 32 values of block k (0-7) of a Q6 super-block record: d sc (u - 32), as ggml dequantize_row_q6_K.
 void q6_block_values(const uint8_t* rec, int64_t k, int64_t r, float* dst) {
   uint16_t h;
@@ -412,6 +439,7 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const 
             case kQ4K: case kQ5K: k_block_values(sb, b % 8, r, weight_type == kQ5K, dst); break;
             case kQ6: q6_block_values(sb, b % 8, r, dst); break;
             case kQ2: case kQ3: q23_block_values(sb, b % 8, r, weight_type == kQ3, dst); break;
+            case kIQ2XS: case kIQ1M: xs16_block_values(sb, b % 8, r, xs16_table(weight_type), dst); break;
             default: iq4xs_block_values(sb, b % 8, r, xs_table(weight_type), dst); break;  // IQ4_XS records
           }
           continue;
@@ -506,7 +534,7 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor");
   m.def("gpt_oss_glu(Tensor gate_up) -> Tensor");
   m.def("repack_gguf(Tensor[] parts, int gguf_type, Tensor(a!)? out=None) -> Tensor");
-  m.def("recode_iq4_xs(Tensor raw, int ggml_type, Tensor grid) -> Tensor");
+  m.def("recode_gguf(Tensor raw, int ggml_type, Tensor grid) -> Tensor");
   m.def("static_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? key_mask, int past_len, "
         "int num_heads, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("paged_attention_qkv(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping, Tensor block_tables, "
@@ -540,7 +568,7 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("gelu_tanh_mul", &kvgen::gelu_tanh_mul);
   m.impl("gpt_oss_glu", &kvgen::gpt_oss_glu);
   m.impl("repack_gguf", &kvgen::repack_gguf);
-  m.impl("recode_iq4_xs", &kvgen::recode_iq4_xs);
+  m.impl("recode_gguf", &kvgen::recode_gguf);
   m.impl("static_attention", &kvgen::static_attention);
   m.impl("paged_attention_qkv", &kvgen::paged_attention_qkv);
   m.impl("decoder_layers", &kvgen::decoder_layers);

@@ -43,7 +43,7 @@ at::Tensor paged_decoder_layers(const at::Tensor& x, at::TensorList weights, at:
                                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t num_heads,
                                 int64_t num_kv_heads, double scale, int64_t activation, double softcap);
 at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type, const c10::optional<at::Tensor>& out);
-at::Tensor recode_iq4_xs(const at::Tensor& raw, int64_t ggml_type, const at::Tensor& grid);
+at::Tensor recode_gguf(const at::Tensor& raw, int64_t ggml_type, const at::Tensor& grid);
 at::Tensor linear_f64(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor argmax(const at::Tensor& x);
 at::Tensor softmax_draw(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u);

@@ -6,7 +6,8 @@
 // bytes of indices into kIQ4Values), 9 = Q2_K, 10 = Q3_K, 11 = MXFP4 (uint8 E8M0 exponent e, 16 nibble bytes of
 // indices into kMXFP4Values; exponents outside 104 .. 143 are refused), 12 = Q4_K (fp16 d, dmin, 12 bytes of 6-bit
 // scales and mins, 128 nibble bytes per 256 values), 13 = Q5_K (the same with 32 bytes of high bits before the
-// nibbles), 14 = IQ4_XS (fp16 d, uint16 scales_h, uint8 scales_l[4], 128 bytes of indices per 256 values). Rows
+// nibbles), 14 = IQ4_XS (fp16 d, uint16 scales_h, uint8 scales_l[4], 128 bytes of indices per 256 values), 15 = XS16
+// (recode.cpp's rows of IQ2_XS, IQ2_S, IQ1_M: fp16 d, int8 scales[16] per 16 values, IQ4_XS's 128 index bytes). Rows
 // are numbered across parts; missing rows of the last group are zero (scale 0). The records go into `out` where given
 // (contiguous uint8 [G, nb, R], e.g. a weight arena's huge pages), else into a new tensor. Source: ggml-common.h block_q4_0 / block_q4_1 / block_q8_0 /
 // block_q6_K / block_iq4_nl / block_mxfp4 / block_q4_K / block_q5_K, ggml-quants.c dequantize_row_q6_K /
@@ -196,12 +197,23 @@ void repack_iq4_xs(const uint8_t* s, int64_t r, uint8_t* d) {
   }
 }
 
+// One row's XS16 super-block s (146 bytes: fp16 d, int8 sc[16] = sub-block j's half h at 2j + h, the IQ4_XS block's
+// 128 index bytes) into its XS16 record d as row r (common.h).
+void repack_xs16(const uint8_t* s, int64_t r, uint8_t* d) {
+  std::memcpy(d + 2 * r, s, 2);
+  for (int k = 0; k < 8; ++k) {
+    d[16 + 16 * k + r] = s[2 + 2 * k];
+    d[24 + 16 * k + r] = s[3 + 2 * k];
+    for (int t = 0; t < 4; ++t) std::memcpy(d + 144 + 128 * k + 32 * t + 4 * r, s + 18 + 16 * k + 4 * t, 4);
+  }
+}
+
 }  // namespace
 
 at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type, const c10::optional<at::Tensor>& out_in) {
-  TORCH_CHECK(gguf_type >= 0 && gguf_type <= 14, "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), "
+  TORCH_CHECK(gguf_type >= 0 && gguf_type <= 15, "kvgen.repack_gguf: gguf_type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), "
               "3 (F16), 4 (BF16), 5 (Q6_K), 6 (Q5_0), 7 (Q5_1), 8 (IQ4_NL), 9 (Q2_K), 10 (Q3_K), 11 (MXFP4), 12 (Q4_K), "
-              "13 (Q5_K) or 14 (IQ4_XS)");
+              "13 (Q5_K), 14 (IQ4_XS) or 15 (XS16)");
   TORCH_CHECK(!parts.empty(), "kvgen.repack_gguf: no rows");
   const bool is_16bit = gguf_type == 3 || gguf_type == 4;  // F16, BF16
   const bool is_q6 = gguf_type == 5, is_q5 = gguf_type == 6 || gguf_type == 7, is_mxfp4 = gguf_type == 11;
@@ -209,15 +221,16 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type, 
   const bool is_iq4 = gguf_type == 8 || is_mxfp4 || gguf_type == 0;
   // one record per 256 columns: Q2_K, Q3_K; Q4_K, Q5_K; IQ4_XS (and Q6_K, repacked by a loop of its own)
   const bool is_q23 = gguf_type == 9 || gguf_type == 10, is_k = gguf_type == 12 || gguf_type == 13;
-  const bool is_iq4xs = gguf_type == 14;
-  constexpr int64_t kSrcBlock[] = {18, 20, 34, 64, 64, kQ6KBlock, 22, 24, 18, 84, 110, 17, 144, 176, 136};  // bytes
+  const bool is_iq4xs = gguf_type == 14, is_xs16 = gguf_type == 15;
+  constexpr int64_t kSrcBlock[] = {18, 20, 34, 64, 64, kQ6KBlock, 22, 24, 18, 84, 110, 17, 144, 176, 136, 146};  // bytes
   const int64_t src_block = kSrcBlock[gguf_type];
   // Q5_0: the Q5_0 record (the Q5 record without m: nibbles at 16, high bits at 144)
   const int64_t qs_at = gguf_type == 6 ? 16 : 32, qh_at = gguf_type == 6 ? 144 : 160;
   const int64_t rec = gguf_type == 2 ? kQ8Record : is_16bit ? kF16Record : is_q6 ? kQ6Record
                       : is_q5 ? (gguf_type == 6 ? kQ50Record : kQ5Record)
                       : is_iq4 ? kIQ4Record : is_q23 ? (gguf_type == 9 ? kQ2Record : kQ3Record)
-                      : is_k ? (gguf_type == 12 ? kQ4KRecord : kQ5KRecord) : is_iq4xs ? kIQ4XSRecord : kQ4Record;
+                      : is_k ? (gguf_type == 12 ? kQ4KRecord : kQ5KRecord) : is_iq4xs ? kIQ4XSRecord
+                      : is_xs16 ? kXS16Record : kQ4Record;
   const int64_t row_bytes = parts[0].size(1), nb = row_bytes / src_block;  // records per row
   int64_t rows = 0;
   for (const auto& p : parts) {
@@ -242,10 +255,12 @@ at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type, 
     for (int64_t g = g_begin; g < g_end; ++g)
       for (int64_t r = 0; r < kRows && g * kRows + r < rows; ++r) {
         const uint8_t* src = row_ptr[g * kRows + r];
-        if (is_q23 || is_k || is_iq4xs) {  // one record per super-block
+        if (is_q23 || is_k || is_iq4xs || is_xs16) {  // one record per super-block
           for (int64_t sb = 0; sb < nb; ++sb) {
             uint8_t* d = dst + (g * nb + sb) * rec;
-            if (is_iq4xs) {
+            if (is_xs16) {
+              repack_xs16(src + sb * src_block, r, d);
+            } else if (is_iq4xs) {
               repack_iq4_xs(src + sb * src_block, r, d);
             } else if (is_k) {
               repack_k(src + sb * src_block, r, d, gguf_type == 13);
