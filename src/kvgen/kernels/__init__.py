@@ -13,9 +13,10 @@ the outputs are bit-identical): :func:`kernel_isa` says which.
 Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 
 * ``qgemm(x [M, K] f32, weight [G, nb, R] u8, weight_type, out_features, bias?, residual?) -> [M, N] f32``
-  (weight_type Q2, Q3, Q4, Q4_0, Q4_K, Q5, Q5_0, Q5_K, Q6, Q8, IQ4, IQ4_XS, MXFP4: x quantized per 32 values first;
-  F16, BF16: x as it is; MIXED: a [bytes] weight of quantized segments, ``pack_gguf_segments``; Q2, Q3, Q4_K, Q5_K,
-  Q6 and IQ4_XS weights are [G, K / 256, R]: one record per 256-column super-block)
+  (weight_type Q2, Q3, Q4, Q4_0, Q4_K, Q5, Q5_0, Q5_K, Q6, Q8, IQ4, IQ4_XS, MXFP4 and the recoded IQ3_XXS, IQ3_S,
+  IQ2_XXS, IQ1_S, TQ, IQ2_XS, IQ1_M: x quantized per 32 values first; F16, BF16: x as it is; MIXED: a [bytes] weight
+  of quantized segments, ``pack_gguf_segments``; Q2, Q3, Q4_K, Q5_K, Q6, IQ4_XS and the recoded types' weights are
+  [G, K / 256, R]: one record per 256-column super-block)
 * ``quantize_q8a(x [M, K] f32) -> [M, K / 32 * 40] u8``
 * ``dequantize_rows(weight, weight_type, ids [n] i64, in_features) -> [n, K] f32``
 * ``attention(q [B, H, T, D], k, v [B, Hkv, S, D], key_mask [B, S] bool?, past_len, scale) -> [B, T, H, D]``
@@ -57,6 +58,8 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
   (weight_type, out_features) pairs; act: silu_mul, or gpt_oss_glu for 1)
 * ``linear_f64(x [N, C] f32, weight [E, C] f32, bias [E] f32?) -> [N, E] f32``: ``x @ weight.T + bias`` summed in
   float64 and rounded once, one fixed order per output (batch-invariant; mixture-of-experts routers)
+* ``recode_gguf(raw [N, bytes] u8, ggml_type, grid u8) -> [N, bytes'] u8``: IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S, TQ1_0,
+  TQ2_0 rows as IQ4_XS rows, IQ2_XS, IQ2_S, IQ1_M rows as XS16 rows, value for value (``recode.py``)
 """
 
 from __future__ import annotations
