@@ -423,34 +423,38 @@ def _iq4_xs_scales(blocks: torch.Tensor) -> torch.Tensor:
     return (((blocks[..., 4 + j // 2].long() >> (4 * (j % 2))) & 15) | (((scales_h >> (2 * j)) & 3) << 4)) - 32
 
 
-def repack_iq4_xs(raw: torch.Tensor) -> torch.Tensor:
-    """GGUF IQ4_XS rows [N, nsb * 136] uint8 -> IQ4_XS records [G, nsb, 1088] uint8 (module doc)."""
-    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % 136:
-        raise ValueError(f"IQ4_XS rows must be uint8 [N, nsb * 136], got {raw.dtype} {list(raw.shape)}")
-    nsb = raw.shape[1] // 136
-    blocks = _pad_rows(raw).view(-1, ROWS, nsb, 136)  # [G, r, nsb, 136]
+def _super_blocks(raw: torch.Tensor, size: int, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows [N, nsb * size] uint8 of 256-value blocks that start with an fp16 d and end with IQ4_XS's 128 index bytes
+    -> (blocks [G, r, nsb, size] with zero padding rows, the records' d [G, nsb, r 2], their qs [G, nsb, k t r i]).
+    Raises ValueError for another shape."""
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % size:
+        raise ValueError(f"{name} rows must be uint8 [N, nsb * {size}], got {raw.dtype} {list(raw.shape)}")
+    nsb = raw.shape[1] // size
+    blocks = _pad_rows(raw).view(-1, ROWS, nsb, size)  # [G, r, nsb, size]
     g = blocks.shape[0]
     d = blocks[..., 0:2].transpose(1, 2).reshape(g, nsb, 16)  # [G, nsb, r 2]
+    qs = blocks[..., size - 128:].reshape(g, ROWS, nsb, 8, 4, 4).permute(0, 2, 3, 4, 1, 5).reshape(g, nsb, 1024)
+    return blocks, d, qs
+
+
+def repack_iq4_xs(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF IQ4_XS rows [N, nsb * 136] uint8 -> IQ4_XS records [G, nsb, 1088] uint8 (module doc)."""
+    blocks, d, qs = _super_blocks(raw, 136, "IQ4_XS")
+    g, _, nsb, _ = blocks.shape
     ls = _pad_rows(_iq4_xs_scales(raw.view(-1, nsb, 136)) + 32)  # [N_pad, nsb, k]: padding rows 0
     ls = ls.view(g, ROWS, nsb, 8).permute(0, 2, 3, 1)  # [G, nsb, k, r]
     low = (ls[:, :, :4] & 15) | ((ls[:, :, 4:] & 15) << 4)  # [G, nsb, k % 4, r]
     shifts = 2 * torch.arange(4).view(1, 1, 4, 1)  # blocks t, t + 2, t + 4, t + 6 at bits 0, 2, 4, 6
     top = torch.stack([((ls[:, :, t::2] >> 4) << shifts).sum(dim=2) for t in (0, 1)], dim=2)  # [G, nsb, t, r]
     top = top.reshape(g, nsb, 16).to(torch.uint8)  # [G, nsb, t r]: the top bits of ls[t + 2j] at bits 2j
-    qs = blocks[..., 8:].reshape(g, ROWS, nsb, 8, 4, 4).permute(0, 2, 3, 4, 1, 5).reshape(g, nsb, 1024)  # [k t r i]
     return torch.cat([d, low.reshape(g, nsb, 32).to(torch.uint8), top, qs], dim=-1).contiguous()  # [G, nsb, 1088]
 
 
 def repack_xs16(raw: torch.Tensor) -> torch.Tensor:
     """XS16 rows [N, nsb * 146] uint8 (fp16 d, int8 sc[16], 128 index bytes) -> XS16 records [G, nsb, 1168]."""
-    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % 146:
-        raise ValueError(f"XS16 rows must be uint8 [N, nsb * 146], got {raw.dtype} {list(raw.shape)}")
-    nsb = raw.shape[1] // 146
-    blocks = _pad_rows(raw).view(-1, ROWS, nsb, 146)  # [G, r, nsb, 146]
-    g = blocks.shape[0]
-    d = blocks[..., 0:2].transpose(1, 2).reshape(g, nsb, 16)  # [G, nsb, r 2]
+    blocks, d, qs = _super_blocks(raw, 146, "XS16")
+    g, _, nsb, _ = blocks.shape
     sc = blocks[..., 2:18].reshape(g, ROWS, nsb, 8, 2).permute(0, 2, 3, 4, 1).reshape(g, nsb, 128)  # [k h r]
-    qs = blocks[..., 18:].reshape(g, ROWS, nsb, 8, 4, 4).permute(0, 2, 3, 4, 1, 5).reshape(g, nsb, 1024)  # [k t r i]
     return torch.cat([d, sc, qs], dim=-1).contiguous()  # [G, nsb, 1168]
 
 
