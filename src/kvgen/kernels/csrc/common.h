@@ -429,7 +429,8 @@ void q4k_group(const uint8_t* w, const BlockQ8A* const* a, int mt, int64_t nb, f
 // The pair tiles (affine_pair_tile above) of two consecutive groups w0, w1 against kVnniRows activation rows, on a
 // VNNI host; out[m] points at 16 floats (w0's columns, then w1's). Q4 / Q5: has_min (Q4_1, Q5_1) or not (Q4_0,
 // Q5_0); the K types and IQ4_XS: each group's unpacked scales; Q6 and Q3: the activation half offsets, Q2: the half
-// sums, Q8 and the IQ4 types: the block sums, of its VNNI tile; IQ4_NL / MXFP4: the table.
+// sums, Q8 and the IQ4 types: the block sums, of its VNNI tile (XS16: the half offsets); the IQ4 types and XS16: the
+// table of their indices.
 void q4_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, int64_t nb, float* const* out,
                   bool has_min);
 void q4k_pair_tile(const uint8_t* w0, const uint8_t* w1, const BlockQ8A* const* a, int64_t nb, float* const* out,
