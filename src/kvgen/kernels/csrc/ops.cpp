@@ -67,7 +67,7 @@ struct Segment {
   int64_t weight_type, g0, g1;
   const uint8_t* base;
   int64_t rec;  // bytes per 32 columns of a group (a record, or an eighth of a super-block record)
-  const int8_t* table = nullptr;  // IQ4_XS records: the values of their indices (xs_table)
+  const int8_t* table = nullptr;  // IQ4_XS and XS16 records: the values of their indices (xs_table, xs16_table)
 };
 
 // The segment of groups [g0, g1) of `weight_type` from base.

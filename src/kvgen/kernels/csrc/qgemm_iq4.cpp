@@ -1,6 +1,7 @@
 // IQ4 (GGUF IQ4_NL repacked into 8-row groups; see common.h), MXFP4 (the same record, another table of values) and
 // IQ4_XS (super-block records: 6-bit scales ls, sc = ls - 32, under an fp16 d; also the lattice and ternary types
-// recoded into them, recode.cpp, each with its table: xs_table) times Q8A activations. Per 32-column
+// recoded into them, recode.cpp, each with its table: xs_table) and XS16 (IQ4_XS's indices under an int8 scale per 16
+// columns: IQ2_XS, IQ2_S, IQ1_M, xs16_table) times Q8A activations. Per 32-column
 // block and group: 4 loads of 32 bytes hold the 8 rows' nibbles (low: columns 4t+i, high: 16+4t+i, as the Q4 record); one
 // pshufb per half turns the nibbles into their int8 values (kIQ4Values or kMXFP4Values), which are then a Q8 kernel's 4 columns x 8 rows: maddubs(|w|, sign(a, w)), madd to int32 per half (two int16
 // pair sums of up to 2 * 127 * 127 could overflow), acc += dot * d_w * d_a. With AVX512-VNNI the table's values plus
