@@ -489,3 +489,44 @@ def test_embed_prints_transformers_pooled_hidden_states(capsys, tiny_model_dir):
     torch.testing.assert_close(torch.tensor(json.loads(out)[0]), hidden[0].mean(0), rtol=1e-5, atol=1e-5)
     code, _, err = _run(capsys, ["embed", "a", "--model", str(tiny_model_dir), "--dimensions", "0"])
     assert code == 2 and err.strip().splitlines() == ["kvgen: error: dimensions must be an int >= 1, got 0"]
+
+
+def test_the_script_leaves_with_every_byte_of_output_and_mains_exit_code(tiny_model_dir):
+    """``run`` (the console script) leaves with ``os._exit``: the output it printed, well past a pipe's buffer, still
+    arrives whole, and the exit code is ``main``'s (2 for a bad value)."""
+    from kvgen.tokenizer import Tokenizer
+
+    text = "hello world, " * 6_000  # ~100 kB of JSON ids
+    proc = subprocess.run([sys.executable, "-m", "kvgen.cli", "tokenize", "--model", str(tiny_model_dir), text],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout) > 65_536 and json.loads(proc.stdout) == Tokenizer.from_pretrained(tiny_model_dir).encode(text)
+    bad = subprocess.run([sys.executable, "-m", "kvgen.cli", "generate", "hi", "--model", str(tiny_model_dir),
+                          "--top-p", "1.5"], capture_output=True, text=True, timeout=120, check=False)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "top_p" in bad.stderr, bad.stderr
+
+
+def test_the_script_collects_garbage_again_once_the_model_is_loaded(tiny_model_dir):
+    """Start-up (imports, the load) runs with the collector off; once the model is loaded, what is alive is frozen
+    and collection resumes, so the decode loop's garbage cycles are still freed."""
+    probe = ("import gc, sys\nfrom kvgen import cli\nend = cli._end_startup\n"
+             "def seen():\n    print('before', gc.isenabled(), file=sys.stderr)\n    end()\n"
+             "    print('after', gc.isenabled(), gc.get_freeze_count(), file=sys.stderr)\n"
+             "cli._end_startup = seen\nsys.argv = ['kvgen', *sys.argv[1:]]\ncli.run()\n")
+    proc = subprocess.run([sys.executable, "-c", probe, "generate", "hi", "--model", str(tiny_model_dir),
+                           "--max-new-tokens", "3"], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    before, after = (line.split() for line in proc.stderr.splitlines() if line.startswith(("before", "after")))
+    assert before == ["before", "False"] and after[:2] == ["after", "True"] and int(after[2]) > 10_000, proc.stderr
+
+
+def test_end_startup_leaves_a_library_callers_collector_alone():
+    """Called in-process with the collector on (tests, ``main`` from a library), nothing is frozen."""
+    import gc
+
+    from kvgen.cli import _end_startup
+
+    assert gc.isenabled()
+    frozen = gc.get_freeze_count()
+    _end_startup()
+    assert gc.isenabled() and gc.get_freeze_count() == frozen

@@ -1,4 +1,5 @@
-"""Giving the C heap's freed pages back to the OS while a model loads (glibc ``malloc_trim``).
+"""Memory of a long-lived process: the C heap's freed pages given back to the OS while a model loads (glibc
+``malloc_trim``), and start-up's objects frozen out of the garbage collector's sight (:func:`freeze_startup_objects`).
 
 Loading frees each matrix's file bytes as its packed copy arrives. The holes they leave between the weights that
 stay would remain resident (glibc returns only the top of the heap by itself), so loading trims as it goes: a
@@ -11,6 +12,7 @@ trim waits until 16 MiB have been. Where the C library has no ``malloc_trim`` (m
 from __future__ import annotations
 
 import ctypes
+import gc
 from collections.abc import Callable
 from functools import cache
 
@@ -40,3 +42,16 @@ def return_freed_memory(freed_bytes: int | None = None) -> bool:
     trim(0)
     _pending[0] = 0
     return True
+
+
+def freeze_startup_objects() -> int:
+    """Move every object alive now (torch, the model, the app: ~222,000 with the default model) out of the garbage
+    collector's sight for good (``gc.freeze``; vLLM does the same after start-up), and turn collection on if start-up
+    held it off (``kvgen.cli.run``). They live as long as the process, and a full collection walked them all,
+    141-147 ms here with every stream of a server stalled, 0.01 ms once frozen. Python runs one when the long-lived
+    objects have grown by a quarter. Returns how many are frozen. No collection runs first (it took as long): the
+    few cycles of garbage start-up leaves (~700 objects) stay. For processes kvgen owns (the CLI, ``kvgen serve``):
+    a library caller's later garbage among them would never be freed."""
+    gc.freeze()
+    gc.enable()
+    return gc.get_freeze_count()

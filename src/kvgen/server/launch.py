@@ -8,7 +8,6 @@ process then exits 0 instead of re-raising the signal.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import signal
@@ -20,6 +19,7 @@ from kvgen.chat_template import compile_chat_template, read_chat_template
 from kvgen.engine.engine_args import EngineArgs
 from kvgen.engine.generation_defaults import default_sampling_params
 from kvgen.fields import config_field as _f
+from kvgen.heap import freeze_startup_objects
 from kvgen.server.reasoning_parsers import REASONING_PARSERS
 from kvgen.server.tool_parsers import TOOL_CALL_PARSERS
 
@@ -99,16 +99,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise
     sock.set_inheritable(True)
     return sock
-
-
-def freeze_startup_objects() -> int:
-    """Move every object alive now (torch, the model, the app: ~222,000 with the default model) out of the garbage
-    collector's sight for good (``gc.freeze``; vLLM does the same after start-up): they live as long as the server,
-    and a full collection walked them all, 141-147 ms here with every stream stalled, 0.01 ms once frozen. Python
-    runs one when the long-lived objects have grown by a quarter. Returns how many are frozen. No collection runs
-    first (it took as long): the few cycles of garbage start-up leaves (~700 objects) stay."""
-    gc.freeze()
-    return gc.get_freeze_count()
 
 
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
