@@ -492,15 +492,19 @@ def test_embed_prints_transformers_pooled_hidden_states(capsys, tiny_model_dir):
 
 
 def test_the_script_leaves_with_every_byte_of_output_and_mains_exit_code(tiny_model_dir):
-    """``run`` (the console script) leaves with ``os._exit``: the output it printed, well past a pipe's buffer, still
-    arrives whole, and the exit code is ``main``'s (2 for a bad value)."""
+    """``run`` (the console script) leaves with ``os._exit``: the output it printed still arrives whole (its last
+    newline stays in stdout's buffer until a flush), and the exit code is ``main``'s (2 for a bad value)."""
     from kvgen.tokenizer import Tokenizer
 
+    import os
+
     text = "hello world, " * 6_000  # ~100 kB of JSON ids
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout into a pipe: block-buffered
     proc = subprocess.run([sys.executable, "-m", "kvgen.cli", "tokenize", "--model", str(tiny_model_dir), text],
-                          capture_output=True, text=True, timeout=120, check=False)
+                          capture_output=True, text=True, timeout=120, check=False, env=env)
     assert proc.returncode == 0, proc.stderr
-    assert len(proc.stdout) > 65_536 and json.loads(proc.stdout) == Tokenizer.from_pretrained(tiny_model_dir).encode(text)
+    ids = Tokenizer.from_pretrained(tiny_model_dir).encode(text)
+    assert len(proc.stdout) > 65_536 and proc.stdout == json.dumps(ids) + "\n"  # the newline sat in the buffer
     bad = subprocess.run([sys.executable, "-m", "kvgen.cli", "generate", "hi", "--model", str(tiny_model_dir),
                           "--top-p", "1.5"], capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "top_p" in bad.stderr, bad.stderr
