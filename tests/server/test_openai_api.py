@@ -268,9 +268,11 @@ def test_models_tokenize_detokenize_health_and_page(server, client, tiny_tokeniz
     assert httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "hello world"}
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert httpx.get(server.url + "/ping").json() == httpx.post(server.url + "/ping").json() == {"status": "ok"}
-    operations = [op["operationId"] for path in httpx.get(server.url + "/openapi.json").json()["paths"].values()
-                  for op in path.values()]
+    schema = httpx.get(server.url + "/openapi.json").json()
+    operations = [op["operationId"] for path in schema["paths"].values() for op in path.values()]
     assert len(operations) == len(set(operations))  # FastAPI warns (and clients mis-generate) on a duplicate
+    assert not [op for path in schema["paths"].values() for op in path.values() if "422" in op["responses"]]  # 400s
+    assert httpx.get(server.url + "/openapi.json").json() == schema  # built once
     assert httpx.get(server.url + "/version").json() == {"version": kvgen.__version__}
     page = httpx.get(server.url + "/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"] and "/static/chat.js" in page.text
