@@ -1,6 +1,6 @@
 """qgemm's AVX512-VNNI tiles (Q4_1, Q4_0, Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4, the
 types recoded as IQ4_XS or XS16 records; and F16 / BF16, whose tiles take 8 activation rows there) give bit for bit what its
-AVX2 tiles give.
+AVX2 tiles give; so do the attention ops' AVX-512 parts (a prefill's chunks).
 
 The same inputs run in a subprocess with ``KVGEN_KERNELS_ISA=avx2``; skipped where the CPU lacks AVX512-VNNI (both
 runs would take the AVX2 tiles) or the C++ kernels are not built.
@@ -35,11 +35,11 @@ RANDOM_BLOCKS = {"Q2_K": (256, 84, (80, 82)), "Q3_K": (256, 110, (108,)), "Q4_K"
                  "IQ2_S": (256, 82, (0,)), "IQ1_M": (256, 56, ())}  # IQ1_M: d in its scales' top nibbles (_rows)
 
 
-def _run_avx2(cases: list, tmp_path: Path) -> list[torch.Tensor]:
-    """qgemm of each case (x, packed, weight_type, n) in a subprocess on the AVX2 tiles."""
+def _run_avx2(cases: list, tmp_path: Path, script: str | None = None) -> list[torch.Tensor]:
+    """``script`` (default: qgemm of each case (x, packed, weight_type, n)) in a subprocess on the AVX2 tiles."""
     torch.save(cases, tmp_path / "cases.pt")
     env = {**os.environ, "KVGEN_KERNELS_ISA": "avx2"}
-    subprocess.run([sys.executable, "-c", AVX2_RUN, str(tmp_path / "cases.pt"), str(tmp_path / "avx2.pt")],
+    subprocess.run([sys.executable, "-c", script or AVX2_RUN, str(tmp_path / "cases.pt"), str(tmp_path / "avx2.pt")],
                    env=env, check=True, capture_output=True)
     return torch.load(tmp_path / "avx2.pt")
 
@@ -100,3 +100,54 @@ def test_paired_groups_of_a_mixed_weight_equal_the_avx2_tiles(tmp_path: Path) ->
     for (x, p, wt, n), a, b in zip(cases, ours, _run_avx2(cases, tmp_path)):
         assert torch.equal(a, b), (list(x.shape), (a - b).abs().max())
         assert torch.equal(a, torch.cat([get_ops().qgemm(x[i : i + 1], p, wt, n, None) for i in range(x.shape[0])]))
+
+
+ATTENTION_RUN = """
+import sys, torch
+from kvgen.kernels import get_ops, kernel_isa
+assert kernel_isa() == "avx2", kernel_isa()
+cases = torch.load(sys.argv[1])
+torch.save([getattr(get_ops(), op)(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args]) for op, args in cases],
+           sys.argv[2])
+"""
+
+
+def _attention_cases(gen: torch.Generator) -> list[tuple[str, list]]:
+    """(op, args) of prefills: static_attention over group sizes 1-10 (every AVX-512 dots and P V template, and the
+    any-G paths), head dims 64 / 72 / 80 / 128 (72: a last 8 columns), float16 and float32 caches, a window, a softcap,
+    sinks, left padding; paged_attention_qkv of two sequences' chunks; attention on q, k, v."""
+    cases: list[tuple[str, list]] = []
+    for h, h_kv, d, t, past, dtype, window, softcap, with_sinks in [
+            (9, 3, 64, 37, 0, torch.float16, 0, 0.0, False), (8, 8, 80, 13, 5, torch.float32, 0, 0.0, False),
+            (32, 4, 128, 20, 300, torch.float16, 0, 0.0, False), (12, 2, 64, 9, 10, torch.float16, 16, 0.0, False),
+            (16, 2, 72, 5, 3, torch.float16, 0, 50.0, False), (40, 4, 128, 3, 600, torch.float16, 0, 0.0, False),
+            (14, 2, 64, 11, 270, torch.float16, 0, 0.0, True), (10, 2, 96, 6, 2, torch.float32, 0, 0.0, False),
+            (12, 2, 64, 4, 1, torch.float16, 0, 0.0, False), (2, 1, 64, 300, 0, torch.float16, 0, 0.0, False)]:
+        k, v = (torch.randn(1, h_kv, past + t + 3, d, generator=gen).to(dtype) for _ in range(2))
+        qkv = torch.randn(t, (h + 2 * h_kv) * d, generator=gen)  # [T, (H + 2 Hkv) D]
+        sinks = torch.randn(h, generator=gen) if with_sinks else None
+        cases.append(("static_attention", [qkv, k, v, None, past, h, d ** -0.5, window, softcap, sinks]))
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[0, :7] = False  # row 0 left-padded
+    k, v = (torch.randn(2, 2, 48, 64, generator=gen).half() for _ in range(2))
+    cases.append(("static_attention", [torch.randn(2 * 25, 10 * 64, generator=gen), k, v, mask, 15, 6, 0.125, 0, 0.0,
+                                       None]))
+    bs, h, h_kv, d = 16, 8, 2, 64  # sequence 0: 40 cached + 30 new tokens; 1: 20 new
+    tables, seq_lens, qsl = torch.tensor([[3, 0, 5, 7, 9], [2, 4, 0, 0, 0]]), torch.tensor([70, 20]), torch.tensor([0, 30, 50])
+    positions = [(0, p) for p in range(40, 70)] + [(1, p) for p in range(20)]
+    slots = torch.tensor([int(tables[r, p // bs]) * bs + p % bs for r, p in positions])  # [N]
+    pools = [torch.randn(12, h_kv, bs, d, generator=gen).half() for _ in range(2)]  # K, V [blocks, Hkv, bs, D]
+    cases.append(("paged_attention_qkv", [torch.randn(50, (h + 2 * h_kv) * d, generator=gen), *pools, slots, tables, qsl,
+                                          seq_lens, h, 0.125, 0, 0.0, None]))
+    q, k, v = torch.randn(2, 6, 21, 64, generator=gen), *(torch.randn(2, 3, 30, 64, generator=gen) for _ in range(2))
+    cases.append(("attention", [q, k, v, None, 9, 0.125, 0, 0.0, None]))
+    return cases
+
+
+@needs_vnni
+def test_attention_on_avx512_equals_avx2(tmp_path: Path) -> None:
+    """A prefill's attention on the AVX-512 parts (two 8-lane vectors per register) gives the AVX2 parts' bits."""
+    cases = _attention_cases(torch.Generator().manual_seed(2))
+    ours = [getattr(get_ops(), op)(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args]) for op, args in cases]
+    for (op, args), a, b in zip(cases, ours, _run_avx2(cases, tmp_path, ATTENTION_RUN)):
+        assert a.abs().sum() > 0 and torch.equal(a, b), (op, [getattr(x, "shape", x) for x in args[:6]], (a - b).abs().max())

@@ -32,7 +32,8 @@
 // Per query the arithmetic depends only on its own visible keys, in order (chunks of 256
 // keys, each: scores, a max, exp, a sum with 8 lanes, P V in key order; then the chunks
 // merged in order), never on the batch, the prefill chunking, the padding or the threads:
-// greedy tokens agree across all of them.
+// greedy tokens agree across all of them. Where the CPU has AVX-512 (use_vnni), a prefill's chunks run on 512-bit
+// registers holding two of these 8-lane vectors each, bit for bit the same numbers (attend).
 // Source: Vaswani et al. 2017 eq. 1; Kwon et al. 2023 (paged KV cache); HF repeat_kv; the window as
 // transformers' sliding_window_overlay (kv_idx > q_idx - sliding_window).
 #include <immintrin.h>
@@ -46,6 +47,7 @@
 #include <vector>
 
 #include "aten_lite.h"
+#include "common.h"
 #include "team.h"
 #include "vec_math.h"
 
@@ -107,9 +109,11 @@ inline void qk_dots_any(const float* const* q, int64_t G, int64_t D, const T* co
 // The V rows of the same keys are prefetched into L2 meanwhile: this loop is bound by its arithmetic, P V by
 // memory latency, so P V then reads V from L2 (the attention op over 30 layers x 3 KV heads x 3,000 fp16 keys:
 // 1 thread 7.0-7.7 -> 6.2-6.6 ms, 2 threads 3.9-4.3 -> 3.6-4.0 ms).
-template <typename T, typename KRow, typename VRow>
-void qk_scores(const float* const* q, int64_t G, int64_t D, int64_t n, const int64_t* keys, KRow krow, VRow vrow,
-               float scale, float* sc, int64_t n8, bool prefetch) {
+// dots(kr, dots): the G heads' dot vectors with the 8 K rows kr (qk_dots; on AVX-512 qk_dots_wide, the same numbers).
+template <typename T, typename KRow, typename VRow, typename Dots>
+__attribute__((always_inline)) inline void qk_scores(int64_t G, int64_t D, int64_t n, const int64_t* keys, KRow krow,
+                                                     VRow vrow, float scale, float* sc, int64_t n8, bool prefetch,
+                                                     Dots dots_of) {
   const __m256 vs = _mm256_set1_ps(scale);
   __m256 dots[64][8];
   for (int64_t i0 = 0; i0 < n; i0 += 8) {
@@ -123,14 +127,20 @@ void qk_scores(const float* const* q, int64_t G, int64_t D, int64_t n, const int
         _mm_prefetch(v + b, _MM_HINT_T1);
       }
     }
-    switch (G) {  // heads per KV head: templates for the common group sizes
-      case 1: qk_dots<T, 1>(q, D, kr, dots); break;
-      case 2: qk_dots<T, 2>(q, D, kr, dots); break;
-      case 3: qk_dots<T, 3>(q, D, kr, dots); break;
-      case 4: qk_dots<T, 4>(q, D, kr, dots); break;
-      default: qk_dots_any<T>(q, G, D, kr, dots);
-    }
+    dots_of(kr, dots);
     for (int64_t g = 0; g < G; ++g) _mm256_storeu_ps(sc + g * n8 + i0, _mm256_mul_ps(hsum8(dots[g]), vs));
+  }
+}
+
+// qk_dots for the G heads q[g] (templates for the common group sizes).
+template <typename T>
+inline void qk_dots_g(const float* const* q, int64_t G, int64_t D, const T* const* kr, __m256 (*dots)[8]) {
+  switch (G) {
+    case 1: return qk_dots<T, 1>(q, D, kr, dots);
+    case 2: return qk_dots<T, 2>(q, D, kr, dots);
+    case 3: return qk_dots<T, 3>(q, D, kr, dots);
+    case 4: return qk_dots<T, 4>(q, D, kr, dots);
+    default: return qk_dots_any<T>(q, G, D, kr, dots);
   }
 }
 
@@ -169,6 +179,134 @@ void pv(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, i
   for (; d0 < D; d0 += 8) pv_chunk<T, G, 1>(p, n8, n, keys, vrow, D, d0, out, prefetch);
 }
 
+// pv for the G heads (templates for the common group sizes; one head at a time beyond).
+template <typename T, typename VRow>
+inline void pv_g(const float* p, int64_t G, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t D,
+                 float* const* out, bool prefetch) {
+  switch (G) {
+    case 1: return pv<T, 1>(p, n8, n, keys, vrow, D, out, prefetch);
+    case 2: return pv<T, 2>(p, n8, n, keys, vrow, D, out, prefetch);
+    case 3: return pv<T, 3>(p, n8, n, keys, vrow, D, out, prefetch);
+    case 4: return pv<T, 4>(p, n8, n, keys, vrow, D, out, prefetch);
+    default:
+      for (int64_t g = 0; g < G; ++g) pv<T, 1>(p + g * n8, n8, n, keys, vrow, D, out + g, prefetch);
+  }
+}
+
+// The same two parts on AVX-512 (Zen 4 and later, Ice Lake and later Xeons; chosen by use_vnni(), common.h), whose
+// 512-bit registers hold two of the AVX2 code's 8-lane vectors side by side: qk_dots_wide takes two K rows per
+// register (lanes 0-7 one key's, 8-15 the next's, each against the same 8 values of q), pv_chunk_wide two 8-column
+// groups of a V row. Each half sees the AVX2 vector's own operations in the same order, so the numbers are bit for
+// bit the AVX2 path's, and a core with full-width 512-bit FMAs does twice the work per instruction.
+KVGEN_VNNI_BEGIN
+// 8 values of each of two K or V rows (lanes 0-7: p0's, 8-15: p1's) as fp32 at fp16 precision: load8(p0), load8(p1).
+inline __m512 load8x2(const float* p0, const float* p1) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm256_cvtps_ph(_mm256_loadu_ps(p0), _MM_FROUND_TO_NEAREST_INT)),
+      _mm256_cvtps_ph(_mm256_loadu_ps(p1), _MM_FROUND_TO_NEAREST_INT), 1));
+}
+inline __m512 load8x2(const at::Half* p0, const at::Half* p1) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1));
+}
+// 16 consecutive values of a V row: load8(p), load8(p + 8).
+inline __m512 load16(const float* p) { return _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_loadu_ps(p), _MM_FROUND_TO_NEAREST_INT)); }
+inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// 8 floats in both halves.
+inline __m512 twice8(const float* p) {
+  const __m256d x = _mm256_castps_pd(_mm256_loadu_ps(p));
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(x), x, 1));
+}
+
+// qk_dots on AVX-512: the 8 keys as 4 pairs, in one pass over d for up to 6 heads (5 G + 1 of 32 registers).
+template <typename T, int G>
+inline void qk_dots_wide(const float* const* q, int64_t D, const T* const* kr, __m256 (*dots)[8]) {
+  constexpr int KP = G <= 6 ? 4 : 2;  // key pairs per pass
+  for (int p0 = 0; p0 < 4; p0 += KP) {
+    __m512 a[G][KP];
+    for (int g = 0; g < G; ++g)
+      for (int p = 0; p < KP; ++p) a[g][p] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      __m512 qv[G];
+      for (int g = 0; g < G; ++g) qv[g] = twice8(q[g] + d);
+      for (int p = 0; p < KP; ++p) {
+        const __m512 kv = load8x2(kr[2 * (p0 + p)] + d, kr[2 * (p0 + p) + 1] + d);
+        for (int g = 0; g < G; ++g) a[g][p] = _mm512_fmadd_ps(qv[g], kv, a[g][p]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int p = 0; p < KP; ++p) {
+        dots[g][2 * (p0 + p)] = _mm512_castps512_ps256(a[g][p]);
+        dots[g][2 * (p0 + p) + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[g][p]), 1));
+      }
+  }
+}
+
+template <typename T>
+inline void qk_dots_wide_g(const float* const* q, int64_t G, int64_t D, const T* const* kr, __m256 (*dots)[8]) {
+  switch (G) {  // up to 8 heads per KV head (Llama 3 8B: 4, Qwen2.5-1.5B: 6, Qwen2.5-7B: 7)
+    case 1: return qk_dots_wide<T, 1>(q, D, kr, dots);
+    case 2: return qk_dots_wide<T, 2>(q, D, kr, dots);
+    case 3: return qk_dots_wide<T, 3>(q, D, kr, dots);
+    case 4: return qk_dots_wide<T, 4>(q, D, kr, dots);
+    case 5: return qk_dots_wide<T, 5>(q, D, kr, dots);
+    case 6: return qk_dots_wide<T, 6>(q, D, kr, dots);
+    case 7: return qk_dots_wide<T, 7>(q, D, kr, dots);
+    case 8: return qk_dots_wide<T, 8>(q, D, kr, dots);
+    default: return qk_dots_any<T>(q, G, D, kr, dots);
+  }
+}
+
+// pv_chunk on AVX-512 (a prefill's: no prefetching): columns d0 .. d0 + 16 CZ of the G heads, two 8-column groups
+// per register.
+template <typename T, int G, int CZ, typename VRow>
+inline void pv_chunk_wide(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t d0,
+                          float* const* out) {
+  __m512 acc[G][CZ];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CZ; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const T* v = vrow(keys[i]) + d0;
+    __m512 w[G];
+    for (int g = 0; g < G; ++g) w[g] = _mm512_set1_ps(p[g * n8 + i]);
+    for (int c = 0; c < CZ; ++c) {
+      const __m512 vv = load16(v + 16 * c);
+      for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(w[g], vv, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CZ; ++c) _mm512_storeu_ps(out[g] + d0 + 16 * c, acc[g][c]);
+}
+
+// pv on AVX-512: 16 CZ columns a pass (G CZ + G + 1 of 32 registers), a last 8 as AVX2's pv_chunk.
+template <typename T, int G, typename VRow>
+inline void pv_wide(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t D, float* const* out) {
+  constexpr int CZ = G <= 4 ? 4 : 2;
+  int64_t d0 = 0;
+  for (; d0 + 16 * CZ <= D; d0 += 16 * CZ) pv_chunk_wide<T, G, CZ>(p, n8, n, keys, vrow, d0, out);
+  for (; d0 + 16 <= D; d0 += 16) pv_chunk_wide<T, G, 1>(p, n8, n, keys, vrow, d0, out);
+  if (d0 < D) pv_chunk<T, G, 1>(p, n8, n, keys, vrow, D, d0, out, false);
+}
+
+template <typename T, typename VRow>
+inline void pv_wide_g(const float* p, int64_t G, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t D,
+                      float* const* out) {
+  switch (G) {
+    case 1: return pv_wide<T, 1>(p, n8, n, keys, vrow, D, out);
+    case 2: return pv_wide<T, 2>(p, n8, n, keys, vrow, D, out);
+    case 3: return pv_wide<T, 3>(p, n8, n, keys, vrow, D, out);
+    case 4: return pv_wide<T, 4>(p, n8, n, keys, vrow, D, out);
+    case 5: return pv_wide<T, 5>(p, n8, n, keys, vrow, D, out);
+    case 6: return pv_wide<T, 6>(p, n8, n, keys, vrow, D, out);
+    case 7: return pv_wide<T, 7>(p, n8, n, keys, vrow, D, out);
+    case 8: return pv_wide<T, 8>(p, n8, n, keys, vrow, D, out);
+    default:
+      for (int64_t g = 0; g < G; ++g) pv_wide<T, 1>(p + g * n8, n8, n, keys, vrow, D, out + g);
+  }
+}
+KVGEN_VNNI_END
+
 // Keys are taken in fixed chunks of kKeyChunk visible keys (flash-decoding): a long context
 // gives several tasks that threads share, and since the chunking depends only on a query's
 // own visible keys, its arithmetic stays independent of the batch and the thread count.
@@ -177,15 +315,16 @@ constexpr int64_t kKeyChunk = 256;
 // 1 thread beat 2 up to ~128 keys a head (single calls, 6.3 vs 7.6 us at 16 keys; 12.6 vs 12.3 us at 128).
 constexpr int64_t kMinParallelKeys = 384;
 
-// Partial attention of the G query heads q[g] over visible keys keys[0..n) (one chunk):
-// m[g] = max score, l[g] = sum exp(score - m[g]), o[g][D] = sum exp(score - m[g]) V (unnormalized).
-template <typename T, typename KRow, typename VRow>
-void attend_chunk(const float* const* q, int64_t G, int64_t D, int64_t n, const int64_t* keys, KRow krow, VRow vrow,
-                  float scale, float softcap, bool prefetch, Scratch& scratch, float* m, float* l, float* const* o) {
+// attend's body (below): scores, their softmax terms, then P V; dots_of(kr, dots) and pv_of(p, n8) are the ISA's
+// parts (AVX2's or AVX-512's).
+template <typename T, typename KRow, typename VRow, typename Dots, typename PV>
+__attribute__((always_inline)) inline void attend_chunk(int64_t G, int64_t n, const int64_t* keys, KRow krow, VRow vrow,
+                                                        int64_t D, float scale, float softcap, bool prefetch,
+                                                        Scratch& scratch, float* m, float* l, Dots dots_of, PV pv_of) {
   const int64_t n8 = (n + 7) / 8 * 8;
   scratch.scores.resize(G * n8);
   float* sc = scratch.scores.data();
-  qk_scores<T>(q, G, D, n, keys, krow, vrow, scale, sc, n8, prefetch);
+  qk_scores<T>(G, D, n, keys, krow, vrow, scale, sc, n8, prefetch, dots_of);
   for (int64_t g = 0; g < G; ++g) {
     float* s = sc + g * n8;
     if (softcap > 0.0f)  // scalar tanh: exact to an ulp, as torch.tanh (a vector tanh loses ~1e-7 near 0)
@@ -206,14 +345,34 @@ void attend_chunk(const float* const* q, int64_t G, int64_t D, int64_t n, const 
     m[g] = mx;
     l[g] = hsum(vsum);
   }
-  switch (G) {  // heads per KV head: templates for the common group sizes
-    case 1: return pv<T, 1>(sc, n8, n, keys, vrow, D, o, prefetch);
-    case 2: return pv<T, 2>(sc, n8, n, keys, vrow, D, o, prefetch);
-    case 3: return pv<T, 3>(sc, n8, n, keys, vrow, D, o, prefetch);
-    case 4: return pv<T, 4>(sc, n8, n, keys, vrow, D, o, prefetch);
-    default:
-      for (int64_t g = 0; g < G; ++g) pv<T, 1>(sc + g * n8, n8, n, keys, vrow, D, o + g, prefetch);
-  }
+  pv_of(sc, n8);
+}
+
+KVGEN_VNNI_BEGIN
+// attend with the AVX-512 parts (a prefill's chunk), compiled for them (the parts as lambdas of this function, as
+// the VNNI tiles pass theirs: a lambda of an AVX2 function in between kept them out of line).
+template <typename T, typename KRow, typename VRow>
+void attend_wide(const float* const* q, int64_t G, int64_t D, int64_t n, const int64_t* keys, KRow krow, VRow vrow,
+                 float scale, float softcap, Scratch& scratch, float* m, float* l, float* const* o) {
+  attend_chunk<T>(G, n, keys, krow, vrow, D, scale, softcap, false, scratch, m, l,
+                  [&](const T* const* kr, __m256 (*dots)[8]) { qk_dots_wide_g<T>(q, G, D, kr, dots); },
+                  [&](const float* p, int64_t n8) { pv_wide_g<T>(p, G, n8, n, keys, vrow, D, o); });
+}
+KVGEN_VNNI_END
+
+// Partial attention of the G query heads q[g] over visible keys keys[0..n) (one chunk):
+// m[g] = max score, l[g] = sum exp(score - m[g]), o[g][D] = sum exp(score - m[g]) V (unnormalized).
+// A prefill's chunks (prefetch false: several queries share the keys, in cache) run on the AVX-512 parts where the
+// CPU has them (use_vnni), whose numbers are the AVX2 parts': SmolLM2-135M's prefill of 2,048 tokens 1,505-1,515 ->
+// 1,595-1,617 tokens/s, of 512 +1-2 % (AMD EPYC, full-width 512-bit FMAs). A decode step's keys come from DRAM and
+// its chunks stay on AVX2's (the AVX-512 parts measured 1-2 % slower there).
+template <typename T, typename KRow, typename VRow>
+void attend(const float* const* q, int64_t G, int64_t D, int64_t n, const int64_t* keys, KRow krow, VRow vrow,
+            float scale, float softcap, bool prefetch, Scratch& scratch, float* m, float* l, float* const* o) {
+  if (!prefetch && use_vnni()) return attend_wide<T>(q, G, D, n, keys, krow, vrow, scale, softcap, scratch, m, l, o);
+  attend_chunk<T>(G, n, keys, krow, vrow, D, scale, softcap, prefetch, scratch, m, l,
+                  [&](const T* const* kr, __m256 (*dots)[8]) { qk_dots_g<T>(q, G, D, kr, dots); },
+                  [&](const float* p, int64_t n8) { pv_g<T>(p, G, n8, n, keys, vrow, D, o, prefetch); });
 }
 
 // The chunks of every (query, KV head) pair; a chunk's partials are laid out [m G | l G | o G D].
@@ -387,7 +546,7 @@ void attention_impl(const AttentionArgs<T>& a) {
     const T* kb = a.k + b * a.k_b + j * a.k_h;
     const T* vb = a.v + b * a.v_b + j * a.v_h;
     const int64_t ks = a.k_s, vs = a.v_s;
-    attend_chunk<T>(qs, G, a.D, n, keys, [&](int64_t p) { return kb + p * ks; },
+    attend<T>(qs, G, a.D, n, keys, [&](int64_t p) { return kb + p * ks; },
                     [&](int64_t p) { return vb + p * vs; }, a.scale, a.softcap, a.Tq == 1, scratch, m, l, o);
   };
   run_tasks(parts, num_pairs, run_chunk, [&](int64_t w, float** os) {
@@ -501,7 +660,7 @@ at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int6
     auto krow = [&](int64_t offset) { return kp + offset; };
     auto vrow = [&](int64_t offset) { return vp + offset; };
     const bool prefetch = qslp[r + 1] - qslp[r] == 1;  // a decode step's keys are cold; a prefill's, shared and hot
-    attend_chunk<T>(qs, G, D, hi - lo, scratch.keys.data(), krow, vrow, scale, softcap, prefetch, scratch, m, l, o);
+    attend<T>(qs, G, D, hi - lo, scratch.keys.data(), krow, vrow, scale, softcap, prefetch, scratch, m, l, o);
   };
   run_tasks(parts, N * Hkv, run_chunk, [&](int64_t w, float** os) {
     const int64_t i = w / Hkv, j = w % Hkv;
