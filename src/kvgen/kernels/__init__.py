@@ -7,8 +7,8 @@ flags and the torch version; later processes load the cached library in millisec
 Where the CPU lacks AVX2/FMA/F16C, the build fails, or ``KVGEN_KERNELS=reference`` is
 set, the plain-torch twins in :mod:`kvgen.kernels.reference` run instead (one logged
 notice, never a crash). :func:`get_ops` returns whichever is in use. On a CPU with AVX512-VNNI, qgemm's quantized
-tiles use ``vpdpbusd`` (chosen at run time; ``KVGEN_KERNELS_ISA=avx2`` keeps the AVX2 tiles;
-the outputs are bit-identical): :func:`kernel_isa` says which.
+tiles use ``vpdpbusd`` and a prefill's attention 512-bit registers (chosen at run time; ``KVGEN_KERNELS_ISA=avx2``
+keeps the AVX2 code; the outputs are bit-identical): :func:`kernel_isa` says which.
 
 Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 
