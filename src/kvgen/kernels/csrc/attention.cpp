@@ -363,9 +363,9 @@ KVGEN_VNNI_END
 // Partial attention of the G query heads q[g] over visible keys keys[0..n) (one chunk):
 // m[g] = max score, l[g] = sum exp(score - m[g]), o[g][D] = sum exp(score - m[g]) V (unnormalized).
 // A prefill's chunks (prefetch false: several queries share the keys, in cache) run on the AVX-512 parts where the
-// CPU has them (use_vnni), whose numbers are the AVX2 parts': SmolLM2-135M's prefill of 2,048 tokens 1,505-1,515 ->
-// 1,595-1,617 tokens/s, of 512 +1-2 % (AMD EPYC, full-width 512-bit FMAs). A decode step's keys come from DRAM and
-// its chunks stay on AVX2's (the AVX-512 parts measured 1-2 % slower there).
+// CPU has them (use_vnni), whose numbers are the AVX2 parts': SmolLM2-135M's prefill of 2,048 tokens 1,429-1,515 ->
+// 1,507-1,617 tokens/s, of 512 +1-10 % (alternating processes; AMD EPYC, full-width 512-bit FMAs). A decode step's
+// keys come from DRAM and its chunks stay on AVX2's (the AVX-512 parts measured 1-2 % slower there).
 template <typename T, typename KRow, typename VRow>
 void attend(const float* const* q, int64_t G, int64_t D, int64_t n, const int64_t* keys, KRow krow, VRow vrow,
             float scale, float softcap, bool prefetch, Scratch& scratch, float* m, float* l, float* const* o) {
