@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import logging
 import os
 import sys
 import time
@@ -360,8 +361,7 @@ def run() -> NoReturn:
             stream.flush()
         except (OSError, ValueError):  # a reader that went away (`| head -1`), a closed stream
             pass
-    if "logging" in sys.modules:
-        sys.modules["logging"].shutdown()  # flushes the server's log handlers
+    logging.shutdown()  # flushes the server's log handlers
     os._exit(code)
 
 

@@ -1,4 +1,4 @@
-// Small AVX2 helpers shared by the fused ops: horizontal sums and exp.
+// Small AVX2 helpers shared by the fused ops: horizontal sums and exp (and exp512, its AVX-512 twin).
 #pragma once
 
 #include <immintrin.h>
@@ -33,5 +33,30 @@ inline __m256 exp256(__m256 x) {
   y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
   return _mm256_andnot_ps(underflow, y);
 }
+
+// exp256 on 16 lanes (AVX-512F; callers compiled for it, attention.cpp's AVX-512 parts): the same operations lane by
+// lane, underflow zeroed by a mask, so the same values. Keep the two in step.
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+inline __m512 exp512(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365447505531f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), y);
+}
+#pragma GCC pop_options
 
 }  // namespace kvgen
