@@ -115,14 +115,20 @@ torch.save([getattr(get_ops(), op)(*[a.clone() if isinstance(a, torch.Tensor) el
 def _attention_cases(gen: torch.Generator) -> list[tuple[str, list]]:
     """(op, args) of prefills: static_attention over group sizes 1-10 (every AVX-512 dots and P V template, and the
     any-G paths), head dims 64 / 72 / 80 / 128 (72: a last 8 columns), float16 and float32 caches, a window, a softcap,
-    sinks, left padding; paged_attention_qkv of two sequences' chunks; attention on q, k, v."""
+    sinks, left padding; paged_attention_qkv of two sequences' chunks; attention on q, k, v. From 64 (query, KV head)
+    pairs with 2 G <= 8 a prefill's queries run as twins (two queries a pass): the float32 cache, the padding, the
+    paged chunks and the group sizes 1, 2 and 3 among them."""
     cases: list[tuple[str, list]] = []
     for h, h_kv, d, t, past, dtype, window, softcap, with_sinks in [
             (9, 3, 64, 37, 0, torch.float16, 0, 0.0, False), (8, 8, 80, 13, 5, torch.float32, 0, 0.0, False),
             (32, 4, 128, 20, 300, torch.float16, 0, 0.0, False), (12, 2, 64, 9, 10, torch.float16, 16, 0.0, False),
             (16, 2, 72, 5, 3, torch.float16, 0, 50.0, False), (40, 4, 128, 3, 600, torch.float16, 0, 0.0, False),
             (14, 2, 64, 11, 270, torch.float16, 0, 0.0, True), (10, 2, 96, 6, 2, torch.float32, 0, 0.0, False),
-            (12, 2, 64, 4, 1, torch.float16, 0, 0.0, False), (2, 1, 64, 300, 0, torch.float16, 0, 0.0, False)]:
+            (12, 2, 64, 4, 1, torch.float16, 0, 0.0, False), (2, 1, 64, 300, 0, torch.float16, 0, 0.0, False),
+            # twins (64 pairs or more, 2 G <= 8): a window that cuts the later pairs apart, D = 72 with a softcap and
+            # sinks, a twin whose 257th key opens a chunk its partner (256 keys) lacks
+            (4, 2, 64, 40, 10, torch.float16, 16, 0.0, False), (4, 2, 72, 40, 3, torch.float16, 0, 50.0, True),
+            (2, 1, 64, 70, 201, torch.float16, 0, 0.0, False)]:
         k, v = (torch.randn(1, h_kv, past + t + 3, d, generator=gen).to(dtype) for _ in range(2))
         qkv = torch.randn(t, (h + 2 * h_kv) * d, generator=gen)  # [T, (H + 2 Hkv) D]
         sinks = torch.randn(h, generator=gen) if with_sinks else None

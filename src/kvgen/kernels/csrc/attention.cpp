@@ -33,7 +33,9 @@
 // keys, each: scores, a max, exp, a sum with 8 lanes, P V in key order; then the chunks
 // merged in order), never on the batch, the prefill chunking, the padding or the threads:
 // greedy tokens agree across all of them. Where the CPU has AVX-512 (use_vnni), a prefill's chunks run on 512-bit
-// registers holding two of these 8-lane vectors each, bit for bit the same numbers (attend).
+// registers holding two of these 8-lane vectors each, bit for bit the same numbers (attend), and two consecutive
+// queries of a sequence whose keys are the first's and then maybe the second's own (twins, run_tasks) share one pass
+// over them: every K and V vector loaded and converted serves both, each query's numbers still its own.
 // Source: Vaswani et al. 2017 eq. 1; Kwon et al. 2023 (paged KV cache); HF repeat_kv; the window as
 // transformers' sliding_window_overlay (kv_idx > q_idx - sliding_window).
 #include <immintrin.h>
@@ -41,6 +43,7 @@
 #include <cmath>
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <limits>
 #include <numeric>
 #include <type_traits>
@@ -61,6 +64,14 @@ inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(
 struct Scratch {
   std::vector<float> scores;
   std::vector<int64_t> keys;
+  std::vector<float> q;  // the AVX-512 parts' query vectors
+
+  // n 64-byte aligned vectors of 16 floats (contents undefined).
+  template <typename V>
+  V* wide(size_t n) {
+    q.resize(16 * n + 16);
+    return reinterpret_cast<V*>((reinterpret_cast<uintptr_t>(q.data()) + 63) & ~uintptr_t{63});
+  }
 };
 
 // 8 dot products (one per vector of a[]) reduced into one vector, lane j = sum of a[j]'s
@@ -104,34 +115,6 @@ inline void qk_dots_any(const float* const* q, int64_t G, int64_t D, const T* co
   }
 }
 
-// scores[g * n8 + i] = scale * q[g] . K[keys[i]] for i < n, 8 keys at a time, one hsum8 per head.
-// Every path sums a key's products in the same order (d ascending per lane, then hsum8).
-// The V rows of the same keys are prefetched into L2 meanwhile: this loop is bound by its arithmetic, P V by
-// memory latency, so P V then reads V from L2 (the attention op over 30 layers x 3 KV heads x 3,000 fp16 keys:
-// 1 thread 7.0-7.7 -> 6.2-6.6 ms, 2 threads 3.9-4.3 -> 3.6-4.0 ms).
-// dots(kr, dots): the G heads' dot vectors with the 8 K rows kr (qk_dots; on AVX-512 qk_dots_wide, the same numbers).
-template <typename T, typename KRow, typename VRow, typename Dots>
-__attribute__((always_inline)) inline void qk_scores(int64_t G, int64_t D, int64_t n, const int64_t* keys, KRow krow,
-                                                     VRow vrow, float scale, float* sc, int64_t n8, bool prefetch,
-                                                     Dots dots_of) {
-  const __m256 vs = _mm256_set1_ps(scale);
-  __m256 dots[64][8];
-  for (int64_t i0 = 0; i0 < n; i0 += 8) {
-    const T* kr[8];
-    for (int j = 0; j < 8; ++j) kr[j] = krow(keys[std::min<int64_t>(i0 + j, n - 1)]);  // the tail repeats a key
-    for (int64_t j = i0 + 16; prefetch && j < std::min<int64_t>(i0 + 24, n); ++j) {  // rows two steps ahead
-      const char* r = reinterpret_cast<const char*>(krow(keys[j]));
-      const char* v = reinterpret_cast<const char*>(vrow(keys[j]));
-      for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64) {
-        _mm_prefetch(r + b, _MM_HINT_T0);
-        _mm_prefetch(v + b, _MM_HINT_T1);
-      }
-    }
-    dots_of(kr, dots);
-    for (int64_t g = 0; g < G; ++g) _mm256_storeu_ps(sc + g * n8 + i0, _mm256_mul_ps(hsum8(dots[g]), vs));
-  }
-}
-
 // qk_dots for the G heads q[g] (templates for the common group sizes).
 template <typename T>
 inline void qk_dots_g(const float* const* q, int64_t G, int64_t D, const T* const* kr, __m256 (*dots)[8]) {
@@ -144,15 +127,48 @@ inline void qk_dots_g(const float* const* q, int64_t G, int64_t D, const T* cons
   }
 }
 
+// scores[g * n8 + i] = scale * q[g] . K[keys[i]] for i < n, 8 keys at a time: scores_of(kr, sc + i0) writes the G
+// heads' scores of the 8 K rows kr (qk_dots and one hsum8 per head; on AVX-512 qk_scores_wide, the same numbers).
+// Every path sums a key's products in the same order (d ascending per lane, then hsum8's tree).
+// The V rows of the same keys are prefetched into L2 meanwhile: this loop is bound by its arithmetic, P V by
+// memory latency, so P V then reads V from L2 (the attention op over 30 layers x 3 KV heads x 3,000 fp16 keys:
+// 1 thread 7.0-7.7 -> 6.2-6.6 ms, 2 threads 3.9-4.3 -> 3.6-4.0 ms).
+template <typename T, typename KRow, typename VRow, typename Scores>
+__attribute__((always_inline)) inline void qk_scores(int64_t D, int64_t n, const int64_t* keys, KRow krow, VRow vrow,
+                                                     float* sc, bool prefetch, Scores scores_of) {
+  for (int64_t i0 = 0; i0 < n; i0 += 8) {
+    const T* kr[8];
+    for (int j = 0; j < 8; ++j) kr[j] = krow(keys[std::min<int64_t>(i0 + j, n - 1)]);  // the tail repeats a key
+    for (int64_t j = i0 + 16; prefetch && j < std::min<int64_t>(i0 + 24, n); ++j) {  // rows two steps ahead
+      const char* r = reinterpret_cast<const char*>(krow(keys[j]));
+      const char* v = reinterpret_cast<const char*>(vrow(keys[j]));
+      for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64) {
+        _mm_prefetch(r + b, _MM_HINT_T0);
+        _mm_prefetch(v + b, _MM_HINT_T1);
+      }
+    }
+    scores_of(kr, sc + i0);
+  }
+}
+
+// scale * hsum8 of the G heads' dot vectors with 8 K rows (qk_dots_g), stored at s + g n8.
+template <typename T>
+inline void qk_scores8(const float* const* q, int64_t G, int64_t D, const T* const* kr, float scale, float* s,
+                       int64_t n8) {
+  __m256 dots[64][8];
+  qk_dots_g<T>(q, G, D, kr, dots);
+  for (int64_t g = 0; g < G; ++g) _mm256_storeu_ps(s + g * n8, _mm256_mul_ps(hsum8(dots[g]), _mm256_set1_ps(scale)));
+}
+
 // out[g][d0 .. d0 + 8 CW) = sum_i p[g, i] V[keys[i]] in key order, every V vector converted once
 // for the G heads; G CW accumulators (>= 8 where G allows) hide the FMA latency and, with the
 // G weights and one V vector, fit in 16 registers.
 template <typename T, int G, int CW, typename VRow>
 void pv_chunk(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t D, int64_t d0,
-              float* const* out, bool prefetch) {
+              float* const* out, bool prefetch, bool add = false) {
   __m256 acc[G][CW];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < CW; ++c) acc[g][c] = _mm256_setzero_ps();
+    for (int c = 0; c < CW; ++c) acc[g][c] = add ? _mm256_loadu_ps(out[g] + d0 + 8 * c) : _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
     const T* v = vrow(keys[i]) + d0;
     if (prefetch && i + 8 < n) {  // the whole row (from L2, see qk_scores)
@@ -219,53 +235,73 @@ inline __m512 twice8(const float* p) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(x), x, 1));
 }
 
-// qk_dots on AVX-512: the 8 keys as 4 pairs, in one pass over d for up to 6 heads (5 G + 1 of 32 registers).
+// vhaddps' operations on each 128-bit block of two registers: [x0 + x1, x2 + x3, y0 + y1, y2 + y3].
+inline __m512 hadd512(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
+}
+
+// hsum8 of the 8 keys of key-pair accumulators t = (hadd512(a0, a1), hadd512(a2, a3)), a[p] holding key 2p in lanes
+// 0-7 and key 2p + 1 in lanes 8-15: lane j of the result is key j's ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)),
+// hsum8's tree, in registers (the dot vectors went through memory to hsum8: ~20 % of a prefill's attention).
+inline __m256 hsum8_pairs(__m512 t01, __m512 t23) {
+  // u's 128-bit blocks: keys 0, 2, 4, 6 over lanes 0-3 | over lanes 4-7 | keys 1, 3, 5, 7 over lanes 0-3 | 4-7
+  const __m512 u = hadd512(t01, t23);
+  const __m512i lo = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i hi = _mm512_setr_epi32(4, 12, 5, 13, 6, 14, 7, 15, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm256_add_ps(_mm512_castps512_ps256(_mm512_permutexvar_ps(lo, u)),
+                       _mm512_castps512_ps256(_mm512_permutexvar_ps(hi, u)));
+}
+
+// qk_scores8 on AVX-512: the 8 keys as 4 pairs (lanes 0-7 one key's, 8-15 the next's), against qd[(d / 8) G + g] =
+// q[g][d .. d + 8) in both halves, in one pass over d for up to 6 heads (4 G + 1 of 32 registers), two beyond.
 template <typename T, int G>
-inline void qk_dots_wide(const float* const* q, int64_t D, const T* const* kr, __m256 (*dots)[8]) {
+inline void qk_scores_wide(const __m512* qd, int64_t D, const T* const* kr, __m256 scale, float* s, int64_t n8) {
   constexpr int KP = G <= 6 ? 4 : 2;  // key pairs per pass
+  __m512 t[G][2];  // hadd512 of the accumulators of key pairs (0, 1) and (2, 3)
   for (int p0 = 0; p0 < 4; p0 += KP) {
     __m512 a[G][KP];
     for (int g = 0; g < G; ++g)
       for (int p = 0; p < KP; ++p) a[g][p] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
-      __m512 qv[G];
-      for (int g = 0; g < G; ++g) qv[g] = twice8(q[g] + d);
+      const __m512* qv = qd + (d / 8) * G;
       for (int p = 0; p < KP; ++p) {
         const __m512 kv = load8x2(kr[2 * (p0 + p)] + d, kr[2 * (p0 + p) + 1] + d);
         for (int g = 0; g < G; ++g) a[g][p] = _mm512_fmadd_ps(qv[g], kv, a[g][p]);
       }
     }
     for (int g = 0; g < G; ++g)
-      for (int p = 0; p < KP; ++p) {
-        dots[g][2 * (p0 + p)] = _mm512_castps512_ps256(a[g][p]);
-        dots[g][2 * (p0 + p) + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[g][p]), 1));
-      }
+      for (int p = 0; p < KP; p += 2) t[g][(p0 + p) / 2] = hadd512(a[g][p], a[g][p + 1]);
   }
+  for (int g = 0; g < G; ++g) _mm256_storeu_ps(s + g * n8, _mm256_mul_ps(hsum8_pairs(t[g][0], t[g][1]), scale));
 }
 
+// qk_scores8 on AVX-512 for the G heads q[g] (templates up to 8 heads a KV head: Llama 3 8B has 4, Qwen2.5-1.5B 6,
+// Qwen2.5-7B 7; AVX2's qk_scores8 beyond); qd: G D / 8 registers of scratch, filled here.
 template <typename T>
-inline void qk_dots_wide_g(const float* const* q, int64_t G, int64_t D, const T* const* kr, __m256 (*dots)[8]) {
-  switch (G) {  // up to 8 heads per KV head (Llama 3 8B: 4, Qwen2.5-1.5B: 6, Qwen2.5-7B: 7)
-    case 1: return qk_dots_wide<T, 1>(q, D, kr, dots);
-    case 2: return qk_dots_wide<T, 2>(q, D, kr, dots);
-    case 3: return qk_dots_wide<T, 3>(q, D, kr, dots);
-    case 4: return qk_dots_wide<T, 4>(q, D, kr, dots);
-    case 5: return qk_dots_wide<T, 5>(q, D, kr, dots);
-    case 6: return qk_dots_wide<T, 6>(q, D, kr, dots);
-    case 7: return qk_dots_wide<T, 7>(q, D, kr, dots);
-    case 8: return qk_dots_wide<T, 8>(q, D, kr, dots);
-    default: return qk_dots_any<T>(q, G, D, kr, dots);
+inline void qk_scores_wide_g(const float* const* q, int64_t G, int64_t D, const T* const* kr, float scale, float* s,
+                             int64_t n8, __m512* qd) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  switch (G) {
+    case 1: return qk_scores_wide<T, 1>(qd, D, kr, vs, s, n8);
+    case 2: return qk_scores_wide<T, 2>(qd, D, kr, vs, s, n8);
+    case 3: return qk_scores_wide<T, 3>(qd, D, kr, vs, s, n8);
+    case 4: return qk_scores_wide<T, 4>(qd, D, kr, vs, s, n8);
+    case 5: return qk_scores_wide<T, 5>(qd, D, kr, vs, s, n8);
+    case 6: return qk_scores_wide<T, 6>(qd, D, kr, vs, s, n8);
+    case 7: return qk_scores_wide<T, 7>(qd, D, kr, vs, s, n8);
+    case 8: return qk_scores_wide<T, 8>(qd, D, kr, vs, s, n8);
+    default: return qk_scores8<T>(q, G, D, kr, scale, s, n8);
   }
 }
 
 // pv_chunk on AVX-512 (a prefill's: no prefetching): columns d0 .. d0 + 16 CZ of the G heads, two 8-column groups
-// per register.
+// per register; add: onto out's values (a twin's keys past its partner's, see attend), else from zero.
 template <typename T, int G, int CZ, typename VRow>
 inline void pv_chunk_wide(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t d0,
-                          float* const* out) {
+                          float* const* out, bool add) {
   __m512 acc[G][CZ];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < CZ; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int c = 0; c < CZ; ++c) acc[g][c] = add ? _mm512_loadu_ps(out[g] + d0 + 16 * c) : _mm512_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
     const T* v = vrow(keys[i]) + d0;
     __m512 w[G];
@@ -279,30 +315,32 @@ inline void pv_chunk_wide(const float* p, int64_t n8, int64_t n, const int64_t* 
     for (int c = 0; c < CZ; ++c) _mm512_storeu_ps(out[g] + d0 + 16 * c, acc[g][c]);
 }
 
-// pv on AVX-512: 16 CZ columns a pass (G CZ + G + 1 of 32 registers), a last 8 as AVX2's pv_chunk.
+// pv on AVX-512: 16 CZ columns a pass (G CZ + G + 1 of 32 registers), a last 8 as AVX2's pv_chunk; add: see
+// pv_chunk_wide.
 template <typename T, int G, typename VRow>
-inline void pv_wide(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t D, float* const* out) {
-  constexpr int CZ = G <= 4 ? 4 : 2;
+inline void pv_wide(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t D, float* const* out,
+                    bool add) {
+  constexpr int CZ = G <= 6 ? 4 : 2;  // 6 heads (twins of 3): 24 + 6 + 1 registers, 2-3 % faster than 2
   int64_t d0 = 0;
-  for (; d0 + 16 * CZ <= D; d0 += 16 * CZ) pv_chunk_wide<T, G, CZ>(p, n8, n, keys, vrow, d0, out);
-  for (; d0 + 16 <= D; d0 += 16) pv_chunk_wide<T, G, 1>(p, n8, n, keys, vrow, d0, out);
-  if (d0 < D) pv_chunk<T, G, 1>(p, n8, n, keys, vrow, D, d0, out, false);
+  for (; d0 + 16 * CZ <= D; d0 += 16 * CZ) pv_chunk_wide<T, G, CZ>(p, n8, n, keys, vrow, d0, out, add);
+  for (; d0 + 16 <= D; d0 += 16) pv_chunk_wide<T, G, 1>(p, n8, n, keys, vrow, d0, out, add);
+  if (d0 < D) pv_chunk<T, G, 1>(p, n8, n, keys, vrow, D, d0, out, false, add);
 }
 
 template <typename T, typename VRow>
 inline void pv_wide_g(const float* p, int64_t G, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t D,
-                      float* const* out) {
+                      float* const* out, bool add) {
   switch (G) {
-    case 1: return pv_wide<T, 1>(p, n8, n, keys, vrow, D, out);
-    case 2: return pv_wide<T, 2>(p, n8, n, keys, vrow, D, out);
-    case 3: return pv_wide<T, 3>(p, n8, n, keys, vrow, D, out);
-    case 4: return pv_wide<T, 4>(p, n8, n, keys, vrow, D, out);
-    case 5: return pv_wide<T, 5>(p, n8, n, keys, vrow, D, out);
-    case 6: return pv_wide<T, 6>(p, n8, n, keys, vrow, D, out);
-    case 7: return pv_wide<T, 7>(p, n8, n, keys, vrow, D, out);
-    case 8: return pv_wide<T, 8>(p, n8, n, keys, vrow, D, out);
+    case 1: return pv_wide<T, 1>(p, n8, n, keys, vrow, D, out, add);
+    case 2: return pv_wide<T, 2>(p, n8, n, keys, vrow, D, out, add);
+    case 3: return pv_wide<T, 3>(p, n8, n, keys, vrow, D, out, add);
+    case 4: return pv_wide<T, 4>(p, n8, n, keys, vrow, D, out, add);
+    case 5: return pv_wide<T, 5>(p, n8, n, keys, vrow, D, out, add);
+    case 6: return pv_wide<T, 6>(p, n8, n, keys, vrow, D, out, add);
+    case 7: return pv_wide<T, 7>(p, n8, n, keys, vrow, D, out, add);
+    case 8: return pv_wide<T, 8>(p, n8, n, keys, vrow, D, out, add);
     default:
-      for (int64_t g = 0; g < G; ++g) pv_wide<T, 1>(p + g * n8, n8, n, keys, vrow, D, out + g);
+      for (int64_t g = 0; g < G; ++g) pv_wide<T, 1>(p + g * n8, n8, n, keys, vrow, D, out + g, add);
   }
 }
 KVGEN_VNNI_END
@@ -350,22 +388,22 @@ inline __m256 exps_wide(float* s, int64_t n8, float mx) {
 }
 KVGEN_VNNI_END
 
-// attend's body (below): scores, their softmax terms, then P V; dots_of(kr, dots), exps_of(s, n8, mx) and
+// attend's body (below): scores, their softmax terms, then P V; scores_of(kr, s, n8), exps_of(s, n8, mx) and
 // pv_of(p, n8) are the ISA's parts (AVX2's or AVX-512's).
-template <typename T, typename KRow, typename VRow, typename Dots, typename Exps, typename PV>
+template <typename T, typename KRow, typename VRow, typename Scores, typename Exps, typename PV>
 __attribute__((always_inline)) inline void attend_chunk(int64_t G, int64_t n, const int64_t* keys, KRow krow, VRow vrow,
                                                         int64_t D, float scale, float softcap, bool prefetch,
-                                                        Scratch& scratch, float* m, float* l, Dots dots_of,
-                                                        Exps exps_of, PV pv_of) {
+                                                        Scratch& scratch, float* m, float* l, Scores scores_of,
+                                                        Exps exps_of, PV pv_of, int64_t n_short, int64_t num_short) {
   const int64_t n8 = (n + 7) / 8 * 8;
   scratch.scores.resize(G * n8);
   float* sc = scratch.scores.data();
-  qk_scores<T>(G, D, n, keys, krow, vrow, scale, sc, n8, prefetch, dots_of);
+  qk_scores<T>(D, n, keys, krow, vrow, sc, prefetch, [&](const T* const* kr, float* s) { scores_of(kr, s, n8); });
   for (int64_t g = 0; g < G; ++g) {
     float* s = sc + g * n8;
     if (softcap > 0.0f)  // scalar tanh: exact to an ulp, as torch.tanh (a vector tanh loses ~1e-7 near 0)
       for (int64_t i = 0; i < n; ++i) s[i] = softcap * std::tanh(s[i] / softcap);
-    for (int64_t i = n; i < n8; ++i) s[i] = -std::numeric_limits<float>::infinity();
+    for (int64_t i = g < num_short ? n_short : n; i < n8; ++i) s[i] = -std::numeric_limits<float>::infinity();
     __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());  // max is exact in any order
     for (int64_t i = 0; i < n8; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
     alignas(32) float lanes[8];
@@ -382,11 +420,20 @@ KVGEN_VNNI_BEGIN
 // the VNNI tiles pass theirs: a lambda of an AVX2 function in between kept them out of line).
 template <typename T, typename KRow, typename VRow>
 void attend_wide(const float* const* q, int64_t G, int64_t D, int64_t n, const int64_t* keys, KRow krow, VRow vrow,
-                 float scale, float softcap, Scratch& scratch, float* m, float* l, float* const* o) {
+                 float scale, float softcap, Scratch& scratch, float* m, float* l, float* const* o, int64_t n_short,
+                 int64_t num_short) {
+  __m512* qd = scratch.wide<__m512>(G * D / 8);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; d += 8) qd[(d / 8) * G + g] = twice8(q[g] + d);
   attend_chunk<T>(G, n, keys, krow, vrow, D, scale, softcap, false, scratch, m, l,
-                  [&](const T* const* kr, __m256 (*dots)[8]) { qk_dots_wide_g<T>(q, G, D, kr, dots); },
+                  [&](const T* const* kr, float* s, int64_t n8) { qk_scores_wide_g<T>(q, G, D, kr, scale, s, n8, qd); },
                   [](float* s, int64_t n8, float mx) { return exps_wide(s, n8, mx); },
-                  [&](const float* p, int64_t n8) { pv_wide_g<T>(p, G, n8, n, keys, vrow, D, o); });
+                  [&](const float* p, int64_t n8) {
+                    pv_wide_g<T>(p, G, n8, n_short, keys, vrow, D, o, false);
+                    if (n_short < n)  // the other heads' last keys, onto their sums so far (the same order)
+                      pv_wide_g<T>(p + num_short * n8 + n_short, G - num_short, n8, n - n_short, keys + n_short, vrow,
+                                   D, o + num_short, true);
+                  }, n_short, num_short);
 }
 KVGEN_VNNI_END
 
@@ -396,14 +443,22 @@ KVGEN_VNNI_END
 // CPU has them (use_vnni), whose numbers are the AVX2 parts': SmolLM2-135M's prefill of 2,048 tokens 1,429-1,515 ->
 // 1,507-1,617 tokens/s, of 512 +1-10 % (alternating processes; AMD EPYC, full-width 512-bit FMAs). A decode step's
 // keys come from DRAM and its chunks stay on AVX2's (the AVX-512 parts measured 1-2 % slower there).
+// Twins (run_tasks): q holds the first query's G / 2 heads, then the second's; the first num_short see only keys
+// [0, n_short) (the rest of their scores masked, their P V stopped there), the others all n, their P V over the last
+// keys added onto their sums so far: the same numbers, in the same order, as each query alone. Twins with the
+// scores' hsum8 in registers (qk_scores_wide) took SmolLM2-135M's attention op over 2,048 queries (one thread) from
+// 49.5-51.0 to 35.6-36.5 ms, its 2,048-token prefill from 1,515-1,585 to 1,865-1,957 tokens/s (4 alternating pairs).
 template <typename T, typename KRow, typename VRow>
 void attend(const float* const* q, int64_t G, int64_t D, int64_t n, const int64_t* keys, KRow krow, VRow vrow,
-            float scale, float softcap, bool prefetch, Scratch& scratch, float* m, float* l, float* const* o) {
-  if (!prefetch && use_vnni()) return attend_wide<T>(q, G, D, n, keys, krow, vrow, scale, softcap, scratch, m, l, o);
+            float scale, float softcap, bool prefetch, Scratch& scratch, float* m, float* l, float* const* o,
+            int64_t n_short, int64_t num_short) {
+  if (!prefetch && use_vnni())
+    return attend_wide<T>(q, G, D, n, keys, krow, vrow, scale, softcap, scratch, m, l, o, n_short, num_short);
+  TORCH_CHECK(num_short == 0, "kvgen attention: twin queries run on the AVX-512 parts only");
   attend_chunk<T>(G, n, keys, krow, vrow, D, scale, softcap, prefetch, scratch, m, l,
-                  [&](const T* const* kr, __m256 (*dots)[8]) { qk_dots_g<T>(q, G, D, kr, dots); },
+                  [&](const T* const* kr, float* s, int64_t n8) { qk_scores8<T>(q, G, D, kr, scale, s, n8); },
                   [](float* s, int64_t n8, float mx) { return exps(s, n8, mx); },
-                  [&](const float* p, int64_t n8) { pv_g<T>(p, G, n8, n, keys, vrow, D, o, prefetch); });
+                  [&](const float* p, int64_t n8) { pv_g<T>(p, G, n8, n, keys, vrow, D, o, prefetch); }, n, 0);
 }
 
 // The chunks of every (query, KV head) pair; a chunk's partials are laid out [m G | l G | o G D].
@@ -449,34 +504,72 @@ struct Partials {
 // in pages faulted in afresh each call (static attention over 4,096 queries: 250 -> 148 ms a layer, 2 threads).
 constexpr int64_t kMinPairTasks = 64;
 
+// Heads of a twin task at most (two queries' G each): the AVX-512 scores' templates (qk_scores_wide_g).
+constexpr int64_t kMaxTwinHeads = 8;
+
 // Runs every chunk of `parts` and merges each pair's chunks into its outputs, in parallel.
-// run_chunk(w, c, scratch, m, l, o) computes chunk c of pair w; out_ptrs(w, out) gives pair w's outputs; sinks: null or
+// run_chunk(w, c, scratch, m, l, o, b) computes chunk c of pair w, with b < 0; with b >= 0, chunk c of pair w and of
+// its twin b in one pass: m, l, o then hold w's G heads and b's G after them. twin(w) names pair w's twin, or -1: the
+// next query of w's sequence at the same KV head, whose visible keys are w's and then maybe its own (no sliding window
+// cut between them), so that each chunk of w is the start of b's same chunk (b may have one chunk more, run alone).
+// A prefill's twins share every K and V vector the AVX-512 parts load and convert (use_vnni, 2 G <= kMaxTwinHeads).
+// out_ptrs(w, out) gives pair w's outputs; sinks: null or
 // [H] (pair w's KV head is w % Hkv, its query heads (w % Hkv) G .. + G - 1). Each thread claims the next task as it
 // finishes one: a prefill's later queries see more keys, and equal contiguous shares of the task list (parallel_for's
 // split) left one thread with ~60 % of the work at 512 queries.
-template <typename RunChunk, typename OutPtrs>
+template <typename RunChunk, typename OutPtrs, typename Twin>
 void run_tasks(const Partials& parts, int64_t num_pairs, RunChunk run_chunk, OutPtrs out_ptrs, const float* sinks,
-               int64_t Hkv) {
+               int64_t Hkv, Twin twin) {
   const int64_t G = parts.G, D = parts.D, stride = parts.stride(), num_chunks = parts.first.back();
   const auto set_outputs = [&](float* chunk, float** os) {
     for (int64_t g = 0; g < G; ++g) os[g] = chunk + 2 * G + g * D;
   };
   std::atomic<int64_t> next{0};
   if (num_pairs >= kMinPairTasks) {
-    parallel_for(0, std::min<int64_t>(num_pairs, num_threads()), 1, [&](int64_t, int64_t) {
+    // a task: a pair, or a pair and its twin (twin_task)
+    std::vector<std::pair<int64_t, int64_t>> tasks;
+    tasks.reserve(num_pairs);
+    std::vector<char> is_taken(num_pairs, 0);
+    for (int64_t w = 0; w < num_pairs; ++w) {
+      if (is_taken[w]) continue;
+      int64_t b = use_vnni() && 2 * G <= kMaxTwinHeads ? twin(w) : -1;
+      if (b >= 0 && !is_taken[b]) is_taken[b] = 1; else b = -1;
+      tasks.emplace_back(w, b);
+    }
+    const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+    parallel_for(0, std::min<int64_t>(num_tasks, num_threads()), 1, [&](int64_t, int64_t) {
       Scratch scratch;
-      std::vector<float> chunks(parts.max_chunks * stride);
-      float* os[64];
-      for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < num_pairs;) {
-        const int64_t w = num_pairs - 1 - k;  // the later queries (more keys) first, so the last tasks are short
+      std::vector<float> chunks(2 * parts.max_chunks * stride);
+      float* os[2 * 64];
+      for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
+        const auto [w, b] = tasks[num_tasks - 1 - k];  // the later queries (more keys) first, so the last are short
         const int64_t nc = parts.first[w + 1] - parts.first[w];
+        float* twin_chunks = chunks.data() + parts.max_chunks * stride;
         for (int64_t c = 0; c < nc; ++c) {
           float* chunk = chunks.data() + c * stride;
           set_outputs(chunk, os);
-          run_chunk(w, c, scratch, chunk, chunk + G, os);
+          if (b < 0) {
+            run_chunk(w, c, scratch, chunk, chunk + G, os, int64_t{-1});
+            continue;
+          }
+          float* other = twin_chunks + c * stride;
+          set_outputs(other, os + G);
+          float m[2 * kMaxTwinHeads], l[2 * kMaxTwinHeads];
+          run_chunk(w, c, scratch, m, l, os, b);
+          std::copy(m, m + G, chunk), std::copy(l, l + G, chunk + G);
+          std::copy(m + G, m + 2 * G, other), std::copy(l + G, l + 2 * G, other + G);
+        }
+        const int64_t nc_twin = b < 0 ? 0 : parts.first[b + 1] - parts.first[b];
+        for (int64_t c = nc; c < nc_twin; ++c) {  // the twin's first key of a new chunk
+          float* chunk = twin_chunks + c * stride;
+          set_outputs(chunk, os);
+          run_chunk(b, c, scratch, chunk, chunk + G, os, int64_t{-1});
         }
         out_ptrs(w, os);
         parts.merge(nc, chunks.data(), os, sinks ? sinks + (w % Hkv) * G : nullptr);
+        if (b < 0) continue;
+        out_ptrs(b, os);
+        parts.merge(nc_twin, twin_chunks, os, sinks ? sinks + (b % Hkv) * G : nullptr);
       }
     });
     return;
@@ -492,7 +585,7 @@ void run_tasks(const Partials& parts, int64_t num_pairs, RunChunk run_chunk, Out
       while (parts.first[w + 1] <= task) ++w;  // tasks are claimed in increasing order
       float* chunk = data.data() + task * stride;
       set_outputs(chunk, os);
-      run_chunk(w, task - parts.first[w], scratch, chunk, chunk + G, os);
+      run_chunk(w, task - parts.first[w], scratch, chunk, chunk + G, os, int64_t{-1});
     }
   });
   parallel_for(0, num_pairs, 16, [&](int64_t begin, int64_t end) {
@@ -546,19 +639,22 @@ void attention_impl(const AttentionArgs<T>& a) {
     return a.window > 0 ? std::max<int64_t>(0, a.past_len + t - a.window + 1) : int64_t{0};
   };
   std::vector<int64_t> num_keys(num_pairs);
+  std::vector<char> has_keys(a.B * a.Tq);  // a padded query has none (it reads its own slot, unused)
   for (int64_t bt = 0; bt < a.B * a.Tq; ++bt) {
     const int64_t b = bt / a.Tq, t = bt % a.Tq, last = std::min<int64_t>(a.past_len + t, a.S - 1);
     const int64_t first = std::min(first_slot(t), last), r = b * (a.S + 1);
     const int64_t n = a.mask ? before[r + last + 1] - before[r + first] : last + 1 - first;
     for (int64_t j = 0; j < a.Hkv; ++j) num_keys[bt * a.Hkv + j] = std::max<int64_t>(n, 1);
+    has_keys[bt] = n > 0;
   }
   Partials parts(num_keys, G, a.D);
   std::vector<int64_t> slots(a.mask ? 0 : a.S);  // slots[s] = s: the keys of a chunk without a mask, as a view
   std::iota(slots.begin(), slots.end(), int64_t{0});
-  auto run_chunk = [&](int64_t w, int64_t c, Scratch& scratch, float* m, float* l, float* const* o) {
-    const int64_t j = w % a.Hkv, t = (w / a.Hkv) % a.Tq, b = w / (a.Hkv * a.Tq);
+  auto run_chunk = [&](int64_t w, int64_t c, Scratch& scratch, float* m, float* l, float* const* o, int64_t twin) {
+    const int64_t kw = twin >= 0 ? twin : w;  // the pair whose keys the pass reads (a twin's extend w's)
+    const int64_t j = kw % a.Hkv, t = (kw / a.Hkv) % a.Tq, b = kw / (a.Hkv * a.Tq);
     const int64_t last = std::min<int64_t>(a.past_len + t, a.S - 1), lo = c * kKeyChunk;
-    const int64_t first = std::min(first_slot(t), last), hi = std::min<int64_t>(num_keys[w], lo + kKeyChunk);
+    const int64_t first = std::min(first_slot(t), last), hi = std::min<int64_t>(num_keys[kw], lo + kKeyChunk);
     const int64_t* keys = slots.data() + first + lo;  // no mask: every slot first .. its own
     int64_t n = hi - lo;
     if (a.mask) {
@@ -572,18 +668,27 @@ void attention_impl(const AttentionArgs<T>& a) {
       if (scratch.keys.empty()) scratch.keys.push_back(last);  // a padded query: its own slot (finite, unused)
       keys = scratch.keys.data(), n = static_cast<int64_t>(scratch.keys.size());
     }
-    const float* qs[64];
-    for (int64_t g = 0; g < G; ++g) qs[g] = a.q + b * a.q_b + (j * G + g) * a.q_h + t * a.q_t;
+    const float* qs[2 * 64];
+    int64_t num_heads = 0;
+    for (const int64_t p : {w, twin})
+      for (int64_t g = 0; p >= 0 && g < G; ++g) qs[num_heads++] = a.q + b * a.q_b + (j * G + g) * a.q_h + (p / a.Hkv % a.Tq) * a.q_t;
     const T* kb = a.k + b * a.k_b + j * a.k_h;
     const T* vb = a.v + b * a.v_b + j * a.v_h;
     const int64_t ks = a.k_s, vs = a.v_s;
-    attend<T>(qs, G, a.D, n, keys, [&](int64_t p) { return kb + p * ks; },
-                    [&](int64_t p) { return vb + p * vs; }, a.scale, a.softcap, a.Tq == 1, scratch, m, l, o);
+    const int64_t n_short = twin >= 0 ? std::min<int64_t>(num_keys[w], lo + kKeyChunk) - lo : n;
+    attend<T>(qs, num_heads, a.D, n, keys, [&](int64_t p) { return kb + p * ks; },
+              [&](int64_t p) { return vb + p * vs; }, a.scale, a.softcap, a.Tq == 1, scratch, m, l, o, n_short,
+              twin >= 0 ? G : 0);
+  };
+  // query t's twin: t + 1 of the same row, when neither a sliding window nor padding sets their keys apart
+  const auto twin = [&](int64_t w) -> int64_t {
+    const int64_t bt = w / a.Hkv, t = bt % a.Tq;
+    return t + 1 < a.Tq && first_slot(t) == first_slot(t + 1) && has_keys[bt] ? w + a.Hkv : -1;
   };
   run_tasks(parts, num_pairs, run_chunk, [&](int64_t w, float** os) {
     const int64_t j = w % a.Hkv, bt = w / a.Hkv;
     for (int64_t g = 0; g < G; ++g) os[g] = a.out + (bt * a.H + j * G + g) * a.D;
-  }, a.sinks, a.Hkv);
+  }, a.sinks, a.Hkv, twin);
 }
 
 template <typename T>
@@ -671,10 +776,12 @@ at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int6
     num_keys[w] = window > 0 ? std::min(seen, window) : seen;
   }
   Partials parts(num_keys, G, D);
-  auto run_chunk = [&](int64_t w, int64_t c, Scratch& scratch, float* m, float* l, float* const* o) {
-    const int64_t i = w / Hkv, j = w % Hkv, r = seq_of[i], lo = c * kKeyChunk;
-    const int64_t hi = std::min<int64_t>(num_keys[w], lo + kKeyChunk);
-    const int64_t first = lens[r] - (qslp[r + 1] - i) + 1 - num_keys[w];  // pos_i + 1 - its number of keys
+  // pos_i + 1 - its number of keys: query i's first visible position
+  const auto first_of = [&](int64_t w) { return lens[seq_of[w / Hkv]] - (qslp[seq_of[w / Hkv] + 1] - w / Hkv) + 1 - num_keys[w]; };
+  auto run_chunk = [&](int64_t w, int64_t c, Scratch& scratch, float* m, float* l, float* const* o, int64_t twin) {
+    const int64_t kw = twin >= 0 ? twin : w;  // the pair whose keys the pass reads (a twin's extend w's)
+    const int64_t i = kw / Hkv, j = kw % Hkv, r = seq_of[i], lo = c * kKeyChunk;
+    const int64_t hi = std::min<int64_t>(num_keys[kw], lo + kKeyChunk), first = first_of(kw);
     // each key's row offset in the pools (block, head, slot), walked block by block: no division by the block size
     // per key and row (K, V and their prefetches); engine decode steps at 1-16 sequences measured the same or ~5 %
     // faster
@@ -686,17 +793,26 @@ at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int6
       for (int64_t s = 0; s < run; ++s) scratch.keys[n + s] = base + s * D;
       p += run, n += run;
     }
-    const float* qs[64];
-    for (int64_t g = 0; g < G; ++g) qs[g] = qp + i * q_n + (j * G + g) * q_h;
+    const float* qs[2 * 64];
+    int64_t num_heads = 0;
+    for (const int64_t p : {w, twin})
+      for (int64_t g = 0; p >= 0 && g < G; ++g) qs[num_heads++] = qp + (p / Hkv) * q_n + (j * G + g) * q_h;
     auto krow = [&](int64_t offset) { return kp + offset; };
     auto vrow = [&](int64_t offset) { return vp + offset; };
     const bool prefetch = qslp[r + 1] - qslp[r] == 1;  // a decode step's keys are cold; a prefill's, shared and hot
-    attend<T>(qs, G, D, hi - lo, scratch.keys.data(), krow, vrow, scale, softcap, prefetch, scratch, m, l, o);
+    const int64_t n_short = twin >= 0 ? std::min<int64_t>(num_keys[w], lo + kKeyChunk) - lo : hi - lo;
+    attend<T>(qs, num_heads, D, hi - lo, scratch.keys.data(), krow, vrow, scale, softcap, prefetch, scratch, m, l, o,
+              n_short, twin >= 0 ? G : 0);
+  };
+  // query i's twin: i + 1 of the same sequence, when no sliding window sets their first keys apart
+  const auto twin = [&](int64_t w) -> int64_t {
+    const int64_t i = w / Hkv;
+    return i + 1 < qslp[seq_of[i] + 1] && first_of(w) == first_of(w + Hkv) ? w + Hkv : -1;
   };
   run_tasks(parts, N * Hkv, run_chunk, [&](int64_t w, float** os) {
     const int64_t i = w / Hkv, j = w % Hkv;
     for (int64_t g = 0; g < G; ++g) os[g] = op + (i * H + j * G + g) * D;
-  }, sinks, Hkv);
+  }, sinks, Hkv, twin);
   return out;
 }
 
