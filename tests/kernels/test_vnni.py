@@ -116,8 +116,8 @@ def _attention_cases(gen: torch.Generator) -> list[tuple[str, list]]:
     """(op, args) of prefills: static_attention over group sizes 1-10 (every AVX-512 dots and P V template, and the
     any-G paths), head dims 64 / 72 / 80 / 128 (72: a last 8 columns), float16 and float32 caches, a window, a softcap,
     sinks, left padding; paged_attention_qkv of two sequences' chunks; attention on q, k, v. From 64 (query, KV head)
-    pairs with 2 G <= 8 a prefill's queries run as twins (two queries a pass): the float32 cache, the padding, the
-    paged chunks and the group sizes 1, 2 and 3 among them."""
+    pairs a prefill's queries run in groups of up to 8 // G a pass (G <= 4): the float32 cache, the padding, the
+    paged chunks, a window and the group sizes 1, 2, 3 and 4 among them."""
     cases: list[tuple[str, list]] = []
     for h, h_kv, d, t, past, dtype, window, softcap, with_sinks in [
             (9, 3, 64, 37, 0, torch.float16, 0, 0.0, False), (8, 8, 80, 13, 5, torch.float32, 0, 0.0, False),
@@ -125,8 +125,8 @@ def _attention_cases(gen: torch.Generator) -> list[tuple[str, list]]:
             (16, 2, 72, 5, 3, torch.float16, 0, 50.0, False), (40, 4, 128, 3, 600, torch.float16, 0, 0.0, False),
             (14, 2, 64, 11, 270, torch.float16, 0, 0.0, True), (10, 2, 96, 6, 2, torch.float32, 0, 0.0, False),
             (12, 2, 64, 4, 1, torch.float16, 0, 0.0, False), (2, 1, 64, 300, 0, torch.float16, 0, 0.0, False),
-            # twins (64 pairs or more, 2 G <= 8): a window that cuts the later pairs apart, D = 72 with a softcap and
-            # sinks, a twin whose 257th key opens a chunk its partner (256 keys) lacks
+            # groups of queries (64 pairs or more, G <= 4): a window that cuts the later queries apart, D = 72 with a
+            # softcap and sinks, a query whose 257th key opens a chunk the one before it (256 keys) lacks
             (4, 2, 64, 40, 10, torch.float16, 16, 0.0, False), (4, 2, 72, 40, 3, torch.float16, 0, 50.0, True),
             (2, 1, 64, 70, 201, torch.float16, 0, 0.0, False)]:
         k, v = (torch.randn(1, h_kv, past + t + 3, d, generator=gen).to(dtype) for _ in range(2))
@@ -137,6 +137,9 @@ def _attention_cases(gen: torch.Generator) -> list[tuple[str, list]]:
     mask[0, :7] = False  # row 0 left-padded
     k, v = (torch.randn(2, 2, 48, 64, generator=gen).half() for _ in range(2))
     cases.append(("static_attention", [torch.randn(2 * 25, 10 * 64, generator=gen), k, v, mask, 15, 6, 0.125, 0, 0.0,
+                                       None]))
+    k1, v1 = (torch.randn(2, 4, 48, 64, generator=gen).half() for _ in range(2))  # G = 1: groups of 8 queries
+    cases.append(("static_attention", [torch.randn(2 * 25, 12 * 64, generator=gen), k1, v1, mask, 15, 4, 0.125, 0, 0.0,
                                        None]))
     bs, h, h_kv, d = 16, 8, 2, 64  # sequence 0: 40 cached + 30 new tokens; 1: 20 new
     tables, seq_lens, qsl = torch.tensor([[3, 0, 5, 7, 9], [2, 4, 0, 0, 0]]), torch.tensor([70, 20]), torch.tensor([0, 30, 50])

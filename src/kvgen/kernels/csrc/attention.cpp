@@ -33,9 +33,9 @@
 // keys, each: scores, a max, exp, a sum with 8 lanes, P V in key order; then the chunks
 // merged in order), never on the batch, the prefill chunking, the padding or the threads:
 // greedy tokens agree across all of them. Where the CPU has AVX-512 (use_vnni), a prefill's chunks run on 512-bit
-// registers holding two of these 8-lane vectors each, bit for bit the same numbers (attend), and two consecutive
-// queries of a sequence whose keys are the first's and then maybe the second's own (twins, run_tasks) share one pass
-// over them: every K and V vector loaded and converted serves both, each query's numbers still its own.
+// registers holding two of these 8-lane vectors each, bit for bit the same numbers (attend), and consecutive queries
+// of a sequence whose keys are the first's and then maybe each next one's own (a group, run_tasks) share one pass
+// over them: every K and V vector loaded and converted serves them all, each query's numbers still its own.
 // Source: Vaswani et al. 2017 eq. 1; Kwon et al. 2023 (paged KV cache); HF repeat_kv; the window as
 // transformers' sliding_window_overlay (kv_idx > q_idx - sliding_window).
 #include <immintrin.h>
@@ -295,7 +295,7 @@ inline void qk_scores_wide_g(const float* const* q, int64_t G, int64_t D, const 
 }
 
 // pv_chunk on AVX-512 (a prefill's: no prefetching): columns d0 .. d0 + 16 CZ of the G heads, two 8-column groups
-// per register; add: onto out's values (a twin's keys past its partner's, see attend), else from zero.
+// per register; add: onto out's values (a group's later queries' last keys, see attend), else from zero.
 template <typename T, int G, int CZ, typename VRow>
 inline void pv_chunk_wide(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t d0,
                           float* const* out, bool add) {
@@ -320,7 +320,7 @@ inline void pv_chunk_wide(const float* p, int64_t n8, int64_t n, const int64_t* 
 template <typename T, int G, typename VRow>
 inline void pv_wide(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t D, float* const* out,
                     bool add) {
-  constexpr int CZ = G <= 6 ? 4 : 2;  // 6 heads (twins of 3): 24 + 6 + 1 registers, 2-3 % faster than 2
+  constexpr int CZ = G <= 6 ? 4 : 2;  // 6 heads (two queries of 3): 24 + 6 + 1 registers, 2-3 % faster than 2
   int64_t d0 = 0;
   for (; d0 + 16 * CZ <= D; d0 += 16 * CZ) pv_chunk_wide<T, G, CZ>(p, n8, n, keys, vrow, d0, out, add);
   for (; d0 + 16 <= D; d0 += 16) pv_chunk_wide<T, G, 1>(p, n8, n, keys, vrow, d0, out, add);
@@ -391,26 +391,26 @@ KVGEN_VNNI_END
 // attend's body (below): scores, their softmax terms, then P V; scores_of(kr, s, n8), exps_of(s, n8, mx) and
 // pv_of(p, n8) are the ISA's parts (AVX2's or AVX-512's).
 template <typename T, typename KRow, typename VRow, typename Scores, typename Exps, typename PV>
-__attribute__((always_inline)) inline void attend_chunk(int64_t G, int64_t n, const int64_t* keys, KRow krow, VRow vrow,
-                                                        int64_t D, float scale, float softcap, bool prefetch,
-                                                        Scratch& scratch, float* m, float* l, Scores scores_of,
-                                                        Exps exps_of, PV pv_of, int64_t n_short, int64_t num_short) {
-  const int64_t n8 = (n + 7) / 8 * 8;
-  scratch.scores.resize(G * n8);
+__attribute__((always_inline)) inline void attend_chunk(int64_t G, int64_t num_queries, const int64_t* n_of,
+                                                        const int64_t* keys, KRow krow, VRow vrow, int64_t D,
+                                                        float scale, float softcap, bool prefetch, Scratch& scratch,
+                                                        float* m, float* l, Scores scores_of, Exps exps_of, PV pv_of) {
+  const int64_t heads = G * num_queries, n = n_of[num_queries - 1], n8 = (n + 7) / 8 * 8;
+  scratch.scores.resize(heads * n8);
   float* sc = scratch.scores.data();
   qk_scores<T>(D, n, keys, krow, vrow, sc, prefetch, [&](const T* const* kr, float* s) { scores_of(kr, s, n8); });
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = sc + g * n8;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = sc + h * n8;
     if (softcap > 0.0f)  // scalar tanh: exact to an ulp, as torch.tanh (a vector tanh loses ~1e-7 near 0)
       for (int64_t i = 0; i < n; ++i) s[i] = softcap * std::tanh(s[i] / softcap);
-    for (int64_t i = g < num_short ? n_short : n; i < n8; ++i) s[i] = -std::numeric_limits<float>::infinity();
+    for (int64_t i = n_of[h / G]; i < n8; ++i) s[i] = -std::numeric_limits<float>::infinity();  // not its keys
     __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());  // max is exact in any order
     for (int64_t i = 0; i < n8; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, vmax);
     const float mx = *std::max_element(lanes, lanes + 8);
-    m[g] = mx;
-    l[g] = hsum(exps_of(s, n8, mx));
+    m[h] = mx;
+    l[h] = hsum(exps_of(s, n8, mx));
   }
   pv_of(sc, n8);
 }
@@ -419,21 +419,24 @@ KVGEN_VNNI_BEGIN
 // attend with the AVX-512 parts (a prefill's chunk), compiled for them (the parts as lambdas of this function, as
 // the VNNI tiles pass theirs: a lambda of an AVX2 function in between kept them out of line).
 template <typename T, typename KRow, typename VRow>
-void attend_wide(const float* const* q, int64_t G, int64_t D, int64_t n, const int64_t* keys, KRow krow, VRow vrow,
-                 float scale, float softcap, Scratch& scratch, float* m, float* l, float* const* o, int64_t n_short,
-                 int64_t num_short) {
-  __m512* qd = scratch.wide<__m512>(G * D / 8);
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; d += 8) qd[(d / 8) * G + g] = twice8(q[g] + d);
-  attend_chunk<T>(G, n, keys, krow, vrow, D, scale, softcap, false, scratch, m, l,
-                  [&](const T* const* kr, float* s, int64_t n8) { qk_scores_wide_g<T>(q, G, D, kr, scale, s, n8, qd); },
+void attend_wide(const float* const* q, int64_t G, int64_t num_queries, int64_t D, const int64_t* n_of,
+                 const int64_t* keys, KRow krow, VRow vrow, float scale, float softcap, Scratch& scratch, float* m,
+                 float* l, float* const* o) {
+  const int64_t heads = G * num_queries;
+  __m512* qd = scratch.wide<__m512>(heads * D / 8);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t d = 0; d < D; d += 8) qd[(d / 8) * heads + h] = twice8(q[h] + d);
+  attend_chunk<T>(G, num_queries, n_of, keys, krow, vrow, D, scale, softcap, false, scratch, m, l,
+                  [&](const T* const* kr, float* s, int64_t n8) { qk_scores_wide_g<T>(q, heads, D, kr, scale, s, n8, qd); },
                   [](float* s, int64_t n8, float mx) { return exps_wide(s, n8, mx); },
                   [&](const float* p, int64_t n8) {
-                    pv_wide_g<T>(p, G, n8, n_short, keys, vrow, D, o, false);
-                    if (n_short < n)  // the other heads' last keys, onto their sums so far (the same order)
-                      pv_wide_g<T>(p + num_short * n8 + n_short, G - num_short, n8, n - n_short, keys + n_short, vrow,
-                                   D, o + num_short, true);
-                  }, n_short, num_short);
+                    // keys [n_of[k - 1], n_of[k]) for query k's heads and the later queries', onto their sums so far
+                    for (int64_t k = 0, lo = 0; k < num_queries; lo = n_of[k++]) {
+                      if (k > 0 && n_of[k] == lo) continue;
+                      pv_wide_g<T>(p + k * G * n8 + lo, heads - k * G, n8, n_of[k] - lo, keys + lo, vrow, D,
+                                   o + k * G, k > 0);
+                    }
+                  });
 }
 KVGEN_VNNI_END
 
@@ -443,22 +446,25 @@ KVGEN_VNNI_END
 // CPU has them (use_vnni), whose numbers are the AVX2 parts': SmolLM2-135M's prefill of 2,048 tokens 1,429-1,515 ->
 // 1,507-1,617 tokens/s, of 512 +1-10 % (alternating processes; AMD EPYC, full-width 512-bit FMAs). A decode step's
 // keys come from DRAM and its chunks stay on AVX2's (the AVX-512 parts measured 1-2 % slower there).
-// Twins (run_tasks): q holds the first query's G / 2 heads, then the second's; the first num_short see only keys
-// [0, n_short) (the rest of their scores masked, their P V stopped there), the others all n, their P V over the last
-// keys added onto their sums so far: the same numbers, in the same order, as each query alone. Twins with the
-// scores' hsum8 in registers (qk_scores_wide) took SmolLM2-135M's attention op over 2,048 queries (one thread) from
-// 49.5-51.0 to 35.6-36.5 ms, its 2,048-token prefill from 1,515-1,585 to 1,865-1,957 tokens/s (4 alternating pairs).
+// A group of queries (run_tasks; AVX-512 only): q, m, l, o hold num_queries x G heads, query k's G after query
+// k - 1's, and query k sees keys [0, n_of[k)) (n_of ascending, n = the last): each K and V vector loaded and converted
+// serves them all, and each query's numbers are its own (its scores past n_of[k] masked, its P V stopped there while
+// the later queries' goes on from their sums so far, in the same order). A single query: num_queries 1, n_of = {n}.
+// Twins and the scores' hsum8 in registers (qk_scores_wide) took SmolLM2-135M's attention op over 2,048 queries (one
+// thread) from 49.5-51.0 to 35.6-36.5 ms, its 2,048-token prefill from 1,515-1,585 to 1,865-1,957 tokens/s (4
+// alternating pairs).
 template <typename T, typename KRow, typename VRow>
-void attend(const float* const* q, int64_t G, int64_t D, int64_t n, const int64_t* keys, KRow krow, VRow vrow,
-            float scale, float softcap, bool prefetch, Scratch& scratch, float* m, float* l, float* const* o,
-            int64_t n_short, int64_t num_short) {
+void attend(const float* const* q, int64_t G, int64_t num_queries, int64_t D, const int64_t* n_of, const int64_t* keys,
+            KRow krow, VRow vrow, float scale, float softcap, bool prefetch, Scratch& scratch, float* m, float* l,
+            float* const* o) {
   if (!prefetch && use_vnni())
-    return attend_wide<T>(q, G, D, n, keys, krow, vrow, scale, softcap, scratch, m, l, o, n_short, num_short);
-  TORCH_CHECK(num_short == 0, "kvgen attention: twin queries run on the AVX-512 parts only");
-  attend_chunk<T>(G, n, keys, krow, vrow, D, scale, softcap, prefetch, scratch, m, l,
+    return attend_wide<T>(q, G, num_queries, D, n_of, keys, krow, vrow, scale, softcap, scratch, m, l, o);
+  TORCH_CHECK(num_queries == 1, "kvgen attention: a group of queries runs on the AVX-512 parts only");
+  const int64_t n = n_of[0];
+  attend_chunk<T>(G, 1, n_of, keys, krow, vrow, D, scale, softcap, prefetch, scratch, m, l,
                   [&](const T* const* kr, float* s, int64_t n8) { qk_scores8<T>(q, G, D, kr, scale, s, n8); },
                   [](float* s, int64_t n8, float mx) { return exps(s, n8, mx); },
-                  [&](const float* p, int64_t n8) { pv_g<T>(p, G, n8, n, keys, vrow, D, o, prefetch); }, n, 0);
+                  [&](const float* p, int64_t n8) { pv_g<T>(p, G, n8, n, keys, vrow, D, o, prefetch); });
 }
 
 // The chunks of every (query, KV head) pair; a chunk's partials are laid out [m G | l G | o G D].
@@ -504,16 +510,19 @@ struct Partials {
 // in pages faulted in afresh each call (static attention over 4,096 queries: 250 -> 148 ms a layer, 2 threads).
 constexpr int64_t kMinPairTasks = 64;
 
-// Heads of a twin task at most (two queries' G each): the AVX-512 scores' templates (qk_scores_wide_g).
-constexpr int64_t kMaxTwinHeads = 8;
+// Heads of a group of queries at most (a query's G each), as far as the AVX-512 scores' templates go
+// (qk_scores_wide_g). The attention op over 1,024 queries, one thread, GFLOP/s with groups of at most 2 / 4 / 8 heads:
+// G = 1 (16 heads) 73 / 104 / 107 (47 one query a pass); G = 2 84 / 114 / 114; G = 3 (SmolLM2) 100 / 104 / 125.
+constexpr int64_t kMaxGroupHeads = 8;
 
 // Runs every chunk of `parts` and merges each pair's chunks into its outputs, in parallel.
-// run_chunk(w, c, scratch, m, l, o, b) computes chunk c of pair w, with b < 0; with b >= 0, chunk c of pair w and of
-// its twin b in one pass: m, l, o then hold w's G heads and b's G after them. twin(w) names pair w's twin, or -1: the
-// next query of w's sequence at the same KV head, whose visible keys are w's and then maybe its own (no sliding window
-// cut between them), so that each chunk of w is the start of b's same chunk (b may have one chunk more, run alone).
-// A prefill's twins share every K and V vector the AVX-512 parts load and convert (use_vnni, 2 G <= kMaxTwinHeads).
-// out_ptrs(w, out) gives pair w's outputs; sinks: null or
+// run_chunk(ws, count, c, scratch, m, l, o) computes chunk c of the count pairs ws[0 .. count) in one pass (a group,
+// see attend; count 1: one pair): m, l, o hold their G heads each, one pair's after the other's. twin(w) names the
+// pair whose visible keys are w's and then maybe its query's own (the next query of w's sequence at the same KV head,
+// no sliding window cut between them), or -1; a chain of twins is a group, and each chunk of a pair is then the start
+// of its twin's same chunk (the twin may have one chunk more: chunk c runs for the group's pairs that have it, the
+// last ones). A prefill's groups (use_vnni; up to kMaxGroupHeads heads) share every K and V vector the AVX-512 parts
+// load and convert. out_ptrs(w, out) gives pair w's outputs; sinks: null or
 // [H] (pair w's KV head is w % Hkv, its query heads (w % Hkv) G .. + G - 1). Each thread claims the next task as it
 // finishes one: a prefill's later queries see more keys, and equal contiguous shares of the task list (parallel_for's
 // split) left one thread with ~60 % of the work at 512 queries.
@@ -526,50 +535,47 @@ void run_tasks(const Partials& parts, int64_t num_pairs, RunChunk run_chunk, Out
   };
   std::atomic<int64_t> next{0};
   if (num_pairs >= kMinPairTasks) {
-    // a task: a pair, or a pair and its twin (twin_task)
-    std::vector<std::pair<int64_t, int64_t>> tasks;
-    tasks.reserve(num_pairs);
+    // a task: the pairs order[starts[k] .. starts[k + 1]), a chain of twins
+    const int64_t max_group = use_vnni() ? std::max<int64_t>(1, kMaxGroupHeads / G) : 1;
+    std::vector<int64_t> order, starts;
+    order.reserve(num_pairs);
     std::vector<char> is_taken(num_pairs, 0);
     for (int64_t w = 0; w < num_pairs; ++w) {
       if (is_taken[w]) continue;
-      int64_t b = use_vnni() && 2 * G <= kMaxTwinHeads ? twin(w) : -1;
-      if (b >= 0 && !is_taken[b]) is_taken[b] = 1; else b = -1;
-      tasks.emplace_back(w, b);
+      starts.push_back(static_cast<int64_t>(order.size()));
+      int64_t p = w;
+      for (int64_t k = 0; k < max_group && p >= 0 && !is_taken[p]; ++k) {
+        is_taken[p] = 1;
+        order.push_back(p);
+        p = twin(p);
+      }
     }
-    const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+    starts.push_back(num_pairs);
+    const int64_t num_tasks = static_cast<int64_t>(starts.size()) - 1;
     parallel_for(0, std::min<int64_t>(num_tasks, num_threads()), 1, [&](int64_t, int64_t) {
       Scratch scratch;
-      std::vector<float> chunks(2 * parts.max_chunks * stride);
-      float* os[2 * 64];
+      std::vector<float> chunks(max_group * parts.max_chunks * stride);
+      float* os[64];
+      float m[64], l[64];
       for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
-        const auto [w, b] = tasks[num_tasks - 1 - k];  // the later queries (more keys) first, so the last are short
-        const int64_t nc = parts.first[w + 1] - parts.first[w];
-        float* twin_chunks = chunks.data() + parts.max_chunks * stride;
-        for (int64_t c = 0; c < nc; ++c) {
-          float* chunk = chunks.data() + c * stride;
-          set_outputs(chunk, os);
-          if (b < 0) {
-            run_chunk(w, c, scratch, chunk, chunk + G, os, int64_t{-1});
-            continue;
+        const int64_t task = num_tasks - 1 - k;  // the later queries (more keys) first, so the last tasks are short
+        const int64_t* ws = order.data() + starts[task];
+        const int64_t count = starts[task + 1] - starts[task];
+        const auto nc = [&](int64_t i) { return parts.first[ws[i] + 1] - parts.first[ws[i]]; };
+        const auto chunk_of = [&](int64_t i, int64_t c) { return chunks.data() + (i * parts.max_chunks + c) * stride; };
+        for (int64_t c = 0, i0 = 0; c < nc(count - 1); ++c) {
+          while (nc(i0) <= c) ++i0;  // the pairs with a chunk c: the last ones (later queries see as many keys or more)
+          for (int64_t i = i0; i < count; ++i) set_outputs(chunk_of(i, c), os + (i - i0) * G);
+          run_chunk(ws + i0, count - i0, c, scratch, m, l, os);
+          for (int64_t i = i0; i < count; ++i) {
+            std::copy(m + (i - i0) * G, m + (i - i0 + 1) * G, chunk_of(i, c));
+            std::copy(l + (i - i0) * G, l + (i - i0 + 1) * G, chunk_of(i, c) + G);
           }
-          float* other = twin_chunks + c * stride;
-          set_outputs(other, os + G);
-          float m[2 * kMaxTwinHeads], l[2 * kMaxTwinHeads];
-          run_chunk(w, c, scratch, m, l, os, b);
-          std::copy(m, m + G, chunk), std::copy(l, l + G, chunk + G);
-          std::copy(m + G, m + 2 * G, other), std::copy(l + G, l + 2 * G, other + G);
         }
-        const int64_t nc_twin = b < 0 ? 0 : parts.first[b + 1] - parts.first[b];
-        for (int64_t c = nc; c < nc_twin; ++c) {  // the twin's first key of a new chunk
-          float* chunk = twin_chunks + c * stride;
-          set_outputs(chunk, os);
-          run_chunk(b, c, scratch, chunk, chunk + G, os, int64_t{-1});
+        for (int64_t i = 0; i < count; ++i) {
+          out_ptrs(ws[i], os);
+          parts.merge(nc(i), chunk_of(i, 0), os, sinks ? sinks + (ws[i] % Hkv) * G : nullptr);
         }
-        out_ptrs(w, os);
-        parts.merge(nc, chunks.data(), os, sinks ? sinks + (w % Hkv) * G : nullptr);
-        if (b < 0) continue;
-        out_ptrs(b, os);
-        parts.merge(nc_twin, twin_chunks, os, sinks ? sinks + (b % Hkv) * G : nullptr);
       }
     });
     return;
@@ -585,7 +591,7 @@ void run_tasks(const Partials& parts, int64_t num_pairs, RunChunk run_chunk, Out
       while (parts.first[w + 1] <= task) ++w;  // tasks are claimed in increasing order
       float* chunk = data.data() + task * stride;
       set_outputs(chunk, os);
-      run_chunk(w, task - parts.first[w], scratch, chunk, chunk + G, os, int64_t{-1});
+      run_chunk(&w, 1, task - parts.first[w], scratch, chunk, chunk + G, os);
     }
   });
   parallel_for(0, num_pairs, 16, [&](int64_t begin, int64_t end) {
@@ -650,8 +656,9 @@ void attention_impl(const AttentionArgs<T>& a) {
   Partials parts(num_keys, G, a.D);
   std::vector<int64_t> slots(a.mask ? 0 : a.S);  // slots[s] = s: the keys of a chunk without a mask, as a view
   std::iota(slots.begin(), slots.end(), int64_t{0});
-  auto run_chunk = [&](int64_t w, int64_t c, Scratch& scratch, float* m, float* l, float* const* o, int64_t twin) {
-    const int64_t kw = twin >= 0 ? twin : w;  // the pair whose keys the pass reads (a twin's extend w's)
+  auto run_chunk = [&](const int64_t* ws, int64_t count, int64_t c, Scratch& scratch, float* m, float* l,
+                       float* const* o) {
+    const int64_t kw = ws[count - 1];  // the pair whose keys the pass reads (the others' are their starts)
     const int64_t j = kw % a.Hkv, t = (kw / a.Hkv) % a.Tq, b = kw / (a.Hkv * a.Tq);
     const int64_t last = std::min<int64_t>(a.past_len + t, a.S - 1), lo = c * kKeyChunk;
     const int64_t first = std::min(first_slot(t), last), hi = std::min<int64_t>(num_keys[kw], lo + kKeyChunk);
@@ -668,17 +675,17 @@ void attention_impl(const AttentionArgs<T>& a) {
       if (scratch.keys.empty()) scratch.keys.push_back(last);  // a padded query: its own slot (finite, unused)
       keys = scratch.keys.data(), n = static_cast<int64_t>(scratch.keys.size());
     }
-    const float* qs[2 * 64];
-    int64_t num_heads = 0;
-    for (const int64_t p : {w, twin})
-      for (int64_t g = 0; p >= 0 && g < G; ++g) qs[num_heads++] = a.q + b * a.q_b + (j * G + g) * a.q_h + (p / a.Hkv % a.Tq) * a.q_t;
+    const float* qs[64];
+    int64_t n_of[64];
+    for (int64_t i = 0; i < count; ++i) {
+      n_of[i] = i + 1 < count ? std::min<int64_t>(num_keys[ws[i]], lo + kKeyChunk) - lo : n;
+      for (int64_t g = 0; g < G; ++g) qs[i * G + g] = a.q + b * a.q_b + (j * G + g) * a.q_h + (ws[i] / a.Hkv % a.Tq) * a.q_t;
+    }
     const T* kb = a.k + b * a.k_b + j * a.k_h;
     const T* vb = a.v + b * a.v_b + j * a.v_h;
     const int64_t ks = a.k_s, vs = a.v_s;
-    const int64_t n_short = twin >= 0 ? std::min<int64_t>(num_keys[w], lo + kKeyChunk) - lo : n;
-    attend<T>(qs, num_heads, a.D, n, keys, [&](int64_t p) { return kb + p * ks; },
-              [&](int64_t p) { return vb + p * vs; }, a.scale, a.softcap, a.Tq == 1, scratch, m, l, o, n_short,
-              twin >= 0 ? G : 0);
+    attend<T>(qs, G, count, a.D, n_of, keys, [&](int64_t p) { return kb + p * ks; },
+              [&](int64_t p) { return vb + p * vs; }, a.scale, a.softcap, a.Tq == 1, scratch, m, l, o);
   };
   // query t's twin: t + 1 of the same row, when neither a sliding window nor padding sets their keys apart
   const auto twin = [&](int64_t w) -> int64_t {
@@ -778,8 +785,9 @@ at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int6
   Partials parts(num_keys, G, D);
   // pos_i + 1 - its number of keys: query i's first visible position
   const auto first_of = [&](int64_t w) { return lens[seq_of[w / Hkv]] - (qslp[seq_of[w / Hkv] + 1] - w / Hkv) + 1 - num_keys[w]; };
-  auto run_chunk = [&](int64_t w, int64_t c, Scratch& scratch, float* m, float* l, float* const* o, int64_t twin) {
-    const int64_t kw = twin >= 0 ? twin : w;  // the pair whose keys the pass reads (a twin's extend w's)
+  auto run_chunk = [&](const int64_t* ws, int64_t count, int64_t c, Scratch& scratch, float* m, float* l,
+                       float* const* o) {
+    const int64_t kw = ws[count - 1];  // the pair whose keys the pass reads (the others' are their starts)
     const int64_t i = kw / Hkv, j = kw % Hkv, r = seq_of[i], lo = c * kKeyChunk;
     const int64_t hi = std::min<int64_t>(num_keys[kw], lo + kKeyChunk), first = first_of(kw);
     // each key's row offset in the pools (block, head, slot), walked block by block: no division by the block size
@@ -793,16 +801,16 @@ at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int6
       for (int64_t s = 0; s < run; ++s) scratch.keys[n + s] = base + s * D;
       p += run, n += run;
     }
-    const float* qs[2 * 64];
-    int64_t num_heads = 0;
-    for (const int64_t p : {w, twin})
-      for (int64_t g = 0; p >= 0 && g < G; ++g) qs[num_heads++] = qp + (p / Hkv) * q_n + (j * G + g) * q_h;
+    const float* qs[64];
+    int64_t n_of[64];
+    for (int64_t k = 0; k < count; ++k) {
+      n_of[k] = std::min<int64_t>(num_keys[ws[k]], lo + kKeyChunk) - lo;
+      for (int64_t g = 0; g < G; ++g) qs[k * G + g] = qp + (ws[k] / Hkv) * q_n + (j * G + g) * q_h;
+    }
     auto krow = [&](int64_t offset) { return kp + offset; };
     auto vrow = [&](int64_t offset) { return vp + offset; };
     const bool prefetch = qslp[r + 1] - qslp[r] == 1;  // a decode step's keys are cold; a prefill's, shared and hot
-    const int64_t n_short = twin >= 0 ? std::min<int64_t>(num_keys[w], lo + kKeyChunk) - lo : hi - lo;
-    attend<T>(qs, num_heads, D, hi - lo, scratch.keys.data(), krow, vrow, scale, softcap, prefetch, scratch, m, l, o,
-              n_short, twin >= 0 ? G : 0);
+    attend<T>(qs, G, count, D, n_of, scratch.keys.data(), krow, vrow, scale, softcap, prefetch, scratch, m, l, o);
   };
   // query i's twin: i + 1 of the same sequence, when no sliding window sets their first keys apart
   const auto twin = [&](int64_t w) -> int64_t {
