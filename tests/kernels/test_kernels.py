@@ -204,21 +204,22 @@ def test_attention_matches_reference_with_padding(b, h, h_kv, t, s, d, dtype):
 
 
 @needs_avx2
+@pytest.mark.parametrize("h,h_kv", [(9, 3), (4, 4), (8, 4)])  # prefills run queries in groups (2, 8, 4 a pass)
 @pytest.mark.parametrize("s,t", [(20, 6), (600, 6), (600, 40), (300, 300)])  # 600: several 256-key chunks per query;
-def test_attention_query_does_not_depend_on_chunking_or_padding(s, t):  # t >= 16: blocks of queries share K/V rows
-    q, k, v = _attention_inputs(1, 9, 3, t, s, 64, torch.float16, seed=7)
+def test_attention_query_does_not_depend_on_chunking_or_padding(s, t, h, h_kv):  # t >= 16: blocks share K/V rows
+    q, k, v = _attention_inputs(1, h, h_kv, t, s, 64, torch.float16, seed=7)
     past = s - t
-    whole = OPS.attention(q, k, v, None, past, 0.125)  # [1, t, 9, 64]
+    whole = OPS.attention(q, k, v, None, past, 0.125)  # [1, t, H, 64]
     for i in sorted({0, 1, t // 2, t - 17, t - 16, t - 1} & set(range(t))):  # as a one-token decode over its prefix
         one = OPS.attention(q[:, :, i : i + 1], k[:, :, : past + 1 + i], v[:, :, : past + 1 + i], None, past + i, 0.125)
         assert torch.equal(one[:, 0], whole[:, i])
     pad = 5  # the same row left-padded by 5 slots
-    kp = torch.cat([torch.zeros(1, 3, pad, 64, dtype=k.dtype), k], dim=2)
-    vp = torch.cat([torch.zeros(1, 3, pad, 64, dtype=v.dtype), v], dim=2)
+    kp = torch.cat([torch.zeros(1, h_kv, pad, 64, dtype=k.dtype), k], dim=2)
+    vp = torch.cat([torch.zeros(1, h_kv, pad, 64, dtype=v.dtype), v], dim=2)
     mask = torch.cat([torch.zeros(1, pad, dtype=torch.bool), torch.ones(1, s, dtype=torch.bool)], dim=1)
     assert torch.equal(OPS.attention(q, kp, vp, mask, past + pad, 0.125), whole)
     if past == 0:  # and with its padding as queries too (they see no key: their own slot, as the twin's)
-        qp = torch.cat([torch.randn(1, 9, pad, 64), q], dim=2)
+        qp = torch.cat([torch.randn(1, h, pad, 64), q], dim=2)
         padded = OPS.attention(qp, kp, vp, mask, 0, 0.125)
         assert torch.equal(padded[:, pad:], whole)
         torch.testing.assert_close(padded, REF.attention(qp, kp, vp, mask, 0, 0.125), rtol=1e-5, atol=1e-5)

@@ -88,7 +88,7 @@ inline __m256 hsum8(const __m256* a) {
 // accumulators hide the FMA latency and, with one K vector, fit in 16 registers.
 template <typename T, int G>
 inline void qk_dots(const float* const* q, int64_t D, const T* const* kr, __m256 (*dots)[8]) {
-  constexpr int KB = G == 1 ? 8 : G <= 3 ? 4 : 2;
+  constexpr int KB = G == 1 ? 8 : G <= 3 ? 4 : G <= 6 ? 2 : 1;
   for (int j0 = 0; j0 < 8; j0 += KB) {
     __m256 a[G][KB];
     for (int g = 0; g < G; ++g)
@@ -123,6 +123,10 @@ inline void qk_dots_g(const float* const* q, int64_t G, int64_t D, const T* cons
     case 2: return qk_dots<T, 2>(q, D, kr, dots);
     case 3: return qk_dots<T, 3>(q, D, kr, dots);
     case 4: return qk_dots<T, 4>(q, D, kr, dots);
+    case 5: return qk_dots<T, 5>(q, D, kr, dots);  // 5-8: a group of queries' heads (attend)
+    case 6: return qk_dots<T, 6>(q, D, kr, dots);
+    case 7: return qk_dots<T, 7>(q, D, kr, dots);
+    case 8: return qk_dots<T, 8>(q, D, kr, dots);
     default: return qk_dots_any<T>(q, G, D, kr, dots);
   }
 }
@@ -459,12 +463,15 @@ void attend(const float* const* q, int64_t G, int64_t num_queries, int64_t D, co
             float* const* o) {
   if (!prefetch && use_vnni())
     return attend_wide<T>(q, G, num_queries, D, n_of, keys, krow, vrow, scale, softcap, scratch, m, l, o);
-  TORCH_CHECK(num_queries == 1, "kvgen attention: a group of queries runs on the AVX-512 parts only");
-  const int64_t n = n_of[0];
-  attend_chunk<T>(G, 1, n_of, keys, krow, vrow, D, scale, softcap, prefetch, scratch, m, l,
-                  [&](const T* const* kr, float* s, int64_t n8) { qk_scores8<T>(q, G, D, kr, scale, s, n8); },
+  // AVX2: a group's scores in one pass (each K vector converted once for all its heads), its P V a query at a time
+  // (16 registers: the P V templates stop at 4 heads)
+  attend_chunk<T>(G, num_queries, n_of, keys, krow, vrow, D, scale, softcap, prefetch, scratch, m, l,
+                  [&](const T* const* kr, float* s, int64_t n8) { qk_scores8<T>(q, G * num_queries, D, kr, scale, s, n8); },
                   [](float* s, int64_t n8, float mx) { return exps(s, n8, mx); },
-                  [&](const float* p, int64_t n8) { pv_g<T>(p, G, n8, n, keys, vrow, D, o, prefetch); });
+                  [&](const float* p, int64_t n8) {
+                    for (int64_t k = 0; k < num_queries; ++k)
+                      pv_g<T>(p + k * G * n8, G, n8, n_of[k], keys, vrow, D, o + k * G, prefetch);
+                  });
 }
 
 // The chunks of every (query, KV head) pair; a chunk's partials are laid out [m G | l G | o G D].
@@ -510,9 +517,11 @@ struct Partials {
 // in pages faulted in afresh each call (static attention over 4,096 queries: 250 -> 148 ms a layer, 2 threads).
 constexpr int64_t kMinPairTasks = 64;
 
-// Heads of a group of queries at most (a query's G each), as far as the AVX-512 scores' templates go
-// (qk_scores_wide_g). The attention op over 1,024 queries, one thread, GFLOP/s with groups of at most 2 / 4 / 8 heads:
-// G = 1 (16 heads) 73 / 104 / 107 (47 one query a pass); G = 2 84 / 114 / 114; G = 3 (SmolLM2) 100 / 104 / 125.
+// Heads of a group of queries at most (a query's G each), as far as the scores' templates go (qk_scores_wide_g,
+// qk_dots_g). The attention op over 1,024 queries, one thread, GFLOP/s with groups of at most 2 / 4 / 8 heads, on
+// AVX-512: G = 1 (16 heads) 73 / 104 / 107 (47 one query a pass); G = 2 84 / 114 / 114; G = 3 (SmolLM2) 100 / 104 /
+// 125. On AVX2 (16 registers, P V a query at a time) only G = 1 gained: 51 -> 56 / 60 / 64-65; G = 2 went 64-70 ->
+// 68-72 at 8 heads (noise), G = 3 81 -> 76-77: AVX2 groups queries of G = 1 only.
 constexpr int64_t kMaxGroupHeads = 8;
 
 // Runs every chunk of `parts` and merges each pair's chunks into its outputs, in parallel.
@@ -536,7 +545,7 @@ void run_tasks(const Partials& parts, int64_t num_pairs, RunChunk run_chunk, Out
   std::atomic<int64_t> next{0};
   if (num_pairs >= kMinPairTasks) {
     // a task: the pairs order[starts[k] .. starts[k + 1]), a chain of twins
-    const int64_t max_group = use_vnni() ? std::max<int64_t>(1, kMaxGroupHeads / G) : 1;
+    const int64_t max_group = use_vnni() || G == 1 ? std::max<int64_t>(1, kMaxGroupHeads / G) : 1;
     std::vector<int64_t> order, starts;
     order.reserve(num_pairs);
     std::vector<char> is_taken(num_pairs, 0);
