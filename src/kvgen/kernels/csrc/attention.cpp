@@ -450,10 +450,11 @@ KVGEN_VNNI_END
 // CPU has them (use_vnni), whose numbers are the AVX2 parts': SmolLM2-135M's prefill of 2,048 tokens 1,429-1,515 ->
 // 1,507-1,617 tokens/s, of 512 +1-10 % (alternating processes; AMD EPYC, full-width 512-bit FMAs). A decode step's
 // keys come from DRAM and its chunks stay on AVX2's (the AVX-512 parts measured 1-2 % slower there).
-// A group of queries (run_tasks; AVX-512 only): q, m, l, o hold num_queries x G heads, query k's G after query
+// A group of queries (run_tasks): q, m, l, o hold num_queries x G heads, query k's G after query
 // k - 1's, and query k sees keys [0, n_of[k)) (n_of ascending, n = the last): each K and V vector loaded and converted
 // serves them all, and each query's numbers are its own (its scores past n_of[k] masked, its P V stopped there while
-// the later queries' goes on from their sums so far, in the same order). A single query: num_queries 1, n_of = {n}.
+// the later queries' goes on from their sums so far, in the same order; AVX2 runs each query's P V alone). A single
+// query: num_queries 1, n_of = {n}.
 // Twins and the scores' hsum8 in registers (qk_scores_wide) took SmolLM2-135M's attention op over 2,048 queries (one
 // thread) from 49.5-51.0 to 35.6-36.5 ms, its 2,048-token prefill from 1,515-1,585 to 1,865-1,957 tokens/s (4
 // alternating pairs).
@@ -530,8 +531,8 @@ constexpr int64_t kMaxGroupHeads = 8;
 // pair whose visible keys are w's and then maybe its query's own (the next query of w's sequence at the same KV head,
 // no sliding window cut between them), or -1; a chain of twins is a group, and each chunk of a pair is then the start
 // of its twin's same chunk (the twin may have one chunk more: chunk c runs for the group's pairs that have it, the
-// last ones). A prefill's groups (use_vnni; up to kMaxGroupHeads heads) share every K and V vector the AVX-512 parts
-// load and convert. out_ptrs(w, out) gives pair w's outputs; sinks: null or
+// last ones). A prefill's groups (up to kMaxGroupHeads heads; on AVX2 only where G = 1) share every K vector loaded
+// and converted, and on AVX-512 every V vector too. out_ptrs(w, out) gives pair w's outputs; sinks: null or
 // [H] (pair w's KV head is w % Hkv, its query heads (w % Hkv) G .. + G - 1). Each thread claims the next task as it
 // finishes one: a prefill's later queries see more keys, and equal contiguous shares of the task list (parallel_for's
 // split) left one thread with ~60 % of the work at 512 queries.
