@@ -155,13 +155,48 @@ __attribute__((always_inline)) inline void qk_scores(int64_t D, int64_t n, const
   }
 }
 
+// qk_dots and hsum8 at once for up to 6 heads (KB >= 2): each pass's accumulators go through hsum8's first level
+// (hadd of key pairs) in registers, where qk_dots' dot vectors went through memory; hsum8's operations in its order.
+template <typename T, int G>
+inline void qk_scores_t(const float* const* q, int64_t D, const T* const* kr, __m256 scale, float* s, int64_t n8) {
+  constexpr int KB = G == 1 ? 8 : G <= 3 ? 4 : 2;
+  __m256 t[G][4];  // hadd of the dot vectors of keys (0, 1), (2, 3), (4, 5), (6, 7)
+  for (int j0 = 0; j0 < 8; j0 += KB) {
+    __m256 a[G][KB];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < KB; ++j) a[g][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8)
+      for (int j = 0; j < KB; ++j) {
+        const __m256 kv = load8(kr[j0 + j] + d);
+        for (int g = 0; g < G; ++g) a[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d), kv, a[g][j]);
+      }
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < KB; j += 2) t[g][(j0 + j) / 2] = _mm256_hadd_ps(a[g][j], a[g][j + 1]);
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m256 u0 = _mm256_hadd_ps(t[g][0], t[g][1]), u1 = _mm256_hadd_ps(t[g][2], t[g][3]);
+    const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    _mm256_storeu_ps(s + g * n8, _mm256_mul_ps(sum, scale));
+  }
+}
+
 // scale * hsum8 of the G heads' dot vectors with 8 K rows (qk_dots_g), stored at s + g n8.
 template <typename T>
 inline void qk_scores8(const float* const* q, int64_t G, int64_t D, const T* const* kr, float scale, float* s,
                        int64_t n8) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  switch (G) {
+    case 1: return qk_scores_t<T, 1>(q, D, kr, vs, s, n8);
+    case 2: return qk_scores_t<T, 2>(q, D, kr, vs, s, n8);
+    case 3: return qk_scores_t<T, 3>(q, D, kr, vs, s, n8);
+    case 4: return qk_scores_t<T, 4>(q, D, kr, vs, s, n8);
+    case 5: return qk_scores_t<T, 5>(q, D, kr, vs, s, n8);
+    case 6: return qk_scores_t<T, 6>(q, D, kr, vs, s, n8);
+    default: break;
+  }
   __m256 dots[64][8];
   qk_dots_g<T>(q, G, D, kr, dots);
-  for (int64_t g = 0; g < G; ++g) _mm256_storeu_ps(s + g * n8, _mm256_mul_ps(hsum8(dots[g]), _mm256_set1_ps(scale)));
+  for (int64_t g = 0; g < G; ++g) _mm256_storeu_ps(s + g * n8, _mm256_mul_ps(hsum8(dots[g]), vs));
 }
 
 // out[g][d0 .. d0 + 8 CW) = sum_i p[g, i] V[keys[i]] in key order, every V vector converted once
