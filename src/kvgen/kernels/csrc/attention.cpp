@@ -83,11 +83,12 @@ inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// Dot products of the G heads q[g] with the 8 K rows kr[j], one vector of 8 lanes per (g, j) (summed
-// by hsum8 later): KB rows at a time, each K vector converted once for all G heads; G KB
-// accumulators hide the FMA latency and, with one K vector, fit in 16 registers.
-template <typename T, int G>
-inline void qk_dots(const float* const* q, int64_t D, const T* const* kr, __m256 (*dots)[8]) {
+// The dot products of the G heads q[g] with the 8 K rows kr[j], one vector of 8 lanes per (g, j) (summed by hsum8's
+// tree later): KB rows a pass, each K vector converted once for all G heads; G KB accumulators hide the FMA latency
+// and, with one K vector, fit in 16 registers (KB >= 2 but beyond 6 heads). pass(j0, a) takes a pass's accumulators,
+// a[g][j] of row j0 + j.
+template <typename T, int G, typename Pass>
+__attribute__((always_inline)) inline void qk_passes(const float* const* q, int64_t D, const T* const* kr, Pass pass) {
   constexpr int KB = G == 1 ? 8 : G <= 3 ? 4 : G <= 6 ? 2 : 1;
   for (int j0 = 0; j0 < 8; j0 += KB) {
     __m256 a[G][KB];
@@ -98,8 +99,7 @@ inline void qk_dots(const float* const* q, int64_t D, const T* const* kr, __m256
         const __m256 kv = load8(kr[j0 + j] + d);
         for (int g = 0; g < G; ++g) a[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d), kv, a[g][j]);
       }
-    for (int g = 0; g < G; ++g)
-      for (int j = 0; j < KB; ++j) dots[g][j0 + j] = a[g][j];
+    pass(j0, a);
   }
 }
 
@@ -115,18 +115,17 @@ inline void qk_dots_any(const float* const* q, int64_t G, int64_t D, const T* co
   }
 }
 
-// qk_dots for the G heads q[g] (templates for the common group sizes).
+// The dot vectors of 7 or more heads q[g] with the 8 K rows kr (qk_passes; any G: qk_dots_any).
 template <typename T>
 inline void qk_dots_g(const float* const* q, int64_t G, int64_t D, const T* const* kr, __m256 (*dots)[8]) {
+  const auto store = [dots](int j0, const auto& a) {
+    constexpr int KB = sizeof(a[0]) / sizeof(a[0][0]);
+    for (size_t g = 0; g < sizeof(a) / sizeof(a[0]); ++g)
+      for (int j = 0; j < KB; ++j) dots[g][j0 + j] = a[g][j];
+  };
   switch (G) {
-    case 1: return qk_dots<T, 1>(q, D, kr, dots);
-    case 2: return qk_dots<T, 2>(q, D, kr, dots);
-    case 3: return qk_dots<T, 3>(q, D, kr, dots);
-    case 4: return qk_dots<T, 4>(q, D, kr, dots);
-    case 5: return qk_dots<T, 5>(q, D, kr, dots);  // 5-8: a group of queries' heads (attend)
-    case 6: return qk_dots<T, 6>(q, D, kr, dots);
-    case 7: return qk_dots<T, 7>(q, D, kr, dots);
-    case 8: return qk_dots<T, 8>(q, D, kr, dots);
+    case 7: return qk_passes<T, 7>(q, D, kr, store);  // Qwen2.5-7B; 8: a group of 8 queries of one head (attend)
+    case 8: return qk_passes<T, 8>(q, D, kr, store);
     default: return qk_dots_any<T>(q, G, D, kr, dots);
   }
 }
@@ -155,24 +154,17 @@ __attribute__((always_inline)) inline void qk_scores(int64_t D, int64_t n, const
   }
 }
 
-// qk_dots and hsum8 at once for up to 6 heads (KB >= 2): each pass's accumulators go through hsum8's first level
-// (hadd of key pairs) in registers, where qk_dots' dot vectors went through memory; hsum8's operations in its order.
+// qk_passes and hsum8 at once for up to 6 heads (KB >= 2): each pass's accumulators go through hsum8's first level
+// (hadd of key pairs) in registers, where the dot vectors of qk_dots_g go through memory; hsum8's operations in its
+// order (AVX2 prefill attention at G = 3 +2-3 %).
 template <typename T, int G>
 inline void qk_scores_t(const float* const* q, int64_t D, const T* const* kr, __m256 scale, float* s, int64_t n8) {
-  constexpr int KB = G == 1 ? 8 : G <= 3 ? 4 : 2;
   __m256 t[G][4];  // hadd of the dot vectors of keys (0, 1), (2, 3), (4, 5), (6, 7)
-  for (int j0 = 0; j0 < 8; j0 += KB) {
-    __m256 a[G][KB];
-    for (int g = 0; g < G; ++g)
-      for (int j = 0; j < KB; ++j) a[g][j] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8)
-      for (int j = 0; j < KB; ++j) {
-        const __m256 kv = load8(kr[j0 + j] + d);
-        for (int g = 0; g < G; ++g) a[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d), kv, a[g][j]);
-      }
+  qk_passes<T, G>(q, D, kr, [&t](int j0, const auto& a) {
+    constexpr int KB = sizeof(a[0]) / sizeof(a[0][0]);
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < KB; j += 2) t[g][(j0 + j) / 2] = _mm256_hadd_ps(a[g][j], a[g][j + 1]);
-  }
+  });
   for (int g = 0; g < G; ++g) {
     const __m256 u0 = _mm256_hadd_ps(t[g][0], t[g][1]), u1 = _mm256_hadd_ps(t[g][2], t[g][3]);
     const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
@@ -180,7 +172,7 @@ inline void qk_scores_t(const float* const* q, int64_t D, const T* const* kr, __
   }
 }
 
-// scale * hsum8 of the G heads' dot vectors with 8 K rows (qk_dots_g), stored at s + g n8.
+// scale * hsum8 of the G heads' dot vectors with 8 K rows, stored at s + g n8 (qk_scores_t, or qk_dots_g and hsum8).
 template <typename T>
 inline void qk_scores8(const float* const* q, int64_t G, int64_t D, const T* const* kr, float scale, float* s,
                        int64_t n8) {
