@@ -204,7 +204,7 @@ def test_attention_matches_reference_with_padding(b, h, h_kv, t, s, d, dtype):
 
 
 @needs_avx2
-@pytest.mark.parametrize("h,h_kv", [(9, 3), (4, 4), (8, 4)])  # prefills run queries in groups (2, 8, 4 a pass)
+@pytest.mark.parametrize("h,h_kv", [(9, 3), (4, 4), (8, 4)])  # prefill groups: 2, 8, 4 queries (AVX2: 1, 6, 3)
 @pytest.mark.parametrize("s,t", [(20, 6), (600, 6), (600, 40), (300, 300)])  # 600: several 256-key chunks per query;
 def test_attention_query_does_not_depend_on_chunking_or_padding(s, t, h, h_kv):  # t >= 16: blocks share K/V rows
     q, k, v = _attention_inputs(1, h, h_kv, t, s, 64, torch.float16, seed=7)

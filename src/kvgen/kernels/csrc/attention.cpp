@@ -548,9 +548,9 @@ constexpr int64_t kMinPairTasks = 64;
 // Heads of a group of queries at most (a query's G each), as far as the scores' templates go (qk_scores_wide_g,
 // qk_dots_g). The attention op over 1,024 queries, one thread, GFLOP/s with groups of at most 2 / 4 / 8 heads, on
 // AVX-512: G = 1 (16 heads) 73 / 104 / 107 (47 one query a pass); G = 2 84 / 114 / 114; G = 3 (SmolLM2) 100 / 104 /
-// 125. On AVX2 (16 registers, P V a query at a time) only G = 1 gained: 51 -> 56 / 60 / 64-65; G = 2 went 64-70 ->
-// 68-72 at 8 heads (noise), G = 3 81 -> 76-77: AVX2 groups queries of G = 1 only.
-constexpr int64_t kMaxGroupHeads = 8;
+// 125. On AVX2 (16 registers, P V a query at a time; 6 heads keep their scores' hsum8 in registers, qk_scores_t):
+// G = 1 51 -> 56 / 60 / 64-65, 67 at 6; G = 2 68-70 -> 74-75 at 6; G = 3 84-85 -> 81 at 6 and 8, so it stays single.
+constexpr int64_t kMaxGroupHeads = 8, kMaxGroupHeadsAvx2 = 6;
 
 // Runs every chunk of `parts` and merges each pair's chunks into its outputs, in parallel.
 // run_chunk(ws, count, c, scratch, m, l, o) computes chunk c of the count pairs ws[0 .. count) in one pass (a group,
@@ -558,7 +558,7 @@ constexpr int64_t kMaxGroupHeads = 8;
 // pair whose visible keys are w's and then maybe its query's own (the next query of w's sequence at the same KV head,
 // no sliding window cut between them), or -1; a chain of twins is a group, and each chunk of a pair is then the start
 // of its twin's same chunk (the twin may have one chunk more: chunk c runs for the group's pairs that have it, the
-// last ones). A prefill's groups (up to kMaxGroupHeads heads; on AVX2 only where G = 1) share every K vector loaded
+// last ones). A prefill's groups (up to kMaxGroupHeads heads; on AVX2 6, where G <= 2) share every K vector loaded
 // and converted, and on AVX-512 every V vector too. out_ptrs(w, out) gives pair w's outputs; sinks: null or
 // [H] (pair w's KV head is w % Hkv, its query heads (w % Hkv) G .. + G - 1). Each thread claims the next task as it
 // finishes one: a prefill's later queries see more keys, and equal contiguous shares of the task list (parallel_for's
@@ -573,7 +573,7 @@ void run_tasks(const Partials& parts, int64_t num_pairs, RunChunk run_chunk, Out
   std::atomic<int64_t> next{0};
   if (num_pairs >= kMinPairTasks) {
     // a task: the pairs order[starts[k] .. starts[k + 1]), a chain of twins
-    const int64_t max_group = use_vnni() || G == 1 ? std::max<int64_t>(1, kMaxGroupHeads / G) : 1;
+    const int64_t max_group = use_vnni() ? std::max<int64_t>(1, kMaxGroupHeads / G) : G <= 2 ? kMaxGroupHeadsAvx2 / G : 1;
     std::vector<int64_t> order, starts;
     order.reserve(num_pairs);
     std::vector<char> is_taken(num_pairs, 0);
