@@ -241,7 +241,7 @@ inline void pv_g(const float* p, int64_t G, int64_t n8, int64_t n, const int64_t
 }
 
 // The same two parts on AVX-512 (Zen 4 and later, Ice Lake and later Xeons; chosen by use_vnni(), common.h), whose
-// 512-bit registers hold two of the AVX2 code's 8-lane vectors side by side: qk_dots_wide takes two K rows per
+// 512-bit registers hold two of the AVX2 code's 8-lane vectors side by side: qk_scores_wide takes two K rows per
 // register (lanes 0-7 one key's, 8-15 the next's, each against the same 8 values of q), pv_chunk_wide two 8-column
 // groups of a V row. Each half sees the AVX2 vector's own operations in the same order, so the numbers are bit for
 // bit the AVX2 path's, and a core with full-width 512-bit FMAs does twice the work per instruction.
@@ -482,9 +482,9 @@ KVGEN_VNNI_END
 // serves them all, and each query's numbers are its own (its scores past n_of[k] masked, its P V stopped there while
 // the later queries' goes on from their sums so far, in the same order; AVX2 runs each query's P V alone). A single
 // query: num_queries 1, n_of = {n}.
-// Twins and the scores' hsum8 in registers (qk_scores_wide) took SmolLM2-135M's attention op over 2,048 queries (one
-// thread) from 49.5-51.0 to 35.6-36.5 ms, its 2,048-token prefill from 1,515-1,585 to 1,865-1,957 tokens/s (4
-// alternating pairs).
+// Pairs of queries and the scores' hsum8 in registers (qk_scores_wide) took SmolLM2-135M's attention op over 2,048
+// queries (one thread) from 49.5-51.0 to 35.6-36.5 ms, its 2,048-token prefill from 1,515-1,585 to 1,865-1,957
+// tokens/s (4 alternating pairs).
 template <typename T, typename KRow, typename VRow>
 void attend(const float* const* q, int64_t G, int64_t num_queries, int64_t D, const int64_t* n_of, const int64_t* keys,
             KRow krow, VRow vrow, float scale, float softcap, bool prefetch, Scratch& scratch, float* m, float* l,
