@@ -8,7 +8,9 @@ Where the CPU lacks AVX2/FMA/F16C, the build fails, or ``KVGEN_KERNELS=reference
 set, the plain-torch twins in :mod:`kvgen.kernels.reference` run instead (one logged
 notice, never a crash). :func:`get_ops` returns whichever is in use. On a CPU with AVX512-VNNI, qgemm's quantized
 tiles use ``vpdpbusd`` and a prefill's attention 512-bit registers (chosen at run time; ``KVGEN_KERNELS_ISA=avx2``
-keeps the AVX2 code; the outputs are bit-identical): :func:`kernel_isa` says which.
+keeps the AVX2 code; the outputs are bit-identical): :func:`kernel_isa` says which. A prefill's attention takes
+consecutive queries of a sequence in groups, one pass over their keys (up to 8 heads on AVX-512, 6 on AVX2 where a KV
+head has at most 2), each query's numbers those of the query alone.
 
 Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 
