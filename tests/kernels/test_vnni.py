@@ -8,6 +8,8 @@ runs would take the AVX2 tiles) or the C++ kernels are not built.
 
 from __future__ import annotations
 
+import itertools
+
 import os
 import subprocess
 import sys
@@ -117,7 +119,8 @@ def _attention_cases(gen: torch.Generator) -> list[tuple[str, list]]:
     any-G paths), head dims 64 / 72 / 80 / 128 (72: a last 8 columns), float16 and float32 caches, a window, a softcap,
     sinks, left padding; paged_attention_qkv of two sequences' chunks; attention on q, k, v. From 64 (query, KV head)
     pairs a prefill's queries run in groups of up to 8 // G a pass (G <= 4): the float32 cache, the padding, the
-    paged chunks, a window and the group sizes 1, 2, 3 and 4 among them."""
+    paged chunks, a window and the group sizes 1, 2, 3 and 4 among them. Then decode steps (one query a sequence, its
+    keys prefetched): static over 3 chunks, paged over 3 and 24 sequences."""
     cases: list[tuple[str, list]] = []
     for h, h_kv, d, t, past, dtype, window, softcap, with_sinks in [
             (9, 3, 64, 37, 0, torch.float16, 0, 0.0, False), (8, 8, 80, 13, 5, torch.float32, 0, 0.0, False),
@@ -150,6 +153,21 @@ def _attention_cases(gen: torch.Generator) -> list[tuple[str, list]]:
                                           seq_lens, h, 0.125, 0, 0.0, None]))
     q, k, v = torch.randn(2, 6, 21, 64, generator=gen), *(torch.randn(2, 3, 30, 64, generator=gen) for _ in range(2))
     cases.append(("attention", [q, k, v, None, 9, 0.125, 0, 0.0, None]))
+    for dtype in (torch.float16, torch.float32):  # decode steps (their keys prefetched): static, over 3 chunks
+        k, v = (torch.randn(1, 3, 700, 64, generator=gen).to(dtype) for _ in range(2))
+        cases.append(("static_attention", [torch.randn(1, 15 * 64, generator=gen), k, v, None, 600, 9, 0.125, 0, 0.0,
+                                           None]))
+    for num_seqs in (3, 24):  # paged: chunks as tasks (3 sequences), whole pairs as tasks (24 x 3 KV heads)
+        lens = torch.randint(1, 300, (num_seqs,), generator=gen)
+        blocks = [(int(n) + bs - 1) // bs for n in lens]
+        tables = torch.zeros(num_seqs, max(blocks), dtype=torch.long)
+        order = torch.randperm(sum(blocks), generator=gen)
+        for r, start in enumerate(itertools.accumulate([0, *blocks[:-1]])):
+            tables[r, : blocks[r]] = order[start : start + blocks[r]]
+        slots = torch.tensor([int(tables[r, (int(n) - 1) // bs]) * bs + (int(n) - 1) % bs for r, n in enumerate(lens)])
+        pools = [torch.randn(sum(blocks), 3, bs, 64, generator=gen).half() for _ in range(2)]
+        cases.append(("paged_attention_qkv", [torch.randn(num_seqs, 15 * 64, generator=gen), *pools, slots, tables,
+                                              torch.arange(num_seqs + 1), lens, 9, 0.125, 0, 0.0, None]))
     return cases
 
 

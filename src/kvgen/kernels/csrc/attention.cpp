@@ -32,7 +32,7 @@
 // Per query the arithmetic depends only on its own visible keys, in order (chunks of 256
 // keys, each: scores, a max, exp, a sum with 8 lanes, P V in key order; then the chunks
 // merged in order), never on the batch, the prefill chunking, the padding or the threads:
-// greedy tokens agree across all of them. Where the CPU has AVX-512 (use_vnni), a prefill's chunks run on 512-bit
+// greedy tokens agree across all of them. Where the CPU has AVX-512 (use_vnni), every chunk runs on 512-bit
 // registers holding two of these 8-lane vectors each, bit for bit the same numbers (attend), and consecutive queries
 // of a sequence whose keys are the first's and then maybe each next one's own (a group, run_tasks) share one pass
 // over them: every K and V vector loaded and converted serves them all, each query's numbers still its own.
@@ -325,7 +325,8 @@ inline void qk_scores_wide_g(const float* const* q, int64_t G, int64_t D, const 
   }
 }
 
-// pv_chunk on AVX-512 (a prefill's: no prefetching): columns d0 .. d0 + 16 CZ of the G heads, two 8-column groups
+// pv_chunk on AVX-512 (no prefetching: a decode step's V rows come from L2, see qk_scores, and a prefetch of them
+// into L1 measured no faster): columns d0 .. d0 + 16 CZ of the G heads, two 8-column groups
 // per register; add: onto out's values (a group's later queries' last keys, see attend), else from zero.
 template <typename T, int G, int CZ, typename VRow>
 inline void pv_chunk_wide(const float* p, int64_t n8, int64_t n, const int64_t* keys, VRow vrow, int64_t d0,
@@ -447,17 +448,17 @@ __attribute__((always_inline)) inline void attend_chunk(int64_t G, int64_t num_q
 }
 
 KVGEN_VNNI_BEGIN
-// attend with the AVX-512 parts (a prefill's chunk), compiled for them (the parts as lambdas of this function, as
+// attend with the AVX-512 parts, compiled for them (the parts as lambdas of this function, as
 // the VNNI tiles pass theirs: a lambda of an AVX2 function in between kept them out of line).
 template <typename T, typename KRow, typename VRow>
 void attend_wide(const float* const* q, int64_t G, int64_t num_queries, int64_t D, const int64_t* n_of,
-                 const int64_t* keys, KRow krow, VRow vrow, float scale, float softcap, Scratch& scratch, float* m,
-                 float* l, float* const* o) {
+                 const int64_t* keys, KRow krow, VRow vrow, float scale, float softcap, bool prefetch, Scratch& scratch,
+                 float* m, float* l, float* const* o) {
   const int64_t heads = G * num_queries;
   __m512* qd = scratch.wide<__m512>(heads * D / 8);
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t d = 0; d < D; d += 8) qd[(d / 8) * heads + h] = twice8(q[h] + d);
-  attend_chunk<T>(G, num_queries, n_of, keys, krow, vrow, D, scale, softcap, false, scratch, m, l,
+  attend_chunk<T>(G, num_queries, n_of, keys, krow, vrow, D, scale, softcap, prefetch, scratch, m, l,
                   [&](const T* const* kr, float* s, int64_t n8) { qk_scores_wide_g<T>(q, heads, D, kr, scale, s, n8, qd); },
                   [](float* s, int64_t n8, float mx) { return exps_wide(s, n8, mx); },
                   [&](const float* p, int64_t n8) {
@@ -473,10 +474,12 @@ KVGEN_VNNI_END
 
 // Partial attention of the G query heads q[g] over visible keys keys[0..n) (one chunk):
 // m[g] = max score, l[g] = sum exp(score - m[g]), o[g][D] = sum exp(score - m[g]) V (unnormalized).
-// A prefill's chunks (prefetch false: several queries share the keys, in cache) run on the AVX-512 parts where the
-// CPU has them (use_vnni), whose numbers are the AVX2 parts': SmolLM2-135M's prefill of 2,048 tokens 1,429-1,515 ->
-// 1,507-1,617 tokens/s, of 512 +1-10 % (alternating processes; AMD EPYC, full-width 512-bit FMAs). A decode step's
-// keys come from DRAM and its chunks stay on AVX2's (the AVX-512 parts measured 1-2 % slower there).
+// The chunks run on the AVX-512 parts where the CPU has them (use_vnni), whose numbers are the AVX2 parts':
+// SmolLM2-135M's prefill of 2,048 tokens 1,429-1,515 -> 1,507-1,617 tokens/s, of 512 +1-10 % (alternating processes;
+// AMD EPYC, full-width 512-bit FMAs). A decode step's chunks (prefetch true: keys from DRAM) first stayed on AVX2's,
+// 1-2 % faster than the first AVX-512 parts; with the scores' hsum8 in registers the AVX-512 parts took 64 sequences'
+// decode attention at 512 keys (30 layers) from 35.6-38.6 to 32.2-36.0 ms and the engine (`kvgen bench throughput`)
+// from 725-796 to 829-837 tokens/s (2 alternating pairs), one sequence's decode the same within noise.
 // A group of queries (run_tasks): q, m, l, o hold num_queries x G heads, query k's G after query
 // k - 1's, and query k sees keys [0, n_of[k)) (n_of ascending, n = the last): each K and V vector loaded and converted
 // serves them all, and each query's numbers are its own (its scores past n_of[k] masked, its P V stopped there while
@@ -489,8 +492,8 @@ template <typename T, typename KRow, typename VRow>
 void attend(const float* const* q, int64_t G, int64_t num_queries, int64_t D, const int64_t* n_of, const int64_t* keys,
             KRow krow, VRow vrow, float scale, float softcap, bool prefetch, Scratch& scratch, float* m, float* l,
             float* const* o) {
-  if (!prefetch && use_vnni())
-    return attend_wide<T>(q, G, num_queries, D, n_of, keys, krow, vrow, scale, softcap, scratch, m, l, o);
+  if (use_vnni())
+    return attend_wide<T>(q, G, num_queries, D, n_of, keys, krow, vrow, scale, softcap, prefetch, scratch, m, l, o);
   // AVX2: a group's scores in one pass (each K vector converted once for all its heads), its P V a query at a time
   // (16 registers: the P V templates stop at 4 heads)
   attend_chunk<T>(G, num_queries, n_of, keys, krow, vrow, D, scale, softcap, prefetch, scratch, m, l,
