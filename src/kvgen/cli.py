@@ -103,7 +103,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, float]:
 
 def _end_startup() -> None:
     """Where a command's start-up ends (its imports and model load) in a process of its own (:func:`run` turned the
-    garbage collector off): freeze what is alive (``heap.freeze_startup_objects``) and collect again. Called
+    garbage collector off): freeze what is alive (``heap.freeze_startup_objects``) and turn collection back on. Called
     in-process (tests, a library caller), it leaves the collector alone."""
     if not gc.isenabled():
         from kvgen.heap import freeze_startup_objects

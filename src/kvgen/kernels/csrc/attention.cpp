@@ -258,8 +258,12 @@ inline __m512 load8x2(const at::Half* p0, const at::Half* p1) {
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1));
 }
 // 16 consecutive values of a V row: load8(p), load8(p + 8).
-inline __m512 load16(const float* p) { return _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_loadu_ps(p), _MM_FROUND_TO_NEAREST_INT)); }
-inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const float* p) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_loadu_ps(p), _MM_FROUND_TO_NEAREST_INT));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 // 8 floats in both halves.
 inline __m512 twice8(const float* p) {
   const __m256d x = _mm256_castps_pd(_mm256_loadu_ps(p));
@@ -459,7 +463,9 @@ void attend_wide(const float* const* q, int64_t G, int64_t num_queries, int64_t 
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t d = 0; d < D; d += 8) qd[(d / 8) * heads + h] = twice8(q[h] + d);
   attend_chunk<T>(G, num_queries, n_of, keys, krow, vrow, D, scale, softcap, prefetch, scratch, m, l,
-                  [&](const T* const* kr, float* s, int64_t n8) { qk_scores_wide_g<T>(q, heads, D, kr, scale, s, n8, qd); },
+                  [&](const T* const* kr, float* s, int64_t n8) {
+                    qk_scores_wide_g<T>(q, heads, D, kr, scale, s, n8, qd);
+                  },
                   [](float* s, int64_t n8, float mx) { return exps_wide(s, n8, mx); },
                   [&](const float* p, int64_t n8) {
                     // keys [n_of[k - 1], n_of[k]) for query k's heads and the later queries', onto their sums so far
@@ -497,7 +503,9 @@ void attend(const float* const* q, int64_t G, int64_t num_queries, int64_t D, co
   // AVX2: a group's scores in one pass (each K vector converted once for all its heads), its P V a query at a time
   // (16 registers: the P V templates stop at 4 heads)
   attend_chunk<T>(G, num_queries, n_of, keys, krow, vrow, D, scale, softcap, prefetch, scratch, m, l,
-                  [&](const T* const* kr, float* s, int64_t n8) { qk_scores8<T>(q, G * num_queries, D, kr, scale, s, n8); },
+                  [&](const T* const* kr, float* s, int64_t n8) {
+                    qk_scores8<T>(q, G * num_queries, D, kr, scale, s, n8);
+                  },
                   [](float* s, int64_t n8, float mx) { return exps(s, n8, mx); },
                   [&](const float* p, int64_t n8) {
                     for (int64_t k = 0; k < num_queries; ++k)
@@ -576,7 +584,8 @@ void run_tasks(const Partials& parts, int64_t num_pairs, RunChunk run_chunk, Out
   std::atomic<int64_t> next{0};
   if (num_pairs >= kMinPairTasks) {
     // a task: the pairs order[starts[k] .. starts[k + 1]), a chain of twins
-    const int64_t max_group = use_vnni() ? std::max<int64_t>(1, kMaxGroupHeads / G) : G <= 2 ? kMaxGroupHeadsAvx2 / G : 1;
+    const int64_t max_group = use_vnni() ? std::max<int64_t>(1, kMaxGroupHeads / G)
+                                         : G <= 2 ? kMaxGroupHeadsAvx2 / G : 1;
     std::vector<int64_t> order, starts;
     order.reserve(num_pairs);
     std::vector<char> is_taken(num_pairs, 0);
@@ -587,7 +596,7 @@ void run_tasks(const Partials& parts, int64_t num_pairs, RunChunk run_chunk, Out
       for (int64_t k = 0; k < max_group && p >= 0 && !is_taken[p]; ++k) {
         is_taken[p] = 1;
         order.push_back(p);
-        p = twin(p);
+        p = k + 1 < max_group ? twin(p) : -1;  // (no twin looked up past a full group)
       }
     }
     starts.push_back(num_pairs);
@@ -719,7 +728,8 @@ void attention_impl(const AttentionArgs<T>& a) {
     int64_t n_of[64];
     for (int64_t i = 0; i < count; ++i) {
       n_of[i] = i + 1 < count ? std::min<int64_t>(num_keys[ws[i]], lo + kKeyChunk) - lo : n;
-      for (int64_t g = 0; g < G; ++g) qs[i * G + g] = a.q + b * a.q_b + (j * G + g) * a.q_h + (ws[i] / a.Hkv % a.Tq) * a.q_t;
+      const float* qt = a.q + b * a.q_b + (ws[i] / a.Hkv % a.Tq) * a.q_t;  // pair ws[i]'s query row
+      for (int64_t g = 0; g < G; ++g) qs[i * G + g] = qt + (j * G + g) * a.q_h;
     }
     const T* kb = a.k + b * a.k_b + j * a.k_h;
     const T* vb = a.v + b * a.v_b + j * a.v_h;
@@ -824,7 +834,10 @@ at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int6
   }
   Partials parts(num_keys, G, D);
   // pos_i + 1 - its number of keys: query i's first visible position
-  const auto first_of = [&](int64_t w) { return lens[seq_of[w / Hkv]] - (qslp[seq_of[w / Hkv] + 1] - w / Hkv) + 1 - num_keys[w]; };
+  const auto first_of = [&](int64_t w) {
+    const int64_t i = w / Hkv, r = seq_of[i];
+    return lens[r] - (qslp[r + 1] - i) + 1 - num_keys[w];
+  };
   auto run_chunk = [&](const int64_t* ws, int64_t count, int64_t c, Scratch& scratch, float* m, float* l,
                        float* const* o) {
     const int64_t kw = ws[count - 1];  // the pair whose keys the pass reads (the others' are their starts)
