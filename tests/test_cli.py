@@ -285,6 +285,8 @@ def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
         (["perplexity", "/nonexistent.txt"], "cannot read /nonexistent.txt"),
         (["generate", "hi", "--quantization", "q3_k"], "invalid choice: 'q3_k'"),
         (["generate", "hi", "--quantization", "q8_0", "--dtype", "float32"], "quantization='q8_0' needs dtype 'auto'"),
+        (["serve", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype must be one of auto, int8, got 'fp8'"),
+        (["serve", "--kv-cache-dtype", "int8", "--dtype", "float32"], "kv_cache_dtype='int8' needs dtype 'auto'"),
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(capsys, argv, message):

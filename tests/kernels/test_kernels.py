@@ -544,33 +544,33 @@ def test_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin(b, t, pas
     # a decode step; a chunk over a padded batch; the same with biases and q/k norms, and with Gemma's layer
     inputs = _decoder_inputs(b, t, past, seed=12, variant=variant)
     ks, vs, mask, (h, _, scale, _, softcap) = _clones(inputs.caches[0::2]), _clones(inputs.caches[1::2]), inputs.mask, inputs.heads
-    got = OPS.decoder_layers(*inputs.layers(), ks, vs, mask, past, *inputs.heads)
+    got = OPS.decoder_layers(*inputs.layers(), ks, vs, mask, past, *inputs.heads, [], [])
     mine_k, mine_v = _clones(inputs.caches[0::2]), _clones(inputs.caches[1::2])
     rows = _op_by_op(inputs, lambda layer, hid, window: OPS.static_attention(
         hid, mine_k[layer], mine_v[layer], mask, past, h, scale, window, softcap))
     assert torch.equal(got, rows)
     assert all(torch.equal(a, c) for a, c in zip(ks + vs, mine_k + mine_v))  # the same slots written
     ref_k, ref_v = _clones(inputs.caches[0::2]), _clones(inputs.caches[1::2])
-    want = REF.decoder_layers(*inputs.layers(), ref_k, ref_v, mask, past, *inputs.heads)
+    want = REF.decoder_layers(*inputs.layers(), ref_k, ref_v, mask, past, *inputs.heads, [], [])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * float(want.abs().max()))
 
     def changed(**what) -> bool:  # the op's output with an operand replaced differs from got
         args = inputs._replace(**{k: v for k, v in what.items() if k != "heads"})
         out = OPS.decoder_layers(*args.layers(), _clones(inputs.caches[0::2]), _clones(inputs.caches[1::2]), mask,
-                                 past, *what.get("heads", inputs.heads))
+                                 past, *what.get("heads", inputs.heads), [], [])
         return not torch.allclose(out, got, atol=1e-2)
 
     if variant != "llama":  # the extras count: without them the numbers change
         assert changed(extras=[])
         with pytest.raises(RuntimeError, match="extras must be empty or 8 per layer"):
-            OPS.decoder_layers(*inputs._replace(extras=inputs.extras[:-1]).layers(), ks, vs, mask, past, *inputs.heads)
+            OPS.decoder_layers(*inputs._replace(extras=inputs.extras[:-1]).layers(), ks, vs, mask, past, *inputs.heads, [], [])
     if variant == "gemma":  # so do the second RoPE table, the window (past > 3), GeGLU and the softcap
         assert changed(layer_args=[1, 0, 1, 3]) and changed(layer_args=[1, 0, 2, 0]) == (past > 0)
         assert changed(heads=(*inputs.heads[:3], 0, softcap)) and changed(heads=(*inputs.heads[:4], 0.0))
         with pytest.raises(RuntimeError, match="names rope table 3 of 2"):
-            OPS.decoder_layers(*inputs._replace(layer_args=[1, 0, 3, 0]).layers(), ks, vs, mask, past, *inputs.heads)
+            OPS.decoder_layers(*inputs._replace(layer_args=[1, 0, 3, 0]).layers(), ks, vs, mask, past, *inputs.heads, [], [])
     with pytest.raises(RuntimeError, match="6 weights"):
-        OPS.decoder_layers(*inputs._replace(weights=inputs.weights[:-1]).layers(), ks, vs, mask, past, *inputs.heads)
+        OPS.decoder_layers(*inputs._replace(weights=inputs.weights[:-1]).layers(), ks, vs, mask, past, *inputs.heads, [], [])
 
 
 @needs_avx2
@@ -585,21 +585,73 @@ def test_paged_decoder_layers_is_the_layer_ops_in_order_and_matches_its_twin(var
     slots = torch.tensor([8, 9, 10, 7 * 4 + 3, 1 * 4 + 0, 1 * 4 + 1])  # seq 0: positions 0-2; seq 1: positions 3-5
     meta = (slots, tables, qsl, seq_lens)
     mine = _clones(pools)
-    got = OPS.paged_decoder_layers(*inputs.layers(), mine[0::2], mine[1::2], *meta, *inputs.heads)
+    got = OPS.paged_decoder_layers(*inputs.layers(), mine[0::2], mine[1::2], *meta, *inputs.heads, [], [])
     steps = _clones(pools)
     rows = _op_by_op(inputs, lambda layer, hid, window: OPS.paged_attention_qkv(
         hid, steps[2 * layer], steps[2 * layer + 1], *meta, h, scale, window, softcap))
     assert torch.equal(got, rows) and all(torch.equal(a, b) for a, b in zip(mine, steps))
     ref = _clones(pools)
-    want = REF.paged_decoder_layers(*inputs.layers(), ref[0::2], ref[1::2], *meta, *inputs.heads)
+    want = REF.paged_decoder_layers(*inputs.layers(), ref[0::2], ref[1::2], *meta, *inputs.heads, [], [])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * float(want.abs().max()))
     if layer_args:  # the layer args count: with RoPE table 1 and no window everywhere the numbers change
         every = OPS.paged_decoder_layers(*inputs._replace(layer_args=[]).layers(), *[_clones(pools)[k::2] for k in (0, 1)],
-                                         *meta, *inputs.heads)
+                                         *meta, *inputs.heads, [], [])
         assert not torch.allclose(every, got, atol=1e-2)
         with pytest.raises(RuntimeError, match="layer_args must be empty or 2 per layer"):
             OPS.paged_decoder_layers(*inputs._replace(layer_args=[1]).layers(), mine[0::2], mine[1::2], *meta,
-                                     *inputs.heads)
+                                     *inputs.heads, [], [])
+
+
+@needs_avx2
+@pytest.mark.parametrize("paged", [False, True])
+def test_one_op_decoders_on_int8_caches_pass_each_layers_scales(paged):
+    """int8 caches (k_scales, v_scales: one tensor per layer): the one-op decoders give the bits of the layer ops in
+    order over the same caches, write the same values and scales, and agree with their torch twins."""
+    inputs = _decoder_inputs(2 if not paged else 1, 3 if not paged else 6, 5 if not paged else 0, seed=17)
+    h, h_kv, scale, _, softcap = inputs.heads
+    if paged:
+        g = torch.Generator().manual_seed(18)
+        floats = [torch.randn(8, h_kv, 4, 16, generator=g) for _ in range(4)]  # k, v of two layers [8, Hkv, 4, D]
+        meta = (torch.tensor([8, 9, 10, 7 * 4 + 3, 4, 5]), torch.tensor([[2, 5], [7, 1]]), torch.tensor([0, 3, 6]),
+                torch.tensor([3, 6]))  # as the paged test above
+    else:
+        floats = [c.float() for c in inputs.caches]
+    caches = [R.quantize_kv_rows(c) for c in floats]  # (values, scales) of k0, v0, k1, v1
+
+    def fresh() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [c[0].clone() for c in caches], [c[1].clone() for c in caches]
+
+    (mine, mine_s), (steps, steps_s), (ref, ref_s) = fresh(), fresh(), fresh()
+    if paged:
+        got = OPS.paged_decoder_layers(*inputs.layers(), mine[0::2], mine[1::2], *meta, *inputs.heads, mine_s[0::2],
+                                       mine_s[1::2])
+        rows = _op_by_op(inputs, lambda layer, hid, window: OPS.paged_attention_qkv(
+            hid, steps[2 * layer], steps[2 * layer + 1], *meta, h, scale, window, softcap, None, steps_s[2 * layer],
+            steps_s[2 * layer + 1]))
+        want = REF.paged_decoder_layers(*inputs.layers(), ref[0::2], ref[1::2], *meta, *inputs.heads, ref_s[0::2],
+                                        ref_s[1::2])
+    else:
+        mask = inputs.mask
+        got = OPS.decoder_layers(*inputs.layers(), mine[0::2], mine[1::2], mask, 5, *inputs.heads, mine_s[0::2],
+                                 mine_s[1::2])
+        rows = _op_by_op(inputs, lambda layer, hid, window: OPS.static_attention(
+            hid, steps[2 * layer], steps[2 * layer + 1], mask, 5, h, scale, window, softcap, None, steps_s[2 * layer],
+            steps_s[2 * layer + 1]))
+        want = REF.decoder_layers(*inputs.layers(), ref[0::2], ref[1::2], mask, 5, *inputs.heads, ref_s[0::2],
+                                  ref_s[1::2])
+    assert torch.equal(got, rows)
+    assert all(torch.equal(a, b) for a, b in zip(mine + mine_s, steps + steps_s))
+    assert not all(torch.equal(a, c[0]) for a, c in zip(mine, caches))  # the layers wrote their rows
+    for a, sa, c, sc in zip(mine, mine_s, ref, ref_s):  # the twin's rows: a rounding step apart at most
+        step = float(torch.maximum(sa, sc).max())
+        assert float((R.dequantize_kv_rows(a, sa) - R.dequantize_kv_rows(c, sc)).abs().max()) <= 2 * step
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * float(want.abs().max()))
+    with pytest.raises(RuntimeError, match="one tensor per layer"):
+        if paged:
+            OPS.paged_decoder_layers(*inputs.layers(), mine[0::2], mine[1::2], *meta, *inputs.heads, mine_s[0::2], [])
+        else:
+            OPS.decoder_layers(*inputs.layers(), mine[0::2], mine[1::2], mask, 5, *inputs.heads, mine_s[:1],
+                               mine_s[1:2])
 
 
 @needs_avx2
@@ -619,9 +671,9 @@ def test_decoder_layers_in_a_thread_team_is_one_threads(paged):
         caches = _clones(inputs.caches)
         layers = inputs._replace(weights=weights).layers()
         if not paged:
-            return OPS.decoder_layers(*layers, caches[0::2], caches[1::2], None, 400, *inputs.heads), caches
+            return OPS.decoder_layers(*layers, caches[0::2], caches[1::2], None, 400, *inputs.heads, [], []), caches
         pools = [torch.randn(4, h_kv, 256, 16, generator=torch.Generator().manual_seed(16 + i)).half() for i in range(4)]
-        out = OPS.paged_decoder_layers(*layers, pools[0::2], pools[1::2], slots, tables, qsl, seq_lens, *inputs.heads)
+        out = OPS.paged_decoder_layers(*layers, pools[0::2], pools[1::2], slots, tables, qsl, seq_lens, *inputs.heads, [], [])
         return out, pools
 
     threads, runs = torch.get_num_threads(), []

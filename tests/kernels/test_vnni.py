@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from kvgen.kernels import get_ops, kernel_isa, pack_gguf_rows, pack_gguf_segments
+from kvgen.kernels.reference import quantize_kv_rows
 
 needs_vnni = pytest.mark.skipif(kernel_isa() != "avx512vnni", reason=f"qgemm runs {kernel_isa()} tiles here")
 # N not a multiple of 8 (a padded last group), K of 3 blocks (K-quants: 1 super-block), M across the 1-4 row tiles,
@@ -120,7 +121,8 @@ def _attention_cases(gen: torch.Generator) -> list[tuple[str, list]]:
     sinks, left padding; paged_attention_qkv of two sequences' chunks; attention on q, k, v. From 64 (query, KV head)
     pairs a prefill's queries run in groups of up to 8 // G a pass (G <= 4): the float32 cache, the padding, the
     paged chunks, a window and the group sizes 1, 2, 3 and 4 among them. Then decode steps (one query a sequence, its
-    keys prefetched): static over 3 chunks, paged over 3 and 24 sequences."""
+    keys prefetched): static over 3 chunks, paged over 3 and 24 sequences; and int8 caches (paged decodes, a
+    prefill in groups, D 72 with a softcap and sinks, a static decode over 3 chunks)."""
     cases: list[tuple[str, list]] = []
     for h, h_kv, d, t, past, dtype, window, softcap, with_sinks in [
             (9, 3, 64, 37, 0, torch.float16, 0, 0.0, False), (8, 8, 80, 13, 5, torch.float32, 0, 0.0, False),
@@ -168,6 +170,17 @@ def _attention_cases(gen: torch.Generator) -> list[tuple[str, list]]:
         pools = [torch.randn(sum(blocks), 3, bs, 64, generator=gen).half() for _ in range(2)]
         cases.append(("paged_attention_qkv", [torch.randn(num_seqs, 15 * 64, generator=gen), *pools, slots, tables,
                                               torch.arange(num_seqs + 1), lens, 9, 0.125, 0, 0.0, None]))
+        # the same over int8 pools (values, then scales: reference.quantize_kv_rows)
+        (k8, ks), (v8, vs) = (quantize_kv_rows(p.float()) for p in pools)
+        cases.append(("paged_attention_qkv", [torch.randn(num_seqs, 15 * 64, generator=gen), k8, v8, slots, tables,
+                                              torch.arange(num_seqs + 1), lens, 9, 0.125, 0, 0.0, None, ks, vs]))
+    # int8 caches: a prefill in groups (G 3), one with D 72, a softcap and sinks, a decode over 3 chunks
+    for h, h_kv, d, t, past, softcap, with_sinks in [(9, 3, 64, 37, 0, 0.0, False), (4, 2, 72, 40, 3, 50.0, True),
+                                                     (9, 3, 64, 1, 600, 0.0, False)]:
+        (k8, ks), (v8, vs) = (quantize_kv_rows(torch.randn(1, h_kv, past + t + 3, d, generator=gen)) for _ in range(2))
+        qkv = torch.randn(t, (h + 2 * h_kv) * d, generator=gen)
+        sinks = torch.randn(h, generator=gen) if with_sinks else None
+        cases.append(("static_attention", [qkv, k8, v8, None, past, h, d ** -0.5, 0, softcap, sinks, ks, vs]))
     return cases
 
 

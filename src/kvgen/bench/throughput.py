@@ -33,6 +33,7 @@ class ThroughputBenchConfig(BenchConfig):
     max_num_seqs: int = _f(64, "EngineArgs.max_num_seqs of kvgen_engine")
     max_num_batched_tokens: int = _f(512, "EngineArgs.max_num_batched_tokens of both kvgen systems")
     kv_cache_memory: int = _f(2 << 30, "EngineArgs.kv_cache_memory (bytes) of both kvgen systems")
+    kv_cache_dtype: str = _f("auto", "EngineArgs.kv_cache_dtype of both kvgen systems: auto or int8")
 
 
 @dataclasses.dataclass
@@ -154,7 +155,7 @@ def run_throughput_bench(config: ThroughputBenchConfig) -> ThroughputReport:
     """The engine against static batching, transformers and llama-cpp-python (see the module docstring)."""
     log, threads, env = h.start(config, "[bench:throughput]")
     engine_args = EngineArgs(model=config.model, max_num_seqs=config.max_num_seqs,  # no dtype: the model is loaded
-                             kv_cache_memory=config.kv_cache_memory,
+                             kv_cache_memory=config.kv_cache_memory, kv_cache_dtype=config.kv_cache_dtype,
                              max_num_batched_tokens=config.max_num_batched_tokens)
     log(f"loading {config.model} ({config.dtype})")
     model, _ = load_model(config.model, config.dtype, config.quantization)

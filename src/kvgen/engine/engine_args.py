@@ -20,6 +20,7 @@ from kvgen.sampling.params import SEED_MAX, SEED_MIN
 from kvgen.weights.quantized import parse_quantization
 
 SCHEDULING_POLICIES = tuple(p.value for p in SchedulingPolicy)  # "fcfs", "priority"
+KV_CACHE_DTYPES = ("auto", "int8")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, when neither num_blocks nor kv_cache_memory is given
 
 _f = config_field
@@ -38,6 +39,9 @@ class EngineArgs:
     block_size: int = _f(DEFAULT_BLOCK_SIZE, "tokens per KV-cache block")
     num_blocks: int | None = _f(None, "KV-cache blocks in the pool (vLLM num_gpu_blocks); exclusive with kv_cache_memory")
     kv_cache_memory: int | None = _f(None, "KV-cache pool size in bytes (default 1 GiB when num_blocks is unset)")
+    kv_cache_dtype: str = _f("auto", "KV-cache storage: 'auto' (the model's: float16 on the kernels) or 'int8' (int8 "
+                                     "values and a float32 scale per token and KV head: 1.9x the tokens in the same "
+                                     "kv_cache_memory at head_dim 64; dtype auto only)")
     max_num_seqs: int = _f(64, "most requests running in one step")
     max_num_batched_tokens: int = _f(512, "most tokens (prefill chunks + decodes) in one step")
     max_model_len: int | None = _f(None, "longest prompt + output in tokens (default: the model's context)")
@@ -83,6 +87,10 @@ class EngineArgs:
         if self.generation_config not in GENERATION_CONFIG_MODES and not Path(self.generation_config).expanduser().is_dir():
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
         self.override_generation_config = parse_override(self.override_generation_config) or None
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "int8" and self.dtype != AUTO:
+            raise ValueError(f"kv_cache_dtype='int8' needs dtype 'auto' (the kernels), got {self.dtype!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
         if self.pooling_type is not None:

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from kvgen.engine.block_manager import BlockManager
 from kvgen.engine.engine_args import DEFAULT_KV_CACHE_MEMORY, EngineArgs
 from kvgen.engine.model_runner import ModelRunner
@@ -72,6 +74,11 @@ class LLMEngine:
                 f"max_model_len must be <= the model's context ({config.max_position_embeddings}), got {self.max_model_len}"
             )
         dtype = kv_cache_dtype(model)
+        if args.kv_cache_dtype == "int8":
+            if getattr(model, "kernels", None) is None:
+                raise ValueError("kv_cache_dtype='int8' needs a model on kvgen's kernels (a quantized GGUF or "
+                                 "--quantization, dtype 'auto')")
+            dtype = torch.int8
         num_blocks = args.num_blocks
         if num_blocks is None:
             memory = args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY

@@ -31,6 +31,9 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
 * every attention op also takes ``window=0`` (> 0: a query at position p sees positions > p - window only; Gemma's
   sliding layers), ``softcap=0.0`` (> 0: scores become ``softcap * tanh(score / softcap)``; Gemma 2) and
   ``sinks=None`` ([H] float32: one more logit in each head's softmax, its probability dropped; gpt-oss)
+* ``static_attention`` and ``paged_attention_qkv`` also take int8 caches (pools) with ``k_scale``, ``v_scale``
+  (float32, the caches' shape without D: one scale per row): each row written as ``reference.quantize_kv_rows``
+  (the same values and scales to the bit) and read as its values times its scale
 * ``rms_norm(x [M, C], weight [C], eps) -> [M, C]``
 * ``rms_norm_heads_(qkv [N, (H + 2 Hkv) D], q_weight [D], k_weight [D], eps, H, Hkv)``: in place on each q and k
   head (Qwen3's q_norm, k_norm)
@@ -41,11 +44,12 @@ Ops (``torch.ops.kvgen.*``, same signatures in the reference):
   or 8 per layer: 4 biases, q_norm, k_norm, post_attention_norm, post_feedforward_norm; each may be None),
   layer_args (empty, or 2 per layer: RoPE table (0: none, r: rope[2r-2], rope[2r-1]), window), rope (cos, sin
   [N, D] pairs), k_caches, v_caches [B, Hkv, S_max, D] per layer, key_mask?, past_len, H, Hkv, scale,
-  activation=0 (1: GeGLU), softcap=0.0) -> [N, C]``: every Llama or Gemma decoder layer over a static cache in one
-  op (each layer's ops above, in order)
+  activation (0 SwiGLU, 1 GeGLU), softcap (0.0: none), k_scales, v_scales (int8 caches' scales per layer, else
+  empty)) -> [N, C]``: every Llama or Gemma decoder layer over a static cache in one op (each layer's ops above, in
+  order)
 * ``paged_decoder_layers(x, weights, linears, eps, extras, layer_args, rope, k_pools, v_pools, slot_mapping,
-  block_tables, query_start_loc, seq_lens, H, Hkv, scale, activation=0, softcap=0.0) -> [N, C]``: the same over a
-  paged cache (``paged_attention_qkv``)
+  block_tables, query_start_loc, seq_lens, H, Hkv, scale, activation, softcap, k_scales, v_scales) -> [N, C]``: the
+  same over a paged cache (``paged_attention_qkv``)
 * ``softmax_draw(logits [B, V] f32, temperature [B] f64, u [B] f64) -> [B] i64``: one id per row from
   softmax(logits / temperature) by inversion at u (the engine's draw, ``ops.sample_inverse_cdf``'s search)
 * ``argmax(x [B, V] f32) -> [B] i64``: per row the first index of the largest value (of the first NaN, as

@@ -655,9 +655,31 @@ def attention(
     ``repeat_kv``; the window as transformers' ``sliding_window_overlay``; the softcap as its Gemma 2
     ``eager_attention_forward``; the sinks as its GptOss ``eager_attention_forward``.
     """
+    return _attention(q, k.half().double(), v.half().double(), key_mask, past_len, scale, window, softcap, sinks)
+
+
+def quantize_kv_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x [..., D] float32 as int8 caches store them: (values [..., D] int8, scales [...] float32) with
+    scale = amax / 127 and value = round(x * (127 / amax)) (half to even; 0 where amax = 0), amax the row's largest
+    |x|: symmetric per-row (per token and KV head) quantization; a value reads back as value * scale."""
+    amax = x.abs().amax(-1)  # [...]
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))  # [...]
+    return torch.round(x * inv[..., None]).to(torch.int8), amax / torch.full_like(amax, 127.0)
+
+
+def dequantize_kv_rows(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 cache rows values [..., D] with their scales [...] -> float64 [..., D] (values * scales, exact)."""
+    return values.double() * scales.double()[..., None]
+
+
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, past_len: int, scale: float,
+    window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`attention` over k, v as given (float64: fp16-rounded or dequantized int8 rows)."""
     b, h, t, d = q.shape
     h_kv, s = k.shape[1], k.shape[2]
-    q, k, v = q.double(), k.half().double(), v.half().double()
+    q = q.double()
     slot = torch.arange(s)
     visible = slot[None, :] <= (past_len + torch.arange(t))[:, None]  # [T, S]
     if window > 0:
@@ -696,16 +718,32 @@ def paged_attention(
     its last positions before ``seq_lens[r]``; ``window``, ``softcap`` and ``sinks`` as :func:`attention`. Returns [N, H, D]
     float32.
     """
+    return _paged_attention(q, k_pool, v_pool, None, None, block_tables, query_start_loc, seq_lens, scale, window,
+                            softcap, sinks)
+
+
+def _paged_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None, block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float, window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`paged_attention`, int8 pools read with their scales (:func:`dequantize_kv_rows`), others at fp16
+    precision."""
     out = torch.empty_like(q)
     bs = k_pool.shape[2]
+
+    def read(pool: torch.Tensor, scales: torch.Tensor | None, where: tuple) -> torch.Tensor:
+        rows = pool[where]  # [L, Hkv, D]
+        rows = rows.half().double() if scales is None else dequantize_kv_rows(rows, scales[where])
+        return rows.transpose(0, 1)[None]  # [1, Hkv, L, D]
+
     for r in range(seq_lens.shape[0]):
         start, end, length = int(query_start_loc[r]), int(query_start_loc[r + 1]), int(seq_lens[r])
         pos = torch.arange(length)
-        blocks = block_tables[r][pos // bs]  # [L]
-        k = k_pool[blocks, :, pos % bs].transpose(0, 1)[None]  # [L, Hkv, D] -> [1, Hkv, L, D]
-        v = v_pool[blocks, :, pos % bs].transpose(0, 1)[None]  # [1, Hkv, L, D]
+        where = (block_tables[r][pos // bs], slice(None), pos % bs)  # each position's (block, every head, row)
+        k, v = read(k_pool, k_scale, where), read(v_pool, v_scale, where)  # [1, Hkv, L, D] float64
         qr = q[start:end].transpose(0, 1)[None]  # [1, H, T, D]
-        out[start:end] = attention(qr, k, v, None, length - (end - start), scale, window, softcap, sinks)[0]
+        out[start:end] = _attention(qr, k, v, None, length - (end - start), scale, window, softcap, sinks)[0]
     return out
 
 
@@ -718,37 +756,64 @@ def _split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: i
 def static_attention(
     qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_mask: torch.Tensor | None,
     past_len: int, num_heads: int, scale: float, window: int = 0, softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qkv [B*T, (H + 2 Hkv) D]: write k, v at slots past_len.. of caches [B, Hkv, S_max, D], then
-    :func:`attention` over the first past_len + T slots (``window``, ``softcap``, ``sinks`` as there). Returns
-    [B*T, H*D]."""
+    :func:`attention` over the first past_len + T slots (``window``, ``softcap``, ``sinks`` as there). int8 caches
+    take ``k_scale``, ``v_scale`` [B, Hkv, S_max] float32 (:func:`quantize_kv_rows`, :func:`dequantize_kv_rows`).
+    Returns [B*T, H*D]."""
     b, h_kv, _, d = k_cache.shape
     t = qkv.shape[0] // b
     q, k, v = _split_qkv(qkv, num_heads, h_kv, d)  # [N, H|Hkv, D]
-    k_cache[:, :, past_len : past_len + t] = k.view(b, t, h_kv, d).transpose(1, 2)
-    v_cache[:, :, past_len : past_len + t] = v.view(b, t, h_kv, d).transpose(1, 2)
+    where = (slice(None), slice(None), slice(past_len, past_len + t))
+    _store_kv(k_cache, k_scale, where, k.view(b, t, h_kv, d).transpose(1, 2))
+    _store_kv(v_cache, v_scale, where, v.view(b, t, h_kv, d).transpose(1, 2))
     end = past_len + t
     qb = q.view(b, t, num_heads, d).transpose(1, 2)  # [B, H, T, D]
-    out = attention(qb, k_cache[:, :, :end], v_cache[:, :, :end], key_mask, past_len, scale, window,
-                    softcap, sinks)  # [B, T, H, D]
+    if k_scale is None:
+        out = attention(qb, k_cache[:, :, :end], v_cache[:, :, :end], key_mask, past_len, scale, window,
+                        softcap, sinks)  # [B, T, H, D]
+    else:
+        assert v_scale is not None, "int8 caches take k_scale and v_scale"
+        k_read = dequantize_kv_rows(k_cache[:, :, :end], k_scale[:, :, :end])  # [B, Hkv, S, D] float64
+        v_read = dequantize_kv_rows(v_cache[:, :, :end], v_scale[:, :, :end])
+        out = _attention(qb, k_read, v_read, key_mask, past_len, scale, window, softcap, sinks)  # [B, T, H, D]
     return out.reshape(b * t, num_heads * d)
 
 
 def paged_attention_qkv(
     qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor,
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, scale: float,
-    window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+    window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qkv [N, (H + 2 Hkv) D]: write k, v to ``slot_mapping`` [N] of the pools, then
-    :func:`paged_attention` (``window``, ``softcap``, ``sinks`` as there). Returns [N, H*D]."""
+    :func:`paged_attention` (``window``, ``softcap``, ``sinks`` as there). int8 pools take ``k_scale``, ``v_scale``
+    [num_blocks, Hkv, block_size] float32: each row written as :func:`quantize_kv_rows` (values and scale), read as
+    :func:`dequantize_kv_rows`. Returns [N, H*D]."""
     h_kv, bs, d = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
     q, k, v = _split_qkv(qkv, num_heads, h_kv, d)
-    k_pool[slot_mapping // bs, :, slot_mapping % bs] = k.to(k_pool.dtype)  # slot s: row s % bs of block s // bs
-    v_pool[slot_mapping // bs, :, slot_mapping % bs] = v.to(v_pool.dtype)
-    out = paged_attention(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, scale, window,
-                          softcap, sinks)  # [N, H, D]
+    blocks, rows = slot_mapping // bs, slot_mapping % bs  # slot s: row s % bs of block s // bs
+    _store_kv(k_pool, k_scale, (blocks, slice(None), rows), k)
+    _store_kv(v_pool, v_scale, (blocks, slice(None), rows), v)
+    if k_scale is None:
+        out = paged_attention(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, scale, window,
+                              softcap, sinks)  # [N, H, D]
+    else:
+        assert v_scale is not None, "int8 pools take k_scale and v_scale"
+        out = _paged_attention(q, k_pool, v_pool, k_scale, v_scale, block_tables, query_start_loc, seq_lens, scale,
+                               window, softcap, sinks)
     return out.reshape(qkv.shape[0], num_heads * d)
+
+
+def _store_kv(cache: torch.Tensor, scales: torch.Tensor | None, where: tuple, rows: torch.Tensor) -> None:
+    """cache[where] = rows [..., D] float32 in the cache's dtype; int8 caches (``scales`` given): quantized
+    (:func:`quantize_kv_rows`), their scales at scales[where]."""
+    if scales is None:
+        cache[where] = rows.to(cache.dtype)
+        return
+    values, row_scales = quantize_kv_rows(rows.float())
+    cache[where], scales[where] = values, row_scales
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -839,7 +904,8 @@ def decoder_layers(
     x: torch.Tensor, weights: list[torch.Tensor], linears: list[int], eps: list[float],
     extras: list[torch.Tensor | None], layer_args: list[int], rope: list[torch.Tensor], k_caches: list[torch.Tensor],
     v_caches: list[torch.Tensor], key_mask: torch.Tensor | None, past_len: int, num_heads: int, num_kv_heads: int,
-    scale: float, activation: int = 0, softcap: float = 0.0,
+    scale: float, activation: int = 0, softcap: float = 0.0, k_scales: list[torch.Tensor] | None = None,
+    v_scales: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Every decoder layer of a Llama-family or Gemma model on rows x [N = B T, C] with a static KV cache, as
     ``LlamaDecoderLayer.forward_kernels`` (``Gemma3DecoderLayer.forward_kernels``) per layer l: weights[6 l : 6 l + 6]
@@ -851,10 +917,18 @@ def decoder_layers(
     rotates by rope[0], rope[1], no window) or 2 per layer: (r, window), r = 0 no RoPE (SmolLM3's NoPE layers), r > 0
     the pair rope[2 r - 2], rope[2 r - 1] [N, D], window > 0 a sliding-window layer; activation 0 SwiGLU, 1 GeGLU;
     softcap > 0 caps the scores (Gemma 2); caches [B, Hkv, S_max, D] written at slots ``past_len..``
-    (:func:`static_attention`). Returns [N, C] float32."""
+    (:func:`static_attention`; int8 caches with k_scales[l], v_scales[l], empty or None for others). Returns [N, C]
+    float32."""
     p = _Layers(weights, linears, eps, extras, layer_args, rope, num_heads, num_kv_heads, activation)
     return _layers(x, p, len(k_caches), lambda layer, h, window: static_attention(
-        h, k_caches[layer], v_caches[layer], key_mask, past_len, num_heads, scale, window, softcap))
+        h, k_caches[layer], v_caches[layer], key_mask, past_len, num_heads, scale, window, softcap, None,
+        *_layer_scales(k_scales, v_scales, layer)))
+
+
+def _layer_scales(k_scales: list[torch.Tensor] | None, v_scales: list[torch.Tensor] | None, layer: int
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Layer ``layer``'s (k_scale, v_scale) of int8 caches, (None, None) for others."""
+    return (k_scales[layer], v_scales[layer]) if k_scales and v_scales else (None, None)
 
 
 def paged_decoder_layers(
@@ -862,14 +936,16 @@ def paged_decoder_layers(
     extras: list[torch.Tensor | None], layer_args: list[int], rope: list[torch.Tensor], k_pools: list[torch.Tensor],
     v_pools: list[torch.Tensor], slot_mapping: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int, scale: float,
-    activation: int = 0, softcap: float = 0.0,
+    activation: int = 0, softcap: float = 0.0, k_scales: list[torch.Tensor] | None = None,
+    v_scales: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """:func:`decoder_layers` over packed rows x [N, C] of several sequences and per-layer pools
-    [num_blocks, Hkv, block_size, D] (:func:`paged_attention_qkv`). Returns [N, C] float32."""
+    [num_blocks, Hkv, block_size, D] (:func:`paged_attention_qkv`; int8 pools with k_scales[l], v_scales[l]). Returns
+    [N, C] float32."""
     p = _Layers(weights, linears, eps, extras, layer_args, rope, num_heads, num_kv_heads, activation)
     return _layers(x, p, len(k_pools), lambda layer, h, window: paged_attention_qkv(
         h, k_pools[layer], v_pools[layer], slot_mapping, block_tables, query_start_loc, seq_lens, num_heads, scale,
-        window, softcap))
+        window, softcap, None, *_layer_scales(k_scales, v_scales, layer)))
 
 
 def softmax_draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

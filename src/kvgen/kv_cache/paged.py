@@ -29,6 +29,9 @@ from kvgen.kv_cache.pool import lazy_zeros
 from kvgen.kv_cache.sdpa import sdpa
 
 
+SCALE_BYTES = 4  # an int8 row's float32 scale
+
+
 def num_blocks_for_memory(config: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype) -> int:
     """How many blocks of ``block_size`` tokens fit in ``memory_bytes`` of K and V over all layers.
 
@@ -43,10 +46,11 @@ def num_blocks_for_memory(config: ModelConfig, memory_bytes: int, block_size: in
 
 
 def block_nbytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block: K and V for ``block_size`` tokens in every layer."""
+    """Bytes of one block: K and V for ``block_size`` tokens in every layer (int8: and a float32 scale per row)."""
     elem = torch.empty((), dtype=dtype).element_size()
     assert config.num_key_value_heads is not None and config.head_dim is not None  # set by ModelConfig.__post_init__
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
+    row = config.head_dim * elem + (SCALE_BYTES if dtype == torch.int8 else 0)
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * row
 
 
 @dataclass
@@ -148,6 +152,11 @@ class PagedKVCache:
     ``s % block_size`` of block ``s // block_size``, in each head's part of the block: a head's rows of a block are
     contiguous, as vLLM's PagedAttention lays them out, which the kernels read faster than slots of interleaved heads).
 
+    ``dtype=torch.int8`` stores each row (a token's K or V in one KV head) as int8 values and a float32 scale, in
+    ``key_scale`` / ``value_scale`` [num_blocks, Hkv, block_size] per layer (``kernels.reference.quantize_kv_rows``:
+    symmetric, the row's largest magnitude to 127), about half the bytes of float16 rows; only the kernels read them
+    (:meth:`attend_rows`; :meth:`attend` raises ``ValueError``). Other dtypes have empty scale lists.
+
     The pool is allocated once as zeros (padding slots read as finite values) that take resident memory only
     where written (``pool.lazy_zeros``). Raises
     ValueError for non-positive sizes.
@@ -171,6 +180,8 @@ class PagedKVCache:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         pool = lazy_zeros(2 * num_layers, shape, dtype, device)  # resident only where written
         self.key_cache, self.value_cache = pool[:num_layers], pool[num_layers:]
+        scales = lazy_zeros(2 * num_layers, shape[:-1], torch.float32, device) if dtype == torch.int8 else []
+        self.key_scale, self.value_scale = scales[:num_layers], scales[num_layers:]
         # Gather targets reused by every layer and step: a fresh multi-MB tensor per gather costs
         # page faults that made decode attention ~2x slower (a paged-attention experiment).
         self._workspace = {name: torch.empty(0, dtype=dtype, device=device) for name in ("k", "v", "k_heads", "v_heads")}
@@ -196,8 +207,9 @@ class PagedKVCache:
         return cls(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim, dtype)
 
     def nbytes(self) -> int:
-        """Bytes allocated for K and V over all layers."""
-        return sum(t.numel() * t.element_size() for t in self.key_cache + self.value_cache)
+        """Bytes allocated for K and V over all layers (int8: with their scales)."""
+        tensors = self.key_cache + self.value_cache + self.key_scale + self.value_scale
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def attend(
         self,
@@ -217,7 +229,10 @@ class PagedKVCache:
         position p sees positions p - window + 1 .. p only; ``softcap`` > 0 (Gemma 2): scores capped to
         ``softcap * tanh(s / softcap)``; ``sinks`` [H] float32 (gpt-oss): one more logit in each head's softmax, dropped
         (:func:`~kvgen.kv_cache.sdpa.sdpa`). Returns [1, H, N, D], q's dtype.
+        Raises ``ValueError`` for int8 pools (the kernels' :meth:`attend_rows` reads them).
         """
+        if self.key_scale:
+            raise ValueError("an int8 KV cache is read by kvgen's kernels only (a model on dtype 'auto')")
         k_new, v_new = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [N, Hkv, D]
         k_pool, v_pool = self.key_cache[layer_idx], self.value_cache[layer_idx]
         blocks, rows = meta.slot_mapping // self.block_size, meta.slot_mapping % self.block_size  # [N] each
@@ -239,10 +254,12 @@ class PagedKVCache:
     ) -> torch.Tensor:
         """Kernel path: write the step's k, v from stacked rows qkv [N, (H + 2 Hkv) D] to their slots,
         then attend every sequence straight from the pool through its block table (no gather;
-        ``kernels.paged_attention_qkv``; ``window``, ``softcap``, ``sinks`` as :meth:`attend`). Returns [N, H D] float32."""
+        ``kernels.paged_attention_qkv``; ``window``, ``softcap``, ``sinks`` as :meth:`attend`; int8 pools with their
+        scales). Returns [N, H D] float32."""
+        scales = (self.key_scale[layer_idx], self.value_scale[layer_idx]) if self.key_scale else ()
         return kernels.paged_attention_qkv(
             qkv, self.key_cache[layer_idx], self.value_cache[layer_idx], meta.slot_mapping, meta.block_tables,
-            meta.query_start_loc, meta.seq_lens, num_heads, scale, window, softcap, sinks,
+            meta.query_start_loc, meta.seq_lens, num_heads, scale, window, softcap, sinks, *scales,
         )
 
     def _gather(self, which: str, pool: torch.Tensor, block_ids: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -63,8 +63,9 @@ class DecoderOperands:
         heads = (self.num_heads, self.num_kv_heads, self.scale, self.activation, self.softcap)
         if isinstance(mask, PagedAttentionMetadata):
             return kernels.paged_decoder_layers(*layers, kv_cache.key_cache, kv_cache.value_cache, mask.slot_mapping,
-                                                mask.block_tables, mask.query_start_loc, mask.seq_lens, *heads)
+                                                mask.block_tables, mask.query_start_loc, mask.seq_lens, *heads,
+                                                kv_cache.key_scale, kv_cache.value_scale)
         if hasattr(kv_cache, "static_buffers"):
             keys, values, past = kv_cache.static_buffers(num_new)
-            return kernels.decoder_layers(*layers, keys, values, mask, past, *heads)
+            return kernels.decoder_layers(*layers, keys, values, mask, past, *heads, [], [])
         return None

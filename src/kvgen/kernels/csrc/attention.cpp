@@ -1,6 +1,9 @@
 // Causal attention of query rows over cached keys, grouped-query heads, with K and V read
 // at fp16 precision (fp16 storage as is; fp32 storage rounded to fp16 on load), so every
-// cache kind gives the same numbers. Two entry points share one per-query routine:
+// cache kind gives the same numbers; or from int8 storage (static_attention and paged_attention_qkv with k_scale,
+// v_scale): each row (a token's K or V in one KV head) as int8 values q and a float32 scale s, the row s q
+// (store_row_q8: s = max |x| / 127, q = round(x / s); the scores take s_k after the dot products, the softmax weights
+// s_v before P V, attend_chunk). Two entry points share one per-query routine:
 //   attention:       q [B, H, T, D], k/v [B, Hkv, S, D] (static / dynamic cache or none);
 //                    query t of row b sits at slot past_len + t and sees slots <= it whose
 //                    key_mask[b, s] is true (left padding); with window > 0 (a sliding-window layer,
@@ -60,9 +63,14 @@ namespace {
 // 8 values of a K or V row as fp32, rounded to fp16 precision.
 inline __m256 load8(const float* p) { return _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(p), _MM_FROUND_TO_NEAREST_INT)); }
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// int8 storage: the row's values before its scale (applied to the scores and the softmax weights, attend_chunk).
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 
 struct Scratch {
   std::vector<float> scores;
+  std::vector<float> row_scales;  // int8 storage: the chunk's keys' K or V scales
   std::vector<int64_t> keys;
   std::vector<float> q;  // the AVX-512 parts' query vectors
 
@@ -72,6 +80,13 @@ struct Scratch {
     q.resize(16 * n + 16);
     return reinterpret_cast<V*>((reinterpret_cast<uintptr_t>(q.data()) + 63) & ~uintptr_t{63});
   }
+};
+
+// int8 storage's scales: row `key` of K holds k[key] times its int8 values, of V v[key] times its (null for fp32 and
+// fp16 storage).
+struct RowScales {
+  const float* k = nullptr;
+  const float* v = nullptr;
 };
 
 // 8 dot products (one per vector of a[]) reduced into one vector, lane j = sum of a[j]'s
@@ -138,7 +153,7 @@ inline void qk_dots_g(const float* const* q, int64_t G, int64_t D, const T* cons
 // 1 thread 7.0-7.7 -> 6.2-6.6 ms, 2 threads 3.9-4.3 -> 3.6-4.0 ms).
 template <typename T, typename KRow, typename VRow, typename Scores>
 __attribute__((always_inline)) inline void qk_scores(int64_t D, int64_t n, const int64_t* keys, KRow krow, VRow vrow,
-                                                     float* sc, bool prefetch, Scores scores_of) {
+                                                     RowScales rs, float* sc, bool prefetch, Scores scores_of) {
   for (int64_t i0 = 0; i0 < n; i0 += 8) {
     const T* kr[8];
     for (int j = 0; j < 8; ++j) kr[j] = krow(keys[std::min<int64_t>(i0 + j, n - 1)]);  // the tail repeats a key
@@ -149,6 +164,10 @@ __attribute__((always_inline)) inline void qk_scores(int64_t D, int64_t n, const
         _mm_prefetch(r + b, _MM_HINT_T0);
         _mm_prefetch(v + b, _MM_HINT_T1);
       }
+    }
+    if (std::is_same_v<T, int8_t> && prefetch && i0 + 16 < n) {  // int8: those rows' scales (16 a line)
+      _mm_prefetch(reinterpret_cast<const char*>(rs.k + keys[i0 + 16]), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rs.v + keys[i0 + 16]), _MM_HINT_T0);
     }
     scores_of(kr, sc + i0);
   }
@@ -257,12 +276,19 @@ inline __m512 load8x2(const at::Half* p0, const at::Half* p1) {
       _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1));
 }
+inline __m512 load8x2(const int8_t* p0, const int8_t* p1) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0)), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1)))));
+}
 // 16 consecutive values of a V row: load8(p), load8(p + 8).
 inline __m512 load16(const float* p) {
   return _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_loadu_ps(p), _MM_FROUND_TO_NEAREST_INT));
 }
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 // 8 floats in both halves.
 inline __m512 twice8(const float* p) {
@@ -424,17 +450,31 @@ inline __m256 exps_wide(float* s, int64_t n8, float mx) {
 }
 KVGEN_VNNI_END
 
+// s[h n8 + i] *= f[keys[i]] for the heads' first n values (int8 storage's scales of the chunk's keys).
+inline void scale_rows(float* s, int64_t heads, int64_t n8, int64_t n, const int64_t* keys, const float* f,
+                       Scratch& scratch) {
+  scratch.row_scales.resize(n);
+  float* r = scratch.row_scales.data();
+  for (int64_t i = 0; i < n; ++i) r[i] = f[keys[i]];
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t i = 0; i < n; ++i) s[h * n8 + i] *= r[i];
+}
+
 // attend's body (below): scores, their softmax terms, then P V; scores_of(kr, s, n8), exps_of(s, n8, mx) and
-// pv_of(p, n8) are the ISA's parts (AVX2's or AVX-512's).
+// pv_of(p, n8) are the ISA's parts (AVX2's or AVX-512's). With int8 storage (T = int8_t) the scores of the rows' int8
+// values are multiplied by the K rows' scales (before the softcap and the max), and the softmax terms, once summed, by
+// the V rows' scales (the weights of the V rows' int8 values): q . (s_k k) = s_k (q . k), p (s_v v) = (p s_v) v.
 template <typename T, typename KRow, typename VRow, typename Scores, typename Exps, typename PV>
 __attribute__((always_inline)) inline void attend_chunk(int64_t G, int64_t num_queries, const int64_t* n_of,
-                                                        const int64_t* keys, KRow krow, VRow vrow, int64_t D,
-                                                        float scale, float softcap, bool prefetch, Scratch& scratch,
-                                                        float* m, float* l, Scores scores_of, Exps exps_of, PV pv_of) {
+                                                        const int64_t* keys, KRow krow, VRow vrow, RowScales rs,
+                                                        int64_t D, float scale, float softcap, bool prefetch,
+                                                        Scratch& scratch, float* m, float* l, Scores scores_of,
+                                                        Exps exps_of, PV pv_of) {
   const int64_t heads = G * num_queries, n = n_of[num_queries - 1], n8 = (n + 7) / 8 * 8;
   scratch.scores.resize(heads * n8);
   float* sc = scratch.scores.data();
-  qk_scores<T>(D, n, keys, krow, vrow, sc, prefetch, [&](const T* const* kr, float* s) { scores_of(kr, s, n8); });
+  qk_scores<T>(D, n, keys, krow, vrow, rs, sc, prefetch, [&](const T* const* kr, float* s) { scores_of(kr, s, n8); });
+  if constexpr (std::is_same_v<T, int8_t>) scale_rows(sc, heads, n8, n, keys, rs.k, scratch);
   for (int64_t h = 0; h < heads; ++h) {
     float* s = sc + h * n8;
     if (softcap > 0.0f)  // scalar tanh: exact to an ulp, as torch.tanh (a vector tanh loses ~1e-7 near 0)
@@ -448,6 +488,7 @@ __attribute__((always_inline)) inline void attend_chunk(int64_t G, int64_t num_q
     m[h] = mx;
     l[h] = hsum(exps_of(s, n8, mx));
   }
+  if constexpr (std::is_same_v<T, int8_t>) scale_rows(sc, heads, n8, n, keys, rs.v, scratch);
   pv_of(sc, n8);
 }
 
@@ -456,13 +497,13 @@ KVGEN_VNNI_BEGIN
 // the VNNI tiles pass theirs: a lambda of an AVX2 function in between kept them out of line).
 template <typename T, typename KRow, typename VRow>
 void attend_wide(const float* const* q, int64_t G, int64_t num_queries, int64_t D, const int64_t* n_of,
-                 const int64_t* keys, KRow krow, VRow vrow, float scale, float softcap, bool prefetch, Scratch& scratch,
-                 float* m, float* l, float* const* o) {
+                 const int64_t* keys, KRow krow, VRow vrow, RowScales rs, float scale, float softcap, bool prefetch,
+                 Scratch& scratch, float* m, float* l, float* const* o) {
   const int64_t heads = G * num_queries;
   __m512* qd = scratch.wide<__m512>(heads * D / 8);
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t d = 0; d < D; d += 8) qd[(d / 8) * heads + h] = twice8(q[h] + d);
-  attend_chunk<T>(G, num_queries, n_of, keys, krow, vrow, D, scale, softcap, prefetch, scratch, m, l,
+  attend_chunk<T>(G, num_queries, n_of, keys, krow, vrow, rs, D, scale, softcap, prefetch, scratch, m, l,
                   [&](const T* const* kr, float* s, int64_t n8) {
                     qk_scores_wide_g<T>(q, heads, D, kr, scale, s, n8, qd);
                   },
@@ -496,13 +537,13 @@ KVGEN_VNNI_END
 // tokens/s (4 alternating pairs).
 template <typename T, typename KRow, typename VRow>
 void attend(const float* const* q, int64_t G, int64_t num_queries, int64_t D, const int64_t* n_of, const int64_t* keys,
-            KRow krow, VRow vrow, float scale, float softcap, bool prefetch, Scratch& scratch, float* m, float* l,
-            float* const* o) {
+            KRow krow, VRow vrow, RowScales rs, float scale, float softcap, bool prefetch, Scratch& scratch, float* m,
+            float* l, float* const* o) {
   if (use_vnni())
-    return attend_wide<T>(q, G, num_queries, D, n_of, keys, krow, vrow, scale, softcap, prefetch, scratch, m, l, o);
+    return attend_wide<T>(q, G, num_queries, D, n_of, keys, krow, vrow, rs, scale, softcap, prefetch, scratch, m, l, o);
   // AVX2: a group's scores in one pass (each K vector converted once for all its heads), its P V a query at a time
   // (16 registers: the P V templates stop at 4 heads)
-  attend_chunk<T>(G, num_queries, n_of, keys, krow, vrow, D, scale, softcap, prefetch, scratch, m, l,
+  attend_chunk<T>(G, num_queries, n_of, keys, krow, vrow, rs, D, scale, softcap, prefetch, scratch, m, l,
                   [&](const T* const* kr, float* s, int64_t n8) {
                     qk_scores8<T>(q, G * num_queries, D, kr, scale, s, n8);
                   },
@@ -679,6 +720,9 @@ struct AttentionArgs {
   int64_t window;  // 0: every earlier slot; else the last `window` slots up to the query's own
   float softcap;   // 0: none; else scores -> softcap * tanh(score / softcap)
   const float* sinks;  // null, or [H] sink logits
+  const float* k_scale = nullptr;  // int8 storage: the rows' scales [B, Hkv, S_cap] contiguous (RowScales)
+  const float* v_scale = nullptr;
+  int64_t S_cap = 0;
 };
 
 template <typename T>
@@ -733,9 +777,10 @@ void attention_impl(const AttentionArgs<T>& a) {
     }
     const T* kb = a.k + b * a.k_b + j * a.k_h;
     const T* vb = a.v + b * a.v_b + j * a.v_h;
-    const int64_t ks = a.k_s, vs = a.v_s;
+    const int64_t ks = a.k_s, vs = a.v_s, head = (b * a.Hkv + j) * a.S_cap;
+    const RowScales rs = a.k_scale ? RowScales{a.k_scale + head, a.v_scale + head} : RowScales{};
     attend<T>(qs, G, count, a.D, n_of, keys, [&](int64_t p) { return kb + p * ks; },
-              [&](int64_t p) { return vb + p * vs; }, a.scale, a.softcap, a.Tq == 1, scratch, m, l, o);
+              [&](int64_t p) { return vb + p * vs; }, rs, a.scale, a.softcap, a.Tq == 1, scratch, m, l, o);
   };
   // query t's twin: t + 1 of the same row, when neither a sliding window nor padding sets their keys apart
   const auto twin = [&](int64_t w) -> int64_t {
@@ -771,40 +816,78 @@ inline void store_row(T* y, const float* x, int64_t n) {
   }
 }
 
-// Write rows [B*T, Hkv*D] of fp32 k (or v) into a cache [B, Hkv, S_max, D] at slots past_len..
+// Store n fp32 values (n % 8 == 0) as int8 q and their scale: scale = amax / 127 and q = round(x * (127 / amax))
+// (nearest even; 0 where amax is 0), amax the largest |x| (symmetric per-row quantization, as the torch reference,
+// whose values and scales are the same to the bit).
+inline void store_row_q8(int8_t* y, float* scale, const float* x, int64_t n) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 vmax = _mm256_setzero_ps();
+  for (int64_t d = 0; d < n; d += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + d), abs_mask));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  const float amax = *std::max_element(lanes, lanes + 8);
+  const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  *scale = amax / 127.0f;
+  for (int64_t d = 0; d < n; d += 8) {
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + d), inv));  // |q| <= 127
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));  // 8 x int16
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(y + d), _mm_packs_epi16(w, w));
+  }
+}
+
+// Store a row of k or v: T's (store_row), or with int8 storage its int8 values and, at *scale, its scale.
 template <typename T>
-void store_rows(const float* src, int64_t src_stride, T* cache, int64_t c_b, int64_t c_h, int64_t c_s, int64_t B,
-                int64_t Tq, int64_t Hkv, int64_t D, int64_t past_len) {
+inline void store_kv_row(T* y, float* scale, const float* x, int64_t n) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    store_row_q8(y, scale, x, n);
+  } else {
+    store_row(y, x, n);
+  }
+}
+
+// Write rows [B*T, Hkv*D] of fp32 k (or v) into a cache [B, Hkv, S_max, D] at slots past_len.. (int8 storage: and
+// their scales into scales [B, Hkv, S_max] contiguous; else scales is null).
+template <typename T>
+void store_rows(const float* src, int64_t src_stride, T* cache, int64_t c_b, int64_t c_h, int64_t c_s, float* scales,
+                int64_t B, int64_t Tq, int64_t Hkv, int64_t S_max, int64_t D, int64_t past_len) {
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < Tq; ++t)
       for (int64_t j = 0; j < Hkv; ++j)
-        store_row(cache + b * c_b + j * c_h + (past_len + t) * c_s, src + (b * Tq + t) * src_stride + j * D, D);
+        store_kv_row(cache + b * c_b + j * c_h + (past_len + t) * c_s,
+                     scales ? scales + (b * Hkv + j) * S_max + past_len + t : nullptr,
+                     src + (b * Tq + t) * src_stride + j * D, D);
 }
 
+// k_scale, v_scale: int8 storage's scales [B, Hkv, S_max] float32 contiguous, else null.
 template <typename T>
-at::Tensor static_impl(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache, const bool* mask, int64_t past_len,
-                       int64_t H, float scale, int64_t window, float softcap, const float* sinks) {
-  const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), D = k_cache.size(3), N = qkv.size(0), Tq = N / B;
-  const int64_t W = qkv.size(1);
+at::Tensor static_impl(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache, float* k_scale, float* v_scale,
+                       const bool* mask, int64_t past_len, int64_t H, float scale, int64_t window, float softcap,
+                       const float* sinks) {
+  const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), S_max = k_cache.size(2), D = k_cache.size(3);
+  const int64_t N = qkv.size(0), Tq = N / B, W = qkv.size(1);
   const float* base = qkv.data_ptr<float>();
   T* kc = k_cache.data_ptr<T>();
   T* vc = v_cache.data_ptr<T>();
-  store_rows<T>(base + H * D, W, kc, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), B, Tq, Hkv, D, past_len);
-  store_rows<T>(base + (H + Hkv) * D, W, vc, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), B, Tq, Hkv, D, past_len);
+  store_rows<T>(base + H * D, W, kc, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scale, B, Tq, Hkv,
+                S_max, D, past_len);
+  store_rows<T>(base + (H + Hkv) * D, W, vc, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_scale, B, Tq,
+                Hkv, S_max, D, past_len);
   at::Tensor out = at::empty({N, H * D}, qkv.options());
   // q of row (b, t), head h sits at base + (b T + t) W + h D
   attention_impl<T>({base, Tq * W, D, W, kc, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), vc, v_cache.stride(0),
                      v_cache.stride(1), v_cache.stride(2), out.data_ptr<float>(), B, H, Tq, D, Hkv, past_len + Tq, mask,
-                     past_len, scale, window, softcap, sinks});
+                     past_len, scale, window, softcap, sinks, k_scale, v_scale, S_max});
   return out;
 }
 
 // paged_attention over q rows at qp + i q_n + h q_h (h < H, D contiguous floats); out [N, H*D]. tables [R, nb],
-// qsl [R + 1], lens [R] int64 contiguous (checked by the callers).
+// qsl [R + 1], lens [R] int64 contiguous (checked by the callers). rs: int8 storage's scales, pools [num_blocks, Hkv,
+// block_size] (row r of the pools' [num_blocks * Hkv * block_size, D] has scale rs.k[r], rs.v[r]).
 template <typename T>
 at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int64_t H, const at::Tensor& k_pool,
-                      const at::Tensor& v_pool, const at::Tensor& tables, const at::Tensor& qsl, const at::Tensor& seq_lens,
-                      float scale, int64_t window, float softcap, const float* sinks, const at::TensorOptions& options) {
+                      const at::Tensor& v_pool, RowScales rs, const at::Tensor& tables, const at::Tensor& qsl,
+                      const at::Tensor& seq_lens, float scale, int64_t window, float softcap, const float* sinks,
+                      const at::TensorOptions& options) {
   const int64_t D = k_pool.size(3), bs = k_pool.size(2), Hkv = k_pool.size(1), G = H / Hkv, R = seq_lens.size(0);
   const int64_t nb = tables.size(1);
   at::Tensor out = at::empty({N, H * D}, options);
@@ -843,15 +926,15 @@ at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int6
     const int64_t kw = ws[count - 1];  // the pair whose keys the pass reads (the others' are their starts)
     const int64_t i = kw / Hkv, j = kw % Hkv, r = seq_of[i], lo = c * kKeyChunk;
     const int64_t hi = std::min<int64_t>(num_keys[kw], lo + kKeyChunk), first = first_of(kw);
-    // each key's row offset in the pools (block, head, slot), walked block by block: no division by the block size
+    // each key's row in the pools (block, head, slot), walked block by block: no division by the block size
     // per key and row (K, V and their prefetches); engine decode steps at 1-16 sequences measured the same or ~5 %
     // faster
     scratch.keys.resize(hi - lo);
     const int64_t* table = tab + r * nb;
     for (int64_t p = first + lo, n = 0; n < hi - lo;) {
       const int64_t block = p / bs, slot = p % bs, run = std::min(bs - slot, hi - lo - n);
-      const int64_t base = ((table[block] * Hkv + j) * bs + slot) * D;
-      for (int64_t s = 0; s < run; ++s) scratch.keys[n + s] = base + s * D;
+      const int64_t row = (table[block] * Hkv + j) * bs + slot;
+      for (int64_t s = 0; s < run; ++s) scratch.keys[n + s] = row + s;
       p += run, n += run;
     }
     const float* qs[64];
@@ -860,10 +943,10 @@ at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int6
       n_of[k] = std::min<int64_t>(num_keys[ws[k]], lo + kKeyChunk) - lo;
       for (int64_t g = 0; g < G; ++g) qs[k * G + g] = qp + (ws[k] / Hkv) * q_n + (j * G + g) * q_h;
     }
-    auto krow = [&](int64_t offset) { return kp + offset; };
-    auto vrow = [&](int64_t offset) { return vp + offset; };
+    auto krow = [&](int64_t row) { return kp + row * D; };
+    auto vrow = [&](int64_t row) { return vp + row * D; };
     const bool prefetch = qslp[r + 1] - qslp[r] == 1;  // a decode step's keys are cold; a prefill's, shared and hot
-    attend<T>(qs, G, count, D, n_of, scratch.keys.data(), krow, vrow, scale, softcap, prefetch, scratch, m, l, o);
+    attend<T>(qs, G, count, D, n_of, scratch.keys.data(), krow, vrow, rs, scale, softcap, prefetch, scratch, m, l, o);
   };
   // query i's twin: i + 1 of the same sequence, when no sliding window sets their first keys apart
   const auto twin = [&](int64_t w) -> int64_t {
@@ -880,14 +963,31 @@ at::Tensor paged_impl(const float* qp, int64_t q_n, int64_t q_h, int64_t N, int6
 void check_paged(const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& tables, const at::Tensor& qsl,
                  const at::Tensor& lens, int64_t H, int64_t D) {
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.dtype() == v_pool.dtype() &&
-                  (k_pool.dtype() == at::kFloat || k_pool.dtype() == at::kHalf) && k_pool.is_contiguous() &&
+                  (k_pool.dtype() == at::kFloat || k_pool.dtype() == at::kHalf || k_pool.dtype() == at::kChar) &&
+                  k_pool.is_contiguous() &&
                   v_pool.is_contiguous() && k_pool.size(3) == D && D % 8 == 0 && H % k_pool.size(1) == 0 &&
                   H / k_pool.size(1) <= 64,
-              "kvgen.paged_attention: contiguous float16/float32 pools [num_blocks, Hkv, block_size, D] ", k_pool.sizes(),
+              "kvgen.paged_attention: contiguous float16/float32/int8 pools [num_blocks, Hkv, block_size, D] ", k_pool.sizes(),
               " do not fit ", H, " heads of ", D);
   TORCH_CHECK(tables.dim() == 2 && qsl.dim() == 1 && lens.dim() == 1 && qsl.numel() == lens.numel() + 1 &&
                   tables.size(0) == lens.numel(),
               "kvgen.paged_attention: query_start_loc [R+1] / seq_lens [R] / block_tables [R, nb] disagree");
+}
+
+// int8 storage's scales of caches k, v [..., D] int8: k_scale and v_scale, float32 contiguous, one per row
+// ([...] = k.sizes() without D); both null (none given) for float32 and float16 caches.
+std::pair<float*, float*> row_scales(const at::Tensor& k, const c10::optional<at::Tensor>& k_scale,
+                                     const c10::optional<at::Tensor>& v_scale, const char* op) {
+  const bool given = k_scale.has_value() && k_scale->defined(), v_given = v_scale.has_value() && v_scale->defined();
+  TORCH_CHECK(given == v_given && given == (k.dtype() == at::kChar), "kvgen.", op, ": int8 caches take k_scale and "
+              "v_scale (one float32 per row), float16 and float32 caches neither");
+  if (!given) return {nullptr, nullptr};
+  for (const at::Tensor* t : {&*k_scale, &*v_scale})
+    TORCH_CHECK(t->dtype() == at::kFloat && t->is_contiguous() && t->sizes() == k.sizes().slice(0, k.dim() - 1) &&
+                    k.is_contiguous(),
+                "kvgen.", op, ": k_scale and v_scale must be contiguous float32 ", k.sizes().slice(0, k.dim() - 1),
+                " beside contiguous int8 caches, got ", t->sizes());
+  return {k_scale->data_ptr<float>(), v_scale->data_ptr<float>()};
 }
 
 // The sink logits [H] as contiguous float32 (kept alive in `holder`), or null without them.
@@ -927,14 +1027,16 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 at::Tensor static_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache,
                             const c10::optional<at::Tensor>& key_mask, int64_t past_len, int64_t num_heads, double scale,
-                            int64_t window, double softcap, const c10::optional<at::Tensor>& sinks) {
+                            int64_t window, double softcap, const c10::optional<at::Tensor>& sinks,
+                            const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(window >= 0, "kvgen.static_attention: window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(softcap >= 0, "kvgen.static_attention: softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.dtype() == at::kFloat && k_cache.dim() == 4 &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.dtype() == v_cache.dtype() &&
-                  (k_cache.dtype() == at::kHalf || k_cache.dtype() == at::kFloat) && k_cache.stride(3) == 1 &&
-                  v_cache.stride(3) == 1,
-              "kvgen.static_attention: qkv float32 [B*T, W] contiguous, caches [B, Hkv, S_max, D] float16/float32");
+                  (k_cache.dtype() == at::kHalf || k_cache.dtype() == at::kFloat || k_cache.dtype() == at::kChar) &&
+                  k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "kvgen.static_attention: qkv float32 [B*T, W] contiguous, caches [B, Hkv, S_max, D] float16/float32/int8");
+  const auto [ks, vs] = row_scales(k_cache, k_scale, v_scale, "static_attention");
   const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), S_max = k_cache.size(2), D = k_cache.size(3);
   const int64_t N = qkv.size(0), T = N / B, H = num_heads;
   TORCH_CHECK(N == B * T && qkv.size(1) == (H + 2 * Hkv) * D && D % 8 == 0 && H % Hkv == 0 && H / Hkv <= 64,
@@ -951,8 +1053,10 @@ at::Tensor static_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
   const float cap = static_cast<float>(softcap);
   at::Tensor held;
   const float* sk = sink_logits(sinks, H, held, "static_attention");
-  return k_cache.dtype() == at::kHalf ? static_impl<at::Half>(qkv, k_cache, v_cache, mp, past_len, H, sc, window, cap, sk)
-                                      : static_impl<float>(qkv, k_cache, v_cache, mp, past_len, H, sc, window, cap, sk);
+  if (ks) return static_impl<int8_t>(qkv, k_cache, v_cache, ks, vs, mp, past_len, H, sc, window, cap, sk);
+  return k_cache.dtype() == at::kHalf
+             ? static_impl<at::Half>(qkv, k_cache, v_cache, nullptr, nullptr, mp, past_len, H, sc, window, cap, sk)
+             : static_impl<float>(qkv, k_cache, v_cache, nullptr, nullptr, mp, past_len, H, sc, window, cap, sk);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -971,9 +1075,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   at::Tensor held;
   const float* sk = sink_logits(sinks, H, held, "paged_attention");
   const at::Tensor out = k_pool.dtype() == at::kHalf
-      ? paged_impl<at::Half>(qp, q.stride(0), q.stride(1), N, H, k_pool, v_pool, tables, qsl, lens, sc, window, cap,
-                             sk, q.options())
-      : paged_impl<float>(qp, q.stride(0), q.stride(1), N, H, k_pool, v_pool, tables, qsl, lens, sc, window, cap,
+      ? paged_impl<at::Half>(qp, q.stride(0), q.stride(1), N, H, k_pool, v_pool, {}, tables, qsl, lens, sc, window,
+                             cap, sk, q.options())
+      : paged_impl<float>(qp, q.stride(0), q.stride(1), N, H, k_pool, v_pool, {}, tables, qsl, lens, sc, window, cap,
                           sk, q.options());
   return out.view({N, H, D});
 }
@@ -983,7 +1087,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
 at::Tensor paged_attention_qkv(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slot_mapping,
                                const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                                const at::Tensor& seq_lens, int64_t num_heads, double scale, int64_t window,
-                               double softcap, const c10::optional<at::Tensor>& sinks) {
+                               double softcap, const c10::optional<at::Tensor>& sinks,
+                               const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(window >= 0, "kvgen.paged_attention_qkv: window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(softcap >= 0, "kvgen.paged_attention_qkv: softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.dtype() == at::kFloat,
@@ -1004,18 +1109,20 @@ at::Tensor paged_attention_qkv(const at::Tensor& qkv, at::Tensor& k_pool, at::Te
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   at::Tensor held;
   const float* sk = sink_logits(sinks, H, held, "paged_attention_qkv");
+  const auto [ks, vs] = row_scales(k_pool, k_scale, v_scale, "paged_attention_qkv");
   auto run = [&](auto* kp, auto* vp) {
     using T = std::remove_pointer_t<decltype(kp)>;
     for (int64_t i = 0; i < N; ++i) {
       for (int64_t j = 0; j < Hkv; ++j) {  // slot s is row s % bs of block s / bs, in each head's part of the block
-        const int64_t at = ((slots[i] / bs * Hkv + j) * bs + slots[i] % bs) * D;
-        store_row<T>(kp + at, base + i * W + (H + j) * D, D);
-        store_row<T>(vp + at, base + i * W + (H + Hkv + j) * D, D);
+        const int64_t row = (slots[i] / bs * Hkv + j) * bs + slots[i] % bs;
+        store_kv_row<T>(kp + row * D, ks ? ks + row : nullptr, base + i * W + (H + j) * D, D);
+        store_kv_row<T>(vp + row * D, vs ? vs + row : nullptr, base + i * W + (H + Hkv + j) * D, D);
       }
     }
-    return paged_impl<T>(base, W, D, N, H, k_pool, v_pool, block_tables, query_start_loc, seq_lens, sc, window, cap,
-                         sk, qkv.options());
+    return paged_impl<T>(base, W, D, N, H, k_pool, v_pool, {ks, vs}, block_tables, query_start_loc, seq_lens, sc,
+                         window, cap, sk, qkv.options());
   };
+  if (ks) return run(k_pool.data_ptr<int8_t>(), v_pool.data_ptr<int8_t>());
   return k_pool.dtype() == at::kHalf ? run(k_pool.data_ptr<at::Half>(), v_pool.data_ptr<at::Half>())
                                      : run(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());
 }

@@ -13,7 +13,8 @@
 //                         (Gemma 3: full and sliding layers have their own bases), window > 0 a sliding-window
 //                         layer; activation 0 SwiGLU (silu_mul), 1 GeGLU (gelu_tanh_mul); softcap > 0: Gemma 2's
 //                         capped scores; k_caches[l], v_caches[l] [B, Hkv, S_max, D] written at slots past_len ..
-//                         (static_attention). Returns x after the last layer.
+//                         (static_attention; int8 caches with their scales k_scales[l], v_scales[l], both lists
+//                         empty for float16 and float32 caches). Returns x after the last layer.
 //   paged_decoder_layers: the same over packed rows of several sequences, k_pools[l], v_pools[l]
 //                         [num_blocks, Hkv, block_size, D] through block tables (paged_attention_qkv).
 // Each layer runs the ops of LlamaDecoderLayer.forward_kernels (Gemma3DecoderLayer.forward_kernels) in the same
@@ -101,18 +102,31 @@ at::Tensor in_team(int64_t rows, const F& f) {
   return out;
 }
 
+// int8 caches' scales: one k and one v scale tensor per layer, or none (float16 and float32 caches).
+void check_scales(size_t num_layers, at::TensorList k_scales, at::TensorList v_scales, const char* op) {
+  TORCH_CHECK(k_scales.size() == v_scales.size() && (k_scales.empty() || k_scales.size() == num_layers), "kvgen.", op,
+              ": k_scales and v_scales hold one tensor per layer (int8 caches) or none");
+}
+
+c10::optional<at::Tensor> layer_scale(at::TensorList scales, size_t l) {
+  return scales.empty() ? c10::nullopt : c10::optional<at::Tensor>(scales[l]);
+}
+
 }  // namespace
 
 at::Tensor decoder_layers(const at::Tensor& x, at::TensorList weights, at::IntArrayRef linears, at::ArrayRef<double> eps,
                           const Extras& extras, at::IntArrayRef layer_args, at::TensorList rope, at::TensorList k_caches,
                           at::TensorList v_caches, const c10::optional<at::Tensor>& key_mask, int64_t past_len,
-                          int64_t num_heads, int64_t num_kv_heads, double scale, int64_t activation, double softcap) {
+                          int64_t num_heads, int64_t num_kv_heads, double scale, int64_t activation, double softcap,
+                          at::TensorList k_scales, at::TensorList v_scales) {
   TORCH_CHECK(v_caches.size() == k_caches.size(), "kvgen.decoder_layers: one v cache per k cache");
+  check_scales(k_caches.size(), k_scales, v_scales, "decoder_layers");
   const Layers p{weights, linears, eps, extras, layer_args, rope, num_heads, num_kv_heads, activation};
   return in_team(x.size(0), [&] {
     return run_layers(x, p, k_caches.size(), [&](size_t l, const at::Tensor& qkv, int64_t window) {
       at::Tensor k = k_caches[l], v = v_caches[l];
-      return static_attention(qkv, k, v, key_mask, past_len, num_heads, scale, window, softcap, c10::nullopt);
+      return static_attention(qkv, k, v, key_mask, past_len, num_heads, scale, window, softcap, c10::nullopt,
+                              layer_scale(k_scales, l), layer_scale(v_scales, l));
     });
   });
 }
@@ -122,14 +136,16 @@ at::Tensor paged_decoder_layers(const at::Tensor& x, at::TensorList weights, at:
                                 at::TensorList rope, at::TensorList k_pools, at::TensorList v_pools,
                                 const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t num_heads,
-                                int64_t num_kv_heads, double scale, int64_t activation, double softcap) {
+                                int64_t num_kv_heads, double scale, int64_t activation, double softcap,
+                                at::TensorList k_scales, at::TensorList v_scales) {
   TORCH_CHECK(v_pools.size() == k_pools.size(), "kvgen.paged_decoder_layers: one v pool per k pool");
+  check_scales(k_pools.size(), k_scales, v_scales, "paged_decoder_layers");
   const Layers p{weights, linears, eps, extras, layer_args, rope, num_heads, num_kv_heads, activation};
   return in_team(x.size(0), [&] {
     return run_layers(x, p, k_pools.size(), [&](size_t l, const at::Tensor& qkv, int64_t window) {
       at::Tensor k = k_pools[l], v = v_pools[l];
       return paged_attention_qkv(qkv, k, v, slot_mapping, block_tables, query_start_loc, seq_lens, num_heads, scale,
-                                 window, softcap, c10::nullopt);
+                                 window, softcap, c10::nullopt, layer_scale(k_scales, l), layer_scale(v_scales, l));
     });
   });
 }

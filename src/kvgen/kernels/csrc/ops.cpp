@@ -536,17 +536,19 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("repack_gguf(Tensor[] parts, int gguf_type, Tensor(a!)? out=None) -> Tensor");
   m.def("recode_gguf(Tensor raw, int ggml_type, Tensor grid) -> Tensor");
   m.def("static_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? key_mask, int past_len, "
-        "int num_heads, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
+        "int num_heads, float scale, int window=0, float softcap=0.0, Tensor? sinks=None, Tensor(c!)? k_scale=None, "
+        "Tensor(d!)? v_scale=None) -> Tensor");
   m.def("paged_attention_qkv(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, int num_heads, float scale, int window=0, float softcap=0.0, "
-        "Tensor? sinks=None) -> Tensor");
+        "Tensor? sinks=None, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> Tensor");
   m.def("decoder_layers(Tensor x, Tensor[] weights, int[] linears, float[] eps, Tensor?[] extras, int[] layer_args, "
         "Tensor[] rope, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor? key_mask, int past_len, int num_heads, "
-        "int num_kv_heads, float scale, int activation=0, float softcap=0.0) -> Tensor");
+        "int num_kv_heads, float scale, int activation, float softcap, Tensor(c!)[] k_scales, Tensor(d!)[] v_scales) "
+        "-> Tensor");
   m.def("paged_decoder_layers(Tensor x, Tensor[] weights, int[] linears, float[] eps, Tensor?[] extras, int[] layer_args, "
         "Tensor[] rope, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, int num_heads, int num_kv_heads, float scale, int activation=0, "
-        "float softcap=0.0) -> Tensor");
+        "Tensor query_start_loc, Tensor seq_lens, int num_heads, int num_kv_heads, float scale, int activation, "
+        "float softcap, Tensor(c!)[] k_scales, Tensor(d!)[] v_scales) -> Tensor");
   m.def("softmax_draw(Tensor logits, Tensor temperature, Tensor u) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
   m.def("filter_draw(Tensor logits, Tensor temperature, Tensor min_p, Tensor top_k, Tensor top_p, Tensor u) -> Tensor");

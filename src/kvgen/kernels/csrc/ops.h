@@ -25,23 +25,27 @@ at::Tensor gelu_tanh_mul(const at::Tensor& gate_up);
 at::Tensor gpt_oss_glu(const at::Tensor& gate_up);
 at::Tensor static_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache,
                             const c10::optional<at::Tensor>& key_mask, int64_t past_len, int64_t num_heads, double scale,
-                            int64_t window, double softcap, const c10::optional<at::Tensor>& sinks);
+                            int64_t window, double softcap, const c10::optional<at::Tensor>& sinks,
+                            const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale);
 at::Tensor paged_attention_qkv(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slot_mapping,
                                const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                                const at::Tensor& seq_lens, int64_t num_heads, double scale, int64_t window,
-                               double softcap, const c10::optional<at::Tensor>& sinks);
+                               double softcap, const c10::optional<at::Tensor>& sinks,
+                               const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale);
 at::Tensor qgemm(const at::Tensor& x_in, const at::Tensor& weight, int64_t weight_type, int64_t out_features,
                  const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual);
 at::Tensor decoder_layers(const at::Tensor& x, at::TensorList weights, at::IntArrayRef linears, at::ArrayRef<double> eps,
                           const Extras& extras, at::IntArrayRef layer_args, at::TensorList rope, at::TensorList k_caches,
                           at::TensorList v_caches, const c10::optional<at::Tensor>& key_mask, int64_t past_len,
-                          int64_t num_heads, int64_t num_kv_heads, double scale, int64_t activation, double softcap);
+                          int64_t num_heads, int64_t num_kv_heads, double scale, int64_t activation, double softcap,
+                          at::TensorList k_scales, at::TensorList v_scales);
 at::Tensor paged_decoder_layers(const at::Tensor& x, at::TensorList weights, at::IntArrayRef linears,
                                 at::ArrayRef<double> eps, const Extras& extras, at::IntArrayRef layer_args,
                                 at::TensorList rope, at::TensorList k_pools, at::TensorList v_pools,
                                 const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t num_heads,
-                                int64_t num_kv_heads, double scale, int64_t activation, double softcap);
+                                int64_t num_kv_heads, double scale, int64_t activation, double softcap,
+                                at::TensorList k_scales, at::TensorList v_scales);
 at::Tensor repack_gguf(const std::vector<at::Tensor>& parts, int64_t gguf_type, const c10::optional<at::Tensor>& out);
 at::Tensor recode_gguf(const at::Tensor& raw, int64_t ggml_type, const at::Tensor& grid);
 at::Tensor linear_f64(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
