@@ -58,6 +58,13 @@ class _EngineCollector(Collector):
             family = GaugeMetricFamily(metric, doc, labels=["model_name"])
             family.add_metric([name], float(value))
             yield family
+        args = self.engine.engine_args  # vLLM's cache_config_info: the pool's settings as labels, the value 1
+        info = GaugeMetricFamily("kvgen:cache_config_info", "Information of the KV cache (labels); the value is 1.",
+                                 labels=["model_name", "block_size", "cache_dtype", "enable_prefix_caching",
+                                         "num_gpu_blocks"])
+        info.add_metric([name, str(args.block_size), args.kv_cache_dtype, str(args.enable_prefix_caching),
+                         str(stats.num_blocks)], 1.0)
+        yield info
         if stats.num_draft_tokens is None:  # no speculative decoding
             return
         counters = [("kvgen:spec_decode_num_draft_tokens", "Draft tokens scheduled (n-gram speculative decoding).",
