@@ -102,14 +102,24 @@ at::Tensor in_team(int64_t rows, const F& f) {
   return out;
 }
 
-// int8 caches' scales: one k and one v scale tensor per layer, or none (float16 and float32 caches).
-void check_scales(size_t num_layers, at::TensorList k_scales, at::TensorList v_scales, const char* op) {
-  TORCH_CHECK(k_scales.size() == v_scales.size() && (k_scales.empty() || k_scales.size() == num_layers), "kvgen.", op,
-              ": k_scales and v_scales hold one tensor per layer (int8 caches) or none");
-}
-
-c10::optional<at::Tensor> layer_scale(at::TensorList scales, size_t l) {
-  return scales.empty() ? c10::nullopt : c10::optional<at::Tensor>(scales[l]);
+// Both ops' loop: one v cache per k cache, the int8 caches' scales (one k and one v tensor per layer, or none for
+// float16 and float32 caches), the layers in a team; attend(qkv, k, v, window, k_scale, v_scale) stores layer l's
+// k, v in its caches and returns [N, H D].
+template <typename Attend>
+at::Tensor run_decoder(const at::Tensor& x, const Layers& p, at::TensorList k_caches, at::TensorList v_caches,
+                       at::TensorList k_scales, at::TensorList v_scales, const char* op, Attend attend) {
+  TORCH_CHECK(v_caches.size() == k_caches.size(), "kvgen.", op, ": one v cache per k cache");
+  TORCH_CHECK(k_scales.size() == v_scales.size() && (k_scales.empty() || k_scales.size() == k_caches.size()), "kvgen.",
+              op, ": k_scales and v_scales hold one tensor per layer (int8 caches) or none");
+  const auto scale = [](at::TensorList scales, size_t l) {
+    return scales.empty() ? c10::nullopt : c10::optional<at::Tensor>(scales[l]);
+  };
+  return in_team(x.size(0), [&] {
+    return run_layers(x, p, k_caches.size(), [&](size_t l, const at::Tensor& qkv, int64_t window) {
+      at::Tensor k = k_caches[l], v = v_caches[l];
+      return attend(qkv, k, v, window, scale(k_scales, l), scale(v_scales, l));
+    });
+  });
 }
 
 }  // namespace
@@ -119,16 +129,13 @@ at::Tensor decoder_layers(const at::Tensor& x, at::TensorList weights, at::IntAr
                           at::TensorList v_caches, const c10::optional<at::Tensor>& key_mask, int64_t past_len,
                           int64_t num_heads, int64_t num_kv_heads, double scale, int64_t activation, double softcap,
                           at::TensorList k_scales, at::TensorList v_scales) {
-  TORCH_CHECK(v_caches.size() == k_caches.size(), "kvgen.decoder_layers: one v cache per k cache");
-  check_scales(k_caches.size(), k_scales, v_scales, "decoder_layers");
   const Layers p{weights, linears, eps, extras, layer_args, rope, num_heads, num_kv_heads, activation};
-  return in_team(x.size(0), [&] {
-    return run_layers(x, p, k_caches.size(), [&](size_t l, const at::Tensor& qkv, int64_t window) {
-      at::Tensor k = k_caches[l], v = v_caches[l];
-      return static_attention(qkv, k, v, key_mask, past_len, num_heads, scale, window, softcap, c10::nullopt,
-                              layer_scale(k_scales, l), layer_scale(v_scales, l));
-    });
-  });
+  return run_decoder(x, p, k_caches, v_caches, k_scales, v_scales, "decoder_layers",
+                     [&](const at::Tensor& qkv, at::Tensor& k, at::Tensor& v, int64_t window, const auto& ks,
+                         const auto& vs) {
+                       return static_attention(qkv, k, v, key_mask, past_len, num_heads, scale, window, softcap,
+                                               c10::nullopt, ks, vs);
+                     });
 }
 
 at::Tensor paged_decoder_layers(const at::Tensor& x, at::TensorList weights, at::IntArrayRef linears,
@@ -138,16 +145,13 @@ at::Tensor paged_decoder_layers(const at::Tensor& x, at::TensorList weights, at:
                                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t num_heads,
                                 int64_t num_kv_heads, double scale, int64_t activation, double softcap,
                                 at::TensorList k_scales, at::TensorList v_scales) {
-  TORCH_CHECK(v_pools.size() == k_pools.size(), "kvgen.paged_decoder_layers: one v pool per k pool");
-  check_scales(k_pools.size(), k_scales, v_scales, "paged_decoder_layers");
   const Layers p{weights, linears, eps, extras, layer_args, rope, num_heads, num_kv_heads, activation};
-  return in_team(x.size(0), [&] {
-    return run_layers(x, p, k_pools.size(), [&](size_t l, const at::Tensor& qkv, int64_t window) {
-      at::Tensor k = k_pools[l], v = v_pools[l];
-      return paged_attention_qkv(qkv, k, v, slot_mapping, block_tables, query_start_loc, seq_lens, num_heads, scale,
-                                 window, softcap, c10::nullopt, layer_scale(k_scales, l), layer_scale(v_scales, l));
-    });
-  });
+  return run_decoder(x, p, k_pools, v_pools, k_scales, v_scales, "paged_decoder_layers",
+                     [&](const at::Tensor& qkv, at::Tensor& k, at::Tensor& v, int64_t window, const auto& ks,
+                         const auto& vs) {
+                       return paged_attention_qkv(qkv, k, v, slot_mapping, block_tables, query_start_loc, seq_lens,
+                                                  num_heads, scale, window, softcap, c10::nullopt, ks, vs);
+                     });
 }
 
 }  // namespace kvgen
