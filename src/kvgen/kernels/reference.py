@@ -661,7 +661,9 @@ def attention(
 def quantize_kv_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows x [..., D] float32 as int8 caches store them: (values [..., D] int8, scales [...] float32) with
     scale = amax / 127 and value = round(x * (127 / amax)) (half to even; 0 where amax = 0), amax the row's largest
-    |x|: symmetric per-row (per token and KV head) quantization; a value reads back as value * scale."""
+    |x|: symmetric per-row (per token and KV head) quantization; a value reads back as value * scale. Source: llama.cpp's
+    ``quantize_row_q8_0_ref`` (ggml-quants.c: d = amax / 127, q = round(x / d)), one block per row, the scale in
+    float32, and x * (127 / amax) for x / d (the kernels' ``store_row_q8`` computes the same)."""
     amax = x.abs().amax(-1)  # [...]
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))  # [...]
     return torch.round(x * inv[..., None]).to(torch.int8), amax / torch.full_like(amax, 127.0)
