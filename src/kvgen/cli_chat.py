@@ -60,7 +60,8 @@ def run_chat(args: argparse.Namespace) -> int:
     assistant = _load_assistant(args)
     messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     # contrastive search scores candidates against every token's hidden state: it prefills the whole conversation
-    history = ConversationCache(model) if cfg.use_cache and cfg.strategy is not Strategy.CONTRASTIVE_SEARCH else None
+    history = (ConversationCache(model, args.kv_cache_dtype)
+               if cfg.use_cache and cfg.strategy is not Strategy.CONTRASTIVE_SEARCH else None)
     print("kvgen chat: type a message; /exit or Ctrl-D leaves.", file=sys.stderr)
     while True:
         try:

@@ -211,6 +211,9 @@ def add_generate_flags(g: argparse.ArgumentParser) -> None:
 def add_chat_command_flags(c: argparse.ArgumentParser) -> None:
     _add_model_flags(c)
     c.add_argument("--system", default=None, help="optional system message")
+    c.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                   help="the conversation's KV cache: auto (the model's: float16 on the kernels) or int8 (int8 values "
+                   "and a scale per token and KV head: about half the memory; a model on the kernels)")
     _add_chat_flags(c)
     add_generation_flags(c)  # --max-new-tokens defaults to 256 per reply here
 

@@ -16,11 +16,11 @@ from kvgen.engine.pooling import check_pooling_type
 from kvgen.engine.scheduler import SchedulingPolicy
 from kvgen.engine.spec_decode import SpeculativeConfig
 from kvgen.fields import check_int, config_field
+from kvgen.models import KV_CACHE_DTYPES
 from kvgen.sampling.params import SEED_MAX, SEED_MIN
 from kvgen.weights.quantized import parse_quantization
 
 SCHEDULING_POLICIES = tuple(p.value for p in SchedulingPolicy)  # "fcfs", "priority"
-KV_CACHE_DTYPES = ("auto", "int8")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, when neither num_blocks nor kv_cache_memory is given
 
 _f = config_field

@@ -16,8 +16,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from kvgen.engine.block_manager import BlockManager
 from kvgen.engine.engine_args import DEFAULT_KV_CACHE_MEMORY, EngineArgs
 from kvgen.engine.model_runner import ModelRunner
@@ -40,7 +38,7 @@ from kvgen.engine.scheduler import Scheduler, SchedulingPolicy
 from kvgen.engine.spec_decode import SpeculativeConfig
 from kvgen.engine.structured_outputs import GrammarCompiler, GrammarMatcher
 from kvgen.kv_cache.paged import PagedKVCache, num_blocks_for_memory
-from kvgen.models import CausalLM, kv_cache_dtype
+from kvgen.models import CausalLM, cache_dtype
 from kvgen.tokenizer import Tokenizer
 
 
@@ -73,12 +71,7 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len must be <= the model's context ({config.max_position_embeddings}), got {self.max_model_len}"
             )
-        dtype = kv_cache_dtype(model)
-        if args.kv_cache_dtype == "int8":
-            if getattr(model, "kernels", None) is None:
-                raise ValueError("kv_cache_dtype='int8' needs a model on kvgen's kernels (a quantized GGUF or "
-                                 "--quantization, dtype 'auto')")
-            dtype = torch.int8
+        dtype = cache_dtype(model, args.kv_cache_dtype)
         num_blocks = args.num_blocks
         if num_blocks is None:
             memory = args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY

@@ -12,8 +12,9 @@ class ConversationCache:
     tokens after the longest prefix it shares with the tokens the cache holds (the template re-renders earlier
     replies, which may tokenize differently from how they were generated)."""
 
-    def __init__(self, model: CausalLM) -> None:
-        self.cache = make_cache(model)
+    def __init__(self, model: CausalLM, kv_cache_dtype: str = "auto") -> None:
+        """``kv_cache_dtype``: "auto" or "int8" (:func:`make_cache`, whose ``ValueError`` it raises)."""
+        self.cache = make_cache(model, kv_cache_dtype=kv_cache_dtype)
         self.token_ids: list[int] = []  # what the cache holds, in order
 
     def reuse(self, prompt_ids: list[int]) -> DynamicCache | StaticCache:

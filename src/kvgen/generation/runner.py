@@ -13,7 +13,7 @@ import time
 import torch
 
 from kvgen.kv_cache import DynamicCache, StaticCache
-from kvgen.models import CausalLM, kv_cache_dtype
+from kvgen.models import CausalLM, cache_dtype
 from kvgen.models.attention import AttentionMetadata
 from kvgen.models.recording import ForwardRecorder
 
@@ -50,12 +50,17 @@ def chunked_forward(model: CausalLM, ids: torch.Tensor, positions: torch.Tensor,
     return torch.cat(parts, dim=1)  # [B, T, C]
 
 
-def make_cache(model: CausalLM, kind: str = "dynamic", batch_size: int = 1, max_len: int | None = None
-               ) -> DynamicCache | StaticCache:
+def make_cache(model: CausalLM, kind: str = "dynamic", batch_size: int = 1, max_len: int | None = None,
+               kv_cache_dtype: str = "auto") -> DynamicCache | StaticCache:
     """A fresh KV cache for ``model`` of ``kind``: "static" holds ``max_len`` tokens per row (default: the model's
     context window; memory is committed only where written), "dynamic" grows as written. Pass it to
-    ``generate(past_key_values=...)`` to keep a conversation's keys and values between calls."""
-    cfg, dtype = model.config, kv_cache_dtype(model)
+    ``generate(past_key_values=...)`` to keep a conversation's keys and values between calls.
+    ``kv_cache_dtype`` (the engine's ``EngineArgs.kv_cache_dtype``): "auto" stores the model's KV dtype (float16 on
+    the kernels), "int8" int8 rows and a float32 scale each (about half the bytes; a model on the kernels only).
+    Raises ``ValueError`` for another ``kind`` or ``kv_cache_dtype``, or int8 for a model off the kernels."""
+    if kind not in ("dynamic", "static"):
+        raise ValueError(f"kind must be 'dynamic' or 'static', got {kind!r}")
+    cfg, dtype = model.config, cache_dtype(model, kv_cache_dtype)
     shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim)
     if kind == "static":
         return StaticCache(*shape, max_len or cfg.max_position_embeddings, dtype)

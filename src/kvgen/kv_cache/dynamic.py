@@ -37,6 +37,8 @@ class DynamicCache(StaticCache):
         capacity, filled, n = max(end, 2 * self.max_cache_len), self.seq_length, self.num_layers
         b, h, _, d = self.key_cache[0].shape
         pool = lazy_zeros(2 * n, (b, h, capacity, d), self.key_cache[0].dtype, self.key_cache[0].device)
-        for new, old in zip(pool, self.key_cache + self.value_cache):
-            new[:, :, :filled] = old[:, :, :filled]  # [B, Hkv, filled, D]
+        scales = lazy_zeros(2 * n, (b, h, capacity), torch.float32, self.key_cache[0].device) if self.key_scale else []
+        for new, old in zip(pool + scales, self.key_cache + self.value_cache + self.key_scale + self.value_scale):
+            new[:, :, :filled] = old[:, :, :filled]  # [B, Hkv, filled, D] (scales: [B, Hkv, filled])
         self.key_cache, self.value_cache, self.max_cache_len = pool[:n], pool[n:], capacity
+        self.key_scale, self.value_scale = scales[:n], scales[n:]

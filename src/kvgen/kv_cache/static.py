@@ -13,6 +13,9 @@ class StaticCache:
 
     ``seq_length`` slots (tokens) are filled, the same for every row; attention
     reads the view ``[:, :, :seq_length]``, so no step copies old entries.
+    ``dtype=torch.int8`` stores each row (a token's K or V in one KV head) as int8 values and a float32 scale in
+    ``key_scale`` / ``value_scale`` [B, Hkv, S_max] per layer (``kernels.reference.quantize_kv_rows``), read by the
+    kernels only (:meth:`attend_rows`; :meth:`update` raises ``ValueError``); other dtypes have empty scale lists.
     Raises ``ContextLengthError`` when a write would pass ``max_cache_len``.
     """
 
@@ -31,10 +34,15 @@ class StaticCache:
         self.max_cache_len = max_cache_len
         pool = lazy_zeros(2 * num_layers, shape, dtype, device)  # zeros, resident only where written
         self.key_cache, self.value_cache = pool[:num_layers], pool[num_layers:]
+        scales = lazy_zeros(2 * num_layers, shape[:-1], torch.float32, device) if dtype == torch.int8 else []
+        self.key_scale, self.value_scale = scales[:num_layers], scales[num_layers:]
         self.seq_length = 0
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v ``[B, Hkv, T, D]`` at slots ``[seq_length, seq_length+T)``; return views ``[B, Hkv, S+T, D]``."""
+        """Write k, v ``[B, Hkv, T, D]`` at slots ``[seq_length, seq_length+T)``; return views ``[B, Hkv, S+T, D]``.
+        Raises ``ValueError`` for an int8 cache (the kernels' :meth:`attend_rows` writes and reads it)."""
+        if self.key_scale:
+            raise ValueError("an int8 KV cache is read by kvgen's kernels only (a model on dtype 'auto')")
         start, end = self.seq_length, self.seq_length + k.shape[2]
         self.reserve(end)
         kc, vc = self.key_cache[layer_idx], self.value_cache[layer_idx]
@@ -63,8 +71,15 @@ class StaticCache:
         more logit per head's softmax, dropped). Returns [B*T, H D] float32.
         Raises ``ContextLengthError`` when the write would pass ``max_cache_len``."""
         keys, values, past = self.static_buffers(qkv.shape[0] // self.key_cache[0].shape[0])
+        scales = (self.key_scale[layer_idx], self.value_scale[layer_idx]) if self.key_scale else ()
         return kernels.static_attention(qkv, keys[layer_idx], values[layer_idx], key_mask, past, num_heads, scale,
-                                        window, softcap, sinks)
+                                        window, softcap, sinks, *scales)
+
+    def keys(self, layer_idx: int, end: int) -> torch.Tensor:
+        """Layer ``layer_idx``'s keys in slots ``[0, end)``: [B, Hkv, end, D] as stored, int8 rows times their scales
+        (float32)."""
+        keys = self.key_cache[layer_idx][:, :, :end]
+        return keys if not self.key_scale else keys.float() * self.key_scale[layer_idx][:, :, :end, None]
 
     def advance(self, num_new: int) -> None:
         """Record that ``num_new`` tokens were written by every layer."""
@@ -81,10 +96,11 @@ class StaticCache:
         if row_idx.numel() != self.key_cache[0].shape[0]:
             self.key_cache = [_gather_rows(kc, row_idx, end) for kc in self.key_cache]
             self.value_cache = [_gather_rows(vc, row_idx, end) for vc in self.value_cache]
+            self.key_scale = [_gather_rows(s, row_idx, end) for s in self.key_scale]
+            self.value_scale = [_gather_rows(s, row_idx, end) for s in self.value_scale]
             return
-        for kc, vc in zip(self.key_cache, self.value_cache):
-            kc[:, :, :end] = kc[:, :, :end].index_select(0, row_idx)
-            vc[:, :, :end] = vc[:, :, :end].index_select(0, row_idx)
+        for t in self.key_cache + self.value_cache + self.key_scale + self.value_scale:
+            t[:, :, :end] = t[:, :, :end].index_select(0, row_idx)
 
     def crop(self, length: int) -> None:
         """Forget every slot from ``length`` on (tokens); the memory stays allocated."""
@@ -96,12 +112,14 @@ class StaticCache:
         return (b, h, self.seq_length, d)
 
     def nbytes(self) -> int:
-        """Bytes allocated for K and V over all layers."""
-        return sum(t.numel() * t.element_size() for t in self.key_cache + self.value_cache)
+        """Bytes allocated for K and V over all layers (int8: with their scales)."""
+        tensors = self.key_cache + self.value_cache + self.key_scale + self.value_scale
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _gather_rows(cache: torch.Tensor, row_idx: torch.Tensor, end: int) -> torch.Tensor:
-    """A new ``[B', Hkv, S_max, D]`` tensor holding rows ``row_idx`` of ``cache``'s first ``end`` slots."""
+    """A new ``[B', Hkv, S_max, ...]`` tensor (a cache's [.., D] or its scales') holding rows ``row_idx`` of
+    ``cache``'s first ``end`` slots."""
     out = cache.new_empty((row_idx.numel(), *cache.shape[1:]))  # slots past `end` are written before read
     out[:, :, :end] = cache[:, :, :end].index_select(0, row_idx)  # [B', Hkv, end, D]
     return out

@@ -139,6 +139,23 @@ def kv_cache_dtype(model: nn.Module) -> torch.dtype:
     return getattr(model, "kv_cache_dtype", None) or next(model.parameters()).dtype
 
 
+KV_CACHE_DTYPES = ("auto", "int8")  # vLLM's kv_cache_dtype names kvgen takes
+
+
+def cache_dtype(model: nn.Module, name: str = "auto") -> torch.dtype:
+    """The dtype of a KV cache for ``model`` under the ``kv_cache_dtype`` ``name`` (vLLM's field): "auto" is
+    :func:`kv_cache_dtype`, "int8" ``torch.int8`` (int8 rows with a float32 scale each, which only the kernels read).
+    Raises ``ValueError`` for another name, or "int8" for a model off the kernels."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    if name == "auto":
+        return kv_cache_dtype(model)
+    if getattr(model, "kernels", None) is None:
+        raise ValueError("kv_cache_dtype='int8' needs a model on kvgen's kernels (a quantized GGUF or "
+                         "--quantization, dtype 'auto')")
+    return torch.int8
+
+
 def _recompute_buffer(config: ModelConfig, name: str) -> torch.Tensor:
     from kvgen.models.layers import rope_inv_freq
 
@@ -149,5 +166,5 @@ def _recompute_buffer(config: ModelConfig, name: str) -> torch.Tensor:
     raise AssertionError(f"unknown buffer {name}")
 
 
-__all__ = ["MODEL_REGISTRY", "AttentionMetadata", "CausalLM", "GPT2LMHeadModel", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-           "GptOssForCausalLM", "LlamaForCausalLM", "build_model", "kv_cache_dtype"]
+__all__ = ["KV_CACHE_DTYPES", "MODEL_REGISTRY", "AttentionMetadata", "CausalLM", "GPT2LMHeadModel", "Gemma2ForCausalLM",
+           "Gemma3ForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM", "build_model", "cache_dtype", "kv_cache_dtype"]

@@ -126,7 +126,7 @@ def attend_rows(
     q = q.view(batch, t, num_heads, head_dim).transpose(1, 2)  # [B, H, T, D]
     if hasattr(kv_cache, "attend_rows"):  # recording: the fused op, then every key read back from the cache
         out = kv_cache.attend_rows(layer_idx, qkv, mask, num_heads, scale, kernels, window, softcap, sinks)
-        k = kv_cache.key_cache[layer_idx][:, :, : past + t]  # [B, Hkv, S, D]
+        k = kv_cache.keys(layer_idx, past + t)  # [B, Hkv, S, D]
     else:
         k = k.view(batch, t, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         v = v.view(batch, t, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, T, D]

@@ -67,5 +67,6 @@ class DecoderOperands:
                                                 kv_cache.key_scale, kv_cache.value_scale)
         if hasattr(kv_cache, "static_buffers"):
             keys, values, past = kv_cache.static_buffers(num_new)
-            return kernels.decoder_layers(*layers, keys, values, mask, past, *heads, [], [])
+            return kernels.decoder_layers(*layers, keys, values, mask, past, *heads, kv_cache.key_scale,
+                                          kv_cache.value_scale)
         return None
