@@ -31,7 +31,7 @@ from kvgen.generation.runner import StepRunner
 from kvgen.generation.sample import multinomial_sample
 from kvgen.generation.sample_and_rank import sample_and_rank
 from kvgen.kv_cache import DynamicCache, StaticCache
-from kvgen.models import KV_CACHE_DTYPES, CausalLM, cache_dtype
+from kvgen.models import CausalLM, cache_dtypes
 from kvgen.models.recording import ForwardRecorder
 from kvgen.sampling.logits_process import build_logits_processors
 from kvgen.sampling.stopping import StopChecker, StopStrings, TokenStops
@@ -212,9 +212,8 @@ def _check_past(cache: Any, model: CausalLM, cfg: GenerationConfig, strategy: St
     if strategy is Strategy.CONTRASTIVE_SEARCH:  # its degeneration penalty needs the hidden states of every token
         raise ValueError("past_key_values cannot be used with contrastive search")
     m, (rows, heads, _, head_dim) = model.config, cache.layer_shape()
-    dtypes = {cache_dtype(model, name) for name in KV_CACHE_DTYPES if name == "auto" or getattr(model, "kernels", None)}
     if (cache.num_layers, heads, head_dim) != (m.num_hidden_layers, m.num_key_value_heads, m.head_dim) or (
-            cache.key_cache[0].dtype not in dtypes):
+            cache.key_cache[0].dtype not in cache_dtypes(model).values()):
         raise ValueError(f"past_key_values was not made for this model (make_cache(model)): {cache.num_layers} layers "
                          f"of [B, {heads}, S, {head_dim}] {cache.key_cache[0].dtype}")
     if rows != input_ids.shape[0] // _num_copies(cfg):

@@ -142,18 +142,24 @@ def kv_cache_dtype(model: nn.Module) -> torch.dtype:
 KV_CACHE_DTYPES = ("auto", "int8")  # vLLM's kv_cache_dtype names kvgen takes
 
 
+def cache_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
+    """The ``kv_cache_dtype`` names (vLLM's field) ``model`` takes and the dtype a KV cache then stores: "auto" is
+    :func:`kv_cache_dtype`; "int8" (``torch.int8`` rows with a float32 scale each, which only the kernels read) on the
+    kernels only."""
+    on_kernels = getattr(model, "kernels", None) is not None
+    return {"auto": kv_cache_dtype(model), **({"int8": torch.int8} if on_kernels else {})}
+
+
 def cache_dtype(model: nn.Module, name: str = "auto") -> torch.dtype:
-    """The dtype of a KV cache for ``model`` under the ``kv_cache_dtype`` ``name`` (vLLM's field): "auto" is
-    :func:`kv_cache_dtype`, "int8" ``torch.int8`` (int8 rows with a float32 scale each, which only the kernels read).
-    Raises ``ValueError`` for another name, or "int8" for a model off the kernels."""
+    """:func:`cache_dtypes`' dtype of ``name``. Raises ``ValueError`` for a name not in ``KV_CACHE_DTYPES``, or
+    "int8" for a model off the kernels."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
-    if name == "auto":
-        return kv_cache_dtype(model)
-    if getattr(model, "kernels", None) is None:
+    dtypes = cache_dtypes(model)
+    if name not in dtypes:
         raise ValueError("kv_cache_dtype='int8' needs a model on kvgen's kernels (a quantized GGUF or "
                          "--quantization, dtype 'auto')")
-    return torch.int8
+    return dtypes[name]
 
 
 def _recompute_buffer(config: ModelConfig, name: str) -> torch.Tensor:
@@ -167,4 +173,5 @@ def _recompute_buffer(config: ModelConfig, name: str) -> torch.Tensor:
 
 
 __all__ = ["KV_CACHE_DTYPES", "MODEL_REGISTRY", "AttentionMetadata", "CausalLM", "GPT2LMHeadModel", "Gemma2ForCausalLM",
-           "Gemma3ForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM", "build_model", "cache_dtype", "kv_cache_dtype"]
+           "Gemma3ForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM", "build_model", "cache_dtype", "cache_dtypes",
+           "kv_cache_dtype"]
