@@ -16,7 +16,7 @@ from kvgen.engine.pooling import check_pooling_type
 from kvgen.engine.scheduler import SchedulingPolicy
 from kvgen.engine.spec_decode import SpeculativeConfig
 from kvgen.fields import check_int, config_field
-from kvgen.models import KV_CACHE_DTYPES
+from kvgen.models import check_kv_cache_dtype
 from kvgen.sampling.params import SEED_MAX, SEED_MIN
 from kvgen.weights.quantized import parse_quantization
 
@@ -87,8 +87,7 @@ class EngineArgs:
         if self.generation_config not in GENERATION_CONFIG_MODES and not Path(self.generation_config).expanduser().is_dir():
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
         self.override_generation_config = parse_override(self.override_generation_config) or None
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.kv_cache_dtype == "int8" and self.dtype != AUTO:
             raise ValueError(f"kv_cache_dtype='int8' needs dtype 'auto' (the kernels), got {self.dtype!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

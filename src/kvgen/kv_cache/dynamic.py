@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.kv_cache.pool import lazy_zeros
+from kvgen.kv_cache.pool import lazy_zeros, row_scales
 from kvgen.kv_cache.static import StaticCache
 
 
@@ -37,8 +37,9 @@ class DynamicCache(StaticCache):
         capacity, filled, n = max(end, 2 * self.max_cache_len), self.seq_length, self.num_layers
         b, h, _, d = self.key_cache[0].shape
         pool = lazy_zeros(2 * n, (b, h, capacity, d), self.key_cache[0].dtype, self.key_cache[0].device)
-        scales = lazy_zeros(2 * n, (b, h, capacity), torch.float32, self.key_cache[0].device) if self.key_scale else []
-        for new, old in zip(pool + scales, self.key_cache + self.value_cache + self.key_scale + self.value_scale):
+        key_scale, value_scale = row_scales(n, (b, h, capacity, d), self.key_cache[0].dtype, self.key_cache[0].device)
+        for new, old in zip(pool + key_scale + value_scale,
+                            self.key_cache + self.value_cache + self.key_scale + self.value_scale):
             new[:, :, :filled] = old[:, :, :filled]  # [B, Hkv, filled, D] (scales: [B, Hkv, filled])
         self.key_cache, self.value_cache, self.max_cache_len = pool[:n], pool[n:], capacity
-        self.key_scale, self.value_scale = scales[:n], scales[n:]
+        self.key_scale, self.value_scale = key_scale, value_scale

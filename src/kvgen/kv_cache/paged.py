@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgen.config import ModelConfig
-from kvgen.kv_cache.pool import lazy_zeros
+from kvgen.kv_cache.pool import lazy_zeros, refuse_int8, row_scales
 from kvgen.kv_cache.sdpa import sdpa
 
 
@@ -180,8 +180,7 @@ class PagedKVCache:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         pool = lazy_zeros(2 * num_layers, shape, dtype, device)  # resident only where written
         self.key_cache, self.value_cache = pool[:num_layers], pool[num_layers:]
-        scales = lazy_zeros(2 * num_layers, shape[:-1], torch.float32, device) if dtype == torch.int8 else []
-        self.key_scale, self.value_scale = scales[:num_layers], scales[num_layers:]
+        self.key_scale, self.value_scale = row_scales(num_layers, shape, dtype, device)
         # Gather targets reused by every layer and step: a fresh multi-MB tensor per gather costs
         # page faults that made decode attention ~2x slower (a paged-attention experiment).
         self._workspace = {name: torch.empty(0, dtype=dtype, device=device) for name in ("k", "v", "k_heads", "v_heads")}
@@ -231,8 +230,7 @@ class PagedKVCache:
         (:func:`~kvgen.kv_cache.sdpa.sdpa`). Returns [1, H, N, D], q's dtype.
         Raises ``ValueError`` for int8 pools (the kernels' :meth:`attend_rows` reads them).
         """
-        if self.key_scale:
-            raise ValueError("an int8 KV cache is read by kvgen's kernels only (a model on dtype 'auto')")
+        refuse_int8(self.key_scale)
         k_new, v_new = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [N, Hkv, D]
         k_pool, v_pool = self.key_cache[layer_idx], self.value_cache[layer_idx]
         blocks, rows = meta.slot_mapping // self.block_size, meta.slot_mapping % self.block_size  # [N] each

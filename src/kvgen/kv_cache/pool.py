@@ -26,3 +26,18 @@ def lazy_zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype, device: t
     elem = torch.empty((), dtype=dtype).element_size()
     flat = torch.frombuffer(mmap.mmap(-1, count * numel * elem), dtype=dtype)  # [count * numel], holds the mapping
     return [flat[i * numel : (i + 1) * numel].view(shape) for i in range(count)]
+
+
+def row_scales(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """An int8 cache's scales: per layer one float32 for each row of its K and V tensors of ``shape`` [..., D]
+    (``lazy_zeros`` of ``shape[:-1]``), as (key scales, value scales); both lists empty for other dtypes."""
+    scales = lazy_zeros(2 * num_layers, shape[:-1], torch.float32, device) if dtype == torch.int8 else []
+    return scales[:num_layers], scales[num_layers:]
+
+
+def refuse_int8(scales: list[torch.Tensor]) -> None:
+    """Raise ``ValueError`` on a cache's torch path when it holds int8 rows (``scales`` non-empty): only the kernels
+    read them."""
+    if scales:
+        raise ValueError("an int8 KV cache is read by kvgen's kernels only (a model on dtype 'auto')")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvgen.errors import ContextLengthError
-from kvgen.kv_cache.pool import lazy_zeros
+from kvgen.kv_cache.pool import lazy_zeros, refuse_int8, row_scales
 
 
 class StaticCache:
@@ -34,15 +34,13 @@ class StaticCache:
         self.max_cache_len = max_cache_len
         pool = lazy_zeros(2 * num_layers, shape, dtype, device)  # zeros, resident only where written
         self.key_cache, self.value_cache = pool[:num_layers], pool[num_layers:]
-        scales = lazy_zeros(2 * num_layers, shape[:-1], torch.float32, device) if dtype == torch.int8 else []
-        self.key_scale, self.value_scale = scales[:num_layers], scales[num_layers:]
+        self.key_scale, self.value_scale = row_scales(num_layers, shape, dtype, device)
         self.seq_length = 0
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v ``[B, Hkv, T, D]`` at slots ``[seq_length, seq_length+T)``; return views ``[B, Hkv, S+T, D]``.
         Raises ``ValueError`` for an int8 cache (the kernels' :meth:`attend_rows` writes and reads it)."""
-        if self.key_scale:
-            raise ValueError("an int8 KV cache is read by kvgen's kernels only (a model on dtype 'auto')")
+        refuse_int8(self.key_scale)
         start, end = self.seq_length, self.seq_length + k.shape[2]
         self.reserve(end)
         kc, vc = self.key_cache[layer_idx], self.value_cache[layer_idx]

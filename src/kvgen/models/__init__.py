@@ -150,11 +150,16 @@ def cache_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
     return {"auto": kv_cache_dtype(model), **({"int8": torch.int8} if on_kernels else {})}
 
 
+def check_kv_cache_dtype(name: str) -> None:
+    """Raise ``ValueError`` naming the field unless ``name`` is one of ``KV_CACHE_DTYPES``."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+
+
 def cache_dtype(model: nn.Module, name: str = "auto") -> torch.dtype:
     """:func:`cache_dtypes`' dtype of ``name``. Raises ``ValueError`` for a name not in ``KV_CACHE_DTYPES``, or
     "int8" for a model off the kernels."""
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    check_kv_cache_dtype(name)
     dtypes = cache_dtypes(model)
     if name not in dtypes:
         raise ValueError("kv_cache_dtype='int8' needs a model on kvgen's kernels (a quantized GGUF or "
@@ -174,4 +179,4 @@ def _recompute_buffer(config: ModelConfig, name: str) -> torch.Tensor:
 
 __all__ = ["KV_CACHE_DTYPES", "MODEL_REGISTRY", "AttentionMetadata", "CausalLM", "GPT2LMHeadModel", "Gemma2ForCausalLM",
            "Gemma3ForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM", "build_model", "cache_dtype", "cache_dtypes",
-           "kv_cache_dtype"]
+           "check_kv_cache_dtype", "kv_cache_dtype"]
