@@ -214,3 +214,28 @@ def test_allowed_token_ids_and_bad_words_refuse_bad_values():
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kwargs)
     assert SamplingParams(bad_words="no").bad_words == ["no"]
+
+
+@pytest.mark.parametrize("use_kernels", [False, True])
+def test_a_row_whose_masks_leave_no_token_gets_no_token_and_the_others_their_own(use_kernels):
+    """allowed_token_ids [5] with 5 a stop id under min_tokens masks every logit: that row draws nothing (NO_TOKEN,
+    no logprobs) instead of failing the whole batch, greedy or sampled, and the other rows get the tokens they get
+    without it."""
+    from kvgen.engine.types import NO_TOKEN
+    from kvgen.kernels import get_ops
+
+    sampler = Sampler(get_ops() if use_kernels else None)
+    logits = _logits(4, seed=9)
+    boxed_in = dict(allowed_token_ids=[5], stop_token_ids=[5], min_tokens=2, logprobs=1)
+    params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0, seed=2, **boxed_in),
+              SamplingParams(temperature=0.0, **boxed_in), SamplingParams(temperature=0.0, logprobs=1)]
+
+    def rows(ps):
+        return [_row(p, seed=p.seed) for p in ps]
+
+    out = sampler(logits, rows(params))
+    assert out.token_ids[1:3] == [NO_TOKEN, NO_TOKEN] and out.logprobs[1:3] == [None, None]
+    alone = sampler(logits[[0, 3]], rows([params[0], params[3]]))
+    assert [out.token_ids[0], out.token_ids[3]] == alone.token_ids and out.logprobs[3] == alone.logprobs[1]
+    reached = sampler(logits[1:2], [_row(params[1], seed=2, output=[5, 5])])  # min_tokens reached: 5 is allowed
+    assert reached.token_ids == [5]

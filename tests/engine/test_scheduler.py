@@ -14,6 +14,7 @@ from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.scheduler import Scheduler, SchedulingPolicy
 from kvgen.engine.types import (
+    NO_TOKEN,
     EngineCoreOutput,
     ModelRunnerOutput,
     SchedulerOutput,
@@ -232,6 +233,24 @@ def test_request_larger_than_the_pool_is_aborted_with_an_error() -> None:
     finals = drain(scheduler, runner)
     assert finals["grows"].finish_reason == "abort" and "the pool has 2" in finals["grows"].error
     assert scheduler.block_manager.num_free_blocks == 2
+
+
+def test_a_request_left_without_tokens_ends_alone_with_an_error_naming_its_masks() -> None:
+    """The sampler's NO_TOKEN (every logit masked out) aborts that request only, with an error and the setting to
+    blame (the server's 400); its blocks return to the pool and the request beside it runs to its end."""
+    scheduler, _ = setup()
+    bm = scheduler.block_manager
+    runner = FakeRunner(bm, next_token=lambda rid, pos: NO_TOKEN if rid == "boxed" and pos >= 4 else 100 + pos)
+    scheduler.add_request(make_request("boxed", 3, max_tokens=8, allowed_token_ids=[5], stop_token_ids=[5],
+                                       min_tokens=3))
+    scheduler.add_request(make_request("free", 3, max_tokens=6))
+    finals = drain(scheduler, runner)
+    boxed = finals["boxed"]
+    assert boxed.finish_reason == "abort" and boxed.error_param == "allowed_token_ids"
+    assert "no token can be generated at output token 1: allowed_token_ids, min_tokens" in boxed.error
+    assert NO_TOKEN not in boxed.new_token_ids
+    assert finals["free"].finish_reason == "length" and finals["free"].error is None
+    assert bm.num_free_blocks == bm.num_blocks
 
 
 # ---------------------------------------------------------------- prefix caching

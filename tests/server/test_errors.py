@@ -167,3 +167,34 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens_before_the_length_check(se
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="hi", extra_body={"truncate_prompt_tokens": -2}, **greedy)
     assert e.value.param == "truncate_prompt_tokens"
+
+
+def test_settings_that_leave_no_token_are_400_and_harm_no_other_request(server, tiny_tokenizer):
+    """allowed_token_ids [x] with x a stop id under min_tokens (or x a bad word) masks every token: that request
+    alone is a 400 naming a setting, sampled or greedy, streamed or not; a stream running beside it ends normally
+    and the server stays healthy."""
+    import concurrent.futures
+
+    (x,) = tiny_tokenizer.encode("x", add_special_tokens=False)
+    boxed = [{"allowed_token_ids": [x], "stop_token_ids": [x], "min_tokens": 2},
+             {"allowed_token_ids": [x], "bad_words": ["x"]}]
+
+    def beside() -> str:
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 200, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", server.v1 + "/completions", json=body, timeout=60) as r:
+            return r.read().decode()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(beside)
+        for extra in boxed:
+            for temperature in (1.0, 0.0):
+                body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": temperature} | extra
+                r = httpx.post(server.v1 + "/completions", json=body, timeout=60)
+                assert "no token can be generated" in _assert_error_body(r, 400, "allowed_token_ids")["message"]
+        with httpx.stream("POST", server.v1 + "/completions", json=body | {"stream": True}, timeout=60) as r:
+            events = r.read().decode()
+        assert '"code":"invalid_value"' in events.replace(" ", "") and "no token can be generated" in events
+        streamed = running.result()
+    assert streamed.rstrip().endswith("data: [DONE]") and '"error"' not in streamed
+    assert httpx.get(server.url + "/health").status_code == 200

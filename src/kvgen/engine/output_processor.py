@@ -97,7 +97,8 @@ class OutputProcessor:
             if completion is not None:
                 delta = state.request.sampling_params.output_kind is RequestOutputKind.DELTA
                 prompt_logprobs = output.prompt_logprobs if delta else state.prompt_logprobs
-                request_outputs.append(_request_output(state, completion, output.error, prompt_logprobs))
+                request_outputs.append(_request_output(state, completion, output.error, prompt_logprobs,
+                                                       output.error_param))
             if finish_reason is not None:
                 del self._states[output.request_id]
         return ProcessedOutputs(request_outputs, stopped)
@@ -138,7 +139,8 @@ def _completion(
 
 
 def _request_output(state: RequestState, completion: CompletionOutput, error: str | None,
-                    prompt_logprobs: list[TokenLogprobs | None] | None = None) -> RequestOutput:
+                    prompt_logprobs: list[TokenLogprobs | None] | None = None, error_param: str | None = None
+                    ) -> RequestOutput:
     request = state.request
     metrics = RequestMetrics(
         arrival_time=request.arrival_time,
@@ -157,5 +159,6 @@ def _request_output(state: RequestState, completion: CompletionOutput, error: st
         metrics=metrics,
         num_cached_tokens=request.num_cached_prefix_tokens,
         error=error,
+        error_param=error_param,
         prompt_logprobs=prompt_logprobs,
     )

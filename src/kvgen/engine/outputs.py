@@ -55,6 +55,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     error: str | None = None  # why the engine aborted the request, if it did
+    error_param: str | None = None  # the request's own setting that made the engine abort it (a 400), if one did
     # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), from the first output on
     # (with RequestOutputKind.DELTA on the first output only)
     prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -52,8 +52,10 @@ class ParentRequest:
         else:
             completions = [self._latest[i] for i in sorted(self._latest)]
         first = child_outputs[0][1]
-        error = next((o.error for _, o in child_outputs if o.error), None)
-        return dataclasses.replace(first, request_id=self.request_id, outputs=completions, finished=is_finished, error=error)
+        failed = next((o for _, o in child_outputs if o.error), None)
+        error, error_param = (failed.error, failed.error_param) if failed is not None else (None, None)
+        return dataclasses.replace(first, request_id=self.request_id, outputs=completions, finished=is_finished,
+                                   error=error, error_param=error_param)
 
     @property
     def is_finished(self) -> bool:

@@ -8,7 +8,9 @@ logprobs of the RAW logits (vLLM's default ``raw_logprobs``) -> the structured-o
 -> temperature -> min_p -> top_k -> top_p -> one inverse-CDF draw per sampled row from
 that row's ``torch.Generator``, so a seeded request gets the same tokens whatever else
 is in the batch. Every stage is the per-row op of ``kvgen.sampling.ops`` that
-``generate()`` uses; a stage runs only when some row enables it.
+``generate()`` uses; a stage runs only when some row enables it. A row whose masks (structured outputs,
+allowed_token_ids, bad_words, min_tokens) leave no token with a finite logit gets :data:`NO_TOKEN` instead of a
+draw, and the scheduler ends that request alone.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.structured_outputs import GrammarMatcher
-from kvgen.engine.types import TokenLogprobs
+from kvgen.engine.types import NO_TOKEN, TokenLogprobs
 from kvgen.kernels import KernelOps
 from kvgen.sampling import ops
 from kvgen.sampling.pipeline import (
@@ -44,7 +46,8 @@ class SamplingRow:
 
 @dataclass
 class SamplerOutput:
-    """token_ids: [B] ints; logprobs: one entry per row, None where the row asked for none."""
+    """token_ids: [B] ints (:data:`NO_TOKEN` for a row with nothing left to draw); logprobs: one entry per row, None
+    where the row asked for none or drew nothing."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
@@ -90,6 +93,8 @@ class Sampler:
         raw_logprobs = ops.compute_logprobs(logits) if any(wants_logprobs) else None  # [B, V]
         logits = apply_grammar_mask(logits, rows)  # [B, V]
         logits = apply_stages(logits, rows, _EVERY_ROW)  # [B, V]
+        if blocked := rows_without_tokens(logits, rows):  # drawn from zeros below, then NO_TOKEN
+            logits = logits.index_fill(0, torch.tensor(blocked), 0.0)  # [B, V]
         sampled = [i for i, r in enumerate(rows) if not r.sampling_params.is_greedy]
         is_all_sampled = len(sampled) == len(rows)
         if is_all_sampled:
@@ -101,7 +106,10 @@ class Sampler:
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
             logprobs = token_logprobs(raw_logprobs, token_ids, [p.logprobs for p in params])
-        return SamplerOutput(token_ids.tolist(), logprobs)
+        ids = token_ids.tolist()
+        for i in blocked:
+            ids[i], logprobs[i] = NO_TOKEN, None
+        return SamplerOutput(ids, logprobs)
 
     def _draw(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The sampling stages and one draw per row of x [B', V]; returns [B'] long."""
@@ -129,6 +137,17 @@ def apply_stages(logits: torch.Tensor, rows: list[SamplingRow], names: Sequence[
     for name in names:
         logits = _STAGES[name](logits, rows)
     return logits
+
+
+def rows_without_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    """Indices of the rows of logits [B, V] whose masks (a grammar, allowed_token_ids, bad_words, min_tokens: the
+    stages that set -inf) left no finite logit; only rows with such a mask are looked at."""
+    masked = [i for i, r in enumerate(rows) if r.grammar is not None or r.sampling_params.allowed_token_ids
+              or r.sampling_params.bad_words_token_ids or len(r.output_token_ids) < r.sampling_params.min_tokens]
+    if not masked:
+        return []
+    best = logits[masked].amax(dim=1).tolist()  # [len(masked)]
+    return [i for i, b in zip(masked, best) if b == float("-inf")]
 
 
 def apply_grammar_mask(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -22,6 +22,7 @@ from kvgen.engine.block_manager import BlockManager, cdiv
 from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.spec_decode import NgramProposer, SpeculativeConfig
 from kvgen.engine.types import (
+    NO_TOKEN,
     EngineCoreOutput,
     ModelRunnerOutput,
     ScheduledRequest,
@@ -316,6 +317,10 @@ class Scheduler:
             output.prompt_logprobs = list(request.prompt_logprobs)
         status, error, is_stop_token = None, None, False
         for i, token_id in enumerate(token_ids):
+            if token_id == NO_TOKEN:  # its masks left nothing to draw: it ends here, alone
+                status, error = RequestStatus.FINISHED_ABORTED, _no_token_error(request)
+                output.error_param = _masking_params(request)[0]
+                break
             request.append_output_token_ids(token_id)
             output.new_token_ids.append(token_id)
             if logprobs is not None and output.new_logprobs is not None:
@@ -405,3 +410,21 @@ class Scheduler:
         if request.request_id in self._seen_by_runner:
             self._seen_by_runner.discard(request.request_id)
             self._finished_ids.append(request.request_id)
+
+
+def _masking_params(request: Request) -> list[str]:
+    """The request's settings that mask tokens out (the sampler's -inf stages), as the API names them; at least one
+    entry ("sampling_params" when none is found, which the masks make impossible)."""
+    params = request.sampling_params
+    names = [name for name, is_set in (
+        ("structured_outputs", request.grammar is not None),
+        ("allowed_token_ids", bool(params.allowed_token_ids)),
+        ("bad_words", bool(params.bad_words_token_ids)),
+        ("min_tokens", request.num_output_tokens < params.min_tokens),
+    ) if is_set]
+    return names or ["sampling_params"]
+
+
+def _no_token_error(request: Request) -> str:
+    return (f"no token can be generated at output token {request.num_output_tokens}: "
+            f"{', '.join(_masking_params(request))} together leave every token masked out")

@@ -15,6 +15,11 @@ from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.structured_outputs import GrammarMatcher
 
 
+# The sampled "token" of a row whose masks (structured outputs, allowed_token_ids, bad_words, min_tokens) leave no
+# token to draw: never a vocabulary id; the scheduler ends that request alone (Sampler, Scheduler._append_tokens).
+NO_TOKEN = -1
+
+
 @dataclass
 class TokenLogprobs:
     """Log-probabilities at one generated position (natural log of the softmax of the raw logits, before any processor, as vLLM's default).
@@ -81,6 +86,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # the stop token id (or, after detokenizing, stop string)
     is_stop_token: bool = False  # the last new token is EOS or a stop token id: not part of the text
     error: str | None = None  # why the engine aborted the request, if it did
+    error_param: str | None = None  # the request's own setting that left it nothing to do (a 400), if one did
 
     @property
     def is_finished(self) -> bool:

@@ -72,12 +72,15 @@ def openai_finish_reason(reason: str | None) -> FinishReason | None:
 
 
 async def collect(gen: Generation, n: int) -> list[ChoiceResult]:
-    """Read a generation to its end; raises a 503 ``OpenAIError`` if the engine aborted a choice."""
+    """Read a generation to its end; raises an ``OpenAIError`` if the engine aborted a choice: 400 naming the
+    request's setting that left it nothing to generate, else 503."""
     choices: dict[int, ChoiceResult] = {}
     prompt_logprobs: dict[int, list[TokenLogprobs | None]] = {}  # prompt index -> its prompt logprobs, if asked
     error: str | None = None
+    error_param: str | None = None
     async for prompt_index, output in gen.outputs():
-        error = error or output.error
+        if output.error and not error:
+            error, error_param = output.error, output.error_param
         if output.prompt_logprobs is not None:
             prompt_logprobs[prompt_index] = output.prompt_logprobs
         for completion in output.outputs:
@@ -88,6 +91,8 @@ async def collect(gen: Generation, n: int) -> list[ChoiceResult]:
     for choice in results:
         choice.prompt_logprobs = prompt_logprobs.get(choice.index // n)
     if len(results) < gen.num_prompts * n or any(c.finish_reason not in ("stop", "length") for c in results):
+        if error_param is not None:
+            raise OpenAIError(400, error or "", error_param, "invalid_value")
         raise OpenAIError(503, f"the request was aborted by the server{': ' + error if error else ''}", None, "aborted")
     return results
 
@@ -224,7 +229,7 @@ async def stream_events(
                 num_tokens += len(c.token_ids)
                 if c.finish_reason == "abort":
                     yield error_event(f"the request was aborted by the server{': ' + output.error if output.error else ''}",
-                                      "aborted")
+                                      "invalid_value" if output.error_param else "aborted")
                     for line in ending:
                         yield line
                     return
