@@ -198,3 +198,29 @@ def test_settings_that_leave_no_token_are_400_and_harm_no_other_request(server, 
         streamed = running.result()
     assert streamed.rstrip().endswith("data: [DONE]") and '"error"' not in streamed
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+LONE_SURROGATES = [  # (path, body, param): JSON may escape a lone surrogate, which is no Unicode text
+    ("/v1/completions", {"prompt": "\ud800"}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "n": 16, "bad_words": ["\ud800"]}, "bad_words"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"\udc00": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\udc00b"}]}, "messages"),
+    ("/v1/embeddings", {"input": "\ud800"}, "input"),
+    ("/v1/responses", {"input": "x", "instructions": "\ud800"}, "instructions"),
+    ("/v1/responses", {"input": "x", "previous_response_id": "\ud800"}, "previous_response_id"),
+    ("/v1/responses", {"input": "x", "metadata": {"a": "\ud800"}}, "metadata"),
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ("/detokenize", {"tokens": [1], "model": "\ud800"}, "model"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", LONE_SURROGATES, ids=[p for _, _, p in LONE_SURROGATES])
+def test_lone_surrogates_are_400_naming_the_field_and_take_no_admission(server, path, body, param):
+    import json
+
+    content = json.dumps({"model": "tiny", "max_tokens": 2} | body if path.startswith("/v1/c") else
+                         {"model": "tiny"} | body).encode()  # ensure_ascii: "\ud800" stays an escape
+    r = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, timeout=60)
+    error = _assert_error_body(r, 400, param)
+    assert "lone surrogate U+D" in error["message"]
+    assert server.metrics()["kvgen:num_requests_in_server"] == 0

@@ -9,10 +9,11 @@ Source: OpenAI openapi.yaml; vLLM ``vllm/entrypoints/openai/protocol.py``.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_N = 16  # completions per prompt; bounds one request's share of the engine
 MAX_STOP = 16  # stop strings per request
@@ -20,8 +21,42 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI
 MAX_INT32 = 2**31 - 1  # counts that become int64 tensor entries stay far from overflow
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(value: Any) -> tuple[str, int] | None:
+    """Where the first lone UTF-16 surrogate sits in a parsed JSON value (its strings and keys), as a path below it
+    ("", "[2]", ".text", ".a[0]"), and its code point; None if there is none. JSON may escape one ("\\ud800"),
+    Python's parser keeps it, and it is no Unicode text: UTF-8 (the tokenizer, the response) cannot encode it."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            if found := _SURROGATE.search(item):
+                return path, ord(found.group())
+        elif isinstance(item, dict):
+            for key, sub in reversed(item.items()):
+                if isinstance(key, str) and (found := _SURROGATE.search(key)):
+                    return f"{path} (a key)", ord(found.group())
+                stack.append((f"{path}.{key}", sub))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", sub) for i, sub in reversed(list(enumerate(item))) if not isinstance(sub, int))
+    return None
+
+
 class StrictModel(BaseModel):
+    """A request object: unknown fields are refused, and so is text that is not Unicode (lone surrogates)."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, (str, list, dict)) and (found := lone_surrogate(value)) is not None:
+            path, code_point = found
+            raise ValueError(f"{info.field_name}{path} holds the lone surrogate U+{code_point:04X}, which is not "
+                             "Unicode text")
+        return value
 
 
 # ---------------------------------------------------------------- errors

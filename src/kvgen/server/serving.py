@@ -199,6 +199,9 @@ class Generation:
             except ValueError as e:
                 await self.close()
                 raise value_error(e, prompt_param) from None
+            except BaseException:  # the admission and the requests added so far go back whatever failed
+                await self.close()
+                raise
             self.streams.append(stream)
             self.trackers.append(RequestTracker(state.metrics, engine_id))
 

@@ -1,0 +1,36 @@
+"""kvgen.server.serving in process (the app over an engine through httpx's ASGI transport): admission bookkeeping."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from kvgen.engine.async_engine import AsyncLLMEngine
+from kvgen.engine.engine_args import EngineArgs
+from kvgen.server.app import build_app
+
+
+def test_admission_slots_come_back_when_adding_a_request_fails_unexpectedly(tiny_model_dir):
+    """An engine error other than a ValueError while a request is added (a 500) still frees its admission: with room
+    for 4 sequences, three failed requests of n=4 leave the fourth request room (it leaked to a 429 before)."""
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), max_num_seqs=2))
+    app = build_app(engine, "tiny", max_queue=2)
+    add_request, failures = engine.add_request, [TypeError("boom")] * 3
+
+    async def add_or_fail(*args, **kwargs):
+        if failures:
+            raise failures.pop()
+        return await add_request(*args, **kwargs)
+
+    engine.add_request = add_or_fail  # type: ignore[method-assign]
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "n": 4, "temperature": 1.0}
+
+    async def run() -> list[int]:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvgen") as client:
+            codes = [(await client.post("/v1/completions", json=body, timeout=60)).status_code for _ in range(4)]
+        await engine.shutdown()
+        return codes
+
+    assert asyncio.run(run()) == [500, 500, 500, 200]
