@@ -224,3 +224,13 @@ def test_lone_surrogates_are_400_naming_the_field_and_take_no_admission(server, 
     error = _assert_error_body(r, 400, param)
     assert "lone surrogate U+D" in error["message"]
     assert server.metrics()["kvgen:num_requests_in_server"] == 0
+
+
+def test_a_grammar_that_fails_mid_generation_is_400_with_its_first_line(server):
+    """A regex past llguidance's limits (a{1000000}) compiles, then its matcher fails after a few tokens: a 400 naming
+    structured_outputs, with llguidance's message and none of its parser-state dump."""
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 16, "structured_outputs": {"regex": "a{1000000}"}}
+    r = httpx.post(server.v1 + "/completions", json=body, timeout=120)
+    error = _assert_error_body(r, 400, "structured_outputs")
+    assert error["message"].startswith("structured_outputs: the grammar failed at output token")
+    assert "\n" not in error["message"] and "<state>" not in error["message"]

@@ -321,11 +321,17 @@ class Scheduler:
                 status, error = RequestStatus.FINISHED_ABORTED, _no_token_error(request)
                 output.error_param = _masking_params(request)[0]
                 break
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                # the sampler's mask allowed it, so the matcher itself failed (its limits: a{1000000})
+                status, output.error_param = RequestStatus.FINISHED_ABORTED, "structured_outputs"
+                error = (f"structured_outputs: the grammar failed at output token {request.num_output_tokens}: "
+                         f"{request.grammar.error}")
+                break
             request.append_output_token_ids(token_id)
             output.new_token_ids.append(token_id)
             if logprobs is not None and output.new_logprobs is not None:
                 output.new_logprobs.append(logprobs[i])
-            status, error, is_stop_token = self._status_after(request, token_id)
+            status, is_stop_token = self._status_after(request)
             if status is not None:
                 break
         output.is_stop_token = is_stop_token
@@ -335,17 +341,13 @@ class Scheduler:
             output.finish_reason, output.stop_reason, output.error = status.finish_reason, request.stop_reason, error
         return output
 
-    def _status_after(self, request: Request, token_id: int) -> tuple[RequestStatus | None, str | None, bool]:
-        """After ``token_id``: the request's finished status (None: it goes on), an error if the grammar broke, and
-        whether the token is EOS or a stop token id (left out of the text)."""
-        grammar = request.grammar
-        if grammar is not None and not grammar.accept(token_id):  # the sampler's mask forbids it: never expected
-            error = f"structured outputs: the grammar rejected token {token_id}: {grammar.error}"
-            return RequestStatus.FINISHED_ABORTED, error, False
+    def _status_after(self, request: Request) -> tuple[RequestStatus | None, bool]:
+        """After a token: the request's finished status (None: it goes on) and whether the token is EOS or a stop
+        token id (left out of the text)."""
         status = self._check_stop(request)
-        if status is None and grammar is not None and grammar.is_terminated:
-            return RequestStatus.FINISHED_STOPPED, None, False  # a complete structured output; its last token is text
-        return status, None, status is RequestStatus.FINISHED_STOPPED
+        if status is None and request.grammar is not None and request.grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED, False  # a complete structured output; its last token is text
+        return status, status is RequestStatus.FINISHED_STOPPED
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         """Stops that need no text (``kvgen.sampling.stopping.TokenStops``); a stop token wins over length."""

@@ -102,8 +102,9 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str:
-        """Why the matcher failed, or an empty string."""
-        return str(self._matcher.get_error())
+        """Why the matcher failed (the first line of llguidance's message, without its dump of parser state), or
+        an empty string."""
+        return str(self._matcher.get_error()).split("\n", 1)[0].strip()
 
 
 class GrammarCompiler:
