@@ -287,12 +287,42 @@ def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
         (["generate", "hi", "--quantization", "q8_0", "--dtype", "float32"], "quantization='q8_0' needs dtype 'auto'"),
         (["serve", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype must be one of auto, int8, got 'fp8'"),
         (["serve", "--kv-cache-dtype", "int8", "--dtype", "float32"], "kv_cache_dtype='int8' needs dtype 'auto'"),
+        (["generate", "hi", "--threads", "100000"], "num_threads must be in [1, 512], got 100000"),
+        (["generate", "hi", "--trace", "--trace-plot", "/no/such/dir/x.png"], "the directory '/no/such/dir' does not"),
+        (["generate", "hi", "--trace-plot", "x.png"], "--trace-plot needs --trace"),
+        (["generate", "hi", "--do-sample", "--best-of", "1", "--num-return-sequences", "2"],
+         "num_return_sequences=2 conflicts with best_of=1"),
+        (["generate", "hi", "--bad-words-ids", "[[-1]]"], "bad_words_ids entries must be non-empty sequences of ids"),
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(capsys, argv, message):
     code, _, err = _run(capsys, argv)
     assert code == 2
     assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--forced-bos-token-id", "99999999"], "forced_bos_token_id must be a token id in [0, "),
+    (["--forced-eos-token-id", "99999999"], "forced_eos_token_id must be a token id in [0, "),
+    (["--chat", "--chat-template", "{% for i in range(100000000) %}x{% endfor %}"], "OverflowError: Range too big"),
+    (["--chat", "--chat-template", "{{ 1 / 0 }}"], "ZeroDivisionError: division by zero"),
+])
+def test_settings_the_model_refuses_are_one_line_and_exit_2(capsys, tiny_model_dir, argv, message):
+    """Forced ids past the vocabulary (they forced token 0) and chat templates that fail with any Python error."""
+    code, _, err = _run(capsys, ["generate", "hi", "--model", str(tiny_model_dir), "--max-new-tokens", "2", *argv])
+    assert code == 2 and err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"model_type": "llama"}, "lacks required fields 'vocab_size', 'hidden_size', 'num_hidden_layers', "
+                              "'num_attention_heads'"),
+    ({"model_type": "llama", "vocab_size": 10, "hidden_size": "big", "num_hidden_layers": 1, "num_attention_heads": 1},
+     "hidden_size must be an integer, got 'big'"),
+])
+def test_a_config_json_missing_or_mistyping_fields_exits_2(capsys, tmp_path, config, message):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, _, err = _run(capsys, ["info", "--model", str(tmp_path)])
+    assert code == 2 and err.count("\n") == 1 and message in err, err
 
 
 def test_truncated_gguf_exits_2_from_the_real_script(tmp_path, default_gguf_path):

@@ -37,6 +37,11 @@ def test_omp_num_threads_is_kept_when_no_count_is_given(monkeypatch: pytest.Monk
     assert set_threads() == 3 and torch.get_num_threads() == 3
 
 
-def test_a_count_below_one_is_refused() -> None:
-    with pytest.raises(ValueError, match="num_threads must be >= 1, got 0"):
-        set_threads(0)
+def test_a_count_outside_one_to_max_threads_is_refused() -> None:
+    """0 threads, or so many that starting them exhausts the process (100,000 made the CLI fail with "can't start new
+    thread"): a ValueError before torch is asked."""
+    before = torch.get_num_threads()
+    for count in (0, 513, 100_000):
+        with pytest.raises(ValueError, match=rf"num_threads must be in \[1, 512\], got {count}"):
+            set_threads(count)
+    assert torch.get_num_threads() == before

@@ -138,7 +138,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from kvgen.generation.generate import NOT_STREAMABLE
     from kvgen.generation.streamers import TextStreamer
 
-    cfg, text = generation_config_from_args(args), _prompt_text(args)
+    cfg, text, plot_path = generation_config_from_args(args), _prompt_text(args), _trace_plot_path(args)
     model, tokenizer, load_s = _load_for_chat(args)
     prompt_ids = _prompt_ids(text, args.chat, tokenizer)
     if not prompt_ids:
@@ -160,8 +160,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # beams and sample-and-rank pick their sequence at the end: printed then
     streams = not (args.json or args.trace or not single or cfg.strategy in NOT_STREAMABLE)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if streams else None
-    if args.trace:
-        out = _traced_generate(model, input_ids, cfg, tokenizer, args.trace_plot, flags)
+    if plot_path is not None:
+        out = _traced_generate(model, input_ids, cfg, tokenizer, plot_path, flags)
     else:
         out = generate(model, input_ids, None, cfg, tokenizer=tokenizer, streamer=streamer, assistant_model=assistant,
                        negative_prompt_ids=negative, **flags)
@@ -172,6 +172,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for k, text in enumerate(texts):
             print(text if single else f"--- sequence {k} ---\n{text}")
     return 0
+
+
+def _trace_plot_path(args: argparse.Namespace) -> str | None:
+    """Where ``--trace`` saves its plot (``--trace-plot``, default kvgen-trace.png), checked before anything runs;
+    None without ``--trace``. ``CliError`` for ``--trace-plot`` alone or in a directory that does not exist."""
+    if not args.trace:
+        if args.trace_plot is not None:
+            raise CliError("--trace-plot needs --trace")
+        return None
+    path = Path(args.trace_plot or "kvgen-trace.png")
+    if not path.parent.is_dir():
+        raise CliError(f"--trace-plot: the directory {str(path.parent)!r} does not exist")
+    return str(path)
 
 
 def _force_words(texts: list[str], tokenizer: Any) -> list[list[int]]:

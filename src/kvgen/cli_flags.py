@@ -199,7 +199,7 @@ def add_generate_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--trace", action="store_true", help="print per-step shapes and latency; plot latency with/without cache")
-    g.add_argument("--trace-plot", default="kvgen-trace.png", help="where --trace saves its PNG")
+    g.add_argument("--trace-plot", default=None, help="where --trace saves its PNG (default: kvgen-trace.png)")
     g.add_argument("--negative-prompt", default=None, metavar="TEXT",
                    help="classifier-free guidance: the prompt to steer away from (with --guidance-scale)")
     g.add_argument("--force-word", action="append", default=None, metavar="TEXT",

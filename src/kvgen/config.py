@@ -10,7 +10,8 @@ reference are nearly an identity map.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+import numbers
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
@@ -108,6 +109,10 @@ def token_id_list(value: Any) -> list[int]:
     return [int(value)] if isinstance(value, int) else [int(t) for t in value]
 
 
+# ModelConfig's annotations of counts and of float settings, and the values they take (numpy's too, from GGUF files)
+_NUMBER_TYPES = {"int": numbers.Integral, "int | None": numbers.Integral, "float": numbers.Real,
+                 "float | None": numbers.Real}
+
 @dataclass
 class ModelConfig:
     """Decoder hyper-parameters (HF names; sizes in elements, lengths in tokens).
@@ -178,6 +183,7 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_number_types()
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedArchitectureError(
                 f"model_type {self.model_type!r} is not supported; kvgen supports {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -300,6 +306,15 @@ class ModelConfig:
                                        f"got {len(scaling[name])}")
         self.max_position_embeddings = min(self.max_position_embeddings, int(scaling["original_max_position_embeddings"]))
 
+    def _check_number_types(self) -> None:
+        """Raise ``ModelFormatError`` for a count that is no integer or a float field that is no number (a config.json
+        value such as ``"hidden_size": "big"``); None stays for the optional ones."""
+        for f in fields(self):
+            value, wanted = getattr(self, f.name), _NUMBER_TYPES.get(str(f.type))
+            if value is not None and wanted is not None and (isinstance(value, bool) or not isinstance(value, wanted)):
+                raise ModelFormatError(f"{f.name} must be {'an integer' if wanted is numbers.Integral else 'a number'}"
+                                       f", got {value!r}")
+
     @property
     def eos_token_ids(self) -> list[int]:
         """EOS ids as a list (empty when the model declares none)."""
@@ -348,6 +363,11 @@ class ModelConfig:
                 cfg = _HF_DEFAULTS.get(model_type, {}) | cfg  # save_pretrained leaves out values equal to these
                 known = {f.name for f in fields(cls)} - {"extra", "o_proj_bias", *MOE_FIELDS}
                 kwargs = {k: v for k, v in cfg.items() if k in known}
+                missing = [f.name for f in fields(cls) if f.name not in kwargs and f.name != "model_type"
+                           and f.default is MISSING and f.default_factory is MISSING]
+                if missing:
+                    raise ModelFormatError(f"config.json for {model_type!r} lacks required fields "
+                                           f"{', '.join(map(repr, missing))}")
                 return cls(**kwargs | llama_family_changes(model_type, cfg) | hf_moe_fields(model_type, cfg))
         except KeyError as e:
             raise ModelFormatError(f"config.json for {model_type!r} lacks required field {e.args[0]!r}") from None

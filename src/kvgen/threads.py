@@ -7,6 +7,10 @@ import os
 
 import psutil
 
+# The most threads kvgen starts (llama.cpp's GGML_MAX_N_THREADS): far past any core count, short of the thousands
+# that exhaust a process's thread limit.
+MAX_THREADS = 512
+
 
 def available_cpus() -> int:
     """CPU cores this process may run on (its affinity mask where the OS has one)."""
@@ -21,13 +25,13 @@ def physical_cores() -> int:
 
 def set_threads(num_threads: int | None = None) -> int:
     """Set torch's intra-op threads to ``num_threads``, else keep ``$OMP_NUM_THREADS`` where it is set (torch follows
-    it already), else :func:`physical_cores`; returns the count. ``ValueError`` below 1."""
+    it already), else :func:`physical_cores`; returns the count. ``ValueError`` outside [1, :data:`MAX_THREADS`]."""
     import torch
 
     if num_threads is None and os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
     n = physical_cores() if num_threads is None else num_threads
-    if n < 1:
-        raise ValueError(f"num_threads must be >= 1, got {n}")
+    if not 1 <= n <= MAX_THREADS:
+        raise ValueError(f"num_threads must be in [1, {MAX_THREADS}], got {n}")
     torch.set_num_threads(n)
     return n

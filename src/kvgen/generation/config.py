@@ -218,13 +218,13 @@ class GenerationConfig:
                 raise clash("penalty_alpha", "num_beams", "contrastive search does not use beams")
         if self.num_beams > 1 and self.num_return_sequences > self.num_beams:
             raise clash("num_return_sequences", "num_beams", "cannot return more sequences than beams")
+        if self.best_of is not None and self.num_return_sequences > self.best_of:  # as SamplingParams' n <= best_of
+            raise clash("num_return_sequences", "best_of", "cannot return more sequences than samples")
         if self.best_of is not None and self.best_of > 1:
             if not self.do_sample:
                 raise clash("best_of", "do_sample", "sample-and-rank needs do_sample=True")
             if self.num_beams > 1:
                 raise clash("best_of", "num_beams", "sample-and-rank does not use beams")
-            if self.num_return_sequences > self.best_of:
-                raise clash("num_return_sequences", "best_of", "cannot return more sequences than samples")
         deterministic = self.strategy in (Strategy.GREEDY, Strategy.CONTRASTIVE_SEARCH) or (
             self.strategy is Strategy.DOLA and not self.do_sample)
         if self.num_return_sequences > 1 and deterministic:

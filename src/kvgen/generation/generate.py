@@ -107,6 +107,7 @@ def generate(
     model_cfg = model.config
     cfg = cfg.with_model_defaults(model_cfg.eos_token_ids, model_cfg.pad_token_id)
     input_ids, attention_mask = _check_batch(input_ids, attention_mask, model_cfg)
+    _check_forced_token_ids(cfg, model_cfg.vocab_size)
     cfg = cfg.with_prompt_length(input_ids.shape[1])
     longest = int(attention_mask.sum(-1).max())
     if longest + cfg.max_new_tokens > model_cfg.max_position_embeddings:
@@ -264,6 +265,16 @@ def _check_batch(
     if bool((attention_mask[:, :-1] > attention_mask[:, 1:]).any()):
         raise ValueError("attention_mask must be left-padded (zeros only before the first token of each row)")
     return input_ids, attention_mask
+
+
+def _check_forced_token_ids(cfg: GenerationConfig, vocab_size: int) -> None:
+    """``ValueError`` for a forced BOS / EOS id past the vocabulary: its processor would leave no token (transformers
+    fails with an IndexError there). Suppressed ids past it are ignored, as transformers ignores them."""
+    for name in ("forced_bos_token_id", "forced_eos_token_id"):
+        value = getattr(cfg, name)
+        for token_id in [] if value is None else [value] if isinstance(value, int) else value:
+            if token_id >= vocab_size:
+                raise ValueError(f"{name} must be a token id in [0, {vocab_size}), got {token_id}")
 
 
 def _stopper(cfg: GenerationConfig, prompt_length: int, tokenizer: Any) -> StopChecker:

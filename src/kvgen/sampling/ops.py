@@ -413,11 +413,11 @@ def apply_min_tokens(
     return logits.masked_fill(is_short & is_eos, FILTER_VALUE)
 
 
-def normalize_sequence_bias(sequence_bias: SequenceBias) -> dict[tuple[int, ...], float]:
+def normalize_sequence_bias(sequence_bias: SequenceBias, name: str = "sequence_bias") -> dict[tuple[int, ...], float]:
     """``{(ids...): bias}`` from a dict or from HF's list of ``[ids, bias]`` pairs.
 
     Raises ValueError for an empty container, empty or negative id sequences, or
-    non-numeric biases.
+    non-numeric biases; ``name``: the setting the messages name (bad_words_ids are a -inf bias).
     """
     pairs: list[tuple[object, object]]
     if isinstance(sequence_bias, Mapping):
@@ -434,14 +434,16 @@ def normalize_sequence_bias(sequence_bias: SequenceBias) -> dict[tuple[int, ...]
     for key, bias in pairs:
         ids = tuple(key) if isinstance(key, Sequence) and not isinstance(key, str) else ()
         if not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
-            raise ValueError(f"sequence_bias keys must be non-empty sequences of ids >= 0, got {ids!r}")
+            part = "keys" if name == "sequence_bias" else "entries"
+            raise ValueError(f"{name} {part} must be non-empty sequences of ids >= 0, got {ids!r}")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
             raise ValueError(f"sequence_bias values must be numbers, got {bias!r}")
         result[tuple(int(t) for t in ids)] = float(bias)
     return result
 
 
-def apply_sequence_bias(logits: torch.Tensor, token_ids: torch.Tensor, sequence_bias: SequenceBias) -> torch.Tensor:
+def apply_sequence_bias(logits: torch.Tensor, token_ids: torch.Tensor, sequence_bias: SequenceBias,
+                        name: str = "sequence_bias") -> torch.Tensor:
     """Add a bias to the last id of each listed sequence when the history ends with the rest of it.
 
     Single-id sequences are always biased. logits: [B, V] float; token_ids: [B, T]
@@ -450,11 +452,11 @@ def apply_sequence_bias(logits: torch.Tensor, token_ids: torch.Tensor, sequence_
     """
     _check_logits(logits)
     _check_token_ids(token_ids, logits)
-    biases = normalize_sequence_bias(sequence_bias)
+    biases = normalize_sequence_bias(sequence_bias, name)
     vocab_size = logits.shape[1]
     too_big = [t for ids in biases for t in ids if t >= vocab_size]
     if too_big:
-        raise ValueError(f"sequence_bias ids must be < vocab size {vocab_size}, got {too_big}")
+        raise ValueError(f"{name} ids must be < vocab size {vocab_size}, got {too_big}")
     single = torch.zeros(vocab_size, dtype=torch.float, device=logits.device)  # [V]
     single_items = [(ids[0], b) for ids, b in biases.items() if len(ids) == 1]
     if single_items:
@@ -480,7 +482,7 @@ def apply_bad_words(
     """
     if not isinstance(bad_words_ids, Sequence) or not bad_words_ids:
         raise ValueError(f"bad_words_ids must be a non-empty list of id lists, got {bad_words_ids!r}")
-    return apply_sequence_bias(logits, token_ids, {tuple(ids): FILTER_VALUE for ids in bad_words_ids})
+    return apply_sequence_bias(logits, token_ids, {tuple(ids): FILTER_VALUE for ids in bad_words_ids}, "bad_words_ids")
 
 
 def apply_suppress_tokens(logits: torch.Tensor, suppress_token_ids: Sequence[int]) -> torch.Tensor:

@@ -160,8 +160,10 @@ class Tokenizer:
                 **(chat_template_kwargs or {}), messages=messages, tools=tools, documents=None,
                 add_generation_prompt=add_generation_prompt, **strings,
             )
-        except (jinja2.TemplateError, TypeError) as e:
-            raise ChatTemplateError(f"chat template of {self.name} failed on these messages: {e}") from None
+        except Exception as e:  # noqa: BLE001 -- a template is a program: range(10**8) is an OverflowError, x / 0 ...
+            raise ChatTemplateError(f"chat template of {self.name} failed on these messages: "
+                                    f"{type(e).__name__ + ': ' if not isinstance(e, jinja2.TemplateError) else ''}{e}"
+                                    ) from None
         if continue_final_message:
             text = _cut_after_final_message(text, messages[-1])
         return self.encode(text, add_special_tokens=False) if tokenize else text
