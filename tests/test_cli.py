@@ -286,6 +286,7 @@ def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
         (["generate", "hi", "--quantization", "q3_k"], "invalid choice: 'q3_k'"),
         (["generate", "hi", "--quantization", "q8_0", "--dtype", "float32"], "quantization='q8_0' needs dtype 'auto'"),
         (["serve", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype must be one of auto, int8, got 'fp8'"),
+        (["serve", "--api-key", ""], "api_key must not be empty"),  # was: no key at all
         (["serve", "--kv-cache-dtype", "int8", "--dtype", "float32"], "kv_cache_dtype='int8' needs dtype 'auto'"),
         (["generate", "hi", "--threads", "100000"], "num_threads must be in [1, 512], got 100000"),
         (["generate", "hi", "--trace", "--trace-plot", "/no/such/dir/x.png"], "the directory '/no/such/dir' does not"),

@@ -86,7 +86,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvgen.fields import config_from_args
     from kvgen.server.launch import ServerArgs, run_server
 
-    server_args = config_from_args(ServerArgs, args, api_key=args.api_key or os.environ.get("KVGEN_API_KEY"))
+    # an empty --api-key is refused (ServerArgs); an empty $KVGEN_API_KEY counts as unset
+    api_key = args.api_key if args.api_key is not None else os.environ.get("KVGEN_API_KEY") or None
+    server_args = config_from_args(ServerArgs, args, api_key=api_key)
     return run_server(config_from_args(EngineArgs, args), server_args)
 
 

@@ -57,6 +57,9 @@ def test_json_float_and_base64_carry_the_same_values(server, tiny_tokenizer):
     ({"input": "a", "dimensions": 0}, "dimensions", None),
     ({"input": [7] * 2049}, "input", "exceeds max_model_len (2048)"),
     ({"input": "a", "encoding_format": "int8"}, "encoding_format", None),
+    ({"input": ["a"] * 2049}, "input", "input holds at most 2048 inputs, got 2049"),
+    ({"input": ""}, "input", "input is empty"),
+    ({"input": ["a", ""]}, "input", "input 1 is empty"),
 ])
 def test_bad_embedding_requests_are_400_naming_the_field(server, client, body, param, message):
     r = httpx.post(server.v1 + "/embeddings", json=body, timeout=30)

@@ -95,7 +95,12 @@ def test_unknown_model_is_404_not_found(client):
     "extra,param",
     [({"logprobs": 6}, "logprobs"), ({"suffix": "end"}, "suffix"), ({"best_of": 3}, "best_of"),
      ({"prompt": ""}, "prompt"), ({"prompt": [1, -5]}, "prompt"), ({"prompt": [[1, 2], [10**7]]}, "prompt"),
-     ({"prompt": "x " * 3000}, "prompt"), ({"extra_body": {"priority": -1}}, "priority")],
+     ({"prompt": "x " * 3000}, "prompt"), ({"extra_body": {"priority": -1}}, "priority"),
+     ({"extra_body": {"stop_token_ids": [10**7]}}, "stop_token_ids"), ({"logit_bias": {"1_0": 1}}, "logit_bias"),
+     ({"logit_bias": {" 1": 1}}, "logit_bias"), ({"logit_bias": {"\u0661": 1}}, "logit_bias"),
+     ({"extra_body": {"structured_outputs": {"regex": ""}}}, "structured_outputs"),
+     ({"extra_body": {"structured_outputs": {"choice": []}}}, "structured_outputs"),
+     ({"extra_body": {"structured_outputs": {"grammar": ""}}}, "structured_outputs")],
 )
 def test_unsupported_or_bad_completion_fields_are_400(client, extra, param):
     kwargs = {"prompt": "Hello", "max_tokens": 4, **extra}
@@ -127,6 +132,8 @@ def test_other_routes_answer_errors_as_openai_bodies(server):
     _assert_error_body(httpx.post(server.url + "/detokenize", json={"tokens": [10**7]}), 400, "tokens")
     _assert_error_body(httpx.post(server.url + "/tokenize", json={"prompt": "a", "messages": MESSAGES}), 400, "prompt")
     _assert_error_body(httpx.post(server.url + "/tokenize", json={"model": "x", "prompt": "a"}), 404, "model")
+    empty = _assert_error_body(httpx.post(server.url + "/tokenize", json={"messages": []}), 400, "messages")
+    assert empty["message"].startswith("messages: List should have at least 1 item")
 
 
 def test_server_still_answers_after_bad_requests(client):

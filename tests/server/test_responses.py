@@ -106,9 +106,10 @@ def test_stored_responses_continue_read_and_delete(client, server):
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     unstored = client.responses.create(model="tiny", input="Hi", store=False, **GREEDY)
     assert httpx.get(f"{server.v1}/responses/{unstored.id}", timeout=10).status_code == 404
-    r = httpx.post(server.v1 + "/responses", json={"model": "tiny", "input": "x", "previous_response_id": first.id},
-                   timeout=10)
-    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+    for unknown in (first.id, ""):  # "" is no id either, not an absent one
+        r = httpx.post(server.v1 + "/responses", json={"model": "tiny", "input": "x", "previous_response_id": unknown},
+                       timeout=10)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
 
 
 def test_function_calls_and_their_outputs(client, server):

@@ -19,13 +19,14 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 
 import kvgen
 from kvgen.engine.async_engine import AsyncLLMEngine
 from kvgen.server.chat import chat_prompt_ids, create_chat_completion
 from kvgen.server.completions import create_completion
 from kvgen.server.embeddings import create_embedding
-from kvgen.server.errors import OpenAIError, bad_request, install_error_handlers
+from kvgen.server.errors import OpenAIError, bad_request, install_error_handlers, validation_error
 from kvgen.server.metrics import ServerMetrics
 from kvgen.server.protocol import (
     ChatCompletionRequest,
@@ -133,8 +134,8 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> TokenizeResponse:
     else:
         try:
             request = ChatCompletionRequest(model=state.model_name, messages=body.messages or [])
-        except ValueError as e:
-            raise bad_request(str(e).splitlines()[0], "messages") from None
+        except ValidationError as e:
+            raise validation_error(e.errors()) from None
         ids = chat_prompt_ids(state, request, body.add_generation_prompt)
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.max_model_len)
 

@@ -45,6 +45,9 @@ async def create_embedding(state: ServerState, body: EmbeddingRequest) -> Embedd
         inputs = [inputs]  # type: ignore[assignment]  # one string, or one list of token ids
     if not inputs:
         raise bad_request("input must be a string, a list of token ids, or a non-empty list of either", "input")
+    if empty := [i for i, item in enumerate(inputs) if len(item) == 0]:
+        raise bad_request(f"input {empty[0]} is empty: every input needs a token" if len(inputs) > 1 else
+                          "input is empty: it needs a token", "input")
     params = PoolingParams(dimensions=body.dimensions)
     data, num_tokens, request_id, start = [], 0, new_request_id("embd"), time.monotonic()
     for index, item in enumerate(inputs):

@@ -10,6 +10,7 @@ Source: OpenAI API reference "Error codes"; vLLM ``ErrorResponse``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -69,8 +70,9 @@ def _loc_param(loc: tuple[Any, ...]) -> str | None:
     return out or None
 
 
-def _validation_error(exc: RequestValidationError) -> OpenAIError:
-    errors = exc.errors()
+def validation_error(errors: Sequence[Any]) -> OpenAIError:
+    """The 400 of a request's validation errors (FastAPI's, or a pydantic ``ValidationError.errors()``): the
+    deepest one's field as ``param``."""
     # the deepest problem: for a union field (``input``: a string or a list of items) that is the branch that came
     # closest, not "should be a valid string"; at one depth a branch whose type fit (``stop``: 17 strings is a list
     # too long, not "should be a valid string")
@@ -96,7 +98,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
+        return validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

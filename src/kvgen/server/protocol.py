@@ -375,6 +375,15 @@ class EmbeddingRequest(StrictModel):
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
 
+    @field_validator("input", mode="before")
+    @classmethod
+    def _at_most_max_inputs(cls, value: Any) -> Any:
+        """Too many texts (or id lists) is said as such: the union's other branch, one list of token ids, would
+        otherwise be the error ("input[0] should be a valid integer")."""
+        if isinstance(value, list) and len(value) > MAX_EMBEDDING_INPUTS and isinstance(value[0], (str, list)):
+            raise ValueError(f"input holds at most {MAX_EMBEDDING_INPUTS} inputs, got {len(value)}")
+        return value
+
 
 class EmbeddingData(BaseModel):
     object: Literal["embedding"] = "embedding"

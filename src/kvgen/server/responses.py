@@ -160,7 +160,8 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
     """Validate, enqueue, then stream events or answer once. Raises ``OpenAIError`` (400/404/429/503)."""
     state.check_model(req.model)
     _refuse_unsupported(req)
-    previous = state.responses.get(req.previous_response_id, "previous_response_id") if req.previous_response_id else None
+    previous = (state.responses.get(req.previous_response_id, "previous_response_id")
+                if req.previous_response_id is not None else None)  # "" is no id: a 404, as any unknown one
     history = [*(previous.messages if previous else []), *_input_messages(req.input)]
     system = [ChatMessage(role="system", content=req.instructions)] if req.instructions is not None else []
     try:

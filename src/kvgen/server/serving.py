@@ -76,13 +76,14 @@ def sampling_params(req: SamplingFields, state: ServerState, max_tokens: int | N
 
     bias = None
     if req.logit_bias:
-        try:
-            bias = {int(k): v for k, v in req.logit_bias.items()}
-        except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {list(req.logit_bias)}", "logit_bias") from None
+        if bad_keys := [k for k in req.logit_bias if not (k.isascii() and k.isdigit())]:  # int() takes " 1", "1_0"
+            raise bad_request(f"logit_bias keys must be token ids in decimal digits, got {bad_keys[0]!r}", "logit_bias")
+        bias = {int(k): v for k, v in req.logit_bias.items()}
         bad = [t for t in bias if not 0 <= t < tokenizer.vocab_size]
         if bad:
             raise bad_request(f"logit_bias token ids must be in [0, {tokenizer.vocab_size}), got {bad[0]}", "logit_bias")
+    if bad := [t for t in req.stop_token_ids or () if not 0 <= t < tokenizer.vocab_size]:
+        raise bad_request(f"stop_token_ids must be in [0, {tokenizer.vocab_size}), got {bad[0]}", "stop_token_ids")
     try:
         return SamplingParams(
             n=req.n, temperature=pick(req.temperature, "temperature", 1.0), top_p=pick(req.top_p, "top_p", 1.0),
@@ -119,8 +120,9 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
 
 
 def value_error(e: ValueError, default_param: str | None) -> OpenAIError:
-    """A 400 from an engine ``ValueError``, whose message starts with the field it names."""
-    first = str(e).split(" ", 1)[0]
+    """A 400 from an engine ``ValueError``, whose message starts with the field it names (or a part of it:
+    ``structured_outputs.regex`` names structured_outputs)."""
+    first = str(e).split(" ", 1)[0].split(".", 1)[0]
     return bad_request(str(e), first if first in _SAMPLING_FIELDS else default_param)
 
 
