@@ -45,7 +45,7 @@ async def create_embedding(state: ServerState, body: EmbeddingRequest) -> Embedd
         inputs = [inputs]  # type: ignore[assignment]  # one string, or one list of token ids
     if not inputs:
         raise bad_request("input must be a string, a list of token ids, or a non-empty list of either", "input")
-    if empty := [i for i, item in enumerate(inputs) if len(item) == 0]:
+    if empty := [i for i, item in enumerate(inputs) if isinstance(item, (str, list)) and not item]:
         raise bad_request(f"input {empty[0]} is empty: every input needs a token" if len(inputs) > 1 else
                           "input is empty: it needs a token", "input")
     params = PoolingParams(dimensions=body.dimensions)
