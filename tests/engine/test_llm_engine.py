@@ -276,6 +276,40 @@ def test_bad_requests_raise_naming_the_field_and_others_finish_normally(model_to
         EngineArgs(max_num_seqs=0)
 
 
+def test_a_step_that_fails_leaves_the_llm_usable(model_tok, prompts, reference, monkeypatch):
+    """An exception inside a step (here the runner's) ends that generate() call, whose requests leave the engine:
+    the next call gives the reference tokens (the requests stayed and failed every later step before)."""
+    llm = _llm(model_tok)
+    runner = llm.llm_engine.runner
+    execute = runner.execute
+    failures = [RuntimeError("boom")]
+
+    def fail_once(*args, **kwargs):
+        if failures:
+            raise failures.pop()
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", fail_once)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate({"prompt_token_ids": prompts[0]}, GREEDY, use_tqdm=False)
+    aborted = llm.llm_engine.step()  # the abort reaches the scheduler with the next step
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in aborted] == [("0", "abort")]
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.generate({"prompt_token_ids": prompts[0]}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == reference[0]
+
+
+def test_the_default_max_model_len_fits_the_kv_pool_and_an_explicit_one_must(model_tok):
+    """A pool of 64 blocks of 4 tokens holds 256: the default max_model_len (the context window) shrinks to it, so a
+    longer request is a ValueError at once (it was aborted inside a step); a larger explicit one is refused."""
+    model, tok = model_tok
+    engine = LLMEngine(model, tok, EngineArgs(num_blocks=64, block_size=4))
+    assert engine.max_model_len == 256 < model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=r"prompt of 300 tokens leaves no room to generate within max_model_len \(256\)"):
+        engine.add_request("long", prompt_token_ids=[5] * 300, sampling_params=GREEDY)
+    with pytest.raises(ValueError, match=r"max_model_len \(512\) exceeds the KV cache pool of 256 tokens \(64 blocks of 4\)"):
+        LLMEngine(model, tok, EngineArgs(num_blocks=64, block_size=4, max_model_len=512))
+
+
 def test_abort_frees_blocks_and_runner_state(model_tok, prompts):
     model, tok = model_tok
     engine = LLMEngine(model, tok, EngineArgs(num_blocks=64))

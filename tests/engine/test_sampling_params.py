@@ -76,6 +76,12 @@ def test_is_greedy(temperature: float, is_greedy: bool) -> None:
         ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens must be -1 or an int"),
         ({"detokenize": False, "stop": "."}, r"detokenize=False conflicts with stop=\['\.'\]"),
         ({"detokenize": 0}, "detokenize must be a bool, got 0"),
+        # None only where the field is optional (it failed inside the engine's step before)
+        ({"temperature": None}, "temperature must be a finite number >= 0 .*, got None"),
+        ({"repetition_penalty": None}, r"repetition_penalty must be in \[1e-06, 1000000\], got None"),
+        ({"min_tokens": None}, r"min_tokens must be an int in \[0, 2147483647\], got None"),
+        ({"bad_words_token_ids": [[]]}, "bad_words_token_ids must be a list of non-empty token id lists"),
+        ({"bad_words_token_ids": [[-1]]}, r"bad_words_token_ids must be a list of ints >= 0, got \[-1\]"),
     ],
 )
 def test_validation_names_field_and_value(kwargs: dict, message: str) -> None:

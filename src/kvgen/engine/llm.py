@@ -193,6 +193,9 @@ class LLM:
                         finished[output.request_id] = output
                         if bar is not None:
                             bar.update(1)
+        except BaseException:  # a failed step (or Ctrl-C): this call's requests leave, so the engine stays usable
+            self.llm_engine.abort_request([r for r in request_ids if r not in finished])
+            raise
         finally:
             if bar is not None:
                 bar.close()

@@ -59,7 +59,8 @@ class LLMEngine:
     """Owns the scheduler, the KV pool, the model runner and the output processor.
 
     ``tokenizer`` None means token-id prompts only and empty ``text`` (stop strings then raise).
-    Raises ``ValueError`` when ``max_model_len`` exceeds the model's context window.
+    Raises ``ValueError`` when ``max_model_len`` exceeds the model's context window or, given, the KV pool; left
+    unset, it is the context window or, if fewer, the tokens the pool holds (one request must always fit).
     """
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer | None, engine_args: EngineArgs | None = None) -> None:
@@ -76,6 +77,7 @@ class LLMEngine:
         if num_blocks is None:
             memory = args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
             num_blocks = num_blocks_for_memory(config, memory, args.block_size, dtype)
+        self.max_model_len = _fit_pool(self.max_model_len, args, num_blocks)
         self.cache = PagedKVCache.from_config(config, args.block_size, num_blocks=num_blocks, dtype=dtype)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         spec = args.speculative_config
@@ -318,3 +320,17 @@ class LLMEngine:
             if parent_output is not None:
                 result.append(parent_output)
         return result
+
+
+def _fit_pool(max_model_len: int, args: EngineArgs, num_blocks: int) -> int:
+    """``max_model_len`` within the KV pool's ``num_blocks * block_size`` tokens: a request longer than the pool could
+    never run (vLLM refuses such an engine). An explicit ``EngineArgs.max_model_len`` past it is a ``ValueError``
+    naming the settings; the default (the model's context) shrinks to the pool."""
+    pool_tokens = num_blocks * args.block_size
+    if max_model_len <= pool_tokens:
+        return max_model_len
+    if args.max_model_len is not None:
+        raise ValueError(f"max_model_len ({max_model_len}) exceeds the KV cache pool of {pool_tokens} tokens "
+                         f"({num_blocks} blocks of {args.block_size}): lower max_model_len or raise num_blocks / "
+                         "kv_cache_memory")
+    return pool_tokens

@@ -79,7 +79,7 @@ class SamplingParams:
             self.top_k = 0  # vLLM's spelling of "off"
         for f in dataclasses.fields(self):  # ranges: the table shared with GenerationConfig and the CLI
             value = getattr(self, f.name)
-            if f.name in PARAM_RULES and value is not None:
+            if f.name in PARAM_RULES and (value is not None or "None" not in str(f.type)):  # None where typed so
                 check_param(f.name, value)
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k == -1 or 1 <= k <= INT32_MAX)):
@@ -95,6 +95,11 @@ class SamplingParams:
             self.allowed_token_ids = _token_id_list(self.allowed_token_ids, "allowed_token_ids")
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty")
+        if self.bad_words_token_ids is not None:
+            ids = self.bad_words_token_ids
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(w, (list, tuple)) and w for w in ids):
+                raise ValueError(f"bad_words_token_ids must be a list of non-empty token id lists, got {ids!r}")
+            self.bad_words_token_ids = [checked_token_ids("bad_words_token_ids", list(w)) for w in ids]
         if self.bad_words is not None:
             words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
             if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
