@@ -181,11 +181,19 @@ class GenerationConfig:
         self._check_combinations()
 
     def _check_ranges(self) -> None:
-        """Every field with a rule in ``kvgen.sampling.params.PARAM_RULES`` (None = unset), then the rest."""
+        """Every field with a rule in ``kvgen.sampling.params.PARAM_RULES`` (None = unset), then the rest. None in a
+        field that is not optional means unset, as in transformers: the field's default (which the model's
+        generation config may then replace); a bool field takes bools only."""
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
+            value, typed = getattr(self, f.name), str(f.type)
+            if value is None and "None" not in typed and f.default is not None and f.default is not dataclasses.MISSING:
+                setattr(self, f.name, value := f.default)
+            if typed in ("bool", "bool | None") and value is not None and not isinstance(value, bool):
+                raise ValueError(f"{f.name} must be a bool, got {value!r}")
             if f.name in PARAM_RULES and value is not None:
                 check_param(f.name, value)
+        if isinstance(self.stop_strings, str):  # one stop string, as transformers takes it (not its characters)
+            self.stop_strings = [self.stop_strings]
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
         if self.num_assistant_tokens_schedule not in ("heuristic", "heuristic_transient", "constant"):

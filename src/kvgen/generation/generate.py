@@ -93,13 +93,19 @@ def generate(
     ``negative_prompt_ids`` [N, S] (``negative_prompt_attention_mask`` [N, S]): with ``guidance_scale``, the
     unconditional sequence of classifier-free guidance, one row per generated row (default: each row's last prompt
     token), as transformers.
-    Returns a :class:`GenerateOutput`. Raises ``ValueError`` for bad shapes or
-    settings (an unknown setting name too), ``NotImplementedError`` for a transformers setting kvgen does not
+    Returns a :class:`GenerateOutput`. Raises ``TypeError`` for a model or generation_config of another kind,
+    ``ValueError`` for bad shapes or settings (an unknown setting name too), ``NotImplementedError`` for a
+    transformers setting kvgen does not
     implement (``token_healing``, ``assistant_early_exit``, hidden states of drafting strategies, ...) and
     ``ContextLengthError`` when
     prompt + ``max_new_tokens`` exceeds the model's context window.
     Reference: transformers 4.55 ``GenerationMixin.generate``.
     """
+    if not hasattr(model, "generation_defaults") or not hasattr(model, "config"):
+        raise TypeError(f"model must be a kvgen model (kvgen.load_model), got {type(model).__name__}")
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise TypeError(f"generation_config must be a kvgen.GenerationConfig (its fields may also be passed as keyword "
+                        f"arguments), got {type(generation_config).__name__}")
     cfg = (generation_config or GenerationConfig()).with_generation_defaults(model.generation_defaults)
     if overrides:
         check_setting_names(overrides)
@@ -107,6 +113,10 @@ def generate(
     model_cfg = model.config
     cfg = cfg.with_model_defaults(model_cfg.eos_token_ids, model_cfg.pad_token_id)
     input_ids, attention_mask = _check_batch(input_ids, attention_mask, model_cfg)
+    if negative_prompt_ids is not None:
+        negative_prompt_ids, negative_prompt_attention_mask = _check_batch(
+            negative_prompt_ids, negative_prompt_attention_mask, model_cfg,
+            ("negative_prompt_ids", "negative_prompt_attention_mask"))
     _check_forced_token_ids(cfg, model_cfg.vocab_size)
     cfg = cfg.with_prompt_length(input_ids.shape[1])
     longest = int(attention_mask.sum(-1).max())
@@ -142,7 +152,7 @@ def generate(
     ctx = LoopContext(
         config=cfg,
         processors=build_logits_processors(
-            cfg, prompt_length=input_ids.shape[1], custom=list(logits_processor), prompt_ids=prompt_ids,
+            cfg, prompt_length=input_ids.shape[1], custom=logits_processor, prompt_ids=prompt_ids,
             unconditional_logits=UnconditionalBranch(model, negative_prompt_ids, negative_prompt_attention_mask)),
         stopper=_stopper(cfg, input_ids.shape[1], tokenizer),
         generator=generator,
@@ -243,27 +253,37 @@ def _num_copies(cfg: GenerationConfig) -> int:
 
 
 def _check_batch(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, model_cfg: Any
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, model_cfg: Any,
+    names: tuple[str, str] = ("input_ids", "attention_mask"),
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) as int64 after checking them: ids [B, T] integer tokens in [0, V); mask None (all ones) or [B, T]
+    of 0 and 1, left-padded, no empty row. ``names``: the arguments' names in the messages."""
+    ids_name, mask_name = names
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be a 2-D tensor [B, T], got {getattr(input_ids, 'shape', type(input_ids))}")
+        raise ValueError(f"{ids_name} must be a 2-D tensor [B, T], got {getattr(input_ids, 'shape', type(input_ids))}")
     if input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
-        raise ValueError(f"input_ids must hold at least one token per row, got shape {tuple(input_ids.shape)}")
+        raise ValueError(f"{ids_name} must hold at least one token per row, got shape {tuple(input_ids.shape)}")
+    if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
+        raise ValueError(f"{ids_name} must hold integer token ids, got {input_ids.dtype}")
     input_ids = input_ids.long()
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= model_cfg.vocab_size:
-        raise ValueError(f"input_ids must be in [0, {model_cfg.vocab_size}), got values in [{int(input_ids.min())}, {int(input_ids.max())}]")
+        raise ValueError(f"{ids_name} must be in [0, {model_cfg.vocab_size}), got values in [{int(input_ids.min())}, "
+                         f"{int(input_ids.max())}]")
     if attention_mask is None:
         return input_ids, torch.ones_like(input_ids)
     if not isinstance(attention_mask, torch.Tensor):  # e.g. a GenerationConfig in HF's second place
-        raise ValueError(f"attention_mask must be a tensor [B, T] or None, got {type(attention_mask).__name__} "
+        raise ValueError(f"{mask_name} must be a tensor [B, T] or None, got {type(attention_mask).__name__} "
                          f"(pass a GenerationConfig as generation_config=...)")
     if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
+        raise ValueError(f"{mask_name} shape {tuple(attention_mask.shape)} must equal {ids_name} shape "
+                         f"{tuple(input_ids.shape)}")
+    if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+        raise ValueError(f"{mask_name} must hold 0 (padding) and 1 (token) only")
     attention_mask = attention_mask.long()
     if bool((attention_mask.sum(-1) == 0).any()):
-        raise ValueError("attention_mask has a row with no tokens")
+        raise ValueError(f"{mask_name} has a row with no tokens")
     if bool((attention_mask[:, :-1] > attention_mask[:, 1:]).any()):
-        raise ValueError("attention_mask must be left-padded (zeros only before the first token of each row)")
+        raise ValueError(f"{mask_name} must be left-padded (zeros only before the first token of each row)")
     return input_ids, attention_mask
 
 

@@ -291,7 +291,7 @@ class SuppressTokensLogitsProcessor(LogitsProcessor):
     """Set the listed ids to -inf at every step."""
 
     def __init__(self, suppress_tokens: Sequence[int]):
-        self.suppress_tokens = [int(t) for t in suppress_tokens]
+        self.suppress_tokens = _suppressed(suppress_tokens)
 
     def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         return ops.apply_suppress_tokens(logits, self.suppress_tokens)
@@ -335,12 +335,25 @@ class InfNanRemoveLogitsProcessor(LogitsProcessor):
         return torch.where(logits == -math.inf, torch.finfo(logits.dtype).min, out)
 
 
+def _suppressed(value: object) -> list[int]:
+    """``suppress_tokens``: one id or a list of them (maybe empty), ints >= 0; ``ValueError`` otherwise."""
+    return checked_token_ids("suppress_tokens", [value] if isinstance(value, int) and not isinstance(value, bool)
+                             else value)
+
+
 def check_processor_settings(cfg: object) -> None:
     """``ValueError`` naming the field for a malformed setting of the processors below (GenerationConfig checks
     them on construction, before any model work)."""
     for name in ("forced_bos_token_id", "forced_eos_token_id", "begin_suppress_tokens"):
         if (value := getattr(cfg, name, None)) is not None:
             checked_token_ids(name, value, single=True)
+    if (value := getattr(cfg, "suppress_tokens", None)) is not None:
+        _suppressed(value)
+    if (words := getattr(cfg, "bad_words_ids", None)) is not None and (
+            not isinstance(words, (list, tuple)) or not all(isinstance(w, (list, tuple)) for w in words)):
+        raise ValueError(f"bad_words_ids must be a list of token id lists, got {words!r}")
+    if (bias := getattr(cfg, "sequence_bias", None)) is not None:
+        ops.normalize_sequence_bias(bias)
     pair = getattr(cfg, "exponential_decay_length_penalty", None)
     if pair is not None and (
             not isinstance(pair, (list, tuple)) or len(pair) != 2 or isinstance(pair[0], bool)
@@ -580,6 +593,8 @@ def build_logits_processors(
     """
     if isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or prompt_length < 0:
         raise ValueError(f"prompt_length must be an int >= 0, got {prompt_length!r}")
+    if not isinstance(custom, Sequence) or not all(callable(c) for c in custom):
+        raise ValueError(f"logits_processor must be a list of callables (token_ids, scores) -> scores, got {custom!r}")
     keep = default_min_tokens_to_keep(cfg) if min_tokens_to_keep is None else min_tokens_to_keep
     ops.validate_param("min_tokens_to_keep", keep)
     settings = _Settings(cfg, prompt_length, keep, token_id_list(getattr(cfg, "eos_token_id", None)), prompt_ids,
@@ -598,7 +613,25 @@ def build_logits_processors(
 
 def _merge_custom(built: LogitsProcessorList, custom: Sequence[Callable[..., torch.Tensor]]) -> LogitsProcessorList:
     """``built`` with each processor of a class found in ``custom`` replaced by that custom one, then the rest of
-    ``custom`` appended (transformers' ``_merge_criteria_processor_list``)."""
+    ``custom`` appended (transformers' ``_merge_criteria_processor_list``); the caller's run as
+    :class:`CallerProcessor`."""
     merged = LogitsProcessorList(next((c for c in custom if type(c) is type(p)), p) for p in built)
     merged.extend(c for c in custom if c not in merged)
-    return merged
+    return LogitsProcessorList(CallerProcessor(p) if any(p is c for c in custom) else p for p in merged)
+
+
+class CallerProcessor(LogitsProcessor):
+    """A caller's processor, given a copy of the logits (transformers' processors write theirs in place, which the
+    inference-mode tensors of a forward refuse) and held to the contract: a float tensor of the logits' shape
+    [B, V], else ``ValueError`` naming it."""
+
+    def __init__(self, processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.processor = processor
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        out = self.processor(token_ids, logits.clone())
+        if not isinstance(out, torch.Tensor) or out.shape != logits.shape or not out.is_floating_point():
+            got = f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"logits_processor {self.processor!r} must return float scores {list(logits.shape)} "
+                             f"[B, V], got {got}")
+        return out

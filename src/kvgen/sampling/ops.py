@@ -15,6 +15,7 @@ Source: the semantics, tie-breaking and float operation order of Hugging Face
 ``transformers`` 4.55 ``generation/logits_process.py``, which tests compare to.
 """
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
@@ -435,9 +436,9 @@ def normalize_sequence_bias(sequence_bias: SequenceBias, name: str = "sequence_b
         ids = tuple(key) if isinstance(key, Sequence) and not isinstance(key, str) else ()
         if not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
             part = "keys" if name == "sequence_bias" else "entries"
-            raise ValueError(f"{name} {part} must be non-empty sequences of ids >= 0, got {ids!r}")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
-            raise ValueError(f"sequence_bias values must be numbers, got {bias!r}")
+            raise ValueError(f"{name} {part} must be non-empty sequences of ids >= 0, got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or (not math.isfinite(bias) and bias != -math.inf):
+            raise ValueError(f"sequence_bias values must be finite numbers (or -inf), got {bias!r}")
         result[tuple(int(t) for t in ids)] = float(bias)
     return result
 

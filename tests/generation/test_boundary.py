@@ -1,0 +1,86 @@
+"""generate() and GenerationConfig at the library boundary: what is not a valid value is a ValueError (or a
+TypeError for an argument of another kind) naming it, before any work; None in a field means unset, as in
+transformers; a caller's logits processor is held to its contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvgen import load_model
+from kvgen.generation import GenerationConfig, generate
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(str(tiny_model_dir))
+
+
+def _ids(tok) -> torch.Tensor:
+    return torch.tensor([tok.encode("hello world")])  # [1, T]
+
+
+def test_none_means_the_default_and_bool_fields_take_bools():
+    assert GenerationConfig(temperature=None, num_beams=None, max_new_tokens=None, do_sample=None) == GenerationConfig()
+    for name in ("do_sample", "use_cache", "output_scores", "low_memory"):
+        with pytest.raises(ValueError, match=f"{name} must be a bool, got 'yes'"):
+            GenerationConfig(**{name: "yes"})
+    assert GenerationConfig(stop_strings="Pq").stop_strings == ["Pq"]  # one stop string, not "P" and "q"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"sequence_bias": {(5,): float("nan")}}, r"sequence_bias values must be finite numbers \(or -inf\), got nan"),
+    ({"sequence_bias": {(5,): float("inf")}}, "sequence_bias values must be finite numbers"),
+    ({"sequence_bias": {5: 1.0}}, "sequence_bias keys must be non-empty sequences of ids >= 0, got 5"),
+    ({"suppress_tokens": [[1]]}, r"suppress_tokens must be a list of ints >= 0, got \[\[1\]\]"),
+    ({"suppress_tokens": [1.5]}, "suppress_tokens must be a list of ints >= 0"),
+    ({"bad_words_ids": [1, 2, 3]}, r"bad_words_ids must be a list of token id lists, got \[1, 2, 3\]"),
+])
+def test_malformed_processor_settings_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GenerationConfig(**kwargs)
+
+
+def test_batches_of_other_dtypes_or_mask_values_and_bad_negative_prompts_are_refused(tiny):
+    model, tok = tiny
+    ids = _ids(tok)
+    cfg = GenerationConfig(max_new_tokens=2)
+    with pytest.raises(ValueError, match="input_ids must hold integer token ids, got torch.float32"):
+        generate(model, ids.float() + 0.5, None, cfg)
+    with pytest.raises(ValueError, match="input_ids must hold integer token ids, got torch.bool"):
+        generate(model, ids > 0, None, cfg)
+    half = torch.ones_like(ids, dtype=torch.float)
+    half[0, 0] = 0.5
+    with pytest.raises(ValueError, match=r"attention_mask must hold 0 \(padding\) and 1 \(token\) only"):
+        generate(model, ids, half, cfg)
+    guided = GenerationConfig(max_new_tokens=2, guidance_scale=1.5)
+    with pytest.raises(ValueError, match=r"negative_prompt_ids must be in \[0, "):
+        generate(model, ids, None, guided, negative_prompt_ids=torch.tensor([[-1]]))
+    with pytest.raises(ValueError, match="negative_prompt_ids must hold at least one token per row"):
+        generate(model, ids, None, guided, negative_prompt_ids=torch.zeros((1, 0), dtype=torch.long))
+    with pytest.raises(ValueError, match="negative_prompt_attention_mask must be left-padded"):
+        generate(model, ids, None, guided, negative_prompt_ids=torch.tensor([[1, 2]]),
+                 negative_prompt_attention_mask=torch.tensor([[1, 0]]))
+    with pytest.raises(TypeError, match="generation_config must be a kvgen.GenerationConfig .*got dict"):
+        generate(model, ids, None, {"max_new_tokens": 2})
+    with pytest.raises(TypeError, match="model must be a kvgen model .*got str"):
+        generate("default", ids, None, cfg)
+
+
+def test_a_callers_processor_may_write_its_scores_and_must_return_scores_of_their_shape(tiny):
+    model, tok = tiny
+    ids, cfg = _ids(tok), GenerationConfig(max_new_tokens=3)
+    plain = generate(model, ids, None, cfg).new_token_ids[0]
+
+    def ban_first(token_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:  # transformers' in-place style
+        scores[:, plain[0]] = -float("inf")
+        return scores
+
+    assert generate(model, ids, None, cfg, logits_processor=[ban_first]).new_token_ids[0][0] != plain[0]
+    assert generate(model, ids, None, cfg).new_token_ids[0] == plain  # the model's own scores were not touched
+    for bad, got in [(lambda t, s: s[:, :10], r"torch.float32 \[1, 10\]"), (lambda t, s: None, "NoneType"),
+                     (lambda t, s: s[0], r"torch.float32 \[\d+\]"), (lambda t, s: s.long(), "torch.int64")]:
+        with pytest.raises(ValueError, match=rf"logits_processor .* must return float scores \[1, \d+\] \[B, V\], got {got}"):
+            generate(model, ids, None, cfg, logits_processor=[bad])
+    with pytest.raises(ValueError, match="logits_processor must be a list of callables"):
+        generate(model, ids, None, cfg, logits_processor=ban_first)
