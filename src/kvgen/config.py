@@ -188,6 +188,14 @@ class ModelConfig:
             raise UnsupportedArchitectureError(
                 f"model_type {self.model_type!r} is not supported; kvgen supports {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if self.model_type == "llama" and self.hidden_act not in ("silu", "swish"):  # its MLP is SwiGLU
+            raise UnsupportedArchitectureError(f"hidden_act {self.hidden_act!r} is not supported by the Llama-family "
+                                               "decoder (SwiGLU: silu only)")
+        try:
+            token_id_list(self.eos_token_id)
+        except (TypeError, ValueError):
+            raise ModelFormatError(f"eos_token_id must be a token id or a list of them, got {self.eos_token_id!r}"
+                                   ) from None
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:

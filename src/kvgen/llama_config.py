@@ -85,6 +85,8 @@ def llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]
     if window is not None and window < cfg.get("max_position_embeddings", 2048):
         changes["max_position_embeddings"] = int(window)
     scaling = cfg.get("rope_scaling") or {}
+    if not isinstance(scaling, dict):
+        raise ModelFormatError(f"rope_scaling must be an object (or null), got {scaling!r}")
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "longrope" or (model_type == "phi3" and kind in ("su", "yarn")):  # Phi3Config renames su / yarn
         changes["rope_scaling"] = _hf_longrope(cfg, scaling, model_type)

@@ -84,3 +84,19 @@ def test_a_callers_processor_may_write_its_scores_and_must_return_scores_of_thei
             generate(model, ids, None, cfg, logits_processor=[bad])
     with pytest.raises(ValueError, match="logits_processor must be a list of callables"):
         generate(model, ids, None, cfg, logits_processor=ban_first)
+
+
+def test_make_cache_and_crop_take_counts_only_and_a_pool_too_large_to_map_is_a_value_error(tiny):
+    from kvgen.generation import make_cache
+
+    model, _ = tiny
+    for kwargs, match in [({"batch_size": 0}, "batch_size must be an int >= 1, got 0"),
+                          ({"batch_size": 1.5}, "batch_size must be an int >= 1, got 1.5"),
+                          ({"max_len": 0}, "max_len must be an int >= 1, got 0"),  # was the whole context
+                          ({"kind": "static", "max_len": 10**15}, "cannot map .* bytes for")]:  # was an OSError
+        with pytest.raises(ValueError, match=match):
+            make_cache(model, **kwargs)
+    cache = make_cache(model, "static", 1, 16)
+    for length in (-1, 2.5, "3", None):  # -1 broke the next generate(), 2.5 became the length
+        with pytest.raises(ValueError, match=f"length must be an int >= 0, got {length!r}"):
+            cache.crop(length)

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from kvgen.fields import check_int
 from kvgen.kv_cache import DynamicCache, StaticCache
 from kvgen.models import CausalLM, cache_dtype
 from kvgen.models.attention import AttentionMetadata
@@ -60,6 +61,9 @@ def make_cache(model: CausalLM, kind: str = "dynamic", batch_size: int = 1, max_
     Raises ``ValueError`` for another ``kind`` or ``kv_cache_dtype``, or int8 for a model off the kernels."""
     if kind not in ("dynamic", "static"):
         raise ValueError(f"kind must be 'dynamic' or 'static', got {kind!r}")
+    check_int("batch_size", batch_size, 1)
+    if max_len is not None:
+        check_int("max_len", max_len, 1)
     cfg, dtype = model.config, cache_dtype(model, kv_cache_dtype)
     shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim)
     if kind == "static":

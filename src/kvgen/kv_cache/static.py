@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvgen.errors import ContextLengthError
+from kvgen.fields import check_int
 from kvgen.kv_cache.pool import lazy_zeros, refuse_int8, row_scales
 
 
@@ -101,7 +102,9 @@ class StaticCache:
             t[:, :, :end] = t[:, :, :end].index_select(0, row_idx)
 
     def crop(self, length: int) -> None:
-        """Forget every slot from ``length`` on (tokens); the memory stays allocated."""
+        """Forget every slot from ``length`` on (tokens); the memory stays allocated. ``ValueError`` unless
+        ``length`` is an int >= 0."""
+        check_int("length", length, 0)
         self.seq_length = min(self.seq_length, length)
 
     def layer_shape(self, layer_idx: int = 0) -> tuple[int, ...]:
