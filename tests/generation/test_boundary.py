@@ -100,3 +100,22 @@ def test_make_cache_and_crop_take_counts_only_and_a_pool_too_large_to_map_is_a_v
     for length in (-1, 2.5, "3", None):  # -1 broke the next generate(), 2.5 became the length
         with pytest.raises(ValueError, match=f"length must be an int >= 0, got {length!r}"):
             cache.crop(length)
+
+
+def test_eos_and_pad_ids_are_token_ids_and_a_pad_past_the_vocabulary_is_refused_once_a_row_needs_it(tiny):
+    for kwargs, match in [({"eos_token_id": 1.5}, "eos_token_id must be a list of ints >= 0, got 1.5"),
+                          ({"eos_token_id": "a"}, "eos_token_id must be a list of ints >= 0, got 'a'"),
+                          ({"eos_token_id": -1}, "eos_token_id must be a token id or a non-empty list"),
+                          ({"pad_token_id": "x"}, "pad_token_id must be an int >= 0, got 'x'"),
+                          ({"pad_token_id": 2.5}, "pad_token_id must be an int >= 0, got 2.5")]:
+        with pytest.raises(ValueError, match=match):
+            GenerationConfig(**kwargs)
+    model, tok = tiny
+    ids = torch.tensor([tok.encode("hello world"), tok.encode("one two")])  # [2, T]: same length here
+    first = generate(model, ids, None, GenerationConfig(max_new_tokens=1, eos_token_id=[])).new_token_ids
+    assert first[0] != first[1]  # row 0 stops on its first token below, row 1 goes on
+    cfg = GenerationConfig(max_new_tokens=3, eos_token_id=first[0][0])
+    assert generate(model, ids, None, cfg.replace(pad_token_id=0)).finish_reasons[0] == "stop"
+    vocab = model.config.vocab_size
+    with pytest.raises(ValueError, match=rf"pad_token_id must be a token id in \[0, {vocab}\) to pad the rows"):
+        generate(model, ids, None, cfg.replace(pad_token_id=10**9))  # read by the next forward: it crashed there

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvgen.config import token_id_list
-from kvgen.fields import config_field
+from kvgen.config import checked_token_ids, token_id_list
+from kvgen.fields import check_int, config_field
 from kvgen.sampling.logits_process import check_processor_settings
 from kvgen.sampling.params import INT32_MAX, PARAM_RULES, SAMPLING_EPS, check_param
 
@@ -194,6 +194,12 @@ class GenerationConfig:
                 check_param(f.name, value)
         if isinstance(self.stop_strings, str):  # one stop string, as transformers takes it (not its characters)
             self.stop_strings = [self.stop_strings]
+        eos = self.eos_token_id
+        if eos is not None:  # an id, or a list of them ([] disables EOS)
+            eos = token_id_list(eos) if hasattr(eos, "tolist") else eos  # a tensor of ids
+            checked_token_ids("eos_token_id", eos, single=isinstance(eos, int))
+        if self.pad_token_id is not None:
+            check_int("pad_token_id", self.pad_token_id, 0)
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
         if self.num_assistant_tokens_schedule not in ("heuristic", "heuristic_transient", "constant"):
@@ -329,7 +335,7 @@ class GenerationConfig:
         """Fill ``eos_token_id`` / ``pad_token_id`` from the model when unset (pad falls back to EOS, as HF)."""
         eos = self.eos_token_id if self.eos_token_id is not None else (list(eos_token_ids) or None)
         pad = self.pad_token_id
-        if pad is None:
+        if pad is None and pad_token_id is not None and pad_token_id >= 0:  # some configs say -1 for "none"
             pad = pad_token_id
         if pad is None:
             eos_ids = token_id_list(eos)  # [] disables EOS: no pad from it

@@ -57,7 +57,10 @@ def token_loop(
         if cfg.output_logits:
             all_logits.append(raw)
         next_tokens = choose(scores)  # [N]
-        if not all(unfinished):  # finished rows emit the pad token
+        if not all(unfinished):  # finished rows emit the pad token, which the next forward reads
+            if not 0 <= pad < scores.shape[-1]:  # (an id past a toy model's vocabulary is fine until a row finishes)
+                raise ValueError(f"pad_token_id must be a token id in [0, {scores.shape[-1]}) to pad the rows that "
+                                 f"finish first, got {pad}")
             next_tokens = torch.where(torch.tensor(unfinished), next_tokens, pad)
         runner.append(next_tokens)
         if ctx.streamer is not None:
