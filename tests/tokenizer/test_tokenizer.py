@@ -121,3 +121,23 @@ def test_decode_rejects_out_of_range_ids(ours: Tokenizer) -> None:
         ours.decode([1, ours.vocab_size])
     with pytest.raises(ValueError, match=r"got -1"):
         ours.id_to_token(-1)
+
+
+def test_decode_takes_integer_ids_only_and_encode_refuses_lone_surrogates(ours: Tokenizer, ref) -> None:
+    """What transformers' decode takes (an int, a list, an int tensor or array) gives its text; a str was read as its
+    digits and floats or bools were truncated before."""
+    import numpy as np
+    import torch
+
+    ids = ours.encode("Hello world")
+    for given in (ids, tuple(ids), torch.tensor(ids), torch.tensor([ids]), np.array(ids)):
+        assert ours.decode(given) == ref.decode(ids)
+    assert ours.decode(ids[0]) == ref.decode(ids[0])
+    for bad, message in [("123", "got str"), ([1.5], "got 1.5"), ([True], "got True"), (None, "got NoneType"),
+                         (torch.tensor([1.0]), "a tensor of torch.float32"), ([float("nan")], "got nan")]:
+        with pytest.raises(ValueError, match=f"token ids must be .*{message}"):
+            ours.decode(bad)
+    with pytest.raises(ValueError, match="token ids must be ints, got 1.5"):
+        ours.id_to_token(1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="lone surrogate"):
+        ours.encode("a\ud800b")

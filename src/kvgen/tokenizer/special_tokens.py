@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import numbers
+from collections.abc import Iterable, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer as BackendTokenizer
@@ -19,6 +21,23 @@ class SpecialTokenIds:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     unk_token_id: int | None = None
+
+
+def integer_ids(token_ids: Any) -> list[int]:
+    """Token ids as Python ints: one int, a sequence of ints (numpy's too), or an integer tensor / array of any
+    shape (what transformers' ``decode`` takes). Raises ``ValueError`` for anything else (a str read as digits,
+    floats, bools)."""
+    if isinstance(token_ids, numbers.Integral) and not isinstance(token_ids, bool):
+        return [int(token_ids)]
+    if hasattr(token_ids, "tolist") and hasattr(token_ids, "dtype"):
+        if "int" not in str(token_ids.dtype):
+            raise ValueError(f"token ids must be integers, got a tensor of {token_ids.dtype}")
+        token_ids = token_ids.reshape(-1).tolist()
+    if not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes)):
+        raise ValueError(f"token ids must be a list of ints or an int tensor, got {type(token_ids).__name__}")
+    if bad := [i for i in token_ids if isinstance(i, bool) or not isinstance(i, numbers.Integral)]:
+        raise ValueError(f"token ids must be ints, got {bad[0]!r}")
+    return [int(i) for i in token_ids]
 
 
 def check_token_ids(token_ids: Iterable[int], vocab_size: int) -> None:

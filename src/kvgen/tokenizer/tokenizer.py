@@ -19,7 +19,7 @@ from kvgen.chat_template import ChatTemplateError, check_messages, compile_chat_
 from kvgen.errors import ModelFormatError, ModelNotFoundError
 from kvgen.tokenizer.gguf_vocab import gguf_backend, gguf_special_ids
 from kvgen.tokenizer.hf_files import load_hf_tokenizer_files
-from kvgen.tokenizer.special_tokens import SpecialTokenIds, add_bos_eos, check_token_ids
+from kvgen.tokenizer.special_tokens import SpecialTokenIds, add_bos_eos, check_token_ids, integer_ids
 from kvgen.tokenizer.wordpiece import clean_up_tokenization
 
 
@@ -91,16 +91,22 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special-token strings in it ("<|im_end|>") become their ids.
 
-        ``add_special_tokens`` adds BOS/EOS only where the model's files ask for them.
+        ``add_special_tokens`` adds BOS/EOS only where the model's files ask for them. Raises ``ValueError`` for
+        text that is not a str or holds a lone surrogate (no Unicode text).
         """
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a str, got {type(text).__name__}")
+        try:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # the tokenizers binding cannot convert a str with a lone surrogate
+            raise ValueError("text holds a lone surrogate (U+D800-U+DFFF), which is not Unicode text") from None
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of ``token_ids`` (a list, or a 1-D tensor/array); invalid UTF-8 becomes "\\ufffd",
         spaces cleaned up only where ``clean_up_tokenization_spaces``. Raises ``ValueError`` for
-        an id outside ``[0, vocab_size)``.
+        anything but integer ids (a str, floats, bools) and for an id outside ``[0, vocab_size)``.
         """
-        ids = [int(i) for i in token_ids]
+        ids = integer_ids(token_ids)
         check_token_ids(ids, self._vocab_size)
         text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
         return clean_up_tokenization(text) if self.clean_up_tokenization_spaces else text
@@ -119,7 +125,7 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str:
         """Vocabulary string of ``token_id`` (byte-level form, "Ġthe"). Raises ``ValueError`` if out of range."""
-        check_token_ids([token_id], self._vocab_size)
+        check_token_ids(integer_ids([token_id]), self._vocab_size)
         return self._backend.id_to_token(token_id)
 
     def token_to_id(self, token: str) -> int | None:
