@@ -445,3 +445,22 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(model_tok, prompts
     assert out.outputs[0].token_ids == alone.outputs[0].token_ids
     whole = llm.generate([long_prompt], dataclasses.replace(GREEDY, truncate_prompt_tokens=-1), use_tqdm=False)[0]
     assert whole.prompt_token_ids == long_prompt
+
+
+def test_llm_arguments_of_another_kind_are_value_errors(tiny_model_dir):
+    """The offline API's arguments checked before any request: params of another kind (a dict, a GenerationConfig,
+    None for beam search), a priority that is not a list, bytes as prompts (read as token ids before)."""
+    from kvgen.engine.beam_search import BeamSearchParams  # noqa: F401 -- the kind beam_search takes
+    from kvgen.generation import GenerationConfig
+
+    llm = LLM(str(tiny_model_dir), num_blocks=64)
+    for call, match in [
+        (lambda: llm.generate(["hi"], {"temperature": 0}), "sampling_params must be one SamplingParams .*got dict"),
+        (lambda: llm.generate(["hi"], GenerationConfig()), "sampling_params must be .*got GenerationConfig"),
+        (lambda: llm.generate(["hi"], GREEDY, priority=0), "priority must be a list of ints, one per prompt, got 0"),
+        (lambda: llm.generate(b"abc"), "prompts must be a string, a list of token ids .*got b'abc'"),
+        (lambda: llm.beam_search(["hi"], None), "params must be a BeamSearchParams, got NoneType"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert not llm.llm_engine.has_unfinished_requests()

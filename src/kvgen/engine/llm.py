@@ -72,6 +72,8 @@ class LLM:
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params if sampling_params is not None else self.get_default_sampling_params(),
                                  len(items))
+        if priority is not None and not isinstance(priority, Sequence):
+            raise ValueError(f"priority must be a list of ints, one per prompt, got {priority!r}")
         priorities = [0] * len(items) if priority is None else list(priority)
         if len(priorities) != len(items):
             raise ValueError(f"priority must give one int per prompt ({len(items)}), got {len(priorities)}")
@@ -149,6 +151,8 @@ class LLM:
         Raises ``ValueError`` for a prompt that leaves no room for a token within ``max_model_len``, or
         ``2 * beam_width`` above ``max_logprobs``. Source: vLLM ``LLM.beam_search``."""
         engine, tokenizer = self.llm_engine, self.get_tokenizer()
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         if 2 * params.beam_width > engine.engine_args.max_logprobs:
             raise ValueError(f"beam_width={params.beam_width} needs 2 * beam_width <= max_logprobs "
                              f"({engine.engine_args.max_logprobs}); raise max_logprobs")
@@ -205,7 +209,7 @@ class LLM:
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if not isinstance(prompts, Sequence) or not prompts:
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)) or not prompts:
         raise ValueError(f"prompts must be a string, a list of token ids or a non-empty list of prompts, got {prompts!r}")
     items: list[Any] = list(prompts)
     if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
@@ -216,10 +220,11 @@ def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams], num_prompts: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * num_prompts
-    params = list(params)
+    if not isinstance(params, Sequence) or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError(f"sampling_params must be one SamplingParams or a list of them, got {type(params).__name__}")
     if len(params) != num_prompts:
         raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({num_prompts}), got {len(params)}")
-    return params
+    return list(params)
 
 
 def _split_prompt(item: PromptInput) -> tuple[str | None, list[int] | None]:
