@@ -450,7 +450,6 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(model_tok, prompts
 def test_llm_arguments_of_another_kind_are_value_errors(tiny_model_dir):
     """The offline API's arguments checked before any request: params of another kind (a dict, a GenerationConfig,
     None for beam search), a priority that is not a list, bytes as prompts (read as token ids before)."""
-    from kvgen.engine.beam_search import BeamSearchParams  # noqa: F401 -- the kind beam_search takes
     from kvgen.generation import GenerationConfig
 
     llm = LLM(str(tiny_model_dir), num_blocks=64)
