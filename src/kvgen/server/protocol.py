@@ -39,8 +39,8 @@ def lone_surrogate(value: Any) -> tuple[str, int] | None:
                 if isinstance(key, str) and (found := _SURROGATE.search(key)):
                     return f"{path} (a key)", ord(found.group())
                 stack.append((f"{path}.{key}", sub))
-        elif isinstance(item, list):
-            stack.extend((f"{path}[{i}]", sub) for i, sub in reversed(list(enumerate(item))) if not isinstance(sub, int))
+        elif isinstance(item, list):  # (token ids: skipped without building anything)
+            stack.extend((f"{path}[{i}]", item[i]) for i in range(len(item) - 1, -1, -1) if not isinstance(item[i], int))
     return None
 
 
