@@ -1,7 +1,7 @@
 """On the real default model: greedy server output equals ``kvgen generate --temperature 0``
 for the same messages (``--chat``) and the same raw prompt, text and token counts (both
-``--dtype float32``); then SIGTERM lets a short stream finish, cuts a long one after the
-grace period, and the process exits 0. (The real model is slow enough that 2000 tokens
+``--dtype float32``); then SIGTERM lets a short stream finish, aborts a long one after the
+grace period (an error event, a 503 unstreamed), and the process exits 0. (The real model is slow enough that 2000 tokens
 cannot finish in the 5 s of grace on any CPU.)"""
 
 from __future__ import annotations
@@ -57,29 +57,34 @@ def test_greedy_chat_and_completion_equal_kvgen_generate(default_server, capsys)
     assert r.choices[0].text == expected["text"] and r.usage.completion_tokens == len(expected["token_ids"])
 
 
-def test_sigterm_finishes_short_streams_cuts_long_ones_and_exits_0(default_server):
+def test_sigterm_finishes_short_streams_aborts_long_ones_and_exits_0(default_server):
+    """Past --shutdown-timeout the engine aborts what is left: a long stream ends with an "aborted" error event and
+    [DONE], a long non-streamed request is a 503 (uvicorn's cancellation gave a traceback each and a plain 500)."""
+    import concurrent.futures
+
     messages = [{"role": "user", "content": "Tell me a long story."}]
     short = {"model": "smollm2", "messages": messages, "max_tokens": 8, "stream": True, "ignore_eos": True}
     long = {**short, "max_tokens": 2000}
     url = default_server.v1 + "/chat/completions"
     with (
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
         httpx.Client(timeout=120) as http,
         http.stream("POST", url, json=short) as r_short,
         http.stream("POST", url, json=long) as r_long,
     ):
+        whole = pool.submit(httpx.post, url, json={**long, "stream": False}, timeout=120)
         lines_short = r_short.iter_lines()
         next(lines_short)
         default_server.proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
         text_short = "\n".join(lines_short)
-        try:
-            text_long = "\n".join(r_long.iter_lines())
-        except httpx.HTTPError:  # cut mid-stream
-            text_long = ""
+        text_long = "\n".join(r_long.iter_lines())
+        unstreamed = whole.result()
     assert '"finish_reason":"length"' in text_short and text_short.strip().endswith("data: [DONE]")
-    assert "[DONE]" not in text_long
+    assert '"code":"aborted"' in text_long.replace(" ", "") and text_long.strip().endswith("data: [DONE]")
+    assert unstreamed.status_code == 503 and unstreamed.json()["error"]["code"] == "aborted"
     assert default_server.proc.wait(timeout=60) == 0
     assert time.monotonic() - t0 < 40
     with pytest.raises(httpx.TransportError):
         httpx.get(default_server.url + "/health", timeout=2)
-    assert "kvgen serve: stopped" in default_server.log()
+    assert "kvgen serve: stopped" in default_server.log() and "Traceback" not in default_server.log()

@@ -25,6 +25,10 @@ from kvgen.engine.pooling import EmbeddingRequestOutput, PoolingParams
 from kvgen.engine.sampling_params import SamplingParams
 
 
+class EngineStoppedError(RuntimeError):
+    """The engine was told to stop (:meth:`AsyncLLMEngine.abort_all`) while an embedding was being computed."""
+
+
 class AsyncLLMEngine:
     """Streams ``RequestOutput``s per request. ``step_in_thread=False`` runs steps on the event loop."""
 
@@ -37,6 +41,7 @@ class AsyncLLMEngine:
         self._has_work = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._step_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgen-step")
+        self._is_stopping = False  # set by abort_all: embeddings stop at their next chunk
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, step_in_thread: bool = True) -> AsyncLLMEngine:
@@ -103,6 +108,8 @@ class AsyncLLMEngine:
                         if self.step_in_thread else job.step())
             if done:
                 return job.output()
+            if self._is_stopping:
+                raise EngineStoppedError(f"embedding {request_id!r} stopped: the server is shutting down")
             await asyncio.sleep(0)  # the step loop, waiting on the lock, runs a step now
 
     def _close_stream(
@@ -115,6 +122,13 @@ class AsyncLLMEngine:
             self.engine.abort_request(request_id)
             if self._has_work is not None:
                 self._has_work.set()
+
+    def abort_all(self) -> None:
+        """Abort every request (their streams end with finish_reason "abort", as :meth:`abort`'s) and stop the
+        embeddings in progress at their next chunk (``EngineStoppedError``): a server's shutdown past its grace."""
+        self._is_stopping = True
+        self.engine.abort_request(list(self._streams))
+        self._has_work.set()
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with a finished output whose ``finish_reason`` is "abort"."""

@@ -52,7 +52,7 @@ from kvgen.server.responses_protocol import (
     ResponseObject,
     ResponsesRequest,
 )
-from kvgen.server.serving import ServerState
+from kvgen.server.serving import ClientDisconnected, ServerState, until_disconnect
 
 STATIC_DIR = Path(__file__).parent / "static"
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
@@ -93,8 +93,12 @@ def _api_router() -> APIRouter:
         return await create_completion(_state(request), body, request)
 
     @router.post("/v1/embeddings", response_model=EmbeddingResponse)
-    async def embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
-        return await create_embedding(_state(request), body)
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        try:  # a client that leaves stops the inputs still to embed (499, as generations)
+            response = await until_disconnect(request, create_embedding(_state(request), body))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return JSONResponse(response.model_dump())
 
     @router.post("/v1/responses", response_model=ResponseObject, responses=_STREAMED)
     async def responses(body: ResponsesRequest, request: Request) -> Response:

@@ -15,7 +15,8 @@ import sys
 import time
 
 from kvgen.engine.pooling import PoolingParams
-from kvgen.server.errors import bad_request
+from kvgen.engine.async_engine import EngineStoppedError
+from kvgen.server.errors import OpenAIError, bad_request
 from kvgen.server.protocol import (
     EmbeddingData,
     EmbeddingRequest,
@@ -53,6 +54,8 @@ async def create_embedding(state: ServerState, body: EmbeddingRequest) -> Embedd
     for index, item in enumerate(inputs):
         try:
             out = await state.engine.embed(f"{request_id}-{index}", item, params)  # type: ignore[arg-type]
+        except EngineStoppedError as e:
+            raise OpenAIError(503, f"the request was aborted by the server: {e}", None, "aborted") from None
         except ValueError as e:
             raise bad_request(f"input {index}: {e}" if len(inputs) > 1 else str(e),
                               "dimensions" if str(e).startswith("dimensions") else "input") from None

@@ -1,19 +1,23 @@
 """``run_server``: load the model, build the app, serve it with uvicorn until SIGTERM / SIGINT.
 
 The socket is bound before the model loads, so a busy port fails at once.
-On SIGTERM uvicorn stops accepting, lets in-flight responses finish for up to
-``shutdown_timeout`` seconds, then cancels them (which aborts their engine requests); the
-process then exits 0 instead of re-raising the signal.
+On SIGTERM uvicorn stops accepting and lets in-flight responses finish for up to
+``shutdown_timeout`` seconds; then the engine aborts what is left, so each answers as an aborted
+request does (a 503, or an error event and ``[DONE]`` on a stream) before the connections close. uvicorn's
+own cancellation (a traceback per request and a plain-text 500) stays a last resort, a few seconds later.
+The process then exits 0 instead of re-raising the signal.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import signal
 import socket
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from kvgen.chat_template import compile_chat_template, read_chat_template
 from kvgen.engine.engine_args import EngineArgs
@@ -140,10 +144,11 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     # uvicorn annotates timeout_graceful_shutdown as int but hands it to asyncio.wait_for (float seconds).
     config = uvicorn.Config(
         app, log_level=server_args.log_level, access_log=False,
-        timeout_graceful_shutdown=server_args.shutdown_timeout,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=server_args.shutdown_timeout + _ABORT_GRACE_S,  # type: ignore[arg-type]
         log_config=None,
     )
     server = uvicorn.Server(config)
+    _abort_after(server, engine, server_args.shutdown_timeout)
     freeze_startup_objects()
     host, port = sock.getsockname()[:2]
     print(f"kvgen serve: model {name!r} on http://{host}:{port} (chat page at /, OpenAI API at /v1)", file=sys.stderr, flush=True)
@@ -153,3 +158,23 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     server.run(sockets=[sock])
     print("kvgen serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+# Seconds uvicorn waits past shutdown_timeout before cancelling handlers: the aborted ones answer well within it.
+_ABORT_GRACE_S = 5.0
+
+
+def _abort_after(server: Any, engine: Any, grace_s: float) -> None:
+    """Make ``server``'s (a ``uvicorn.Server``) first exit signal also run ``engine.abort_all()`` ``grace_s``
+    seconds later, on the event loop (armed from the signal handler through ``call_soon_threadsafe``)."""
+    handle_exit = server.handle_exit
+    is_armed = [False]
+
+    def handle(sig: int, frame: Any) -> None:
+        handle_exit(sig, frame)
+        if not is_armed[0]:
+            is_armed[0] = True
+            loop = asyncio.get_event_loop()
+            loop.call_soon_threadsafe(loop.call_later, grace_s, engine.abort_all)
+
+    server.handle_exit = handle
