@@ -287,6 +287,8 @@ def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
         (["generate", "hi", "--quantization", "q8_0", "--dtype", "float32"], "quantization='q8_0' needs dtype 'auto'"),
         (["serve", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype must be one of auto, int8, got 'fp8'"),
         (["serve", "--api-key", ""], "api_key must not be empty"),  # was: no key at all
+        (["bench", "serve", "--no-llama-cpp", "--dtype", "bogus"], "--dtype must be one of auto"),  # exited 0
+        (["bench", "serve", "--no-llama-cpp", "--quantization", "bogus"], "--quantization must be one of q8_0"),
         (["serve", "--kv-cache-dtype", "int8", "--dtype", "float32"], "kv_cache_dtype='int8' needs dtype 'auto'"),
         (["generate", "hi", "--threads", "100000"], "num_threads must be in [1, 512], got 100000"),
         (["generate", "hi", "--trace", "--trace-plot", "/no/such/dir/x.png"], "the directory '/no/such/dir' does not"),
@@ -330,6 +332,14 @@ def test_a_config_json_missing_or_mistyping_fields_exits_2(capsys, tmp_path, con
     (tmp_path / "config.json").write_text(json.dumps(config))
     code, _, err = _run(capsys, ["info", "--model", str(tmp_path)])
     assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_bench_decode_refuses_a_prompt_past_the_context_window(capsys, tiny_model_dir):
+    """Every timed run would fail, and the step breakdown then ran on the whole prompt for minutes."""
+    code, _, err = _run(capsys, ["bench", "decode", "--model", str(tiny_model_dir), "--no-transformers",
+                                 "--no-llama-cpp", "--prompt-tokens", "100000"])
+    assert code == 2 and err.splitlines()[-1] == ("kvgen: error: prompt_tokens + new_tokens must be <= the model's "
+                                                  "context window (2048), got 100000 + 128"), err
 
 
 def test_truncated_gguf_exits_2_from_the_real_script(tmp_path, default_gguf_path):

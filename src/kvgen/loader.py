@@ -38,6 +38,15 @@ def resolve_model_path(path_or_name: str | os.PathLike[str] = "default") -> Path
     return path
 
 
+def check_load_options(dtype: str, quantization: str | None) -> None:
+    """``ValueError`` for a ``dtype`` that :func:`load_model` does not take, an unknown ``quantization``, or a
+    quantization without dtype auto (the kernels run it)."""
+    if dtype != AUTO and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {AUTO}, {', '.join(DTYPES)}, got {dtype!r}")
+    if parse_quantization(quantization) is not None and dtype != AUTO:
+        raise ValueError(f"quantization={quantization!r} needs dtype 'auto' (the kernels), got {dtype!r}")
+
+
 def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """``torch.dtype`` from a dtype or its name, None for ``"auto"``/None; raises ``ValueError`` for others."""
     if dtype is None or dtype == AUTO:

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvgen.fields import check_minimums
 from kvgen.fields import config_field as _f
-from kvgen.loader import AUTO
+from kvgen.loader import AUTO, check_load_options
 
 
 @dataclass
@@ -25,6 +25,7 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         check_minimums(self)
+        check_load_options(self.dtype, self.quantization)
 
 
 @dataclass

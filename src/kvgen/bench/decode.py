@@ -137,11 +137,17 @@ class DecodeReport(BenchReport):
 
 
 def run_decode_bench(config: DecodeBenchConfig) -> DecodeReport:
-    """The bench (see the module docstring); a peer may report ``skipped`` or ``error``. Raises the loader's errors."""
+    """The bench (see the module docstring); a peer may report ``skipped`` or ``error``. Raises the loader's errors,
+    and ``ValueError`` for a prompt that leaves no room for ``new_tokens`` in the model's context."""
     log, threads, env = h.start(config)
     rss_before = h.rss_bytes()
     log(f"kvgen: loading {config.model} ({config.dtype})")
     (model, _), load_s = h.timed(lambda: load_model(config.model, config.dtype, config.quantization))
+    context = model.config.max_position_embeddings
+    for name in ("prompt_tokens", "ttft_prompt_tokens"):  # every timed run would fail, then the breakdown run on
+        if getattr(config, name) + config.new_tokens > context:
+            raise ValueError(f"{name} + new_tokens must be <= the model's context window ({context}), got "
+                             f"{getattr(config, name)} + {config.new_tokens}")
     vocab_size = model.config.vocab_size
     prompt_ids, ttft_ids = (seeded_prompt_ids(n, vocab_size, config.seed)  # [1, n]
                             for n in (config.prompt_tokens, config.ttft_prompt_tokens))

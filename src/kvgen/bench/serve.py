@@ -57,13 +57,15 @@ class LoadRun:
 
 
 @contextlib.contextmanager
-def serving(system: str, gguf_path: str, dtype: str, threads: int) -> Iterator[str]:
-    """``kvgen`` or ``llama_cpp`` serving ``gguf_path`` in a subprocess, stopped on exit; its base URL once it answers.
-    Raises ``RuntimeError`` when it exits or does not answer within 300 s."""
+def serving(system: str, gguf_path: str, dtype: str, threads: int, quantization: str | None = None
+            ) -> Iterator[str]:
+    """``kvgen`` (with ``dtype`` and ``quantization``) or ``llama_cpp`` serving ``gguf_path`` in a subprocess, stopped
+    on exit; its base URL once it answers. Raises ``RuntimeError`` when it exits or does not answer within 300 s."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    cmd = (["kvgen.cli", "serve", "--served-model-name", "bench", "--log-level", "warning", "--dtype", dtype]
+    cmd = (["kvgen.cli", "serve", "--served-model-name", "bench", "--log-level", "warning", "--dtype", dtype,
+            *(["--quantization", quantization] if quantization else [])]
            if system == "kvgen" else ["llama_cpp.server", "--host", "127.0.0.1", "--n_threads", str(threads),
                                       "--model_alias", "bench", "--n_ctx", "2048"])
     proc = subprocess.Popen([sys.executable, "-m", *cmd, "--model", gguf_path, "--port", port],
@@ -120,7 +122,7 @@ def measure_system(system: str, path: str, threads: int, workloads: list[tuple[l
     """One server's runs keyed by the concurrency as a string (``workloads[j]``: prompts and output lengths of the
     j-th concurrency), or ``{"error": ...}`` when it fails."""
     try:
-        with serving(system, path, config.dtype, threads) as url:
+        with serving(system, path, config.dtype, threads, config.quantization) as url:
             log(f"{system}: {config.num_prompts} requests at each concurrency of {list(config.concurrency)}")
             return {str(c): h.to_json(asyncio.run(run_load(url, *w, c, eos_id)))
                     for c, w in zip(config.concurrency, workloads)}

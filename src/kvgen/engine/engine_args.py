@@ -18,7 +18,6 @@ from kvgen.engine.spec_decode import SpeculativeConfig
 from kvgen.fields import check_int, config_field
 from kvgen.models import check_kv_cache_dtype
 from kvgen.sampling.params import SEED_MAX, SEED_MIN
-from kvgen.weights.quantized import parse_quantization
 
 SCHEDULING_POLICIES = tuple(p.value for p in SchedulingPolicy)  # "fcfs", "priority"
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, when neither num_blocks nor kv_cache_memory is given
@@ -65,12 +64,9 @@ class EngineArgs:
         "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)")
 
     def __post_init__(self) -> None:
-        from kvgen.loader import AUTO, DTYPES
+        from kvgen.loader import AUTO, check_load_options
 
-        if self.dtype != AUTO and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {AUTO}, {', '.join(DTYPES)}, got {self.dtype!r}")
-        if parse_quantization(self.quantization) is not None and self.dtype != AUTO:
-            raise ValueError(f"quantization={self.quantization!r} needs dtype 'auto' (the kernels), got {self.dtype!r}")
+        check_load_options(self.dtype, self.quantization)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             check_int(name, getattr(self, name), 1)
         for name in ("num_blocks", "kv_cache_memory", "max_model_len", "long_prefill_token_threshold"):
