@@ -583,3 +583,13 @@ def test_end_startup_leaves_a_library_callers_collector_alone():
     frozen = gc.get_freeze_count()
     _end_startup()
     assert gc.isenabled() and gc.get_freeze_count() == frozen
+
+
+def test_chat_skips_a_line_that_is_not_utf8_and_goes_on(tiny_model_dir):
+    """Undecodable bytes on stdin (read with surrogateescape) are reported and skipped, as an over-long message is;
+    they ended the session with a "lone surrogate" error before."""
+    proc = subprocess.run([sys.executable, "-m", "kvgen.cli", "chat", "--model", str(tiny_model_dir), "-n", "2"],
+                          input=b"hi\n\xff\xfe bad\nhello\n/exit\n", capture_output=True, timeout=300)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0 and "the line is not valid UTF-8 text; not sent" in err and "Traceback" not in err
+    assert proc.stdout.decode().count("> ") >= 3  # the prompt came back after the bad line

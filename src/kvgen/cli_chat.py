@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Any
 
@@ -72,6 +73,9 @@ def run_chat(args: argparse.Namespace) -> int:
         if line.strip() == "/exit":
             return 0
         if not line.strip():
+            continue
+        if re.search("[\ud800-\udfff]", line):  # bytes Python could not decode as UTF-8 (surrogateescape)
+            print("kvgen chat: the line is not valid UTF-8 text; not sent", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
         ids = _chat_prompt(messages, tokenizer, model.config.max_position_embeddings - cfg.max_new_tokens)
