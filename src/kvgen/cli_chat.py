@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from typing import Any
 
@@ -45,6 +44,7 @@ def run_chat(args: argparse.Namespace) -> int:
     from kvgen.generation.conversation import ConversationCache
     from kvgen.generation.generate import NOT_STREAMABLE
     from kvgen.generation.streamers import TextStreamer
+    from kvgen.tokenizer.tokenizer import lone_surrogate
 
     def check(cfg: Any) -> Any:
         if cfg.num_return_sequences != 1:
@@ -74,7 +74,7 @@ def run_chat(args: argparse.Namespace) -> int:
             return 0
         if not line.strip():
             continue
-        if re.search("[\ud800-\udfff]", line):  # bytes Python could not decode as UTF-8 (surrogateescape)
+        if lone_surrogate(line) is not None:  # bytes Python could not decode as UTF-8 (surrogateescape)
             print("kvgen chat: the line is not valid UTF-8 text; not sent", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})

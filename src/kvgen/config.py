@@ -89,13 +89,14 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' layer_types values kvgen decodes
 
 
-def checked_token_ids(name: str, value: Any, single: bool = False) -> list[int]:
+def checked_token_ids(name: str, value: Any, single: bool = False, allow_empty: bool = False) -> list[int]:
     """A list of token ids (ints >= 0) given as a list or tuple, or with ``single`` also one id (then the list must
-    not be empty). Raises ``ValueError`` naming ``name`` and the value."""
+    not be empty unless ``allow_empty``). Raises ``ValueError`` naming ``name`` and the value."""
     ids = [value] if single and isinstance(value, int) and not isinstance(value, bool) else value
-    if not isinstance(ids, (list, tuple)) or (single and not ids) or any(
+    if not isinstance(ids, (list, tuple)) or (single and not allow_empty and not ids) or any(
             isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-        what = "a token id or a non-empty list of them (ints >= 0)" if single else "a list of ints >= 0"
+        what = ("a list of ints >= 0" if not single else "a token id or a list of them (ints >= 0)" if allow_empty
+                else "a token id or a non-empty list of them (ints >= 0)")
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return list(ids)
 

@@ -32,8 +32,8 @@ def test_none_means_the_default_and_bool_fields_take_bools():
     ({"sequence_bias": {(5,): float("nan")}}, r"sequence_bias values must be finite numbers \(or -inf\), got nan"),
     ({"sequence_bias": {(5,): float("inf")}}, "sequence_bias values must be finite numbers"),
     ({"sequence_bias": {5: 1.0}}, "sequence_bias keys must be non-empty sequences of ids >= 0, got 5"),
-    ({"suppress_tokens": [[1]]}, r"suppress_tokens must be a list of ints >= 0, got \[\[1\]\]"),
-    ({"suppress_tokens": [1.5]}, "suppress_tokens must be a list of ints >= 0"),
+    ({"suppress_tokens": [[1]]}, r"suppress_tokens must be a token id or a list of them \(ints >= 0\), got \[\[1\]\]"),
+    ({"suppress_tokens": [1.5]}, "suppress_tokens must be a token id or a list of them"),
     ({"bad_words_ids": [1, 2, 3]}, r"bad_words_ids must be a list of token id lists, got \[1, 2, 3\]"),
 ])
 def test_malformed_processor_settings_are_refused(kwargs, match):
@@ -103,9 +103,9 @@ def test_make_cache_and_crop_take_counts_only_and_a_pool_too_large_to_map_is_a_v
 
 
 def test_eos_and_pad_ids_are_token_ids_and_a_pad_past_the_vocabulary_is_refused_once_a_row_needs_it(tiny):
-    for kwargs, match in [({"eos_token_id": 1.5}, "eos_token_id must be a list of ints >= 0, got 1.5"),
-                          ({"eos_token_id": "a"}, "eos_token_id must be a list of ints >= 0, got 'a'"),
-                          ({"eos_token_id": -1}, "eos_token_id must be a token id or a non-empty list"),
+    for kwargs, match in [({"eos_token_id": 1.5}, r"eos_token_id must be a token id or a list of them \(ints >= 0\), got 1.5"),
+                          ({"eos_token_id": "a"}, r"eos_token_id must be a token id or a list of them \(ints >= 0\), got 'a'"),
+                          ({"eos_token_id": -1}, "eos_token_id must be a token id or a list of them"),
                           ({"pad_token_id": "x"}, "pad_token_id must be an int >= 0, got 'x'"),
                           ({"pad_token_id": 2.5}, "pad_token_id must be an int >= 0, got 2.5")]:
         with pytest.raises(ValueError, match=match):

@@ -318,8 +318,10 @@ class Scheduler:
         status, error, is_stop_token = None, None, False
         for i, token_id in enumerate(token_ids):
             if token_id == NO_TOKEN:  # its masks left nothing to draw: it ends here, alone
-                status, error = RequestStatus.FINISHED_ABORTED, _no_token_error(request)
-                output.error_param = _masking_params(request)[0]
+                names = _masking_params(request)
+                status, output.error_param = RequestStatus.FINISHED_ABORTED, names[0]
+                error = (f"no token can be generated at output token {request.num_output_tokens}: "
+                         f"{', '.join(names)} together leave every token masked out")
                 break
             if request.grammar is not None and not request.grammar.accept(token_id):
                 # the sampler's mask allowed it, so the matcher itself failed (its limits: a{1000000})
@@ -425,8 +427,3 @@ def _masking_params(request: Request) -> list[str]:
         ("min_tokens", request.num_output_tokens < params.min_tokens),
     ) if is_set]
     return names or ["sampling_params"]
-
-
-def _no_token_error(request: Request) -> str:
-    return (f"no token can be generated at output token {request.num_output_tokens}: "
-            f"{', '.join(_masking_params(request))} together leave every token masked out")

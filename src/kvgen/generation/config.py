@@ -197,7 +197,7 @@ class GenerationConfig:
         eos = self.eos_token_id
         if eos is not None:  # an id, or a list of them ([] disables EOS)
             eos = token_id_list(eos) if hasattr(eos, "tolist") else eos  # a tensor of ids
-            checked_token_ids("eos_token_id", eos, single=isinstance(eos, int))
+            checked_token_ids("eos_token_id", eos, single=True, allow_empty=True)
         if self.pad_token_id is not None:
             check_int("pad_token_id", self.pad_token_id, 0)
         if self.early_stopping not in (True, False, "never"):

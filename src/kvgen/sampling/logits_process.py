@@ -291,7 +291,7 @@ class SuppressTokensLogitsProcessor(LogitsProcessor):
     """Set the listed ids to -inf at every step."""
 
     def __init__(self, suppress_tokens: Sequence[int]):
-        self.suppress_tokens = _suppressed(suppress_tokens)
+        self.suppress_tokens = checked_token_ids("suppress_tokens", suppress_tokens, single=True, allow_empty=True)
 
     def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         return ops.apply_suppress_tokens(logits, self.suppress_tokens)
@@ -335,12 +335,6 @@ class InfNanRemoveLogitsProcessor(LogitsProcessor):
         return torch.where(logits == -math.inf, torch.finfo(logits.dtype).min, out)
 
 
-def _suppressed(value: object) -> list[int]:
-    """``suppress_tokens``: one id or a list of them (maybe empty), ints >= 0; ``ValueError`` otherwise."""
-    return checked_token_ids("suppress_tokens", [value] if isinstance(value, int) and not isinstance(value, bool)
-                             else value)
-
-
 def check_processor_settings(cfg: object) -> None:
     """``ValueError`` naming the field for a malformed setting of the processors below (GenerationConfig checks
     them on construction, before any model work)."""
@@ -348,7 +342,7 @@ def check_processor_settings(cfg: object) -> None:
         if (value := getattr(cfg, name, None)) is not None:
             checked_token_ids(name, value, single=True)
     if (value := getattr(cfg, "suppress_tokens", None)) is not None:
-        _suppressed(value)
+        checked_token_ids("suppress_tokens", value, single=True, allow_empty=True)
     if (words := getattr(cfg, "bad_words_ids", None)) is not None and (
             not isinstance(words, (list, tuple)) or not all(isinstance(w, (list, tuple)) for w in words)):
         raise ValueError(f"bad_words_ids must be a list of token id lists, got {words!r}")

@@ -168,12 +168,13 @@ def _abort_after(server: Any, engine: Any, grace_s: float) -> None:
     """Make ``server``'s (a ``uvicorn.Server``) first exit signal also run ``engine.abort_all()`` ``grace_s``
     seconds later, on the event loop (armed from the signal handler through ``call_soon_threadsafe``)."""
     handle_exit = server.handle_exit
-    is_armed = [False]
+    is_armed = False
 
     def handle(sig: int, frame: Any) -> None:
+        nonlocal is_armed
         handle_exit(sig, frame)
-        if not is_armed[0]:
-            is_armed[0] = True
+        if not is_armed:
+            is_armed = True
             loop = asyncio.get_event_loop()
             loop.call_soon_threadsafe(loop.call_later, grace_s, engine.abort_all)
 

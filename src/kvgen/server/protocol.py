@@ -9,11 +9,12 @@ Source: OpenAI openapi.yaml; vLLM ``vllm/entrypoints/openai/protocol.py``.
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from kvgen.tokenizer.tokenizer import lone_surrogate
 
 MAX_N = 16  # completions per prompt; bounds one request's share of the engine
 MAX_STOP = 16  # stop strings per request
@@ -21,10 +22,7 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI
 MAX_INT32 = 2**31 - 1  # counts that become int64 tensor entries stay far from overflow
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def lone_surrogate(value: Any) -> tuple[str, int] | None:
+def json_lone_surrogate(value: Any) -> tuple[str, int] | None:
     """Where the first lone UTF-16 surrogate sits in a parsed JSON value (its strings and keys), as a path below it
     ("", "[2]", ".text", ".a[0]"), and its code point; None if there is none. JSON may escape one ("\\ud800"),
     Python's parser keeps it, and it is no Unicode text: UTF-8 (the tokenizer, the response) cannot encode it."""
@@ -32,12 +30,12 @@ def lone_surrogate(value: Any) -> tuple[str, int] | None:
     while stack:
         path, item = stack.pop()
         if isinstance(item, str):
-            if found := _SURROGATE.search(item):
-                return path, ord(found.group())
+            if (code_point := lone_surrogate(item)) is not None:
+                return path, code_point
         elif isinstance(item, dict):
             for key, sub in reversed(item.items()):
-                if isinstance(key, str) and (found := _SURROGATE.search(key)):
-                    return f"{path} (a key)", ord(found.group())
+                if isinstance(key, str) and (code_point := lone_surrogate(key)) is not None:
+                    return f"{path} (a key)", code_point
                 stack.append((f"{path}.{key}", sub))
         elif isinstance(item, list):  # (token ids: skipped without building anything)
             stack.extend((f"{path}[{i}]", item[i]) for i in range(len(item) - 1, -1, -1) if not isinstance(item[i], int))
@@ -52,7 +50,7 @@ class StrictModel(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_lone_surrogates(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, (str, list, dict)) and (found := lone_surrogate(value)) is not None:
+        if isinstance(value, (str, list, dict)) and (found := json_lone_surrogate(value)) is not None:
             path, code_point = found
             raise ValueError(f"{info.field_name}{path} holds the lone surrogate U+{code_point:04X}, which is not "
                              "Unicode text")

@@ -8,6 +8,7 @@ Incremental detokenization lives with its user, :mod:`kvgen.engine.detokenizer`.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,17 @@ from kvgen.tokenizer.gguf_vocab import gguf_backend, gguf_special_ids
 from kvgen.tokenizer.hf_files import load_hf_tokenizer_files
 from kvgen.tokenizer.special_tokens import SpecialTokenIds, add_bos_eos, check_token_ids, integer_ids
 from kvgen.tokenizer.wordpiece import clean_up_tokenization
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str) -> int | None:
+    """The code point of the first lone UTF-16 surrogate (U+D800-U+DFFF) in ``text``, or None. Python keeps one from
+    a JSON escape ("\\ud800") or from bytes read with ``surrogateescape``; it is no Unicode text, and neither UTF-8
+    nor the tokenizer can encode it."""
+    found = _SURROGATE.search(text)
+    return None if found is None else ord(found.group())
 
 
 class Tokenizer:
@@ -99,7 +111,8 @@ class Tokenizer:
         try:
             return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:  # the tokenizers binding cannot convert a str with a lone surrogate
-            raise ValueError("text holds a lone surrogate (U+D800-U+DFFF), which is not Unicode text") from None
+            raise ValueError(f"text holds the lone surrogate U+{lone_surrogate(text) or 0xD800:04X}, which is not "
+                             "Unicode text") from None
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of ``token_ids`` (a list, or a 1-D tensor/array); invalid UTF-8 becomes "\\ufffd",
