@@ -57,6 +57,17 @@ def test_greedy_chat_and_completion_equal_kvgen_generate(default_server, capsys)
     assert r.choices[0].text == expected["text"] and r.usage.completion_tokens == len(expected["token_ids"])
 
 
+def _wait_for_requests_in_server(http: httpx.Client, url: str, count: int) -> None:
+    """Poll /metrics until the server holds ``count`` requests (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for line in http.get(url + "/metrics").text.splitlines():
+            if line.startswith("kvgen:num_requests_in_server{") and float(line.split()[-1]) >= count:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"the server never held {count} requests")
+
+
 def test_sigterm_finishes_short_streams_aborts_long_ones_and_exits_0(default_server):
     """Past --shutdown-timeout the engine aborts what is left: a long stream ends with an "aborted" error event and
     [DONE], a long non-streamed request is a 503 (uvicorn's cancellation gave a traceback each and a plain 500)."""
@@ -69,15 +80,16 @@ def test_sigterm_finishes_short_streams_aborts_long_ones_and_exits_0(default_ser
     with (
         concurrent.futures.ThreadPoolExecutor(1) as pool,
         httpx.Client(timeout=120) as http,
-        http.stream("POST", url, json=short) as r_short,
         http.stream("POST", url, json=long) as r_long,
     ):
         whole = pool.submit(httpx.post, url, json={**long, "stream": False}, timeout=120)
-        lines_short = r_short.iter_lines()
-        next(lines_short)
-        default_server.proc.send_signal(signal.SIGTERM)
-        t0 = time.monotonic()
-        text_short = "\n".join(lines_short)
+        _wait_for_requests_in_server(http, default_server.url, 2)  # SIGTERM before it connects is a refused connection
+        with http.stream("POST", url, json=short) as r_short:
+            lines_short = r_short.iter_lines()
+            next(lines_short)
+            default_server.proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            text_short = "\n".join(lines_short)
         text_long = "\n".join(r_long.iter_lines())
         unstreamed = whole.result()
     assert '"finish_reason":"length"' in text_short and text_short.strip().endswith("data: [DONE]")
