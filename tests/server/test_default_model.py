@@ -57,15 +57,12 @@ def test_greedy_chat_and_completion_equal_kvgen_generate(default_server, capsys)
     assert r.choices[0].text == expected["text"] and r.usage.completion_tokens == len(expected["token_ids"])
 
 
-def _wait_for_requests_in_server(http: httpx.Client, url: str, count: int) -> None:
+def _wait_for_requests_in_server(server, count: int) -> None:
     """Poll /metrics until the server holds ``count`` requests (30 s at most)."""
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        for line in http.get(url + "/metrics").text.splitlines():
-            if line.startswith("kvgen:num_requests_in_server{") and float(line.split()[-1]) >= count:
-                return
+    while server.metrics()["kvgen:num_requests_in_server"] < count:
+        assert time.monotonic() < deadline, f"the server never held {count} requests"
         time.sleep(0.05)
-    raise AssertionError(f"the server never held {count} requests")
 
 
 def test_sigterm_finishes_short_streams_aborts_long_ones_and_exits_0(default_server):
@@ -83,7 +80,7 @@ def test_sigterm_finishes_short_streams_aborts_long_ones_and_exits_0(default_ser
         http.stream("POST", url, json=long) as r_long,
     ):
         whole = pool.submit(httpx.post, url, json={**long, "stream": False}, timeout=120)
-        _wait_for_requests_in_server(http, default_server.url, 2)  # SIGTERM before it connects is a refused connection
+        _wait_for_requests_in_server(default_server, 2)  # SIGTERM before it connects is a refused connection
         with http.stream("POST", url, json=short) as r_short:
             lines_short = r_short.iter_lines()
             next(lines_short)
