@@ -1,8 +1,8 @@
 """On the real default model: greedy server output equals ``kvgen generate --temperature 0``
 for the same messages (``--chat``) and the same raw prompt, text and token counts (both
 ``--dtype float32``); then SIGTERM lets a short stream finish, aborts a long one after the
-grace period (an error event, a 503 unstreamed), and the process exits 0. (The real model is slow enough that 2000 tokens
-cannot finish in the 5 s of grace on any CPU.)"""
+grace period (an error event, a 503 unstreamed), and the process exits 0. (6,000 tokens cannot finish in the 10 s of grace on
+any CPU this runs on, ~400 tokens/s at best; 8 tokens finish in it even on a contended one.)"""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory, launch_server):
     live = launch_server("default", tmp_path_factory.mktemp("logs") / "default.log", "--dtype", DTYPE,
-                         "--shutdown-timeout", "5", model_name="smollm2")
+                         "--shutdown-timeout", "10", model_name="smollm2")
     yield live
     assert live.stop() == 0
 
@@ -72,7 +72,7 @@ def test_sigterm_finishes_short_streams_aborts_long_ones_and_exits_0(default_ser
 
     messages = [{"role": "user", "content": "Tell me a long story."}]
     short = {"model": "smollm2", "messages": messages, "max_tokens": 8, "stream": True, "ignore_eos": True}
-    long = {**short, "max_tokens": 2000}
+    long = {**short, "max_tokens": 6000}
     url = default_server.v1 + "/chat/completions"
     with (
         concurrent.futures.ThreadPoolExecutor(1) as pool,
@@ -93,7 +93,7 @@ def test_sigterm_finishes_short_streams_aborts_long_ones_and_exits_0(default_ser
     assert '"code":"aborted"' in text_long.replace(" ", "") and text_long.strip().endswith("data: [DONE]")
     assert unstreamed.status_code == 503 and unstreamed.json()["error"]["code"] == "aborted"
     assert default_server.proc.wait(timeout=60) == 0
-    assert time.monotonic() - t0 < 40
+    assert time.monotonic() - t0 < 45
     with pytest.raises(httpx.TransportError):
         httpx.get(default_server.url + "/health", timeout=2)
     assert "kvgen serve: stopped" in default_server.log() and "Traceback" not in default_server.log()
