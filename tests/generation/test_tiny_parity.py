@@ -563,6 +563,21 @@ def test_dola_picks_transformers_layers_on_a_deeper_tied_model(dola_layers: str)
     _assert_scores_close(ours, ref)
 
 
+@pytest.mark.parametrize("model_type", ["gemma2", "granite"])
+def test_dola_early_exits_skip_the_final_softcap_and_logits_scaling(model_type: str) -> None:
+    """transformers contrasts with the bare ``lm_head(hidden_states[i])``: Gemma 2's final softcap and Granite's
+    logits_scaling apply to the final layer's logits only."""
+    model = make_tiny_model(model_type, std=0.5)
+    with torch.inference_mode():
+        ref = model.ref.generate(IDS, attention_mask=MASK, max_new_tokens=NEW_TOKENS, pad_token_id=PAD,
+                                 eos_token_id=None, dola_layers=[0, 1], return_dict_in_generate=True,
+                                 output_scores=True)
+    ours = generate(model.ours, IDS, MASK, GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=[],
+                                                            pad_token_id=PAD, dola_layers=[0, 1], output_scores=True))
+    assert ours.sequences.tolist() == ref.sequences.tolist()
+    _assert_scores_close(ours, ref)
+
+
 def test_dola_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="dola_layers must be 'low', 'high' or a non-empty list"):
         GenerationConfig(dola_layers="middle")

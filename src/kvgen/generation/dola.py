@@ -76,7 +76,8 @@ def dola_decoding(runner: StepRunner, ctx: LoopContext) -> GenerateOutput:
         final = runner.next_logits()  # [N, V]; the forward's record holds each layer's input [N, T, C]
         hidden = recorder.steps[-1].hidden_states
         with torch.inference_mode():
-            premature = {i: model.compute_logits(hidden[i][:, -1]) for i in layers}  # [N, V] each
+            # transformers' lm_head(hidden_states[i]): no final softcap or logits_scaling on the early exits
+            premature = {i: model.lm_head_logits(hidden[i][:, -1]) for i in layers}  # [N, V] each
         return contrast(layers, premature, final), final
 
     if cfg.do_sample:

@@ -41,6 +41,13 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., C] -> logits [..., V] float32: the LM head and any final transform (Gemma 2's softcap,
+        Granite's logits_scaling)."""
+        return self.lm_head_logits(hidden)
+
+    def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., C] -> logits [..., V] float32 from the LM head alone (DoLa's early exits: transformers'
+        ``lm_head(hidden_states[i])``)."""
         raise NotImplementedError
 
 

@@ -23,6 +23,6 @@ class Gemma2ForCausalLM(Gemma3ForCausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head, then ``c * tanh(logits / c)`` with c = ``final_logit_softcapping`` (none when None): hidden
         [..., C] -> logits [..., V] float32. Source: transformers 4.55 ``Gemma2ForCausalLM.forward``."""
-        logits = super().compute_logits(hidden)  # [..., V] float32
+        logits = self.lm_head_logits(hidden)  # [..., V] float32
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

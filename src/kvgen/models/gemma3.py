@@ -227,8 +227,8 @@ class Gemma3ForCausalLM(CausalLM):
                                window=layer.self_attn.window)
         return operands.finish()
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head: hidden [..., C] -> logits [..., V] float32 (no final softcapping: Gemma 3 has none)."""
+    def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head: hidden [..., C] -> logits [..., V] float32 (Gemma 3's logits: it has no final softcapping)."""
         if self.config.tie_word_embeddings:
             return self.model.embed_tokens.as_lm_head(hidden).float()
         return self.lm_head(hidden).float()

@@ -122,6 +122,6 @@ class GPT2LMHeadModel(CausalLM):
         advance_cache(kv_cache, mask, input_ids.shape[1])
         return tr.ln_f(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., C] -> logits [..., V] float32 (tied head)."""
         return self.transformer.wte.as_lm_head(hidden).float()

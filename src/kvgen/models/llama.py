@@ -316,8 +316,11 @@ class LlamaForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: hidden [..., C] -> logits [..., V] float32 (Granite: divided by logits_scaling). Pass only the rows
         that need logits."""
-        if self.config.tie_word_embeddings:
-            logits = self.model.embed_tokens.as_lm_head(hidden).float()
-        else:
-            logits = self.lm_head(hidden).float()
+        logits = self.lm_head_logits(hidden)  # [..., V]
         return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
+
+    def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., C] -> logits [..., V] float32 from the (tied or own) LM head, before logits_scaling."""
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.as_lm_head(hidden).float()
+        return self.lm_head(hidden).float()
