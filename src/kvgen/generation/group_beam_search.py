@@ -8,7 +8,7 @@ n-best list of finished hypotheses; the best ``num_return_sequences`` over all
 groups are returned.
 Must agree with transformers 4.55 ``GenerationMixin._group_beam_search`` with
 its ``BeamSearchScorer`` / ``BeamHypotheses`` and ``HammingDiversityLogitsProcessor``
-(placed right after ``SequenceBiasLogitsProcessor``, as HF orders them).
+(placed right after classifier-free guidance and ``SequenceBiasLogitsProcessor``, as HF orders them).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from kvgen.generation.runner import StepRunner
 from kvgen.sampling.logits_process import (
     LogitsProcessorList,
     SequenceBiasLogitsProcessor,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
 )
 from kvgen.sampling.ops import choose_tokens
 from kvgen.sampling.stopping import FinishReason, reason_of
@@ -160,9 +161,11 @@ def _advance_group(
 
 
 def _split_processors(processors: LogitsProcessorList) -> tuple[LogitsProcessorList, LogitsProcessorList]:
-    """The processors HF runs before its Hamming diversity processor (sequence bias), and the rest."""
-    before = LogitsProcessorList(p for p in processors if isinstance(p, SequenceBiasLogitsProcessor))
-    after = LogitsProcessorList(p for p in processors if not isinstance(p, SequenceBiasLogitsProcessor))
+    """The processors HF runs before its Hamming diversity processor (classifier-free guidance, sequence bias), and
+    the rest."""
+    first = (UnbatchedClassifierFreeGuidanceLogitsProcessor, SequenceBiasLogitsProcessor)
+    before = LogitsProcessorList(p for p in processors if isinstance(p, first))
+    after = LogitsProcessorList(p for p in processors if not isinstance(p, first))
     return before, after
 
 
