@@ -122,6 +122,21 @@ def test_stop_strings_hit_where_they_overlap_the_last_token_as_transformers():
     assert any(hits[t][r] and not hits[t + 1][r] for t in range(9) for r in range(300))  # runs past a match
 
 
+def test_stop_strings_may_begin_in_the_prompt_as_transformers():
+    """transformers' criterion reads the prompt's tail too: after a 3-token prompt, every step hits where it hits,
+    including stop strings that begin in the prompt and end in the first new token."""
+    stops = ["stop", "\n\n", "aba"]
+    theirs = hf.StopStringCriteria(tokenizer=hf_tokenizer(), stop_strings=stops)
+    ours = _checker(prompt_length=3, stop_strings=StopStrings(tuple(stops)), decode=decode)
+    rng = random.Random(2)
+    ids = torch.tensor([[rng.randrange(2, len(PIECES)) for _ in range(8)] for _ in range(300)])
+    for step in range(4, 9):
+        assert (ours.check(ids[:, :step]) > 0).tolist() == theirs(ids[:, :step], None).tolist()
+    first_hits = (ours.check(ids[:, :4]) > 0).tolist()
+    new_text_only = [find_stop_string(decode(ids[r, 3:4].tolist()), stops) for r in range(300)]
+    assert any(hit and alone is None for hit, alone in zip(first_hits, new_text_only))  # some begin in the prompt
+
+
 def test_max_time_uses_the_given_clock():
     now = [100.0]
     checker = _checker(prompt_length=0, max_time=2.0, clock=lambda: now[0])

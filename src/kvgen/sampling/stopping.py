@@ -150,7 +150,7 @@ class StopStrings:
         return len(text) - partial_stop_suffix_len(text, self.stops)
 
     def rows_hit(self, generated: list[list[int]], decode: Callable[[list[int]], str]) -> list[bool]:
-        """Per row of generated ids: does a stop string end in the text of its last token? As HF
+        """Per row of ids: does a stop string end in the text of its last token? As HF
         ``StopStringCriteria``, a match must overlap the final token, so a row that runs on past a match (group
         and constrained beam search stop only when every beam matches at once) is not stopped by it later."""
         hits = []
@@ -193,16 +193,18 @@ class StopChecker:
 
     def check_rows(self, sequences: torch.Tensor) -> list[int]:
         """``check`` as a list of N codes. The rows are judged in Python on the last column (and, with stop strings,
-        the new ids): a decode step then reads one tensor instead of running a dozen small ops, each slow just after
-        the forward has streamed the weights through the caches."""
+        the prompt's tail and the new ids): a decode step then reads one tensor instead of running a dozen small
+        ops, each slow just after the forward has streamed the weights through the caches."""
         num_new = sequences.shape[1] - self.prompt_length
         stop_ids = self.tokens.eos_token_ids + self.tokens.stop_token_ids
         codes = [0] * sequences.shape[0]
         if stop_ids and num_new >= max(self.tokens.min_new_tokens, 1):
             codes = [code_of(FinishReason.STOP) if token in stop_ids else 0 for token in sequences[:, -1].tolist()]
-        if self.stop_strings is not None and self.decode is not None:
-            generated = sequences[:, self.prompt_length :].tolist()  # N lists of new ids
-            hits = self.stop_strings.rows_hit(generated, self.decode)
+        if self.stop_strings is not None and self.decode is not None and num_new > 0:
+            # HF StopStringCriteria reads the prompt too: a stop string may begin there and end in a new token
+            start = max(0, self.prompt_length - max(len(s) for s in self.stop_strings.stops))
+            rows = sequences[:, start:].tolist()  # N lists: the prompt's last tokens, then the new ids
+            hits = self.stop_strings.rows_hit(rows, self.decode)
             codes = [code or (code_of(FinishReason.STOP_STRING) if hit else 0) for code, hit in zip(codes, hits)]
         if self.max_time is not None and self.clock() - (self.start_time or 0.0) > self.max_time:
             codes = [code or code_of(FinishReason.TIME) for code in codes]
