@@ -137,6 +137,9 @@ def _processor_cases(tiny: TinyModel) -> dict[str, dict[str, Any]]:
         "exponential_decay_length_penalty": {"exponential_decay_length_penalty": (2, 4.0),
                                              "eos": [greedy[0][7], greedy[1][8], greedy[2][9]]},
         "min_length=12": {"min_length": 12, "eos": [greedy[0][1], greedy[1][0], greedy[2][2]]},
+        # transformers: min_new_tokens takes precedence (min_length becomes min_new_tokens + the prompt's length)
+        "min_new_tokens=2, min_length=14": {"min_new_tokens": 2, "min_length": 14,
+                                            "eos": [greedy[0][1], greedy[1][0], greedy[2][2]]},
         "max_length=11": {"max_length": 11, "max_new_tokens": None},
         "begin_suppress_tokens, renormalize_logits, remove_invalid_values": {
             "begin_suppress_tokens": [greedy[0][0], greedy[1][0]], "renormalize_logits": True,
@@ -150,7 +153,7 @@ def _processor_cases(tiny: TinyModel) -> dict[str, dict[str, Any]]:
 
 @pytest.mark.parametrize(
     "case", ["no_repeat_ngram_size=2", "no_repeat_ngram_size=1", "repetition_penalty=1.8", "bad_words_ids",
-             "min_new_tokens=6", "min_length=12", "max_length=11", "forced_eos_token_id", "exponential_decay_length_penalty",
+             "min_new_tokens=6", "min_length=12", "min_new_tokens=2, min_length=14", "max_length=11", "forced_eos_token_id", "exponential_decay_length_penalty",
              "begin_suppress_tokens, renormalize_logits, remove_invalid_values", "encoder_repetition_penalty=3",
              "encoder_repetition_penalty=3, encoder_no_repeat_ngram_size=2"]
 )

@@ -103,7 +103,8 @@ class GenerationConfig:
     max_new_tokens: int = _f(20, "maximum number of new tokens to generate")
     max_length: int | None = _f(None, "maximum length, prompt included (used while max_new_tokens is at its default)")
     min_new_tokens: int = _f(0, "EOS is suppressed until this many new tokens exist")
-    min_length: int = _f(0, "EOS is suppressed until the sequence, prompt included, is this long")
+    min_length: int = _f(0, "EOS is suppressed until the sequence, prompt included, is this long (min_new_tokens > 0 "
+                         "takes precedence, as in transformers)")
     do_sample: bool = _f(False, "sample from the distribution instead of taking the argmax")
     num_beams: int = _f(1, "beams for beam search (1 = no beam search)")
     num_beam_groups: int = _f(1, "groups for diverse (group) beam search; must divide num_beams")
