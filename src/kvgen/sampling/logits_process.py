@@ -443,9 +443,9 @@ def _bad_words(s: _Settings) -> LogitsProcessor | None:
 
 def _min_length(s: _Settings) -> LogitsProcessor | None:
     min_length = s.get("min_length", 0)
-    if min_length == 0 or not s.eos_token_ids or s.get("min_new_tokens", 0) > 0:
-        return None  # min_new_tokens takes precedence (transformers' _prepare_generated_length overrides min_length)
-    return MinLengthLogitsProcessor(min_length, s.eos_token_ids)
+    if s.get("min_new_tokens", 0) > 0:  # it takes precedence (transformers' _prepare_generated_length)
+        min_length = s.prompt_length + s.get("min_new_tokens", 0)
+    return None if min_length == 0 or not s.eos_token_ids else MinLengthLogitsProcessor(min_length, s.eos_token_ids)
 
 
 def _min_new_tokens(s: _Settings) -> LogitsProcessor | None:
