@@ -105,6 +105,8 @@ def test_prompt_that_leaves_no_room_raises(model_tok):
         ({"cache_implementation": "paged"}, "cache_implementation must be 'dynamic' or 'static', got 'paged'"),
         ({"num_return_sequences": 2}, "num_return_sequences=2 conflicts with do_sample=False"),
         ({"num_beams": 4, "num_beam_groups": 3}, "num_beam_groups=3 conflicts with num_beams=4"),
+        ({"num_beams": 4, "num_beam_groups": 2}, "num_beam_groups=2 conflicts with diversity_penalty=0.0"),
+        ({"num_beams": 2, "diversity_penalty": 1.0}, "diversity_penalty=1.0 conflicts with num_beam_groups=1"),
         ({"penalty_alpha": 0.6, "do_sample": True}, "penalty_alpha=0.6 conflicts with do_sample=True"),
     ],
 )

@@ -58,9 +58,9 @@ def test_group_beam_search_with_stop_strings_matches_transformers(ours_default, 
 def test_diversity_penalty_changes_the_later_groups(ours_default):
     model, tok = ours_default
     ids = torch.tensor([tok.encode("Once upon a time, in a small village,")])
-    cfg = GenerationConfig(max_new_tokens=8, num_beams=4, num_beam_groups=2, num_return_sequences=4)
-    plain = generate(model, ids, None, cfg.replace(diversity_penalty=0.0))
-    diverse = generate(model, ids, None, cfg.replace(diversity_penalty=5.0))
+    settings = {"max_new_tokens": 8, "num_beams": 4, "num_beam_groups": 2, "num_return_sequences": 4}
+    plain = generate(model, ids, None, GenerationConfig(**settings, diversity_penalty=1e-6))  # 0 refused, as HF
+    diverse = generate(model, ids, None, GenerationConfig(**settings, diversity_penalty=5.0))
     assert len(set(map(tuple, diverse.new_token_ids))) > len(set(map(tuple, plain.new_token_ids)))
 
 

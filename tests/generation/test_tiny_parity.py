@@ -169,6 +169,14 @@ def test_greedy_with_processor_matches_transformers(tiny: TinyModel, case: str) 
         assert (ours.finish_reasons, ours.num_new_tokens) == _expected_stops(_new(ref.sequences), eos)
 
 
+def test_max_length_within_the_prompt_is_refused_as_transformers(tiny: TinyModel) -> None:
+    with pytest.raises(ValueError, match="max_length"):
+        _hf(tiny, max_new_tokens=None, max_length=IDS.shape[1])
+    with pytest.raises(ValueError, match="max_length=7 leaves no room after the prompt's 7 tokens"):
+        _ours(tiny, max_new_tokens=None, max_length=IDS.shape[1])
+    assert _ours(tiny, max_new_tokens=None, max_length=IDS.shape[1] + 1).sequences.shape[1] == IDS.shape[1] + 1
+
+
 # ---------------------------------------------------------------- multinomial sampling
 
 SAMPLING: dict[str, dict[str, Any]] = {

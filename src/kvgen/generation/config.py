@@ -226,6 +226,11 @@ class GenerationConfig:
             raise clash("num_beam_groups", "num_beams", "num_beam_groups must divide num_beams")
         if self.num_beam_groups > 1 and self.do_sample:
             raise clash("num_beam_groups", "do_sample", "group beam search does not sample")
+        if self.num_beam_groups > 1 and self.diversity_penalty == 0.0:  # transformers 4.55 refuses both
+            raise clash("num_beam_groups", "diversity_penalty", "groups without a diversity penalty are identical")
+        if self.num_beam_groups == 1 and self.diversity_penalty != 0.0:
+            raise clash("diversity_penalty", "num_beam_groups", "the penalty works between groups: set "
+                        "num_beam_groups > 1")
         if self.penalty_alpha is not None and self.penalty_alpha > 0:
             if self.do_sample:
                 raise clash("penalty_alpha", "do_sample", "contrastive search is deterministic")
@@ -308,11 +313,14 @@ class GenerationConfig:
 
     def with_prompt_length(self, prompt_length: int) -> GenerationConfig:
         """``max_length`` (total tokens) as ``max_new_tokens`` for prompts of ``prompt_length`` columns, where
-        ``max_new_tokens`` was left at its default (transformers' ``_prepare_generated_length``: at least one new
-        token, as its max-length check runs after each step)."""
+        ``max_new_tokens`` was left at its default (transformers' ``_prepare_generated_length``). Raises ValueError
+        when ``max_length`` does not exceed ``prompt_length``, as transformers 4.55."""
         if self.max_length is None or self.max_new_tokens != GenerationConfig.max_new_tokens:
             return self
-        return self.replace(max_new_tokens=max(self.max_length - prompt_length, 1))
+        if self.max_length <= prompt_length:  # transformers 4.55 _validate_generated_length
+            raise ValueError(f"max_length={self.max_length} leaves no room after the prompt's {prompt_length} "
+                             f"tokens: raise it or set max_new_tokens")
+        return self.replace(max_new_tokens=self.max_length - prompt_length)
 
     def with_generation_defaults(self, defaults: Mapping[str, Any]) -> GenerationConfig:
         """These settings with each field still at its default taking the model's value (transformers 4.55
