@@ -18,7 +18,7 @@ from kvgen.loader import load_model
 
 PROMPT = [[5, 17, 42, 8, 61, 3, 29, 11]]
 GREEDY_FILE = {"bos_token_id": 1, "eos_token_id": 2, "repetition_penalty": 1.8, "no_repeat_ngram_size": 2,
-               "max_new_tokens": 9, "max_length": 4096, "cache_implementation": "hybrid"}  # the last two: not ours
+               "max_new_tokens": 9, "max_length": 4096, "cache_implementation": "hybrid"}  # the last: not ours
 SAMPLING_FILE = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.7, "top_k": 5,
                  "max_new_tokens": 8}
 
@@ -45,11 +45,24 @@ def test_no_settings_means_the_directorys_generation_config(tiny_model_dir, tmp_
     path = _dir(tiny_model_dir, tmp_path, GREEDY_FILE | {"suppress_tokens": [plain[0]]})
     model, _ = load_model(path)
     assert model.generation_defaults == {k: (GREEDY_FILE | {"suppress_tokens": [plain[0]]})[k] for k in (
-        "repetition_penalty", "no_repeat_ngram_size", "max_new_tokens", "suppress_tokens", "eos_token_id")}
+        "repetition_penalty", "no_repeat_ngram_size", "max_new_tokens", "max_length", "suppress_tokens",
+        "eos_token_id")}
     ours = generate(model, torch.tensor(PROMPT)).new_token_ids[0]
     assert ours == _hf(path) and ours != plain  # the file's processors and max_new_tokens, as transformers reads them
     overridden = generate(model, torch.tensor(PROMPT), repetition_penalty=1.0, suppress_tokens=None).new_token_ids[0]
     assert overridden == _hf(path, repetition_penalty=1.0, suppress_tokens=None)
+
+
+@pytest.mark.parametrize("max_length", [12, 20])
+def test_the_files_max_length_is_the_total_length_unless_it_is_transformers_default(tiny_model_dir, tmp_path,
+                                                                                   max_length):
+    """transformers takes the file's max_length as prompt + new tokens when the caller sets no length, except its
+    own default 20, which stays 20 new tokens."""
+    path = _dir(tiny_model_dir, tmp_path, {"bos_token_id": 1, "eos_token_id": None, "max_length": max_length})
+    ours = generate(load_model(path)[0], torch.tensor(PROMPT)).new_token_ids[0]
+    assert ours == _hf(path, eos_token_id=None)
+    assert len(ours) == (max_length - len(PROMPT[0]) if max_length != 20 else 20)
+    assert len(generate(load_model(path)[0], torch.tensor(PROMPT), max_new_tokens=6).new_token_ids[0]) == 6
 
 
 def test_sampling_defaults_and_flags_that_override_them(tiny_model_dir, tmp_path, capsys):

@@ -38,15 +38,16 @@ class Strategy(enum.Enum):
 
 
 _f = config_field
+HF_DEFAULT_MAX_LENGTH = 20  # transformers' GenerationConfig.max_length: 20 new tokens when nothing else is set
 
 # generation_config.json keys that become generate()'s defaults (transformers' model.generation_config); others
-# (max_length, cache_implementation, return_dict_in_generate, ...) are left out.
+# (cache_implementation, return_dict_in_generate, ...) are left out.
 MODEL_DEFAULT_KEYS = (
     "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
     "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
     "num_beams", "num_beam_groups", "diversity_penalty",
     "length_penalty", "early_stopping", "num_return_sequences", "penalty_alpha", "max_new_tokens", "min_new_tokens",
-    "min_length",
+    "min_length", "max_length",
     "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
     "exponential_decay_length_penalty", "renormalize_logits", "remove_invalid_values", "eos_token_id", "pad_token_id",
 )
@@ -362,6 +363,8 @@ def read_generation_defaults(path: Path) -> dict[str, Any]:
         return {}
     raw = read_json(path)
     values = {k: raw[k] for k in MODEL_DEFAULT_KEYS if raw.get(k) is not None}
+    if values.get("max_length") == HF_DEFAULT_MAX_LENGTH:  # transformers reads its own default as 20 new tokens
+        del values["max_length"]
     if isinstance(values.get("exponential_decay_length_penalty"), list):
         values["exponential_decay_length_penalty"] = tuple(values["exponential_decay_length_penalty"])
     try:  # alone: a min_new_tokens above the default max_new_tokens is no contradiction
