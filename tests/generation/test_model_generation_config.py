@@ -13,7 +13,7 @@ import transformers
 
 from kvgen.cli import main
 from kvgen.errors import ModelFormatError
-from kvgen.generation import generate
+from kvgen.generation import GenerationConfig, generate
 from kvgen.loader import load_model
 
 PROMPT = [[5, 17, 42, 8, 61, 3, 29, 11]]
@@ -62,7 +62,11 @@ def test_the_files_max_length_is_the_total_length_unless_it_is_transformers_defa
     ours = generate(load_model(path)[0], torch.tensor(PROMPT)).new_token_ids[0]
     assert ours == _hf(path, eos_token_id=None)
     assert len(ours) == (max_length - len(PROMPT[0]) if max_length != 20 else 20)
-    assert len(generate(load_model(path)[0], torch.tensor(PROMPT), max_new_tokens=6).new_token_ids[0]) == 6
+    for explicit in (6, 20):  # 20, kvgen's default value, given explicitly still wins (transformers' default: None)
+        assert len(generate(load_model(path)[0], torch.tensor(PROMPT), max_new_tokens=explicit).new_token_ids[0]) \
+            == explicit
+        cfg = GenerationConfig(max_new_tokens=explicit)
+        assert len(generate(load_model(path)[0], torch.tensor(PROMPT), None, cfg).new_token_ids[0]) == explicit
 
 
 def test_sampling_defaults_and_flags_that_override_them(tiny_model_dir, tmp_path, capsys):

@@ -169,6 +169,14 @@ def test_greedy_with_processor_matches_transformers(tiny: TinyModel, case: str) 
         assert (ours.finish_reasons, ours.num_new_tokens) == _expected_stops(_new(ref.sequences), eos)
 
 
+def test_an_explicit_max_new_tokens_of_20_wins_over_max_length_as_transformers(tiny: TinyModel) -> None:
+    """transformers' max_new_tokens defaults to None, so an explicit 20 (kvgen's default value) still wins."""
+    ref = _hf(tiny, max_new_tokens=20, max_length=IDS.shape[1] + 3)
+    assert ref.sequences.shape[1] == IDS.shape[1] + 20
+    assert _ours(tiny, max_new_tokens=20, max_length=IDS.shape[1] + 3).sequences.tolist() == ref.sequences.tolist()
+    assert _ours(tiny, max_new_tokens=None, max_length=IDS.shape[1] + 3).sequences.shape[1] == IDS.shape[1] + 3
+
+
 def test_max_length_within_the_prompt_is_refused_as_transformers(tiny: TinyModel) -> None:
     with pytest.raises(ValueError, match="max_length"):
         _hf(tiny, max_new_tokens=None, max_length=IDS.shape[1])

@@ -40,6 +40,16 @@ class Strategy(enum.Enum):
 _f = config_field
 HF_DEFAULT_MAX_LENGTH = 20  # transformers' GenerationConfig.max_length: 20 new tokens when nothing else is set
 
+
+class _UnsetMaxNewTokens(int):
+    """``max_new_tokens``' default, 20, of a type of its own: transformers' default is None, so an explicit
+    ``max_new_tokens=20`` wins over ``max_length`` (its own or the model file's) while the default gives way."""
+
+
+def is_unset_max_new_tokens(value: int) -> bool:
+    """Is ``value`` ``GenerationConfig``'s default ``max_new_tokens`` (not an explicit 20)?"""
+    return type(value) is _UnsetMaxNewTokens
+
 # generation_config.json keys that become generate()'s defaults (transformers' model.generation_config); others
 # (cache_implementation, return_dict_in_generate, ...) are left out.
 MODEL_DEFAULT_KEYS = (
@@ -101,8 +111,8 @@ class GenerationConfig:
     CLI) or contradictory fields (naming both).
     """
 
-    max_new_tokens: int = _f(20, "maximum number of new tokens to generate")
-    max_length: int | None = _f(None, "maximum length, prompt included (used while max_new_tokens is at its default)")
+    max_new_tokens: int = _f(_UnsetMaxNewTokens(20), "maximum number of new tokens to generate")
+    max_length: int | None = _f(None, "maximum length, prompt included (used while max_new_tokens is not set)")
     min_new_tokens: int = _f(0, "EOS is suppressed until this many new tokens exist")
     min_length: int = _f(0, "EOS is suppressed until the sequence, prompt included, is this long (min_new_tokens > 0 "
                          "takes precedence, as in transformers)")
@@ -316,7 +326,7 @@ class GenerationConfig:
         """``max_length`` (total tokens) as ``max_new_tokens`` for prompts of ``prompt_length`` columns, where
         ``max_new_tokens`` was left at its default (transformers' ``_prepare_generated_length``). Raises ValueError
         when ``max_length`` does not exceed ``prompt_length``, as transformers 4.55."""
-        if self.max_length is None or self.max_new_tokens != GenerationConfig.max_new_tokens:
+        if self.max_length is None or not is_unset_max_new_tokens(self.max_new_tokens):
             return self
         if self.max_length <= prompt_length:  # transformers 4.55 _validate_generated_length
             raise ValueError(f"max_length={self.max_length} leaves no room after the prompt's {prompt_length} "
@@ -328,8 +338,12 @@ class GenerationConfig:
         ``_prepare_generation_config``: the model's generation config fills what the caller left at the global
         default). ``defaults``: ``CausalLM.generation_defaults``."""
         plain = GenerationConfig()
-        changes = {k: v for k, v in defaults.items()
-                   if getattr(self, k) == getattr(plain, k) and v != getattr(plain, k)}
+
+        def unset(k: str) -> bool:  # an explicit max_new_tokens=20 is the caller's (transformers' default is None)
+            return is_unset_max_new_tokens(self.max_new_tokens) if k == "max_new_tokens" else \
+                getattr(self, k) == getattr(plain, k)
+
+        changes = {k: v for k, v in defaults.items() if unset(k) and v != getattr(plain, k)}
         return self.replace(**changes) if changes else self
 
     @property
