@@ -183,6 +183,8 @@ def test_max_length_within_the_prompt_is_refused_as_transformers(tiny: TinyModel
     with pytest.raises(ValueError, match="max_length=7 leaves no room after the prompt's 7 tokens"):
         _ours(tiny, max_new_tokens=None, max_length=IDS.shape[1])
     assert _ours(tiny, max_new_tokens=None, max_length=IDS.shape[1] + 1).sequences.shape[1] == IDS.shape[1] + 1
+    with pytest.raises(ValueError, match="min_new_tokens=3 conflicts with max_length=9: the prompt's 7 tokens leave 2"):
+        _ours(tiny, max_new_tokens=None, max_length=IDS.shape[1] + 2, min_new_tokens=3)
 
 
 # ---------------------------------------------------------------- multinomial sampling

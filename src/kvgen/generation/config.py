@@ -331,6 +331,9 @@ class GenerationConfig:
         if self.max_length <= prompt_length:  # transformers 4.55 _validate_generated_length
             raise ValueError(f"max_length={self.max_length} leaves no room after the prompt's {prompt_length} "
                              f"tokens: raise it or set max_new_tokens")
+        if self.min_new_tokens > self.max_length - prompt_length:
+            raise ValueError(f"min_new_tokens={self.min_new_tokens} conflicts with max_length={self.max_length}: the "
+                             f"prompt's {prompt_length} tokens leave {self.max_length - prompt_length} new tokens")
         return self.replace(max_new_tokens=self.max_length - prompt_length)
 
     def with_generation_defaults(self, defaults: Mapping[str, Any]) -> GenerationConfig:
