@@ -16,6 +16,7 @@ from typing import Any
 
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
 from kvgen.gemma_config import gemma2_gguf_changes, gemma3_gguf_changes, gemma3_kwargs
+from kvgen.gguf_keys import check_gguf_value_types
 from kvgen.llama_config import (
     gguf_partial_rotary_factor,
     granite_gguf_fields,
@@ -393,7 +394,7 @@ class ModelConfig:
         ``ernie4_5``,
         ``qwen2moe``, ``qwen3moe``, ``gemma3``, ``gemma2``, ``gpt-oss``, ``gpt2`` (llama.cpp's GPT2Model keys) (see :func:`kvgen.gemma_config.gemma3_gguf_changes`,
         :func:`kvgen.gemma_config.gemma2_gguf_changes`, :func:`kvgen.moe_config.gguf_moe_fields`, :func:`~kvgen.moe_config.gguf_gpt_oss_changes`) and ``ModelFormatError`` for missing keys or bad
-        values.
+        values (:func:`kvgen.gguf_keys.check_gguf_value_types`: a value of the wrong type, naming its key).
         A Llama-family file's ``rope.scaling`` keys (linear, YaRN) are read by
         :func:`kvgen.rope_scaling.gguf_rope_scaling`; rope scaling stored as tensors (``rope_freqs``,
         ``rope_factors_*``) is the loader's to add.
@@ -412,7 +413,10 @@ class ModelConfig:
                 raise ModelFormatError(f"GGUF metadata lacks required key {full!r}")
             return meta[full]
 
+        check_gguf_value_types(meta)
         num_heads = int(need("attention.head_count"))
+        if num_heads <= 0:  # divides the hidden size below
+            raise ModelFormatError(f"{arch}.attention.head_count must be positive, got {num_heads}")
         hidden = int(need("embedding_length"))
         vocab = meta.get(f"{arch}.vocab_size")
         if vocab is None:
