@@ -437,6 +437,15 @@ def test_truncated_default_file(tmp_path: Path, default_gguf_path: Path, where: 
     assert str(tmp_path / "cut.gguf") in str(info.value)
 
 
+@pytest.mark.parametrize("block_count", [0xFFFFFFFF, L + 1])
+def test_a_block_count_beyond_the_file_is_refused_before_building_layers(tmp_path: Path, block_count: int) -> None:
+    """2^32 - 1 blocks hung enumerating the expected shapes of every layer."""
+    _write_llama(tmp_path / "t.gguf", keys=lambda w: w.add_block_count(block_count))
+    with pytest.raises(ModelFormatError, match=rf"llama.block_count must be at most the {L} layers whose tensors "
+                                               rf".*t.gguf holds, got {block_count}"):
+        load_gguf(tmp_path / "t.gguf")
+
+
 def test_unsupported_architecture(tmp_path: Path) -> None:
     _write_llama(tmp_path / "falcon.gguf", arch="falcon")
     with pytest.raises(UnsupportedArchitectureError, match="'falcon'"):

@@ -274,3 +274,20 @@ def test_only_listed_shards_are_read(tmp_path: Path) -> None:
     save_file({"transformer.h.0.bogus": torch.zeros(1)}, path / "model-99999-of-99999.safetensors")
     _, state = load_hf_directory(path)
     _assert_same(state, _expected(model), torch.float32)
+
+
+def _edit_config(directory: Path, **changes: object) -> None:
+    cfg = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(cfg | changes))
+
+
+@pytest.mark.parametrize(("model_type", "key"), [("gpt2", "n_layer"), ("llama", "num_hidden_layers"),
+                                                 ("smollm3", "num_hidden_layers")])
+def test_a_layer_count_beyond_the_checkpoint_is_refused_before_building_layers(tmp_path: Path, model_type: str,
+                                                                              key: str) -> None:
+    """10^9 layers ran into MemoryError (smollm3: building its per-layer NoPE flags) instead of a clean error."""
+    directory = _save(_tiny_gpt2() if model_type == "gpt2" else _tiny_llama(tied=False), tmp_path / "m", False)
+    _edit_config(directory, **{key: 10**9} | ({"model_type": model_type} if model_type != "gpt2" else {}))
+    with pytest.raises(ModelFormatError, match=rf"config.json {key} must be at most the 2 layers whose tensors "
+                                               rf".* holds, got 1000000000"):
+        load_hf_directory(directory)

@@ -33,6 +33,7 @@ from kvgen.weights.gpt_oss import (
     split_expert_stacks,
 )
 from kvgen.weights.name_maps import (
+    check_layer_count,
     check_state_dict,
     expected_param_shapes,
     hf_needs_transpose,
@@ -90,8 +91,12 @@ def load_hf_directory(
         raise ModelNotFoundError(f"model directory not found: {root}")
     if not root.is_dir():
         raise ModelFormatError(f"{root} is not a directory (expected an HF checkpoint directory with config.json)")
-    config = ModelConfig.from_hf_dict(_read_json(root / "config.json", "config.json"))
-    entries, ignored = _plan(root, config)
+    cfg = _read_json(root / "config.json", "config.json")
+    files = weight_files(root)
+    layers = "n_layer" if cfg.get("model_type") == "gpt2" else "num_hidden_layers"
+    check_layer_count(f"config.json {layers}", cfg.get(layers), _checkpoint_keys(files), str(root))
+    config = ModelConfig.from_hf_dict(cfg)
+    entries, ignored = _plan(files, config)
     check_mxfp4_pairs([e.name for e in entries])
     actual: dict[str, tuple[int, ...]] = {}
     for e, shape in entries.items():  # a gpt-oss expert stack: as the per-expert parameters it becomes
@@ -120,8 +125,9 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     return read_json(path)
 
 
-def _weight_files(root: Path) -> dict[Path, list[str] | None]:
-    """Safetensors file -> the keys to read from it (None: all of them)."""
+def weight_files(root: Path) -> dict[Path, list[str] | None]:
+    """Safetensors file -> the keys to read from it (None: all of them): ``model.safetensors``, else the shards of
+    ``model.safetensors.index.json``. Raises ``ModelFormatError`` for a bad index or no weights."""
     if (root / SINGLE_FILE).is_file():
         return {root / SINGLE_FILE: None}
     if (root / INDEX_FILE).is_file():
@@ -146,12 +152,23 @@ def _weight_files(root: Path) -> dict[Path, list[str] | None]:
     raise ModelFormatError(f"{root} has no weights: expected {SINGLE_FILE} or {INDEX_FILE}")
 
 
-def _plan(root: Path, config: ModelConfig) -> tuple[dict[_Entry, tuple[int, ...]], list[str]]:
+def _checkpoint_keys(files: dict[Path, list[str] | None]) -> list[str]:
+    """Every key of :func:`weight_files`' files (reads the headers of those that list none)."""
+    keys: list[str] = []
+    for file, listed in files.items():
+        if listed is None:
+            with _open(file) as f:
+                listed = list(f.keys())
+        keys += listed
+    return keys
+
+
+def _plan(files: dict[Path, list[str] | None], config: ModelConfig) -> tuple[dict[_Entry, tuple[int, ...]], list[str]]:
     """Every tensor to load with its final shape, and the checkpoint keys ignored. Reads headers only."""
     entries: dict[_Entry, tuple[int, ...]] = {}
     ignored: list[str] = []
     seen: dict[str, Path] = {}
-    for file, keys in _weight_files(root).items():
+    for file, keys in files.items():
         with _open(file) as f:
             available = set(f.keys())
             if keys is None:
