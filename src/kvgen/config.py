@@ -30,7 +30,7 @@ from kvgen.moe_config import (
     hf_gpt_oss_kwargs,
     hf_moe_fields,
 )
-from kvgen.rope_scaling import gguf_rope_scaling, yarn_scaling
+from kvgen.rope_scaling import gguf_rope_scaling, positive_scaling_value, yarn_scaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "gpt2", "gemma3_text", "gemma2", "gpt_oss")
 
@@ -186,6 +186,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self._check_number_types()
+        self._check_positive_floats()
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedArchitectureError(
                 f"model_type {self.model_type!r} is not supported; kvgen supports {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -300,6 +301,15 @@ class ModelConfig:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind not in _ROPE_TYPES:
             raise UnsupportedArchitectureError(f"rope_scaling type {kind!r} is not supported")
+        if kind == "linear":
+            positive_scaling_value(scaling, "factor", kind)
+        if kind == "llama3":  # transformers' _validate_llama3_parameters
+            for key in ("factor", "original_max_position_embeddings"):
+                positive_scaling_value(scaling, key, kind)
+            low, high = (positive_scaling_value(scaling, k, kind) for k in ("low_freq_factor", "high_freq_factor"))
+            if low >= high:
+                raise ModelFormatError(f"llama3 rope_scaling low_freq_factor must be below high_freq_factor, got "
+                                       f"{low} and {high}")
         if kind == "yarn":  # completed to kvgen's form (kvgen.rope_scaling); its cos/sin scale is Llama's to apply
             if self.model_type not in ("llama", "gpt_oss"):
                 raise UnsupportedArchitectureError(f"{self.model_type} with a yarn rope_scaling is not supported")
@@ -317,13 +327,29 @@ class ModelConfig:
         self.max_position_embeddings = min(self.max_position_embeddings, int(scaling["original_max_position_embeddings"]))
 
     def _check_number_types(self) -> None:
-        """Raise ``ModelFormatError`` for a count that is no integer or a float field that is no number (a config.json
-        value such as ``"hidden_size": "big"``); None stays for the optional ones."""
+        """Raise ``ModelFormatError`` for a count that is no integer, a float field that is no number (a config.json
+        value such as ``"hidden_size": "big"``) or a flag that is no boolean (``"tie_word_embeddings": "false"``);
+        None stays for the fields whose default is None."""
         for f in fields(self):
             value, wanted = getattr(self, f.name), _NUMBER_TYPES.get(str(f.type))
-            if value is not None and wanted is not None and (isinstance(value, bool) or not isinstance(value, wanted)):
+            if str(f.type) == "bool" and not isinstance(value, bool):
+                raise ModelFormatError(f"{f.name} must be true or false, got {value!r}")
+            if wanted is None or (value is None and f.default is None):
+                continue
+            if isinstance(value, bool) or not isinstance(value, wanted):
                 raise ModelFormatError(f"{f.name} must be {'an integer' if wanted is numbers.Integral else 'a number'}"
                                        f", got {value!r}")
+
+    def _check_positive_floats(self) -> None:
+        """ModelFormatError for a RoPE base that is not finite and positive, or a norm epsilon that is not finite and
+        >= 0: each gave NaN logits."""
+        for name in ("rope_theta", "rope_local_base_freq"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ModelFormatError(f"{name} must be a positive number, got {value}")
+        for name in ("rms_norm_eps", "layer_norm_epsilon"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ModelFormatError(f"{name} must be a number >= 0, got {getattr(self, name)}")
 
     @property
     def eos_token_ids(self) -> list[int]:
