@@ -291,3 +291,34 @@ def test_a_layer_count_beyond_the_checkpoint_is_refused_before_building_layers(t
     with pytest.raises(ModelFormatError, match=rf"config.json {key} must be at most the 2 layers whose tensors "
                                                rf".* holds, got 1000000000"):
         load_hf_directory(directory)
+
+
+@pytest.mark.parametrize("shard", [5, None, "", "../outside.safetensors", "OUTSIDE"], ids=["int", "null", "empty",
+                                                                                           "dotdot", "absolute"])
+def test_index_shards_must_be_files_inside_the_directory(tmp_path: Path, shard: object) -> None:
+    """A non-string shard escaped as TypeError; a shard outside the directory (a valid copy of the real one here)
+    was read."""
+    path = _save(_tiny_gpt2(), tmp_path / "gpt2", sharded=True)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    real = path / index["weight_map"]["transformer.wte.weight"]
+    shutil.copy(real, tmp_path / "outside.safetensors")
+    shard = str(tmp_path / "outside.safetensors") if shard == "OUTSIDE" else shard
+    for key, name in index["weight_map"].items():
+        if name == real.name:
+            index["weight_map"][key] = shard
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelFormatError, match=r"weight_map\[.*\] must name a file inside .*gpt2, got ") as info:
+        load_hf_directory(path)
+    assert repr(shard) in str(info.value)
+
+
+def test_a_shard_linked_from_elsewhere_loads(tmp_path: Path) -> None:
+    """The Hugging Face cache's layout: the snapshot's shards are links to blobs outside it."""
+    model = _tiny_gpt2()
+    path = _save(model, tmp_path / "gpt2", sharded=True)
+    (tmp_path / "blobs").mkdir()
+    for shard in path.glob("model-*.safetensors"):
+        shard.rename(tmp_path / "blobs" / shard.name)
+        shard.symlink_to(tmp_path / "blobs" / shard.name)
+    _, state = load_hf_directory(path)
+    _assert_same(state, _expected(model), torch.float32)

@@ -136,7 +136,7 @@ def weight_files(root: Path) -> dict[Path, list[str] | None]:
             raise ModelFormatError(f"{root / INDEX_FILE} has no 'weight_map'")
         files: dict[Path, list[str] | None] = {}
         for key, shard in weight_map.items():
-            keys = files.setdefault(root / shard, [])
+            keys = files.setdefault(root / _shard_name(root, key, shard), [])
             assert keys is not None
             keys.append(key)
         absent = [str(f) for f in files if not f.is_file()]
@@ -150,6 +150,15 @@ def weight_files(root: Path) -> dict[Path, list[str] | None]:
             "Convert with model.save_pretrained(dir, safe_serialization=True)"
         )
     raise ModelFormatError(f"{root} has no weights: expected {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def _shard_name(root: Path, key: str, shard: Any) -> str:
+    """``shard``, the index's file for tensor ``key``: ``ModelFormatError`` unless it is a path inside ``root``
+    (relative, without ``..``: a link inside the directory may lead elsewhere, as in the Hugging Face cache)."""
+    if not isinstance(shard, str) or not shard or Path(shard).is_absolute() or ".." in Path(shard).parts:
+        raise ModelFormatError(f"{root / INDEX_FILE}: weight_map[{key!r}] must name a file inside {root}, "
+                               f"got {shard!r}")
+    return shard
 
 
 def _checkpoint_keys(files: dict[Path, list[str] | None]) -> list[str]:
