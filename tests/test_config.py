@@ -233,3 +233,25 @@ def test_config_json_values_of_the_wrong_type_or_range_are_named(changes: dict, 
 def test_valid_config_json_values_still_load(changes: dict) -> None:
     config = ModelConfig.from_hf_dict(TINY_LLAMA | changes)
     assert config.max_position_embeddings == (128 if changes.get("sliding_window") else 256)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"eos_token_id": "2"}, "eos_token_id must be a token id or a list of them (ints >= 0), got '2'"),
+    ({"eos_token_id": -1}, "eos_token_id must be a token id or a list of them (ints >= 0), got -1"),
+    ({"eos_token_id": [2, "3"]}, "eos_token_id must be a token id or a list of them (ints >= 0), got [2, '3']"),
+    ({"bos_token_id": -1}, "bos_token_id must be a token id or a list of them (ints >= 0), got -1"),
+    ({"pad_token_id": 10**6}, "pad_token_id must be in [0, 128), got 1000000"),
+    ({"pad_token_id": -1}, "pad_token_id must be a token id or a list of them (ints >= 0), got -1"),
+    ({"model_type": "mixtral", "num_local_experts": 0}, "mixtral num_local_experts must be a positive integer, got 0"),
+    ({"model_type": "qwen3_moe", "num_experts": 0}, "qwen3_moe num_experts must be a positive integer, got 0"),
+])
+def test_config_json_token_ids_and_expert_counts_are_checked(changes: dict, message: str) -> None:
+    """eos "2" was read as the ids of its characters; num_local_experts 0 loaded a Mixtral as a dense model."""
+    with pytest.raises(ModelFormatError, match=re.escape(message)):
+        ModelConfig.from_hf_dict(TINY_LLAMA | changes)
+
+
+def test_gpt2_configs_keep_their_default_ids_beyond_a_small_vocabulary() -> None:
+    config = ModelConfig.from_hf_dict({"model_type": "gpt2", "vocab_size": 128, "n_embd": 64, "n_layer": 2,
+                                       "n_head": 4, "bos_token_id": 50256, "eos_token_id": 50256})
+    assert config.eos_token_ids == [50256]

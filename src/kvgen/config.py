@@ -102,6 +102,14 @@ def checked_token_ids(name: str, value: Any, single: bool = False, allow_empty: 
     return list(ids)
 
 
+def check_token_id_range(name: str, ids: list[int], vocab_size: int) -> None:
+    """``ModelFormatError`` naming ``name`` for an id outside ``[0, vocab_size)`` (a GGUF file's special ids, a
+    config.json's bos / eos / pad)."""
+    for i in ids:
+        if not 0 <= i < vocab_size:
+            raise ModelFormatError(f"{name} must be in [0, {vocab_size}), got {i}")
+
+
 def token_id_list(value: Any) -> list[int]:
     """One token id, a sequence of ids or an int tensor as a list of ints (``None`` gives ``[]``)."""
     if value is None:
@@ -194,11 +202,6 @@ class ModelConfig:
         if self.model_type == "llama" and self.hidden_act not in ("silu", "swish"):  # its MLP is SwiGLU
             raise UnsupportedArchitectureError(f"hidden_act {self.hidden_act!r} is not supported by the Llama-family "
                                                "decoder (SwiGLU: silu only)")
-        try:
-            token_id_list(self.eos_token_id)
-        except (TypeError, ValueError):
-            raise ModelFormatError(f"eos_token_id must be a token id or a list of them, got {self.eos_token_id!r}"
-                                   ) from None
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -210,6 +213,7 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
             if getattr(self, name) <= 0:
                 raise ModelFormatError(f"{name} must be positive, got {getattr(self, name)}")
+        self._check_token_ids()
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ModelFormatError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -339,6 +343,24 @@ class ModelConfig:
             if isinstance(value, bool) or not isinstance(value, wanted):
                 raise ModelFormatError(f"{f.name} must be {'an integer' if wanted is numbers.Integral else 'a number'}"
                                        f", got {value!r}")
+
+    def _check_token_ids(self) -> None:
+        """ModelFormatError for a bos / pad id that is no int, an eos that is no int or list of ints, a negative id,
+        or a pad id outside [0, vocab_size) (padding feeds it to the embedding), as
+        :func:`kvgen.tokenizer.gguf_vocab.gguf_special_ids` refuses a GGUF file's. bos / eos ids past vocab_size stay:
+        transformers' GPT2Config writes 50256 whatever the vocab_size, and they are only compared with the output."""
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if name != "eos_token_id" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ModelFormatError(f"{name} must be a token id (an int), got {value!r}")
+            try:
+                ids = checked_token_ids(name, value, single=True, allow_empty=True)
+            except ValueError as e:
+                raise ModelFormatError(str(e)) from None
+            if name == "pad_token_id":
+                check_token_id_range(name, ids, self.vocab_size)
 
     def _check_positive_floats(self) -> None:
         """ModelFormatError for a RoPE base that is not finite and positive, or a norm epsilon that is not finite and

@@ -322,3 +322,13 @@ def test_a_shard_linked_from_elsewhere_loads(tmp_path: Path) -> None:
         shard.symlink_to(tmp_path / "blobs" / shard.name)
     _, state = load_hf_directory(path)
     _assert_same(state, _expected(model), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.bool, torch.complex64])
+def test_weights_stored_as_non_floats_are_refused(gpt2_dir: Path, dtype: torch.dtype) -> None:
+    """They were cast to float32 and loaded (complex64 with a warning only)."""
+    tensors = load_file(gpt2_dir / "model.safetensors")
+    tensors["transformer.h.0.attn.c_attn.weight"] = torch.ones(tensors["transformer.h.0.attn.c_attn.weight"].shape, dtype=dtype)
+    save_file(tensors, gpt2_dir / "model.safetensors")
+    with pytest.raises(ModelFormatError, match=r"tensor 'transformer.h.0.attn.c_attn.weight' is stored as (I8|I64|BOOL|C64); "):
+        load_hf_directory(gpt2_dir)

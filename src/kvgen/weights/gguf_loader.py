@@ -114,6 +114,9 @@ def load_gguf(
     names, stacks = _map_names(reader, path, meta["general.architecture"])
     if config.num_experts:
         config = replace(config, mlp_only_layers=_dense_layers(by_name, config))
+        if len(config.mlp_only_layers) == config.num_hidden_layers:  # it loaded as a dense model
+            raise ModelFormatError(f"{path} announces {config.num_experts} experts ({arch}.expert_count) but no layer "
+                                   f"has a router (blk.N.ffn_gate_inp.weight)")
     if config.num_experts or stacks:
         _check_expert_tensors(by_name, stacks, config, path)
     shapes = expected_param_shapes(config)

@@ -43,7 +43,8 @@ from kvgen.weights.name_maps import (
 )
 from kvgen.weights.quantized import GGUFBlocks, is_quantizable, quantize_matrix
 
-_16BIT = ("F16", "BF16")  # safetensors dtypes the 16-bit kernels run as stored
+_16BIT = ("F16", "BF16")
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors dtypes of weights (others are refused)  # safetensors dtypes the 16-bit kernels run as stored
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -195,9 +196,18 @@ def _plan(files: dict[Path, list[str] | None], config: ModelConfig) -> tuple[dic
                 seen[name] = file
                 transpose = hf_needs_transpose(name, config)
                 tensor = f.get_slice(key)
+                _check_dtype(file, key, name, tensor.get_dtype())
                 shape = tuple(tensor.get_shape())
                 entries[_Entry(file, key, name, transpose, tensor.get_dtype())] = shape[::-1] if transpose else shape
     return entries, ignored
+
+
+def _check_dtype(file: Path, key: str, name: str, dtype: str) -> None:
+    """``ModelFormatError`` naming a tensor stored as anything but a float (integers, bools and complex numbers were
+    cast to float without a word), except gpt-oss's MXFP4 ``*_blocks`` / ``*_scales``, which are uint8."""
+    if dtype not in _FLOAT_DTYPES and not (dtype == "U8" and name.endswith(("_blocks", "_scales"))):
+        raise ModelFormatError(f"{file}: tensor {key!r} is stored as {dtype}; kvgen loads weights stored as "
+                               f"{', '.join(_FLOAT_DTYPES)} (and gpt-oss's MXFP4 blocks and scales as U8)")
 
 
 def _open(file: Path) -> Any:
