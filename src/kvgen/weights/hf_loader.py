@@ -93,11 +93,12 @@ def load_hf_directory(
     if not root.is_dir():
         raise ModelFormatError(f"{root} is not a directory (expected an HF checkpoint directory with config.json)")
     cfg = _read_json(root / "config.json", "config.json")
-    files = weight_files(root)
-    layers = "n_layer" if cfg.get("model_type") == "gpt2" else "num_hidden_layers"
-    check_layer_count(f"config.json {layers}", cfg.get(layers), _checkpoint_keys(files), str(root))
+    files = weight_files(root) if _has_weights(root) else None  # else config.json's errors come first
+    if files is not None:
+        layers = "n_layer" if cfg.get("model_type") == "gpt2" else "num_hidden_layers"
+        check_layer_count(f"config.json {layers}", cfg.get(layers), _checkpoint_keys(files), str(root))
     config = ModelConfig.from_hf_dict(cfg)
-    entries, ignored = _plan(files, config)
+    entries, ignored = _plan(weight_files(root) if files is None else files, config)
     check_mxfp4_pairs([e.name for e in entries])
     actual: dict[str, tuple[int, ...]] = {}
     for e, shape in entries.items():  # a gpt-oss expert stack: as the per-expert parameters it becomes
@@ -151,6 +152,10 @@ def weight_files(root: Path) -> dict[Path, list[str] | None]:
             "Convert with model.save_pretrained(dir, safe_serialization=True)"
         )
     raise ModelFormatError(f"{root} has no weights: expected {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def _has_weights(root: Path) -> bool:
+    return (root / SINGLE_FILE).is_file() or (root / INDEX_FILE).is_file()
 
 
 def _shard_name(root: Path, key: str, shard: Any) -> str:
