@@ -326,7 +326,7 @@ def test_settings_the_model_refuses_are_one_line_and_exit_2(capsys, tiny_model_d
     ({"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
       "rope_scaling": "x"}, "rope_scaling must be an object (or null), got 'x'"),
     ({"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
-      "eos_token_id": "x"}, "eos_token_id must be a token id or a list of them, got 'x'"),
+      "eos_token_id": "x"}, "eos_token_id must be a token id or a list of them (ints >= 0), got 'x'"),
 ])
 def test_a_config_json_missing_or_mistyping_fields_exits_2(capsys, tmp_path, config, message):
     (tmp_path / "config.json").write_text(json.dumps(config))

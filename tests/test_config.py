@@ -4,6 +4,7 @@ NoPE layers."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -184,3 +185,73 @@ def test_gemma3_config_json_reads_as_transformers_does(tmp_path):
         ModelConfig.from_hf_dict(saved | {"layer_types": ["sliding_attention"] * 6})
     with pytest.raises(UnsupportedArchitectureError, match="'gemma3' is not supported"):
         ModelConfig.from_hf_dict(saved | {"model_type": "gemma3"})  # Gemma3ForConditionalGeneration (multimodal)
+
+
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+              "max_position_embeddings": 256, "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2}
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 128}
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"hidden_size": None}, "hidden_size must be an integer, got None"),
+    ({"num_attention_heads": None}, "num_attention_heads must be an integer, got None"),
+    ({"max_position_embeddings": None}, "max_position_embeddings must be an integer, got None"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
+    ({"attention_bias": 1}, "attention_bias must be true or false, got 1"),
+    ({"rope_theta": 0}, "rope_theta must be a positive number, got 0"),
+    ({"rope_theta": -10000.0}, "rope_theta must be a positive number, got -10000.0"),
+    ({"rope_theta": math.nan}, "rope_theta must be a positive number, got nan"),
+    ({"rope_theta": math.inf}, "rope_theta must be a positive number, got inf"),
+    ({"rms_norm_eps": -1}, "rms_norm_eps must be a number >= 0, got -1"),
+    ({"rms_norm_eps": math.nan}, "rms_norm_eps must be a number >= 0, got nan"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "linear rope_scaling lacks 'factor'"),
+    ({"rope_scaling": {"type": "linear", "factor": 0}}, "linear rope_scaling factor must be a positive number, got 0"),
+    ({"rope_scaling": {"type": "linear", "factor": "2"}}, "linear rope_scaling factor must be a positive number, got '2'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8}}, "llama3 rope_scaling lacks 'original_max_position_emb"),
+    ({"rope_scaling": LLAMA3_SCALING | {"low_freq_factor": 0}}, "llama3 rope_scaling low_freq_factor must be a positive"),
+    ({"rope_scaling": LLAMA3_SCALING | {"high_freq_factor": 1.0}},
+     "llama3 rope_scaling low_freq_factor must be below high_freq_factor, got 1.0 and 1.0"),
+    ({"rope_scaling": dict.fromkeys(LLAMA3_SCALING, 0) | {"rope_type": "llama3"}},
+     "llama3 rope_scaling factor must be a positive number, got 0"),
+    ({"model_type": "mistral", "sliding_window": "x"}, "sliding_window must be a positive integer, got 'x'"),
+    ({"model_type": "mistral", "sliding_window": 0}, "sliding_window must be a positive integer, got 0"),
+    ({"model_type": "smollm3", "no_rope_layer_interval": 0}, "no_rope_layer_interval must be a positive integer, got 0"),
+    ({"model_type": "smollm3", "no_rope_layer_interval": "4"}, "no_rope_layer_interval must be a positive integer, got"),
+])
+def test_config_json_values_of_the_wrong_type_or_range_are_named(changes: dict, message: str) -> None:
+    """Each of these escaped as TypeError, KeyError or ZeroDivisionError, or loaded and gave NaN logits."""
+    with pytest.raises(ModelFormatError, match=re.escape(message)):
+        ModelConfig.from_hf_dict(TINY_LLAMA | changes)
+
+
+@pytest.mark.parametrize("changes", [{}, {"rope_scaling": LLAMA3_SCALING}, {"rms_norm_eps": 0.0},
+                                     {"rope_scaling": {"type": "linear", "factor": 2}},
+                                     {"model_type": "mistral", "sliding_window": None},
+                                     {"model_type": "mistral", "sliding_window": 128}])
+def test_valid_config_json_values_still_load(changes: dict) -> None:
+    config = ModelConfig.from_hf_dict(TINY_LLAMA | changes)
+    assert config.max_position_embeddings == (128 if changes.get("sliding_window") else 256)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"eos_token_id": "2"}, "eos_token_id must be a token id or a list of them (ints >= 0), got '2'"),
+    ({"eos_token_id": -1}, "eos_token_id must be a token id or a list of them (ints >= 0), got -1"),
+    ({"eos_token_id": [2, "3"]}, "eos_token_id must be a token id or a list of them (ints >= 0), got [2, '3']"),
+    ({"bos_token_id": -1}, "bos_token_id must be a token id or a list of them (ints >= 0), got -1"),
+    ({"pad_token_id": 10**6}, "pad_token_id must be in [0, 128), got 1000000"),
+    ({"pad_token_id": -1}, "pad_token_id must be a token id or a list of them (ints >= 0), got -1"),
+    ({"model_type": "mixtral", "num_local_experts": 0}, "mixtral num_local_experts must be a positive integer, got 0"),
+    ({"model_type": "qwen3_moe", "num_experts": 0}, "qwen3_moe num_experts must be a positive integer, got 0"),
+])
+def test_config_json_token_ids_and_expert_counts_are_checked(changes: dict, message: str) -> None:
+    """eos "2" was read as the ids of its characters; num_local_experts 0 loaded a Mixtral as a dense model."""
+    with pytest.raises(ModelFormatError, match=re.escape(message)):
+        ModelConfig.from_hf_dict(TINY_LLAMA | changes)
+
+
+def test_gpt2_configs_keep_their_default_ids_beyond_a_small_vocabulary() -> None:
+    config = ModelConfig.from_hf_dict({"model_type": "gpt2", "vocab_size": 128, "n_embd": 64, "n_layer": 2,
+                                       "n_head": 4, "bos_token_id": 50256, "eos_token_id": 50256})
+    assert config.eos_token_ids == [50256]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +21,7 @@ from transformers import BertTokenizer, GPT2LMHeadModel
 
 import kvgen
 import kvgen.loader
-from kvgen.errors import ModelNotFoundError
+from kvgen.errors import ModelFormatError, ModelNotFoundError
 from kvgen.generation import GenerationConfig
 from kvgen.loader import load_model
 
@@ -179,3 +181,62 @@ def test_trims_wait_for_16_mib_of_freed_bytes(monkeypatch: pytest.MonkeyPatch) -
     assert heap.return_freed_memory(2 << 20)  # 17 MiB: trimmed, the count starts again
     assert not heap.return_freed_memory(1 << 20)
     assert heap.return_freed_memory()
+
+
+# --- model paths that are not a file or a directory -------------------------------------------------------------------
+
+
+def _load_in_thread(path: Path, seconds: float = 20.0) -> BaseException | None:
+    """load_model(path) in a daemon thread: the error it raised (None if it loaded); fails if it is still running
+    after ``seconds`` (a FIFO blocks in open() until a writer comes, which one then does to end the thread)."""
+    outcome: list[BaseException | None] = []
+
+    def load() -> None:
+        try:
+            load_model(path)
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 -- handed to the test
+            outcome.append(e)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # a writer: the blocked open() returns
+        pytest.fail(f"load_model({path}) was still running after {seconds} s")
+    return outcome[0]
+
+
+def test_a_fifo_is_refused_without_opening_it(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "m.gguf")
+    error = _load_in_thread(tmp_path / "m.gguf")
+    assert isinstance(error, ModelFormatError), error
+    assert str(tmp_path / "m.gguf") in str(error) and "neither a regular file nor a directory" in str(error)
+
+
+def test_a_unix_socket_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "s.gguf"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))
+        with pytest.raises(ModelFormatError, match="neither a regular file nor a directory") as info:
+            load_model(path)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda d: d / ("a" * 300 + ".gguf"), "cannot be read: File name too long"),
+    (lambda d: d / "/".join(["b" * 200] * 30), "cannot be read: File name too long"),
+    (lambda d: (d / "loop").symlink_to(d / "loop") or d / "loop", "is a symlink loop"),
+], ids=["name-too-long", "path-too-long", "symlink-loop"])
+def test_paths_the_os_cannot_look_up_are_named(tmp_path: Path, make, message: str) -> None:
+    path = make(tmp_path)
+    with pytest.raises(ModelFormatError, match=message) as info:
+        kvgen.loader.resolve_model_path(path)
+    assert str(path) in str(info.value)
+
+
+def test_a_missing_path_is_still_not_found(tmp_path: Path) -> None:
+    (tmp_path / "dangling").symlink_to(tmp_path / "absent")
+    for path in (tmp_path / "absent.gguf", tmp_path / "dangling", tmp_path / "absent" / "x.gguf"):
+        with pytest.raises(ModelNotFoundError, match="model not found"):
+            kvgen.loader.resolve_model_path(path)

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
 from kvgen.gemma_config import gemma2_gguf_changes, gemma3_gguf_changes, gemma3_kwargs
+from kvgen.gguf_keys import check_gguf_value_types
 from kvgen.llama_config import (
     gguf_partial_rotary_factor,
     granite_gguf_fields,
@@ -29,7 +30,7 @@ from kvgen.moe_config import (
     hf_gpt_oss_kwargs,
     hf_moe_fields,
 )
-from kvgen.rope_scaling import gguf_rope_scaling, yarn_scaling
+from kvgen.rope_scaling import gguf_rope_scaling, positive_scaling_value, yarn_scaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "gpt2", "gemma3_text", "gemma2", "gpt_oss")
 
@@ -99,6 +100,14 @@ def checked_token_ids(name: str, value: Any, single: bool = False, allow_empty: 
                 else "a token id or a non-empty list of them (ints >= 0)")
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return list(ids)
+
+
+def check_token_id_range(name: str, ids: list[int], vocab_size: int) -> None:
+    """``ModelFormatError`` naming ``name`` for an id outside ``[0, vocab_size)`` (a GGUF file's special ids, a
+    config.json's bos / eos / pad)."""
+    for i in ids:
+        if not 0 <= i < vocab_size:
+            raise ModelFormatError(f"{name} must be in [0, {vocab_size}), got {i}")
 
 
 def token_id_list(value: Any) -> list[int]:
@@ -185,6 +194,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self._check_number_types()
+        self._check_positive_floats()
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedArchitectureError(
                 f"model_type {self.model_type!r} is not supported; kvgen supports {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -192,11 +202,6 @@ class ModelConfig:
         if self.model_type == "llama" and self.hidden_act not in ("silu", "swish"):  # its MLP is SwiGLU
             raise UnsupportedArchitectureError(f"hidden_act {self.hidden_act!r} is not supported by the Llama-family "
                                                "decoder (SwiGLU: silu only)")
-        try:
-            token_id_list(self.eos_token_id)
-        except (TypeError, ValueError):
-            raise ModelFormatError(f"eos_token_id must be a token id or a list of them, got {self.eos_token_id!r}"
-                                   ) from None
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -208,6 +213,7 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
             if getattr(self, name) <= 0:
                 raise ModelFormatError(f"{name} must be positive, got {getattr(self, name)}")
+        self._check_token_ids()
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ModelFormatError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -299,6 +305,15 @@ class ModelConfig:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind not in _ROPE_TYPES:
             raise UnsupportedArchitectureError(f"rope_scaling type {kind!r} is not supported")
+        if kind == "linear":
+            positive_scaling_value(scaling, "factor", kind)
+        if kind == "llama3":  # transformers' _validate_llama3_parameters
+            for key in ("factor", "original_max_position_embeddings"):
+                positive_scaling_value(scaling, key, kind)
+            low, high = (positive_scaling_value(scaling, k, kind) for k in ("low_freq_factor", "high_freq_factor"))
+            if low >= high:
+                raise ModelFormatError(f"llama3 rope_scaling low_freq_factor must be below high_freq_factor, got "
+                                       f"{low} and {high}")
         if kind == "yarn":  # completed to kvgen's form (kvgen.rope_scaling); its cos/sin scale is Llama's to apply
             if self.model_type not in ("llama", "gpt_oss"):
                 raise UnsupportedArchitectureError(f"{self.model_type} with a yarn rope_scaling is not supported")
@@ -316,13 +331,47 @@ class ModelConfig:
         self.max_position_embeddings = min(self.max_position_embeddings, int(scaling["original_max_position_embeddings"]))
 
     def _check_number_types(self) -> None:
-        """Raise ``ModelFormatError`` for a count that is no integer or a float field that is no number (a config.json
-        value such as ``"hidden_size": "big"``); None stays for the optional ones."""
+        """Raise ``ModelFormatError`` for a count that is no integer, a float field that is no number (a config.json
+        value such as ``"hidden_size": "big"``) or a flag that is no boolean (``"tie_word_embeddings": "false"``);
+        None stays for the fields whose default is None."""
         for f in fields(self):
             value, wanted = getattr(self, f.name), _NUMBER_TYPES.get(str(f.type))
-            if value is not None and wanted is not None and (isinstance(value, bool) or not isinstance(value, wanted)):
+            if str(f.type) == "bool" and not isinstance(value, bool):
+                raise ModelFormatError(f"{f.name} must be true or false, got {value!r}")
+            if wanted is None or (value is None and f.default is None):
+                continue
+            if isinstance(value, bool) or not isinstance(value, wanted):
                 raise ModelFormatError(f"{f.name} must be {'an integer' if wanted is numbers.Integral else 'a number'}"
                                        f", got {value!r}")
+
+    def _check_token_ids(self) -> None:
+        """ModelFormatError for a bos / pad id that is no int, an eos that is no int or list of ints, a negative id,
+        or a pad id outside [0, vocab_size) (padding feeds it to the embedding), as
+        :func:`kvgen.tokenizer.gguf_vocab.gguf_special_ids` refuses a GGUF file's. bos / eos ids past vocab_size stay:
+        transformers' GPT2Config writes 50256 whatever the vocab_size, and they are only compared with the output."""
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if name != "eos_token_id" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ModelFormatError(f"{name} must be a token id (an int), got {value!r}")
+            try:
+                ids = checked_token_ids(name, value, single=True, allow_empty=True)
+            except ValueError as e:
+                raise ModelFormatError(str(e)) from None
+            if name == "pad_token_id":
+                check_token_id_range(name, ids, self.vocab_size)
+
+    def _check_positive_floats(self) -> None:
+        """ModelFormatError for a RoPE base that is not finite and positive, or a norm epsilon that is not finite and
+        >= 0: each gave NaN logits."""
+        for name in ("rope_theta", "rope_local_base_freq"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ModelFormatError(f"{name} must be a positive number, got {value}")
+        for name in ("rms_norm_eps", "layer_norm_epsilon"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ModelFormatError(f"{name} must be a number >= 0, got {getattr(self, name)}")
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -393,7 +442,7 @@ class ModelConfig:
         ``ernie4_5``,
         ``qwen2moe``, ``qwen3moe``, ``gemma3``, ``gemma2``, ``gpt-oss``, ``gpt2`` (llama.cpp's GPT2Model keys) (see :func:`kvgen.gemma_config.gemma3_gguf_changes`,
         :func:`kvgen.gemma_config.gemma2_gguf_changes`, :func:`kvgen.moe_config.gguf_moe_fields`, :func:`~kvgen.moe_config.gguf_gpt_oss_changes`) and ``ModelFormatError`` for missing keys or bad
-        values.
+        values (:func:`kvgen.gguf_keys.check_gguf_value_types`: a value of the wrong type, naming its key).
         A Llama-family file's ``rope.scaling`` keys (linear, YaRN) are read by
         :func:`kvgen.rope_scaling.gguf_rope_scaling`; rope scaling stored as tensors (``rope_freqs``,
         ``rope_factors_*``) is the loader's to add.
@@ -412,7 +461,10 @@ class ModelConfig:
                 raise ModelFormatError(f"GGUF metadata lacks required key {full!r}")
             return meta[full]
 
+        check_gguf_value_types(meta)
         num_heads = int(need("attention.head_count"))
+        if num_heads <= 0:  # divides the hidden size below
+            raise ModelFormatError(f"{arch}.attention.head_count must be positive, got {num_heads}")
         hidden = int(need("embedding_length"))
         vocab = meta.get(f"{arch}.vocab_size")
         if vocab is None:

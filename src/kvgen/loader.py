@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,15 +28,26 @@ AUTO = "auto"
 def resolve_model_path(path_or_name: str | os.PathLike[str] = "default") -> Path:
     """The file or directory behind ``path_or_name``; ``"default"`` is SmolLM2-135M-Instruct's GGUF.
 
-    Raises ``ModelNotFoundError`` when nothing is there.
+    Raises ``ModelNotFoundError`` when nothing is there, ``ModelFormatError`` for a path that is neither a
+    regular file nor a directory (a FIFO, a socket, a device: opening one could block forever), a symlink loop or
+    one the OS refuses to look up (a name too long).
     """
     if str(path_or_name) == "default":
         from kvgen.default_model import find_default_gguf
 
         return find_default_gguf()
     path = Path(path_or_name).expanduser()
-    if not path.exists():
-        raise ModelNotFoundError(f"model not found: {path} (pass a .gguf file, a Hugging Face directory or 'default')")
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise ModelNotFoundError(f"model not found: {path} (pass a .gguf file, a Hugging Face directory or "
+                                     f"'default')") from None
+        what = "is a symlink loop" if e.errno == errno.ELOOP else f"cannot be read: {e.strerror or e}"
+        raise ModelFormatError(f"model path {path} {what}") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise ModelFormatError(f"model path {path} is neither a regular file nor a directory (a FIFO, socket or "
+                               f"device)")
     return path
 
 
@@ -124,8 +137,11 @@ def _load_model(path_or_name: str | os.PathLike[str], dtype: torch.dtype | str |
         tokenizer = Tokenizer.from_pretrained(path)
         generation_defaults = read_generation_defaults(path / "generation_config.json")
     else:
-        with open(path, "rb") as f:
-            magic = f.read(4)
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            raise ModelFormatError(f"cannot read model file {path}: {e.strerror or e}") from None
         if magic != b"GGUF":
             raise ModelFormatError(
                 f"{path} is neither a GGUF file nor a Hugging Face directory (first bytes {magic!r})"

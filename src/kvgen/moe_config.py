@@ -24,6 +24,9 @@ def hf_moe_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     transformers 4.55 ``Qwen3MoeConfig``, ``Qwen2MoeConfig``, ``MixtralConfig`` and their sparse MoE blocks."""
     if model_type not in HF_MOE_TYPES:
         return {}
+    key = "num_local_experts" if model_type == "mixtral" else "num_experts"
+    if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < 1:  # 0 loaded a dense model
+        raise ModelFormatError(f"{model_type} {key} must be a positive integer, got {cfg[key]!r}")
     if model_type == "mixtral":
         return {"num_experts": cfg["num_local_experts"], "num_experts_per_tok": cfg["num_experts_per_tok"],
                 "moe_intermediate_size": cfg["intermediate_size"], "norm_topk_prob": True}

@@ -81,9 +81,17 @@ def check_yarn_scaling(scaling: dict[str, Any]) -> dict[str, Any]:
 
 
 def _positive(scaling: dict[str, Any], key: str) -> float:
+    return positive_scaling_value(scaling, key, "yarn")
+
+
+def positive_scaling_value(scaling: dict[str, Any], key: str, kind: str) -> float:
+    """``scaling[key]`` as a float; ``ModelFormatError`` naming the ``kind`` of rope_scaling and the key when it is
+    absent or not a finite positive number (0 or NaN gives inf or NaN frequencies)."""
+    if key not in scaling:
+        raise ModelFormatError(f"{kind} rope_scaling lacks {key!r}")
     value = scaling[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ModelFormatError(f"yarn rope_scaling {key} must be a positive number, got {value!r}")
+        raise ModelFormatError(f"{kind} rope_scaling {key} must be a positive number, got {value!r}")
     return float(value)
 
 

@@ -124,3 +124,19 @@ def test_continue_final_message_and_chat_template_kwargs_match_transformers(trai
     assert not ours.apply_chat_template(messages).startswith("<think>")
     with pytest.raises(ValueError, match="cannot both be true"):
         ours.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
+
+
+@pytest.mark.parametrize("eos", [[[2]], "2", [2, None], -1])
+def test_generation_config_eos_ids_of_the_wrong_type_are_named(trained: BackendTokenizer, tmp_path: Path,
+                                                               eos: object) -> None:
+    """``[[2]]`` escaped as TypeError (unhashable), ``"2"`` was read as the ids of its characters."""
+    directory = save_gpt2_dir(trained, tmp_path, False)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    with pytest.raises(ValueError, match=r"generation_config.json eos_token_id must be a token id or a list of them"):
+        Tokenizer.from_pretrained(directory)
+
+
+def test_generation_config_eos_ids_join_the_tokenizers(trained: BackendTokenizer, tmp_path: Path) -> None:
+    directory = save_gpt2_dir(trained, tmp_path, False)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    assert Tokenizer.from_pretrained(directory).eos_token_ids[-2:] == [5, 7]

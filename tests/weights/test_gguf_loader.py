@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -435,6 +436,55 @@ def test_truncated_default_file(tmp_path: Path, default_gguf_path: Path, where: 
     with pytest.raises(ModelFormatError, match="truncated or corrupt") as info:
         load_gguf(tmp_path / "cut.gguf")
     assert str(tmp_path / "cut.gguf") in str(info.value)
+
+
+@pytest.mark.parametrize("block_count", [0xFFFFFFFF, L + 1])
+def test_a_block_count_beyond_the_file_is_refused_before_building_layers(tmp_path: Path, block_count: int) -> None:
+    """2^32 - 1 blocks hung enumerating the expected shapes of every layer."""
+    _write_llama(tmp_path / "t.gguf", keys=lambda w: w.add_block_count(block_count))
+    with pytest.raises(ModelFormatError, match=rf"llama.block_count must be at most the {L} layers whose tensors "
+                                               rf".*t.gguf holds, got {block_count}"):
+        load_gguf(tmp_path / "t.gguf")
+
+
+def _set_tensor_offset(path: Path, name: str, offset: int) -> None:
+    """Overwrite tensor ``name``'s data offset (relative to the data section) in its tensor info."""
+    reader = open_gguf(path)
+    part = next(t for t in reader.tensors if t.name == name).field.parts[-1]  # uint64[1], a view of the file
+    at = part.__array_interface__["data"][0] - reader.data.__array_interface__["data"][0]
+    del reader, part
+    data = bytearray(path.read_bytes())
+    data[at : at + 8] = offset.to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("offset", [2**64 - 64, 1], ids=["wraps-around", "unaligned"])
+def test_a_bad_tensor_offset_is_refused_naming_the_tensor(tmp_path: Path, offset: int) -> None:
+    """An offset of 2^64 - 64 read bytes before the data section (NaN logits); an unaligned one was read as is."""
+    _write_llama(tmp_path / "t.gguf")
+    _set_tensor_offset(tmp_path / "t.gguf", "blk.1.ffn_up.weight", offset)
+    with pytest.raises(ModelFormatError, match=rf"tensor 'blk.1.ffn_up.weight' has data offset {offset}, which is "
+                                               rf"not a multiple of the alignment 32 or runs past the end"):
+        load_gguf(tmp_path / "t.gguf")
+
+
+def test_expert_count_without_expert_tensors_is_refused(tmp_path: Path) -> None:
+    """llama.expert_count = 4 over a dense file loaded as the dense model."""
+    _write_llama(tmp_path / "t.gguf", keys=lambda w: (w.add_expert_count(4), w.add_expert_used_count(2)))
+    with pytest.raises(ModelFormatError, match=r"announces 4 experts \(llama.expert_count\) but no layer has a router"):
+        load_gguf(tmp_path / "t.gguf")
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("rope.freq_base", 0.0, "rope_theta must be a positive number, got 0.0"),
+    ("rope.freq_base", math.nan, "rope_theta must be a positive number, got nan"),
+    ("attention.layer_norm_rms_epsilon", math.nan, "rms_norm_eps must be a number >= 0, got nan"),
+    ("attention.layer_norm_rms_epsilon", -1.0, "rms_norm_eps must be a number >= 0, got -1.0"),
+])
+def test_values_that_give_nan_logits_are_refused(tmp_path: Path, key: str, value: float, message: str) -> None:
+    _write_llama(tmp_path / "t.gguf", keys=lambda w: w.add_float32(f"llama.{key}", value))
+    with pytest.raises(ModelFormatError, match=re.escape(message)):
+        load_gguf(tmp_path / "t.gguf")
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:

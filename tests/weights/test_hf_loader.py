@@ -274,3 +274,61 @@ def test_only_listed_shards_are_read(tmp_path: Path) -> None:
     save_file({"transformer.h.0.bogus": torch.zeros(1)}, path / "model-99999-of-99999.safetensors")
     _, state = load_hf_directory(path)
     _assert_same(state, _expected(model), torch.float32)
+
+
+def _edit_config(directory: Path, **changes: object) -> None:
+    cfg = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(cfg | changes))
+
+
+@pytest.mark.parametrize(("model_type", "key"), [("gpt2", "n_layer"), ("llama", "num_hidden_layers"),
+                                                 ("smollm3", "num_hidden_layers")])
+def test_a_layer_count_beyond_the_checkpoint_is_refused_before_building_layers(tmp_path: Path, model_type: str,
+                                                                              key: str) -> None:
+    """10^9 layers ran into MemoryError (smollm3: building its per-layer NoPE flags) instead of a clean error."""
+    directory = _save(_tiny_gpt2() if model_type == "gpt2" else _tiny_llama(tied=False), tmp_path / "m", False)
+    _edit_config(directory, **{key: 10**9} | ({"model_type": model_type} if model_type != "gpt2" else {}))
+    with pytest.raises(ModelFormatError, match=rf"config.json {key} must be at most the 2 layers whose tensors "
+                                               rf".* holds, got 1000000000"):
+        load_hf_directory(directory)
+
+
+@pytest.mark.parametrize("shard", [5, None, "", "../outside.safetensors", "OUTSIDE"], ids=["int", "null", "empty",
+                                                                                           "dotdot", "absolute"])
+def test_index_shards_must_be_files_inside_the_directory(tmp_path: Path, shard: object) -> None:
+    """A non-string shard escaped as TypeError; a shard outside the directory (a valid copy of the real one here)
+    was read."""
+    path = _save(_tiny_gpt2(), tmp_path / "gpt2", sharded=True)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    real = path / index["weight_map"]["transformer.wte.weight"]
+    shutil.copy(real, tmp_path / "outside.safetensors")
+    shard = str(tmp_path / "outside.safetensors") if shard == "OUTSIDE" else shard
+    for key, name in index["weight_map"].items():
+        if name == real.name:
+            index["weight_map"][key] = shard
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelFormatError, match=r"weight_map\[.*\] must name a file inside .*gpt2, got ") as info:
+        load_hf_directory(path)
+    assert repr(shard) in str(info.value)
+
+
+def test_a_shard_linked_from_elsewhere_loads(tmp_path: Path) -> None:
+    """The Hugging Face cache's layout: the snapshot's shards are links to blobs outside it."""
+    model = _tiny_gpt2()
+    path = _save(model, tmp_path / "gpt2", sharded=True)
+    (tmp_path / "blobs").mkdir()
+    for shard in path.glob("model-*.safetensors"):
+        shard.rename(tmp_path / "blobs" / shard.name)
+        shard.symlink_to(tmp_path / "blobs" / shard.name)
+    _, state = load_hf_directory(path)
+    _assert_same(state, _expected(model), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.bool, torch.complex64])
+def test_weights_stored_as_non_floats_are_refused(gpt2_dir: Path, dtype: torch.dtype) -> None:
+    """They were cast to float32 and loaded (complex64 with a warning only)."""
+    tensors = load_file(gpt2_dir / "model.safetensors")
+    tensors["transformer.h.0.attn.c_attn.weight"] = torch.ones(tensors["transformer.h.0.attn.c_attn.weight"].shape, dtype=dtype)
+    save_file(tensors, gpt2_dir / "model.safetensors")
+    with pytest.raises(ModelFormatError, match=r"tensor 'transformer.h.0.attn.c_attn.weight' is stored as (I8|I64|BOOL|C64); "):
+        load_hf_directory(gpt2_dir)

@@ -13,6 +13,7 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as BackendTokenizer
 
+from kvgen.config import check_token_id_range
 from kvgen.errors import ModelFormatError
 from kvgen.tokenizer.byte_level import ByteLevelVariant, build_byte_level_bpe
 from kvgen.tokenizer.special_tokens import SpecialTokenIds
@@ -148,8 +149,7 @@ def gguf_special_ids(meta: dict[str, Any], vocab_size: int) -> SpecialTokenIds:
     keys = ("bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id", "padding_token_id", "unknown_token_id")
     ids = {k: meta.get(f"tokenizer.ggml.{k}") for k in keys}
     for key, token_id in ids.items():
-        if token_id is not None and not 0 <= token_id < vocab_size:
-            raise ModelFormatError(f"tokenizer.ggml.{key} must be in [0, {vocab_size}), got {token_id}")
+        check_token_id_range(f"tokenizer.ggml.{key}", [] if token_id is None else [token_id], vocab_size)
     eos = (ids["eos_token_id"], ids["eot_token_id"], ids["eom_token_id"])
     eos_ids = tuple(dict.fromkeys(i for i in eos if i is not None))
     return SpecialTokenIds(ids["bos_token_id"], eos_ids, ids["padding_token_id"], ids["unknown_token_id"])

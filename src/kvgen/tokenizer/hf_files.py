@@ -17,6 +17,7 @@ from typing import Any
 from tokenizers import AddedToken, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
+from kvgen.config import checked_token_ids
 from kvgen.errors import ModelFormatError
 from kvgen.tokenizer.byte_level import ByteLevelVariant, build_byte_level_bpe
 from kvgen.tokenizer.special_tokens import SpecialTokenIds, add_bos_eos
@@ -141,7 +142,9 @@ def _special_ids(directory: Path, config: dict[str, Any], backend: BackendTokeni
     eos = [lookup("eos_token")]
     if (directory / "generation_config.json").is_file():
         extra = read_json(directory / "generation_config.json").get("eos_token_id")
-        eos += extra if isinstance(extra, list) else [extra]
+        if extra is not None:
+            eos += checked_token_ids(f"{directory / 'generation_config.json'} eos_token_id", extra, single=True,
+                                     allow_empty=True)
     eos_ids = tuple(dict.fromkeys(i for i in eos if i is not None))
     return SpecialTokenIds(lookup("bos_token"), eos_ids, lookup("pad_token"), lookup("unk_token"))
 

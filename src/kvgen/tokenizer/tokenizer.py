@@ -18,6 +18,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from kvgen.chat_template import ChatTemplateError, check_messages, compile_chat_template
 from kvgen.errors import ModelFormatError, ModelNotFoundError
+from kvgen.gguf_keys import check_gguf_value_types
 from kvgen.tokenizer.gguf_vocab import gguf_backend, gguf_special_ids
 from kvgen.tokenizer.hf_files import load_hf_tokenizer_files
 from kvgen.tokenizer.special_tokens import SpecialTokenIds, add_bos_eos, check_token_ids, integer_ids
@@ -67,8 +68,10 @@ class Tokenizer:
 
         Reads ``tokenizer.ggml.model`` "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE); adds BOS/EOS only where
         ``tokenizer.ggml.add_bos_token``/``add_eos_token`` say so. Raises ``ModelFormatError``
-        for another tokenizer model or pre-tokenizer, or malformed tokenizer fields.
+        for another tokenizer model or pre-tokenizer, or malformed tokenizer fields (a value of the wrong type:
+        :func:`kvgen.gguf_keys.check_gguf_value_types`).
         """
+        check_gguf_value_types(meta)
         backend = gguf_backend(meta)
         special = gguf_special_ids(meta, backend.get_vocab_size(with_added_tokens=True))
         eos = special.eos_token_ids[0] if special.eos_token_ids else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import struct
+import warnings
 from collections.abc import Sequence
 from typing import Any, overload
 
@@ -167,10 +168,26 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
     if magic != GGUF_MAGIC:
         raise ModelFormatError(f"{path} is not a GGUF file (magic bytes {magic!r}, expected {GGUF_MAGIC!r})")
     try:
-        return FastGGUFReader(path, "r")
+        with warnings.catch_warnings():  # an offset near 2^64 overflows numpy's uint64 sum: _check_offsets names it
+            warnings.simplefilter("ignore", RuntimeWarning)
+            reader = FastGGUFReader(path, "r")
     except Exception as e:  # the gguf package raises ValueError, struct/numpy errors, IndexError...
         size = os.path.getsize(path)
         raise ModelFormatError(f"{path} is truncated or corrupt ({size} bytes): {type(e).__name__}: {e}") from None
+    _check_offsets(reader, path)
+    return reader
+
+
+def _check_offsets(reader: GGUFReader, path: str) -> None:
+    """``ModelFormatError`` naming a tensor whose offset (from the start of the data section) is not a multiple of
+    the alignment or whose data runs past the end of the file, as llama.cpp's ``gguf_init_from_file`` refuses them
+    (the gguf package wraps an offset near 2^64 around to bytes before the data section)."""
+    room = len(reader.data) - reader.data_offset
+    for t in reader.tensors:
+        offset = int(t.field.parts[-1][0])
+        if offset % int(reader.alignment) or offset + int(t.n_bytes) > room:
+            raise ModelFormatError(f"{path}: tensor {t.name!r} has data offset {offset}, which is not a multiple of "
+                                   f"the alignment {reader.alignment} or runs past the end of the file")
 
 
 def _field_value(field: Any) -> Any:

@@ -29,6 +29,7 @@ from kvgen.heap import return_freed_memory
 from kvgen.llama_config import longrope_scaling
 from kvgen.weights.gguf_file import gguf_metadata, open_gguf
 from kvgen.weights.name_maps import (
+    check_layer_count,
     check_state_dict,
     expected_param_shapes,
     gguf_expert_stack_name,
@@ -98,6 +99,8 @@ def load_gguf(
     meta = gguf_metadata(reader)
     reader.fields.clear()  # ~250k numpy views of the vocabulary (~40 MB); `meta` holds the values now
     by_name = {t.name: t for t in reader.tensors}
+    arch = meta.get("general.architecture")
+    check_layer_count(f"{arch}.block_count", meta.get(f"{arch}.block_count"), by_name, path)
     config = ModelConfig.from_gguf_metadata(meta)
     is_gpt2 = config.model_type == "gpt2"  # its output.weight is the embedding's copy: kvgen's GPT-2 ties its head
     config = replace(
@@ -111,6 +114,9 @@ def load_gguf(
     names, stacks = _map_names(reader, path, meta["general.architecture"])
     if config.num_experts:
         config = replace(config, mlp_only_layers=_dense_layers(by_name, config))
+        if len(config.mlp_only_layers) == config.num_hidden_layers:  # it loaded as a dense model
+            raise ModelFormatError(f"{path} announces {config.num_experts} experts ({arch}.expert_count) but no layer "
+                                   f"has a router (blk.N.ffn_gate_inp.weight)")
     if config.num_experts or stacks:
         _check_expert_tensors(by_name, stacks, config, path)
     shapes = expected_param_shapes(config)

@@ -33,6 +33,7 @@ from kvgen.weights.gpt_oss import (
     split_expert_stacks,
 )
 from kvgen.weights.name_maps import (
+    check_layer_count,
     check_state_dict,
     expected_param_shapes,
     hf_needs_transpose,
@@ -42,7 +43,8 @@ from kvgen.weights.name_maps import (
 )
 from kvgen.weights.quantized import GGUFBlocks, is_quantizable, quantize_matrix
 
-_16BIT = ("F16", "BF16")  # safetensors dtypes the 16-bit kernels run as stored
+_16BIT = ("F16", "BF16")
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors dtypes of weights (others are refused)  # safetensors dtypes the 16-bit kernels run as stored
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -90,8 +92,13 @@ def load_hf_directory(
         raise ModelNotFoundError(f"model directory not found: {root}")
     if not root.is_dir():
         raise ModelFormatError(f"{root} is not a directory (expected an HF checkpoint directory with config.json)")
-    config = ModelConfig.from_hf_dict(_read_json(root / "config.json", "config.json"))
-    entries, ignored = _plan(root, config)
+    cfg = _read_json(root / "config.json", "config.json")
+    files = weight_files(root) if _has_weights(root) else None  # else config.json's errors come first
+    if files is not None:
+        layers = "n_layer" if cfg.get("model_type") == "gpt2" else "num_hidden_layers"
+        check_layer_count(f"config.json {layers}", cfg.get(layers), _checkpoint_keys(files), str(root))
+    config = ModelConfig.from_hf_dict(cfg)
+    entries, ignored = _plan(weight_files(root) if files is None else files, config)
     check_mxfp4_pairs([e.name for e in entries])
     actual: dict[str, tuple[int, ...]] = {}
     for e, shape in entries.items():  # a gpt-oss expert stack: as the per-expert parameters it becomes
@@ -120,8 +127,9 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     return read_json(path)
 
 
-def _weight_files(root: Path) -> dict[Path, list[str] | None]:
-    """Safetensors file -> the keys to read from it (None: all of them)."""
+def weight_files(root: Path) -> dict[Path, list[str] | None]:
+    """Safetensors file -> the keys to read from it (None: all of them): ``model.safetensors``, else the shards of
+    ``model.safetensors.index.json``. Raises ``ModelFormatError`` for a bad index or no weights."""
     if (root / SINGLE_FILE).is_file():
         return {root / SINGLE_FILE: None}
     if (root / INDEX_FILE).is_file():
@@ -130,7 +138,7 @@ def _weight_files(root: Path) -> dict[Path, list[str] | None]:
             raise ModelFormatError(f"{root / INDEX_FILE} has no 'weight_map'")
         files: dict[Path, list[str] | None] = {}
         for key, shard in weight_map.items():
-            keys = files.setdefault(root / shard, [])
+            keys = files.setdefault(root / _shard_name(root, key, shard), [])
             assert keys is not None
             keys.append(key)
         absent = [str(f) for f in files if not f.is_file()]
@@ -146,12 +154,36 @@ def _weight_files(root: Path) -> dict[Path, list[str] | None]:
     raise ModelFormatError(f"{root} has no weights: expected {SINGLE_FILE} or {INDEX_FILE}")
 
 
-def _plan(root: Path, config: ModelConfig) -> tuple[dict[_Entry, tuple[int, ...]], list[str]]:
+def _has_weights(root: Path) -> bool:
+    return (root / SINGLE_FILE).is_file() or (root / INDEX_FILE).is_file()
+
+
+def _shard_name(root: Path, key: str, shard: Any) -> str:
+    """``shard``, the index's file for tensor ``key``: ``ModelFormatError`` unless it is a path inside ``root``
+    (relative, without ``..``: a link inside the directory may lead elsewhere, as in the Hugging Face cache)."""
+    if not isinstance(shard, str) or not shard or Path(shard).is_absolute() or ".." in Path(shard).parts:
+        raise ModelFormatError(f"{root / INDEX_FILE}: weight_map[{key!r}] must name a file inside {root}, "
+                               f"got {shard!r}")
+    return shard
+
+
+def _checkpoint_keys(files: dict[Path, list[str] | None]) -> list[str]:
+    """Every key of :func:`weight_files`' files (reads the headers of those that list none)."""
+    keys: list[str] = []
+    for file, listed in files.items():
+        if listed is None:
+            with _open(file) as f:
+                listed = list(f.keys())
+        keys += listed
+    return keys
+
+
+def _plan(files: dict[Path, list[str] | None], config: ModelConfig) -> tuple[dict[_Entry, tuple[int, ...]], list[str]]:
     """Every tensor to load with its final shape, and the checkpoint keys ignored. Reads headers only."""
     entries: dict[_Entry, tuple[int, ...]] = {}
     ignored: list[str] = []
     seen: dict[str, Path] = {}
-    for file, keys in _weight_files(root).items():
+    for file, keys in files.items():
         with _open(file) as f:
             available = set(f.keys())
             if keys is None:
@@ -169,9 +201,18 @@ def _plan(root: Path, config: ModelConfig) -> tuple[dict[_Entry, tuple[int, ...]
                 seen[name] = file
                 transpose = hf_needs_transpose(name, config)
                 tensor = f.get_slice(key)
+                _check_dtype(file, key, name, tensor.get_dtype())
                 shape = tuple(tensor.get_shape())
                 entries[_Entry(file, key, name, transpose, tensor.get_dtype())] = shape[::-1] if transpose else shape
     return entries, ignored
+
+
+def _check_dtype(file: Path, key: str, name: str, dtype: str) -> None:
+    """``ModelFormatError`` naming a tensor stored as anything but a float (integers, bools and complex numbers were
+    cast to float without a word), except gpt-oss's MXFP4 ``*_blocks`` / ``*_scales``, which are uint8."""
+    if dtype not in _FLOAT_DTYPES and not (dtype == "U8" and name.endswith(("_blocks", "_scales"))):
+        raise ModelFormatError(f"{file}: tensor {key!r} is stored as {dtype}; kvgen loads weights stored as "
+                               f"{', '.join(_FLOAT_DTYPES)} (and gpt-oss's MXFP4 blocks and scales as U8)")
 
 
 def _open(file: Path) -> Any:

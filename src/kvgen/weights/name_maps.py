@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
@@ -165,6 +166,21 @@ def expected_param_shapes(config: ModelConfig) -> Shapes:
     if fn is None:
         raise UnsupportedArchitectureError(f"no parameter layout for model_type {config.model_type!r}")
     return fn(config)
+
+
+# a layer's index in a checkpoint or GGUF tensor name: model.layers.N., transformer.h.N., blk.N.
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blk)\.(\d+)\.")
+
+
+def check_layer_count(field: str, value: Any, tensor_names: Iterable[str], where: str) -> None:
+    """``ModelFormatError`` when ``value``, the layer count that ``field`` declares, exceeds the layers whose tensors
+    ``tensor_names`` hold (``blk.N.``, ``layers.N.``, ``h.N.``): run before anything is built per layer, where a
+    count of 2^32 would take every byte of memory. A value that is no integer is left to ModelConfig's checks."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return
+    present = 1 + max((int(m.group(1)) for name in tensor_names if (m := _LAYER_INDEX.search(name))), default=-1)
+    if value > present:
+        raise ModelFormatError(f"{field} must be at most the {present} layers whose tensors {where} holds, got {value}")
 
 
 def check_state_dict(
