@@ -43,8 +43,8 @@ from kvgen.weights.name_maps import (
 )
 from kvgen.weights.quantized import GGUFBlocks, is_quantizable, quantize_matrix
 
-_16BIT = ("F16", "BF16")
-_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors dtypes of weights (others are refused)  # safetensors dtypes the 16-bit kernels run as stored
+_16BIT = ("F16", "BF16")  # safetensors dtypes the 16-bit kernels run as stored
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors dtypes of weights (others are refused)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
