@@ -35,8 +35,9 @@ def _hf(tiny: TinyModel, ids: torch.Tensor, seed: int | None = None, **kwargs: A
     with torch.inference_mode(), torch.random.fork_rng():
         if seed is not None:
             torch.manual_seed(seed)
-        return tiny.ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, pad_token_id=1,
-                                 return_dict_in_generate=True, output_scores=True, **kwargs)
+        return tiny.ref.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=1,
+                                 return_dict_in_generate=True, output_scores=True,
+                                 **{"max_new_tokens": NEW_TOKENS, **kwargs})
 
 
 def _unused_id(tiny: TinyModel, prompt: torch.Tensor) -> int:
@@ -75,6 +76,18 @@ def test_seeded_sampling_equals_transformers(tiny, prompt):
     assert ours.sequences.tolist() == ref.sequences.tolist()
     other = _ours(tiny, prompt, eos_token_id=[], prompt_lookup_num_tokens=3, seed=12, **kwargs)
     assert other.sequences.tolist() != ours.sequences.tolist()
+
+
+@pytest.mark.parametrize("max_new_tokens", [5, 7])
+def test_seeded_sampling_near_the_length_limit_equals_transformers(tiny, prompt, max_new_tokens):
+    """transformers drafts k tokens even when fewer fit: its one draw over k + 1 rows sets how many random numbers
+    each step takes, so a draft cut to the room left changed every later token."""
+    kwargs = {"do_sample": True, "temperature": 0.3, "top_k": 0, "prompt_lookup_num_tokens": 5,
+              "max_new_tokens": max_new_tokens}
+    eos = _unused_id(tiny, prompt)
+    for seed in range(12):
+        ref = _hf(tiny, prompt, seed=seed, eos_token_id=eos, **kwargs)
+        assert _ours(tiny, prompt, eos_token_id=eos, seed=seed, **kwargs).sequences.tolist() == ref.sequences.tolist()
 
 
 def test_eos_and_max_new_tokens_stop_where_greedy_search_stops(tiny, prompt):

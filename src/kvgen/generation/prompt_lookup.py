@@ -31,7 +31,10 @@ class NgramDrafter:
         self.num_draft, self.is_adaptive, self.eos = self.limit, not cfg.do_sample, cfg.eos_token_ids
 
     def draft(self, sequences: torch.Tensor, max_tokens: int) -> tuple[list[int], None]:
-        return find_draft(sequences[0].tolist(), self.max_ngram, min(self.num_draft, max_tokens), self.eos), None
+        # Sampling drafts its k tokens even past the room left, as transformers (whose one draw over the k + 1 rows
+        # decides how many random numbers later steps see); the loop stops at the limit all the same.
+        num_draft = min(self.num_draft, max_tokens) if self.is_adaptive or max_tokens <= 0 else self.num_draft
+        return find_draft(sequences[0].tolist(), self.max_ngram, num_draft, self.eos), None
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         if self.is_adaptive:  # HF's "heuristic" schedule (sampling keeps HF's fixed length)
