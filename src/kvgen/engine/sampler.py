@@ -7,7 +7,8 @@ logprobs of the RAW logits (vLLM's default ``raw_logprobs``) -> the structured-o
 -> presence / frequency penalties (output) -> argmax for greedy rows (temperature 0)
 -> temperature -> min_p -> top_k -> top_p -> one inverse-CDF draw per sampled row from
 that row's ``torch.Generator``, so a seeded request gets the same tokens whatever else
-is in the batch. Every stage is the per-row op of ``kvgen.sampling.ops`` that
+is in the batch (on the kernels, which compute each row alone; a float32 model's batched matmuls can move a logit
+by ~1e-5, which changes a draw only on a near-tie). Every stage is the per-row op of ``kvgen.sampling.ops`` that
 ``generate()`` uses; a stage runs only when some row enables it. A row whose masks (structured outputs,
 allowed_token_ids, bad_words, min_tokens) leave no token with a finite logit gets :data:`NO_TOKEN` instead of a
 draw, and the scheduler ends that request alone.
