@@ -121,6 +121,21 @@ def test_earliest_and_shortest_stop_string_wins(tokenizer) -> None:
     assert outputs[-1].outputs[0].text == "#" and outputs[-1].outputs[0].stop_reason == "#S"
 
 
+def test_min_tokens_holds_back_stop_strings_in_its_text_as_vllm(tokenizer) -> None:
+    """vLLM (PR 22014): the first min_tokens tokens' text is not searched, but a stop string ending later is."""
+    ids = ids_of("hel", "lo", " wor", "ld", "x")
+
+    def run(**params) -> tuple[str, str | int | None, str | None]:
+        outputs = stream(tokenizer, ids, **params)
+        final = outputs[-1].outputs[0]
+        return "".join(o.outputs[0].text for o in outputs), final.stop_reason, final.finish_reason
+
+    assert run(stop="l") == ("he", "l", "stop")
+    assert run(stop="l", min_tokens=2) == ("hello wor", "l", "stop")
+    assert run(stop="l", min_tokens=5) == ("hello world" + "x", None, "length")
+    assert run(stop="lo w", min_tokens=2) == ("hel", "lo w", "stop")  # begins in the held text, ends after it
+
+
 def test_stop_token_text_is_dropped_unless_included(tokenizer) -> None:
     ids = ids_of("hel", "lo") + [EOS]
     outputs = stream(tokenizer, ids, finish_last="stop", skip_special_tokens=False)

@@ -107,6 +107,7 @@ class RequestDetokenizer:
         self._decoder = None if tokenizer is None else IncrementalDetokenizer(tokenizer, prompt_token_ids, skip)
         self._stop = StopStrings(tuple(params.stop), params.include_stop_str_in_output) if params.stop else None
         self._include_stop = params.include_stop_str_in_output
+        self._min_tokens, self._num_tokens = params.min_tokens, 0  # generated ids so far
         self.has_stop_strings = self._stop is not None
         self.text = ""  # decoded so far; final (cut at the stop string) once is_stopped
         self.is_stopped = False
@@ -116,19 +117,24 @@ class RequestDetokenizer:
         """Decode new ids; return the stop string if one now matches (the text is cut there).
 
         ``stop_terminated``: the last id is EOS or a stop token id, left out of the text unless
-        ``include_stop_str_in_output``. ``finished``: no ids follow (decode what is held back).
+        ``include_stop_str_in_output``. ``finished``: no ids follow (decode what is held back). As vLLM (PR
+        22014), the text of the first ``min_tokens`` ids is not searched (but for a stop string that ends later).
         """
         assert not self.is_stopped, "update after a stop string matched"
+        num_before, self._num_tokens = self._num_tokens, self._num_tokens + len(new_token_ids)
         if stop_terminated and not self._include_stop:
             new_token_ids = new_token_ids[:-1]
         if self._decoder is None:
             return None
+        held = new_token_ids[: max(0, self._min_tokens - num_before)]  # within min_tokens: not searched
+        if held:
+            self.text += self._decoder.add(held)
         old_len = len(self.text)
-        if new_token_ids:
-            self.text += self._decoder.add(new_token_ids)
+        if len(new_token_ids) > len(held):
+            self.text += self._decoder.add(new_token_ids[len(held) :])
         if finished or stop_terminated:
             self.text += self._decoder.flush()
-        return self._match_stop(old_len)
+        return None if self._num_tokens <= self._min_tokens else self._match_stop(old_len)
 
     def _match_stop(self, old_len: int) -> str | None:
         match = None if self._stop is None else self._stop.match_new(self.text, old_len)
