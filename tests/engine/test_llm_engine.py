@@ -239,6 +239,8 @@ def test_prompt_logprobs_are_log_softmax_of_each_prompt_position(model_tok):
         outputs += engine.step()
     check(outputs[0].prompt_logprobs)
     assert len(outputs) == 3 and all(o.prompt_logprobs is None for o in outputs[1:])
+    lone = llm.generate({"prompt_token_ids": ids[:1]}, params, use_tqdm=False)[0]
+    assert lone.prompt_logprobs == [None]  # one entry per prompt token, as vLLM (it was [])
     with pytest.raises(ValueError, match=r"prompt_logprobs must be <= max_logprobs \(20\), got 21"):
         engine.add_request("big", prompt_token_ids=ids, sampling_params=SamplingParams(prompt_logprobs=21))
 

@@ -86,14 +86,14 @@ class Request:
             raise ValueError(f"prompt_token_ids must hold ints >= 0, got {ids!r}")
         self.eos_token_ids = tuple(self.eos_token_ids)
         self.all_token_ids = list(ids)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs.append(None)  # the first token has no context (a one-token prompt has only it)
 
     def add_prompt_logprobs(self, start_position: int, logprobs: list[TokenLogprobs]) -> None:
         """Record the logprobs of prompt tokens ``start_position + 1 ..`` (a chunk computed from ``start_position``);
         a chunk recomputed after a preemption adds only the tokens not recorded yet."""
         if not logprobs:
             return
-        if not self.prompt_logprobs:
-            self.prompt_logprobs.append(None)  # the first token has no context
         num_known = len(self.prompt_logprobs) - (start_position + 1)  # this chunk's tokens recorded before
         assert num_known >= 0, f"prompt logprobs of {self.request_id} skip tokens"
         self.prompt_logprobs.extend(logprobs[num_known:])
