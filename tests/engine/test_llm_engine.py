@@ -402,8 +402,10 @@ def test_allowed_token_ids_and_bad_words_on_the_tiny_model(tiny_model_dir):
     assert sequences and banned.token_ids != plain.token_ids
     for ids in sequences:
         assert all(banned.token_ids[i : i + len(ids)] != ids for i in range(len(banned.token_ids)))
-    with pytest.raises(ValueError, match=r"allowed_token_ids must be in \[0, 384\), got 384"):
+    with pytest.raises(ValueError, match=r"allowed_token_ids must be token ids in \[0, 384\), got 384"):
         llm.generate("Hi", SamplingParams(allowed_token_ids=[1, 384]), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"logit_bias keys must be token ids in \[0, 384\), got 10000"):
+        llm.generate("Hi", SamplingParams(logit_bias={1: 2.0, 10000: 5.0}), use_tqdm=False)  # vLLM refuses it too
 
 
 def test_scheduling_policy_priority_runs_the_lowest_priority_first(tiny_model_dir):

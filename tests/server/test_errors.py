@@ -39,6 +39,7 @@ BAD_CHAT = [
     ({"extra_body": {"structured_outputs": {"choice": ["a"]}}, "response_format": {"type": "json_object"}},
      "structured_outputs"),
     ({"extra_body": {"allowed_token_ids": [1, 100000]}}, "allowed_token_ids"),
+    ({"logit_bias": {"100000": 5}}, "logit_bias"),
     ({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
     ({"extra_body": {"bad_words": [" "]}}, "bad_words"),
     ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids[0]"),

@@ -224,8 +224,9 @@ class LLMEngine:
         """Checks that need the engine; fills ``max_tokens`` None with the room left in the context and
         ``bad_words_token_ids`` from ``bad_words``."""
         vocab = self.model.config.vocab_size
-        if params.allowed_token_ids is not None and (bad := [t for t in params.allowed_token_ids if t >= vocab]):
-            raise ValueError(f"allowed_token_ids must be in [0, {vocab}), got {bad[0]}")
+        for what, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias keys", params.logit_bias)):
+            if ids is not None and (bad := [t for t in ids if t >= vocab]):  # vLLM refuses both
+                raise ValueError(f"{what} must be token ids in [0, {vocab}), got {bad[0]}")
         if params.bad_words:
             params = dataclasses.replace(params, bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         if params.best_of is not None and params.best_of > params.n:
