@@ -34,3 +34,32 @@ def test_admission_slots_come_back_when_adding_a_request_fails_unexpectedly(tiny
         return codes
 
     assert asyncio.run(run()) == [500, 500, 500, 200]
+
+
+def test_every_chunk_of_a_stream_has_the_requests_created(tiny_model_dir, monkeypatch):
+    """OpenAI: each chunk of a stream has the same ``created`` timestamp, taken once per request (each chunk took the
+    clock when it was built: with a clock ticking a second per read, every chunk had its own)."""
+    import itertools
+    import json
+    import time
+
+    ticks = itertools.count(1_800_000_000)
+    monkeypatch.setattr(time, "time", lambda: float(next(ticks)))  # every reader of the clock sees it move
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir)))
+    app = build_app(engine, "tiny")
+
+    async def run() -> list[set[int]]:
+        transport = httpx.ASGITransport(app=app)
+        created = []
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvgen") as client:
+            for path, body in (("/v1/completions", {"prompt": "Hello"}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+                body |= {"max_tokens": 6, "n": 2, "stream": True, "ignore_eos": True}
+                text = (await client.post(path, json=body, timeout=60)).text
+                chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+                assert len(chunks) > 4
+                created.append({c["created"] for c in chunks})
+        await engine.shutdown()
+        return created
+
+    assert [len(values) for values in asyncio.run(run())] == [1, 1]

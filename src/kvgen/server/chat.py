@@ -105,7 +105,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
     def response(choices: list[ChoiceResult]) -> ChatCompletionResponse:
         return ChatCompletionResponse(
-            id=gen.request_id, model=state.model_name, usage=usage(len(prompt_ids), choices),
+            id=gen.request_id, created=gen.created, model=state.model_name,
+            usage=usage(len(prompt_ids), choices),
             choices=[_choice(state, req, c, plan) for c in choices],
         )
 
@@ -223,7 +224,8 @@ def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation, num
     deltas = ChatDeltas(state, req, plan)
 
     def chunk(choices: list[ChatCompletionStreamChoice], **fields: Any) -> str:
-        data = ChatCompletionChunk(id=gen.request_id, model=state.model_name, choices=choices, **fields)
+        data = ChatCompletionChunk(id=gen.request_id, created=gen.created, model=state.model_name, choices=choices,
+                                   **fields)
         return sse(chunk_dict(data, include_usage))
 
     def events(_: int, c: CompletionOutput, __: RequestOutput) -> Iterator[str]:

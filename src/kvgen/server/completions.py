@@ -103,7 +103,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
 
     def response(choices: list[ChoiceResult]) -> CompletionResponse:
         return CompletionResponse(
-            id=gen.request_id, model=state.model_name, usage=usage(num_prompt_tokens, choices),
+            id=gen.request_id, created=gen.created, model=state.model_name,
+            usage=usage(num_prompt_tokens, choices),
             choices=[CompletionChoice(index=c.index, finish_reason=openai_finish_reason(c.finish_reason),
                                       **echo.first_piece(c.index // req.n, c.text, c.token_ids, c.logprobs, c.prompt_logprobs))
                      for c in choices],
@@ -156,7 +157,8 @@ def _stream(state: ServerState, req: CompletionRequest, gen: Generation, num_pro
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def chunk(choices: list[CompletionChoice], **fields: Any) -> str:
-        data = CompletionChunk(id=gen.request_id, model=state.model_name, choices=choices, **fields)
+        data = CompletionChunk(id=gen.request_id, created=gen.created, model=state.model_name, choices=choices,
+                               **fields)
         return sse(chunk_dict(data, include_usage))
 
     def events(prompt_index: int, c: CompletionOutput, output: RequestOutput) -> Iterator[str]:

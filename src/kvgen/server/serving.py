@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -171,6 +172,7 @@ class Generation:
 
     def __init__(self, state: ServerState, request_id: str) -> None:
         self.state, self.request_id = state, request_id
+        self.created = int(time.time())  # the response's and every chunk's "created" (OpenAI: the same in a stream)
         self.streams: list[RequestStream] = []
         self.trackers: list[RequestTracker] = []
         self.num_prompts = 0
