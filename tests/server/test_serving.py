@@ -63,3 +63,29 @@ def test_every_chunk_of_a_stream_has_the_requests_created(tiny_model_dir, monkey
         return created
 
     assert [len(values) for values in asyncio.run(run())] == [1, 1]
+
+
+def test_a_streamed_required_tool_call_carries_the_logprobs_of_the_unstreamed_one(tiny_model_dir):
+    """tool_choice "required" holds its text back until it parses; its logprobs came nowhere (0 entries streamed
+    against one per token unstreamed) and now come with the finish chunk."""
+    import json
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir)))
+    app = build_app(engine, "tiny")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "tools": [tool], "tool_choice": "required",
+            "logprobs": True, "top_logprobs": 2, "temperature": 0, "max_tokens": 24}
+
+    async def run() -> tuple[dict, list[dict]]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvgen") as client:
+            whole = (await client.post("/v1/chat/completions", json=body, timeout=60)).json()
+            text = (await client.post("/v1/chat/completions", json=body | {"stream": True}, timeout=60)).text
+        await engine.shutdown()
+        return whole, [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+    whole, chunks = asyncio.run(run())
+    expected = whole["choices"][0]["logprobs"]["content"]
+    assert len(expected) == whole["usage"]["completion_tokens"] > 0
+    streamed = [e for c in chunks for ch in c["choices"] if ch.get("logprobs") for e in ch["logprobs"]["content"]]
+    assert streamed == expected

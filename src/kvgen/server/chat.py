@@ -161,6 +161,7 @@ class ChatDeltas:
     def __init__(self, state: ServerState, req: ChatCompletionRequest, plan: ToolPlan | None) -> None:
         self.state, self.req, self.plan = state, req, plan
         self.pending: dict[int, str] = {}  # "required" / "auto": each choice's text so far
+        self.pending_logprobs: dict[int, tuple[list[int], list]] = {}  # and its token ids and logprobs
         self.num_sent: dict[int, int] = {}  # "auto": characters of it already streamed as content
         self.is_buffered = plan is not None and plan.function is None
         self.parser = TOOL_CALL_PARSERS[plan.parser] if plan is not None and plan.parser is not None else None
@@ -190,6 +191,10 @@ class ChatDeltas:
         req, plan = self.req, self.plan
         if self.is_buffered:
             text = self.pending[c.index] = self.pending.get(c.index, "") + c.text
+            if req.logprobs:  # sent with the finish chunk (the text is held back until then)
+                ids, lps = self.pending_logprobs.setdefault(c.index, ([], []))
+                ids += c.token_ids
+                lps += c.logprobs or []
             sent = self.num_sent.get(c.index, 0)
             ready = self.parser.num_streamable(text) if self.parser is not None else 0
             if c.finish_reason is None and ready > sent:
@@ -214,7 +219,9 @@ class ChatDeltas:
                                   function=FunctionCallDelta(name=call.function.name, arguments=call.function.arguments))
                     for i, call in enumerate(calls)]))
         reason = _finish_reason(c.finish_reason, plan, calls)
-        yield ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason)
+        held = self.pending_logprobs.pop(c.index, None)
+        lp = None if held is None else _logprobs(self.state, req, *held)
+        yield ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(), logprobs=lp, finish_reason=reason)
 
 
 def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation, num_prompt_tokens: int,
