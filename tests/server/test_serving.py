@@ -89,3 +89,22 @@ def test_a_streamed_required_tool_call_carries_the_logprobs_of_the_unstreamed_on
     assert len(expected) == whole["usage"]["completion_tokens"] > 0
     streamed = [e for c in chunks for ch in c["choices"] if ch.get("logprobs") for e in ch["logprobs"]["content"]]
     assert streamed == expected
+
+
+def test_metrics_series_exist_at_zero_before_the_first_request(tiny_model_dir):
+    """As vLLM's: a scraper sees every counter and histogram of the model from the start (they appeared only once a
+    request had touched them, so a before/after difference raised KeyError on a fresh server)."""
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir)))
+    app = build_app(engine, "tiny")
+
+    async def run() -> str:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvgen") as client:
+            text = (await client.get("/metrics")).text
+        await engine.shutdown()
+        return text
+
+    lines = asyncio.run(run()).splitlines()
+    for series in ('kvgen:prompt_tokens_total{model_name="tiny"} 0.0', 'kvgen:generation_tokens_total{model_name="tiny"} 0.0',
+                   'kvgen:request_success_total{finished_reason="stop",model_name="tiny"} 0.0',
+                   'kvgen:e2e_request_latency_seconds_count{model_name="tiny"} 0.0'):
+        assert series in lines

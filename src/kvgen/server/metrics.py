@@ -102,6 +102,11 @@ class ServerMetrics:
                              buckets=ITL_BUCKETS, registry=reg)
         self.e2e = Histogram("kvgen:e2e_request_latency_seconds", "Arrival to last token.", labels,
                              buckets=E2E_BUCKETS, registry=reg)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
+                       self.preemptions, self.ttft, self.itl, self.e2e):
+            metric.labels(model_name)  # every series exists from the start, at 0 (as vLLM's)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name, reason)
         self._num_queries = 0
         self._num_hits = 0
 
