@@ -7,6 +7,7 @@ import json
 import re
 
 import httpx
+import openai
 import pytest
 
 import kvgen
@@ -39,6 +40,21 @@ def test_chat_completion_has_openai_shape_and_usage_from_our_tokenizer(client, t
     if r.choices[0].finish_reason == "length":
         assert r.usage.completion_tokens == GREEDY["max_tokens"]
     assert r.choices[0].message.content  # 12 random tokens are never all special
+
+
+def test_openai_fields_that_change_nothing_here_are_accepted_and_others_refused(client):
+    """store, metadata, service_tier, reasoning_effort, prediction ... are OpenAI's and agent frameworks send them: the
+    same reply as without them (they were 400s); an unknown field is still a 400, as OpenAI's."""
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, **GREEDY)
+    sent = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, store=False, metadata={"k": "v"}, service_tier="auto", prompt_cache_key="c",
+        safety_identifier="u1", reasoning_effort="low", verbosity="low", modalities=["text"],
+        prediction={"type": "content", "content": "x"}, **GREEDY)
+    assert sent.choices[0].message.content == plain.choices[0].message.content
+    for extra, param in (({"modalities": ["audio"]}, "modalities"), ({"extra_body": {"colour": 1}}, "colour")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=MESSAGES, **GREEDY, **extra)
+        assert e.value.param.startswith(param), e.value.body
 
 
 def test_streamed_chat_equals_non_streamed_and_follows_the_chunk_protocol(client):

@@ -207,6 +207,17 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI fields accepted and ignored, as they change nothing a local server returns (clients and agent frameworks
+    # send them); an unknown field is still a 400, as OpenAI's "Unrecognized request argument".
+    store: bool | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prediction: dict[str, Any] | None = Field(default=None, description="predicted output: a speed hint, ignored")
+    modalities: list[Literal["text"]] | None = Field(default=None, description="only text is served")
 
 
 class ChatCompletionMessage(BaseModel):
