@@ -178,8 +178,10 @@ def hf_processors(config: GenerationConfig, prompt_ids: torch.Tensor) -> hf.Logi
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"do_sample": False}, {"num_beams": 4}, {"num_beams": 3, "eos_token_id": None, "min_new_tokens": None, "min_length": 0,
-                                                       "exponential_decay_length_penalty": None}],  # HF fails on it without EOS
-    ids=["sample", "greedy", "beam-sample", "beam-sample-no-eos"],
+                                                       "exponential_decay_length_penalty": None},  # HF fails on it without EOS
+     {"num_beams": 3, "eos_token_id": [], "min_new_tokens": None, "min_length": 0,
+      "exponential_decay_length_penalty": None}],  # [] keeps 1 token, None 2 (transformers' EOS tensor of 0 rows)
+    ids=["sample", "greedy", "beam-sample", "beam-sample-no-eos", "beam-sample-empty-eos"],
 )
 def test_builder_matches_transformers_get_logits_processor(overrides):
     settings = {**EVERYTHING, **overrides}

@@ -562,11 +562,12 @@ WARPERS: frozenset[type] = frozenset(_STAGES[name][0] for name in _WARPERS)
 
 
 def default_min_tokens_to_keep(cfg: object) -> int:
-    """1, or for beam sampling (num_beams > 1) the number of EOS ids + 1 (2 without EOS), as in HF."""
+    """1, or for beam sampling (num_beams > 1) the number of EOS ids + 1 (2 when ``eos_token_id`` is None; 1 for
+    an explicit empty list, whose EOS tensor has 0 rows), as transformers 4.55 ``_get_logits_processor``."""
     if (getattr(cfg, "num_beams", None) or 1) <= 1:
         return 1
-    eos_token_ids = token_id_list(getattr(cfg, "eos_token_id", None))
-    return len(eos_token_ids) + 1 if eos_token_ids else 2
+    eos = getattr(cfg, "eos_token_id", None)
+    return 2 if eos is None else len(token_id_list(eos)) + 1
 
 
 def build_logits_processors(
