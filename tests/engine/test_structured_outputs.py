@@ -30,7 +30,7 @@ def llm(model_tok):
 
 
 def _texts(llm, constraint: StructuredOutputsParams, **params) -> list[tuple[str, str]]:
-    sampling = SamplingParams(max_tokens=200, structured_outputs=constraint, **params)
+    sampling = SamplingParams(structured_outputs=constraint, **{"max_tokens": 200, **params})
     (out,) = llm.generate(["Name three colours:"], sampling, use_tqdm=False)
     return [(c.text, c.finish_reason) for c in out.outputs]
 
@@ -50,6 +50,19 @@ def test_sampled_completions_match_their_constraint(llm, seed):
         assert reason in ("stop", "length")
         if reason == "stop":
             assert isinstance(json.loads(text), dict)
+
+
+def test_an_output_its_last_allowed_token_completes_is_a_stop(llm, model_tok):
+    """A choice completed by exactly the max_tokens-th token is whole: "stop", not "length" (a client reads "length"
+    as truncated); one token short of it is "length"."""
+    _, tok = model_tok
+    word = "green"
+    num_tokens = len(tok.encode(word, add_special_tokens=False))
+    choice = StructuredOutputsParams(choice=[word])
+    assert _texts(llm, choice, temperature=0.0, max_tokens=num_tokens) == [(word, "stop")]
+    if num_tokens > 1:
+        text, reason = _texts(llm, choice, temperature=0.0, max_tokens=num_tokens - 1)[0]
+        assert reason == "length" and word.startswith(text) and text != word
 
 
 def test_a_lark_grammar_and_a_gbnf_grammar(llm):
