@@ -347,7 +347,8 @@ class Scheduler:
         """After a token: the request's finished status (None: it goes on) and whether the token is EOS or a stop
         token id (left out of the text)."""
         status = self._check_stop(request)
-        if status is not RequestStatus.FINISHED_STOPPED and request.grammar is not None and request.grammar.is_terminated:
+        is_complete = request.grammar is not None and request.grammar.is_terminated
+        if is_complete and status is not RequestStatus.FINISHED_STOPPED:
             # a complete structured output, even one its max_tokens-th token completes: "stop", not a truncation
             return RequestStatus.FINISHED_STOPPED, False  # its last token is text
         return status, status is RequestStatus.FINISHED_STOPPED
