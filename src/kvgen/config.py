@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -102,12 +103,13 @@ def checked_token_ids(name: str, value: Any, single: bool = False, allow_empty: 
     return list(ids)
 
 
-def check_token_id_range(name: str, ids: list[int], vocab_size: int) -> None:
-    """``ModelFormatError`` naming ``name`` for an id outside ``[0, vocab_size)`` (a GGUF file's special ids, a
-    config.json's bos / eos / pad)."""
+def check_token_id_range(name: str, ids: Iterable[int], vocab_size: int,
+                         error: type[ValueError] = ModelFormatError) -> None:
+    """``error`` (default ``ModelFormatError``: a GGUF file's special ids, a config.json's bos / eos / pad) naming
+    ``name`` for the first id outside ``[0, vocab_size)``."""
     for i in ids:
         if not 0 <= i < vocab_size:
-            raise ModelFormatError(f"{name} must be in [0, {vocab_size}), got {i}")
+            raise error(f"{name} must be in [0, {vocab_size}), got {i}")
 
 
 def token_id_list(value: Any) -> list[int]:

@@ -80,11 +80,11 @@ def llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]
         if cfg.get("use_sliding_window") and "sliding_attention" in (cfg.get("layer_types") or []):
             raise UnsupportedArchitectureError("smollm3 with sliding-window layers is not supported")
         if cfg.get("no_rope_layers") is None:
-            interval = _positive_int("no_rope_layer_interval", cfg.get("no_rope_layer_interval", 4))
-            changes["no_rope_layers"] = no_rope_every(interval, _positive_int("num_hidden_layers",
+            interval = positive_int("no_rope_layer_interval", cfg.get("no_rope_layer_interval", 4))
+            changes["no_rope_layers"] = no_rope_every(interval, positive_int("num_hidden_layers",
                                                                               cfg["num_hidden_layers"]))
     window = cfg.get("sliding_window") if model_type in ("mistral", "phi3", "mixtral") else None
-    if window is not None and _positive_int("sliding_window", window) < _positive_int(
+    if window is not None and positive_int("sliding_window", window) < positive_int(
             "max_position_embeddings", cfg.get("max_position_embeddings", 2048)):
         changes["max_position_embeddings"] = int(window)
     scaling = cfg.get("rope_scaling") or {}
@@ -98,8 +98,9 @@ def llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]
     return changes
 
 
-def _positive_int(key: str, value: Any) -> int:
-    """``value``, the config.json's ``key``; ``ModelFormatError`` naming the key unless it is a positive integer."""
+def positive_int(key: str, value: Any) -> int:
+    """``value``, the config.json's ``key``; ``ModelFormatError`` naming the key unless it is a positive integer
+    (bools refused)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ModelFormatError(f"{key} must be a positive integer, got {value!r}")
     return value

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
+from kvgen.llama_config import positive_int
 
 HF_MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 # ModelConfig's mixture-of-experts fields: set per model_type by hf_moe_fields, never copied from a config.json as is
@@ -25,8 +26,7 @@ def hf_moe_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if model_type not in HF_MOE_TYPES:
         return {}
     key = "num_local_experts" if model_type == "mixtral" else "num_experts"
-    if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < 1:  # 0 loaded a dense model
-        raise ModelFormatError(f"{model_type} {key} must be a positive integer, got {cfg[key]!r}")
+    positive_int(f"{model_type} {key}", cfg[key])  # 0 loaded a dense model
     if model_type == "mixtral":
         return {"num_experts": cfg["num_local_experts"], "num_experts_per_tok": cfg["num_experts_per_tok"],
                 "moe_intermediate_size": cfg["intermediate_size"], "norm_topk_prob": True}

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import processors
 
+from kvgen.config import check_token_id_range
 from kvgen.errors import ModelFormatError
 
 
@@ -42,9 +43,7 @@ def integer_ids(token_ids: Any) -> list[int]:
 
 def check_token_ids(token_ids: Iterable[int], vocab_size: int) -> None:
     """Raise ``ValueError`` naming the first id outside ``[0, vocab_size)``."""
-    for i in token_ids:
-        if not 0 <= i < vocab_size:
-            raise ValueError(f"token id must be in [0, {vocab_size}), got {i}")
+    check_token_id_range("token id", token_ids, vocab_size, ValueError)
 
 
 def add_bos_eos(backend: BackendTokenizer, bos: int | None, eos: int | None, add_bos: bool, add_eos: bool) -> None:
