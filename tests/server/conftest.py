@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +54,13 @@ class LiveServer:
                 labels = name_labels[len(name):]
                 out[name + (labels if "finished_reason" in labels or "le=" in labels else "")] = float(value)
         return out
+
+    def wait_metric(self, name: str, is_reached: Callable[[float], bool], timeout: float = 30.0) -> None:
+        """Poll :meth:`metrics` until ``is_reached(metrics()[name])``; AssertionError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not is_reached(value := self.metrics()[name]):
+            assert time.monotonic() < deadline, f"{name} is still {value} after {timeout} s"
+            time.sleep(0.05)
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, then wait; returns the exit code."""

@@ -57,14 +57,6 @@ def test_greedy_chat_and_completion_equal_kvgen_generate(default_server, capsys)
     assert r.choices[0].text == expected["text"] and r.usage.completion_tokens == len(expected["token_ids"])
 
 
-def _wait_for_requests_in_server(server, count: int) -> None:
-    """Poll /metrics until the server holds ``count`` requests (30 s at most)."""
-    deadline = time.monotonic() + 30
-    while server.metrics()["kvgen:num_requests_in_server"] < count:
-        assert time.monotonic() < deadline, f"the server never held {count} requests"
-        time.sleep(0.05)
-
-
 def test_sigterm_finishes_short_streams_aborts_long_ones_and_exits_0(default_server):
     """Past --shutdown-timeout the engine aborts what is left: a long stream ends with an "aborted" error event and
     [DONE], a long non-streamed request is a 503 (uvicorn's cancellation gave a traceback each and a plain 500)."""
@@ -80,7 +72,8 @@ def test_sigterm_finishes_short_streams_aborts_long_ones_and_exits_0(default_ser
         http.stream("POST", url, json=long) as r_long,
     ):
         whole = pool.submit(httpx.post, url, json={**long, "stream": False}, timeout=120)
-        _wait_for_requests_in_server(default_server, 2)  # SIGTERM before it connects is a refused connection
+        # SIGTERM before it connects is a refused connection
+        default_server.wait_metric("kvgen:num_requests_in_server", lambda n: n >= 2)
         with http.stream("POST", url, json=short) as r_short:
             lines_short = r_short.iter_lines()
             next(lines_short)

@@ -4,7 +4,6 @@ stderr, exit code 2). SIGTERM is tested on the default model (test_default_model
 from __future__ import annotations
 
 import socket
-import time
 
 import httpx
 import openai
@@ -30,13 +29,6 @@ def _client(server, key: str = KEY) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.v1, api_key=key, max_retries=0, timeout=60)
 
 
-def _wait_metric(server, name: str, value: float, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while server.metrics()[name] != value:
-        assert time.monotonic() < deadline, f"{name} never reached {value}: {server.metrics()[name]}"
-        time.sleep(0.05)
-
-
 def test_api_key_is_required_on_v1_but_not_on_health_metrics_or_page(guarded):
     with pytest.raises(openai.AuthenticationError) as e:
         _client(guarded, "wrong").chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
@@ -57,15 +49,15 @@ def test_full_queue_is_429_and_leaving_clients_free_everything(guarded):
     running = client.chat.completions.create(model="tiny", stream=True, **LONG)
     waiting = client.chat.completions.create(model="tiny", stream=True, **LONG)
     next(iter(running))
-    _wait_metric(guarded, "kvgen:num_requests_in_server", 2)
+    guarded.wait_metric("kvgen:num_requests_in_server", lambda value: value == 2, timeout=20)
     assert guarded.metrics()["kvgen:num_requests_waiting"] == 1
     with pytest.raises(openai.RateLimitError) as e:
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
     assert e.value.status_code == 429 and e.value.type == "rate_limit_error"
     running.close()
     waiting.close()
-    _wait_metric(guarded, "kvgen:num_requests_in_server", 0)
-    _wait_metric(guarded, "kvgen:num_requests_running", 0)
+    guarded.wait_metric("kvgen:num_requests_in_server", lambda value: value == 0, timeout=20)
+    guarded.wait_metric("kvgen:num_requests_running", lambda value: value == 0, timeout=20)
     m = guarded.metrics()
     assert m["kvgen:num_requests_waiting"] == 0 and m["kvgen:kv_cache_usage_perc"] == 0
     assert m['kvgen:request_success_total{finished_reason="abort",model_name="tiny"}'] == before + 2
