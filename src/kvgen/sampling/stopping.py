@@ -135,10 +135,15 @@ class StopStrings:
         if not self.stops or any(not isinstance(s, str) or not s for s in self.stops):
             raise ValueError(f"stop_strings must be a non-empty list of non-empty strings, got {list(self.stops)!r}")
 
+    @property
+    def max_length(self) -> int:
+        """Characters of the longest stop string."""
+        return max(map(len, self.stops))
+
     def match_new(self, text: str, old_len: int) -> tuple[int, str] | None:
         """A match that involves text past ``old_len`` (earlier ones were already found):
         (where the text is cut: before the stop string, or after it when included, the stop string)."""
-        start = max(0, old_len - max(len(s) for s in self.stops) + 1)
+        start = max(0, old_len - self.max_length + 1)
         match = find_stop_string(text[start:], self.stops)
         if match is None:
             return None
@@ -202,7 +207,7 @@ class StopChecker:
             codes = [code_of(FinishReason.STOP) if token in stop_ids else 0 for token in sequences[:, -1].tolist()]
         if self.stop_strings is not None and self.decode is not None and num_new > 0:
             # HF StopStringCriteria reads the prompt too: a stop string may begin there and end in a new token
-            start = max(0, self.prompt_length - max(len(s) for s in self.stop_strings.stops))
+            start = max(0, self.prompt_length - self.stop_strings.max_length)
             rows = sequences[:, start:].tolist()  # N lists: the prompt's last tokens, then the new ids
             hits = self.stop_strings.rows_hit(rows, self.decode)
             codes = [code or (code_of(FinishReason.STOP_STRING) if hit else 0) for code, hit in zip(codes, hits)]
