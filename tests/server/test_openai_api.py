@@ -78,6 +78,31 @@ def test_stream_ends_with_done_and_has_no_usage_unless_asked(server):
     assert lines[-1] == "data: [DONE]" and '"usage"' not in "".join(lines)
 
 
+def test_continuous_usage_stats_give_every_chunk_its_choices_running_usage(client, tiny_tokenizer):
+    """vLLM's ``stream_options.continuous_usage_stats``: each choice chunk's usage is its prompt's tokens and its
+    choice's tokens so far (0 on the opening chunk); the last chunk is the request's usage; off without include_usage."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    kwargs = {"messages": MESSAGES, "n": 2, "temperature": 1.0, "seed": 3, "max_tokens": 5}
+    _, chunks = _stream_chat(client, stream_options=options, **kwargs)
+    num_prompt = len(_chat_ids(tiny_tokenizer, MESSAGES))
+    seen = {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        u = chunk.usage
+        assert u.prompt_tokens == num_prompt and u.total_tokens == num_prompt + u.completion_tokens
+        assert u.completion_tokens >= seen[choice.index]  # running, per choice
+        seen[choice.index] = u.completion_tokens
+    assert seen == {0: 5, 1: 5} and chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    _, plain = _stream_chat(client, stream_options={"continuous_usage_stats": True}, **kwargs)
+    assert all(c.usage is None for c in plain)
+    prompts = ["The capital of France is", "Hello"]
+    stream = client.completions.create(model="tiny", prompt=prompts, temperature=0, max_tokens=4, stream=True,
+                                       stream_options=options)
+    last = {c.choices[0].index: c.usage for c in stream if c.choices}
+    assert [(u.prompt_tokens, u.completion_tokens) for _, u in sorted(last.items())] == [
+        (len(tiny_tokenizer.encode(p)), 4) for p in prompts]
+
+
 def test_n_2_gives_two_different_seeded_reproducible_choices(client):
     kwargs = {"messages": MESSAGES, "n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 8}
     a = client.chat.completions.create(model="tiny", **kwargs)

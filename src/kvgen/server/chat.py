@@ -1,7 +1,8 @@
 """``POST /v1/chat/completions``: messages through the model's chat template, then the engine.
 
 Streaming sends, per choice, a first chunk with ``delta.role``, content chunks, and one
-chunk with ``finish_reason``; then a usage chunk when ``stream_options.include_usage``;
+chunk with ``finish_reason``; then a usage chunk when ``stream_options.include_usage`` (with vLLM's
+``continuous_usage_stats`` too, every chunk carries its choice's usage so far);
 then ``data: [DONE]``. Stop strings never reach the client (the engine holds back text
 that could still become one). Source: OpenAI API reference, Chat Completions.
 """
@@ -37,8 +38,8 @@ from kvgen.server.protocol import (
 from kvgen.server.reasoning_parsers import ReasoningSplitter, new_splitter
 from kvgen.server.results import (
     ChoiceResult,
+    StreamUsage,
     chat_logprobs,
-    chunk_dict,
     openai_finish_reason,
     respond,
     sse,
@@ -227,17 +228,17 @@ class ChatDeltas:
 def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation, num_prompt_tokens: int,
             plan: ToolPlan | None) -> AsyncIterator[str]:
     """SSE chunks: each choice's opening, its deltas (:class:`ChatDeltas`), the usage chunk when asked."""
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    deltas = ChatDeltas(state, req, plan)
+    stream_usage, deltas = StreamUsage(req.stream_options, [num_prompt_tokens], req.n), ChatDeltas(state, req, plan)
 
     def chunk(choices: list[ChatCompletionStreamChoice], **fields: Any) -> str:
         data = ChatCompletionChunk(id=gen.request_id, created=gen.created, model=state.model_name, choices=choices,
                                    **fields)
-        return sse(chunk_dict(data, include_usage))
+        return sse(stream_usage.chunk_dict(data))
 
-    def events(_: int, c: CompletionOutput, __: RequestOutput) -> Iterator[str]:
+    def events(prompt_index: int, c: CompletionOutput, __: RequestOutput) -> Iterator[str]:
+        stream_usage.count(prompt_index, c)
         return (chunk([choice]) for choice in deltas(c))
 
     first = (chunk([deltas.opening(i)]) for i in range(req.n))
-    final = (lambda num_tokens: chunk([], usage=usage(num_prompt_tokens, num_tokens))) if include_usage else None
+    final = stream_usage.final_chunk(chunk)
     return stream_events(gen, first, events, final)

@@ -32,7 +32,7 @@ from kvgen.server.protocol import (
 )
 from kvgen.server.results import (
     ChoiceResult,
-    chunk_dict,
+    StreamUsage,
     completion_logprobs,
     openai_finish_reason,
     respond,
@@ -110,7 +110,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
                      for c in choices],
         )
 
-    return await respond(gen, raw, req.n, _stream(state, req, gen, num_prompt_tokens, echo) if req.stream else None, response)
+    return await respond(gen, raw, req.n, _stream(state, req, gen, echo) if req.stream else None, response)
 
 
 class _Echo:
@@ -152,17 +152,17 @@ class _Echo:
         return choice
 
 
-def _stream(state: ServerState, req: CompletionRequest, gen: Generation, num_prompt_tokens: int, echo: _Echo
-            ) -> AsyncIterator[str]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+def _stream(state: ServerState, req: CompletionRequest, gen: Generation, echo: _Echo) -> AsyncIterator[str]:
+    stream_usage = StreamUsage(req.stream_options, [len(p) for p in echo.prompts], req.n)
 
     def chunk(choices: list[CompletionChoice], **fields: Any) -> str:
         data = CompletionChunk(id=gen.request_id, created=gen.created, model=state.model_name, choices=choices,
                                **fields)
-        return sse(chunk_dict(data, include_usage))
+        return sse(stream_usage.chunk_dict(data))
 
     def events(prompt_index: int, c: CompletionOutput, output: RequestOutput) -> Iterator[str]:
         index = prompt_index * req.n + c.index
+        stream_usage.count(prompt_index, c)
         if c.text or c.token_ids or index not in echo.text_offsets:
             choice = echo.piece(index, prompt_index, c, output)
             if choice.text or choice.logprobs is not None:
@@ -170,5 +170,5 @@ def _stream(state: ServerState, req: CompletionRequest, gen: Generation, num_pro
         if c.finish_reason is not None:
             yield chunk([CompletionChoice(index=index, text="", finish_reason=openai_finish_reason(c.finish_reason))])
 
-    final = (lambda num_tokens: chunk([], usage=usage(num_prompt_tokens, num_tokens))) if include_usage else None
+    final = stream_usage.final_chunk(chunk)
     return stream_events(gen, (), events, final)

@@ -75,7 +75,12 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(StrictModel):
+    """``include_usage``: a last chunk with the request's usage (``usage`` null on the others), as OpenAI;
+    ``continuous_usage_stats`` (vLLM's extra, with ``include_usage`` only): every chunk carries its choice's usage so
+    far."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 Stop = str | Annotated[list[str], Field(max_length=MAX_STOP)] | None

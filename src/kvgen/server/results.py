@@ -27,6 +27,7 @@ from kvgen.server.protocol import (
     ErrorInfo,
     ErrorResponse,
     FinishReason,
+    StreamOptions,
     TopLogprob,
     Usage,
 )
@@ -177,15 +178,42 @@ def sse_error(message: str, code: str = "aborted") -> str:
     return sse(ErrorResponse(error=ErrorInfo(message=message, type="server_error", param=None, code=code)).model_dump())
 
 
-def chunk_dict(chunk: Any, include_usage: bool) -> dict[str, Any]:
-    """A stream chunk as JSON: ``usage`` present (null until the last chunk) only when asked."""
-    data = chunk.model_dump()
-    if not include_usage:
-        data.pop("usage", None)
-    for choice in data.get("choices", []):
-        if isinstance(choice.get("delta"), dict):
-            choice["delta"] = _without_none(choice["delta"])
-    return data
+class StreamUsage:
+    """The ``usage`` a stream's chunks carry (``stream_options``; vLLM ``serving_chat.py``): none; null on every chunk
+    and a last usage chunk (``include_usage``); or, with ``continuous_usage_stats`` too, each choice chunk its prompt's
+    tokens and its choice's tokens so far. Choice ``index`` ``i`` belongs to prompt ``i // n``."""
+
+    def __init__(self, options: StreamOptions | None, num_prompt_tokens: list[int], n: int) -> None:
+        self.include_usage = bool(options and options.include_usage)
+        self.is_continuous = bool(self.include_usage and options and options.continuous_usage_stats)
+        self.num_prompt_tokens, self.n = num_prompt_tokens, n
+        self.num_generated_tokens = [0] * (len(num_prompt_tokens) * n)  # per choice index
+
+    def count(self, prompt_index: int, completion: CompletionOutput) -> None:
+        """Adds a streamed output's new tokens to its choice's count."""
+        self.num_generated_tokens[prompt_index * self.n + completion.index] += len(completion.token_ids)
+
+    def usage(self, index: int | None = None) -> Usage:
+        """Choice ``index``'s usage so far, or (None) the whole request's."""
+        if index is None:
+            return usage(sum(self.num_prompt_tokens), sum(self.num_generated_tokens))
+        return usage(self.num_prompt_tokens[index // self.n], self.num_generated_tokens[index])
+
+    def chunk_dict(self, chunk: Any) -> dict[str, Any]:
+        """A stream chunk as JSON: ``usage`` as the options ask; a delta's unset fields left out."""
+        if self.is_continuous and chunk.usage is None and len(chunk.choices) == 1:
+            chunk.usage = self.usage(chunk.choices[0].index)
+        data = chunk.model_dump()
+        if not self.include_usage:
+            data.pop("usage", None)
+        for choice in data.get("choices", []):
+            if isinstance(choice.get("delta"), dict):
+                choice["delta"] = _without_none(choice["delta"])
+        return data
+
+    def final_chunk(self, chunk: Callable[..., str]) -> Callable[[int], str] | None:
+        """``stream_events``' usage chunk: ``chunk([], usage=...)`` with the request's usage, when asked."""
+        return (lambda _: chunk([], usage=self.usage())) if self.include_usage else None
 
 
 def _without_none(value: Any) -> Any:
