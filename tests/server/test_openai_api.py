@@ -302,6 +302,11 @@ def test_completions_text_list_and_token_prompts(client, tiny_tokenizer):
 def test_models_tokenize_detokenize_health_and_page(server, client, tiny_tokenizer):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"] and models.data[0].object == "model"
+    card = client.models.retrieve("tiny")
+    assert (card.id, card.object, card.model_extra) == ("tiny", "model", models.data[0].model_extra)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("org/other-model")
+    assert e.value.body["code"] == "model_not_found" and "org/other-model" in e.value.body["message"]
     r = httpx.post(server.url + "/tokenize", json={"prompt": "hello world"}).json()
     assert r["tokens"] == tiny_tokenizer.encode("hello world") and r["count"] == len(r["tokens"])
     chat = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}).json()

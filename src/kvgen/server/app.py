@@ -1,7 +1,7 @@
 """``build_app``: the FastAPI application of ``kvgen serve`` over one ``AsyncLLMEngine``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``, ``POST /v1/responses``
-(with ``GET`` and ``DELETE /v1/responses/{response_id}``), ``GET /v1/models``,
+(with ``GET`` and ``DELETE /v1/responses/{response_id}``), ``GET /v1/models`` (and ``/v1/models/{model}``),
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /metrics`` (Prometheus
 text) and the chat page at ``GET /`` (static files shipped in ``kvgen/server/static``).
 With an API key, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need
@@ -83,6 +83,12 @@ def _api_router() -> APIRouter:
     async def list_models(request: Request) -> ModelList:
         state = _state(request)
         return ModelList(data=[ModelCard(id=state.model_name, max_model_len=state.max_model_len)])
+
+    @router.get("/v1/models/{model:path}", response_model=ModelCard)
+    async def retrieve_model(model: str, request: Request) -> ModelCard:  # OpenAI's "Retrieve model"; 404 for others
+        state = _state(request)
+        state.check_model(model)
+        return ModelCard(id=state.model_name, max_model_len=state.max_model_len)
 
     @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_STREAMED)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
