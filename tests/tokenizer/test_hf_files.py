@@ -140,3 +140,22 @@ def test_generation_config_eos_ids_join_the_tokenizers(trained: BackendTokenizer
     directory = save_gpt2_dir(trained, tmp_path, False)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
     assert Tokenizer.from_pretrained(directory).eos_token_ids[-2:] == [5, 7]
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["tokenizer_json", "vocab_merges"])
+def test_clean_up_tokenization_spaces_of_the_config_applies_to_byte_level_decode(
+    trained: BackendTokenizer, tmp_path: Path, legacy: bool
+) -> None:
+    """tokenizer_config.json's ``clean_up_tokenization_spaces: true`` (what transformers' GGUF loader saves) makes
+    transformers' decode drop " ." and " 's"; kvgen read the flag for a vocab.txt only and kept the spaces."""
+    from kvgen.engine.detokenizer import IncrementalDetokenizer
+
+    directory = save_gpt2_dir(trained, tmp_path, legacy, clean_up_tokenization_spaces=True)
+    ours, ref = Tokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+    ids = ref.encode("Hello , world ! I 'm here . it 's", add_special_tokens=False)
+    assert ref.decode(ids) == "Hello, world! I'm here. it's"
+    assert ours.decode(ids) == ref.decode(ids)
+    stream = IncrementalDetokenizer(ours)
+    assert "".join(stream.add(i) for i in ids) + stream.flush() == ref.decode(ids)
+    plain = Tokenizer.from_pretrained(save_gpt2_dir(trained, tmp_path / "plain", legacy))
+    assert plain.decode(ids) == AutoTokenizer.from_pretrained(tmp_path / "plain").decode(ids) == "Hello , world ! I 'm here . it 's"

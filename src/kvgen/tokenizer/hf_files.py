@@ -38,7 +38,7 @@ class HFTokenizerFiles:
     backend: BackendTokenizer
     special: SpecialTokenIds
     chat_template: str | None
-    clean_up_tokenization_spaces: bool  # decode removes spaces before punctuation (WordPiece)
+    clean_up_tokenization_spaces: bool  # decode removes spaces before punctuation (tokenizer_config.json's flag)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -178,4 +178,6 @@ def load_hf_tokenizer_files(directory: Path) -> HFTokenizerFiles:
             f"{directory} has no tokenizer.json and no vocab.json + merges.txt (nor a {VOCAB_FILE} for BertTokenizer)"
         )
     special = _special_ids(directory, config, backend)
-    return HFTokenizerFiles(backend, special, _chat_template(directory, config), clean_up_tokenization_spaces=False)
+    # transformers' PreTrainedTokenizerBase reads the flag from the config, default false (BertTokenizer's is true).
+    clean_up = bool(config.get("clean_up_tokenization_spaces", False))
+    return HFTokenizerFiles(backend, special, _chat_template(directory, config), clean_up)

@@ -41,7 +41,7 @@ class Tokenizer:
 
     Token ids agree with transformers' fast tokenizer on the same files. ``backend`` is the
     ``tokenizers.Tokenizer`` that encodes and decodes; ``clean_up_tokenization_spaces`` makes
-    ``decode`` drop the spaces before punctuation a space-joining (WordPiece) decoder leaves.
+    ``decode`` drop the spaces before punctuation ("a ." -> "a.") as transformers' clean-up does.
     """
 
     def __init__(
@@ -89,7 +89,9 @@ class Tokenizer:
         as transformers does; kvgen takes the sep token as EOS (unless the config names an
         ``eos_token``), so generation on a GPT-2 + BertTokenizer checkpoint stops at ``[SEP]``,
         and pad is ``[PAD]``. Decoding matches ``BertTokenizer.decode`` (``##`` pieces merged,
-        clean-up of spaces as ``clean_up_tokenization_spaces`` says, default true).
+        clean-up of spaces as ``clean_up_tokenization_spaces`` says, default true). Other
+        directories clean up where tokenizer_config.json sets ``clean_up_tokenization_spaces``
+        (default false), as transformers' ``decode`` does.
 
         Raises ``ModelNotFoundError`` if ``directory`` does not exist, ``ModelFormatError`` if it
         holds no readable tokenizer (the message names the files looked for) or a ``vocab.txt``
