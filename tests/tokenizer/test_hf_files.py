@@ -52,6 +52,15 @@ def test_gpt2_directory_add_bos_token_and_config_template(trained: BackendTokeni
     assert ours.apply_chat_template(messages, tokenize=True) == ref.apply_chat_template(messages, tokenize=True)
 
 
+def test_vocab_merges_directory_ignores_add_eos_token(trained: BackendTokenizer, tmp_path: Path) -> None:
+    """GPT2Tokenizer has ``add_bos_token`` but no ``add_eos_token``: transformers adds no EOS; kvgen added one."""
+    directory = save_gpt2_dir(trained, tmp_path, legacy=True, add_bos_token=True, add_eos_token=True)
+    ours, ref = Tokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+    ids = ours.encode("Hello world")
+    assert ids == ref.encode("Hello world")
+    assert ids[0] == ref.bos_token_id and ids[-1] != ref.eos_token_id
+
+
 def test_saved_gguf_tokenizer_directory_matches_transformers(ref, tmp_path: Path) -> None:
     ref.save_pretrained(tmp_path)
     ours, reloaded = Tokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tmp_path)

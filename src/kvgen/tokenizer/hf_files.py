@@ -87,7 +87,8 @@ def _add_tokens(backend: BackendTokenizer, directory: Path, config: dict[str, An
 
 
 def _gpt2_files_backend(directory: Path, config: dict[str, Any]) -> BackendTokenizer:
-    """GPT-2 style ``vocab.json`` + ``merges.txt``, as transformers' GPT2Converter builds it."""
+    """GPT-2 style ``vocab.json`` + ``merges.txt``, as transformers' GPT2Converter builds it: BOS where
+    ``add_bos_token``, never an EOS (GPT2Tokenizer has no ``add_eos_token``)."""
     try:
         vocab, merges = models.BPE.read_file(str(directory / "vocab.json"), str(directory / "merges.txt"))
     except Exception as e:  # noqa: BLE001 -- tokenizers raises plain Exception for unreadable files
@@ -96,8 +97,8 @@ def _gpt2_files_backend(directory: Path, config: dict[str, Any]) -> BackendToken
     if config.get("add_prefix_space"):
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     _add_tokens(backend, directory, config)
-    bos, eos = (backend.token_to_id(token_content(config.get(k)) or "") for k in ("bos_token", "eos_token"))
-    add_bos_eos(backend, bos, eos, bool(config.get("add_bos_token")), bool(config.get("add_eos_token")))
+    bos = backend.token_to_id(token_content(config.get("bos_token")) or "")
+    add_bos_eos(backend, bos, None, bool(config.get("add_bos_token")), add_eos=False)
     return backend
 
 
