@@ -61,6 +61,24 @@ def test_vocab_merges_directory_ignores_add_eos_token(trained: BackendTokenizer,
     assert ids[0] == ref.bos_token_id and ids[-1] != ref.eos_token_id
 
 
+@pytest.mark.parametrize("value", [True, False])
+def test_add_prefix_space_of_the_config_overrides_tokenizer_json(
+    trained: BackendTokenizer, tmp_path: Path, value: bool
+) -> None:
+    """transformers sets the ByteLevel pre-tokenizer's add_prefix_space from tokenizer_config.json; kvgen kept the
+    tokenizer.json's, so "Hello" lacked (or had) the leading "Ġ" token."""
+    directory = save_gpt2_dir(trained, tmp_path, legacy=False, add_prefix_space=value)
+    if not value:  # the file says true, the config false
+        path = directory / "tokenizer.json"
+        data = json.loads(path.read_text())
+        data["pre_tokenizer"]["add_prefix_space"] = True
+        path.write_text(json.dumps(data))
+    ours, ref = Tokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+    for text in ["Hello world", "", " x", "\nline"]:
+        assert ours.encode(text) == ref.encode(text), text
+    assert ours.decode(ours.encode("Hello")) == ref.decode(ref.encode("Hello")) == (" Hello" if value else "Hello")
+
+
 def test_saved_gguf_tokenizer_directory_matches_transformers(ref, tmp_path: Path) -> None:
     ref.save_pretrained(tmp_path)
     ours, reloaded = Tokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tmp_path)

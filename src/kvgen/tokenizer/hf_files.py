@@ -135,6 +135,14 @@ def _backend_file(directory: Path) -> BackendTokenizer:
         raise ModelFormatError(f"cannot read {directory / 'tokenizer.json'}: {e}") from None
 
 
+def _set_add_prefix_space(backend: BackendTokenizer, config: dict[str, Any]) -> None:
+    """A ``add_prefix_space`` true/false in the config overrides a top-level ByteLevel pre-tokenizer's, as
+    transformers' ``PreTrainedTokenizerFast.__init__`` does (GPT-2, RoBERTa, BLOOM directories)."""
+    value = config.get("add_prefix_space")
+    if isinstance(value, bool) and isinstance(backend.pre_tokenizer, pre_tokenizers.ByteLevel):
+        backend.pre_tokenizer.add_prefix_space = value
+
+
 def _special_ids(directory: Path, config: dict[str, Any], backend: BackendTokenizer) -> SpecialTokenIds:
     def lookup(key: str) -> int | None:
         content = token_content(config.get(key))
@@ -170,6 +178,7 @@ def load_hf_tokenizer_files(directory: Path) -> HFTokenizerFiles:
     config = _tokenizer_config(directory)
     if (directory / "tokenizer.json").is_file():
         backend = _backend_file(directory)
+        _set_add_prefix_space(backend, config)
     elif (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
         backend = _gpt2_files_backend(directory, config)
     elif (directory / VOCAB_FILE).is_file():
