@@ -153,6 +153,23 @@ def test_continue_final_message_and_chat_template_kwargs_match_transformers(trai
         ours.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
 
 
+def test_continue_final_message_cuts_where_transformers_does(trained: BackendTokenizer, tmp_path: Path) -> None:
+    """transformers continues the last text part of a list content (kvgen joined the parts, not in a prompt that
+    renders them apart), and keeps a final message's trailing whitespace only when it has no leading whitespace."""
+    directory = save_gpt2_dir(trained, tmp_path, legacy=False)
+    (directory / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.role }}:{% if m.content is string %}{{ m.content }}"
+        "{% else %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endif %}<|im_end|>\n{% endfor %}")
+    ours, ref = Tokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+    user = {"role": "user", "content": "Hi"}
+    finals = ["  padded  \n", "padded  ", "  padded", [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]]
+    for content in finals:
+        messages = [user, {"role": "assistant", "content": content}]
+        expected = ref.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+        assert ours.apply_chat_template(messages, continue_final_message=True) == expected, content
+    assert expected.endswith("[one][two")
+
+
 @pytest.mark.parametrize("eos", [[[2]], "2", [2, None], -1])
 def test_generation_config_eos_ids_of_the_wrong_type_are_named(trained: BackendTokenizer, tmp_path: Path,
                                                                eos: object) -> None:
