@@ -52,6 +52,33 @@ def test_gpt2_directory_add_bos_token_and_config_template(trained: BackendTokeni
     assert ours.apply_chat_template(messages, tokenize=True) == ref.apply_chat_template(messages, tokenize=True)
 
 
+def test_vocab_merges_directory_ignores_add_eos_token(trained: BackendTokenizer, tmp_path: Path) -> None:
+    """GPT2Tokenizer has ``add_bos_token`` but no ``add_eos_token``: transformers adds no EOS; kvgen added one."""
+    directory = save_gpt2_dir(trained, tmp_path, legacy=True, add_bos_token=True, add_eos_token=True)
+    ours, ref = Tokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+    ids = ours.encode("Hello world")
+    assert ids == ref.encode("Hello world")
+    assert ids[0] == ref.bos_token_id and ids[-1] != ref.eos_token_id
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_add_prefix_space_of_the_config_overrides_tokenizer_json(
+    trained: BackendTokenizer, tmp_path: Path, value: bool
+) -> None:
+    """transformers sets the ByteLevel pre-tokenizer's add_prefix_space from tokenizer_config.json; kvgen kept the
+    tokenizer.json's, so "Hello" lacked (or had) the leading "Ġ" token."""
+    directory = save_gpt2_dir(trained, tmp_path, legacy=False, add_prefix_space=value)
+    if not value:  # the file says true, the config false
+        path = directory / "tokenizer.json"
+        data = json.loads(path.read_text())
+        data["pre_tokenizer"]["add_prefix_space"] = True
+        path.write_text(json.dumps(data))
+    ours, ref = Tokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+    for text in ["Hello world", "", " x", "\nline"]:
+        assert ours.encode(text) == ref.encode(text), text
+    assert ours.decode(ours.encode("Hello")) == ref.decode(ref.encode("Hello")) == (" Hello" if value else "Hello")
+
+
 def test_saved_gguf_tokenizer_directory_matches_transformers(ref, tmp_path: Path) -> None:
     ref.save_pretrained(tmp_path)
     ours, reloaded = Tokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
@@ -126,6 +153,24 @@ def test_continue_final_message_and_chat_template_kwargs_match_transformers(trai
         ours.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
 
 
+def test_continue_final_message_cuts_where_transformers_does(trained: BackendTokenizer, tmp_path: Path) -> None:
+    """transformers continues the last text part of a list content (kvgen joined the parts, not in a prompt that
+    renders them apart), and keeps a final message's trailing whitespace only when it has no leading whitespace."""
+    directory = save_gpt2_dir(trained, tmp_path, legacy=False)
+    (directory / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.role }}:{% if m.content is string %}{{ m.content }}"
+        "{% else %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endif %}<|im_end|>\n{% endfor %}")
+    ours, ref = Tokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+    user = {"role": "user", "content": "Hi"}
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    finals = ["  padded  \n", "padded  ", "  padded", parts]
+    for content in finals:
+        messages = [user, {"role": "assistant", "content": content}]
+        expected = ref.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+        assert ours.apply_chat_template(messages, continue_final_message=True) == expected, content
+    assert expected.endswith("[one][two")
+
+
 @pytest.mark.parametrize("eos", [[[2]], "2", [2, None], -1])
 def test_generation_config_eos_ids_of_the_wrong_type_are_named(trained: BackendTokenizer, tmp_path: Path,
                                                                eos: object) -> None:
@@ -140,3 +185,23 @@ def test_generation_config_eos_ids_join_the_tokenizers(trained: BackendTokenizer
     directory = save_gpt2_dir(trained, tmp_path, False)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
     assert Tokenizer.from_pretrained(directory).eos_token_ids[-2:] == [5, 7]
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["tokenizer_json", "vocab_merges"])
+def test_clean_up_tokenization_spaces_of_the_config_applies_to_byte_level_decode(
+    trained: BackendTokenizer, tmp_path: Path, legacy: bool
+) -> None:
+    """tokenizer_config.json's ``clean_up_tokenization_spaces: true`` (what transformers' GGUF loader saves) makes
+    transformers' decode drop " ." and " 's"; kvgen read the flag for a vocab.txt only and kept the spaces."""
+    from kvgen.engine.detokenizer import IncrementalDetokenizer
+
+    directory = save_gpt2_dir(trained, tmp_path, legacy, clean_up_tokenization_spaces=True)
+    ours, ref = Tokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+    ids = ref.encode("Hello , world ! I 'm here . it 's", add_special_tokens=False)
+    assert ref.decode(ids) == "Hello, world! I'm here. it's"
+    assert ours.decode(ids) == ref.decode(ids)
+    stream = IncrementalDetokenizer(ours)
+    assert "".join(stream.add(i) for i in ids) + stream.flush() == ref.decode(ids)
+    plain = Tokenizer.from_pretrained(save_gpt2_dir(trained, tmp_path / "plain", legacy))
+    plain_ref = AutoTokenizer.from_pretrained(tmp_path / "plain")
+    assert plain.decode(ids) == plain_ref.decode(ids) == "Hello , world ! I 'm here . it 's"

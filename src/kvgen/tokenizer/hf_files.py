@@ -38,7 +38,7 @@ class HFTokenizerFiles:
     backend: BackendTokenizer
     special: SpecialTokenIds
     chat_template: str | None
-    clean_up_tokenization_spaces: bool  # decode removes spaces before punctuation (WordPiece)
+    clean_up_tokenization_spaces: bool  # decode removes spaces before punctuation (tokenizer_config.json's flag)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -87,7 +87,8 @@ def _add_tokens(backend: BackendTokenizer, directory: Path, config: dict[str, An
 
 
 def _gpt2_files_backend(directory: Path, config: dict[str, Any]) -> BackendTokenizer:
-    """GPT-2 style ``vocab.json`` + ``merges.txt``, as transformers' GPT2Converter builds it."""
+    """GPT-2 style ``vocab.json`` + ``merges.txt``, as transformers' GPT2Converter builds it: BOS where
+    ``add_bos_token``, never an EOS (GPT2Tokenizer has no ``add_eos_token``)."""
     try:
         vocab, merges = models.BPE.read_file(str(directory / "vocab.json"), str(directory / "merges.txt"))
     except Exception as e:  # noqa: BLE001 -- tokenizers raises plain Exception for unreadable files
@@ -96,8 +97,8 @@ def _gpt2_files_backend(directory: Path, config: dict[str, Any]) -> BackendToken
     if config.get("add_prefix_space"):
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     _add_tokens(backend, directory, config)
-    bos, eos = (backend.token_to_id(token_content(config.get(k)) or "") for k in ("bos_token", "eos_token"))
-    add_bos_eos(backend, bos, eos, bool(config.get("add_bos_token")), bool(config.get("add_eos_token")))
+    bos = backend.token_to_id(token_content(config.get("bos_token")) or "")
+    add_bos_eos(backend, bos, None, bool(config.get("add_bos_token")), add_eos=False)
     return backend
 
 
@@ -132,6 +133,14 @@ def _backend_file(directory: Path) -> BackendTokenizer:
         return BackendTokenizer.from_file(str(directory / "tokenizer.json"))
     except Exception as e:  # noqa: BLE001 -- tokenizers raises plain Exception on bad JSON
         raise ModelFormatError(f"cannot read {directory / 'tokenizer.json'}: {e}") from None
+
+
+def _set_add_prefix_space(backend: BackendTokenizer, config: dict[str, Any]) -> None:
+    """A ``add_prefix_space`` true/false in the config overrides a top-level ByteLevel pre-tokenizer's, as
+    transformers' ``PreTrainedTokenizerFast.__init__`` does (GPT-2, RoBERTa, BLOOM directories)."""
+    value = config.get("add_prefix_space")
+    if isinstance(value, bool) and isinstance(backend.pre_tokenizer, pre_tokenizers.ByteLevel):
+        backend.pre_tokenizer.add_prefix_space = value
 
 
 def _special_ids(directory: Path, config: dict[str, Any], backend: BackendTokenizer) -> SpecialTokenIds:
@@ -169,6 +178,7 @@ def load_hf_tokenizer_files(directory: Path) -> HFTokenizerFiles:
     config = _tokenizer_config(directory)
     if (directory / "tokenizer.json").is_file():
         backend = _backend_file(directory)
+        _set_add_prefix_space(backend, config)
     elif (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
         backend = _gpt2_files_backend(directory, config)
     elif (directory / VOCAB_FILE).is_file():
@@ -178,4 +188,6 @@ def load_hf_tokenizer_files(directory: Path) -> HFTokenizerFiles:
             f"{directory} has no tokenizer.json and no vocab.json + merges.txt (nor a {VOCAB_FILE} for BertTokenizer)"
         )
     special = _special_ids(directory, config, backend)
-    return HFTokenizerFiles(backend, special, _chat_template(directory, config), clean_up_tokenization_spaces=False)
+    # transformers' PreTrainedTokenizerBase reads the flag from the config, default false (BertTokenizer's is true).
+    clean_up = bool(config.get("clean_up_tokenization_spaces", False))
+    return HFTokenizerFiles(backend, special, _chat_template(directory, config), clean_up)

@@ -41,7 +41,7 @@ class Tokenizer:
 
     Token ids agree with transformers' fast tokenizer on the same files. ``backend`` is the
     ``tokenizers.Tokenizer`` that encodes and decodes; ``clean_up_tokenization_spaces`` makes
-    ``decode`` drop the spaces before punctuation a space-joining (WordPiece) decoder leaves.
+    ``decode`` drop the spaces before punctuation ("a ." -> "a.") as transformers' clean-up does.
     """
 
     def __init__(
@@ -89,7 +89,9 @@ class Tokenizer:
         as transformers does; kvgen takes the sep token as EOS (unless the config names an
         ``eos_token``), so generation on a GPT-2 + BertTokenizer checkpoint stops at ``[SEP]``,
         and pad is ``[PAD]``. Decoding matches ``BertTokenizer.decode`` (``##`` pieces merged,
-        clean-up of spaces as ``clean_up_tokenization_spaces`` says, default true).
+        clean-up of spaces as ``clean_up_tokenization_spaces`` says, default true). Other
+        directories clean up where tokenizer_config.json sets ``clean_up_tokenization_spaces``
+        (default false), as transformers' ``decode`` does.
 
         Raises ``ModelNotFoundError`` if ``directory`` does not exist, ``ModelFormatError`` if it
         holds no readable tokenizer (the message names the files looked for) or a ``vocab.txt``
@@ -238,14 +240,16 @@ class Tokenizer:
 
 
 def _cut_after_final_message(text: str, final: dict[str, Any]) -> str:
-    """``text`` up to the end of the final message's content (transformers' ``continue_final_message``: its last
-    occurrence, with its trailing whitespace where the template kept it). Raises ``ValueError`` when the rendered prompt does not contain it."""
+    """``text`` up to the end of the final message's content (its last text part), as transformers'
+    ``continue_final_message``: its last occurrence, with its trailing whitespace where the template kept it and the
+    content has no leading whitespace. Raises ``ValueError`` when the rendered prompt does not contain it."""
     content = final.get("content")
-    if isinstance(content, list):  # text parts
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    if isinstance(content, list):  # text parts: transformers continues the last one
+        texts = [part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)]
+        content = texts[-1] if texts else ""
     content = content or ""
     start = text.rfind(content.strip()) if content.strip() else -1
     if start < 0:
         raise ValueError("continue_final_message: the final message's content does not appear in the rendered prompt")
-    whole = content.lstrip()  # trailing whitespace kept where the template kept it
-    return text[: start + (len(whole) if text[start : start + len(whole)] == whole else len(content.strip()))]
+    kept = content.lstrip()  # compared with the whole content, as transformers does
+    return text[: start + (len(kept) if text[start : start + len(kept)] == content else len(content.strip()))]
