@@ -413,7 +413,8 @@ class ModelConfig:
                     bos_token_id=cfg.get("bos_token_id"),
                     eos_token_id=cfg.get("eos_token_id"),
                     pad_token_id=cfg.get("pad_token_id"),
-                    extra={"scale_attn_weights": cfg.get("scale_attn_weights", True)},
+                    extra={"scale_attn_weights": cfg.get("scale_attn_weights", True),
+                           "scale_attn_by_inverse_layer_idx": bool(cfg.get("scale_attn_by_inverse_layer_idx"))},
                 )
             if model_type in ("gemma3_text", "gemma2"):
                 return cls(**gemma3_kwargs(_HF_DEFAULTS[model_type] | cfg, model_type))

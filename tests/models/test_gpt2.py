@@ -53,3 +53,20 @@ def test_gpt2_greedy_20_tokens_identical_to_transformers(gpt2_pair):
     with torch.inference_mode():
         expected = ref.generate(ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
     assert out.sequences.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("scale_attn_weights", [True, False])
+def test_gpt2_scale_attn_by_inverse_layer_idx_matches_transformers(tiny_model, tmp_path, scale_attn_weights):
+    """scale_attn_by_inverse_layer_idx divides layer i's scores by i + 1 (after D^-0.5 when scale_attn_weights):
+    logits on a padded batch equal transformers' eager attention's (its SDPA path drops the setting)."""
+    ref = tiny_model("gpt2", vocab_size=97, std=0.5, scale_attn_by_inverse_layer_idx=True,
+                     scale_attn_weights=scale_attn_weights, attn_implementation="eager").ref
+    ref.save_pretrained(tmp_path)
+    ours = build_model(*load_hf_directory(tmp_path))
+    ids, mask = left_pad([[5, 6, 7, 8, 9, 10, 11], [3, 4, 5]], pad_id=0)
+    pos = positions_from_mask(mask)
+    with torch.inference_mode():
+        expected = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        got = ours.compute_logits(ours(ids, pos, None, AttentionMetadata(mask)))
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5)

@@ -33,13 +33,21 @@ _ACTIVATIONS = {
 
 
 class GPT2Attention(nn.Module):
-    """Causal self-attention with a fused QKV projection (H heads of size D)."""
+    """Causal self-attention with a fused QKV projection (H heads of size D).
 
-    def __init__(self, config: ModelConfig) -> None:
+    Scores are scaled by D^-0.5 (1 without ``scale_attn_weights``), and by 1 / (layer_idx + 1) with
+    ``scale_attn_by_inverse_layer_idx``. Source: transformers 4.55 GPT-2 ``eager_attention_forward`` (its SDPA path
+    drops both settings).
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         c = config.hidden_size
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
-        self.scale = None if config.extra.get("scale_attn_weights", True) else 1.0
+        scale = self.head_dim**-0.5 if config.extra.get("scale_attn_weights", True) else 1.0
+        if config.extra.get("scale_attn_by_inverse_layer_idx", False):
+            scale /= layer_idx + 1
+        self.scale: float | None = None if scale == self.head_dim**-0.5 else scale  # None: sdpa's default
         self.c_attn = nn.Linear(c, 3 * c)
         self.c_proj = nn.Linear(c, c)
 
@@ -73,11 +81,11 @@ class GPT2MLP(nn.Module):
 class GPT2Block(nn.Module):
     """x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         eps = config.layer_norm_epsilon
         self.ln_1 = nn.LayerNorm(config.hidden_size, eps=eps)
-        self.attn = GPT2Attention(config)
+        self.attn = GPT2Attention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=eps)
         self.mlp = GPT2MLP(config)
 
@@ -94,7 +102,7 @@ class GPT2Model(nn.Module):
         super().__init__()
         self.wte = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.wpe = VocabEmbedding(config.max_position_embeddings, config.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.num_hidden_layers))
+        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
 
