@@ -70,3 +70,16 @@ def test_gpt2_scale_attn_by_inverse_layer_idx_matches_transformers(tiny_model, t
         got = ours.compute_logits(ours(ids, pos, None, AttentionMetadata(mask)))
     real = mask.bool()
     torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5)
+
+
+def test_untied_gpt2_uses_its_own_lm_head(tiny_model, tmp_path):
+    """tie_word_embeddings false: the checkpoint's lm_head.weight (not wte) gives the logits, as in transformers
+    (kvgen refused the checkpoint: 'unexpected lm_head.weight')."""
+    ref = tiny_model("gpt2", tie=False, vocab_size=97).ref
+    ref.save_pretrained(tmp_path)
+    ours = build_model(*load_hf_directory(tmp_path))
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.inference_mode():
+        expected = ref(input_ids=ids).logits
+        got = ours.compute_logits(ours(ids, torch.arange(5)[None]))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -1,7 +1,7 @@
 """GPT-2 decoder from first principles (Radford et al. 2019).
 
 Learned position embeddings, pre-LayerNorm blocks, fused ``c_attn`` QKV
-projection, GELU (tanh approximation) MLP and an LM head tied to ``wte``.
+projection, GELU (tanh approximation) MLP and an LM head tied to ``wte`` (or, untied, its own ``lm_head``).
 Weights are kept as ``[out, in]`` (the loader transposes HF's Conv1D); outputs
 must agree with ``transformers.GPT2LMHeadModel`` on the same weights.
 """
@@ -107,12 +107,15 @@ class GPT2Model(nn.Module):
 
 
 class GPT2LMHeadModel(CausalLM):
-    """GPT-2 with its LM head tied to the token embeddings."""
+    """GPT-2 with its LM head tied to the token embeddings (GPT2Config's default), or its own ``lm_head`` when
+    ``tie_word_embeddings`` is false."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.transformer = GPT2Model(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
         self,
@@ -131,5 +134,7 @@ class GPT2LMHeadModel(CausalLM):
         return tr.ln_f(x)
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., C] -> logits [..., V] float32 (tied head)."""
-        return self.transformer.wte.as_lm_head(hidden).float()
+        """hidden [..., C] -> logits [..., V] float32 (the tied head, or ``lm_head``)."""
+        if self.config.tie_word_embeddings:
+            return self.transformer.wte.as_lm_head(hidden).float()
+        return self.lm_head(hidden).float()
