@@ -61,9 +61,7 @@ def test_yarn_frequencies_and_scale_equal_transformers(name: str) -> None:
     factor = config.rope_scaling["factor"]
     blended = ~torch.isclose(got, plain, rtol=1e-6) & ~torch.isclose(got, plain / factor, rtol=1e-6)
     assert blended.any() and torch.equal(got[0], plain[0])  # the fastest dimension is never interpolated
-    again = ModelConfig.from_hf_dict(hf.to_dict() | {"rope_scaling": config.rope_scaling})
-    assert again.rope_scaling == config.rope_scaling  # kvgen's form is taken as it is
-    assert replace(config, max_position_embeddings=64).rope_scaling == config.rope_scaling
+    assert replace(config, max_position_embeddings=64).rope_scaling == config.rope_scaling  # kvgen's form as it is
 
 
 def test_yarn_factor_and_scale_as_transformers_reads_them() -> None:
@@ -79,6 +77,26 @@ def test_yarn_factor_and_scale_as_transformers_reads_them() -> None:
     assert scalings["mscale"]["attention_factor"] == pytest.approx((0.1 * math.log(40) + 1) / (0.08 * math.log(40) + 1))
     assert scalings["mscale_alone"]["attention_factor"] == pytest.approx(0.1 * math.log(4) + 1)  # needs both
     assert scalings["attention_factor"]["attention_factor"] == 1.25
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gpt_oss"])
+def test_config_json_yarn_holding_every_key_of_kvgens_form_is_read_as_transformers_reads_it(model_type: str) -> None:
+    """A config.json's yarn rope_scaling with all seven keys of kvgen's form (factor 8, original 32, attention_factor,
+    betas, truncate) over 64 positions: transformers' factor is 64 / 32 = 2, not the 8 written; kvgen took the
+    dict as already in its form and rotated by factor 8 (logits off by 3.6 on a tiny Qwen3)."""
+    scaling = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16.0,
+               "beta_slow": 2.0, "attention_factor": 1.2, "truncate": False}
+    assert set(scaling) == set(YARN_KEYS)
+    cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
+           "gpt_oss": transformers.GptOssConfig}[model_type]
+    hf = cls(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=20, num_hidden_layers=2,
+             rope_theta=100.0, max_position_embeddings=64, rope_scaling=scaling)
+    want, want_scale = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    config = ModelConfig.from_hf_dict(hf.to_dict())
+    assert config.rope_scaling is not None and config.rope_scaling["factor"] == 2.0
+    torch.testing.assert_close(rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling), want,
+                               rtol=0, atol=0)
+    assert rope_attention_factor(config.rope_scaling) == want_scale
 
 
 def test_yarn_variants_kvgen_does_not_compute_are_refused_by_name() -> None:

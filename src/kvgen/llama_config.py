@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
-from kvgen.rope_scaling import yarn_scaling
+from kvgen.rope_scaling import hf_yarn_scaling
 
 # rope.dimension_count below the head size: read for these rotate-half architectures only
 _GGUF_PARTIAL_ROTARY_ARCHS = ("phi3",)
@@ -54,7 +54,8 @@ def llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]
     head's q and k (``use_qk_norm``; its ``head_dim`` may differ from hidden_size / heads); Mistral's and Phi-3's
     sliding window bounds the context (attention within the window is exact; longer contexts are refused, not
     approximated); a LongRoPE ``rope_scaling`` is completed by :func:`_hf_longrope`, a YaRN one by
-    :func:`kvgen.rope_scaling.yarn_scaling`. Phi-3 checkpoints stack q/k/v and
+    :func:`kvgen.rope_scaling.hf_yarn_scaling` (read as transformers reads it, even when it holds every key of kvgen's
+    form). Phi-3 checkpoints stack q/k/v and
     gate/up themselves (``weights.name_maps``). Raises ``UnsupportedArchitectureError`` for Qwen2/Qwen3 sliding-window
     layers and a ``partial_rotary_factor`` below 1 outside Phi-3 (Phi-4-mini's is taken). Source: transformers 4.55 ``MistralConfig`` /
     ``Qwen2Config`` / ``Qwen3Config`` / ``Phi3Config`` / ``SmolLM3Config`` and their attention modules."""
@@ -94,7 +95,7 @@ def llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]
     if kind == "longrope" or (model_type == "phi3" and kind in ("su", "yarn")):  # Phi3Config renames su / yarn
         changes["rope_scaling"] = _hf_longrope(cfg, scaling, model_type)
     elif kind == "yarn":  # its factor from the config's own max_position_embeddings, before a window bounds them
-        changes["rope_scaling"] = yarn_scaling(scaling, int(cfg.get("max_position_embeddings", 2048)))
+        changes["rope_scaling"] = hf_yarn_scaling(scaling, int(cfg.get("max_position_embeddings", 2048)))
     return changes
 
 

@@ -94,11 +94,11 @@ def hf_gpt_oss_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig arguments of a ``gpt_oss`` config.json (completed with transformers' defaults): q/k/v/o biases,
     ``num_local_experts`` experts of ``intermediate_size`` in every layer (top-k of the router's logits, softmax over
     those k: no other renormalization), ``layer_types`` alternating sliding (even layers) / full when absent, the
-    yarn ``rope_scaling`` completed by :func:`kvgen.rope_scaling.yarn_scaling` (``truncate`` honoured). Raises
+    yarn ``rope_scaling`` completed by :func:`kvgen.rope_scaling.hf_yarn_scaling` (``truncate`` honoured). Raises
     ``UnsupportedArchitectureError`` for a ``swiglu_limit`` other than 7 (the experts' clamp, fixed in transformers)
     and ``ModelFormatError`` (by ``ModelConfig``) for bad values. Source: transformers 4.55 ``GptOssConfig``,
     ``GptOssMLP``."""
-    from kvgen.rope_scaling import yarn_scaling
+    from kvgen.rope_scaling import hf_yarn_scaling
 
     cfg = _GPT_OSS_DEFAULTS | cfg
     limit = cfg.get("swiglu_limit", GPT_OSS_SWIGLU_LIMIT)
@@ -112,7 +112,7 @@ def hf_gpt_oss_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
              "pad_token_id")
     scaling = cfg.get("rope_scaling") or None
     if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "yarn":
-        scaling = yarn_scaling(scaling, int(cfg["max_position_embeddings"]))
+        scaling = hf_yarn_scaling(scaling, int(cfg["max_position_embeddings"]))
     return {k: cfg[k] for k in names if k in cfg} | {
         "model_type": "gpt_oss", "attention_bias": True, "layer_types": list(kinds), "rope_scaling": scaling,
         "num_experts": cfg["num_local_experts"], "moe_intermediate_size": cfg["intermediate_size"],
