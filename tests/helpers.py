@@ -597,10 +597,11 @@ def save_tiny_model_dir(path: Path, model_type: str = "llama", **model_kwargs: A
     return path
 
 
-def tiny_gpt_oss(seed: int = 0):
+def tiny_gpt_oss(seed: int = 0, **overrides: Any):
     """transformers' GptOssForCausalLM in float32, eager attention: 4 layers alternating sliding (window 4) / full,
     hidden 64, 4 heads, 2 KV heads of 16, 4 experts of 32, top 2, YaRN (factor 8 over 32 positions, unrounded); every
-    parameter random (biases N(0, 0.3²), expert matrices N(0, 0.5²), sinks N(0, 1), norms 1 + N(0, 0.3²))."""
+    parameter random (biases N(0, 0.3²), expert matrices N(0, 0.5²), sinks N(0, 1), norms 1 + N(0, 0.3²)).
+    ``overrides`` go to the ``GptOssConfig`` (``attention_bias=False``)."""
     from transformers import GptOssConfig
     from transformers import GptOssForCausalLM as Ref
 
@@ -610,7 +611,7 @@ def tiny_gpt_oss(seed: int = 0):
         max_position_embeddings=256, rope_theta=10000.0,
         rope_scaling={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                       "original_max_position_embeddings": 32},
-        attn_implementation="eager")
+        attn_implementation="eager", **overrides)
     torch.manual_seed(seed)
     ref = Ref(cfg).eval()
     g = torch.Generator().manual_seed(seed)

@@ -91,7 +91,8 @@ GPT_OSS_SWIGLU_LIMIT = 7.0  # GptOssExperts.limit: a constant of transformers' a
 
 
 def hf_gpt_oss_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig arguments of a ``gpt_oss`` config.json (completed with transformers' defaults): q/k/v/o biases,
+    """ModelConfig arguments of a ``gpt_oss`` config.json (completed with transformers' defaults): q/k/v/o biases
+    where ``attention_bias`` (GptOssConfig's default true),
     ``num_local_experts`` experts of ``intermediate_size`` in every layer (top-k of the router's logits, softmax over
     those k: no other renormalization), ``layer_types`` alternating sliding (even layers) / full when absent, the
     yarn ``rope_scaling`` completed by :func:`kvgen.rope_scaling.hf_yarn_scaling` (``truncate`` honoured). Raises
@@ -114,7 +115,8 @@ def hf_gpt_oss_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "yarn":
         scaling = hf_yarn_scaling(scaling, int(cfg["max_position_embeddings"]))
     return {k: cfg[k] for k in names if k in cfg} | {
-        "model_type": "gpt_oss", "attention_bias": True, "layer_types": list(kinds), "rope_scaling": scaling,
+        "model_type": "gpt_oss", "attention_bias": cfg.get("attention_bias", True), "layer_types": list(kinds),
+        "rope_scaling": scaling,
         "num_experts": cfg["num_local_experts"], "moe_intermediate_size": cfg["intermediate_size"],
         "extra": {"hf_model_type": "gpt_oss"}}
 

@@ -80,6 +80,19 @@ def test_gpt_oss_directory_matches_transformers(gpt_oss, cache):
     assert_batch_matches_transformers(ours, ref, PROMPTS, NEW_TOKENS, cache)
 
 
+def test_gpt_oss_without_attention_biases_matches_transformers(tmp_path: Path):
+    """attention_bias false (GptOssConfig's flag; q/k/v/o without biases): the directory loads and its logits are
+    transformers' (kvgen expected the biases whatever the flag and refused the checkpoint)."""
+    ref = tiny_gpt_oss(seed=1, attention_bias=False)
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    ours = build_model(*load_hf_directory(tmp_path))
+    assert ours.model.layers[0].self_attn.qkv_proj.bias is None
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.inference_mode():
+        want = ref(input_ids=ids).logits
+    torch.testing.assert_close(model_logits(ours, ids), want, rtol=1e-5, atol=1e-5)
+
+
 def test_gpt_oss_greedy_tokens_on_every_cache_are_transformers(gpt_oss):
     ref, f32, _ = gpt_oss
     ours = build_model(*load_hf_directory(f32, dtype=torch.float32))
