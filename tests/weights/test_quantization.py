@@ -162,3 +162,27 @@ def test_every_family_quantizes(tmp_path: Path, model_type) -> None:
         got = model.compute_logits(model(ids, torch.arange(12)[None]))
         want = ref(ids).logits
     assert float((got - want).abs().mean()) < 0.08 * float(want.abs().mean())
+
+
+def test_head_dim_not_a_multiple_of_8_stays_off_the_kernels(tmp_path: Path) -> None:
+    """head_dim 12 (in_features 96, a multiple of 32): dtype auto loads a bfloat16 checkpoint as float32 and its logits
+    are transformers' on the same weights; quantization is refused naming head_dim. The kernels' attention takes head
+    dims that are multiples of 8: kvgen loaded both onto them and the first forward raised a RuntimeError."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=8, num_key_value_heads=4, head_dim=12)).eval()
+    ref.to(torch.bfloat16).save_pretrained(tmp_path, safe_serialization=True)
+    _, state = load_hf_directory(tmp_path, dtype=None)
+    assert not any(isinstance(t, GGUFBlocks) for t in state.values())
+    with pytest.raises(ValueError, match="needs a head_dim that is a multiple of 8, got 12"):
+        load_hf_directory(tmp_path, dtype=None, quantization=Q.Q8_0)
+    from kvgen.models import build_model
+
+    ours = build_model(*load_hf_directory(tmp_path, dtype=None))
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.inference_mode():
+        want = ref.float()(input_ids=ids).logits
+        got = ours.compute_logits(ours(ids, torch.arange(5)[None]))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -68,7 +68,8 @@ def load_hf_directory(
     """Config and state dict (our names, ``[out, in]`` matrices, ``dtype``) of an HF directory.
 
     ``dtype=None`` ("auto"): a Llama-family checkpoint whose matrices are all float16 or bfloat16 (with
-    ``in_features`` a multiple of 32) keeps them as stored, as F16 / BF16 :class:`GGUFBlocks` for the 16-bit
+    ``in_features`` a multiple of 32, and ``head_dim`` a multiple of 8 as the kernels' attention needs) keeps them as
+    stored, as F16 / BF16 :class:`GGUFBlocks` for the 16-bit
     kernels (vLLM's "auto": the checkpoint's dtype); anything else loads as float32. Gemma 3's norm weights load
     as ``1 + w`` (:func:`~kvgen.weights.name_maps.hf_norm_offset`; exact in float32, rounded in a 16-bit ``dtype``).
     Mixture-of-experts routers (:func:`~kvgen.weights.name_maps.is_router_weight`) load as ``dtype`` (float32 for
@@ -78,7 +79,8 @@ def load_hf_directory(
     ``quantization`` (a type of :data:`~kvgen.weights.quantized.QUANTIZATIONS`, with ``dtype=None``): every matrix
     but the routers and GPT-2's position table is encoded in that type as it is read
     (:func:`~kvgen.weights.quantized.quantize_matrix`), for the kernels; Llama-family, Gemma 2, Gemma 3 and GPT-2
-    checkpoints whose matrices have ``in_features`` a multiple of 32 only, else ``ValueError``.
+    checkpoints whose matrices have ``in_features`` a multiple of 32 (and, but for GPT-2, whose ``head_dim`` is a
+    multiple of 8) only, else ``ValueError``.
 
     Keys ignored before the strict check: saved buffers (GPT-2 ``attn.bias`` /
     ``attn.masked_bias``, Llama ``rotary_emb.inv_freq``) and ``lm_head.weight``
@@ -109,7 +111,7 @@ def load_hf_directory(
     if quantization is not None:
         _check_quantizable(config, matrices, dtype, quantization)
     keep_16bit = dtype is None and config.model_type in ("llama", "gemma3_text", "gemma2", "gpt_oss") and all(
-        e.dtype in _16BIT and shape[1] % 32 == 0 for e, shape in matrices.items())
+        e.dtype in _16BIT and shape[1] % 32 == 0 for e, shape in matrices.items()) and config.head_dim % 8 == 0
     state = _read_tensors(list(entries), dtype or torch.float32, keep_16bit, _interleaved_qk_heads(config),
                           quantization)
     if config.model_type == "gpt_oss":
@@ -246,6 +248,8 @@ def _check_quantizable(config: ModelConfig, matrices: dict[_Entry, tuple[int, ..
                None)  # shapes as ours: [out, in]
     if odd is not None:
         raise ValueError(f"quantization={name!r} needs matrices whose in_features is a multiple of 32, got {odd}")
+    if config.model_type != "gpt2" and config.head_dim % 8:  # the kernels' attention reads heads in 8-lane vectors
+        raise ValueError(f"quantization={name!r} needs a head_dim that is a multiple of 8, got {config.head_dim}")
 
 
 def _read_tensors(entries: list[_Entry], dtype: torch.dtype, keep_16bit: bool, qk_heads: dict[str, int],
