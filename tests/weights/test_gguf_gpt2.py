@@ -32,7 +32,8 @@ def gpt2() -> torch.nn.Module:
 
 
 def _write(path: Path, ref: torch.nn.Module, qtype: GGMLQuantizationType = Q.F32, skip_key: str = "") -> Path:
-    """``ref`` as a ``gpt2`` GGUF: matrices but the position table as ``qtype``, vectors F32."""
+    """``ref`` as a ``gpt2`` GGUF: matrices but the position table as ``qtype``, vectors F32; ``output.weight`` is
+    ``ref``'s own head (the embedding's copy when tied)."""
     cfg = ref.config
     w = GGUFWriter(str(path), "gpt2")
     keys = {"block_count": cfg.n_layer, "context_length": cfg.n_positions, "embedding_length": cfg.n_embd,
@@ -49,8 +50,8 @@ def _write(path: Path, ref: torch.nn.Module, qtype: GGMLQuantizationType = Q.F32
             x = np.ascontiguousarray(x.T)  # Conv1D [in, out] -> [out, in]
         parts = name.split(".")
         gguf_name = _GLOBAL.get(name) or f"blk.{parts[2]}.{_BLOCK['.'.join(parts[3:-1])]}.{parts[-1]}"
-        for out in (gguf_name, "output.weight") if gguf_name == "token_embd.weight" else (gguf_name,):
-            add_gguf_matrix(w, out, x, Q.F32 if gguf_name == "position_embd.weight" else qtype)
+        add_gguf_matrix(w, gguf_name, x, Q.F32 if gguf_name == "position_embd.weight" else qtype)
+    add_gguf_matrix(w, "output.weight", ref.lm_head.weight.detach().float().numpy(), qtype)
     finish_gguf(w)
     return path
 
@@ -70,6 +71,28 @@ def test_a_float_gpt2_file_gives_transformers_logits_and_tokens(gpt2, tmp_path: 
     out = generate(model, torch.tensor([prompt]), None, GenerationConfig(max_new_tokens=10, do_sample=False,
                                                                          eos_token_id=[], pad_token_id=0))
     assert out.new_token_ids[0] == hf_greedy(gpt2, prompt, 10)[:10]
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0])
+def test_an_untied_gpt2_files_own_output_weight_is_its_head(qtype, tmp_path: Path) -> None:
+    """A file whose output.weight is not the embedding's copy (an untied checkpoint's) loads it as ``lm_head``, as
+    llama.cpp reads it: transformers' logits (F32: float rounding; Q8_0: its error) and greedy tokens."""
+    ref = make_tiny_model("gpt2", tie=False, vocab_size=128, max_position_embeddings=64).ref
+    assert not torch.equal(ref.lm_head.weight, ref.transformer.wte.weight)
+    config, state, _ = load_gguf(_write(tmp_path / "untied.gguf", ref, qtype), dtype=None)
+    assert not config.tie_word_embeddings and "lm_head.weight" in state
+    model = build_model(config, state).eval()
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        got, want = model.compute_logits(model(ids, torch.arange(12)[None])), ref(ids).logits
+    if qtype == Q.F32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        prompt = [5, 17, 99, 3]
+        out = generate(model, torch.tensor([prompt]), None, GenerationConfig(max_new_tokens=10, do_sample=False,
+                                                                             eos_token_id=[], pad_token_id=0))
+        assert out.new_token_ids[0] == hf_greedy(ref, prompt, 10)[:10]
+    else:
+        assert float((got - want).abs().mean()) < 0.05 * float(want.abs().mean())
 
 
 def test_a_quantized_gpt2_file_runs_on_the_kernels(gpt2, tmp_path: Path) -> None:

@@ -75,8 +75,8 @@ def load_gguf(
     as :class:`GGUFBlocks` (kernel types as stored: ``weights.quantized``; every other type, float ones included, re-encoded as Q8_0) and loads vectors
     (norms, biases) as float32; in a file of float matrices, F16 and BF16 ones stay as stored (the 16-bit kernels:
     the file's weights, unquantized activations) and F32 ones re-encode as Q8_0 beside them; a file of F32 matrices loads as
-    float32 (``lm_head.weight`` only when the file has ``output.weight``; otherwise
-    ``config.tie_word_embeddings`` is True). ``config.attention_bias`` / ``o_proj_bias`` /
+    float32 (``lm_head.weight`` only when the file has ``output.weight`` and, in a ``gpt2`` file, it is not
+    ``token_embd``'s byte copy; otherwise ``config.tie_word_embeddings`` is True). ``config.attention_bias`` / ``o_proj_bias`` /
     ``mlp_bias`` follow the presence of ``attn_q.bias`` / ``attn_output.bias`` / ``ffn_up.bias``.
     Architectures: ``llama`` (q/k rows un-permuted), ``qwen2``, ``qwen3`` and ``phi3`` (stored as Hugging Face's;
     phi3's ``attn_qkv`` and [2I, C] ``ffn_up`` load as ``qkv_proj`` / ``gate_up_proj``, its ``rope_factors_*``
@@ -102,16 +102,20 @@ def load_gguf(
     arch = meta.get("general.architecture")
     check_layer_count(f"{arch}.block_count", meta.get(f"{arch}.block_count"), by_name, path)
     config = ModelConfig.from_gguf_metadata(meta)
-    is_gpt2 = config.model_type == "gpt2"  # its output.weight is the embedding's copy: kvgen's GPT-2 ties its head
+    # a gpt2 file's output.weight is the converter's copy of token_embd (a tied head, as HF GPT-2's), or an untied
+    # head of its own, which llama.cpp reads as it reads a Llama file's
+    head_is_copy = config.model_type == "gpt2" and _is_copy(reader, by_name, "output.weight", "token_embd.weight")
     config = replace(
         config,
         rope_scaling=_rope_scaling(by_name, config, meta, path),
-        tie_word_embeddings=is_gpt2 or "output.weight" not in by_name,
+        tie_word_embeddings=head_is_copy or "output.weight" not in by_name,
         attention_bias="blk.0.attn_q.bias" in by_name or "blk.0.attn_qkv.bias" in by_name,
         o_proj_bias="blk.0.attn_output.bias" in by_name,  # Qwen2 biases q/k/v only
         mlp_bias="blk.0.ffn_up.bias" in by_name,
     )
     names, stacks = _map_names(reader, path, meta["general.architecture"])
+    if head_is_copy:
+        del names["output.weight"]
     if config.num_experts:
         config = replace(config, mlp_only_layers=_dense_layers(by_name, config))
         if len(config.mlp_only_layers) == config.num_hidden_layers:  # it loaded as a dense model
@@ -124,7 +128,7 @@ def load_gguf(
     for g, template in stacks.items():  # expert e of a stack [E, rows, cols]
         for e in range(int(by_name[g].shape[-1])):
             found |= _unfused(template.format(e), _torch_shape(by_name[g])[1:])
-    ignored = [n for n in (*_ROPE_TENSORS, *(("output.weight",) if is_gpt2 else ())) if n in by_name]
+    ignored = [n for n in (*_ROPE_TENSORS, *(("output.weight",) if head_is_copy else ())) if n in by_name]
     check_state_dict(shapes, found, path, ignored=ignored)
     for name in (*names, *stacks):
         _check_quant_type(by_name[name])
@@ -258,6 +262,16 @@ def _compact_tensor(t: ReaderTensor, qk_heads: int | None, keep_16bit: bool,
     return blocks
 
 
+def _is_copy(reader: GGUFReader, by_name: dict[str, ReaderTensor], name: str, original: str) -> bool:
+    """Whether tensor ``name`` has the type, shape and bytes of ``original`` (its pages read once, then released)."""
+    a, b = by_name.get(name), by_name.get(original)
+    if a is None or b is None or a.tensor_type != b.tensor_type or list(a.shape) != list(b.shape):
+        return False
+    same = bool(np.array_equal(a.data, b.data))
+    _release_pages(reader, a)
+    return same
+
+
 def _map_names(reader: GGUFReader, path: str, arch: str) -> tuple[dict[str, str], dict[str, str]]:
     """GGUF tensor name -> our name, and expert stack name -> its experts' names as a format string (of the
     expert index); ModelFormatError listing unknown tensors."""
@@ -271,7 +285,7 @@ def _map_names(reader: GGUFReader, path: str, arch: str) -> tuple[dict[str, str]
             names[t.name] = ours
         elif stack is not None:
             stacks[t.name] = stack
-        elif t.name not in _ROPE_TENSORS and not (arch == "gpt2" and t.name == "output.weight"):  # rope: the config's
+        elif t.name not in _ROPE_TENSORS:  # rope: the config's
             unknown.append(f"{t.name} ({t.tensor_type.name}, {list(_torch_shape(t))})")
     if unknown:
         raise ModelFormatError(f"{path} has tensors kvgen does not know: {', '.join(unknown)}")

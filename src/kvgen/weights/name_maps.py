@@ -265,15 +265,16 @@ _GGUF_GPT_OSS_BLOCK = {k: v for k, v in _GGUF_BLOCK.items() if k.startswith("att
 }
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp's gpt2 architecture (convert_hf_to_gguf GPT2Model: Conv1D matrices stored transposed, as [out, in];
-# output.weight a copy of token_embd, which kvgen's tied GPT-2 does not load) -> Hugging Face GPT-2 names
+# output.weight usually a copy of token_embd, which the loader then leaves out: a tied head) -> Hugging Face GPT-2
+# names
 _GGUF_GPT2_GLOBAL = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
-                     "output_norm": "transformer.ln_f"}
+                     "output_norm": "transformer.ln_f", "output": "lm_head"}
 _GGUF_GPT2_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
                     "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
 
 
 def _gguf_gpt2_name(name: str) -> str | None:
-    """Our (Hugging Face) GPT-2 name of a tensor of a llama.cpp ``gpt2`` file, or None (``output.weight`` too)."""
+    """Our (Hugging Face) GPT-2 name of a tensor of a llama.cpp ``gpt2`` file, or None."""
     base, _, kind = name.rpartition(".")
     if base in _GGUF_GPT2_GLOBAL and kind in ("weight", "bias") and (kind == "weight" or base == "output_norm"):
         return f"{_GGUF_GPT2_GLOBAL[base]}.{kind}"
@@ -296,7 +297,7 @@ def gguf_to_kvgen_name(name: str, arch: str = "llama") -> str | None:
     ``mlp.shared_expert.*`` / ``mlp.shared_expert_gate``, an older file's ``blk.3.ffn_up.5.weight`` ->
     ``model.layers.3.mlp.experts.5.up_proj.weight`` (expert stacks: :func:`gguf_expert_stack_name`).
     A ``gpt2`` file's names map to Hugging Face GPT-2's (``blk.3.attn_qkv.bias`` -> ``transformer.h.3.attn.c_attn.bias``;
-    its ``output.weight``, the embedding's copy, to None: kvgen's GPT-2 ties its head).
+    its ``output.weight`` -> ``lm_head.weight``, which the loader leaves out when it is the embedding's copy).
     """
     if arch == "gpt2":
         return _gguf_gpt2_name(name)
