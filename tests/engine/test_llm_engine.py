@@ -278,6 +278,21 @@ def test_bad_requests_raise_naming_the_field_and_others_finish_normally(model_to
         EngineArgs(max_num_seqs=0)
 
 
+def test_a_refused_n_request_leaves_nothing_behind(model_tok, prompts, reference):
+    """Stop strings need a tokenizer: an ``n > 1`` request refused for that leaves no parent holding its id."""
+    model, _ = model_tok
+    engine = LLMEngine(model, None, EngineArgs(num_blocks=64))
+    for _ in range(2):
+        with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+            engine.add_request("p", prompt_token_ids=prompts[0], sampling_params=SamplingParams(n=2, stop=["x"]))
+    assert not engine.has_unfinished_requests() and not engine._parents and not engine._child_to_parent
+    engine.add_request("p", prompt_token_ids=prompts[0], sampling_params=dataclasses.replace(GREEDY, n=2))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [c.token_ids for c in outputs[-1].outputs] == [reference[0]] * 2
+
+
 def test_a_step_that_fails_leaves_the_llm_usable(model_tok, prompts, reference, monkeypatch):
     """An exception inside a step (here the runner's) ends that generate() call, whose requests leave the engine:
     the next call gives the reference tokens (the requests stayed and failed every later step before)."""

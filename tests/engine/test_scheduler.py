@@ -366,6 +366,19 @@ def test_abort_frees_blocks_at_the_next_schedule() -> None:
     assert bm.num_free_blocks == 8 and not scheduler.has_unfinished_requests()
 
 
+def test_pending_abort_of_an_unknown_or_finished_id_spares_a_new_request_with_that_id() -> None:
+    scheduler, runner = setup()
+    scheduler.abort_request("a")  # unknown now: ignored, even once "a" is added before the next schedule()
+    scheduler.add_request(make_request("a", 3, max_tokens=2))
+    assert drain(scheduler, runner)["a"].finish_reason == "length"
+    scheduler.abort_request("a")  # finished: ignored too
+    scheduler.add_request(make_request("a", 3, max_tokens=2))
+    assert drain(scheduler, runner)["a"].finish_reason == "length"
+    scheduler.add_request(make_request("b", 3, max_tokens=2))
+    scheduler.abort_request("b")  # an abort after the add still applies
+    assert drain(scheduler, runner)["b"].finish_reason == "abort"
+
+
 def test_finish_requests_frees_now_and_tells_the_runner_next_step() -> None:
     scheduler, runner = setup()
     r = make_request("a", 6, max_tokens=50)

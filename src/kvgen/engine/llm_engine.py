@@ -146,12 +146,13 @@ class LLMEngine:
                               grammar=grammars[0]))
             return
         parent = ParentRequest(request_id, params)
-        self._parents[request_id] = parent
-        for index, child_id in enumerate(parent.child_ids):
-            self._child_to_parent[child_id] = (parent, index)
+        for index, child_id in enumerate(parent.child_ids):  # the first child's errors (stop strings without a
+            # tokenizer) raise before the parent is registered: a registered parent would hold its id forever
             self._add(Request(request_id=child_id, prompt_token_ids=list(token_ids), prompt=text, arrival_time=arrival,
                               sampling_params=child_sampling_params(params, index), priority=priority,
                               eos_token_ids=self.eos_token_ids, grammar=grammars[index]))
+        self._parents[request_id] = parent
+        self._child_to_parent.update((child_id, (parent, index)) for index, child_id in enumerate(parent.child_ids))
 
     def _grammars(self, params: SamplingParams) -> list[GrammarMatcher | None]:
         """One structured-output matcher per completion (None without ``structured_outputs``).

@@ -83,8 +83,14 @@ class Scheduler:
     # ------------------------------------------------------------ requests in and out
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request; its id must not be in flight (``LLMEngine.add_request`` checks that)."""
+        """Queue a new request; its id must not be in flight (``LLMEngine.add_request`` checks that).
+
+        Aborts of its id still pending (the id was unknown or finished when they came) are dropped, so they never
+        reach this newer request.
+        """
         assert request.request_id not in self.requests, f"request {request.request_id!r} is already in flight"
+        while request.request_id in self._pending_aborts:  # issued before this add: for an earlier request or none
+            self._pending_aborts.remove(request.request_id)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._enqueue(request)
