@@ -1,5 +1,8 @@
 """kvgen.engine.block_manager: allocation, reference counts, prefix caching and LRU eviction."""
 
+import hashlib
+from array import array
+
 import pytest
 
 from kvgen.engine.block_manager import BlockManager, hash_block
@@ -65,6 +68,14 @@ def test_hit_needs_the_same_prefix_not_just_the_same_block() -> None:
     # Block 2 matches a's block 2 token for token, but block 1 differs: the chained hash misses.
     assert bm.get_computed_blocks(make_request("b", [0, 2, 3, 4, 5, 6, 7, 8, 9])) == ([], 0)
     assert hash_block(None, [1, 2]) != hash_block(hash_block(None, [0]), [1, 2])
+
+
+def test_block_keys_are_sha256_of_the_parent_key_and_the_int64_token_ids() -> None:
+    """vLLM's default since CVE-2025-25183: Python's ``hash()`` of int tuples is the same in every process, so a
+    client could aim a prompt at another request's cached blocks; a SHA-256 chain cannot be aimed."""
+    first = hash_block(None, [1, 2])
+    assert first == hashlib.sha256(array("q", [1, 2]).tobytes()).digest()
+    assert hash_block(first, [-3, 2**40]) == hashlib.sha256(first + array("q", [-3, 2**40]).tobytes()).digest()
 
 
 def test_hit_never_covers_the_whole_prompt() -> None:

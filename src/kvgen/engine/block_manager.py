@@ -2,7 +2,7 @@
 counts, block tables and the prefix cache.
 
 A block holds ``block_size`` consecutive positions of one sequence. With prefix caching
-every FULL, computed block is registered under ``hash((parent_hash, tokens))``, so a later
+every FULL, computed block is registered under ``sha256(parent_hash + tokens)``, so a later
 request whose tokens start the same way reuses those blocks (reference counts let several
 requests share them; full blocks are never written again, so sharing needs no copy).
 A freed block keeps its hash and stays reusable until it is evicted, least recently freed
@@ -18,6 +18,8 @@ nano-vllm ``block_manager.py`` (shape).
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
@@ -32,9 +34,15 @@ from kvgen.engine.request import Request
 DEFAULT_BLOCK_SIZE = 128
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Prefix-cache key of a full block: its tokens chained to every block before it."""
-    return hash((parent_hash, tuple(token_ids)))
+BlockHash = bytes  # a SHA-256 digest, 32 bytes
+
+
+def hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Prefix-cache key of a full block: SHA-256 of its parent's key and its token ids (int64), so its tokens are
+    chained to every block before it. A cryptographic hash, as vLLM's default since CVE-2025-25183: with Python's
+    ``hash()`` of int tuples (not randomized per process) a client could build a prompt whose blocks collide with
+    another request's and be served that request's KV entries."""
+    return hashlib.sha256((parent_hash or b"") + array("q", token_ids).tobytes()).digest()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -55,8 +63,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self._block_hash: list[int | None] = [None] * num_blocks
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._block_hash: list[BlockHash | None] = [None] * num_blocks
+        self._cached: dict[BlockHash, int] = {}  # block hash -> block id
         self._free_uncached: deque[int] = deque(range(num_blocks))  # taken from the left
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU order: first = evicted first
         self._num_registered: dict[str, int] = {}  # request_id -> leading blocks already registered
@@ -75,7 +83,7 @@ class BlockManager:
         """Fraction of the pool held by requests, in [0, 1]."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def block_hashes(self, request: Request, num_blocks: int) -> list[int]:
+    def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """Hashes of the request's first ``min(num_blocks, full blocks)`` blocks (memoized on the request)."""
         hashes, size = request.block_hashes, self.block_size
         num_full = min(num_blocks, request.num_tokens // size)

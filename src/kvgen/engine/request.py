@@ -65,7 +65,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list, init=False, repr=False)  # prompt + output
     num_computed_tokens: int = field(default=0, init=False)
     block_ids: list[int] = field(default_factory=list, init=False)
-    block_hashes: list[int] = field(default_factory=list, init=False, repr=False)  # full blocks, by BlockManager
+    block_hashes: list[bytes] = field(default_factory=list, init=False, repr=False)  # full blocks, by BlockManager
     num_cached_prefix_tokens: int = field(default=0, init=False)  # prefix-cache hit at first admission
     num_preemptions: int = field(default=0, init=False)
     # speculative decoding: drafts allowed next step (0 = the config's num_speculative_tokens), adapted by the scheduler

@@ -252,7 +252,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ prefix sharing within a step
 
-    def _new_full_block_hashes(self, request: Request, scheduled: ScheduledRequest) -> list[int]:
+    def _new_full_block_hashes(self, request: Request, scheduled: ScheduledRequest) -> list[bytes]:
         """Hashes of the blocks this step's chunk completes (registered only after it runs)."""
         if not self.block_manager.enable_prefix_caching:
             return []
@@ -260,7 +260,7 @@ class Scheduler:
         end = (scheduled.start_position + len(scheduled.token_ids)) // size
         return self.block_manager.block_hashes(request, end)[scheduled.start_position // size :]
 
-    def _waits_for_in_flight(self, request: Request, num_cached: int, in_flight: set[int]) -> bool:
+    def _waits_for_in_flight(self, request: Request, num_cached: int, in_flight: set[bytes]) -> bool:
         """Whether the request's next cacheable block is being computed by another request now."""
         index = num_cached // self.block_manager.block_size
         if not in_flight or index >= (request.num_tokens - 1) // self.block_manager.block_size:
