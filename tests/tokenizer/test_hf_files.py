@@ -151,6 +151,9 @@ def test_continue_final_message_and_chat_template_kwargs_match_transformers(trai
     assert not ours.apply_chat_template(messages).startswith("<think>")
     with pytest.raises(ValueError, match="cannot both be true"):
         ours.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
+    for blank in ("", "  \n"):  # transformers would return the closed turn: nothing to continue
+        with pytest.raises(ValueError, match="final message with text to continue"):
+            ours.apply_chat_template([*messages[:-1], {"role": "assistant", "content": blank}], continue_final_message=True)
 
 
 def test_continue_final_message_cuts_where_transformers_does(trained: BackendTokenizer, tmp_path: Path) -> None:

@@ -242,13 +242,16 @@ class Tokenizer:
 def _cut_after_final_message(text: str, final: dict[str, Any]) -> str:
     """``text`` up to the end of the final message's content (its last text part), as transformers'
     ``continue_final_message``: its last occurrence, with its trailing whitespace where the template kept it and the
-    content has no leading whitespace. Raises ``ValueError`` when the rendered prompt does not contain it."""
+    content has no leading whitespace. Raises ``ValueError`` for an empty (or blank) content, or when the rendered prompt
+    does not contain it."""
     content = final.get("content")
     if isinstance(content, list):  # text parts: transformers continues the last one
         texts = [part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)]
         content = texts[-1] if texts else ""
     content = content or ""
-    start = text.rfind(content.strip()) if content.strip() else -1
+    if not content.strip():  # transformers keeps the whole prompt, end of turn included: nothing is continued
+        raise ValueError("continue_final_message needs a final message with text to continue, got an empty one")
+    start = text.rfind(content.strip())
     if start < 0:
         raise ValueError("continue_final_message: the final message's content does not appear in the rendered prompt")
     kept = content.lstrip()  # compared with the whole content, as transformers does
