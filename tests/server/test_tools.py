@@ -43,6 +43,19 @@ def test_llama3_json_replies_are_calls_when_they_are_json_objects():
         assert parse(text) == (text, []), text
 
 
+def test_llama3_json_keeps_every_call_whatever_separates_them():
+    """Calls separated by ", ", a newline or ";" without a space are all calls, as vLLM parses them; a ";" at the
+    end closed the reply and the calls in between were dropped."""
+    parse = TOOL_CALL_PARSERS["llama3_json"].extract
+    a, b, c = ('{"name": "a", "parameters": {"x": 1}}', '{"name": "b", "parameters": {}}',
+               '{"name": "c", "arguments": {"y": [1, {"z": "}{"}]}}')
+    for text in (f"{a}, {b}, {c};", f"{a}\n{b}\n{c}", f"{a};{b};{c}", f"{a} ; {b}; {c}"):
+        content, calls = parse(text)
+        assert content is None and [call.function.name for call in calls] == ["a", "b", "c"], text
+    for text in (f"{a}, and {b}", f"{a};;{b}", f"{a}; text"):
+        assert parse(text) == (text, []), text
+
+
 def test_mistral_calls_follow_the_marker():
     parse = TOOL_CALL_PARSERS["mistral"].extract
     content, calls = parse('Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}, '

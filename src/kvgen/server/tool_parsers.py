@@ -90,8 +90,9 @@ class MistralParser(MarkerParser):
 
 
 class Llama3JsonParser:
-    """A reply that is one or more JSON objects ``{"name": ..., "parameters": {...}}`` separated by ``;``, after an
-    optional ``<|python_tag|>`` (Llama 3.1 / 3.2's JSON tool calling); any other reply is content.
+    """A reply that is one or more JSON objects ``{"name": ..., "parameters": {...}}`` (separated by ``;``, ``,`` or
+    whitespace), after an optional ``<|python_tag|>`` (Llama 3.1 / 3.2's JSON tool calling); any other reply is
+    content.
     Source: vLLM ``Llama3JsonToolParser``."""
 
     python_tag = "<|python_tag|>"
@@ -112,12 +113,21 @@ class Llama3JsonParser:
             while i < len(body):
                 obj, i = decoder.raw_decode(body, i)
                 calls.append(parsed_call(obj["name"], obj.get("arguments", obj.get("parameters"))))
-                i = len(body) if not body[i:].strip() else body.index(";", i) + 1
-                while i < len(body) and body[i].isspace():
-                    i += 1
+                i = self._next_call(body, i)
         except (ValueError, KeyError, TypeError, AttributeError):
             return text, []
         return None, calls
+
+    @staticmethod
+    def _next_call(body: str, i: int) -> int:
+        """Where the call after the one ending at ``i`` starts: past whitespace and one ``;`` or ``,`` (vLLM takes
+        ``{...}; {...}``, ``{...}, {...}`` and ``{...}\n{...}`` alike); ``len(body)`` at the end, ``ValueError`` when
+        anything else follows (the reply is then text)."""
+        rest = body[i:].lstrip()
+        rest = rest[1:].lstrip() if rest[:1] in (";", ",") else rest
+        if rest and not rest.startswith("{"):
+            raise ValueError(f"text after a tool call: {rest[:20]!r}")
+        return len(body) - len(rest)
 
 
 TOOL_CALL_PARSERS: dict[str, HermesParser | MistralParser | Llama3JsonParser] = {
