@@ -63,6 +63,9 @@ def test_mistral_calls_follow_the_marker():
     assert content == "Sure. " and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         ("get_weather", {"city": "Rome"}), ("get_time", {"tz": "CET"})]
     assert parse('[TOOL_CALLS] {"name": "f", "arguments": {}}')[0] is None
+    for tail in ("</s>", " Done.", "\n"):  # text after the array is dropped (vLLM's [{...}] regex), the calls kept
+        content, calls = parse('Hi[TOOL_CALLS][{"name": "f", "arguments": {"a": "]"}}]' + tail)
+        assert content == "Hi" and [(c.function.name, c.function.arguments) for c in calls] == [("f", '{"a": "]"}')]
     for text in ("no call", "[TOOL_CALLS] [{broken", '[TOOL_CALLS] [{"name": "f"}]'):
         assert parse(text) == (text, []), text
 

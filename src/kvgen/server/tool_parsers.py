@@ -71,7 +71,8 @@ class HermesParser(MarkerParser):
 
 
 class MistralParser(MarkerParser):
-    """``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (Mistral 7B Instruct v0.3 and later's JSON form).
+    """``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (Mistral 7B Instruct v0.3 and later's JSON form);
+    text after the array (``</s>`` kept by skip_special_tokens false, a remark) is dropped.
     Source: vLLM ``MistralToolParser``."""
 
     marker = "[TOOL_CALLS]"
@@ -81,7 +82,8 @@ class MistralParser(MarkerParser):
         if found < 0:
             return text, []
         try:
-            payload = json.loads(text[found + len(self.marker) :])
+            start = len(text) - len(text[found + len(self.marker) :].lstrip())
+            payload = json.JSONDecoder().raw_decode(text, start)[0]  # text after the calls is dropped, as vLLM's regex
             payload = payload if isinstance(payload, list) else [payload]
             calls = [parsed_call(c["name"], c["arguments"]) for c in payload]
         except (ValueError, KeyError, TypeError):
