@@ -78,6 +78,22 @@ def test_streamable_content_stops_where_a_call_may_start():
     assert llama.num_streamable("The weather") == len("The weather")
 
 
+@pytest.mark.parametrize("parser,is_kept", [("hermes", True), ("mistral", True), ("llama3_json", False)])
+def test_marker_parsers_keep_special_tokens_in_the_text(parser, is_kept):
+    """Mistral's [TOOL_CALLS] (and Hermes 2 Pro's <tool_call>) are special tokens: skipped from the text, the parser
+    never saw a call. vLLM's adjust_request turns skip_special_tokens off when tools may be called."""
+    from kvgen.server.protocol import ChatCompletionRequest
+    from kvgen.server.tools import tool_plan
+
+    for choice, expected in (("auto", not is_kept), ("required", not is_kept), ("none", True)):
+        req = ChatCompletionRequest(messages=MESSAGES, tools=[WEATHER], tool_choice=choice)
+        tool_plan(req, parser)
+        assert req.skip_special_tokens is expected, choice
+    req = ChatCompletionRequest(messages=MESSAGES, tools=[WEATHER], tool_choice="required")
+    tool_plan(req, None)  # without --enable-auto-tool-choice: as asked
+    assert req.skip_special_tokens is True
+
+
 def test_auto_tool_choice_needs_a_parser():
     with pytest.raises(ValueError, match="needs a tool_call_parser"):
         ServerArgs(enable_auto_tool_choice=True)

@@ -43,9 +43,11 @@ def _held_back(text: str, marker: str) -> int:
 
 
 class MarkerParser:
-    """Calls follow ``marker``; the text before it is the content."""
+    """Calls follow ``marker``; the text before it is the content. The marker may be a special token (Mistral's
+    ``[TOOL_CALLS]``, Hermes 2 Pro's ``<tool_call>``), so requests that may call keep special tokens in the text."""
 
     marker = ""
+    is_keeping_special_tokens = True
 
     def num_streamable(self, text: str) -> int:
         found = text.find(self.marker)
@@ -98,6 +100,7 @@ class Llama3JsonParser:
     Source: vLLM ``Llama3JsonToolParser``."""
 
     python_tag = "<|python_tag|>"
+    is_keeping_special_tokens = False  # the JSON is the call; vLLM leaves skip_special_tokens as asked
 
     def num_streamable(self, text: str) -> int:
         start = text.lstrip()
