@@ -21,6 +21,8 @@ CASES = {  # reply -> (deepseek_r1, qwen3) as (reasoning, content)
     "<thi": (("<thi", ""), (None, "<thi")),
     "<think></think>x": (("", "x"),) * 2,
     "": (("", ""), (None, "")),
+    "<think>": (("", ""),) * 2,  # stopped right after opening (max_tokens 1): no "<think>" left in either field
+    " \n<think>": (("", ""),) * 2,
 }
 
 
@@ -35,6 +37,30 @@ def test_replies_split_as_vllm_and_the_same_streamed(reply, index, parser):
             reasoning, content = reasoning + r, content + c
         r, c = splitter.finish()
         assert ((reasoning + r) if splitter.has_reasoning else None, content + c) == CASES[reply][index]
+
+
+QWEN3_PROMPTS = {  # the end of the rendered prompt -> whether a qwen3 reply starts inside its reasoning
+    "<|im_start|>assistant\n<think>\n": True,  # Qwen3-Thinking-2507 / Qwen3.5 open it in the prompt
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n": False,  # enable_thinking false closes it
+    "<|im_start|>assistant\n": False,  # Qwen3's first template: the model writes <think> itself
+    "": False,
+}
+
+
+@pytest.mark.parametrize("tail", list(QWEN3_PROMPTS))
+def test_qwen3_replies_start_inside_a_reasoning_the_prompt_opened(tail):
+    """vLLM (PR 34779) splits ``reasoning</think>content`` when the template wrote ``<think>``: kvgen returned the
+    whole reply, ``</think>`` included, as content. Streamed at every split point, the same fields."""
+    is_open = QWEN3_PROMPTS[tail]
+    reply = "Two and two.</think>\n\nFour."
+    expected = ("Two and two.", "\n\nFour.") if is_open else (None, reply)
+    assert new_splitter("qwen3", tail).split(reply) == expected
+    assert new_splitter("qwen3", tail).split("<think>a</think>b") == ("a", "b")  # a <think> written is dropped
+    assert new_splitter("deepseek_r1", tail).split(reply) == ("Two and two.", "\n\nFour.")
+    for cut in range(1, len(reply)):
+        splitter = new_splitter("qwen3", tail)
+        (r1, c1), (r2, c2), (r3, c3) = splitter.feed(reply[:cut]), splitter.feed(reply[cut:]), splitter.finish()
+        assert ((r1 + r2 + r3) if splitter.has_reasoning else None, c1 + c2 + c3) == expected, cut
 
 
 def test_unknown_parsers_are_refused():
@@ -94,3 +120,31 @@ def test_responses_put_the_reasoning_in_a_reasoning_item(r1_server):
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
     assert deltas == reasoning.content[0].text
     assert [item["type"] for item in events[-1]["response"]["output"]] == ["reasoning", "message"]
+
+
+def test_qwen3_server_reads_the_reasoning_its_template_opened(tiny_model_dir, tmp_path, launch_server):
+    """A template that writes ``<think>\\n`` after the assistant header (Qwen3.5's): the reply's text up to
+    ``</think>`` is reasoning in chat completions, streamed or not, and in /v1/responses (a reasoning item)."""
+    from openai import OpenAI
+
+    from helpers import CHATML_TEMPLATE
+
+    template = tmp_path / "thinking.jinja"
+    template.write_text(CHATML_TEMPLATE.replace("'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n'"))
+    live = launch_server(tiny_model_dir, tmp_path / "qwen3.log", "--num-blocks", "256", "--reasoning-parser", "qwen3",
+                         "--chat-template", str(template))
+    forced = {"structured_outputs": {"regex": r"Two and two\.</think>Four\."}}
+    try:
+        with OpenAI(base_url=live.v1, api_key="unused", max_retries=0, timeout=60) as client:
+            message = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=40,
+                                                     extra_body=forced).choices[0].message
+            assert (message.reasoning, message.content) == ("Two and two.", "Four.")
+            deltas = [choice.delta for chunk in client.chat.completions.create(
+                model="tiny", messages=MESSAGES, temperature=0, max_tokens=40, extra_body=forced, stream=True)
+                for choice in chunk.choices]
+            assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == "Two and two."
+            assert "".join(d.content or "" for d in deltas) == "Four."
+            r = client.responses.create(model="tiny", input="What is 2 + 2?", temperature=0, max_output_tokens=8)
+            assert r.output[0].type == "reasoning" and r.output[0].content[0].text  # no </think>: all reasoning
+    finally:
+        assert live.stop() == 0, live.log()[-3000:]

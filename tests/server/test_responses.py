@@ -84,6 +84,12 @@ def test_streamed_events_build_the_same_response(client, server):
                           "response.incomplete"]
     done = client.responses.create(model="tiny", **cut).model_dump()
     last = events[-1][1]["response"]
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    Response.model_validate(last)  # the SDK's schema, validated (it only constructs): cache_write_tokens is required
+    for _, data in events:
+        TypeAdapter(ResponseStreamEvent).validate_python(data)
     assert events[0][1]["response"]["status"] == "in_progress" and last["status"] == "incomplete"
     assert last["output"][0]["content"] == done["output"][0]["content"]
     assert last["usage"]["output_tokens"] == done["usage"]["output_tokens"] == 5

@@ -43,6 +43,19 @@ def test_llama3_json_replies_are_calls_when_they_are_json_objects():
         assert parse(text) == (text, []), text
 
 
+def test_llama3_json_keeps_every_call_whatever_separates_them():
+    """Calls separated by ", ", a newline or ";" without a space are all calls, as vLLM parses them; a ";" at the
+    end closed the reply and the calls in between were dropped."""
+    parse = TOOL_CALL_PARSERS["llama3_json"].extract
+    a, b, c = ('{"name": "a", "parameters": {"x": 1}}', '{"name": "b", "parameters": {}}',
+               '{"name": "c", "arguments": {"y": [1, {"z": "}{"}]}}')
+    for text in (f"{a}, {b}, {c};", f"{a}\n{b}\n{c}", f"{a};{b};{c}", f"{a} ; {b}; {c}"):
+        content, calls = parse(text)
+        assert content is None and [call.function.name for call in calls] == ["a", "b", "c"], text
+    for text in (f"{a}, and {b}", f"{a};;{b}", f"{a}; text"):
+        assert parse(text) == (text, []), text
+
+
 def test_mistral_calls_follow_the_marker():
     parse = TOOL_CALL_PARSERS["mistral"].extract
     content, calls = parse('Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}, '
@@ -50,6 +63,9 @@ def test_mistral_calls_follow_the_marker():
     assert content == "Sure. " and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         ("get_weather", {"city": "Rome"}), ("get_time", {"tz": "CET"})]
     assert parse('[TOOL_CALLS] {"name": "f", "arguments": {}}')[0] is None
+    for tail in ("</s>", " Done.", "\n"):  # text after the array is dropped (vLLM's [{...}] regex), the calls kept
+        content, calls = parse('Hi[TOOL_CALLS][{"name": "f", "arguments": {"a": "]"}}]' + tail)
+        assert content == "Hi" and [(c.function.name, c.function.arguments) for c in calls] == [("f", '{"a": "]"}')]
     for text in ("no call", "[TOOL_CALLS] [{broken", '[TOOL_CALLS] [{"name": "f"}]'):
         assert parse(text) == (text, []), text
 
@@ -60,6 +76,22 @@ def test_streamable_content_stops_where_a_call_may_start():
     assert hermes.num_streamable("A<tool_call>{...") == 1 and mistral.num_streamable("ok [TOOL_") == 3
     assert llama.num_streamable("  ") == 0 and llama.num_streamable(' {"na') == 0 and llama.num_streamable("<|py") == 0
     assert llama.num_streamable("The weather") == len("The weather")
+
+
+@pytest.mark.parametrize("parser,is_kept", [("hermes", True), ("mistral", True), ("llama3_json", False)])
+def test_marker_parsers_keep_special_tokens_in_the_text(parser, is_kept):
+    """Mistral's [TOOL_CALLS] (and Hermes 2 Pro's <tool_call>) are special tokens: skipped from the text, the parser
+    never saw a call. vLLM's adjust_request turns skip_special_tokens off when tools may be called."""
+    from kvgen.server.protocol import ChatCompletionRequest
+    from kvgen.server.tools import tool_plan
+
+    for choice, expected in (("auto", not is_kept), ("required", not is_kept), ("none", True)):
+        req = ChatCompletionRequest(messages=MESSAGES, tools=[WEATHER], tool_choice=choice)
+        tool_plan(req, parser)
+        assert req.skip_special_tokens is expected, choice
+    req = ChatCompletionRequest(messages=MESSAGES, tools=[WEATHER], tool_choice="required")
+    tool_plan(req, None)  # without --enable-auto-tool-choice: as asked
+    assert req.skip_special_tokens is True
 
 
 def test_auto_tool_choice_needs_a_parser():

@@ -108,10 +108,11 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         return ChatCompletionResponse(
             id=gen.request_id, created=gen.created, model=state.model_name,
             usage=usage(len(prompt_ids), choices),
-            choices=[_choice(state, req, c, plan) for c in choices],
+            choices=[_choice(state, req, c, plan, prompt_tail) for c in choices],
         )
 
-    stream = _stream(state, req, gen, len(prompt_ids), plan) if req.stream else None
+    prompt_tail = reasoning_prompt_tail(state, prompt_ids)
+    stream = _stream(state, req, gen, len(prompt_ids), ChatDeltas(state, req, plan, prompt_tail)) if req.stream else None
     return await respond(gen, raw, req.n, stream, response)
 
 
@@ -139,13 +140,23 @@ def reply_parts(plan: ToolPlan | None, text: str) -> tuple[str | None, list[Tool
     return (None, calls) if calls else (text, None)
 
 
-def split_reasoning(state: ServerState, text: str) -> tuple[str | None, str]:
+def reasoning_prompt_tail(state: ServerState, prompt_ids: list[int]) -> str:
+    """The text of the prompt's last tokens, where a template that opens the reasoning writes ``<think>``; "" without
+    a reasoning parser."""
+    return state.tokenizer.decode(prompt_ids[-_NUM_TAIL_TOKENS:]) if state.reasoning_parser else ""
+
+
+_NUM_TAIL_TOKENS = 32  # "<think>\n\n</think>\n\n" (thinking disabled) fits, even in byte-level tokens
+
+
+def split_reasoning(state: ServerState, text: str, prompt_tail: str = "") -> tuple[str | None, str]:
     """(reasoning, the rest) of a finished reply under the server's reasoning parser; (None, text) without one."""
-    return new_splitter(state.reasoning_parser).split(text) if state.reasoning_parser else (None, text)
+    return new_splitter(state.reasoning_parser, prompt_tail).split(text) if state.reasoning_parser else (None, text)
 
 
-def _choice(state: ServerState, req: ChatCompletionRequest, c: ChoiceResult, plan: ToolPlan | None) -> ChatCompletionChoice:
-    reasoning, text = split_reasoning(state, c.text)
+def _choice(state: ServerState, req: ChatCompletionRequest, c: ChoiceResult, plan: ToolPlan | None,
+            prompt_tail: str) -> ChatCompletionChoice:
+    reasoning, text = split_reasoning(state, c.text, prompt_tail)
     content, calls = reply_parts(plan, text)
     return ChatCompletionChoice(
         index=c.index, message=ChatCompletionMessage(content=content, tool_calls=calls, reasoning=reasoning),
@@ -159,8 +170,9 @@ class ChatDeltas:
     ``"required"`` and ``"auto"`` come whole in the deltas before the finish (the text must be complete to parse);
     ``"auto"`` streams its content as written, holding back only what may start a call."""
 
-    def __init__(self, state: ServerState, req: ChatCompletionRequest, plan: ToolPlan | None) -> None:
-        self.state, self.req, self.plan = state, req, plan
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, plan: ToolPlan | None,
+                 prompt_tail: str = "") -> None:
+        self.state, self.req, self.plan, self.prompt_tail = state, req, plan, prompt_tail
         self.pending: dict[int, str] = {}  # "required" / "auto": each choice's text so far
         self.pending_logprobs: dict[int, tuple[list[int], list]] = {}  # and its token ids and logprobs
         self.num_sent: dict[int, int] = {}  # "auto": characters of it already streamed as content
@@ -181,7 +193,7 @@ class ChatDeltas:
         parser, the reasoning comes as ``delta.reasoning`` and only the rest goes on as the text below."""
         parser = self.state.reasoning_parser
         if parser:
-            splitter = self.splitters.setdefault(c.index, new_splitter(parser))
+            splitter = self.splitters.setdefault(c.index, new_splitter(parser, self.prompt_tail))
             reasoning, rest = splitter.feed(c.text)
             if c.finish_reason is not None:
                 more_reasoning, more_rest = splitter.finish()
@@ -226,9 +238,9 @@ class ChatDeltas:
 
 
 def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation, num_prompt_tokens: int,
-            plan: ToolPlan | None) -> AsyncIterator[str]:
+            deltas: ChatDeltas) -> AsyncIterator[str]:
     """SSE chunks: each choice's opening, its deltas (:class:`ChatDeltas`), the usage chunk when asked."""
-    stream_usage, deltas = StreamUsage(req.stream_options, [num_prompt_tokens], req.n), ChatDeltas(state, req, plan)
+    stream_usage = StreamUsage(req.stream_options, [num_prompt_tokens], req.n)
 
     def chunk(choices: list[ChatCompletionStreamChoice], **fields: Any) -> str:
         data = ChatCompletionChunk(id=gen.request_id, created=gen.created, model=state.model_name, choices=choices,

@@ -4,9 +4,10 @@
 
 ``deepseek_r1``: the reply starts inside the reasoning (the chat template opens ``<think>``; a ``<think>``
 the model writes itself is dropped) and everything up to ``</think>`` is reasoning, all of it when the reply
-never closes it. ``qwen3``: the reply is reasoning only when it opens with ``<think>``; otherwise (thinking
-disabled by the template, ``enable_thinking: false``) it is all content. Streaming holds back only what may
-still become a marker, so the streamed pieces join to the non-streamed fields.
+never closes it. ``qwen3``: the reply is reasoning when it opens with ``<think>`` (Qwen3's first templates) or
+when the prompt ends inside an open ``<think>`` (Qwen3-Thinking-2507 and Qwen3.5 templates write it there);
+otherwise (thinking disabled by the template, ``enable_thinking: false``) it is all content. Streaming holds
+back only what may still become a marker, so the streamed pieces join to the non-streamed fields.
 Source: vLLM ``reasoning/deepseek_r1_reasoning_parser.py`` and ``qwen3_reasoning_parser.py``; the field name
 ``reasoning`` as vLLM's chat completions (it replaced ``reasoning_content``).
 """
@@ -60,6 +61,8 @@ class ReasoningSplitter:
 
     def finish(self) -> tuple[str, str]:
         rest, self._pending = self._pending, ""
+        if not self._phase and rest.lstrip() == THINK_START:  # stopped right after opening: empty reasoning
+            rest, self._phase = "", "reasoning"
         if self._phase == "reasoning" or (not self._phase and self.starts_inside):
             self.has_reasoning = True
             return rest, ""
@@ -75,6 +78,9 @@ class ReasoningSplitter:
 REASONING_PARSERS: dict[str, bool] = {"deepseek_r1": True, "qwen3": False}  # name -> starts_inside
 
 
-def new_splitter(name: str) -> ReasoningSplitter:
-    """A fresh splitter for one reply. Raises ``KeyError`` for an unknown parser (checked at startup)."""
-    return ReasoningSplitter(REASONING_PARSERS[name])
+def new_splitter(name: str, prompt_tail: str = "") -> ReasoningSplitter:
+    """A fresh splitter for one reply; ``prompt_tail``, the end of the prompt's text, tells whether the template
+    opened the reasoning (its last ``<think>`` not closed). Raises ``KeyError`` for an unknown parser (checked at
+    startup). Source: vLLM PR 34779 (Qwen3.5: ``<think>`` in the prompt, only ``</think>`` generated)."""
+    is_open = prompt_tail.rfind(THINK_START) > prompt_tail.rfind(THINK_END)
+    return ReasoningSplitter(REASONING_PARSERS[name] or is_open)

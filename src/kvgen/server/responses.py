@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 
 from kvgen.engine.outputs import CompletionOutput, RequestOutput
-from kvgen.server.chat import ChatDeltas, chat_prompt_ids, reply_parts, split_reasoning
+from kvgen.server.chat import ChatDeltas, chat_prompt_ids, reasoning_prompt_tail, reply_parts, split_reasoning
 from kvgen.server.errors import OpenAIError, bad_request
 from kvgen.server.protocol import (
     ChatCompletionRequest,
@@ -174,11 +174,11 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
     except OpenAIError as e:
         e.param = _PARAMS.get(e.param or "", e.param)
         raise
-    builder = _Builder(state, req, chat, plan, history, len(prompt_ids))
+    builder = _Builder(state, req, chat, plan, history, prompt_ids)
     gen = Generation(state, builder.response.id)
     await gen.start([prompt_ids], params, "input")
     if req.stream:
-        return await respond(gen, raw, 1, builder.events(gen, ChatDeltas(state, chat, plan)), builder.from_choices)
+        return await respond(gen, raw, 1, builder.events(gen, ChatDeltas(state, chat, plan, builder.prompt_tail)), builder.from_choices)
     return await respond(gen, raw, 1, None, builder.from_choices)
 
 
@@ -186,9 +186,9 @@ class _Builder:
     """Builds one response: at once from the finished choice, or as stream events from its deltas; stores it."""
 
     def __init__(self, state: ServerState, req: ResponsesRequest, chat: ChatCompletionRequest, plan: ToolPlan | None,
-                 history: list[ChatMessage], num_prompt_tokens: int) -> None:
+                 history: list[ChatMessage], prompt_ids: list[int]) -> None:
         self.state, self.req, self.chat, self.plan, self.history = state, req, chat, plan, history
-        self.num_prompt_tokens = num_prompt_tokens
+        self.num_prompt_tokens, self.prompt_tail = len(prompt_ids), reasoning_prompt_tail(state, prompt_ids)
         self.response = ResponseObject(
             id=_new_id("resp"), status="in_progress", instructions=req.instructions,
             max_output_tokens=req.max_output_tokens, max_tool_calls=req.max_tool_calls, model=state.model_name,
@@ -215,7 +215,7 @@ class _Builder:
 
     def from_choices(self, choices: list[ChoiceResult]) -> ResponseObject:
         c = choices[0]
-        reasoning, text = split_reasoning(self.state, c.text)
+        reasoning, text = split_reasoning(self.state, c.text, self.prompt_tail)
         content, calls = reply_parts(self.plan, text)
         status: ItemStatus = "incomplete" if c.finish_reason == "length" else "completed"
         output: list[OutputItem] = []

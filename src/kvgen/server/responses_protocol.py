@@ -214,6 +214,7 @@ OutputItem = OutputMessage | OutputFunctionCall | OutputReasoning
 
 
 class InputTokensDetails(BaseModel):
+    cache_write_tokens: int = 0  # OpenAI's (required in its schema): tokens written to an explicit cache; none here
     cached_tokens: int = 0
 
 

@@ -43,9 +43,11 @@ def _held_back(text: str, marker: str) -> int:
 
 
 class MarkerParser:
-    """Calls follow ``marker``; the text before it is the content."""
+    """Calls follow ``marker``; the text before it is the content. The marker may be a special token (Mistral's
+    ``[TOOL_CALLS]``, Hermes 2 Pro's ``<tool_call>``), so requests that may call keep special tokens in the text."""
 
     marker = ""
+    is_keeping_special_tokens = True
 
     def num_streamable(self, text: str) -> int:
         found = text.find(self.marker)
@@ -71,7 +73,8 @@ class HermesParser(MarkerParser):
 
 
 class MistralParser(MarkerParser):
-    """``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (Mistral 7B Instruct v0.3 and later's JSON form).
+    """``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (Mistral 7B Instruct v0.3 and later's JSON form);
+    text after the array (``</s>`` kept by skip_special_tokens false, a remark) is dropped.
     Source: vLLM ``MistralToolParser``."""
 
     marker = "[TOOL_CALLS]"
@@ -81,7 +84,8 @@ class MistralParser(MarkerParser):
         if found < 0:
             return text, []
         try:
-            payload = json.loads(text[found + len(self.marker) :])
+            start = len(text) - len(text[found + len(self.marker) :].lstrip())
+            payload = json.JSONDecoder().raw_decode(text, start)[0]  # text after the calls is dropped, as vLLM's regex
             payload = payload if isinstance(payload, list) else [payload]
             calls = [parsed_call(c["name"], c["arguments"]) for c in payload]
         except (ValueError, KeyError, TypeError):
@@ -90,11 +94,13 @@ class MistralParser(MarkerParser):
 
 
 class Llama3JsonParser:
-    """A reply that is one or more JSON objects ``{"name": ..., "parameters": {...}}`` separated by ``;``, after an
-    optional ``<|python_tag|>`` (Llama 3.1 / 3.2's JSON tool calling); any other reply is content.
+    """A reply that is one or more JSON objects ``{"name": ..., "parameters": {...}}`` (separated by ``;``, ``,`` or
+    whitespace), after an optional ``<|python_tag|>`` (Llama 3.1 / 3.2's JSON tool calling); any other reply is
+    content.
     Source: vLLM ``Llama3JsonToolParser``."""
 
     python_tag = "<|python_tag|>"
+    is_keeping_special_tokens = False  # the JSON is the call; vLLM leaves skip_special_tokens as asked
 
     def num_streamable(self, text: str) -> int:
         start = text.lstrip()
@@ -112,12 +118,21 @@ class Llama3JsonParser:
             while i < len(body):
                 obj, i = decoder.raw_decode(body, i)
                 calls.append(parsed_call(obj["name"], obj.get("arguments", obj.get("parameters"))))
-                i = len(body) if not body[i:].strip() else body.index(";", i) + 1
-                while i < len(body) and body[i].isspace():
-                    i += 1
+                i = self._next_call(body, i)
         except (ValueError, KeyError, TypeError, AttributeError):
             return text, []
         return None, calls
+
+    @staticmethod
+    def _next_call(body: str, i: int) -> int:
+        """Where the call after the one ending at ``i`` starts: past whitespace and one ``;`` or ``,`` (vLLM takes
+        ``{...}; {...}``, ``{...}, {...}`` and ``{...}\n{...}`` alike); ``len(body)`` at the end, ``ValueError`` when
+        anything else follows (the reply is then text)."""
+        rest = body[i:].lstrip()
+        rest = rest[1:].lstrip() if rest[:1] in (";", ",") else rest
+        if rest and not rest.startswith("{"):
+            raise ValueError(f"text after a tool call: {rest[:20]!r}")
+        return len(body) - len(rest)
 
 
 TOOL_CALL_PARSERS: dict[str, HermesParser | MistralParser | Llama3JsonParser] = {

@@ -23,7 +23,7 @@ from kvgen.server.protocol import (
     FunctionCall,
     ToolCall,
 )
-from kvgen.server.tool_parsers import new_call_id
+from kvgen.server.tool_parsers import TOOL_CALL_PARSERS, new_call_id
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -42,8 +42,12 @@ class ToolPlan:
 def tool_plan(req: ChatCompletionRequest, parser: str | None = None) -> ToolPlan | None:
     """The request's tool constraint, or None when it calls no tool; ``parser`` is the server's tool-call parser.
     Raises a 400 naming ``tool_choice`` for ``"auto"`` without a parser, an unknown function or a choice without
-    tools, and naming ``response_format`` beside a forced call."""
+    tools, and naming ``response_format`` beside a forced call. With a parser whose call marker may be a special
+    token (hermes, mistral) and tools that may be called, sets ``req.skip_special_tokens`` false, as vLLM's
+    ``ToolParser.adjust_request`` (the marker would otherwise never reach the parser)."""
     choice, tools = req.tool_choice, req.tools or []
+    if parser is not None and tools and choice != "none" and TOOL_CALL_PARSERS[parser].is_keeping_special_tokens:
+        req.skip_special_tokens = False
     if choice is None or choice == "auto":
         if not tools:
             return None
