@@ -399,6 +399,19 @@ def test_chat_drops_the_oldest_exchange_when_the_context_is_full(tiny_model_dir)
     assert proc.stdout.count("> ") == 6
 
 
+@pytest.mark.parametrize("max_new_tokens", ["2048", "9000"])
+def test_chat_refuses_a_reply_length_that_leaves_no_room_for_a_message(capsys, monkeypatch, tiny_model_dir,
+                                                                       max_new_tokens):
+    """--max-new-tokens at or over the 2048-token window is one line and exit 2 before the first message (as kvgen
+    generate refuses it); the chat used to start and refuse every message as 'over the -6952' tokens left."""
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n/exit\n"))
+    code, out, err = _run(capsys, ["chat", "--model", str(tiny_model_dir), "--max-new-tokens", max_new_tokens])
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert f"max_new_tokens={max_new_tokens} leaves no room for a message in the context window of 2048 tokens" in err
+
+
 def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(capsys, monkeypatch, tiny_model_dir):
     """As llama.cpp's chat: Ctrl-C during a reply ends the reply (its message dropped), not the program; the next
     turn's prompt does not hold the dropped message."""
