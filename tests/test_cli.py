@@ -289,6 +289,8 @@ def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
         (["serve", "--api-key", ""], "api_key must not be empty"),  # was: no key at all
         (["bench", "serve", "--no-llama-cpp", "--dtype", "bogus"], "--dtype must be one of auto"),  # exited 0
         (["bench", "serve", "--no-llama-cpp", "--quantization", "bogus"], "--quantization must be one of q8_0"),
+        # refused before the bench's progress lines and model load (it was the third line on stderr)
+        (["bench", "perplexity", "--no-llama-cpp", "--context-length", "1"], "--context-length must be an int >= 2"),
         (["serve", "--kv-cache-dtype", "int8", "--dtype", "float32"], "kv_cache_dtype='int8' needs dtype 'auto'"),
         (["generate", "hi", "--threads", "100000"], "num_threads must be in [1, 512], got 100000"),
         (["generate", "hi", "--trace", "--trace-plot", "/no/such/dir/x.png"], "the directory '/no/such/dir' does not"),
@@ -296,6 +298,10 @@ def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
         (["generate", "hi", "--do-sample", "--best-of", "1", "--num-return-sequences", "2"],
          "num_return_sequences=2 conflicts with best_of=1"),
         (["generate", "hi", "--bad-words-ids", "[[-1]]"], "bad_words_ids entries must be non-empty sequences of ids"),
+        # malformed [ids, bias] pairs: were internal errors (TypeError, exit 1) or a message naming no setting
+        (["generate", "hi", "--sequence-bias", "[1]"], "sequence_bias must be a dict or a list of [ids, bias] pairs"),
+        (["generate", "hi", "--sequence-bias", "[[[1], null]]"], "sequence_bias values must be finite numbers"),
+        (["generate", "hi", "--sequence-bias", '[[[1], "x"]]'], "sequence_bias values must be finite numbers"),
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(capsys, argv, message):
@@ -391,6 +397,19 @@ def test_chat_drops_the_oldest_exchange_when_the_context_is_full(tiny_model_dir)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.count("dropped the oldest exchange") == 1 and proc.stderr.count("not sent") == 1
     assert proc.stdout.count("> ") == 6
+
+
+@pytest.mark.parametrize("max_new_tokens", ["2048", "9000"])
+def test_chat_refuses_a_reply_length_that_leaves_no_room_for_a_message(capsys, monkeypatch, tiny_model_dir,
+                                                                       max_new_tokens):
+    """--max-new-tokens at or over the 2048-token window is one line and exit 2 before the first message (as kvgen
+    generate refuses it); the chat used to start and refuse every message as 'over the -6952' tokens left."""
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n/exit\n"))
+    code, out, err = _run(capsys, ["chat", "--model", str(tiny_model_dir), "--max-new-tokens", max_new_tokens])
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert f"max_new_tokens={max_new_tokens} leaves no room for a message in the context window of 2048 tokens" in err
 
 
 def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(capsys, monkeypatch, tiny_model_dir):

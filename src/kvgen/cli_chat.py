@@ -35,6 +35,15 @@ def _chat_prompt(messages: list[dict[str, str]], tokenizer: Any, max_prompt_toke
     return ids
 
 
+def _max_prompt_tokens(context: int, max_new_tokens: int) -> int:
+    """The prompt tokens a reply of ``max_new_tokens`` leaves in a ``context``-token window; ``CliError`` when none
+    (every message would be refused, as kvgen generate refuses such a setting)."""
+    if (room := context - max_new_tokens) < 1:
+        raise CliError(f"kvgen chat: error: max_new_tokens={max_new_tokens} leaves no room for a message in the "
+                       f"context window of {context} tokens")
+    return room
+
+
 def run_chat(args: argparse.Namespace) -> int:
     """``kvgen chat``: reads messages from stdin until ``/exit`` or end of input; returns the exit code. Raises
     ``CliError`` (and the loader's errors) for bad settings, before the first message."""
@@ -58,6 +67,7 @@ def run_chat(args: argparse.Namespace) -> int:
     cfg = check(cfg.with_generation_defaults(model.generation_defaults).replace(**flags))  # as kvgen generate
     if tokenizer.chat_template is None:
         raise CliError(f"model {args.model} has no chat template")
+    max_prompt_tokens = _max_prompt_tokens(model.config.max_position_embeddings, cfg.max_new_tokens)
     assistant = _load_assistant(args)
     messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     # contrastive search scores candidates against every token's hidden state: it prefills the whole conversation
@@ -78,7 +88,7 @@ def run_chat(args: argparse.Namespace) -> int:
             print("kvgen chat: the line is not valid UTF-8 text; not sent", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
-        ids = _chat_prompt(messages, tokenizer, model.config.max_position_embeddings - cfg.max_new_tokens)
+        ids = _chat_prompt(messages, tokenizer, max_prompt_tokens)
         if ids is None:
             messages.pop()
             continue

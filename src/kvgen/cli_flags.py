@@ -145,8 +145,10 @@ def generation_config_from_args(args: argparse.Namespace, defaults: dict[str, An
 
 def flag_values(args: argparse.Namespace) -> dict[str, Any]:
     """The GenerationConfig fields the user's flags set: ``generate(..., **flag_values(args))`` lets them win over
-    the model's generation config (as transformers' keyword arguments do), even where they equal a default."""
+    the model's generation config (as transformers' keyword arguments do), even where they equal a default.
+    ``--sequence-bias`` JSON (a list of ``[ids, bias]`` pairs) becomes a dict; ``ValueError`` naming it when malformed."""
     from kvgen.generation.config import GenerationConfig
+    from kvgen.sampling.ops import normalize_sequence_bias
 
     values = {f.name: v for f in dataclasses.fields(GenerationConfig) if (v := getattr(args, f.name, None)) is not None}
     temperature = values.get("temperature")
@@ -154,8 +156,8 @@ def flag_values(args: argparse.Namespace) -> dict[str, Any]:
         values["do_sample"] = temperature > 0
         if temperature == 0:
             values.pop("temperature")
-    if isinstance(values.get("sequence_bias"), list):
-        values["sequence_bias"] = {tuple(ids): float(b) for ids, b in values["sequence_bias"]}
+    if isinstance(values.get("sequence_bias"), list):  # checked here: a malformed pair crashed the conversion
+        values["sequence_bias"] = normalize_sequence_bias(values["sequence_bias"])
     return values
 
 

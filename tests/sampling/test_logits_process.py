@@ -251,6 +251,10 @@ INVALID = [
         r"frequency_penalty must be in \[-2, 2\], got 3\.0",
     ),
     (lambda: lp.NoBadWordsLogitsProcessor([]), r"bad_words_ids must be a non-empty list"),
+    # nested or non-list entries (kvgen generate --bad-words-ids '[[[1], 2]]') raised TypeError: unhashable type
+    (lambda: lp.NoBadWordsLogitsProcessor([[[1], 2]]), r"bad_words_ids entries must be non-empty sequences"),
+    (lambda: lp.NoBadWordsLogitsProcessor([1]), r"bad_words_ids entries must be non-empty sequences"),
+    (lambda: lp.NoBadWordsLogitsProcessor([{1: 2}]), r"bad_words_ids entries must be non-empty sequences"),
     (lambda: lp.SequenceBiasLogitsProcessor({(1, -2): 1.0}), r"sequence_bias keys must be non-empty sequences"),
     (lambda: lp.build_logits_processors(Cfg(do_sample=True, top_p=1.5), 0), r"top_p must be in \(0, 1\], got 1\.5"),
     (lambda: lp.build_logits_processors(Cfg(do_sample=True, temperature=0.0), 0), r"temperature must be a finite number > 0"),

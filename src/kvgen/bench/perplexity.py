@@ -22,10 +22,11 @@ SIDES = ("kvgen_default", "kvgen_float32", "llama_cpp")  # the columns of its te
 
 @dataclasses.dataclass
 class PerplexityBenchConfig(BenchConfig):
-    """What ``run_perplexity_bench`` measures (``context_length`` is checked by ``kvgen.perplexity``)."""
+    """What ``run_perplexity_bench`` measures: ``context_length`` below 2 is refused here, before any model loads;
+    one over the model's context window by ``kvgen.perplexity``."""
 
     file: str | None = _f(None, f"UTF-8 text (default: {DEFAULT_TEXT})")
-    context_length: int = _f(512, "tokens per non-overlapping window")
+    context_length: int = _f(512, "tokens per non-overlapping window", minimum=2)
     include_llama_cpp: bool = _f(True, "score with llama-cpp-python")
 
 

@@ -277,7 +277,8 @@ class NoBadWordsLogitsProcessor(LogitsProcessor):
     def __init__(self, bad_words_ids: Sequence[Sequence[int]], eos_token_id: int | Sequence[int] | None = None):
         if not isinstance(bad_words_ids, Sequence) or not bad_words_ids:
             raise ValueError(f"bad_words_ids must be a non-empty list of id lists, got {bad_words_ids!r}")
-        ops.normalize_sequence_bias({tuple(ids): 0.0 for ids in bad_words_ids}, "bad_words_ids")  # validates the ids
+        # validates the ids; as [entry, bias] pairs, so a nested or non-list entry is a ValueError, not a TypeError
+        ops.normalize_sequence_bias([(ids, 0.0) for ids in bad_words_ids], "bad_words_ids")
         eos = token_id_list(eos_token_id)
         self.bad_words_ids = [list(ids) for ids in bad_words_ids if not (len(ids) == 1 and ids[0] in eos)]
 
