@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -69,6 +70,25 @@ def test_prompt_option_and_file_are_the_positional_prompt(capsys, tiny_model_dir
     reports = [json.loads(out) for _, out, _ in runs]
     assert all(r["prompt_token_ids"] == reports[0]["prompt_token_ids"] for r in reports)
     assert all(r["token_ids"] == reports[0]["token_ids"] for r in reports)
+
+
+def test_generation_config_max_new_tokens_replaces_the_cli_default_length_but_not_a_flag(capsys, tiny_model_dir,
+                                                                                         tmp_path):
+    """The file's max_new_tokens is the default length (64 otherwise); its max_length is not; -n wins over both."""
+    directory = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, directory)
+    base = ["generate", "The sky is", "--model", str(directory), "--json", "--min-new-tokens", "3"]
+
+    def num_new(config: dict, *flags: str) -> int:
+        (directory / "generation_config.json").write_text(json.dumps(config))
+        code, out, err = _run(capsys, [*base, *flags])
+        assert code == 0, err
+        return len(json.loads(out)["token_ids"])
+
+    assert num_new({"max_new_tokens": 3}) == 3
+    assert num_new({"max_new_tokens": 3}, "-n", "5") == 5
+    assert num_new({"max_new_tokens": 3}, "--max-length", "40") == 3  # transformers: max_new_tokens wins
+    assert num_new({"max_length": 6}) > 6  # a file's max_length leaves the CLI's 64 (EOS may end it sooner)
 
 
 def test_llama_cpp_flag_names_mean_the_same_settings(capsys, tiny_model_dir):

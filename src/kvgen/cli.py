@@ -35,6 +35,7 @@ from kvgen.cli_flags import (
     add_tokenize_flags,
     flag_values,
     generation_config_from_args,
+    with_model_defaults,
 )
 from kvgen.errors import KvgenError
 
@@ -152,7 +153,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     flags = flag_values(args)
     if args.force_word:  # phrases as tokenized here, after any --force-words-ids
         flags["force_words_ids"] = list(flags.get("force_words_ids") or []) + _force_words(args.force_word, tokenizer)
-    cfg = cfg.with_generation_defaults(model.generation_defaults).replace(**flags)
+    cfg = with_model_defaults(cfg, model.generation_defaults, flags)
     negative = None
     if args.negative_prompt is not None:
         if cfg.guidance_scale in (None, 1.0):

@@ -12,6 +12,7 @@ from kvgen.cli_flags import (
     CliError,
     flag_values,
     generation_config_from_args,
+    with_model_defaults,
 )
 
 
@@ -64,7 +65,7 @@ def run_chat(args: argparse.Namespace) -> int:
 
     cfg, flags = check(generation_config_from_args(args, CHAT_DEFAULTS)), flag_values(args)
     model, tokenizer, _ = _load_for_chat(args)
-    cfg = check(cfg.with_generation_defaults(model.generation_defaults).replace(**flags))  # as kvgen generate
+    cfg = check(with_model_defaults(cfg, model.generation_defaults, flags))  # as kvgen generate
     if tokenizer.chat_template is None:
         raise CliError(f"model {args.model} has no chat template")
     max_prompt_tokens = _max_prompt_tokens(model.config.max_position_embeddings, cfg.max_new_tokens)

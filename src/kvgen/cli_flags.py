@@ -143,6 +143,19 @@ def generation_config_from_args(args: argparse.Namespace, defaults: dict[str, An
     return GenerationConfig(**values)
 
 
+def with_model_defaults(cfg: Any, model_defaults: dict[str, Any], flags: dict[str, Any]) -> Any:
+    """``cfg`` (the CLI's GenerationConfig) with the model's generation config filling what it left at transformers'
+    defaults, then the user's ``flags`` over both (as transformers' keyword arguments). The file's
+    ``max_new_tokens`` replaces the CLI's own default length (as the server takes it for ``max_tokens``); its
+    ``max_length`` does not (a file's 2048 would make every run that long). A ``--max-length`` flag meets the file's
+    ``max_new_tokens`` as a ``generate(max_length=...)`` keyword does in transformers: the file's wins. Raises
+    ``ValueError`` as GenerationConfig does."""
+    cfg = cfg.with_generation_defaults(model_defaults)
+    if "max_new_tokens" in model_defaults and "max_new_tokens" not in flags:
+        cfg = cfg.replace(max_new_tokens=model_defaults["max_new_tokens"])
+    return cfg.replace(**flags)
+
+
 def flag_values(args: argparse.Namespace) -> dict[str, Any]:
     """The GenerationConfig fields the user's flags set: ``generate(..., **flag_values(args))`` lets them win over
     the model's generation config (as transformers' keyword arguments do), even where they equal a default.
