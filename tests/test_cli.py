@@ -377,6 +377,15 @@ def test_truncated_gguf_exits_2_from_the_real_script(tmp_path, default_gguf_path
     assert proc.stderr.count("\n") == 1 and "truncated or corrupt" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_python_dash_m_kvgen_is_the_kvgen_command(tiny_model_dir, capsys):
+    proc = subprocess.run([sys.executable, "-m", "kvgen", "tokenize", "--model", str(tiny_model_dir), "hello there"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert (proc.returncode, proc.stdout) == (0, _run(capsys, ["tokenize", "--model", str(tiny_model_dir), "hello there"])[1])
+    bad = subprocess.run([sys.executable, "-m", "kvgen", "nonsense"], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+
+
 def test_chat_two_turns_then_exit(ours_default):
     model, tok = ours_default
     proc = subprocess.run([sys.executable, "-m", "kvgen.cli", "chat", "--max-new-tokens", "12"],

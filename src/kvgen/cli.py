@@ -363,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run() -> NoReturn:
-    """The ``kvgen`` console script (and ``python -m kvgen.cli``): :func:`main` in a process of its own, which
+    """The ``kvgen`` console script (and ``python -m kvgen``, ``python -m kvgen.cli``): :func:`main` in a process of its own, which
     starts with the garbage collector off until :func:`_end_startup` and leaves with ``os._exit`` once its output is
     flushed. ``import torch`` ran full collections over its own ~180,000 objects (0.08 s here, 0.07 s more while
     kvgen's modules imported), and Python's teardown collected and finalized them all again (0.32-0.39 s after the
