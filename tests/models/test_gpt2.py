@@ -29,18 +29,22 @@ def gpt2_pair(request, tmp_path_factory, tiny_model):
     return ref, build_model(config, state_dict), request.param
 
 
-def test_gpt2_logits_match_transformers_on_left_padded_batch(gpt2_pair):
-    ref, ours, _ = gpt2_pair
-    vocab = ref.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    rows = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (9, 4, 6)]
+def _assert_padded_logits_match(ref, ours, rows: list[list[int]], tol: float) -> None:
+    """Logits [B, T, V] of a left-padded batch of ``rows``: ours equal transformers' at the real positions."""
     ids, mask = left_pad(rows, pad_id=0)
     pos = positions_from_mask(mask)
     with torch.inference_mode():
         expected = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits
         got = ours.compute_logits(ours(ids, pos, None, AttentionMetadata(mask)))
     real = mask.bool()
-    torch.testing.assert_close(got[real], expected[real], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[real], expected[real], rtol=tol, atol=tol)
+
+
+def test_gpt2_logits_match_transformers_on_left_padded_batch(gpt2_pair):
+    ref, ours, _ = gpt2_pair
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, ref.config.vocab_size, (n,), generator=g).tolist() for n in (9, 4, 6)]
+    _assert_padded_logits_match(ref, ours, rows, 1e-4)
 
 
 def test_gpt2_greedy_20_tokens_identical_to_transformers(gpt2_pair):
@@ -62,14 +66,7 @@ def test_gpt2_scale_attn_by_inverse_layer_idx_matches_transformers(tiny_model, t
     ref = tiny_model("gpt2", vocab_size=97, std=0.5, scale_attn_by_inverse_layer_idx=True,
                      scale_attn_weights=scale_attn_weights, attn_implementation="eager").ref
     ref.save_pretrained(tmp_path)
-    ours = build_model(*load_hf_directory(tmp_path))
-    ids, mask = left_pad([[5, 6, 7, 8, 9, 10, 11], [3, 4, 5]], pad_id=0)
-    pos = positions_from_mask(mask)
-    with torch.inference_mode():
-        expected = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        got = ours.compute_logits(ours(ids, pos, None, AttentionMetadata(mask)))
-    real = mask.bool()
-    torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5)
+    _assert_padded_logits_match(ref, build_model(*load_hf_directory(tmp_path)), [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5]], 1e-5)
 
 
 def test_untied_gpt2_uses_its_own_lm_head(tiny_model, tmp_path):
