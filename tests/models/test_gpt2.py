@@ -66,7 +66,8 @@ def test_gpt2_scale_attn_by_inverse_layer_idx_matches_transformers(tiny_model, t
     ref = tiny_model("gpt2", vocab_size=97, std=0.5, scale_attn_by_inverse_layer_idx=True,
                      scale_attn_weights=scale_attn_weights, attn_implementation="eager").ref
     ref.save_pretrained(tmp_path)
-    _assert_padded_logits_match(ref, build_model(*load_hf_directory(tmp_path)), [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5]], 1e-5)
+    ours = build_model(*load_hf_directory(tmp_path))
+    _assert_padded_logits_match(ref, ours, [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5]], 1e-5)
 
 
 def test_untied_gpt2_uses_its_own_lm_head(tiny_model, tmp_path):
