@@ -384,10 +384,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face ``config.json`` dict (``gpt2``, or ``llama`` and the model_types our Llama
-        decodes: ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``smollm3``, and with mixture-of-experts layers
-        ``qwen3_moe``, ``qwen2_moe``, ``mixtral``; see ``kvgen.llama_config.llama_family_changes`` and ``kvgen.moe_config``), ``gpt_oss``
-        (:func:`kvgen.moe_config.hf_gpt_oss_kwargs`).
+        """Build from a Hugging Face ``config.json`` dict of a model_type in :data:`_HF_MODEL_TYPES`: ``gpt2``, or
+        ``llama`` and the model_types our Llama decodes (``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``smollm3``,
+        ``granite``, ``ernie4_5``, and with mixture-of-experts layers ``qwen3_moe``, ``qwen2_moe``, ``mixtral``; see
+        ``kvgen.llama_config.llama_family_changes`` and ``kvgen.moe_config``), ``gemma3_text`` / ``gemma2``
+        (``kvgen.gemma_config``), ``gpt_oss`` (:func:`kvgen.moe_config.hf_gpt_oss_kwargs`).
 
         GPT-2's own names (``n_embd``, ``n_layer``, ``n_head``, ``n_positions``,
         ``n_inner``) are mapped to the common ones.
