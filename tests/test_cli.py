@@ -133,6 +133,13 @@ def test_num_assistant_tokens_schedule_takes_a_plain_name(capsys, tiny_model_dir
     assert code == 2 and "num_assistant_tokens_schedule must be" in err and len(err.strip().splitlines()) == 1
 
 
+def test_chat_template_without_chat_is_refused(capsys, tiny_model_dir):
+    """README: --chat-template is on generate --chat; without --chat it was read, compiled and silently ignored."""
+    code, out, err = _run(capsys, ["generate", "--model", str(tiny_model_dir), "--chat-template", "{{ 'x' }}", "hi",
+                                   "--max-new-tokens", "2"])
+    assert code == 2 and out == "" and err.count("\n") == 1 and "--chat-template needs --chat" in err
+
+
 @pytest.mark.parametrize("flags", [["--num-beams", "2"], ["--do-sample", "--best-of", "3", "--seed", "1"]])
 def test_strategies_that_pick_at_the_end_print_their_sequence(capsys, tiny_model_dir, flags):
     """Beam search and sample-and-rank cannot stream: the chosen sequence is printed once chosen (the --json text)."""
