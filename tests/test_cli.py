@@ -121,6 +121,25 @@ def test_chat_template_flag_replaces_the_models(capsys, tiny_model_dir, tmp_path
         [{"role": "user", "content": "hello there"}], add_generation_prompt=True, tokenize=True)
 
 
+def test_num_assistant_tokens_schedule_takes_a_plain_name(capsys, tiny_model_dir):
+    """--num-assistant-tokens-schedule constant, as its help names the values; it was refused as "not valid JSON"
+    unless written '"constant"'."""
+    base = ["generate", "hi", "--model", str(tiny_model_dir), "--assistant-model", str(tiny_model_dir),
+            "--max-new-tokens", "3", "--json", "--num-assistant-tokens-schedule"]
+    code, out, err = _run(capsys, [*base, "constant"])
+    assert code == 0, err
+    assert len(json.loads(out)["token_ids"]) == 3
+    code, _, err = _run(capsys, [*base, "fast"])
+    assert code == 2 and "num_assistant_tokens_schedule must be" in err and len(err.strip().splitlines()) == 1
+
+
+def test_chat_template_without_chat_is_refused(capsys, tiny_model_dir):
+    """README: --chat-template is on generate --chat; without --chat it was read, compiled and silently ignored."""
+    code, out, err = _run(capsys, ["generate", "--model", str(tiny_model_dir), "--chat-template", "{{ 'x' }}", "hi",
+                                   "--max-new-tokens", "2"])
+    assert code == 2 and out == "" and err.count("\n") == 1 and "--chat-template needs --chat" in err
+
+
 @pytest.mark.parametrize("flags", [["--num-beams", "2"], ["--do-sample", "--best-of", "3", "--seed", "1"]])
 def test_strategies_that_pick_at_the_end_print_their_sequence(capsys, tiny_model_dir, flags):
     """Beam search and sample-and-rank cannot stream: the chosen sequence is printed once chosen (the --json text)."""

@@ -74,8 +74,13 @@ def test_phi4_mini_rotates_three_quarters_of_each_head():
 
 @pytest.mark.parametrize("model_type", ["phi3small", "phimoe"])
 def test_phi3_small_and_phimoe_are_refused_by_name(model_type):
-    with pytest.raises(UnsupportedArchitectureError, match=f"model_type '{model_type}' is not supported"):
+    with pytest.raises(UnsupportedArchitectureError, match=f"model_type '{model_type}' is not supported") as e:
         ModelConfig.from_hf_dict(PHI3_MINI | {"model_type": model_type})
+    # the message names every config.json model_type kvgen reads (README, Notes), not only its decoders' own types
+    # (it said "kvgen supports llama, gpt2, gemma3_text, gemma2, gpt_oss", leaving out mistral, qwen2, phi3, ...)
+    for accepted in ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "ernie4_5",
+                     "gemma3_text", "gemma2", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"):
+        assert f" {accepted}," in str(e.value) + ","
     with pytest.raises(UnsupportedArchitectureError, match=f"GGUF architecture '{model_type}' is not supported"):
         ModelConfig.from_gguf_metadata({"general.architecture": model_type})
 

@@ -240,3 +240,16 @@ def test_a_missing_path_is_still_not_found(tmp_path: Path) -> None:
     for path in (tmp_path / "absent.gguf", tmp_path / "dangling", tmp_path / "absent" / "x.gguf"):
         with pytest.raises(ModelNotFoundError, match="model not found"):
             kvgen.loader.resolve_model_path(path)
+
+
+def test_subpackages_are_reachable_after_a_plain_import_kvgen():
+    """README names kvgen.generation.make_cache, kvgen.kernels.kernel_isa() and kvgen.engine after ``import kvgen``;
+    the lazy package raised "module 'kvgen' has no attribute 'generation'" until something imported them."""
+    code = ("import kvgen\n"
+            "print(kvgen.generation.make_cache.__name__, kvgen.kernels.kernel_isa.__name__, "
+            "kvgen.engine.StructuredOutputsParams.__name__)\n"
+            "try:\n    kvgen.no_such_name\nexcept AttributeError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["make_cache kernel_isa StructuredOutputsParams",
+                                        "module 'kvgen' has no attribute 'no_such_name'"]

@@ -142,6 +142,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from kvgen.generation.streamers import TextStreamer
 
     cfg, text, plot_path = generation_config_from_args(args), _prompt_text(args), _trace_plot_path(args)
+    if args.chat_template is not None and not args.chat:  # a template only a --chat prompt goes through
+        raise CliError("--chat-template needs --chat (the prompt is otherwise used as it is)")
     model, tokenizer, load_s = _load_for_chat(args)
     prompt_ids = _prompt_ids(text, args.chat, tokenizer)
     if not prompt_ids:

@@ -105,6 +105,8 @@ def _flag_kwargs(name: str, annotation: str) -> dict[str, Any]:
         return {"type": int}
     if annotation.startswith("float"):
         return {"type": float}
+    if annotation == "str":  # a name (--num-assistant-tokens-schedule constant), not a JSON string
+        return {"type": str}
     return {"type": _json_value, "metavar": "JSON"}
 
 

@@ -47,6 +47,8 @@ _GGUF_ARCHS = (*_GGUF_LLAMA_ARCHS, "gemma3", "gemma2", "gpt-oss", "gpt2")
 # Hugging Face model_types decoded by our Llama (see kvgen.llama_config.llama_family_changes)
 _HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "qwen3_moe", "qwen2_moe", "mixtral",
                    "granite", "ernie4_5")
+# every config.json model_type from_hf_dict reads (named when another one is refused)
+_HF_MODEL_TYPES = ("gpt2", *_HF_LLAMA_TYPES, "gemma3_text", "gemma2", "gpt_oss")
 _ROPE_TYPES = (None, "default", "llama3", "linear", "freq_factors", "longrope", "yarn")
 # The transformers 4.55 config classes' defaults where they differ from ModelConfig's: a config.json written by
 # save_pretrained omits every value equal to its class default (SmolLM3-3B's tied embeddings, Phi-3's eps).
@@ -382,10 +384,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face ``config.json`` dict (``gpt2``, or ``llama`` and the model_types our Llama
-        decodes: ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``smollm3``, and with mixture-of-experts layers
-        ``qwen3_moe``, ``qwen2_moe``, ``mixtral``; see ``kvgen.llama_config.llama_family_changes`` and ``kvgen.moe_config``), ``gpt_oss``
-        (:func:`kvgen.moe_config.hf_gpt_oss_kwargs`).
+        """Build from a Hugging Face ``config.json`` dict of a model_type in :data:`_HF_MODEL_TYPES`: ``gpt2``, or
+        ``llama`` and the model_types our Llama decodes (``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``smollm3``,
+        ``granite``, ``ernie4_5``, and with mixture-of-experts layers ``qwen3_moe``, ``qwen2_moe``, ``mixtral``; see
+        ``kvgen.llama_config.llama_family_changes`` and ``kvgen.moe_config``), ``gemma3_text`` / ``gemma2``
+        (``kvgen.gemma_config``), ``gpt_oss`` (:func:`kvgen.moe_config.hf_gpt_oss_kwargs`).
 
         GPT-2's own names (``n_embd``, ``n_layer``, ``n_head``, ``n_positions``,
         ``n_inner``) are mapped to the common ones.
@@ -432,7 +435,8 @@ class ModelConfig:
                 return cls(**kwargs | llama_family_changes(model_type, cfg) | hf_moe_fields(model_type, cfg))
         except KeyError as e:
             raise ModelFormatError(f"config.json for {model_type!r} lacks required field {e.args[0]!r}") from None
-        return cls(model_type=model_type, vocab_size=1, hidden_size=1, num_hidden_layers=1, num_attention_heads=1)
+        raise UnsupportedArchitectureError(f"model_type {model_type!r} is not supported; kvgen reads config.json "
+                                           f"model_types {', '.join(_HF_MODEL_TYPES)}")
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> ModelConfig:

@@ -53,3 +53,16 @@ def test_every_transformers_setting_is_a_field_or_named_as_unimplemented() -> No
         with pytest.raises(NotImplementedError, match=f"transformers' {name} \\({feature}\\)"):
             check_setting_names({name: 1})
     assert GenerationConfig(disable_compile=True).disable_compile
+
+
+def test_constructor_names_unknown_and_unimplemented_settings_as_generate_does() -> None:
+    """README: a transformers setting kvgen lacks is a NotImplementedError naming it, a misspelt one a ValueError;
+    GenerationConfig(...) said neither (the dataclass's TypeError "unexpected keyword argument")."""
+    with pytest.raises(NotImplementedError, match=r"token_healing \(token healing\)"):
+        GenerationConfig(token_healing=True)
+    with pytest.raises(NotImplementedError, match=r"assistant_early_exit"):
+        GenerationConfig(max_new_tokens=4, assistant_early_exit=2)
+    with pytest.raises(ValueError, match=r"unknown generation setting\(s\) \['tmperature'\]"):
+        GenerationConfig(tmperature=0.5)
+    cfg = GenerationConfig(max_new_tokens=4, low_memory=True)  # accepted, as the README says
+    assert cfg.replace(top_k=3).top_k == 3 and cfg.low_memory

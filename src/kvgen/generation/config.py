@@ -108,7 +108,9 @@ class GenerationConfig:
     Lengths are in tokens, ``max_time`` in seconds. Raises ``ValueError`` for an
     out-of-range value (naming the field and the value; ranges from
     ``kvgen.sampling.params.PARAM_RULES``, shared with ``SamplingParams`` and the
-    CLI) or contradictory fields (naming both).
+    CLI) or contradictory fields (naming both), and as ``generate(**settings)`` for a keyword that is no field:
+    ``NotImplementedError`` naming a transformers setting kvgen lacks (``token_healing``, ...), ``ValueError``
+    for any other (a typo).
     """
 
     max_new_tokens: int = _f(_UnsetMaxNewTokens(20), "maximum number of new tokens to generate")
@@ -187,6 +189,11 @@ class GenerationConfig:
         "'heuristic_transient' (the same; transformers resets it after each call) or 'constant'")
     assistant_confidence_threshold: float = _f(
         0.4, "assisted decoding: the assistant stops drafting after a token it gives less probability (0 = off)")
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> GenerationConfig:
+        # the dataclass __init__ would raise TypeError ("unexpected keyword argument") for a name it lacks
+        check_setting_names(kwargs)
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         self._check_ranges()

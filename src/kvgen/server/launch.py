@@ -47,8 +47,8 @@ class ServerArgs:
                                             "(<tool_call>{...}</tool_call>: Qwen2.5, Hermes), 'llama3_json' (a JSON "
                                             "object reply: Llama 3.1/3.2), 'mistral' ([TOOL_CALLS] [...])")
     reasoning_parser: str | None = _f(None, "put replies' <think>...</think> text in 'reasoning': 'deepseek_r1' "
-                                            "(the reply starts inside it) or 'qwen3' (only a reply that opens "
-                                            "with <think>)")
+                                            "(the reply starts inside it) or 'qwen3' (a reply that opens with "
+                                            "<think>, or whose prompt ends inside an open <think>)")
     chat_template: str | None = _f(None, "a Jinja chat template, or a file holding one, replacing the model's")
     allowed_origins: tuple[str, ...] = _f(("*",), "origins a browser may call the API from (CORS)")
     allowed_methods: tuple[str, ...] = _f(("*",), "HTTP methods allowed from other origins (CORS)")
