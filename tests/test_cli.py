@@ -326,6 +326,7 @@ def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
         (["generate", "hi", "--quantization", "q8_0", "--dtype", "float32"], "quantization='q8_0' needs dtype 'auto'"),
         (["serve", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype must be one of auto, int8, got 'fp8'"),
         (["serve", "--api-key", ""], "api_key must not be empty"),  # was: no key at all
+        (["serve", "-m", "/no/such/model.gguf"], "model not found: /no/such/model.gguf"),  # -m as llama-server's
         (["bench", "serve", "--no-llama-cpp", "--dtype", "bogus"], "--dtype must be one of auto"),  # exited 0
         (["bench", "serve", "--no-llama-cpp", "--quantization", "bogus"], "--quantization must be one of q8_0"),
         # refused before the bench's progress lines and model load (it was the third line on stderr)
