@@ -197,3 +197,35 @@ def test_bad_requests_are_openai_errors_naming_the_field(server, body, status, p
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] is not None and error["param"].startswith(param) and error["message"]
+
+
+def test_a_truncated_chain_stores_only_the_turns_its_prompt_kept(tiny_model_dir):
+    """In process: under ``truncation: "auto"`` a response stores the turns its prompt kept. It stored the dropped
+    ones too, so each link of a chain held (and re-tokenized per request) the whole conversation, growing without
+    bound while every prompt fit: 24 stored messages here, 600 and 2.6 s a request after 300 links."""
+    import asyncio
+
+    from kvgen.engine.async_engine import AsyncLLMEngine
+    from kvgen.engine.engine_args import EngineArgs
+    from kvgen.server.app import build_app
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), max_model_len=64))
+    app = build_app(engine, "tiny")
+
+    async def chain() -> tuple[str, list[int]]:
+        previous, num_input_tokens = None, []
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvgen") as client:
+            for _ in range(12):
+                body = {"model": "tiny", "input": "one two three four five six", "max_output_tokens": 2,
+                        "truncation": "auto", "temperature": 0}
+                r = await client.post("/v1/responses", json=body | ({"previous_response_id": previous} if previous else {}))
+                assert r.status_code == 200, r.text
+                previous, usage = r.json()["id"], r.json()["usage"]
+                num_input_tokens.append(usage["input_tokens"])
+        await engine.shutdown()
+        return previous, num_input_tokens
+
+    last_id, num_input_tokens = asyncio.run(chain())
+    stored = app.state.kvgen.responses.get(last_id)
+    assert max(num_input_tokens) <= 62 and num_input_tokens[-1] > num_input_tokens[0]  # truncated, and chained
+    assert len(stored.messages) <= 8

@@ -168,6 +168,9 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
         chat = _chat_request(req, system + history)
         plan = tool_plan(chat, state.tool_call_parser)
         prompt_ids = _prompt(state, req, chat)
+        # the turns the prompt kept, stored for a continuation: a chain under truncation "auto" stays within the
+        # context (with the dropped turns kept, each link stored and re-tokenized the whole chain)
+        history = chat.messages[len(system):]
         max_tokens = resolve_max_tokens(state, len(prompt_ids), req.max_output_tokens, ("input", "max_output_tokens"))
         params = sampling_params(chat, state, max_tokens, (chat.top_logprobs or 0) if chat.logprobs else None,
                                  plan.constraint if plan else None)
