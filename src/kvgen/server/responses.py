@@ -268,7 +268,7 @@ class _Builder:
             kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
             return writer.event(kind, response=response)
 
-        def failed(message: str, code: str) -> str:
+        def failed(message: str, code: str, _: str | None) -> str:
             response = self.response.model_copy(update={"status": "failed", "output": writer.items,
                                                         "error": ResponseError(code=code, message=message)})
             return writer.event("response.failed", response=response)
