@@ -242,3 +242,20 @@ def test_a_grammar_that_fails_mid_generation_is_400_with_its_first_line(server):
     error = _assert_error_body(r, 400, "structured_outputs")
     assert error["message"].startswith("structured_outputs: the grammar failed at output token")
     assert "\n" not in error["message"] and "<state>" not in error["message"]
+
+
+def test_a_grammar_that_fails_mid_stream_ends_it_with_the_400s_body(server):
+    """Streamed, the same failure ends the stream with an error event carrying the body of the unstreamed 400
+    (invalid_request_error naming structured_outputs), then [DONE]; it was a server_error naming no field, its
+    message prefixed "the request was aborted by the server"."""
+    import json
+
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 16, "structured_outputs": {"regex": "a{1000000}"}}
+    expected = _assert_error_body(httpx.post(server.v1 + "/completions", json=body, timeout=120), 400,
+                                  "structured_outputs")
+    with httpx.stream("POST", server.v1 + "/completions", json=body | {"stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        data = [line[len("data: "):] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    event = json.loads(data[-2])["error"]
+    assert data[-1] == "[DONE]" and {**event, "message": ""} == {**expected, "message": ""}
+    assert event["message"].startswith("structured_outputs: the grammar failed at output token")

@@ -197,3 +197,74 @@ def test_bad_requests_are_openai_errors_naming_the_field(server, body, status, p
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] is not None and error["param"].startswith(param) and error["message"]
+
+
+def test_a_truncated_chain_stores_only_the_turns_its_prompt_kept(tiny_model_dir):
+    """In process: under ``truncation: "auto"`` a response stores the turns its prompt kept. It stored the dropped
+    ones too, so each link of a chain held (and re-tokenized per request) the whole conversation, growing without
+    bound while every prompt fit: 24 stored messages here, 600 and 2.6 s a request after 300 links."""
+    import asyncio
+
+    from kvgen.engine.async_engine import AsyncLLMEngine
+    from kvgen.engine.engine_args import EngineArgs
+    from kvgen.server.app import build_app
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), max_model_len=64))
+    app = build_app(engine, "tiny")
+
+    async def chain() -> tuple[str, list[int]]:
+        previous, num_input_tokens = None, []
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvgen") as client:
+            for _ in range(12):
+                body = {"model": "tiny", "input": "one two three four five six", "max_output_tokens": 2,
+                        "truncation": "auto", "temperature": 0}
+                r = await client.post("/v1/responses", json=body | ({"previous_response_id": previous} if previous else {}))
+                assert r.status_code == 200, r.text
+                previous, usage = r.json()["id"], r.json()["usage"]
+                num_input_tokens.append(usage["input_tokens"])
+        await engine.shutdown()
+        return previous, num_input_tokens
+
+    last_id, num_input_tokens = asyncio.run(chain())
+    stored = app.state.kvgen.responses.get(last_id)
+    assert max(num_input_tokens) <= 62 and num_input_tokens[-1] > num_input_tokens[0]  # truncated, and chained
+    assert len(stored.messages) <= 8
+
+
+def test_truncation_auto_keeps_the_most_turns_that_fit_in_few_renderings(tiny_model_dir, monkeypatch):
+    """In process: truncation "auto" over 400 turns keeps the longest tail that fits, found in a few renderings of the
+    conversation. It dropped one turn at a time, rendering the conversation once per dropped turn on the event loop
+    (3.4 s for 1,000 short turns, every other stream stalled meanwhile)."""
+    import asyncio
+
+    from kvgen.engine.async_engine import AsyncLLMEngine
+    from kvgen.engine.engine_args import EngineArgs
+    from kvgen.server import responses
+    from kvgen.server.app import build_app
+    from kvgen.server.protocol import ChatCompletionRequest
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), max_model_len=256))
+    app = build_app(engine, "tiny")
+    state, num_renderings = app.state.kvgen, []
+    render = responses.chat_prompt_ids
+    monkeypatch.setattr(responses, "chat_prompt_ids", lambda *a, **k: num_renderings.append(1) or render(*a, **k))
+    turns = [{"role": "user", "content": f"turn {i} " + "word " * (i % 5)} for i in range(400)]
+    body = {"model": "tiny", "input": turns, "instructions": "Be brief.", "max_output_tokens": 4, "truncation": "auto"}
+
+    async def post() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvgen") as client:
+            r = await client.post("/v1/responses", json=body)
+        await engine.shutdown()
+        return r
+
+    r = asyncio.run(post())
+    assert r.status_code == 200, r.text
+    kept = state.responses.get(r.json()["id"]).messages[:-1]  # the kept turns, less the reply
+    assert len(num_renderings) <= 12 and 1 < len(kept) < 400
+
+    def num_tokens(messages: list) -> int:
+        system = {"role": "system", "content": "Be brief."}
+        return len(render(state, ChatCompletionRequest(messages=[system, *messages])))
+
+    assert r.json()["usage"]["input_tokens"] == num_tokens(kept) <= 256 - 4
+    assert num_tokens([turns[-len(kept) - 1], *kept]) > 256 - 4  # one turn more would not fit

@@ -173,9 +173,11 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {payload}\n\n"
 
 
-def sse_error(message: str, code: str = "aborted") -> str:
-    """An error inside a stream that already sent its 200 headers (as vLLM): an error event."""
-    return sse(ErrorResponse(error=ErrorInfo(message=message, type="server_error", param=None, code=code)).model_dump())
+def sse_error(message: str, code: str = "aborted", param: str | None = None) -> str:
+    """An error inside a stream that already sent its 200 headers (as vLLM): an error event; with ``param`` (the
+    request's own setting failed), the body of the 400 it would have been before the headers."""
+    kind = "server_error" if param is None else "invalid_request_error"
+    return sse(ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code)).model_dump())
 
 
 class StreamUsage:
@@ -242,12 +244,13 @@ async def respond(
 
 async def stream_events(
     gen: Generation, first: Iterable[str], events: Callable[[int, CompletionOutput, RequestOutput], Iterable[str]],
-    usage_chunk: Callable[[int], str] | None, *, error_event: Callable[[str, str], str] = sse_error,
+    usage_chunk: Callable[[int], str] | None, *, error_event: Callable[[str, str, str | None], str] = sse_error,
     done: str | None = sse("[DONE]"),
 ) -> AsyncIterator[str]:
     """SSE lines of a streamed request: ``first``, then ``events(prompt_index, completion, output)`` per completion of
     each engine output, the ``usage_chunk(num_completion_tokens)`` when asked, then ``done`` (unless None). An aborted
-    request or an engine failure after the 200 ends the stream with ``error_event(message, code)`` (as vLLM)."""
+    request or an engine failure after the 200 ends the stream with ``error_event(message, code, param)`` (as vLLM;
+    ``param``: the request's own setting that failed, as the 400 it is unstreamed)."""
     num_tokens, ending = 0, [] if done is None else [done]
     try:
         for line in first:
@@ -256,8 +259,11 @@ async def stream_events(
             for c in output.outputs:
                 num_tokens += len(c.token_ids)
                 if c.finish_reason == "abort":
-                    yield error_event(f"the request was aborted by the server{': ' + output.error if output.error else ''}",
-                                      "invalid_value" if output.error_param else "aborted")
+                    if output.error_param is not None:
+                        yield error_event(output.error or "", "invalid_value", output.error_param)
+                    else:
+                        yield error_event(f"the request was aborted by the server{': ' + output.error if output.error else ''}",
+                                          "aborted", None)
                     for line in ending:
                         yield line
                     return
@@ -269,7 +275,7 @@ async def stream_events(
             yield line
     except Exception as e:
         logger.exception("request %s failed", gen.request_id)
-        yield error_event(f"internal server error ({type(e).__name__})", "internal_error")
+        yield error_event(f"internal server error ({type(e).__name__})", "internal_error", None)
         for line in ending:
             yield line
     finally:
