@@ -400,7 +400,8 @@ def test_truncated_gguf_exits_2_from_the_real_script(tmp_path, default_gguf_path
 def test_python_dash_m_kvgen_is_the_kvgen_command(tiny_model_dir, capsys):
     proc = subprocess.run([sys.executable, "-m", "kvgen", "tokenize", "--model", str(tiny_model_dir), "hello there"],
                           capture_output=True, text=True, timeout=120, check=False)
-    assert (proc.returncode, proc.stdout) == (0, _run(capsys, ["tokenize", "--model", str(tiny_model_dir), "hello there"])[1])
+    expected = _run(capsys, ["tokenize", "--model", str(tiny_model_dir), "hello there"])[1]
+    assert (proc.returncode, proc.stdout) == (0, expected)
     bad = subprocess.run([sys.executable, "-m", "kvgen", "nonsense"], capture_output=True, text=True, timeout=120,
                          check=False)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1

@@ -365,13 +365,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run() -> NoReturn:
-    """The ``kvgen`` console script (and ``python -m kvgen``, ``python -m kvgen.cli``): :func:`main` in a process of its own, which
-    starts with the garbage collector off until :func:`_end_startup` and leaves with ``os._exit`` once its output is
-    flushed. ``import torch`` ran full collections over its own ~180,000 objects (0.08 s here, 0.07 s more while
-    kvgen's modules imported), and Python's teardown collected and finalized them all again (0.32-0.39 s after the
-    last token was printed): ``kvgen generate --max-new-tokens 16 Hello`` took 1.55-1.72 s, 1.08-1.17 without
-    both (alternating runs). Nothing is lost: every command has finished its work, threads included, when ``main``
-    returns."""
+    """The ``kvgen`` console script (and ``python -m kvgen``, ``python -m kvgen.cli``): :func:`main` in a process of its
+    own, which starts with the garbage collector off until :func:`_end_startup` and leaves with ``os._exit`` once
+    its output is flushed. ``import torch`` ran full collections over its own ~180,000 objects (0.08 s here, 0.07 s
+    more while kvgen's modules imported), and Python's teardown collected and finalized them all again (0.32-0.39 s
+    after the last token was printed): ``kvgen generate --max-new-tokens 16 Hello`` took 1.55-1.72 s, 1.08-1.17
+    without both (alternating runs). Nothing is lost: every command has finished its work, threads included, when
+    ``main`` returns."""
     gc.disable()
     code = main()
     for stream in (sys.stdout, sys.stderr):

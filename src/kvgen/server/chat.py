@@ -112,7 +112,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         )
 
     prompt_tail = reasoning_prompt_tail(state, prompt_ids)
-    stream = _stream(state, req, gen, len(prompt_ids), ChatDeltas(state, req, plan, prompt_tail)) if req.stream else None
+    deltas = ChatDeltas(state, req, plan, prompt_tail)
+    stream = _stream(state, req, gen, len(prompt_ids), deltas) if req.stream else None
     return await respond(gen, raw, req.n, stream, response)
 
 

@@ -194,7 +194,8 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
     gen = Generation(state, builder.response.id)
     await gen.start([prompt_ids], params, "input")
     if req.stream:
-        return await respond(gen, raw, 1, builder.events(gen, ChatDeltas(state, chat, plan, builder.prompt_tail)), builder.from_choices)
+        events = builder.events(gen, ChatDeltas(state, chat, plan, builder.prompt_tail))
+        return await respond(gen, raw, 1, events, builder.from_choices)
     return await respond(gen, raw, 1, None, builder.from_choices)
 
 
