@@ -46,6 +46,20 @@ def gguf_partial_rotary_factor(meta: dict[str, Any], arch: str, head_dim: int) -
     return factor
 
 
+def _has_sliding_layers(cfg: dict[str, Any]) -> bool:
+    """Whether a Qwen config's attention slides in any layer, as transformers 4.55's ``Qwen2Config`` reads it: its
+    ``sliding_window`` (default 4096) counts only with ``use_sliding_window``, on the layers ``layer_types`` names
+    ``sliding_attention`` (default: those from ``max_window_layers``, 28, on); a window as long as
+    ``max_position_embeddings`` (default 32768) slides nothing."""
+    window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
+    if window is None or window >= cfg.get("max_position_embeddings", 32768):
+        return False
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        return cfg.get("max_window_layers", 28) < cfg.get("num_hidden_layers", 0)
+    return "sliding_attention" in layer_types
+
+
 def llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """What Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite and ERNIE 4.5 change of a Llama (Granite: only its
     multipliers, read as the config's own fields with GraniteConfig's defaults of 1.0; ERNIE 4.5: ``use_bias`` for
@@ -57,11 +71,12 @@ def llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]
     :func:`kvgen.rope_scaling.hf_yarn_scaling` (read as transformers reads it, even when it holds every key of kvgen's
     form). Phi-3 checkpoints stack q/k/v and
     gate/up themselves (``weights.name_maps``). Raises ``UnsupportedArchitectureError`` for Qwen2/Qwen3 sliding-window
-    layers and a ``partial_rotary_factor`` below 1 outside Phi-3 (Phi-4-mini's is taken). Source: transformers 4.55 ``MistralConfig`` /
+    layers (a ``use_sliding_window`` that slides no layer is taken) and a ``partial_rotary_factor`` below 1 outside Phi-3 (Phi-4-mini's is taken). Source: transformers 4.55 ``MistralConfig`` /
     ``Qwen2Config`` / ``Qwen3Config`` / ``Phi3Config`` / ``SmolLM3Config`` and their attention modules."""
     changes: dict[str, Any] = {"model_type": "llama", "extra": {"hf_model_type": model_type}}
-    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and cfg.get("use_sliding_window"):
-        raise UnsupportedArchitectureError(f"{model_type} with use_sliding_window=true is not supported")
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and _has_sliding_layers(cfg):
+        raise UnsupportedArchitectureError(f"{model_type} with use_sliding_window=true and sliding layers (a "
+                                           f"sliding_window under max_position_embeddings) is not supported")
     rotary = 1.0 if cfg.get("partial_rotary_factor") is None else float(cfg["partial_rotary_factor"])
     if rotary != 1.0 and model_type != "phi3":  # transformers' other Llama-family attentions rotate whole heads
         raise UnsupportedArchitectureError(

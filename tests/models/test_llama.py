@@ -65,8 +65,16 @@ def test_mistral_sliding_window_bounds_the_context_and_qwen2_windows_are_refused
             "max_position_embeddings": 128}
     assert ModelConfig.from_hf_dict(base | {"model_type": "mistral", "sliding_window": 64}).max_position_embeddings == 64
     assert ModelConfig.from_hf_dict(base | {"model_type": "mistral", "sliding_window": None}).max_position_embeddings == 128
+    qwen2 = base | {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64}
     with pytest.raises(UnsupportedArchitectureError, match="use_sliding_window"):
-        ModelConfig.from_hf_dict(base | {"model_type": "qwen2", "use_sliding_window": True})
+        ModelConfig.from_hf_dict(qwen2 | {"max_window_layers": 1})  # layer 1 slides
+    with pytest.raises(UnsupportedArchitectureError, match="use_sliding_window"):
+        ModelConfig.from_hf_dict(qwen2 | {"layer_types": ["full_attention", "sliding_attention"]})
+    # as transformers' Qwen2Config: no layer slides (max_window_layers 28 >= 2 layers; a window covering the context;
+    # layer_types all full), so the config is a plain Qwen2
+    for no_sliding in ({}, {"max_window_layers": 1, "sliding_window": 128},
+                       {"max_window_layers": 0, "layer_types": ["full_attention"] * 2}):
+        assert ModelConfig.from_hf_dict(qwen2 | no_sliding).max_position_embeddings == 128
 
 
 def test_default_model_logits_match_transformers(ours_default, hf_default):

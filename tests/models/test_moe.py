@@ -193,7 +193,8 @@ def test_moe_config_defaults_are_transformers(model_type):
     ("qwen2_moe", {"moe_intermediate_size": 0}, ModelFormatError, "moe_intermediate_size must be positive"),
     ("qwen2_moe", {"shared_expert_intermediate_size": 0}, ModelFormatError, "shared_expert_intermediate_size"),
     ("mixtral", {"num_local_experts": 1}, ModelFormatError, r"num_experts_per_tok must be in \[1, num_experts = 1\]"),
-    ("qwen3_moe", {"use_sliding_window": True}, UnsupportedArchitectureError, "use_sliding_window"),
+    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 16, "layer_types": ["sliding_attention"] * 3},
+     UnsupportedArchitectureError, "use_sliding_window"),
 ])
 def test_moe_bad_configs_are_refused_by_name(model_type, change, error, match):
     config = make_tiny_model(model_type, seed=2).ref.config.to_dict()
