@@ -401,6 +401,23 @@ def test_llm_chat_renders_each_conversation_with_the_chat_template(model_tok):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_prompt_text_of_token_prompts_and_chat(model_tok):
+    """vLLM: a ``TokensPrompt``'s optional ``"prompt"`` is its ids' text, returned as ``RequestOutput.prompt`` (the
+    ids are what runs), and ``LLM.chat``'s outputs carry the rendered template as their ``prompt``."""
+    _, tok = model_tok
+    llm = _llm(model_tok)
+    ids = tok.encode("Hello there")
+    (out,) = llm.generate({"prompt_token_ids": ids, "prompt": "shown text"}, GREEDY, use_tqdm=False)
+    assert out.prompt == "shown text" and out.prompt_token_ids == ids
+    assert llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0].prompt is None
+    conversation = [{"role": "user", "content": "Say hi."}]
+    (chat,) = llm.chat(conversation, GREEDY, use_tqdm=False)
+    assert chat.prompt == tok.apply_chat_template(conversation, add_generation_prompt=True)
+    assert chat.prompt_token_ids == tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    with pytest.raises(ValueError, match="prompt must be their text"):
+        llm.generate({"prompt_token_ids": ids, "prompt": [1, 2]}, GREEDY, use_tqdm=False)
+
+
 def test_allowed_token_ids_and_bad_words_on_the_tiny_model(tiny_model_dir):
     from kvgen.loader import load_model
 

@@ -107,9 +107,10 @@ class LLM:
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise ValueError(f"messages must be a conversation or a non-empty list of conversations, got {messages!r}")
         conversations = cast("list[Conversation]", [messages] if isinstance(messages[0], dict) else list(messages))
-        prompts: list[PromptInput] = [
+        prompts: list[PromptInput] = [  # the rendered text is each output's prompt, as vLLM's
             {"prompt_token_ids": tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
-                                                               tokenize=True, tools=tools)}
+                                                               tokenize=True, tools=tools),
+             "prompt": tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tools=tools)}
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -231,8 +232,8 @@ def _split_prompt(item: PromptInput) -> tuple[str | None, list[int] | None]:
     if isinstance(item, str):
         return item, None
     if isinstance(item, dict):
-        if "prompt_token_ids" in item:
-            return None, item["prompt_token_ids"]
+        if "prompt_token_ids" in item:  # vLLM's TokensPrompt; its optional "prompt" is the ids' text
+            return item.get("prompt"), item["prompt_token_ids"]
         if "prompt" in item:
             return item["prompt"], None
         raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(item)}")

@@ -115,7 +115,8 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Queue a request: ``prompt`` text (or a list of token ids), or ``prompt_token_ids``.
+        """Queue a request: ``prompt`` text (or a list of token ids), or ``prompt_token_ids`` (with ``prompt``, a
+        string, as their text: ``RequestOutput.prompt``, as vLLM's ``TokensPrompt``).
 
         ``priority``: lower runs first under ``scheduling_policy="priority"`` (vLLM's rule); any other
         value than 0 is refused under "fcfs".
@@ -179,11 +180,15 @@ class LLMEngine:
         self.scheduler.add_request(request)
 
     def _prompt_tokens(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
-        if (prompt is None) == (prompt_token_ids is None):
-            raise ValueError("pass exactly one of prompt and prompt_token_ids")
+        if prompt is None and prompt_token_ids is None:
+            raise ValueError("pass prompt or prompt_token_ids")
         text: str | None = None
         ids: list[int] | None = prompt_token_ids if prompt is None else None
-        if isinstance(prompt, str):
+        if prompt_token_ids is not None and prompt is not None:  # vLLM TokensPrompt's "prompt": the ids' text
+            if not isinstance(prompt, str):
+                raise ValueError(f"with prompt_token_ids, prompt must be their text (a string), got {prompt!r}")
+            text, ids = prompt, prompt_token_ids
+        elif isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass prompt_token_ids instead")
             text, ids = prompt, self.tokenizer.encode(prompt)
