@@ -499,3 +499,20 @@ def test_llm_arguments_of_another_kind_are_value_errors(tiny_model_dir):
         with pytest.raises(ValueError, match=match):
             call()
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_llm_generate_returns_whole_outputs_whatever_the_output_kind(model_tok, prompts, n):
+    """vLLM's ``LLM.generate`` runs every request FINAL_ONLY: a DELTA or CUMULATIVE request's output holds all its
+    text, ids, logprobs and prompt logprobs, not only its last step's; the caller's params are left as given."""
+    llm = _llm(model_tok)
+    base = dict(temperature=0.0, max_tokens=6, ignore_eos=True, n=n, logprobs=0, prompt_logprobs=0)
+    (whole,) = llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(**base), use_tqdm=False)
+    assert all(len(c.token_ids) == 6 for c in whole.outputs)
+    for kind in RequestOutputKind:
+        params = SamplingParams(**base, output_kind=kind)
+        (out,) = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)
+        assert params.output_kind is kind
+        assert [(c.index, c.text, c.token_ids, c.logprobs) for c in out.outputs] == \
+            [(c.index, c.text, c.token_ids, c.logprobs) for c in whole.outputs]
+        assert out.prompt_logprobs == whole.prompt_logprobs and out.finished

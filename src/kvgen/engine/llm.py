@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any, cast
@@ -17,7 +18,7 @@ from kvgen.engine.generation_defaults import as_sampling_params, default_samplin
 from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.outputs import RequestOutput
 from kvgen.engine.pooling import EmbeddingRequestOutput, PoolingParams
-from kvgen.engine.sampling_params import SamplingParams
+from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvgen.loader import resolve_model_path
 from kvgen.models import CausalLM
 from kvgen.tokenizer import Tokenizer
@@ -65,13 +66,18 @@ class LLM:
 
         ``prompts``: a string, a list of token ids, a list of either, or dicts with
         ``prompt`` or ``prompt_token_ids``. ``sampling_params``: one for all prompts or one
-        per prompt (default :meth:`get_default_sampling_params`). ``priority``: one per prompt (lower first;
+        per prompt (default :meth:`get_default_sampling_params`; each runs with ``output_kind`` FINAL_ONLY, as vLLM's,
+        so every output is whole). ``priority``: one per prompt (lower first;
         needs ``scheduling_policy="priority"``). Raises ``ValueError`` (naming the field) for
         an invalid prompt or settings; then no prompt of the call is left in the engine.
         """
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params if sampling_params is not None else self.get_default_sampling_params(),
                                  len(items))
+        # only the final output is kept: as vLLM, each request runs FINAL_ONLY (a DELTA request's last output would
+        # hold only its last token); copies, so the caller's SamplingParams stay as given
+        params = [p if p.output_kind is RequestOutputKind.FINAL_ONLY
+                  else dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         if priority is not None and not isinstance(priority, Sequence):
             raise ValueError(f"priority must be a list of ints, one per prompt, got {priority!r}")
         priorities = [0] * len(items) if priority is None else list(priority)
