@@ -516,3 +516,24 @@ def test_llm_generate_returns_whole_outputs_whatever_the_output_kind(model_tok, 
         assert [(c.index, c.text, c.token_ids, c.logprobs) for c in out.outputs] == \
             [(c.index, c.text, c.token_ids, c.logprobs) for c in whole.outputs]
         assert out.prompt_logprobs == whole.prompt_logprobs and out.finished
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary(model_tok):
+    """vLLM: ``logprobs=-1`` / ``prompt_logprobs=-1`` return every token's logprob, on an engine whose
+    ``max_logprobs`` is -1 (the vocabulary size); under the default ``max_logprobs`` (20) they are refused."""
+    model, tok = model_tok
+    vocab = model.config.vocab_size
+    llm = _llm(model_tok, max_logprobs=-1)
+    params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=-1, prompt_logprobs=-1)
+    assert params.logprobs == -1 and params.prompt_logprobs == -1
+    (out,) = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)
+    assert [len(lp.top_logprobs) for lp in out.outputs[0].logprobs] == [vocab, vocab]
+    assert out.prompt_logprobs[0] is None and [len(lp.top_logprobs) for lp in out.prompt_logprobs[1:]] == [vocab] * 2
+    top = out.outputs[0].logprobs[0]
+    assert top.top_logprobs[out.outputs[0].token_ids[0]] == top.logprob  # greedy: the best of them all
+    with pytest.raises(ValueError, match=r"logprobs must be <= max_logprobs \(20\), got -1"):
+        _llm(model_tok).generate([5, 6, 7], SamplingParams(logprobs=-1), use_tqdm=False)
+    with pytest.raises(ValueError, match="logprobs must be"):
+        SamplingParams(logprobs=-2)
+    with pytest.raises(ValueError, match="max_logprobs"):
+        EngineArgs(max_logprobs=-2)

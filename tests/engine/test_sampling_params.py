@@ -57,8 +57,8 @@ def test_is_greedy(temperature: float, is_greedy: bool) -> None:
         ({"max_tokens": 0}, r"max_tokens must be an int in \[1, 2147483647\], got 0"),
         ({"min_tokens": -1}, r"min_tokens must be an int in \[0, 2147483647\], got -1"),
         ({"min_tokens": 20, "max_tokens": 10}, r"min_tokens must be <= max_tokens \(10\), got 20"),
-        ({"logprobs": -1}, r"logprobs must be an int in \[0, 2147483647\], got -1"),
-        ({"prompt_logprobs": -1}, r"prompt_logprobs must be an int in \[0, 2147483647\], got -1"),
+        ({"logprobs": -2}, r"logprobs must be an int in \[0, 2147483647\], got -2"),  # -1: the vocabulary (vLLM)
+        ({"prompt_logprobs": -2}, r"prompt_logprobs must be an int in \[0, 2147483647\], got -2"),
         ({"prompt_logprobs": 1.0}, r"prompt_logprobs must be an int"),
         ({"seed": 2**64}, r"seed must be an int in \[-9223372036854775808, 18446744073709551615\], got 18446744073709551616"),
         ({"seed": "1"}, r"seed must be an int in .*, got '1'"),

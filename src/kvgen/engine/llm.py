@@ -160,7 +160,7 @@ class LLM:
         engine, tokenizer = self.llm_engine, self.get_tokenizer()
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        if 2 * params.beam_width > engine.engine_args.max_logprobs:
+        if 2 * params.beam_width > engine.max_logprobs:
             raise ValueError(f"beam_width={params.beam_width} needs 2 * beam_width <= max_logprobs "
                              f"({engine.engine_args.max_logprobs}); raise max_logprobs")
         token_lists = []

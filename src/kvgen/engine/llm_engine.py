@@ -67,6 +67,8 @@ class LLMEngine:
         args = engine_args or EngineArgs()
         config = model.config
         self.engine_args, self.model, self.tokenizer = args, model, tokenizer
+        # the largest logprobs / prompt_logprobs a request may ask for (max_logprobs -1: the vocabulary, as vLLM)
+        self.max_logprobs = config.vocab_size if args.max_logprobs == -1 else args.max_logprobs
         self.max_model_len = args.max_model_len or config.max_position_embeddings
         if self.max_model_len > config.max_position_embeddings:
             raise ValueError(
@@ -238,8 +240,13 @@ class LLMEngine:
         if params.best_of is not None and params.best_of > params.n:
             raise ValueError(f"best_of > n is not supported by the engine, got best_of={params.best_of}, n={params.n}")
         for name in ("logprobs", "prompt_logprobs"):
-            if (value := getattr(params, name)) is not None and value > self.engine_args.max_logprobs:
-                raise ValueError(f"{name} must be <= max_logprobs ({self.engine_args.max_logprobs}), got {value}")
+            value = asked = getattr(params, name)
+            if value == -1:  # the whole vocabulary (as vLLM)
+                value = vocab
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{name} must be <= max_logprobs ({self.engine_args.max_logprobs}), got {asked}")
+            if value != asked:
+                params = dataclasses.replace(params, **{name: value})
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise ValueError(f"prompt of {num_prompt_tokens} tokens leaves no room to generate within max_model_len ({self.max_model_len})")

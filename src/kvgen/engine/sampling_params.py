@@ -30,6 +30,7 @@ class RequestOutputKind(enum.Enum):
 
 
 _f = config_field
+_ALL_OF_VOCAB = ("logprobs", "prompt_logprobs")  # -1: every token's logprob (the engine needs max_logprobs=-1)
 
 
 @dataclass
@@ -58,9 +59,10 @@ class SamplingParams:
     max_tokens: int | None = _f(16, "maximum new tokens; None = up to the model's context length")
     min_tokens: int = _f(0, "EOS and stop_token_ids are suppressed until this many new tokens exist, and stop "
                             "strings are not searched in their text (as vLLM)")
-    logprobs: int | None = _f(None, "return the sampled token's logprob and this many top alternatives")
+    logprobs: int | None = _f(None, "return the sampled token's logprob and this many top alternatives; -1: all "
+                                    "(needs the engine's max_logprobs=-1, as vLLM)")
     prompt_logprobs: int | None = _f(None, "return each prompt token's logprob (the first has none) and this many top "
-                                           "alternatives; the request then skips the prefix cache")
+                                           "alternatives (-1: all); the request then skips the prefix cache")
     truncate_prompt_tokens: int | None = _f(None, "keep only the prompt's last k tokens (left truncation); -1: the "
                                                   "model's context length")
     logit_bias: dict[int, float] | None = _f(None, "token id -> bias in [-100, 100] added to its logit (OpenAI logit_bias)")
@@ -80,6 +82,8 @@ class SamplingParams:
             self.top_k = 0  # vLLM's spelling of "off"
         for f in dataclasses.fields(self):  # ranges: the table shared with GenerationConfig and the CLI
             value = getattr(self, f.name)
+            if f.name in _ALL_OF_VOCAB and type(value) is int and value == -1:  # vLLM: the whole vocabulary
+                continue
             if f.name in PARAM_RULES and (value is not None or "None" not in str(f.type)):  # None where typed so
                 check_param(f.name, value)
         k = self.truncate_prompt_tokens
