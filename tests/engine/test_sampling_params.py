@@ -18,6 +18,15 @@ def test_defaults_follow_vllm() -> None:
     assert not p.is_greedy
 
 
+def test_spaces_between_special_tokens_is_accepted_as_vllm() -> None:
+    """vLLM code passes ``spaces_between_special_tokens`` (default True); with a fast tokenizer vLLM ignores it, and
+    kvgen decodes as one: accepted, checked as a bool."""
+    assert SamplingParams().spaces_between_special_tokens is True
+    assert SamplingParams(spaces_between_special_tokens=False).spaces_between_special_tokens is False
+    with pytest.raises(ValueError, match="spaces_between_special_tokens must be a bool, got 0"):
+        SamplingParams(spaces_between_special_tokens=0)
+
+
 def test_normalization() -> None:
     assert SamplingParams(stop="###").stop == ["###"]
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]

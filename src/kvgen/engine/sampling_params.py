@@ -72,6 +72,8 @@ class SamplingParams:
     # bad_words as token id sequences: filled by the engine from its tokenizer (vLLM's _bad_words_token_ids)
     bad_words_token_ids: list[list[int]] | None = _f(None, "bad_words tokenized (set by the engine)", cli=False)
     skip_special_tokens: bool = _f(True, "leave special tokens out of the text")
+    spaces_between_special_tokens: bool = _f(True, "accepted as vLLM's; no effect: the text is decoded as a fast "
+                                                   "(Rust) tokenizer decodes, where vLLM ignores it too")
     detokenize: bool = _f(True, "decode the output into text (False: token ids only, empty text, no stop strings)")
     output_kind: RequestOutputKind = _f(RequestOutputKind.CUMULATIVE, "cumulative, delta or final-only outputs")
     structured_outputs: StructuredOutputsParams | None = _f(
@@ -110,7 +112,8 @@ class SamplingParams:
             if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
                 raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
             self.bad_words = list(words)
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not self.detokenize and self.stop:
