@@ -537,3 +537,17 @@ def test_logprobs_minus_one_is_the_whole_vocabulary(model_tok):
         SamplingParams(logprobs=-2)
     with pytest.raises(ValueError, match="max_logprobs"):
         EngineArgs(max_logprobs=-2)
+
+
+def test_llm_chat_takes_continue_final_message_and_chat_template_kwargs(model_tok):
+    """vLLM's ``LLM.chat(..., continue_final_message=True, chat_template_kwargs={...})``: the prompt ends inside the
+    last message (no new turn), and the extra variables reach the template."""
+    _, tok = model_tok
+    llm = _llm(model_tok)
+    conversation = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    kwargs = {"enable_thinking": False}
+    (out,) = llm.chat(conversation, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True,
+                      chat_template_kwargs=kwargs)
+    assert out.prompt.endswith("The colour is")
+    assert out.prompt_token_ids == tok.apply_chat_template(conversation, tokenize=True, continue_final_message=True,
+                                                           chat_template_kwargs=kwargs)

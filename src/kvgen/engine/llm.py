@@ -102,23 +102,29 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of message dicts) or to each of a list of them, rendered by
-        the model's chat template (with ``tools`` if given); one finished ``RequestOutput`` per conversation.
-        Raises ``ValueError`` without a tokenizer, for malformed messages, or as ``generate``. Source: vLLM
-        ``LLM.chat``."""
+        the model's chat template (with ``tools`` if given; ``continue_final_message``: the reply continues the last
+        message; ``chat_template_kwargs``: extra template variables such as ``enable_thinking``); one finished
+        ``RequestOutput`` per conversation. Raises ``ValueError`` without a tokenizer, for malformed messages, or as
+        ``generate``. Source: vLLM ``LLM.chat``."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("LLM.chat needs a tokenizer (its chat template); this LLM has none")
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise ValueError(f"messages must be a conversation or a non-empty list of conversations, got {messages!r}")
         conversations = cast("list[Conversation]", [messages] if isinstance(messages[0], dict) else list(messages))
-        prompts: list[PromptInput] = [  # the rendered text is each output's prompt, as vLLM's
-            {"prompt_token_ids": tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
-                                                               tokenize=True, tools=tools),
-             "prompt": tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tools=tools)}
-            for c in conversations
-        ]
+        def render(conversation: Conversation, tokenize: bool) -> str | list[int]:
+            return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=tokenize, tools=tools,
+                                                 continue_final_message=continue_final_message,
+                                                 chat_template_kwargs=chat_template_kwargs)
+
+        # the rendered text is each output's prompt, as vLLM's
+        prompts: list[PromptInput] = [{"prompt_token_ids": render(c, True), "prompt": render(c, False)}
+                                      for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def embed(self, prompts: PromptInput | Sequence[PromptInput],
