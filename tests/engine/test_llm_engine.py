@@ -551,3 +551,14 @@ def test_llm_chat_takes_continue_final_message_and_chat_template_kwargs(model_to
     assert out.prompt.endswith("The colour is")
     assert out.prompt_token_ids == tok.apply_chat_template(conversation, tokenize=True, continue_final_message=True,
                                                            chat_template_kwargs=kwargs)
+
+
+def test_completion_output_finished_is_a_method_as_vllm(model_tok):
+    """vLLM's ``CompletionOutput.finished()`` is a method (``RequestOutput.finished`` an attribute)."""
+    model, tok = model_tok
+    engine = LLMEngine(model, tok, EngineArgs(num_blocks=64))
+    engine.add_request("r", prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(max_tokens=3, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [o.outputs[0].finished() for o in outputs] == [False, False, True] == [o.finished for o in outputs]
