@@ -110,3 +110,12 @@ def test_replace_revalidates() -> None:
     assert (child.n, child.seed, child.stop) == (1, 8, ["x"])
     with pytest.raises(ValueError, match="top_p"):
         dataclasses.replace(child, top_p=2.0)
+
+
+def test_clone_is_a_deep_copy_as_vllm() -> None:
+    """vLLM's ``SamplingParams.clone()``: an equal copy whose lists are not shared."""
+    p = SamplingParams(stop=["x"], stop_token_ids=[3], logit_bias={1: 2.0}, seed=4)
+    q = p.clone()
+    assert q == p and q is not p
+    q.stop.append("y")
+    assert p.stop == ["x"]

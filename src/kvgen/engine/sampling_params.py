@@ -8,6 +8,7 @@ and ``generate()`` accept the same values.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 from dataclasses import dataclass
@@ -122,6 +123,10 @@ class SamplingParams:
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's ``SamplingParams.clone``): lists and dicts of the copy are its own."""
+        return copy.deepcopy(self)
 
     @property
     def is_greedy(self) -> bool:
