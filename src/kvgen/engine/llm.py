@@ -76,8 +76,9 @@ class LLM:
                                  len(items))
         # only the final output is kept: as vLLM, each request runs FINAL_ONLY (a DELTA request's last output would
         # hold only its last token); copies, so the caller's SamplingParams stay as given
-        params = [p if p.output_kind is RequestOutputKind.FINAL_ONLY
-                  else dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
+        final = {id(p): p if p.output_kind is RequestOutputKind.FINAL_ONLY
+                 else dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
+        params = [final[id(p)] for p in params]  # one copy per distinct params object
         if priority is not None and not isinstance(priority, Sequence):
             raise ValueError(f"priority must be a list of ints, one per prompt, got {priority!r}")
         priorities = [0] * len(items) if priority is None else list(priority)
