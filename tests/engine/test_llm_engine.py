@@ -401,6 +401,23 @@ def test_llm_chat_renders_each_conversation_with_the_chat_template(model_tok):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_prompt_text_of_token_prompts_and_chat(model_tok):
+    """vLLM: a ``TokensPrompt``'s optional ``"prompt"`` is its ids' text, returned as ``RequestOutput.prompt`` (the
+    ids are what runs), and ``LLM.chat``'s outputs carry the rendered template as their ``prompt``."""
+    _, tok = model_tok
+    llm = _llm(model_tok)
+    ids = tok.encode("Hello there")
+    (out,) = llm.generate({"prompt_token_ids": ids, "prompt": "shown text"}, GREEDY, use_tqdm=False)
+    assert out.prompt == "shown text" and out.prompt_token_ids == ids
+    assert llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0].prompt is None
+    conversation = [{"role": "user", "content": "Say hi."}]
+    (chat,) = llm.chat(conversation, GREEDY, use_tqdm=False)
+    assert chat.prompt == tok.apply_chat_template(conversation, add_generation_prompt=True)
+    assert chat.prompt_token_ids == tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    with pytest.raises(ValueError, match="prompt must be their text"):
+        llm.generate({"prompt_token_ids": ids, "prompt": [1, 2]}, GREEDY, use_tqdm=False)
+
+
 def test_allowed_token_ids_and_bad_words_on_the_tiny_model(tiny_model_dir):
     from kvgen.loader import load_model
 
@@ -482,3 +499,66 @@ def test_llm_arguments_of_another_kind_are_value_errors(tiny_model_dir):
         with pytest.raises(ValueError, match=match):
             call()
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_llm_generate_returns_whole_outputs_whatever_the_output_kind(model_tok, prompts, n):
+    """vLLM's ``LLM.generate`` runs every request FINAL_ONLY: a DELTA or CUMULATIVE request's output holds all its
+    text, ids, logprobs and prompt logprobs, not only its last step's; the caller's params are left as given."""
+    llm = _llm(model_tok)
+    base = dict(temperature=0.0, max_tokens=6, ignore_eos=True, n=n, logprobs=0, prompt_logprobs=0)
+    (whole,) = llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(**base), use_tqdm=False)
+    assert all(len(c.token_ids) == 6 for c in whole.outputs)
+    for kind in RequestOutputKind:
+        params = SamplingParams(**base, output_kind=kind)
+        (out,) = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)
+        assert params.output_kind is kind
+        assert [(c.index, c.text, c.token_ids, c.logprobs) for c in out.outputs] == \
+            [(c.index, c.text, c.token_ids, c.logprobs) for c in whole.outputs]
+        assert out.prompt_logprobs == whole.prompt_logprobs and out.finished
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary(model_tok):
+    """vLLM: ``logprobs=-1`` / ``prompt_logprobs=-1`` return every token's logprob, on an engine whose
+    ``max_logprobs`` is -1 (the vocabulary size); under the default ``max_logprobs`` (20) they are refused."""
+    model, tok = model_tok
+    vocab = model.config.vocab_size
+    llm = _llm(model_tok, max_logprobs=-1)
+    params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=-1, prompt_logprobs=-1)
+    assert params.logprobs == -1 and params.prompt_logprobs == -1
+    (out,) = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)
+    assert [len(lp.top_logprobs) for lp in out.outputs[0].logprobs] == [vocab, vocab]
+    assert out.prompt_logprobs[0] is None and [len(lp.top_logprobs) for lp in out.prompt_logprobs[1:]] == [vocab] * 2
+    top = out.outputs[0].logprobs[0]
+    assert top.top_logprobs[out.outputs[0].token_ids[0]] == top.logprob  # greedy: the best of them all
+    with pytest.raises(ValueError, match=r"logprobs must be <= max_logprobs \(20\), got -1"):
+        _llm(model_tok).generate([5, 6, 7], SamplingParams(logprobs=-1), use_tqdm=False)
+    with pytest.raises(ValueError, match="logprobs must be"):
+        SamplingParams(logprobs=-2)
+    with pytest.raises(ValueError, match="max_logprobs"):
+        EngineArgs(max_logprobs=-2)
+
+
+def test_llm_chat_takes_continue_final_message_and_chat_template_kwargs(model_tok):
+    """vLLM's ``LLM.chat(..., continue_final_message=True, chat_template_kwargs={...})``: the prompt ends inside the
+    last message (no new turn), and the extra variables reach the template."""
+    _, tok = model_tok
+    llm = _llm(model_tok)
+    conversation = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    kwargs = {"enable_thinking": False}
+    (out,) = llm.chat(conversation, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True,
+                      chat_template_kwargs=kwargs)
+    assert out.prompt.endswith("The colour is")
+    assert out.prompt_token_ids == tok.apply_chat_template(conversation, tokenize=True, continue_final_message=True,
+                                                           chat_template_kwargs=kwargs)
+
+
+def test_completion_output_finished_is_a_method_as_vllm(model_tok):
+    """vLLM's ``CompletionOutput.finished()`` is a method (``RequestOutput.finished`` an attribute)."""
+    model, tok = model_tok
+    engine = LLMEngine(model, tok, EngineArgs(num_blocks=64))
+    engine.add_request("r", prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(max_tokens=3, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [o.outputs[0].finished() for o in outputs] == [False, False, True] == [o.finished for o in outputs]

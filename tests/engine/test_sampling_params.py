@@ -18,6 +18,15 @@ def test_defaults_follow_vllm() -> None:
     assert not p.is_greedy
 
 
+def test_spaces_between_special_tokens_is_accepted_as_vllm() -> None:
+    """vLLM code passes ``spaces_between_special_tokens`` (default True); with a fast tokenizer vLLM ignores it, and
+    kvgen decodes as one: accepted, checked as a bool."""
+    assert SamplingParams().spaces_between_special_tokens is True
+    assert SamplingParams(spaces_between_special_tokens=False).spaces_between_special_tokens is False
+    with pytest.raises(ValueError, match="spaces_between_special_tokens must be a bool, got 0"):
+        SamplingParams(spaces_between_special_tokens=0)
+
+
 def test_normalization() -> None:
     assert SamplingParams(stop="###").stop == ["###"]
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
@@ -57,8 +66,8 @@ def test_is_greedy(temperature: float, is_greedy: bool) -> None:
         ({"max_tokens": 0}, r"max_tokens must be an int in \[1, 2147483647\], got 0"),
         ({"min_tokens": -1}, r"min_tokens must be an int in \[0, 2147483647\], got -1"),
         ({"min_tokens": 20, "max_tokens": 10}, r"min_tokens must be <= max_tokens \(10\), got 20"),
-        ({"logprobs": -1}, r"logprobs must be an int in \[0, 2147483647\], got -1"),
-        ({"prompt_logprobs": -1}, r"prompt_logprobs must be an int in \[0, 2147483647\], got -1"),
+        ({"logprobs": -2}, r"logprobs must be an int in \[0, 2147483647\], got -2"),  # -1: the vocabulary (vLLM)
+        ({"prompt_logprobs": -2}, r"prompt_logprobs must be an int in \[0, 2147483647\], got -2"),
         ({"prompt_logprobs": 1.0}, r"prompt_logprobs must be an int"),
         ({"seed": 2**64}, r"seed must be an int in \[-9223372036854775808, 18446744073709551615\], got 18446744073709551616"),
         ({"seed": "1"}, r"seed must be an int in .*, got '1'"),
@@ -101,3 +110,12 @@ def test_replace_revalidates() -> None:
     assert (child.n, child.seed, child.stop) == (1, 8, ["x"])
     with pytest.raises(ValueError, match="top_p"):
         dataclasses.replace(child, top_p=2.0)
+
+
+def test_clone_is_a_deep_copy_as_vllm() -> None:
+    """vLLM's ``SamplingParams.clone()``: an equal copy whose lists are not shared."""
+    p = SamplingParams(stop=["x"], stop_token_ids=[3], logit_bias={1: 2.0}, seed=4)
+    q = p.clone()
+    assert q == p and q is not p
+    q.stop.append("y")
+    assert p.stop == ["x"]

@@ -50,7 +50,7 @@ class EngineArgs:
         "other requests' decode steps short while a long prompt comes in")
     enable_prefix_caching: bool = _f(True, "reuse KV blocks of identical prompt prefixes")
     seed: int = _f(0, "seed of the RNG that seeds requests without their own seed")
-    max_logprobs: int = _f(20, "largest SamplingParams.logprobs accepted")
+    max_logprobs: int = _f(20, "largest SamplingParams.logprobs accepted; -1: the vocabulary size")
     scheduling_policy: str = _f("fcfs", "which waiting request runs first: 'fcfs' (arrival order) or 'priority' (the "
                                         "lowest request priority, then arrival; the least important is preempted)")
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = _f(
@@ -73,7 +73,7 @@ class EngineArgs:
         for name in ("num_blocks", "kv_cache_memory", "max_model_len", "long_prefill_token_threshold"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
-        check_int("max_logprobs", self.max_logprobs, 0)
+        check_int("max_logprobs", self.max_logprobs, -1)
         check_int("seed", self.seed, SEED_MIN, SEED_MAX)
         if self.num_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError(

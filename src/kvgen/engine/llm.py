@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any, cast
@@ -17,7 +18,7 @@ from kvgen.engine.generation_defaults import as_sampling_params, default_samplin
 from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.outputs import RequestOutput
 from kvgen.engine.pooling import EmbeddingRequestOutput, PoolingParams
-from kvgen.engine.sampling_params import SamplingParams
+from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvgen.loader import resolve_model_path
 from kvgen.models import CausalLM
 from kvgen.tokenizer import Tokenizer
@@ -65,13 +66,19 @@ class LLM:
 
         ``prompts``: a string, a list of token ids, a list of either, or dicts with
         ``prompt`` or ``prompt_token_ids``. ``sampling_params``: one for all prompts or one
-        per prompt (default :meth:`get_default_sampling_params`). ``priority``: one per prompt (lower first;
+        per prompt (default :meth:`get_default_sampling_params`; each runs with ``output_kind`` FINAL_ONLY, as vLLM's,
+        so every output is whole). ``priority``: one per prompt (lower first;
         needs ``scheduling_policy="priority"``). Raises ``ValueError`` (naming the field) for
         an invalid prompt or settings; then no prompt of the call is left in the engine.
         """
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params if sampling_params is not None else self.get_default_sampling_params(),
                                  len(items))
+        # only the final output is kept: as vLLM, each request runs FINAL_ONLY (a DELTA request's last output would
+        # hold only its last token); copies, so the caller's SamplingParams stay as given
+        final = {id(p): p if p.output_kind is RequestOutputKind.FINAL_ONLY
+                 else dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
+        params = [final[id(p)] for p in params]  # one copy per distinct params object
         if priority is not None and not isinstance(priority, Sequence):
             raise ValueError(f"priority must be a list of ints, one per prompt, got {priority!r}")
         priorities = [0] * len(items) if priority is None else list(priority)
@@ -96,22 +103,29 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of message dicts) or to each of a list of them, rendered by
-        the model's chat template (with ``tools`` if given); one finished ``RequestOutput`` per conversation.
-        Raises ``ValueError`` without a tokenizer, for malformed messages, or as ``generate``. Source: vLLM
-        ``LLM.chat``."""
+        the model's chat template (with ``tools`` if given; ``continue_final_message``: the reply continues the last
+        message; ``chat_template_kwargs``: extra template variables such as ``enable_thinking``); one finished
+        ``RequestOutput`` per conversation. Raises ``ValueError`` without a tokenizer, for malformed messages, or as
+        ``generate``. Source: vLLM ``LLM.chat``."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("LLM.chat needs a tokenizer (its chat template); this LLM has none")
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise ValueError(f"messages must be a conversation or a non-empty list of conversations, got {messages!r}")
         conversations = cast("list[Conversation]", [messages] if isinstance(messages[0], dict) else list(messages))
-        prompts: list[PromptInput] = [
-            {"prompt_token_ids": tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
-                                                               tokenize=True, tools=tools)}
-            for c in conversations
-        ]
+        def render(conversation: Conversation, tokenize: bool) -> str | list[int]:
+            return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=tokenize, tools=tools,
+                                                 continue_final_message=continue_final_message,
+                                                 chat_template_kwargs=chat_template_kwargs)
+
+        # the rendered text is each output's prompt, as vLLM's
+        prompts: list[PromptInput] = [{"prompt_token_ids": render(c, True), "prompt": render(c, False)}
+                                      for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def embed(self, prompts: PromptInput | Sequence[PromptInput],
@@ -153,7 +167,7 @@ class LLM:
         engine, tokenizer = self.llm_engine, self.get_tokenizer()
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        if 2 * params.beam_width > engine.engine_args.max_logprobs:
+        if 2 * params.beam_width > engine.max_logprobs:
             raise ValueError(f"beam_width={params.beam_width} needs 2 * beam_width <= max_logprobs "
                              f"({engine.engine_args.max_logprobs}); raise max_logprobs")
         token_lists = []
@@ -231,8 +245,8 @@ def _split_prompt(item: PromptInput) -> tuple[str | None, list[int] | None]:
     if isinstance(item, str):
         return item, None
     if isinstance(item, dict):
-        if "prompt_token_ids" in item:
-            return None, item["prompt_token_ids"]
+        if "prompt_token_ids" in item:  # vLLM's TokensPrompt; its optional "prompt" is the ids' text
+            return item.get("prompt"), item["prompt_token_ids"]
         if "prompt" in item:
             return item["prompt"], None
         raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(item)}")

@@ -67,6 +67,8 @@ class LLMEngine:
         args = engine_args or EngineArgs()
         config = model.config
         self.engine_args, self.model, self.tokenizer = args, model, tokenizer
+        # the largest logprobs / prompt_logprobs a request may ask for (max_logprobs -1: the vocabulary, as vLLM)
+        self.max_logprobs = config.vocab_size if args.max_logprobs == -1 else args.max_logprobs
         self.max_model_len = args.max_model_len or config.max_position_embeddings
         if self.max_model_len > config.max_position_embeddings:
             raise ValueError(
@@ -115,7 +117,8 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Queue a request: ``prompt`` text (or a list of token ids), or ``prompt_token_ids``.
+        """Queue a request: ``prompt`` text (or a list of token ids), or ``prompt_token_ids`` (with ``prompt``, a
+        string, as their text: ``RequestOutput.prompt``, as vLLM's ``TokensPrompt``).
 
         ``priority``: lower runs first under ``scheduling_policy="priority"`` (vLLM's rule); any other
         value than 0 is refused under "fcfs".
@@ -179,11 +182,15 @@ class LLMEngine:
         self.scheduler.add_request(request)
 
     def _prompt_tokens(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
-        if (prompt is None) == (prompt_token_ids is None):
-            raise ValueError("pass exactly one of prompt and prompt_token_ids")
+        if prompt is None and prompt_token_ids is None:
+            raise ValueError("pass prompt or prompt_token_ids")
         text: str | None = None
         ids: list[int] | None = prompt_token_ids if prompt is None else None
-        if isinstance(prompt, str):
+        if prompt_token_ids is not None and prompt is not None:  # vLLM TokensPrompt's "prompt": the ids' text
+            if not isinstance(prompt, str):
+                raise ValueError(f"with prompt_token_ids, prompt must be their text (a string), got {prompt!r}")
+            text, ids = prompt, prompt_token_ids
+        elif isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass prompt_token_ids instead")
             text, ids = prompt, self.tokenizer.encode(prompt)
@@ -233,8 +240,13 @@ class LLMEngine:
         if params.best_of is not None and params.best_of > params.n:
             raise ValueError(f"best_of > n is not supported by the engine, got best_of={params.best_of}, n={params.n}")
         for name in ("logprobs", "prompt_logprobs"):
-            if (value := getattr(params, name)) is not None and value > self.engine_args.max_logprobs:
-                raise ValueError(f"{name} must be <= max_logprobs ({self.engine_args.max_logprobs}), got {value}")
+            value = asked = getattr(params, name)
+            if value == -1:  # the whole vocabulary (as vLLM)
+                value = vocab
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{name} must be <= max_logprobs ({self.engine_args.max_logprobs}), got {asked}")
+            if value != asked:
+                params = dataclasses.replace(params, **{name: value})
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise ValueError(f"prompt of {num_prompt_tokens} tokens leaves no room to generate within max_model_len ({self.max_model_len})")

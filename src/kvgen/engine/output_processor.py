@@ -147,7 +147,7 @@ def _request_output(state: RequestState, completion: CompletionOutput, error: st
         first_scheduled_time=request.first_scheduled_time,
         first_token_time=request.first_token_time,
         last_token_time=state.last_token_time,
-        finish_time=(request.finish_time or time.time()) if completion.finished else None,
+        finish_time=(request.finish_time or time.time()) if completion.finished() else None,
         num_preemptions=request.num_preemptions,
     )
     return RequestOutput(
@@ -155,7 +155,7 @@ def _request_output(state: RequestState, completion: CompletionOutput, error: st
         prompt=request.prompt,
         prompt_token_ids=request.prompt_token_ids,
         outputs=[completion],
-        finished=completion.finished,
+        finished=completion.finished(),
         metrics=metrics,
         num_cached_tokens=request.num_cached_prefix_tokens,
         error=error,

@@ -28,8 +28,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS
 
-    @property
     def finished(self) -> bool:
+        """Whether this completion has ended (a method, as vLLM's ``CompletionOutput.finished()``)."""
         return self.finish_reason is not None
 
 

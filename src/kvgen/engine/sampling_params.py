@@ -8,6 +8,7 @@ and ``generate()`` accept the same values.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ class RequestOutputKind(enum.Enum):
 
 
 _f = config_field
+_ALL_OF_VOCAB = ("logprobs", "prompt_logprobs")  # -1: every token's logprob (the engine needs max_logprobs=-1)
 
 
 @dataclass
@@ -58,9 +60,10 @@ class SamplingParams:
     max_tokens: int | None = _f(16, "maximum new tokens; None = up to the model's context length")
     min_tokens: int = _f(0, "EOS and stop_token_ids are suppressed until this many new tokens exist, and stop "
                             "strings are not searched in their text (as vLLM)")
-    logprobs: int | None = _f(None, "return the sampled token's logprob and this many top alternatives")
+    logprobs: int | None = _f(None, "return the sampled token's logprob and this many top alternatives; -1: all "
+                                    "(needs the engine's max_logprobs=-1, as vLLM)")
     prompt_logprobs: int | None = _f(None, "return each prompt token's logprob (the first has none) and this many top "
-                                           "alternatives; the request then skips the prefix cache")
+                                           "alternatives (-1: all); the request then skips the prefix cache")
     truncate_prompt_tokens: int | None = _f(None, "keep only the prompt's last k tokens (left truncation); -1: the "
                                                   "model's context length")
     logit_bias: dict[int, float] | None = _f(None, "token id -> bias in [-100, 100] added to its logit (OpenAI logit_bias)")
@@ -70,6 +73,8 @@ class SamplingParams:
     # bad_words as token id sequences: filled by the engine from its tokenizer (vLLM's _bad_words_token_ids)
     bad_words_token_ids: list[list[int]] | None = _f(None, "bad_words tokenized (set by the engine)", cli=False)
     skip_special_tokens: bool = _f(True, "leave special tokens out of the text")
+    spaces_between_special_tokens: bool = _f(True, "accepted as vLLM's; no effect: the text is decoded as a fast "
+                                                   "(Rust) tokenizer decodes, where vLLM ignores it too")
     detokenize: bool = _f(True, "decode the output into text (False: token ids only, empty text, no stop strings)")
     output_kind: RequestOutputKind = _f(RequestOutputKind.CUMULATIVE, "cumulative, delta or final-only outputs")
     structured_outputs: StructuredOutputsParams | None = _f(
@@ -80,6 +85,8 @@ class SamplingParams:
             self.top_k = 0  # vLLM's spelling of "off"
         for f in dataclasses.fields(self):  # ranges: the table shared with GenerationConfig and the CLI
             value = getattr(self, f.name)
+            if f.name in _ALL_OF_VOCAB and type(value) is int and value == -1:  # vLLM: the whole vocabulary
+                continue
             if f.name in PARAM_RULES and (value is not None or "None" not in str(f.type)):  # None where typed so
                 check_param(f.name, value)
         k = self.truncate_prompt_tokens
@@ -106,7 +113,8 @@ class SamplingParams:
             if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
                 raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
             self.bad_words = list(words)
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not self.detokenize and self.stop:
@@ -115,6 +123,10 @@ class SamplingParams:
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's ``SamplingParams.clone``): lists and dicts of the copy are its own."""
+        return copy.deepcopy(self)
 
     @property
     def is_greedy(self) -> bool:

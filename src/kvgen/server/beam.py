@@ -68,7 +68,7 @@ class BeamGeneration(Generation):
                               "tool_choice")
         if params.prompt_logprobs is not None:
             raise bad_request("echo with logprobs is not supported with use_beam_search", "echo")
-        max_logprobs = self.state.engine.engine.engine_args.max_logprobs
+        max_logprobs = self.state.engine.engine.max_logprobs
         if 2 * params.n > max_logprobs:
             raise bad_request(f"use_beam_search needs 2 * n <= {max_logprobs} (the server's max_logprobs), got "
                               f"n={params.n}", "n")
