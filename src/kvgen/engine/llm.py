@@ -117,15 +117,12 @@ class LLM:
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise ValueError(f"messages must be a conversation or a non-empty list of conversations, got {messages!r}")
         conversations = cast("list[Conversation]", [messages] if isinstance(messages[0], dict) else list(messages))
-        def render(conversation: Conversation, tokenize: bool) -> str | list[int]:
-            return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=tokenize, tools=tools,
-                                                 continue_final_message=continue_final_message,
-                                                 chat_template_kwargs=chat_template_kwargs)
-
-        # the rendered text is each output's prompt, as vLLM's
-        prompts: list[PromptInput] = [{"prompt_token_ids": render(c, True), "prompt": render(c, False)}
-                                      for c in conversations]
+        texts = [cast(str, tokenizer.apply_chat_template(
+            c, add_generation_prompt=add_generation_prompt, tools=tools, continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs)) for c in conversations]
+        # rendered once; the text is each output's prompt, as vLLM's (its ids as apply_chat_template(tokenize=True))
+        prompts: list[PromptInput] = [{"prompt_token_ids": tokenizer.encode(t, add_special_tokens=False), "prompt": t}
+                                      for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def embed(self, prompts: PromptInput | Sequence[PromptInput],
