@@ -262,8 +262,8 @@ async def stream_events(
                     if output.error_param is not None:
                         yield error_event(output.error or "", "invalid_value", output.error_param)
                     else:
-                        yield error_event(f"the request was aborted by the server{': ' + output.error if output.error else ''}",
-                                          "aborted", None)
+                        why = f": {output.error}" if output.error else ""
+                        yield error_event(f"the request was aborted by the server{why}", "aborted", None)
                     for line in ending:
                         yield line
                     return
