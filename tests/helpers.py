@@ -46,6 +46,11 @@ def random_logits(seed: int, B: int, V: int, scale: float = 1.0, num_inf: int = 
     return x
 
 
+def top_of(position: dict, k: int) -> dict[int, float]:
+    """A vLLM-shaped logprobs dict's ``k`` best ids -> logprob, by rank (the chosen id only where it ranks in them)."""
+    return {t: lp.logprob for t, lp in sorted(position.items(), key=lambda kv: kv[1].rank) if lp.rank <= k}
+
+
 def random_ids(seed: int, B: int, T: int, high: int) -> torch.Tensor:
     return torch.randint(0, high, (B, T), generator=torch.Generator().manual_seed(seed))
 

@@ -24,7 +24,7 @@ from kvgen.engine.output_processor import OutputProcessor
 from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvgen.engine.scheduler import Scheduler
-from kvgen.engine.types import EngineCoreOutput, ModelRunnerOutput, TokenLogprobs
+from kvgen.engine.types import EngineCoreOutput, Logprob, ModelRunnerOutput
 from kvgen.sampling.stopping import find_stop_string
 from kvgen.tokenizer import Tokenizer
 from kvgen.weights.gguf_file import gguf_metadata, open_gguf
@@ -205,7 +205,8 @@ def test_request_output_fields_logprobs_and_metrics(tokenizer) -> None:
     processor = OutputProcessor(tokenizer)
     request = make_request(logprobs=1)
     processor.add_request(request)
-    lps = [TokenLogprobs(-0.5, {piece_id("hel"): -0.5}), TokenLogprobs(-0.25, {piece_id("lo"): -0.25})]
+    hel, lo, x = piece_id("hel"), piece_id("lo"), piece_id("x")
+    lps = [{hel: Logprob(-0.5, 1)}, {lo: Logprob(-0.25, 2), x: Logprob(-0.2, 1)}]
     processor.process_outputs([EngineCoreOutput("a", ids_of("hel"), [lps[0]])])
     (out,) = processor.process_outputs(
         [EngineCoreOutput("a", ids_of("lo"), [lps[1]], finish_reason="stop", stop_reason=piece_id("lo"), is_stop_token=True)]
@@ -213,7 +214,10 @@ def test_request_output_fields_logprobs_and_metrics(tokenizer) -> None:
     assert (out.request_id, out.prompt, out.prompt_token_ids, out.finished) == ("a", "hi", ids_of("x", "x"), True)
     c = out.outputs[0]
     assert (c.index, c.text, c.token_ids) == (0, "hel", ids_of("hel", "lo"))  # the stop token's text is left out
-    assert (c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason) == (-0.75, lps, "stop", piece_id("lo"))
+    assert (c.cumulative_logprob, c.finish_reason, c.stop_reason) == (-0.75, "stop", lo)  # the chosen ids' sum
+    # vLLM's dicts, each id decoded alone (decoded_token) by the output processor
+    assert c.logprobs == [{hel: Logprob(-0.5, 1, tokenizer.decode([hel]))},
+                          {lo: Logprob(-0.25, 2, tokenizer.decode([lo])), x: Logprob(-0.2, 1, tokenizer.decode([x]))}]
     assert out.metrics.arrival_time == request.arrival_time and out.metrics.finish_time >= request.arrival_time
     assert out.metrics.last_token_time is not None and out.error is None
 

@@ -29,7 +29,7 @@ def _prompt_logprobs(model, tok, **engine_args) -> tuple[torch.Tensor, LLMEngine
     outputs = [out for _ in range(20) if engine.has_unfinished_requests() for out in engine.step()]
     entries = outputs[-1].prompt_logprobs
     assert outputs[-1].finished and entries is not None and entries[0] is None
-    return torch.tensor([e.logprob for e in entries[1:]], dtype=torch.float64), engine
+    return torch.tensor([e[t].logprob for t, e in zip(PROMPT[1:], entries[1:])], dtype=torch.float64), engine
 
 
 def test_int8_rows_change_the_logprobs_by_little(kernel_model):

@@ -15,6 +15,8 @@ from kvgen.engine import LLM, AsyncLLMEngine, EngineArgs, LLMEngine, SamplingPar
 from kvgen.engine.sampling_params import RequestOutputKind
 from kvgen.generation import GenerationConfig, generate
 
+from helpers import top_of
+
 MAX_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 PREAMBLE = "You are a helpful assistant. Answer in one short sentence, and never use more words than needed. "
@@ -195,11 +197,18 @@ def test_logprobs_are_log_softmax_of_raw_logits_with_top_alternatives(model_tok)
             seq = torch.tensor([ids + out.token_ids[:i]])
             raw = model.compute_logits(model(seq, torch.arange(seq.shape[1])[None], None, None))[0, -1]
         expected = torch.log_softmax(raw, -1)
-        assert lp.logprob == pytest.approx(expected[token].item(), abs=1e-4)
+        assert next(iter(lp)) == token  # vLLM's order: the sampled id first
+        assert lp[token].logprob == pytest.approx(expected[token].item(), abs=1e-4)
+        assert lp[token].rank == 1 + int((expected > expected[token]).sum())
+        assert lp[token].decoded_token == tok.decode([token])  # vLLM: each id decoded alone
         top = expected.topk(3)
-        assert list(lp.top_logprobs) == top.indices.tolist()
-        assert list(lp.top_logprobs.values()) == pytest.approx(top.values.tolist(), abs=1e-4)
-    assert out.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in out.logprobs))
+        assert list(top_of(lp, 3)) == top.indices.tolist()
+        assert list(top_of(lp, 3).values()) == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert all(lp[t].decoded_token == tok.decode([t]) for t in top.indices.tolist())
+    assert out.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)))
+    detokenize = dataclasses.replace(params, detokenize=False)
+    quiet = _llm(model_tok).generate({"prompt_token_ids": ids}, detokenize, use_tqdm=False)[0].outputs[0]
+    assert quiet.token_ids == out.token_ids and all(e.decoded_token is None for lp in quiet.logprobs for e in lp.values())
 
 
 def test_prompt_logprobs_are_log_softmax_of_each_prompt_position(model_tok):
@@ -215,10 +224,13 @@ def test_prompt_logprobs_are_log_softmax_of_each_prompt_position(model_tok):
     def check(prompt_logprobs) -> None:
         assert len(prompt_logprobs) == len(ids) and prompt_logprobs[0] is None
         for i, lp in enumerate(prompt_logprobs[1:]):
-            assert lp.logprob == pytest.approx(expected[i, ids[i + 1]].item(), abs=1e-4)
+            assert next(iter(lp)) == ids[i + 1]  # the prompt token's entry first
+            assert lp[ids[i + 1]].logprob == pytest.approx(expected[i, ids[i + 1]].item(), abs=1e-4)
+            assert lp[ids[i + 1]].rank == 1 + int((expected[i] > expected[i, ids[i + 1]]).sum())
+            assert lp[ids[i + 1]].decoded_token == tok.decode([ids[i + 1]])
             top = expected[i].topk(2)
-            assert list(lp.top_logprobs) == top.indices.tolist()
-            assert list(lp.top_logprobs.values()) == pytest.approx(top.values.tolist(), abs=1e-4)
+            assert list(top_of(lp, 2)) == top.indices.tolist()
+            assert list(top_of(lp, 2).values()) == pytest.approx(top.values.tolist(), abs=1e-4)
 
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
     llm = _llm(model_tok, max_num_batched_tokens=8)  # the prompt is prefilled in 8-token chunks
@@ -527,10 +539,10 @@ def test_logprobs_minus_one_is_the_whole_vocabulary(model_tok):
     params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=-1, prompt_logprobs=-1)
     assert params.logprobs == -1 and params.prompt_logprobs == -1
     (out,) = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)
-    assert [len(lp.top_logprobs) for lp in out.outputs[0].logprobs] == [vocab, vocab]
-    assert out.prompt_logprobs[0] is None and [len(lp.top_logprobs) for lp in out.prompt_logprobs[1:]] == [vocab] * 2
-    top = out.outputs[0].logprobs[0]
-    assert top.top_logprobs[out.outputs[0].token_ids[0]] == top.logprob  # greedy: the best of them all
+    assert [len(lp) for lp in out.outputs[0].logprobs] == [vocab, vocab]
+    assert out.prompt_logprobs[0] is None and [len(lp) for lp in out.prompt_logprobs[1:]] == [vocab] * 2
+    assert sorted(lp.rank for lp in out.prompt_logprobs[1].values()) == list(range(1, vocab + 1))
+    assert out.outputs[0].logprobs[0][out.outputs[0].token_ids[0]].rank == 1  # greedy: the best of them all
     with pytest.raises(ValueError, match=r"logprobs must be <= max_logprobs \(20\), got -1"):
         _llm(model_tok).generate([5, 6, 7], SamplingParams(logprobs=-1), use_tqdm=False)
     with pytest.raises(ValueError, match="logprobs must be"):

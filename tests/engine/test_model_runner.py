@@ -58,10 +58,12 @@ def test_greedy_tokens_and_logprobs_match_direct_model_calls(tiny_model):
     assert out.sampled_token_ids["b"][0] == int(raw.argmax())
     (lp,) = out.logprobs["b"]
     expected = torch.log_softmax(raw, -1)
-    torch.testing.assert_close(torch.tensor(lp.logprob), expected.max(), rtol=1e-5, atol=1e-5)
+    chosen = out.sampled_token_ids["b"][0]
+    torch.testing.assert_close(torch.tensor(lp[chosen].logprob), expected.max(), rtol=1e-5, atol=1e-5)
+    assert lp[chosen].rank == 1 and lp[chosen].decoded_token is None  # the output processor decodes
     top = expected.topk(3)
-    assert list(lp.top_logprobs) == top.indices.tolist()
-    torch.testing.assert_close(torch.tensor(list(lp.top_logprobs.values())), top.values, rtol=1e-5, atol=1e-5)
+    assert list(lp) == top.indices.tolist() and [e.rank for e in lp.values()] == [1, 2, 3]
+    torch.testing.assert_close(torch.tensor([e.logprob for e in lp.values()]), top.values, rtol=1e-5, atol=1e-5)
     for _ in range(3):  # a: rest of its prompt, then decodes; b: decodes
         a_start = 4 if len(tokens["a"]) == 6 else len(tokens["a"]) - 1
         out = runner.execute(_step([

@@ -7,6 +7,7 @@ import torch
 
 from kvgen.engine.sampler import Sampler, SamplingRow
 from kvgen.engine.sampling_params import SamplingParams
+from kvgen.engine.types import Logprob
 from kvgen.sampling import ops
 
 V = 50
@@ -29,10 +30,15 @@ def test_greedy_rows_take_the_argmax_and_logprobs_are_of_raw_logits():
     assert out.token_ids == penalized.argmax(-1).tolist()
     raw = torch.log_softmax(logits, -1)
     assert out.logprobs[1] is None
-    lp = out.logprobs[0]
-    assert lp.logprob == raw[0, out.token_ids[0]].item()
+    position = out.logprobs[0]
+    chosen = out.token_ids[0]
+    assert next(iter(position)) == chosen  # vLLM's order: the sampled id first
+    rank = int((raw[0] >= raw[0, chosen]).sum())
+    assert position[chosen] == Logprob(raw[0, chosen].item(), rank)
     top = raw[0].topk(2)
-    assert lp.top_logprobs == dict(zip(top.indices.tolist(), top.values.tolist()))
+    assert {t: position[t] for t in top.indices.tolist()} == {
+        t: Logprob(v, r) for r, (t, v) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1)}
+    assert len(position) == 2 + (chosen not in top.indices.tolist())
 
 
 def test_seeded_row_draws_the_same_token_alone_and_in_a_batch():

@@ -16,9 +16,9 @@ from kvgen.engine.scheduler import Scheduler, SchedulingPolicy
 from kvgen.engine.types import (
     NO_TOKEN,
     EngineCoreOutput,
+    Logprob,
     ModelRunnerOutput,
     SchedulerOutput,
-    TokenLogprobs,
 )
 
 EOS = 0
@@ -330,7 +330,7 @@ def test_logprobs_and_first_token_time_are_recorded() -> None:
     r = make_request("a", 3, logprobs=1)
     scheduler.add_request(r)
     out = scheduler.schedule()
-    lp = TokenLogprobs(-0.5, {7: -0.5, 8: -1.0})
+    lp = {7: Logprob(-0.5, 1), 8: Logprob(-1.0, 2)}
     (o,) = scheduler.update_from_output(out, ModelRunnerOutput({"a": [7]}, {"a": [lp]}))
     assert o.new_logprobs == [lp] and r.first_token_time >= r.arrival_time
 
@@ -508,7 +508,7 @@ class PromptLogprobRunner(FakeRunner):
                 end = min(s.start_position + len(s.token_ids), len(s.prompt_token_ids) - 1)
                 next_ids = s.prompt_token_ids[s.start_position + 1 : end + 1]
                 if next_ids:  # as ModelRunner: only chunks that score a prompt token
-                    result.prompt_logprobs[s.request_id] = [TokenLogprobs(-float(t)) for t in next_ids]
+                    result.prompt_logprobs[s.request_id] = [{t: Logprob(-float(t))} for t in next_ids]
         return result
 
 
@@ -528,19 +528,19 @@ def test_prompt_logprobs_gather_over_chunks_skip_the_prefix_cache_and_come_with_
     assert starts[0] == 0  # no prefix-cache hit
     first, second = outputs
     assert first.prompt_logprobs is not None and first.prompt_logprobs[0] is None
-    assert [lp.logprob for lp in first.prompt_logprobs[1:]] == [-float(t) for t in prompt[1:]]
+    assert first.prompt_logprobs[1:] == [{t: Logprob(-float(t))} for t in prompt[1:]]
     assert second.prompt_logprobs is None
 
 
 def test_prompt_logprobs_recomputed_after_a_preemption_keep_one_entry_per_token() -> None:
     r = make_request("r", 10, prompt_logprobs=1)  # prompt tokens 1..10
 
-    def chunk(start: int, end: int) -> list[TokenLogprobs]:  # what the runner returns for positions [start, end)
-        return [TokenLogprobs(-float(t)) for t in range(start + 2, min(end, 9) + 2)]
+    def chunk(start: int, end: int) -> list[dict[int, Logprob]]:  # what the runner returns for positions [start, end)
+        return [{t: Logprob(-float(t))} for t in range(start + 2, min(end, 9) + 2)]
 
     r.add_prompt_logprobs(0, chunk(0, 4))
     r.add_prompt_logprobs(4, chunk(4, 8))
     r.add_prompt_logprobs(0, chunk(0, 6))  # preempted, recomputed: nothing new
     r.add_prompt_logprobs(6, chunk(6, 10))  # tokens 8, 9 known, 10 new
     assert r.prompt_logprobs[0] is None
-    assert [lp.logprob for lp in r.prompt_logprobs[1:]] == [-float(t) for t in range(2, 11)]
+    assert r.prompt_logprobs[1:] == [{t: Logprob(-float(t))} for t in range(2, 11)]

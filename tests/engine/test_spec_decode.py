@@ -196,8 +196,8 @@ def test_tokens_equal_decoding_without_drafts(tiny_llama, params):
     assert [o.outputs[0].text for o in spec] == [o.outputs[0].text for o in plain]
     if params.logprobs is not None:
         for a, b in zip(spec, plain):
-            assert [lp.top_logprobs.keys() for lp in a.outputs[0].logprobs] == [lp.top_logprobs.keys() for lp in b.outputs[0].logprobs]
-            got, want = ([lp.logprob for lp in o.outputs[0].logprobs] for o in (a, b))
+            assert [list(lp) for lp in a.outputs[0].logprobs] == [list(lp) for lp in b.outputs[0].logprobs]
+            got, want = ([e.logprob for lp in o.outputs[0].logprobs for e in lp.values()] for o in (a, b))
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want))  # float32 tolerance: [k + 1, C] matmuls
     assert scheduler.num_accepted_tokens > 0  # drafts were really kept
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
@@ -262,7 +262,8 @@ def test_parallel_sampling_prompt_logprobs_and_streamed_deltas_with_drafts(tiny_
     (plain,), _ = _generate(tiny_llama, params, prompts=[{"prompt_token_ids": REPEATING}])
     (spec,), scheduler = _generate(tiny_llama, params, SPEC, prompts=[{"prompt_token_ids": REPEATING}])
     assert [c.token_ids for c in spec.outputs] == [c.token_ids for c in plain.outputs]
-    assert [lp.logprob if lp else None for lp in spec.prompt_logprobs] == [lp.logprob if lp else None for lp in plain.prompt_logprobs]
+    assert [list(lp.items()) if lp else None for lp in spec.prompt_logprobs] == [
+        list(lp.items()) if lp else None for lp in plain.prompt_logprobs]
     model, tok = tiny_llama
     engine = LLM(model, tok, num_blocks=64, speculative_config=SPEC).llm_engine
     engine.add_request("d", prompt_token_ids=REPEATING, sampling_params=SamplingParams(

@@ -13,6 +13,8 @@ from kvgen.engine import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
 from kvgen.engine.structured_outputs import JSON_WHITESPACE
 from kvgen.loader import load_model
 
+from helpers import top_of
+
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
           "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
                          "b": {"type": "string", "maxLength": 5}}}
@@ -112,9 +114,9 @@ def test_logprobs_stay_raw_and_other_requests_are_untouched(llm):
     assert both[0].outputs[0].token_ids == alone.token_ids
     digits = both[1].outputs[0]
     assert re.fullmatch("[0-9]+", digits.text)
-    first = digits.logprobs[0]
-    assert first.logprob <= max(first.top_logprobs.values())  # raw: the unconstrained top tokens stay listed
-    assert list(first.top_logprobs) == list(alone.logprobs[0].top_logprobs)
+    first, chosen = digits.logprobs[0], digits.token_ids[0]
+    assert first[chosen].logprob <= max(e.logprob for e in first.values())  # raw: the unconstrained top stays listed
+    assert list(top_of(first, 3)) == list(top_of(alone.logprobs[0], 3)) == list(alone.logprobs[0])
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

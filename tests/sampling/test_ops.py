@@ -491,6 +491,11 @@ def test_logprob_helpers():
     order = logprobs.argsort(dim=-1, descending=True)[:, :3]
     assert torch.equal(ids, order) and torch.equal(values, logprobs.gather(1, order))
     assert math.isclose(torch.exp(logprobs[0]).sum().item(), 1.0, rel_tol=1e-5)
+    # rank: how many ids have a logprob >= the chosen one's, itself included (vLLM); id 0 of row 0 ties at -inf
+    expected = [sum(int(v >= logprobs[r, c]) for v in logprobs[r]) for r, c in enumerate(chosen.tolist())]
+    assert expected[0] == 12
+    assert ops.logprob_ranks(logprobs, chosen).tolist() == expected
+    assert ops.logprob_ranks(logprobs, logprobs.argmax(-1)).tolist() == [1, 1, 1]
 
 
 def test_sampling_a_row_with_no_token_left_names_the_row():

@@ -31,10 +31,13 @@ from kvgen.engine.sampling_params import (
 from kvgen.engine.scheduler import Scheduler, SchedulingPolicy
 from kvgen.engine.types import (
     EngineCoreOutput,
+    Logprob,
     ModelRunnerOutput,
+    PositionLogprobs,
+    PromptLogprobs,
+    SampleLogprobs,
     ScheduledRequest,
     SchedulerOutput,
-    TokenLogprobs,
 )
 
 __all__ = [
@@ -52,17 +55,21 @@ __all__ = [
     "EngineCoreOutput",
     "IncrementalDetokenizer",
     "LLMEngine",
+    "Logprob",
     "ModelRunner",
     "ModelRunnerOutput",
     "OutputProcessor",
     "PoolingParams",
+    "PositionLogprobs",
     "ProcessedOutputs",
+    "PromptLogprobs",
     "Request",
     "RequestDetokenizer",
     "RequestMetrics",
     "RequestOutput",
     "RequestOutputKind",
     "RequestStatus",
+    "SampleLogprobs",
     "Sampler",
     "SamplingParams",
     "ScheduledRequest",
@@ -70,6 +77,5 @@ __all__ = [
     "SchedulerOutput",
     "SchedulingPolicy",
     "StructuredOutputsParams",
-    "TokenLogprobs",
     "hash_block",
 ]

@@ -18,12 +18,12 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 from kvgen.engine.outputs import RequestOutput
-from kvgen.engine.types import TokenLogprobs
+from kvgen.engine.types import Logprob, PositionLogprobs, SampleLogprobs
 from kvgen.fields import check_int, config_field
 
 _f = config_field
 
-Candidates = dict[int, float] | None  # one beam's next-token ids -> logprob; None: the beam cannot go on
+Candidates = PositionLogprobs | None  # one beam's next-token ids -> Logprob; None: the beam cannot go on
 
 
 @dataclass
@@ -51,12 +51,12 @@ class BeamSearchParams:
 
 @dataclass
 class BeamSearchSequence:
-    """One beam: ``tokens`` (prompt + generated ids), per generated token its candidates (id -> logprob), the sum
+    """One beam: ``tokens`` (prompt + generated ids), per generated token its candidates (id -> ``Logprob``, as vLLM's), the sum
     of the chosen tokens' logprobs, and, once returned, ``text`` and ``finish_reason`` ("stop" on EOS, else
     "length")."""
 
     tokens: list[int]
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cum_logprob: float = 0.0
     text: str | None = None
     finish_reason: str | None = None
@@ -77,18 +77,17 @@ def beam_search_score(tokens: list[int], cum_logprob: float, eos_token_ids: Sequ
 
 
 def candidates_of(output: RequestOutput) -> Candidates:
-    """A finished one-token request's sampled id and top alternatives, id -> logprob (the sampled one first, as
-    vLLM's logprobs dict); None when it produced no token."""
+    """A finished one-token request's sampled id and top alternatives: its logprobs dict (the sampled id first);
+    None when it produced no token."""
     completion = output.outputs[0]
     if not completion.logprobs or not completion.token_ids:
         return None
-    first = completion.logprobs[0]
-    return {completion.token_ids[0]: first.logprob, **first.top_logprobs}
+    return completion.logprobs[0]
 
 
-def token_logprobs(beam: BeamSearchSequence, num_prompt_tokens: int, num_top: int) -> list[TokenLogprobs]:
-    """Per generated token of ``beam``: its logprob and the ``num_top`` best of its step's candidates."""
-    return [TokenLogprobs(candidates[token], dict(sorted(candidates.items(), key=lambda kv: -kv[1])[:num_top]))
+def token_logprobs(beam: BeamSearchSequence, num_prompt_tokens: int, num_top: int) -> SampleLogprobs:
+    """Per generated token of ``beam``: its entry, then the ``num_top`` best of its step's candidates."""
+    return [{token: candidates[token], **dict(sorted(candidates.items(), key=lambda kv: -kv[1].logprob)[:num_top])}
             for token, candidates in zip(beam.tokens[num_prompt_tokens:], beam.logprobs, strict=True)]
 
 
@@ -120,7 +119,7 @@ def beam_search_steps(
                 candidates = by_beam[id(beam)] or {}
                 for token, logprob in candidates.items():
                     new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [candidates],
-                                             beam.cum_logprob + logprob)
+                                             beam.cum_logprob + logprob.logprob)
                     (completed[i] if token in eos else grown).append(new)
             live[i] = sorted(grown, key=score, reverse=True)[: params.beam_width]
     best = []

@@ -23,9 +23,9 @@ from torch import nn
 from kvgen.engine.sampler import Sampler, SamplerOutput, SamplingRow, token_logprobs
 from kvgen.engine.types import (
     ModelRunnerOutput,
+    SampleLogprobs,
     ScheduledRequest,
     SchedulerOutput,
-    TokenLogprobs,
 )
 from kvgen.kv_cache.paged import PagedAttentionMetadata, PagedKVCache
 from kvgen.sampling import ops
@@ -145,14 +145,14 @@ class ModelRunner:
         lm_head = cast("Callable[[torch.Tensor], torch.Tensor]", self.model.compute_logits)
         return lm_head(hidden[0].index_select(0, step.sample_rows))  # [R, V]
 
-    def compute_prompt_logprobs(self, hidden: torch.Tensor, step: PackedStep) -> dict[str, list[TokenLogprobs]]:
+    def compute_prompt_logprobs(self, hidden: torch.Tensor, step: PackedStep) -> dict[str, SampleLogprobs]:
         """Per request of ``step.prompt_logprob_chunks``: the logprob of each next prompt token under its chunk's
         logits (raw log-softmax, as the sampled tokens'), and the ``prompt_logprobs`` best; hidden [1, N, C]. The
         LM head runs on at most ``_PROMPT_LOGPROB_ROWS`` rows at a time ([rows, V] float32 each)."""
         lm_head = cast("Callable[[torch.Tensor], torch.Tensor]", self.model.compute_logits)
-        out: dict[str, list[TokenLogprobs]] = {}
+        out: dict[str, SampleLogprobs] = {}
         for s, first, count in step.prompt_logprob_chunks:
-            entries: list[TokenLogprobs] = out.setdefault(s.request_id, [])
+            entries: SampleLogprobs = out.setdefault(s.request_id, [])
             for a in range(0, count, _PROMPT_LOGPROB_ROWS):
                 b = min(count, a + _PROMPT_LOGPROB_ROWS)
                 logprobs = ops.compute_logprobs(lm_head(hidden[0, first + a : first + b]))  # [b - a, V]
@@ -161,7 +161,7 @@ class ModelRunner:
                 entries.extend(lp for lp in found if lp is not None)
         return out
 
-    def sample(self, logits: torch.Tensor, step: PackedStep) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+    def sample(self, logits: torch.Tensor, step: PackedStep) -> tuple[dict[str, list[int]], dict[str, SampleLogprobs]]:
         """The batched sampler over logits [R, V] (one row per request that samples, 1 + k with k drafts, each row
         with the history it would have had), then the drafts verified: a request keeps its drafts up to the first
         that differs from its row's token, then that token. Returns (request_id -> new tokens, -> their logprobs).
@@ -175,14 +175,14 @@ class ModelRunner:
                   if s.spec_token_ids and not s.sampling_params.is_greedy}
         sampled: SamplerOutput = self.sampler(logits, rows)
         token_ids: dict[str, list[int]] = {}
-        logprobs: dict[str, list[TokenLogprobs]] = {}
+        logprobs: dict[str, SampleLogprobs] = {}
         first = 0
         for s in step.sample_requests:
             num_rows = 1 + len(s.spec_token_ids)
             kept = verify_drafts(s.spec_token_ids, sampled.token_ids[first : first + num_rows])
             token_ids[s.request_id] = kept
             if s.sampling_params.logprobs is not None:
-                logprobs[s.request_id] = cast("list[TokenLogprobs]", sampled.logprobs[first : first + len(kept)])
+                logprobs[s.request_id] = cast("SampleLogprobs", sampled.logprobs[first : first + len(kept)])
             if s.request_id in states and len(kept) < num_rows:  # as if only the kept rows had drawn
                 generator = self._generators[s.request_id]
                 generator.set_state(states[s.request_id])

@@ -21,7 +21,7 @@ from kvgen.engine.detokenizer import RequestDetokenizer
 from kvgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvgen.engine.request import Request
 from kvgen.engine.sampling_params import RequestOutputKind
-from kvgen.engine.types import EngineCoreOutput, TokenLogprobs
+from kvgen.engine.types import EngineCoreOutput, PositionLogprobs, PromptLogprobs, SampleLogprobs
 from kvgen.sampling.stopping import FinishReason
 from kvgen.tokenizer import Tokenizer
 
@@ -33,20 +33,32 @@ class RequestState:
     request: Request
     detokenizer: RequestDetokenizer
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] | None = None
+    logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
     last_token_time: float | None = None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    tokenizer: Tokenizer | None = None  # fills each logprob's decoded_token; None when the request does not detokenize
 
     def add(self, output: EngineCoreOutput) -> None:
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = output.prompt_logprobs
+            self._decode(output.prompt_logprobs)
         self.token_ids.extend(output.new_token_ids)
         if output.new_token_ids:
             self.last_token_time = time.time()
         if self.logprobs is not None and output.new_logprobs:
+            self._decode(output.new_logprobs)
             self.logprobs.extend(output.new_logprobs)
-            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + sum(lp.logprob for lp in output.new_logprobs)
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + sum(
+                position[token_id].logprob for token_id, position in zip(output.new_token_ids, output.new_logprobs))
+
+    def _decode(self, positions: list[PositionLogprobs] | PromptLogprobs) -> None:
+        """Each entry's ``decoded_token``: its id decoded alone, as vLLM's ``convert_ids_list_to_tokens``."""
+        if self.tokenizer is None:
+            return
+        for position in positions:
+            for token_id, logprob in (position or {}).items():
+                logprob.decoded_token = self.tokenizer.decode([token_id])
 
 
 @dataclass
@@ -71,7 +83,7 @@ class OutputProcessor:
         params = request.sampling_params
         detokenizer = RequestDetokenizer(self.tokenizer if params.detokenize else None, request.prompt_token_ids,
                                          params)
-        state = RequestState(request, detokenizer)
+        state = RequestState(request, detokenizer, tokenizer=self.tokenizer if params.detokenize else None)
         if request.sampling_params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
         self._states[request.request_id] = state
@@ -139,7 +151,7 @@ def _completion(
 
 
 def _request_output(state: RequestState, completion: CompletionOutput, error: str | None,
-                    prompt_logprobs: list[TokenLogprobs | None] | None = None, error_param: str | None = None
+                    prompt_logprobs: PromptLogprobs | None = None, error_param: str | None = None
                     ) -> RequestOutput:
     request = state.request
     metrics = RequestMetrics(

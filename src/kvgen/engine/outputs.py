@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgen.engine.types import TokenLogprobs
+from kvgen.engine.types import PromptLogprobs, SampleLogprobs
 
 
 @dataclass
@@ -24,7 +24,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None  # sum of the sampled tokens' logprobs; None unless logprobs asked
-    logprobs: list[TokenLogprobs] | None  # one per token_ids entry; None unless logprobs asked
+    # one dict per token_ids entry, vLLM's: token id -> Logprob(logprob, rank, decoded_token), the generated id
+    # first, then the SamplingParams.logprobs most likely ids; None unless logprobs asked
+    logprobs: SampleLogprobs | None
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS
 
@@ -58,4 +60,4 @@ class RequestOutput:
     error_param: str | None = None  # the request's own setting that made the engine abort it (a 400), if one did
     # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), from the first output on
     # (with RequestOutputKind.DELTA on the first output only)
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None

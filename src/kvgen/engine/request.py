@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.structured_outputs import GrammarMatcher
-from kvgen.engine.types import TokenLogprobs
+from kvgen.engine.types import PromptLogprobs, SampleLogprobs
 from kvgen.sampling.stopping import FinishReason
 
 
@@ -76,7 +76,7 @@ class Request:
     stop_reason: int | str | None = field(default=None, init=False)  # the stop token id or stop string
     error: str | None = field(default=None, init=False)  # why the engine aborted it
     # SamplingParams.prompt_logprobs: per prompt token so far (None for the first), filled chunk by chunk
-    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list, init=False, repr=False)
+    prompt_logprobs: PromptLogprobs = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         ids = self.prompt_token_ids
@@ -89,7 +89,7 @@ class Request:
         if self.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs.append(None)  # the first token has no context (a one-token prompt has only it)
 
-    def add_prompt_logprobs(self, start_position: int, logprobs: list[TokenLogprobs]) -> None:
+    def add_prompt_logprobs(self, start_position: int, logprobs: SampleLogprobs) -> None:
         """Record the logprobs of prompt tokens ``start_position + 1 ..`` (a chunk computed from ``start_position``);
         a chunk recomputed after a preemption adds only the tokens not recorded yet."""
         if not logprobs:

@@ -23,7 +23,7 @@ import torch
 
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.structured_outputs import GrammarMatcher
-from kvgen.engine.types import NO_TOKEN, TokenLogprobs
+from kvgen.engine.types import NO_TOKEN, Logprob, PositionLogprobs
 from kvgen.kernels import KernelOps
 from kvgen.sampling import ops
 from kvgen.sampling.pipeline import (
@@ -51,7 +51,7 @@ class SamplerOutput:
     where the row asked for none or drew nothing."""
 
     token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
+    logprobs: list[PositionLogprobs | None]
 
 
 def _padded(rows: list[list[int]]) -> torch.Tensor:
@@ -104,7 +104,7 @@ class Sampler:
             token_ids = ops.greedy(logits, None if self.kernels is None else self.kernels.argmax)  # [B]
             if sampled:
                 token_ids[sampled] = self._draw(logits[sampled], [rows[i] for i in sampled])
-        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        logprobs: list[PositionLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
             logprobs = token_logprobs(raw_logprobs, token_ids, [p.logprobs for p in params])
         ids = token_ids.tolist()
@@ -274,18 +274,23 @@ _STAGES: dict[str, Stage] = {
 _EVERY_ROW, _SAMPLED_ONLY = split_order(ENGINE_ORDER, ENGINE_FIRST_SAMPLING_STAGE)
 
 
-def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, nums: list[int | None]) -> list[TokenLogprobs | None]:
-    """Per row: the chosen id's logprob and the ``nums[i]`` largest alternatives (None where not asked).
+def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, nums: list[int | None]) -> list[PositionLogprobs | None]:
+    """Per row, vLLM's logprobs dict: the chosen id (its logprob and vocabulary rank) first, then the ``nums[i]``
+    most likely ids with ranks 1..nums[i] (None where not asked; ``decoded_token`` is left for the output processor).
 
-    logprobs: [B, V] float32; token_ids: [B] long.
+    logprobs: [B, V] float32; token_ids: [B] long. Source: vLLM v1 ``LogprobsProcessor._make_logprob_dict``.
     """
     chosen = ops.gather_logprobs(logprobs, token_ids).tolist()  # [B]
+    ranks = ops.logprob_ranks(logprobs, token_ids).tolist()  # [B]
+    ids = token_ids.tolist()  # [B]
     top_values, top_ids = ops.top_logprobs(logprobs, max(n or 0 for n in nums))  # [B, k_max]
-    out: list[TokenLogprobs | None] = []
+    out: list[PositionLogprobs | None] = []
     for i, n in enumerate(nums):
         if n is None:
             out.append(None)
             continue
-        top = dict(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist()))
-        out.append(TokenLogprobs(chosen[i], top))
+        entry = {ids[i]: Logprob(chosen[i], ranks[i])}
+        for rank, (token_id, value) in enumerate(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist()), 1):
+            entry[token_id] = Logprob(value, rank)
+        out.append(entry)
     return out

@@ -25,9 +25,9 @@ from kvgen.engine.types import (
     NO_TOKEN,
     EngineCoreOutput,
     ModelRunnerOutput,
+    SampleLogprobs,
     ScheduledRequest,
     SchedulerOutput,
-    TokenLogprobs,
 )
 from kvgen.sampling.stopping import FinishReason, TokenStops
 
@@ -313,7 +313,7 @@ class Scheduler:
         allowed = request.num_spec_tokens_allowed or maximum
         request.num_spec_tokens_allowed = min(maximum, allowed + 2) if is_all_accepted else max(1, allowed - 1)
 
-    def _append_tokens(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None
+    def _append_tokens(self, request: Request, token_ids: list[int], logprobs: SampleLogprobs | None
                        ) -> EngineCoreOutput:
         """Append the step's tokens one by one, checking the stops after each (what follows a stop is dropped)."""
         if request.first_token_time is None:

@@ -21,15 +21,25 @@ NO_TOKEN = -1
 
 
 @dataclass
-class TokenLogprobs:
-    """Log-probabilities at one generated position (natural log of the softmax of the raw logits, before any processor, as vLLM's default).
+class Logprob:
+    """One token's log-probability at one position (vLLM's ``vllm.logprobs.Logprob``).
 
-    ``logprob``: the sampled token's; ``top_logprobs``: the ``SamplingParams.logprobs`` most
-    likely ids -> logprob (may include the sampled id).
+    ``logprob``: natural log of the softmax of the RAW logits (before any logits processor; vLLM's default
+    ``raw_logprobs``); ``rank``: 1-based place of the token in the vocabulary by logprob (the number of ids whose
+    logprob is >= its own, as vLLM's ``batched_count_greater_than``); ``decoded_token``: the id decoded alone
+    (``tokenizer.decode([id])``, as vLLM), None when the request does not detokenize.
     """
 
     logprob: float
-    top_logprobs: dict[int, float] = field(default_factory=dict)
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One position's logprobs, vLLM's shape: the chosen (sampled or prompt) token's entry first, then the
+# SamplingParams.logprobs / prompt_logprobs most likely ids with ranks 1..k (one entry when the chosen id is among them).
+PositionLogprobs = dict[int, Logprob]
+SampleLogprobs = list[PositionLogprobs]  # one per generated token (vLLM ``SampleLogprobs``)
+PromptLogprobs = list[PositionLogprobs | None]  # one per prompt token, None for the first (vLLM ``PromptLogprobs``)
 
 
 @dataclass
@@ -67,10 +77,10 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     # request_id -> new tokens (only for needs_sample): one, or with drafts the kept drafts and one more
     sampled_token_ids: dict[str, list[int]]
-    logprobs: dict[str, list[TokenLogprobs]] | None = None  # request_id -> one per new token (requests that asked)
+    logprobs: dict[str, SampleLogprobs] | None = None  # request_id -> one per new token (requests that asked)
     # request_id -> logprobs of the prompt tokens after this step's chunk (prompt positions start + 1 ..), for
     # requests with SamplingParams.prompt_logprobs
-    prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
+    prompt_logprobs: dict[str, SampleLogprobs] | None = None
 
 
 @dataclass
@@ -79,9 +89,9 @@ class EngineCoreOutput:
 
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] | None = None
+    new_logprobs: SampleLogprobs | None = None
     # on a request's first output when it asked for prompt_logprobs: one entry per prompt token, None for the first
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id (or, after detokenizing, stop string)
     is_stop_token: bool = False  # the last new token is EOS or a stop token id: not part of the text

@@ -636,6 +636,15 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor) -> torch.Te
     return logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [B]
 
 
+def logprob_ranks(logprobs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Each row's 1-based vocabulary rank of its chosen id: how many ids have a log-probability >= the chosen one's
+    (ties count against it). logprobs: [B, V]; token_ids: [B] long. Returns [B] long.
+    Source: vLLM ``batched_count_greater_than`` (v1 ``Sampler.gather_logprobs``).
+    """
+    chosen = gather_logprobs(logprobs, token_ids)  # [B]
+    return (logprobs >= chosen.unsqueeze(1)).sum(dim=1)  # [B]
+
+
 def top_logprobs(logprobs: torch.Tensor, num: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``num`` largest log-probabilities per row and their ids, descending.
 

@@ -14,6 +14,7 @@ from kvgen.engine.async_engine import RequestStream
 from kvgen.engine.beam_search import (
     BeamSearchParams,
     BeamSearchSequence,
+    Candidates,
     beam_search_steps,
     candidates_of,
     token_logprobs,
@@ -100,7 +101,7 @@ class BeamGeneration(Generation):
             self.trackers[i].on_output(output)
             yield i, output
 
-    async def _step(self, batch: list[list[int]]) -> list[dict[int, float] | None]:
+    async def _step(self, batch: list[list[int]]) -> list[Candidates]:
         """Run every live beam one token as its own engine request; their candidates, in order."""
         self.streams = []
         for tokens in batch:

@@ -19,7 +19,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 
 from kvgen.engine.outputs import CompletionOutput, RequestOutput
-from kvgen.engine.types import TokenLogprobs
+from kvgen.engine.types import PositionLogprobs, PromptLogprobs, SampleLogprobs
 from kvgen.server.errors import OpenAIError
 from kvgen.server.protocol import (
     ChatTokenLogprob,
@@ -45,9 +45,9 @@ class ChoiceResult:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    logprobs: SampleLogprobs = field(default_factory=list)
     finish_reason: str | None = None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # SamplingParams.prompt_logprobs of its prompt
+    prompt_logprobs: PromptLogprobs | None = None  # SamplingParams.prompt_logprobs of its prompt
     num_cached_tokens: int = 0  # its prompt's tokens served by the prefix cache
 
     def add(self, completion: CompletionOutput) -> None:
@@ -76,7 +76,7 @@ async def collect(gen: Generation, n: int) -> list[ChoiceResult]:
     """Read a generation to its end; raises an ``OpenAIError`` if the engine aborted a choice: 400 naming the
     request's setting that left it nothing to generate, else 503."""
     choices: dict[int, ChoiceResult] = {}
-    prompt_logprobs: dict[int, list[TokenLogprobs | None]] = {}  # prompt index -> its prompt logprobs, if asked
+    prompt_logprobs: dict[int, PromptLogprobs] = {}  # prompt index -> its prompt logprobs, if asked
     error: str | None = None
     error_param: str | None = None
     async for prompt_index, output in gen.outputs():
@@ -131,38 +131,44 @@ def _top(tokenizer: Tokenizer, token_id: int, logprob: float) -> TopLogprob:
 
 
 def chat_logprobs(
-    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs], num_top: int
+    tokenizer: Tokenizer, token_ids: list[int], logprobs: SampleLogprobs, num_top: int
 ) -> list[ChatTokenLogprob]:
     """OpenAI ``choices[].logprobs.content``: one entry per token, its ``num_top`` alternatives, best first."""
     out = []
-    for token_id, lp in zip(token_ids, logprobs, strict=False):  # a stop string may end the text early
-        top = sorted(lp.top_logprobs.items(), key=lambda kv: -kv[1])[:num_top]
-        chosen = _top(tokenizer, token_id, lp.logprob)
-        out.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=[_top(tokenizer, t, v) for t, v in top]))
+    for token_id, position in zip(token_ids, logprobs, strict=False):  # a stop string may end the text early
+        chosen = _top(tokenizer, token_id, position[token_id].logprob)
+        top = [_top(tokenizer, t, v) for t, v in _best(position, num_top)]
+        out.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=top))
     return out
 
 
+def _best(position: PositionLogprobs, num_top: int) -> list[tuple[int, float]]:
+    """The ``num_top`` most likely (id, logprob) of a position's dict, best first (the chosen id counts only where it
+    is among them: the dict holds the request's top ``num_top`` besides it)."""
+    return sorted(((t, lp.logprob) for t, lp in position.items()), key=lambda kv: -kv[1])[:num_top]
+
+
 def completion_logprobs(
-    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs] | list[TokenLogprobs | None],
+    tokenizer: Tokenizer, token_ids: list[int], logprobs: SampleLogprobs | PromptLogprobs,
     num_top: int, text_offset: int = 0,
 ) -> CompletionLogprobs:
     """OpenAI ``choices[].logprobs`` of ``/v1/completions``: per token its text, logprob and a dict of the ``num_top``
     best alternatives plus the chosen token (both None for an entry without logprobs: an echoed prompt's first
     token); ``text_offset`` counts token texts from ``text_offset`` (as vLLM)."""
     out = CompletionLogprobs()
-    for token_id, lp in zip(token_ids, logprobs, strict=False):  # a stop string may end the text early
+    for token_id, position in zip(token_ids, logprobs, strict=False):  # a stop string may end the text early
         text = token_text_and_bytes(tokenizer, token_id)[0]
         out.tokens.append(text)
         out.text_offset.append(text_offset)
         text_offset += len(text)
-        if lp is None:
+        if position is None:
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
             continue
-        best = sorted(lp.top_logprobs.items(), key=lambda kv: -kv[1])[:num_top]
-        top = {token_text_and_bytes(tokenizer, t)[0]: max(v, MIN_LOGPROB) for t, v in best}
-        top.setdefault(text, max(lp.logprob, MIN_LOGPROB))
-        out.token_logprobs.append(max(lp.logprob, MIN_LOGPROB))
+        logprob = max(position[token_id].logprob, MIN_LOGPROB)
+        top = {token_text_and_bytes(tokenizer, t)[0]: max(v, MIN_LOGPROB) for t, v in _best(position, num_top)}
+        top.setdefault(text, logprob)
+        out.token_logprobs.append(logprob)
         out.top_logprobs.append(top)
     return out
 
