@@ -15,6 +15,7 @@ Source: vLLM v1 ``vllm/v1/engine/output_processor.py``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvgen.engine.detokenizer import RequestDetokenizer
@@ -37,7 +38,8 @@ class RequestState:
     cumulative_logprob: float | None = None
     last_token_time: float | None = None
     prompt_logprobs: PromptLogprobs | None = None
-    tokenizer: Tokenizer | None = None  # fills each logprob's decoded_token; None when the request does not detokenize
+    # an id decoded alone, for each logprob's decoded_token; None when the request does not detokenize
+    decode_token: Callable[[int], str] | None = None
 
     def add(self, output: EngineCoreOutput) -> None:
         if output.prompt_logprobs is not None:
@@ -54,11 +56,11 @@ class RequestState:
 
     def _decode(self, positions: list[PositionLogprobs] | PromptLogprobs) -> None:
         """Each entry's ``decoded_token``: its id decoded alone, as vLLM's ``convert_ids_list_to_tokens``."""
-        if self.tokenizer is None:
+        if self.decode_token is None:
             return
         for position in positions:
             for token_id, logprob in (position or {}).items():
-                logprob.decoded_token = self.tokenizer.decode([token_id])
+                logprob.decoded_token = self.decode_token(token_id)
 
 
 @dataclass
@@ -76,6 +78,14 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer = tokenizer
         self._states: dict[str, RequestState] = {}
+        self._token_texts: dict[int, str] = {}  # id -> its text decoded alone (logprobs' decoded_token), as met
+
+    def _decode_token(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            assert self.tokenizer is not None
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def add_request(self, request: Request) -> None:
         """Track a request (call with ``Scheduler.add_request``; ``LLMEngine.add_request`` checks the id is new)."""
@@ -83,7 +93,8 @@ class OutputProcessor:
         params = request.sampling_params
         detokenizer = RequestDetokenizer(self.tokenizer if params.detokenize else None, request.prompt_token_ids,
                                          params)
-        state = RequestState(request, detokenizer, tokenizer=self.tokenizer if params.detokenize else None)
+        decode_token = self._decode_token if self.tokenizer is not None and params.detokenize else None
+        state = RequestState(request, detokenizer, decode_token=decode_token)
         if request.sampling_params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
         self._states[request.request_id] = state
