@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from helpers import finish_gguf
 from tokenizer_cases import HARD_STRINGS, TRAIN_TEXT
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
+from transformers import LlamaTokenizerFast
 from transformers.convert_slow_tokenizer import (
     GPT2Converter,
     Qwen2Converter,
@@ -237,3 +240,61 @@ def test_gemma_style_sentencepiece_vocabulary_has_no_prefix_space() -> None:
     plain = ours.encode("quick fox", add_special_tokens=False)
     assert not tokens[plain[0]].startswith("▁") and any(tokens[i].startswith("▁") for i in plain[1:])
     assert tokens[with_prefix.encode("quick fox", add_special_tokens=False)[0]].startswith("▁")
+
+
+def _write_vocab_gguf(path: Path, meta: dict) -> Path:
+    """A GGUF file holding ``meta``'s tokenizer fields, llama's shape keys and no tensors: enough for transformers'
+    GGUF tokenizer and llama.cpp's ``vocab_only`` load."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), "llama")
+    w.add_context_length(64)
+    w.add_embedding_length(64)
+    w.add_block_count(1)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(4)
+    w.add_layer_norm_rms_eps(1e-5)
+    for key, value in meta.items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_array(key, value)
+    finish_gguf(w)
+    return path
+
+
+UNK_TEXTS = ["a<unk>b", "<unk>", " <unk> the fox", "Hello<unk>\n<unk>"]
+
+
+def test_unknown_token_is_special_as_in_transformers_gguf_tokenizer(tmp_path: Path) -> None:
+    """The UNKNOWN-typed "<unk>" of a SentencePiece GGUF is a special token: its text in a prompt is its id, and
+    ``skip_special_tokens`` drops it, as transformers' tokenizer for the same file (and llama.cpp) do."""
+    meta = _sentencepiece_meta()
+    path = _write_vocab_gguf(tmp_path / "spm.gguf", meta)
+    ref = LlamaTokenizerFast.from_pretrained(tmp_path, gguf_file=path.name)
+    ours = Tokenizer.from_gguf(meta)
+    for text in UNK_TEXTS:
+        assert ours.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False), text
+    ids = [0, *ours.encode("The quick fox", add_special_tokens=False), 0]
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), skip
+    assert ref.unk_token_id == 0 and 0 in ours.all_special_ids
+
+
+def test_unknown_token_is_special_as_in_llama_cpp(tmp_path: Path) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    meta = _sentencepiece_meta()
+    path = _write_vocab_gguf(tmp_path / "spm.gguf", meta)
+    ref = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    ours = Tokenizer.from_gguf(meta)
+    for text in UNK_TEXTS:
+        assert ours.encode(text, add_special_tokens=False) == ref.tokenize(text.encode(), add_bos=False, special=True)
+    ids = [0, *ours.encode("The quick fox", add_special_tokens=False), 0]
+    # llama.cpp keeps the prefix space of "▁The" after a hidden token, transformers' decoder (kvgen's) strips it
+    assert ours.decode(ids, skip_special_tokens=True) == ref.detokenize(ids, special=False).decode().removeprefix(" ")
+    assert ours.decode(ids) == ref.detokenize(ids, special=True).decode()

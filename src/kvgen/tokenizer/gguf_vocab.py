@@ -77,7 +77,7 @@ def _vocab(meta: dict[str, Any]) -> tuple[list[str], list[int]]:
 def gguf_backend(meta: dict[str, Any]) -> BackendTokenizer:
     """The byte-level BPE (or SentencePiece BPE) of GGUF metadata, without BOS/EOS post-processing.
 
-    CONTROL tokens become special added tokens; USER_DEFINED ones added tokens kept by decode
+    CONTROL and UNKNOWN tokens become special added tokens; USER_DEFINED ones added tokens kept by decode
     (as llama.cpp). Raises ``ModelFormatError`` for a tokenizer model other than "gpt2" / "llama", an
     unknown ``tokenizer.ggml.pre``, or malformed tokens, types, merges or scores.
     """
@@ -95,12 +95,19 @@ def gguf_backend(meta: dict[str, Any]) -> BackendTokenizer:
     tokens, token_types = _vocab(meta)
     merges = _merges(_require(meta, "tokenizer.ggml.merges"))
     backend = build_byte_level_bpe({t: i for i, t in enumerate(tokens)}, merges, GGUF_PRE_TOKENIZERS[pre])
-    typed = list(zip(tokens, token_types, strict=True))
-    control = [AddedToken(t, special=True, normalized=False) for t, k in typed if k == GGUFTokenType.CONTROL]
-    user = [AddedToken(t, special=False, normalized=False) for t, k in typed if k == GGUFTokenType.USER_DEFINED]
-    backend.add_special_tokens(control)
-    backend.add_tokens(user)
+    _add_typed_tokens(backend, tokens, token_types)
     return backend
+
+
+def _add_typed_tokens(backend: BackendTokenizer, tokens: list[str], token_types: list[int]) -> None:
+    """CONTROL and UNKNOWN tokens as special added tokens (matched in text, dropped by ``skip_special_tokens``:
+    llama.cpp parses and hides both, transformers' "<unk>" is a special token); USER_DEFINED ones as added tokens
+    kept by decode."""
+    typed = list(zip(tokens, token_types, strict=True))
+    special_types = (GGUFTokenType.CONTROL, GGUFTokenType.UNKNOWN)
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed if k in special_types])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed
+                        if k == GGUFTokenType.USER_DEFINED])
 
 
 def _sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
@@ -133,11 +140,7 @@ def _sentencepiece_backend(meta: dict[str, Any]) -> BackendTokenizer:
     backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
     strip: list[decoders.Decoder] = [decoders.Strip(content=" ", left=1)] if prefix else []
     backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
-    typed = list(zip(tokens, token_types, strict=True))
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed
-                                if k == GGUFTokenType.CONTROL])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed
-                        if k == GGUFTokenType.USER_DEFINED])
+    _add_typed_tokens(backend, tokens, token_types)
     return backend
 
 
