@@ -298,3 +298,46 @@ def test_unknown_token_is_special_as_in_llama_cpp(tmp_path: Path) -> None:
     # llama.cpp keeps the prefix space of "▁The" after a hidden token, transformers' decoder (kvgen's) strips it
     assert ours.decode(ids, skip_special_tokens=True) == ref.detokenize(ids, special=False).decode().removeprefix(" ")
     assert ours.decode(ids) == ref.detokenize(ids, special=True).decode()
+
+
+def _without_add_bos_token(meta: dict) -> dict:
+    return {k: v for k, v in meta.items() if k != "tokenizer.ggml.add_bos_token"}
+
+
+def test_sentencepiece_file_without_add_bos_token_gets_bos_as_transformers(tmp_path: Path) -> None:
+    """A SentencePiece GGUF without ``tokenizer.ggml.add_bos_token`` (Llama 2 files converted before the key existed)
+    prepends BOS, as transformers' tokenizer for that file does (and llama.cpp: its SPM default); one saying false
+    gets none."""
+    meta = _without_add_bos_token(_sentencepiece_meta())
+    path = _write_vocab_gguf(tmp_path / "spm.gguf", meta)
+    ref = LlamaTokenizerFast.from_pretrained(tmp_path, gguf_file=path.name)
+    ours = Tokenizer.from_gguf(meta)
+    for text in ["", "Hello world", *TRAIN_TEXT]:
+        assert ours.encode(text) == ref.encode(text), text
+    assert ours.add_bos_token
+    assert not Tokenizer.from_gguf(meta | {"tokenizer.ggml.add_bos_token": False}).add_bos_token
+
+
+def test_llama3_file_without_add_bos_token_gets_bos_as_transformers(tmp_path: Path, trained: BackendTokenizer) -> None:
+    """The same for a byte-level GGUF with a Llama 3 pre-tokenizer ("llama-bpe"); other pre-tokenizers add none
+    (llama.cpp's defaults, checked against it below)."""
+    meta = _without_add_bos_token(_synthetic_meta(trained, "llama-bpe")) | {"tokenizer.ggml.bos_token_id": 1}
+    path = _write_vocab_gguf(tmp_path / "bpe.gguf", meta)
+    ref = LlamaTokenizerFast.from_pretrained(tmp_path, gguf_file=path.name)
+    ours = Tokenizer.from_gguf(meta)
+    for text in ["", "Hello world", *TRAIN_TEXT]:
+        assert ours.encode(text)[:1] == ref.encode(text)[:1] == [1], text
+    assert not Tokenizer.from_gguf(meta | {"tokenizer.ggml.pre": "gpt-2"}).add_bos_token
+
+
+@pytest.mark.parametrize("pre", ["spm", "llama-bpe", "gpt-2", "smollm"])
+def test_bos_without_add_bos_token_follows_llama_cpp(tmp_path: Path, trained: BackendTokenizer, pre: str) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    if pre == "spm":
+        meta = _without_add_bos_token(_sentencepiece_meta())
+    else:
+        meta = _without_add_bos_token(_synthetic_meta(trained, pre)) | {"tokenizer.ggml.bos_token_id": 1}
+    ref = llama_cpp.Llama(str(_write_vocab_gguf(tmp_path / "v.gguf", meta)), vocab_only=True, verbose=False)
+    ours = Tokenizer.from_gguf(meta)
+    for text in ["", "Hello world", *TRAIN_TEXT]:
+        assert ours.encode(text) == ref.tokenize(text.encode(), add_bos=True, special=True), text

@@ -51,6 +51,20 @@ GGUF_PRE_TOKENIZERS: dict[str, ByteLevelVariant] = {
 }
 
 
+# Pre-tokenizers after which llama.cpp adds BOS when a file has no tokenizer.ggml.add_bos_token (its LLAMA3 group).
+_BOS_BY_DEFAULT_PRE_TOKENIZERS = frozenset({"llama3", "llama-v3", "llama-bpe"})
+
+
+def gguf_adds_bos_by_default(meta: dict[str, Any]) -> bool:
+    """Whether llama.cpp prepends BOS to a file without ``tokenizer.ggml.add_bos_token``: for SentencePiece ("llama")
+    vocabularies (Llama 2, Mistral files converted before the key existed) and the Llama 3 pre-tokenizers.
+
+    Source: llama.cpp ``llama-vocab.cpp`` (``llama_vocab::impl::load``: ``add_bos`` before the key is read).
+    """
+    model = meta.get("tokenizer.ggml.model")
+    return model == "llama" or (model == "gpt2" and meta.get("tokenizer.ggml.pre") in _BOS_BY_DEFAULT_PRE_TOKENIZERS)
+
+
 def _require(meta: dict[str, Any], key: str) -> Any:
     if key not in meta:
         raise ModelFormatError(f"GGUF metadata has no {key}")
