@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from helpers import finish_gguf
 from tokenizer_cases import HARD_STRINGS, TRAIN_TEXT
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
+from transformers import LlamaTokenizerFast
 from transformers.convert_slow_tokenizer import (
     GPT2Converter,
     Qwen2Converter,
@@ -237,3 +240,104 @@ def test_gemma_style_sentencepiece_vocabulary_has_no_prefix_space() -> None:
     plain = ours.encode("quick fox", add_special_tokens=False)
     assert not tokens[plain[0]].startswith("▁") and any(tokens[i].startswith("▁") for i in plain[1:])
     assert tokens[with_prefix.encode("quick fox", add_special_tokens=False)[0]].startswith("▁")
+
+
+def _write_vocab_gguf(path: Path, meta: dict) -> Path:
+    """A GGUF file holding ``meta``'s tokenizer fields, llama's shape keys and no tensors: enough for transformers'
+    GGUF tokenizer and llama.cpp's ``vocab_only`` load."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), "llama")
+    w.add_context_length(64)
+    w.add_embedding_length(64)
+    w.add_block_count(1)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(4)
+    w.add_layer_norm_rms_eps(1e-5)
+    for key, value in meta.items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_array(key, value)
+    finish_gguf(w)
+    return path
+
+
+UNK_TEXTS = ["a<unk>b", "<unk>", " <unk> the fox", "Hello<unk>\n<unk>"]
+
+
+def test_unknown_token_is_special_as_in_transformers_gguf_tokenizer(tmp_path: Path) -> None:
+    """The UNKNOWN-typed "<unk>" of a SentencePiece GGUF is a special token: its text in a prompt is its id, and
+    ``skip_special_tokens`` drops it, as transformers' tokenizer for the same file (and llama.cpp) do."""
+    meta = _sentencepiece_meta()
+    path = _write_vocab_gguf(tmp_path / "spm.gguf", meta)
+    ref = LlamaTokenizerFast.from_pretrained(tmp_path, gguf_file=path.name)
+    ours = Tokenizer.from_gguf(meta)
+    for text in UNK_TEXTS:
+        assert ours.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False), text
+    ids = [0, *ours.encode("The quick fox", add_special_tokens=False), 0]
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), skip
+    assert ref.unk_token_id == 0 and 0 in ours.all_special_ids
+
+
+def test_unknown_token_is_special_as_in_llama_cpp(tmp_path: Path) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    meta = _sentencepiece_meta()
+    path = _write_vocab_gguf(tmp_path / "spm.gguf", meta)
+    ref = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    ours = Tokenizer.from_gguf(meta)
+    for text in UNK_TEXTS:
+        assert ours.encode(text, add_special_tokens=False) == ref.tokenize(text.encode(), add_bos=False, special=True)
+    ids = [0, *ours.encode("The quick fox", add_special_tokens=False), 0]
+    # llama.cpp keeps the prefix space of "▁The" after a hidden token, transformers' decoder (kvgen's) strips it
+    assert ours.decode(ids, skip_special_tokens=True) == ref.detokenize(ids, special=False).decode().removeprefix(" ")
+    assert ours.decode(ids) == ref.detokenize(ids, special=True).decode()
+
+
+def _without_add_bos_token(meta: dict) -> dict:
+    return {k: v for k, v in meta.items() if k != "tokenizer.ggml.add_bos_token"}
+
+
+def test_sentencepiece_file_without_add_bos_token_gets_bos_as_transformers(tmp_path: Path) -> None:
+    """A SentencePiece GGUF without ``tokenizer.ggml.add_bos_token`` (Llama 2 files converted before the key existed)
+    prepends BOS, as transformers' tokenizer for that file does (and llama.cpp: its SPM default); one saying false
+    gets none."""
+    meta = _without_add_bos_token(_sentencepiece_meta())
+    path = _write_vocab_gguf(tmp_path / "spm.gguf", meta)
+    ref = LlamaTokenizerFast.from_pretrained(tmp_path, gguf_file=path.name)
+    ours = Tokenizer.from_gguf(meta)
+    for text in ["", "Hello world", *TRAIN_TEXT]:
+        assert ours.encode(text) == ref.encode(text), text
+    assert ours.add_bos_token
+    assert not Tokenizer.from_gguf(meta | {"tokenizer.ggml.add_bos_token": False}).add_bos_token
+
+
+def test_llama3_file_without_add_bos_token_gets_bos_as_transformers(tmp_path: Path, trained: BackendTokenizer) -> None:
+    """The same for a byte-level GGUF with a Llama 3 pre-tokenizer ("llama-bpe"); other pre-tokenizers add none
+    (llama.cpp's defaults, checked against it below)."""
+    meta = _without_add_bos_token(_synthetic_meta(trained, "llama-bpe")) | {"tokenizer.ggml.bos_token_id": 1}
+    path = _write_vocab_gguf(tmp_path / "bpe.gguf", meta)
+    ref = LlamaTokenizerFast.from_pretrained(tmp_path, gguf_file=path.name)
+    ours = Tokenizer.from_gguf(meta)
+    for text in ["", "Hello world", *TRAIN_TEXT]:
+        assert ours.encode(text)[:1] == ref.encode(text)[:1] == [1], text
+    assert not Tokenizer.from_gguf(meta | {"tokenizer.ggml.pre": "gpt-2"}).add_bos_token
+
+
+@pytest.mark.parametrize("pre", ["spm", "llama-bpe", "gpt-2", "smollm"])
+def test_bos_without_add_bos_token_follows_llama_cpp(tmp_path: Path, trained: BackendTokenizer, pre: str) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    if pre == "spm":
+        meta = _without_add_bos_token(_sentencepiece_meta())
+    else:
+        meta = _without_add_bos_token(_synthetic_meta(trained, pre)) | {"tokenizer.ggml.bos_token_id": 1}
+    ref = llama_cpp.Llama(str(_write_vocab_gguf(tmp_path / "v.gguf", meta)), vocab_only=True, verbose=False)
+    ours = Tokenizer.from_gguf(meta)
+    for text in ["", "Hello world", *TRAIN_TEXT]:
+        assert ours.encode(text) == ref.tokenize(text.encode(), add_bos=True, special=True), text

@@ -51,6 +51,20 @@ GGUF_PRE_TOKENIZERS: dict[str, ByteLevelVariant] = {
 }
 
 
+# Pre-tokenizers after which llama.cpp adds BOS when a file has no tokenizer.ggml.add_bos_token (its LLAMA3 group).
+_BOS_BY_DEFAULT_PRE_TOKENIZERS = frozenset({"llama3", "llama-v3", "llama-bpe"})
+
+
+def gguf_adds_bos_by_default(meta: dict[str, Any]) -> bool:
+    """Whether llama.cpp prepends BOS to a file without ``tokenizer.ggml.add_bos_token``: for SentencePiece ("llama")
+    vocabularies (Llama 2, Mistral files converted before the key existed) and the Llama 3 pre-tokenizers.
+
+    Source: llama.cpp ``llama-vocab.cpp`` (``llama_vocab::impl::load``: ``add_bos`` before the key is read).
+    """
+    model = meta.get("tokenizer.ggml.model")
+    return model == "llama" or (model == "gpt2" and meta.get("tokenizer.ggml.pre") in _BOS_BY_DEFAULT_PRE_TOKENIZERS)
+
+
 def _require(meta: dict[str, Any], key: str) -> Any:
     if key not in meta:
         raise ModelFormatError(f"GGUF metadata has no {key}")
@@ -77,7 +91,7 @@ def _vocab(meta: dict[str, Any]) -> tuple[list[str], list[int]]:
 def gguf_backend(meta: dict[str, Any]) -> BackendTokenizer:
     """The byte-level BPE (or SentencePiece BPE) of GGUF metadata, without BOS/EOS post-processing.
 
-    CONTROL tokens become special added tokens; USER_DEFINED ones added tokens kept by decode
+    CONTROL and UNKNOWN tokens become special added tokens; USER_DEFINED ones added tokens kept by decode
     (as llama.cpp). Raises ``ModelFormatError`` for a tokenizer model other than "gpt2" / "llama", an
     unknown ``tokenizer.ggml.pre``, or malformed tokens, types, merges or scores.
     """
@@ -95,12 +109,19 @@ def gguf_backend(meta: dict[str, Any]) -> BackendTokenizer:
     tokens, token_types = _vocab(meta)
     merges = _merges(_require(meta, "tokenizer.ggml.merges"))
     backend = build_byte_level_bpe({t: i for i, t in enumerate(tokens)}, merges, GGUF_PRE_TOKENIZERS[pre])
-    typed = list(zip(tokens, token_types, strict=True))
-    control = [AddedToken(t, special=True, normalized=False) for t, k in typed if k == GGUFTokenType.CONTROL]
-    user = [AddedToken(t, special=False, normalized=False) for t, k in typed if k == GGUFTokenType.USER_DEFINED]
-    backend.add_special_tokens(control)
-    backend.add_tokens(user)
+    _add_typed_tokens(backend, tokens, token_types)
     return backend
+
+
+def _add_typed_tokens(backend: BackendTokenizer, tokens: list[str], token_types: list[int]) -> None:
+    """CONTROL and UNKNOWN tokens as special added tokens (matched in text, dropped by ``skip_special_tokens``:
+    llama.cpp parses and hides both, transformers' "<unk>" is a special token); USER_DEFINED ones as added tokens
+    kept by decode."""
+    typed = list(zip(tokens, token_types, strict=True))
+    special_types = (GGUFTokenType.CONTROL, GGUFTokenType.UNKNOWN)
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed if k in special_types])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed
+                        if k == GGUFTokenType.USER_DEFINED])
 
 
 def _sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
@@ -133,11 +154,7 @@ def _sentencepiece_backend(meta: dict[str, Any]) -> BackendTokenizer:
     backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
     strip: list[decoders.Decoder] = [decoders.Strip(content=" ", left=1)] if prefix else []
     backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
-    typed = list(zip(tokens, token_types, strict=True))
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed
-                                if k == GGUFTokenType.CONTROL])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed
-                        if k == GGUFTokenType.USER_DEFINED])
+    _add_typed_tokens(backend, tokens, token_types)
     return backend
 
 

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from kvgen.chat_template import ChatTemplateError, check_messages, compile_chat_template
 from kvgen.errors import ModelFormatError, ModelNotFoundError
 from kvgen.gguf_keys import check_gguf_value_types
-from kvgen.tokenizer.gguf_vocab import gguf_backend, gguf_special_ids
+from kvgen.tokenizer.gguf_vocab import gguf_adds_bos_by_default, gguf_backend, gguf_special_ids
 from kvgen.tokenizer.hf_files import load_hf_tokenizer_files
 from kvgen.tokenizer.special_tokens import SpecialTokenIds, add_bos_eos, check_token_ids, integer_ids
 from kvgen.tokenizer.wordpiece import clean_up_tokenization
@@ -67,7 +67,8 @@ class Tokenizer:
         """Build from GGUF metadata (``gguf_metadata(open_gguf(path))``).
 
         Reads ``tokenizer.ggml.model`` "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE); adds BOS/EOS only where
-        ``tokenizer.ggml.add_bos_token``/``add_eos_token`` say so. Raises ``ModelFormatError``
+        ``tokenizer.ggml.add_bos_token``/``add_eos_token`` say so, or, without ``add_bos_token``, where llama.cpp
+        adds BOS (:func:`~kvgen.tokenizer.gguf_vocab.gguf_adds_bos_by_default`). Raises ``ModelFormatError``
         for another tokenizer model or pre-tokenizer, or malformed tokenizer fields (a value of the wrong type:
         :func:`kvgen.gguf_keys.check_gguf_value_types`).
         """
@@ -75,7 +76,9 @@ class Tokenizer:
         backend = gguf_backend(meta)
         special = gguf_special_ids(meta, backend.get_vocab_size(with_added_tokens=True))
         eos = special.eos_token_ids[0] if special.eos_token_ids else None
-        add_bos, add_eos = (bool(meta.get(f"tokenizer.ggml.add_{k}_token", False)) for k in ("bos", "eos"))
+        bos_by_default = special.bos_token_id is not None and gguf_adds_bos_by_default(meta)
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", bos_by_default))
+        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
         add_bos_eos(backend, special.bos_token_id, eos, add_bos, add_eos)
         return cls(backend, special, meta.get("tokenizer.chat_template"), meta.get("general.name", "GGUF model"))
 
