@@ -96,6 +96,34 @@ def test_streamed_events_build_the_same_response(client, server):
     assert "".join(data["delta"] for _, data in events[4:-4]) == done["output"][0]["content"][0]["text"]
 
 
+def _replay(events: list[tuple[str, dict]]) -> list[dict]:
+    """The output items a client builds from stream events, as the ``openai`` SDK's accumulator does
+    (``openai.lib.streaming.responses.ResponseStreamState.accumulate_event``): an item as ``output_item.added`` gives
+    it, a part appended on each ``content_part.added``, text deltas added to ``content[content_index]``."""
+    items: list[dict] = []
+    for _, data in events:
+        if data["type"] == "response.output_item.added":
+            items.append(json.loads(json.dumps(data["item"])))
+        elif data["type"] == "response.content_part.added":
+            items[data["output_index"]]["content"].append(dict(data["part"]))
+        elif data["type"] in ("response.output_text.delta", "response.reasoning_text.delta"):
+            items[data["output_index"]]["content"][data["content_index"]]["text"] += data["delta"]
+    return items
+
+
+def test_a_message_item_is_added_empty_and_its_part_by_content_part_added(server):
+    """OpenAI (its documented ``response.output_item.added``) and vLLM add a message item with ``content: []``; the part
+    comes with ``content_part.added``. The item came with its part already in it, so a client that appends the added
+    part (the SDK's accumulator) held two parts: the replayed message differed from the final one."""
+    events = _events(server, {"input": "Name three colours.", "temperature": 0, "max_output_tokens": 5})
+    added = [data for _, data in events if data["type"] == "response.output_item.added"]
+    assert [item["item"]["content"] for item in added] == [[]]
+    final = events[-1][1]["response"]["output"]
+    replayed = _replay(events)
+    assert [item["content"] for item in replayed] == [item["content"] for item in final]
+    assert len(final[0]["content"]) == 1 and final[0]["content"][0]["text"]
+
+
 def test_stored_responses_continue_read_and_delete(client, server):
     first = client.responses.create(model="tiny", instructions="Be brief.", input="Hello there.", **GREEDY)
     second = client.responses.create(model="tiny", previous_response_id=first.id, input="And then?", **GREEDY)

@@ -336,10 +336,18 @@ class _EventWriter:
         self.open = item
         yield self.event("response.output_item.added", output_index=len(self.items) - 1, item=item)
 
+    def _add_part(self, item: OutputMessage | OutputReasoning, part: OutputText | ReasoningText) -> str:
+        """The event that adds an item's first content part (OpenAI, vLLM: an item is added without content)."""
+        return self.event("response.content_part.added", item_id=item.id, output_index=len(self.items) - 1,
+                          content_index=0, part=part)
+
     def _reasoning(self, text: str) -> Iterator[str]:
         if not isinstance(self.open, OutputReasoning):
             yield from self._close("completed")
-            yield from self._add(OutputReasoning(id=_new_id("rs"), content=[ReasoningText(text="")], status="in_progress"))
+            reasoning, thought = OutputReasoning(id=_new_id("rs"), content=[], status="in_progress"), ReasoningText(text="")
+            yield from self._add(reasoning)
+            yield self._add_part(reasoning, thought)
+            reasoning.content.append(thought)
         item = self.open
         assert isinstance(item, OutputReasoning)
         item.content[0].text += text
@@ -349,10 +357,10 @@ class _EventWriter:
     def _text(self, text: str, logprobs: list) -> Iterator[str]:
         if not isinstance(self.open, OutputMessage):
             yield from self._close("completed")
-            part = OutputText(text="", logprobs=[] if logprobs else None)
-            yield from self._add(OutputMessage(id=_new_id("msg"), status="in_progress", content=[part]))
-            yield self.event("response.content_part.added", item_id=self.items[-1].id, output_index=len(self.items) - 1,
-                             content_index=0, part=OutputText(text=""))
+            message, part = OutputMessage(id=_new_id("msg"), status="in_progress", content=[]), OutputText(text="")
+            yield from self._add(message)
+            yield self._add_part(message, part)
+            message.content.append(part)
         item = self.open
         assert isinstance(item, OutputMessage)
         part = item.content[0]
@@ -376,6 +384,8 @@ class _EventWriter:
         elif isinstance(item, OutputReasoning):
             yield self.event("response.reasoning_text.done", item_id=item.id, output_index=index, content_index=0,
                              text=item.content[0].text)
+            yield self.event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
+                             part=item.content[0])
         if item is not None:
             item.status = status
             yield self.event("response.output_item.done", output_index=index, item=item)
