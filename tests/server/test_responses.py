@@ -191,7 +191,20 @@ def test_text_format_and_logprobs(client):
     ours, theirs = r.output[0].content[0].logprobs, chat.choices[0].logprobs.content
     assert [(x.token, x.logprob, len(x.top_logprobs)) for x in ours] == [
         (x.token, x.logprob, len(x.top_logprobs)) for x in theirs] and len(ours) == r.usage.output_tokens
-    assert client.responses.create(model="tiny", input="Hi", **GREEDY).output[0].content[0].logprobs is None
+    assert client.responses.create(model="tiny", input="Hi", **GREEDY).output[0].content[0].logprobs == []
+
+
+def test_output_text_logprobs_are_an_empty_array_unless_asked(server):
+    """OpenAI's ``output_text`` requires ``logprobs``, an array (its examples: ``[]`` when not asked): a response, and
+    each part of its stream, gave ``null``, which OpenAI's schema refuses."""
+    body = {"input": "Hi", **GREEDY}
+    r = httpx.post(server.v1 + "/responses", json={"model": "tiny", **body}, timeout=60)
+    assert r.json()["output"][0]["content"][0]["logprobs"] == []
+    events = [data for _, data in _events(server, body)]
+    parts = [e["part"] for e in events if "part" in e] + [e["item"]["content"][0] for e in events
+                                                         if e["type"] == "response.output_item.done"]
+    parts += events[-1]["response"]["output"][0]["content"]
+    assert len(parts) == 4 and all(part["logprobs"] == [] for part in parts)
 
 
 def test_truncation_auto_drops_the_oldest_turns(server):

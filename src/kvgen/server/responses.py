@@ -240,7 +240,7 @@ class _Builder:
             output.append(OutputReasoning(id=_new_id("rs"), content=[ReasoningText(text=reasoning)], status=status))
         if content or not calls:
             logprobs = chat_logprobs(self.state.tokenizer, c.token_ids, c.logprobs, self.chat.top_logprobs or 0) \
-                if self.chat.logprobs else None
+                if self.chat.logprobs else []
             output.append(OutputMessage(id=_new_id("msg"), status=status,
                                         content=[OutputText(text=content or "", logprobs=logprobs)]))
         output += [OutputFunctionCall(id=_new_id("fc"), call_id=call.id, name=call.function.name,
@@ -365,8 +365,7 @@ class _EventWriter:
         assert isinstance(item, OutputMessage)
         part = item.content[0]
         part.text += text
-        if logprobs:
-            part.logprobs = [*(part.logprobs or []), *logprobs]
+        part.logprobs += logprobs
         yield self.event("response.output_text.delta", item_id=item.id, output_index=len(self.items) - 1,
                          content_index=0, delta=text, logprobs=[lp.model_dump() for lp in logprobs])
 
@@ -375,7 +374,7 @@ class _EventWriter:
         if isinstance(item, OutputMessage):
             part = item.content[0]
             yield self.event("response.output_text.done", item_id=item.id, output_index=index, content_index=0,
-                             text=part.text, logprobs=[lp.model_dump() for lp in part.logprobs or []])
+                             text=part.text, logprobs=[lp.model_dump() for lp in part.logprobs])
             yield self.event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
                              part=part)
         elif isinstance(item, OutputFunctionCall):

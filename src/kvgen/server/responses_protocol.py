@@ -180,7 +180,7 @@ class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
-    logprobs: list[ChatTokenLogprob] | None = None
+    logprobs: list[ChatTokenLogprob] = Field(default_factory=list)  # OpenAI: an array, empty unless asked
 
 
 class OutputMessage(BaseModel):
