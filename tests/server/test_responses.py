@@ -124,6 +124,44 @@ def test_a_message_item_is_added_empty_and_its_part_by_content_part_added(server
     assert len(final[0]["content"]) == 1 and final[0]["content"][0]["text"]
 
 
+def test_a_stream_that_fails_ends_with_a_failed_response_of_openais_error_codes(tiny_model_dir, monkeypatch):
+    """In process, the engine's stream failing after its first output: ``response.failed`` whose ``error.code`` is of
+    OpenAI's enum (``server_error``), as the SDK's event types validate it. It was kvgen's "internal_error" (and
+    "aborted" for an abort), codes OpenAI's schema refuses."""
+    import asyncio
+
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from kvgen.engine.async_engine import AsyncLLMEngine
+    from kvgen.engine.engine_args import EngineArgs
+    from kvgen.server.app import build_app
+    from kvgen.server.serving import Generation
+
+    outputs = Generation.outputs
+
+    async def failing(self):
+        async for item in outputs(self):
+            yield item
+            raise RuntimeError("the engine failed")
+
+    monkeypatch.setattr(Generation, "outputs", failing)
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir)))
+    body = {"model": "tiny", "input": "Hi", "max_output_tokens": 8, "stream": True}
+
+    async def post() -> str:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine, "tiny")),
+                                     base_url="http://kvgen") as client:
+            r = await client.post("/v1/responses", json=body)
+        await engine.shutdown()
+        return r.text
+
+    events = [json.loads(line[len("data: "):]) for line in asyncio.run(post()).splitlines() if line.startswith("data: ")]
+    last = TypeAdapter(ResponseStreamEvent).validate_python(events[-1])
+    assert last.type == "response.failed" and last.response.status == "failed"
+    assert last.response.error.code == "server_error" and "RuntimeError" in last.response.error.message
+
+
 def test_stored_responses_continue_read_and_delete(client, server):
     first = client.responses.create(model="tiny", instructions="Be brief.", input="Hello there.", **GREEDY)
     second = client.responses.create(model="tiny", previous_response_id=first.id, input="And then?", **GREEDY)

@@ -269,9 +269,11 @@ class _Builder:
             kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
             return writer.event(kind, response=response)
 
-        def failed(message: str, code: str, _: str | None) -> str:
-            response = self.response.model_copy(update={"status": "failed", "output": writer.items,
-                                                        "error": ResponseError(code=code, message=message)})
+        def failed(message: str, _: str, param: str | None) -> str:
+            # OpenAI's error codes of a response are an enum: the request's own setting that failed (a 400 unstreamed)
+            # is an "invalid_prompt", anything else (an abort, an engine failure) a "server_error"
+            error = ResponseError(code="invalid_prompt" if param is not None else "server_error", message=message)
+            response = self.response.model_copy(update={"status": "failed", "output": writer.items, "error": error})
             return writer.event("response.failed", response=response)
 
         return stream_events(gen, first(), on_output, last, error_event=failed, done=None)

@@ -235,7 +235,7 @@ class IncompleteDetails(BaseModel):
 
 
 class ResponseError(BaseModel):
-    code: str
+    code: Literal["server_error", "invalid_prompt"]  # of OpenAI's ResponseErrorCode enum, the two kvgen can give
     message: str
 
 
