@@ -232,6 +232,19 @@ def test_text_format_and_logprobs(client):
     assert client.responses.create(model="tiny", input="Hi", **GREEDY).output[0].content[0].logprobs == []
 
 
+def test_text_format_is_echoed_as_sent_without_null_fields(server):
+    """OpenAI's text formats have no null fields: ``{"type": "text"}``, and a json_schema format's ``description`` is a
+    string when there. kvgen echoed every field of its model, ``"description": null`` (refused by OpenAI's schema),
+    ``"name": null`` and ``"schema": null`` in a text format among them."""
+    fmt = {"type": "json_schema", "name": "city", "schema": WEATHER_SCHEMA}
+    for sent, echoed in ((None, {"type": "text"}), ({"type": "json_object"}, {"type": "json_object"}), (fmt, fmt),
+                         (fmt | {"strict": True, "description": "A city."}, fmt | {"strict": True, "description": "A city."})):
+        body = {"model": "tiny", "input": "A city?", **GREEDY} | ({"text": {"format": sent}} if sent else {})
+        r = httpx.post(server.v1 + "/responses", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["text"]["format"] == echoed
+        assert httpx.get(server.v1 + f"/responses/{r.json()['id']}", timeout=60).json()["text"]["format"] == echoed
+
+
 def test_output_text_logprobs_are_an_empty_array_unless_asked(server):
     """OpenAI's ``output_text`` requires ``logprobs``, an array (its examples: ``[]`` when not asked): a response, and
     each part of its stream, gave ``null``, which OpenAI's schema refuses."""

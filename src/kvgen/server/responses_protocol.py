@@ -13,7 +13,15 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    SerializerFunctionWrapHandler,
+    Tag,
+    model_serializer,
+)
 
 from kvgen.server.protocol import (
     MAX_TOP_LOGPROBS,
@@ -113,7 +121,9 @@ class FunctionToolChoice(StrictModel):
 
 
 class TextFormat(StrictModel):
-    """``text.format``: plain text, any JSON object, or JSON matching ``schema`` (its ``name`` required)."""
+    """``text.format``: plain text, any JSON object, or JSON matching ``schema`` (its ``name`` required). Echoed in a
+    response with the fields it has: OpenAI's formats have no null fields (``{"type": "text"}``; a json_schema format's
+    ``description`` is a string if there)."""
 
     model_config = ConfigDict(extra="forbid", serialize_by_alias=True)
     type: Literal["text", "json_object", "json_schema"]
@@ -121,6 +131,10 @@ class TextFormat(StrictModel):
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
     def as_json_schema(self) -> JsonSchemaFormat | None:
         if self.type != "json_schema" or self.name is None or self.schema_ is None:
