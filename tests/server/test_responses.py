@@ -227,8 +227,10 @@ def test_text_format_and_logprobs(client):
                                 top_logprobs=2, **GREEDY)
     chat = _chat(client, [{"role": "user", "content": "Name three colours."}], logprobs=True, top_logprobs=2)
     ours, theirs = r.output[0].content[0].logprobs, chat.choices[0].logprobs.content
-    assert [(x.token, x.logprob, len(x.top_logprobs)) for x in ours] == [
-        (x.token, x.logprob, len(x.top_logprobs)) for x in theirs] and len(ours) == r.usage.output_tokens
+    assert [(x.token, len(x.top_logprobs)) for x in ours] == [
+        (x.token, len(x.top_logprobs)) for x in theirs] and len(ours) == r.usage.output_tokens
+    # close, not equal: the chat request may find its prompt in the prefix cache the first request filled
+    assert [x.logprob for x in ours] == pytest.approx([x.logprob for x in theirs], abs=1e-5)
     assert client.responses.create(model="tiny", input="Hi", **GREEDY).output[0].content[0].logprobs == []
 
 
