@@ -127,6 +127,18 @@ def test_malformed_requests_are_400_with_an_openai_body(server, body, param):
     _assert_error_body(r, 400, param)
 
 
+@pytest.mark.parametrize(("body", "message"), [
+    (b"", "the request body is empty"), (b"[1, 2]", "the request body is not a JSON object"),
+    (b'"Hi"', "the request body is not a JSON object")])
+def test_a_body_that_is_no_json_object_is_said_as_such(server, body, message):
+    """No body, or JSON that is no object, is a 400 saying so, as malformed JSON is (OpenAI: it could not parse the
+    JSON body). It was pydantic's "Field required" or "Input should be a valid dictionary ..." naming nothing."""
+    for path in ("/chat/completions", "/completions", "/responses", "/embeddings"):
+        r = httpx.post(server.v1 + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+        error = _assert_error_body(r, 400, None)
+        assert error["message"].startswith(message) and error["code"] == "invalid_json", error
+
+
 def test_other_routes_answer_errors_as_openai_bodies(server):
     _assert_error_body(httpx.get(server.url + "/v1/nothing"), 404, None)
     _assert_error_body(httpx.get(server.v1 + "/chat/completions"), 405, None)

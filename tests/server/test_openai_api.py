@@ -42,6 +42,20 @@ def test_chat_completion_has_openai_shape_and_usage_from_our_tokenizer(client, t
     assert r.choices[0].message.content  # 12 random tokens are never all special
 
 
+def test_a_reply_has_openais_null_refusal_and_no_tool_calls_without_calls(server):
+    """OpenAI's message requires ``refusal`` (null) and its choice ``logprobs`` requires ``content`` and ``refusal``;
+    ``tool_calls`` is an array when present, and a reply without calls has none (OpenAI, vLLM). kvgen left ``refusal``
+    out of both and sent ``"tool_calls": null``, which OpenAI's schema refuses."""
+    body = {"model": "tiny", "messages": MESSAGES, "logprobs": True, "top_logprobs": 1, **GREEDY}
+    choice = httpx.post(server.v1 + "/chat/completions", json=body, timeout=60).json()["choices"][0]
+    assert choice["message"]["refusal"] is None and "tool_calls" not in choice["message"]
+    assert choice["logprobs"]["refusal"] is None and len(choice["logprobs"]["content"]) > 0
+    with httpx.stream("POST", server.v1 + "/chat/completions", json=body | {"stream": True}, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    logprobs = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"] is not None]
+    assert len(logprobs) > 1 and all(lp["refusal"] is None and lp["content"] for lp in logprobs)
+
+
 def test_openai_fields_that_change_nothing_here_are_accepted_and_others_refused(client):
     """store, metadata, service_tier, reasoning_effort, prediction ... are OpenAI's and agent frameworks send them: the
     same reply as without them (they were 400s); an unknown field is still a 400, as OpenAI's."""

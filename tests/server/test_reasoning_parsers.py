@@ -122,6 +122,26 @@ def test_responses_put_the_reasoning_in_a_reasoning_item(r1_server):
     assert [item["type"] for item in events[-1]["response"]["output"]] == ["reasoning", "message"]
 
 
+def test_a_streamed_reasoning_item_has_its_part_added_and_done(r1_server):
+    """A reasoning item streams as vLLM's: added without content, ``content_part.added`` (a ``reasoning_text`` part),
+    the deltas, ``reasoning_text.done``, ``content_part.done``, ``output_item.done``. The item came with its part
+    already in it and no part events, unlike the message after it."""
+    body = {"model": "tiny", "input": "What is 2 + 2?", "temperature": 0, "max_output_tokens": 12, "stream": True}
+    with httpx.stream("POST", r1_server.v1 + "/responses", json=body, timeout=60) as stream:
+        events = [json.loads(line[len("data: "):]) for line in stream.iter_lines() if line.startswith("data: ")]
+    reasoning = [e for e in events if e.get("output_index") == 0]
+    kinds = [e["type"] for e in reasoning]
+    num_deltas = kinds.count("response.reasoning_text.delta")
+    assert num_deltas > 0 and kinds == ["response.output_item.added", "response.content_part.added",
+                                        *["response.reasoning_text.delta"] * num_deltas, "response.reasoning_text.done",
+                                        "response.content_part.done", "response.output_item.done"]
+    assert reasoning[0]["item"]["type"] == "reasoning" and reasoning[0]["item"]["content"] == []
+    text = "".join(e["delta"] for e in reasoning[2:-3])
+    assert reasoning[1]["part"] == {"type": "reasoning_text", "text": ""}
+    assert reasoning[-2]["part"] == {"type": "reasoning_text", "text": text} == reasoning[-1]["item"]["content"][0]
+    assert events[-1]["response"]["output"][0]["content"] == [{"type": "reasoning_text", "text": text}]
+
+
 def test_qwen3_server_reads_the_reasoning_its_template_opened(tiny_model_dir, tmp_path, launch_server):
     """A template that writes ``<think>\\n`` after the assistant header (Qwen3.5's): the reply's text up to
     ``</think>`` is reasoning in chat completions, streamed or not, and in /v1/responses (a reasoning item)."""

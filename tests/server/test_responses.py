@@ -96,6 +96,72 @@ def test_streamed_events_build_the_same_response(client, server):
     assert "".join(data["delta"] for _, data in events[4:-4]) == done["output"][0]["content"][0]["text"]
 
 
+def _replay(events: list[tuple[str, dict]]) -> list[dict]:
+    """The output items a client builds from stream events, as the ``openai`` SDK's accumulator does
+    (``openai.lib.streaming.responses.ResponseStreamState.accumulate_event``): an item as ``output_item.added`` gives
+    it, a part appended on each ``content_part.added``, text deltas added to ``content[content_index]``."""
+    items: list[dict] = []
+    for _, data in events:
+        if data["type"] == "response.output_item.added":
+            items.append(json.loads(json.dumps(data["item"])))
+        elif data["type"] == "response.content_part.added":
+            items[data["output_index"]]["content"].append(dict(data["part"]))
+        elif data["type"] in ("response.output_text.delta", "response.reasoning_text.delta"):
+            items[data["output_index"]]["content"][data["content_index"]]["text"] += data["delta"]
+    return items
+
+
+def test_a_message_item_is_added_empty_and_its_part_by_content_part_added(server):
+    """OpenAI (its documented ``response.output_item.added``) and vLLM add a message item with ``content: []``; the part
+    comes with ``content_part.added``. The item came with its part already in it, so a client that appends the added
+    part (the SDK's accumulator) held two parts: the replayed message differed from the final one."""
+    events = _events(server, {"input": "Name three colours.", "temperature": 0, "max_output_tokens": 5})
+    added = [data for _, data in events if data["type"] == "response.output_item.added"]
+    assert [item["item"]["content"] for item in added] == [[]]
+    final = events[-1][1]["response"]["output"]
+    replayed = _replay(events)
+    assert [item["content"] for item in replayed] == [item["content"] for item in final]
+    assert len(final[0]["content"]) == 1 and final[0]["content"][0]["text"]
+
+
+def test_a_stream_that_fails_ends_with_a_failed_response_of_openais_error_codes(tiny_model_dir, monkeypatch):
+    """In process, the engine's stream failing after its first output: ``response.failed`` whose ``error.code`` is of
+    OpenAI's enum (``server_error``), as the SDK's event types validate it. It was kvgen's "internal_error" (and
+    "aborted" for an abort), codes OpenAI's schema refuses."""
+    import asyncio
+
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from kvgen.engine.async_engine import AsyncLLMEngine
+    from kvgen.engine.engine_args import EngineArgs
+    from kvgen.server.app import build_app
+    from kvgen.server.serving import Generation
+
+    outputs = Generation.outputs
+
+    async def failing(self):
+        async for item in outputs(self):
+            yield item
+            raise RuntimeError("the engine failed")
+
+    monkeypatch.setattr(Generation, "outputs", failing)
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir)))
+    body = {"model": "tiny", "input": "Hi", "max_output_tokens": 8, "stream": True}
+
+    async def post() -> str:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine, "tiny")),
+                                     base_url="http://kvgen") as client:
+            r = await client.post("/v1/responses", json=body)
+        await engine.shutdown()
+        return r.text
+
+    events = [json.loads(line[len("data: "):]) for line in asyncio.run(post()).splitlines() if line.startswith("data: ")]
+    last = TypeAdapter(ResponseStreamEvent).validate_python(events[-1])
+    assert last.type == "response.failed" and last.response.status == "failed"
+    assert last.response.error.code == "server_error" and "RuntimeError" in last.response.error.message
+
+
 def test_stored_responses_continue_read_and_delete(client, server):
     first = client.responses.create(model="tiny", instructions="Be brief.", input="Hello there.", **GREEDY)
     second = client.responses.create(model="tiny", previous_response_id=first.id, input="And then?", **GREEDY)
@@ -161,9 +227,37 @@ def test_text_format_and_logprobs(client):
                                 top_logprobs=2, **GREEDY)
     chat = _chat(client, [{"role": "user", "content": "Name three colours."}], logprobs=True, top_logprobs=2)
     ours, theirs = r.output[0].content[0].logprobs, chat.choices[0].logprobs.content
-    assert [(x.token, x.logprob, len(x.top_logprobs)) for x in ours] == [
-        (x.token, x.logprob, len(x.top_logprobs)) for x in theirs] and len(ours) == r.usage.output_tokens
-    assert client.responses.create(model="tiny", input="Hi", **GREEDY).output[0].content[0].logprobs is None
+    assert [(x.token, len(x.top_logprobs)) for x in ours] == [
+        (x.token, len(x.top_logprobs)) for x in theirs] and len(ours) == r.usage.output_tokens
+    # close, not equal: the chat request may find its prompt in the prefix cache the first request filled
+    assert [x.logprob for x in ours] == pytest.approx([x.logprob for x in theirs], abs=1e-5)
+    assert client.responses.create(model="tiny", input="Hi", **GREEDY).output[0].content[0].logprobs == []
+
+
+def test_text_format_is_echoed_as_sent_without_null_fields(server):
+    """OpenAI's text formats have no null fields: ``{"type": "text"}``, and a json_schema format's ``description`` is a
+    string when there. kvgen echoed every field of its model, ``"description": null`` (refused by OpenAI's schema),
+    ``"name": null`` and ``"schema": null`` in a text format among them."""
+    fmt = {"type": "json_schema", "name": "city", "schema": WEATHER_SCHEMA}
+    for sent, echoed in ((None, {"type": "text"}), ({"type": "json_object"}, {"type": "json_object"}), (fmt, fmt),
+                         (fmt | {"strict": True, "description": "A city."}, fmt | {"strict": True, "description": "A city."})):
+        body = {"model": "tiny", "input": "A city?", **GREEDY} | ({"text": {"format": sent}} if sent else {})
+        r = httpx.post(server.v1 + "/responses", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["text"]["format"] == echoed
+        assert httpx.get(server.v1 + f"/responses/{r.json()['id']}", timeout=60).json()["text"]["format"] == echoed
+
+
+def test_output_text_logprobs_are_an_empty_array_unless_asked(server):
+    """OpenAI's ``output_text`` requires ``logprobs``, an array (its examples: ``[]`` when not asked): a response, and
+    each part of its stream, gave ``null``, which OpenAI's schema refuses."""
+    body = {"input": "Hi", **GREEDY}
+    r = httpx.post(server.v1 + "/responses", json={"model": "tiny", **body}, timeout=60)
+    assert r.json()["output"][0]["content"][0]["logprobs"] == []
+    events = [data for _, data in _events(server, body)]
+    parts = [e["part"] for e in events if "part" in e] + [e["item"]["content"][0] for e in events
+                                                         if e["type"] == "response.output_item.done"]
+    parts += events[-1]["response"]["output"][0]["content"]
+    assert len(parts) == 4 and all(part["logprobs"] == [] for part in parts)
 
 
 def test_truncation_auto_drops_the_oldest_turns(server):

@@ -80,6 +80,10 @@ def validation_error(errors: Sequence[Any]) -> OpenAIError:
         if errors else {"loc": (), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":
         return OpenAIError(400, f"malformed JSON body: {first.get('msg')}", None, "invalid_json")
+    if tuple(first.get("loc", ())) == ("body",):  # no body, or JSON that is no object: no field to name
+        why = "is empty" if first.get("type") == "missing" else "is not a JSON object"
+        return OpenAIError(400, f"the request body {why}: send the request's fields as a JSON object", None,
+                           "invalid_json")
     param = _loc_param(tuple(first.get("loc", ())))
     if first.get("type") == "extra_forbidden":
         return OpenAIError(400, f"unrecognized request argument supplied: {param}", param, "unknown_parameter")

@@ -12,7 +12,15 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
 
 from kvgen.tokenizer.tokenizer import lone_surrogate
 
@@ -226,10 +234,21 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class ChatCompletionMessage(BaseModel):
+    """A reply as OpenAI gives it: ``refusal`` always there (null: kvgen never refuses), ``tool_calls`` only when the
+    reply made calls (OpenAI's and vLLM's; an array when present, never null)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
     reasoning: str | None = None  # vLLM extra (--reasoning-parser): the reply's chain of thought
+
+    @model_serializer(mode="wrap")
+    def _without_empty_tool_calls(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class FunctionCallDelta(BaseModel):
@@ -256,6 +275,7 @@ class ChatTokenLogprob(TopLogprob):
 
 class ChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None  # OpenAI's (required, null here: kvgen never refuses)
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]

@@ -240,7 +240,7 @@ class _Builder:
             output.append(OutputReasoning(id=_new_id("rs"), content=[ReasoningText(text=reasoning)], status=status))
         if content or not calls:
             logprobs = chat_logprobs(self.state.tokenizer, c.token_ids, c.logprobs, self.chat.top_logprobs or 0) \
-                if self.chat.logprobs else None
+                if self.chat.logprobs else []
             output.append(OutputMessage(id=_new_id("msg"), status=status,
                                         content=[OutputText(text=content or "", logprobs=logprobs)]))
         output += [OutputFunctionCall(id=_new_id("fc"), call_id=call.id, name=call.function.name,
@@ -269,9 +269,11 @@ class _Builder:
             kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
             return writer.event(kind, response=response)
 
-        def failed(message: str, code: str, _: str | None) -> str:
-            response = self.response.model_copy(update={"status": "failed", "output": writer.items,
-                                                        "error": ResponseError(code=code, message=message)})
+        def failed(message: str, _: str, param: str | None) -> str:
+            # OpenAI's error codes of a response are an enum: the request's own setting that failed (a 400 unstreamed)
+            # is an "invalid_prompt", anything else (an abort, an engine failure) a "server_error"
+            error = ResponseError(code="invalid_prompt" if param is not None else "server_error", message=message)
+            response = self.response.model_copy(update={"status": "failed", "output": writer.items, "error": error})
             return writer.event("response.failed", response=response)
 
         return stream_events(gen, first(), on_output, last, error_event=failed, done=None)
@@ -336,10 +338,18 @@ class _EventWriter:
         self.open = item
         yield self.event("response.output_item.added", output_index=len(self.items) - 1, item=item)
 
+    def _add_part(self, item: OutputMessage | OutputReasoning, part: OutputText | ReasoningText) -> str:
+        """The event that adds an item's first content part (OpenAI, vLLM: an item is added without content)."""
+        return self.event("response.content_part.added", item_id=item.id, output_index=len(self.items) - 1,
+                          content_index=0, part=part)
+
     def _reasoning(self, text: str) -> Iterator[str]:
         if not isinstance(self.open, OutputReasoning):
             yield from self._close("completed")
-            yield from self._add(OutputReasoning(id=_new_id("rs"), content=[ReasoningText(text="")], status="in_progress"))
+            reasoning, thought = OutputReasoning(id=_new_id("rs"), content=[], status="in_progress"), ReasoningText(text="")
+            yield from self._add(reasoning)
+            yield self._add_part(reasoning, thought)
+            reasoning.content.append(thought)
         item = self.open
         assert isinstance(item, OutputReasoning)
         item.content[0].text += text
@@ -349,16 +359,15 @@ class _EventWriter:
     def _text(self, text: str, logprobs: list) -> Iterator[str]:
         if not isinstance(self.open, OutputMessage):
             yield from self._close("completed")
-            part = OutputText(text="", logprobs=[] if logprobs else None)
-            yield from self._add(OutputMessage(id=_new_id("msg"), status="in_progress", content=[part]))
-            yield self.event("response.content_part.added", item_id=self.items[-1].id, output_index=len(self.items) - 1,
-                             content_index=0, part=OutputText(text=""))
+            message, part = OutputMessage(id=_new_id("msg"), status="in_progress", content=[]), OutputText(text="")
+            yield from self._add(message)
+            yield self._add_part(message, part)
+            message.content.append(part)
         item = self.open
         assert isinstance(item, OutputMessage)
         part = item.content[0]
         part.text += text
-        if logprobs:
-            part.logprobs = [*(part.logprobs or []), *logprobs]
+        part.logprobs += logprobs
         yield self.event("response.output_text.delta", item_id=item.id, output_index=len(self.items) - 1,
                          content_index=0, delta=text, logprobs=[lp.model_dump() for lp in logprobs])
 
@@ -367,7 +376,7 @@ class _EventWriter:
         if isinstance(item, OutputMessage):
             part = item.content[0]
             yield self.event("response.output_text.done", item_id=item.id, output_index=index, content_index=0,
-                             text=part.text, logprobs=[lp.model_dump() for lp in part.logprobs or []])
+                             text=part.text, logprobs=[lp.model_dump() for lp in part.logprobs])
             yield self.event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
                              part=part)
         elif isinstance(item, OutputFunctionCall):
@@ -376,6 +385,8 @@ class _EventWriter:
         elif isinstance(item, OutputReasoning):
             yield self.event("response.reasoning_text.done", item_id=item.id, output_index=index, content_index=0,
                              text=item.content[0].text)
+            yield self.event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
+                             part=item.content[0])
         if item is not None:
             item.status = status
             yield self.event("response.output_item.done", output_index=index, item=item)

@@ -13,7 +13,15 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    SerializerFunctionWrapHandler,
+    Tag,
+    model_serializer,
+)
 
 from kvgen.server.protocol import (
     MAX_TOP_LOGPROBS,
@@ -113,7 +121,9 @@ class FunctionToolChoice(StrictModel):
 
 
 class TextFormat(StrictModel):
-    """``text.format``: plain text, any JSON object, or JSON matching ``schema`` (its ``name`` required)."""
+    """``text.format``: plain text, any JSON object, or JSON matching ``schema`` (its ``name`` required). Echoed in a
+    response with the fields it has: OpenAI's formats have no null fields (``{"type": "text"}``; a json_schema format's
+    ``description`` is a string if there)."""
 
     model_config = ConfigDict(extra="forbid", serialize_by_alias=True)
     type: Literal["text", "json_object", "json_schema"]
@@ -121,6 +131,10 @@ class TextFormat(StrictModel):
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
     def as_json_schema(self) -> JsonSchemaFormat | None:
         if self.type != "json_schema" or self.name is None or self.schema_ is None:
@@ -180,7 +194,7 @@ class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
-    logprobs: list[ChatTokenLogprob] | None = None
+    logprobs: list[ChatTokenLogprob] = Field(default_factory=list)  # OpenAI: an array, empty unless asked
 
 
 class OutputMessage(BaseModel):
@@ -235,7 +249,7 @@ class IncompleteDetails(BaseModel):
 
 
 class ResponseError(BaseModel):
-    code: str
+    code: Literal["server_error", "invalid_prompt"]  # of OpenAI's ResponseErrorCode enum, the two kvgen can give
     message: str
 
 
