@@ -231,6 +231,29 @@ def test_config_json_values_of_the_wrong_type_or_range_are_named(changes: dict, 
         ModelConfig.from_hf_dict(TINY_LLAMA | changes)
 
 
+@pytest.mark.parametrize(("config", "message"), [
+    (TINY_LLAMA | {"rope_scaling": []}, "rope_scaling must be an object (or null), got []"),
+    (TINY_LLAMA | {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh", "rope_scaling": "linear"},
+     "rope_scaling must be an object (or null), got 'linear'"),
+    (PHI4_MINI | {"partial_rotary_factor": "0.75"}, "partial_rotary_factor must be a number, got '0.75'"),
+    (PHI4_MINI | {"partial_rotary_factor": math.nan}, "partial_rotary_factor must give an even rotary dimension in "
+                                                      "[2, head_dim = 128], got nan"),
+    (PHI3_128K | {"rope_scaling": LONGROPE | {"short_factor": "x"}},
+     "longrope rope_scaling short_factor must be a list of positive numbers, got 'x'"),
+    (PHI3_128K | {"rope_scaling": LONGROPE | {"long_factor": [1.0] * 47 + ["x"]}},
+     "longrope rope_scaling long_factor must be a list of positive numbers"),
+    (PHI3_128K | {"rope_scaling": LONGROPE | {"attention_factor": "x"}},
+     "longrope rope_scaling attention_factor must be a positive number, got 'x'"),
+    (PHI3_128K | {"original_max_position_embeddings": "4096"},
+     "original_max_position_embeddings must be a positive integer, got '4096'"),
+])
+def test_rope_settings_of_the_wrong_kind_are_named(config: dict, message: str) -> None:
+    """Each escaped as AttributeError ('list' object has no attribute 'get'), TypeError or ValueError from float() or
+    int(), without naming the setting."""
+    with pytest.raises(ModelFormatError, match=re.escape(message)):
+        ModelConfig.from_hf_dict(config)
+
+
 @pytest.mark.parametrize("changes", [{}, {"rope_scaling": LLAMA3_SCALING}, {"rms_norm_eps": 0.0},
                                      {"rope_scaling": {"type": "linear", "factor": 2}},
                                      {"model_type": "mistral", "sliding_window": None},

@@ -223,9 +223,11 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim < 2 or self.rotary_dim % 2:
+        rotary = self.rotary_dim if 0.0 < self.partial_rotary_factor <= 1.0 else None  # None: NaN or out of range
+        if rotary is None or rotary < 2 or rotary % 2:
             raise ModelFormatError(f"partial_rotary_factor must give an even rotary dimension in [2, head_dim = "
-                                   f"{self.head_dim}], got {self.partial_rotary_factor} ({self.rotary_dim})")
+                                   f"{self.head_dim}], got {self.partial_rotary_factor}"
+                                   + (f" ({rotary})" if rotary is not None else ""))
         for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
@@ -234,6 +236,8 @@ class ModelConfig:
             raise UnsupportedArchitectureError(f"{self.model_type} with partial_rotary_factor="
                                                f"{self.partial_rotary_factor} is not supported (Llama-family only)")
         if self.rope_scaling is not None:
+            if not isinstance(self.rope_scaling, dict):
+                raise ModelFormatError(f"rope_scaling must be an object (or null), got {self.rope_scaling!r}")
             self._apply_rope_scaling(self.rope_scaling)
         flags = self.no_rope_layers
         if flags is not None and (len(flags) != self.num_hidden_layers or any(f not in (0, 1) for f in flags)):
