@@ -254,6 +254,26 @@ def test_rope_settings_of_the_wrong_kind_are_named(config: dict, message: str) -
         ModelConfig.from_hf_dict(config)
 
 
+@pytest.mark.parametrize(("config", "message"), [
+    (TINY_LLAMA | {"no_rope_layers": 0}, "no_rope_layers must hold a 0 or 1 per layer (2), got 0"),
+    (TINY_LLAMA | {"layer_types": 1}, "layer_types must hold one of"),
+    (TINY_LLAMA | {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh", "layer_types": 5},
+     "layer_types must hold one of"),
+    (TINY_LLAMA | {"model_type": "mistral", "num_attention_heads": 0}, "num_attention_heads must be positive, got 0"),
+    (TINY_LLAMA | {"model_type": "qwen3_moe", "num_experts": 4, "mlp_only_layers": "x"},
+     "mlp_only_layers must be a list of layer indices, got 'x'"),
+    (TINY_LLAMA | {"model_type": "qwen3_moe", "num_experts": 4, "mlp_only_layers": [1, "x"]},
+     "mlp_only_layers must be a list of layer indices, got [1, 'x']"),
+    ({"model_type": "gpt2", "vocab_size": 128, "n_embd": None, "n_layer": 2, "n_head": 4},
+     "n_embd must be an integer, got None"),
+])
+def test_per_layer_lists_and_sizes_of_the_wrong_kind_are_named(config: dict, message: str) -> None:
+    """Each escaped as TypeError (object of type 'int' has no len(), 'int' and 'NoneType'), ValueError from int()
+    or ZeroDivisionError (0 heads dividing hidden_size)."""
+    with pytest.raises(ModelFormatError, match=re.escape(message)):
+        ModelConfig.from_hf_dict(config)
+
+
 @pytest.mark.parametrize("changes", [{}, {"rope_scaling": LLAMA3_SCALING}, {"rms_norm_eps": 0.0},
                                      {"rope_scaling": {"type": "linear", "factor": 2}},
                                      {"model_type": "mistral", "sliding_window": None},

@@ -206,6 +206,8 @@ class ModelConfig:
         if self.model_type == "llama" and self.hidden_act not in ("silu", "swish"):  # its MLP is SwiGLU
             raise UnsupportedArchitectureError(f"hidden_act {self.hidden_act!r} is not supported by the Llama-family "
                                                "decoder (SwiGLU: silu only)")
+        if self.num_attention_heads <= 0:  # divides hidden_size below
+            raise ModelFormatError(f"num_attention_heads must be positive, got {self.num_attention_heads}")
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -240,10 +242,12 @@ class ModelConfig:
                 raise ModelFormatError(f"rope_scaling must be an object (or null), got {self.rope_scaling!r}")
             self._apply_rope_scaling(self.rope_scaling)
         flags = self.no_rope_layers
-        if flags is not None and (len(flags) != self.num_hidden_layers or any(f not in (0, 1) for f in flags)):
+        if flags is not None and (not isinstance(flags, list) or len(flags) != self.num_hidden_layers
+                                  or any(f not in (0, 1) for f in flags)):
             raise ModelFormatError(f"no_rope_layers must hold a 0 or 1 per layer ({self.num_hidden_layers}), got {flags}")
         kinds = self.layer_types
-        if kinds is not None and (len(kinds) != self.num_hidden_layers or any(k not in LAYER_TYPES for k in kinds)):
+        if kinds is not None and (not isinstance(kinds, list) or len(kinds) != self.num_hidden_layers
+                                  or any(k not in LAYER_TYPES for k in kinds)):
             raise ModelFormatError(f"layer_types must hold one of {LAYER_TYPES} per layer ({self.num_hidden_layers}), "
                                    f"got {kinds}")
         if kinds is not None and "sliding_attention" in kinds and (self.sliding_window or 0) < 1:
@@ -404,6 +408,8 @@ class ModelConfig:
         try:
             if model_type == "gpt2":
                 n_embd = cfg["n_embd"]
+                if isinstance(n_embd, bool) or not isinstance(n_embd, int):  # 4 * n_embd below
+                    raise ModelFormatError(f"n_embd must be an integer, got {n_embd!r}")
                 return cls(
                     model_type="gpt2",
                     vocab_size=cfg["vocab_size"],

@@ -39,7 +39,8 @@ def gemma3_kwargs(cfg: dict[str, Any], model_type: str = "gemma3_text") -> dict[
              "query_pre_attn_scalar", *(("rope_local_base_freq",) if is_gemma3 else
                                         ("attn_logit_softcapping", "final_logit_softcapping")))
     return {k: cfg[k] for k in names if k in cfg} | {
-        "model_type": model_type, "hidden_act": act, "use_qk_norm": is_gemma3, "layer_types": list(kinds),
+        "model_type": model_type, "hidden_act": act, "use_qk_norm": is_gemma3,
+        "layer_types": list(kinds) if isinstance(kinds, (list, tuple)) else kinds,  # else ModelConfig names it
         "rope_scaling": scaling if kind == "linear" else None, "extra": {"hf_model_type": model_type}}
 
 
