@@ -231,6 +231,49 @@ def test_config_json_values_of_the_wrong_type_or_range_are_named(changes: dict, 
         ModelConfig.from_hf_dict(TINY_LLAMA | changes)
 
 
+@pytest.mark.parametrize(("config", "message"), [
+    (TINY_LLAMA | {"rope_scaling": []}, "rope_scaling must be an object (or null), got []"),
+    (TINY_LLAMA | {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh", "rope_scaling": "linear"},
+     "rope_scaling must be an object (or null), got 'linear'"),
+    (PHI4_MINI | {"partial_rotary_factor": "0.75"}, "partial_rotary_factor must be a number, got '0.75'"),
+    (PHI4_MINI | {"partial_rotary_factor": math.nan}, "partial_rotary_factor must give an even rotary dimension in "
+                                                      "[2, head_dim = 128], got nan"),
+    (PHI3_128K | {"rope_scaling": LONGROPE | {"short_factor": "x"}},
+     "longrope rope_scaling short_factor must be a list of positive numbers, got 'x'"),
+    (PHI3_128K | {"rope_scaling": LONGROPE | {"long_factor": [1.0] * 47 + ["x"]}},
+     "longrope rope_scaling long_factor must be a list of positive numbers"),
+    (PHI3_128K | {"rope_scaling": LONGROPE | {"attention_factor": "x"}},
+     "longrope rope_scaling attention_factor must be a positive number, got 'x'"),
+    (PHI3_128K | {"original_max_position_embeddings": "4096"},
+     "original_max_position_embeddings must be a positive integer, got '4096'"),
+])
+def test_rope_settings_of_the_wrong_kind_are_named(config: dict, message: str) -> None:
+    """Each escaped as AttributeError ('list' object has no attribute 'get'), TypeError or ValueError from float() or
+    int(), without naming the setting."""
+    with pytest.raises(ModelFormatError, match=re.escape(message)):
+        ModelConfig.from_hf_dict(config)
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    (TINY_LLAMA | {"no_rope_layers": 0}, "no_rope_layers must hold a 0 or 1 per layer (2), got 0"),
+    (TINY_LLAMA | {"layer_types": 1}, "layer_types must hold one of"),
+    (TINY_LLAMA | {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh", "layer_types": 5},
+     "layer_types must hold one of"),
+    (TINY_LLAMA | {"model_type": "mistral", "num_attention_heads": 0}, "num_attention_heads must be positive, got 0"),
+    (TINY_LLAMA | {"model_type": "qwen3_moe", "num_experts": 4, "mlp_only_layers": "x"},
+     "mlp_only_layers must be a list of layer indices, got 'x'"),
+    (TINY_LLAMA | {"model_type": "qwen3_moe", "num_experts": 4, "mlp_only_layers": [1, "x"]},
+     "mlp_only_layers must be a list of layer indices, got [1, 'x']"),
+    ({"model_type": "gpt2", "vocab_size": 128, "n_embd": None, "n_layer": 2, "n_head": 4},
+     "n_embd must be an integer, got None"),
+])
+def test_per_layer_lists_and_sizes_of_the_wrong_kind_are_named(config: dict, message: str) -> None:
+    """Each escaped as TypeError (object of type 'int' has no len(), 'int' and 'NoneType'), ValueError from int()
+    or ZeroDivisionError (0 heads dividing hidden_size)."""
+    with pytest.raises(ModelFormatError, match=re.escape(message)):
+        ModelConfig.from_hf_dict(config)
+
+
 @pytest.mark.parametrize("changes", [{}, {"rope_scaling": LLAMA3_SCALING}, {"rms_norm_eps": 0.0},
                                      {"rope_scaling": {"type": "linear", "factor": 2}},
                                      {"model_type": "mistral", "sliding_window": None},

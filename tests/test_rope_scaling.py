@@ -119,6 +119,22 @@ def test_yarn_variants_kvgen_does_not_compute_are_refused_by_name() -> None:
                     rope_scaling={"rope_type": "yarn", "factor": 2.0})
 
 
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("beta_fast", "x", "beta_fast must be a positive number, got 'x'"),
+    ("beta_slow", [1], r"beta_slow must be a positive number, got \[1\]"),
+    ("attention_factor", "x", "attention_factor must be a positive number, got 'x'"),
+    ("mscale", "x", "mscale must be a positive number, got 'x'"),
+    ("original_max_position_embeddings", 0.5, "original_max_position_embeddings must be a whole number of tokens"),
+])
+def test_yarn_values_of_the_wrong_kind_are_refused_by_name(key: str, value: object, message: str) -> None:
+    """Each gave a bare ValueError / TypeError from float() (or a ZeroDivisionError: 0.5 original positions became
+    0) instead of naming the key."""
+    llama = _hf_config(*YARN_CONFIGS["qwen3_4x"]).to_dict()
+    scaling = llama["rope_scaling"] | {key: value} | ({"mscale_all_dim": 1.0} if key == "mscale" else {})
+    with pytest.raises(ModelFormatError, match=f"yarn rope_scaling {message}"):
+        ModelConfig.from_hf_dict(llama | {"rope_scaling": scaling})
+
+
 # ---------------------------------------------------------------- GGUF metadata
 
 _QWEN3_META = {"general.architecture": "qwen3", "qwen3.block_count": 2, "qwen3.embedding_length": 512,

@@ -206,6 +206,8 @@ class ModelConfig:
         if self.model_type == "llama" and self.hidden_act not in ("silu", "swish"):  # its MLP is SwiGLU
             raise UnsupportedArchitectureError(f"hidden_act {self.hidden_act!r} is not supported by the Llama-family "
                                                "decoder (SwiGLU: silu only)")
+        if self.num_attention_heads <= 0:  # divides hidden_size below
+            raise ModelFormatError(f"num_attention_heads must be positive, got {self.num_attention_heads}")
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -223,9 +225,11 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim < 2 or self.rotary_dim % 2:
+        rotary = self.rotary_dim if 0.0 < self.partial_rotary_factor <= 1.0 else None  # None: NaN or out of range
+        if rotary is None or rotary < 2 or rotary % 2:
             raise ModelFormatError(f"partial_rotary_factor must give an even rotary dimension in [2, head_dim = "
-                                   f"{self.head_dim}], got {self.partial_rotary_factor} ({self.rotary_dim})")
+                                   f"{self.head_dim}], got {self.partial_rotary_factor}"
+                                   + (f" ({rotary})" if rotary is not None else ""))
         for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
@@ -234,12 +238,16 @@ class ModelConfig:
             raise UnsupportedArchitectureError(f"{self.model_type} with partial_rotary_factor="
                                                f"{self.partial_rotary_factor} is not supported (Llama-family only)")
         if self.rope_scaling is not None:
+            if not isinstance(self.rope_scaling, dict):
+                raise ModelFormatError(f"rope_scaling must be an object (or null), got {self.rope_scaling!r}")
             self._apply_rope_scaling(self.rope_scaling)
         flags = self.no_rope_layers
-        if flags is not None and (len(flags) != self.num_hidden_layers or any(f not in (0, 1) for f in flags)):
+        if flags is not None and (not isinstance(flags, list) or len(flags) != self.num_hidden_layers
+                                  or any(f not in (0, 1) for f in flags)):
             raise ModelFormatError(f"no_rope_layers must hold a 0 or 1 per layer ({self.num_hidden_layers}), got {flags}")
         kinds = self.layer_types
-        if kinds is not None and (len(kinds) != self.num_hidden_layers or any(k not in LAYER_TYPES for k in kinds)):
+        if kinds is not None and (not isinstance(kinds, list) or len(kinds) != self.num_hidden_layers
+                                  or any(k not in LAYER_TYPES for k in kinds)):
             raise ModelFormatError(f"layer_types must hold one of {LAYER_TYPES} per layer ({self.num_hidden_layers}), "
                                    f"got {kinds}")
         if kinds is not None and "sliding_attention" in kinds and (self.sliding_window or 0) < 1:
@@ -400,6 +408,8 @@ class ModelConfig:
         try:
             if model_type == "gpt2":
                 n_embd = cfg["n_embd"]
+                if isinstance(n_embd, bool) or not isinstance(n_embd, int):  # 4 * n_embd below
+                    raise ModelFormatError(f"n_embd must be an integer, got {n_embd!r}")
                 return cls(
                     model_type="gpt2",
                     vocab_size=cfg["vocab_size"],

@@ -26,6 +26,8 @@ def gemma3_kwargs(cfg: dict[str, Any], model_type: str = "gemma3_text") -> dict[
     if act != "gelu_pytorch_tanh":
         raise UnsupportedArchitectureError(f"{model_type} hidden_activation must be 'gelu_pytorch_tanh', got {act!r}")
     scaling = cfg.get("rope_scaling") or None
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ModelFormatError(f"rope_scaling must be an object (or null), got {scaling!r}")
     kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
     if kind not in (None, "default", "linear"):
         raise UnsupportedArchitectureError(f"{model_type} rope_scaling type {kind!r} is not supported (linear or none)")
@@ -37,7 +39,8 @@ def gemma3_kwargs(cfg: dict[str, Any], model_type: str = "gemma3_text") -> dict[
              "query_pre_attn_scalar", *(("rope_local_base_freq",) if is_gemma3 else
                                         ("attn_logit_softcapping", "final_logit_softcapping")))
     return {k: cfg[k] for k in names if k in cfg} | {
-        "model_type": model_type, "hidden_act": act, "use_qk_norm": is_gemma3, "layer_types": list(kinds),
+        "model_type": model_type, "hidden_act": act, "use_qk_norm": is_gemma3,
+        "layer_types": list(kinds) if isinstance(kinds, (list, tuple)) else kinds,  # else ModelConfig names it
         "rope_scaling": scaling if kind == "linear" else None, "extra": {"hf_model_type": model_type}}
 
 

@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
-from kvgen.rope_scaling import hf_yarn_scaling
+from kvgen.rope_scaling import hf_yarn_scaling, positive_scaling_value
 
 # rope.dimension_count below the head size: read for these rotate-half architectures only
 _GGUF_PARTIAL_ROTARY_ARCHS = ("phi3",)
@@ -77,7 +77,11 @@ def llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]
     if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and _has_sliding_layers(cfg):
         raise UnsupportedArchitectureError(f"{model_type} with use_sliding_window=true and sliding layers (a "
                                            f"sliding_window under max_position_embeddings) is not supported")
-    rotary = 1.0 if cfg.get("partial_rotary_factor") is None else float(cfg["partial_rotary_factor"])
+    rotary = cfg.get("partial_rotary_factor")
+    if rotary is None:
+        rotary = 1.0
+    elif isinstance(rotary, bool) or not isinstance(rotary, (int, float)):
+        raise ModelFormatError(f"partial_rotary_factor must be a number, got {rotary!r}")
     if rotary != 1.0 and model_type != "phi3":  # transformers' other Llama-family attentions rotate whole heads
         raise UnsupportedArchitectureError(
             f"partial_rotary_factor must be 1.0 for {model_type} (kvgen rotates part of each head for phi3 only, "
@@ -110,7 +114,8 @@ def llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]
     if kind == "longrope" or (model_type == "phi3" and kind in ("su", "yarn")):  # Phi3Config renames su / yarn
         changes["rope_scaling"] = _hf_longrope(cfg, scaling, model_type)
     elif kind == "yarn":  # its factor from the config's own max_position_embeddings, before a window bounds them
-        changes["rope_scaling"] = hf_yarn_scaling(scaling, int(cfg.get("max_position_embeddings", 2048)))
+        changes["rope_scaling"] = hf_yarn_scaling(scaling, positive_int("max_position_embeddings",
+                                                                         cfg.get("max_position_embeddings", 2048)))
     return changes
 
 
@@ -133,14 +138,33 @@ def _hf_longrope(cfg: dict[str, Any], scaling: dict[str, Any], model_type: str) 
     scale come from the top-level ``original_max_position_embeddings`` when present (Phi3Config's default: 4096),
     else the rope_scaling's ``factor`` over ``max_position_embeddings``. Source: transformers 4.55
     ``_compute_longrope_parameters``."""
-    max_len = int(cfg.get("max_position_embeddings", 2048))
+    max_len = positive_int("max_position_embeddings", cfg.get("max_position_embeddings", 2048))
     original = cfg.get("original_max_position_embeddings", 4096 if model_type == "phi3" else None)
-    factor = max_len / original if original else float(scaling.get("factor") or 1.0)
+    if original is not None:
+        original = positive_int("original_max_position_embeddings", original)
+    if original:
+        factor = max_len / original
+    else:
+        factor = positive_scaling_value(scaling, "factor", "longrope") if scaling.get("factor") else 1.0
+    for key in ("short_factor", "long_factor"):
+        _check_factor_list(scaling, key)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is not None:
+        attention_factor = positive_scaling_value(scaling, "attention_factor", "longrope")
     try:
-        return longrope_scaling(scaling["short_factor"], scaling["long_factor"], int(original or max_len), factor,
-                                scaling.get("attention_factor"))
+        return longrope_scaling(scaling["short_factor"], scaling["long_factor"], original or max_len, factor,
+                                attention_factor)
     except KeyError as e:
         raise ModelFormatError(f"longrope rope_scaling lacks {e.args[0]!r}") from None
+
+
+def _check_factor_list(scaling: dict[str, Any], key: str) -> None:
+    """``ModelFormatError`` unless LongRoPE's ``scaling[key]`` (absent: the caller's to report) is a list of positive
+    numbers."""
+    values = scaling.get(key)
+    if values is not None and not (isinstance(values, list) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values)):
+        raise ModelFormatError(f"longrope rope_scaling {key} must be a list of positive numbers, got {values!r}")
 
 
 def longrope_scaling(short_factor: list[float], long_factor: list[float], original_max_position_embeddings: int,

@@ -31,7 +31,10 @@ def hf_moe_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         return {"num_experts": cfg["num_local_experts"], "num_experts_per_tok": cfg["num_experts_per_tok"],
                 "moe_intermediate_size": cfg["intermediate_size"], "norm_topk_prob": True}
     names = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step")
-    changes = {k: cfg[k] for k in names} | {"mlp_only_layers": [int(i) for i in cfg.get("mlp_only_layers") or []]}
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
+        raise ModelFormatError(f"mlp_only_layers must be a list of layer indices, got {dense!r}")
+    changes = {k: cfg[k] for k in names} | {"mlp_only_layers": dense}
     if model_type == "qwen2_moe":
         changes["shared_expert_intermediate_size"] = cfg["shared_expert_intermediate_size"]
     return changes

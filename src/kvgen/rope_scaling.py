@@ -50,19 +50,30 @@ def hf_yarn_scaling(scaling: dict[str, Any], max_position_embeddings: int) -> di
         raise ModelFormatError("yarn rope_scaling lacks 'factor'")
     factor, original = _positive(scaling, "factor"), max_position_embeddings
     if "original_max_position_embeddings" in scaling:
-        original = int(_positive(scaling, "original_max_position_embeddings"))
+        original = _positive_length(scaling, "original_max_position_embeddings")
         factor = max_position_embeddings / original
     attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        if mscale and mscale_all_dim:
-            attention_factor = yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
-        else:
-            attention_factor = yarn_mscale(factor)
+    if attention_factor is not None:
+        attention_factor = _positive(scaling, "attention_factor")
+    elif scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        mscale, mscale_all_dim = _positive(scaling, "mscale"), _positive(scaling, "mscale_all_dim")
+        attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    else:
+        attention_factor = yarn_mscale(factor)
+    beta_fast, beta_slow = (_positive(scaling, k) if scaling.get(k) else default  # absent, null or 0: the default
+                            for k, default in (("beta_fast", 32.0), ("beta_slow", 1.0)))
     return check_yarn_scaling({
         "rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": original,
-        "beta_fast": float(scaling.get("beta_fast") or 32), "beta_slow": float(scaling.get("beta_slow") or 1),
-        "truncate": bool(scaling.get("truncate", True)), "attention_factor": float(attention_factor)})
+        "beta_fast": beta_fast, "beta_slow": beta_slow, "truncate": bool(scaling.get("truncate", True)),
+        "attention_factor": float(attention_factor)})
+
+
+def _positive_length(scaling: dict[str, Any], key: str) -> int:
+    """``scaling[key]``, a number of tokens: ``ModelFormatError`` unless it is a positive whole number."""
+    value = _positive(scaling, key)
+    if not value.is_integer():
+        raise ModelFormatError(f"yarn rope_scaling {key} must be a whole number of tokens, got {scaling[key]!r}")
+    return int(value)
 
 
 def yarn_scaling(scaling: dict[str, Any], max_position_embeddings: int) -> dict[str, Any]:

@@ -468,6 +468,28 @@ def test_a_bad_tensor_offset_is_refused_naming_the_tensor(tmp_path: Path, offset
         load_gguf(tmp_path / "t.gguf")
 
 
+def _set_tensor_type(path: Path, name: str, qtype: GGMLQuantizationType) -> None:
+    """Overwrite tensor ``name``'s type in its tensor info (its data stays as written)."""
+    reader = open_gguf(path)
+    part = next(t for t in reader.tensors if t.name == name).field.parts[-2]  # uint32[1], a view of the file
+    at = part.__array_interface__["data"][0] - reader.data.__array_interface__["data"][0]
+    del reader, part
+    data = bytearray(path.read_bytes())
+    data[at : at + 4] = int(qtype).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q4_0], ids=lambda q: q.name)
+def test_a_tensor_type_that_does_not_match_its_data_is_refused(tmp_path: Path, qtype) -> None:
+    """A Q8_0 tensor relabelled F32 read 4x its bytes, into the next tensors' (Q4_0: half of them), and loaded; as
+    llama.cpp's gguf_init_from_file, each tensor must start where the one before it ends."""
+    _write_llama(tmp_path / "t.gguf", {"blk.0.ffn_up.weight": Q.Q8_0})
+    _set_tensor_type(tmp_path / "t.gguf", "blk.0.ffn_up.weight", qtype)
+    with pytest.raises(ModelFormatError, match=rf"tensor 'blk.0.ffn_down.weight' has data offset \d+, but the tensor "
+                                               rf"before it, 'blk.0.ffn_up.weight' \({qtype.name}, shape \[{I}, {C}\]"):
+        load_gguf(tmp_path / "t.gguf")
+
+
 def test_expert_count_without_expert_tensors_is_refused(tmp_path: Path) -> None:
     """llama.expert_count = 4 over a dense file loaded as the dense model."""
     _write_llama(tmp_path / "t.gguf", keys=lambda w: (w.add_expert_count(4), w.add_expert_used_count(2)))

@@ -15,6 +15,7 @@ from typing import Any, overload
 
 import numpy as np
 from gguf import GGUFEndian, GGUFReader, GGUFValueType, ReaderField
+from gguf.gguf_reader import ReaderTensor
 
 from kvgen.errors import ModelFormatError, ModelNotFoundError
 
@@ -180,14 +181,28 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
 
 def _check_offsets(reader: GGUFReader, path: str) -> None:
     """``ModelFormatError`` naming a tensor whose offset (from the start of the data section) is not a multiple of
-    the alignment or whose data runs past the end of the file, as llama.cpp's ``gguf_init_from_file`` refuses them
-    (the gguf package wraps an offset near 2^64 around to bytes before the data section)."""
-    room = len(reader.data) - reader.data_offset
+    the alignment, whose data runs past the end of the file, or that does not start where the tensor before it ends
+    (padded to the alignment), as llama.cpp's ``gguf_init_from_file`` refuses them: the gguf package wraps an offset
+    near 2^64 around to bytes before the data section, and a tensor whose type or shape was changed in its info
+    reads its neighbours' bytes."""
+    room, alignment = len(reader.data) - reader.data_offset, int(reader.alignment)
+    end, before = 0, None  # the tensors lie back to back, in the order of their infos, each padded to the alignment
     for t in reader.tensors:
         offset = int(t.field.parts[-1][0])
-        if offset % int(reader.alignment) or offset + int(t.n_bytes) > room:
+        if offset % alignment or offset + int(t.n_bytes) > room:
             raise ModelFormatError(f"{path}: tensor {t.name!r} has data offset {offset}, which is not a multiple of "
                                    f"the alignment {reader.alignment} or runs past the end of the file")
+        if offset != end:
+            what = ("the first tensor's data starts at offset 0" if before is None else
+                    f"the tensor before it, {before.name!r} ({before.tensor_type.name}, shape {_torch_shape(before)}: "
+                    f"{before.n_bytes} bytes), ends at offset {end}")
+            raise ModelFormatError(f"{path}: tensor {t.name!r} has data offset {offset}, but {what}: a tensor's type "
+                                   f"or shape does not match its data")
+        end, before = offset + -(-int(t.n_bytes) // alignment) * alignment, t
+
+
+def _torch_shape(t: ReaderTensor) -> list[int]:
+    return [int(d) for d in reversed(t.shape.tolist())]  # GGUF lists dims fastest first
 
 
 def _field_value(field: Any) -> Any:
