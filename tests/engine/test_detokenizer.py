@@ -222,6 +222,25 @@ def test_request_output_fields_logprobs_and_metrics(tokenizer) -> None:
     assert out.metrics.last_token_time is not None and out.error is None
 
 
+def test_ids_past_the_tokenizers_vocabulary_have_no_text_as_hf_decodes_them(tokenizer) -> None:
+    """A model may pad its vocabulary past the tokenizer's (Qwen2.5: 151,936 rows, 151,665 tokens): such an id, sampled
+    or among the top logprobs, decodes to nothing as HF's decode gives (vLLM's text), instead of failing the step."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    ref = PreTrainedTokenizerFast(tokenizer_object=BackendTokenizer.from_str(tokenizer.backend_json()))
+    padded = tokenizer.vocab_size + 3
+    ids = [*ids_of("hel"), padded, *ids_of("lo", " wor"), padded]
+    outputs = stream(tokenizer, ids, stop="o w", logprobs=0)
+    assert "".join(o.outputs[0].text for o in outputs) == ref.decode(ids).split("o w")[0] == "hell"
+    processor = OutputProcessor(tokenizer)
+    processor.add_request(make_request(logprobs=1))
+    position = {padded: Logprob(-0.5, 1), piece_id("x"): Logprob(-1.0, 2)}
+    (out,) = processor.process_outputs([EngineCoreOutput("a", [padded], [position], finish_reason="length")]).request_outputs
+    assert [lp.decoded_token for lp in out.outputs[0].logprobs[0].values()] == [ref.decode([padded]), ref.decode([piece_id("x")])]
+    assert out.outputs[0].text == ref.decode([padded]) == ""
+
+
 def test_abort_output_carries_the_error_and_no_logprobs_when_not_asked(tokenizer) -> None:
     processor = OutputProcessor(tokenizer)
     processor.add_request(make_request())

@@ -105,6 +105,8 @@ class RequestDetokenizer:
             raise ValueError(f"stop strings need a tokenizer, got stop={params.stop!r} without one")
         skip = params.skip_special_tokens
         self._decoder = None if tokenizer is None else IncrementalDetokenizer(tokenizer, prompt_token_ids, skip)
+        # a model's vocabulary may be padded past the tokenizer's: those ids have no text (HF's decode skips them)
+        self._vocab_size = 0 if tokenizer is None else tokenizer.vocab_size
         self._stop = StopStrings(tuple(params.stop), params.include_stop_str_in_output) if params.stop else None
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens, self._num_tokens = params.min_tokens, 0  # generated ids so far
@@ -126,15 +128,21 @@ class RequestDetokenizer:
             new_token_ids = new_token_ids[:-1]
         if self._decoder is None:
             return None
-        held = new_token_ids[: max(0, self._min_tokens - num_before)]  # within min_tokens: not searched
+        num_held = max(0, self._min_tokens - num_before)  # ids within min_tokens: their text is not searched
+        held, rest = self._known(new_token_ids[:num_held]), self._known(new_token_ids[num_held:])
         if held:
             self.text += self._decoder.add(held)
         old_len = len(self.text)
-        if len(new_token_ids) > len(held):
-            self.text += self._decoder.add(new_token_ids[len(held) :])
+        if rest:
+            self.text += self._decoder.add(rest)
         if finished or stop_terminated:
             self.text += self._decoder.flush()
         return None if self._num_tokens <= self._min_tokens else self._match_stop(old_len)
+
+    def _known(self, token_ids: list[int]) -> list[int]:
+        """The ids the tokenizer knows (a model may pad its vocabulary past the tokenizer's; HF's decode, and so
+        vLLM's text, skips the others)."""
+        return [t for t in token_ids if t < self._vocab_size]
 
     def _match_stop(self, old_len: int) -> str | None:
         match = None if self._stop is None else self._stop.match_new(self.text, old_len)

@@ -81,10 +81,13 @@ class OutputProcessor:
         self._token_texts: dict[int, str] = {}  # id -> its text decoded alone (logprobs' decoded_token), as met
 
     def _decode_token(self, token_id: int) -> str:
+        """The id decoded alone; "" for an id past the tokenizer's vocabulary (a padded model vocabulary), as HF's
+        decode gives."""
         text = self._token_texts.get(token_id)
         if text is None:
             assert self.tokenizer is not None
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+            is_known = token_id < self.tokenizer.vocab_size
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id]) if is_known else ""
         return text
 
     def add_request(self, request: Request) -> None:
