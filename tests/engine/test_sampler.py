@@ -54,7 +54,10 @@ def test_seeded_row_draws_the_same_token_alone_and_in_a_batch():
     assert len(draws) > 1  # the generator advances: the row really samples
 
 
-def test_min_tokens_suppresses_eos_and_stop_ids_until_reached_and_ignore_eos_keeps_eos_allowed():
+def test_min_tokens_suppresses_eos_and_stop_ids_until_reached_even_with_ignore_eos():
+    """vLLM v1: ``MinTokensLogitsProcessor`` sets ``params.all_stop_token_ids`` to -inf, and
+    ``update_from_generation_config`` puts EOS there whatever ``ignore_eos``: a row short of min_tokens never draws
+    EOS, ignore_eos or not (ignore_eos only keeps a drawn EOS from stopping the request)."""
     logits = torch.zeros(4, V)
     logits[:, 0] = 10.0  # EOS (id 0) most likely
     logits[:, 7] = 9.0  # a stop token id
@@ -63,10 +66,12 @@ def test_min_tokens_suppresses_eos_and_stop_ids_until_reached_and_ignore_eos_kee
     rows = [
         _row(short, output=[4]),  # 1 < 2: EOS and 7 suppressed -> 3
         _row(short, output=[4, 4]),  # reached: EOS allowed
-        _row(SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True), output=[]),  # EOS is not a stop
+        _row(SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True), output=[]),  # EOS still suppressed
         _row(SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=[0]), output=[], eos=()),
     ]
-    assert Sampler()(logits, rows).token_ids == [3, 0, 0, 7]
+    assert Sampler()(logits, rows).token_ids == [3, 0, 7, 7]
+    reached = _row(SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True), output=[4, 4])
+    assert Sampler()(logits[:1], [reached]).token_ids == [0]  # then EOS may be drawn (and does not stop)
 
 
 def test_presence_and_frequency_penalties_count_only_output_tokens():

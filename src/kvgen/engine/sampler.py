@@ -190,12 +190,13 @@ def apply_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Rows short of ``min_tokens`` may not draw EOS (unless ``ignore_eos``) or a stop token id."""
+    """Rows short of ``min_tokens`` may not draw EOS or a stop token id; EOS even with ``ignore_eos`` (vLLM's
+    ``MinTokensLogitsProcessor`` masks ``all_stop_token_ids``, which hold EOS whatever ``ignore_eos``)."""
     groups: dict[tuple[int, ...], list[int]] = {}  # stop ids -> rows short of min_tokens
     for i, r in enumerate(rows):
         p = r.sampling_params
         if len(r.output_token_ids) < p.min_tokens:
-            ids = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(r.eos_token_ids))
+            ids = set(p.stop_token_ids or ()) | set(r.eos_token_ids)
             if ids:
                 groups.setdefault(tuple(sorted(ids)), []).append(i)
     if not groups:

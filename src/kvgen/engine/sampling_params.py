@@ -58,8 +58,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = _f(False, "keep the matched stop string / stop token in the text")
     ignore_eos: bool = _f(False, "keep generating after EOS")
     max_tokens: int | None = _f(16, "maximum new tokens; None = up to the model's context length")
-    min_tokens: int = _f(0, "EOS and stop_token_ids are suppressed until this many new tokens exist, and stop "
-                            "strings are not searched in their text (as vLLM)")
+    min_tokens: int = _f(0, "EOS (even with ignore_eos) and stop_token_ids are suppressed until this many new "
+                            "tokens exist, and stop strings are not searched in their text (as vLLM)")
     logprobs: int | None = _f(None, "return the sampled token's logprob and this many top alternatives; -1: all "
                                     "(needs the engine's max_logprobs=-1, as vLLM)")
     prompt_logprobs: int | None = _f(None, "return each prompt token's logprob (the first has none) and this many top "
