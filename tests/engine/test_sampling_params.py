@@ -35,6 +35,14 @@ def test_normalization() -> None:
     assert SamplingParams(top_k=7).top_k == 7
 
 
+def test_seed_minus_one_means_no_seed_as_vllm() -> None:
+    """vLLM's ``SamplingParams.__post_init__``: ``if self.seed == -1: self.seed = None`` (a random seed per request,
+    where kvgen took -1 as a fixed seed: the same tokens on every call)."""
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-2).seed == -2 and SamplingParams(seed=0).seed == 0
+    assert dataclasses.replace(SamplingParams(seed=5), seed=-1).seed is None
+
+
 @pytest.mark.parametrize(
     ("temperature", "is_greedy"),
     [(0, True), (0.0, True), (SAMPLING_EPS / 2, True), (SAMPLING_EPS, False), (0.7, False)],

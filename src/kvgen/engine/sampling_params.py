@@ -38,8 +38,8 @@ _ALL_OF_VOCAB = ("logprobs", "prompt_logprobs")  # -1: every token's logprob (th
 class SamplingParams:
     """Per-request decoding settings. Counts are in tokens.
 
-    After construction ``stop`` is a ``list[str]``, ``stop_token_ids`` a ``list[int]`` and
-    ``top_k`` is 0 when disabled (-1 is accepted as vLLM's spelling of "off").
+    After construction ``stop`` is a ``list[str]``, ``stop_token_ids`` a ``list[int]``,
+    ``top_k`` is 0 when disabled (-1 is accepted as vLLM's spelling of "off") and ``seed`` -1 is None (as vLLM).
     Raises ``ValueError`` naming the field and the value: ``top_p must be in (0, 1], got 1.5``.
     """
 
@@ -52,7 +52,7 @@ class SamplingParams:
     repetition_penalty: float = _f(1.0, "divide logits of seen tokens (prompt and output); 1 = off")
     presence_penalty: float = _f(0.0, "subtract from logits of generated tokens, in [-2, 2]")
     frequency_penalty: float = _f(0.0, "subtract count * this from logits of generated tokens, in [-2, 2]")
-    seed: int | None = _f(None, "seed of this request's own torch.Generator")
+    seed: int | None = _f(None, "seed of this request's own torch.Generator; -1 = none (vLLM's spelling)")
     stop: str | list[str] | None = _f(None, "strings that end generation (not included in the text)")
     stop_token_ids: list[int] | None = _f(None, "token ids that end generation")
     include_stop_str_in_output: bool = _f(False, "keep the matched stop string / stop token in the text")
@@ -83,6 +83,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if type(self.top_k) is int and self.top_k == -1:
             self.top_k = 0  # vLLM's spelling of "off"
+        if type(self.seed) is int and self.seed == -1:
+            self.seed = None  # vLLM's spelling of "no seed": a fresh random one, not the fixed seed -1
         for f in dataclasses.fields(self):  # ranges: the table shared with GenerationConfig and the CLI
             value = getattr(self, f.name)
             if f.name in _ALL_OF_VOCAB and type(value) is int and value == -1:  # vLLM: the whole vocabulary
