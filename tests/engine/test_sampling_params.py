@@ -45,10 +45,18 @@ def test_seed_minus_one_means_no_seed_as_vllm() -> None:
 
 @pytest.mark.parametrize(
     ("temperature", "is_greedy"),
-    [(0, True), (0.0, True), (SAMPLING_EPS / 2, True), (SAMPLING_EPS, False), (0.7, False)],
+    [(0, True), (0.0, True), (SAMPLING_EPS / 2, False), (SAMPLING_EPS, False), (0.7, False)],
 )
 def test_is_greedy(temperature: float, is_greedy: bool) -> None:
     assert SamplingParams(temperature=temperature).is_greedy is is_greedy
+
+
+@pytest.mark.parametrize(("temperature", "expected"), [(SAMPLING_EPS / 2, 0.01), (0.005, 0.01), (0.01, 0.01),
+                                                       (0.02, 0.02), (0.0, 0.0)])
+def test_a_positive_temperature_below_0_01_is_raised_to_it_as_vllm(temperature: float, expected: float) -> None:
+    """vLLM's ``SamplingParams.__post_init__``: ``if 0 < temperature < _MAX_TEMP (1e-2): temperature = _MAX_TEMP``
+    (with a warning), before ``temperature < _SAMPLING_EPS`` picks greedy: so only 0 is greedy."""
+    assert SamplingParams(temperature=temperature).temperature == expected
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,10 @@ from kvgen.fields import config_field
 from kvgen.sampling.params import INT32_MAX, PARAM_RULES, SAMPLING_EPS, check_param
 
 __all__ = ["SAMPLING_EPS", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
+
+logger = logging.getLogger(__name__)
+# The lowest temperature a request samples at: a positive one below it is raised to it (vLLM's _MAX_TEMP).
+MIN_SAMPLING_TEMPERATURE = 1e-2
 
 
 class RequestOutputKind(enum.Enum):
@@ -45,7 +50,7 @@ class SamplingParams:
 
     n: int = _f(1, "completions returned for the prompt")
     best_of: int | None = _f(None, "completions generated (>= n); the n most likely are returned")
-    temperature: float = _f(1.0, "softmax temperature; 0 = greedy")
+    temperature: float = _f(1.0, "softmax temperature; 0 = greedy; one in (0, 0.01) is raised to 0.01 (as vLLM)")
     top_p: float = _f(1.0, "nucleus sampling mass in (0, 1]; 1 = off")
     top_k: int = _f(0, "keep the k most likely tokens; 0 or -1 = off")
     min_p: float = _f(0.0, "drop tokens below min_p * the top probability; 0 = off")
@@ -91,6 +96,11 @@ class SamplingParams:
                 continue
             if f.name in PARAM_RULES and (value is not None or "None" not in str(f.type)):  # None where typed so
                 check_param(f.name, value)
+        if 0 < self.temperature < MIN_SAMPLING_TEMPERATURE:  # vLLM: logits / T would overflow
+            logger.warning("temperature %s is less than %s, which may cause numerical errors nan or inf in tensors; "
+                           "raised to %s (as vLLM)", self.temperature, MIN_SAMPLING_TEMPERATURE,
+                           MIN_SAMPLING_TEMPERATURE)
+            self.temperature = MIN_SAMPLING_TEMPERATURE
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k == -1 or 1 <= k <= INT32_MAX)):
             raise ValueError(f"truncate_prompt_tokens must be -1 or an int in [1, {INT32_MAX}], got {k!r}")
@@ -132,7 +142,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """Argmax decoding: temperature below ``SAMPLING_EPS`` (top_k/top_p/min_p then have no effect)."""
+        """Argmax decoding: temperature below ``SAMPLING_EPS``, i.e. 0 once validated (top_k/top_p/min_p then have
+        no effect)."""
         return self.temperature < SAMPLING_EPS
 
 

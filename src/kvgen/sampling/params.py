@@ -38,7 +38,8 @@ and inf fail every range); the repetition penalty multiplies or divides logits,
 so it stays in [1e-6, 1e6], where a float32 logit of any real model (|x| < 1e30)
 stays finite (5e-324 would turn logits into inf, then NaN probabilities).
 ``generate()`` samples only with ``temperature >= SAMPLING_EPS`` (below, logits / T
-overflows); the engine treats such temperatures as greedy, as vLLM.
+overflows); the engine's ``SamplingParams`` raises a positive temperature below 0.01 to 0.01,
+as vLLM, so only 0 is greedy there.
 """
 
 from __future__ import annotations
