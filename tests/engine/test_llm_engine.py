@@ -495,6 +495,18 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(model_tok, prompts
     assert whole.prompt_token_ids == long_prompt
 
 
+def test_truncate_prompt_tokens_above_max_model_len_is_refused_as_vllm(tiny_model_dir):
+    """vLLM's ``_validate_truncation_size``: ``truncate_prompt_tokens > max_model_len`` is a ValueError, whatever the
+    prompt's length (kvgen served a short prompt and refused a long one for another reason)."""
+    llm = LLM(str(tiny_model_dir), num_blocks=64, block_size=16, max_model_len=64)
+    for k in (65, 10**6):
+        with pytest.raises(ValueError, match=rf"truncate_prompt_tokens must be -1 or <= max_model_len \(64\), got {k}"):
+            llm.generate([[5, 6, 7]], dataclasses.replace(GREEDY, truncate_prompt_tokens=k), use_tqdm=False)
+    out = llm.generate([list(range(3, 103))], dataclasses.replace(GREEDY, truncate_prompt_tokens=60, max_tokens=None),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == list(range(43, 103)) and len(out.outputs[0].token_ids) <= 4
+
+
 def test_llm_arguments_of_another_kind_are_value_errors(tiny_model_dir):
     """The offline API's arguments checked before any request: params of another kind (a dict, a GenerationConfig,
     None for beam search), a priority that is not a list, bytes as prompts (read as token ids before)."""

@@ -123,9 +123,9 @@ class LLMEngine:
         ``priority``: lower runs first under ``scheduling_policy="priority"`` (vLLM's rule); any other
         value than 0 is refused under "fcfs".
         Raises ``ValueError`` naming the field for a duplicate ``request_id``, a missing or
-        empty prompt, ids outside the vocabulary, ``logprobs`` above ``max_logprobs``, a
-        prompt that leaves no room for ``max_tokens`` within ``max_model_len``, or
-        ``structured_outputs`` that do not compile.
+        empty prompt, ids outside the vocabulary, ``logprobs`` above ``max_logprobs``,
+        ``truncate_prompt_tokens`` above ``max_model_len`` (as vLLM), a prompt that leaves no room for
+        ``max_tokens`` within ``max_model_len``, or ``structured_outputs`` that do not compile.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -139,6 +139,8 @@ class LLMEngine:
             raise ValueError(f"priority must be 0 unless scheduling_policy is 'priority' (--scheduling-policy "
                              f"priority), got {priority}")
         text, token_ids = self._prompt_tokens(prompt, prompt_token_ids)
+        if (k := params.truncate_prompt_tokens) is not None and k > self.max_model_len:  # vLLM's _validate_truncation_size
+            raise ValueError(f"truncate_prompt_tokens must be -1 or <= max_model_len ({self.max_model_len}), got {k}")
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         params = self._check_request(params, len(token_ids))
         grammars = self._grammars(params)
