@@ -363,6 +363,18 @@ def test_prefix_cache_hits_show_in_metrics(server, client):
     queries = after["kvgen:prefix_cache_queries_total"] - before["kvgen:prefix_cache_queries_total"]
     assert queries == r.usage.prompt_tokens and hits >= 32 and hits % 16 == 0  # whole blocks of the shared prefix
     assert after["kvgen:prefix_cache_hit_rate"] > 0
+    # OpenAI's usage.prompt_tokens_details.cached_tokens: the same hits, in replies and in a stream's usage chunk
+    assert r.usage.prompt_tokens_details.cached_tokens == hits
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt + "One."}],
+                                          temperature=0, max_tokens=2)
+    before_prompt = chat.usage.prompt_tokens_details.cached_tokens  # at most the template's opening, from other chats
+    again = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt + "Two."}],
+                                           temperature=0, max_tokens=2, n=2, stream=True,
+                                           stream_options={"include_usage": True})
+    (final,) = [c for c in again if c.usage is not None]
+    details = final.usage.prompt_tokens_details
+    assert details.cached_tokens >= before_prompt + 32 and details.cached_tokens % 16 == 0  # counted once for n=2
+    assert details.cached_tokens <= final.usage.prompt_tokens
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",

@@ -40,6 +40,7 @@ from kvgen.server.results import (
     ChoiceResult,
     StreamUsage,
     chat_logprobs,
+    num_cached_tokens,
     openai_finish_reason,
     respond,
     sse,
@@ -107,7 +108,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     def response(choices: list[ChoiceResult]) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=gen.request_id, created=gen.created, model=state.model_name,
-            usage=usage(len(prompt_ids), choices),
+            usage=usage(len(prompt_ids), choices, num_cached_tokens(choices, req.n)),
             choices=[_choice(state, req, c, plan, prompt_tail) for c in choices],
         )
 
@@ -248,8 +249,8 @@ def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation, num
                                    **fields)
         return sse(stream_usage.chunk_dict(data))
 
-    def events(prompt_index: int, c: CompletionOutput, __: RequestOutput) -> Iterator[str]:
-        stream_usage.count(prompt_index, c)
+    def events(prompt_index: int, c: CompletionOutput, output: RequestOutput) -> Iterator[str]:
+        stream_usage.count(prompt_index, c, output)
         return (chunk([choice]) for choice in deltas(c))
 
     first = (chunk([deltas.opening(i)]) for i in range(req.n))

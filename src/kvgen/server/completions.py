@@ -34,6 +34,7 @@ from kvgen.server.results import (
     ChoiceResult,
     StreamUsage,
     completion_logprobs,
+    num_cached_tokens,
     openai_finish_reason,
     respond,
     sse,
@@ -104,7 +105,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     def response(choices: list[ChoiceResult]) -> CompletionResponse:
         return CompletionResponse(
             id=gen.request_id, created=gen.created, model=state.model_name,
-            usage=usage(num_prompt_tokens, choices),
+            usage=usage(num_prompt_tokens, choices, num_cached_tokens(choices, req.n)),
             choices=[CompletionChoice(index=c.index, finish_reason=openai_finish_reason(c.finish_reason),
                                       **echo.first_piece(c.index // req.n, c.text, c.token_ids, c.logprobs, c.prompt_logprobs))
                      for c in choices],
@@ -162,7 +163,7 @@ def _stream(state: ServerState, req: CompletionRequest, gen: Generation, echo: _
 
     def events(prompt_index: int, c: CompletionOutput, output: RequestOutput) -> Iterator[str]:
         index = prompt_index * req.n + c.index
-        stream_usage.count(prompt_index, c)
+        stream_usage.count(prompt_index, c, output)
         if c.text or c.token_ids or index not in echo.text_offsets:
             choice = echo.piece(index, prompt_index, c, output)
             if choice.text or choice.logprobs is not None:

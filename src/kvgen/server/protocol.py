@@ -288,10 +288,18 @@ class ChatCompletionChoice(BaseModel):
     finish_reason: FinishReason | None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV entries came from the prefix cache
+
+
 class Usage(BaseModel):
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` as OpenAI sends it on every reply (vLLM behind
+    ``--enable-prompt-tokens-details``)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 def _now() -> int:

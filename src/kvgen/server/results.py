@@ -27,6 +27,7 @@ from kvgen.server.protocol import (
     ErrorInfo,
     ErrorResponse,
     FinishReason,
+    PromptTokensDetails,
     StreamOptions,
     TopLogprob,
     Usage,
@@ -98,9 +99,17 @@ async def collect(gen: Generation, n: int) -> list[ChoiceResult]:
     return results
 
 
-def usage(num_prompt_tokens: int, choices: list[ChoiceResult] | int) -> Usage:
+def usage(num_prompt_tokens: int, choices: list[ChoiceResult] | int, num_cached_tokens: int = 0) -> Usage:
+    """``choices`` (or their number of generated tokens) as OpenAI's usage; ``num_cached_tokens`` of the prompt tokens
+    came from the prefix cache."""
     completion = choices if isinstance(choices, int) else sum(len(c.token_ids) for c in choices)
-    return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=completion, total_tokens=num_prompt_tokens + completion)
+    return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=completion, total_tokens=num_prompt_tokens + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
+
+
+def num_cached_tokens(choices: list[ChoiceResult], n: int) -> int:
+    """The prompts' tokens served by the prefix cache, each prompt counted once (by its first choice)."""
+    return sum(c.num_cached_tokens for c in choices if c.index % n == 0)
 
 
 @lru_cache(maxsize=1)
@@ -196,16 +205,21 @@ class StreamUsage:
         self.is_continuous = bool(self.include_usage and options and options.continuous_usage_stats)
         self.num_prompt_tokens, self.n = num_prompt_tokens, n
         self.num_generated_tokens = [0] * (len(num_prompt_tokens) * n)  # per choice index
+        self.num_cached_tokens = [0] * len(num_prompt_tokens)  # per prompt, from its first choice
 
-    def count(self, prompt_index: int, completion: CompletionOutput) -> None:
+    def count(self, prompt_index: int, completion: CompletionOutput, output: RequestOutput) -> None:
         """Adds a streamed output's new tokens to its choice's count."""
         self.num_generated_tokens[prompt_index * self.n + completion.index] += len(completion.token_ids)
+        if completion.index == 0:
+            self.num_cached_tokens[prompt_index] = output.num_cached_tokens
 
     def usage(self, index: int | None = None) -> Usage:
         """Choice ``index``'s usage so far, or (None) the whole request's."""
         if index is None:
-            return usage(sum(self.num_prompt_tokens), sum(self.num_generated_tokens))
-        return usage(self.num_prompt_tokens[index // self.n], self.num_generated_tokens[index])
+            return usage(sum(self.num_prompt_tokens), sum(self.num_generated_tokens), sum(self.num_cached_tokens))
+        prompt_index = index // self.n
+        return usage(self.num_prompt_tokens[prompt_index], self.num_generated_tokens[index],
+                     self.num_cached_tokens[prompt_index])
 
     def chunk_dict(self, chunk: Any) -> dict[str, Any]:
         """A stream chunk as JSON: ``usage`` as the options ask; a delta's unset fields left out."""
