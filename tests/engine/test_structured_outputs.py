@@ -54,6 +54,14 @@ def test_sampled_completions_match_their_constraint(llm, seed):
             assert isinstance(json.loads(text), dict)
 
 
+def test_a_choice_of_thousands_of_strings(llm):
+    """2500 choices with quotes, backslashes, newlines and non-ASCII: each completion is one of them (llguidance's
+    "choice" grammar, one parser item per string, failed at the first token from 2000 strings on)."""
+    words = [f'{i}"\\\né😀' for i in range(2500)]
+    for text, reason in _texts(llm, StructuredOutputsParams(choice=words), temperature=1.0, seed=5, n=3):
+        assert reason == "stop" and text in words, (text, reason)
+
+
 def test_an_output_its_last_allowed_token_completes_is_a_stop(llm, model_tok):
     """A choice completed by exactly the max_tokens-th token is whole: "stop", not "length" (a client reads "length"
     as truncated); one token short of it is "length"."""

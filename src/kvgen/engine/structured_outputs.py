@@ -73,7 +73,9 @@ class StructuredOutputsParams:
         if self.regex is not None:
             return LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:
-            return grammar_from("choice", json.dumps(list(self.choice)))
+            # one terminal (a lexeme), not llguidance's "choice" (one rule alternative each), whose parser row
+            # holds at most 2000 items: 2000 choices or more failed at the first token
+            return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(map(json.dumps, self.choice)))
         assert self.grammar is not None  # __post_init__: exactly one field is set
         return grammar_from("grammar", self.grammar)
 
