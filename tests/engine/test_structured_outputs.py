@@ -127,6 +127,19 @@ def test_logprobs_stay_raw_and_other_requests_are_untouched(llm):
     assert list(top_of(first, 3)) == list(top_of(alone.logprobs[0], 3)) == list(alone.logprobs[0])
 
 
+def test_a_matcher_that_fails_while_masking_ends_the_request_with_its_error(llm):
+    """llguidance can fail while computing a mask (here at a required property whose schema is a $ref cycle); its
+    mask then allows EOS alone, which ended the half-written object as a complete "stop". It is now an abort with the
+    matcher's error, as a failure on a drawn token is."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/c"}}, "required": ["a"],
+              "$defs": {"c": {"$ref": "#/$defs/c"}}}
+    constraint = StructuredOutputsParams(json=schema)
+    (out,) = llm.generate(["Name three colours:"], SamplingParams(temperature=1.0, seed=0, max_tokens=60,
+                                                                  structured_outputs=constraint), use_tqdm=False)
+    assert out.outputs[0].finish_reason == "abort", out.outputs[0].text
+    assert out.error.startswith("structured_outputs: the grammar failed at output token"), out.error
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({}, "exactly one of"),
     ({"regex": "a", "choice": ["a"]}, "exactly one of"),
@@ -144,6 +157,9 @@ def test_bad_params_are_refused(kwargs, message):
 @pytest.mark.parametrize("constraint", [
     StructuredOutputsParams(regex="(ab"), StructuredOutputsParams(json="{not json"),
     StructuredOutputsParams(json={"type": "nonsense"}), StructuredOutputsParams(grammar="start: undefined_rule"),
+    # $ref cycles, whose matcher fails at its first mask: they ended at once with "stop" and an empty text
+    StructuredOutputsParams(json={"$ref": "#"}),
+    StructuredOutputsParams(json={"$ref": "#/$defs/a", "$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}]}}}),
 ])
 def test_constraints_that_do_not_compile_are_refused_at_add_request(model_tok, constraint):
     model, tok = model_tok

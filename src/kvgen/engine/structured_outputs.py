@@ -88,14 +88,18 @@ class GrammarMatcher:
         self.vocab_size = vocab_size
 
     def allowed_tokens(self) -> torch.Tensor:
-        """[V] bool: the tokens the grammar allows next (EOS ids once it may end)."""
+        """[V] bool: the tokens the grammar allows next (EOS ids once it may end); none once the matcher is in
+        error (llguidance's mask then allows EOS, which would end a failed grammar as a complete output)."""
         words = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.int32)  # [ceil(V / 32)]
+        if self._matcher.is_error():  # the mask computation itself can fail (a $ref cycle: NoExtensionBias)
+            return torch.zeros(self.vocab_size, dtype=torch.bool)  # [V]
         bits = (words.view(-1, 1) >> torch.arange(32, dtype=torch.int32)) & 1  # [ceil(V / 32), 32]
         return bits.view(-1)[: self.vocab_size].bool()  # [V]
 
     def accept(self, token_id: int) -> bool:
-        """Advance past ``token_id``; False when the grammar forbids it (the matcher is then in error)."""
-        return bool(self._matcher.consume_token(token_id))
+        """Advance past ``token_id``; False when the grammar forbids it or the matcher is in error (a matcher in
+        error still takes EOS)."""
+        return bool(self._matcher.consume_token(token_id)) and not self._matcher.is_error()
 
     @property
     def is_terminated(self) -> bool:
@@ -138,4 +142,7 @@ class GrammarCompiler:
         matcher = LLMatcher(self._ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs do not compile: {matcher.get_error()}")
-        return GrammarMatcher(matcher, self.vocab_size)
+        grammar_matcher = GrammarMatcher(matcher, self.vocab_size)
+        if not grammar_matcher.allowed_tokens().any():  # some grammars fail at their first mask ({"$ref": "#"})
+            raise ValueError(f"structured_outputs do not compile: no first token is allowed ({grammar_matcher.error})")
+        return grammar_matcher
