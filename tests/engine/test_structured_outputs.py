@@ -172,6 +172,22 @@ def test_constraints_that_do_not_compile_are_refused_at_add_request(model_tok, c
         LLMEngine(model, None).add_request("b", [1, 2], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
 
 
+def test_a_regex_ending_in_a_lone_backslash_is_refused(model_tok):
+    """A trailing lone backslash is an incomplete escape (Python's re refuses it, as Rust's regex does); llguidance
+    dropped it, so "a\\" constrained the output to "a" and "\\" to the empty text."""
+    model, tok = model_tok
+    engine = LLMEngine(model, tok)
+    for regex in ("a\\", "\\", "a\\\\\\"):
+        with pytest.raises(re.error):
+            re.compile(regex)
+        with pytest.raises(ValueError, match="ends in an incomplete escape"):
+            engine.add_request("a", "hi", SamplingParams(structured_outputs=StructuredOutputsParams(regex=regex)))
+    escaped = "a\\\\"  # an escaped backslash is one backslash
+    (out,) = LLM(model, tok, num_blocks=16).generate(["hi"], SamplingParams(
+        temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex=escaped)), use_tqdm=False)
+    assert re.fullmatch(escaped, out.outputs[0].text) and out.outputs[0].finish_reason == "stop"
+
+
 def test_the_default_model_answers_in_its_schema(ours_default_auto):
     """The real model through its chat template: greedy JSON that parses, has the required keys and ends with
     "stop" (without the constraint it writes prose)."""

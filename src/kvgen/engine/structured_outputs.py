@@ -59,7 +59,8 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.json_object must be true, got {value!r}")
 
     def to_llguidance(self) -> str:
-        """The llguidance grammar of the constraint. Raises ``ValueError`` for JSON text that does not parse."""
+        """The llguidance grammar of the constraint. Raises ``ValueError`` for JSON text that does not parse or a
+        regex that ends in a lone backslash."""
         from llguidance import LLMatcher, grammar_from
 
         if self.json is not None:
@@ -71,6 +72,8 @@ class StructuredOutputsParams:
         if self.json_object:
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_pattern": JSON_WHITESPACE})
         if self.regex is not None:
+            if (len(self.regex) - len(self.regex.rstrip("\\"))) % 2:  # llguidance drops it and matches the rest
+                raise ValueError(f"regex {self.regex!r} ends in an incomplete escape (a lone backslash)")
             return LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:
             # one terminal (a lexeme), not llguidance's "choice" (one rule alternative each), whose parser row
