@@ -172,6 +172,16 @@ def test_constraints_that_do_not_compile_are_refused_at_add_request(model_tok, c
         LLMEngine(model, None).add_request("b", [1, 2], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
 
 
+@pytest.mark.parametrize("text", ["true", "3", "[1]", '"x"'])
+def test_json_text_that_is_no_object_is_refused_by_name(model_tok, text):
+    """JSON text that parses to no schema object (a string went to llguidance as JSON text again: "expected value at
+    line 1 column 1")."""
+    model, tok = model_tok
+    assert not isinstance(json.loads(text), dict)
+    with pytest.raises(ValueError, match=f"the json schema must be a JSON object, got {re.escape(repr(text))}"):
+        LLMEngine(model, tok).add_request("a", "hi", SamplingParams(structured_outputs=StructuredOutputsParams(json=text)))
+
+
 def test_a_regex_ending_in_a_lone_backslash_is_refused(model_tok):
     """A trailing lone backslash is an incomplete escape (Python's re refuses it, as Rust's regex does); llguidance
     dropped it, so "a\\" constrained the output to "a" and "\\" to the empty text."""

@@ -59,8 +59,8 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.json_object must be true, got {value!r}")
 
     def to_llguidance(self) -> str:
-        """The llguidance grammar of the constraint. Raises ``ValueError`` for JSON text that does not parse or a
-        regex that ends in a lone backslash."""
+        """The llguidance grammar of the constraint. Raises ``ValueError`` for JSON text that does not parse or is
+        no object, or a regex that ends in a lone backslash."""
         from llguidance import LLMatcher, grammar_from
 
         if self.json is not None:
@@ -68,6 +68,8 @@ class StructuredOutputsParams:
                 schema = json.loads(self.json) if isinstance(self.json, str) else self.json
             except json.JSONDecodeError as e:
                 raise ValueError(f"the json schema is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):  # llguidance: "Expecting object schema to apply options"
+                raise ValueError(f"the json schema must be a JSON object, got {self.json!r}")
             return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
         if self.json_object:
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_pattern": JSON_WHITESPACE})
