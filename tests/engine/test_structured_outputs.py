@@ -54,6 +54,14 @@ def test_sampled_completions_match_their_constraint(llm, seed):
             assert isinstance(json.loads(text), dict)
 
 
+def test_a_choice_of_thousands_of_strings(llm):
+    """2500 choices with quotes, backslashes, newlines and non-ASCII: each completion is one of them (llguidance's
+    "choice" grammar, one parser item per string, failed at the first token from 2000 strings on)."""
+    words = [f'{i}"\\\né😀' for i in range(2500)]
+    for text, reason in _texts(llm, StructuredOutputsParams(choice=words), temperature=1.0, seed=5, n=3):
+        assert reason == "stop" and text in words, (text, reason)
+
+
 def test_an_output_its_last_allowed_token_completes_is_a_stop(llm, model_tok):
     """A choice completed by exactly the max_tokens-th token is whole: "stop", not "length" (a client reads "length"
     as truncated); one token short of it is "length"."""
@@ -119,6 +127,19 @@ def test_logprobs_stay_raw_and_other_requests_are_untouched(llm):
     assert list(top_of(first, 3)) == list(top_of(alone.logprobs[0], 3)) == list(alone.logprobs[0])
 
 
+def test_a_matcher_that_fails_while_masking_ends_the_request_with_its_error(llm):
+    """llguidance can fail while computing a mask (here at a required property whose schema is a $ref cycle); its
+    mask then allows EOS alone, which ended the half-written object as a complete "stop". It is now an abort with the
+    matcher's error, as a failure on a drawn token is."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/c"}}, "required": ["a"],
+              "$defs": {"c": {"$ref": "#/$defs/c"}}}
+    constraint = StructuredOutputsParams(json=schema)
+    (out,) = llm.generate(["Name three colours:"], SamplingParams(temperature=1.0, seed=0, max_tokens=60,
+                                                                  structured_outputs=constraint), use_tqdm=False)
+    assert out.outputs[0].finish_reason == "abort", out.outputs[0].text
+    assert out.error.startswith("structured_outputs: the grammar failed at output token"), out.error
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({}, "exactly one of"),
     ({"regex": "a", "choice": ["a"]}, "exactly one of"),
@@ -136,6 +157,9 @@ def test_bad_params_are_refused(kwargs, message):
 @pytest.mark.parametrize("constraint", [
     StructuredOutputsParams(regex="(ab"), StructuredOutputsParams(json="{not json"),
     StructuredOutputsParams(json={"type": "nonsense"}), StructuredOutputsParams(grammar="start: undefined_rule"),
+    # $ref cycles, whose matcher fails at its first mask: they ended at once with "stop" and an empty text
+    StructuredOutputsParams(json={"$ref": "#"}),
+    StructuredOutputsParams(json={"$ref": "#/$defs/a", "$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}]}}}),
 ])
 def test_constraints_that_do_not_compile_are_refused_at_add_request(model_tok, constraint):
     model, tok = model_tok
@@ -146,6 +170,32 @@ def test_constraints_that_do_not_compile_are_refused_at_add_request(model_tok, c
     engine.add_request("a", "hi", SamplingParams(max_tokens=2))  # the id was not taken by the refused request
     with pytest.raises(ValueError, match="needs a tokenizer"):
         LLMEngine(model, None).add_request("b", [1, 2], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
+
+
+@pytest.mark.parametrize("text", ["true", "3", "[1]", '"x"'])
+def test_json_text_that_is_no_object_is_refused_by_name(model_tok, text):
+    """JSON text that parses to no schema object (a string went to llguidance as JSON text again: "expected value at
+    line 1 column 1")."""
+    model, tok = model_tok
+    assert not isinstance(json.loads(text), dict)
+    with pytest.raises(ValueError, match=f"the json schema must be a JSON object, got {re.escape(repr(text))}"):
+        LLMEngine(model, tok).add_request("a", "hi", SamplingParams(structured_outputs=StructuredOutputsParams(json=text)))
+
+
+def test_a_regex_ending_in_a_lone_backslash_is_refused(model_tok):
+    """A trailing lone backslash is an incomplete escape (Python's re refuses it, as Rust's regex does); llguidance
+    dropped it, so "a\\" constrained the output to "a" and "\\" to the empty text."""
+    model, tok = model_tok
+    engine = LLMEngine(model, tok)
+    for regex in ("a\\", "\\", "a\\\\\\"):
+        with pytest.raises(re.error):
+            re.compile(regex)
+        with pytest.raises(ValueError, match="ends in an incomplete escape"):
+            engine.add_request("a", "hi", SamplingParams(structured_outputs=StructuredOutputsParams(regex=regex)))
+    escaped = "a\\\\"  # an escaped backslash is one backslash
+    (out,) = LLM(model, tok, num_blocks=16).generate(["hi"], SamplingParams(
+        temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex=escaped)), use_tqdm=False)
+    assert re.fullmatch(escaped, out.outputs[0].text) and out.outputs[0].finish_reason == "stop"
 
 
 def test_the_default_model_answers_in_its_schema(ours_default_auto):

@@ -94,6 +94,34 @@ def test_marker_parsers_keep_special_tokens_in_the_text(parser, is_kept):
     assert req.skip_special_tokens is True
 
 
+def test_required_calls_resolve_each_tools_own_defs(tiny_model_dir):
+    """tool_choice "required" nests every tool's parameters in one array schema, where their "#/$defs/..." references
+    (as pydantic writes them) pointed at that array's root and every such request was a 400. Here two tools define
+    "Unit" differently: each call's arguments take its own tool's units."""
+    from kvgen.engine import LLM, SamplingParams
+    from kvgen.loader import load_model
+    from kvgen.server.protocol import ChatCompletionRequest
+    from kvgen.server.tools import tool_calls, tool_plan
+
+    def tool(name: str, units: list[str]) -> dict:
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "$defs": {"Unit": {"enum": units}}, "type": "object", "additionalProperties": False, "required": ["unit"],
+            "properties": {"unit": {"$ref": "#/$defs/Unit"}}}}}
+
+    units = {"temperature": ["C", "F"], "wind": ["kmh", "knots"]}
+    req = ChatCompletionRequest(messages=MESSAGES, tools=[tool(n, u) for n, u in units.items()], tool_choice="required",
+                                parallel_tool_calls=False)
+    plan = tool_plan(req)
+    assert plan is not None
+    llm = LLM(*load_model(str(tiny_model_dir)), num_blocks=64)
+    sampling = SamplingParams(temperature=1.0, seed=0, n=4, max_tokens=300, structured_outputs=plan.constraint)
+    (out,) = llm.generate(["Weather in Rome?"], sampling, use_tqdm=False)
+    for completion in out.outputs:
+        assert completion.finish_reason == "stop", completion.text
+        (call,) = tool_calls(plan, completion.text) or []
+        assert json.loads(call.function.arguments)["unit"] in units[call.function.name]
+
+
 def test_auto_tool_choice_needs_a_parser():
     with pytest.raises(ValueError, match="needs a tool_call_parser"):
         ServerArgs(enable_auto_tool_choice=True)

@@ -59,7 +59,8 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.json_object must be true, got {value!r}")
 
     def to_llguidance(self) -> str:
-        """The llguidance grammar of the constraint. Raises ``ValueError`` for JSON text that does not parse."""
+        """The llguidance grammar of the constraint. Raises ``ValueError`` for JSON text that does not parse or is
+        no object, or a regex that ends in a lone backslash."""
         from llguidance import LLMatcher, grammar_from
 
         if self.json is not None:
@@ -67,13 +68,19 @@ class StructuredOutputsParams:
                 schema = json.loads(self.json) if isinstance(self.json, str) else self.json
             except json.JSONDecodeError as e:
                 raise ValueError(f"the json schema is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):  # llguidance: "Expecting object schema to apply options"
+                raise ValueError(f"the json schema must be a JSON object, got {self.json!r}")
             return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
         if self.json_object:
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_pattern": JSON_WHITESPACE})
         if self.regex is not None:
+            if (len(self.regex) - len(self.regex.rstrip("\\"))) % 2:  # llguidance drops it and matches the rest
+                raise ValueError(f"regex {self.regex!r} ends in an incomplete escape (a lone backslash)")
             return LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:
-            return grammar_from("choice", json.dumps(list(self.choice)))
+            # one terminal (a lexeme), not llguidance's "choice" (one rule alternative each), whose parser row
+            # holds at most 2000 items: 2000 choices or more failed at the first token
+            return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(map(json.dumps, self.choice)))
         assert self.grammar is not None  # __post_init__: exactly one field is set
         return grammar_from("grammar", self.grammar)
 
@@ -86,14 +93,18 @@ class GrammarMatcher:
         self.vocab_size = vocab_size
 
     def allowed_tokens(self) -> torch.Tensor:
-        """[V] bool: the tokens the grammar allows next (EOS ids once it may end)."""
+        """[V] bool: the tokens the grammar allows next (EOS ids once it may end); none once the matcher is in
+        error (llguidance's mask then allows EOS, which would end a failed grammar as a complete output)."""
         words = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.int32)  # [ceil(V / 32)]
+        if self._matcher.is_error():  # the mask computation itself can fail (a $ref cycle: NoExtensionBias)
+            return torch.zeros(self.vocab_size, dtype=torch.bool)  # [V]
         bits = (words.view(-1, 1) >> torch.arange(32, dtype=torch.int32)) & 1  # [ceil(V / 32), 32]
         return bits.view(-1)[: self.vocab_size].bool()  # [V]
 
     def accept(self, token_id: int) -> bool:
-        """Advance past ``token_id``; False when the grammar forbids it (the matcher is then in error)."""
-        return bool(self._matcher.consume_token(token_id))
+        """Advance past ``token_id``; False when the grammar forbids it or the matcher is in error (a matcher in
+        error still takes EOS)."""
+        return bool(self._matcher.consume_token(token_id)) and not self._matcher.is_error()
 
     @property
     def is_terminated(self) -> bool:
@@ -136,4 +147,7 @@ class GrammarCompiler:
         matcher = LLMatcher(self._ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs do not compile: {matcher.get_error()}")
-        return GrammarMatcher(matcher, self.vocab_size)
+        grammar_matcher = GrammarMatcher(matcher, self.vocab_size)
+        if not grammar_matcher.allowed_tokens().any():  # some grammars fail at their first mask ({"$ref": "#"})
+            raise ValueError(f"structured_outputs do not compile: no first token is allowed ({grammar_matcher.error})")
+        return grammar_matcher

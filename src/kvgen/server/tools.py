@@ -73,10 +73,13 @@ def tool_plan(req: ChatCompletionRequest, parser: str | None = None) -> ToolPlan
 
 
 def _calls_schema(tools: list[ChatTool], parallel: bool | None) -> dict[str, Any]:
-    """JSON schema of a non-empty array of calls, each ``{"name": one tool, "parameters": its arguments}``."""
+    """JSON schema of a non-empty array of calls, each ``{"name": one tool, "parameters": its arguments}``. Each
+    tool's parameters get an ``$id`` (unless they have one), so that their own references (``#/$defs/...``, as
+    pydantic writes them) still resolve in them, not in this schema's root (vLLM moves ``$defs`` to the root)."""
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-              "properties": {"name": {"const": t.function.name}, "parameters": t.function.parameters or _ANY_OBJECT}}
-             for t in tools]
+              "properties": {"name": {"const": t.function.name},
+                             "parameters": {"$id": f"urn:kvgen:tool:{i}", **(t.function.parameters or _ANY_OBJECT)}}}
+             for i, t in enumerate(tools)]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if parallel is False:
         schema["maxItems"] = 1
