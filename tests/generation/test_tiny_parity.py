@@ -274,6 +274,15 @@ def test_beam_sample_matches_transformers_for_the_same_seed(tiny: TinyModel) -> 
     assert _hf_seeded(tiny, 6, eos, **kwargs).sequences.tolist() != ref.sequences.tolist()  # the draws decide the beams
 
 
+def test_beam_slots_no_hypothesis_reaches_return_the_prompt_as_transformers(tiny: TinyModel) -> None:
+    # forced EOS at the only step leaves one finite candidate: two of the three returned slots stay empty
+    kwargs = {"num_beams": 3, "num_return_sequences": 3, "forced_eos_token_id": 7, "max_new_tokens": 1}
+    eos = _two_eos(tiny)  # transformers fills with -1 when no EOS id is set
+    ref = _hf(tiny, eos, **kwargs)
+    _assert_beams_equal(_ours(tiny, eos, **kwargs), ref)
+    assert ref.sequences[1, : IDS.shape[1]].tolist() == IDS[0].tolist()  # an empty slot: the prompt, then padding
+
+
 GROUPS: dict[str, dict[str, Any]] = {
     "2 groups of 2": {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0, "num_return_sequences": 2},
     "3 groups of 2, early_stopping=True": {
