@@ -328,6 +328,24 @@ def test_group_beam_search_with_several_eos_ids_keeps_the_emitted_eos(tiny: Tiny
     assert emitted_other_eos > 0  # the case where the two differ really happens
 
 
+def test_group_beam_search_idles_finished_groups_on_the_first_prompts_beam_as_transformers(tiny: TinyModel) -> None:
+    """A group that is done idles on padding from the group's first row (prompt 0's first beam in it), as
+    transformers' ``BeamSearchScorer.process``: the later steps' scores of its rows are that beam's. Unpadded
+    prompts, where transformers' attention mask does not tell the rows apart."""
+    ids = torch.tensor([[5, 17, 42, 8], [11, 70, 88, 4]])  # [2, 4]
+    with torch.inference_mode():  # EOS: the first greedy token of prompt 1, whose groups are done at once
+        eos = tiny.ref.generate(ids[1:], max_new_tokens=1, do_sample=False, pad_token_id=PAD)[0, -1].item()
+        kwargs = {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0, "num_return_sequences": 2,
+                  "early_stopping": True, "max_new_tokens": NEW_TOKENS, "eos_token_id": eos, "pad_token_id": PAD}
+        ref = tiny.ref.generate(ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True,
+                                output_scores=True, **kwargs)
+    ours = generate(tiny.ours, ids, None, GenerationConfig(output_scores=True, **kwargs))
+    _assert_beams_equal(ours, ref)
+    assert ours.scores is not None and len(ours.scores) == len(ref.scores) > 1
+    for got, want in zip(ours.scores, ref.scores, strict=True):  # [2 * 4, V] per step, the idle rows included
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------- constrained beam search
 
 def _unforced_absent(tiny: TinyModel) -> list[int]:
