@@ -274,6 +274,15 @@ def test_beam_sample_matches_transformers_for_the_same_seed(tiny: TinyModel) -> 
     assert _hf_seeded(tiny, 6, eos, **kwargs).sequences.tolist() != ref.sequences.tolist()  # the draws decide the beams
 
 
+def test_beam_slots_no_hypothesis_reaches_return_the_prompt_as_transformers(tiny: TinyModel) -> None:
+    # forced EOS at the only step leaves one finite candidate: two of the three returned slots stay empty
+    kwargs = {"num_beams": 3, "num_return_sequences": 3, "forced_eos_token_id": 7, "max_new_tokens": 1}
+    eos = _two_eos(tiny)  # transformers fills with -1 when no EOS id is set
+    ref = _hf(tiny, eos, **kwargs)
+    _assert_beams_equal(_ours(tiny, eos, **kwargs), ref)
+    assert ref.sequences[1, : IDS.shape[1]].tolist() == IDS[0].tolist()  # an empty slot: the prompt, then padding
+
+
 GROUPS: dict[str, dict[str, Any]] = {
     "2 groups of 2": {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0, "num_return_sequences": 2},
     "3 groups of 2, early_stopping=True": {
@@ -317,6 +326,24 @@ def test_group_beam_search_with_several_eos_ids_keeps_the_emitted_eos(tiny: Tiny
             got[n - 1] = want[n - 1]
         assert got == want
     assert emitted_other_eos > 0  # the case where the two differ really happens
+
+
+def test_group_beam_search_idles_finished_groups_on_the_first_prompts_beam_as_transformers(tiny: TinyModel) -> None:
+    """A group that is done idles on padding from the group's first row (prompt 0's first beam in it), as
+    transformers' ``BeamSearchScorer.process``: the later steps' scores of its rows are that beam's. Unpadded
+    prompts, where transformers' attention mask does not tell the rows apart."""
+    ids = torch.tensor([[5, 17, 42, 8], [11, 70, 88, 4]])  # [2, 4]
+    with torch.inference_mode():  # EOS: the first greedy token of prompt 1, whose groups are done at once
+        eos = tiny.ref.generate(ids[1:], max_new_tokens=1, do_sample=False, pad_token_id=PAD)[0, -1].item()
+        kwargs = {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0, "num_return_sequences": 2,
+                  "early_stopping": True, "max_new_tokens": NEW_TOKENS, "eos_token_id": eos, "pad_token_id": PAD}
+        ref = tiny.ref.generate(ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True,
+                                output_scores=True, **kwargs)
+    ours = generate(tiny.ours, ids, None, GenerationConfig(output_scores=True, **kwargs))
+    _assert_beams_equal(ours, ref)
+    assert ours.scores is not None and len(ours.scores) == len(ref.scores) > 1
+    for got, want in zip(ours.scores, ref.scores, strict=True):  # [2 * 4, V] per step, the idle rows included
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 # ---------------------------------------------------------------- constrained beam search

@@ -101,8 +101,11 @@ def run_beams(runner: StepRunner, ctx: LoopContext, pick: Pick) -> GenerateOutpu
     b = runner.sequences.shape[0] // nb
     running = torch.zeros((b, nb), dtype=torch.float32)
     running[:, 1:] = NEG  # only beam 0 may expand at first, so the copies do not pick the same tokens
+    # an n-best slot no hypothesis reaches (every other candidate -inf) returns its prompt, as transformers' does
+    empty = torch.full((b, nb, st.prompt_length + st.max_new_tokens), st.pad_token_id, dtype=torch.long)
+    empty[:, :, : st.prompt_length] = runner.sequences.view(b, nb, -1)  # [B, nb, T]
     fin = Finished(
-        torch.full((b, nb, st.prompt_length + st.max_new_tokens), st.pad_token_id, dtype=torch.long),
+        empty,
         torch.full((b, nb), NEG, dtype=torch.float32),
         torch.zeros((b, nb), dtype=torch.long),
         torch.zeros((b, nb), dtype=torch.long),

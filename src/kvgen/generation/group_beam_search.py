@@ -138,7 +138,7 @@ def _step_groups(
         for i in range(b):
             mine = slice(i * g_size, (i + 1) * g_size)  # prompt i's rows within the group
             tok, par, sc = _advance_group(state, ctx, (i, g), tuple(t[i] for t in top), ids[mine], step)
-            tokens[rows[mine]], parents[rows[mine]], state.beam_scores[rows[mine]] = tok, rows[mine][par], sc
+            tokens[rows[mine]], parents[rows[mine]], state.beam_scores[rows[mine]] = tok, rows[par], sc
     return tokens, parents, processed
 
 
@@ -150,14 +150,15 @@ def _advance_group(
     ids: torch.Tensor,
     step: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Prompt i, group g (``where``): next (tokens, parents in group, scores) [g_size]; marks the group done."""
+    """Prompt i, group g (``where``): next (tokens, parents, scores) [g_size], parents indexing the group's rows of
+    every prompt [B*g_size]; marks the group done."""
     (i, g), g_size = where, ids.shape[0]
-    if state.done[i][g]:  # a finished group idles on padding, as in HF
+    if state.done[i][g]:  # a finished group idles on padding from the group's first row (prompt 0's), as HF
         pad = ctx.config.pad_token_id or 0
-        return torch.full((g_size,), pad), torch.arange(g_size), torch.zeros(g_size)
-    chosen = _choose_beams(state.hyps[i][g], top, ids, ctx.config.eos_token_ids, step)
+        return torch.full((g_size,), pad), torch.zeros(g_size, dtype=torch.long), torch.zeros(g_size)
+    tok, par, sc = _choose_beams(state.hyps[i][g], top, ids, ctx.config.eos_token_ids, step)
     state.done[i][g] = state.hyps[i][g].is_done(float(top[0].max()), step + 1)
-    return chosen
+    return tok, i * g_size + par, sc
 
 
 def _split_processors(processors: LogitsProcessorList) -> tuple[LogitsProcessorList, LogitsProcessorList]:
