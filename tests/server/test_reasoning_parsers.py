@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from kvgen.server.launch import ServerArgs
-from kvgen.server.reasoning_parsers import new_splitter
+from kvgen.server.reasoning_parsers import new_splitter, num_reasoning_tokens
 
 CASES = {  # reply -> (deepseek_r1, qwen3) as (reasoning, content)
     "<think>Let me see.</think>The answer is 4.": (("Let me see.", "The answer is 4."),) * 2,
@@ -63,6 +63,32 @@ def test_qwen3_replies_start_inside_a_reasoning_the_prompt_opened(tail):
         assert ((r1 + r2 + r3) if splitter.has_reasoning else None, c1 + c2 + c3) == expected, cut
 
 
+def test_num_reasoning_tokens_counts_through_the_closing_marker():
+    """OpenAI's ``reasoning_tokens``: through ``</think>`` when it is one token; every token of a reply that never
+    closed its reasoning; re-encoded when the marker came in pieces; 0 without reasoning."""
+    from tokenizers import AddedToken
+
+    from kvgen.tokenizer import Tokenizer
+    from kvgen.tokenizer.special_tokens import SpecialTokenIds
+
+    from helpers import train_tiny_tokenizer
+
+    pieces = Tokenizer(train_tiny_tokenizer(), SpecialTokenIds(), None, "tiny")
+    backend = train_tiny_tokenizer()
+    backend.add_special_tokens([AddedToken("<think>", special=True), AddedToken("</think>", special=True)])
+    marked = Tokenizer(backend, SpecialTokenIds(), None, "tiny")
+    reply = "<think>Adding is four.</think>The answer is 4."
+    for tok in (pieces, marked):
+        ids = tok.encode(reply, add_special_tokens=False)
+        thought = tok.encode("<think>Adding is four.</think>", add_special_tokens=False)
+        assert ids[: len(thought)] == thought  # the split lies on a token boundary here
+        assert num_reasoning_tokens(tok, ids, "Adding is four.") == len(thought)
+        assert num_reasoning_tokens(tok, ids, None) == 0
+        unclosed = tok.encode("<think>Adding is", add_special_tokens=False)
+        assert num_reasoning_tokens(tok, unclosed, "Adding is") == len(unclosed)
+    assert len(marked.encode("</think>", add_special_tokens=False)) == 1 < len(pieces.encode("</think>"))
+
+
 def test_unknown_parsers_are_refused():
     with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3"):
         ServerArgs(reasoning_parser="o1")
@@ -111,6 +137,7 @@ def test_responses_put_the_reasoning_in_a_reasoning_item(r1_server):
         chat = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=12)
     reasoning, message = r.output
     assert reasoning.type == "reasoning" and reasoning.content[0].text == chat.choices[0].message.reasoning
+    assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens == 12  # never closed: all of it
     assert message.type == "message" and r.output_text == "" == chat.choices[0].message.content
     with httpx.stream("POST", r1_server.v1 + "/responses", json={"model": "tiny", "stream": True, **body},
                       timeout=60) as stream:
@@ -120,6 +147,7 @@ def test_responses_put_the_reasoning_in_a_reasoning_item(r1_server):
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
     assert deltas == reasoning.content[0].text
     assert [item["type"] for item in events[-1]["response"]["output"]] == ["reasoning", "message"]
+    assert events[-1]["response"]["usage"]["output_tokens_details"] == {"reasoning_tokens": 12}
 
 
 def test_a_streamed_reasoning_item_has_its_part_added_and_done(r1_server):

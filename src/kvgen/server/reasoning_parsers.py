@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvgen.tokenizer import Tokenizer
+
 THINK_START, THINK_END = "<think>", "</think>"
 
 
@@ -84,3 +86,21 @@ def new_splitter(name: str, prompt_tail: str = "") -> ReasoningSplitter:
     startup). Source: vLLM PR 34779 (Qwen3.5: ``<think>`` in the prompt, only ``</think>`` generated)."""
     is_open = prompt_tail.rfind(THINK_START) > prompt_tail.rfind(THINK_END)
     return ReasoningSplitter(REASONING_PARSERS[name] or is_open)
+
+
+def num_reasoning_tokens(tokenizer: Tokenizer, token_ids: list[int], reasoning: str | None) -> int:
+    """How many of a reply's ``token_ids`` are its reasoning (OpenAI's ``reasoning_tokens``): the fewest whose text
+    holds the closing ``</think>`` (whole or in pieces), all of them when the reply never closed its reasoning; 0
+    without reasoning."""
+    if reasoning is None:
+        return 0
+    if THINK_END not in tokenizer.decode(token_ids):
+        return len(token_ids)
+    lo, hi = 1, len(token_ids)  # a longer prefix's text holds the marker once a shorter one's does
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if THINK_END in tokenizer.decode(token_ids[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

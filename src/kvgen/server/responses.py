@@ -37,6 +37,7 @@ from kvgen.server.protocol import (
     ResponseFormat,
     ToolCall,
 )
+from kvgen.server.reasoning_parsers import num_reasoning_tokens
 from kvgen.server.response_store import StoredResponse
 from kvgen.server.responses_protocol import (
     LOGPROBS_INCLUDE,
@@ -51,6 +52,7 @@ from kvgen.server.responses_protocol import (
     OutputMessage,
     OutputReasoning,
     OutputText,
+    OutputTokensDetails,
     ReasoningItem,
     ReasoningText,
     ResponseError,
@@ -217,14 +219,19 @@ class _Builder:
             truncation=req.truncation or "disabled", user=req.user, metadata=req.metadata or {},
         )
 
-    def finish(self, output: list[OutputItem], finish_reason: str | None, num_tokens: int, num_cached: int) -> ResponseObject:
-        """The finished response (stored when asked): "incomplete" when cut by ``max_output_tokens``."""
-        is_cut = finish_reason == "length"
+    def finish(self, output: list[OutputItem], finish_reason: str | None, token_ids: list[int], num_cached: int
+               ) -> ResponseObject:
+        """The finished response (stored when asked): "incomplete" when cut by ``max_output_tokens``; ``token_ids``
+        the reply's."""
+        is_cut, num_tokens = finish_reason == "length", len(token_ids)
+        reasoning = next((item.content[0].text for item in output if isinstance(item, OutputReasoning)), None)
+        num_reasoning = num_reasoning_tokens(self.state.tokenizer, token_ids, reasoning)
         response = self.response.model_copy(update={
             "status": "incomplete" if is_cut else "completed", "output": output,
             "incomplete_details": IncompleteDetails(reason="max_output_tokens") if is_cut else None,
             "usage": ResponseUsage(input_tokens=self.num_prompt_tokens, output_tokens=num_tokens,
                                    input_tokens_details=InputTokensDetails(cached_tokens=num_cached),
+                                   output_tokens_details=OutputTokensDetails(reasoning_tokens=num_reasoning),
                                    total_tokens=self.num_prompt_tokens + num_tokens)})
         if self.req.store:
             self.state.responses.put(StoredResponse(response, [*self.history, _as_message(output)]))
@@ -246,12 +253,13 @@ class _Builder:
         output += [OutputFunctionCall(id=_new_id("fc"), call_id=call.id, name=call.function.name,
                                       arguments=call.function.arguments, status=status)
                    for call in (calls or [])[: self.req.max_tool_calls]]
-        return self.finish(output, c.finish_reason, len(c.token_ids), c.num_cached_tokens)
+        return self.finish(output, c.finish_reason, c.token_ids, c.num_cached_tokens)
 
     def events(self, gen: Generation, deltas: ChatDeltas) -> AsyncIterator[str]:
         """The SSE events of a streamed response (each ``event: <type>`` with its JSON, numbered from 0)."""
         writer = _EventWriter(self.req.max_tool_calls)
         num_cached = 0
+        token_ids: list[int] = []  # the reply's, for its usage
 
         def first() -> Iterator[str]:
             yield writer.event("response.created", response=self.response)
@@ -261,11 +269,12 @@ class _Builder:
         def on_output(_: int, c: CompletionOutput, output: RequestOutput) -> Iterator[str]:
             nonlocal num_cached
             num_cached = output.num_cached_tokens
+            token_ids.extend(c.token_ids)
             for choice in deltas(c):
                 yield from writer.delta(choice)
 
-        def last(num_tokens: int) -> str:
-            response = self.finish(writer.items, writer.finish_reason, num_tokens, num_cached)
+        def last(_: int) -> str:  # the tokens counted are token_ids'
+            response = self.finish(writer.items, writer.finish_reason, token_ids, num_cached)
             kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
             return writer.event(kind, response=response)
 
