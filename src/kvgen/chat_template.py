@@ -87,3 +87,11 @@ def check_messages(messages: list[dict[str, Any]]) -> None:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ChatTemplateError(f"messages[{i}] must be a dict with a string 'role', got {message!r}")
+
+
+def check_documents(documents: Any) -> list[dict[str, Any]] | None:
+    """``documents`` (a chat template's RAG sources) as given: None or a list of dicts. Raises ``ValueError``
+    otherwise, as transformers' ``apply_chat_template`` refuses them (its ``TypeError``)."""
+    if documents is not None and (not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents)):
+        raise ValueError(f"documents must be a list of dicts (such as {{'title': ..., 'text': ...}}), got {documents!r:.200}")
+    return documents

@@ -16,7 +16,7 @@ from typing import Any
 import jinja2
 from tokenizers import Tokenizer as BackendTokenizer
 
-from kvgen.chat_template import ChatTemplateError, check_messages, compile_chat_template
+from kvgen.chat_template import ChatTemplateError, check_documents, check_messages, compile_chat_template
 from kvgen.errors import ModelFormatError, ModelNotFoundError
 from kvgen.gguf_keys import check_gguf_value_types
 from kvgen.tokenizer.gguf_vocab import gguf_adds_bos_by_default, gguf_backend, gguf_special_ids
@@ -161,19 +161,33 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        documents: list[dict[str, Any]] | None = None,
     ) -> str | list[int]:
         """Render ``messages`` with the model's chat template, as transformers' ``apply_chat_template``.
 
         ``continue_final_message``: the prompt ends inside the last message (its end-of-turn cut off), so the model
-        continues it; ``chat_template_kwargs``: extra template variables (e.g. ``enable_thinking``).
+        continues it; ``documents``: the template's ``documents`` (RAG), dicts; ``chat_template_kwargs``: extra
+        template variables (e.g. ``enable_thinking``), transformers' ``**kwargs``: they win over the special-token
+        variables (``bos_token`` ...), and ``tools``, ``documents``, ``add_generation_prompt`` and
+        ``continue_final_message`` among them set those arguments (as vLLM's request ``chat_template_kwargs``).
         Returns the prompt, or its ids when ``tokenize`` (no BOS added: the template carries
         the special tokens). Raises ``ModelFormatError`` if the model has no template,
         ``ChatTemplateError`` if the template rejects the messages, ``ValueError`` for
-        ``continue_final_message`` with ``add_generation_prompt`` or a final message the template does not show.
+        ``continue_final_message`` with ``add_generation_prompt``, a final message the template does not show,
+        documents that are not dicts, ``chat_template_kwargs`` not a dict or setting ``messages``.
         """
         if self._chat_template is None:
             raise ModelFormatError(f"{self.name} has no chat template")
         check_messages(messages)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+        variables = dict(chat_template_kwargs or {})
+        if "messages" in variables:
+            raise ValueError("chat_template_kwargs cannot set 'messages'; pass the conversation as messages")
+        tools = variables.pop("tools", tools)
+        documents = check_documents(variables.pop("documents", documents))
+        add_generation_prompt = bool(variables.pop("add_generation_prompt", add_generation_prompt))
+        continue_final_message = bool(variables.pop("continue_final_message", continue_final_message))
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if self._compiled_template is None:
@@ -182,10 +196,10 @@ class Tokenizer:
         named = {"bos_token": special.bos_token_id, "eos_token": self.eos_token_id}
         named |= {"unk_token": special.unk_token_id, "pad_token": special.pad_token_id}
         strings = {k: self._backend.id_to_token(i) for k, i in named.items() if i is not None}
-        try:
+        try:  # the caller's variables win over the special tokens, as transformers' kwargs
             text = self._compiled_template.render(
-                **(chat_template_kwargs or {}), messages=messages, tools=tools, documents=None,
-                add_generation_prompt=add_generation_prompt, **strings,
+                **{**strings, **variables}, messages=messages, tools=tools, documents=documents,
+                add_generation_prompt=add_generation_prompt,
             )
         except Exception as e:  # noqa: BLE001 -- a template is a program: range(10**8) is an OverflowError, x / 0 ...
             raise ChatTemplateError(f"chat template of {self.name} failed on these messages: "
