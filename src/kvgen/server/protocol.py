@@ -9,6 +9,7 @@ Source: OpenAI openapi.yaml; vLLM ``vllm/entrypoints/openai/protocol.py``.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
@@ -479,18 +480,31 @@ class VersionResponse(BaseModel):
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them: text parts joined, ``developer`` as ``system``."""
+    """Messages as the chat template takes them, as vLLM's ``parse_chat_messages`` hands them over: text parts
+    joined with newlines, tool-call arguments parsed from their JSON text (``{}`` when it is none; templates expect
+    objects: ``arguments | tojson``), reasoning also as ``reasoning_content`` (Qwen3's templates read that name);
+    ``developer`` as ``system``."""
     out = []
     for m in messages:
-        content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
+        content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
         entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.name is not None:
             entry["name"] = m.name
         if m.tool_calls:
-            entry["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            entry["tool_calls"] = [_template_call(c) for c in m.tool_calls]
         if m.tool_call_id is not None:
             entry["tool_call_id"] = m.tool_call_id
         if m.reasoning is not None:
-            entry["reasoning"] = m.reasoning
+            entry["reasoning"] = entry["reasoning_content"] = m.reasoning
         out.append(entry)
     return out
+
+
+def _template_call(call: ToolCall) -> dict[str, Any]:
+    """A tool call with its arguments as a JSON value, ``{}`` for text that is no JSON (vLLM's
+    ``_postprocess_messages``)."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        arguments = {}
+    return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
