@@ -9,7 +9,6 @@ Source: OpenAI openapi.yaml; vLLM ``vllm/entrypoints/openai/protocol.py``.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Annotated, Any, Literal
 
@@ -23,6 +22,7 @@ from pydantic import (
     model_serializer,
 )
 
+from kvgen.chat_template import template_arguments
 from kvgen.tokenizer.tokenizer import lone_surrogate
 
 MAX_N = 16  # completions per prompt; bounds one request's share of the engine
@@ -503,8 +503,5 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 def _template_call(call: ToolCall) -> dict[str, Any]:
     """A tool call with its arguments as a JSON value, ``{}`` for text that is no JSON (vLLM's
     ``_postprocess_messages``)."""
-    try:
-        arguments = json.loads(call.function.arguments)
-    except json.JSONDecodeError:
-        arguments = {}
+    arguments = template_arguments(call.function.arguments)
     return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
