@@ -243,3 +243,23 @@ def test_named_tool_use_template_is_taken_with_tools_as_transformers(trained: Ba
         ours.apply_chat_template(messages)
     ours.chat_template = default  # a given template replaces the named ones too
     assert ours.apply_chat_template(messages, tools=[tool]) == ours.apply_chat_template(messages)
+
+
+def test_special_tokens_map_counts_only_for_a_legacy_config(trained: BackendTokenizer, tmp_path: Path) -> None:
+    """transformers reads special_tokens_map.json only when tokenizer_config.json has no added_tokens_decoder; kvgen
+    let the map win over every config, so its eos_token (stop id and template variable) was the map's."""
+    directory = save_gpt2_dir(trained, tmp_path, legacy=False)
+    (directory / "chat_template.jinja").write_text("{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"
+                                                   "{{ eos_token }}")
+    (directory / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<|endoftext|>",
+                                                                   "eos_token": "<|endoftext|>"}))
+    config_path = directory / "tokenizer_config.json"
+    for is_legacy in (False, True):
+        if is_legacy:
+            config_path.write_text(json.dumps({k: v for k, v in json.loads(config_path.read_text()).items()
+                                               if k != "added_tokens_decoder"}))
+        ours, ref = Tokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+        assert (ours.bos_token_id, ours.eos_token_id) == (ref.bos_token_id, ref.eos_token_id)
+        messages = CONVERSATIONS["single"]
+        assert ours.apply_chat_template(messages) == ref.apply_chat_template(messages, tokenize=False)
+        assert (ref.eos_token == "<|endoftext|>") is is_legacy

@@ -60,11 +60,14 @@ def token_content(value: Any) -> str | None:
 
 
 def _tokenizer_config(directory: Path) -> dict[str, Any]:
-    """tokenizer_config.json, overridden by special_tokens_map.json as in transformers."""
+    """tokenizer_config.json, overridden by special_tokens_map.json only when the config has no
+    ``added_tokens_decoder`` (a legacy save), as in transformers: a config written since transformers 4.34 names
+    the special tokens itself and transformers ignores the map."""
     config: dict[str, Any] = {}
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        if (directory / name).is_file():
-            config.update(read_json(directory / name))
+    if (directory / "tokenizer_config.json").is_file():
+        config.update(read_json(directory / "tokenizer_config.json"))
+    if "added_tokens_decoder" not in config and (directory / "special_tokens_map.json").is_file():
+        config.update(read_json(directory / "special_tokens_map.json"))
     return config
 
 
