@@ -61,7 +61,8 @@ def test_bad_front_end_options_are_one_line_and_exit_code_2(tiny_model_dir, flag
 
 
 CALLS_TEMPLATE = (
-    "{% for m in messages %}[{{ m.role }}] {{ m.content }}"
+    "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "[{{ m.role }}] {{ m.content }}"
     "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
     "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }} {{ c.function.arguments | tojson }}</call>{% endfor %}"
     "\n{% endfor %}[assistant]")
@@ -93,5 +94,10 @@ def test_messages_reach_the_template_as_vllm_hands_them_over(tiny_model_dir, tmp
         tokens = httpx.post(f"{live.url}/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
         assert tokens == want
         assert '<call>get_weather {"city": "Paris"}</call><call>get_time {}</call>' in ref.decode(tokens)
+        refused = httpx.post(f"{live.v1}/chat/completions", json={"messages": [
+            {"role": "system", "content": "Be brief."}, *messages]}, timeout=30)  # the template's own error: a 400
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and error["param"] == "messages"
+        assert error["message"].endswith("failed on these messages: System role not supported")
     finally:
         assert live.stop() == 0
