@@ -61,7 +61,7 @@ def test_bad_front_end_options_are_one_line_and_exit_code_2(tiny_model_dir, flag
 
 
 CALLS_TEMPLATE = (
-    "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for d in documents or [] %}<doc>{{ d.title }}: {{ d.text }}</doc>{% endfor %}{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
     "[{{ m.role }}] {{ m.content }}"
     "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
     "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }} {{ c.function.arguments | tojson }}</call>{% endfor %}"
@@ -94,6 +94,11 @@ def test_messages_reach_the_template_as_vllm_hands_them_over(tiny_model_dir, tmp
         tokens = httpx.post(f"{live.url}/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
         assert tokens == want
         assert '<call>get_weather {"city": "Paris"}</call><call>get_time {}</call>' in ref.decode(tokens)
+        documents = [{"title": "Weather", "text": "Paris is at 21 C."}]
+        chat = httpx.post(f"{live.v1}/chat/completions", json={"messages": messages, "documents": documents,
+                                                                "max_tokens": 1}, timeout=60).json()
+        want_rag = ref.apply_chat_template(as_vllm, documents=documents, add_generation_prompt=True, tokenize=True)
+        assert chat["usage"]["prompt_tokens"] == len(want_rag) > len(want)  # vLLM's documents field
         refused = httpx.post(f"{live.v1}/chat/completions", json={"messages": [
             {"role": "system", "content": "Be brief."}, *messages]}, timeout=30)  # the template's own error: a 400
         error = refused.json()["error"]

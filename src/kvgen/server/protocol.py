@@ -218,6 +218,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = Field(default=True, description="vLLM extra: end the prompt with the assistant's turn")
     continue_final_message: bool = Field(default=False, description="vLLM extra: the model continues the last message")
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="vLLM extra: chat template variables")
+    documents: list[dict[str, str]] | None = Field(default=None, description="vLLM extra: the template's RAG documents")
     tools: list[ChatTool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
