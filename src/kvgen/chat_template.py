@@ -87,3 +87,54 @@ def check_messages(messages: list[dict[str, Any]]) -> None:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ChatTemplateError(f"messages[{i}] must be a dict with a string 'role', got {message!r}")
+
+
+def check_documents(documents: Any) -> list[dict[str, Any]] | None:
+    """``documents`` (a chat template's RAG sources) as given: None or a list of dicts. Raises ``ValueError``
+    otherwise, as transformers' ``apply_chat_template`` refuses them (its ``TypeError``)."""
+    if documents is not None and (not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents)):
+        raise ValueError(f"documents must be a list of dicts (such as {{'title': ..., 'text': ...}}), got {documents!r:.200}")
+    return documents
+
+
+_TEXT_PART_TYPES = ("text", "input_text", "output_text", "refusal")
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI-style messages as vLLM hands them to a chat template (``parse_chat_messages``, text only; ``LLM.chat``
+    and the server): a content list of text parts joined with newlines, tool-call arguments given as JSON text
+    parsed (:func:`template_arguments`), an assistant's ``reasoning`` also as ``reasoning_content`` (the name Qwen3's
+    templates read). Other keys and other contents are kept; ``messages`` is not modified."""
+    return [_template_message(m) if isinstance(m, dict) else m for m in messages]
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    out = dict(message)
+    content = message.get("content")
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") in _TEXT_PART_TYPES and isinstance(p.get(_part_key(p)), str)
+            for p in content):
+        out["content"] = "\n".join(p[_part_key(p)] for p in content)
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": template_arguments(
+            c["function"].get("arguments"))}} if isinstance(c, dict) and isinstance(c.get("function"), dict) else c
+            for c in calls]
+    if message.get("reasoning") is not None and "reasoning_content" not in message:
+        out["reasoning_content"] = message["reasoning"]
+    return out
+
+
+def _part_key(part: dict[str, Any]) -> str:
+    return "refusal" if part.get("type") == "refusal" else "text"
+
+
+def template_arguments(arguments: Any) -> Any:
+    """A tool call's arguments as chat templates take them (``arguments | tojson``): JSON text parsed, ``{}`` for
+    text that is no JSON or a value that is neither an object nor a list. Source: vLLM ``_postprocess_messages``."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return {}
+    return arguments if isinstance(arguments, dict | list) else {}

@@ -577,6 +577,33 @@ def test_llm_chat_takes_continue_final_message_and_chat_template_kwargs(model_to
                                                            chat_template_kwargs=kwargs)
 
 
+def test_llm_chat_hands_messages_over_as_vllm(tiny_model_dir):
+    """vLLM's ``LLM.chat`` joins a content list's text parts with newlines and parses tool-call arguments from their
+    JSON text; kvgen gave the template the raw list (rendered as a Python list by a string template) and the JSON
+    text (quoted a second time by ``arguments | tojson``)."""
+    from transformers import AutoTokenizer
+
+    from kvgen.loader import load_model
+
+    model, tok = load_model(str(tiny_model_dir))
+    template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}{% for c in m.tool_calls or [] %}"
+                "<call>{{ c.function.arguments | tojson }}</call>{% endfor %}\n{% endfor %}[assistant]")
+    ref = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = ref.chat_template = template
+    call = {"id": "call_1", "type": "function", "function": {"name": "paint", "arguments": '{"colour": "red"}'}}
+    conversation = [
+        {"role": "user", "content": [{"type": "text", "text": "Paint it"}, {"type": "text", "text": "red."}]},
+        {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "user", "content": "Again."}]
+    as_vllm = [{"role": "user", "content": "Paint it\nred."},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {**call, "function": {"name": "paint", "arguments": {"colour": "red"}}}]},
+               conversation[2]]
+    (out,) = LLM(model, tok, num_blocks=64).chat(conversation, GREEDY, use_tqdm=False)
+    assert out.prompt == ref.apply_chat_template(as_vllm, add_generation_prompt=True, tokenize=False)
+    assert out.prompt_token_ids == ref.apply_chat_template(as_vllm, add_generation_prompt=True, tokenize=True)
+    assert '<call>{"colour": "red"}</call>' in out.prompt and conversation[1]["tool_calls"][0] is call  # not modified
+
+
 def test_completion_output_finished_is_a_method_as_vllm(model_tok):
     """vLLM's ``CompletionOutput.finished()`` is a method (``RequestOutput.finished`` an attribute)."""
     model, tok = model_tok

@@ -58,3 +58,51 @@ def test_bad_front_end_options_are_one_line_and_exit_code_2(tiny_model_dir, flag
                        check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
     assert message in r.stderr
+
+
+CALLS_TEMPLATE = (
+    "{% for d in documents or [] %}<doc>{{ d.title }}: {{ d.text }}</doc>{% endfor %}{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "[{{ m.role }}] {{ m.content }}"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }} {{ c.function.arguments | tojson }}</call>{% endfor %}"
+    "\n{% endfor %}[assistant]")
+
+
+def test_messages_reach_the_template_as_vllm_hands_them_over(tiny_model_dir, tmp_path, launch_server):
+    """vLLM's parse_chat_messages joins text parts with newlines, parses tool-call arguments into objects ({} for
+    text that is no JSON) and gives reasoning as reasoning_content too; kvgen joined the parts with nothing and kept
+    the arguments as JSON text, so ``arguments | tojson`` (Llama 3.1, Mistral) quoted them a second time."""
+    from transformers import AutoTokenizer
+
+    (template := tmp_path / "calls.jinja").write_text(CALLS_TEMPLATE)
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+             {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "not json"}}]
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Weather in"}, {"type": "text", "text": "Paris?"}]},
+        {"role": "assistant", "content": None, "reasoning": "Look it up.", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+    ]
+    parsed = [{**c, "function": {**c["function"], "arguments": args}} for c, args in zip(calls, [{"city": "Paris"}, {}])]
+    as_vllm = [{"role": "user", "content": "Weather in\nParis?"},
+               {"role": "assistant", "content": "", "reasoning_content": "Look it up.", "tool_calls": parsed},
+               {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
+    ref = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ref.chat_template = CALLS_TEMPLATE
+    want = ref.apply_chat_template(as_vllm, add_generation_prompt=True, tokenize=True)
+    live = launch_server(tiny_model_dir, tmp_path / "server.log", "--chat-template", str(template))
+    try:
+        tokens = httpx.post(f"{live.url}/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+        assert tokens == want
+        assert '<call>get_weather {"city": "Paris"}</call><call>get_time {}</call>' in ref.decode(tokens)
+        documents = [{"title": "Weather", "text": "Paris is at 21 C."}]
+        chat = httpx.post(f"{live.v1}/chat/completions", json={"messages": messages, "documents": documents,
+                                                                "max_tokens": 1}, timeout=60).json()
+        want_rag = ref.apply_chat_template(as_vllm, documents=documents, add_generation_prompt=True, tokenize=True)
+        assert chat["usage"]["prompt_tokens"] == len(want_rag) > len(want)  # vLLM's documents field
+        refused = httpx.post(f"{live.v1}/chat/completions", json={"messages": [
+            {"role": "system", "content": "Be brief."}, *messages]}, timeout=30)  # the template's own error: a 400
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and error["param"] == "messages"
+        assert error["message"].endswith("failed on these messages: System role not supported")
+    finally:
+        assert live.stop() == 0

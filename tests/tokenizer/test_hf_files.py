@@ -208,3 +208,58 @@ def test_clean_up_tokenization_spaces_of_the_config_applies_to_byte_level_decode
     plain = Tokenizer.from_pretrained(save_gpt2_dir(trained, tmp_path / "plain", legacy))
     plain_ref = AutoTokenizer.from_pretrained(tmp_path / "plain")
     assert plain.decode(ids) == plain_ref.decode(ids) == "Hello , world ! I 'm here . it 's"
+
+
+def test_named_tool_use_template_is_taken_with_tools_as_transformers(trained: BackendTokenizer, tmp_path: Path) -> None:
+    """A list of named templates in tokenizer_config.json, or additional_chat_templates/NAME.jinja files: with tools
+    transformers renders the "tool_use" one; kvgen kept only "default" and rendered it, the tools left out."""
+    default = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    tool_use = "TOOLS {{ tools | tojson }}\n" + default
+    tool = {"type": "function", "function": {"name": "paint", "parameters": {"type": "object"}}}
+    messages = CONVERSATIONS["system"]
+    listed = save_gpt2_dir(trained, tmp_path / "listed", legacy=False, chat_template=[
+        {"name": "default", "template": default}, {"name": "tool_use", "template": tool_use}])
+    (listed / "chat_template.jinja").unlink()
+    in_files = save_gpt2_dir(trained, tmp_path / "files", legacy=False)
+    (in_files / "chat_template.jinja").write_text(default)
+    (in_files / "additional_chat_templates").mkdir()
+    (in_files / "additional_chat_templates" / "tool_use.jinja").write_text(tool_use)
+    for directory in (listed, in_files):
+        ours, ref = Tokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+        for tools in (None, [tool], []):
+            expected = ref.apply_chat_template(messages, tools=tools, tokenize=False)
+            assert ours.apply_chat_template(messages, tools=tools) == expected
+        assert ours.apply_chat_template(messages, tools=[tool]).startswith("TOOLS [{")
+        assert ours.chat_template == default
+    only_tool_use = save_gpt2_dir(trained, tmp_path / "only", legacy=False, chat_template=[
+        {"name": "tool_use", "template": tool_use}])
+    (only_tool_use / "chat_template.jinja").unlink()
+    ours, ref = Tokenizer.from_pretrained(only_tool_use), AutoTokenizer.from_pretrained(only_tool_use)
+    assert ours.apply_chat_template(messages, tools=[tool]) == ref.apply_chat_template(messages, tools=[tool],
+                                                                                         tokenize=False)
+    with pytest.raises(ValueError, match="no default"):
+        ref.apply_chat_template(messages, tokenize=False)
+    with pytest.raises(ModelFormatError, match=r"has no chat template \(only the named \['tool_use'\]\)"):
+        ours.apply_chat_template(messages)
+    ours.chat_template = default  # a given template replaces the named ones too
+    assert ours.apply_chat_template(messages, tools=[tool]) == ours.apply_chat_template(messages)
+
+
+def test_special_tokens_map_counts_only_for_a_legacy_config(trained: BackendTokenizer, tmp_path: Path) -> None:
+    """transformers reads special_tokens_map.json only when tokenizer_config.json has no added_tokens_decoder; kvgen
+    let the map win over every config, so its eos_token (stop id and template variable) was the map's."""
+    directory = save_gpt2_dir(trained, tmp_path, legacy=False)
+    (directory / "chat_template.jinja").write_text("{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"
+                                                   "{{ eos_token }}")
+    (directory / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<|endoftext|>",
+                                                                   "eos_token": "<|endoftext|>"}))
+    config_path = directory / "tokenizer_config.json"
+    for is_legacy in (False, True):
+        if is_legacy:
+            config_path.write_text(json.dumps({k: v for k, v in json.loads(config_path.read_text()).items()
+                                               if k != "added_tokens_decoder"}))
+        ours, ref = Tokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+        assert (ours.bos_token_id, ours.eos_token_id) == (ref.bos_token_id, ref.eos_token_id)
+        messages = CONVERSATIONS["single"]
+        assert ours.apply_chat_template(messages) == ref.apply_chat_template(messages, tokenize=False)
+        assert (ref.eos_token == "<|endoftext|>") is is_legacy

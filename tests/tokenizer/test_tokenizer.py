@@ -5,6 +5,8 @@ The reference for every id, string and chat prompt is ``transformers``, never a 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import regex
 from tokenizer_cases import CONVERSATIONS, HARD_STRINGS, ref_decode
@@ -93,6 +95,33 @@ def test_chat_template_matches_transformers(ours: Tokenizer, ref, name: str, add
     assert text == ref.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     ids = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
     assert ids == ref.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+
+
+def test_chat_template_kwargs_and_documents_match_transformers(meta: dict, ref) -> None:
+    """transformers renders ``documents``, and its kwargs win over the special-token variables and set tools,
+    documents and add_generation_prompt; kvgen rendered documents as None and failed on these kwargs ("got multiple
+    values for keyword argument 'bos_token'")."""
+    template = ("{{ bos_token }}|{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}|"
+                "{{ tools | tojson }}|{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    ours = Tokenizer.from_gguf({**meta, "tokenizer.chat_template": template})
+    ref = copy.deepcopy(ref)
+    ref.chat_template = template
+    messages = CONVERSATIONS["system"]
+    documents = [{"title": "Colors", "text": "Red is warm."}]
+    tool = {"type": "function", "function": {"name": "paint", "parameters": {"type": "object"}}}
+    assert ours.apply_chat_template(messages, documents=documents) == ref.apply_chat_template(
+        messages, documents=documents, tokenize=False)
+    kwargs = {"bos_token": "<s>", "documents": documents, "tools": [tool], "add_generation_prompt": True}
+    text = ours.apply_chat_template(messages, chat_template_kwargs=kwargs)
+    assert text == ref.apply_chat_template(messages, tokenize=False, **kwargs)
+    assert text.startswith("<s>|[Colors") and "assistant:" in text
+    with pytest.raises(ValueError, match="documents must be a list of dicts"):
+        ours.apply_chat_template(messages, documents=["Red is warm."])
+    with pytest.raises(ValueError, match="chat_template_kwargs cannot set 'messages'"):
+        ours.apply_chat_template(messages, chat_template_kwargs={"messages": []})
+    with pytest.raises(ValueError, match="chat_template_kwargs must be a dict, got list"):
+        ours.apply_chat_template(messages, chat_template_kwargs=[("enable_thinking", True)])  # type: ignore[arg-type]
 
 
 def test_chat_template_without_template_raises(meta: dict) -> None:

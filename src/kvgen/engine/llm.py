@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any, cast
 
+from kvgen.chat_template import template_messages
 from kvgen.engine.beam_search import (
     BeamSearchOutput,
     BeamSearchParams,
@@ -108,7 +109,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of message dicts) or to each of a list of them, rendered by
         the model's chat template (with ``tools`` if given; ``continue_final_message``: the reply continues the last
-        message; ``chat_template_kwargs``: extra template variables such as ``enable_thinking``); one finished
+        message; ``chat_template_kwargs``: extra template variables such as ``enable_thinking``), its messages as
+        vLLM hands them over (:func:`kvgen.chat_template.template_messages`: text parts joined with newlines,
+        tool-call arguments parsed from JSON text); one finished
         ``RequestOutput`` per conversation. Raises ``ValueError`` without a tokenizer, for malformed messages, or as
         ``generate``. Source: vLLM ``LLM.chat``."""
         tokenizer = self.get_tokenizer()
@@ -118,7 +121,7 @@ class LLM:
             raise ValueError(f"messages must be a conversation or a non-empty list of conversations, got {messages!r}")
         conversations = cast("list[Conversation]", [messages] if isinstance(messages[0], dict) else list(messages))
         texts = [cast(str, tokenizer.apply_chat_template(
-            c, add_generation_prompt=add_generation_prompt, tools=tools, continue_final_message=continue_final_message,
+            template_messages(c), add_generation_prompt=add_generation_prompt, tools=tools, continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs)) for c in conversations]
         # rendered once; the text is each output's prompt, as vLLM's (its ids as apply_chat_template(tokenize=True))
         prompts: list[PromptInput] = [{"prompt_token_ids": tokenizer.encode(t, add_special_tokens=False), "prompt": t}

@@ -67,7 +67,7 @@ from kvgen.server.tools import (
 def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest, add_generation_prompt: bool | None = None) -> list[int]:
     """Token ids of the messages rendered by the chat template (with the generation prompt unless
     ``add_generation_prompt`` or the request says otherwise; vLLM's ``continue_final_message`` and
-    ``chat_template_kwargs`` as asked).
+    ``chat_template_kwargs`` and ``documents`` as asked).
 
     Raises a 400 naming ``messages`` when the template fails or renders nothing.
     """
@@ -79,7 +79,7 @@ def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest, add_generati
         ids = state.tokenizer.apply_chat_template(
             message_dicts(req.messages), add_generation_prompt=add_generation_prompt, tokenize=True,
             tools=tool_dicts(req), continue_final_message=req.continue_final_message,
-            chat_template_kwargs=req.chat_template_kwargs,
+            chat_template_kwargs=req.chat_template_kwargs, documents=req.documents,
         )
     except (KvgenError, ValueError) as e:
         raise bad_request(str(e).splitlines()[0], "messages") from None

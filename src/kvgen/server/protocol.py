@@ -22,6 +22,7 @@ from pydantic import (
     model_serializer,
 )
 
+from kvgen.chat_template import template_arguments
 from kvgen.tokenizer.tokenizer import lone_surrogate
 
 MAX_N = 16  # completions per prompt; bounds one request's share of the engine
@@ -217,6 +218,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = Field(default=True, description="vLLM extra: end the prompt with the assistant's turn")
     continue_final_message: bool = Field(default=False, description="vLLM extra: the model continues the last message")
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="vLLM extra: chat template variables")
+    documents: list[dict[str, str]] | None = Field(default=None, description="vLLM extra: the template's RAG documents")
     tools: list[ChatTool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -479,18 +481,28 @@ class VersionResponse(BaseModel):
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them: text parts joined, ``developer`` as ``system``."""
+    """Messages as the chat template takes them, as vLLM's ``parse_chat_messages`` hands them over: text parts
+    joined with newlines, tool-call arguments parsed from their JSON text (``{}`` when it is none; templates expect
+    objects: ``arguments | tojson``), reasoning also as ``reasoning_content`` (Qwen3's templates read that name);
+    ``developer`` as ``system``."""
     out = []
     for m in messages:
-        content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
+        content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
         entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.name is not None:
             entry["name"] = m.name
         if m.tool_calls:
-            entry["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            entry["tool_calls"] = [_template_call(c) for c in m.tool_calls]
         if m.tool_call_id is not None:
             entry["tool_call_id"] = m.tool_call_id
         if m.reasoning is not None:
-            entry["reasoning"] = m.reasoning
+            entry["reasoning"] = entry["reasoning_content"] = m.reasoning
         out.append(entry)
     return out
+
+
+def _template_call(call: ToolCall) -> dict[str, Any]:
+    """A tool call with its arguments as a JSON value, ``{}`` for text that is no JSON (vLLM's
+    ``_postprocess_messages``)."""
+    arguments = template_arguments(call.function.arguments)
+    return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}

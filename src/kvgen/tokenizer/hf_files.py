@@ -3,14 +3,14 @@
 Looks, in order, for ``tokenizer.json``; GPT-2's ``vocab.json`` + ``merges.txt``; a BERT-style
 ``vocab.txt`` whose ``tokenizer_class`` (tokenizer_config.json, else config.json) is
 ``BertTokenizer``. Reads ``tokenizer_config.json`` and ``special_tokens_map.json`` (special tokens,
-BOS/EOS flags), ``added_tokens.json``, ``chat_template.jinja`` and ``generation_config.json``
-(extra EOS ids), as transformers' ``AutoTokenizer`` does.
+BOS/EOS flags), ``added_tokens.json``, ``chat_template.jinja`` (and ``additional_chat_templates/``) and
+``generation_config.json`` (extra EOS ids), as transformers' ``AutoTokenizer`` does.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ class HFTokenizerFiles:
     special: SpecialTokenIds
     chat_template: str | None
     clean_up_tokenization_spaces: bool  # decode removes spaces before punctuation (tokenizer_config.json's flag)
+    named_chat_templates: dict[str, str] = field(default_factory=dict)  # the others by name: "tool_use", "rag"
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -59,11 +60,14 @@ def token_content(value: Any) -> str | None:
 
 
 def _tokenizer_config(directory: Path) -> dict[str, Any]:
-    """tokenizer_config.json, overridden by special_tokens_map.json as in transformers."""
+    """tokenizer_config.json, overridden by special_tokens_map.json only when the config has no
+    ``added_tokens_decoder`` (a legacy save), as in transformers: a config written since transformers 4.34 names
+    the special tokens itself and transformers ignores the map."""
     config: dict[str, Any] = {}
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        if (directory / name).is_file():
-            config.update(read_json(directory / name))
+    if (directory / "tokenizer_config.json").is_file():
+        config.update(read_json(directory / "tokenizer_config.json"))
+    if "added_tokens_decoder" not in config and (directory / "special_tokens_map.json").is_file():
+        config.update(read_json(directory / "special_tokens_map.json"))
     return config
 
 
@@ -125,7 +129,7 @@ def _wordpiece_files(directory: Path, config: dict[str, Any]) -> HFTokenizerFile
     if token_content(config.get("eos_token")) is None:
         config = {**config, "eos_token": config["sep_token"]}
     special = _special_ids(directory, config, backend)
-    return HFTokenizerFiles(backend, special, _chat_template(directory, config), bool(config["clean_up_tokenization_spaces"]))
+    return _files(backend, special, directory, config, bool(config["clean_up_tokenization_spaces"]))
 
 
 def _backend_file(directory: Path) -> BackendTokenizer:
@@ -158,14 +162,26 @@ def _special_ids(directory: Path, config: dict[str, Any], backend: BackendTokeni
     return SpecialTokenIds(lookup("bos_token"), eos_ids, lookup("pad_token"), lookup("unk_token"))
 
 
-def _chat_template(directory: Path, config: dict[str, Any]) -> str | None:
-    """``chat_template.jinja`` if present, else tokenizer_config's (the "default" one of a list)."""
+def _chat_templates(directory: Path, config: dict[str, Any]) -> dict[str, str]:
+    """The chat templates by name, "default" the model's own, as transformers reads them: ``chat_template.jinja``
+    ("default") and ``additional_chat_templates/NAME.jinja`` when there are any, else tokenizer_config's
+    ``chat_template`` (one template, or a list of ``{"name": ..., "template": ...}``)."""
+    paths = {p.name.removesuffix(".jinja"): p for p in sorted((directory / "additional_chat_templates").glob("*.jinja"))}
     if (directory / "chat_template.jinja").is_file():
-        return (directory / "chat_template.jinja").read_text(encoding="utf-8")
+        paths["default"] = directory / "chat_template.jinja"
+    if paths:
+        return {name: path.read_text(encoding="utf-8") for name, path in paths.items()}
     template = config.get("chat_template")
     if isinstance(template, list):
-        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
-    return template if isinstance(template, str) else None
+        return {t["name"]: t["template"] for t in template
+                if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+    return {"default": template} if isinstance(template, str) else {}
+
+
+def _files(backend: BackendTokenizer, special: SpecialTokenIds, directory: Path, config: dict[str, Any],
+           clean_up: bool) -> HFTokenizerFiles:
+    templates = _chat_templates(directory, config)
+    return HFTokenizerFiles(backend, special, templates.pop("default", None), clean_up, templates)
 
 
 def load_hf_tokenizer_files(directory: Path) -> HFTokenizerFiles:
@@ -190,4 +206,4 @@ def load_hf_tokenizer_files(directory: Path) -> HFTokenizerFiles:
     special = _special_ids(directory, config, backend)
     # transformers' PreTrainedTokenizerBase reads the flag from the config, default false (BertTokenizer's is true).
     clean_up = bool(config.get("clean_up_tokenization_spaces", False))
-    return HFTokenizerFiles(backend, special, _chat_template(directory, config), clean_up)
+    return _files(backend, special, directory, config, clean_up)

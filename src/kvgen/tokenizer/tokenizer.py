@@ -16,7 +16,7 @@ from typing import Any
 import jinja2
 from tokenizers import Tokenizer as BackendTokenizer
 
-from kvgen.chat_template import ChatTemplateError, check_messages, compile_chat_template
+from kvgen.chat_template import ChatTemplateError, check_documents, check_messages, compile_chat_template
 from kvgen.errors import ModelFormatError, ModelNotFoundError
 from kvgen.gguf_keys import check_gguf_value_types
 from kvgen.tokenizer.gguf_vocab import gguf_adds_bos_by_default, gguf_backend, gguf_special_ids
@@ -51,12 +51,14 @@ class Tokenizer:
         chat_template: str | None,
         name: str,
         clean_up_tokenization_spaces: bool = False,
+        named_chat_templates: dict[str, str] | None = None,
     ) -> None:
         self._backend = backend
         self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
         self._special = special
         self._chat_template = chat_template
-        self._compiled_template: jinja2.Template | None = None
+        self._named_chat_templates = dict(named_chat_templates or {})  # "tool_use", "rag", ... besides the default
+        self._compiled_templates: dict[str, jinja2.Template] = {}  # by source
         self.name = name
         self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
         bos = special.bos_token_id
@@ -106,7 +108,8 @@ class Tokenizer:
         if not path.is_dir():
             raise ModelFormatError(f"tokenizer path is not a directory: {path}")
         files = load_hf_tokenizer_files(path)
-        return cls(files.backend, files.special, files.chat_template, str(path), files.clean_up_tokenization_spaces)
+        return cls(files.backend, files.special, files.chat_template, str(path), files.clean_up_tokenization_spaces,
+                   files.named_chat_templates)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special-token strings in it ("<|im_end|>") become their ids.
@@ -161,31 +164,43 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        documents: list[dict[str, Any]] | None = None,
     ) -> str | list[int]:
-        """Render ``messages`` with the model's chat template, as transformers' ``apply_chat_template``.
+        """Render ``messages`` with the model's chat template (its "tool_use" one, when it has named templates and
+        ``tools`` are given), as transformers' ``apply_chat_template``.
 
         ``continue_final_message``: the prompt ends inside the last message (its end-of-turn cut off), so the model
-        continues it; ``chat_template_kwargs``: extra template variables (e.g. ``enable_thinking``).
+        continues it; ``documents``: the template's ``documents`` (RAG), dicts; ``chat_template_kwargs``: extra
+        template variables (e.g. ``enable_thinking``), transformers' ``**kwargs``: they win over the special-token
+        variables (``bos_token`` ...), and ``tools``, ``documents``, ``add_generation_prompt`` and
+        ``continue_final_message`` among them set those arguments (as vLLM's request ``chat_template_kwargs``).
         Returns the prompt, or its ids when ``tokenize`` (no BOS added: the template carries
         the special tokens). Raises ``ModelFormatError`` if the model has no template,
         ``ChatTemplateError`` if the template rejects the messages, ``ValueError`` for
-        ``continue_final_message`` with ``add_generation_prompt`` or a final message the template does not show.
+        ``continue_final_message`` with ``add_generation_prompt``, a final message the template does not show,
+        documents that are not dicts, ``chat_template_kwargs`` not a dict or setting ``messages``.
         """
-        if self._chat_template is None:
-            raise ModelFormatError(f"{self.name} has no chat template")
         check_messages(messages)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+        variables = dict(chat_template_kwargs or {})
+        if "messages" in variables:
+            raise ValueError("chat_template_kwargs cannot set 'messages'; pass the conversation as messages")
+        tools = variables.pop("tools", tools)
+        documents = check_documents(variables.pop("documents", documents))
+        add_generation_prompt = bool(variables.pop("add_generation_prompt", add_generation_prompt))
+        continue_final_message = bool(variables.pop("continue_final_message", continue_final_message))
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        if self._compiled_template is None:
-            self._compiled_template = compile_chat_template(self._chat_template)
+        template = self._template_for(tools)
         special = self._special
         named = {"bos_token": special.bos_token_id, "eos_token": self.eos_token_id}
         named |= {"unk_token": special.unk_token_id, "pad_token": special.pad_token_id}
         strings = {k: self._backend.id_to_token(i) for k, i in named.items() if i is not None}
-        try:
-            text = self._compiled_template.render(
-                **(chat_template_kwargs or {}), messages=messages, tools=tools, documents=None,
-                add_generation_prompt=add_generation_prompt, **strings,
+        try:  # the caller's variables win over the special tokens, as transformers' kwargs
+            text = template.render(
+                **{**strings, **variables}, messages=messages, tools=tools, documents=documents,
+                add_generation_prompt=add_generation_prompt,
             )
         except Exception as e:  # noqa: BLE001 -- a template is a program: range(10**8) is an OverflowError, x / 0 ...
             raise ChatTemplateError(f"chat template of {self.name} failed on these messages: "
@@ -194,6 +209,18 @@ class Tokenizer:
         if continue_final_message:
             text = _cut_after_final_message(text, messages[-1])
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _template_for(self, tools: list[dict[str, Any]] | None) -> jinja2.Template:
+        """The compiled template of a call: the model's "tool_use" one when there are tools (an empty list too) and
+        it has one, else its default, as transformers' ``get_chat_template``. Raises ``ModelFormatError`` without."""
+        source = self._named_chat_templates.get("tool_use") if tools is not None else None
+        source = source or self._chat_template
+        if source is None:
+            named = f" (only the named {sorted(self._named_chat_templates)})" if self._named_chat_templates else ""
+            raise ModelFormatError(f"{self.name} has no chat template{named}")
+        if source not in self._compiled_templates:
+            self._compiled_templates[source] = compile_chat_template(source)
+        return self._compiled_templates[source]
 
     @property
     def vocab_size(self) -> int:
@@ -227,14 +254,17 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> str | None:
-        """The Jinja chat template; assigning one replaces the model's (as transformers' ``tokenizer.chat_template =
-        ...``), compiled at once: ``ModelFormatError`` (a ``ValueError``) when it does not compile."""
+        """The Jinja chat template (the default one of a model with named ones, such as "tool_use", which
+        ``apply_chat_template`` takes when given tools); assigning one replaces the model's, named ones too (as
+        transformers' ``tokenizer.chat_template = ...``), compiled at once: ``ModelFormatError`` (a ``ValueError``)
+        when it does not compile."""
         return self._chat_template
 
     @chat_template.setter
     def chat_template(self, source: str) -> None:
-        self._compiled_template = compile_chat_template(source)
+        self._compiled_templates = {source: compile_chat_template(source)}
         self._chat_template = source
+        self._named_chat_templates = {}
 
     @property
     def add_bos_token(self) -> bool:
