@@ -220,6 +220,26 @@ def test_priority_policy_orders_admission_and_preempts_the_least_important() -> 
     assert out.preempted_request_ids == ["a"] and scheduled_counts(out) == {"b": 1}
 
 
+def test_priority_policy_preempts_the_least_important_even_if_already_scheduled_this_step() -> None:
+    # vLLM v1: the victim is the least important of ALL running requests; one already scheduled this step is
+    # unscheduled (its tokens return to the budget). Here "low" (admitted first) is scheduled before "high" runs
+    # out of blocks: "low" must go, not "high".
+    scheduler, runner = setup(num_blocks=4, block_size=2, policy="priority")
+    low = make_request("low", [5, 6, 7], arrival_time=0.0, priority=1, max_tokens=6)
+    high = make_request("high", [8, 9], arrival_time=1.0, priority=0, max_tokens=6)
+    scheduler.add_request(low)
+    step(scheduler, runner)  # low's prompt: 2 blocks
+    scheduler.add_request(high)
+    step(scheduler, runner)  # low's position 3, high's prompt: 1 block
+    out, _ = step(scheduler, runner)  # low's position 4 takes the last block, high's position 2 needs one more
+    assert out.preempted_request_ids == ["low"] and scheduled_counts(out) == {"high": 1}
+    assert out.num_batched_tokens == 1 and low.status is RequestStatus.PREEMPTED and low.block_ids == []
+    finals = drain(scheduler, runner)
+    assert high.output_token_ids == [102 + i for i in range(6)] and low.output_token_ids == [103 + i for i in range(6)]
+    assert finals["high"].finish_reason == finals["low"].finish_reason == "length"
+    assert scheduler.block_manager.num_free_blocks == 4
+
+
 def test_request_larger_than_the_pool_is_aborted_with_an_error() -> None:
     scheduler, runner = setup(num_blocks=2, block_size=2)
     scheduler.add_request(make_request("huge", 5))
@@ -470,7 +490,11 @@ def test_random_workloads_drain_cleanly_with_outputs_as_if_alone(
                 scheduler.abort_request(rid)
         if t > max(s.arrival_step for s in specs) and not scheduler.has_unfinished_requests():
             break
-        _, outputs = step(scheduler, runner)
+        out, outputs = step(scheduler, runner)
+        if policy is SchedulingPolicy.PRIORITY:  # the least important go first
+            for victim in out.preempted_request_ids:
+                key = (requests[victim].priority, requests[victim].arrival_time)
+                assert all((r.priority, r.arrival_time) <= key for r in scheduler.running)
         live = [r for r in requests.values() if not r.is_finished]
         assert sum(bm.ref_counts) == sum(len(r.block_ids) for r in live)
         assert bm.num_free_blocks == bm.ref_counts.count(0)

@@ -132,7 +132,7 @@ class Scheduler:
         return SchedulerOutput(scheduled, num_batched_tokens, [r.request_id for r in preempted], finished_ids)
 
     def _schedule_running(self, scheduled: list[ScheduledRequest], preempted: list[Request], budget: int) -> int:
-        i = 0
+        limit, i = budget, 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             if not self._fits_pool(request):
@@ -141,11 +141,10 @@ class Scheduler:
                 continue
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
             drafts = self._drafts(request, budget) if num_new == request.num_tokens - request.num_computed_tokens == 1 else []
-            if not self._allocate_or_preempt(request, i, num_new + len(drafts), preempted):
-                continue  # the request itself was preempted; running[i] is now the next one
-            scheduled.append(self._scheduled_request(request, num_new, drafts))
-            budget -= num_new + len(drafts)
-            i += 1
+            if self._allocate_or_preempt(request, num_new + len(drafts), scheduled, preempted):  # else preempted
+                scheduled.append(self._scheduled_request(request, num_new, drafts))
+            i = len(scheduled)  # running[:i] are this step's scheduled requests (preemptions shift the rest left)
+            budget = limit - sum(len(s.token_ids) for s in scheduled)  # an unscheduled victim's tokens come back
         return budget
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
@@ -169,19 +168,29 @@ class Scheduler:
             return []
         return drafts
 
-    def _allocate_or_preempt(self, request: Request, index: int, num_new: int, preempted: list[Request]) -> bool:
-        """Allocate, preempting running requests not yet scheduled this step until it fits."""
+    def _allocate_or_preempt(self, request: Request, num_new: int, scheduled: list[ScheduledRequest],
+                             preempted: list[Request]) -> bool:
+        """Allocate, preempting until it fits: the newest running request (not scheduled yet this step), or under the
+        priority policy the least important of all, taken out of ``scheduled`` if it was scheduled this step (as
+        vLLM). False if the request itself was preempted."""
         while not self.block_manager.allocate_slots(request, num_new):
-            candidates = self.running[index:]
             if self.policy is SchedulingPolicy.PRIORITY:
-                victim = max(reversed(candidates), key=lambda r: (r.priority, r.arrival_time))
+                victim = max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
             else:
-                victim = candidates[-1]
+                victim = self.running[-1]
+            self._unschedule(victim, scheduled)
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:
                 return False
         return True
+
+    def _unschedule(self, request: Request, scheduled: list[ScheduledRequest]) -> None:
+        """Drop the request's share of this step, if it has one."""
+        entry = next((s for s in scheduled if s.request_id == request.request_id), None)
+        if entry is not None:
+            scheduled.remove(entry)
+            self.num_draft_tokens -= len(entry.spec_token_ids)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
