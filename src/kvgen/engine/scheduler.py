@@ -141,10 +141,14 @@ class Scheduler:
                 continue
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
             drafts = self._drafts(request, budget) if num_new == request.num_tokens - request.num_computed_tokens == 1 else []
+            num_preempted = len(preempted)
             if self._allocate_or_preempt(request, num_new + len(drafts), scheduled, preempted):  # else preempted
                 scheduled.append(self._scheduled_request(request, num_new, drafts))
             i = len(scheduled)  # running[:i] are this step's scheduled requests (preemptions shift the rest left)
-            budget = limit - sum(len(s.token_ids) for s in scheduled)  # an unscheduled victim's tokens come back
+            if len(preempted) > num_preempted:  # a victim scheduled earlier this step gives its tokens back
+                budget = limit - sum(len(s.token_ids) for s in scheduled)
+            else:
+                budget -= num_new + len(drafts)
         return budget
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
