@@ -60,6 +60,17 @@ def _has_sliding_layers(cfg: dict[str, Any]) -> bool:
     return "sliding_attention" in layer_types
 
 
+def _smollm3_slides(cfg: dict[str, Any], no_rope_layers: Any) -> bool:
+    """Whether transformers 4.55 slides any SmolLM3 layer: its ``layer_types`` (absent: ``sliding_attention`` for the
+    NoPE layers when ``use_sliding_window`` and a ``sliding_window``) name a sliding layer, and its mask then takes
+    ``sliding_window`` whatever ``use_sliding_window`` says (``create_sliding_window_causal_mask``; the attention's own
+    ``sliding_window``, which only flash attention reads, follows ``use_sliding_window``)."""
+    window, layer_types = cfg.get("sliding_window"), cfg.get("layer_types")
+    if layer_types is None:
+        return bool(cfg.get("use_sliding_window")) and window is not None and 0 in (no_rope_layers or [])
+    return "sliding_attention" in layer_types and (window is not None or bool(cfg.get("use_sliding_window")))
+
+
 def llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """What Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite and ERNIE 4.5 change of a Llama (Granite: only its
     multipliers, read as the config's own fields with GraniteConfig's defaults of 1.0; ERNIE 4.5: ``use_bias`` for
@@ -97,12 +108,12 @@ def llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]
         bias = bool(cfg.get("use_bias", False))
         changes |= {"attention_bias": bias, "mlp_bias": bias}
     if model_type == "smollm3":  # NoPE layers; sliding-window layers are refused
-        if cfg.get("use_sliding_window") and "sliding_attention" in (cfg.get("layer_types") or []):
-            raise UnsupportedArchitectureError("smollm3 with sliding-window layers is not supported")
         if cfg.get("no_rope_layers") is None:
             interval = positive_int("no_rope_layer_interval", cfg.get("no_rope_layer_interval", 4))
             changes["no_rope_layers"] = no_rope_every(interval, positive_int("num_hidden_layers",
                                                                               cfg["num_hidden_layers"]))
+        if _smollm3_slides(cfg, changes.get("no_rope_layers", cfg.get("no_rope_layers"))):
+            raise UnsupportedArchitectureError("smollm3 with sliding-window layers is not supported")
     window = cfg.get("sliding_window") if model_type in ("mistral", "phi3", "mixtral") else None
     if window is not None and positive_int("sliding_window", window) < positive_int(
             "max_position_embeddings", cfg.get("max_position_embeddings", 2048)):

@@ -77,6 +77,38 @@ def test_mistral_sliding_window_bounds_the_context_and_qwen2_windows_are_refused
         assert ModelConfig.from_hf_dict(qwen2 | no_sliding).max_position_embeddings == 128
 
 
+def test_smollm3_sliding_layers_are_refused_as_transformers_slides_them():
+    """transformers 4.55 slides the SmolLM3 layers its ``layer_types`` name ``sliding_attention`` (absent: the NoPE
+    layers, given ``use_sliding_window`` and a ``sliding_window``) by ``sliding_window`` even with
+    ``use_sliding_window`` false (its mask reads the config's window): both configs are refused by name (kvgen ran
+    them without a window), while those where no layer slides load."""
+    import transformers
+
+    from kvgen.config import ModelConfig
+    from kvgen.errors import UnsupportedArchitectureError
+
+    base = {"model_type": "smollm3", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+            "no_rope_layers": [1, 0], "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    given = {"use_sliding_window": False, "sliding_window": 4, "layer_types": ["full_attention", "sliding_attention"]}
+    ids = torch.arange(3, 23)[None]  # [1, 20]: past the window
+    logits = []
+    for layer_types in (given["layer_types"], ["full_attention"] * 2):
+        torch.manual_seed(0)
+        ref = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**base | given | {"layer_types": layer_types}))
+        with torch.inference_mode():
+            logits.append(ref.eval()(ids).logits)  # [1, 20, V]
+    assert float((logits[0] - logits[1]).abs().max()) > 1e-3  # the reference slides layer 1
+    derived = {"use_sliding_window": True, "sliding_window": 4}  # layer_types absent: the NoPE layer 1 slides
+    assert transformers.SmolLM3Config(**base | derived).layer_types == given["layer_types"]
+    for sliding in (given, derived):
+        with pytest.raises(UnsupportedArchitectureError, match="smollm3 with sliding-window layers"):
+            ModelConfig.from_hf_dict(base | sliding)
+    for plain in ({"use_sliding_window": False, "sliding_window": 4}, {"use_sliding_window": True}):
+        assert "sliding_attention" not in transformers.SmolLM3Config(**base | plain).layer_types
+        assert ModelConfig.from_hf_dict(base | plain).no_rope_layers == [1, 0]
+
+
 def test_default_model_logits_match_transformers(ours_default, hf_default):
     model, tok = ours_default
     rows = [tok.encode(t) for t in ["The capital of France is", "def fibonacci(n):\n    ", "Hi"]]
