@@ -68,7 +68,8 @@ def _smollm3_slides(cfg: dict[str, Any], no_rope_layers: Any) -> bool:
     window, layer_types = cfg.get("sliding_window"), cfg.get("layer_types")
     if layer_types is None:
         return bool(cfg.get("use_sliding_window")) and window is not None and 0 in (no_rope_layers or [])
-    return "sliding_attention" in layer_types and (window is not None or bool(cfg.get("use_sliding_window")))
+    return isinstance(layer_types, list) and "sliding_attention" in layer_types and (  # else ModelConfig names it
+        window is not None or bool(cfg.get("use_sliding_window")))
 
 
 def llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
