@@ -259,6 +259,7 @@ def test_rope_settings_of_the_wrong_kind_are_named(config: dict, message: str) -
     (TINY_LLAMA | {"layer_types": 1}, "layer_types must hold one of"),
     (TINY_LLAMA | {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh", "layer_types": 5},
      "layer_types must hold one of"),
+    (TINY_LLAMA | {"model_type": "smollm3", "layer_types": 5}, "layer_types must hold one of"),
     (TINY_LLAMA | {"model_type": "mistral", "num_attention_heads": 0}, "num_attention_heads must be positive, got 0"),
     (TINY_LLAMA | {"model_type": "qwen3_moe", "num_experts": 4, "mlp_only_layers": "x"},
      "mlp_only_layers must be a list of layer indices, got 'x'"),
