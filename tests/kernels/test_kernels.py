@@ -863,3 +863,14 @@ def test_mxfp4_records_hold_every_exponent_float16_can():
         if OPS.backend == "avx2":
             with pytest.raises(RuntimeError, match="outside float16"):
                 OPS.repack_gguf([bad], 11)
+
+
+def test_rms_norm_reads_a_strided_weight_as_its_values():
+    """A weight that is a view with a stride (every other value of a longer vector) is read value by value, as
+    torch's rms_norm reads it (the C++ op read the first C floats behind its data pointer instead)."""
+    g = torch.Generator().manual_seed(40)
+    x, longer = torch.randn(3, 64, generator=g), torch.randn(128, generator=g)
+    weight = longer[::2]  # [64], stride 2
+    want = torch.nn.functional.rms_norm(x, (64,), weight.contiguous(), 1e-5)
+    for ops in (OPS, REF):
+        torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), want)

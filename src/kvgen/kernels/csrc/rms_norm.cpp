@@ -28,9 +28,10 @@ inline void norm_row(const float* x, const float* w, float* y, int64_t C, float 
 
 }  // namespace
 
-at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
-  TORCH_CHECK(x_in.dtype() == at::kFloat && w.dtype() == at::kFloat && x_in.dim() == 2, "kvgen.rms_norm: float32 [M, C]");
-  const at::Tensor x = x_in.contiguous();
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+  TORCH_CHECK(x_in.dtype() == at::kFloat && w_in.dtype() == at::kFloat && x_in.dim() == 2,
+              "kvgen.rms_norm: float32 [M, C]");
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();  // a strided weight (a view) read as its values
   const int64_t M = x.size(0), C = x.size(1);
   TORCH_CHECK(w.numel() == C && C % 8 == 0, "kvgen.rms_norm: weight must be [C] with C % 8 == 0");
   at::Tensor out = at::empty_like(x);
