@@ -874,3 +874,16 @@ def test_rms_norm_reads_a_strided_weight_as_its_values():
     want = torch.nn.functional.rms_norm(x, (64,), weight.contiguous(), 1e-5)
     for ops in (OPS, REF):
         torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), want)
+
+
+@needs_avx2
+def test_head_ops_refuse_negative_head_counts():
+    """rms_norm_heads_ and rope_qkv_ with a negative head count whose (H + 2 Hkv) D still matches the row width (6 and
+    -1 heads: 4 x 16 = 64) raise instead of walking H + Hkv = 5 heads of 16 over rows of 64 (heap corruption)."""
+    qkv = torch.randn(3, 64)
+    before = qkv.clone()
+    with pytest.raises(RuntimeError, match="num_heads and num_kv_heads must be >= 0, got 6 and -1"):
+        OPS.rms_norm_heads_(qkv, torch.ones(16), torch.ones(16), 1e-6, 6, -1)
+    with pytest.raises(RuntimeError, match="num_heads and num_kv_heads must be >= 0, got 6 and -1"):
+        OPS.rope_qkv_(qkv, torch.randn(3, 16), torch.randn(3, 16), 6, -1)
+    assert torch.equal(qkv, before)

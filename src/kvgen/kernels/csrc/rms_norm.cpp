@@ -50,6 +50,8 @@ void rms_norm_heads_(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tens
               "kvgen.rms_norm_heads_: qkv float32 [N, W] contiguous");
   TORCH_CHECK(q_weight.dtype() == at::kFloat && k_weight.dtype() == at::kFloat && q_weight.is_contiguous() &&
                   k_weight.is_contiguous(), "kvgen.rms_norm_heads_: weights float32 [D] contiguous");
+  TORCH_CHECK(num_heads >= 0 && num_kv_heads >= 0, "kvgen.rms_norm_heads_: num_heads and num_kv_heads must be >= 0, ",
+              "got ", num_heads, " and ", num_kv_heads);  // a negative count would walk past the row
   const int64_t N = qkv.size(0), W = qkv.size(1), D = q_weight.numel();
   TORCH_CHECK(k_weight.numel() == D && D % 8 == 0 && W == (num_heads + 2 * num_kv_heads) * D,
               "kvgen.rms_norm_heads_: width ", W, " != (H + 2 Hkv) * D with D = ", D, " (D % 8 == 0)");
