@@ -887,3 +887,23 @@ def test_head_ops_refuse_negative_head_counts():
     with pytest.raises(RuntimeError, match="num_heads and num_kv_heads must be >= 0, got 6 and -1"):
         OPS.rope_qkv_(qkv, torch.randn(3, 16), torch.randn(3, 16), 6, -1)
     assert torch.equal(qkv, before)
+
+
+@needs_avx2
+def test_attention_ops_refuse_empty_kv_heads_blocks_or_batch():
+    """Zero KV heads, a zero block size, an empty batch of caches or a negative num_heads raise a RuntimeError
+    naming the shapes (they divided by zero or wrote outside the output: the process died)."""
+    q, none = torch.randn(1, 2, 1, 8), torch.randn(1, 0, 1, 8)  # q [B, H, T, D]; k, v with no KV head
+    with pytest.raises(RuntimeError, match="kvgen.attention: shapes"):
+        OPS.attention(q, none, none, None, 0, 1.0)
+    one_kv = torch.zeros(1, 1, 4, 8)  # caches [B, Hkv, S_max, D]
+    for caches, heads in ((torch.zeros(0, 1, 4, 8), 2), (torch.zeros(1, 0, 4, 8), 2), (one_kv, -2)):
+        qkv = torch.randn(caches.shape[0], max(0, (heads + 2 * caches.shape[1]) * 8))
+        with pytest.raises(RuntimeError, match="need B >= 1 and Hkv >= 1, and num_heads >= 1"):
+            OPS.static_attention(qkv, caches, caches.clone(), None, 0, heads, 1.0)
+    table, qsl, lens = torch.zeros(1, 1, dtype=torch.long), torch.tensor([0, 1]), torch.tensor([1])
+    for pool in (torch.zeros(1, 0, 4, 8), torch.zeros(1, 1, 0, 8)):  # pools [num_blocks, Hkv, block_size, D]
+        with pytest.raises(RuntimeError, match="do not fit 2 heads of 8"):
+            OPS.paged_attention(torch.randn(1, 2, 8), pool, pool, table, qsl, lens, 1.0)
+    with pytest.raises(RuntimeError, match="do not fit -2 heads of 8"):
+        OPS.paged_attention_qkv(torch.randn(1, 0), one_kv, one_kv.clone(), torch.tensor([0]), table, qsl, lens, -2, 1.0)
