@@ -907,3 +907,15 @@ def test_attention_ops_refuse_empty_kv_heads_blocks_or_batch():
             OPS.paged_attention(torch.randn(1, 2, 8), pool, pool, table, qsl, lens, 1.0)
     with pytest.raises(RuntimeError, match="do not fit -2 heads of 8"):
         OPS.paged_attention_qkv(torch.randn(1, 0), one_kv, one_kv.clone(), torch.tensor([0]), table, qsl, lens, -2, 1.0)
+
+
+def test_mixed_weight_refuses_a_header_walking_outside_its_bytes():
+    """A MIXED header whose byte total matches but whose first segment has -1 groups: the C++ op placed the second
+    segment 272 bytes back and read before the data; now it raises naming the segment (the twin: torch's split)."""
+    head = torch.tensor([2, 1, K.Q8, -1, K.Q4, 3, 0, 0], dtype=torch.int64)  # 2 segments of 1 block: Q8 x -1, Q4 x 3
+    blob = torch.cat([head.view(torch.uint8), torch.zeros(3 * 160 - 272, dtype=torch.uint8)])
+    with pytest.raises(RuntimeError, match="non-negative"):
+        REF.qgemm(torch.randn(1, 32), blob, K.MIXED, 16, None)
+    if OPS.backend == "avx2":
+        with pytest.raises(RuntimeError, match="mixed weight segment 0 has -1 groups of 1 blocks"):
+            OPS.qgemm(torch.randn(1, 32), blob, K.MIXED, 16, None)
