@@ -863,3 +863,59 @@ def test_mxfp4_records_hold_every_exponent_float16_can():
         if OPS.backend == "avx2":
             with pytest.raises(RuntimeError, match="outside float16"):
                 OPS.repack_gguf([bad], 11)
+
+
+def test_rms_norm_reads_a_strided_weight_as_its_values():
+    """A weight that is a view with a stride (every other value of a longer vector) is read value by value, as
+    torch's rms_norm reads it (the C++ op read the first C floats behind its data pointer instead)."""
+    g = torch.Generator().manual_seed(40)
+    x, longer = torch.randn(3, 64, generator=g), torch.randn(128, generator=g)
+    weight = longer[::2]  # [64], stride 2
+    want = torch.nn.functional.rms_norm(x, (64,), weight.contiguous(), 1e-5)
+    for ops in (OPS, REF):
+        torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), want)
+
+
+@needs_avx2
+def test_head_ops_refuse_negative_head_counts():
+    """rms_norm_heads_ and rope_qkv_ with a negative head count whose (H + 2 Hkv) D still matches the row width (6 and
+    -1 heads: 4 x 16 = 64) raise instead of walking H + Hkv = 5 heads of 16 over rows of 64 (heap corruption)."""
+    qkv = torch.randn(3, 64)
+    before = qkv.clone()
+    with pytest.raises(RuntimeError, match="num_heads and num_kv_heads must be >= 0, got 6 and -1"):
+        OPS.rms_norm_heads_(qkv, torch.ones(16), torch.ones(16), 1e-6, 6, -1)
+    with pytest.raises(RuntimeError, match="num_heads and num_kv_heads must be >= 0, got 6 and -1"):
+        OPS.rope_qkv_(qkv, torch.randn(3, 16), torch.randn(3, 16), 6, -1)
+    assert torch.equal(qkv, before)
+
+
+@needs_avx2
+def test_attention_ops_refuse_empty_kv_heads_blocks_or_batch():
+    """Zero KV heads, a zero block size, an empty batch of caches or a negative num_heads raise a RuntimeError
+    naming the shapes (they divided by zero or wrote outside the output: the process died)."""
+    q, none = torch.randn(1, 2, 1, 8), torch.randn(1, 0, 1, 8)  # q [B, H, T, D]; k, v with no KV head
+    with pytest.raises(RuntimeError, match="kvgen.attention: shapes"):
+        OPS.attention(q, none, none, None, 0, 1.0)
+    one_kv = torch.zeros(1, 1, 4, 8)  # caches [B, Hkv, S_max, D]
+    for caches, heads in ((torch.zeros(0, 1, 4, 8), 2), (torch.zeros(1, 0, 4, 8), 2), (one_kv, -2)):
+        qkv = torch.randn(caches.shape[0], max(0, (heads + 2 * caches.shape[1]) * 8))
+        with pytest.raises(RuntimeError, match="need B >= 1 and Hkv >= 1, and num_heads >= 1"):
+            OPS.static_attention(qkv, caches, caches.clone(), None, 0, heads, 1.0)
+    table, qsl, lens = torch.zeros(1, 1, dtype=torch.long), torch.tensor([0, 1]), torch.tensor([1])
+    for pool in (torch.zeros(1, 0, 4, 8), torch.zeros(1, 1, 0, 8)):  # pools [num_blocks, Hkv, block_size, D]
+        with pytest.raises(RuntimeError, match="do not fit 2 heads of 8"):
+            OPS.paged_attention(torch.randn(1, 2, 8), pool, pool, table, qsl, lens, 1.0)
+    with pytest.raises(RuntimeError, match="do not fit -2 heads of 8"):
+        OPS.paged_attention_qkv(torch.randn(1, 0), one_kv, one_kv.clone(), torch.tensor([0]), table, qsl, lens, -2, 1.0)
+
+
+def test_mixed_weight_refuses_a_header_walking_outside_its_bytes():
+    """A MIXED header whose byte total matches but whose first segment has -1 groups: the C++ op placed the second
+    segment 272 bytes back and read before the data; now it raises naming the segment (the twin: torch's split)."""
+    head = torch.tensor([2, 1, K.Q8, -1, K.Q4, 3, 0, 0], dtype=torch.int64)  # 2 segments of 1 block: Q8 x -1, Q4 x 3
+    blob = torch.cat([head.view(torch.uint8), torch.zeros(3 * 160 - 272, dtype=torch.uint8)])
+    with pytest.raises(RuntimeError, match="non-negative"):
+        REF.qgemm(torch.randn(1, 32), blob, K.MIXED, 16, None)
+    if OPS.backend == "avx2":
+        with pytest.raises(RuntimeError, match="mixed weight segment 0 has -1 groups of 1 blocks"):
+            OPS.qgemm(torch.randn(1, 32), blob, K.MIXED, 16, None)

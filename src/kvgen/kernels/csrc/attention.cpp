@@ -965,8 +965,8 @@ void check_paged(const at::Tensor& k_pool, const at::Tensor& v_pool, const at::T
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.dtype() == v_pool.dtype() &&
                   (k_pool.dtype() == at::kFloat || k_pool.dtype() == at::kHalf || k_pool.dtype() == at::kChar) &&
                   k_pool.is_contiguous() &&
-                  v_pool.is_contiguous() && k_pool.size(3) == D && D % 8 == 0 && H % k_pool.size(1) == 0 &&
-                  H / k_pool.size(1) <= 64,
+                  v_pool.is_contiguous() && k_pool.size(3) == D && D % 8 == 0 && k_pool.size(1) >= 1 &&
+                  k_pool.size(2) >= 1 && H >= 1 && H % k_pool.size(1) == 0 && H / k_pool.size(1) <= 64,
               "kvgen.paged_attention: contiguous float16/float32/int8 pools [num_blocks, Hkv, block_size, D] ", k_pool.sizes(),
               " do not fit ", H, " heads of ", D);
   TORCH_CHECK(tables.dim() == 2 && qsl.dim() == 1 && lens.dim() == 1 && qsl.numel() == lens.numel() + 1 &&
@@ -1006,7 +1006,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "kvgen.attention: q [B, H, T, D], k/v [B, Hkv, S, D]");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1), S = k.size(2);
   check_qkv(q, k, v, D);
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D && H % Hkv == 0 && H / Hkv <= 64,
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D && Hkv >= 1 && H % Hkv == 0 && H / Hkv <= 64,
               "kvgen.attention: shapes q ", q.sizes(), " k ", k.sizes(), " v ", v.sizes());
   TORCH_CHECK(past_len >= 0 && past_len + q.size(2) <= S, "kvgen.attention: past_len ", past_len, " + T exceeds S=", S);
   TORCH_CHECK(window >= 0, "kvgen.attention: window must be >= 0 (0: none), got ", window);
@@ -1038,6 +1038,8 @@ at::Tensor static_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
               "kvgen.static_attention: qkv float32 [B*T, W] contiguous, caches [B, Hkv, S_max, D] float16/float32/int8");
   const auto [ks, vs] = row_scales(k_cache, k_scale, v_scale, "static_attention");
   const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), S_max = k_cache.size(2), D = k_cache.size(3);
+  TORCH_CHECK(B >= 1 && Hkv >= 1 && num_heads >= 1, "kvgen.static_attention: caches ", k_cache.sizes(),
+              " need B >= 1 and Hkv >= 1, and num_heads >= 1, got ", num_heads);  // (N / B, H % Hkv below)
   const int64_t N = qkv.size(0), T = N / B, H = num_heads;
   TORCH_CHECK(N == B * T && qkv.size(1) == (H + 2 * Hkv) * D && D % 8 == 0 && H % Hkv == 0 && H / Hkv <= 64,
               "kvgen.static_attention: qkv ", qkv.sizes(), " does not fit caches ", k_cache.sizes(), " with ", H, " heads");

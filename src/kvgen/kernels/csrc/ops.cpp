@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -101,6 +102,9 @@ std::vector<Segment> segments_of(const at::Tensor& weight, int64_t weight_type, 
     TORCH_CHECK(type >= kQ4 && type <= kIQ1M && type != kMixed && type != kF16 && type != kBF16,
                 "kvgen: mixed weight segment of type ", type, " (quantized segments share the activations)");
     TORCH_CHECK(nb % record_blocks(type) == 0, "kvgen: mixed weight of ", nb, " blocks has a super-block segment");
+    // a negative count would move the next segment's start before the data (the byte total can still match)
+    TORCH_CHECK(groups >= 0 && groups <= std::numeric_limits<int64_t>::max() / record_bytes(type) / nb,
+                "kvgen: mixed weight segment ", i, " has ", groups, " groups of ", nb, " blocks");
     segs.push_back(segment(type, G, G + groups, p));
     p += groups * nb * segs.back().rec;
     G += groups;

@@ -28,9 +28,10 @@ inline void norm_row(const float* x, const float* w, float* y, int64_t C, float 
 
 }  // namespace
 
-at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
-  TORCH_CHECK(x_in.dtype() == at::kFloat && w.dtype() == at::kFloat && x_in.dim() == 2, "kvgen.rms_norm: float32 [M, C]");
-  const at::Tensor x = x_in.contiguous();
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+  TORCH_CHECK(x_in.dtype() == at::kFloat && w_in.dtype() == at::kFloat && x_in.dim() == 2,
+              "kvgen.rms_norm: float32 [M, C]");
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();  // a strided weight (a view) read as its values
   const int64_t M = x.size(0), C = x.size(1);
   TORCH_CHECK(w.numel() == C && C % 8 == 0, "kvgen.rms_norm: weight must be [C] with C % 8 == 0");
   at::Tensor out = at::empty_like(x);
@@ -49,6 +50,8 @@ void rms_norm_heads_(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tens
               "kvgen.rms_norm_heads_: qkv float32 [N, W] contiguous");
   TORCH_CHECK(q_weight.dtype() == at::kFloat && k_weight.dtype() == at::kFloat && q_weight.is_contiguous() &&
                   k_weight.is_contiguous(), "kvgen.rms_norm_heads_: weights float32 [D] contiguous");
+  TORCH_CHECK(num_heads >= 0 && num_kv_heads >= 0, "kvgen.rms_norm_heads_: num_heads and num_kv_heads must be >= 0, ",
+              "got ", num_heads, " and ", num_kv_heads);  // a negative count would walk past the row
   const int64_t N = qkv.size(0), W = qkv.size(1), D = q_weight.numel();
   TORCH_CHECK(k_weight.numel() == D && D % 8 == 0 && W == (num_heads + 2 * num_kv_heads) * D,
               "kvgen.rms_norm_heads_: width ", W, " != (H + 2 Hkv) * D with D = ", D, " (D % 8 == 0)");

@@ -12,6 +12,8 @@ namespace kvgen {
 
 void rope_qkv_(at::Tensor& qkv, const at::Tensor& cos_in, const at::Tensor& sin_in, int64_t num_heads, int64_t num_kv_heads) {
   TORCH_CHECK(qkv.dtype() == at::kFloat && qkv.dim() == 2 && qkv.is_contiguous(), "kvgen.rope_qkv_: qkv float32 [N, W] contiguous");
+  TORCH_CHECK(num_heads >= 0 && num_kv_heads >= 0, "kvgen.rope_qkv_: num_heads and num_kv_heads must be >= 0, got ",
+              num_heads, " and ", num_kv_heads);  // a negative count would walk past the row
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
   const int64_t N = qkv.size(0), W = qkv.size(1), R = cos.size(-1), half = R / 2, heads = num_heads + 2 * num_kv_heads;
   TORCH_CHECK(heads > 0 && W % heads == 0, "kvgen.rope_qkv_: width ", W, " is not (H + 2 Hkv) * D");
