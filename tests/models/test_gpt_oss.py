@@ -16,6 +16,7 @@ import torch
 from helpers import (
     assert_batch_matches_transformers,
     assert_greedy_on_every_cache,
+    assert_same,
     hf_greedy,
     model_logits,
     tiny_gpt_oss,
@@ -124,6 +125,24 @@ def test_gpt_oss_sinks_clamp_and_routing_each_matter(gpt_oss, monkeypatch):
 
     monkeypatch.setattr(moe, "route_top_k_softmax", softmax_then_top_k)
     assert far(ours)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpt_oss_16_bit_norms_are_transformers(gpt_oss, dtype):
+    """Loaded in a 16-bit dtype (the float path), every RMSNorm (each layer's two and the final one) gives
+    transformers' GptOssRMSNorm bits on the same rows: the product by the weight in float32, rounded once (Llama's
+    order rounds the normalized rows before the product too, which moved routes and bfloat16 logits far from
+    transformers')."""
+    ref, f32, _ = gpt_oss
+    ours = build_model(*load_hf_directory(f32, dtype=dtype), dtype)
+    ref16 = copy.deepcopy(ref).to(dtype)
+    pairs = [(ours.model.norm, ref16.model.norm)] + [
+        (getattr(mine, name), getattr(theirs, name)) for mine, theirs in zip(ours.model.layers, ref16.model.layers)
+        for name in ("input_layernorm", "post_attention_layernorm")]
+    x = (torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(5)) * 30).to(dtype)  # a residual's scale
+    with torch.inference_mode():
+        for mine, theirs in pairs:
+            assert_same(mine(x), theirs(x))
 
 
 def test_gpt_oss_16_bit_kernels_match_transformers(gpt_oss):

@@ -4,8 +4,9 @@ What it changes of a Llama (transformers 4.55 ``GptOssForCausalLM``, the referen
 ``LLM_ARCH_OPENAI_MOE``): q/k/v/o biases; a learned attention sink per head (``self_attn.sinks`` [H]: one more logit
 in each head's softmax, its probability dropped); ``layer_types`` alternating sliding-window (``sliding_window``
 tokens) and full attention; YaRN RoPE; every layer a mixture of experts (:class:`kvgen.models.moe.GptOssMoeBlock`:
-a biased router, top-k of its logits softmaxed, experts with biases and a clamped GLU). Layers run one by one on both
-paths (the one-op decoder computes dense layers only).
+a biased router, top-k of its logits softmaxed, experts with biases and a clamped GLU); RMSNorms that multiply by
+their weight in float32 before the cast (:class:`GptOssRMSNorm`). Layers run one by one on both paths (the one-op
+decoder computes dense layers only).
 """
 
 from __future__ import annotations
@@ -14,9 +15,15 @@ import torch
 from torch import nn
 
 from kvgen.config import ModelConfig
-from kvgen.models.layers import RMSNorm
+from kvgen.models.gemma3 import GemmaRMSNorm
 from kvgen.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from kvgen.models.moe import GptOssMoeBlock
+
+
+class GptOssRMSNorm(GemmaRMSNorm):
+    """gpt-oss's RMSNorm: x [..., C] -> [..., C] in x's dtype, the normalization and the product by ``weight`` (w
+    itself) in float32, cast last (transformers ``GptOssRMSNorm``: ``(w * x).to(dtype)``; Llama's casts x before the
+    product, a second rounding in a 16-bit dtype). Gemma's computation, with no ``1 + w`` offset at load."""
 
 
 class GptOssAttention(LlamaAttention):
@@ -37,8 +44,8 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
         nn.Module.__init__(self)
         self.self_attn = GptOssAttention(config, layer_idx)
         self.mlp = GptOssMoeBlock(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.kernels = None
 
 
@@ -46,3 +53,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     """gpt-oss decoder with its LM head; ``LlamaForCausalLM``'s forward (sliding layers get the windowed mask)."""
 
     layer_cls = GptOssDecoderLayer
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.model.norm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
