@@ -447,14 +447,15 @@ def test_a_block_count_beyond_the_file_is_refused_before_building_layers(tmp_pat
         load_gguf(tmp_path / "t.gguf")
 
 
-def _set_tensor_offset(path: Path, name: str, offset: int) -> None:
-    """Overwrite tensor ``name``'s data offset (relative to the data section) in its tensor info."""
+def _set_tensor_info(path: Path, name: str, part_index: int, value: int, num_bytes: int) -> None:
+    """Overwrite one little-endian field of tensor ``name``'s info in the file: ``part_index`` -1 its data offset
+    (uint64, relative to the data section), -2 its type (uint32)."""
     reader = open_gguf(path)
-    part = next(t for t in reader.tensors if t.name == name).field.parts[-1]  # uint64[1], a view of the file
+    part = next(t for t in reader.tensors if t.name == name).field.parts[part_index]  # a view of the file
     at = part.__array_interface__["data"][0] - reader.data.__array_interface__["data"][0]
     del reader, part
     data = bytearray(path.read_bytes())
-    data[at : at + 8] = offset.to_bytes(8, "little")
+    data[at : at + num_bytes] = value.to_bytes(num_bytes, "little")
     path.write_bytes(bytes(data))
 
 
@@ -462,21 +463,10 @@ def _set_tensor_offset(path: Path, name: str, offset: int) -> None:
 def test_a_bad_tensor_offset_is_refused_naming_the_tensor(tmp_path: Path, offset: int) -> None:
     """An offset of 2^64 - 64 read bytes before the data section (NaN logits); an unaligned one was read as is."""
     _write_llama(tmp_path / "t.gguf")
-    _set_tensor_offset(tmp_path / "t.gguf", "blk.1.ffn_up.weight", offset)
+    _set_tensor_info(tmp_path / "t.gguf", "blk.1.ffn_up.weight", -1, offset, 8)
     with pytest.raises(ModelFormatError, match=rf"tensor 'blk.1.ffn_up.weight' has data offset {offset}, which is "
                                                rf"not a multiple of the alignment 32 or runs past the end"):
         load_gguf(tmp_path / "t.gguf")
-
-
-def _set_tensor_type(path: Path, name: str, qtype: GGMLQuantizationType) -> None:
-    """Overwrite tensor ``name``'s type in its tensor info (its data stays as written)."""
-    reader = open_gguf(path)
-    part = next(t for t in reader.tensors if t.name == name).field.parts[-2]  # uint32[1], a view of the file
-    at = part.__array_interface__["data"][0] - reader.data.__array_interface__["data"][0]
-    del reader, part
-    data = bytearray(path.read_bytes())
-    data[at : at + 4] = int(qtype).to_bytes(4, "little")
-    path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q4_0], ids=lambda q: q.name)
@@ -484,7 +474,7 @@ def test_a_tensor_type_that_does_not_match_its_data_is_refused(tmp_path: Path, q
     """A Q8_0 tensor relabelled F32 read 4x its bytes, into the next tensors' (Q4_0: half of them), and loaded; as
     llama.cpp's gguf_init_from_file, each tensor must start where the one before it ends."""
     _write_llama(tmp_path / "t.gguf", {"blk.0.ffn_up.weight": Q.Q8_0})
-    _set_tensor_type(tmp_path / "t.gguf", "blk.0.ffn_up.weight", qtype)
+    _set_tensor_info(tmp_path / "t.gguf", "blk.0.ffn_up.weight", -2, int(qtype), 4)
     with pytest.raises(ModelFormatError, match=rf"tensor 'blk.0.ffn_down.weight' has data offset \d+, but the tensor "
                                                rf"before it, 'blk.0.ffn_up.weight' \({qtype.name}, shape \[{I}, {C}\]"):
         load_gguf(tmp_path / "t.gguf")
