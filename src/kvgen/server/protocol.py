@@ -418,6 +418,8 @@ class EmbeddingRequest(StrictModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=MAX_INT32,
+                                               description="vLLM extra: embed each input's last k tokens; -1: max_model_len")
 
     @field_validator("input", mode="before")
     @classmethod
