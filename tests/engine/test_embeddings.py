@@ -97,6 +97,26 @@ def test_embedding_refusals() -> None:
         LLM(tiny.ours, None, pooling_type="max")
 
 
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_truncate_prompt_tokens_embeds_the_last_k_tokens(pooling: str) -> None:
+    """vLLM's ``PoolingParams.truncate_prompt_tokens``: k keeps the prompt's last k tokens, -1 its last
+    ``max_model_len``, before the length check; 0 and k above ``max_model_len`` are refused."""
+    tiny = make_tiny_model("llama", std=0.5, max_position_embeddings=16)
+    llm = LLM(tiny.ours, None, pooling_type=pooling)
+    out = llm.embed(PROMPTS[0], PoolingParams(truncate_prompt_tokens=3))[0]
+    assert out.prompt_token_ids == PROMPTS[0][-3:]
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding), _reference(tiny.ref, PROMPTS[0][-3:], pooling),
+                               rtol=1e-5, atol=1e-5)
+    long = list(range(1, 21))  # 20 tokens, over max_model_len 16
+    out = llm.embed(long, PoolingParams(truncate_prompt_tokens=-1))[0]
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding), _reference(tiny.ref, long[-16:], pooling),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens must be -1 or <= max_model_len \(16\), got 17"):
+        llm.embed(long, PoolingParams(truncate_prompt_tokens=17))
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens must be -1 or an int in \[1, 2147483647\], got 0"):
+        PoolingParams(truncate_prompt_tokens=0)
+
+
 def test_the_model_names_its_pooling(tmp_path: Path) -> None:
     """A GGUF file's ``pooling_type`` key (llama.cpp's enum) and a sentence-transformers directory's pooling
     config set the default; EngineArgs.pooling_type wins over both."""

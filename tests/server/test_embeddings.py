@@ -49,6 +49,21 @@ def test_json_float_and_base64_carry_the_same_values(server, tiny_tokenizer):
     assert floats["usage"] == {"prompt_tokens": 4, "total_tokens": 4}
 
 
+def test_truncate_prompt_tokens_embeds_each_inputs_last_tokens(client, hf_tiny, tiny_tokenizer):
+    """vLLM's extra: each input keeps its last k tokens (-1: the last max_model_len), and usage counts those."""
+    texts = ["The capital of France is", "hello world again"]
+    r = client.embeddings.create(model="tiny", input=texts, extra_body={"truncate_prompt_tokens": 2})
+    ids = [tiny_tokenizer.encode(t)[-2:] for t in texts]
+    assert r.usage.prompt_tokens == 4
+    for data, prompt in zip(r.data, ids, strict=True):
+        torch.testing.assert_close(torch.tensor(data.embedding), _expected(hf_tiny, prompt), rtol=1e-5, atol=1e-5)
+    long = [7, 8] * 1100  # 2200 tokens, over the 2048-token context
+    r = client.embeddings.create(model="tiny", input=[long], extra_body={"truncate_prompt_tokens": -1})
+    assert r.usage.prompt_tokens == 2048
+    torch.testing.assert_close(torch.tensor(r.data[0].embedding), _expected(hf_tiny, long[-2048:]), rtol=1e-4,
+                               atol=1e-4)
+
+
 @pytest.mark.parametrize(("body", "param", "message"), [
     ({"input": []}, "input", "non-empty list"),
     ({"input": [5, 100000]}, "input", "prompt_token_ids must be in"),
@@ -60,6 +75,8 @@ def test_json_float_and_base64_carry_the_same_values(server, tiny_tokenizer):
     ({"input": ["a"] * 2049}, "input", "input holds at most 2048 inputs, got 2049"),
     ({"input": ""}, "input", "input is empty"),
     ({"input": ["a", ""]}, "input", "input 1 is empty"),
+    ({"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "got 0"),
+    ({"input": "a", "truncate_prompt_tokens": 2049}, "truncate_prompt_tokens", "<= max_model_len (2048), got 2049"),
 ])
 def test_bad_embedding_requests_are_400_naming_the_field(server, client, body, param, message):
     r = httpx.post(server.v1 + "/embeddings", json=body, timeout=30)

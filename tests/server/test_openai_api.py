@@ -461,3 +461,21 @@ def test_chat_continue_final_message_and_template_kwargs(client, tiny_tokenizer)
     assert r.usage.prompt_tokens == len(ids) and tiny_tokenizer.decode(ids).endswith("Red, green and")
     plain = client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body={"add_generation_prompt": False}, **GREEDY)
     assert plain.usage.prompt_tokens == len(tiny_tokenizer.apply_chat_template(MESSAGES, tokenize=True))
+
+
+def test_tokenize_takes_vllms_chat_fields_and_return_token_strs(server, tiny_model_dir):
+    """vLLM's /tokenize: ``return_token_strs`` adds each id's vocabulary string (transformers'
+    ``convert_ids_to_tokens``); ``messages`` render with ``continue_final_message`` (no generation prompt then)."""
+    import transformers
+
+    ref = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "hello world", "return_token_strs": True}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == ref.encode("hello world")
+    assert body["token_strs"] == ref.convert_ids_to_tokens(body["tokens"])
+    messages = MESSAGES + [{"role": "assistant", "content": "Red, gr"}]
+    r = httpx.post(server.url + "/tokenize", json={"messages": messages, "continue_final_message": True}, timeout=30)
+    assert r.status_code == 200, r.text
+    want = ref.apply_chat_template(messages, continue_final_message=True, tokenize=True)
+    assert r.json()["tokens"] == want and r.json()["count"] == len(want)

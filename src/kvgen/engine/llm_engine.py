@@ -219,12 +219,16 @@ class LLMEngine:
                       pooling_params: PoolingParams | None = None, *, prompt_token_ids: list[int] | None = None
                       ) -> EmbeddingJob:
         """A checked :class:`EmbeddingJob` for the prompt: pooled by ``self.pooling_type``, run in chunks of
-        ``max_num_batched_tokens`` (:mod:`kvgen.engine.pooling`). Raises ``ValueError`` for a bad prompt, one longer
-        than ``max_model_len``, or ``dimensions`` over the hidden size."""
+        ``max_num_batched_tokens`` (:mod:`kvgen.engine.pooling`), after ``truncate_prompt_tokens`` (vLLM's). Raises
+        ``ValueError`` for a bad prompt, one longer than ``max_model_len``, ``truncate_prompt_tokens`` above it, or
+        ``dimensions`` over the hidden size."""
         params = pooling_params if pooling_params is not None else PoolingParams()
         if not isinstance(params, PoolingParams):
             raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
         _, ids = self._prompt_tokens(prompt, prompt_token_ids)
+        if (k := params.truncate_prompt_tokens) is not None and k > self.max_model_len:  # vLLM's _validate_truncation_size
+            raise ValueError(f"truncate_prompt_tokens must be -1 or <= max_model_len ({self.max_model_len}), got {k}")
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds max_model_len ({self.max_model_len})")
         return EmbeddingJob(self.model, request_id, ids, self.pooling_type, params,

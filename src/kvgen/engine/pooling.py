@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from kvgen.fields import check_int
 from kvgen.generation.runner import make_cache
 from kvgen.models import CausalLM
+from kvgen.sampling.params import INT32_MAX
 
 POOLING_TYPES = ("last", "mean", "cls")
 # sentence-transformers' 1_Pooling/config.json flags -> pooling type
@@ -31,17 +32,23 @@ _SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_
 class PoolingParams:
     """How one prompt's embedding is made (vLLM's ``PoolingParams`` for embeddings).
 
-    dimensions: keep the first n values (Matryoshka), None = all ``hidden_size``; normalize: unit L2 norm.
-    Raises ``ValueError`` for ``dimensions`` below 1 or a non-bool ``normalize``; the engine refuses ``dimensions``
-    above the model's hidden size.
+    dimensions: keep the first n values (Matryoshka), None = all ``hidden_size``; normalize: unit L2 norm;
+    truncate_prompt_tokens: embed only the prompt's last k tokens (-1: ``max_model_len``; None: all).
+    Raises ``ValueError`` for ``dimensions`` below 1, a non-bool ``normalize`` or ``truncate_prompt_tokens`` other
+    than -1 or [1, 2**31 - 1]; the engine refuses ``dimensions`` above the model's hidden size and
+    ``truncate_prompt_tokens`` above ``max_model_len``.
     """
 
     dimensions: int | None = None
     normalize: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.dimensions is not None:
             check_int("dimensions", self.dimensions, 1)
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k == -1 or 1 <= k <= INT32_MAX)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or an int in [1, {INT32_MAX}], got {k!r}")
         if not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be a bool, got {self.normalize!r}")
 

@@ -142,12 +142,15 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> TokenizeResponse:
     if body.prompt is not None:
         ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
-        try:
-            request = ChatCompletionRequest(model=state.model_name, messages=body.messages or [])
+        chat_fields = body.model_dump(include={"add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                                               "tools"}, exclude_unset=True)
+        try:  # rendered as a chat request with these fields would be
+            request = ChatCompletionRequest(model=state.model_name, messages=body.messages or [], **chat_fields)
         except ValidationError as e:
             raise validation_error(e.errors()) from None
-        ids = chat_prompt_ids(state, request, body.add_generation_prompt)
-    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.max_model_len)
+        ids = chat_prompt_ids(state, request)
+    token_strs = [state.tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
+    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.max_model_len, token_strs=token_strs)
 
 
 def _open_router() -> APIRouter:

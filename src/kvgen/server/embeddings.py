@@ -36,9 +36,15 @@ def encode_embedding(values: list[float], encoding_format: str) -> list[float] |
     return base64.b64encode(packed.tobytes()).decode("ascii")
 
 
+def _param_of(error: ValueError) -> str:
+    """The request field a refusal names: ``dimensions`` or ``truncate_prompt_tokens``, else ``input``."""
+    return next((name for name in ("dimensions", "truncate_prompt_tokens") if str(error).startswith(name)), "input")
+
+
 async def create_embedding(state: ServerState, body: EmbeddingRequest) -> EmbeddingResponse:
-    """The embeddings of ``body.input``, in input order. Raises a 400 ``OpenAIError`` for an empty input, token ids
-    outside the vocabulary, an input over ``max_model_len`` or ``dimensions`` over the hidden size; 404 for
+    """The embeddings of ``body.input`` (each cut to its last ``truncate_prompt_tokens``, vLLM's extra), in input
+    order. Raises a 400 ``OpenAIError`` for an empty input, token ids outside the vocabulary, an input over
+    ``max_model_len``, ``truncate_prompt_tokens`` 0 or over it, or ``dimensions`` over the hidden size; 404 for
     another model's name."""
     state.check_model(body.model)
     inputs = body.input
@@ -49,7 +55,10 @@ async def create_embedding(state: ServerState, body: EmbeddingRequest) -> Embedd
     if empty := [i for i, item in enumerate(inputs) if isinstance(item, (str, list)) and not item]:
         raise bad_request(f"input {empty[0]} is empty: every input needs a token" if len(inputs) > 1 else
                           "input is empty: it needs a token", "input")
-    params = PoolingParams(dimensions=body.dimensions)
+    try:
+        params = PoolingParams(dimensions=body.dimensions, truncate_prompt_tokens=body.truncate_prompt_tokens)
+    except ValueError as e:
+        raise bad_request(str(e), _param_of(e)) from None
     data, num_tokens, request_id, start = [], 0, new_request_id("embd"), time.monotonic()
     for index, item in enumerate(inputs):
         try:
@@ -57,8 +66,7 @@ async def create_embedding(state: ServerState, body: EmbeddingRequest) -> Embedd
         except EngineStoppedError as e:
             raise OpenAIError(503, f"the request was aborted by the server: {e}", None, "aborted") from None
         except ValueError as e:
-            raise bad_request(f"input {index}: {e}" if len(inputs) > 1 else str(e),
-                              "dimensions" if str(e).startswith("dimensions") else "input") from None
+            raise bad_request(f"input {index}: {e}" if len(inputs) > 1 else str(e), _param_of(e)) from None
         num_tokens += len(out.prompt_token_ids)
         data.append(EmbeddingData(embedding=encode_embedding(out.outputs.embedding, body.encoding_format), index=index))
     state.metrics.record_embedding(request_id, num_tokens, time.monotonic() - start)

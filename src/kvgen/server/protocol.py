@@ -418,6 +418,8 @@ class EmbeddingRequest(StrictModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=MAX_INT32,
+                                               description="vLLM extra: embed each input's last k tokens; -1: max_model_len")
 
     @field_validator("input", mode="before")
     @classmethod
@@ -448,19 +450,26 @@ class EmbeddingResponse(BaseModel):
 
 
 class TokenizeRequest(StrictModel):
-    """Either ``prompt`` (text) or ``messages`` (through the chat template), as vLLM's /tokenize."""
+    """Either ``prompt`` (text) or ``messages`` (through the chat template, with the chat request's
+    ``continue_final_message``, ``chat_template_kwargs`` and ``tools``), as vLLM's /tokenize; ``return_token_strs``:
+    also each token's vocabulary string."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = Field(default=None, max_length=128)
+    return_token_strs: bool | None = Field(default=False, description="vLLM extra: also the tokens' strings")
 
 
 class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None  # with return_token_strs (vLLM's)
 
 
 class DetokenizeRequest(StrictModel):
