@@ -70,3 +70,15 @@ def test_bad_input_is_a_value_error_naming_it(tiny_model, token_ids, context_len
     with pytest.raises(ValueError) as e:
         perplexity(ours, token_ids, context_length)
     assert message in str(e.value)
+
+
+def test_a_mean_nll_past_float_range_is_infinite_perplexity(tiny_model) -> None:
+    """Weights of std 30 give a mean NLL of thousands of nats: perplexity is inf, as torch.exp of transformers' NLL
+    (math.exp raised OverflowError: `kvgen perplexity` exited 1 with an internal error)."""
+    ref, ours = tiny_model("llama", std=30.0, tie=True)
+    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.inference_mode():
+        nll = F.cross_entropy(ref(torch.tensor([ids])).logits[0, :-1], torch.tensor(ids[1:]))  # mean, nats
+    result = perplexity(ours, ids, 64)
+    assert result.mean_nll == pytest.approx(float(nll), rel=1e-4)
+    assert result.perplexity == float(torch.exp(nll)) == math.inf

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -13,6 +14,9 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from kvgen.models import CausalLM
+
+
+_MAX_EXP_ARG = math.log(sys.float_info.max)  # ~709.78
 
 
 @dataclass
@@ -80,4 +84,5 @@ def perplexity(
         total_nll += window_nll(model, chunk)
         total_tokens += len(chunk) - 1
     mean = total_nll / total_tokens
-    return PerplexityResult(math.exp(mean), mean, total_tokens, len(chunks))
+    # math.exp raises OverflowError past ~709.78 nats (a degenerate model); torch.exp, the reference, gives inf
+    return PerplexityResult(math.exp(mean) if mean < _MAX_EXP_ARG else math.inf, mean, total_tokens, len(chunks))
