@@ -284,6 +284,25 @@ def test_perplexity_matches_transformers_nll(capsys, tmp_path, ours_default, hf_
     assert report["perplexity"] == pytest.approx(math.exp(nll / count), rel=1e-4)
 
 
+@pytest.mark.parametrize("content,flags,message", [
+    (None, [], "cannot read"),  # a directory: Is a directory
+    (b"", [], "need at least 2 tokens to compute perplexity, got 0"),
+    (b"\xff\xfe hello", [], "cannot read"),  # not UTF-8
+    (b"hello world " * 20, ["--context-length", "1"], "context_length must be >= 2, got 1"),
+    (b"hello world " * 20, ["--context-length", "-3"], "context_length must be >= 2, got -3"),
+    (b"hello world " * 20, ["--context-length", "2049"], "context_length must be <= the model's context window (2048)"),
+    (b"hello world " * 20, ["--context-length", "8.5"], "argument --context-length: invalid int value: '8.5'"),
+])
+def test_perplexity_bad_input_is_one_line_and_exit_2(capsys, tmp_path, tiny_model_dir, content, flags, message):
+    path = tmp_path / "text.txt"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    code, out, err = _run(capsys, ["perplexity", str(path), "--model", str(tiny_model_dir), *flags])
+    assert (code, out) == (2, "") and err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
 def test_info_reports_architecture_and_quantization(capsys, hf_default):
     code, out, _ = _run(capsys, ["info", "--json"])
     assert code == 0

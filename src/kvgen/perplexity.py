@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -12,6 +14,9 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from kvgen.models import CausalLM
+
+
+_MAX_EXP_ARG = math.log(sys.float_info.max)  # ~709.78
 
 
 @dataclass
@@ -26,6 +31,8 @@ class PerplexityResult:
 
 def windows(token_ids: list[int], context_length: int) -> list[list[int]]:
     """Consecutive non-overlapping windows of ``context_length`` tokens (the last may be shorter; 1-token tails dropped)."""
+    if isinstance(context_length, bool) or not isinstance(context_length, numbers.Integral):
+        raise ValueError(f"context_length must be an int, got {context_length!r}")
     if context_length < 2:
         raise ValueError(f"context_length must be >= 2, got {context_length}")
     chunks = [token_ids[i : i + context_length] for i in range(0, len(token_ids), context_length)]
@@ -58,13 +65,18 @@ def perplexity(
 ) -> PerplexityResult:
     """Score ``token_ids`` window by window (see :func:`windows`).
 
-    Raises ``ValueError`` when fewer than 2 tokens are given or ``context_length``
-    exceeds the model's context window. ``progress`` wraps the window list (e.g. tqdm).
+    Raises ``ValueError`` when fewer than 2 tokens are given, an id is outside the model's vocabulary, or
+    ``context_length`` is not an int in [2, the model's context window]. ``progress`` wraps the window list (e.g. tqdm).
     """
+    from kvgen.config import check_token_id_range
+    from kvgen.tokenizer.special_tokens import integer_ids
+
+    token_ids = integer_ids(token_ids)
+    check_token_id_range("token_ids", token_ids, model.config.vocab_size, ValueError)  # the embedding lookup raised IndexError / RuntimeError
     max_ctx = model.config.max_position_embeddings
+    chunks = windows(token_ids, context_length)  # checks context_length's type first
     if context_length > max_ctx:
         raise ValueError(f"context_length must be <= the model's context window ({max_ctx}), got {context_length}")
-    chunks = windows(token_ids, context_length)
     if not chunks:
         raise ValueError(f"need at least 2 tokens to compute perplexity, got {len(token_ids)}")
     total_nll, total_tokens = 0.0, 0
@@ -72,4 +84,5 @@ def perplexity(
         total_nll += window_nll(model, chunk)
         total_tokens += len(chunk) - 1
     mean = total_nll / total_tokens
-    return PerplexityResult(math.exp(mean), mean, total_tokens, len(chunks))
+    # math.exp raises OverflowError past ~709.78 nats (a degenerate model); torch.exp, the reference, gives inf
+    return PerplexityResult(math.exp(mean) if mean < _MAX_EXP_ARG else math.inf, mean, total_tokens, len(chunks))
