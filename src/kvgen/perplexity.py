@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from kvgen.config import check_token_id_range
+from kvgen.tokenizer.special_tokens import integer_ids
+
 if TYPE_CHECKING:
     from kvgen.models import CausalLM
 
@@ -68,11 +71,9 @@ def perplexity(
     Raises ``ValueError`` when fewer than 2 tokens are given, an id is outside the model's vocabulary, or
     ``context_length`` is not an int in [2, the model's context window]. ``progress`` wraps the window list (e.g. tqdm).
     """
-    from kvgen.config import check_token_id_range
-    from kvgen.tokenizer.special_tokens import integer_ids
-
     token_ids = integer_ids(token_ids)
-    check_token_id_range("token_ids", token_ids, model.config.vocab_size, ValueError)  # the embedding lookup raised IndexError / RuntimeError
+    # else the embedding lookup raises IndexError (float path) or RuntimeError (kernels)
+    check_token_id_range("token_ids", token_ids, model.config.vocab_size, ValueError)
     max_ctx = model.config.max_position_embeddings
     chunks = windows(token_ids, context_length)  # checks context_length's type first
     if context_length > max_ctx:
