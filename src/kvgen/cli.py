@@ -168,8 +168,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if plot_path is not None:
         out = _traced_generate(model, input_ids, cfg, tokenizer, plot_path, flags)
     else:
-        out = generate(model, input_ids, None, cfg, tokenizer=tokenizer, streamer=streamer, assistant_model=assistant,
-                       negative_prompt_ids=negative, **flags)
+        out = generate(model, input_ids, torch.ones_like(input_ids), cfg, tokenizer=tokenizer, streamer=streamer,
+                       assistant_model=assistant, negative_prompt_ids=negative, **flags)
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in out.new_token_ids]
     if args.json:
         print(json.dumps(_json_report(prompt_ids, out, texts, load_s), ensure_ascii=False))
@@ -227,16 +227,19 @@ def _json_report(prompt_ids: list[int], out: Any, texts: list[str], load_s: floa
 
 def _traced_generate(model: Any, input_ids: Any, cfg: Any, tokenizer: Any, plot_path: str, flags: dict[str, Any]
                      ) -> Any:
+    import torch
+
     from kvgen.generation import generate
     from kvgen.trace import Tracer, format_step, plot_latencies
 
     with Tracer(model) as cached:
-        out = generate(model, input_ids, None, cfg, tokenizer=tokenizer, **flags)
+        out = generate(model, input_ids, torch.ones_like(input_ids), cfg, tokenizer=tokenizer, **flags)
     for i, step in enumerate(cached.steps):
         print(format_step(i, step), file=sys.stderr)
     print("[trace] now the same generation without a KV cache (every step recomputes the sequence):", file=sys.stderr)
     with Tracer(model) as uncached:
-        generate(model, input_ids, None, cfg.replace(use_cache=False), tokenizer=tokenizer, **flags)
+        generate(model, input_ids, torch.ones_like(input_ids), cfg.replace(use_cache=False), tokenizer=tokenizer,
+                 **flags)
     for i, step in enumerate(uncached.steps):
         print(format_step(i, step), file=sys.stderr)
     plot_latencies([s.latency_s for s in cached.steps], [s.latency_s for s in uncached.steps], plot_path)

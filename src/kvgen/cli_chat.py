@@ -95,7 +95,8 @@ def run_chat(args: argparse.Namespace) -> int:
             continue
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         try:
-            out = generate(model, torch.tensor([ids]), None, cfg, tokenizer=tokenizer, streamer=streamer,
+            out = generate(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), cfg,
+                           tokenizer=tokenizer, streamer=streamer,
                            assistant_model=assistant, past_key_values=history.reuse(ids) if history else None, **flags)
         except KeyboardInterrupt:  # Ctrl-C stops the reply, as in llama.cpp's chat; at the prompt it leaves
             print(flush=True)

@@ -125,3 +125,30 @@ def test_bad_batches_raise(model_tok):
         generate(model, torch.tensor([[1, 2, 3]]), GenerationConfig(max_new_tokens=2))  # HF's positional order
     with pytest.raises(ValueError, match=r"input_ids must be in \[0, 49152\)"):
         generate(model, torch.tensor([[1, 2, 10**6]]))
+
+
+# ---------------------------------------------------------------- no attention_mask: inferred as transformers does
+
+@pytest.fixture(scope="module")
+def tiny():
+    from helpers import make_tiny_model
+
+    return make_tiny_model("llama", eos_token_id=2)
+
+
+@pytest.mark.parametrize("pad", [0, 2])  # 0: inferred from the pad tokens; 2 (= EOS): cannot be, all ones
+def test_no_attention_mask_is_inferred_from_pad_token_id_as_transformers(tiny, pad):
+    ids = torch.tensor([[0, 0, 5, 17, 42], [8, 61, 3, 29, 11]])
+    with torch.inference_mode():
+        want = tiny.ref.generate(ids, pad_token_id=pad, max_new_tokens=5, do_sample=False)
+    out = generate(tiny.ours, ids, None, max_new_tokens=5, pad_token_id=pad)
+    assert out.sequences.tolist() == want.tolist()
+    masked = generate(tiny.ours, ids, (ids != 0).long(), max_new_tokens=5, pad_token_id=pad)
+    assert (out.sequences.tolist() == masked.sequences.tolist()) == (pad == 0)  # pad 2: the zeros are tokens
+
+
+def test_pad_tokens_inferred_after_a_token_are_refused(tiny):
+    ids = torch.tensor([[5, 0, 17]])
+    with pytest.raises(ValueError, match=r"input_ids holds pad_token_id=0 after a token .* pass attention_mask"):
+        generate(tiny.ours, ids, None, max_new_tokens=2, pad_token_id=0)
+    assert generate(tiny.ours, ids, torch.ones_like(ids), max_new_tokens=2, pad_token_id=0).new_token_ids[0]

@@ -89,3 +89,15 @@ def test_a_bad_generation_config_is_refused_naming_the_file(tiny_model_dir, tmp_
     path = _dir(tiny_model_dir, tmp_path, {"top_p": 7})
     with pytest.raises(ModelFormatError, match=r"generation_config\.json: top_p must be in \(0, 1\], got 7"):
         load_model(path)
+
+
+def test_a_config_with_temperature_zero_is_greedy_though_the_file_samples(tiny_model_dir, tmp_path):
+    """transformers' edge case: a generation_config with temperature 0.0 keeps do_sample=False over the model's
+    do_sample=True (keyword arguments get no such help: temperature=0.0 with the file's sampling is refused there)."""
+    path = _dir(tiny_model_dir, tmp_path, SAMPLING_FILE)
+    model, _ = load_model(path)
+    ours = generate(model, torch.tensor(PROMPT), None, GenerationConfig(temperature=0.0)).new_token_ids[0]
+    assert ours == _hf(path, generation_config=transformers.GenerationConfig(temperature=0.0))
+    assert ours == _hf(path, do_sample=False)
+    with pytest.raises(ValueError, match="temperature=0.0 conflicts with do_sample=True"):
+        generate(model, torch.tensor(PROMPT), temperature=0.0)

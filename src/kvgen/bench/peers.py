@@ -120,6 +120,8 @@ def decode(system: System, request: dict[str, Any], log: Callable[[str], None]) 
 
 def kvgen_generate_fn(model: Any, cache: str) -> GenerateFn:
     """``GenerateFn`` over kvgen ``generate`` (ids [1, T]): greedy, EOS disabled (``eos_token_id=[]``), per cache kind."""
+    import torch
+
     from kvgen.generation import GenerationConfig, generate
 
     cache_args: dict[str, Any] = {"use_cache": False} if cache == "no_cache" else {"cache_implementation": cache}
@@ -127,7 +129,9 @@ def kvgen_generate_fn(model: Any, cache: str) -> GenerateFn:
     def run(prompt_ids: Any, max_new_tokens: int, streamer: h.TokenTimer | None) -> RunStats:
         config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0,
                                   **cache_args)
-        out = generate(model, prompt_ids, None, config, streamer=streamer, do_sample=False)  # over the model's config
+        # an explicit mask: pad_token_id 0 in a prompt is a token here, not padding to infer
+        out = generate(model, prompt_ids, torch.ones_like(prompt_ids), config, streamer=streamer,
+                       do_sample=False)  # over the model's config
         return RunStats(out.prompt_length, out.new_token_ids[0], out.timings.prefill_s, out.timings.decode_s)
 
     return run

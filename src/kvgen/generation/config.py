@@ -346,7 +346,8 @@ class GenerationConfig:
     def with_generation_defaults(self, defaults: Mapping[str, Any]) -> GenerationConfig:
         """These settings with each field still at its default taking the model's value (transformers 4.55
         ``_prepare_generation_config``: the model's generation config fills what the caller left at the global
-        default). ``defaults``: ``CausalLM.generation_defaults``."""
+        default; ``temperature=0.0`` keeps ``do_sample=False`` over the model's). ``defaults``:
+        ``CausalLM.generation_defaults``."""
         plain = GenerationConfig()
 
         def unset(k: str) -> bool:  # an explicit max_new_tokens=20 is the caller's (transformers' default is None)
@@ -354,6 +355,8 @@ class GenerationConfig:
                 getattr(self, k) == getattr(plain, k)
 
         changes = {k: v for k, v in defaults.items() if unset(k) and v != getattr(plain, k)}
+        if self.temperature == 0.0:  # greedy, though the model samples (transformers' edge case: do_sample=False)
+            changes.pop("do_sample", None)
         return self.replace(**changes) if changes else self
 
     @property

@@ -76,7 +76,8 @@ def generate(
     """Generate continuations of a left-padded batch of prompts.
 
     input_ids: [B, T] int64; attention_mask: [B, T] (1 = token, 0 = left pad) or
-    None for no padding. ``overrides`` are GenerationConfig fields. Sampling
+    None: no padding, unless ``pad_token_id`` (no EOS id) occurs in ``input_ids``, whose columns holding it are then
+    the padding (as transformers infers the mask). ``overrides`` are GenerationConfig fields. Sampling
     uses ``generator`` or, if None, a ``torch.Generator`` seeded with
     ``config.seed`` (fresh default generator when both are None). ``tokenizer``
     is needed for ``stop_strings``; ``streamer`` gets ``put(ids)`` / ``end()``.
@@ -112,6 +113,8 @@ def generate(
         cfg = cfg.replace(**overrides)
     model_cfg = model.config
     cfg = cfg.with_model_defaults(model_cfg.eos_token_ids, model_cfg.pad_token_id)
+    if attention_mask is None:
+        attention_mask = _inferred_attention_mask(input_ids, cfg)
     input_ids, attention_mask = _check_batch(input_ids, attention_mask, model_cfg)
     if negative_prompt_ids is not None:
         negative_prompt_ids, negative_prompt_attention_mask = _check_batch(
@@ -285,6 +288,22 @@ def _check_batch(
     if bool((attention_mask[:, :-1] > attention_mask[:, 1:]).any()):
         raise ValueError(f"{mask_name} must be left-padded (zeros only before the first token of each row)")
     return input_ids, attention_mask
+
+
+def _inferred_attention_mask(input_ids: Any, cfg: GenerationConfig) -> torch.Tensor | None:
+    """The mask of ``input_ids`` [B, T] given without one: 0 where it holds ``pad_token_id``, when that id occurs and
+    is no EOS id; None (no padding) otherwise (transformers 4.55 ``_prepare_attention_mask_for_generation``). Raises
+    ``ValueError`` when those pad tokens are not left padding (kvgen cannot mask a token after the first)."""
+    pad = cfg.pad_token_id
+    if pad is None or pad in cfg.eos_token_ids or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        return None  # (bad input_ids are _check_batch's to name)
+    mask = (input_ids != pad).long()  # [B, T]
+    if bool(mask.all()):
+        return None
+    if bool((mask.sum(-1) == 0).any()) or bool((mask[:, :-1] > mask[:, 1:]).any()):
+        raise ValueError(f"input_ids holds pad_token_id={pad} after a token (or only it) and no attention_mask was "
+                         f"given: transformers would mask those positions; pass attention_mask (left-padded)")
+    return mask
 
 
 def _check_forced_token_ids(cfg: GenerationConfig, vocab_size: int) -> None:
