@@ -226,7 +226,7 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
         rotary = self.rotary_dim if 0.0 < self.partial_rotary_factor <= 1.0 else None  # None: NaN or out of range
-        if rotary is None or rotary < 2 or rotary % 2:
+        if (rotary is None or rotary < 2 or rotary % 2) and self.model_type != "gpt2":  # gpt2: no RoPE
             raise ModelFormatError(f"partial_rotary_factor must give an even rotary dimension in [2, head_dim = "
                                    f"{self.head_dim}], got {self.partial_rotary_factor}"
                                    + (f" ({rotary})" if rotary is not None else ""))

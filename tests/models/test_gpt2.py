@@ -81,3 +81,20 @@ def test_untied_gpt2_uses_its_own_lm_head(tiny_model, tmp_path):
         expected = ref(input_ids=ids).logits
         got = ours.compute_logits(ours(ids, torch.arange(5)[None]))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_head", [64, 16])  # head_dim 1 and 3: any size, as GPT-2 has no RoPE
+def test_gpt2_with_a_head_dim_below_2_or_odd_matches_transformers(tmp_path, n_head):
+    """A GPT-2 whose heads are 1 or 3 wide loads and gives transformers' logits (kvgen refused it with a RoPE
+    error, 'partial_rotary_factor must give an even rotary dimension', for a model without RoPE)."""
+    torch.manual_seed(0)
+    hf_config = transformers.GPT2Config(vocab_size=97, n_embd=64 if n_head == 64 else 48, n_layer=2, n_head=n_head,
+                                        n_positions=16)
+    ref = transformers.GPT2LMHeadModel(hf_config).eval()
+    ref.save_pretrained(tmp_path)
+    ours = build_model(*load_hf_directory(tmp_path))
+    ids = torch.tensor([[5, 6, 7, 8, 9], [1, 2, 3, 4, 5]])
+    with torch.inference_mode():
+        expected = ref(input_ids=ids).logits
+        got = ours.compute_logits(ours(ids, torch.arange(5).expand(2, 5)))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
