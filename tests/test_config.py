@@ -304,3 +304,17 @@ def test_gpt2_configs_keep_their_default_ids_beyond_a_small_vocabulary() -> None
     config = ModelConfig.from_hf_dict({"model_type": "gpt2", "vocab_size": 128, "n_embd": 64, "n_layer": 2,
                                        "n_head": 4, "bos_token_id": 50256, "eos_token_id": 50256})
     assert config.eos_token_ids == [50256]
+
+
+def test_a_gpt2_whose_heads_do_not_split_its_hidden_size_is_refused() -> None:
+    """n_embd 64 over n_head 5 (transformers' GPT2Attention: ValueError 'embed_dim must be divisible by num_heads'):
+    ModelFormatError naming both, from config.json and from a gpt2 GGUF file's metadata (kvgen loaded it and its
+    first forward failed with a RuntimeError from view)."""
+    with pytest.raises(ModelFormatError, match=re.escape("hidden_size (64) must be a multiple of num_attention_heads (5)")):
+        ModelConfig.from_hf_dict({"model_type": "gpt2", "vocab_size": 128, "n_embd": 64, "n_layer": 2, "n_head": 5})
+    meta = {"general.architecture": "gpt2", "gpt2.vocab_size": 128, "gpt2.embedding_length": 64,
+            "gpt2.block_count": 2, "gpt2.attention.head_count": 5, "gpt2.feed_forward_length": 256,
+            "gpt2.context_length": 32, "gpt2.attention.layer_norm_epsilon": 1e-5}
+    with pytest.raises(ModelFormatError, match=re.escape("hidden_size (64) must be a multiple of num_attention_heads (5)")):
+        ModelConfig.from_gguf_metadata(meta)
+    assert ModelConfig.from_gguf_metadata(meta | {"gpt2.attention.head_count": 4}).head_dim == 16

@@ -225,6 +225,9 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.model_type == "gpt2" and self.hidden_size % self.num_attention_heads:  # heads split hidden_size
+            raise ModelFormatError(f"GPT-2's hidden_size ({self.hidden_size}) must be a multiple of "
+                                   f"num_attention_heads ({self.num_attention_heads})")
         rotary = self.rotary_dim if 0.0 < self.partial_rotary_factor <= 1.0 else None  # None: NaN or out of range
         if (rotary is None or rotary < 2 or rotary % 2) and self.model_type != "gpt2":  # gpt2: no RoPE
             raise ModelFormatError(f"partial_rotary_factor must give an even rotary dimension in [2, head_dim = "
