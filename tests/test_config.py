@@ -318,3 +318,12 @@ def test_a_gpt2_whose_heads_do_not_split_its_hidden_size_is_refused() -> None:
     with pytest.raises(ModelFormatError, match=re.escape("hidden_size (64) must be a multiple of num_attention_heads (5)")):
         ModelConfig.from_gguf_metadata(meta)
     assert ModelConfig.from_gguf_metadata(meta | {"gpt2.attention.head_count": 4}).head_dim == 16
+
+
+def test_a_gpt2_with_cross_attention_is_refused_by_name() -> None:
+    """add_cross_attention (an encoder-decoder's GPT-2 decoder): refused naming the setting (kvgen loaded such a
+    config without its crossattention weights, and with them listed them as unexpected keys)."""
+    cfg = {"model_type": "gpt2", "vocab_size": 128, "n_embd": 64, "n_layer": 2, "n_head": 4}
+    with pytest.raises(UnsupportedArchitectureError, match="add_cross_attention"):
+        ModelConfig.from_hf_dict(cfg | {"add_cross_attention": True})
+    assert ModelConfig.from_hf_dict(cfg | {"add_cross_attention": False}).num_attention_heads == 4

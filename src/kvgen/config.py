@@ -413,6 +413,9 @@ class ModelConfig:
                 n_embd = cfg["n_embd"]
                 if isinstance(n_embd, bool) or not isinstance(n_embd, int):  # 4 * n_embd below
                     raise ModelFormatError(f"n_embd must be an integer, got {n_embd!r}")
+                if cfg.get("add_cross_attention"):  # the decoder of an encoder-decoder model: no encoder here
+                    raise UnsupportedArchitectureError("GPT-2 with add_cross_attention=true (cross-attention to an "
+                                                       "encoder) is not supported")
                 return cls(
                     model_type="gpt2",
                     vocab_size=cfg["vocab_size"],
