@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -20,7 +21,7 @@ from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.outputs import RequestOutput
 from kvgen.engine.pooling import EmbeddingRequestOutput, PoolingParams
 from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams
-from kvgen.loader import resolve_model_path
+from kvgen.loader import load_model, resolve_model_path
 from kvgen.models import CausalLM
 from kvgen.tokenizer import Tokenizer
 
@@ -33,17 +34,27 @@ class LLM:
 
     ``model``: ``"default"``, a .gguf file, a Hugging Face directory, or an already
     built model (then pass ``tokenizer``; None means token-id prompts only).
+    ``tokenizer``: a ``Tokenizer`` or a Hugging Face directory holding one (vLLM's ``tokenizer``), used instead of
+    the model's own; None: the model's own.
     ``engine_args`` are further ``EngineArgs`` fields (``num_blocks``, ``max_num_seqs``, ...).
-    Raises ``ValueError`` for bad engine settings.
+    Raises ``ValueError`` for bad engine settings, ``ModelNotFoundError`` / ``ModelFormatError`` for a tokenizer
+    directory that is missing or holds no tokenizer.
     """
 
-    def __init__(self, model: str | CausalLM = "default", tokenizer: Tokenizer | None = None, **engine_args: Any) -> None:
+    def __init__(self, model: str | CausalLM = "default", tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
+                 **engine_args: Any) -> None:
+        if isinstance(tokenizer, (str, os.PathLike)):  # vLLM's tokenizer path (loaded first: it fails fast)
+            tokenizer = Tokenizer.from_pretrained(tokenizer)
         if isinstance(model, CausalLM):
             args = EngineArgs(**engine_args)
             self.llm_engine, model_path = LLMEngine(model, tokenizer, args), None
         else:
             args = EngineArgs(model=str(model), **engine_args)
-            self.llm_engine, model_path = LLMEngine.from_engine_args(args), resolve_model_path(args.model)
+            if tokenizer is None:
+                self.llm_engine = LLMEngine.from_engine_args(args)
+            else:  # the given tokenizer replaces the model's own (it was ignored before)
+                self.llm_engine = LLMEngine(load_model(args.model, args.dtype, args.quantization)[0], tokenizer, args)
+            model_path = resolve_model_path(args.model)
         self._default_sampling = default_sampling_params(model_path, args.generation_config,
                                                          args.override_generation_config)
         self._counter = itertools.count()

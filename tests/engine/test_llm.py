@@ -1,0 +1,32 @@
+"""``LLM``'s vLLM-compatible surface on the tiny random Llama directory: constructor arguments and ``generate``'s."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from kvgen.engine import LLM, SamplingParams
+from kvgen.errors import ModelNotFoundError
+from kvgen.tokenizer import Tokenizer
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+
+def test_llm_uses_the_tokenizer_it_is_given_as_vllm(tiny_model_dir, tmp_path):
+    """vLLM's ``LLM(model=..., tokenizer=PATH)`` loads the tokenizer from PATH instead of the model's; kvgen ignored
+    ``tokenizer`` when ``model`` was a path (a Tokenizer object or a path, even a missing one)."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "[{{ messages[0]['content'] }}]"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    llm = LLM(str(tiny_model_dir), tokenizer=str(tmp_path), num_blocks=64)
+    (out,) = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)
+    assert out.prompt == "[hi]" == Tokenizer.from_pretrained(tmp_path).apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False)
+    tok = Tokenizer.from_pretrained(tiny_model_dir)
+    assert LLM(str(tiny_model_dir), tokenizer=tok, num_blocks=64).get_tokenizer() is tok
+    with pytest.raises(ModelNotFoundError, match="tokenizer directory not found"):
+        LLM(str(tiny_model_dir), tokenizer=str(tmp_path / "missing"), num_blocks=64)
