@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvgen.engine.engine_args import EngineArgs
-from kvgen.engine.llm_engine import LLMEngine
+from kvgen.engine.llm_engine import LLMEngine, split_prompt
 from kvgen.engine.outputs import RequestOutput
 from kvgen.engine.pooling import EmbeddingRequestOutput, PoolingParams
 from kvgen.engine.sampling_params import SamplingParams
@@ -61,11 +61,11 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         """Queue a request now and return its output stream (iterate it, then ``aclose`` it).
 
-        ``prompt``: text, token ids, or ``{"prompt_token_ids": [...]}``. Raises ``ValueError``
+        ``prompt``: text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``. Raises ``ValueError``
         here, before any output, for an invalid request (see ``LLMEngine.add_request``).
         """
         self._start()
-        text, ids = (None, prompt["prompt_token_ids"]) if isinstance(prompt, dict) else (prompt, None)
+        text, ids = split_prompt(prompt)  # a {"prompt": ...} dict raised KeyError, a TokensPrompt's text was dropped
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         async with self._lock:
             # LLMEngine.add_request is the one uniqueness check; a finished request's stream may still be

@@ -17,7 +17,7 @@ from kvgen.engine.beam_search import (
 )
 from kvgen.engine.engine_args import EngineArgs
 from kvgen.engine.generation_defaults import as_sampling_params, default_sampling_params
-from kvgen.engine.llm_engine import LLMEngine
+from kvgen.engine.llm_engine import LLMEngine, split_prompt
 from kvgen.engine.outputs import RequestOutput
 from kvgen.engine.pooling import EmbeddingRequestOutput, PoolingParams
 from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -100,7 +100,7 @@ class LLM:
         try:
             for item, p, prio in zip(items, params, priorities):
                 request_id = str(next(self._counter))
-                text, ids = _split_prompt(item)
+                text, ids = split_prompt(item)
                 self.llm_engine.add_request(request_id, text, p, prompt_token_ids=ids, priority=prio)
                 request_ids.append(request_id)
         except Exception:
@@ -160,7 +160,7 @@ class LLM:
         outputs = []
         try:
             for item, p in zip(items, params):
-                text, ids = _split_prompt(item)
+                text, ids = split_prompt(item)
                 outputs.append(self.llm_engine.embed(str(next(self._counter)), text, p, prompt_token_ids=ids))
                 if bar is not None:
                     bar.update(1)
@@ -183,7 +183,7 @@ class LLM:
                              f"({engine.engine_args.max_logprobs}); raise max_logprobs")
         token_lists = []
         for item in _as_prompt_list(prompts):
-            text, ids = _split_prompt(item)
+            text, ids = split_prompt(item)
             if ids is None:
                 if tokenizer is None:
                     raise ValueError("text prompts need a tokenizer; this LLM has none (pass token ids)")
@@ -250,15 +250,3 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams], num_promp
     if len(params) != num_prompts:
         raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({num_prompts}), got {len(params)}")
     return list(params)
-
-
-def _split_prompt(item: PromptInput) -> tuple[str | None, list[int] | None]:
-    if isinstance(item, str):
-        return item, None
-    if isinstance(item, dict):
-        if "prompt_token_ids" in item:  # vLLM's TokensPrompt; its optional "prompt" is the ids' text
-            return item.get("prompt"), item["prompt_token_ids"]
-        if "prompt" in item:
-            return item["prompt"], None
-        raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(item)}")
-    return None, item
