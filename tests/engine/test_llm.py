@@ -30,3 +30,20 @@ def test_llm_uses_the_tokenizer_it_is_given_as_vllm(tiny_model_dir, tmp_path):
     assert LLM(str(tiny_model_dir), tokenizer=tok, num_blocks=64).get_tokenizer() is tok
     with pytest.raises(ModelNotFoundError, match="tokenizer directory not found"):
         LLM(str(tiny_model_dir), tokenizer=str(tmp_path / "missing"), num_blocks=64)
+
+
+def test_use_tqdm_a_callable_makes_the_progress_bar_as_vllm(tiny_model_dir):
+    """vLLM's ``use_tqdm`` may be a callable (``tqdm_func = use_tqdm if callable(use_tqdm) else tqdm``): it makes the
+    bar of generate (and embed); kvgen used tqdm.auto whatever was passed."""
+    from tqdm import tqdm
+
+    made: list[tuple[int, str]] = []
+
+    def make_bar(**kwargs):
+        made.append((kwargs["total"], kwargs["desc"]))
+        return tqdm(disable=True, **kwargs)
+
+    llm = LLM(str(tiny_model_dir), num_blocks=64)
+    outs = llm.generate([[5, 6, 7], [8, 9]], GREEDY, use_tqdm=make_bar)
+    llm.embed([[5, 6, 7]], use_tqdm=make_bar)
+    assert len(outs) == 2 and made == [(2, "Processed prompts"), (1, "Embedded prompts")]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from kvgen.chat_template import template_messages
@@ -71,7 +71,7 @@ class LLM:
         self,
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished ``RequestOutput`` per prompt, in input order.
@@ -80,7 +80,8 @@ class LLM:
         ``prompt`` or ``prompt_token_ids``. ``sampling_params``: one for all prompts or one
         per prompt (default :meth:`get_default_sampling_params`; each runs with ``output_kind`` FINAL_ONLY, as vLLM's,
         so every output is whole). ``priority``: one per prompt (lower first;
-        needs ``scheduling_policy="priority"``). Raises ``ValueError`` (naming the field) for
+        needs ``scheduling_policy="priority"``). ``use_tqdm``: show a progress bar; a callable (vLLM's) makes it, called
+        as ``tqdm`` is. Raises ``ValueError`` (naming the field) for
         an invalid prompt or settings; then no prompt of the call is left in the engine.
         """
         items = _as_prompt_list(prompts)
@@ -112,7 +113,7 @@ class LLM:
         self,
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
@@ -140,8 +141,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def embed(self, prompts: PromptInput | Sequence[PromptInput],
-              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, use_tqdm: bool = True
-              ) -> list[EmbeddingRequestOutput]:
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool | Callable[..., Any] = True) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (prompts as ``generate`` takes them), in input order: the hidden states after the
         final norm pooled by ``EngineArgs.pooling_type`` (:mod:`kvgen.engine.pooling`); ``pooling_params``: one for
         all prompts or one per prompt (``dimensions``, ``normalize``; default: every value, unit norm). Raises
@@ -154,9 +155,7 @@ class LLM:
                              f"{len(params)}")
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(items), desc="Embedded prompts", dynamic_ncols=True)
+            bar = _progress_bar(use_tqdm, len(items), "Embedded prompts")
         outputs = []
         try:
             for item, p in zip(items, params):
@@ -170,7 +169,7 @@ class LLM:
         return outputs
 
     def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    use_tqdm: bool | Callable[..., Any] = False) -> list[BeamSearchOutput]:
         """Beam search for every prompt (:mod:`kvgen.engine.beam_search`); per prompt the best
         ``params.beam_width`` sequences, best first, each with ``text`` = the decoded prompt and output (as vLLM).
         Raises ``ValueError`` for a prompt that leaves no room for a token within ``max_model_len``, or
@@ -207,14 +206,12 @@ class LLM:
                 beam.text = tokenizer.decode(beam.tokens) if tokenizer is not None else None
         return [BeamSearchOutput(beams) for beams in best]
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         wanted = set(request_ids)
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+            bar = _progress_bar(use_tqdm, len(request_ids), "Processed prompts")
         try:
             while len(finished) < len(request_ids) and self.llm_engine.has_unfinished_requests():
                 for output in self.llm_engine.step():
@@ -229,6 +226,13 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[r] for r in request_ids]
+
+
+def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int, desc: str) -> Any:
+    """A tqdm bar of ``total`` prompts; ``use_tqdm`` a callable makes it (vLLM's ``tqdm_func``), else ``tqdm.auto``."""
+    from tqdm.auto import tqdm
+
+    return (use_tqdm if callable(use_tqdm) else tqdm)(total=total, desc=desc, dynamic_ncols=True)
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
