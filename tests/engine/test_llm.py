@@ -47,3 +47,14 @@ def test_use_tqdm_a_callable_makes_the_progress_bar_as_vllm(tiny_model_dir):
     outs = llm.generate([[5, 6, 7], [8, 9]], GREEDY, use_tqdm=make_bar)
     llm.embed([[5, 6, 7]], use_tqdm=make_bar)
     assert len(outs) == 2 and made == [(2, "Processed prompts"), (1, "Embedded prompts")]
+
+
+def test_an_empty_prompt_list_gives_no_outputs_as_vllm(tiny_model_dir):
+    """vLLM's ``LLM.generate([])`` adds no request and returns ``[]`` (its ``_validate_and_add_requests`` loops over
+    zero prompts); kvgen raised. ``[[]]`` is still one empty prompt, refused naming the field."""
+    llm = LLM(str(tiny_model_dir), num_blocks=64)
+    assert llm.generate([], GREEDY, use_tqdm=False) == [] == llm.generate([], [], use_tqdm=False)
+    assert llm.embed([], use_tqdm=False) == []
+    with pytest.raises(ValueError, match="prompt_token_ids must be a non-empty list of ints, got \\[\\]"):
+        llm.generate([[]], GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()

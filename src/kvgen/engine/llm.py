@@ -238,9 +238,11 @@ def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int, desc: str) ->
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)) or not prompts:
-        raise ValueError(f"prompts must be a string, a list of token ids or a non-empty list of prompts, got {prompts!r}")
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
+        raise ValueError(f"prompts must be a string, a list of token ids or a list of prompts, got {prompts!r}")
     items: list[Any] = list(prompts)
+    if not items:  # no prompts, nothing to run (as vLLM, whose generate([]) returns []), not one empty prompt
+        return []
     if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
         return [items]  # one prompt of token ids
     return items
