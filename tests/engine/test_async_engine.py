@@ -98,3 +98,32 @@ def test_vllm_prompt_dicts_reach_the_engine_as_llm_generate_takes_them(tiny_mode
     llm.llm_engine.add_request("sync", {"prompt": "Hello there"}, params)
     done = [o for _ in range(10) for o in llm.llm_engine.step() if o.finished]
     assert done[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+
+
+def test_shutdown_is_a_plain_call_as_vllm_and_can_be_awaited():
+    """vLLM's ``AsyncLLM.shutdown()`` is a plain method: called without ``await`` it stops the engine. kvgen's was
+    ``async def``, so such a call only warned "never awaited" and left the step loop running. Both forms stop it;
+    ``is_running`` / ``errored`` are vLLM's names for the loop's state."""
+    import warnings
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(_StubEngine(), step_in_thread=False)
+        await _collect(engine, "a")
+        task = engine._loop_task
+        assert engine.is_running and not engine.errored and task is not None and not task.done()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            engine.shutdown()  # not awaited, as vLLM callers write it
+            await asyncio.sleep(0)
+        assert task.cancelled()
+        await engine.shutdown()  # nothing left to stop: still awaitable
+        await _collect(engine, "b")
+        task = engine._loop_task
+        await engine.shutdown()
+        assert task is not None and task.cancelled()
+        failing = AsyncLLMEngine(_StubEngine(fail_steps=1), step_in_thread=False)
+        with pytest.raises(RuntimeError, match="step failed"):
+            await _collect(failing, "c")
+        assert failing.errored and not failing.is_running
+
+    asyncio.run(scenario())
