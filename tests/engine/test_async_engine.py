@@ -73,3 +73,57 @@ def test_closing_a_stream_before_its_last_output_aborts_the_request():
 
     stub = asyncio.run(scenario())
     assert stub.aborted == ["unread"]
+
+
+def test_vllm_prompt_dicts_reach_the_engine_as_llm_generate_takes_them(tiny_model_dir):
+    """vLLM's ``AsyncLLM.generate`` and ``LLMEngine.add_request`` take ``TextPrompt`` / ``TokensPrompt`` dicts:
+    ``{"prompt": text}`` streamed a KeyError and a TokensPrompt's ``prompt`` (its text) was dropped; both now give
+    ``LLM.generate``'s output for the same dict."""
+    from kvgen.engine import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_dir), num_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    prompts = [{"prompt": "Hello there"}, {"prompt_token_ids": [5, 6, 7], "prompt": "its text"}]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+
+    async def scenario() -> list[RequestOutput]:
+        engine = AsyncLLMEngine(llm.llm_engine, step_in_thread=False)
+        finals = [[out async for out in engine.generate(p, params, f"r{i}")][-1] for i, p in enumerate(prompts)]
+        await engine.shutdown()
+        return finals
+
+    finals = asyncio.run(scenario())
+    assert [(o.prompt, o.prompt_token_ids, o.outputs[0].token_ids) for o in finals] == [
+        (o.prompt, o.prompt_token_ids, o.outputs[0].token_ids) for o in expected]
+    llm.llm_engine.add_request("sync", {"prompt": "Hello there"}, params)
+    done = [o for _ in range(10) for o in llm.llm_engine.step() if o.finished]
+    assert done[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+
+
+def test_shutdown_is_a_plain_call_as_vllm_and_can_be_awaited():
+    """vLLM's ``AsyncLLM.shutdown()`` is a plain method: called without ``await`` it stops the engine. kvgen's was
+    ``async def``, so such a call only warned "never awaited" and left the step loop running. Both forms stop it;
+    ``is_running`` / ``errored`` are vLLM's names for the loop's state."""
+    import warnings
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(_StubEngine(), step_in_thread=False)
+        await _collect(engine, "a")
+        task = engine._loop_task
+        assert engine.is_running and not engine.errored and task is not None and not task.done()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            engine.shutdown()  # not awaited, as vLLM callers write it
+            await asyncio.sleep(0)
+        assert task.cancelled()
+        await engine.shutdown()  # nothing left to stop: still awaitable
+        await _collect(engine, "b")
+        task = engine._loop_task
+        await engine.shutdown()
+        assert task is not None and task.cancelled()
+        failing = AsyncLLMEngine(_StubEngine(fail_steps=1), step_in_thread=False)
+        with pytest.raises(RuntimeError, match="step failed"):
+            await _collect(failing, "c")
+        assert failing.errored and not failing.is_running
+
+    asyncio.run(scenario())

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Generator
 from typing import Any
 
 from kvgen.engine.engine_args import EngineArgs
-from kvgen.engine.llm_engine import LLMEngine
+from kvgen.engine.llm_engine import LLMEngine, split_prompt
 from kvgen.engine.outputs import RequestOutput
 from kvgen.engine.pooling import EmbeddingRequestOutput, PoolingParams
 from kvgen.engine.sampling_params import SamplingParams
@@ -61,11 +61,11 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         """Queue a request now and return its output stream (iterate it, then ``aclose`` it).
 
-        ``prompt``: text, token ids, or ``{"prompt_token_ids": [...]}``. Raises ``ValueError``
+        ``prompt``: text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``. Raises ``ValueError``
         here, before any output, for an invalid request (see ``LLMEngine.add_request``).
         """
         self._start()
-        text, ids = (None, prompt["prompt_token_ids"]) if isinstance(prompt, dict) else (prompt, None)
+        text, ids = split_prompt(prompt)  # a {"prompt": ...} dict raised KeyError, a TokensPrompt's text was dropped
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         async with self._lock:
             # LLMEngine.add_request is the one uniqueness check; a finished request's stream may still be
@@ -163,15 +163,32 @@ class AsyncLLMEngine:
         task = self._loop_task
         return task is not None and task.done() and not task.cancelled() and task.exception() is not None
 
-    async def shutdown(self) -> None:
-        """Stop the step loop (unfinished requests stay in the engine)."""
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._loop_task = None
+    @property
+    def is_running(self) -> bool:
+        """vLLM ``AsyncLLM.is_running``: the step loop has not died (not started yet counts as running)."""
+        return not self.is_failed
+
+    @property
+    def errored(self) -> bool:
+        """vLLM ``AsyncLLM.errored``: the step loop died on an exception (:attr:`is_failed`)."""
+        return self.is_failed
+
+    def shutdown(self) -> Awaitable[Any]:
+        """Stop the step loop now (unfinished requests stay in the engine): a plain call, as vLLM ``AsyncLLM``'s
+        (an ``async def`` did nothing unless awaited); await what it returns to wait until the loop has ended."""
+        task, self._loop_task = self._loop_task, None
+        if task is None:
+            return _Done()
+        task.cancel()
+        return asyncio.gather(task, return_exceptions=True)  # a future: no warning when the caller does not await it
+
+
+class _Done:
+    """An awaitable that is already done (``shutdown`` of an engine whose loop never started)."""
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return
+        yield
 
 
 class RequestStream:

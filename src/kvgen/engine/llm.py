@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from kvgen.chat_template import template_messages
@@ -16,11 +17,11 @@ from kvgen.engine.beam_search import (
 )
 from kvgen.engine.engine_args import EngineArgs
 from kvgen.engine.generation_defaults import as_sampling_params, default_sampling_params
-from kvgen.engine.llm_engine import LLMEngine
+from kvgen.engine.llm_engine import LLMEngine, split_prompt
 from kvgen.engine.outputs import RequestOutput
 from kvgen.engine.pooling import EmbeddingRequestOutput, PoolingParams
 from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams
-from kvgen.loader import resolve_model_path
+from kvgen.loader import load_model, resolve_model_path
 from kvgen.models import CausalLM
 from kvgen.tokenizer import Tokenizer
 
@@ -33,17 +34,27 @@ class LLM:
 
     ``model``: ``"default"``, a .gguf file, a Hugging Face directory, or an already
     built model (then pass ``tokenizer``; None means token-id prompts only).
+    ``tokenizer``: a ``Tokenizer`` or a Hugging Face directory holding one (vLLM's ``tokenizer``), used instead of
+    the model's own; None: the model's own.
     ``engine_args`` are further ``EngineArgs`` fields (``num_blocks``, ``max_num_seqs``, ...).
-    Raises ``ValueError`` for bad engine settings.
+    Raises ``ValueError`` for bad engine settings, ``ModelNotFoundError`` / ``ModelFormatError`` for a tokenizer
+    directory that is missing or holds no tokenizer.
     """
 
-    def __init__(self, model: str | CausalLM = "default", tokenizer: Tokenizer | None = None, **engine_args: Any) -> None:
+    def __init__(self, model: str | CausalLM = "default", tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
+                 **engine_args: Any) -> None:
+        if isinstance(tokenizer, (str, os.PathLike)):  # vLLM's tokenizer path (loaded first: it fails fast)
+            tokenizer = Tokenizer.from_pretrained(tokenizer)
         if isinstance(model, CausalLM):
             args = EngineArgs(**engine_args)
             self.llm_engine, model_path = LLMEngine(model, tokenizer, args), None
         else:
             args = EngineArgs(model=str(model), **engine_args)
-            self.llm_engine, model_path = LLMEngine.from_engine_args(args), resolve_model_path(args.model)
+            if tokenizer is None:
+                self.llm_engine = LLMEngine.from_engine_args(args)
+            else:  # the given tokenizer replaces the model's own (it was ignored before)
+                self.llm_engine = LLMEngine(load_model(args.model, args.dtype, args.quantization)[0], tokenizer, args)
+            model_path = resolve_model_path(args.model)
         self._default_sampling = default_sampling_params(model_path, args.generation_config,
                                                          args.override_generation_config)
         self._counter = itertools.count()
@@ -60,7 +71,7 @@ class LLM:
         self,
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished ``RequestOutput`` per prompt, in input order.
@@ -69,7 +80,8 @@ class LLM:
         ``prompt`` or ``prompt_token_ids``. ``sampling_params``: one for all prompts or one
         per prompt (default :meth:`get_default_sampling_params`; each runs with ``output_kind`` FINAL_ONLY, as vLLM's,
         so every output is whole). ``priority``: one per prompt (lower first;
-        needs ``scheduling_policy="priority"``). Raises ``ValueError`` (naming the field) for
+        needs ``scheduling_policy="priority"``). ``use_tqdm``: show a progress bar; a callable (vLLM's) makes it, called
+        as ``tqdm`` is. Raises ``ValueError`` (naming the field) for
         an invalid prompt or settings; then no prompt of the call is left in the engine.
         """
         items = _as_prompt_list(prompts)
@@ -89,7 +101,7 @@ class LLM:
         try:
             for item, p, prio in zip(items, params, priorities):
                 request_id = str(next(self._counter))
-                text, ids = _split_prompt(item)
+                text, ids = split_prompt(item)
                 self.llm_engine.add_request(request_id, text, p, prompt_token_ids=ids, priority=prio)
                 request_ids.append(request_id)
         except Exception:
@@ -101,7 +113,7 @@ class LLM:
         self,
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
@@ -129,8 +141,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def embed(self, prompts: PromptInput | Sequence[PromptInput],
-              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, use_tqdm: bool = True
-              ) -> list[EmbeddingRequestOutput]:
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool | Callable[..., Any] = True) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (prompts as ``generate`` takes them), in input order: the hidden states after the
         final norm pooled by ``EngineArgs.pooling_type`` (:mod:`kvgen.engine.pooling`); ``pooling_params``: one for
         all prompts or one per prompt (``dimensions``, ``normalize``; default: every value, unit norm). Raises
@@ -143,13 +155,11 @@ class LLM:
                              f"{len(params)}")
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(items), desc="Embedded prompts", dynamic_ncols=True)
+            bar = _progress_bar(use_tqdm, len(items), "Embedded prompts")
         outputs = []
         try:
             for item, p in zip(items, params):
-                text, ids = _split_prompt(item)
+                text, ids = split_prompt(item)
                 outputs.append(self.llm_engine.embed(str(next(self._counter)), text, p, prompt_token_ids=ids))
                 if bar is not None:
                     bar.update(1)
@@ -159,7 +169,7 @@ class LLM:
         return outputs
 
     def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    use_tqdm: bool | Callable[..., Any] = False) -> list[BeamSearchOutput]:
         """Beam search for every prompt (:mod:`kvgen.engine.beam_search`); per prompt the best
         ``params.beam_width`` sequences, best first, each with ``text`` = the decoded prompt and output (as vLLM).
         Raises ``ValueError`` for a prompt that leaves no room for a token within ``max_model_len``, or
@@ -172,7 +182,7 @@ class LLM:
                              f"({engine.engine_args.max_logprobs}); raise max_logprobs")
         token_lists = []
         for item in _as_prompt_list(prompts):
-            text, ids = _split_prompt(item)
+            text, ids = split_prompt(item)
             if ids is None:
                 if tokenizer is None:
                     raise ValueError("text prompts need a tokenizer; this LLM has none (pass token ids)")
@@ -196,14 +206,12 @@ class LLM:
                 beam.text = tokenizer.decode(beam.tokens) if tokenizer is not None else None
         return [BeamSearchOutput(beams) for beams in best]
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         wanted = set(request_ids)
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+            bar = _progress_bar(use_tqdm, len(request_ids), "Processed prompts")
         try:
             while len(finished) < len(request_ids) and self.llm_engine.has_unfinished_requests():
                 for output in self.llm_engine.step():
@@ -220,12 +228,21 @@ class LLM:
         return [finished[r] for r in request_ids]
 
 
+def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int, desc: str) -> Any:
+    """A tqdm bar of ``total`` prompts; ``use_tqdm`` a callable makes it (vLLM's ``tqdm_func``), else ``tqdm.auto``."""
+    from tqdm.auto import tqdm
+
+    return (use_tqdm if callable(use_tqdm) else tqdm)(total=total, desc=desc, dynamic_ncols=True)
+
+
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)) or not prompts:
-        raise ValueError(f"prompts must be a string, a list of token ids or a non-empty list of prompts, got {prompts!r}")
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
+        raise ValueError(f"prompts must be a string, a list of token ids or a list of prompts, got {prompts!r}")
     items: list[Any] = list(prompts)
+    if not items:  # no prompts, nothing to run (as vLLM, whose generate([]) returns []), not one empty prompt
+        return []
     if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
         return [items]  # one prompt of token ids
     return items
@@ -239,15 +256,3 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams], num_promp
     if len(params) != num_prompts:
         raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({num_prompts}), got {len(params)}")
     return list(params)
-
-
-def _split_prompt(item: PromptInput) -> tuple[str | None, list[int] | None]:
-    if isinstance(item, str):
-        return item, None
-    if isinstance(item, dict):
-        if "prompt_token_ids" in item:  # vLLM's TokensPrompt; its optional "prompt" is the ids' text
-            return item.get("prompt"), item["prompt_token_ids"]
-        if "prompt" in item:
-            return item["prompt"], None
-        raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(item)}")
-    return None, item

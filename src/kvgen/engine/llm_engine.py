@@ -15,6 +15,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvgen.engine.block_manager import BlockManager
 from kvgen.engine.engine_args import DEFAULT_KV_CACHE_MEMORY, EngineArgs
@@ -110,15 +111,16 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int] | None = None,
+        prompt: str | list[int] | dict[str, Any] | None = None,
         sampling_params: SamplingParams | None = None,
         *,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Queue a request: ``prompt`` text (or a list of token ids), or ``prompt_token_ids`` (with ``prompt``, a
-        string, as their text: ``RequestOutput.prompt``, as vLLM's ``TokensPrompt``).
+        """Queue a request: ``prompt`` text (or a list of token ids, or vLLM's ``TextPrompt`` / ``TokensPrompt``
+        dict), or ``prompt_token_ids`` (with ``prompt``, a string, as their text: ``RequestOutput.prompt``, as
+        vLLM's ``TokensPrompt``).
 
         ``priority``: lower runs first under ``scheduling_policy="priority"`` (vLLM's rule); any other
         value than 0 is refused under "fcfs".
@@ -130,6 +132,10 @@ class LLMEngine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+            if prompt_token_ids is not None:
+                raise ValueError("pass prompt_token_ids in the prompt dict or as prompt_token_ids, not both")
+            prompt, prompt_token_ids = split_prompt(prompt)
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         self._check_request_id(request_id, params.n)
@@ -354,3 +360,17 @@ def _fit_pool(max_model_len: int, args: EngineArgs, num_blocks: int) -> int:
                          f"({num_blocks} blocks of {args.block_size}): lower max_model_len or raise num_blocks / "
                          "kv_cache_memory")
     return pool_tokens
+
+
+def split_prompt(item: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of a prompt: text, token ids, or vLLM's ``TextPrompt`` / ``TokensPrompt`` dict (a
+    ``TokensPrompt``'s optional ``prompt`` is its ids' text). Raises ``ValueError`` for a dict with neither key."""
+    if isinstance(item, str):
+        return item, None
+    if isinstance(item, dict):
+        if "prompt_token_ids" in item:
+            return item.get("prompt"), item["prompt_token_ids"]
+        if "prompt" in item:
+            return item["prompt"], None
+        raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(item)}")
+    return None, item
