@@ -117,3 +117,19 @@ def test_a_reused_prefix_on_the_default_models_kernels(ours_default_auto):
     for kind in ("dynamic", "static"):
         got = generate(model, ids, None, cfg, past_key_values=_filled(model, ids[:, :7], kind))
         assert got.new_token_ids == want.new_token_ids
+
+
+@pytest.mark.parametrize("settings", [{"num_beams": 3, "num_return_sequences": 3}, {"num_beams": 3},
+                                      {"do_sample": True, "best_of": 3, "num_return_sequences": 2, "seed": 5}])
+def test_after_beams_or_ranked_samples_each_returned_row_continues_from_its_cache_row(tiny_model, settings):
+    """The cache's rows at the last step are beams (or candidates) in search order, not the returned rows: it is left
+    holding each returned row's prompt, so continuing every returned sequence equals a full prefill."""
+    ours = tiny_model("llama").ours
+    ids = random_ids(7, 1, 10, 97)  # [1, 10]
+    cache = make_cache(ours)
+    out = generate(ours, ids, None, GenerationConfig(max_new_tokens=6, eos_token_id=[], **settings), past_key_values=cache)
+    turn2 = torch.cat([out.sequences, random_ids(8, 1, 5, 97).repeat(out.sequences.shape[0], 1)], dim=1)  # [N, 21]
+    cfg = GenerationConfig(max_new_tokens=NEW, eos_token_id=[])
+    want = generate(ours, turn2, torch.ones_like(turn2), cfg)
+    got = generate(ours, turn2, torch.ones_like(turn2), cfg, past_key_values=cache)
+    assert got.new_token_ids == want.new_token_ids

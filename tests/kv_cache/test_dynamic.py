@@ -79,3 +79,26 @@ def test_growing_during_decode_gives_the_static_cache_bits(ours_default_auto, on
     end = static.seq_length
     assert all(torch.equal(a[:, :, :end], b[:, :, :end]) for a, b in zip(static.key_cache + static.value_cache,
                                                                           dynamic.key_cache + dynamic.value_cache))
+
+
+@pytest.mark.parametrize("settings", [{}, {"num_beams": 3}])
+def test_a_cache_grown_or_gathered_inside_generate_takes_writes_outside_inference_mode(tiny_model, settings):
+    """Buffers that generate() allocates (growth, beams' rows) are normal tensors: reorder and a model forward outside
+    ``torch.inference_mode`` write them in place as they would a fresh cache's."""
+    from helpers import random_ids
+
+    from kvgen.generation import GenerationConfig, generate
+
+    ours = tiny_model("llama").ours
+    cfg = ours.config
+    cache = DynamicCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, initial_len=4)
+    generate(ours, random_ids(1, 1, 10, 97), None, GenerationConfig(max_new_tokens=3, eos_token_id=[], **settings),
+             past_key_values=cache)
+    rows, before = cache.layer_shape()[0], cache.key_cache[0][:, :, : cache.seq_length].clone()  # [B, Hkv, S, D]
+    flip = torch.arange(rows).flip(0)
+    cache.reorder(flip)
+    assert torch.equal(cache.key_cache[0][:, :, : cache.seq_length], before[flip])
+    seq_length, ids = cache.seq_length, random_ids(2, rows, 2, 97)  # [B, 2]
+    with torch.no_grad():
+        ours(ids, torch.arange(seq_length, seq_length + 2).repeat(rows, 1), cache, AttentionMetadata(None))
+    assert cache.seq_length == seq_length + 2 and torch.equal(cache.key_cache[0][:, :, :seq_length], before[flip])

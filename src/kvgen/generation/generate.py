@@ -88,9 +88,9 @@ def generate(
     ``past_key_values``: a ``DynamicCache`` / ``StaticCache`` (``make_cache``) holding the keys and values of the
     first ``S = seq_length`` tokens of every row of an unpadded ``input_ids`` (S < T): only the last T - S tokens are
     prefilled (transformers' reuse of a cache across chat turns; ``cache_implementation`` is then unused). With
-    one row per prompt, the cache is left holding every column of ``sequences`` but the last, ready for the next
-    turn (``cache.crop(n)`` keeps a shorter prefix); beams and several samples per prompt leave it one row per
-    hypothesis.
+    one row per prompt (or per sample), the cache is left holding every column of ``sequences`` but the last, ready
+    for the next turn (``cache.crop(n)`` keeps a shorter prefix); beams and ranked samples (``best_of``) leave it one
+    row per returned row holding its prompt.
     ``negative_prompt_ids`` [N, S] (``negative_prompt_attention_mask`` [N, S]): with ``guidance_scale``, the
     unconditional sequence of classifier-free guidance, one row per generated row (default: each row's last prompt
     token), as transformers.
@@ -169,9 +169,22 @@ def generate(
     if recorder is not None and recorder.keep_steps:
         out.hidden_states = recorder.hidden_states_per_step() if cfg.output_hidden_states else None
         out.attentions = recorder.attentions_per_step() if cfg.output_attentions else None
-    if past_key_values is not None and copies == 1:  # drafting strategies may leave rejected drafts after the kept
-        past_key_values.crop(out.sequences.shape[1] - 1)
+    if past_key_values is not None:
+        _settle_cache(past_key_values, out, copies, strategy, input_ids.shape[1])
     return out
+
+
+def _settle_cache(cache: StaticCache, out: GenerateOutput, copies: int, strategy: Strategy, prompt_length: int) -> None:
+    """Leave ``cache`` ready to continue ``out.sequences`` [N, T']: one row per prompt, or per sample, holding every
+    column but the last; after beams or ranked samples (whose rows at the last step are hypotheses in search order,
+    not the returned rows) one row per returned row holding its prompt's T columns."""
+    if copies == 1 or strategy is Strategy.SAMPLE:  # drafting strategies may leave rejected drafts after the kept
+        cache.crop(out.sequences.shape[1] - 1)
+        return
+    num_prompts = cache.layer_shape()[0] // copies
+    per_prompt = out.sequences.shape[0] // num_prompts
+    cache.reorder(torch.arange(num_prompts).repeat_interleave(per_prompt) * copies)  # [N]: a row of each prompt
+    cache.crop(prompt_length)
 
 
 def _recorder(cfg: GenerationConfig, strategy: Strategy, model: CausalLM) -> ForwardRecorder | None:

@@ -22,6 +22,13 @@ def lazy_zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype, device: t
     numel = math.prod(shape)
     if count < 1 or numel < 1:
         raise ValueError(f"lazy_zeros needs count >= 1 and a non-empty shape, got {count} x {shape}")
+    with torch.inference_mode(False):  # normal tensors even when grown inside generate(): a later write outside
+        return _lazy_zeros(count, numel, shape, dtype, device)  # inference mode must still be able to update them
+
+
+def _lazy_zeros(count: int, numel: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+                ) -> list[torch.Tensor]:
+    """:func:`lazy_zeros` once checked: ``count`` tensors of ``shape`` (``numel`` elements each)."""
     if torch.device(device).type != "cpu":
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
     elem = torch.empty((), dtype=dtype).element_size()

@@ -121,6 +121,7 @@ class StaticCache:
 def _gather_rows(cache: torch.Tensor, row_idx: torch.Tensor, end: int) -> torch.Tensor:
     """A new ``[B', Hkv, S_max, ...]`` tensor (a cache's [.., D] or its scales') holding rows ``row_idx`` of
     ``cache``'s first ``end`` slots."""
-    out = cache.new_empty((row_idx.numel(), *cache.shape[1:]))  # slots past `end` are written before read
+    with torch.inference_mode(False):  # a normal tensor, so that writes outside inference mode may update it later
+        out = cache.new_empty((row_idx.numel(), *cache.shape[1:]))  # slots past `end` are written before read
     out[:, :, :end] = cache[:, :, :end].index_select(0, row_idx)  # [B', Hkv, end, D]
     return out
