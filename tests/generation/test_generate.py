@@ -147,8 +147,12 @@ def test_no_attention_mask_is_inferred_from_pad_token_id_as_transformers(tiny, p
     assert (out.sequences.tolist() == masked.sequences.tolist()) == (pad == 0)  # pad 2: the zeros are tokens
 
 
-def test_pad_tokens_inferred_after_a_token_are_refused(tiny):
-    ids = torch.tensor([[5, 0, 17]])
-    with pytest.raises(ValueError, match=r"input_ids holds pad_token_id=0 after a token .* pass attention_mask"):
-        generate(tiny.ours, ids, None, max_new_tokens=2, pad_token_id=0)
-    assert generate(tiny.ours, ids, torch.ones_like(ids), max_new_tokens=2, pad_token_id=0).new_token_ids[0]
+def test_pad_tokens_after_a_token_stay_tokens_and_a_row_of_pads_is_refused(tiny):
+    """Only each row's leading pads are inferred as padding: a pad id after a token (a chat template's <|im_end|> when
+    it is the pad id) stays a token, as with an all-ones mask; a row of pads only has nothing to continue."""
+    ids = torch.tensor([[0, 5, 0, 17], [4, 5, 0, 17]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    out = generate(tiny.ours, ids, None, max_new_tokens=3, pad_token_id=0)
+    assert out.sequences.tolist() == generate(tiny.ours, ids, mask, max_new_tokens=3, pad_token_id=0).sequences.tolist()
+    with pytest.raises(ValueError, match=r"a row of input_ids holds only pad_token_id=0"):
+        generate(tiny.ours, torch.tensor([[0, 0], [5, 6]]), None, max_new_tokens=2, pad_token_id=0)

@@ -76,8 +76,8 @@ def generate(
     """Generate continuations of a left-padded batch of prompts.
 
     input_ids: [B, T] int64; attention_mask: [B, T] (1 = token, 0 = left pad) or
-    None: no padding, unless ``pad_token_id`` (no EOS id) occurs in ``input_ids``, whose columns holding it are then
-    the padding (as transformers infers the mask). ``overrides`` are GenerationConfig fields. Sampling
+    None: no padding, unless rows start with ``pad_token_id`` (no EOS id), whose leading run is then the padding
+    (as transformers infers the mask). ``overrides`` are GenerationConfig fields. Sampling
     uses ``generator`` or, if None, a ``torch.Generator`` seeded with
     ``config.seed`` (fresh default generator when both are None). ``tokenizer``
     is needed for ``stop_strings``; ``streamer`` gets ``put(ids)`` / ``end()``.
@@ -304,19 +304,21 @@ def _check_batch(
 
 
 def _inferred_attention_mask(input_ids: Any, cfg: GenerationConfig) -> torch.Tensor | None:
-    """The mask of ``input_ids`` [B, T] given without one: 0 where it holds ``pad_token_id``, when that id occurs and
-    is no EOS id; None (no padding) otherwise (transformers 4.55 ``_prepare_attention_mask_for_generation``). Raises
-    ``ValueError`` when those pad tokens are not left padding (kvgen cannot mask a token after the first)."""
+    """The mask of ``input_ids`` [B, T] given without one: 0 over each row's leading run of ``pad_token_id`` (left
+    padding) when that id is no EOS id, as transformers 4.55 ``_prepare_attention_mask_for_generation`` infers it;
+    None (no padding) when no row starts with it. The id after a row's first token stays a token (a chat template's
+    ``<|im_end|>`` that is the pad id: transformers would mask it too, which left padding cannot express). Raises
+    ``ValueError`` for a row of pad tokens only."""
     pad = cfg.pad_token_id
     if pad is None or pad in cfg.eos_token_ids or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         return None  # (bad input_ids are _check_batch's to name)
-    mask = (input_ids != pad).long()  # [B, T]
-    if bool(mask.all()):
+    if input_ids.numel() == 0 or not bool((input_ids[:, 0] == pad).any()):
         return None
-    if bool((mask.sum(-1) == 0).any()) or bool((mask[:, :-1] > mask[:, 1:]).any()):
-        raise ValueError(f"input_ids holds pad_token_id={pad} after a token (or only it) and no attention_mask was "
-                         f"given: transformers would mask those positions; pass attention_mask (left-padded)")
-    return mask
+    leading = (input_ids == pad).long().cumprod(dim=-1).bool()  # [B, T]: each row's leading pads
+    if bool(leading.all(dim=-1).any()):
+        raise ValueError(f"a row of input_ids holds only pad_token_id={pad} and no attention_mask was given: it has no "
+                         f"token to continue")
+    return (~leading).long()  # [B, T]
 
 
 def _check_forced_token_ids(cfg: GenerationConfig, vocab_size: int) -> None:
