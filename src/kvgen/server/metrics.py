@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvgen.engine.llm_engine import LLMEngine
-from kvgen.engine.outputs import RequestOutput
+from kvgen.engine.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("kvgen.server")
 disable_created_metrics()  # no *_created series (as vLLM)
@@ -135,13 +135,17 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """One engine request's timeline: feeds TTFT, ITL, E2E and the token counters, logs one line at the end."""
+    """One engine request's timeline: feeds TTFT, ITL, E2E and the token counters, logs one line at the end.
+
+    Timings are per completion (``n > 1``: per child sequence, as vLLM's child requests): each completion's first
+    token is a TTFT, each later output of it an ITL, its finish an E2E.
+    """
 
     def __init__(self, metrics: ServerMetrics, request_id: str) -> None:
         self.metrics, self.request_id = metrics, request_id
         self.arrival = time.monotonic()
         self.first_token: float | None = None
-        self.last_token: float | None = None
+        self.last_token: dict[int, float] = {}  # completion index -> when its latest token came
         self.num_prompt_tokens = 0
         self.num_generated = 0
         self.finish_reasons: list[str] = []
@@ -149,23 +153,30 @@ class RequestTracker:
     def on_output(self, output: RequestOutput) -> None:
         """Record one (DELTA) output of the request."""
         now, name = time.monotonic(), self.metrics.model_name
-        num_new = sum(len(c.token_ids) for c in output.outputs)
-        if self.first_token is None and num_new:
+        for completion in output.outputs:
+            self._on_completion(completion, now)
+        if self.first_token is None and self.last_token:
             self.first_token = now
             self.num_prompt_tokens = len(output.prompt_token_ids)
-            self.metrics.ttft.labels(name).observe(now - self.arrival)
             self.metrics.record_prompt(len(output.prompt_token_ids), output.num_cached_tokens)
-        elif num_new and self.last_token is not None:
-            self.metrics.itl.labels(name).observe((now - self.last_token) / num_new)
+        if output.finished and output.metrics is not None and output.metrics.num_preemptions:
+            self.metrics.preemptions.labels(name).inc(output.metrics.num_preemptions)
+
+    def _on_completion(self, completion: CompletionOutput, now: float) -> None:
+        """One completion's new tokens (a TTFT or an ITL) and, if it finished, its E2E."""
+        name, num_new = self.metrics.model_name, len(completion.token_ids)
         if num_new:
-            self.last_token = now
+            last = self.last_token.get(completion.index)
+            if last is None:
+                self.metrics.ttft.labels(name).observe(now - self.arrival)
+            else:
+                self.metrics.itl.labels(name).observe((now - last) / num_new)
+            self.last_token[completion.index] = now
             self.num_generated += num_new
             self.metrics.generation_tokens.labels(name).inc(num_new)
-        self.finish_reasons += [c.finish_reason for c in output.outputs if c.finish_reason is not None]
-        if output.finished:
+        if completion.finish_reason is not None:
+            self.finish_reasons.append(completion.finish_reason)
             self.metrics.e2e.labels(name).observe(now - self.arrival)
-            if output.metrics is not None and output.metrics.num_preemptions:
-                self.metrics.preemptions.labels(name).inc(output.metrics.num_preemptions)
 
     def finish(self, is_aborted: bool) -> None:
         """Count the request by finish reason and log its line (``is_aborted``: the client left)."""
