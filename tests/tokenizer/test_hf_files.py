@@ -263,3 +263,42 @@ def test_special_tokens_map_counts_only_for_a_legacy_config(trained: BackendToke
         messages = CONVERSATIONS["single"]
         assert ours.apply_chat_template(messages) == ref.apply_chat_template(messages, tokenize=False)
         assert (ref.eos_token == "<|endoftext|>") is is_legacy
+
+
+def _added_tokens_dir(tmp_path: Path, added: dict[str, int], **config: object) -> Path:
+    directory = write_wordpiece_dir(tmp_path, WORDPIECE_VOCAB, do_lower_case=True, **config)
+    (directory / "added_tokens.json").write_text(json.dumps(added))
+    return directory
+
+
+def _assert_added_tokens_match(directory: Path, texts: list[str], ids: list[int]) -> None:
+    ours, ref = Tokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+    assert ours.vocab_size == len(ref)
+    for text in texts:
+        assert ours.encode(text) == ref.encode(text), text
+    for skip in (False, True):
+        assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+
+
+def test_added_tokens_json_is_ignored_next_to_added_tokens_decoder(tmp_path: Path) -> None:
+    """transformers reads added_tokens.json only for a legacy config (no added_tokens_decoder); kvgen added its tokens
+    first, so a token of added_tokens_decoder got another id."""
+    n = len(WORDPIECE_VOCAB)
+    entry = {"special": True, "normalized": False, "lstrip": False, "rstrip": False, "single_word": False}
+    directory = _added_tokens_dir(tmp_path, {"newtok": n, "<extra>": n + 1},
+                                  added_tokens_decoder={str(n): {"content": "<extra>", **entry}})
+    _assert_added_tokens_match(directory, ["<extra> hello newtok", "newtok"], [n, 30, 31])
+
+
+def test_legacy_added_tokens_json_takes_its_ids_and_special_flags(tmp_path: Path) -> None:
+    """A legacy added_tokens.json: ids from the file (kvgen took the key order), and a named special token special and
+    not normalized (kvgen normalized it, so "<EXTRA>" matched it where BertTokenizerFast does not)."""
+    n = len(WORDPIECE_VOCAB)
+    directory = _added_tokens_dir(tmp_path, {"newtok": n + 1, "<extra>": n}, additional_special_tokens=["<extra>"])
+    _assert_added_tokens_match(directory, ["<extra> hello newtok", "<EXTRA> NEWTOK"], [n, n + 1, 30])
+
+
+def test_added_tokens_json_id_must_be_an_int(tmp_path: Path) -> None:
+    directory = _added_tokens_dir(tmp_path, {"newtok": "12"})
+    with pytest.raises(ModelFormatError, match="the id of 'newtok' must be an int, got '12'"):
+        Tokenizer.from_pretrained(directory)

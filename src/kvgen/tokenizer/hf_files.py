@@ -71,21 +71,37 @@ def _tokenizer_config(directory: Path) -> dict[str, Any]:
     return config
 
 
+def _special_strings(config: dict[str, Any]) -> list[str]:
+    """The named special tokens of the config (``unk_token`` ..., ``additional_special_tokens``)."""
+    strings = [token_content(config.get(n)) for n in SPECIAL_TOKEN_KEYS]
+    strings += [token_content(t) for t in config.get("additional_special_tokens", [])]
+    return [s for s in strings if s]
+
+
 def _added_tokens(config: dict[str, Any]) -> list[AddedToken]:
     """``added_tokens_decoder`` entries, then the named special tokens."""
     added = []
     for _, entry in sorted(config.get("added_tokens_decoder", {}).items(), key=lambda kv: int(kv[0])):
         fields = {k: entry[k] for k in ("special", "normalized", "lstrip", "rstrip", "single_word") if k in entry}
         added.append(AddedToken(entry["content"], **fields))
-    strings = [token_content(config.get(n)) for n in SPECIAL_TOKEN_KEYS]
-    strings += [token_content(t) for t in config.get("additional_special_tokens", [])]
-    return added + [AddedToken(s, special=True, normalized=False) for s in strings if s]
+    return added + [AddedToken(s, special=True, normalized=False) for s in _special_strings(config)]
+
+
+def _legacy_added_tokens(path: Path, config: dict[str, Any]) -> list[AddedToken]:
+    """``added_tokens.json`` ({token: id}) in id order; a named special token is special and not normalized, the
+    others normalized, as transformers' legacy load. Raises ``ModelFormatError`` for an id that is not an int."""
+    added = read_json(path)
+    if bad := [t for t, i in added.items() if isinstance(i, bool) or not isinstance(i, int)]:
+        raise ModelFormatError(f"{path}: the id of {bad[0]!r} must be an int, got {added[bad[0]]!r}")
+    special = set(_special_strings(config))
+    return [AddedToken(t, special=t in special, normalized=t not in special) for t in sorted(added, key=added.__getitem__)]
 
 
 def _add_tokens(backend: BackendTokenizer, directory: Path, config: dict[str, Any]) -> None:
-    """Tokens of ``added_tokens.json`` and of the config (specials as special tokens)."""
-    if (directory / "added_tokens.json").is_file():
-        backend.add_tokens(list(read_json(directory / "added_tokens.json")))
+    """Tokens of ``added_tokens.json`` (read only without the config's ``added_tokens_decoder``, which supersedes it in
+    transformers) and of the config (specials as special tokens)."""
+    if "added_tokens_decoder" not in config and (directory / "added_tokens.json").is_file():
+        backend.add_tokens(_legacy_added_tokens(directory / "added_tokens.json", config))
     for token in _added_tokens(config):
         (backend.add_special_tokens if token.special else backend.add_tokens)([token])
 
