@@ -37,6 +37,14 @@ def test_config_takes_vllm_defaults_and_refuses_bad_values():
             EngineArgs(speculative_config=text)
 
 
+def test_config_names_the_bad_lookup_size_that_was_given():
+    # vLLM checks each given size (pydantic ge=1) before copying one into the other: the error names the one given
+    for name in ("prompt_lookup_max", "prompt_lookup_min"):
+        for value in (0, "3", 2.5):
+            with pytest.raises(ValueError, match=f"^{name} must be an int >= 1, got {value!r}"):
+                SpeculativeConfig.parse({"num_speculative_tokens": 2, name: value})
+
+
 def test_verify_drafts_keeps_drafts_up_to_the_first_difference():
     assert verify_drafts([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all kept, plus the bonus token
     assert verify_drafts([5, 6, 7], [5, 9, 7, 8]) == [5, 9]

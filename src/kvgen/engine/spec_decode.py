@@ -45,12 +45,13 @@ class SpeculativeConfig:
         if self.num_speculative_tokens is None:
             raise ValueError("speculative_config needs num_speculative_tokens")
         check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):  # checked as given, before one fills the other
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
         if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
             self.prompt_lookup_max = self.prompt_lookup_min = _NGRAM_DEFAULT
         self.prompt_lookup_max = self.prompt_lookup_min if self.prompt_lookup_max is None else self.prompt_lookup_max
         self.prompt_lookup_min = self.prompt_lookup_max if self.prompt_lookup_min is None else self.prompt_lookup_min
-        check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
-        check_int("prompt_lookup_max", self.prompt_lookup_max, 1)
         if self.disable_by_batch_size is not None:
             check_int("disable_by_batch_size", self.disable_by_batch_size, 1)
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
