@@ -66,6 +66,21 @@ def test_matches_bert_tokenizer_fast_from_auto_tokenizer(tmp_path: Path) -> None
     assert ours.all_special_ids == sorted(ref.all_special_ids)
 
 
+def test_a_vocab_with_duplicate_lines_decodes_every_id_as_transformers(tmp_path: Path) -> None:
+    """vocab.txt repeating a token: the later line's id wins (encode) and every line's id decodes, as transformers'
+    tokenizers do; kvgen counted distinct tokens and refused the last ids ("token id must be in [0, n)")."""
+    vocab = [*WORDPIECE_VOCAB, WORDPIECE_VOCAB[-1], WORDPIECE_VOCAB[-2]]
+    directory = write_wordpiece_dir(tmp_path, vocab, do_lower_case=True)
+    ours, fast = Tokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+    slow = BertTokenizer(vocab_file=str(directory / "vocab.txt"), do_lower_case=True)
+    assert ours.vocab_size == len(vocab)
+    for text in WORDPIECE_STRINGS:
+        assert ours.encode(text) == fast.encode(text) == slow.encode(text), text
+    every_id = list(range(len(vocab)))
+    for skip in (False, True):
+        assert ours.decode(every_id, skip_special_tokens=skip) == fast.decode(every_id, skip_special_tokens=skip)
+
+
 def test_special_ids_stop_generation_at_sep(tmp_path: Path) -> None:
     ours, ref = _pair(tmp_path, CONFIGS["lower"])
     assert ref.bos_token_id is None and ref.eos_token_id is None  # BertTokenizer has neither

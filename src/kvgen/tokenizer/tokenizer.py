@@ -60,7 +60,7 @@ class Tokenizer:
         self._named_chat_templates = dict(named_chat_templates or {})  # "tool_use", "rag", ... besides the default
         self._compiled_templates: dict[str, jinja2.Template] = {}  # by source
         self.name = name
-        self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._vocab_size = _num_ids(backend)
         bos = special.bos_token_id
         self._add_bos_token = bos is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos]
 
@@ -289,3 +289,13 @@ def _cut_after_final_message(text: str, final: dict[str, Any]) -> str:
         raise ValueError("continue_final_message: the final message's content does not appear in the rendered prompt")
     kept = content.lstrip()  # compared with the whole content, as transformers does
     return text[: start + (len(kept) if text[start : start + len(kept)] == content else len(content.strip()))]
+
+
+def _num_ids(backend: BackendTokenizer) -> int:
+    """1 + the highest token id. The backend's size counts distinct tokens, fewer when a vocabulary repeats a token
+    (a BERT ``vocab.txt`` with duplicate lines: the later line's id wins and the earlier id is a gap that decodes to
+    nothing, as transformers' tokenizers decode it)."""
+    size = backend.get_vocab_size(with_added_tokens=True)
+    if backend.id_to_token(size) is None:  # ids 0 .. size - 1: the usual case, without building the vocabulary
+        return size
+    return max(backend.get_vocab(with_added_tokens=True).values()) + 1
