@@ -186,3 +186,21 @@ def test_head_dim_not_a_multiple_of_8_stays_off_the_kernels(tmp_path: Path) -> N
         want = ref.float()(input_ids=ids).logits
         got = ours.compute_logits(ours(ids, torch.arange(5)[None]))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_q8_0_re_encoding_is_the_gguf_encoding() -> None:
+    """``dense_to_q8_0`` (F32 matrices of a quantized GGUF file, mixed stacks) holds exactly the bytes of the gguf
+    package's Q8_0 quantizer (llama.cpp's ``quantize_row_q8_0_ref``, roundf): on random rows, an all-zero row, a row
+    with an outlier, a negative row, values on x.5 ties, and 0.49999997 after scaling (which roundf takes to 0 and
+    floor(|q| + 0.5) to 1)."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(6, 64, generator=g)
+    rows[1] = 0.0
+    rows[2, 7] = 1e4
+    rows[3] = -rows[3].abs()
+    rows[4] = torch.randint(-126, 126, (64,), generator=g) + 0.5
+    rows[4, 0] = 127.0  # d = 1: the row's values stay on their ties
+    rows[5, 0], rows[5, 1], rows[5, 2] = 127.0, 0.5 - 2.0**-25, -(0.5 - 2.0**-25)
+    got = quantized.dense_to_q8_0(rows)
+    assert got.qtype == Q.Q8_0 and got.shape == (6, 64)
+    assert torch.equal(got.parts[0], torch.from_numpy(quantize(rows.numpy(), Q.Q8_0)))
