@@ -512,8 +512,11 @@ def quantize_q8a(x: torch.Tensor) -> torch.Tensor:
     c127 = torch.full_like(amax, 127.0)  # tensor / tensor: IEEE division, as the C++ (a scalar divisor
     d = amax / c127  # would become a multiplication by its reciprocal, which rounds differently)
     inv = torch.where(amax != 0, c127 / amax, torch.zeros_like(amax))
-    q = torch.round(xb * inv)  # half to even, as _mm256_round_ps
-    s = d * q.sum(-1, keepdim=True)
+    # 127 / amax overflows where amax < 127 / FLT_MAX: every x * inf is +-inf or NaN, which _mm256_cvtps_epi32 turns
+    # into INT_MIN (packed to -128; 32 of them sum to 0 in int32), as the C++ and llama.cpp's x86 path do
+    overflow = torch.isinf(inv)  # [M, nb, 1]
+    q = torch.where(overflow, -128.0, torch.round(xb * inv))  # half to even, as _mm256_round_ps
+    s = torch.where(overflow, 0.0, d * q.sum(-1, keepdim=True))
     head = torch.cat([d, s], dim=-1).contiguous().view(torch.uint8)  # [M, nb, 8]
     return torch.cat([head, q.to(torch.int8).view(torch.uint8)], dim=-1).reshape(m, -1)  # [M, nb * 40]
 
