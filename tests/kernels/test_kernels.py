@@ -130,6 +130,19 @@ def test_activation_quantizer_matches_plain_torch():
     torch.testing.assert_close(R.dequantize_q8a(want), x, rtol=0, atol=float(x.abs().max()) / 127)
 
 
+
+def test_activation_quantizer_on_blocks_too_small_for_their_scale():
+    """A block whose largest |x| is below 127 / FLT_MAX (127 / amax overflows to inf): the kernel's bytes (those of
+    llama.cpp's x86 quantize_row_q8_1: every value -128, the sum s 0) are the plain-torch reference's too."""
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)) * 1e-39
+    x[0, :5] = 0  # 0 * inf is NaN
+    x[2, 32:] *= 1e30  # a block of ordinary values beside one
+    got, want = OPS.quantize_q8a(x), R.quantize_q8a(x)
+    assert torch.equal(got, want)
+    blocks = want.view(3, 2, 40)
+    assert bool((blocks[:, 0, 8:].contiguous().view(torch.int8) == -128).all())
+    assert int(blocks[2, 1, 8:].contiguous().view(torch.int8).abs().max()) == 127
+
 @pytest.mark.parametrize("qtype", KERNEL_QTYPES)
 @pytest.mark.parametrize("m,n,k", [(1, 40, 64), (3, 21, 96), (17, 200, 320), (64, 72, 1536)])
 def test_qgemm_matches_dequantize_then_matmul(qtype, m, n, k):

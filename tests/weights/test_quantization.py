@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -186,3 +187,65 @@ def test_head_dim_not_a_multiple_of_8_stays_off_the_kernels(tmp_path: Path) -> N
         want = ref.float()(input_ids=ids).logits
         got = ours.compute_logits(ours(ids, torch.arange(5)[None]))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_q8_0_re_encoding_is_the_gguf_encoding() -> None:
+    """``dense_to_q8_0`` (F32 matrices of a quantized GGUF file, mixed stacks) holds exactly the bytes of the gguf
+    package's Q8_0 quantizer (llama.cpp's ``quantize_row_q8_0_ref``, roundf): on random rows, an all-zero row, a row
+    with an outlier, a negative row, values on x.5 ties, and 0.49999997 after scaling (which roundf takes to 0 and
+    floor(|q| + 0.5) to 1)."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(6, 64, generator=g)
+    rows[1] = 0.0
+    rows[2, 7] = 1e4
+    rows[3] = -rows[3].abs()
+    rows[4] = torch.randint(-126, 126, (64,), generator=g) + 0.5
+    rows[4, 0] = 127.0  # d = 1: the row's values stay on their ties
+    rows[5, 0], rows[5, 1], rows[5, 2] = 127.0, 0.5 - 2.0**-25, -(0.5 - 2.0**-25)
+    got = quantized.dense_to_q8_0(rows)
+    assert got.qtype == Q.Q8_0 and got.shape == (6, 64)
+    assert torch.equal(got.parts[0], torch.from_numpy(quantize(rows.numpy(), Q.Q8_0)))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_non_finite_or_overflowing_matrices_are_refused(qtype) -> None:
+    """A matrix holding NaN or inf, or a value whose block scale overflows float16 in the gguf encoding (llama.cpp's
+    ``llama-quantize`` refuses such blocks: "quantized data validation failed"), is a ValueError naming the matrix;
+    the largest value whose encoding stays finite still quantizes, to the gguf bytes."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        w_bad = w.clone()
+        w_bad[1, 40] = bad
+        with pytest.raises(ValueError, match=f"mlp.down_proj.weight holds NaN or inf values: .* {qtype.name.lower()}"):
+            quantized.quantize_matrix("mlp.down_proj.weight", w_bad, qtype)
+    num_scales = 2 if qtype in (Q.Q4_1, Q.Q5_1) else 1
+    for big, overflows in ((1e7, True), (6e4, False)):
+        w_big = w.clone()
+        w_big[2, 5] = -big
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = quantize(w_big.numpy(), qtype)
+        scales = torch.from_numpy(want).reshape(-1, GGML_QUANT_SIZES[qtype][1])[:, :2 * num_scales]  # fp16 d (, m)
+        assert bool(torch.isfinite(scales.contiguous().view(torch.float16)).all()) != overflows
+        if overflows:
+            with pytest.raises(ValueError, match="up to 1e\\+07 in magnitude: .* block scale overflows float16"):
+                quantized.quantize_matrix("mlp.down_proj.weight", w_big, qtype)
+        else:
+            got = quantized.quantize_matrix("mlp.down_proj.weight", w_big, qtype)
+            assert torch.equal(got.parts[0], torch.from_numpy(want))
+
+
+def test_a_checkpoint_with_a_nan_weight_is_refused_at_load(tiny_llama_dir, tmp_path: Path) -> None:
+    """load_model(..., quantization=...) on a checkpoint with a NaN in one matrix: ValueError naming it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path, _ = tiny_llama_dir
+    shutil.copytree(path, tmp_path / "nan", dirs_exist_ok=True)
+    state = load_file(tmp_path / "nan" / "model.safetensors")
+    state["model.layers.0.self_attn.o_proj.weight"][3, 9] = float("nan")
+    save_file(state, tmp_path / "nan" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.o_proj.weight holds NaN or inf values"):
+        load_model(tmp_path / "nan", quantization="q4_0")

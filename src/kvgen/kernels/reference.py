@@ -488,15 +488,18 @@ def _dequantize_iq4_xs(weight: torch.Tensor, table: tuple[int, ...] = IQ4_VALUES
 def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
     """Float rows [N, K] (K % 32 == 0) -> GGUF Q8_0 bytes [N, K / 32 * 34] uint8.
 
-    As llama.cpp ``quantize_row_q8_0_ref``: d = max|x| / 127 stored as fp16, q = round(x / d)
-    (half away from zero). Used for tensor types that have no kernel (K-quants, Q5_*).
+    As llama.cpp ``quantize_row_q8_0_ref``: d = max|x| / 127 stored as fp16, q = roundf(x * (1 / d))
+    (half away from zero; byte for byte the gguf package's ``Q8_0``). Used for tensor types that have no kernel
+    (K-quants, Q5_*).
     """
     n, k = w.shape
     x = w.float().reshape(n, k // BLOCK, BLOCK)  # [N, nb, 32]
     d = x.abs().amax(-1, keepdim=True) / 127.0  # [N, nb, 1]
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     q = x * inv
-    q = (torch.sign(q) * torch.floor(q.abs() + 0.5)).clamp(-127, 127).to(torch.int8)  # roundf
+    # roundf: q - trunc(q) is exact, whereas floor(|q| + 0.5) rounds 0.49999997 + 0.5 up to 1
+    t = torch.trunc(q)
+    q = torch.where((q - t).abs() >= 0.5, t + torch.sign(q), t).clamp(-127, 127).to(torch.int8)
     d16 = d.to(torch.float16).view(torch.uint8)  # [N, nb, 2]
     return torch.cat([d16, q.view(torch.uint8)], dim=-1).reshape(n, -1)  # [N, nb * 34]
 
@@ -509,8 +512,11 @@ def quantize_q8a(x: torch.Tensor) -> torch.Tensor:
     c127 = torch.full_like(amax, 127.0)  # tensor / tensor: IEEE division, as the C++ (a scalar divisor
     d = amax / c127  # would become a multiplication by its reciprocal, which rounds differently)
     inv = torch.where(amax != 0, c127 / amax, torch.zeros_like(amax))
-    q = torch.round(xb * inv)  # half to even, as _mm256_round_ps
-    s = d * q.sum(-1, keepdim=True)
+    # 127 / amax overflows where amax < 127 / FLT_MAX: every x * inf is +-inf or NaN, which _mm256_cvtps_epi32 turns
+    # into INT_MIN (packed to -128; 32 of them sum to 0 in int32), as the C++ and llama.cpp's x86 path do
+    overflow = torch.isinf(inv)  # [M, nb, 1]
+    q = torch.where(overflow, -128.0, torch.round(xb * inv))  # half to even, as _mm256_round_ps
+    s = torch.where(overflow, 0.0, d * q.sum(-1, keepdim=True))
     head = torch.cat([d, s], dim=-1).contiguous().view(torch.uint8)  # [M, nb, 8]
     return torch.cat([head, q.to(torch.int8).view(torch.uint8)], dim=-1).reshape(m, -1)  # [M, nb * 40]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
@@ -133,7 +134,9 @@ def is_quantizable(name: str) -> bool:
 
 def quantize_matrix(name: str, w: torch.Tensor, qtype: GGMLQuantizationType) -> GGUFBlocks:
     """The float matrix ``name`` [out, in] (in % 32 == 0) encoded as ``qtype`` by the gguf package's quantizers
-    (llama.cpp's ``quantize_row_*_ref`` rounding); the embedding and LM head as Q8_0 under a 4- or 5-bit type."""
+    (llama.cpp's ``quantize_row_*_ref`` rounding); the embedding and LM head as Q8_0 under a 4- or 5-bit type.
+    ``ValueError`` for a matrix holding NaN or inf, or values so large that a block's float16 scale overflows
+    (llama.cpp's quantizer refuses both: ``ggml_validate_row_data``, "quantized data validation failed")."""
     from gguf.constants import GGML_QUANT_SIZES
     from gguf.quants import quantize
 
@@ -144,9 +147,25 @@ def quantize_matrix(name: str, w: torch.Tensor, qtype: GGMLQuantizationType) -> 
     raw = torch.empty(out_features, in_features // block_size * type_size, dtype=torch.uint8)  # [out, bytes]
     step = max(1, _QUANTIZE_CHUNK_VALUES // in_features)  # rows per step: bounds the quantizer's float temporaries
     for r in range(0, out_features, step):
-        rows = w[r:r + step].float().contiguous().numpy()  # [step, in] float32
-        raw[r:r + step] = torch.from_numpy(quantize(rows, qtype))
+        rows = w[r:r + step].float().contiguous()  # [step, in] float32
+        if not torch.isfinite(rows).all():
+            raise ValueError(f"{name} holds NaN or inf values: it cannot be quantized as {qtype.name.lower()}")
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflowing scale: _check_scales says so
+            raw[r:r + step] = torch.from_numpy(quantize(rows.numpy(), qtype))
+        _check_scales(name, raw[r:r + step], qtype, float(rows.abs().max()))
     return GGUFBlocks(qtype, [raw], (out_features, in_features))
+
+
+def _check_scales(name: str, raw: torch.Tensor, qtype: GGMLQuantizationType, amax: float) -> None:
+    """``ValueError`` unless every block of ``raw`` [rows, bytes] uint8 (``qtype``) has finite float16 fields d (and
+    m, for Q4_1, Q5_1): the leading 2 (4) bytes of each block."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    num_scale_bytes = 4 if qtype in (Q.Q4_1, Q.Q5_1) else 2
+    scales = raw.reshape(-1, GGML_QUANT_SIZES[qtype][1])[:, :num_scale_bytes].contiguous().view(torch.float16)
+    if not torch.isfinite(scales).all():
+        raise ValueError(f"{name} holds values up to {amax:g} in magnitude: their {qtype.name.lower()} block scale "
+                         "overflows float16")
 
 
 def mxfp4_fits_float16(raw: torch.Tensor) -> bool:
