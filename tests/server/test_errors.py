@@ -47,6 +47,7 @@ BAD_CHAT = [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # "auto": no parser
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),  # without tools
+    ({"tool_choice": "auto"}, "tool_choice"),  # without tools (vLLM: "When using `tool_choice`, `tools` must be set.")
     ({"tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],

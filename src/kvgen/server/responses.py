@@ -128,7 +128,7 @@ def _chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatCom
         raise bad_request("text.format needs name and schema when type is 'json_schema'", "text.format")
     if fmt.type != "text":
         response_format = ResponseFormat(type=fmt.type, json_schema=fmt.as_json_schema())
-    choice = req.tool_choice
+    choice = req.tool_choice if req.tools or req.tool_choice != "auto" else None  # "auto", the default, needs no tools
     tools = [ChatTool(type="function", function=FunctionDefinition(
         name=t.name, description=t.description, parameters=t.parameters, strict=t.strict)) for t in req.tools or []]
     logprobs = LOGPROBS_INCLUDE in (req.include or [])

@@ -41,8 +41,8 @@ class ToolPlan:
 
 def tool_plan(req: ChatCompletionRequest, parser: str | None = None) -> ToolPlan | None:
     """The request's tool constraint, or None when it calls no tool; ``parser`` is the server's tool-call parser.
-    Raises a 400 naming ``tool_choice`` for ``"auto"`` without a parser, an unknown function or a choice without
-    tools, and naming ``response_format`` beside a forced call. With a parser whose call marker may be a special
+    Raises a 400 naming ``tool_choice`` for ``"auto"`` without a parser, an unknown function or a choice other than
+    ``"none"`` without tools, and naming ``response_format`` beside a forced call. With a parser whose call marker may be a special
     token (hermes, mistral) and tools that may be called, sets ``req.skip_special_tokens`` false, as vLLM's
     ``ToolParser.adjust_request`` (the marker would otherwise never reach the parser)."""
     choice, tools = req.tool_choice, req.tools or []
@@ -50,6 +50,8 @@ def tool_plan(req: ChatCompletionRequest, parser: str | None = None) -> ToolPlan
         req.skip_special_tokens = False
     if choice is None or choice == "auto":
         if not tools:
+            if choice == "auto":  # as vLLM and OpenAI; only "none" goes without tools
+                raise bad_request("tool_choice needs tools", "tool_choice")
             return None
         if parser is not None:
             return ToolPlan(None, None, parser)
