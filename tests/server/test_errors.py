@@ -102,7 +102,8 @@ def test_unknown_model_is_404_not_found(client):
      ({"logit_bias": {" 1": 1}}, "logit_bias"), ({"logit_bias": {"\u0661": 1}}, "logit_bias"),
      ({"extra_body": {"structured_outputs": {"regex": ""}}}, "structured_outputs"),
      ({"extra_body": {"structured_outputs": {"choice": []}}}, "structured_outputs"),
-     ({"extra_body": {"structured_outputs": {"grammar": ""}}}, "structured_outputs")],
+     ({"extra_body": {"structured_outputs": {"grammar": ""}}}, "structured_outputs"),
+     ({"max_tokens": 0}, "max_tokens")],  # 0 only with echo
 )
 def test_unsupported_or_bad_completion_fields_are_400(client, extra, param):
     kwargs = {"prompt": "Hello", "max_tokens": 4, **extra}

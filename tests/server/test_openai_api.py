@@ -247,6 +247,28 @@ def test_completion_echo_returns_the_prompt_and_its_logprobs(client, tiny_tokeni
     assert by_ids.choices[0].logprobs is None
 
 
+def test_completion_echo_with_max_tokens_0_returns_the_prompt_alone(client, tiny_tokenizer):
+    """``echo`` with ``max_tokens: 0`` (OpenAI's and vLLM's "echo without generation"): the prompt's text and, with
+    ``logprobs``, its tokens' logprobs, the same as before the generated token of ``max_tokens: 1``; no completion
+    tokens, finished by length; streamed, the same. kvgen refused max_tokens 0."""
+    prompt = "The capital of France is"
+    num_ids = len(tiny_tokenizer.encode(prompt))
+    one = client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=1, logprobs=1, echo=True)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, logprobs=1, echo=True)
+    choice, want = r.choices[0], one.choices[0].logprobs
+    assert choice.text == prompt and choice.finish_reason == "length" and r.usage.completion_tokens == 0
+    assert choice.logprobs.tokens == want.tokens[:num_ids] and choice.logprobs.text_offset == want.text_offset[:num_ids]
+    assert choice.logprobs.token_logprobs == pytest.approx(want.token_logprobs[:num_ids], abs=1e-5)
+    stream = client.completions.create(model="tiny", prompt=[prompt, "Hi"], max_tokens=0, echo=True, n=2, stream=True,
+                                       stream_options={"include_usage": True})
+    texts: dict[int, str] = {}
+    for c in stream:
+        for piece in c.choices:
+            texts[piece.index] = texts.get(piece.index, "") + piece.text
+        usage = c.usage
+    assert texts == {0: prompt, 1: prompt, 2: "Hi", 3: "Hi"} and usage is not None and usage.completion_tokens == 0
+
+
 def test_logit_bias_forces_a_token(client, tiny_tokenizer):
     token_id = tiny_tokenizer.encode(" blue")[0]
     r = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=4,

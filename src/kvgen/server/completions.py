@@ -4,7 +4,8 @@ Each prompt is its own engine request; choice ``index`` is ``prompt_index * n + 
 ``logprobs: k`` (0-5) gives each generated token's logprob and the k best alternatives
 (the legacy format, as vLLM); ``echo`` puts the prompt before each choice's text, and
 with ``logprobs`` its tokens' logprobs before the generated ones (the first is null),
-as evaluation harnesses ask (``echo``, ``logprobs: 1``, ``max_tokens: 1``). ``suffix``
+as evaluation harnesses ask (``echo``, ``logprobs: 1``, ``max_tokens: 1``); ``echo`` with
+``max_tokens: 0`` answers the prompt alone (as OpenAI and vLLM). ``suffix``
 and ``best_of != n`` are refused with a 400 naming the field. Streaming sends text chunks
 (with their tokens' logprobs), one chunk per choice with ``finish_reason``, a usage chunk
 when asked, then ``data: [DONE]``.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi.responses import Response
 from starlette.requests import Request
@@ -50,8 +51,12 @@ from kvgen.server.serving import (
     truncated,
 )
 
+T = TypeVar("T", ChoiceResult, CompletionOutput)
+
 
 def _refuse_unsupported(req: CompletionRequest) -> None:
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt alone), got 0", "max_tokens")
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -91,7 +96,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     _refuse_unsupported(req)
     prompts = [truncated(state, p, req.truncate_prompt_tokens) for p in completion_prompt_ids(state, req.prompt)]
     # max_tokens None: all the room the longest prompt leaves
-    max_tokens = min(resolve_max_tokens(state, len(p), req.max_tokens, ("prompt", "max_tokens")) for p in prompts)
+    # echo with max_tokens 0: the prompt alone, as OpenAI and vLLM (which draw one token and drop it)
+    is_echo_only = req.echo and req.max_tokens == 0
+    requested = 1 if is_echo_only else req.max_tokens
+    max_tokens = min(resolve_max_tokens(state, len(p), requested, ("prompt", "max_tokens")) for p in prompts)
     params = sampling_params(req, state, max_tokens, req.logprobs)
     if req.echo and req.logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
@@ -103,6 +111,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     num_prompt_tokens = sum(len(p) for p in prompts)
 
     def response(choices: list[ChoiceResult]) -> CompletionResponse:
+        choices = [_echo_only(c) for c in choices] if is_echo_only else choices
         return CompletionResponse(
             id=gen.request_id, created=gen.created, model=state.model_name,
             usage=usage(num_prompt_tokens, choices, num_cached_tokens(choices, req.n)),
@@ -111,7 +120,14 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
                      for c in choices],
         )
 
-    return await respond(gen, raw, req.n, _stream(state, req, gen, echo) if req.stream else None, response)
+    return await respond(gen, raw, req.n, _stream(state, req, gen, echo, is_echo_only) if req.stream else None, response)
+
+
+def _echo_only(c: T) -> T:
+    """A choice (or streamed completion) without its generated token: echo with ``max_tokens: 0`` answers the prompt
+    alone, finished by that length limit."""
+    return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if isinstance(c, ChoiceResult) else None,
+                               finish_reason="length" if c.finish_reason is not None else None)
 
 
 class _Echo:
@@ -153,7 +169,8 @@ class _Echo:
         return choice
 
 
-def _stream(state: ServerState, req: CompletionRequest, gen: Generation, echo: _Echo) -> AsyncIterator[str]:
+def _stream(state: ServerState, req: CompletionRequest, gen: Generation, echo: _Echo, is_echo_only: bool
+            ) -> AsyncIterator[str]:
     stream_usage = StreamUsage(req.stream_options, [len(p) for p in echo.prompts], req.n)
 
     def chunk(choices: list[CompletionChoice], **fields: Any) -> str:
@@ -163,6 +180,7 @@ def _stream(state: ServerState, req: CompletionRequest, gen: Generation, echo: _
 
     def events(prompt_index: int, c: CompletionOutput, output: RequestOutput) -> Iterator[str]:
         index = prompt_index * req.n + c.index
+        c = _echo_only(c) if is_echo_only else c
         stream_usage.count(prompt_index, c, output)
         if c.text or c.token_ids or index not in echo.text_offsets:
             choice = echo.piece(index, prompt_index, c, output)

@@ -351,7 +351,7 @@ PromptInput = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0, description="0 only with echo: the prompt alone")
     echo: bool = Field(default=False, description="put the prompt (and, with logprobs, its tokens' logprobs) first")
     logprobs: int | None = Field(default=None, ge=0, le=5, description="log-probabilities of the chosen token and the n best")
     suffix: str | None = Field(default=None, description="not supported: must be null")
