@@ -14,6 +14,7 @@ from kvgen.fields import (
     check_minimums,
     config_field,
     config_from_args,
+    human_readable_int,
 )
 
 
@@ -58,3 +59,27 @@ def test_config_from_args_names_the_flag_of_a_refused_value() -> None:
             config_from_args(_Config, parser.parse_args(argv))
     with pytest.raises(ValueError, match="^seed must be"):  # no flag (cli=False): the field's name stays
         config_from_args(_Config, parser.parse_args([]), seed=-1)
+
+
+def test_human_readable_int_reads_vllm_suffixes() -> None:
+    """vLLM's human_readable_int (its docstring's examples: 1k = 1,000, 1K = 1,024, 25.6k = 25,600; no decimals with
+    a binary suffix); ``--max-model-len 32k`` was "invalid int value"."""
+    assert [human_readable_int(t) for t in ("4096", "1k", "1K", "25.6k", " 2M ", "1g")] == [4096, 1000, 1024, 25_600,
+                                                                                           2 * 2**20, 10**9]
+    for text in ("1.5K", "k", "12x", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="invalid int value"):
+            human_readable_int(text)
+
+
+def test_enable_flags_take_both_forms() -> None:
+    """A bool ``enable_x`` defaulting to True is ``--enable-x`` / ``--no-enable-x`` (vLLM's BooleanOptionalAction);
+    ``--enable-prefix-caching`` was an unrecognized argument."""
+
+    @dataclasses.dataclass
+    class _Switches:
+        enable_thing: bool = config_field(True, "use the thing")
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, _Switches)
+    assert [parser.parse_args(argv).enable_thing for argv in ([], ["--enable-thing"], ["--no-enable-thing"])] == [
+        True, True, False]

@@ -87,6 +87,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvgen.fields import config_from_args
     from kvgen.server.launch import ServerArgs, run_server
 
+    if args.model_tag is not None:  # `kvgen serve MODEL`, as `vllm serve MODEL`
+        if args.model not in ("default", args.model_tag):
+            raise CliError(f"kvgen serve: the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
     # an empty --api-key is refused (ServerArgs); an empty $KVGEN_API_KEY counts as unset
     api_key = args.api_key if args.api_key is not None else os.environ.get("KVGEN_API_KEY") or None
     server_args = config_from_args(ServerArgs, args, api_key=api_key)

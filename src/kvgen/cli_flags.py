@@ -290,6 +290,8 @@ def add_serve_flags(s: argparse.ArgumentParser) -> None:
     from kvgen.fields import add_config_flags
     from kvgen.server.launch import ServerArgs
 
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as vLLM's `vllm serve MODEL` (instead of --model)")
     _add_model_flags(s, dtype=False, model=False)
     add_config_flags(s.add_argument_group("engine (EngineArgs)"), EngineArgs)
     add_config_flags(s.add_argument_group("server (ServerArgs)"), ServerArgs)

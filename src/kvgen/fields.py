@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import field
 from typing import Any, TypeVar
@@ -58,15 +59,41 @@ def check_minimums(config: Any) -> None:
                 check_int(f.name, item, f.metadata["minimum"])
 
 
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(text: str) -> int:
+    """An int flag value as vLLM's ``human_readable_int`` reads it: ``32768``, ``32k`` (32,000), ``25.6k`` (25,600),
+    ``32K`` (32,768; binary suffixes take whole numbers only). Raises ``argparse.ArgumentTypeError``."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text.strip())
+    if match is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (an int, or with a k/m/g/t or K/M/G/T "
+                                             "suffix: 32k, 32K)") from None
+    number, suffix = match.groups()
+    if suffix in _DECIMAL_SUFFIXES:
+        return int(float(number) * _DECIMAL_SUFFIXES[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (decimals only with k/m/g/t, not {suffix})")
+    return int(number) * _BINARY_SUFFIXES[suffix]
+
+
 def add_config_flags(parser: argparse._ActionsContainer, config_cls: type) -> None:
     """A ``--field-name`` flag (or the metadata's ``flags``) per field of ``config_cls`` with help text and without
-    ``cli=False``; a bool defaulting to True (``include_x``, ``enable_x``) becomes ``--no-x``, one defaulting to
-    False a plain switch. The config's ``__post_init__`` validates the values (see :func:`config_from_args`)."""
+    ``cli=False``; a bool defaulting to True becomes ``--no-x`` (``include_x``: ``--no-x``; ``enable_x``:
+    ``--enable-x/--no-enable-x``, as vLLM's), one defaulting to False a plain switch; an int field with
+    ``human_readable`` in its metadata takes vLLM's ``32k`` / ``32K`` (:func:`human_readable_int`). The config's ``__post_init__`` validates the values (see :func:`config_from_args`)."""
     for f in dataclasses.fields(config_cls):
         if not f.metadata.get("cli", True) or "help" not in f.metadata:
             continue
         kind, kwargs = str(f.type), {"dest": f.name, "help": f.metadata["help"], "default": f.default}
-        if kind == "bool" and f.default:
+        if kind == "bool" and f.default and f.name.startswith("enable_"):
+            flags = f.metadata.get("flags") or ("--" + f.name.replace("_", "-"),)
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif kind == "bool" and f.default:
             flags = f.metadata.get("flags") or ("--no-" + f.name.removeprefix("include_").replace("_", "-"),)
             kwargs |= {"action": "store_false", "help": f"don't {f.metadata['help']}"}
         elif kind == "bool":
@@ -76,6 +103,7 @@ def add_config_flags(parser: argparse._ActionsContainer, config_cls: type) -> No
             flags = f.metadata.get("flags") or ("--" + f.name.replace("_", "-"),)
             kwargs["type"] = {"int": int, "float": float}.get(kind.split("[")[-1].split(",")[0].split("|")[0].strip("] "), str)
             kwargs |= {"nargs": "+"} if kind.startswith(("tuple", "list")) else {}
+            kwargs |= {"type": human_readable_int} if f.metadata.get("human_readable") else {}
         parser.add_argument(*flags, **kwargs)
 
 

@@ -74,12 +74,59 @@ def test_full_queue_is_429_and_leaving_clients_free_everything(guarded):
         (["--log-level", "loud"], "--log-level must be one of"),
         (["--quantization", "q3_k"], "quantization must be one of q8_0, q5_1, q5_0, q4_1, q4_0"),
         (["--quantization", "q8_0", "--dtype", "float32"], "needs dtype 'auto'"),
+        (["--max-model-len", "1.5K"], "decimals only with k/m/g/t"),  # vLLM refuses it too
+        (["--max-model-len", "lots"], "--max-model-len: invalid int value: 'lots'"),
+        (["/a/model", "--model", "/b/model"], "the model is given twice: '/a/model' and --model '/b/model'"),
     ],
 )
 def test_serve_user_errors_are_one_line_and_exit_2(capsys, args, message):
     assert main(["serve", "--port", "0", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_vllm_launch_flags_reach_the_configs(monkeypatch):
+    """``vllm serve MODEL`` (the model positional), vLLM's ``--dtype half|float``, suffixed ints (``32k`` = 32,000,
+    ``32K`` = 32,768, ``25.6k`` = 25,600, as vLLM's human_readable_int docstring) and ``--enable-prefix-caching`` /
+    ``--no-enable-prefix-caching``: each was refused with exit 2. run_server is replaced: no model loads."""
+    import kvgen.server.launch
+
+    seen: list[tuple] = []
+    monkeypatch.setattr(kvgen.server.launch, "run_server", lambda engine_args, server_args: seen.append(
+        (engine_args, server_args)) or 0)
+    for argv, want in (
+        (["/m", "--dtype", "half", "--max-model-len", "32k", "--no-enable-prefix-caching"],
+         {"model": "/m", "dtype": "float16", "max_model_len": 32_000, "enable_prefix_caching": False}),
+        (["--model", "/m", "/m", "--dtype", "float", "--max-num-batched-tokens", "2K", "--kv-cache-memory", "25.6k",
+          "--enable-prefix-caching"],
+         {"model": "/m", "dtype": "float32", "max_num_batched_tokens": 2048, "kv_cache_memory": 25_600,
+          "enable_prefix_caching": True}),
+    ):
+        assert main(["serve", *argv]) == 0
+        engine_args, _ = seen.pop()
+        assert {name: getattr(engine_args, name) for name in want} == want
+    assert main(["serve", "--served-model-name", "a", "b", "--uvicorn-log-level", "debug"]) == 0
+    _, server_args = seen.pop()
+    assert (server_args.served_model_name, server_args.log_level) == (("a", "b"), "debug")
+    assert main(["serve", "--served-model-name", ""]) == 2 and not seen  # was served as the name ""
+
+
+def test_a_vllm_launch_line_with_several_served_names_and_a_suffixed_length(tiny_model_dir, tmp_path, launch_server):
+    """vLLM's ``--served-model-name A B`` (every name is accepted as ``model`` and listed, the first is the one
+    reported), with ``--max-model-len 1K`` (1,024 tokens): "unrecognized arguments: B" and "invalid int value" before."""
+    live = launch_server(tiny_model_dir, tmp_path / "server.log", "--served-model-name", "first", "second",
+                         "--max-model-len", "1K", model_name="first")
+    try:
+        models = httpx.get(f"{live.v1}/models", timeout=30).json()["data"]
+        assert [(m["id"], m["max_model_len"]) for m in models] == [("first", 1024), ("second", 1024)]
+        reply = httpx.post(f"{live.v1}/completions", json={"model": "second", "prompt": "hi", "max_tokens": 1},
+                           timeout=60)
+        assert reply.status_code == 200 and reply.json()["model"] == "first"
+        other = httpx.post(f"{live.v1}/completions", json={"model": "third", "prompt": "hi", "max_tokens": 1},
+                           timeout=60)
+        assert other.status_code == 404
+    finally:
+        assert live.stop() == 0
 
 
 def test_serve_on_a_busy_port_is_one_line_and_exit_2(capsys):

@@ -23,6 +23,8 @@ SCHEDULING_POLICIES = tuple(p.value for p in SchedulingPolicy)  # "fcfs", "prior
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, when neither num_blocks nor kv_cache_memory is given
 
 _f = config_field
+# vLLM's other names of the dtypes (`--dtype half`, `--dtype float`)
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
 @dataclass
@@ -33,18 +35,20 @@ class EngineArgs:
 
     model: str = _f("default", "model: 'default', a .gguf file or a Hugging Face directory",
                     flags=("--model", "-m"))  # -m: llama-server's, and kvgen generate's
-    dtype: str = _f("auto", "weights: auto (a quantized GGUF runs from its blocks, fp16 KV cache), float32, bfloat16 or float16")
+    dtype: str = _f("auto", "weights: auto (a quantized GGUF runs from its blocks, fp16 KV cache), float32 (float), bfloat16 or float16 (half)")
     quantization: str | None = _f(None, "encode a checkpoint's float matrices at load for the kernels: q8_0, q5_1, "
                                         "q5_0, q4_1 or q4_0 (llama.cpp's types; dtype auto only)")
     block_size: int = _f(DEFAULT_BLOCK_SIZE, "tokens per KV-cache block")
     num_blocks: int | None = _f(None, "KV-cache blocks in the pool (vLLM num_gpu_blocks); exclusive with kv_cache_memory")
-    kv_cache_memory: int | None = _f(None, "KV-cache pool size in bytes (default 1 GiB when num_blocks is unset)")
+    kv_cache_memory: int | None = _f(None, "KV-cache pool size in bytes (default 1 GiB when num_blocks is unset)",
+                                     human_readable=True)
     kv_cache_dtype: str = _f("auto", "KV-cache storage: 'auto' (the model's: float16 on the kernels) or 'int8' (int8 "
                                      "values and a float32 scale per token and KV head: 1.9x the tokens in the same "
                                      "kv_cache_memory at head_dim 64; dtype auto only)")
     max_num_seqs: int = _f(64, "most requests running in one step")
-    max_num_batched_tokens: int = _f(512, "most tokens (prefill chunks + decodes) in one step")
-    max_model_len: int | None = _f(None, "longest prompt + output in tokens (default: the model's context)")
+    max_num_batched_tokens: int = _f(512, "most tokens (prefill chunks + decodes) in one step", human_readable=True)
+    max_model_len: int | None = _f(None, "longest prompt + output in tokens (default: the model's context; 32k = "
+                                         "32,000, 32K = 32,768, as vLLM)", human_readable=True)
     long_prefill_token_threshold: int | None = _f(
         None, "most prompt tokens one request prefills per step (None = up to the token budget); smaller keeps the "
         "other requests' decode steps short while a long prompt comes in")
@@ -67,6 +71,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         from kvgen.loader import AUTO, check_load_options
 
+        self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         check_load_options(self.dtype, self.quantization)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             check_int(name, getattr(self, name), 1)

@@ -82,13 +82,14 @@ def _api_router() -> APIRouter:
     @router.get("/v1/models", response_model=ModelList)
     async def list_models(request: Request) -> ModelList:
         state = _state(request)
-        return ModelList(data=[ModelCard(id=state.model_name, max_model_len=state.max_model_len)])
+        names = state.model_names or (state.model_name,)
+        return ModelList(data=[ModelCard(id=name, max_model_len=state.max_model_len) for name in names])
 
     @router.get("/v1/models/{model:path}", response_model=ModelCard)
     async def retrieve_model(model: str, request: Request) -> ModelCard:  # OpenAI's "Retrieve model"; 404 for others
         state = _state(request)
         state.check_model(model)
-        return ModelCard(id=state.model_name, max_model_len=state.max_model_len)
+        return ModelCard(id=model, max_model_len=state.max_model_len)
 
     @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_STREAMED)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -202,10 +203,11 @@ def _drop_422(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, max_queue: int = 256,
+def build_app(engine: AsyncLLMEngine, model_name: str | tuple[str, ...], api_key: str | None = None, max_queue: int = 256,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
               default_sampling: dict[str, Any] | None = None) -> FastAPI:
-    """The app over a built engine; ``model_name`` is what requests' ``model`` must say.
+    """The app over a built engine; ``model_name`` is what requests' ``model`` must say (several names, as vLLM's
+    ``--served-model-name A B``: any of them, the first reported in responses and metrics; all in ``/v1/models``).
 
     ``default_sampling``: ``SamplingParams`` fields a request that leaves them unset gets (the model's generation
     config, ``kvgen.engine.generation_defaults.default_sampling_params``); ``max_tokens`` also caps every request.
@@ -219,6 +221,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
     if reasoning_parser not in (None, *REASONING_PARSERS):
         raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
+    names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+    if not names:
+        raise ValueError("model_name must not be empty")
+    model_name = names[0]
     llm = engine.engine
     if llm.tokenizer is None:
         raise ValueError("the server needs an engine with a tokenizer")
@@ -226,7 +232,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         engine=engine, tokenizer=llm.tokenizer, model_name=model_name, max_model_len=llm.max_model_len,
         max_num_seqs=llm.engine_args.max_num_seqs, max_queue=max_queue, metrics=ServerMetrics(llm, model_name),
         api_key=api_key, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-        default_sampling=dict(default_sampling or {}),
+        default_sampling=dict(default_sampling or {}), model_names=names,
     )
 
     @asynccontextmanager

@@ -36,10 +36,12 @@ class ServerArgs:
 
     host: str = _f("127.0.0.1", "address to listen on")
     port: int = _f(8000, "TCP port (0 = any free port, printed at start)")
-    served_model_name: str | None = _f(None, "the name requests use in 'model' (default: --model)")
+    served_model_name: tuple[str, ...] | None = _f(None, "the names requests may use in 'model', the first reported "
+                                                         "in responses (default: --model)")
     api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' on /v1 (default: $KVGEN_API_KEY, else none)")
     max_queue: int = _f(256, "sequences allowed to wait beyond max_num_seqs (then 429)")
-    log_level: str = _f("info", f"uvicorn log level: {', '.join(LOG_LEVELS)}")
+    log_level: str = _f("info", f"uvicorn log level: {', '.join(LOG_LEVELS)}",
+                        flags=("--log-level", "--uvicorn-log-level"))  # the second: vLLM's name
     shutdown_timeout: float = _f(10.0, "seconds in-flight requests get after SIGTERM")
     enable_auto_tool_choice: bool = _f(False, "let tool_choice 'auto' (the default with tools) through; needs "
                                               "--tool-call-parser")
@@ -64,6 +66,11 @@ class ServerArgs:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if self.served_model_name is not None:  # one name, or vLLM's several (a list from argparse)
+            names = self.served_model_name
+            self.served_model_name = (names,) if isinstance(names, str) else tuple(names)
+        if self.served_model_name is not None and not all(self.served_model_name):
+            raise ValueError(f"served_model_name must be non-empty names, got {list(self.served_model_name)!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
@@ -131,12 +138,13 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     except BaseException:
         sock.close()
         raise
-    name = server_args.served_model_name or engine_args.model
+    names = server_args.served_model_name or (engine_args.model,)
+    name = names[0]
     parser = server_args.tool_call_parser if server_args.enable_auto_tool_choice else None
     if defaults:
         print(f"kvgen serve: sampling defaults from the model's generation config: {defaults} (--generation-config "
               "vllm for vLLM's own)", file=sys.stderr, flush=True)
-    app = build_app(engine, name, server_args.api_key, server_args.max_queue, parser, server_args.reasoning_parser,
+    app = build_app(engine, names, server_args.api_key, server_args.max_queue, parser, server_args.reasoning_parser,
                     defaults)
     app.add_middleware(CORSMiddleware, allow_origins=list(server_args.allowed_origins),  # vLLM's defaults: any
                        allow_methods=list(server_args.allowed_methods), allow_headers=list(server_args.allowed_headers),

@@ -54,10 +54,12 @@ class ServerState:
     responses: ResponseStore = field(default_factory=ResponseStore)  # stored /v1/responses results
     # sampling defaults for unset request fields (the model's generation_config.json; SamplingParams names)
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    # every name requests may use (vLLM's several --served-model-name); model_name, the first, is the one reported
+    model_names: tuple[str, ...] = ()
 
     def check_model(self, name: str | None) -> None:
-        """Raises a 404 ``OpenAIError`` unless ``name`` is the served model (None = any)."""
-        if name is not None and name != self.model_name:
+        """Raises a 404 ``OpenAIError`` unless ``name`` is a name of the served model (None = any)."""
+        if name is not None and name != self.model_name and name not in self.model_names:
             raise OpenAIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
 
 
