@@ -85,7 +85,8 @@ def add_config_flags(parser: argparse._ActionsContainer, config_cls: type) -> No
     """A ``--field-name`` flag (or the metadata's ``flags``) per field of ``config_cls`` with help text and without
     ``cli=False``; a bool defaulting to True becomes ``--no-x`` (``include_x``: ``--no-x``; ``enable_x``:
     ``--enable-x/--no-enable-x``, as vLLM's), one defaulting to False a plain switch; an int field with
-    ``human_readable`` in its metadata takes vLLM's ``32k`` / ``32K`` (:func:`human_readable_int`). The config's ``__post_init__`` validates the values (see :func:`config_from_args`)."""
+    ``human_readable`` in its metadata takes vLLM's ``32k`` / ``32K`` (:func:`human_readable_int`). The config's
+    ``__post_init__`` validates the values (see :func:`config_from_args`)."""
     for f in dataclasses.fields(config_cls):
         if not f.metadata.get("cli", True) or "help" not in f.metadata:
             continue

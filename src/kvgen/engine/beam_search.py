@@ -51,9 +51,9 @@ class BeamSearchParams:
 
 @dataclass
 class BeamSearchSequence:
-    """One beam: ``tokens`` (prompt + generated ids), per generated token its candidates (id -> ``Logprob``, as vLLM's), the sum
-    of the chosen tokens' logprobs, and, once returned, ``text`` and ``finish_reason`` ("stop" on EOS, else
-    "length")."""
+    """One beam: ``tokens`` (prompt + generated ids), per generated token its candidates (id -> ``Logprob``, as
+    vLLM's), the sum of the chosen tokens' logprobs, and, once returned, ``text`` and ``finish_reason`` ("stop" on
+    EOS, else "length")."""
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)

@@ -35,7 +35,8 @@ class EngineArgs:
 
     model: str = _f("default", "model: 'default', a .gguf file or a Hugging Face directory",
                     flags=("--model", "-m"))  # -m: llama-server's, and kvgen generate's
-    dtype: str = _f("auto", "weights: auto (a quantized GGUF runs from its blocks, fp16 KV cache), float32 (float), bfloat16 or float16 (half)")
+    dtype: str = _f("auto", "weights: auto (a quantized GGUF runs from its blocks, fp16 KV cache), float32 (float), "
+                            "bfloat16 or float16 (half)")
     quantization: str | None = _f(None, "encode a checkpoint's float matrices at load for the kernels: q8_0, q5_1, "
                                         "q5_0, q4_1 or q4_0 (llama.cpp's types; dtype auto only)")
     block_size: int = _f(DEFAULT_BLOCK_SIZE, "tokens per KV-cache block")

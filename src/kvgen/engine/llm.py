@@ -133,7 +133,8 @@ class LLM:
             raise ValueError(f"messages must be a conversation or a non-empty list of conversations, got {messages!r}")
         conversations = cast("list[Conversation]", [messages] if isinstance(messages[0], dict) else list(messages))
         texts = [cast(str, tokenizer.apply_chat_template(
-            template_messages(c), add_generation_prompt=add_generation_prompt, tools=tools, continue_final_message=continue_final_message,
+            template_messages(c), add_generation_prompt=add_generation_prompt, tools=tools,
+            continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs)) for c in conversations]
         # rendered once; the text is each output's prompt, as vLLM's (its ids as apply_chat_template(tokenize=True))
         prompts: list[PromptInput] = [{"prompt_token_ids": tokenizer.encode(t, add_special_tokens=False), "prompt": t}

@@ -275,7 +275,8 @@ _STAGES: dict[str, Stage] = {
 _EVERY_ROW, _SAMPLED_ONLY = split_order(ENGINE_ORDER, ENGINE_FIRST_SAMPLING_STAGE)
 
 
-def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, nums: list[int | None]) -> list[PositionLogprobs | None]:
+def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, nums: list[int | None]
+                   ) -> list[PositionLogprobs | None]:
     """Per row, vLLM's logprobs dict: the chosen id (its logprob and vocabulary rank) first, then the ``nums[i]``
     most likely ids with ranks 1..nums[i] (None where not asked; ``decoded_token`` is left for the output processor).
 

@@ -36,7 +36,8 @@ class Logprob:
 
 
 # One position's logprobs, vLLM's shape: the chosen (sampled or prompt) token's entry first, then the
-# SamplingParams.logprobs / prompt_logprobs most likely ids with ranks 1..k (one entry when the chosen id is among them).
+# SamplingParams.logprobs / prompt_logprobs most likely ids with ranks 1..k (one entry when the chosen id is among
+# them).
 PositionLogprobs = dict[int, Logprob]
 SampleLogprobs = list[PositionLogprobs]  # one per generated token (vLLM ``SampleLogprobs``)
 PromptLogprobs = list[PositionLogprobs | None]  # one per prompt token, None for the first (vLLM ``PromptLogprobs``)

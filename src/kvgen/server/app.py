@@ -203,7 +203,8 @@ def _drop_422(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str | tuple[str, ...], api_key: str | None = None, max_queue: int = 256,
+def build_app(engine: AsyncLLMEngine, model_name: str | tuple[str, ...], api_key: str | None = None,
+              max_queue: int = 256,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
               default_sampling: dict[str, Any] | None = None) -> FastAPI:
     """The app over a built engine; ``model_name`` is what requests' ``model`` must say (several names, as vLLM's

@@ -103,7 +103,8 @@ def usage(num_prompt_tokens: int, choices: list[ChoiceResult] | int, num_cached_
     """``choices`` (or their number of generated tokens) as OpenAI's usage; ``num_cached_tokens`` of the prompt tokens
     came from the prefix cache."""
     completion = choices if isinstance(choices, int) else sum(len(c.token_ids) for c in choices)
-    return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=completion, total_tokens=num_prompt_tokens + completion,
+    return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=completion,
+                 total_tokens=num_prompt_tokens + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
 
 
