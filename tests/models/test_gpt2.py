@@ -98,3 +98,14 @@ def test_gpt2_with_a_head_dim_below_2_or_odd_matches_transformers(tmp_path, n_he
         expected = ref(input_ids=ids).logits
         got = ours.compute_logits(ours(ids, torch.arange(5).expand(2, 5)))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["gelu_new", "gelu_fast", "gelu_accurate", "gelu_python", "quick_gelu", "silu",
+                                        "swish", "gelu", "relu"])
+def test_gpt2_activation_functions_match_transformers(tiny_model, tmp_path, activation):
+    """Every activation_function kvgen takes gives transformers' logits (gelu_fast, gelu_accurate, gelu_python,
+    quick_gelu, silu and swish were refused as unsupported)."""
+    ref = tiny_model("gpt2", vocab_size=97, std=0.5, activation_function=activation).ref
+    ref.save_pretrained(tmp_path)
+    ours = build_model(*load_hf_directory(tmp_path))
+    _assert_padded_logits_match(ref, ours, [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5]], 1e-5)
