@@ -108,6 +108,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------ requests
 
+    def _truncated(self, token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """The prompt's last ``truncate_prompt_tokens`` ids (-1: ``max_model_len``; None: all). Raises ``ValueError``
+        for one above ``max_model_len`` whatever the prompt's length (vLLM's ``_validate_truncation_size``)."""
+        k = truncate_prompt_tokens
+        if k is not None and k > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or <= max_model_len ({self.max_model_len}), got {k}")
+        return truncate_prompt(token_ids, k, self.max_model_len)
+
     def add_request(
         self,
         request_id: str,
@@ -145,9 +153,7 @@ class LLMEngine:
             raise ValueError(f"priority must be 0 unless scheduling_policy is 'priority' (--scheduling-policy "
                              f"priority), got {priority}")
         text, token_ids = self._prompt_tokens(prompt, prompt_token_ids)
-        if (k := params.truncate_prompt_tokens) is not None and k > self.max_model_len:  # vLLM's _validate_truncation_size
-            raise ValueError(f"truncate_prompt_tokens must be -1 or <= max_model_len ({self.max_model_len}), got {k}")
-        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
+        token_ids = self._truncated(token_ids, params.truncate_prompt_tokens)
         params = self._check_request(params, len(token_ids))
         grammars = self._grammars(params)
         arrival = time.time() if arrival_time is None else arrival_time
@@ -232,9 +238,7 @@ class LLMEngine:
         if not isinstance(params, PoolingParams):
             raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
         _, ids = self._prompt_tokens(prompt, prompt_token_ids)
-        if (k := params.truncate_prompt_tokens) is not None and k > self.max_model_len:  # vLLM's _validate_truncation_size
-            raise ValueError(f"truncate_prompt_tokens must be -1 or <= max_model_len ({self.max_model_len}), got {k}")
-        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
+        ids = self._truncated(ids, params.truncate_prompt_tokens)
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds max_model_len ({self.max_model_len})")
         return EmbeddingJob(self.model, request_id, ids, self.pooling_type, params,

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvgen.engine.sampling_params import check_truncate_prompt_tokens
 from kvgen.fields import check_int
 from kvgen.generation.runner import make_cache
 from kvgen.models import CausalLM
-from kvgen.sampling.params import INT32_MAX
 
 POOLING_TYPES = ("last", "mean", "cls")
 # sentence-transformers' 1_Pooling/config.json flags -> pooling type
@@ -46,9 +46,7 @@ class PoolingParams:
     def __post_init__(self) -> None:
         if self.dimensions is not None:
             check_int("dimensions", self.dimensions, 1)
-        k = self.truncate_prompt_tokens
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k == -1 or 1 <= k <= INT32_MAX)):
-            raise ValueError(f"truncate_prompt_tokens must be -1 or an int in [1, {INT32_MAX}], got {k!r}")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be a bool, got {self.normalize!r}")
 

@@ -101,9 +101,7 @@ class SamplingParams:
                            "raised to %s (as vLLM)", self.temperature, MIN_SAMPLING_TEMPERATURE,
                            MIN_SAMPLING_TEMPERATURE)
             self.temperature = MIN_SAMPLING_TEMPERATURE
-        k = self.truncate_prompt_tokens
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k == -1 or 1 <= k <= INT32_MAX)):
-            raise ValueError(f"truncate_prompt_tokens must be -1 or an int in [1, {INT32_MAX}], got {k!r}")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -170,6 +168,13 @@ def _logit_bias(bias: Any) -> dict[int, float] | None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token_id}")
     return {token_id: float(value) for token_id, value in bias.items()} or None
+
+
+def check_truncate_prompt_tokens(k: int | None) -> None:
+    """``ValueError`` unless ``truncate_prompt_tokens`` is None, -1 or an int in [1, 2**31 - 1] (as vLLM's ``ge=-1``
+    field, 0 refused)."""
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k == -1 or 1 <= k <= INT32_MAX)):
+        raise ValueError(f"truncate_prompt_tokens must be -1 or an int in [1, {INT32_MAX}], got {k!r}")
 
 
 def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
