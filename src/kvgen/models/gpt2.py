@@ -27,10 +27,8 @@ from kvgen.models.quant_linear import VocabEmbedding
 # transformers' ACT2FN names a GPT2Config may give; the tanh-approximate GELUs (gelu_new, gelu_fast, gelu_accurate,
 # gelu_pytorch_tanh) are one formula, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
 _ACTIVATIONS = {
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_accurate": lambda x: F.gelu(x, approximate="tanh"),
+    **dict.fromkeys(("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate"),
+                    lambda x: F.gelu(x, approximate="tanh")),
     "gelu": F.gelu,
     "gelu_python": F.gelu,  # the erf GELU written out in Python
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
