@@ -54,3 +54,33 @@ def test_each_of_n_completions_has_its_own_ttft_itl_and_e2e(tiny_model_dir):
         assert deltas["kvgen:time_to_first_token_seconds_count"] == n
         assert deltas["kvgen:inter_token_latency_seconds_count"] == n * (max_tokens - 1)
         assert deltas["kvgen:e2e_request_latency_seconds_count"] == n
+
+
+def _bucket_bounds(text: str, histogram: str) -> list[float]:
+    """The finite ``le`` bounds of one histogram in a /metrics text, in order."""
+    prefix = f"{histogram}_bucket{{le=\""
+    return [float(line[len(prefix):].split('"', 1)[0]) for line in text.splitlines()
+            if line.startswith(prefix) and not line.startswith(prefix + "+Inf")]
+
+
+def test_latency_buckets_are_vllms(tiny_model_dir):
+    """vLLM v1's ``PrometheusStatLogger`` bounds (``vllm/v1/metrics/loggers.py``; copied, vLLM is not installed here):
+    TTFT up to 2560 s, E2E (and the per-request phase times that share its buckets) up to 7680 s. Before, both lists
+    stopped two bounds short (160 s, 960 s), so long requests fell into +Inf where vLLM's dashboards see 640 / 1920 s."""
+    ttft = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+            80.0, 160.0, 640.0, 2560.0]
+    request_latency = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                       480.0, 960.0, 1920.0, 7680.0]
+
+    async def run() -> str:
+        engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir)))
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine, "tiny")),
+                                         base_url="http://kvgen") as client:
+                return (await client.get("/metrics")).text
+        finally:
+            await engine.shutdown()
+
+    text = asyncio.run(run())
+    assert _bucket_bounds(text, "kvgen:time_to_first_token_seconds") == ttft
+    assert _bucket_bounds(text, "kvgen:e2e_request_latency_seconds") == request_latency
