@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
 from kvgen.engine.async_engine import AsyncLLMEngine
 from kvgen.engine.engine_args import EngineArgs
@@ -84,3 +85,41 @@ def test_latency_buckets_are_vllms(tiny_model_dir):
     text = asyncio.run(run())
     assert _bucket_bounds(text, "kvgen:time_to_first_token_seconds") == ttft
     assert _bucket_bounds(text, "kvgen:e2e_request_latency_seconds") == request_latency
+
+
+def _histogram(deltas: dict[str, float], name: str) -> tuple[float, float]:
+    """(count, sum) a request added to one histogram."""
+    return deltas[f"kvgen:{name}_count"], deltas[f"kvgen:{name}_sum"]
+
+
+def test_per_request_histograms_follow_what_the_request_did(tiny_model_dir):
+    """vLLM v1's per-request series (``vllm/v1/metrics/stats.py``): one observation per finished child of an ``n``
+    request (queue, prefill, decode, inference and E2E times, prompt and generated tokens, max_tokens, time per output
+    token = decode time / (tokens - 1)), one ``n`` and one longest completion per request, and the prompt counted once
+    per child in the token counters (it was counted once per request for n > 1); iteration_tokens sums what the steps
+    did. The series were missing before."""
+    n, max_tokens = 3, 5
+    deltas = _deltas(tiny_model_dir, {"prompt": "Hello there", "max_tokens": max_tokens, "n": n, "temperature": 1.0,
+                                      "ignore_eos": True})
+    num_prompt_tokens = deltas["kvgen:request_prompt_tokens_sum"] / n
+    assert num_prompt_tokens == int(num_prompt_tokens) > 0
+    assert deltas["kvgen:prompt_tokens_total"] == deltas["kvgen:prefix_cache_queries_total"] == n * num_prompt_tokens
+    assert _histogram(deltas, "request_prompt_tokens") == (n, n * num_prompt_tokens)
+    assert _histogram(deltas, "request_generation_tokens") == (n, n * max_tokens)
+    assert _histogram(deltas, "request_params_max_tokens") == (n, n * max_tokens)
+    assert _histogram(deltas, "request_params_n") == (1, n)
+    assert _histogram(deltas, "request_max_num_generation_tokens") == (1, max_tokens)
+    iteration_tokens = _histogram(deltas, "iteration_tokens_total")
+    assert iteration_tokens[1] == deltas["kvgen:prompt_tokens_total"] + deltas["kvgen:generation_tokens_total"]
+    assert max_tokens <= iteration_tokens[0] <= n * max_tokens  # one per step that had outputs
+    times = {name: _histogram(deltas, name) for name in (
+        "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+        "request_decode_time_seconds", "request_inference_time_seconds", "request_time_per_output_token_seconds")}
+    assert all(count == n and total >= 0 for count, total in times.values())
+    queue, prefill, decode, inference = (times[name][1] for name in (
+        "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+        "request_inference_time_seconds"))
+    assert inference == pytest.approx(prefill + decode) and decode > 0
+    assert queue + inference <= times["e2e_request_latency_seconds"][1]
+    # every child made max_tokens tokens: the sum of the per-request means is the decode time / (max_tokens - 1)
+    assert times["request_time_per_output_token_seconds"][1] == pytest.approx(decode / (max_tokens - 1))

@@ -14,13 +14,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvgen.engine.block_manager import BlockManager
 from kvgen.engine.engine_args import DEFAULT_KV_CACHE_MEMORY, EngineArgs
 from kvgen.engine.model_runner import ModelRunner
-from kvgen.engine.output_processor import OutputProcessor
+from kvgen.engine.output_processor import IterationStats, OutputProcessor
 from kvgen.engine.outputs import RequestOutput
 from kvgen.engine.parallel_sampling import (
     ParentRequest,
@@ -95,6 +96,8 @@ class LLMEngine:
         self._parents: dict[str, ParentRequest] = {}
         self._child_to_parent: dict[str, tuple[ParentRequest, int]] = {}
         self._grammar_compiler: GrammarCompiler | None = None  # built by the first structured-output request
+        # called after each step that had outputs, in the step's thread (vLLM's StatLoggerBase.record): the metrics
+        self.stat_loggers: list[Callable[[IterationStats], None]] = []
         directory = Path(args.model).expanduser()
         self.pooling_type = args.pooling_type or default_pooling_type(model, directory if directory.is_dir() else None)
 
@@ -326,7 +329,27 @@ class LLMEngine:
         processed = self.output_processor.process_outputs(core_outputs)
         if processed.stopped_request_ids:
             self.scheduler.finish_requests(processed.stopped_request_ids, RequestStatus.FINISHED_STOPPED)
+        if core_outputs and self.stat_loggers:
+            self._observe_finished(processed.iteration_stats)
+            for stat_logger in self.stat_loggers:
+                stat_logger(processed.iteration_stats)
         return self._merge_children(processed.request_outputs)
+
+    def _observe_finished(self, stats: IterationStats) -> None:
+        """``n`` and the longest completion of each user request done this step: an ``n > 1`` parent once its last
+        child finished (vLLM ``ParentRequest.observe_finished_request``)."""
+        for finished in stats.finished_requests:
+            entry = self._child_to_parent.get(finished.request_id)
+            if entry is None:
+                stats.n_params.append(1)
+                stats.max_num_generation_tokens.append(finished.num_generation_tokens)
+                continue
+            parent = entry[0]
+            parent.max_num_generation_tokens = max(parent.max_num_generation_tokens, finished.num_generation_tokens)
+            parent.num_observed += 1
+            if parent.num_observed == parent.n:
+                stats.n_params.append(parent.n)
+                stats.max_num_generation_tokens.append(parent.max_num_generation_tokens)
 
     def _merge_children(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Replace the outputs of ``n > 1`` children by one output per parent (after the others)."""

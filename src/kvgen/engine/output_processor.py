@@ -64,9 +64,53 @@ class RequestState:
 
 
 @dataclass
+class FinishedRequestStats:
+    """One finished request's (an ``n > 1`` child's) numbers for the metrics; times in seconds (``time.time``).
+
+    Source: vLLM v1 ``vllm/v1/metrics/stats.py`` (``IterationStats.update_from_finished_request``): queued = arrival to
+    first scheduled, prefill = first scheduled to first token, decode = first to last token, inference = first
+    scheduled to last token (preemptions included), e2e = arrival to finish.
+    """
+
+    request_id: str
+    finish_reason: str
+    e2e_latency: float
+    queued_time: float
+    prefill_time: float
+    decode_time: float
+    inference_time: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    max_tokens_param: int | None
+
+    @property
+    def mean_time_per_output_token(self) -> float:
+        """Decode time per token after the first (vLLM's: 0 for a one-token request)."""
+        return self.decode_time / (self.num_generation_tokens - 1) if self.num_generation_tokens > 1 else 0.0
+
+
+@dataclass
+class IterationStats:
+    """What one step's outputs did, for the metrics (vLLM v1 ``IterationStats``; tokens in tokens).
+
+    A request's whole prompt counts in ``num_prompt_tokens`` (and the prefix-cache queries) at its first token.
+    """
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    # per finished user request (an n > 1 parent once all its children are done): n, and its longest completion
+    n_params: list[int] = field(default_factory=list)
+    max_num_generation_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     stopped_request_ids: list[str]  # stopped by a stop string: pass to Scheduler.finish_requests
+    iteration_stats: IterationStats = field(default_factory=IterationStats)
 
 
 class OutputProcessor:
@@ -108,6 +152,7 @@ class OutputProcessor:
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         request_outputs: list[RequestOutput] = []
         stopped: list[str] = []
+        stats = IterationStats()
         for output in outputs:
             state = self._states.get(output.request_id)
             if state is None:
@@ -118,6 +163,7 @@ class OutputProcessor:
                 if not output.is_finished:
                     stopped.append(output.request_id)
                 finish_reason, stop_reason = _STOP, stop
+            _count_tokens(stats, state, output)
             state.add(output)
             completion = _completion(state, output, finish_reason, stop_reason)
             if completion is not None:
@@ -127,7 +173,36 @@ class OutputProcessor:
                                                        output.error_param))
             if finish_reason is not None:
                 del self._states[output.request_id]
-        return ProcessedOutputs(request_outputs, stopped)
+                if finish_reason != FinishReason.ABORT.to_openai() or output.error is not None:
+                    stats.finished_requests.append(_finished_stats(state, finish_reason))
+        return ProcessedOutputs(request_outputs, stopped, stats)
+
+
+def _count_tokens(stats: IterationStats, state: RequestState, output: EngineCoreOutput) -> None:
+    """The output's new tokens and, on the request's first token, its prompt and prefix-cache hits."""
+    stats.num_generation_tokens += len(output.new_token_ids)
+    if output.new_token_ids and not state.token_ids:
+        request = state.request
+        stats.num_prompt_tokens += len(request.prompt_token_ids)
+        stats.num_prefix_cache_queries += len(request.prompt_token_ids)
+        stats.num_prefix_cache_hits += request.num_cached_prefix_tokens
+
+
+def _finished_stats(state: RequestState, finish_reason: str) -> FinishedRequestStats:
+    """A finished request's phases from its timestamps (a phase it never reached is 0 s); E2E ends now, when its
+    last output is made (vLLM: the output processor's iteration timestamp)."""
+    request, now = state.request, time.time()
+
+    def interval(start: float | None, end: float | None) -> float:
+        return end - start if start is not None and end is not None else 0.0
+
+    scheduled, first, last = request.first_scheduled_time, request.first_token_time, state.last_token_time
+    return FinishedRequestStats(
+        request.request_id, finish_reason, e2e_latency=now - request.arrival_time,
+        queued_time=interval(request.arrival_time, scheduled), prefill_time=interval(scheduled, first),
+        decode_time=interval(first, last), inference_time=interval(scheduled, last),
+        num_prompt_tokens=len(request.prompt_token_ids), num_generation_tokens=len(state.token_ids),
+        max_tokens_param=request.sampling_params.max_tokens)
 
 
 def _update_text(detokenizer: RequestDetokenizer, output: EngineCoreOutput) -> str | None:

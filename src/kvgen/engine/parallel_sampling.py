@@ -33,6 +33,8 @@ class ParentRequest:
         self.output_kind = params.output_kind
         self.child_ids = [child_request_id(i, request_id) for i in range(self.n)]
         self._latest: dict[int, CompletionOutput] = {}
+        self.max_num_generation_tokens = 0  # the metrics': the longest finished child, in tokens
+        self.num_observed = 0  # children counted in the metrics (an aborted one never is)
         self._finished: set[int] = set()
 
     def merge(self, child_outputs: list[tuple[int, RequestOutput]]) -> RequestOutput | None:

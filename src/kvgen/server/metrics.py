@@ -1,9 +1,11 @@
 """Prometheus metrics with vLLM's meanings under a ``kvgen:`` prefix.
 
-Gauges are read from the engine at scrape time (``LLMEngine.get_stats``); counters and
-histograms are fed by ``RequestTracker`` as a request's outputs arrive. Times are in
-seconds (``time.monotonic``), token counts in tokens. Each app has its own registry.
-Source: vLLM ``vllm/v1/metrics/loggers.py`` (names, buckets).
+Gauges are read from the engine at scrape time (``LLMEngine.get_stats``); the token counters, the per-step and
+the per-request histograms (E2E, queue / prefill / decode / inference times, token counts, ``n``, ``max_tokens``) are
+fed by the engine after each step (``LLMEngine.stat_loggers``, from the engine's own timestamps, per ``n > 1`` child);
+TTFT, inter-token latencies and the finish reasons by ``RequestTracker`` as a request's outputs reach the server.
+Times are in seconds, token counts in tokens. Each app has its own registry.
+Source: vLLM ``vllm/v1/metrics/loggers.py`` (names, buckets) and ``vllm/v1/metrics/stats.py`` (what is measured).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvgen.engine.llm_engine import LLMEngine
+from kvgen.engine.output_processor import IterationStats
 from kvgen.engine.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("kvgen.server")
@@ -33,7 +36,21 @@ TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 160.0, 640.0, 2560.0]
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
-               1920.0, 7680.0]
+               1920.0, 7680.0]  # also the queue / prefill / decode / inference times
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+N_BUCKETS = [1, 2, 5, 10, 20]
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets, to ``max_model_len``)."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 class _EngineCollector(Collector):
@@ -97,29 +114,72 @@ class ServerMetrics:
         self.prefix_cache_hits = counter("kvgen:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("kvgen:num_preemptions", "Preemptions (a request's KV freed, recomputed later).")
         self.request_success = counter("kvgen:request_success", "Finished requests by finish reason.", ["finished_reason"])
-        self.ttft = Histogram("kvgen:time_to_first_token_seconds", "Arrival to first token.", labels,
-                              buckets=TTFT_BUCKETS, registry=reg)
-        self.itl = Histogram("kvgen:inter_token_latency_seconds", "Time between consecutive tokens.", labels,
-                             buckets=ITL_BUCKETS, registry=reg)
-        self.e2e = Histogram("kvgen:e2e_request_latency_seconds", "Arrival to last token.", labels,
-                             buckets=E2E_BUCKETS, registry=reg)
+
+        def histogram(name: str, doc: str, buckets: list[float] | list[int]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg)
+
+        tokens = build_1_2_5_buckets(engine.max_model_len)
+        self.ttft = histogram("kvgen:time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.itl = histogram("kvgen:inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS)
+        self.e2e = histogram("kvgen:e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
+        self.queue_time = histogram("kvgen:request_queue_time_seconds", "Arrival to first scheduled (WAITING).",
+                                    E2E_BUCKETS)
+        self.inference_time = histogram("kvgen:request_inference_time_seconds",
+                                        "First scheduled to last token (RUNNING, preemptions included).", E2E_BUCKETS)
+        self.prefill_time = histogram("kvgen:request_prefill_time_seconds", "First scheduled to first token.",
+                                      E2E_BUCKETS)
+        self.decode_time = histogram("kvgen:request_decode_time_seconds", "First token to last token.", E2E_BUCKETS)
+        self.tpot = histogram("kvgen:request_time_per_output_token_seconds",
+                              "Per request: decode time / (generated tokens - 1).", ITL_BUCKETS)
+        self.request_prompt_tokens = histogram("kvgen:request_prompt_tokens", "Prompt tokens per finished request.",
+                                               tokens)
+        self.request_generation_tokens = histogram("kvgen:request_generation_tokens",
+                                                   "Generated tokens per finished request.", tokens)
+        self.max_tokens = histogram("kvgen:request_params_max_tokens", "The max_tokens of finished requests.", tokens)
+        self.n = histogram("kvgen:request_params_n", "The n of finished requests.", N_BUCKETS)
+        self.max_num_generation_tokens = histogram("kvgen:request_max_num_generation_tokens",
+                                                   "Generated tokens of a request's longest completion.", tokens)
+        self.iteration_tokens = histogram("kvgen:iteration_tokens_total",
+                                          "Tokens per engine step (prompts finishing prefill + generated).",
+                                          ITERATION_TOKENS_BUCKETS)
+        self.histograms = [self.ttft, self.itl, self.e2e, self.queue_time, self.inference_time, self.prefill_time,
+                           self.decode_time, self.tpot, self.request_prompt_tokens, self.request_generation_tokens,
+                           self.max_tokens, self.n, self.max_num_generation_tokens, self.iteration_tokens]
         for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
-                       self.preemptions, self.ttft, self.itl, self.e2e):
+                       self.preemptions, *self.histograms):
             metric.labels(model_name)  # every series exists from the start, at 0 (as vLLM's)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
         self._num_queries = 0
         self._num_hits = 0
+        engine.stat_loggers.append(self.record_iteration)
 
     def prefix_cache_hit_rate(self) -> float:
         return self._num_hits / self._num_queries if self._num_queries else 0.0
 
-    def record_prompt(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
-        self._num_queries += num_prompt_tokens
-        self._num_hits += num_cached_tokens
-        for c, v in ((self.prompt_tokens, num_prompt_tokens), (self.prefix_cache_queries, num_prompt_tokens),
-                     (self.prefix_cache_hits, num_cached_tokens)):
-            c.labels(self.model_name).inc(v)
+    def record_iteration(self, stats: IterationStats) -> None:
+        """One engine step's tokens and finished requests (vLLM ``PrometheusStatLogger.record``; the step's thread)."""
+        name = self.model_name
+        self._num_queries += stats.num_prefix_cache_queries
+        self._num_hits += stats.num_prefix_cache_hits
+        for c, v in ((self.prompt_tokens, stats.num_prompt_tokens), (self.generation_tokens, stats.num_generation_tokens),
+                     (self.prefix_cache_queries, stats.num_prefix_cache_queries),
+                     (self.prefix_cache_hits, stats.num_prefix_cache_hits)):
+            c.labels(name).inc(v)
+        self.iteration_tokens.labels(name).observe(stats.num_prompt_tokens + stats.num_generation_tokens)
+        for n, num_tokens in zip(stats.n_params, stats.max_num_generation_tokens, strict=True):
+            self.n.labels(name).observe(n)
+            self.max_num_generation_tokens.labels(name).observe(num_tokens)
+        for r in stats.finished_requests:
+            for histogram, value in ((self.e2e, r.e2e_latency), (self.queue_time, r.queued_time),
+                                     (self.prefill_time, r.prefill_time), (self.decode_time, r.decode_time),
+                                     (self.inference_time, r.inference_time),
+                                     (self.tpot, r.mean_time_per_output_token),
+                                     (self.request_prompt_tokens, r.num_prompt_tokens),
+                                     (self.request_generation_tokens, r.num_generation_tokens)):
+                histogram.labels(name).observe(value)
+            if r.max_tokens_param:
+                self.max_tokens.labels(name).observe(r.max_tokens_param)
 
     def record_embedding(self, request_id: str, num_prompt_tokens: int, seconds: float) -> None:
         """One finished /v1/embeddings request: its inputs' tokens, a "stop" success, its latency, a log line (the
@@ -136,10 +196,10 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """One engine request's timeline: feeds TTFT, ITL, E2E and the token counters, logs one line at the end.
+    """One engine request's timeline: feeds TTFT, ITL and the finish reasons, logs one line at the end.
 
     Timings are per completion (``n > 1``: per child sequence, as vLLM's child requests): each completion's first
-    token is a TTFT, each later output of it an ITL, its finish an E2E.
+    token is a TTFT, each later output of it an ITL (the engine's ``stat_loggers`` feed the rest).
     """
 
     def __init__(self, metrics: ServerMetrics, request_id: str) -> None:
@@ -159,12 +219,11 @@ class RequestTracker:
         if self.first_token is None and self.last_token:
             self.first_token = now
             self.num_prompt_tokens = len(output.prompt_token_ids)
-            self.metrics.record_prompt(len(output.prompt_token_ids), output.num_cached_tokens)
         if output.finished and output.metrics is not None and output.metrics.num_preemptions:
             self.metrics.preemptions.labels(name).inc(output.metrics.num_preemptions)
 
     def _on_completion(self, completion: CompletionOutput, now: float) -> None:
-        """One completion's new tokens (a TTFT or an ITL) and, if it finished, its E2E."""
+        """One completion's new tokens (a TTFT or an ITL) and, if it finished, its finish reason."""
         name, num_new = self.metrics.model_name, len(completion.token_ids)
         if num_new:
             last = self.last_token.get(completion.index)
@@ -174,10 +233,8 @@ class RequestTracker:
                 self.metrics.itl.labels(name).observe((now - last) / num_new)
             self.last_token[completion.index] = now
             self.num_generated += num_new
-            self.metrics.generation_tokens.labels(name).inc(num_new)
         if completion.finish_reason is not None:
             self.finish_reasons.append(completion.finish_reason)
-            self.metrics.e2e.labels(name).observe(now - self.arrival)
 
     def finish(self, is_aborted: bool) -> None:
         """Count the request by finish reason and log its line (``is_aborted``: the client left)."""
