@@ -144,6 +144,28 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_busy_preempting_batch(model_
     assert busy[-1].outputs[0].token_ids != alone
 
 
+def test_stat_loggers_see_each_preemption_in_the_step_it_happens(model_tok):
+    """vLLM's ``IterationStats.num_preempted_reqs``: a step's stats count the requests that step preempted (the
+    metrics counter moves while the requests still run, and an aborted request's preemptions count too)."""
+    llm = _llm(model_tok, num_blocks=10)
+    engine = llm.llm_engine
+    preempted_per_step: list[int] = []
+    recorded_per_step: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def schedule_and_count():
+        out = schedule()
+        preempted_per_step.append(len(out.preempted_request_ids))
+        recorded_per_step.append(0)
+        return out
+
+    engine.scheduler.schedule = schedule_and_count
+    engine.stat_loggers.append(lambda stats: recorded_per_step.__setitem__(-1, stats.num_preempted_reqs))
+    llm.generate(TEXTS[:6], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert sum(preempted_per_step) > 0
+    assert recorded_per_step == preempted_per_step
+
+
 def test_stop_strings_stop_token_ids_min_tokens_and_ignore_eos(ours_default):
     llm = _llm(ours_default)  # the real model: its chat answer ends with EOS
     tok = llm.get_tokenizer()

@@ -123,3 +123,37 @@ def test_per_request_histograms_follow_what_the_request_did(tiny_model_dir):
     assert queue + inference <= times["e2e_request_latency_seconds"][1]
     # every child made max_tokens tokens: the sum of the per-request means is the decode time / (max_tokens - 1)
     assert times["request_time_per_output_token_seconds"][1] == pytest.approx(decode / (max_tokens - 1))
+
+
+def test_num_preemptions_counts_every_preemption_of_every_child(tiny_model_dir):
+    """Four children of one ``n=4`` request on a pool too small for all of them preempt each other; the counter must
+    equal the scheduler's preemptions, counted here by wrapping ``Scheduler._preempt`` (it is fed per step through
+    ``LLMEngine.stat_loggers``, as vLLM's ``IterationStats.num_preempted_reqs``)."""
+    calls: list[str] = []
+
+    async def run() -> dict[str, float]:
+        engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), num_blocks=12, block_size=4))
+        scheduler = engine.engine.scheduler
+        preempt = scheduler._preempt
+
+        def counting_preempt(request):
+            calls.append(request.request_id)
+            preempt(request)
+
+        scheduler._preempt = counting_preempt
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine, "tiny")),
+                                         base_url="http://kvgen") as client:
+                before = _samples((await client.get("/metrics")).text)
+                response = await client.post("/v1/completions", timeout=60, json={
+                    "model": "tiny", "prompt": "Hello there, how are you", "max_tokens": 24, "n": 4,
+                    "temperature": 1.0, "seed": 0, "ignore_eos": True})
+                assert response.status_code == 200, response.text
+                after = _samples((await client.get("/metrics")).text)
+        finally:
+            await engine.shutdown()
+        return {name: after[name] - before.get(name, 0.0) for name in after}
+
+    deltas = asyncio.run(run())
+    assert len(set(calls)) > 1  # more than one child was preempted
+    assert deltas["kvgen:num_preemptions_total"] == len(calls)

@@ -329,7 +329,8 @@ class LLMEngine:
         processed = self.output_processor.process_outputs(core_outputs)
         if processed.stopped_request_ids:
             self.scheduler.finish_requests(processed.stopped_request_ids, RequestStatus.FINISHED_STOPPED)
-        if core_outputs and self.stat_loggers:
+        processed.iteration_stats.num_preempted_reqs = len(scheduler_output.preempted_request_ids)
+        if (core_outputs or scheduler_output.preempted_request_ids) and self.stat_loggers:
             self._observe_finished(processed.iteration_stats)
             for stat_logger in self.stat_loggers:
                 stat_logger(processed.iteration_stats)

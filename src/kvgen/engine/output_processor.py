@@ -100,6 +100,7 @@ class IterationStats:
     num_generation_tokens: int = 0
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
+    num_preempted_reqs: int = 0  # preemptions this step (a request preempted twice counts twice)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
     # per finished user request (an n > 1 parent once all its children are done): n, and its longest completion
     n_params: list[int] = field(default_factory=list)

@@ -164,9 +164,10 @@ class ServerMetrics:
         self._num_hits += stats.num_prefix_cache_hits
         for c, v in ((self.prompt_tokens, stats.num_prompt_tokens), (self.generation_tokens, stats.num_generation_tokens),
                      (self.prefix_cache_queries, stats.num_prefix_cache_queries),
-                     (self.prefix_cache_hits, stats.num_prefix_cache_hits)):
+                     (self.prefix_cache_hits, stats.num_prefix_cache_hits), (self.preemptions, stats.num_preempted_reqs)):
             c.labels(name).inc(v)
-        self.iteration_tokens.labels(name).observe(stats.num_prompt_tokens + stats.num_generation_tokens)
+        if stats.num_prompt_tokens or stats.num_generation_tokens:  # not a step that only preempted
+            self.iteration_tokens.labels(name).observe(stats.num_prompt_tokens + stats.num_generation_tokens)
         for n, num_tokens in zip(stats.n_params, stats.max_num_generation_tokens, strict=True):
             self.n.labels(name).observe(n)
             self.max_num_generation_tokens.labels(name).observe(num_tokens)
@@ -213,14 +214,12 @@ class RequestTracker:
 
     def on_output(self, output: RequestOutput) -> None:
         """Record one (DELTA) output of the request."""
-        now, name = time.monotonic(), self.metrics.model_name
+        now = time.monotonic()
         for completion in output.outputs:
             self._on_completion(completion, now)
         if self.first_token is None and self.last_token:
             self.first_token = now
             self.num_prompt_tokens = len(output.prompt_token_ids)
-        if output.finished and output.metrics is not None and output.metrics.num_preemptions:
-            self.metrics.preemptions.labels(name).inc(output.metrics.num_preemptions)
 
     def _on_completion(self, completion: CompletionOutput, now: float) -> None:
         """One completion's new tokens (a TTFT or an ITL) and, if it finished, its finish reason."""
