@@ -561,6 +561,23 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# templates that loop over a message's content parts, as vision models' do (vLLM's "openai" content format)
+SMOLVLM_TEMPLATE = (  # SmolVLM-Instruct's: no string case, a string content renders as nothing
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+PARTS_TEMPLATE = (  # Llama 3.2 Vision's and Pixtral's shape: the parts' texts back to back, through a sliced messages
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}[{{ message['role'] }}] "
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] | trim }}{% endif %}{% endfor %}{% endif %}"
+    "{% for c in message.tool_calls or [] %}<call>{{ c.function.arguments | tojson }}</call>{% endfor %}\n"
+    "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 _TOKENIZER_TEXT = [
     "The quick brown fox jumps over the lazy dog. Once upon a time, in a small village, a story began.",

@@ -6,9 +6,11 @@ Source: transformers ``utils/chat_template_utils.py`` (environment, filters, glo
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from datetime import datetime
+from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jinja2
 import jinja2.ext
@@ -99,22 +101,72 @@ def check_documents(documents: Any) -> list[dict[str, Any]] | None:
 
 _TEXT_PART_TYPES = ("text", "input_text", "output_text", "refusal")
 
+ContentFormat = Literal["string", "openai"]  # how a chat template takes a message's content (vLLM's names)
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+
+@lru_cache(maxsize=32)
+def detect_content_format(source: str) -> ContentFormat:
+    """How a chat template takes a message's ``content``: "openai", a list of ``{"type": "text", "text": ...}`` parts,
+    when it loops over it (``{% for part in message['content'] %}``, ``message`` a loop variable over ``messages`` or
+    over a variable set from it: Llama 3.2 Vision, Qwen2-VL, Pixtral, SmolVLM), else "string" (also for a template
+    that does not compile). Source: vLLM ``renderers/hf.py::_detect_content_format``."""
+    try:
+        root = compile_chat_template(source).environment.parse(source)
+    except (ModelFormatError, jinja2.TemplateError):
+        return "string"
+    message_names = set(_loop_targets(root, _names_set_from(root, "messages"), None))
+    return "openai" if any(True for _ in _loop_targets(root, message_names, "content")) else "string"
+
+
+def _names_set_from(root: jinja2.nodes.Template, name: str) -> set[str]:
+    """``name`` and the variables set from it, its slices or filters, transitively (``{% set m = messages[1:] %}``)."""
+    names, pending = {name}, [name]
+    while pending:
+        current = pending.pop()
+        for assign in root.find_all(jinja2.nodes.Assign):
+            target = assign.target
+            if isinstance(target, jinja2.nodes.Name) and target.name not in names and _reads(assign.node, current, None):
+                names.add(target.name)
+                pending.append(target.name)
+    return names
+
+
+def _loop_targets(root: jinja2.nodes.Template, names: set[str], key: str | None) -> Iterator[str]:
+    """The loop variables of ``{% for x in NAME %}`` (``{% for x in NAME[key] %}`` with a ``key``) over ``names``."""
+    for loop in root.find_all(jinja2.nodes.For):
+        if isinstance(loop.target, jinja2.nodes.Name) and any(_reads(loop.iter, n, key) for n in names):
+            yield loop.target.name
+
+
+def _reads(node: jinja2.nodes.Node, name: str, key: str | None) -> bool:
+    """Whether ``node`` is ``name`` (``name['key']`` or ``name.key`` with a ``key``), through filters, tests and
+    slices."""
+    if isinstance(node, jinja2.nodes.Filter | jinja2.nodes.Test):
+        return node.node is not None and _reads(node.node, name, key)
+    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
+        return _reads(node.node, name, key)
+    if key is None:
+        return _is_name(node, name)
+    if isinstance(node, jinja2.nodes.Getitem):
+        return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == key and _is_name(node.node, name)
+    return isinstance(node, jinja2.nodes.Getattr) and node.attr == key and _is_name(node.node, name)
+
+
+def _is_name(node: jinja2.nodes.Node, name: str) -> bool:
+    return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name == name
+
+
+def template_messages(messages: list[dict[str, Any]], content_format: ContentFormat = "string") -> list[dict[str, Any]]:
     """OpenAI-style messages as vLLM hands them to a chat template (``parse_chat_messages``, text only; ``LLM.chat``
-    and the server): a content list of text parts joined with newlines, tool-call arguments given as JSON text
-    parsed (:func:`template_arguments`), an assistant's ``reasoning`` also as ``reasoning_content`` (the name Qwen3's
-    templates read). Other keys and other contents are kept; ``messages`` is not modified."""
-    return [_template_message(m) if isinstance(m, dict) else m for m in messages]
+    and the server): the content as :func:`template_content` gives it in ``content_format``, tool-call arguments given
+    as JSON text parsed (:func:`template_arguments`), an assistant's ``reasoning`` also as ``reasoning_content`` (the
+    name Qwen3's templates read). Other keys and other contents are kept; ``messages`` is not modified."""
+    return [_template_message(m, content_format) if isinstance(m, dict) else m for m in messages]
 
 
-def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+def _template_message(message: dict[str, Any], content_format: ContentFormat) -> dict[str, Any]:
     out = dict(message)
-    content = message.get("content")
-    if isinstance(content, list) and content and all(
-            isinstance(p, dict) and p.get("type") in _TEXT_PART_TYPES and isinstance(p.get(_part_key(p)), str)
-            for p in content):
-        out["content"] = "\n".join(p[_part_key(p)] for p in content)
+    out["content"] = template_content(message.get("content"), content_format, is_tool=message.get("role") == "tool")
     calls = message.get("tool_calls")
     if isinstance(calls, list):
         out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": template_arguments(
@@ -123,6 +175,31 @@ def _template_message(message: dict[str, Any]) -> dict[str, Any]:
     if message.get("reasoning") is not None and "reasoning_content" not in message:
         out["reasoning_content"] = message["reasoning"]
     return out
+
+
+def template_content(content: Any, content_format: ContentFormat, is_tool: bool = False) -> Any:
+    """A message's content (a string, None, or a list of text parts) as vLLM hands it to a chat template: "string",
+    the parts' texts joined with newlines ("" for None or no parts); "openai", a list of ``{"type": "text", "text":
+    ...}`` parts (a string is one part, None none), but a tool message's texts joined as "string". Parts without text
+    are dropped; any other content (an image part, a number) is kept as given.
+    Source: vLLM ``entrypoints/chat_utils.py::_parse_chat_message_content``."""
+    parts = [] if content is None else [content] if isinstance(content, str) else content
+    if not isinstance(parts, list) or not all(_is_text_part(p) for p in parts):
+        return content
+    texts = [p if isinstance(p, str) else p[_part_key(p)] for p in parts]
+    texts = [t for t in texts if t is not None]
+    if content_format == "openai" and not is_tool:
+        return [{"type": "text", "text": t} for t in texts]
+    return "\n".join(texts)
+
+
+def _is_text_part(part: Any) -> bool:
+    """A plain string, or a text part (``{"type": "text", "text": ...}``, a refusal ...) whose text is a string or
+    None."""
+    if isinstance(part, str):
+        return True
+    return isinstance(part, dict) and part.get("type") in _TEXT_PART_TYPES and isinstance(part.get(_part_key(part)),
+                                                                                           str | None)
 
 
 def _part_key(part: dict[str, Any]) -> str:

@@ -11,6 +11,8 @@ from kvgen.engine import LLM, SamplingParams
 from kvgen.errors import ModelNotFoundError
 from kvgen.tokenizer import Tokenizer
 
+from helpers import PARTS_TEMPLATE, SMOLVLM_TEMPLATE
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 
 
@@ -30,6 +32,65 @@ def test_llm_uses_the_tokenizer_it_is_given_as_vllm(tiny_model_dir, tmp_path):
     assert LLM(str(tiny_model_dir), tokenizer=tok, num_blocks=64).get_tokenizer() is tok
     with pytest.raises(ModelNotFoundError, match="tokenizer directory not found"):
         LLM(str(tiny_model_dir), tokenizer=str(tmp_path / "missing"), num_blocks=64)
+
+
+CALL = {"id": "call_123456789", "type": "function", "function": {"name": "paint", "arguments": '{"colour": "red"}'}}
+PARTS_CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": [{"type": "text", "text": "Paint it"}, {"type": "text", "text": " red."}]},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_123456789", "content": [{"type": "text", "text": "done"},
+                                                                  {"type": "text", "text": "ok"}]},
+    {"role": "user", "content": "Again."},
+]
+AS_VLLM_OPENAI = [  # vLLM's parse_chat_messages, "openai" format: parts as dicts, a tool's texts joined
+    {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+    {"role": "user", "content": [{"type": "text", "text": "Paint it"}, {"type": "text", "text": " red."}]},
+    {"role": "assistant", "content": [], "tool_calls": [{**CALL, "function": {"name": "paint",
+                                                                               "arguments": {"colour": "red"}}}]},
+    {"role": "tool", "tool_call_id": "call_123456789", "content": "done\nok"},
+    {"role": "user", "content": [{"type": "text", "text": "Again."}]},
+]
+
+
+@pytest.mark.parametrize("template,turns", [(SMOLVLM_TEMPLATE, [0, 1, 4]), (PARTS_TEMPLATE, [0, 1, 2, 3, 4])],
+                         ids=["smolvlm", "llama3.2-vision"])  # SmolVLM's reads content[0]: no content-less turns
+def test_llm_chat_gives_a_template_that_loops_over_content_the_parts_as_vllm(tiny_model_dir, template, turns):
+    """vLLM detects a template that loops over ``message['content']`` (its "openai" content format) and hands it each
+    content as a list of text parts (a string as one part, None as none); kvgen joined the parts into one string, so
+    SmolVLM's template rendered every message empty and Llama 3.2 Vision's put newlines between the parts."""
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok = Tokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = ref.chat_template = template
+    llm = LLM(str(tiny_model_dir), tokenizer=tok, num_blocks=64)
+    conversation, as_vllm = [PARTS_CONVERSATION[i] for i in turns], [AS_VLLM_OPENAI[i] for i in turns]
+    (out,) = llm.chat(conversation, GREEDY, use_tqdm=False)
+    assert out.prompt == ref.apply_chat_template(as_vllm, add_generation_prompt=True, tokenize=False)
+    assert "Again." in out.prompt and PARTS_CONVERSATION[2]["content"] is None  # not modified
+    as_vllm_string = [{**m, "content": "\n".join(p["text"] for p in m["content"]) if isinstance(m["content"], list)
+                       else m["content"]} for m in as_vllm]  # vLLM's chat_template_content_format="string"
+    (forced,) = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template_content_format="string")
+    assert forced.prompt == ref.apply_chat_template(as_vllm_string, add_generation_prompt=True, tokenize=False)
+    with pytest.raises(ValueError, match="chat_template_content_format must be 'auto', 'string' or 'openai', got 'json'"):
+        llm.chat(PARTS_CONVERSATION, GREEDY, use_tqdm=False, chat_template_content_format="json")
+
+
+def test_llm_chat_gives_a_string_template_empty_text_for_no_content_as_vllm(tiny_model_dir):
+    """vLLM hands a string template "" for a None content or an empty list of parts; kvgen kept None (``'[' +
+    content`` failed) and the empty list (rendered as "[]")."""
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok = Tokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = ref.chat_template = "{% for m in messages %}{{ '[' + m['content'] + ']' }}{% endfor %}"
+    conversation = [{"role": "user", "content": []}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                    {"role": "tool", "tool_call_id": "call_123456789", "content": "done"}]
+    (out,) = LLM(str(tiny_model_dir), tokenizer=tok, num_blocks=64).chat(conversation, GREEDY, use_tqdm=False)
+    as_vllm = [{"role": "user", "content": ""}, {"role": "assistant", "content": "", "tool_calls": [
+        {**CALL, "function": {"name": "paint", "arguments": {"colour": "red"}}}]}, conversation[2]]
+    assert out.prompt == ref.apply_chat_template(as_vllm, tokenize=False) == "[][][done]"
 
 
 def test_use_tqdm_a_callable_makes_the_progress_bar_as_vllm(tiny_model_dir):

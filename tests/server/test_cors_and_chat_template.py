@@ -8,6 +8,7 @@ import sys
 
 import httpx
 import pytest
+from helpers import PARTS_TEMPLATE
 
 PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type,authorization"}
 PLAIN_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
@@ -104,5 +105,43 @@ def test_messages_reach_the_template_as_vllm_hands_them_over(tiny_model_dir, tmp
         error = refused.json()["error"]
         assert refused.status_code == 400 and error["param"] == "messages"
         assert error["message"].endswith("failed on these messages: System role not supported")
+    finally:
+        assert live.stop() == 0
+
+
+def test_a_template_that_loops_over_content_gets_the_parts_as_vllm_hands_them_over(tiny_model_dir, tmp_path,
+                                                                                    launch_server):
+    """vLLM detects a template that loops over ``message['content']`` (Llama 3.2 Vision's, Qwen2-VL's, Pixtral's:
+    its "openai" content format) and hands it each content as a list of ``{"type": "text", "text": ...}`` parts (a
+    string as one part, None as none; a tool message's texts joined); kvgen joined the parts with newlines."""
+    from transformers import AutoTokenizer
+
+    (template := tmp_path / "parts.jinja").write_text(PARTS_TEMPLATE)
+    call = {"id": "call_123456789", "type": "function", "function": {"name": "paint", "arguments": '{"colour": "red"}'}}
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Paint it"}, {"type": "text", "text": " red."}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_123456789", "content": [{"type": "text", "text": "done"},
+                                                                      {"type": "text", "text": "ok"}]},
+        {"role": "user", "content": "Again."},
+    ]
+    as_vllm = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": messages[1]["content"]},
+        {"role": "assistant", "content": [], "tool_calls": [{**call, "function": {"name": "paint",
+                                                                                   "arguments": {"colour": "red"}}}]},
+        {"role": "tool", "tool_call_id": "call_123456789", "content": "done\nok"},
+        {"role": "user", "content": [{"type": "text", "text": "Again."}]},
+    ]
+    ref = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ref.chat_template = PARTS_TEMPLATE
+    want = ref.apply_chat_template(as_vllm, add_generation_prompt=True, tokenize=True)
+    live = launch_server(tiny_model_dir, tmp_path / "server.log", "--chat-template", str(template))
+    try:
+        tokens = httpx.post(f"{live.url}/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+        assert tokens == want and "Paint itred." in ref.decode(tokens)
+        chat = httpx.post(f"{live.v1}/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=60)
+        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(want)
     finally:
         assert live.stop() == 0

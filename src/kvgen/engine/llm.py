@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-from kvgen.chat_template import template_messages
+from kvgen.chat_template import ContentFormat, template_messages
 from kvgen.engine.beam_search import (
     BeamSearchOutput,
     BeamSearchParams,
@@ -118,22 +118,29 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of message dicts) or to each of a list of them, rendered by
         the model's chat template (with ``tools`` if given; ``continue_final_message``: the reply continues the last
         message; ``chat_template_kwargs``: extra template variables such as ``enable_thinking``), its messages as
-        vLLM hands them over (:func:`kvgen.chat_template.template_messages`: text parts joined with newlines,
-        tool-call arguments parsed from JSON text); one finished
-        ``RequestOutput`` per conversation. Raises ``ValueError`` without a tokenizer, for malformed messages, or as
-        ``generate``. Source: vLLM ``LLM.chat``."""
+        vLLM hands them over (:func:`kvgen.chat_template.template_messages`: text parts joined with newlines, or
+        given as a list of text parts to a template that loops over them, as ``chat_template_content_format`` says:
+        "auto" detects it, "string" or "openai" forces it; tool-call arguments parsed from JSON text); one finished
+        ``RequestOutput`` per conversation. Raises ``ValueError`` without a tokenizer, for malformed messages, an
+        unknown content format, or as ``generate``. Source: vLLM ``LLM.chat``."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("LLM.chat needs a tokenizer (its chat template); this LLM has none")
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise ValueError(f"messages must be a conversation or a non-empty list of conversations, got {messages!r}")
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got "
+                             f"{chat_template_content_format!r}")
+        content_format = cast("ContentFormat", chat_template_content_format) if chat_template_content_format != "auto" \
+            else tokenizer.chat_template_content_format(tools)
         conversations = cast("list[Conversation]", [messages] if isinstance(messages[0], dict) else list(messages))
         texts = [cast(str, tokenizer.apply_chat_template(
-            template_messages(c), add_generation_prompt=add_generation_prompt, tools=tools,
+            template_messages(c, content_format), add_generation_prompt=add_generation_prompt, tools=tools,
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs)) for c in conversations]
         # rendered once; the text is each output's prompt, as vLLM's (its ids as apply_chat_template(tokenize=True))

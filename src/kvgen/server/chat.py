@@ -75,10 +75,12 @@ def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest, add_generati
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true", "continue_final_message")
     if add_generation_prompt is None:
         add_generation_prompt = req.add_generation_prompt and not req.continue_final_message
+    tools = tool_dicts(req)
+    content_format = state.tokenizer.chat_template_content_format(tools)  # vLLM's "auto"
     try:
         ids = state.tokenizer.apply_chat_template(
-            message_dicts(req.messages), add_generation_prompt=add_generation_prompt, tokenize=True,
-            tools=tool_dicts(req), continue_final_message=req.continue_final_message,
+            message_dicts(req.messages, content_format), add_generation_prompt=add_generation_prompt, tokenize=True,
+            tools=tools, continue_final_message=req.continue_final_message,
             chat_template_kwargs=req.chat_template_kwargs, documents=req.documents,
         )
     except (KvgenError, ValueError) as e:

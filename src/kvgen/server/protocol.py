@@ -22,7 +22,7 @@ from pydantic import (
     model_serializer,
 )
 
-from kvgen.chat_template import template_arguments
+from kvgen.chat_template import ContentFormat, template_arguments, template_content
 from kvgen.tokenizer.tokenizer import lone_surrogate
 
 MAX_N = 16  # completions per prompt; bounds one request's share of the engine
@@ -489,15 +489,17 @@ class VersionResponse(BaseModel):
     version: str  # kvgen's (vLLM's GET /version gives vLLM's)
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them, as vLLM's ``parse_chat_messages`` hands them over: text parts
-    joined with newlines, tool-call arguments parsed from their JSON text (``{}`` when it is none; templates expect
-    objects: ``arguments | tojson``), reasoning also as ``reasoning_content`` (Qwen3's templates read that name);
-    ``developer`` as ``system``."""
+def message_dicts(messages: list[ChatMessage], content_format: ContentFormat = "string") -> list[dict[str, Any]]:
+    """Messages as the chat template takes them, as vLLM's ``parse_chat_messages`` hands them over: the content as
+    :func:`kvgen.chat_template.template_content` gives it in ``content_format`` ("string": text parts joined with
+    newlines; "openai": a list of text parts, for a template that loops over them), tool-call arguments parsed from
+    their JSON text (``{}`` when it is none; templates expect objects: ``arguments | tojson``), reasoning also as
+    ``reasoning_content`` (Qwen3's templates read that name); ``developer`` as ``system``."""
     out = []
     for m in messages:
-        content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
-        entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        content = m.content if not isinstance(m.content, list) else [p.model_dump() for p in m.content]
+        entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                 "content": template_content(content, content_format, is_tool=m.role == "tool")}
         if m.name is not None:
             entry["name"] = m.name
         if m.tool_calls:

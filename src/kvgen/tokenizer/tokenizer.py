@@ -16,7 +16,14 @@ from typing import Any
 import jinja2
 from tokenizers import Tokenizer as BackendTokenizer
 
-from kvgen.chat_template import ChatTemplateError, check_documents, check_messages, compile_chat_template
+from kvgen.chat_template import (
+    ChatTemplateError,
+    ContentFormat,
+    check_documents,
+    check_messages,
+    compile_chat_template,
+    detect_content_format,
+)
 from kvgen.errors import ModelFormatError, ModelNotFoundError
 from kvgen.gguf_keys import check_gguf_value_types
 from kvgen.tokenizer.gguf_vocab import gguf_adds_bos_by_default, gguf_backend, gguf_special_ids
@@ -213,14 +220,24 @@ class Tokenizer:
     def _template_for(self, tools: list[dict[str, Any]] | None) -> jinja2.Template:
         """The compiled template of a call: the model's "tool_use" one when there are tools (an empty list too) and
         it has one, else its default, as transformers' ``get_chat_template``. Raises ``ModelFormatError`` without."""
-        source = self._named_chat_templates.get("tool_use") if tools is not None else None
-        source = source or self._chat_template
+        source = self._template_source(tools)
         if source is None:
             named = f" (only the named {sorted(self._named_chat_templates)})" if self._named_chat_templates else ""
             raise ModelFormatError(f"{self.name} has no chat template{named}")
         if source not in self._compiled_templates:
             self._compiled_templates[source] = compile_chat_template(source)
         return self._compiled_templates[source]
+
+    def _template_source(self, tools: list[dict[str, Any]] | None) -> str | None:
+        source = self._named_chat_templates.get("tool_use") if tools is not None else None
+        return source or self._chat_template
+
+    def chat_template_content_format(self, tools: list[dict[str, Any]] | None = None) -> ContentFormat:
+        """How the template ``apply_chat_template`` renders with these ``tools`` takes a message's content: "openai"
+        (a list of text parts) when it loops over it, else "string" (also without a template); see
+        :func:`kvgen.chat_template.detect_content_format`. Source: vLLM ``_resolve_chat_template_content_format``."""
+        source = self._template_source(tools)
+        return detect_content_format(source) if source is not None else "string"
 
     @property
     def vocab_size(self) -> int:
