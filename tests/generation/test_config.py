@@ -33,6 +33,23 @@ def test_generate_with_eos_disabled_runs_to_max_new_tokens() -> None:
     assert out.new_token_ids == greedy.new_token_ids and out.finish_reasons == ["length"]
 
 
+def test_an_explicit_min_new_tokens_of_0_replaces_min_length_as_transformers() -> None:
+    """transformers' min_new_tokens defaults to None: any value given, 0 included, makes min_length the prompt's
+    length + min_new_tokens, so an EOS may come first; the default leaves min_length in force."""
+    tiny = make_tiny_model("llama", std=0.5)
+    ids = torch.tensor([[1, 2, 3]])
+    first = generate(tiny.ours, ids, None, GenerationConfig(max_new_tokens=1, eos_token_id=[])).new_token_ids[0][0]
+    settings = {"max_new_tokens": 4, "eos_token_id": first, "pad_token_id": 0, "min_length": 6}
+    with torch.inference_mode():
+        want = tiny.ref.generate(ids, attention_mask=torch.ones_like(ids), min_new_tokens=0, **settings)  # [1, T']
+        banned = tiny.ref.generate(ids, attention_mask=torch.ones_like(ids), **settings)  # [1, T']
+    assert want[0, 3:].tolist() == [first] and banned.shape[1] > 4  # EOS first, unless min_length bans it
+    assert generate(tiny.ours, ids, None, min_new_tokens=0, **settings).sequences.tolist() == want.tolist()
+    assert generate(tiny.ours, ids, None, GenerationConfig(min_new_tokens=0, **settings)).sequences.tolist() == \
+        want.tolist()
+    assert generate(tiny.ours, ids, None, **settings).sequences.tolist() == banned.tolist()
+
+
 def test_every_transformers_setting_is_a_field_or_named_as_unimplemented() -> None:
     """transformers 4.55's GenerationConfig keys are kvgen fields (HF names) or in UNIMPLEMENTED_HF_FIELDS, whose
     names are a NotImplementedError naming the feature, never "unknown setting"."""

@@ -50,6 +50,11 @@ def is_unset_max_new_tokens(value: int) -> bool:
     """Is ``value`` ``GenerationConfig``'s default ``max_new_tokens`` (not an explicit 20)?"""
     return type(value) is _UnsetMaxNewTokens
 
+
+class _UnsetMinNewTokens(int):
+    """``min_new_tokens``' default, 0, of a type of its own: transformers' default is None, and any value it is
+    given, an explicit 0 included, replaces ``min_length``."""
+
 # generation_config.json keys that become generate()'s defaults (transformers' model.generation_config); others
 # (cache_implementation, return_dict_in_generate, ...) are left out.
 MODEL_DEFAULT_KEYS = (
@@ -115,9 +120,9 @@ class GenerationConfig:
 
     max_new_tokens: int = _f(_UnsetMaxNewTokens(20), "maximum number of new tokens to generate")
     max_length: int | None = _f(None, "maximum length, prompt included (used while max_new_tokens is not set)")
-    min_new_tokens: int = _f(0, "EOS is suppressed until this many new tokens exist")
-    min_length: int = _f(0, "EOS is suppressed until the sequence, prompt included, is this long (min_new_tokens > 0 "
-                         "takes precedence, as in transformers)")
+    min_new_tokens: int = _f(_UnsetMinNewTokens(0), "EOS is suppressed until this many new tokens exist")
+    min_length: int = _f(0, "EOS is suppressed until the sequence, prompt included, is this long (a min_new_tokens "
+                         "given, even 0, takes precedence, as in transformers)")
     do_sample: bool = _f(False, "sample from the distribution instead of taking the argmax")
     num_beams: int = _f(1, "beams for beam search (1 = no beam search)")
     num_beam_groups: int = _f(1, "groups for diverse (group) beam search; must divide num_beams")
@@ -332,7 +337,10 @@ class GenerationConfig:
     def with_prompt_length(self, prompt_length: int) -> GenerationConfig:
         """``max_length`` (total tokens) as ``max_new_tokens`` for prompts of ``prompt_length`` columns, where
         ``max_new_tokens`` was left at its default (transformers' ``_prepare_generated_length``). Raises ValueError
-        when ``max_length`` does not exceed ``prompt_length``, as transformers 4.55."""
+        when ``max_length`` does not exceed ``prompt_length``, as transformers 4.55. A ``min_new_tokens`` the caller
+        set, even 0, drops ``min_length`` (transformers makes it ``prompt_length + min_new_tokens``)."""
+        if self.min_length and type(self.min_new_tokens) is not _UnsetMinNewTokens:
+            return self.replace(min_length=0).with_prompt_length(prompt_length)
         if self.max_length is None or not is_unset_max_new_tokens(self.max_new_tokens):
             return self
         if self.max_length <= prompt_length:  # transformers 4.55 _validate_generated_length
