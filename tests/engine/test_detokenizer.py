@@ -136,6 +136,20 @@ def test_min_tokens_holds_back_stop_strings_in_its_text_as_vllm(tokenizer) -> No
     assert run(stop="lo w", min_tokens=2) == ("hel", "lo w", "stop")  # begins in the held text, ends after it
 
 
+def test_min_tokens_text_is_not_searched_through_a_longer_stop_strings_window(tokenizer) -> None:
+    """vLLM's check_stop_strings looks back len(stop) - 1 characters per stop string: a stop string wholly inside
+    the first min_tokens tokens' text is never found, even when a longer stop string is asked for too."""
+    ids = ids_of("hel", "lo", " wor", "ld", "x")
+    held = tokenizer.decode(ids[:2])
+    assert "e" in held and "l" in held
+    outputs = stream(tokenizer, ids, stop=["e", "zzzzz"], min_tokens=2)
+    final = outputs[-1].outputs[0]
+    assert ("".join(o.outputs[0].text for o in outputs), final.finish_reason) == (tokenizer.decode(ids), "length")
+    outputs = stream(tokenizer, ids, stop=["l", "lo w"], min_tokens=2)
+    final = outputs[-1].outputs[0]
+    assert ("".join(o.outputs[0].text for o in outputs), final.stop_reason) == (held[: held.index("lo")], "lo w")
+
+
 def test_stop_token_text_is_dropped_unless_included(tokenizer) -> None:
     ids = ids_of("hel", "lo") + [EOS]
     outputs = stream(tokenizer, ids, finish_last="stop", skip_special_tokens=False)
