@@ -15,6 +15,7 @@ from tokenizer_cases import (
     ref_decode,
     write_wordpiece_dir,
 )
+from tokenizers.decoders import DecodeStream
 from transformers import BertTokenizer, PreTrainedTokenizerBase
 from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
 
@@ -134,6 +135,20 @@ def test_min_tokens_holds_back_stop_strings_in_its_text_as_vllm(tokenizer) -> No
     assert run(stop="l", min_tokens=2) == ("hello wor", "l", "stop")
     assert run(stop="l", min_tokens=5) == ("hello world" + "x", None, "length")
     assert run(stop="lo w", min_tokens=2) == ("hel", "lo w", "stop")  # begins in the held text, ends after it
+
+
+def test_min_tokens_text_is_not_searched_through_a_longer_stop_strings_window(tokenizer) -> None:
+    """vLLM's check_stop_strings looks back len(stop) - 1 characters per stop string: a stop string wholly inside
+    the first min_tokens tokens' text is never found, even when a longer stop string is asked for too."""
+    ids = ids_of("hel", "lo", " wor", "ld", "x")
+    held = tokenizer.decode(ids[:2])
+    assert "e" in held and "l" in held
+    outputs = stream(tokenizer, ids, stop=["e", "zzzzz"], min_tokens=2)
+    final = outputs[-1].outputs[0]
+    assert ("".join(o.outputs[0].text for o in outputs), final.finish_reason) == (tokenizer.decode(ids), "length")
+    outputs = stream(tokenizer, ids, stop=["l", "lo w"], min_tokens=2)
+    final = outputs[-1].outputs[0]
+    assert ("".join(o.outputs[0].text for o in outputs), final.stop_reason) == (held[: held.index("lo")], "lo w")
 
 
 def test_stop_token_text_is_dropped_unless_included(tokenizer) -> None:
@@ -330,6 +345,37 @@ def test_stream_of_random_ids_matches_decode(default_tokenizer: Tokenizer, ref: 
         skip = rng.random() < 0.5
         pieces = _stream(IncrementalDetokenizer(default_tokenizer, prompt, skip_special_tokens=skip), ids)
         assert "".join(pieces) == ref_decode(ref, ids, skip)
+
+
+def _vllm_fast_text(ref: PreTrainedTokenizerBase, prompt: list[int], ids: list[int]) -> str:
+    """vLLM's FastIncrementalDetokenizer: tokenizers' DecodeStream primed with the prompt's last ids (the first
+    suffix of 4 to 23 ids that decodes without "\\ufffd", else the whole prompt), then stepped through ``ids``."""
+    backend = ref._tokenizer
+    suffix = prompt
+    if len(prompt) > 4:
+        fine = [prompt[-i:] for i in range(4, min(len(prompt) + 1, 24)) if "\ufffd" not in backend.decode(prompt[-i:])]
+        suffix = fine[0] if fine else prompt
+    stream = DecodeStream(skip_special_tokens=True)
+    for i in suffix:
+        stream.step(backend, i)
+    return "".join(stream.step(backend, i) or "" for i in ids)
+
+
+def test_a_character_the_prompt_leaves_unfinished_is_not_lost(default_tokenizer: Tokenizer,
+                                                                ref: PreTrainedTokenizerBase) -> None:
+    """The new ids that finish it emit the whole character, as vLLM's DecodeStream; one they do not finish shows as
+    "\\ufffd" (it was dropped: its "\\ufffd" counted as prompt text already shown)."""
+    byte_id = {token: i for i, token in enumerate(ref.convert_ids_to_tokens(list(range(ref.vocab_size))))}
+    e_acute = [byte_id[BYTE[b]] for b in "é".encode()]
+    ids = default_tokenizer.encode("Hello there, café 👋 ok", add_special_tokens=False)
+    cuts = [cut for cut in range(1, len(ids)) if ref.decode(ids[:cut]).endswith("\ufffd")]
+    cases = [(ids[:cut], ids[cut:]) for cut in cuts]
+    words = default_tokenizer.encode("Hello caf", add_special_tokens=False)
+    cases += [(words + e_acute[:1], e_acute[1:] + words), (words + e_acute[:1], words)]
+    assert cuts and any(_vllm_fast_text(ref, p, g).startswith("é") for p, g in cases)
+    for prompt, generated in cases:
+        pieces = _stream(IncrementalDetokenizer(default_tokenizer, prompt), generated)
+        assert "".join(pieces) == _vllm_fast_text(ref, prompt, generated)
 
 
 def test_flush_emits_an_unfinished_character(default_tokenizer: Tokenizer, ref: PreTrainedTokenizerBase) -> None:

@@ -185,6 +185,9 @@ def test_stop_strings_match_new_text_and_hold_back():
     assert StopStrings(("world",), include_in_output=True).match_new("hello world!", 9) == (11, "world")
     assert stops.num_streamable("hello wor") == 6
     assert stops.match_new("hello", 0) is None
+    # vLLM's window: each stop string must end past old_len (text before it may be min_tokens text, never searched)
+    assert StopStrings(("e", "zzzzz")).match_new("hello wor", 5) is None
+    assert StopStrings(("l", "lo w")).match_new("hello wor", 5) == (3, "lo w")
 
 
 # ------------------------------------------------------------------ helpers

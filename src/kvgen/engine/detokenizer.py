@@ -29,8 +29,8 @@ class IncrementalDetokenizer:
     text then runs through a streaming clean-up, which holds back a possible " '".
     ``"".join(add outputs) + flush()`` equals ``tokenizer.decode(token_ids, skip_special_tokens)``;
     after a prompt, for a space-joining (WordPiece) tokenizer, it is what the ids add to the
-    decoded prompt instead: a space before a new word, none before a "##" piece. Raises ``ValueError`` for a
-    prompt id outside the vocabulary.
+    decoded prompt instead: a space before a new word, none before a "##" piece; after a prompt that ends inside a
+    character, it begins with that character (as vLLM). Raises ``ValueError`` for a prompt id outside the vocabulary.
     Source: vLLM ``detokenize_incrementally`` (prefix_offset / read_offset).
     """
 
@@ -45,9 +45,18 @@ class IncrementalDetokenizer:
         self._ids = context  # prompt context, then generated ids
         self._num_context = len(context)
         self._prefix_offset = 0
-        self._read_offset = len(context)
-        self._prefix_text = self._decode(0, len(context))
+        self._read_offset = self._num_finished(context)
+        self._prefix_text = self._decode(0, self._read_offset)
         self._pieces: list[str] = []
+
+    def _num_finished(self, context: list[int]) -> int:
+        """Context ids up to the prompt's last finished character: a character the prompt leaves unfinished (at most
+        3 UTF-8 bytes, so 3 ids) is emitted whole once the new ids finish it, as vLLM's ``DecodeStream`` primed with
+        the prompt does (it was lost: its "\\ufffd" counted as text already shown)."""
+        for end in range(len(context), max(len(context) - 4, -1), -1):
+            if not self._decode(0, end).endswith("\ufffd"):
+                return end
+        return len(context)
 
     def _decode(self, start: int, end: int) -> str:
         return self._tokenizer.decode_without_clean_up(self._ids[start:end], self._skip_special_tokens)

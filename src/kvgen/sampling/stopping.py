@@ -141,13 +141,14 @@ class StopStrings:
         return max(map(len, self.stops))
 
     def match_new(self, text: str, old_len: int) -> tuple[int, str] | None:
-        """A match that involves text past ``old_len`` (earlier ones were already found):
-        (where the text is cut: before the stop string, or after it when included, the stop string)."""
-        start = max(0, old_len - self.max_length + 1)
-        match = find_stop_string(text[start:], self.stops)
-        if match is None:
+        """A match that ends past ``old_len`` (the text before was searched already, or, within vLLM's
+        ``min_tokens``, must not be): (where the text is cut: before the stop string, or after it when included,
+        the stop string). As ``find_stop_string``, the earliest wins. Source: vLLM ``check_stop_strings``."""
+        matches = [(position, len(s), s) for s in self.stops
+                   if (position := text.find(s, max(0, old_len - len(s) + 1))) >= 0]
+        if not matches:
             return None
-        position, stop = start + match[0], match[1]
+        position, _, stop = min(matches)
         return position + (len(stop) if self.include_in_output else 0), stop
 
     def num_streamable(self, text: str) -> int:
