@@ -148,8 +148,10 @@ def test_stop_string_cuts_text_and_never_leaks_into_the_stream(client):
     expected = text[: text.index(stop)]
     r = client.chat.completions.create(model="tiny", stop=[stop, "\x00zz"], **sampled)
     assert r.choices[0].message.content == expected and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].stop_reason == stop  # vLLM's extension: the stop string that ended it
     texts, chunks = _stream_chat(client, stop=stop, **sampled)
     assert texts == {0: expected}
+    assert [c.choices[0].stop_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [stop]
     assert not any(stop in (c.choices[0].delta.content or "") for c in chunks if c.choices)
 
 
@@ -464,6 +466,11 @@ def test_vllm_extras_allowed_token_ids_bad_words_stop_token_ids(client, tiny_tok
 
     def text(**extra) -> tuple[str, str]:
         r = client.completions.create(**kwargs, extra_body=extra)
+        stop_reason = r.choices[0].stop_reason  # vLLM's: the stop token id that ended it, None for a length limit
+        assert stop_reason == (y if r.choices[0].finish_reason == "stop" else None)
+        streamed = [c.choices[0].stop_reason for c in client.completions.create(**kwargs, extra_body=extra, stream=True)
+                    if c.choices and c.choices[0].finish_reason]
+        assert streamed == [stop_reason]
         return r.choices[0].text, r.choices[0].finish_reason
 
     both, _ = text(allowed_token_ids=[x, y])

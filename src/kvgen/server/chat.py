@@ -165,6 +165,7 @@ def _choice(state: ServerState, req: ChatCompletionRequest, c: ChoiceResult, pla
     return ChatCompletionChoice(
         index=c.index, message=ChatCompletionMessage(content=content, tool_calls=calls, reasoning=reasoning),
         logprobs=_logprobs(state, req, c.token_ids, c.logprobs), finish_reason=_finish_reason(c.finish_reason, plan, calls),
+        stop_reason=c.stop_reason,
     )
 
 
@@ -238,7 +239,8 @@ class ChatDeltas:
         reason = _finish_reason(c.finish_reason, plan, calls)
         held = self.pending_logprobs.pop(c.index, None)
         lp = None if held is None else _logprobs(self.state, req, *held)
-        yield ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(), logprobs=lp, finish_reason=reason)
+        yield ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(), logprobs=lp, finish_reason=reason,
+                                         stop_reason=c.stop_reason)
 
 
 def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation, num_prompt_tokens: int,

@@ -116,6 +116,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
             id=gen.request_id, created=gen.created, model=state.model_name,
             usage=usage(num_prompt_tokens, choices, num_cached_tokens(choices, req.n)),
             choices=[CompletionChoice(index=c.index, finish_reason=openai_finish_reason(c.finish_reason),
+                                      stop_reason=c.stop_reason,
                                       **echo.first_piece(c.index // req.n, c.text, c.token_ids, c.logprobs, c.prompt_logprobs))
                      for c in choices],
         )
@@ -127,7 +128,7 @@ def _echo_only(c: T) -> T:
     """A choice (or streamed completion) without its generated token: echo with ``max_tokens: 0`` answers the prompt
     alone, finished by that length limit."""
     return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if isinstance(c, ChoiceResult) else None,
-                               finish_reason="length" if c.finish_reason is not None else None)
+                               finish_reason="length" if c.finish_reason is not None else None, stop_reason=None)
 
 
 class _Echo:
@@ -187,7 +188,8 @@ def _stream(state: ServerState, req: CompletionRequest, gen: Generation, echo: _
             if choice.text or choice.logprobs is not None:
                 yield chunk([choice])
         if c.finish_reason is not None:
-            yield chunk([CompletionChoice(index=index, text="", finish_reason=openai_finish_reason(c.finish_reason))])
+            yield chunk([CompletionChoice(index=index, text="", finish_reason=openai_finish_reason(c.finish_reason),
+                                          stop_reason=c.stop_reason)])
 
     final = stream_usage.final_chunk(chunk)
     return stream_events(gen, (), events, final)

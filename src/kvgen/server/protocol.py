@@ -281,6 +281,8 @@ class ChoiceLogprobs(BaseModel):
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]
+# vLLM's extension of a choice: the stop string or stop token id that ended it (None: EOS, a length limit, running)
+StopReason = int | str | None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -288,6 +290,7 @@ class ChatCompletionChoice(BaseModel):
     message: ChatCompletionMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReason | None
+    stop_reason: StopReason = None
 
 
 class PromptTokensDetails(BaseModel):
@@ -336,6 +339,7 @@ class ChatCompletionStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionChunk(_Envelope):
@@ -373,6 +377,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
+    stop_reason: StopReason = None
 
 
 class CompletionResponse(_Envelope):

@@ -48,6 +48,7 @@ class ChoiceResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: SampleLogprobs = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (vLLM's)
     prompt_logprobs: PromptLogprobs | None = None  # SamplingParams.prompt_logprobs of its prompt
     num_cached_tokens: int = 0  # its prompt's tokens served by the prefix cache
 
@@ -56,6 +57,7 @@ class ChoiceResult:
         self.token_ids += completion.token_ids
         self.logprobs += completion.logprobs or []
         self.finish_reason = completion.finish_reason
+        self.stop_reason = completion.stop_reason
 
 
 def openai_finish_reason(reason: str | None) -> FinishReason | None:
