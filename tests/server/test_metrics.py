@@ -128,7 +128,8 @@ def test_per_request_histograms_follow_what_the_request_did(tiny_model_dir):
 def test_num_preemptions_counts_every_preemption_of_every_child(tiny_model_dir):
     """Four children of one ``n=4`` request on a pool too small for all of them preempt each other; the counter must
     equal the scheduler's preemptions, counted here by wrapping ``Scheduler._preempt`` (it is fed per step through
-    ``LLMEngine.stat_loggers``, as vLLM's ``IterationStats.num_preempted_reqs``)."""
+    ``LLMEngine.stat_loggers``, as vLLM's ``IterationStats.num_preempted_reqs``). Before, it was read from the
+    merged output when the request finished, which carries one child's count (2 of 5 here)."""
     calls: list[str] = []
 
     async def run() -> dict[str, float]:
