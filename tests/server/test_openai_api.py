@@ -508,3 +508,52 @@ def test_tokenize_takes_vllms_chat_fields_and_return_token_strs(server, tiny_mod
     assert r.status_code == 200, r.text
     want = ref.apply_chat_template(messages, continue_final_message=True, tokenize=True)
     assert r.json()["tokens"] == want and r.json()["count"] == len(want)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 2}),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}),
+    ("/v1/responses", {"model": "tiny", "input": "Hello", "max_output_tokens": 2}),
+    ("/v1/embeddings", {"model": "tiny", "input": "Hello"}),
+    ("/tokenize", {"model": "tiny", "prompt": "Hello"}),
+], ids=["completions", "chat", "responses", "embeddings", "tokenize"])
+def test_prompts_are_tokenized_off_the_event_loop(tiny_model_dir, path, body):
+    """A prompt is tokenized in a worker thread (vLLM's async tokenizer), so a huge one does not stall the server:
+    here tokenization waits until a /health request, sent after it, has been answered. Tokenized on the event loop
+    (before), /health could not be answered and the wait ran out."""
+    import asyncio
+    import threading
+
+    from kvgen.engine.async_engine import AsyncLLMEngine
+    from kvgen.engine.engine_args import EngineArgs
+    from kvgen.server.app import build_app
+
+    healthy = threading.Event()
+    waits: list[bool] = []
+
+    async def run() -> int:
+        engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), num_blocks=64))
+        tokenizer = engine.engine.tokenizer
+        tokenizer.encode = _waiting(tokenizer.encode, healthy, waits)
+        tokenizer.apply_chat_template = _waiting(tokenizer.apply_chat_template, healthy, waits)
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine, "tiny")),
+                                         base_url="http://kvgen", timeout=60) as client:
+                request = asyncio.create_task(client.post(path, json=body))
+                await asyncio.sleep(0.05)  # the request is being tokenized
+                assert (await client.get("/health")).status_code == 200
+                healthy.set()
+                return (await request).status_code
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(run()) == 200
+    assert waits and all(waits)
+
+
+def _waiting(fn, event, waits):
+    """``fn`` that first waits for ``event`` (at most 5 s) and records whether it came."""
+    def wrapped(*args, **kwargs):
+        waits.append(event.wait(timeout=5))
+        return fn(*args, **kwargs)
+    return wrapped

@@ -100,8 +100,10 @@ class AsyncLLMEngine:
         two threads at once; generation goes on between the chunks of a long prompt). Raises its ``ValueError``."""
         self._start()
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
-        async with self._lock:
-            job = self.engine.embedding_job(request_id, text, pooling_params, prompt_token_ids=ids)
+        # tokenized in a worker thread without the lock (it reads nothing a step changes): a long input stalls
+        # neither the event loop nor the steps
+        job = await asyncio.to_thread(self.engine.embedding_job, request_id, text, pooling_params,
+                                      prompt_token_ids=ids)
         while True:
             async with self._lock:
                 done = (await asyncio.get_running_loop().run_in_executor(self._step_thread, job.step)

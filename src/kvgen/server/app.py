@@ -10,6 +10,7 @@ With an API key, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -122,7 +123,7 @@ def _api_router() -> APIRouter:
 
     @router.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-        return _tokenize(_state(request), body)
+        return await asyncio.to_thread(_tokenize, _state(request), body)  # in a worker thread, as chat's
 
     @router.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:

@@ -9,6 +9,7 @@ that could still become one). Source: OpenAI API reference, Chat Completions.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -98,7 +99,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     plan = tool_plan(req, state.tool_call_parser)
-    prompt_ids = truncated(state, chat_prompt_ids(state, req), req.truncate_prompt_tokens)
+    # rendered and tokenized in a worker thread, as vLLM's: a huge prompt must not stall the event loop (other streams)
+    prompt_ids = truncated(state, await asyncio.to_thread(chat_prompt_ids, state, req), req.truncate_prompt_tokens)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(state, len(prompt_ids), requested, ("messages", field))

@@ -14,6 +14,7 @@ Source: OpenAI API reference, Completions; vLLM ``serving_completion.py``.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, TypeVar
@@ -94,7 +95,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     state.check_model(req.model)
     check_stream_options(req)
     _refuse_unsupported(req)
-    prompts = [truncated(state, p, req.truncate_prompt_tokens) for p in completion_prompt_ids(state, req.prompt)]
+    prompts = [truncated(state, p, req.truncate_prompt_tokens)  # tokenized in a worker thread, as chat's
+               for p in await asyncio.to_thread(completion_prompt_ids, state, req.prompt)]
     # max_tokens None: all the room the longest prompt leaves
     # echo with max_tokens 0: the prompt alone, as OpenAI and vLLM (which draw one token and drop it)
     is_echo_only = req.echo and req.max_tokens == 0

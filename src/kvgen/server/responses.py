@@ -13,6 +13,7 @@ Source: OpenAI API reference, Responses and "Streaming events"; vLLM ``serving_r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -182,7 +183,7 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
     try:
         chat = _chat_request(req, system + history)
         plan = tool_plan(chat, state.tool_call_parser)
-        prompt_ids = _prompt(state, req, chat)
+        prompt_ids = await asyncio.to_thread(_prompt, state, req, chat)  # in a worker thread, as chat's
         # the turns the prompt kept, stored for a continuation: a chain under truncation "auto" stays within the
         # context (with the dropped turns kept, each link stored and re-tokenized the whole chain)
         history = chat.messages[len(system):]
