@@ -46,14 +46,17 @@ def gguf_partial_rotary_factor(meta: dict[str, Any], arch: str, head_dim: int) -
     return factor
 
 
-def _has_sliding_layers(cfg: dict[str, Any]) -> bool:
+def _has_sliding_layers(cfg: dict[str, Any], model_type: str) -> bool:
     """Whether a Qwen config's attention slides in any layer, as transformers 4.55's ``Qwen2Config`` reads it: its
     ``sliding_window`` (default 4096) counts only with ``use_sliding_window``, on the layers ``layer_types`` names
     ``sliding_attention`` (default: those from ``max_window_layers``, 28, on); a window as long as
-    ``max_position_embeddings`` (default 32768) slides nothing."""
+    ``max_position_embeddings`` (default 32768) slides nothing. Qwen2-MoE's and Qwen3-MoE's masks slide every layer
+    (``Qwen2MoeModel._update_causal_mask``, ``Qwen3MoeModel``: neither reads ``max_window_layers`` nor ``layer_types``)."""
     window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
     if window is None or window >= cfg.get("max_position_embeddings", 32768):
         return False
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        return True
     layer_types = cfg.get("layer_types")
     if layer_types is None:
         return cfg.get("max_window_layers", 28) < cfg.get("num_hidden_layers", 0)
@@ -86,7 +89,7 @@ def llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]
     layers (a ``use_sliding_window`` that slides no layer is taken) and a ``partial_rotary_factor`` below 1 outside Phi-3 (Phi-4-mini's is taken). Source: transformers 4.55 ``MistralConfig`` /
     ``Qwen2Config`` / ``Qwen3Config`` / ``Phi3Config`` / ``SmolLM3Config`` and their attention modules."""
     changes: dict[str, Any] = {"model_type": "llama", "extra": {"hf_model_type": model_type}}
-    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and _has_sliding_layers(cfg):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and _has_sliding_layers(cfg, model_type):
         raise UnsupportedArchitectureError(f"{model_type} with use_sliding_window=true and sliding layers (a "
                                            f"sliding_window under max_position_embeddings) is not supported")
     rotary = cfg.get("partial_rotary_factor")
