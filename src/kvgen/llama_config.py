@@ -15,6 +15,10 @@ _GGUF_PARTIAL_ROTARY_ARCHS = ("phi3",)
 # Hugging Face model_types whose q_proj / k_proj rows rotate interleaved pairs (2i, 2i + 1) (transformers' Ernie4_5
 # apply_rotary_pos_emb): the loader moves them into rotate-half order, as it does for a llama GGUF file's
 INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5",)
+# The model_types whose transformers 4.55 modules read the config's attention_bias / mlp_bias; the others' have no
+# such biases whatever their config.json says (Qwen2, Qwen2-MoE and ERNIE 4.5 set theirs below)
+_ATTENTION_BIAS_TYPES = ("llama", "qwen3", "smollm3", "granite", "qwen3_moe")
+_MLP_BIAS_TYPES = ("llama", "smollm3", "granite")
 
 
 def granite_gguf_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -79,7 +83,8 @@ def llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]
     """What Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite and ERNIE 4.5 change of a Llama (Granite: only its
     multipliers, read as the config's own fields with GraniteConfig's defaults of 1.0; ERNIE 4.5: ``use_bias`` for
     every projection, its interleaved q/k rows reordered by the loader): SmolLM3 skips RoPE in its ``no_rope_layers``
-    (NoPE); Qwen2 biases q/k/v (not o_proj); Qwen3 normalizes each
+    (NoPE); ``attention_bias`` / ``mlp_bias`` count only where transformers reads them (``_ATTENTION_BIAS_TYPES``,
+    ``_MLP_BIAS_TYPES``); Qwen2 biases q/k/v (not o_proj); Qwen3 normalizes each
     head's q and k (``use_qk_norm``; its ``head_dim`` may differ from hidden_size / heads); Mistral's and Phi-3's
     sliding window bounds the context (attention within the window is exact; longer contexts are refused, not
     approximated); a LongRoPE ``rope_scaling`` is completed by :func:`_hf_longrope`, a YaRN one by
@@ -102,6 +107,9 @@ def llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]
             f"partial_rotary_factor must be 1.0 for {model_type} (kvgen rotates part of each head for phi3 only, "
             f"as transformers does), got {rotary}")
     changes["partial_rotary_factor"] = rotary
+    for name, types in (("attention_bias", _ATTENTION_BIAS_TYPES), ("mlp_bias", _MLP_BIAS_TYPES)):
+        if model_type not in types:
+            changes[name] = False
     if model_type == "qwen2":
         changes |= {"attention_bias": True, "o_proj_bias": False}
     if model_type == "qwen2_moe":  # Qwen2MoeAttention: q/k/v biased as qkv_bias says, o_proj never
