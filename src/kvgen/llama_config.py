@@ -19,6 +19,17 @@ INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5",)
 # such biases whatever their config.json says (Qwen2, Qwen2-MoE and ERNIE 4.5 set theirs below)
 _ATTENTION_BIAS_TYPES = ("llama", "qwen3", "smollm3", "granite", "qwen3_moe")
 _MLP_BIAS_TYPES = ("llama", "smollm3", "granite")
+# ModelConfig fields that only this model_type's transformers 4.55 modules read from a config.json (None: none of the
+# Llama family's; Qwen3's q/k norms come with its model_type): the others ignore them, as transformers does
+_HF_FIELD_OWNERS = {"embedding_multiplier": "granite", "residual_multiplier": "granite",
+                    "attention_multiplier": "granite", "logits_scaling": "granite", "no_rope_layers": "smollm3",
+                    "use_qk_norm": None}
+
+
+def hf_unread_fields(model_type: str) -> set[str]:
+    """The ModelConfig fields a Llama-family ``model_type``'s config.json may hold but transformers 4.55 does not read
+    for it (a Granite multiplier or SmolLM3's ``no_rope_layers`` in a Llama config changes nothing there)."""
+    return {name for name, owner in _HF_FIELD_OWNERS.items() if owner != model_type}
 
 
 def granite_gguf_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:

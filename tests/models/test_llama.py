@@ -74,6 +74,24 @@ def test_bias_flags_transformers_does_not_read_add_no_biases(tmp_path, model_typ
     assert_batch_matches_transformers(ours, ref, [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5]], 6, "dynamic")
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "phi3"])
+def test_other_models_fields_transformers_does_not_read_change_nothing(tmp_path, model_type):
+    """Granite's four multipliers, SmolLM3's ``no_rope_layers`` and a ``use_qk_norm`` in the config.json of another
+    Llama-family model_type are not read by transformers' modules for it: the directory gives transformers' logits and
+    greedy tokens (kvgen scaled by the multipliers and skipped RoPE on layer 1, or expected q/k norm weights)."""
+    from kvgen.config import ModelConfig
+    from kvgen.models import build_model
+    from kvgen.weights.hf_loader import load_hf_directory
+
+    stray = {"attention_multiplier": 0.5, "embedding_multiplier": 3.0, "residual_multiplier": 0.5, "logits_scaling": 4.0,
+             "no_rope_layers": [1, 0]}
+    ref = make_tiny_model(model_type, std=0.3, **stray).ref
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    ours = build_model(*load_hf_directory(tmp_path, dtype=torch.float32))
+    assert_batch_matches_transformers(ours, ref, [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5]], 6, "dynamic")
+    assert not ModelConfig.from_hf_dict(ref.config.to_dict() | {"use_qk_norm": True}).use_qk_norm
+
+
 def test_mistral_sliding_window_bounds_the_context_and_qwen2_windows_are_refused():
     from kvgen.config import ModelConfig
     from kvgen.errors import UnsupportedArchitectureError
