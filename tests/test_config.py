@@ -255,7 +255,7 @@ def test_rope_settings_of_the_wrong_kind_are_named(config: dict, message: str) -
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    (TINY_LLAMA | {"no_rope_layers": 0}, "no_rope_layers must hold a 0 or 1 per layer (2), got 0"),
+    (TINY_LLAMA | {"model_type": "smollm3", "no_rope_layers": 0}, "no_rope_layers must hold a 0 or 1 per layer (2), got 0"),
     (TINY_LLAMA | {"layer_types": 1}, "layer_types must hold one of"),
     (TINY_LLAMA | {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh", "layer_types": 5},
      "layer_types must hold one of"),

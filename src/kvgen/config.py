@@ -21,6 +21,7 @@ from kvgen.gguf_keys import check_gguf_value_types
 from kvgen.llama_config import (
     gguf_partial_rotary_factor,
     granite_gguf_fields,
+    hf_unread_fields,
     llama_family_changes,
     no_rope_every,
 )
@@ -441,7 +442,8 @@ class ModelConfig:
                 return cls(**hf_gpt_oss_kwargs(cfg))
             if model_type in _HF_LLAMA_TYPES:
                 cfg = _HF_DEFAULTS.get(model_type, {}) | cfg  # save_pretrained leaves out values equal to these
-                known = {f.name for f in fields(cls)} - {"extra", "o_proj_bias", *MOE_FIELDS}
+                known = ({f.name for f in fields(cls)} - {"extra", "o_proj_bias", *MOE_FIELDS}
+                         - hf_unread_fields(model_type))
                 kwargs = {k: v for k, v in cfg.items() if k in known}
                 missing = [f.name for f in fields(cls) if f.name not in kwargs and f.name != "model_type"
                            and f.default is MISSING and f.default_factory is MISSING]

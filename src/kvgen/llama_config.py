@@ -15,6 +15,21 @@ _GGUF_PARTIAL_ROTARY_ARCHS = ("phi3",)
 # Hugging Face model_types whose q_proj / k_proj rows rotate interleaved pairs (2i, 2i + 1) (transformers' Ernie4_5
 # apply_rotary_pos_emb): the loader moves them into rotate-half order, as it does for a llama GGUF file's
 INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5",)
+# The model_types whose transformers 4.55 modules read the config's attention_bias / mlp_bias; the others' have no
+# such biases whatever their config.json says (Qwen2, Qwen2-MoE and ERNIE 4.5 set theirs below)
+_ATTENTION_BIAS_TYPES = ("llama", "qwen3", "smollm3", "granite", "qwen3_moe")
+_MLP_BIAS_TYPES = ("llama", "smollm3", "granite")
+# ModelConfig fields that only this model_type's transformers 4.55 modules read from a config.json (None: none of the
+# Llama family's; Qwen3's q/k norms come with its model_type): the others ignore them, as transformers does
+_HF_FIELD_OWNERS = {"embedding_multiplier": "granite", "residual_multiplier": "granite",
+                    "attention_multiplier": "granite", "logits_scaling": "granite", "no_rope_layers": "smollm3",
+                    "use_qk_norm": None}
+
+
+def hf_unread_fields(model_type: str) -> set[str]:
+    """The ModelConfig fields a Llama-family ``model_type``'s config.json may hold but transformers 4.55 does not read
+    for it (a Granite multiplier or SmolLM3's ``no_rope_layers`` in a Llama config changes nothing there)."""
+    return {name for name, owner in _HF_FIELD_OWNERS.items() if owner != model_type}
 
 
 def granite_gguf_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -46,14 +61,17 @@ def gguf_partial_rotary_factor(meta: dict[str, Any], arch: str, head_dim: int) -
     return factor
 
 
-def _has_sliding_layers(cfg: dict[str, Any]) -> bool:
+def _has_sliding_layers(cfg: dict[str, Any], model_type: str) -> bool:
     """Whether a Qwen config's attention slides in any layer, as transformers 4.55's ``Qwen2Config`` reads it: its
     ``sliding_window`` (default 4096) counts only with ``use_sliding_window``, on the layers ``layer_types`` names
     ``sliding_attention`` (default: those from ``max_window_layers``, 28, on); a window as long as
-    ``max_position_embeddings`` (default 32768) slides nothing."""
+    ``max_position_embeddings`` (default 32768) slides nothing. Qwen2-MoE's and Qwen3-MoE's masks slide every layer
+    (``Qwen2MoeModel._update_causal_mask``, ``Qwen3MoeModel``: neither reads ``max_window_layers`` nor ``layer_types``)."""
     window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
     if window is None or window >= cfg.get("max_position_embeddings", 32768):
         return False
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        return True
     layer_types = cfg.get("layer_types")
     if layer_types is None:
         return cfg.get("max_window_layers", 28) < cfg.get("num_hidden_layers", 0)
@@ -76,7 +94,8 @@ def llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]
     """What Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite and ERNIE 4.5 change of a Llama (Granite: only its
     multipliers, read as the config's own fields with GraniteConfig's defaults of 1.0; ERNIE 4.5: ``use_bias`` for
     every projection, its interleaved q/k rows reordered by the loader): SmolLM3 skips RoPE in its ``no_rope_layers``
-    (NoPE); Qwen2 biases q/k/v (not o_proj); Qwen3 normalizes each
+    (NoPE); ``attention_bias`` / ``mlp_bias`` count only where transformers reads them (``_ATTENTION_BIAS_TYPES``,
+    ``_MLP_BIAS_TYPES``); Qwen2 biases q/k/v (not o_proj); Qwen3 normalizes each
     head's q and k (``use_qk_norm``; its ``head_dim`` may differ from hidden_size / heads); Mistral's and Phi-3's
     sliding window bounds the context (attention within the window is exact; longer contexts are refused, not
     approximated); a LongRoPE ``rope_scaling`` is completed by :func:`_hf_longrope`, a YaRN one by
@@ -86,7 +105,7 @@ def llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]
     layers (a ``use_sliding_window`` that slides no layer is taken) and a ``partial_rotary_factor`` below 1 outside Phi-3 (Phi-4-mini's is taken). Source: transformers 4.55 ``MistralConfig`` /
     ``Qwen2Config`` / ``Qwen3Config`` / ``Phi3Config`` / ``SmolLM3Config`` and their attention modules."""
     changes: dict[str, Any] = {"model_type": "llama", "extra": {"hf_model_type": model_type}}
-    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and _has_sliding_layers(cfg):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and _has_sliding_layers(cfg, model_type):
         raise UnsupportedArchitectureError(f"{model_type} with use_sliding_window=true and sliding layers (a "
                                            f"sliding_window under max_position_embeddings) is not supported")
     rotary = cfg.get("partial_rotary_factor")
@@ -99,6 +118,9 @@ def llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]
             f"partial_rotary_factor must be 1.0 for {model_type} (kvgen rotates part of each head for phi3 only, "
             f"as transformers does), got {rotary}")
     changes["partial_rotary_factor"] = rotary
+    for name, types in (("attention_bias", _ATTENTION_BIAS_TYPES), ("mlp_bias", _MLP_BIAS_TYPES)):
+        if model_type not in types:
+            changes[name] = False
     if model_type == "qwen2":
         changes |= {"attention_bias": True, "o_proj_bias": False}
     if model_type == "qwen2_moe":  # Qwen2MoeAttention: q/k/v biased as qkv_bias says, o_proj never

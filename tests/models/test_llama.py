@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_batch_matches_transformers, left_pad
+from helpers import assert_batch_matches_transformers, left_pad, make_tiny_model
 
 from kvgen.generation import GenerationConfig, generate
 from kvgen.generation.runner import positions_from_mask
@@ -55,6 +55,41 @@ def test_llama_family_checkpoints_match_transformers(tiny_model, tmp_path, model
     torch.testing.assert_close(_logits(ours, ids, mask)[real], expected[real], rtol=1e-5, atol=1e-5)
     got = generate(ours, ids, mask, GenerationConfig(max_new_tokens=8, eos_token_id=[], pad_token_id=0))
     assert got.sequences.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe"])
+def test_bias_flags_transformers_does_not_read_add_no_biases(tmp_path, model_type):
+    """A config.json with ``attention_bias`` and ``mlp_bias`` true where transformers' modules have no such biases
+    (Mistral, Phi-3 and Mixtral attentions; every MLP here, Qwen3-MoE's dense layer 1 included) loads as transformers
+    builds it and gives its logits and greedy tokens (kvgen expected bias tensors the checkpoint lacks)."""
+    from kvgen.models import build_model
+    from kvgen.weights.hf_loader import load_hf_directory
+
+    ref = make_tiny_model(model_type, std=0.3, attention_bias=True, mlp_bias=True).ref
+    no_attention_bias = model_type in ("mistral", "phi3", "mixtral")
+    unbiased = ("mlp.down_proj.bias", "o_proj.bias") if no_attention_bias else ("mlp.down_proj.bias",)
+    assert not any(name.endswith(unbiased) for name, _ in ref.named_parameters())
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    ours = build_model(*load_hf_directory(tmp_path, dtype=torch.float32))
+    assert_batch_matches_transformers(ours, ref, [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5]], 6, "dynamic")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "phi3"])
+def test_other_models_fields_transformers_does_not_read_change_nothing(tmp_path, model_type):
+    """Granite's four multipliers, SmolLM3's ``no_rope_layers`` and a ``use_qk_norm`` in the config.json of another
+    Llama-family model_type are not read by transformers' modules for it: the directory gives transformers' logits and
+    greedy tokens (kvgen scaled by the multipliers and skipped RoPE on layer 1, or expected q/k norm weights)."""
+    from kvgen.config import ModelConfig
+    from kvgen.models import build_model
+    from kvgen.weights.hf_loader import load_hf_directory
+
+    stray = {"attention_multiplier": 0.5, "embedding_multiplier": 3.0, "residual_multiplier": 0.5, "logits_scaling": 4.0,
+             "no_rope_layers": [1, 0]}
+    ref = make_tiny_model(model_type, std=0.3, **stray).ref
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    ours = build_model(*load_hf_directory(tmp_path, dtype=torch.float32))
+    assert_batch_matches_transformers(ours, ref, [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5]], 6, "dynamic")
+    assert not ModelConfig.from_hf_dict(ref.config.to_dict() | {"use_qk_norm": True}).use_qk_norm
 
 
 def test_mistral_sliding_window_bounds_the_context_and_qwen2_windows_are_refused():

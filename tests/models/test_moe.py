@@ -202,6 +202,26 @@ def test_moe_bad_configs_are_refused_by_name(model_type, change, error, match):
         ModelConfig.from_hf_dict(config | change)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
+def test_moe_sliding_window_is_refused_as_transformers_slides_every_layer(model_type):
+    """transformers 4.55's Qwen3-MoE and Qwen2-MoE masks slide every layer by ``sliding_window`` once
+    ``use_sliding_window`` is true (Qwen2-MoE's ``max_window_layers``, 28 here, is not read there; Qwen3-MoE has
+    none): such a config is refused by name (kvgen ran it without a window, reading it as a Qwen2 whose sliding
+    layers start at layer 28), while one whose window covers the context loads."""
+    import transformers
+
+    ref = make_tiny_model(model_type, seed=2).ref  # 3 layers, 128 positions
+    sliding = ref.config.to_dict() | {"use_sliding_window": True, "sliding_window": 4}
+    windowed = transformers.AutoModelForCausalLM.from_config(type(ref.config)(**sliding))
+    windowed.load_state_dict(ref.state_dict())
+    ids = torch.arange(3, 23)[None]  # [1, 20]: past the window
+    with torch.inference_mode():
+        assert float((windowed.eval()(ids).logits - ref(ids).logits).abs().max()) > 1e-3  # the reference slides
+    with pytest.raises(UnsupportedArchitectureError, match=f"{model_type} with use_sliding_window=true"):
+        ModelConfig.from_hf_dict(sliding)
+    assert ModelConfig.from_hf_dict(sliding | {"sliding_window": 128}).max_position_embeddings == 128
+
+
 def test_moe_directory_without_an_expert_is_refused(moe, tmp_path: Path):
     """A checkpoint that lacks one expert's matrix is refused naming it (Mixtral's w2 as our down_proj)."""
     from safetensors.torch import load_file, save_file
