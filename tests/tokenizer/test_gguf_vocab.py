@@ -341,3 +341,21 @@ def test_bos_without_add_bos_token_follows_llama_cpp(tmp_path: Path, trained: Ba
     ours = Tokenizer.from_gguf(meta)
     for text in ["", "Hello world", *TRAIN_TEXT]:
         assert ours.encode(text) == ref.tokenize(text.encode(), add_bos=True, special=True), text
+
+
+def test_added_tokens_with_latin1_text_decode_as_llama_cpp(tmp_path: Path, trained: BackendTokenizer) -> None:
+    """A byte-level GGUF stores added tokens as plain text (llama.cpp's converter pre-normalizes them): a USER_DEFINED
+    "café" or "ñandú" and a CONTROL "<|é|>" decode to that text, as llama.cpp prints them, not through the byte-level
+    decoder (which read "é" as the lone byte 0xE9: "caf\ufffd"); they are matched in text as before."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    meta = _synthetic_meta(trained, "smollm")
+    added = {"café": 4, "ñandú": 4, "<|é|>": 3}
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], *added]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], *added.values()]
+    ref = llama_cpp.Llama(str(_write_vocab_gguf(tmp_path / "v.gguf", meta)), vocab_only=True, verbose=False)
+    ours = Tokenizer.from_gguf(meta)
+    for text in ["café", "un café<|é|>ñandúx", "The café<|im_end|>\ncafé 😀<|é|>"]:
+        ids = ref.tokenize(text.encode(), add_bos=False, special=True)
+        assert ours.encode(text, add_special_tokens=False) == ids, text
+        assert ours.decode(ids) == ref.detokenize(ids, special=True).decode(), text
+        assert ours.decode(ids, skip_special_tokens=True) == ref.detokenize(ids, special=False).decode(), text
