@@ -152,20 +152,23 @@ class Tokenizer:
         """``decode`` of ids known to be in range, spaces never cleaned up.
 
         The incremental detokenizer's hot path; it cleans up the stream itself
-        (:class:`~kvgen.tokenizer.wordpiece.StreamingCleanUp`). Added tokens of ``raw_token_texts`` (a GGUF's, see
-        :func:`~kvgen.tokenizer.gguf_vocab.gguf_raw_token_texts`) come out as their text, the ids between them through
-        the backend's decoder.
+        (:class:`~kvgen.tokenizer.wordpiece.StreamingCleanUp`). Ids of ``raw_token_texts`` (a GGUF's, see
+        :func:`~kvgen.tokenizer.gguf_vocab.gguf_raw_token_texts`) come out as their text there (nothing: as if absent),
+        the runs of ids between them through the backend's decoder.
         """
         raw = self._raw_token_texts
         if not raw or raw.keys().isdisjoint(token_ids):
             return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
-        parts, start = [], 0
-        for k, token_id in enumerate(token_ids):  # runs of other ids through the (byte-level) decoder
-            if token_id in raw:
-                parts.append(self._backend.decode(token_ids[start:k], skip_special_tokens=skip_special_tokens))
-                parts.append("" if skip_special_tokens and token_id in self._special_added_ids else raw[token_id])
-                start = k + 1
-        parts.append(self._backend.decode(token_ids[start:], skip_special_tokens=skip_special_tokens))
+        parts, run = [], []
+        for token_id in token_ids:
+            text = raw.get(token_id)
+            if text is None:
+                run.append(token_id)
+            elif text:  # an added token of a byte-level vocabulary, printed as its text
+                parts.append(self._backend.decode(run, skip_special_tokens=skip_special_tokens))
+                parts.append("" if skip_special_tokens and token_id in self._special_added_ids else text)
+                run = []
+        parts.append(self._backend.decode(run, skip_special_tokens=skip_special_tokens))
         return "".join(parts)
 
     def backend_json(self) -> str:
