@@ -341,3 +341,43 @@ def test_bos_without_add_bos_token_follows_llama_cpp(tmp_path: Path, trained: Ba
     ours = Tokenizer.from_gguf(meta)
     for text in ["", "Hello world", *TRAIN_TEXT]:
         assert ours.encode(text) == ref.tokenize(text.encode(), add_bos=True, special=True), text
+
+
+def test_added_tokens_with_latin1_text_decode_as_llama_cpp(tmp_path: Path, trained: BackendTokenizer) -> None:
+    """A byte-level GGUF stores added tokens as plain text (llama.cpp's converter pre-normalizes them): a USER_DEFINED
+    "café" or "ñandú" and a CONTROL "<|é|>" decode to that text, as llama.cpp prints them, not through the byte-level
+    decoder (which read "é" as the lone byte 0xE9: "caf\ufffd"); they are matched in text as before."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    meta = _synthetic_meta(trained, "smollm")
+    added = {"café": 4, "ñandú": 4, "<|é|>": 3}
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], *added]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], *added.values()]
+    ref = llama_cpp.Llama(str(_write_vocab_gguf(tmp_path / "v.gguf", meta)), vocab_only=True, verbose=False)
+    ours = Tokenizer.from_gguf(meta)
+    for text in ["café", "un café<|é|>ñandúx", "The café<|im_end|>\ncafé 😀<|é|>"]:
+        ids = ref.tokenize(text.encode(), add_bos=False, special=True)
+        assert ours.encode(text, add_special_tokens=False) == ids, text
+        assert ours.decode(ids) == ref.detokenize(ids, special=True).decode(), text
+        assert ours.decode(ids, skip_special_tokens=True) == ref.detokenize(ids, special=False).decode(), text
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_unused_tokens_decode_to_nothing_as_llama_cpp(tmp_path: Path, trained: BackendTokenizer, model: str) -> None:
+    """The UNUSED "[PAD{i}]" rows llama.cpp's converter pads a vocabulary with (Qwen2.5's 271) decode to nothing, as
+    llama.cpp prints them (and as transformers skips ids past a tokenizer's vocabulary); kvgen printed "[PAD628]"."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    meta = _synthetic_meta(trained, "smollm") if model == "gpt2" else _sentencepiece_meta()
+    num_tokens = len(meta["tokenizer.ggml.tokens"])
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], f"[PAD{num_tokens}]", f"[PAD{num_tokens + 1}]"]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], 5, 5]
+    if model == "llama":
+        meta["tokenizer.ggml.scores"] = [*meta["tokenizer.ggml.scores"], 0.0, 0.0]
+    ref = llama_cpp.Llama(str(_write_vocab_gguf(tmp_path / "v.gguf", meta)), vocab_only=True, verbose=False)
+    ours = Tokenizer.from_gguf(meta)
+    words = ours.encode("The quick café", add_special_tokens=False)
+    ids = [*words[:1], num_tokens, *words[1:], num_tokens + 1, num_tokens]
+    for skip in (False, True):
+        # llama.cpp's token_to_piece keeps the "▁" of a SentencePiece text's first piece; its decode strips it, as kvgen
+        expected = ref.detokenize(ids, special=not skip).decode().removeprefix(" ")
+        assert ours.decode(ids, skip_special_tokens=skip) == expected == "The quick café"
+    assert ours.decode([num_tokens]) == ref.detokenize([num_tokens], special=True).decode() == ""

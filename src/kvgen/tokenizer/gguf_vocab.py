@@ -124,6 +124,25 @@ def _add_typed_tokens(backend: BackendTokenizer, tokens: list[str], token_types:
                         if k == GGUFTokenType.USER_DEFINED])
 
 
+def gguf_raw_token_texts(meta: dict[str, Any], backend: BackendTokenizer) -> dict[int, str]:
+    """Id -> text decode gives these ids instead of what the backend's decoder makes of them: "" for UNUSED tokens
+    (the "[PAD151665]" rows a converter pads a vocabulary with; llama.cpp prints nothing for them), and, in a
+    byte-level ("gpt2") vocabulary, the text of the added tokens (CONTROL, UNKNOWN, USER_DEFINED) that its byte-level
+    decoder would garble: llama.cpp's converter stores them as plain text ("café", not "cafÃ©") and llama.cpp prints
+    them as they are, while the decoder reads each of their characters as a byte ("é" as 0xE9). Usually empty.
+
+    Source: llama.cpp ``llama_vocab::impl::token_to_piece`` (added-token text copied as is, nothing for other types),
+    ``convert_hf_to_gguf.py`` (added tokens pre-normalized to text, UNUSED "[PAD{i}]" padding).
+    """
+    types = meta.get("tokenizer.ggml.token_type", [])
+    unused = {i: "" for i, token_type in enumerate(types) if token_type == GGUFTokenType.UNUSED}
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        return unused
+    added = backend.get_added_tokens_decoder()
+    return unused | {i: t.content for i, t in added.items()
+                     if backend.decode([i], skip_special_tokens=False) != t.content}
+
+
 def _sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     """BPE merges equivalent to SentencePiece's scores: every split of a token into two tokens, the merges of a
     higher-scoring token first (transformers' ``GGUFTokenizerSkeleton`` order, ties kept in vocabulary order)."""

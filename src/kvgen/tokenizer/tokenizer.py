@@ -26,7 +26,7 @@ from kvgen.chat_template import (
 )
 from kvgen.errors import ModelFormatError, ModelNotFoundError
 from kvgen.gguf_keys import check_gguf_value_types
-from kvgen.tokenizer.gguf_vocab import gguf_adds_bos_by_default, gguf_backend, gguf_special_ids
+from kvgen.tokenizer.gguf_vocab import gguf_adds_bos_by_default, gguf_backend, gguf_raw_token_texts, gguf_special_ids
 from kvgen.tokenizer.hf_files import load_hf_tokenizer_files
 from kvgen.tokenizer.special_tokens import SpecialTokenIds, add_bos_eos, check_token_ids, integer_ids
 from kvgen.tokenizer.wordpiece import clean_up_tokenization
@@ -59,8 +59,13 @@ class Tokenizer:
         name: str,
         clean_up_tokenization_spaces: bool = False,
         named_chat_templates: dict[str, str] | None = None,
+        *,
+        raw_token_texts: dict[int, str] | None = None,
     ) -> None:
         self._backend = backend
+        self._raw_token_texts = dict(raw_token_texts or {})  # added tokens decoded as their text, not by the decoder
+        self._special_added_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special and
+                                   i in self._raw_token_texts}
         self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
         self._special = special
         self._chat_template = chat_template
@@ -89,7 +94,8 @@ class Tokenizer:
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", bos_by_default))
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
         add_bos_eos(backend, special.bos_token_id, eos, add_bos, add_eos)
-        return cls(backend, special, meta.get("tokenizer.chat_template"), meta.get("general.name", "GGUF model"))
+        return cls(backend, special, meta.get("tokenizer.chat_template"), meta.get("general.name", "GGUF model"),
+                   raw_token_texts=gguf_raw_token_texts(meta, backend))
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike[str]) -> Tokenizer:
@@ -139,16 +145,31 @@ class Tokenizer:
         """
         ids = integer_ids(token_ids)
         check_token_ids(ids, self._vocab_size)
-        text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        text = self.decode_without_clean_up(ids, skip_special_tokens)
         return clean_up_tokenization(text) if self.clean_up_tokenization_spaces else text
 
     def decode_without_clean_up(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         """``decode`` of ids known to be in range, spaces never cleaned up.
 
         The incremental detokenizer's hot path; it cleans up the stream itself
-        (:class:`~kvgen.tokenizer.wordpiece.StreamingCleanUp`).
+        (:class:`~kvgen.tokenizer.wordpiece.StreamingCleanUp`). Ids of ``raw_token_texts`` (a GGUF's, see
+        :func:`~kvgen.tokenizer.gguf_vocab.gguf_raw_token_texts`) come out as their text there (nothing: as if absent),
+        the runs of ids between them through the backend's decoder.
         """
-        return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        raw = self._raw_token_texts
+        if not raw or raw.keys().isdisjoint(token_ids):
+            return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        parts, run = [], []
+        for token_id in token_ids:
+            text = raw.get(token_id)
+            if text is None:
+                run.append(token_id)
+            elif text:  # an added token of a byte-level vocabulary, printed as its text
+                parts.append(self._backend.decode(run, skip_special_tokens=skip_special_tokens))
+                parts.append("" if skip_special_tokens and token_id in self._special_added_ids else text)
+                run = []
+        parts.append(self._backend.decode(run, skip_special_tokens=skip_special_tokens))
+        return "".join(parts)
 
     def backend_json(self) -> str:
         """The ``tokenizers`` JSON of the encoder/decoder (``Tokenizer.to_str()``), as llguidance reads it."""
