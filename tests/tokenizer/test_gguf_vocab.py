@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import unicodedata
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -381,3 +382,20 @@ def test_unused_tokens_decode_to_nothing_as_llama_cpp(tmp_path: Path, trained: B
         expected = ref.detokenize(ids, special=not skip).decode().removeprefix(" ")
         assert ours.decode(ids, skip_special_tokens=skip) == expected == "The quick café"
     assert ours.decode([num_tokens]) == ref.detokenize([num_tokens], special=True).decode() == ""
+
+
+@pytest.mark.parametrize("pre", ["deepseek-r1-qwen", "falcon3", "pixtral", "phi-2", "mpt", "olmo", "jais", "gigachat",
+                                 "command-r", "codeshell", "exaone"])
+def test_llama_cpps_other_pre_tokenizer_names_encode_as_llama_cpp(tmp_path: Path, trained: BackendTokenizer,
+                                                                   pre: str) -> None:
+    """llama.cpp gives these names the split rules of a group kvgen has (``llama-vocab.cpp``: LLAMA3 with BOS by
+    default, QWEN2, GPT2, the digit-first STARCODER/SMOLLM/COMMAND_R/CODESHELL/EXAONE); they were refused as unknown
+    (DeepSeek-R1-Distill-Qwen's GGUF files among them). Encoded as llama.cpp does on the same file, BOS included when
+    the file has no add_bos_token."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    meta = _without_add_bos_token(_synthetic_meta(trained, pre)) | {"tokenizer.ggml.bos_token_id": 1}
+    ref = llama_cpp.Llama(str(_write_vocab_gguf(tmp_path / "v.gguf", meta)), vocab_only=True, verbose=False)
+    ours = Tokenizer.from_gguf(meta)
+    # llama.cpp does not NFC-normalize Qwen2's text (transformers does, and kvgen with it): no combining marks here
+    for text in [t for t in HARD_STRINGS + TRAIN_TEXT if unicodedata.normalize("NFC", t) == t]:
+        assert ours.encode(text) == ref.tokenize(text.encode(), add_bos=True, special=True), (pre, text)

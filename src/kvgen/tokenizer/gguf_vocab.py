@@ -44,6 +44,23 @@ GGUF_PRE_TOKENIZERS: dict[str, ByteLevelVariant] = {
     "smaug-bpe": ByteLevelVariant.LLAMA3,  # SmolLM3's; llama.cpp: "same as llama3"
     "dbrx": ByteLevelVariant.LLAMA3,
     "qwen2": ByteLevelVariant.QWEN2,
+    "deepseek-r1-qwen": ByteLevelVariant.QWEN2,  # DeepSeek-R1-Distill-Qwen: Qwen2's tokenizer
+    # llama.cpp's other names for the same split rules (its LLAMA3, GPT2 and digit-first groups)
+    "falcon3": ByteLevelVariant.LLAMA3,
+    "falcon-h1": ByteLevelVariant.LLAMA3,
+    "pixtral": ByteLevelVariant.LLAMA3,
+    "midm-2.0": ByteLevelVariant.LLAMA3,
+    "lfm2": ByteLevelVariant.LLAMA3,
+    "phi-2": ByteLevelVariant.GPT2,
+    "mpt": ByteLevelVariant.GPT2,
+    "olmo": ByteLevelVariant.GPT2,
+    "jais": ByteLevelVariant.GPT2,
+    "gigachat": ByteLevelVariant.GPT2,
+    "exaone4": ByteLevelVariant.GPT2,
+    "command-r": ByteLevelVariant.DIGITS,
+    "codeshell": ByteLevelVariant.DIGITS,
+    "exaone": ByteLevelVariant.DIGITS,
+    "minerva-7b": ByteLevelVariant.DIGITS,
     "gpt-4o": ByteLevelVariant.GPT4O,  # gpt-oss, Phi-4 (LLAMA_VOCAB_PRE_TYPE_GPT4O, as "llama4", "kanana2", "talkie")
     "llama4": ByteLevelVariant.GPT4O,
     "kanana2": ByteLevelVariant.GPT4O,
@@ -52,7 +69,8 @@ GGUF_PRE_TOKENIZERS: dict[str, ByteLevelVariant] = {
 
 
 # Pre-tokenizers after which llama.cpp adds BOS when a file has no tokenizer.ggml.add_bos_token (its LLAMA3 group).
-_BOS_BY_DEFAULT_PRE_TOKENIZERS = frozenset({"llama3", "llama-v3", "llama-bpe"})
+_BOS_BY_DEFAULT_PRE_TOKENIZERS = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
+                                            "midm-2.0", "lfm2"})
 
 
 def gguf_adds_bos_by_default(meta: dict[str, Any]) -> bool:
