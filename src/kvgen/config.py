@@ -50,7 +50,7 @@ _HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "qwe
                    "granite", "ernie4_5")
 # every config.json model_type from_hf_dict reads (named when another one is refused)
 _HF_MODEL_TYPES = ("gpt2", *_HF_LLAMA_TYPES, "gemma3_text", "gemma2", "gpt_oss")
-_ROPE_TYPES = (None, "default", "llama3", "linear", "freq_factors", "longrope", "yarn")
+_ROPE_TYPES = (None, "default", "llama3", "linear", "dynamic", "freq_factors", "longrope", "yarn")
 # The transformers 4.55 config classes' defaults where they differ from ModelConfig's: a config.json written by
 # save_pretrained omits every value equal to its class default (SmolLM3-3B's tied embeddings, Phi-3's eps).
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -312,6 +312,9 @@ class ModelConfig:
     def _apply_rope_scaling(self, scaling: dict[str, Any]) -> None:
         """Refuse rope types we do not compute, and bound a LongRoPE model's ``max_position_embeddings``.
 
+        Dynamic NTK (``"dynamic"``): transformers 4.55 raises the RoPE base only for a sequence longer than
+        ``max_position_embeddings``, kvgen's context limit, so within it the frequencies are plain RoPE's.
+
         LongRoPE (Phi-3 128k, Phi-3.5): kvgen rotates by the short factors (:func:`longrope_scaling`) and serves at
         most ``original_max_position_embeddings`` tokens. transformers 4.55 (``_longrope_frequency_update``) switches
         every frequency to the long factors once a sequence passes that length, while the keys already in its cache
@@ -323,6 +326,9 @@ class ModelConfig:
             raise UnsupportedArchitectureError(f"rope_scaling type {kind!r} is not supported")
         if kind == "linear":
             positive_scaling_value(scaling, "factor", kind)
+        if kind == "dynamic":  # transformers' _validate_dynamic_scaling_rope_parameters
+            if positive_scaling_value(scaling, "factor", kind) < 1:
+                raise ModelFormatError(f"dynamic rope_scaling factor must be >= 1, got {scaling['factor']!r}")
         if kind == "llama3":  # transformers' _validate_llama3_parameters
             for key in ("factor", "original_max_position_embeddings"):
                 positive_scaling_value(scaling, key, kind)

@@ -354,3 +354,26 @@ def test_yarn_16_bit_kernels_match_transformers(yarn_llama):
     torch.testing.assert_close(twins, got, rtol=0, atol=5e-4 * float(got.abs().max()))
     fast.rope_attention_factor, fast._rope = 1.0, RopeTable()  # tables rebuilt without the scale
     assert float((model_logits(fast, ids, torch.ones_like(ids)) - want).abs().mean()) > 1e-2 * scale
+
+
+# ---------------------------------------------------------------- dynamic NTK RoPE
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_dynamic_rope_scaling_matches_transformers_within_the_context(model_type: str) -> None:
+    """transformers 4.55's dynamic NTK scaling raises the RoPE base only past ``max_position_embeddings``, where kvgen's
+    context ends: logits over a prompt up to the last position equal its own (the config was refused as unsupported).
+    A factor below 1 is refused, as transformers' validation does."""
+    from helpers import make_tiny_model, model_logits
+
+    from kvgen.config import ModelConfig
+    from kvgen.errors import ModelFormatError
+
+    tiny = make_tiny_model(model_type, rope_scaling={"rope_type": "dynamic", "factor": 4.0}, std=0.5, seed=7)
+    assert tiny.ours.config.rope_scaling == {"rope_type": "dynamic", "factor": 4.0}
+    ids = torch.randint(0, 97, (1, 128), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected = tiny.ref(ids).logits
+    torch.testing.assert_close(model_logits(tiny.ours, ids), expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ModelFormatError, match="dynamic rope_scaling factor must be >= 1, got 0.5"):
+        ModelConfig.from_hf_dict(tiny.ref.config.to_dict() | {"rope_scaling": {"rope_type": "dynamic", "factor": 0.5}})

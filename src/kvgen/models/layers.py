@@ -45,7 +45,8 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any]
     llama.cpp's converter stores Llama 3's smoothing this way) and ``longrope`` (its ``short_factor`` divisors, as
     HF ``_compute_longrope_parameters`` within ``original_max_position_embeddings``, the only lengths kvgen serves
     it at; its cos/sin scale is :func:`rope_attention_factor`) and ``yarn`` (kvgen's form:
-    :func:`kvgen.rope_scaling.yarn_inv_freq`). Raises ``ValueError`` for factors that are not D/2.
+    :func:`kvgen.rope_scaling.yarn_inv_freq`); ``dynamic`` (NTK) is plain RoPE within ``max_position_embeddings``,
+    as in transformers. Raises ``ValueError`` for factors that are not D/2.
     """
     arange = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")  # CPU even when building on meta
     inv_freq = 1.0 / (rope_theta ** (arange.float() / head_dim))
