@@ -328,6 +328,7 @@ def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
     "argv,message",
     [
         (["generate", "hi", "--model", "/nonexistent/model.gguf"], "model not found: /nonexistent/model.gguf"),
+        (["generate", "hi", "--model", ""], "model path must not be empty"),  # was the working directory
         (["generate", "hi", "--top-p", "1.5", "--temperature", "1"], "top_p must be in (0, 1], got 1.5"),
         (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens must be an int in [1, 2147483647], got 0"),
         (["generate", "hi", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
