@@ -525,6 +525,15 @@ def test_chat_ends_cleanly_on_end_of_input(request, model):
     assert proc.returncode == 0 and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("argv", [["chat"], ["generate", "-f", "-"]], ids=["chat", "generate-f-stdin"])
+def test_a_closed_standard_input_is_one_line_and_exit_2(capsys, monkeypatch, tiny_model_dir, argv):
+    """Started with fd 0 closed (`kvgen chat <&-`), Python's sys.stdin is None: input() raised RuntimeError and
+    sys.stdin.read() AttributeError, both internal errors (exit 1)."""
+    monkeypatch.setattr(sys, "stdin", None)
+    code, out, err = _run(capsys, [*argv, "--model", str(tiny_model_dir), "--max-new-tokens", "2"])
+    assert code == 2 and out == "" and err.count("\n") == 1 and "standard input is closed" in err, err
+
+
 @pytest.mark.parametrize(
     "flags,hf_kwargs",
     [

@@ -120,12 +120,14 @@ def _end_startup() -> None:
 
 def _prompt_text(args: argparse.Namespace) -> str:
     """The prompt of ``kvgen generate``: the positional PROMPT, ``-p/--prompt`` or ``-f/--file`` (one of them), else
-    the default. Raises ``CliError`` for two of them or an unreadable file."""
+    the default. Raises ``CliError`` for two of them, an unreadable file or a closed standard input."""
     given = [p for p in (args.prompt, args.prompt_option, args.prompt_file) if p is not None]
     if len(given) > 1:
         raise CliError("kvgen generate: give the prompt once, as PROMPT, -p/--prompt or -f/--file")
     if args.prompt_file is None:
         return given[0] if given else DEFAULT_PROMPT
+    if args.prompt_file == "-" and sys.stdin is None:  # started with its standard input closed (`<&-`)
+        raise CliError("kvgen generate: -f -: standard input is closed, there is no prompt to read")
     try:
         return sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
