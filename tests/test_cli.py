@@ -657,6 +657,18 @@ def test_the_script_leaves_with_every_byte_of_output_and_mains_exit_code(tiny_mo
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "top_p" in bad.stderr, bad.stderr
 
 
+@pytest.mark.parametrize("closed", [1, 2], ids=["stdout", "stderr"])
+def test_the_script_started_with_stdout_or_stderr_closed_leaves_without_a_traceback(tiny_model_dir, closed):
+    """With fd 1 or 2 closed (`kvgen info >&-`) Python's sys.stdout / sys.stderr is None: ``run``'s final flush
+    raised AttributeError, a traceback and exit 1 after the command had succeeded."""
+    import os
+
+    proc = subprocess.run([sys.executable, "-m", "kvgen.cli", "tokenize", "--model", str(tiny_model_dir), "hi"],
+                          capture_output=True, text=True, timeout=120, check=False, preexec_fn=lambda: os.close(closed))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    assert proc.stderr == "" and (proc.stdout == "" if closed == 1 else json.loads(proc.stdout))
+
+
 def test_the_script_collects_garbage_again_once_the_model_is_loaded(tiny_model_dir):
     """Start-up (imports, the load) runs with the collector off; once the model is loaded, what is alive is frozen
     and collection resumes, so the decode loop's garbage cycles are still freed."""

@@ -384,6 +384,8 @@ def run() -> NoReturn:
     gc.disable()
     code = main()
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # started with that descriptor closed (`>&-`): print() wrote nothing to it
+            continue
         try:
             stream.flush()
         except (OSError, ValueError):  # a reader that went away (`| head -1`), a closed stream
