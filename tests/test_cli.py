@@ -108,6 +108,22 @@ def test_llama_cpp_flag_names_mean_the_same_settings(capsys, tiny_model_dir):
     assert ids[3] != ids[0]  # -s reached the seed
 
 
+def test_seed_minus_one_is_a_random_seed_as_in_llama_cpp(capsys, tiny_model_dir):
+    """llama-cli's -s -1 (LLAMA_DEFAULT_SEED) draws a fresh seed each run, as llama-cpp-python's seed=-1 (checked: two
+    completions at temperature 1.5 differ, seed=5 twice are equal); kvgen seeded the generator with -1, so every
+    `-s -1` run gave the same tokens."""
+    from kvgen.cli import build_parser
+    from kvgen.cli_flags import flag_values
+
+    assert "seed" not in flag_values(build_parser("generate").parse_args(["generate", "-s", "-1"]))
+    assert flag_values(build_parser("generate").parse_args(["generate", "--seed", "-2"]))["seed"] == -2
+    argv = ["generate", "The sky is", "--json", "-m", str(tiny_model_dir), "-n", "12", "--temp", "1.5", "-s", "-1"]
+    runs = [_run(capsys, argv) for _ in range(2)]
+    assert [code for code, _, _ in runs] == [0, 0]
+    first, second = (json.loads(out)["token_ids"] for _, out, _ in runs)
+    assert len(first) == 12 and first != second
+
+
 def test_chat_template_flag_replaces_the_models(capsys, tiny_model_dir, tmp_path):
     from kvgen.tokenizer import Tokenizer
 
