@@ -272,6 +272,26 @@ def test_trace_shows_prefill_once_then_cache_growing_and_saves_plot(capsys, tmp_
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize(("name", "message"), [
+    (".", "is a directory, not a file"),  # matplotlib wrote <dir>.png and kvgen said it saved <dir>
+    ("plot.txt", "cannot save a plot as 'txt', use one of "),  # was refused by savefig only after both runs
+    ("a" * 300 + ".png", "cannot write"),  # OSError from savefig: an internal error, exit 1
+])
+def test_trace_plot_paths_that_cannot_hold_the_plot_are_one_line_and_exit_2(capsys, tiny_model_dir, tmp_path, name,
+                                                                              message):
+    code, _, err = _run(capsys, ["generate", "hi", "--model", str(tiny_model_dir), "--max-new-tokens", "2", "--trace",
+                                 "--trace-plot", str(tmp_path / name)])
+    lines = [line for line in err.splitlines() if not line.startswith("[trace]")]
+    assert code == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
+
+
+def test_trace_plot_without_an_extension_reports_the_png_it_saved(capsys, tiny_model_dir, tmp_path):
+    code, _, err = _run(capsys, ["generate", "hi", "--model", str(tiny_model_dir), "--max-new-tokens", "2", "--trace",
+                                 "--trace-plot", str(tmp_path / "plot")])
+    assert code == 0 and f"saved to {tmp_path / 'plot.png'}\n" in err
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_tokenize_prints_ids(capsys, ours_default):
     _, tok = ours_default
     code, out, _ = _run(capsys, ["tokenize", "Hello <|im_end|> wörld 🙂"])
