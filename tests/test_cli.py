@@ -108,6 +108,22 @@ def test_llama_cpp_flag_names_mean_the_same_settings(capsys, tiny_model_dir):
     assert ids[3] != ids[0]  # -s reached the seed
 
 
+def test_seed_minus_one_is_a_random_seed_as_in_llama_cpp(capsys, tiny_model_dir):
+    """llama-cli's -s -1 (LLAMA_DEFAULT_SEED) draws a fresh seed each run, as llama-cpp-python's seed=-1 (checked: two
+    completions at temperature 1.5 differ, seed=5 twice are equal); kvgen seeded the generator with -1, so every
+    `-s -1` run gave the same tokens."""
+    from kvgen.cli import build_parser
+    from kvgen.cli_flags import flag_values
+
+    assert "seed" not in flag_values(build_parser("generate").parse_args(["generate", "-s", "-1"]))
+    assert flag_values(build_parser("generate").parse_args(["generate", "--seed", "-2"]))["seed"] == -2
+    argv = ["generate", "The sky is", "--json", "-m", str(tiny_model_dir), "-n", "12", "--temp", "1.5", "-s", "-1"]
+    runs = [_run(capsys, argv) for _ in range(2)]
+    assert [code for code, _, _ in runs] == [0, 0]
+    first, second = (json.loads(out)["token_ids"] for _, out, _ in runs)
+    assert len(first) == 12 and first != second
+
+
 def test_chat_template_flag_replaces_the_models(capsys, tiny_model_dir, tmp_path):
     from kvgen.tokenizer import Tokenizer
 
@@ -256,6 +272,26 @@ def test_trace_shows_prefill_once_then_cache_growing_and_saves_plot(capsys, tmp_
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize(("name", "message"), [
+    (".", "is a directory, not a file"),  # matplotlib wrote <dir>.png and kvgen said it saved <dir>
+    ("plot.txt", "cannot save a plot as 'txt', use one of "),  # was refused by savefig only after both runs
+    ("a" * 300 + ".png", "cannot write"),  # OSError from savefig: an internal error, exit 1
+])
+def test_trace_plot_paths_that_cannot_hold_the_plot_are_one_line_and_exit_2(capsys, tiny_model_dir, tmp_path, name,
+                                                                              message):
+    code, _, err = _run(capsys, ["generate", "hi", "--model", str(tiny_model_dir), "--max-new-tokens", "2", "--trace",
+                                 "--trace-plot", str(tmp_path / name)])
+    lines = [line for line in err.splitlines() if not line.startswith("[trace]")]
+    assert code == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
+
+
+def test_trace_plot_without_an_extension_reports_the_png_it_saved(capsys, tiny_model_dir, tmp_path):
+    code, _, err = _run(capsys, ["generate", "hi", "--model", str(tiny_model_dir), "--max-new-tokens", "2", "--trace",
+                                 "--trace-plot", str(tmp_path / "plot")])
+    assert code == 0 and f"saved to {tmp_path / 'plot.png'}\n" in err
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_tokenize_prints_ids(capsys, ours_default):
     _, tok = ours_default
     code, out, _ = _run(capsys, ["tokenize", "Hello <|im_end|> wörld 🙂"])
@@ -328,6 +364,7 @@ def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
     "argv,message",
     [
         (["generate", "hi", "--model", "/nonexistent/model.gguf"], "model not found: /nonexistent/model.gguf"),
+        (["generate", "hi", "--model", ""], "model path must not be empty"),  # was the working directory
         (["generate", "hi", "--top-p", "1.5", "--temperature", "1"], "top_p must be in (0, 1], got 1.5"),
         (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens must be an int in [1, 2147483647], got 0"),
         (["generate", "hi", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
@@ -524,6 +561,15 @@ def test_chat_ends_cleanly_on_end_of_input(request, model):
     assert proc.returncode == 0 and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("argv", [["chat"], ["generate", "-f", "-"]], ids=["chat", "generate-f-stdin"])
+def test_a_closed_standard_input_is_one_line_and_exit_2(capsys, monkeypatch, tiny_model_dir, argv):
+    """Started with fd 0 closed (`kvgen chat <&-`), Python's sys.stdin is None: input() raised RuntimeError and
+    sys.stdin.read() AttributeError, both internal errors (exit 1)."""
+    monkeypatch.setattr(sys, "stdin", None)
+    code, out, err = _run(capsys, [*argv, "--model", str(tiny_model_dir), "--max-new-tokens", "2"])
+    assert code == 2 and out == "" and err.count("\n") == 1 and "standard input is closed" in err, err
+
+
 @pytest.mark.parametrize(
     "flags,hf_kwargs",
     [
@@ -645,6 +691,18 @@ def test_the_script_leaves_with_every_byte_of_output_and_mains_exit_code(tiny_mo
     bad = subprocess.run([sys.executable, "-m", "kvgen.cli", "generate", "hi", "--model", str(tiny_model_dir),
                           "--top-p", "1.5"], capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "top_p" in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize("closed", [1, 2], ids=["stdout", "stderr"])
+def test_the_script_started_with_stdout_or_stderr_closed_leaves_without_a_traceback(tiny_model_dir, closed):
+    """With fd 1 or 2 closed (`kvgen info >&-`) Python's sys.stdout / sys.stderr is None: ``run``'s final flush
+    raised AttributeError, a traceback and exit 1 after the command had succeeded."""
+    import os
+
+    proc = subprocess.run([sys.executable, "-m", "kvgen.cli", "tokenize", "--model", str(tiny_model_dir), "hi"],
+                          capture_output=True, text=True, timeout=120, check=False, preexec_fn=lambda: os.close(closed))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    assert proc.stderr == "" and (proc.stdout == "" if closed == 1 else json.loads(proc.stdout))
 
 
 def test_the_script_collects_garbage_again_once_the_model_is_loaded(tiny_model_dir):

@@ -242,6 +242,14 @@ def test_a_missing_path_is_still_not_found(tmp_path: Path) -> None:
             kvgen.loader.resolve_model_path(path)
 
 
+def test_an_empty_path_is_refused_not_the_working_directory(tiny_model_dir: Path, monkeypatch) -> None:
+    """Path("") is "."; `kvgen generate -m ""` in a model's directory loaded that model (transformers'
+    from_pretrained("") refuses the empty name)."""
+    monkeypatch.chdir(tiny_model_dir)
+    with pytest.raises(ModelNotFoundError, match="model path must not be empty"):
+        kvgen.loader.resolve_model_path("")
+
+
 def test_subpackages_are_reachable_after_a_plain_import_kvgen():
     """README names kvgen.generation.make_cache, kvgen.kernels.kernel_isa() and kvgen.engine after ``import kvgen``;
     the lazy package raised "module 'kvgen' has no attribute 'generation'" until something imported them."""

@@ -120,12 +120,14 @@ def _end_startup() -> None:
 
 def _prompt_text(args: argparse.Namespace) -> str:
     """The prompt of ``kvgen generate``: the positional PROMPT, ``-p/--prompt`` or ``-f/--file`` (one of them), else
-    the default. Raises ``CliError`` for two of them or an unreadable file."""
+    the default. Raises ``CliError`` for two of them, an unreadable file or a closed standard input."""
     given = [p for p in (args.prompt, args.prompt_option, args.prompt_file) if p is not None]
     if len(given) > 1:
         raise CliError("kvgen generate: give the prompt once, as PROMPT, -p/--prompt or -f/--file")
     if args.prompt_file is None:
         return given[0] if given else DEFAULT_PROMPT
+    if args.prompt_file == "-" and sys.stdin is None:  # started with its standard input closed (`<&-`)
+        raise CliError("kvgen generate: -f -: standard input is closed, there is no prompt to read")
     try:
         return sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -185,14 +187,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _trace_plot_path(args: argparse.Namespace) -> str | None:
     """Where ``--trace`` saves its plot (``--trace-plot``, default kvgen-trace.png), checked before anything runs;
-    None without ``--trace``. ``CliError`` for ``--trace-plot`` alone or in a directory that does not exist."""
+    None without ``--trace``. ``CliError`` for ``--trace-plot`` alone, in a directory that does not exist, naming a
+    directory or in a format matplotlib does not write (a name without extension gets .png, as savefig gives it)."""
     if not args.trace:
         if args.trace_plot is not None:
             raise CliError("--trace-plot needs --trace")
         return None
+    from matplotlib.backend_bases import FigureCanvasBase
+
     path = Path(args.trace_plot or "kvgen-trace.png")
-    if not path.parent.is_dir():
+    try:
+        has_parent, is_dir = path.parent.is_dir(), path.is_dir()
+    except OSError as e:  # a name too long
+        raise CliError(f"--trace-plot: cannot write {path}: {e.strerror or e}") from None
+    if not has_parent:
         raise CliError(f"--trace-plot: the directory {str(path.parent)!r} does not exist")
+    if is_dir:
+        raise CliError(f"--trace-plot: {str(path)!r} is a directory, not a file")
+    if not path.suffix:  # matplotlib's savefig adds its default format's extension: say where the plot really goes
+        path = path.with_name(path.name + ".png")
+    if (fmt := path.suffix[1:].lower()) not in (formats := FigureCanvasBase.get_supported_filetypes()):
+        raise CliError(f"--trace-plot: cannot save a plot as {fmt!r}, use one of {', '.join(sorted(formats))}")
     return str(path)
 
 
@@ -246,7 +261,10 @@ def _traced_generate(model: Any, input_ids: Any, cfg: Any, tokenizer: Any, plot_
                  **flags)
     for i, step in enumerate(uncached.steps):
         print(format_step(i, step), file=sys.stderr)
-    plot_latencies([s.latency_s for s in cached.steps], [s.latency_s for s in uncached.steps], plot_path)
+    try:
+        plot_latencies([s.latency_s for s in cached.steps], [s.latency_s for s in uncached.steps], plot_path)
+    except OSError as e:  # a file the OS refuses (a name too long, a read-only place): found only by writing it
+        raise CliError(f"--trace-plot: cannot write {plot_path}: {e.strerror or e}") from None
     print(f"[trace] latency plot saved to {plot_path}", file=sys.stderr)
     return out
 
@@ -382,6 +400,8 @@ def run() -> NoReturn:
     gc.disable()
     code = main()
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # started with that descriptor closed (`>&-`): print() wrote nothing to it
+            continue
         try:
             stream.flush()
         except (OSError, ValueError):  # a reader that went away (`| head -1`), a closed stream

@@ -47,7 +47,7 @@ def _max_prompt_tokens(context: int, max_new_tokens: int) -> int:
 
 def run_chat(args: argparse.Namespace) -> int:
     """``kvgen chat``: reads messages from stdin until ``/exit`` or end of input; returns the exit code. Raises
-    ``CliError`` (and the loader's errors) for bad settings, before the first message."""
+    ``CliError`` (and the loader's errors) for bad settings or a closed standard input, before the first message."""
     import torch
 
     from kvgen.generation import Strategy, generate
@@ -63,6 +63,8 @@ def run_chat(args: argparse.Namespace) -> int:
             raise CliError(f"kvgen chat: error: {cfg.strategy.value} cannot stream, use kvgen generate for it")
         return cfg
 
+    if sys.stdin is None:  # started with its standard input closed (`<&-`): input() would raise RuntimeError
+        raise CliError("kvgen chat: error: standard input is closed, there is nothing to read messages from")
     cfg, flags = check(generation_config_from_args(args, CHAT_DEFAULTS)), flag_values(args)
     model, tokenizer, _ = _load_for_chat(args)
     cfg = check(with_model_defaults(cfg, model.generation_defaults, flags))  # as kvgen generate

@@ -16,6 +16,7 @@ _CUSTOM_GENERATE_FIELDS = {"use_cache", "cache_implementation", "return_dict_in_
 # max_tokens, accepted as well
 _ALIASES = {"max_new_tokens": ("-n", "--n-predict", "--max-tokens"), "temperature": ("--temp",),
             "repetition_penalty": ("--repeat-penalty",), "seed": ("-s",)}
+_HELP_SUFFIX = {"seed": " (-1: a random seed each run, as llama-cli's -s -1)"}
 _CLI_DEFAULTS = {"max_new_tokens": 64}
 CHAT_DEFAULTS = {"max_new_tokens": 256}
 DEFAULT_PROMPT = "The three most useful things to know about the KV cache are"
@@ -87,6 +88,13 @@ def _checked(name: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return convert
 
 
+def _seed(text: str) -> int | None:
+    """``--seed`` / ``-s``: an int (checked as ``seed``); -1 is no seed, a random one each run, as llama-cli's
+    ``-s -1`` (its LLAMA_DEFAULT_SEED) -- a fixed seed of -1 gave every run the same tokens."""
+    value = _checked("seed", int)(text)
+    return None if value == -1 else value
+
+
 def _flag_kwargs(name: str, annotation: str) -> dict[str, Any]:
     """argparse keyword arguments for a GenerationConfig field, from its type annotation."""
     from kvgen.sampling.params import PARAM_RULES
@@ -95,6 +103,8 @@ def _flag_kwargs(name: str, annotation: str) -> dict[str, Any]:
         return {"type": _early_stopping}
     if name == "dola_layers":
         return {"type": _dola_layers, "metavar": "low|high|JSON"}
+    if name == "seed":
+        return {"type": _seed}
     if name in PARAM_RULES:
         return {"type": _checked(name, PARAM_RULES[name].kind)}
     if annotation == "bool":
@@ -119,7 +129,7 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(GenerationConfig):
         if f.name in _CUSTOM_GENERATE_FIELDS:
             continue
-        kwargs = {"dest": f.name, "default": None, "help": f.metadata.get("help", "")}
+        kwargs = {"dest": f.name, "default": None, "help": f.metadata.get("help", "") + _HELP_SUFFIX.get(f.name, "")}
         kwargs.update(_flag_kwargs(f.name, str(f.type)))
         group.add_argument("--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, ()), **kwargs)
     group.add_argument("--stop", dest="stop_strings", action="append", default=None, help="stop string (repeatable)")

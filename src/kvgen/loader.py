@@ -28,7 +28,8 @@ AUTO = "auto"
 def resolve_model_path(path_or_name: str | os.PathLike[str] = "default") -> Path:
     """The file or directory behind ``path_or_name``; ``"default"`` is SmolLM2-135M-Instruct's GGUF.
 
-    Raises ``ModelNotFoundError`` when nothing is there, ``ModelFormatError`` for a path that is neither a
+    Raises ``ModelNotFoundError`` when nothing is there or the path is empty (``Path("")`` is the working directory,
+    which transformers' ``from_pretrained("")`` refuses too), ``ModelFormatError`` for a path that is neither a
     regular file nor a directory (a FIFO, a socket, a device: opening one could block forever), a symlink loop or
     one the OS refuses to look up (a name too long).
     """
@@ -36,6 +37,9 @@ def resolve_model_path(path_or_name: str | os.PathLike[str] = "default") -> Path
         from kvgen.default_model import find_default_gguf
 
         return find_default_gguf()
+    if not str(path_or_name):
+        raise ModelNotFoundError("model path must not be empty, got '' (pass a .gguf file, a Hugging Face directory or "
+                                 "'default')")
     path = Path(path_or_name).expanduser()
     try:
         mode = path.stat().st_mode
