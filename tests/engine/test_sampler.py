@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -250,3 +252,37 @@ def test_a_row_whose_masks_leave_no_token_gets_no_token_and_the_others_their_own
     assert [out.token_ids[0], out.token_ids[3]] == alone.token_ids and out.logprobs[3] == alone.logprobs[1]
     reached = sampler(logits[1:2], [_row(params[1], seed=2, output=[5, 5])])  # min_tokens reached: 5 is allowed
     assert reached.token_ids == [5]
+
+
+def _vllm_top_p_kept(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """vLLM v1 ``apply_top_k_top_p_pytorch``'s top-p branch, with top_p held as its ``InputBatch`` holds it (a float32
+    tensor, so ``1 - p`` is a float32 op): sorted ascending, cumulative probabilities <= 1 - p removed, the largest
+    kept. logits: [B, V]. Returns [B, V] bool, True where kept."""
+    p = torch.full((logits.shape[0],), top_p, dtype=torch.float32)  # [B]
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)  # [B, V]
+    remove = logits_sort.softmax(dim=-1).cumsum(dim=-1) <= 1 - p.unsqueeze(dim=1)  # [B, V]
+    remove[:, -1] = False
+    return ~remove.scatter(1, logits_idx, remove)  # [B, V], vocabulary order
+
+
+@pytest.mark.parametrize("use_kernels", [False, True])
+def test_top_p_removes_what_vllms_float32_threshold_removes(use_kernels):
+    """vLLM holds top_p in float32, so for top_p=0.9 its threshold 1 - p is 0.10000002 where float64's 1 - 0.9 rounds
+    to 0.1000000015: a token whose cumulative probability lies between the two is removed, and every draw is the top
+    token (the torch stages and the kernels' filter_draw alike)."""
+    from kvgen.engine.sampler import apply_top_p
+    from kvgen.kernels import get_ops
+
+    threshold32 = float(1 - torch.tensor(0.9, dtype=torch.float32))  # vLLM's
+    threshold64 = float(torch.tensor(1 - 0.9, dtype=torch.float32))  # HF's rounding of the Python float
+    low = (threshold32 + threshold64) / 2
+    logits = torch.full((1, V), -100.0)
+    logits[0, 3], logits[0, 8] = math.log(low), math.log(1 - low)  # [1, V]
+    kept = _vllm_top_p_kept(logits, 0.9)
+    assert torch.nonzero(kept[0]).flatten().tolist() == [8]  # the low token sits between the thresholds
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    assert torch.equal(torch.isfinite(apply_top_p(logits, [_row(params)])), kept)
+    sampler = Sampler(get_ops() if use_kernels else None)
+    draws = [sampler(logits, [_row(SamplingParams(temperature=1.0, top_p=0.9, seed=s), seed=s)]).token_ids[0]
+             for s in range(40)]
+    assert draws == [8] * 40

@@ -16,6 +16,7 @@ draw, and the scheduler ends that request alone.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -120,11 +121,12 @@ class Sampler:
             return ops.choose_tokens(x, True, generators, draw="inverse_cdf").squeeze(1)
         params = [r.sampling_params for r in rows]
         u = ops.uniforms(len(rows), generators).view(-1)  # [B']
-        if not any(p.min_p > 0 or p.top_k > 0 or p.top_p < 1 for p in params):  # temperature only: the kernel divides
+        top_ps = [vllm_top_p(p.top_p) for p in params]
+        if not any(p.min_p > 0 or p.top_k > 0 for p in params) and all(p == 1 for p in top_ps):  # the kernel divides
             return self.kernels.softmax_draw(x.float(), _column([p.temperature for p in params]), u)
         temperature, min_p, top_k, top_p = torch.tensor(  # one [4, B'] float64 tensor: its rows are the op's columns
-            [[p.temperature for p in params], [p.min_p for p in params], [p.top_k for p in params],
-             [p.top_p for p in params]], dtype=torch.float64)
+            [[p.temperature for p in params], [p.min_p for p in params], [p.top_k for p in params], top_ps],
+            dtype=torch.float64)
         token_ids = self.kernels.filter_draw(x.float(), temperature, min_p, top_k, top_p, u)  # [B'], -1: undecided
         if undecided := [i for i, t in enumerate(token_ids.tolist()) if t < 0]:  # float32 rounding could matter
             y = apply_stages(x[undecided], [rows[i] for i in undecided], _SAMPLED_ONLY)  # the torch stages
@@ -255,8 +257,19 @@ def apply_top_k(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 
 def apply_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    top_p = [r.sampling_params.top_p for r in rows]
+    top_p = [vllm_top_p(r.sampling_params.top_p) for r in rows]
     return ops.apply_top_p(logits, _column(top_p)) if any(p < 1 for p in top_p) else logits
+
+
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny
+
+
+def vllm_top_p(top_p: float) -> float:
+    """top_p rounded to float32, as vLLM v1 holds it (``InputBatch.top_p_cpu_tensor``), so that the threshold
+    ``1 - top_p`` (exact in float64, then rounded to float32 by ``ops.apply_top_p``) is vLLM's float32 ``1 - p``:
+    0.10000002 for 0.9, where 1 - 0.9 in float64 rounds to 0.1000000015. Kept above 0 (a top_p below float32's range
+    keeps the top token, as vLLM's 0 does)."""
+    return max(struct.unpack("f", struct.pack("f", top_p))[0], _FLOAT32_TINY)
 
 
 # ENGINE_ORDER's stage names -> the batched stage over SamplingRows (each a kvgen.sampling.ops op).
