@@ -111,9 +111,11 @@ def test_greedy_tokens_equal_a_transformers_loop_masked_by_llguidance(llm, model
     json.loads(out.outputs[0].text)
 
 
-def test_logprobs_stay_raw_and_other_requests_are_untouched(llm):
-    """The mask acts on the draw, not on the reported logprobs (vLLM's raw logprobs); an unconstrained request in the
-    same batch gets the tokens it gets alone."""
+def test_logprobs_are_over_the_grammars_tokens_and_other_requests_are_untouched(llm):
+    """vLLM v1 masks the logits in place (``apply_grammar_bitmask``) before its sampler takes the raw logprobs, so a
+    constrained request's logprobs are a log-softmax over the tokens its grammar allows: here digits only, the chosen
+    one among them (they listed the unconstrained top tokens, words, before). An unconstrained request in the same
+    batch gets the tokens and logprobs it gets alone."""
     greedy = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3)
     alone = llm.generate(["Name three colours:"], greedy, use_tqdm=False)[0].outputs[0]
     constrained = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3,
@@ -122,9 +124,15 @@ def test_logprobs_stay_raw_and_other_requests_are_untouched(llm):
     assert both[0].outputs[0].token_ids == alone.token_ids
     digits = both[1].outputs[0]
     assert re.fullmatch("[0-9]+", digits.text)
-    first, chosen = digits.logprobs[0], digits.token_ids[0]
-    assert first[chosen].logprob <= max(e.logprob for e in first.values())  # raw: the unconstrained top stays listed
-    assert list(top_of(first, 3)) == list(top_of(alone.logprobs[0], 3)) == list(alone.logprobs[0])
+    for batched, single in zip(both[0].outputs[0].logprobs, alone.logprobs, strict=True):  # batched matmuls: ~1e-6
+        assert batched.keys() == single.keys()
+        assert all(abs(batched[t].logprob - single[t].logprob) < 1e-4 for t in single)
+    tok = llm.get_tokenizer()
+    for position, chosen in zip(digits.logprobs, digits.token_ids):
+        assert position[chosen].rank == 1  # greedy over the allowed tokens: the top of what is reported
+        assert all(re.fullmatch("[0-9]+", tok.decode([t])) for t in top_of(position, 3)
+                   if position[t].logprob > float("-inf")), [tok.decode([t]) for t in position]
+    assert set(top_of(digits.logprobs[0], 3)).isdisjoint(top_of(alone.logprobs[0], 3))
 
 
 def test_a_matcher_that_fails_while_masking_ends_the_request_with_its_error(llm):

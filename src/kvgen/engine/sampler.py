@@ -1,8 +1,9 @@
 """Batched ``Sampler``: one next token per row, each row with its own ``SamplingParams`` and generator.
 
-Order (vLLM v1 ``Sampler.forward``, declared in ``kvgen.sampling.pipeline.ENGINE_ORDER``):
-logprobs of the RAW logits (vLLM's default ``raw_logprobs``) -> the structured-output mask
-(tokens a request's grammar forbids get -inf) -> allowed_token_ids -> bad_words -> min_tokens (EOS and
+Order (vLLM v1's model runner, then ``Sampler.forward``, declared in ``kvgen.sampling.pipeline.ENGINE_ORDER``):
+the structured-output mask (tokens a request's grammar forbids get -inf; vLLM's ``apply_grammar_bitmask`` before
+the sampler) -> logprobs of those logits (vLLM's default ``raw_logprobs``: before every other stage)
+-> allowed_token_ids -> bad_words -> min_tokens (EOS and
 ``stop_token_ids`` suppressed) -> logit_bias -> repetition penalty (prompt and output)
 -> presence / frequency penalties (output) -> argmax for greedy rows (temperature 0)
 -> temperature -> min_p -> top_k -> top_p -> one inverse-CDF draw per sampled row from
@@ -92,8 +93,8 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
         params = [r.sampling_params for r in rows]
         wants_logprobs = [p.logprobs is not None for p in params]
-        raw_logprobs = ops.compute_logprobs(logits) if any(wants_logprobs) else None  # [B, V]
         logits = apply_grammar_mask(logits, rows)  # [B, V]
+        raw_logprobs = ops.compute_logprobs(logits) if any(wants_logprobs) else None  # [B, V]
         logits = apply_stages(logits, rows, _EVERY_ROW)  # [B, V]
         if blocked := rows_without_tokens(logits, rows):  # drawn from zeros below, then NO_TOKEN
             logits = logits.index_fill(0, torch.tensor(blocked), 0.0)  # [B, V]
