@@ -50,12 +50,25 @@ def test_a_response_is_the_chat_completion_of_its_input(client, tiny_tokenizer):
         assert item.status == "incomplete"
     else:
         assert r.status == "completed" and r.incomplete_details is None
-    # message items with input_text parts, and a developer message, are the same conversation
+    # message items with an input_text part, and a developer message, are the same conversation
     parts = client.responses.create(model="tiny", input=[
         {"role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Name three "},
-                                                         {"type": "input_text", "text": "colours."}]}], **GREEDY)
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Name three colours."}]}],
+        **GREEDY)
     assert parts.output_text == r.output_text and parts.usage.input_tokens == r.usage.input_tokens
+
+
+def test_several_input_text_parts_are_joined_as_chat_joins_text_parts(client, tiny_tokenizer):
+    """A message's text parts reach the template as chat's do (vLLM's ``parse_chat_messages``, which the Responses API
+    shares: joined with newlines for a template taking strings). kvgen joined them with nothing: "Name three" and
+    "colours." were the prompt "Name threecolours."."""
+    texts = ["Name three", "colours."]
+    r = client.responses.create(model="tiny", input=[
+        {"role": "user", "content": [{"type": "input_text", "text": t} for t in texts]}], **GREEDY)
+    chat = _chat(client, [{"role": "user", "content": [{"type": "text", "text": t} for t in texts]}])
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens == len(tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "\n".join(texts)}], add_generation_prompt=True, tokenize=True))
 
 
 def test_streamed_events_build_the_same_response(client, server):

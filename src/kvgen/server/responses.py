@@ -36,6 +36,7 @@ from kvgen.server.protocol import (
     NamedFunction,
     NamedToolChoice,
     ResponseFormat,
+    TextContentPart,
     ToolCall,
 )
 from kvgen.server.reasoning_parsers import num_reasoning_tokens
@@ -107,8 +108,11 @@ def _input_messages(items: str | list[Any]) -> list[ChatMessage]:
         if isinstance(item, ReasoningItem):
             reasoning = "".join(part.text for part in item.content or [])
         elif isinstance(item, MessageItem):
-            text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
-            out.append(ChatMessage(role=item.role, content=text, reasoning=reasoning if item.role == "assistant" else None))
+            # parts stay parts: the template takes them as chat's (joined with newlines, or a list), as vLLM's
+            content = item.content if isinstance(item.content, str) else [
+                TextContentPart(type="text", text=p.text) for p in item.content]
+            out.append(ChatMessage(role=item.role, content=content,
+                                   reasoning=reasoning if item.role == "assistant" else None))
         elif isinstance(item, FunctionCallItem):
             call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
             if out and out[-1].role == "assistant" and reasoning is None:
