@@ -260,6 +260,20 @@ def test_text_format_is_echoed_as_sent_without_null_fields(server):
         assert httpx.get(server.v1 + f"/responses/{r.json()['id']}", timeout=60).json()["text"]["format"] == echoed
 
 
+def test_tool_choice_left_out_is_echoed_as_auto(server):
+    """OpenAI's default ``tool_choice`` is "auto", echoed so without tools too (the responses of its API reference:
+    ``"tool_choice": "auto", "tools": []``), as vLLM echoes the request's field, "auto" by default. kvgen echoed "none"
+    when no tools were given, in the response, its stream's events and its stored copy."""
+    body = {"model": "tiny", "input": "Hi", **GREEDY}
+    r = httpx.post(server.v1 + "/responses", json=body, timeout=60).json()
+    events = [data for _, data in _events(server, {"input": "Hi", **GREEDY})]
+    stored = httpx.get(server.v1 + f"/responses/{r['id']}", timeout=60).json()
+    assert (r["tool_choice"], r["tools"]) == ("auto", []) == (stored["tool_choice"], stored["tools"])
+    assert {e["response"]["tool_choice"] for e in events if "response" in e} == {"auto"}
+    named = httpx.post(server.v1 + "/responses", json=body | {"tool_choice": "none"}, timeout=60).json()
+    assert named["tool_choice"] == "none"  # one sent is echoed as sent
+
+
 def test_output_text_logprobs_are_an_empty_array_unless_asked(server):
     """OpenAI's ``output_text`` requires ``logprobs``, an array (its examples: ``[]`` when not asked): a response, and
     each part of its stream, gave ``null``, which OpenAI's schema refuses."""

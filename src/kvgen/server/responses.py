@@ -219,7 +219,7 @@ class _Builder:
             parallel_tool_calls=req.parallel_tool_calls is not False, previous_response_id=req.previous_response_id,
             store=req.store,
             temperature=req.temperature if req.temperature is not None else state.default_sampling.get("temperature", 1.0),
-            text=req.text or TextConfig(), tool_choice=req.tool_choice or ("auto" if req.tools else "none"),
+            text=req.text or TextConfig(), tool_choice=req.tool_choice or "auto",
             tools=req.tools or [], top_logprobs=req.top_logprobs, top_p=req.top_p if req.top_p is not None else state.default_sampling.get("top_p", 1.0),
             truncation=req.truncation or "disabled", user=req.user, metadata=req.metadata or {},
         )
