@@ -287,6 +287,20 @@ def test_output_text_logprobs_are_an_empty_array_unless_asked(server):
     assert len(parts) == 4 and all(part["logprobs"] == [] for part in parts)
 
 
+def test_metadata_past_openais_limits_is_refused(server):
+    """OpenAI's metadata: 16 pairs at most, keys of at most 64 characters, values of at most 512 (its ``Metadata``
+    schema, the SDK's ``metadata`` docstring). The pair count was checked, the lengths were not: any key or value was
+    accepted, echoed and stored."""
+    at_limit = {"k" * 64: "v" * 512}
+    r = httpx.post(server.v1 + "/responses", json={"model": "tiny", "input": "Hi", "metadata": at_limit, **GREEDY},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["metadata"] == at_limit
+    for metadata in ({"k" * 65: "v"}, {"k": "v" * 513}):
+        r = httpx.post(server.v1 + "/responses", json={"model": "tiny", "input": "Hi", "metadata": metadata, **GREEDY},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("metadata")
+
+
 def test_truncation_auto_drops_the_oldest_turns(server):
     long_turn = {"role": "user", "content": "word " * 1500}  # over the 2048-token context alone
     body = {"model": "tiny", "input": [long_turn, {"role": "user", "content": "Hi"}], **GREEDY}

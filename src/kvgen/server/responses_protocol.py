@@ -152,6 +152,10 @@ class ResponsesStreamOptions(StrictModel):
     include_obfuscation: bool | None = None  # accepted; kvgen never pads its events
 
 
+# OpenAI's metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512 (its ``Metadata`` schema)
+Metadata = dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]
+
+
 class ResponsesRequest(StrictModel):
     """``POST /v1/responses``. ``store`` (default true) keeps the response for ``GET /v1/responses/{id}`` and for a
     later ``previous_response_id``, in a bounded in-memory store (as vLLM). ``model`` may be left out (the served
@@ -174,7 +178,7 @@ class ResponsesRequest(StrictModel):
     stream: bool = False
     stream_options: ResponsesStreamOptions | None = None
     store: bool = True
-    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    metadata: Metadata | None = Field(default=None, max_length=16)
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
