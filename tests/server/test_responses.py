@@ -109,6 +109,25 @@ def test_streamed_events_build_the_same_response(client, server):
     assert "".join(data["delta"] for _, data in events[4:-4]) == done["output"][0]["content"][0]["text"]
 
 
+def test_a_completed_response_says_when_it_completed(client, server):
+    """OpenAI's ``completed_at``: the Unix time a response completed, there with status "completed" only (its
+    ``Response`` schema; the SDK's ``Response.completed_at``). kvgen's responses had none."""
+    import time
+
+    colour = {"type": "json_schema", "name": "colour", "schema": {
+        "type": "object", "properties": {"colour": {"enum": ["red", "green"]}}, "required": ["colour"],
+        "additionalProperties": False}}  # a reply that ends before max_output_tokens
+    kwargs = {"input": "Name a colour.", "temperature": 0, "max_output_tokens": 200, "text": {"format": colour}}
+    done = client.responses.create(model="tiny", **kwargs)
+    assert done.status == "completed" and done.created_at <= done.completed_at <= time.time()
+    assert client.responses.retrieve(done.id).completed_at == done.completed_at
+    cut = client.responses.create(model="tiny", input="Hi", **GREEDY | {"max_output_tokens": 2})
+    assert cut.status == "incomplete" and cut.completed_at is None
+    events = [data for _, data in _events(server, kwargs)]
+    assert events[0]["response"]["completed_at"] is None and events[-1]["type"] == "response.completed"
+    assert events[-1]["response"]["created_at"] <= events[-1]["response"]["completed_at"] <= time.time()
+
+
 def _replay(events: list[tuple[str, dict]]) -> list[dict]:
     """The output items a client builds from stream events, as the ``openai`` SDK's accumulator does
     (``openai.lib.streaming.responses.ResponseStreamState.accumulate_event``): an item as ``output_item.added`` gives

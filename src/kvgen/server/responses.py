@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -233,6 +234,7 @@ class _Builder:
         num_reasoning = num_reasoning_tokens(self.state.tokenizer, token_ids, reasoning)
         response = self.response.model_copy(update={
             "status": "incomplete" if is_cut else "completed", "output": output,
+            "completed_at": None if is_cut else int(time.time()),
             "incomplete_details": IncompleteDetails(reason="max_output_tokens") if is_cut else None,
             "usage": ResponseUsage(input_tokens=self.num_prompt_tokens, output_tokens=num_tokens,
                                    input_tokens_details=InputTokensDetails(cached_tokens=num_cached),

@@ -264,6 +264,7 @@ class ResponseObject(BaseModel):
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=_now)
     status: Literal["in_progress", "completed", "incomplete", "failed"]
+    completed_at: int | None = None  # OpenAI's: when it completed, with status "completed" only
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
