@@ -250,6 +250,28 @@ def test_function_calls_and_their_outputs(client, server):
     assert answer.output_text == chat.choices[0].message.content and answer.usage.input_tokens == chat.usage.prompt_tokens
 
 
+def test_a_function_call_output_of_text_parts_is_the_tool_turn_of_those_parts(client, server):
+    """OpenAI's ``function_call_output.output`` is text or a list of content parts (the SDK's ``FunctionCallOutput``);
+    vLLM hands it on as the tool message's content. Text parts are the chat conversation whose tool turn has those
+    parts; an image part is a 400 naming it. A list was refused: output had to be a string."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Rome"}'}
+    texts = ["sunny", "warm"]
+    output = {"type": "function_call_output", "call_id": "call_1",
+              "output": [{"type": "input_text", "text": t} for t in texts]}
+    r = client.responses.create(model="tiny", input=[{"role": "user", "content": "Weather in Rome?"}, call, output],
+                                **GREEDY)
+    chat = _chat(client, [{"role": "user", "content": "Weather in Rome?"},
+                          {"role": "assistant", "content": None, "tool_calls": [
+                              {"id": "call_1", "type": "function", "function": {"name": call["name"],
+                                                                               "arguments": call["arguments"]}}]},
+                          {"role": "tool", "tool_call_id": "call_1",
+                           "content": [{"type": "text", "text": t} for t in texts]}])
+    assert r.output_text == chat.choices[0].message.content and r.usage.input_tokens == chat.usage.prompt_tokens
+    image = output | {"output": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}
+    bad = httpx.post(server.v1 + "/responses", json={"model": "tiny", "input": [call, image], **GREEDY}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("input[1].output")
+
+
 def test_text_format_and_logprobs(client):
     fmt = {"type": "json_schema", "name": "city", "schema": WEATHER_SCHEMA}
     r = client.responses.create(model="tiny", input="A city?", text={"format": fmt}, temperature=0, max_output_tokens=200)

@@ -47,6 +47,7 @@ from kvgen.server.responses_protocol import (
     FunctionCallItem,
     FunctionToolChoice,
     IncompleteDetails,
+    InputTextPart,
     InputTokensDetails,
     ItemStatus,
     MessageItem,
@@ -98,6 +99,12 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
 
+def _content(content: str | list[InputTextPart]) -> str | list[TextContentPart]:
+    """An item's text, or its parts as chat's text parts: the template takes them as chat's (joined with newlines, or
+    a list), as vLLM's Responses API hands them to ``parse_chat_messages``."""
+    return content if isinstance(content, str) else [TextContentPart(type="text", text=p.text) for p in content]
+
+
 def _input_messages(items: str | list[Any]) -> list[ChatMessage]:
     """Input items as chat messages: function calls join the assistant turn before them, their outputs are tool turns,
     a reasoning item's text goes to the assistant turn after it."""
@@ -109,10 +116,7 @@ def _input_messages(items: str | list[Any]) -> list[ChatMessage]:
         if isinstance(item, ReasoningItem):
             reasoning = "".join(part.text for part in item.content or [])
         elif isinstance(item, MessageItem):
-            # parts stay parts: the template takes them as chat's (joined with newlines, or a list), as vLLM's
-            content = item.content if isinstance(item.content, str) else [
-                TextContentPart(type="text", text=p.text) for p in item.content]
-            out.append(ChatMessage(role=item.role, content=content,
+            out.append(ChatMessage(role=item.role, content=_content(item.content),
                                    reasoning=reasoning if item.role == "assistant" else None))
         elif isinstance(item, FunctionCallItem):
             call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
@@ -121,7 +125,7 @@ def _input_messages(items: str | list[Any]) -> list[ChatMessage]:
             else:
                 out.append(ChatMessage(role="assistant", tool_calls=[call], reasoning=reasoning))
         else:
-            out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.output))
+            out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=_content(item.output)))
         if not isinstance(item, ReasoningItem):
             reasoning = None
     return out

@@ -69,11 +69,11 @@ class FunctionCallItem(_InputItem):
 
 
 class FunctionCallOutputItem(_InputItem):
-    """The caller's answer to a ``function_call`` with the same ``call_id``."""
+    """The caller's answer to a ``function_call`` with the same ``call_id``: text, or text parts."""
 
     type: Literal["function_call_output"]
     call_id: str
-    output: str
+    output: str | list[InputTextPart]
 
 
 class ReasoningText(BaseModel):
