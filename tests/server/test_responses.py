@@ -328,6 +328,15 @@ def test_output_text_logprobs_are_an_empty_array_unless_asked(server):
     assert len(parts) == 4 and all(part["logprobs"] == [] for part in parts)
 
 
+def test_null_stream_and_store_are_their_defaults(server):
+    """OpenAI's ``stream`` and ``store`` may be null (its ``CreateResponse`` schema; vLLM's ``Optional[bool]``
+    fields): not streamed, stored. Both were a 400 ("Input should be a valid boolean")."""
+    body = {"model": "tiny", "input": "Hi", "stream": None, "store": None, **GREEDY}
+    r = httpx.post(server.v1 + "/responses", json=body, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json") and r.json()["store"]
+    assert httpx.get(server.v1 + f"/responses/{r.json()['id']}", timeout=60).json() == r.json()
+
+
 def test_metadata_past_openais_limits_is_refused(server):
     """OpenAI's metadata: 16 pairs at most, keys of at most 64 characters, values of at most 512 (its ``Metadata``
     schema, the SDK's ``metadata`` docstring). The pair count was checked, the lengths were not: any key or value was

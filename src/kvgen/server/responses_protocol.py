@@ -20,6 +20,8 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     Tag,
+    ValidationInfo,
+    field_validator,
     model_serializer,
 )
 
@@ -188,6 +190,12 @@ class ResponsesRequest(StrictModel):
     reasoning: dict[str, Any] | None = None
     conversation: Any = None
     prompt: Any = None
+
+    @field_validator("stream", "store", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """OpenAI's ``stream`` and ``store`` may be null (its ``CreateResponse`` schema): their defaults."""
+        return cls.model_fields[info.field_name or ""].default if value is None else value
 
 
 def _now() -> int:
