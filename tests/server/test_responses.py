@@ -216,6 +216,20 @@ def test_stored_responses_continue_read_and_delete(client, server):
         assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
 
 
+def test_cancelling_a_response_is_a_400_as_none_runs_in_the_background(client, server):
+    """``POST /v1/responses/{id}/cancel`` (the SDK's ``responses.cancel``): OpenAI cancels background responses only, and
+    vLLM answers a stored one that is not "Cannot cancel a synchronous response." (400), an unknown id 404. kvgen had no
+    such route: a bare 404 "Not Found" for any id."""
+    import openai
+
+    r = client.responses.create(model="tiny", input="Hi", **GREEDY)
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.cancel(r.id)
+    assert client.responses.retrieve(r.id).status == r.status  # left as it was
+    unknown = httpx.post(f"{server.v1}/responses/resp_unknown/cancel", timeout=10)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "not_found"
+
+
 def test_function_calls_and_their_outputs(client, server):
     named = {"type": "function", "name": "get_weather"}
     r = client.responses.create(model="tiny", input="Weather in Rome?", tools=[WEATHER], tool_choice=named,
