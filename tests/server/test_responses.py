@@ -50,12 +50,25 @@ def test_a_response_is_the_chat_completion_of_its_input(client, tiny_tokenizer):
         assert item.status == "incomplete"
     else:
         assert r.status == "completed" and r.incomplete_details is None
-    # message items with input_text parts, and a developer message, are the same conversation
+    # message items with an input_text part, and a developer message, are the same conversation
     parts = client.responses.create(model="tiny", input=[
         {"role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Name three "},
-                                                         {"type": "input_text", "text": "colours."}]}], **GREEDY)
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Name three colours."}]}],
+        **GREEDY)
     assert parts.output_text == r.output_text and parts.usage.input_tokens == r.usage.input_tokens
+
+
+def test_several_input_text_parts_are_joined_as_chat_joins_text_parts(client, tiny_tokenizer):
+    """A message's text parts reach the template as chat's do (vLLM's ``parse_chat_messages``, which the Responses API
+    shares: joined with newlines for a template taking strings). kvgen joined them with nothing: "Name three" and
+    "colours." were the prompt "Name threecolours."."""
+    texts = ["Name three", "colours."]
+    r = client.responses.create(model="tiny", input=[
+        {"role": "user", "content": [{"type": "input_text", "text": t} for t in texts]}], **GREEDY)
+    chat = _chat(client, [{"role": "user", "content": [{"type": "text", "text": t} for t in texts]}])
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens == len(tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "\n".join(texts)}], add_generation_prompt=True, tokenize=True))
 
 
 def test_streamed_events_build_the_same_response(client, server):
@@ -94,6 +107,25 @@ def test_streamed_events_build_the_same_response(client, server):
     assert last["output"][0]["content"] == done["output"][0]["content"]
     assert last["usage"]["output_tokens"] == done["usage"]["output_tokens"] == 5
     assert "".join(data["delta"] for _, data in events[4:-4]) == done["output"][0]["content"][0]["text"]
+
+
+def test_a_completed_response_says_when_it_completed(client, server):
+    """OpenAI's ``completed_at``: the Unix time a response completed, there with status "completed" only (its
+    ``Response`` schema; the SDK's ``Response.completed_at``). kvgen's responses had none."""
+    import time
+
+    colour = {"type": "json_schema", "name": "colour", "schema": {
+        "type": "object", "properties": {"colour": {"enum": ["red", "green"]}}, "required": ["colour"],
+        "additionalProperties": False}}  # a reply that ends before max_output_tokens
+    kwargs = {"input": "Name a colour.", "temperature": 0, "max_output_tokens": 200, "text": {"format": colour}}
+    done = client.responses.create(model="tiny", **kwargs)
+    assert done.status == "completed" and done.created_at <= done.completed_at <= time.time()
+    assert client.responses.retrieve(done.id).completed_at == done.completed_at
+    cut = client.responses.create(model="tiny", input="Hi", **GREEDY | {"max_output_tokens": 2})
+    assert cut.status == "incomplete" and cut.completed_at is None
+    events = [data for _, data in _events(server, kwargs)]
+    assert events[0]["response"]["completed_at"] is None and events[-1]["type"] == "response.completed"
+    assert events[-1]["response"]["created_at"] <= events[-1]["response"]["completed_at"] <= time.time()
 
 
 def _replay(events: list[tuple[str, dict]]) -> list[dict]:
@@ -184,6 +216,20 @@ def test_stored_responses_continue_read_and_delete(client, server):
         assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
 
 
+def test_cancelling_a_response_is_a_400_as_none_runs_in_the_background(client, server):
+    """``POST /v1/responses/{id}/cancel`` (the SDK's ``responses.cancel``): OpenAI cancels background responses only, and
+    vLLM answers a stored one that is not "Cannot cancel a synchronous response." (400), an unknown id 404. kvgen had no
+    such route: a bare 404 "Not Found" for any id."""
+    import openai
+
+    r = client.responses.create(model="tiny", input="Hi", **GREEDY)
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.cancel(r.id)
+    assert client.responses.retrieve(r.id).status == r.status  # left as it was
+    unknown = httpx.post(f"{server.v1}/responses/resp_unknown/cancel", timeout=10)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "not_found"
+
+
 def test_function_calls_and_their_outputs(client, server):
     named = {"type": "function", "name": "get_weather"}
     r = client.responses.create(model="tiny", input="Weather in Rome?", tools=[WEATHER], tool_choice=named,
@@ -218,6 +264,28 @@ def test_function_calls_and_their_outputs(client, server):
     assert answer.output_text == chat.choices[0].message.content and answer.usage.input_tokens == chat.usage.prompt_tokens
 
 
+def test_a_function_call_output_of_text_parts_is_the_tool_turn_of_those_parts(client, server):
+    """OpenAI's ``function_call_output.output`` is text or a list of content parts (the SDK's ``FunctionCallOutput``);
+    vLLM hands it on as the tool message's content. Text parts are the chat conversation whose tool turn has those
+    parts; an image part is a 400 naming it. A list was refused: output had to be a string."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Rome"}'}
+    texts = ["sunny", "warm"]
+    output = {"type": "function_call_output", "call_id": "call_1",
+              "output": [{"type": "input_text", "text": t} for t in texts]}
+    r = client.responses.create(model="tiny", input=[{"role": "user", "content": "Weather in Rome?"}, call, output],
+                                **GREEDY)
+    chat = _chat(client, [{"role": "user", "content": "Weather in Rome?"},
+                          {"role": "assistant", "content": None, "tool_calls": [
+                              {"id": "call_1", "type": "function", "function": {"name": call["name"],
+                                                                               "arguments": call["arguments"]}}]},
+                          {"role": "tool", "tool_call_id": "call_1",
+                           "content": [{"type": "text", "text": t} for t in texts]}])
+    assert r.output_text == chat.choices[0].message.content and r.usage.input_tokens == chat.usage.prompt_tokens
+    image = output | {"output": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}
+    bad = httpx.post(server.v1 + "/responses", json={"model": "tiny", "input": [call, image], **GREEDY}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("input[1].output")
+
+
 def test_text_format_and_logprobs(client):
     fmt = {"type": "json_schema", "name": "city", "schema": WEATHER_SCHEMA}
     r = client.responses.create(model="tiny", input="A city?", text={"format": fmt}, temperature=0, max_output_tokens=200)
@@ -247,6 +315,20 @@ def test_text_format_is_echoed_as_sent_without_null_fields(server):
         assert httpx.get(server.v1 + f"/responses/{r.json()['id']}", timeout=60).json()["text"]["format"] == echoed
 
 
+def test_tool_choice_left_out_is_echoed_as_auto(server):
+    """OpenAI's default ``tool_choice`` is "auto", echoed so without tools too (the responses of its API reference:
+    ``"tool_choice": "auto", "tools": []``), as vLLM echoes the request's field, "auto" by default. kvgen echoed "none"
+    when no tools were given, in the response, its stream's events and its stored copy."""
+    body = {"model": "tiny", "input": "Hi", **GREEDY}
+    r = httpx.post(server.v1 + "/responses", json=body, timeout=60).json()
+    events = [data for _, data in _events(server, {"input": "Hi", **GREEDY})]
+    stored = httpx.get(server.v1 + f"/responses/{r['id']}", timeout=60).json()
+    assert (r["tool_choice"], r["tools"]) == ("auto", []) == (stored["tool_choice"], stored["tools"])
+    assert {e["response"]["tool_choice"] for e in events if "response" in e} == {"auto"}
+    named = httpx.post(server.v1 + "/responses", json=body | {"tool_choice": "none"}, timeout=60).json()
+    assert named["tool_choice"] == "none"  # one sent is echoed as sent
+
+
 def test_output_text_logprobs_are_an_empty_array_unless_asked(server):
     """OpenAI's ``output_text`` requires ``logprobs``, an array (its examples: ``[]`` when not asked): a response, and
     each part of its stream, gave ``null``, which OpenAI's schema refuses."""
@@ -258,6 +340,29 @@ def test_output_text_logprobs_are_an_empty_array_unless_asked(server):
                                                          if e["type"] == "response.output_item.done"]
     parts += events[-1]["response"]["output"][0]["content"]
     assert len(parts) == 4 and all(part["logprobs"] == [] for part in parts)
+
+
+def test_null_stream_and_store_are_their_defaults(server):
+    """OpenAI's ``stream`` and ``store`` may be null (its ``CreateResponse`` schema; vLLM's ``Optional[bool]``
+    fields): not streamed, stored. Both were a 400 ("Input should be a valid boolean")."""
+    body = {"model": "tiny", "input": "Hi", "stream": None, "store": None, **GREEDY}
+    r = httpx.post(server.v1 + "/responses", json=body, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json") and r.json()["store"]
+    assert httpx.get(server.v1 + f"/responses/{r.json()['id']}", timeout=60).json() == r.json()
+
+
+def test_metadata_past_openais_limits_is_refused(server):
+    """OpenAI's metadata: 16 pairs at most, keys of at most 64 characters, values of at most 512 (its ``Metadata``
+    schema, the SDK's ``metadata`` docstring). The pair count was checked, the lengths were not: any key or value was
+    accepted, echoed and stored."""
+    at_limit = {"k" * 64: "v" * 512}
+    r = httpx.post(server.v1 + "/responses", json={"model": "tiny", "input": "Hi", "metadata": at_limit, **GREEDY},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["metadata"] == at_limit
+    for metadata in ({"k" * 65: "v"}, {"k": "v" * 513}):
+        r = httpx.post(server.v1 + "/responses", json={"model": "tiny", "input": "Hi", "metadata": metadata, **GREEDY},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("metadata")
 
 
 def test_truncation_auto_drops_the_oldest_turns(server):

@@ -1,7 +1,8 @@
 """``build_app``: the FastAPI application of ``kvgen serve`` over one ``AsyncLLMEngine``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``, ``POST /v1/responses``
-(with ``GET`` and ``DELETE /v1/responses/{response_id}``), ``GET /v1/models`` (and ``/v1/models/{model}``),
+(with ``GET`` and ``DELETE /v1/responses/{response_id}``; ``POST .../cancel`` a 400, no response running in the
+background), ``GET /v1/models`` (and ``/v1/models/{model}``),
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /metrics`` (Prometheus
 text) and the chat page at ``GET /`` (static files shipped in ``kvgen/server/static``).
 With an API key, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need
@@ -115,6 +116,13 @@ def _api_router() -> APIRouter:
     @router.get("/v1/responses/{response_id}", response_model=ResponseObject)
     async def retrieve_response(response_id: str, request: Request) -> ResponseObject:
         return _state(request).responses.get(response_id).response
+
+    @router.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject)
+    async def cancel_response(response_id: str, request: Request) -> ResponseObject:
+        """404 for an unknown id, else 400: only background responses can be cancelled (OpenAI), and kvgen runs none
+        (vLLM: "Cannot cancel a synchronous response.")."""
+        _state(request).responses.get(response_id)
+        raise bad_request(f"response '{response_id}' is not a background response; only those can be cancelled", None)
 
     @router.delete("/v1/responses/{response_id}", response_model=DeletedResponse)
     async def delete_response(response_id: str, request: Request) -> DeletedResponse:

@@ -1,6 +1,6 @@
 """The in-memory store of ``/v1/responses`` results kept for ``GET /v1/responses/{id}`` and
-``previous_response_id`` (as vLLM's: lost on restart, bounded by a count, and by bytes since a request's metadata,
-tools and user have no length limit)."""
+``previous_response_id`` (as vLLM's: lost on restart, bounded by a count, and by bytes since a request's tools
+and user have no length limit)."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -36,6 +37,7 @@ from kvgen.server.protocol import (
     NamedFunction,
     NamedToolChoice,
     ResponseFormat,
+    TextContentPart,
     ToolCall,
 )
 from kvgen.server.reasoning_parsers import num_reasoning_tokens
@@ -45,6 +47,7 @@ from kvgen.server.responses_protocol import (
     FunctionCallItem,
     FunctionToolChoice,
     IncompleteDetails,
+    InputTextPart,
     InputTokensDetails,
     ItemStatus,
     MessageItem,
@@ -96,6 +99,12 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
 
+def _content(content: str | list[InputTextPart]) -> str | list[TextContentPart]:
+    """An item's text, or its parts as chat's text parts: the template takes them as chat's (joined with newlines, or
+    a list), as vLLM's Responses API hands them to ``parse_chat_messages``."""
+    return content if isinstance(content, str) else [TextContentPart(type="text", text=p.text) for p in content]
+
+
 def _input_messages(items: str | list[Any]) -> list[ChatMessage]:
     """Input items as chat messages: function calls join the assistant turn before them, their outputs are tool turns,
     a reasoning item's text goes to the assistant turn after it."""
@@ -107,8 +116,8 @@ def _input_messages(items: str | list[Any]) -> list[ChatMessage]:
         if isinstance(item, ReasoningItem):
             reasoning = "".join(part.text for part in item.content or [])
         elif isinstance(item, MessageItem):
-            text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
-            out.append(ChatMessage(role=item.role, content=text, reasoning=reasoning if item.role == "assistant" else None))
+            out.append(ChatMessage(role=item.role, content=_content(item.content),
+                                   reasoning=reasoning if item.role == "assistant" else None))
         elif isinstance(item, FunctionCallItem):
             call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
             if out and out[-1].role == "assistant" and reasoning is None:
@@ -116,7 +125,7 @@ def _input_messages(items: str | list[Any]) -> list[ChatMessage]:
             else:
                 out.append(ChatMessage(role="assistant", tool_calls=[call], reasoning=reasoning))
         else:
-            out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.output))
+            out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=_content(item.output)))
         if not isinstance(item, ReasoningItem):
             reasoning = None
     return out
@@ -215,7 +224,7 @@ class _Builder:
             parallel_tool_calls=req.parallel_tool_calls is not False, previous_response_id=req.previous_response_id,
             store=req.store,
             temperature=req.temperature if req.temperature is not None else state.default_sampling.get("temperature", 1.0),
-            text=req.text or TextConfig(), tool_choice=req.tool_choice or ("auto" if req.tools else "none"),
+            text=req.text or TextConfig(), tool_choice=req.tool_choice or "auto",
             tools=req.tools or [], top_logprobs=req.top_logprobs, top_p=req.top_p if req.top_p is not None else state.default_sampling.get("top_p", 1.0),
             truncation=req.truncation or "disabled", user=req.user, metadata=req.metadata or {},
         )
@@ -229,6 +238,7 @@ class _Builder:
         num_reasoning = num_reasoning_tokens(self.state.tokenizer, token_ids, reasoning)
         response = self.response.model_copy(update={
             "status": "incomplete" if is_cut else "completed", "output": output,
+            "completed_at": None if is_cut else int(time.time()),
             "incomplete_details": IncompleteDetails(reason="max_output_tokens") if is_cut else None,
             "usage": ResponseUsage(input_tokens=self.num_prompt_tokens, output_tokens=num_tokens,
                                    input_tokens_details=InputTokensDetails(cached_tokens=num_cached),

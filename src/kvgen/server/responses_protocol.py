@@ -20,6 +20,8 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     Tag,
+    ValidationInfo,
+    field_validator,
     model_serializer,
 )
 
@@ -69,11 +71,11 @@ class FunctionCallItem(_InputItem):
 
 
 class FunctionCallOutputItem(_InputItem):
-    """The caller's answer to a ``function_call`` with the same ``call_id``."""
+    """The caller's answer to a ``function_call`` with the same ``call_id``: text, or text parts."""
 
     type: Literal["function_call_output"]
     call_id: str
-    output: str
+    output: str | list[InputTextPart]
 
 
 class ReasoningText(BaseModel):
@@ -152,6 +154,10 @@ class ResponsesStreamOptions(StrictModel):
     include_obfuscation: bool | None = None  # accepted; kvgen never pads its events
 
 
+# OpenAI's metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512 (its ``Metadata`` schema)
+Metadata = dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]
+
+
 class ResponsesRequest(StrictModel):
     """``POST /v1/responses``. ``store`` (default true) keeps the response for ``GET /v1/responses/{id}`` and for a
     later ``previous_response_id``, in a bounded in-memory store (as vLLM). ``model`` may be left out (the served
@@ -174,7 +180,7 @@ class ResponsesRequest(StrictModel):
     stream: bool = False
     stream_options: ResponsesStreamOptions | None = None
     store: bool = True
-    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    metadata: Metadata | None = Field(default=None, max_length=16)
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
@@ -184,6 +190,12 @@ class ResponsesRequest(StrictModel):
     reasoning: dict[str, Any] | None = None
     conversation: Any = None
     prompt: Any = None
+
+    @field_validator("stream", "store", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """OpenAI's ``stream`` and ``store`` may be null (its ``CreateResponse`` schema): their defaults."""
+        return cls.model_fields[info.field_name or ""].default if value is None else value
 
 
 def _now() -> int:
@@ -260,6 +272,7 @@ class ResponseObject(BaseModel):
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=_now)
     status: Literal["in_progress", "completed", "incomplete", "failed"]
+    completed_at: int | None = None  # OpenAI's: when it completed, with status "completed" only
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
