@@ -71,6 +71,27 @@ def test_openai_fields_that_change_nothing_here_are_accepted_and_others_refused(
         assert e.value.param.startswith(param), e.value.body
 
 
+def test_null_n_stream_logprobs_echo_are_their_defaults_and_metadata_has_openais_limits(server):
+    """OpenAI's schemas let n, stream, logprobs (chat) and echo (completions) be null, their defaults, as vLLM's
+    Optional fields (they were 400s); chat metadata keys are at most 64 characters and values 512, as OpenAI's."""
+    chat = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    plain = httpx.post(server.v1 + "/chat/completions", json=chat, timeout=60).json()
+    nulls = httpx.post(server.v1 + "/chat/completions", json=chat | {"n": None, "stream": None, "logprobs": None},
+                       timeout=60)
+    assert nulls.status_code == 200, nulls.text
+    assert nulls.json()["choices"][0]["message"] == plain["choices"][0]["message"]
+    text = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    plain = httpx.post(server.v1 + "/completions", json=text, timeout=60).json()
+    nulls = httpx.post(server.v1 + "/completions", json=text | {"n": None, "stream": None, "echo": None}, timeout=60)
+    assert nulls.status_code == 200, nulls.text
+    assert nulls.json()["choices"][0]["text"] == plain["choices"][0]["text"]
+    for metadata in ({"k" * 65: "v"}, {"k": "v" * 513}):
+        r = httpx.post(server.v1 + "/chat/completions", json=chat | {"metadata": metadata}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("metadata"), r.text
+    ok = httpx.post(server.v1 + "/chat/completions", json=chat | {"metadata": {"k" * 64: "v" * 512}}, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
 def test_streamed_chat_equals_non_streamed_and_follows_the_chunk_protocol(client):
     full = client.chat.completions.create(model="tiny", messages=MESSAGES, **GREEDY)
     texts, chunks = _stream_chat(client, messages=MESSAGES, stream_options={"include_usage": True}, **GREEDY)

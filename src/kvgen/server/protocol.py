@@ -20,6 +20,7 @@ from pydantic import (
     ValidationInfo,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 from kvgen.chat_template import ContentFormat, template_arguments, template_content
@@ -121,6 +122,11 @@ class StructuredOutputs(StrictModel):
     json_object: bool | None = None
 
 
+# OpenAI's metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512 (its ``Metadata`` schema)
+Metadata = dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]
+_NULLABLE_OPENAI_FIELDS = ("n", "stream", "logprobs", "echo")
+
+
 class SamplingFields(StrictModel):
     """Sampling fields shared by chat and text completions (OpenAI, then vLLM extras). ``model`` may be left out
     (the served model), as vLLM and llama.cpp's server allow."""
@@ -138,6 +144,15 @@ class SamplingFields(StrictModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     top_k: int | None = Field(default=None, ge=-1, le=MAX_INT32, description="vLLM extra: 0 or -1 = off")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """OpenAI's schemas let ``n``, ``stream``, ``logprobs`` (chat) and ``echo`` (completions) be null, meaning
+        their defaults (vLLM's fields are Optional with the same defaults): a null one is left out."""
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in _NULLABLE_OPENAI_FIELDS):
+            return {k: v for k, v in data.items() if v is not None or k not in _NULLABLE_OPENAI_FIELDS}
+        return data
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     # bounded away from 0: logits / 1e-300 overflow to inf, and the draw fails
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
@@ -225,7 +240,7 @@ class ChatCompletionRequest(SamplingFields):
     # OpenAI fields accepted and ignored, as they change nothing a local server returns (clients and agent frameworks
     # send them); an unknown field is still a 400, as OpenAI's "Unrecognized request argument".
     store: bool | None = None
-    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    metadata: Metadata | None = Field(default=None, max_length=16)
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None

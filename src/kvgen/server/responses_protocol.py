@@ -29,6 +29,7 @@ from kvgen.server.protocol import (
     MAX_TOP_LOGPROBS,
     ChatTokenLogprob,
     JsonSchemaFormat,
+    Metadata,
     StrictModel,
 )
 
@@ -152,10 +153,6 @@ class TextConfig(StrictModel):
 
 class ResponsesStreamOptions(StrictModel):
     include_obfuscation: bool | None = None  # accepted; kvgen never pads its events
-
-
-# OpenAI's metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512 (its ``Metadata`` schema)
-Metadata = dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]
 
 
 class ResponsesRequest(StrictModel):
