@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import left_pad
+from helpers import left_pad, make_tiny_model
 
 from kvgen.generation import GenerationConfig, generate
 from kvgen.generation.contrastive_search import rank_candidates
@@ -59,3 +59,21 @@ def test_ranking_penalises_similarity_to_the_context_but_not_to_padding():
     assert rank_candidates(context, candidates, probs, pad_last, penalty_alpha=0.5).tolist() == [1]
     # counting column 2 as context makes candidate 1 a repeat too (0.2 - 0.5 = -0.3)
     assert rank_candidates(context, candidates, probs, torch.ones_like(pad_last), penalty_alpha=0.5).tolist() == [0]
+
+
+def test_uncached_contrastive_search_scores_finished_rows_as_transformers_cached_run():
+    """A row that finishes first keeps running on its chosen candidates (transformers' cache holds their keys, its
+    input_ids the padding): without a cache, kvgen must feed the same tokens, not the padding it returns."""
+    tiny = make_tiny_model("llama", std=0.5)
+    ids, mask = left_pad([[5, 17, 33], [40, 8, 61, 22, 9], [70, 3]], 0)
+    kwargs = {"penalty_alpha": 0.6, "top_k": 3, "max_new_tokens": 6, "pad_token_id": 0}
+    probe = generate(tiny.ours, ids, mask, **kwargs)
+    eos = probe.new_token_ids[0][1]  # row 0 stops after 2 tokens: 4 more steps as an idle row
+    with torch.inference_mode():
+        hf = tiny.ref.generate(ids, attention_mask=mask, eos_token_id=eos, return_dict_in_generate=True,
+                               output_scores=True, **kwargs)
+    ours = generate(tiny.ours, ids, mask, eos_token_id=eos, use_cache=False, output_scores=True, **kwargs)
+    assert ours.finish_reasons[0] == "stop" and len(hf.scores) == 6
+    assert ours.sequences.tolist() == hf.sequences.tolist()
+    for step, (theirs, mine) in enumerate(zip(hf.scores, ours.scores, strict=True)):
+        torch.testing.assert_close(mine, theirs, msg=lambda m, step=step: f"step {step}: {m}")

@@ -101,3 +101,18 @@ def test_a_config_with_temperature_zero_is_greedy_though_the_file_samples(tiny_m
     assert ours == _hf(path, do_sample=False)
     with pytest.raises(ValueError, match="temperature=0.0 conflicts with do_sample=True"):
         generate(model, torch.tensor(PROMPT), temperature=0.0)
+
+
+def test_an_explicit_min_new_tokens_of_0_wins_over_the_files_min_new_tokens(tiny_model_dir, tmp_path):
+    """transformers' min_new_tokens defaults to None: a generation_config's 0, as a keyword's, is the caller's and
+    lets EOS come first although the file says min_new_tokens=3."""
+    first = generate(load_model(tiny_model_dir)[0], torch.tensor(PROMPT), max_new_tokens=1).new_token_ids[0][0]
+    path = _dir(tiny_model_dir, tmp_path, {"bos_token_id": 1, "eos_token_id": first, "min_new_tokens": 3})
+    model, _ = load_model(path)
+    cfg = GenerationConfig(min_new_tokens=0, max_new_tokens=6)
+    ours = generate(model, torch.tensor(PROMPT), None, cfg).new_token_ids[0]
+    assert ours == _hf(path, generation_config=transformers.GenerationConfig(min_new_tokens=0, max_new_tokens=6))
+    assert ours == [first]
+    assert generate(model, torch.tensor(PROMPT), min_new_tokens=0, max_new_tokens=6).new_token_ids[0] == [first]
+    kept = generate(model, torch.tensor(PROMPT), None, GenerationConfig(max_new_tokens=6)).new_token_ids[0]
+    assert kept == _hf(path, generation_config=transformers.GenerationConfig(max_new_tokens=6)) and len(kept) > 1

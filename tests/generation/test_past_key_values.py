@@ -106,6 +106,11 @@ def test_bad_caches_are_refused_naming_the_problem(tiny_model):
         generate(ours, ids, torch.tensor([[0] + [1] * 9, [1] * 10]), greedy, past_key_values=make_cache(ours, batch_size=2))
     with pytest.raises(ContextLengthError, match="StaticCache of 12 tokens"):
         generate(ours, ids, None, greedy, past_key_values=make_cache(ours, "static", 2, 12))
+    # sampled prompt lookup drafts up to prompt_lookup_num_tokens past max_new_tokens: refused before it overflows
+    lookup = GenerationConfig(max_new_tokens=2, prompt_lookup_num_tokens=3, do_sample=True, seed=0)
+    with pytest.raises(ContextLengthError, match="StaticCache of 12 tokens.*with the drafts"):
+        generate(ours, ids[:1], None, lookup, past_key_values=make_cache(ours, "static", 1, 12))
+    assert generate(ours, ids[:1], None, lookup, past_key_values=make_cache(ours, "static", 1, 15)).num_new_tokens == [2]
 
 
 def test_a_reused_prefix_on_the_default_models_kernels(ours_default_auto):

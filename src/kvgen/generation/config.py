@@ -358,9 +358,12 @@ class GenerationConfig:
         ``CausalLM.generation_defaults``."""
         plain = GenerationConfig()
 
-        def unset(k: str) -> bool:  # an explicit max_new_tokens=20 is the caller's (transformers' default is None)
-            return is_unset_max_new_tokens(self.max_new_tokens) if k == "max_new_tokens" else \
-                getattr(self, k) == getattr(plain, k)
+        def unset(k: str) -> bool:  # an explicit max_new_tokens=20 or min_new_tokens=0 is the caller's (transformers'
+            if k == "max_new_tokens":  # defaults are None)
+                return is_unset_max_new_tokens(self.max_new_tokens)
+            if k == "min_new_tokens":
+                return type(self.min_new_tokens) is _UnsetMinNewTokens
+            return getattr(self, k) == getattr(plain, k)
 
         changes = {k: v for k, v in defaults.items() if unset(k) and v != getattr(plain, k)}
         if self.temperature == 0.0:  # greedy, though the model samples (transformers' edge case: do_sample=False)

@@ -40,10 +40,12 @@ class CandidateRunner:
         self.penalty_alpha = penalty_alpha
         self.context: torch.Tensor | None = None  # [B, S, C] last hidden state of every column so far
         self.chosen_hidden: torch.Tensor | None = None  # [B, C] hidden of the last chosen candidates
+        self.output: torch.Tensor | None = None  # [B, S] the tokens returned (None: the runner's, until a step)
 
     @property
     def sequences(self) -> torch.Tensor:
-        return self.runner.sequences
+        """Tokens [B, S] int64 so far, finished rows padded; the runner keeps the chosen candidates instead."""
+        return self.runner.sequences if self.output is None else self.output
 
     @property
     def prefill_s(self) -> float:
@@ -86,8 +88,11 @@ class CandidateRunner:
         return top_ids.gather(1, picked[:, None]).squeeze(1)  # [B]
 
     def append(self, tokens: torch.Tensor) -> None:
-        """The chosen tokens are already in place; finished rows get ``tokens`` (padding) instead."""
-        self.runner.replace_last(tokens)
+        """Add ``tokens [B]`` (finished rows' padding) to the returned tokens only. The runner keeps the chosen
+        candidates, as transformers' cache keeps their keys: without a cache, the next forward reads them again,
+        so a finished row's scores are the cached run's."""
+        base = self.runner.sequences[:, :-1] if self.output is None else self.output  # [B, S]
+        self.output = torch.cat([base, tokens[:, None]], dim=1)  # [B, S+1]
 
 
 def rank_candidates(

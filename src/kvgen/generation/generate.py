@@ -150,7 +150,7 @@ def generate(
         _check_past(past_key_values, model, cfg, strategy, input_ids, attention_mask)
     cache_kind = cfg.cache_implementation if cfg.use_cache else None
     recorder = _recorder(cfg, strategy, model)
-    runner = StepRunner(model, input_ids, attention_mask, cache_kind, cfg.max_new_tokens, prefill_copies=copies,
+    runner = StepRunner(model, input_ids, attention_mask, cache_kind, _cache_room(cfg, strategy), prefill_copies=copies,
                         cache=past_key_values, recorder=recorder, prefill_chunk_size=cfg.prefill_chunk_size)
     ctx = LoopContext(
         config=cfg,
@@ -252,9 +252,18 @@ def _check_past(cache: Any, model: CausalLM, cfg: GenerationConfig, strategy: St
     if cache.seq_length >= tokens:
         raise ValueError(f"past_key_values holds {cache.seq_length} tokens; input_ids ({tokens} tokens) must extend "
                          f"them by at least one")
-    if not isinstance(cache, DynamicCache) and tokens + cfg.max_new_tokens > cache.max_cache_len:
+    if not isinstance(cache, DynamicCache) and tokens + _cache_room(cfg, strategy) > cache.max_cache_len:
         raise ContextLengthError(f"past_key_values is a StaticCache of {cache.max_cache_len} tokens; the prompt of "
-                                 f"{tokens} plus max_new_tokens={cfg.max_new_tokens} does not fit")
+                                 f"{tokens} plus max_new_tokens={cfg.max_new_tokens} does not fit"
+                                 + (" with the drafts" if _cache_room(cfg, strategy) > cfg.max_new_tokens else ""))
+
+
+def _cache_room(cfg: GenerationConfig, strategy: Strategy) -> int:
+    """Slots after the prompt a KV cache needs: ``max_new_tokens``, and ``prompt_lookup_num_tokens`` more for
+    sampled prompt lookup, whose drafts run past the room left (as transformers', whose draws depend on them)."""
+    if strategy is Strategy.PROMPT_LOOKUP and cfg.do_sample:
+        return cfg.max_new_tokens + (cfg.prompt_lookup_num_tokens or 0)
+    return cfg.max_new_tokens
 
 
 def _num_copies(cfg: GenerationConfig) -> int:

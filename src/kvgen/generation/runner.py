@@ -209,7 +209,3 @@ class StepRunner:
         self.attention_mask = self.attention_mask.index_select(0, row_idx)
         if self.cache is not None:
             self.cache.reorder(row_idx)
-
-    def replace_last(self, tokens: torch.Tensor) -> None:
-        """Overwrite the last column with ``tokens [B]`` int64 (the cache keeps the keys of the old ones)."""
-        self.sequences = torch.cat([self.sequences[:, :-1], tokens[:, None]], dim=1)  # [B, S]
