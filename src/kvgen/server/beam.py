@@ -18,6 +18,7 @@ from kvgen.engine.beam_search import (
     Candidates,
     beam_search_steps,
     candidates_of,
+    num_candidates,
     token_logprobs,
 )
 from kvgen.engine.outputs import CompletionOutput, RequestOutput
@@ -83,7 +84,8 @@ class BeamGeneration(Generation):
         self.admit(len(prompts) * params.n)
         self.num_prompts = len(prompts)
         self.prompts, self.priority, self.params = prompts, priority, params
-        self.step_params = SamplingParams(logprobs=2 * params.n, max_tokens=1, temperature=params.temperature,
+        num_logprobs = num_candidates(params.n, self.state.engine.engine.model.config.vocab_size)
+        self.step_params = SamplingParams(logprobs=num_logprobs, max_tokens=1, temperature=params.temperature,
                                           output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
         self.trackers = [RequestTracker(self.state.metrics, f"{self.request_id}-{i}") for i in range(len(prompts))]
 
