@@ -3,6 +3,8 @@ streamed or not, with their logprobs; settings beam search would ignore are a 40
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -106,3 +108,26 @@ def test_a_final_eos_is_in_the_token_ids_only_with_include_stop_str_in_output(eo
     r = httpx.post(live.v1 + "/completions", json=body, timeout=60).json()
     assert [(c["text"], len(c["logprobs"]["tokens"]), c["finish_reason"]) for c in r["choices"]] == want
     assert r["usage"]["completion_tokens"] == sum(num_ids for _, num_ids, _ in want)
+
+
+def test_an_eos_ended_beam_names_its_eos_as_stop_reason(eos_server):
+    """vLLM's serving beam_search sets stop_reason = eos_token_id on a beam completed by EOS (null on the others),
+    answered or streamed."""
+    live, path, tok = eos_server
+    prompt = tok.encode(PROMPT)
+    beams = LLM(str(path), num_blocks=256).beam_search(prompt, BeamSearchParams(
+        beam_width=3, max_tokens=4, length_penalty=0.0))[0].sequences
+    want = [tok.eos_token_id if s.tokens[-1] == tok.eos_token_id else None for s in beams]
+    assert tok.eos_token_id in want
+    body = {"model": "tiny", "prompt": PROMPT, "use_beam_search": True, "n": 3, "max_tokens": 4, "temperature": 0,
+            "length_penalty": 0.0}
+    r = httpx.post(live.v1 + "/completions", json=body, timeout=60).json()
+    assert [c["stop_reason"] for c in r["choices"]] == want
+    streamed: dict[int, int | None] = {}
+    with httpx.stream("POST", live.v1 + "/completions", json={**body, "stream": True}, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    if c["finish_reason"] is not None:
+                        streamed[c["index"]] = c["stop_reason"]
+    assert [streamed[i] for i in range(3)] == want

@@ -122,14 +122,17 @@ class BeamGeneration(Generation):
 
     def _completion(self, index: int, beam: BeamSearchSequence, num_prompt_tokens: int) -> CompletionOutput:
         """One choice. A final EOS stays out of the text, and out of the token ids (so of the logprobs and usage)
-        unless ``include_stop_str_in_output``, as vLLM's serving ``beam_search``; ``cum_logprob`` still counts it."""
+        unless ``include_stop_str_in_output``, and is its ``stop_reason``, as vLLM's serving ``beam_search``;
+        ``cum_logprob`` still counts it."""
         new_ids = beam.tokens[num_prompt_tokens:]
         num_text_ids = len(new_ids) - (beam.finish_reason == "stop")
         text = self.state.tokenizer.decode(new_ids[:num_text_ids], skip_special_tokens=self.params.skip_special_tokens)
         num_ids = len(new_ids) if self.params.include_stop_str_in_output else num_text_ids
         num_top = self.params.logprobs
         logprobs = None if num_top is None else token_logprobs(beam, num_prompt_tokens, num_top)[:num_ids]
-        return CompletionOutput(index, text, new_ids[:num_ids], beam.cum_logprob, logprobs, beam.finish_reason)
+        stop_reason = new_ids[-1] if beam.finish_reason == "stop" else None
+        return CompletionOutput(index, text, new_ids[:num_ids], beam.cum_logprob, logprobs, beam.finish_reason,
+                                stop_reason)
 
     async def close(self) -> None:
         if self._is_closed:
