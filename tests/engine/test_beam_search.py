@@ -46,6 +46,21 @@ def test_without_eos_the_beams_are_transformers_beam_search(tiny: TinyModel, bea
             torch.testing.assert_close(cum, ref.sequences_scores * NEW_TOKENS**length_penalty, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("beam_width", [4, 6])
+def test_a_vocabulary_under_2_beam_width_makes_every_token_a_candidate(beam_width: int) -> None:
+    """7 tokens, beam_width 4 or 6: each step asks for at most the 7 logprobs there are (it asked for 8 or 12 and the
+    step failed); the beams are transformers' beam search's."""
+    tiny = make_tiny_model("llama", std=0.5, vocab_size=7)
+    prompt = [1, 5, 2]
+    params = BeamSearchParams(beam_width=beam_width, max_tokens=4, ignore_eos=True)
+    out = _llm(tiny.ours).beam_search(prompt, params)[0]
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        ref = tiny.ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, num_beams=beam_width,
+                                num_return_sequences=beam_width, eos_token_id=None, pad_token_id=1)
+    assert [s.tokens for s in out.sequences] == ref.tolist()
+
+
 def _reference(model: Any, prompt: list[int], params: BeamSearchParams, eos: int) -> list[tuple[list[int], float]]:
     """vLLM's beam search rules on uncached full forwards: (tokens, cumulative logprob) of the best beams."""
     live, done = [(prompt, 0.0)], []

@@ -3,8 +3,12 @@ streamed or not, with their logprobs; settings beam search would ignore are a 40
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
+import torch
+from helpers import save_tiny_model_dir
 
 from kvgen.engine import LLM, BeamSearchParams
 
@@ -61,3 +65,69 @@ def test_settings_beam_search_would_ignore_are_refused(server, extra, param):
                                                      "response_format": None, "echo": False, "logprobs": None},
                     timeout=60)
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 3  # the server goes on serving
+
+
+@pytest.fixture(scope="module")
+def eos_server(tmp_path_factory, launch_server):
+    """A server of a tiny model whose EOS logit is the most likely first token's after PROMPT (lm_head row copied),
+    so beams end on EOS; (server, directory, tokenizer)."""
+    import transformers
+
+    from kvgen.tokenizer import Tokenizer
+
+    path = save_tiny_model_dir(tmp_path_factory.mktemp("eos-tiny"), tie=False)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path)
+    tok = Tokenizer.from_pretrained(path)
+    with torch.no_grad():
+        top = int(ref(torch.tensor([tok.encode(PROMPT)])).logits[0, -1].argmax())
+        ref.lm_head.weight[tok.eos_token_id] = ref.lm_head.weight[top]
+    ref.save_pretrained(path, safe_serialization=True)
+    live = launch_server(path, tmp_path_factory.mktemp("logs") / "eos-server.log", "--num-blocks", "256")
+    yield live, path, tok
+    assert live.stop() == 0, live.log()[-3000:]
+
+
+@pytest.mark.parametrize("include_stop_str_in_output", [False, True])
+def test_a_final_eos_is_in_the_token_ids_only_with_include_stop_str_in_output(eos_server, include_stop_str_in_output):
+    """vLLM's serving beam_search: an EOS-ended beam's token ids (so logprobs and usage) drop the EOS unless
+    include_stop_str_in_output; its text never has it."""
+    live, path, tok = eos_server
+    prompt = tok.encode(PROMPT)
+    beams = LLM(str(path), num_blocks=256).beam_search(prompt, BeamSearchParams(
+        beam_width=3, max_tokens=4, length_penalty=0.0))[0].sequences
+    assert any(s.tokens[-1] == tok.eos_token_id for s in beams)
+    want = []
+    for s in beams:
+        ids = s.tokens[len(prompt):]
+        is_eos = ids[-1] == tok.eos_token_id
+        kept = ids if include_stop_str_in_output or not is_eos else ids[:-1]
+        want.append((tok.decode(ids[:-1] if is_eos else ids, skip_special_tokens=True), len(kept),
+                     "stop" if is_eos else "length"))
+    body = {"model": "tiny", "prompt": PROMPT, "use_beam_search": True, "n": 3, "max_tokens": 4, "temperature": 0,
+            "length_penalty": 0.0, "logprobs": 1, "include_stop_str_in_output": include_stop_str_in_output}
+    r = httpx.post(live.v1 + "/completions", json=body, timeout=60).json()
+    assert [(c["text"], len(c["logprobs"]["tokens"]), c["finish_reason"]) for c in r["choices"]] == want
+    assert r["usage"]["completion_tokens"] == sum(num_ids for _, num_ids, _ in want)
+
+
+def test_an_eos_ended_beam_names_its_eos_as_stop_reason(eos_server):
+    """vLLM's serving beam_search sets stop_reason = eos_token_id on a beam completed by EOS (null on the others),
+    answered or streamed."""
+    live, path, tok = eos_server
+    prompt = tok.encode(PROMPT)
+    beams = LLM(str(path), num_blocks=256).beam_search(prompt, BeamSearchParams(
+        beam_width=3, max_tokens=4, length_penalty=0.0))[0].sequences
+    want = [tok.eos_token_id if s.tokens[-1] == tok.eos_token_id else None for s in beams]
+    assert tok.eos_token_id in want
+    body = {"model": "tiny", "prompt": PROMPT, "use_beam_search": True, "n": 3, "max_tokens": 4, "temperature": 0,
+            "length_penalty": 0.0}
+    r = httpx.post(live.v1 + "/completions", json=body, timeout=60).json()
+    assert [c["stop_reason"] for c in r["choices"]] == want
+    streamed: dict[int, int | None] = {}
+    with httpx.stream("POST", live.v1 + "/completions", json={**body, "stream": True}, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    if c["finish_reason"] is not None:
+                        streamed[c["index"]] = c["stop_reason"]
+    assert [streamed[i] for i in range(3)] == want

@@ -1,7 +1,7 @@
 """Beam search over the engine (vLLM ``LLM.beam_search`` and the server's ``use_beam_search``).
 
 Each step sends every live beam to the engine as its own request (the beam's tokens as the prompt,
-``max_tokens=1``, ``logprobs=2 * beam_width``); the prefix cache keeps that from recomputing the shared
+``max_tokens=1``, ``logprobs=2 * beam_width``, at most the vocabulary); the prefix cache keeps that from recomputing the shared
 prefixes. Each beam's candidates are the returned top ``2 * beam_width`` tokens plus the sampled one; a
 candidate ending in EOS is completed, the best ``beam_width`` of the rest (by score) are the next beams. After
 ``max_tokens`` steps the completed and live beams are ranked together and the best ``beam_width`` returned.
@@ -74,6 +74,12 @@ def beam_search_score(tokens: list[int], cum_logprob: float, eos_token_ids: Sequ
     """cum_logprob / len(tokens) ** length_penalty, a final EOS not counted (vLLM ``get_beam_search_score``)."""
     length = len(tokens) - (1 if tokens and tokens[-1] in eos_token_ids else 0)
     return cum_logprob / (length**length_penalty)
+
+
+def num_candidates(beam_width: int, vocab_size: int) -> int:
+    """The top logprobs each beam's step asks for: ``2 * beam_width`` (vLLM, after transformers), at most the whole
+    vocabulary, whose every token is then a candidate (as in transformers' beam search)."""
+    return min(2 * beam_width, vocab_size)
 
 
 def candidates_of(output: RequestOutput) -> Candidates:

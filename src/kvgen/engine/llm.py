@@ -14,6 +14,7 @@ from kvgen.engine.beam_search import (
     BeamSearchParams,
     beam_search_steps,
     candidates_of,
+    num_candidates,
 )
 from kvgen.engine.engine_args import EngineArgs
 from kvgen.engine.generation_defaults import as_sampling_params, default_sampling_params
@@ -199,8 +200,8 @@ class LLM:
                 raise ValueError(f"a beam search prompt must hold 1 to {engine.max_model_len - 1} tokens "
                                  f"(max_model_len - 1), got {len(ids)}")
             token_lists.append(list(ids))
-        step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature,
-                                     detokenize=False)
+        step_params = SamplingParams(logprobs=num_candidates(params.beam_width, engine.model.config.vocab_size),
+                                     max_tokens=1, temperature=params.temperature, detokenize=False)
         search = beam_search_steps(token_lists, params, engine.eos_token_ids, engine.max_model_len)
         try:
             batch = next(search)

@@ -1,7 +1,8 @@
 """``use_beam_search`` (vLLM's extra of the completion and chat endpoints): each prompt's ``n`` best beams from the
 engine's beam search (:mod:`kvgen.engine.beam_search`, ``n`` = beam width, with ``length_penalty``), answered, or
-streamed as one piece per choice, when the search ends (as vLLM's ``beam_search``). Settings beam search would
-silently ignore (stop strings, penalties, structured outputs, ...) are refused with a 400 naming them.
+streamed as one piece per choice, when the search ends (as vLLM's ``beam_search``); a beam's final EOS is in its
+token ids only with ``include_stop_str_in_output``. Settings beam search would silently ignore (stop strings,
+penalties, structured outputs, ...) are refused with a 400 naming them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from kvgen.engine.beam_search import (
     Candidates,
     beam_search_steps,
     candidates_of,
+    num_candidates,
     token_logprobs,
 )
 from kvgen.engine.outputs import CompletionOutput, RequestOutput
@@ -82,7 +84,8 @@ class BeamGeneration(Generation):
         self.admit(len(prompts) * params.n)
         self.num_prompts = len(prompts)
         self.prompts, self.priority, self.params = prompts, priority, params
-        self.step_params = SamplingParams(logprobs=2 * params.n, max_tokens=1, temperature=params.temperature,
+        num_logprobs = num_candidates(params.n, self.state.engine.engine.model.config.vocab_size)
+        self.step_params = SamplingParams(logprobs=num_logprobs, max_tokens=1, temperature=params.temperature,
                                           output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
         self.trackers = [RequestTracker(self.state.metrics, f"{self.request_id}-{i}") for i in range(len(prompts))]
 
@@ -118,11 +121,18 @@ class BeamGeneration(Generation):
         return [candidates_of(o) for o in finals]
 
     def _completion(self, index: int, beam: BeamSearchSequence, num_prompt_tokens: int) -> CompletionOutput:
+        """One choice. A final EOS stays out of the text, and out of the token ids (so of the logprobs and usage)
+        unless ``include_stop_str_in_output``, and is its ``stop_reason``, as vLLM's serving ``beam_search``;
+        ``cum_logprob`` still counts it."""
         new_ids = beam.tokens[num_prompt_tokens:]
-        text = self.state.tokenizer.decode(new_ids, skip_special_tokens=self.params.skip_special_tokens)
+        num_text_ids = len(new_ids) - (beam.finish_reason == "stop")
+        text = self.state.tokenizer.decode(new_ids[:num_text_ids], skip_special_tokens=self.params.skip_special_tokens)
+        num_ids = len(new_ids) if self.params.include_stop_str_in_output else num_text_ids
         num_top = self.params.logprobs
-        logprobs = None if num_top is None else token_logprobs(beam, num_prompt_tokens, num_top)
-        return CompletionOutput(index, text, new_ids, beam.cum_logprob, logprobs, beam.finish_reason)
+        logprobs = None if num_top is None else token_logprobs(beam, num_prompt_tokens, num_top)[:num_ids]
+        stop_reason = new_ids[-1] if beam.finish_reason == "stop" else None
+        return CompletionOutput(index, text, new_ids[:num_ids], beam.cum_logprob, logprobs, beam.finish_reason,
+                                stop_reason)
 
     async def close(self) -> None:
         if self._is_closed:
