@@ -579,6 +579,10 @@ def test_logprobs_minus_one_is_the_whole_vocabulary(model_tok):
     assert out.outputs[0].logprobs[0][out.outputs[0].token_ids[0]].rank == 1  # greedy: the best of them all
     with pytest.raises(ValueError, match=r"logprobs must be <= max_logprobs \(20\), got -1"):
         _llm(model_tok).generate([5, 6, 7], SamplingParams(logprobs=-1), use_tqdm=False)
+    for name in ("logprobs", "prompt_logprobs"):  # past the vocabulary: a clear error, not a failed step
+        with pytest.raises(ValueError, match=rf"^{name} must be <= the vocabulary size \({vocab}\), got {vocab + 1}"):
+            llm.generate([5, 6, 7], SamplingParams(**{name: vocab + 1}), use_tqdm=False)
+    assert llm.generate([5, 6, 7], SamplingParams(max_tokens=1), use_tqdm=False)[0].finished  # still serving
     with pytest.raises(ValueError, match="logprobs must be"):
         SamplingParams(logprobs=-2)
     with pytest.raises(ValueError, match="max_logprobs"):

@@ -262,6 +262,8 @@ class LLMEngine:
             value = asked = getattr(params, name)
             if value == -1:  # the whole vocabulary (as vLLM)
                 value = vocab
+            if value is not None and value > vocab:  # a step's top-k would fail past the vocabulary
+                raise ValueError(f"{name} must be <= the vocabulary size ({vocab}), got {asked}")
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"{name} must be <= max_logprobs ({self.engine_args.max_logprobs}), got {asked}")
             if value != asked:
