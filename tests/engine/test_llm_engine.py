@@ -147,7 +147,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_busy_preempting_batch(model_
 def test_stat_loggers_see_each_preemption_in_the_step_it_happens(model_tok):
     """vLLM's ``IterationStats.num_preempted_reqs``: a step's stats count the requests that step preempted (the
     metrics counter moves while the requests still run, and an aborted request's preemptions count too)."""
-    llm = _llm(model_tok, num_blocks=10)
+    llm = _llm(model_tok, num_blocks=4)  # 64 tokens: two requests fit, their decodes then preempt
     engine = llm.llm_engine
     preempted_per_step: list[int] = []
     recorded_per_step: list[int] = []
@@ -161,7 +161,8 @@ def test_stat_loggers_see_each_preemption_in_the_step_it_happens(model_tok):
 
     engine.scheduler.schedule = schedule_and_count
     engine.stat_loggers.append(lambda stats: recorded_per_step.__setitem__(-1, stats.num_preempted_reqs))
-    llm.generate(TEXTS[:6], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    prompts = [{"prompt_token_ids": [5 + i] * 8} for i in range(6)]  # 8 + 24 tokens: 2 blocks each, 6 requests
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert sum(preempted_per_step) > 0
     assert recorded_per_step == preempted_per_step
 
