@@ -135,3 +135,12 @@ def test_clone_is_a_deep_copy_as_vllm() -> None:
     assert q == p and q is not p
     q.stop.append("y")
     assert p.stop == ["x"]
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_logprobs_true_means_one_as_vllm(field: str) -> None:
+    """vLLM's ``SamplingParams.__post_init__``: ``if self.logprobs is True: self.logprobs = 1`` (prompt_logprobs the
+    same); False passes its checks and counts as 0. kvgen refused both as non-ints."""
+    assert getattr(SamplingParams(**{field: True}), field) == 1
+    assert getattr(SamplingParams(**{field: False}), field) == 0
+    assert type(getattr(SamplingParams(**{field: True}), field)) is int

@@ -44,7 +44,8 @@ class SamplingParams:
     """Per-request decoding settings. Counts are in tokens.
 
     After construction ``stop`` is a ``list[str]``, ``stop_token_ids`` a ``list[int]``,
-    ``top_k`` is 0 when disabled (-1 is accepted as vLLM's spelling of "off") and ``seed`` -1 is None (as vLLM).
+    ``top_k`` is 0 when disabled (-1 is accepted as vLLM's spelling of "off"), ``seed`` -1 is None and ``logprobs`` /
+    ``prompt_logprobs`` True is 1 (False 0), as vLLM.
     Raises ``ValueError`` naming the field and the value: ``top_p must be in (0, 1], got 1.5``.
     """
 
@@ -90,6 +91,9 @@ class SamplingParams:
             self.top_k = 0  # vLLM's spelling of "off"
         if type(self.seed) is int and self.seed == -1:
             self.seed = None  # vLLM's spelling of "no seed": a fresh random one, not the fixed seed -1
+        for name in _ALL_OF_VOCAB:  # vLLM: logprobs=True is 1 (False stays False there, which counts as 0)
+            if isinstance(getattr(self, name), bool):
+                setattr(self, name, int(getattr(self, name)))
         for f in dataclasses.fields(self):  # ranges: the table shared with GenerationConfig and the CLI
             value = getattr(self, f.name)
             if f.name in _ALL_OF_VOCAB and type(value) is int and value == -1:  # vLLM: the whole vocabulary
