@@ -144,3 +144,14 @@ def test_logprobs_true_means_one_as_vllm(field: str) -> None:
     assert getattr(SamplingParams(**{field: True}), field) == 1
     assert getattr(SamplingParams(**{field: False}), field) == 0
     assert type(getattr(SamplingParams(**{field: True}), field)) is int
+
+
+def test_stop_token_ids_and_bad_words_drop_repeats_as_vllm() -> None:
+    """vLLM's ``__post_init__``: ``stop_token_ids = list(dict.fromkeys(stop_token_ids))``, the same for ``bad_words``
+    (None becoming []); ``stop`` keeps its repeats. kvgen kept repeated ids and words, and bad_words None."""
+    ids, words, stops = [5, 3, 5, 1, 3], ["b", "a", "b"], ["x", "x"]
+    p = SamplingParams(stop_token_ids=ids, bad_words=words, stop=stops)
+    assert p.stop_token_ids == list(dict.fromkeys(ids)) == [5, 3, 1]
+    assert p.bad_words == list(dict.fromkeys(words)) == ["b", "a"]
+    assert p.stop == stops
+    assert SamplingParams().bad_words == []

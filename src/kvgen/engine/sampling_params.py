@@ -43,7 +43,8 @@ _ALL_OF_VOCAB = ("logprobs", "prompt_logprobs")  # -1: every token's logprob (th
 class SamplingParams:
     """Per-request decoding settings. Counts are in tokens.
 
-    After construction ``stop`` is a ``list[str]``, ``stop_token_ids`` a ``list[int]``,
+    After construction ``stop`` is a ``list[str]``; ``stop_token_ids`` a ``list[int]`` and ``bad_words`` a
+    ``list[str]``, both without repeats (the first kept, as vLLM's ``list(dict.fromkeys(...))``);
     ``top_k`` is 0 when disabled (-1 is accepted as vLLM's spelling of "off"), ``seed`` -1 is None and ``logprobs`` /
     ``prompt_logprobs`` True is 1 (False 0), as vLLM.
     Raises ``ValueError`` naming the field and the value: ``top_p must be in (0, 1], got 1.5``.
@@ -111,7 +112,7 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         self.stop = _stop_list(self.stop)
-        self.stop_token_ids = _token_id_list(self.stop_token_ids)
+        self.stop_token_ids = list(dict.fromkeys(_token_id_list(self.stop_token_ids)))  # vLLM drops repeats
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _token_id_list(self.allowed_token_ids, "allowed_token_ids")
@@ -122,11 +123,10 @@ class SamplingParams:
             if not isinstance(ids, (list, tuple)) or not all(isinstance(w, (list, tuple)) and w for w in ids):
                 raise ValueError(f"bad_words_token_ids must be a list of non-empty token id lists, got {ids!r}")
             self.bad_words_token_ids = [checked_token_ids("bad_words_token_ids", list(w)) for w in ids]
-        if self.bad_words is not None:
-            words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
-            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
-                raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
-            self.bad_words = list(words)
+        words = [] if self.bad_words is None else [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+        self.bad_words = list(dict.fromkeys(words))  # as vLLM: None is [], repeats dropped
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                      "detokenize"):
             if not isinstance(getattr(self, name), bool):
