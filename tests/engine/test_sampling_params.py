@@ -155,3 +155,15 @@ def test_stop_token_ids_and_bad_words_drop_repeats_as_vllm() -> None:
     assert p.bad_words == list(dict.fromkeys(words)) == ["b", "a"]
     assert p.stop == stops
     assert SamplingParams().bad_words == []
+
+
+def test_greedy_turns_the_filters_off_as_vllm() -> None:
+    """vLLM's ``__post_init__``: after ``_verify_args``, ``temperature < _SAMPLING_EPS`` sets ``top_p = 1.0``,
+    ``top_k = 0``, ``min_p = 0.0`` (greedy ignores them); out-of-range values are still refused first. kvgen kept
+    the given values on a greedy request."""
+    p = SamplingParams(temperature=0.0, top_p=0.5, top_k=7, min_p=0.3)
+    assert (p.top_p, p.top_k, p.min_p) == (1.0, 0, 0.0)
+    sampled = SamplingParams(temperature=0.5, top_p=0.5, top_k=7, min_p=0.3)
+    assert (sampled.top_p, sampled.top_k, sampled.min_p) == (0.5, 7, 0.3)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
+        SamplingParams(temperature=0.0, top_p=1.5)

@@ -46,7 +46,8 @@ class SamplingParams:
     After construction ``stop`` is a ``list[str]``; ``stop_token_ids`` a ``list[int]`` and ``bad_words`` a
     ``list[str]``, both without repeats (the first kept, as vLLM's ``list(dict.fromkeys(...))``);
     ``top_k`` is 0 when disabled (-1 is accepted as vLLM's spelling of "off"), ``seed`` -1 is None and ``logprobs`` /
-    ``prompt_logprobs`` True is 1 (False 0), as vLLM.
+    ``prompt_logprobs`` True is 1 (False 0), and a greedy request (temperature 0) has ``top_p`` 1, ``top_k`` 0 and
+    ``min_p`` 0, as vLLM.
     Raises ``ValueError`` naming the field and the value: ``top_p must be in (0, 1], got 1.5``.
     """
 
@@ -106,6 +107,8 @@ class SamplingParams:
                            "raised to %s (as vLLM)", self.temperature, MIN_SAMPLING_TEMPERATURE,
                            MIN_SAMPLING_TEMPERATURE)
             self.temperature = MIN_SAMPLING_TEMPERATURE
+        if self.temperature < SAMPLING_EPS:  # greedy: the filters are off, as vLLM sets them (after their checks)
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
