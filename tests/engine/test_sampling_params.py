@@ -176,3 +176,14 @@ def test_a_temperature_above_2_is_refused_as_vllm(temperature: float) -> None:
     with pytest.raises(ValueError, match=rf"temperature must be in \[0, 2\] \(0 = greedy\), got {temperature}"):
         SamplingParams(temperature=temperature)
     assert SamplingParams(temperature=2).temperature == 2
+
+
+def test_extra_args_are_kept_for_the_callers_code_as_vllm() -> None:
+    """vLLM's ``SamplingParams.extra_args: dict[str, Any] | None`` (for plugins and custom samplers; no in-tree
+    sampler reads it): kvgen raised TypeError (unexpected keyword argument); now kept, deep-copied by clone()."""
+    extra = {"plugin": {"alpha": 0.5}}
+    p = SamplingParams(extra_args=extra)
+    assert p.extra_args == extra and SamplingParams().extra_args is None
+    assert p.clone().extra_args == extra and p.clone().extra_args is not p.extra_args
+    with pytest.raises(ValueError, match=r"extra_args must be a dict, got \['x'\]"):
+        SamplingParams(extra_args=["x"])

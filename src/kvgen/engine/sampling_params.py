@@ -90,6 +90,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = _f(RequestOutputKind.CUMULATIVE, "cumulative, delta or final-only outputs")
     structured_outputs: StructuredOutputsParams | None = _f(
         None, "constrain the output to a JSON schema, a regex, a choice or a grammar (finishes with 'stop' once complete)")
+    extra_args: dict[str, Any] | None = _f(None, "anything else, for code that reads it (vLLM's: plugins, custom "
+                                                 "samplers); kvgen's sampling does not", cli=False)
 
     def __post_init__(self) -> None:
         if type(self.top_k) is int and self.top_k == -1:
@@ -143,6 +145,8 @@ class SamplingParams:
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict, got {self.extra_args!r}")
 
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's ``SamplingParams.clone``): lists and dicts of the copy are its own."""
