@@ -187,3 +187,19 @@ def test_extra_args_are_kept_for_the_callers_code_as_vllm() -> None:
     assert p.clone().extra_args == extra and p.clone().extra_args is not p.extra_args
     with pytest.raises(ValueError, match=r"extra_args must be a dict, got \['x'\]"):
         SamplingParams(extra_args=["x"])
+
+
+def test_from_optional_fills_none_and_clamps_logit_bias_as_vllm() -> None:
+    """vLLM's ``SamplingParams.from_optional`` (what its ``LLM.get_default_sampling_params`` and OpenAI server call):
+    None means the default for n, the penalties, temperature and top_p; logit_bias keys go through ``int()`` and values
+    are clamped with ``min(100.0, max(-100.0, bias))``. kvgen had no from_optional (AttributeError)."""
+    bias = {"5": 250.0, 7: -300, "9": 1.5}
+    p = SamplingParams.from_optional(n=None, temperature=None, top_p=None, presence_penalty=None,
+                                     frequency_penalty=None, repetition_penalty=None, logit_bias=bias, max_tokens=4)
+    assert p == SamplingParams(logit_bias={int(k): min(100.0, max(-100.0, v)) for k, v in bias.items()}, max_tokens=4)
+    assert p.logit_bias == {5: 100.0, 7: -100.0, 9: 1.5}
+    assert SamplingParams.from_optional(temperature=0.5, seed=3).seed == 3
+    with pytest.raises(ValueError, match=r"logit_bias contains key\(s\) that cannot be converted .*\['x'\]"):
+        SamplingParams.from_optional(logit_bias={"x": 1.0})
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingParams.from_optional(top_p=2.0)

@@ -148,6 +148,23 @@ class SamplingParams:
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict, got {self.extra_args!r}")
 
+    @staticmethod
+    def from_optional(n: int | None = 1, presence_penalty: float | None = 0.0, frequency_penalty: float | None = 0.0,
+                      repetition_penalty: float | None = 1.0, temperature: float | None = 1.0,
+                      top_p: float | None = 1.0, logit_bias: dict[int, float] | dict[str, float] | None = None,
+                      **kwargs: Any) -> SamplingParams:
+        """vLLM's ``SamplingParams.from_optional``: None for n, the penalties, temperature or top_p means the default;
+        ``logit_bias`` keys may be decimal strings (``int(key)``) and its values are clamped to [-100, 100]. Other
+        keyword arguments are fields. Raises ``ValueError`` naming ``logit_bias`` for a key that is no integer, or as
+        the constructor."""
+        bias = None if logit_bias is None else _int_keyed_clamped_bias(logit_bias)
+        return SamplingParams(
+            n=1 if n is None else n, presence_penalty=0.0 if presence_penalty is None else presence_penalty,
+            frequency_penalty=0.0 if frequency_penalty is None else frequency_penalty,
+            repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+            temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
+            logit_bias=bias, **kwargs)
+
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's ``SamplingParams.clone``): lists and dicts of the copy are its own."""
         return copy.deepcopy(self)
@@ -168,6 +185,23 @@ def _stop_list(stop: Any) -> list[str]:
 
 def _token_id_list(ids: Any, name: str = "stop_token_ids") -> list[int]:
     return checked_token_ids(name, [] if ids is None else ids)
+
+
+def _int_keyed_clamped_bias(bias: Any) -> Any:
+    """``from_optional``'s logit_bias: keys through ``int()``, numbers clamped to [-100, 100] (vLLM's); anything else
+    is left for ``_logit_bias`` to refuse."""
+    if not isinstance(bias, dict):
+        return bias
+    bad_keys = []
+    for key in bias:
+        try:
+            int(key)
+        except (TypeError, ValueError):
+            bad_keys.append(key)
+    if bad_keys:
+        raise ValueError(f"logit_bias contains key(s) that cannot be converted to integer token ids: {bad_keys!r}")
+    return {int(k): min(100.0, max(-100.0, v)) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+            for k, v in bias.items()}
 
 
 def _logit_bias(bias: Any) -> dict[int, float] | None:
