@@ -65,9 +65,9 @@ def test_a_positive_temperature_below_0_01_is_raised_to_it_as_vllm(temperature: 
         ({"n": 0}, r"n must be an int in \[1, 2147483647\], got 0"),
         ({"n": 1.0}, r"n must be an int in \[1, 2147483647\], got 1.0"),
         ({"n": 3, "best_of": 2}, r"best_of must be >= n \(3\), got 2"),
-        ({"temperature": -0.5}, r"temperature must be a finite number >= 0 \(0 = greedy\), got -0.5"),
-        ({"temperature": float("inf")}, "temperature must be a finite number >= 0"),
-        ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+        ({"temperature": -0.5}, r"temperature must be in \[0, 2\] \(0 = greedy\), got -0.5"),
+        ({"temperature": float("inf")}, r"temperature must be in \[0, 2\]"),
+        ({"temperature": float("nan")}, r"temperature must be in \[0, 2\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
         ({"top_k": -2}, r"top_k must be an int in \[0, 2147483647\] \(0 = off\), got -2"),
@@ -102,7 +102,7 @@ def test_a_positive_temperature_below_0_01_is_raised_to_it_as_vllm(temperature: 
         ({"detokenize": False, "stop": "."}, r"detokenize=False conflicts with stop=\['\.'\]"),
         ({"detokenize": 0}, "detokenize must be a bool, got 0"),
         # None only where the field is optional (it failed inside the engine's step before)
-        ({"temperature": None}, "temperature must be a finite number >= 0 .*, got None"),
+        ({"temperature": None}, r"temperature must be in \[0, 2\] .*, got None"),
         ({"repetition_penalty": None}, r"repetition_penalty must be in \[1e-06, 1000000\], got None"),
         ({"min_tokens": None}, r"min_tokens must be an int in \[0, 2147483647\], got None"),
         ({"bad_words_token_ids": [[]]}, "bad_words_token_ids must be a list of non-empty token id lists"),
@@ -135,3 +135,71 @@ def test_clone_is_a_deep_copy_as_vllm() -> None:
     assert q == p and q is not p
     q.stop.append("y")
     assert p.stop == ["x"]
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_logprobs_true_means_one_as_vllm(field: str) -> None:
+    """vLLM's ``SamplingParams.__post_init__``: ``if self.logprobs is True: self.logprobs = 1`` (prompt_logprobs the
+    same); False passes its checks and counts as 0. kvgen refused both as non-ints."""
+    assert getattr(SamplingParams(**{field: True}), field) == 1
+    assert getattr(SamplingParams(**{field: False}), field) == 0
+    assert type(getattr(SamplingParams(**{field: True}), field)) is int
+
+
+def test_stop_token_ids_and_bad_words_drop_repeats_as_vllm() -> None:
+    """vLLM's ``__post_init__``: ``stop_token_ids = list(dict.fromkeys(stop_token_ids))``, the same for ``bad_words``
+    (None becoming []); ``stop`` keeps its repeats. kvgen kept repeated ids and words, and bad_words None."""
+    ids, words, stops = [5, 3, 5, 1, 3], ["b", "a", "b"], ["x", "x"]
+    p = SamplingParams(stop_token_ids=ids, bad_words=words, stop=stops)
+    assert p.stop_token_ids == list(dict.fromkeys(ids)) == [5, 3, 1]
+    assert p.bad_words == list(dict.fromkeys(words)) == ["b", "a"]
+    assert p.stop == stops
+    assert SamplingParams().bad_words == []
+
+
+def test_greedy_turns_the_filters_off_as_vllm() -> None:
+    """vLLM's ``__post_init__``: after ``_verify_args``, ``temperature < _SAMPLING_EPS`` sets ``top_p = 1.0``,
+    ``top_k = 0``, ``min_p = 0.0`` (greedy ignores them); out-of-range values are still refused first. kvgen kept
+    the given values on a greedy request."""
+    p = SamplingParams(temperature=0.0, top_p=0.5, top_k=7, min_p=0.3)
+    assert (p.top_p, p.top_k, p.min_p) == (1.0, 0, 0.0)
+    sampled = SamplingParams(temperature=0.5, top_p=0.5, top_k=7, min_p=0.3)
+    assert (sampled.top_p, sampled.top_k, sampled.min_p) == (0.5, 7, 0.3)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
+        SamplingParams(temperature=0.0, top_p=1.5)
+
+
+@pytest.mark.parametrize("temperature", [2.0000001, 2.5, 100.0])
+def test_a_temperature_above_2_is_refused_as_vllm(temperature: float) -> None:
+    """vLLM's ``_verify_args``: ``if self.temperature > 2.0: raise ... "temperature must be in [0, 2]"`` (OpenAI's
+    range, vLLM PR #44965); kvgen accepted any finite temperature."""
+    with pytest.raises(ValueError, match=rf"temperature must be in \[0, 2\] \(0 = greedy\), got {temperature}"):
+        SamplingParams(temperature=temperature)
+    assert SamplingParams(temperature=2).temperature == 2
+
+
+def test_extra_args_are_kept_for_the_callers_code_as_vllm() -> None:
+    """vLLM's ``SamplingParams.extra_args: dict[str, Any] | None`` (for plugins and custom samplers; no in-tree
+    sampler reads it): kvgen raised TypeError (unexpected keyword argument); now kept, deep-copied by clone()."""
+    extra = {"plugin": {"alpha": 0.5}}
+    p = SamplingParams(extra_args=extra)
+    assert p.extra_args == extra and SamplingParams().extra_args is None
+    assert p.clone().extra_args == extra and p.clone().extra_args is not p.extra_args
+    with pytest.raises(ValueError, match=r"extra_args must be a dict, got \['x'\]"):
+        SamplingParams(extra_args=["x"])
+
+
+def test_from_optional_fills_none_and_clamps_logit_bias_as_vllm() -> None:
+    """vLLM's ``SamplingParams.from_optional`` (what its ``LLM.get_default_sampling_params`` and OpenAI server call):
+    None means the default for n, the penalties, temperature and top_p; logit_bias keys go through ``int()`` and values
+    are clamped with ``min(100.0, max(-100.0, bias))``. kvgen had no from_optional (AttributeError)."""
+    bias = {"5": 250.0, 7: -300, "9": 1.5}
+    p = SamplingParams.from_optional(n=None, temperature=None, top_p=None, presence_penalty=None,
+                                     frequency_penalty=None, repetition_penalty=None, logit_bias=bias, max_tokens=4)
+    assert p == SamplingParams(logit_bias={int(k): min(100.0, max(-100.0, v)) for k, v in bias.items()}, max_tokens=4)
+    assert p.logit_bias == {5: 100.0, 7: -100.0, 9: 1.5}
+    assert SamplingParams.from_optional(temperature=0.5, seed=3).seed == 3
+    with pytest.raises(ValueError, match=r"logit_bias contains key\(s\) that cannot be converted .*\['x'\]"):
+        SamplingParams.from_optional(logit_bias={"x": 1.0})
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingParams.from_optional(top_p=2.0)

@@ -25,6 +25,8 @@ __all__ = ["SAMPLING_EPS", "RequestOutputKind", "SamplingParams", "StructuredOut
 logger = logging.getLogger(__name__)
 # The lowest temperature a request samples at: a positive one below it is raised to it (vLLM's _MAX_TEMP).
 MIN_SAMPLING_TEMPERATURE = 1e-2
+# The highest: vLLM's _verify_args refuses a temperature above 2 (OpenAI's range); generate() has no such bound.
+_RULES = {"temperature": dataclasses.replace(PARAM_RULES["temperature"], high=2.0)}
 
 
 class RequestOutputKind(enum.Enum):
@@ -43,14 +45,18 @@ _ALL_OF_VOCAB = ("logprobs", "prompt_logprobs")  # -1: every token's logprob (th
 class SamplingParams:
     """Per-request decoding settings. Counts are in tokens.
 
-    After construction ``stop`` is a ``list[str]``, ``stop_token_ids`` a ``list[int]``,
-    ``top_k`` is 0 when disabled (-1 is accepted as vLLM's spelling of "off") and ``seed`` -1 is None (as vLLM).
+    After construction ``stop`` is a ``list[str]``; ``stop_token_ids`` a ``list[int]`` and ``bad_words`` a
+    ``list[str]``, both without repeats (the first kept, as vLLM's ``list(dict.fromkeys(...))``);
+    ``top_k`` is 0 when disabled (-1 is accepted as vLLM's spelling of "off"), ``seed`` -1 is None and ``logprobs`` /
+    ``prompt_logprobs`` True is 1 (False 0), and a greedy request (temperature 0) has ``top_p`` 1, ``top_k`` 0 and
+    ``min_p`` 0, as vLLM.
     Raises ``ValueError`` naming the field and the value: ``top_p must be in (0, 1], got 1.5``.
     """
 
     n: int = _f(1, "completions returned for the prompt")
     best_of: int | None = _f(None, "completions generated (>= n); the n most likely are returned")
-    temperature: float = _f(1.0, "softmax temperature; 0 = greedy; one in (0, 0.01) is raised to 0.01 (as vLLM)")
+    temperature: float = _f(1.0, "softmax temperature in [0, 2]; 0 = greedy; one in (0, 0.01) is raised to 0.01 (as "
+                                 "vLLM)")
     top_p: float = _f(1.0, "nucleus sampling mass in (0, 1]; 1 = off")
     top_k: int = _f(0, "keep the k most likely tokens; 0 or -1 = off")
     min_p: float = _f(0.0, "drop tokens below min_p * the top probability; 0 = off")
@@ -84,30 +90,37 @@ class SamplingParams:
     output_kind: RequestOutputKind = _f(RequestOutputKind.CUMULATIVE, "cumulative, delta or final-only outputs")
     structured_outputs: StructuredOutputsParams | None = _f(
         None, "constrain the output to a JSON schema, a regex, a choice or a grammar (finishes with 'stop' once complete)")
+    extra_args: dict[str, Any] | None = _f(None, "anything else, for code that reads it (vLLM's: plugins, custom "
+                                                 "samplers); kvgen's sampling does not", cli=False)
 
     def __post_init__(self) -> None:
         if type(self.top_k) is int and self.top_k == -1:
             self.top_k = 0  # vLLM's spelling of "off"
         if type(self.seed) is int and self.seed == -1:
             self.seed = None  # vLLM's spelling of "no seed": a fresh random one, not the fixed seed -1
+        for name in _ALL_OF_VOCAB:  # vLLM: logprobs=True is 1 (False stays False there, which counts as 0)
+            if isinstance(getattr(self, name), bool):
+                setattr(self, name, int(getattr(self, name)))
         for f in dataclasses.fields(self):  # ranges: the table shared with GenerationConfig and the CLI
             value = getattr(self, f.name)
             if f.name in _ALL_OF_VOCAB and type(value) is int and value == -1:  # vLLM: the whole vocabulary
                 continue
             if f.name in PARAM_RULES and (value is not None or "None" not in str(f.type)):  # None where typed so
-                check_param(f.name, value)
+                check_param(f.name, value, _RULES.get(f.name))
         if 0 < self.temperature < MIN_SAMPLING_TEMPERATURE:  # vLLM: logits / T would overflow
             logger.warning("temperature %s is less than %s, which may cause numerical errors nan or inf in tensors; "
                            "raised to %s (as vLLM)", self.temperature, MIN_SAMPLING_TEMPERATURE,
                            MIN_SAMPLING_TEMPERATURE)
             self.temperature = MIN_SAMPLING_TEMPERATURE
+        if self.temperature < SAMPLING_EPS:  # greedy: the filters are off, as vLLM sets them (after their checks)
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         self.stop = _stop_list(self.stop)
-        self.stop_token_ids = _token_id_list(self.stop_token_ids)
+        self.stop_token_ids = list(dict.fromkeys(_token_id_list(self.stop_token_ids)))  # vLLM drops repeats
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _token_id_list(self.allowed_token_ids, "allowed_token_ids")
@@ -118,11 +131,10 @@ class SamplingParams:
             if not isinstance(ids, (list, tuple)) or not all(isinstance(w, (list, tuple)) and w for w in ids):
                 raise ValueError(f"bad_words_token_ids must be a list of non-empty token id lists, got {ids!r}")
             self.bad_words_token_ids = [checked_token_ids("bad_words_token_ids", list(w)) for w in ids]
-        if self.bad_words is not None:
-            words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
-            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
-                raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
-            self.bad_words = list(words)
+        words = [] if self.bad_words is None else [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+        self.bad_words = list(dict.fromkeys(words))  # as vLLM: None is [], repeats dropped
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                      "detokenize"):
             if not isinstance(getattr(self, name), bool):
@@ -133,6 +145,25 @@ class SamplingParams:
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict, got {self.extra_args!r}")
+
+    @staticmethod
+    def from_optional(n: int | None = 1, presence_penalty: float | None = 0.0, frequency_penalty: float | None = 0.0,
+                      repetition_penalty: float | None = 1.0, temperature: float | None = 1.0,
+                      top_p: float | None = 1.0, logit_bias: dict[int, float] | dict[str, float] | None = None,
+                      **kwargs: Any) -> SamplingParams:
+        """vLLM's ``SamplingParams.from_optional``: None for n, the penalties, temperature or top_p means the default;
+        ``logit_bias`` keys may be decimal strings (``int(key)``) and its values are clamped to [-100, 100]. Other
+        keyword arguments are fields. Raises ``ValueError`` naming ``logit_bias`` for a key that is no integer, or as
+        the constructor."""
+        bias = None if logit_bias is None else _int_keyed_clamped_bias(logit_bias)
+        return SamplingParams(
+            n=1 if n is None else n, presence_penalty=0.0 if presence_penalty is None else presence_penalty,
+            frequency_penalty=0.0 if frequency_penalty is None else frequency_penalty,
+            repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+            temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
+            logit_bias=bias, **kwargs)
 
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's ``SamplingParams.clone``): lists and dicts of the copy are its own."""
@@ -154,6 +185,23 @@ def _stop_list(stop: Any) -> list[str]:
 
 def _token_id_list(ids: Any, name: str = "stop_token_ids") -> list[int]:
     return checked_token_ids(name, [] if ids is None else ids)
+
+
+def _int_keyed_clamped_bias(bias: Any) -> Any:
+    """``from_optional``'s logit_bias: keys through ``int()``, numbers clamped to [-100, 100] (vLLM's); anything else
+    is left for ``_logit_bias`` to refuse."""
+    if not isinstance(bias, dict):
+        return bias
+    bad_keys = []
+    for key in bias:
+        try:
+            int(key)
+        except (TypeError, ValueError):
+            bad_keys.append(key)
+    if bad_keys:
+        raise ValueError(f"logit_bias contains key(s) that cannot be converted to integer token ids: {bad_keys!r}")
+    return {int(k): min(100.0, max(-100.0, v)) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+            for k, v in bias.items()}
 
 
 def _logit_bias(bias: Any) -> dict[int, float] | None:
