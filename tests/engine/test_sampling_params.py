@@ -65,9 +65,9 @@ def test_a_positive_temperature_below_0_01_is_raised_to_it_as_vllm(temperature: 
         ({"n": 0}, r"n must be an int in \[1, 2147483647\], got 0"),
         ({"n": 1.0}, r"n must be an int in \[1, 2147483647\], got 1.0"),
         ({"n": 3, "best_of": 2}, r"best_of must be >= n \(3\), got 2"),
-        ({"temperature": -0.5}, r"temperature must be in \[0, 2\] \(0 = greedy\), got -0.5"),
-        ({"temperature": float("inf")}, r"temperature must be in \[0, 2\]"),
-        ({"temperature": float("nan")}, r"temperature must be in \[0, 2\]"),
+        ({"temperature": -0.5}, r"temperature must be a finite number >= 0 \(0 = greedy\), got -0.5"),
+        ({"temperature": float("inf")}, "temperature must be a finite number >= 0"),
+        ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
         ({"top_k": -2}, r"top_k must be an int in \[0, 2147483647\] \(0 = off\), got -2"),
@@ -102,7 +102,7 @@ def test_a_positive_temperature_below_0_01_is_raised_to_it_as_vllm(temperature: 
         ({"detokenize": False, "stop": "."}, r"detokenize=False conflicts with stop=\['\.'\]"),
         ({"detokenize": 0}, "detokenize must be a bool, got 0"),
         # None only where the field is optional (it failed inside the engine's step before)
-        ({"temperature": None}, r"temperature must be in \[0, 2\] .*, got None"),
+        ({"temperature": None}, "temperature must be a finite number >= 0 .*, got None"),
         ({"repetition_penalty": None}, r"repetition_penalty must be in \[1e-06, 1000000\], got None"),
         ({"min_tokens": None}, r"min_tokens must be an int in \[0, 2147483647\], got None"),
         ({"bad_words_token_ids": [[]]}, "bad_words_token_ids must be a list of non-empty token id lists"),
@@ -167,15 +167,6 @@ def test_greedy_turns_the_filters_off_as_vllm() -> None:
     assert (sampled.top_p, sampled.top_k, sampled.min_p) == (0.5, 7, 0.3)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
         SamplingParams(temperature=0.0, top_p=1.5)
-
-
-@pytest.mark.parametrize("temperature", [2.0000001, 2.5, 100.0])
-def test_a_temperature_above_2_is_refused_as_vllm(temperature: float) -> None:
-    """vLLM's ``_verify_args``: ``if self.temperature > 2.0: raise ... "temperature must be in [0, 2]"`` (OpenAI's
-    range, vLLM PR #44965); kvgen accepted any finite temperature."""
-    with pytest.raises(ValueError, match=rf"temperature must be in \[0, 2\] \(0 = greedy\), got {temperature}"):
-        SamplingParams(temperature=temperature)
-    assert SamplingParams(temperature=2).temperature == 2
 
 
 def test_extra_args_are_kept_for_the_callers_code_as_vllm() -> None:

@@ -25,8 +25,6 @@ __all__ = ["SAMPLING_EPS", "RequestOutputKind", "SamplingParams", "StructuredOut
 logger = logging.getLogger(__name__)
 # The lowest temperature a request samples at: a positive one below it is raised to it (vLLM's _MAX_TEMP).
 MIN_SAMPLING_TEMPERATURE = 1e-2
-# The highest: vLLM's _verify_args refuses a temperature above 2 (OpenAI's range); generate() has no such bound.
-_RULES = {"temperature": dataclasses.replace(PARAM_RULES["temperature"], high=2.0)}
 
 
 class RequestOutputKind(enum.Enum):
@@ -55,8 +53,7 @@ class SamplingParams:
 
     n: int = _f(1, "completions returned for the prompt")
     best_of: int | None = _f(None, "completions generated (>= n); the n most likely are returned")
-    temperature: float = _f(1.0, "softmax temperature in [0, 2]; 0 = greedy; one in (0, 0.01) is raised to 0.01 (as "
-                                 "vLLM)")
+    temperature: float = _f(1.0, "softmax temperature; 0 = greedy; one in (0, 0.01) is raised to 0.01 (as vLLM)")
     top_p: float = _f(1.0, "nucleus sampling mass in (0, 1]; 1 = off")
     top_k: int = _f(0, "keep the k most likely tokens; 0 or -1 = off")
     min_p: float = _f(0.0, "drop tokens below min_p * the top probability; 0 = off")
@@ -106,7 +103,7 @@ class SamplingParams:
             if f.name in _ALL_OF_VOCAB and type(value) is int and value == -1:  # vLLM: the whole vocabulary
                 continue
             if f.name in PARAM_RULES and (value is not None or "None" not in str(f.type)):  # None where typed so
-                check_param(f.name, value, _RULES.get(f.name))
+                check_param(f.name, value)
         if 0 < self.temperature < MIN_SAMPLING_TEMPERATURE:  # vLLM: logits / T would overflow
             logger.warning("temperature %s is less than %s, which may cause numerical errors nan or inf in tensors; "
                            "raised to %s (as vLLM)", self.temperature, MIN_SAMPLING_TEMPERATURE,

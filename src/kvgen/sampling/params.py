@@ -39,7 +39,7 @@ so it stays in [1e-6, 1e6], where a float32 logit of any real model (|x| < 1e30)
 stays finite (5e-324 would turn logits into inf, then NaN probabilities).
 ``generate()`` samples only with ``temperature >= SAMPLING_EPS`` (below, logits / T
 overflows); the engine's ``SamplingParams`` raises a positive temperature below 0.01 to 0.01,
-as vLLM, so only 0 is greedy there, and refuses one above 2, as vLLM (OpenAI's range).
+as vLLM, so only 0 is greedy there.
 """
 
 from __future__ import annotations
