@@ -70,6 +70,8 @@ class AsyncLLMEngine:
         async with self._lock:
             # LLMEngine.add_request is the one uniqueness check; a finished request's stream may still be
             # open here, and is replaced (it holds its final output already, see _close_stream).
+            if request_id not in self._streams:  # a closed stream's request, its abort pending: the id is free
+                self.engine.forget_aborted(request_id)
             self.engine.add_request(request_id, text, sampling_params, prompt_token_ids=ids, priority=priority)
             self._streams[request_id] = queue
         self._has_work.set()
