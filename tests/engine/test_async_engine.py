@@ -132,6 +132,33 @@ def test_shutdown_is_a_plain_call_as_vllm_and_can_be_awaited():
     asyncio.run(scenario())
 
 
+def test_vllm_health_and_tokenizer_names(tiny_model_dir):
+    """vLLM's ``AsyncLLM`` has ``check_health()`` (raises ``dead_error`` once the engine died), ``is_stopped`` (its
+    ``errored``), ``dead_error`` and ``get_tokenizer()``; kvgen's engine had none of them (AttributeError). They now
+    report the step loop's state, the failure being the step's own exception, and the tokenizer is ``LLM``'s."""
+    from kvgen.engine import LLM
+
+    llm = LLM(str(tiny_model_dir), num_blocks=64)
+
+    async def scenario() -> None:
+        healthy = AsyncLLMEngine(llm.llm_engine, step_in_thread=False)
+        await healthy.check_health()
+        assert not healthy.is_stopped and healthy.get_tokenizer() is llm.get_tokenizer()
+        failing = AsyncLLMEngine(_StubEngine(fail_steps=1), step_in_thread=False)
+        with pytest.raises(RuntimeError, match="step failed"):
+            await _collect(failing, "a")
+        assert failing.is_stopped == failing.errored is True
+        with pytest.raises(RuntimeError, match="step failed"):
+            await failing.check_health()
+        assert str(failing.dead_error) == "step failed"
+        await _collect(failing, "b")  # the loop restarts with the next request: healthy again
+        await failing.check_health()
+        assert not failing.is_stopped
+        await failing.shutdown()
+
+    asyncio.run(scenario())
+
+
 def test_a_cancelled_requests_id_can_be_reused_at_once(tiny_model_dir):
     """vLLM's ``AsyncLLM`` forgets a request as soon as its ``generate()`` is left early (``OutputProcessor
     .abort_requests``), so the same id may be submitted again right away. kvgen kept the id in flight until the
