@@ -27,6 +27,9 @@ class _StubEngine:
         self.aborted += ids
         self.unfinished -= set(ids)
 
+    def forget_aborted(self, request_id: str) -> None:
+        pass
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.unfinished)
 
@@ -127,3 +130,61 @@ def test_shutdown_is_a_plain_call_as_vllm_and_can_be_awaited():
         assert failing.errored and not failing.is_running
 
     asyncio.run(scenario())
+
+
+def test_vllm_health_and_tokenizer_names(tiny_model_dir):
+    """vLLM's ``AsyncLLM`` has ``check_health()`` (raises ``dead_error`` once the engine died), ``is_stopped`` (its
+    ``errored``), ``dead_error`` and ``get_tokenizer()``; kvgen's engine had none of them (AttributeError). They now
+    report the step loop's state, the failure being the step's own exception, and the tokenizer is ``LLM``'s."""
+    from kvgen.engine import LLM
+
+    llm = LLM(str(tiny_model_dir), num_blocks=64)
+
+    async def scenario() -> None:
+        healthy = AsyncLLMEngine(llm.llm_engine, step_in_thread=False)
+        await healthy.check_health()
+        assert not healthy.is_stopped and healthy.get_tokenizer() is llm.get_tokenizer()
+        failing = AsyncLLMEngine(_StubEngine(fail_steps=1), step_in_thread=False)
+        with pytest.raises(RuntimeError, match="step failed"):
+            await _collect(failing, "a")
+        assert failing.is_stopped == failing.errored is True
+        with pytest.raises(RuntimeError, match="step failed"):
+            await failing.check_health()
+        assert str(failing.dead_error) == "step failed"
+        await _collect(failing, "b")  # the loop restarts with the next request: healthy again
+        await failing.check_health()
+        assert not failing.is_stopped
+        await failing.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_requests_id_can_be_reused_at_once(tiny_model_dir):
+    """vLLM's ``AsyncLLM`` forgets a request as soon as its ``generate()`` is left early (``OutputProcessor
+    .abort_requests``), so the same id may be submitted again right away. kvgen kept the id in flight until the
+    next step applied the abort, and the resubmission raised "request_id must be unique"; the new request now runs
+    (n=1 and n>1 alike), gives the output it gives alone, and no block stays held."""
+    from kvgen.engine import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_dir), num_blocks=64)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    cases = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+             SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=30, ignore_eos=True)]
+    expected = [[c.token_ids for c in llm.generate([prompt], params, use_tqdm=False)[0].outputs] for params in cases]
+
+    async def scenario() -> list[list[list[int]]]:
+        engine = AsyncLLMEngine(llm.llm_engine)
+        finals = []
+        for params in cases:
+            first = engine.generate(prompt, params, "same-id")
+            async for _ in first:
+                break  # the caller leaves after the first output
+            await first.aclose()
+            outputs = [out async for out in engine.generate(prompt, params, "same-id")]
+            finals.append([c.token_ids for c in outputs[-1].outputs])
+        await engine.shutdown()
+        return finals
+
+    assert asyncio.run(scenario()) == expected
+    stats = llm.llm_engine.get_stats()
+    assert not llm.llm_engine.has_unfinished_requests() and stats.num_free_blocks == stats.num_blocks

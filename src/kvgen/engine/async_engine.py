@@ -23,6 +23,7 @@ from kvgen.engine.llm_engine import LLMEngine, split_prompt
 from kvgen.engine.outputs import RequestOutput
 from kvgen.engine.pooling import EmbeddingRequestOutput, PoolingParams
 from kvgen.engine.sampling_params import SamplingParams
+from kvgen.tokenizer import Tokenizer
 
 
 class EngineStoppedError(RuntimeError):
@@ -70,6 +71,8 @@ class AsyncLLMEngine:
         async with self._lock:
             # LLMEngine.add_request is the one uniqueness check; a finished request's stream may still be
             # open here, and is replaced (it holds its final output already, see _close_stream).
+            if request_id not in self._streams:  # a closed stream's request, its abort pending: the id is free
+                self.engine.forget_aborted(request_id)
             self.engine.add_request(request_id, text, sampling_params, prompt_token_ids=ids, priority=priority)
             self._streams[request_id] = queue
         self._has_work.set()
@@ -174,6 +177,28 @@ class AsyncLLMEngine:
     def errored(self) -> bool:
         """vLLM ``AsyncLLM.errored``: the step loop died on an exception (:attr:`is_failed`)."""
         return self.is_failed
+
+    @property
+    def is_stopped(self) -> bool:
+        """vLLM ``AsyncLLM.is_stopped``: :attr:`errored`."""
+        return self.errored
+
+    @property
+    def dead_error(self) -> BaseException:
+        """vLLM ``AsyncLLM.dead_error``: the exception the step loop died on (a ``RuntimeError`` saying it has not
+        died when :attr:`errored` is false)."""
+        task = self._loop_task
+        error = task.exception() if task is not None and self.is_failed else None
+        return error if error is not None else RuntimeError("the engine's step loop has not died")
+
+    async def check_health(self) -> None:
+        """vLLM ``AsyncLLM.check_health``: raises :attr:`dead_error` if the step loop died, else returns."""
+        if self.errored:
+            raise self.dead_error
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        """vLLM ``AsyncLLM.get_tokenizer``: the engine's tokenizer (None for an engine of token ids only)."""
+        return self.engine.tokenizer
 
     def shutdown(self) -> Awaitable[Any]:
         """Stop the step loop now (unfinished requests stay in the engine): a plain call, as vLLM ``AsyncLLM``'s

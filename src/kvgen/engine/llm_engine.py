@@ -304,6 +304,21 @@ class LLMEngine:
             for child_id in parent.child_ids if parent is not None else [rid]:
                 self.scheduler.abort_request(child_id)
 
+    def forget_aborted(self, request_id: str) -> None:
+        """If an abort of ``request_id`` (every child of an ``n > 1`` one) is pending, finish it now with no output
+        and free its blocks, so a new request may take the id at once, as vLLM's (its ``OutputProcessor`` forgets an
+        aborted request when asked). Call between steps; otherwise does nothing."""
+        parent = self._parents.get(request_id)
+        child_ids = parent.child_ids if parent is not None else [request_id]
+        if not any(self.scheduler.is_abort_pending(i) for i in child_ids):
+            return
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        self.output_processor.abort_requests(child_ids)
+        if parent is not None:
+            del self._parents[request_id]
+            for child_id in child_ids:
+                self._child_to_parent.pop(child_id, None)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
 

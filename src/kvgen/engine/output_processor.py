@@ -150,6 +150,12 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Forget requests now, with no final output (vLLM ``OutputProcessor.abort_requests``); unknown ids are
+        ignored."""
+        for request_id in request_ids:
+            self._states.pop(request_id, None)
+
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         request_outputs: list[RequestOutput] = []
         stopped: list[str] = []

@@ -99,6 +99,10 @@ class Scheduler:
         """Abort at the next ``schedule()`` (safe while a step runs); unknown ids are ignored."""
         self._pending_aborts.append(request_id)
 
+    def is_abort_pending(self, request_id: str) -> bool:
+        """Whether an abort of ``request_id`` waits for the next ``schedule()``."""
+        return request_id in self._pending_aborts
+
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish now (e.g. a stop string matched) and free their blocks; reports no output.
 
