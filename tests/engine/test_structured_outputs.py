@@ -140,6 +140,22 @@ def test_a_matcher_that_fails_while_masking_ends_the_request_with_its_error(llm)
     assert out.error.startswith("structured_outputs: the grammar failed at output token"), out.error
 
 
+def test_n_completions_keep_the_error_of_one_that_failed(llm):
+    """n > 1 under ``LLM.generate`` (FINAL_ONLY): completions that fail in their grammar (the $ref cycle's branch of
+    an anyOf) while others go on to the end leave the request's error in its final output; it was only in the merged
+    output of the step the failure happened in, which FINAL_ONLY drops: "abort" completions with error None."""
+    schema = {"anyOf": [{"type": "object", "properties": {"a": {"$ref": "#/$defs/c"}}, "required": ["a"]},
+                        {"type": "string"}, {"type": "array"}], "$defs": {"c": {"$ref": "#/$defs/c"}}}
+    constraint = StructuredOutputsParams(json=schema)
+    (out,) = llm.generate(["Name three colours:"], SamplingParams(temperature=1.0, seed=0, n=8, max_tokens=30,
+                                                                  structured_outputs=constraint), use_tqdm=False)
+    failed = [c for c in out.outputs if c.finish_reason == "abort"]
+    finished = [c for c in out.outputs if c.finish_reason != "abort"]
+    assert failed and finished and max(len(c.token_ids) for c in finished) > min(len(c.token_ids) for c in failed)
+    assert out.error is not None and out.error.startswith("structured_outputs: the grammar failed at output token")
+    assert out.error_param == "structured_outputs"
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({}, "exactly one of"),
     ({"regex": "a", "choice": ["a"]}, "exactly one of"),
