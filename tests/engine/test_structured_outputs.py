@@ -198,6 +198,20 @@ def test_json_text_that_is_no_object_is_refused_by_name(model_tok, text):
         LLMEngine(model, tok).add_request("a", "hi", SamplingParams(structured_outputs=StructuredOutputsParams(json=text)))
 
 
+def test_a_schema_dict_that_holds_itself_is_refused_by_name(model_tok):
+    """A Python dict that contains itself is no JSON (json.dumps: "Circular reference detected"); llguidance's
+    conversion of it overflowed the stack and the process died of a segfault."""
+    model, tok = model_tok
+    schema: dict = {"type": "object", "properties": {}}
+    schema["properties"]["a"] = schema
+    with pytest.raises(ValueError, match="Circular reference"):
+        json.dumps(schema)
+    engine = LLMEngine(model, tok)
+    with pytest.raises(ValueError, match="the json schema is not JSON data: Circular reference detected"):
+        engine.add_request("a", "hi", SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)))
+    assert not engine.has_unfinished_requests()
+
+
 def test_a_regex_ending_in_a_lone_backslash_is_refused(model_tok):
     """A trailing lone backslash is an incomplete escape (Python's re refuses it, as Rust's regex does); llguidance
     dropped it, so "a\\" constrained the output to "a" and "\\" to the empty text."""

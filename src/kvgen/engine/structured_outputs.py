@@ -60,14 +60,11 @@ class StructuredOutputsParams:
 
     def to_llguidance(self) -> str:
         """The llguidance grammar of the constraint. Raises ``ValueError`` for JSON text that does not parse or is
-        no object, or a regex that ends in a lone backslash."""
+        no object, a dict that is no JSON data, or a regex that ends in a lone backslash."""
         from llguidance import LLMatcher, grammar_from
 
         if self.json is not None:
-            try:
-                schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-            except json.JSONDecodeError as e:
-                raise ValueError(f"the json schema is not valid JSON: {e}") from None
+            schema = _json_data(self.json)
             if not isinstance(schema, dict):  # llguidance: "Expecting object schema to apply options"
                 raise ValueError(f"the json schema must be a JSON object, got {self.json!r}")
             return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
@@ -83,6 +80,18 @@ class StructuredOutputsParams:
             return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(map(json.dumps, self.choice)))
         assert self.grammar is not None  # __post_init__: exactly one field is set
         return grammar_from("grammar", self.grammar)
+
+
+def _json_data(schema: dict[str, Any] | str) -> Any:
+    """The schema as JSON data: its text parsed, or the dict after a round trip through JSON text. Raises
+    ``ValueError`` for text that does not parse, or a dict that holds itself (llguidance's conversion of it
+    overflowed the stack: a segfault), a value JSON has not (a set, NaN) or nesting too deep to encode."""
+    try:
+        return json.loads(schema if isinstance(schema, str) else json.dumps(schema, allow_nan=False))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the json schema is not valid JSON: {e}") from None
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ValueError(f"the json schema is not JSON data: {e}") from None
 
 
 class GrammarMatcher:
