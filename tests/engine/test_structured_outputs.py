@@ -228,6 +228,30 @@ def test_a_regex_ending_in_a_lone_backslash_is_refused(model_tok):
     assert re.fullmatch(escaped, out.outputs[0].text) and out.outputs[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize(("schema", "pattern"), [
+    ({"type": "string", "pattern": "\\"}, "\\"),
+    ({"type": "string", "pattern": "^a\\\\\\"}, "^a\\\\\\"),
+    ({"type": "object", "properties": {"k": {"type": "string", "pattern": "b\\"}}, "required": ["k"]}, "b\\"),
+    ({"type": "object", "patternProperties": {"x\\": {"type": "integer"}}, "additionalProperties": False}, "x\\"),
+    ({"$defs": {"d": {"anyOf": [{"type": "integer"}, {"type": "string", "pattern": "c\\"}]}}, "$ref": "#/$defs/d"}, "c\\"),
+    ({"type": "array", "items": {"type": "string", "pattern": "d\\"}}, "d\\"),
+])
+def test_a_schema_pattern_ending_in_a_lone_backslash_is_refused(model_tok, schema, pattern):
+    """A schema's pattern (or patternProperties name) ending in a lone backslash, which Python's re refuses as it
+    does the regex field's: llguidance dropped the backslash, so {"pattern": "\\"} left the string unconstrained
+    and "^a\\" matched any string starting with "a"."""
+    model, tok = model_tok
+    with pytest.raises(re.error):
+        re.compile(pattern)
+    engine = LLMEngine(model, tok)
+    with pytest.raises(ValueError, match=f"the json schema's pattern {re.escape(repr(pattern))} ends in an incomplete"):
+        engine.add_request("a", "hi", SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)))
+    escaped = {"type": "string", "pattern": "^a\\\\$", "enum": ["a\\"]}  # an escaped backslash; a value is no pattern
+    (out,) = LLM(model, tok, num_blocks=16).generate(["hi"], SamplingParams(
+        temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(json=escaped)), use_tqdm=False)
+    assert re.fullmatch(escaped["pattern"], json.loads(out.outputs[0].text)) and out.outputs[0].finish_reason == "stop"
+
+
 def test_the_default_model_answers_in_its_schema(ours_default_auto):
     """The real model through its chat template: greedy JSON that parses, has the required keys and ends with
     "stop" (without the constraint it writes prose)."""
