@@ -148,6 +148,22 @@ def test_a_matcher_that_fails_while_masking_ends_the_request_with_its_error(llm)
     assert out.error.startswith("structured_outputs: the grammar failed at output token"), out.error
 
 
+def test_n_completions_keep_the_error_of_one_that_failed(llm):
+    """n > 1 under ``LLM.generate`` (FINAL_ONLY): completions that fail in their grammar (the $ref cycle's branch of
+    an anyOf) while others go on to the end leave the request's error in its final output; it was only in the merged
+    output of the step the failure happened in, which FINAL_ONLY drops: "abort" completions with error None."""
+    schema = {"anyOf": [{"type": "object", "properties": {"a": {"$ref": "#/$defs/c"}}, "required": ["a"]},
+                        {"type": "string"}, {"type": "array"}], "$defs": {"c": {"$ref": "#/$defs/c"}}}
+    constraint = StructuredOutputsParams(json=schema)
+    (out,) = llm.generate(["Name three colours:"], SamplingParams(temperature=1.0, seed=0, n=8, max_tokens=30,
+                                                                  structured_outputs=constraint), use_tqdm=False)
+    failed = [c for c in out.outputs if c.finish_reason == "abort"]
+    finished = [c for c in out.outputs if c.finish_reason != "abort"]
+    assert failed and finished and max(len(c.token_ids) for c in finished) > min(len(c.token_ids) for c in failed)
+    assert out.error is not None and out.error.startswith("structured_outputs: the grammar failed at output token")
+    assert out.error_param == "structured_outputs"
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({}, "exactly one of"),
     ({"regex": "a", "choice": ["a"]}, "exactly one of"),
@@ -190,6 +206,20 @@ def test_json_text_that_is_no_object_is_refused_by_name(model_tok, text):
         LLMEngine(model, tok).add_request("a", "hi", SamplingParams(structured_outputs=StructuredOutputsParams(json=text)))
 
 
+def test_a_schema_dict_that_holds_itself_is_refused_by_name(model_tok):
+    """A Python dict that contains itself is no JSON (json.dumps: "Circular reference detected"); llguidance's
+    conversion of it overflowed the stack and the process died of a segfault."""
+    model, tok = model_tok
+    schema: dict = {"type": "object", "properties": {}}
+    schema["properties"]["a"] = schema
+    with pytest.raises(ValueError, match="Circular reference"):
+        json.dumps(schema)
+    engine = LLMEngine(model, tok)
+    with pytest.raises(ValueError, match="the json schema is not JSON data: Circular reference detected"):
+        engine.add_request("a", "hi", SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)))
+    assert not engine.has_unfinished_requests()
+
+
 def test_a_regex_ending_in_a_lone_backslash_is_refused(model_tok):
     """A trailing lone backslash is an incomplete escape (Python's re refuses it, as Rust's regex does); llguidance
     dropped it, so "a\\" constrained the output to "a" and "\\" to the empty text."""
@@ -204,6 +234,30 @@ def test_a_regex_ending_in_a_lone_backslash_is_refused(model_tok):
     (out,) = LLM(model, tok, num_blocks=16).generate(["hi"], SamplingParams(
         temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex=escaped)), use_tqdm=False)
     assert re.fullmatch(escaped, out.outputs[0].text) and out.outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(("schema", "pattern"), [
+    ({"type": "string", "pattern": "\\"}, "\\"),
+    ({"type": "string", "pattern": "^a\\\\\\"}, "^a\\\\\\"),
+    ({"type": "object", "properties": {"k": {"type": "string", "pattern": "b\\"}}, "required": ["k"]}, "b\\"),
+    ({"type": "object", "patternProperties": {"x\\": {"type": "integer"}}, "additionalProperties": False}, "x\\"),
+    ({"$defs": {"d": {"anyOf": [{"type": "integer"}, {"type": "string", "pattern": "c\\"}]}}, "$ref": "#/$defs/d"}, "c\\"),
+    ({"type": "array", "items": {"type": "string", "pattern": "d\\"}}, "d\\"),
+])
+def test_a_schema_pattern_ending_in_a_lone_backslash_is_refused(model_tok, schema, pattern):
+    """A schema's pattern (or patternProperties name) ending in a lone backslash, which Python's re refuses as it
+    does the regex field's: llguidance dropped the backslash, so {"pattern": "\\"} left the string unconstrained
+    and "^a\\" matched any string starting with "a"."""
+    model, tok = model_tok
+    with pytest.raises(re.error):
+        re.compile(pattern)
+    engine = LLMEngine(model, tok)
+    with pytest.raises(ValueError, match=f"the json schema's pattern {re.escape(repr(pattern))} ends in an incomplete"):
+        engine.add_request("a", "hi", SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)))
+    escaped = {"type": "string", "pattern": "^a\\\\$", "enum": ["a\\"]}  # an escaped backslash; a value is no pattern
+    (out,) = LLM(model, tok, num_blocks=16).generate(["hi"], SamplingParams(
+        temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(json=escaped)), use_tqdm=False)
+    assert re.fullmatch(escaped["pattern"], json.loads(out.outputs[0].text)) and out.outputs[0].finish_reason == "stop"
 
 
 def test_the_default_model_answers_in_its_schema(ours_default_auto):

@@ -36,6 +36,7 @@ class ParentRequest:
         self.max_num_generation_tokens = 0  # the metrics': the longest finished child, in tokens
         self.num_observed = 0  # children counted in the metrics (an aborted one never is)
         self._finished: set[int] = set()
+        self._error: tuple[str, str | None] | None = None  # the first aborted child's (error, error_param)
 
     def merge(self, child_outputs: list[tuple[int, RequestOutput]]) -> RequestOutput | None:
         """One step's outputs of some children (child index, output) -> the parent's output, if any is due."""
@@ -46,6 +47,8 @@ class ParentRequest:
             step.append(completion)
             if output.finished:
                 self._finished.add(index)
+            if output.error is not None and self._error is None:
+                self._error = (output.error, output.error_param)
         is_finished = len(self._finished) == self.n
         if self.output_kind is RequestOutputKind.FINAL_ONLY and not is_finished:
             return None
@@ -54,8 +57,8 @@ class ParentRequest:
         else:
             completions = [self._latest[i] for i in sorted(self._latest)]
         first = child_outputs[0][1]
-        failed = next((o for _, o in child_outputs if o.error), None)
-        error, error_param = (failed.error, failed.error_param) if failed is not None else (None, None)
+        # the first child's error stays past its step: its aborted completion stays in FINAL_ONLY / CUMULATIVE outputs
+        error, error_param = self._error or (None, None)
         return dataclasses.replace(first, request_id=self.request_id, outputs=completions, finished=is_finished,
                                    error=error, error_param=error_param)
 

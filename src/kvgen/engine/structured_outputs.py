@@ -24,6 +24,13 @@ if TYPE_CHECKING:
 # model emit newlines until max_tokens.
 JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
 
+# JSON schema keywords whose value is a subschema or a list of them, and those whose value maps names to subschemas
+# (vLLM backend_guidance's _SUBSCHEMA_KEYWORDS, _SCHEMA_MAP_KEYWORDS): where ``_patterns`` looks for regexes
+_SUBSCHEMA_KEYWORDS = ("additionalProperties", "unevaluatedProperties", "propertyNames", "contains", "additionalItems",
+                       "unevaluatedItems", "not", "if", "then", "else", "contentSchema", "items", "prefixItems", "allOf",
+                       "anyOf", "oneOf")
+_SCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
@@ -60,21 +67,20 @@ class StructuredOutputsParams:
 
     def to_llguidance(self) -> str:
         """The llguidance grammar of the constraint. Raises ``ValueError`` for JSON text that does not parse or is
-        no object, or a regex that ends in a lone backslash."""
+        no object, a dict that is no JSON data, or a regex (or a schema's pattern) that ends in a lone backslash."""
         from llguidance import LLMatcher, grammar_from
 
         if self.json is not None:
-            try:
-                schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-            except json.JSONDecodeError as e:
-                raise ValueError(f"the json schema is not valid JSON: {e}") from None
+            schema = _json_data(self.json)
             if not isinstance(schema, dict):  # llguidance: "Expecting object schema to apply options"
                 raise ValueError(f"the json schema must be a JSON object, got {self.json!r}")
+            if bad := next((p for p in _patterns(schema) if _ends_in_lone_backslash(p)), None):
+                raise ValueError(f"the json schema's pattern {bad!r} ends in an incomplete escape (a lone backslash)")
             return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
         if self.json_object:
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_pattern": JSON_WHITESPACE})
         if self.regex is not None:
-            if (len(self.regex) - len(self.regex.rstrip("\\"))) % 2:  # llguidance drops it and matches the rest
+            if _ends_in_lone_backslash(self.regex):  # llguidance drops it and matches the rest
                 raise ValueError(f"regex {self.regex!r} ends in an incomplete escape (a lone backslash)")
             return LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:
@@ -83,6 +89,39 @@ class StructuredOutputsParams:
             return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(map(json.dumps, self.choice)))
         assert self.grammar is not None  # __post_init__: exactly one field is set
         return grammar_from("grammar", self.grammar)
+
+
+def _json_data(schema: dict[str, Any] | str) -> Any:
+    """The schema as JSON data: its text parsed, or the dict after a round trip through JSON text. Raises
+    ``ValueError`` for text that does not parse, or a dict that holds itself (llguidance's conversion of it
+    overflowed the stack: a segfault), a value JSON has not (a set, NaN) or nesting too deep to encode."""
+    try:
+        return json.loads(schema if isinstance(schema, str) else json.dumps(schema, allow_nan=False))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the json schema is not valid JSON: {e}") from None
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ValueError(f"the json schema is not JSON data: {e}") from None
+
+
+def _ends_in_lone_backslash(regex: str) -> bool:
+    """An incomplete escape at the end: Python's re and Rust's regex refuse it, llguidance drops it."""
+    return (len(regex) - len(regex.rstrip("\\"))) % 2 == 1
+
+
+def _patterns(schema: dict[str, Any]) -> list[str]:
+    """The regexes of a JSON schema (JSON data): each subschema's ``pattern`` and ``patternProperties`` names."""
+    found: list[str] = []
+    todo: list[Any] = [schema]
+    while todo:  # a loop, not recursion: as deep as json.loads parses
+        node = todo.pop()
+        if isinstance(node, list):
+            todo.extend(node)
+        elif isinstance(node, dict):
+            found += [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+            found += list(node["patternProperties"]) if isinstance(node.get("patternProperties"), dict) else []
+            todo.extend(node.get(key) for key in _SUBSCHEMA_KEYWORDS)
+            todo.extend(v for key in _SCHEMA_MAP_KEYWORDS if isinstance(node.get(key), dict) for v in node[key].values())
+    return found
 
 
 class GrammarMatcher:
