@@ -578,3 +578,28 @@ def _waiting(fn, event, waits):
         waits.append(event.wait(timeout=5))
         return fn(*args, **kwargs)
     return wrapped
+
+
+def test_x_request_id_names_the_response_as_vllm(server):
+    """vLLM's ``_base_request_id``: a client's (a gateway's) ``X-Request-Id`` header becomes the response id's tail,
+    ``chatcmpl-<id>`` / ``cmpl-<id>``, streamed chunks too; the same id sent twice at once is two requests, both
+    answered (the engine's ids stay unique). Without the header the id is random."""
+    import concurrent.futures
+
+    chat = {"model": "tiny", "messages": MESSAGES, "max_tokens": 3, "temperature": 0}
+    text = {"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+
+    def post(path: str, body: dict, request_id: str | None) -> httpx.Response:
+        headers = {"X-Request-Id": request_id} if request_id is not None else {}
+        return httpx.post(server.v1 + path, json=body, headers=headers, timeout=60)
+
+    assert post("/chat/completions", chat, "trace-7").json()["id"] == "chatcmpl-trace-7"
+    assert post("/completions", text, "trace-8").json()["id"] == "cmpl-trace-8"
+    streamed = post("/chat/completions", chat | {"stream": True}, "trace-9").text
+    ids = {json.loads(line[6:])["id"] for line in streamed.splitlines() if line.startswith("data: {")}
+    assert ids == {"chatcmpl-trace-9"}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda _: post("/completions", text | {"max_tokens": 8}, "same"), range(2)))
+    assert [r.status_code for r in both] == [200, 200] and {r.json()["id"] for r in both} == {"cmpl-same"}
+    plain = [post("/completions", text, None).json()["id"] for _ in range(2)]
+    assert plain[0] != plain[1] and all(re.fullmatch("cmpl-[0-9a-f]{32}", i) for i in plain)

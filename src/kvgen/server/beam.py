@@ -11,6 +11,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from starlette.requests import Request
+
 from kvgen.engine.async_engine import RequestStream
 from kvgen.engine.beam_search import (
     BeamSearchParams,
@@ -26,7 +28,7 @@ from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvgen.server.errors import bad_request
 from kvgen.server.metrics import RequestTracker
 from kvgen.server.protocol import SamplingFields
-from kvgen.server.serving import Generation, ServerState, new_request_id, value_error
+from kvgen.server.serving import Generation, ServerState, client_request_id, new_request_id, value_error
 
 # request fields beam search does not use -> the values that mean "off"
 _IGNORED_BY_BEAM_SEARCH: dict[str, tuple[Any, ...]] = {
@@ -37,26 +39,27 @@ _IGNORED_BY_BEAM_SEARCH: dict[str, tuple[Any, ...]] = {
 }
 
 
-def new_generation(state: ServerState, req: SamplingFields, prefix: str) -> Generation:
-    """The engine requests of one HTTP request: a :class:`BeamGeneration` with ``use_beam_search``. Raises a 400
-    naming a field beam search would ignore."""
+def new_generation(state: ServerState, req: SamplingFields, prefix: str, raw: Request | None = None) -> Generation:
+    """The engine requests of one HTTP request (its id from ``raw``'s X-Request-Id, see ``new_request_id``): a
+    :class:`BeamGeneration` with ``use_beam_search``. Raises a 400 naming a field beam search would ignore."""
+    request_id, is_client_id = new_request_id(prefix, raw), bool(client_request_id(raw))
     if not req.use_beam_search:
-        return Generation(state, new_request_id(prefix))
+        return Generation(state, request_id, is_client_id)
     for name, off in _IGNORED_BY_BEAM_SEARCH.items():
         if getattr(req, name, None) not in off:
             raise bad_request(f"{name} is not supported with use_beam_search", name)
     fmt = req.response_format
     if fmt is not None and fmt.type != "text":
         raise bad_request("response_format is not supported with use_beam_search", "response_format")
-    return BeamGeneration(state, new_request_id(prefix), req.length_penalty)
+    return BeamGeneration(state, request_id, req.length_penalty, is_client_id)
 
 
 class BeamGeneration(Generation):
     """Beam search for every prompt of one HTTP request; ``outputs`` yields each prompt's finished
     ``RequestOutput`` (``n`` completions, best first) once the search ends. Always ``close``."""
 
-    def __init__(self, state: ServerState, request_id: str, length_penalty: float) -> None:
-        super().__init__(state, request_id)
+    def __init__(self, state: ServerState, request_id: str, length_penalty: float, is_client_id: bool = False) -> None:
+        super().__init__(state, request_id, is_client_id)
         self.length_penalty = length_penalty
         self.prompts: list[list[int]] = []
         self.params = SamplingParams()  # the request's (n, max_tokens, logprobs, ...), set by start
@@ -108,7 +111,7 @@ class BeamGeneration(Generation):
         """Run every live beam one token as its own engine request; their candidates, in order."""
         self.streams = []
         for tokens in batch:
-            engine_id = new_request_id(self.request_id)
+            engine_id = new_request_id(self.engine_request_id)
             try:
                 stream = await self.state.engine.add_request(engine_id, {"prompt_token_ids": tokens},
                                                              self.step_params, self.priority)

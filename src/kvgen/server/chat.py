@@ -106,7 +106,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     max_tokens = resolve_max_tokens(state, len(prompt_ids), requested, ("messages", field))
     params = sampling_params(req, state, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                              plan.constraint if plan else None)
-    gen = new_generation(state, req, "chatcmpl")
+    gen = new_generation(state, req, "chatcmpl", raw)
     await gen.start([prompt_ids], params, "messages", req.priority)
 
     def response(choices: list[ChoiceResult]) -> ChatCompletionResponse:

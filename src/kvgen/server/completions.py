@@ -108,7 +108,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     # a truncated prompt is echoed as its kept tokens decoded
     texts = _prompt_texts(state, req.prompt if req.truncate_prompt_tokens is None else [None] * len(prompts), prompts)
     echo = _Echo(state, req, prompts, texts if req.echo else None)
-    gen = new_generation(state, req, "cmpl")
+    gen = new_generation(state, req, "cmpl", raw)
     await gen.start(prompts, params, "prompt", req.priority)
     num_prompt_tokens = sum(len(p) for p in prompts)
 

@@ -63,8 +63,15 @@ class ServerState:
             raise OpenAIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
 
 
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def client_request_id(raw: Request | None) -> str:
+    """The client's ``X-Request-Id`` header ("" without one)."""
+    return raw.headers.get("x-request-id", "").strip() if raw is not None else ""
+
+
+def new_request_id(prefix: str, raw: Request | None = None) -> str:
+    """``prefix-<the client's X-Request-Id header>`` when it sent one, else ``prefix-<random hex>`` (vLLM's
+    ``_base_request_id``: a gateway's id names the response and the server's log lines)."""
+    return f"{prefix}-{client_request_id(raw) or uuid.uuid4().hex}"
 
 
 def sampling_params(req: SamplingFields, state: ServerState, max_tokens: int | None, logprobs: int | None,
@@ -172,8 +179,10 @@ class Generation:
     ``close`` aborts anything unfinished and records metrics. Always ``close``.
     """
 
-    def __init__(self, state: ServerState, request_id: str) -> None:
+    def __init__(self, state: ServerState, request_id: str, is_client_id: bool = False) -> None:
         self.state, self.request_id = state, request_id
+        # the engine's ids: the response id, made unique when it holds the client's X-Request-Id (sent twice at once)
+        self.engine_request_id = f"{request_id}-{uuid.uuid4().hex[:8]}" if is_client_id else request_id
         self.created = int(time.time())  # the response's and every chunk's "created" (OpenAI: the same in a stream)
         self.streams: list[RequestStream] = []
         self.trackers: list[RequestTracker] = []
@@ -199,7 +208,7 @@ class Generation:
         self.admit(len(prompts) * params.n)
         self.num_prompts = len(prompts)
         for i, ids in enumerate(prompts):
-            engine_id = self.request_id if len(prompts) == 1 else f"{self.request_id}-{i}"
+            engine_id = self.engine_request_id if len(prompts) == 1 else f"{self.engine_request_id}-{i}"
             try:
                 stream = await state.engine.add_request(engine_id, {"prompt_token_ids": ids}, params, priority)
             except ValueError as e:
