@@ -145,3 +145,24 @@ def test_a_template_that_loops_over_content_gets_the_parts_as_vllm_hands_them_ov
         assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(want)
     finally:
         assert live.stop() == 0
+
+
+def test_enable_request_id_headers_echoes_or_makes_an_id(tiny_model_dir, tmp_path, launch_server, server):
+    """vLLM's ``--enable-request-id-headers``: every reply carries ``X-Request-Id``, the client's own (which also names
+    a chat reply) or a new random hex id; streamed replies keep their whole stream. Off by default."""
+    import re
+
+    live = launch_server(tiny_model_dir, tmp_path / "server.log", "--enable-request-id-headers")
+    chat = {"messages": MESSAGES, "max_tokens": 3, "temperature": 0}
+    try:
+        given = httpx.post(f"{live.v1}/chat/completions", json=chat, headers={"X-Request-Id": "gw-1"}, timeout=60)
+        assert given.headers["x-request-id"] == "gw-1" and given.json()["id"] == "chatcmpl-gw-1"
+        made = httpx.get(f"{live.url}/health", timeout=30).headers["x-request-id"]
+        assert re.fullmatch("[0-9a-f]{32}", made)
+        with httpx.stream("POST", f"{live.v1}/chat/completions", json=chat | {"stream": True},
+                          headers={"X-Request-Id": "gw-2"}, timeout=60) as r:
+            assert r.headers["x-request-id"] == "gw-2"
+            assert "data: [DONE]" in list(r.iter_lines())
+    finally:
+        live.stop()
+    assert "x-request-id" not in httpx.get(f"{server.url}/health", timeout=30).headers

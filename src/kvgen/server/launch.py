@@ -16,6 +16,7 @@ import logging
 import signal
 import socket
 import sys
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,8 @@ class ServerArgs:
     allowed_methods: tuple[str, ...] = _f(("*",), "HTTP methods allowed from other origins (CORS)")
     allowed_headers: tuple[str, ...] = _f(("*",), "request headers allowed from other origins (CORS)")
     allow_credentials: bool = _f(False, "let other origins send cookies and credentials (CORS)")
+    enable_request_id_headers: bool = _f(False, "answer every request with an X-Request-Id header: the client's, else "
+                                                "a new random id (vLLM's)")
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -112,6 +115,29 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class RequestIdHeader:
+    """ASGI middleware: every HTTP response carries ``X-Request-Id``, the request's own or else a new random hex id
+    (vLLM's ``--enable-request-id-headers``). Plain ASGI, not Starlette's ``BaseHTTPMiddleware``, so streamed
+    replies and disconnect detection pass through untouched."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((value for key, value in scope["headers"] if key == b"x-request-id" and value.strip()), None)
+        request_id = given.strip() if given is not None else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     """Serve until a signal arrives; returns the exit code (0).
 
@@ -149,6 +175,8 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     app.add_middleware(CORSMiddleware, allow_origins=list(server_args.allowed_origins),  # vLLM's defaults: any
                        allow_methods=list(server_args.allowed_methods), allow_headers=list(server_args.allowed_headers),
                        allow_credentials=server_args.allow_credentials)
+    if server_args.enable_request_id_headers:
+        app.add_middleware(RequestIdHeader)
     # uvicorn annotates timeout_graceful_shutdown as int but hands it to asyncio.wait_for (float seconds).
     config = uvicorn.Config(
         app, log_level=server_args.log_level, access_log=False,
