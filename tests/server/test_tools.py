@@ -70,6 +70,38 @@ def test_mistral_calls_follow_the_marker():
         assert parse(text) == (text, []), text
 
 
+# Mistral 7B Instruct v0.3's chat template, its assistant tool-call turn (verbatim but for the loop's header and
+# the end of turn)
+MISTRAL_TOOL_CALLS_TEMPLATE = """{%- for message in messages %}{%- if message.tool_calls is defined %}
+{{- "[TOOL_CALLS] [" }}
+{%- for tool_call in message.tool_calls %}
+    {%- set out = tool_call.function|tojson %}
+    {{- out[:-1] }}
+    {%- if not tool_call.id is defined or tool_call.id|length != 9 %}
+        {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+    {%- endif %}
+    {{- ', "id": "' + tool_call.id + '"}' }}
+    {%- if not loop.last %}{{- ", " }}{%- else %}{{- "]" }}{%- endif %}
+{%- endfor %}{%- endif %}{%- endfor %}"""
+
+
+def test_mistral_call_ids_go_back_through_mistral_templates():
+    """Mistral's templates refuse a tool call whose id is not 9 letters or digits (vLLM's ``MistralToolCall`` ids):
+    kvgen gave ``call_`` + 24 hex digits, so a client sending the calls back in the history got a 400."""
+    from kvgen.tokenizer import Tokenizer
+    from kvgen.tokenizer.special_tokens import SpecialTokenIds
+
+    from helpers import train_tiny_tokenizer
+
+    _, calls = TOOL_CALL_PARSERS["mistral"].extract('[TOOL_CALLS] [{"name": "f", "arguments": {}}, '
+                                                    '{"name": "g", "arguments": {"a": 1}}]')
+    tok = Tokenizer(train_tiny_tokenizer(), SpecialTokenIds(), MISTRAL_TOOL_CALLS_TEMPLATE, "tiny")
+    turn = {"role": "assistant", "tool_calls": [c.model_dump() for c in calls]}
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}, turn])
+    assert isinstance(text, str) and all(f'"id": "{c.id}"' in text for c in calls)
+    assert len({c.id for c in calls}) == 2 and all(c.id.isalnum() and c.id.isascii() for c in calls)
+
+
 def test_streamable_content_stops_where_a_call_may_start():
     hermes, llama, mistral = (TOOL_CALL_PARSERS[n] for n in ("hermes", "llama3_json", "mistral"))
     assert hermes.num_streamable("Hello <tool") == len("Hello ") and hermes.num_streamable("Hi <b>") == len("Hi <b>")

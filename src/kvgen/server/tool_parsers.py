@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -23,9 +25,16 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parsed_call(name: Any, arguments: Any) -> ToolCall:
-    """A call with a fresh id from parsed JSON (arguments re-serialized, non-ASCII kept as vLLM does); ``TypeError``
-    / ``ValueError`` when it is not a name with object (or JSON-text) arguments."""
+def new_mistral_call_id() -> str:
+    """A fresh Mistral tool-call id: 9 ASCII letters or digits, the only form Mistral's chat templates take back
+    (they raise "Tool call IDs should be alphanumeric strings with length 9!"). Source: vLLM ``MistralToolCall``."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+def parsed_call(name: Any, arguments: Any, call_id: str | None = None) -> ToolCall:
+    """A call with ``call_id`` (a fresh :func:`new_call_id` when None) from parsed JSON (arguments re-serialized,
+    non-ASCII kept as vLLM does); ``TypeError`` / ``ValueError`` when it is not a name with object (or JSON-text)
+    arguments."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"tool call name must be a string, got {name!r}")
     if isinstance(arguments, str):
@@ -34,7 +43,8 @@ def parsed_call(name: Any, arguments: Any) -> ToolCall:
         raise TypeError(f"tool call arguments must be an object, got {arguments!r}")
     from kvgen.server.protocol import FunctionCall, ToolCall
 
-    return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False)))
+    return ToolCall(id=call_id or new_call_id(),
+                    function=FunctionCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False)))
 
 
 def _held_back(text: str, marker: str) -> int:
@@ -74,7 +84,8 @@ class HermesParser(MarkerParser):
 
 class MistralParser(MarkerParser):
     """``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (Mistral 7B Instruct v0.3 and later's JSON form);
-    text after the array (``</s>`` kept by skip_special_tokens false, a remark) is dropped.
+    text after the array (``</s>`` kept by skip_special_tokens false, a remark) is dropped. Call ids are Mistral's
+    (:func:`new_mistral_call_id`), so the calls can go back through a Mistral chat template.
     Source: vLLM ``MistralToolParser``."""
 
     marker = "[TOOL_CALLS]"
@@ -87,7 +98,7 @@ class MistralParser(MarkerParser):
             start = len(text) - len(text[found + len(self.marker) :].lstrip())
             payload = json.JSONDecoder().raw_decode(text, start)[0]  # text after the calls is dropped, as vLLM's regex
             payload = payload if isinstance(payload, list) else [payload]
-            calls = [parsed_call(c["name"], c["arguments"]) for c in payload]
+            calls = [parsed_call(c["name"], c["arguments"], new_mistral_call_id()) for c in payload]
         except (ValueError, KeyError, TypeError):
             return text, []
         return text[:found] or None, calls
