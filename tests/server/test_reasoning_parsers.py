@@ -123,7 +123,7 @@ def test_chat_completions_return_the_reasoning_apart(r1_server):
         # the assistant turn given back with its reasoning is accepted
         again = client.chat.completions.create(model="tiny", temperature=0, max_tokens=4, messages=[
             *MESSAGES, message.model_dump(exclude_none=True), {"role": "user", "content": "Sure?"}])
-        assert again.choices[0].message.content is not None
+        assert again.choices[0].finish_reason == "length" and again.usage.completion_tokens == 4
 
 
 def test_responses_put_the_reasoning_in_a_reasoning_item(r1_server):
@@ -138,7 +138,8 @@ def test_responses_put_the_reasoning_in_a_reasoning_item(r1_server):
     reasoning, message = r.output
     assert reasoning.type == "reasoning" and reasoning.content[0].text == chat.choices[0].message.reasoning
     assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens == 12  # never closed: all of it
-    assert message.type == "message" and r.output_text == "" == chat.choices[0].message.content
+    assert message.type == "message" and r.output_text == ""
+    assert chat.choices[0].message.content is None  # vLLM's parsers: ``content or None``
     with httpx.stream("POST", r1_server.v1 + "/responses", json={"model": "tiny", "stream": True, **body},
                       timeout=60) as stream:
         events = [json.loads(line[len("data: "):]) for line in stream.iter_lines() if line.startswith("data: ")]

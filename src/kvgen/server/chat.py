@@ -164,6 +164,8 @@ def _choice(state: ServerState, req: ChatCompletionRequest, c: ChoiceResult, pla
             prompt_tail: str) -> ChatCompletionChoice:
     reasoning, text = split_reasoning(state, c.text, prompt_tail)
     content, calls = reply_parts(plan, text)
+    if reasoning is not None and not content:  # all reasoning: null content, as vLLM's parsers (``content or None``)
+        content = None
     return ChatCompletionChoice(
         index=c.index, message=ChatCompletionMessage(content=content, tool_calls=calls, reasoning=reasoning),
         logprobs=_logprobs(state, req, c.token_ids, c.logprobs), finish_reason=_finish_reason(c.finish_reason, plan, calls),
