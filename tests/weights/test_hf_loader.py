@@ -332,3 +332,21 @@ def test_weights_stored_as_non_floats_are_refused(gpt2_dir: Path, dtype: torch.d
     save_file(tensors, gpt2_dir / "model.safetensors")
     with pytest.raises(ModelFormatError, match=r"tensor 'transformer.h.0.attn.c_attn.weight' is stored as (I8|I64|BOOL|C64); "):
         load_hf_directory(gpt2_dir)
+
+
+def test_a_shard_holding_a_tensor_the_index_places_in_another_is_refused(tmp_path: Path) -> None:
+    """Two copies of a tensor: kvgen read the index's shard, transformers (whole shards, the last one winning) the
+    other's, and the two gave different logits without a word."""
+    model = _tiny_gpt2()
+    path = _save(model, tmp_path / "gpt2", sharded=True)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    first, second = sorted(set(index["weight_map"].values()))[:2]
+    key = next(k for k, shard in index["weight_map"].items() if shard == first)
+    tensors = load_file(path / second)
+    tensors[key] = load_file(path / first)[key] * 0
+    save_file(tensors, path / second, metadata={"format": "pt"})
+    ref = GPT2LMHeadModel.from_pretrained(path)
+    assert not torch.equal(ref.state_dict()[key], model.state_dict()[key])  # transformers took the stray copy
+    with pytest.raises(ModelFormatError, match=rf"{second} also holds tensors that model.safetensors.index.json "
+                                               rf"places in another shard: '{key}' \(placed in .*{first}\)"):
+        load_hf_directory(path)
