@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import hf_params_in_kvgen_layout, make_tiny_model
+from helpers import hf_params_in_kvgen_layout, make_tiny_model, model_logits
 from safetensors.torch import load_file, save_file
 from transformers import GPT2LMHeadModel, LlamaForCausalLM
 from transformers.pytorch_utils import Conv1D
@@ -350,3 +350,23 @@ def test_a_shard_holding_a_tensor_the_index_places_in_another_is_refused(tmp_pat
     with pytest.raises(ModelFormatError, match=rf"{second} also holds tensors that model.safetensors.index.json "
                                                rf"places in another shard: '{key}' \(placed in .*{first}\)"):
         load_hf_directory(path)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "mixtral"])
+def test_a_base_model_checkpoint_without_the_model_prefix_loads_as_transformers_does(tmp_path: Path,
+                                                                                     model_type: str) -> None:
+    """A ``LlamaModel``'s save (keys ``embed_tokens.weight``, ``layers.0...``, ``norm.weight``, tied head): transformers
+    loads it into its ForCausalLM, kvgen listed every key as missing and unexpected."""
+    from transformers import AutoModelForCausalLM
+
+    from kvgen.models import build_model
+
+    kwargs = {"attn_implementation": "eager"} if model_type == "gemma2" else {}
+    make_tiny_model(model_type, tie=True, vocab_size=128, seed=4).ref.model.save_pretrained(tmp_path)
+    assert not any(k.startswith("model.") for k in load_file(tmp_path / "model.safetensors"))
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, **kwargs).eval()
+    config, state = load_hf_directory(tmp_path)
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2]])  # [1, T]
+    with torch.no_grad():
+        want = ref(ids).logits  # [1, T, V]
+    torch.testing.assert_close(model_logits(build_model(config, state), ids), want, rtol=1e-4, atol=1e-4)
