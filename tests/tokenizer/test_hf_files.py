@@ -302,3 +302,19 @@ def test_added_tokens_json_id_must_be_an_int(tmp_path: Path) -> None:
     directory = _added_tokens_dir(tmp_path, {"newtok": "12"})
     with pytest.raises(ModelFormatError, match="the id of 'newtok' must be an int, got '12'"):
         Tokenizer.from_pretrained(directory)
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"vocab_size": 1' + "0" * 5000 + "}"],
+                         ids=["nested_too_deep", "int_over_4300_digits"])
+def test_json_python_cannot_parse_is_named(tmp_path: Path, text: str) -> None:
+    """JSON nested past the recursion limit escaped as RecursionError, an integer of over 4300 digits as a ValueError
+    naming no file; transformers' config reader fails on both too."""
+    from transformers import AutoConfig
+
+    from kvgen.tokenizer.hf_files import read_json
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises((RecursionError, ValueError)):
+        AutoConfig.from_pretrained(tmp_path)
+    with pytest.raises(ModelFormatError, match=f"cannot read {tmp_path / 'config.json'}: "):
+        read_json(tmp_path / "config.json")

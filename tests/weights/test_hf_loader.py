@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import hf_params_in_kvgen_layout, make_tiny_model
+from helpers import hf_params_in_kvgen_layout, make_tiny_model, model_logits
 from safetensors.torch import load_file, save_file
 from transformers import GPT2LMHeadModel, LlamaForCausalLM
 from transformers.pytorch_utils import Conv1D
@@ -332,3 +332,41 @@ def test_weights_stored_as_non_floats_are_refused(gpt2_dir: Path, dtype: torch.d
     save_file(tensors, gpt2_dir / "model.safetensors")
     with pytest.raises(ModelFormatError, match=r"tensor 'transformer.h.0.attn.c_attn.weight' is stored as (I8|I64|BOOL|C64); "):
         load_hf_directory(gpt2_dir)
+
+
+def test_a_shard_holding_a_tensor_the_index_places_in_another_is_refused(tmp_path: Path) -> None:
+    """Two copies of a tensor: kvgen read the index's shard, transformers (whole shards, the last one winning) the
+    other's, and the two gave different logits without a word."""
+    model = _tiny_gpt2()
+    path = _save(model, tmp_path / "gpt2", sharded=True)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    first, second = sorted(set(index["weight_map"].values()))[:2]
+    key = next(k for k, shard in index["weight_map"].items() if shard == first)
+    tensors = load_file(path / second)
+    tensors[key] = load_file(path / first)[key] * 0
+    save_file(tensors, path / second, metadata={"format": "pt"})
+    ref = GPT2LMHeadModel.from_pretrained(path)
+    assert not torch.equal(ref.state_dict()[key], model.state_dict()[key])  # transformers took the stray copy
+    with pytest.raises(ModelFormatError, match=rf"{second} also holds tensors that model.safetensors.index.json "
+                                               rf"places in another shard: '{key}' \(placed in .*{first}\)"):
+        load_hf_directory(path)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "mixtral"])
+def test_a_base_model_checkpoint_without_the_model_prefix_loads_as_transformers_does(tmp_path: Path,
+                                                                                     model_type: str) -> None:
+    """A ``LlamaModel``'s save (keys ``embed_tokens.weight``, ``layers.0...``, ``norm.weight``, tied head): transformers
+    loads it into its ForCausalLM, kvgen listed every key as missing and unexpected."""
+    from transformers import AutoModelForCausalLM
+
+    from kvgen.models import build_model
+
+    kwargs = {"attn_implementation": "eager"} if model_type == "gemma2" else {}
+    make_tiny_model(model_type, tie=True, vocab_size=128, seed=4).ref.model.save_pretrained(tmp_path)
+    assert not any(k.startswith("model.") for k in load_file(tmp_path / "model.safetensors"))
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, **kwargs).eval()
+    config, state = load_hf_directory(tmp_path)
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2]])  # [1, T]
+    with torch.no_grad():
+        want = ref(ids).logits  # [1, T, V]
+    torch.testing.assert_close(model_logits(build_model(config, state), ids), want, rtol=1e-4, atol=1e-4)

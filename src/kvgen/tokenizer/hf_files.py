@@ -46,7 +46,7 @@ def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from ``path``; raises ``ModelFormatError`` if unreadable or not an object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, an int over 4300 digits
         raise ModelFormatError(f"cannot read {path}: {e}") from None
     if not isinstance(data, dict):
         raise ModelFormatError(f"{path} must hold a JSON object, got {type(data).__name__}")

@@ -185,6 +185,7 @@ def _plan(files: dict[Path, list[str] | None], config: ModelConfig) -> tuple[dic
     entries: dict[_Entry, tuple[int, ...]] = {}
     ignored: list[str] = []
     seen: dict[str, Path] = {}
+    placed = {key: file for file, keys in files.items() for key in keys or ()}  # the index's shard of each key
     for file, keys in files.items():
         with _open(file) as f:
             available = set(f.keys())
@@ -193,6 +194,7 @@ def _plan(files: dict[Path, list[str] | None], config: ModelConfig) -> tuple[dic
             absent = [k for k in keys if k not in available]
             if absent:
                 raise ModelFormatError(f"{file} lacks tensors that {INDEX_FILE} places there: {', '.join(absent)}")
+            _check_not_elsewhere(file, available - set(keys), placed)
             for key in keys:
                 name = hf_to_kvgen_name(key, config)
                 if name is None:
@@ -207,6 +209,16 @@ def _plan(files: dict[Path, list[str] | None], config: ModelConfig) -> tuple[dic
                 shape = tuple(tensor.get_shape())
                 entries[_Entry(file, key, name, transpose, tensor.get_dtype())] = shape[::-1] if transpose else shape
     return entries, ignored
+
+
+def _check_not_elsewhere(file: Path, unlisted: set[str], placed: dict[str, Path]) -> None:
+    """``ModelFormatError`` when shard ``file`` also holds a tensor (of its keys ``unlisted`` by the index) that the
+    index places in another shard: two copies, of which transformers' ``from_pretrained`` (reading whole shards)
+    takes the last shard's and the index names the other."""
+    twice = [f"{k!r} (placed in {placed[k]})" for k in sorted(unlisted) if k in placed]
+    if twice:
+        raise ModelFormatError(f"{file} also holds tensors that {INDEX_FILE} places in another shard: "
+                               f"{', '.join(twice)}")
 
 
 def _check_dtype(file: Path, key: str, name: str, dtype: str) -> None:

@@ -339,6 +339,8 @@ _LLAMA_BUFFER_RE = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_f
 # Mixtral's sparse block: block_sparse_moe.gate is our mlp.gate, its experts' w1 / w3 / w2 our gate / up / down
 _MIXTRAL_RE = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(gate|experts\.\d+\.w[123])\.weight")
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# a base model's (LlamaModel's) own modules: its checkpoint's keys lack the "model." of a ForCausalLM's
+_BASE_MODEL_KEY_RE = re.compile(r"(embed_tokens|layers|norm)\.")
 _GPT2_CONV1D_RE = re.compile(r"transformer\.h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight")
 
 
@@ -350,7 +352,9 @@ def hf_to_kvgen_name(key: str, config: ModelConfig) -> str | None:
     ``block_sparse_moe.gate`` / ``block_sparse_moe.experts.E.w1`` (w3, w2) become ``mlp.gate`` /
     ``mlp.experts.E.gate_proj`` (up_proj, down_proj).
     GPT-2 keys without the ``transformer.`` prefix (original OpenAI-style and
-    ``GPT2Model`` checkpoints) get it added.
+    ``GPT2Model`` checkpoints) get it added, as do the other models' base-model keys without ``model.``
+    (``embed_tokens.``, ``layers.``, ``norm.``: a ``LlamaModel``'s checkpoint, which transformers' ``from_pretrained``
+    loads into ``LlamaForCausalLM``).
     """
     if key == "lm_head.weight":
         return None if config.tie_word_embeddings else key
@@ -359,6 +363,7 @@ def hf_to_kvgen_name(key: str, config: ModelConfig) -> str | None:
             return None
         return key if key.startswith("transformer.") else "transformer." + key
     if config.model_type in ("llama", "gemma3_text", "gemma2", "gpt_oss"):
+        key = "model." + key if _BASE_MODEL_KEY_RE.match(key) else key
         mixtral = _MIXTRAL_RE.fullmatch(key) if config.extra.get("hf_model_type") == "mixtral" else None
         if mixtral is not None:
             prefix, part = mixtral.groups()
