@@ -123,6 +123,23 @@ def test_special_tokens_map_overrides_the_defaults(tmp_path: Path) -> None:
     assert ours.eos_token_ids == [ref.eos_token_id]  # a named eos_token wins over the sep token
 
 
+def test_additional_special_tokens_of_the_map_join_the_configs(tmp_path: Path) -> None:
+    """A legacy directory naming additional_special_tokens in both tokenizer_config.json and special_tokens_map.json:
+    transformers keeps both lists (config's first); kvgen let the map's replace the config's, so "<eod>" was no
+    special token (split inside text, kept by skip_special_tokens)."""
+    vocab = [*WORDPIECE_VOCAB, "<eod>", "[unused0]"]
+    directory = write_wordpiece_dir(tmp_path, vocab, do_lower_case=True, additional_special_tokens=["<eod>", "<new>"])
+    (directory / "special_tokens_map.json").write_text(json.dumps({"additional_special_tokens": ["[unused0]", "<new>"]}))
+    ours = Tokenizer.from_pretrained(directory)
+    for ref in (AutoTokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory, use_fast=False)):
+        assert ours.vocab_size == len(ref)
+        assert ours.all_special_ids == sorted(ref.all_special_ids)
+        for text in ("你好<eod>hello [unused0]<new>", "<eod>world"):
+            ids = ref.encode(text)
+            assert ours.encode(text) == ids, text
+            assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+
+
 @pytest.mark.parametrize(
     ("config", "vocab", "match"),
     [

@@ -62,12 +62,19 @@ def token_content(value: Any) -> str | None:
 def _tokenizer_config(directory: Path) -> dict[str, Any]:
     """tokenizer_config.json, overridden by special_tokens_map.json only when the config has no
     ``added_tokens_decoder`` (a legacy save), as in transformers: a config written since transformers 4.34 names
-    the special tokens itself and transformers ignores the map."""
+    the special tokens itself and transformers ignores the map. The map's ``additional_special_tokens`` join the
+    config's (config's first) instead of replacing them, as transformers' ``_from_pretrained`` merges them."""
     config: dict[str, Any] = {}
     if (directory / "tokenizer_config.json").is_file():
         config.update(read_json(directory / "tokenizer_config.json"))
     if "added_tokens_decoder" not in config and (directory / "special_tokens_map.json").is_file():
-        config.update(read_json(directory / "special_tokens_map.json"))
+        special_map = read_json(directory / "special_tokens_map.json")
+        extra = special_map.get("additional_special_tokens")
+        if isinstance(extra, list) and isinstance(config.get("additional_special_tokens"), list):
+            merged = list(config["additional_special_tokens"])
+            named = {token_content(t) for t in merged}
+            special_map["additional_special_tokens"] = merged + [t for t in extra if token_content(t) not in named]
+        config.update(special_map)
     return config
 
 
