@@ -148,6 +148,8 @@ def test_additional_special_tokens_of_the_map_join_the_configs(tmp_path: Path) -
         ({}, [t for t in WORDPIECE_VOCAB if t != "[CLS]"], r"cls_token='\[CLS\]' is not in .*vocab.txt"),
         ({"unk_token": "<unk>"}, WORDPIECE_VOCAB, r"unk_token='<unk>' is not in"),
         ({"do_basic_tokenize": False}, WORDPIECE_VOCAB, r"do_basic_tokenize=false"),
+        ({"strip_accents": "yes"}, WORDPIECE_VOCAB, r"strip_accents must be true, false or null, got 'yes'"),
+        ({"strip_accents": 1}, WORDPIECE_VOCAB, r"strip_accents must be true, false or null, got 1"),
     ],
 )
 def test_unsupported_vocab_txt_directories_raise(tmp_path: Path, config: dict, vocab: list[str], match: str) -> None:

@@ -110,10 +110,14 @@ class StreamingCleanUp:
 
 
 def wordpiece_config(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` over BertTokenizer's defaults. Raises ``ModelFormatError`` for ``do_basic_tokenize: false``."""
+    """``config`` over BertTokenizer's defaults. Raises ``ModelFormatError`` for ``do_basic_tokenize: false`` and for a
+    ``strip_accents`` other than true, false or null (the normalizer takes no other value)."""
     merged = {**BERT_DEFAULTS, **config}
     if not merged["do_basic_tokenize"]:
         raise ModelFormatError("tokenizer_config.json sets do_basic_tokenize=false; kvgen's WordPiece needs it true")
+    if merged["strip_accents"] is not None and not isinstance(merged["strip_accents"], bool):
+        raise ModelFormatError(f"tokenizer_config.json strip_accents must be true, false or null, "
+                               f"got {merged['strip_accents']!r}")
     return merged
 
 
