@@ -140,6 +140,21 @@ def test_additional_special_tokens_of_the_map_join_the_configs(tmp_path: Path) -
             assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
 
 
+def test_additional_special_tokens_null_is_none_and_a_string_is_refused(tmp_path: Path) -> None:
+    """"additional_special_tokens": null means none in transformers (kvgen died with "'NoneType' object is not
+    iterable"); a string is no list (kvgen made each of its characters a special token)."""
+    directory = write_wordpiece_dir(tmp_path / "null", WORDPIECE_VOCAB, do_lower_case=True,
+                                    additional_special_tokens=None)
+    ours = Tokenizer.from_pretrained(directory)
+    for ref in (AutoTokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory, use_fast=False)):
+        assert ours.all_special_ids == sorted(ref.all_special_ids)
+        for text in WORDPIECE_STRINGS:
+            assert ours.encode(text) == ref.encode(text), text
+    directory = write_wordpiece_dir(tmp_path / "str", WORDPIECE_VOCAB, additional_special_tokens="<eod>")
+    with pytest.raises(ModelFormatError, match=r"additional_special_tokens .* must be a list of tokens, got str '<eod>'"):
+        Tokenizer.from_pretrained(directory)
+
+
 @pytest.mark.parametrize(
     ("config", "vocab", "match"),
     [

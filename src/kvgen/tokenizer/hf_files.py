@@ -79,9 +79,14 @@ def _tokenizer_config(directory: Path) -> dict[str, Any]:
 
 
 def _special_strings(config: dict[str, Any]) -> list[str]:
-    """The named special tokens of the config (``unk_token`` ..., ``additional_special_tokens``)."""
+    """The named special tokens of the config (``unk_token`` ..., ``additional_special_tokens``: a list, or null for
+    none as in transformers). Raises ``ModelFormatError`` for ``additional_special_tokens`` not a list."""
+    extra = config.get("additional_special_tokens") or []
+    if not isinstance(extra, list):
+        raise ModelFormatError(f"additional_special_tokens of tokenizer_config.json / special_tokens_map.json must be "
+                               f"a list of tokens, got {type(extra).__name__} {extra!r}")
     strings = [token_content(config.get(n)) for n in SPECIAL_TOKEN_KEYS]
-    strings += [token_content(t) for t in config.get("additional_special_tokens", [])]
+    strings += [token_content(t) for t in extra]
     return [s for s in strings if s]
 
 
