@@ -156,6 +156,23 @@ def test_additional_special_tokens_null_is_none_and_a_string_is_refused(tmp_path
 
 
 @pytest.mark.parametrize(
+    ("decoder", "match"),
+    [
+        ([], r"added_tokens_decoder must map ids to tokens, got list"),
+        ({"x": {"content": "<x>"}}, r"added_tokens_decoder: the id 'x' is not an integer"),
+        ({"200": "<x>"}, r"added_tokens_decoder\['200'\] must be an object with a string content, got '<x>'"),
+        ({"200": {"text": "<x>"}}, r"added_tokens_decoder\['200'\] must be an object with a string content"),
+        ({"200": {"content": "<x>", "special": "yes"}}, r"added_tokens_decoder\['200'\] special must be true or false"),
+    ],
+)
+def test_a_malformed_added_tokens_decoder_is_named(tmp_path: Path, decoder: object, match: str) -> None:
+    """kvgen died with an AttributeError, ValueError (int('x')), KeyError or TypeError from deep in the loader."""
+    directory = write_wordpiece_dir(tmp_path, WORDPIECE_VOCAB, added_tokens_decoder=decoder)
+    with pytest.raises(ModelFormatError, match=match):
+        Tokenizer.from_pretrained(directory)
+
+
+@pytest.mark.parametrize(
     ("config", "vocab", "match"),
     [
         ({"tokenizer_class": "XLNetTokenizer"}, WORDPIECE_VOCAB, r"tokenizer_class='XLNetTokenizer'.*BertTokenizer"),

@@ -90,11 +90,33 @@ def _special_strings(config: dict[str, Any]) -> list[str]:
     return [s for s in strings if s]
 
 
+ADDED_TOKEN_FLAGS = ("special", "normalized", "lstrip", "rstrip", "single_word")
+
+
+def _decoder_entries(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """``added_tokens_decoder`` ({"id": {"content": ..., flags}}) entries in id order. Raises ``ModelFormatError``
+    for one that is not an object of that form (transformers fails there with an AttributeError or KeyError)."""
+    decoder = config.get("added_tokens_decoder", {})
+    if not isinstance(decoder, dict):
+        raise ModelFormatError(f"tokenizer_config.json added_tokens_decoder must map ids to tokens, "
+                               f"got {type(decoder).__name__}")
+    for key, entry in decoder.items():
+        if not key.isdecimal():
+            raise ModelFormatError(f"tokenizer_config.json added_tokens_decoder: the id {key!r} is not an integer")
+        if not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
+            raise ModelFormatError(f"tokenizer_config.json added_tokens_decoder[{key!r}] must be an object with a "
+                                   f"string content, got {entry!r}")
+        if bad := [k for k in ADDED_TOKEN_FLAGS if k in entry and not isinstance(entry[k], bool)]:
+            raise ModelFormatError(f"tokenizer_config.json added_tokens_decoder[{key!r}] {bad[0]} must be true or "
+                                   f"false, got {entry[bad[0]]!r}")
+    return [entry for _, entry in sorted(decoder.items(), key=lambda kv: int(kv[0]))]
+
+
 def _added_tokens(config: dict[str, Any]) -> list[AddedToken]:
     """``added_tokens_decoder`` entries, then the named special tokens."""
     added = []
-    for _, entry in sorted(config.get("added_tokens_decoder", {}).items(), key=lambda kv: int(kv[0])):
-        fields = {k: entry[k] for k in ("special", "normalized", "lstrip", "rstrip", "single_word") if k in entry}
+    for entry in _decoder_entries(config):
+        fields = {k: entry[k] for k in ADDED_TOKEN_FLAGS if k in entry}
         added.append(AddedToken(entry["content"], **fields))
     return added + [AddedToken(s, special=True, normalized=False) for s in _special_strings(config)]
 
