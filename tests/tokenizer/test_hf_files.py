@@ -123,6 +123,55 @@ def test_special_tokens_map_overrides_the_defaults(tmp_path: Path) -> None:
     assert ours.eos_token_ids == [ref.eos_token_id]  # a named eos_token wins over the sep token
 
 
+def test_additional_special_tokens_of_the_map_join_the_configs(tmp_path: Path) -> None:
+    """A legacy directory naming additional_special_tokens in both tokenizer_config.json and special_tokens_map.json:
+    transformers keeps both lists (config's first); kvgen let the map's replace the config's, so "<eod>" was no
+    special token (split inside text, kept by skip_special_tokens)."""
+    vocab = [*WORDPIECE_VOCAB, "<eod>", "[unused0]"]
+    directory = write_wordpiece_dir(tmp_path, vocab, do_lower_case=True, additional_special_tokens=["<eod>", "<new>"])
+    (directory / "special_tokens_map.json").write_text(json.dumps({"additional_special_tokens": ["[unused0]", "<new>"]}))
+    ours = Tokenizer.from_pretrained(directory)
+    for ref in (AutoTokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory, use_fast=False)):
+        assert ours.vocab_size == len(ref)
+        assert ours.all_special_ids == sorted(ref.all_special_ids)
+        for text in ("你好<eod>hello [unused0]<new>", "<eod>world"):
+            ids = ref.encode(text)
+            assert ours.encode(text) == ids, text
+            assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+
+
+def test_additional_special_tokens_null_is_none_and_a_string_is_refused(tmp_path: Path) -> None:
+    """"additional_special_tokens": null means none in transformers (kvgen died with "'NoneType' object is not
+    iterable"); a string is no list (kvgen made each of its characters a special token)."""
+    directory = write_wordpiece_dir(tmp_path / "null", WORDPIECE_VOCAB, do_lower_case=True,
+                                    additional_special_tokens=None)
+    ours = Tokenizer.from_pretrained(directory)
+    for ref in (AutoTokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory, use_fast=False)):
+        assert ours.all_special_ids == sorted(ref.all_special_ids)
+        for text in WORDPIECE_STRINGS:
+            assert ours.encode(text) == ref.encode(text), text
+    directory = write_wordpiece_dir(tmp_path / "str", WORDPIECE_VOCAB, additional_special_tokens="<eod>")
+    with pytest.raises(ModelFormatError, match=r"additional_special_tokens .* must be a list of tokens, got str '<eod>'"):
+        Tokenizer.from_pretrained(directory)
+
+
+@pytest.mark.parametrize(
+    ("decoder", "match"),
+    [
+        ([], r"added_tokens_decoder must map ids to tokens, got list"),
+        ({"x": {"content": "<x>"}}, r"added_tokens_decoder: the id 'x' is not an integer"),
+        ({"200": "<x>"}, r"added_tokens_decoder\['200'\] must be an object with a string content, got '<x>'"),
+        ({"200": {"text": "<x>"}}, r"added_tokens_decoder\['200'\] must be an object with a string content"),
+        ({"200": {"content": "<x>", "special": "yes"}}, r"added_tokens_decoder\['200'\] special must be true or false"),
+    ],
+)
+def test_a_malformed_added_tokens_decoder_is_named(tmp_path: Path, decoder: object, match: str) -> None:
+    """kvgen died with an AttributeError, ValueError (int('x')), KeyError or TypeError from deep in the loader."""
+    directory = write_wordpiece_dir(tmp_path, WORDPIECE_VOCAB, added_tokens_decoder=decoder)
+    with pytest.raises(ModelFormatError, match=match):
+        Tokenizer.from_pretrained(directory)
+
+
 @pytest.mark.parametrize(
     ("config", "vocab", "match"),
     [
@@ -131,6 +180,8 @@ def test_special_tokens_map_overrides_the_defaults(tmp_path: Path) -> None:
         ({}, [t for t in WORDPIECE_VOCAB if t != "[CLS]"], r"cls_token='\[CLS\]' is not in .*vocab.txt"),
         ({"unk_token": "<unk>"}, WORDPIECE_VOCAB, r"unk_token='<unk>' is not in"),
         ({"do_basic_tokenize": False}, WORDPIECE_VOCAB, r"do_basic_tokenize=false"),
+        ({"strip_accents": "yes"}, WORDPIECE_VOCAB, r"strip_accents must be true, false or null, got 'yes'"),
+        ({"strip_accents": 1}, WORDPIECE_VOCAB, r"strip_accents must be true, false or null, got 1"),
     ],
 )
 def test_unsupported_vocab_txt_directories_raise(tmp_path: Path, config: dict, vocab: list[str], match: str) -> None:

@@ -81,6 +81,23 @@ def test_a_vocab_with_duplicate_lines_decodes_every_id_as_transformers(tmp_path:
         assert ours.decode(every_id, skip_special_tokens=skip) == fast.decode(every_id, skip_special_tokens=skip)
 
 
+def test_vocab_lines_keep_their_trailing_whitespace_as_transformers(tmp_path: Path) -> None:
+    """vocab.txt lines are tokens as transformers' load_vocab reads them (only the line break removed; "\\r" and
+    "\\r\\n" end a line): kvgen read it with tokenizers' WordPiece.read_file, which trims trailing whitespace, so
+    "hello " took the id of "hello" and the "\\u3000" line became an empty token."""
+    vocab = [*WORDPIECE_VOCAB[:40], "hello ", "\u3000", "world\t", *WORDPIECE_VOCAB[40:]]
+    directory = write_wordpiece_dir(tmp_path, vocab, do_lower_case=True)
+    text = "\n".join(vocab[:20]) + "\r" + "\r\n".join(vocab[20:]) + "\n"  # a lone "\r" and "\r\n" line breaks too
+    (directory / "vocab.txt").write_bytes(text.encode("utf-8"))
+    ours = Tokenizer.from_pretrained(directory)
+    every_id = list(range(len(vocab)))
+    for ref in (AutoTokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory, use_fast=False)):
+        assert ours.vocab_size == len(ref)
+        for text in WORDPIECE_STRINGS:
+            assert ours.encode(text) == ref.encode(text), text
+        assert ours.decode(every_id) == ref.decode(every_id)
+
+
 def test_special_ids_stop_generation_at_sep(tmp_path: Path) -> None:
     ours, ref = _pair(tmp_path, CONFIGS["lower"])
     assert ref.bos_token_id is None and ref.eos_token_id is None  # BertTokenizer has neither

@@ -62,27 +62,61 @@ def token_content(value: Any) -> str | None:
 def _tokenizer_config(directory: Path) -> dict[str, Any]:
     """tokenizer_config.json, overridden by special_tokens_map.json only when the config has no
     ``added_tokens_decoder`` (a legacy save), as in transformers: a config written since transformers 4.34 names
-    the special tokens itself and transformers ignores the map."""
+    the special tokens itself and transformers ignores the map. The map's ``additional_special_tokens`` join the
+    config's (config's first) instead of replacing them, as transformers' ``_from_pretrained`` merges them."""
     config: dict[str, Any] = {}
     if (directory / "tokenizer_config.json").is_file():
         config.update(read_json(directory / "tokenizer_config.json"))
     if "added_tokens_decoder" not in config and (directory / "special_tokens_map.json").is_file():
-        config.update(read_json(directory / "special_tokens_map.json"))
+        special_map = read_json(directory / "special_tokens_map.json")
+        extra = special_map.get("additional_special_tokens")
+        if isinstance(extra, list) and isinstance(config.get("additional_special_tokens"), list):
+            merged = list(config["additional_special_tokens"])
+            named = {token_content(t) for t in merged}
+            special_map["additional_special_tokens"] = merged + [t for t in extra if token_content(t) not in named]
+        config.update(special_map)
     return config
 
 
 def _special_strings(config: dict[str, Any]) -> list[str]:
-    """The named special tokens of the config (``unk_token`` ..., ``additional_special_tokens``)."""
+    """The named special tokens of the config (``unk_token`` ..., ``additional_special_tokens``: a list, or null for
+    none as in transformers). Raises ``ModelFormatError`` for ``additional_special_tokens`` not a list."""
+    extra = config.get("additional_special_tokens") or []
+    if not isinstance(extra, list):
+        raise ModelFormatError(f"additional_special_tokens of tokenizer_config.json / special_tokens_map.json must be "
+                               f"a list of tokens, got {type(extra).__name__} {extra!r}")
     strings = [token_content(config.get(n)) for n in SPECIAL_TOKEN_KEYS]
-    strings += [token_content(t) for t in config.get("additional_special_tokens", [])]
+    strings += [token_content(t) for t in extra]
     return [s for s in strings if s]
+
+
+ADDED_TOKEN_FLAGS = ("special", "normalized", "lstrip", "rstrip", "single_word")
+
+
+def _decoder_entries(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """``added_tokens_decoder`` ({"id": {"content": ..., flags}}) entries in id order. Raises ``ModelFormatError``
+    for one that is not an object of that form (transformers fails there with an AttributeError or KeyError)."""
+    decoder = config.get("added_tokens_decoder", {})
+    if not isinstance(decoder, dict):
+        raise ModelFormatError(f"tokenizer_config.json added_tokens_decoder must map ids to tokens, "
+                               f"got {type(decoder).__name__}")
+    for key, entry in decoder.items():
+        if not key.isdecimal():
+            raise ModelFormatError(f"tokenizer_config.json added_tokens_decoder: the id {key!r} is not an integer")
+        if not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
+            raise ModelFormatError(f"tokenizer_config.json added_tokens_decoder[{key!r}] must be an object with a "
+                                   f"string content, got {entry!r}")
+        if bad := [k for k in ADDED_TOKEN_FLAGS if k in entry and not isinstance(entry[k], bool)]:
+            raise ModelFormatError(f"tokenizer_config.json added_tokens_decoder[{key!r}] {bad[0]} must be true or "
+                                   f"false, got {entry[bad[0]]!r}")
+    return [entry for _, entry in sorted(decoder.items(), key=lambda kv: int(kv[0]))]
 
 
 def _added_tokens(config: dict[str, Any]) -> list[AddedToken]:
     """``added_tokens_decoder`` entries, then the named special tokens."""
     added = []
-    for _, entry in sorted(config.get("added_tokens_decoder", {}).items(), key=lambda kv: int(kv[0])):
-        fields = {k: entry[k] for k in ("special", "normalized", "lstrip", "rstrip", "single_word") if k in entry}
+    for entry in _decoder_entries(config):
+        fields = {k: entry[k] for k in ADDED_TOKEN_FLAGS if k in entry}
         added.append(AddedToken(entry["content"], **fields))
     return added + [AddedToken(s, special=True, normalized=False) for s in _special_strings(config)]
 

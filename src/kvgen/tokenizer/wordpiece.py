@@ -110,10 +110,14 @@ class StreamingCleanUp:
 
 
 def wordpiece_config(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` over BertTokenizer's defaults. Raises ``ModelFormatError`` for ``do_basic_tokenize: false``."""
+    """``config`` over BertTokenizer's defaults. Raises ``ModelFormatError`` for ``do_basic_tokenize: false`` and for a
+    ``strip_accents`` other than true, false or null (the normalizer takes no other value)."""
     merged = {**BERT_DEFAULTS, **config}
     if not merged["do_basic_tokenize"]:
         raise ModelFormatError("tokenizer_config.json sets do_basic_tokenize=false; kvgen's WordPiece needs it true")
+    if merged["strip_accents"] is not None and not isinstance(merged["strip_accents"], bool):
+        raise ModelFormatError(f"tokenizer_config.json strip_accents must be true, false or null, "
+                               f"got {merged['strip_accents']!r}")
     return merged
 
 
@@ -123,6 +127,18 @@ def _vocab_id(vocab: dict[str, int], token: str, key: str, path: Path) -> int:
     return vocab[token]
 
 
+def read_vocab(vocab_path: Path) -> dict[str, int]:
+    """``vocab.txt`` as transformers' ``load_vocab``: token -> id (line number), only the line break taken off a line,
+    so a token keeps its trailing spaces (``tokenizers``' ``WordPiece.read_file`` trims them, and "hello " took the id
+    of "hello"); a repeated token gets its later line's id. Raises ``ModelFormatError`` if the file cannot be read."""
+    try:
+        with open(vocab_path, encoding="utf-8") as reader:
+            lines = reader.readlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelFormatError(f"cannot read {vocab_path}: {e}") from None
+    return {line.rstrip("\n"): index for index, line in enumerate(lines)}
+
+
 def wordpiece_backend(vocab_path: Path, config: dict[str, Any], tokens: dict[str, str]) -> BackendTokenizer:
     """The WordPiece backend of ``vocab_path`` (one token per line, id = line number).
 
@@ -130,10 +146,7 @@ def wordpiece_backend(vocab_path: Path, config: dict[str, Any], tokens: dict[str
     ``tokens``: the ``unk_token``, ``cls_token`` and ``sep_token`` strings. Raises
     ``ModelFormatError`` if the file cannot be read or lacks the unk, cls or sep token.
     """
-    try:
-        vocab: dict[str, int] = models.WordPiece.read_file(str(vocab_path))
-    except Exception as e:  # noqa: BLE001 -- tokenizers raises plain Exception for unreadable files
-        raise ModelFormatError(f"cannot read {vocab_path}: {e}") from None
+    vocab = read_vocab(vocab_path)
     unk, cls, sep = tokens["unk_token"], tokens["cls_token"], tokens["sep_token"]
     _vocab_id(vocab, unk, "unk_token", vocab_path)
     backend = BackendTokenizer(models.WordPiece(vocab, unk_token=unk, max_input_chars_per_word=100))
