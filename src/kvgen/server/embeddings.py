@@ -10,6 +10,7 @@ Source: OpenAI openapi.yaml ``CreateEmbeddingRequest`` / ``CreateEmbeddingRespon
 from __future__ import annotations
 
 import array
+import asyncio
 import base64
 import sys
 import time
@@ -42,8 +43,8 @@ def _param_of(error: ValueError) -> str:
 
 
 async def create_embedding(state: ServerState, body: EmbeddingRequest) -> EmbeddingResponse:
-    """The embeddings of ``body.input`` (each cut to its last ``truncate_prompt_tokens``, vLLM's extra), in input
-    order. Raises a 400 ``OpenAIError`` for an empty input, token ids outside the vocabulary, an input over
+    """The embeddings of ``body.input`` (each cut to its last ``truncate_prompt_tokens``; text tokenized with the
+    special tokens unless ``add_special_tokens`` is false: vLLM's extras), in input order. Raises a 400 ``OpenAIError`` for an empty input, token ids outside the vocabulary, an input over
     ``max_model_len``, ``truncate_prompt_tokens`` 0 or over it, or ``dimensions`` over the hidden size; 404 for
     another model's name."""
     state.check_model(body.model)
@@ -61,6 +62,8 @@ async def create_embedding(state: ServerState, body: EmbeddingRequest) -> Embedd
         raise bad_request(str(e), _param_of(e)) from None
     data, num_tokens, request_id, start = [], 0, new_request_id("embd"), time.monotonic()
     for index, item in enumerate(inputs):
+        if isinstance(item, str) and not body.add_special_tokens:  # the engine's tokenizing adds them
+            item = await asyncio.to_thread(state.tokenizer.encode, item, add_special_tokens=False)
         try:
             out = await state.engine.embed(f"{request_id}-{index}", item, params)  # type: ignore[arg-type]
         except EngineStoppedError as e:

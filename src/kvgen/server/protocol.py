@@ -440,6 +440,8 @@ class EmbeddingRequest(StrictModel):
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=MAX_INT32,
                                                description="vLLM extra: embed each input's last k tokens; -1: max_model_len")
+    add_special_tokens: bool = Field(default=True, description="vLLM extra: text inputs get the tokenizer's special "
+                                                               "tokens (BOS) where the model's files ask for them")
 
     @field_validator("input", mode="before")
     @classmethod
