@@ -130,3 +130,24 @@ def test_embeddings_count_in_the_metrics(server, client):
     assert after["kvgen:prompt_tokens_total"] - before["kvgen:prompt_tokens_total"] == r.usage.prompt_tokens > 0
     stop = 'kvgen:request_success_total{finished_reason="stop",model_name="tiny"}'
     assert after[stop] - before.get(stop, 0.0) == 1
+
+
+def test_messages_embed_the_chat_templates_rendering(bos_server, hf_tiny, tiny_tokenizer):
+    """vLLM's ``EmbeddingChatRequest``: ``messages`` instead of ``input`` embed the template's rendering, without the
+    generation prompt and without the tokenizer's BOS unless ``add_special_tokens`` (or ``add_generation_prompt``)
+    says so."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"}]
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)  # the ChatML template
+    ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+    prompt = tiny_tokenizer.encode(text + "<|im_start|>assistant\n", add_special_tokens=False)
+    for extra, want in [({}, ids), ({"add_generation_prompt": True}, prompt), ({"add_special_tokens": True}, [1, *ids])]:
+        r = httpx.post(bos_server.v1 + "/embeddings", json={"messages": messages, **extra}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["data"]) == 1 and r.json()["usage"]["prompt_tokens"] == len(want)
+        torch.testing.assert_close(torch.tensor(r.json()["data"][0]["embedding"]), _expected(hf_tiny, want),
+                                   rtol=1e-5, atol=1e-5)
+    for body in ({"input": "a", "messages": messages}, {}):
+        r = httpx.post(bos_server.v1 + "/embeddings", json=body, timeout=30)
+        assert r.status_code == 400 and "exactly one of input and messages" in r.json()["error"]["message"]
+    r = httpx.post(bos_server.v1 + "/embeddings", json={"messages": []}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
