@@ -87,6 +87,37 @@ def test_bad_embedding_requests_are_400_naming_the_field(server, client, body, p
     assert client.embeddings.create(model="tiny", input="still serving").data  # nothing broke
 
 
+@pytest.fixture(scope="module")
+def bos_server(tiny_model_dir, tmp_path_factory, launch_server):
+    """The tiny model with a tokenizer whose post-processor prepends BOS (``<|im_start|>``, id 1), as Llama's."""
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    path = tmp_path_factory.mktemp("bos-model")
+    shutil.copytree(tiny_model_dir, path, dirs_exist_ok=True)
+    backend = Tokenizer.from_file(str(path / "tokenizer.json"))
+    backend.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    backend.save(str(path / "tokenizer.json"))
+    live = launch_server(path, tmp_path_factory.mktemp("logs") / "bos.log", "--num-blocks", "256")
+    yield live
+    assert live.stop() == 0, live.log()[-3000:]
+
+
+def test_add_special_tokens_false_embeds_the_text_without_bos(bos_server, hf_tiny, tiny_tokenizer):
+    """vLLM's ``add_special_tokens`` (default true) on text inputs: false embeds the text's own tokens, no BOS."""
+    text = "The capital of France is"
+    ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+    with_bos = httpx.post(bos_server.v1 + "/embeddings", json={"input": text}, timeout=30).json()
+    plain = httpx.post(bos_server.v1 + "/embeddings", json={"input": [text], "add_special_tokens": False},
+                       timeout=30).json()
+    assert with_bos["usage"]["prompt_tokens"] == len(ids) + 1 and plain["usage"]["prompt_tokens"] == len(ids)
+    torch.testing.assert_close(torch.tensor(with_bos["data"][0]["embedding"]), _expected(hf_tiny, [1, *ids]),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(plain["data"][0]["embedding"]), _expected(hf_tiny, ids), rtol=1e-5,
+                               atol=1e-5)
+
+
 def test_another_models_name_is_404(server):
     r = httpx.post(server.v1 + "/embeddings", json={"model": "gpt-4", "input": "a"}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
@@ -99,3 +130,24 @@ def test_embeddings_count_in_the_metrics(server, client):
     assert after["kvgen:prompt_tokens_total"] - before["kvgen:prompt_tokens_total"] == r.usage.prompt_tokens > 0
     stop = 'kvgen:request_success_total{finished_reason="stop",model_name="tiny"}'
     assert after[stop] - before.get(stop, 0.0) == 1
+
+
+def test_messages_embed_the_chat_templates_rendering(bos_server, hf_tiny, tiny_tokenizer):
+    """vLLM's ``EmbeddingChatRequest``: ``messages`` instead of ``input`` embed the template's rendering, without the
+    generation prompt and without the tokenizer's BOS unless ``add_special_tokens`` (or ``add_generation_prompt``)
+    says so."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"}]
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)  # the ChatML template
+    ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+    prompt = tiny_tokenizer.encode(text + "<|im_start|>assistant\n", add_special_tokens=False)
+    for extra, want in [({}, ids), ({"add_generation_prompt": True}, prompt), ({"add_special_tokens": True}, [1, *ids])]:
+        r = httpx.post(bos_server.v1 + "/embeddings", json={"messages": messages, **extra}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["data"]) == 1 and r.json()["usage"]["prompt_tokens"] == len(want)
+        torch.testing.assert_close(torch.tensor(r.json()["data"][0]["embedding"]), _expected(hf_tiny, want),
+                                   rtol=1e-5, atol=1e-5)
+    for body in ({"input": "a", "messages": messages}, {}):
+        r = httpx.post(bos_server.v1 + "/embeddings", json=body, timeout=30)
+        assert r.status_code == 400 and "exactly one of input and messages" in r.json()["error"]["message"]
+    r = httpx.post(bos_server.v1 + "/embeddings", json={"messages": []}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")

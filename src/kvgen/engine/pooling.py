@@ -32,21 +32,23 @@ _SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_
 class PoolingParams:
     """How one prompt's embedding is made (vLLM's ``PoolingParams`` for embeddings).
 
-    dimensions: keep the first n values (Matryoshka), None = all ``hidden_size``; normalize: unit L2 norm;
-    truncate_prompt_tokens: embed only the prompt's last k tokens (-1: ``max_model_len``; None: all).
-    Raises ``ValueError`` for ``dimensions`` below 1, a non-bool ``normalize`` or ``truncate_prompt_tokens`` other
+    dimensions: keep the first n values (Matryoshka), None = all ``hidden_size``; normalize: unit L2 norm (None: the
+    default, True, as vLLM's); truncate_prompt_tokens: embed only the prompt's last k tokens (-1: ``max_model_len``; None: all).
+    Raises ``ValueError`` for ``dimensions`` below 1, a ``normalize`` neither bool nor None or ``truncate_prompt_tokens`` other
     than -1 or [1, 2**31 - 1]; the engine refuses ``dimensions`` above the model's hidden size and
     ``truncate_prompt_tokens`` above ``max_model_len``.
     """
 
     dimensions: int | None = None
-    normalize: bool = True
+    normalize: bool | None = True
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.dimensions is not None:
             check_int("dimensions", self.dimensions, 1)
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        if self.normalize is None:  # vLLM's "not set": the embedding task's default
+            self.normalize = True
         if not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be a bool, got {self.normalize!r}")
 

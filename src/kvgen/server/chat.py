@@ -65,10 +65,12 @@ from kvgen.server.tools import (
 )
 
 
-def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest, add_generation_prompt: bool | None = None) -> list[int]:
+def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest, add_generation_prompt: bool | None = None,
+                    add_special_tokens: bool = False) -> list[int]:
     """Token ids of the messages rendered by the chat template (with the generation prompt unless
     ``add_generation_prompt`` or the request says otherwise; vLLM's ``continue_final_message`` and
-    ``chat_template_kwargs`` and ``documents`` as asked).
+    ``chat_template_kwargs`` and ``documents`` as asked), and the tokenizer's special tokens on top where
+    ``add_special_tokens`` (vLLM's, default false: the template writes them).
 
     Raises a 400 naming ``messages`` when the template fails or renders nothing.
     """
@@ -80,12 +82,14 @@ def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest, add_generati
     content_format = state.tokenizer.chat_template_content_format(tools)  # vLLM's "auto"
     try:
         ids = state.tokenizer.apply_chat_template(
-            message_dicts(req.messages, content_format), add_generation_prompt=add_generation_prompt, tokenize=True,
-            tools=tools, continue_final_message=req.continue_final_message,
+            message_dicts(req.messages, content_format), add_generation_prompt=add_generation_prompt,
+            tokenize=not add_special_tokens, tools=tools, continue_final_message=req.continue_final_message,
             chat_template_kwargs=req.chat_template_kwargs, documents=req.documents,
         )
     except (KvgenError, ValueError) as e:
         raise bad_request(str(e).splitlines()[0], "messages") from None
+    if isinstance(ids, str):  # the rendered text: tokenized with the special tokens
+        ids = state.tokenizer.encode(ids, add_special_tokens=True)
     assert isinstance(ids, list)  # tokenize=True returns the ids
     if not ids:
         raise bad_request("the messages render to an empty prompt", "messages")

@@ -10,14 +10,19 @@ Source: OpenAI openapi.yaml ``CreateEmbeddingRequest`` / ``CreateEmbeddingRespon
 from __future__ import annotations
 
 import array
+import asyncio
 import base64
 import sys
 import time
 
+from pydantic import ValidationError
+
 from kvgen.engine.pooling import PoolingParams
 from kvgen.engine.async_engine import EngineStoppedError
-from kvgen.server.errors import OpenAIError, bad_request
+from kvgen.server.chat import chat_prompt_ids
+from kvgen.server.errors import OpenAIError, bad_request, validation_error
 from kvgen.server.protocol import (
+    ChatCompletionRequest,
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
@@ -41,13 +46,28 @@ def _param_of(error: ValueError) -> str:
     return next((name for name in ("dimensions", "truncate_prompt_tokens") if str(error).startswith(name)), "input")
 
 
+def _messages_ids(state: ServerState, body: EmbeddingRequest) -> list[int]:
+    """``body.messages`` rendered as a chat request with the embedding request's chat fields would be (vLLM's
+    ``EmbeddingChatRequest``: no generation prompt and no special tokens unless asked). Raises a 400."""
+    chat_fields = body.model_dump(include={"add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
+    try:
+        request = ChatCompletionRequest(model=state.model_name, messages=body.messages or [], **chat_fields)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+    add_special_tokens = body.add_special_tokens and "add_special_tokens" in body.model_fields_set
+    return chat_prompt_ids(state, request, add_special_tokens=add_special_tokens)
+
+
 async def create_embedding(state: ServerState, body: EmbeddingRequest) -> EmbeddingResponse:
-    """The embeddings of ``body.input`` (each cut to its last ``truncate_prompt_tokens``, vLLM's extra), in input
-    order. Raises a 400 ``OpenAIError`` for an empty input, token ids outside the vocabulary, an input over
-    ``max_model_len``, ``truncate_prompt_tokens`` 0 or over it, or ``dimensions`` over the hidden size; 404 for
-    another model's name."""
+    """The embeddings of ``body.input`` or ``body.messages`` (each cut to its last ``truncate_prompt_tokens``; text
+    tokenized with the special tokens unless ``add_special_tokens`` is false: vLLM's extras), in input order. Raises a
+    400 ``OpenAIError`` for neither or both of input and messages, an empty input, token ids outside the vocabulary,
+    messages the template cannot render, an input over ``max_model_len``, ``truncate_prompt_tokens`` 0 or over it, or
+    ``dimensions`` over the hidden size; 404 for another model's name."""
     state.check_model(body.model)
-    inputs = body.input
+    if (body.input is None) == (body.messages is None):
+        raise bad_request("pass exactly one of input and messages", "input")
+    inputs = body.input if body.messages is None else [await asyncio.to_thread(_messages_ids, state, body)]
     if isinstance(inputs, str) or (inputs and all(isinstance(t, int) for t in inputs)):
         inputs = [inputs]  # type: ignore[assignment]  # one string, or one list of token ids
     if not inputs:
@@ -61,6 +81,8 @@ async def create_embedding(state: ServerState, body: EmbeddingRequest) -> Embedd
         raise bad_request(str(e), _param_of(e)) from None
     data, num_tokens, request_id, start = [], 0, new_request_id("embd"), time.monotonic()
     for index, item in enumerate(inputs):
+        if isinstance(item, str) and not body.add_special_tokens:  # the engine's tokenizing adds them
+            item = await asyncio.to_thread(state.tokenizer.encode, item, add_special_tokens=False)
         try:
             out = await state.engine.embed(f"{request_id}-{index}", item, params)  # type: ignore[arg-type]
         except EngineStoppedError as e:

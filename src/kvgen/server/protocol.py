@@ -430,16 +430,27 @@ MAX_EMBEDDING_INPUTS = 2048  # as OpenAI: inputs per /v1/embeddings request
 class EmbeddingRequest(StrictModel):
     """OpenAI's /v1/embeddings: ``input`` is a string, a list of token ids, or a non-empty list of either (at most
     2048); ``dimensions`` keeps the first n values before normalizing; ``encoding_format`` "base64" sends each
-    embedding as the base64 of its little-endian float32 bytes (what the ``openai`` client asks for)."""
+    embedding as the base64 of its little-endian float32 bytes (what the ``openai`` client asks for). vLLM's
+    ``EmbeddingChatRequest``: ``messages`` instead of ``input``, one embedding of the chat template's rendering
+    (without the generation prompt and, unless ``add_special_tokens`` is set, without special tokens)."""
 
     model: str | None = None
     input: (str | Annotated[list[str], Field(max_length=MAX_EMBEDDING_INPUTS)] | list[Annotated[int, Field(ge=0)]]
-            | Annotated[list[list[Annotated[int, Field(ge=0)]]], Field(max_length=MAX_EMBEDDING_INPUTS)])
+            | Annotated[list[list[Annotated[int, Field(ge=0)]]], Field(max_length=MAX_EMBEDDING_INPUTS)] | None) = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1,
+                                               description="vLLM extra: embed a conversation instead of input")
+    add_generation_prompt: bool = Field(default=False, description="vLLM extra, with messages: end with the "
+                                                                   "assistant's turn")
+    continue_final_message: bool = Field(default=False, description="vLLM extra, with messages")
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="vLLM extra, with messages")
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=MAX_INT32,
                                                description="vLLM extra: embed each input's last k tokens; -1: max_model_len")
+    add_special_tokens: bool = Field(default=True, description="vLLM extra: text inputs get the tokenizer's special "
+                                                               "tokens (BOS) where the model's files ask for them "
+                                                               "(with messages: false unless set)")
 
     @field_validator("input", mode="before")
     @classmethod
