@@ -170,3 +170,38 @@ def test_decode_takes_integer_ids_only_and_encode_refuses_lone_surrogates(ours: 
         ours.id_to_token(1.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="lone surrogate"):
         ours.encode("a\ud800b")
+
+
+def test_a_long_text_is_encoded_with_the_gil_released(ours: Tokenizer, ref) -> None:
+    """``tokenizers``' ``encode`` holds the GIL for the whole call, so a multi-megabyte prompt froze the server's event
+    loop even from a worker thread; from ``GIL_FREE_ENCODE_CHARS`` on, kvgen encodes through ``encode_batch``, which
+    releases it. Evidence: the main thread keeps running during the encode (it records times inside it; with the GIL
+    held it could only at the call's edges), and the ids are transformers'; the lone-surrogate check still holds."""
+    import random
+    import threading
+    import time
+
+    from kvgen.tokenizer.tokenizer import GIL_FREE_ENCODE_CHARS
+
+    rng = random.Random(0)
+    text = " ".join("".join(rng.choice("abcdefghéü中") for _ in range(8)) for _ in range(150_000))
+    span: list[float] = []
+    ids: list[int] = []
+
+    def encode() -> None:
+        span.append(time.perf_counter())
+        ids.extend(ours.encode(text, add_special_tokens=False))
+        span.append(time.perf_counter())
+
+    worker = threading.Thread(target=encode)
+    ticks = []
+    worker.start()
+    while worker.is_alive():
+        ticks.append(time.perf_counter())
+        time.sleep(0.0005)
+    worker.join()
+    # held, the main thread could run only at the call's edges (a GIL switch before or after it): a tick or two
+    assert sum(span[0] < t < span[1] for t in ticks) >= 10
+    assert ids == ref.encode(text, add_special_tokens=False)
+    with pytest.raises(ValueError, match="lone surrogate"):
+        ours.encode("a\ud800b" * GIL_FREE_ENCODE_CHARS)
