@@ -194,3 +194,5 @@ def test_from_optional_fills_none_and_clamps_logit_bias_as_vllm() -> None:
         SamplingParams.from_optional(logit_bias={"x": 1.0})
     with pytest.raises(ValueError, match="top_p must be in"):
         SamplingParams.from_optional(top_p=2.0)
+    with pytest.raises(ValueError, match="logit_bias values must be numbers in .*got nan"):  # not clamped to -100
+        SamplingParams.from_optional(logit_bias={"5": float("nan")})

@@ -90,6 +90,8 @@ def test_null_n_stream_logprobs_echo_are_their_defaults_and_metadata_has_openais
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("metadata"), r.text
     ok = httpx.post(server.v1 + "/chat/completions", json=chat | {"metadata": {"k" * 64: "v" * 512}}, timeout=60)
     assert ok.status_code == 200, ok.text
+    echo = httpx.post(server.v1 + "/chat/completions", json=chat | {"echo": None}, timeout=60)  # chat has no echo
+    assert echo.status_code == 400 and echo.json()["error"]["param"] == "echo", echo.text
 
 
 def test_streamed_chat_equals_non_streamed_and_follows_the_chunk_protocol(client):

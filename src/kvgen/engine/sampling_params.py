@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import enum
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,8 +198,8 @@ def _int_keyed_clamped_bias(bias: Any) -> Any:
             bad_keys.append(key)
     if bad_keys:
         raise ValueError(f"logit_bias contains key(s) that cannot be converted to integer token ids: {bad_keys!r}")
-    return {int(k): min(100.0, max(-100.0, v)) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
-            for k, v in bias.items()}
+    return {int(k): min(100.0, max(-100.0, v)) if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and math.isfinite(v) else v for k, v in bias.items()}  # NaN is left to be refused (max() made it -100)
 
 
 def _logit_bias(bias: Any) -> dict[int, float] | None:

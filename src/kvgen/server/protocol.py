@@ -150,8 +150,9 @@ class SamplingFields(StrictModel):
     def _null_is_the_default(cls, data: Any) -> Any:
         """OpenAI's schemas let ``n``, ``stream``, ``logprobs`` (chat) and ``echo`` (completions) be null, meaning
         their defaults (vLLM's fields are Optional with the same defaults): a null one is left out."""
-        if isinstance(data, dict) and any(data.get(k, 0) is None for k in _NULLABLE_OPENAI_FIELDS):
-            return {k: v for k, v in data.items() if v is not None or k not in _NULLABLE_OPENAI_FIELDS}
+        nullable = [k for k in _NULLABLE_OPENAI_FIELDS if k in cls.model_fields]  # chat has no echo: still refused
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in nullable):
+            return {k: v for k, v in data.items() if v is not None or k not in nullable}
         return data
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     # bounded away from 0: logits / 1e-300 overflow to inf, and the draw fails
