@@ -16,6 +16,7 @@ import torch
 import transformers
 from transformers.generation import streamers as hf_streamers
 
+from kvgen.generation.generate import generate
 from kvgen.generation.streamers import TextIteratorStreamer, TextStreamer
 from kvgen.tokenizer import Tokenizer
 
@@ -63,3 +64,77 @@ def test_decode_kwargs_clean_up_tokenization_spaces_as_transformers(tokenizers: 
             want = _iterated(hf_streamers.TextIteratorStreamer(ref, **kwargs), calls)
             assert _iterated(TextIteratorStreamer(ours, **kwargs), calls) == want
             assert _printed(TextStreamer(ours, **kwargs), calls) == _printed(hf_streamers.TextStreamer(ref, **kwargs), calls)
+
+
+@pytest.mark.parametrize("text", [" one two 😀 three\nfour 👍🏽 five", "日本 語 中文字 🎉 end", "naïve 👨‍👩‍👧 café"])
+def test_split_characters_stream_as_transformers(tokenizers: tuple[Tokenizer, Any], text: str) -> None:
+    """Tokens put one at a time, a character's bytes split across them: the same pieces as transformers, one per
+    put, none with a U+FFFD. Text ending in an incomplete character held back the words before it too (and put no
+    piece) before."""
+    ours, ref = tokenizers
+    ids = ref.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in ref.decode(ids[:i]) for i in range(1, len(ids))), "no character split across tokens"
+    calls = [torch.tensor([ids[:1]])] + [torch.tensor(ids[i : i + 1]) for i in range(1, len(ids))]  # [1, 1], [1]...
+    want = _iterated(hf_streamers.TextIteratorStreamer(ref, skip_prompt=False), calls)
+    got = _iterated(TextIteratorStreamer(ours, skip_prompt=False), calls)
+    assert got == want
+    assert "\ufffd" not in "".join(got)
+
+
+# ---------------------------------------------------------------- generate(streamer=...) end to end
+
+
+class _Recorder:
+    """A streamer that keeps every ``put`` value's shape and ids, and ``"end"``."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[int, ...], list[int]] | str] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls.append((tuple(value.shape), value.flatten().tolist()))
+
+    def end(self) -> None:
+        self.calls.append("end")
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir: Path) -> tuple[Any, Any]:
+    """(kvgen's, transformers') model of the tiny directory, float32 and the same weights."""
+    from kvgen.loader import load_model
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), torch_dtype=torch.float32)
+    return load_model(str(tiny_model_dir), dtype="float32")[0], ref.eval()
+
+
+def _streamed(model: Any, ref_model: bool, ids: torch.Tensor, streamer: Any, settings: dict[str, Any],
+              tokenizer: Any) -> torch.Tensor:
+    """``sequences`` [1, T'] of one greedy ``generate`` with ``streamer``: transformers' when ``ref_model``."""
+    if ref_model:
+        with torch.inference_mode():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), streamer=streamer, tokenizer=tokenizer,
+                                  pad_token_id=0, **settings)
+    return generate(model, ids, streamer=streamer, tokenizer=tokenizer, pad_token_id=0, **settings).sequences
+
+
+@pytest.mark.parametrize("settings", [
+    {"max_new_tokens": 30},
+    {"max_new_tokens": 30, "stop_strings": ["&"]},
+    {"max_new_tokens": 12, "penalty_alpha": 0.6, "top_k": 4},
+], ids=["greedy", "greedy-stop_strings", "contrastive"])
+def test_generate_puts_and_streams_as_transformers(models: tuple[Any, Any], tokenizers: tuple[Tokenizer, Any],
+                                                   settings: dict[str, Any]) -> None:
+    """The put calls (the prompt [1, T], then [N] per step) and the text pieces equal transformers'."""
+    (ours, ref), (tok, ref_tok) = models, tokenizers
+    ids = torch.tensor([ref_tok.encode("naïve café 3.14159, 1,000", add_special_tokens=False)])  # [1, T]
+    settings = {"do_sample": False, **settings}
+    want, got = _Recorder(), _Recorder()
+    assert _streamed(ours, False, ids, got, settings, tok).tolist() == _streamed(
+        ref, True, ids, want, settings, ref_tok).tolist()
+    assert got.calls == want.calls
+    if "prompt_lookup_num_tokens" in settings:
+        assert any(c != "end" and c[0][-1] > 1 for c in want.calls[1:]), "no step put several tokens"
+    ours_text = TextIteratorStreamer(tok, skip_prompt=True)
+    ref_text = hf_streamers.TextIteratorStreamer(ref_tok, skip_prompt=True)
+    _streamed(ours, False, ids, ours_text, settings, tok)
+    _streamed(ref, True, ids, ref_text, settings, ref_tok)
+    assert list(ours_text) == list(ref_text)
