@@ -120,10 +120,14 @@ def _streamed(model: Any, ref_model: bool, ids: torch.Tensor, streamer: Any, set
     {"max_new_tokens": 30},
     {"max_new_tokens": 30, "stop_strings": ["&"]},
     {"max_new_tokens": 12, "penalty_alpha": 0.6, "top_k": 4},
-], ids=["greedy", "greedy-stop_strings", "contrastive"])
+    {"max_new_tokens": 30, "prompt_lookup_num_tokens": 3},
+    {"max_new_tokens": 30, "prompt_lookup_num_tokens": 3, "stop_strings": ["NN"]},
+], ids=["greedy", "greedy-stop_strings", "contrastive", "prompt_lookup", "prompt_lookup-stop_strings"])
 def test_generate_puts_and_streams_as_transformers(models: tuple[Any, Any], tokenizers: tuple[Tokenizer, Any],
                                                    settings: dict[str, Any]) -> None:
-    """The put calls (the prompt [1, T], then [N] per step) and the text pieces equal transformers'."""
+    """The put calls (the prompt [1, T], then [N] per step, or one [1, k] per prompt lookup step: transformers'
+    ``streamer.put(valid_tokens)``), and the text pieces, equal transformers'. Prompt lookup put its accepted
+    tokens one [1] at a time before, which flushed and yielded differently."""
     (ours, ref), (tok, ref_tok) = models, tokenizers
     ids = torch.tensor([ref_tok.encode("naïve café 3.14159, 1,000", add_special_tokens=False)])  # [1, T]
     settings = {"do_sample": False, **settings}
