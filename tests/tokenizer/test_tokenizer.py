@@ -205,3 +205,16 @@ def test_a_long_text_is_encoded_with_the_gil_released(ours: Tokenizer, ref) -> N
     assert ids == ref.encode(text, add_special_tokens=False)
     with pytest.raises(ValueError, match="lone surrogate"):
         ours.encode("a\ud800b" * GIL_FREE_ENCODE_CHARS)
+
+@pytest.mark.parametrize("clean_up", [None, False, True])
+def test_decode_takes_clean_up_tokenization_spaces_as_transformers(ours: Tokenizer, ref, clean_up: bool | None) -> None:
+    """``decode(ids, clean_up_tokenization_spaces=...)`` overrides the tokenizer's flag (None: keep it), as
+    transformers' ``decode``; it was a TypeError before (so a streamer's decode_kwargs could not carry it)."""
+    ids = ref.encode("Hello , world . I 'm here ?", add_special_tokens=False)
+    ref_flag = ref.clean_up_tokenization_spaces
+    ref.clean_up_tokenization_spaces = ours.clean_up_tokenization_spaces  # transformers' GGUF loader sets True
+    try:
+        assert ours.decode(ids, clean_up_tokenization_spaces=clean_up) == ref.decode(
+            ids, clean_up_tokenization_spaces=clean_up)
+    finally:
+        ref.clean_up_tokenization_spaces = ref_flag

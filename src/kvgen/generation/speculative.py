@@ -94,9 +94,8 @@ def speculative_loop(runner: StepRunner, ctx: LoopContext, drafter: Drafter) -> 
         num_new += len(kept)
         scores_out.extend(scores[: len(kept)].split(1))  # [1, V] each
         logits_out.extend(logits[: len(kept)].split(1))
-        if ctx.streamer is not None:
-            for token in kept:
-                ctx.streamer.put(torch.tensor([token]))
+        if ctx.streamer is not None:  # one put of the step's tokens, as transformers' ``streamer.put(valid_tokens)``
+            ctx.streamer.put(torch.tensor([kept]))  # [1, k]
     if ctx.streamer is not None:
         ctx.streamer.end()
     return GenerateOutput(

@@ -2,8 +2,9 @@
 
 Behaviour follows transformers' ``TextStreamer`` / ``TextIteratorStreamer``
 (flush at word boundaries, at newlines and after CJK characters;
-``skip_prompt``), plus UTF-8 safety: text ending in an incomplete character
-(U+FFFD from a partial byte sequence) is held back until it completes.
+``skip_prompt``), one piece per ``put``. These rules hold back an incomplete character at the end of the text
+(U+FFFD from a partial byte sequence) until it completes: a space, newline or CJK character after it would have
+ended it, so only ``end()`` prints one.
 """
 
 from __future__ import annotations
@@ -54,8 +55,6 @@ class TextStreamer:
             return
         self.token_cache.extend(value.tolist())
         text = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)
-        if text.endswith("\ufffd"):
-            return  # an incomplete UTF-8 sequence: wait for its remaining bytes
         if text.endswith("\n"):
             printable, self.token_cache, self.print_len = text[self.print_len :], [], 0
         elif text and _is_cjk(ord(text[-1])):

@@ -146,15 +146,19 @@ class Tokenizer:
             raise ValueError(f"text holds the lone surrogate U+{lone_surrogate(text) or 0xD800:04X}, which is not "
                              "Unicode text") from None
 
-    def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+    def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = False,
+               clean_up_tokenization_spaces: bool | None = None) -> str:
         """Text of ``token_ids`` (a list, or a 1-D tensor/array); invalid UTF-8 becomes "\\ufffd",
-        spaces cleaned up only where ``clean_up_tokenization_spaces``. Raises ``ValueError`` for
+        spaces cleaned up where ``clean_up_tokenization_spaces`` says (None: the tokenizer's own flag, as
+        transformers' ``decode``). Raises ``ValueError`` for
         anything but integer ids (a str, floats, bools) and for an id outside ``[0, vocab_size)``.
         """
         ids = integer_ids(token_ids)
         check_token_ids(ids, self._vocab_size)
         text = self.decode_without_clean_up(ids, skip_special_tokens)
-        return clean_up_tokenization(text) if self.clean_up_tokenization_spaces else text
+        if clean_up_tokenization_spaces is None:
+            clean_up_tokenization_spaces = self.clean_up_tokenization_spaces
+        return clean_up_tokenization(text) if clean_up_tokenization_spaces else text
 
     def decode_without_clean_up(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         """``decode`` of ids known to be in range, spaces never cleaned up.
