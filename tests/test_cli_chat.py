@@ -1,0 +1,24 @@
+"""``kvgen chat`` (kvgen.cli_chat) driven through its standard input: errors as one line + exit 2, the chat going on
+past a bad line. More chat tests, from before this file, are in test_cli.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def _chat(model_dir, stdin: bytes, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvgen", "chat", "--model", str(model_dir), *flags], input=stdin,
+                          capture_output=True, timeout=300, env={**os.environ, **(env or {})}, check=False)
+
+
+def test_a_line_that_is_not_utf8_is_skipped_under_a_strict_utf8_locale(tiny_model_dir):
+    """With a UTF-8 locale (here PYTHONIOENCODING=utf-8) Python reads stdin strictly: the bad line's bytes ended the
+    session with exit 2 before even the valid first line was answered. Now the chat goes on as without the line."""
+    bad = _chat(tiny_model_dir, b"hi\n\xff\xfe bad\nhello\n/exit\n", "-n", "4", env={"PYTHONIOENCODING": "utf-8"})
+    good = _chat(tiny_model_dir, b"hi\n\nhello\n/exit\n", "-n", "4", env={"PYTHONIOENCODING": "utf-8"})
+    err = bad.stderr.decode()
+    assert bad.returncode == 0 and "Traceback" not in err, err
+    assert err.count("the line is not valid UTF-8 text; not sent") == 1
+    assert bad.stdout == good.stdout and good.stdout.count(b"> ") == 4
