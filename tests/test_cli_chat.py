@@ -22,3 +22,14 @@ def test_a_line_that_is_not_utf8_is_skipped_under_a_strict_utf8_locale(tiny_mode
     assert bad.returncode == 0 and "Traceback" not in err, err
     assert err.count("the line is not valid UTF-8 text; not sent") == 1
     assert bad.stdout == good.stdout and good.stdout.count(b"> ") == 4
+
+
+def test_a_closed_standard_output_is_one_line_and_exit_2(tiny_model_dir):
+    """Started with fd 1 closed (`kvgen chat >&-`), Python's sys.stdout is None: the first input() raised
+    "RuntimeError: input(): lost sys.stdout", an internal error (exit 1) after the model had loaded."""
+    proc = subprocess.run([sys.executable, "-m", "kvgen", "chat", "--model", str(tiny_model_dir), "-n", "2"],
+                          input=b"hi\n/exit\n", stderr=subprocess.PIPE, timeout=300, preexec_fn=lambda: os.close(1),
+                          check=False)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and err.count("\n") == 1, err
+    assert "standard output is closed" in err
