@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def _chat(model_dir, stdin: bytes, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvgen", "chat", "--model", str(model_dir), *flags], input=stdin,
@@ -33,3 +35,17 @@ def test_a_closed_standard_output_is_one_line_and_exit_2(tiny_model_dir):
     err = proc.stderr.decode()
     assert proc.returncode == 2 and err.count("\n") == 1, err
     assert "standard output is closed" in err
+
+
+@pytest.mark.parametrize("max_length", ["5", "50"])
+def test_max_length_alone_is_refused_before_the_first_message(tiny_model_dir, max_length):
+    """--max-length (prompt included) alone decided each reply's length: the conversation outgrew it after a turn or
+    two and the chat ended mid-conversation with "max_length=50 leaves no room after the prompt's 113 tokens"
+    (exit 2). Now refused at the start, one line; with --max-new-tokens (which wins over it) the chat runs."""
+    turns = b"hi\nhello there\nand again\n/exit\n"
+    refused = _chat(tiny_model_dir, turns, "--max-length", max_length)
+    err = refused.stderr.decode()
+    assert refused.returncode == 2 and err.count("\n") == 1 and refused.stdout == b"", err
+    assert f"max_length={max_length} counts the whole conversation" in err and "--max-new-tokens" in err
+    both = _chat(tiny_model_dir, turns, "--max-length", max_length, "-n", "3")
+    assert both.returncode == 0 and both.stdout == _chat(tiny_model_dir, turns, "-n", "3").stdout

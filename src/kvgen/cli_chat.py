@@ -51,6 +51,7 @@ def run_chat(args: argparse.Namespace) -> int:
     import torch
 
     from kvgen.generation import Strategy, generate
+    from kvgen.generation.config import is_unset_max_new_tokens
     from kvgen.generation.conversation import ConversationCache
     from kvgen.generation.generate import NOT_STREAMABLE
     from kvgen.generation.streamers import TextStreamer
@@ -61,6 +62,9 @@ def run_chat(args: argparse.Namespace) -> int:
             raise CliError(f"kvgen chat: error: num_return_sequences must be 1 in chat, got {cfg.num_return_sequences}")
         if cfg.strategy in NOT_STREAMABLE:  # chat streams its reply
             raise CliError(f"kvgen chat: error: {cfg.strategy.value} cannot stream, use kvgen generate for it")
+        if cfg.max_length is not None and is_unset_max_new_tokens(cfg.max_new_tokens):  # it would decide the length
+            raise CliError(f"kvgen chat: error: max_length={cfg.max_length} counts the whole conversation, which grows "
+                           f"each turn; give the reply length with --max-new-tokens")
         return cfg
 
     if sys.stdin is None:  # started with its standard input closed (`<&-`): input() would raise RuntimeError
