@@ -10,7 +10,8 @@ import sys
 import pytest
 
 
-def _chat(model_dir, stdin: bytes, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _chat(model_dir, stdin: bytes, *flags: str | bytes, env: dict[str, str] | None = None
+          ) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvgen", "chat", "--model", str(model_dir), *flags], input=stdin,
                           capture_output=True, timeout=300, env={**os.environ, **(env or {})}, check=False)
 
@@ -49,3 +50,12 @@ def test_max_length_alone_is_refused_before_the_first_message(tiny_model_dir, ma
     assert f"max_length={max_length} counts the whole conversation" in err and "--max-new-tokens" in err
     both = _chat(tiny_model_dir, turns, "--max-length", max_length, "-n", "3")
     assert both.returncode == 0 and both.stdout == _chat(tiny_model_dir, turns, "-n", "3").stdout
+
+
+def test_a_system_message_that_is_not_utf8_is_refused_before_the_load(tiny_model_dir):
+    """--system with undecodable bytes (argv reads them with surrogateescape) loaded the model, printed the banner and
+    ended the chat at the first message with "text holds the lone surrogate U+DCFF", naming no flag."""
+    proc = _chat(tiny_model_dir, b"hi\n/exit\n", "-n", "2", os.fsencode("--system"), b"be \xff brief")
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and err.count("\n") == 1 and proc.stdout == b"", err
+    assert "--system is not valid UTF-8 text" in err

@@ -71,6 +71,8 @@ def run_chat(args: argparse.Namespace) -> int:
         raise CliError("kvgen chat: error: standard input is closed, there is nothing to read messages from")
     if sys.stdout is None:  # started with its standard output closed (`>&-`): input() would raise RuntimeError
         raise CliError("kvgen chat: error: standard output is closed, there is nowhere to write the replies")
+    if args.system is not None and lone_surrogate(args.system) is not None:  # refused by the first message's template
+        raise CliError("kvgen chat: error: --system is not valid UTF-8 text")
     if hasattr(sys.stdin, "reconfigure"):  # a UTF-8 locale reads stdin strictly: one bad byte ended the chat
         sys.stdin.reconfigure(errors="surrogateescape")  # such a line is now found below and skipped
     cfg, flags = check(generation_config_from_args(args, CHAT_DEFAULTS)), flag_values(args)
