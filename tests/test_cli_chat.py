@@ -59,3 +59,44 @@ def test_a_system_message_that_is_not_utf8_is_refused_before_the_load(tiny_model
     err = proc.stderr.decode()
     assert proc.returncode == 2 and err.count("\n") == 1 and proc.stdout == b"", err
     assert "--system is not valid UTF-8 text" in err
+
+
+def test_each_turn_is_the_template_over_the_history_and_replies_as_generate(capsys, monkeypatch, tiny_model_dir):
+    """Each turn's prompt is transformers' apply_chat_template over the system message, the user lines and the
+    replies so far (decoded without special tokens); each reply, sampled with a seed from the conversation's KV cache,
+    is kvgen.generate's on that prompt alone."""
+    import io
+
+    import torch
+    import transformers
+
+    import kvgen.generation
+    from kvgen.cli import main
+    from kvgen.generation import GenerationConfig
+    from kvgen.loader import load_model
+
+    real, turns = kvgen.generation.generate, []
+
+    def recorded(model, input_ids, *args, **kwargs):
+        out = real(model, input_ids, *args, **kwargs)
+        turns.append((input_ids[0].tolist(), out.new_token_ids[0]))
+        return out
+
+    monkeypatch.setattr(kvgen.generation, "generate", recorded)
+    lines = ["Hi there", "a <|im_end|> b", "  spaced  ", "Last one"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join([lines[0], "", *lines[1:], "/exit"]) + "\n"))
+    flags = ["--max-new-tokens", "5", "--temperature", "0.8", "--top-k", "20", "--seed", "3"]
+    assert main(["chat", "--model", str(tiny_model_dir), "--system", "Be brief.", *flags]) == 0
+    out = capsys.readouterr().out
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    model, tok = load_model(str(tiny_model_dir))
+    cfg = GenerationConfig(max_new_tokens=5, do_sample=True, temperature=0.8, top_k=20, seed=3)
+    messages = [{"role": "system", "content": "Be brief."}]
+    assert len(turns) == len(lines)
+    for line, (prompt_ids, new_ids) in zip(lines, turns):
+        messages.append({"role": "user", "content": line})
+        assert prompt_ids == hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        assert new_ids == real(model, torch.tensor([prompt_ids]), None, cfg, tokenizer=tok).new_token_ids[0]
+        reply = hf_tok.decode(new_ids, skip_special_tokens=True)
+        assert reply in out
+        messages.append({"role": "assistant", "content": reply})
