@@ -51,6 +51,7 @@ def run_chat(args: argparse.Namespace) -> int:
     import torch
 
     from kvgen.generation import Strategy, generate
+    from kvgen.generation.config import is_unset_max_new_tokens
     from kvgen.generation.conversation import ConversationCache
     from kvgen.generation.generate import NOT_STREAMABLE
     from kvgen.generation.streamers import TextStreamer
@@ -61,10 +62,19 @@ def run_chat(args: argparse.Namespace) -> int:
             raise CliError(f"kvgen chat: error: num_return_sequences must be 1 in chat, got {cfg.num_return_sequences}")
         if cfg.strategy in NOT_STREAMABLE:  # chat streams its reply
             raise CliError(f"kvgen chat: error: {cfg.strategy.value} cannot stream, use kvgen generate for it")
+        if cfg.max_length is not None and is_unset_max_new_tokens(cfg.max_new_tokens):  # it would decide the length
+            raise CliError(f"kvgen chat: error: max_length={cfg.max_length} counts the whole conversation, which grows "
+                           f"each turn; give the reply length with --max-new-tokens")
         return cfg
 
     if sys.stdin is None:  # started with its standard input closed (`<&-`): input() would raise RuntimeError
         raise CliError("kvgen chat: error: standard input is closed, there is nothing to read messages from")
+    if sys.stdout is None:  # started with its standard output closed (`>&-`): input() would raise RuntimeError
+        raise CliError("kvgen chat: error: standard output is closed, there is nowhere to write the replies")
+    if args.system is not None and lone_surrogate(args.system) is not None:  # refused by the first message's template
+        raise CliError("kvgen chat: error: --system is not valid UTF-8 text")
+    if hasattr(sys.stdin, "reconfigure"):  # a UTF-8 locale reads stdin strictly: one bad byte ended the chat
+        sys.stdin.reconfigure(errors="surrogateescape")  # such a line is now found below and skipped
     cfg, flags = check(generation_config_from_args(args, CHAT_DEFAULTS)), flag_values(args)
     model, tokenizer, _ = _load_for_chat(args)
     cfg = check(with_model_defaults(cfg, model.generation_defaults, flags))  # as kvgen generate
