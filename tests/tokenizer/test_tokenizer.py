@@ -206,6 +206,7 @@ def test_a_long_text_is_encoded_with_the_gil_released(ours: Tokenizer, ref) -> N
     with pytest.raises(ValueError, match="lone surrogate"):
         ours.encode("a\ud800b" * GIL_FREE_ENCODE_CHARS)
 
+
 @pytest.mark.parametrize("clean_up", [None, False, True])
 def test_decode_takes_clean_up_tokenization_spaces_as_transformers(ours: Tokenizer, ref, clean_up: bool | None) -> None:
     """``decode(ids, clean_up_tokenization_spaces=...)`` overrides the tokenizer's flag (None: keep it), as
