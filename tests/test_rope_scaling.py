@@ -106,8 +106,8 @@ def test_yarn_variants_kvgen_does_not_compute_are_refused_by_name() -> None:
     yarn = llama["rope_scaling"]
     with pytest.raises(UnsupportedArchitectureError, match="yarn rope_scaling key 'dynamic' is not supported"):
         ModelConfig.from_hf_dict(llama | {"rope_scaling": yarn | {"dynamic": True}})
-    with pytest.raises(UnsupportedArchitectureError, match="rope_scaling type 'dynamic' is not supported"):
-        ModelConfig.from_hf_dict(llama | {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
+    with pytest.raises(UnsupportedArchitectureError, match="rope_scaling type 'mrope' is not supported"):  # Qwen2-VL's
+        ModelConfig.from_hf_dict(llama | {"rope_scaling": {"rope_type": "mrope", "mrope_section": [2, 3, 3]}})
     finetuned = ModelConfig.from_hf_dict(llama | {"rope_scaling": yarn | {"finetuned": True}})  # Yarn-Llama-2's
     assert finetuned.rope_scaling == ModelConfig.from_hf_dict(llama).rope_scaling
     with pytest.raises(ModelFormatError, match="yarn rope_scaling lacks 'factor'"):

@@ -69,12 +69,19 @@ CALLS_TEMPLATE = (
     "\n{% endfor %}[assistant]")
 
 
+def _reference(tiny_model_dir, template: str, messages: list[dict]):
+    """transformers' tokenizer of the tiny model with ``template``, and its prompt ids of ``messages`` (vLLM's form)."""
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ref.chat_template = template
+    return ref, ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+
+
 def test_messages_reach_the_template_as_vllm_hands_them_over(tiny_model_dir, tmp_path, launch_server):
     """vLLM's parse_chat_messages joins text parts with newlines, parses tool-call arguments into objects ({} for
     text that is no JSON) and gives reasoning as reasoning_content too; kvgen joined the parts with nothing and kept
     the arguments as JSON text, so ``arguments | tojson`` (Llama 3.1, Mistral) quoted them a second time."""
-    from transformers import AutoTokenizer
-
     (template := tmp_path / "calls.jinja").write_text(CALLS_TEMPLATE)
     calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
              {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "not json"}}]
@@ -87,9 +94,7 @@ def test_messages_reach_the_template_as_vllm_hands_them_over(tiny_model_dir, tmp
     as_vllm = [{"role": "user", "content": "Weather in\nParis?"},
                {"role": "assistant", "content": "", "reasoning_content": "Look it up.", "tool_calls": parsed},
                {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
-    ref = AutoTokenizer.from_pretrained(tiny_model_dir)
-    ref.chat_template = CALLS_TEMPLATE
-    want = ref.apply_chat_template(as_vllm, add_generation_prompt=True, tokenize=True)
+    ref, want = _reference(tiny_model_dir, CALLS_TEMPLATE, as_vllm)
     live = launch_server(tiny_model_dir, tmp_path / "server.log", "--chat-template", str(template))
     try:
         tokens = httpx.post(f"{live.url}/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
@@ -114,8 +119,6 @@ def test_a_template_that_loops_over_content_gets_the_parts_as_vllm_hands_them_ov
     """vLLM detects a template that loops over ``message['content']`` (Llama 3.2 Vision's, Qwen2-VL's, Pixtral's:
     its "openai" content format) and hands it each content as a list of ``{"type": "text", "text": ...}`` parts (a
     string as one part, None as none; a tool message's texts joined); kvgen joined the parts with newlines."""
-    from transformers import AutoTokenizer
-
     (template := tmp_path / "parts.jinja").write_text(PARTS_TEMPLATE)
     call = {"id": "call_123456789", "type": "function", "function": {"name": "paint", "arguments": '{"colour": "red"}'}}
     messages = [
@@ -134,9 +137,7 @@ def test_a_template_that_loops_over_content_gets_the_parts_as_vllm_hands_them_ov
         {"role": "tool", "tool_call_id": "call_123456789", "content": "done\nok"},
         {"role": "user", "content": [{"type": "text", "text": "Again."}]},
     ]
-    ref = AutoTokenizer.from_pretrained(tiny_model_dir)
-    ref.chat_template = PARTS_TEMPLATE
-    want = ref.apply_chat_template(as_vllm, add_generation_prompt=True, tokenize=True)
+    ref, want = _reference(tiny_model_dir, PARTS_TEMPLATE, as_vllm)
     live = launch_server(tiny_model_dir, tmp_path / "server.log", "--chat-template", str(template))
     try:
         tokens = httpx.post(f"{live.url}/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
