@@ -196,3 +196,5 @@ def test_from_optional_fills_none_and_clamps_logit_bias_as_vllm() -> None:
         SamplingParams.from_optional(top_p=2.0)
     with pytest.raises(ValueError, match="logit_bias values must be numbers in .*got nan"):  # not clamped to -100
         SamplingParams.from_optional(logit_bias={"5": float("nan")})
+    huge = SamplingParams.from_optional(logit_bias={1: float("inf"), 2: -float("inf"), 3: 10**400})
+    assert huge.logit_bias == {1: 100.0, 2: -100.0, 3: 100.0}  # clamped as vLLM's min/max

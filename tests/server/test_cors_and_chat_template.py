@@ -167,3 +167,33 @@ def test_enable_request_id_headers_echoes_or_makes_an_id(tiny_model_dir, tmp_pat
     finally:
         live.stop()
     assert "x-request-id" not in httpx.get(f"{server.url}/health", timeout=30).headers
+
+
+def test_request_id_header_middleware_also_marks_a_500(tiny_model_dir):
+    """``kvgen serve`` wraps the whole app in ``RequestIdHeader``: Starlette answers an unexpected error (a 500) outside
+    every ``add_middleware`` middleware, so a reply that way had no ``X-Request-Id``."""
+    import asyncio
+
+    from kvgen.engine.async_engine import AsyncLLMEngine
+    from kvgen.engine.engine_args import EngineArgs
+    from kvgen.server.app import build_app
+    from kvgen.server.launch import RequestIdHeader
+
+    async def run() -> list[httpx.Response]:
+        engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), num_blocks=16))
+        app = build_app(engine, "tiny")
+
+        async def boom() -> None:
+            raise RuntimeError("an internal error")
+
+        app.add_api_route("/boom", boom)
+        transport = httpx.ASGITransport(app=RequestIdHeader(app), raise_app_exceptions=False)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://kvgen") as client:
+                return [await client.get("/boom", headers={"X-Request-Id": "gw-5"}), await client.get("/health")]
+        finally:
+            await engine.shutdown()
+
+    failed, healthy = asyncio.run(run())
+    assert failed.status_code == 500 and failed.headers["x-request-id"] == "gw-5"
+    assert healthy.status_code == 200 and len(healthy.headers["x-request-id"]) == 32

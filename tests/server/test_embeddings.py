@@ -151,3 +151,29 @@ def test_messages_embed_the_chat_templates_rendering(bos_server, hf_tiny, tiny_t
         assert r.status_code == 400 and "exactly one of input and messages" in r.json()["error"]["message"]
     r = httpx.post(bos_server.v1 + "/embeddings", json={"messages": []}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+
+
+def test_text_of_no_token_without_special_tokens_is_named_empty(tiny_model_dir):
+    """With ``add_special_tokens: false`` a text can tokenize to nothing (whitespace to a WordPiece vocabulary; here
+    the tokenizer is made to): the 400 says the input is empty, where it named ``prompt_token_ids``, a field the
+    request does not have."""
+    import asyncio
+
+    from kvgen.engine.async_engine import AsyncLLMEngine
+    from kvgen.engine.engine_args import EngineArgs
+    from kvgen.server.app import build_app
+
+    async def run() -> httpx.Response:
+        engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), num_blocks=16))
+        engine.engine.tokenizer.encode = lambda text, add_special_tokens=True: []  # type: ignore[method-assign]
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine, "tiny")),
+                                         base_url="http://kvgen") as client:
+                return await client.post("/v1/embeddings", json={"model": "tiny", "input": ["a", " "],
+                                                                 "add_special_tokens": False})
+        finally:
+            await engine.shutdown()
+
+    r = asyncio.run(run())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    assert r.json()["error"]["message"] == "input 0 is empty: it holds no token", r.text

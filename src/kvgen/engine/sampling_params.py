@@ -199,7 +199,8 @@ def _int_keyed_clamped_bias(bias: Any) -> Any:
     if bad_keys:
         raise ValueError(f"logit_bias contains key(s) that cannot be converted to integer token ids: {bad_keys!r}")
     return {int(k): min(100.0, max(-100.0, v)) if isinstance(v, (int, float)) and not isinstance(v, bool)
-            and math.isfinite(v) else v for k, v in bias.items()}  # NaN is left to be refused (max() made it -100)
+            and not (isinstance(v, float) and math.isnan(v)) else v  # NaN is left to be refused (max() made it -100)
+            for k, v in bias.items()}
 
 
 def _logit_bias(bias: Any) -> dict[int, float] | None:

@@ -59,8 +59,9 @@ def _messages_ids(state: ServerState, body: EmbeddingRequest) -> list[int]:
 
 
 async def create_embedding(state: ServerState, body: EmbeddingRequest) -> EmbeddingResponse:
-    """The embeddings of ``body.input`` or ``body.messages`` (each cut to its last ``truncate_prompt_tokens``; text
-    tokenized with the special tokens unless ``add_special_tokens`` is false: vLLM's extras), in input order. Raises a
+    """The embeddings of ``body.input`` or ``body.messages`` (each cut to its last ``truncate_prompt_tokens``; input
+    text tokenized with the special tokens unless ``add_special_tokens`` is false, messages without them unless it is
+    set true: vLLM's extras), in input order. Raises a
     400 ``OpenAIError`` for neither or both of input and messages, an empty input, token ids outside the vocabulary,
     messages the template cannot render, an input over ``max_model_len``, ``truncate_prompt_tokens`` 0 or over it, or
     ``dimensions`` over the hidden size; 404 for another model's name."""
@@ -83,6 +84,9 @@ async def create_embedding(state: ServerState, body: EmbeddingRequest) -> Embedd
     for index, item in enumerate(inputs):
         if isinstance(item, str) and not body.add_special_tokens:  # the engine's tokenizing adds them
             item = await asyncio.to_thread(state.tokenizer.encode, item, add_special_tokens=False)
+            if not item:  # text of no token (whitespace to a WordPiece vocabulary)
+                raise bad_request(f"input {index} is empty: it holds no token" if len(inputs) > 1 else
+                                  "input is empty: it holds no token", "input")
         try:
             out = await state.engine.embed(f"{request_id}-{index}", item, params)  # type: ignore[arg-type]
         except EngineStoppedError as e:

@@ -175,11 +175,11 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     app.add_middleware(CORSMiddleware, allow_origins=list(server_args.allowed_origins),  # vLLM's defaults: any
                        allow_methods=list(server_args.allowed_methods), allow_headers=list(server_args.allowed_headers),
                        allow_credentials=server_args.allow_credentials)
-    if server_args.enable_request_id_headers:
-        app.add_middleware(RequestIdHeader)
+    # around the whole app: Starlette answers a 500 outside every add_middleware one
+    served = RequestIdHeader(app) if server_args.enable_request_id_headers else app
     # uvicorn annotates timeout_graceful_shutdown as int but hands it to asyncio.wait_for (float seconds).
     config = uvicorn.Config(
-        app, log_level=server_args.log_level, access_log=False,
+        served, log_level=server_args.log_level, access_log=False,
         timeout_graceful_shutdown=server_args.shutdown_timeout + _ABORT_GRACE_S,  # type: ignore[arg-type]
         log_config=None,
     )
