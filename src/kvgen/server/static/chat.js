@@ -7,6 +7,7 @@ const $ = (id) => document.getElementById(id);
 const conversation = [];  // {role, content} as the API takes them
 let modelName = "default";
 let controller = null;
+let chatId = 0;  // "New chat" counts up: a stream it aborted must not touch the new conversation
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -78,6 +79,7 @@ async function send(text) {
   const bubble = addMessage("assistant", "");
   bubble.dataset.state = "streaming";
   controller = new AbortController();
+  const chat = chatId;
   $("send").disabled = true;
   $("stop").disabled = false;
   const start = performance.now();
@@ -111,8 +113,10 @@ async function send(text) {
       bubble.textContent = reply + (reply ? "\n" : "") + "[error] " + e.message;
     }
   } finally {
-    if (reply) conversation.push({ role: "assistant", content: reply });
-    else conversation.pop();  // nothing came back: forget the unanswered turn
+    if (chat === chatId) {  // else "New chat" aborted this turn and has cleared it already
+      if (reply) conversation.push({ role: "assistant", content: reply });
+      else conversation.pop();  // nothing came back: forget the unanswered turn
+    }
     bubble.dataset.state = "done";
     controller = null;
     $("send").disabled = false;
@@ -144,6 +148,7 @@ $("input").addEventListener("keydown", (e) => {
 $("stop").addEventListener("click", () => controller && controller.abort());
 $("clear").addEventListener("click", () => {
   if (controller) controller.abort();
+  chatId += 1;
   conversation.length = 0;
   $("messages").textContent = "";
   $("stats").textContent = "";
