@@ -101,3 +101,14 @@ def test_new_chat_during_a_stream_aborts_it_and_starts_empty(fresh_page, server)
         _send(page, "A new topic", 0)
     # the new chat holds only its own message, not the reply the click cut off
     assert request.value.post_data_json["messages"] == [{"role": "user", "content": "A new topic"}]
+
+
+def test_enter_that_confirms_an_input_method_composition_does_not_send(fresh_page):
+    page = fresh_page
+    page.fill("#input", "にほんご")
+    page.eval_on_selector("#input", """input => input.dispatchEvent(new KeyboardEvent("keydown",
+        {key: "Enter", keyCode: 229, isComposing: true, bubbles: true, cancelable: true}))""")
+    assert page.locator(".message").count() == 0  # a send adds the messages inside the key handler
+    assert page.input_value("#input") == "にほんご"
+    page.fill("#max-tokens", "2")
+    assert "[error]" not in _send(page, "にほんご", 0)  # a plain Enter still sends

@@ -140,7 +140,8 @@ $("composer").addEventListener("submit", (e) => {
   send(text);
 });
 $("input").addEventListener("keydown", (e) => {
-  if (e.key === "Enter" && !e.shiftKey) {
+  // an input method's Enter confirms its text (keyCode 229 where isComposing is already false), not the message
+  if (e.key === "Enter" && !e.shiftKey && !e.isComposing && e.keyCode !== 229) {
     e.preventDefault();
     $("composer").requestSubmit();
   }
