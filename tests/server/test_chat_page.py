@@ -112,3 +112,22 @@ def test_enter_that_confirms_an_input_method_composition_does_not_send(fresh_pag
     assert page.input_value("#input") == "にほんご"
     page.fill("#max-tokens", "2")
     assert "[error]" not in _send(page, "にほんご", 0)  # a plain Enter still sends
+
+
+def test_a_server_with_an_api_key_says_so_until_the_page_has_it(browser, tiny_model_dir, tmp_path, launch_server):
+    live = launch_server(tiny_model_dir, tmp_path / "server.log", "--api-key", "sesame")
+    try:
+        page = browser.new_page()
+        page.goto(live.url + "/", timeout=TIMEOUT_MS)
+        # the model line shows the 401's message, not a made-up model name
+        page.wait_for_function("!document.getElementById('model').textContent.endsWith('…')", timeout=TIMEOUT_MS)
+        assert "Incorrect API key" in page.inner_text("#model")
+        page.fill("#max-tokens", "2")
+        assert "[error] Incorrect API key" in _send(page, "Hello", 0)
+        page.fill("#api-key", "sesame")
+        page.dispatch_event("#api-key", "change")
+        page.wait_for_function("document.getElementById('model').textContent === 'model: tiny'", timeout=TIMEOUT_MS)
+        assert "[error]" not in _send(page, "Hello", 1)
+        page.close()
+    finally:
+        assert live.stop() == 0

@@ -28,11 +28,12 @@ function addMessage(role, text) {
 async function loadModel() {
   try {
     const r = await fetch("/v1/models", { headers: headers() });
-    const body = await r.json();
-    if (r.ok && body.data && body.data.length) modelName = body.data[0].id;
+    const body = await r.json().catch(() => ({}));
+    if (!r.ok) throw new Error((body.error && body.error.message) || `HTTP ${r.status} ${r.statusText}`);
+    if (body.data && body.data.length) modelName = body.data[0].id;
     $("model").textContent = "model: " + modelName;
-  } catch (e) {
-    $("model").textContent = "model: unknown (" + e + ")";
+  } catch (e) {  // e.g. a 401: the server wants an API key
+    $("model").textContent = "model: unknown (" + e.message + ")";
   }
 }
 
