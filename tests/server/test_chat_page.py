@@ -5,6 +5,7 @@ screenshot is saved under ``test-artifacts/`` (or ``$KVGEN_TEST_ARTIFACTS``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -21,18 +22,36 @@ TIMEOUT_MS = 60_000
 
 
 @pytest.fixture(scope="module")
-def page(server):
+def browser():
     sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
     if not os.access(CHROMIUM, os.X_OK):
         pytest.skip(f"Debian's chromium is not installed at {CHROMIUM} (.ci/run installs it with apt-get)")
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        page = browser.new_page()
-        requests_outside: list[str] = []
-        page.on("request", lambda r: None if r.url.startswith(server.url) else requests_outside.append(r.url))
-        page.goto(server.url + "/", timeout=TIMEOUT_MS)
-        yield page, requests_outside
+        yield browser
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser, server):
+    page = browser.new_page()
+    requests_outside: list[str] = []
+    page.on("request", lambda r: None if r.url.startswith(server.url) else requests_outside.append(r.url))
+    page.goto(server.url + "/", timeout=TIMEOUT_MS)
+    yield page, requests_outside
+    page.close()
+
+
+@pytest.fixture
+def fresh_page(browser, server):
+    """A page of its own, loaded, the model's name shown; its chat requests ignore EOS (a long reply to stop)."""
+    page = browser.new_page()
+    page.route("**/v1/chat/completions", lambda route: route.continue_(
+        post_data=json.dumps({**route.request.post_data_json, "ignore_eos": True})))
+    page.goto(server.url + "/", timeout=TIMEOUT_MS)
+    page.wait_for_function("document.getElementById('model').textContent.includes('tiny')", timeout=TIMEOUT_MS)
+    yield page
+    page.close()
 
 
 def _send(page, text: str, turn: int) -> str:
@@ -66,3 +85,49 @@ def test_chat_page_streams_a_reply_and_keeps_the_conversation(page, server):
     assert requests_outside == []  # nothing fetched from outside the server
     # the second turn sent the whole conversation: the server logged a longer prompt
     assert server.log().count("completion_tokens=") >= 2
+
+
+def test_new_chat_during_a_stream_aborts_it_and_starts_empty(fresh_page, server):
+    page = fresh_page
+    page.fill("#max-tokens", "1500")
+    page.fill("#input", "Tell me a long story")
+    page.press("#input", "Enter")
+    page.wait_for_function("document.querySelector('.message.assistant').textContent.length > 0", timeout=TIMEOUT_MS)
+    page.click("#clear")  # while the 1500 tokens stream
+    server.wait_metric("kvgen:num_requests_running", lambda n: n == 0)  # the aborted request was freed
+    page.wait_for_function("!document.getElementById('send').disabled", timeout=TIMEOUT_MS)
+    page.fill("#max-tokens", "2")
+    with page.expect_request("**/v1/chat/completions") as request:
+        _send(page, "A new topic", 0)
+    # the new chat holds only its own message, not the reply the click cut off
+    assert request.value.post_data_json["messages"] == [{"role": "user", "content": "A new topic"}]
+
+
+def test_enter_that_confirms_an_input_method_composition_does_not_send(fresh_page):
+    page = fresh_page
+    page.fill("#input", "にほんご")
+    page.eval_on_selector("#input", """input => input.dispatchEvent(new KeyboardEvent("keydown",
+        {key: "Enter", keyCode: 229, isComposing: true, bubbles: true, cancelable: true}))""")
+    assert page.locator(".message").count() == 0  # a send adds the messages inside the key handler
+    assert page.input_value("#input") == "にほんご"
+    page.fill("#max-tokens", "2")
+    assert "[error]" not in _send(page, "にほんご", 0)  # a plain Enter still sends
+
+
+def test_a_server_with_an_api_key_says_so_until_the_page_has_it(browser, tiny_model_dir, tmp_path, launch_server):
+    live = launch_server(tiny_model_dir, tmp_path / "server.log", "--api-key", "sesame")
+    try:
+        page = browser.new_page()
+        page.goto(live.url + "/", timeout=TIMEOUT_MS)
+        # the model line shows the 401's message, not a made-up model name
+        page.wait_for_function("!document.getElementById('model').textContent.endsWith('…')", timeout=TIMEOUT_MS)
+        assert "Incorrect API key" in page.inner_text("#model")
+        page.fill("#max-tokens", "2")
+        assert "[error] Incorrect API key" in _send(page, "Hello", 0)
+        page.fill("#api-key", "sesame")
+        page.dispatch_event("#api-key", "change")
+        page.wait_for_function("document.getElementById('model').textContent === 'model: tiny'", timeout=TIMEOUT_MS)
+        assert "[error]" not in _send(page, "Hello", 1)
+        page.close()
+    finally:
+        assert live.stop() == 0

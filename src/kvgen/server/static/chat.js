@@ -7,6 +7,7 @@ const $ = (id) => document.getElementById(id);
 const conversation = [];  // {role, content} as the API takes them
 let modelName = "default";
 let controller = null;
+let chatId = 0;  // "New chat" counts up: a stream it aborted must not touch the new conversation
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -27,11 +28,12 @@ function addMessage(role, text) {
 async function loadModel() {
   try {
     const r = await fetch("/v1/models", { headers: headers() });
-    const body = await r.json();
-    if (r.ok && body.data && body.data.length) modelName = body.data[0].id;
+    const body = await r.json().catch(() => ({}));
+    if (!r.ok) throw new Error((body.error && body.error.message) || `HTTP ${r.status} ${r.statusText}`);
+    if (body.data && body.data.length) modelName = body.data[0].id;
     $("model").textContent = "model: " + modelName;
-  } catch (e) {
-    $("model").textContent = "model: unknown (" + e + ")";
+  } catch (e) {  // e.g. a 401: the server wants an API key
+    $("model").textContent = "model: unknown (" + e.message + ")";
   }
 }
 
@@ -78,6 +80,7 @@ async function send(text) {
   const bubble = addMessage("assistant", "");
   bubble.dataset.state = "streaming";
   controller = new AbortController();
+  const chat = chatId;
   $("send").disabled = true;
   $("stop").disabled = false;
   const start = performance.now();
@@ -111,8 +114,10 @@ async function send(text) {
       bubble.textContent = reply + (reply ? "\n" : "") + "[error] " + e.message;
     }
   } finally {
-    if (reply) conversation.push({ role: "assistant", content: reply });
-    else conversation.pop();  // nothing came back: forget the unanswered turn
+    if (chat === chatId) {  // else "New chat" aborted this turn and has cleared it already
+      if (reply) conversation.push({ role: "assistant", content: reply });
+      else conversation.pop();  // nothing came back: forget the unanswered turn
+    }
     bubble.dataset.state = "done";
     controller = null;
     $("send").disabled = false;
@@ -136,7 +141,8 @@ $("composer").addEventListener("submit", (e) => {
   send(text);
 });
 $("input").addEventListener("keydown", (e) => {
-  if (e.key === "Enter" && !e.shiftKey) {
+  // an input method's Enter confirms its text (keyCode 229 where isComposing is already false), not the message
+  if (e.key === "Enter" && !e.shiftKey && !e.isComposing && e.keyCode !== 229) {
     e.preventDefault();
     $("composer").requestSubmit();
   }
@@ -144,6 +150,7 @@ $("input").addEventListener("keydown", (e) => {
 $("stop").addEventListener("click", () => controller && controller.abort());
 $("clear").addEventListener("click", () => {
   if (controller) controller.abort();
+  chatId += 1;
   conversation.length = 0;
   $("messages").textContent = "";
   $("stats").textContent = "";
