@@ -131,3 +131,24 @@ def test_a_server_with_an_api_key_says_so_until_the_page_has_it(browser, tiny_mo
         page.close()
     finally:
         assert live.stop() == 0
+
+
+def test_an_empty_setting_is_left_to_the_server(fresh_page):
+    """An emptied temperature or max-tokens field is left out of the request (the server's default applies); the page
+    sent ``Number("")``, 0: a silently greedy reply, and a ``max_tokens`` of 0."""
+    bodies: list[dict] = []
+    fresh_page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
+    fresh_page.fill("#temperature", "")
+    fresh_page.fill("#max-tokens", " ")
+    fresh_page.fill("#input", "Hi")
+    fresh_page.press("#input", "Enter")
+    fresh_page.wait_for_function("document.querySelector('.message.assistant')?.dataset.state === 'done'",
+                                 timeout=TIMEOUT_MS)
+    assert bodies and "temperature" not in bodies[0] and "max_tokens" not in bodies[0]
+    fresh_page.fill("#temperature", "0.7")
+    fresh_page.fill("#max-tokens", "3")
+    fresh_page.fill("#input", "Again")
+    fresh_page.press("#input", "Enter")
+    fresh_page.wait_for_function("document.querySelectorAll('.message.assistant')[1]?.dataset.state === 'done'",
+                                 timeout=TIMEOUT_MS)
+    assert bodies[-1]["temperature"] == 0.7 and bodies[-1]["max_tokens"] == 3

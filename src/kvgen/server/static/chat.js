@@ -64,14 +64,18 @@ function requestBody() {
   const messages = [];
   const system = $("system").value.trim();
   if (system) messages.push({ role: "system", content: system });
-  return {
+  const body = {
     model: modelName,
     messages: messages.concat(conversation),
     stream: true,
     stream_options: { include_usage: true },
-    temperature: Number($("temperature").value),
-    max_tokens: Number($("max-tokens").value),
   };
+  // an empty field leaves the setting to the server (the model's default), where Number("") made it 0: greedy
+  for (const [id, name] of [["temperature", "temperature"], ["max-tokens", "max_tokens"]]) {
+    const value = $(id).value.trim();
+    if (value !== "") body[name] = Number(value);
+  }
+  return body;
 }
 
 async function send(text) {
@@ -91,7 +95,7 @@ async function send(text) {
     });
     if (!r.ok) {
       const body = await r.json().catch(() => ({}));
-      throw new Error((body.error && body.error.message) || r.statusText);
+      throw new Error((body.error && body.error.message) || `HTTP ${r.status} ${r.statusText}`.trim());
     }
     for await (const chunk of events(r)) {
       if (chunk.error) throw new Error(chunk.error.message);
