@@ -140,15 +140,9 @@ def test_an_empty_setting_is_left_to_the_server(fresh_page):
     fresh_page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
     fresh_page.fill("#temperature", "")
     fresh_page.fill("#max-tokens", " ")
-    fresh_page.fill("#input", "Hi")
-    fresh_page.press("#input", "Enter")
-    fresh_page.wait_for_function("document.querySelector('.message.assistant')?.dataset.state === 'done'",
-                                 timeout=TIMEOUT_MS)
+    _send(fresh_page, "Hi", 0)
     assert bodies and "temperature" not in bodies[0] and "max_tokens" not in bodies[0]
     fresh_page.fill("#temperature", "0.7")
     fresh_page.fill("#max-tokens", "3")
-    fresh_page.fill("#input", "Again")
-    fresh_page.press("#input", "Enter")
-    fresh_page.wait_for_function("document.querySelectorAll('.message.assistant')[1]?.dataset.state === 'done'",
-                                 timeout=TIMEOUT_MS)
+    _send(fresh_page, "Again", 1)
     assert bodies[-1]["temperature"] == 0.7 and bodies[-1]["max_tokens"] == 3
