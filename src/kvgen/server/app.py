@@ -21,14 +21,13 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
 
 import kvgen
 from kvgen.engine.async_engine import AsyncLLMEngine
-from kvgen.server.chat import chat_prompt_ids, create_chat_completion
+from kvgen.server.chat import create_chat_completion, messages_prompt_ids
 from kvgen.server.completions import create_completion
 from kvgen.server.embeddings import create_embedding
-from kvgen.server.errors import OpenAIError, bad_request, install_error_handlers, validation_error
+from kvgen.server.errors import OpenAIError, bad_request, install_error_handlers
 from kvgen.server.metrics import ServerMetrics
 from kvgen.server.protocol import (
     ChatCompletionRequest,
@@ -154,11 +153,7 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> TokenizeResponse:
     else:
         chat_fields = body.model_dump(include={"add_generation_prompt", "continue_final_message", "chat_template_kwargs",
                                                "tools"}, exclude_unset=True)
-        try:  # rendered as a chat request with these fields would be
-            request = ChatCompletionRequest(model=state.model_name, messages=body.messages or [], **chat_fields)
-        except ValidationError as e:
-            raise validation_error(e.errors()) from None
-        ids = chat_prompt_ids(state, request)
+        ids = messages_prompt_ids(state, body.messages or [], chat_fields)
     token_strs = [state.tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.max_model_len, token_strs=token_strs)
 

@@ -15,12 +15,13 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi.responses import Response
+from pydantic import ValidationError
 from starlette.requests import Request
 
 from kvgen.engine.outputs import CompletionOutput, RequestOutput
 from kvgen.errors import KvgenError
 from kvgen.server.beam import new_generation
-from kvgen.server.errors import bad_request
+from kvgen.server.errors import bad_request, validation_error
 from kvgen.server.protocol import (
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -138,6 +139,18 @@ def _finish_reason(reason: str | None, plan: ToolPlan | None, calls: list[ToolCa
     if calls and plan is not None and plan.function is None and reason == "stop":
         return "tool_calls"
     return openai_finish_reason(reason)
+
+
+def messages_prompt_ids(state: ServerState, messages: list[Any], chat_fields: dict[str, Any],
+                        add_special_tokens: bool = False) -> list[int]:
+    """Token ids of ``messages`` as a chat request with ``chat_fields`` would render them (vLLM's ``/tokenize`` and
+    ``EmbeddingChatRequest`` messages). Raises a 400 naming a field a chat request refuses, or as
+    :func:`chat_prompt_ids`."""
+    try:
+        request = ChatCompletionRequest(model=state.model_name, messages=messages, **chat_fields)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+    return chat_prompt_ids(state, request, add_special_tokens=add_special_tokens)
 
 
 def reply_parts(plan: ToolPlan | None, text: str) -> tuple[str | None, list[ToolCall] | None]:

@@ -15,14 +15,11 @@ import base64
 import sys
 import time
 
-from pydantic import ValidationError
-
 from kvgen.engine.pooling import PoolingParams
 from kvgen.engine.async_engine import EngineStoppedError
-from kvgen.server.chat import chat_prompt_ids
-from kvgen.server.errors import OpenAIError, bad_request, validation_error
+from kvgen.server.chat import messages_prompt_ids
+from kvgen.server.errors import OpenAIError, bad_request
 from kvgen.server.protocol import (
-    ChatCompletionRequest,
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
@@ -50,12 +47,8 @@ def _messages_ids(state: ServerState, body: EmbeddingRequest) -> list[int]:
     """``body.messages`` rendered as a chat request with the embedding request's chat fields would be (vLLM's
     ``EmbeddingChatRequest``: no generation prompt and no special tokens unless asked). Raises a 400."""
     chat_fields = body.model_dump(include={"add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
-    try:
-        request = ChatCompletionRequest(model=state.model_name, messages=body.messages or [], **chat_fields)
-    except ValidationError as e:
-        raise validation_error(e.errors()) from None
     add_special_tokens = body.add_special_tokens and "add_special_tokens" in body.model_fields_set
-    return chat_prompt_ids(state, request, add_special_tokens=add_special_tokens)
+    return messages_prompt_ids(state, body.messages or [], chat_fields, add_special_tokens)
 
 
 async def create_embedding(state: ServerState, body: EmbeddingRequest) -> EmbeddingResponse:
