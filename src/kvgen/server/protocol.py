@@ -10,7 +10,7 @@ Source: OpenAI openapi.yaml; vLLM ``vllm/entrypoints/openai/protocol.py``.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -56,6 +56,17 @@ class StrictModel(BaseModel):
     """A request object: unknown fields are refused, and so is text that is not Unicode (lone surrogates)."""
 
     model_config = ConfigDict(extra="forbid")
+    nullable_fields: ClassVar[tuple[str, ...]] = ()  # fields a null value leaves at their default (a subclass's own)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """A null ``nullable_fields`` value is left out, so the field keeps its default; only fields the model
+        declares (chat has no ``echo``: a null one is still refused as unknown)."""
+        nullable = [k for k in cls.nullable_fields if k in cls.model_fields]
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in nullable):
+            return {k: v for k, v in data.items() if v is not None or k not in nullable}
+        return data
 
     @field_validator("*", mode="before")
     @classmethod
@@ -124,12 +135,12 @@ class StructuredOutputs(StrictModel):
 
 # OpenAI's metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512 (its ``Metadata`` schema)
 Metadata = dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]
-_NULLABLE_OPENAI_FIELDS = ("n", "stream", "logprobs", "echo")
-
-
 class SamplingFields(StrictModel):
     """Sampling fields shared by chat and text completions (OpenAI, then vLLM extras). ``model`` may be left out
     (the served model), as vLLM and llama.cpp's server allow."""
+
+    # OpenAI's schemas let these be null, meaning their defaults (vLLM's fields are Optional with the same defaults)
+    nullable_fields: ClassVar[tuple[str, ...]] = ("n", "stream", "logprobs", "echo")
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -144,16 +155,6 @@ class SamplingFields(StrictModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     top_k: int | None = Field(default=None, ge=-1, le=MAX_INT32, description="vLLM extra: 0 or -1 = off")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_the_default(cls, data: Any) -> Any:
-        """OpenAI's schemas let ``n``, ``stream``, ``logprobs`` (chat) and ``echo`` (completions) be null, meaning
-        their defaults (vLLM's fields are Optional with the same defaults): a null one is left out."""
-        nullable = [k for k in _NULLABLE_OPENAI_FIELDS if k in cls.model_fields]  # chat has no echo: still refused
-        if isinstance(data, dict) and any(data.get(k, 0) is None for k in nullable):
-            return {k: v for k, v in data.items() if v is not None or k not in nullable}
-        return data
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     # bounded away from 0: logits / 1e-300 overflow to inf, and the draw fails
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)

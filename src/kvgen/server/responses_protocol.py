@@ -11,7 +11,7 @@ Source: OpenAI API reference, Responses (create, retrieve, delete; streaming eve
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -20,8 +20,6 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     Tag,
-    ValidationInfo,
-    field_validator,
     model_serializer,
 )
 
@@ -160,6 +158,8 @@ class ResponsesRequest(StrictModel):
     later ``previous_response_id``, in a bounded in-memory store (as vLLM). ``model`` may be left out (the served
     model), as vLLM allows."""
 
+    nullable_fields: ClassVar[tuple[str, ...]] = ("stream", "store")  # OpenAI's CreateResponse lets them be null
+
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
@@ -187,12 +187,6 @@ class ResponsesRequest(StrictModel):
     reasoning: dict[str, Any] | None = None
     conversation: Any = None
     prompt: Any = None
-
-    @field_validator("stream", "store", mode="before")
-    @classmethod
-    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
-        """OpenAI's ``stream`` and ``store`` may be null (its ``CreateResponse`` schema): their defaults."""
-        return cls.model_fields[info.field_name or ""].default if value is None else value
 
 
 def _now() -> int:
