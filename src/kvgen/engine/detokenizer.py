@@ -45,18 +45,17 @@ class IncrementalDetokenizer:
         self._ids = context  # prompt context, then generated ids
         self._num_context = len(context)
         self._prefix_offset = 0
-        self._read_offset = self._num_finished(context)
-        self._prefix_text = self._decode(0, self._read_offset)
+        self._read_offset, self._prefix_text = self._finished_prefix(context)
         self._pieces: list[str] = []
 
-    def _num_finished(self, context: list[int]) -> int:
-        """Context ids up to the prompt's last finished character: a character the prompt leaves unfinished (at most
-        3 UTF-8 bytes, so 3 ids) is emitted whole once the new ids finish it, as vLLM's ``DecodeStream`` primed with
-        the prompt does (it was lost: its "\\ufffd" counted as text already shown)."""
+    def _finished_prefix(self, context: list[int]) -> tuple[int, str]:
+        """(ids, text) of the context up to the prompt's last finished character: a character the prompt leaves
+        unfinished (at most 3 UTF-8 bytes, so 3 ids) is emitted whole once the new ids finish it, as vLLM's
+        ``DecodeStream`` primed with the prompt does (it was lost: its "\\ufffd" counted as text already shown)."""
         for end in range(len(context), max(len(context) - 4, -1), -1):
-            if not self._decode(0, end).endswith("\ufffd"):
-                return end
-        return len(context)
+            if not (text := self._decode(0, end)).endswith("\ufffd"):
+                return end, text
+        return len(context), self._decode(0, len(context))
 
     def _decode(self, start: int, end: int) -> str:
         return self._tokenizer.decode_without_clean_up(self._ids[start:end], self._skip_special_tokens)
