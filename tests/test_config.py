@@ -327,3 +327,20 @@ def test_a_gpt2_with_cross_attention_is_refused_by_name() -> None:
     with pytest.raises(UnsupportedArchitectureError, match="add_cross_attention"):
         ModelConfig.from_hf_dict(cfg | {"add_cross_attention": True})
     assert ModelConfig.from_hf_dict(cfg | {"add_cross_attention": False}).num_attention_heads == 4
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma3_text"])
+def test_a_rope_scaling_naming_no_type_is_refused_as_transformers_refuses_it(model_type: str) -> None:
+    """It loaded as plain RoPE, silently wrong for a model trained with scaling; transformers' config classes raise
+    (``rope_config_validation``: a KeyError), as vLLM's ``patch_rope_scaling_dict`` does."""
+    import transformers
+
+    config = TINY_LLAMA | {"model_type": model_type, "rope_scaling": {"factor": 4.0}}
+    if model_type == "gemma3_text":
+        config |= {"hidden_activation": "gelu_pytorch_tanh", "head_dim": 16}
+    reference = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "rope_scaling"})
+    with pytest.raises(KeyError):
+        type(reference)(**{k: v for k, v in config.items() if k != "model_type"})
+    with pytest.raises(ModelFormatError, match=re.escape("rope_scaling has no rope_type (nor type)")):
+        ModelConfig.from_hf_dict(config)
+    assert not ModelConfig.from_hf_dict(config | {"rope_scaling": {}}).rope_scaling  # an empty one is none

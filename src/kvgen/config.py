@@ -32,7 +32,7 @@ from kvgen.moe_config import (
     hf_gpt_oss_kwargs,
     hf_moe_fields,
 )
-from kvgen.rope_scaling import gguf_rope_scaling, positive_scaling_value, yarn_scaling
+from kvgen.rope_scaling import gguf_rope_scaling, positive_scaling_value, rope_scaling_type, yarn_scaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "gpt2", "gemma3_text", "gemma2", "gpt_oss")
 
@@ -321,7 +321,7 @@ class ModelConfig:
         stay rotated by the short ones, and llama.cpp picks one set for the whole context from its size: past that
         length the references disagree with each other, so the context ends there (as a sliding window does).
         """
-        kind = scaling.get("rope_type", scaling.get("type"))
+        kind = rope_scaling_type(scaling)
         if kind not in _ROPE_TYPES:
             raise UnsupportedArchitectureError(f"rope_scaling type {kind!r} is not supported")
         if kind == "linear":

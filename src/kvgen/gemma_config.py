@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
+from kvgen.rope_scaling import rope_scaling_type
 
 
 def gemma3_kwargs(cfg: dict[str, Any], model_type: str = "gemma3_text") -> dict[str, Any]:
@@ -28,7 +29,7 @@ def gemma3_kwargs(cfg: dict[str, Any], model_type: str = "gemma3_text") -> dict[
     scaling = cfg.get("rope_scaling") or None
     if scaling is not None and not isinstance(scaling, dict):
         raise ModelFormatError(f"rope_scaling must be an object (or null), got {scaling!r}")
-    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    kind = rope_scaling_type(scaling) if scaling else None
     if kind not in (None, "default", "linear"):
         raise UnsupportedArchitectureError(f"{model_type} rope_scaling type {kind!r} is not supported (linear or none)")
     pattern = cfg.get("sliding_window_pattern", 6) if is_gemma3 else 2  # Gemma2Config: sliding where (i + 1) % 2

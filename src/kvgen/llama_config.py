@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from kvgen.errors import ModelFormatError, UnsupportedArchitectureError
-from kvgen.rope_scaling import hf_yarn_scaling, positive_scaling_value
+from kvgen.rope_scaling import hf_yarn_scaling, positive_scaling_value, rope_scaling_type
 
 # rope.dimension_count below the head size: read for these rotate-half architectures only
 _GGUF_PARTIAL_ROTARY_ARCHS = ("phi3",)
@@ -144,7 +144,7 @@ def llama_family_changes(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]
     scaling = cfg.get("rope_scaling") or {}
     if not isinstance(scaling, dict):
         raise ModelFormatError(f"rope_scaling must be an object (or null), got {scaling!r}")
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = rope_scaling_type(scaling)
     if kind == "longrope" or (model_type == "phi3" and kind in ("su", "yarn")):  # Phi3Config renames su / yarn
         changes["rope_scaling"] = _hf_longrope(cfg, scaling, model_type)
     elif kind == "yarn":  # its factor from the config's own max_position_embeddings, before a window bounds them

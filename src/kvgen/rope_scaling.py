@@ -25,6 +25,17 @@ _HF_YARN_KEYS = frozenset({"rope_type", "type", "factor", "attention_factor", "b
                            "original_max_position_embeddings", "mscale", "mscale_all_dim", "truncate", "finetuned"})
 
 
+def rope_scaling_type(scaling: dict[str, Any]) -> str | None:
+    """A ``rope_scaling`` object's type: its ``rope_type``, else its legacy ``type`` (transformers 4.55's
+    ``rope_config_validation`` reads them in that order); None for an empty object. Raises ``ModelFormatError`` for a
+    non-empty object naming neither, which transformers (``KeyError``) and vLLM (``patch_rope_scaling_dict``) refuse
+    too: loading it unscaled would be silently wrong for a model trained with scaling."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind is None and scaling:
+        raise ModelFormatError(f"rope_scaling has no rope_type (nor type): {scaling!r}")
+    return kind
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's cos/sin scale ``0.1 mscale ln(factor) + 1`` (1 when factor <= 1): transformers' ``get_mscale``."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
