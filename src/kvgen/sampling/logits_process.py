@@ -119,7 +119,8 @@ class EtaLogitsWarper(_Filter):
 
 
 class RepetitionPenaltyLogitsProcessor(LogitsProcessor):
-    """HF repetition penalty over the whole history (prompt included). Raises ValueError for penalty <= 0."""
+    """HF repetition penalty over the whole history (prompt included). Raises ValueError for penalty outside
+    [1e-6, 1e6]."""
 
     def __init__(self, penalty: float):
         ops.validate_param("repetition_penalty", penalty)
