@@ -1,13 +1,14 @@
 """Error classes raised at kvgen's boundaries.
 
-Every user-facing error is a ``KvgenError``, which subclasses ``ValueError`` so
-callers that catch ``ValueError`` keep working. The CLI turns any of these into
+``KvgenError`` subclasses ``ValueError``, so callers that catch ``ValueError`` catch these too; most
+other bad input (a setting out of range) raises a plain ``ValueError``. The CLI turns any of these into
 one line on stderr and exit code 2.
 """
 
 
 class KvgenError(ValueError):
-    """Base class of every error kvgen raises for bad input."""
+    """Base class of kvgen's own error classes (model files, architectures, quantization types, context length, chat
+    templates). Other bad input raises a plain ``ValueError``, which ``except ValueError`` catches with these."""
 
 
 class ModelNotFoundError(KvgenError):

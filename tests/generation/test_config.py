@@ -72,6 +72,21 @@ def test_every_transformers_setting_is_a_field_or_named_as_unimplemented() -> No
     assert GenerationConfig(disable_compile=True).disable_compile
 
 
+def test_defaults_are_transformers_defaults() -> None:
+    """Every field transformers 4.55's GenerationConfig has takes its default there, but for the lengths (20 new
+    tokens as max_new_tokens, not max_length), output_logits and return_dict_in_generate (bools, one output type)
+    and cache_implementation (always a kvgen cache). num_assistant_tokens_schedule was 'heuristic', not 'constant'."""
+    import dataclasses
+
+    import transformers
+
+    theirs = transformers.GenerationConfig()
+    differ = {f.name for f in dataclasses.fields(GenerationConfig)
+              if hasattr(theirs, f.name) and getattr(theirs, f.name) != getattr(GenerationConfig(), f.name)}
+    assert differ == {"max_new_tokens", "max_length", "min_new_tokens", "output_logits", "return_dict_in_generate",
+                      "cache_implementation"}
+
+
 def test_constructor_names_unknown_and_unimplemented_settings_as_generate_does() -> None:
     """README: a transformers setting kvgen lacks is a NotImplementedError naming it, a misspelt one a ValueError;
     GenerationConfig(...) said neither (the dataclass's TypeError "unexpected keyword argument")."""

@@ -45,7 +45,7 @@ def test_grown_cache_reorders_crops_and_overwrites():
 
 
 def test_bad_sizes_are_refused():
-    with pytest.raises(ValueError, match="non-empty shape"):
+    with pytest.raises(ValueError, match=r"^initial_len must be an int >= 1, got 0$"):  # it named lazy_zeros' shape
         DynamicCache(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2, initial_len=0)
 
 

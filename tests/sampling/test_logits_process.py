@@ -269,6 +269,15 @@ def test_invalid_settings_raise_value_error(build, message):
         build()
 
 
+@pytest.mark.parametrize("args,name", [((-1, 2, [0]), "prompt_length_to_skip"), ((1, -2, [0]), "min_new_tokens")])
+def test_min_new_tokens_errors_name_the_parameter_as_transformers(args, name):
+    # the messages said "num_generated" and "min_tokens", names the caller never wrote
+    with pytest.raises(ValueError, match=name):
+        hf.MinNewTokensLengthLogitsProcessor(*args)
+    with pytest.raises(ValueError, match=rf"^{name} must be an int in \[0, 2147483647\], got -"):
+        lp.MinNewTokensLengthLogitsProcessor(*args)
+
+
 def test_forced_bos_and_begin_suppress_act_after_a_one_token_input():
     """transformers' rules: a forced BOS after a 1-token input, and begin_suppress_tokens one step later then."""
     cfg = GenerationConfig(forced_bos_token_id=5, begin_suppress_tokens=[6], max_new_tokens=3, max_length=4)

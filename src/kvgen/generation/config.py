@@ -190,8 +190,8 @@ class GenerationConfig:
     max_matching_ngram_size: int | None = _f(None, "prompt lookup decoding: longest n-gram looked up (default 2)")
     num_assistant_tokens: int = _f(20, "assisted decoding: tokens the assistant drafts per step, at first")
     num_assistant_tokens_schedule: str = _f(
-        "heuristic", "assisted decoding: 'heuristic' (+2 after a fully accepted draft, else -1), "
-        "'heuristic_transient' (the same; transformers resets it after each call) or 'constant'")
+        "constant", "assisted decoding: 'constant' (the default, as transformers 4.55), 'heuristic' (+2 after a fully "
+        "accepted draft, else -1) or 'heuristic_transient' (the same; transformers resets it after each call)")
     assistant_confidence_threshold: float = _f(
         0.4, "assisted decoding: the assistant stops drafting after a token it gives less probability (0 = off)")
 

@@ -20,6 +20,7 @@ import torch
 
 from kvgen.config import checked_token_ids, token_id_list
 from kvgen.sampling import ops
+from kvgen.sampling.params import PARAM_RULES
 from kvgen.sampling.pipeline import GENERATE_FIRST_WARPER, GENERATE_ORDER, split_order
 from kvgen.sampling.synthid import (
     SynthIDTextWatermarkingConfig,
@@ -119,7 +120,8 @@ class EtaLogitsWarper(_Filter):
 
 
 class RepetitionPenaltyLogitsProcessor(LogitsProcessor):
-    """HF repetition penalty over the whole history (prompt included). Raises ValueError for penalty <= 0."""
+    """HF repetition penalty over the whole history (prompt included). Raises ValueError for penalty outside
+    [1e-6, 1e6]."""
 
     def __init__(self, penalty: float):
         ops.validate_param("repetition_penalty", penalty)
@@ -234,8 +236,8 @@ class MinNewTokensLengthLogitsProcessor(LogitsProcessor):
     """
 
     def __init__(self, prompt_length_to_skip: int, min_new_tokens: int, eos_token_id: int | Sequence[int]):
-        ops.validate_param("num_generated", prompt_length_to_skip)
-        ops.validate_param("min_tokens", min_new_tokens)
+        ops.validate_param("prompt_length_to_skip", prompt_length_to_skip, rule=PARAM_RULES["num_generated"])
+        ops.validate_param("min_new_tokens", min_new_tokens)
         self.prompt_length_to_skip = prompt_length_to_skip
         self.min_new_tokens = min_new_tokens
         self.eos_token_ids = token_id_list(eos_token_id)
