@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvgen.fields import check_int
 from kvgen.kv_cache.pool import lazy_zeros, row_scales
 from kvgen.kv_cache.static import StaticCache
 
@@ -28,6 +29,7 @@ class DynamicCache(StaticCache):
         device: torch.device | str = "cpu",
         initial_len: int = 256,
     ) -> None:
+        check_int("initial_len", initial_len, 1)
         super().__init__(num_layers, batch_size, num_kv_heads, head_dim, initial_len, dtype, device)
 
     def reserve(self, end: int) -> None:
