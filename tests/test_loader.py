@@ -250,6 +250,13 @@ def test_an_empty_path_is_refused_not_the_working_directory(tiny_model_dir: Path
         kvgen.loader.resolve_model_path("")
 
 
+@pytest.mark.parametrize("bad", [None, 5, b"default"])
+def test_a_path_that_is_no_str_or_path_is_named(bad: object) -> None:
+    """load_model(None) died with pathlib's TypeError ("expected str, bytes or os.PathLike object")."""
+    with pytest.raises(ValueError, match=f"path_or_name must be 'default', .*got {bad!r}"):
+        kvgen.load_model(bad)  # type: ignore[arg-type]
+
+
 def test_subpackages_are_reachable_after_a_plain_import_kvgen():
     """README names kvgen.generation.make_cache, kvgen.kernels.kernel_isa() and kvgen.engine after ``import kvgen``;
     the lazy package raised "module 'kvgen' has no attribute 'generation'" until something imported them."""

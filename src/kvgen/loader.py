@@ -31,8 +31,11 @@ def resolve_model_path(path_or_name: str | os.PathLike[str] = "default") -> Path
     Raises ``ModelNotFoundError`` when nothing is there or the path is empty (``Path("")`` is the working directory,
     which transformers' ``from_pretrained("")`` refuses too), ``ModelFormatError`` for a path that is neither a
     regular file nor a directory (a FIFO, a socket, a device: opening one could block forever), a symlink loop or
-    one the OS refuses to look up (a name too long).
+    one the OS refuses to look up (a name too long), ``ValueError`` for anything but a str or path (None, a number).
     """
+    if not isinstance(path_or_name, (str, os.PathLike)):  # Path(None) fails with pathlib's TypeError
+        raise ValueError(f"path_or_name must be 'default', a .gguf file or a Hugging Face directory (a str or path), "
+                         f"got {path_or_name!r}")
     if str(path_or_name) == "default":
         from kvgen.default_model import find_default_gguf
 

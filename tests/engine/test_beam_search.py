@@ -116,6 +116,9 @@ def test_beams_stop_at_max_model_len_and_text_is_decoded(tiny_model_dir) -> None
     (lambda: BeamSearchParams(max_tokens=0), "max_tokens"),
     (lambda: BeamSearchParams(temperature=-1.0), "temperature"),
     (lambda: BeamSearchParams(length_penalty=float("nan")), "length_penalty"),
+    # a truthy "no" ignored EOS; SamplingParams refused it already
+    (lambda: BeamSearchParams(ignore_eos="no"), "ignore_eos must be a bool, got 'no'"),
+    (lambda: BeamSearchParams(include_stop_str_in_output=1), "include_stop_str_in_output must be a bool, got 1"),
 ])
 def test_bad_params_are_refused(make: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -34,6 +34,13 @@ def test_llm_uses_the_tokenizer_it_is_given_as_vllm(tiny_model_dir, tmp_path):
         LLM(str(tiny_model_dir), tokenizer=str(tmp_path / "missing"), num_blocks=64)
 
 
+def test_a_tokenizer_of_another_type_is_named(tiny_model_dir):
+    """``LLM(PATH, tokenizer=5)`` died with "'int' object has no attribute 'eos_token_ids'" from the engine."""
+    with pytest.raises(ValueError, match="tokenizer must be a kvgen Tokenizer, a Hugging Face directory or None, got "
+                                         "int"):
+        LLM(str(tiny_model_dir), tokenizer=5, num_blocks=64)
+
+
 CALL = {"id": "call_123456789", "type": "function", "function": {"name": "paint", "arguments": '{"colour": "red"}'}}
 PARTS_CONVERSATION = [
     {"role": "system", "content": "Be brief."},

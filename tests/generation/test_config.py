@@ -98,3 +98,13 @@ def test_constructor_names_unknown_and_unimplemented_settings_as_generate_does()
         GenerationConfig(tmperature=0.5)
     cfg = GenerationConfig(max_new_tokens=4, low_memory=True)  # accepted, as the README says
     assert cfg.replace(top_k=3).top_k == 3 and cfg.low_memory
+
+
+def test_stop_strings_take_a_string_or_a_list_of_strings_only() -> None:
+    """transformers takes one string as one stop string and fails iterating anything else ("'int' object is not
+    iterable"); kvgen names the field and the value."""
+    assert GenerationConfig(stop_strings="ab").stop_strings == ["ab"]
+    assert GenerationConfig(stop_strings=("ab", "c")).stop_strings == ("ab", "c")
+    for bad in (5, {"ab": 1}, [5], [""]):
+        with pytest.raises(ValueError, match=r"stop_strings must be a non-empty string or a list of them, got "):
+            GenerationConfig(stop_strings=bad)

@@ -156,3 +156,28 @@ def test_pad_tokens_after_a_token_stay_tokens_and_a_row_of_pads_is_refused(tiny)
     assert out.sequences.tolist() == generate(tiny.ours, ids, mask, max_new_tokens=3, pad_token_id=0).sequences.tolist()
     with pytest.raises(ValueError, match=r"a row of input_ids holds only pad_token_id=0"):
         generate(tiny.ours, torch.tensor([[0, 0], [5, 6]]), None, max_new_tokens=2, pad_token_id=0)
+
+
+def test_a_streamer_generator_or_tokenizer_of_another_kind_is_refused_before_any_step(tiny):
+    """transformers fails with an AttributeError at the first put (a streamer without end: after the whole
+    generation); kvgen names the argument before a forward runs."""
+    puts = []
+
+    class NoEnd:
+        def put(self, value):
+            puts.append(value)
+
+    ids = torch.tensor([[5, 17, 42]])
+    with pytest.raises(TypeError, match="streamer must have put.* and end.*got object"):
+        generate(tiny.ours, ids, max_new_tokens=2, streamer=object())
+    with pytest.raises(TypeError, match="streamer must have put.* and end.*got NoEnd"):
+        generate(tiny.ours, ids, max_new_tokens=2, streamer=NoEnd())
+    assert puts == []
+    for bad in ("x", [5]):
+        with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+            generate(tiny.ours, ids, max_new_tokens=2, do_sample=True, generator=bad)
+    with pytest.raises(TypeError, match="tokenizer must have a decode.*got int"):
+        generate(tiny.ours, ids, max_new_tokens=2, stop_strings=["a"], tokenizer=5)
+    seeded = generate(tiny.ours, ids, max_new_tokens=2, do_sample=True, generator=torch.Generator().manual_seed(1))
+    per_row = generate(tiny.ours, ids, max_new_tokens=2, do_sample=True, generator=[torch.Generator().manual_seed(1)])
+    assert per_row.sequences.tolist() == seeded.sequences.tolist()

@@ -188,6 +188,26 @@ def test_dequantize_rows_is_an_embedding_lookup(qtype):
         assert torch.equal(ops.dequantize_rows(packed, weight_type, ids, k), dense[ids])
 
 
+def test_float_index_operands_are_refused_as_the_reference_refuses_them():
+    """The C++ ops cast ids and block tables to int64: a float id 1.7 read row 1 (block 1.0: block 1); the
+    reference's indexing refuses floats."""
+    raw, _ = _gguf_matrix(Q.Q8_0, 16, 64, seed=12)
+    weight_type, packed = K.pack_gguf_rows("Q8_0", [raw])
+    q, pool = torch.randn(2, 4, 16), torch.randn(4, 2, 4, 16)
+    tables, qsl, seq_lens = torch.tensor([[0.0, 1.0]]), torch.tensor([0, 2]), torch.tensor([5])
+    with pytest.raises(RuntimeError, match="Expected dtype int32 or int64 for index"):
+        REF.dequantize_rows(packed, weight_type, torch.tensor([1.7]), 64)
+    with pytest.raises(IndexError, match="tensors used as indices must be long"):
+        REF.paged_attention(q, pool, pool, tables, qsl, seq_lens, 0.25)
+    if OPS.backend == "avx2":
+        with pytest.raises(RuntimeError, match="ids must be an integer tensor, got Float"):
+            OPS.dequantize_rows(packed, weight_type, torch.tensor([1.7]), 64)
+        with pytest.raises(RuntimeError, match="block_tables, query_start_loc and seq_lens must be integer tensors"):
+            OPS.paged_attention(q, pool, pool, tables, qsl, seq_lens, 0.25)
+        assert torch.equal(OPS.dequantize_rows(packed, weight_type, torch.tensor([1], dtype=torch.int32), 64),
+                           REF.dequantize_rows(packed, weight_type, torch.tensor([1]), 64))
+
+
 def _attention_inputs(b, h, h_kv, t, s, d, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, t, h, d, generator=g).transpose(1, 2)  # [B, H, T, D], strided like the model's

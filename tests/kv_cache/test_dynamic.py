@@ -45,8 +45,11 @@ def test_grown_cache_reorders_crops_and_overwrites():
 
 
 def test_bad_sizes_are_refused():
-    with pytest.raises(ValueError, match=r"^initial_len must be an int >= 1, got 0$"):  # it named lazy_zeros' shape
-        DynamicCache(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2, initial_len=0)
+    for bad in (0, 2.5, "4"):  # a float or str died with a TypeError from the allocation
+        with pytest.raises(ValueError, match=f"initial_len must be an int >= 1, got {bad!r}"):
+            DynamicCache(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2, initial_len=bad)
+    with pytest.raises(ValueError, match="head_dim must be an int >= 1, got 2.0"):
+        DynamicCache(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2.0)
 
 
 @pytest.mark.slow

@@ -114,3 +114,14 @@ def test_pool_sizing_from_memory(tiny_model):
         num_blocks_for_memory(cfg, per_block - 1, BLOCK_SIZE, torch.float32)
     with pytest.raises(ValueError, match="exactly one of num_blocks and kv_cache_memory_bytes"):
         PagedKVCache.from_config(cfg, BLOCK_SIZE)
+
+
+@pytest.mark.parametrize(("index", "name"), [(0, "num_layers"), (1, "num_blocks"), (2, "block_size"),
+                                             (3, "num_kv_heads"), (4, "head_dim")])
+@pytest.mark.parametrize("bad", [0, 4.5, "4"])
+def test_a_size_that_is_no_positive_int_is_named(index: int, name: str, bad: object) -> None:
+    """A float died in the allocation and a str comparing it with 1, neither naming the argument."""
+    sizes: list = [2, 4, 4, 2, 16]
+    sizes[index] = bad
+    with pytest.raises(ValueError, match=f"{name} must be an int >= 1, got {bad!r}"):
+        PagedKVCache(*sizes)

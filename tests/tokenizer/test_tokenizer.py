@@ -172,6 +172,20 @@ def test_decode_takes_integer_ids_only_and_encode_refuses_lone_surrogates(ours: 
         ours.encode("a\ud800b")
 
 
+def test_flags_that_are_no_bools_are_named(ours: Tokenizer, ref) -> None:
+    """transformers refuses them too, with the tokenizers binding's TypeError from deep in the call; kvgen's encode
+    named a lone surrogate that the text does not hold."""
+    for call in (lambda t: t.encode("hi", add_special_tokens="no"), lambda t: t.decode([1, 2], skip_special_tokens=1)):
+        with pytest.raises(TypeError, match="cannot be converted to 'PyBool'"):
+            call(ref)
+    with pytest.raises(ValueError, match="add_special_tokens must be a bool, got 'no'"):
+        ours.encode("hi", add_special_tokens="no")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="skip_special_tokens must be a bool, got 1"):
+        ours.decode([1, 2], skip_special_tokens=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="clean_up_tokenization_spaces must be a bool, got 'yes'"):
+        ours.decode([1, 2], clean_up_tokenization_spaces="yes")  # type: ignore[arg-type]
+
+
 def test_a_long_text_is_encoded_with_the_gil_released(ours: Tokenizer, ref) -> None:
     """``tokenizers``' ``encode`` holds the GIL for the whole call, so a multi-megabyte prompt froze the server's event
     loop even from a worker thread; from ``GIL_FREE_ENCODE_CHARS`` on, kvgen encodes through ``encode_batch``, which

@@ -47,6 +47,9 @@ class BeamSearchParams:
         if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)) or not (
                 abs(self.length_penalty) < float("inf")):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):  # "no" would be truthy: EOS silently ignored
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclass

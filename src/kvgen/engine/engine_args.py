@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvgen.engine.block_manager import DEFAULT_BLOCK_SIZE
 from kvgen.engine.generation_defaults import GENERATION_CONFIG_MODES, parse_override
 from kvgen.engine.pooling import check_pooling_type
@@ -70,8 +72,12 @@ class EngineArgs:
         "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)")
 
     def __post_init__(self) -> None:
-        from kvgen.loader import AUTO, check_load_options
+        from kvgen.loader import AUTO, DTYPES, check_load_options
 
+        if isinstance(self.dtype, torch.dtype):  # vLLM's dtype takes a torch.dtype too
+            self.dtype = next((name for name, dtype in DTYPES.items() if dtype == self.dtype), str(self.dtype))
+        if not isinstance(self.dtype, str):
+            raise ValueError(f"dtype must be one of {AUTO}, {', '.join(DTYPES)} or a torch.dtype, got {self.dtype!r}")
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         check_load_options(self.dtype, self.quantization)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -87,7 +93,9 @@ class EngineArgs:
             )
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        if self.generation_config not in GENERATION_CONFIG_MODES and not Path(self.generation_config).expanduser().is_dir():
+        if not isinstance(self.generation_config, str) or (
+                self.generation_config not in GENERATION_CONFIG_MODES
+                and not Path(self.generation_config).expanduser().is_dir()):
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
         self.override_generation_config = parse_override(self.override_generation_config) or None
         check_kv_cache_dtype(self.kv_cache_dtype)

@@ -38,14 +38,17 @@ class LLM:
     ``tokenizer``: a ``Tokenizer`` or a Hugging Face directory holding one (vLLM's ``tokenizer``), used instead of
     the model's own; None: the model's own.
     ``engine_args`` are further ``EngineArgs`` fields (``num_blocks``, ``max_num_seqs``, ...).
-    Raises ``ValueError`` for bad engine settings, ``ModelNotFoundError`` / ``ModelFormatError`` for a tokenizer
-    directory that is missing or holds no tokenizer.
+    Raises ``ValueError`` for bad engine settings or a tokenizer of another type, ``ModelNotFoundError`` /
+    ``ModelFormatError`` for a tokenizer directory that is missing or holds no tokenizer.
     """
 
     def __init__(self, model: str | CausalLM = "default", tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
                  **engine_args: Any) -> None:
         if isinstance(tokenizer, (str, os.PathLike)):  # vLLM's tokenizer path (loaded first: it fails fast)
             tokenizer = Tokenizer.from_pretrained(tokenizer)
+        if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+            raise ValueError(f"tokenizer must be a kvgen Tokenizer, a Hugging Face directory or None, got "
+                             f"{type(tokenizer).__name__}")
         if isinstance(model, CausalLM):
             args = EngineArgs(**engine_args)
             self.llm_engine, model_path = LLMEngine(model, tokenizer, args), None

@@ -236,8 +236,9 @@ class GenerationConfig:
             self.watermarking_config = WatermarkingConfig.of(self.watermarking_config)
         if self.cache_implementation not in ("dynamic", "static"):
             raise ValueError(f"cache_implementation must be 'dynamic' or 'static', got {self.cache_implementation!r}")
-        if self.stop_strings is not None and any(not isinstance(s, str) or not s for s in self.stop_strings):
-            raise ValueError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
+        if self.stop_strings is not None and (not isinstance(self.stop_strings, (list, tuple))
+                                              or any(not isinstance(s, str) or not s for s in self.stop_strings)):
+            raise ValueError(f"stop_strings must be a non-empty string or a list of them, got {self.stop_strings!r}")
 
     def _check_combinations(self) -> None:
         def clash(a: str, b: str, why: str) -> ValueError:

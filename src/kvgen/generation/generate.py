@@ -107,6 +107,7 @@ def generate(
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
         raise TypeError(f"generation_config must be a kvgen.GenerationConfig (its fields may also be passed as keyword "
                         f"arguments), got {type(generation_config).__name__}")
+    _check_callbacks(streamer, generator)
     cfg = (generation_config or GenerationConfig()).with_generation_defaults(model.generation_defaults)
     if overrides:
         check_setting_names(overrides)
@@ -277,6 +278,18 @@ def _num_copies(cfg: GenerationConfig) -> int:
     return cfg.num_return_sequences if strategy is Strategy.SAMPLE else 1
 
 
+def _check_callbacks(streamer: Any, generator: Any) -> None:
+    """``TypeError`` naming the argument for a ``streamer`` without callable ``put`` and ``end`` or a ``generator``
+    that is neither a ``torch.Generator`` nor a list of them (one per row, None for torch's default): transformers
+    fails with an AttributeError at the first ``put`` (or at ``end``, after the whole generation)."""
+    if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):
+        raise TypeError(f"streamer must have put(token_ids) and end() methods (a transformers streamer), got "
+                        f"{type(streamer).__name__}")
+    rows = generator if isinstance(generator, (list, tuple)) else [generator]
+    if not all(g is None or isinstance(g, torch.Generator) for g in rows):
+        raise TypeError(f"generator must be a torch.Generator, a list of them (one per row) or None, got {generator!r}")
+
+
 def _check_batch(
     input_ids: torch.Tensor, attention_mask: torch.Tensor | None, model_cfg: Any,
     names: tuple[str, str] = ("input_ids", "attention_mask"),
@@ -344,6 +357,8 @@ def _stopper(cfg: GenerationConfig, prompt_length: int, tokenizer: Any) -> StopC
     """EOS ids, max_new_tokens, stop strings and max_time (the clock starts now)."""
     if cfg.stop_strings and tokenizer is None:
         raise ValueError("stop_strings needs a tokenizer: pass generate(..., tokenizer=tok)")
+    if cfg.stop_strings and not callable(getattr(tokenizer, "decode", None)):
+        raise TypeError(f"tokenizer must have a decode(token_ids) method (stop_strings), got {type(tokenizer).__name__}")
     return StopChecker(
         TokenStops(eos_token_ids=tuple(cfg.eos_token_ids), max_new_tokens=cfg.max_new_tokens),
         prompt_length,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgen.config import ModelConfig
+from kvgen.fields import check_int
 from kvgen.kv_cache.pool import lazy_zeros, refuse_int8, row_scales
 from kvgen.kv_cache.sdpa import sdpa
 
@@ -159,7 +160,7 @@ class PagedKVCache:
 
     The pool is allocated once as zeros (padding slots read as finite values) that take resident memory only
     where written (``pool.lazy_zeros``). Raises
-    ValueError for non-positive sizes.
+    ValueError for sizes that are no ints >= 1.
     """
 
     def __init__(
@@ -172,9 +173,9 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            check_int(name, value, 1)
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim

@@ -17,7 +17,8 @@ class StaticCache:
     ``dtype=torch.int8`` stores each row (a token's K or V in one KV head) as int8 values and a float32 scale in
     ``key_scale`` / ``value_scale`` [B, Hkv, S_max] per layer (``kernels.reference.quantize_kv_rows``), read by the
     kernels only (:meth:`attend_rows`; :meth:`update` raises ``ValueError``); other dtypes have empty scale lists.
-    Raises ``ValueError`` naming a size below 1, ``ContextLengthError`` when a write would pass ``max_cache_len``.
+    Raises ``ValueError`` naming a size that is no int >= 1, ``ContextLengthError`` when a write would pass
+    ``max_cache_len``.
     """
 
     def __init__(
@@ -30,10 +31,9 @@ class StaticCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        sizes = {"num_layers": num_layers, "batch_size": batch_size, "num_kv_heads": num_kv_heads,
-                 "head_dim": head_dim, "max_cache_len": max_cache_len}
-        for name, value in sizes.items():
-            check_int(name, value, 1)
+        for name, value in (("num_layers", num_layers), ("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim), ("max_cache_len", max_cache_len)):
+            check_int(name, value, 1)  # a float died in the allocation ("cannot be interpreted as an integer")
         shape = (batch_size, num_kv_heads, max_cache_len, head_dim)
         self.num_layers = num_layers
         self.max_cache_len = max_cache_len

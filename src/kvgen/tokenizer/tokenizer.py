@@ -43,6 +43,13 @@ def lone_surrogate(text: str) -> int | None:
     return None if found is None else ord(found.group())
 
 
+def _check_flag(name: str, value: Any) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is a bool (the tokenizers binding's TypeError, "'str' object
+    cannot be converted to 'PyBool'", came from deep in a call; encode's read as a lone surrogate)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
 # Texts from this many characters on are encoded without the GIL (Tokenizer.encode): ~1 ms of encoding; below, the
 # plain call is cheaper than encode_batch's thread-pool hand-off.
 GIL_FREE_ENCODE_CHARS = 4096
@@ -134,10 +141,12 @@ class Tokenizer:
         ``add_special_tokens`` adds BOS/EOS only where the model's files ask for them. A text of
         ``GIL_FREE_ENCODE_CHARS`` characters or more is encoded with the Python lock released (``encode_batch``, the
         same ids), so another thread (the server's event loop) runs meanwhile: ``tokenizers``' ``encode`` holds it.
-        Raises ``ValueError`` for text that is not a str or holds a lone surrogate (no Unicode text).
+        Raises ``ValueError`` for text that is not a str or holds a lone surrogate (no Unicode text), or an
+        ``add_special_tokens`` that is no bool.
         """
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
+        _check_flag("add_special_tokens", add_special_tokens)
         try:
             if len(text) >= GIL_FREE_ENCODE_CHARS:
                 return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
@@ -151,8 +160,12 @@ class Tokenizer:
         """Text of ``token_ids`` (a list, or a 1-D tensor/array); invalid UTF-8 becomes "\\ufffd",
         spaces cleaned up where ``clean_up_tokenization_spaces`` says (None: the tokenizer's own flag, as
         transformers' ``decode``). Raises ``ValueError`` for
-        anything but integer ids (a str, floats, bools) and for an id outside ``[0, vocab_size)``.
+        anything but integer ids (a str, floats, bools), for an id outside ``[0, vocab_size)`` and for flags that are
+        no bools (``clean_up_tokenization_spaces`` may be None).
         """
+        _check_flag("skip_special_tokens", skip_special_tokens)
+        if clean_up_tokenization_spaces is not None:
+            _check_flag("clean_up_tokenization_spaces", clean_up_tokenization_spaces)
         ids = integer_ids(token_ids)
         check_token_ids(ids, self._vocab_size)
         text = self.decode_without_clean_up(ids, skip_special_tokens)

@@ -1068,6 +1068,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   TORCH_CHECK(softcap >= 0, "kvgen.paged_attention: softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(q.dim() == 3, "kvgen.paged_attention: q [N, H, D], pools [num_blocks, Hkv, block_size, D]");
   check_qkv(q, k_pool, v_pool, q.size(2));
+  for (const at::Tensor* t : {&block_tables, &query_start_loc, &seq_lens}) {  // a float block id would be truncated
+    TORCH_CHECK(c10::isIntegralType(t->scalar_type(), /*includeBool=*/false),
+                "kvgen.paged_attention: block_tables, query_start_loc and seq_lens must be integer tensors, got ",
+                t->scalar_type());
+  }
   const at::Tensor tables = block_tables.to(at::kLong).contiguous(), qsl = query_start_loc.to(at::kLong).contiguous();
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
   check_paged(k_pool, v_pool, tables, qsl, lens, q.size(1), q.size(2));

@@ -423,6 +423,9 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t weight_type, const 
   check_weight(weight, weight_type);
   const int64_t blocks = record_blocks(weight_type), nb = weight.size(1) * blocks, rec = record_bytes(weight_type);
   TORCH_CHECK(in_features == nb * kBlock, "kvgen.dequantize_rows: in_features ", in_features, " != ", nb * kBlock);
+  // float ids were truncated by the cast (1.7 read row 1); the reference's index_select refuses them
+  TORCH_CHECK(c10::isIntegralType(ids_in.scalar_type(), /*includeBool=*/false),
+              "kvgen.dequantize_rows: ids must be an integer tensor, got ", ids_in.scalar_type());
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
   const int64_t n = ids.numel(), num_rows = weight.size(0) * kRows;
   at::Tensor out = at::empty({n, in_features}, weight.options().dtype(at::kFloat));
