@@ -17,17 +17,15 @@ def num_parameters(model) -> int:
 
 
 def _storage_types(path: Any) -> dict[str, int]:
-    """Tensor count per storage type (GGUF quantization types, or safetensors dtypes of the files and keys the loader
+    """Tensor count per storage type (GGUF quantization types, or safetensors dtype names of the files and keys the loader
     reads: :func:`kvgen.weights.hf_loader.weight_files`, not every ``*.safetensors`` of the directory)."""
     if path.is_dir():
-        from safetensors import safe_open
-
-        from kvgen.weights.hf_loader import weight_files
+        from kvgen.weights.hf_loader import open_weights, weight_files
 
         counts: Counter[str] = Counter()
         for file, keys in weight_files(path).items():
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys() if keys is None else keys:  # noqa: SIM118 -- a safetensors handle, not a dict
+            with open_weights(file) as f:
+                for key in f.keys() if keys is None else keys:  # noqa: SIM118 -- a weights handle, not a dict
                     counts[str(f.get_slice(key).get_dtype())] += 1
         return dict(counts)
     from kvgen.weights.gguf_file import open_gguf

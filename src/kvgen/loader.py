@@ -87,7 +87,7 @@ def load_model(
     """Load a model and its tokenizer.
 
     ``path_or_name``: ``"default"``, a ``.gguf`` file or a Hugging Face
-    checkpoint directory (``config.json`` + safetensors, and a tokenizer: see
+    checkpoint directory (``config.json`` + safetensors or ``pytorch_model.bin`` weights, and a tokenizer: see
     :meth:`Tokenizer.from_pretrained`, which also reads a BertTokenizer ``vocab.txt``). The format is sniffed
     from the path (directory, else the file's magic bytes). Returns the model in
     eval mode and a :class:`Tokenizer`. ``dtype="auto"`` (default) runs a quantized

@@ -142,13 +142,50 @@ def test_openai_style_gpt2_keys_and_buffers(tmp_path: Path) -> None:
     _assert_same(state, _expected(model), torch.float32)
 
 
-def test_pickle_only_directory_is_refused(tmp_path: Path) -> None:
-    model = _tiny_gpt2()
-    model.save_pretrained(tmp_path, safe_serialization=False)
-    assert (tmp_path / "pytorch_model.bin").is_file()
-    with pytest.raises(ModelFormatError, match="safetensors only") as info:
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_pytorch_model_bin_loads_as_transformers_loads_it(tmp_path: Path, arch: str, sharded: bool) -> None:
+    """``pytorch_model.bin`` (and its sharded index), which transformers' from_pretrained falls back to without
+    safetensors files, as older checkpoints ship; it was refused."""
+    model = _tiny_gpt2() if arch == "gpt2" else _tiny_llama(tied=False)
+    model.save_pretrained(tmp_path, safe_serialization=False, **({"max_shard_size": "50KB"} if sharded else {}))
+    index = tmp_path / "pytorch_model.bin.index.json"
+    assert (index.is_file() and len(list(tmp_path.glob("pytorch_model-*.bin"))) > 2) if sharded else (
+        tmp_path / "pytorch_model.bin").is_file()
+    assert not list(tmp_path.glob("*.safetensors"))
+    reference = type(model).from_pretrained(tmp_path)  # transformers reads the same files
+    _, state = load_hf_directory(tmp_path)
+    _assert_same(state, _expected(reference), torch.float32)
+
+
+def test_a_pytorch_checkpoint_that_would_run_code_is_refused(tmp_path: Path) -> None:
+    """Unpickled weights-only, as transformers reads it: an object whose unpickling calls a function is named, and
+    nothing runs."""
+    _tiny_gpt2().save_pretrained(tmp_path, safe_serialization=False)
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self) -> tuple:
+            return (Path.touch, (marker,))
+
+    torch.save({"transformer.wte.weight": torch.zeros(2), "x": Payload()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ModelFormatError, match="is not a weights-only PyTorch checkpoint") as info:
         load_hf_directory(tmp_path)
-    assert "pytorch_model.bin" in str(info.value) and str(tmp_path) in str(info.value)
+    assert "pytorch_model.bin" in str(info.value) and not marker.exists()
+    (tmp_path / "pytorch_model.bin").write_bytes(b"PK\x03\x04 not a zip")
+    with pytest.raises(ModelFormatError, match="is not a readable PyTorch checkpoint"):
+        load_hf_directory(tmp_path)
+    torch.save([torch.zeros(2)], tmp_path / "pytorch_model.bin")
+    with pytest.raises(ModelFormatError, match="does not hold a state dict"):
+        load_hf_directory(tmp_path)
+
+
+def test_safetensors_win_over_pytorch_weights_as_in_transformers(tmp_path: Path) -> None:
+    model = _tiny_gpt2()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    torch.save({"garbage": torch.zeros(1)}, tmp_path / "pytorch_model.bin")
+    _, state = load_hf_directory(tmp_path)
+    _assert_same(state, _expected(model), torch.float32)
 
 
 # --- bad input ---------------------------------------------------------------

@@ -1,13 +1,11 @@
-"""Loading a Hugging Face checkpoint directory (``config.json`` + safetensors).
+"""Loading a Hugging Face checkpoint directory (``config.json`` + safetensors or PyTorch weights).
 
 Reads ``model.safetensors`` or, failing that, the shards listed in
-``model.safetensors.index.json``, maps names per architecture
+``model.safetensors.index.json``, else (as transformers' ``from_pretrained`` falls back) ``pytorch_model.bin`` or
+the shards of ``pytorch_model.bin.index.json``, unpickled weights-only (:mod:`kvgen.weights.torch_bin`: a file that
+would run code is refused); maps names per architecture
 (:mod:`kvgen.weights.name_maps`: GPT-2's ``Conv1D`` weights are transposed to
 ``[out, in]``), and checks keys and shapes strictly before reading any tensor.
-
-PyTorch pickles (``pytorch_model.bin``) are refused rather than loaded: a
-pickle can run code, and one format keeps the loader small. Convert with
-``model.save_pretrained(dir, safe_serialization=True)``.
 """
 
 from __future__ import annotations
@@ -42,12 +40,14 @@ from kvgen.weights.name_maps import (
     is_router_weight,
 )
 from kvgen.weights.quantized import GGUFBlocks, is_quantizable, quantize_matrix
+from kvgen.weights.torch_bin import TorchCheckpoint
 
 _16BIT = ("F16", "BF16")  # safetensors dtypes the 16-bit kernels run as stored
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors dtypes of weights (others are refused)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+# (single file, index of shards) in the order transformers' from_pretrained looks for them
+_WEIGHT_FILES = ((SINGLE_FILE, INDEX_FILE), ("pytorch_model.bin", "pytorch_model.bin.index.json"))
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,8 @@ def load_hf_directory(
     Keys ignored before the strict check: saved buffers (GPT-2 ``attn.bias`` /
     ``attn.masked_bias``, Llama ``rotary_emb.inv_freq``) and ``lm_head.weight``
     when ``tie_word_embeddings``. Raises ``ModelNotFoundError`` (no such
-    directory), ``ModelFormatError`` (no or bad ``config.json``, no safetensors
-    weights, a corrupt file, missing/unexpected keys or wrong shapes: every
+    directory), ``ModelFormatError`` (no or bad ``config.json``, no weights
+    file, a corrupt file, a PyTorch checkpoint that would run code, missing/unexpected keys or wrong shapes: every
     one listed) and ``UnsupportedArchitectureError``.
     """
     root = Path(path)
@@ -130,41 +130,49 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
 
 
 def weight_files(root: Path) -> dict[Path, list[str] | None]:
-    """Safetensors file -> the keys to read from it (None: all of them): ``model.safetensors``, else the shards of
-    ``model.safetensors.index.json``. Raises ``ModelFormatError`` for a bad index or no weights."""
-    if (root / SINGLE_FILE).is_file():
-        return {root / SINGLE_FILE: None}
-    if (root / INDEX_FILE).is_file():
-        weight_map = _read_json(root / INDEX_FILE, INDEX_FILE).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ModelFormatError(f"{root / INDEX_FILE} has no 'weight_map'")
-        files: dict[Path, list[str] | None] = {}
-        for key, shard in weight_map.items():
-            keys = files.setdefault(root / _shard_name(root, key, shard), [])
-            assert keys is not None
-            keys.append(key)
-        absent = [str(f) for f in files if not f.is_file()]
-        if absent:
-            raise ModelFormatError(f"{root / INDEX_FILE} lists shards that do not exist: {', '.join(absent)}")
-        return files
-    pickles = [name for name in _PICKLE_FILES if (root / name).exists()]
-    if pickles:
-        raise ModelFormatError(
-            f"{root} has only PyTorch pickle weights ({', '.join(pickles)}); kvgen loads safetensors only. "
-            "Convert with model.save_pretrained(dir, safe_serialization=True)"
-        )
-    raise ModelFormatError(f"{root} has no weights: expected {SINGLE_FILE} or {INDEX_FILE}")
+    """Weights file -> the keys to read from it (None: all of them): ``model.safetensors``, else the shards of
+    ``model.safetensors.index.json``, else ``pytorch_model.bin``, else the shards of its index (transformers'
+    order). Raises ``ModelFormatError`` for a bad index or no weights."""
+    for single, index in _WEIGHT_FILES:
+        if (root / single).is_file():
+            return {root / single: None}
+        if (root / index).is_file():
+            return _shards(root, index)
+    raise ModelFormatError(f"{root} has no weights: expected {SINGLE_FILE}, {INDEX_FILE}, "
+                           f"{' or '.join(_WEIGHT_FILES[1])}")
+
+
+def _shards(root: Path, index: str) -> dict[Path, list[str] | None]:
+    """Shard file -> its keys, from the index file ``index`` (``{"weight_map": {key: shard file}}``)."""
+    weight_map = _read_json(root / index, index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelFormatError(f"{root / index} has no 'weight_map'")
+    files: dict[Path, list[str] | None] = {}
+    for key, shard in weight_map.items():
+        keys = files.setdefault(root / _shard_name(root / index, key, shard), [])
+        assert keys is not None
+        keys.append(key)
+    absent = [str(f) for f in files if not f.is_file()]
+    if absent:
+        raise ModelFormatError(f"{root / index} lists shards that do not exist: {', '.join(absent)}")
+    return files
+
+
+def _index_name(shard: Path) -> str:
+    """The name of the index file that lists ``shard``: PyTorch's for a ``.bin`` shard, else safetensors'."""
+    return _WEIGHT_FILES[1][1] if shard.suffix == ".bin" else INDEX_FILE
 
 
 def _has_weights(root: Path) -> bool:
-    return (root / SINGLE_FILE).is_file() or (root / INDEX_FILE).is_file()
+    return any((root / name).is_file() for names in _WEIGHT_FILES for name in names)
 
 
-def _shard_name(root: Path, key: str, shard: Any) -> str:
-    """``shard``, the index's file for tensor ``key``: ``ModelFormatError`` unless it is a path inside ``root``
-    (relative, without ``..``: a link inside the directory may lead elsewhere, as in the Hugging Face cache)."""
+def _shard_name(index: Path, key: str, shard: Any) -> str:
+    """``shard``, the file that ``index`` names for tensor ``key``: ``ModelFormatError`` unless it is a path inside
+    the index's directory (relative, without ``..``: a link inside the directory may lead elsewhere, as in the
+    Hugging Face cache)."""
     if not isinstance(shard, str) or not shard or Path(shard).is_absolute() or ".." in Path(shard).parts:
-        raise ModelFormatError(f"{root / INDEX_FILE}: weight_map[{key!r}] must name a file inside {root}, "
+        raise ModelFormatError(f"{index}: weight_map[{key!r}] must name a file inside {index.parent}, "
                                f"got {shard!r}")
     return shard
 
@@ -174,7 +182,7 @@ def _checkpoint_keys(files: dict[Path, list[str] | None]) -> list[str]:
     keys: list[str] = []
     for file, listed in files.items():
         if listed is None:
-            with _open(file) as f:
+            with open_weights(file) as f:
                 listed = list(f.keys())
         keys += listed
     return keys
@@ -187,13 +195,13 @@ def _plan(files: dict[Path, list[str] | None], config: ModelConfig) -> tuple[dic
     seen: dict[str, Path] = {}
     placed = {key: file for file, keys in files.items() for key in keys or ()}  # the index's shard of each key
     for file, keys in files.items():
-        with _open(file) as f:
+        with open_weights(file) as f:
             available = set(f.keys())
             if keys is None:
                 keys = sorted(available)
             absent = [k for k in keys if k not in available]
             if absent:
-                raise ModelFormatError(f"{file} lacks tensors that {INDEX_FILE} places there: {', '.join(absent)}")
+                raise ModelFormatError(f"{file} lacks tensors that {_index_name(file)} places there: {', '.join(absent)}")
             _check_not_elsewhere(file, available - set(keys), placed)
             for key in keys:
                 name = hf_to_kvgen_name(key, config)
@@ -217,7 +225,7 @@ def _check_not_elsewhere(file: Path, unlisted: set[str], placed: dict[str, Path]
     takes the last shard's and the index names the other."""
     twice = [f"{k!r} (placed in {placed[k]})" for k in sorted(unlisted) if k in placed]
     if twice:
-        raise ModelFormatError(f"{file} also holds tensors that {INDEX_FILE} places in another shard: "
+        raise ModelFormatError(f"{file} also holds tensors that {_index_name(file)} places in another shard: "
                                f"{', '.join(twice)}")
 
 
@@ -229,7 +237,12 @@ def _check_dtype(file: Path, key: str, name: str, dtype: str) -> None:
                                f"{', '.join(_FLOAT_DTYPES)} (and gpt-oss's MXFP4 blocks and scales as U8)")
 
 
-def _open(file: Path) -> Any:
+def open_weights(file: Path) -> Any:
+    """A handle on a weights file (``keys()``, ``get_slice``, ``get_tensor``; a context manager): safetensors, or a
+    PyTorch checkpoint (a ``.bin`` name) through :class:`~kvgen.weights.torch_bin.TorchCheckpoint`. Raises
+    ``ModelFormatError`` naming a file that cannot be read."""
+    if file.suffix == ".bin":
+        return TorchCheckpoint(file)
     try:
         return safe_open(str(file), framework="pt")
     except (SafetensorError, OSError) as e:  # a bad header or data / a missing file or a directory
@@ -275,7 +288,7 @@ def _read_tensors(entries: list[_Entry], dtype: torch.dtype, keep_16bit: bool, q
     for e in entries:
         by_file.setdefault(e.file, []).append(e)
     for file, group in by_file.items():
-        with _open(file) as f:
+        with open_weights(file) as f:
             for e in group:
                 try:
                     t = f.get_tensor(e.key)
