@@ -362,6 +362,17 @@ def test_the_default_max_model_len_fits_the_kv_pool_and_an_explicit_one_must(mod
         LLMEngine(model, tok, EngineArgs(num_blocks=64, block_size=4, max_model_len=512))
 
 
+def test_a_pool_too_large_to_map_is_refused_naming_the_setting(model_tok):
+    """A pool of more bytes than an address holds (lazy_zeros' mmap fails): the ValueError names the setting that
+    sized it and its value (it named only the bytes and the tensor shape)."""
+    model, tok = model_tok
+    with pytest.raises(ValueError, match=r"^num_blocks=1000000000000000: the KV cache pool of 1000000000000000 blocks "
+                                         r"of 16 tokens does not fit in memory \(cannot map"):
+        LLMEngine(model, tok, EngineArgs(num_blocks=10**15, block_size=16))
+    with pytest.raises(ValueError, match=r"^kv_cache_memory=100000000000000000000: the KV cache pool of \d+ blocks"):
+        LLMEngine(model, tok, EngineArgs(kv_cache_memory=10**20, block_size=16))
+
+
 def test_abort_frees_blocks_and_runner_state(model_tok, prompts):
     model, tok = model_tok
     engine = LLMEngine(model, tok, EngineArgs(num_blocks=64))

@@ -18,6 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from kvgen.config import ModelConfig
 from kvgen.engine.block_manager import BlockManager
 from kvgen.engine.engine_args import DEFAULT_KV_CACHE_MEMORY, EngineArgs
 from kvgen.engine.model_runner import ModelRunner
@@ -62,7 +65,8 @@ class LLMEngine:
 
     ``tokenizer`` None means token-id prompts only and empty ``text`` (stop strings then raise).
     Raises ``ValueError`` when ``max_model_len`` exceeds the model's context window or, given, the KV pool; left
-    unset, it is the context window or, if fewer, the tokens the pool holds (one request must always fit).
+    unset, it is the context window or, if fewer, the tokens the pool holds (one request must always fit); and, naming
+    ``num_blocks`` or ``kv_cache_memory``, for a pool the system cannot map.
     """
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer | None, engine_args: EngineArgs | None = None) -> None:
@@ -82,7 +86,7 @@ class LLMEngine:
             memory = args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
             num_blocks = num_blocks_for_memory(config, memory, args.block_size, dtype)
         self.max_model_len = _fit_pool(self.max_model_len, args, num_blocks)
-        self.cache = PagedKVCache.from_config(config, args.block_size, num_blocks=num_blocks, dtype=dtype)
+        self.cache = _make_pool(config, args, num_blocks, dtype)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         spec = args.speculative_config
         assert spec is None or isinstance(spec, SpeculativeConfig)  # EngineArgs parses it
@@ -405,6 +409,18 @@ def _fit_pool(max_model_len: int, args: EngineArgs, num_blocks: int) -> int:
                          f"({num_blocks} blocks of {args.block_size}): lower max_model_len or raise num_blocks / "
                          "kv_cache_memory")
     return pool_tokens
+
+
+def _make_pool(config: ModelConfig, args: EngineArgs, num_blocks: int, dtype: torch.dtype) -> PagedKVCache:
+    """The paged KV pool. Raises ``ValueError`` naming ``num_blocks`` or ``kv_cache_memory`` and its value when the
+    system cannot map the pool (``kv_cache.pool.lazy_zeros``: more bytes than the memory, or than an address holds)."""
+    try:
+        return PagedKVCache.from_config(config, args.block_size, num_blocks=num_blocks, dtype=dtype)
+    except ValueError as e:
+        given = (f"num_blocks={args.num_blocks}" if args.num_blocks is not None
+                 else f"kv_cache_memory={args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY}")
+        raise ValueError(f"{given}: the KV cache pool of {num_blocks} blocks of {args.block_size} tokens does not fit "
+                         f"in memory ({e}); lower num_blocks / kv_cache_memory") from None
 
 
 def split_prompt(item: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int] | None]:
