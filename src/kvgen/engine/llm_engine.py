@@ -417,6 +417,8 @@ def _make_pool(config: ModelConfig, args: EngineArgs, num_blocks: int, dtype: to
     try:
         return PagedKVCache.from_config(config, args.block_size, num_blocks=num_blocks, dtype=dtype)
     except ValueError as e:
+        if not str(e).startswith("cannot map"):  # lazy_zeros' words for a mapping refused; other errors stand
+            raise
         given = (f"num_blocks={args.num_blocks}" if args.num_blocks is not None
                  else f"kv_cache_memory={args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY}")
         raise ValueError(f"{given}: the KV cache pool of {num_blocks} blocks of {args.block_size} tokens does not fit "
