@@ -257,6 +257,29 @@ def test_a_path_that_is_no_str_or_path_is_named(bad: object) -> None:
         kvgen.load_model(bad)  # type: ignore[arg-type]
 
 
+def test_a_repo_id_in_the_local_hugging_face_cache_loads_its_snapshot(tiny_model_dir: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvgen generate -m org/name`` finds a model transformers or vLLM cached before, as their from_pretrained
+    does offline; it was "model not found". A repo id the cache lacks is still not found, and nothing downloads."""
+    import huggingface_hub.constants
+    from transformers import AutoConfig
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--org--tiny"
+    shutil.copytree(tiny_model_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    reference = AutoConfig.from_pretrained("org/tiny", cache_dir=tmp_path / "hub", local_files_only=True)
+    assert kvgen.loader.resolve_model_path("org/tiny") == repo / "snapshots" / commit
+    model, tok = load_model("org/tiny")
+    assert model.config.vocab_size == reference.vocab_size
+    assert tok.encode("hello") == load_model(tiny_model_dir)[1].encode("hello")
+    with pytest.raises(ModelNotFoundError, match="not found: org/absent .*local Hugging Face cache"):
+        kvgen.loader.resolve_model_path("org/absent")
+
+
 def test_subpackages_are_reachable_after_a_plain_import_kvgen():
     """README names kvgen.generation.make_cache, kvgen.kernels.kernel_isa() and kvgen.engine after ``import kvgen``;
     the lazy package raised "module 'kvgen' has no attribute 'generation'" until something imported them."""

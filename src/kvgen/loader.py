@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 import threading
 from collections.abc import Mapping
@@ -26,7 +27,9 @@ AUTO = "auto"
 
 
 def resolve_model_path(path_or_name: str | os.PathLike[str] = "default") -> Path:
-    """The file or directory behind ``path_or_name``; ``"default"`` is SmolLM2-135M-Instruct's GGUF.
+    """The file or directory behind ``path_or_name``; ``"default"`` is SmolLM2-135M-Instruct's GGUF. A Hugging Face
+    repo id (``org/name``) that is no local path is its snapshot in the local Hugging Face cache (``HF_HUB_CACHE``), as
+    transformers and vLLM find it offline; nothing is downloaded.
 
     Raises ``ModelNotFoundError`` when nothing is there or the path is empty (``Path("")`` is the working directory,
     which transformers' ``from_pretrained("")`` refuses too), ``ModelFormatError`` for a path that is neither a
@@ -48,14 +51,32 @@ def resolve_model_path(path_or_name: str | os.PathLike[str] = "default") -> Path
         mode = path.stat().st_mode
     except OSError as e:
         if e.errno in (errno.ENOENT, errno.ENOTDIR):
-            raise ModelNotFoundError(f"model not found: {path} (pass a .gguf file, a Hugging Face directory or "
-                                     f"'default')") from None
+            cached = cached_snapshot(str(path_or_name))
+            if cached is not None:
+                return cached
+            raise ModelNotFoundError(f"model not found: {path} (pass a .gguf file, a Hugging Face directory, a repo id "
+                                     f"in the local Hugging Face cache or 'default'; kvgen downloads nothing)") from None
         what = "is a symlink loop" if e.errno == errno.ELOOP else f"cannot be read: {e.strerror or e}"
         raise ModelFormatError(f"model path {path} {what}") from None
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
         raise ModelFormatError(f"model path {path} is neither a regular file nor a directory (a FIFO, socket or "
                                f"device)")
     return path
+
+
+def cached_snapshot(repo_id: str) -> Path | None:
+    """The local Hugging Face cache's snapshot directory of ``repo_id`` (``org/name``, its ``main`` revision), or None
+    when the name is no repo id or the cache lacks it. Source: ``huggingface_hub.snapshot_download(...,
+    local_files_only=True)``, which transformers' ``from_pretrained`` uses offline."""
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id) or ".." in repo_id:
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        return None
 
 
 def check_load_options(dtype: str, quantization: str | None) -> None:
