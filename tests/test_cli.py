@@ -444,6 +444,15 @@ def test_bench_decode_refuses_a_prompt_past_the_context_window(capsys, tiny_mode
                                                   "context window (2048), got 100000 + 128"), err
 
 
+def test_bench_decode_refuses_no_cache_tokens_past_the_context_window(capsys, tiny_model_dir):
+    """The no-cache runs failed alone: their error sat in the report, the bench went on and exited 0."""
+    code, out, err = _run(capsys, ["bench", "decode", "--model", str(tiny_model_dir), "--no-transformers",
+                                   "--no-llama-cpp", "--prompt-tokens", "8", "--new-tokens", "4",
+                                   "--no-cache-new-tokens", "5000"])
+    assert code == 2 and out == "" and err.splitlines()[-1] == (
+        "kvgen: error: prompt_tokens + no_cache_new_tokens must be <= the model's context window (2048), got 8 + 5000"), err
+
+
 def test_truncated_gguf_exits_2_from_the_real_script(tmp_path, default_gguf_path):
     bad = tmp_path / "truncated.gguf"
     bad.write_bytes(default_gguf_path.read_bytes()[:1_000_000])
