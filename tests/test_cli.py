@@ -387,6 +387,8 @@ def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
         (["bench", "serve", "--no-llama-cpp", "--quantization", "bogus"], "--quantization must be one of q8_0"),
         # refused before the bench's progress lines and model load (it was the third line on stderr)
         (["bench", "perplexity", "--no-llama-cpp", "--context-length", "1"], "--context-length must be an int >= 2"),
+        # it scored the default text, reported as "is_default_text": false
+        (["bench", "perplexity", "--no-llama-cpp", "--file", ""], "--file must not be empty, got ''"),
         (["serve", "--kv-cache-dtype", "int8", "--dtype", "float32"], "kv_cache_dtype='int8' needs dtype 'auto'"),
         (["generate", "hi", "--threads", "100000"], "num_threads must be in [1, 512], got 100000"),
         (["generate", "hi", "--trace", "--trace-plot", "/no/such/dir/x.png"], "the directory '/no/such/dir' does not"),
