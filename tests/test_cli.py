@@ -389,6 +389,11 @@ def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
         (["bench", "perplexity", "--no-llama-cpp", "--context-length", "1"], "--context-length must be an int >= 2"),
         # it scored the default text, reported as "is_default_text": false
         (["bench", "perplexity", "--no-llama-cpp", "--file", ""], "--file must not be empty, got ''"),
+        # the engine's flags: refused after the bench's first progress line, named by their field
+        (["bench", "throughput", "--no-transformers", "--no-llama-cpp", "--max-num-seqs", "0"],
+         "kvgen: error: --max-num-seqs must be an int >= 1, got 0"),
+        (["bench", "throughput", "--no-transformers", "--no-llama-cpp", "--kv-cache-dtype", "fp8"],
+         "kvgen: error: --kv-cache-dtype must be one of auto, int8, got 'fp8'"),
         (["serve", "--kv-cache-dtype", "int8", "--dtype", "float32"], "kv_cache_dtype='int8' needs dtype 'auto'"),
         (["generate", "hi", "--threads", "100000"], "num_threads must be in [1, 512], got 100000"),
         (["generate", "hi", "--trace", "--trace-plot", "/no/such/dir/x.png"], "the directory '/no/such/dir' does not"),
