@@ -443,6 +443,24 @@ def test_a_config_json_missing_or_mistyping_fields_exits_2(capsys, tmp_path, con
     assert code == 2 and err.count("\n") == 1 and message in err, err
 
 
+@pytest.mark.parametrize("bench", ["decode", "strategies", "throughput", "perplexity", "serve"])
+def test_bench_takes_llama_bench_model_and_threads_flags(bench):
+    """-m and -t (llama-bench's, and every other kvgen subcommand's) are --model and --threads; they were refused
+    as unrecognized arguments by every bench."""
+    import importlib
+
+    from kvgen.cli import build_parser
+    from kvgen.cli_flags import BENCHES
+    from kvgen.fields import config_from_args
+
+    module, config_cls, _ = BENCHES[bench]
+    cls = getattr(importlib.import_module(f"kvgen.bench.{module}"), config_cls)
+    parse = build_parser("bench").parse_args
+    short = config_from_args(cls, parse(["bench", bench, "-m", "some.gguf", "-t", "3"]))
+    long = config_from_args(cls, parse(["bench", bench, "--model", "some.gguf", "--threads", "3"]))
+    assert short == long and (short.model, short.num_threads) == ("some.gguf", 3)
+
+
 def test_bench_decode_refuses_a_prompt_past_the_context_window(capsys, tiny_model_dir):
     """Every timed run would fail, and the step breakdown then ran on the whole prompt for minutes."""
     code, _, err = _run(capsys, ["bench", "decode", "--model", str(tiny_model_dir), "--no-transformers",
