@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -737,6 +738,20 @@ def test_the_script_started_with_stdout_or_stderr_closed_leaves_without_a_traceb
                           capture_output=True, text=True, timeout=120, check=False, preexec_fn=lambda: os.close(closed))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr
     assert proc.stderr == "" and (proc.stdout == "" if closed == 1 else json.loads(proc.stdout))
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("unbuffered", ["", "1"], ids=["buffered", "unbuffered"])
+def test_output_that_cannot_be_written_is_one_line_and_exit_2(tiny_model_dir, unbuffered):
+    """``> /dev/full``: block-buffered, the failed last flush was ignored (exit 0, the output lost); unbuffered, an
+    "internal error" and exit 1. ``2> /dev/full``: the exit code of a bad flag became 1 (its message failed)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | {"PYTHONUNBUFFERED": unbuffered}
+    argv = [sys.executable, "-m", "kvgen.cli", "tokenize", "--model", str(tiny_model_dir), "hi"]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, env=env, check=False)
+        bad = subprocess.run([*argv, "--bogus"], stdout=subprocess.PIPE, stderr=full, timeout=120, env=env, check=False)
+    assert proc.returncode == 2 and proc.stderr == "kvgen: error: cannot write the output: No space left on device\n"
+    assert bad.returncode == 2 and bad.stdout == b""
 
 
 def test_the_script_collects_garbage_again_once_the_model_is_loaded(tiny_model_dir):
