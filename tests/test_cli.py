@@ -402,6 +402,8 @@ def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
         (["generate", "hi", "--do-sample", "--best-of", "1", "--num-return-sequences", "2"],
          "num_return_sequences=2 conflicts with best_of=1"),
         (["generate", "hi", "--bad-words-ids", "[[-1]]"], "bad_words_ids entries must be non-empty sequences of ids"),
+        # bytes that are not UTF-8 (`--stop $'\xff'`, read with surrogateescape): a stop no text can hold, accepted
+        (["generate", "hi", "--stop", "a\udcff"], "--stop is not valid UTF-8 text, got 'a\\udcff'"),
         # malformed [ids, bias] pairs: were internal errors (TypeError, exit 1) or a message naming no setting
         (["generate", "hi", "--sequence-bias", "[1]"], "sequence_bias must be a dict or a list of [ids, bias] pairs"),
         (["generate", "hi", "--sequence-bias", "[[[1], null]]"], "sequence_bias values must be finite numbers"),
