@@ -375,6 +375,7 @@ def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
         (["generate", "hi", "--dola-layers", "middle"], "dola_layers must be 'low', 'high' or a non-empty list"),
         (["generate", "hi", "--dola-layers", "high", "--num-beams", "2"], "dola_layers works with greedy search"),
         (["generate", "-f", "/no/such/prompt.txt"], "cannot read the prompt file /no/such/prompt.txt"),
+        (["generate", "-f", ""], "kvgen generate: -f/--file must not be empty"),  # was "Is a directory: '.'"
         (["chat", "--chat-template", "/no/such.jinja"], "chat_template: '/no/such.jinja' is neither a file nor"),
         pytest.param(["generate", "hi", "--max-new-tokens", "9000"], "exceeds the context window of 8192 tokens",
                      marks=pytest.mark.slow),  # loads the default model to learn its context window

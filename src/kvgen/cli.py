@@ -127,6 +127,8 @@ def _prompt_text(args: argparse.Namespace) -> str:
         raise CliError("kvgen generate: give the prompt once, as PROMPT, -p/--prompt or -f/--file")
     if args.prompt_file is None:
         return given[0] if given else DEFAULT_PROMPT
+    if not args.prompt_file:  # Path("") is the working directory: "Is a directory: '.'"
+        raise CliError("kvgen generate: -f/--file must not be empty (a file name, or '-' for standard input)")
     if args.prompt_file == "-" and sys.stdin is None:  # started with its standard input closed (`<&-`)
         raise CliError("kvgen generate: -f -: standard input is closed, there is no prompt to read")
     try:
