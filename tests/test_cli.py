@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -374,6 +375,7 @@ def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
         (["generate", "hi", "--dola-layers", "middle"], "dola_layers must be 'low', 'high' or a non-empty list"),
         (["generate", "hi", "--dola-layers", "high", "--num-beams", "2"], "dola_layers works with greedy search"),
         (["generate", "-f", "/no/such/prompt.txt"], "cannot read the prompt file /no/such/prompt.txt"),
+        (["generate", "-f", ""], "kvgen generate: -f/--file must not be empty"),  # was "Is a directory: '.'"
         (["chat", "--chat-template", "/no/such.jinja"], "chat_template: '/no/such.jinja' is neither a file nor"),
         pytest.param(["generate", "hi", "--max-new-tokens", "9000"], "exceeds the context window of 8192 tokens",
                      marks=pytest.mark.slow),  # loads the default model to learn its context window
@@ -387,6 +389,13 @@ def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
         (["bench", "serve", "--no-llama-cpp", "--quantization", "bogus"], "--quantization must be one of q8_0"),
         # refused before the bench's progress lines and model load (it was the third line on stderr)
         (["bench", "perplexity", "--no-llama-cpp", "--context-length", "1"], "--context-length must be an int >= 2"),
+        # it scored the default text, reported as "is_default_text": false
+        (["bench", "perplexity", "--no-llama-cpp", "--file", ""], "--file must not be empty, got ''"),
+        # the engine's flags: refused after the bench's first progress line, named by their field
+        (["bench", "throughput", "--no-transformers", "--no-llama-cpp", "--max-num-seqs", "0"],
+         "kvgen: error: --max-num-seqs must be an int >= 1, got 0"),
+        (["bench", "throughput", "--no-transformers", "--no-llama-cpp", "--kv-cache-dtype", "fp8"],
+         "kvgen: error: --kv-cache-dtype must be one of auto, int8, got 'fp8'"),
         (["serve", "--kv-cache-dtype", "int8", "--dtype", "float32"], "kv_cache_dtype='int8' needs dtype 'auto'"),
         (["generate", "hi", "--threads", "100000"], "num_threads must be in [1, 512], got 100000"),
         (["generate", "hi", "--trace", "--trace-plot", "/no/such/dir/x.png"], "the directory '/no/such/dir' does not"),
@@ -394,6 +403,8 @@ def test_info_names_the_checkpoints_own_architecture(tmp_path, model_type):
         (["generate", "hi", "--do-sample", "--best-of", "1", "--num-return-sequences", "2"],
          "num_return_sequences=2 conflicts with best_of=1"),
         (["generate", "hi", "--bad-words-ids", "[[-1]]"], "bad_words_ids entries must be non-empty sequences of ids"),
+        # bytes that are not UTF-8 (`--stop $'\xff'`, read with surrogateescape): a stop no text can hold, accepted
+        (["generate", "hi", "--stop", "a\udcff"], "--stop is not valid UTF-8 text, got 'a\\udcff'"),
         # malformed [ids, bias] pairs: were internal errors (TypeError, exit 1) or a message naming no setting
         (["generate", "hi", "--sequence-bias", "[1]"], "sequence_bias must be a dict or a list of [ids, bias] pairs"),
         (["generate", "hi", "--sequence-bias", "[[[1], null]]"], "sequence_bias values must be finite numbers"),
@@ -436,12 +447,39 @@ def test_a_config_json_missing_or_mistyping_fields_exits_2(capsys, tmp_path, con
     assert code == 2 and err.count("\n") == 1 and message in err, err
 
 
+@pytest.mark.parametrize("bench", ["decode", "strategies", "throughput", "perplexity", "serve"])
+def test_bench_takes_llama_bench_model_and_threads_flags(bench):
+    """-m and -t (llama-bench's, and every other kvgen subcommand's) are --model and --threads; they were refused
+    as unrecognized arguments by every bench."""
+    import importlib
+
+    from kvgen.cli import build_parser
+    from kvgen.cli_flags import BENCHES
+    from kvgen.fields import config_from_args
+
+    module, config_cls, _ = BENCHES[bench]
+    cls = getattr(importlib.import_module(f"kvgen.bench.{module}"), config_cls)
+    parse = build_parser("bench").parse_args
+    short = config_from_args(cls, parse(["bench", bench, "-m", "some.gguf", "-t", "3"]))
+    long = config_from_args(cls, parse(["bench", bench, "--model", "some.gguf", "--threads", "3"]))
+    assert short == long and (short.model, short.num_threads) == ("some.gguf", 3)
+
+
 def test_bench_decode_refuses_a_prompt_past_the_context_window(capsys, tiny_model_dir):
     """Every timed run would fail, and the step breakdown then ran on the whole prompt for minutes."""
     code, _, err = _run(capsys, ["bench", "decode", "--model", str(tiny_model_dir), "--no-transformers",
                                  "--no-llama-cpp", "--prompt-tokens", "100000"])
     assert code == 2 and err.splitlines()[-1] == ("kvgen: error: prompt_tokens + new_tokens must be <= the model's "
                                                   "context window (2048), got 100000 + 128"), err
+
+
+def test_bench_decode_refuses_no_cache_tokens_past_the_context_window(capsys, tiny_model_dir):
+    """The no-cache runs failed alone: their error sat in the report, the bench went on and exited 0."""
+    code, out, err = _run(capsys, ["bench", "decode", "--model", str(tiny_model_dir), "--no-transformers",
+                                   "--no-llama-cpp", "--prompt-tokens", "8", "--new-tokens", "4",
+                                   "--no-cache-new-tokens", "5000"])
+    assert code == 2 and out == "" and err.splitlines()[-1] == (
+        "kvgen: error: prompt_tokens + no_cache_new_tokens must be <= the model's context window (2048), got 8 + 5000"), err
 
 
 def test_truncated_gguf_exits_2_from_the_real_script(tmp_path, default_gguf_path):
@@ -703,6 +741,20 @@ def test_the_script_started_with_stdout_or_stderr_closed_leaves_without_a_traceb
                           capture_output=True, text=True, timeout=120, check=False, preexec_fn=lambda: os.close(closed))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr
     assert proc.stderr == "" and (proc.stdout == "" if closed == 1 else json.loads(proc.stdout))
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("unbuffered", ["", "1"], ids=["buffered", "unbuffered"])
+def test_output_that_cannot_be_written_is_one_line_and_exit_2(tiny_model_dir, unbuffered):
+    """``> /dev/full``: block-buffered, the failed last flush was ignored (exit 0, the output lost); unbuffered, an
+    "internal error" and exit 1. ``2> /dev/full``: the exit code of a bad flag became 1 (its message failed)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | {"PYTHONUNBUFFERED": unbuffered}
+    argv = [sys.executable, "-m", "kvgen.cli", "tokenize", "--model", str(tiny_model_dir), "hi"]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, env=env, check=False)
+        bad = subprocess.run([*argv, "--bogus"], stdout=subprocess.PIPE, stderr=full, timeout=120, env=env, check=False)
+    assert proc.returncode == 2 and proc.stderr == "kvgen: error: cannot write the output: No space left on device\n"
+    assert bad.returncode == 2 and bad.stdout == b""
 
 
 def test_the_script_collects_garbage_again_once_the_model_is_loaded(tiny_model_dir):

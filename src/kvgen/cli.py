@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import gc
 import json
 import logging
@@ -126,6 +127,8 @@ def _prompt_text(args: argparse.Namespace) -> str:
         raise CliError("kvgen generate: give the prompt once, as PROMPT, -p/--prompt or -f/--file")
     if args.prompt_file is None:
         return given[0] if given else DEFAULT_PROMPT
+    if not args.prompt_file:  # Path("") is the working directory: "Is a directory: '.'"
+        raise CliError("kvgen generate: -f/--file must not be empty (a file name, or '-' for standard input)")
     if args.prompt_file == "-" and sys.stdin is None:  # started with its standard input closed (`<&-`)
         raise CliError("kvgen generate: -f -: standard input is closed, there is no prompt to read")
     try:
@@ -365,6 +368,22 @@ def _set_threads(threads: int | None) -> None:
     set_threads(threads)
 
 
+def _write_error(e: BaseException) -> str | None:
+    """The one line for a write that found no room (``> /dev/full``, a full disk or quota), else None: the output's
+    place, not an internal error."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return f"kvgen: error: cannot write the output: {e.strerror}"
+    return None
+
+
+def _say(message: str) -> None:
+    """``message`` on stderr; nothing where stderr cannot be written (``2> /dev/full``), so the exit code stays."""
+    try:
+        print(message, file=sys.stderr)
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvgen`` script; returns the exit code."""
     try:
@@ -375,17 +394,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _SUBCOMMANDS[args.command][2](args)
     except (CliError, KvgenError, ValueError, NotImplementedError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(msg if msg.startswith("kvgen") else f"kvgen: error: {msg}", file=sys.stderr)
+        _say(msg if msg.startswith("kvgen") else f"kvgen: error: {msg}")
         return 2
     except KeyboardInterrupt:
-        print("kvgen: interrupted", file=sys.stderr)
+        _say("kvgen: interrupted")
         return 130
     except BrokenPipeError:
         return 0
     except Exception as e:  # an internal error: one line unless KVGEN_DEBUG is set
+        if (message := _write_error(e)) is not None:
+            _say(message)
+            return 2
         if os.environ.get("KVGEN_DEBUG"):
             raise
-        print(f"kvgen: internal error: {type(e).__name__}: {e} (set KVGEN_DEBUG=1 for a traceback)", file=sys.stderr)
+        _say(f"kvgen: internal error: {type(e).__name__}: {e} (set KVGEN_DEBUG=1 for a traceback)")
         return 1
 
 
@@ -404,8 +426,10 @@ def run() -> NoReturn:
             continue
         try:
             stream.flush()
-        except (OSError, ValueError):  # a reader that went away (`| head -1`), a closed stream
-            pass
+        except (OSError, ValueError) as e:  # a reader that went away (`| head -1`), a closed stream
+            if stream is sys.stdout and code == 0 and (message := _write_error(e)) is not None:
+                _say(message)  # the output's last buffer did not fit (`> /dev/full`): it exited 0, the output lost
+                code = 2
     logging.shutdown()  # flushes the server's log handlers
     os._exit(code)
 

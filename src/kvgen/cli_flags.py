@@ -171,11 +171,16 @@ def with_model_defaults(cfg: Any, model_defaults: dict[str, Any], flags: dict[st
 def flag_values(args: argparse.Namespace) -> dict[str, Any]:
     """The GenerationConfig fields the user's flags set: ``generate(..., **flag_values(args))`` lets them win over
     the model's generation config (as transformers' keyword arguments do), even where they equal a default.
-    ``--sequence-bias`` JSON (a list of ``[ids, bias]`` pairs) becomes a dict; ``ValueError`` naming it when malformed."""
+    ``--sequence-bias`` JSON (a list of ``[ids, bias]`` pairs) becomes a dict; ``ValueError`` naming it when malformed,
+    and for a ``--stop`` that is not UTF-8 text."""
     from kvgen.generation.config import GenerationConfig
     from kvgen.sampling.ops import normalize_sequence_bias
+    from kvgen.tokenizer.tokenizer import lone_surrogate
 
     values = {f.name: v for f in dataclasses.fields(GenerationConfig) if (v := getattr(args, f.name, None)) is not None}
+    for stop in values.get("stop_strings") or ():  # undecodable argv bytes (surrogateescape): the text never holds them
+        if lone_surrogate(stop) is not None:
+            raise ValueError(f"--stop is not valid UTF-8 text, got {stop!r}")
     temperature = values.get("temperature")
     if temperature is not None and values.get("do_sample") is None:
         values["do_sample"] = temperature > 0

@@ -16,11 +16,12 @@ class BenchConfig:
     """The fields every bench's config starts with (each bench adds its own; flags come from all of them).
     Raises ``ValueError`` naming an int field below its ``minimum``."""
 
-    model: str = _f("default", "a .gguf file, a Hugging Face directory or 'default' (SmolLM2-135M-Instruct)")
+    model: str = _f("default", "a .gguf file, a Hugging Face directory or 'default' (SmolLM2-135M-Instruct)",
+                    flags=("--model", "-m"))  # -m, -t: llama-bench's, and every other kvgen subcommand's
     dtype: str = _f(AUTO, "kvgen's dtype, as load_model takes it")
     quantization: str | None = _f(None, "kvgen's quantization, as load_model takes it (q8_0, q5_1, q5_0, q4_1, q4_0)")
     num_threads: int | None = _f(None, "threads of every engine (default: $OMP_NUM_THREADS, else physical cores)",
-                                 flags=("--threads", "--num-threads"), minimum=1)
+                                 flags=("--threads", "--num-threads", "-t"), minimum=1)
     progress: bool = _f(True, "progress lines on stderr", cli=False)
 
     def __post_init__(self) -> None:

@@ -22,12 +22,17 @@ SIDES = ("kvgen_default", "kvgen_float32", "llama_cpp")  # the columns of its te
 
 @dataclasses.dataclass
 class PerplexityBenchConfig(BenchConfig):
-    """What ``run_perplexity_bench`` measures: ``context_length`` below 2 is refused here, before any model loads;
-    one over the model's context window by ``kvgen.perplexity``."""
+    """What ``run_perplexity_bench`` measures: ``context_length`` below 2 and an empty ``file`` are refused here,
+    before any model loads; a ``context_length`` over the model's context window by ``kvgen.perplexity``."""
 
     file: str | None = _f(None, f"UTF-8 text (default: {DEFAULT_TEXT})")
     context_length: int = _f(512, "tokens per non-overlapping window", minimum=2)
     include_llama_cpp: bool = _f(True, "score with llama-cpp-python")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.file == "":  # it scored the default text, reported as not the default
+            raise ValueError("file must not be empty, got ''")
 
 
 def _kvgen_side(config: PerplexityBenchConfig, dtype: str, quantization: str | None, text: str, log: h.Progress

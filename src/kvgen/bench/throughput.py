@@ -35,6 +35,15 @@ class ThroughputBenchConfig(BenchConfig):
     kv_cache_memory: int = _f(2 << 30, "EngineArgs.kv_cache_memory (bytes) of both kvgen systems")
     kv_cache_dtype: str = _f("auto", "EngineArgs.kv_cache_dtype of both kvgen systems: auto or int8")
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.engine_args()  # its ValueError before the bench's progress lines, naming the flag
+
+    def engine_args(self) -> EngineArgs:
+        """The EngineArgs of ``kvgen_engine`` (no dtype: the model is loaded before it). Raises its ``ValueError``."""
+        return EngineArgs(model=self.model, max_num_seqs=self.max_num_seqs, kv_cache_memory=self.kv_cache_memory,
+                          kv_cache_dtype=self.kv_cache_dtype, max_num_batched_tokens=self.max_num_batched_tokens)
+
 
 @dataclasses.dataclass
 class EngineProfile:
@@ -154,9 +163,7 @@ class ThroughputReport(BenchReport):
 def run_throughput_bench(config: ThroughputBenchConfig) -> ThroughputReport:
     """The engine against static batching, transformers and llama-cpp-python (see the module docstring)."""
     log, threads, env = h.start(config, "[bench:throughput]")
-    engine_args = EngineArgs(model=config.model, max_num_seqs=config.max_num_seqs,  # no dtype: the model is loaded
-                             kv_cache_memory=config.kv_cache_memory, kv_cache_dtype=config.kv_cache_dtype,
-                             max_num_batched_tokens=config.max_num_batched_tokens)
+    engine_args = config.engine_args()
     log(f"loading {config.model} ({config.dtype})")
     model, _ = load_model(config.model, config.dtype, config.quantization)
     workload = make_workload(config.num_prompts, model.config.vocab_size, config.seed)
