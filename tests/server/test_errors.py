@@ -141,6 +141,21 @@ def test_a_body_that_is_no_json_object_is_said_as_such(server, body, message):
         assert error["message"].startswith(message) and error["code"] == "invalid_json", error
 
 
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_a_json_body_under_another_content_type_names_the_content_type(server, content_type):
+    """FastAPI reads a body as JSON only under a JSON Content-Type: a JSON object sent as text/plain, as curl -d's
+    form encoding or with none is a 400 naming the Content-Type to send; it said the body "is not a JSON object"."""
+    import json
+
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+    headers = {} if content_type is None else {"content-type": content_type}
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        error = _assert_error_body(httpx.post(server.url + path, content=body, headers=headers, timeout=30), 400, None)
+        assert error["message"].startswith("the request body must be sent with Content-Type: application/json")
+        assert (repr(content_type) if content_type else "no Content-Type") in error["message"], error
+
+
 def test_other_routes_answer_errors_as_openai_bodies(server):
     _assert_error_body(httpx.get(server.url + "/v1/nothing"), 404, None)
     _assert_error_body(httpx.get(server.v1 + "/chat/completions"), 405, None)

@@ -70,9 +70,9 @@ def _loc_param(loc: tuple[Any, ...]) -> str | None:
     return out or None
 
 
-def validation_error(errors: Sequence[Any]) -> OpenAIError:
+def validation_error(errors: Sequence[Any], content_type: str | None = None) -> OpenAIError:
     """The 400 of a request's validation errors (FastAPI's, or a pydantic ``ValidationError.errors()``): the
-    deepest one's field as ``param``."""
+    deepest one's field as ``param``. ``content_type``: the request's header, named when the body went unparsed."""
     # the deepest problem: for a union field (``input``: a string or a list of items) that is the branch that came
     # closest, not "should be a valid string"; at one depth a branch whose type fit (``stop``: 17 strings is a list
     # too long, not "should be a valid string")
@@ -80,6 +80,10 @@ def validation_error(errors: Sequence[Any]) -> OpenAIError:
         if errors else {"loc": (), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":
         return OpenAIError(400, f"malformed JSON body: {first.get('msg')}", None, "invalid_json")
+    if tuple(first.get("loc", ())) == ("body",) and isinstance(first.get("input"), bytes):
+        # FastAPI parses a body as JSON only under a JSON Content-Type (curl -d sends x-www-form-urlencoded)
+        return OpenAIError(400, "the request body must be sent with Content-Type: application/json, got "
+                           + (repr(content_type) if content_type else "no Content-Type"), None, "invalid_json")
     if tuple(first.get("loc", ())) == ("body",):  # no body, or JSON that is no object: no field to name
         why = "is empty" if first.get("type") == "missing" else "is not a JSON object"
         return OpenAIError(400, f"the request body {why}: send the request's fields as a JSON object", None,
@@ -101,8 +105,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).response()
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc.errors(), request.headers.get("content-type")).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
