@@ -3,6 +3,8 @@ raises the same exception classes it raises against OpenAI. Never a 500, never a
 
 from __future__ import annotations
 
+import gzip
+
 import httpx
 import openai
 import pytest
@@ -154,6 +156,28 @@ def test_a_json_body_under_another_content_type_names_the_content_type(server, c
         error = _assert_error_body(httpx.post(server.url + path, content=body, headers=headers, timeout=30), 400, None)
         assert error["message"].startswith("the request body must be sent with Content-Type: application/json")
         assert (repr(content_type) if content_type else "no Content-Type") in error["message"], error
+
+
+_DEEP = b"[" * 10_000 + b"]" * 10_000
+
+
+@pytest.mark.parametrize(("body", "headers", "cause"), [
+    (b'{"model": "tiny", "prompt": "h\xffi"}', {}, "'utf-8' codec can't decode byte 0xff"),
+    (b'{"model": "tiny", "prompt": "hi", "user": ' + _DEEP + b"}", {}, "maximum recursion depth exceeded"),
+    (b'{"model": "tiny", "prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", {}, "Exceeds the limit (4300 digits)"),
+    (gzip.compress(b'{"model": "tiny", "prompt": "hi"}'), {"content-encoding": "gzip"},
+     "Content-Encoding 'gzip' is not supported"),
+], ids=["utf8", "deep", "digits", "gzip"])
+def test_a_body_json_cannot_read_is_400_naming_why(server, body, headers, cause):
+    """Bytes that are no UTF-8 (a gzip body among them), 10,000 levels of nesting (RecursionError) and an integer of
+    5,000 digits fail in json.loads, not as syntax: each is a 400 "malformed JSON body" naming the cause, as a syntax
+    error is, and the server stays up. They were "There was an error parsing the body" with no code."""
+    headers = {"content-type": "application/json"} | headers
+    error = _assert_error_body(httpx.post(server.v1 + "/completions", content=body, headers=headers, timeout=30), 400,
+                               None)
+    assert error["message"].startswith("malformed JSON body: ") and cause in error["message"], error
+    assert error["code"] == "invalid_json" and "set_int_max_str_digits" not in error["message"]
+    assert httpx.get(server.url + "/health").status_code == 200
 
 
 def test_other_routes_answer_errors_as_openai_bodies(server):

@@ -97,6 +97,16 @@ def validation_error(errors: Sequence[Any], content_type: str | None = None) -> 
     return OpenAIError(400, message, param, "invalid_value")
 
 
+def body_parse_error(cause: BaseException, content_encoding: str | None) -> OpenAIError:
+    """The 400 of a JSON body that failed to parse for a reason other than its syntax (FastAPI says only "There
+    was an error parsing the body"): bytes that are no UTF-8 (a gzip body), nesting past Python's recursion
+    limit (RecursionError), an integer of more than 4300 digits (ValueError)."""
+    why = str(cause).split(";", 1)[0]  # the int limit's advice (sys.set_int_max_str_digits) is the server's
+    if content_encoding and content_encoding.lower() != "identity":
+        why = f"Content-Encoding {content_encoding!r} is not supported, send the body uncompressed ({why})"
+    return OpenAIError(400, f"malformed JSON body: {why}", None, "invalid_json")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error the app can raise becomes an OpenAI error body."""
 
@@ -109,7 +119,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return validation_error(exc.errors(), request.headers.get("content-type")).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI's body parsing, raised from its cause
+            return body_parse_error(exc.__cause__, request.headers.get("content-encoding")).response()
         return error_response(exc.status_code, str(exc.detail), None, None)
 
     @app.exception_handler(Exception)
