@@ -158,6 +158,21 @@ def test_a_json_body_under_another_content_type_names_the_content_type(server, c
         assert (repr(content_type) if content_type else "no Content-Type") in error["message"], error
 
 
+@pytest.mark.parametrize("body", [b'{"model": "tiny", "prompt": "hi",}', b'{"model": "tiny" "prompt": "hi"}', b"   ",
+                                  b'{"model": "tiny", "prompt": "h\x01i"}', b'{"model": "tiny"} {}'])
+def test_malformed_json_is_named_with_its_character(server, body):
+    """A syntax error says what json.loads says and where (as vLLM's 400 carries FastAPI's ctx and loc); it was
+    "malformed JSON body: JSON decode error", whatever and wherever the error."""
+    import json
+
+    with pytest.raises(json.JSONDecodeError) as e:
+        json.loads(body)
+    r = httpx.post(server.v1 + "/completions", content=body, headers={"content-type": "application/json"}, timeout=30)
+    error = _assert_error_body(r, 400, None)
+    assert error["message"] == f"malformed JSON body: {e.value.msg} at character {e.value.pos}"
+    assert error["code"] == "invalid_json"
+
+
 _DEEP = b"[" * 10_000 + b"]" * 10_000
 
 

@@ -78,8 +78,11 @@ def validation_error(errors: Sequence[Any], content_type: str | None = None) -> 
     # too long, not "should be a valid string")
     first = max(errors, key=lambda e: (len(e.get("loc", ())), not str(e.get("type", "")).endswith("_type"))) \
         if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    if first.get("type") == "json_invalid":
-        return OpenAIError(400, f"malformed JSON body: {first.get('msg')}", None, "invalid_json")
+    if first.get("type") == "json_invalid":  # FastAPI's: loc ("body", character), ctx {"error": json's message}
+        loc, ctx = tuple(first.get("loc", ())), first.get("ctx") or {}
+        why = ctx.get("error", first.get("msg")) if isinstance(ctx, dict) else first.get("msg")
+        at = f" at character {loc[1]}" if len(loc) > 1 else ""
+        return OpenAIError(400, f"malformed JSON body: {why}{at}", None, "invalid_json")
     if tuple(first.get("loc", ())) == ("body",) and isinstance(first.get("input"), bytes):
         # FastAPI parses a body as JSON only under a JSON Content-Type (curl -d sends x-www-form-urlencoded)
         return OpenAIError(400, "the request body must be sent with Content-Type: application/json, got "
