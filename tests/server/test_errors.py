@@ -205,6 +205,24 @@ def test_other_routes_answer_errors_as_openai_bodies(server):
     assert empty["message"].startswith("messages: List should have at least 1 item")
 
 
+def test_a_wrong_method_is_405_saying_the_allowed_ones(server):
+    """A 405 carries the Allow header (RFC 9110 15.5.6: MUST), as Starlette's own handler sends it for the same
+    routes; the OpenAI error body dropped it."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    plain = FastAPI()  # the reference: FastAPI's own 405s for the same routes
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        plain.post(path)(lambda: None)
+    plain.get("/v1/models")(lambda: None)
+    with TestClient(plain) as reference:
+        for method, path in (("GET", "/v1/chat/completions"), ("DELETE", "/v1/models"), ("PUT", "/v1/completions")):
+            r = httpx.request(method, server.url + path, timeout=30)
+            _assert_error_body(r, 405, None)
+            expected = reference.request(method, path)
+            assert expected.status_code == 405 and r.headers["allow"] == expected.headers["allow"], r.headers
+
+
 def test_server_still_answers_after_bad_requests(client):
     r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length")

@@ -125,7 +125,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI's body parsing, raised from its cause
             return body_parse_error(exc.__cause__, request.headers.get("content-encoding")).response()
-        return error_response(exc.status_code, str(exc.detail), None, None)
+        response = error_response(exc.status_code, str(exc.detail), None, None)
+        response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110 15.5.6: the server MUST send it)
+        return response
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
