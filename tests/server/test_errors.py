@@ -102,6 +102,7 @@ def test_unknown_model_is_404_not_found(client):
      ({"prompt": "x " * 3000}, "prompt"), ({"extra_body": {"priority": -1}}, "priority"),
      ({"extra_body": {"stop_token_ids": [10**7]}}, "stop_token_ids"), ({"logit_bias": {"1_0": 1}}, "logit_bias"),
      ({"logit_bias": {" 1": 1}}, "logit_bias"), ({"logit_bias": {"\u0661": 1}}, "logit_bias"),
+     ({"logit_bias": {"1" * 5000: 1}}, "logit_bias"),  # beyond int()'s 4300 digits: it was a 500
      ({"extra_body": {"structured_outputs": {"regex": ""}}}, "structured_outputs"),
      ({"extra_body": {"structured_outputs": {"choice": []}}}, "structured_outputs"),
      ({"extra_body": {"structured_outputs": {"grammar": ""}}}, "structured_outputs"),
@@ -112,6 +113,19 @@ def test_unsupported_or_bad_completion_fields_are_400(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", **kwargs)
     assert e.value.param == param or (param == "prompt" and e.value.param.startswith("prompt")), e.value.body
+
+
+def test_a_logit_bias_key_of_many_digits_is_out_of_range_or_its_id(client):
+    """A key of more than 4300 digits is a 400 saying it is out of the vocabulary (int() refused it: a 500); one of
+    leading zeros names its id, as int() reads a short one ("007" is 7), so the biased reply is the same."""
+    greedy = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(logit_bias={"9" * 5000: 1}, **greedy)
+    assert e.value.param == "logit_bias" and "got one of 5000 digits" in e.value.message
+    padded = client.completions.create(logit_bias={"0" * 5000 + "7": 100}, **greedy)
+    short = client.completions.create(logit_bias={"007": 100}, **greedy)
+    assert padded.choices[0].text == short.choices[0].text == client.completions.create(
+        logit_bias={"7": 100}, **greedy).choices[0].text
 
 
 @pytest.mark.parametrize(
