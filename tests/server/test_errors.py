@@ -187,6 +187,21 @@ def test_malformed_json_is_named_with_its_character(server, body):
     assert error["code"] == "invalid_json"
 
 
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e400"])
+def test_a_number_that_is_not_finite_is_named_as_such(server, literal):
+    """Python's json reads NaN, Infinity and 1e400 (inf) as floats: each is a 400 saying the field must be a finite
+    number; NaN was "Input should be less than or equal to 2" (a NaN fails every bound)."""
+    cases = [("/v1/completions", "temperature", '{"prompt": "x", "max_tokens": 2, "temperature": %s}'),
+             ("/v1/chat/completions", "presence_penalty",
+              '{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "presence_penalty": %s}'),
+             ("/v1/completions", "logit_bias.5", '{"prompt": "x", "max_tokens": 2, "logit_bias": {"5": %s}}'),
+             ("/v1/responses", "top_p", '{"input": "x", "top_p": %s}')]
+    for path, field, body in cases:
+        r = httpx.post(server.url + path, content=(body % literal).encode(), headers={"content-type": "application/json"},
+                       timeout=30)
+        assert _assert_error_body(r, 400, field)["message"] == f"{field}: Input should be a finite number"
+
+
 _DEEP = b"[" * 10_000 + b"]" * 10_000
 
 
