@@ -3,6 +3,8 @@ raises the same exception classes it raises against OpenAI. Never a 500, never a
 
 from __future__ import annotations
 
+import gzip
+
 import httpx
 import openai
 import pytest
@@ -100,6 +102,7 @@ def test_unknown_model_is_404_not_found(client):
      ({"prompt": "x " * 3000}, "prompt"), ({"extra_body": {"priority": -1}}, "priority"),
      ({"extra_body": {"stop_token_ids": [10**7]}}, "stop_token_ids"), ({"logit_bias": {"1_0": 1}}, "logit_bias"),
      ({"logit_bias": {" 1": 1}}, "logit_bias"), ({"logit_bias": {"\u0661": 1}}, "logit_bias"),
+     ({"logit_bias": {"1" * 5000: 1}}, "logit_bias"),  # beyond int()'s 4300 digits: it was a 500
      ({"extra_body": {"structured_outputs": {"regex": ""}}}, "structured_outputs"),
      ({"extra_body": {"structured_outputs": {"choice": []}}}, "structured_outputs"),
      ({"extra_body": {"structured_outputs": {"grammar": ""}}}, "structured_outputs"),
@@ -110,6 +113,19 @@ def test_unsupported_or_bad_completion_fields_are_400(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", **kwargs)
     assert e.value.param == param or (param == "prompt" and e.value.param.startswith("prompt")), e.value.body
+
+
+def test_a_logit_bias_key_of_many_digits_is_out_of_range_or_its_id(client):
+    """A key of more than 4300 digits is a 400 saying it is out of the vocabulary (int() refused it: a 500); one of
+    leading zeros names its id, as int() reads a short one ("007" is 7), so the biased reply is the same."""
+    greedy = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(logit_bias={"9" * 5000: 1}, **greedy)
+    assert e.value.param == "logit_bias" and "got one of 5000 digits" in e.value.message
+    padded = client.completions.create(logit_bias={"0" * 5000 + "7": 100}, **greedy)
+    short = client.completions.create(logit_bias={"007": 100}, **greedy)
+    assert padded.choices[0].text == short.choices[0].text == client.completions.create(
+        logit_bias={"7": 100}, **greedy).choices[0].text
 
 
 @pytest.mark.parametrize(
@@ -141,6 +157,73 @@ def test_a_body_that_is_no_json_object_is_said_as_such(server, body, message):
         assert error["message"].startswith(message) and error["code"] == "invalid_json", error
 
 
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_a_json_body_under_another_content_type_names_the_content_type(server, content_type):
+    """FastAPI reads a body as JSON only under a JSON Content-Type: a JSON object sent as text/plain, as curl -d's
+    form encoding or with none is a 400 naming the Content-Type to send; it said the body "is not a JSON object"."""
+    import json
+
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+    headers = {} if content_type is None else {"content-type": content_type}
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        error = _assert_error_body(httpx.post(server.url + path, content=body, headers=headers, timeout=30), 400, None)
+        assert error["message"].startswith("the request body must be sent with Content-Type: application/json")
+        assert (repr(content_type) if content_type else "no Content-Type") in error["message"], error
+
+
+@pytest.mark.parametrize("body", [b'{"model": "tiny", "prompt": "hi",}', b'{"model": "tiny" "prompt": "hi"}', b"   ",
+                                  b'{"model": "tiny", "prompt": "h\x01i"}', b'{"model": "tiny"} {}'])
+def test_malformed_json_is_named_with_its_character(server, body):
+    """A syntax error says what json.loads says and where (as vLLM's 400 carries FastAPI's ctx and loc); it was
+    "malformed JSON body: JSON decode error", whatever and wherever the error."""
+    import json
+
+    with pytest.raises(json.JSONDecodeError) as e:
+        json.loads(body)
+    r = httpx.post(server.v1 + "/completions", content=body, headers={"content-type": "application/json"}, timeout=30)
+    error = _assert_error_body(r, 400, None)
+    assert error["message"] == f"malformed JSON body: {e.value.msg} at character {e.value.pos}"
+    assert error["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e400"])
+def test_a_number_that_is_not_finite_is_named_as_such(server, literal):
+    """Python's json reads NaN, Infinity and 1e400 (inf) as floats: each is a 400 saying the field must be a finite
+    number; NaN was "Input should be less than or equal to 2" (a NaN fails every bound)."""
+    cases = [("/v1/completions", "temperature", '{"prompt": "x", "max_tokens": 2, "temperature": %s}'),
+             ("/v1/chat/completions", "presence_penalty",
+              '{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "presence_penalty": %s}'),
+             ("/v1/completions", "logit_bias.5", '{"prompt": "x", "max_tokens": 2, "logit_bias": {"5": %s}}'),
+             ("/v1/responses", "top_p", '{"input": "x", "top_p": %s}')]
+    for path, field, body in cases:
+        r = httpx.post(server.url + path, content=(body % literal).encode(), headers={"content-type": "application/json"},
+                       timeout=30)
+        assert _assert_error_body(r, 400, field)["message"] == f"{field}: Input should be a finite number"
+
+
+_DEEP = b"[" * 10_000 + b"]" * 10_000
+
+
+@pytest.mark.parametrize(("body", "headers", "cause"), [
+    (b'{"model": "tiny", "prompt": "h\xffi"}', {}, "'utf-8' codec can't decode byte 0xff"),
+    (b'{"model": "tiny", "prompt": "hi", "user": ' + _DEEP + b"}", {}, "maximum recursion depth exceeded"),
+    (b'{"model": "tiny", "prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", {}, "Exceeds the limit (4300 digits)"),
+    (gzip.compress(b'{"model": "tiny", "prompt": "hi"}'), {"content-encoding": "gzip"},
+     "Content-Encoding 'gzip' is not supported"),
+], ids=["utf8", "deep", "digits", "gzip"])
+def test_a_body_json_cannot_read_is_400_naming_why(server, body, headers, cause):
+    """Bytes that are no UTF-8 (a gzip body among them), 10,000 levels of nesting (RecursionError) and an integer of
+    5,000 digits fail in json.loads, not as syntax: each is a 400 "malformed JSON body" naming the cause, as a syntax
+    error is, and the server stays up. They were "There was an error parsing the body" with no code."""
+    headers = {"content-type": "application/json"} | headers
+    error = _assert_error_body(httpx.post(server.v1 + "/completions", content=body, headers=headers, timeout=30), 400,
+                               None)
+    assert error["message"].startswith("malformed JSON body: ") and cause in error["message"], error
+    assert error["code"] == "invalid_json" and "set_int_max_str_digits" not in error["message"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_other_routes_answer_errors_as_openai_bodies(server):
     _assert_error_body(httpx.get(server.url + "/v1/nothing"), 404, None)
     _assert_error_body(httpx.get(server.v1 + "/chat/completions"), 405, None)
@@ -149,6 +232,24 @@ def test_other_routes_answer_errors_as_openai_bodies(server):
     _assert_error_body(httpx.post(server.url + "/tokenize", json={"model": "x", "prompt": "a"}), 404, "model")
     empty = _assert_error_body(httpx.post(server.url + "/tokenize", json={"messages": []}), 400, "messages")
     assert empty["message"].startswith("messages: List should have at least 1 item")
+
+
+def test_a_wrong_method_is_405_saying_the_allowed_ones(server):
+    """A 405 carries the Allow header (RFC 9110 15.5.6: MUST), as Starlette's own handler sends it for the same
+    routes; the OpenAI error body dropped it."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    plain = FastAPI()  # the reference: FastAPI's own 405s for the same routes
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        plain.post(path)(lambda: None)
+    plain.get("/v1/models")(lambda: None)
+    with TestClient(plain) as reference:
+        for method, path in (("GET", "/v1/chat/completions"), ("DELETE", "/v1/models"), ("PUT", "/v1/completions")):
+            r = httpx.request(method, server.url + path, timeout=30)
+            _assert_error_body(r, 405, None)
+            expected = reference.request(method, path)
+            assert expected.status_code == 405 and r.headers["allow"] == expected.headers["allow"], r.headers
 
 
 def test_server_still_answers_after_bad_requests(client):

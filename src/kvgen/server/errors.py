@@ -70,16 +70,23 @@ def _loc_param(loc: tuple[Any, ...]) -> str | None:
     return out or None
 
 
-def validation_error(errors: Sequence[Any]) -> OpenAIError:
+def validation_error(errors: Sequence[Any], content_type: str | None = None) -> OpenAIError:
     """The 400 of a request's validation errors (FastAPI's, or a pydantic ``ValidationError.errors()``): the
-    deepest one's field as ``param``."""
+    deepest one's field as ``param``. ``content_type``: the request's header, named when the body went unparsed."""
     # the deepest problem: for a union field (``input``: a string or a list of items) that is the branch that came
     # closest, not "should be a valid string"; at one depth a branch whose type fit (``stop``: 17 strings is a list
     # too long, not "should be a valid string")
     first = max(errors, key=lambda e: (len(e.get("loc", ())), not str(e.get("type", "")).endswith("_type"))) \
         if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    if first.get("type") == "json_invalid":
-        return OpenAIError(400, f"malformed JSON body: {first.get('msg')}", None, "invalid_json")
+    if first.get("type") == "json_invalid":  # FastAPI's: loc ("body", character), ctx {"error": json's message}
+        loc, ctx = tuple(first.get("loc", ())), first.get("ctx") or {}
+        why = ctx.get("error", first.get("msg")) if isinstance(ctx, dict) else first.get("msg")
+        at = f" at character {loc[1]}" if len(loc) > 1 else ""
+        return OpenAIError(400, f"malformed JSON body: {why}{at}", None, "invalid_json")
+    if tuple(first.get("loc", ())) == ("body",) and isinstance(first.get("input"), bytes):
+        # FastAPI parses a body as JSON only under a JSON Content-Type (curl -d sends x-www-form-urlencoded)
+        return OpenAIError(400, "the request body must be sent with Content-Type: application/json, got "
+                           + (repr(content_type) if content_type else "no Content-Type"), None, "invalid_json")
     if tuple(first.get("loc", ())) == ("body",):  # no body, or JSON that is no object: no field to name
         why = "is empty" if first.get("type") == "missing" else "is not a JSON object"
         return OpenAIError(400, f"the request body {why}: send the request's fields as a JSON object", None,
@@ -93,6 +100,16 @@ def validation_error(errors: Sequence[Any]) -> OpenAIError:
     return OpenAIError(400, message, param, "invalid_value")
 
 
+def body_parse_error(cause: BaseException, content_encoding: str | None) -> OpenAIError:
+    """The 400 of a JSON body that failed to parse for a reason other than its syntax (FastAPI says only "There
+    was an error parsing the body"): bytes that are no UTF-8 (a gzip body), nesting past Python's recursion
+    limit (RecursionError), an integer of more than 4300 digits (ValueError)."""
+    why = str(cause).split(";", 1)[0]  # the int limit's advice (sys.set_int_max_str_digits) is the server's
+    if content_encoding and content_encoding.lower() != "identity":
+        why = f"Content-Encoding {content_encoding!r} is not supported, send the body uncompressed ({why})"
+    return OpenAIError(400, f"malformed JSON body: {why}", None, "invalid_json")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error the app can raise becomes an OpenAI error body."""
 
@@ -101,12 +118,16 @@ def install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).response()
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc.errors(), request.headers.get("content-type")).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), None, None)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI's body parsing, raised from its cause
+            return body_parse_error(exc.__cause__, request.headers.get("content-encoding")).response()
+        response = error_response(exc.status_code, str(exc.detail), None, None)
+        response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110 15.5.6: the server MUST send it)
+        return response
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

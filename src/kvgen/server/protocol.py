@@ -53,9 +53,10 @@ def json_lone_surrogate(value: Any) -> tuple[str, int] | None:
 
 
 class StrictModel(BaseModel):
-    """A request object: unknown fields are refused, and so is text that is not Unicode (lone surrogates)."""
+    """A request object: unknown fields are refused, and so is text that is not Unicode (lone surrogates), and a
+    number field's NaN or Infinity (JSON as Python reads it: NaN, Infinity, 1e400)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     nullable_fields: ClassVar[tuple[str, ...]] = ()  # fields a null value leaves at their default (a subclass's own)
 
     @model_validator(mode="before")

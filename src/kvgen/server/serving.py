@@ -88,7 +88,11 @@ def sampling_params(req: SamplingFields, state: ServerState, max_tokens: int | N
     if req.logit_bias:
         if bad_keys := [k for k in req.logit_bias if not (k.isascii() and k.isdigit())]:  # int() takes " 1", "1_0"
             raise bad_request(f"logit_bias keys must be token ids in decimal digits, got {bad_keys[0]!r}", "logit_bias")
-        bias = {int(k): v for k, v in req.logit_bias.items()}
+        num_digits = len(str(tokenizer.vocab_size))  # a longer key is out of range, and int() refuses > 4300 digits
+        if long_keys := [k for k in req.logit_bias if len(k.lstrip("0")) > num_digits]:
+            raise bad_request(f"logit_bias token ids must be in [0, {tokenizer.vocab_size}), got one of "
+                              f"{len(long_keys[0].lstrip('0'))} digits", "logit_bias")
+        bias = {int(k.lstrip("0") or "0"): v for k, v in req.logit_bias.items()}
         bad = [t for t in bias if not 0 <= t < tokenizer.vocab_size]
         if bad:
             raise bad_request(f"logit_bias token ids must be in [0, {tokenizer.vocab_size}), got {bad[0]}", "logit_bias")
