@@ -126,3 +126,19 @@ def test_an_empty_prompt_list_gives_no_outputs_as_vllm(tiny_model_dir):
     with pytest.raises(ValueError, match="prompt_token_ids must be a non-empty list of ints, got \\[\\]"):
         llm.generate([[]], GREEDY, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_reset_prefix_cache_forgets_the_cached_prompt_blocks_as_vllm(tiny_model_dir):
+    """vLLM's ``LLM.reset_prefix_cache(reset_running_requests=False) -> bool`` (``llm_engine.reset_prefix_cache``):
+    True once the prefix cache is empty, so the next request hits nothing; kvgen had no such method
+    (AttributeError). The hit is the engine's own count, ``RequestOutput.num_cached_tokens``."""
+    llm = LLM(str(tiny_model_dir), num_blocks=64, block_size=4)
+    prompt = {"prompt_token_ids": list(range(5, 19))}  # 14 tokens: 3 full blocks
+    first = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    again = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 12
+    assert llm.reset_prefix_cache() is True
+    after = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert after.num_cached_tokens == 0 and after.outputs[0].token_ids == first.outputs[0].token_ids
+    with pytest.raises(ValueError, match="reset_running_requests must be a bool, got 'yes'"):
+        llm.reset_prefix_cache("yes")

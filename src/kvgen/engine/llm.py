@@ -71,6 +71,11 @@ class LLM:
         generation-config defaults (``EngineArgs.generation_config``, ``override_generation_config``) over it."""
         return as_sampling_params(self._default_sampling)
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """:meth:`LLMEngine.reset_prefix_cache`: True once no prefix-cached block is left to reuse (vLLM's
+        ``LLM.reset_prefix_cache``)."""
+        return self.llm_engine.reset_prefix_cache(reset_running_requests)
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],

@@ -326,6 +326,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every prefix-cached KV block, so no later request reuses them (as after new weights, or between
+        benchmark runs). Returns False, changing nothing, while running requests hold blocks; with
+        ``reset_running_requests`` they are preempted first (recomputed later, their outputs unchanged) and it returns
+        True. Call between steps. Raises ``ValueError`` for a ``reset_running_requests`` that is no bool.
+        Source: vLLM v1 ``LLMEngine.reset_prefix_cache`` / ``Scheduler.reset_prefix_cache``."""
+        if not isinstance(reset_running_requests, bool):
+            raise ValueError(f"reset_running_requests must be a bool, got {reset_running_requests!r}")
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
+
     def get_stats(self) -> SchedulerStats:
         """Queue lengths and KV pool use now; safe to call while a step runs in another thread."""
         bm = self.block_manager
