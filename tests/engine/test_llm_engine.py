@@ -675,3 +675,13 @@ def test_reset_prefix_cache_with_running_requests_preempts_them_and_outputs_stay
         finals.update({o.request_id: o for o in engine.step() if o.finished})
     assert {r: finals[r].outputs[0].token_ids for r in finals} == {str(i): reference[i] for i in chosen}
     assert engine.reset_prefix_cache() is True
+
+
+def test_get_tokenizer_is_the_engines_tokenizer_as_vllm(model_tok):
+    """vLLM v1's ``LLMEngine.get_tokenizer()`` (``return self.renderer.get_tokenizer()``) was missing on kvgen's
+    engine (AttributeError; only the ``tokenizer`` attribute). It is the tokenizer ``LLM.get_tokenizer()`` gives,
+    None for an engine of token ids only."""
+    model, tok = model_tok
+    llm = LLM(model, tok, num_blocks=16)
+    assert llm.llm_engine.get_tokenizer() is tok is llm.get_tokenizer()
+    assert LLMEngine(model, None, EngineArgs(num_blocks=16)).get_tokenizer() is None

@@ -205,7 +205,7 @@ class AsyncLLMEngine:
 
     def get_tokenizer(self) -> Tokenizer | None:
         """vLLM ``AsyncLLM.get_tokenizer``: the engine's tokenizer (None for an engine of token ids only)."""
-        return self.engine.tokenizer
+        return self.engine.get_tokenizer()
 
     def shutdown(self) -> Awaitable[Any]:
         """Stop the step loop now (unfinished requests stay in the engine): a plain call, as vLLM ``AsyncLLM``'s

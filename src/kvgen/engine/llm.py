@@ -65,7 +65,7 @@ class LLM:
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer | None:
-        return self.llm_engine.tokenizer
+        return self.llm_engine.get_tokenizer()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` run without ``sampling_params``: ``SamplingParams()`` with the model's

@@ -113,6 +113,11 @@ class LLMEngine:
         model, tokenizer = load_model(engine_args.model, engine_args.dtype, engine_args.quantization)
         return cls(model, tokenizer, engine_args)
 
+    def get_tokenizer(self) -> Tokenizer | None:
+        """vLLM v1 ``LLMEngine.get_tokenizer``: the engine's tokenizer; None for an engine of token ids only (as
+        ``LLM.get_tokenizer`` and ``AsyncLLMEngine.get_tokenizer`` answer; vLLM raises there)."""
+        return self.tokenizer
+
     # ------------------------------------------------------------ requests
 
     def _truncated(self, token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
