@@ -188,3 +188,27 @@ def test_a_cancelled_requests_id_can_be_reused_at_once(tiny_model_dir):
     assert asyncio.run(scenario()) == expected
     stats = llm.llm_engine.get_stats()
     assert not llm.llm_engine.has_unfinished_requests() and stats.num_free_blocks == stats.num_blocks
+
+
+def test_reset_prefix_cache_runs_between_steps_as_vllm(tiny_model_dir):
+    """vLLM's ``AsyncLLM.reset_prefix_cache(reset_running_requests=False) -> bool`` (awaited, the engine core's
+    answer); kvgen's engine had none (AttributeError). A stream whose request it preempts ends as it would alone."""
+    from kvgen.engine import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_dir), num_blocks=64, block_size=4)
+    prompt, params = {"prompt_token_ids": list(range(5, 19))}, SamplingParams(temperature=0.0, max_tokens=8,
+                                                                              ignore_eos=True)
+    alone = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    async def scenario() -> tuple[bool, bool, list[int], bool]:
+        engine = AsyncLLMEngine(llm.llm_engine, step_in_thread=False)
+        stream = engine.generate(prompt, params, "r")
+        await anext(stream)  # the request is running: it holds blocks
+        refused = await engine.reset_prefix_cache()
+        forced = await engine.reset_prefix_cache(reset_running_requests=True)
+        outputs = [out async for out in stream]
+        is_reset = await engine.reset_prefix_cache()  # the request is done: nothing holds blocks
+        await engine.shutdown()
+        return refused, forced, outputs[-1].outputs[0].token_ids, is_reset
+
+    assert asyncio.run(scenario()) == (False, True, alone, True)

@@ -196,3 +196,20 @@ def test_freed_uncached_blocks_are_taken_again_before_untouched_ones() -> None:
     b = make_request("b", list(range(100, 110)))
     admit(bm, b)
     assert b.block_ids == first  # the same blocks, head first, not blocks 3..5
+
+
+def test_reset_prefix_cache_is_refused_while_blocks_are_held_then_forgets_every_block() -> None:
+    """vLLM v1 ``BlockPool.reset_prefix_cache``: "num_used_blocks = num_gpu_blocks - get_num_free_blocks(); if
+    num_used_blocks != 1 [its null block]: ... return False", else it empties ``cached_block_hash_to_block``, calls
+    ``reset_hash()`` on every block and returns True. kvgen had no way to drop the prefix cache."""
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = make_request("a", list(range(9)))
+    admit(bm, a)
+    assert bm.num_cached_blocks == 2 and bm.reset_prefix_cache() is False
+    assert bm.num_cached_blocks == 2  # refused: nothing changed
+    bm.free(a)
+    assert bm.reset_prefix_cache() is True
+    assert bm.num_cached_blocks == 0 and bm.num_free_blocks == 4
+    b = make_request("b", list(range(9)))
+    assert admit(bm, b) == 0  # the same prompt no longer hits
+    assert bm.num_cached_blocks == 2  # and registers its blocks anew

@@ -126,3 +126,40 @@ def test_an_empty_prompt_list_gives_no_outputs_as_vllm(tiny_model_dir):
     with pytest.raises(ValueError, match="prompt_token_ids must be a non-empty list of ints, got \\[\\]"):
         llm.generate([[]], GREEDY, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_reset_prefix_cache_forgets_the_cached_prompt_blocks_as_vllm(tiny_model_dir):
+    """vLLM's ``LLM.reset_prefix_cache(reset_running_requests=False) -> bool`` (``llm_engine.reset_prefix_cache``):
+    True once the prefix cache is empty, so the next request hits nothing; kvgen had no such method
+    (AttributeError). The hit is the engine's own count, ``RequestOutput.num_cached_tokens``."""
+    llm = LLM(str(tiny_model_dir), num_blocks=64, block_size=4)
+    prompt = {"prompt_token_ids": list(range(5, 19))}  # 14 tokens: 3 full blocks
+    first = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    again = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 12
+    assert llm.reset_prefix_cache() is True
+    after = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert after.num_cached_tokens == 0 and after.outputs[0].token_ids == first.outputs[0].token_ids
+    with pytest.raises(ValueError, match="reset_running_requests must be a bool, got 'yes'"):
+        llm.reset_prefix_cache("yes")
+
+
+def test_llm_chat_takes_a_chat_template_for_the_call_as_vllm(tiny_model_dir):
+    """vLLM's ``LLM.chat(..., chat_template=None, ...)``: "The template to use for structuring the chat. If not
+    provided, the model's default chat template will be used." kvgen's ``chat`` had no such argument (TypeError).
+    The rendering is transformers' ``apply_chat_template(chat_template=...)``; the model's own template stays."""
+    from transformers import AutoTokenizer
+
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}" \
+               "<assistant>{% endif %}"
+    messages = [{"role": "user", "content": "hi"}]
+    llm = LLM(str(tiny_model_dir), num_blocks=64)
+    own = llm.get_tokenizer().chat_template
+    (out,) = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=template)
+    assert out.prompt == AutoTokenizer.from_pretrained(tiny_model_dir).apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=True) == "<user>hi<assistant>"
+    assert llm.get_tokenizer().chat_template == own and llm.chat(messages, GREEDY, use_tqdm=False)[0].prompt != out.prompt
+    with pytest.raises(ValueError, match="chat_template must be a Jinja template or a file path, got 5"):
+        llm.chat(messages, GREEDY, use_tqdm=False, chat_template=5)
+    with pytest.raises(ValueError):  # does not compile
+        llm.chat(messages, GREEDY, use_tqdm=False, chat_template="{% for %}")

@@ -651,3 +651,37 @@ def test_completion_output_finished_is_a_method_as_vllm(model_tok):
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert [o.outputs[0].finished() for o in outputs] == [False, False, True] == [o.finished for o in outputs]
+
+
+def test_reset_prefix_cache_with_running_requests_preempts_them_and_outputs_stay_as_alone(model_tok, prompts,
+                                                                                          reference):
+    """vLLM v1 ``LLMEngine.reset_prefix_cache(reset_running_requests=False) -> bool``: refused (False) while running
+    requests hold KV blocks; with ``reset_running_requests=True`` the scheduler preempts every running request
+    ("while self.running: ... self._preempt_request(request, timestamp)") and the reset succeeds. kvgen had no such
+    method. The preempted requests are recomputed and end with the tokens ``generate()`` gives them alone."""
+    model, tok = model_tok
+    engine = LLMEngine(model, tok, EngineArgs(num_blocks=64, block_size=16))
+    chosen = [16, 17, 18]  # preamble prompts: at least one full, prefix-cached block
+    for i in chosen:
+        engine.add_request(str(i), prompt_token_ids=prompts[i], sampling_params=GREEDY)
+    engine.step()
+    engine.step()
+    assert engine.block_manager.num_cached_blocks > 0
+    assert engine.reset_prefix_cache() is False and engine.block_manager.num_cached_blocks > 0
+    assert engine.reset_prefix_cache(reset_running_requests=True) is True
+    assert engine.block_manager.num_cached_blocks == 0 and engine.get_stats().num_waiting_reqs == len(chosen)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert {r: finals[r].outputs[0].token_ids for r in finals} == {str(i): reference[i] for i in chosen}
+    assert engine.reset_prefix_cache() is True
+
+
+def test_get_tokenizer_is_the_engines_tokenizer_as_vllm(model_tok):
+    """vLLM v1's ``LLMEngine.get_tokenizer()`` (``return self.renderer.get_tokenizer()``) was missing on kvgen's
+    engine (AttributeError; only the ``tokenizer`` attribute). It is the tokenizer ``LLM.get_tokenizer()`` gives,
+    None for an engine of token ids only."""
+    model, tok = model_tok
+    llm = LLM(model, tok, num_blocks=16)
+    assert llm.llm_engine.get_tokenizer() is tok is llm.get_tokenizer()
+    assert LLMEngine(model, None, EngineArgs(num_blocks=16)).get_tokenizer() is None

@@ -568,3 +568,24 @@ def test_prompt_logprobs_recomputed_after_a_preemption_keep_one_entry_per_token(
     r.add_prompt_logprobs(6, chunk(6, 10))  # tokens 8, 9 known, 10 new
     assert r.prompt_logprobs[0] is None
     assert r.prompt_logprobs[1:] == [{t: Logprob(-float(t))} for t in range(2, 11)]
+
+
+def test_reset_prefix_cache_preempts_the_running_requests_only_when_asked() -> None:
+    """vLLM v1 ``Scheduler.reset_prefix_cache(reset_running_requests)``: "If reset_running_requests is True, all the
+    running requests will be preempted and moved to the waiting queue. Otherwise, this method will only reset the
+    KV prefix cache when there is no running requests taking KV cache" (``while self.running: request =
+    self.running.pop(); self._preempt_request(...)``, so they come back in FIFO order)."""
+    scheduler, runner = setup(block_size=4)
+    a, b = make_request("a", list(range(1, 11)), max_tokens=4), make_request("b", [7, 8, 9, 10, 11], max_tokens=4)
+    scheduler.add_request(a), scheduler.add_request(b)
+    step(scheduler, runner)
+    assert scheduler.reset_prefix_cache() is False and scheduler.block_manager.num_cached_blocks == 3
+    assert scheduler.reset_prefix_cache(reset_running_requests=True) is True
+    assert scheduler.block_manager.num_cached_blocks == 0 and not scheduler.running
+    assert list(scheduler.waiting) == [a, b] and a.status is b.status is RequestStatus.PREEMPTED
+    out, _ = step(scheduler, runner)
+    assert out.preempted_request_ids == ["b", "a"]  # reported once, in the next step
+    assert [(s.request_id, s.start_position) for s in out.scheduled] == [("a", 0), ("b", 0)]
+    drain(scheduler, runner)
+    assert a.output_token_ids == [110, 111, 112, 113] and b.output_token_ids == [105, 106, 107, 108]  # as alone
+    assert scheduler.reset_prefix_cache() is True  # nothing holds blocks any more

@@ -140,6 +140,13 @@ class AsyncLLMEngine:
         self.engine.abort_request(request_id)
         self._has_work.set()
 
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """:meth:`LLMEngine.reset_prefix_cache` between two steps (vLLM ``AsyncLLM.reset_prefix_cache``); requests it
+        preempts stream on unchanged."""
+        self._start()  # this event loop's lock
+        async with self._lock:
+            return self.engine.reset_prefix_cache(reset_running_requests)
+
     async def _run_loop(self) -> None:
         while True:
             if not self.engine.has_unfinished_requests():
@@ -198,7 +205,7 @@ class AsyncLLMEngine:
 
     def get_tokenizer(self) -> Tokenizer | None:
         """vLLM ``AsyncLLM.get_tokenizer``: the engine's tokenizer (None for an engine of token ids only)."""
-        return self.engine.tokenizer
+        return self.engine.get_tokenizer()
 
     def shutdown(self) -> Awaitable[Any]:
         """Stop the step loop now (unfinished requests stay in the engine): a plain call, as vLLM ``AsyncLLM``'s

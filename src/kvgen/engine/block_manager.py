@@ -166,6 +166,18 @@ class BlockManager:
                 self._block_hash[block_id] = h
         self._num_registered[request.request_id] = max(start, end)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (no later request hits them), as after new weights. Refused, changing nothing,
+        while any request holds blocks: returns False then, True once reset. Source: vLLM v1
+        ``BlockPool.reset_prefix_cache`` (False while ``num_used_blocks`` is not zero)."""
+        if any(self.ref_counts):
+            return False
+        self._free_uncached.extendleft(self._free_cached)  # written blocks are taken first (their pages are resident)
+        self._free_cached.clear()
+        self._cached.clear()
+        self._block_hash = [None] * self.num_blocks
+        return True
+
     def free(self, request: Request) -> None:
         """Drop the request's references; blocks nobody holds return to the pool (tail first)."""
         for block_id in reversed(request.block_ids):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-from kvgen.chat_template import ContentFormat, template_messages
+from kvgen.chat_template import ContentFormat, read_chat_template, template_messages
 from kvgen.engine.beam_search import (
     BeamSearchOutput,
     BeamSearchParams,
@@ -64,12 +65,17 @@ class LLM:
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer | None:
-        return self.llm_engine.tokenizer
+        return self.llm_engine.get_tokenizer()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` run without ``sampling_params``: ``SamplingParams()`` with the model's
         generation-config defaults (``EngineArgs.generation_config``, ``override_generation_config``) over it."""
         return as_sampling_params(self._default_sampling)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """:meth:`LLMEngine.reset_prefix_cache`: True once no prefix-cached block is left to reuse (vLLM's
+        ``LLM.reset_prefix_cache``)."""
+        return self.llm_engine.reset_prefix_cache(reset_running_requests)
 
     def generate(
         self,
@@ -123,6 +129,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template_content_format: str = "auto",
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of message dicts) or to each of a list of them, rendered by
         the model's chat template (with ``tools`` if given; ``continue_final_message``: the reply continues the last
@@ -130,11 +137,17 @@ class LLM:
         vLLM hands them over (:func:`kvgen.chat_template.template_messages`: text parts joined with newlines, or
         given as a list of text parts to a template that loops over them, as ``chat_template_content_format`` says:
         "auto" detects it, "string" or "openai" forces it; tool-call arguments parsed from JSON text); one finished
-        ``RequestOutput`` per conversation. Raises ``ValueError`` without a tokenizer, for malformed messages, an
-        unknown content format, or as ``generate``. Source: vLLM ``LLM.chat``."""
+        ``RequestOutput`` per conversation. ``chat_template``: a Jinja template (or a file holding one) used instead of
+        the model's for this call. Raises ``ValueError`` without a tokenizer, for malformed messages, an
+        unknown content format, a template that does not compile, or as ``generate``. Source: vLLM ``LLM.chat``."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("LLM.chat needs a tokenizer (its chat template); this LLM has none")
+        if chat_template is not None:  # this call's template, on a copy: the model's stays as it is
+            if not isinstance(chat_template, str):
+                raise ValueError(f"chat_template must be a Jinja template or a file path, got {chat_template!r}")
+            tokenizer = copy.copy(tokenizer)
+            tokenizer.chat_template = read_chat_template(chat_template)
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise ValueError(f"messages must be a conversation or a non-empty list of conversations, got {messages!r}")
         if chat_template_content_format not in ("auto", "string", "openai"):

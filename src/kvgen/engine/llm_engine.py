@@ -113,6 +113,11 @@ class LLMEngine:
         model, tokenizer = load_model(engine_args.model, engine_args.dtype, engine_args.quantization)
         return cls(model, tokenizer, engine_args)
 
+    def get_tokenizer(self) -> Tokenizer | None:
+        """vLLM v1 ``LLMEngine.get_tokenizer``: the engine's tokenizer; None for an engine of token ids only (as
+        ``LLM.get_tokenizer`` and ``AsyncLLMEngine.get_tokenizer`` answer; vLLM raises there)."""
+        return self.tokenizer
+
     # ------------------------------------------------------------ requests
 
     def _truncated(self, token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
@@ -325,6 +330,16 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every prefix-cached KV block, so no later request reuses them (as after new weights, or between
+        benchmark runs). Returns False, changing nothing, while running requests hold blocks; with
+        ``reset_running_requests`` they are preempted first (recomputed later, their outputs unchanged) and it returns
+        True. Call between steps. Raises ``ValueError`` for a ``reset_running_requests`` that is no bool.
+        Source: vLLM v1 ``LLMEngine.reset_prefix_cache`` / ``Scheduler.reset_prefix_cache``."""
+        if not isinstance(reset_running_requests, bool):
+            raise ValueError(f"reset_running_requests must be a bool, got {reset_running_requests!r}")
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
 
     def get_stats(self) -> SchedulerStats:
         """Queue lengths and KV pool use now; safe to call while a step runs in another thread."""

@@ -61,3 +61,28 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), from the first output on
     # (with RequestOutputKind.DELTA on the first output only)
     prompt_logprobs: PromptLogprobs | None = None
+
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        """Merge a later output of the same request into this one, in place (vLLM ``RequestOutput.add``):
+        ``finished`` if either is; each completion of ``next_output`` goes to this one's completion of the same
+        ``index`` (appended when there is none). ``aggregate`` (DELTA outputs): its text, token ids and logprobs are
+        appended and its cumulative logprob, finish and stop reasons taken; else it replaces the completion."""
+        self.finished |= next_output.finished
+        for completion in next_output.outputs:
+            i = next((i for i, c in enumerate(self.outputs) if c.index == completion.index), None)
+            if i is None:
+                self.outputs.append(completion)
+            elif not aggregate:
+                self.outputs[i] = completion
+            else:
+                _append_delta(self.outputs[i], completion)
+
+
+def _append_delta(completion: CompletionOutput, delta: CompletionOutput) -> None:
+    """``delta``'s new text, ids and logprobs after ``completion``'s; its running totals and reasons replace them."""
+    completion.text += delta.text
+    completion.token_ids = [*completion.token_ids, *delta.token_ids]
+    if delta.logprobs:
+        completion.logprobs = [*(completion.logprobs or []), *delta.logprobs]
+    completion.cumulative_logprob = delta.cumulative_logprob
+    completion.finish_reason, completion.stop_reason = delta.finish_reason, delta.stop_reason

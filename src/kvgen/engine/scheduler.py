@@ -79,6 +79,7 @@ class Scheduler:
         self._pending_aborts: deque[str] = deque()  # thread-safe appends; applied by schedule()
         self._finished_ids: list[str] = []  # for the next SchedulerOutput
         self._finished_outputs: list[EngineCoreOutput] = []  # finished inside schedule()
+        self._preempted_ids: list[str] = []  # preempted between steps (reset_prefix_cache), for the next output
 
     # ------------------------------------------------------------ requests in and out
 
@@ -118,6 +119,20 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._finished_outputs)
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget the prefix cache (``BlockManager.reset_prefix_cache``); False, changing nothing, while running
+        requests hold blocks, unless ``reset_running_requests``: then every running request is preempted first (the
+        newest first, so they come back in their order; the next ``SchedulerOutput`` lists them) and it returns True.
+        Call between steps. Source: vLLM v1 ``Scheduler.reset_prefix_cache``."""
+        if reset_running_requests:
+            while self.running:
+                request = self.running[-1]
+                self._preempt(request)
+                self._preempted_ids.append(request.request_id)
+        is_reset = self.block_manager.reset_prefix_cache()
+        assert is_reset or not reset_running_requests, "only running requests hold blocks"
+        return is_reset
+
     def get_num_unfinished(self) -> int:
         return len(self.requests)
 
@@ -132,8 +147,9 @@ class Scheduler:
         if not preempted:  # a step that had to preempt has no room for newcomers
             self._schedule_waiting(scheduled, budget)
         finished_ids, self._finished_ids = self._finished_ids, []
+        preempted_ids, self._preempted_ids = self._preempted_ids + [r.request_id for r in preempted], []
         num_batched_tokens = sum(len(s.token_ids) for s in scheduled)
-        return SchedulerOutput(scheduled, num_batched_tokens, [r.request_id for r in preempted], finished_ids)
+        return SchedulerOutput(scheduled, num_batched_tokens, preempted_ids, finished_ids)
 
     def _schedule_running(self, scheduled: list[ScheduledRequest], preempted: list[Request], budget: int) -> int:
         limit, i = budget, 0
