@@ -19,7 +19,10 @@ class _StubEngine:
         self.aborted: list[str] = []
         self.fail_steps = fail_steps
 
-    def add_request(self, request_id, prompt, sampling_params, prompt_token_ids=None, priority=0) -> None:
+    def prepare_request(self, request_id, prompt, sampling_params, prompt_token_ids=None, priority=0) -> str:
+        return request_id
+
+    def add_prepared(self, request_id: str) -> None:
         self.unfinished.add(request_id)
 
     def abort_request(self, request_id) -> None:
@@ -212,3 +215,52 @@ def test_reset_prefix_cache_runs_between_steps_as_vllm(tiny_model_dir):
         return refused, forced, outputs[-1].outputs[0].token_ids, is_reset
 
     assert asyncio.run(scenario()) == (False, True, alone, True)
+
+
+def test_a_slow_grammar_compiles_while_other_requests_step_and_the_loop_runs(tiny_model_dir, monkeypatch):
+    """A structured-output grammar is built in a worker thread outside the step lock, as vLLM compiles grammars
+    asynchronously: a 2 MB regex held the event loop (and every stream) for 2 s. Here the compile waits until another
+    request has finished; before, the compile ran on the loop under the lock, so that request could not step and the
+    wait ran out first."""
+    import threading
+
+    from kvgen.engine import LLM, SamplingParams
+    from kvgen.engine.structured_outputs import GrammarCompiler, StructuredOutputsParams
+
+    llm = LLM(str(tiny_model_dir), num_blocks=64)
+    other_done, events = threading.Event(), []
+    matcher = GrammarCompiler.matcher
+
+    def slow_matcher(self, params):
+        events.append("compile started")
+        other_done.wait(timeout=10)
+        events.append("compile ended")
+        return matcher(self, params)
+
+    monkeypatch.setattr(GrammarCompiler, "matcher", slow_matcher)
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    constrained = SamplingParams(temperature=0.0, max_tokens=4,
+                                 structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+
+    async def scenario() -> list[int]:
+        engine = AsyncLLMEngine(llm.llm_engine)
+
+        async def other() -> None:
+            while "compile started" not in events:
+                await asyncio.sleep(0.01)
+            async for output in engine.generate([5, 6, 7], plain, "plain"):
+                if output.finished:
+                    events.append("other finished")
+                    other_done.set()
+
+        async def constrained_request() -> list[int]:
+            outputs = [out async for out in engine.generate([5, 6, 7], constrained, "constrained")]
+            return outputs[-1].outputs[0].token_ids
+
+        _, ids = await asyncio.gather(other(), constrained_request())
+        await engine.shutdown()
+        return ids
+
+    ids = asyncio.run(scenario())
+    assert events == ["compile started", "other finished", "compile ended"]
+    assert ids == llm.generate([{"prompt_token_ids": [5, 6, 7]}], constrained, use_tqdm=False)[0].outputs[0].token_ids

@@ -68,12 +68,16 @@ class AsyncLLMEngine:
         self._start()
         text, ids = split_prompt(prompt)  # a {"prompt": ...} dict raised KeyError, a TokensPrompt's text was dropped
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        # checked, tokenized and its grammars compiled in a worker thread, outside the lock: a slow one (a long
+        # regex compiles for seconds) stalls neither the event loop nor the steps of other requests
+        prepared = await asyncio.to_thread(self.engine.prepare_request, request_id, text, sampling_params,
+                                           prompt_token_ids=ids, priority=priority)
         async with self._lock:
-            # LLMEngine.add_request is the one uniqueness check; a finished request's stream may still be
+            # LLMEngine.add_prepared is the one uniqueness check; a finished request's stream may still be
             # open here, and is replaced (it holds its final output already, see _close_stream).
             if request_id not in self._streams:  # a closed stream's request, its abort pending: the id is free
                 self.engine.forget_aborted(request_id)
-            self.engine.add_request(request_id, text, sampling_params, prompt_token_ids=ids, priority=priority)
+            self.engine.add_prepared(prepared)
             self._streams[request_id] = queue
         self._has_work.set()
         return RequestStream(self, request_id, queue)

@@ -47,6 +47,21 @@ from kvgen.models import CausalLM, cache_dtype
 from kvgen.tokenizer import Tokenizer
 
 
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request checked, tokenized and with its grammars built (:meth:`LLMEngine.prepare_request`), not yet queued:
+    ``prompt_token_ids`` (truncated), ``params`` completed by the engine (``max_tokens`` filled in), one grammar
+    matcher (or None) per completion, ``arrival_time`` in seconds since the epoch."""
+
+    request_id: str
+    text: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    grammars: list[GrammarMatcher | None]
+    arrival_time: float
+    priority: int
+
+
 @dataclass
 class SchedulerStats:
     """A snapshot of the engine's queues and KV pool (vLLM ``SchedulerStats`` names)."""
@@ -149,6 +164,25 @@ class LLMEngine:
         ``truncate_prompt_tokens`` above ``max_model_len`` (as vLLM), a prompt that leaves no room for
         ``max_tokens`` within ``max_model_len``, or ``structured_outputs`` that do not compile.
         """
+        if isinstance(request_id, str) and request_id:
+            self._check_request_id(request_id, getattr(sampling_params, "n", 1))  # the duplicate named first
+        self.add_prepared(self.prepare_request(request_id, prompt, sampling_params, prompt_token_ids=prompt_token_ids,
+                                               arrival_time=arrival_time, priority=priority))
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict[str, Any] | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> PreparedRequest:
+        """:meth:`add_request`'s work that changes nothing in the engine: checks, tokenization, structured-output
+        grammars (a long regex compiles for seconds). Safe beside a step in another thread, so the async front runs
+        it in a worker thread and only :meth:`add_prepared` between steps. Raises as :meth:`add_request`, except
+        for a duplicate ``request_id`` (:meth:`add_prepared` checks that)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -158,7 +192,6 @@ class LLMEngine:
             prompt, prompt_token_ids = split_prompt(prompt)
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        self._check_request_id(request_id, params.n)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
         if priority != 0 and self.scheduler.policy is not SchedulingPolicy.PRIORITY:
@@ -167,19 +200,26 @@ class LLMEngine:
         text, token_ids = self._prompt_tokens(prompt, prompt_token_ids)
         token_ids = self._truncated(token_ids, params.truncate_prompt_tokens)
         params = self._check_request(params, len(token_ids))
-        grammars = self._grammars(params)
-        arrival = time.time() if arrival_time is None else arrival_time
+        return PreparedRequest(request_id, text, token_ids, params, self._grammars(params),
+                               time.time() if arrival_time is None else arrival_time, priority)
+
+    def add_prepared(self, prepared: PreparedRequest) -> None:
+        """Queue a request :meth:`prepare_request` made. Call between steps. Raises ``ValueError`` for a
+        ``request_id`` in flight."""
+        request_id, params, grammars = prepared.request_id, prepared.params, prepared.grammars
+        self._check_request_id(request_id, params.n)
+        def request(request_id: str, params: SamplingParams, grammar: GrammarMatcher | None) -> Request:
+            return Request(request_id=request_id, prompt_token_ids=list(prepared.prompt_token_ids),
+                           sampling_params=params, prompt=prepared.text, arrival_time=prepared.arrival_time,
+                           priority=prepared.priority, eos_token_ids=self.eos_token_ids, grammar=grammar)
+
         if params.n == 1:
-            self._add(Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params, prompt=text,
-                              arrival_time=arrival, priority=priority, eos_token_ids=self.eos_token_ids,
-                              grammar=grammars[0]))
+            self._add(request(request_id, params, grammars[0]))
             return
         parent = ParentRequest(request_id, params)
         for index, child_id in enumerate(parent.child_ids):  # the first child's errors (stop strings without a
             # tokenizer) raise before the parent is registered: a registered parent would hold its id forever
-            self._add(Request(request_id=child_id, prompt_token_ids=list(token_ids), prompt=text, arrival_time=arrival,
-                              sampling_params=child_sampling_params(params, index), priority=priority,
-                              eos_token_ids=self.eos_token_ids, grammar=grammars[index]))
+            self._add(request(child_id, child_sampling_params(params, index), grammars[index]))
         self._parents[request_id] = parent
         self._child_to_parent.update((child_id, (parent, index)) for index, child_id in enumerate(parent.child_ids))
 
