@@ -151,6 +151,26 @@ def test_min_tokens_text_is_not_searched_through_a_longer_stop_strings_window(to
     assert ("".join(o.outputs[0].text for o in outputs), final.stop_reason) == (held[: held.index("lo")], "lo w")
 
 
+@pytest.mark.parametrize("params", [dict(stop="lo w"), dict(stop="l", min_tokens=2), dict(stop="e", min_tokens=1),
+                                    dict(stop=["STOP"], include_stop_str_in_output=True)])
+def test_a_multi_token_step_with_stop_strings_ends_as_one_token_steps_do(tokenizer, params) -> None:
+    """Several ids in one step (kept speculative drafts) go through the stop strings one at a time: the text, ids,
+    logprobs and stop string are those of feeding the same ids one per step (vLLM's detokenizer), the ids after the
+    match dropped."""
+    ids = ids_of("hel", "lo", " wor", "ld", "STOP", "x")
+    one_by_one = stream(tokenizer, ids, **params)
+    final = one_by_one[-1].outputs[0]
+    processor = OutputProcessor(tokenizer)
+    processor.add_request(make_request(output_kind=RequestOutputKind.FINAL_ONLY, logprobs=0, **params))
+    logprobs = [{t: Logprob(-float(i), 1)} for i, t in enumerate(ids)]
+    step = EngineCoreOutput("a", list(ids), logprobs, finish_reason="length")
+    (out,) = processor.process_outputs([step]).request_outputs
+    c = out.outputs[0]
+    assert (c.text, c.stop_reason) == ("".join(o.outputs[0].text for o in one_by_one), final.stop_reason)
+    num = sum(len(o.outputs[0].token_ids) for o in one_by_one)
+    assert c.token_ids == ids[:num] and [list(p) for p in c.logprobs] == [[t] for t in ids[:num]]
+
+
 def test_stop_token_text_is_dropped_unless_included(tokenizer) -> None:
     ids = ids_of("hel", "lo") + [EOS]
     outputs = stream(tokenizer, ids, finish_last="stop", skip_special_tokens=False)

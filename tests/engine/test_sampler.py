@@ -43,6 +43,18 @@ def test_greedy_rows_take_the_argmax_and_logprobs_are_of_raw_logits():
     assert len(position) == 2 + (chosen not in top.indices.tolist())
 
 
+def test_logprobs_zero_still_give_the_sampled_id_with_its_rank():
+    """vLLM returns the sampled token's logprob and rank whatever ``logprobs`` (0 included): the entry holds it."""
+    logits = _logits(2, seed=5)
+    biased = SamplingParams(temperature=0.0, logprobs=0, logit_bias={9: 50.0})  # drawn: 9, not the raw argmax
+    out = Sampler()(logits, [_row(biased), _row(SamplingParams(temperature=0.0, logprobs=0))])
+    raw = torch.log_softmax(logits, dim=-1)  # [2, V]: the logprobs are of the raw logits
+    for row, chosen in enumerate(out.token_ids):
+        rank = int((raw[row] >= raw[row, chosen]).sum())
+        assert out.logprobs[row] == {chosen: Logprob(raw[row, chosen].item(), rank)}
+    assert out.token_ids[0] == 9 and out.logprobs[0][9].rank > 1
+
+
 def test_seeded_row_draws_the_same_token_alone_and_in_a_batch():
     logits = _logits(4, seed=1)
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=20, seed=7)
@@ -204,6 +216,20 @@ def test_kernel_draw_gives_the_torch_samplers_tokens():
     assert Sampler(get_ops())(peaked, rows()).token_ids == Sampler()(peaked, rows()).token_ids
 
 
+def test_kernel_draw_applies_min_p_when_it_is_the_only_filter():
+    """A batch whose sampled rows filter with min_p alone takes the kernels' filter_draw, not the temperature-only
+    softmax_draw: the tokens are the torch stages' (min_p applied)."""
+    from kvgen.kernels import get_ops
+
+    logits = torch.randn(8, 2_000, generator=torch.Generator().manual_seed(8)) * 2  # [8, V]
+    def rows():
+        return [_row(SamplingParams(temperature=1.0, min_p=0.5, seed=s), seed=s) for s in range(8)]
+    torch_ids = Sampler()(logits, rows()).token_ids
+    kept = ops.apply_min_p(logits, 0.5)  # [8, V]
+    assert all(torch.isfinite(kept[i, t]) for i, t in enumerate(torch_ids))
+    assert Sampler(get_ops())(logits, rows()).token_ids == torch_ids
+
+
 def test_allowed_token_ids_and_bad_words_stages():
     from kvgen.engine.sampler import apply_allowed_token_ids, apply_bad_words
 
@@ -286,3 +312,14 @@ def test_top_p_removes_what_vllms_float32_threshold_removes(use_kernels):
     draws = [sampler(logits, [_row(SamplingParams(temperature=1.0, top_p=0.9, seed=s), seed=s)]).token_ids[0]
              for s in range(40)]
     assert draws == [8] * 40
+
+
+def test_a_top_p_below_float32s_range_samples_the_top_token():
+    """A top_p that float32 rounds to 0 (vLLM holds top_p in float32) keeps the top token, as vLLM's top-p does for
+    a tiny p, with the torch stages and the kernels alike, instead of failing the step."""
+    from kvgen.kernels import get_ops
+
+    logits = _logits(2, seed=6)
+    for kernels in (None, get_ops()):
+        rows = [_row(SamplingParams(temperature=1.0, top_p=1e-50), seed=s) for s in (0, 1)]
+        assert Sampler(kernels)(logits, rows).token_ids == logits.argmax(-1).tolist()

@@ -124,6 +124,34 @@ def test_top_p_candidates_defer_a_cut_within_float_noise_or_between_ties():
     assert bool(certain[0])
 
 
+def test_top_p_at_exactly_a_cumulative_probability_matches_transformers():
+    """1 - top_p set to exactly one of HF's float32 cumulative probabilities, at each of the top ranks: the token
+    there is removed (HF's ``<=``), the candidates defer each such row to the full sort (its float64 sums round
+    above or below HF's float32 ones at V = 300), with min_tokens_to_keep 1 and 2."""
+    logits = _llm_like_logits(6, 8, 300)  # [8, V]
+    cumulative = logits.sort(dim=-1).values.softmax(dim=-1).cumsum(dim=-1)  # [8, V], HF's ascending cumulative
+    for rank in range(1, 12):  # the boundary just below the rank-th largest logit
+        for row in range(logits.shape[0]):
+            top_p = 1 - float(cumulative[row, -rank - 1])
+            for keep in (1, 2):
+                expected = TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=keep)(None, logits[row : row + 1].clone())
+                assert_same(ops.apply_top_p(logits[row : row + 1], top_p, keep), expected)
+
+
+def test_cutoffs_exactly_at_their_threshold_match_transformers():
+    """Probabilities that are exact in float32 put a token exactly on each cutoff: top_p removes a cumulative
+    probability equal to 1 - top_p, typical_p counts only cumulative mass below typical_p, epsilon_cutoff keeps a
+    probability equal to epsilon (HF's ``<=``, ``<``, ``<``)."""
+    uniform = torch.zeros(2, 8)  # [2, 8]: probabilities 1/8, cumulative 1/8, 2/8, ...
+    for top_p in (0.25, 0.5, 0.75):
+        assert_same(ops.apply_top_p(uniform, top_p), TopPLogitsWarper(top_p=top_p)(None, uniform.clone()))
+    halving = torch.tensor([[2.0, 1.0, 0.0, 0.0]]) * math.log(2)  # [1, 4]: probabilities 1/2, 1/4, 1/8, 1/8
+    for epsilon in (0.125, 0.25):
+        assert_same(ops.apply_epsilon_cutoff(halving, epsilon), EpsilonLogitsWarper(epsilon)(None, halving.clone()))
+    for mass in (0.25, 0.75, 0.875):
+        assert_same(ops.apply_typical_p(halving, mass), TypicalLogitsWarper(mass)(None, halving.clone()))
+
+
 @pytest.mark.parametrize("case", all_cases())
 @pytest.mark.parametrize("temperature", [0.05, 0.7, 1.3, 100.0])
 def test_temperature_matches_transformers(case, temperature):
@@ -180,6 +208,15 @@ def test_sequence_bias_matches_transformers(T):
     assert_same(ops.apply_sequence_bias(logits, ids, sequence_bias), expected)
     as_list = [[list(k), v] for k, v in sequence_bias.items()]
     assert_same(ops.apply_sequence_bias(logits, ids, as_list), expected)
+
+
+def test_sequence_bias_adds_every_matching_sequence_on_a_shared_last_id():
+    """Sequences ending in the same id add up, a single-id bias included (HF accumulates ``bias[:, last] +=``)."""
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(4))  # [3, V]
+    history = torch.tensor([[1, 6, 5], [2, 3, 5], [5, 6, 4]])  # [3, T]: both, one, none of the prefixes end a row
+    bias = {(7,): 1.0, (5, 7): 2.0, (6, 5, 7): -0.5}
+    expected = SequenceBiasLogitsProcessor([[list(k), v] for k, v in bias.items()])(history, logits.clone())
+    assert_same(ops.apply_sequence_bias(logits, history, bias), expected)
 
 
 @pytest.mark.parametrize("T", [1, 3, 6])
@@ -476,6 +513,38 @@ def test_inverse_cdf_picks_the_only_id_and_rejects_bad_arguments():
         ops.choose_tokens(one_hot, True, num_tokens=2, draw="inverse_cdf")
     with pytest.raises(ValueError, match="one entry per row"):
         ops.sample_inverse_cdf(torch.softmax(one_hot, -1), [None])
+
+
+def test_inverse_cdf_at_the_ends_of_0_1_draws_a_positive_probability_id():
+    """u = 0 and the largest float64 below 1: the drawn id is the first whose float64 cumulative probability exceeds
+    u x total (a one-level search over the whole row, the definition), else (rounding: a float32 block sum above the
+    block's float64 cumulative sum) the last positive id, so never a zero-probability id at either end of a row or a
+    block."""
+    probs = torch.zeros(3, 600)  # [3, V]: 3 blocks, zero-probability ids first and last
+    probs[0, 5], probs[0, 300], probs[0, 301] = 0.25, 0.5, 0.25
+    probs[1, 256:259] = 1 / 3
+    probs[2, 256:512] = torch.rand(256, generator=torch.Generator().manual_seed(0))  # one block
+    assert probs[2].sum() > probs[2].double().sum()  # its float32 block sum exceeds its float64 cumulative
+    u = torch.tensor([0.0, math.nextafter(1.0, 0.0), math.nextafter(1.0, 0.0)], dtype=torch.float64)
+    for ends in (u, u.flip(0)):
+        ends = ends[:, None]  # [3, 1]
+        cdf = probs.double().cumsum(dim=-1)  # [3, V]
+        found = torch.searchsorted(cdf, ends * cdf[:, -1:], right=True)  # [3, 1]
+        expected = torch.minimum(found, torch.searchsorted(cdf, cdf[:, -1:]))  # [3, 1]: capped at the last positive id
+        drawn = ops.inverse_cdf_at(probs, ends)  # [3, 1]
+        assert torch.equal(drawn, expected)
+        assert bool((probs.gather(1, drawn) > 0).all())
+
+
+def test_sampling_half_precision_scores_draws_from_their_float32_softmax():
+    """HF samples from softmax of float32 scores (generate() casts the logits): bfloat16 scores draw, seed for seed,
+    what torch.multinomial draws from the float32 softmax of the same values (and the inverse-CDF draw what it draws
+    from those float32 scores)."""
+    scores = (torch.randn(64, 300, generator=torch.Generator().manual_seed(9)) * 3).bfloat16()  # [64, V]
+    expected = torch.multinomial(torch.softmax(scores.float(), dim=-1), 1, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(ops.choose_tokens(scores, True, torch.Generator().manual_seed(1)), expected)
+    inverse = ops.choose_tokens(scores.float(), True, torch.Generator().manual_seed(1), draw="inverse_cdf")
+    assert torch.equal(ops.choose_tokens(scores, True, torch.Generator().manual_seed(1), draw="inverse_cdf"), inverse)
 
 
 # ---------------------------------------------------------------- logprobs
