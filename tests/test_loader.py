@@ -260,24 +260,39 @@ def test_a_path_that_is_no_str_or_path_is_named(bad: object) -> None:
 def test_a_repo_id_in_the_local_hugging_face_cache_loads_its_snapshot(tiny_model_dir: Path, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """``kvgen generate -m org/name`` finds a model transformers or vLLM cached before, as their from_pretrained
-    does offline; it was "model not found". A repo id the cache lacks is still not found, and nothing downloads."""
+    does offline; it was "model not found". A repo id the cache lacks is still not found, a local directory of that
+    name wins, and nothing touches the network (every connection refused here)."""
     import huggingface_hub.constants
     from transformers import AutoConfig
 
     commit = "0123456789abcdef0123456789abcdef01234567"
     repo = tmp_path / "hub" / "models--org--tiny"
-    shutil.copytree(tiny_model_dir, repo / "snapshots" / commit)
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(tiny_model_dir, snapshot)
+    (snapshot / "1_Pooling").mkdir()  # sentence-transformers' pooling, read from the snapshot too
+    (snapshot / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     reference = AutoConfig.from_pretrained("org/tiny", cache_dir=tmp_path / "hub", local_files_only=True)
-    assert kvgen.loader.resolve_model_path("org/tiny") == repo / "snapshots" / commit
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"a network connection was attempted: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    assert kvgen.loader.resolve_model_path("org/tiny") == snapshot
     model, tok = load_model("org/tiny")
     assert model.config.vocab_size == reference.vocab_size
     assert tok.encode("hello") == load_model(tiny_model_dir)[1].encode("hello")
     with pytest.raises(ModelNotFoundError, match="not found: org/absent .*local Hugging Face cache"):
         kvgen.loader.resolve_model_path("org/absent")
+    llm = kvgen.LLM("org/tiny", tokenizer="org/tiny", num_blocks=16)  # vLLM's tokenizer= takes a repo id too
+    assert llm.get_tokenizer() is not None and llm.get_tokenizer().encode("hello") == tok.encode("hello")
+    assert llm.llm_engine.pooling_type == "mean"  # it was "last": the engine looked for 1_Pooling under "org/tiny"
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(tiny_model_dir, tmp_path / "org" / "tiny")
+    assert kvgen.loader.resolve_model_path("org/tiny") == Path("org/tiny")
 
 
 def test_subpackages_are_reachable_after_a_plain_import_kvgen():

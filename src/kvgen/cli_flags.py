@@ -197,7 +197,7 @@ QUANTIZATION_CHOICES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 
 def _add_model_flags(p: argparse.ArgumentParser, dtype: bool = True, threads: bool = True, model: bool = True) -> None:
     if model:
-        p.add_argument("-m", "--model", default="default", help="a .gguf file, a Hugging Face directory or 'default' (SmolLM2-135M-Instruct)")
+        p.add_argument("-m", "--model", default="default", help="a .gguf file, a Hugging Face directory, a repo id in the local Hugging Face cache or 'default' (SmolLM2-135M-Instruct)")
     if threads:
         p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: $OMP_NUM_THREADS, else the physical cores)")
     if dtype:

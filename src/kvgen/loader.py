@@ -37,15 +37,15 @@ def resolve_model_path(path_or_name: str | os.PathLike[str] = "default") -> Path
     one the OS refuses to look up (a name too long), ``ValueError`` for anything but a str or path (None, a number).
     """
     if not isinstance(path_or_name, (str, os.PathLike)):  # Path(None) fails with pathlib's TypeError
-        raise ValueError(f"path_or_name must be 'default', a .gguf file or a Hugging Face directory (a str or path), "
-                         f"got {path_or_name!r}")
+        raise ValueError(f"path_or_name must be 'default', a .gguf file, a Hugging Face directory or cached repo id (a "
+                         f"str or path), got {path_or_name!r}")
     if str(path_or_name) == "default":
         from kvgen.default_model import find_default_gguf
 
         return find_default_gguf()
     if not str(path_or_name):
-        raise ModelNotFoundError("model path must not be empty, got '' (pass a .gguf file, a Hugging Face directory or "
-                                 "'default')")
+        raise ModelNotFoundError("model path must not be empty, got '' (pass a .gguf file, a Hugging Face directory, a "
+                                 "cached repo id or 'default')")
     path = Path(path_or_name).expanduser()
     try:
         mode = path.stat().st_mode
@@ -71,7 +71,7 @@ def cached_snapshot(repo_id: str) -> Path | None:
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id) or ".." in repo_id:
         return None
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    from huggingface_hub.utils import HFValidationError, LocalEntryNotFoundError  # both there since 0.23
 
     try:
         return Path(snapshot_download(repo_id, local_files_only=True))
@@ -107,8 +107,9 @@ def load_model(
 ) -> tuple[CausalLM, Tokenizer]:
     """Load a model and its tokenizer.
 
-    ``path_or_name``: ``"default"``, a ``.gguf`` file or a Hugging Face
-    checkpoint directory (``config.json`` + safetensors or ``pytorch_model.bin`` weights, and a tokenizer: see
+    ``path_or_name``: ``"default"``, a ``.gguf`` file, a Hugging Face repo id in the local cache
+    (:func:`resolve_model_path`) or a Hugging Face checkpoint directory (``config.json`` + safetensors or
+    ``pytorch_model.bin`` weights, and a tokenizer: see
     :meth:`Tokenizer.from_pretrained`, which also reads a BertTokenizer ``vocab.txt``). The format is sniffed
     from the path (directory, else the file's magic bytes). Returns the model in
     eval mode and a :class:`Tokenizer`. ``dtype="auto"`` (default) runs a quantized

@@ -111,6 +111,13 @@ def test_beams_stop_at_max_model_len_and_text_is_decoded(tiny_model_dir) -> None
     assert out.sequences[0].tokens[: len(prompt)] == prompt
 
 
+def test_numpy_bools_are_bools() -> None:
+    import numpy as np
+
+    params = BeamSearchParams(ignore_eos=np.True_, include_stop_str_in_output=np.False_)
+    assert params.ignore_eos is True and params.include_stop_str_in_output is False
+
+
 @pytest.mark.parametrize(("make", "message"), [
     (lambda: BeamSearchParams(beam_width=0), "beam_width"),
     (lambda: BeamSearchParams(max_tokens=0), "max_tokens"),

@@ -105,6 +105,7 @@ def test_stop_strings_take_a_string_or_a_list_of_strings_only() -> None:
     iterable"); kvgen names the field and the value."""
     assert GenerationConfig(stop_strings="ab").stop_strings == ["ab"]
     assert GenerationConfig(stop_strings=("ab", "c")).stop_strings == ("ab", "c")
+    assert GenerationConfig(stop_strings={"ab", "c"}).stop_strings == ["ab", "c"]  # a set, as transformers iterates
     for bad in (5, {"ab": 1}, [5], [""]):
         with pytest.raises(ValueError, match=r"stop_strings must be a non-empty string or a list of them, got "):
             GenerationConfig(stop_strings=bad)

@@ -184,6 +184,12 @@ def test_flags_that_are_no_bools_are_named(ours: Tokenizer, ref) -> None:
         ours.decode([1, 2], skip_special_tokens=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="clean_up_tokenization_spaces must be a bool, got 'yes'"):
         ours.decode([1, 2], clean_up_tokenization_spaces="yes")  # type: ignore[arg-type]
+    import numpy as np  # numpy bools are bools to transformers and to kvgen
+
+    ids = ours.encode("hi there")
+    assert ours.encode("hi there", add_special_tokens=np.False_) == ours.encode("hi there", add_special_tokens=False)
+    assert ours.decode(ids, skip_special_tokens=np.True_, clean_up_tokenization_spaces=np.False_) == ref.decode(
+        ids, skip_special_tokens=np.True_, clean_up_tokenization_spaces=np.False_)
 
 
 def test_a_long_text_is_encoded_with_the_gil_released(ours: Tokenizer, ref) -> None:

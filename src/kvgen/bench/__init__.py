@@ -16,7 +16,8 @@ class BenchConfig:
     """The fields every bench's config starts with (each bench adds its own; flags come from all of them).
     Raises ``ValueError`` naming an int field below its ``minimum``."""
 
-    model: str = _f("default", "a .gguf file, a Hugging Face directory or 'default' (SmolLM2-135M-Instruct)",
+    model: str = _f("default", "a .gguf file, a Hugging Face directory, a cached repo id or 'default' "
+                    "(SmolLM2-135M-Instruct)",
                     flags=("--model", "-m"))  # -m, -t: llama-bench's, and every other kvgen subcommand's
     dtype: str = _f(AUTO, "kvgen's dtype, as load_model takes it")
     quantization: str | None = _f(None, "kvgen's quantization, as load_model takes it (q8_0, q5_1, q5_0, q4_1, q4_0)")

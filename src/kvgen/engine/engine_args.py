@@ -35,7 +35,7 @@ class EngineArgs:
     fields of a contradictory pair (``num_blocks`` with ``kv_cache_memory``).
     """
 
-    model: str = _f("default", "model: 'default', a .gguf file or a Hugging Face directory",
+    model: str = _f("default", "model: 'default', a .gguf file, a Hugging Face directory or a cached repo id",
                     flags=("--model", "-m"))  # -m: llama-server's, and kvgen generate's
     dtype: str = _f("auto", "weights: auto (a quantized GGUF runs from its blocks, fp16 KV cache), float32 (float), "
                             "bfloat16 or float16 (half)")

@@ -36,8 +36,8 @@ class LLM:
 
     ``model``: ``"default"``, a .gguf file, a Hugging Face directory, or an already
     built model (then pass ``tokenizer``; None means token-id prompts only).
-    ``tokenizer``: a ``Tokenizer`` or a Hugging Face directory holding one (vLLM's ``tokenizer``), used instead of
-    the model's own; None: the model's own.
+    ``tokenizer``: a ``Tokenizer`` or a Hugging Face directory holding one, or the repo id of one in the local Hugging
+    Face cache (vLLM's ``tokenizer``), used instead of the model's own; None: the model's own.
     ``engine_args`` are further ``EngineArgs`` fields (``num_blocks``, ``max_num_seqs``, ...).
     Raises ``ValueError`` for bad engine settings or a tokenizer of another type, ``ModelNotFoundError`` /
     ``ModelFormatError`` for a tokenizer directory that is missing or holds no tokenizer.
@@ -46,7 +46,10 @@ class LLM:
     def __init__(self, model: str | CausalLM = "default", tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
                  **engine_args: Any) -> None:
         if isinstance(tokenizer, (str, os.PathLike)):  # vLLM's tokenizer path (loaded first: it fails fast)
-            tokenizer = Tokenizer.from_pretrained(tokenizer)
+            from kvgen.loader import cached_snapshot
+
+            is_local = os.path.exists(os.path.expanduser(tokenizer))  # else a repo id in the Hugging Face cache
+            tokenizer = Tokenizer.from_pretrained(tokenizer if is_local else cached_snapshot(str(tokenizer)) or tokenizer)
         if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
             raise ValueError(f"tokenizer must be a kvgen Tokenizer, a Hugging Face directory or None, got "
                              f"{type(tokenizer).__name__}")

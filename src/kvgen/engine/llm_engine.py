@@ -118,6 +118,10 @@ class LLMEngine:
         # called after each step that had outputs, in the step's thread (vLLM's StatLoggerBase.record): the metrics
         self.stat_loggers: list[Callable[[IterationStats], None]] = []
         directory = Path(args.model).expanduser()
+        if not directory.is_dir():  # a repo id in the Hugging Face cache: its snapshot holds 1_Pooling/config.json
+            from kvgen.loader import cached_snapshot
+
+            directory = cached_snapshot(str(args.model)) or directory
         self.pooling_type = args.pooling_type or default_pooling_type(model, directory if directory.is_dir() else None)
 
     @classmethod

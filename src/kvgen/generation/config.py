@@ -236,6 +236,8 @@ class GenerationConfig:
             self.watermarking_config = WatermarkingConfig.of(self.watermarking_config)
         if self.cache_implementation not in ("dynamic", "static"):
             raise ValueError(f"cache_implementation must be 'dynamic' or 'static', got {self.cache_implementation!r}")
+        if isinstance(self.stop_strings, (set, frozenset)):  # transformers' StopStringCriteria iterates any collection
+            self.stop_strings = sorted(self.stop_strings, key=str)
         if self.stop_strings is not None and (not isinstance(self.stop_strings, (list, tuple))
                                               or any(not isinstance(s, str) or not s for s in self.stop_strings)):
             raise ValueError(f"stop_strings must be a non-empty string or a list of them, got {self.stop_strings!r}")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import numpy as np
 from tokenizers import Tokenizer as BackendTokenizer
 
 from kvgen.chat_template import (
@@ -43,11 +44,13 @@ def lone_surrogate(text: str) -> int | None:
     return None if found is None else ord(found.group())
 
 
-def _check_flag(name: str, value: Any) -> None:
-    """``ValueError`` naming ``name`` unless ``value`` is a bool (the tokenizers binding's TypeError, "'str' object
-    cannot be converted to 'PyBool'", came from deep in a call; encode's read as a lone surrogate)."""
-    if not isinstance(value, bool):
+def _check_flag(name: str, value: Any) -> bool:
+    """``value`` as a bool; ``ValueError`` naming ``name`` unless it is a bool or a numpy bool, as transformers takes
+    (the tokenizers binding's TypeError, "'str' object cannot be converted to 'PyBool'", came from deep in a call;
+    encode's read as a lone surrogate)."""
+    if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
 
 
 # Texts from this many characters on are encoded without the GIL (Tokenizer.encode): ~1 ms of encoding; below, the
@@ -146,7 +149,7 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
-        _check_flag("add_special_tokens", add_special_tokens)
+        add_special_tokens = _check_flag("add_special_tokens", add_special_tokens)
         try:
             if len(text) >= GIL_FREE_ENCODE_CHARS:
                 return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
@@ -163,9 +166,9 @@ class Tokenizer:
         anything but integer ids (a str, floats, bools), for an id outside ``[0, vocab_size)`` and for flags that are
         no bools (``clean_up_tokenization_spaces`` may be None).
         """
-        _check_flag("skip_special_tokens", skip_special_tokens)
+        skip_special_tokens = _check_flag("skip_special_tokens", skip_special_tokens)
         if clean_up_tokenization_spaces is not None:
-            _check_flag("clean_up_tokenization_spaces", clean_up_tokenization_spaces)
+            clean_up_tokenization_spaces = _check_flag("clean_up_tokenization_spaces", clean_up_tokenization_spaces)
         ids = integer_ids(token_ids)
         check_token_ids(ids, self._vocab_size)
         text = self.decode_without_clean_up(ids, skip_special_tokens)

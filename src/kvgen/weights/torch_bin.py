@@ -69,13 +69,19 @@ def _load(file: Path) -> dict[str, torch.Tensor]:
     """The checkpoint's state dict, memory-mapped when it is torch's zip format (a legacy one is read whole)."""
     try:
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
-    except pickle.UnpicklingError as e:  # the weights-only unpickler met something other than tensors
-        raise ModelFormatError(f"{file} is not a weights-only PyTorch checkpoint (loading it could run code): "
-                               f"{str(e).splitlines()[0]}") from None
+    except pickle.UnpicklingError as e:
+        if "Weights only load failed" in str(e):  # the weights-only unpickler met something other than tensors
+            raise ModelFormatError(f"{file} is not a weights-only PyTorch checkpoint (loading it could run code): "
+                                   f"{_first_line(e)}") from None
+        raise ModelFormatError(f"{file} is not a readable PyTorch checkpoint: {_first_line(e)}") from None
     except (RuntimeError, OSError, EOFError, ValueError, zipfile.BadZipFile) as e:
         raise ModelFormatError(f"{file} is not a readable PyTorch checkpoint: {type(e).__name__}: "
-                               f"{str(e).splitlines()[0] if str(e) else ''}") from None
+                               f"{_first_line(e)}") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                               for k, v in state.items()):
         raise ModelFormatError(f"{file} does not hold a state dict (names to tensors), got {type(state).__name__}")
     return state
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
