@@ -467,3 +467,92 @@ def test_truncation_auto_keeps_the_most_turns_that_fit_in_few_renderings(tiny_mo
 
     assert r.json()["usage"]["input_tokens"] == num_tokens(kept) <= 256 - 4
     assert num_tokens([turns[-len(kept) - 1], *kept]) > 256 - 4  # one turn more would not fit
+
+
+def test_input_items_list_a_stored_responses_input_in_pages(client, server):
+    """``GET /v1/responses/{id}/input_items`` (the SDK's ``responses.input_items.list``): OpenAI's ``ResponseItemList``
+    of the items a response was generated from, each with an id (a string input is one user message), newest first
+    unless ``order=asc``, ``limit`` (default 20) a page, ``after`` an item's id. kvgen had no such route: a bare 404."""
+    from openai.types.responses import ResponseItemList
+
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Rome"}'}
+    sent = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Weather in Rome?"}, call,
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]},
+            {"role": "user", "content": [{"type": "input_text", "text": "And "}, {"type": "input_text", "text": "then?"}]}]
+    r = client.responses.create(model="tiny", input=sent, **GREEDY)
+    items = list(client.responses.input_items.list(r.id, order="asc", limit=2))  # the SDK follows has_more and after
+    assert [(item.type, getattr(item, "role", None)) for item in items] == [
+        ("message", "developer"), ("message", "user"), ("function_call", None), ("function_call_output", None),
+        ("message", "assistant"), ("message", "user")]
+    assert [item.content[0].text for item in (items[0], items[1], items[4])] == ["Be brief.", "Weather in Rome?", "Sunny."]
+    assert [part.text for part in items[5].content] == ["And ", "then?"] and items[5].content[0].type == "input_text"
+    assert (items[2].call_id, items[2].name, items[2].arguments) == ("call_1", "get_weather", call["arguments"])
+    assert (items[3].call_id, items[3].output) == ("call_1", "sunny")
+    assert len({item.id for item in items}) == 6 and items[1].id.startswith("msg_")
+    pages = [httpx.get(f"{server.v1}/responses/{r.id}/input_items", params=params, timeout=10).json()
+             for params in ({}, {"limit": 4}, {"limit": 4, "after": items[2].id}, {"order": "asc", "after": items[5].id})]
+    for page in pages[:3]:
+        ResponseItemList.model_validate(page)  # OpenAI's schema (the SDK's model, validated)
+    assert [item["id"] for item in pages[0]["data"]] == [item.id for item in reversed(items)]  # desc, the default
+    assert (pages[0]["first_id"], pages[0]["last_id"], pages[0]["has_more"]) == (items[5].id, items[0].id, False)
+    assert [item["id"] for item in pages[1]["data"]] == [item.id for item in items[:1:-1]] and pages[1]["has_more"]
+    assert [item["id"] for item in pages[2]["data"]] == [items[1].id, items[0].id] and not pages[2]["has_more"]
+    assert pages[3]["data"] == [] and not pages[3]["has_more"] and pages[3]["object"] == "list"
+    # a string input is one user message; a continuation lists the conversation it was generated from
+    first = client.responses.create(model="tiny", input="Hello there.", **GREEDY)
+    (hello,) = client.responses.input_items.list(first.id)
+    assert (hello.type, hello.role, hello.content[0].text) == ("message", "user", "Hello there.")
+    second = client.responses.create(model="tiny", previous_response_id=first.id, input="And then?", **GREEDY)
+    chain = list(client.responses.input_items.list(second.id, order="asc"))
+    assert [item.id for item in chain] == [hello.id, first.output[0].id, chain[2].id]
+    assert chain[1].content[0].text == first.output_text and chain[2].content[0].text == "And then?"
+
+
+def test_input_items_of_an_unknown_or_unstored_response_or_bad_params_are_openai_errors(client, server):
+    r = client.responses.create(model="tiny", input="Hi", **GREEDY)
+    unstored = client.responses.create(model="tiny", input="Hi", store=False, **GREEDY)
+    for response_id in ("resp_unknown", unstored.id):  # as GET /v1/responses/{id}
+        got = httpx.get(f"{server.v1}/responses/{response_id}/input_items", timeout=10)
+        assert got.status_code == 404 and got.json()["error"]["code"] == "not_found"
+        assert got.json() == httpx.get(f"{server.v1}/responses/{response_id}", timeout=10).json()
+    for params, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"limit": "x"}, "limit"),
+                          ({"order": "newest"}, "order"), ({"after": "msg_unknown"}, "after"),
+                          ({"include": "nope"}, "include"), ({"include[]": "nope"}, "include"),
+                          ({"before": "msg_x"}, "before")):
+        got = httpx.get(f"{server.v1}/responses/{r.id}/input_items", params=params, timeout=10)
+        assert got.status_code == 400 and got.json()["error"]["param"] == param, (params, got.text)
+    # OpenAI's include values are accepted (kvgen's items have none of what they add), in the SDK's include[] form too
+    (item,) = client.responses.input_items.list(r.id, include=["message.input_image.image_url"], limit=100)
+    assert item.content[0].text == "Hi"
+
+
+def test_input_items_of_a_truncated_chain_are_those_its_prompt_kept(tiny_model_dir):
+    """In process: under ``truncation: "auto"`` the input items listed are those of the turns the prompt kept (the
+    items it was generated from), as the stored conversation a continuation sees."""
+    import asyncio
+
+    from kvgen.engine.async_engine import AsyncLLMEngine
+    from kvgen.engine.engine_args import EngineArgs
+    from kvgen.server.app import build_app
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), max_model_len=64))
+    app = build_app(engine, "tiny")
+
+    async def chain() -> tuple[str, list[dict]]:
+        previous = ""
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvgen") as client:
+            for _ in range(8):
+                body = {"model": "tiny", "input": "one two three four five six", "max_output_tokens": 2,
+                        "truncation": "auto", "temperature": 0}
+                r = await client.post("/v1/responses", json=body | ({"previous_response_id": previous} if previous else {}))
+                assert r.status_code == 200, r.text
+                previous = r.json()["id"]
+            items = (await client.get(f"/v1/responses/{previous}/input_items", params={"order": "asc"})).json()
+        await engine.shutdown()
+        return previous, items["data"]
+
+    last_id, items = asyncio.run(chain())
+    kept = app.state.kvgen.responses.get(last_id).messages[:-1]  # the kept turns, less the reply
+    assert 1 < len(items) < 15  # 8 inputs and 7 replies in all: some dropped
+    assert [(item["role"], item["content"][0]["text"]) for item in items] == [(m.role, m.content) for m in kept]

@@ -1,8 +1,8 @@
 """``build_app``: the FastAPI application of ``kvgen serve`` over one ``AsyncLLMEngine``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``, ``POST /v1/responses``
-(with ``GET`` and ``DELETE /v1/responses/{response_id}``; ``POST .../cancel`` a 400, no response running in the
-background), ``GET /v1/models`` (and ``/v1/models/{model}``),
+(with ``GET`` and ``DELETE /v1/responses/{response_id}``, ``GET .../input_items``; ``POST .../cancel`` a 400, no
+response running in the background), ``GET /v1/models`` (and ``/v1/models/{model}``),
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /metrics`` (Prometheus
 text) and the chat page at ``GET /`` (static files shipped in ``kvgen/server/static``).
 With an API key, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need
@@ -15,9 +15,9 @@ import asyncio
 import hmac
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -47,9 +47,10 @@ from kvgen.server.protocol import (
     VersionResponse,
 )
 from kvgen.server.reasoning_parsers import REASONING_PARSERS
-from kvgen.server.responses import create_response
+from kvgen.server.responses import create_response, list_input_items
 from kvgen.server.responses_protocol import (
     DeletedResponse,
+    ResponseItemList,
     ResponseObject,
     ResponsesRequest,
 )
@@ -115,6 +116,17 @@ def _api_router() -> APIRouter:
     @router.get("/v1/responses/{response_id}", response_model=ResponseObject)
     async def retrieve_response(response_id: str, request: Request) -> ResponseObject:
         return _state(request).responses.get(response_id).response
+
+    @router.get("/v1/responses/{response_id}/input_items", response_model=ResponseItemList)
+    async def response_input_items(response_id: str, request: Request, after: str | None = None,
+                                   limit: int = Query(20, ge=1, le=100), order: Literal["asc", "desc"] = "desc",
+                                   include: list[str] | None = Query(None)) -> ResponseItemList:
+        """OpenAI's "List input items"; ``include`` also as ``include[]`` (the SDK's form). ``before``, gone from
+        OpenAI's API, is a 400 rather than ignored."""
+        if "before" in request.query_params:
+            raise bad_request("before is not supported (OpenAI's API no longer has it); page with after", "before")
+        include = [*(include or []), *request.query_params.getlist("include[]")]
+        return list_input_items(_state(request), response_id, after, limit, order, include)
 
     @router.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject)
     async def cancel_response(response_id: str, request: Request) -> ResponseObject:

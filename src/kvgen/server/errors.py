@@ -57,8 +57,8 @@ _BRANCH_TAGS = {"str", "int", "float", "bool", "dict", "list"}  # pydantic's tag
 
 
 def _loc_param(loc: tuple[Any, ...]) -> str | None:
-    """``("body", "messages", 0, "role")`` -> ``"messages[0].role"``."""
-    parts = [p for p in loc if p != "body"]
+    """``("body", "messages", 0, "role")`` -> ``"messages[0].role"``; ``("query", "limit")`` -> ``"limit"``."""
+    parts = [p for i, p in enumerate(loc) if p != "body" and (i, p) != (0, "query")]
     out = ""
     for p in parts:
         if isinstance(p, int):

@@ -1,21 +1,27 @@
-"""The in-memory store of ``/v1/responses`` results kept for ``GET /v1/responses/{id}`` and
+"""The in-memory store of ``/v1/responses`` results kept for ``GET /v1/responses/{id}`` (and its ``input_items``) and
 ``previous_response_id`` (as vLLM's: lost on restart, bounded by a count, and by bytes since a request's tools
 and user have no length limit)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvgen.server.errors import OpenAIError
 from kvgen.server.protocol import ChatMessage
-from kvgen.server.responses_protocol import ResponseObject
+from kvgen.server.responses_protocol import ListedItem, ResponseObject
 
 
 @dataclass
 class StoredResponse:
     response: ResponseObject
     messages: list[ChatMessage]  # the conversation through this response's output, without its instructions
+    items: list[list[ListedItem]] = field(default_factory=list)  # for each message, the items it came from
+
+    def input_items(self) -> list[ListedItem]:
+        """The items the response was generated from, oldest first: those of its (kept) conversation before its
+        output."""
+        return [item for turn in self.items[:-1] for item in turn]
 
 
 class ResponseStore:
@@ -54,6 +60,7 @@ class ResponseStore:
 
 
 def entry_size(entry: StoredResponse) -> int:
-    """Bytes of the entry as JSON (its response, and each message; messages shared with another entry, as a chain's
-    are, count in each)."""
-    return len(entry.response.model_dump_json()) + sum(len(m.model_dump_json()) for m in entry.messages)
+    """Bytes of the entry as JSON (its response, each message and each item; those shared with another entry, as a
+    chain's are, count in each)."""
+    return (len(entry.response.model_dump_json()) + sum(len(m.model_dump_json()) for m in entry.messages)
+            + sum(len(item.model_dump_json()) for turn in entry.items for item in turn))

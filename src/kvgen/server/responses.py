@@ -1,4 +1,5 @@
-"""``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{response_id}``: OpenAI's Responses API.
+"""``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{response_id}``, ``GET .../input_items``: OpenAI's
+Responses API.
 
 A request becomes a chat completion (instructions as the system message, a previous response's
 conversation, then the input items, through the chat template) and shares its sampling, tool calls,
@@ -7,7 +8,8 @@ differ: output items (``message`` with ``output_text``, ``function_call``) inste
 named, numbered stream events (``response.created`` ... ``response.completed``, no ``[DONE]``).
 A stored response (``store``, the default) is kept in memory, the oldest dropped past
 ``ResponseStore.capacity``, and can be read, deleted, or continued with ``previous_response_id``
-(its instructions are not carried over, as OpenAI).
+(its instructions are not carried over, as OpenAI); its input items (the kept conversation before its output,
+a previous response's included, as OpenAI lists the items a response was generated from) are listed in pages.
 Source: OpenAI API reference, Responses and "Streaming events"; vLLM ``serving_responses.py``.
 """
 
@@ -43,13 +45,18 @@ from kvgen.server.protocol import (
 from kvgen.server.reasoning_parsers import num_reasoning_tokens
 from kvgen.server.response_store import StoredResponse
 from kvgen.server.responses_protocol import (
+    INCLUDABLE,
     LOGPROBS_INCLUDE,
     FunctionCallItem,
+    FunctionCallOutputResource,
     FunctionToolChoice,
     IncompleteDetails,
+    InputMessageResource,
+    InputText,
     InputTextPart,
     InputTokensDetails,
     ItemStatus,
+    ListedItem,
     MessageItem,
     OutputFunctionCall,
     OutputItem,
@@ -60,6 +67,7 @@ from kvgen.server.responses_protocol import (
     ReasoningItem,
     ReasoningText,
     ResponseError,
+    ResponseItemList,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
@@ -105,17 +113,22 @@ def _content(content: str | list[InputTextPart]) -> str | list[TextContentPart]:
     return content if isinstance(content, str) else [TextContentPart(type="text", text=p.text) for p in content]
 
 
-def _input_messages(items: str | list[Any]) -> list[ChatMessage]:
-    """Input items as chat messages: function calls join the assistant turn before them, their outputs are tool turns,
-    a reasoning item's text goes to the assistant turn after it."""
+def _input_messages(items: str | list[Any]) -> tuple[list[ChatMessage], list[list[ListedItem]]]:
+    """Input items as chat messages, and for each message the items it came from (listed, with ids): function calls
+    join the assistant turn before them, their outputs are tool turns, a reasoning item's text goes to the assistant
+    turn after it (a reasoning item is listed with the turn after it, or the last)."""
     if isinstance(items, str):
-        return [ChatMessage(role="user", content=items)]
+        return [ChatMessage(role="user", content=items)], [[_listed_item(MessageItem(role="user", content=items))]]
     out: list[ChatMessage] = []
+    turns: list[list[ListedItem]] = []
     reasoning: str | None = None
+    pending: list[ListedItem] = []  # reasoning items, listed with the turn after them
     for item in items:
         if isinstance(item, ReasoningItem):
             reasoning = "".join(part.text for part in item.content or [])
-        elif isinstance(item, MessageItem):
+            pending.append(_listed_item(item))
+            continue
+        if isinstance(item, MessageItem):
             out.append(ChatMessage(role=item.role, content=_content(item.content),
                                    reasoning=reasoning if item.role == "assistant" else None))
         elif isinstance(item, FunctionCallItem):
@@ -126,9 +139,57 @@ def _input_messages(items: str | list[Any]) -> list[ChatMessage]:
                 out.append(ChatMessage(role="assistant", tool_calls=[call], reasoning=reasoning))
         else:
             out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=_content(item.output)))
-        if not isinstance(item, ReasoningItem):
-            reasoning = None
-    return out
+        if len(turns) < len(out):
+            turns.append(pending)
+        turns[-1].append(_listed_item(item))
+        reasoning, pending = None, []
+    if turns:
+        turns[-1] += pending  # reasoning items after the last turn
+    return out, turns
+
+
+def _listed_item(item: Any) -> ListedItem:
+    """An input item as ``input_items`` lists it: its id (a new one if it has none) and status (completed unless it
+    says otherwise); an assistant message, a function call or a reasoning item in its output item's shape."""
+    status: ItemStatus = item.status if item.status in ("in_progress", "completed", "incomplete") else "completed"
+    if isinstance(item, MessageItem):
+        texts = [item.content] if isinstance(item.content, str) else [part.text for part in item.content]
+        if item.role == "assistant":
+            return OutputMessage(id=item.id or _new_id("msg"), status=status,
+                                 content=[OutputText(text=text) for text in texts])
+        return InputMessageResource(id=item.id or _new_id("msg"), role=item.role, status=status,
+                                    content=[InputText(text=text) for text in texts])
+    if isinstance(item, FunctionCallItem):
+        return OutputFunctionCall(id=item.id or _new_id("fc"), call_id=item.call_id, name=item.name,
+                                  arguments=item.arguments, status=status)
+    if isinstance(item, ReasoningItem):
+        return OutputReasoning(id=item.id or _new_id("rs"), summary=item.summary, content=item.content or [],
+                               status=status)
+    output = item.output if isinstance(item.output, str) else [InputText(text=part.text) for part in item.output]
+    return FunctionCallOutputResource(id=item.id or _new_id("fco"), call_id=item.call_id, output=output, status=status)
+
+
+def list_input_items(state: ServerState, response_id: str, after: str | None, limit: int, order: str,
+                     include: list[str]) -> ResponseItemList:
+    """A page of a stored response's input items: ``limit`` of them, in ``order`` ("asc": oldest first), after the
+    item whose id is ``after`` in that order. Raises a 404 ``OpenAIError`` for an unknown (or unstored) response, a 400
+    for an ``after`` that is none of its items' ids or an ``include`` value not of OpenAI's."""
+    unknown = [value for value in include if value not in INCLUDABLE]
+    if unknown:
+        raise bad_request(f"include must be among {list(INCLUDABLE)}, got {unknown[0]!r}", "include")
+    items = state.responses.get(response_id).input_items()
+    if order == "desc":
+        items.reverse()
+    start = 0
+    if after is not None:
+        ids = [item.id for item in items]
+        if after not in ids:
+            raise bad_request(f"after must be the id of an input item of response '{response_id}', got {after!r}",
+                              "after")
+        start = ids.index(after) + 1
+    page = items[start:start + limit]
+    return ResponseItemList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
+                            has_more=start + limit < len(items))
 
 
 def _chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatCompletionRequest:
@@ -187,7 +248,9 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
     _refuse_unsupported(req)
     previous = (state.responses.get(req.previous_response_id, "previous_response_id")
                 if req.previous_response_id is not None else None)  # "" is no id: a 404, as any unknown one
-    history = [*(previous.messages if previous else []), *_input_messages(req.input)]
+    messages, turns = _input_messages(req.input)
+    history = [*(previous.messages if previous else []), *messages]
+    history_items = [*(previous.items if previous else []), *turns]  # the items of each message of history
     system = [ChatMessage(role="system", content=req.instructions)] if req.instructions is not None else []
     try:
         chat = _chat_request(req, system + history)
@@ -196,13 +259,14 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
         # the turns the prompt kept, stored for a continuation: a chain under truncation "auto" stays within the
         # context (with the dropped turns kept, each link stored and re-tokenized the whole chain)
         history = chat.messages[len(system):]
+        history_items = history_items[len(history_items) - len(history):]
         max_tokens = resolve_max_tokens(state, len(prompt_ids), req.max_output_tokens, ("input", "max_output_tokens"))
         params = sampling_params(chat, state, max_tokens, (chat.top_logprobs or 0) if chat.logprobs else None,
                                  plan.constraint if plan else None)
     except OpenAIError as e:
         e.param = _PARAMS.get(e.param or "", e.param)
         raise
-    builder = _Builder(state, req, chat, plan, history, prompt_ids)
+    builder = _Builder(state, req, chat, plan, (history, history_items), prompt_ids)
     gen = Generation(state, builder.response.id)
     await gen.start([prompt_ids], params, "input")
     if req.stream:
@@ -215,8 +279,10 @@ class _Builder:
     """Builds one response: at once from the finished choice, or as stream events from its deltas; stores it."""
 
     def __init__(self, state: ServerState, req: ResponsesRequest, chat: ChatCompletionRequest, plan: ToolPlan | None,
-                 history: list[ChatMessage], prompt_ids: list[int]) -> None:
-        self.state, self.req, self.chat, self.plan, self.history = state, req, chat, plan, history
+                 history: tuple[list[ChatMessage], list[list[ListedItem]]], prompt_ids: list[int]) -> None:
+        """``history``: the conversation's messages before the reply, and the items of each."""
+        self.state, self.req, self.chat, self.plan = state, req, chat, plan
+        self.history, self.history_items = history
         self.num_prompt_tokens, self.prompt_tail = len(prompt_ids), reasoning_prompt_tail(state, prompt_ids)
         self.response = ResponseObject(
             id=_new_id("resp"), status="in_progress", instructions=req.instructions,
@@ -245,7 +311,8 @@ class _Builder:
                                    output_tokens_details=OutputTokensDetails(reasoning_tokens=num_reasoning),
                                    total_tokens=self.num_prompt_tokens + num_tokens)})
         if self.req.store:
-            self.state.responses.put(StoredResponse(response, [*self.history, _as_message(output)]))
+            self.state.responses.put(StoredResponse(response, [*self.history, _as_message(output)],
+                                                    [*self.history_items, list(output)]))
         return response
 
     def from_choices(self, choices: list[ChoiceResult]) -> ResponseObject:

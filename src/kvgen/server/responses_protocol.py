@@ -4,7 +4,7 @@ Input items: messages (a string or ``input_text`` / ``output_text`` parts; a pre
 items are taken back as they are), ``function_call`` and ``function_call_output``. Tools are function
 tools. Fields a local model cannot honour (hosted tools, images, background mode, reasoning effort,
 conversations, prompt templates) are refused with a 400 naming them; unknown fields too.
-Source: OpenAI API reference, Responses (create, retrieve, delete; streaming events); vLLM
+Source: OpenAI API reference, Responses (create, retrieve, delete, list input items; streaming events); vLLM
 ``vllm/entrypoints/openai/protocol.py::ResponsesRequest``.
 """
 
@@ -32,6 +32,11 @@ from kvgen.server.protocol import (
 )
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one ``include`` value served
+# OpenAI's ``IncludeEnum``: what ``GET .../input_items`` may be asked to include; none is in kvgen's items (no images,
+# no hosted tools, no logprobs of input text), so each is accepted and changes nothing
+INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+              "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+              "reasoning.encrypted_content", LOGPROBS_INCLUDE)
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
@@ -291,3 +296,41 @@ class DeletedResponse(BaseModel):
     id: str
     object: Literal["response.deleted"] = "response.deleted"
     deleted: bool = True
+
+
+class InputText(BaseModel):
+    type: Literal["input_text"] = "input_text"
+    text: str
+
+
+class InputMessageResource(BaseModel):
+    """A user, system or developer message of a response's input, as ``GET .../input_items`` lists it."""
+
+    type: Literal["message"] = "message"
+    id: str
+    role: Literal["user", "system", "developer"]
+    content: list[InputText]
+    status: ItemStatus = "completed"
+
+
+class FunctionCallOutputResource(BaseModel):
+    type: Literal["function_call_output"] = "function_call_output"
+    id: str
+    call_id: str
+    output: str | list[InputText]
+    status: ItemStatus = "completed"
+
+
+# an input item as listed: an assistant message, a function call or a reasoning item has its output item's shape
+ListedItem = InputMessageResource | OutputMessage | OutputFunctionCall | FunctionCallOutputResource | OutputReasoning
+
+
+class ResponseItemList(BaseModel):
+    """``GET /v1/responses/{id}/input_items``: a page of the items a response was generated from. ``first_id`` and
+    ``last_id`` are null for an empty page (OpenAI's schema types them as strings and says nothing of an empty page)."""
+
+    object: Literal["list"] = "list"
+    data: list[ListedItem]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
