@@ -8,6 +8,7 @@ import torch
 from helpers import assert_batched_equals_alone, left_pad
 
 from kvgen.generation import GenerationConfig, generate
+from kvgen.generation.streamers import TextStreamer
 
 NEW_TOKENS = 16
 
@@ -108,4 +109,5 @@ def test_beam_finish_reasons_for_stop_strings_and_time(ours_default):
 def test_streamer_with_beams_raises(ours_default):
     model, tok = ours_default
     with pytest.raises(ValueError, match="streamer cannot be used with beam_search"):
-        generate(model, torch.tensor([tok.encode("Hi")]), None, GenerationConfig(num_beams=2), streamer=object())
+        generate(model, torch.tensor([tok.encode("Hi")]), None, GenerationConfig(num_beams=2),
+                 streamer=TextStreamer(tok))
