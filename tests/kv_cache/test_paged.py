@@ -110,7 +110,8 @@ def test_pool_sizing_from_memory(tiny_model):
     cache = PagedKVCache.from_config(cfg, BLOCK_SIZE, kv_cache_memory_bytes=10 * per_block)
     assert cache.num_blocks == 10 and cache.nbytes() == 10 * per_block
     assert tuple(cache.key_cache[0].shape) == (10, 2, BLOCK_SIZE, 16)  # [num_blocks, Hkv, block_size, D]
-    with pytest.raises(ValueError, match="kv_cache_memory must hold at least one block"):
+    with pytest.raises(ValueError, match=f"kv_cache_memory must hold at least one block of block_size={BLOCK_SIZE} "
+                                         f"tokens .*lower block_size"):  # a huge block_size is named too
         num_blocks_for_memory(cfg, per_block - 1, BLOCK_SIZE, torch.float32)
     with pytest.raises(ValueError, match="exactly one of num_blocks and kv_cache_memory_bytes"):
         PagedKVCache.from_config(cfg, BLOCK_SIZE)

@@ -42,7 +42,8 @@ def num_blocks_for_memory(config: ModelConfig, memory_bytes: int, block_size: in
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     per_block = block_nbytes(config, block_size, dtype)
     if memory_bytes < per_block:
-        raise ValueError(f"kv_cache_memory must hold at least one block ({per_block} bytes), got {memory_bytes}")
+        raise ValueError(f"kv_cache_memory must hold at least one block of block_size={block_size} tokens "
+                         f"({per_block} bytes): raise kv_cache_memory or lower block_size, got {memory_bytes}")
     return memory_bytes // per_block
 
 
