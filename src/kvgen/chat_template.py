@@ -56,8 +56,12 @@ def read_chat_template(value: str) -> str:
     """A chat template given as a file path or as the Jinja text itself (vLLM's ``--chat-template``): the file's
     text when ``value`` names a file, else ``value`` when it holds Jinja (``{``, ``}`` or a newline). Raises
     ``ValueError`` naming the value otherwise, or when the file cannot be read as UTF-8."""
+    try:
+        is_file = Path(value).is_file()
+    except (OSError, ValueError):  # a one-line template over the OS's name limit (ENAMETOOLONG), a NUL: no file
+        is_file = False
     path = Path(value)
-    if path.is_file():
+    if is_file:
         try:
             return path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:

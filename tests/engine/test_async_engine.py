@@ -264,3 +264,69 @@ def test_a_slow_grammar_compiles_while_other_requests_step_and_the_loop_runs(tin
     ids = asyncio.run(scenario())
     assert events == ["compile started", "other finished", "compile ended"]
     assert ids == llm.generate([{"prompt_token_ids": [5, 6, 7]}], constrained, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_abort_all_during_a_grammar_compile_stops_that_request_too(tiny_model_dir, monkeypatch):
+    """A request still being prepared (its grammar compiling in a worker thread) when the shutdown's ``abort_all``
+    runs is not added afterwards: it ran on to its last token after the abort."""
+    import threading
+
+    from kvgen.engine import LLM, SamplingParams
+    from kvgen.engine.async_engine import EngineStoppedError
+    from kvgen.engine.structured_outputs import GrammarCompiler, StructuredOutputsParams
+
+    llm = LLM(str(tiny_model_dir), num_blocks=64)
+    started, release = threading.Event(), threading.Event()
+    matcher = GrammarCompiler.matcher
+
+    def held_matcher(self, params):
+        started.set()
+        release.wait(timeout=10)
+        return matcher(self, params)
+
+    monkeypatch.setattr(GrammarCompiler, "matcher", held_matcher)
+    params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(llm.llm_engine)
+        task = asyncio.create_task(engine.add_request("held", [5, 6, 7], params))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        engine.abort_all()
+        release.set()
+        with pytest.raises(EngineStoppedError, match="'held' not added"):
+            await task
+        await engine.shutdown()
+
+    asyncio.run(scenario())
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_concurrent_first_structured_requests_build_the_grammar_tokenizer_once(tiny_model_dir, monkeypatch):
+    """``prepare_request`` runs in worker threads; the lazily built compiler and llguidance tokenizer (~0.25 s and its
+    memory for a 49k vocabulary) were built once per concurrent first request."""
+    import threading
+    import time
+
+    import llguidance
+
+    from kvgen.engine import LLM, SamplingParams
+    from kvgen.engine.structured_outputs import StructuredOutputsParams
+
+    llm = LLM(str(tiny_model_dir), num_blocks=64)
+    builds, real = [], llguidance.LLTokenizer
+
+    def slow_tokenizer(*args, **kwargs):
+        builds.append(1)
+        time.sleep(0.2)  # the build's time, so the threads overlap
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLTokenizer", slow_tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+    threads = [threading.Thread(target=llm.llm_engine.prepare_request, args=(f"r{i}", [5, 6, 7], params))
+               for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(builds) == 1

@@ -50,3 +50,20 @@ def test_add_aggregates_delta_outputs_into_the_cumulative_ones_as_vllm(engine):
             assert (c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason) == (
                 want.text, want.token_ids, want.logprobs, want.finish_reason, want.stop_reason)
             assert c.cumulative_logprob == pytest.approx(want.cumulative_logprob)
+
+
+def test_add_keeps_the_first_error_of_the_merged_outputs():
+    """kvgen's ``error`` / ``error_param`` (why the engine aborted a request) came only from the first output: merged
+    DELTA outputs lost an abort's reason that the CUMULATIVE output carries."""
+    from kvgen.engine.outputs import CompletionOutput
+
+    def output(error: str | None, finished: bool) -> RequestOutput:
+        return RequestOutput("r", None, [1], [CompletionOutput(0, "x", [5], None, None, "abort" if error else None)],
+                             finished, error=error, error_param="structured_outputs" if error else None)
+
+    merged = output(None, False)
+    merged.add(output("no token can be generated", True), aggregate=True)
+    assert (merged.error, merged.error_param, merged.finished) == ("no token can be generated", "structured_outputs",
+                                                                   True)
+    merged.add(output("a later error", True), aggregate=True)
+    assert merged.error == "no token can be generated"

@@ -527,6 +527,27 @@ def test_input_items_of_an_unknown_or_unstored_response_or_bad_params_are_openai
     assert item.content[0].text == "Hi"
 
 
+def test_duplicate_item_ids_are_refused_as_openai_refuses_them(client, server):
+    """An id given twice, in one input or across the previous_response_id's conversation (its output items sent back
+    with it), is OpenAI's 400 "Duplicate item found with id ..." (param input, its error quoted in
+    openai/openai-agents-python#1789). kvgen took them, and input_items paging with after= then looped forever."""
+    twice = [{"id": "msg_a", "role": "user", "content": "a"}, {"id": "msg_b", "role": "user", "content": "b"},
+             {"id": "msg_a", "role": "user", "content": "c"}]
+    got = httpx.post(f"{server.v1}/responses", json={"model": "tiny", "input": twice, **GREEDY}, timeout=30)
+    assert got.status_code == 400, got.text
+    assert got.json()["error"]["message"] == ("Duplicate item found with id msg_a. Remove duplicate items from your "
+                                              "input and try again.") and got.json()["error"]["param"] == "input"
+    first = client.responses.create(model="tiny", input="Hi", **GREEDY)
+    resent = [item.model_dump(exclude_none=True) for item in first.output]
+    body = {"model": "tiny", "input": [*resent, {"role": "user", "content": "And?"}],
+            "previous_response_id": first.id, **GREEDY}
+    got = httpx.post(f"{server.v1}/responses", json=body, timeout=30)
+    assert got.status_code == 400 and got.json()["error"]["param"] == "input", got.text
+    later = client.responses.create(model="tiny", input="And?", previous_response_id=first.id, **GREEDY)
+    ids = [item.id for item in client.responses.input_items.list(later.id, limit=100)]
+    assert len(ids) == len(set(ids)) == 3  # Hi, the reply, And?
+
+
 def test_input_items_of_a_truncated_chain_are_those_its_prompt_kept(tiny_model_dir):
     """In process: under ``truncation: "auto"`` the input items listed are those of the turns the prompt kept (the
     items it was generated from), as the stored conversation a continuation sees."""

@@ -73,6 +73,8 @@ class AsyncLLMEngine:
         prepared = await asyncio.to_thread(self.engine.prepare_request, request_id, text, sampling_params,
                                            prompt_token_ids=ids, priority=priority)
         async with self._lock:
+            if self._is_stopping:  # abort_all ran while it was prepared: it would run on past the shutdown
+                raise EngineStoppedError(f"request {request_id!r} not added: the server is shutting down")
             # LLMEngine.add_prepared is the one uniqueness check; a finished request's stream may still be
             # open here, and is replaced (it holds its final output already, see _close_stream).
             if request_id not in self._streams:  # a closed stream's request, its abort pending: the id is free

@@ -12,6 +12,7 @@ Source: vLLM v1 ``LLMEngine`` / ``EngineCore.step`` (names and step order).
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 from collections.abc import Callable
@@ -115,6 +116,7 @@ class LLMEngine:
         self._parents: dict[str, ParentRequest] = {}
         self._child_to_parent: dict[str, tuple[ParentRequest, int]] = {}
         self._grammar_compiler: GrammarCompiler | None = None  # built by the first structured-output request
+        self._grammar_lock = threading.Lock()
         # called after each step that had outputs, in the step's thread (vLLM's StatLoggerBase.record): the metrics
         self.stat_loggers: list[Callable[[IterationStats], None]] = []
         directory = Path(args.model).expanduser()
@@ -234,8 +236,10 @@ class LLMEngine:
             return [None] * params.n
         if self.tokenizer is None:
             raise ValueError("structured_outputs needs a tokenizer; this engine has none")
-        if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
+        with self._grammar_lock:  # prepare_request runs in worker threads: one compiler (and llguidance tokenizer)
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
+                self._grammar_compiler.prepare()
         return [self._grammar_compiler.matcher(params.structured_outputs) for _ in range(params.n)]
 
     def _check_request_id(self, request_id: str, n: int) -> None:

@@ -65,9 +65,12 @@ class RequestOutput:
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
         """Merge a later output of the same request into this one, in place (vLLM ``RequestOutput.add``):
         ``finished`` if either is; each completion of ``next_output`` goes to this one's completion of the same
-        ``index`` (appended when there is none). ``aggregate`` (DELTA outputs): its text, token ids and logprobs are
-        appended and its cumulative logprob, finish and stop reasons taken; else it replaces the completion."""
+        ``index`` (appended when there is none); its ``error`` (kvgen's) unless this one has one. ``aggregate`` (DELTA
+        outputs): its text, token ids and logprobs are appended and its cumulative logprob, finish and stop reasons
+        taken; else it replaces the completion."""
         self.finished |= next_output.finished
+        if self.error is None and next_output.error is not None:  # the first error stands, as ParentRequest's
+            self.error, self.error_param = next_output.error, next_output.error_param
         for completion in next_output.outputs:
             i = next((i for i, c in enumerate(self.outputs) if c.index == completion.index), None)
             if i is None:

@@ -167,15 +167,21 @@ class GrammarCompiler:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self._ll_tokenizer: Any = None
 
-    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
-        """A fresh matcher at the start of ``params``' grammar. Raises ``ValueError`` naming what is wrong with
-        the schema, regex or grammar."""
-        from llguidance import LLMatcher, LLTokenizer
+    def prepare(self) -> None:
+        """Build the llguidance tokenizer now if it is not built yet (:meth:`matcher` does on first use)."""
+        from llguidance import LLTokenizer
 
         if self._ll_tokenizer is None:
             eos = self.tokenizer.eos_token_ids
             self._ll_tokenizer = LLTokenizer(self.tokenizer.backend_json(), n_vocab=self.vocab_size,
                                              eos_token=eos or None)
+
+    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
+        """A fresh matcher at the start of ``params``' grammar. Raises ``ValueError`` naming what is wrong with
+        the schema, regex or grammar."""
+        from llguidance import LLMatcher
+
+        self.prepare()
         try:
             grammar = params.to_llguidance()
         except ValueError as e:  # JSON text that does not parse, a GBNF grammar that does not convert

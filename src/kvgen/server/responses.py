@@ -148,6 +148,18 @@ def _input_messages(items: str | list[Any]) -> tuple[list[ChatMessage], list[lis
     return out, turns
 
 
+def _refuse_duplicate_ids(turns: list[list[ListedItem]]) -> None:
+    """A 400 naming ``input`` for an item id given twice (a previous response's output items sent back with its
+    ``previous_response_id``, or one id on two input items), in OpenAI's words (its 400 quoted in
+    openai/openai-agents-python#1789); ``input_items`` pages by id."""
+    seen: set[str] = set()
+    for item in (item for turn in turns for item in turn):
+        if item.id in seen:
+            raise bad_request(f"Duplicate item found with id {item.id}. Remove duplicate items from your input and "
+                              f"try again.", "input")
+        seen.add(item.id)
+
+
 def _listed_item(item: Any) -> ListedItem:
     """An input item as ``input_items`` lists it: its id (a new one if it has none) and status (completed unless it
     says otherwise); an assistant message, a function call or a reasoning item in its output item's shape."""
@@ -249,6 +261,7 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
     previous = (state.responses.get(req.previous_response_id, "previous_response_id")
                 if req.previous_response_id is not None else None)  # "" is no id: a 404, as any unknown one
     messages, turns = _input_messages(req.input)
+    _refuse_duplicate_ids([*(previous.items if previous else []), *turns])
     history = [*(previous.messages if previous else []), *messages]
     history_items = [*(previous.items if previous else []), *turns]  # the items of each message of history
     system = [ChatMessage(role="system", content=req.instructions)] if req.instructions is not None else []

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from kvgen.engine.async_engine import AsyncLLMEngine, RequestStream
+from kvgen.engine.async_engine import AsyncLLMEngine, EngineStoppedError, RequestStream
 from kvgen.engine.outputs import RequestOutput
 from kvgen.engine.sampling_params import (
     RequestOutputKind,
@@ -218,6 +218,9 @@ class Generation:
             except ValueError as e:
                 await self.close()
                 raise value_error(e, prompt_param) from None
+            except EngineStoppedError as e:  # the shutdown's abort_all came while it was being added
+                await self.close()
+                raise OpenAIError(503, f"the request was aborted by the server: {e}", None, "aborted") from None
             except BaseException:  # the admission and the requests added so far go back whatever failed
                 await self.close()
                 raise
