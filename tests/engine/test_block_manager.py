@@ -213,3 +213,36 @@ def test_reset_prefix_cache_is_refused_while_blocks_are_held_then_forgets_every_
     b = make_request("b", list(range(9)))
     assert admit(bm, b) == 0  # the same prompt no longer hits
     assert bm.num_cached_blocks == 2  # and registers its blocks anew
+
+
+def test_a_block_hit_needs_its_whole_prefix_not_just_its_own_tokens() -> None:
+    """The key chains a block to every block before it (vLLM ``hash_block_tokens(parent_block_hash, ...)``): "b"
+    begins with the tokens of "a"'s SECOND block, whose KV was computed at other positions after another block, so
+    "b" hits nothing (brute force: the longest whole-block prefix both token lists share)."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    admit(bm, a)
+    b = make_request("b", [5, 6, 7, 8, 10, 11])
+    shared = 0
+    while shared + 4 <= min(a.num_tokens, b.num_tokens - 1) and a.all_token_ids[:shared + 4] == b.all_token_ids[:shared + 4]:
+        shared += 4
+    assert bm.get_computed_blocks(b) == ([], shared) == ([], 0)
+
+
+def test_a_request_id_used_again_registers_its_blocks_again() -> None:
+    """Ids are reused once a request is done (and a preempted request starts again from its tokens): its full
+    blocks are registered anew, so a later request with the same start hits them even after the first ones were
+    evicted."""
+    bm = BlockManager(num_blocks=4, block_size=4)
+    first = make_request("a", list(range(1, 10)))
+    admit(bm, first)
+    bm.free(first)
+    evictor = make_request("x", list(range(100, 116)))  # takes all 4 blocks: every cached one is evicted
+    admit(bm, evictor)
+    bm.free(evictor)
+    again = make_request("a", list(range(50, 59)))  # 2 full blocks + 1 token
+    admit(bm, again)
+    full_blocks = again.block_ids[: again.num_tokens // 4]
+    bm.free(again)
+    later = make_request("b", list(range(50, 59)) + [99])
+    assert bm.get_computed_blocks(later) == (full_blocks, 4 * len(full_blocks)) and len(full_blocks) == 2

@@ -448,3 +448,52 @@ def test_stream_of_wordpiece_ids_matches_bert_decode(tmp_path: Path, skip: bool)
     hello, s_piece = ours.encode("hello", add_special_tokens=False), [WORDPIECE_VOCAB.index("##s")]
     glued = IncrementalDetokenizer(ours, hello, skip_special_tokens=skip)
     assert glued.add(s_piece) + glued.flush() == "s" == _continuation(ref, hello, s_piece, skip)
+
+
+def _vllm_update_text(ids: list[int], chunks: list[int], decode, stop: str, min_tokens: int) -> tuple[str, str | None]:
+    """vLLM v1's ``IncrementalDetokenizer.update`` (vllm/v1/engine/detokenizer.py) with its ``check_stop_strings``
+    for one stop string, fed ``chunks[k]`` ids per call: the text of the first min_tokens ids moves the search start
+    (``stop_check_offset``), and the search looks back len(stop) - 1 characters before the new text."""
+    text, num_ids = "", 0
+    for size in chunks:
+        stop_check_offset = len(text)
+        for _ in range(size):
+            num_ids += 1
+            text = decode(ids[:num_ids])  # these pieces are whole characters: the incremental text is the decode
+            if min_tokens and num_ids <= min_tokens:
+                stop_check_offset = len(text)
+        new_char_count = len(text) - stop_check_offset
+        if num_ids > min_tokens and new_char_count:
+            if (index := text.find(stop, 1 - new_char_count - len(stop))) != -1:
+                return text[:index], stop
+    return text, None
+
+
+@pytest.mark.parametrize(("stop", "min_tokens", "chunks"), [
+    ("lo", 2, [1, 1, 1, 1, 1]),  # "lo" ends exactly where the min_tokens text ends: never found
+    ("l", 2, [5]),  # one update with every id: the first 2 ids' "l"s are not searched
+    ("lo w", 2, [5]), ("l", 1, [2, 3]), ("o", 3, [2, 1, 2]),
+])
+def test_stop_strings_at_the_min_tokens_edge_match_vllms_detokenizer(tokenizer, stop, min_tokens, chunks) -> None:
+    ids = ids_of("hel", "lo", " wor", "ld", "x")
+    detokenizer = RequestDetokenizer(tokenizer, ids_of("x"), SamplingParams(stop=stop, min_tokens=min_tokens))
+    start, matched = 0, None
+    for size in chunks:
+        matched = detokenizer.update(ids[start : start + size])
+        start += size
+        if matched is not None:
+            break
+    assert (detokenizer.text, matched) == _vllm_update_text(ids, chunks, tokenizer.decode, stop, min_tokens)
+
+
+def test_the_first_id_past_the_tokenizers_vocabulary_has_no_text_either(tokenizer) -> None:
+    from tokenizers import Tokenizer as BackendTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    ref = PreTrainedTokenizerFast(tokenizer_object=BackendTokenizer.from_str(tokenizer.backend_json()))
+    ids = [*ids_of("hel"), tokenizer.vocab_size, *ids_of("lo")]
+    detokenizer = RequestDetokenizer(tokenizer, ids_of("x"), SamplingParams(stop="zz"))
+    for token_id in ids:
+        detokenizer.update([token_id])
+    detokenizer.update([], finished=True)
+    assert detokenizer.get_text(finished=True) == ref.decode(ids) == "hello"

@@ -589,3 +589,103 @@ def test_reset_prefix_cache_preempts_the_running_requests_only_when_asked() -> N
     drain(scheduler, runner)
     assert a.output_token_ids == [110, 111, 112, 113] and b.output_token_ids == [105, 106, 107, 108]  # as alone
     assert scheduler.reset_prefix_cache() is True  # nothing holds blocks any more
+
+
+# ---------------------------------------------------------------- mutation-testing round 2 (vLLM v1 semantics)
+
+
+def test_no_admission_in_a_step_that_preempted_even_for_a_more_important_request() -> None:
+    """vLLM v1 ``Scheduler.schedule``: the waiting queue is read only ``if not preempted_reqs``. Under the priority
+    policy the preempted "b" goes behind the more important "c", which would fit the block "b" freed: "c" still
+    waits for the next step."""
+    scheduler, runner = setup(num_blocks=4, block_size=2, policy="priority")
+    scheduler.add_request(make_request("a", 3, arrival_time=0.0, priority=0, max_tokens=6))
+    scheduler.add_request(make_request("b", [7, 8, 9], arrival_time=1.0, priority=1, max_tokens=6))
+    step(scheduler, runner), step(scheduler, runner)
+    scheduler.add_request(make_request("c", 1, arrival_time=2.0, priority=0, max_tokens=1))
+    out, _ = step(scheduler, runner)  # "a" needs a 3rd block: "b" goes, one block is left
+    assert out.preempted_request_ids == ["b"] and scheduled_counts(out) == {"a": 1}
+    assert scheduler.block_manager.num_free_blocks == 1 and [r.request_id for r in scheduler.waiting] == ["c", "b"]
+    out, _ = step(scheduler, runner)
+    assert "c" in scheduled_counts(out)
+
+
+@pytest.mark.parametrize(("num_blocks", "budget"), [(5, 3), (5, 4), (6, 3)])
+def test_a_priority_preemption_of_an_earlier_scheduled_request_leaves_no_other_unscheduled(num_blocks, budget) -> None:
+    """vLLM v1: unscheduling a victim scheduled earlier in the step moves the loop back one request (``req_index -= 1``)
+    and returns its tokens to the budget, so each running request is scheduled unless the budget is spent."""
+    scheduler, runner = setup(num_blocks=num_blocks, block_size=2, max_num_batched_tokens=budget, policy="priority")
+    requests = [make_request("low", [5, 6, 7], arrival_time=0.0, priority=1, max_tokens=6),
+                make_request("high", [8, 9], arrival_time=1.0, priority=0, max_tokens=6),
+                make_request("other", [4], arrival_time=2.0, priority=0, max_tokens=6)]
+    num_preempted = 0
+    for t in range(100):
+        if t < len(requests):
+            scheduler.add_request(requests[t])
+        elif not scheduler.has_unfinished_requests():
+            break
+        out, _ = step(scheduler, runner)
+        num_preempted += len(out.preempted_request_ids)
+        left_out = [r.request_id for r in scheduler.running if r.request_id not in scheduled_counts(out)]
+        assert not left_out or out.num_batched_tokens == budget, (t, left_out, scheduled_counts(out))
+    assert num_preempted > 0 and all(r.is_finished for r in requests)
+    assert [r.output_token_ids for r in requests] == [[103 + i for i in range(6)], [102 + i for i in range(6)],
+                                                      [101 + i for i in range(6)]]  # as if alone (position_token)
+
+
+def test_fcfs_admits_in_arrival_order_past_a_full_pool_and_postponed_prefixes() -> None:
+    """FCFS (vLLM v1: a waiting request that does not fit stays at the head, ``break``): a request is not admitted
+    before one that arrived earlier and waits for blocks; requests postponed for a prefix another request computes
+    this step keep their order and their place ahead of those not yet looked at."""
+    for case in ("pool", "prefix"):
+        if case == "pool":  # "big" needs 3 of the 2 free blocks; "small" behind it would fit
+            scheduler, runner = setup(num_blocks=4, block_size=2)
+            prompts = {"a": 3, "big": [9] * 5, "small": [4]}
+        else:  # "b" and "c" wait for "a"'s first blocks; "d" is admitted beside "a"; "e" finds no slot
+            scheduler, runner = setup(max_num_seqs=2)
+            prefix = list(range(1, 9))
+            prompts = {"a": prefix + [50], "b": prefix + [51], "c": prefix + [52], "d": [60] * 9, "e": [61] * 9}
+        for i, (rid, prompt) in enumerate(prompts.items()):
+            scheduler.add_request(make_request(rid, prompt, arrival_time=float(i), max_tokens=2))
+        admitted: list[str] = []
+        for _ in range(100):
+            if not scheduler.has_unfinished_requests():
+                break
+            out, _ = step(scheduler, runner)
+            admitted += [s.request_id for s in out.scheduled if s.request_id not in admitted]
+        if case == "prefix":  # "d" may pass "b" and "c" (they share "a"'s blocks next step), but none passes "b"
+            assert admitted[:2] == ["a", "d"]
+            admitted.remove("d"), prompts.pop("d")
+        assert admitted == list(prompts), case
+
+
+def test_twice_pending_abort_of_an_unknown_id_spares_a_new_request_with_that_id() -> None:
+    scheduler, runner = setup()
+    scheduler.abort_request("a"), scheduler.abort_request("a")  # both before the add: neither reaches the new "a"
+    scheduler.add_request(make_request("a", 3, max_tokens=2))
+    assert drain(scheduler, runner)["a"].finish_reason == "length"
+
+
+def test_first_scheduled_and_first_token_times_survive_later_steps_and_preemption() -> None:
+    """vLLM v1 ``RequestStateStats``: the first SCHEDULED event (preemptions ignored) and the first token set the
+    queue and prefill times; later steps and a readmission keep them."""
+    scheduler, runner = setup(num_blocks=4, block_size=2)
+    a, b = make_request("a", 3, max_tokens=4), make_request("b", [7, 8, 9], max_tokens=4)
+    scheduler.add_request(a), scheduler.add_request(b)
+    step(scheduler, runner)
+    first = {r.request_id: (r.first_scheduled_time, r.first_token_time) for r in (a, b)}
+    assert all(None not in times for times in first.values())
+    drain(scheduler, runner)
+    assert b.num_preemptions == 1  # "b" was readmitted
+    assert {r.request_id: (r.first_scheduled_time, r.first_token_time) for r in (a, b)} == first
+
+
+def test_a_stop_token_id_is_flagged_for_the_detokenizer_and_a_length_finish_is_not() -> None:
+    """The finishing EOS or stop token id is marked ``is_stop_token`` (vLLM's detokenizer leaves a stop-terminated
+    request's last id out of the text unless include_stop_str_in_output); a token ending on max_tokens is text."""
+    scheduler, runner = setup()
+    scheduler.add_request(make_request("stop", 3, stop_token_ids=[105], max_tokens=10))  # 103, 104, 105
+    scheduler.add_request(make_request("length", 3, max_tokens=3))
+    finals = drain(scheduler, runner)
+    assert (finals["stop"].finish_reason, finals["stop"].stop_reason, finals["stop"].is_stop_token) == ("stop", 105, True)
+    assert (finals["length"].finish_reason, finals["length"].is_stop_token) == ("length", False)

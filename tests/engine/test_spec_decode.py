@@ -284,3 +284,27 @@ def test_parallel_sampling_prompt_logprobs_and_streamed_deltas_with_drafts(tiny_
     assert "".join(d.text for d in deltas) == greedy.outputs[0].text
     assert all(len(d.logprobs) == len(d.token_ids) for d in deltas) and max(len(d.token_ids) for d in deltas) > 1
     assert scheduler.num_draft_tokens > 0  # the n=2 run verified drafts (and rewound its generators)
+
+
+@pytest.mark.parametrize("budget", [2, 3, 5])
+def test_drafts_fit_the_step_budget_and_what_max_model_len_lets_a_request_keep(budget):
+    """Checked at every step: the tokens scheduled, drafts included, fit max_num_batched_tokens, and a decode's drafts
+    plus the token sampled after them fit the room max_model_len leaves (a draft past it could never be kept)."""
+    loop, max_model_len = [7, 8, 9], 16
+    scheduler = Scheduler(8, budget, BlockManager(64, 4), max_model_len=max_model_len,
+                          speculative_config=SpeculativeConfig(**SPEC))
+    runner = PlannedRunner({"a": loop * 10, "b": loop * 10})
+    for rid in ("a", "b"):
+        scheduler.add_request(_request(rid, loop * 2, 30))
+    num_drafts = 0
+    for _ in range(100):
+        if not scheduler.has_unfinished_requests():
+            break
+        out = scheduler.schedule()
+        assert out.num_batched_tokens == sum(len(s.token_ids) for s in out.scheduled) <= budget
+        for s in out.scheduled:
+            num_tokens = scheduler.requests[s.request_id].num_tokens
+            assert not s.spec_token_ids or num_tokens + len(s.spec_token_ids) + 1 <= max_model_len
+            num_drafts += len(s.spec_token_ids)
+        scheduler.update_from_output(out, runner.execute(out))
+    assert num_drafts > 0 and not scheduler.has_unfinished_requests()
