@@ -4,7 +4,9 @@ official ``openai`` client: every reply is compared with the chat completion of 
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Any
 
 import httpx
 import pytest
@@ -398,12 +400,10 @@ def test_bad_requests_are_openai_errors_naming_the_field(server, body, status, p
     assert error["param"] is not None and error["param"].startswith(param) and error["message"]
 
 
-def test_a_truncated_chain_stores_only_the_turns_its_prompt_kept(tiny_model_dir):
-    """In process: under ``truncation: "auto"`` a response stores the turns its prompt kept. It stored the dropped
-    ones too, so each link of a chain held (and re-tokenized per request) the whole conversation, growing without
-    bound while every prompt fit: 24 stored messages here, 600 and 2.6 s a request after 300 links."""
-    import asyncio
-
+def _truncated_chain(tiny_model_dir, num_links: int) -> tuple[Any, str, list[int], list[dict]]:
+    """In process, on a 64-token context: ``num_links`` responses chained by previous_response_id under truncation
+    "auto". Returns the server state, the last response's id, each request's input tokens and the last one's input
+    items (oldest first)."""
     from kvgen.engine.async_engine import AsyncLLMEngine
     from kvgen.engine.engine_args import EngineArgs
     from kvgen.server.app import build_app
@@ -411,21 +411,29 @@ def test_a_truncated_chain_stores_only_the_turns_its_prompt_kept(tiny_model_dir)
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), max_model_len=64))
     app = build_app(engine, "tiny")
 
-    async def chain() -> tuple[str, list[int]]:
+    async def chain() -> tuple[str, list[int], list[dict]]:
         previous, num_input_tokens = None, []
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvgen") as client:
-            for _ in range(12):
+            for _ in range(num_links):
                 body = {"model": "tiny", "input": "one two three four five six", "max_output_tokens": 2,
                         "truncation": "auto", "temperature": 0}
                 r = await client.post("/v1/responses", json=body | ({"previous_response_id": previous} if previous else {}))
                 assert r.status_code == 200, r.text
                 previous, usage = r.json()["id"], r.json()["usage"]
                 num_input_tokens.append(usage["input_tokens"])
+            items = (await client.get(f"/v1/responses/{previous}/input_items", params={"order": "asc"})).json()
         await engine.shutdown()
-        return previous, num_input_tokens
+        return previous, num_input_tokens, items["data"]
 
-    last_id, num_input_tokens = asyncio.run(chain())
-    stored = app.state.kvgen.responses.get(last_id)
+    return (app.state.kvgen, *asyncio.run(chain()))
+
+
+def test_a_truncated_chain_stores_only_the_turns_its_prompt_kept(tiny_model_dir):
+    """In process: under ``truncation: "auto"`` a response stores the turns its prompt kept. It stored the dropped
+    ones too, so each link of a chain held (and re-tokenized per request) the whole conversation, growing without
+    bound while every prompt fit: 24 stored messages here, 600 and 2.6 s a request after 300 links."""
+    state, last_id, num_input_tokens, _ = _truncated_chain(tiny_model_dir, 12)
+    stored = state.responses.get(last_id)
     assert max(num_input_tokens) <= 62 and num_input_tokens[-1] > num_input_tokens[0]  # truncated, and chained
     assert len(stored.messages) <= 8
 
@@ -551,29 +559,7 @@ def test_duplicate_item_ids_are_refused_as_openai_refuses_them(client, server):
 def test_input_items_of_a_truncated_chain_are_those_its_prompt_kept(tiny_model_dir):
     """In process: under ``truncation: "auto"`` the input items listed are those of the turns the prompt kept (the
     items it was generated from), as the stored conversation a continuation sees."""
-    import asyncio
-
-    from kvgen.engine.async_engine import AsyncLLMEngine
-    from kvgen.engine.engine_args import EngineArgs
-    from kvgen.server.app import build_app
-
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), max_model_len=64))
-    app = build_app(engine, "tiny")
-
-    async def chain() -> tuple[str, list[dict]]:
-        previous = ""
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvgen") as client:
-            for _ in range(8):
-                body = {"model": "tiny", "input": "one two three four five six", "max_output_tokens": 2,
-                        "truncation": "auto", "temperature": 0}
-                r = await client.post("/v1/responses", json=body | ({"previous_response_id": previous} if previous else {}))
-                assert r.status_code == 200, r.text
-                previous = r.json()["id"]
-            items = (await client.get(f"/v1/responses/{previous}/input_items", params={"order": "asc"})).json()
-        await engine.shutdown()
-        return previous, items["data"]
-
-    last_id, items = asyncio.run(chain())
-    kept = app.state.kvgen.responses.get(last_id).messages[:-1]  # the kept turns, less the reply
+    state, last_id, _, items = _truncated_chain(tiny_model_dir, 8)
+    kept = state.responses.get(last_id).messages[:-1]  # the kept turns, less the reply
     assert 1 < len(items) < 15  # 8 inputs and 7 replies in all: some dropped
     assert [(item["role"], item["content"][0]["text"]) for item in items] == [(m.role, m.content) for m in kept]
