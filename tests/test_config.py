@@ -344,3 +344,25 @@ def test_a_rope_scaling_naming_no_type_is_refused_as_transformers_refuses_it(mod
     with pytest.raises(ModelFormatError, match=re.escape("rope_scaling has no rope_type (nor type)")):
         ModelConfig.from_hf_dict(config)
     assert not ModelConfig.from_hf_dict(config | {"rope_scaling": {}}).rope_scaling  # an empty one is none
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("scaling", [{"rope_type": "linear", "type": "dynamic", "factor": 2.0},
+                                     {"rope_type": None, "type": "linear", "factor": 2.0}])
+def test_rope_scaling_type_and_rope_type_are_read_as_transformers_reads_them(model_type: str, scaling: dict) -> None:
+    """LlamaConfig (and the configs made from it: Qwen2, Qwen3, SmolLM3, ...) copies the legacy ``type`` over
+    ``rope_type``, so ``type`` wins there; MistralConfig does not. kvgen read ``rope_type`` first everywhere (a
+    ``rope_type: null`` beside a ``type`` was even refused as naming no type)."""
+    import transformers
+
+    from kvgen.rope_scaling import rope_scaling_type
+
+    config = TINY_LLAMA | {"model_type": model_type, "rope_scaling": dict(scaling)}
+    reference = type(transformers.AutoConfig.for_model(model_type))(
+        **{k: v for k, v in config.items() if k != "model_type"} | {"rope_scaling": dict(scaling)})
+    expected = reference.rope_scaling.get("rope_type", reference.rope_scaling.get("type"))
+    if expected is None:  # transformers cannot build a model from it either
+        with pytest.raises(ModelFormatError, match="no rope_type"):
+            ModelConfig.from_hf_dict(config)
+        return
+    assert rope_scaling_type(ModelConfig.from_hf_dict(config).rope_scaling or {}) == expected

@@ -50,6 +50,9 @@ _HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "qwe
                    "granite", "ernie4_5")
 # every config.json model_type from_hf_dict reads (named when another one is refused)
 _HF_MODEL_TYPES = ("gpt2", *_HF_LLAMA_TYPES, "gemma3_text", "gemma2", "gpt_oss")
+# model_types whose transformers 4.55 config copies rope_scaling's legacy "type" over its "rope_type" (LlamaConfig
+# and the configs made from it): there "type" wins; elsewhere rope_config_validation reads "rope_type" first
+_TYPE_OVER_ROPE_TYPE = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3", "ernie4_5", "gpt_oss")
 _ROPE_TYPES = (None, "default", "llama3", "linear", "dynamic", "freq_factors", "longrope", "yarn")
 # The transformers 4.55 config classes' defaults where they differ from ModelConfig's: a config.json written by
 # save_pretrained omits every value equal to its class default (SmolLM3-3B's tied embeddings, Phi-3's eps).
@@ -415,6 +418,9 @@ class ModelConfig:
         model_type = cfg.get("model_type")
         if model_type is None:
             raise ModelFormatError("config.json has no 'model_type'")
+        scaling = cfg.get("rope_scaling")
+        if model_type in _TYPE_OVER_ROPE_TYPE and isinstance(scaling, dict) and scaling.get("type") is not None:
+            cfg = cfg | {"rope_scaling": scaling | {"rope_type": scaling["type"]}}
         try:
             if model_type == "gpt2":
                 n_embd = cfg["n_embd"]

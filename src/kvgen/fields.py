@@ -1,7 +1,7 @@
 """Dataclass field helpers shared by every config: ``config_field`` (help text the CLI reuses),
 ``add_config_flags`` / ``config_from_args`` (CLI flags generated from a config dataclass) and
-``check_int`` (the one "int >= N" check, with its one wording) and ``check_minimums`` (it, on every field with a
-``minimum`` in its metadata)."""
+``check_int`` (the one "int >= N" check, with its one wording), ``as_bool`` (the one bool check) and
+``check_minimums`` (``check_int`` on every field with a ``minimum`` in its metadata)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,17 @@ from collections.abc import Mapping
 from dataclasses import field
 from typing import Any, TypeVar
 
+import numpy as np
+
 T = TypeVar("T")
+
+
+def as_bool(name: str, value: Any) -> bool:
+    """``value`` as a bool: a bool or a numpy bool (``np.True_``, as transformers and vLLM take them); ``ValueError``
+    naming ``name`` for anything else (a truthy ``"no"`` would flip the setting silently)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
 
 
 def config_field(default: Any, help: str, **metadata: Any) -> Any:

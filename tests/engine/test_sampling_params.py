@@ -198,3 +198,12 @@ def test_from_optional_fills_none_and_clamps_logit_bias_as_vllm() -> None:
         SamplingParams.from_optional(logit_bias={"5": float("nan")})
     huge = SamplingParams.from_optional(logit_bias={1: float("inf"), 2: -float("inf"), 3: 10**400})
     assert huge.logit_bias == {1: 100.0, 2: -100.0, 3: 100.0}  # clamped as vLLM's min/max
+
+
+def test_numpy_bools_are_bools_as_vllm_takes_them():
+    import numpy as np
+
+    params = SamplingParams(ignore_eos=np.True_, skip_special_tokens=np.False_)
+    assert params.ignore_eos is True and params.skip_special_tokens is False
+    with pytest.raises(ValueError, match="ignore_eos must be a bool, got 'no'"):
+        SamplingParams(ignore_eos="no")

@@ -109,3 +109,12 @@ def test_stop_strings_take_a_string_or_a_list_of_strings_only() -> None:
     for bad in (5, {"ab": 1}, [5], [""]):
         with pytest.raises(ValueError, match=r"stop_strings must be a non-empty string or a list of them, got "):
             GenerationConfig(stop_strings=bad)
+
+
+def test_numpy_bools_are_bools_as_transformers_takes_them():
+    import numpy as np
+    import transformers
+
+    assert transformers.GenerationConfig(do_sample=np.True_).do_sample  # the reference takes it
+    config = GenerationConfig(do_sample=np.True_, temperature=0.7, use_cache=np.False_)
+    assert config.do_sample is True and config.use_cache is False

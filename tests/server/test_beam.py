@@ -131,3 +131,32 @@ def test_an_eos_ended_beam_names_its_eos_as_stop_reason(eos_server):
                     if c["finish_reason"] is not None:
                         streamed[c["index"]] = c["stop_reason"]
     assert [streamed[i] for i in range(3)] == want
+
+
+def test_beam_search_after_the_shutdowns_abort_all_is_a_503_not_a_500(tiny_model_dir):
+    """In process: beam search adds an engine request per step, so the shutdown's ``abort_all`` reaches it at
+    ``add_request`` (``EngineStoppedError``): answered 503 "aborted", streamed as an "aborted" error event, as every
+    other aborted request; it was a 500 "internal server error (EngineStoppedError)" with a logged traceback."""
+    import asyncio
+
+    from kvgen.engine.async_engine import AsyncLLMEngine
+    from kvgen.engine.engine_args import EngineArgs
+    from kvgen.server.app import build_app
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), num_blocks=64))
+    app = build_app(engine, "tiny")
+    body = {"model": "tiny", "prompt": PROMPT, "use_beam_search": True, **BEAMS}
+
+    async def run() -> tuple[httpx.Response, httpx.Response]:
+        engine.abort_all()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvgen") as client:
+            plain = await client.post("/v1/completions", json=body, timeout=60)
+            streamed = await client.post("/v1/completions", json=body | {"stream": True}, timeout=60)
+        await engine.shutdown()
+        return plain, streamed
+
+    plain, streamed = asyncio.run(run())
+    assert plain.status_code == 503 and plain.json()["error"]["code"] == "aborted", plain.text
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert events and events[-1]["error"]["code"] == "aborted", streamed.text
+    assert app.state.kvgen.metrics.num_in_server == 0

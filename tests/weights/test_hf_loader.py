@@ -180,6 +180,30 @@ def test_a_pytorch_checkpoint_that_would_run_code_is_refused(tmp_path: Path) -> 
         load_hf_directory(tmp_path)
 
 
+@pytest.mark.parametrize("zip_format", [False, True])
+def test_a_corrupt_pytorch_checkpoint_is_always_a_model_format_error(tmp_path: Path, zip_format: bool) -> None:
+    """Bytes of a checkpoint changed one at a time: each load either gives the tensors or a ModelFormatError naming
+    the file (transformers: "Unable to load weights from pytorch checkpoint file"). KeyError, AssertionError,
+    IndexError and TypeError from the unpickler escaped as internal errors."""
+    import io
+    import random
+
+    from kvgen.weights.torch_bin import TorchCheckpoint
+
+    state = {"a.weight": torch.arange(6.0).view(2, 3), "b.bias": torch.ones(3)}
+    buffer = io.BytesIO()
+    torch.save(state, buffer, _use_new_zipfile_serialization=zip_format)
+    original, rng, path = buffer.getvalue(), random.Random(1), tmp_path / "pytorch_model.bin"
+    for _ in range(300):
+        corrupt = bytearray(original)
+        corrupt[rng.randrange(min(len(corrupt), 1500))] = rng.randrange(256)
+        path.write_bytes(bytes(corrupt))
+        try:
+            TorchCheckpoint(path)
+        except ModelFormatError as e:
+            assert str(path) in str(e)
+
+
 def test_safetensors_win_over_pytorch_weights_as_in_transformers(tmp_path: Path) -> None:
     model = _tiny_gpt2()
     model.save_pretrained(tmp_path, safe_serialization=True)

@@ -27,7 +27,8 @@ from kvgen.tokenizer import Tokenizer
 
 
 class EngineStoppedError(RuntimeError):
-    """The engine was told to stop (:meth:`AsyncLLMEngine.abort_all`) while an embedding was being computed."""
+    """The engine was told to stop (:meth:`AsyncLLMEngine.abort_all`) while an embedding was being computed or a
+    request was being added."""
 
 
 class AsyncLLMEngine:
@@ -63,7 +64,8 @@ class AsyncLLMEngine:
         """Queue a request now and return its output stream (iterate it, then ``aclose`` it).
 
         ``prompt``: text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``. Raises ``ValueError``
-        here, before any output, for an invalid request (see ``LLMEngine.add_request``).
+        here, before any output, for an invalid request (see ``LLMEngine.add_request``), and ``EngineStoppedError``
+        once :meth:`abort_all` has run (a server shutting down).
         """
         self._start()
         text, ids = split_prompt(prompt)  # a {"prompt": ...} dict raised KeyError, a TokensPrompt's text was dropped

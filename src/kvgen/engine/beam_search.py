@@ -17,11 +17,9 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from kvgen.engine.outputs import RequestOutput
 from kvgen.engine.types import Logprob, PositionLogprobs, SampleLogprobs
-from kvgen.fields import check_int, config_field
+from kvgen.fields import as_bool, check_int, config_field
 
 _f = config_field
 
@@ -50,9 +48,7 @@ class BeamSearchParams:
                 abs(self.length_penalty) < float("inf")):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         for name in ("ignore_eos", "include_stop_str_in_output"):  # "no" would be truthy: EOS silently ignored
-            if not isinstance(getattr(self, name), (bool, np.bool_)):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-            setattr(self, name, bool(getattr(self, name)))
+            setattr(self, name, as_bool(name, getattr(self, name)))
 
 
 @dataclass

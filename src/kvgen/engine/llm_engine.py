@@ -238,8 +238,9 @@ class LLMEngine:
             raise ValueError("structured_outputs needs a tokenizer; this engine has none")
         with self._grammar_lock:  # prepare_request runs in worker threads: one compiler (and llguidance tokenizer)
             if self._grammar_compiler is None:
-                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
-                self._grammar_compiler.prepare()
+                compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
+                compiler.prepare()  # kept only once built: a failed build is tried again, under the lock
+                self._grammar_compiler = compiler
         return [self._grammar_compiler.matcher(params.structured_outputs) for _ in range(params.n)]
 
     def _check_request_id(self, request_id: str, n: int) -> None:

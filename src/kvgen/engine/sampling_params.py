@@ -18,7 +18,7 @@ from typing import Any
 
 from kvgen.config import checked_token_ids
 from kvgen.engine.structured_outputs import StructuredOutputsParams
-from kvgen.fields import config_field
+from kvgen.fields import as_bool, config_field
 from kvgen.sampling.params import INT32_MAX, PARAM_RULES, SAMPLING_EPS, check_param
 
 __all__ = ["SAMPLING_EPS", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
@@ -135,8 +135,7 @@ class SamplingParams:
         self.bad_words = list(dict.fromkeys(words))  # as vLLM: None is [], repeats dropped
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                      "detokenize"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            setattr(self, name, as_bool(name, getattr(self, name)))
         if not self.detokenize and self.stop:
             raise ValueError(f"detokenize=False conflicts with stop={self.stop!r}: stop strings are matched on text")
         if not isinstance(self.output_kind, RequestOutputKind):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgen.config import checked_token_ids, token_id_list
-from kvgen.fields import check_int, config_field
+from kvgen.fields import as_bool, check_int, config_field
 from kvgen.sampling.logits_process import check_processor_settings
 from kvgen.sampling.params import INT32_MAX, PARAM_RULES, SAMPLING_EPS, check_param
 
@@ -212,8 +212,8 @@ class GenerationConfig:
             value, typed = getattr(self, f.name), str(f.type)
             if value is None and "None" not in typed and f.default is not None and f.default is not dataclasses.MISSING:
                 setattr(self, f.name, value := f.default)
-            if typed in ("bool", "bool | None") and value is not None and not isinstance(value, bool):
-                raise ValueError(f"{f.name} must be a bool, got {value!r}")
+            if typed in ("bool", "bool | None") and value is not None:
+                setattr(self, f.name, value := as_bool(f.name, value))
             if f.name in PARAM_RULES and value is not None:
                 check_param(f.name, value)
         if isinstance(self.stop_strings, str):  # one stop string, as transformers takes it (not its characters)

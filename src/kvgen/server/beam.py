@@ -13,7 +13,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from kvgen.engine.async_engine import RequestStream
+from kvgen.engine.async_engine import EngineStoppedError, RequestStream
 from kvgen.engine.beam_search import (
     BeamSearchParams,
     BeamSearchSequence,
@@ -25,7 +25,7 @@ from kvgen.engine.beam_search import (
 )
 from kvgen.engine.outputs import CompletionOutput, RequestOutput
 from kvgen.engine.sampling_params import RequestOutputKind, SamplingParams
-from kvgen.server.errors import bad_request
+from kvgen.server.errors import OpenAIError, bad_request
 from kvgen.server.metrics import RequestTracker
 from kvgen.server.protocol import SamplingFields
 from kvgen.server.serving import Generation, ServerState, client_request_id, new_request_id, value_error
@@ -117,6 +117,8 @@ class BeamGeneration(Generation):
                                                              self.step_params, self.priority)
             except ValueError as e:
                 raise value_error(e, "prompt") from None
+            except EngineStoppedError as e:  # the shutdown's abort_all came between two beam steps
+                raise OpenAIError(503, f"the request was aborted by the server: {e}", None, "aborted") from None
             self.streams.append(stream)
         finals = await asyncio.gather(*(_last_output(s) for s in self.streams))
         for stream in self.streams:

@@ -296,6 +296,10 @@ async def stream_events(
             yield usage_chunk(num_tokens)
         for line in ending:
             yield line
+    except OpenAIError as e:  # raised after the 200 (beam search adds a request per step: the shutdown's 503)
+        yield error_event(e.message, e.code or "invalid_value", e.param)
+        for line in ending:
+            yield line
     except Exception as e:
         logger.exception("request %s failed", gen.request_id)
         yield error_event(f"internal server error ({type(e).__name__})", "internal_error", None)

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-import numpy as np
 from tokenizers import Tokenizer as BackendTokenizer
 
 from kvgen.chat_template import (
@@ -26,6 +25,7 @@ from kvgen.chat_template import (
     detect_content_format,
 )
 from kvgen.errors import ModelFormatError, ModelNotFoundError
+from kvgen.fields import as_bool
 from kvgen.gguf_keys import check_gguf_value_types
 from kvgen.tokenizer.gguf_vocab import gguf_adds_bos_by_default, gguf_backend, gguf_raw_token_texts, gguf_special_ids
 from kvgen.tokenizer.hf_files import load_hf_tokenizer_files
@@ -42,15 +42,6 @@ def lone_surrogate(text: str) -> int | None:
     nor the tokenizer can encode it."""
     found = _SURROGATE.search(text)
     return None if found is None else ord(found.group())
-
-
-def _check_flag(name: str, value: Any) -> bool:
-    """``value`` as a bool; ``ValueError`` naming ``name`` unless it is a bool or a numpy bool, as transformers takes
-    (the tokenizers binding's TypeError, "'str' object cannot be converted to 'PyBool'", came from deep in a call;
-    encode's read as a lone surrogate)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
-    return bool(value)
 
 
 # Texts from this many characters on are encoded without the GIL (Tokenizer.encode): ~1 ms of encoding; below, the
@@ -149,7 +140,7 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
-        add_special_tokens = _check_flag("add_special_tokens", add_special_tokens)
+        add_special_tokens = as_bool("add_special_tokens", add_special_tokens)
         try:
             if len(text) >= GIL_FREE_ENCODE_CHARS:
                 return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
@@ -166,9 +157,9 @@ class Tokenizer:
         anything but integer ids (a str, floats, bools), for an id outside ``[0, vocab_size)`` and for flags that are
         no bools (``clean_up_tokenization_spaces`` may be None).
         """
-        skip_special_tokens = _check_flag("skip_special_tokens", skip_special_tokens)
+        skip_special_tokens = as_bool("skip_special_tokens", skip_special_tokens)
         if clean_up_tokenization_spaces is not None:
-            clean_up_tokenization_spaces = _check_flag("clean_up_tokenization_spaces", clean_up_tokenization_spaces)
+            clean_up_tokenization_spaces = as_bool("clean_up_tokenization_spaces", clean_up_tokenization_spaces)
         ids = integer_ids(token_ids)
         check_token_ids(ids, self._vocab_size)
         text = self.decode_without_clean_up(ids, skip_special_tokens)

@@ -74,7 +74,7 @@ def _load(file: Path) -> dict[str, torch.Tensor]:
             raise ModelFormatError(f"{file} is not a weights-only PyTorch checkpoint (loading it could run code): "
                                    f"{_first_line(e)}") from None
         raise ModelFormatError(f"{file} is not a readable PyTorch checkpoint: {_first_line(e)}") from None
-    except (RuntimeError, OSError, EOFError, ValueError, zipfile.BadZipFile) as e:
+    except Exception as e:  # noqa: BLE001 -- a corrupt pickle fails in many ways (KeyError, AssertionError, ...)
         raise ModelFormatError(f"{file} is not a readable PyTorch checkpoint: {type(e).__name__}: "
                                f"{_first_line(e)}") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
