@@ -231,6 +231,11 @@ BEAMS: dict[str, dict[str, Any]] = {
         "num_beams": 3, "early_stopping": "never", "length_penalty": -0.5, "num_return_sequences": 3,
         "max_new_tokens": 12,
     },
+    # every candidate stops at the first step (time): transformers ends the loop there, although with this penalty
+    # a live beam's bound (its score / max_new_tokens**10) could still beat the finished ones
+    "max_time at the first step, early_stopping=never, length_penalty=10": {
+        "num_beams": 2, "early_stopping": "never", "length_penalty": 10.0, "num_return_sequences": 2, "max_time": 1e-6
+    },
     "early_stopping=False, length_penalty=0": {"num_beams": 2, "length_penalty": 0.0},
     "forced_eos_token_id, renormalize_logits": {"num_beams": 3, "num_return_sequences": 2, "forced_eos_token_id": 7,
                                                 "renormalize_logits": True},
@@ -287,8 +292,10 @@ def test_beam_slots_no_hypothesis_reaches_return_the_prompt_as_transformers(tiny
     kwargs = {"num_beams": 3, "num_return_sequences": 3, "forced_eos_token_id": 7, "max_new_tokens": 1}
     eos = _two_eos(tiny)  # transformers fills with -1 when no EOS id is set
     ref = _hf(tiny, eos, **kwargs)
-    _assert_beams_equal(_ours(tiny, eos, **kwargs), ref)
+    ours = _ours(tiny, eos, **kwargs)
+    _assert_beams_equal(ours, ref)
     assert ref.sequences[1, : IDS.shape[1]].tolist() == IDS[0].tolist()  # an empty slot: the prompt, then padding
+    assert ours.finish_reasons == _expected_stops(_new(ref.sequences), eos)[0]  # no EOS in a row: "length"
 
 
 GROUPS: dict[str, dict[str, Any]] = {
