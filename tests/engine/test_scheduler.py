@@ -689,3 +689,25 @@ def test_a_stop_token_id_is_flagged_for_the_detokenizer_and_a_length_finish_is_n
     finals = drain(scheduler, runner)
     assert (finals["stop"].finish_reason, finals["stop"].stop_reason, finals["stop"].is_stop_token) == ("stop", 105, True)
     assert (finals["length"].finish_reason, finals["length"].is_stop_token) == ("length", False)
+
+
+def test_a_priority_victim_scheduled_earlier_in_the_step_gives_its_tokens_to_the_requests_after() -> None:
+    """vLLM v1 ``Scheduler.schedule``: unscheduling a victim gives ``token_budget += num_scheduled_tokens[victim]``,
+    so a prefill chunk later in the same step is as long as the budget left after the requests still scheduled."""
+    scheduler, runner = setup(num_blocks=5, block_size=2, max_num_batched_tokens=3, policy="priority")
+    requests = [make_request("low", [5, 6], arrival_time=0.0, priority=1, max_tokens=6),
+                make_request("high", [8, 9], arrival_time=1.0, priority=0, max_tokens=6),
+                make_request("chunked", [20, 21, 22, 23], arrival_time=2.0, priority=0, max_tokens=4)]
+    counts = []
+    for request in requests:
+        scheduler.add_request(request)
+        counts.append(scheduled_counts(step(scheduler, runner)[0]))
+    assert counts == [{"low": 2}, {"low": 1, "high": 2}, {"low": 1, "high": 1, "chunked": 1}]
+    assert scheduler.block_manager.num_free_blocks == 0
+    out, _ = step(scheduler, runner)  # "low" is scheduled, then "high" needs a block: "low" goes
+    left = requests[2].num_tokens - 1  # "chunked" still has 3 prompt tokens to compute
+    assert out.preempted_request_ids == ["low"]
+    assert scheduled_counts(out) == {"high": 1, "chunked": min(left, 3 - 1)} and out.num_batched_tokens == 3
+    finals = drain(scheduler, runner)
+    assert {rid: o.finish_reason for rid, o in finals.items()} == dict.fromkeys(("low", "high", "chunked"), "length")
+    assert requests[2].output_token_ids == [104 + i for i in range(4)]  # as if alone (position_token)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from kvgen.engine import LLM, BlockManager, EngineArgs, SamplingParams, Scheduler
 from kvgen.engine.model_runner import verify_drafts
@@ -209,6 +210,34 @@ def test_tokens_equal_decoding_without_drafts(tiny_llama, params):
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want))  # float32 tolerance: [k + 1, C] matmuls
     assert scheduler.num_accepted_tokens > 0  # drafts were really kept
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0, max_tokens=30, logprobs=1),
+     SamplingParams(temperature=0.8, top_k=30, seed=4, max_tokens=30, logprobs=0)],
+    ids=["greedy", "seeded"],
+)
+def test_cumulative_logprob_of_steps_with_drafts_equals_one_token_steps_and_transformers(tiny_llama, tiny_model_dir,
+                                                                                        params):
+    """A step that keeps drafts adds every kept token's logprob to cumulative_logprob, as one-token steps do; the
+    reference is transformers' log_softmax of the raw logits at each position of the same tokens."""
+    prompts = [{"prompt_token_ids": REPEATING}, {"prompt_token_ids": REPEATING[3:27]}]
+    plain, _ = _generate(tiny_llama, params, prompts=prompts)
+    spec, scheduler = _generate(tiny_llama, params, SPEC, prompts=prompts)
+    assert scheduler.num_accepted_tokens > 0  # some steps kept several tokens
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    for prompt, a, b in zip(prompts, spec, plain):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids and len(a.logprobs) == len(a.token_ids)
+        ids = torch.tensor([prompt["prompt_token_ids"] + a.token_ids])
+        with torch.inference_mode():
+            logits = ref(ids).logits[0, len(prompt["prompt_token_ids"]) - 1 : -1]  # [T, V]: the raw logits
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(a.token_ids)[:, None])[:, 0]  # [T]
+        for out in (a, b):
+            got = torch.tensor([lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)])
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            assert out.cumulative_logprob == pytest.approx(want.sum().item(), abs=1e-3)
 
 
 def test_stop_strings_cut_a_step_of_several_tokens_where_they_match(tiny_llama):

@@ -223,6 +223,19 @@ BEAMS: dict[str, dict[str, Any]] = {
     "early_stopping=never, length_penalty=1.5": {
         "num_beams": 4, "early_stopping": "never", "length_penalty": 1.5, "num_return_sequences": 2
     },
+    # where "never" bounds a live beam: with max_new_tokens when length_penalty > 0, with the current length when < 0
+    "early_stopping=never, length_penalty=2, 2 beams": {
+        "num_beams": 2, "early_stopping": "never", "length_penalty": 2.0, "num_return_sequences": 2, "max_new_tokens": 6
+    },
+    "early_stopping=never, length_penalty=-0.5": {
+        "num_beams": 3, "early_stopping": "never", "length_penalty": -0.5, "num_return_sequences": 3,
+        "max_new_tokens": 12,
+    },
+    # every candidate stops at the first step (time): transformers ends the loop there, although with this penalty
+    # a live beam's bound (its score / max_new_tokens**10) could still beat the finished ones
+    "max_time at the first step, early_stopping=never, length_penalty=10": {
+        "num_beams": 2, "early_stopping": "never", "length_penalty": 10.0, "num_return_sequences": 2, "max_time": 1e-6
+    },
     "early_stopping=False, length_penalty=0": {"num_beams": 2, "length_penalty": 0.0},
     "forced_eos_token_id, renormalize_logits": {"num_beams": 3, "num_return_sequences": 2, "forced_eos_token_id": 7,
                                                 "renormalize_logits": True},
@@ -279,8 +292,10 @@ def test_beam_slots_no_hypothesis_reaches_return_the_prompt_as_transformers(tiny
     kwargs = {"num_beams": 3, "num_return_sequences": 3, "forced_eos_token_id": 7, "max_new_tokens": 1}
     eos = _two_eos(tiny)  # transformers fills with -1 when no EOS id is set
     ref = _hf(tiny, eos, **kwargs)
-    _assert_beams_equal(_ours(tiny, eos, **kwargs), ref)
+    ours = _ours(tiny, eos, **kwargs)
+    _assert_beams_equal(ours, ref)
     assert ref.sequences[1, : IDS.shape[1]].tolist() == IDS[0].tolist()  # an empty slot: the prompt, then padding
+    assert ours.finish_reasons == _expected_stops(_new(ref.sequences), eos)[0]  # no EOS in a row: "length"
 
 
 GROUPS: dict[str, dict[str, Any]] = {
@@ -292,6 +307,10 @@ GROUPS: dict[str, dict[str, Any]] = {
     "2 groups of 2, early_stopping=never, length_penalty=0.6": {
         "num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 0.7, "early_stopping": "never",
         "length_penalty": 0.6, "num_return_sequences": 4,
+    },
+    "2 groups of 2, early_stopping=never, length_penalty=0.6, 12 tokens": {  # reaches the max_new_tokens bound
+        "num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 0.7, "early_stopping": "never",
+        "length_penalty": 0.6, "num_return_sequences": 4, "max_new_tokens": 12,
     },
 }
 
@@ -326,6 +345,30 @@ def test_group_beam_search_with_several_eos_ids_keeps_the_emitted_eos(tiny: Tiny
             got[n - 1] = want[n - 1]
         assert got == want
     assert emitted_other_eos > 0  # the case where the two differ really happens
+
+
+def test_group_beam_search_ranks_eos_candidates_within_each_group_as_transformers(tiny: TinyModel) -> None:
+    """The EOS ids are prompt 0's 1st and 3rd most likely first tokens. In its first group of 2 beams the 1st is a
+    hypothesis, the 2nd a beam, and the 3rd, ranked at the group's size, is dropped, as HF ``BeamSearchScorer.process``
+    drops ``beam_token_rank >= group_size``; the 4th is the other beam: transformers keeps ``(1 + len(eos)) x
+    group_size`` candidates per group, not 2 x group_size. transformers writes ``eos[0]`` for the emitted EOS (see
+    test_group_beam_search_with_several_eos_ids_keeps_the_emitted_eos)."""
+    first = _hf(tiny, None, max_new_tokens=1).scores[0][0]  # [V]: prompt 0's first-step scores, no processor
+    top = first.topk(3).indices.tolist()
+    eos = [top[0], top[2]]
+    kwargs = {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0, "num_return_sequences": 4,
+              "max_new_tokens": 4, "early_stopping": True}
+    ref = _hf(tiny, eos, **kwargs)
+    ours = _ours(tiny, eos, **kwargs)
+    assert ours.sequences_scores is not None
+    torch.testing.assert_close(ours.sequences_scores, ref.sequences_scores, rtol=1e-4, atol=1e-4)
+    got_rows, want_rows = _new(ours.sequences), _new(ref.sequences)
+    for got, want, reason, n in zip(got_rows, want_rows, ours.finish_reasons, ours.num_new_tokens, strict=True):
+        if reason == "stop":
+            assert got[n - 1] in eos and want[n - 1] == eos[0]
+            got[n - 1] = want[n - 1]
+        assert got == want
+    assert [top[0]] in [row[:1] for row in got_rows[:4]]  # prompt 0's one-token EOS hypothesis is returned
 
 
 def test_group_beam_search_idles_finished_groups_on_the_first_prompts_beam_as_transformers(tiny: TinyModel) -> None:
