@@ -116,3 +116,18 @@ def test_an_explicit_min_new_tokens_of_0_wins_over_the_files_min_new_tokens(tiny
     assert generate(model, torch.tensor(PROMPT), min_new_tokens=0, max_new_tokens=6).new_token_ids[0] == [first]
     kept = generate(model, torch.tensor(PROMPT), None, GenerationConfig(max_new_tokens=6)).new_token_ids[0]
     assert kept == _hf(path, generation_config=transformers.GenerationConfig(max_new_tokens=6)) and len(kept) > 1
+
+
+def test_the_files_min_new_tokens_may_exceed_the_runs_max_new_tokens(tiny_model_dir, tmp_path):
+    """transformers takes a model's min_new_tokens above the run's max_new_tokens (the file's, the default 20, the
+    caller's, or what max_length leaves): EOS is suppressed to the end, no error (a caller's own pair is refused)."""
+    first = generate(load_model(tiny_model_dir)[0], torch.tensor(PROMPT), max_new_tokens=1).new_token_ids[0][0]
+    path = _dir(tiny_model_dir, tmp_path, {"bos_token_id": 1, "eos_token_id": first, "min_new_tokens": 25})
+    model, _ = load_model(path)
+    for kwargs, length in (({}, 20), ({"max_new_tokens": 3}, 3), ({"max_new_tokens": None, "max_length": 10}, 2)):
+        ours = generate(model, torch.tensor(PROMPT), **kwargs).new_token_ids[0]
+        assert ours == _hf(path, **kwargs) and len(ours) == length and first not in ours
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": first, "min_new_tokens": 4,
+                                                             "max_new_tokens": 2}))
+    ours = generate(load_model(path)[0], torch.tensor(PROMPT)).new_token_ids[0]
+    assert ours == _hf(path) and len(ours) == 2 and first not in ours
