@@ -131,3 +131,16 @@ def test_the_files_min_new_tokens_may_exceed_the_runs_max_new_tokens(tiny_model_
                                                              "max_new_tokens": 2}))
     ours = generate(load_model(path)[0], torch.tensor(PROMPT)).new_token_ids[0]
     assert ours == _hf(path) and len(ours) == 2 and first not in ours
+
+
+@pytest.mark.parametrize("version", ["4.40.0", "4.49.0.dev0", "4.50.0.dev0", "4.55.4"])
+def test_a_given_config_takes_only_the_special_tokens_of_a_file_older_than_4_50(tiny_model_dir, tmp_path, version):
+    """transformers 4.55: a GenerationConfig passed to generate() takes the file's decoding defaults only when its
+    transformers_version is 4.50 or later, else only its special tokens; keyword arguments take the whole file."""
+    path = _dir(tiny_model_dir, tmp_path, GREEDY_FILE | {"transformers_version": version})
+    model, _ = load_model(path)
+    given = generate(model, torch.tensor(PROMPT), None, GenerationConfig(max_new_tokens=12)).new_token_ids[0]
+    assert given == _hf(path, generation_config=transformers.GenerationConfig(max_new_tokens=12))
+    keywords = generate(model, torch.tensor(PROMPT), max_new_tokens=12).new_token_ids[0]
+    assert keywords == _hf(path, max_new_tokens=12)
+    assert (given == keywords) == (version >= "4.50")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,19 @@ UNIMPLEMENTED_HF_FIELDS = {
 }
 # transformers GenerationConfig keys that are bookkeeping, not settings
 HF_METADATA_KEYS = ("_from_model_config", "transformers_version")
+# transformers' special tokens, the only defaults a passed config takes from a file older than 4.50 (kvgen's two)
+SPECIAL_TOKEN_KEYS = ("eos_token_id", "pad_token_id")
+
+
+def defaults_for_given_config(defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The model's generation defaults (``CausalLM.generation_defaults``) that fill a ``GenerationConfig`` passed to
+    ``generate()``: all of them, but only :data:`SPECIAL_TOKEN_KEYS` when the file's ``transformers_version`` is
+    older than 4.50 (transformers 4.55 ``_prepare_generation_config``'s legacy rule; a version that does not parse
+    counts as new)."""
+    version = re.match(r"\s*v?(\d+)\.(\d+)", str(defaults.get("transformers_version", "")))
+    if version is None or (int(version[1]), int(version[2])) >= (4, 50):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in SPECIAL_TOKEN_KEYS}
 
 
 def check_dola_layers(value: object) -> None:
@@ -383,7 +397,8 @@ class GenerationConfig:
                 return type(self.min_new_tokens) is _UnsetMinNewTokens
             return getattr(self, k) == getattr(plain, k)
 
-        changes = _model_min_new_tokens({k: v for k, v in defaults.items() if unset(k) and v != getattr(plain, k)})
+        changes = _model_min_new_tokens({k: v for k, v in defaults.items()
+                                         if k not in HF_METADATA_KEYS and unset(k) and v != getattr(plain, k)})
         if self.temperature == 0.0:  # greedy, though the model samples (transformers' edge case: do_sample=False)
             changes.pop("do_sample", None)
         return self.replace(**changes) if changes else self
@@ -411,7 +426,8 @@ class GenerationConfig:
 
 def read_generation_defaults(path: Path) -> dict[str, Any]:
     """The :data:`MODEL_DEFAULT_KEYS` of a ``generation_config.json`` ({} when the file is absent), checked as
-    ``GenerationConfig`` checks them. Raises ``ModelFormatError`` naming the file for bad JSON or a bad value."""
+    ``GenerationConfig`` checks them, and its ``transformers_version`` when a string (see
+    :func:`defaults_for_given_config`). Raises ``ModelFormatError`` naming the file for bad JSON or a bad value."""
     from kvgen.errors import ModelFormatError
     from kvgen.tokenizer.hf_files import read_json
 
@@ -427,4 +443,6 @@ def read_generation_defaults(path: Path) -> dict[str, Any]:
         GenerationConfig(**_model_min_new_tokens(values))
     except (TypeError, ValueError) as e:
         raise ModelFormatError(f"{path}: {e}") from None
+    if isinstance(raw.get("transformers_version"), str):
+        values["transformers_version"] = raw["transformers_version"]
     return values
