@@ -14,6 +14,7 @@ from kvgen.engine.generation_defaults import (
     read_generation_config,
 )
 from kvgen.engine.llm import LLM
+from kvgen.errors import ModelFormatError
 
 
 def _with_generation_config(src: Path, dst: Path, config: dict) -> Path:
@@ -55,6 +56,18 @@ def test_a_corrupt_generation_config_is_a_value_error(tmp_path: Path) -> None:
         default_sampling_params(tmp_path)
     (tmp_path / "generation_config.json").write_text('{"temperature": -1}')
     with pytest.raises(ValueError, match="temperature must be"):
+        default_sampling_params(tmp_path)
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ('{"temperature": NaN}', "temperature must be a finite number >= 0 .*, got nan"),
+    ('{"top_p": "0.9"}', "top_p must be in \\(0, 1\\], got '0.9'"),
+    ('{"max_new_tokens": 0}', "max_new_tokens must be an int in \\[1, 2147483647\\], got 0"),
+])
+def test_a_value_sampling_params_refuses_is_refused_naming_the_file_and_field(tmp_path: Path, config: str,
+                                                                               message: str) -> None:
+    (tmp_path / "generation_config.json").write_text(config)
+    with pytest.raises(ModelFormatError, match=rf"generation_config\.json: {message}"):
         default_sampling_params(tmp_path)
 
 

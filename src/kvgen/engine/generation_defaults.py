@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from kvgen.engine.sampling_params import SamplingParams
+from kvgen.errors import ModelFormatError
 from kvgen.fields import json_object
+from kvgen.sampling.params import check_param
 from kvgen.tokenizer.hf_files import read_json
 
 GENERATION_CONFIG_MODES = ("auto", "vllm")  # or a directory holding a generation_config.json
@@ -43,7 +45,8 @@ def read_generation_config(model_path: Path | None, generation_config: str = "au
     """The :data:`SAMPLING_KEYS` fields set in ``generation_config.json`` and different from transformers'
     defaults: from the model's directory (``"auto"``; none for a GGUF file or a model given as an object, None),
     none (``"vllm"``), or from the directory ``generation_config`` names. Raises ``ValueError`` for a missing
-    directory, ``ModelFormatError`` (a ``ValueError``) for an unreadable file."""
+    directory, ``ModelFormatError`` (a ``ValueError``) naming the file for an unreadable file or a value
+    ``SamplingParams`` refuses."""
     if generation_config == "vllm":
         return {}
     if generation_config == "auto":
@@ -58,7 +61,14 @@ def read_generation_config(model_path: Path | None, generation_config: str = "au
     if not file.is_file():
         return {}
     config = read_json(file)  # ModelFormatError (a ValueError) when unreadable or not an object
-    return {k: config[k] for k in SAMPLING_KEYS if config.get(k) is not None and config[k] != HF_DEFAULTS.get(k)}
+    values = {k: config[k] for k in SAMPLING_KEYS if config.get(k) is not None and config[k] != HF_DEFAULTS.get(k)}
+    try:
+        if "max_new_tokens" in values:  # named as the file names it (SamplingParams' max_tokens)
+            check_param("max_new_tokens", values["max_new_tokens"])
+        as_sampling_params(values)
+    except ValueError as e:
+        raise ModelFormatError(f"{file}: {e}") from None
+    return values
 
 
 def default_sampling_params(model_path: Path | None, generation_config: str = "auto",
