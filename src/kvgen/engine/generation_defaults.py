@@ -26,8 +26,9 @@ HF_DEFAULTS: dict[str, Any] = {"repetition_penalty": 1.0, "temperature": 1.0, "t
 
 
 def parse_override(override: Mapping[str, Any] | str | None) -> dict[str, Any]:
-    """``--override-generation-config``: a JSON object (text or a mapping) of :data:`SAMPLING_KEYS` fields.
-    Raises ``ValueError`` naming an unknown key, a non-object, or a value ``SamplingParams`` refuses."""
+    """``--override-generation-config``: a JSON object (text or a mapping) of :data:`SAMPLING_KEYS` fields; a null
+    removes the generation config's value (vLLM keeps the merged values that are not None). Raises ``ValueError``
+    naming an unknown key, a non-object, or a value ``SamplingParams`` refuses."""
     if override is None:
         return {}
     values = json_object("override_generation_config", override)
@@ -35,7 +36,7 @@ def parse_override(override: Mapping[str, Any] | str | None) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"override_generation_config keys must be among {', '.join(SAMPLING_KEYS)}, got {unknown[0]!r}")
     try:
-        as_sampling_params(values)  # the ranges SamplingParams accepts
+        as_sampling_params({k: v for k, v in values.items() if v is not None})  # the ranges SamplingParams accepts
     except ValueError as e:
         raise ValueError(f"override_generation_config must hold values SamplingParams accepts: {e}") from None
     return values
@@ -74,9 +75,10 @@ def read_generation_config(model_path: Path | None, generation_config: str = "au
 def default_sampling_params(model_path: Path | None, generation_config: str = "auto",
                             override: Mapping[str, Any] | str | None = None) -> dict[str, Any]:
     """The defaults requests get, in ``SamplingParams`` names (``max_new_tokens`` as ``max_tokens``): the
-    generation config's (see :func:`read_generation_config`), then ``override``'s over them. Raises ``ValueError``
-    naming a bad key, value, directory or file."""
-    values = read_generation_config(model_path, generation_config) | parse_override(override)
+    generation config's (see :func:`read_generation_config`), then ``override``'s over them, nulls left out (as
+    vLLM's ``get_diff_sampling_param``). Raises ``ValueError`` naming a bad key, value, directory or file."""
+    merged = read_generation_config(model_path, generation_config) | parse_override(override)
+    values = {k: v for k, v in merged.items() if v is not None}
     as_sampling_params(values)
     return {"max_tokens" if k == "max_new_tokens" else k: v for k, v in values.items()}
 
