@@ -144,3 +144,14 @@ def test_a_given_config_takes_only_the_special_tokens_of_a_file_older_than_4_50(
     keywords = generate(model, torch.tensor(PROMPT), max_new_tokens=12).new_token_ids[0]
     assert keywords == _hf(path, max_new_tokens=12)
     assert (given == keywords) == (version >= "4.50")
+
+
+def test_a_given_configs_max_length_of_20_is_transformers_default_and_takes_the_files(tiny_model_dir, tmp_path):
+    """transformers' GenerationConfig.max_length defaults to 20, so a passed config's max_length=20 counts as unset
+    and the file's max_length fills it; a keyword max_length=20 still wins."""
+    path = _dir(tiny_model_dir, tmp_path, {"bos_token_id": 1, "max_length": len(PROMPT[0]) + 3})
+    model, _ = load_model(path)
+    given = generate(model, torch.tensor(PROMPT), None, GenerationConfig(max_length=20)).new_token_ids[0]
+    assert given == _hf(path, generation_config=transformers.GenerationConfig(max_length=20)) and len(given) == 3
+    keyword = generate(model, torch.tensor(PROMPT), max_length=20).new_token_ids[0]
+    assert keyword == _hf(path, max_length=20) and len(keyword) == 20 - len(PROMPT[0])

@@ -395,6 +395,8 @@ class GenerationConfig:
                 return is_unset_max_new_tokens(self.max_new_tokens)
             if k == "min_new_tokens":
                 return type(self.min_new_tokens) is _UnsetMinNewTokens
+            if k == "max_length":  # transformers' default is 20: a config's 20 is indistinguishable from it
+                return self.max_length in (None, HF_DEFAULT_MAX_LENGTH)
             return getattr(self, k) == getattr(plain, k)
 
         changes = _model_min_new_tokens({k: v for k, v in defaults.items()
