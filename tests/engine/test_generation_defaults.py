@@ -14,6 +14,7 @@ from kvgen.engine.generation_defaults import (
     read_generation_config,
 )
 from kvgen.engine.llm import LLM
+from kvgen.errors import ModelFormatError
 
 
 def _with_generation_config(src: Path, dst: Path, config: dict) -> Path:
@@ -37,6 +38,18 @@ def test_reads_the_sampling_keys_that_differ_from_transformers_defaults(tmp_path
     assert default_sampling_params(tmp_path.parent) == {}  # a directory without one
 
 
+def test_a_null_override_removes_the_files_value(tmp_path: Path) -> None:
+    """vLLM's get_diff_sampling_param updates the file's config with the override and keeps the values that are not
+    None: a null removes the file's default (SamplingParams' own applies), in 'auto' and 'vllm' alike."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9,
+                                                                 "max_new_tokens": 7}))
+    override = '{"temperature": null, "max_new_tokens": null}'
+    assert default_sampling_params(tmp_path, "auto", override) == {"top_p": 0.9}
+    assert default_sampling_params(tmp_path, "vllm", {"top_p": None, "top_k": 5}) == {"top_k": 5}
+    assert EngineArgs(override_generation_config=override).override_generation_config == {
+        "temperature": None, "max_new_tokens": None}
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"generation_config": "/no/such/dir"}, "generation_config must be 'auto', 'vllm' or a directory"),
     ({"override_generation_config": '{"temp": 1}'}, "override_generation_config keys must be among"),
@@ -55,6 +68,18 @@ def test_a_corrupt_generation_config_is_a_value_error(tmp_path: Path) -> None:
         default_sampling_params(tmp_path)
     (tmp_path / "generation_config.json").write_text('{"temperature": -1}')
     with pytest.raises(ValueError, match="temperature must be"):
+        default_sampling_params(tmp_path)
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ('{"temperature": NaN}', "temperature must be a finite number >= 0 .*, got nan"),
+    ('{"top_p": "0.9"}', "top_p must be in \\(0, 1\\], got '0.9'"),
+    ('{"max_new_tokens": 0}', "max_new_tokens must be an int in \\[1, 2147483647\\], got 0"),
+])
+def test_a_value_sampling_params_refuses_is_refused_naming_the_file_and_field(tmp_path: Path, config: str,
+                                                                               message: str) -> None:
+    (tmp_path / "generation_config.json").write_text(config)
+    with pytest.raises(ModelFormatError, match=rf"generation_config\.json: {message}"):
         default_sampling_params(tmp_path)
 
 

@@ -116,3 +116,42 @@ def test_an_explicit_min_new_tokens_of_0_wins_over_the_files_min_new_tokens(tiny
     assert generate(model, torch.tensor(PROMPT), min_new_tokens=0, max_new_tokens=6).new_token_ids[0] == [first]
     kept = generate(model, torch.tensor(PROMPT), None, GenerationConfig(max_new_tokens=6)).new_token_ids[0]
     assert kept == _hf(path, generation_config=transformers.GenerationConfig(max_new_tokens=6)) and len(kept) > 1
+
+
+def test_the_files_min_new_tokens_may_exceed_the_runs_max_new_tokens(tiny_model_dir, tmp_path):
+    """transformers takes a model's min_new_tokens above the run's max_new_tokens (the file's, the default 20, the
+    caller's, or what max_length leaves): EOS is suppressed to the end, no error (a caller's own pair is refused)."""
+    first = generate(load_model(tiny_model_dir)[0], torch.tensor(PROMPT), max_new_tokens=1).new_token_ids[0][0]
+    path = _dir(tiny_model_dir, tmp_path, {"bos_token_id": 1, "eos_token_id": first, "min_new_tokens": 25})
+    model, _ = load_model(path)
+    for kwargs, length in (({}, 20), ({"max_new_tokens": 3}, 3), ({"max_new_tokens": None, "max_length": 10}, 2)):
+        ours = generate(model, torch.tensor(PROMPT), **kwargs).new_token_ids[0]
+        assert ours == _hf(path, **kwargs) and len(ours) == length and first not in ours
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": first, "min_new_tokens": 4,
+                                                             "max_new_tokens": 2}))
+    ours = generate(load_model(path)[0], torch.tensor(PROMPT)).new_token_ids[0]
+    assert ours == _hf(path) and len(ours) == 2 and first not in ours
+
+
+@pytest.mark.parametrize("version", ["4.40.0", "4.49.0.dev0", "4.50.0.dev0", "4.55.4"])
+def test_a_given_config_takes_only_the_special_tokens_of_a_file_older_than_4_50(tiny_model_dir, tmp_path, version):
+    """transformers 4.55: a GenerationConfig passed to generate() takes the file's decoding defaults only when its
+    transformers_version is 4.50 or later, else only its special tokens; keyword arguments take the whole file."""
+    path = _dir(tiny_model_dir, tmp_path, GREEDY_FILE | {"transformers_version": version})
+    model, _ = load_model(path)
+    given = generate(model, torch.tensor(PROMPT), None, GenerationConfig(max_new_tokens=12)).new_token_ids[0]
+    assert given == _hf(path, generation_config=transformers.GenerationConfig(max_new_tokens=12))
+    keywords = generate(model, torch.tensor(PROMPT), max_new_tokens=12).new_token_ids[0]
+    assert keywords == _hf(path, max_new_tokens=12)
+    assert (given == keywords) == (version >= "4.50")
+
+
+def test_a_given_configs_max_length_of_20_is_transformers_default_and_takes_the_files(tiny_model_dir, tmp_path):
+    """transformers' GenerationConfig.max_length defaults to 20, so a passed config's max_length=20 counts as unset
+    and the file's max_length fills it; a keyword max_length=20 still wins."""
+    path = _dir(tiny_model_dir, tmp_path, {"bos_token_id": 1, "max_length": len(PROMPT[0]) + 3})
+    model, _ = load_model(path)
+    given = generate(model, torch.tensor(PROMPT), None, GenerationConfig(max_length=20)).new_token_ids[0]
+    assert given == _hf(path, generation_config=transformers.GenerationConfig(max_length=20)) and len(given) == 3
+    keyword = generate(model, torch.tensor(PROMPT), max_length=20).new_token_ids[0]
+    assert keyword == _hf(path, max_length=20) and len(keyword) == 20 - len(PROMPT[0])

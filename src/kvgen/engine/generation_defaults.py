@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from kvgen.engine.sampling_params import SamplingParams
+from kvgen.errors import ModelFormatError
 from kvgen.fields import json_object
+from kvgen.sampling.params import check_param
 from kvgen.tokenizer.hf_files import read_json
 
 GENERATION_CONFIG_MODES = ("auto", "vllm")  # or a directory holding a generation_config.json
@@ -24,8 +26,9 @@ HF_DEFAULTS: dict[str, Any] = {"repetition_penalty": 1.0, "temperature": 1.0, "t
 
 
 def parse_override(override: Mapping[str, Any] | str | None) -> dict[str, Any]:
-    """``--override-generation-config``: a JSON object (text or a mapping) of :data:`SAMPLING_KEYS` fields.
-    Raises ``ValueError`` naming an unknown key, a non-object, or a value ``SamplingParams`` refuses."""
+    """``--override-generation-config``: a JSON object (text or a mapping) of :data:`SAMPLING_KEYS` fields; a null
+    removes the generation config's value (vLLM keeps the merged values that are not None). Raises ``ValueError``
+    naming an unknown key, a non-object, or a value ``SamplingParams`` refuses."""
     if override is None:
         return {}
     values = json_object("override_generation_config", override)
@@ -33,7 +36,7 @@ def parse_override(override: Mapping[str, Any] | str | None) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"override_generation_config keys must be among {', '.join(SAMPLING_KEYS)}, got {unknown[0]!r}")
     try:
-        as_sampling_params(values)  # the ranges SamplingParams accepts
+        as_sampling_params({k: v for k, v in values.items() if v is not None})  # the ranges SamplingParams accepts
     except ValueError as e:
         raise ValueError(f"override_generation_config must hold values SamplingParams accepts: {e}") from None
     return values
@@ -43,7 +46,8 @@ def read_generation_config(model_path: Path | None, generation_config: str = "au
     """The :data:`SAMPLING_KEYS` fields set in ``generation_config.json`` and different from transformers'
     defaults: from the model's directory (``"auto"``; none for a GGUF file or a model given as an object, None),
     none (``"vllm"``), or from the directory ``generation_config`` names. Raises ``ValueError`` for a missing
-    directory, ``ModelFormatError`` (a ``ValueError``) for an unreadable file."""
+    directory, ``ModelFormatError`` (a ``ValueError``) naming the file for an unreadable file or a value
+    ``SamplingParams`` refuses."""
     if generation_config == "vllm":
         return {}
     if generation_config == "auto":
@@ -58,15 +62,23 @@ def read_generation_config(model_path: Path | None, generation_config: str = "au
     if not file.is_file():
         return {}
     config = read_json(file)  # ModelFormatError (a ValueError) when unreadable or not an object
-    return {k: config[k] for k in SAMPLING_KEYS if config.get(k) is not None and config[k] != HF_DEFAULTS.get(k)}
+    values = {k: config[k] for k in SAMPLING_KEYS if config.get(k) is not None and config[k] != HF_DEFAULTS.get(k)}
+    try:
+        if "max_new_tokens" in values:  # named as the file names it (SamplingParams' max_tokens)
+            check_param("max_new_tokens", values["max_new_tokens"])
+        as_sampling_params(values)
+    except ValueError as e:
+        raise ModelFormatError(f"{file}: {e}") from None
+    return values
 
 
 def default_sampling_params(model_path: Path | None, generation_config: str = "auto",
                             override: Mapping[str, Any] | str | None = None) -> dict[str, Any]:
     """The defaults requests get, in ``SamplingParams`` names (``max_new_tokens`` as ``max_tokens``): the
-    generation config's (see :func:`read_generation_config`), then ``override``'s over them. Raises ``ValueError``
-    naming a bad key, value, directory or file."""
-    values = read_generation_config(model_path, generation_config) | parse_override(override)
+    generation config's (see :func:`read_generation_config`), then ``override``'s over them, nulls left out (as
+    vLLM's ``get_diff_sampling_param``). Raises ``ValueError`` naming a bad key, value, directory or file."""
+    merged = read_generation_config(model_path, generation_config) | parse_override(override)
+    values = {k: v for k, v in merged.items() if v is not None}
     as_sampling_params(values)
     return {"max_tokens" if k == "max_new_tokens" else k: v for k, v in values.items()}
 

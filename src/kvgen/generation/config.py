@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 from kvgen.config import checked_token_ids, token_id_list
 from kvgen.fields import as_bool, check_int, config_field
 from kvgen.sampling.logits_process import check_processor_settings
-from kvgen.sampling.params import INT32_MAX, PARAM_RULES, SAMPLING_EPS, check_param
+from kvgen.sampling.params import PARAM_RULES, SAMPLING_EPS, check_param
 
 
 class Strategy(enum.Enum):
@@ -55,6 +56,20 @@ class _UnsetMinNewTokens(int):
     """``min_new_tokens``' default, 0, of a type of its own: transformers' default is None, and any value it is
     given, an explicit 0 included, replaces ``min_length``."""
 
+
+class _ModelMinNewTokens(int):
+    """A ``min_new_tokens`` taken from the model's generation config: transformers takes one above the run's
+    ``max_new_tokens`` (EOS is then suppressed to the end), where the caller's own would contradict it."""
+
+
+def _model_min_new_tokens(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with an int ``min_new_tokens`` marked as the model's (other values are left for the checks)."""
+    value = values.get("min_new_tokens")
+    if type(value) is not int:
+        return dict(values)
+    return {**values, "min_new_tokens": _ModelMinNewTokens(value)}
+
+
 # generation_config.json keys that become generate()'s defaults (transformers' model.generation_config); others
 # (cache_implementation, return_dict_in_generate, ...) are left out.
 MODEL_DEFAULT_KEYS = (
@@ -82,6 +97,19 @@ UNIMPLEMENTED_HF_FIELDS = {
 }
 # transformers GenerationConfig keys that are bookkeeping, not settings
 HF_METADATA_KEYS = ("_from_model_config", "transformers_version")
+# transformers' special tokens, the only defaults a passed config takes from a file older than 4.50 (kvgen's two)
+SPECIAL_TOKEN_KEYS = ("eos_token_id", "pad_token_id")
+
+
+def defaults_for_given_config(defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The model's generation defaults (``CausalLM.generation_defaults``) that fill a ``GenerationConfig`` passed to
+    ``generate()``: all of them, but only :data:`SPECIAL_TOKEN_KEYS` when the file's ``transformers_version`` is
+    older than 4.50 (transformers 4.55 ``_prepare_generation_config``'s legacy rule; a version that does not parse
+    counts as new)."""
+    version = re.match(r"\s*v?(\d+)\.(\d+)", str(defaults.get("transformers_version", "")))
+    if version is None or (int(version[1]), int(version[2])) >= (4, 50):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in SPECIAL_TOKEN_KEYS}
 
 
 def check_dola_layers(value: object) -> None:
@@ -275,7 +303,7 @@ class GenerationConfig:
             self.strategy is Strategy.DOLA and not self.do_sample)
         if self.num_return_sequences > 1 and deterministic:
             raise clash("num_return_sequences", "do_sample", "deterministic decoding returns one sequence per prompt")
-        if self.min_new_tokens > self.max_new_tokens:
+        if self.min_new_tokens > self.max_new_tokens and type(self.min_new_tokens) is not _ModelMinNewTokens:
             raise clash("min_new_tokens", "max_new_tokens", "min_new_tokens must not exceed max_new_tokens")
         if self.force_words_ids is not None or self.constraints is not None:
             self._check_constrained(clash)
@@ -349,7 +377,8 @@ class GenerationConfig:
         if self.max_length <= prompt_length:  # transformers 4.55 _validate_generated_length
             raise ValueError(f"max_length={self.max_length} leaves no room after the prompt's {prompt_length} "
                              f"tokens: raise it or set max_new_tokens")
-        if self.min_new_tokens > self.max_length - prompt_length:
+        is_models = type(self.min_new_tokens) is _ModelMinNewTokens  # transformers lets the model's exceed the room
+        if self.min_new_tokens > self.max_length - prompt_length and not is_models:
             raise ValueError(f"min_new_tokens={self.min_new_tokens} conflicts with max_length={self.max_length}: the "
                              f"prompt's {prompt_length} tokens leave {self.max_length - prompt_length} new tokens")
         return self.replace(max_new_tokens=self.max_length - prompt_length)
@@ -366,9 +395,12 @@ class GenerationConfig:
                 return is_unset_max_new_tokens(self.max_new_tokens)
             if k == "min_new_tokens":
                 return type(self.min_new_tokens) is _UnsetMinNewTokens
+            if k == "max_length":  # transformers' default is 20: a config's 20 is indistinguishable from it
+                return self.max_length in (None, HF_DEFAULT_MAX_LENGTH)
             return getattr(self, k) == getattr(plain, k)
 
-        changes = {k: v for k, v in defaults.items() if unset(k) and v != getattr(plain, k)}
+        changes = _model_min_new_tokens({k: v for k, v in defaults.items()
+                                         if k not in HF_METADATA_KEYS and unset(k) and v != getattr(plain, k)})
         if self.temperature == 0.0:  # greedy, though the model samples (transformers' edge case: do_sample=False)
             changes.pop("do_sample", None)
         return self.replace(**changes) if changes else self
@@ -396,7 +428,8 @@ class GenerationConfig:
 
 def read_generation_defaults(path: Path) -> dict[str, Any]:
     """The :data:`MODEL_DEFAULT_KEYS` of a ``generation_config.json`` ({} when the file is absent), checked as
-    ``GenerationConfig`` checks them. Raises ``ModelFormatError`` naming the file for bad JSON or a bad value."""
+    ``GenerationConfig`` checks them, and its ``transformers_version`` when a string (see
+    :func:`defaults_for_given_config`). Raises ``ModelFormatError`` naming the file for bad JSON or a bad value."""
     from kvgen.errors import ModelFormatError
     from kvgen.tokenizer.hf_files import read_json
 
@@ -408,8 +441,10 @@ def read_generation_defaults(path: Path) -> dict[str, Any]:
         del values["max_length"]
     if isinstance(values.get("exponential_decay_length_penalty"), list):
         values["exponential_decay_length_penalty"] = tuple(values["exponential_decay_length_penalty"])
-    try:  # alone: a min_new_tokens above the default max_new_tokens is no contradiction
-        GenerationConfig(**{"max_new_tokens": INT32_MAX, **values})
+    try:  # the model's min_new_tokens may exceed any max_new_tokens (transformers suppresses EOS to the end)
+        GenerationConfig(**_model_min_new_tokens(values))
     except (TypeError, ValueError) as e:
         raise ModelFormatError(f"{path}: {e}") from None
+    if isinstance(raw.get("transformers_version"), str):
+        values["transformers_version"] = raw["transformers_version"]
     return values

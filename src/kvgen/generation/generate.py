@@ -17,7 +17,7 @@ from kvgen.errors import ContextLengthError
 from kvgen.generation.assisted import assisted_decoding
 from kvgen.generation.beam_sample import beam_sample
 from kvgen.generation.beam_search import beam_search
-from kvgen.generation.config import GenerationConfig, Strategy, check_setting_names
+from kvgen.generation.config import GenerationConfig, Strategy, check_setting_names, defaults_for_given_config
 from kvgen.generation.constrained_beam_search import constrained_beam_search
 from kvgen.generation.contrastive_search import contrastive_search
 from kvgen.generation.decoding import LoopContext
@@ -108,7 +108,9 @@ def generate(
         raise TypeError(f"generation_config must be a kvgen.GenerationConfig (its fields may also be passed as keyword "
                         f"arguments), got {type(generation_config).__name__}")
     _check_callbacks(streamer, generator)
-    cfg = (generation_config or GenerationConfig()).with_generation_defaults(model.generation_defaults)
+    defaults = model.generation_defaults if generation_config is None else defaults_for_given_config(
+        model.generation_defaults)
+    cfg = (generation_config or GenerationConfig()).with_generation_defaults(defaults)
     if overrides:
         check_setting_names(overrides)
         cfg = cfg.replace(**overrides)

@@ -24,8 +24,9 @@ class CausalLM(nn.Module):
     and ``compute_logits(hidden [..., C]) -> logits [..., V]`` float32 (DESIGN.md)."""
 
     config: ModelConfig
-    # The checkpoint's generation_config.json decoding fields (GenerationConfig names; load_model fills it for a
-    # Hugging Face directory): generate()'s defaults, as transformers' model.generation_config.
+    # The checkpoint's generation_config.json decoding fields (GenerationConfig names) and transformers_version
+    # (load_model fills it for a Hugging Face directory): generate()'s defaults, as transformers'
+    # model.generation_config.
     generation_defaults: dict[str, Any] = {}  # noqa: RUF012 -- replaced, never mutated
     # A decoder with a one-op path over every layer (LlamaForCausalLM's kernels.decoder_layers) takes it while
     # True; False runs the layers one by one (the same numbers; a profiler sees each op).
