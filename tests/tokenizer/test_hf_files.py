@@ -15,6 +15,7 @@ from tokenizer_cases import (
     write_wordpiece_dir,
 )
 from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import processors
 from transformers import AutoTokenizer, BertTokenizer
 
 from kvgen.errors import ModelFormatError, ModelNotFoundError
@@ -77,6 +78,30 @@ def test_add_prefix_space_of_the_config_overrides_tokenizer_json(
     for text in ["Hello world", "", " x", "\nline"]:
         assert ours.encode(text) == ref.encode(text), text
     assert ours.decode(ours.encode("Hello")) == ref.decode(ref.encode("Hello")) == (" Hello" if value else "Hello")
+
+
+
+@pytest.mark.parametrize("tokenizer_class", ["LlamaTokenizerFast", "GPTNeoXTokenizerFast", "PreTrainedTokenizerFast"])
+@pytest.mark.parametrize("flags", [{}, {"add_bos_token": False}, {"add_eos_token": True},
+                                   {"add_bos_token": True, "add_eos_token": True}])
+def test_llama_class_rebuilds_the_post_processor_from_add_bos_and_eos_token(
+    trained: BackendTokenizer, tmp_path: Path, tokenizer_class: str, flags: dict
+) -> None:
+    """LlamaTokenizerFast (GPT-NeoX's, Gemma's ... too) replaces tokenizer.json's post-processor by one adding BOS/EOS
+    as add_bos_token / add_eos_token say (Llama: BOS by default); kvgen kept the file's, whose BOS stayed where the
+    config turns it off and no EOS came where it asks for one."""
+    backend = BackendTokenizer.from_str(trained.to_str())
+    backend.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    config = {"tokenizer_class": tokenizer_class, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+              "unk_token": "<|endoftext|>", **flags}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, ref = Tokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    assert type(ref).__name__ == tokenizer_class
+    for text in ["Hello world", "", "<|im_end|> x"]:
+        assert ours.encode(text) == ref.encode(text), text
+        assert ours.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False), text
+    assert ours.add_bos_token == (ref.encode("")[:1] == [ref.bos_token_id])
 
 
 def test_saved_gguf_tokenizer_directory_matches_transformers(ref, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, models, pre_tokenizers
+from tokenizers import AddedToken, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from kvgen.config import checked_token_ids
@@ -27,6 +27,17 @@ from kvgen.tokenizer.wordpiece import (
     wordpiece_backend,
     wordpiece_config,
 )
+
+# Tokenizer classes (with or without "Fast") whose fast __init__ replaces tokenizer.json's post-processor by one adding
+# BOS/EOS as add_bos_token / add_eos_token say, with these defaults (transformers' update_post_processor); the others
+# keep the file's.
+POST_PROCESSOR_DEFAULTS: dict[str, tuple[bool, bool]] = {
+    "LlamaTokenizer": (True, False),
+    "CodeLlamaTokenizer": (True, False),
+    "GemmaTokenizer": (True, False),
+    "CohereTokenizer": (True, False),
+    "GPTNeoXTokenizer": (False, False),
+}
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -197,6 +208,20 @@ def _set_add_prefix_space(backend: BackendTokenizer, config: dict[str, Any]) -> 
         backend.pre_tokenizer.add_prefix_space = value
 
 
+def _rebuild_post_processor(backend: BackendTokenizer, directory: Path, config: dict[str, Any]) -> None:
+    """For a ``POST_PROCESSOR_DEFAULTS`` class, a post-processor adding BOS and EOS as ``add_bos_token`` and
+    ``add_eos_token`` say (nothing when neither), as transformers' ``LlamaTokenizerFast.update_post_processor``
+    replaces tokenizer.json's. Raises ``ModelFormatError`` when asked to add a BOS or EOS the vocabulary lacks."""
+    name = (_tokenizer_class(directory, config) or "").removesuffix("Fast")
+    if name not in POST_PROCESSOR_DEFAULTS:
+        return
+    add_bos, add_eos = (bool(config.get(k, d)) for k, d in zip(("add_bos_token", "add_eos_token"),
+                                                              POST_PROCESSOR_DEFAULTS[name]))
+    bos, eos = (backend.token_to_id(token_content(config.get(k)) or "") for k in ("bos_token", "eos_token"))
+    backend.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1")
+    add_bos_eos(backend, bos, eos, add_bos, add_eos)
+
+
 def _special_ids(directory: Path, config: dict[str, Any], backend: BackendTokenizer) -> SpecialTokenIds:
     def lookup(key: str) -> int | None:
         content = token_content(config.get(key))
@@ -245,6 +270,7 @@ def load_hf_tokenizer_files(directory: Path) -> HFTokenizerFiles:
     if (directory / "tokenizer.json").is_file():
         backend = _backend_file(directory)
         _set_add_prefix_space(backend, config)
+        _rebuild_post_processor(backend, directory, config)
     elif (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
         backend = _gpt2_files_backend(directory, config)
     elif (directory / VOCAB_FILE).is_file():
