@@ -104,6 +104,26 @@ def test_llama_class_rebuilds_the_post_processor_from_add_bos_and_eos_token(
     assert ours.add_bos_token == (ref.encode("")[:1] == [ref.bos_token_id])
 
 
+
+def test_config_tokens_join_a_tokenizer_json(trained: BackendTokenizer, tmp_path: Path) -> None:
+    """transformers adds tokenizer_config.json's added_tokens_decoder and named special tokens to a tokenizer.json's;
+    kvgen read them only beside vocab.json / vocab.txt, so "<tool>" and "<|call|>" were split into pieces, the in-vocab
+    "print" named special was kept by skip_special_tokens, and the vocabulary was two ids short."""
+    trained.save(str(tmp_path / "tokenizer.json"))
+    size = trained.get_vocab_size()
+    call = {"content": "<|call|>", "special": False, "normalized": False, "lstrip": False, "rstrip": False}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+              "additional_special_tokens": ["<tool>", "print"], "added_tokens_decoder": {str(size): call}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, ref = Tokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    assert ours.vocab_size == len(ref) == size + 2
+    for text in ["<tool> print <|call|>x", "printing <tool>print(<|call|> <|im_end|>"]:
+        ids = ref.encode(text)
+        assert ours.encode(text) == ids, text
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
+
+
 def test_saved_gguf_tokenizer_directory_matches_transformers(ref, tmp_path: Path) -> None:
     ref.save_pretrained(tmp_path)
     ours, reloaded = Tokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tmp_path)

@@ -123,13 +123,18 @@ def _decoder_entries(config: dict[str, Any]) -> list[dict[str, Any]]:
     return [entry for _, entry in sorted(decoder.items(), key=lambda kv: int(kv[0]))]
 
 
-def _added_tokens(config: dict[str, Any]) -> list[AddedToken]:
-    """``added_tokens_decoder`` entries, then the named special tokens."""
+def _added_tokens(config: dict[str, Any], present: set[str]) -> list[AddedToken]:
+    """``added_tokens_decoder`` entries (special also where the config names them), then the named special tokens not
+    among them nor ``present`` (the backend's added tokens), as transformers' ``PreTrainedTokenizerFast.__init__``
+    adds them."""
+    named = _special_strings(config)
     added = []
     for entry in _decoder_entries(config):
         fields = {k: entry[k] for k in ADDED_TOKEN_FLAGS if k in entry}
         added.append(AddedToken(entry["content"], **fields))
-    return added + [AddedToken(s, special=True, normalized=False) for s in _special_strings(config)]
+        added[-1].special = added[-1].special or entry["content"] in named  # its normalized default stays as built
+    present = present | {t.content for t in added}
+    return added + [AddedToken(s, special=True, normalized=False) for s in dict.fromkeys(named) if s not in present]
 
 
 def _legacy_added_tokens(path: Path, config: dict[str, Any]) -> list[AddedToken]:
@@ -147,7 +152,8 @@ def _add_tokens(backend: BackendTokenizer, directory: Path, config: dict[str, An
     transformers) and of the config (specials as special tokens)."""
     if "added_tokens_decoder" not in config and (directory / "added_tokens.json").is_file():
         backend.add_tokens(_legacy_added_tokens(directory / "added_tokens.json", config))
-    for token in _added_tokens(config):
+    present = {t.content for t in backend.get_added_tokens_decoder().values()}
+    for token in _added_tokens(config, present):
         (backend.add_special_tokens if token.special else backend.add_tokens)([token])
 
 
@@ -269,6 +275,7 @@ def load_hf_tokenizer_files(directory: Path) -> HFTokenizerFiles:
     config = _tokenizer_config(directory)
     if (directory / "tokenizer.json").is_file():
         backend = _backend_file(directory)
+        _add_tokens(backend, directory, config)
         _set_add_prefix_space(backend, config)
         _rebuild_post_processor(backend, directory, config)
     elif (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
