@@ -124,6 +124,25 @@ def test_config_tokens_join_a_tokenizer_json(trained: BackendTokenizer, tmp_path
             assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
 
 
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["tokenizer_json", "vocab_merges"])
+def test_special_tokens_given_as_added_token_dicts_keep_their_flags(
+    trained: BackendTokenizer, tmp_path: Path, legacy: bool
+) -> None:
+    """A named special token written as an AddedToken dict keeps its lstrip / rstrip / single_word flags, as
+    transformers' _from_pretrained reads it; kvgen added it as a plain string, so "a <mask>" kept the space before
+    "<mask>" as a token of its own and "<tool>  b" the spaces after "<tool>"."""
+    mask = {"content": "<mask>", "lstrip": True, "rstrip": False, "normalized": False, "single_word": False,
+            "special": True, "__type": "AddedToken"}
+    tool = {**mask, "content": "<tool>", "lstrip": False, "rstrip": True}
+    directory = save_gpt2_dir(trained, tmp_path, legacy, mask_token=mask, additional_special_tokens=[tool])
+    ours, ref = Tokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+    for text in ["a <mask> b", "x  <mask><tool>  b <tool>\n<mask>"]:
+        ids = ref.encode(text)
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == ref.decode(ids), text
+
+
 def test_saved_gguf_tokenizer_directory_matches_transformers(ref, tmp_path: Path) -> None:
     ref.save_pretrained(tmp_path)
     ours, reloaded = Tokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tmp_path)

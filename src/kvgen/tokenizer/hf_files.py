@@ -134,7 +134,32 @@ def _added_tokens(config: dict[str, Any], present: set[str]) -> list[AddedToken]
         added.append(AddedToken(entry["content"], **fields))
         added[-1].special = added[-1].special or entry["content"] in named  # its normalized default stays as built
     present = present | {t.content for t in added}
-    return added + [AddedToken(s, special=True, normalized=False) for s in dict.fromkeys(named) if s not in present]
+    for token in _named_tokens(config):
+        if token.content not in present:
+            added.append(token)
+            present.add(token.content)
+    return added
+
+
+def _named_tokens(config: dict[str, Any]) -> list[AddedToken]:
+    """The named special tokens (see ``_special_strings``) as added tokens: a string plain (not normalized), an
+    AddedToken dict with its lstrip/rstrip/single_word/normalized flags, as transformers' ``_from_pretrained`` reads it
+    (special either way). Raises ``ModelFormatError`` for a flag that is no bool."""
+    values = [config.get(n) for n in SPECIAL_TOKEN_KEYS] + list(config.get("additional_special_tokens") or [])
+    tokens = []
+    for value in values:
+        content = token_content(value)
+        if not content:
+            continue
+        if not isinstance(value, dict):
+            tokens.append(AddedToken(content, special=True, normalized=False))
+            continue
+        if bad := [k for k in ADDED_TOKEN_FLAGS if k in value and not isinstance(value[k], bool)]:
+            raise ModelFormatError(f"tokenizer_config.json / special_tokens_map.json: the special token {content!r} "
+                                   f"{bad[0]} must be true or false, got {value[bad[0]]!r}")
+        tokens.append(AddedToken(content, **{k: value[k] for k in ADDED_TOKEN_FLAGS if k in value}))
+        tokens[-1].special = True
+    return tokens
 
 
 def _legacy_added_tokens(path: Path, config: dict[str, Any]) -> list[AddedToken]:
