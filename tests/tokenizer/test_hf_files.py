@@ -15,7 +15,7 @@ from tokenizer_cases import (
     write_wordpiece_dir,
 )
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import processors
+from tokenizers import pre_tokenizers, processors
 from transformers import AutoTokenizer, BertTokenizer
 
 from kvgen.errors import ModelFormatError, ModelNotFoundError
@@ -79,6 +79,24 @@ def test_add_prefix_space_of_the_config_overrides_tokenizer_json(
         assert ours.encode(text) == ref.encode(text), text
     assert ours.decode(ours.encode("Hello")) == ref.decode(ref.encode("Hello")) == (" Hello" if value else "Hello")
 
+
+
+
+@pytest.mark.parametrize("tokenizer_class", ["PreTrainedTokenizerFast", "Qwen2Tokenizer", "LlamaTokenizerFast"])
+def test_a_config_without_add_prefix_space_sets_the_class_default(
+    trained: BackendTokenizer, tmp_path: Path, tokenizer_class: str
+) -> None:
+    """Without add_prefix_space in tokenizer_config.json transformers sets its class default (false; None, the file's,
+    for LlamaTokenizerFast) on a top-level ByteLevel; kvgen kept tokenizer.json's true, so "Hello" got a leading "Ġ"."""
+    backend = BackendTokenizer.from_str(trained.to_str())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    backend.save(str(tmp_path / "tokenizer.json"))
+    config = {"tokenizer_class": tokenizer_class, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+              "unk_token": "<|endoftext|>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, ref = Tokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    for text in ["Hello world", "", " x", "\nline"]:
+        assert ours.encode(text) == ref.encode(text), text
 
 
 @pytest.mark.parametrize("tokenizer_class", ["LlamaTokenizerFast", "GPTNeoXTokenizerFast", "PreTrainedTokenizerFast"])

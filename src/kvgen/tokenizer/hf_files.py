@@ -231,10 +231,16 @@ def _backend_file(directory: Path) -> BackendTokenizer:
         raise ModelFormatError(f"cannot read {directory / 'tokenizer.json'}: {e}") from None
 
 
-def _set_add_prefix_space(backend: BackendTokenizer, config: dict[str, Any]) -> None:
+# Tokenizer classes whose fast __init__ passes add_prefix_space=None: without the config's, tokenizer.json's stays.
+KEEP_PREFIX_SPACE_CLASSES = ("LlamaTokenizer", "T5Tokenizer")
+
+
+def _set_add_prefix_space(backend: BackendTokenizer, directory: Path, config: dict[str, Any]) -> None:
     """A ``add_prefix_space`` true/false in the config overrides a top-level ByteLevel pre-tokenizer's, as
-    transformers' ``PreTrainedTokenizerFast.__init__`` does (GPT-2, RoBERTa, BLOOM directories)."""
-    value = config.get("add_prefix_space")
+    transformers' ``PreTrainedTokenizerFast.__init__`` does (GPT-2, RoBERTa, BLOOM directories); a config without the
+    key sets false there (its default), except for ``KEEP_PREFIX_SPACE_CLASSES``."""
+    keep = (_tokenizer_class(directory, config) or "").removesuffix("Fast") in KEEP_PREFIX_SPACE_CLASSES
+    value = config.get("add_prefix_space", None if keep else False)
     if isinstance(value, bool) and isinstance(backend.pre_tokenizer, pre_tokenizers.ByteLevel):
         backend.pre_tokenizer.add_prefix_space = value
 
@@ -301,7 +307,7 @@ def load_hf_tokenizer_files(directory: Path) -> HFTokenizerFiles:
     if (directory / "tokenizer.json").is_file():
         backend = _backend_file(directory)
         _add_tokens(backend, directory, config)
-        _set_add_prefix_space(backend, config)
+        _set_add_prefix_space(backend, directory, config)
         _rebuild_post_processor(backend, directory, config)
     elif (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
         backend = _gpt2_files_backend(directory, config)
