@@ -76,6 +76,19 @@ def test_tiny_model_paged_steps_match_dynamic_cache(tiny_model, model_type):
         torch.testing.assert_close(logits, _dynamic_logits(model, seq), rtol=1e-5, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_a_chunk_after_a_one_token_first_chunk_matches_dynamic_cache(tiny_model, model_type):
+    """A prefill whose first chunk was one token (a step's token budget left only one: it ran as a decode) continues
+    with a chunk at position 1: its queries see slot 0 and their own earlier slots, as one DynamicCache sequence."""
+    model = tiny_model(model_type).ours
+    seqs = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5, 6, 7, 8]]
+    plan = [[1, 2], [3, 1], [1, 3], [2, 0]]
+    got = _paged_logits(model, seqs, plan, num_blocks=16)
+    for seq, logits in zip(seqs, got):
+        torch.testing.assert_close(logits, _dynamic_logits(model, seq), rtol=1e-5, atol=1e-5)
+
+
 def test_default_model_paged_steps_match_dynamic_cache(ours_default):
     model, tok = ours_default
     texts = ["The capital of France is Paris, and", "def add(a, b):\n    return", "Hi"]

@@ -13,6 +13,7 @@ from kvgen.kernels import get_ops
 from kvgen.kv_cache import DynamicCache, StaticCache
 from kvgen.kv_cache.paged import PagedAttentionMetadata, PagedKVCache
 from kvgen.models.attention import (
+    AttentionMetadata,
     attend,
     attend_rows,
     prepare_attention,
@@ -94,3 +95,26 @@ def test_attention_sinks_on_every_cache_equal_float64(cache_kind, window):
     if cache_kind == "static":  # no cache: attend_rows through kernels.attention over this forward's keys
         first = _kernel_path(steps[:1], None, sinks, window)
         torch.testing.assert_close(first.double(), want[:7], rtol=3e-3, atol=3e-3)
+
+
+@pytest.mark.parametrize("cache_kind", ["static", "none"])
+def test_kernel_path_key_mask_hides_left_padding_as_float64(cache_kind):
+    """``prepare_key_mask`` of a left-padded batch (row 0 with 3 padding slots) then ``attend_rows``: every real query
+    equals float64 attention over its real keys only, for a prefill and (static) a decode step."""
+    g = torch.Generator().manual_seed(3)
+    key_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8])  # [B, S]: row 0 left-padded
+    q, k, v = (torch.randn(2, n, 8, D, generator=g) for n in (H, HKV, HKV))  # prefill of 7, then 1 decode
+    cache = StaticCache(1, 2, HKV, D, 16, torch.float16) if cache_kind == "static" else None
+    ops, past = get_ops(), 0
+    for t in ((7, 1) if cache is not None else (8,)):
+        qs, ks, vs = (x[:, :, past : past + t] for x in (q, k, v))
+        qkv = torch.cat([x.transpose(1, 2).reshape(2 * t, -1) for x in (qs, ks, vs)], -1)  # [B T, (H + 2 Hkv) D]
+        meta = AttentionMetadata(key_mask[:, : past + t])
+        mask = prepare_key_mask(meta, cache, torch.Size((2, t)))
+        got = attend_rows(qkv, 2, 0, cache, mask, ops, H, HKV, D, SCALE).view(2, t, H, D)
+        want = float64_attention(qs, k[:, :, : past + t], v[:, :, : past + t], key_mask[:, : past + t], past, SCALE)
+        real = key_mask[:, past : past + t].bool()  # [B, T]: queries that are not padding
+        torch.testing.assert_close(got[real].double(), want[real], rtol=3e-3, atol=3e-3)
+        if cache is not None:
+            cache.advance(t)
+        past += t

@@ -5,6 +5,7 @@ tensors, q/k rows permuted, the multipliers as ``granite.*_scale`` keys), on the
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from helpers import (
+    assert_one_op_decoder_is_layer_by_layer,
     assert_batch_matches_transformers,
     engine_greedy,
     hf_greedy,
@@ -122,3 +124,17 @@ def test_granite_multipliers_must_be_positive():
     with pytest.raises(ValueError, match="residual_multiplier must be a positive number, got -0.5"):
         ModelConfig(model_type="llama", vocab_size=8, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                     residual_multiplier=-0.5)
+
+
+def test_granite_without_a_residual_multiplier_runs_the_one_op_decoder_at_its_attention_scale(granite, tmp_path):
+    """With residual_multiplier 1 a Q8_0 Granite file runs on the one-op decoder, which scales scores by
+    attention_multiplier (0.125, not head_dim^-0.5): its hidden states, cache and greedy tokens equal the
+    layer-by-layer kernels', whose attention reads the layer's own scale."""
+    ref = copy.deepcopy(granite)
+    ref.config.residual_multiplier = 1.0
+    for layer in ref.model.layers:
+        layer.residual_multiplier = 1.0
+    _write_granite(tmp_path / "q8.gguf", ref, Q.Q8_0)
+    quantized = build_model(*load_gguf(tmp_path / "q8.gguf", dtype=None)[:2])
+    assert quantized.one_op_decoder and quantized.config.attention_multiplier == 0.125
+    assert_one_op_decoder_is_layer_by_layer(quantized, torch.tensor([PROMPTS[0]]))

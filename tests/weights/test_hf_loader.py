@@ -142,6 +142,21 @@ def test_openai_style_gpt2_keys_and_buffers(tmp_path: Path) -> None:
     _assert_same(state, _expected(model), torch.float32)
 
 
+
+def test_llama_saved_rotary_inv_freq_buffers_are_ignored_as_transformers_ignores_them(tmp_path: Path) -> None:
+    """Older Llama checkpoints saved each layer's ``self_attn.rotary_emb.inv_freq``: transformers' from_pretrained
+    loads such a directory with the same parameters, and so does kvgen."""
+    model = _tiny_llama(tied=False)
+    path = _save(model, tmp_path / "llama", sharded=False)
+    tensors = load_file(path / "model.safetensors")
+    for i in range(model.config.num_hidden_layers):
+        tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = model.model.rotary_emb.inv_freq.clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    reloaded = LlamaForCausalLM.from_pretrained(path)
+    _, state = load_hf_directory(path)
+    _assert_same(state, _expected(reloaded), torch.float32)
+    _assert_same(state, _expected(model), torch.float32)
+
 @pytest.mark.parametrize("sharded", [False, True])
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_pytorch_model_bin_loads_as_transformers_loads_it(tmp_path: Path, arch: str, sharded: bool) -> None:
