@@ -83,6 +83,16 @@ def test_a_value_sampling_params_refuses_is_refused_naming_the_file_and_field(tm
         default_sampling_params(tmp_path)
 
 
+def test_a_bad_file_value_an_override_replaces_or_removes_is_not_refused(tmp_path: Path) -> None:
+    """vLLM merges override_generation_config over the file before anything reads the values, so a file value the
+    override replaces (or removes with a null) never counts; kvgen refused the file first."""
+    (tmp_path / "generation_config.json").write_text('{"temperature": NaN, "max_new_tokens": 0, "top_p": 0.9}')
+    assert default_sampling_params(tmp_path, override={"temperature": 0.5, "max_new_tokens": None}) == {
+        "temperature": 0.5, "top_p": 0.9}
+    with pytest.raises(ModelFormatError, match=r"generation_config\.json: max_new_tokens must be"):
+        default_sampling_params(tmp_path, override={"temperature": 0.5})
+
+
 def test_llm_runs_without_sampling_params_on_the_models_defaults(tiny_model_dir: Path, tmp_path: Path) -> None:
     """LLM.generate without sampling_params takes the directory's generation config (greedy with a repetition
     penalty, 6 new tokens): the tokens of the same settings passed explicitly, not those of SamplingParams()'s

@@ -155,3 +155,10 @@ def test_a_given_configs_max_length_of_20_is_transformers_default_and_takes_the_
     assert given == _hf(path, generation_config=transformers.GenerationConfig(max_length=20)) and len(given) == 3
     keyword = generate(model, torch.tensor(PROMPT), max_length=20).new_token_ids[0]
     assert keyword == _hf(path, max_length=20) and len(keyword) == 20 - len(PROMPT[0])
+    # a file without max_length (or one older than 4.50, whose max_length a passed config does not take): transformers'
+    # has_default_max_length makes the passed 20 mean 20 new tokens (kvgen gave 20 minus the prompt)
+    for file in ({"bos_token_id": 1}, {"max_length": len(PROMPT[0]) + 3, "transformers_version": "4.40.0"}):
+        path = _dir(tiny_model_dir, tmp_path / str(len(file)), file)
+        model, _ = load_model(path)
+        given = generate(model, torch.tensor(PROMPT), None, GenerationConfig(max_length=20)).new_token_ids[0]
+        assert given == _hf(path, generation_config=transformers.GenerationConfig(max_length=20)) and len(given) == 20

@@ -123,6 +123,25 @@ def test_llama_class_rebuilds_the_post_processor_from_add_bos_and_eos_token(
 
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "gemma2"])
+def test_a_directory_naming_no_class_takes_its_model_types_as_autotokenizer(
+    trained: BackendTokenizer, tmp_path: Path, model_type: str
+) -> None:
+    """With no tokenizer_class anywhere, AutoTokenizer picks the class of config.json's model_type
+    (LlamaTokenizerFast for llama/mistral, GemmaTokenizerFast for gemma2), which rebuilds the post-processor from
+    add_bos_token / add_eos_token; kvgen kept tokenizer.json's (17 of 34 encodes differed on a Llama-2 layout)."""
+    backend = BackendTokenizer.from_str(trained.to_str())
+    backend.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>",
+              "add_bos_token": False, "add_eos_token": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    ours, ref = Tokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    for text in ["Hello world", "", "<|im_end|> x"]:
+        assert ours.encode(text) == ref.encode(text), text
+
+
 def test_config_tokens_join_a_tokenizer_json(trained: BackendTokenizer, tmp_path: Path) -> None:
     """transformers adds tokenizer_config.json's added_tokens_decoder and named special tokens to a tokenizer.json's;
     kvgen read them only beside vocab.json / vocab.txt, so "<tool>" and "<|call|>" were split into pieces, the in-vocab

@@ -10,7 +10,7 @@ Source: vLLM ``ModelConfig.get_diff_sampling_param`` (the keys read, values equa
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +42,13 @@ def parse_override(override: Mapping[str, Any] | str | None) -> dict[str, Any]:
     return values
 
 
-def read_generation_config(model_path: Path | None, generation_config: str = "auto") -> dict[str, Any]:
+def read_generation_config(model_path: Path | None, generation_config: str = "auto",
+                           overridden: Collection[str] = ()) -> dict[str, Any]:
     """The :data:`SAMPLING_KEYS` fields set in ``generation_config.json`` and different from transformers'
     defaults: from the model's directory (``"auto"``; none for a GGUF file or a model given as an object, None),
     none (``"vllm"``), or from the directory ``generation_config`` names. Raises ``ValueError`` for a missing
     directory, ``ModelFormatError`` (a ``ValueError``) naming the file for an unreadable file or a value
-    ``SamplingParams`` refuses."""
+    ``SamplingParams`` refuses, unless an override replaces it (a key of ``overridden``: vLLM merges first)."""
     if generation_config == "vllm":
         return {}
     if generation_config == "auto":
@@ -63,10 +64,11 @@ def read_generation_config(model_path: Path | None, generation_config: str = "au
         return {}
     config = read_json(file)  # ModelFormatError (a ValueError) when unreadable or not an object
     values = {k: config[k] for k in SAMPLING_KEYS if config.get(k) is not None and config[k] != HF_DEFAULTS.get(k)}
+    checked = {k: v for k, v in values.items() if k not in overridden}
     try:
-        if "max_new_tokens" in values:  # named as the file names it (SamplingParams' max_tokens)
-            check_param("max_new_tokens", values["max_new_tokens"])
-        as_sampling_params(values)
+        if "max_new_tokens" in checked:  # named as the file names it (SamplingParams' max_tokens)
+            check_param("max_new_tokens", checked["max_new_tokens"])
+        as_sampling_params(checked)
     except ValueError as e:
         raise ModelFormatError(f"{file}: {e}") from None
     return values
@@ -77,7 +79,8 @@ def default_sampling_params(model_path: Path | None, generation_config: str = "a
     """The defaults requests get, in ``SamplingParams`` names (``max_new_tokens`` as ``max_tokens``): the
     generation config's (see :func:`read_generation_config`), then ``override``'s over them, nulls left out (as
     vLLM's ``get_diff_sampling_param``). Raises ``ValueError`` naming a bad key, value, directory or file."""
-    merged = read_generation_config(model_path, generation_config) | parse_override(override)
+    overrides = parse_override(override)
+    merged = read_generation_config(model_path, generation_config, overrides.keys()) | overrides
     values = {k: v for k, v in merged.items() if v is not None}
     as_sampling_params(values)
     return {"max_tokens" if k == "max_new_tokens" else k: v for k, v in values.items()}

@@ -17,7 +17,13 @@ from kvgen.errors import ContextLengthError
 from kvgen.generation.assisted import assisted_decoding
 from kvgen.generation.beam_sample import beam_sample
 from kvgen.generation.beam_search import beam_search
-from kvgen.generation.config import GenerationConfig, Strategy, check_setting_names, defaults_for_given_config
+from kvgen.generation.config import (
+    HF_DEFAULT_MAX_LENGTH,
+    GenerationConfig,
+    Strategy,
+    check_setting_names,
+    defaults_for_given_config,
+)
 from kvgen.generation.constrained_beam_search import constrained_beam_search
 from kvgen.generation.contrastive_search import contrastive_search
 from kvgen.generation.decoding import LoopContext
@@ -114,6 +120,8 @@ def generate(
     if overrides:
         check_setting_names(overrides)
         cfg = cfg.replace(**overrides)
+    if generation_config is not None and "max_length" not in overrides and cfg.max_length == HF_DEFAULT_MAX_LENGTH:
+        cfg = cfg.replace(max_length=None)  # transformers' default 20, not passed as a keyword: 20 new tokens
     model_cfg = model.config
     cfg = cfg.with_model_defaults(model_cfg.eos_token_ids, model_cfg.pad_token_id)
     if attention_mask is None:

@@ -206,6 +206,22 @@ def _tokenizer_class(directory: Path, config: dict[str, Any]) -> str | None:
     return name if isinstance(name, str) else None
 
 
+# AutoTokenizer's class for a directory that names none, by config.json's model_type (transformers 4.55
+# TOKENIZER_MAPPING_NAMES), for the model types kvgen loads whose class changes how tokenizer.json is read
+_MODEL_TYPE_CLASSES = {"llama": "LlamaTokenizer", "mistral": "LlamaTokenizer", "mixtral": "LlamaTokenizer",
+                       "phi3": "LlamaTokenizer", "ernie4_5": "LlamaTokenizer", "gemma2": "GemmaTokenizer",
+                       "gemma3": "GemmaTokenizer", "gemma3_text": "GemmaTokenizer"}
+
+
+def _fast_class_base(directory: Path, config: dict[str, Any]) -> str:
+    """The tokenizer class AutoTokenizer builds, without "Fast": the named one (:func:`_tokenizer_class`), else the
+    one of config.json's ``model_type`` (``_MODEL_TYPE_CLASSES``); "" when neither says."""
+    name = _tokenizer_class(directory, config)
+    if name is None and (directory / "config.json").is_file():
+        name = _MODEL_TYPE_CLASSES.get(str(read_json(directory / "config.json").get("model_type")))
+    return (name or "").removesuffix("Fast")
+
+
 def _wordpiece_files(directory: Path, config: dict[str, Any]) -> HFTokenizerFiles:
     """``vocab.txt`` + a BertTokenizer config. EOS is the sep token (see ``Tokenizer.from_pretrained``)."""
     name = _tokenizer_class(directory, config)
@@ -239,7 +255,7 @@ def _set_add_prefix_space(backend: BackendTokenizer, directory: Path, config: di
     """A ``add_prefix_space`` true/false in the config overrides a top-level ByteLevel pre-tokenizer's, as
     transformers' ``PreTrainedTokenizerFast.__init__`` does (GPT-2, RoBERTa, BLOOM directories); a config without the
     key sets false there (its default), except for ``KEEP_PREFIX_SPACE_CLASSES``."""
-    keep = (_tokenizer_class(directory, config) or "").removesuffix("Fast") in KEEP_PREFIX_SPACE_CLASSES
+    keep = _fast_class_base(directory, config) in KEEP_PREFIX_SPACE_CLASSES
     value = config.get("add_prefix_space", None if keep else False)
     if isinstance(value, bool) and isinstance(backend.pre_tokenizer, pre_tokenizers.ByteLevel):
         backend.pre_tokenizer.add_prefix_space = value
@@ -249,7 +265,7 @@ def _rebuild_post_processor(backend: BackendTokenizer, directory: Path, config: 
     """For a ``POST_PROCESSOR_DEFAULTS`` class, a post-processor adding BOS and EOS as ``add_bos_token`` and
     ``add_eos_token`` say (nothing when neither), as transformers' ``LlamaTokenizerFast.update_post_processor``
     replaces tokenizer.json's. Raises ``ModelFormatError`` when asked to add a BOS or EOS the vocabulary lacks."""
-    name = (_tokenizer_class(directory, config) or "").removesuffix("Fast")
+    name = _fast_class_base(directory, config)
     if name not in POST_PROCESSOR_DEFAULTS:
         return
     add_bos, add_eos = (bool(config.get(k, d)) for k, d in zip(("add_bos_token", "add_eos_token"),
