@@ -4,6 +4,8 @@ server goes on serving."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -99,6 +101,8 @@ def bos_server(tiny_model_dir, tmp_path_factory, launch_server):
     backend = Tokenizer.from_file(str(path / "tokenizer.json"))
     backend.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
     backend.save(str(path / "tokenizer.json"))
+    config = json.loads((path / "tokenizer_config.json").read_text())  # model_type llama: LlamaTokenizerFast, which
+    (path / "tokenizer_config.json").write_text(json.dumps(config | {"add_bos_token": True}))  # adds BOS as this says
     live = launch_server(path, tmp_path_factory.mktemp("logs") / "bos.log", "--num-blocks", "256")
     yield live
     assert live.stop() == 0, live.log()[-3000:]
