@@ -219,6 +219,26 @@ def test_a_corrupt_pytorch_checkpoint_is_always_a_model_format_error(tmp_path: P
             assert str(path) in str(e)
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_each_pytorch_checkpoint_file_is_unpickled_once_per_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 sharded: bool) -> None:
+    """The header, plan and read passes each unpickled every .bin file (a legacy, non-zip one read whole three
+    times); one load now unpickles each once, with the same tensors."""
+    model = _tiny_gpt2()
+    model.save_pretrained(tmp_path, safe_serialization=False, **({"max_shard_size": "50KB"} if sharded else {}))
+    calls: list[str] = []
+    load = torch.load
+
+    def counted(file, *args, **kwargs):
+        calls.append(str(file))
+        return load(file, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counted)
+    _, state = load_hf_directory(tmp_path)
+    assert sorted(calls) == sorted(str(f) for f in tmp_path.glob("pytorch_model*.bin"))
+    _assert_same(state, _expected(model), torch.float32)
+
+
 def test_safetensors_win_over_pytorch_weights_as_in_transformers(tmp_path: Path) -> None:
     model = _tiny_gpt2()
     model.save_pretrained(tmp_path, safe_serialization=True)

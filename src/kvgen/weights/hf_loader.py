@@ -11,6 +11,7 @@ would run code is refused); maps names per architecture
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,11 +97,12 @@ def load_hf_directory(
         raise ModelFormatError(f"{root} is not a directory (expected an HF checkpoint directory with config.json)")
     cfg = _read_json(root / "config.json", "config.json")
     files = weight_files(root) if _has_weights(root) else None  # else config.json's errors come first
+    opener = _Opener()
     if files is not None:
         layers = "n_layer" if cfg.get("model_type") == "gpt2" else "num_hidden_layers"
-        check_layer_count(f"config.json {layers}", cfg.get(layers), _checkpoint_keys(files), str(root))
+        check_layer_count(f"config.json {layers}", cfg.get(layers), _checkpoint_keys(files, opener), str(root))
     config = ModelConfig.from_hf_dict(cfg)
-    entries, ignored = _plan(weight_files(root) if files is None else files, config)
+    entries, ignored = _plan(weight_files(root) if files is None else files, config, opener)
     check_mxfp4_pairs([e.name for e in entries])
     actual: dict[str, tuple[int, ...]] = {}
     for e, shape in entries.items():  # a gpt-oss expert stack: as the per-expert parameters it becomes
@@ -113,7 +115,7 @@ def load_hf_directory(
     keep_16bit = dtype is None and config.model_type in ("llama", "gemma3_text", "gemma2", "gpt_oss") and all(
         e.dtype in _16BIT and shape[1] % 32 == 0 for e, shape in matrices.items()) and config.head_dim % 8 == 0
     state = _read_tensors(list(entries), dtype or torch.float32, keep_16bit, _interleaved_qk_heads(config),
-                          quantization)
+                          quantization, opener)
     if config.model_type == "gpt_oss":
         state = split_expert_stacks(state, dtype or torch.float32, keep_16bit, keep=keep_16bit)
     for name, tensor in state.items():
@@ -177,25 +179,26 @@ def _shard_name(index: Path, key: str, shard: Any) -> str:
     return shard
 
 
-def _checkpoint_keys(files: dict[Path, list[str] | None]) -> list[str]:
+def _checkpoint_keys(files: dict[Path, list[str] | None], opener: Callable[[Path], Any]) -> list[str]:
     """Every key of :func:`weight_files`' files (reads the headers of those that list none)."""
     keys: list[str] = []
     for file, listed in files.items():
         if listed is None:
-            with open_weights(file) as f:
+            with opener(file) as f:
                 listed = list(f.keys())
         keys += listed
     return keys
 
 
-def _plan(files: dict[Path, list[str] | None], config: ModelConfig) -> tuple[dict[_Entry, tuple[int, ...]], list[str]]:
+def _plan(files: dict[Path, list[str] | None], config: ModelConfig, opener: Callable[[Path], Any]
+          ) -> tuple[dict[_Entry, tuple[int, ...]], list[str]]:
     """Every tensor to load with its final shape, and the checkpoint keys ignored. Reads headers only."""
     entries: dict[_Entry, tuple[int, ...]] = {}
     ignored: list[str] = []
     seen: dict[str, Path] = {}
     placed = {key: file for file, keys in files.items() for key in keys or ()}  # the index's shard of each key
     for file, keys in files.items():
-        with open_weights(file) as f:
+        with opener(file) as f:
             available = set(f.keys())
             if keys is None:
                 keys = sorted(available)
@@ -235,6 +238,22 @@ def _check_dtype(file: Path, key: str, name: str, dtype: str) -> None:
     if dtype not in _FLOAT_DTYPES and not (dtype == "U8" and name.endswith(("_blocks", "_scales"))):
         raise ModelFormatError(f"{file}: tensor {key!r} is stored as {dtype}; kvgen loads weights stored as "
                                f"{', '.join(_FLOAT_DTYPES)} (and gpt-oss's MXFP4 blocks and scales as U8)")
+
+
+class _Opener:
+    """:func:`open_weights` for one load: a PyTorch checkpoint is unpickled once (a legacy, non-zip one is read whole
+    each time) and kept until the load ends, where the header, plan and read passes each opened it; safetensors
+    handles are cheap and opened per pass."""
+
+    def __init__(self) -> None:
+        self._checkpoints: dict[Path, TorchCheckpoint] = {}
+
+    def __call__(self, file: Path) -> Any:
+        if file.suffix != ".bin":
+            return open_weights(file)
+        if file not in self._checkpoints:
+            self._checkpoints[file] = TorchCheckpoint(file)
+        return self._checkpoints[file]
 
 
 def open_weights(file: Path) -> Any:
@@ -278,7 +297,8 @@ def _check_quantizable(config: ModelConfig, matrices: dict[_Entry, tuple[int, ..
 
 
 def _read_tensors(entries: list[_Entry], dtype: torch.dtype, keep_16bit: bool, qk_heads: dict[str, int],
-                  quantization: GGMLQuantizationType | None = None) -> dict[str, torch.Tensor | GGUFBlocks]:
+                  quantization: GGMLQuantizationType | None, opener: Callable[[Path], Any]
+                  ) -> dict[str, torch.Tensor | GGUFBlocks]:
     """Read one tensor at a time, transposed where needed and cast to ``dtype`` (contiguous); with ``keep_16bit``,
     2-D float16 / bfloat16 tensors become GGUFBlocks of their bytes instead, with ``quantization`` 2-D tensors are
     encoded in that type. A tensor whose name ends with a key of ``qk_heads`` has its rows put in rotate-half order
@@ -288,7 +308,7 @@ def _read_tensors(entries: list[_Entry], dtype: torch.dtype, keep_16bit: bool, q
     for e in entries:
         by_file.setdefault(e.file, []).append(e)
     for file, group in by_file.items():
-        with open_weights(file) as f:
+        with opener(file) as f:
             for e in group:
                 try:
                     t = f.get_tensor(e.key)

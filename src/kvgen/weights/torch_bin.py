@@ -51,7 +51,7 @@ class TorchCheckpoint:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
-        self._tensors = {}
+        """Nothing: the tensors go with the object (a load keeps it for its passes, :class:`hf_loader._Opener`)."""
 
     def keys(self) -> list[str]:
         return list(self._tensors)
