@@ -44,6 +44,7 @@ from kvgen.engine.scheduler import Scheduler, SchedulingPolicy
 from kvgen.engine.spec_decode import SpeculativeConfig
 from kvgen.engine.structured_outputs import GrammarCompiler, GrammarMatcher
 from kvgen.kv_cache.paged import PagedKVCache, num_blocks_for_memory
+from kvgen.kv_cache.pool import PoolMappingError
 from kvgen.models import CausalLM, cache_dtype
 from kvgen.tokenizer import Tokenizer
 
@@ -214,6 +215,7 @@ class LLMEngine:
         ``request_id`` in flight."""
         request_id, params, grammars = prepared.request_id, prepared.params, prepared.grammars
         self._check_request_id(request_id, params.n)
+
         def request(request_id: str, params: SamplingParams, grammar: GrammarMatcher | None) -> Request:
             return Request(request_id=request_id, prompt_token_ids=list(prepared.prompt_token_ids),
                            sampling_params=params, prompt=prepared.text, arrival_time=prepared.arrival_time,
@@ -477,12 +479,11 @@ def _fit_pool(max_model_len: int, args: EngineArgs, num_blocks: int) -> int:
 
 def _make_pool(config: ModelConfig, args: EngineArgs, num_blocks: int, dtype: torch.dtype) -> PagedKVCache:
     """The paged KV pool. Raises ``ValueError`` naming ``num_blocks`` or ``kv_cache_memory`` and its value when the
-    system cannot map the pool (``kv_cache.pool.lazy_zeros``: more bytes than the memory, or than an address holds)."""
+    system cannot map the pool (``kv_cache.pool.PoolMappingError``: more bytes than the memory, or than an address
+    holds)."""
     try:
         return PagedKVCache.from_config(config, args.block_size, num_blocks=num_blocks, dtype=dtype)
-    except ValueError as e:
-        if not str(e).startswith("cannot map"):  # lazy_zeros' words for a mapping refused; other errors stand
-            raise
+    except PoolMappingError as e:  # other errors of the pool stand as raised
         given = (f"num_blocks={args.num_blocks}" if args.num_blocks is not None
                  else f"kv_cache_memory={args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY}")
         raise ValueError(f"{given}: the KV cache pool of {num_blocks} blocks of {args.block_size} tokens does not fit "

@@ -14,11 +14,16 @@ import mmap
 import torch
 
 
+class PoolMappingError(ValueError):
+    """The system refused the anonymous mapping :func:`lazy_zeros` asked for (more bytes than the memory, or than an
+    address holds)."""
+
+
 def lazy_zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
                ) -> list[torch.Tensor]:
     """``count`` zero tensors of ``shape`` and ``dtype`` as views of one anonymous mapping (CPU), committed page by
-    page on first write; ``torch.zeros`` on other devices. Raises ``ValueError`` for an empty shape or count < 1, or
-    when the system cannot map that many bytes."""
+    page on first write; ``torch.zeros`` on other devices. Raises ``ValueError`` for an empty shape or count < 1,
+    ``PoolMappingError`` (a ``ValueError``) when the system cannot map that many bytes."""
     numel = math.prod(shape)
     if count < 1 or numel < 1:
         raise ValueError(f"lazy_zeros needs count >= 1 and a non-empty shape, got {count} x {shape}")
@@ -35,7 +40,7 @@ def _lazy_zeros(count: int, numel: int, shape: tuple[int, ...], dtype: torch.dty
     try:
         mapping = mmap.mmap(-1, count * numel * elem)
     except (OSError, OverflowError) as e:
-        raise ValueError(f"cannot map {count * numel * elem:,} bytes for {count} x {list(shape)} {dtype}: {e}") from None
+        raise PoolMappingError(f"cannot map {count * numel * elem:,} bytes for {count} x {list(shape)} {dtype}: {e}") from None
     flat = torch.frombuffer(mapping, dtype=dtype)  # [count * numel], holds the mapping
     return [flat[i * numel : (i + 1) * numel].view(shape) for i in range(count)]
 
